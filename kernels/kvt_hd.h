@@ -1,0 +1,125 @@
+/*
+ * kvt_hd.h — what the CPU twins and the CUDA kernels share: the KVT_HD qualifier and the
+ * element conversions every kernel uses. Read by gcc and by nvcc, so no C-only features
+ * (restrict, _Generic, compound literals).
+ */
+#ifndef KVT_KERNELS_HD_H
+#define KVT_KERNELS_HD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define KVT_HD __host__ __device__ __forceinline__
+#else
+#define KVT_HD static inline
+#endif
+
+/* Element types, numbered as kvt_dtype in lib/kvtier.h (kept in sync by a static assertion). */
+#define KVT__DT_BF16 0
+#define KVT__DT_FP16 1
+#define KVT__DT_FP32 2
+#define KVT__DT_FP8 3
+
+KVT_HD float kvt__f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+KVT_HD uint32_t kvt__bits_from_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+KVT_HD float kvt__bf16_to_f32(uint16_t h) {
+    return kvt__f32_from_bits((uint32_t)h << 16);
+}
+
+/* Round to nearest even; NaN stays NaN (quiet). */
+KVT_HD uint16_t kvt__f32_to_bf16(float f) {
+    uint32_t u = kvt__bits_from_f32(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* IEEE binary16 -> binary32, exact (subnormals, Inf, NaN included). */
+KVT_HD float kvt__f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while ((man & 0x400u) == 0);
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    return kvt__f32_from_bits(bits);
+}
+
+/* binary32 -> binary16, round to nearest even. */
+KVT_HD uint16_t kvt__f32_to_f16(float f) {
+    uint32_t u = kvt__bits_from_f32(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) /* rounds to >= 65520: Inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        if (a < 0x33000000u)
+            return (uint16_t)sign;
+        uint32_t e = a >> 23;
+        uint32_t m = (a & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126 - e; /* 14 .. 24 */
+        uint32_t half = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1u);
+        uint32_t mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1u)))
+            half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t h = ((a >> 13) - (112u << 10));
+    uint32_t rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u)))
+        h++;
+    return (uint16_t)(sign | h);
+}
+
+/* Load element i of a row of dtype dt (bf16, fp16, fp32) as fp32. */
+KVT_HD float kvt__load_elem(const uint8_t *p, int dt, uint32_t i) {
+    if (dt == KVT__DT_FP32) {
+        float f;
+        memcpy(&f, p + 4u * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p + 2u * i, 2);
+    return dt == KVT__DT_BF16 ? kvt__bf16_to_f32(h) : kvt__f16_to_f32(h);
+}
+
+/* Store v as element i of dtype dt (bf16, fp16, fp32), rounding to nearest even. */
+KVT_HD void kvt__store_elem(uint8_t *p, int dt, uint32_t i, float v) {
+    if (dt == KVT__DT_FP32) {
+        memcpy(p + 4u * i, &v, 4);
+        return;
+    }
+    uint16_t h = dt == KVT__DT_BF16 ? kvt__f32_to_bf16(v) : kvt__f32_to_f16(v);
+    memcpy(p + 2u * i, &h, 2);
+}
+
+#endif /* KVT_KERNELS_HD_H */

@@ -1,0 +1,404 @@
+/*
+ * kvtier.h — the public C API of kvtier.
+ *
+ * kvtier manages the attention KV cache of long requests for an inference engine. Each attention
+ * layer's cache is split into an attended tier (the rows attention reads every step) and an
+ * archive (rows taken out of the attended tier, kept exactly, never deleted). The policy per layer
+ * follows from its kind:
+ *
+ *   MLA-NoPE            -> salience tiering (sigma of the 64-dim decoupled branch, global top-m)
+ *   MLA-RoPE, GQA-*     -> random eviction with the prompt protected (rows dropped, or archived)
+ *   sliding, no-KV      -> none (all stored rows attended; no-KV layers store nothing)
+ *
+ * This header is the documentation: every function states ownership, units, what NULL does and
+ * the statuses it returns.
+ *
+ * Threading: a kvt_ctx and everything created from it (sequences, models it copied) may be used by
+ * one thread at a time. Distinct contexts are fully independent and may be used concurrently.
+ * kvt_strerror, kvt_status_name, kvt_version and the kvt_model_* functions on distinct models are
+ * thread-safe. The library keeps no process-wide mutable state.
+ *
+ * Storage contract (vLLM's convention): each layer has arrays of rows ("planes": 1 for MLA, one
+ * latent row per token; 2 for GQA, K then V), each laid out [page][row][kv_head][row_bytes].
+ * Layers under the same policy form a group; each sequence has one page table per group, and a
+ * token's slot in every layer of the group is page * page_rows + offset. The engine reserves slots
+ * for n tokens in all layers at once (kvt_seq_reserve), writes the rows (directly into
+ * kvt_layer_data, or through kvt_seq_write), then commits them (kvt_seq_commit), which runs the
+ * layer policies. A row's slot is stable until an eviction round on its group compacts it.
+ */
+#ifndef KVTIER_H
+#define KVTIER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define KVT_API
+#elif defined(KVT_BUILDING_LIBRARY)
+#define KVT_API __attribute__((visibility("default")))
+#else
+#define KVT_API
+#endif
+
+#define KVT_VERSION_MAJOR 0
+#define KVT_VERSION_MINOR 1
+#define KVT_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes. One list; KVT_OK = 0, every error negative. Codes only grow at the end.
+ * ------------------------------------------------------------------------------------------- */
+#define KVT_STATUS_LIST(X)                                                                         \
+    X(OK, 0, "success")                                                                            \
+    X(ERR_INVALID_ARGUMENT, -1, "invalid argument")                                                \
+    X(ERR_OUT_OF_MEMORY, -2, "host memory allocation failed")                                      \
+    X(ERR_POOL_EXHAUSTED, -3, "row pool exhausted: not enough free pages")                         \
+    X(ERR_CAPACITY, -4, "caller buffer too small")                                                 \
+    X(ERR_UNSUPPORTED, -5, "operation not supported")                                              \
+    X(ERR_NO_DEVICE, -6, "CUDA backend unavailable (built without CUDA, or no device)")            \
+    X(ERR_PARSE, -7, "malformed input")                                                            \
+    X(ERR_IO, -8, "I/O error")                                                                     \
+    X(ERR_OUT_OF_RANGE, -9, "index out of range")                                                  \
+    X(ERR_BAD_STATE, -10, "call not valid in the current state")                                   \
+    X(ERR_POLICY_MISMATCH, -11, "policy does not apply to this layer kind")                        \
+    X(ERR_CORRUPT, -12, "data failed its integrity check")                                         \
+    X(ERR_INVARIANT, -13, "internal invariant violated")                                           \
+    X(ERR_DROPPED, -14, "row was dropped by policy and is not stored")
+
+typedef enum kvt_status {
+#define KVT__STATUS_ENUM(name, code, text) KVT_##name = code,
+    KVT_STATUS_LIST(KVT__STATUS_ENUM)
+#undef KVT__STATUS_ENUM
+} kvt_status;
+
+/* Static description of a status ("row pool exhausted: ..."). Never NULL. */
+KVT_API const char *kvt_strerror(kvt_status s);
+/* Symbolic name of a status ("KVT_ERR_POOL_EXHAUSTED"). Never NULL. */
+KVT_API const char *kvt_status_name(kvt_status s);
+/* "MAJOR.MINOR.PATCH"; *major etc. filled when non-NULL. */
+KVT_API const char *kvt_version(int *major, int *minor, int *patch);
+
+/* ---------------------------------------------------------------------------------------------
+ * Layer description
+ * ------------------------------------------------------------------------------------------- */
+typedef enum kvt_layer_kind {
+    KVT_LAYER_MLA_NOPE = 0, /* MLA, 64-dim branch cached without rotation (Kimi Linear) */
+    KVT_LAYER_MLA_ROPE = 1, /* MLA, branch rotated (DeepSeek-V2/V3) */
+    KVT_LAYER_GQA_ROPE = 2, /* GQA/MHA with rotary positions (Llama, Qwen3) */
+    KVT_LAYER_GQA_NOPE = 3, /* GQA/MHA without positions in the key */
+    KVT_LAYER_SLIDING = 4,  /* sliding-window attention, cache capped at the window */
+    KVT_LAYER_NO_KV = 5,    /* linear/recurrent layer (KDA, Gated DeltaNet): no per-token KV */
+} kvt_layer_kind;
+
+typedef enum kvt_dtype {
+    KVT_DTYPE_BF16 = 0,
+    KVT_DTYPE_FP16 = 1,
+    KVT_DTYPE_FP32 = 2,
+    KVT_DTYPE_FP8_E4M3 = 3, /* values only (e.g. FlashMLA's 656-B ds_mla row); never a branch */
+} kvt_dtype;
+
+typedef enum kvt_policy {
+    KVT_POLICY_NONE = 0,     /* everything stored is attended */
+    KVT_POLICY_SALIENCE = 1, /* NoPE MLA: sigma top-m + sinks + tail; the rest archived */
+    KVT_POLICY_EVICT = 2,    /* RoPE / GQA: random eviction, prompt protected */
+} kvt_policy;
+
+/* One layer's cache geometry. A "row" is one (token, KV head) slice of one plane. */
+typedef struct kvt_layer_spec {
+    kvt_layer_kind kind;
+    kvt_dtype dtype;          /* element type of the stored values */
+    uint32_t n_kv_heads;      /* MLA: 1 (one latent head shared by all query heads) */
+    uint32_t n_planes;        /* 1 for MLA (key = whole row, value = first value_dim); 2 for GQA */
+    uint32_t head_dim;        /* values per row; MLA: kv_lora_rank + qk_rope_head_dim = 576 */
+    uint32_t value_dim;       /* MLA: kv_lora_rank = 512; GQA: head_dim */
+    uint32_t branch_dim;      /* MLA: qk_rope_head_dim = 64; GQA: 0 */
+    uint32_t row_bytes;       /* bytes of one row: MLA bf16 1152, ds_mla fp8 656; GQA hd*elt */
+    uint32_t branch_offset;   /* byte offset of the branch inside a row: 1024 (bf16), 528 (fp8) */
+    kvt_dtype branch_dtype;   /* bf16, fp16 or fp32 */
+    uint32_t sliding_window;  /* tokens, for KVT_LAYER_SLIDING; 0 otherwise */
+    uint32_t n_q_heads;       /* query heads attending this layer (informational; recall uses it) */
+} kvt_layer_spec;
+
+/* Policy kvtier applies to a layer kind. */
+KVT_API kvt_policy kvt_policy_for_kind(kvt_layer_kind kind);
+KVT_API const char *kvt_layer_kind_name(kvt_layer_kind kind);
+KVT_API const char *kvt_policy_name(kvt_policy policy);
+KVT_API const char *kvt_dtype_name(kvt_dtype dtype);
+/* Bytes of one element of dtype (fp8: 1). 0 for an unknown dtype. */
+KVT_API uint32_t kvt_dtype_bytes(kvt_dtype dtype);
+
+/* Fill *out with an MLA row spec: 1 head, 1 plane, kv_lora_rank + rope_dim values of dtype
+ * (bf16/fp16/fp32), branch at byte kv_lora_rank * elt. KVT_ERR_INVALID_ARGUMENT on zero dims. */
+KVT_API kvt_status kvt_layer_spec_mla(kvt_layer_kind kind, kvt_dtype dtype, uint32_t kv_lora_rank,
+                                      uint32_t rope_dim, kvt_layer_spec *out);
+/* Fill *out with a GQA/MHA spec: 2 planes (K, V), n_kv_heads rows of head_dim values each. */
+KVT_API kvt_status kvt_layer_spec_gqa(kvt_layer_kind kind, kvt_dtype dtype, uint32_t n_kv_heads,
+                                      uint32_t head_dim, kvt_layer_spec *out);
+/* Validate a spec; on error writes a message naming the field into err (may be NULL). */
+KVT_API kvt_status kvt_layer_spec_check(const kvt_layer_spec *spec, char *err, size_t err_len);
+/* Bytes per token the layer stores: n_planes * n_kv_heads * row_bytes (0 for no-KV). */
+KVT_API uint64_t kvt_layer_bytes_per_token(const kvt_layer_spec *spec);
+
+/* ---------------------------------------------------------------------------------------------
+ * Model: an ordered list of layer specs, built by hand or read from a Hugging Face config.json.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct kvt_model kvt_model;
+
+/* Copy n_layers specs into a new model. Each spec is checked (kvt_layer_spec_check).
+ * Returns KVT_ERR_INVALID_ARGUMENT (naming the layer and field in err) or KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_model_create(const kvt_layer_spec *layers, uint32_t n_layers,
+                                    const char *model_type, kvt_model **out, char *err,
+                                    size_t err_len);
+/* Census: read a config.json. Families: deepseek_v2, deepseek_v3, kimi_linear, qwen3, qwen2,
+ * llama, mistral, qwen3_next, gemma3_text (also gemma3 with a nested text_config). dtype is the
+ * cache element type. Errors: KVT_ERR_IO (cannot read), KVT_ERR_PARSE (bad JSON, missing key,
+ * wrong type, out-of-range value, unknown model_type), with the key named in err. */
+KVT_API kvt_status kvt_model_from_file(const char *path, kvt_dtype dtype, kvt_model **out,
+                                       char *err, size_t err_len);
+KVT_API kvt_status kvt_model_from_json(const char *json, size_t len, kvt_dtype dtype,
+                                       kvt_model **out, char *err, size_t err_len);
+/* NULL is a no-op. */
+KVT_API void kvt_model_destroy(kvt_model *model);
+KVT_API uint32_t kvt_model_n_layers(const kvt_model *model);
+/* Pointer into the model, valid until kvt_model_destroy; NULL when i is out of range. */
+KVT_API const kvt_layer_spec *kvt_model_layer(const kvt_model *model, uint32_t i);
+KVT_API const char *kvt_model_type(const kvt_model *model);
+/* Sum over layers with per-token KV of kvt_layer_bytes_per_token. */
+KVT_API uint64_t kvt_model_kv_bytes_per_token(const kvt_model *model);
+
+typedef struct kvt_census_totals {
+    uint64_t kv_bytes_per_token;    /* uncapped */
+    uint64_t dense_bytes;           /* cache bytes at context x concurrency, sliding caps applied */
+    uint64_t attended_bytes;        /* bytes attention reads per step after the policies at ratio */
+    uint64_t freed_bytes;           /* bytes no longer held in the attended pool (evicted/archived) */
+    uint64_t salience_layers, evict_layers, none_layers, no_kv_layers;
+} kvt_census_totals;
+
+/* Totals at a context length (tokens), concurrency (requests) and compression ratio (>= 1).
+ * Salience layers attend ~context/ratio rows (archive stays resident: nothing freed); evict
+ * layers keep K = context/ratio rows (the rest freed). */
+KVT_API kvt_status kvt_model_census(const kvt_model *model, uint64_t context, uint64_t concurrency,
+                                    double ratio, kvt_census_totals *out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Configuration
+ * ------------------------------------------------------------------------------------------- */
+typedef enum kvt_recall_mode {
+    KVT_RECALL_OFF = 0, /* archived rows are never brought back (until the recall tier lands) */
+    KVT_RECALL_ON = 1,  /* reserved: KVT_ERR_UNSUPPORTED for now */
+} kvt_recall_mode;
+
+/* Selector for salience layers. SIGMA is the method; the others are ablations that share its
+ * block-close schedule and top-m so that only the score differs. */
+typedef enum kvt_selector {
+    KVT_SELECT_SIGMA = 0,       /* Fourier low-pass residual of the 64-dim branch */
+    KVT_SELECT_BRANCH_NORM = 1, /* L2 norm of the 64-dim branch */
+    KVT_SELECT_ROW_NORM = 2,    /* L2 norm of all values of the row */
+    KVT_SELECT_RANDOM = 3,      /* uniform Philox draw */
+} kvt_selector;
+
+typedef struct kvt_config {
+    size_t struct_size;       /* sizeof(kvt_config); set by kvt_config_default */
+    uint32_t ratio;           /* compression ratio >= 1 (salience: m = closed / ratio) */
+    uint32_t block_rows;      /* B: close block, power of two >= 64 (4096) */
+    uint32_t kappa;           /* low-frequency bins, 1 <= kappa <= B/2 (16) */
+    uint32_t sink_rows;       /* first rows always attended on salience layers (4) */
+    uint32_t evict_budget_rows; /* K: rows kept per head by a random-eviction round (1024) */
+    uint32_t recent_rows;     /* r: newest rows never scored (64) */
+    uint32_t cadence_rows;    /* c: a round runs at K + r + c rows; 0 means c = r */
+    bool protect_prompt;      /* prompt rows score +inf in eviction rounds (true) */
+    bool evict_archive;       /* evicted rows are copied to the archive pool, not dropped (false) */
+    bool evict_shared_draw;   /* one draw shared by all KV heads of a layer (false) */
+    bool evict_vase;          /* VaSE protection: first 4 + top K/4 by value range (false) */
+    uint64_t seed;            /* Philox seed for every random choice */
+    kvt_recall_mode recall;   /* KVT_RECALL_OFF */
+    kvt_selector selector;    /* KVT_SELECT_SIGMA */
+} kvt_config;
+
+KVT_API kvt_config kvt_config_default(void);
+/* Check every field; on error names it in err. KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
+KVT_API kvt_status kvt_config_check(const kvt_config *cfg, char *err, size_t err_len);
+
+/* ---------------------------------------------------------------------------------------------
+ * Context: one model, one configuration, one row pool (a page allocator per policy group).
+ * ------------------------------------------------------------------------------------------- */
+typedef enum kvt_backend_kind {
+    KVT_BACKEND_CPU = 0,
+    KVT_BACKEND_CUDA = 1, /* KVT_ERR_NO_DEVICE when built without CUDA or no device is present */
+    KVT_BACKEND_AUTO = 2, /* CUDA when usable, else CPU */
+} kvt_backend_kind;
+
+typedef enum kvt_allocator {
+    KVT_ALLOC_DEFAULT = 0, /* jemalloc private arena when jemalloc is in the process, else libc */
+    KVT_ALLOC_LIBC = 1,    /* aligned_alloc/free, visible to ASan and valgrind */
+} kvt_allocator;
+
+typedef struct kvt_ctx_params {
+    size_t struct_size;        /* sizeof(kvt_ctx_params) */
+    const kvt_model *model;    /* required; copied */
+    kvt_config config;
+    uint32_t page_rows;        /* rows per page (64) */
+    uint32_t n_pages;          /* pages in each policy group's pool (4096) */
+    kvt_backend_kind backend;  /* KVT_BACKEND_CPU */
+    kvt_allocator allocator;   /* KVT_ALLOC_DEFAULT */
+    bool external_storage;     /* rows live in memory bound with kvt_layer_bind before use */
+} kvt_ctx_params;
+
+typedef struct kvt_ctx kvt_ctx;
+typedef struct kvt_seq kvt_seq;
+
+KVT_API kvt_ctx_params kvt_ctx_default_params(void);
+/* Create a context. Errors: KVT_ERR_INVALID_ARGUMENT (bad params; err names the field),
+ * KVT_ERR_UNSUPPORTED (a config option not available yet), KVT_ERR_NO_DEVICE (CUDA asked for and
+ * absent), KVT_ERR_OUT_OF_MEMORY. err may be NULL; *out is NULL on failure. */
+KVT_API kvt_status kvt_ctx_create(const kvt_ctx_params *params, kvt_ctx **out, char *err,
+                                  size_t err_len);
+/* Destroys every sequence still alive. NULL is a no-op. */
+KVT_API void kvt_ctx_destroy(kvt_ctx *ctx);
+/* Detail of the last error returned by a call on ctx or one of its sequences ("" if none). */
+KVT_API const char *kvt_ctx_last_error(const kvt_ctx *ctx);
+KVT_API const kvt_model *kvt_ctx_model(const kvt_ctx *ctx);
+KVT_API const kvt_config *kvt_ctx_config(const kvt_ctx *ctx);
+/* Name of the backend in use ("cpu", "cuda") and of the host allocator ("jemalloc", "libc"). */
+KVT_API const char *kvt_ctx_backend_name(const kvt_ctx *ctx);
+KVT_API const char *kvt_ctx_allocator_name(const kvt_ctx *ctx);
+KVT_API kvt_policy kvt_ctx_layer_policy(const kvt_ctx *ctx, uint32_t layer);
+/* Policy group of a layer (layers sharing a page table); -1 for a no-KV layer. */
+KVT_API int32_t kvt_ctx_layer_group(const kvt_ctx *ctx, uint32_t layer);
+/* Pages free in a layer's group pool. */
+KVT_API kvt_status kvt_ctx_free_pages(const kvt_ctx *ctx, uint32_t layer, uint32_t *out);
+
+/* Base address and size of a layer's plane (0 = K or the MLA row, 1 = V): the array
+ * [n_pages][page_rows][n_kv_heads][row_bytes]. KVT_ERR_OUT_OF_RANGE for a bad layer/plane,
+ * KVT_ERR_BAD_STATE for an unbound external layer. */
+KVT_API kvt_status kvt_layer_data(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void **base,
+                                  size_t *bytes);
+/* With external_storage: bind engine memory (host memory for the CPU backend) of at least
+ * n_pages * page_rows * n_kv_heads * row_bytes bytes to a plane, before any reserve. The memory
+ * stays the engine's. KVT_ERR_CAPACITY when too small, KVT_ERR_BAD_STATE after the first reserve
+ * or without external_storage. */
+KVT_API kvt_status kvt_layer_bind(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void *base,
+                                  size_t bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Sequences (requests)
+ * ------------------------------------------------------------------------------------------- */
+/* request_id keys the random draws of this sequence (with the config seed). */
+KVT_API kvt_status kvt_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out);
+/* Returns every page and archive byte. NULL is a no-op. */
+KVT_API void kvt_seq_destroy(kvt_seq *seq);
+/* Rows [0, n) are the prompt (protected from random eviction). May be called before or after the
+ * rows are committed, but not after the first eviction round (KVT_ERR_BAD_STATE). */
+KVT_API kvt_status kvt_seq_set_prompt_rows(kvt_seq *seq, uint64_t n_rows);
+/* Tokens committed so far (original positions 0..n-1). */
+KVT_API uint64_t kvt_seq_length(const kvt_seq *seq);
+
+/* Pages the sequence would need to take from the pools to reserve n more tokens, summed over
+ * groups (admission control). */
+KVT_API kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t *out);
+/* Reserve slots for n tokens in every layer at once: all or nothing. KVT_ERR_POOL_EXHAUSTED
+ * leaves everything unchanged. KVT_ERR_BAD_STATE if a previous reservation is not committed. */
+KVT_API kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens);
+/* Slot of the i-th reserved (uncommitted) token in layer's group. */
+KVT_API kvt_status kvt_seq_reserved_slot(const kvt_seq *seq, uint32_t layer, uint32_t i,
+                                         int32_t *slot);
+/* Copy rows for reserved tokens [first, first+n) of one plane: src holds n rows of
+ * n_kv_heads * row_bytes bytes each (src_bytes must equal that). */
+KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t first,
+                                 uint32_t n, const void *src, size_t src_bytes);
+/* Commit n reserved tokens (n must equal the reservation: partial commits, i.e. speculative
+ * rollback, are KVT_ERR_UNSUPPORTED). Runs the policies: block close and re-selection on salience
+ * layers, eviction rounds on evict groups. */
+KVT_API kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens);
+/* Shared prefixes (copy-on-write forks) are not supported yet: KVT_ERR_UNSUPPORTED. */
+KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Attended set of one layer for a batch of sequences.
+ * query: absorbed queries for the recall tier (NULL until it lands; non-NULL -> UNSUPPORTED while
+ * recall is off). stream: a cudaStream_t for the CUDA backend, ignored by the CPU backend.
+ * ------------------------------------------------------------------------------------------- */
+/* Rows each sequence attends on this layer (size the output buffers with it). */
+KVT_API kvt_status kvt_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
+                                      uint32_t n_seqs, uint32_t *counts);
+/* FlashMLA sparse-decode layout: indices[s * topk + j] = global slot (ascending position), padded
+ * with -1 up to topk; lengths[s] = rows. KVT_ERR_CAPACITY (nothing written) when a sequence has
+ * more than topk rows. */
+KVT_API kvt_status kvt_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
+                                       uint32_t n_seqs, const void *query, void *stream,
+                                       int32_t *indices, uint32_t topk, int32_t *lengths);
+/* CSR over token slots (FlashInfer page-size-1 view): indptr[n_seqs+1], indices[capacity]. */
+KVT_API kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
+                                    uint32_t n_seqs, const void *query, void *stream,
+                                    int32_t *indptr, int32_t *indices, uint32_t capacity);
+/* Block table of a sequence's group for this layer: pages[0..*n_pages) and rows in use. For
+ * evict and none groups, this table is the attended set. */
+KVT_API kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *pages,
+                                       uint32_t capacity, uint32_t *n_pages, uint64_t *n_rows);
+
+/* ---------------------------------------------------------------------------------------------
+ * Rows by original position (for tests, inspection and the recall tier)
+ * ------------------------------------------------------------------------------------------- */
+typedef enum kvt_row_state {
+    KVT_ROW_ATTENDED = 0, /* in the attended tier (sink, kept, tail, or stored in an evict group) */
+    KVT_ROW_ARCHIVED = 1, /* in the archive: bytes kept exactly */
+    KVT_ROW_DROPPED = 2,  /* evicted and dropped by policy */
+    KVT_ROW_PENDING = 3,  /* reserved, not committed */
+} kvt_row_state;
+
+/* State of (layer, kv head, position); *slot is its current slot when attended, else -1. */
+KVT_API kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head,
+                                     uint64_t position, kvt_row_state *state, int32_t *slot);
+/* Copy the row_bytes of (layer, plane, head, position) into dst (attended or archived).
+ * KVT_ERR_DROPPED for a dropped row. */
+KVT_API kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane,
+                                    uint32_t head, uint64_t position, void *dst, size_t dst_bytes);
+/* Original position held by each slot index 0..n-1 of the group for one head (evict groups
+ * differ per head). positions has capacity entries; *n receives the count. */
+KVT_API kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head,
+                                     int64_t *positions, uint64_t capacity, uint64_t *n);
+/* Slot map of the last eviction round of layer's group for one head: old_to_new[old row index]
+ * = new row index, or -1 when evicted. capacity entries; *n = rows before the round. */
+KVT_API kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t head,
+                                         int32_t *old_to_new, uint64_t capacity, uint64_t *n);
+
+/* ---------------------------------------------------------------------------------------------
+ * Statistics and invariants
+ * ------------------------------------------------------------------------------------------- */
+typedef struct kvt_layer_stats {
+    size_t struct_size;
+    kvt_policy policy;
+    uint64_t appended_rows;   /* committed tokens x kv heads */
+    uint64_t attended_rows;   /* per head on average for evict layers: sum over heads / heads */
+    uint64_t sink_rows, kept_rows, tail_rows; /* salience layers */
+    uint64_t archived_rows;   /* rows in the archive (sum over heads) */
+    uint64_t dropped_rows;    /* rows dropped by eviction (sum over heads) */
+    uint64_t closed_rows;     /* salience: rows in closed blocks */
+    uint64_t closes;          /* salience: blocks closed */
+    uint64_t rounds;          /* evict: rounds run */
+    uint64_t nonfinite_sigma; /* salience: rows whose score was NaN/Inf (treated as +inf) */
+    uint64_t sigma_bytes_read;/* salience: bytes read to score rows */
+    uint64_t pages_in_use;    /* pages of this layer's group held by the sequence */
+    uint64_t bytes_in_use;    /* pool bytes of this layer held (pages x page_rows x row size) */
+    uint64_t archive_bytes;   /* bytes held in the separate archive pool for this layer */
+    uint64_t prompt_rows;     /* protected prompt rows */
+    bool prompt_over_budget;  /* prompt alone exceeded K: only its first K-1 rows protected */
+    double attended_bytes_per_token; /* bytes attention reads per committed token this step */
+} kvt_layer_stats;
+
+KVT_API kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out);
+
+/* Full invariant check of a sequence (every layer, every head): counters add up, membership sets
+ * are disjoint and cover every appended row, page tables are valid, slot maps are bijections.
+ * KVT_OK, or KVT_ERR_INVARIANT with the first violation in kvt_ctx_last_error. O(rows). */
+KVT_API kvt_status kvt_seq_check(const kvt_seq *seq);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVTIER_H */
