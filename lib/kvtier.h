@@ -179,8 +179,17 @@ typedef struct kvt_census_totals {
 } kvt_census_totals;
 
 /* Totals at a context length (tokens), concurrency (requests) and compression ratio (>= 1).
- * Salience layers attend ~context/ratio rows (archive stays resident: nothing freed); evict
- * layers keep K = context/ratio rows (the rest freed). */
+ * Per layer with per-token KV, with S = min(context, sliding_window) on sliding layers and
+ * S = context otherwise, and K = context / ratio rounded to nearest (at least 1 when context > 0,
+ * at most context), every figure multiplied by bytes_per_token x concurrency:
+ *   dense_bytes     S                      (what the cache holds with no policy)
+ *   attended_bytes  salience: K rows read; evict: K rows kept; none (sliding): S
+ *   freed_bytes     evict: S - K; salience: 0 (the archive is an index partition of the same
+ *                   pool, so archiving stops the rows being read but frees nothing); none: 0
+ * kv_bytes_per_token is uncapped (kvt_model_kv_bytes_per_token). salience_layers + evict_layers
+ * + none_layers = n_layers; no_kv_layers counts the no-KV layers, which are among none_layers.
+ * Errors: KVT_ERR_INVALID_ARGUMENT (NULL model/out, ratio < 1 or not finite),
+ * KVT_ERR_OUT_OF_RANGE (a total overflows 64 bits). *out is zeroed on error. */
 KVT_API kvt_status kvt_model_census(const kvt_model *model, uint64_t context, uint64_t concurrency,
                                     double ratio, kvt_census_totals *out);
 
@@ -246,6 +255,11 @@ typedef struct kvt_ctx_params {
     kvt_backend_kind backend;  /* KVT_BACKEND_CPU */
     kvt_allocator allocator;   /* KVT_ALLOC_DEFAULT */
     bool external_storage;     /* rows live in memory bound with kvt_layer_bind before use */
+    /* NULL: each layer gets kvt_policy_for_kind(kind). Otherwise n_layers entries overriding it:
+     * KVT_POLICY_NONE or KVT_POLICY_EVICT on any layer with KV (ablations, controls);
+     * KVT_POLICY_SALIENCE only on MLA-NoPE layers (on a rotated branch σ collapses, DESIGN §2.1)
+     * — anything else is KVT_ERR_POLICY_MISMATCH naming the layer. */
+    const kvt_policy *layer_policies;
 } kvt_ctx_params;
 
 typedef struct kvt_ctx kvt_ctx;
@@ -319,8 +333,8 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
 
 /* ---------------------------------------------------------------------------------------------
  * Attended set of one layer for a batch of sequences.
- * query: absorbed queries for the recall tier (NULL until it lands; non-NULL -> UNSUPPORTED while
- * recall is off). stream: a cudaStream_t for the CUDA backend, ignored by the CPU backend.
+ * query: absorbed queries for the recall tier; may be NULL, and is ignored while recall is off
+ * (the only mode until the recall tier lands). stream: a cudaStream_t for the CUDA backend, ignored by the CPU backend.
  * ------------------------------------------------------------------------------------------- */
 /* Rows each sequence attends on this layer (size the output buffers with it). */
 KVT_API kvt_status kvt_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,

@@ -1,0 +1,69 @@
+/*
+ * backend.h — the data-parallel operations kvtier runs, as a table of function pointers chosen at
+ * context creation (ggml-backend style). The CPU backend is complete and is the reference; the
+ * CUDA backend fills the same table (kernels/cuda/). Policy and state live in tiers/; a backend only
+ * computes. Every operation takes the stream it runs on (a cudaStream_t for CUDA, ignored on CPU).
+ */
+#ifndef KVT_KERNELS_BACKEND_H
+#define KVT_KERNELS_BACKEND_H
+
+#include "kvtier.h"
+#include "lib/alloc.h"
+
+typedef struct kvt__backend kvt__backend;
+
+/* Score n rows of one closed block for the salience selector. Row u lives at
+ * base + slots[u] * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
+ * Inf are left for the caller to canonicalise). */
+typedef struct kvt__score_args {
+    kvt_selector selector;
+    const uint8_t *base;
+    const int32_t *slots;   /* [n_rows] */
+    uint32_t n_rows;        /* B */
+    size_t slot_stride;     /* bytes between consecutive slots */
+    uint32_t branch_offset; /* bytes */
+    int branch_dtype;       /* KVT__DT_* */
+    uint32_t branch_dim;
+    int dtype;              /* row value dtype, for KVT_SELECT_ROW_NORM */
+    uint32_t n_values;      /* values per row, for KVT_SELECT_ROW_NORM */
+    const float *basis;     /* [n_basis][n_rows], for KVT_SELECT_SIGMA */
+    uint32_t n_basis;
+    uint64_t key, subseq;   /* Philox, for KVT_SELECT_RANDOM */
+    uint64_t first_position;/* original position of row 0 (rows are consecutive positions) */
+    float *out;             /* [n_rows] */
+} kvt__score_args;
+
+typedef struct kvt__backend_ops {
+    const char *name;
+    /* Salience scores of one block. */
+    kvt_status (*score_rows)(const kvt__backend *be, const kvt__score_args *a, void *stream);
+    /* Exact top-m of keys[0..n) (ties to the lower index), indices ascending into idx[m']
+     * with m' = min(m, n). */
+    kvt_status (*topm)(const kvt__backend *be, const uint32_t *keys, uint32_t n, uint32_t m,
+                       uint32_t *idx, void *stream);
+    /* Philox draws at original positions: out[i] = draw_at(key, subseq, positions[i]). */
+    kvt_status (*draws)(const kvt__backend *be, uint64_t key, uint64_t subseq,
+                        const int64_t *positions, size_t n, uint32_t *out, void *stream);
+    /* Move n rows of bytes_per_row bytes within one plane: the row at
+     * base + src_slot[i] * slot_stride + offset goes to dst_slot[i] (same offset). Moves are
+     * applied in order i = 0..n-1 and src_slot[i] >= dst_slot[i] (forward compaction), so an
+     * in-place pass is safe. */
+    kvt_status (*move_rows)(const kvt__backend *be, uint8_t *base, size_t slot_stride,
+                            size_t offset, size_t bytes_per_row, const int32_t *src_slots,
+                            const int32_t *dst_slots, uint32_t n, void *stream);
+} kvt__backend_ops;
+
+struct kvt__backend {
+    const kvt__backend_ops *ops;
+    const kvt__alloc *alloc; /* host scratch */
+    void *impl;              /* backend's own state (CUDA: device buffers) */
+};
+
+/* CPU backend: always available. */
+const kvt__backend_ops *kvt__backend_cpu_ops(void);
+/* CUDA backend: KVT_ERR_NO_DEVICE with the reason in err when built without CUDA or when no
+ * device is usable. */
+kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len);
+void kvt__backend_cuda_close(kvt__backend *be);
+
+#endif

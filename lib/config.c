@@ -1,0 +1,77 @@
+/* config.c — the configuration defaults and the check that names the bad field. */
+#include "internal.h"
+
+kvt_config kvt_config_default(void) {
+    kvt_config c = {0};
+    c.struct_size = sizeof c;
+    c.ratio = 32;
+    c.block_rows = 4096;
+    c.kappa = 16;
+    c.sink_rows = 4;
+    c.evict_budget_rows = 1024;
+    c.recent_rows = 64;
+    c.cadence_rows = 0;
+    c.protect_prompt = true;
+    c.evict_archive = false;
+    c.evict_shared_draw = false;
+    c.evict_vase = false;
+    c.seed = 0x6b76746965720001ull; /* "kvtier" 1 */
+    c.recall = KVT_RECALL_OFF;
+    c.selector = KVT_SELECT_SIGMA;
+    return c;
+}
+
+/* Caps that keep row arithmetic in 32 bits and far from overflow. */
+#define KVT__MAX_RATIO (1u << 20)
+#define KVT__MAX_BLOCK (1u << 20)
+#define KVT__MAX_BUDGET (1u << 28)
+
+kvt_status kvt_config_check(const kvt_config *c, char *err, size_t len) {
+    if (!c)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config is NULL");
+    if (c->struct_size != sizeof *c)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.struct_size: %zu, this library expects %zu (start from "
+                         "kvt_config_default)",
+                         c->struct_size, sizeof *c);
+    if (c->ratio < 1 || c->ratio > KVT__MAX_RATIO)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.ratio: %u not in 1..%u",
+                         c->ratio, KVT__MAX_RATIO);
+    if (c->block_rows < 64 || c->block_rows > KVT__MAX_BLOCK ||
+        (c->block_rows & (c->block_rows - 1)) != 0)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.block_rows: %u is not a power of two in 64..%u", c->block_rows,
+                         KVT__MAX_BLOCK);
+    if (c->kappa < 1 || c->kappa > c->block_rows / 2)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.kappa: %u not in 1..block_rows/2 (%u)", c->kappa,
+                         c->block_rows / 2);
+    if (c->sink_rows > c->block_rows)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.sink_rows: %u exceeds block_rows %u", c->sink_rows,
+                         c->block_rows);
+    if (c->evict_budget_rows < 1 || c->evict_budget_rows > KVT__MAX_BUDGET)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.evict_budget_rows: %u not in 1..%u", c->evict_budget_rows,
+                         KVT__MAX_BUDGET);
+    if (c->recent_rows > KVT__MAX_BUDGET)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.recent_rows: %u too large",
+                         c->recent_rows);
+    if (c->cadence_rows > KVT__MAX_BUDGET)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.cadence_rows: %u too large",
+                         c->cadence_rows);
+    if (c->cadence_rows == 0 && c->recent_rows == 0)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.cadence_rows: 0 means c = recent_rows, which is also 0; a round "
+                         "would run on every token");
+    if ((unsigned)c->selector > KVT_SELECT_RANDOM)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.selector: unknown value %d",
+                         (int)c->selector);
+    if (c->recall == KVT_RECALL_ON)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "config.recall: the recall tier is not implemented yet");
+    if ((unsigned)c->recall > KVT_RECALL_ON)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.recall: unknown value %d",
+                         (int)c->recall);
+    return KVT_OK;
+}

@@ -1,0 +1,353 @@
+/* context.c — context lifecycle: model copy, policy table, groups, row pools, backend. */
+#include "handles.h"
+
+#include <stdio.h>
+#include <string.h>
+
+kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    kvt__vfail((char *)ctx->last_error, sizeof ctx->last_error, s, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+void kvt__ctx_clear_error(const kvt_ctx *ctx) {
+    ((kvt_ctx *)ctx)->last_error[0] = '\0';
+}
+
+kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
+    kvt__env e;
+    e.alloc = &ctx->alloc;
+    e.backend = &ctx->backend;
+    e.cfg = &ctx->cfg;
+    e.page_rows = ctx->page_rows;
+    e.philox_key = seq ? seq->philox_key : 0;
+    e.stream = stream;
+    e.err = (char *)ctx->last_error;
+    e.err_len = sizeof ctx->last_error;
+    return e;
+}
+
+kvt_ctx_params kvt_ctx_default_params(void) {
+    kvt_ctx_params p;
+    memset(&p, 0, sizeof p);
+    p.struct_size = sizeof p;
+    p.config = kvt_config_default();
+    p.page_rows = 64;
+    p.n_pages = 1024;
+    p.backend = KVT_BACKEND_CPU;
+    p.allocator = KVT_ALLOC_DEFAULT;
+    return p;
+}
+
+void kvt_ctx_destroy(kvt_ctx *ctx) {
+    if (!ctx)
+        return;
+    while (ctx->seqs)
+        kvt_seq_destroy(ctx->seqs);
+    const kvt__alloc *a = &ctx->alloc;
+    for (uint32_t i = 0; ctx->stores && i < ctx->n_layers; i++) {
+        kvt__store *st = &ctx->stores[i];
+        for (int p = 0; p < 2; p++)
+            if (st->owned[p])
+                kvt__free(a, st->plane[p], st->plane_bytes);
+    }
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        kvt__pool_fini(&ctx->groups[g].pool, a);
+        kvt__free(a, ctx->groups[g].layers, sizeof(uint32_t) * ctx->groups[g].n_layers);
+    }
+    kvt__sal_shared_fini(&ctx->sal, a);
+    kvt__free(a, ctx->stores, sizeof *ctx->stores * ctx->n_layers);
+    kvt__free(a, ctx->policies, sizeof *ctx->policies * ctx->n_layers);
+    kvt_model_destroy(ctx->model);
+    if (ctx->backend.ops != kvt__backend_cpu_ops())
+        kvt__backend_cuda_close(&ctx->backend);
+    kvt__alloc alloc = ctx->alloc;
+    kvt__free(&alloc, ctx, sizeof *ctx);
+    kvt__alloc_fini(&alloc);
+}
+
+/* Resolve and check each layer's policy. */
+static kvt_status resolve_policies(kvt_ctx *ctx, const kvt_ctx_params *p, char *err, size_t len) {
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
+        kvt_policy pol = kvt_policy_for_kind(sp->kind);
+        if (p->layer_policies) {
+            pol = p->layer_policies[i];
+            if ((unsigned)pol > KVT_POLICY_EVICT)
+                return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                                 "layer_policies[%u]: unknown policy %d", i, (int)pol);
+            if (sp->kind == KVT_LAYER_NO_KV && pol != KVT_POLICY_NONE)
+                return kvt__fail(err, len, KVT_ERR_POLICY_MISMATCH,
+                                 "layer_policies[%u]: layer %u has no per-token KV (%s); only "
+                                 "policy none applies",
+                                 i, i, kvt_layer_kind_name(sp->kind));
+            if (pol == KVT_POLICY_SALIENCE && sp->kind != KVT_LAYER_MLA_NOPE)
+                return kvt__fail(err, len, KVT_ERR_POLICY_MISMATCH,
+                                 "layer_policies[%u]: salience tiering needs an MLA-NoPE layer, "
+                                 "layer %u is %s (on a rotated branch σ carries position, not "
+                                 "content: needle 0.89 -> 0.08 at 32x in the source paper)",
+                                 i, i, kvt_layer_kind_name(sp->kind));
+        }
+        if (pol == KVT_POLICY_EVICT && ctx->cfg.evict_vase && sp->dtype == KVT_DTYPE_FP8_E4M3)
+            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                             "config.evict_vase: value range of fp8 rows (layer %u) needs their "
+                             "scales; not supported",
+                             i);
+        ctx->policies[i] = pol;
+    }
+    return KVT_OK;
+}
+
+static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
+    const kvt__alloc *a = &ctx->alloc;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
+        kvt__store *st = &ctx->stores[i];
+        st->spec = *sp;
+        st->layer = i;
+        st->group = -1;
+        if (sp->kind == KVT_LAYER_NO_KV)
+            continue;
+        uint32_t g = 0;
+        while (g < ctx->n_groups && ctx->groups[g].policy != ctx->policies[i])
+            g++;
+        if (g == ctx->n_groups) {
+            ctx->groups[g].policy = ctx->policies[i];
+            ctx->n_groups++;
+        }
+        st->group = (int32_t)g;
+        st->slot_bytes = (size_t)sp->n_kv_heads * sp->row_bytes;
+        uint64_t rows = (uint64_t)ctx->n_pages * ctx->page_rows;
+        if (st->slot_bytes != 0 && rows > SIZE_MAX / st->slot_bytes)
+            return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                             "n_pages: layer %u pool of %llu rows overflows the address space", i,
+                             (unsigned long long)rows);
+        st->plane_bytes = (size_t)rows * st->slot_bytes;
+    }
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        kvt__group *gr = &ctx->groups[g];
+        for (uint32_t i = 0; i < ctx->n_layers; i++)
+            gr->n_layers += ctx->stores[i].group == (int32_t)g;
+        gr->layers = kvt__malloc(a, sizeof(uint32_t) * gr->n_layers);
+        if (!gr->layers)
+            return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "group layer list");
+        uint32_t k = 0;
+        for (uint32_t i = 0; i < ctx->n_layers; i++)
+            if (ctx->stores[i].group == (int32_t)g)
+                gr->layers[k++] = i;
+        kvt_status s = kvt__pool_init(&gr->pool, a, ctx->n_pages, ctx->page_rows);
+        if (s != KVT_OK)
+            return kvt__fail(err, len, s, "page allocator");
+    }
+    if (!ctx->external) {
+        for (uint32_t i = 0; i < ctx->n_layers; i++) {
+            kvt__store *st = &ctx->stores[i];
+            if (st->group < 0)
+                continue;
+            for (uint32_t p = 0; p < st->spec.n_planes; p++) {
+                /* Zeroed so that a slot the engine never wrote reads as zeros, not garbage. */
+                st->plane[p] = kvt__calloc(a, st->plane_bytes);
+                if (!st->plane[p])
+                    return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY,
+                                     "row pool: layer %u plane %u needs %zu bytes", i, p,
+                                     st->plane_bytes);
+                st->owned[p] = true;
+            }
+        }
+    }
+    return KVT_OK;
+}
+
+static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, size_t len) {
+    ctx->backend.alloc = &ctx->alloc;
+    ctx->backend.ops = kvt__backend_cpu_ops();
+    if (kind == KVT_BACKEND_CPU)
+        return KVT_OK;
+    if (kind != KVT_BACKEND_CUDA && kind != KVT_BACKEND_AUTO)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "backend: unknown value %d",
+                         (int)kind);
+    char why[256] = "";
+    kvt_status s = kvt__backend_cuda_open(&ctx->backend, why, sizeof why);
+    if (s == KVT_OK)
+        return KVT_OK;
+    ctx->backend.ops = kvt__backend_cpu_ops();
+    ctx->backend.impl = NULL;
+    if (kind == KVT_BACKEND_AUTO)
+        return KVT_OK; /* CPU fallback, by request */
+    return kvt__fail(err, len, s, "backend: CUDA requested but unavailable: %s", why);
+}
+
+kvt_status kvt_ctx_create(const kvt_ctx_params *p, kvt_ctx **out, char *err, size_t len) {
+    if (!out)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    if (!p)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params is NULL");
+    if (p->struct_size != sizeof *p)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.struct_size: %zu, this library expects %zu (start from "
+                         "kvt_ctx_default_params)",
+                         p->struct_size, sizeof *p);
+    if (!p->model)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.model is NULL");
+    kvt_status s = kvt_config_check(&p->config, err, len);
+    if (s != KVT_OK)
+        return s;
+    if (p->page_rows == 0 || p->page_rows > 65536)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.page_rows: %u not in 1..65536",
+                         p->page_rows);
+    if (p->n_pages == 0 || (uint64_t)p->n_pages * p->page_rows > (uint64_t)INT32_MAX)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.n_pages: %u x page_rows %u must be in 1..2^31-1 (int32 slots)",
+                         p->n_pages, p->page_rows);
+    if ((unsigned)p->allocator > KVT_ALLOC_LIBC)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.allocator: unknown value %d",
+                         (int)p->allocator);
+
+    kvt__alloc alloc;
+    s = kvt__alloc_init(&alloc, p->allocator);
+    if (s != KVT_OK)
+        return kvt__fail(err, len, s, "allocator");
+    kvt_ctx *ctx = kvt__calloc(&alloc, sizeof *ctx);
+    if (!ctx) {
+        kvt__alloc_fini(&alloc);
+        return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "context");
+    }
+    ctx->alloc = alloc;
+    ctx->cfg = p->config;
+    ctx->page_rows = p->page_rows;
+    ctx->n_pages = p->n_pages;
+    ctx->external = p->external_storage;
+    ctx->backend.alloc = &ctx->alloc;
+    ctx->backend.ops = kvt__backend_cpu_ops();
+
+    uint32_t n = kvt_model_n_layers(p->model);
+    const kvt_layer_spec *l0 = kvt_model_layer(p->model, 0);
+    s = kvt_model_create(l0, n, kvt_model_type(p->model), &ctx->model, err, len);
+    if (s != KVT_OK)
+        goto fail;
+    ctx->n_layers = n;
+    ctx->stores = kvt__calloc(&ctx->alloc, sizeof *ctx->stores * n);
+    ctx->policies = kvt__calloc(&ctx->alloc, sizeof *ctx->policies * n);
+    if (!ctx->stores || !ctx->policies) {
+        s = kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "layer tables");
+        goto fail;
+    }
+    if ((s = resolve_policies(ctx, p, err, len)) != KVT_OK)
+        goto fail;
+    if ((s = open_backend(ctx, p->backend, err, len)) != KVT_OK)
+        goto fail;
+    for (uint32_t i = 0; i < n; i++) {
+        if (ctx->policies[i] == KVT_POLICY_SALIENCE) {
+            s = kvt__sal_shared_init(&ctx->sal, &ctx->alloc, &ctx->cfg);
+            if (s != KVT_OK) {
+                kvt__fail(err, len, s, "salience basis table (B %u, kappa %u)",
+                          ctx->cfg.block_rows, ctx->cfg.kappa);
+                goto fail;
+            }
+            break;
+        }
+    }
+    if ((s = build_groups(ctx, err, len)) != KVT_OK)
+        goto fail;
+    *out = ctx;
+    return KVT_OK;
+fail:
+    kvt_ctx_destroy(ctx);
+    return s;
+}
+
+const char *kvt_ctx_last_error(const kvt_ctx *ctx) {
+    return ctx ? ctx->last_error : "context is NULL";
+}
+
+const kvt_model *kvt_ctx_model(const kvt_ctx *ctx) {
+    return ctx ? ctx->model : NULL;
+}
+
+const kvt_config *kvt_ctx_config(const kvt_ctx *ctx) {
+    return ctx ? &ctx->cfg : NULL;
+}
+
+const char *kvt_ctx_backend_name(const kvt_ctx *ctx) {
+    return ctx ? ctx->backend.ops->name : "";
+}
+
+const char *kvt_ctx_allocator_name(const kvt_ctx *ctx) {
+    return ctx ? kvt__alloc_name(&ctx->alloc) : "";
+}
+
+kvt_policy kvt_ctx_layer_policy(const kvt_ctx *ctx, uint32_t layer) {
+    return (ctx && layer < ctx->n_layers) ? ctx->policies[layer] : KVT_POLICY_NONE;
+}
+
+int32_t kvt_ctx_layer_group(const kvt_ctx *ctx, uint32_t layer) {
+    return (ctx && layer < ctx->n_layers) ? ctx->stores[layer].group : -1;
+}
+
+kvt_status kvt_ctx_free_pages(const kvt_ctx *ctx, uint32_t layer, uint32_t *out) {
+    if (!ctx || !out)
+        return KVT_ERR_INVALID_ARGUMENT;
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "layer %u of %u", layer, ctx->n_layers);
+    int32_t g = ctx->stores[layer].group;
+    if (g < 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH, "layer %u stores no per-token KV",
+                             layer);
+    *out = ctx->groups[g].pool.n_free;
+    return KVT_OK;
+}
+
+static kvt_status plane_of(const kvt_ctx *ctx, uint32_t layer, uint32_t plane, kvt__store **st) {
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "layer %u of %u", layer, ctx->n_layers);
+    kvt__store *s = &ctx->stores[layer];
+    if (s->group < 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH, "layer %u stores no per-token KV",
+                             layer);
+    if (plane >= s->spec.n_planes)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "plane %u of %u (layer %u)", plane,
+                             s->spec.n_planes, layer);
+    *st = s;
+    return KVT_OK;
+}
+
+kvt_status kvt_layer_data(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void **base,
+                          size_t *bytes) {
+    if (!ctx || !base || !bytes)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt__store *st = NULL;
+    kvt_status s = plane_of(ctx, layer, plane, &st);
+    if (s != KVT_OK)
+        return s;
+    if (!st->plane[plane])
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "layer %u plane %u: external storage not bound yet", layer, plane);
+    *base = st->plane[plane];
+    *bytes = st->plane_bytes;
+    return KVT_OK;
+}
+
+kvt_status kvt_layer_bind(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void *base, size_t bytes) {
+    if (!ctx || !base)
+        return KVT_ERR_INVALID_ARGUMENT;
+    if (!ctx->external)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "kvt_layer_bind needs params.external_storage = true");
+    if (ctx->started)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "kvt_layer_bind after the first reservation would lose rows");
+    kvt__store *st = NULL;
+    kvt_status s = plane_of(ctx, layer, plane, &st);
+    if (s != KVT_OK)
+        return s;
+    if (bytes < st->plane_bytes)
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                             "layer %u plane %u: %zu bytes bound, %zu needed", layer, plane,
+                             bytes, st->plane_bytes);
+    st->plane[plane] = base;
+    st->owned[plane] = false;
+    return KVT_OK;
+}

@@ -1,0 +1,788 @@
+/* sequence.c — a request's lifecycle: reserve / write / commit, the attended set, rows by
+ * position, statistics and the invariant check. Validation of everything from outside happens
+ * here; the tier state machines live in tiers/. */
+#include "handles.h"
+
+#include "kernels/philox.h"
+
+#include <string.h>
+
+#define CHECK_SEQ(seq)                                                                             \
+    do {                                                                                           \
+        if (!(seq))                                                                                \
+            return KVT_ERR_INVALID_ARGUMENT;                                                       \
+        kvt__ctx_clear_error((seq)->ctx);                                                          \
+    } while (0)
+
+static kvt_status layer_of(const kvt_seq *seq, uint32_t layer, const kvt__store **st) {
+    const kvt_ctx *ctx = seq->ctx;
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "layer %u of %u", layer, ctx->n_layers);
+    if (ctx->stores[layer].group < 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH,
+                             "layer %u (%s) stores no per-token KV", layer,
+                             kvt_layer_kind_name(ctx->stores[layer].spec.kind));
+    *st = &ctx->stores[layer];
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out) {
+    if (!ctx || !out)
+        return KVT_ERR_INVALID_ARGUMENT;
+    *out = NULL;
+    kvt__ctx_clear_error(ctx);
+    const kvt__alloc *a = &ctx->alloc;
+    kvt_seq *seq = kvt__calloc(a, sizeof *seq);
+    if (!seq)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence");
+    seq->ctx = ctx;
+    seq->request_id = request_id;
+    seq->philox_key = kvt__philox_key(ctx->cfg.seed, request_id);
+    seq->layers = kvt__calloc(a, sizeof *seq->layers * ctx->n_layers);
+    if (!seq->layers) {
+        kvt__free(a, seq, sizeof *seq);
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence layers");
+    }
+    seq->next = ctx->seqs;
+    if (ctx->seqs)
+        ctx->seqs->prev = seq;
+    ctx->seqs = seq;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        if (ctx->policies[i] != KVT_POLICY_EVICT || ctx->stores[i].group < 0)
+            continue;
+        kvt_status s = kvt__ev_init(&seq->layers[i].ev, a, ctx->stores[i].spec.n_kv_heads,
+                                    ctx->cfg.evict_archive);
+        if (s != KVT_OK) {
+            kvt_seq_destroy(seq);
+            return kvt__ctx_fail(ctx, s, "eviction state of layer %u", i);
+        }
+    }
+    *out = seq;
+    return KVT_OK;
+}
+
+void kvt_seq_destroy(kvt_seq *seq) {
+    if (!seq)
+        return;
+    kvt_ctx *ctx = seq->ctx;
+    const kvt__alloc *a = &ctx->alloc;
+    for (uint32_t g = 0; g < ctx->n_groups; g++)
+        kvt__ptable_fini(&seq->pt[g], &ctx->groups[g].pool, a);
+    for (uint32_t i = 0; seq->layers && i < ctx->n_layers; i++) {
+        kvt__sal_fini(&seq->layers[i].sal, a);
+        kvt__ev_fini(&seq->layers[i].ev, a);
+    }
+    kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
+    if (seq->prev)
+        seq->prev->next = seq->next;
+    else
+        ctx->seqs = seq->next;
+    if (seq->next)
+        seq->next->prev = seq->prev;
+    kvt__free(a, seq, sizeof *seq);
+}
+
+kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {
+    CHECK_SEQ(seq);
+    (void)request_id;
+    if (out)
+        *out = NULL;
+    return kvt__ctx_fail(seq->ctx, KVT_ERR_UNSUPPORTED,
+                         "shared prefixes (copy-on-write forks) are not supported yet");
+}
+
+static bool any_round_ran(const kvt_seq *seq) {
+    for (uint32_t i = 0; i < seq->ctx->n_layers; i++)
+        if (seq->layers[i].ev.rounds > 0)
+            return true;
+    return false;
+}
+
+kvt_status kvt_seq_set_prompt_rows(kvt_seq *seq, uint64_t n_rows) {
+    CHECK_SEQ(seq);
+    if (any_round_ran(seq))
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_BAD_STATE,
+                             "the prompt length cannot change after an eviction round ran");
+    seq->prompt_rows = n_rows;
+    return KVT_OK;
+}
+
+uint64_t kvt_seq_length(const kvt_seq *seq) {
+    return seq ? seq->n_tokens : 0;
+}
+
+kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t *out) {
+    CHECK_SEQ(seq);
+    if (!out)
+        return KVT_ERR_INVALID_ARGUMENT;
+    const kvt_ctx *ctx = seq->ctx;
+    uint64_t sum = 0;
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        const kvt__ptable *t = &seq->pt[g];
+        uint64_t need = (t->n_rows + t->n_pending + n_tokens + ctx->page_rows - 1) / ctx->page_rows;
+        if (need > t->n_pages)
+            sum += need - t->n_pages;
+    }
+    *out = sum > UINT32_MAX ? UINT32_MAX : (uint32_t)sum;
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
+    CHECK_SEQ(seq);
+    kvt_ctx *ctx = seq->ctx;
+    if (n_tokens == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "n_tokens is 0");
+    if (seq->n_pending != 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "%u reserved tokens are not committed yet", seq->n_pending);
+    for (uint32_t i = 0; i < ctx->n_layers; i++)
+        if (ctx->stores[i].group >= 0 && !ctx->stores[i].plane[0])
+            return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                                 "layer %u: external storage not bound (kvt_layer_bind)", i);
+    const kvt__alloc *a = &ctx->alloc;
+    uint32_t g;
+    kvt_status s = KVT_OK;
+    for (g = 0; g < ctx->n_groups; g++) {
+        s = kvt__ptable_reserve(&seq->pt[g], &ctx->groups[g].pool, a, n_tokens);
+        if (s != KVT_OK)
+            break;
+    }
+    /* Eviction bookkeeping grows here too, so that commit cannot fail for memory. */
+    for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
+        if (ctx->policies[i] != KVT_POLICY_EVICT || ctx->stores[i].group < 0)
+            continue;
+        const kvt__ptable *t = &seq->pt[ctx->stores[i].group];
+        s = kvt__ev_reserve(&seq->layers[i].ev, a, t->n_rows + n_tokens);
+    }
+    if (s != KVT_OK) {
+        for (uint32_t h = 0; h < ctx->n_groups && h <= g; h++)
+            kvt__ptable_trim(&seq->pt[h], &ctx->groups[h].pool);
+        if (s == KVT_ERR_POOL_EXHAUSTED)
+            return kvt__ctx_fail(ctx, s,
+                                 "reserving %u tokens: group %u (%s) has %u free pages of %u; "
+                                 "nothing was reserved",
+                                 n_tokens, g, kvt_policy_name(ctx->groups[g < ctx->n_groups ? g : 0].policy),
+                                 ctx->groups[g < ctx->n_groups ? g : 0].pool.n_free, ctx->n_pages);
+        return kvt__ctx_fail(ctx, s, "reserving %u tokens; nothing was reserved", n_tokens);
+    }
+    for (g = 0; g < ctx->n_groups; g++)
+        seq->pt[g].n_pending = n_tokens;
+    seq->n_pending = n_tokens;
+    ctx->started = true;
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_reserved_slot(const kvt_seq *seq, uint32_t layer, uint32_t i, int32_t *slot) {
+    CHECK_SEQ(seq);
+    if (!slot)
+        return KVT_ERR_INVALID_ARGUMENT;
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    if (i >= seq->n_pending)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_OUT_OF_RANGE, "reserved token %u of %u", i,
+                             seq->n_pending);
+    const kvt__ptable *t = &seq->pt[st->group];
+    *slot = kvt__slot(t, seq->ctx->page_rows, t->n_rows + i);
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t first, uint32_t n,
+                         const void *src, size_t src_bytes) {
+    CHECK_SEQ(seq);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    const kvt_ctx *ctx = seq->ctx;
+    if (plane >= st->spec.n_planes)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "plane %u of %u", plane,
+                             st->spec.n_planes);
+    if (!src || (uint64_t)first + n > seq->n_pending || n == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE,
+                             "rows [%u, %llu) outside the %u reserved tokens", first,
+                             (unsigned long long)first + n, seq->n_pending);
+    if (src_bytes != (size_t)n * st->slot_bytes)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "src_bytes %zu != %u rows x %zu bytes", src_bytes, n, st->slot_bytes);
+    const kvt__ptable *t = &seq->pt[st->group];
+    const uint8_t *in = src;
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t slot = kvt__slot(t, ctx->page_rows, t->n_rows + first + i);
+        memcpy(st->plane[plane] + (size_t)slot * st->slot_bytes, in + (size_t)i * st->slot_bytes,
+               st->slot_bytes);
+    }
+    return KVT_OK;
+}
+
+/* Run every layer's policy up to the group's committed rows. Each policy is incremental from its
+ * own state, so a failed run (host memory) is completed by the next commit. */
+static kvt_status run_policies(kvt_seq *seq) {
+    kvt_ctx *ctx = seq->ctx;
+    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
+    kvt_status first_err = KVT_OK;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        if (ctx->policies[i] != KVT_POLICY_SALIENCE)
+            continue;
+        const kvt__store *st = &ctx->stores[i];
+        kvt_status s = kvt__sal_commit(&seq->layers[i].sal, &env, &ctx->sal, st,
+                                       &seq->pt[st->group], seq->pt[st->group].n_rows);
+        if (s != KVT_OK && first_err == KVT_OK)
+            first_err = s;
+    }
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        kvt__group *gr = &ctx->groups[g];
+        if (gr->policy != KVT_POLICY_EVICT || !kvt__ev_round_due(&ctx->cfg, seq->pt[g].n_rows))
+            continue;
+        /* Layers of a group run their round together (they share the page table). */
+        size_t bytes = sizeof(void *) * gr->n_layers;
+        kvt__store **sp = kvt__malloc(&ctx->alloc, bytes);
+        kvt__ev **ep = kvt__malloc(&ctx->alloc, bytes);
+        if (!sp || !ep) {
+            kvt__free(&ctx->alloc, sp, bytes);
+            kvt__free(&ctx->alloc, ep, bytes);
+            if (first_err == KVT_OK)
+                first_err = kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "eviction round");
+            continue;
+        }
+        for (uint32_t k = 0; k < gr->n_layers; k++) {
+            sp[k] = &ctx->stores[gr->layers[k]];
+            ep[k] = &seq->layers[gr->layers[k]].ev;
+        }
+        kvt_status s =
+            kvt__ev_round(&env, sp, ep, gr->n_layers, &seq->pt[g], &gr->pool, seq->prompt_rows);
+        kvt__free(&ctx->alloc, sp, bytes);
+        kvt__free(&ctx->alloc, ep, bytes);
+        if (s != KVT_OK && first_err == KVT_OK)
+            first_err = s;
+    }
+    return first_err;
+}
+
+kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
+    CHECK_SEQ(seq);
+    kvt_ctx *ctx = seq->ctx;
+    if (n_tokens > seq->n_pending)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "committing %u tokens, %u reserved", n_tokens, seq->n_pending);
+    if (n_tokens != seq->n_pending)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "partial commit (%u of %u reserved): speculative multi-row appends "
+                             "with rollback are not supported yet",
+                             n_tokens, seq->n_pending);
+    for (uint32_t i = 0; n_tokens > 0 && i < ctx->n_layers; i++) {
+        if (ctx->policies[i] != KVT_POLICY_EVICT || ctx->stores[i].group < 0)
+            continue;
+        /* Capacity was grown at reserve: this cannot fail. */
+        kvt__ev_append(&seq->layers[i].ev, seq->pt[ctx->stores[i].group].n_rows, seq->n_tokens,
+                       n_tokens);
+    }
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        seq->pt[g].n_rows += n_tokens;
+        seq->pt[g].n_pending = 0;
+    }
+    seq->n_tokens += n_tokens;
+    seq->n_pending = 0;
+    return run_policies(seq);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Attended set                                                                                */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Rows of one sequence this layer attends, as row indices of its group's page table. */
+static uint64_t attended_count(const kvt_seq *seq, uint32_t layer) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__store *st = &ctx->stores[layer];
+    const kvt__ptable *t = &seq->pt[st->group];
+    switch (ctx->policies[layer]) {
+    case KVT_POLICY_SALIENCE:
+        return kvt__sal_attended_count(&seq->layers[layer].sal, &ctx->cfg);
+    case KVT_POLICY_EVICT:
+        return t->n_rows;
+    case KVT_POLICY_NONE:
+        if (st->spec.kind == KVT_LAYER_SLIDING && t->n_rows > st->spec.sliding_window)
+            return st->spec.sliding_window;
+        return t->n_rows;
+    }
+    return 0;
+}
+
+static void attended_rows(const kvt_seq *seq, uint32_t layer, int64_t *out) {
+    const kvt_ctx *ctx = seq->ctx;
+    if (ctx->policies[layer] == KVT_POLICY_SALIENCE) {
+        kvt__sal_attended_rows(&seq->layers[layer].sal, &ctx->cfg, out);
+        return;
+    }
+    const kvt__ptable *t = &seq->pt[ctx->stores[layer].group];
+    uint64_t n = attended_count(seq, layer);
+    for (uint64_t i = 0; i < n; i++)
+        out[i] = (int64_t)(t->n_rows - n + i);
+}
+
+static kvt_status check_batch(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
+                              const kvt__store **st) {
+    if (!ctx)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt__ctx_clear_error(ctx);
+    if (!seqs && n_seqs > 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "seqs is NULL");
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "layer %u of %u", layer, ctx->n_layers);
+    if (ctx->stores[layer].group < 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH, "layer %u stores no per-token KV",
+                             layer);
+    for (uint32_t s = 0; s < n_seqs; s++)
+        if (!seqs[s] || seqs[s]->ctx != ctx)
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "seqs[%u] is NULL or belongs to another context", s);
+    *st = &ctx->stores[layer];
+    return KVT_OK;
+}
+
+kvt_status kvt_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
+                              uint32_t *counts) {
+    const kvt__store *st;
+    kvt_status s = check_batch(ctx, layer, seqs, n_seqs, &st);
+    if (s != KVT_OK)
+        return s;
+    if (!counts)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "counts is NULL");
+    for (uint32_t i = 0; i < n_seqs; i++)
+        counts[i] = (uint32_t)attended_count(seqs[i], layer);
+    return KVT_OK;
+}
+
+/* Emit each sequence's attended slots through a callback-free loop shared by both layouts:
+ * dst_of(s) gives where sequence s's slots go. */
+static kvt_status emit_slots(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
+                             int32_t *const *dst) {
+    uint64_t max_n = 0;
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        uint64_t n = attended_count(seqs[i], layer);
+        if (n > max_n)
+            max_n = n;
+    }
+    size_t bytes = sizeof(int64_t) * (max_n ? max_n : 1);
+    int64_t *rows = kvt__malloc(&ctx->alloc, bytes);
+    if (!rows)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "attended rows scratch");
+    const kvt__store *st = &ctx->stores[layer];
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        uint64_t n = attended_count(seqs[i], layer);
+        attended_rows(seqs[i], layer, rows);
+        const kvt__ptable *t = &seqs[i]->pt[st->group];
+        for (uint64_t j = 0; j < n; j++)
+            dst[i][j] = kvt__slot(t, ctx->page_rows, (uint64_t)rows[j]);
+    }
+    kvt__free(&ctx->alloc, rows, bytes);
+    return KVT_OK;
+}
+
+kvt_status kvt_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
+                               const void *query, void *stream, int32_t *indices, uint32_t topk,
+                               int32_t *lengths) {
+    (void)query; /* recall off: the attended set does not depend on the query */
+    (void)stream;
+    const kvt__store *st;
+    kvt_status s = check_batch(ctx, layer, seqs, n_seqs, &st);
+    if (s != KVT_OK)
+        return s;
+    if ((!indices && topk > 0) || !lengths)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "indices or lengths is NULL");
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        uint64_t n = attended_count(seqs[i], layer);
+        if (n > topk)
+            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                 "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
+                                 "written",
+                                 i, (unsigned long long)n, layer, topk);
+    }
+    int32_t *stack_dst[64];
+    size_t dst_bytes = n_seqs > 64 ? sizeof(int32_t *) * n_seqs : 0;
+    int32_t **dst = dst_bytes ? kvt__malloc(&ctx->alloc, dst_bytes) : stack_dst;
+    if (!dst)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch scratch");
+    for (uint32_t i = 0; i < n_seqs; i++)
+        dst[i] = indices + (size_t)i * topk;
+    s = emit_slots(ctx, layer, seqs, n_seqs, dst);
+    if (s == KVT_OK) {
+        for (uint32_t i = 0; i < n_seqs; i++) {
+            uint64_t n = attended_count(seqs[i], layer);
+            lengths[i] = (int32_t)n;
+            for (uint64_t j = n; j < topk; j++)
+                dst[i][j] = -1;
+        }
+    }
+    if (dst_bytes)
+        kvt__free(&ctx->alloc, dst, dst_bytes);
+    return s;
+}
+
+kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
+                            const void *query, void *stream, int32_t *indptr, int32_t *indices,
+                            uint32_t capacity) {
+    (void)query;
+    (void)stream;
+    const kvt__store *st;
+    kvt_status s = check_batch(ctx, layer, seqs, n_seqs, &st);
+    if (s != KVT_OK)
+        return s;
+    if (!indptr || (!indices && capacity > 0))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "indptr or indices is NULL");
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n_seqs; i++)
+        total += attended_count(seqs[i], layer);
+    if (total > capacity || total > INT32_MAX)
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                             "batch attends %llu rows on layer %u, capacity is %u; nothing "
+                             "written",
+                             (unsigned long long)total, layer, capacity);
+    int32_t *stack_dst[64];
+    size_t dst_bytes = n_seqs > 64 ? sizeof(int32_t *) * n_seqs : 0;
+    int32_t **dst = dst_bytes ? kvt__malloc(&ctx->alloc, dst_bytes) : stack_dst;
+    if (!dst)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch scratch");
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        dst[i] = indices + off;
+        off += attended_count(seqs[i], layer);
+    }
+    s = emit_slots(ctx, layer, seqs, n_seqs, dst);
+    if (s == KVT_OK) {
+        off = 0;
+        indptr[0] = 0;
+        for (uint32_t i = 0; i < n_seqs; i++) {
+            off += attended_count(seqs[i], layer);
+            indptr[i + 1] = (int32_t)off;
+        }
+    }
+    if (dst_bytes)
+        kvt__free(&ctx->alloc, dst, dst_bytes);
+    return s;
+}
+
+kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *pages,
+                               uint32_t capacity, uint32_t *n_pages, uint64_t *n_rows) {
+    CHECK_SEQ(seq);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    const kvt__ptable *t = &seq->pt[st->group];
+    uint32_t used = kvt__pages_for(t->n_rows + t->n_pending, seq->ctx->page_rows);
+    if (n_pages)
+        *n_pages = used;
+    if (n_rows)
+        *n_rows = t->n_rows;
+    if (!pages)
+        return KVT_OK; /* size query */
+    if (used > capacity)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "block table has %u pages, capacity %u",
+                             used, capacity);
+    memcpy(pages, t->pages, sizeof *pages * used);
+    return KVT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Rows by original position                                                                   */
+/* ------------------------------------------------------------------------------------------- */
+static kvt_status locate(const kvt_seq *seq, uint32_t layer, uint32_t head, uint64_t pos,
+                         kvt_row_state *state, int32_t *slot, const kvt__store **stp) {
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    const kvt_ctx *ctx = seq->ctx;
+    if (head >= st->spec.n_kv_heads)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "head %u of %u", head,
+                             st->spec.n_kv_heads);
+    *stp = st;
+    *slot = -1;
+    if (pos >= seq->n_tokens) {
+        if (pos < seq->n_tokens + seq->n_pending) {
+            *state = KVT_ROW_PENDING;
+            const kvt__ptable *t = &seq->pt[st->group];
+            *slot = kvt__slot(t, ctx->page_rows, t->n_rows + (pos - seq->n_tokens));
+            return KVT_OK;
+        }
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "position %llu of %llu committed",
+                             (unsigned long long)pos, (unsigned long long)seq->n_tokens);
+    }
+    const kvt__ptable *t = &seq->pt[st->group];
+    switch (ctx->policies[layer]) {
+    case KVT_POLICY_SALIENCE: {
+        /* Archive = index partition: an archived row keeps its slot, it is only not attended. */
+        bool att = kvt__sal_is_attended(&seq->layers[layer].sal, &ctx->cfg, pos);
+        *state = att ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
+        *slot = kvt__slot(t, ctx->page_rows, pos);
+        return KVT_OK;
+    }
+    case KVT_POLICY_NONE: {
+        uint64_t n_att = attended_count(seq, layer);
+        *state = pos >= t->n_rows - n_att ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
+        *slot = kvt__slot(t, ctx->page_rows, pos);
+        return KVT_OK;
+    }
+    case KVT_POLICY_EVICT: {
+        const kvt__ev *e = &seq->layers[layer].ev;
+        int64_t row = kvt__ev_find(e, t, head, pos);
+        if (row >= 0) {
+            *state = KVT_ROW_ATTENDED;
+            *slot = kvt__slot(t, ctx->page_rows, (uint64_t)row);
+        } else {
+            *state = kvt__ev_archived(e, &st->spec, head, 0, pos) ? KVT_ROW_ARCHIVED
+                                                                  : KVT_ROW_DROPPED;
+        }
+        return KVT_OK;
+    }
+    }
+    return KVT_ERR_INVARIANT;
+}
+
+kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head, uint64_t position,
+                             kvt_row_state *state, int32_t *slot) {
+    CHECK_SEQ(seq);
+    if (!state)
+        return KVT_ERR_INVALID_ARGUMENT;
+    int32_t sl;
+    const kvt__store *st;
+    kvt_status s = locate(seq, layer, head, position, state, &sl, &st);
+    if (s == KVT_OK && *state == KVT_ROW_ARCHIVED && seq->ctx->policies[layer] != KVT_POLICY_NONE)
+        sl = -1; /* documented: a slot is given for attended rows only */
+    if (s == KVT_OK && slot)
+        *slot = (*state == KVT_ROW_ATTENDED || *state == KVT_ROW_PENDING) ? sl : -1;
+    return s;
+}
+
+kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t head,
+                            uint64_t position, void *dst, size_t dst_bytes) {
+    CHECK_SEQ(seq);
+    if (!dst)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_row_state state;
+    int32_t slot;
+    const kvt__store *st;
+    kvt_status s = locate(seq, layer, head, position, &state, &slot, &st);
+    if (s != KVT_OK)
+        return s;
+    const kvt_ctx *ctx = seq->ctx;
+    if (plane >= st->spec.n_planes)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "plane %u of %u", plane,
+                             st->spec.n_planes);
+    if (dst_bytes < st->spec.row_bytes)
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY, "dst_bytes %zu < row_bytes %u", dst_bytes,
+                             st->spec.row_bytes);
+    if (state == KVT_ROW_DROPPED)
+        return kvt__ctx_fail(ctx, KVT_ERR_DROPPED,
+                             "layer %u head %u position %llu was dropped by random eviction",
+                             layer, head, (unsigned long long)position);
+    if (slot >= 0) {
+        memcpy(dst,
+               st->plane[plane] + (size_t)slot * st->slot_bytes + (size_t)head * st->spec.row_bytes,
+               st->spec.row_bytes);
+        return KVT_OK;
+    }
+    const uint8_t *src =
+        kvt__ev_archived(&seq->layers[layer].ev, &st->spec, head, plane, position);
+    if (!src)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "archived row not found");
+    memcpy(dst, src, st->spec.row_bytes);
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, int64_t *positions,
+                             uint64_t capacity, uint64_t *n) {
+    CHECK_SEQ(seq);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    if (head >= st->spec.n_kv_heads)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_OUT_OF_RANGE, "head %u of %u", head,
+                             st->spec.n_kv_heads);
+    const kvt__ptable *t = &seq->pt[st->group];
+    if (n)
+        *n = t->n_rows;
+    if (!positions)
+        return KVT_OK;
+    if (t->n_rows > capacity)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu rows, capacity %llu",
+                             (unsigned long long)t->n_rows, (unsigned long long)capacity);
+    if (seq->ctx->policies[layer] == KVT_POLICY_EVICT) {
+        const kvt__ev *e = &seq->layers[layer].ev;
+        memcpy(positions, e->pos + (size_t)head * e->pos_cap, sizeof *positions * t->n_rows);
+    } else {
+        for (uint64_t i = 0; i < t->n_rows; i++)
+            positions[i] = (int64_t)i;
+    }
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t head,
+                                 int32_t *old_to_new, uint64_t capacity, uint64_t *n) {
+    CHECK_SEQ(seq);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    if (seq->ctx->policies[layer] != KVT_POLICY_EVICT)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_POLICY_MISMATCH,
+                             "layer %u does not run eviction rounds", layer);
+    if (head >= st->spec.n_kv_heads)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_OUT_OF_RANGE, "head %u of %u", head,
+                             st->spec.n_kv_heads);
+    const kvt__ev *e = &seq->layers[layer].ev;
+    if (n)
+        *n = e->last_n;
+    if (!old_to_new)
+        return KVT_OK;
+    if (e->last_n > capacity)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu entries, capacity %llu",
+                             (unsigned long long)e->last_n, (unsigned long long)capacity);
+    if (e->last_n)
+        memcpy(old_to_new, e->last_map + (size_t)head * e->last_n, sizeof *old_to_new * e->last_n);
+    return KVT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Statistics and invariants                                                                   */
+/* ------------------------------------------------------------------------------------------- */
+kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out) {
+    CHECK_SEQ(seq);
+    if (!out || out->struct_size != sizeof *out)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "out->struct_size must be sizeof(kvt_layer_stats) = %zu",
+                             sizeof *out);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__ptable *t = &seq->pt[st->group];
+    uint32_t H = st->spec.n_kv_heads;
+    memset(out, 0, sizeof *out);
+    out->struct_size = sizeof *out;
+    out->policy = ctx->policies[layer];
+    out->appended_rows = seq->n_tokens * H;
+    out->attended_rows = attended_count(seq, layer);
+    out->pages_in_use = t->n_pages;
+    out->bytes_in_use = (uint64_t)t->n_pages * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
+    out->prompt_rows = seq->prompt_rows;
+    if (ctx->policies[layer] == KVT_POLICY_SALIENCE) {
+        const kvt__sal *sa = &seq->layers[layer].sal;
+        uint64_t S = ctx->cfg.sink_rows < sa->closed_rows ? ctx->cfg.sink_rows : sa->closed_rows;
+        out->sink_rows = S;
+        out->tail_rows = sa->n_rows - sa->closed_rows;
+        out->kept_rows = out->attended_rows - S - out->tail_rows;
+        out->closed_rows = sa->closed_rows;
+        out->archived_rows = sa->n_rows - out->attended_rows;
+        out->closes = sa->closes;
+        out->nonfinite_sigma = sa->nonfinite;
+        out->sigma_bytes_read = sa->score_bytes_read;
+    } else if (ctx->policies[layer] == KVT_POLICY_EVICT) {
+        const kvt__ev *e = &seq->layers[layer].ev;
+        out->rounds = e->rounds;
+        out->dropped_rows = e->dropped;
+        out->prompt_over_budget = e->prompt_over_budget;
+        for (uint32_t h = 0; e->archive && h < H; h++) {
+            out->archived_rows += e->archive[h].n;
+            out->archive_bytes += e->archive[h].n * st->spec.n_planes * (uint64_t)st->spec.row_bytes;
+        }
+        out->attended_rows = t->n_rows; /* per head: every head keeps the same count */
+    } else {
+        out->archived_rows = (t->n_rows - out->attended_rows) * H;
+    }
+    uint64_t row_bytes_all = kvt_layer_bytes_per_token(&st->spec);
+    out->attended_bytes_per_token =
+        seq->n_tokens ? (double)out->attended_rows * (double)row_bytes_all / (double)seq->n_tokens
+                      : 0.0;
+    return KVT_OK;
+}
+
+static kvt_status check_pages(const kvt_seq *seq) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__alloc *a = &ctx->alloc;
+    size_t bytes = ctx->n_pages;
+    uint8_t *seen = kvt__malloc(a, bytes);
+    if (!seen)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "check scratch");
+    kvt_status rc = KVT_OK;
+    for (uint32_t g = 0; g < ctx->n_groups && rc == KVT_OK; g++) {
+        const kvt__pool *p = &ctx->groups[g].pool;
+        memset(seen, 0, bytes);
+        for (uint32_t i = 0; i < p->n_free && rc == KVT_OK; i++) {
+            if (p->free_ids[i] >= ctx->n_pages || seen[p->free_ids[i]]++)
+                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "group %u: free page %u invalid or "
+                                   "listed twice", g, p->free_ids[i]);
+        }
+        uint64_t held = 0;
+        for (const kvt_seq *q = ctx->seqs; q && rc == KVT_OK; q = q->next) {
+            const kvt__ptable *t = &q->pt[g];
+            if (t->n_pages != kvt__pages_for(t->n_rows + t->n_pending, ctx->page_rows))
+                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                   "group %u: request %llu holds %u pages for %llu rows", g,
+                                   (unsigned long long)q->request_id, t->n_pages,
+                                   (unsigned long long)(t->n_rows + t->n_pending));
+            for (uint32_t i = 0; i < t->n_pages && rc == KVT_OK; i++) {
+                int32_t pg = t->pages[i];
+                if (pg < 0 || (uint32_t)pg >= ctx->n_pages || seen[pg]++)
+                    rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                       "group %u: page %d of request %llu invalid or shared", g,
+                                       pg, (unsigned long long)q->request_id);
+            }
+            held += t->n_pages;
+        }
+        if (rc == KVT_OK && held + p->n_free != ctx->n_pages)
+            rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "group %u: %llu held + %u free != %u pages",
+                               g, (unsigned long long)held, p->n_free, ctx->n_pages);
+    }
+    kvt__free(a, seen, bytes);
+    return rc;
+}
+
+kvt_status kvt_seq_check(const kvt_seq *seq) {
+    CHECK_SEQ(seq);
+    const kvt_ctx *ctx = seq->ctx;
+    char *err = (char *)ctx->last_error;
+    size_t len = sizeof ctx->last_error;
+    kvt_status s = check_pages(seq);
+    if (s != KVT_OK)
+        return s;
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        const kvt__ptable *t = &seq->pt[g];
+        bool evict = ctx->groups[g].policy == KVT_POLICY_EVICT;
+        if (t->n_pending != seq->n_pending || (!evict && t->n_rows != seq->n_tokens) ||
+            t->n_rows > seq->n_tokens)
+            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                 "group %u holds %llu rows + %u pending; sequence has %llu + %u", g,
+                                 (unsigned long long)t->n_rows, t->n_pending,
+                                 (unsigned long long)seq->n_tokens, seq->n_pending);
+    }
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt__store *st = &ctx->stores[i];
+        if (st->group < 0)
+            continue;
+        const kvt__ptable *t = &seq->pt[st->group];
+        if (ctx->policies[i] == KVT_POLICY_SALIENCE) {
+            const kvt__sal *sa = &seq->layers[i].sal;
+            if (sa->n_rows != t->n_rows)
+                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                     "layer %u: salience state at %llu rows, table at %llu "
+                                     "(a policy run failed and was not retried)",
+                                     i, (unsigned long long)sa->n_rows,
+                                     (unsigned long long)t->n_rows);
+            s = kvt__sal_check(sa, &ctx->cfg, err, len);
+        } else if (ctx->policies[i] == KVT_POLICY_EVICT) {
+            s = kvt__ev_check(&seq->layers[i].ev, t, &ctx->cfg, seq->n_tokens, seq->prompt_rows,
+                              err, len);
+        }
+        if (s != KVT_OK) {
+            char tmp[KVT__ERR_LEN];
+            memcpy(tmp, err, sizeof tmp);
+            return kvt__ctx_fail(ctx, s, "layer %u: %s", i, tmp);
+        }
+    }
+    return KVT_OK;
+}

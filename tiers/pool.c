@@ -1,0 +1,60 @@
+/* pool.c — page allocator (a stack of free page ids per policy group) and page tables. */
+#include "tiers.h"
+
+#include <string.h>
+
+kvt_status kvt__pool_init(kvt__pool *p, const kvt__alloc *a, uint32_t n_pages, uint32_t page_rows) {
+    memset(p, 0, sizeof *p);
+    if (n_pages == 0 || page_rows == 0)
+        return KVT_ERR_INVALID_ARGUMENT;
+    p->free_ids = kvt__malloc(a, sizeof *p->free_ids * n_pages);
+    if (!p->free_ids)
+        return KVT_ERR_OUT_OF_MEMORY;
+    p->n_pages = n_pages;
+    p->page_rows = page_rows;
+    /* Pop order: page 0 first, so a fresh pool hands out pages in ascending order. */
+    for (uint32_t i = 0; i < n_pages; i++)
+        p->free_ids[i] = n_pages - 1 - i;
+    p->n_free = n_pages;
+    return KVT_OK;
+}
+
+void kvt__pool_fini(kvt__pool *p, const kvt__alloc *a) {
+    kvt__free(a, p->free_ids, sizeof *p->free_ids * p->n_pages);
+    memset(p, 0, sizeof *p);
+}
+
+kvt_status kvt__ptable_reserve(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, uint32_t extra) {
+    uint64_t rows = t->n_rows + t->n_pending + extra;
+    uint64_t need64 = (rows + p->page_rows - 1) / p->page_rows;
+    if (need64 > p->n_pages)
+        return KVT_ERR_POOL_EXHAUSTED;
+    uint32_t need = (uint32_t)need64;
+    if (need <= t->n_pages)
+        return KVT_OK;
+    uint32_t more = need - t->n_pages;
+    if (more > p->n_free)
+        return KVT_ERR_POOL_EXHAUSTED;
+    void *arr = t->pages;
+    kvt_status s = kvt__grow(a, &arr, &t->cap, need, sizeof *t->pages);
+    if (s != KVT_OK)
+        return s;
+    t->pages = arr;
+    for (uint32_t i = 0; i < more; i++)
+        t->pages[t->n_pages + i] = (int32_t)p->free_ids[--p->n_free];
+    t->n_pages = need;
+    return KVT_OK;
+}
+
+void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p) {
+    uint32_t need = kvt__pages_for(t->n_rows + t->n_pending, p->page_rows);
+    while (t->n_pages > need)
+        p->free_ids[p->n_free++] = (uint32_t)t->pages[--t->n_pages];
+}
+
+void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a) {
+    while (t->n_pages > 0)
+        p->free_ids[p->n_free++] = (uint32_t)t->pages[--t->n_pages];
+    kvt__free(a, t->pages, sizeof *t->pages * t->cap);
+    memset(t, 0, sizeof *t);
+}

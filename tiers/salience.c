@@ -1,0 +1,271 @@
+/*
+ * salience.c — the attended tier / archive split of an MLA-NoPE layer (DESIGN §2.1).
+ *
+ * Rows arrive one decode step at a time into the unclosed tail. When the tail reaches B rows the
+ * block closes: every row of it gets a query-independent salience, fixed forever (σ: the norm of
+ * what is left of its 64-dim branch after removing the 2κ−1 lowest Fourier components along the
+ * block). Then the attended tier is re-selected globally:
+ *
+ *     attended = sinks (first S rows) ∪ top-m closed rows by score ∪ tail,
+ *     m = max(1, round(closed / ratio)),
+ *
+ * and every other closed row is archived. Archiving is an index partition: bytes never move, so a
+ * row can come back at a later close (rows move both ways) and the archive is exact by
+ * construction. Ties in the score go to the lower position, so replicas on several GPUs choose
+ * the same rows with no communication.
+ */
+#include "tiers.h"
+
+#include "kernels/philox.h"
+#include "kernels/sigma.h"
+#include "kernels/topm.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt_config *cfg) {
+    memset(sh, 0, sizeof *sh);
+    sh->block_rows = cfg->block_rows;
+    sh->n_basis = 2 * cfg->kappa - 1;
+    sh->basis = kvt__malloc(a, sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
+    if (!sh->basis)
+        return KVT_ERR_OUT_OF_MEMORY;
+    if (kvt__fourier_basis(cfg->block_rows, cfg->kappa, sh->basis) != 0) {
+        kvt__sal_shared_fini(sh, a);
+        return KVT_ERR_INVALID_ARGUMENT;
+    }
+    return KVT_OK;
+}
+
+void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a) {
+    kvt__free(a, sh->basis, sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
+    memset(sh, 0, sizeof *sh);
+}
+
+void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
+    kvt__free(a, s->score, sizeof *s->score * s->score_cap);
+    kvt__free(a, s->kept, sizeof *s->kept * s->kept_cap);
+    memset(s, 0, sizeof *s);
+}
+
+uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio) {
+    if (closed_rows == 0)
+        return 0;
+    uint64_t m = (closed_rows + ratio / 2) / ratio;
+    return m < 1 ? 1 : m;
+}
+
+/* Score the block starting at position `first` into out[0..B). */
+static kvt_status score_block(const kvt__env *env, const kvt__sal_shared *sh,
+                              const kvt__store *st, const kvt__ptable *pt, uint64_t first,
+                              int32_t *slots, float *out) {
+    const kvt_layer_spec *sp = &st->spec;
+    uint32_t B = sh->block_rows;
+    for (uint32_t u = 0; u < B; u++)
+        slots[u] = kvt__slot(pt, env->page_rows, first + u);
+    kvt__score_args a;
+    memset(&a, 0, sizeof a);
+    a.selector = env->cfg->selector;
+    a.base = st->plane[0];
+    a.slots = slots;
+    a.n_rows = B;
+    a.slot_stride = st->slot_bytes;
+    a.branch_offset = sp->branch_offset;
+    a.branch_dtype = (int)sp->branch_dtype;
+    a.branch_dim = sp->branch_dim;
+    a.dtype = (int)sp->dtype;
+    a.n_values = sp->head_dim;
+    a.basis = sh->basis;
+    a.n_basis = sh->n_basis;
+    a.key = env->philox_key;
+    a.subseq = kvt__philox_subseq(0, st->layer, 0);
+    a.first_position = first;
+    a.out = out;
+    return env->backend->ops->score_rows(env->backend, &a, env->stream);
+}
+
+/* Bytes of a row the selector reads. */
+static uint64_t score_bytes_per_row(const kvt_config *cfg, const kvt_layer_spec *sp) {
+    switch (cfg->selector) {
+    case KVT_SELECT_SIGMA:
+    case KVT_SELECT_BRANCH_NORM:
+        return (uint64_t)sp->branch_dim * kvt_dtype_bytes(sp->branch_dtype);
+    case KVT_SELECT_ROW_NORM:
+        return sp->row_bytes;
+    case KVT_SELECT_RANDOM:
+        return 0;
+    }
+    return 0;
+}
+
+kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
+                           const kvt__store *st, const kvt__ptable *pt, uint64_t new_n_rows) {
+    const kvt_config *cfg = env->cfg;
+    uint32_t B = sh->block_rows;
+    KVT_ASSERT(new_n_rows >= s->n_rows);
+    uint64_t n_close = (new_n_rows - s->closed_rows) / B;
+    if (n_close == 0) {
+        s->n_rows = new_n_rows;
+        return KVT_OK;
+    }
+    uint64_t new_closed = s->closed_rows + n_close * B;
+    void *arr = s->score;
+    kvt_status st_ = kvt__grow(env->alloc, &arr, &s->score_cap, new_closed, sizeof *s->score);
+    if (st_ != KVT_OK)
+        return kvt__fail(env->err, env->err_len, st_, "salience: growing the score array");
+    s->score = arr;
+
+    uint64_t m = kvt__sal_m(new_closed, cfg->ratio);
+    size_t slots_bytes = sizeof(int32_t) * B;
+    size_t keys_bytes = sizeof(uint32_t) * new_closed;
+    size_t idx_bytes = sizeof(uint32_t) * m;
+    int32_t *slots = kvt__malloc(env->alloc, slots_bytes);
+    uint32_t *keys = kvt__malloc(env->alloc, keys_bytes);
+    uint32_t *idx = kvt__malloc(env->alloc, idx_bytes);
+    kvt_status rc = KVT_OK;
+    if (!slots || !keys || !idx) {
+        rc = kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY, "salience: scratch");
+        goto done;
+    }
+    uint64_t nonfinite = 0;
+    for (uint64_t b = 0; b < n_close; b++) {
+        uint64_t first = s->closed_rows + b * B;
+        float *out = s->score + first;
+        rc = score_block(env, sh, st, pt, first, slots, out);
+        if (rc != KVT_OK) {
+            kvt__fail(env->err, env->err_len, rc, "salience: scoring block at row %llu",
+                      (unsigned long long)first);
+            goto done;
+        }
+        /* A row holding NaN or Inf gets σ = NaN/Inf: canonicalise to +Inf (kept) so it can never
+         * corrupt the order of the others, and count it. */
+        for (uint32_t u = 0; u < B; u++) {
+            if (!(out[u] <= FLT_MAX)) {
+                out[u] = INFINITY;
+                nonfinite++;
+            }
+        }
+    }
+    for (uint64_t i = 0; i < new_closed; i++)
+        keys[i] = kvt__score_key(s->score[i]);
+    if (new_closed > UINT32_MAX) {
+        rc = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
+                       "salience: more than 2^32 closed rows");
+        goto done;
+    }
+    rc = env->backend->ops->topm(env->backend, keys, (uint32_t)new_closed, (uint32_t)m, idx,
+                                 env->stream);
+    if (rc != KVT_OK) {
+        kvt__fail(env->err, env->err_len, rc, "salience: top-m select");
+        goto done;
+    }
+    arr = s->kept;
+    rc = kvt__grow(env->alloc, &arr, &s->kept_cap, m, sizeof *s->kept);
+    if (rc != KVT_OK) {
+        kvt__fail(env->err, env->err_len, rc, "salience: growing the kept set");
+        goto done;
+    }
+    s->kept = arr;
+    /* Commit point: nothing below can fail. */
+    memcpy(s->kept, idx, sizeof *idx * m);
+    s->n_kept = m;
+    s->closed_rows = new_closed;
+    s->n_rows = new_n_rows;
+    s->closes += n_close;
+    s->nonfinite += nonfinite;
+    s->score_bytes_read += n_close * B * score_bytes_per_row(cfg, &st->spec);
+done:
+    kvt__free(env->alloc, slots, slots_bytes);
+    kvt__free(env->alloc, keys, keys_bytes);
+    kvt__free(env->alloc, idx, idx_bytes);
+    return rc;
+}
+
+/* Sinks that lie in the closed region (the others are part of the tail). */
+static uint64_t closed_sinks(const kvt__sal *s, const kvt_config *cfg) {
+    return cfg->sink_rows < s->closed_rows ? cfg->sink_rows : s->closed_rows;
+}
+
+uint64_t kvt__sal_attended_count(const kvt__sal *s, const kvt_config *cfg) {
+    uint64_t S = closed_sinks(s, cfg);
+    uint64_t kept_in_sinks = 0;
+    while (kept_in_sinks < s->n_kept && s->kept[kept_in_sinks] < S)
+        kept_in_sinks++;
+    return S + (s->n_kept - kept_in_sinks) + (s->n_rows - s->closed_rows);
+}
+
+void kvt__sal_attended_rows(const kvt__sal *s, const kvt_config *cfg, int64_t *out) {
+    uint64_t S = closed_sinks(s, cfg), n = 0;
+    for (uint64_t p = 0; p < S; p++)
+        out[n++] = (int64_t)p;
+    for (uint64_t i = 0; i < s->n_kept; i++)
+        if (s->kept[i] >= S)
+            out[n++] = s->kept[i];
+    for (uint64_t p = s->closed_rows; p < s->n_rows; p++)
+        out[n++] = (int64_t)p;
+}
+
+static bool in_kept(const kvt__sal *s, uint64_t pos) {
+    uint64_t lo = 0, hi = s->n_kept;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (s->kept[mid] < pos)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < s->n_kept && s->kept[lo] == pos;
+}
+
+bool kvt__sal_is_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t pos) {
+    return pos < cfg->sink_rows || pos >= s->closed_rows || in_kept(s, pos);
+}
+
+kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, size_t len) {
+    uint32_t B = cfg->block_rows;
+    if (s->closed_rows % B != 0 || s->closed_rows > s->n_rows || s->n_rows - s->closed_rows >= B)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "salience: closed %llu / rows %llu inconsistent with block %u",
+                         (unsigned long long)s->closed_rows, (unsigned long long)s->n_rows, B);
+    if (s->n_kept != kvt__sal_m(s->closed_rows, cfg->ratio))
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "salience: %llu kept rows, m = %llu",
+                         (unsigned long long)s->n_kept,
+                         (unsigned long long)kvt__sal_m(s->closed_rows, cfg->ratio));
+    for (uint64_t i = 0; i < s->n_kept; i++) {
+        if (s->kept[i] >= s->closed_rows || (i > 0 && s->kept[i] <= s->kept[i - 1]))
+            return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                             "salience: kept[%llu] = %u not ascending inside the closed rows",
+                             (unsigned long long)i, s->kept[i]);
+    }
+    /* Top-m property: every kept key >= every archived key; on equal keys, kept positions come
+     * first. Walk positions once, merging with the sorted kept list. */
+    uint32_t min_kept = UINT32_MAX, max_arch = 0;
+    uint64_t min_kept_pos = 0, max_arch_pos = 0, k = 0;
+    bool any_arch = false;
+    for (uint64_t p = 0; p < s->closed_rows; p++) {
+        float v = s->score[p];
+        if (!(v <= FLT_MAX) && !isinf(v))
+            return kvt__fail(err, len, KVT_ERR_INVARIANT, "salience: NaN score stored at %llu",
+                             (unsigned long long)p);
+        uint32_t key = kvt__score_key(v);
+        if (k < s->n_kept && s->kept[k] == p) {
+            k++;
+            if (key < min_kept || (key == min_kept && p > min_kept_pos)) {
+                min_kept = key;
+                min_kept_pos = p;
+            }
+        } else if (!any_arch || key > max_arch || (key == max_arch && p < max_arch_pos)) {
+            any_arch = true;
+            max_arch = key;
+            max_arch_pos = p;
+        }
+    }
+    if (any_arch && s->n_kept > 0 &&
+        (max_arch > min_kept || (max_arch == min_kept && max_arch_pos < min_kept_pos)))
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "salience: archived row %llu outranks kept row %llu",
+                         (unsigned long long)max_arch_pos, (unsigned long long)min_kept_pos);
+    return KVT_OK;
+}

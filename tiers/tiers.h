@@ -1,0 +1,172 @@
+/*
+ * tiers.h — the row pool and the per-(sequence, layer) tier state. Internal to the library.
+ *
+ * Ownership: lib/ owns the context and sequence handles and validates everything from outside;
+ * tiers/ owns page allocation, page tables and the tier state machines (salience tiering, random
+ * eviction), and never reads queries; kernels/ computes (through the backend table).
+ *
+ * Positions and row indices. A sequence's tokens have original positions 0, 1, 2, ... . Each
+ * policy group has a page table per sequence whose row index i maps to the slot
+ *     slot(i) = pages[i / page_rows] * page_rows + i % page_rows
+ * in every layer of the group. Salience and none groups never move rows, so row index =
+ * position. Evict groups compact: after a round, row index i holds, for KV head h, the original
+ * position pos[h][i] (ascending in i, different per head).
+ */
+#ifndef KVT_TIERS_TIERS_H
+#define KVT_TIERS_TIERS_H
+
+#include "kernels/backend.h"
+#include "lib/alloc.h"
+#include "lib/internal.h"
+#include "kvtier.h"
+
+/* ------------------------------------------------------------------------------------------- */
+/* Page allocator: one per policy group. A stack of free page ids.                              */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct kvt__pool {
+    uint32_t n_pages, page_rows;
+    uint32_t n_free;
+    uint32_t *free_ids; /* [n_pages]; free_ids[0..n_free) are free */
+} kvt__pool;
+
+kvt_status kvt__pool_init(kvt__pool *p, const kvt__alloc *a, uint32_t n_pages, uint32_t page_rows);
+void kvt__pool_fini(kvt__pool *p, const kvt__alloc *a);
+
+/* One layer's storage: planes laid out [page][row][head][row_bytes]. */
+typedef struct kvt__store {
+    kvt_layer_spec spec;
+    uint32_t layer;     /* model layer index */
+    int32_t group;      /* policy group, -1 for no-KV */
+    size_t slot_bytes;  /* n_kv_heads * row_bytes: one slot of one plane */
+    size_t plane_bytes; /* n_pages * page_rows * slot_bytes */
+    uint8_t *plane[2];
+    bool owned[2];      /* allocated by kvtier (vs bound by the engine) */
+} kvt__store;
+
+/* Page table of one sequence in one group. */
+typedef struct kvt__ptable {
+    int32_t *pages;
+    uint64_t cap;       /* capacity of pages[] */
+    uint32_t n_pages;
+    uint64_t n_rows;    /* committed rows held (per head) */
+    uint32_t n_pending; /* reserved rows after n_rows */
+} kvt__ptable;
+
+static inline int32_t kvt__slot(const kvt__ptable *t, uint32_t page_rows, uint64_t row) {
+    return t->pages[row / page_rows] * (int32_t)page_rows + (int32_t)(row % page_rows);
+}
+
+/* Pages needed to hold `rows` rows. */
+static inline uint32_t kvt__pages_for(uint64_t rows, uint32_t page_rows) {
+    return (uint32_t)((rows + page_rows - 1) / page_rows);
+}
+
+/* Take pages so the table holds n_rows + n_pending + extra rows: all or nothing
+ * (KVT_ERR_POOL_EXHAUSTED, KVT_ERR_OUT_OF_MEMORY leave both unchanged). */
+kvt_status kvt__ptable_reserve(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, uint32_t extra);
+/* Return pages beyond what n_rows + n_pending rows need. */
+void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p);
+/* Return every page and free the table. */
+void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a);
+
+/* What tier code needs from the context and sequence. */
+typedef struct kvt__env {
+    const kvt__alloc *alloc;
+    const kvt__backend *backend;
+    const kvt_config *cfg;
+    uint32_t page_rows;
+    uint64_t philox_key; /* kvt__philox_key(seed, request_id) */
+    void *stream;
+    char *err;           /* detail message buffer (the context's last error) */
+    size_t err_len;
+} kvt__env;
+
+/* ------------------------------------------------------------------------------------------- */
+/* Salience tier (MLA-NoPE): sigma at block close, global top-m, sinks, tail, archive by index. */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct kvt__sal {
+    uint64_t n_rows;      /* committed rows (= positions) */
+    uint64_t closed_rows; /* rows in closed blocks: a multiple of block_rows */
+    float *score;         /* [closed_rows] canonical score (NaN -> +Inf), fixed at close */
+    uint64_t score_cap;
+    uint32_t *kept;       /* [n_kept] ascending positions of the top-m closed rows */
+    uint64_t n_kept, kept_cap;
+    uint64_t closes, nonfinite, score_bytes_read;
+} kvt__sal;
+
+/* Basis tables shared by all salience layers of a context: [n_basis][block_rows]. */
+typedef struct kvt__sal_shared {
+    float *basis;
+    uint32_t n_basis;
+    uint32_t block_rows;
+} kvt__sal_shared;
+
+kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt_config *cfg);
+void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a);
+
+void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a);
+/* m for a number of closed rows: max(1, (closed + ratio/2) / ratio), 0 when closed is 0. */
+uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio);
+/* Rows [s->n_rows, new_n_rows) were committed: close every full block (score it), then re-select
+ * the global top-m once if anything closed. On failure nothing observable changed. */
+kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
+                           const kvt__store *st, const kvt__ptable *pt, uint64_t new_n_rows);
+/* Attended rows: sinks, kept, tail. */
+uint64_t kvt__sal_attended_count(const kvt__sal *s, const kvt_config *cfg);
+/* Write the attended row indices (ascending) into out[kvt__sal_attended_count]. */
+void kvt__sal_attended_rows(const kvt__sal *s, const kvt_config *cfg, int64_t *out);
+bool kvt__sal_is_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t pos);
+/* Full check; writes the first violation into err. */
+kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, size_t len);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Random eviction (MLA-RoPE, GQA): rounds, compaction, optional archive pool.                  */
+/* ------------------------------------------------------------------------------------------- */
+/* Archive of one (layer, head): rows copied out before compaction, kept exactly. */
+typedef struct kvt__ev_archive {
+    uint8_t *bytes;       /* [n][n_planes][row_bytes], in order of archiving */
+    uint64_t bytes_cap;   /* in bytes */
+    int64_t *pos;         /* [n] original positions, in order of archiving */
+    uint64_t *by_pos;     /* [n] indices into pos/bytes, sorted by position (lookup) */
+    uint64_t n, cap;
+} kvt__ev_archive;
+
+typedef struct kvt__ev {
+    uint32_t n_heads;
+    int64_t *pos;         /* [n_heads][pos_cap]: original position at row index i for head h */
+    uint64_t pos_cap;
+    int32_t *last_map;    /* [n_heads][last_n]: old row index -> new row index or -1 */
+    uint64_t last_n, last_map_cap;
+    uint64_t rounds;
+    uint64_t dropped;     /* summed over heads */
+    bool prompt_over_budget;
+    kvt__ev_archive *archive; /* [n_heads], when cfg->evict_archive */
+} kvt__ev;
+
+kvt_status kvt__ev_init(kvt__ev *e, const kvt__alloc *a, uint32_t n_heads, bool archive);
+void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a);
+/* Grow the position arrays to hold `rows` row indices per head (called at reserve, so that the
+ * append at commit cannot fail). KVT_OK or KVT_ERR_OUT_OF_MEMORY (nothing changed). */
+kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows);
+/* Record positions [first_pos, first_pos + n) at row indices [first_row, first_row + n) for
+ * every head (on commit, before any round). Capacity was reserved: cannot fail. */
+void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n);
+/* Does a group holding n_rows need a round? (n_rows >= K + r + c) */
+bool kvt__ev_round_due(const kvt_config *cfg, uint64_t n_rows);
+/* Run one round on every layer of an evict group of one sequence: per layer and head choose the
+ * K kept rows among candidates (all but the newest r), archive or drop the others, compact each
+ * head's survivors to the front in chronological order, then shrink the page table to K + r rows
+ * and return trailing pages to the pool. prompt_rows are protected (when cfg->protect_prompt).
+ * layers[i] / states[i] for the n_layers layers of the group. */
+kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
+                         uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
+                         uint64_t prompt_rows);
+/* Row index of a position for head h, or -1 when not attended. */
+int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos);
+/* Archived row bytes of (head, pos) for one plane, or NULL. */
+const uint8_t *kvt__ev_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
+                                uint32_t plane, uint64_t pos);
+kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
+                         uint64_t appended, uint64_t prompt_rows, char *err, size_t len);
+
+#endif
