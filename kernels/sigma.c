@@ -1,0 +1,121 @@
+/*
+ * sigma.c — CPU twins of the salience scores (see sigma.h for the math and its fixed summation
+ * order). These loops only arrange the KVT_HD per-element functions of sigma.h; every rounding
+ * happens inside them, so a CUDA kernel mapping threads over the same functions in the same tree
+ * shape gives the same bits.
+ */
+#include "kernels/sigma.h"
+
+#include "lib/internal.h"
+
+#include <math.h>
+#include <string.h>
+
+static int is_pow2(uint32_t x) {
+    return x != 0 && (x & (x - 1)) == 0;
+}
+
+int kvt__fourier_basis(uint32_t B, uint32_t kappa, float *out) {
+    if (out == NULL || B < 64 || !is_pow2(B) || kappa < 1 || kappa > B / 2)
+        return -1;
+    const double two_pi = 6.283185307179586476925286766559;
+    const double c0 = 1.0 / sqrt((double)B);
+    const double ck = sqrt(2.0 / (double)B);
+    for (uint32_t u = 0; u < B; u++)
+        out[u] = (float)c0;
+    for (uint32_t k = 1; k < kappa; k++) {
+        float *cosc = out + (size_t)(2 * k - 1) * B;
+        float *sinc = out + (size_t)(2 * k) * B;
+        for (uint32_t u = 0; u < B; u++) {
+            /* k·u mod B (64-bit product, no overflow) keeps the angle in [0, 2π): cos/sin of a
+             * reduced argument are accurate to about an ulp of double, far below the fp32
+             * rounding that follows. */
+            uint64_t ku = ((uint64_t)k * u) % B;
+            double a = two_pi * (double)ku / (double)B;
+            cosc[u] = (float)(ck * cos(a));
+            sinc[u] = (float)(ck * sin(a));
+        }
+    }
+    return 0;
+}
+
+size_t kvt__sigma_scratch_floats(uint32_t B, uint32_t n_basis, uint32_t branch_dim) {
+    if (B < KVT__SIGMA_LEAF_ROWS)
+        return 0;
+    return (size_t)(B / KVT__SIGMA_LEAF_ROWS) * n_basis * branch_dim;
+}
+
+static inline const uint8_t *row_at(const uint8_t *base, const int32_t *slots, uint32_t u,
+                                    size_t stride) {
+    return base + (size_t)slots[u] * stride;
+}
+
+void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
+                          size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,
+                          uint32_t branch_dim, const float *basis, uint32_t n_basis, float *scratch,
+                          float *sigma_out) {
+    KVT_ASSERT(B >= KVT__SIGMA_LEAF_ROWS && is_pow2(B));
+    KVT_ASSERT(branch_dim >= 1 && branch_dim <= KVT__SIGMA_MAX_BRANCH_DIM);
+    KVT_ASSERT(n_basis >= 1 && n_basis < B);
+    const uint32_t D = branch_dim;
+    const uint32_t P = B / KVT__SIGMA_LEAF_ROWS;
+    const size_t part_floats = (size_t)n_basis * D; /* one partial Y: [n_basis][D] */
+    float r[KVT__SIGMA_MAX_BRANCH_DIM];
+
+    /* Step 1a: leaf partials. Each accumulator part[p][j][d] sees u ascending within its leaf;
+     * looping j and d inside u changes nothing about that order. */
+    for (uint32_t p = 0; p < P; p++) {
+        float *part = scratch + (size_t)p * part_floats;
+        for (size_t e = 0; e < part_floats; e++)
+            part[e] = 0.0f;
+        for (uint32_t u = p * KVT__SIGMA_LEAF_ROWS; u < (p + 1) * KVT__SIGMA_LEAF_ROWS; u++) {
+            const uint8_t *row = row_at(base, slots, u, slot_stride_bytes);
+            for (uint32_t d = 0; d < D; d++)
+                r[d] = kvt__sigma_branch_val(row, branch_offset, branch_dtype, d);
+            for (uint32_t j = 0; j < n_basis; j++) {
+                const float c = basis[(size_t)j * B + u];
+                float *pj = part + (size_t)j * D;
+                for (uint32_t d = 0; d < D; d++)
+                    pj[d] = kvt__sigma_leaf_step(pj[d], c, r[d]);
+            }
+        }
+    }
+    /* Step 1b: stride-halving tree over the P leaves; Y ends in leaf 0. */
+    for (uint32_t s = P / 2; s >= 1; s >>= 1) {
+        for (uint32_t i = 0; i < s; i++) {
+            float *a = scratch + (size_t)i * part_floats;
+            const float *b = scratch + (size_t)(i + s) * part_floats;
+            for (size_t e = 0; e < part_floats; e++)
+                a[e] = a[e] + b[e];
+        }
+    }
+    const float *Y = scratch;
+
+    /* Steps 2 and 3: per row, residual against the low-pass reconstruction, then its norm. */
+    for (uint32_t u = 0; u < B; u++) {
+        const uint8_t *row = row_at(base, slots, u, slot_stride_bytes);
+        for (uint32_t d = 0; d < D; d++) {
+            float x = kvt__sigma_branch_val(row, branch_offset, branch_dtype, d);
+            float rec = kvt__sigma_recon(basis, B, n_basis, u, Y, D, d);
+            r[d] = kvt__sigma_residual(x, rec);
+        }
+        sigma_out[u] = kvt__norm_fixed(r, D);
+    }
+}
+
+void kvt__branch_norm_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
+                          size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,
+                          uint32_t branch_dim, float *out) {
+    for (uint32_t u = 0; u < n_rows; u++) {
+        const uint8_t *row = row_at(base, slots, u, slot_stride_bytes);
+        out[u] = kvt__elem_norm_fixed(row + branch_offset, branch_dtype, branch_dim);
+    }
+}
+
+void kvt__row_norm_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
+                       size_t slot_stride_bytes, int dtype, uint32_t n_values, float *out) {
+    for (uint32_t u = 0; u < n_rows; u++) {
+        const uint8_t *row = row_at(base, slots, u, slot_stride_bytes);
+        out[u] = kvt__elem_norm_fixed(row, dtype, n_values);
+    }
+}

@@ -1,0 +1,435 @@
+/*
+ * test_sigma.c — σ (low-pass Fourier residual of the branch) against an independent double
+ * computation, the Fourier basis, and the norm ablations.
+ *
+ * The reference never touches kvt__fourier_basis: per channel it takes the explicit DFT
+ * coefficients a_k = Σ_u x_u cos(2πku/B), b_k = Σ_u x_u sin(2πku/B) for k < κ in double and
+ * subtracts the low-pass signal a_0/B + (2/B) Σ_{k≥1} (a_k cos + b_k sin) from x, then takes the
+ * norm of what is left over the channels.
+ */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/sigma.h"
+#include "support/testutil.h"
+
+#define D 64u
+#define TWO_PI 6.283185307179586476925286766559
+#define N_GUARD 16
+static const float GUARD_F = -12345.678f;
+
+typedef struct layout {
+    const char *name;
+    size_t stride_bytes;
+    uint32_t branch_offset;
+    int dt;
+} layout;
+
+static const layout LAYOUTS[] = {
+    {"MLA bf16 row (1152 B, branch @1024)", 1152, 1024, KVT__DT_BF16},
+    {"ds_mla fp8 row (656 B, bf16 branch @528)", 656, 528, KVT__DT_BF16},
+    {"MLA fp16 row (1152 B, branch @1024)", 1152, 1024, KVT__DT_FP16},
+    {"MLA fp32 row (2304 B, branch @2048)", 2304, 2048, KVT__DT_FP32},
+};
+
+/* Max |σ − σ_ref| / (block's largest branch norm), per branch dtype, over every block tested. */
+static double g_max_rel[3];
+
+/* A block of B rows scattered over a pool of B + B/2 slots (a random permutation subset). Every
+ * byte of the pool is 0xFF (NaN in bf16, fp16 and fp32) except the branches written through
+ * set(), so reading anything but the block's branch bytes poisons σ. */
+typedef struct block {
+    uint8_t *pool;
+    int32_t *slots;
+    uint32_t B;
+    const layout *L;
+} block;
+
+static void block_init(block *b, const layout *L, uint32_t B, tu_rng *rng) {
+    uint32_t n_slots = B + B / 2;
+    b->L = L;
+    b->B = B;
+    b->pool = malloc(n_slots * L->stride_bytes);
+    b->slots = malloc(n_slots * sizeof *b->slots);
+    cr_assert(b->pool && b->slots);
+    memset(b->pool, 0xff, n_slots * L->stride_bytes);
+    for (uint32_t i = 0; i < n_slots; i++)
+        b->slots[i] = (int32_t)i;
+    for (uint32_t i = n_slots - 1; i > 0; i--) { /* Fisher-Yates */
+        uint32_t j = (uint32_t)(tu_next(rng) % (i + 1));
+        int32_t t = b->slots[i];
+        b->slots[i] = b->slots[j];
+        b->slots[j] = t;
+    }
+}
+
+static void block_free(block *b) {
+    free(b->pool);
+    free(b->slots);
+}
+
+static uint8_t *row_ptr(const block *b, uint32_t u) {
+    return b->pool + (size_t)b->slots[u] * b->L->stride_bytes;
+}
+
+static void set(block *b, uint32_t u, uint32_t d, double v) {
+    kvt__store_elem(row_ptr(b, u) + b->L->branch_offset, b->L->dt, d, (float)v);
+}
+
+static double get(const block *b, uint32_t u, uint32_t d) {
+    return (double)kvt__load_elem(row_ptr(b, u) + b->L->branch_offset, b->L->dt, d);
+}
+
+/* Independent double reference (see the top of the file). */
+static void sigma_ref(const block *b, uint32_t kappa, double *sig) {
+    const uint32_t B = b->B;
+    double *ct = malloc(B * sizeof *ct), *st = malloc(B * sizeof *st);
+    double *x = malloc(B * sizeof *x), *ss = calloc(B, sizeof *ss);
+    cr_assert(ct && st && x && ss);
+    for (uint32_t t = 0; t < B; t++) {
+        ct[t] = cos(TWO_PI * (double)t / (double)B);
+        st[t] = sin(TWO_PI * (double)t / (double)B);
+    }
+    for (uint32_t d = 0; d < D; d++) {
+        for (uint32_t u = 0; u < B; u++)
+            x[u] = get(b, u, d);
+        double ak[KVT__SIGMA_MAX_BRANCH_DIM * 8], bk[KVT__SIGMA_MAX_BRANCH_DIM * 8];
+        cr_assert(kappa <= sizeof ak / sizeof ak[0]);
+        for (uint32_t k = 0; k < kappa; k++) {
+            double sa = 0, sb = 0;
+            for (uint32_t u = 0; u < B; u++) {
+                uint32_t t = (uint32_t)(((uint64_t)k * u) % B);
+                sa += x[u] * ct[t];
+                sb += x[u] * st[t];
+            }
+            ak[k] = sa;
+            bk[k] = sb;
+        }
+        for (uint32_t u = 0; u < B; u++) {
+            double lp = ak[0] / B;
+            for (uint32_t k = 1; k < kappa; k++) {
+                uint32_t t = (uint32_t)(((uint64_t)k * u) % B);
+                lp += (2.0 / B) * (ak[k] * ct[t] + bk[k] * st[t]);
+            }
+            double e = x[u] - lp;
+            ss[u] += e * e;
+        }
+    }
+    for (uint32_t u = 0; u < B; u++)
+        sig[u] = sqrt(ss[u]);
+    free(ct);
+    free(st);
+    free(x);
+    free(ss);
+}
+
+static double max_branch_norm(const block *b) {
+    double mx = 0;
+    for (uint32_t u = 0; u < b->B; u++) {
+        double s = 0;
+        for (uint32_t d = 0; d < D; d++)
+            s += get(b, u, d) * get(b, u, d);
+        mx = fmax(mx, sqrt(s));
+    }
+    return mx;
+}
+
+/* Run kvt__sigma_block_cpu with guard floats after scratch and output. */
+static float *run_sigma(const block *b, uint32_t kappa) {
+    const uint32_t B = b->B, nb = 2 * kappa - 1;
+    float *basis = malloc((size_t)nb * B * sizeof *basis);
+    cr_assert_eq(kvt__fourier_basis(B, kappa, basis), 0);
+    size_t ns = kvt__sigma_scratch_floats(B, nb, D);
+    float *scratch = malloc((ns + N_GUARD) * sizeof *scratch);
+    float *out = malloc((B + N_GUARD) * sizeof *out);
+    for (int g = 0; g < N_GUARD; g++)
+        scratch[ns + g] = out[B + g] = GUARD_F;
+    kvt__sigma_block_cpu(b->pool, b->slots, B, b->L->stride_bytes, b->L->branch_offset, b->L->dt, D,
+                         basis, nb, scratch, out);
+    for (int g = 0; g < N_GUARD; g++) {
+        cr_assert_eq(scratch[ns + g], GUARD_F, "write past scratch (B=%u kappa=%u)", B, kappa);
+        cr_assert_eq(out[B + g], GUARD_F, "write past sigma_out (B=%u kappa=%u)", B, kappa);
+    }
+    free(basis);
+    free(scratch);
+    return out;
+}
+
+/* Drift + DC + noise: per channel a DC offset, low-frequency sinusoids and a linear ramp (not
+ * periodic: leaks into every bin), all ~1000x the noise. in_band: sinusoids strictly below κ and
+ * no ramp, so the low-pass part explains everything but the noise and σ is the small difference
+ * of large numbers (the hard cancellation case); otherwise some sinusoids sit just above κ. */
+static void fill_drift(block *b, uint32_t kappa, tu_rng *rng, double noise, double drift, double dc,
+                       int in_band) {
+    const uint32_t B = b->B;
+    for (uint32_t d = 0; d < D; d++) {
+        double off = dc * (1.0 + 0.5 * tu_uniform(rng)) * ((d & 1) ? -1 : 1);
+        double amp[4], ph[4];
+        uint32_t kk[4];
+        for (int i = 0; i < 4; i++) {
+            amp[i] = drift * (0.2 + tu_uniform(rng));
+            ph[i] = TWO_PI * tu_uniform(rng);
+            kk[i] = (uint32_t)(tu_next(rng) % (in_band ? kappa : kappa + 2));
+        }
+        double ramp = in_band ? 0.0 : drift * (tu_uniform(rng) - 0.5);
+        for (uint32_t u = 0; u < B; u++) {
+            double v = off + ramp * (double)u / B;
+            for (int i = 0; i < 4; i++)
+                v += amp[i] * cos(TWO_PI * kk[i] * (double)u / B + ph[i]);
+            v += noise * tu_normal(rng);
+            set(b, u, d, v);
+        }
+    }
+}
+
+static void check_block(block *b, uint32_t kappa, uint64_t seed, const char *what) {
+    const uint32_t B = b->B;
+    float *s = run_sigma(b, kappa);
+    double *ref = malloc(B * sizeof *ref);
+    sigma_ref(b, kappa, ref);
+    double scale = max_branch_norm(b), worst = 0, ref_mean = 0, worst_rel_sigma = 0;
+    uint32_t worst_u = 0;
+    for (uint32_t u = 0; u < B; u++) {
+        cr_assert(isfinite(s[u]), "%s [%s] B=%u kappa=%u seed=%llu: sigma[%u] not finite", what,
+                  b->L->name, B, kappa, (unsigned long long)seed, u);
+        double e = fabs((double)s[u] - ref[u]);
+        if (e > worst) {
+            worst = e;
+            worst_u = u;
+        }
+        ref_mean += ref[u] / B;
+        if (ref[u] > 0)
+            worst_rel_sigma = fmax(worst_rel_sigma, e / ref[u]);
+    }
+    double rel = worst / scale;
+    if (rel > g_max_rel[b->L->dt])
+        g_max_rel[b->L->dt] = rel;
+    printf("sigma %-40s %-9s B=%-5u kappa=%-3u max|d|/maxnorm=%.2e max|d|/sigma_ref=%.1e "
+           "(mean sigma_ref/maxnorm %.1e)\n",
+           b->L->name, what, B, kappa, rel, worst_rel_sigma, ref_mean / scale);
+    cr_assert_leq(worst, 1e-5 * scale,
+                  "%s [%s] B=%u kappa=%u seed=%llu: |sigma - ref| = %.3e at u=%u (sigma %.9g, "
+                  "ref %.9g), limit 1e-5 x %.6g",
+                  what, b->L->name, B, kappa, (unsigned long long)seed, worst, worst_u,
+                  (double)s[worst_u], ref[worst_u], scale);
+    free(s);
+    free(ref);
+}
+
+Test(sigma, matches_double_reference) {
+    struct {
+        uint32_t B, kappa;
+    } cases[] = {{64, 16}, {64, 1}, {64, 32}, {1024, 16}, {1024, 5}, {4096, 16}, {4096, 3}};
+    for (size_t l = 0; l < sizeof LAYOUTS / sizeof LAYOUTS[0]; l++) {
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            uint64_t seed = 0x5157a000u + 31 * l + c;
+            tu_rng rng = {seed};
+            block b;
+            block_init(&b, &LAYOUTS[l], cases[c].B, &rng);
+            /* Hard cancellation: drift 1000x the noise, DC offset 3000x. */
+            fill_drift(&b, cases[c].kappa, &rng, 0.01, 10.0, 30.0, 1);
+            check_block(&b, cases[c].kappa, seed, "inband+DC");
+            fill_drift(&b, cases[c].kappa, &rng, 0.01, 10.0, 30.0, 0);
+            check_block(&b, cases[c].kappa, seed, "drift+DC");
+            /* Plain noise: sigma close to the branch norm. */
+            for (uint32_t u = 0; u < b.B; u++)
+                for (uint32_t d = 0; d < D; d++)
+                    set(&b, u, d, tu_normal(&rng));
+            check_block(&b, cases[c].kappa, seed, "noise");
+            block_free(&b);
+        }
+    }
+    printf("sigma max |sigma - ref| / block max branch norm: bf16 %.2e  fp16 %.2e  fp32 %.2e\n",
+           g_max_rel[KVT__DT_BF16], g_max_rel[KVT__DT_FP16], g_max_rel[KVT__DT_FP32]);
+}
+
+/* A row whose branch is flipped (same norm, a one-row event: high frequency along u) gets a large
+ * sigma; the smooth rows of the same norm get ~0. Channel pairs (2i, 2i+1) rotate at in-band
+ * frequencies, a_i (cos θ_i(u), sin θ_i(u)), so every row has the same norm N. The flip adds
+ * v = −2 r_u0 at u0 alone; its residual is v (1 − (2κ−1)/B) at u0 and at most |v| (2κ−1)/B
+ * elsewhere (Σ_j C_j(u0)² = (2κ−1)/B). */
+Test(sigma, spike_versus_smooth) {
+    struct {
+        uint32_t B, kappa;
+    } cases[] = {{4096, 16}, {256, 4}, {1024, 16}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const uint32_t B = cases[c].B, kappa = cases[c].kappa;
+        uint64_t seed = 0xabc0 + c;
+        tu_rng rng = {seed};
+        block b;
+        block_init(&b, &LAYOUTS[3], B, &rng); /* fp32 rows: the smooth signal is stored exactly */
+        double n2 = 0;
+        for (uint32_t i = 0; i < D / 2; i++) {
+            double a = 1.0 + tu_uniform(&rng);
+            double ph = TWO_PI * tu_uniform(&rng);
+            uint32_t k = (uint32_t)(tu_next(&rng) % kappa);
+            n2 += a * a;
+            for (uint32_t u = 0; u < B; u++) {
+                double th = TWO_PI * (double)k * u / B + ph;
+                set(&b, u, 2 * i, a * cos(th));
+                set(&b, u, 2 * i + 1, a * sin(th));
+            }
+        }
+        const double N = sqrt(n2);
+        float *s = run_sigma(&b, kappa);
+        for (uint32_t u = 0; u < B; u++)
+            cr_assert_leq(s[u], 1e-5 * N, "B=%u seed=%llu: smooth row %u sigma %g (norm %g)", B,
+                          (unsigned long long)seed, u, (double)s[u], N);
+        free(s);
+
+        const uint32_t u0 = B / 3;
+        for (uint32_t d = 0; d < D; d++)
+            set(&b, u0, d, -get(&b, u0, d));
+        s = run_sigma(&b, kappa);
+        const double frac = (2.0 * kappa - 1) / B;
+        double expect = 2 * N * (1 - frac);
+        cr_assert(fabs(s[u0] - expect) <= 1e-4 * expect,
+                  "B=%u seed=%llu: spike sigma %g, expected %g", B, (unsigned long long)seed,
+                  (double)s[u0], expect);
+        for (uint32_t u = 0; u < B; u++)
+            if (u != u0)
+                cr_assert_leq(s[u], 2 * N * frac + 1e-5 * N, "B=%u: row %u sigma %g", B, u,
+                              (double)s[u]);
+        /* A smooth row with the same norm as the spike row: ~0 next to ~2N. */
+        cr_assert_lt(s[u0 + B / 4], 0.05 * s[u0]);
+        free(s);
+        block_free(&b);
+    }
+}
+
+Test(sigma, deterministic_and_gather_independent) {
+    const uint32_t B = 1024, kappa = 16;
+    uint64_t seed = 31337;
+    tu_rng rng = {seed};
+    block a, b;
+    block_init(&a, &LAYOUTS[0], B, &rng);
+    block_init(&b, &LAYOUTS[1], B, &rng); /* other stride, offset and slot permutation */
+    fill_drift(&a, kappa, &rng, 0.1, 5.0, 2.0, 0);
+    for (uint32_t u = 0; u < B; u++)
+        for (uint32_t d = 0; d < D; d++)
+            set(&b, u, d, get(&a, u, d));
+    float *s1 = run_sigma(&a, kappa), *s2 = run_sigma(&a, kappa), *s3 = run_sigma(&b, kappa);
+    cr_assert(memcmp(s1, s2, B * sizeof *s1) == 0, "two runs differ");
+    cr_assert(memcmp(s1, s3, B * sizeof *s1) == 0, "same rows, other layout: bits differ");
+    free(s1);
+    free(s2);
+    free(s3);
+    block_free(&a);
+    block_free(&b);
+}
+
+Test(sigma, nonfinite_propagates) {
+    const uint32_t B = 64, kappa = 4;
+    uint64_t seed = 5;
+    tu_rng rng = {seed};
+    block b;
+    block_init(&b, &LAYOUTS[3], B, &rng);
+    for (uint32_t u = 0; u < B; u++)
+        for (uint32_t d = 0; d < D; d++)
+            set(&b, u, d, tu_normal(&rng));
+    set(&b, 10, 7, NAN);
+    float *s = run_sigma(&b, kappa);
+    cr_assert(!isfinite(s[10]));
+    free(s);
+    set(&b, 10, 7, INFINITY);
+    s = run_sigma(&b, kappa);
+    cr_assert(!isfinite(s[10]));
+    free(s);
+    block_free(&b);
+}
+
+Test(sigma, basis_orthonormal) {
+    struct {
+        uint32_t B, kappa;
+    } cases[] = {{64, 1},    {64, 16},   {64, 32},  {128, 64}, {256, 128},
+                 {1024, 16}, {4096, 16}, {4096, 1}, {65536, 4}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const uint32_t B = cases[c].B, kappa = cases[c].kappa, nb = 2 * kappa - 1;
+        float *basis = malloc((size_t)nb * B * sizeof *basis);
+        cr_assert_eq(kvt__fourier_basis(B, kappa, basis), 0);
+        double worst = 0;
+        for (uint32_t i = 0; i < nb; i++)
+            for (uint32_t j = i; j < nb; j++) {
+                double g = 0;
+                for (uint32_t u = 0; u < B; u++)
+                    g += (double)basis[(size_t)i * B + u] * basis[(size_t)j * B + u];
+                worst = fmax(worst, fabs(g - (i == j ? 1.0 : 0.0)));
+            }
+        cr_assert_leq(worst, 1e-6, "B=%u kappa=%u: |CᵀC − I| = %g", B, kappa, worst);
+        /* Column layout: 1/√B, then cos k, sin k. */
+        cr_assert_float_eq(basis[5], (float)(1 / sqrt((double)B)), 1e-9);
+        if (kappa > 1) {
+            cr_assert_float_eq(basis[(size_t)1 * B + 0], (float)sqrt(2.0 / B), 1e-9);
+            cr_assert_float_eq(basis[(size_t)2 * B + 0], 0.0f, 1e-9);
+            cr_assert_float_eq(basis[(size_t)2 * B + B / 4], (float)sqrt(2.0 / B), 1e-9);
+        }
+        free(basis);
+    }
+}
+
+Test(sigma, basis_rejects_bad_arguments) {
+    float buf[64 * 64];
+    cr_assert_eq(kvt__fourier_basis(32, 4, buf), -1);
+    cr_assert_eq(kvt__fourier_basis(0, 4, buf), -1);
+    cr_assert_eq(kvt__fourier_basis(96, 4, buf), -1);
+    cr_assert_eq(kvt__fourier_basis(100, 4, buf), -1);
+    cr_assert_eq(kvt__fourier_basis(64, 0, buf), -1);
+    cr_assert_eq(kvt__fourier_basis(64, 33, buf), -1);
+    cr_assert_eq(kvt__fourier_basis(64, 4, NULL), -1);
+    cr_assert_eq(kvt__fourier_basis(64, 32, buf), 0);
+    cr_assert_eq(kvt__sigma_scratch_floats(4096, 31, 64), (size_t)64 * 31 * 64);
+    cr_assert_eq(kvt__sigma_scratch_floats(64, 31, 64), (size_t)31 * 64);
+}
+
+Test(sigma, norm_ablations) {
+    static const struct {
+        int dt;
+        size_t stride;
+        uint32_t n_values, branch_offset;
+    } cases[] = {
+        {KVT__DT_BF16, 1152, 576, 1024},
+        {KVT__DT_FP16, 1152, 576, 1024},
+        {KVT__DT_FP32, 2304, 576, 2048},
+        {KVT__DT_BF16, 200, 100, 72}, /* odd sizes: 100 values, 64-value branch at value 36 */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        uint64_t seed = 900 + c;
+        tu_rng rng = {seed};
+        layout L = {"ablation", cases[c].stride, cases[c].branch_offset, cases[c].dt};
+        block b;
+        const uint32_t n = 300;
+        block_init(&b, &L, n, &rng);
+        for (uint32_t u = 0; u < n; u++)
+            for (uint32_t i = 0; i < cases[c].n_values; i++)
+                kvt__store_elem(row_ptr(&b, u), cases[c].dt, i,
+                                (float)(tu_normal(&rng) * (1 + (u % 7)) + (i % 5)));
+        float *bn = malloc((n + N_GUARD) * sizeof *bn), *rn = malloc((n + N_GUARD) * sizeof *rn);
+        for (int g = 0; g < N_GUARD; g++)
+            bn[n + g] = rn[n + g] = GUARD_F;
+        kvt__branch_norm_cpu(b.pool, b.slots, n, L.stride_bytes, L.branch_offset, L.dt, D, bn);
+        kvt__row_norm_cpu(b.pool, b.slots, n, L.stride_bytes, L.dt, cases[c].n_values, rn);
+        for (int g = 0; g < N_GUARD; g++)
+            cr_assert(bn[n + g] == GUARD_F && rn[n + g] == GUARD_F, "write past out");
+        for (uint32_t u = 0; u < n; u++) {
+            double sb = 0, sr = 0;
+            for (uint32_t d = 0; d < D; d++)
+                sb += get(&b, u, d) * get(&b, u, d);
+            for (uint32_t i = 0; i < cases[c].n_values; i++) {
+                double x = kvt__load_elem(row_ptr(&b, u), L.dt, i);
+                sr += x * x;
+            }
+            cr_assert(fabs(bn[u] - sqrt(sb)) <= 2e-6 * sqrt(sb),
+                      "seed=%llu row %u: branch %g vs %g", (unsigned long long)seed, u,
+                      (double)bn[u], sqrt(sb));
+            cr_assert(fabs(rn[u] - sqrt(sr)) <= 2e-6 * sqrt(sr), "seed=%llu row %u: row %g vs %g",
+                      (unsigned long long)seed, u, (double)rn[u], sqrt(sr));
+        }
+        free(bn);
+        free(rn);
+        block_free(&b);
+    }
+}
