@@ -15,7 +15,8 @@
  *                             (as in transformers). Sliding layers from layer_types, else
  *                             mistral: every layer when sliding_window is set; qwen2/qwen3: layers
  *                             i >= max_window_layers when use_sliding_window is true.
- *   qwen3_next                layer_types, else full attention where (i+1) % full_attention_interval
+ *   qwen3_next                layer_types, else full attention where (i+1) %
+ * full_attention_interval
  *                             == 0; the other layers are Gated DeltaNet (no per-token KV).
  *   gemma3_text (gemma3 with  layer_types, else sliding_window_pattern P: layer i global when
  *   a nested text_config)     (i+1) % P == 0, sliding otherwise. Keys the multimodal checkpoints
@@ -26,8 +27,8 @@
  */
 #include "internal.h"
 
-#include <jansson.h>
 #include <errno.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,8 +130,8 @@ enum role { ROLE_UNSET = 0, ROLE_FULL, ROLE_SLIDING, ROLE_NO_KV };
 /* `layer_types`: an array of n strings; names[k] maps to roles[k] (names NULL-terminated).
  * *present is false (and roles untouched) when the key is absent or null. */
 static kvt_status read_layer_types(const parse *p, const json_t *cfg, uint32_t n,
-                                   const char *const *names, const enum role *roles,
-                                   enum role *out, bool *present) {
+                                   const char *const *names, const enum role *roles, enum role *out,
+                                   bool *present) {
     const json_t *lt = json_object_get(cfg, "layer_types");
     *present = false;
     if (!lt || json_is_null(lt))
@@ -173,8 +174,8 @@ static kvt_status read_layer_types(const parse *p, const json_t *cfg, uint32_t n
  * spec with `window`. */
 static kvt_status build_gqa(const parse *p, const char *model_type, kvt_dtype dtype,
                             const enum role *roles, uint32_t n, kvt_layer_kind full,
-                            uint32_t kv_heads, uint32_t head_dim, uint32_t q_heads,
-                            uint32_t window, kvt_model **out) {
+                            uint32_t kv_heads, uint32_t head_dim, uint32_t q_heads, uint32_t window,
+                            kvt_model **out) {
     kvt_layer_spec *specs = calloc(n, sizeof *specs);
     if (!specs)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer specs");
@@ -248,8 +249,8 @@ static kvt_status read_mla_dims(const parse *p, const json_t *cfg, uint32_t *n_l
 }
 
 static kvt_status build_mla(const parse *p, const char *model_type, kvt_dtype dtype,
-                            const enum role *roles, uint32_t n, kvt_layer_kind kind,
-                            uint32_t rank, uint32_t rope, uint32_t q_heads, kvt_model **out) {
+                            const enum role *roles, uint32_t n, kvt_layer_kind kind, uint32_t rank,
+                            uint32_t rope, uint32_t q_heads, kvt_model **out) {
     kvt_layer_spec *specs = calloc(n, sizeof *specs);
     if (!specs)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer specs");
@@ -471,10 +472,8 @@ static kvt_status read_gemma3(const parse *p, const json_t *cfg, const char *mod
     uint32_t n, q_heads, kv_heads, head_dim, window, pattern;
     kvt_status s;
     if ((s = get_dim(p, cfg, "num_hidden_layers", CENSUS_MAX_LAYERS, &n)) != KVT_OK ||
-        (s = get_dim_or(p, cfg, "num_attention_heads", CENSUS_MAX_HEADS, 8, &q_heads)) !=
-            KVT_OK ||
-        (s = get_dim_or(p, cfg, "num_key_value_heads", CENSUS_MAX_HEADS, 4, &kv_heads)) !=
-            KVT_OK ||
+        (s = get_dim_or(p, cfg, "num_attention_heads", CENSUS_MAX_HEADS, 8, &q_heads)) != KVT_OK ||
+        (s = get_dim_or(p, cfg, "num_key_value_heads", CENSUS_MAX_HEADS, 4, &kv_heads)) != KVT_OK ||
         (s = check_groups(p, q_heads, kv_heads)) != KVT_OK ||
         (s = get_dim_or(p, cfg, "head_dim", CENSUS_MAX_HEAD_DIM, 256, &head_dim)) != KVT_OK ||
         (s = get_dim_or(p, cfg, "sliding_window", CENSUS_MAX_WINDOW, 4096, &window)) != KVT_OK)
@@ -505,11 +504,9 @@ static const struct family {
     const char *model_type;
     family_reader read;
 } k_families[] = {
-    {"deepseek_v2", read_deepseek}, {"deepseek_v3", read_deepseek},
-    {"kimi_linear", read_kimi},     {"qwen3", read_gqa_family},
-    {"qwen2", read_gqa_family},     {"llama", read_gqa_family},
-    {"mistral", read_gqa_family},   {"qwen3_next", read_qwen3_next},
-    {"gemma3_text", read_gemma3},
+    {"deepseek_v2", read_deepseek}, {"deepseek_v3", read_deepseek},  {"kimi_linear", read_kimi},
+    {"qwen3", read_gqa_family},     {"qwen2", read_gqa_family},      {"llama", read_gqa_family},
+    {"mistral", read_gqa_family},   {"qwen3_next", read_qwen3_next}, {"gemma3_text", read_gemma3},
 };
 
 static kvt_status from_root(const json_t *root, kvt_dtype dtype, kvt_model **out, char *err,
