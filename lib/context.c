@@ -259,6 +259,13 @@ fail:
     return s;
 }
 
+kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out, char *err,
+                                  size_t len) {
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = model;
+    return kvt_ctx_create(&p, out, err, len);
+}
+
 const char *kvt_ctx_last_error(const kvt_ctx *ctx) {
     return ctx ? ctx->last_error : "context is NULL";
 }

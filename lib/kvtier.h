@@ -271,6 +271,10 @@ KVT_API kvt_ctx_params kvt_ctx_default_params(void);
  * absent), KVT_ERR_OUT_OF_MEMORY. err may be NULL; *out is NULL on failure. */
 KVT_API kvt_status kvt_ctx_create(const kvt_ctx_params *params, kvt_ctx **out, char *err,
                                   size_t err_len);
+/* kvt_ctx_create with kvt_ctx_default_params() and the given model: for foreign-function callers
+ * (Python ctypes) that would rather not mirror the parameter struct. */
+KVT_API kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out, char *err,
+                                          size_t err_len);
 /* Destroys every sequence still alive. NULL is a no-op. */
 KVT_API void kvt_ctx_destroy(kvt_ctx *ctx);
 /* Detail of the last error returned by a call on ctx or one of its sequences ("" if none). */
