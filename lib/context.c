@@ -90,6 +90,12 @@ static kvt_status resolve_policies(kvt_ctx *ctx, const kvt_ctx_params *p, char *
                                  "content: needle 0.89 -> 0.08 at 32x in the source paper)",
                                  i, i, kvt_layer_kind_name(sp->kind));
         }
+        if (pol == KVT_POLICY_SALIENCE && ctx->cfg.selector == KVT_SELECT_ROW_NORM &&
+            sp->dtype == KVT_DTYPE_FP8_E4M3)
+            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                             "config.selector: the row-norm ablation cannot read fp8 rows (layer "
+                             "%u) without their scales",
+                             i);
         if (pol == KVT_POLICY_EVICT && ctx->cfg.evict_vase && sp->dtype == KVT_DTYPE_FP8_E4M3)
             return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
                              "config.evict_vase: value range of fp8 rows (layer %u) needs their "
