@@ -91,7 +91,7 @@ typedef struct kvt_trace_target {
 } kvt_trace_target;
 
 /* What a reader knows about one traced layer. */
-typedef struct kvt_trace_layer_info {
+typedef struct kvt_trace_layer {
     uint32_t layer;      /* model layer index */
     kvt_layer_spec spec;
     uint64_t n_tokens;   /* rows per plane (every plane has the same count) */
@@ -99,7 +99,7 @@ typedef struct kvt_trace_layer_info {
     kvt_dtype q_dtype;   /* KVT_DTYPE_FP32 or KVT_DTYPE_BF16 (meaningful when n_steps > 0) */
     uint32_t n_q_heads;  /* query heads per step */
     uint32_t q_dim;      /* elements per head (MLA absorbed: 576) */
-} kvt_trace_layer_info;
+} kvt_trace_layer;
 
 /* ---------------------------------------------------------------------------------------------
  * Writer. Sections are appended in call order; nothing is buffered beyond stdio's buffer, so a
@@ -219,10 +219,10 @@ KVT_API const char *kvt_trace_text(const kvt_trace *t, size_t *len);
 /* Traced layers, in the order the file declares them: i in [0, kvt_trace_n_layers). */
 KVT_API uint32_t kvt_trace_n_layers(const kvt_trace *t);
 /* KVT_ERR_OUT_OF_RANGE when i >= n_layers; KVT_ERR_INVALID_ARGUMENT on NULL. */
-KVT_API kvt_status kvt_trace_layer_info(const kvt_trace *t, uint32_t i, kvt_trace_layer_info *out);
+KVT_API kvt_status kvt_trace_layer_info(const kvt_trace *t, uint32_t i, kvt_trace_layer *out);
 /* Info by model layer index; KVT_ERR_OUT_OF_RANGE when the trace does not carry that layer. */
 KVT_API kvt_status kvt_trace_find_layer(const kvt_trace *t, uint32_t layer,
-                                        kvt_trace_layer_info *out);
+                                        kvt_trace_layer *out);
 
 /* Copy rows [first, first + n) of one plane of a layer into dst ([token][kv_head][row_bytes]);
  * dst_bytes must be at least n * n_kv_heads * row_bytes. A chunk the range covers entirely has its

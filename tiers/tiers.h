@@ -128,7 +128,9 @@ typedef struct kvt__ev_archive {
     uint64_t bytes_cap;   /* in bytes */
     int64_t *pos;         /* [n] original positions, in order of archiving */
     uint64_t *by_pos;     /* [n] indices into pos/bytes, sorted by position (lookup) */
-    uint64_t n, cap;
+    uint64_t n, cap;      /* cap: capacity of pos[] */
+    uint64_t by_pos_cap;  /* capacity of by_pos[] (grown separately: each array keeps its own
+                           * capacity so sized deallocation always gets the true size) */
 } kvt__ev_archive;
 
 typedef struct kvt__ev {
@@ -137,6 +139,7 @@ typedef struct kvt__ev {
     uint64_t pos_cap;
     int32_t *last_map;    /* [n_heads][last_n]: old row index -> new row index or -1 */
     uint64_t last_n, last_map_cap;
+    uint64_t last_kept;   /* rows per head right after the last round (K + r) */
     uint64_t rounds;
     uint64_t dropped;     /* summed over heads */
     bool prompt_over_budget;
@@ -153,19 +156,28 @@ kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows);
 void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n);
 /* Does a group holding n_rows need a round? (n_rows >= K + r + c) */
 bool kvt__ev_round_due(const kvt_config *cfg, uint64_t n_rows);
+/* Rows of the prefix of positions every round keeps: the prompt (when cfg->protect_prompt; its
+ * first K - 1 rows when the prompt alone reaches K), and with cfg->evict_vase at least the first
+ * 4 rows; never more than K. */
+uint64_t kvt__ev_protected_rows(const kvt_config *cfg, uint64_t prompt_rows);
 /* Run one round on every layer of an evict group of one sequence: per layer and head choose the
  * K kept rows among candidates (all but the newest r), archive or drop the others, compact each
  * head's survivors to the front in chronological order, then shrink the page table to K + r rows
  * and return trailing pages to the pool. prompt_rows are protected (when cfg->protect_prompt).
- * layers[i] / states[i] for the n_layers layers of the group. */
+ * stores[i] / states[i] for the n_layers layers of the group. Every allocation happens before
+ * anything moves: KVT_ERR_OUT_OF_MEMORY (or a backend error during selection) leaves every
+ * state, the page table and the pool unchanged, and the next commit retries. A group holding
+ * fewer than K + r + c rows is left as it is (KVT_OK). */
 kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
                          uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
                          uint64_t prompt_rows);
-/* Row index of a position for head h, or -1 when not attended. */
+/* Row index of a position for head h, or -1 when not attended. O(log rows). */
 int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos);
-/* Archived row bytes of (head, pos) for one plane, or NULL. */
+/* Archived row bytes of (head, pos) for one plane, or NULL. O(log archived). */
 const uint8_t *kvt__ev_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
                                 uint32_t plane, uint64_t pos);
+/* Full check of one layer's state against its group's page table; `appended` = committed
+ * tokens. Writes the first violation into err (KVT_ERR_INVARIANT). O(rows + archived). */
 kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
                          uint64_t appended, uint64_t prompt_rows, char *err, size_t len);
 
