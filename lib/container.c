@@ -89,8 +89,8 @@ kvt_status kvt__ctr_write_section(kvt__ctr_writer *w, uint32_t type, uint32_t fl
 kvt_status kvt__ctr_writer_finish(kvt__ctr_writer *w) {
     kvt_status s = kvt__ctr_write_section(w, KVT__CTR_SEC_END, 0, NULL, 0);
     if (s == KVT_OK && fflush(w->f) != 0)
-        s = w->error = kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "flush failed: %s",
-                                 strerror(errno));
+        s = w->error =
+            kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "flush failed: %s", strerror(errno));
     if (w->f && fclose(w->f) != 0 && s == KVT_OK)
         s = w->error =
             kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "close failed: %s", strerror(errno));
@@ -172,10 +172,10 @@ void kvt__ctr_close(kvt__ctr_reader *r) {
     r->n_sections = r->cap_sections = 0;
 }
 
-static kvt_status ctr_fail(kvt__ctr_reader *r, char *err, size_t len, kvt_status s,
-                           const char *fmt, ...) KVT__PRINTF(5, 6);
-static kvt_status ctr_fail(kvt__ctr_reader *r, char *err, size_t len, kvt_status s,
-                           const char *fmt, ...) {
+static kvt_status ctr_fail(kvt__ctr_reader *r, char *err, size_t len, kvt_status s, const char *fmt,
+                           ...) KVT__PRINTF(5, 6);
+static kvt_status ctr_fail(kvt__ctr_reader *r, char *err, size_t len, kvt_status s, const char *fmt,
+                           ...) {
     va_list ap;
     va_start(ap, fmt);
     kvt__vfail(err, len, s, fmt, ap);
@@ -263,8 +263,8 @@ kvt_status kvt__ctr_open(kvt__ctr_reader *r, const char *path, uint32_t kind, ch
             return ctr_fail(r, err, len, KVT_ERR_PARSE,
                             "truncated section %zu (type %u) at offset %llu: payload length %llu "
                             "runs past the end of the file (%llu bytes left)",
-                            idx, sec.type, (unsigned long long)off,
-                            (unsigned long long)sec.length, (unsigned long long)room);
+                            idx, sec.type, (unsigned long long)off, (unsigned long long)sec.length,
+                            (unsigned long long)room);
         uint64_t padded = sec.length + ((8 - (sec.length & 7)) & 7);
         if (padded > room)
             return ctr_fail(r, err, len, KVT_ERR_PARSE,

@@ -92,13 +92,13 @@ typedef struct kvt_trace_target {
 
 /* What a reader knows about one traced layer. */
 typedef struct kvt_trace_layer {
-    uint32_t layer;      /* model layer index */
+    uint32_t layer; /* model layer index */
     kvt_layer_spec spec;
-    uint64_t n_tokens;   /* rows per plane (every plane has the same count) */
-    uint64_t n_steps;    /* query steps (0: no queries for this layer) */
-    kvt_dtype q_dtype;   /* KVT_DTYPE_FP32 or KVT_DTYPE_BF16 (meaningful when n_steps > 0) */
-    uint32_t n_q_heads;  /* query heads per step */
-    uint32_t q_dim;      /* elements per head (MLA absorbed: 576) */
+    uint64_t n_tokens;  /* rows per plane (every plane has the same count) */
+    uint64_t n_steps;   /* query steps (0: no queries for this layer) */
+    kvt_dtype q_dtype;  /* KVT_DTYPE_FP32 or KVT_DTYPE_BF16 (meaningful when n_steps > 0) */
+    uint32_t n_q_heads; /* query heads per step */
+    uint32_t q_dim;     /* elements per head (MLA absorbed: 576) */
 } kvt_trace_layer;
 
 /* ---------------------------------------------------------------------------------------------
@@ -221,16 +221,15 @@ KVT_API uint32_t kvt_trace_n_layers(const kvt_trace *t);
 /* KVT_ERR_OUT_OF_RANGE when i >= n_layers; KVT_ERR_INVALID_ARGUMENT on NULL. */
 KVT_API kvt_status kvt_trace_layer_info(const kvt_trace *t, uint32_t i, kvt_trace_layer *out);
 /* Info by model layer index; KVT_ERR_OUT_OF_RANGE when the trace does not carry that layer. */
-KVT_API kvt_status kvt_trace_find_layer(const kvt_trace *t, uint32_t layer,
-                                        kvt_trace_layer *out);
+KVT_API kvt_status kvt_trace_find_layer(const kvt_trace *t, uint32_t layer, kvt_trace_layer *out);
 
 /* Copy rows [first, first + n) of one plane of a layer into dst ([token][kv_head][row_bytes]);
  * dst_bytes must be at least n * n_kv_heads * row_bytes. A chunk the range covers entirely has its
  * CRC checked. Errors: KVT_ERR_INVALID_ARGUMENT (NULL), KVT_ERR_OUT_OF_RANGE (layer not traced,
  * plane, range past n_tokens), KVT_ERR_CAPACITY (dst too small), KVT_ERR_IO, KVT_ERR_CORRUPT (CRC
  * mismatch; dst contents then unspecified). */
-KVT_API kvt_status kvt_trace_read_rows(kvt_trace *t, uint32_t layer, uint32_t plane,
-                                       uint64_t first, uint64_t n, void *dst, size_t dst_bytes);
+KVT_API kvt_status kvt_trace_read_rows(kvt_trace *t, uint32_t layer, uint32_t plane, uint64_t first,
+                                       uint64_t n, void *dst, size_t dst_bytes);
 
 /* Position (rows existing when issued) of query step `step` of a layer.
  * KVT_ERR_OUT_OF_RANGE for an untraced layer or step >= n_steps. */
