@@ -1,0 +1,638 @@
+/*
+ * evict.c — random eviction with prompt protection (DESIGN §2.2), the policy of every MLA-RoPE,
+ * GQA-RoPE and GQA-NoPE layer, with the optional VaSE protection set (§2.3) and archive.
+ *
+ * The round. A (sequence, group) appends rows until it holds K + r + c of them (K = budget,
+ * r = recent window, c = cadence, c = r when 0). Then, for every layer of the group and every KV
+ * head h of it, independently:
+ *
+ *   candidates  = every row but the newest r;
+ *   protected   = the rows whose original position is below L, the protected prefix: the prompt
+ *                 (when cfg->protect_prompt; counted inside K; when the prompt alone reaches K
+ *                 only its first K - 1 rows, so at least one slot stays random, and the stats say
+ *                 prompt_over_budget), and with VaSE at least the first 4 rows;
+ *   VaSE        = (cfg->evict_vase) the top min(K/4, K - protected) other candidates by value
+ *                 range (max - min over the value dimensions), ties to the lower position;
+ *   random      = the rest of K: the candidates left with the largest Philox draws
+ *                     draw(pos) = kvt__philox_draw_at(key, subseq(round, layer, h), pos)
+ *                 (ties to the lower position), selected by the O(n) radix top-m, no sort.
+ *
+ * so every head keeps exactly K candidates plus the r recent rows. The draw of a row depends only
+ * on (seed, request, round, layer, head, position): the CPU and CUDA backends, and the replicas of
+ * a latent cache on several GPUs, make identical choices with no communication. MLA layers have
+ * one latent head, so one draw per layer; cfg->evict_shared_draw gives every head head 0's
+ * stream, which keeps the same positions in every head (the paper's shared-draw control).
+ *
+ * Why per head and never the union. Each head gathers its own K rows. Gathering the union of the
+ * heads' keep sets once would keep 1 - (1 - K/(K+c))^H of the candidates — 90% for 8 heads at a
+ * 4x budget — and free almost nothing: a silent no-op that also throws away the cross-head
+ * redundancy the method relies on (a row lost by one head survives in others).
+ *
+ * Compaction. Every head ends with the same count, K + r, which is what lets every layer of the
+ * group share one page table while holding different positions: row index i of the table holds,
+ * for head h of layer l, position pos[l][h][i]. Each head's survivors move, in chronological
+ * order, to row indices 0..K+r-1 (its own row_bytes slice at head * row_bytes of the slot, in
+ * each plane), through the backend's move_rows; then the table is cut to K + r rows and its
+ * trailing pages go back to the pool — memory really freed, unlike the salience archive.
+ * Moves are listed by ascending destination row index and every source row index is >= its
+ * destination, so applying them in order never overwrites a row still to be read (a destination
+ * row is either evicted or the source of an earlier move). Note that this holds for row indices;
+ * slots need not be monotonic in them (the page table lists pages in the order they were taken).
+ *
+ * Failure safety. Everything a round allocates (scratch, the keep lists of every layer and head,
+ * the published slot maps, the archive growth) is allocated, and every keep set is selected,
+ * before the first byte moves; a failure there returns with nothing observable changed and the
+ * next commit retries the round. From the first move on nothing can fail on the CPU backend.
+ */
+#include "tiers.h"
+
+#include "kernels/kvt_hd.h"
+#include "kernels/philox.h"
+#include "kernels/topm.h"
+
+#include <math.h>
+#include <string.h>
+
+/* First rows VaSE always keeps (its released code's "first 4 tokens", attention sinks). */
+#define KVT__VASE_SINK_ROWS 4u
+
+static uint64_t cadence_rows(const kvt_config *cfg) {
+    return cfg->cadence_rows ? cfg->cadence_rows : cfg->recent_rows;
+}
+
+bool kvt__ev_round_due(const kvt_config *cfg, uint64_t n_rows) {
+    return n_rows >= (uint64_t)cfg->evict_budget_rows + cfg->recent_rows + cadence_rows(cfg);
+}
+
+static bool prompt_over_budget(const kvt_config *cfg, uint64_t prompt_rows) {
+    return cfg->protect_prompt && prompt_rows >= cfg->evict_budget_rows;
+}
+
+uint64_t kvt__ev_protected_rows(const kvt_config *cfg, uint64_t prompt_rows) {
+    uint64_t K = cfg->evict_budget_rows;
+    uint64_t L = 0;
+    if (cfg->protect_prompt)
+        L = prompt_over_budget(cfg, prompt_rows) ? K - 1 : prompt_rows;
+    if (cfg->evict_vase && L < KVT__VASE_SINK_ROWS)
+        L = KVT__VASE_SINK_ROWS;
+    return L < K ? L : K;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* State lifecycle                                                                             */
+/* ------------------------------------------------------------------------------------------- */
+kvt_status kvt__ev_init(kvt__ev *e, const kvt__alloc *a, uint32_t n_heads, bool archive) {
+    memset(e, 0, sizeof *e);
+    if (n_heads == 0)
+        return KVT_ERR_INVALID_ARGUMENT;
+    e->n_heads = n_heads;
+    if (archive) {
+        e->archive = kvt__calloc(a, sizeof *e->archive * n_heads);
+        if (!e->archive)
+            return KVT_ERR_OUT_OF_MEMORY;
+    }
+    return KVT_OK;
+}
+
+static void archive_fini(kvt__ev_archive *ar, const kvt__alloc *a) {
+    kvt__free(a, ar->bytes, ar->bytes_cap);
+    kvt__free(a, ar->pos, sizeof *ar->pos * ar->cap);
+    kvt__free(a, ar->by_pos, sizeof *ar->by_pos * ar->by_pos_cap);
+    memset(ar, 0, sizeof *ar);
+}
+
+void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a) {
+    if (e->archive) {
+        for (uint32_t h = 0; h < e->n_heads; h++)
+            archive_fini(&e->archive[h], a);
+        kvt__free(a, e->archive, sizeof *e->archive * e->n_heads);
+    }
+    kvt__free(a, e->pos, sizeof *e->pos * e->n_heads * e->pos_cap);
+    kvt__free(a, e->last_map, sizeof *e->last_map * e->last_map_cap);
+    memset(e, 0, sizeof *e);
+}
+
+kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows) {
+    if (rows <= e->pos_cap)
+        return KVT_OK;
+    /* Doubling keeps the per-token cost of decode-time reserves O(1) amortised. The rows of a
+     * head are strided by pos_cap, so growth re-lays every head out (no realloc). */
+    uint64_t cap = e->pos_cap ? e->pos_cap : 64;
+    while (cap < rows) {
+        if (cap > UINT64_MAX / 2)
+            return KVT_ERR_OUT_OF_MEMORY;
+        cap *= 2;
+    }
+    if (cap > SIZE_MAX / sizeof *e->pos / e->n_heads)
+        return KVT_ERR_OUT_OF_MEMORY;
+    int64_t *p = kvt__malloc(a, sizeof *p * e->n_heads * cap);
+    if (!p)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t h = 0; h < e->n_heads && e->pos_cap; h++)
+        memcpy(p + (size_t)h * cap, e->pos + (size_t)h * e->pos_cap, sizeof *p * e->pos_cap);
+    kvt__free(a, e->pos, sizeof *e->pos * e->n_heads * e->pos_cap);
+    e->pos = p;
+    e->pos_cap = cap;
+    return KVT_OK;
+}
+
+void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n) {
+    KVT_ASSERT(first_row + n <= e->pos_cap);
+    for (uint32_t h = 0; h < e->n_heads; h++) {
+        int64_t *P = e->pos + (size_t)h * e->pos_cap + first_row;
+        for (uint64_t i = 0; i < n; i++)
+            P[i] = (int64_t)(first_pos + i);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Lookups                                                                                     */
+/* ------------------------------------------------------------------------------------------- */
+int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos) {
+    if (head >= e->n_heads || !e->pos)
+        return -1;
+    const int64_t *P = e->pos + (size_t)head * e->pos_cap;
+    uint64_t lo = 0, hi = pt->n_rows;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if ((uint64_t)P[mid] < pos)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < pt->n_rows && (uint64_t)P[lo] == pos ? (int64_t)lo : -1;
+}
+
+/* Index into the archive's arrays of a position, or -1. */
+static int64_t archive_find(const kvt__ev_archive *ar, uint64_t pos) {
+    uint64_t lo = 0, hi = ar->n;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if ((uint64_t)ar->pos[ar->by_pos[mid]] < pos)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < ar->n && (uint64_t)ar->pos[ar->by_pos[lo]] == pos)
+        return (int64_t)ar->by_pos[lo];
+    return -1;
+}
+
+const uint8_t *kvt__ev_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
+                                uint32_t plane, uint64_t pos) {
+    if (!e->archive || head >= e->n_heads || plane >= spec->n_planes)
+        return NULL;
+    const kvt__ev_archive *ar = &e->archive[head];
+    int64_t k = archive_find(ar, pos);
+    if (k < 0)
+        return NULL;
+    return ar->bytes + ((size_t)k * spec->n_planes + plane) * spec->row_bytes;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* The round                                                                                   */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Scratch of one round, sized for the largest (layer, head) selection. */
+typedef struct round_scratch {
+    uint32_t *keys; /* [cand] draws or value-range keys */
+    uint32_t *ridx; /* [cand] row index of each entry of keys */
+    int64_t *rpos;  /* [cand] positions of the rows drawn for */
+    uint32_t *sel;  /* [K] top-m output */
+    uint8_t *mark;  /* [cand] kept candidate */
+    int32_t *src;   /* [K + r] move lists */
+    int32_t *dst;
+    uint32_t *keep; /* [sum over layers of heads * K] kept candidate row indices, ascending */
+    size_t keys_b, ridx_b, rpos_b, sel_b, mark_b, src_b, dst_b, keep_b;
+} round_scratch;
+
+static void scratch_free(round_scratch *s, const kvt__alloc *a) {
+    kvt__free(a, s->keys, s->keys_b);
+    kvt__free(a, s->ridx, s->ridx_b);
+    kvt__free(a, s->rpos, s->rpos_b);
+    kvt__free(a, s->sel, s->sel_b);
+    kvt__free(a, s->mark, s->mark_b);
+    kvt__free(a, s->src, s->src_b);
+    kvt__free(a, s->dst, s->dst_b);
+    kvt__free(a, s->keep, s->keep_b);
+}
+
+static bool scratch_alloc(round_scratch *s, const kvt__alloc *a, uint64_t cand, uint64_t K,
+                          uint64_t n_new, uint64_t keep_entries) {
+    memset(s, 0, sizeof *s);
+    s->keys_b = sizeof *s->keys * cand;
+    s->ridx_b = sizeof *s->ridx * cand;
+    s->rpos_b = sizeof *s->rpos * cand;
+    s->sel_b = sizeof *s->sel * K;
+    s->mark_b = cand;
+    s->src_b = sizeof *s->src * n_new;
+    s->dst_b = sizeof *s->dst * n_new;
+    s->keep_b = sizeof *s->keep * keep_entries;
+    s->keys = kvt__malloc(a, s->keys_b);
+    s->ridx = kvt__malloc(a, s->ridx_b);
+    s->rpos = kvt__malloc(a, s->rpos_b);
+    s->sel = kvt__malloc(a, s->sel_b);
+    s->mark = kvt__malloc(a, s->mark_b);
+    s->src = kvt__malloc(a, s->src_b);
+    s->dst = kvt__malloc(a, s->dst_b);
+    s->keep = kvt__malloc(a, s->keep_b);
+    return s->keys && s->ridx && s->rpos && s->sel && s->mark && s->src && s->dst && s->keep;
+}
+
+/* VaSE's score of a row: the range (max - min) of its value dimensions — plane 1 (V) for GQA,
+ * the first value_dim values (the latent part, which is the value) for MLA. A NaN anywhere makes
+ * the range NaN, which kvt__score_key ranks with +Inf: a broken row is kept, never ranked
+ * arbitrarily. fp8 rows are refused at context creation (their range needs the scales). */
+static float value_range(const kvt__store *st, const uint8_t *row) {
+    const kvt_layer_spec *sp = &st->spec;
+    float lo = INFINITY, hi = -INFINITY;
+    bool nan = false;
+    for (uint32_t v = 0; v < sp->value_dim; v++) {
+        float x = kvt__load_elem(row, (int)sp->dtype, v);
+        if (x != x)
+            nan = true;
+        lo = x < lo ? x : lo;
+        hi = x > hi ? x : hi;
+    }
+    return nan ? NAN : hi - lo;
+}
+
+/* Choose head h's K kept candidates among row indices [0, cand) of one layer; write them,
+ * ascending, to out[K]. Nothing is modified but the scratch. */
+static kvt_status select_head(const kvt__env *env, const kvt__store *st, const kvt__ev *e,
+                              const kvt__ptable *pt, uint32_t h, uint64_t cand, uint64_t L,
+                              round_scratch *s, uint32_t *out) {
+    const kvt_config *cfg = env->cfg;
+    const kvt__backend *be = env->backend;
+    const uint32_t K = cfg->evict_budget_rows;
+    const int64_t *P = e->pos + (size_t)h * e->pos_cap;
+    kvt_status rc;
+
+    /* Protected prefix: positions below L. Positions ascend, so it is a prefix of row indices
+     * (every such row is present: no round ever evicted one). */
+    uint64_t f = 0;
+    while (f < cand && (uint64_t)P[f] < L)
+        f++;
+    memset(s->mark, 0, cand);
+    memset(s->mark, 1, f);
+
+    uint64_t taken = f;
+    if (cfg->evict_vase) {
+        uint64_t m_v = K / 4;
+        if (m_v > K - taken)
+            m_v = K - taken;
+        if (m_v > 0) {
+            int vp = st->spec.n_planes > 1 ? 1 : 0;
+            for (uint64_t i = f; i < cand; i++) {
+                const uint8_t *row = st->plane[vp] +
+                                     (size_t)kvt__slot(pt, env->page_rows, i) * st->slot_bytes +
+                                     (size_t)h * st->spec.row_bytes;
+                s->keys[i - f] = kvt__score_key(value_range(st, row));
+            }
+            rc = be->ops->topm(be, s->keys, (uint32_t)(cand - f), (uint32_t)m_v, s->sel,
+                               env->stream);
+            if (rc != KVT_OK)
+                return rc;
+            for (uint64_t j = 0; j < m_v; j++)
+                s->mark[f + s->sel[j]] = 1;
+            taken += m_v;
+        }
+    }
+
+    /* Uniform fill: the largest draws among the unmarked candidates. */
+    uint64_t n_rest = 0;
+    for (uint64_t i = f; i < cand; i++) {
+        if (s->mark[i])
+            continue;
+        s->ridx[n_rest] = (uint32_t)i;
+        s->rpos[n_rest] = P[i];
+        n_rest++;
+    }
+    uint64_t m_r = K - taken;
+    if (m_r > 0) {
+        uint32_t draw_head = cfg->evict_shared_draw ? 0 : h;
+        uint64_t subseq = kvt__philox_subseq((uint32_t)e->rounds, st->layer, draw_head);
+        rc = be->ops->draws(be, env->philox_key, subseq, s->rpos, (size_t)n_rest, s->keys,
+                            env->stream);
+        if (rc != KVT_OK)
+            return rc;
+        rc = be->ops->topm(be, s->keys, (uint32_t)n_rest, (uint32_t)m_r, s->sel, env->stream);
+        if (rc != KVT_OK)
+            return rc;
+        for (uint64_t j = 0; j < m_r; j++)
+            s->mark[s->ridx[s->sel[j]]] = 1;
+    }
+    uint64_t k = 0;
+    for (uint64_t i = 0; i < cand; i++)
+        if (s->mark[i])
+            out[k++] = (uint32_t)i;
+    KVT_ASSERT(k == K);
+    return KVT_OK;
+}
+
+/* Grow head h's archive for `add` more rows of row_all bytes. Capacity only: nothing observable
+ * changes, so a failure half-way leaves the state valid. */
+static kvt_status archive_reserve(kvt__ev_archive *ar, const kvt__alloc *a, uint64_t add,
+                                  uint64_t row_all) {
+    uint64_t need = ar->n + add;
+    if (need > UINT64_MAX / row_all)
+        return KVT_ERR_OUT_OF_MEMORY;
+    void *p = ar->bytes;
+    kvt_status s = kvt__grow(a, &p, &ar->bytes_cap, need * row_all, 1);
+    if (s != KVT_OK)
+        return s;
+    ar->bytes = p;
+    p = ar->pos;
+    s = kvt__grow(a, &p, &ar->cap, need, sizeof *ar->pos);
+    if (s != KVT_OK)
+        return s;
+    ar->pos = p;
+    p = ar->by_pos;
+    s = kvt__grow(a, &p, &ar->by_pos_cap, need, sizeof *ar->by_pos);
+    if (s != KVT_OK)
+        return s;
+    ar->by_pos = p;
+    return KVT_OK;
+}
+
+/* Copy head h's evicted candidates (every row in [0, cand) not in keep[K]) into its archive, all
+ * planes, and merge them into the by-position index. Capacity was reserved. */
+static void archive_evicted(kvt__ev_archive *ar, const kvt__env *env, const kvt__store *st,
+                            const kvt__ptable *pt, const int64_t *P, uint32_t h, uint64_t cand,
+                            const uint32_t *keep, uint64_t K) {
+    const kvt_layer_spec *sp = &st->spec;
+    const uint64_t n_old = ar->n;
+    uint64_t n = n_old, k = 0;
+    for (uint64_t i = 0; i < cand; i++) {
+        if (k < K && keep[k] == i) {
+            k++;
+            continue;
+        }
+        size_t off =
+            (size_t)kvt__slot(pt, env->page_rows, i) * st->slot_bytes + (size_t)h * sp->row_bytes;
+        uint8_t *d = ar->bytes + (size_t)n * sp->n_planes * sp->row_bytes;
+        for (uint32_t p = 0; p < sp->n_planes; p++)
+            memcpy(d + (size_t)p * sp->row_bytes, st->plane[p] + off, sp->row_bytes);
+        ar->pos[n] = P[i];
+        n++;
+    }
+    /* The new entries n_old..n-1 ascend by position; merge them into by_pos from the back (in
+     * place, no scratch). An old row kept in earlier rounds can be archived after newer ones,
+     * so the two runs interleave. */
+    uint64_t i = n_old, j = n - n_old, w = n;
+    while (j > 0) {
+        if (i > 0 && ar->pos[ar->by_pos[i - 1]] > ar->pos[n_old + j - 1])
+            ar->by_pos[--w] = ar->by_pos[--i];
+        else
+            ar->by_pos[--w] = n_old + --j;
+    }
+    ar->n = n;
+}
+
+/* Old row index of new row index j: the K kept candidates, then the r recent rows. */
+static uint64_t old_row(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_t j) {
+    return j < K ? keep[j] : cand + (j - K);
+}
+
+/* Move one layer's survivors to the front. When every head keeps the same rows (MLA, or a
+ * shared draw without VaSE) a whole slot moves at once; otherwise each head's slice moves on its
+ * own. */
+static kvt_status compact_layer(const kvt__env *env, kvt__store *st, const kvt__ptable *pt,
+                                const uint32_t *keep, uint32_t H, uint64_t K, uint64_t cand,
+                                uint64_t n_new, round_scratch *s) {
+    const kvt__backend *be = env->backend;
+    const kvt_layer_spec *sp = &st->spec;
+    bool same = true;
+    for (uint32_t h = 1; h < H && same; h++)
+        same = memcmp(keep, keep + (size_t)h * K, sizeof *keep * K) == 0;
+    uint32_t n_heads_moved = same ? 1 : H;
+    for (uint32_t h = 0; h < n_heads_moved; h++) {
+        const uint32_t *kh = keep + (size_t)h * K;
+        uint32_t n = 0;
+        for (uint64_t j = 0; j < n_new; j++) {
+            uint64_t o = old_row(kh, K, cand, j);
+            if (o == j)
+                continue;
+            s->src[n] = kvt__slot(pt, env->page_rows, o);
+            s->dst[n] = kvt__slot(pt, env->page_rows, j);
+            n++;
+        }
+        if (n == 0)
+            continue;
+        size_t offset = same ? 0 : (size_t)h * sp->row_bytes;
+        size_t bytes = same ? st->slot_bytes : sp->row_bytes;
+        for (uint32_t p = 0; p < sp->n_planes; p++) {
+            kvt_status rc = be->ops->move_rows(be, st->plane[p], st->slot_bytes, offset, bytes,
+                                               s->src, s->dst, n, env->stream);
+            if (rc != KVT_OK)
+                return rc;
+        }
+    }
+    return KVT_OK;
+}
+
+kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
+                         uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
+                         uint64_t prompt_rows) {
+    const kvt_config *cfg = env->cfg;
+    const kvt__alloc *a = env->alloc;
+    const uint64_t K = cfg->evict_budget_rows;
+    const uint64_t r = cfg->recent_rows;
+    const uint64_t N = pt->n_rows;
+    if (N < r || N - r <= K)
+        return KVT_OK; /* nothing to evict */
+    const uint64_t cand = N - r;
+    const uint64_t n_new = K + r;
+    const uint64_t L = kvt__ev_protected_rows(cfg, prompt_rows);
+    if (N > INT32_MAX)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
+                         "eviction round over %llu rows: row indices must fit in int32",
+                         (unsigned long long)N);
+
+    /* 1. Allocate everything. */
+    uint64_t keep_entries = 0;
+    for (uint32_t l = 0; l < n_layers; l++)
+        keep_entries += (uint64_t)states[l]->n_heads * K;
+    round_scratch s;
+    kvt_status rc = KVT_OK;
+    if (!scratch_alloc(&s, a, cand, K, n_new, keep_entries)) {
+        rc = kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY,
+                       "eviction round: scratch for %llu candidates; nothing was evicted",
+                       (unsigned long long)cand);
+        goto done;
+    }
+    for (uint32_t l = 0; l < n_layers; l++) {
+        kvt__ev *e = states[l];
+        const kvt_layer_spec *sp = &stores[l]->spec;
+        KVT_ASSERT(e->n_heads == sp->n_kv_heads && e->pos_cap >= N);
+        void *p = e->last_map;
+        rc = kvt__grow(a, &p, &e->last_map_cap, (uint64_t)e->n_heads * N, sizeof *e->last_map);
+        if (rc == KVT_OK)
+            e->last_map = p;
+        for (uint32_t h = 0; rc == KVT_OK && e->archive && h < e->n_heads; h++)
+            rc = archive_reserve(&e->archive[h], a, cand - K,
+                                 (uint64_t)sp->n_planes * sp->row_bytes);
+        if (rc != KVT_OK) {
+            kvt__fail(env->err, env->err_len, rc,
+                      "eviction round: slot map / archive of layer %u; nothing was evicted",
+                      stores[l]->layer);
+            goto done;
+        }
+    }
+
+    /* 2. Select every keep set (backend draws and top-m; nothing moves yet). */
+    uint32_t *keep = s.keep;
+    for (uint32_t l = 0; l < n_layers; l++) {
+        for (uint32_t h = 0; h < states[l]->n_heads; h++, keep += K) {
+            rc = select_head(env, stores[l], states[l], pt, h, cand, L, &s, keep);
+            if (rc != KVT_OK) {
+                kvt__fail(env->err, env->err_len, rc,
+                          "eviction round: selecting layer %u head %u; nothing was evicted",
+                          stores[l]->layer, h);
+                goto done;
+            }
+        }
+    }
+
+    /* 3. Commit: archive, publish the maps, compact, update positions. */
+    keep = s.keep;
+    for (uint32_t l = 0; l < n_layers; l++) {
+        kvt__ev *e = states[l];
+        kvt__store *st = stores[l];
+        const uint32_t H = e->n_heads;
+        for (uint32_t h = 0; h < H; h++) {
+            const int64_t *P = e->pos + (size_t)h * e->pos_cap;
+            if (e->archive)
+                archive_evicted(&e->archive[h], env, st, pt, P, h, cand, keep + (size_t)h * K, K);
+            else
+                e->dropped += cand - K;
+        }
+        rc = compact_layer(env, st, pt, keep, H, K, cand, n_new, &s);
+        if (rc != KVT_OK) {
+            /* Only a device error can land here; the bytes may be half moved. */
+            kvt__fail(env->err, env->err_len, rc, "eviction round: moving rows of layer %u failed",
+                      st->layer);
+            goto done;
+        }
+        e->last_n = N;
+        for (uint32_t h = 0; h < H; h++, keep += K) {
+            int32_t *map = e->last_map + (size_t)h * N;
+            int64_t *P = e->pos + (size_t)h * e->pos_cap;
+            for (uint64_t i = 0; i < N; i++)
+                map[i] = -1;
+            for (uint64_t j = 0; j < n_new; j++) {
+                uint64_t o = old_row(keep, K, cand, j);
+                map[o] = (int32_t)j;
+                P[j] = P[o]; /* o >= j: in place, ascending */
+            }
+        }
+        e->last_kept = n_new;
+        e->rounds++;
+        if (prompt_over_budget(cfg, prompt_rows))
+            e->prompt_over_budget = true;
+    }
+    pt->n_rows = n_new;
+    kvt__ptable_trim(pt, pool);
+done:
+    scratch_free(&s, a);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Invariants                                                                                  */
+/* ------------------------------------------------------------------------------------------- */
+kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
+                         uint64_t appended, uint64_t prompt_rows, char *err, size_t len) {
+    const uint32_t H = e->n_heads;
+    const uint64_t n = pt->n_rows;
+    if (n > e->pos_cap && n > 0)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "evict: %llu rows, position capacity %llu",
+                         (unsigned long long)n, (unsigned long long)e->pos_cap);
+    /* Counts: what every head holds + archived + dropped covers every appended row once. */
+    uint64_t archived = 0;
+    for (uint32_t h = 0; e->archive && h < H; h++)
+        archived += e->archive[h].n;
+    if (e->archive && e->dropped != 0)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "evict: archive on, %llu rows dropped",
+                         (unsigned long long)e->dropped);
+    if (n * H + archived + e->dropped != appended * H)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "evict: %llu rows x %u heads + %llu archived + %llu dropped != %llu "
+                         "appended x %u heads",
+                         (unsigned long long)n, H, (unsigned long long)archived,
+                         (unsigned long long)e->dropped, (unsigned long long)appended, H);
+    if (e->rounds > 0 && n < e->last_kept)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "evict: %llu rows, fewer than the %llu the last round kept",
+                         (unsigned long long)n, (unsigned long long)e->last_kept);
+    if (e->prompt_over_budget != (e->rounds > 0 && prompt_over_budget(cfg, prompt_rows)))
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "evict: prompt_over_budget %d with %llu prompt rows, K = %u, %llu rounds",
+                         (int)e->prompt_over_budget, (unsigned long long)prompt_rows,
+                         cfg->evict_budget_rows, (unsigned long long)e->rounds);
+    uint64_t L = kvt__ev_protected_rows(cfg, prompt_rows);
+    if (L > appended)
+        L = appended;
+    uint64_t R = cfg->recent_rows < appended ? cfg->recent_rows : appended;
+    for (uint32_t h = 0; h < H; h++) {
+        const int64_t *P = e->pos + (size_t)h * e->pos_cap;
+        for (uint64_t i = 0; i < n; i++) {
+            if (P[i] < 0 || (uint64_t)P[i] >= appended || (i > 0 && P[i] <= P[i - 1]))
+                return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                 "evict: head %u row %llu holds position %lld: not ascending "
+                                 "inside [0, %llu)",
+                                 h, (unsigned long long)i, (long long)P[i],
+                                 (unsigned long long)appended);
+        }
+        /* The protected prefix sits at row indices 0..L-1, the newest R at the end. */
+        for (uint64_t i = 0; i < L; i++)
+            if (i >= n || (uint64_t)P[i] != i)
+                return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                 "evict: head %u lost protected position %llu", h,
+                                 (unsigned long long)i);
+        for (uint64_t t = 1; t <= R; t++)
+            if (t > n || (uint64_t)P[n - t] != appended - t)
+                return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                 "evict: head %u lost recent position %llu", h,
+                                 (unsigned long long)(appended - t));
+        if (e->archive) {
+            const kvt__ev_archive *ar = &e->archive[h];
+            for (uint64_t i = 0; i < ar->n; i++) {
+                uint64_t k = ar->by_pos[i];
+                if (k >= ar->n)
+                    return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                     "evict: head %u archive index %llu out of range", h,
+                                     (unsigned long long)k);
+                int64_t p = ar->pos[k];
+                /* Strictly ascending positions also make by_pos a permutation. */
+                if (p < 0 || (uint64_t)p >= appended || (i > 0 && p <= ar->pos[ar->by_pos[i - 1]]))
+                    return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                     "evict: head %u archive not sorted/unique at %llu", h,
+                                     (unsigned long long)i);
+                if (kvt__ev_find(e, pt, h, (uint64_t)p) >= 0)
+                    return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                     "evict: head %u position %lld both attended and archived", h,
+                                     (long long)p);
+            }
+        }
+        /* The last slot map: kept old rows onto 0..m-1, ascending (chronological compaction). */
+        if (e->rounds > 0) {
+            const int32_t *map = e->last_map + (size_t)h * e->last_n;
+            int64_t next = 0;
+            for (uint64_t i = 0; i < e->last_n; i++) {
+                if (map[i] == -1)
+                    continue;
+                if (map[i] != next)
+                    return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                     "evict: head %u slot map %llu -> %d, expected %lld", h,
+                                     (unsigned long long)i, map[i], (long long)next);
+                next++;
+            }
+            if ((uint64_t)next != e->last_kept)
+                return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                                 "evict: head %u slot map keeps %lld rows, the round kept %llu", h,
+                                 (long long)next, (unsigned long long)e->last_kept);
+        }
+    }
+    return KVT_OK;
+}
