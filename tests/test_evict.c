@@ -21,6 +21,7 @@
 #include "kernels/philox.h"
 #include "kvtier.h"
 #include "support/testutil.h"
+#include "tiers/tiers.h"
 
 #define MAXL 4
 #define MAXH 8
@@ -904,4 +905,117 @@ Test(evict, pool_exhaustion_then_round_frees) {
     cr_assert_eq(hx_append(&a, 8), KVT_OK);
     cr_assert_eq(a.rounds, 2u);
     hx_fini(&a);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Internal: failure safety of a round (no allocation failure can be injected through the      */
+/* public API, so the round is driven directly with a backend whose selection ops fail).       */
+/* ------------------------------------------------------------------------------------------- */
+static kvt_status fail_draws(const kvt__backend *be, uint64_t key, uint64_t subseq,
+                             const int64_t *positions, size_t n, uint32_t *out, void *stream) {
+    (void)be, (void)key, (void)subseq, (void)positions, (void)n, (void)out, (void)stream;
+    return KVT_ERR_OUT_OF_MEMORY;
+}
+
+static kvt_status fail_topm(const kvt__backend *be, const uint32_t *keys, uint32_t n, uint32_t m,
+                            uint32_t *idx, void *stream) {
+    (void)be, (void)keys, (void)n, (void)m, (void)idx, (void)stream;
+    return KVT_ERR_NO_DEVICE;
+}
+
+Test(evict_internal, failed_selection_changes_nothing) {
+    const uint32_t K = 8, r = 4, c = 4, PR = 4, NP = 16, H = 2, N = K + r + c;
+    kvt__alloc a;
+    cr_assert_eq(kvt__alloc_init(&a, KVT_ALLOC_LIBC), KVT_OK);
+    kvt__store st;
+    memset(&st, 0, sizeof st);
+    st.spec = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, 8);
+    st.slot_bytes = (size_t)H * st.spec.row_bytes;
+    st.plane_bytes = (size_t)NP * PR * st.slot_bytes;
+    for (int p = 0; p < 2; p++) {
+        st.plane[p] = malloc(st.plane_bytes);
+        cr_assert_not_null(st.plane[p]);
+        for (size_t i = 0; i < st.plane_bytes; i++)
+            st.plane[p][i] = (uint8_t)(i * 7 + (size_t)p * 3);
+    }
+    kvt__pool pool;
+    cr_assert_eq(kvt__pool_init(&pool, &a, NP, PR), KVT_OK);
+    kvt__ptable pt;
+    memset(&pt, 0, sizeof pt);
+    cr_assert_eq(kvt__ptable_reserve(&pt, &pool, &a, N), KVT_OK);
+    pt.n_rows = N;
+    kvt__ev e;
+    cr_assert_eq(kvt__ev_init(&e, &a, H, true), KVT_OK);
+    cr_assert_eq(kvt__ev_reserve(&e, &a, N), KVT_OK);
+    kvt__ev_append(&e, 0, 0, N);
+
+    kvt_config cfg = small_cfg(K, r, c);
+    cfg.evict_archive = true;
+    cfg.evict_vase = true;
+    kvt__backend_ops ops_draws = *kvt__backend_cpu_ops(), ops_topm = ops_draws;
+    ops_draws.draws = fail_draws;
+    ops_topm.topm = fail_topm;
+    kvt__backend be = {.ops = &ops_draws, .alloc = &a, .impl = NULL};
+    char err[256] = "";
+    kvt__env env = {.alloc = &a,
+                    .backend = &be,
+                    .cfg = &cfg,
+                    .page_rows = PR,
+                    .philox_key = kvt__philox_key(cfg.seed, 1),
+                    .stream = NULL,
+                    .err = err,
+                    .err_len = sizeof err};
+    kvt__store *stores[1] = {&st};
+    kvt__ev *states[1] = {&e};
+
+    uint8_t *planes0[2] = {malloc(st.plane_bytes), malloc(st.plane_bytes)};
+    int64_t pos0[H * N];
+    int32_t pages0[8];
+    cr_assert(planes0[0] && planes0[1] && pt.n_pages <= 8);
+    for (int p = 0; p < 2; p++)
+        memcpy(planes0[p], st.plane[p], st.plane_bytes);
+    for (uint32_t h = 0; h < H; h++)
+        memcpy(pos0 + h * N, e.pos + h * e.pos_cap, sizeof(int64_t) * N);
+    memcpy(pages0, pt.pages, sizeof(int32_t) * pt.n_pages);
+    const uint32_t n_pages0 = pt.n_pages, free0 = pool.n_free;
+
+    for (int v = 0; v < 2; v++) {
+        be.ops = v == 0 ? &ops_draws : &ops_topm;
+        err[0] = '\0';
+        kvt_status s = kvt__ev_round(&env, stores, states, 1, &pt, &pool, 2);
+        cr_assert_eq(s, v == 0 ? KVT_ERR_OUT_OF_MEMORY : KVT_ERR_NO_DEVICE);
+        cr_assert(strstr(err, "nothing was evicted") != NULL, "detail: %s", err);
+        cr_assert_eq(pt.n_rows, N);
+        cr_assert_eq(pt.n_pages, n_pages0);
+        cr_assert(memcmp(pt.pages, pages0, sizeof(int32_t) * n_pages0) == 0);
+        cr_assert_eq(pool.n_free, free0);
+        cr_assert_eq(e.rounds, 0u);
+        cr_assert_eq(e.dropped, 0u);
+        cr_assert_eq(e.last_n, 0u);
+        for (uint32_t h = 0; h < H; h++) {
+            cr_assert_eq(e.archive[h].n, 0u);
+            cr_assert(memcmp(pos0 + h * N, e.pos + h * e.pos_cap, sizeof(int64_t) * N) == 0);
+        }
+        for (int p = 0; p < 2; p++)
+            cr_assert(memcmp(planes0[p], st.plane[p], st.plane_bytes) == 0);
+        cr_assert_eq(kvt__ev_check(&e, &pt, &cfg, N, 2, err, sizeof err), KVT_OK, "%s", err);
+    }
+    /* The retry with a working backend runs the round. */
+    be.ops = kvt__backend_cpu_ops();
+    cr_assert_eq(kvt__ev_round(&env, stores, states, 1, &pt, &pool, 2), KVT_OK, "%s", err);
+    cr_assert_eq(pt.n_rows, K + r);
+    cr_assert_eq(e.rounds, 1u);
+    cr_assert_eq(pool.n_free, NP - (K + r) / PR);
+    for (uint32_t h = 0; h < H; h++)
+        cr_assert_eq(e.archive[h].n, (uint64_t)c);
+    cr_assert_eq(kvt__ev_check(&e, &pt, &cfg, N, 2, err, sizeof err), KVT_OK, "%s", err);
+
+    free(planes0[0]);
+    free(planes0[1]);
+    kvt__ev_fini(&e, &a);
+    kvt__ptable_fini(&pt, &pool, &a);
+    kvt__pool_fini(&pool, &a);
+    free(st.plane[0]);
+    free(st.plane[1]);
+    kvt__alloc_fini(&a);
 }
