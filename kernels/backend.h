@@ -45,9 +45,12 @@ typedef struct kvt__backend_ops {
     kvt_status (*draws)(const kvt__backend *be, uint64_t key, uint64_t subseq,
                         const int64_t *positions, size_t n, uint32_t *out, void *stream);
     /* Move n rows of bytes_per_row bytes within one plane: the row at
-     * base + src_slot[i] * slot_stride + offset goes to dst_slot[i] (same offset). Moves are
-     * applied in order i = 0..n-1 and src_slot[i] >= dst_slot[i] (forward compaction), so an
-     * in-place pass is safe. */
+     * base + src_slot[i] * slot_stride + offset goes to dst_slot[i] (same offset). Moves must be
+     * applied in order i = 0..n-1: the caller (compaction) lists them by ascending destination
+     * row index with source row index >= destination row index, which makes an in-order pass
+     * safe in place; slot numbers themselves need not be ordered (pages come back from the pool
+     * in any order), and a destination may be an earlier move's source — a parallel
+     * implementation must stage the rows or respect that order. */
     kvt_status (*move_rows)(const kvt__backend *be, uint8_t *base, size_t slot_stride,
                             size_t offset, size_t bytes_per_row, const int32_t *src_slots,
                             const int32_t *dst_slots, uint32_t n, void *stream);
