@@ -329,8 +329,12 @@ KVT_API kvt_status kvt_seq_reserved_slot(const kvt_seq *seq, uint32_t layer, uin
 KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t first,
                                  uint32_t n, const void *src, size_t src_bytes);
 /* Commit n reserved tokens (n must equal the reservation: partial commits, i.e. speculative
- * rollback, are KVT_ERR_UNSUPPORTED). Runs the policies: block close and re-selection on salience
- * layers, eviction rounds on evict groups. */
+ * rollback, are KVT_ERR_UNSUPPORTED; n larger is KVT_ERR_INVALID_ARGUMENT, nothing changed).
+ * Runs the policies: block close and re-selection on salience layers, eviction rounds on evict
+ * groups, then an O(layers x heads) accounting check. If a policy fails for host memory
+ * (KVT_ERR_OUT_OF_MEMORY) the rows are committed and stored, no row is lost, and the policy work
+ * is finished by the next commit — kvt_seq_commit(seq, 0) retries it without new tokens.
+ * KVT_ERR_INVARIANT means the accounting check failed (a bug: please report it). */
 KVT_API kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens);
 /* Shared prefixes (copy-on-write forks) are not supported yet: KVT_ERR_UNSUPPORTED. */
 KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out);

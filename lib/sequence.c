@@ -260,6 +260,37 @@ static kvt_status run_policies(kvt_seq *seq) {
     return first_err;
 }
 
+/* O(layers x heads) accounting after every commit: every appended (position, KV head) row is
+ * attended, archived or dropped — counted by independently maintained counters. The full
+ * membership and bytes check is kvt_seq_check (O(rows)). */
+static kvt_status check_counters(const kvt_seq *seq) {
+    const kvt_ctx *ctx = seq->ctx;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt__store *st = &ctx->stores[i];
+        if (st->group < 0)
+            continue;
+        const kvt__ptable *t = &seq->pt[st->group];
+        if (ctx->policies[i] == KVT_POLICY_EVICT) {
+            const kvt__ev *e = &seq->layers[i].ev;
+            uint64_t H = st->spec.n_kv_heads, archived = 0;
+            for (uint32_t h = 0; e->archive && h < H; h++)
+                archived += e->archive[h].n;
+            if (t->n_rows * H + archived + e->dropped != seq->n_tokens * H)
+                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                     "layer %u: %llu held x %llu heads + %llu archived + %llu "
+                                     "dropped != %llu appended rows",
+                                     i, (unsigned long long)t->n_rows, (unsigned long long)H,
+                                     (unsigned long long)archived, (unsigned long long)e->dropped,
+                                     (unsigned long long)(seq->n_tokens * H));
+        } else if (t->n_rows != seq->n_tokens) {
+            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %llu rows held, %llu appended",
+                                 i, (unsigned long long)t->n_rows,
+                                 (unsigned long long)seq->n_tokens);
+        }
+    }
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     CHECK_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
@@ -284,7 +315,9 @@ kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     }
     seq->n_tokens += n_tokens;
     seq->n_pending = 0;
-    return run_policies(seq);
+    kvt_status s = run_policies(seq);
+    kvt_status c = check_counters(seq);
+    return c != KVT_OK ? c : s;
 }
 
 /* ------------------------------------------------------------------------------------------- */
