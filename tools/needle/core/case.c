@@ -1,0 +1,375 @@
+/*
+ * case.c — nd_case lifecycle, names, and the kvtier trace bridge (lib/kvtier_trace.h): a case is
+ * saved as a trace (one MLA layer, rows in chunks, one query step per target, needles, targets,
+ * provenance text) and a trace is loaded back as a case (only the targeted query steps).
+ */
+#include "nd_internal.h"
+
+#include "kernels/kvt_hd.h"
+#include "kernels/sigma.h"
+#include "kvtier_trace.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int nd_fail(char *err, size_t len, int code, const char *fmt, ...) {
+    if (err && len) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, len, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static const char *const k_sal_names[ND_SAL_COUNT] = {"strong", "weak", "none", "natural",
+                                                      "trace"};
+static const char *const k_mode_names[ND_MODE_COUNT] = {"salience", "random", "dense", "recall",
+                                                        "promote"};
+
+const char *nd_salience_name(nd_salience s) {
+    return (unsigned)s < ND_SAL_COUNT ? k_sal_names[s] : "?";
+}
+
+int nd_salience_parse(const char *s, nd_salience *out) {
+    for (int i = 0; i < ND_SAL_COUNT; i++)
+        if (strcmp(s, k_sal_names[i]) == 0) {
+            *out = (nd_salience)i;
+            return 0;
+        }
+    return -1;
+}
+
+const char *nd_mode_name(nd_mode m) {
+    return (unsigned)m < ND_MODE_COUNT ? k_mode_names[m] : "?";
+}
+
+int nd_mode_parse(const char *s, nd_mode *out) {
+    for (int i = 0; i < ND_MODE_COUNT; i++)
+        if (strcmp(s, k_mode_names[i]) == 0) {
+            *out = (nd_mode)i;
+            return 0;
+        }
+    return -1;
+}
+
+void nd_widen(const uint8_t *row, kvt_dtype dt, uint32_t n, float *out) {
+    if (dt == KVT_DTYPE_BF16) {
+        for (uint32_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, row + 2u * i, 2);
+            out[i] = kvt__bf16_to_f32(h);
+        }
+        return;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = kvt__load_elem(row, (int)dt, i);
+}
+
+void nd_narrow(uint8_t *row, kvt_dtype dt, uint32_t n, const float *in) {
+    for (uint32_t i = 0; i < n; i++)
+        kvt__store_elem(row, (int)dt, i, in[i]);
+}
+
+void nd_case_free(nd_case *c) {
+    if (!c)
+        return;
+    free(c->rows);
+    free(c->needles);
+    if (c->targets)
+        for (uint32_t i = 0; i < c->n_targets; i++)
+            free(c->targets[i].q);
+    free(c->targets);
+    free(c->text);
+    memset(c, 0, sizeof *c);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Save                                                                                         */
+/* ------------------------------------------------------------------------------------------- */
+#define ROW_CHUNK 65536u
+
+int nd_case_save(const nd_case *c, const char *path, char *err, size_t err_len) {
+    kvt_trace_meta meta;
+    memset(&meta, 0, sizeof meta);
+    meta.prompt_rows = c->prompt_rows;
+    meta.n_model_layers = c->layer + 1;
+    meta.text = c->text;
+    kvt_trace_writer *w = NULL;
+    char e2[512];
+    kvt_status s = kvt_trace_writer_open(path, &meta, &w, e2, sizeof e2);
+    if (s != KVT_OK)
+        return nd_fail(err, err_len, ND_EIO, "%s: %s", path, e2);
+    const kvt_layer_spec *sp = &c->spec;
+    s = kvt_trace_write_layer(w, c->layer, sp);
+    for (uint64_t r = 0; s == KVT_OK && r < c->n_rows; r += ROW_CHUNK) {
+        uint64_t n = c->n_rows - r < ROW_CHUNK ? c->n_rows - r : ROW_CHUNK;
+        s = kvt_trace_write_rows(w, c->layer, 0, c->rows + r * sp->row_bytes, n,
+                                 (size_t)n * sp->row_bytes);
+    }
+    size_t qbytes = (size_t)c->n_q_heads * c->q_dim * sizeof(float);
+    for (uint32_t i = 0; s == KVT_OK && i < c->n_targets; i++) {
+        uint64_t pos = c->targets[i].position;
+        s = kvt_trace_write_queries(w, c->layer, KVT_DTYPE_FP32, c->n_q_heads, c->q_dim, &pos,
+                                    c->targets[i].q, 1, qbytes);
+    }
+    kvt_trace_needle *nds = calloc(c->n_needles ? c->n_needles : 1, sizeof *nds);
+    kvt_trace_target *tgs = calloc(c->n_targets ? c->n_targets : 1, sizeof *tgs);
+    if (!nds || !tgs) {
+        free(nds), free(tgs);
+        kvt_trace_writer_abort(w);
+        return nd_fail(err, err_len, ND_ENOMEM, "trace lists");
+    }
+    for (uint32_t i = 0; i < c->n_needles; i++) {
+        nds[i].layer = c->layer;
+        nds[i].first_row = c->needles[i].first_row;
+        nds[i].n_rows = c->needles[i].n_rows;
+    }
+    for (uint32_t i = 0; i < c->n_targets; i++) {
+        tgs[i].step = i;
+        tgs[i].needle = c->targets[i].needle;
+        tgs[i].n_heads = c->targets[i].n_heads;
+        tgs[i].heads = c->targets[i].heads;
+    }
+    if (s == KVT_OK && c->n_needles)
+        s = kvt_trace_write_needles(w, nds, c->n_needles);
+    if (s == KVT_OK && c->n_targets)
+        s = kvt_trace_write_targets(w, tgs, c->n_targets);
+    free(nds), free(tgs);
+    if (s != KVT_OK) {
+        snprintf(e2, sizeof e2, "%s", kvt_trace_writer_last_error(w));
+        kvt_trace_writer_abort(w);
+        return nd_fail(err, err_len, ND_EIO, "%s: %s (%s)", path, kvt_status_name(s), e2);
+    }
+    s = kvt_trace_writer_close(w, e2, sizeof e2);
+    if (s != KVT_OK)
+        return nd_fail(err, err_len, ND_EIO, "%s: %s", path, e2);
+    return ND_OK;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Load                                                                                         */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Value of "key=" on its own line of text, or NULL. */
+static const char *text_value(const char *text, const char *key, char *buf, size_t len) {
+    size_t kl = strlen(key);
+    for (const char *p = text; p && *p;) {
+        const char *eol = strchr(p, '\n');
+        size_t ll = eol ? (size_t)(eol - p) : strlen(p);
+        if (ll > kl && strncmp(p, key, kl) == 0 && p[kl] == '=') {
+            size_t vl = ll - kl - 1 < len - 1 ? ll - kl - 1 : len - 1;
+            memcpy(buf, p + kl + 1, vl);
+            buf[vl] = 0;
+            return buf;
+        }
+        p = eol ? eol + 1 : NULL;
+    }
+    return NULL;
+}
+
+static int cmp_target_pos(const void *a, const void *b) {
+    const nd_target *x = a, *y = b;
+    if (x->position != y->position)
+        return x->position < y->position ? -1 : 1;
+    return x->step < y->step ? -1 : (x->step > y->step);
+}
+
+int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size_t err_len) {
+    memset(out, 0, sizeof *out);
+    char e2[512];
+    kvt_trace *t = NULL;
+    kvt_status s = kvt_trace_open(path, &t, e2, sizeof e2);
+    if (s != KVT_OK)
+        return nd_fail(err, err_len, ND_EIO, "%s: %s", path, e2);
+    uint32_t n_nd = 0, n_tg = 0;
+    const kvt_trace_needle *tn = kvt_trace_needles(t, &n_nd);
+    const kvt_trace_target *tt = kvt_trace_targets(t, &n_tg);
+    kvt_trace_layer info;
+    memset(&info, 0, sizeof info);
+    int rc = ND_OK;
+    if (layer == UINT32_MAX) {
+        bool found = false;
+        for (uint32_t i = 0; i < kvt_trace_n_layers(t) && !found; i++) {
+            if (kvt_trace_layer_info(t, i, &info) != KVT_OK || info.n_steps == 0)
+                continue;
+            if (info.spec.kind != KVT_LAYER_MLA_NOPE && info.spec.kind != KVT_LAYER_MLA_ROPE)
+                continue;
+            for (uint32_t k = 0; k < n_nd; k++)
+                if (tn[k].layer == info.layer)
+                    found = true;
+        }
+        if (!found) {
+            rc = nd_fail(err, err_len, ND_EIO, "%s: no MLA layer with queries and needles",
+                         path);
+            goto fail;
+        }
+    } else if (kvt_trace_find_layer(t, layer, &info) != KVT_OK) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: layer %u is not in the trace", path, layer);
+        goto fail;
+    }
+    const kvt_layer_spec *sp = &info.spec;
+    if ((sp->kind != KVT_LAYER_MLA_NOPE && sp->kind != KVT_LAYER_MLA_ROPE) || sp->n_planes != 1 ||
+        sp->n_kv_heads != 1) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: layer %u is %s; the needle suite replays MLA "
+                     "layers", path, info.layer, kvt_layer_kind_name(sp->kind));
+        goto fail;
+    }
+    if (sp->dtype != KVT_DTYPE_BF16 && sp->dtype != KVT_DTYPE_FP16 &&
+        sp->dtype != KVT_DTYPE_FP32) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: row dtype %s not supported by the reference "
+                     "attention (bf16, fp16, fp32)", path, kvt_dtype_name(sp->dtype));
+        goto fail;
+    }
+    if (info.q_dim != sp->head_dim || info.n_q_heads == 0 || info.n_q_heads > ND_MAX_HEADS) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: queries of layer %u are %u heads x %u values; "
+                     "need 1..%u heads of %u (absorbed MLA queries)", path, info.layer,
+                     info.n_q_heads, info.q_dim, ND_MAX_HEADS, sp->head_dim);
+        goto fail;
+    }
+    out->spec = *sp;
+    out->layer = info.layer;
+    out->n_rows = info.n_tokens;
+    out->prompt_rows = kvt_trace_prompt_rows(t);
+    out->n_q_heads = info.n_q_heads;
+    out->q_dim = info.q_dim;
+    if ((double)info.n_tokens * sp->row_bytes > 16e9) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: %llu rows do not fit the 16 GB the runner allows",
+                     path, (unsigned long long)info.n_tokens);
+        goto fail;
+    }
+    out->rows = malloc((size_t)info.n_tokens * sp->row_bytes + 1);
+    uint32_t *nd_map = malloc(sizeof(uint32_t) * (n_nd ? n_nd : 1));
+    out->needles = calloc(n_nd ? n_nd : 1, sizeof *out->needles);
+    out->targets = calloc(n_tg ? n_tg : 1, sizeof *out->targets);
+    if (!out->rows || !nd_map || !out->needles || !out->targets) {
+        free(nd_map);
+        rc = nd_fail(err, err_len, ND_ENOMEM, "%s: %llu rows", path,
+                     (unsigned long long)info.n_tokens);
+        goto fail;
+    }
+    for (uint64_t r = 0; r < info.n_tokens; r += ROW_CHUNK) {
+        uint64_t n = info.n_tokens - r < ROW_CHUNK ? info.n_tokens - r : ROW_CHUNK;
+        s = kvt_trace_read_rows(t, info.layer, 0, r, n, out->rows + r * sp->row_bytes,
+                                (size_t)n * sp->row_bytes);
+        if (s != KVT_OK) {
+            free(nd_map);
+            rc = nd_fail(err, err_len, ND_EIO, "%s: rows: %s", path, kvt_trace_last_error(t));
+            goto fail;
+        }
+    }
+    const char *text = kvt_trace_text(t, NULL);
+    out->text = strdup(text ? text : "");
+    char buf[128], key[64];
+    if (text_value(out->text, "seed", buf, sizeof buf))
+        out->seed = strtoull(buf, NULL, 10);
+    for (uint32_t k = 0; k < n_nd; k++) {
+        nd_map[k] = UINT32_MAX;
+        if (tn[k].layer != info.layer)
+            continue;
+        nd_needle *nd = &out->needles[out->n_needles];
+        nd->first_row = tn[k].first_row;
+        nd->n_rows = tn[k].n_rows;
+        nd->depth = (double)tn[k].first_row / (double)info.n_tokens;
+        nd->salience = ND_SAL_TRACE;
+        snprintf(key, sizeof key, "needle.%u.salience", k);
+        if (text_value(out->text, key, buf, sizeof buf))
+            nd_salience_parse(buf, &nd->salience);
+        snprintf(key, sizeof key, "needle.%u.depth", k);
+        if (text_value(out->text, key, buf, sizeof buf))
+            nd->depth = strtod(buf, NULL);
+        nd_map[k] = out->n_needles++;
+    }
+    size_t qfloats = (size_t)info.n_q_heads * info.q_dim;
+    for (uint32_t k = 0; k < n_tg; k++) {
+        if (tt[k].needle >= n_nd || nd_map[tt[k].needle] == UINT32_MAX)
+            continue;
+        nd_target *tg = &out->targets[out->n_targets];
+        tg->step = tt[k].step;
+        tg->needle = nd_map[tt[k].needle];
+        tg->n_heads = tt[k].n_heads < ND_MAX_HEADS ? tt[k].n_heads : ND_MAX_HEADS;
+        memcpy(tg->heads, tt[k].heads, sizeof(uint32_t) * tg->n_heads);
+        tg->q = malloc(sizeof(float) * qfloats);
+        out->n_targets++;
+        if (!tg->q) {
+            free(nd_map);
+            rc = nd_fail(err, err_len, ND_ENOMEM, "query");
+            goto fail;
+        }
+        s = kvt_trace_read_query(t, info.layer, tg->step, KVT_DTYPE_FP32, tg->q,
+                                 sizeof(float) * qfloats, &tg->position);
+        if (s != KVT_OK) {
+            free(nd_map);
+            rc = nd_fail(err, err_len, ND_EIO, "%s: query step %llu: %s", path,
+                         (unsigned long long)tg->step, kvt_trace_last_error(t));
+            goto fail;
+        }
+    }
+    free(nd_map);
+    if (out->n_targets == 0) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: layer %u has no needle targets", path,
+                     info.layer);
+        goto fail;
+    }
+    qsort(out->targets, out->n_targets, sizeof *out->targets, cmp_target_pos);
+    kvt_trace_close(t);
+    return ND_OK;
+fail:
+    kvt_trace_close(t);
+    nd_case_free(out);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* σ percentiles                                                                                */
+/* ------------------------------------------------------------------------------------------- */
+int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out, char *err,
+                      size_t err_len) {
+    const kvt_layer_spec *sp = &c->spec;
+    uint32_t nb = 2 * kappa - 1;
+    float *basis = malloc(sizeof(float) * nb * B);
+    float *scratch = malloc(sizeof(float) * (kvt__sigma_scratch_floats(B, nb, sp->branch_dim) + 1));
+    float *sig = malloc(sizeof(float) * B);
+    int32_t *slots = malloc(sizeof(int32_t) * B);
+    int rc = ND_OK;
+    if (!basis || !scratch || !sig || !slots) {
+        rc = nd_fail(err, err_len, ND_ENOMEM, "sigma scratch");
+        goto done;
+    }
+    if (kvt__fourier_basis(B, kappa, basis) != 0) {
+        rc = nd_fail(err, err_len, ND_EARG, "block rows %u / kappa %u invalid", B, kappa);
+        goto done;
+    }
+    for (uint32_t u = 0; u < B; u++)
+        slots[u] = (int32_t)u;
+    uint64_t cur_block = UINT64_MAX;
+    for (uint32_t i = 0; i < c->n_needles; i++) {
+        const nd_needle *nd = &c->needles[i];
+        double mn = INFINITY;
+        for (uint64_t r = nd->first_row; r < nd->first_row + nd->n_rows; r++) {
+            uint64_t b = r / B;
+            if ((b + 1) * (uint64_t)B > c->n_rows) {
+                mn = NAN;
+                break;
+            }
+            if (b != cur_block) {
+                kvt__sigma_block_cpu(c->rows + b * B * sp->row_bytes, slots, B, sp->row_bytes,
+                                     sp->branch_offset, (int)sp->branch_dtype, sp->branch_dim,
+                                     basis, nb, scratch, sig);
+                cur_block = b;
+            }
+            uint32_t u = (uint32_t)(r - b * B), below = 0;
+            for (uint32_t v = 0; v < B; v++)
+                if (v != u && sig[v] < sig[u])
+                    below++;
+            double p = 100.0 * below / (double)(B - 1);
+            if (p < mn)
+                mn = p;
+        }
+        out[i] = mn;
+    }
+done:
+    free(basis), free(scratch), free(sig), free(slots);
+    return rc;
+}

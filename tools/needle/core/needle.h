@@ -1,0 +1,196 @@
+/*
+ * needle.h — the long-context needle suite at the attention level (DESIGN §5), as a library the
+ * kvtier-needle tool and tests/test_needle.c share (kvtier_needle_core).
+ *
+ *   nd_case      an attention-level trace held in memory: one MLA layer's rows, the needles
+ *                planted in it and the queries that target them. Made by the synthetic
+ *                generator (nd_generate, statistical model in docs/needle.md) or read from a
+ *                kvtier trace file (nd_case_load); written with nd_case_save.
+ *   nd_refs      full-cache attention of every target (computed once per case, reused across
+ *                ratios and modes).
+ *   nd_run       replays a case through the real manager (kvt_ctx_create, reserve / write /
+ *                commit, kvt_attended_tokens at each query) and measures each target.
+ *
+ * Functions return 0 on success or a nonzero ND_E* code with a message in err.
+ */
+#ifndef KVT_TOOLS_NEEDLE_H
+#define KVT_TOOLS_NEEDLE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvtier.h"
+
+#define ND_OK 0
+#define ND_EARG 2   /* bad parameter / flag */
+#define ND_EIO 3    /* cannot read / write a file, malformed trace */
+#define ND_ELIB 4   /* kvtier returned an error */
+#define ND_ENOMEM 5
+#define ND_ENOTIMPL 6 /* recall / promote: the recall tier does not exist yet */
+
+#define ND_MAX_HEADS 64u         /* targeted heads per target, and query heads of a case */
+#define ND_MAX_NEEDLE_ROWS 16u
+
+/* Needle salience band: the needle rows' σ percentile within their block (docs/needle.md). */
+typedef enum nd_salience {
+    ND_SAL_STRONG = 0,  /* top 1%: percentile >= 99 */
+    ND_SAL_WEAK = 1,    /* percentile in [90, 97] */
+    ND_SAL_NONE = 2,    /* below the median: percentile < 50 (only recall can save it) */
+    ND_SAL_NATURAL = 3, /* not calibrated: whatever the generator's branch model gives */
+    ND_SAL_TRACE = 4,   /* unknown (a trace without the generator's annotations) */
+} nd_salience;
+#define ND_SAL_COUNT 5
+
+typedef enum nd_mode {
+    ND_MODE_SALIENCE = 0, /* the policy table (σ top-m on NoPE; random eviction on RoPE) */
+    ND_MODE_RANDOM = 1,   /* salience tier with the uniform Philox selector (KVT_SELECT_RANDOM) */
+    ND_MODE_DENSE = 2,    /* ratio 1: everything attended */
+    ND_MODE_RECALL = 3,   /* not implemented yet */
+    ND_MODE_PROMOTE = 4,  /* not implemented yet */
+} nd_mode;
+#define ND_MODE_COUNT 5
+
+const char *nd_salience_name(nd_salience s);
+int nd_salience_parse(const char *s, nd_salience *out);
+const char *nd_mode_name(nd_mode m);
+int nd_mode_parse(const char *s, nd_mode *out);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Case                                                                                         */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct nd_needle {
+    uint64_t first_row, n_rows;
+    double depth;          /* nominal depth in [0, 1] (generator), else first_row / n_rows */
+    nd_salience salience;  /* requested band */
+} nd_needle;
+
+typedef struct nd_target {
+    uint64_t step;         /* query step in the trace */
+    uint64_t position;     /* rows existing when the query is issued */
+    uint32_t needle;
+    uint32_t n_heads;
+    uint32_t heads[ND_MAX_HEADS];
+    float *q;              /* [n_q_heads][q_dim] fp32 absorbed query (owned) */
+} nd_target;
+
+typedef struct nd_case {
+    kvt_layer_spec spec;   /* one MLA layer (NoPE or RoPE) */
+    uint32_t layer;        /* model layer index in the source trace (0 for synthetic) */
+    uint64_t n_rows;
+    uint8_t *rows;         /* [n_rows][row_bytes] (owned) */
+    uint64_t prompt_rows;
+    uint32_t n_q_heads, q_dim;
+    nd_needle *needles;
+    uint32_t n_needles;
+    nd_target *targets;    /* sorted by position */
+    uint32_t n_targets;
+    char *text;            /* provenance text (owned, may be NULL) */
+    uint64_t seed;         /* generator seed (0 for a loaded trace without one) */
+} nd_case;
+
+void nd_case_free(nd_case *c);
+
+/* Read a kvtier trace: layer = model layer index, or UINT32_MAX for the first MLA layer that has
+ * queries and needles. Only the targeted query steps are loaded. Needle labels and depths come
+ * from the generator's text lines ("needle.<i>.salience=", "needle.<i>.depth=") when present. */
+int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size_t err_len);
+/* Write a case as a kvtier trace (rows in chunks, one query step per target). */
+int nd_case_save(const nd_case *c, const char *path, char *err, size_t err_len);
+
+/* σ percentile of each needle within its block: the minimum over its rows of
+ * 100 · #{rows v of the block, v != u, σ_v < σ_u} / (B − 1). NaN when a row is not in a complete
+ * block. out has c->n_needles entries. */
+int nd_case_sigma_pct(const nd_case *c, uint32_t block_rows, uint32_t kappa, double *out,
+                      char *err, size_t err_len);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Generator (statistical model: docs/needle.md)                                                */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct nd_gen_params {
+    uint64_t context;        /* rows (= query position of every target) */
+    uint64_t seed;
+    kvt_dtype dtype;         /* row dtype: bf16 (default), fp16, fp32 */
+    bool rope;               /* rotate the branch by position; layer kind MLA_ROPE */
+    uint64_t prompt_rows;    /* rows [0, prompt_rows) are the prompt (protected under RoPE) */
+    uint32_t block_rows;     /* B the σ calibration uses (4096) */
+    uint32_t kappa;          /* κ (16) */
+    uint32_t sink_rows;      /* attention sinks at rows 0.. (4) */
+    uint32_t n_q_heads;      /* query heads (8) */
+    uint32_t n_target_heads; /* heads each needle query targets (2) */
+    uint32_t needle_rows;    /* rows per needle, 1..16 (1) */
+    /* Needles: every depth x every salience level x needles_per_depth. */
+    const double *depths;
+    uint32_t n_depths;
+    const nd_salience *levels;
+    uint32_t n_levels;
+    uint32_t needles_per_depth;
+    double kv_haystack;      /* fraction of haystack rows that are key-value-pair rows (0) */
+    double mass_lo, mass_hi; /* needle mass under the full cache, per targeted head (0.6, 0.9) */
+    double scale;            /* softmax scale (192^-1/2) */
+} nd_gen_params;
+
+nd_gen_params nd_gen_default_params(void);
+/* progress(ud, fraction) is called now and then (may be NULL). */
+int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, double), void *ud,
+                char *err, size_t err_len);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Full-cache references                                                                        */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct nd_ref {
+    float *out;              /* [n_heads][value_dim] */
+    double mass[ND_MAX_HEADS];
+} nd_ref;
+
+typedef struct nd_refs {
+    nd_ref *t;               /* [n_targets] */
+    uint32_t n;
+    uint32_t value_dim;
+} nd_refs;
+
+int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progress)(void *, double),
+                    void *ud, char *err, size_t err_len);
+void nd_refs_free(nd_refs *r);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Replay                                                                                       */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct nd_run_params {
+    nd_mode mode;
+    uint32_t ratio;          /* compression ratio (ignored by dense) */
+    uint32_t block_rows, kappa, sink_rows;
+    uint32_t recent_rows;    /* RoPE eviction: r (64) */
+    uint64_t seed;           /* kvtier config seed (Philox) */
+    double scale;
+    double min_mass, min_cos; /* pass rule: mass_ratio >= min_mass and out_cos >= min_cos */
+    kvt_backend_kind backend;
+} nd_run_params;
+
+nd_run_params nd_run_default_params(void);
+
+typedef enum nd_status { ND_FAIL = 0, ND_PASS = 1, ND_TAIL = 2 } nd_status;
+
+typedef struct nd_result {
+    uint32_t target, needle;
+    uint64_t position, first_row, n_rows;
+    double depth;
+    nd_salience salience;
+    nd_status status;        /* ND_TAIL: needle (partly) in the unclosed tail; excluded */
+    double mass_ratio;       /* min over targeted heads of mass(attended) / mass(full) */
+    double out_cos;          /* min over targeted heads of cos(out(attended), out(full)) */
+    double out_rel_err;      /* max over targeted heads of |out(att) − out(full)| / |out(full)| */
+    double full_mass;        /* min over targeted heads of the needle mass under the full cache */
+    uint32_t needle_rows_attended;
+    kvt_policy policy;
+    uint64_t attended_rows, archived_rows, dropped_rows, fetched_rows;
+    uint64_t closed_rows, tail_rows, kept_rows, sink_rows, m_rows;
+    double read_bytes_per_token;
+} nd_result;
+
+/* Replay c through kvtier under p and measure every target into out[c->n_targets]. refs from
+ * nd_refs_compute(c, p->scale). ND_ENOTIMPL for recall / promote. */
+int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
+           void (*progress)(void *, double), void *ud, char *err, size_t err_len);
+
+#endif /* KVT_TOOLS_NEEDLE_H */

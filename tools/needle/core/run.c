@@ -1,0 +1,394 @@
+/*
+ * run.c — full-cache references and the replay of a case through the real manager.
+ *
+ * Replay: one context with a model of one MLA layer (the case's spec, so the policy table picks
+ * salience tiering on NoPE and random eviction on RoPE), ratio and B from the run parameters. Rows
+ * are committed through kvt_seq_reserve / kvt_seq_write / kvt_seq_commit in chunks (B rows on
+ * salience layers, where chunking cannot change a block close; r = c rows on eviction layers, so
+ * rounds run at the cadence a decoder would see) up to each query's position. At a query the
+ * attended set is whatever kvt_attended_tokens returns; attention over it reads the rows from the
+ * pool through their slots (kernels/attn.h) and is compared with attention over every row.
+ */
+#include "nd_internal.h"
+
+#include "kernels/attn.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+nd_run_params nd_run_default_params(void) {
+    nd_run_params p;
+    memset(&p, 0, sizeof p);
+    p.mode = ND_MODE_SALIENCE;
+    p.ratio = 32;
+    p.block_rows = 4096;
+    p.kappa = 16;
+    p.sink_rows = 4;
+    p.recent_rows = 64;
+    p.seed = 1;
+    p.scale = KVT__ATTN_DEFAULT_SCALE;
+    p.min_mass = 0.9;
+    p.min_cos = 0.95;
+    p.backend = KVT_BACKEND_CPU;
+    return p;
+}
+
+void nd_refs_free(nd_refs *r) {
+    if (!r)
+        return;
+    if (r->t)
+        for (uint32_t i = 0; i < r->n; i++)
+            free(r->t[i].out);
+    free(r->t);
+    memset(r, 0, sizeof *r);
+}
+
+/* Compact copy of the targeted heads' queries: [n_heads][q_dim]. */
+static void gather_q(const nd_case *c, const nd_target *tg, float *q) {
+    for (uint32_t h = 0; h < tg->n_heads; h++)
+        memcpy(q + (size_t)h * c->q_dim, tg->q + (size_t)tg->heads[h] * c->q_dim,
+               sizeof(float) * c->q_dim);
+}
+
+int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progress)(void *, double),
+                    void *ud, char *err, size_t err_len) {
+    memset(out, 0, sizeof *out);
+    const kvt_layer_spec *sp = &c->spec;
+    uint64_t max_pos = 0;
+    for (uint32_t i = 0; i < c->n_targets; i++) {
+        if (c->targets[i].position > c->n_rows)
+            return nd_fail(err, err_len, ND_EARG, "target %u at position %llu past %llu rows", i,
+                           (unsigned long long)c->targets[i].position,
+                           (unsigned long long)c->n_rows);
+        if (c->targets[i].position > max_pos)
+            max_pos = c->targets[i].position;
+        for (uint32_t h = 0; h < c->targets[i].n_heads; h++)
+            if (c->targets[i].heads[h] >= c->n_q_heads)
+                return nd_fail(err, err_len, ND_EARG, "target %u: head %u of %u", i,
+                               c->targets[i].heads[h], c->n_q_heads);
+    }
+    if (max_pos > UINT32_MAX)
+        return nd_fail(err, err_len, ND_EARG, "more than 2^32 rows");
+    out->t = calloc(c->n_targets ? c->n_targets : 1, sizeof *out->t);
+    out->n = c->n_targets;
+    out->value_dim = sp->value_dim;
+    uint32_t H = 1;
+    for (uint32_t i = 0; i < c->n_targets; i++)
+        if (c->targets[i].n_heads > H)
+            H = c->targets[i].n_heads;
+    size_t sd = kvt__attn_scratch_doubles((uint32_t)max_pos, H, sp->value_dim, sp->head_dim);
+    double *scratch = malloc(sizeof(double) * sd);
+    uint8_t *mark = malloc(max_pos + 1);
+    float *q = malloc(sizeof(float) * H * c->q_dim);
+    int rc = ND_OK;
+    if (!out->t || !scratch || !mark || !q) {
+        rc = nd_fail(err, err_len, ND_ENOMEM, "reference scratch");
+        goto done;
+    }
+    for (uint32_t i = 0; i < c->n_targets; i++) {
+        const nd_target *tg = &c->targets[i];
+        const nd_needle *nd = &c->needles[tg->needle];
+        nd_ref *r = &out->t[i];
+        r->out = malloc(sizeof(float) * tg->n_heads * sp->value_dim);
+        if (!r->out) {
+            rc = nd_fail(err, err_len, ND_ENOMEM, "reference output");
+            goto done;
+        }
+        uint32_t n = (uint32_t)tg->position;
+        memset(mark, 0, n);
+        for (uint64_t k = nd->first_row; k < nd->first_row + nd->n_rows && k < n; k++)
+            mark[k] = 1;
+        gather_q(c, tg, q);
+        kvt__attn_args a;
+        memset(&a, 0, sizeof a);
+        a.base = c->rows;
+        a.n_rows = n;
+        a.slot_stride = sp->row_bytes;
+        a.dtype = (int)sp->dtype;
+        a.key_dim = sp->head_dim;
+        a.value_dim = sp->value_dim;
+        a.q = q;
+        a.n_heads = tg->n_heads;
+        a.q_stride = c->q_dim;
+        a.scale = scale;
+        a.mark = mark;
+        a.out = r->out;
+        a.mark_mass = r->mass;
+        a.scratch = scratch;
+        if (kvt__attn_cpu(&a) != 0) {
+            rc = nd_fail(err, err_len, ND_EARG, "reference attention: bad arguments");
+            goto done;
+        }
+        if (progress)
+            progress(ud, (double)(i + 1) / c->n_targets);
+    }
+done:
+    free(scratch), free(mark), free(q);
+    if (rc != ND_OK)
+        nd_refs_free(out);
+    return rc;
+}
+
+static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const char *what) {
+    return nd_fail(err, len, ND_ELIB, "%s: %s%s%s", what, kvt_strerror(s), ctx ? ": " : "",
+                   ctx ? kvt_ctx_last_error(ctx) : "");
+}
+
+int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
+           void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
+    if (p->mode == ND_MODE_RECALL || p->mode == ND_MODE_PROMOTE)
+        return nd_fail(err, err_len, ND_ENOTIMPL,
+                       "mode '%s' is not implemented yet: the recall tier does not exist "
+                       "(KVT_RECALL_ON is reserved); nothing was measured",
+                       nd_mode_name(p->mode));
+    if ((unsigned)p->mode >= ND_MODE_COUNT)
+        return nd_fail(err, err_len, ND_EARG, "unknown mode");
+    if (!refs || refs->n != c->n_targets)
+        return nd_fail(err, err_len, ND_EARG, "references do not match the case");
+    if (p->ratio < 1)
+        return nd_fail(err, err_len, ND_EARG, "ratio must be >= 1");
+    const kvt_layer_spec *sp = &c->spec;
+    const bool rope = sp->kind != KVT_LAYER_MLA_NOPE;
+    const bool dense = p->mode == ND_MODE_DENSE;
+    char e2[512];
+    kvt_model *model = NULL;
+    kvt_ctx *ctx = NULL;
+    kvt_seq *seq = NULL;
+    int32_t *slots = NULL;
+    uint8_t *mark = NULL;
+    double *scratch = NULL;
+    float *q = NULL, *o = NULL;
+    int rc = ND_OK;
+    kvt_status s = kvt_model_create(sp, 1, "kvtier-needle", &model, e2, sizeof e2);
+    if (s != KVT_OK)
+        return nd_fail(err, err_len, ND_ELIB, "model: %s", e2);
+
+    kvt_ctx_params cp = kvt_ctx_default_params();
+    cp.model = model;
+    cp.backend = p->backend;
+    cp.page_rows = 64;
+    cp.n_pages = (uint32_t)((c->n_rows + 63) / 64 + 4);
+    kvt_config *cfg = &cp.config;
+    cfg->ratio = dense ? 1 : p->ratio;
+    cfg->block_rows = p->block_rows;
+    cfg->kappa = p->kappa;
+    cfg->sink_rows = p->sink_rows;
+    cfg->seed = p->seed;
+    cfg->selector = p->mode == ND_MODE_RANDOM ? KVT_SELECT_RANDOM : KVT_SELECT_SIGMA;
+    cfg->recent_rows = p->recent_rows;
+    cfg->cadence_rows = 0;
+    cfg->protect_prompt = true;
+    /* Eviction budget at this ratio: K = context / ratio rows (kvt_model_census's convention). */
+    uint64_t K = (c->n_rows + p->ratio / 2) / p->ratio;
+    cfg->evict_budget_rows = (uint32_t)(K < 1 ? 1 : K);
+    kvt_policy pol = KVT_POLICY_NONE;
+    if (dense && rope)
+        cp.layer_policies = &pol; /* everything attended */
+    s = kvt_ctx_create(&cp, &ctx, e2, sizeof e2);
+    if (s != KVT_OK) {
+        rc = nd_fail(err, err_len, ND_ELIB, "kvt_ctx_create: %s: %s", kvt_strerror(s), e2);
+        goto done;
+    }
+    const kvt_policy policy = kvt_ctx_layer_policy(ctx, 0);
+    s = kvt_seq_create(ctx, 1, &seq);
+    if (s != KVT_OK) {
+        rc = lib_fail(err, err_len, ctx, s, "kvt_seq_create");
+        goto done;
+    }
+    if (c->prompt_rows > 0 && (s = kvt_seq_set_prompt_rows(seq, c->prompt_rows)) != KVT_OK) {
+        rc = lib_fail(err, err_len, ctx, s, "kvt_seq_set_prompt_rows");
+        goto done;
+    }
+    const uint32_t chunk = policy == KVT_POLICY_EVICT ? (p->recent_rows ? p->recent_rows : 64)
+                                                      : p->block_rows;
+    uint32_t H = 1;
+    for (uint32_t i = 0; i < c->n_targets; i++)
+        if (c->targets[i].n_heads > H)
+            H = c->targets[i].n_heads;
+    const uint32_t V = sp->value_dim;
+    size_t sd = kvt__attn_scratch_doubles((uint32_t)c->n_rows, H, V, sp->head_dim);
+    slots = malloc(sizeof(int32_t) * (c->n_rows + 1));
+    mark = malloc(c->n_rows + 1);
+    scratch = malloc(sizeof(double) * sd);
+    q = malloc(sizeof(float) * H * c->q_dim);
+    o = malloc(sizeof(float) * H * V);
+    if (!slots || !mark || !scratch || !q || !o) {
+        rc = nd_fail(err, err_len, ND_ENOMEM, "replay scratch");
+        goto done;
+    }
+    uint64_t committed = 0;
+    for (uint32_t ti = 0; ti < c->n_targets; ti++) {
+        const nd_target *tg = &c->targets[ti];
+        const nd_needle *nd = &c->needles[tg->needle];
+        const uint64_t P = tg->position;
+        if (P < committed || P > c->n_rows) {
+            rc = nd_fail(err, err_len, ND_EARG, "targets not sorted by position");
+            goto done;
+        }
+        while (committed < P) {
+            uint64_t n64 = P - committed;
+            /* align salience chunks to blocks so every commit closes at most one block */
+            uint32_t n = (uint32_t)(n64 < chunk ? n64 : chunk);
+            if ((s = kvt_seq_reserve(seq, n)) != KVT_OK) {
+                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_reserve");
+                goto done;
+            }
+            s = kvt_seq_write(seq, 0, 0, 0, n, c->rows + committed * sp->row_bytes,
+                              (size_t)n * sp->row_bytes);
+            if (s != KVT_OK) {
+                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_write");
+                goto done;
+            }
+            if ((s = kvt_seq_commit(seq, n)) != KVT_OK) {
+                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_commit");
+                goto done;
+            }
+            committed += n;
+            if (progress)
+                progress(ud, 0.9 * (double)committed / (double)c->n_rows);
+        }
+        if ((s = kvt_seq_check(seq)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_seq_check");
+            goto done;
+        }
+        kvt_layer_stats ls;
+        memset(&ls, 0, sizeof ls);
+        ls.struct_size = sizeof ls;
+        if ((s = kvt_seq_layer_stats(seq, 0, &ls)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_seq_layer_stats");
+            goto done;
+        }
+        uint32_t count = 0;
+        if ((s = kvt_attended_count(ctx, 0, &seq, 1, &count)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_attended_count");
+            goto done;
+        }
+        int32_t len = 0;
+        s = kvt_attended_tokens(ctx, 0, &seq, 1, tg->q, NULL, slots, count, &len);
+        if (s != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_attended_tokens");
+            goto done;
+        }
+        /* Needle rows: state and slot. */
+        int32_t nslot[ND_MAX_NEEDLE_ROWS * 4];
+        uint32_t n_att = 0;
+        bool in_tail = false;
+        for (uint64_t r = nd->first_row; r < nd->first_row + nd->n_rows; r++) {
+            if (r >= P) {
+                in_tail = true; /* not even written yet */
+                continue;
+            }
+            kvt_row_state st;
+            int32_t slot = -1;
+            if ((s = kvt_seq_row_state(seq, 0, 0, r, &st, &slot)) != KVT_OK) {
+                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_row_state");
+                goto done;
+            }
+            if (st == KVT_ROW_ATTENDED && n_att < sizeof nslot / sizeof nslot[0])
+                nslot[n_att++] = slot;
+            if (policy == KVT_POLICY_SALIENCE && r >= ls.closed_rows)
+                in_tail = true;
+            if (policy == KVT_POLICY_EVICT && r + p->recent_rows >= P)
+                in_tail = true;
+        }
+        for (int32_t j = 0; j < len; j++) {
+            mark[j] = 0;
+            for (uint32_t k = 0; k < n_att; k++)
+                mark[j] |= slots[j] == nslot[k];
+        }
+        void *base = NULL;
+        size_t bytes = 0;
+        if ((s = kvt_layer_data(ctx, 0, 0, &base, &bytes)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_layer_data");
+            goto done;
+        }
+        gather_q(c, tg, q);
+        double mass[ND_MAX_HEADS];
+        kvt__attn_args a;
+        memset(&a, 0, sizeof a);
+        a.base = base;
+        a.slots = slots;
+        a.n_rows = (uint32_t)len;
+        a.slot_stride = sp->row_bytes;
+        a.dtype = (int)sp->dtype;
+        a.key_dim = sp->head_dim;
+        a.value_dim = V;
+        a.q = q;
+        a.n_heads = tg->n_heads;
+        a.q_stride = c->q_dim;
+        a.scale = p->scale;
+        a.mark = mark;
+        a.out = o;
+        a.mark_mass = mass;
+        a.scratch = scratch;
+        if (kvt__attn_cpu(&a) != 0) {
+            rc = nd_fail(err, err_len, ND_EARG, "attention over the attended set: bad arguments");
+            goto done;
+        }
+        const nd_ref *ref = &refs->t[ti];
+        nd_result *res = &out[ti];
+        memset(res, 0, sizeof *res);
+        res->target = ti;
+        res->needle = tg->needle;
+        res->position = P;
+        res->first_row = nd->first_row;
+        res->n_rows = nd->n_rows;
+        res->depth = nd->depth;
+        res->salience = nd->salience;
+        res->mass_ratio = INFINITY;
+        res->out_cos = INFINITY;
+        res->full_mass = INFINITY;
+        res->out_rel_err = 0;
+        for (uint32_t h = 0; h < tg->n_heads; h++) {
+            const float *x = o + (size_t)h * V, *y = ref->out + (size_t)h * V;
+            double xy = 0, xx = 0, yy = 0, dd = 0;
+            for (uint32_t d = 0; d < V; d++) {
+                xy += (double)x[d] * y[d];
+                xx += (double)x[d] * x[d];
+                yy += (double)y[d] * y[d];
+                dd += ((double)x[d] - y[d]) * ((double)x[d] - y[d]);
+            }
+            double cosv = xx > 0 && yy > 0 ? xy / sqrt(xx * yy) : 0.0;
+            double rel = yy > 0 ? sqrt(dd / yy) : INFINITY;
+            double mr = ref->mass[h] > 0 ? mass[h] / ref->mass[h] : 0.0;
+            if (mr < res->mass_ratio)
+                res->mass_ratio = mr;
+            if (cosv < res->out_cos)
+                res->out_cos = cosv;
+            if (rel > res->out_rel_err)
+                res->out_rel_err = rel;
+            if (ref->mass[h] < res->full_mass)
+                res->full_mass = ref->mass[h];
+        }
+        res->needle_rows_attended = n_att;
+        res->policy = policy;
+        res->attended_rows = ls.attended_rows;
+        res->archived_rows = ls.archived_rows;
+        res->dropped_rows = ls.dropped_rows;
+        res->fetched_rows = 0; /* no recall tier yet */
+        res->closed_rows = ls.closed_rows;
+        res->tail_rows = ls.tail_rows;
+        res->kept_rows = ls.kept_rows;
+        res->sink_rows = ls.sink_rows;
+        if (policy == KVT_POLICY_SALIENCE)
+            res->m_rows = ls.closed_rows ? (ls.closed_rows + cfg->ratio / 2) / cfg->ratio : 0;
+        else if (policy == KVT_POLICY_EVICT)
+            res->m_rows = cfg->evict_budget_rows;
+        else
+            res->m_rows = committed;
+        if (res->m_rows == 0 && ls.closed_rows)
+            res->m_rows = 1;
+        res->read_bytes_per_token = ls.attended_bytes_per_token;
+        bool pass = res->mass_ratio >= p->min_mass && res->out_cos >= p->min_cos;
+        res->status = in_tail ? ND_TAIL : pass ? ND_PASS : ND_FAIL;
+    }
+    if (progress)
+        progress(ud, 1.0);
+done:
+    free(slots), free(mark), free(scratch), free(q), free(o);
+    kvt_seq_destroy(seq);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(model);
+    return rc;
+}

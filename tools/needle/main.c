@@ -1,0 +1,695 @@
+/*
+ * kvtier-needle — the long-context needle suite at the attention level (DESIGN §5; docs/needle.md).
+ *
+ *   kvtier-needle [--synthetic | --trace FILE [--layer L]] [options]
+ *
+ * Replays a trace (a kvtier trace file, or one the synthetic generator makes in memory) through
+ * the real manager and measures, for every query that targets a needle, whether the attended set
+ * kvtier chose keeps the needle's attention mass and the attention output. Prints a table, writes
+ * CSV / SVG on request, and ends with one line "pass N/M".
+ *
+ * Exit status: 0 whatever the pass rate; 1 on an error (unreadable trace, library error), 2 on a
+ * bad command line, 3 for a mode that is not implemented yet (recall, promote).
+ */
+#include "needle.h"
+#include "report.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXIT_ERR 1
+#define EXIT_USAGE 2
+#define EXIT_NOTIMPL 3
+
+static void usage(FILE *f) {
+    fprintf(f,
+"usage: kvtier-needle [--synthetic | --trace FILE [--layer L]] [options]\n"
+"\n"
+"Source (default --synthetic):\n"
+"  --synthetic            generate the haystack (model: docs/needle.md)\n"
+"  --trace FILE           replay a kvtier trace (needles and targets from the file)\n"
+"  --layer L              model layer of the trace to replay (default: first MLA layer with\n"
+"                         needles)\n"
+"  --write-trace FILE     save the generated haystack as a trace (one context, one seed)\n"
+"\n"
+"Haystack (synthetic):\n"
+"  --context N            rows (= query position); k = 1024 (default 32k)\n"
+"  --depth D              needle depth in [0, 1] (default 0.5); a comma list is allowed\n"
+"  --needles K            needles per depth and salience level (default 1)\n"
+"  --needle-rows R        rows per needle, 1..16 (default 1)\n"
+"  --salience LIST        strong|weak|none|natural, comma list or 'all' (= strong,weak,none)\n"
+"                         (default strong)\n"
+"  --heads H              query heads (default 8)     --target-heads T  targeted (default 2)\n"
+"  --kv-haystack F        fraction of key-value-pair rows (needle look-alikes) (default 0)\n"
+"  --rope                 rotate the branch (MLA-RoPE layer: random eviction, prompt protected)\n"
+"  --prompt-rows P        prompt rows (default 0; 256 with --rope)\n"
+"  --dtype bf16|fp16|fp32 row dtype (default bf16)\n"
+"  --seed S               generator and kvtier seed (default 1)\n"
+"  --seeds N              haystacks per context: seeds S .. S+N-1 (default 1)\n"
+"\n"
+"Manager:\n"
+"  --mode LIST            salience|random|dense|recall|promote, comma list (default salience)\n"
+"                         salience = the policy table (sigma top-m; random eviction on RoPE)\n"
+"                         random   = uniform Philox selector (KVT_SELECT_RANDOM)\n"
+"                         dense    = ratio 1, everything attended\n"
+"                         recall, promote: not implemented yet (exit 3)\n"
+"  --ratio X              compression ratio (default 32); a comma list is allowed\n"
+"  --block B              rows per block (default 4096)   --kappa K  (default 16)\n"
+"  --sinks S              sink rows (default 4)           --recent R (RoPE window, default 64)\n"
+"  --scale S              softmax scale (default 192^-1/2)\n"
+"\n"
+"Pass rule:\n"
+"  --min-mass M           needle mass ratio threshold (default 0.9)\n"
+"  --min-cos C            output cosine threshold (default 0.95)\n"
+"\n"
+"Grid:\n"
+"  --grid                 sweep contexts x ratios x depths (defaults below)\n"
+"  --grid-contexts LIST   default 8k,32k,64k,128k\n"
+"  --grid-ratios LIST     default 8,32,128\n"
+"  --grid-depths LIST     default 0.1,0.2,...,0.9\n"
+"\n"
+"Output:\n"
+"  --csv FILE             one line per needle query and run\n"
+"  --svg FILE             heatmap: pass rate per (context, ratio), depth as sub-cells\n"
+"  --verbose              one line per needle query on stdout\n"
+"  --progress / --no-progress   progress bar on stderr (default: when stderr is a terminal)\n"
+"  --help\n");
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Flag parsing                                                                                 */
+/* ------------------------------------------------------------------------------------------- */
+static int parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0)
+        return -1;
+    if (*end == 'k' || *end == 'K') {
+        v *= 1024;
+        end++;
+    } else if (*end == 'm' || *end == 'M') {
+        v *= 1024 * 1024;
+        end++;
+    }
+    if (*end || v != floor(v) || v > 1e15)
+        return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int parse_f64(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v))
+        return -1;
+    *out = v;
+    return 0;
+}
+
+#define MAX_LIST 64
+
+typedef struct opts {
+    const char *trace, *write_trace, *csv, *svg;
+    uint32_t layer;
+    nd_gen_params gen;
+    nd_run_params run;
+    uint64_t contexts[MAX_LIST];
+    uint32_t n_contexts;
+    uint64_t ratios[MAX_LIST];
+    uint32_t n_ratios;
+    double depths[MAX_LIST];
+    uint32_t n_depths;
+    nd_salience levels[ND_SAL_COUNT];
+    uint32_t n_levels;
+    nd_mode modes[ND_MODE_COUNT];
+    uint32_t n_modes;
+    uint64_t seeds;
+    bool grid, verbose, prompt_set;
+    int progress; /* -1 auto */
+} opts;
+
+static int parse_list_u64(const char *s, uint64_t *out, uint32_t *n) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", s);
+    *n = 0;
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (*n >= MAX_LIST || parse_u64(tok, &out[*n]) != 0)
+            return -1;
+        (*n)++;
+    }
+    return *n ? 0 : -1;
+}
+
+static int parse_list_f64(const char *s, double *out, uint32_t *n) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", s);
+    *n = 0;
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (*n >= MAX_LIST || parse_f64(tok, &out[*n]) != 0)
+            return -1;
+        (*n)++;
+    }
+    return *n ? 0 : -1;
+}
+
+static int usage_err(const char *fmt, const char *a) {
+    fprintf(stderr, "kvtier-needle: ");
+    fprintf(stderr, fmt, a);
+    fprintf(stderr, " (try --help)\n");
+    return EXIT_USAGE;
+}
+
+static int parse_args(int argc, char **argv, opts *o) {
+    memset(o, 0, sizeof *o);
+    o->gen = nd_gen_default_params();
+    o->run = nd_run_default_params();
+    o->layer = UINT32_MAX;
+    o->contexts[0] = 32768;
+    o->n_contexts = 1;
+    o->ratios[0] = 32;
+    o->n_ratios = 1;
+    o->depths[0] = 0.5;
+    o->n_depths = 1;
+    o->levels[0] = ND_SAL_STRONG;
+    o->n_levels = 1;
+    o->modes[0] = ND_MODE_SALIENCE;
+    o->n_modes = 1;
+    o->seeds = 1;
+    o->progress = -1;
+    bool ctx_set = false, ratio_set = false, depth_set = false;
+    uint64_t gc[MAX_LIST], gr[MAX_LIST];
+    double gd[MAX_LIST];
+    uint32_t ngc = 0, ngr = 0, ngd = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED_VALUE()                                                                               \
+    do {                                                                                           \
+        if (!v)                                                                                    \
+            return usage_err("%s needs a value", a);                                               \
+        i++;                                                                                       \
+    } while (0)
+        uint64_t u;
+        double d;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(a, "--synthetic")) {
+            o->trace = NULL;
+        } else if (!strcmp(a, "--trace")) {
+            NEED_VALUE();
+            o->trace = v;
+        } else if (!strcmp(a, "--layer")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u >= UINT32_MAX)
+                return usage_err("bad --layer '%s'", v);
+            o->layer = (uint32_t)u;
+        } else if (!strcmp(a, "--write-trace")) {
+            NEED_VALUE();
+            o->write_trace = v;
+        } else if (!strcmp(a, "--context")) {
+            NEED_VALUE();
+            if (parse_list_u64(v, o->contexts, &o->n_contexts))
+                return usage_err("bad --context '%s'", v);
+            ctx_set = true;
+        } else if (!strcmp(a, "--depth")) {
+            NEED_VALUE();
+            if (parse_list_f64(v, o->depths, &o->n_depths))
+                return usage_err("bad --depth '%s'", v);
+            depth_set = true;
+        } else if (!strcmp(a, "--needles")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > 1000)
+                return usage_err("bad --needles '%s' (1..1000)", v);
+            o->gen.needles_per_depth = (uint32_t)u;
+        } else if (!strcmp(a, "--needle-rows")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > ND_MAX_NEEDLE_ROWS)
+                return usage_err("bad --needle-rows '%s' (1..16)", v);
+            o->gen.needle_rows = (uint32_t)u;
+        } else if (!strcmp(a, "--salience")) {
+            NEED_VALUE();
+            o->n_levels = 0;
+            if (!strcmp(v, "all")) {
+                o->levels[0] = ND_SAL_STRONG;
+                o->levels[1] = ND_SAL_WEAK;
+                o->levels[2] = ND_SAL_NONE;
+                o->n_levels = 3;
+            } else {
+                char buf[256];
+                snprintf(buf, sizeof buf, "%s", v);
+                for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+                    nd_salience s;
+                    if (nd_salience_parse(tok, &s) || s == ND_SAL_TRACE || o->n_levels >= 4)
+                        return usage_err("bad --salience '%s' (strong|weak|none|natural|all)", v);
+                    o->levels[o->n_levels++] = s;
+                }
+            }
+        } else if (!strcmp(a, "--heads")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > ND_MAX_HEADS)
+                return usage_err("bad --heads '%s' (1..64)", v);
+            o->gen.n_q_heads = (uint32_t)u;
+        } else if (!strcmp(a, "--target-heads")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > ND_MAX_HEADS)
+                return usage_err("bad --target-heads '%s'", v);
+            o->gen.n_target_heads = (uint32_t)u;
+        } else if (!strcmp(a, "--kv-haystack")) {
+            NEED_VALUE();
+            if (parse_f64(v, &d) || d < 0 || d > 0.5)
+                return usage_err("bad --kv-haystack '%s' (0..0.5)", v);
+            o->gen.kv_haystack = d;
+        } else if (!strcmp(a, "--rope")) {
+            o->gen.rope = true;
+        } else if (!strcmp(a, "--prompt-rows")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u))
+                return usage_err("bad --prompt-rows '%s'", v);
+            o->gen.prompt_rows = u;
+            o->prompt_set = true;
+        } else if (!strcmp(a, "--dtype")) {
+            NEED_VALUE();
+            if (!strcmp(v, "bf16"))
+                o->gen.dtype = KVT_DTYPE_BF16;
+            else if (!strcmp(v, "fp16"))
+                o->gen.dtype = KVT_DTYPE_FP16;
+            else if (!strcmp(v, "fp32"))
+                o->gen.dtype = KVT_DTYPE_FP32;
+            else
+                return usage_err("bad --dtype '%s' (bf16|fp16|fp32)", v);
+        } else if (!strcmp(a, "--seed")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u))
+                return usage_err("bad --seed '%s'", v);
+            o->gen.seed = u;
+            o->run.seed = u;
+        } else if (!strcmp(a, "--seeds")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > 10000)
+                return usage_err("bad --seeds '%s'", v);
+            o->seeds = u;
+        } else if (!strcmp(a, "--mode")) {
+            NEED_VALUE();
+            o->n_modes = 0;
+            char buf[256];
+            snprintf(buf, sizeof buf, "%s", v);
+            for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+                nd_mode m;
+                if (nd_mode_parse(tok, &m) || o->n_modes >= ND_MODE_COUNT)
+                    return usage_err("bad --mode '%s' (salience|recall|random|promote|dense)", v);
+                o->modes[o->n_modes++] = m;
+            }
+        } else if (!strcmp(a, "--ratio")) {
+            NEED_VALUE();
+            if (parse_list_u64(v, o->ratios, &o->n_ratios))
+                return usage_err("bad --ratio '%s'", v);
+            for (uint32_t k = 0; k < o->n_ratios; k++)
+                if (o->ratios[k] < 1 || o->ratios[k] > 1u << 20)
+                    return usage_err("bad --ratio '%s' (1..2^20)", v);
+            ratio_set = true;
+        } else if (!strcmp(a, "--block")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 64 || u > (1u << 20) || (u & (u - 1)))
+                return usage_err("bad --block '%s' (power of two >= 64)", v);
+            o->gen.block_rows = o->run.block_rows = (uint32_t)u;
+        } else if (!strcmp(a, "--kappa")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > 4096)
+                return usage_err("bad --kappa '%s'", v);
+            o->gen.kappa = o->run.kappa = (uint32_t)u;
+        } else if (!strcmp(a, "--sinks")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u > 4096)
+                return usage_err("bad --sinks '%s'", v);
+            o->gen.sink_rows = o->run.sink_rows = (uint32_t)u;
+        } else if (!strcmp(a, "--recent")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > 65536)
+                return usage_err("bad --recent '%s'", v);
+            o->run.recent_rows = (uint32_t)u;
+        } else if (!strcmp(a, "--scale")) {
+            NEED_VALUE();
+            if (parse_f64(v, &d) || d <= 0)
+                return usage_err("bad --scale '%s'", v);
+            o->gen.scale = o->run.scale = d;
+        } else if (!strcmp(a, "--min-mass")) {
+            NEED_VALUE();
+            if (parse_f64(v, &d))
+                return usage_err("bad --min-mass '%s'", v);
+            o->run.min_mass = d;
+        } else if (!strcmp(a, "--min-cos")) {
+            NEED_VALUE();
+            if (parse_f64(v, &d) || d < -1 || d > 1)
+                return usage_err("bad --min-cos '%s'", v);
+            o->run.min_cos = d;
+        } else if (!strcmp(a, "--grid")) {
+            o->grid = true;
+        } else if (!strcmp(a, "--grid-contexts")) {
+            NEED_VALUE();
+            if (parse_list_u64(v, gc, &ngc))
+                return usage_err("bad --grid-contexts '%s'", v);
+        } else if (!strcmp(a, "--grid-ratios")) {
+            NEED_VALUE();
+            if (parse_list_u64(v, gr, &ngr))
+                return usage_err("bad --grid-ratios '%s'", v);
+        } else if (!strcmp(a, "--grid-depths")) {
+            NEED_VALUE();
+            if (parse_list_f64(v, gd, &ngd))
+                return usage_err("bad --grid-depths '%s'", v);
+        } else if (!strcmp(a, "--csv")) {
+            NEED_VALUE();
+            o->csv = v;
+        } else if (!strcmp(a, "--svg")) {
+            NEED_VALUE();
+            o->svg = v;
+        } else if (!strcmp(a, "--verbose")) {
+            o->verbose = true;
+        } else if (!strcmp(a, "--progress")) {
+            o->progress = 1;
+        } else if (!strcmp(a, "--no-progress")) {
+            o->progress = 0;
+        } else {
+            return usage_err("unknown option '%s'", a);
+        }
+#undef NEED_VALUE
+    }
+    if (o->grid) {
+        static const uint64_t dc[] = {8192, 32768, 65536, 131072};
+        static const uint64_t dr[] = {8, 32, 128};
+        if (ngc) {
+            memcpy(o->contexts, gc, sizeof(uint64_t) * ngc);
+            o->n_contexts = ngc;
+        } else if (!ctx_set) {
+            memcpy(o->contexts, dc, sizeof dc);
+            o->n_contexts = 4;
+        }
+        if (ngr) {
+            memcpy(o->ratios, gr, sizeof(uint64_t) * ngr);
+            o->n_ratios = ngr;
+        } else if (!ratio_set) {
+            memcpy(o->ratios, dr, sizeof dr);
+            o->n_ratios = 3;
+        }
+        if (ngd) {
+            memcpy(o->depths, gd, sizeof(double) * ngd);
+            o->n_depths = ngd;
+        } else if (!depth_set) {
+            for (int k = 0; k < 9; k++)
+                o->depths[k] = 0.1 * (k + 1);
+            o->n_depths = 9;
+        }
+    } else if (ngc || ngr || ngd) {
+        return usage_err("%s", "--grid-* flags need --grid");
+    }
+    for (uint32_t k = 0; k < o->n_depths; k++)
+        if (o->depths[k] < 0 || o->depths[k] > 1)
+            return usage_err("%s", "depths must lie in [0, 1]");
+    for (uint32_t k = 0; k < o->n_ratios; k++)
+        if (o->ratios[k] < 1)
+            return usage_err("%s", "ratios must be >= 1");
+    if (o->gen.n_target_heads > o->gen.n_q_heads)
+        return usage_err("%s", "--target-heads exceeds --heads");
+    if (o->gen.rope && !o->prompt_set)
+        o->gen.prompt_rows = 256;
+    if (o->write_trace && (o->trace || o->n_contexts != 1 || o->seeds != 1))
+        return usage_err("%s", "--write-trace needs --synthetic, one context and one seed");
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Progress                                                                                     */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct progress {
+    bool enabled;
+    double t0, last_draw;
+    double done, total; /* work units */
+    double cur_base, cur_weight;
+    bool drawn;
+    const char *what;
+} progress;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void progress_draw(progress *p, double frac_in_step) {
+    if (!p->enabled)
+        return;
+    double t = now_s();
+    /* Only on runs longer than a couple of seconds, at most 10 redraws per second. */
+    if (t - p->t0 < 2.0 || t - p->last_draw < 0.1)
+        return;
+    p->last_draw = t;
+    double f = (p->cur_base + p->cur_weight * frac_in_step) / (p->total > 0 ? p->total : 1);
+    if (f > 1)
+        f = 1;
+    int w = 30, fill = (int)(f * w + 0.5);
+    char bar[64];
+    for (int i = 0; i < w; i++)
+        bar[i] = i < fill ? '#' : '.';
+    bar[w] = 0;
+    double el = t - p->t0, eta = f > 0.01 ? el * (1 - f) / f : 0;
+    fprintf(stderr, "\r[%s] %3.0f%%  %-28.28s %5.0fs elapsed, ~%.0fs left ", bar, 100 * f,
+            p->what ? p->what : "", el, eta);
+    fflush(stderr);
+    p->drawn = true;
+}
+
+static void progress_cb(void *ud, double frac) {
+    progress_draw((progress *)ud, frac);
+}
+
+static void progress_step(progress *p, double weight, const char *what) {
+    p->cur_base = p->done;
+    p->cur_weight = weight;
+    p->what = what;
+}
+
+static void progress_end_step(progress *p) {
+    p->done = p->cur_base + p->cur_weight;
+}
+
+static void progress_clear(progress *p) {
+    if (p->drawn) {
+        fprintf(stderr, "\r%80s\r", "");
+        fflush(stderr);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Driver                                                                                       */
+/* ------------------------------------------------------------------------------------------- */
+static int append_results(nd_record **recs, size_t *n, size_t *cap, const nd_case *c,
+                          const nd_result *res, const double *pct, uint64_t context, uint64_t seed,
+                          uint32_t ratio, nd_mode mode) {
+    for (uint32_t i = 0; i < c->n_targets; i++) {
+        if (*n == *cap) {
+            size_t nc = *cap ? *cap * 2 : 256;
+            nd_record *r = realloc(*recs, nc * sizeof *r);
+            if (!r)
+                return -1;
+            *recs = r;
+            *cap = nc;
+        }
+        nd_record *r = &(*recs)[(*n)++];
+        r->context = context;
+        r->seed = seed;
+        r->ratio = ratio;
+        r->mode = mode;
+        r->rope = c->spec.kind != KVT_LAYER_MLA_NOPE;
+        r->res = res[i];
+        r->sigma_pct = pct[res[i].needle];
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    int prc = parse_args(argc, argv, &o);
+    if (prc)
+        return prc;
+    for (uint32_t k = 0; k < o.n_modes; k++)
+        if (o.modes[k] == ND_MODE_RECALL || o.modes[k] == ND_MODE_PROMOTE) {
+            fprintf(stderr, "kvtier-needle: mode '%s' is not implemented yet: the recall tier "
+                    "does not exist in kvtier (KVT_RECALL_ON is reserved), so there is nothing "
+                    "to measure\n", nd_mode_name(o.modes[k]));
+            return EXIT_NOTIMPL;
+        }
+    progress pg;
+    memset(&pg, 0, sizeof pg);
+    pg.enabled = o.progress == 1 || (o.progress == -1 && isatty(2));
+    pg.t0 = now_s();
+    double t_gen = 0, t_ref = 0, t_run = 0;
+
+    /* Work estimate: per case, generation + references ~ 3 units per row, each replay ~1. */
+    uint32_t runs_per_case = 0;
+    for (uint32_t k = 0; k < o.n_modes; k++)
+        runs_per_case += o.modes[k] == ND_MODE_DENSE ? 1 : o.n_ratios;
+    uint32_t n_cases = o.trace ? 1 : o.n_contexts * (uint32_t)o.seeds;
+    for (uint32_t ci = 0; ci < (o.trace ? 1 : o.n_contexts); ci++)
+        pg.total += (double)(o.trace ? 1 : o.contexts[ci]) * (double)(o.trace ? 1 : o.seeds) *
+                    (3.0 + runs_per_case);
+
+    nd_record *recs = NULL;
+    size_t n_recs = 0, cap_recs = 0;
+    char err[1024];
+    int rc = 0;
+    char what[64];
+    const char *source = o.trace ? o.trace : "synthetic";
+    (void)n_cases;
+    for (uint32_t ci = 0; ci < (o.trace ? 1 : o.n_contexts) && rc == 0; ci++) {
+        for (uint64_t si = 0; si < (o.trace ? 1 : o.seeds) && rc == 0; si++) {
+            nd_case c;
+            double units = o.trace ? 1 : (double)o.contexts[ci];
+            double t = now_s();
+            if (o.trace) {
+                progress_step(&pg, 1.0 * units, "loading trace");
+                int e = nd_case_load(o.trace, o.layer, &c, err, sizeof err);
+                if (e) {
+                    progress_clear(&pg);
+                    fprintf(stderr, "kvtier-needle: %s\n", err);
+                    rc = e == ND_EARG ? EXIT_USAGE : EXIT_ERR;
+                    break;
+                }
+            } else {
+                nd_gen_params gp = o.gen;
+                gp.context = o.contexts[ci];
+                gp.seed = o.gen.seed + si;
+                gp.depths = o.depths;
+                gp.n_depths = o.n_depths;
+                gp.levels = o.levels;
+                gp.n_levels = o.n_levels;
+                snprintf(what, sizeof what, "generating %lluk seed %llu",
+                         (unsigned long long)(gp.context / 1024), (unsigned long long)gp.seed);
+                progress_step(&pg, 1.5 * units, what);
+                int e = nd_generate(&gp, &c, progress_cb, &pg, err, sizeof err);
+                if (e) {
+                    progress_clear(&pg);
+                    fprintf(stderr, "kvtier-needle: generator: %s\n", err);
+                    rc = e == ND_EARG ? EXIT_USAGE : EXIT_ERR;
+                    break;
+                }
+            }
+            progress_end_step(&pg);
+            t_gen += now_s() - t;
+            if (o.write_trace) {
+                int e = nd_case_save(&c, o.write_trace, err, sizeof err);
+                if (e) {
+                    progress_clear(&pg);
+                    fprintf(stderr, "kvtier-needle: %s\n", err);
+                    nd_case_free(&c);
+                    rc = EXIT_ERR;
+                    break;
+                }
+            }
+            double *pct = calloc(c.n_needles ? c.n_needles : 1, sizeof *pct);
+            nd_result *res = calloc(c.n_targets ? c.n_targets : 1, sizeof *res);
+            nd_refs refs;
+            memset(&refs, 0, sizeof refs);
+            if (!pct || !res) {
+                fprintf(stderr, "kvtier-needle: out of memory\n");
+                rc = EXIT_ERR;
+                goto case_done;
+            }
+            if (nd_case_sigma_pct(&c, o.run.block_rows, o.run.kappa, pct, err, sizeof err)) {
+                fprintf(stderr, "kvtier-needle: %s\n", err);
+                rc = EXIT_ERR;
+                goto case_done;
+            }
+            t = now_s();
+            progress_step(&pg, (o.trace ? 1.0 : 1.5) * units, "full-cache references");
+            if (nd_refs_compute(&c, o.run.scale, &refs, progress_cb, &pg, err, sizeof err)) {
+                progress_clear(&pg);
+                fprintf(stderr, "kvtier-needle: %s\n", err);
+                rc = EXIT_ERR;
+                goto case_done;
+            }
+            progress_end_step(&pg);
+            t_ref += now_s() - t;
+            for (uint32_t mi = 0; mi < o.n_modes && rc == 0; mi++) {
+                uint32_t nr = o.modes[mi] == ND_MODE_DENSE ? 1 : o.n_ratios;
+                for (uint32_t ri = 0; ri < nr && rc == 0; ri++) {
+                    nd_run_params rp = o.run;
+                    rp.mode = o.modes[mi];
+                    rp.ratio = o.modes[mi] == ND_MODE_DENSE ? 1 : (uint32_t)o.ratios[ri];
+                    rp.seed = o.trace ? o.run.seed : o.gen.seed + si;
+                    snprintf(what, sizeof what, "%s %lluk %ux", nd_mode_name(rp.mode),
+                             (unsigned long long)(c.n_rows / 1024), rp.ratio);
+                    progress_step(&pg, units, what);
+                    t = now_s();
+                    int e = nd_run(&c, &refs, &rp, res, progress_cb, &pg, err, sizeof err);
+                    t_run += now_s() - t;
+                    progress_end_step(&pg);
+                    if (e) {
+                        progress_clear(&pg);
+                        fprintf(stderr, "kvtier-needle: %s\n", err);
+                        rc = e == ND_ENOTIMPL ? EXIT_NOTIMPL : e == ND_EARG ? EXIT_USAGE : EXIT_ERR;
+                        break;
+                    }
+                    if (append_results(&recs, &n_recs, &cap_recs, &c, res, pct, c.n_rows,
+                                       c.seed, rp.ratio, rp.mode)) {
+                        fprintf(stderr, "kvtier-needle: out of memory\n");
+                        rc = EXIT_ERR;
+                    }
+                }
+            }
+        case_done:
+            free(pct);
+            free(res);
+            nd_refs_free(&refs);
+            nd_case_free(&c);
+        }
+    }
+    progress_clear(&pg);
+    if (rc) {
+        free(recs);
+        return rc;
+    }
+    nd_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.recs = recs;
+    rep.n = n_recs;
+    rep.source = source;
+    rep.min_mass = o.run.min_mass;
+    rep.min_cos = o.run.min_cos;
+    if (o.verbose)
+        nd_report_lines(&rep, stdout);
+    nd_report_table(&rep, stdout);
+    if (o.csv && nd_report_csv(&rep, o.csv, err, sizeof err)) {
+        fprintf(stderr, "kvtier-needle: %s\n", err);
+        free(recs);
+        return EXIT_ERR;
+    }
+    if (o.svg && nd_report_svg(&rep, o.svg, err, sizeof err)) {
+        fprintf(stderr, "kvtier-needle: %s\n", err);
+        free(recs);
+        return EXIT_ERR;
+    }
+    uint64_t pass = 0, counted = 0, tails = 0;
+    for (size_t i = 0; i < n_recs; i++) {
+        if (recs[i].res.status == ND_TAIL) {
+            tails++;
+            continue;
+        }
+        counted++;
+        pass += recs[i].res.status == ND_PASS;
+    }
+    printf("time: generate %.1f s, full-cache references %.1f s, replay %.1f s, total %.1f s\n",
+           t_gen, t_ref, t_run, now_s() - pg.t0);
+    if (tails)
+        printf("%llu needle queries with the needle still in the unclosed tail: reported, not "
+               "counted\n", (unsigned long long)tails);
+    printf("pass %llu/%llu\n", (unsigned long long)pass, (unsigned long long)counted);
+    free(recs);
+    return 0;
+}
