@@ -363,7 +363,7 @@ int nd_report_svg(const nd_report *r, const char *path, char *err, size_t err_le
         if (pw[k] > maxw)
             maxw = pw[k];
     }
-    int rows = (np + cols - 1) / cols, total_h = 70;
+    int rows = (np + cols - 1) / cols, total_h = 84;
     int row_h[64];
     for (int rr = 0; rr < rows; rr++) {
         row_h[rr] = 0;
@@ -385,12 +385,13 @@ int nd_report_svg(const nd_report *r, const char *path, char *err, size_t err_le
                "fill=\"white\"/>\n", W, H, W, H);
     fprintf(f, "<text x=\"20\" y=\"28\" font-size=\"18\" font-weight=\"bold\">kvtier needle "
                "suite: pass rate per context x ratio</text>\n");
-    fprintf(f, "<text x=\"20\" y=\"50\" font-size=\"12\" fill=\"#444\">source: %s. Pass = needle "
-               "mass ratio &#8805; %.3g and output cosine &#8805; %.3g (min over targeted heads). "
-               "Each cell: %d depth stripes, shallow (left) to deep (right); number = pass rate "
-               "over the cell, n = counted queries.</text>\n", r->source, r->min_mass, r->min_cos,
-            nd);
-    int y0 = 70;
+    fprintf(f, "<text x=\"20\" y=\"48\" font-size=\"12\" fill=\"#444\">source: %s. Pass = "
+               "needle mass ratio &#8805; %.3g and output cosine &#8805; %.3g (min over targeted "
+               "heads).</text>\n", r->source, r->min_mass, r->min_cos);
+    fprintf(f, "<text x=\"20\" y=\"64\" font-size=\"12\" fill=\"#444\">Each cell: pass rate "
+               "(passed/counted) over all depths; below it %d stripes, one per depth, shallow "
+               "(left) to deep (right), coloured by that depth's pass rate.</text>\n", nd);
+    int y0 = 84;
     char col[16], cb[32];
     for (int rr = 0; rr < rows; rr++) {
         for (int k = rr * cols; k < np && k < (rr + 1) * cols; k++) {
@@ -433,21 +434,19 @@ int nd_report_svg(const nd_report *r, const char *path, char *err, size_t err_le
                         int sw = cx + 2 + (cw - 4) * (dk + 1) / nd - sx;
                         fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" "
                                    "fill=\"%s\"><title>depth %.2f: %u/%u</title></rect>\n",
-                                sx, cy + 2, sw, ch - 4, col, depths[dk], dp, dn);
+                                sx, cy + 24, sw, ch - 26, col, depths[dk], dp, dn);
                     }
+                    rate_color(hit && hit->n ? (double)hit->pass / hit->n : NAN, col, sizeof col);
+                    fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"22\" "
+                               "fill=\"%s\"/>\n", cx + 2, cy + 2, cw - 4, col);
                     fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" "
                                "stroke=\"#333\" stroke-width=\"1\"/>\n", cx + 2, cy + 2, cw - 4,
                             ch - 4);
                     if (hit && hit->n) {
-                        fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"74\" height=\"34\" rx=\"4\" "
-                                   "fill=\"white\" fill-opacity=\"0.85\"/>\n", cx + cw / 2 - 37,
-                                cy + ch / 2 - 18);
-                        fprintf(f, "<text x=\"%d\" y=\"%d\" font-size=\"14\" font-weight=\"bold\" "
-                                   "text-anchor=\"middle\">%.0f%%</text>\n", cx + cw / 2,
-                                cy + ch / 2 - 1, 100.0 * hit->pass / hit->n);
-                        fprintf(f, "<text x=\"%d\" y=\"%d\" font-size=\"10\" "
-                                   "text-anchor=\"middle\" fill=\"#333\">n=%u</text>\n",
-                                cx + cw / 2, cy + ch / 2 + 12, hit->n);
+                        fprintf(f, "<text x=\"%d\" y=\"%d\" font-size=\"13\" font-weight=\"bold\" "
+                                   "text-anchor=\"middle\">%.0f%% <tspan font-size=\"10\" "
+                                   "font-weight=\"normal\">(%u/%u)</tspan></text>\n", cx + cw / 2,
+                                cy + 18, 100.0 * hit->pass / hit->n, hit->pass, hit->n);
                     } else {
                         fprintf(f, "<text x=\"%d\" y=\"%d\" font-size=\"11\" "
                                    "text-anchor=\"middle\">no data</text>\n", cx + cw / 2,

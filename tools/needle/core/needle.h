@@ -193,4 +193,7 @@ typedef struct nd_result {
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len);
 
+/* Count results: passes, counted (not in the tail) and tail queries. Pass rate = pass / counted. */
+void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, uint32_t *tail);
+
 #endif /* KVT_TOOLS_NEEDLE_H */

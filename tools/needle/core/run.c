@@ -34,6 +34,24 @@ nd_run_params nd_run_default_params(void) {
     return p;
 }
 
+void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, uint32_t *tail) {
+    uint32_t p = 0, c = 0, t = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (r[i].status == ND_TAIL) {
+            t++;
+            continue;
+        }
+        c++;
+        p += r[i].status == ND_PASS;
+    }
+    if (pass)
+        *pass = p;
+    if (counted)
+        *counted = c;
+    if (tail)
+        *tail = t;
+}
+
 void nd_refs_free(nd_refs *r) {
     if (!r)
         return;
