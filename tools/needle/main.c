@@ -582,6 +582,13 @@ int main(int argc, char **argv) {
             }
             progress_end_step(&pg);
             t_gen += now_s() - t;
+            if (c.band_misses) {
+                progress_clear(&pg);
+                fprintf(stderr, "kvtier-needle: warning: %u needle row(s) of the %lluk haystack "
+                        "(seed %llu) missed their salience band (see the sigma_pct column)\n",
+                        c.band_misses, (unsigned long long)(c.n_rows / 1024),
+                        (unsigned long long)c.seed);
+            }
             if (o.write_trace) {
                 int e = nd_case_save(&c, o.write_trace, err, sizeof err);
                 if (e) {

@@ -243,7 +243,7 @@ static int calibrate_block(calib_ctx *cc, nd_case *c, uint64_t b0, calib_row *ro
     const uint32_t B = cc->B, D = sp->branch_dim;
     float br[64], cur[64], tmp[64];
     int bad = 0;
-    for (int pass = 0; pass < 6; pass++) {
+    for (int pass = 0; pass < 10; pass++) {
         block_sigma(cc, c, b0);
         bad = 0;
         for (uint32_t i = 0; i < n; i++) {
@@ -699,10 +699,7 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
             uint32_t j = i;
             while (j < nc && crow[j].pos / cc.B * cc.B == b0)
                 j++;
-            int bad = calibrate_block(&cc, c, b0, crow + i, j - i);
-            if (bad)
-                fprintf(stderr, "kvtier-needle: warning: %d needle row(s) of block %llu missed "
-                        "their salience band\n", bad, (unsigned long long)(b0 / cc.B));
+            c->band_misses += (uint32_t)calibrate_block(&cc, c, b0, crow + i, j - i);
             i = j;
             if (progress)
                 progress(ud, 0.3 + 0.2 * (double)i / nc);

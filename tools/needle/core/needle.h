@@ -87,6 +87,7 @@ typedef struct nd_case {
     uint32_t n_targets;
     char *text;            /* provenance text (owned, may be NULL) */
     uint64_t seed;         /* generator seed (0 for a loaded trace without one) */
+    uint32_t band_misses;  /* generator: needle rows whose σ calibration missed the band */
 } nd_case;
 
 void nd_case_free(nd_case *c);
