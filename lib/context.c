@@ -1,6 +1,8 @@
 /* context.c — context lifecycle: model copy, policy table, groups, row pools, backend. */
 #include "handles.h"
 
+#include "kernels/sigma.h"
+
 #include <stdio.h>
 #include <string.h>
 
@@ -90,6 +92,10 @@ static kvt_status resolve_policies(kvt_ctx *ctx, const kvt_ctx_params *p, char *
                                  "content: needle 0.89 -> 0.08 at 32x in the source paper)",
                                  i, i, kvt_layer_kind_name(sp->kind));
         }
+        if (pol == KVT_POLICY_SALIENCE && sp->branch_dim > KVT__SIGMA_MAX_BRANCH_DIM)
+            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                             "layer %u: branch_dim %u exceeds the %u the salience kernels take", i,
+                             sp->branch_dim, KVT__SIGMA_MAX_BRANCH_DIM);
         if (pol == KVT_POLICY_SALIENCE && ctx->cfg.selector == KVT_SELECT_ROW_NORM &&
             sp->dtype == KVT_DTYPE_FP8_E4M3)
             return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,

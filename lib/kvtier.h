@@ -292,7 +292,7 @@ KVT_API kvt_status kvt_ctx_free_pages(const kvt_ctx *ctx, uint32_t layer, uint32
 
 /* Base address and size of a layer's plane (0 = K or the MLA row, 1 = V): the array
  * [n_pages][page_rows][n_kv_heads][row_bytes]. KVT_ERR_OUT_OF_RANGE for a bad layer/plane,
- * KVT_ERR_BAD_STATE for an unbound external layer. */
+ * KVT_ERR_POLICY_MISMATCH for a no-KV layer, KVT_ERR_BAD_STATE for an unbound external layer. */
 KVT_API kvt_status kvt_layer_data(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void **base,
                                   size_t *bytes);
 /* With external_storage: bind engine memory (host memory for the CPU backend) of at least
@@ -372,7 +372,9 @@ typedef enum kvt_row_state {
     KVT_ROW_PENDING = 3,  /* reserved, not committed */
 } kvt_row_state;
 
-/* State of (layer, kv head, position); *slot is its current slot when attended, else -1. */
+/* State of (layer, kv head, position); *slot is its current slot when attended or pending,
+ * else -1. KVT_ERR_OUT_OF_RANGE beyond the reserved rows or for a bad layer/head,
+ * KVT_ERR_POLICY_MISMATCH for a no-KV layer. */
 KVT_API kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head,
                                      uint64_t position, kvt_row_state *state, int32_t *slot);
 /* Copy the row_bytes of (layer, plane, head, position) into dst (attended or archived).

@@ -164,6 +164,10 @@ kvt_status kvt_layer_spec_check(const kvt_layer_spec *s, char *err, size_t len) 
                              s->n_kv_heads, s->n_planes);
         if (s->branch_dim == 0)
             return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "branch_dim: 0 on an MLA layer");
+        if ((uint64_t)s->head_dim * kvt_dtype_bytes(s->dtype) > s->row_bytes)
+            return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                             "row_bytes: %u cannot hold head_dim %u values of %u bytes",
+                             s->row_bytes, s->head_dim, kvt_dtype_bytes(s->dtype));
         if (!is_float_dtype(s->branch_dtype))
             return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                              "branch_dtype: must be bf16, fp16 or fp32");

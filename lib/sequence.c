@@ -136,9 +136,12 @@ kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
         return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
                              "%u reserved tokens are not committed yet", seq->n_pending);
     for (uint32_t i = 0; i < ctx->n_layers; i++)
-        if (ctx->stores[i].group >= 0 && !ctx->stores[i].plane[0])
-            return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
-                                 "layer %u: external storage not bound (kvt_layer_bind)", i);
+        for (uint32_t p = 0; ctx->stores[i].group >= 0 && p < ctx->stores[i].spec.n_planes; p++)
+            if (!ctx->stores[i].plane[p])
+                return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                                     "layer %u plane %u: external storage not bound "
+                                     "(kvt_layer_bind)",
+                                     i, p);
     const kvt__alloc *a = &ctx->alloc;
     uint32_t g;
     kvt_status s = KVT_OK;
@@ -199,7 +202,9 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
     if (plane >= st->spec.n_planes)
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "plane %u of %u", plane,
                              st->spec.n_planes);
-    if (!src || (uint64_t)first + n > seq->n_pending || n == 0)
+    if (!src)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "src is NULL");
+    if ((uint64_t)first + n > seq->n_pending || n == 0)
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE,
                              "rows [%u, %llu) outside the %u reserved tokens", first,
                              (unsigned long long)first + n, seq->n_pending);
@@ -282,7 +287,9 @@ static kvt_status check_counters(const kvt_seq *seq) {
                                      i, (unsigned long long)t->n_rows, (unsigned long long)H,
                                      (unsigned long long)archived, (unsigned long long)e->dropped,
                                      (unsigned long long)(seq->n_tokens * H));
-        } else if (t->n_rows != seq->n_tokens) {
+        } else if (t->n_rows != seq->n_tokens ||
+                   (ctx->policies[i] == KVT_POLICY_SALIENCE &&
+                    seq->layers[i].sal.n_rows != t->n_rows)) {
             return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %llu rows held, %llu appended",
                                  i, (unsigned long long)t->n_rows,
                                  (unsigned long long)seq->n_tokens);
@@ -514,7 +521,8 @@ kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *page
     if (used > capacity)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "block table has %u pages, capacity %u",
                              used, capacity);
-    memcpy(pages, t->pages, sizeof *pages * used);
+    if (used)
+        memcpy(pages, t->pages, sizeof *pages * used);
     return KVT_OK;
 }
 
@@ -645,7 +653,8 @@ kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, 
                              (unsigned long long)t->n_rows, (unsigned long long)capacity);
     if (seq->ctx->policies[layer] == KVT_POLICY_EVICT) {
         const kvt__ev *e = &seq->layers[layer].ev;
-        memcpy(positions, e->pos + (size_t)head * e->pos_cap, sizeof *positions * t->n_rows);
+        if (t->n_rows)
+            memcpy(positions, e->pos + (size_t)head * e->pos_cap, sizeof *positions * t->n_rows);
     } else {
         for (uint64_t i = 0; i < t->n_rows; i++)
             positions[i] = (int64_t)i;

@@ -436,7 +436,7 @@ Test(storage, bad_arguments_get_statuses) {
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 1, row, 1000), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(kvt_seq_write(seq, 1, 0, 0, 1, row, 1152), KVT_ERR_OUT_OF_RANGE);
     cr_assert_eq(kvt_seq_write(seq, 0, 1, 0, 1, row, 1152), KVT_ERR_OUT_OF_RANGE);
-    cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 1, NULL, 1152), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 1, NULL, 1152), KVT_ERR_INVALID_ARGUMENT);
     int32_t slot;
     cr_assert_eq(kvt_seq_reserved_slot(seq, 0, 2, &slot), KVT_ERR_OUT_OF_RANGE);
     cr_assert_eq(kvt_seq_commit(seq, 2), KVT_OK);

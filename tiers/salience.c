@@ -113,8 +113,10 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
     uint64_t new_closed = s->closed_rows + n_close * B;
     void *arr = s->score;
     kvt_status st_ = kvt__grow(env->alloc, &arr, &s->score_cap, new_closed, sizeof *s->score);
-    if (st_ != KVT_OK)
+    if (st_ != KVT_OK) {
+        s->n_rows = new_n_rows; /* committed rows stay attended, in the tail, until the retry */
         return kvt__fail(env->err, env->err_len, st_, "salience: growing the score array");
+    }
     s->score = arr;
 
     uint64_t m = kvt__sal_m(new_closed, cfg->ratio);
@@ -177,6 +179,9 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
     s->nonfinite += nonfinite;
     s->score_bytes_read += n_close * B * score_bytes_per_row(cfg, &st->spec);
 done:
+    /* On failure the blocks stay unclosed: their rows remain attended as part of the tail (never
+     * lost from the attended set) and the next commit closes them. */
+    s->n_rows = new_n_rows;
     kvt__free(env->alloc, slots, slots_bytes);
     kvt__free(env->alloc, keys, keys_bytes);
     kvt__free(env->alloc, idx, idx_bytes);
@@ -225,7 +230,8 @@ bool kvt__sal_is_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t pos
 
 kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, size_t len) {
     uint32_t B = cfg->block_rows;
-    if (s->closed_rows % B != 0 || s->closed_rows > s->n_rows || s->n_rows - s->closed_rows >= B)
+    /* A tail of B rows or more is legal only while a failed close waits for its retry. */
+    if (s->closed_rows % B != 0 || s->closed_rows > s->n_rows)
         return kvt__fail(err, len, KVT_ERR_INVARIANT,
                          "salience: closed %llu / rows %llu inconsistent with block %u",
                          (unsigned long long)s->closed_rows, (unsigned long long)s->n_rows, B);
