@@ -380,7 +380,7 @@ static int make_queries(const nd_gen_params *p, const model *m, nd_case *c, cons
     for (uint32_t ti = 0; ti < c->n_targets && rc == ND_OK; ti++) {
         nd_target *tg = &c->targets[ti];
         const nd_needle *nd = &c->needles[tg->needle];
-        nd_rng r = nd_rng_for(p->seed, ND_STREAM_QUERY, ti);
+        nd_rng r = nd_rng_for(p->seed, ND_STREAM_QUERY, (p->context << 20) ^ ti);
         tg->q = calloc((size_t)p->n_q_heads * K, sizeof(float));
         if (!tg->q) {
             rc = nd_fail(err, err_len, ND_ENOMEM, "query");
@@ -658,7 +658,9 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         uint32_t nc = 0;
         for (uint32_t i = 0; i < c->n_needles; i++) {
             nd_needle *nd = &c->needles[i];
-            nd_rng r = nd_rng_for(p->seed, ND_STREAM_NEEDLE, i);
+            /* keyed by (context, needle): haystacks of different lengths draw their needles
+             * independently (the background rows they share are the same) */
+            nd_rng r = nd_rng_for(p->seed, ND_STREAM_NEEDLE, (p->context << 20) ^ i);
             float *v = vdirs + (size_t)i * L;
             for (uint32_t k = 0; k < L; k++)
                 v[k] = (float)nd_normal(&r);
