@@ -50,6 +50,17 @@ static inline const uint8_t *row_at(const uint8_t *base, const int32_t *slots, u
     return base + (size_t)slots[u] * stride;
 }
 
+/* The per-element math is written with explicit fmaf so CPU and GPU round identically. On x86-64
+ * without -mfma every fmaf is a libm call (a software fused multiply-add); the FMA clone below
+ * runs the same correctly rounded operation as one instruction, chosen at load time by the CPU's
+ * features (GCC function multiversioning). Results are bit-identical between the clones. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define KVT__FMA_CLONES __attribute__((target_clones("fma", "default")))
+#else
+#define KVT__FMA_CLONES
+#endif
+
+KVT__FMA_CLONES
 void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
                           size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,
                           uint32_t branch_dim, const float *basis, uint32_t n_basis, float *scratch,
@@ -91,18 +102,29 @@ void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
     }
     const float *Y = scratch;
 
-    /* Steps 2 and 3: per row, residual against the low-pass reconstruction, then its norm. */
+    /* Steps 2 and 3: per row, residual against the low-pass reconstruction, then its norm.
+     * rec[d] accumulates C[j][u]·Y[j][d] for j ascending from +0, exactly the order of
+     * kvt__sigma_recon (the GPU's per-element function); the loops are interchanged so the 64
+     * channels' chains are independent (latency hidden, vectorisable), which changes no bit. */
+    float rec[KVT__SIGMA_MAX_BRANCH_DIM];
     for (uint32_t u = 0; u < B; u++) {
         const uint8_t *row = row_at(base, slots, u, slot_stride_bytes);
-        for (uint32_t d = 0; d < D; d++) {
-            float x = kvt__sigma_branch_val(row, branch_offset, branch_dtype, d);
-            float rec = kvt__sigma_recon(basis, B, n_basis, u, Y, D, d);
-            r[d] = kvt__sigma_residual(x, rec);
+        for (uint32_t d = 0; d < D; d++)
+            rec[d] = 0.0f;
+        for (uint32_t j = 0; j < n_basis; j++) {
+            const float c = basis[(size_t)j * B + u];
+            const float *yj = Y + (size_t)j * D;
+            for (uint32_t d = 0; d < D; d++)
+                rec[d] = kvt__sigma_leaf_step(rec[d], c, yj[d]);
         }
+        for (uint32_t d = 0; d < D; d++)
+            r[d] = kvt__sigma_residual(kvt__sigma_branch_val(row, branch_offset, branch_dtype, d),
+                                       rec[d]);
         sigma_out[u] = kvt__norm_fixed(r, D);
     }
 }
 
+KVT__FMA_CLONES
 void kvt__branch_norm_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
                           size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,
                           uint32_t branch_dim, float *out) {
@@ -112,6 +134,7 @@ void kvt__branch_norm_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_
     }
 }
 
+KVT__FMA_CLONES
 void kvt__row_norm_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
                        size_t slot_stride_bytes, int dtype, uint32_t n_values, float *out) {
     for (uint32_t u = 0; u < n_rows; u++) {
