@@ -1,7 +1,8 @@
 /*
  * inspect.h — shared pieces of kvtier-inspect. Each subcommand lives in its own file of
  * tools/inspect/ and is listed in the dispatch table of main.c; it gets argv starting at its own
- * name and returns the process exit status (INSPECT_EXIT_*). Subcommands use kvtier.h only.
+ * name and returns the process exit status (INSPECT_EXIT_*). Subcommands use the public headers
+ * only (kvtier.h, kvtier_trace.h).
  */
 #ifndef KVT_TOOLS_INSPECT_H
 #define KVT_TOOLS_INSPECT_H
@@ -18,6 +19,7 @@ enum {
 
 /* Subcommands. */
 int inspect_census(int argc, char **argv);
+int inspect_trace(int argc, char **argv);
 
 /* One-line error on stderr: "kvtier-inspect <cmd>: <message>". Returns code. */
 int inspect_error(int code, const char *cmd, const char *fmt, ...)
