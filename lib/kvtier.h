@@ -334,7 +334,9 @@ KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, u
  * groups, then an O(layers x heads) accounting check. If a policy fails for host memory
  * (KVT_ERR_OUT_OF_MEMORY) the rows are committed and stored, no row is lost, and the policy work
  * is finished by the next commit — kvt_seq_commit(seq, 0) retries it without new tokens.
- * KVT_ERR_INVARIANT means the accounting check failed (a bug: please report it). */
+ * KVT_ERR_INVARIANT means the accounting check failed (a bug: please report it). KVT_ERR_CORRUPT:
+ * a device error hit an eviction round mid-compaction; the sequence is damaged and every later
+ * reserve, commit or attended-set call on it answers KVT_ERR_BAD_STATE: destroy it. */
 KVT_API kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens);
 /* Shared prefixes (copy-on-write forks) are not supported yet: KVT_ERR_UNSUPPORTED. */
 KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out);

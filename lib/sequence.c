@@ -127,9 +127,23 @@ kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t 
     return KVT_OK;
 }
 
+/* A sequence whose eviction compaction failed on the device cannot be used any more. */
+static kvt_status check_usable(const kvt_seq *seq) {
+    for (uint32_t i = 0; i < seq->ctx->n_layers; i++)
+        if (seq->layers[i].ev.damaged)
+            return kvt__ctx_fail(seq->ctx, KVT_ERR_BAD_STATE,
+                                 "request %llu was damaged by a device error during compaction of "
+                                 "layer %u; destroy it",
+                                 (unsigned long long)seq->request_id, i);
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     CHECK_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
+    kvt_status us = check_usable(seq);
+    if (us != KVT_OK)
+        return us;
     if (n_tokens == 0)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "n_tokens is 0");
     if (seq->n_pending != 0)
@@ -301,6 +315,9 @@ static kvt_status check_counters(const kvt_seq *seq) {
 kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     CHECK_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
+    kvt_status us = check_usable(seq);
+    if (us != KVT_OK)
+        return us;
     if (n_tokens > seq->n_pending)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "committing %u tokens, %u reserved", n_tokens, seq->n_pending);
@@ -373,10 +390,14 @@ static kvt_status check_batch(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs
     if (ctx->stores[layer].group < 0)
         return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH, "layer %u stores no per-token KV",
                              layer);
-    for (uint32_t s = 0; s < n_seqs; s++)
+    for (uint32_t s = 0; s < n_seqs; s++) {
         if (!seqs[s] || seqs[s]->ctx != ctx)
             return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                                  "seqs[%u] is NULL or belongs to another context", s);
+        kvt_status us = check_usable(seqs[s]);
+        if (us != KVT_OK)
+            return us;
+    }
     *st = &ctx->stores[layer];
     return KVT_OK;
 }

@@ -923,6 +923,61 @@ static kvt_status fail_topm(const kvt__backend *be, const uint32_t *keys, uint32
     return KVT_ERR_NO_DEVICE;
 }
 
+static kvt_status fail_move(const kvt__backend *be, uint8_t *base, size_t slot_stride,
+                            size_t offset, size_t bytes_per_row, const int32_t *src_slots,
+                            const int32_t *dst_slots, uint32_t n, void *stream) {
+    (void)be, (void)base, (void)slot_stride, (void)offset, (void)bytes_per_row, (void)src_slots,
+        (void)dst_slots, (void)n, (void)stream;
+    return KVT_ERR_NO_DEVICE;
+}
+
+Test(evict_internal, failed_move_marks_the_group_damaged) {
+    const uint32_t K = 8, r = 4, c = 4, PR = 4, NP = 16, H = 2, N = K + r + c;
+    kvt__alloc a;
+    cr_assert_eq(kvt__alloc_init(&a, KVT_ALLOC_LIBC), KVT_OK);
+    kvt__store st[2];
+    kvt__ev e[2];
+    memset(st, 0, sizeof st);
+    kvt__pool pool;
+    cr_assert_eq(kvt__pool_init(&pool, &a, NP, PR), KVT_OK);
+    kvt__ptable pt;
+    memset(&pt, 0, sizeof pt);
+    cr_assert_eq(kvt__ptable_reserve(&pt, &pool, &a, N), KVT_OK);
+    pt.n_rows = N;
+    for (int l = 0; l < 2; l++) {
+        st[l].spec = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, 8);
+        st[l].layer = (uint32_t)l;
+        st[l].slot_bytes = (size_t)H * st[l].spec.row_bytes;
+        st[l].plane_bytes = (size_t)NP * PR * st[l].slot_bytes;
+        for (int p = 0; p < 2; p++)
+            st[l].plane[p] = calloc(1, st[l].plane_bytes);
+        cr_assert_eq(kvt__ev_init(&e[l], &a, H, false), KVT_OK);
+        cr_assert_eq(kvt__ev_reserve(&e[l], &a, N), KVT_OK);
+        kvt__ev_append(&e[l], 0, 0, N);
+    }
+    kvt_config cfg = small_cfg(K, r, c);
+    kvt__backend_ops ops = *kvt__backend_cpu_ops();
+    ops.move_rows = fail_move;
+    kvt__backend be = {.ops = &ops, .alloc = &a, .impl = NULL};
+    char err[256] = "";
+    kvt__env env = {.alloc = &a, .backend = &be, .cfg = &cfg, .page_rows = PR,
+                    .philox_key = kvt__philox_key(cfg.seed, 1), .err = err,
+                    .err_len = sizeof err};
+    kvt__store *stores[2] = {&st[0], &st[1]};
+    kvt__ev *states[2] = {&e[0], &e[1]};
+    cr_assert_eq(kvt__ev_round(&env, stores, states, 2, &pt, &pool, 2), KVT_ERR_CORRUPT);
+    cr_assert(strstr(err, "damaged") != NULL, "%s", err);
+    cr_assert(e[0].damaged && e[1].damaged);
+    for (int l = 0; l < 2; l++) {
+        kvt__ev_fini(&e[l], &a);
+        free(st[l].plane[0]);
+        free(st[l].plane[1]);
+    }
+    kvt__ptable_fini(&pt, &pool, &a);
+    kvt__pool_fini(&pool, &a);
+    kvt__alloc_fini(&a);
+}
+
 Test(evict_internal, failed_selection_changes_nothing) {
     const uint32_t K = 8, r = 4, c = 4, PR = 4, NP = 16, H = 2, N = K + r + c;
     kvt__alloc a;

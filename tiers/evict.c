@@ -509,9 +509,16 @@ kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev
         }
         rc = compact_layer(env, st, pt, keep, H, K, cand, n_new, &s);
         if (rc != KVT_OK) {
-            /* Only a device error can land here; the bytes may be half moved. */
-            kvt__fail(env->err, env->err_len, rc, "eviction round: moving rows of layer %u failed",
-                      st->layer);
+            /* Only a device error can land here; the bytes may be half moved and earlier layers
+             * of the group are already compacted: no retry can repair that. Mark every layer of
+             * the group damaged (sticky) so the sequence refuses further work. */
+            for (uint32_t x = 0; x < n_layers; x++)
+                states[x]->damaged = true;
+            kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                      "eviction round: moving rows of layer %u failed (%s); the sequence is "
+                      "damaged and must be destroyed",
+                      st->layer, kvt_status_name(rc));
+            rc = KVT_ERR_CORRUPT;
             goto done;
         }
         e->last_n = N;

@@ -143,6 +143,9 @@ typedef struct kvt__ev {
     uint64_t rounds;
     uint64_t dropped;     /* summed over heads */
     bool prompt_over_budget;
+    /* A device error hit mid-compaction: rows may be half moved and the group's layers disagree.
+     * Sticky; the sequence refuses further work (KVT_ERR_BAD_STATE) and can only be destroyed. */
+    bool damaged;
     kvt__ev_archive *archive; /* [n_heads], when cfg->evict_archive */
 } kvt__ev;
 
