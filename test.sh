@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole test suite: install dependencies, then build and run ctest in three
 # configurations — default (CUDA sources compiled when nvcc is present), CPU-only
-# (-DKVT_CUDA=OFF), and CPU-only under ASan + UBSan (halting on the first error).
+# (-DKVT_CUDA=OFF), and CPU-only under ASan + UBSan (halting on the first error; Debug so
+# KVT_ASSERT is live, at -O1 so the long-context needle tests stay within the CI budget).
 # GPU tests skip with a message when no device is present.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -23,5 +24,5 @@ run_config build-test -DCMAKE_BUILD_TYPE=RelWithDebInfo
 run_config build-test-cpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA=OFF
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
-  run_config build-test-asan -DCMAKE_BUILD_TYPE=Debug -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
+  run_config build-test-asan -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
 echo "test.sh: all configurations passed"
