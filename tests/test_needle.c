@@ -6,7 +6,11 @@
  *   - a uniform random selector at ratio X passes ~1/X of single-row needles (binomial, 4 sigma),
  *     and for single-row needles "pass" is exactly "the needle row is attended";
  *   - attended rows never exceed m + sinks + tail (salience) or K + r + c (eviction);
- *   - a needle still in the unclosed tail is reported as such and not counted;
+ *   - a needle still in the unclosed tail, or in rows random eviction has not scored, is reported
+ *     as such and not counted; so is a needle that missed its salience band;
+ *   - the measured attended set is checked against the library (a tampered one is an error);
+ *   - a trace with a corrupt row in a large chunk, a layout the reference attention cannot read
+ *     or an over-long needle is refused at load;
  *   - a trace written with the trace writer and replayed gives the same results as the in-memory
  *     run, field for field;
  *   - floors at 8k and 32k: strong needles >= 95% at 32x by salience alone, none-strength needles
@@ -19,6 +23,7 @@
 
 #include "kernels/attn.h"
 #include "kernels/kvt_hd.h"
+#include "kvtier_trace.h"
 #include "needle.h"
 #include "support/testutil.h"
 
@@ -207,6 +212,8 @@ static void hay_make(hay *h, nd_gen_params gp) {
     cr_assert_eq(rc, ND_OK, "%s", err);
     cr_assert_eq(h->c.band_misses, 0, "seed %llu context %llu: %u needle rows missed their band",
                  (unsigned long long)gp.seed, (unsigned long long)gp.context, h->c.band_misses);
+    for (uint32_t i = 0; i < h->c.n_needles; i++)
+        cr_assert(!h->c.needles[i].band_miss, "needle %u flagged band_miss with 0 misses", i);
     h->pct = calloc(h->c.n_needles, sizeof(double));
     cr_assert_eq(nd_case_sigma_pct(&h->c, gp.block_rows, gp.kappa, h->pct, err, sizeof err), 0);
 }
@@ -316,7 +323,7 @@ Test(needle, random_selector_passes_one_in_ratio) {
                 cr_assert_eq(res[i].m_rows, 8192u / ratios[k]);
             }
             uint32_t p, c, t;
-            nd_tally(res, h.c.n_targets, &p, &c, &t);
+            nd_tally(res, h.c.n_targets, &p, &c, &t, NULL);
             cr_assert_eq(t, 0);
             pass[k] += p;
             counted[k] += c;
@@ -381,11 +388,289 @@ Test(needle, tail_needle_is_reported_and_excluded) {
     cr_assert_eq(res[1].needle_rows_attended, 1);
     cr_assert_geq(res[1].mass_ratio, 0.9, "the tail needle is attended (it would 'pass')");
     uint32_t p, c, t;
-    nd_tally(res, 2, &p, &c, &t);
+    nd_tally(res, 2, &p, &c, &t, NULL);
     cr_assert_eq(p, 0);
     cr_assert_eq(c, 1);
     cr_assert_eq(t, 1);
     free(res);
+    hay_free(&h);
+}
+
+/* Random eviction scores only rows older than the newest attended_rows - K (the r recent rows of
+ * the last round plus every row committed since), and no row at all before the first round: a
+ * needle there is attended for free and must be "tail". 8252 rows = 128 commits of 64 + 60, and
+ * the last commit runs no round, so 64 + 60 = 124 rows are unscored; the needle group at depth 1
+ * sits at 8144.. (the rule "newest r rows" counted it as a pass). 4 natural needles, 8k. */
+Test(needle, rope_unscored_rows_are_tail) {
+    static const nd_salience lv[] = {ND_SAL_NATURAL};
+    static const double dep[] = {0.5, 1.0};
+    const uint64_t T = 8252, K = (8252 + 16) / 32;
+    nd_gen_params gp = gen(T, 1);
+    gp.depths = dep;
+    gp.n_depths = 2;
+    gp.levels = lv;
+    gp.n_levels = 1;
+    gp.needles_per_depth = 2;
+    gp.rope = true;
+    gp.prompt_rows = 256;
+    hay h;
+    hay_make(&h, gp);
+    cr_assert_eq(h.c.n_targets, 4);
+    nd_result *res = hay_run(&h, ND_MODE_SALIENCE, 32);
+    check_budget(&h, res);
+    bool outside_r = false;
+    for (uint32_t i = 0; i < 4; i++) {
+        const nd_needle *nd = &h.c.needles[res[i].needle];
+        cr_assert_eq(res[i].policy, KVT_POLICY_EVICT);
+        cr_assert_eq(res[i].m_rows, K);
+        cr_assert_eq(res[i].tail_rows, res[i].attended_rows - K);
+        cr_assert_eq(res[i].tail_rows, 64 + 60, "unscored rows %llu",
+                     (unsigned long long)res[i].tail_rows);
+        bool unscored = nd->first_row + nd->n_rows > T - res[i].tail_rows;
+        cr_assert_eq(res[i].status == ND_TAIL, unscored, "needle at %llu: status %d",
+                     (unsigned long long)nd->first_row, res[i].status);
+        if (unscored && nd->first_row + 64 < T)
+            outside_r = true;
+    }
+    cr_assert(outside_r, "no tail needle outside the newest r rows: the case tests nothing");
+    uint32_t p, c, t, b;
+    nd_tally(res, 4, &p, &c, &t, &b);
+    cr_assert_eq(c, 2);
+    cr_assert_eq(t, 2);
+    cr_assert_eq(b, 0);
+    free(res);
+    /* Ratio 1: K = 8252, no round ever runs, so every row is unscored and every needle is tail. */
+    res = hay_run(&h, ND_MODE_SALIENCE, 1);
+    for (uint32_t i = 0; i < 4; i++) {
+        cr_assert_eq(res[i].policy, KVT_POLICY_EVICT);
+        cr_assert_eq(res[i].status, ND_TAIL, "needle %u before the first round", i);
+        cr_assert_eq(res[i].tail_rows, T);
+        cr_assert_eq(res[i].attended_rows, T);
+        cr_assert_eq(res[i].dropped_rows, 0);
+    }
+    free(res);
+    hay_free(&h);
+}
+
+/* The measured attended set is checked against the library before anything is measured: a
+ * duplicated slot, a damaged pool row, a left-out row, a slot holding no attended position and
+ * a broken position order are each refused with ND_ELIB and a message (8k, 1 needle). */
+typedef struct tamper_ud {
+    int kind;
+    uint32_t row_bytes;
+} tamper_ud;
+
+static void tamper(void *ud, uint8_t *pool, size_t pool_bytes, int32_t *slots, int32_t *len) {
+    const tamper_ud *t = ud;
+    switch (t->kind) {
+    case 0:
+        slots[1] = slots[0];
+        break;
+    case 1:
+        pool[(size_t)slots[*len / 2] * t->row_bytes + 7] ^= 0x40;
+        break;
+    case 2:
+        (*len)--;
+        break;
+    case 3:
+        slots[*len - 1] = (int32_t)(pool_bytes / t->row_bytes - 1); /* an unused page's slot */
+        break;
+    default: {
+        int32_t x = slots[2];
+        slots[2] = slots[3];
+        slots[3] = x;
+    }
+    }
+}
+
+Test(needle, attended_set_mismatch_is_an_error) {
+    static const nd_salience lv[] = {ND_SAL_STRONG};
+    static const double dep[] = {0.5};
+    static const char *const expect[] = {"appears twice", "pool bytes differ",
+                                         "kvt_seq_layer_stats says attended_rows",
+                                         "holds no attended position", "not ascending"};
+    nd_gen_params gp = gen(8192, 4);
+    gp.depths = dep;
+    gp.n_depths = 1;
+    gp.levels = lv;
+    gp.n_levels = 1;
+    hay h;
+    hay_make(&h, gp);
+    nd_result *ok = hay_run(&h, ND_MODE_SALIENCE, 32); /* untouched: the check passes */
+    cr_assert_eq(ok[0].status, ND_PASS);
+    cr_assert_eq(ok[0].attended_rows, ok[0].kept_rows + ok[0].sink_rows + ok[0].tail_rows,
+                 "%llu", (unsigned long long)ok[0].attended_rows);
+    free(ok);
+    for (int k = 0; k < 5; k++) {
+        tamper_ud ud = {k, h.c.spec.row_bytes};
+        nd_run_params rp = nd_run_default_params();
+        rp.seed = h.c.seed;
+        rp.tamper = tamper;
+        rp.tamper_ud = &ud;
+        nd_result res[1];
+        char err[512] = "";
+        int rc = nd_run(&h.c, &h.refs, &rp, res, NULL, NULL, err, sizeof err);
+        cr_assert_eq(rc, ND_ELIB, "tamper %d: rc %d (%s)", k, rc, err);
+        cr_assert(strstr(err, "attended set check") && strstr(err, expect[k]),
+                  "tamper %d: '%s'", k, err);
+    }
+    hay_free(&h);
+}
+
+/* A minimal one-layer MLA trace (rows all zero but for a 16-byte marker at marker_row, written
+ * as ONE rows chunk), one query at the end targeting one needle of needle_rows rows at row 10. */
+static void small_trace(const char *path, const kvt_layer_spec *sp, uint64_t n_rows,
+                        uint64_t needle_rows, uint64_t marker_row) {
+    kvt_trace_meta meta = {.prompt_rows = 0, .n_model_layers = 1, .text = NULL};
+    kvt_trace_writer *w = NULL;
+    char err[256];
+    cr_assert_eq(kvt_trace_writer_open(path, &meta, &w, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt_trace_write_layer(w, 0, sp), KVT_OK, "%s", kvt_trace_writer_last_error(w));
+    uint8_t *rows = calloc(n_rows, sp->row_bytes);
+    memcpy(rows + marker_row * sp->row_bytes, "kvt-needle-mark!", 16);
+    cr_assert_eq(kvt_trace_write_rows(w, 0, 0, rows, n_rows, (size_t)n_rows * sp->row_bytes),
+                 KVT_OK, "%s", kvt_trace_writer_last_error(w));
+    free(rows);
+    float *q = calloc(sp->head_dim, sizeof(float));
+    uint64_t pos = n_rows;
+    cr_assert_eq(kvt_trace_write_queries(w, 0, KVT_DTYPE_FP32, 1, sp->head_dim, &pos, q, 1,
+                                         sizeof(float) * sp->head_dim), KVT_OK);
+    free(q);
+    kvt_trace_needle nd = {.layer = 0, .first_row = 10, .n_rows = needle_rows};
+    uint32_t head = 0;
+    kvt_trace_target tg = {.step = 0, .needle = 0, .n_heads = 1, .heads = &head};
+    cr_assert_eq(kvt_trace_write_needles(w, &nd, 1), KVT_OK);
+    cr_assert_eq(kvt_trace_write_targets(w, &tg, 1), KVT_OK);
+    cr_assert_eq(kvt_trace_writer_close(w, err, sizeof err), KVT_OK, "%s", err);
+}
+
+static void tmp_path(char *path) {
+    strcpy(path, "/tmp/kvt_needle_tr_XXXXXX");
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+}
+
+/* Reads are 65,536-row windows and the reader checks a chunk's CRC only when a read covers it
+ * whole: one 70,000-row chunk with one flipped row byte loaded silently. nd_case_load now runs
+ * kvt_trace_verify first and refuses the file. 70,000 rows of 160 B. */
+Test(needle, corrupt_rows_chunk_is_refused) {
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 64, 16, &sp), KVT_OK);
+    char path[64], err[512];
+    tmp_path(path);
+    small_trace(path, &sp, 70000, 1, 66000);
+    nd_case c;
+    cr_assert_eq(nd_case_load(path, UINT32_MAX, &c, err, sizeof err), ND_OK, "%s", err);
+    cr_assert_eq(c.n_rows, 70000);
+    nd_case_free(&c);
+    /* flip one byte of the marker row */
+    FILE *f = fopen(path, "r+b");
+    cr_assert(f != NULL);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    uint8_t *buf = malloc((size_t)n);
+    fseek(f, 0, SEEK_SET);
+    cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+    long at = -1;
+    for (long i = 0; i + 16 <= n && at < 0; i++)
+        if (buf[i] == 'k' && memcmp(buf + i, "kvt-needle-mark!", 16) == 0)
+            at = i;
+    cr_assert_geq(at, 0);
+    fseek(f, at + 3, SEEK_SET);
+    fputc(buf[at + 3] ^ 0x01, f);
+    fclose(f);
+    free(buf);
+    int rc = nd_case_load(path, UINT32_MAX, &c, err, sizeof err);
+    unlink(path);
+    cr_assert_eq(rc, ND_EIO, "a corrupt row loaded: rc %d", rc);
+    cr_assert(strstr(err, "KVT_ERR_CORRUPT") != NULL, "%s", err);
+}
+
+/* The reference attention reads the key as head_dim contiguous values of dtype from byte 0: a
+ * trace layer laid out otherwise is refused naming the field, and so is a needle longer than
+ * ND_MAX_NEEDLE_ROWS (the longest that is accepted loads). 256-row traces. */
+Test(needle, trace_layout_and_needle_length_are_checked) {
+    kvt_layer_spec good;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 64, 16, &good), KVT_OK);
+    kvt_layer_spec bad[3];
+    static const char *const field[] = {"branch_dtype", "branch_offset", "head_dim"};
+    bad[0] = good; /* fp32 branch after bf16 values */
+    bad[0].branch_dtype = KVT_DTYPE_FP32;
+    bad[0].row_bytes = 64 * 2 + 16 * 4;
+    bad[1] = good; /* 16 bytes of padding before the branch */
+    bad[1].branch_offset = 64 * 2 + 16;
+    bad[1].row_bytes = 64 * 2 + 16 + 16 * 2;
+    bad[2] = good; /* key shorter than values + branch */
+    bad[2].head_dim = 72;
+    char path[64], err[512];
+    nd_case c;
+    for (int k = 0; k < 3; k++) {
+        char e2[256];
+        cr_assert_eq(kvt_layer_spec_check(&bad[k], e2, sizeof e2), KVT_OK, "%d: %s", k, e2);
+        tmp_path(path);
+        small_trace(path, &bad[k], 256, 1, 100);
+        int rc = nd_case_load(path, UINT32_MAX, &c, err, sizeof err);
+        unlink(path);
+        cr_assert_eq(rc, ND_EIO, "layout %d loaded", k);
+        cr_assert(strstr(err, field[k]) != NULL, "layout %d: '%s'", k, err);
+    }
+    tmp_path(path);
+    small_trace(path, &good, 256, ND_MAX_NEEDLE_ROWS, 100);
+    cr_assert_eq(nd_case_load(path, UINT32_MAX, &c, err, sizeof err), ND_OK, "%s", err);
+    cr_assert_eq(c.needles[0].n_rows, ND_MAX_NEEDLE_ROWS);
+    nd_case_free(&c);
+    small_trace(path, &good, 256, ND_MAX_NEEDLE_ROWS + 1, 100);
+    int rc = nd_case_load(path, UINT32_MAX, &c, err, sizeof err);
+    unlink(path);
+    cr_assert_eq(rc, ND_EIO);
+    cr_assert(strstr(err, "ND_MAX_NEEDLE_ROWS") != NULL, "%s", err);
+}
+
+/* A needle that missed its requested band is reported as band_miss and not counted under that
+ * band, in every mode, and the flag survives a trace round trip. Forced: with B = 64 only one
+ * row of a block can be in its top 1%, so a 2-row strong needle always misses. 4k rows. */
+Test(needle, band_miss_needles_are_excluded) {
+    static const nd_salience lv[] = {ND_SAL_STRONG};
+    static const double dep[] = {0.5};
+    nd_gen_params gp = gen(4096, 9);
+    gp.depths = dep;
+    gp.n_depths = 1;
+    gp.levels = lv;
+    gp.n_levels = 1;
+    gp.block_rows = 64;
+    gp.needle_rows = 2;
+    hay h;
+    memset(&h, 0, sizeof h);
+    char err[512];
+    cr_assert_eq(nd_generate(&gp, &h.c, NULL, NULL, err, sizeof err), ND_OK, "%s", err);
+    cr_assert_gt(h.c.band_misses, 0);
+    cr_assert(h.c.needles[0].band_miss);
+    cr_assert_eq(nd_refs_compute(&h.c, gp.scale, &h.refs, NULL, NULL, err, sizeof err), ND_OK);
+    static const nd_mode modes[] = {ND_MODE_SALIENCE, ND_MODE_DENSE};
+    for (int m = 0; m < 2; m++) {
+        nd_run_params rp = nd_run_default_params();
+        rp.mode = modes[m];
+        rp.ratio = 8;
+        rp.block_rows = 64;
+        rp.seed = h.c.seed;
+        nd_result res[1];
+        cr_assert_eq(nd_run(&h.c, &h.refs, &rp, res, NULL, NULL, err, sizeof err), ND_OK, "%s",
+                     err);
+        cr_assert_eq(res[0].status, ND_BAND_MISS, "mode %s: status %d", nd_mode_name(modes[m]),
+                     res[0].status);
+        uint32_t p, c, t, b;
+        nd_tally(res, 1, &p, &c, &t, &b);
+        cr_assert(p == 0 && c == 0 && t == 0 && b == 1);
+    }
+    char path[64];
+    tmp_path(path);
+    cr_assert_eq(nd_case_save(&h.c, path, err, sizeof err), ND_OK, "%s", err);
+    nd_case g;
+    cr_assert_eq(nd_case_load(path, UINT32_MAX, &g, err, sizeof err), ND_OK, "%s", err);
+    unlink(path);
+    cr_assert(g.needles[0].band_miss);
+    nd_case_free(&g);
     hay_free(&h);
 }
 
@@ -588,7 +873,7 @@ Test(floors, rope_random_eviction_8x) {
             cr_assert_eq(res[i].m_rows, 1024);
         }
         uint32_t p, c, t;
-        nd_tally(res, h.c.n_targets, &p, &c, &t);
+        nd_tally(res, h.c.n_targets, &p, &c, &t, NULL);
         pass += p, counted += c, tails += t;
         free(res);
         res = hay_run(&h, ND_MODE_DENSE, 1);
@@ -641,4 +926,16 @@ Test(cli, exit_codes_and_last_line) {
     const char *last = strrchr(out, '\n');
     last = last ? last + 1 : out;
     cr_assert_str_eq(last, "pass 0/2", "exit 0 whatever the pass rate; last line '%s'", last);
+    /* Needles in the rows random eviction has not scored are tail (8252 = 128 x 64 + 60: 124
+     * unscored rows), and a band miss is reported and not counted. */
+    cr_assert_eq(run_cli("--rope --context 8252 --ratio 32 --depth 1.0 --salience natural "
+                         "--needles 2 --no-progress", out, sizeof out), 0, "%s", out);
+    cr_assert(strstr(out, "2 needle queries with the needle in rows not scored yet") != NULL,
+              "%s", out);
+    cr_assert(strstr(out, "pass 0/0") != NULL, "%s", out);
+    cr_assert_eq(run_cli("--context 4k --block 64 --needle-rows 2 --depth 0.5 --no-progress", out,
+                         sizeof out), 0, "%s", out);
+    cr_assert(strstr(out, "1 needle queries whose needle missed its salience band") != NULL,
+              "%s", out);
+    cr_assert(strstr(out, "pass 0/0") != NULL, "%s", out);
 }

@@ -8,8 +8,9 @@
  * kvtier chose keeps the needle's attention mass and the attention output. Prints a table, writes
  * CSV / SVG on request, and ends with one line "pass N/M".
  *
- * Exit status: 0 whatever the pass rate; 1 on an error (unreadable trace, library error), 2 on a
- * bad command line, 3 for a mode that is not implemented yet (recall, promote).
+ * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
+ * library error, an attended set that disagrees with the library), 2 on a bad command line, 3
+ * for a mode that is not implemented yet (recall, promote).
  */
 #include "needle.h"
 #include "report.h"
@@ -585,7 +586,8 @@ int main(int argc, char **argv) {
             if (c.band_misses) {
                 progress_clear(&pg);
                 fprintf(stderr, "kvtier-needle: warning: %u needle row(s) of the %lluk haystack "
-                        "(seed %llu) missed their salience band (see the sigma_pct column)\n",
+                        "(seed %llu) missed their salience band: those needles are reported as "
+                        "band_miss, not counted (see the sigma_pct column)\n",
                         c.band_misses, (unsigned long long)(c.n_rows / 1024),
                         (unsigned long long)c.seed);
             }
@@ -682,10 +684,14 @@ int main(int argc, char **argv) {
         free(recs);
         return EXIT_ERR;
     }
-    uint64_t pass = 0, counted = 0, tails = 0;
+    uint64_t pass = 0, counted = 0, tails = 0, misses = 0;
     for (size_t i = 0; i < n_recs; i++) {
         if (recs[i].res.status == ND_TAIL) {
             tails++;
+            continue;
+        }
+        if (recs[i].res.status == ND_BAND_MISS) {
+            misses++;
             continue;
         }
         counted++;
@@ -694,8 +700,11 @@ int main(int argc, char **argv) {
     printf("time: generate %.1f s, full-cache references %.1f s, replay %.1f s, total %.1f s\n",
            t_gen, t_ref, t_run, now_s() - pg.t0);
     if (tails)
-        printf("%llu needle queries with the needle still in the unclosed tail: reported, not "
-               "counted\n", (unsigned long long)tails);
+        printf("%llu needle queries with the needle in rows not scored yet (unclosed tail, "
+               "eviction window): reported, not counted\n", (unsigned long long)tails);
+    if (misses)
+        printf("%llu needle queries whose needle missed its salience band: reported as band_miss, "
+               "not counted\n", (unsigned long long)misses);
     printf("pass %llu/%llu\n", (unsigned long long)pass, (unsigned long long)counted);
     free(recs);
     return 0;

@@ -72,6 +72,30 @@ void nd_narrow(uint8_t *row, kvt_dtype dt, uint32_t n, const float *in) {
         kvt__store_elem(row, (int)dt, i, in[i]);
 }
 
+int nd_spec_layout_check(const kvt_layer_spec *sp, char *msg, size_t len) {
+    const uint32_t elt = kvt_dtype_bytes(sp->dtype);
+    if (sp->dtype != KVT_DTYPE_BF16 && sp->dtype != KVT_DTYPE_FP16 &&
+        sp->dtype != KVT_DTYPE_FP32)
+        return nd_fail(msg, len, -1, "row dtype %s not supported by the reference attention "
+                       "(bf16, fp16, fp32)", kvt_dtype_name(sp->dtype));
+    if (sp->head_dim != sp->value_dim + sp->branch_dim)
+        return nd_fail(msg, len, -1, "head_dim %u != value_dim %u + branch_dim %u; the reference "
+                       "attention reads the key as the row's first head_dim values",
+                       sp->head_dim, sp->value_dim, sp->branch_dim);
+    if (sp->branch_dtype != sp->dtype)
+        return nd_fail(msg, len, -1, "branch_dtype %s != dtype %s; the reference attention "
+                       "reads the whole key as dtype", kvt_dtype_name(sp->branch_dtype),
+                       kvt_dtype_name(sp->dtype));
+    if ((uint64_t)sp->branch_offset != (uint64_t)sp->value_dim * elt)
+        return nd_fail(msg, len, -1, "branch_offset %u != value_dim %u x %u bytes; the "
+                       "reference attention reads the branch right after the values",
+                       sp->branch_offset, sp->value_dim, elt);
+    if ((uint64_t)sp->head_dim * elt > sp->row_bytes)
+        return nd_fail(msg, len, -1, "row_bytes %u < head_dim %u x %u bytes", sp->row_bytes,
+                       sp->head_dim, elt);
+    return 0;
+}
+
 void nd_case_free(nd_case *c) {
     if (!c)
         return;
@@ -216,12 +240,17 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
                      "layers", path, info.layer, kvt_layer_kind_name(sp->kind));
         goto fail;
     }
-    if (sp->dtype != KVT_DTYPE_BF16 && sp->dtype != KVT_DTYPE_FP16 &&
-        sp->dtype != KVT_DTYPE_FP32) {
-        rc = nd_fail(err, err_len, ND_EIO, "%s: row dtype %s not supported by the reference "
-                     "attention (bf16, fp16, fp32)", path, kvt_dtype_name(sp->dtype));
+    if (nd_spec_layout_check(sp, e2, sizeof e2) != 0) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: layer %u: %s", path, info.layer, e2);
         goto fail;
     }
+    for (uint32_t k = 0; k < n_nd; k++)
+        if (tn[k].layer == info.layer && tn[k].n_rows > ND_MAX_NEEDLE_ROWS) {
+            rc = nd_fail(err, err_len, ND_EIO, "%s: needle %u of layer %u has %llu rows; the "
+                         "needle suite supports at most %u (ND_MAX_NEEDLE_ROWS)", path, k,
+                         info.layer, (unsigned long long)tn[k].n_rows, ND_MAX_NEEDLE_ROWS);
+            goto fail;
+        }
     if (info.q_dim != sp->head_dim || info.n_q_heads == 0 || info.n_q_heads > ND_MAX_HEADS) {
         rc = nd_fail(err, err_len, ND_EIO, "%s: queries of layer %u are %u heads x %u values; "
                      "need 1..%u heads of %u (absorbed MLA queries)", path, info.layer,
@@ -237,6 +266,13 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
     if ((double)info.n_tokens * sp->row_bytes > 16e9) {
         rc = nd_fail(err, err_len, ND_EIO, "%s: %llu rows do not fit the 16 GB the runner allows",
                      path, (unsigned long long)info.n_tokens);
+        goto fail;
+    }
+    /* kvt_trace_read_rows checks a chunk's CRC only when a read covers the whole chunk (reads
+     * here are 65,536-row windows, chunks any size): check every CRC once, streaming. */
+    if ((s = kvt_trace_verify(t)) != KVT_OK) {
+        rc = nd_fail(err, err_len, ND_EIO, "%s: %s: %s", path, kvt_status_name(s),
+                     kvt_trace_last_error(t));
         goto fail;
     }
     out->rows = malloc((size_t)info.n_tokens * sp->row_bytes + 1);
@@ -279,6 +315,9 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
         snprintf(key, sizeof key, "needle.%u.depth", k);
         if (text_value(out->text, key, buf, sizeof buf))
             nd->depth = strtod(buf, NULL);
+        snprintf(key, sizeof key, "needle.%u.band_miss", k);
+        if (text_value(out->text, key, buf, sizeof buf))
+            nd->band_miss = strcmp(buf, "1") == 0;
         nd_map[k] = out->n_needles++;
     }
     size_t qfloats = (size_t)info.n_q_heads * info.q_dim;

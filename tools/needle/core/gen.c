@@ -184,6 +184,8 @@ typedef struct calib_row {
     float h[64];           /* high-frequency direction of this row */
     float drift[64];
     double beta;
+    uint32_t needle;       /* index of the needle the row belongs to */
+    bool miss;             /* set by calibrate_block: ended outside its band */
 } calib_row;
 
 typedef struct calib_ctx {
@@ -237,7 +239,7 @@ static double sigma_if(const calib_ctx *cc, uint32_t D, uint32_t u, const float 
 }
 
 /* Calibrate every row of rows[0..n) (all in the block starting at b0). Returns the number of
- * rows that ended outside their band. */
+ * rows that ended outside their band and flags each of them (calib_row.miss). */
 static int calibrate_block(calib_ctx *cc, nd_case *c, uint64_t b0, calib_row *rows, uint32_t n) {
     const kvt_layer_spec *sp = &c->spec;
     const uint32_t B = cc->B, D = sp->branch_dim;
@@ -248,6 +250,7 @@ static int calibrate_block(calib_ctx *cc, nd_case *c, uint64_t b0, calib_row *ro
         bad = 0;
         for (uint32_t i = 0; i < n; i++) {
             double p = pct_of(cc->sig, B, (uint32_t)(rows[i].pos - b0));
+            rows[i].miss = false;
             if (p < rows[i].lo || p > rows[i].hi)
                 bad++;
         }
@@ -316,8 +319,8 @@ static int calibrate_block(calib_ctx *cc, nd_case *c, uint64_t b0, calib_row *ro
     bad = 0;
     for (uint32_t i = 0; i < n; i++) {
         double p = pct_of(cc->sig, B, (uint32_t)(rows[i].pos - b0));
-        if (p < rows[i].lo || p > rows[i].hi)
-            bad++;
+        rows[i].miss = p < rows[i].lo || p > rows[i].hi;
+        bad += rows[i].miss;
     }
     return bad;
 }
@@ -689,6 +692,8 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
                 cr->hi = hi;
                 cr->target = tlo + (thi - tlo) * nd_uniform(&r);
                 cr->beta = beta0;
+                cr->needle = i;
+                cr->miss = false;
                 if (nd->salience != ND_SAL_NATURAL &&
                     (t / cc.B + 1) * (uint64_t)cc.B <= c->n_rows) /* complete blocks only */
                     nc++;
@@ -702,6 +707,9 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
             while (j < nc && crow[j].pos / cc.B * cc.B == b0)
                 j++;
             c->band_misses += (uint32_t)calibrate_block(&cc, c, b0, crow + i, j - i);
+            for (uint32_t k2 = i; k2 < j; k2++)
+                if (crow[k2].miss)
+                    c->needles[crow[k2].needle].band_miss = true;
             i = j;
             if (progress)
                 progress(ud, 0.3 + 0.2 * (double)i / nc);
@@ -745,6 +753,8 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
             t = append(t, &len, &cap, "needle.%u.salience=%s\n", i,
                        nd_salience_name(c->needles[i].salience));
             t = append(t, &len, &cap, "needle.%u.depth=%.6f\n", i, c->needles[i].depth);
+            if (c->needles[i].band_miss)
+                t = append(t, &len, &cap, "needle.%u.band_miss=1\n", i);
         }
         if (!t) {
             rc = nd_fail(err, err_len, ND_ENOMEM, "provenance text");

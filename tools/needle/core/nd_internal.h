@@ -83,6 +83,12 @@ static inline uint64_t nd_below(nd_rng *r, uint64_t n) {
     return n ? (uint64_t)(nd_uniform(r) * (double)n) % n : 0;
 }
 
+/* 0 when rows of sp are laid out as the reference attention (kernels/attn.h) reads them: key =
+ * the row's first head_dim values of dtype (bf16/fp16/fp32), i.e. head_dim == value_dim +
+ * branch_dim, branch_dtype == dtype, branch_offset == value_dim x sizeof(dtype), head_dim values
+ * within row_bytes. Else -1 with a message naming the field in msg. */
+int nd_spec_layout_check(const kvt_layer_spec *sp, char *msg, size_t len);
+
 /* Values of a row widened to float (dtype bf16 / fp16 / fp32). */
 void nd_widen(const uint8_t *row, kvt_dtype dt, uint32_t n, float *out);
 /* Store float values into a row of dtype dt (round to nearest even). */

@@ -30,7 +30,8 @@
 #define ND_ENOTIMPL 6 /* recall / promote: the recall tier does not exist yet */
 
 #define ND_MAX_HEADS 64u         /* targeted heads per target, and query heads of a case */
-#define ND_MAX_NEEDLE_ROWS 16u
+#define ND_MAX_NEEDLE_ROWS 16u   /* rows per needle: the generator's limit, and what nd_case_load
+                                    accepts from a trace (a longer needle is refused) */
 
 /* Needle salience band: the needle rows' σ percentile within their block (docs/needle.md). */
 typedef enum nd_salience {
@@ -63,6 +64,8 @@ typedef struct nd_needle {
     uint64_t first_row, n_rows;
     double depth;          /* nominal depth in [0, 1] (generator), else first_row / n_rows */
     nd_salience salience;  /* requested band */
+    bool band_miss;        /* generator: a row of this needle ended outside its requested band
+                              (then it is not counted under that band: ND_BAND_MISS) */
 } nd_needle;
 
 typedef struct nd_target {
@@ -93,8 +96,14 @@ typedef struct nd_case {
 void nd_case_free(nd_case *c);
 
 /* Read a kvtier trace: layer = model layer index, or UINT32_MAX for the first MLA layer that has
- * queries and needles. Only the targeted query steps are loaded. Needle labels and depths come
- * from the generator's text lines ("needle.<i>.salience=", "needle.<i>.depth=") when present. */
+ * queries and needles. Every CRC of the file is checked first (kvt_trace_verify: one streaming
+ * pass; a corrupt file is refused with ND_EIO and a message naming KVT_ERR_CORRUPT). The layer
+ * must be laid out the way the reference attention reads it: key = head_dim contiguous values of
+ * dtype from byte 0, i.e. head_dim == value_dim + branch_dim, branch_offset == value_dim x
+ * sizeof(dtype), branch_dtype == dtype (else ND_EIO naming the field); needles longer than
+ * ND_MAX_NEEDLE_ROWS are refused. Only the targeted query steps are loaded. Needle labels,
+ * depths and band misses come from the generator's text lines ("needle.<i>.salience=",
+ * "needle.<i>.depth=", "needle.<i>.band_miss=1") when present. */
 int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size_t err_len);
 /* Write a case as a kvtier trace (rows in chunks, one query step per target). */
 int nd_case_save(const nd_case *c, const char *path, char *err, size_t err_len);
@@ -166,35 +175,56 @@ typedef struct nd_run_params {
     double scale;
     double min_mass, min_cos; /* pass rule: mass_ratio >= min_mass and out_cos >= min_cos */
     kvt_backend_kind backend;
+    /* Test hook (NULL in normal runs): called at every query after kvt_attended_tokens and
+     * before the attended set is checked, with the layer's pool plane and the returned slots, so
+     * that tests can damage them and see the check refuse the measurement. */
+    void (*tamper)(void *ud, uint8_t *pool, size_t pool_bytes, int32_t *slots, int32_t *len);
+    void *tamper_ud;
 } nd_run_params;
 
 nd_run_params nd_run_default_params(void);
 
-typedef enum nd_status { ND_FAIL = 0, ND_PASS = 1, ND_TAIL = 2 } nd_status;
+/* ND_TAIL and ND_BAND_MISS are reported but excluded from every pass rate. */
+typedef enum nd_status { ND_FAIL = 0, ND_PASS = 1, ND_TAIL = 2, ND_BAND_MISS = 3 } nd_status;
 
 typedef struct nd_result {
     uint32_t target, needle;
     uint64_t position, first_row, n_rows;
     double depth;
     nd_salience salience;
-    nd_status status;        /* ND_TAIL: needle (partly) in the unclosed tail; excluded */
+    nd_status status;        /* ND_TAIL: needle (partly) in the unclosed tail (salience) or in
+                                the rows no eviction round has scored yet (eviction); excluded.
+                                ND_BAND_MISS: the needle missed its requested salience band;
+                                excluded */
     double mass_ratio;       /* min over targeted heads of mass(attended) / mass(full) */
     double out_cos;          /* min over targeted heads of cos(out(attended), out(full)) */
     double out_rel_err;      /* max over targeted heads of |out(att) − out(full)| / |out(full)| */
     double full_mass;        /* min over targeted heads of the needle mass under the full cache */
     uint32_t needle_rows_attended;
     kvt_policy policy;
-    uint64_t attended_rows, archived_rows, dropped_rows, fetched_rows;
-    uint64_t closed_rows, tail_rows, kept_rows, sink_rows, m_rows;
+    uint64_t attended_rows;  /* rows of the measured attended set (checked: = the layer's
+                                attended_rows, unique slots, bytes = the case's rows) */
+    uint64_t archived_rows, dropped_rows, fetched_rows;
+    uint64_t closed_rows;
+    uint64_t tail_rows;      /* rows attended without having been scored: the unclosed tail
+                                (salience); attended_rows - K after a round, all rows before
+                                the first (eviction); 0 for policy none */
+    uint64_t kept_rows, sink_rows, m_rows;
     double read_bytes_per_token;
 } nd_result;
 
 /* Replay c through kvtier under p and measure every target into out[c->n_targets]. refs from
- * nd_refs_compute(c, p->scale). ND_ENOTIMPL for recall / promote. */
+ * nd_refs_compute(c, p->scale). Before measuring a query the attended set is checked against the
+ * library: its length equals the layer's attended_rows and the number of positions in state
+ * ATTENDED, slots are unique and in ascending position, and each slot's pool bytes equal the
+ * case's row at the position the library says the slot holds; a mismatch is ND_ELIB with a
+ * message ("attended set check: ..."), nothing measured. ND_ENOTIMPL for recall / promote. */
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len);
 
-/* Count results: passes, counted (not in the tail) and tail queries. Pass rate = pass / counted. */
-void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, uint32_t *tail);
+/* Count results: passes, counted (neither tail nor band miss), tail queries and band misses
+ * (any pointer may be NULL). Pass rate = pass / counted. */
+void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, uint32_t *tail,
+              uint32_t *band_miss);
 
 #endif /* KVT_TOOLS_NEEDLE_H */

@@ -6,8 +6,9 @@
  * are committed through kvt_seq_reserve / kvt_seq_write / kvt_seq_commit in chunks (B rows on
  * salience layers, where chunking cannot change a block close; r = c rows on eviction layers, so
  * rounds run at the cadence a decoder would see) up to each query's position. At a query the
- * attended set is whatever kvt_attended_tokens returns; attention over it reads the rows from the
- * pool through their slots (kernels/attn.h) and is compared with attention over every row.
+ * attended set is whatever kvt_attended_tokens returns, once it is checked against what the
+ * library reports (check_attended); attention over it reads the rows from the pool through their
+ * slots (kernels/attn.h) and is compared with attention over every row.
  */
 #include "nd_internal.h"
 
@@ -34,11 +35,16 @@ nd_run_params nd_run_default_params(void) {
     return p;
 }
 
-void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, uint32_t *tail) {
-    uint32_t p = 0, c = 0, t = 0;
+void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, uint32_t *tail,
+              uint32_t *band_miss) {
+    uint32_t p = 0, c = 0, t = 0, b = 0;
     for (size_t i = 0; i < n; i++) {
         if (r[i].status == ND_TAIL) {
             t++;
+            continue;
+        }
+        if (r[i].status == ND_BAND_MISS) {
+            b++;
             continue;
         }
         c++;
@@ -50,6 +56,8 @@ void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, u
         *counted = c;
     if (tail)
         *tail = t;
+    if (band_miss)
+        *band_miss = b;
 }
 
 void nd_refs_free(nd_refs *r) {
@@ -153,6 +161,84 @@ static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const cha
                    ctx ? kvt_ctx_last_error(ctx) : "");
 }
 
+/* The attended set the library returned at query ti (position P), checked against what the
+ * library reports about the same layer before anything is measured over it:
+ *   - len == the layer's attended_rows (kvt_seq_layer_stats; per head on eviction layers, and an
+ *     MLA layer has one head) == the number of positions [0, P) in state ATTENDED;
+ *   - every slot is in the pool, appears once, holds an attended position (the slot ->
+ *     position map built from kvt_seq_row_state), and positions ascend (kvt_attended_tokens'
+ *     contract);
+ *   - each slot's pool bytes equal the case's row of that position.
+ * Fills pos_of_slot[n_slots] (-1: no attended position) for the caller. ND_ELIB with a message
+ * on the first mismatch. */
+static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, const uint8_t *pool,
+                          size_t pool_bytes, const int32_t *slots, int32_t len, uint64_t P,
+                          const kvt_layer_stats *ls, uint32_t ti, int64_t *pos_of_slot,
+                          uint64_t n_slots, uint32_t *seen, char *err, size_t err_len) {
+    const uint32_t rb = c->spec.row_bytes;
+    const size_t stride = (size_t)c->spec.n_kv_heads * rb;
+#define ND_CHECK_FAIL(...)                                                                         \
+    do {                                                                                           \
+        char m_[384];                                                                              \
+        snprintf(m_, sizeof m_, __VA_ARGS__);                                                      \
+        return nd_fail(err, err_len, ND_ELIB, "attended set check: query %u at position %llu: %s", \
+                       ti, (unsigned long long)P, m_);                                             \
+    } while (0)
+    if (len < 0 || (uint64_t)len != ls->attended_rows)
+        ND_CHECK_FAIL("kvt_attended_tokens returned %d rows, kvt_seq_layer_stats says "
+                      "attended_rows = %llu", (int)len, (unsigned long long)ls->attended_rows);
+    for (uint64_t k = 0; k < n_slots; k++)
+        pos_of_slot[k] = -1;
+    uint64_t n_state = 0;
+    for (uint64_t pos = 0; pos < P; pos++) {
+        kvt_row_state st;
+        int32_t slot = -1;
+        kvt_status s = kvt_seq_row_state(seq, 0, 0, pos, &st, &slot);
+        if (s != KVT_OK)
+            return lib_fail(err, err_len, ctx, s, "kvt_seq_row_state");
+        if (st == KVT_ROW_PENDING)
+            ND_CHECK_FAIL("position %llu is still pending", (unsigned long long)pos);
+        if (st != KVT_ROW_ATTENDED)
+            continue;
+        n_state++;
+        if (slot < 0 || (uint64_t)slot >= n_slots)
+            ND_CHECK_FAIL("kvt_seq_row_state puts position %llu at slot %d, outside the pool "
+                          "(%llu slots)", (unsigned long long)pos, (int)slot,
+                          (unsigned long long)n_slots);
+        if (pos_of_slot[slot] >= 0)
+            ND_CHECK_FAIL("kvt_seq_row_state puts positions %lld and %llu at the same slot %d",
+                          (long long)pos_of_slot[slot], (unsigned long long)pos, (int)slot);
+        pos_of_slot[slot] = (int64_t)pos;
+    }
+    if (n_state != (uint64_t)len)
+        ND_CHECK_FAIL("kvt_attended_tokens returned %d rows, kvt_seq_row_state has %llu "
+                      "positions attended", (int)len, (unsigned long long)n_state);
+    const uint32_t stamp = ti + 1;
+    int64_t prev = -1;
+    for (int32_t j = 0; j < len; j++) {
+        int32_t slot = slots[j];
+        if (slot < 0 || (uint64_t)slot >= n_slots)
+            ND_CHECK_FAIL("entry %d: slot %d outside the pool (%llu slots)", (int)j, (int)slot,
+                          (unsigned long long)n_slots);
+        if (seen[slot] == stamp)
+            ND_CHECK_FAIL("entry %d: slot %d appears twice", (int)j, (int)slot);
+        seen[slot] = stamp;
+        int64_t pos = pos_of_slot[slot];
+        if (pos < 0)
+            ND_CHECK_FAIL("entry %d: slot %d holds no attended position", (int)j, (int)slot);
+        if (pos <= prev)
+            ND_CHECK_FAIL("entry %d: position %lld after %lld (not ascending)", (int)j,
+                          (long long)pos, (long long)prev);
+        prev = pos;
+        if ((size_t)slot * stride + rb > pool_bytes ||
+            memcmp(pool + (size_t)slot * stride, c->rows + (size_t)pos * rb, rb) != 0)
+            ND_CHECK_FAIL("entry %d: slot %d holds position %lld but its %u pool bytes differ "
+                          "from that row", (int)j, (int)slot, (long long)pos, rb);
+    }
+#undef ND_CHECK_FAIL
+    return ND_OK;
+}
+
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
     if (p->mode == ND_MODE_RECALL || p->mode == ND_MODE_PROMOTE)
@@ -167,14 +253,21 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     if (p->ratio < 1)
         return nd_fail(err, err_len, ND_EARG, "ratio must be >= 1");
     const kvt_layer_spec *sp = &c->spec;
+    if (sp->n_kv_heads != 1 || sp->n_planes != 1 ||
+        (sp->kind != KVT_LAYER_MLA_NOPE && sp->kind != KVT_LAYER_MLA_ROPE))
+        return nd_fail(err, err_len, ND_EARG, "the case is not one MLA layer (1 head, 1 plane)");
+    char e2[512];
+    if (nd_spec_layout_check(sp, e2, sizeof e2) != 0)
+        return nd_fail(err, err_len, ND_EARG, "case layer: %s", e2);
     const bool rope = sp->kind != KVT_LAYER_MLA_NOPE;
     const bool dense = p->mode == ND_MODE_DENSE;
-    char e2[512];
     kvt_model *model = NULL;
     kvt_ctx *ctx = NULL;
     kvt_seq *seq = NULL;
     int32_t *slots = NULL;
     uint8_t *mark = NULL;
+    int64_t *pos_of_slot = NULL;
+    uint32_t *seen = NULL;
     double *scratch = NULL;
     float *q = NULL, *o = NULL;
     int rc = ND_OK;
@@ -231,7 +324,16 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     scratch = malloc(sizeof(double) * sd);
     q = malloc(sizeof(float) * H * c->q_dim);
     o = malloc(sizeof(float) * H * V);
-    if (!slots || !mark || !scratch || !q || !o) {
+    void *pool_base = NULL;
+    size_t pool_bytes = 0;
+    if ((s = kvt_layer_data(ctx, 0, 0, &pool_base, &pool_bytes)) != KVT_OK) {
+        rc = lib_fail(err, err_len, ctx, s, "kvt_layer_data");
+        goto done;
+    }
+    const uint64_t n_slots = pool_bytes / ((size_t)sp->n_kv_heads * sp->row_bytes);
+    pos_of_slot = malloc(sizeof(int64_t) * (n_slots + 1));
+    seen = calloc(n_slots + 1, sizeof(uint32_t));
+    if (!slots || !mark || !scratch || !q || !o || !pos_of_slot || !seen) {
         rc = nd_fail(err, err_len, ND_ENOMEM, "replay scratch");
         goto done;
     }
@@ -277,9 +379,21 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             rc = lib_fail(err, err_len, ctx, s, "kvt_seq_layer_stats");
             goto done;
         }
+        void *base = NULL;
+        size_t bytes = 0;
+        if ((s = kvt_layer_data(ctx, 0, 0, &base, &bytes)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_layer_data");
+            goto done;
+        }
         uint32_t count = 0;
         if ((s = kvt_attended_count(ctx, 0, &seq, 1, &count)) != KVT_OK) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_attended_count");
+            goto done;
+        }
+        if (count > P) {
+            rc = nd_fail(err, err_len, ND_ELIB, "attended set check: query %u at position %llu: "
+                         "kvt_attended_count says %u rows, more than exist", ti,
+                         (unsigned long long)P, count);
             goto done;
         }
         int32_t len = 0;
@@ -288,39 +402,38 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             rc = lib_fail(err, err_len, ctx, s, "kvt_attended_tokens");
             goto done;
         }
-        /* Needle rows: state and slot. */
-        int32_t nslot[ND_MAX_NEEDLE_ROWS * 4];
-        uint32_t n_att = 0;
-        bool in_tail = false;
-        for (uint64_t r = nd->first_row; r < nd->first_row + nd->n_rows; r++) {
-            if (r >= P) {
-                in_tail = true; /* not even written yet */
-                continue;
-            }
-            kvt_row_state st;
-            int32_t slot = -1;
-            if ((s = kvt_seq_row_state(seq, 0, 0, r, &st, &slot)) != KVT_OK) {
-                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_row_state");
-                goto done;
-            }
-            if (st == KVT_ROW_ATTENDED && n_att < sizeof nslot / sizeof nslot[0])
-                nslot[n_att++] = slot;
-            if (policy == KVT_POLICY_SALIENCE && r >= ls.closed_rows)
-                in_tail = true;
-            if (policy == KVT_POLICY_EVICT && r + p->recent_rows >= P)
-                in_tail = true;
-        }
-        for (int32_t j = 0; j < len; j++) {
-            mark[j] = 0;
-            for (uint32_t k = 0; k < n_att; k++)
-                mark[j] |= slots[j] == nslot[k];
-        }
-        void *base = NULL;
-        size_t bytes = 0;
-        if ((s = kvt_layer_data(ctx, 0, 0, &base, &bytes)) != KVT_OK) {
-            rc = lib_fail(err, err_len, ctx, s, "kvt_layer_data");
+        if (p->tamper)
+            p->tamper(p->tamper_ud, base, bytes, slots, &len);
+        rc = check_attended(c, seq, ctx, base, bytes, slots, len, P, &ls, ti, pos_of_slot,
+                            n_slots, seen, err, err_len);
+        if (rc != ND_OK)
             goto done;
+        /* Needle rows in the attended set, by the positions their slots hold. */
+        uint32_t n_att = 0;
+        const uint64_t nd_end = nd->first_row + nd->n_rows;
+        for (int32_t j = 0; j < len; j++) {
+            int64_t pos = pos_of_slot[slots[j]];
+            mark[j] = (uint64_t)pos >= nd->first_row && (uint64_t)pos < nd_end;
+            n_att += mark[j];
         }
+        /* Rows attended without ever being scored: the unclosed tail (salience); on eviction
+         * layers every row before the first round, then the newest attended_rows - K (the r
+         * recent rows of the last round plus the rows committed since). */
+        uint64_t unscored = 0;
+        if (policy == KVT_POLICY_SALIENCE)
+            unscored = ls.tail_rows;
+        else if (policy == KVT_POLICY_EVICT)
+            unscored = ls.rounds == 0 ? ls.attended_rows
+                       : ls.attended_rows > cfg->evict_budget_rows
+                           ? ls.attended_rows - cfg->evict_budget_rows
+                           : 0;
+        uint64_t scored_end = P;
+        if (policy == KVT_POLICY_SALIENCE)
+            scored_end = ls.closed_rows;
+        else if (policy == KVT_POLICY_EVICT)
+            scored_end = P - (unscored < P ? unscored : P);
+        /* (Partly) in the unscored rows, or not even written yet: reported, not counted. */
+        const bool in_tail = nd_end > scored_end;
         gather_q(c, tg, q);
         double mass[ND_MAX_HEADS];
         kvt__attn_args a;
@@ -381,12 +494,12 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         }
         res->needle_rows_attended = n_att;
         res->policy = policy;
-        res->attended_rows = ls.attended_rows;
+        res->attended_rows = (uint64_t)len;
         res->archived_rows = ls.archived_rows;
         res->dropped_rows = ls.dropped_rows;
         res->fetched_rows = 0; /* no recall tier yet */
         res->closed_rows = ls.closed_rows;
-        res->tail_rows = ls.tail_rows;
+        res->tail_rows = unscored;
         res->kept_rows = ls.kept_rows;
         res->sink_rows = ls.sink_rows;
         if (policy == KVT_POLICY_SALIENCE)
@@ -399,12 +512,12 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             res->m_rows = 1;
         res->read_bytes_per_token = ls.attended_bytes_per_token;
         bool pass = res->mass_ratio >= p->min_mass && res->out_cos >= p->min_cos;
-        res->status = in_tail ? ND_TAIL : pass ? ND_PASS : ND_FAIL;
+        res->status = in_tail ? ND_TAIL : nd->band_miss ? ND_BAND_MISS : pass ? ND_PASS : ND_FAIL;
     }
     if (progress)
         progress(ud, 1.0);
 done:
-    free(slots), free(mark), free(scratch), free(q), free(o);
+    free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
     kvt_seq_destroy(seq);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(model);
