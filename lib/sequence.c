@@ -14,6 +14,17 @@
         kvt__ctx_clear_error((seq)->ctx);                                                          \
     } while (0)
 
+static kvt_status check_usable(const kvt_seq *seq);
+
+/* CHECK_SEQ for calls that change a sequence: a damaged one only accepts kvt_seq_destroy. */
+#define CHECK_LIVE_SEQ(seq)                                                                        \
+    do {                                                                                           \
+        CHECK_SEQ(seq);                                                                            \
+        kvt_status live_ = check_usable(seq);                                                      \
+        if (live_ != KVT_OK)                                                                       \
+            return live_;                                                                          \
+    } while (0)
+
 static kvt_status layer_of(const kvt_seq *seq, uint32_t layer, const kvt__store **st) {
     const kvt_ctx *ctx = seq->ctx;
     if (layer >= ctx->n_layers)
@@ -139,11 +150,8 @@ static kvt_status check_usable(const kvt_seq *seq) {
 }
 
 kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
-    CHECK_SEQ(seq);
+    CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
-    kvt_status us = check_usable(seq);
-    if (us != KVT_OK)
-        return us;
     if (n_tokens == 0)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "n_tokens is 0");
     if (seq->n_pending != 0)
@@ -313,11 +321,8 @@ static kvt_status check_counters(const kvt_seq *seq) {
 }
 
 kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
-    CHECK_SEQ(seq);
+    CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
-    kvt_status us = check_usable(seq);
-    if (us != KVT_OK)
-        return us;
     if (n_tokens > seq->n_pending)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "committing %u tokens, %u reserved", n_tokens, seq->n_pending);

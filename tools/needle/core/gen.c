@@ -18,6 +18,7 @@
  */
 #include "nd_internal.h"
 
+#include "kernels/attn.h"
 #include "kernels/sigma.h"
 
 #include <float.h>
@@ -42,16 +43,17 @@ nd_gen_params nd_gen_default_params(void) {
     p.context = 32768;
     p.seed = 1;
     p.dtype = KVT_DTYPE_BF16;
-    p.block_rows = 4096;
-    p.kappa = 16;
-    p.sink_rows = 4;
+    const kvt_config lib = kvt_config_default(); /* the library's B, κ and sinks */
+    p.block_rows = lib.block_rows;
+    p.kappa = lib.kappa;
+    p.sink_rows = lib.sink_rows;
     p.n_q_heads = 8;
     p.n_target_heads = 2;
     p.needle_rows = 1;
     p.needles_per_depth = 1;
     p.mass_lo = 0.6;
     p.mass_hi = 0.9;
-    p.scale = 0.07216878364870322;
+    p.scale = KVT__ATTN_DEFAULT_SCALE;
     return p;
 }
 

@@ -22,11 +22,12 @@ nd_run_params nd_run_default_params(void) {
     nd_run_params p;
     memset(&p, 0, sizeof p);
     p.mode = ND_MODE_SALIENCE;
-    p.ratio = 32;
-    p.block_rows = 4096;
-    p.kappa = 16;
-    p.sink_rows = 4;
-    p.recent_rows = 64;
+    const kvt_config lib = kvt_config_default(); /* the library's defaults, not copies */
+    p.ratio = lib.ratio;
+    p.block_rows = lib.block_rows;
+    p.kappa = lib.kappa;
+    p.sink_rows = lib.sink_rows;
+    p.recent_rows = lib.recent_rows;
     p.seed = 1;
     p.scale = KVT__ATTN_DEFAULT_SCALE;
     p.min_mass = 0.9;
