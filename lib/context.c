@@ -149,6 +149,19 @@ static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
         for (uint32_t i = 0; i < ctx->n_layers; i++)
             if (ctx->stores[i].group == (int32_t)g)
                 gr->layers[k++] = i;
+        /* Page recycling needs every layer of the shared table to forget old rows: one full
+         * attention layer given policy none (layer_policies) keeps the whole group. */
+        gr->window_rows = 0;
+        bool all_sliding = gr->policy == KVT_POLICY_NONE && gr->n_layers > 0;
+        for (uint32_t k2 = 0; all_sliding && k2 < gr->n_layers; k2++) {
+            const kvt_layer_spec *sp = &ctx->stores[gr->layers[k2]].spec;
+            if (sp->kind != KVT_LAYER_SLIDING || sp->sliding_window == 0)
+                all_sliding = false;
+            else if (sp->sliding_window > gr->window_rows)
+                gr->window_rows = sp->sliding_window;
+        }
+        if (!all_sliding)
+            gr->window_rows = 0;
         kvt_status s = kvt__pool_init(&gr->pool, a, ctx->n_pages, ctx->page_rows);
         if (s != KVT_OK)
             return kvt__fail(err, len, s, "page allocator");

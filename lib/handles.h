@@ -14,6 +14,11 @@ typedef struct kvt__group {
     kvt__pool pool;
     uint32_t n_layers;
     uint32_t *layers; /* model layer indices */
+    /* W of a none group whose layers are all sliding-window layers: the largest window among
+     * them. After each commit the pages holding only rows before n_rows - W go back to the pool
+     * (kvt__ptable_release_front), which leaves every layer its own window. 0: keep every row
+     * (evict and salience groups, and a none group holding any layer that is not sliding). */
+    uint32_t window_rows;
 } kvt__group;
 
 struct kvt_ctx {

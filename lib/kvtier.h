@@ -10,6 +10,10 @@
  *   MLA-RoPE, GQA-*     -> random eviction with the prompt protected (rows dropped, or archived)
  *   sliding, no-KV      -> none (all stored rows attended; no-KV layers store nothing)
  *
+ * Sliding-window layers attend their last sliding_window rows. When every layer of a none group
+ * is a sliding layer, pages whose rows are all older than the group's widest window go back to
+ * the pool after each commit, so the cache of a request stays capped near the window.
+ *
  * This header is the documentation: every function states ownership, units, what NULL does and
  * the statuses it returns.
  *
@@ -316,7 +320,8 @@ KVT_API kvt_status kvt_seq_set_prompt_rows(kvt_seq *seq, uint64_t n_rows);
 KVT_API uint64_t kvt_seq_length(const kvt_seq *seq);
 
 /* Pages the sequence would need to take from the pools to reserve n more tokens, summed over
- * groups (admission control). */
+ * groups (admission control). Pages a sliding group will return at the next commit are not
+ * counted as free: the reservation comes first. */
 KVT_API kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t *out);
 /* Reserve slots for n tokens in every layer at once: all or nothing. KVT_ERR_POOL_EXHAUSTED
  * leaves everything unchanged. KVT_ERR_BAD_STATE if a previous reservation is not committed. */
@@ -359,8 +364,15 @@ KVT_API kvt_status kvt_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *co
 KVT_API kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
                                     uint32_t n_seqs, const void *query, void *stream,
                                     int32_t *indptr, int32_t *indices, uint32_t capacity);
-/* Block table of a sequence's group for this layer: pages[0..*n_pages) and rows in use. For
- * evict and none groups, this table is the attended set. */
+/* Block table of a sequence's group for this layer: pages[0..*n_pages) and *n_rows, the
+ * committed rows of the group (reserved rows lie in the pages after them). For evict groups and
+ * none groups of full-attention layers the table holds rows [0, *n_rows) and is the attended
+ * set. A none group whose layers are all sliding-window layers returns its leading pages once
+ * their rows are older than its widest window W: the table then holds only the pages of rows
+ * [first_page * page_rows, *n_rows), i.e. pages[k] holds positions (first_page + k) * page_rows
+ * onwards, with first_page = ceil((*n_rows + reserved) / page_rows) - *n_pages; at least the
+ * last min(W, *n_rows) rows are there, and each layer attends the last sliding_window of them
+ * (kvt_attended_tokens lists exactly those). */
 KVT_API kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *pages,
                                        uint32_t capacity, uint32_t *n_pages, uint64_t *n_rows);
 
@@ -370,21 +382,25 @@ KVT_API kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32
 typedef enum kvt_row_state {
     KVT_ROW_ATTENDED = 0, /* in the attended tier (sink, kept, tail, or stored in an evict group) */
     KVT_ROW_ARCHIVED = 1, /* in the archive: bytes kept exactly */
-    KVT_ROW_DROPPED = 2,  /* evicted and dropped by policy */
+    KVT_ROW_DROPPED = 2,  /* not stored any more: evicted and dropped by random eviction, or
+                           * older than every window of a sliding group (its page returned) */
     KVT_ROW_PENDING = 3,  /* reserved, not committed */
 } kvt_row_state;
 
 /* State of (layer, kv head, position); *slot is its current slot when attended or pending,
- * else -1. KVT_ERR_OUT_OF_RANGE beyond the reserved rows or for a bad layer/head,
- * KVT_ERR_POLICY_MISMATCH for a no-KV layer. */
+ * else -1. On a sliding layer the last sliding_window rows are ATTENDED; older rows still within
+ * the group's widest window W are ARCHIVED (stored, readable); rows older than that are DROPPED
+ * once their page went back to the pool. KVT_ERR_OUT_OF_RANGE beyond the reserved rows or for a
+ * bad layer/head, KVT_ERR_POLICY_MISMATCH for a no-KV layer. */
 KVT_API kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head,
                                      uint64_t position, kvt_row_state *state, int32_t *slot);
 /* Copy the row_bytes of (layer, plane, head, position) into dst (attended or archived).
- * KVT_ERR_DROPPED for a dropped row. */
+ * KVT_ERR_DROPPED for a dropped row (random eviction, or a sliding group's returned page). */
 KVT_API kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane,
                                     uint32_t head, uint64_t position, void *dst, size_t dst_bytes);
 /* Original position held by each slot index 0..n-1 of the group for one head (evict groups
- * differ per head). positions has capacity entries; *n receives the count. */
+ * differ per head). positions has capacity entries; *n receives the count. In a sliding group
+ * that returned leading pages, row indices before the first live page read -1. */
 KVT_API kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head,
                                      int64_t *positions, uint64_t capacity, uint64_t *n);
 /* Slot map of the last eviction round of layer's group for one head: old_to_new[old row index]
@@ -395,20 +411,26 @@ KVT_API kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uin
 /* ---------------------------------------------------------------------------------------------
  * Statistics and invariants
  * ------------------------------------------------------------------------------------------- */
+/* attended_rows is per KV head (every head of a layer attends as many rows); archived_rows and
+ * dropped_rows sum over heads, so attended_rows x n_kv_heads + archived_rows + dropped_rows =
+ * appended_rows. On a sliding layer attended_rows = min(sliding_window, tokens); rows between
+ * the layer's window and the group's widest window are archived; older rows are dropped and
+ * their pages counted out of pages_in_use / bytes_in_use. */
 typedef struct kvt_layer_stats {
     size_t struct_size;
     kvt_policy policy;
     uint64_t appended_rows;   /* committed tokens x kv heads */
-    uint64_t attended_rows;   /* per head on average for evict layers: sum over heads / heads */
+    uint64_t attended_rows;   /* per KV head */
     uint64_t sink_rows, kept_rows, tail_rows; /* salience layers */
-    uint64_t archived_rows;   /* rows in the archive (sum over heads) */
-    uint64_t dropped_rows;    /* rows dropped by eviction (sum over heads) */
+    uint64_t archived_rows;   /* rows stored but not attended (sum over heads) */
+    uint64_t dropped_rows;    /* rows no longer stored: evicted and dropped, or older than a
+                               * sliding group's window (sum over heads) */
     uint64_t closed_rows;     /* salience: rows in closed blocks */
     uint64_t closes;          /* salience: blocks closed */
     uint64_t rounds;          /* evict: rounds run */
     uint64_t nonfinite_sigma; /* salience: rows whose score was NaN/Inf (treated as +inf) */
     uint64_t sigma_bytes_read;/* salience: bytes read to score rows */
-    uint64_t pages_in_use;    /* pages of this layer's group held by the sequence */
+    uint64_t pages_in_use;    /* pages of this layer's group held by the sequence now */
     uint64_t bytes_in_use;    /* pool bytes of this layer held (pages x page_rows x row size) */
     uint64_t archive_bytes;   /* bytes held in the separate archive pool for this layer */
     uint64_t prompt_rows;     /* protected prompt rows */

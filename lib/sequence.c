@@ -130,7 +130,8 @@ kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t 
     uint64_t sum = 0;
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         const kvt__ptable *t = &seq->pt[g];
-        uint64_t need = (t->n_rows + t->n_pending + n_tokens + ctx->page_rows - 1) / ctx->page_rows;
+        uint64_t need =
+            kvt__ptable_pages_for(t, t->n_rows + t->n_pending + n_tokens, ctx->page_rows);
         if (need > t->n_pages)
             sum += need - t->n_pages;
     }
@@ -287,6 +288,23 @@ static kvt_status run_policies(kvt_seq *seq) {
     return first_err;
 }
 
+/* Sliding-window groups: each layer attends its last sliding_window rows, so once a page holds
+ * only rows before n_rows - W (W = the group's largest window) no layer of the shared table can
+ * read it again and it goes back to the pool. Rows stay addressed by position (first_page says
+ * where the table now starts). Runs after every commit; allocates nothing and cannot fail.
+ * Between commits a sequence holds at most ceil((W + page_rows - 1) / page_rows) pages, plus
+ * what the next reservation takes. */
+static void recycle_windows(kvt_seq *seq) {
+    kvt_ctx *ctx = seq->ctx;
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        kvt__group *gr = &ctx->groups[g];
+        kvt__ptable *t = &seq->pt[g];
+        if (gr->window_rows == 0 || t->n_rows <= gr->window_rows)
+            continue;
+        kvt__ptable_release_front(t, &gr->pool, t->n_rows - gr->window_rows);
+    }
+}
+
 /* O(layers x heads) accounting after every commit: every appended (position, KV head) row is
  * attended, archived or dropped — counted by independently maintained counters. The full
  * membership and bytes check is kvt_seq_check (O(rows)). */
@@ -297,6 +315,17 @@ static kvt_status check_counters(const kvt_seq *seq) {
         if (st->group < 0)
             continue;
         const kvt__ptable *t = &seq->pt[st->group];
+        /* Only a sliding group returns leading pages, and never one its widest window reads. */
+        uint32_t W = ctx->groups[st->group].window_rows;
+        bool bad_front = W == 0 ? t->first_page != 0 || t->dropped_rows != 0
+                                : t->first_page != 0 &&
+                                      kvt__ptable_first_row(t, ctx->page_rows) + W > t->n_rows;
+        if (bad_front)
+            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                 "layer %u: %llu leading pages returned with %llu rows held and "
+                                 "a window of %u rows",
+                                 i, (unsigned long long)t->first_page,
+                                 (unsigned long long)t->n_rows, W);
         if (ctx->policies[i] == KVT_POLICY_EVICT) {
             const kvt__ev *e = &seq->layers[i].ev;
             uint64_t H = st->spec.n_kv_heads, archived = 0;
@@ -314,6 +343,15 @@ static kvt_status check_counters(const kvt_seq *seq) {
                     seq->layers[i].sal.n_rows != t->n_rows)) {
             return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %llu rows held, %llu appended",
                                  i, (unsigned long long)t->n_rows,
+                                 (unsigned long long)seq->n_tokens);
+        } else if (t->n_rows - kvt__ptable_first_row(t, ctx->page_rows) + t->dropped_rows !=
+                   seq->n_tokens) {
+            /* Rows held from the first live page on + rows whose pages were returned. */
+            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                 "layer %u: %llu held + %llu dropped != %llu appended rows", i,
+                                 (unsigned long long)(t->n_rows -
+                                                      kvt__ptable_first_row(t, ctx->page_rows)),
+                                 (unsigned long long)t->dropped_rows,
                                  (unsigned long long)seq->n_tokens);
         }
     }
@@ -345,6 +383,7 @@ kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     seq->n_tokens += n_tokens;
     seq->n_pending = 0;
     kvt_status s = run_policies(seq);
+    recycle_windows(seq);
     kvt_status c = check_counters(seq);
     return c != KVT_OK ? c : s;
 }
@@ -537,7 +576,8 @@ kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *page
     if (s != KVT_OK)
         return s;
     const kvt__ptable *t = &seq->pt[st->group];
-    uint32_t used = kvt__pages_for(t->n_rows + t->n_pending, seq->ctx->page_rows);
+    uint32_t used = (uint32_t)kvt__ptable_pages_for(t, t->n_rows + t->n_pending,
+                                                    seq->ctx->page_rows);
     if (n_pages)
         *n_pages = used;
     if (n_rows)
@@ -587,6 +627,11 @@ static kvt_status locate(const kvt_seq *seq, uint32_t layer, uint32_t head, uint
         return KVT_OK;
     }
     case KVT_POLICY_NONE: {
+        if (pos < kvt__ptable_first_row(t, ctx->page_rows)) {
+            /* Its page went back to the pool: older than every window of the group. */
+            *state = KVT_ROW_DROPPED;
+            return KVT_OK;
+        }
         uint64_t n_att = attended_count(seq, layer);
         *state = pos >= t->n_rows - n_att ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
         *slot = kvt__slot(t, ctx->page_rows, pos);
@@ -643,8 +688,11 @@ kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, 
                              st->spec.row_bytes);
     if (state == KVT_ROW_DROPPED)
         return kvt__ctx_fail(ctx, KVT_ERR_DROPPED,
-                             "layer %u head %u position %llu was dropped by random eviction",
-                             layer, head, (unsigned long long)position);
+                             "layer %u head %u position %llu was dropped %s", layer, head,
+                             (unsigned long long)position,
+                             ctx->policies[layer] == KVT_POLICY_EVICT
+                                 ? "by random eviction"
+                                 : "with its page (outside every sliding window of its group)");
     if (slot >= 0) {
         memcpy(dst,
                st->plane[plane] + (size_t)slot * st->slot_bytes + (size_t)head * st->spec.row_bytes,
@@ -682,8 +730,9 @@ kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, 
         if (t->n_rows)
             memcpy(positions, e->pos + (size_t)head * e->pos_cap, sizeof *positions * t->n_rows);
     } else {
+        uint64_t first = kvt__ptable_first_row(t, seq->ctx->page_rows);
         for (uint64_t i = 0; i < t->n_rows; i++)
-            positions[i] = (int64_t)i;
+            positions[i] = i < first ? -1 : (int64_t)i; /* -1: the row left with its page */
     }
     return KVT_OK;
 }
@@ -760,7 +809,11 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
         }
         out->attended_rows = t->n_rows; /* per head: every head keeps the same count */
     } else {
-        out->archived_rows = (t->n_rows - out->attended_rows) * H;
+        /* Rows before the first live page left with it (sliding groups); the rest of those
+         * outside this layer's window stay stored, archived. */
+        uint64_t dropped = kvt__ptable_first_row(t, ctx->page_rows);
+        out->dropped_rows = dropped * H;
+        out->archived_rows = (t->n_rows - out->attended_rows - dropped) * H;
     }
     uint64_t row_bytes_all = kvt_layer_bytes_per_token(&st->spec);
     out->attended_bytes_per_token =
@@ -788,11 +841,30 @@ static kvt_status check_pages(const kvt_seq *seq) {
         uint64_t held = 0;
         for (const kvt_seq *q = ctx->seqs; q && rc == KVT_OK; q = q->next) {
             const kvt__ptable *t = &q->pt[g];
-            if (t->n_pages != kvt__pages_for(t->n_rows + t->n_pending, ctx->page_rows))
+            if (t->n_pages != kvt__ptable_pages_for(t, t->n_rows + t->n_pending, ctx->page_rows) ||
+                (t->n_pages == 0 && t->first_page != 0))
                 rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
-                                   "group %u: request %llu holds %u pages for %llu rows", g,
-                                   (unsigned long long)q->request_id, t->n_pages,
+                                   "group %u: request %llu holds %u pages for rows [%llu, %llu)",
+                                   g, (unsigned long long)q->request_id, t->n_pages,
+                                   (unsigned long long)kvt__ptable_first_row(t, ctx->page_rows),
                                    (unsigned long long)(t->n_rows + t->n_pending));
+            else if (t->dropped_rows != kvt__ptable_first_row(t, ctx->page_rows))
+                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                   "group %u: request %llu counted %llu dropped rows for %llu "
+                                   "returned pages",
+                                   g, (unsigned long long)q->request_id,
+                                   (unsigned long long)t->dropped_rows,
+                                   (unsigned long long)t->first_page);
+            else if (t->first_page != 0 &&
+                     (ctx->groups[g].window_rows == 0 ||
+                      kvt__ptable_first_row(t, ctx->page_rows) + ctx->groups[g].window_rows >
+                          t->n_rows))
+                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                   "group %u: request %llu returned rows [0, %llu) of %llu, "
+                                   "inside a window of %u rows",
+                                   g, (unsigned long long)q->request_id,
+                                   (unsigned long long)kvt__ptable_first_row(t, ctx->page_rows),
+                                   (unsigned long long)t->n_rows, ctx->groups[g].window_rows);
             for (uint32_t i = 0; i < t->n_pages && rc == KVT_OK; i++) {
                 int32_t pg = t->pages[i];
                 if (pg < 0 || (uint32_t)pg >= ctx->n_pages || seen[pg]++)

@@ -26,7 +26,7 @@ void kvt__pool_fini(kvt__pool *p, const kvt__alloc *a) {
 
 kvt_status kvt__ptable_reserve(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, uint32_t extra) {
     uint64_t rows = t->n_rows + t->n_pending + extra;
-    uint64_t need64 = (rows + p->page_rows - 1) / p->page_rows;
+    uint64_t need64 = kvt__ptable_pages_for(t, rows, p->page_rows);
     if (need64 > p->n_pages)
         return KVT_ERR_POOL_EXHAUSTED;
     uint32_t need = (uint32_t)need64;
@@ -47,9 +47,28 @@ kvt_status kvt__ptable_reserve(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a
 }
 
 void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p) {
-    uint32_t need = kvt__pages_for(t->n_rows + t->n_pending, p->page_rows);
+    uint64_t need = kvt__ptable_pages_for(t, t->n_rows + t->n_pending, p->page_rows);
     while (t->n_pages > need)
         p->free_ids[p->n_free++] = (uint32_t)t->pages[--t->n_pages];
+}
+
+/* The live pages are few (a window's worth plus one reservation), so shifting them down is
+ * cheaper than any ring structure would be to read: kvt__slot stays one subtraction. */
+uint32_t kvt__ptable_release_front(kvt__ptable *t, kvt__pool *p, uint64_t keep_from) {
+    KVT_ASSERT(keep_from <= t->n_rows);
+    uint64_t upto = keep_from / p->page_rows; /* pages [0, upto) hold only rows < keep_from */
+    if (upto <= t->first_page)
+        return 0;
+    uint64_t n64 = upto - t->first_page;
+    KVT_ASSERT(n64 <= t->n_pages);
+    uint32_t n = (uint32_t)n64;
+    for (uint32_t i = 0; i < n; i++)
+        p->free_ids[p->n_free++] = (uint32_t)t->pages[i];
+    memmove(t->pages, t->pages + n, sizeof *t->pages * (t->n_pages - n));
+    t->n_pages -= n;
+    t->first_page = upto;
+    t->dropped_rows += (uint64_t)n * p->page_rows;
+    return n;
 }
 
 void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a) {

@@ -11,6 +11,13 @@
  * in every layer of the group. Salience and none groups never move rows, so row index =
  * position. Evict groups compact: after a round, row index i holds, for KV head h, the original
  * position pos[h][i] (ascending in i, different per head).
+ *
+ * Recycled leading pages. A none group whose layers are all sliding-window layers only ever
+ * attends its last W rows (W = the largest window in the group), so after each commit the pages
+ * whose rows all lie before n_rows - W go back to the pool. Row indices keep meaning positions;
+ * the table remembers how many leading pages it gave back (first_page) and holds only the live
+ * ones, so pages[k] is the page of rows [(first_page + k) * page_rows, ...). Every other group
+ * keeps first_page = 0, where this reduces to the plain table above.
  */
 #ifndef KVT_TIERS_TIERS_H
 #define KVT_TIERS_TIERS_H
@@ -45,15 +52,27 @@ typedef struct kvt__store {
 
 /* Page table of one sequence in one group. */
 typedef struct kvt__ptable {
-    int32_t *pages;
-    uint64_t cap;       /* capacity of pages[] */
-    uint32_t n_pages;
-    uint64_t n_rows;    /* committed rows held (per head) */
-    uint32_t n_pending; /* reserved rows after n_rows */
+    int32_t *pages;        /* [n_pages] live pages; pages[k] is page index first_page + k */
+    uint64_t cap;          /* capacity of pages[] */
+    uint32_t n_pages;      /* live pages held */
+    uint64_t n_rows;       /* committed rows (per head); row indices [0, n_rows) */
+    uint32_t n_pending;    /* reserved rows after n_rows */
+    uint64_t first_page;   /* leading pages already returned to the pool (recycled groups) */
+    uint64_t dropped_rows; /* rows in those pages, counted as they go (= first_page * page_rows;
+                            * kept apart so that the commit check compares two counters) */
 } kvt__ptable;
 
+/* Slot of row index `row`, which must lie in a live page (row >= first_page * page_rows). */
 static inline int32_t kvt__slot(const kvt__ptable *t, uint32_t page_rows, uint64_t row) {
-    return t->pages[row / page_rows] * (int32_t)page_rows + (int32_t)(row % page_rows);
+    KVT_ASSERT(row / page_rows >= t->first_page &&
+               row / page_rows - t->first_page < t->n_pages);
+    return t->pages[row / page_rows - t->first_page] * (int32_t)page_rows +
+           (int32_t)(row % page_rows);
+}
+
+/* First row index still held (rows before it left with their pages). */
+static inline uint64_t kvt__ptable_first_row(const kvt__ptable *t, uint32_t page_rows) {
+    return t->first_page * page_rows;
 }
 
 /* Pages needed to hold `rows` rows. */
@@ -61,12 +80,23 @@ static inline uint32_t kvt__pages_for(uint64_t rows, uint32_t page_rows) {
     return (uint32_t)((rows + page_rows - 1) / page_rows);
 }
 
+/* Live pages a table needs to hold row indices [first_page * page_rows, rows). */
+static inline uint64_t kvt__ptable_pages_for(const kvt__ptable *t, uint64_t rows,
+                                             uint32_t page_rows) {
+    uint64_t total = (rows + page_rows - 1) / page_rows;
+    return total > t->first_page ? total - t->first_page : 0;
+}
+
 /* Take pages so the table holds n_rows + n_pending + extra rows: all or nothing
  * (KVT_ERR_POOL_EXHAUSTED, KVT_ERR_OUT_OF_MEMORY leave both unchanged). */
 kvt_status kvt__ptable_reserve(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, uint32_t extra);
 /* Return pages beyond what n_rows + n_pending rows need. */
 void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p);
-/* Return every page and free the table. */
+/* Return to the pool every leading page whose rows all lie before row index `keep_from`
+ * (keep_from <= n_rows), advancing first_page and dropped_rows. Allocates nothing, cannot
+ * fail; returns the pages given back. */
+uint32_t kvt__ptable_release_front(kvt__ptable *t, kvt__pool *p, uint64_t keep_from);
+/* Return every live page and free the table. */
 void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a);
 
 /* What tier code needs from the context and sequence. */
