@@ -370,11 +370,14 @@ KVT_API kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const
  * set. A none group whose layers are all sliding-window layers returns its leading pages once
  * their rows are older than its widest window W: the table then holds only the pages of rows
  * [first_page * page_rows, *n_rows), i.e. pages[k] holds positions (first_page + k) * page_rows
- * onwards, with first_page = ceil((*n_rows + reserved) / page_rows) - *n_pages; at least the
- * last min(W, *n_rows) rows are there, and each layer attends the last sliding_window of them
- * (kvt_attended_tokens lists exactly those). */
+ * onwards (kvt_seq_first_row gives first_page * page_rows); at least the last min(W, *n_rows)
+ * rows are there, and each layer attends the last sliding_window of them (kvt_attended_tokens
+ * lists exactly those). */
 KVT_API kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *pages,
                                        uint32_t capacity, uint32_t *n_pages, uint64_t *n_rows);
+/* Original position held by the first row of the block table's first page: 0, except for a
+ * sliding-window group that has returned leading pages (then first_page * page_rows). */
+KVT_API kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row);
 
 /* ---------------------------------------------------------------------------------------------
  * Rows by original position (for tests, inspection and the recall tier)

@@ -568,6 +568,18 @@ kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, 
     return s;
 }
 
+kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {
+    CHECK_SEQ(seq);
+    if (!first_row)
+        return KVT_ERR_INVALID_ARGUMENT;
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    *first_row = seq->pt[st->group].first_page * seq->ctx->page_rows;
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *pages,
                                uint32_t capacity, uint32_t *n_pages, uint64_t *n_rows) {
     CHECK_SEQ(seq);

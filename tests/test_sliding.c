@@ -171,6 +171,10 @@ static void verify_layer(harness *h, uint32_t s, uint32_t l) {
     cr_assert_eq(kvt_seq_block_table(seq, l, pages, n_pages, &n_pages, &n_rows), KVT_OK);
     const uint64_t first_page = ceil_div(n, PR) - n_pages;
     cr_assert_eq(first_page * PR, first);
+    uint64_t first_row = 7;
+    cr_assert_eq(kvt_seq_first_row(seq, l, &first_row), KVT_OK);
+    cr_assert_eq(first_row, first, "kvt_seq_first_row %llu, expected %llu",
+                 (unsigned long long)first_row, (unsigned long long)first);
 
     kvt_layer_stats ls = {.struct_size = sizeof ls};
     cr_assert_eq(kvt_seq_layer_stats(seq, l, &ls), KVT_OK);
