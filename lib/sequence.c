@@ -576,7 +576,7 @@ kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first
     kvt_status s = layer_of(seq, layer, &st);
     if (s != KVT_OK)
         return s;
-    *first_row = seq->pt[st->group].first_page * seq->ctx->page_rows;
+    *first_row = kvt__ptable_first_row(&seq->pt[st->group], seq->ctx->page_rows);
     return KVT_OK;
 }
 
