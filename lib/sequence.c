@@ -37,6 +37,18 @@ static kvt_status layer_of(const kvt_seq *seq, uint32_t layer, const kvt__store 
     return KVT_OK;
 }
 
+/* layer_of, and a KV head of that layer. */
+static kvt_status layer_head_of(const kvt_seq *seq, uint32_t layer, uint32_t head,
+                                const kvt__store **st) {
+    kvt_status s = layer_of(seq, layer, st);
+    if (s != KVT_OK)
+        return s;
+    if (head >= (*st)->spec.n_kv_heads)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_OUT_OF_RANGE, "head %u of %u (layer %u)", head,
+                             (*st)->spec.n_kv_heads, layer);
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out) {
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
@@ -610,13 +622,10 @@ kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *page
 static kvt_status locate(const kvt_seq *seq, uint32_t layer, uint32_t head, uint64_t pos,
                          kvt_row_state *state, int32_t *slot, const kvt__store **stp) {
     const kvt__store *st;
-    kvt_status s = layer_of(seq, layer, &st);
+    kvt_status s = layer_head_of(seq, layer, head, &st);
     if (s != KVT_OK)
         return s;
     const kvt_ctx *ctx = seq->ctx;
-    if (head >= st->spec.n_kv_heads)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "head %u of %u", head,
-                             st->spec.n_kv_heads);
     *stp = st;
     *slot = -1;
     if (pos >= seq->n_tokens) {
@@ -723,12 +732,9 @@ kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, 
                              uint64_t capacity, uint64_t *n) {
     CHECK_SEQ(seq);
     const kvt__store *st;
-    kvt_status s = layer_of(seq, layer, &st);
+    kvt_status s = layer_head_of(seq, layer, head, &st);
     if (s != KVT_OK)
         return s;
-    if (head >= st->spec.n_kv_heads)
-        return kvt__ctx_fail(seq->ctx, KVT_ERR_OUT_OF_RANGE, "head %u of %u", head,
-                             st->spec.n_kv_heads);
     const kvt__ptable *t = &seq->pt[st->group];
     if (n)
         *n = t->n_rows;
@@ -753,15 +759,12 @@ kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t he
                                  int32_t *old_to_new, uint64_t capacity, uint64_t *n) {
     CHECK_SEQ(seq);
     const kvt__store *st;
-    kvt_status s = layer_of(seq, layer, &st);
+    kvt_status s = layer_head_of(seq, layer, head, &st);
     if (s != KVT_OK)
         return s;
     if (seq->ctx->policies[layer] != KVT_POLICY_EVICT)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_POLICY_MISMATCH,
                              "layer %u does not run eviction rounds", layer);
-    if (head >= st->spec.n_kv_heads)
-        return kvt__ctx_fail(seq->ctx, KVT_ERR_OUT_OF_RANGE, "head %u of %u", head,
-                             st->spec.n_kv_heads);
     const kvt__ev *e = &seq->layers[layer].ev;
     if (n)
         *n = e->last_n;
