@@ -880,6 +880,17 @@ static kvt_status check_pages(const kvt_seq *seq) {
                                    g, (unsigned long long)q->request_id,
                                    (unsigned long long)kvt__ptable_first_row(t, ctx->page_rows),
                                    (unsigned long long)t->n_rows, ctx->groups[g].window_rows);
+            else if (ctx->groups[g].window_rows != 0 && t->n_rows > ctx->groups[g].window_rows &&
+                     t->first_page !=
+                         (t->n_rows - ctx->groups[g].window_rows) / ctx->page_rows)
+                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                   "group %u: request %llu has returned %llu leading pages, its "
+                                   "window of %u rows in %llu allows exactly %llu",
+                                   g, (unsigned long long)q->request_id,
+                                   (unsigned long long)t->first_page, ctx->groups[g].window_rows,
+                                   (unsigned long long)t->n_rows,
+                                   (unsigned long long)((t->n_rows - ctx->groups[g].window_rows) /
+                                                        ctx->page_rows));
             for (uint32_t i = 0; i < t->n_pages && rc == KVT_OK; i++) {
                 int32_t pg = t->pages[i];
                 if (pg < 0 || (uint32_t)pg >= ctx->n_pages || seen[pg]++)
