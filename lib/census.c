@@ -172,6 +172,19 @@ static kvt_status read_layer_types(const parse *p, const json_t *cfg, uint32_t n
 
 /* Build a model from roles: full layers get `full` (a GQA kind), sliding layers a sliding GQA
  * spec with `window`. */
+/* Common end of the family readers: report a failed spec build, else copy the specs into the
+ * model; frees specs either way. */
+static kvt_status finish_model(const parse *p, kvt_layer_spec *specs, uint32_t n,
+                               const char *model_type, kvt_status s, const char *what,
+                               kvt_model **out) {
+    if (s != KVT_OK)
+        s = kvt__fail(p->err, p->len, s, "cannot build %s layer spec", what);
+    else
+        s = kvt_model_create(specs, n, model_type, out, p->err, p->len);
+    free(specs);
+    return s;
+}
+
 static kvt_status build_gqa(const parse *p, const char *model_type, kvt_dtype dtype,
                             const enum role *roles, uint32_t n, kvt_layer_kind full,
                             uint32_t kv_heads, uint32_t head_dim, uint32_t q_heads, uint32_t window,
@@ -198,12 +211,7 @@ static kvt_status build_gqa(const parse *p, const char *model_type, kvt_dtype dt
         }
         specs[i].n_q_heads = q_heads;
     }
-    if (s != KVT_OK)
-        s = kvt__fail(p->err, p->len, s, "cannot build a GQA layer spec");
-    else
-        s = kvt_model_create(specs, n, model_type, out, p->err, p->len);
-    free(specs);
-    return s;
+    return finish_model(p, specs, n, model_type, s, "a GQA", out);
 }
 
 /* num_key_value_heads must divide num_attention_heads (GQA groups of equal size). */
@@ -265,12 +273,7 @@ static kvt_status build_mla(const parse *p, const char *model_type, kvt_dtype dt
         }
         specs[i].n_q_heads = q_heads;
     }
-    if (s != KVT_OK)
-        s = kvt__fail(p->err, p->len, s, "cannot build an MLA layer spec");
-    else
-        s = kvt_model_create(specs, n, model_type, out, p->err, p->len);
-    free(specs);
-    return s;
+    return finish_model(p, specs, n, model_type, s, "an MLA", out);
 }
 
 /* DeepSeek-V2/V3: num_hidden_layers MLA layers with a rotated branch. The MTP module
