@@ -81,8 +81,9 @@ void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
             part[e] = 0.0f;
         for (uint32_t u = p * KVT__SIGMA_LEAF_ROWS; u < (p + 1) * KVT__SIGMA_LEAF_ROWS; u++) {
             const uint8_t *row = row_at(base, slots, u, slot_stride_bytes);
+            int fin = kvt__sigma_branch_finite(row, branch_offset, branch_dtype, D);
             for (uint32_t d = 0; d < D; d++)
-                r[d] = kvt__sigma_branch_val(row, branch_offset, branch_dtype, d);
+                r[d] = kvt__sigma_fit_val(row, branch_offset, branch_dtype, d, fin);
             for (uint32_t j = 0; j < n_basis; j++) {
                 const float c = basis[(size_t)j * B + u];
                 float *pj = part + (size_t)j * D;
@@ -109,6 +110,10 @@ void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
     float rec[KVT__SIGMA_MAX_BRANCH_DIM];
     for (uint32_t u = 0; u < B; u++) {
         const uint8_t *row = row_at(base, slots, u, slot_stride_bytes);
+        if (!kvt__sigma_branch_finite(row, branch_offset, branch_dtype, D)) {
+            sigma_out[u] = INFINITY; /* a bad row: left out of the fit, kept, counted upstream */
+            continue;
+        }
         for (uint32_t d = 0; d < D; d++)
             rec[d] = 0.0f;
         for (uint32_t j = 0; j < n_basis; j++) {

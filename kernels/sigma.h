@@ -34,8 +34,16 @@
  *
  * The ablation norms (branch norm, row norm) use the same step 3 on the raw values.
  *
- * Non-finite inputs propagate (a NaN or Inf in any branch of the block makes Y, hence σ of every
- * row, non-finite); the caller canonicalises (kvt__score_key maps NaN/Inf to +Inf).
+ * Non-finite rows cost only themselves. A row whose branch holds any NaN or ±Inf value (a "bad
+ * row", kvt__sigma_branch_finite) is left out of its block's fit: it enters step 1 as a branch of
+ * zeros (kvt__sigma_fit_val), which adds exactly nothing to any partial (fmaf(c, 0, acc) = acc for
+ * the accumulators here, which start at +0 and never hold −0), and its σ is +Inf without steps 2
+ * and 3. Every other row of the block gets the σ it would get if the bad row's branch were zero.
+ * Without this rule one NaN made Y, hence σ of all B rows, NaN; the canonical +Inf ties then went
+ * to the block's lowest positions and the whole kept budget landed there. The caller counts bad
+ * rows (their σ is the only non-finite output besides an fp32 overflow of a huge finite branch)
+ * and kvt__score_key maps NaN/Inf to +Inf: a bad row ranks first, so it stays attended and takes
+ * one slot of the budget — its own.
  */
 #ifndef KVT_KERNELS_SIGMA_H
 #define KVT_KERNELS_SIGMA_H
@@ -59,6 +67,23 @@
 KVT_HD float kvt__sigma_branch_val(const uint8_t *row, uint32_t branch_offset, int branch_dtype,
                                    uint32_t d) {
     return kvt__load_elem(row + branch_offset, branch_dtype, d);
+}
+
+/* Is every value of a row's branch finite? (exponent bits, so no compiler flag can fold it) */
+KVT_HD int kvt__sigma_branch_finite(const uint8_t *row, uint32_t branch_offset, int branch_dtype,
+                                    uint32_t branch_dim) {
+    for (uint32_t d = 0; d < branch_dim; d++) {
+        uint32_t bits = kvt__bits_from_f32(kvt__sigma_branch_val(row, branch_offset, branch_dtype, d));
+        if ((bits & 0x7f800000u) == 0x7f800000u)
+            return 0;
+    }
+    return 1;
+}
+
+/* Value d of a row's branch as the fit (step 1) sees it: the value itself, or 0 for a bad row. */
+KVT_HD float kvt__sigma_fit_val(const uint8_t *row, uint32_t branch_offset, int branch_dtype,
+                                uint32_t d, int row_finite) {
+    return row_finite ? kvt__sigma_branch_val(row, branch_offset, branch_dtype, d) : 0.0f;
 }
 
 /* One step of a leaf of the Y reduction: acc + C[j][u] * R[u][d], one rounding. */
@@ -149,8 +174,9 @@ size_t kvt__sigma_scratch_floats(uint32_t B, uint32_t n_basis, uint32_t branch_d
  * base + (size_t)slots[u] * slot_stride_bytes; its branch is branch_dim (<= 256) values of
  * branch_dtype (KVT__DT_BF16/FP16/FP32) at byte branch_offset of the row. basis is
  * kvt__fourier_basis(B, κ) with n_basis = 2κ − 1 columns. scratch holds
- * kvt__sigma_scratch_floats(B, n_basis, branch_dim) floats. sigma_out[u] for u < B. Only the
- * branch bytes of the B rows are read. Arguments are trusted (the caller validated them);
+ * kvt__sigma_scratch_floats(B, n_basis, branch_dim) floats. sigma_out[u] for u < B (+Inf for a
+ * row with a non-finite branch value, which is left out of the fit). Only the branch bytes of the
+ * B rows are read. Arguments are trusted (the caller validated them);
  * B must be a power of two >= 64 (KVT_ASSERT in debug builds). */
 void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
                           size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,

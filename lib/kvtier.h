@@ -136,10 +136,12 @@ KVT_API const char *kvt_dtype_name(kvt_dtype dtype);
 KVT_API uint32_t kvt_dtype_bytes(kvt_dtype dtype);
 
 /* Fill *out with an MLA row spec: 1 head, 1 plane, kv_lora_rank + rope_dim values of dtype
- * (bf16/fp16/fp32), branch at byte kv_lora_rank * elt. KVT_ERR_INVALID_ARGUMENT on zero dims. */
+ * (bf16/fp16/fp32), branch at byte kv_lora_rank * elt. KVT_ERR_INVALID_ARGUMENT on zero dims
+ * and on a row over 1 MiB (dimensions are checked in 64 bits: none wraps to a small geometry). */
 KVT_API kvt_status kvt_layer_spec_mla(kvt_layer_kind kind, kvt_dtype dtype, uint32_t kv_lora_rank,
                                       uint32_t rope_dim, kvt_layer_spec *out);
-/* Fill *out with a GQA/MHA spec: 2 planes (K, V), n_kv_heads rows of head_dim values each. */
+/* Fill *out with a GQA/MHA spec: 2 planes (K, V), n_kv_heads rows of head_dim values each.
+ * KVT_ERR_INVALID_ARGUMENT on zero dims, more than 1024 KV heads or a row over 1 MiB. */
 KVT_API kvt_status kvt_layer_spec_gqa(kvt_layer_kind kind, kvt_dtype dtype, uint32_t n_kv_heads,
                                       uint32_t head_dim, kvt_layer_spec *out);
 /* Validate a spec; on error writes a message naming the field into err (may be NULL). */
@@ -431,7 +433,10 @@ typedef struct kvt_layer_stats {
     uint64_t closed_rows;     /* salience: rows in closed blocks */
     uint64_t closes;          /* salience: blocks closed */
     uint64_t rounds;          /* evict: rounds run */
-    uint64_t nonfinite_sigma; /* salience: rows whose score was NaN/Inf (treated as +inf) */
+    uint64_t nonfinite_sigma; /* salience: rows scored +inf because their score was not finite:
+                               * a NaN/Inf in the branch (such a row is left out of its block's
+                               * fit, so it changes no other row's σ) or an fp32 overflow. They
+                               * rank first: attended, one slot of the budget each. */
     uint64_t sigma_bytes_read;/* salience: bytes read to score rows */
     uint64_t pages_in_use;    /* pages of this layer's group held by the sequence now */
     uint64_t bytes_in_use;    /* pool bytes of this layer held (pages x page_rows x row size) */

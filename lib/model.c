@@ -93,12 +93,19 @@ static bool is_float_dtype(kvt_dtype d) {
     return d == KVT_DTYPE_BF16 || d == KVT_DTYPE_FP16 || d == KVT_DTYPE_FP32;
 }
 
+/* Upper bounds that no real model approaches; they keep size arithmetic far from overflow. */
+#define KVT__MAX_HEADS 1024u
+#define KVT__MAX_ROW_BYTES (1u << 20)
+
 kvt_status kvt_layer_spec_mla(kvt_layer_kind kind, kvt_dtype dtype, uint32_t kv_lora_rank,
                               uint32_t rope_dim, kvt_layer_spec *out) {
     if (!out || kv_lora_rank == 0 || rope_dim == 0 || !is_float_dtype(dtype) ||
         (kind != KVT_LAYER_MLA_NOPE && kind != KVT_LAYER_MLA_ROPE))
         return KVT_ERR_INVALID_ARGUMENT;
     uint32_t elt = kvt_dtype_bytes(dtype);
+    /* In 64 bits: a rank near 2^32 must not wrap head_dim or row_bytes to a small valid value. */
+    if (((uint64_t)kv_lora_rank + rope_dim) * elt > KVT__MAX_ROW_BYTES)
+        return KVT_ERR_INVALID_ARGUMENT;
     memset(out, 0, sizeof *out);
     out->kind = kind;
     out->dtype = dtype;
@@ -118,6 +125,8 @@ kvt_status kvt_layer_spec_gqa(kvt_layer_kind kind, kvt_dtype dtype, uint32_t n_k
     if (!out || n_kv_heads == 0 || head_dim == 0 || !is_float_dtype(dtype) ||
         (kind != KVT_LAYER_GQA_ROPE && kind != KVT_LAYER_GQA_NOPE && kind != KVT_LAYER_SLIDING))
         return KVT_ERR_INVALID_ARGUMENT;
+    if (n_kv_heads > KVT__MAX_HEADS || (uint64_t)head_dim * kvt_dtype_bytes(dtype) > KVT__MAX_ROW_BYTES)
+        return KVT_ERR_INVALID_ARGUMENT;
     memset(out, 0, sizeof *out);
     out->kind = kind;
     out->dtype = dtype;
@@ -130,9 +139,6 @@ kvt_status kvt_layer_spec_gqa(kvt_layer_kind kind, kvt_dtype dtype, uint32_t n_k
     return KVT_OK;
 }
 
-/* Upper bounds that no real model approaches; they keep size arithmetic far from overflow. */
-#define KVT__MAX_HEADS 1024u
-#define KVT__MAX_ROW_BYTES (1u << 20)
 
 kvt_status kvt_layer_spec_check(const kvt_layer_spec *s, char *err, size_t len) {
     if (!s)

@@ -716,6 +716,20 @@ Test(evict, uneven_commits_and_drops) {
     hx_fini(&h);
 }
 
+/* kvt_seq_check on an evict layer before any row is committed: the position arrays are still
+ * NULL. Found by clang's UBSan ("applying zero offset to null pointer"; gcc's lacks the check):
+ * the clang sanitizer configuration of test.sh runs this. */
+Test(evict, check_before_any_commit) {
+    kvt_layer_spec sp = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 4, 16);
+    hx h;
+    hx_init(&h, &sp, 1, small_cfg(16, 4, 4), 4, 16, 72);
+    hx_seq(&h, 9, 0);
+    cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_ctx_last_error(h.ctx));
+    cr_assert_eq(kvt_seq_reserve(h.seq, 3), KVT_OK);
+    cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_ctx_last_error(h.ctx));
+    hx_fini(&h);
+}
+
 /* An MLA-RoPE layer: one latent head of 1152-B bf16 rows, one draw per layer. */
 Test(evict, mla_rope_layer) {
     kvt_config cfg = small_cfg(32, 8, 16);

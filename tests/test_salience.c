@@ -43,6 +43,11 @@ typedef struct hay {
     uint64_t decoy_first, decoy_rows;
     uint64_t spikes[16], smooth[16];
     int n_spikes, n_smooth;
+    /* Rows whose branch gets one non-finite value after it is built: bad[i] takes bad_bits[i]
+     * (a bf16 NaN or ±Inf) in channel 7. */
+    uint64_t bad[4];
+    uint16_t bad_bits[4];
+    int n_bad;
 } hay;
 
 static const double AMP = 1.0, NOISE = 0.1;
@@ -83,6 +88,9 @@ static void make_row(uint8_t *row, uint64_t p, const hay *h, tu_rng *rng) {
     int smooth = is_in(h->smooth, h->n_smooth, p);
     for (int d = 0; d < 64; d++)
         v[512 + d] = bf16((float)(trend(p, d, h) + (smooth ? 0.0 : NOISE * tu_normal(rng))));
+    for (int i = 0; i < h->n_bad; i++)
+        if (h->bad[i] == p)
+            v[512 + 7] = h->bad_bits[i];
 }
 
 static kvt_model *one_mla_layer(void) {
@@ -218,6 +226,48 @@ Test(salience_tier, spikes_kept_smooth_and_decoys_archived_65k, .timeout = 600) 
                       ratios[i], decoys);
         run_free(&r);
     }
+}
+
+/* A non-finite value in one row's branch costs that row only (the input rule of sigma.h). Before
+ * the rule, one NaN made σ NaN for all 4096 rows of its block, the canonical +Inf ties went to the
+ * block's lowest positions, the whole kept budget landed on them and the spikes elsewhere were
+ * archived. Now: the bad rows are attended (+Inf, first in rank) and counted; every spike is still
+ * kept and every smooth control archived; the poisoned block keeps no more than its fair share
+ * plus its bad rows; the stored bytes (NaN included) stay exact. */
+Test(salience_tier, nonfinite_branch_costs_only_its_row, .timeout = 300) {
+    uint64_t seed = 20261130;
+    hay h = make_hay(seed);
+    const uint64_t blk = 2 * 4096;
+    const uint16_t bits[3] = {0x7fc0, 0x7f80, 0xff80}; /* bf16 NaN, +Inf, -Inf */
+    for (int i = 0; i < 3; i++) {
+        uint64_t p;
+        do
+            p = blk + 100 + (uint64_t)(i + 1) * 977 + (uint64_t)i;
+        while (is_in(h.spikes, h.n_spikes, p) || is_in(h.smooth, h.n_smooth, p));
+        h.bad[h.n_bad] = p;
+        h.bad_bits[h.n_bad++] = bits[i];
+    }
+    const uint32_t ratio = 32;
+    run r = replay(&h, ratio, KVT_SELECT_SIGMA, seed, /*check=*/true);
+    int spikes = count_state(&r, h.spikes, h.n_spikes, KVT_ROW_ATTENDED);
+    int smooth = count_state(&r, h.smooth, h.n_smooth, KVT_ROW_ARCHIVED);
+    int bad = count_state(&r, h.bad, h.n_bad, KVT_ROW_ATTENDED);
+    int kept_in_block = 0;
+    for (uint64_t p = blk; p < blk + 4096; p++)
+        kept_in_block += state_of(&r, p) == KVT_ROW_ATTENDED;
+    kvt_layer_stats ls = {.struct_size = sizeof ls};
+    cr_assert_eq(kvt_seq_layer_stats(r.seq, 0, &ls), KVT_OK);
+    cr_log_info("seed %llu: %d bad rows attended, spikes kept %d/%d, smooth archived %d/%d, "
+                "poisoned block keeps %d rows, nonfinite_sigma %llu", (unsigned long long)seed, bad,
+                spikes, h.n_spikes, smooth, h.n_smooth, kept_in_block,
+                (unsigned long long)ls.nonfinite_sigma);
+    cr_assert_eq(bad, h.n_bad);
+    cr_assert_eq(ls.nonfinite_sigma, (uint64_t)h.n_bad);
+    cr_assert_eq(spikes, h.n_spikes, "seed %llu", (unsigned long long)seed);
+    cr_assert_eq(smooth, h.n_smooth, "seed %llu", (unsigned long long)seed);
+    cr_assert_leq(kept_in_block, 2 * 4096 / (int)ratio + h.n_bad, "poisoned block keeps %d rows",
+                  kept_in_block);
+    run_free(&r);
 }
 
 Test(salience_tier, branch_norm_selector_fails_the_decoy, .timeout = 300) {

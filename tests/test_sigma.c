@@ -322,24 +322,43 @@ Test(sigma, deterministic_and_gather_independent) {
     block_free(&b);
 }
 
-Test(sigma, nonfinite_propagates) {
-    const uint32_t B = 64, kappa = 4;
-    uint64_t seed = 5;
-    tu_rng rng = {seed};
-    block b;
-    block_init(&b, &LAYOUTS[3], B, &rng);
-    for (uint32_t u = 0; u < B; u++)
-        for (uint32_t d = 0; d < D; d++)
-            set(&b, u, d, tu_normal(&rng));
-    set(&b, 10, 7, NAN);
-    float *s = run_sigma(&b, kappa);
-    cr_assert(!isfinite(s[10]));
-    free(s);
-    set(&b, 10, 7, INFINITY);
-    s = run_sigma(&b, kappa);
-    cr_assert(!isfinite(s[10]));
-    free(s);
-    block_free(&b);
+/* A row with a non-finite branch value is left out of the fit and scored +Inf; every other row
+ * gets exactly (bit for bit) the σ it gets when that row's branch is zero. */
+Test(sigma, nonfinite_row_costs_only_itself) {
+    const uint32_t B = 256, kappa = 8;
+    const float bad_vals[3] = {NAN, INFINITY, -INFINITY};
+    for (int li = 0; li < 4; li++) {
+        uint64_t seed = 5 + (uint64_t)li;
+        tu_rng rng = {seed};
+        block b;
+        block_init(&b, &LAYOUTS[li], B, &rng);
+        fill_drift(&b, kappa, &rng, 0.1, 5.0, 2.0, 0);
+        for (uint32_t d = 0; d < D; d++) {
+            set(&b, 10, d, 0.0);
+            set(&b, 200, d, 0.0);
+        }
+        float *ref = run_sigma(&b, kappa);
+        for (int k = 0; k < 3; k++) {
+            set(&b, 10, 7, bad_vals[k]);
+            set(&b, 200, 63, bad_vals[(k + 1) % 3]);
+            float *s = run_sigma(&b, kappa);
+            for (uint32_t u = 0; u < B; u++) {
+                if (u == 10 || u == 200) {
+                    cr_assert(isinf(s[u]) && s[u] > 0, "%s: bad row %u scored %g", b.L->name, u,
+                              s[u]);
+                    continue;
+                }
+                cr_assert(memcmp(&s[u], &ref[u], sizeof(float)) == 0,
+                          "%s seed %llu: row %u %.9g, with the bad rows zeroed %.9g", b.L->name,
+                          (unsigned long long)seed, u, s[u], ref[u]);
+            }
+            free(s);
+            set(&b, 10, 7, 0.0);
+            set(&b, 200, 63, 0.0);
+        }
+        free(ref);
+        block_free(&b);
+    }
 }
 
 Test(sigma, basis_orthonormal) {

@@ -582,7 +582,8 @@ kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_conf
         L = appended;
     uint64_t R = cfg->recent_rows < appended ? cfg->recent_rows : appended;
     for (uint32_t h = 0; h < H; h++) {
-        const int64_t *P = e->pos + (size_t)h * e->pos_cap;
+        /* No committed row yet: pos may still be NULL, and NULL + 0 is undefined in C. */
+        const int64_t *P = e->pos ? e->pos + (size_t)h * e->pos_cap : NULL;
         for (uint64_t i = 0; i < n; i++) {
             if (P[i] < 0 || (uint64_t)P[i] >= appended || (i > 0 && P[i] <= P[i - 1]))
                 return kvt__fail(err, len, KVT_ERR_INVARIANT,

@@ -141,8 +141,11 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
                       (unsigned long long)first);
             goto done;
         }
-        /* A row holding NaN or Inf gets σ = NaN/Inf: canonicalise to +Inf (kept) so it can never
-         * corrupt the order of the others, and count it. */
+        /* A row whose branch holds NaN or Inf was left out of its block's fit and scored +Inf
+         * (sigma.h); a huge finite branch can still overflow to Inf, and the ablation selectors
+         * give NaN/Inf for such a row. Canonicalise every one to +Inf: the row ranks first (ties
+         * to the lower position), stays attended and takes one slot of the budget — only its
+         * own — and is counted in nonfinite_sigma. */
         for (uint32_t u = 0; u < B; u++) {
             if (!(out[u] <= FLT_MAX)) {
                 out[u] = INFINITY;
