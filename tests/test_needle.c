@@ -11,6 +11,8 @@
  *   - the measured attended set is checked against the library (a tampered one is an error);
  *   - a trace with a corrupt row in a large chunk, a layout the reference attention cannot read
  *     or an over-long needle is refused at load;
+ *   - a query whose full-cache reference is non-finite (a NaN / Inf row before it) is reported
+ *     as invalid and not counted, in the core and in the tool's table, lines and CSV;
  *   - a trace written with the trace writer and replayed gives the same results as the in-memory
  *     run, field for field;
  *   - floors at 8k and 32k: strong needles >= 95% at 32x by salience alone, none-strength needles
@@ -674,6 +676,105 @@ Test(needle, band_miss_needles_are_excluded) {
     hay_free(&h);
 }
 
+/* A non-finite row makes the full-cache reference of every later query non-finite. Such a query
+ * was scored "fail" with mass ratio 0 (NaN > 0 is false), as if kvtier had lost the needle; it
+ * must be ND_INVALID, excluded from the pass rate, with NaN metrics, while a query before the
+ * row is measured as usual. 8k rows (2 blocks), strong needles at depths 0.2 and 0.8, seed 8; the
+ * first query is moved to position 4096, value 3 (latent, not the σ branch, so the library's
+ * scores stay finite) of row 6000 is set to NaN, then to +Inf. */
+static void poisoned_case(nd_case *c, float value) {
+    static const nd_salience lv[] = {ND_SAL_STRONG};
+    static const double dep[] = {0.2, 0.8};
+    nd_gen_params gp = gen(8192, 8);
+    gp.depths = dep;
+    gp.n_depths = 2;
+    gp.levels = lv;
+    gp.n_levels = 1;
+    char err[512];
+    cr_assert_eq(nd_generate(&gp, c, NULL, NULL, err, sizeof err), ND_OK, "%s", err);
+    cr_assert_eq(c->band_misses, 0, "seed 8: %u rows missed their band", c->band_misses);
+    cr_assert_eq(c->n_targets, 2);
+    uint64_t first = 0;
+    cr_assert_eq(nd_case_nonfinite_rows(c, &first), 0);
+    cr_assert_eq(first, UINT64_MAX);
+    const nd_needle *n0 = &c->needles[c->targets[0].needle];
+    const nd_needle *n1 = &c->needles[c->targets[1].needle];
+    cr_assert_lt(n0->first_row + n0->n_rows, 4096, "needle 0 at %llu",
+                 (unsigned long long)n0->first_row);
+    cr_assert_gt(n1->first_row, 6000, "needle 1 at %llu", (unsigned long long)n1->first_row);
+    c->targets[0].position = 4096;
+    kvt__store_elem(c->rows + 6000 * (size_t)c->spec.row_bytes, (int)c->spec.dtype, 3, value);
+}
+
+Test(needle, nonfinite_reference_is_invalid) {
+    static const float poison[] = {NAN, INFINITY};
+    for (int k = 0; k < 2; k++) {
+        nd_case c;
+        poisoned_case(&c, poison[k]);
+        uint64_t first = 0;
+        cr_assert_eq(nd_case_nonfinite_rows(&c, &first), 1, "poison %g", poison[k]);
+        cr_assert_eq(first, 6000);
+        nd_refs refs;
+        char err[512];
+        cr_assert_eq(nd_refs_compute(&c, KVT__ATTN_DEFAULT_SCALE, &refs, NULL, NULL, err,
+                                     sizeof err), ND_OK, "%s", err);
+        cr_assert(isfinite(refs.t[0].mass[0]), "the row is after the first query");
+        cr_assert(!isfinite(refs.t[1].mass[0]) || !isfinite(refs.t[1].out[0]),
+                  "poison %g: the reference of the second query is finite", poison[k]);
+        static const nd_mode modes[] = {ND_MODE_DENSE, ND_MODE_SALIENCE, ND_MODE_RANDOM};
+        for (int m = 0; m < 3; m++) {
+            nd_run_params rp = nd_run_default_params();
+            rp.mode = modes[m];
+            rp.ratio = 32;
+            rp.seed = c.seed;
+            nd_result res[2];
+            cr_assert_eq(nd_run(&c, &refs, &rp, res, NULL, NULL, err, sizeof err), ND_OK,
+                         "poison %g mode %s: %s", poison[k], nd_mode_name(modes[m]), err);
+            cr_assert_neq(res[0].status, ND_INVALID, "poison %g mode %s", poison[k],
+                          nd_mode_name(modes[m]));
+            cr_assert(isfinite(res[0].mass_ratio) && isfinite(res[0].out_cos));
+            if (modes[m] == ND_MODE_DENSE)
+                cr_assert_eq(res[0].status, ND_PASS);
+            cr_assert_eq(res[1].status, ND_INVALID, "poison %g mode %s: status %d (mass ratio "
+                         "%g)", poison[k], nd_mode_name(modes[m]), res[1].status,
+                         res[1].mass_ratio);
+            cr_assert(isnan(res[1].mass_ratio) && isnan(res[1].out_cos) &&
+                      isnan(res[1].out_rel_err) && isnan(res[1].full_mass));
+            uint32_t p, n, t, b;
+            nd_tally(res, 2, &p, &n, &t, &b);
+            cr_assert(n == 1 && t == 0 && b == 0, "counted %u tail %u band_miss %u", n, t, b);
+            cr_assert_eq(p, res[0].status == ND_PASS);
+            cr_assert_eq(nd_count_status(res, 2, ND_INVALID), 1);
+        }
+        nd_refs_free(&refs);
+        nd_case_free(&c);
+    }
+    /* The row count reads the stored bits of every dtype: one NaN in the branch of an fp16
+     * row and one -Inf in the value of an fp32 row, 4k rows. */
+    static const kvt_dtype dts[] = {KVT_DTYPE_FP16, KVT_DTYPE_FP32};
+    static const float vals[] = {NAN, -INFINITY};
+    static const double dep[] = {0.5};
+    static const nd_salience lv[] = {ND_SAL_NATURAL};
+    for (int k = 0; k < 2; k++) {
+        nd_gen_params gp = gen(4096, 2);
+        gp.depths = dep;
+        gp.n_depths = 1;
+        gp.levels = lv;
+        gp.n_levels = 1;
+        gp.dtype = dts[k];
+        nd_case c;
+        char err[512];
+        cr_assert_eq(nd_generate(&gp, &c, NULL, NULL, err, sizeof err), ND_OK, "%s", err);
+        cr_assert_eq(nd_case_nonfinite_rows(&c, NULL), 0);
+        uint32_t at = k == 0 ? c.spec.head_dim - 1 : 0;
+        kvt__store_elem(c.rows + 77 * (size_t)c.spec.row_bytes, (int)c.spec.dtype, at, vals[k]);
+        uint64_t first = 0;
+        cr_assert_eq(nd_case_nonfinite_rows(&c, &first), 1, "dtype %s", kvt_dtype_name(dts[k]));
+        cr_assert_eq(first, 77);
+        nd_case_free(&c);
+    }
+}
+
 /* Writer -> file -> reader -> replay gives the in-memory results, bit for bit. */
 Test(needle, trace_roundtrip_gives_the_same_results) {
     static const nd_salience lv[] = {ND_SAL_STRONG, ND_SAL_WEAK, ND_SAL_NONE};
@@ -938,4 +1039,67 @@ Test(cli, exit_codes_and_last_line) {
     cr_assert(strstr(out, "1 needle queries whose needle missed its salience band") != NULL,
               "%s", out);
     cr_assert(strstr(out, "pass 0/0") != NULL, "%s", out);
+}
+
+/* The same poisoned case as a trace: the tool reports the second query as invalid in the table
+ * (column invalid), the verbose lines and the CSV (status invalid, invalid = 1, NaN metrics),
+ * says how many rows are non-finite and where the first is, and counts only the first query:
+ * last line "pass 1/1" in dense mode. */
+Test(cli, nonfinite_trace_reports_invalid) {
+    char exe[512];
+    snprintf(exe, sizeof exe, "%s/tools/kvtier-needle", KVT_BINARY_DIR);
+    if (access(exe, X_OK) != 0)
+        cr_skip_test("kvtier-needle not built (KVT_BUILD_TOOLS=OFF)");
+    nd_case c;
+    poisoned_case(&c, NAN);
+    char trace[64], csv[64], err[512], args[256];
+    tmp_path(trace);
+    tmp_path(csv);
+    cr_assert_eq(nd_case_save(&c, trace, err, sizeof err), ND_OK, "%s", err);
+    nd_case_free(&c);
+    static char out[1 << 16];
+    snprintf(args, sizeof args, "--trace %s --mode dense --csv %s --verbose --no-progress", trace,
+             csv);
+    int rc = run_cli(args, out, sizeof out);
+    unlink(trace);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "warning: 1 row(s) of the 8192-row case") != NULL, "%s", out);
+    cr_assert(strstr(out, "the first at row 6000") != NULL, "%s", out);
+    cr_assert(strstr(out, "   invalid      nan") != NULL, "verbose line: %s", out);
+    cr_assert(strstr(out, "1 non-finite row(s) in the replayed rows; 1 needle queries with a "
+                          "non-finite full-cache reference") != NULL, "%s", out);
+    size_t n = strlen(out);
+    while (n > 0 && out[n - 1] == '\n')
+        out[--n] = 0;
+    const char *last = strrchr(out, '\n');
+    last = last ? last + 1 : out;
+    cr_assert_str_eq(last, "pass 1/1", "last line '%s'", last);
+    /* the table's row: ratio 1, counted 1, pass 1, tail 0, miss 0, invalid 1 */
+    const char *hdr = strstr(out, " counted ");
+    cr_assert(hdr != NULL && strstr(hdr, " invalid ") != NULL, "%s", out);
+    const char *row = strstr(hdr, "\ndense ");
+    cr_assert(row != NULL, "%s", out);
+    unsigned ratio, counted, pass, tail, miss, invalid;
+    cr_assert_eq(sscanf(row, " dense no strong 8k %u %u %u %*s %u %u %u", &ratio, &counted, &pass,
+                        &tail, &miss, &invalid), 6, "%s", row);
+    cr_assert(ratio == 1 && counted == 1 && pass == 1 && tail == 0 && miss == 0 && invalid == 1,
+              "%s", row);
+    FILE *f = fopen(csv, "r");
+    cr_assert(f != NULL);
+    char line[1024];
+    cr_assert(fgets(line, sizeof line, f) != NULL);
+    cr_assert(strstr(line, ",status,pass,in_tail,band_miss,invalid,mass_ratio,") != NULL, "%s",
+              line);
+    int n_valid = 0, n_invalid = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (strstr(line, ",pass,1,0,0,0,"))
+            n_valid++;
+        else if (strstr(line, ",invalid,0,0,0,1,nan,nan,nan,nan,"))
+            n_invalid++;
+        else
+            cr_assert_fail("unexpected CSV line: %s", line);
+    }
+    fclose(f);
+    unlink(csv);
+    cr_assert(n_valid == 1 && n_invalid == 1, "%d valid, %d invalid lines", n_valid, n_invalid);
 }

@@ -9,14 +9,17 @@
  * CSV / SVG on request, and ends with one line "pass N/M".
  *
  * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
- * library error, an attended set that disagrees with the library), 2 on a bad command line, 3
- * for a mode that is not implemented yet (recall, promote).
+ * library error, an attended set that disagrees with the library), 2 on a bad command line (a
+ * bad or empty list item, a flag of the synthetic haystack given with --trace), 3 for a mode
+ * that is not implemented yet (recall, promote). A query whose full-cache reference is
+ * non-finite (NaN / Inf rows in a trace) is reported as "invalid", not an error.
  */
 #include "needle.h"
 #include "report.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,10 +38,10 @@ static void usage(FILE *f) {
 "  --synthetic            generate the haystack (model: docs/needle.md)\n"
 "  --trace FILE           replay a kvtier trace (needles and targets from the file)\n"
 "  --layer L              model layer of the trace to replay (default: first MLA layer with\n"
-"                         needles)\n"
+"                         needles); --trace only\n"
 "  --write-trace FILE     save the generated haystack as a trace (one context, one seed)\n"
 "\n"
-"Haystack (synthetic):\n"
+"Haystack (synthetic only: refused with --trace, except --seed):\n"
 "  --context N            rows (= query position); k = 1024 (default 32k)\n"
 "  --depth D              needle depth in [0, 1] (default 0.5); a comma list is allowed\n"
 "  --needles K            needles per depth and salience level (default 1)\n"
@@ -50,7 +53,8 @@ static void usage(FILE *f) {
 "  --rope                 rotate the branch (MLA-RoPE layer: random eviction, prompt protected)\n"
 "  --prompt-rows P        prompt rows (default 0; 256 with --rope)\n"
 "  --dtype bf16|fp16|fp32 row dtype (default bf16)\n"
-"  --seed S               generator and kvtier seed (default 1)\n"
+"  --seed S               generator and kvtier seed (default 1); with --trace the kvtier\n"
+"                         seed (random selector, random eviction)\n"
 "  --seeds N              haystacks per context: seeds S .. S+N-1 (default 1)\n"
 "\n"
 "Manager:\n"
@@ -70,9 +74,10 @@ static void usage(FILE *f) {
 "\n"
 "Grid:\n"
 "  --grid                 sweep contexts x ratios x depths (defaults below)\n"
-"  --grid-contexts LIST   default 8k,32k,64k,128k\n"
+"  --grid-contexts LIST   default 8k,32k,64k,128k (synthetic only)\n"
 "  --grid-ratios LIST     default 8,32,128\n"
-"  --grid-depths LIST     default 0.1,0.2,...,0.9\n"
+"  --grid-depths LIST     default 0.1,0.2,...,0.9 (synthetic only)\n"
+"  Lists are comma separated, of any length up to 64 items; an empty item is an error.\n"
 "\n"
 "Output:\n"
 "  --csv FILE             one line per needle query and run\n"
@@ -136,35 +141,120 @@ typedef struct opts {
     int progress; /* -1 auto */
 } opts;
 
-static int parse_list_u64(const char *s, uint64_t *out, uint32_t *n) {
-    char buf[1024];
-    snprintf(buf, sizeof buf, "%s", s);
-    *n = 0;
-    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (*n >= MAX_LIST || parse_u64(tok, &out[*n]) != 0)
-            return -1;
-        (*n)++;
-    }
-    return *n ? 0 : -1;
-}
+#if defined(__GNUC__)
+#define USAGE_PRINTF __attribute__((format(printf, 1, 2)))
+#else
+#define USAGE_PRINTF
+#endif
+static int usage_err(const char *fmt, ...) USAGE_PRINTF;
 
-static int parse_list_f64(const char *s, double *out, uint32_t *n) {
-    char buf[1024];
-    snprintf(buf, sizeof buf, "%s", s);
-    *n = 0;
-    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (*n >= MAX_LIST || parse_f64(tok, &out[*n]) != 0)
-            return -1;
-        (*n)++;
-    }
-    return *n ? 0 : -1;
-}
-
-static int usage_err(const char *fmt, const char *a) {
+static int usage_err(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "kvtier-needle: ");
-    fprintf(stderr, fmt, a);
+    vfprintf(stderr, fmt, ap);
     fprintf(stderr, " (try --help)\n");
+    va_end(ap);
     return EXIT_USAGE;
+}
+
+/* One item of a comma list: parse tok into element i of out (0, or -1 when tok is not a value
+ * the flag accepts). */
+typedef int (*item_fn)(const char *tok, void *out, uint32_t i);
+
+static int item_u64(const char *tok, void *out, uint32_t i) {
+    return parse_u64(tok, (uint64_t *)out + i);
+}
+
+static int item_f64(const char *tok, void *out, uint32_t i) {
+    return parse_f64(tok, (double *)out + i);
+}
+
+static int item_salience(const char *tok, void *out, uint32_t i) {
+    nd_salience s;
+    /* "trace" labels needles of a trace without annotations; it is not a band to generate */
+    if (nd_salience_parse(tok, &s) || s == ND_SAL_TRACE)
+        return -1;
+    ((nd_salience *)out)[i] = s;
+    return 0;
+}
+
+static int item_mode(const char *tok, void *out, uint32_t i) {
+    nd_mode m;
+    if (nd_mode_parse(tok, &m))
+        return -1;
+    ((nd_mode *)out)[i] = m;
+    return 0;
+}
+
+/* Parse the comma list v of flag into at most max items. The value is split in a heap copy of
+ * its full length, never in a fixed buffer: a buffer cuts a long value, and the cut item then
+ * parses as another value ("...,128" cut to "...,12", a long "000...0.9" to 0). Every item must
+ * be a value: an empty one ("8,,32", a trailing comma) is refused rather than skipped, since it is
+ * almost always a typo, and more than max items are refused rather than dropped. On success *n holds the count and out the
+ * items; on a bad list *n is left alone, a usage message naming flag is printed and EXIT_USAGE
+ * returned. what describes the accepted values for the message. */
+static int parse_list(const char *flag, const char *v, uint32_t max, item_fn fn, void *out,
+                      uint32_t *n, const char *what) {
+    char *copy = strdup(v);
+    if (!copy) {
+        fprintf(stderr, "kvtier-needle: out of memory\n");
+        return EXIT_ERR;
+    }
+    uint32_t k = 0;
+    int rc = 0;
+    for (char *tok = copy;; k++) {
+        char *comma = strchr(tok, ',');
+        if (comma)
+            *comma = 0;
+        if (!*tok) {
+            rc = usage_err("bad %s '%s': item %u is empty", flag, v, k + 1);
+            break;
+        }
+        if (k >= max) {
+            rc = usage_err("bad %s '%s': more than %u items", flag, v, max);
+            break;
+        }
+        if (fn(tok, out, k) != 0) {
+            rc = usage_err("bad %s '%s': item %u '%s' (%s)", flag, v, k + 1, tok, what);
+            break;
+        }
+        if (!comma)
+            break;
+        tok = comma + 1;
+    }
+    free(copy);
+    if (rc == 0)
+        *n = k + 1;
+    return rc;
+}
+
+/* Flags that only shape the synthetic haystack. A trace brings its own rows, layer kind, dtype,
+ * prompt, needles, heads and query positions, so with --trace these would be ignored, and a run
+ * that silently ignores --context 128k or --salience weak reports on something other than what
+ * was asked: they are refused instead. Flags of the manager and of the pass rule (--ratio, --mode,
+ * --block, --kappa, --sinks, --recent, --scale, --seed as the kvtier seed, --min-*) and --grid
+ * (its ratio axis) apply to a trace as well. --write-trace has its own check. */
+static const char *const k_synthetic_only[] = {
+    "--context", "--depth",        "--needles",       "--needle-rows", "--salience",
+    "--heads",   "--target-heads", "--kv-haystack",   "--rope",        "--prompt-rows",
+    "--dtype",   "--seeds",        "--grid-contexts", "--grid-depths",
+};
+
+static bool synthetic_only(const char *a) {
+    for (size_t k = 0; k < sizeof k_synthetic_only / sizeof k_synthetic_only[0]; k++)
+        if (!strcmp(a, k_synthetic_only[k]))
+            return true;
+    return false;
+}
+
+/* Ratios are used as uint32_t compression ratios: 1..2^20 (like the library's config). */
+static int check_ratios(const char *flag, const char *v, const uint64_t *r, uint32_t n) {
+    for (uint32_t k = 0; k < n; k++)
+        if (r[k] < 1 || r[k] > 1u << 20)
+            return usage_err("bad %s '%s': item %u is %llu (1..2^20)", flag, v, k + 1,
+                             (unsigned long long)r[k]);
+    return 0;
 }
 
 static int parse_args(int argc, char **argv, opts *o) {
@@ -188,9 +278,14 @@ static int parse_args(int argc, char **argv, opts *o) {
     uint64_t gc[MAX_LIST], gr[MAX_LIST];
     double gd[MAX_LIST];
     uint32_t ngc = 0, ngr = 0, ngd = 0;
+    const char *synth_flag = NULL; /* first synthetic-only flag given (refused with --trace) */
+    bool layer_set = false;
+    int rc;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!synth_flag && synthetic_only(a))
+            synth_flag = a;
 #define NEED_VALUE()                                                                               \
     do {                                                                                           \
         if (!v)                                                                                    \
@@ -212,18 +307,20 @@ static int parse_args(int argc, char **argv, opts *o) {
             if (parse_u64(v, &u) || u >= UINT32_MAX)
                 return usage_err("bad --layer '%s'", v);
             o->layer = (uint32_t)u;
+            layer_set = true;
         } else if (!strcmp(a, "--write-trace")) {
             NEED_VALUE();
             o->write_trace = v;
         } else if (!strcmp(a, "--context")) {
             NEED_VALUE();
-            if (parse_list_u64(v, o->contexts, &o->n_contexts))
-                return usage_err("bad --context '%s'", v);
+            if ((rc = parse_list(a, v, MAX_LIST, item_u64, o->contexts, &o->n_contexts,
+                                 "rows, k = 1024")))
+                return rc;
             ctx_set = true;
         } else if (!strcmp(a, "--depth")) {
             NEED_VALUE();
-            if (parse_list_f64(v, o->depths, &o->n_depths))
-                return usage_err("bad --depth '%s'", v);
+            if ((rc = parse_list(a, v, MAX_LIST, item_f64, o->depths, &o->n_depths, "0..1")))
+                return rc;
             depth_set = true;
         } else if (!strcmp(a, "--needles")) {
             NEED_VALUE();
@@ -237,21 +334,14 @@ static int parse_args(int argc, char **argv, opts *o) {
             o->gen.needle_rows = (uint32_t)u;
         } else if (!strcmp(a, "--salience")) {
             NEED_VALUE();
-            o->n_levels = 0;
             if (!strcmp(v, "all")) {
                 o->levels[0] = ND_SAL_STRONG;
                 o->levels[1] = ND_SAL_WEAK;
                 o->levels[2] = ND_SAL_NONE;
                 o->n_levels = 3;
-            } else {
-                char buf[256];
-                snprintf(buf, sizeof buf, "%s", v);
-                for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-                    nd_salience s;
-                    if (nd_salience_parse(tok, &s) || s == ND_SAL_TRACE || o->n_levels >= 4)
-                        return usage_err("bad --salience '%s' (strong|weak|none|natural|all)", v);
-                    o->levels[o->n_levels++] = s;
-                }
+            } else if ((rc = parse_list(a, v, 4, item_salience, o->levels, &o->n_levels,
+                                        "strong|weak|none|natural, or 'all' alone"))) {
+                return rc;
             }
         } else if (!strcmp(a, "--heads")) {
             NEED_VALUE();
@@ -299,22 +389,15 @@ static int parse_args(int argc, char **argv, opts *o) {
             o->seeds = u;
         } else if (!strcmp(a, "--mode")) {
             NEED_VALUE();
-            o->n_modes = 0;
-            char buf[256];
-            snprintf(buf, sizeof buf, "%s", v);
-            for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-                nd_mode m;
-                if (nd_mode_parse(tok, &m) || o->n_modes >= ND_MODE_COUNT)
-                    return usage_err("bad --mode '%s' (salience|recall|random|promote|dense)", v);
-                o->modes[o->n_modes++] = m;
-            }
+            if ((rc = parse_list(a, v, ND_MODE_COUNT, item_mode, o->modes, &o->n_modes,
+                                 "salience|random|dense|recall|promote")))
+                return rc;
         } else if (!strcmp(a, "--ratio")) {
             NEED_VALUE();
-            if (parse_list_u64(v, o->ratios, &o->n_ratios))
-                return usage_err("bad --ratio '%s'", v);
-            for (uint32_t k = 0; k < o->n_ratios; k++)
-                if (o->ratios[k] < 1 || o->ratios[k] > 1u << 20)
-                    return usage_err("bad --ratio '%s' (1..2^20)", v);
+            if ((rc = parse_list(a, v, MAX_LIST, item_u64, o->ratios, &o->n_ratios, "1..2^20")))
+                return rc;
+            if ((rc = check_ratios(a, v, o->ratios, o->n_ratios)))
+                return rc;
             ratio_set = true;
         } else if (!strcmp(a, "--block")) {
             NEED_VALUE();
@@ -355,16 +438,20 @@ static int parse_args(int argc, char **argv, opts *o) {
             o->grid = true;
         } else if (!strcmp(a, "--grid-contexts")) {
             NEED_VALUE();
-            if (parse_list_u64(v, gc, &ngc))
-                return usage_err("bad --grid-contexts '%s'", v);
+            if ((rc = parse_list(a, v, MAX_LIST, item_u64, gc, &ngc, "rows, k = 1024")))
+                return rc;
         } else if (!strcmp(a, "--grid-ratios")) {
             NEED_VALUE();
-            if (parse_list_u64(v, gr, &ngr))
-                return usage_err("bad --grid-ratios '%s'", v);
+            /* range-checked like --ratio: a ratio is used as a uint32_t, and 2^32 + 8 must not
+             * quietly become 8 */
+            if ((rc = parse_list(a, v, MAX_LIST, item_u64, gr, &ngr, "1..2^20")))
+                return rc;
+            if ((rc = check_ratios(a, v, gr, ngr)))
+                return rc;
         } else if (!strcmp(a, "--grid-depths")) {
             NEED_VALUE();
-            if (parse_list_f64(v, gd, &ngd))
-                return usage_err("bad --grid-depths '%s'", v);
+            if ((rc = parse_list(a, v, MAX_LIST, item_f64, gd, &ngd, "0..1")))
+                return rc;
         } else if (!strcmp(a, "--csv")) {
             NEED_VALUE();
             o->csv = v;
@@ -382,6 +469,13 @@ static int parse_args(int argc, char **argv, opts *o) {
         }
 #undef NEED_VALUE
     }
+    /* Checked after the loop: --synthetic / --trace may come after the flags, the last wins. */
+    if (o->trace && synth_flag)
+        return usage_err("%s shapes the synthetic haystack and does not apply to --trace (the "
+                         "trace brings its own rows, needles and queries)", synth_flag);
+    if (!o->trace && layer_set)
+        return usage_err("%s", "--layer applies to --trace only (a synthetic haystack has one "
+                               "layer)");
     if (o->grid) {
         static const uint64_t dc[] = {8192, 32768, 65536, 131072};
         static const uint64_t dr[] = {8, 32, 128};
@@ -546,6 +640,7 @@ int main(int argc, char **argv) {
     char err[1024];
     int rc = 0;
     char what[64];
+    uint64_t nonfinite_total = 0; /* rows holding NaN / Inf, over every case */
     const char *source = o.trace ? o.trace : "synthetic";
     (void)n_cases;
     for (uint32_t ci = 0; ci < (o.trace ? 1 : o.n_contexts) && rc == 0; ci++) {
@@ -590,6 +685,18 @@ int main(int argc, char **argv) {
                         "band_miss, not counted (see the sigma_pct column)\n",
                         c.band_misses, (unsigned long long)(c.n_rows / 1024),
                         (unsigned long long)c.seed);
+            }
+            /* Rows holding NaN / Inf make the full-cache reference of every later query
+             * non-finite; those queries are reported as invalid (nd_run). Say how many rows. */
+            uint64_t first_bad = 0, n_bad = nd_case_nonfinite_rows(&c, &first_bad);
+            if (n_bad) {
+                progress_clear(&pg);
+                fprintf(stderr, "kvtier-needle: warning: %llu row(s) of the %llu-row case (%s, "
+                        "layer %u) hold NaN or Inf, the first at row %llu: needle queries whose "
+                        "full-cache reference is non-finite are reported as invalid, not "
+                        "counted\n", (unsigned long long)n_bad, (unsigned long long)c.n_rows,
+                        source, c.layer, (unsigned long long)first_bad);
+                nonfinite_total += n_bad;
             }
             if (o.write_trace) {
                 int e = nd_case_save(&c, o.write_trace, err, sizeof err);
@@ -684,7 +791,7 @@ int main(int argc, char **argv) {
         free(recs);
         return EXIT_ERR;
     }
-    uint64_t pass = 0, counted = 0, tails = 0, misses = 0;
+    uint64_t pass = 0, counted = 0, tails = 0, misses = 0, invalid = 0;
     for (size_t i = 0; i < n_recs; i++) {
         if (recs[i].res.status == ND_TAIL) {
             tails++;
@@ -692,6 +799,10 @@ int main(int argc, char **argv) {
         }
         if (recs[i].res.status == ND_BAND_MISS) {
             misses++;
+            continue;
+        }
+        if (recs[i].res.status == ND_INVALID) {
+            invalid++;
             continue;
         }
         counted++;
@@ -705,6 +816,10 @@ int main(int argc, char **argv) {
     if (misses)
         printf("%llu needle queries whose needle missed its salience band: reported as band_miss, "
                "not counted\n", (unsigned long long)misses);
+    if (invalid || nonfinite_total)
+        printf("%llu non-finite row(s) in the replayed rows; %llu needle queries with a "
+               "non-finite full-cache reference: reported as invalid, not counted\n",
+               (unsigned long long)nonfinite_total, (unsigned long long)invalid);
     printf("pass %llu/%llu\n", (unsigned long long)pass, (unsigned long long)counted);
     free(recs);
     return 0;

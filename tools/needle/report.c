@@ -5,7 +5,8 @@
  * passes / counted needle queries, where queries whose needle is still in the rows no policy has
  * scored (the unclosed tail, the eviction window) are reported but not counted (those rows are
  * always attended, so they would pass for free), and so are needles that missed their requested
- * salience band (they would be counted under a band they are not in).
+ * salience band (they would be counted under a band they are not in) and queries whose full-cache
+ * reference is non-finite (there is nothing to compare the attended set with).
  */
 #include "report.h"
 
@@ -18,7 +19,19 @@ static const char *policy_name(kvt_policy p) {
 }
 
 static const char *status_name(nd_status s) {
-    return s == ND_PASS ? "pass" : s == ND_FAIL ? "fail" : s == ND_TAIL ? "tail" : "band_miss";
+    switch (s) {
+    case ND_PASS:
+        return "pass";
+    case ND_FAIL:
+        return "fail";
+    case ND_TAIL:
+        return "tail";
+    case ND_BAND_MISS:
+        return "band_miss";
+    case ND_INVALID:
+        return "invalid";
+    }
+    return "?";
 }
 
 static const char *ctx_label(uint64_t c, char *buf, size_t len) {
@@ -54,7 +67,7 @@ typedef struct cell {
     nd_salience sal;
     uint64_t context;
     uint32_t ratio;
-    uint32_t n, pass, tail, miss;
+    uint32_t n, pass, tail, miss, invalid;
     double *mass, *cos; /* counted queries' values, for medians */
     double rel_sum, att_sum, bpt_sum;
 } cell;
@@ -119,6 +132,10 @@ static cell *make_cells(const nd_report *r, size_t *n_cells) {
             c->miss++;
             continue;
         }
+        if (x->res.status == ND_INVALID) {
+            c->invalid++;
+            continue;
+        }
         if (c->mass)
             c->mass[c->n] = x->res.mass_ratio;
         if (c->cos)
@@ -149,19 +166,18 @@ void nd_report_table(const nd_report *r, FILE *f) {
         return;
     fprintf(f, "kvtier-needle: %s; pass = mass_ratio >= %.3g and out_cos >= %.3g (min over "
             "targeted heads)\n\n", r->source, r->min_mass, r->min_cos);
-    fprintf(f, "%-8s %-4s %-8s %7s %5s %7s %6s %7s %5s %5s %10s %9s %9s %10s %9s\n", "mode",
-            "rope", "salience", "context", "ratio", "counted", "pass", "rate", "tail", "miss",
-            "mass_r(med)",
-            "cos(med)", "rel(mean)", "attended", "B/token");
+    fprintf(f, "%-8s %-4s %-8s %7s %5s %7s %6s %7s %5s %5s %7s %10s %9s %9s %10s %9s\n",
+            "mode", "rope", "salience", "context", "ratio", "counted", "pass", "rate", "tail",
+            "miss", "invalid", "mass_r(med)", "cos(med)", "rel(mean)", "attended", "B/token");
     char cb[32];
     for (size_t i = 0; i < nc; i++) {
         cell *c = &cs[i];
         double rate = c->n ? (double)c->pass / c->n : NAN;
-        fprintf(f, "%-8s %-4s %-8s %7s %5u %7u %6u %6.1f%% %5u %5u %10.3f %9.4f %9.3f %10.0f "
-                   "%9.1f\n",
+        fprintf(f, "%-8s %-4s %-8s %7s %5u %7u %6u %6.1f%% %5u %5u %7u %10.3f %9.4f %9.3f "
+                   "%10.0f %9.1f\n",
                 nd_mode_name(c->mode), c->rope ? "yes" : "no", nd_salience_name(c->sal),
                 ctx_label(c->context, cb, sizeof cb), c->ratio, c->n, c->pass, 100 * rate,
-                c->tail, c->miss, median(c->mass, c->n), median(c->cos, c->n),
+                c->tail, c->miss, c->invalid, median(c->mass, c->n), median(c->cos, c->n),
                 c->n ? c->rel_sum / c->n : NAN, c->n ? c->att_sum / c->n : NAN,
                 c->n ? c->bpt_sum / c->n : NAN);
     }
@@ -224,6 +240,8 @@ void nd_report_table(const nd_report *r, FILE *f) {
 /* ------------------------------------------------------------------------------------------- */
 /* CSV                                                                                          */
 /* ------------------------------------------------------------------------------------------- */
+/* Columns are documented in docs/needle.md; the status flags (pass, in_tail, band_miss, invalid)
+ * sit together after status, so read the file by header name, not by position. */
 int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_len) {
     FILE *f = fopen(path, "w");
     if (!f) {
@@ -231,21 +249,21 @@ int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_le
         return -1;
     }
     fprintf(f, "context,seed,ratio,depth,mode,policy,rope,salience,needle,needle_rows,first_row,"
-               "position,sigma_pct,status,pass,in_tail,band_miss,mass_ratio,out_cos,out_rel_err,"
-               "full_mass,needle_rows_attended,attended_rows,archived_rows,dropped_rows,"
-               "fetched_rows,m_rows,tail_rows,read_bytes_per_token\n");
+               "position,sigma_pct,status,pass,in_tail,band_miss,invalid,mass_ratio,out_cos,"
+               "out_rel_err,full_mass,needle_rows_attended,attended_rows,archived_rows,"
+               "dropped_rows,fetched_rows,m_rows,tail_rows,read_bytes_per_token\n");
     for (size_t i = 0; i < r->n; i++) {
         const nd_record *x = &r->recs[i];
         const nd_result *s = &x->res;
-        fprintf(f, "%llu,%llu,%u,%.6f,%s,%s,%d,%s,%u,%llu,%llu,%llu,%.4f,%s,%d,%d,%d,%.6f,%.6f,"
+        fprintf(f, "%llu,%llu,%u,%.6f,%s,%s,%d,%s,%u,%llu,%llu,%llu,%.4f,%s,%d,%d,%d,%d,%.6f,%.6f,"
                    "%.6f,%.6f,%u,%llu,%llu,%llu,%llu,%llu,%llu,%.3f\n",
                 (unsigned long long)x->context, (unsigned long long)x->seed, x->ratio, s->depth,
                 nd_mode_name(x->mode), policy_name(s->policy), x->rope ? 1 : 0,
                 nd_salience_name(s->salience), s->needle, (unsigned long long)s->n_rows,
                 (unsigned long long)s->first_row, (unsigned long long)s->position, x->sigma_pct,
                 status_name(s->status), s->status == ND_PASS, s->status == ND_TAIL,
-                s->status == ND_BAND_MISS,
-                s->mass_ratio, s->out_cos, s->out_rel_err, s->full_mass, s->needle_rows_attended,
+                s->status == ND_BAND_MISS, s->status == ND_INVALID, s->mass_ratio, s->out_cos,
+                s->out_rel_err, s->full_mass, s->needle_rows_attended,
                 (unsigned long long)s->attended_rows, (unsigned long long)s->archived_rows,
                 (unsigned long long)s->dropped_rows, (unsigned long long)s->fetched_rows,
                 (unsigned long long)s->m_rows, (unsigned long long)s->tail_rows,
@@ -433,7 +451,7 @@ int nd_report_svg(const nd_report *r, const char *path, char *err, size_t err_le
                         for (size_t i = 0; hit && i < r->n; i++) {
                             const nd_record *x = &r->recs[i];
                             if (!same_key(hit, x) || x->res.status == ND_TAIL ||
-                                x->res.status == ND_BAND_MISS ||
+                                x->res.status == ND_BAND_MISS || x->res.status == ND_INVALID ||
                                 depth_bin(x->res.depth, depths, nd, deciles) != dk)
                                 continue;
                             dn++;
@@ -480,8 +498,8 @@ int nd_report_svg(const nd_report *r, const char *path, char *err, size_t err_le
             lx + 70 + 21 * 12, ly + 32);
     rate_color(NAN, col, sizeof col);
     fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"16\" height=\"16\" fill=\"%s\"/><text x=\"%d\" "
-               "y=\"%d\" font-size=\"11\">no counted query (needle unscored, or band "
-               "missed)</text>\n",
+               "y=\"%d\" font-size=\"11\">no counted query (needle unscored, band "
+               "missed, or reference non-finite)</text>\n",
             lx + 360, ly + 2, col, lx + 382, ly + 14);
     fprintf(f, "<text x=\"%d\" y=\"%d\" font-size=\"11\" fill=\"#444\">depth stripes:", lx,
             ly + 52);

@@ -361,6 +361,43 @@ fail:
 }
 
 /* ------------------------------------------------------------------------------------------- */
+/* Non-finite rows                                                                              */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Whether value i of a row of dtype dt is NaN or Inf: its exponent field is all ones (bf16: 8
+ * bits at 7..14, fp16: 5 bits at 10..14, fp32: 8 bits at 23..30). Read from the bits, so a
+ * signalling NaN is not quietened and nothing is widened. */
+static bool value_nonfinite(const uint8_t *row, kvt_dtype dt, uint32_t i) {
+    if (dt == KVT_DTYPE_FP32) {
+        uint32_t u;
+        memcpy(&u, row + 4u * i, 4);
+        return (u & 0x7f800000u) == 0x7f800000u;
+    }
+    uint16_t h;
+    memcpy(&h, row + 2u * i, 2);
+    if (dt == KVT_DTYPE_FP16)
+        return (h & 0x7c00u) == 0x7c00u;
+    return (h & 0x7f80u) == 0x7f80u; /* bf16 */
+}
+
+uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row) {
+    const kvt_layer_spec *sp = &c->spec;
+    uint64_t n = 0, first = UINT64_MAX;
+    for (uint64_t r = 0; r < c->n_rows; r++) {
+        const uint8_t *row = c->rows + r * sp->row_bytes;
+        for (uint32_t i = 0; i < sp->head_dim; i++)
+            if (value_nonfinite(row, sp->dtype, i)) {
+                if (n++ == 0)
+                    first = r;
+                break;
+            }
+    }
+    if (first_row)
+        *first_row = first;
+    return n;
+}
+
+/* ------------------------------------------------------------------------------------------- */
 /* σ percentiles                                                                                */
 /* ------------------------------------------------------------------------------------------- */
 int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out, char *err,

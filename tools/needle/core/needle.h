@@ -108,6 +108,13 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
 /* Write a case as a kvtier trace (rows in chunks, one query step per target). */
 int nd_case_save(const nd_case *c, const char *path, char *err, size_t err_len);
 
+/* Rows of c whose key (the first head_dim values: what the reference attention reads) holds a NaN
+ * or an Inf, found from the stored bits (no widening). *first_row (may be NULL) receives the first
+ * such row, UINT64_MAX when there is none. Such a row before a query's position makes that query's
+ * full-cache reference non-finite (the softmax max is NaN, or Inf minus Inf), and nd_run then
+ * reports the query as ND_INVALID. */
+uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row);
+
 /* σ percentile of each needle within its block: the minimum over its rows of
  * 100 · #{rows v of the block, v != u, σ_v < σ_u} / (B − 1). NaN when a row is not in a complete
  * block. out has c->n_needles entries. */
@@ -184,8 +191,16 @@ typedef struct nd_run_params {
 
 nd_run_params nd_run_default_params(void);
 
-/* ND_TAIL and ND_BAND_MISS are reported but excluded from every pass rate. */
-typedef enum nd_status { ND_FAIL = 0, ND_PASS = 1, ND_TAIL = 2, ND_BAND_MISS = 3 } nd_status;
+/* ND_TAIL, ND_BAND_MISS and ND_INVALID are reported but excluded from every pass rate. */
+typedef enum nd_status {
+    ND_FAIL = 0,
+    ND_PASS = 1,
+    ND_TAIL = 2,
+    ND_BAND_MISS = 3,
+    ND_INVALID = 4, /* the full-cache reference of a targeted head is non-finite (NaN / Inf in
+                       its output or needle mass: a row before the query, or the query, holds a
+                       non-finite value), so there is nothing to compare against */
+} nd_status;
 
 typedef struct nd_result {
     uint32_t target, needle;
@@ -195,7 +210,9 @@ typedef struct nd_result {
     nd_status status;        /* ND_TAIL: needle (partly) in the unclosed tail (salience) or in
                                 the rows no eviction round has scored yet (eviction); excluded.
                                 ND_BAND_MISS: the needle missed its requested salience band;
-                                excluded */
+                                excluded. ND_INVALID: non-finite reference; excluded, takes
+                                precedence over tail and band miss, and the four metrics below
+                                are NaN */
     double mass_ratio;       /* min over targeted heads of mass(attended) / mass(full) */
     double out_cos;          /* min over targeted heads of cos(out(attended), out(full)) */
     double out_rel_err;      /* max over targeted heads of |out(att) − out(full)| / |out(full)| */
@@ -222,9 +239,12 @@ typedef struct nd_result {
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len);
 
-/* Count results: passes, counted (neither tail nor band miss), tail queries and band misses
- * (any pointer may be NULL). Pass rate = pass / counted. */
+/* Count results: passes, counted (neither tail, band miss nor invalid), tail queries and band
+ * misses (any pointer may be NULL). Pass rate = pass / counted. Invalid queries are counted by
+ * nd_count_status (kept out of this signature so existing callers stay as they are). */
 void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, uint32_t *tail,
               uint32_t *band_miss);
+/* Results whose status is s. */
+uint32_t nd_count_status(const nd_result *r, size_t n, nd_status s);
 
 #endif /* KVT_TOOLS_NEEDLE_H */

@@ -48,6 +48,8 @@ void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, u
             b++;
             continue;
         }
+        if (r[i].status == ND_INVALID)
+            continue;
         c++;
         p += r[i].status == ND_PASS;
     }
@@ -59,6 +61,27 @@ void nd_tally(const nd_result *r, size_t n, uint32_t *pass, uint32_t *counted, u
         *tail = t;
     if (band_miss)
         *band_miss = b;
+}
+
+uint32_t nd_count_status(const nd_result *r, size_t n, nd_status s) {
+    uint32_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += r[i].status == s;
+    return k;
+}
+
+/* Whether every targeted head's full-cache reference (output and needle mass) is finite. The
+ * reference attention propagates non-finite values (kernels/attn.h): a NaN or Inf in any row
+ * before the query, or in the query, makes the head's softmax maximum or its sums NaN / Inf. */
+static bool ref_finite(const nd_ref *r, uint32_t n_heads, uint32_t value_dim) {
+    for (uint32_t h = 0; h < n_heads; h++) {
+        if (!isfinite(r->mass[h]))
+            return false;
+        for (uint32_t d = 0; d < value_dim; d++)
+            if (!isfinite(r->out[(size_t)h * value_dim + d]))
+                return false;
+    }
+    return true;
 }
 
 void nd_refs_free(nd_refs *r) {
@@ -514,6 +537,18 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         res->read_bytes_per_token = ls.attended_bytes_per_token;
         bool pass = res->mass_ratio >= p->min_mass && res->out_cos >= p->min_cos;
         res->status = in_tail ? ND_TAIL : nd->band_miss ? ND_BAND_MISS : pass ? ND_PASS : ND_FAIL;
+        /* A non-finite reference leaves nothing to measure against: the ratio and cosine above
+         * come out 0 (a NaN compares false) or NaN, and a 0 reads as a lost needle ("fail").
+         * Report the query as invalid instead, whatever else holds (a tail or band-miss label
+         * would suggest the query was measurable), and blank the metrics so no one averages
+         * them. */
+        if (!ref_finite(ref, tg->n_heads, V)) {
+            res->status = ND_INVALID;
+            res->mass_ratio = NAN;
+            res->out_cos = NAN;
+            res->out_rel_err = NAN;
+            res->full_mass = NAN;
+        }
     }
     if (progress)
         progress(ud, 1.0);

@@ -1,0 +1,103 @@
+# kvtier-needle's command-line rules (docs/needle.md, "Running it"): list values are parsed whole
+# (no fixed buffer that cuts a long value and parses the cut item as another value), empty items
+# and over-long lists are refused, and the flags of the synthetic haystack are refused with
+# --trace instead of being ignored. Each case checks the exit status, and for a refusal exactly
+# one 'kvtier-needle: ...' line on stderr naming the flag and nothing on stdout (nothing ran).
+# The runs that do replay use 4k haystacks or the 20-row golden trace: about a second each.
+if(TARGET kvtier-needle)
+  set(KVT_GOLDEN ${PROJECT_SOURCE_DIR}/tests/golden)
+  set(KVT_NEEDLE_EXPECT ${CMAKE_CURRENT_BINARY_DIR}/needle_expect.cmake)
+  # ARGS separates words with '|'. RC: expected exit status. ERR (refusals): regex the one stderr
+  # line must match. OUT / NOT_OUT: regexes stdout must / must not match.
+  file(WRITE ${KVT_NEEDLE_EXPECT} [=[
+string(REPLACE "|" ";" args "${ARGS}")
+execute_process(COMMAND ${BIN} ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc STREQUAL "${RC}")
+  message(FATAL_ERROR "exit status ${rc}, expected ${RC}; stderr: ${err}\nstdout: ${out}")
+endif()
+if(DEFINED ERR)
+  string(REGEX MATCHALL "\n" nl "${err}")
+  list(LENGTH nl n_lines)
+  if(NOT n_lines EQUAL 1 OR NOT err MATCHES "^kvtier-needle: [^\n]*\n$")
+    message(FATAL_ERROR "expected one 'kvtier-needle: ...' line on stderr, got: ${err}")
+  endif()
+  if(NOT err MATCHES "${ERR}")
+    message(FATAL_ERROR "stderr does not match '${ERR}': ${err}")
+  endif()
+  if(NOT out STREQUAL "")
+    message(FATAL_ERROR "a refused command line printed on stdout: ${out}")
+  endif()
+endif()
+if(DEFINED OUT AND NOT out MATCHES "${OUT}")
+  message(FATAL_ERROR "stdout does not match '${OUT}': ${out}")
+endif()
+if(DEFINED NOT_OUT AND out MATCHES "${NOT_OUT}")
+  message(FATAL_ERROR "stdout matches '${NOT_OUT}': ${out}")
+endif()
+]=])
+  function(kvt_needle_cli name rc args)
+    add_test(NAME needle_cli_${name}
+      COMMAND ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle> "-DARGS=${args}" -DRC=${rc}
+              ${ARGN} -P ${KVT_NEEDLE_EXPECT})
+  endfunction()
+
+  # 1. Long lists. The old parser copied a list into a 1024-byte buffer (256 for --mode and
+  # --salience) and split it there. 200 zeros + "8," + 819 zeros + "128" is 1,024 characters: the
+  # copy kept 1,023 and the run used ratios 8 and 12. All of it must be read: ratios 8 and 128.
+  string(REPEAT "0" 200 z200)
+  string(REPEAT "0" 819 z819)
+  kvt_needle_cli(long_ratio_list 0
+    "--context|4k|--ratio|${z200}8,${z819}128|--no-progress"
+    "-DOUT=\nsalience +no +strong +4k +8 [^\n]*\nsalience +no +strong +4k +128 "
+    "-DNOT_OUT= 4k +12[^0-9]")
+  # One item longer than the old buffer: 1,100 zeros then "0.9" was cut to zeros, depth 0.
+  string(REPEAT "0" 1100 z1100)
+  kvt_needle_cli(long_depth_item 0
+    "--context|4k|--depth|${z1100}0.9|--verbose|--no-progress"
+    "-DOUT=\nsalience +no +4k +strong +32 +0\\.900 " "-DNOT_OUT= 0\\.000[^0-9]")
+  # Empty items are refused, not skipped. The old parser skipped them (strtok) and cut the value
+  # at 255 characters: 247 commas + "salience,dense" ran salience alone, dropping dense.
+  string(REPEAT "," 247 c247)
+  kvt_needle_cli(long_mode_list 2 "--mode|${c247}salience,dense"
+    "-DERR=bad --mode '[,]+salience,dense': item 1 is empty")
+  string(REPEAT "," 249 c249)
+  kvt_needle_cli(long_salience_list 2 "--salience|${c249}strong,weak"
+    "-DERR=bad --salience '[,]+strong,weak': item 1 is empty")
+  kvt_needle_cli(empty_ratio_item 2 "--ratio|8,,32" "-DERR=bad --ratio '8,,32': item 2 is empty")
+  kvt_needle_cli(trailing_comma 2 "--depth|0.2,0.8," "-DERR=bad --depth '0\\.2,0\\.8,': item 3 is empty")
+  # 65 items: more than a list holds (64) is refused, not dropped.
+  string(REPEAT "8," 64 r64)
+  kvt_needle_cli(too_many_ratios 2 "--ratio|${r64}8" "-DERR=bad --ratio '[8,]+': more than 64 items")
+  kvt_needle_cli(bad_mode_item 2 "--mode|salience,bogus"
+    "-DERR=bad --mode 'salience,bogus': item 2 'bogus'")
+  # A ratio is a uint32_t: 2^32 + 8 was accepted by --grid-ratios and became 8.
+  kvt_needle_cli(grid_ratio_range 2 "--grid|--grid-ratios|8,4294967304"
+    "-DERR=bad --grid-ratios '8,4294967304': item 2 is 4294967304 \\(1\\.\\.2\\^20\\)")
+
+  # 2. Flags of the synthetic haystack with --trace: refused naming the flag, before or after
+  # --trace (they used to be ignored: the run replayed the trace as if they were not there).
+  foreach(fv context:8k depth:0.5 needles:2 needle-rows:2 salience:weak heads:4 target-heads:1
+             kv-haystack:0.1 rope prompt-rows:16 dtype:fp16 seeds:2 grid-contexts:8k
+             grid-depths:0.5)
+    string(REPLACE ":" "|" words "--${fv}")
+    string(REGEX REPLACE ":.*" "" flag "${fv}")
+    kvt_needle_cli(trace_refuses_${flag} 2 "--trace|${KVT_GOLDEN}/mla_bf16.kvtt|${words}"
+      "-DERR=--${flag} shapes the synthetic haystack and does not apply to --trace")
+  endforeach()
+  kvt_needle_cli(trace_refuses_flag_before_trace 2
+    "--context|8k|--trace|${KVT_GOLDEN}/mla_bf16.kvtt"
+    "-DERR=--context shapes the synthetic haystack")
+  # --layer is the mirror case: it selects a trace layer and is refused without --trace.
+  kvt_needle_cli(layer_needs_trace 2 "--layer|3" "-DERR=--layer applies to --trace only")
+  kvt_needle_cli(layer_needs_trace_last_source_wins 2
+    "--trace|${KVT_GOLDEN}/mla_bf16.kvtt|--layer|3|--synthetic"
+    "-DERR=--layer applies to --trace only")
+  # The flags that do apply to a trace (layer, manager, pass rule, kvtier seed, --grid's ratio
+  # axis) still run it, and the last of --trace / --synthetic still decides the source.
+  kvt_needle_cli(trace_keeps_its_flags 0
+    "--trace|${KVT_GOLDEN}/mla_bf16.kvtt|--layer|3|--ratio|8,32|--mode|salience,random,dense|--seed|3|--block|64|--kappa|4|--sinks|2|--recent|16|--scale|0.1|--min-mass|0.5|--min-cos|0.5|--grid|--csv|${CMAKE_CURRENT_BINARY_DIR}/needle_cli_trace.csv|--no-progress"
+    "-DOUT=mla_bf16\\.kvtt; pass = mass_ratio >= 0\\.5 and out_cos >= 0\\.5.*\ndense +no +trace +20 +1 .*pass 0/0\n$")
+  kvt_needle_cli(synthetic_after_trace 0
+    "--trace|${KVT_GOLDEN}/mla_bf16.kvtt|--synthetic|--context|4k|--no-progress"
+    "-DOUT=kvtier-needle: synthetic;.*\nsalience +no +strong +4k +32 .*pass 1/1\n$")
+endif()
