@@ -8,7 +8,7 @@
 #define KVT_KERNELS_BACKEND_H
 
 #include "kvtier.h"
-#include "lib/alloc.h"
+#include "lib/base/alloc.h"
 
 typedef struct kvt__backend kvt__backend;
 

@@ -2,7 +2,7 @@
  * Builds with CUDA define these in kernels/cuda/backend.cu instead. */
 #include "backend.h"
 
-#include "lib/internal.h"
+#include "lib/base/base.h"
 
 #ifndef KVT_HAVE_CUDA
 kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len) {

@@ -6,7 +6,7 @@
  */
 #include "kernels/sigma.h"
 
-#include "lib/internal.h"
+#include "lib/base/base.h"
 
 #include <math.h>
 #include <string.h>

@@ -3,7 +3,7 @@
  */
 #include "kernels/topm.h"
 
-#include "lib/internal.h"
+#include "lib/base/base.h"
 
 #include <string.h>
 

@@ -25,7 +25,7 @@
  * Every number read is checked: a positive JSON integer (not 4.5, "8" or true) under a cap no
  * real model approaches, so that no size computed from it can overflow.
  */
-#include "internal.h"
+#include "base/base.h"
 
 #include <errno.h>
 #include <jansson.h>

@@ -1,5 +1,5 @@
 /* config.c — the configuration defaults and the check that names the bad field. */
-#include "internal.h"
+#include "base/base.h"
 
 kvt_config kvt_config_default(void) {
     kvt_config c = {0};

@@ -7,7 +7,7 @@
 #ifndef KVT_LIB_CONTAINER_H
 #define KVT_LIB_CONTAINER_H
 
-#include "internal.h"
+#include "base/base.h"
 
 #include <stdint.h>
 #include <stdio.h>

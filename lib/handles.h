@@ -2,8 +2,8 @@
 #ifndef KVT_LIB_HANDLES_H
 #define KVT_LIB_HANDLES_H
 
-#include "internal.h"
-#include "alloc.h"
+#include "base/base.h"
+#include "base/alloc.h"
 #include "tiers/tiers.h"
 
 #define KVT__MAX_GROUPS 3

@@ -1,5 +1,5 @@
 /* model.c — layer specs, the kind -> policy table, and the model (an ordered list of specs). */
-#include "internal.h"
+#include "base/base.h"
 
 #include "kernels/kvt_hd.h"
 

@@ -23,8 +23,8 @@
 #define KVT_TIERS_TIERS_H
 
 #include "kernels/backend.h"
-#include "lib/alloc.h"
-#include "lib/internal.h"
+#include "lib/base/alloc.h"
+#include "lib/base/base.h"
 #include "kvtier.h"
 
 /* ------------------------------------------------------------------------------------------- */

@@ -5,8 +5,7 @@
  */
 #include "nd_internal.h"
 
-#include "kernels/kvt_hd.h"
-#include "kernels/sigma.h"
+#include "kvtier_ref.h"
 #include "kvtier_trace.h"
 
 #include <stdio.h>
@@ -55,21 +54,13 @@ int nd_mode_parse(const char *s, nd_mode *out) {
 }
 
 void nd_widen(const uint8_t *row, kvt_dtype dt, uint32_t n, float *out) {
-    if (dt == KVT_DTYPE_BF16) {
-        for (uint32_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, row + 2u * i, 2);
-            out[i] = kvt__bf16_to_f32(h);
-        }
-        return;
-    }
     for (uint32_t i = 0; i < n; i++)
-        out[i] = kvt__load_elem(row, (int)dt, i);
+        out[i] = kvt_ref_load(row, dt, i);
 }
 
 void nd_narrow(uint8_t *row, kvt_dtype dt, uint32_t n, const float *in) {
     for (uint32_t i = 0; i < n; i++)
-        kvt__store_elem(row, (int)dt, i, in[i]);
+        kvt_ref_store(row, dt, i, in[i]);
 }
 
 int nd_spec_layout_check(const kvt_layer_spec *sp, char *msg, size_t len) {
@@ -403,22 +394,22 @@ uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row) {
 int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out, char *err,
                       size_t err_len) {
     const kvt_layer_spec *sp = &c->spec;
-    uint32_t nb = 2 * kappa - 1;
-    float *basis = malloc(sizeof(float) * nb * B);
-    float *scratch = malloc(sizeof(float) * (kvt__sigma_scratch_floats(B, nb, sp->branch_dim) + 1));
     float *sig = malloc(sizeof(float) * B);
-    int32_t *slots = malloc(sizeof(int32_t) * B);
+    kvt_ref_sigma *ref = NULL;
     int rc = ND_OK;
-    if (!basis || !scratch || !sig || !slots) {
+    if (!sig) {
         rc = nd_fail(err, err_len, ND_ENOMEM, "sigma scratch");
         goto done;
     }
-    if (kvt__fourier_basis(B, kappa, basis) != 0) {
+    kvt_status st = kvt_ref_sigma_create(B, kappa, sp->branch_dim, &ref);
+    if (st == KVT_ERR_OUT_OF_MEMORY) {
+        rc = nd_fail(err, err_len, ND_ENOMEM, "sigma scratch");
+        goto done;
+    }
+    if (st != KVT_OK) {
         rc = nd_fail(err, err_len, ND_EARG, "block rows %u / kappa %u invalid", B, kappa);
         goto done;
     }
-    for (uint32_t u = 0; u < B; u++)
-        slots[u] = (int32_t)u;
     uint64_t cur_block = UINT64_MAX;
     for (uint32_t i = 0; i < c->n_needles; i++) {
         const nd_needle *nd = &c->needles[i];
@@ -430,9 +421,11 @@ int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out,
                 break;
             }
             if (b != cur_block) {
-                kvt__sigma_block_cpu(c->rows + b * B * sp->row_bytes, slots, B, sp->row_bytes,
-                                     sp->branch_offset, (int)sp->branch_dtype, sp->branch_dim,
-                                     basis, nb, scratch, sig);
+                if (kvt_ref_sigma_block(ref, c->rows + b * B * sp->row_bytes, sp->row_bytes,
+                                        sp->branch_offset, sp->branch_dtype, sig) != KVT_OK) {
+                    rc = nd_fail(err, err_len, ND_EARG, "branch layout of the case");
+                    goto done;
+                }
                 cur_block = b;
             }
             uint32_t u = (uint32_t)(r - b * B), below = 0;
@@ -446,6 +439,7 @@ int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out,
         out[i] = mn;
     }
 done:
-    free(basis), free(scratch), free(sig), free(slots);
+    kvt_ref_sigma_destroy(ref);
+    free(sig);
     return rc;
 }

@@ -18,8 +18,7 @@
  */
 #include "nd_internal.h"
 
-#include "kernels/attn.h"
-#include "kernels/sigma.h"
+#include "kvtier_ref.h"
 
 #include <float.h>
 #include <stdio.h>
@@ -53,7 +52,7 @@ nd_gen_params nd_gen_default_params(void) {
     p.needles_per_depth = 1;
     p.mass_lo = 0.6;
     p.mass_hi = 0.9;
-    p.scale = KVT__ATTN_DEFAULT_SCALE;
+    p.scale = KVT_REF_ATTN_DEFAULT_SCALE;
     return p;
 }
 
@@ -192,10 +191,9 @@ typedef struct calib_row {
 
 typedef struct calib_ctx {
     uint32_t B, n_basis;
-    float *basis;          /* [n_basis][B] */
-    float *scratch;
+    kvt_ref_sigma *ref;    /* the library's σ (basis and scratch inside) */
+    const float *basis;    /* [n_basis][B], the handle's */
     float *sig;            /* [B] */
-    int32_t *slots;        /* [B] */
     double *Y;             /* [n_basis][D] */
     float *sorted;         /* [B] */
 } calib_ctx;
@@ -215,11 +213,10 @@ static double pct_of(const float *sig, uint32_t B, uint32_t u) {
 
 static void block_sigma(calib_ctx *cc, const nd_case *c, uint64_t b0) {
     const kvt_layer_spec *sp = &c->spec;
-    for (uint32_t u = 0; u < cc->B; u++)
-        cc->slots[u] = (int32_t)u;
-    kvt__sigma_block_cpu(c->rows + b0 * sp->row_bytes, cc->slots, cc->B, sp->row_bytes,
-                         sp->branch_offset, (int)sp->branch_dtype, sp->branch_dim, cc->basis,
-                         cc->n_basis, cc->scratch, cc->sig);
+    /* The layout was checked when the case was set up (branch inside the row, float dtype), so
+     * this cannot fail. */
+    (void)kvt_ref_sigma_block(cc->ref, c->rows + b0 * sp->row_bytes, sp->row_bytes,
+                              sp->branch_offset, sp->branch_dtype, cc->sig);
 }
 
 /* σ of row u (block-relative) if its branch became b, given Y of the current block (double)
@@ -569,20 +566,22 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
     memset(&cc, 0, sizeof cc);
     cc.B = p->block_rows;
     cc.n_basis = 2 * p->kappa - 1;
-    cc.basis = malloc(sizeof(float) * cc.n_basis * cc.B);
-    cc.scratch = malloc(sizeof(float) * kvt__sigma_scratch_floats(cc.B, cc.n_basis, D));
+    kvt_status ref_st = kvt_ref_sigma_create(cc.B, p->kappa, D, &cc.ref);
+    cc.basis = kvt_ref_sigma_basis(cc.ref, NULL);
     cc.sig = malloc(sizeof(float) * cc.B);
     cc.sorted = malloc(sizeof(float) * cc.B);
-    cc.slots = malloc(sizeof(int32_t) * cc.B);
     cc.Y = malloc(sizeof(double) * cc.n_basis * D);
     int rc = ND_OK;
-    if (!c->rows || !c->needles || !c->targets || !m.topic || !vdirs || !crow || !cc.basis ||
-        !cc.scratch || !cc.sig || !cc.sorted || !cc.slots || !cc.Y) {
+    if (ref_st == KVT_ERR_INVALID_ARGUMENT) {
+        rc = nd_fail(err, err_len, ND_EARG, "block rows %u / kappa %u invalid", cc.B, p->kappa);
+        goto done;
+    }
+    if (!c->rows || !c->needles || !c->targets || !m.topic || !vdirs || !crow || !cc.ref ||
+        !cc.sig || !cc.sorted || !cc.Y) {
         rc = nd_fail(err, err_len, ND_ENOMEM, "generator buffers (%llu rows)",
                      (unsigned long long)c->n_rows);
         goto done;
     }
-    kvt__fourier_basis(cc.B, p->kappa, cc.basis);
     model_init(&m, p->seed, L, D);
 
     /* 1-3: background, sinks, key-value pairs. */
@@ -770,7 +769,8 @@ done:
     free(m.topic);
     free(vdirs);
     free(crow);
-    free(cc.basis), free(cc.scratch), free(cc.sig), free(cc.sorted), free(cc.slots), free(cc.Y);
+    kvt_ref_sigma_destroy(cc.ref);
+    free(cc.sig), free(cc.sorted), free(cc.Y);
     if (rc != ND_OK)
         nd_case_free(c);
     return rc;

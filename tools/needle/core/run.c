@@ -12,7 +12,7 @@
  */
 #include "nd_internal.h"
 
-#include "kernels/attn.h"
+#include "kvtier_ref.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +29,7 @@ nd_run_params nd_run_default_params(void) {
     p.sink_rows = lib.sink_rows;
     p.recent_rows = lib.recent_rows;
     p.seed = 1;
-    p.scale = KVT__ATTN_DEFAULT_SCALE;
+    p.scale = KVT_REF_ATTN_DEFAULT_SCALE;
     p.min_mass = 0.9;
     p.min_cos = 0.95;
     p.backend = KVT_BACKEND_CPU;
@@ -127,7 +127,7 @@ int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progres
     for (uint32_t i = 0; i < c->n_targets; i++)
         if (c->targets[i].n_heads > H)
             H = c->targets[i].n_heads;
-    size_t sd = kvt__attn_scratch_doubles((uint32_t)max_pos, H, sp->value_dim, sp->head_dim);
+    size_t sd = kvt_ref_attn_scratch_doubles((uint32_t)max_pos, H, sp->value_dim, sp->head_dim);
     double *scratch = malloc(sizeof(double) * sd);
     uint8_t *mark = malloc(max_pos + 1);
     float *q = malloc(sizeof(float) * H * c->q_dim);
@@ -150,12 +150,12 @@ int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progres
         for (uint64_t k = nd->first_row; k < nd->first_row + nd->n_rows && k < n; k++)
             mark[k] = 1;
         gather_q(c, tg, q);
-        kvt__attn_args a;
+        kvt_ref_attn_args a;
         memset(&a, 0, sizeof a);
         a.base = c->rows;
         a.n_rows = n;
         a.slot_stride = sp->row_bytes;
-        a.dtype = (int)sp->dtype;
+        a.dtype = sp->dtype;
         a.key_dim = sp->head_dim;
         a.value_dim = sp->value_dim;
         a.q = q;
@@ -166,7 +166,7 @@ int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progres
         a.out = r->out;
         a.mark_mass = r->mass;
         a.scratch = scratch;
-        if (kvt__attn_cpu(&a) != 0) {
+        if (kvt_ref_attn(&a) != KVT_OK) {
             rc = nd_fail(err, err_len, ND_EARG, "reference attention: bad arguments");
             goto done;
         }
@@ -342,7 +342,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         if (c->targets[i].n_heads > H)
             H = c->targets[i].n_heads;
     const uint32_t V = sp->value_dim;
-    size_t sd = kvt__attn_scratch_doubles((uint32_t)c->n_rows, H, V, sp->head_dim);
+    size_t sd = kvt_ref_attn_scratch_doubles((uint32_t)c->n_rows, H, V, sp->head_dim);
     slots = malloc(sizeof(int32_t) * (c->n_rows + 1));
     mark = malloc(c->n_rows + 1);
     scratch = malloc(sizeof(double) * sd);
@@ -460,13 +460,13 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         const bool in_tail = nd_end > scored_end;
         gather_q(c, tg, q);
         double mass[ND_MAX_HEADS];
-        kvt__attn_args a;
+        kvt_ref_attn_args a;
         memset(&a, 0, sizeof a);
         a.base = base;
         a.slots = slots;
         a.n_rows = (uint32_t)len;
         a.slot_stride = sp->row_bytes;
-        a.dtype = (int)sp->dtype;
+        a.dtype = sp->dtype;
         a.key_dim = sp->head_dim;
         a.value_dim = V;
         a.q = q;
@@ -477,7 +477,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         a.out = o;
         a.mark_mass = mass;
         a.scratch = scratch;
-        if (kvt__attn_cpu(&a) != 0) {
+        if (kvt_ref_attn(&a) != KVT_OK) {
             rc = nd_fail(err, err_len, ND_EARG, "attention over the attended set: bad arguments");
             goto done;
         }

@@ -1,5 +1,5 @@
 /* status.c — status names and messages from the one X-macro list in kvtier.h; error formatting. */
-#include "internal.h"
+#include "base.h"
 
 #include <stdio.h>
 

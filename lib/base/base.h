@@ -1,8 +1,10 @@
 /*
- * internal.h — helpers shared by lib/ sources (not installed). Internal names are kvt__.
+ * base.h — the bottom layer every part of kvtier may include: status formatting (kvt__fail),
+ * KVT_ASSERT. Not installed. Internal names are kvt__. Layers (imports point down only, checked by
+ * tests/scripts/layers.cmake): base <- kernels <- tiers <- recall <- lib <- tools, bench.
  */
-#ifndef KVT_LIB_INTERNAL_H
-#define KVT_LIB_INTERNAL_H
+#ifndef KVT_LIB_BASE_BASE_H
+#define KVT_LIB_BASE_BASE_H
 
 #include "kvtier.h"
 
@@ -38,4 +40,4 @@ kvt_status kvt__vfail(char *err, size_t len, kvt_status s, const char *fmt, va_l
     } while (0)
 #endif
 
-#endif /* KVT_LIB_INTERNAL_H */
+#endif /* KVT_LIB_BASE_BASE_H */

@@ -11,8 +11,8 @@
  * with LD_PRELOAD=libjemalloc.so.2 and libc otherwise. KVT_ALLOC_LIBC (and every KVT_SANITIZE
  * build) routes to aligned_alloc/free so ASan and valgrind see every byte.
  */
-#ifndef KVT_LIB_ALLOC_H
-#define KVT_LIB_ALLOC_H
+#ifndef KVT_LIB_BASE_ALLOC_H
+#define KVT_LIB_BASE_ALLOC_H
 
 #include "kvtier.h"
 

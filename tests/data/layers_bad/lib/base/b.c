@@ -1,0 +1,3 @@
+/* base reaching up into kernels/: refused. */
+#include "kernels/k.h"
+#include "kvtier.h"
