@@ -82,13 +82,13 @@ static void bench_salience(int reps) {
         /* 16 blocks to build history, time the 17th close (global top-m over 69,632 rows). */
         for (int b = 0; b < 17; b++) {
             if ((s = kvt_seq_reserve(seq, B)))
-                die(s, "reserve", kvt_ctx_last_error(ctx));
+                die(s, "reserve", kvt_last_error());
             kvt_seq_write(seq, 0, 0, 0, B, rows, (size_t)B * 1152);
             double t = now_s();
             s = kvt_seq_commit(seq, B);
             t = now_s() - t;
             if (s)
-                die(s, "commit", kvt_ctx_last_error(ctx));
+                die(s, "commit", kvt_last_error());
             if (b == 16 && t < best)
                 best = t;
         }
@@ -119,11 +119,13 @@ static void bench_evict(int reps, bool shared) {
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         kvt_ctx_params p = kvt_ctx_default_params();
+        kvt_config p_cfg = kvt_config_default();
+        p.config = &p_cfg;
         p.model = m;
         p.n_pages = 64;
-        p.config.evict_budget_rows = K;
-        p.config.recent_rows = R;
-        p.config.evict_shared_draw = shared;
+        p_cfg.evict_budget_rows = K;
+        p_cfg.recent_rows = R;
+        p_cfg.evict_shared_draw = shared;
         kvt_ctx *ctx;
         if ((s = kvt_ctx_create(&p, &ctx, err, sizeof err)))
             die(s, "context", err);
@@ -131,7 +133,7 @@ static void bench_evict(int reps, bool shared) {
         kvt_seq_create(ctx, (uint64_t)r + 1, &seq);
         kvt_seq_set_prompt_rows(seq, 128);
         if ((s = kvt_seq_reserve(seq, n - 1)))
-            die(s, "reserve", kvt_ctx_last_error(ctx));
+            die(s, "reserve", kvt_last_error());
         for (uint32_t l = 0; l < L; l++)
             for (uint32_t pl = 0; pl < 2; pl++)
                 kvt_seq_write(seq, l, pl, 0, n - 1, rows, (size_t)(n - 1) * slot);
@@ -144,7 +146,7 @@ static void bench_evict(int reps, bool shared) {
         s = kvt_seq_commit(seq, 1); /* this commit runs the round */
         t = now_s() - t;
         if (s)
-            die(s, "commit", kvt_ctx_last_error(ctx));
+            die(s, "commit", kvt_last_error());
         kvt_layer_stats ls = {.struct_size = sizeof ls};
         kvt_seq_layer_stats(seq, 0, &ls);
         if (ls.rounds != 1)
@@ -185,7 +187,7 @@ static void bench_attended(int reps) {
         kvt_seq_reserve(seq, B);
         kvt_seq_write(seq, 0, 0, 0, B, rows, (size_t)B * 1152);
         if ((s = kvt_seq_commit(seq, B)))
-            die(s, "commit", kvt_ctx_last_error(ctx));
+            die(s, "commit", kvt_last_error());
     }
     uint32_t cnt;
     kvt_attended_count(ctx, 0, &seq, 1, &cnt);

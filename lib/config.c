@@ -26,14 +26,26 @@ kvt_config kvt_config_default(void) {
 #define KVT__MAX_BLOCK (1u << 20)
 #define KVT__MAX_BUDGET (1u << 28)
 
-kvt_status kvt_config_check(const kvt_config *c, char *err, size_t len) {
-    if (!c)
+static kvt_status check_fields(const kvt_config *c, char *err, size_t len);
+
+kvt_status kvt__config_in(const kvt_config *user, kvt_config *out, char *err, size_t len) {
+    if (!user)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config is NULL");
-    if (c->struct_size != sizeof *c)
-        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
-                         "config.struct_size: %zu, this library expects %zu (start from "
-                         "kvt_config_default)",
-                         c->struct_size, sizeof *c);
+    kvt_config c = kvt_config_default();
+    kvt_status s = kvt__struct_in(&c, sizeof c, user, KVT_CONFIG_SIZE_MIN, "config");
+    if (s != KVT_OK)
+        return kvt__fail(err, len, s, "%s", kvt__tls_error());
+    s = check_fields(&c, err, len);
+    if (s == KVT_OK && out)
+        *out = c;
+    return s;
+}
+
+kvt_status kvt_config_check(const kvt_config *c, char *err, size_t len) {
+    return kvt__config_in(c, NULL, err, len);
+}
+
+static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
     if (c->ratio < 1 || c->ratio > KVT__MAX_RATIO)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.ratio: %u not in 1..%u",
                          c->ratio, KVT__MAX_RATIO);

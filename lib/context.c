@@ -6,16 +6,21 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Details go to the calling thread's buffer (kvt_last_error), not to the context: two threads on
+ * two contexts never share it. ctx names the call's context for future use (per-context
+ * logging); it is not written. */
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) {
+    (void)ctx;
     va_list ap;
     va_start(ap, fmt);
-    kvt__vfail((char *)ctx->last_error, sizeof ctx->last_error, s, fmt, ap);
+    kvt__tls_vfail(s, fmt, ap);
     va_end(ap);
     return s;
 }
 
 void kvt__ctx_clear_error(const kvt_ctx *ctx) {
-    ((kvt_ctx *)ctx)->last_error[0] = '\0';
+    (void)ctx;
+    kvt__tls_clear();
 }
 
 kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
@@ -26,8 +31,8 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     e.page_rows = ctx->page_rows;
     e.philox_key = seq ? seq->philox_key : 0;
     e.stream = stream;
-    e.err = (char *)ctx->last_error;
-    e.err_len = sizeof ctx->last_error;
+    e.err = kvt__tls_error();
+    e.err_len = KVT__ERR_LEN;
     return e;
 }
 
@@ -35,7 +40,7 @@ kvt_ctx_params kvt_ctx_default_params(void) {
     kvt_ctx_params p;
     memset(&p, 0, sizeof p);
     p.struct_size = sizeof p;
-    p.config = kvt_config_default();
+    p.config = NULL; /* kvt_config_default() */
     p.page_rows = 64;
     p.n_pages = 1024;
     p.backend = KVT_BACKEND_CPU;
@@ -204,22 +209,44 @@ static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, s
     return kvt__fail(err, len, s, "backend: CUDA requested but unavailable: %s", why);
 }
 
-kvt_status kvt_ctx_create(const kvt_ctx_params *p, kvt_ctx **out, char *err, size_t len) {
-    if (!out)
-        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "out is NULL");
-    *out = NULL;
-    if (!p)
+/* Parallelism fields: every layer's heads must fit in the global head count. */
+static kvt_status check_parallel(const kvt_ctx_params *p) {
+    uint32_t n = kvt_model_n_layers(p->model);
+    if (p->layer_offset > (1u << 24))
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "params.layer_offset: %u too large",
+                             p->layer_offset);
+    for (uint32_t i = 0; p->n_kv_heads_global != 0 && i < n; i++) {
+        const kvt_layer_spec *sp = kvt_model_layer(p->model, i);
+        if (sp->kind == KVT_LAYER_NO_KV)
+            continue;
+        if ((uint64_t)p->kv_head_offset + sp->n_kv_heads > p->n_kv_heads_global)
+            return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT,
+                                 "params.kv_head_offset: %u + layer %u's %u KV heads exceeds "
+                                 "n_kv_heads_global %u",
+                                 p->kv_head_offset, i, sp->n_kv_heads, p->n_kv_heads_global);
+    }
+    if (p->n_kv_heads_global == 0 && p->kv_head_offset != 0)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT,
+                             "params.kv_head_offset: %u without n_kv_heads_global",
+                             p->kv_head_offset);
+    return KVT_OK;
+}
+
+static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *err, size_t len) {
+    if (!user)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params is NULL");
-    if (p->struct_size != sizeof *p)
-        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
-                         "params.struct_size: %zu, this library expects %zu (start from "
-                         "kvt_ctx_default_params)",
-                         p->struct_size, sizeof *p);
+    kvt_ctx_params pv = kvt_ctx_default_params();
+    kvt_status s = kvt__struct_in(&pv, sizeof pv, user, KVT_CTX_PARAMS_SIZE_MIN, "params");
+    if (s != KVT_OK)
+        return kvt__fail(err, len, s, "%s", kvt__tls_error());
+    const kvt_ctx_params *p = &pv;
     if (!p->model)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.model is NULL");
-    kvt_status s = kvt_config_check(&p->config, err, len);
-    if (s != KVT_OK)
+    kvt_config cfg = kvt_config_default();
+    if (p->config && (s = kvt__config_in(p->config, &cfg, err, len)) != KVT_OK)
         return s;
+    if ((s = check_parallel(p)) != KVT_OK)
+        return kvt__fail(err, len, s, "%s", kvt__tls_error());
     if (p->page_rows == 0 || p->page_rows > 65536)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.page_rows: %u not in 1..65536",
                          p->page_rows);
@@ -241,7 +268,10 @@ kvt_status kvt_ctx_create(const kvt_ctx_params *p, kvt_ctx **out, char *err, siz
         return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "context");
     }
     ctx->alloc = alloc;
-    ctx->cfg = p->config;
+    ctx->cfg = cfg;
+    ctx->kv_head_offset = p->kv_head_offset;
+    ctx->n_kv_heads_global = p->n_kv_heads_global;
+    ctx->layer_offset = p->layer_offset;
     ctx->page_rows = p->page_rows;
     ctx->n_pages = p->n_pages;
     ctx->external = p->external_storage;
@@ -284,15 +314,28 @@ fail:
     return s;
 }
 
+kvt_status kvt_ctx_create(const kvt_ctx_params *params, kvt_ctx **out, char *err, size_t len) {
+    if (!out) {
+        kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "out is NULL");
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "out is NULL");
+    }
+    *out = NULL;
+    /* The detail goes to err (there is no context yet to ask) and to the thread's buffer. */
+    char msg[KVT__ERR_LEN] = "";
+    kvt_status s = ctx_create(params, out, msg, sizeof msg);
+    if (s == KVT_OK) {
+        kvt__tls_clear();
+        return KVT_OK;
+    }
+    kvt__tls_fail(s, "%s", msg);
+    return kvt__fail(err, len, s, "%s", msg);
+}
+
 kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out, char *err,
                                   size_t len) {
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = model;
     return kvt_ctx_create(&p, out, err, len);
-}
-
-const char *kvt_ctx_last_error(const kvt_ctx *ctx) {
-    return ctx ? ctx->last_error : "context is NULL";
 }
 
 const kvt_model *kvt_ctx_model(const kvt_ctx *ctx) {

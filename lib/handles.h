@@ -7,7 +7,6 @@
 #include "tiers/tiers.h"
 
 #define KVT__MAX_GROUPS 3
-#define KVT__ERR_LEN 512
 
 typedef struct kvt__group {
     kvt_policy policy;
@@ -36,7 +35,8 @@ struct kvt_ctx {
     kvt__group groups[KVT__MAX_GROUPS];
     kvt__sal_shared sal;
     kvt_seq *seqs; /* live sequences (doubly linked) */
-    char last_error[KVT__ERR_LEN];
+    /* Parallelism (kvt_ctx_params): global ids = local + offset, for the Philox keys. */
+    uint32_t kv_head_offset, n_kv_heads_global, layer_offset;
 };
 
 typedef struct kvt__layer_state {
@@ -60,5 +60,8 @@ struct kvt_seq {
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) KVT__PRINTF(3, 4);
 void kvt__ctx_clear_error(const kvt_ctx *ctx);
 kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream);
+/* A caller's config (any supported struct_size) checked and normalised into *out (may be NULL
+ * to check only); the message names the field in err. */
+kvt_status kvt__config_in(const kvt_config *user, kvt_config *out, char *err, size_t len);
 
 #endif

@@ -50,8 +50,21 @@ extern "C" {
 #endif
 
 #define KVT_VERSION_MAJOR 0
-#define KVT_VERSION_MINOR 1
+#define KVT_VERSION_MINOR 2
 #define KVT_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, for #if tests against the header an engine compiled with;
+ * kvt_version_number() gives the library's at run time. */
+#define KVT_VERSION_NUMBER (KVT_VERSION_MAJOR * 10000 + KVT_VERSION_MINOR * 100 + KVT_VERSION_PATCH)
+
+/* ABI rule for the versioned structs (kvt_config, kvt_ctx_params, kvt_seq_params,
+ * kvt_layer_stats): each begins with struct_size, set by its default function to the sizeof the
+ * caller compiled with. Structs only grow at the end. An input struct is accepted with any
+ * struct_size from its KVT_*_SIZE_MIN (the oldest layout this library reads) up: fields past the
+ * caller's struct_size take their defaults, and bytes past this library's own struct (a caller
+ * built against a newer kvtier) must be zero — KVT_ERR_UNSUPPORTED names the struct otherwise;
+ * below KVT_*_SIZE_MIN is KVT_ERR_INVALID_ARGUMENT. An output struct is written up to
+ * min(struct_size, this library's sizeof). So a caller built against an older or newer header
+ * keeps working as long as it sets nothing the library does not know. */
 
 /* ---------------------------------------------------------------------------------------------
  * Status codes. One list; KVT_OK = 0, every error negative. Codes only grow at the end.
@@ -85,6 +98,13 @@ KVT_API const char *kvt_strerror(kvt_status s);
 KVT_API const char *kvt_status_name(kvt_status s);
 /* "MAJOR.MINOR.PATCH"; *major etc. filled when non-NULL. */
 KVT_API const char *kvt_version(int *major, int *minor, int *patch);
+/* KVT_VERSION_NUMBER of the library actually loaded. */
+KVT_API int kvt_version_number(void);
+/* Detail of the last failing kvtier call made by the calling thread ("" when the last call that
+ * clears it succeeded): the JSON path that failed, the field that is out of range, the layer and
+ * request an eviction round failed on. Thread-local, so threads that use distinct contexts never
+ * race on it. Valid until the calling thread's next kvtier call. Never NULL. */
+KVT_API const char *kvt_last_error(void);
 
 /* ---------------------------------------------------------------------------------------------
  * Layer description
@@ -233,9 +253,12 @@ typedef struct kvt_config {
     kvt_recall_mode recall;   /* KVT_RECALL_OFF */
     kvt_selector selector;    /* KVT_SELECT_SIGMA */
 } kvt_config;
+/* Oldest kvt_config layout this library reads (ABI rule at the top). */
+#define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
 
 KVT_API kvt_config kvt_config_default(void);
-/* Check every field; on error names it in err. KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
+/* Check every field (struct_size by the ABI rule at the top); on error names it in err.
+ * KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
 KVT_API kvt_status kvt_config_check(const kvt_config *cfg, char *err, size_t err_len);
 
 /* ---------------------------------------------------------------------------------------------
@@ -253,9 +276,9 @@ typedef enum kvt_allocator {
 } kvt_allocator;
 
 typedef struct kvt_ctx_params {
-    size_t struct_size;        /* sizeof(kvt_ctx_params) */
+    size_t struct_size;        /* sizeof(kvt_ctx_params); ABI rule at the top */
     const kvt_model *model;    /* required; copied */
-    kvt_config config;
+    const kvt_config *config;  /* NULL: kvt_config_default(); copied (its own struct_size) */
     uint32_t page_rows;        /* rows per page (64) */
     uint32_t n_pages;          /* pages in each policy group's pool (4096) */
     kvt_backend_kind backend;  /* KVT_BACKEND_CPU */
@@ -266,7 +289,20 @@ typedef struct kvt_ctx_params {
      * KVT_POLICY_SALIENCE only on MLA-NoPE layers (on a rotated branch σ collapses, DESIGN §2.1)
      * — anything else is KVT_ERR_POLICY_MISMATCH naming the layer. */
     const kvt_policy *layer_policies;
+    /* Tensor and pipeline parallelism. A rank that holds KV heads [kv_head_offset,
+     * kv_head_offset + n_kv_heads) of n_kv_heads_global per layer, and model layers from
+     * layer_offset on, keys every random draw by the global head and layer ids, so every rank
+     * (and an unsharded run) makes the same decision for the same (layer, head). MLA has one
+     * latent head, replicated on every rank: leave kv_head_offset 0. n_kv_heads_global 0 means
+     * the model's own count (no head sharding). Defaults 0. A layer whose kv_head_offset +
+     * n_kv_heads exceeds n_kv_heads_global is KVT_ERR_INVALID_ARGUMENT. */
+    uint32_t kv_head_offset;
+    uint32_t n_kv_heads_global;
+    uint32_t layer_offset;
 } kvt_ctx_params;
+/* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
+ * parallelism fields then take their defaults: one unsharded rank). */
+#define KVT_CTX_PARAMS_SIZE_MIN (offsetof(kvt_ctx_params, layer_policies) + sizeof(const kvt_policy *))
 
 typedef struct kvt_ctx kvt_ctx;
 typedef struct kvt_seq kvt_seq;
@@ -283,8 +319,6 @@ KVT_API kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out,
                                           size_t err_len);
 /* Destroys every sequence still alive. NULL is a no-op. */
 KVT_API void kvt_ctx_destroy(kvt_ctx *ctx);
-/* Detail of the last error returned by a call on ctx or one of its sequences ("" if none). */
-KVT_API const char *kvt_ctx_last_error(const kvt_ctx *ctx);
 KVT_API const kvt_model *kvt_ctx_model(const kvt_ctx *ctx);
 KVT_API const kvt_config *kvt_ctx_config(const kvt_ctx *ctx);
 /* Name of the backend in use ("cpu", "cuda") and of the host allocator ("jemalloc", "libc"). */
@@ -445,12 +479,15 @@ typedef struct kvt_layer_stats {
     bool prompt_over_budget;  /* prompt alone exceeded K: only its first K-1 rows protected */
     double attended_bytes_per_token; /* bytes attention reads per committed token this step */
 } kvt_layer_stats;
+/* Oldest kvt_layer_stats layout this library writes (an output: written up to
+ * min(struct_size, sizeof)). */
+#define KVT_LAYER_STATS_SIZE_MIN (offsetof(kvt_layer_stats, attended_bytes_per_token) + sizeof(double))
 
 KVT_API kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out);
 
 /* Full invariant check of a sequence (every layer, every head): counters add up, membership sets
  * are disjoint and cover every appended row, page tables are valid, slot maps are bijections.
- * KVT_OK, or KVT_ERR_INVARIANT with the first violation in kvt_ctx_last_error. O(rows). */
+ * KVT_OK, or KVT_ERR_INVARIANT with the first violation in kvt_last_error(). O(rows). */
 KVT_API kvt_status kvt_seq_check(const kvt_seq *seq);
 
 #ifdef __cplusplus

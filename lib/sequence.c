@@ -783,10 +783,14 @@ kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t he
 /* ------------------------------------------------------------------------------------------- */
 kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out) {
     CHECK_SEQ(seq);
-    if (!out || out->struct_size != sizeof *out)
+    size_t out_size = out ? kvt__struct_out_size(out, sizeof *out, KVT_LAYER_STATS_SIZE_MIN) : 0;
+    if (out_size == 0)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "out->struct_size must be sizeof(kvt_layer_stats) = %zu",
-                             sizeof *out);
+                             "out->struct_size below KVT_LAYER_STATS_SIZE_MIN (%zu)",
+                             (size_t)KVT_LAYER_STATS_SIZE_MIN);
+    kvt_layer_stats full;
+    kvt_layer_stats *caller = out;
+    out = &full;
     const kvt__store *st;
     kvt_status s = layer_of(seq, layer, &st);
     if (s != KVT_OK)
@@ -834,6 +838,9 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     out->attended_bytes_per_token =
         seq->n_tokens ? (double)out->attended_rows * (double)row_bytes_all / (double)seq->n_tokens
                       : 0.0;
+    /* An output struct: written up to the caller's size, which says so. */
+    full.struct_size = out_size;
+    memcpy(caller, &full, out_size);
     return KVT_OK;
 }
 
@@ -911,8 +918,8 @@ static kvt_status check_pages(const kvt_seq *seq) {
 kvt_status kvt_seq_check(const kvt_seq *seq) {
     CHECK_SEQ(seq);
     const kvt_ctx *ctx = seq->ctx;
-    char *err = (char *)ctx->last_error;
-    size_t len = sizeof ctx->last_error;
+    char *err = kvt__tls_error();
+    size_t len = KVT__ERR_LEN;
     kvt_status s = check_pages(seq);
     if (s != KVT_OK)
         return s;

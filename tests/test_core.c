@@ -7,6 +7,7 @@
 #include "support/testutil.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -200,7 +201,7 @@ static void fill_mla_row(uint8_t *row, tu_rng *rng, uint64_t pos, float spike) {
 /* Every appended row is attended or archived (salience never drops), its bytes are identical to
  * what was appended, and the attended set reported to the engine is exactly the attended rows. */
 static void check_salience_seq(kvt_ctx *ctx, kvt_seq *seq, uint32_t layer, const shadow *sh) {
-    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     uint8_t row[1152];
     uint64_t attended = 0, archived = 0;
     for (uint64_t p = 0; p < sh->n; p++) {
@@ -260,10 +261,12 @@ Test(salience, end_to_end_with_shadow_and_invariants) {
     cr_log_info("seed %llu", (unsigned long long)seed);
     kvt_model *m = mla_model(KVT_LAYER_MLA_NOPE, 2);
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
-    p.config.block_rows = 64;
-    p.config.kappa = 4;
-    p.config.ratio = 8;
+    p_cfg.block_rows = 64;
+    p_cfg.kappa = 4;
+    p_cfg.ratio = 8;
     p.page_rows = 16;
     p.n_pages = 64; /* 1024 rows */
     kvt_ctx *ctx;
@@ -278,7 +281,7 @@ Test(salience, end_to_end_with_shadow_and_invariants) {
     /* A prefill chunk of 37, then decode steps one row at a time, to 700 rows (10 closes). */
     while (pos < 700) {
         uint32_t n = pos == 0 ? 37 : 1;
-        cr_assert_eq(kvt_seq_reserve(seq, n), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+        cr_assert_eq(kvt_seq_reserve(seq, n), KVT_OK, "%s", kvt_last_error());
         for (uint32_t l = 0; l < 2; l++) {
             for (uint32_t i = 0; i < n; i++) {
                 /* Every 50th row carries a high-frequency spike in its branch. */
@@ -304,7 +307,7 @@ Test(salience, end_to_end_with_shadow_and_invariants) {
         kvt_row_state st;
         cr_assert_eq(kvt_seq_row_state(seq, 0, 0, pos, &st, NULL), KVT_OK);
         cr_assert_eq(st, KVT_ROW_PENDING);
-        cr_assert_eq(kvt_seq_commit(seq, n), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+        cr_assert_eq(kvt_seq_commit(seq, n), KVT_OK, "%s", kvt_last_error());
         pos += n;
         if (pos % 64 < 1 || pos == 37 || pos % 97 == 0)
             for (uint32_t l = 0; l < 2; l++)
@@ -338,10 +341,12 @@ Test(salience, end_to_end_with_shadow_and_invariants) {
 Test(salience, nonfinite_rows_are_kept_and_counted) {
     kvt_model *m = mla_model(KVT_LAYER_MLA_NOPE, 1);
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
-    p.config.block_rows = 64;
-    p.config.kappa = 4;
-    p.config.ratio = 16;
+    p_cfg.block_rows = 64;
+    p_cfg.kappa = 4;
+    p_cfg.ratio = 16;
     p.n_pages = 4;
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
@@ -357,7 +362,7 @@ Test(salience, nonfinite_rows_are_kept_and_counted) {
     cr_assert_eq(kvt_seq_reserve(seq, 64), KVT_OK);
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 64, rows, sizeof rows), KVT_OK);
     cr_assert_eq(kvt_seq_commit(seq, 64), KVT_OK);
-    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     kvt_layer_stats ls = {.struct_size = sizeof ls};
     cr_assert_eq(kvt_seq_layer_stats(seq, 0, &ls), KVT_OK);
     /* A row with a non-finite branch value is left out of the block's fit and scores +Inf: it
@@ -385,12 +390,14 @@ Test(storage, reserve_is_all_or_nothing_and_pages_return) {
     kvt_model *m;
     cr_assert_eq(kvt_model_create(specs, 2, "mixed", &m, NULL, 0), KVT_OK);
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
     p.page_rows = 16;
     p.n_pages = 4;
-    p.config.block_rows = 64;
-    p.config.kappa = 4;
-    p.config.evict_budget_rows = 1000; /* no round in this test */
+    p_cfg.block_rows = 64;
+    p_cfg.kappa = 4;
+    p_cfg.evict_budget_rows = 1000; /* no round in this test */
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
     cr_assert_neq(kvt_ctx_layer_group(ctx, 0), kvt_ctx_layer_group(ctx, 1));
@@ -412,15 +419,15 @@ Test(storage, reserve_is_all_or_nothing_and_pages_return) {
     cr_assert_eq(free1, 1);
     /* b needs 2 pages per group: exhausted; nothing taken from either group. */
     cr_assert_eq(kvt_seq_reserve(b, 20), KVT_ERR_POOL_EXHAUSTED);
-    cr_assert(strstr(kvt_ctx_last_error(ctx), "nothing was reserved") != NULL);
+    cr_assert(strstr(kvt_last_error(), "nothing was reserved") != NULL);
     kvt_ctx_free_pages(ctx, 0, &free0);
     kvt_ctx_free_pages(ctx, 1, &free1);
     cr_assert_eq(free0, 1);
     cr_assert_eq(free1, 1);
-    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(kvt_seq_reserve(b, 16), KVT_OK);
     cr_assert_eq(kvt_seq_commit(b, 16), KVT_OK);
-    cr_assert_eq(kvt_seq_check(a), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+    cr_assert_eq(kvt_seq_check(a), KVT_OK, "%s", kvt_last_error());
     int32_t pages[8];
     uint32_t np;
     uint64_t nr;
@@ -474,7 +481,7 @@ Test(storage, bad_arguments_get_statuses) {
     kvt_layer_stats ls = {.struct_size = 1};
     cr_assert_eq(kvt_seq_layer_stats(seq, 0, &ls), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(kvt_seq_last_slot_map(seq, 0, 0, NULL, 0, NULL), KVT_ERR_POLICY_MISMATCH);
-    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
@@ -506,5 +513,150 @@ Test(storage, external_memory_binding) {
     cr_assert_eq(kvt_layer_bind(ctx, 0, 0, mem, need), KVT_ERR_BAD_STATE);
     kvt_ctx_destroy(ctx);
     free(mem); /* the engine's memory stays the engine's */
+    kvt_model_destroy(m);
+}
+
+/* The ABI rule of kvtier.h: versioned structs accept any struct_size from their SIZE_MIN up;
+ * missing fields take defaults, bytes a newer caller set that this build does not know are
+ * refused, zero bytes past this build's struct are fine; outputs are written up to the caller's
+ * size. */
+Test(abi, struct_size_rule) {
+    int maj;
+    cr_assert_eq(kvt_version_number(), KVT_VERSION_NUMBER);
+    kvt_version(&maj, NULL, NULL);
+    cr_assert_eq(maj, KVT_VERSION_MAJOR);
+    kvt_model *m = mla_model(KVT_LAYER_MLA_NOPE, 1);
+    char err[512];
+    kvt_ctx *ctx;
+
+    /* An older caller: params end at layer_policies; what follows is garbage it never set. */
+    struct {
+        kvt_ctx_params p;
+        unsigned char pad[64];
+    } big;
+    memset(&big, 0xA5, sizeof big);
+    big.p = kvt_ctx_default_params();
+    big.p.kv_head_offset = 7; /* garbage past the older layout: must be ignored */
+    big.p.n_kv_heads_global = 3;
+    big.p.struct_size = KVT_CTX_PARAMS_SIZE_MIN;
+    big.p.model = m;
+    cr_assert_eq(kvt_ctx_create(&big.p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx_destroy(ctx);
+    /* Below the oldest layout: refused, named. */
+    big.p.struct_size = KVT_CTX_PARAMS_SIZE_MIN - 1;
+    cr_assert_eq(kvt_ctx_create(&big.p, &ctx, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(err, "params.struct_size") != NULL, "%s", err);
+    cr_assert_str_eq(kvt_last_error(), err);
+    /* A newer caller: zero bytes past this build's struct are accepted ... */
+    big.p = kvt_ctx_default_params();
+    big.p.model = m;
+    memset(big.pad, 0, sizeof big.pad);
+    big.p.struct_size = sizeof big.p + 16;
+    cr_assert_eq(kvt_ctx_create(&big.p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx_destroy(ctx);
+    /* ... a set one is refused: this library cannot honour a field it does not know. */
+    big.pad[9] = 1;
+    cr_assert_eq(kvt_ctx_create(&big.p, &ctx, err, sizeof err), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(err, "newer kvtier") != NULL, "%s", err);
+    cr_assert_null(ctx);
+
+    /* Config by pointer, same rule; NULL is the defaults. */
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt_ctx_config(ctx)->ratio, kvt_config_default().ratio);
+    kvt_ctx_destroy(ctx);
+    struct {
+        kvt_config c;
+        unsigned char pad[8];
+    } cb;
+    memset(&cb, 0, sizeof cb);
+    cb.c = kvt_config_default();
+    cb.c.ratio = 12;
+    cb.c.struct_size = sizeof cb;
+    p.config = &cb.c;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt_ctx_config(ctx)->ratio, 12);
+    cr_assert_eq(kvt_ctx_config(ctx)->struct_size, sizeof(kvt_config));
+    kvt_ctx_destroy(ctx);
+    cb.pad[0] = 1;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(err, "config.struct_size") != NULL, "%s", err);
+
+    /* Outputs: an older caller's smaller stats struct is written up to its size, not past. */
+    p.config = NULL;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq *seq;
+    cr_assert_eq(kvt_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(kvt_seq_reserve(seq, 3), KVT_OK);
+    cr_assert_eq(kvt_seq_commit(seq, 3), KVT_OK);
+    struct {
+        kvt_layer_stats s;
+        unsigned char guard[16];
+    } st;
+    memset(&st, 0xCC, sizeof st);
+    st.s.struct_size = KVT_LAYER_STATS_SIZE_MIN;
+    cr_assert_eq(kvt_seq_layer_stats(seq, 0, &st.s), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(st.s.struct_size, KVT_LAYER_STATS_SIZE_MIN);
+    cr_assert_eq(st.s.appended_rows, 3);
+    for (size_t i = KVT_LAYER_STATS_SIZE_MIN; i < sizeof st.s; i++)
+        cr_assert_eq(((unsigned char *)&st.s)[i], 0xCC, "byte %zu past the caller's size written", i);
+    st.s.struct_size = KVT_LAYER_STATS_SIZE_MIN - 8;
+    cr_assert_eq(kvt_seq_layer_stats(seq, 0, &st.s), KVT_ERR_INVALID_ARGUMENT);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* kvt_last_error is per thread. An engine may share one context between threads that take a
+ * lock around each call (the threading rule); a thread that reads its error message after
+ * releasing the lock must still read its own, not the one another thread's call wrote since —
+ * which a per-context buffer could not promise. Thread 0 asks for layer 99, thread 1 for plane 5. */
+#include <pthread.h>
+#include <sched.h>
+
+typedef struct err_job {
+    kvt_ctx *ctx;
+    pthread_mutex_t *lock;
+    int which;
+    char seen[512];
+} err_job;
+
+static void *err_worker(void *arg) {
+    err_job *j = arg;
+    const char *mine = j->which ? "plane 5" : "layer 99";
+    for (int i = 0; i < 3000; i++) {
+        void *base;
+        size_t bytes;
+        pthread_mutex_lock(j->lock);
+        kvt_status s = kvt_layer_data(j->ctx, j->which ? 0 : 99, j->which ? 5 : 0, &base, &bytes);
+        pthread_mutex_unlock(j->lock);
+        sched_yield(); /* let the other thread's call land before this one reads its message */
+        snprintf(j->seen, sizeof j->seen, "%s", kvt_last_error());
+        if (s != KVT_ERR_OUT_OF_RANGE || !strstr(j->seen, mine))
+            return NULL;
+    }
+    return j;
+}
+
+Test(abi, last_error_is_per_thread) {
+    kvt_model *m = mla_model(KVT_LAYER_MLA_NOPE, 1);
+    kvt_ctx *ctx;
+    cr_assert_eq(kvt_ctx_create_default(m, &ctx, NULL, 0), KVT_OK);
+    pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    err_job jobs[2];
+    pthread_t t[2];
+    for (int k = 0; k < 2; k++) {
+        memset(&jobs[k], 0, sizeof jobs[k]);
+        jobs[k].ctx = ctx;
+        jobs[k].lock = &lock;
+        jobs[k].which = k;
+        cr_assert_eq(pthread_create(&t[k], NULL, err_worker, &jobs[k]), 0);
+    }
+    for (int k = 0; k < 2; k++) {
+        void *r;
+        pthread_join(t[k], &r);
+        cr_assert_not_null(r, "thread %d read '%s'", k, jobs[k].seen);
+    }
+    kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }

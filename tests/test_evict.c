@@ -63,8 +63,10 @@ static void hx_init(hx *h, const kvt_layer_spec *specs, uint32_t n_layers, kvt_c
     kvt_model *m = NULL;
     cr_assert_eq(kvt_model_create(specs, n_layers, "test", &m, err, sizeof err), KVT_OK, "%s", err);
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
-    p.config = cfg;
+    p_cfg = cfg;
     p.page_rows = page_rows;
     p.n_pages = n_pages;
     p.allocator = KVT_ALLOC_LIBC;
@@ -132,7 +134,7 @@ static kvt_layer_stats hx_stats(const hx *h, uint32_t l) {
 static void hx_positions(const hx *h, uint32_t l, uint32_t head, int64_t *out, uint64_t cap,
                          uint64_t *n) {
     cr_assert_eq(kvt_seq_positions(h->seq, l, head, out, cap, n), KVT_OK, "%s",
-                 kvt_ctx_last_error(h->ctx));
+                 kvt_last_error());
 }
 
 /* Full verification of the stored state against the shadow. */
@@ -266,11 +268,11 @@ static kvt_status hx_append(hx *h, uint32_t n) {
             for (uint32_t t = 0; t < n; t++)
                 before[l][hd][n_before + t] = (int64_t)(h->n_tok + t);
         }
-    cr_assert_eq(kvt_seq_commit(h->seq, n), KVT_OK, "%s", kvt_ctx_last_error(h->ctx));
+    cr_assert_eq(kvt_seq_commit(h->seq, n), KVT_OK, "%s", kvt_last_error());
     h->n_tok += n;
     cr_assert_eq(kvt_seq_check(h->seq), KVT_OK, "seed %llu request %llu: %s",
                  (unsigned long long)h->seed, (unsigned long long)h->request,
-                 kvt_ctx_last_error(h->ctx));
+                 kvt_last_error());
     uint64_t rounds = hx_stats(h, 0).rounds;
     if (rounds != h->rounds) {
         cr_assert_eq(rounds, h->rounds + 1);
@@ -327,7 +329,7 @@ static void hx_run_rounds(hx *h, uint64_t rounds) {
     while (h->rounds < target) {
         uint64_t rows = hx_stats(h, 0).attended_rows;
         uint64_t n = rows < first ? first - rows : c;
-        cr_assert_eq(hx_append(h, (uint32_t)n), KVT_OK, "%s", kvt_ctx_last_error(h->ctx));
+        cr_assert_eq(hx_append(h, (uint32_t)n), KVT_OK, "%s", kvt_last_error());
     }
 }
 
@@ -724,9 +726,9 @@ Test(evict, check_before_any_commit) {
     hx h;
     hx_init(&h, &sp, 1, small_cfg(16, 4, 4), 4, 16, 72);
     hx_seq(&h, 9, 0);
-    cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_ctx_last_error(h.ctx));
+    cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(kvt_seq_reserve(h.seq, 3), KVT_OK);
-    cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_ctx_last_error(h.ctx));
+    cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_last_error());
     hx_fini(&h);
 }
 
@@ -901,8 +903,8 @@ Test(evict, pool_exhaustion_then_round_frees) {
     cr_assert_eq(kvt_seq_block_table(b, 0, NULL, 0, &np, &nr), KVT_OK);
     cr_assert_eq(np, 1u);
     cr_assert_eq(nr, 8u);
-    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_ctx_last_error(a.ctx));
-    cr_assert_eq(kvt_seq_check(a.seq), KVT_OK, "%s", kvt_ctx_last_error(a.ctx));
+    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(a.seq), KVT_OK, "%s", kvt_last_error());
     /* a's round returns a page: 32 rows -> 24. */
     cr_assert_eq(hx_append(&a, 1), KVT_OK);
     cr_assert_eq(a.rounds, 1u);
@@ -910,10 +912,10 @@ Test(evict, pool_exhaustion_then_round_frees) {
     cr_assert_eq(free1, 2u);
     cr_assert_eq(kvt_seq_reserve(b, 16), KVT_OK);
     cr_assert_eq(kvt_seq_commit(b, 16), KVT_OK);
-    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_ctx_last_error(a.ctx));
+    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
     /* Now a cannot grow (the pool is full) until b's pages come back. */
     cr_assert_eq(kvt_seq_reserve(a.seq, 8), KVT_ERR_POOL_EXHAUSTED);
-    cr_assert_eq(kvt_seq_check(a.seq), KVT_OK, "%s", kvt_ctx_last_error(a.ctx));
+    cr_assert_eq(kvt_seq_check(a.seq), KVT_OK, "%s", kvt_last_error());
     hx_verify(&a);
     kvt_seq_destroy(b);
     cr_assert_eq(hx_append(&a, 8), KVT_OK);

@@ -39,16 +39,19 @@ static kvt_model *two_group_model(void) {
 
 static kvt_ctx_params params(const kvt_model *m) {
     kvt_ctx_params p = kvt_ctx_default_params();
+    static kvt_config p_cfg; /* outlives the call: the params point at it */
+    p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
     p.allocator = KVT_ALLOC_LIBC;
     p.page_rows = 16;
     p.n_pages = 64;
-    p.config.block_rows = 64;
-    p.config.kappa = 4;
-    p.config.ratio = 8;
-    p.config.evict_budget_rows = 48;
-    p.config.recent_rows = 16;
-    p.config.evict_archive = true;
+    p_cfg.block_rows = 64;
+    p_cfg.kappa = 4;
+    p_cfg.ratio = 8;
+    p_cfg.evict_budget_rows = 48;
+    p_cfg.recent_rows = 16;
+    p_cfg.evict_archive = true;
     return p;
 }
 
@@ -105,11 +108,11 @@ Test(faults, reserve_and_commit_at_every_allocation) {
         kvt_status s = kvt_seq_reserve(seq, 1);
         fault_countdown = -1;
         if (s != KVT_OK) {
-            cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "%s", kvt_ctx_last_error(ctx));
+            cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "%s", kvt_last_error());
             uint32_t free_after;
             kvt_ctx_free_pages(ctx, 0, &free_after);
             cr_assert_eq(free_after, free_before, "a failed reserve kept pages");
-            cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+            cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
             oom_reserve++;
             continue;
         }
@@ -129,7 +132,7 @@ Test(faults, reserve_and_commit_at_every_allocation) {
         fault_countdown = -1;
         pos++;
         if (s != KVT_OK) {
-            cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "%s", kvt_ctx_last_error(ctx));
+            cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "%s", kvt_last_error());
             oom_commit++;
             /* Every committed row is still attended or archived with the attended set
              * reporting exactly the attended rows; none is lost on the evict layer either. */
@@ -146,10 +149,10 @@ Test(faults, reserve_and_commit_at_every_allocation) {
                 }
             }
             cr_assert_eq(cnt, att, "attended set %u rows, %u attended states", cnt, att);
-            cr_assert_eq(kvt_seq_commit(seq, 0), KVT_OK, "retry: %s", kvt_ctx_last_error(ctx));
+            cr_assert_eq(kvt_seq_commit(seq, 0), KVT_OK, "retry: %s", kvt_last_error());
         }
         cr_assert_eq(kvt_seq_check(seq), KVT_OK, "pos %llu: %s", (unsigned long long)pos,
-                     kvt_ctx_last_error(ctx));
+                     kvt_last_error());
     }
     uint8_t row[1152];
     for (uint64_t q = 0; q < pos; q++) {
@@ -201,7 +204,7 @@ Test(faults, bad_specs_and_partial_binding) {
     kvt_seq *seq;
     cr_assert_eq(kvt_seq_create(ctx, 1, &seq), KVT_OK);
     cr_assert_eq(kvt_seq_reserve(seq, 1), KVT_ERR_BAD_STATE);
-    cr_assert(strstr(kvt_ctx_last_error(ctx), "plane 1") != NULL, "%s", kvt_ctx_last_error(ctx));
+    cr_assert(strstr(kvt_last_error(), "plane 1") != NULL, "%s", kvt_last_error());
     int64_t posbuf[1];
     uint64_t n = 9;
     cr_assert_eq(kvt_seq_positions(seq, 0, 0, posbuf, 1, &n), KVT_OK); /* empty sequence */

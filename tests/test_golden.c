@@ -250,8 +250,10 @@ static char *run_case(const gcase *g, size_t *len) {
         cr_assert_eq(kvt_model_create(g->specs, g->n_layers, g->name, &m, err, sizeof err), KVT_OK,
                      "%s", err);
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
-    p.config = g->cfg;
+    p_cfg = g->cfg;
     p.page_rows = g->page_rows;
     p.n_pages = g->n_pages;
     p.allocator = KVT_ALLOC_LIBC;
@@ -275,7 +277,7 @@ static char *run_case(const gcase *g, size_t *len) {
         if (n + want > stop)
             want = (uint32_t)(stop - n);
         cr_assert_eq(kvt_seq_reserve(seq, want), KVT_OK, "%s at %llu: %s", g->name,
-                     (unsigned long long)n, kvt_ctx_last_error(ctx));
+                     (unsigned long long)n, kvt_last_error());
         for (uint32_t l = 0; l < kvt_model_n_layers(m); l++) {
             const kvt_layer_spec *s = kvt_model_layer(m, l);
             if (s->kind == KVT_LAYER_NO_KV)
@@ -290,10 +292,10 @@ static char *run_case(const gcase *g, size_t *len) {
                 }
         }
         cr_assert_eq(kvt_seq_commit(seq, want), KVT_OK, "%s at %llu: %s", g->name,
-                     (unsigned long long)n, kvt_ctx_last_error(ctx));
+                     (unsigned long long)n, kvt_last_error());
         n += want;
         if (next_cp < g->n_checkpoints && n == g->checkpoints[next_cp]) {
-            cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s: %s", g->name, kvt_ctx_last_error(ctx));
+            cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s: %s", g->name, kvt_last_error());
             dump_checkpoint(&b, ctx, seq, n);
             next_cp++;
         }

@@ -111,9 +111,11 @@ typedef struct run {
 static run replay(const hay *h, uint32_t ratio, kvt_selector sel, uint64_t seed, bool check) {
     kvt_model *m = one_mla_layer();
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
-    p.config.ratio = ratio;
-    p.config.selector = sel;
+    p_cfg.ratio = ratio;
+    p_cfg.selector = sel;
     p.page_rows = 64;
     p.n_pages = (uint32_t)(h->n / 64 + 1);
     run r = {0};
@@ -128,15 +130,15 @@ static run replay(const hay *h, uint32_t ratio, kvt_selector sel, uint64_t seed,
         uint32_t n = (uint32_t)(h->n - pos < chunk ? h->n - pos : chunk);
         for (uint32_t i = 0; i < n; i++)
             make_row(r.shadow + (pos + i) * ROW, pos + i, h, &rng);
-        cr_assert_eq(kvt_seq_reserve(r.seq, n), KVT_OK, "%s", kvt_ctx_last_error(r.ctx));
+        cr_assert_eq(kvt_seq_reserve(r.seq, n), KVT_OK, "%s", kvt_last_error());
         cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, n, r.shadow + pos * ROW, (size_t)n * ROW),
                      KVT_OK);
-        cr_assert_eq(kvt_seq_commit(r.seq, n), KVT_OK, "%s", kvt_ctx_last_error(r.ctx));
+        cr_assert_eq(kvt_seq_commit(r.seq, n), KVT_OK, "%s", kvt_last_error());
         if (!check || (pos + n) % 4096 != 0)
             continue;
         /* After every close: invariants, every row attended or archived with its exact bytes,
          * attended rows within m + sinks + tail. */
-        cr_assert_eq(kvt_seq_check(r.seq), KVT_OK, "%s", kvt_ctx_last_error(r.ctx));
+        cr_assert_eq(kvt_seq_check(r.seq), KVT_OK, "%s", kvt_last_error());
         uint8_t row[ROW];
         uint64_t att = 0;
         for (uint64_t q = 0; q < pos + n; q++) {
@@ -332,10 +334,12 @@ Test(salience_tier, keep_mask_matches_double_reference) {
     hay h = {.n = 8 * 1024, .decoy_first = ~0ull, .decoy_rows = 0};
     kvt_model *m = one_mla_layer();
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.model = m;
-    p.config.block_rows = B;
-    p.config.kappa = kappa;
-    p.config.ratio = ratio;
+    p_cfg.block_rows = B;
+    p_cfg.kappa = kappa;
+    p_cfg.ratio = ratio;
     p.n_pages = 200;
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
@@ -348,7 +352,7 @@ Test(salience_tier, keep_mask_matches_double_reference) {
     cr_assert_eq(kvt_seq_reserve(seq, (uint32_t)h.n), KVT_OK);
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, (uint32_t)h.n, rows, h.n * ROW), KVT_OK);
     cr_assert_eq(kvt_seq_commit(seq, (uint32_t)h.n), KVT_OK);
-    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_ctx_last_error(ctx));
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     double *sig = malloc(sizeof(double) * h.n);
     double max_norm = 0;
     for (uint64_t b = 0; b < h.n / B; b++)

@@ -98,7 +98,7 @@ static void append(harness *h, uint32_t s, uint32_t n) {
     cr_assert(pos + n <= h->cap_tokens);
     cr_assert_eq(kvt_seq_reserve(seq, n), KVT_OK, "seed %llu: reserve %u at %llu: %s",
                  (unsigned long long)h->seed, n, (unsigned long long)pos,
-                 kvt_ctx_last_error(h->ctx));
+                 kvt_last_error());
     for (uint32_t l = 0; l < h->n_layers; l++) {
         const kvt_layer_spec *sp = spec_of(h, l);
         size_t sb = slot_bytes(h, l);
@@ -110,7 +110,7 @@ static void append(harness *h, uint32_t s, uint32_t n) {
             }
             if (l % 2 == 0) {
                 cr_assert_eq(kvt_seq_write(seq, l, p, 0, n, dst, (size_t)n * sb), KVT_OK, "%s",
-                             kvt_ctx_last_error(h->ctx));
+                             kvt_last_error());
             } else {
                 void *base;
                 size_t bytes;
@@ -126,9 +126,9 @@ static void append(harness *h, uint32_t s, uint32_t n) {
     }
     cr_assert_eq(kvt_seq_commit(seq, n), KVT_OK, "seed %llu: commit %u at %llu: %s",
                  (unsigned long long)h->seed, n, (unsigned long long)pos,
-                 kvt_ctx_last_error(h->ctx));
+                 kvt_last_error());
     cr_assert_eq(kvt_seq_check(seq), KVT_OK, "seed %llu at %llu: %s", (unsigned long long)h->seed,
-                 (unsigned long long)(pos + n), kvt_ctx_last_error(h->ctx));
+                 (unsigned long long)(pos + n), kvt_last_error());
 }
 
 /* First row index still stored in a group of window W holding n rows (0: nothing returned). */
@@ -226,7 +226,7 @@ static void verify_layer(harness *h, uint32_t s, uint32_t l) {
             for (uint32_t p = 0; p < sp->n_planes; p++) {
                 const uint8_t *want_row = shadow_row(h, s, l, p, pos) + (size_t)hd * RB;
                 cr_assert_eq(kvt_seq_read_row(seq, l, p, hd, pos, row, RB), KVT_OK, "%s",
-                             kvt_ctx_last_error(ctx));
+                             kvt_last_error());
                 cr_assert_eq(memcmp(row, want_row, RB), 0,
                              "seed %llu layer %u plane %u head %u pos %llu: bytes differ", seed,
                              l, p, hd, (unsigned long long)pos);
@@ -346,9 +346,9 @@ Test(sliding, pages_recycled_one_at_a_time_and_in_chunks) {
     /* A reservation of one token on top of a committed window still stays under the bound. */
     cr_assert_eq(kvt_seq_reserve(h.seq[0], 1), KVT_OK);
     cr_assert_leq(pages_in_use(&h, 0, 0), bound);
-    cr_assert_eq(kvt_seq_check(h.seq[0]), KVT_OK, "%s", kvt_ctx_last_error(h.ctx));
+    cr_assert_eq(kvt_seq_check(h.seq[0]), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(kvt_seq_commit(h.seq[0], 1), KVT_OK);
-    cr_assert_eq(kvt_seq_check(h.seq[0]), KVT_OK, "%s", kvt_ctx_last_error(h.ctx));
+    cr_assert_eq(kvt_seq_check(h.seq[0]), KVT_OK, "%s", kvt_last_error());
     /* Destroying the sequences returns every live page. */
     kvt_seq_destroy(h.seq[0]);
     kvt_seq_destroy(h.seq[1]);
@@ -445,9 +445,11 @@ Test(sliding, gemma3_1b_2000_tokens) {
     cr_assert_eq(W, 512);
     const uint64_t T = 2000;
     kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config p_cfg = kvt_config_default();
+    p.config = &p_cfg;
     p.page_rows = 16;
     p.n_pages = 130; /* the global layers hold all 2000 rows: 125 pages */
-    p.config.evict_budget_rows = 4096; /* large budget: no round within 2000 tokens */
+    p_cfg.evict_budget_rows = 4096; /* large budget: no round within 2000 tokens */
     harness h;
     harness_init(&h, m, &p, 1, T, 0x6e33a);
     cr_assert_eq(kvt_ctx_layer_policy(h.ctx, global_layer), KVT_POLICY_EVICT);

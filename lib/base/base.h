@@ -22,6 +22,28 @@
 kvt_status kvt__fail(char *err, size_t len, kvt_status s, const char *fmt, ...) KVT__PRINTF(4, 5);
 kvt_status kvt__vfail(char *err, size_t len, kvt_status s, const char *fmt, va_list ap);
 
+/* The calling thread's error detail buffer (kvt_last_error): every call that fails writes its
+ * message here, so two threads working on distinct contexts never race on one buffer. */
+#define KVT__ERR_LEN 512
+char *kvt__tls_error(void);
+/* Format into the calling thread's buffer; returns s. */
+kvt_status kvt__tls_fail(kvt_status s, const char *fmt, ...) KVT__PRINTF(2, 3);
+kvt_status kvt__tls_vfail(kvt_status s, const char *fmt, va_list ap);
+void kvt__tls_clear(void);
+
+/* Versioned parameter structs (ABI rule of kvtier.h): copy a caller's struct whose first field is
+ * its struct_size into dst, which holds this build's defaults (dst_size = sizeof). Accepted sizes
+ * run from min_size (the oldest supported layout) up; fields past the caller's size keep their
+ * defaults; past dst_size the caller's bytes must all be zero (a newer caller that set nothing
+ * this build does not know). dst->struct_size is set to dst_size. KVT_ERR_INVALID_ARGUMENT for a
+ * size below min_size, KVT_ERR_UNSUPPORTED for a non-zero byte past dst_size; a message names
+ * `what` in the thread's error buffer. */
+kvt_status kvt__struct_in(void *dst, size_t dst_size, const void *src, size_t min_size,
+                          const char *what);
+/* The size a caller's output struct (first field struct_size) may be written to: its
+ * struct_size capped at this build's, or 0 when it is below min_size (nothing may be written). */
+size_t kvt__struct_out_size(const void *dst, size_t build_size, size_t min_size);
+
 #ifndef NDEBUG
 #include <stdio.h>
 #include <stdlib.h>

@@ -38,6 +38,10 @@ const char *kvt_version(int *major, int *minor, int *patch) {
         KVT_VERSION_PATCH);
 }
 
+int kvt_version_number(void) {
+    return KVT_VERSION_NUMBER;
+}
+
 kvt_status kvt__vfail(char *err, size_t len, kvt_status s, const char *fmt, va_list ap) {
     if (err && len > 0)
         vsnprintf(err, len, fmt, ap);

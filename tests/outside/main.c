@@ -17,7 +17,9 @@ int main(int argc, char **argv) {
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = m;
     p.n_pages = 8;
-    p.config.block_rows = 64;
+    kvt_config cfg = kvt_config_default();
+    cfg.block_rows = 64;
+    p.config = &cfg;
     kvt_ctx *ctx = NULL;
     s = kvt_ctx_create(&p, &ctx, err, sizeof err);
     if (s != KVT_OK) {

@@ -182,7 +182,7 @@ done:
 
 static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const char *what) {
     return nd_fail(err, len, ND_ELIB, "%s: %s%s%s", what, kvt_strerror(s), ctx ? ": " : "",
-                   ctx ? kvt_ctx_last_error(ctx) : "");
+                   ctx ? kvt_last_error() : "");
 }
 
 /* The attended set the library returned at query ti (position P), checked against what the
@@ -300,11 +300,13 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         return nd_fail(err, err_len, ND_ELIB, "model: %s", e2);
 
     kvt_ctx_params cp = kvt_ctx_default_params();
+    kvt_config cp_cfg = kvt_config_default();
+    cp.config = &cp_cfg;
     cp.model = model;
     cp.backend = p->backend;
     cp.page_rows = 64;
     cp.n_pages = (uint32_t)((c->n_rows + 63) / 64 + 4);
-    kvt_config *cfg = &cp.config;
+    kvt_config *cfg = &cp_cfg;
     cfg->ratio = dense ? 1 : p->ratio;
     cfg->block_rows = p->block_rows;
     cfg->kappa = p->kappa;
