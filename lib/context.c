@@ -1,4 +1,5 @@
-/* context.c — context lifecycle: model copy, policy table, groups, row pools, backend. */
+/* context.c — context lifecycle: model copy, per-layer policies, groups and their policy tables,
+ * row pools, backend. */
 #include "handles.h"
 
 #include "kernels/sigma.h"
@@ -61,10 +62,12 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
                 kvt__free(a, st->plane[p], st->plane_bytes);
     }
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
-        kvt__pool_fini(&ctx->groups[g].pool, a);
-        kvt__free(a, ctx->groups[g].layers, sizeof(uint32_t) * ctx->groups[g].n_layers);
+        kvt__group *gr = &ctx->groups[g];
+        if (gr->ops && gr->ops->group_fini)
+            gr->ops->group_fini(gr, a);
+        kvt__pool_fini(&gr->pool, a);
+        kvt__free(a, gr->layers, sizeof(uint32_t) * gr->n_layers);
     }
-    kvt__sal_shared_fini(&ctx->sal, a);
     kvt__free(a, ctx->stores, sizeof *ctx->stores * ctx->n_layers);
     kvt__free(a, ctx->policies, sizeof *ctx->policies * ctx->n_layers);
     kvt_model_destroy(ctx->model);
@@ -154,19 +157,15 @@ static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
         for (uint32_t i = 0; i < ctx->n_layers; i++)
             if (ctx->stores[i].group == (int32_t)g)
                 gr->layers[k++] = i;
-        /* Page recycling needs every layer of the shared table to forget old rows: one full
-         * attention layer given policy none (layer_policies) keeps the whole group. */
-        gr->window_rows = 0;
-        bool all_sliding = gr->policy == KVT_POLICY_NONE && gr->n_layers > 0;
-        for (uint32_t k2 = 0; all_sliding && k2 < gr->n_layers; k2++) {
-            const kvt_layer_spec *sp = &ctx->stores[gr->layers[k2]].spec;
-            if (sp->kind != KVT_LAYER_SLIDING || sp->sliding_window == 0)
-                all_sliding = false;
-            else if (sp->sliding_window > gr->window_rows)
-                gr->window_rows = sp->sliding_window;
+        /* The policy table, chosen once: from here on the group's layers are run only through
+         * it. resolve_policies admitted only policies that have one. */
+        gr->ops = kvt__policy_ops_for(gr, ctx->stores);
+        KVT_ASSERT(gr->ops != NULL);
+        if (gr->ops->group_init) {
+            kvt_status s = gr->ops->group_init(gr, ctx->stores, a, &ctx->cfg, err, len);
+            if (s != KVT_OK)
+                return s;
         }
-        if (!all_sliding)
-            gr->window_rows = 0;
         kvt_status s = kvt__pool_init(&gr->pool, a, ctx->n_pages, ctx->page_rows);
         if (s != KVT_OK)
             return kvt__fail(err, len, s, "page allocator");
@@ -294,17 +293,6 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         goto fail;
     if ((s = open_backend(ctx, p->backend, err, len)) != KVT_OK)
         goto fail;
-    for (uint32_t i = 0; i < n; i++) {
-        if (ctx->policies[i] == KVT_POLICY_SALIENCE) {
-            s = kvt__sal_shared_init(&ctx->sal, &ctx->alloc, &ctx->cfg);
-            if (s != KVT_OK) {
-                kvt__fail(err, len, s, "salience basis table (B %u, kappa %u)",
-                          ctx->cfg.block_rows, ctx->cfg.kappa);
-                goto fail;
-            }
-            break;
-        }
-    }
     if ((s = build_groups(ctx, err, len)) != KVT_OK)
         goto fail;
     *out = ctx;

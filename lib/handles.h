@@ -4,21 +4,9 @@
 
 #include "base/base.h"
 #include "base/alloc.h"
-#include "tiers/tiers.h"
+#include "tiers/policy.h"
 
 #define KVT__MAX_GROUPS 3
-
-typedef struct kvt__group {
-    kvt_policy policy;
-    kvt__pool pool;
-    uint32_t n_layers;
-    uint32_t *layers; /* model layer indices */
-    /* W of a none group whose layers are all sliding-window layers: the largest window among
-     * them. After each commit the pages holding only rows before n_rows - W go back to the pool
-     * (kvt__ptable_release_front), which leaves every layer its own window. 0: keep every row
-     * (evict and salience groups, and a none group holding any layer that is not sliding). */
-    uint32_t window_rows;
-} kvt__group;
 
 struct kvt_ctx {
     kvt__alloc alloc;
@@ -30,19 +18,13 @@ struct kvt_ctx {
     bool started; /* a reservation happened: storage can no longer be rebound */
     uint32_t n_layers;
     kvt__store *stores;    /* [n_layers] */
-    kvt_policy *policies;  /* [n_layers] */
+    kvt_policy *policies;  /* [n_layers], resolved (kvt_ctx_layer_policy, stats) */
     uint32_t n_groups;
-    kvt__group groups[KVT__MAX_GROUPS];
-    kvt__sal_shared sal;
+    kvt__group groups[KVT__MAX_GROUPS]; /* each with its policy table (tiers/policy.h) */
     kvt_seq *seqs; /* live sequences (doubly linked) */
     /* Parallelism (kvt_ctx_params): global ids = local + offset, for the Philox keys. */
     uint32_t kv_head_offset, n_kv_heads_global, layer_offset;
 };
-
-typedef struct kvt__layer_state {
-    kvt__sal sal;
-    kvt__ev ev;
-} kvt__layer_state;
 
 struct kvt_seq {
     kvt_ctx *ctx;
@@ -53,7 +35,7 @@ struct kvt_seq {
     uint32_t n_pending;   /* reserved, not committed */
     uint64_t prompt_rows;
     kvt__ptable pt[KVT__MAX_GROUPS];
-    kvt__layer_state *layers; /* [n_layers] */
+    kvt__tier_state *layers; /* [n_layers]: policy state of each layer with KV */
 };
 
 /* Record a detail message on the context and return s. */

@@ -1,6 +1,7 @@
 /* sequence.c — a request's lifecycle: reserve / write / commit, the attended set, rows by
  * position, statistics and the invariant check. Validation of everything from outside happens
- * here; the tier state machines live in tiers/. */
+ * here; the tier state machines live in tiers/, reached only through each group's policy table
+ * (tiers/policy.h). */
 #include "handles.h"
 
 #include "kernels/philox.h"
@@ -49,6 +50,27 @@ static kvt_status layer_head_of(const kvt_seq *seq, uint32_t layer, uint32_t hea
     return KVT_OK;
 }
 
+/* Layer `layer` (one with KV) of a sequence as its policy table's per-layer entries see it. */
+static kvt__tier_layer tier_layer(const kvt_seq *seq, uint32_t layer) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__store *st = &ctx->stores[layer];
+    kvt__tier_layer l;
+    l.cfg = &ctx->cfg;
+    l.page_rows = ctx->page_rows;
+    l.gr = &ctx->groups[st->group];
+    l.st = st;
+    l.pt = &seq->pt[st->group];
+    l.state = &seq->layers[layer];
+    l.appended = seq->n_tokens;
+    l.prompt_rows = seq->prompt_rows;
+    return l;
+}
+
+/* The policy table of a layer with KV. */
+static const kvt__policy_ops *ops_of(const kvt_ctx *ctx, uint32_t layer) {
+    return ctx->groups[ctx->stores[layer].group].ops;
+}
+
 kvt_status kvt_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out) {
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
@@ -70,14 +92,14 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out) {
     if (ctx->seqs)
         ctx->seqs->prev = seq;
     ctx->seqs = seq;
+    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
-        if (ctx->policies[i] != KVT_POLICY_EVICT || ctx->stores[i].group < 0)
+        if (ctx->stores[i].group < 0 || !ops_of(ctx, i)->layer_init)
             continue;
-        kvt_status s = kvt__ev_init(&seq->layers[i].ev, a, ctx->stores[i].spec.n_kv_heads,
-                                    ctx->cfg.evict_archive);
+        kvt_status s = ops_of(ctx, i)->layer_init(&seq->layers[i], &env, &ctx->stores[i]);
         if (s != KVT_OK) {
-            kvt_seq_destroy(seq);
-            return kvt__ctx_fail(ctx, s, "eviction state of layer %u", i);
+            kvt_seq_destroy(seq); /* leaves the message layer_init wrote */
+            return s;
         }
     }
     *out = seq;
@@ -91,10 +113,9 @@ void kvt_seq_destroy(kvt_seq *seq) {
     const kvt__alloc *a = &ctx->alloc;
     for (uint32_t g = 0; g < ctx->n_groups; g++)
         kvt__ptable_fini(&seq->pt[g], &ctx->groups[g].pool, a);
-    for (uint32_t i = 0; seq->layers && i < ctx->n_layers; i++) {
-        kvt__sal_fini(&seq->layers[i].sal, a);
-        kvt__ev_fini(&seq->layers[i].ev, a);
-    }
+    for (uint32_t i = 0; seq->layers && i < ctx->n_layers; i++)
+        if (ctx->stores[i].group >= 0 && ops_of(ctx, i)->layer_fini)
+            ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
     kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
     if (seq->prev)
         seq->prev->next = seq->next;
@@ -114,16 +135,24 @@ kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {
                          "shared prefixes (copy-on-write forks) are not supported yet");
 }
 
-static bool any_round_ran(const kvt_seq *seq) {
-    for (uint32_t i = 0; i < seq->ctx->n_layers; i++)
-        if (seq->layers[i].ev.rounds > 0)
-            return true;
-    return false;
+/* The first layer whose policy says it is damaged (else: has used the prompt length), or
+ * n_layers when none does. */
+static uint32_t first_layer_with(const kvt_seq *seq, bool damaged) {
+    const kvt_ctx *ctx = seq->ctx;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        if (ctx->stores[i].group < 0)
+            continue;
+        const kvt__policy_ops *ops = ops_of(ctx, i);
+        bool (*holds)(const kvt__tier_state *) = damaged ? ops->damaged : ops->prompt_used;
+        if (holds && holds(&seq->layers[i]))
+            return i;
+    }
+    return ctx->n_layers;
 }
 
 kvt_status kvt_seq_set_prompt_rows(kvt_seq *seq, uint64_t n_rows) {
     CHECK_SEQ(seq);
-    if (any_round_ran(seq))
+    if (first_layer_with(seq, false) < seq->ctx->n_layers)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_BAD_STATE,
                              "the prompt length cannot change after an eviction round ran");
     seq->prompt_rows = n_rows;
@@ -153,12 +182,12 @@ kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t 
 
 /* A sequence whose eviction compaction failed on the device cannot be used any more. */
 static kvt_status check_usable(const kvt_seq *seq) {
-    for (uint32_t i = 0; i < seq->ctx->n_layers; i++)
-        if (seq->layers[i].ev.damaged)
-            return kvt__ctx_fail(seq->ctx, KVT_ERR_BAD_STATE,
-                                 "request %llu was damaged by a device error during compaction of "
-                                 "layer %u; destroy it",
-                                 (unsigned long long)seq->request_id, i);
+    uint32_t i = first_layer_with(seq, true);
+    if (i < seq->ctx->n_layers)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_BAD_STATE,
+                             "request %llu was damaged by a device error during compaction of "
+                             "layer %u; destroy it",
+                             (unsigned long long)seq->request_id, i);
     return KVT_OK;
 }
 
@@ -185,12 +214,13 @@ kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
         if (s != KVT_OK)
             break;
     }
-    /* Eviction bookkeeping grows here too, so that commit cannot fail for memory. */
+    /* Policy bookkeeping (eviction positions) grows here too, so that commit cannot fail for
+     * memory. */
     for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
-        if (ctx->policies[i] != KVT_POLICY_EVICT || ctx->stores[i].group < 0)
+        if (ctx->stores[i].group < 0 || !ops_of(ctx, i)->reserve)
             continue;
         const kvt__ptable *t = &seq->pt[ctx->stores[i].group];
-        s = kvt__ev_reserve(&seq->layers[i].ev, a, t->n_rows + n_tokens);
+        s = ops_of(ctx, i)->reserve(&seq->layers[i], a, t->n_rows + n_tokens);
     }
     if (s != KVT_OK) {
         for (uint32_t h = 0; h < ctx->n_groups && h <= g; h++)
@@ -256,65 +286,45 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
     return KVT_OK;
 }
 
-/* Run every layer's policy up to the group's committed rows. Each policy is incremental from its
- * own state, so a failed run (host memory) is completed by the next commit. */
-static kvt_status run_policies(kvt_seq *seq) {
+/* Run every group's policy after `new_rows` rows were committed (0: a retry). Each policy is
+ * incremental from its own state, so a failed run (host memory) is completed by the next commit;
+ * a failure in one group does not stop the others. */
+static kvt_status run_policies(kvt_seq *seq, uint64_t new_rows) {
     kvt_ctx *ctx = seq->ctx;
     kvt__env env = kvt__ctx_env(ctx, seq, NULL);
     kvt_status first_err = KVT_OK;
-    for (uint32_t i = 0; i < ctx->n_layers; i++) {
-        if (ctx->policies[i] != KVT_POLICY_SALIENCE)
-            continue;
-        const kvt__store *st = &ctx->stores[i];
-        kvt_status s = kvt__sal_commit(&seq->layers[i].sal, &env, &ctx->sal, st,
-                                       &seq->pt[st->group], seq->pt[st->group].n_rows);
-        if (s != KVT_OK && first_err == KVT_OK)
-            first_err = s;
-    }
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__group *gr = &ctx->groups[g];
-        if (gr->policy != KVT_POLICY_EVICT || !kvt__ev_round_due(&ctx->cfg, seq->pt[g].n_rows))
+        if (!gr->ops->group_commit)
             continue;
-        /* Layers of a group run their round together (they share the page table). */
-        size_t bytes = sizeof(void *) * gr->n_layers;
-        kvt__store **sp = kvt__malloc(&ctx->alloc, bytes);
-        kvt__ev **ep = kvt__malloc(&ctx->alloc, bytes);
-        if (!sp || !ep) {
-            kvt__free(&ctx->alloc, sp, bytes);
-            kvt__free(&ctx->alloc, ep, bytes);
-            if (first_err == KVT_OK)
-                first_err = kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "eviction round");
-            continue;
-        }
-        for (uint32_t k = 0; k < gr->n_layers; k++) {
-            sp[k] = &ctx->stores[gr->layers[k]];
-            ep[k] = &seq->layers[gr->layers[k]].ev;
-        }
-        kvt_status s =
-            kvt__ev_round(&env, sp, ep, gr->n_layers, &seq->pt[g], &gr->pool, seq->prompt_rows);
-        kvt__free(&ctx->alloc, sp, bytes);
-        kvt__free(&ctx->alloc, ep, bytes);
+        kvt__tier_group tg = {.gr = gr,
+                              .pt = &seq->pt[g],
+                              .stores = ctx->stores,
+                              .states = seq->layers,
+                              .appended = seq->n_tokens,
+                              .new_rows = new_rows,
+                              .prompt_rows = seq->prompt_rows};
+        kvt_status s = gr->ops->group_commit(&env, &tg);
         if (s != KVT_OK && first_err == KVT_OK)
             first_err = s;
     }
     return first_err;
 }
 
-/* Sliding-window groups: each layer attends its last sliding_window rows, so once a page holds
- * only rows before n_rows - W (W = the group's largest window) no layer of the shared table can
- * read it again and it goes back to the pool. Rows stay addressed by position (first_page says
- * where the table now starts). Runs after every commit; allocates nothing and cannot fail.
- * Between commits a sequence holds at most ceil((W + page_rows - 1) / page_rows) pages, plus
- * what the next reservation takes. */
-static void recycle_windows(kvt_seq *seq) {
-    kvt_ctx *ctx = seq->ctx;
-    for (uint32_t g = 0; g < ctx->n_groups; g++) {
-        kvt__group *gr = &ctx->groups[g];
-        kvt__ptable *t = &seq->pt[g];
-        if (gr->window_rows == 0 || t->n_rows <= gr->window_rows)
-            continue;
-        kvt__ptable_release_front(t, &gr->pool, t->n_rows - gr->window_rows);
-    }
+/* Run a layer's check entry: the full check (kvt_seq_check), else the per-commit counts. The
+ * entry writes its message into the calling thread's error buffer; the layer is prefixed to it. KVT_OK
+ * when the table has no such entry. */
+static kvt_status check_layer(const kvt_seq *seq, uint32_t layer, bool full) {
+    const kvt_ctx *ctx = seq->ctx;
+    kvt__tier_layer l = tier_layer(seq, layer);
+    kvt_status (*check)(const kvt__tier_layer *, char *, size_t) =
+        full ? l.gr->ops->check : l.gr->ops->check_counts;
+    kvt_status s = check ? check(&l, kvt__tls_error(), KVT__ERR_LEN) : KVT_OK;
+    if (s == KVT_OK)
+        return KVT_OK;
+    char tmp[KVT__ERR_LEN];
+    memcpy(tmp, kvt__tls_error(), sizeof tmp);
+    return kvt__ctx_fail(ctx, s, "layer %u: %s", layer, tmp);
 }
 
 /* O(layers x heads) accounting after every commit: every appended (position, KV head) row is
@@ -327,7 +337,8 @@ static kvt_status check_counters(const kvt_seq *seq) {
         if (st->group < 0)
             continue;
         const kvt__ptable *t = &seq->pt[st->group];
-        /* Only a sliding group returns leading pages, and never one its widest window reads. */
+        /* Only a group with a window returns leading pages, and never one its widest window
+         * reads. */
         uint32_t W = ctx->groups[st->group].window_rows;
         bool bad_front = W == 0 ? t->first_page != 0 || t->dropped_rows != 0
                                 : t->first_page != 0 &&
@@ -338,34 +349,9 @@ static kvt_status check_counters(const kvt_seq *seq) {
                                  "a window of %u rows",
                                  i, (unsigned long long)t->first_page,
                                  (unsigned long long)t->n_rows, W);
-        if (ctx->policies[i] == KVT_POLICY_EVICT) {
-            const kvt__ev *e = &seq->layers[i].ev;
-            uint64_t H = st->spec.n_kv_heads, archived = 0;
-            for (uint32_t h = 0; e->archive && h < H; h++)
-                archived += e->archive[h].n;
-            if (t->n_rows * H + archived + e->dropped != seq->n_tokens * H)
-                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
-                                     "layer %u: %llu held x %llu heads + %llu archived + %llu "
-                                     "dropped != %llu appended rows",
-                                     i, (unsigned long long)t->n_rows, (unsigned long long)H,
-                                     (unsigned long long)archived, (unsigned long long)e->dropped,
-                                     (unsigned long long)(seq->n_tokens * H));
-        } else if (t->n_rows != seq->n_tokens ||
-                   (ctx->policies[i] == KVT_POLICY_SALIENCE &&
-                    seq->layers[i].sal.n_rows != t->n_rows)) {
-            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %llu rows held, %llu appended",
-                                 i, (unsigned long long)t->n_rows,
-                                 (unsigned long long)seq->n_tokens);
-        } else if (t->n_rows - kvt__ptable_first_row(t, ctx->page_rows) + t->dropped_rows !=
-                   seq->n_tokens) {
-            /* Rows held from the first live page on + rows whose pages were returned. */
-            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
-                                 "layer %u: %llu held + %llu dropped != %llu appended rows", i,
-                                 (unsigned long long)(t->n_rows -
-                                                      kvt__ptable_first_row(t, ctx->page_rows)),
-                                 (unsigned long long)t->dropped_rows,
-                                 (unsigned long long)seq->n_tokens);
-        }
+        kvt_status s = check_layer(seq, i, false);
+        if (s != KVT_OK)
+            return s;
     }
     return KVT_OK;
 }
@@ -381,21 +367,13 @@ kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
                              "partial commit (%u of %u reserved): speculative multi-row appends "
                              "with rollback are not supported yet",
                              n_tokens, seq->n_pending);
-    for (uint32_t i = 0; n_tokens > 0 && i < ctx->n_layers; i++) {
-        if (ctx->policies[i] != KVT_POLICY_EVICT || ctx->stores[i].group < 0)
-            continue;
-        /* Capacity was grown at reserve: this cannot fail. */
-        kvt__ev_append(&seq->layers[i].ev, seq->pt[ctx->stores[i].group].n_rows, seq->n_tokens,
-                       n_tokens);
-    }
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         seq->pt[g].n_rows += n_tokens;
         seq->pt[g].n_pending = 0;
     }
     seq->n_tokens += n_tokens;
     seq->n_pending = 0;
-    kvt_status s = run_policies(seq);
-    recycle_windows(seq);
+    kvt_status s = run_policies(seq, n_tokens);
     kvt_status c = check_counters(seq);
     return c != KVT_OK ? c : s;
 }
@@ -406,32 +384,14 @@ kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
 
 /* Rows of one sequence this layer attends, as row indices of its group's page table. */
 static uint64_t attended_count(const kvt_seq *seq, uint32_t layer) {
-    const kvt_ctx *ctx = seq->ctx;
-    const kvt__store *st = &ctx->stores[layer];
-    const kvt__ptable *t = &seq->pt[st->group];
-    switch (ctx->policies[layer]) {
-    case KVT_POLICY_SALIENCE:
-        return kvt__sal_attended_count(&seq->layers[layer].sal, &ctx->cfg);
-    case KVT_POLICY_EVICT:
-        return t->n_rows;
-    case KVT_POLICY_NONE:
-        if (st->spec.kind == KVT_LAYER_SLIDING && t->n_rows > st->spec.sliding_window)
-            return st->spec.sliding_window;
-        return t->n_rows;
-    }
-    return 0;
+    kvt__tier_layer l = tier_layer(seq, layer);
+    return l.gr->ops->attended_count(&l);
 }
 
+/* Ascending row indices of the group's table, attended_count of them. */
 static void attended_rows(const kvt_seq *seq, uint32_t layer, int64_t *out) {
-    const kvt_ctx *ctx = seq->ctx;
-    if (ctx->policies[layer] == KVT_POLICY_SALIENCE) {
-        kvt__sal_attended_rows(&seq->layers[layer].sal, &ctx->cfg, out);
-        return;
-    }
-    const kvt__ptable *t = &seq->pt[ctx->stores[layer].group];
-    uint64_t n = attended_count(seq, layer);
-    for (uint64_t i = 0; i < n; i++)
-        out[i] = (int64_t)(t->n_rows - n + i);
+    kvt__tier_layer l = tier_layer(seq, layer);
+    l.gr->ops->attended_rows(&l, out);
 }
 
 static kvt_status check_batch(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
@@ -638,40 +598,9 @@ static kvt_status locate(const kvt_seq *seq, uint32_t layer, uint32_t head, uint
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "position %llu of %llu committed",
                              (unsigned long long)pos, (unsigned long long)seq->n_tokens);
     }
-    const kvt__ptable *t = &seq->pt[st->group];
-    switch (ctx->policies[layer]) {
-    case KVT_POLICY_SALIENCE: {
-        /* Archive = index partition: an archived row keeps its slot, it is only not attended. */
-        bool att = kvt__sal_is_attended(&seq->layers[layer].sal, &ctx->cfg, pos);
-        *state = att ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
-        *slot = kvt__slot(t, ctx->page_rows, pos);
-        return KVT_OK;
-    }
-    case KVT_POLICY_NONE: {
-        if (pos < kvt__ptable_first_row(t, ctx->page_rows)) {
-            /* Its page went back to the pool: older than every window of the group. */
-            *state = KVT_ROW_DROPPED;
-            return KVT_OK;
-        }
-        uint64_t n_att = attended_count(seq, layer);
-        *state = pos >= t->n_rows - n_att ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
-        *slot = kvt__slot(t, ctx->page_rows, pos);
-        return KVT_OK;
-    }
-    case KVT_POLICY_EVICT: {
-        const kvt__ev *e = &seq->layers[layer].ev;
-        int64_t row = kvt__ev_find(e, t, head, pos);
-        if (row >= 0) {
-            *state = KVT_ROW_ATTENDED;
-            *slot = kvt__slot(t, ctx->page_rows, (uint64_t)row);
-        } else {
-            *state = kvt__ev_archived(e, &st->spec, head, 0, pos) ? KVT_ROW_ARCHIVED
-                                                                  : KVT_ROW_DROPPED;
-        }
-        return KVT_OK;
-    }
-    }
-    return KVT_ERR_INVARIANT;
+    kvt__tier_layer l = tier_layer(seq, layer);
+    *state = l.gr->ops->row_state(&l, head, pos, slot);
+    return KVT_OK;
 }
 
 kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head, uint64_t position,
@@ -682,8 +611,8 @@ kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head, 
     int32_t sl;
     const kvt__store *st;
     kvt_status s = locate(seq, layer, head, position, state, &sl, &st);
-    if (s == KVT_OK && *state == KVT_ROW_ARCHIVED && seq->ctx->policies[layer] != KVT_POLICY_NONE)
-        sl = -1; /* documented: a slot is given for attended rows only */
+    /* Documented: a slot is given for attended and pending rows only (an archived row may still
+     * have one in the pool). */
     if (s == KVT_OK && slot)
         *slot = (*state == KVT_ROW_ATTENDED || *state == KVT_ROW_PENDING) ? sl : -1;
     return s;
@@ -707,21 +636,20 @@ kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, 
     if (dst_bytes < st->spec.row_bytes)
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY, "dst_bytes %zu < row_bytes %u", dst_bytes,
                              st->spec.row_bytes);
+    const kvt__policy_ops *ops = ops_of(ctx, layer);
     if (state == KVT_ROW_DROPPED)
-        return kvt__ctx_fail(ctx, KVT_ERR_DROPPED,
-                             "layer %u head %u position %llu was dropped %s", layer, head,
-                             (unsigned long long)position,
-                             ctx->policies[layer] == KVT_POLICY_EVICT
-                                 ? "by random eviction"
-                                 : "with its page (outside every sliding window of its group)");
+        return kvt__ctx_fail(ctx, KVT_ERR_DROPPED, "layer %u head %u position %llu was dropped %s",
+                             layer, head, (unsigned long long)position,
+                             ops->dropped_how ? ops->dropped_how : "");
     if (slot >= 0) {
         memcpy(dst,
                st->plane[plane] + (size_t)slot * st->slot_bytes + (size_t)head * st->spec.row_bytes,
                st->spec.row_bytes);
         return KVT_OK;
     }
-    const uint8_t *src =
-        kvt__ev_archived(&seq->layers[layer].ev, &st->spec, head, plane, position);
+    /* Archived out of the pool (eviction's archive). */
+    kvt__tier_layer l = tier_layer(seq, layer);
+    const uint8_t *src = ops->archived_row ? ops->archived_row(&l, head, plane, position) : NULL;
     if (!src)
         return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "archived row not found");
     memcpy(dst, src, st->spec.row_bytes);
@@ -743,15 +671,8 @@ kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, 
     if (t->n_rows > capacity)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu rows, capacity %llu",
                              (unsigned long long)t->n_rows, (unsigned long long)capacity);
-    if (seq->ctx->policies[layer] == KVT_POLICY_EVICT) {
-        const kvt__ev *e = &seq->layers[layer].ev;
-        if (t->n_rows)
-            memcpy(positions, e->pos + (size_t)head * e->pos_cap, sizeof *positions * t->n_rows);
-    } else {
-        uint64_t first = kvt__ptable_first_row(t, seq->ctx->page_rows);
-        for (uint64_t i = 0; i < t->n_rows; i++)
-            positions[i] = i < first ? -1 : (int64_t)i; /* -1: the row left with its page */
-    }
+    kvt__tier_layer l = tier_layer(seq, layer);
+    l.gr->ops->positions(&l, head, positions);
     return KVT_OK;
 }
 
@@ -762,19 +683,21 @@ kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t he
     kvt_status s = layer_head_of(seq, layer, head, &st);
     if (s != KVT_OK)
         return s;
-    if (seq->ctx->policies[layer] != KVT_POLICY_EVICT)
+    kvt__tier_layer l = tier_layer(seq, layer);
+    if (!l.gr->ops->last_slot_map) /* rows of this policy never move */
         return kvt__ctx_fail(seq->ctx, KVT_ERR_POLICY_MISMATCH,
                              "layer %u does not run eviction rounds", layer);
-    const kvt__ev *e = &seq->layers[layer].ev;
+    const int32_t *map;
+    uint64_t n_map = l.gr->ops->last_slot_map(&l, head, &map);
     if (n)
-        *n = e->last_n;
+        *n = n_map;
     if (!old_to_new)
         return KVT_OK;
-    if (e->last_n > capacity)
+    if (n_map > capacity)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu entries, capacity %llu",
-                             (unsigned long long)e->last_n, (unsigned long long)capacity);
-    if (e->last_n)
-        memcpy(old_to_new, e->last_map + (size_t)head * e->last_n, sizeof *old_to_new * e->last_n);
+                             (unsigned long long)n_map, (unsigned long long)capacity);
+    if (n_map)
+        memcpy(old_to_new, map, sizeof *old_to_new * n_map);
     return KVT_OK;
 }
 
@@ -806,34 +729,9 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     out->pages_in_use = t->n_pages;
     out->bytes_in_use = (uint64_t)t->n_pages * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
     out->prompt_rows = seq->prompt_rows;
-    if (ctx->policies[layer] == KVT_POLICY_SALIENCE) {
-        const kvt__sal *sa = &seq->layers[layer].sal;
-        uint64_t S = ctx->cfg.sink_rows < sa->closed_rows ? ctx->cfg.sink_rows : sa->closed_rows;
-        out->sink_rows = S;
-        out->tail_rows = sa->n_rows - sa->closed_rows;
-        out->kept_rows = out->attended_rows - S - out->tail_rows;
-        out->closed_rows = sa->closed_rows;
-        out->archived_rows = sa->n_rows - out->attended_rows;
-        out->closes = sa->closes;
-        out->nonfinite_sigma = sa->nonfinite;
-        out->sigma_bytes_read = sa->score_bytes_read;
-    } else if (ctx->policies[layer] == KVT_POLICY_EVICT) {
-        const kvt__ev *e = &seq->layers[layer].ev;
-        out->rounds = e->rounds;
-        out->dropped_rows = e->dropped;
-        out->prompt_over_budget = e->prompt_over_budget;
-        for (uint32_t h = 0; e->archive && h < H; h++) {
-            out->archived_rows += e->archive[h].n;
-            out->archive_bytes += e->archive[h].n * st->spec.n_planes * (uint64_t)st->spec.row_bytes;
-        }
-        out->attended_rows = t->n_rows; /* per head: every head keeps the same count */
-    } else {
-        /* Rows before the first live page left with it (sliding groups); the rest of those
-         * outside this layer's window stay stored, archived. */
-        uint64_t dropped = kvt__ptable_first_row(t, ctx->page_rows);
-        out->dropped_rows = dropped * H;
-        out->archived_rows = (t->n_rows - out->attended_rows - dropped) * H;
-    }
+    kvt__tier_layer l = tier_layer(seq, layer);
+    if (l.gr->ops->stats)
+        l.gr->ops->stats(&l, out);
     uint64_t row_bytes_all = kvt_layer_bytes_per_token(&st->spec);
     out->attended_bytes_per_token =
         seq->n_tokens ? (double)out->attended_rows * (double)row_bytes_all / (double)seq->n_tokens
@@ -918,15 +816,13 @@ static kvt_status check_pages(const kvt_seq *seq) {
 kvt_status kvt_seq_check(const kvt_seq *seq) {
     CHECK_SEQ(seq);
     const kvt_ctx *ctx = seq->ctx;
-    char *err = kvt__tls_error();
-    size_t len = KVT__ERR_LEN;
     kvt_status s = check_pages(seq);
     if (s != KVT_OK)
         return s;
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         const kvt__ptable *t = &seq->pt[g];
-        bool evict = ctx->groups[g].policy == KVT_POLICY_EVICT;
-        if (t->n_pending != seq->n_pending || (!evict && t->n_rows != seq->n_tokens) ||
+        bool positional = ctx->groups[g].ops->rows_are_positions;
+        if (t->n_pending != seq->n_pending || (positional && t->n_rows != seq->n_tokens) ||
             t->n_rows > seq->n_tokens)
             return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
                                  "group %u holds %llu rows + %u pending; sequence has %llu + %u", g,
@@ -934,28 +830,11 @@ kvt_status kvt_seq_check(const kvt_seq *seq) {
                                  (unsigned long long)seq->n_tokens, seq->n_pending);
     }
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
-        const kvt__store *st = &ctx->stores[i];
-        if (st->group < 0)
+        if (ctx->stores[i].group < 0)
             continue;
-        const kvt__ptable *t = &seq->pt[st->group];
-        if (ctx->policies[i] == KVT_POLICY_SALIENCE) {
-            const kvt__sal *sa = &seq->layers[i].sal;
-            if (sa->n_rows != t->n_rows)
-                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
-                                     "layer %u: salience state at %llu rows, table at %llu "
-                                     "(a policy run failed and was not retried)",
-                                     i, (unsigned long long)sa->n_rows,
-                                     (unsigned long long)t->n_rows);
-            s = kvt__sal_check(sa, &ctx->cfg, err, len);
-        } else if (ctx->policies[i] == KVT_POLICY_EVICT) {
-            s = kvt__ev_check(&seq->layers[i].ev, t, &ctx->cfg, seq->n_tokens, seq->prompt_rows,
-                              err, len);
-        }
-        if (s != KVT_OK) {
-            char tmp[KVT__ERR_LEN];
-            memcpy(tmp, err, sizeof tmp);
-            return kvt__ctx_fail(ctx, s, "layer %u: %s", i, tmp);
-        }
+        s = check_layer(seq, i, true);
+        if (s != KVT_OK)
+            return s;
     }
     return KVT_OK;
 }

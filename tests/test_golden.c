@@ -128,7 +128,8 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
     va_list ap;
     for (;;) {
         va_start(ap, fmt);
-        int k = vsnprintf(b->p + b->n, b->cap - b->n, fmt, ap);
+        /* b->p is NULL before the first growth: NULL + 0 is undefined in C (clang UBSan). */
+        int k = vsnprintf(b->p ? b->p + b->n : NULL, b->cap - b->n, fmt, ap);
         va_end(ap);
         cr_assert(k >= 0);
         if ((size_t)k < b->cap - b->n) {

@@ -44,7 +44,7 @@
  * before the first byte moves; a failure there returns with nothing observable changed and the
  * next commit retries the round. From the first move on nothing can fail on the CPU backend.
  */
-#include "tiers.h"
+#include "policy.h"
 
 #include "kernels/kvt_hd.h"
 #include "kernels/philox.h"
@@ -644,3 +644,141 @@ kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_conf
     }
     return KVT_OK;
 }
+
+/* ------------------------------------------------------------------------------------------- */
+/* The policy table (policy.h)                                                                  */
+/* ------------------------------------------------------------------------------------------- */
+static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
+    kvt_status rc = kvt__ev_init(&s->ev, env->alloc, st->spec.n_kv_heads, env->cfg->evict_archive);
+    if (rc != KVT_OK)
+        return kvt__fail(env->err, env->err_len, rc, "eviction state of layer %u", st->layer);
+    return KVT_OK;
+}
+
+static void ev_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {
+    kvt__ev_fini(&s->ev, a);
+}
+
+static kvt_status ev_reserve(kvt__tier_state *s, const kvt__alloc *a, uint64_t rows) {
+    return kvt__ev_reserve(&s->ev, a, rows);
+}
+
+/* Record the new rows' positions in every layer (capacity was grown at reserve: cannot fail),
+ * then run a round when one is due; the layers of the group run it together, since they share
+ * the page table. */
+static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g) {
+    kvt__group *gr = g->gr;
+    for (uint32_t k = 0; g->new_rows > 0 && k < gr->n_layers; k++)
+        kvt__ev_append(&g->states[gr->layers[k]].ev, g->pt->n_rows - g->new_rows,
+                       g->appended - g->new_rows, g->new_rows);
+    if (!kvt__ev_round_due(env->cfg, g->pt->n_rows))
+        return KVT_OK;
+    size_t bytes = sizeof(void *) * gr->n_layers;
+    kvt__store **sp = kvt__malloc(env->alloc, bytes);
+    kvt__ev **ep = kvt__malloc(env->alloc, bytes);
+    if (!sp || !ep) {
+        kvt__free(env->alloc, sp, bytes);
+        kvt__free(env->alloc, ep, bytes);
+        return kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY, "eviction round");
+    }
+    for (uint32_t k = 0; k < gr->n_layers; k++) {
+        sp[k] = &g->stores[gr->layers[k]];
+        ep[k] = &g->states[gr->layers[k]].ev;
+    }
+    kvt_status s = kvt__ev_round(env, sp, ep, gr->n_layers, g->pt, &gr->pool, g->prompt_rows);
+    kvt__free(env->alloc, sp, bytes);
+    kvt__free(env->alloc, ep, bytes);
+    return s;
+}
+
+static kvt_row_state ev_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
+                                  int32_t *slot) {
+    const kvt__ev *e = &l->state->ev;
+    int64_t row = kvt__ev_find(e, l->pt, head, pos);
+    if (row >= 0) {
+        *slot = kvt__slot(l->pt, l->page_rows, (uint64_t)row);
+        return KVT_ROW_ATTENDED;
+    }
+    *slot = -1;
+    return kvt__ev_archived(e, &l->st->spec, head, 0, pos) ? KVT_ROW_ARCHIVED : KVT_ROW_DROPPED;
+}
+
+static const uint8_t *ev_archived_row(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
+                                      uint64_t pos) {
+    return kvt__ev_archived(&l->state->ev, &l->st->spec, head, plane, pos);
+}
+
+static void ev_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
+    const kvt__ev *e = &l->state->ev;
+    if (l->pt->n_rows)
+        memcpy(out, e->pos + (size_t)head * e->pos_cap, sizeof *out * l->pt->n_rows);
+}
+
+static uint64_t ev_last_slot_map(const kvt__tier_layer *l, uint32_t head, const int32_t **map) {
+    const kvt__ev *e = &l->state->ev;
+    *map = e->last_n ? e->last_map + (size_t)head * e->last_n : NULL;
+    return e->last_n;
+}
+
+static bool ev_prompt_used(const kvt__tier_state *s) {
+    return s->ev.rounds > 0;
+}
+
+static bool ev_damaged(const kvt__tier_state *s) {
+    return s->ev.damaged;
+}
+
+static uint64_t archived_rows(const kvt__ev *e) {
+    uint64_t n = 0;
+    for (uint32_t h = 0; e->archive && h < e->n_heads; h++)
+        n += e->archive[h].n;
+    return n;
+}
+
+static void ev_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
+    const kvt__ev *e = &l->state->ev;
+    const kvt_layer_spec *sp = &l->st->spec;
+    out->rounds = e->rounds;
+    out->dropped_rows = e->dropped;
+    out->prompt_over_budget = e->prompt_over_budget;
+    out->archived_rows = archived_rows(e);
+    out->archive_bytes = out->archived_rows * sp->n_planes * (uint64_t)sp->row_bytes;
+    out->attended_rows = l->pt->n_rows; /* per head: every head keeps the same count */
+}
+
+static kvt_status ev_check_counts(const kvt__tier_layer *l, char *err, size_t len) {
+    const kvt__ev *e = &l->state->ev;
+    uint64_t H = l->st->spec.n_kv_heads, archived = archived_rows(e);
+    if (l->pt->n_rows * H + archived + e->dropped != l->appended * H)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "%llu held x %llu heads + %llu archived + %llu dropped != %llu appended "
+                         "rows",
+                         (unsigned long long)l->pt->n_rows, (unsigned long long)H,
+                         (unsigned long long)archived, (unsigned long long)e->dropped,
+                         (unsigned long long)(l->appended * H));
+    return KVT_OK;
+}
+
+static kvt_status ev_check(const kvt__tier_layer *l, char *err, size_t len) {
+    return kvt__ev_check(&l->state->ev, l->pt, l->cfg, l->appended, l->prompt_rows, err, len);
+}
+
+const kvt__policy_ops kvt__policy_evict = {
+    .rows_are_positions = false,
+    .dropped_how = "by random eviction",
+    .layer_init = ev_layer_init,
+    .layer_fini = ev_layer_fini,
+    .reserve = ev_reserve,
+    .group_commit = ev_group_commit,
+    .attended_count = kvt__none_attended_count,
+    .attended_rows = kvt__none_attended_rows,
+    .row_state = ev_row_state,
+    .archived_row = ev_archived_row,
+    .positions = ev_positions,
+    .last_slot_map = ev_last_slot_map,
+    .prompt_used = ev_prompt_used,
+    .damaged = ev_damaged,
+    .stats = ev_stats,
+    .check_counts = ev_check_counts,
+    .check = ev_check,
+};

@@ -14,7 +14,7 @@
  * construction. Ties in the score go to the lower position, so replicas on several GPUs choose
  * the same rows with no communication.
  */
-#include "tiers.h"
+#include "policy.h"
 
 #include "kernels/philox.h"
 #include "kernels/sigma.h"
@@ -278,3 +278,97 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
                          (unsigned long long)max_arch_pos, (unsigned long long)min_kept_pos);
     return KVT_OK;
 }
+
+/* ------------------------------------------------------------------------------------------- */
+/* The policy table (policy.h)                                                                  */
+/* ------------------------------------------------------------------------------------------- */
+static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
+                                 const kvt_config *cfg, char *err, size_t len) {
+    kvt_status s = kvt__sal_shared_init(&gr->sal, a, cfg);
+    if (s != KVT_OK)
+        return kvt__fail(err, len, s, "salience basis table (B %u, kappa %u)", cfg->block_rows,
+                         cfg->kappa);
+    return KVT_OK;
+}
+
+static void sal_group_fini(kvt__group *gr, const kvt__alloc *a) {
+    kvt__sal_shared_fini(&gr->sal, a);
+}
+
+static void sal_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {
+    kvt__sal_fini(&s->sal, a);
+}
+
+/* Each layer closes its own blocks; a failed layer does not stop the others (each retries from
+ * its own state at the next commit). */
+static kvt_status sal_group_commit(const kvt__env *env, const kvt__tier_group *g) {
+    kvt_status first_err = KVT_OK;
+    for (uint32_t k = 0; k < g->gr->n_layers; k++) {
+        uint32_t i = g->gr->layers[k];
+        kvt_status s = kvt__sal_commit(&g->states[i].sal, env, &g->gr->sal, &g->stores[i], g->pt,
+                                       g->pt->n_rows);
+        if (s != KVT_OK && first_err == KVT_OK)
+            first_err = s;
+    }
+    return first_err;
+}
+
+static uint64_t sal_attended_count(const kvt__tier_layer *l) {
+    return kvt__sal_attended_count(&l->state->sal, l->cfg);
+}
+
+static void sal_attended_rows(const kvt__tier_layer *l, int64_t *out) {
+    kvt__sal_attended_rows(&l->state->sal, l->cfg, out);
+}
+
+/* Archive = index partition: an archived row keeps its slot, it is only not attended. */
+static kvt_row_state sal_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
+                                   int32_t *slot) {
+    *slot = kvt__slot(l->pt, l->page_rows, pos);
+    return kvt__sal_is_attended(&l->state->sal, l->cfg, pos) ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
+}
+
+static void sal_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
+    const kvt__sal *sa = &l->state->sal;
+    uint64_t S = closed_sinks(sa, l->cfg);
+    out->sink_rows = S;
+    out->tail_rows = sa->n_rows - sa->closed_rows;
+    out->kept_rows = out->attended_rows - S - out->tail_rows;
+    out->closed_rows = sa->closed_rows;
+    out->archived_rows = sa->n_rows - out->attended_rows;
+    out->closes = sa->closes;
+    out->nonfinite_sigma = sa->nonfinite;
+    out->sigma_bytes_read = sa->score_bytes_read;
+}
+
+static kvt_status sal_check_counts(const kvt__tier_layer *l, char *err, size_t len) {
+    if (l->state->sal.n_rows != l->pt->n_rows)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "%llu rows held, %llu appended",
+                         (unsigned long long)l->pt->n_rows, (unsigned long long)l->appended);
+    return kvt__none_check_counts(l, err, len);
+}
+
+static kvt_status sal_check(const kvt__tier_layer *l, char *err, size_t len) {
+    const kvt__sal *sa = &l->state->sal;
+    if (sa->n_rows != l->pt->n_rows)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "salience state at %llu rows, table at %llu (a policy run failed and "
+                         "was not retried)",
+                         (unsigned long long)sa->n_rows, (unsigned long long)l->pt->n_rows);
+    return kvt__sal_check(sa, l->cfg, err, len);
+}
+
+const kvt__policy_ops kvt__policy_salience = {
+    .rows_are_positions = true,
+    .group_init = sal_group_init,
+    .group_fini = sal_group_fini,
+    .layer_fini = sal_layer_fini,
+    .group_commit = sal_group_commit,
+    .attended_count = sal_attended_count,
+    .attended_rows = sal_attended_rows,
+    .row_state = sal_row_state,
+    .positions = kvt__none_positions,
+    .stats = sal_stats,
+    .check_counts = sal_check_counts,
+    .check = sal_check,
+};

@@ -3,7 +3,8 @@
  *
  * Ownership: lib/ owns the context and sequence handles and validates everything from outside;
  * tiers/ owns page allocation, page tables and the tier state machines (salience tiering, random
- * eviction), and never reads queries; kernels/ computes (through the backend table).
+ * eviction), reached from lib/ through one table per policy (policy.h), and never reads queries;
+ * kernels/ computes (through the backend table).
  *
  * Positions and row indices. A sequence's tokens have original positions 0, 1, 2, ... . Each
  * policy group has a page table per sequence whose row index i maps to the slot
@@ -14,10 +15,10 @@
  *
  * Recycled leading pages. A none group whose layers are all sliding-window layers only ever
  * attends its last W rows (W = the largest window in the group), so after each commit the pages
- * whose rows all lie before n_rows - W go back to the pool. Row indices keep meaning positions;
- * the table remembers how many leading pages it gave back (first_page) and holds only the live
- * ones, so pages[k] is the page of rows [(first_page + k) * page_rows, ...). Every other group
- * keeps first_page = 0, where this reduces to the plain table above.
+ * whose rows all lie before n_rows - W go back to the pool (sliding.c). Row indices keep meaning
+ * positions; the table remembers how many leading pages it gave back (first_page) and holds only
+ * the live ones, so pages[k] is the page of rows [(first_page + k) * page_rows, ...). Every other
+ * group keeps first_page = 0, where this reduces to the plain table above.
  */
 #ifndef KVT_TIERS_TIERS_H
 #define KVT_TIERS_TIERS_H

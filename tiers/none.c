@@ -1,0 +1,52 @@
+/*
+ * none.c — policy none on full-attention layers: every committed row stays stored at row index =
+ * position and is attended; nothing runs at commit. Its entries double as the shared behaviour of
+ * tables that attend every row they hold (evict) or keep row index = position (salience,
+ * sliding).
+ */
+#include "policy.h"
+
+uint64_t kvt__none_attended_count(const kvt__tier_layer *l) {
+    return l->pt->n_rows;
+}
+
+void kvt__none_attended_rows(const kvt__tier_layer *l, int64_t *out) {
+    for (uint64_t i = 0; i < l->pt->n_rows; i++)
+        out[i] = (int64_t)i;
+}
+
+static kvt_row_state none_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
+                                    int32_t *slot) {
+    *slot = kvt__slot(l->pt, l->page_rows, pos);
+    return KVT_ROW_ATTENDED;
+}
+
+void kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
+    for (uint64_t i = 0; i < l->pt->n_rows; i++)
+        out[i] = (int64_t)i;
+}
+
+/* Row index = position: the table holds every appended row, those before the first live page
+ * (returned with it, sliding groups) counted in dropped_rows. */
+kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len) {
+    const kvt__ptable *t = l->pt;
+    uint64_t first = kvt__ptable_first_row(t, l->page_rows);
+    if (t->n_rows != l->appended)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "%llu rows held, %llu appended",
+                         (unsigned long long)t->n_rows, (unsigned long long)l->appended);
+    if (t->n_rows - first + t->dropped_rows != l->appended)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "%llu held + %llu dropped != %llu appended rows",
+                         (unsigned long long)(t->n_rows - first),
+                         (unsigned long long)t->dropped_rows, (unsigned long long)l->appended);
+    return KVT_OK;
+}
+
+const kvt__policy_ops kvt__policy_none = {
+    .rows_are_positions = true,
+    .attended_count = kvt__none_attended_count,
+    .attended_rows = kvt__none_attended_rows,
+    .row_state = none_row_state,
+    .positions = kvt__none_positions,
+    .check_counts = kvt__none_check_counts,
+};

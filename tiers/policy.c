@@ -1,0 +1,17 @@
+/* policy.c — which table a policy group gets (policy.h). */
+#include "policy.h"
+
+const kvt__policy_ops *kvt__policy_ops_for(const kvt__group *gr, const kvt__store *stores) {
+    switch (gr->policy) {
+    case KVT_POLICY_NONE:
+        for (uint32_t k = 0; k < gr->n_layers; k++)
+            if (stores[gr->layers[k]].spec.kind == KVT_LAYER_SLIDING)
+                return &kvt__policy_sliding;
+        return &kvt__policy_none;
+    case KVT_POLICY_SALIENCE:
+        return &kvt__policy_salience;
+    case KVT_POLICY_EVICT:
+        return &kvt__policy_evict;
+    }
+    return NULL;
+}

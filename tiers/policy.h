@@ -1,0 +1,173 @@
+/*
+ * policy.h — one table of functions per tier policy (ggml-backend / SQLite pcache style). Internal.
+ *
+ * lib/ validates everything from outside, then calls a layer's policy only through the table its
+ * group was given at context creation (kvt__policy_ops_for); it never switches on a policy. Four
+ * tables, one file each:
+ *
+ *   none.c      every stored row is attended (full attention under policy none);
+ *   sliding.c   a policy-none group holding sliding-window layers: each layer attends its own
+ *               window, older rows of the shared table stay stored (archived) until no layer's
+ *               window reads their page, which then goes back to the pool (leading pages);
+ *   salience.c  MLA-NoPE salience tiering: sinks, top-m closed rows by σ, tail; the rest archived
+ *               in place;
+ *   evict.c     random eviction rounds with compaction; rows dropped or copied to an archive.
+ *
+ * An entry marked (optional) may be NULL; its comment says what lib/ does without it. Entries
+ * that can fail write their detail message into the err buffer they are given (the calling thread's
+ * last error) and return the status; lib/ adds the layer or request where its messages did.
+ */
+#ifndef KVT_TIERS_POLICY_H
+#define KVT_TIERS_POLICY_H
+
+#include "tiers.h"
+
+typedef struct kvt__policy_ops kvt__policy_ops;
+
+/* A policy group: the layers of a context under one policy, which share one page table per
+ * sequence and one page allocator. */
+typedef struct kvt__group {
+    const kvt__policy_ops *ops; /* chosen once, at context creation */
+    kvt_policy policy;          /* the resolved public policy (names, stats) */
+    kvt__pool pool;
+    uint32_t n_layers;
+    uint32_t *layers; /* model layer indices, ascending */
+    /* Group-wide policy state, set by the table's group_init (zero otherwise). window_rows, of
+     * the sliding table: rows before n_rows - window_rows are read by no layer of the group and
+     * their pages go back to the pool; 0 keeps every row (lib/ checks page tables against it). */
+    uint32_t window_rows;
+    kvt__sal_shared sal; /* salience: the basis tables of σ */
+} kvt__group;
+
+/* Policy state of one (sequence, layer): the member of the layer's policy. lib/ zeroes it
+ * before layer_init and hands it to the entries of the layer's table only. */
+typedef union kvt__tier_state {
+    kvt__sal sal;
+    kvt__ev ev;
+} kvt__tier_state;
+
+/* One layer of one sequence, as the per-layer queries see it. Built by lib/ for each call. */
+typedef struct kvt__tier_layer {
+    const kvt_config *cfg;
+    uint32_t page_rows;
+    const kvt__group *gr;         /* the layer's group */
+    const kvt__store *st;         /* the layer's storage and spec (st->layer: model index) */
+    const kvt__ptable *pt;        /* the sequence's page table of the group */
+    const kvt__tier_state *state; /* the layer's policy state */
+    uint64_t appended;            /* tokens the sequence committed */
+    uint64_t prompt_rows;         /* kvt_seq_set_prompt_rows */
+} kvt__tier_layer;
+
+/* One policy group of one sequence, as group_commit sees it. */
+typedef struct kvt__tier_group {
+    kvt__group *gr;
+    kvt__ptable *pt;         /* n_rows already counts the rows this commit appended */
+    kvt__store *stores;      /* the context's, [model layers]; gr->layers index it */
+    kvt__tier_state *states; /* the sequence's, [model layers] */
+    uint64_t appended;       /* tokens the sequence committed, these included */
+    uint64_t new_rows;       /* rows this commit appended: the last new_rows row indices of pt,
+                              * positions [appended - new_rows, appended); 0 on a retry */
+    uint64_t prompt_rows;
+} kvt__tier_group;
+
+struct kvt__policy_ops {
+    /* Row index i of the group's table holds position i in every layer (no compaction), so the
+     * table holds exactly the appended rows (some of them may have left with their pages). False
+     * for a policy that compacts rows (kvt_seq_check then only requires n_rows <= appended). */
+    bool rows_are_positions;
+    /* (optional) How a row of this policy stops being stored, ending the message "... position
+     * P was dropped %s" of kvt_seq_read_row. NULL: the policy never drops a row. */
+    const char *dropped_how;
+
+    /* ---- Context creation ------------------------------------------------------------------ */
+    /* (optional) Set up the group's shared state (window, basis tables) once its layers are
+     * known; stores[gr->layers[k]] are its layers. KVT_OK or a status with a message in err.
+     * Without it the group has none. Called once; group_fini runs even after a failure. */
+    kvt_status (*group_init)(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
+                             const kvt_config *cfg, char *err, size_t len);
+    /* (optional) Free what group_init allocated; safe on a zeroed or half-built group. */
+    void (*group_fini)(kvt__group *gr, const kvt__alloc *a);
+
+    /* ---- Per (sequence, layer) state ------------------------------------------------------- */
+    /* (optional) Initialise a zeroed state at sequence creation. KVT_OK or a status with a message
+     * in env->err. Without it the zeroed state is the initial one. */
+    kvt_status (*layer_init)(kvt__tier_state *s, const kvt__env *env, const kvt__store *st);
+    /* (optional) Free the state; must accept a zeroed state (creation may stop half way). */
+    void (*layer_fini)(kvt__tier_state *s, const kvt__alloc *a);
+    /* (optional) Reserve: the group's table will hold `rows` rows once the reserved tokens commit.
+     * Grow whatever group_commit must append to, so that commit cannot fail for memory. KVT_OK or
+     * KVT_ERR_OUT_OF_MEMORY with nothing changed (no message: lib/ writes one). Without it nothing
+     * grows. */
+    kvt_status (*reserve)(kvt__tier_state *s, const kvt__alloc *a, uint64_t rows);
+
+    /* ---- Commit ---------------------------------------------------------------------------- */
+    /* (optional) Run the policy over one group of one sequence after rows were committed (block
+     * close and re-selection, eviction rounds, leading pages returned). Incremental from the
+     * states: after a failure (status and message in env->err) the next commit, with new_rows 0,
+     * completes the work. Without it committing changes nothing but the table's n_rows. */
+    kvt_status (*group_commit)(const kvt__env *env, const kvt__tier_group *g);
+
+    /* ---- Attended set ---------------------------------------------------------------------- */
+    /* Rows the layer attends (per KV head). */
+    uint64_t (*attended_count)(const kvt__tier_layer *l);
+    /* Their row indices in the group's table, ascending, into out[attended_count]. */
+    void (*attended_rows)(const kvt__tier_layer *l, int64_t *out);
+
+    /* ---- Rows by position ------------------------------------------------------------------ */
+    /* State of (head, pos), pos < l->appended (lib/ answers for pending rows). *slot: the row's
+     * slot while its bytes are in the pool (attended, or archived in place), else -1. */
+    kvt_row_state (*row_state)(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
+                               int32_t *slot);
+    /* (optional) Bytes of an archived row that left the pool (plane `plane`), or NULL. Without it
+     * every archived row stays in the pool at the slot row_state gives. */
+    const uint8_t *(*archived_row)(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
+                                   uint64_t pos);
+    /* Original position at each row index of the table for one head, into out[l->pt->n_rows]
+     * (-1: the row left with its page). */
+    void (*positions)(const kvt__tier_layer *l, uint32_t head, int64_t *out);
+    /* (optional) Slot map of the last compaction of the group for one head: returns its length
+     * and points *map at old row index -> new row index or -1 (NULL when the length is 0).
+     * Without it kvt_seq_last_slot_map answers KVT_ERR_POLICY_MISMATCH: rows never move. */
+    uint64_t (*last_slot_map)(const kvt__tier_layer *l, uint32_t head, const int32_t **map);
+
+    /* ---- Sequence-wide conditions ---------------------------------------------------------- */
+    /* (optional) Has a decision already used the prompt length? kvt_seq_set_prompt_rows refuses
+     * to change it then. Without it, never. */
+    bool (*prompt_used)(const kvt__tier_state *s);
+    /* (optional) Did a device error leave the state half changed? The sequence then refuses every
+     * call but kvt_seq_destroy. Without it, never. */
+    bool (*damaged)(const kvt__tier_state *s);
+
+    /* ---- Statistics and invariants --------------------------------------------------------- */
+    /* (optional) Fill the policy's fields of out; lib/ has set struct_size, policy,
+     * appended_rows, attended_rows (= attended_count), pages_in_use, bytes_in_use, prompt_rows
+     * and zeroed the rest. Without it the rest stays zero. */
+    void (*stats)(const kvt__tier_layer *l, kvt_layer_stats *out);
+    /* O(heads) accounting after every commit: every appended (position, head) row is attended,
+     * archived or dropped, counted by independent counters. KVT_ERR_INVARIANT with the violation
+     * in err (lib/ prefixes the layer). */
+    kvt_status (*check_counts)(const kvt__tier_layer *l, char *err, size_t len);
+    /* (optional) Full check of the state (kvt_seq_check, O(rows)); as check_counts. Without it
+     * the state has nothing to check beyond the counts and the page tables. */
+    kvt_status (*check)(const kvt__tier_layer *l, char *err, size_t len);
+};
+
+extern const kvt__policy_ops kvt__policy_none;
+extern const kvt__policy_ops kvt__policy_sliding;
+extern const kvt__policy_ops kvt__policy_salience;
+extern const kvt__policy_ops kvt__policy_evict;
+
+/* The table of a group under gr->policy whose layers are stores[gr->layers[k]]: policy none
+ * takes the sliding table when a layer of the group is a sliding-window layer (its window must
+ * be honoured; whether pages can go back is the table's group_init), else the none table. NULL
+ * for a policy no table implements. */
+const kvt__policy_ops *kvt__policy_ops_for(const kvt__group *gr, const kvt__store *stores);
+
+/* Entries shared by tables whose layers attend every row they hold (none, evict) and whose row
+ * indices are positions (none, salience). */
+uint64_t kvt__none_attended_count(const kvt__tier_layer *l);
+void kvt__none_attended_rows(const kvt__tier_layer *l, int64_t *out);
+void kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
+kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
+
+#endif
