@@ -30,7 +30,10 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     e.backend = &ctx->backend;
     e.cfg = &ctx->cfg;
     e.page_rows = ctx->page_rows;
+    e.pdiv = &ctx->pdiv;
     e.philox_key = seq ? seq->philox_key : 0;
+    e.layer_offset = ctx->layer_offset;
+    e.head_offset = ctx->kv_head_offset;
     e.stream = stream;
     e.err = kvt__tls_error();
     e.err_len = KVT__ERR_LEN;
@@ -272,6 +275,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     ctx->n_kv_heads_global = p->n_kv_heads_global;
     ctx->layer_offset = p->layer_offset;
     ctx->page_rows = p->page_rows;
+    ctx->pdiv = kvt__div32_make(p->page_rows);
     ctx->n_pages = p->n_pages;
     ctx->external = p->external_storage;
     ctx->backend.alloc = &ctx->alloc;

@@ -14,6 +14,7 @@ struct kvt_ctx {
     kvt_model *model;
     kvt_config cfg;
     uint32_t page_rows, n_pages;
+    kvt__div32 pdiv; /* page_rows as a divider */
     bool external;
     bool started; /* a reservation happened: storage can no longer be rebound */
     uint32_t n_layers;

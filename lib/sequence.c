@@ -57,6 +57,7 @@ static kvt__tier_layer tier_layer(const kvt_seq *seq, uint32_t layer) {
     kvt__tier_layer l;
     l.cfg = &ctx->cfg;
     l.page_rows = ctx->page_rows;
+    l.pdiv = &ctx->pdiv;
     l.gr = &ctx->groups[st->group];
     l.st = st;
     l.pt = &seq->pt[st->group];
@@ -252,7 +253,7 @@ kvt_status kvt_seq_reserved_slot(const kvt_seq *seq, uint32_t layer, uint32_t i,
         return kvt__ctx_fail(seq->ctx, KVT_ERR_OUT_OF_RANGE, "reserved token %u of %u", i,
                              seq->n_pending);
     const kvt__ptable *t = &seq->pt[st->group];
-    *slot = kvt__slot(t, seq->ctx->page_rows, t->n_rows + i);
+    *slot = kvt__slot(t, &seq->ctx->pdiv, t->n_rows + i);
     return KVT_OK;
 }
 
@@ -279,7 +280,7 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
     const kvt__ptable *t = &seq->pt[st->group];
     const uint8_t *in = src;
     for (uint32_t i = 0; i < n; i++) {
-        int32_t slot = kvt__slot(t, ctx->page_rows, t->n_rows + first + i);
+        int32_t slot = kvt__slot(t, &ctx->pdiv, t->n_rows + first + i);
         memcpy(st->plane[plane] + (size_t)slot * st->slot_bytes, in + (size_t)i * st->slot_bytes,
                st->slot_bytes);
     }
@@ -451,7 +452,7 @@ static kvt_status emit_slots(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
         attended_rows(seqs[i], layer, rows);
         const kvt__ptable *t = &seqs[i]->pt[st->group];
         for (uint64_t j = 0; j < n; j++)
-            dst[i][j] = kvt__slot(t, ctx->page_rows, (uint64_t)rows[j]);
+            dst[i][j] = kvt__slot(t, &ctx->pdiv, (uint64_t)rows[j]);
     }
     kvt__free(&ctx->alloc, rows, bytes);
     return KVT_OK;
@@ -592,7 +593,7 @@ static kvt_status locate(const kvt_seq *seq, uint32_t layer, uint32_t head, uint
         if (pos < seq->n_tokens + seq->n_pending) {
             *state = KVT_ROW_PENDING;
             const kvt__ptable *t = &seq->pt[st->group];
-            *slot = kvt__slot(t, ctx->page_rows, t->n_rows + (pos - seq->n_tokens));
+            *slot = kvt__slot(t, &ctx->pdiv, t->n_rows + (pos - seq->n_tokens));
             return KVT_OK;
         }
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "position %llu of %llu committed",

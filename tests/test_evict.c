@@ -976,7 +976,8 @@ Test(evict_internal, failed_move_marks_the_group_damaged) {
     ops.move_rows = fail_move;
     kvt__backend be = {.ops = &ops, .alloc = &a, .impl = NULL};
     char err[256] = "";
-    kvt__env env = {.alloc = &a, .backend = &be, .cfg = &cfg, .page_rows = PR,
+    kvt__div32 pdiv = kvt__div32_make(PR);
+    kvt__env env = {.alloc = &a, .backend = &be, .cfg = &cfg, .page_rows = PR, .pdiv = &pdiv,
                     .philox_key = kvt__philox_key(cfg.seed, 1), .err = err,
                     .err_len = sizeof err};
     kvt__store *stores[2] = {&st[0], &st[1]};
@@ -1028,10 +1029,12 @@ Test(evict_internal, failed_selection_changes_nothing) {
     ops_topm.topm = fail_topm;
     kvt__backend be = {.ops = &ops_draws, .alloc = &a, .impl = NULL};
     char err[256] = "";
+    kvt__div32 pdiv = kvt__div32_make(PR);
     kvt__env env = {.alloc = &a,
                     .backend = &be,
                     .cfg = &cfg,
                     .page_rows = PR,
+                    .pdiv = &pdiv,
                     .philox_key = kvt__philox_key(cfg.seed, 1),
                     .stream = NULL,
                     .err = err,
@@ -1089,4 +1092,68 @@ Test(evict_internal, failed_selection_changes_nothing) {
     free(st.plane[0]);
     free(st.plane[1]);
     kvt__alloc_fini(&a);
+}
+
+/* Tensor and pipeline parallelism: a rank holding KV heads [off, off + H) of n_global, and layers
+ * from layer_offset on, keys its draws by the global ids, so it keeps exactly the positions the
+ * unsharded run keeps for those heads and layers (DESIGN §3: replicas decide alike without a
+ * collective). Without the offsets rank 1 would repeat rank 0's draws. */
+static void tp_run(uint32_t n_layers, uint32_t heads, uint32_t head_off, uint32_t n_global,
+                   uint32_t layer_off, bool shared, int64_t *pos_out, uint64_t *n_out) {
+    kvt_layer_spec sp[2];
+    for (uint32_t l = 0; l < n_layers; l++)
+        sp[l] = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, heads, 8);
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(sp, n_layers, "tp", &m, NULL, 0), KVT_OK);
+    kvt_config cfg = small_cfg(16, 4, 4);
+    cfg.evict_shared_draw = shared;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &cfg;
+    p.page_rows = 8;
+    p.n_pages = 64;
+    p.kv_head_offset = head_off;
+    p.n_kv_heads_global = n_global;
+    p.layer_offset = layer_off;
+    kvt_ctx *ctx;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq *seq;
+    cr_assert_eq(kvt_seq_create(ctx, 5, &seq), KVT_OK);
+    cr_assert_eq(kvt_seq_set_prompt_rows(seq, 3), KVT_OK);
+    for (int i = 0; i < 30; i++) {
+        cr_assert_eq(kvt_seq_reserve(seq, 5), KVT_OK);
+        cr_assert_eq(kvt_seq_commit(seq, 5), KVT_OK, "%s", kvt_last_error());
+    }
+    for (uint32_t l = 0; l < n_layers; l++)
+        for (uint32_t h = 0; h < heads; h++)
+            cr_assert_eq(kvt_seq_positions(seq, l, h, pos_out + (l * heads + h) * 64, 64, n_out),
+                         KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+Test(evict, tensor_and_pipeline_ranks_decide_like_the_unsharded_run) {
+    for (int shared = 0; shared < 2; shared++) {
+        static int64_t full[2 * 8 * 64], r0[2 * 4 * 64], r1[2 * 4 * 64], pp[1 * 8 * 64];
+        uint64_t n_full, n0, n1, npp;
+        tp_run(2, 8, 0, 0, 0, shared, full, &n_full);          /* unsharded: 2 layers x 8 heads */
+        tp_run(2, 4, 0, 8, 0, shared, r0, &n0);                /* TP rank 0: heads 0..3 */
+        tp_run(2, 4, 4, 8, 0, shared, r1, &n1);                /* TP rank 1: heads 4..7 */
+        tp_run(1, 8, 0, 0, 1, shared, pp, &npp);               /* PP stage 1: layer 1 only */
+        cr_assert_eq(n0, n_full);
+        cr_assert_eq(n1, n_full);
+        cr_assert_eq(npp, n_full);
+        for (uint32_t l = 0; l < 2; l++)
+            for (uint32_t h = 0; h < 4; h++) {
+                cr_assert(pos_equal(r0 + (l * 4 + h) * 64, full + (l * 8 + h) * 64, n_full),
+                          "rank 0 layer %u head %u", l, h);
+                cr_assert(pos_equal(r1 + (l * 4 + h) * 64, full + (l * 8 + h + 4) * 64, n_full),
+                          "rank 1 layer %u head %u (global %u)", l, h, h + 4);
+            }
+        for (uint32_t h = 0; h < 8; h++)
+            cr_assert(pos_equal(pp + h * 64, full + (8 + h) * 64, n_full), "stage 1 head %u", h);
+        /* The offsets matter: rank 1's heads differ from rank 0's unless the draw is shared. */
+        cr_assert_eq(pos_equal(r1, r0, n_full), (bool)shared);
+    }
 }

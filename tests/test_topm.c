@@ -249,3 +249,29 @@ Test(topm, score_key_order) {
         cr_assert(k >= kninf && k <= kinf, "bits %08x -> key %08x", (unsigned)u, k);
     }
 }
+
+/* The page-size divider (kernels/kvt_hd.h): quotient and remainder equal / and % for the page
+ * sizes engines use (powers of two by shift and mask; 528, 672, 7808 and every size up to 1100 by
+ * the multiply-high inverse), exhaustively over the first 2^20 rows and at the top of the 32-bit
+ * range. */
+#include "kernels/kvt_hd.h"
+
+static void div_check(uint32_t d, uint32_t n) {
+    kvt__div32 v = kvt__div32_make(d);
+    uint32_t q = kvt__div32_q(&v, n), r = kvt__div32_r(&v, n);
+    cr_assert(q == n / d && r == n % d, "d %u n %u: q %u r %u, want %u %u", d, n, q, r, n / d,
+              n % d);
+}
+
+Test(div32, equals_hardware_division) {
+    for (uint32_t d = 1; d <= 1100; d++)
+        for (uint32_t n = 0; n < 5000; n++)
+            div_check(d, n);
+    const uint32_t sizes[] = {16, 64, 528, 672, 7808, 65536, 65535, 3, 7};
+    for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++) {
+        for (uint32_t n = 0; n < (1u << 20); n++)
+            div_check(sizes[k], n);
+        for (uint32_t n = UINT32_MAX; n > UINT32_MAX - 100000u; n--)
+            div_check(sizes[k], n);
+    }
+}

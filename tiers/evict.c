@@ -285,7 +285,7 @@ static kvt_status select_head(const kvt__env *env, const kvt__store *st, const k
             int vp = st->spec.n_planes > 1 ? 1 : 0;
             for (uint64_t i = f; i < cand; i++) {
                 const uint8_t *row = st->plane[vp] +
-                                     (size_t)kvt__slot(pt, env->page_rows, i) * st->slot_bytes +
+                                     (size_t)kvt__slot(pt, env->pdiv, i) * st->slot_bytes +
                                      (size_t)h * st->spec.row_bytes;
                 s->keys[i - f] = kvt__score_key(value_range(st, row));
             }
@@ -310,8 +310,11 @@ static kvt_status select_head(const kvt__env *env, const kvt__store *st, const k
     }
     uint64_t m_r = K - taken;
     if (m_r > 0) {
-        uint32_t draw_head = cfg->evict_shared_draw ? 0 : h;
-        uint64_t subseq = kvt__philox_subseq((uint32_t)e->rounds, st->layer, draw_head);
+        /* Global ids (tensor/pipeline parallel ranks draw alike); the shared draw is one draw
+         * for every head of the layer on every rank: global head 0. */
+        uint32_t draw_head = cfg->evict_shared_draw ? 0 : h + env->head_offset;
+        uint64_t subseq = kvt__philox_subseq((uint32_t)e->rounds, st->layer + env->layer_offset,
+                                             draw_head);
         rc = be->ops->draws(be, env->philox_key, subseq, s->rpos, (size_t)n_rest, s->keys,
                             env->stream);
         if (rc != KVT_OK)
@@ -369,7 +372,7 @@ static void archive_evicted(kvt__ev_archive *ar, const kvt__env *env, const kvt_
             continue;
         }
         size_t off =
-            (size_t)kvt__slot(pt, env->page_rows, i) * st->slot_bytes + (size_t)h * sp->row_bytes;
+            (size_t)kvt__slot(pt, env->pdiv, i) * st->slot_bytes + (size_t)h * sp->row_bytes;
         uint8_t *d = ar->bytes + (size_t)n * sp->n_planes * sp->row_bytes;
         for (uint32_t p = 0; p < sp->n_planes; p++)
             memcpy(d + (size_t)p * sp->row_bytes, st->plane[p] + off, sp->row_bytes);
@@ -413,8 +416,8 @@ static kvt_status compact_layer(const kvt__env *env, kvt__store *st, const kvt__
             uint64_t o = old_row(kh, K, cand, j);
             if (o == j)
                 continue;
-            s->src[n] = kvt__slot(pt, env->page_rows, o);
-            s->dst[n] = kvt__slot(pt, env->page_rows, j);
+            s->src[n] = kvt__slot(pt, env->pdiv, o);
+            s->dst[n] = kvt__slot(pt, env->pdiv, j);
             n++;
         }
         if (n == 0)
@@ -696,7 +699,7 @@ static kvt_row_state ev_row_state(const kvt__tier_layer *l, uint32_t head, uint6
     const kvt__ev *e = &l->state->ev;
     int64_t row = kvt__ev_find(e, l->pt, head, pos);
     if (row >= 0) {
-        *slot = kvt__slot(l->pt, l->page_rows, (uint64_t)row);
+        *slot = kvt__slot(l->pt, l->pdiv, (uint64_t)row);
         return KVT_ROW_ATTENDED;
     }
     *slot = -1;

@@ -17,7 +17,7 @@ void kvt__none_attended_rows(const kvt__tier_layer *l, int64_t *out) {
 
 static kvt_row_state none_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                     int32_t *slot) {
-    *slot = kvt__slot(l->pt, l->page_rows, pos);
+    *slot = kvt__slot(l->pt, l->pdiv, pos);
     return KVT_ROW_ATTENDED;
 }
 

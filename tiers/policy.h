@@ -50,6 +50,7 @@ typedef union kvt__tier_state {
 typedef struct kvt__tier_layer {
     const kvt_config *cfg;
     uint32_t page_rows;
+    const kvt__div32 *pdiv;       /* page_rows as a divider (kvt__slot) */
     const kvt__group *gr;         /* the layer's group */
     const kvt__store *st;         /* the layer's storage and spec (st->layer: model index) */
     const kvt__ptable *pt;        /* the sequence's page table of the group */

@@ -64,7 +64,7 @@ static kvt_status score_block(const kvt__env *env, const kvt__sal_shared *sh,
     const kvt_layer_spec *sp = &st->spec;
     uint32_t B = sh->block_rows;
     for (uint32_t u = 0; u < B; u++)
-        slots[u] = kvt__slot(pt, env->page_rows, first + u);
+        slots[u] = kvt__slot(pt, env->pdiv, first + u);
     kvt__score_args a;
     memset(&a, 0, sizeof a);
     a.selector = env->cfg->selector;
@@ -80,7 +80,7 @@ static kvt_status score_block(const kvt__env *env, const kvt__sal_shared *sh,
     a.basis = sh->basis;
     a.n_basis = sh->n_basis;
     a.key = env->philox_key;
-    a.subseq = kvt__philox_subseq(0, st->layer, 0);
+    a.subseq = kvt__philox_subseq(0, st->layer + env->layer_offset, 0); /* global layer id */
     a.first_position = first;
     a.out = out;
     return env->backend->ops->score_rows(env->backend, &a, env->stream);
@@ -324,7 +324,7 @@ static void sal_attended_rows(const kvt__tier_layer *l, int64_t *out) {
 /* Archive = index partition: an archived row keeps its slot, it is only not attended. */
 static kvt_row_state sal_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                    int32_t *slot) {
-    *slot = kvt__slot(l->pt, l->page_rows, pos);
+    *slot = kvt__slot(l->pt, l->pdiv, pos);
     return kvt__sal_is_attended(&l->state->sal, l->cfg, pos) ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
 }
 

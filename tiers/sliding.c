@@ -61,7 +61,7 @@ static kvt_row_state sliding_row_state(const kvt__tier_layer *l, uint32_t head, 
         *slot = -1;
         return KVT_ROW_DROPPED;
     }
-    *slot = kvt__slot(t, l->page_rows, pos);
+    *slot = kvt__slot(t, l->pdiv, pos);
     return pos >= t->n_rows - sliding_attended_count(l) ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
 }
 

@@ -24,6 +24,7 @@
 #define KVT_TIERS_TIERS_H
 
 #include "kernels/backend.h"
+#include "kernels/kvt_hd.h"
 #include "lib/base/alloc.h"
 #include "lib/base/base.h"
 #include "kvtier.h"
@@ -63,12 +64,13 @@ typedef struct kvt__ptable {
                             * kept apart so that the commit check compares two counters) */
 } kvt__ptable;
 
-/* Slot of row index `row`, which must lie in a live page (row >= first_page * page_rows). */
-static inline int32_t kvt__slot(const kvt__ptable *t, uint32_t page_rows, uint64_t row) {
-    KVT_ASSERT(row / page_rows >= t->first_page &&
-               row / page_rows - t->first_page < t->n_pages);
-    return t->pages[row / page_rows - t->first_page] * (int32_t)page_rows +
-           (int32_t)(row % page_rows);
+/* Slot of row index `row`, which must lie in a live page (row >= first_page * page_rows). The
+ * page size is divided by its precomputed inverse (kvt__div32): no hardware division per row. */
+static inline int32_t kvt__slot(const kvt__ptable *t, const kvt__div32 *pr, uint64_t row) {
+    KVT_ASSERT(row <= UINT32_MAX);
+    uint32_t page = kvt__div32_q(pr, (uint32_t)row), off = kvt__div32_r(pr, (uint32_t)row);
+    KVT_ASSERT(page >= t->first_page && page - t->first_page < t->n_pages);
+    return t->pages[page - t->first_page] * (int32_t)pr->d + (int32_t)off;
 }
 
 /* First row index still held (rows before it left with their pages). */
@@ -106,9 +108,14 @@ typedef struct kvt__env {
     const kvt__backend *backend;
     const kvt_config *cfg;
     uint32_t page_rows;
+    const kvt__div32 *pdiv; /* page_rows as a divider (kvt__slot) */
     uint64_t philox_key; /* kvt__philox_key(seed, request_id) */
+    /* Tensor / pipeline parallelism: a rank's local layer l and KV head h are global layer
+     * l + layer_offset and head h + head_offset; every random draw is keyed by the global ids so
+     * every rank decides alike (kvt_ctx_params). */
+    uint32_t layer_offset, head_offset;
     void *stream;
-    char *err;           /* detail message buffer (the context's last error) */
+    char *err;           /* detail message buffer (the calling thread's, kvt_last_error) */
     size_t err_len;
 } kvt__env;
 
