@@ -58,6 +58,36 @@ static void die(kvt_status s, const char *what, const char *detail) {
     exit(1);
 }
 
+/* A request of its own with the given id (defaults otherwise). */
+static kvt_seq *new_seq(kvt_ctx *ctx, uint64_t id, uint64_t prompt_rows) {
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = id;
+    sp.prompt_rows = prompt_rows;
+    kvt_seq *seq;
+    kvt_status s = kvt_seq_create(ctx, &sp, &seq);
+    if (s)
+        die(s, "sequence", kvt_last_error());
+    return seq;
+}
+
+/* Plan, run every layer with KV (emitting into idx, capacity topk), commit: one engine step
+ * after the rows were written. Returns the seconds spent in plan + runs + commit. */
+static double step_run_commit(kvt_batch *b, const kvt_model *m, int32_t *idx, uint32_t topk) {
+    int32_t len;
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                  .capacity = topk, .lengths = &len};
+    double t = now_s();
+    kvt_status s = kvt_batch_plan(b);
+    for (uint32_t l = 0; s == KVT_OK && l < kvt_model_n_layers(m); l++)
+        s = kvt_batch_run(b, l, NULL, NULL, &e);
+    if (s == KVT_OK)
+        s = kvt_batch_commit(b, NULL);
+    t = now_s() - t;
+    if (s)
+        die(s, "step", kvt_last_error());
+    return t;
+}
+
 static void bench_salience(int reps) {
     const uint32_t B = 4096;
     kvt_layer_spec spec;
@@ -77,21 +107,24 @@ static void bench_salience(int reps) {
         kvt_ctx *ctx;
         if ((s = kvt_ctx_create(&p, &ctx, err, sizeof err)))
             die(s, "context", err);
-        kvt_seq *seq;
-        kvt_seq_create(ctx, 1, &seq);
-        /* 16 blocks to build history, time the 17th close (global top-m over 69,632 rows). */
+        kvt_seq *seq = new_seq(ctx, 1, 0);
+        kvt_batch *batch;
+        if ((s = kvt_batch_create(ctx, 1, &batch)))
+            die(s, "batch", kvt_last_error());
+        int32_t *idx = malloc(sizeof(int32_t) * 17 * B);
+        /* 16 blocks to build history, time the 17th close (global top-m over 69,632 rows): the
+         * step whose run closes the block (plan + run + commit). */
         for (int b = 0; b < 17; b++) {
-            if ((s = kvt_seq_reserve(seq, B)))
+            uint32_t n = B;
+            if ((s = kvt_batch_reserve(batch, &seq, &n, 1)))
                 die(s, "reserve", kvt_last_error());
             kvt_seq_write(seq, 0, 0, 0, B, rows, (size_t)B * 1152);
-            double t = now_s();
-            s = kvt_seq_commit(seq, B);
-            t = now_s() - t;
-            if (s)
-                die(s, "commit", kvt_last_error());
+            double t = step_run_commit(batch, m, idx, 17 * B);
             if (b == 16 && t < best)
                 best = t;
         }
+        free(idx);
+        kvt_batch_destroy(batch);
         kvt_ctx_destroy(ctx);
     }
     double mc = memcpy_best((size_t)B * 1152, reps * 4);
@@ -129,24 +162,28 @@ static void bench_evict(int reps, bool shared) {
         kvt_ctx *ctx;
         if ((s = kvt_ctx_create(&p, &ctx, err, sizeof err)))
             die(s, "context", err);
-        kvt_seq *seq;
-        kvt_seq_create(ctx, (uint64_t)r + 1, &seq);
-        kvt_seq_set_prompt_rows(seq, 128);
-        if ((s = kvt_seq_reserve(seq, n - 1)))
+        kvt_seq *seq = new_seq(ctx, (uint64_t)r + 1, 128);
+        kvt_batch *batch;
+        if ((s = kvt_batch_create(ctx, 1, &batch)))
+            die(s, "batch", kvt_last_error());
+        uint32_t first = n - 1, one = 1;
+        if ((s = kvt_batch_reserve(batch, &seq, &first, 1)))
             die(s, "reserve", kvt_last_error());
         for (uint32_t l = 0; l < L; l++)
             for (uint32_t pl = 0; pl < 2; pl++)
                 kvt_seq_write(seq, l, pl, 0, n - 1, rows, (size_t)(n - 1) * slot);
-        kvt_seq_commit(seq, n - 1);
-        kvt_seq_reserve(seq, 1);
+        if ((s = kvt_batch_commit(batch, NULL)))
+            die(s, "commit", kvt_last_error());
+        if ((s = kvt_batch_reserve(batch, &seq, &one, 1)))
+            die(s, "reserve", kvt_last_error());
         for (uint32_t l = 0; l < L; l++)
             for (uint32_t pl = 0; pl < 2; pl++)
                 kvt_seq_write(seq, l, pl, 0, 1, rows, slot);
-        double t = now_s();
-        s = kvt_seq_commit(seq, 1); /* this commit runs the round */
-        t = now_s() - t;
-        if (s)
-            die(s, "commit", kvt_last_error());
+        int32_t *idx = malloc(sizeof(int32_t) * n);
+        /* This step's runs run the round, layer by layer; the commit returns the pages. */
+        double t = step_run_commit(batch, m, idx, n);
+        free(idx);
+        kvt_batch_destroy(batch);
         kvt_layer_stats ls = {.struct_size = sizeof ls};
         kvt_seq_layer_stats(seq, 0, &ls);
         if (ls.rounds != 1)
@@ -179,28 +216,42 @@ static void bench_attended(int reps) {
     kvt_status s = kvt_ctx_create(&p, &ctx, err, sizeof err);
     if (s)
         die(s, "context", err);
-    kvt_seq *seq;
-    kvt_seq_create(ctx, 1, &seq);
+    kvt_seq *seq = new_seq(ctx, 1, 0);
+    kvt_batch *batch;
+    if ((s = kvt_batch_create(ctx, 1, &batch)))
+        die(s, "batch", kvt_last_error());
     uint8_t *rows = malloc((size_t)B * 1152);
     fill_bf16(rows, (size_t)B * 576);
     for (uint32_t b = 0; b < N / B; b++) {
-        kvt_seq_reserve(seq, B);
+        uint32_t n = B;
+        if ((s = kvt_batch_reserve(batch, &seq, &n, 1)))
+            die(s, "reserve", kvt_last_error());
         kvt_seq_write(seq, 0, 0, 0, B, rows, (size_t)B * 1152);
-        if ((s = kvt_seq_commit(seq, B)))
+        if ((s = kvt_batch_commit(batch, NULL)))
             die(s, "commit", kvt_last_error());
     }
-    uint32_t cnt;
-    kvt_attended_count(ctx, 0, &seq, 1, &cnt);
-    int32_t *idx = malloc(sizeof(int32_t) * cnt);
+    kvt_layer_stats ls = {.struct_size = sizeof ls};
+    kvt_seq_layer_stats(seq, 0, &ls);
+    uint32_t cnt = (uint32_t)ls.attended_rows;
+    int32_t *idx = malloc(sizeof(int32_t) * N);
     int32_t len;
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                  .capacity = cnt, .lengths = &len};
     double best = 1e30;
     for (int r = 0; r < reps * 10; r++) {
+        /* A decode step with no new row (nothing to close): the emission alone. */
+        uint32_t zero = 0;
+        if ((s = kvt_batch_reserve(batch, &seq, &zero, 1)) || (s = kvt_batch_plan(batch)))
+            die(s, "step", kvt_last_error());
         double t = now_s();
-        kvt_attended_tokens(ctx, 0, &seq, 1, NULL, NULL, idx, cnt, &len);
+        s = kvt_batch_run(batch, 0, NULL, NULL, &e);
         t = now_s() - t;
+        if (s || (s = kvt_batch_commit(batch, NULL)))
+            die(s, "run", kvt_last_error());
         if (t < best)
             best = t;
     }
+    kvt_batch_destroy(batch);
     double mc = memcpy_best(sizeof(int32_t) * cnt, reps * 10);
     double dense = memcpy_best((size_t)N * 1152, reps);
     printf("attended set     128k context at 32x (%u rows): %8.3f ms = %5.1fx memcpy of the "

@@ -28,7 +28,7 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     kvt__env e;
     e.alloc = &ctx->alloc;
     e.backend = &ctx->backend;
-    e.cfg = &ctx->cfg;
+    e.cfg = seq ? &seq->cfg : &ctx->cfg; /* a request's own ratio */
     e.page_rows = ctx->page_rows;
     e.pdiv = &ctx->pdiv;
     e.philox_key = seq ? seq->philox_key : 0;

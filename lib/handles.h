@@ -37,7 +37,30 @@ struct kvt_seq {
     uint64_t prompt_rows;
     kvt__ptable pt[KVT__MAX_GROUPS];
     kvt__tier_state *layers; /* [n_layers]: policy state of each layer with KV */
+    kvt_config cfg;          /* the context's, with this request's ratio and recall */
+    /* A step in flight (kvt_batch_*): the batch holding the reservation, planned or not, and the
+     * layers whose run already did their step work. */
+    kvt_batch *batch;
+    bool in_step;            /* planned, not yet committed: by-position queries refused */
+    uint8_t *stepped;        /* [n_layers] */
 };
+
+/* Internal sequence operations the batch (lib/batch.c) drives. */
+kvt_status kvt__seq_usable(const kvt_seq *seq);
+/* Reserve n tokens in every group: all or nothing (message names the request). */
+kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n);
+/* Give a reservation back (no run happened): pages beyond the committed rows return. */
+void kvt__seq_unreserve(kvt_seq *seq);
+/* Commit the pending rows (n == pending), run the policies' commit work, check counts. */
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n);
+/* The step work of one layer (once per step; KVT_OK when already done or none). */
+kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream);
+/* Rows the layer attends during the step, and their slots (ascending position) into dst, with
+ * rows[] as scratch of at least that many entries. */
+uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer);
+void kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst);
+/* The batch forgets a destroyed request. */
+void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 
 /* Record a detail message on the context and return s. */
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) KVT__PRINTF(3, 4);

@@ -20,15 +20,18 @@
  * Threading: a kvt_ctx and everything created from it (sequences, models it copied) may be used by
  * one thread at a time. Distinct contexts are fully independent and may be used concurrently.
  * kvt_strerror, kvt_status_name, kvt_version and the kvt_model_* functions on distinct models are
- * thread-safe. The library keeps no process-wide mutable state.
+ * thread-safe. The library keeps no process-wide mutable state; error details are per thread
+ * (kvt_last_error).
  *
  * Storage contract (vLLM's convention): each layer has arrays of rows ("planes": 1 for MLA, one
  * latent row per token; 2 for GQA, K then V), each laid out [page][row][kv_head][row_bytes].
  * Layers under the same policy form a group; each sequence has one page table per group, and a
- * token's slot in every layer of the group is page * page_rows + offset. The engine reserves slots
- * for n tokens in all layers at once (kvt_seq_reserve), writes the rows (directly into
- * kvt_layer_data, or through kvt_seq_write), then commits them (kvt_seq_commit), which runs the
- * layer policies. A row's slot is stable until an eviction round on its group compacts it.
+ * token's slot in every layer of the group is page * page_rows + offset (any page size: the
+ * division is by a precomputed inverse). A step (see "Batches" below) reserves slots for the new
+ * tokens of a batch of requests in all layers at once (kvt_batch_reserve; vLLM's slot_mapping),
+ * the engine writes the rows (its cache-write kernel into kvt_layer_data, or kvt_seq_write),
+ * each layer's run does its policy work and emits the attended set, and the commit completes the
+ * step. A row's slot is stable until an eviction round on its group compacts it.
  */
 #ifndef KVTIER_H
 #define KVTIER_H
@@ -345,61 +348,159 @@ KVT_API kvt_status kvt_layer_bind(kvt_ctx *ctx, uint32_t layer, uint32_t plane, 
 /* ---------------------------------------------------------------------------------------------
  * Sequences (requests)
  * ------------------------------------------------------------------------------------------- */
-/* request_id keys the random draws of this sequence (with the config seed). */
-KVT_API kvt_status kvt_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out);
-/* Returns every page and archive byte. NULL is a no-op. */
+/* Per-request settings; defaults come from the context. */
+typedef struct kvt_seq_params {
+    size_t struct_size;    /* sizeof(kvt_seq_params); ABI rule at the top */
+    uint64_t request_id;   /* keys the random draws of this request, with the config seed (0) */
+    uint64_t prompt_rows;  /* rows [0, prompt_rows) are the prompt, protected from random
+                            * eviction (0); kvt_seq_set_prompt_rows may change it until a round */
+    uint32_t ratio;        /* salience ratio of this request (m = closed / ratio); 0: the
+                            * context's config.ratio. Random eviction keeps config's K. */
+    int32_t recall;        /* a kvt_recall_mode, or -1: the context's config.recall */
+} kvt_seq_params;
+#define KVT_SEQ_PARAMS_SIZE_MIN (offsetof(kvt_seq_params, recall) + sizeof(int32_t))
+
+KVT_API kvt_seq_params kvt_seq_default_params(void);
+/* Create a request. params NULL: kvt_seq_default_params(). Errors: KVT_ERR_INVALID_ARGUMENT (NULL
+ * ctx/out, a bad field: ratio above 2^20, an unknown recall), KVT_ERR_UNSUPPORTED (recall on:
+ * not implemented yet; a struct from a newer kvtier), KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *params, kvt_seq **out);
+/* Returns every page and archive byte. NULL is a no-op. Not while the request is in a batch's
+ * step (reserved and not committed): destroy it after kvt_batch_commit, or destroy the batch's
+ * context. */
 KVT_API void kvt_seq_destroy(kvt_seq *seq);
 /* Rows [0, n) are the prompt (protected from random eviction). May be called before or after the
  * rows are committed, but not after the first eviction round (KVT_ERR_BAD_STATE). */
 KVT_API kvt_status kvt_seq_set_prompt_rows(kvt_seq *seq, uint64_t n_rows);
 /* Tokens committed so far (original positions 0..n-1). */
 KVT_API uint64_t kvt_seq_length(const kvt_seq *seq);
+/* The context the request belongs to (NULL for NULL). */
+KVT_API kvt_ctx *kvt_seq_context(const kvt_seq *seq);
+/* Rows reserved for the step in flight (0 between steps). */
+KVT_API uint32_t kvt_seq_pending(const kvt_seq *seq);
 
 /* Pages the sequence would need to take from the pools to reserve n more tokens, summed over
  * groups (admission control). Pages a sliding group will return at the next commit are not
  * counted as free: the reservation comes first. */
 KVT_API kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t *out);
-/* Reserve slots for n tokens in every layer at once: all or nothing. KVT_ERR_POOL_EXHAUSTED
- * leaves everything unchanged. KVT_ERR_BAD_STATE if a previous reservation is not committed. */
-KVT_API kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens);
 /* Slot of the i-th reserved (uncommitted) token in layer's group. */
 KVT_API kvt_status kvt_seq_reserved_slot(const kvt_seq *seq, uint32_t layer, uint32_t i,
                                          int32_t *slot);
 /* Copy rows for reserved tokens [first, first+n) of one plane: src holds n rows of
- * n_kv_heads * row_bytes bytes each (src_bytes must equal that). */
+ * n_kv_heads * row_bytes bytes each (src_bytes must equal that). Host memory (CPU backend).
+ * KVT_ERR_BAD_STATE after kvt_batch_run ran this layer for the step (its rows may have moved). */
 KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t first,
                                  uint32_t n, const void *src, size_t src_bytes);
-/* Commit n reserved tokens (n must equal the reservation: partial commits, i.e. speculative
- * rollback, are KVT_ERR_UNSUPPORTED; n larger is KVT_ERR_INVALID_ARGUMENT, nothing changed).
- * Runs the policies: block close and re-selection on salience layers, eviction rounds on evict
- * groups, then an O(layers x heads) accounting check. If a policy fails for host memory
- * (KVT_ERR_OUT_OF_MEMORY) the rows are committed and stored, no row is lost, and the policy work
- * is finished by the next commit — kvt_seq_commit(seq, 0) retries it without new tokens.
- * KVT_ERR_INVARIANT means the accounting check failed (a bug: please report it). KVT_ERR_CORRUPT:
- * a device error hit an eviction round mid-compaction; the sequence is damaged and every later
- * reserve, commit or attended-set call on it answers KVT_ERR_BAD_STATE: destroy it. */
-KVT_API kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens);
 /* Shared prefixes (copy-on-write forks) are not supported yet: KVT_ERR_UNSUPPORTED. */
 KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out);
 
 /* ---------------------------------------------------------------------------------------------
- * Attended set of one layer for a batch of sequences.
- * query: absorbed queries for the recall tier; may be NULL, and is ignored while recall is off
- * (the only mode until the recall tier lands). stream: a cudaStream_t for the CUDA backend, ignored by the CPU backend.
+ * Batches: one decode (or prefill) step of many requests.
+ *
+ * The decode-step timeline (FlashInfer's plan/run split; vLLM's slot_mapping):
+ *
+ *   kvt_batch_reserve(b, seqs, n_tokens, n)    scheduler, before the step: slots for every new
+ *                                              token of every request in every layer, all or
+ *                                              nothing; kvt_batch_slot_mapping gives them per
+ *                                              policy group in vLLM's slot_mapping layout
+ *   kvt_batch_plan(b)                          host, before the step, outside any CUDA graph:
+ *                                              decides from counts which block closes and
+ *                                              eviction rounds this step runs and sizes the
+ *                                              emission (kvt_batch_capacity)
+ *   for each layer, inside its forward:
+ *     the engine writes the step's rows (its cache-write kernel at slot_mapping, or
+ *     kvt_seq_write), then
+ *     kvt_batch_run(b, layer, query, stream, &emit)
+ *                                              that layer's due close or round for every request,
+ *                                              then the attended set — sinks ∪ kept ∪ tail ∪ this
+ *                                              step's rows (∪ fetched rows, with recall) — into
+ *                                              the caller's fixed-capacity buffers
+ *   attention over exactly those rows
+ *   kvt_batch_commit(b, n_accepted)            after the step: counts, page release (rounds,
+ *                                              windows), the O(layers x heads) accounting check
+ *
+ * The decisions are those a commit of the same rows makes: a layer's round or close happens in
+ * its run, so the step's attention already sees it, and a commit completes whatever a layer's run
+ * did not (a layer the engine never ran, a retry after a host-memory failure). Pages are returned
+ * only at commit, so every slot of the step's slot_mapping stays valid for all layers during the
+ * step. Between plan and commit a request answers no by-position query (kvt_seq_row_state,
+ * read_row, positions, last_slot_map, layer_stats, block_table, kvt_seq_check):
+ * KVT_ERR_BAD_STATE; they describe the committed state between steps.
+ *
+ * Part 1 runs on the CPU backend: stream is accepted and ignored; buffers are host memory.
  * ------------------------------------------------------------------------------------------- */
-/* Rows each sequence attends on this layer (size the output buffers with it). */
-KVT_API kvt_status kvt_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
-                                      uint32_t n_seqs, uint32_t *counts);
-/* FlashMLA sparse-decode layout: indices[s * topk + j] = global slot (ascending position), padded
- * with -1 up to topk; lengths[s] = rows. KVT_ERR_CAPACITY (nothing written) when a sequence has
- * more than topk rows. */
-KVT_API kvt_status kvt_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
-                                       uint32_t n_seqs, const void *query, void *stream,
-                                       int32_t *indices, uint32_t topk, int32_t *lengths);
-/* CSR over token slots (FlashInfer page-size-1 view): indptr[n_seqs+1], indices[capacity]. */
-KVT_API kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
-                                    uint32_t n_seqs, const void *query, void *stream,
-                                    int32_t *indptr, int32_t *indices, uint32_t capacity);
+typedef struct kvt_batch kvt_batch;
+
+/* A batch of at most max_seqs requests of ctx (reused step after step). KVT_ERR_INVALID_ARGUMENT,
+ * KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out);
+/* NULL is a no-op. A step in flight is abandoned: its reservations are released (no row of it is
+ * committed) — valid only before any kvt_batch_run of the step; after one, commit first. */
+KVT_API void kvt_batch_destroy(kvt_batch *batch);
+
+/* Reserve n_tokens[i] new tokens for seqs[i], i < n_seqs (distinct requests of the batch's
+ * context, none with a reservation pending), in every layer: all or nothing over the whole batch.
+ * n_tokens[i] = 0 is a request that only attends this step (its run emits its attended set; its
+ * commit finishes any policy work a failed earlier commit left, as a retry).
+ * KVT_ERR_POOL_EXHAUSTED (the message names the request and group) leaves every request and pool
+ * unchanged: preempt and retry. KVT_ERR_BAD_STATE when the batch already has a step in flight or
+ * a request is in another one or damaged. KVT_ERR_CAPACITY when n_seqs > max_seqs. */
+KVT_API kvt_status kvt_batch_reserve(kvt_batch *batch, kvt_seq *const *seqs,
+                                     const uint32_t *n_tokens, uint32_t n_seqs);
+/* vLLM's slot_mapping for the step: slots[t] = the slot of the batch's t-th new token (request
+ * order, then token order) in the group of `layer` (every layer of a group shares it), *n =
+ * total new tokens. KVT_ERR_CAPACITY (nothing written) when capacity < *n. */
+KVT_API kvt_status kvt_batch_slot_mapping(const kvt_batch *batch, uint32_t layer, int32_t *slots,
+                                          uint32_t capacity, uint32_t *n);
+/* Plan the step (host only; touches no row). KVT_ERR_BAD_STATE without a reservation. */
+KVT_API kvt_status kvt_batch_plan(kvt_batch *batch);
+/* After plan: the per-request row capacity (topk) that always suffices for kvt_batch_run on
+ * `layer` this step — the longest request's rows, this step's included, which a step that must
+ * attend every row (recall overflow, calibration) needs; *total: their sum (CSR capacity). */
+KVT_API kvt_status kvt_batch_capacity(const kvt_batch *batch, uint32_t layer, uint32_t *topk,
+                                      uint32_t *total);
+
+typedef enum kvt_emit_layout {
+    KVT_EMIT_TOKENS = 0, /* FlashMLA sparse decode: indices[i * topk + j] = slot, -1 padded to
+                          * topk; lengths[i] = rows (topk_length) */
+    KVT_EMIT_CSR = 1,    /* FlashInfer page-size-1 view: indptr[n_seqs + 1], indices[indptr[i] ..
+                          * indptr[i+1]) = slots of request i */
+} kvt_emit_layout;
+
+/* Where kvt_batch_run writes the attended set: caller-owned, fixed capacity (the same buffers
+ * can serve every step, e.g. inside a captured graph). Slots ascend by original position. */
+typedef struct kvt_emit {
+    size_t struct_size;     /* sizeof(kvt_emit) */
+    kvt_emit_layout layout;
+    int32_t *indices;       /* TOKENS: [n_seqs][topk]; CSR: [capacity] */
+    uint32_t capacity;      /* TOKENS: topk, the row capacity per request; CSR: total rows */
+    int32_t *lengths;       /* TOKENS: [n_seqs] (topk_length); unused by CSR */
+    int32_t *indptr;        /* CSR: [n_seqs + 1]; unused by TOKENS */
+    uint8_t *dense;         /* optional [n_seqs]: 1 where the step attends every row of the
+                             * request (recall overflow or calibration; 0 while recall is off).
+                             * Informational: the layouts above already hold every row then. */
+} kvt_emit;
+
+/* Run `layer` for the step: its due close or eviction round for every request of the batch (at
+ * most once per step and layer; a second run of the layer only emits), then write the attended
+ * sets into emit. query: the absorbed queries for the recall tier, ignored while recall is off
+ * (may be NULL). stream: a cudaStream_t on the CUDA backend; the CPU backend ignores it.
+ * KVT_ERR_BAD_STATE before plan or on a damaged request; KVT_ERR_CAPACITY (the layer's work is
+ * done, nothing emitted) when a request's rows exceed the capacity — kvt_batch_capacity says what
+ * suffices; KVT_ERR_OUT_OF_MEMORY (host) from a close or round: nothing of that request's layer
+ * changed and the commit retries it; KVT_ERR_CORRUPT: a device error mid-compaction damaged a
+ * request (destroy it after commit). */
+KVT_API kvt_status kvt_batch_run(kvt_batch *batch, uint32_t layer, const void *query,
+                                 void *stream, const kvt_emit *emit);
+/* Commit the step: n_accepted[i] tokens of seqs[i] (NULL: all reserved). Partial acceptance
+ * (speculative rollback) is KVT_ERR_UNSUPPORTED with nothing committed. Completes every layer's
+ * policy work the runs did not do, returns pages (eviction rounds, sliding windows) and checks
+ * the accounting. Every request is committed even when one fails; the first failure is returned
+ * and named: KVT_ERR_OUT_OF_MEMORY (rows stored and attended, the policy work finishes at the
+ * next commit), KVT_ERR_CORRUPT (that request is damaged: destroy it), KVT_ERR_INVARIANT (a bug:
+ * please report it). After it the batch is ready for the next reserve. */
+KVT_API kvt_status kvt_batch_commit(kvt_batch *batch, const uint32_t *n_accepted);
+
 /* Block table of a sequence's group for this layer: pages[0..*n_pages) and *n_rows, the
  * committed rows of the group (reserved rows lie in the pages after them). For evict groups and
  * none groups of full-attention layers the table holds rows [0, *n_rows) and is the attended
@@ -407,8 +508,8 @@ KVT_API kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const
  * their rows are older than its widest window W: the table then holds only the pages of rows
  * [first_page * page_rows, *n_rows), i.e. pages[k] holds positions (first_page + k) * page_rows
  * onwards (kvt_seq_first_row gives first_page * page_rows); at least the last min(W, *n_rows)
- * rows are there, and each layer attends the last sliding_window of them (kvt_attended_tokens
- * lists exactly those). */
+ * rows are there, and each layer attends the last sliding_window of them (kvt_batch_run lists
+ * exactly those). Between steps only (KVT_ERR_BAD_STATE during one). */
 KVT_API kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *pages,
                                        uint32_t capacity, uint32_t *n_pages, uint64_t *n_rows);
 /* Original position held by the first row of the block table's first page: 0, except for a

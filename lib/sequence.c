@@ -26,6 +26,18 @@ static kvt_status check_usable(const kvt_seq *seq);
             return live_;                                                                          \
     } while (0)
 
+/* By-position queries describe the committed state: refused while a step is in flight (a
+ * layer's run may have compacted its rows while the table still holds the old count). */
+#define CHECK_BETWEEN_STEPS(seq)                                                                   \
+    do {                                                                                           \
+        CHECK_SEQ(seq);                                                                            \
+        if ((seq)->in_step)                                                                        \
+            return kvt__ctx_fail((seq)->ctx, KVT_ERR_BAD_STATE,                                    \
+                                 "request %llu has a step in flight (planned, not committed): "    \
+                                 "by-position queries answer between steps",                       \
+                                 (unsigned long long)(seq)->request_id);                           \
+    } while (0)
+
 static kvt_status layer_of(const kvt_seq *seq, uint32_t layer, const kvt__store **st) {
     const kvt_ctx *ctx = seq->ctx;
     if (layer >= ctx->n_layers)
@@ -55,7 +67,7 @@ static kvt__tier_layer tier_layer(const kvt_seq *seq, uint32_t layer) {
     const kvt_ctx *ctx = seq->ctx;
     const kvt__store *st = &ctx->stores[layer];
     kvt__tier_layer l;
-    l.cfg = &ctx->cfg;
+    l.cfg = &seq->cfg;
     l.page_rows = ctx->page_rows;
     l.pdiv = &ctx->pdiv;
     l.gr = &ctx->groups[st->group];
@@ -72,20 +84,48 @@ static const kvt__policy_ops *ops_of(const kvt_ctx *ctx, uint32_t layer) {
     return ctx->groups[ctx->stores[layer].group].ops;
 }
 
-kvt_status kvt_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out) {
+kvt_seq_params kvt_seq_default_params(void) {
+    kvt_seq_params p;
+    memset(&p, 0, sizeof p);
+    p.struct_size = sizeof p;
+    p.recall = -1;
+    return p;
+}
+
+kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **out) {
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
     *out = NULL;
     kvt__ctx_clear_error(ctx);
+    kvt_seq_params p = kvt_seq_default_params();
+    if (user) {
+        kvt_status s = kvt__struct_in(&p, sizeof p, user, KVT_SEQ_PARAMS_SIZE_MIN, "seq params");
+        if (s != KVT_OK)
+            return s;
+    }
+    kvt_config cfg = ctx->cfg;
+    if (p.ratio != 0)
+        cfg.ratio = p.ratio;
+    if (p.recall != -1)
+        cfg.recall = (kvt_recall_mode)p.recall;
+    char msg[KVT__ERR_LEN];
+    kvt_status cs = kvt__config_in(&cfg, &cfg, msg, sizeof msg);
+    if (cs != KVT_OK)
+        return kvt__ctx_fail(ctx, cs, "seq params: %s", msg);
     const kvt__alloc *a = &ctx->alloc;
     kvt_seq *seq = kvt__calloc(a, sizeof *seq);
     if (!seq)
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence");
     seq->ctx = ctx;
-    seq->request_id = request_id;
-    seq->philox_key = kvt__philox_key(ctx->cfg.seed, request_id);
+    seq->cfg = cfg;
+    seq->request_id = p.request_id;
+    seq->prompt_rows = p.prompt_rows;
+    seq->philox_key = kvt__philox_key(ctx->cfg.seed, p.request_id);
     seq->layers = kvt__calloc(a, sizeof *seq->layers * ctx->n_layers);
-    if (!seq->layers) {
+    seq->stepped = kvt__calloc(a, ctx->n_layers);
+    if (!seq->layers || !seq->stepped) {
+        kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
+        kvt__free(a, seq->stepped, ctx->n_layers);
         kvt__free(a, seq, sizeof *seq);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence layers");
     }
@@ -118,6 +158,9 @@ void kvt_seq_destroy(kvt_seq *seq) {
         if (ctx->stores[i].group >= 0 && ops_of(ctx, i)->layer_fini)
             ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
     kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
+    kvt__free(a, seq->stepped, ctx->n_layers);
+    if (seq->batch)
+        kvt__batch_forget(seq->batch, seq);
     if (seq->prev)
         seq->prev->next = seq->next;
     else
@@ -192,7 +235,28 @@ static kvt_status check_usable(const kvt_seq *seq) {
     return KVT_OK;
 }
 
-kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
+kvt_status kvt__seq_usable(const kvt_seq *seq) {
+    return check_usable(seq);
+}
+
+kvt_ctx *kvt_seq_context(const kvt_seq *seq) {
+    return seq ? seq->ctx : NULL;
+}
+
+uint32_t kvt_seq_pending(const kvt_seq *seq) {
+    return seq ? seq->n_pending : 0;
+}
+
+void kvt__seq_unreserve(kvt_seq *seq) {
+    kvt_ctx *ctx = seq->ctx;
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        seq->pt[g].n_pending = 0;
+        kvt__ptable_trim(&seq->pt[g], &ctx->groups[g].pool);
+    }
+    seq->n_pending = 0;
+}
+
+kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
     if (n_tokens == 0)
@@ -228,11 +292,12 @@ kvt_status kvt_seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
             kvt__ptable_trim(&seq->pt[h], &ctx->groups[h].pool);
         if (s == KVT_ERR_POOL_EXHAUSTED)
             return kvt__ctx_fail(ctx, s,
-                                 "reserving %u tokens: group %u (%s) has %u free pages of %u; "
-                                 "nothing was reserved",
-                                 n_tokens, g, kvt_policy_name(ctx->groups[g < ctx->n_groups ? g : 0].policy),
+                                 "request %llu reserving %u tokens: group %u (%s) has %u free "
+                                 "pages of %u; nothing was reserved",
+                                 (unsigned long long)seq->request_id, n_tokens, g, kvt_policy_name(ctx->groups[g < ctx->n_groups ? g : 0].policy),
                                  ctx->groups[g < ctx->n_groups ? g : 0].pool.n_free, ctx->n_pages);
-        return kvt__ctx_fail(ctx, s, "reserving %u tokens; nothing was reserved", n_tokens);
+        return kvt__ctx_fail(ctx, s, "request %llu reserving %u tokens; nothing was reserved",
+                             (unsigned long long)seq->request_id, n_tokens);
     }
     for (g = 0; g < ctx->n_groups; g++)
         seq->pt[g].n_pending = n_tokens;
@@ -277,6 +342,11 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
     if (src_bytes != (size_t)n * st->slot_bytes)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "src_bytes %zu != %u rows x %zu bytes", src_bytes, n, st->slot_bytes);
+    if (seq->stepped[layer])
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "layer %u already ran for this step: its rows may have moved; write "
+                             "a layer's rows before kvt_batch_run",
+                             layer);
     const kvt__ptable *t = &seq->pt[st->group];
     const uint8_t *in = src;
     for (uint32_t i = 0; i < n; i++) {
@@ -357,7 +427,7 @@ static kvt_status check_counters(const kvt_seq *seq) {
     return KVT_OK;
 }
 
-kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
     if (n_tokens > seq->n_pending)
@@ -375,6 +445,8 @@ kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     seq->n_tokens += n_tokens;
     seq->n_pending = 0;
     kvt_status s = run_policies(seq, n_tokens);
+    seq->in_step = false;
+    memset(seq->stepped, 0, ctx->n_layers);
     kvt_status c = check_counters(seq);
     return c != KVT_OK ? c : s;
 }
@@ -383,166 +455,64 @@ kvt_status kvt_seq_commit(kvt_seq *seq, uint32_t n_tokens) {
 /* Attended set                                                                                */
 /* ------------------------------------------------------------------------------------------- */
 
-/* Rows of one sequence this layer attends, as row indices of its group's page table. */
-static uint64_t attended_count(const kvt_seq *seq, uint32_t layer) {
+/* The layer as its table's entries see it during a step: the group's table with this step's
+ * rows counted, as many as the layer holds (a layer that compacted in its run holds fewer until
+ * commit). *view is the storage for that table view. */
+static kvt__tier_layer step_layer(const kvt_seq *seq, uint32_t layer, kvt__ptable *view) {
     kvt__tier_layer l = tier_layer(seq, layer);
+    *view = *l.pt;
+    uint64_t rows = l.pt->n_rows + l.pt->n_pending;
+    view->n_rows = l.gr->ops->held_rows ? l.gr->ops->held_rows(l.state, rows) : rows;
+    view->n_pending = 0;
+    l.pt = view;
+    return l;
+}
+
+kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream) {
+    kvt_ctx *ctx = seq->ctx;
+    if (seq->stepped[layer])
+        return KVT_OK;
+    const kvt__store *st = &ctx->stores[layer];
+    const kvt__policy_ops *ops = ops_of(ctx, layer);
+    kvt_status s = KVT_OK;
+    if (ops->layer_step && seq->n_pending > 0) {
+        kvt__env env = kvt__ctx_env(ctx, seq, stream);
+        kvt__tier_step t = {.gr = &ctx->groups[st->group],
+                            .st = &ctx->stores[layer],
+                            .pt = &seq->pt[st->group],
+                            .state = &seq->layers[layer],
+                            .appended = seq->n_tokens,
+                            .step_rows = seq->n_pending,
+                            .prompt_rows = seq->prompt_rows};
+        s = ops->layer_step(&env, &t);
+        if (s != KVT_OK) {
+            char tmp[KVT__ERR_LEN];
+            memcpy(tmp, kvt__tls_error(), sizeof tmp);
+            return kvt__ctx_fail(ctx, s, "request %llu layer %u: %s",
+                                 (unsigned long long)seq->request_id, layer, tmp);
+        }
+    }
+    seq->stepped[layer] = 1;
+    return KVT_OK;
+}
+
+uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer) {
+    kvt__ptable view;
+    kvt__tier_layer l = step_layer(seq, layer, &view);
     return l.gr->ops->attended_count(&l);
 }
 
-/* Ascending row indices of the group's table, attended_count of them. */
-static void attended_rows(const kvt_seq *seq, uint32_t layer, int64_t *out) {
-    kvt__tier_layer l = tier_layer(seq, layer);
-    l.gr->ops->attended_rows(&l, out);
-}
-
-static kvt_status check_batch(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
-                              const kvt__store **st) {
-    if (!ctx)
-        return KVT_ERR_INVALID_ARGUMENT;
-    kvt__ctx_clear_error(ctx);
-    if (!seqs && n_seqs > 0)
-        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "seqs is NULL");
-    if (layer >= ctx->n_layers)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "layer %u of %u", layer, ctx->n_layers);
-    if (ctx->stores[layer].group < 0)
-        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH, "layer %u stores no per-token KV",
-                             layer);
-    for (uint32_t s = 0; s < n_seqs; s++) {
-        if (!seqs[s] || seqs[s]->ctx != ctx)
-            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                                 "seqs[%u] is NULL or belongs to another context", s);
-        kvt_status us = check_usable(seqs[s]);
-        if (us != KVT_OK)
-            return us;
-    }
-    *st = &ctx->stores[layer];
-    return KVT_OK;
-}
-
-kvt_status kvt_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
-                              uint32_t *counts) {
-    const kvt__store *st;
-    kvt_status s = check_batch(ctx, layer, seqs, n_seqs, &st);
-    if (s != KVT_OK)
-        return s;
-    if (!counts)
-        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "counts is NULL");
-    for (uint32_t i = 0; i < n_seqs; i++)
-        counts[i] = (uint32_t)attended_count(seqs[i], layer);
-    return KVT_OK;
-}
-
-/* Emit each sequence's attended slots through a callback-free loop shared by both layouts:
- * dst_of(s) gives where sequence s's slots go. */
-static kvt_status emit_slots(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
-                             int32_t *const *dst) {
-    uint64_t max_n = 0;
-    for (uint32_t i = 0; i < n_seqs; i++) {
-        uint64_t n = attended_count(seqs[i], layer);
-        if (n > max_n)
-            max_n = n;
-    }
-    size_t bytes = sizeof(int64_t) * (max_n ? max_n : 1);
-    int64_t *rows = kvt__malloc(&ctx->alloc, bytes);
-    if (!rows)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "attended rows scratch");
-    const kvt__store *st = &ctx->stores[layer];
-    for (uint32_t i = 0; i < n_seqs; i++) {
-        uint64_t n = attended_count(seqs[i], layer);
-        attended_rows(seqs[i], layer, rows);
-        const kvt__ptable *t = &seqs[i]->pt[st->group];
-        for (uint64_t j = 0; j < n; j++)
-            dst[i][j] = kvt__slot(t, &ctx->pdiv, (uint64_t)rows[j]);
-    }
-    kvt__free(&ctx->alloc, rows, bytes);
-    return KVT_OK;
-}
-
-kvt_status kvt_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
-                               const void *query, void *stream, int32_t *indices, uint32_t topk,
-                               int32_t *lengths) {
-    (void)query; /* recall off: the attended set does not depend on the query */
-    (void)stream;
-    const kvt__store *st;
-    kvt_status s = check_batch(ctx, layer, seqs, n_seqs, &st);
-    if (s != KVT_OK)
-        return s;
-    if ((!indices && topk > 0) || !lengths)
-        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "indices or lengths is NULL");
-    for (uint32_t i = 0; i < n_seqs; i++) {
-        uint64_t n = attended_count(seqs[i], layer);
-        if (n > topk)
-            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                 "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
-                                 "written",
-                                 i, (unsigned long long)n, layer, topk);
-    }
-    int32_t *stack_dst[64];
-    size_t dst_bytes = n_seqs > 64 ? sizeof(int32_t *) * n_seqs : 0;
-    int32_t **dst = dst_bytes ? kvt__malloc(&ctx->alloc, dst_bytes) : stack_dst;
-    if (!dst)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch scratch");
-    for (uint32_t i = 0; i < n_seqs; i++)
-        dst[i] = indices + (size_t)i * topk;
-    s = emit_slots(ctx, layer, seqs, n_seqs, dst);
-    if (s == KVT_OK) {
-        for (uint32_t i = 0; i < n_seqs; i++) {
-            uint64_t n = attended_count(seqs[i], layer);
-            lengths[i] = (int32_t)n;
-            for (uint64_t j = n; j < topk; j++)
-                dst[i][j] = -1;
-        }
-    }
-    if (dst_bytes)
-        kvt__free(&ctx->alloc, dst, dst_bytes);
-    return s;
-}
-
-kvt_status kvt_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n_seqs,
-                            const void *query, void *stream, int32_t *indptr, int32_t *indices,
-                            uint32_t capacity) {
-    (void)query;
-    (void)stream;
-    const kvt__store *st;
-    kvt_status s = check_batch(ctx, layer, seqs, n_seqs, &st);
-    if (s != KVT_OK)
-        return s;
-    if (!indptr || (!indices && capacity > 0))
-        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "indptr or indices is NULL");
-    uint64_t total = 0;
-    for (uint32_t i = 0; i < n_seqs; i++)
-        total += attended_count(seqs[i], layer);
-    if (total > capacity || total > INT32_MAX)
-        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                             "batch attends %llu rows on layer %u, capacity is %u; nothing "
-                             "written",
-                             (unsigned long long)total, layer, capacity);
-    int32_t *stack_dst[64];
-    size_t dst_bytes = n_seqs > 64 ? sizeof(int32_t *) * n_seqs : 0;
-    int32_t **dst = dst_bytes ? kvt__malloc(&ctx->alloc, dst_bytes) : stack_dst;
-    if (!dst)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch scratch");
-    uint64_t off = 0;
-    for (uint32_t i = 0; i < n_seqs; i++) {
-        dst[i] = indices + off;
-        off += attended_count(seqs[i], layer);
-    }
-    s = emit_slots(ctx, layer, seqs, n_seqs, dst);
-    if (s == KVT_OK) {
-        off = 0;
-        indptr[0] = 0;
-        for (uint32_t i = 0; i < n_seqs; i++) {
-            off += attended_count(seqs[i], layer);
-            indptr[i + 1] = (int32_t)off;
-        }
-    }
-    if (dst_bytes)
-        kvt__free(&ctx->alloc, dst, dst_bytes);
-    return s;
+void kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst) {
+    kvt__ptable view;
+    kvt__tier_layer l = step_layer(seq, layer, &view);
+    uint64_t n = l.gr->ops->attended_count(&l);
+    l.gr->ops->attended_rows(&l, rows);
+    for (uint64_t j = 0; j < n; j++)
+        dst[j] = kvt__slot(l.pt, l.pdiv, (uint64_t)rows[j]);
 }
 
 kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     if (!first_row)
         return KVT_ERR_INVALID_ARGUMENT;
     const kvt__store *st;
@@ -555,7 +525,7 @@ kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first
 
 kvt_status kvt_seq_block_table(const kvt_seq *seq, uint32_t layer, int32_t *pages,
                                uint32_t capacity, uint32_t *n_pages, uint64_t *n_rows) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     const kvt__store *st;
     kvt_status s = layer_of(seq, layer, &st);
     if (s != KVT_OK)
@@ -606,7 +576,7 @@ static kvt_status locate(const kvt_seq *seq, uint32_t layer, uint32_t head, uint
 
 kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head, uint64_t position,
                              kvt_row_state *state, int32_t *slot) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     if (!state)
         return KVT_ERR_INVALID_ARGUMENT;
     int32_t sl;
@@ -621,7 +591,7 @@ kvt_status kvt_seq_row_state(const kvt_seq *seq, uint32_t layer, uint32_t head, 
 
 kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t head,
                             uint64_t position, void *dst, size_t dst_bytes) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     if (!dst)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt_row_state state;
@@ -659,7 +629,7 @@ kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, 
 
 kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, int64_t *positions,
                              uint64_t capacity, uint64_t *n) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     const kvt__store *st;
     kvt_status s = layer_head_of(seq, layer, head, &st);
     if (s != KVT_OK)
@@ -679,7 +649,7 @@ kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, 
 
 kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t head,
                                  int32_t *old_to_new, uint64_t capacity, uint64_t *n) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     const kvt__store *st;
     kvt_status s = layer_head_of(seq, layer, head, &st);
     if (s != KVT_OK)
@@ -706,7 +676,7 @@ kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t he
 /* Statistics and invariants                                                                   */
 /* ------------------------------------------------------------------------------------------- */
 kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     size_t out_size = out ? kvt__struct_out_size(out, sizeof *out, KVT_LAYER_STATS_SIZE_MIN) : 0;
     if (out_size == 0)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_INVALID_ARGUMENT,
@@ -726,11 +696,11 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     out->struct_size = sizeof *out;
     out->policy = ctx->policies[layer];
     out->appended_rows = seq->n_tokens * H;
-    out->attended_rows = attended_count(seq, layer);
+    kvt__tier_layer l = tier_layer(seq, layer);
+    out->attended_rows = l.gr->ops->attended_count(&l);
     out->pages_in_use = t->n_pages;
     out->bytes_in_use = (uint64_t)t->n_pages * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
     out->prompt_rows = seq->prompt_rows;
-    kvt__tier_layer l = tier_layer(seq, layer);
     if (l.gr->ops->stats)
         l.gr->ops->stats(&l, out);
     uint64_t row_bytes_all = kvt_layer_bytes_per_token(&st->spec);
@@ -815,7 +785,7 @@ static kvt_status check_pages(const kvt_seq *seq) {
 }
 
 kvt_status kvt_seq_check(const kvt_seq *seq) {
-    CHECK_SEQ(seq);
+    CHECK_BETWEEN_STEPS(seq);
     const kvt_ctx *ctx = seq->ctx;
     kvt_status s = check_pages(seq);
     if (s != KVT_OK)

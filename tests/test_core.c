@@ -231,24 +231,24 @@ static void check_salience_seq(kvt_ctx *ctx, kvt_seq *seq, uint32_t layer, const
               (unsigned long long)ls.tail_rows);
     /* FlashMLA layout and CSR agree with the row states. */
     uint32_t cnt;
-    cr_assert_eq(kvt_attended_count(ctx, layer, &seq, 1, &cnt), KVT_OK);
+    cr_assert_eq(tu_attended_count(ctx, layer, &seq, 1, &cnt), KVT_OK);
     cr_assert_eq(cnt, attended);
     int32_t *idx = malloc(sizeof(int32_t) * (cnt + 3));
     int32_t len = -7;
-    cr_assert_eq(kvt_attended_tokens(ctx, layer, &seq, 1, NULL, NULL, idx, cnt + 3, &len), KVT_OK);
+    cr_assert_eq(tu_attended_tokens(ctx, layer, &seq, 1, idx, cnt + 3, &len), KVT_OK);
     cr_assert_eq((uint32_t)len, cnt);
     cr_assert_eq(idx[cnt], -1);
     cr_assert_eq(idx[cnt + 2], -1);
     int32_t indptr[2];
     int32_t *csr = malloc(sizeof(int32_t) * (cnt + 1));
-    cr_assert_eq(kvt_attended_csr(ctx, layer, &seq, 1, NULL, NULL, indptr, csr, cnt), KVT_OK);
+    cr_assert_eq(tu_attended_csr(ctx, layer, &seq, 1, indptr, csr, cnt), KVT_OK);
     cr_assert_eq(indptr[0], 0);
     cr_assert_eq((uint32_t)indptr[1], cnt);
     cr_assert_eq(memcmp(idx, csr, sizeof(int32_t) * cnt), 0);
     if (cnt > 0) {
-        cr_assert_eq(kvt_attended_tokens(ctx, layer, &seq, 1, NULL, NULL, idx, cnt - 1, &len),
+        cr_assert_eq(tu_attended_tokens(ctx, layer, &seq, 1, idx, cnt - 1, &len),
                      KVT_ERR_CAPACITY);
-        cr_assert_eq(kvt_attended_csr(ctx, layer, &seq, 1, NULL, NULL, indptr, csr, cnt - 1),
+        cr_assert_eq(tu_attended_csr(ctx, layer, &seq, 1, indptr, csr, cnt - 1),
                      KVT_ERR_CAPACITY);
     }
     free(idx);
@@ -274,14 +274,14 @@ Test(salience, end_to_end_with_shadow_and_invariants) {
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
     cr_assert_eq(kvt_ctx_layer_policy(ctx, 0), KVT_POLICY_SALIENCE);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 7, &seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 7, &seq), KVT_OK);
     shadow sh[2] = {{.row_bytes = 1152}, {.row_bytes = 1152}};
     uint8_t rows[37 * 1152];
     uint64_t pos = 0;
     /* A prefill chunk of 37, then decode steps one row at a time, to 700 rows (10 closes). */
     while (pos < 700) {
         uint32_t n = pos == 0 ? 37 : 1;
-        cr_assert_eq(kvt_seq_reserve(seq, n), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(tu_reserve(seq, n), KVT_OK, "%s", kvt_last_error());
         for (uint32_t l = 0; l < 2; l++) {
             for (uint32_t i = 0; i < n; i++) {
                 /* Every 50th row carries a high-frequency spike in its branch. */
@@ -307,7 +307,7 @@ Test(salience, end_to_end_with_shadow_and_invariants) {
         kvt_row_state st;
         cr_assert_eq(kvt_seq_row_state(seq, 0, 0, pos, &st, NULL), KVT_OK);
         cr_assert_eq(st, KVT_ROW_PENDING);
-        cr_assert_eq(kvt_seq_commit(seq, n), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(tu_commit(seq, n), KVT_OK, "%s", kvt_last_error());
         pos += n;
         if (pos % 64 < 1 || pos == 37 || pos % 97 == 0)
             for (uint32_t l = 0; l < 2; l++)
@@ -351,7 +351,7 @@ Test(salience, nonfinite_rows_are_kept_and_counted) {
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
     tu_rng rng = {99};
     uint8_t rows[64 * 1152];
     for (uint32_t i = 0; i < 64; i++)
@@ -359,9 +359,9 @@ Test(salience, nonfinite_rows_are_kept_and_counted) {
     uint16_t nan_bits = 0x7fc0, inf_bits = 0x7f80;
     memcpy(rows + 10 * 1152 + 1024 + 6, &nan_bits, 2);
     memcpy(rows + 40 * 1152 + 1024 + 2, &inf_bits, 2);
-    cr_assert_eq(kvt_seq_reserve(seq, 64), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, 64), KVT_OK);
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 64, rows, sizeof rows), KVT_OK);
-    cr_assert_eq(kvt_seq_commit(seq, 64), KVT_OK);
+    cr_assert_eq(tu_commit(seq, 64), KVT_OK);
     cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     kvt_layer_stats ls = {.struct_size = sizeof ls};
     cr_assert_eq(kvt_seq_layer_stats(seq, 0, &ls), KVT_OK);
@@ -402,31 +402,31 @@ Test(storage, reserve_is_all_or_nothing_and_pages_return) {
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
     cr_assert_neq(kvt_ctx_layer_group(ctx, 0), kvt_ctx_layer_group(ctx, 1));
     kvt_seq *a, *b;
-    cr_assert_eq(kvt_seq_create(ctx, 1, &a), KVT_OK);
-    cr_assert_eq(kvt_seq_create(ctx, 2, &b), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 1, &a), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 2, &b), KVT_OK);
     uint32_t need;
     cr_assert_eq(kvt_seq_pages_needed(a, 40, &need), KVT_OK);
     cr_assert_eq(need, 6); /* 3 pages in each of the two groups */
-    cr_assert_eq(kvt_seq_reserve(a, 40), KVT_OK);
-    cr_assert_eq(kvt_seq_reserve(a, 1), KVT_ERR_BAD_STATE);
-    cr_assert_eq(kvt_seq_commit(a, 39), KVT_ERR_UNSUPPORTED);
-    cr_assert_eq(kvt_seq_commit(a, 41), KVT_ERR_INVALID_ARGUMENT);
-    cr_assert_eq(kvt_seq_commit(a, 40), KVT_OK);
+    cr_assert_eq(tu_reserve(a, 40), KVT_OK);
+    cr_assert_eq(tu_reserve(a, 1), KVT_ERR_BAD_STATE);
+    cr_assert_eq(tu_commit(a, 39), KVT_ERR_UNSUPPORTED);
+    cr_assert_eq(tu_commit(a, 41), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(tu_commit(a, 40), KVT_OK);
     uint32_t free0, free1;
     kvt_ctx_free_pages(ctx, 0, &free0);
     kvt_ctx_free_pages(ctx, 1, &free1);
     cr_assert_eq(free0, 1);
     cr_assert_eq(free1, 1);
     /* b needs 2 pages per group: exhausted; nothing taken from either group. */
-    cr_assert_eq(kvt_seq_reserve(b, 20), KVT_ERR_POOL_EXHAUSTED);
+    cr_assert_eq(tu_reserve(b, 20), KVT_ERR_POOL_EXHAUSTED);
     cr_assert(strstr(kvt_last_error(), "nothing was reserved") != NULL);
     kvt_ctx_free_pages(ctx, 0, &free0);
     kvt_ctx_free_pages(ctx, 1, &free1);
     cr_assert_eq(free0, 1);
     cr_assert_eq(free1, 1);
     cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_reserve(b, 16), KVT_OK);
-    cr_assert_eq(kvt_seq_commit(b, 16), KVT_OK);
+    cr_assert_eq(tu_reserve(b, 16), KVT_OK);
+    cr_assert_eq(tu_commit(b, 16), KVT_OK);
     cr_assert_eq(kvt_seq_check(a), KVT_OK, "%s", kvt_last_error());
     int32_t pages[8];
     uint32_t np;
@@ -444,7 +444,7 @@ Test(storage, reserve_is_all_or_nothing_and_pages_return) {
     kvt_seq_destroy(NULL);
     /* Unsupported requests say so. */
     kvt_seq *c, *f;
-    cr_assert_eq(kvt_seq_create(ctx, 3, &c), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 3, &c), KVT_OK);
     cr_assert_eq(kvt_seq_fork(c, 4, &f), KVT_ERR_UNSUPPORTED);
     cr_assert_null(f);
     kvt_ctx_destroy(ctx);
@@ -460,11 +460,14 @@ Test(storage, bad_arguments_get_statuses) {
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
     uint8_t row[1152] = {0};
-    cr_assert_eq(kvt_seq_reserve(seq, 0), KVT_ERR_INVALID_ARGUMENT);
-    cr_assert_eq(kvt_seq_reserve(seq, 33), KVT_ERR_POOL_EXHAUSTED);
-    cr_assert_eq(kvt_seq_reserve(seq, 2), KVT_OK);
+    /* API v2: a request with no new token in a step is legal (it only attends); round 1's
+     * reserve(0) was an error. */
+    cr_assert_eq(tu_reserve(seq, 0), KVT_OK);
+    cr_assert_eq(tu_commit(seq, 0), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, 33), KVT_ERR_POOL_EXHAUSTED);
+    cr_assert_eq(tu_reserve(seq, 2), KVT_OK);
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 1, 2, row, 2 * 1152), KVT_ERR_OUT_OF_RANGE);
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 1, row, 1000), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(kvt_seq_write(seq, 1, 0, 0, 1, row, 1152), KVT_ERR_OUT_OF_RANGE);
@@ -472,11 +475,11 @@ Test(storage, bad_arguments_get_statuses) {
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 1, NULL, 1152), KVT_ERR_INVALID_ARGUMENT);
     int32_t slot;
     cr_assert_eq(kvt_seq_reserved_slot(seq, 0, 2, &slot), KVT_ERR_OUT_OF_RANGE);
-    cr_assert_eq(kvt_seq_commit(seq, 2), KVT_OK);
-    cr_assert_eq(kvt_attended_tokens(ctx, 5, &seq, 1, NULL, NULL, &slot, 1, &slot),
+    cr_assert_eq(tu_commit(seq, 2), KVT_OK);
+    cr_assert_eq(tu_attended_tokens(ctx, 5, &seq, 1, &slot, 1, &slot),
                  KVT_ERR_OUT_OF_RANGE);
     kvt_seq *null_seq = NULL;
-    cr_assert_eq(kvt_attended_count(ctx, 0, &null_seq, 1, (uint32_t *)&slot),
+    cr_assert_eq(tu_attended_count(ctx, 0, &null_seq, 1, (uint32_t *)&slot),
                  KVT_ERR_INVALID_ARGUMENT);
     kvt_layer_stats ls = {.struct_size = 1};
     cr_assert_eq(kvt_seq_layer_stats(seq, 0, &ls), KVT_ERR_INVALID_ARGUMENT);
@@ -496,17 +499,17 @@ Test(storage, external_memory_binding) {
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 1, &seq), KVT_OK);
-    cr_assert_eq(kvt_seq_reserve(seq, 1), KVT_ERR_BAD_STATE); /* nothing bound yet */
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, 1), KVT_ERR_BAD_STATE); /* nothing bound yet */
     size_t need = 2 * 16 * 1152;
     uint8_t *mem = calloc(1, need);
     cr_assert_eq(kvt_layer_bind(ctx, 0, 0, mem, need - 1), KVT_ERR_CAPACITY);
     cr_assert_eq(kvt_layer_bind(ctx, 0, 0, mem, need), KVT_OK);
-    cr_assert_eq(kvt_seq_reserve(seq, 1), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, 1), KVT_OK);
     int32_t slot;
     cr_assert_eq(kvt_seq_reserved_slot(seq, 0, 0, &slot), KVT_OK);
     memset(mem + (size_t)slot * 1152, 0xab, 1152);
-    cr_assert_eq(kvt_seq_commit(seq, 1), KVT_OK);
+    cr_assert_eq(tu_commit(seq, 1), KVT_OK);
     uint8_t row[1152];
     cr_assert_eq(kvt_seq_read_row(seq, 0, 0, 0, 0, row, sizeof row), KVT_OK);
     cr_assert_eq(row[77], 0xab);
@@ -587,9 +590,9 @@ Test(abi, struct_size_rule) {
     p.config = NULL;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 1, &seq), KVT_OK);
-    cr_assert_eq(kvt_seq_reserve(seq, 3), KVT_OK);
-    cr_assert_eq(kvt_seq_commit(seq, 3), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, 3), KVT_OK);
+    cr_assert_eq(tu_commit(seq, 3), KVT_OK);
     struct {
         kvt_layer_stats s;
         unsigned char guard[16];

@@ -100,7 +100,7 @@ static void hx_seq(hx *h, uint64_t request, uint64_t prompt) {
     h->prompt = prompt;
     h->n_tok = 0;
     h->rounds = 0;
-    cr_assert_eq(kvt_seq_create(h->ctx, request, &h->seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(h->ctx, request, &h->seq), KVT_OK);
     cr_assert_eq(kvt_seq_set_prompt_rows(h->seq, prompt), KVT_OK);
 }
 
@@ -232,7 +232,7 @@ static void hx_verify(hx *h) {
 /* Reserve, write, commit n tokens. Returns the reserve status (nothing else happens when it
  * fails). After the commit: kvt_seq_check; after a round: the slot map and hx_verify. */
 static kvt_status hx_append(hx *h, uint32_t n) {
-    kvt_status s = kvt_seq_reserve(h->seq, n);
+    kvt_status s = tu_reserve(h->seq, n);
     if (s != KVT_OK)
         return s;
     shadow_grow(h, h->n_tok + n);
@@ -268,7 +268,7 @@ static kvt_status hx_append(hx *h, uint32_t n) {
             for (uint32_t t = 0; t < n; t++)
                 before[l][hd][n_before + t] = (int64_t)(h->n_tok + t);
         }
-    cr_assert_eq(kvt_seq_commit(h->seq, n), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(tu_commit(h->seq, n), KVT_OK, "%s", kvt_last_error());
     h->n_tok += n;
     cr_assert_eq(kvt_seq_check(h->seq), KVT_OK, "seed %llu request %llu: %s",
                  (unsigned long long)h->seed, (unsigned long long)h->request,
@@ -727,7 +727,7 @@ Test(evict, check_before_any_commit) {
     hx_init(&h, &sp, 1, small_cfg(16, 4, 4), 4, 16, 72);
     hx_seq(&h, 9, 0);
     cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_reserve(h.seq, 3), KVT_OK);
+    cr_assert_eq(tu_reserve(h.seq, 3), KVT_OK);
     cr_assert_eq(kvt_seq_check(h.seq), KVT_OK, "%s", kvt_last_error());
     hx_fini(&h);
 }
@@ -886,14 +886,14 @@ Test(evict, pool_exhaustion_then_round_frees) {
     hx_seq(&a, 1, 2);
     cr_assert_eq(hx_append(&a, 31), KVT_OK); /* 4 pages, one short of a round */
     kvt_seq *b = NULL;
-    cr_assert_eq(kvt_seq_create(a.ctx, 2, &b), KVT_OK);
-    cr_assert_eq(kvt_seq_reserve(b, 8), KVT_OK);
-    cr_assert_eq(kvt_seq_commit(b, 8), KVT_OK);
+    cr_assert_eq(tu_seq_create(a.ctx, 2, &b), KVT_OK);
+    cr_assert_eq(tu_reserve(b, 8), KVT_OK);
+    cr_assert_eq(tu_commit(b, 8), KVT_OK);
     uint32_t free0;
     cr_assert_eq(kvt_ctx_free_pages(a.ctx, 0, &free0), KVT_OK);
     cr_assert_eq(free0, 1u);
     /* b needs 2 more pages: refused, nothing changed. */
-    cr_assert_eq(kvt_seq_reserve(b, 16), KVT_ERR_POOL_EXHAUSTED);
+    cr_assert_eq(tu_reserve(b, 16), KVT_ERR_POOL_EXHAUSTED);
     uint32_t free1;
     cr_assert_eq(kvt_ctx_free_pages(a.ctx, 0, &free1), KVT_OK);
     cr_assert_eq(free1, free0);
@@ -910,11 +910,11 @@ Test(evict, pool_exhaustion_then_round_frees) {
     cr_assert_eq(a.rounds, 1u);
     cr_assert_eq(kvt_ctx_free_pages(a.ctx, 0, &free1), KVT_OK);
     cr_assert_eq(free1, 2u);
-    cr_assert_eq(kvt_seq_reserve(b, 16), KVT_OK);
-    cr_assert_eq(kvt_seq_commit(b, 16), KVT_OK);
+    cr_assert_eq(tu_reserve(b, 16), KVT_OK);
+    cr_assert_eq(tu_commit(b, 16), KVT_OK);
     cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
     /* Now a cannot grow (the pool is full) until b's pages come back. */
-    cr_assert_eq(kvt_seq_reserve(a.seq, 8), KVT_ERR_POOL_EXHAUSTED);
+    cr_assert_eq(tu_reserve(a.seq, 8), KVT_ERR_POOL_EXHAUSTED);
     cr_assert_eq(kvt_seq_check(a.seq), KVT_OK, "%s", kvt_last_error());
     hx_verify(&a);
     kvt_seq_destroy(b);
@@ -1119,11 +1119,11 @@ static void tp_run(uint32_t n_layers, uint32_t heads, uint32_t head_off, uint32_
     char err[256];
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 5, &seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 5, &seq), KVT_OK);
     cr_assert_eq(kvt_seq_set_prompt_rows(seq, 3), KVT_OK);
     for (int i = 0; i < 30; i++) {
-        cr_assert_eq(kvt_seq_reserve(seq, 5), KVT_OK);
-        cr_assert_eq(kvt_seq_commit(seq, 5), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(tu_reserve(seq, 5), KVT_OK);
+        cr_assert_eq(tu_commit(seq, 5), KVT_OK, "%s", kvt_last_error());
     }
     for (uint32_t l = 0; l < n_layers; l++)
         for (uint32_t h = 0; h < heads; h++)

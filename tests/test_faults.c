@@ -85,19 +85,22 @@ Test(faults, context_creation_at_every_allocation) {
 }
 
 /* Append rows with a fault armed at allocation k of each reserve/commit; check no row is lost
- * and that a retry completes the work. */
-Test(faults, reserve_and_commit_at_every_allocation) {
+ * and that a retry completes the work. run: each step also runs every layer (kvt_batch_run), so
+ * the closes and rounds happen inside the runs and the faults hit them there. */
+static void faults_through_steps(bool run) {
     kvt_model *m = two_group_model();
     kvt_ctx_params p = params(m);
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 5, &seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 5, &seq), KVT_OK);
     kvt_seq_set_prompt_rows(seq, 8);
+    kvt_batch *batch; /* created outside the fault window: faults hit the library's step calls */
+    cr_assert_eq(kvt_batch_create(ctx, 1, &batch), KVT_OK);
     tu_rng rng = {31337};
     uint8_t mla[1152], gk[4 * 128], gv[4 * 128];
     uint8_t *shadow = malloc(400 * 1152);
-    int oom_reserve = 0, oom_commit = 0;
+    int oom_reserve = 0, oom_commit = 0, oom_run = 0;
     uint64_t pos = 0;
     for (int step = 0; pos < 400; step++) {
         int k = step % 7; /* fail the k-th allocation of this step */
@@ -105,7 +108,8 @@ Test(faults, reserve_and_commit_at_every_allocation) {
         kvt_ctx_free_pages(ctx, 0, &free_before);
         fault_countdown = k;
         fault_hits = 0;
-        kvt_status s = kvt_seq_reserve(seq, 1);
+        uint32_t one = 1;
+        kvt_status s = kvt_batch_reserve(batch, &seq, &one, 1);
         fault_countdown = -1;
         if (s != KVT_OK) {
             cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "%s", kvt_last_error());
@@ -128,7 +132,22 @@ Test(faults, reserve_and_commit_at_every_allocation) {
         cr_assert_eq(kvt_seq_write(seq, 1, 1, 0, 1, gv, sizeof gv), KVT_OK);
         fault_countdown = k;
         fault_hits = 0;
-        s = kvt_seq_commit(seq, 1);
+        s = kvt_batch_plan(batch);
+        if (s != KVT_OK) { /* nothing planned: the commit below does all the work */
+            cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "%s", kvt_last_error());
+            oom_run++;
+        }
+        for (uint32_t l = 0; run && s == KVT_OK && l < 2; l++) {
+            int32_t idx[512], len;
+            kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                          .capacity = 512, .lengths = &len};
+            s = kvt_batch_run(batch, l, NULL, NULL, &e);
+            if (s != KVT_OK) { /* a close or round failed in the run: the commit retries it */
+                cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "%s", kvt_last_error());
+                oom_run++;
+            }
+        }
+        s = kvt_batch_commit(batch, NULL);
         fault_countdown = -1;
         pos++;
         if (s != KVT_OK) {
@@ -137,7 +156,7 @@ Test(faults, reserve_and_commit_at_every_allocation) {
             /* Every committed row is still attended or archived with the attended set
              * reporting exactly the attended rows; none is lost on the evict layer either. */
             uint32_t cnt, att = 0;
-            cr_assert_eq(kvt_attended_count(ctx, 0, &seq, 1, &cnt), KVT_OK);
+            cr_assert_eq(tu_attended_count(ctx, 0, &seq, 1, &cnt), KVT_OK);
             for (uint64_t q = 0; q < pos; q++) {
                 kvt_row_state st;
                 cr_assert_eq(kvt_seq_row_state(seq, 0, 0, q, &st, NULL), KVT_OK);
@@ -149,7 +168,9 @@ Test(faults, reserve_and_commit_at_every_allocation) {
                 }
             }
             cr_assert_eq(cnt, att, "attended set %u rows, %u attended states", cnt, att);
-            cr_assert_eq(kvt_seq_commit(seq, 0), KVT_OK, "retry: %s", kvt_last_error());
+            uint32_t zero = 0;
+            cr_assert_eq(kvt_batch_reserve(batch, &seq, &zero, 1), KVT_OK);
+            cr_assert_eq(kvt_batch_commit(batch, NULL), KVT_OK, "retry: %s", kvt_last_error());
         }
         cr_assert_eq(kvt_seq_check(seq), KVT_OK, "pos %llu: %s", (unsigned long long)pos,
                      kvt_last_error());
@@ -161,14 +182,24 @@ Test(faults, reserve_and_commit_at_every_allocation) {
     }
     kvt_layer_stats ls = {.struct_size = sizeof ls};
     cr_assert_eq(kvt_seq_layer_stats(seq, 0, &ls), KVT_OK);
-    cr_log_info("%d reserves and %d commits failed for memory; %llu closes, rows %llu", oom_reserve,
-                oom_commit, (unsigned long long)ls.closes, (unsigned long long)pos);
-    cr_assert_gt(oom_reserve + oom_commit, 10);
-    cr_assert_gt(oom_commit, 0);
+    cr_log_info("%s: %d reserves, %d plans/runs and %d commits failed for memory; %llu closes, "
+                "rows %llu", run ? "run path" : "commit path", oom_reserve, oom_run, oom_commit,
+                (unsigned long long)ls.closes, (unsigned long long)pos);
+    cr_assert_gt(oom_reserve + oom_commit + oom_run, 10);
+    cr_assert_gt(run ? oom_run : oom_commit, 0);
     cr_assert_eq(ls.closed_rows, 384);
     free(shadow);
+    kvt_batch_destroy(batch);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
+}
+
+Test(faults, reserve_and_commit_at_every_allocation) {
+    faults_through_steps(false);
+}
+
+Test(faults, reserve_run_and_commit_at_every_allocation) {
+    faults_through_steps(true);
 }
 
 Test(faults, bad_specs_and_partial_binding) {
@@ -202,8 +233,8 @@ Test(faults, bad_specs_and_partial_binding) {
     void *k = calloc(1, bytes);
     cr_assert_eq(kvt_layer_bind(ctx, 0, 0, k, bytes), KVT_OK);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 1, &seq), KVT_OK);
-    cr_assert_eq(kvt_seq_reserve(seq, 1), KVT_ERR_BAD_STATE);
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, 1), KVT_ERR_BAD_STATE);
     cr_assert(strstr(kvt_last_error(), "plane 1") != NULL, "%s", kvt_last_error());
     int64_t posbuf[1];
     uint64_t n = 9;

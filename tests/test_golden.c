@@ -241,7 +241,46 @@ static void dump_checkpoint(sbuf *b, kvt_ctx *ctx, kvt_seq *seq, uint64_t n) {
 /* ------------------------------------------------------------------------------------------- */
 /* Driver                                                                                       */
 /* ------------------------------------------------------------------------------------------- */
-static char *run_case(const gcase *g, size_t *len) {
+/* Write the step's rows of layer l (tokens [n, n + want)) through the public API. */
+static void write_layer(const gcase *g, kvt_seq *seq, const kvt_layer_spec *s, uint32_t l,
+                        uint64_t n, uint32_t want, uint8_t *row) {
+    size_t tok_bytes = (size_t)s->n_kv_heads * s->row_bytes;
+    cr_assert(tok_bytes <= (1 << 16));
+    for (uint32_t pl = 0; pl < s->n_planes; pl++)
+        for (uint32_t i = 0; i < want; i++) {
+            for (uint32_t h = 0; h < s->n_kv_heads; h++)
+                gen_row(g, s, l, pl, h, n + i, row + (size_t)h * s->row_bytes);
+            cr_assert_eq(kvt_seq_write(seq, l, pl, i, 1, row, tok_bytes), KVT_OK, "%s",
+                         kvt_last_error());
+        }
+}
+
+/* The emission of `layer` at the step just committed must be the committed state's attended set:
+ * for each attended position (ascending) of head 0, its slot. (Every head of a layer attends the
+ * same number of rows; the emission lists head 0's slots.) */
+static void check_emission(kvt_seq *seq, uint32_t layer, uint64_t n, const int32_t *idx,
+                           int32_t len, const char *name) {
+    int32_t k = 0;
+    for (uint64_t p = 0; p < n; p++) {
+        kvt_row_state st;
+        int32_t slot;
+        cr_assert_eq(kvt_seq_row_state(seq, layer, 0, p, &st, &slot), KVT_OK);
+        if (st != KVT_ROW_ATTENDED)
+            continue;
+        cr_assert(k < len && idx[k] == slot, "%s layer %u at %llu tokens: emission[%d] = %d, "
+                  "attended position %llu is at slot %d", name, layer, (unsigned long long)n, k,
+                  k < len ? idx[k] : -2, (unsigned long long)p, slot);
+        k++;
+    }
+    cr_assert_eq(k, len, "%s layer %u: emitted %d rows, %d attended", name, layer, len, k);
+}
+
+/* Drive the case. run = false: each step reserves, writes every layer, commits (all policy work
+ * at commit). run = true: the engine's order (kvtier.h's timeline): reserve, plan, then per layer
+ * write its rows and kvt_batch_run it (its close or round happens there), commit. Both must give
+ * the same file: decisions do not depend on where the work runs. With run, every checkpoint also
+ * checks that each layer's emission equals the committed attended set. */
+static char *run_case(const gcase *g, size_t *len, bool run) {
     kvt_model *m = NULL;
     char err[512];
     if (g->config_file)
@@ -251,18 +290,23 @@ static char *run_case(const gcase *g, size_t *len) {
         cr_assert_eq(kvt_model_create(g->specs, g->n_layers, g->name, &m, err, sizeof err), KVT_OK,
                      "%s", err);
     kvt_ctx_params p = kvt_ctx_default_params();
-    kvt_config p_cfg = kvt_config_default();
+    kvt_config p_cfg = g->cfg;
     p.config = &p_cfg;
     p.model = m;
-    p_cfg = g->cfg;
     p.page_rows = g->page_rows;
     p.n_pages = g->n_pages;
     p.allocator = KVT_ALLOC_LIBC;
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s: %s", g->name, err);
     kvt_seq *seq;
-    cr_assert_eq(kvt_seq_create(ctx, 7, &seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, 7, &seq), KVT_OK);
     cr_assert_eq(kvt_seq_set_prompt_rows(seq, g->prompt_rows), KVT_OK);
+    kvt_batch *batch;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &batch), KVT_OK);
+    const uint32_t L = kvt_model_n_layers(m);
+    int32_t *emitted = malloc(sizeof(int32_t) * (g->tokens + 1) * L);
+    int32_t *lens = calloc(L, sizeof *lens);
+    cr_assert(emitted && lens);
 
     sbuf b = {0};
     dump_header(&b, g, m);
@@ -277,31 +321,43 @@ static char *run_case(const gcase *g, size_t *len) {
         uint64_t stop = next_cp < g->n_checkpoints ? g->checkpoints[next_cp] : g->tokens;
         if (n + want > stop)
             want = (uint32_t)(stop - n);
-        cr_assert_eq(kvt_seq_reserve(seq, want), KVT_OK, "%s at %llu: %s", g->name,
-                     (unsigned long long)n, kvt_last_error());
-        for (uint32_t l = 0; l < kvt_model_n_layers(m); l++) {
+        cr_assert_eq(kvt_batch_reserve(batch, &seq, &want, 1), KVT_OK, "%s at %llu: %s",
+                     g->name, (unsigned long long)n, kvt_last_error());
+        if (run)
+            cr_assert_eq(kvt_batch_plan(batch), KVT_OK, "%s", kvt_last_error());
+        for (uint32_t l = 0; l < L; l++) {
             const kvt_layer_spec *s = kvt_model_layer(m, l);
             if (s->kind == KVT_LAYER_NO_KV)
                 continue;
-            size_t tok_bytes = (size_t)s->n_kv_heads * s->row_bytes;
-            cr_assert(tok_bytes <= (1 << 16));
-            for (uint32_t pl = 0; pl < s->n_planes; pl++)
-                for (uint32_t i = 0; i < want; i++) {
-                    for (uint32_t h = 0; h < s->n_kv_heads; h++)
-                        gen_row(g, s, l, pl, h, n + i, row + (size_t)h * s->row_bytes);
-                    cr_assert_eq(kvt_seq_write(seq, l, pl, i, 1, row, tok_bytes), KVT_OK);
-                }
+            write_layer(g, seq, s, l, n, want, row);
+            if (!run)
+                continue;
+            uint32_t topk;
+            cr_assert_eq(kvt_batch_capacity(batch, l, &topk, NULL), KVT_OK);
+            cr_assert_eq(topk, n + want);
+            kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                          .indices = emitted + (size_t)l * (g->tokens + 1), .capacity = topk,
+                          .lengths = &lens[l]};
+            cr_assert_eq(kvt_batch_run(batch, l, NULL, NULL, &e), KVT_OK, "%s layer %u at %llu: %s",
+                         g->name, l, (unsigned long long)n, kvt_last_error());
         }
-        cr_assert_eq(kvt_seq_commit(seq, want), KVT_OK, "%s at %llu: %s", g->name,
+        cr_assert_eq(kvt_batch_commit(batch, NULL), KVT_OK, "%s at %llu: %s", g->name,
                      (unsigned long long)n, kvt_last_error());
         n += want;
         if (next_cp < g->n_checkpoints && n == g->checkpoints[next_cp]) {
             cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s: %s", g->name, kvt_last_error());
             dump_checkpoint(&b, ctx, seq, n);
+            for (uint32_t l = 0; run && l < L; l++)
+                if (kvt_model_layer(m, l)->kind != KVT_LAYER_NO_KV)
+                    check_emission(seq, l, n, emitted + (size_t)l * (g->tokens + 1), lens[l],
+                                   g->name);
             next_cp++;
         }
     }
     free(row);
+    free(emitted);
+    free(lens);
+    kvt_batch_destroy(batch);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
     *len = b.n;
@@ -331,13 +387,21 @@ static void write_all(const char *path, const char *p, size_t n) {
     cr_assert_eq(fclose(f), 0);
 }
 
+static void check_golden_path(const gcase *g, bool run);
+
+/* Both drivers (commit-only and the engine's run order) against the same file. */
 static void check_golden(const gcase *g) {
+    check_golden_path(g, false);
+    check_golden_path(g, true);
+}
+
+static void check_golden_path(const gcase *g, bool run) {
     size_t n;
-    char *got = run_case(g, &n);
+    char *got = run_case(g, &n, run);
     char path[1024];
     snprintf(path, sizeof path, "%s/tests/golden/keepsets/%s.txt", KVT_SOURCE_DIR, g->name);
     const char *upd = getenv("KVT_GOLDEN_UPDATE");
-    if (upd && strcmp(upd, "1") == 0) {
+    if (upd && strcmp(upd, "1") == 0 && !run) {
         write_all(path, got, n);
         cr_log_warn("recorded %s (%zu bytes)", path, n);
         free(got);
@@ -348,7 +412,8 @@ static void check_golden(const gcase *g) {
     cr_assert(exp, "missing golden file %s (record with KVT_GOLDEN_UPDATE=1)", path);
     if (en != n || memcmp(exp, got, n) != 0) {
         char out[1024];
-        snprintf(out, sizeof out, "%s/golden_%s.actual.txt", KVT_BINARY_DIR, g->name);
+        snprintf(out, sizeof out, "%s/golden_%s%s.actual.txt", KVT_BINARY_DIR, g->name,
+                 run ? "_run" : "");
         write_all(out, got, n);
         size_t i = 0, line = 1, ls = 0;
         while (i < n && i < en && got[i] == exp[i]) {
@@ -361,8 +426,8 @@ static void check_golden(const gcase *g) {
         const char *ge = memchr(got + ls, '\n', n - ls), *ee = memchr(exp + ls, '\n', en - ls);
         int gl = ge ? (int)(ge - (got + ls)) : (int)(n - ls);
         int el = ee ? (int)(ee - (exp + ls)) : (int)(en - ls);
-        cr_assert_fail("%s: decisions changed at line %zu\n  golden: %.*s\n  actual: %.*s\n"
-                       "(actual file: %s)", g->name, line, el > 300 ? 300 : el, exp + ls,
+        cr_assert_fail("%s (%s path): decisions changed at line %zu\n  golden: %.*s\n  actual: %.*s\n"
+                       "(actual file: %s)", g->name, run ? "run" : "commit", line, el > 300 ? 300 : el, exp + ls,
                        gl > 300 ? 300 : gl, got + ls, out);
     }
     free(exp);

@@ -122,7 +122,7 @@ static run replay(const hay *h, uint32_t ratio, kvt_selector sel, uint64_t seed,
     char err[256];
     cr_assert_eq(kvt_ctx_create(&p, &r.ctx, err, sizeof err), KVT_OK, "%s", err);
     kvt_model_destroy(m); /* the context keeps its own copy */
-    cr_assert_eq(kvt_seq_create(r.ctx, 1, &r.seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(r.ctx, 1, &r.seq), KVT_OK);
     r.shadow = malloc(h->n * ROW);
     tu_rng rng = {seed};
     const uint32_t chunk = 1024; /* 4 commits per 4096-row block */
@@ -130,10 +130,10 @@ static run replay(const hay *h, uint32_t ratio, kvt_selector sel, uint64_t seed,
         uint32_t n = (uint32_t)(h->n - pos < chunk ? h->n - pos : chunk);
         for (uint32_t i = 0; i < n; i++)
             make_row(r.shadow + (pos + i) * ROW, pos + i, h, &rng);
-        cr_assert_eq(kvt_seq_reserve(r.seq, n), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(tu_reserve(r.seq, n), KVT_OK, "%s", kvt_last_error());
         cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, n, r.shadow + pos * ROW, (size_t)n * ROW),
                      KVT_OK);
-        cr_assert_eq(kvt_seq_commit(r.seq, n), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(tu_commit(r.seq, n), KVT_OK, "%s", kvt_last_error());
         if (!check || (pos + n) % 4096 != 0)
             continue;
         /* After every close: invariants, every row attended or archived with its exact bytes,
@@ -344,14 +344,14 @@ Test(salience_tier, keep_mask_matches_double_reference) {
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
     kvt_seq *seq;
-    kvt_seq_create(ctx, 3, &seq);
+    tu_seq_create(ctx, 3, &seq);
     uint8_t *rows = malloc(h.n * ROW);
     tu_rng rng = {777};
     for (uint64_t q = 0; q < h.n; q++)
         make_row(rows + q * ROW, q, &h, &rng);
-    cr_assert_eq(kvt_seq_reserve(seq, (uint32_t)h.n), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, (uint32_t)h.n), KVT_OK);
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, (uint32_t)h.n, rows, h.n * ROW), KVT_OK);
-    cr_assert_eq(kvt_seq_commit(seq, (uint32_t)h.n), KVT_OK);
+    cr_assert_eq(tu_commit(seq, (uint32_t)h.n), KVT_OK);
     cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     double *sig = malloc(sizeof(double) * h.n);
     double max_norm = 0;

@@ -74,7 +74,7 @@ static void harness_init(harness *h, kvt_model *m, const kvt_ctx_params *base, u
     cr_assert_eq(kvt_ctx_create(&p, &h->ctx, err, sizeof err), KVT_OK, "%s", err);
     h->n_seqs = n_seqs;
     for (uint32_t s = 0; s < n_seqs; s++) {
-        cr_assert_eq(kvt_seq_create(h->ctx, 100 + s, &h->seq[s]), KVT_OK);
+        cr_assert_eq(tu_seq_create(h->ctx, 100 + s, &h->seq[s]), KVT_OK);
         for (uint32_t l = 0; l < h->n_layers; l++) {
             h->shadow[s][l] = malloc(spec_of(h, l)->n_planes * cap_tokens * slot_bytes(h, l));
             cr_assert_not_null(h->shadow[s][l]);
@@ -96,7 +96,7 @@ static void append(harness *h, uint32_t s, uint32_t n) {
     kvt_seq *seq = h->seq[s];
     uint64_t pos = kvt_seq_length(seq);
     cr_assert(pos + n <= h->cap_tokens);
-    cr_assert_eq(kvt_seq_reserve(seq, n), KVT_OK, "seed %llu: reserve %u at %llu: %s",
+    cr_assert_eq(tu_reserve(seq, n), KVT_OK, "seed %llu: reserve %u at %llu: %s",
                  (unsigned long long)h->seed, n, (unsigned long long)pos,
                  kvt_last_error());
     for (uint32_t l = 0; l < h->n_layers; l++) {
@@ -124,7 +124,7 @@ static void append(harness *h, uint32_t s, uint32_t n) {
             }
         }
     }
-    cr_assert_eq(kvt_seq_commit(seq, n), KVT_OK, "seed %llu: commit %u at %llu: %s",
+    cr_assert_eq(tu_commit(seq, n), KVT_OK, "seed %llu: commit %u at %llu: %s",
                  (unsigned long long)h->seed, n, (unsigned long long)pos,
                  kvt_last_error());
     cr_assert_eq(kvt_seq_check(seq), KVT_OK, "seed %llu at %llu: %s", (unsigned long long)h->seed,
@@ -239,18 +239,18 @@ static void verify_layer(harness *h, uint32_t s, uint32_t l) {
     }
     /* The attended set handed to the engine: exactly the last `att` rows, ascending. */
     uint32_t cnt = 0;
-    cr_assert_eq(kvt_attended_count(ctx, l, &seq, 1, &cnt), KVT_OK);
+    cr_assert_eq(tu_attended_count(ctx, l, &seq, 1, &cnt), KVT_OK);
     cr_assert_eq(cnt, att);
     int32_t *idx = malloc(sizeof *idx * (att + 2));
     int32_t len = -1;
-    cr_assert_eq(kvt_attended_tokens(ctx, l, &seq, 1, NULL, NULL, idx, (uint32_t)att + 2, &len),
+    cr_assert_eq(tu_attended_tokens(ctx, l, &seq, 1, idx, (uint32_t)att + 2, &len),
                  KVT_OK);
     cr_assert_eq((uint64_t)len, att);
     cr_assert_eq(idx[att], -1);
     cr_assert_eq(memcmp(idx, want_slots, sizeof *idx * att), 0,
                  "seed %llu layer %u: attended slots differ", seed, l);
     int32_t indptr[2];
-    cr_assert_eq(kvt_attended_csr(ctx, l, &seq, 1, NULL, NULL, indptr, idx, (uint32_t)att),
+    cr_assert_eq(tu_attended_csr(ctx, l, &seq, 1, indptr, idx, (uint32_t)att),
                  KVT_OK);
     cr_assert_eq((uint64_t)indptr[1], att);
     cr_assert_eq(memcmp(idx, want_slots, sizeof *idx * att), 0);
@@ -344,10 +344,10 @@ Test(sliding, pages_recycled_one_at_a_time_and_in_chunks) {
     cr_log_info("max pages per sequence: %llu (one at a time), %llu (chunks); bound %u",
                 (unsigned long long)max_pages[0], (unsigned long long)max_pages[1], bound);
     /* A reservation of one token on top of a committed window still stays under the bound. */
-    cr_assert_eq(kvt_seq_reserve(h.seq[0], 1), KVT_OK);
+    cr_assert_eq(tu_reserve(h.seq[0], 1), KVT_OK);
     cr_assert_leq(pages_in_use(&h, 0, 0), bound);
     cr_assert_eq(kvt_seq_check(h.seq[0]), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_commit(h.seq[0], 1), KVT_OK);
+    cr_assert_eq(tu_commit(h.seq[0], 1), KVT_OK);
     cr_assert_eq(kvt_seq_check(h.seq[0]), KVT_OK, "%s", kvt_last_error());
     /* Destroying the sequences returns every live page. */
     kvt_seq_destroy(h.seq[0]);
@@ -418,7 +418,7 @@ Test(sliding, none_group_with_full_attention_layer_keeps_everything) {
     cr_assert_eq(ls.attended_rows, 640);
     cr_assert_eq(ls.dropped_rows, 0);
     /* The pool is full: the whole context is held. */
-    cr_assert_eq(kvt_seq_reserve(h.seq[0], 1), KVT_ERR_POOL_EXHAUSTED);
+    cr_assert_eq(tu_reserve(h.seq[0], 1), KVT_ERR_POOL_EXHAUSTED);
     harness_fini(&h);
 }
 

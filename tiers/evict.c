@@ -434,14 +434,17 @@ static kvt_status compact_layer(const kvt__env *env, kvt__store *st, const kvt__
     return KVT_OK;
 }
 
-kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
-                         uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
-                         uint64_t prompt_rows) {
+/* One round over the given layers of a group whose table holds N rows per head (the table's
+ * committed rows, or those plus the rows of a step in flight): select, archive or drop, compact
+ * each layer to K + r rows. The table itself (its n_rows, its pages) is left to the caller, so a
+ * step can compact one layer inside its forward while the group's other layers still hold N. */
+static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
+                             kvt__ev *const *states, uint32_t n_layers, const kvt__ptable *pt,
+                             uint64_t N, uint64_t prompt_rows) {
     const kvt_config *cfg = env->cfg;
     const kvt__alloc *a = env->alloc;
     const uint64_t K = cfg->evict_budget_rows;
     const uint64_t r = cfg->recent_rows;
-    const uint64_t N = pt->n_rows;
     if (N < r || N - r <= K)
         return KVT_OK; /* nothing to evict */
     const uint64_t cand = N - r;
@@ -541,11 +544,23 @@ kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev
         if (prompt_over_budget(cfg, prompt_rows))
             e->prompt_over_budget = true;
     }
-    pt->n_rows = n_new;
-    kvt__ptable_trim(pt, pool);
 done:
     scratch_free(&s, a);
     return rc;
+}
+
+kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
+                         uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
+                         uint64_t prompt_rows) {
+    const uint64_t N = pt->n_rows, K = env->cfg->evict_budget_rows, r = env->cfg->recent_rows;
+    if (N < r || N - r <= K)
+        return KVT_OK;
+    kvt_status rc = round_core(env, stores, states, n_layers, pt, N, prompt_rows);
+    if (rc != KVT_OK)
+        return rc;
+    pt->n_rows = K + r;
+    kvt__ptable_trim(pt, pool);
+    return KVT_OK;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -666,29 +681,91 @@ static kvt_status ev_reserve(kvt__tier_state *s, const kvt__alloc *a, uint64_t r
     return kvt__ev_reserve(&s->ev, a, rows);
 }
 
-/* Record the new rows' positions in every layer (capacity was grown at reserve: cannot fail),
- * then run a round when one is due; the layers of the group run it together, since they share
- * the page table. */
+/* A step in flight (kvt_batch_run, inside the layer's forward, after the engine wrote the step's
+ * rows): record the step's positions for this layer and, when the table with them reaches
+ * K + r + c, run this layer's part of the round. Its rows are then compacted to K + r while the
+ * group's other layers still hold N; the table (shared) shrinks at commit, once every layer has
+ * compacted (ev_group_commit). Every layer keeps the same count, so after the last layer's round
+ * row index i maps to the same slot in all of them, and the slots the engine wrote this step's
+ * rows to stay valid for the layers whose forward comes later (pages are only trimmed at
+ * commit). On a selection failure nothing of this layer changed. */
+static kvt_status ev_layer_step(const kvt__env *env, const kvt__tier_step *t) {
+    kvt__ev *e = &t->state->ev;
+    const uint64_t N = t->pt->n_rows + t->step_rows;
+    kvt__ev_append(e, t->pt->n_rows, t->appended, t->step_rows);
+    e->step_appended = true;
+    if (!kvt__ev_round_due(env->cfg, N))
+        return KVT_OK;
+    kvt__store *sp[1] = {t->st};
+    kvt__ev *ep[1] = {e};
+    kvt_status rc = round_core(env, sp, ep, 1, t->pt, N, t->prompt_rows);
+    if (rc == KVT_OK)
+        e->step_round = true;
+    return rc;
+}
+
+static uint64_t ev_held_rows(const kvt__tier_state *s, uint64_t rows) {
+    return s->ev.step_round ? s->ev.last_kept : rows;
+}
+
+/* Record the new rows' positions in every layer that did not in a step (capacity was grown at
+ * reserve: cannot fail), then run the round when one is due: the layers of the group together
+ * (they share the page table), except those that already ran theirs in the step. A group some of
+ * whose layers compacted in the step while the others now fail cannot be made to agree again:
+ * it is marked damaged (KVT_ERR_CORRUPT). */
 static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g) {
     kvt__group *gr = g->gr;
-    for (uint32_t k = 0; g->new_rows > 0 && k < gr->n_layers; k++)
-        kvt__ev_append(&g->states[gr->layers[k]].ev, g->pt->n_rows - g->new_rows,
-                       g->appended - g->new_rows, g->new_rows);
-    if (!kvt__ev_round_due(env->cfg, g->pt->n_rows))
+    uint32_t stepped = 0;
+    for (uint32_t k = 0; k < gr->n_layers; k++) {
+        kvt__ev *e = &g->states[gr->layers[k]].ev;
+        if (g->new_rows > 0 && !e->step_appended)
+            kvt__ev_append(e, g->pt->n_rows - g->new_rows, g->appended - g->new_rows,
+                           g->new_rows);
+        e->step_appended = false;
+        stepped += e->step_round;
+    }
+    if (!kvt__ev_round_due(env->cfg, g->pt->n_rows)) {
+        KVT_ASSERT(stepped == 0);
         return KVT_OK;
+    }
     size_t bytes = sizeof(void *) * gr->n_layers;
     kvt__store **sp = kvt__malloc(env->alloc, bytes);
     kvt__ev **ep = kvt__malloc(env->alloc, bytes);
+    kvt_status s = KVT_OK;
     if (!sp || !ep) {
-        kvt__free(env->alloc, sp, bytes);
-        kvt__free(env->alloc, ep, bytes);
-        return kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY, "eviction round");
+        s = kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY, "eviction round");
+        goto done;
     }
+    uint32_t n = 0;
     for (uint32_t k = 0; k < gr->n_layers; k++) {
-        sp[k] = &g->stores[gr->layers[k]];
-        ep[k] = &g->states[gr->layers[k]].ev;
+        kvt__ev *e = &g->states[gr->layers[k]].ev;
+        if (e->step_round)
+            continue;
+        sp[n] = &g->stores[gr->layers[k]];
+        ep[n++] = e;
     }
-    kvt_status s = kvt__ev_round(env, sp, ep, gr->n_layers, g->pt, &gr->pool, g->prompt_rows);
+    if (stepped == 0) {
+        s = kvt__ev_round(env, sp, ep, n, g->pt, &gr->pool, g->prompt_rows);
+        goto done;
+    }
+    s = n ? round_core(env, sp, ep, n, g->pt, g->pt->n_rows, g->prompt_rows) : KVT_OK;
+    if (s != KVT_OK) {
+        for (uint32_t k = 0; k < gr->n_layers; k++) {
+            g->states[gr->layers[k]].ev.damaged = true;
+            g->states[gr->layers[k]].ev.step_round = false;
+        }
+        s = kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                      "eviction round: %u layers compacted in the step, the others failed at "
+                      "commit (%s); the sequence is damaged and must be destroyed",
+                      stepped, kvt_status_name(s));
+        goto done;
+    }
+    g->pt->n_rows = env->cfg->evict_budget_rows + env->cfg->recent_rows;
+    kvt__ptable_trim(g->pt, &gr->pool);
+    for (uint32_t k = 0; k < gr->n_layers; k++)
+        g->states[gr->layers[k]].ev.step_round = false;
+done:
+    /* On a host-memory failure the flags stay: the next commit finishes the other layers. */
     kvt__free(env->alloc, sp, bytes);
     kvt__free(env->alloc, ep, bytes);
     return s;
@@ -773,6 +850,8 @@ const kvt__policy_ops kvt__policy_evict = {
     .layer_fini = ev_layer_fini,
     .reserve = ev_reserve,
     .group_commit = ev_group_commit,
+    .layer_step = ev_layer_step,
+    .held_rows = ev_held_rows,
     .attended_count = kvt__none_attended_count,
     .attended_rows = kvt__none_attended_rows,
     .row_state = ev_row_state,

@@ -71,6 +71,19 @@ typedef struct kvt__tier_group {
     uint64_t prompt_rows;
 } kvt__tier_group;
 
+/* One layer of one sequence during a step in flight (kvt_batch_run): the group's table holds
+ * pt->n_rows committed rows plus step_rows rows reserved and written for this step, positions
+ * [appended, appended + step_rows). */
+typedef struct kvt__tier_step {
+    kvt__group *gr;
+    kvt__store *st;
+    const kvt__ptable *pt;     /* the table is the group's: a step never changes it */
+    kvt__tier_state *state;
+    uint64_t appended;         /* tokens committed before the step */
+    uint64_t step_rows;
+    uint64_t prompt_rows;
+} kvt__tier_step;
+
 struct kvt__policy_ops {
     /* Row index i of the group's table holds position i in every layer (no compaction), so the
      * table holds exactly the appended rows (some of them may have left with their pages). False
@@ -107,6 +120,19 @@ struct kvt__policy_ops {
      * states: after a failure (status and message in env->err) the next commit, with new_rows 0,
      * completes the work. Without it committing changes nothing but the table's n_rows. */
     kvt_status (*group_commit)(const kvt__env *env, const kvt__tier_group *g);
+
+    /* ---- A step in flight ------------------------------------------------------------------ */
+    /* (optional) This layer's due work of a step, run inside the layer's forward after the engine
+     * wrote the step's rows and before attention (kvt_batch_run), at most once per step: the
+     * decisions are those a commit of the same rows would make (salience: the blocks complete at
+     * n_rows + step_rows close; evict: this layer's part of a due round). The table is not
+     * changed; group_commit completes what is left (layers that did not step, the table's count
+     * and pages). On failure (status, message in env->err) group_commit retries. Without it the
+     * layer's work all happens at commit. */
+    kvt_status (*layer_step)(const kvt__env *env, const kvt__tier_step *t);
+    /* (optional) Rows the layer holds per head when the table holds `rows` (a layer that
+     * compacted in a step holds fewer until commit). Without it: rows. */
+    uint64_t (*held_rows)(const kvt__tier_state *s, uint64_t rows);
 
     /* ---- Attended set ---------------------------------------------------------------------- */
     /* Rows the layer attends (per KV head). */

@@ -313,6 +313,13 @@ static kvt_status sal_group_commit(const kvt__env *env, const kvt__tier_group *g
     return first_err;
 }
 
+/* The blocks complete once the step's rows count close now, exactly as a commit of the same rows
+ * would close them (σ reads only this layer's rows, all written before the step's run). */
+static kvt_status sal_layer_step(const kvt__env *env, const kvt__tier_step *t) {
+    return kvt__sal_commit(&t->state->sal, env, &t->gr->sal, t->st, t->pt,
+                           t->pt->n_rows + t->step_rows);
+}
+
 static uint64_t sal_attended_count(const kvt__tier_layer *l) {
     return kvt__sal_attended_count(&l->state->sal, l->cfg);
 }
@@ -364,6 +371,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .group_fini = sal_group_fini,
     .layer_fini = sal_layer_fini,
     .group_commit = sal_group_commit,
+    .layer_step = sal_layer_step,
     .attended_count = sal_attended_count,
     .attended_rows = sal_attended_rows,
     .row_state = sal_row_state,

@@ -185,6 +185,10 @@ typedef struct kvt__ev {
      * Sticky; the sequence refuses further work (KVT_ERR_BAD_STATE) and can only be destroyed. */
     bool damaged;
     kvt__ev_archive *archive; /* [n_heads], when cfg->evict_archive */
+    /* A step in flight (policy.h layer_step): this layer recorded the step's positions / ran its
+     * part of a due round (it then holds last_kept rows while the table still holds N). Cleared
+     * by the group's commit. */
+    bool step_appended, step_round;
 } kvt__ev;
 
 kvt_status kvt__ev_init(kvt__ev *e, const kvt__alloc *a, uint32_t n_heads, bool archive);

@@ -34,3 +34,155 @@ double tu_normal(tu_rng *r) {
         u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
+
+/* ---- single-request drivers over the batch API ---- */
+#include <string.h>
+
+#define TU_MAX_OPEN 64
+static struct {
+    kvt_seq *seq;
+    kvt_batch *b;
+} tu_open[TU_MAX_OPEN];
+
+kvt_status tu_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out) {
+    kvt_seq_params p = kvt_seq_default_params();
+    p.request_id = request_id;
+    return kvt_seq_create(ctx, &p, out);
+}
+
+static int tu_slot(const kvt_seq *seq) {
+    for (int i = 0; i < TU_MAX_OPEN; i++)
+        if (tu_open[i].seq == seq && tu_open[i].b)
+            return i;
+    return -1;
+}
+
+kvt_status tu_reserve(kvt_seq *seq, uint32_t n) {
+    if (!seq)
+        return KVT_ERR_INVALID_ARGUMENT;
+    int k = tu_slot(seq);
+    kvt_batch *b = k >= 0 ? tu_open[k].b : NULL;
+    if (!b) {
+        kvt_status s = kvt_batch_create(kvt_seq_context(seq), 1, &b);
+        if (s != KVT_OK)
+            return s;
+    }
+    kvt_status s = kvt_batch_reserve(b, &seq, &n, 1);
+    if (k >= 0)
+        return s; /* the open step stays open (the library said why not) */
+    if (s != KVT_OK) {
+        kvt_batch_destroy(b);
+        return s;
+    }
+    for (int i = 0; i < TU_MAX_OPEN; i++)
+        if (!tu_open[i].b) {
+            tu_open[i].seq = seq;
+            tu_open[i].b = b;
+            return KVT_OK;
+        }
+    kvt_batch_destroy(b);
+    return KVT_ERR_CAPACITY;
+}
+
+static kvt_status tu_finish(kvt_seq *seq, uint32_t n, bool run) {
+    int k = tu_slot(seq);
+    if (k < 0) {
+        /* No step open: the library's answer to a commit with nothing reserved is a zero-token
+         * step (a retry of unfinished policy work) when n is 0, else the batch refuses. */
+        if (!seq)
+            return KVT_ERR_INVALID_ARGUMENT;
+        kvt_status s = tu_reserve(seq, 0);
+        if (s != KVT_OK)
+            return s;
+        k = tu_slot(seq);
+    }
+    kvt_batch *b = tu_open[k].b;
+    kvt_status s = kvt_batch_plan(b);
+    if (s == KVT_ERR_BAD_STATE) /* planned already: a commit that failed before */
+        s = KVT_OK;
+    if (s != KVT_OK)
+        return s;
+    if (run) {
+        kvt_ctx *ctx = kvt_seq_context(seq);
+        const kvt_model *m = kvt_ctx_model(ctx);
+        uint32_t topk = 0;
+        for (uint32_t l = 0; l < kvt_model_n_layers(m); l++) {
+            if (kvt_ctx_layer_group(ctx, l) < 0)
+                continue;
+            kvt_batch_capacity(b, l, &topk, NULL);
+            int32_t *idx = malloc(sizeof(int32_t) * (topk ? topk : 1));
+            int32_t len;
+            kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                          .capacity = topk, .lengths = &len};
+            s = kvt_batch_run(b, l, NULL, NULL, &e);
+            free(idx);
+            if (s != KVT_OK)
+                break; /* the commit below finishes what the runs did not */
+        }
+    }
+    uint32_t acc = n;
+    s = kvt_batch_commit(b, &acc);
+    if (s == KVT_ERR_UNSUPPORTED || s == KVT_ERR_INVALID_ARGUMENT)
+        return s; /* nothing committed: the step stays open */
+    kvt_batch_destroy(b);
+    tu_open[k].b = NULL;
+    tu_open[k].seq = NULL;
+    return s;
+}
+
+kvt_status tu_commit(kvt_seq *seq, uint32_t n) {
+    return tu_finish(seq, n, false);
+}
+
+kvt_status tu_commit_run(kvt_seq *seq, uint32_t n) {
+    return tu_finish(seq, n, true);
+}
+
+static kvt_status tu_emit(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
+                          const kvt_emit *e) {
+    kvt_batch *b;
+    kvt_status s = kvt_batch_create(ctx, n ? n : 1, &b);
+    if (s != KVT_OK)
+        return s;
+    uint32_t *zero = calloc(n ? n : 1, sizeof *zero);
+    s = kvt_batch_reserve(b, seqs, zero, n);
+    if (s == KVT_OK)
+        s = kvt_batch_plan(b);
+    if (s == KVT_OK) {
+        s = kvt_batch_run(b, layer, NULL, NULL, e);
+        kvt_status c = kvt_batch_commit(b, NULL);
+        if (s == KVT_OK)
+            s = c;
+    }
+    free(zero);
+    kvt_batch_destroy(b);
+    return s;
+}
+
+kvt_status tu_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
+                              int32_t *indices, uint32_t topk, int32_t *lengths) {
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = indices,
+                  .capacity = topk, .lengths = lengths};
+    return tu_emit(ctx, layer, seqs, n, &e);
+}
+
+kvt_status tu_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
+                           int32_t *indptr, int32_t *indices, uint32_t capacity) {
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_CSR, .indices = indices,
+                  .capacity = capacity, .indptr = indptr};
+    return tu_emit(ctx, layer, seqs, n, &e);
+}
+
+kvt_status tu_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
+                             uint32_t *counts) {
+    if (!ctx)
+        return KVT_ERR_INVALID_ARGUMENT;
+    for (uint32_t i = 0; i < n; i++) {
+        kvt_layer_stats ls = {.struct_size = sizeof ls};
+        kvt_status s = kvt_seq_layer_stats(seqs[i], layer, &ls);
+        if (s != KVT_OK)
+            return s;
+        counts[i] = (uint32_t)ls.attended_rows;
+    }
+    return KVT_OK;
+}

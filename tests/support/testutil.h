@@ -18,4 +18,31 @@ uint64_t tu_next(tu_rng *r);
 double tu_uniform(tu_rng *r);  /* [0, 1) */
 double tu_normal(tu_rng *r);   /* standard normal (Box-Muller) */
 
+/* ---------------------------------------------------------------------------------------------
+ * Single-request drivers over the batch API (kvtier.h's step timeline), for tests that exercise
+ * one request at a time. Each keeps a batch of one per request between tu_reserve and tu_commit
+ * (tests are single-threaded). Statuses and messages are the library's.
+ * ------------------------------------------------------------------------------------------- */
+#include "kvtier.h"
+
+/* kvt_seq_create with request_id set (other parameters default). */
+kvt_status tu_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out);
+/* kvt_batch_reserve of n tokens for seq in a batch of its own. */
+kvt_status tu_reserve(kvt_seq *seq, uint32_t n);
+/* kvt_batch_plan + kvt_batch_commit of seq's step (n must be what tu_reserve took; another n
+ * gives the library's answer and the step stays open). All policy work happens at commit. */
+kvt_status tu_commit(kvt_seq *seq, uint32_t n);
+/* The same, but the step runs every layer with KV first (kvt_batch_run), so the policy work
+ * happens inside the runs, as in an engine's forward; commit finishes it. */
+kvt_status tu_commit_run(kvt_seq *seq, uint32_t n);
+/* The attended set of a layer for requests between steps: a step of zero new tokens (reserve,
+ * plan, run into the given buffers, commit). Returns run's status (commit's if run succeeded). */
+kvt_status tu_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
+                              int32_t *indices, uint32_t topk, int32_t *lengths);
+kvt_status tu_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
+                           int32_t *indptr, int32_t *indices, uint32_t capacity);
+/* Rows each request attends on a layer between steps (kvt_seq_layer_stats.attended_rows). */
+kvt_status tu_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
+                             uint32_t *counts);
+
 #endif

@@ -3,10 +3,11 @@
  *
  * Replay: one context with a model of one MLA layer (the case's spec, so the policy table picks
  * salience tiering on NoPE and random eviction on RoPE), ratio and B from the run parameters. Rows
- * are committed through kvt_seq_reserve / kvt_seq_write / kvt_seq_commit in chunks (B rows on
- * salience layers, where chunking cannot change a block close; r = c rows on eviction layers, so
- * rounds run at the cadence a decoder would see) up to each query's position. At a query the
- * attended set is whatever kvt_attended_tokens returns, once it is checked against what the
+ * are committed in steps (kvt_batch_reserve / kvt_seq_write / kvt_batch_commit) of B rows on
+ * salience layers, where chunking cannot change a block close, and r = c rows on eviction layers,
+ * so rounds run at the cadence a decoder would see, up to each query's position. The step ending
+ * at a query is planned and run: its emission (kvt_batch_run) is the attended set, once, after
+ * the commit, it is checked against what the
  * library reports (check_attended); attention over it reads the rows from the pool through their
  * slots (kernels/attn.h) and is compared with attention over every row.
  */
@@ -190,7 +191,7 @@ static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const cha
  *   - len == the layer's attended_rows (kvt_seq_layer_stats; per head on eviction layers, and an
  *     MLA layer has one head) == the number of positions [0, P) in state ATTENDED;
  *   - every slot is in the pool, appears once, holds an attended position (the slot ->
- *     position map built from kvt_seq_row_state), and positions ascend (kvt_attended_tokens'
+ *     position map built from kvt_seq_row_state), and positions ascend (kvt_batch_run's
  *     contract);
  *   - each slot's pool bytes equal the case's row of that position.
  * Fills pos_of_slot[n_slots] (-1: no attended position) for the caller. ND_ELIB with a message
@@ -288,6 +289,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     kvt_model *model = NULL;
     kvt_ctx *ctx = NULL;
     kvt_seq *seq = NULL;
+    kvt_batch *batch = NULL;
     int32_t *slots = NULL;
     uint8_t *mark = NULL;
     int64_t *pos_of_slot = NULL;
@@ -328,13 +330,16 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         goto done;
     }
     const kvt_policy policy = kvt_ctx_layer_policy(ctx, 0);
-    s = kvt_seq_create(ctx, 1, &seq);
+    kvt_seq_params sprm = kvt_seq_default_params();
+    sprm.request_id = 1;
+    sprm.prompt_rows = c->prompt_rows;
+    s = kvt_seq_create(ctx, &sprm, &seq);
     if (s != KVT_OK) {
         rc = lib_fail(err, err_len, ctx, s, "kvt_seq_create");
         goto done;
     }
-    if (c->prompt_rows > 0 && (s = kvt_seq_set_prompt_rows(seq, c->prompt_rows)) != KVT_OK) {
-        rc = lib_fail(err, err_len, ctx, s, "kvt_seq_set_prompt_rows");
+    if ((s = kvt_batch_create(ctx, 1, &batch)) != KVT_OK) {
+        rc = lib_fail(err, err_len, ctx, s, "kvt_batch_create");
         goto done;
     }
     const uint32_t chunk = policy == KVT_POLICY_EVICT ? (p->recent_rows ? p->recent_rows : 64)
@@ -372,28 +377,59 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             rc = nd_fail(err, err_len, ND_EARG, "targets not sorted by position");
             goto done;
         }
-        while (committed < P) {
+        /* The replay is an engine's step loop (kvtier.h's timeline): each chunk is a step —
+         * reserve, write the rows, commit. The step that ends at the query position P is
+         * planned and run, and its emission (the rows of the step included: positions < P) is
+         * the attended set the query sees. Two queries at the same position: a step of no new
+         * token emits it. */
+        int32_t len = 0;
+        bool emitted = false;
+        while (!emitted) {
             uint64_t n64 = P - committed;
             /* align salience chunks to blocks so every commit closes at most one block */
             uint32_t n = (uint32_t)(n64 < chunk ? n64 : chunk);
-            if ((s = kvt_seq_reserve(seq, n)) != KVT_OK) {
-                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_reserve");
+            if ((s = kvt_batch_reserve(batch, &seq, &n, 1)) != KVT_OK) {
+                rc = lib_fail(err, err_len, ctx, s, "kvt_batch_reserve");
                 goto done;
             }
-            s = kvt_seq_write(seq, 0, 0, 0, n, c->rows + committed * sp->row_bytes,
-                              (size_t)n * sp->row_bytes);
-            if (s != KVT_OK) {
-                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_write");
-                goto done;
+            if (n > 0) {
+                s = kvt_seq_write(seq, 0, 0, 0, n, c->rows + committed * sp->row_bytes,
+                                  (size_t)n * sp->row_bytes);
+                if (s != KVT_OK) {
+                    rc = lib_fail(err, err_len, ctx, s, "kvt_seq_write");
+                    goto done;
+                }
             }
-            if ((s = kvt_seq_commit(seq, n)) != KVT_OK) {
-                rc = lib_fail(err, err_len, ctx, s, "kvt_seq_commit");
+            if (committed + n == P) {
+                uint32_t topk = 0;
+                if ((s = kvt_batch_plan(batch)) != KVT_OK ||
+                    (s = kvt_batch_capacity(batch, 0, &topk, NULL)) != KVT_OK) {
+                    rc = lib_fail(err, err_len, ctx, s, "kvt_batch_plan");
+                    goto done;
+                }
+                if (topk > P) {
+                    rc = nd_fail(err, err_len, ND_ELIB, "attended set check: query %u at "
+                                 "position %llu: kvt_batch_capacity says %u rows, more than "
+                                 "exist", ti, (unsigned long long)P, topk);
+                    goto done;
+                }
+                kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_TOKENS,
+                               .indices = slots, .capacity = topk, .lengths = &len};
+                if ((s = kvt_batch_run(batch, 0, tg->q, NULL, &em)) != KVT_OK) {
+                    rc = lib_fail(err, err_len, ctx, s, "kvt_batch_run");
+                    goto done;
+                }
+                emitted = true;
+            }
+            if ((s = kvt_batch_commit(batch, NULL)) != KVT_OK) {
+                rc = lib_fail(err, err_len, ctx, s, "kvt_batch_commit");
                 goto done;
             }
             committed += n;
             if (progress)
                 progress(ud, 0.9 * (double)committed / (double)c->n_rows);
         }
+        /* Between steps: the committed state the emission must describe. */
         if ((s = kvt_seq_check(seq)) != KVT_OK) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_seq_check");
             goto done;
@@ -409,23 +445,6 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         size_t bytes = 0;
         if ((s = kvt_layer_data(ctx, 0, 0, &base, &bytes)) != KVT_OK) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_layer_data");
-            goto done;
-        }
-        uint32_t count = 0;
-        if ((s = kvt_attended_count(ctx, 0, &seq, 1, &count)) != KVT_OK) {
-            rc = lib_fail(err, err_len, ctx, s, "kvt_attended_count");
-            goto done;
-        }
-        if (count > P) {
-            rc = nd_fail(err, err_len, ND_ELIB, "attended set check: query %u at position %llu: "
-                         "kvt_attended_count says %u rows, more than exist", ti,
-                         (unsigned long long)P, count);
-            goto done;
-        }
-        int32_t len = 0;
-        s = kvt_attended_tokens(ctx, 0, &seq, 1, tg->q, NULL, slots, count, &len);
-        if (s != KVT_OK) {
-            rc = lib_fail(err, err_len, ctx, s, "kvt_attended_tokens");
             goto done;
         }
         if (p->tamper)
@@ -555,6 +574,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     if (progress)
         progress(ud, 1.0);
 done:
+    kvt_batch_destroy(batch);
     free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
     kvt_seq_destroy(seq);
     kvt_ctx_destroy(ctx);

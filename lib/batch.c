@@ -1,0 +1,359 @@
+/* batch.c — one step of many requests: reserve (all or nothing, vLLM's slot_mapping), plan,
+ * run per layer (the layer's due close or round, then the attended set into the caller's
+ * fixed-capacity buffers), commit. The timeline is stated in kvtier.h; the per-request work is
+ * sequence.c's, the policy work tiers/' (through the policy tables). */
+#include "handles.h"
+
+#include <stdio.h>
+#include <string.h>
+
+enum batch_state { BATCH_IDLE = 0, BATCH_RESERVED, BATCH_PLANNED };
+
+struct kvt_batch {
+    kvt_ctx *ctx;
+    uint32_t max_seqs, n_seqs;
+    kvt_seq **seqs;      /* [max_seqs]; an entry is NULL once its request was destroyed */
+    uint32_t *n_tokens;  /* [max_seqs] */
+    enum batch_state state;
+    bool ran;            /* a run happened this step (the reservation can no longer be undone) */
+    int64_t *rows;       /* row-index scratch of the emission, grown to the longest request */
+    uint64_t rows_cap;
+};
+
+kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
+    if (!ctx || !out)
+        return KVT_ERR_INVALID_ARGUMENT;
+    *out = NULL;
+    kvt__ctx_clear_error(ctx);
+    if (max_seqs == 0 || max_seqs > (1u << 20))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "max_seqs: %u not in 1..2^20",
+                             max_seqs);
+    const kvt__alloc *a = &ctx->alloc;
+    kvt_batch *b = kvt__calloc(a, sizeof *b);
+    if (!b)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch");
+    b->ctx = ctx;
+    b->max_seqs = max_seqs;
+    b->seqs = kvt__calloc(a, sizeof *b->seqs * max_seqs);
+    b->n_tokens = kvt__calloc(a, sizeof *b->n_tokens * max_seqs);
+    if (!b->seqs || !b->n_tokens) {
+        kvt_batch_destroy(b);
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
+    }
+    *out = b;
+    return KVT_OK;
+}
+
+/* End the step's membership of every request (after commit, or when the batch goes away). */
+static void release_seqs(kvt_batch *b, bool unreserve) {
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        kvt_seq *s = b->seqs[i];
+        if (!s)
+            continue;
+        if (unreserve && s->n_pending > 0)
+            kvt__seq_unreserve(s);
+        s->batch = NULL;
+        s->in_step = false;
+        memset(s->stepped, 0, b->ctx->n_layers);
+        b->seqs[i] = NULL;
+    }
+    b->n_seqs = 0;
+    b->state = BATCH_IDLE;
+    b->ran = false;
+}
+
+void kvt_batch_destroy(kvt_batch *b) {
+    if (!b)
+        return;
+    /* A step abandoned before any run gives its reservations back; after a run the rows may
+     * have moved, so they stay reserved (the requests can only be destroyed or committed by a
+     * new batch step — kvtier.h says to commit first). */
+    release_seqs(b, !b->ran);
+    const kvt__alloc *a = &b->ctx->alloc;
+    kvt__free(a, b->rows, sizeof *b->rows * b->rows_cap);
+    kvt__free(a, b->seqs, sizeof *b->seqs * b->max_seqs);
+    kvt__free(a, b->n_tokens, sizeof *b->n_tokens * b->max_seqs);
+    kvt__free(a, b, sizeof *b);
+}
+
+void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq) {
+    for (uint32_t i = 0; i < b->n_seqs; i++)
+        if (b->seqs[i] == seq) {
+            b->seqs[i] = NULL;
+            b->n_tokens[i] = 0;
+        }
+}
+
+kvt_status kvt_batch_reserve(kvt_batch *b, kvt_seq *const *seqs, const uint32_t *n_tokens,
+                             uint32_t n_seqs) {
+    if (!b)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_ctx *ctx = b->ctx;
+    kvt__ctx_clear_error(ctx);
+    if (b->state != BATCH_IDLE)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "the batch has a step in flight: commit it before the next reserve");
+    if (n_seqs > b->max_seqs)
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY, "%u requests, the batch holds %u", n_seqs,
+                             b->max_seqs);
+    if (n_seqs > 0 && (!seqs || !n_tokens))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "seqs or n_tokens is NULL");
+    /* Validate everything before anything is reserved. */
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        kvt_seq *s = seqs[i];
+        if (!s || s->ctx != ctx)
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "seqs[%u] is NULL or belongs to another context", i);
+        if (s->batch || s->n_pending)
+            return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                                 "seqs[%u] (request %llu) already has a step in flight", i,
+                                 (unsigned long long)s->request_id);
+        kvt_status us = kvt__seq_usable(s);
+        if (us != KVT_OK)
+            return us;
+        for (uint32_t k = 0; k < i; k++)
+            if (seqs[k] == s)
+                return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                     "seqs[%u] and seqs[%u] are the same request", k, i);
+    }
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        kvt_status s = n_tokens[i] ? kvt__seq_reserve(seqs[i], n_tokens[i]) : KVT_OK;
+        if (s != KVT_OK) {
+            /* All or nothing: give back what the earlier requests took. The message stays the
+             * failing request's. */
+            char tmp[KVT__ERR_LEN];
+            memcpy(tmp, kvt__tls_error(), sizeof tmp);
+            for (uint32_t k = 0; k < i; k++)
+                kvt__seq_unreserve(seqs[k]);
+            return kvt__ctx_fail(ctx, s, "seqs[%u]: %s; nothing was reserved for the batch", i,
+                                 tmp);
+        }
+    }
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        b->seqs[i] = seqs[i];
+        b->n_tokens[i] = n_tokens[i];
+        seqs[i]->batch = b;
+    }
+    b->n_seqs = n_seqs;
+    b->state = BATCH_RESERVED;
+    b->ran = false;
+    return KVT_OK;
+}
+
+/* Entry of the per-layer calls: clear the error, check the layer, require the step to have
+ * reached `need` (RESERVED: a reservation; PLANNED: plan ran). */
+static kvt_status enter_layer(const kvt_batch *b, uint32_t layer, enum batch_state need) {
+    const kvt_ctx *ctx = b->ctx;
+    kvt__ctx_clear_error(ctx);
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "layer %u of %u", layer, ctx->n_layers);
+    if (ctx->stores[layer].group < 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH, "layer %u stores no per-token KV",
+                             layer);
+    if (b->state < need)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             need == BATCH_PLANNED ? "kvt_batch_plan first: the step is not planned"
+                                                   : "no reservation: kvt_batch_reserve first");
+    return KVT_OK;
+}
+
+kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *slots,
+                                  uint32_t capacity, uint32_t *n) {
+    if (!b || !n)
+        return KVT_ERR_INVALID_ARGUMENT;
+    const kvt_ctx *ctx = b->ctx;
+    kvt_status s = enter_layer(b, layer, BATCH_RESERVED);
+    if (s != KVT_OK)
+        return s;
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++)
+        total += b->n_tokens[i];
+    *n = (uint32_t)total;
+    if (total > capacity)
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY, "%llu new tokens, capacity %u",
+                             (unsigned long long)total, capacity);
+    if (total > 0 && !slots)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "slots is NULL");
+    uint64_t t = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        const kvt_seq *sq = b->seqs[i];
+        for (uint32_t j = 0; j < b->n_tokens[i]; j++) {
+            int32_t slot = -1;
+            if (sq)
+                kvt_seq_reserved_slot(sq, layer, j, &slot);
+            slots[t++] = slot;
+        }
+    }
+    return KVT_OK;
+}
+
+kvt_status kvt_batch_plan(kvt_batch *b) {
+    if (!b)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_ctx *ctx = b->ctx;
+    kvt__ctx_clear_error(ctx);
+    if (b->state == BATCH_IDLE)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE, "no reservation: kvt_batch_reserve first");
+    /* Part 1 decides the step's work from counts inside each layer's run (the same rule a commit
+     * applies); the plan fixes the step (requests become read-only by position) and sizes the
+     * emission scratch, so that a run allocates nothing. */
+    uint64_t longest = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        kvt_seq *s = b->seqs[i];
+        if (!s)
+            continue;
+        s->in_step = true;
+        uint64_t rows = s->n_tokens + s->n_pending;
+        if (rows > longest)
+            longest = rows;
+    }
+    void *p = b->rows;
+    kvt_status st = kvt__grow(&ctx->alloc, &p, &b->rows_cap, longest ? longest : 1,
+                              sizeof *b->rows);
+    if (st != KVT_OK) {
+        for (uint32_t i = 0; i < b->n_seqs; i++)
+            if (b->seqs[i])
+                b->seqs[i]->in_step = false;
+        return kvt__ctx_fail(ctx, st, "emission scratch for %llu rows",
+                             (unsigned long long)longest);
+    }
+    b->rows = p;
+    b->state = BATCH_PLANNED;
+    return KVT_OK;
+}
+
+kvt_status kvt_batch_capacity(const kvt_batch *b, uint32_t layer, uint32_t *topk,
+                              uint32_t *total) {
+    if (!b)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = enter_layer(b, layer, BATCH_PLANNED);
+    if (s != KVT_OK)
+        return s;
+    uint64_t longest = 0, sum = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        const kvt_seq *sq = b->seqs[i];
+        uint64_t rows = sq ? sq->n_tokens + sq->n_pending : 0;
+        longest = rows > longest ? rows : longest;
+        sum += rows;
+    }
+    if (topk)
+        *topk = longest > UINT32_MAX ? UINT32_MAX : (uint32_t)longest;
+    if (total)
+        *total = sum > UINT32_MAX ? UINT32_MAX : (uint32_t)sum;
+    return KVT_OK;
+}
+
+kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *stream,
+                         const kvt_emit *emit) {
+    (void)query; /* recall off: the attended set does not depend on the query */
+    if (!b)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_ctx *ctx = b->ctx;
+    kvt_status s = enter_layer(b, layer, BATCH_PLANNED);
+    if (s != KVT_OK)
+        return s;
+    if (!emit || emit->struct_size < sizeof(kvt_emit))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "emit is NULL or its struct_size is below sizeof(kvt_emit)");
+    const bool tokens = emit->layout == KVT_EMIT_TOKENS;
+    if (!tokens && emit->layout != KVT_EMIT_CSR)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.layout: unknown value %d",
+                             (int)emit->layout);
+    if ((tokens && (!emit->lengths || (!emit->indices && emit->capacity > 0))) ||
+        (!tokens && (!emit->indptr || (!emit->indices && emit->capacity > 0))))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit: %s is NULL",
+                             tokens ? "indices or lengths" : "indices or indptr");
+    for (uint32_t i = 0; i < b->n_seqs; i++)
+        if (b->seqs[i] && (s = kvt__seq_usable(b->seqs[i])) != KVT_OK)
+            return s;
+
+    /* 1. The layer's due work for every request (once per step). */
+    b->ran = true;
+    kvt_status first_err = KVT_OK;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        if (!b->seqs[i])
+            continue;
+        s = kvt__seq_step(b->seqs[i], layer, stream);
+        if (s != KVT_OK && first_err == KVT_OK)
+            first_err = s;
+    }
+    if (first_err != KVT_OK)
+        return first_err;
+
+    /* 2. Capacity, then the attended sets. */
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        uint64_t n = b->seqs[i] ? kvt__seq_step_count(b->seqs[i], layer) : 0;
+        if (tokens && n > emit->capacity)
+            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                 "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
+                                 "written (kvt_batch_capacity)",
+                                 i, (unsigned long long)n, layer, emit->capacity);
+        total += n;
+    }
+    if (!tokens && (total > emit->capacity || total > INT32_MAX))
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                             "the batch attends %llu rows on layer %u, capacity is %u; nothing "
+                             "written (kvt_batch_capacity)",
+                             (unsigned long long)total, layer, emit->capacity);
+    uint64_t off = 0;
+    if (!tokens)
+        emit->indptr[0] = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        const kvt_seq *sq = b->seqs[i];
+        uint64_t n = sq ? kvt__seq_step_count(sq, layer) : 0;
+        int32_t *dst = tokens ? emit->indices + (size_t)i * emit->capacity : emit->indices + off;
+        if (sq)
+            kvt__seq_step_slots(sq, layer, b->rows, dst);
+        if (tokens) {
+            emit->lengths[i] = (int32_t)n;
+            for (uint64_t j = n; j < emit->capacity; j++)
+                dst[j] = -1;
+        } else {
+            off += n;
+            emit->indptr[i + 1] = (int32_t)off;
+        }
+        if (emit->dense)
+            emit->dense[i] = 0; /* recall off: never a dense step */
+    }
+    return KVT_OK;
+}
+
+kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {
+    if (!b)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_ctx *ctx = b->ctx;
+    kvt__ctx_clear_error(ctx);
+    if (b->state == BATCH_IDLE)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE, "no step to commit");
+    for (uint32_t i = 0; n_accepted && i < b->n_seqs; i++) {
+        if (!b->seqs[i])
+            continue;
+        if (n_accepted[i] > b->n_tokens[i])
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "n_accepted[%u] = %u, %u reserved; nothing committed", i,
+                                 n_accepted[i], b->n_tokens[i]);
+        if (n_accepted[i] != b->n_tokens[i])
+            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                 "n_accepted[%u] = %u of %u reserved: partial acceptance "
+                                 "(speculative rollback) is not supported yet; nothing committed",
+                                 i, n_accepted[i], b->n_tokens[i]);
+    }
+    kvt_status first_err = KVT_OK;
+    char first_msg[KVT__ERR_LEN] = "";
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        kvt_seq *sq = b->seqs[i];
+        if (!sq)
+            continue;
+        kvt_status s = kvt__seq_commit(sq, b->n_tokens[i]);
+        if (s != KVT_OK && first_err == KVT_OK) {
+            first_err = s;
+            snprintf(first_msg, sizeof first_msg, "seqs[%u] (request %llu): %s", i,
+                     (unsigned long long)sq->request_id, kvt__tls_error());
+        }
+    }
+    release_seqs(b, false);
+    if (first_err != KVT_OK)
+        return kvt__ctx_fail(ctx, first_err, "%s", first_msg);
+    return KVT_OK;
+}
