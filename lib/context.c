@@ -2,7 +2,6 @@
  * row pools, backend. */
 #include "handles.h"
 
-#include "kernels/sigma.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -85,39 +84,18 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
 static kvt_status resolve_policies(kvt_ctx *ctx, const kvt_ctx_params *p, char *err, size_t len) {
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
         const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
-        kvt_policy pol = kvt_policy_for_kind(sp->kind);
-        if (p->layer_policies) {
-            pol = p->layer_policies[i];
-            if ((unsigned)pol > KVT_POLICY_EVICT)
-                return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
-                                 "layer_policies[%u]: unknown policy %d", i, (int)pol);
-            if (sp->kind == KVT_LAYER_NO_KV && pol != KVT_POLICY_NONE)
-                return kvt__fail(err, len, KVT_ERR_POLICY_MISMATCH,
-                                 "layer_policies[%u]: layer %u has no per-token KV (%s); only "
-                                 "policy none applies",
-                                 i, i, kvt_layer_kind_name(sp->kind));
-            if (pol == KVT_POLICY_SALIENCE && sp->kind != KVT_LAYER_MLA_NOPE)
-                return kvt__fail(err, len, KVT_ERR_POLICY_MISMATCH,
-                                 "layer_policies[%u]: salience tiering needs an MLA-NoPE layer, "
-                                 "layer %u is %s (on a rotated branch σ carries position, not "
-                                 "content: needle 0.89 -> 0.08 at 32x in the source paper)",
-                                 i, i, kvt_layer_kind_name(sp->kind));
-        }
-        if (pol == KVT_POLICY_SALIENCE && sp->branch_dim > KVT__SIGMA_MAX_BRANCH_DIM)
-            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                             "layer %u: branch_dim %u exceeds the %u the salience kernels take", i,
-                             sp->branch_dim, KVT__SIGMA_MAX_BRANCH_DIM);
-        if (pol == KVT_POLICY_SALIENCE && ctx->cfg.selector == KVT_SELECT_ROW_NORM &&
-            sp->dtype == KVT_DTYPE_FP8_E4M3)
-            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                             "config.selector: the row-norm ablation cannot read fp8 rows (layer "
-                             "%u) without their scales",
-                             i);
-        if (pol == KVT_POLICY_EVICT && ctx->cfg.evict_vase && sp->dtype == KVT_DTYPE_FP8_E4M3)
-            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                             "config.evict_vase: value range of fp8 rows (layer %u) needs their "
-                             "scales; not supported",
-                             i);
+        kvt_policy pol = p->layer_policies ? p->layer_policies[i] : kvt_policy_for_kind(sp->kind);
+        const kvt__policy_ops *ops = kvt__policy_table(pol);
+        if (!ops)
+            return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                             "layer_policies[%u]: unknown policy %d", i, (int)pol);
+        /* Whether the policy can serve the layer is the policy's own rule (its table). */
+        char why[KVT__ERR_LEN] = "";
+        kvt_status s = ops->supports_layer ? ops->supports_layer(sp, i, &ctx->cfg, why, sizeof why)
+                                           : KVT_OK;
+        if (s != KVT_OK)
+            return p->layer_policies ? kvt__fail(err, len, s, "layer_policies[%u]: %s", i, why)
+                                     : kvt__fail(err, len, s, "%s", why);
         ctx->policies[i] = pol;
     }
     return KVT_OK;

@@ -666,6 +666,22 @@ kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_conf
 /* ------------------------------------------------------------------------------------------- */
 /* The policy table (policy.h)                                                                  */
 /* ------------------------------------------------------------------------------------------- */
+/* Rounds need rows; VaSE's value range needs values it cannot decode in fp8 rows without their
+ * scales. */
+static kvt_status ev_supports_layer(const kvt_layer_spec *sp, uint32_t i, const kvt_config *cfg,
+                                    char *err, size_t len) {
+    if (sp->kind == KVT_LAYER_NO_KV)
+        return kvt__fail(err, len, KVT_ERR_POLICY_MISMATCH,
+                         "layer %u has no per-token KV (%s); only policy none applies", i,
+                         kvt_layer_kind_name(sp->kind));
+    if (cfg->evict_vase && sp->dtype == KVT_DTYPE_FP8_E4M3)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "config.evict_vase: value range of fp8 rows (layer %u) needs their "
+                         "scales; not supported",
+                         i);
+    return KVT_OK;
+}
+
 static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
     kvt_status rc = kvt__ev_init(&s->ev, env->alloc, st->spec.n_kv_heads, env->cfg->evict_archive);
     if (rc != KVT_OK)
@@ -851,6 +867,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .reserve = ev_reserve,
     .group_commit = ev_group_commit,
     .layer_step = ev_layer_step,
+    .supports_layer = ev_supports_layer,
     .held_rows = ev_held_rows,
     .attended_count = kvt__none_attended_count,
     .attended_rows = kvt__none_attended_rows,

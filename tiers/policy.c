@@ -15,3 +15,15 @@ const kvt__policy_ops *kvt__policy_ops_for(const kvt__group *gr, const kvt__stor
     }
     return NULL;
 }
+
+const kvt__policy_ops *kvt__policy_table(kvt_policy policy) {
+    switch (policy) {
+    case KVT_POLICY_NONE:
+        return &kvt__policy_none;
+    case KVT_POLICY_SALIENCE:
+        return &kvt__policy_salience;
+    case KVT_POLICY_EVICT:
+        return &kvt__policy_evict;
+    }
+    return NULL;
+}

@@ -94,6 +94,12 @@ struct kvt__policy_ops {
     const char *dropped_how;
 
     /* ---- Context creation ------------------------------------------------------------------ */
+    /* (optional) Can this policy serve layer `layer` with this spec and config? KVT_OK, or
+     * KVT_ERR_POLICY_MISMATCH (a layer kind the policy does not apply to) or KVT_ERR_UNSUPPORTED
+     * (a combination not implemented) with a message naming the layer or config field in err.
+     * Without it every layer with KV is served. */
+    kvt_status (*supports_layer)(const kvt_layer_spec *sp, uint32_t layer, const kvt_config *cfg,
+                                 char *err, size_t len);
     /* (optional) Set up the group's shared state (window, basis tables) once its layers are
      * known; stores[gr->layers[k]] are its layers. KVT_OK or a status with a message in err.
      * Without it the group has none. Called once; group_fini runs even after a failure. */
@@ -183,6 +189,10 @@ extern const kvt__policy_ops kvt__policy_none;
 extern const kvt__policy_ops kvt__policy_sliding;
 extern const kvt__policy_ops kvt__policy_salience;
 extern const kvt__policy_ops kvt__policy_evict;
+
+/* The table that checks layers for a public policy (kvt__policy_none for KVT_POLICY_NONE: the
+ * sliding table adds no requirement); NULL for an unknown value. */
+const kvt__policy_ops *kvt__policy_table(kvt_policy policy);
 
 /* The table of a group under gr->policy whose layers are stores[gr->layers[k]]: policy none
  * takes the sliding table when a layer of the group is a sliding-window layer (its window must

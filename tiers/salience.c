@@ -282,6 +282,29 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
 /* ------------------------------------------------------------------------------------------- */
 /* The policy table (policy.h)                                                                  */
 /* ------------------------------------------------------------------------------------------- */
+/* σ is a content score only where the branch is cached without rotation (DESIGN §2.1); the
+ * kernels take branches up to KVT__SIGMA_MAX_BRANCH_DIM; the row-norm ablation reads values it
+ * cannot decode in fp8 rows without their scales. */
+static kvt_status sal_supports_layer(const kvt_layer_spec *sp, uint32_t i, const kvt_config *cfg,
+                                     char *err, size_t len) {
+    if (sp->kind != KVT_LAYER_MLA_NOPE)
+        return kvt__fail(err, len, KVT_ERR_POLICY_MISMATCH,
+                         "salience tiering needs an MLA-NoPE layer, layer %u is %s (on a rotated "
+                         "branch σ carries position, not content: needle 0.89 -> 0.08 at 32x in "
+                         "the source paper)",
+                         i, kvt_layer_kind_name(sp->kind));
+    if (sp->branch_dim > KVT__SIGMA_MAX_BRANCH_DIM)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "layer %u: branch_dim %u exceeds the %u the salience kernels take", i,
+                         sp->branch_dim, KVT__SIGMA_MAX_BRANCH_DIM);
+    if (cfg->selector == KVT_SELECT_ROW_NORM && sp->dtype == KVT_DTYPE_FP8_E4M3)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "config.selector: the row-norm ablation cannot read fp8 rows (layer %u) "
+                         "without their scales",
+                         i);
+    return KVT_OK;
+}
+
 static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
                                  const kvt_config *cfg, char *err, size_t len) {
     kvt_status s = kvt__sal_shared_init(&gr->sal, a, cfg);
@@ -372,6 +395,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .layer_fini = sal_layer_fini,
     .group_commit = sal_group_commit,
     .layer_step = sal_layer_step,
+    .supports_layer = sal_supports_layer,
     .attended_count = sal_attended_count,
     .attended_rows = sal_attended_rows,
     .row_state = sal_row_state,
