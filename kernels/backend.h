@@ -64,6 +64,13 @@ struct kvt__backend {
 
 /* CPU backend: always available. */
 const kvt__backend_ops *kvt__backend_cpu_ops(void);
+/* Open the CPU backend with a workspace (be->alloc set by the caller): ops, and impl = the
+ * workspace. KVT_ERR_OUT_OF_MEMORY. Close frees it (NULL impl: nothing). */
+kvt_status kvt__backend_cpu_open(kvt__backend *be);
+void kvt__backend_cpu_close(kvt__backend *be);
+/* Size the workspace for σ scratch of sigma_floats and top-m scratch of topm_u32 (grow only; a
+ * backend without a workspace: nothing). */
+kvt_status kvt__backend_cpu_reserve(kvt__backend *be, size_t sigma_floats, size_t topm_u32);
 /* CUDA backend: KVT_ERR_NO_DEVICE with the reason in err when built without CUDA or when no
  * device is usable. */
 kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len);

@@ -36,7 +36,12 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->max_seqs = max_seqs;
     b->seqs = kvt__calloc(a, sizeof *b->seqs * max_seqs);
     b->n_tokens = kvt__calloc(a, sizeof *b->n_tokens * max_seqs);
-    if (!b->seqs || !b->n_tokens) {
+    /* A stated limit sizes the emission scratch now, so that plan allocates nothing. */
+    void *rows = NULL;
+    if (b->seqs && b->n_tokens && ctx->max_rows &&
+        kvt__grow(a, &rows, &b->rows_cap, ctx->max_rows, sizeof *b->rows) == KVT_OK)
+        b->rows = rows;
+    if (!b->seqs || !b->n_tokens || (ctx->max_rows && !b->rows)) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }

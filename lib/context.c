@@ -2,6 +2,9 @@
  * row pools, backend. */
 #include "handles.h"
 
+#include "kernels/sigma.h"
+#include "kernels/topm.h"
+
 
 #include <stdio.h>
 #include <string.h>
@@ -33,6 +36,7 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     e.philox_key = seq ? seq->philox_key : 0;
     e.layer_offset = ctx->layer_offset;
     e.head_offset = ctx->kv_head_offset;
+    e.max_rows = ctx->max_rows;
     e.stream = stream;
     e.err = kvt__tls_error();
     e.err_len = KVT__ERR_LEN;
@@ -69,12 +73,15 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
             gr->ops->group_fini(gr, a);
         kvt__pool_fini(&gr->pool, a);
         kvt__free(a, gr->layers, sizeof(uint32_t) * gr->n_layers);
+        kvt__free(a, gr->ptrs, sizeof(void *) * 2 * gr->n_layers);
     }
     kvt__free(a, ctx->stores, sizeof *ctx->stores * ctx->n_layers);
     kvt__free(a, ctx->policies, sizeof *ctx->policies * ctx->n_layers);
     kvt_model_destroy(ctx->model);
     if (ctx->backend.ops != kvt__backend_cpu_ops())
         kvt__backend_cuda_close(&ctx->backend);
+    else
+        kvt__backend_cpu_close(&ctx->backend);
     kvt__alloc alloc = ctx->alloc;
     kvt__free(&alloc, ctx, sizeof *ctx);
     kvt__alloc_fini(&alloc);
@@ -132,7 +139,8 @@ static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
         for (uint32_t i = 0; i < ctx->n_layers; i++)
             gr->n_layers += ctx->stores[i].group == (int32_t)g;
         gr->layers = kvt__malloc(a, sizeof(uint32_t) * gr->n_layers);
-        if (!gr->layers)
+        gr->ptrs = kvt__calloc(a, sizeof(void *) * 2 * gr->n_layers);
+        if (!gr->layers || !gr->ptrs)
             return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "group layer list");
         uint32_t k = 0;
         for (uint32_t i = 0; i < ctx->n_layers; i++)
@@ -170,11 +178,15 @@ static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
     return KVT_OK;
 }
 
+static kvt_status open_cpu(kvt_ctx *ctx, char *err, size_t len) {
+    kvt_status s = kvt__backend_cpu_open(&ctx->backend);
+    return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "CPU backend workspace");
+}
+
 static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, size_t len) {
     ctx->backend.alloc = &ctx->alloc;
-    ctx->backend.ops = kvt__backend_cpu_ops();
     if (kind == KVT_BACKEND_CPU)
-        return KVT_OK;
+        return open_cpu(ctx, err, len);
     if (kind != KVT_BACKEND_CUDA && kind != KVT_BACKEND_AUTO)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "backend: unknown value %d",
                          (int)kind);
@@ -182,11 +194,29 @@ static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, s
     kvt_status s = kvt__backend_cuda_open(&ctx->backend, why, sizeof why);
     if (s == KVT_OK)
         return KVT_OK;
-    ctx->backend.ops = kvt__backend_cpu_ops();
     ctx->backend.impl = NULL;
     if (kind == KVT_BACKEND_AUTO)
-        return KVT_OK; /* CPU fallback, by request */
+        return open_cpu(ctx, err, len); /* CPU fallback, by request */
     return kvt__fail(err, len, s, "backend: CUDA requested but unavailable: %s", why);
+}
+
+/* With a stated max_rows_per_seq, size the backend workspace once for the largest close (σ of a
+ * block over the widest branch of a salience layer) and the largest top-m (all of a request's
+ * rows). */
+static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
+    if (ctx->max_rows == 0 || ctx->backend.ops != kvt__backend_cpu_ops())
+        return KVT_OK;
+    uint32_t branch = 0;
+    for (uint32_t i = 0; i < ctx->n_layers; i++)
+        if (ctx->policies[i] == KVT_POLICY_SALIENCE && ctx->stores[i].spec.branch_dim > branch)
+            branch = ctx->stores[i].spec.branch_dim;
+    size_t sigma = branch ? kvt__sigma_scratch_floats(ctx->cfg.block_rows, 2 * ctx->cfg.kappa - 1,
+                                                      branch)
+                          : 0;
+    kvt_status s = kvt__backend_cpu_reserve(&ctx->backend, sigma,
+                                            kvt__topm_scratch_u32(ctx->max_rows));
+    return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "backend workspace for %u rows",
+                                            ctx->max_rows);
 }
 
 /* Parallelism fields: every layer's heads must fit in the global head count. */
@@ -234,6 +264,10 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "params.n_pages: %u x page_rows %u must be in 1..2^31-1 (int32 slots)",
                          p->n_pages, p->page_rows);
+    if (p->max_rows_per_seq > (uint32_t)INT32_MAX)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.max_rows_per_seq: %u exceeds 2^31-1 (int32 row indices)",
+                         p->max_rows_per_seq);
     if ((unsigned)p->allocator > KVT_ALLOC_LIBC)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.allocator: unknown value %d",
                          (int)p->allocator);
@@ -252,6 +286,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     ctx->kv_head_offset = p->kv_head_offset;
     ctx->n_kv_heads_global = p->n_kv_heads_global;
     ctx->layer_offset = p->layer_offset;
+    ctx->max_rows = p->max_rows_per_seq;
     ctx->page_rows = p->page_rows;
     ctx->pdiv = kvt__div32_make(p->page_rows);
     ctx->n_pages = p->n_pages;
@@ -275,7 +310,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         goto fail;
     if ((s = open_backend(ctx, p->backend, err, len)) != KVT_OK)
         goto fail;
-    if ((s = build_groups(ctx, err, len)) != KVT_OK)
+    if ((s = build_groups(ctx, err, len)) != KVT_OK || (s = size_workspace(ctx, err, len)) != KVT_OK)
         goto fail;
     *out = ctx;
     return KVT_OK;
@@ -306,6 +341,10 @@ kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out, char *e
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = model;
     return kvt_ctx_create(&p, out, err, len);
+}
+
+uint64_t kvt_ctx_host_allocations(const kvt_ctx *ctx) {
+    return ctx ? ctx->alloc.calls : 0;
 }
 
 const kvt_model *kvt_ctx_model(const kvt_ctx *ctx) {

@@ -302,6 +302,13 @@ typedef struct kvt_ctx_params {
     uint32_t kv_head_offset;
     uint32_t n_kv_heads_global;
     uint32_t layer_offset;
+    /* Stated limit: tokens a request may hold (0: no limit, state grows on demand). With a limit,
+     * every per-request array (page tables, positions, scores, slot maps, round and close
+     * scratch) and the backend's workspace are sized at kvt_seq_create / kvt_ctx_create and a
+     * steady-state step (reserve, plan, run, commit: closes and rounds included) allocates no
+     * host memory (kvt_ctx_host_allocations counts); a reservation past it is KVT_ERR_CAPACITY.
+     * Archive copies (evict_archive) still grow with what is evicted. */
+    uint32_t max_rows_per_seq;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
  * parallelism fields then take their defaults: one unsharded rank). */
@@ -330,6 +337,9 @@ KVT_API const char *kvt_ctx_allocator_name(const kvt_ctx *ctx);
 KVT_API kvt_policy kvt_ctx_layer_policy(const kvt_ctx *ctx, uint32_t layer);
 /* Policy group of a layer (layers sharing a page table); -1 for a no-KV layer. */
 KVT_API int32_t kvt_ctx_layer_group(const kvt_ctx *ctx, uint32_t layer);
+/* Host allocations the context's allocator has made since creation (every byte kvtier owns goes
+ * through it): a steady-state decode with max_rows_per_seq set makes none. 0 for NULL. */
+KVT_API uint64_t kvt_ctx_host_allocations(const kvt_ctx *ctx);
 /* Pages free in a layer's group pool. */
 KVT_API kvt_status kvt_ctx_free_pages(const kvt_ctx *ctx, uint32_t layer, uint32_t *out);
 

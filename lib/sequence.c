@@ -133,6 +133,17 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **ou
     if (ctx->seqs)
         ctx->seqs->prev = seq;
     ctx->seqs = seq;
+    /* A stated limit sizes the page tables now (the layers' state in layer_init below). */
+    for (uint32_t g = 0; ctx->max_rows && g < ctx->n_groups; g++) {
+        void *arr = seq->pt[g].pages;
+        if (kvt__grow(a, &arr, &seq->pt[g].cap, kvt__pages_for(ctx->max_rows, ctx->page_rows),
+                      sizeof *seq->pt[g].pages) != KVT_OK) {
+            kvt_seq_destroy(seq);
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "page tables for %u rows",
+                                 ctx->max_rows);
+        }
+        seq->pt[g].pages = arr;
+    }
     kvt__env env = kvt__ctx_env(ctx, seq, NULL);
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
         if (ctx->stores[i].group < 0 || !ops_of(ctx, i)->layer_init)
@@ -264,6 +275,12 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     if (seq->n_pending != 0)
         return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
                              "%u reserved tokens are not committed yet", seq->n_pending);
+    if (ctx->max_rows && seq->n_tokens + n_tokens > ctx->max_rows)
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                             "request %llu: %llu + %u tokens exceed max_rows_per_seq %u; nothing "
+                             "was reserved",
+                             (unsigned long long)seq->request_id,
+                             (unsigned long long)seq->n_tokens, n_tokens, ctx->max_rows);
     for (uint32_t i = 0; i < ctx->n_layers; i++)
         for (uint32_t p = 0; ctx->stores[i].group >= 0 && p < ctx->stores[i].spec.n_planes; p++)
             if (!ctx->stores[i].plane[p])

@@ -103,7 +103,10 @@ static void faults_through_steps(bool run) {
     int oom_reserve = 0, oom_commit = 0, oom_run = 0;
     uint64_t pos = 0;
     for (int step = 0; pos < 400; step++) {
-        int k = step % 7; /* fail the k-th allocation of this step */
+        /* On every other step fail the k-th allocation, k = 0, 1, 2 in turn: allocations are rare
+         * in a steady state (arrays grow by doubling, scratch is kept), so this reaches each of
+         * them, and the step after a failure runs fault-free (the retry). */
+        int k = step % 2 ? -1 : (step / 2) % 3;
         uint32_t free_before;
         kvt_ctx_free_pages(ctx, 0, &free_before);
         fault_countdown = k;
@@ -185,7 +188,7 @@ static void faults_through_steps(bool run) {
     cr_log_info("%s: %d reserves, %d plans/runs and %d commits failed for memory; %llu closes, "
                 "rows %llu", run ? "run path" : "commit path", oom_reserve, oom_run, oom_commit,
                 (unsigned long long)ls.closes, (unsigned long long)pos);
-    cr_assert_gt(oom_reserve + oom_commit + oom_run, 10);
+    cr_assert_gt(oom_reserve + oom_commit + oom_run, 8);
     cr_assert_gt(run ? oom_run : oom_commit, 0);
     cr_assert_eq(ls.closed_rows, 384);
     free(shadow);

@@ -101,6 +101,8 @@ static void archive_fini(kvt__ev_archive *ar, const kvt__alloc *a) {
     memset(ar, 0, sizeof *ar);
 }
 
+static void scratch_free(kvt__ev_scratch *s, const kvt__alloc *a);
+
 void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a) {
     if (e->archive) {
         for (uint32_t h = 0; h < e->n_heads; h++)
@@ -109,6 +111,7 @@ void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a) {
     }
     kvt__free(a, e->pos, sizeof *e->pos * e->n_heads * e->pos_cap);
     kvt__free(a, e->last_map, sizeof *e->last_map * e->last_map_cap);
+    scratch_free(&e->sc, a);
     memset(e, 0, sizeof *e);
 }
 
@@ -193,50 +196,49 @@ const uint8_t *kvt__ev_archived(const kvt__ev *e, const kvt_layer_spec *spec, ui
 /* The round                                                                                   */
 /* ------------------------------------------------------------------------------------------- */
 
-/* Scratch of one round, sized for the largest (layer, head) selection. */
-typedef struct round_scratch {
-    uint32_t *keys; /* [cand] draws or value-range keys */
-    uint32_t *ridx; /* [cand] row index of each entry of keys */
-    int64_t *rpos;  /* [cand] positions of the rows drawn for */
-    uint32_t *sel;  /* [K] top-m output */
-    uint8_t *mark;  /* [cand] kept candidate */
-    int32_t *src;   /* [K + r] move lists */
-    int32_t *dst;
-    uint32_t *keep; /* [sum over layers of heads * K] kept candidate row indices, ascending */
-    size_t keys_b, ridx_b, rpos_b, sel_b, mark_b, src_b, dst_b, keep_b;
-} round_scratch;
-
-static void scratch_free(round_scratch *s, const kvt__alloc *a) {
-    kvt__free(a, s->keys, s->keys_b);
-    kvt__free(a, s->ridx, s->ridx_b);
-    kvt__free(a, s->rpos, s->rpos_b);
-    kvt__free(a, s->sel, s->sel_b);
-    kvt__free(a, s->mark, s->mark_b);
-    kvt__free(a, s->src, s->src_b);
-    kvt__free(a, s->dst, s->dst_b);
-    kvt__free(a, s->keep, s->keep_b);
+static void scratch_free(kvt__ev_scratch *s, const kvt__alloc *a) {
+    kvt__free(a, s->keys, sizeof *s->keys * s->keys_cap);
+    kvt__free(a, s->ridx, sizeof *s->ridx * s->ridx_cap);
+    kvt__free(a, s->rpos, sizeof *s->rpos * s->rpos_cap);
+    kvt__free(a, s->sel, sizeof *s->sel * s->sel_cap);
+    kvt__free(a, s->mark, sizeof *s->mark * s->mark_cap);
+    kvt__free(a, s->src, sizeof *s->src * s->src_cap);
+    kvt__free(a, s->dst, sizeof *s->dst * s->dst_cap);
+    kvt__free(a, s->keep, sizeof *s->keep * s->keep_cap);
+    memset(s, 0, sizeof *s);
 }
 
-static bool scratch_alloc(round_scratch *s, const kvt__alloc *a, uint64_t cand, uint64_t K,
-                          uint64_t n_new, uint64_t keep_entries) {
-    memset(s, 0, sizeof *s);
-    s->keys_b = sizeof *s->keys * cand;
-    s->ridx_b = sizeof *s->ridx * cand;
-    s->rpos_b = sizeof *s->rpos * cand;
-    s->sel_b = sizeof *s->sel * K;
-    s->mark_b = cand;
-    s->src_b = sizeof *s->src * n_new;
-    s->dst_b = sizeof *s->dst * n_new;
-    s->keep_b = sizeof *s->keep * keep_entries;
-    s->keys = kvt__malloc(a, s->keys_b);
-    s->ridx = kvt__malloc(a, s->ridx_b);
-    s->rpos = kvt__malloc(a, s->rpos_b);
-    s->sel = kvt__malloc(a, s->sel_b);
-    s->mark = kvt__malloc(a, s->mark_b);
-    s->src = kvt__malloc(a, s->src_b);
-    s->dst = kvt__malloc(a, s->dst_b);
-    s->keep = kvt__malloc(a, s->keep_b);
-    return s->keys && s->ridx && s->rpos && s->sel && s->mark && s->src && s->dst && s->keep;
+#define EV_GROW(a, arr, cap, need)                                                                 \
+    do {                                                                                           \
+        void *p_ = (arr);                                                                          \
+        kvt_status g_ = kvt__grow((a), &p_, &(cap), (need), sizeof *(arr));                        \
+        if (g_ != KVT_OK)                                                                          \
+            return g_;                                                                             \
+        (arr) = p_;                                                                                \
+    } while (0)
+
+/* Grow a layer's round scratch (capacity only). */
+static kvt_status scratch_grow(kvt__ev_scratch *s, const kvt__alloc *a, uint64_t cand, uint64_t K,
+                               uint64_t n_new, uint64_t keep_entries) {
+    EV_GROW(a, s->keys, s->keys_cap, cand);
+    EV_GROW(a, s->ridx, s->ridx_cap, cand);
+    EV_GROW(a, s->rpos, s->rpos_cap, cand);
+    EV_GROW(a, s->sel, s->sel_cap, K);
+    EV_GROW(a, s->mark, s->mark_cap, cand);
+    EV_GROW(a, s->src, s->src_cap, n_new);
+    EV_GROW(a, s->dst, s->dst_cap, n_new);
+    EV_GROW(a, s->keep, s->keep_cap, keep_entries);
+    return KVT_OK;
+}
+
+kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg,
+                           uint64_t rows) {
+    kvt_status rc = kvt__ev_reserve(e, a, rows);
+    if (rc != KVT_OK)
+        return rc;
+    EV_GROW(a, e->last_map, e->last_map_cap, (uint64_t)e->n_heads * rows);
+    uint64_t K = cfg->evict_budget_rows;
+    return scratch_grow(&e->sc, a, rows, K, K + cfg->recent_rows, (uint64_t)e->n_heads * K);
 }
 
 /* VaSE's score of a row: the range (max - min) of its value dimensions — plane 1 (V) for GQA,
@@ -261,7 +263,7 @@ static float value_range(const kvt__store *st, const uint8_t *row) {
  * ascending, to out[K]. Nothing is modified but the scratch. */
 static kvt_status select_head(const kvt__env *env, const kvt__store *st, const kvt__ev *e,
                               const kvt__ptable *pt, uint32_t h, uint64_t cand, uint64_t L,
-                              round_scratch *s, uint32_t *out) {
+                              kvt__ev_scratch *s, uint32_t *out) {
     const kvt_config *cfg = env->cfg;
     const kvt__backend *be = env->backend;
     const uint32_t K = cfg->evict_budget_rows;
@@ -402,7 +404,7 @@ static uint64_t old_row(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_
  * own. */
 static kvt_status compact_layer(const kvt__env *env, kvt__store *st, const kvt__ptable *pt,
                                 const uint32_t *keep, uint32_t H, uint64_t K, uint64_t cand,
-                                uint64_t n_new, round_scratch *s) {
+                                uint64_t n_new, kvt__ev_scratch *s) {
     const kvt__backend *be = env->backend;
     const kvt_layer_spec *sp = &st->spec;
     bool same = true;
@@ -455,22 +457,19 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
                          "eviction round over %llu rows: row indices must fit in int32",
                          (unsigned long long)N);
 
-    /* 1. Allocate everything. */
-    uint64_t keep_entries = 0;
-    for (uint32_t l = 0; l < n_layers; l++)
-        keep_entries += (uint64_t)states[l]->n_heads * K;
-    round_scratch s;
+    /* 1. Capacity (grow-only: nothing to do when the states were sized for a stated limit). */
     kvt_status rc = KVT_OK;
-    if (!scratch_alloc(&s, a, cand, K, n_new, keep_entries)) {
-        rc = kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY,
-                       "eviction round: scratch for %llu candidates; nothing was evicted",
-                       (unsigned long long)cand);
-        goto done;
-    }
     for (uint32_t l = 0; l < n_layers; l++) {
         kvt__ev *e = states[l];
         const kvt_layer_spec *sp = &stores[l]->spec;
         KVT_ASSERT(e->n_heads == sp->n_kv_heads && e->pos_cap >= N);
+        rc = scratch_grow(&e->sc, a, cand, K, n_new, (uint64_t)e->n_heads * K);
+        if (rc != KVT_OK) {
+            kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY,
+                      "eviction round: scratch for %llu candidates; nothing was evicted",
+                      (unsigned long long)cand);
+            goto done;
+        }
         void *p = e->last_map;
         rc = kvt__grow(a, &p, &e->last_map_cap, (uint64_t)e->n_heads * N, sizeof *e->last_map);
         if (rc == KVT_OK)
@@ -487,10 +486,10 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
     }
 
     /* 2. Select every keep set (backend draws and top-m; nothing moves yet). */
-    uint32_t *keep = s.keep;
     for (uint32_t l = 0; l < n_layers; l++) {
+        uint32_t *keep = states[l]->sc.keep;
         for (uint32_t h = 0; h < states[l]->n_heads; h++, keep += K) {
-            rc = select_head(env, stores[l], states[l], pt, h, cand, L, &s, keep);
+            rc = select_head(env, stores[l], states[l], pt, h, cand, L, &states[l]->sc, keep);
             if (rc != KVT_OK) {
                 kvt__fail(env->err, env->err_len, rc,
                           "eviction round: selecting layer %u head %u; nothing was evicted",
@@ -501,11 +500,11 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
     }
 
     /* 3. Commit: archive, publish the maps, compact, update positions. */
-    keep = s.keep;
     for (uint32_t l = 0; l < n_layers; l++) {
         kvt__ev *e = states[l];
         kvt__store *st = stores[l];
         const uint32_t H = e->n_heads;
+        const uint32_t *keep = e->sc.keep;
         for (uint32_t h = 0; h < H; h++) {
             const int64_t *P = e->pos + (size_t)h * e->pos_cap;
             if (e->archive)
@@ -513,7 +512,7 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
             else
                 e->dropped += cand - K;
         }
-        rc = compact_layer(env, st, pt, keep, H, K, cand, n_new, &s);
+        rc = compact_layer(env, st, pt, keep, H, K, cand, n_new, &e->sc);
         if (rc != KVT_OK) {
             /* Only a device error can land here; the bytes may be half moved and earlier layers
              * of the group are already compacted: no retry can repair that. Mark every layer of
@@ -545,7 +544,6 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
             e->prompt_over_budget = true;
     }
 done:
-    scratch_free(&s, a);
     return rc;
 }
 
@@ -684,6 +682,10 @@ static kvt_status ev_supports_layer(const kvt_layer_spec *sp, uint32_t i, const 
 
 static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
     kvt_status rc = kvt__ev_init(&s->ev, env->alloc, st->spec.n_kv_heads, env->cfg->evict_archive);
+    /* With a stated limit the table never holds more than K + r + c rows plus one step's (at
+     * most max_rows); size for max_rows so that no round allocates. */
+    if (rc == KVT_OK && env->max_rows)
+        rc = kvt__ev_prepare(&s->ev, env->alloc, env->cfg, env->max_rows);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc, "eviction state of layer %u", st->layer);
     return KVT_OK;
@@ -744,14 +746,10 @@ static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g)
         KVT_ASSERT(stepped == 0);
         return KVT_OK;
     }
-    size_t bytes = sizeof(void *) * gr->n_layers;
-    kvt__store **sp = kvt__malloc(env->alloc, bytes);
-    kvt__ev **ep = kvt__malloc(env->alloc, bytes);
+    /* The group's pointer scratch (allocated with the group): no commit allocates. */
+    kvt__store **sp = (kvt__store **)gr->ptrs;
+    kvt__ev **ep = (kvt__ev **)(gr->ptrs + gr->n_layers);
     kvt_status s = KVT_OK;
-    if (!sp || !ep) {
-        s = kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY, "eviction round");
-        goto done;
-    }
     uint32_t n = 0;
     for (uint32_t k = 0; k < gr->n_layers; k++) {
         kvt__ev *e = &g->states[gr->layers[k]].ev;
@@ -782,8 +780,6 @@ static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g)
         g->states[gr->layers[k]].ev.step_round = false;
 done:
     /* On a host-memory failure the flags stay: the next commit finishes the other layers. */
-    kvt__free(env->alloc, sp, bytes);
-    kvt__free(env->alloc, ep, bytes);
     return s;
 }
 

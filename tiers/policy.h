@@ -37,6 +37,9 @@ typedef struct kvt__group {
      * their pages go back to the pool; 0 keeps every row (lib/ checks page tables against it). */
     uint32_t window_rows;
     kvt__sal_shared sal; /* salience: the basis tables of σ */
+    /* [2 * n_layers] pointers a group_commit may use as scratch (the layers' stores and states
+     * of a round), allocated with the layer list so that no commit allocates. */
+    void **ptrs;
 } kvt__group;
 
 /* Policy state of one (sequence, layer): the member of the layer's policy. lib/ zeroes it

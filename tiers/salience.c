@@ -47,7 +47,37 @@ void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a) {
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
     kvt__free(a, s->score, sizeof *s->score * s->score_cap);
     kvt__free(a, s->kept, sizeof *s->kept * s->kept_cap);
+    kvt__free(a, s->sc_slots, sizeof *s->sc_slots * s->sc_slots_cap);
+    kvt__free(a, s->sc_keys, sizeof *s->sc_keys * s->sc_keys_cap);
+    kvt__free(a, s->sc_idx, sizeof *s->sc_idx * s->sc_idx_cap);
     memset(s, 0, sizeof *s);
+}
+
+/* Grow one array of the state to hold need elements. */
+#define SAL_GROW(a, arr, cap, need)                                                                \
+    do {                                                                                           \
+        void *p_ = (arr);                                                                          \
+        kvt_status g_ = kvt__grow((a), &p_, &(cap), (need), sizeof *(arr));                        \
+        if (g_ != KVT_OK)                                                                          \
+            return g_;                                                                             \
+        (arr) = p_;                                                                                \
+    } while (0)
+
+/* The close of new_closed rows: score and close scratch. Capacity only. */
+static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint64_t new_closed,
+                              uint64_t m) {
+    SAL_GROW(a, s->score, s->score_cap, new_closed);
+    SAL_GROW(a, s->sc_slots, s->sc_slots_cap, B);
+    SAL_GROW(a, s->sc_keys, s->sc_keys_cap, new_closed);
+    SAL_GROW(a, s->sc_idx, s->sc_idx_cap, m ? m : 1);
+    SAL_GROW(a, s->kept, s->kept_cap, m ? m : 1);
+    return KVT_OK;
+}
+
+kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
+                            uint64_t rows) {
+    uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
+    return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg->ratio));
 }
 
 uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio) {
@@ -111,26 +141,17 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
         return KVT_OK;
     }
     uint64_t new_closed = s->closed_rows + n_close * B;
-    void *arr = s->score;
-    kvt_status st_ = kvt__grow(env->alloc, &arr, &s->score_cap, new_closed, sizeof *s->score);
+    uint64_t m = kvt__sal_m(new_closed, cfg->ratio);
+    /* Capacity first (grow-only; nothing to do when the state was sized for a stated limit). */
+    kvt_status st_ = sal_reserve(s, env->alloc, B, new_closed, m);
     if (st_ != KVT_OK) {
         s->n_rows = new_n_rows; /* committed rows stay attended, in the tail, until the retry */
-        return kvt__fail(env->err, env->err_len, st_, "salience: growing the score array");
+        return kvt__fail(env->err, env->err_len, st_, "salience: scores and close scratch");
     }
-    s->score = arr;
-
-    uint64_t m = kvt__sal_m(new_closed, cfg->ratio);
-    size_t slots_bytes = sizeof(int32_t) * B;
-    size_t keys_bytes = sizeof(uint32_t) * new_closed;
-    size_t idx_bytes = sizeof(uint32_t) * m;
-    int32_t *slots = kvt__malloc(env->alloc, slots_bytes);
-    uint32_t *keys = kvt__malloc(env->alloc, keys_bytes);
-    uint32_t *idx = kvt__malloc(env->alloc, idx_bytes);
+    int32_t *slots = s->sc_slots;
+    uint32_t *keys = s->sc_keys;
+    uint32_t *idx = s->sc_idx;
     kvt_status rc = KVT_OK;
-    if (!slots || !keys || !idx) {
-        rc = kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY, "salience: scratch");
-        goto done;
-    }
     uint64_t nonfinite = 0;
     for (uint64_t b = 0; b < n_close; b++) {
         uint64_t first = s->closed_rows + b * B;
@@ -166,14 +187,7 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
         kvt__fail(env->err, env->err_len, rc, "salience: top-m select");
         goto done;
     }
-    arr = s->kept;
-    rc = kvt__grow(env->alloc, &arr, &s->kept_cap, m, sizeof *s->kept);
-    if (rc != KVT_OK) {
-        kvt__fail(env->err, env->err_len, rc, "salience: growing the kept set");
-        goto done;
-    }
-    s->kept = arr;
-    /* Commit point: nothing below can fail. */
+    /* Commit point: nothing below can fail (the kept set was sized above). */
     memcpy(s->kept, idx, sizeof *idx * m);
     s->n_kept = m;
     s->closed_rows = new_closed;
@@ -185,9 +199,6 @@ done:
     /* On failure the blocks stay unclosed: their rows remain attended as part of the tail (never
      * lost from the attended set) and the next commit closes them. */
     s->n_rows = new_n_rows;
-    kvt__free(env->alloc, slots, slots_bytes);
-    kvt__free(env->alloc, keys, keys_bytes);
-    kvt__free(env->alloc, idx, idx_bytes);
     return rc;
 }
 
@@ -305,6 +316,16 @@ static kvt_status sal_supports_layer(const kvt_layer_spec *sp, uint32_t i, const
     return KVT_OK;
 }
 
+static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
+    if (env->max_rows == 0)
+        return KVT_OK;
+    kvt_status rc = kvt__sal_prepare(&s->sal, env->alloc, env->cfg, env->max_rows);
+    return rc == KVT_OK ? KVT_OK
+                        : kvt__fail(env->err, env->err_len, rc,
+                                    "salience state of layer %u for %llu rows", st->layer,
+                                    (unsigned long long)env->max_rows);
+}
+
 static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
                                  const kvt_config *cfg, char *err, size_t len) {
     kvt_status s = kvt__sal_shared_init(&gr->sal, a, cfg);
@@ -392,6 +413,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .rows_are_positions = true,
     .group_init = sal_group_init,
     .group_fini = sal_group_fini,
+    .layer_init = sal_layer_init,
     .layer_fini = sal_layer_fini,
     .group_commit = sal_group_commit,
     .layer_step = sal_layer_step,

@@ -114,6 +114,9 @@ typedef struct kvt__env {
      * l + layer_offset and head h + head_offset; every random draw is keyed by the global ids so
      * every rank decides alike (kvt_ctx_params). */
     uint32_t layer_offset, head_offset;
+    /* Stated limit on a request's tokens (kvt_ctx_params.max_rows_per_seq; 0: none): per-request
+     * state is sized for it at creation so that no step allocates. */
+    uint64_t max_rows;
     void *stream;
     char *err;           /* detail message buffer (the calling thread's, kvt_last_error) */
     size_t err_len;
@@ -130,6 +133,11 @@ typedef struct kvt__sal {
     uint32_t *kept;       /* [n_kept] ascending positions of the top-m closed rows */
     uint64_t n_kept, kept_cap;
     uint64_t closes, nonfinite, score_bytes_read;
+    /* Scratch of a close, grow-only (sized for max_rows at creation when a limit is stated). */
+    int32_t *sc_slots;     /* [block_rows] */
+    uint32_t *sc_keys;     /* [closed rows] */
+    uint32_t *sc_idx;      /* [m] */
+    uint64_t sc_slots_cap, sc_keys_cap, sc_idx_cap;
 } kvt__sal;
 
 /* Basis tables shared by all salience layers of a context: [n_basis][block_rows]. */
@@ -143,6 +151,11 @@ kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const 
 void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a);
 
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a);
+/* Size the state for `rows` committed rows (scores, kept set, close scratch) so that closes up
+ * to there allocate nothing. KVT_OK or KVT_ERR_OUT_OF_MEMORY (capacity only: nothing observable
+ * changes). */
+kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
+                            uint64_t rows);
 /* m for a number of closed rows: max(1, (closed + ratio/2) / ratio), 0 when closed is 0. */
 uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio);
 /* Rows [s->n_rows, new_n_rows) were committed: close every full block (score it), then re-select
@@ -171,6 +184,20 @@ typedef struct kvt__ev_archive {
                            * capacity so sized deallocation always gets the true size) */
 } kvt__ev_archive;
 
+/* Scratch of one layer's round, grow-only (sized for max_rows at creation when a limit is
+ * stated, so that rounds allocate nothing). */
+typedef struct kvt__ev_scratch {
+    uint32_t *keys; /* [cand] draws or value-range keys */
+    uint32_t *ridx; /* [cand] row index of each entry of keys */
+    int64_t *rpos;  /* [cand] positions of the rows drawn for */
+    uint32_t *sel;  /* [K] top-m output */
+    uint8_t *mark;  /* [cand] kept candidate */
+    int32_t *src;   /* [K + r] move lists */
+    int32_t *dst;
+    uint32_t *keep; /* [heads * K] each head's kept candidate row indices, ascending */
+    uint64_t keys_cap, ridx_cap, rpos_cap, sel_cap, mark_cap, src_cap, dst_cap, keep_cap;
+} kvt__ev_scratch;
+
 typedef struct kvt__ev {
     uint32_t n_heads;
     int64_t *pos;         /* [n_heads][pos_cap]: original position at row index i for head h */
@@ -189,6 +216,7 @@ typedef struct kvt__ev {
      * part of a due round (it then holds last_kept rows while the table still holds N). Cleared
      * by the group's commit. */
     bool step_appended, step_round;
+    kvt__ev_scratch sc;
 } kvt__ev;
 
 kvt_status kvt__ev_init(kvt__ev *e, const kvt__alloc *a, uint32_t n_heads, bool archive);
@@ -196,6 +224,9 @@ void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a);
 /* Grow the position arrays to hold `rows` row indices per head (called at reserve, so that the
  * append at commit cannot fail). KVT_OK or KVT_ERR_OUT_OF_MEMORY (nothing changed). */
 kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows);
+/* Size the state for a table of up to `rows` rows (positions, slot map, round scratch) so that
+ * rounds up to there allocate nothing (archive copies still grow). Capacity only. */
+kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg, uint64_t rows);
 /* Record positions [first_pos, first_pos + n) at row indices [first_row, first_row + n) for
  * every head (on commit, before any round). Capacity was reserved: cannot fail. */
 void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n);

@@ -55,9 +55,15 @@ const char *kvt__alloc_name(const kvt__alloc *a) {
     return a->use_jemalloc ? "jemalloc" : "libc";
 }
 
+/* The counter is part of the context's allocator object, which is never const itself. */
+static void count(const kvt__alloc *a) {
+    ((kvt__alloc *)a)->calls++;
+}
+
 void *kvt__malloc(const kvt__alloc *a, size_t bytes) {
     if (bytes == 0)
         return NULL;
+    count(a);
 #if KVT__JE_AVAILABLE
     if (a->use_jemalloc)
         return mallocx(bytes, a->flags);
@@ -70,8 +76,11 @@ void *kvt__malloc(const kvt__alloc *a, size_t bytes) {
 
 void *kvt__calloc(const kvt__alloc *a, size_t bytes) {
 #if KVT__JE_AVAILABLE
-    if (a->use_jemalloc)
+    if (a->use_jemalloc) {
+        if (bytes)
+            count(a);
         return bytes ? mallocx(bytes, a->flags | KVT__JE_ZERO) : NULL;
+    }
 #endif
     void *p = kvt__malloc(a, bytes);
     if (p)
@@ -98,8 +107,10 @@ void *kvt__realloc(const kvt__alloc *a, void *p, size_t old_bytes, size_t new_by
     if (new_bytes == 0)
         return NULL;
 #if KVT__JE_AVAILABLE
-    if (a->use_jemalloc)
+    if (a->use_jemalloc) {
+        count(a);
         return rallocx(p, new_bytes, a->flags);
+    }
 #endif
     void *q = kvt__malloc(a, new_bytes);
     if (!q)

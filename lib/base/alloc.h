@@ -19,7 +19,9 @@
 typedef struct kvt__alloc {
     int use_jemalloc;
     unsigned arena;
-    int flags; /* mallocx flags: arena, no tcache */
+    int flags;      /* mallocx flags: arena, no tcache */
+    uint64_t calls; /* allocations made (malloc, calloc, realloc): a steady-state decode makes
+                     * none, which tests check (kvt_ctx_host_allocations) */
 } kvt__alloc;
 
 /* Alignment of every allocation (a cache line). */

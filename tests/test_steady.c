@@ -1,0 +1,110 @@
+/*
+ * test_steady.c — a steady-state decode allocates no host memory (Core v2: "steady-state decode
+ * allocates nothing"). With max_rows_per_seq stated, every per-request array and the backend's
+ * workspace are sized at creation; then 1,000 decode steps of a batch of 64 requests — reserve,
+ * slot_mapping, plan, per layer write + run (block closes every 64 tokens, eviction rounds every 8),
+ * commit — must leave the allocator's call counter where it was.
+ */
+#include <criterion/criterion.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvtier.h"
+#include "support/testutil.h"
+
+#define NSEQ 64
+#define STEPS 1000
+
+Test(steady, decode_allocates_nothing, .timeout = 300) {
+    kvt_layer_spec s[3];
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s[0]), KVT_OK);
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 16, &s[1]), KVT_OK);
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_SLIDING, KVT_DTYPE_BF16, 1, 16, &s[2]), KVT_OK);
+    s[2].sliding_window = 40;
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(s, 3, "steady", &m, NULL, 0), KVT_OK);
+    kvt_config c = kvt_config_default();
+    c.block_rows = 64;
+    c.kappa = 4;
+    c.ratio = 8;
+    c.evict_budget_rows = 32;
+    c.recent_rows = 8;
+    c.cadence_rows = 8;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.max_rows_per_seq = STEPS + 8;
+    p.n_pages = NSEQ * ((STEPS + 8 + 15) / 16 + 1);
+    kvt_ctx *ctx;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq *seqs[NSEQ];
+    for (int i = 0; i < NSEQ; i++) {
+        kvt_seq_params sp = kvt_seq_default_params();
+        sp.request_id = (uint64_t)i + 1;
+        sp.prompt_rows = 4;
+        cr_assert_eq(kvt_seq_create(ctx, &sp, &seqs[i]), KVT_OK);
+    }
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, NSEQ, &b), KVT_OK);
+    /* The engine's buffers (its own memory, sized once). */
+    uint32_t ones[NSEQ];
+    for (int i = 0; i < NSEQ; i++)
+        ones[i] = 1;
+    int32_t *idx = malloc(sizeof(int32_t) * NSEQ * (STEPS + 8));
+    int32_t lens[NSEQ], slot_map[NSEQ];
+    uint8_t row[1152];
+    memset(row, 0, sizeof row);
+    cr_assert(idx);
+
+    const uint64_t before = kvt_ctx_host_allocations(ctx);
+    for (int t = 0; t < STEPS; t++) {
+        cr_assert_eq(kvt_batch_reserve(b, seqs, ones, NSEQ), KVT_OK, "step %d: %s", t,
+                     kvt_last_error());
+        uint32_t n_map;
+        cr_assert_eq(kvt_batch_slot_mapping(b, 1, slot_map, NSEQ, &n_map), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+        uint32_t topk;
+        cr_assert_eq(kvt_batch_capacity(b, 0, &topk, NULL), KVT_OK);
+        kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                      .capacity = topk, .lengths = lens};
+        for (uint32_t l = 0; l < 3; l++) {
+            size_t tb = (size_t)s[l].n_kv_heads * s[l].row_bytes;
+            for (int i = 0; i < NSEQ; i++) {
+                /* distinct content per (request, step) so closes and rounds see varied rows */
+                for (size_t k = 0; k < tb; k += 2)
+                    row[k] = (uint8_t)((unsigned)(t * 31 + i * 7 + (int)k) & 0x3f);
+                for (uint32_t pl = 0; pl < s[l].n_planes; pl++)
+                    cr_assert_eq(kvt_seq_write(seqs[i], l, pl, 0, 1, row, tb), KVT_OK);
+            }
+            cr_assert_eq(kvt_batch_run(b, l, NULL, NULL, &e), KVT_OK, "step %d layer %u: %s", t,
+                         l, kvt_last_error());
+        }
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "step %d: %s", t, kvt_last_error());
+    }
+    const uint64_t after = kvt_ctx_host_allocations(ctx);
+
+    kvt_layer_stats sal = {.struct_size = sizeof sal}, ev = {.struct_size = sizeof ev};
+    cr_assert_eq(kvt_seq_layer_stats(seqs[0], 0, &sal), KVT_OK);
+    cr_assert_eq(kvt_seq_layer_stats(seqs[0], 1, &ev), KVT_OK);
+    cr_log_info("%d steps x %d requests: %llu closes and %llu rounds per request, %llu host "
+                "allocations (%llu before the steps)",
+                STEPS, NSEQ, (unsigned long long)sal.closes, (unsigned long long)ev.rounds,
+                (unsigned long long)(after - before), (unsigned long long)before);
+    cr_assert_eq(sal.closes, STEPS / 64);
+    cr_assert_gt(ev.rounds, 100);
+    cr_assert_eq(after, before, "%llu host allocations in the steady state",
+                 (unsigned long long)(after - before));
+    /* The limit is enforced, and says so. */
+    ones[0] = 9; /* 1000 + 9 > 1008 */
+    cr_assert_eq(kvt_batch_reserve(b, seqs, ones, 1), KVT_ERR_CAPACITY);
+    cr_assert(strstr(kvt_last_error(), "max_rows_per_seq"), "%s", kvt_last_error());
+    for (int i = 0; i < NSEQ; i++)
+        cr_assert_eq(kvt_seq_check(seqs[i]), KVT_OK, "%s", kvt_last_error());
+    free(idx);
+    kvt_batch_destroy(b);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
