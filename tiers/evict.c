@@ -208,26 +208,18 @@ static void scratch_free(kvt__ev_scratch *s, const kvt__alloc *a) {
     memset(s, 0, sizeof *s);
 }
 
-#define EV_GROW(a, arr, cap, need)                                                                 \
-    do {                                                                                           \
-        void *p_ = (arr);                                                                          \
-        kvt_status g_ = kvt__grow((a), &p_, &(cap), (need), sizeof *(arr));                        \
-        if (g_ != KVT_OK)                                                                          \
-            return g_;                                                                             \
-        (arr) = p_;                                                                                \
-    } while (0)
 
 /* Grow a layer's round scratch (capacity only). */
 static kvt_status scratch_grow(kvt__ev_scratch *s, const kvt__alloc *a, uint64_t cand, uint64_t K,
                                uint64_t n_new, uint64_t keep_entries) {
-    EV_GROW(a, s->keys, s->keys_cap, cand);
-    EV_GROW(a, s->ridx, s->ridx_cap, cand);
-    EV_GROW(a, s->rpos, s->rpos_cap, cand);
-    EV_GROW(a, s->sel, s->sel_cap, K);
-    EV_GROW(a, s->mark, s->mark_cap, cand);
-    EV_GROW(a, s->src, s->src_cap, n_new);
-    EV_GROW(a, s->dst, s->dst_cap, n_new);
-    EV_GROW(a, s->keep, s->keep_cap, keep_entries);
+    KVT__GROW_OR_RETURN(a, s->keys, s->keys_cap, cand);
+    KVT__GROW_OR_RETURN(a, s->ridx, s->ridx_cap, cand);
+    KVT__GROW_OR_RETURN(a, s->rpos, s->rpos_cap, cand);
+    KVT__GROW_OR_RETURN(a, s->sel, s->sel_cap, K);
+    KVT__GROW_OR_RETURN(a, s->mark, s->mark_cap, cand);
+    KVT__GROW_OR_RETURN(a, s->src, s->src_cap, n_new);
+    KVT__GROW_OR_RETURN(a, s->dst, s->dst_cap, n_new);
+    KVT__GROW_OR_RETURN(a, s->keep, s->keep_cap, keep_entries);
     return KVT_OK;
 }
 
@@ -236,7 +228,7 @@ kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cf
     kvt_status rc = kvt__ev_reserve(e, a, rows);
     if (rc != KVT_OK)
         return rc;
-    EV_GROW(a, e->last_map, e->last_map_cap, (uint64_t)e->n_heads * rows);
+    KVT__GROW_OR_RETURN(a, e->last_map, e->last_map_cap, (uint64_t)e->n_heads * rows);
     uint64_t K = cfg->evict_budget_rows;
     return scratch_grow(&e->sc, a, rows, K, K + cfg->recent_rows, (uint64_t)e->n_heads * K);
 }

@@ -53,24 +53,14 @@ void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
     memset(s, 0, sizeof *s);
 }
 
-/* Grow one array of the state to hold need elements. */
-#define SAL_GROW(a, arr, cap, need)                                                                \
-    do {                                                                                           \
-        void *p_ = (arr);                                                                          \
-        kvt_status g_ = kvt__grow((a), &p_, &(cap), (need), sizeof *(arr));                        \
-        if (g_ != KVT_OK)                                                                          \
-            return g_;                                                                             \
-        (arr) = p_;                                                                                \
-    } while (0)
-
 /* The close of new_closed rows: score and close scratch. Capacity only. */
 static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint64_t new_closed,
                               uint64_t m) {
-    SAL_GROW(a, s->score, s->score_cap, new_closed);
-    SAL_GROW(a, s->sc_slots, s->sc_slots_cap, B);
-    SAL_GROW(a, s->sc_keys, s->sc_keys_cap, new_closed);
-    SAL_GROW(a, s->sc_idx, s->sc_idx_cap, m ? m : 1);
-    SAL_GROW(a, s->kept, s->kept_cap, m ? m : 1);
+    KVT__GROW_OR_RETURN(a, s->score, s->score_cap, new_closed);
+    KVT__GROW_OR_RETURN(a, s->sc_slots, s->sc_slots_cap, B);
+    KVT__GROW_OR_RETURN(a, s->sc_keys, s->sc_keys_cap, new_closed);
+    KVT__GROW_OR_RETURN(a, s->sc_idx, s->sc_idx_cap, m ? m : 1);
+    KVT__GROW_OR_RETURN(a, s->kept, s->kept_cap, m ? m : 1);
     return KVT_OK;
 }
 

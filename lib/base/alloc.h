@@ -41,5 +41,15 @@ void *kvt__realloc(const kvt__alloc *a, void *p, size_t old_bytes, size_t new_by
 /* Grow *arr (elements of elt bytes, capacity *cap) to hold at least need elements (doubling).
  * KVT_OK or KVT_ERR_OUT_OF_MEMORY (array unchanged). */
 kvt_status kvt__grow(const kvt__alloc *a, void **arr, uint64_t *cap, uint64_t need, size_t elt);
+/* kvt__grow on a typed array `arr` with capacity `cap`; returns the status from the enclosing
+ * function on failure (the array is unchanged then). */
+#define KVT__GROW_OR_RETURN(a, arr, cap, need)                                                     \
+    do {                                                                                           \
+        void *p_ = (arr);                                                                          \
+        kvt_status g_ = kvt__grow((a), &p_, &(cap), (need), sizeof *(arr));                        \
+        if (g_ != KVT_OK)                                                                          \
+            return g_;                                                                             \
+        (arr) = p_;                                                                                \
+    } while (0)
 
 #endif
