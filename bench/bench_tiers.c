@@ -263,6 +263,142 @@ static void bench_attended(int reps) {
     kvt_model_destroy(m);
 }
 
+/* Host enqueue time of one decode step of a batch: 16 requests x 7 NoPE MLA layers (Kimi
+ * Linear's attention layers) at 32k rows each, 32x, with max_rows_per_seq set (no allocation):
+ * plan + 7 runs (emission of every request's attended set, FlashMLA layout) + commit, with no
+ * block closing in the step (the common step: one in 4096 closes), against copying the index
+ * arrays the step emits (the floor of any host-side emission). */
+static void bench_batch_step(int reps) {
+    enum { NS = 16, NL = 7, B = 4096 };
+    const uint32_t N = 32768;
+    kvt_layer_spec specs[NL];
+    for (int l = 0; l < NL; l++)
+        kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &specs[l]);
+    kvt_model *m;
+    char err[256];
+    kvt_status s = kvt_model_create(specs, NL, "kimi-attn", &m, err, sizeof err);
+    if (s)
+        die(s, "model", err);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.page_rows = 64;
+    p.max_rows_per_seq = N + 64;
+    p.n_pages = NS * ((N + 64) / 64 + 1);
+    kvt_ctx *ctx;
+    if ((s = kvt_ctx_create(&p, &ctx, err, sizeof err)))
+        die(s, "context", err);
+    kvt_seq *seqs[NS];
+    for (int i = 0; i < NS; i++)
+        seqs[i] = new_seq(ctx, (uint64_t)i + 1, 0);
+    kvt_batch *b;
+    if ((s = kvt_batch_create(ctx, NS, &b)))
+        die(s, "batch", kvt_last_error());
+    uint8_t *rows = malloc((size_t)B * 1152);
+    fill_bf16(rows, (size_t)B * 576);
+    /* Prefill N - 1 rows per request in chunks of B (the closes happen here), then time decode
+     * steps of one token each that close nothing. */
+    uint32_t n[NS];
+    for (uint32_t done = 0; done < N - 1; done += B) {
+        uint32_t c = N - 1 - done < B ? N - 1 - done : B;
+        for (int i = 0; i < NS; i++)
+            n[i] = c;
+        if ((s = kvt_batch_reserve(b, seqs, n, NS)))
+            die(s, "prefill reserve", kvt_last_error());
+        for (int i = 0; i < NS; i++)
+            for (int l = 0; l < NL; l++)
+                kvt_seq_write(seqs[i], (uint32_t)l, 0, 0, c, rows, (size_t)c * 1152);
+        if ((s = kvt_batch_commit(b, NULL)))
+            die(s, "prefill commit", kvt_last_error());
+    }
+    uint32_t topk_max = 0;
+    int32_t *idx = malloc(sizeof(int32_t) * NS * (N + 64) * NL);
+    int32_t *copy = malloc(sizeof(int32_t) * NS * (N + 64) * NL);
+    int32_t lens[NL][NS];
+    double best = 1e30, best_tight = 1e30;
+    uint64_t emitted = 0;
+    uint32_t tight = 0; /* the longest attended set seen + 64: a topk an engine could size */
+    uint64_t allocs = kvt_ctx_host_allocations(ctx);
+    for (int r = 0; r < reps * 8; r++) {
+        const bool use_tight = r >= reps * 4 && tight > 0;
+        /* the step's token: reserve and write are the scheduler's and the forward's, untimed */
+        for (int i = 0; i < NS; i++)
+            n[i] = 1;
+        if ((s = kvt_batch_reserve(b, seqs, n, NS)))
+            die(s, "reserve", kvt_last_error());
+        for (int i = 0; i < NS; i++)
+            for (int l = 0; l < NL; l++)
+                kvt_seq_write(seqs[i], (uint32_t)l, 0, 0, 1, rows, 1152);
+        double t = now_s();
+        uint32_t topk = 0;
+        s = kvt_batch_plan(b);
+        if (s == KVT_OK)
+            s = kvt_batch_capacity(b, 0, &topk, NULL);
+        if (use_tight)
+            topk = tight;
+        for (int l = 0; s == KVT_OK && l < NL; l++) {
+            kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                          .indices = idx + (size_t)l * NS * topk, .capacity = topk,
+                          .lengths = lens[l]};
+            s = kvt_batch_run(b, (uint32_t)l, NULL, NULL, &e);
+        }
+        if (s == KVT_OK)
+            s = kvt_batch_commit(b, NULL);
+        t = now_s() - t;
+        if (s)
+            die(s, "step", kvt_last_error());
+        if (use_tight) {
+            if (t < best_tight)
+                best_tight = t;
+            continue;
+        }
+        if (t < best)
+            best = t;
+        topk_max = topk;
+        emitted = 0;
+        for (int l = 0; l < NL; l++)
+            for (int i = 0; i < NS; i++) {
+                emitted += (uint64_t)lens[l][i];
+                /* + 64: the tail grows by one row a step */
+                tight = (uint32_t)lens[l][i] + 64 > tight ? (uint32_t)lens[l][i] + 64 : tight;
+            }
+    }
+    allocs = kvt_ctx_host_allocations(ctx) - allocs;
+    /* The floor: copying the arrays the step emitted (NL x NS x topk int32, padding included). */
+    size_t bytes = sizeof(int32_t) * (size_t)NL * NS * topk_max;
+    double mc = 1e30;
+    for (int r = 0; r < reps * 4; r++) {
+        double t = now_s();
+        memcpy(copy, idx, bytes);
+        t = now_s() - t;
+        if (t < mc)
+            mc = t;
+    }
+    size_t tight_bytes = sizeof(int32_t) * (size_t)NL * NS * tight;
+    double mc_tight = 1e30;
+    for (int r = 0; r < reps * 4; r++) {
+        double t = now_s();
+        memcpy(copy, idx, tight_bytes);
+        t = now_s() - t;
+        if (t < mc_tight)
+            mc_tight = t;
+    }
+    printf("batch step       %d requests x %d NoPE layers at %u rows, 32x: plan + %d runs + commit, "
+           "%llu rows emitted, %llu host allocations\n"
+           "                 topk = kvt_batch_capacity (%u, the longest request):  %8.3f ms = %5.1fx "
+           "copying the emitted arrays (%.3f ms, %.1f MB with padding)\n"
+           "                 topk = longest attended set + 64 (%u):              %8.3f ms = %5.1fx "
+           "copying the emitted arrays (%.3f ms, %.2f MB)\n",
+           NS, NL, N, NL, (unsigned long long)emitted, (unsigned long long)allocs, topk_max,
+           best * 1e3, best / mc, mc * 1e3, bytes / 1e6, tight, best_tight * 1e3,
+           best_tight / mc_tight, mc_tight * 1e3, tight_bytes / 1e6);
+    free(idx);
+    free(copy);
+    free(rows);
+    kvt_batch_destroy(b);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 5;
     if (reps < 1)
@@ -272,5 +408,6 @@ int main(int argc, char **argv) {
     bench_evict(reps, false);
     bench_evict(reps, true);
     bench_attended(reps);
+    bench_batch_step(reps);
     return 0;
 }
