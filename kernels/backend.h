@@ -35,6 +35,19 @@ typedef struct kvt__score_args {
 
 typedef struct kvt__backend_ops {
     const char *name;
+    /* Buffers in the backend's memory space (ggml-backend's rule: host code reaches a buffer's
+     * bytes only through write/read). The row pool's planes live in them. alloc: zeroed bytes;
+     * KVT_ERR_OUT_OF_MEMORY. free: bytes as allocated; NULL is a no-op. */
+    kvt_status (*buf_alloc)(const kvt__backend *be, size_t bytes, void **out);
+    void (*buf_free)(const kvt__backend *be, void *p, size_t bytes);
+    /* Copy bytes from host memory into a buffer (write) or out of one (read), on the stream. */
+    kvt_status (*write)(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                        void *stream);
+    kvt_status (*read)(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                       void *stream);
+    /* true when host code may dereference buffer pointers (engine-owned host storage can then be
+     * bound with kvt_layer_bind). */
+    bool host_visible;
     /* Salience scores of one block. */
     kvt_status (*score_rows)(const kvt__backend *be, const kvt__score_args *a, void *stream);
     /* Exact top-m of keys[0..n) (ties to the lower index), indices ascending into idx[m']
@@ -64,6 +77,11 @@ struct kvt__backend {
 
 /* CPU backend: always available. */
 const kvt__backend_ops *kvt__backend_cpu_ops(void);
+/* The guarded-device backend: the CPU backend whose buffers the host cannot touch outside the
+ * backend's own ops (memory protection keys, else mprotect). KVT_ERR_UNSUPPORTED with the reason
+ * in err where neither works. */
+kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len);
+bool kvt__backend_is_guarded(const kvt__backend *be);
 /* Open the CPU backend with a workspace (be->alloc set by the caller): ops, and impl = the
  * workspace. KVT_ERR_OUT_OF_MEMORY. Close frees it (NULL impl: nothing). */
 kvt_status kvt__backend_cpu_open(kvt__backend *be);

@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* pkey_alloc, pkey_mprotect, pkey_set (glibc >= 2.27) */
 /* backend_cpu.c — the CPU backend: loops over the KVT_HD per-element math. It is complete and is
  * the reference the CUDA backend is tested against. */
 #include "backend.h"
@@ -5,6 +6,7 @@
 #include "kernels/philox.h"
 #include "kernels/sigma.h"
 #include "kernels/topm.h"
+#include "lib/base/base.h"
 
 #include <string.h>
 
@@ -26,10 +28,16 @@ kvt_status kvt__backend_cpu_open(kvt__backend *be) {
     return be->impl ? KVT_OK : KVT_ERR_OUT_OF_MEMORY;
 }
 
+static void guarded_close(kvt__backend *be);
+
 void kvt__backend_cpu_close(kvt__backend *be) {
     cpu_ws *w = be->impl;
     if (!w)
         return;
+    if (kvt__backend_is_guarded(be)) {
+        guarded_close(be);
+        return;
+    }
     kvt__free(be->alloc, w->sigma, sizeof *w->sigma * w->sigma_cap);
     kvt__free(be->alloc, w->topm, sizeof *w->topm * w->topm_cap);
     kvt__free(be->alloc, w, sizeof *w);
@@ -138,8 +146,31 @@ static kvt_status cpu_move_rows(const kvt__backend *be, uint8_t *base, size_t sl
     return KVT_OK;
 }
 
+static kvt_status cpu_buf_alloc(const kvt__backend *be, size_t bytes, void **out) {
+    *out = kvt__calloc(be->alloc, bytes);
+    return *out ? KVT_OK : KVT_ERR_OUT_OF_MEMORY;
+}
+
+static void cpu_buf_free(const kvt__backend *be, void *p, size_t bytes) {
+    kvt__free(be->alloc, p, bytes);
+}
+
+static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                           void *stream) {
+    (void)be;
+    (void)stream;
+    if (bytes)
+        memmove(dst, src, bytes);
+    return KVT_OK;
+}
+
 static const kvt__backend_ops cpu_ops_table = {
     .name = "cpu",
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .write = cpu_copy,
+    .read = cpu_copy,
+    .host_visible = true,
     .score_rows = cpu_score_rows,
     .topm = cpu_topm,
     .draws = cpu_draws,
@@ -148,4 +179,162 @@ static const kvt__backend_ops cpu_ops_table = {
 
 const kvt__backend_ops *kvt__backend_cpu_ops(void) {
     return &cpu_ops_table;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The guarded-device backend. Its buffers are mmap'd pages the host cannot read or write except
+ * inside the backend's own ops, which proves on a machine without a GPU that no host code path
+ * touches "device" bytes (a stray access faults with SIGSEGV). Protection keys (pkey_alloc /
+ * pkey_mprotect, then pkey_set around each op: a register write of the calling thread, ~0.15 us)
+ * where the CPU and kernel have them; otherwise mprotect of every buffer around each op (a system
+ * call per buffer: only for small tests). The ops themselves are the CPU backend's.
+ * ------------------------------------------------------------------------------------------- */
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct guard_region {
+    void *p;
+    size_t len;
+} guard_region;
+
+typedef struct guard_impl {
+    cpu_ws ws;              /* first: the CPU ops read be->impl as their workspace */
+    int pkey;               /* -1: mprotect mode */
+    int depth;              /* nested opens (an op calling another) */
+    guard_region *regions;  /* every live buffer (mprotect mode needs them all) */
+    uint64_t n_regions, regions_cap;
+} guard_impl;
+
+static const kvt__backend_ops guarded_ops_table;
+
+bool kvt__backend_is_guarded(const kvt__backend *be) {
+    return be->ops == &guarded_ops_table;
+}
+
+static size_t page_round(size_t bytes) {
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    return (bytes + pg - 1) / pg * pg;
+}
+
+static void guard_set(const guard_impl *g, bool open) {
+    if (g->pkey >= 0) {
+        pkey_set(g->pkey, open ? 0 : PKEY_DISABLE_ACCESS);
+        return;
+    }
+    for (uint64_t i = 0; i < g->n_regions; i++)
+        mprotect(g->regions[i].p, g->regions[i].len, open ? PROT_READ | PROT_WRITE : PROT_NONE);
+}
+
+static void guard_open(const kvt__backend *be) {
+    guard_impl *g = be->impl;
+    if (g->depth++ == 0)
+        guard_set(g, true);
+}
+
+static void guard_close(const kvt__backend *be) {
+    guard_impl *g = be->impl;
+    if (--g->depth == 0)
+        guard_set(g, false);
+}
+
+static kvt_status g_buf_alloc(const kvt__backend *be, size_t bytes, void **out) {
+    guard_impl *g = be->impl;
+    *out = NULL;
+    if (bytes == 0)
+        return KVT_ERR_INVALID_ARGUMENT;
+    void *arr = g->regions;
+    if (kvt__grow(be->alloc, &arr, &g->regions_cap, g->n_regions + 1, sizeof *g->regions) != KVT_OK)
+        return KVT_ERR_OUT_OF_MEMORY;
+    g->regions = arr;
+    size_t len = page_round(bytes);
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return KVT_ERR_OUT_OF_MEMORY;
+    int rc = g->pkey >= 0 ? pkey_mprotect(p, len, PROT_READ | PROT_WRITE, g->pkey)
+                          : (g->depth > 0 ? 0 : mprotect(p, len, PROT_NONE));
+    if (rc != 0) {
+        munmap(p, len);
+        return KVT_ERR_OUT_OF_MEMORY;
+    }
+    g->regions[g->n_regions].p = p;
+    g->regions[g->n_regions].len = len;
+    g->n_regions++;
+    *out = p; /* mmap'd anonymous pages are zero */
+    return KVT_OK;
+}
+
+static void g_buf_free(const kvt__backend *be, void *p, size_t bytes) {
+    guard_impl *g = be->impl;
+    if (!p)
+        return;
+    for (uint64_t i = 0; i < g->n_regions; i++)
+        if (g->regions[i].p == p) {
+            g->regions[i] = g->regions[--g->n_regions];
+            break;
+        }
+    munmap(p, page_round(bytes));
+}
+
+static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                          void *stream) {
+    guard_open(be);
+    kvt_status s = cpu_copy(be, dst, src, bytes, stream);
+    guard_close(be);
+    return s;
+}
+
+static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *a, void *stream) {
+    guard_open(be);
+    kvt_status s = cpu_score_rows(be, a, stream);
+    guard_close(be);
+    return s;
+}
+
+static kvt_status g_move_rows(const kvt__backend *be, uint8_t *base, size_t slot_stride,
+                              size_t offset, size_t bytes_per_row, const int32_t *src_slots,
+                              const int32_t *dst_slots, uint32_t n, void *stream) {
+    guard_open(be);
+    kvt_status s = cpu_move_rows(be, base, slot_stride, offset, bytes_per_row, src_slots,
+                                 dst_slots, n, stream);
+    guard_close(be);
+    return s;
+}
+
+/* top-m and draws work on host arrays (keys, positions): they need no guard. */
+static const kvt__backend_ops guarded_ops_table = {
+    .name = "guarded",
+    .buf_alloc = g_buf_alloc,
+    .buf_free = g_buf_free,
+    .write = g_write,
+    .read = g_write,
+    .host_visible = false,
+    .score_rows = g_score_rows,
+    .topm = cpu_topm,
+    .draws = cpu_draws,
+    .move_rows = g_move_rows,
+};
+
+kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {
+    guard_impl *g = kvt__calloc(be->alloc, sizeof *g);
+    if (!g)
+        return kvt__fail(err, err_len, KVT_ERR_OUT_OF_MEMORY, "guarded backend");
+    /* A key denies access to the calling thread at once; other threads start with every key but 0
+     * denied. Sixteen keys exist per process: without one, fall back to mprotect. */
+    g->pkey = pkey_alloc(0, PKEY_DISABLE_ACCESS);
+    be->impl = g;
+    be->ops = &guarded_ops_table;
+    return KVT_OK;
+}
+
+static void guarded_close(kvt__backend *be) {
+    guard_impl *g = be->impl;
+    for (uint64_t i = 0; i < g->n_regions; i++)
+        munmap(g->regions[i].p, g->regions[i].len);
+    kvt__free(be->alloc, g->regions, sizeof *g->regions * g->regions_cap);
+    if (g->pkey >= 0)
+        pkey_free(g->pkey);
+    kvt__free(be->alloc, g->ws.sigma, sizeof *g->ws.sigma * g->ws.sigma_cap);
+    kvt__free(be->alloc, g->ws.topm, sizeof *g->ws.topm * g->ws.topm_cap);
+    kvt__free(be->alloc, g, sizeof *g);
+    be->impl = NULL;
 }

@@ -65,7 +65,7 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
         kvt__store *st = &ctx->stores[i];
         for (int p = 0; p < 2; p++)
             if (st->owned[p])
-                kvt__free(a, st->plane[p], st->plane_bytes);
+                ctx->backend.ops->buf_free(&ctx->backend, st->plane[p], st->plane_bytes);
     }
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__group *gr = &ctx->groups[g];
@@ -78,10 +78,10 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
     kvt__free(a, ctx->stores, sizeof *ctx->stores * ctx->n_layers);
     kvt__free(a, ctx->policies, sizeof *ctx->policies * ctx->n_layers);
     kvt_model_destroy(ctx->model);
-    if (ctx->backend.ops != kvt__backend_cpu_ops())
-        kvt__backend_cuda_close(&ctx->backend);
-    else
+    if (ctx->backend.ops == kvt__backend_cpu_ops() || kvt__backend_is_guarded(&ctx->backend))
         kvt__backend_cpu_close(&ctx->backend);
+    else
+        kvt__backend_cuda_close(&ctx->backend);
     kvt__alloc alloc = ctx->alloc;
     kvt__free(&alloc, ctx, sizeof *ctx);
     kvt__alloc_fini(&alloc);
@@ -166,7 +166,11 @@ static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
                 continue;
             for (uint32_t p = 0; p < st->spec.n_planes; p++) {
                 /* Zeroed so that a slot the engine never wrote reads as zeros, not garbage. */
-                st->plane[p] = kvt__calloc(a, st->plane_bytes);
+                /* In the backend's memory space (zeroed: a slot the engine never wrote reads as
+                 * zeros, not garbage). */
+                void *buf = NULL;
+                if (ctx->backend.ops->buf_alloc(&ctx->backend, st->plane_bytes, &buf) == KVT_OK)
+                    st->plane[p] = buf;
                 if (!st->plane[p])
                     return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY,
                                      "row pool: layer %u plane %u needs %zu bytes", i, p,
@@ -187,6 +191,13 @@ static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, s
     ctx->backend.alloc = &ctx->alloc;
     if (kind == KVT_BACKEND_CPU)
         return open_cpu(ctx, err, len);
+    if (kind == KVT_BACKEND_GUARDED) {
+        if (ctx->external)
+            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                             "backend: the guarded backend's buffers are its own; external_storage "
+                             "(engine host memory) cannot be guarded");
+        return kvt__backend_guarded_open(&ctx->backend, err, len);
+    }
     if (kind != KVT_BACKEND_CUDA && kind != KVT_BACKEND_AUTO)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "backend: unknown value %d",
                          (int)kind);
@@ -204,7 +215,8 @@ static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, s
  * block over the widest branch of a salience layer) and the largest top-m (all of a request's
  * rows). */
 static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
-    if (ctx->max_rows == 0 || ctx->backend.ops != kvt__backend_cpu_ops())
+    if (ctx->max_rows == 0 ||
+        (ctx->backend.ops != kvt__backend_cpu_ops() && !kvt__backend_is_guarded(&ctx->backend)))
         return KVT_OK;
     uint32_t branch = 0;
     for (uint32_t i = 0; i < ctx->n_layers; i++)
@@ -414,12 +426,51 @@ kvt_status kvt_layer_data(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void **b
     return KVT_OK;
 }
 
+static kvt_status layer_copy(kvt_ctx *ctx, uint32_t layer, uint32_t plane, uint64_t first,
+                             uint64_t n, void *host, size_t bytes, bool write) {
+    if (!ctx || !host)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt__ctx_clear_error(ctx);
+    kvt__store *st = NULL;
+    kvt_status s = plane_of(ctx, layer, plane, &st);
+    if (s != KVT_OK)
+        return s;
+    if (!st->plane[plane])
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE, "layer %u plane %u: storage not bound",
+                             layer, plane);
+    uint64_t n_slots = st->plane_bytes / st->slot_bytes;
+    if (first > n_slots || n > n_slots - first)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "slots [%llu, %llu) of %llu",
+                             (unsigned long long)first, (unsigned long long)(first + n),
+                             (unsigned long long)n_slots);
+    if ((uint64_t)bytes != n * st->slot_bytes)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "%zu bytes for %llu slots of %zu",
+                             bytes, (unsigned long long)n, st->slot_bytes);
+    uint8_t *dev = st->plane[plane] + (size_t)first * st->slot_bytes;
+    return write ? ctx->backend.ops->write(&ctx->backend, dev, host, bytes, NULL)
+                 : ctx->backend.ops->read(&ctx->backend, host, dev, bytes, NULL);
+}
+
+kvt_status kvt_layer_read(kvt_ctx *ctx, uint32_t layer, uint32_t plane, uint64_t first_slot,
+                          uint64_t n_slots, void *dst, size_t bytes) {
+    return layer_copy(ctx, layer, plane, first_slot, n_slots, dst, bytes, false);
+}
+
+kvt_status kvt_layer_write(kvt_ctx *ctx, uint32_t layer, uint32_t plane, uint64_t first_slot,
+                           uint64_t n_slots, const void *src, size_t bytes) {
+    return layer_copy(ctx, layer, plane, first_slot, n_slots, (void *)src, bytes, true);
+}
+
 kvt_status kvt_layer_bind(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void *base, size_t bytes) {
     if (!ctx || !base)
         return KVT_ERR_INVALID_ARGUMENT;
     if (!ctx->external)
         return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
                              "kvt_layer_bind needs params.external_storage = true");
+    if (!ctx->backend.ops->host_visible)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "kvt_layer_bind: the %s backend's planes are its own memory",
+                             ctx->backend.ops->name);
     if (ctx->started)
         return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
                              "kvt_layer_bind after the first reservation would lose rows");

@@ -271,6 +271,13 @@ typedef enum kvt_backend_kind {
     KVT_BACKEND_CPU = 0,
     KVT_BACKEND_CUDA = 1, /* KVT_ERR_NO_DEVICE when built without CUDA or no device is present */
     KVT_BACKEND_AUTO = 2, /* CUDA when usable, else CPU */
+    KVT_BACKEND_GUARDED = 3, /* the CPU backend with its buffers inaccessible to the host except
+                              * inside its own ops (memory protection keys, else mprotect): host
+                              * code that touches a row directly faults. For tests and tools: it
+                              * proves without a GPU that nothing reads "device" memory behind the
+                              * backend's back. kvt_layer_data's pointer must not be dereferenced;
+                              * use kvt_layer_read / kvt_layer_write. external_storage refused.
+                              * Not under valgrind (no protection keys there). */
 } kvt_backend_kind;
 
 typedef enum kvt_allocator {
@@ -348,6 +355,16 @@ KVT_API kvt_status kvt_ctx_free_pages(const kvt_ctx *ctx, uint32_t layer, uint32
  * KVT_ERR_POLICY_MISMATCH for a no-KV layer, KVT_ERR_BAD_STATE for an unbound external layer. */
 KVT_API kvt_status kvt_layer_data(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void **base,
                                   size_t *bytes);
+/* Copy n_slots whole slots (n_kv_heads * row_bytes each) of a layer's plane, starting at slot
+ * first_slot, out of (read) or into (write) host memory of exactly that many bytes, through the
+ * backend (the way to reach rows on a backend whose memory the host cannot touch). For tools and
+ * tests; not for the decode path. KVT_ERR_OUT_OF_RANGE past the pool, KVT_ERR_INVALID_ARGUMENT
+ * for a wrong byte count or NULL, KVT_ERR_POLICY_MISMATCH for a no-KV layer. */
+KVT_API kvt_status kvt_layer_read(kvt_ctx *ctx, uint32_t layer, uint32_t plane, uint64_t first_slot,
+                                  uint64_t n_slots, void *dst, size_t bytes);
+KVT_API kvt_status kvt_layer_write(kvt_ctx *ctx, uint32_t layer, uint32_t plane,
+                                   uint64_t first_slot, uint64_t n_slots, const void *src,
+                                   size_t bytes);
 /* With external_storage: bind engine memory (host memory for the CPU backend) of at least
  * n_pages * page_rows * n_kv_heads * row_bytes bytes to a plane, before any reserve. The memory
  * stays the engine's. KVT_ERR_CAPACITY when too small, KVT_ERR_BAD_STATE after the first reserve

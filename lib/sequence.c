@@ -368,8 +368,13 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
     const uint8_t *in = src;
     for (uint32_t i = 0; i < n; i++) {
         int32_t slot = kvt__slot(t, &ctx->pdiv, t->n_rows + first + i);
-        memcpy(st->plane[plane] + (size_t)slot * st->slot_bytes, in + (size_t)i * st->slot_bytes,
-               st->slot_bytes);
+        /* Through the backend: the pool lives in its memory space. */
+        kvt_status ws = ctx->backend.ops->write(&ctx->backend,
+                                                st->plane[plane] + (size_t)slot * st->slot_bytes,
+                                                in + (size_t)i * st->slot_bytes, st->slot_bytes,
+                                                NULL);
+        if (ws != KVT_OK)
+            return kvt__ctx_fail(ctx, ws, "writing row %u of layer %u", first + i, layer);
     }
     return KVT_OK;
 }
@@ -629,12 +634,11 @@ kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, 
         return kvt__ctx_fail(ctx, KVT_ERR_DROPPED, "layer %u head %u position %llu was dropped %s",
                              layer, head, (unsigned long long)position,
                              ops->dropped_how ? ops->dropped_how : "");
-    if (slot >= 0) {
-        memcpy(dst,
-               st->plane[plane] + (size_t)slot * st->slot_bytes + (size_t)head * st->spec.row_bytes,
-               st->spec.row_bytes);
-        return KVT_OK;
-    }
+    if (slot >= 0) /* in the pool: through the backend (its memory space) */
+        return ctx->backend.ops->read(&ctx->backend, dst,
+                                      st->plane[plane] + (size_t)slot * st->slot_bytes +
+                                          (size_t)head * st->spec.row_bytes,
+                                      st->spec.row_bytes, NULL);
     /* Archived out of the pool (eviction's archive). */
     kvt__tier_layer l = tier_layer(seq, layer);
     const uint8_t *src = ops->archived_row ? ops->archived_row(&l, head, plane, position) : NULL;

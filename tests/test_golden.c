@@ -280,7 +280,7 @@ static void check_emission(kvt_seq *seq, uint32_t layer, uint64_t n, const int32
  * write its rows and kvt_batch_run it (its close or round happens there), commit. Both must give
  * the same file: decisions do not depend on where the work runs. With run, every checkpoint also
  * checks that each layer's emission equals the committed attended set. */
-static char *run_case(const gcase *g, size_t *len, bool run) {
+static char *run_case(const gcase *g, size_t *len, bool run, kvt_backend_kind backend) {
     kvt_model *m = NULL;
     char err[512];
     if (g->config_file)
@@ -296,6 +296,7 @@ static char *run_case(const gcase *g, size_t *len, bool run) {
     p.page_rows = g->page_rows;
     p.n_pages = g->n_pages;
     p.allocator = KVT_ALLOC_LIBC;
+    p.backend = backend;
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s: %s", g->name, err);
     kvt_seq *seq;
@@ -387,17 +388,19 @@ static void write_all(const char *path, const char *p, size_t n) {
     cr_assert_eq(fclose(f), 0);
 }
 
-static void check_golden_path(const gcase *g, bool run);
+static void check_golden_path(const gcase *g, bool run, kvt_backend_kind backend);
 
-/* Both drivers (commit-only and the engine's run order) against the same file. */
+/* Both drivers (commit-only and the engine's run order) against the same file, and the run order
+ * again on the guarded-device backend (no host access to the pool outside the backend's ops). */
 static void check_golden(const gcase *g) {
-    check_golden_path(g, false);
-    check_golden_path(g, true);
+    check_golden_path(g, false, KVT_BACKEND_CPU);
+    check_golden_path(g, true, KVT_BACKEND_CPU);
+    check_golden_path(g, true, KVT_BACKEND_GUARDED);
 }
 
-static void check_golden_path(const gcase *g, bool run) {
+static void check_golden_path(const gcase *g, bool run, kvt_backend_kind backend) {
     size_t n;
-    char *got = run_case(g, &n, run);
+    char *got = run_case(g, &n, run, backend);
     char path[1024];
     snprintf(path, sizeof path, "%s/tests/golden/keepsets/%s.txt", KVT_SOURCE_DIR, g->name);
     const char *upd = getenv("KVT_GOLDEN_UPDATE");
@@ -412,8 +415,8 @@ static void check_golden_path(const gcase *g, bool run) {
     cr_assert(exp, "missing golden file %s (record with KVT_GOLDEN_UPDATE=1)", path);
     if (en != n || memcmp(exp, got, n) != 0) {
         char out[1024];
-        snprintf(out, sizeof out, "%s/golden_%s%s.actual.txt", KVT_BINARY_DIR, g->name,
-                 run ? "_run" : "");
+        snprintf(out, sizeof out, "%s/golden_%s%s%s.actual.txt", KVT_BINARY_DIR, g->name,
+                 run ? "_run" : "", backend == KVT_BACKEND_GUARDED ? "_guarded" : "");
         write_all(out, got, n);
         size_t i = 0, line = 1, ls = 0;
         while (i < n && i < en && got[i] == exp[i]) {
@@ -426,8 +429,9 @@ static void check_golden_path(const gcase *g, bool run) {
         const char *ge = memchr(got + ls, '\n', n - ls), *ee = memchr(exp + ls, '\n', en - ls);
         int gl = ge ? (int)(ge - (got + ls)) : (int)(n - ls);
         int el = ee ? (int)(ee - (exp + ls)) : (int)(en - ls);
-        cr_assert_fail("%s (%s path): decisions changed at line %zu\n  golden: %.*s\n  actual: %.*s\n"
-                       "(actual file: %s)", g->name, run ? "run" : "commit", line, el > 300 ? 300 : el, exp + ls,
+        cr_assert_fail("%s (%s path, %s backend): decisions changed at line %zu\n  golden: %.*s\n  actual: %.*s\n"
+                       "(actual file: %s)", g->name, run ? "run" : "commit",
+                       backend == KVT_BACKEND_GUARDED ? "guarded" : "cpu", line, el > 300 ? 300 : el, exp + ls,
                        gl > 300 ? 300 : gl, got + ls, out);
     }
     free(exp);

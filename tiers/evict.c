@@ -205,13 +205,15 @@ static void scratch_free(kvt__ev_scratch *s, const kvt__alloc *a) {
     kvt__free(a, s->src, sizeof *s->src * s->src_cap);
     kvt__free(a, s->dst, sizeof *s->dst * s->dst_cap);
     kvt__free(a, s->keep, sizeof *s->keep * s->keep_cap);
+    kvt__free(a, s->row, s->row_cap);
     memset(s, 0, sizeof *s);
 }
 
 
 /* Grow a layer's round scratch (capacity only). */
 static kvt_status scratch_grow(kvt__ev_scratch *s, const kvt__alloc *a, uint64_t cand, uint64_t K,
-                               uint64_t n_new, uint64_t keep_entries) {
+                               uint64_t n_new, uint64_t keep_entries, uint64_t row_bytes) {
+    KVT__GROW_OR_RETURN(a, s->row, s->row_cap, row_bytes);
     KVT__GROW_OR_RETURN(a, s->keys, s->keys_cap, cand);
     KVT__GROW_OR_RETURN(a, s->ridx, s->ridx_cap, cand);
     KVT__GROW_OR_RETURN(a, s->rpos, s->rpos_cap, cand);
@@ -224,13 +226,14 @@ static kvt_status scratch_grow(kvt__ev_scratch *s, const kvt__alloc *a, uint64_t
 }
 
 kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg,
-                           uint64_t rows) {
+                           uint64_t rows, uint64_t row_bytes) {
     kvt_status rc = kvt__ev_reserve(e, a, rows);
     if (rc != KVT_OK)
         return rc;
     KVT__GROW_OR_RETURN(a, e->last_map, e->last_map_cap, (uint64_t)e->n_heads * rows);
     uint64_t K = cfg->evict_budget_rows;
-    return scratch_grow(&e->sc, a, rows, K, K + cfg->recent_rows, (uint64_t)e->n_heads * K);
+    return scratch_grow(&e->sc, a, rows, K, K + cfg->recent_rows, (uint64_t)e->n_heads * K,
+                        row_bytes);
 }
 
 /* VaSE's score of a row: the range (max - min) of its value dimensions — plane 1 (V) for GQA,
@@ -278,10 +281,14 @@ static kvt_status select_head(const kvt__env *env, const kvt__store *st, const k
         if (m_v > 0) {
             int vp = st->spec.n_planes > 1 ? 1 : 0;
             for (uint64_t i = f; i < cand; i++) {
+                /* The row is in the backend's memory: read it through the backend. */
                 const uint8_t *row = st->plane[vp] +
                                      (size_t)kvt__slot(pt, env->pdiv, i) * st->slot_bytes +
                                      (size_t)h * st->spec.row_bytes;
-                s->keys[i - f] = kvt__score_key(value_range(st, row));
+                rc = be->ops->read(be, s->row, row, st->spec.row_bytes, env->stream);
+                if (rc != KVT_OK)
+                    return rc;
+                s->keys[i - f] = kvt__score_key(value_range(st, s->row));
             }
             rc = be->ops->topm(be, s->keys, (uint32_t)(cand - f), (uint32_t)m_v, s->sel,
                                env->stream);
@@ -354,7 +361,7 @@ static kvt_status archive_reserve(kvt__ev_archive *ar, const kvt__alloc *a, uint
 
 /* Copy head h's evicted candidates (every row in [0, cand) not in keep[K]) into its archive, all
  * planes, and merge them into the by-position index. Capacity was reserved. */
-static void archive_evicted(kvt__ev_archive *ar, const kvt__env *env, const kvt__store *st,
+static kvt_status archive_evicted(kvt__ev_archive *ar, const kvt__env *env, const kvt__store *st,
                             const kvt__ptable *pt, const int64_t *P, uint32_t h, uint64_t cand,
                             const uint32_t *keep, uint64_t K) {
     const kvt_layer_spec *sp = &st->spec;
@@ -368,8 +375,14 @@ static void archive_evicted(kvt__ev_archive *ar, const kvt__env *env, const kvt_
         size_t off =
             (size_t)kvt__slot(pt, env->pdiv, i) * st->slot_bytes + (size_t)h * sp->row_bytes;
         uint8_t *d = ar->bytes + (size_t)n * sp->n_planes * sp->row_bytes;
-        for (uint32_t p = 0; p < sp->n_planes; p++)
-            memcpy(d + (size_t)p * sp->row_bytes, st->plane[p] + off, sp->row_bytes);
+        for (uint32_t p = 0; p < sp->n_planes; p++) {
+            /* out of the backend's memory into the host archive */
+            kvt_status rc = env->backend->ops->read(env->backend, d + (size_t)p * sp->row_bytes,
+                                                    st->plane[p] + off, sp->row_bytes,
+                                                    env->stream);
+            if (rc != KVT_OK)
+                return rc;
+        }
         ar->pos[n] = P[i];
         n++;
     }
@@ -384,6 +397,7 @@ static void archive_evicted(kvt__ev_archive *ar, const kvt__env *env, const kvt_
             ar->by_pos[--w] = n_old + --j;
     }
     ar->n = n;
+    return KVT_OK;
 }
 
 /* Old row index of new row index j: the K kept candidates, then the r recent rows. */
@@ -455,7 +469,7 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
         kvt__ev *e = states[l];
         const kvt_layer_spec *sp = &stores[l]->spec;
         KVT_ASSERT(e->n_heads == sp->n_kv_heads && e->pos_cap >= N);
-        rc = scratch_grow(&e->sc, a, cand, K, n_new, (uint64_t)e->n_heads * K);
+        rc = scratch_grow(&e->sc, a, cand, K, n_new, (uint64_t)e->n_heads * K, sp->row_bytes);
         if (rc != KVT_OK) {
             kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY,
                       "eviction round: scratch for %llu candidates; nothing was evicted",
@@ -497,14 +511,16 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
         kvt__store *st = stores[l];
         const uint32_t H = e->n_heads;
         const uint32_t *keep = e->sc.keep;
-        for (uint32_t h = 0; h < H; h++) {
+        for (uint32_t h = 0; rc == KVT_OK && h < H; h++) {
             const int64_t *P = e->pos + (size_t)h * e->pos_cap;
             if (e->archive)
-                archive_evicted(&e->archive[h], env, st, pt, P, h, cand, keep + (size_t)h * K, K);
+                rc = archive_evicted(&e->archive[h], env, st, pt, P, h, cand,
+                                     keep + (size_t)h * K, K);
             else
                 e->dropped += cand - K;
         }
-        rc = compact_layer(env, st, pt, keep, H, K, cand, n_new, &e->sc);
+        if (rc == KVT_OK)
+            rc = compact_layer(env, st, pt, keep, H, K, cand, n_new, &e->sc);
         if (rc != KVT_OK) {
             /* Only a device error can land here; the bytes may be half moved and earlier layers
              * of the group are already compacted: no retry can repair that. Mark every layer of
@@ -677,7 +693,7 @@ static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const k
     /* With a stated limit the table never holds more than K + r + c rows plus one step's (at
      * most max_rows); size for max_rows so that no round allocates. */
     if (rc == KVT_OK && env->max_rows)
-        rc = kvt__ev_prepare(&s->ev, env->alloc, env->cfg, env->max_rows);
+        rc = kvt__ev_prepare(&s->ev, env->alloc, env->cfg, env->max_rows, st->spec.row_bytes);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc, "eviction state of layer %u", st->layer);
     return KVT_OK;

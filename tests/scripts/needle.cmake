@@ -101,3 +101,26 @@ endif()
     "--trace|${KVT_GOLDEN}/mla_bf16.kvtt|--synthetic|--context|4k|--no-progress"
     "-DOUT=kvtier-needle: synthetic;.*\nsalience +no +strong +4k +32 .*pass 1/1\n$")
 endif()
+
+# The guarded-device backend gives the same CSV as the CPU backend (its pool is closed to the
+# host outside the backend's ops; the replay reads it through kvt_layer_read).
+if(TARGET kvtier-needle)
+  set(KVT_NEEDLE_SAME ${CMAKE_CURRENT_BINARY_DIR}/needle_same_backend.cmake)
+  file(WRITE ${KVT_NEEDLE_SAME} [=[
+set(common --synthetic --context 8192 --ratio 8,32 --mode salience,random,dense --needles 2 --seed 3)
+execute_process(COMMAND ${BIN} ${common} --csv ${DIR}/needle_cpu.csv RESULT_VARIABLE a OUTPUT_QUIET)
+execute_process(COMMAND ${BIN} ${common} --backend guarded --csv ${DIR}/needle_guarded.csv
+                RESULT_VARIABLE b OUTPUT_QUIET)
+if(NOT a EQUAL 0 OR NOT b EQUAL 0)
+  message(FATAL_ERROR "exit statuses ${a} (cpu) and ${b} (guarded)")
+endif()
+file(READ ${DIR}/needle_cpu.csv x)
+file(READ ${DIR}/needle_guarded.csv y)
+if(NOT x STREQUAL y OR x STREQUAL "")
+  message(FATAL_ERROR "the guarded backend's CSV differs from the CPU backend's")
+endif()
+]=])
+  add_test(NAME needle_guarded_same_csv
+    COMMAND ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle> -DDIR=${CMAKE_CURRENT_BINARY_DIR}
+            -P ${KVT_NEEDLE_SAME})
+endif()

@@ -55,6 +55,8 @@ static void usage(FILE *f) {
 "  --dtype bf16|fp16|fp32 row dtype (default bf16)\n"
 "  --seed S               generator and kvtier seed (default 1); with --trace the kvtier\n"
 "                         seed (random selector, random eviction)\n"
+"  --backend B            cpu (default), guarded (the CPU backend with its memory closed to\n"
+"                         the host outside its ops: same CSV as cpu), cuda\n"
 "  --seeds N              haystacks per context: seeds S .. S+N-1 (default 1)\n"
 "\n"
 "Manager:\n"
@@ -382,6 +384,16 @@ static int parse_args(int argc, char **argv, opts *o) {
                 return usage_err("bad --seed '%s'", v);
             o->gen.seed = u;
             o->run.seed = u;
+        } else if (!strcmp(a, "--backend")) {
+            NEED_VALUE();
+            if (!strcmp(v, "cpu"))
+                o->run.backend = KVT_BACKEND_CPU;
+            else if (!strcmp(v, "guarded"))
+                o->run.backend = KVT_BACKEND_GUARDED;
+            else if (!strcmp(v, "cuda"))
+                o->run.backend = KVT_BACKEND_CUDA;
+            else
+                return usage_err("bad --backend '%s' (cpu, guarded, cuda)", v);
         } else if (!strcmp(a, "--seeds")) {
             NEED_VALUE();
             if (parse_u64(v, &u) || u < 1 || u > 10000)

@@ -290,6 +290,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     kvt_ctx *ctx = NULL;
     kvt_seq *seq = NULL;
     kvt_batch *batch = NULL;
+    uint8_t *pool_copy = NULL;
     int32_t *slots = NULL;
     uint8_t *mark = NULL;
     int64_t *pos_of_slot = NULL;
@@ -362,9 +363,13 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         goto done;
     }
     const uint64_t n_slots = pool_bytes / ((size_t)sp->n_kv_heads * sp->row_bytes);
+    /* The pool is in the backend's memory space (on the guarded or a device backend the host may
+     * not dereference kvt_layer_data's pointer): each query reads it into this host copy through
+     * kvt_layer_read and measures over the copy. */
+    pool_copy = malloc(pool_bytes ? pool_bytes : 1);
     pos_of_slot = malloc(sizeof(int64_t) * (n_slots + 1));
     seen = calloc(n_slots + 1, sizeof(uint32_t));
-    if (!slots || !mark || !scratch || !q || !o || !pos_of_slot || !seen) {
+    if (!slots || !mark || !scratch || !q || !o || !pos_of_slot || !seen || !pool_copy) {
         rc = nd_fail(err, err_len, ND_ENOMEM, "replay scratch");
         goto done;
     }
@@ -441,10 +446,10 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             rc = lib_fail(err, err_len, ctx, s, "kvt_seq_layer_stats");
             goto done;
         }
-        void *base = NULL;
-        size_t bytes = 0;
-        if ((s = kvt_layer_data(ctx, 0, 0, &base, &bytes)) != KVT_OK) {
-            rc = lib_fail(err, err_len, ctx, s, "kvt_layer_data");
+        void *base = pool_copy;
+        size_t bytes = pool_bytes;
+        if ((s = kvt_layer_read(ctx, 0, 0, 0, n_slots, base, bytes)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_layer_read");
             goto done;
         }
         if (p->tamper)
@@ -576,6 +581,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
 done:
     kvt_batch_destroy(batch);
     free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
+    free(pool_copy);
     kvt_seq_destroy(seq);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(model);
