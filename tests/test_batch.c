@@ -384,3 +384,67 @@ Test(batch, lifetimes) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
+
+/* Page sizes are arbitrary (vLLM's hybrid allocator uses 528-, 672- and 7,808-token blocks for
+ * Kimi-Linear-style models): the same steps give the same states and bytes at every position with
+ * pages of 16, 528, 672 and 7,808 rows (slots differ; decisions and rows may not). */
+Test(batch, odd_page_sizes_decide_alike) {
+    const uint32_t sizes[4] = {16, 528, 672, 7808};
+    kvt_model *m = mixed_model();
+    kvt_ctx *ctx[4];
+    kvt_seq *seq[4];
+    for (int k = 0; k < 4; k++) {
+        kvt_config c = kvt_config_default();
+        c.block_rows = 64;
+        c.kappa = 4;
+        c.ratio = 8;
+        c.evict_budget_rows = 32;
+        c.recent_rows = 8;
+        c.cadence_rows = 8;
+        kvt_ctx_params p = kvt_ctx_default_params();
+        p.model = m;
+        p.config = &c;
+        p.page_rows = sizes[k];
+        p.n_pages = (1200 + sizes[k] - 1) / sizes[k] + 2;
+        char err[256];
+        cr_assert_eq(kvt_ctx_create(&p, &ctx[k], err, sizeof err), KVT_OK, "%s", err);
+        seq[k] = new_seq(ctx[k], 11);
+    }
+    uint64_t total = 0;
+    for (int step = 0; step < 60; step++) {
+        uint32_t n = 1 + (uint32_t)(step * 5 % 31);
+        for (int k = 0; k < 4; k++) {
+            cr_assert_eq(tu_reserve(seq[k], n), KVT_OK, "page %u: %s", sizes[k], kvt_last_error());
+            fill_rows(seq[k], m, n, (uint32_t)step);
+            cr_assert_eq(tu_commit_run(seq[k], n), KVT_OK, "%s", kvt_last_error());
+        }
+        total += n;
+    }
+    for (int k = 0; k < 4; k++)
+        cr_assert_eq(kvt_seq_check(seq[k]), KVT_OK, "page %u: %s", sizes[k], kvt_last_error());
+    for (uint32_t l = 0; l < 3; l++) {
+        const kvt_layer_spec *s = kvt_model_layer(m, l);
+        for (uint32_t h = 0; h < s->n_kv_heads; h++)
+            for (uint64_t p = 0; p < total; p++) {
+                kvt_row_state st0;
+                uint8_t r0[1152];
+                cr_assert_eq(kvt_seq_row_state(seq[0], l, h, p, &st0, NULL), KVT_OK);
+                if (st0 != KVT_ROW_DROPPED)
+                    cr_assert_eq(kvt_seq_read_row(seq[0], l, 0, h, p, r0, s->row_bytes), KVT_OK);
+                for (int k = 1; k < 4; k++) {
+                    kvt_row_state st;
+                    uint8_t r[1152];
+                    cr_assert_eq(kvt_seq_row_state(seq[k], l, h, p, &st, NULL), KVT_OK);
+                    cr_assert_eq(st, st0, "page %u layer %u head %u position %llu", sizes[k], l, h,
+                                 (unsigned long long)p);
+                    if (st == KVT_ROW_DROPPED)
+                        continue;
+                    cr_assert_eq(kvt_seq_read_row(seq[k], l, 0, h, p, r, s->row_bytes), KVT_OK);
+                    cr_assert_eq(memcmp(r, r0, s->row_bytes), 0);
+                }
+            }
+    }
+    for (int k = 0; k < 4; k++)
+        kvt_ctx_destroy(ctx[k]);
+    kvt_model_destroy(m);
+}
