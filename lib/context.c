@@ -37,6 +37,7 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     e.layer_offset = ctx->layer_offset;
     e.head_offset = ctx->kv_head_offset;
     e.max_rows = ctx->max_rows;
+    e.archive_rows = ctx->archive_rows;
     e.stream = stream;
     e.err = kvt__tls_error();
     e.err_len = KVT__ERR_LEN;
@@ -299,6 +300,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     ctx->n_kv_heads_global = p->n_kv_heads_global;
     ctx->layer_offset = p->layer_offset;
     ctx->max_rows = p->max_rows_per_seq;
+    ctx->archive_rows = p->archive_rows_per_seq;
     ctx->page_rows = p->page_rows;
     ctx->pdiv = kvt__div32_make(p->page_rows);
     ctx->n_pages = p->n_pages;

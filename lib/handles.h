@@ -25,7 +25,8 @@ struct kvt_ctx {
     kvt_seq *seqs; /* live sequences (doubly linked) */
     /* Parallelism (kvt_ctx_params): global ids = local + offset, for the Philox keys. */
     uint32_t kv_head_offset, n_kv_heads_global, layer_offset;
-    uint32_t max_rows; /* max_rows_per_seq (0: none) */
+    uint32_t max_rows;     /* max_rows_per_seq (0: none) */
+    uint32_t archive_rows; /* archive_rows_per_seq (0: none) */
 };
 
 struct kvt_seq {

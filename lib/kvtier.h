@@ -87,7 +87,8 @@ extern "C" {
     X(ERR_POLICY_MISMATCH, -11, "policy does not apply to this layer kind")                        \
     X(ERR_CORRUPT, -12, "data failed its integrity check")                                         \
     X(ERR_INVARIANT, -13, "internal invariant violated")                                           \
-    X(ERR_DROPPED, -14, "row was dropped by policy and is not stored")
+    X(ERR_DROPPED, -14, "row was dropped by policy and is not stored")                          \
+    X(ERR_ARCHIVE_FULL, -15, "the archive of a request is full (archive_rows_per_seq)")
 
 typedef enum kvt_status {
 #define KVT__STATUS_ENUM(name, code, text) KVT_##name = code,
@@ -316,6 +317,11 @@ typedef struct kvt_ctx_params {
      * host memory (kvt_ctx_host_allocations counts); a reservation past it is KVT_ERR_CAPACITY.
      * Archive copies (evict_archive) still grow with what is evicted. */
     uint32_t max_rows_per_seq;
+    /* Stated limit of random eviction's archive (evict_archive): evicted rows kept per (request,
+     * layer, KV head); 0: grows on demand. With a limit the archive is allocated at kvt_seq_create
+     * and a reservation whose step would run a round past it answers KVT_ERR_ARCHIVE_FULL, nothing
+     * reserved (preempt the request, or give it a context that drops). */
+    uint32_t archive_rows_per_seq;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
  * parallelism fields then take their defaults: one unsharded rank). */

@@ -298,11 +298,15 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     }
     /* Policy bookkeeping (eviction positions) grows here too, so that commit cannot fail for
      * memory. */
+    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
+    char why[KVT__ERR_LEN] = "";
+    env.err = why;
+    env.err_len = sizeof why;
     for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
         if (ctx->stores[i].group < 0 || !ops_of(ctx, i)->reserve)
             continue;
         const kvt__ptable *t = &seq->pt[ctx->stores[i].group];
-        s = ops_of(ctx, i)->reserve(&seq->layers[i], a, t->n_rows + n_tokens);
+        s = ops_of(ctx, i)->reserve(&seq->layers[i], &env, &ctx->stores[i], t->n_rows + n_tokens);
     }
     if (s != KVT_OK) {
         for (uint32_t h = 0; h < ctx->n_groups && h <= g; h++)
@@ -313,8 +317,9 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
                                  "pages of %u; nothing was reserved",
                                  (unsigned long long)seq->request_id, n_tokens, g, kvt_policy_name(ctx->groups[g < ctx->n_groups ? g : 0].policy),
                                  ctx->groups[g < ctx->n_groups ? g : 0].pool.n_free, ctx->n_pages);
-        return kvt__ctx_fail(ctx, s, "request %llu reserving %u tokens; nothing was reserved",
-                             (unsigned long long)seq->request_id, n_tokens);
+        return kvt__ctx_fail(ctx, s, "request %llu reserving %u tokens%s%s; nothing was reserved",
+                             (unsigned long long)seq->request_id, n_tokens, why[0] ? ": " : "",
+                             why);
     }
     for (g = 0; g < ctx->n_groups; g++)
         seq->pt[g].n_pending = n_tokens;

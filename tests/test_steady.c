@@ -7,6 +7,7 @@
  */
 #include <criterion/criterion.h>
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -104,6 +105,81 @@ Test(steady, decode_allocates_nothing, .timeout = 300) {
     for (int i = 0; i < NSEQ; i++)
         cr_assert_eq(kvt_seq_check(seqs[i]), KVT_OK, "%s", kvt_last_error());
     free(idx);
+    kvt_batch_destroy(b);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* The eviction archive under a stated limit: allocated at kvt_seq_create, so archiving rounds
+ * allocate nothing either; the reservation whose step would overflow it answers
+ * KVT_ERR_ARCHIVE_FULL with nothing reserved, and every row stays readable. */
+Test(steady, archive_limit_is_allocated_up_front_and_enforced) {
+    kvt_layer_spec s;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 16, &s), KVT_OK);
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(&s, 1, "archive", &m, NULL, 0), KVT_OK);
+    kvt_config c = kvt_config_default();
+    c.evict_budget_rows = 16;
+    c.recent_rows = 4;
+    c.cadence_rows = 4;
+    c.evict_archive = true;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 8;
+    p.n_pages = 16;
+    p.max_rows_per_seq = 1000;
+    p.archive_rows_per_seq = 40; /* 10 rounds of 4 evicted rows per head */
+    kvt_ctx *ctx;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq *seq;
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    uint8_t rows[200][64];
+    tu_rng rng = {5};
+    const uint64_t before = kvt_ctx_host_allocations(ctx);
+    uint32_t one = 1;
+    int t = 0;
+    kvt_status st = KVT_OK;
+    char msg[512] = "";
+    for (; t < 200; t++) {
+        uint32_t free_before;
+        cr_assert_eq(kvt_ctx_free_pages(ctx, 0, &free_before), KVT_OK);
+        st = kvt_batch_reserve(b, &seq, &one, 1);
+        if (st != KVT_OK) {
+            snprintf(msg, sizeof msg, "%s", kvt_last_error());
+            uint32_t free_after;
+            cr_assert_eq(kvt_ctx_free_pages(ctx, 0, &free_after), KVT_OK);
+            cr_assert_eq(free_after, free_before);
+            cr_assert_eq(kvt_seq_pending(seq), 0);
+            break;
+        }
+        for (int i = 0; i < 64; i++)
+            rows[t][i] = (uint8_t)(tu_next(&rng) & 0x3f);
+        cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, 1, rows[t], 64), KVT_OK);
+        cr_assert_eq(kvt_seq_write(seq, 0, 1, 0, 1, rows[t], 64), KVT_OK);
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
+    }
+    const uint64_t allocs = kvt_ctx_host_allocations(ctx) - before;
+    kvt_layer_stats ls = {.struct_size = sizeof ls};
+    cr_assert_eq(kvt_seq_layer_stats(seq, 0, &ls), KVT_OK);
+    cr_log_info("archive full after %d tokens, %llu rounds, %llu archived rows, %llu host "
+                "allocations", t, (unsigned long long)ls.rounds,
+                (unsigned long long)ls.archived_rows, (unsigned long long)allocs);
+    cr_assert_eq(st, KVT_ERR_ARCHIVE_FULL, "%s", msg);
+    cr_assert(strstr(msg, "archive holds 40 of 40"), "%s", msg);
+    cr_assert_eq(ls.rounds, 10);
+    cr_assert_eq(ls.archived_rows, 2 * 40);
+    cr_assert_eq(allocs, 0);
+    uint8_t r[32];
+    for (int q = 0; q < t; q++)
+        for (uint32_t h = 0; h < 2; h++) {
+            cr_assert_eq(kvt_seq_read_row(seq, 0, 0, h, (uint64_t)q, r, 32), KVT_OK);
+            cr_assert_eq(memcmp(r, rows[q] + 32 * h, 32), 0, "row %d head %u", q, h);
+        }
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     kvt_batch_destroy(b);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);

@@ -694,6 +694,11 @@ static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const k
      * most max_rows); size for max_rows so that no round allocates. */
     if (rc == KVT_OK && env->max_rows)
         rc = kvt__ev_prepare(&s->ev, env->alloc, env->cfg, env->max_rows, st->spec.row_bytes);
+    /* A stated archive limit: the archive is allocated now, rounds never grow it. */
+    for (uint32_t h = 0; rc == KVT_OK && s->ev.archive && env->archive_rows && h < s->ev.n_heads;
+         h++)
+        rc = archive_reserve(&s->ev.archive[h], env->alloc, env->archive_rows,
+                             (uint64_t)st->spec.n_planes * st->spec.row_bytes);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc, "eviction state of layer %u", st->layer);
     return KVT_OK;
@@ -703,8 +708,27 @@ static void ev_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {
     kvt__ev_fini(&s->ev, a);
 }
 
-static kvt_status ev_reserve(kvt__tier_state *s, const kvt__alloc *a, uint64_t rows) {
-    return kvt__ev_reserve(&s->ev, a, rows);
+/* Positions grow for the table's rows; with a stated archive limit, a round this step would run
+ * (a commit runs at most one, at K + r + c rows) must fit in every head's archive: the evicted
+ * candidates are (rows - r) - K per head. */
+static kvt_status ev_reserve(kvt__tier_state *s, const kvt__env *env, const kvt__store *st,
+                             uint64_t rows) {
+    kvt__ev *e = &s->ev;
+    const kvt_config *cfg = env->cfg;
+    if (e->archive && env->archive_rows && kvt__ev_round_due(cfg, rows)) {
+        uint64_t evicted = rows - cfg->recent_rows - cfg->evict_budget_rows;
+        for (uint32_t h = 0; h < e->n_heads; h++)
+            if (e->archive[h].n + evicted > env->archive_rows)
+                return kvt__fail(env->err, env->err_len, KVT_ERR_ARCHIVE_FULL,
+                                 "layer %u head %u: the archive holds %llu of %llu rows and the "
+                                 "step's round would add %llu",
+                                 st->layer, h, (unsigned long long)e->archive[h].n,
+                                 (unsigned long long)env->archive_rows,
+                                 (unsigned long long)evicted);
+    }
+    kvt_status rc = kvt__ev_reserve(e, env->alloc, rows);
+    return rc == KVT_OK ? KVT_OK
+                        : kvt__fail(env->err, env->err_len, rc, "positions of layer %u", st->layer);
 }
 
 /* A step in flight (kvt_batch_run, inside the layer's forward, after the engine wrote the step's

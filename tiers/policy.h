@@ -118,10 +118,11 @@ struct kvt__policy_ops {
     /* (optional) Free the state; must accept a zeroed state (creation may stop half way). */
     void (*layer_fini)(kvt__tier_state *s, const kvt__alloc *a);
     /* (optional) Reserve: the group's table will hold `rows` rows once the reserved tokens commit.
-     * Grow whatever group_commit must append to, so that commit cannot fail for memory. KVT_OK or
-     * KVT_ERR_OUT_OF_MEMORY with nothing changed (no message: lib/ writes one). Without it nothing
-     * grows. */
-    kvt_status (*reserve)(kvt__tier_state *s, const kvt__alloc *a, uint64_t rows);
+     * Grow whatever group_commit must append to, so that commit cannot fail for memory, and refuse
+     * what a stated limit cannot hold. KVT_OK, or KVT_ERR_OUT_OF_MEMORY / KVT_ERR_ARCHIVE_FULL with
+     * nothing observable changed and a message in env->err. Without it nothing grows. */
+    kvt_status (*reserve)(kvt__tier_state *s, const kvt__env *env, const kvt__store *st,
+                          uint64_t rows);
 
     /* ---- Commit ---------------------------------------------------------------------------- */
     /* (optional) Run the policy over one group of one sequence after rows were committed (block

@@ -117,6 +117,8 @@ typedef struct kvt__env {
     /* Stated limit on a request's tokens (kvt_ctx_params.max_rows_per_seq; 0: none): per-request
      * state is sized for it at creation so that no step allocates. */
     uint64_t max_rows;
+    /* Stated limit of the eviction archive per (layer, KV head) (archive_rows_per_seq; 0: none). */
+    uint64_t archive_rows;
     void *stream;
     char *err;           /* detail message buffer (the calling thread's, kvt_last_error) */
     size_t err_len;
