@@ -554,8 +554,9 @@ KVT_API kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_
  *
  * These calls, kvt_seq_layer_stats, kvt_seq_check, kvt_layer_read and kvt_layer_write inspect
  * state off the decode path: on a device backend they synchronise with the device (they wait for
- * the work enqueued on the context's stream) and may be slow; never call them between
- * kvt_batch_plan and kvt_batch_commit (KVT_ERR_BAD_STATE) or inside a captured graph.
+ * the work enqueued on the context's stream) and may be slow, so never inside a captured graph;
+ * the by-position and statistics calls answer KVT_ERR_BAD_STATE between kvt_batch_plan and
+ * kvt_batch_commit.
  * ------------------------------------------------------------------------------------------- */
 typedef enum kvt_row_state {
     KVT_ROW_ATTENDED = 0, /* in the attended tier (sink, kept, tail, or stored in an evict group) */
