@@ -369,6 +369,66 @@ Test(needle, attended_never_exceeds_budget) {
     hay_free(&h);
 }
 
+/* --batch N: N requests replayed together in one engine batch (request ids base .. base+N-1),
+ * each giving exactly the results of a batch of one under its request id — for salience (no
+ * randomness), the random selector and RoPE random eviction (both keyed by the request id, so the
+ * requests differ from each other and only equality with the batch of one proves independence). */
+Test(needle, batch_of_n_equals_batches_of_one, .timeout = 300) {
+    static const nd_salience lv[] = {ND_SAL_STRONG, ND_SAL_NONE};
+    for (int rope = 0; rope < 2; rope++) {
+        nd_gen_params gp = gen(2 * 4096 + 300, 11);
+        gp.levels = lv;
+        gp.n_levels = 2;
+        gp.rope = rope != 0;
+        gp.prompt_rows = rope ? 128 : 0;
+        hay h;
+        hay_make(&h, gp);
+        const nd_mode modes[2] = {ND_MODE_SALIENCE, ND_MODE_RANDOM};
+        for (int mi = 0; mi < (rope ? 1 : 2); mi++) {
+            enum { NB = 3 };
+            nd_run_params rp = nd_run_default_params();
+            rp.mode = modes[mi];
+            rp.ratio = 8;
+            rp.seed = h.c.seed;
+            rp.batch = NB;
+            rp.request_base = 5;
+            size_t nt = h.c.n_targets;
+            nd_result *all = calloc(nt * NB, sizeof *all);
+            char err[512];
+            cr_assert_eq(nd_run(&h.c, &h.refs, &rp, all, NULL, NULL, err, sizeof err), ND_OK, "%s",
+                         err);
+            bool differ = false;
+            for (uint32_t r = 0; r < NB; r++) {
+                nd_run_params one = rp;
+                one.batch = 1;
+                one.request_base = 5 + r;
+                nd_result *res = calloc(nt, sizeof *res);
+                cr_assert_eq(nd_run(&h.c, &h.refs, &one, res, NULL, NULL, err, sizeof err), ND_OK,
+                             "%s", err);
+                for (size_t i = 0; i < nt; i++) {
+                    const nd_result *x = &all[r * nt + i], *y = &res[i];
+                    cr_assert_eq(x->request, 5 + r);
+                    cr_assert(memcmp(x, y, sizeof *x) == 0,
+                              "rope %d mode %s request %u query %zu: batch-of-%d result differs "
+                              "(attended %llu vs %llu, mass %g vs %g)",
+                              rope, nd_mode_name(rp.mode), 5 + r, i, NB,
+                              (unsigned long long)x->attended_rows,
+                              (unsigned long long)y->attended_rows, x->mass_ratio, y->mass_ratio);
+                    if (r > 0 && memcmp(&all[i].mass_ratio, &x->mass_ratio, sizeof(double)))
+                        differ = true;
+                }
+                free(res);
+            }
+            /* The keyed modes must actually depend on the request id (else equality is vacuous). */
+            if (rope || rp.mode == ND_MODE_RANDOM)
+                cr_assert(differ, "rope %d mode %s: every request gave the same mass ratios", rope,
+                          nd_mode_name(rp.mode));
+            free(all);
+        }
+        hay_free(&h);
+    }
+}
+
 /* A needle in the unclosed tail is always attended: it must be reported as "tail" and left out
  * of the pass rate, not counted as a pass. */
 Test(needle, tail_needle_is_reported_and_excluded) {

@@ -55,6 +55,8 @@ static void usage(FILE *f) {
 "  --dtype bf16|fp16|fp32 row dtype (default bf16)\n"
 "  --seed S               generator and kvtier seed (default 1); with --trace the kvtier\n"
 "                         seed (random selector, random eviction)\n"
+"  --batch N              replay N requests together in one engine batch (request ids S..);\n"
+"                         each gives the results of a batch of one with its id (default 1)\n"
 "  --backend B            cpu (default), guarded (the CPU backend with its memory closed to\n"
 "                         the host outside its ops: same CSV as cpu), cuda\n"
 "  --seeds N              haystacks per context: seeds S .. S+N-1 (default 1)\n"
@@ -384,6 +386,11 @@ static int parse_args(int argc, char **argv, opts *o) {
                 return usage_err("bad --seed '%s'", v);
             o->gen.seed = u;
             o->run.seed = u;
+        } else if (!strcmp(a, "--batch")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > ND_MAX_BATCH)
+                return usage_err("bad --batch '%s' (1..%u)", v, ND_MAX_BATCH);
+            o->run.batch = (uint32_t)u;
         } else if (!strcmp(a, "--backend")) {
             NEED_VALUE();
             if (!strcmp(v, "cpu"))
@@ -598,8 +605,8 @@ static void progress_clear(progress *p) {
 /* ------------------------------------------------------------------------------------------- */
 static int append_results(nd_record **recs, size_t *n, size_t *cap, const nd_case *c,
                           const nd_result *res, const double *pct, uint64_t context, uint64_t seed,
-                          uint32_t ratio, nd_mode mode) {
-    for (uint32_t i = 0; i < c->n_targets; i++) {
+                          uint32_t ratio, nd_mode mode, uint32_t batch) {
+    for (uint32_t i = 0; i < c->n_targets * batch; i++) {
         if (*n == *cap) {
             size_t nc = *cap ? *cap * 2 : 256;
             nd_record *r = realloc(*recs, nc * sizeof *r);
@@ -721,7 +728,8 @@ int main(int argc, char **argv) {
                 }
             }
             double *pct = calloc(c.n_needles ? c.n_needles : 1, sizeof *pct);
-            nd_result *res = calloc(c.n_targets ? c.n_targets : 1, sizeof *res);
+            nd_result *res = calloc((size_t)(c.n_targets ? c.n_targets : 1) * o.run.batch,
+                                    sizeof *res);
             nd_refs refs;
             memset(&refs, 0, sizeof refs);
             if (!pct || !res) {
@@ -765,7 +773,7 @@ int main(int argc, char **argv) {
                         break;
                     }
                     if (append_results(&recs, &n_recs, &cap_recs, &c, res, pct, c.n_rows,
-                                       c.seed, rp.ratio, rp.mode)) {
+                                       c.seed, rp.ratio, rp.mode, rp.batch)) {
                         fprintf(stderr, "kvtier-needle: out of memory\n");
                         rc = EXIT_ERR;
                     }

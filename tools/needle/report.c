@@ -248,16 +248,17 @@ int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_le
         snprintf(err, err_len, "cannot write %s", path);
         return -1;
     }
-    fprintf(f, "context,seed,ratio,depth,mode,policy,rope,salience,needle,needle_rows,first_row,"
+    fprintf(f, "context,seed,request,ratio,depth,mode,policy,rope,salience,needle,needle_rows,first_row,"
                "position,sigma_pct,status,pass,in_tail,band_miss,invalid,mass_ratio,out_cos,"
                "out_rel_err,full_mass,needle_rows_attended,attended_rows,archived_rows,"
                "dropped_rows,fetched_rows,m_rows,tail_rows,read_bytes_per_token\n");
     for (size_t i = 0; i < r->n; i++) {
         const nd_record *x = &r->recs[i];
         const nd_result *s = &x->res;
-        fprintf(f, "%llu,%llu,%u,%.6f,%s,%s,%d,%s,%u,%llu,%llu,%llu,%.4f,%s,%d,%d,%d,%d,%.6f,%.6f,"
+        fprintf(f, "%llu,%llu,%llu,%u,%.6f,%s,%s,%d,%s,%u,%llu,%llu,%llu,%.4f,%s,%d,%d,%d,%d,%.6f,%.6f,"
                    "%.6f,%.6f,%u,%llu,%llu,%llu,%llu,%llu,%llu,%.3f\n",
-                (unsigned long long)x->context, (unsigned long long)x->seed, x->ratio, s->depth,
+                (unsigned long long)x->context, (unsigned long long)x->seed,
+                (unsigned long long)s->request, x->ratio, s->depth,
                 nd_mode_name(x->mode), policy_name(s->policy), x->rope ? 1 : 0,
                 nd_salience_name(s->salience), s->needle, (unsigned long long)s->n_rows,
                 (unsigned long long)s->first_row, (unsigned long long)s->position, x->sigma_pct,

@@ -30,6 +30,7 @@
 #define ND_ENOTIMPL 6 /* recall / promote: the recall tier does not exist yet */
 
 #define ND_MAX_HEADS 64u         /* targeted heads per target, and query heads of a case */
+#define ND_MAX_BATCH 64u         /* requests replayed together (--batch) */
 #define ND_MAX_NEEDLE_ROWS 16u   /* rows per needle: the generator's limit, and what nd_case_load
                                     accepts from a trace (a longer needle is refused) */
 
@@ -182,6 +183,11 @@ typedef struct nd_run_params {
     double scale;
     double min_mass, min_cos; /* pass rule: mass_ratio >= min_mass and out_cos >= min_cos */
     kvt_backend_kind backend;
+    /* Requests replayed together, as one engine batch (1): request r (0 <= r < batch) has request
+     * id request_base + r and the case's rows; its results land at out[r * n_targets + ...].
+     * Every request's results equal a batch-of-one run with its request id. */
+    uint32_t batch;
+    uint64_t request_base; /* 1 */
     /* Test hook (NULL in normal runs): called at every query after kvt_attended_tokens and
      * before the attended set is checked, with the layer's pool plane and the returned slots, so
      * that tests can damage them and see the check refuse the measurement. */
@@ -203,6 +209,7 @@ typedef enum nd_status {
 } nd_status;
 
 typedef struct nd_result {
+    uint64_t request;        /* the request id the query was replayed under */
     uint32_t target, needle;
     uint64_t position, first_row, n_rows;
     double depth;
@@ -230,7 +237,8 @@ typedef struct nd_result {
     double read_bytes_per_token;
 } nd_result;
 
-/* Replay c through kvtier under p and measure every target into out[c->n_targets]. refs from
+/* Replay c through kvtier under p and measure every target of every request into
+ * out[p->batch * c->n_targets] (request-major). refs from
  * nd_refs_compute(c, p->scale). Before measuring a query the attended set is checked against the
  * library: its length equals the layer's attended_rows and the number of positions in state
  * ATTENDED, slots are unique and in ascending position, and each slot's pool bytes equal the

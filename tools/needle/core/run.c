@@ -34,6 +34,8 @@ nd_run_params nd_run_default_params(void) {
     p.min_mass = 0.9;
     p.min_cos = 0.95;
     p.backend = KVT_BACKEND_CPU;
+    p.batch = 1;
+    p.request_base = 1;
     return p;
 }
 
@@ -277,6 +279,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         return nd_fail(err, err_len, ND_EARG, "references do not match the case");
     if (p->ratio < 1)
         return nd_fail(err, err_len, ND_EARG, "ratio must be >= 1");
+    if (p->batch < 1 || p->batch > ND_MAX_BATCH)
+        return nd_fail(err, err_len, ND_EARG, "batch %u not in 1..%u", p->batch, ND_MAX_BATCH);
+    const uint32_t NB = p->batch;
     const kvt_layer_spec *sp = &c->spec;
     if (sp->n_kv_heads != 1 || sp->n_planes != 1 ||
         (sp->kind != KVT_LAYER_MLA_NOPE && sp->kind != KVT_LAYER_MLA_ROPE))
@@ -288,7 +293,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     const bool dense = p->mode == ND_MODE_DENSE;
     kvt_model *model = NULL;
     kvt_ctx *ctx = NULL;
-    kvt_seq *seq = NULL;
+    kvt_seq *seqs[ND_MAX_BATCH] = {0};
+    int32_t lens[ND_MAX_BATCH] = {0};
+    uint32_t ntok[ND_MAX_BATCH];
     kvt_batch *batch = NULL;
     uint8_t *pool_copy = NULL;
     int32_t *slots = NULL;
@@ -308,7 +315,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     cp.model = model;
     cp.backend = p->backend;
     cp.page_rows = 64;
-    cp.n_pages = (uint32_t)((c->n_rows + 63) / 64 + 4);
+    cp.n_pages = (uint32_t)(((c->n_rows + 63) / 64 + 4) * NB);
     kvt_config *cfg = &cp_cfg;
     cfg->ratio = dense ? 1 : p->ratio;
     cfg->block_rows = p->block_rows;
@@ -331,15 +338,17 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         goto done;
     }
     const kvt_policy policy = kvt_ctx_layer_policy(ctx, 0);
-    kvt_seq_params sprm = kvt_seq_default_params();
-    sprm.request_id = 1;
-    sprm.prompt_rows = c->prompt_rows;
-    s = kvt_seq_create(ctx, &sprm, &seq);
-    if (s != KVT_OK) {
-        rc = lib_fail(err, err_len, ctx, s, "kvt_seq_create");
-        goto done;
+    for (uint32_t r = 0; r < NB; r++) {
+        kvt_seq_params sprm = kvt_seq_default_params();
+        sprm.request_id = p->request_base + r;
+        sprm.prompt_rows = c->prompt_rows;
+        s = kvt_seq_create(ctx, &sprm, &seqs[r]);
+        if (s != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_seq_create");
+            goto done;
+        }
     }
-    if ((s = kvt_batch_create(ctx, 1, &batch)) != KVT_OK) {
+    if ((s = kvt_batch_create(ctx, NB, &batch)) != KVT_OK) {
         rc = lib_fail(err, err_len, ctx, s, "kvt_batch_create");
         goto done;
     }
@@ -351,7 +360,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             H = c->targets[i].n_heads;
     const uint32_t V = sp->value_dim;
     size_t sd = kvt_ref_attn_scratch_doubles((uint32_t)c->n_rows, H, V, sp->head_dim);
-    slots = malloc(sizeof(int32_t) * (c->n_rows + 1));
+    slots = malloc(sizeof(int32_t) * (c->n_rows + 1) * NB);
     mark = malloc(c->n_rows + 1);
     scratch = malloc(sizeof(double) * sd);
     q = malloc(sizeof(float) * H * c->q_dim);
@@ -387,18 +396,20 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
          * planned and run, and its emission (the rows of the step included: positions < P) is
          * the attended set the query sees. Two queries at the same position: a step of no new
          * token emits it. */
-        int32_t len = 0;
         bool emitted = false;
+        uint32_t topk = 0;
         while (!emitted) {
             uint64_t n64 = P - committed;
             /* align salience chunks to blocks so every commit closes at most one block */
             uint32_t n = (uint32_t)(n64 < chunk ? n64 : chunk);
-            if ((s = kvt_batch_reserve(batch, &seq, &n, 1)) != KVT_OK) {
+            for (uint32_t r = 0; r < NB; r++)
+                ntok[r] = n;
+            if ((s = kvt_batch_reserve(batch, seqs, ntok, NB)) != KVT_OK) {
                 rc = lib_fail(err, err_len, ctx, s, "kvt_batch_reserve");
                 goto done;
             }
-            if (n > 0) {
-                s = kvt_seq_write(seq, 0, 0, 0, n, c->rows + committed * sp->row_bytes,
+            for (uint32_t r = 0; n > 0 && r < NB; r++) {
+                s = kvt_seq_write(seqs[r], 0, 0, 0, n, c->rows + committed * sp->row_bytes,
                                   (size_t)n * sp->row_bytes);
                 if (s != KVT_OK) {
                     rc = lib_fail(err, err_len, ctx, s, "kvt_seq_write");
@@ -406,7 +417,6 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                 }
             }
             if (committed + n == P) {
-                uint32_t topk = 0;
                 if ((s = kvt_batch_plan(batch)) != KVT_OK ||
                     (s = kvt_batch_capacity(batch, 0, &topk, NULL)) != KVT_OK) {
                     rc = lib_fail(err, err_len, ctx, s, "kvt_batch_plan");
@@ -419,7 +429,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                     goto done;
                 }
                 kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_TOKENS,
-                               .indices = slots, .capacity = topk, .lengths = &len};
+                               .indices = slots, .capacity = topk, .lengths = lens};
                 if ((s = kvt_batch_run(batch, 0, tg->q, NULL, &em)) != KVT_OK) {
                     rc = lib_fail(err, err_len, ctx, s, "kvt_batch_run");
                     goto done;
@@ -434,6 +444,15 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             if (progress)
                 progress(ud, 0.9 * (double)committed / (double)c->n_rows);
         }
+        /* The pool once per query: every request's slots index it. */
+        if ((s = kvt_layer_read(ctx, 0, 0, 0, n_slots, pool_copy, pool_bytes)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_layer_read");
+            goto done;
+        }
+        for (uint32_t r = 0; r < NB; r++) {
+        kvt_seq *seq = seqs[r];
+        int32_t *rslots = slots + (size_t)r * topk;
+        int32_t len = lens[r];
         /* Between steps: the committed state the emission must describe. */
         if ((s = kvt_seq_check(seq)) != KVT_OK) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_seq_check");
@@ -448,13 +467,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         }
         void *base = pool_copy;
         size_t bytes = pool_bytes;
-        if ((s = kvt_layer_read(ctx, 0, 0, 0, n_slots, base, bytes)) != KVT_OK) {
-            rc = lib_fail(err, err_len, ctx, s, "kvt_layer_read");
-            goto done;
-        }
         if (p->tamper)
-            p->tamper(p->tamper_ud, base, bytes, slots, &len);
-        rc = check_attended(c, seq, ctx, base, bytes, slots, len, P, &ls, ti, pos_of_slot,
+            p->tamper(p->tamper_ud, base, bytes, rslots, &len);
+        rc = check_attended(c, seq, ctx, base, bytes, rslots, len, P, &ls, ti, pos_of_slot,
                             n_slots, seen, err, err_len);
         if (rc != ND_OK)
             goto done;
@@ -462,7 +477,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         uint32_t n_att = 0;
         const uint64_t nd_end = nd->first_row + nd->n_rows;
         for (int32_t j = 0; j < len; j++) {
-            int64_t pos = pos_of_slot[slots[j]];
+            int64_t pos = pos_of_slot[rslots[j]];
             mark[j] = (uint64_t)pos >= nd->first_row && (uint64_t)pos < nd_end;
             n_att += mark[j];
         }
@@ -489,7 +504,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         kvt_ref_attn_args a;
         memset(&a, 0, sizeof a);
         a.base = base;
-        a.slots = slots;
+        a.slots = rslots;
         a.n_rows = (uint32_t)len;
         a.slot_stride = sp->row_bytes;
         a.dtype = sp->dtype;
@@ -508,8 +523,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             goto done;
         }
         const nd_ref *ref = &refs->t[ti];
-        nd_result *res = &out[ti];
+        nd_result *res = &out[(size_t)r * c->n_targets + ti];
         memset(res, 0, sizeof *res);
+        res->request = p->request_base + r;
         res->target = ti;
         res->needle = tg->needle;
         res->position = P;
@@ -575,6 +591,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             res->out_rel_err = NAN;
             res->full_mass = NAN;
         }
+        } /* requests */
     }
     if (progress)
         progress(ud, 1.0);
@@ -582,7 +599,8 @@ done:
     kvt_batch_destroy(batch);
     free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
     free(pool_copy);
-    kvt_seq_destroy(seq);
+    for (uint32_t r = 0; r < ND_MAX_BATCH; r++)
+        kvt_seq_destroy(seqs[r]);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(model);
     return rc;
