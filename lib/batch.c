@@ -11,6 +11,7 @@ enum batch_state { BATCH_IDLE = 0, BATCH_RESERVED, BATCH_PLANNED };
 
 struct kvt_batch {
     kvt_ctx *ctx;
+    kvt_batch *prev, *next; /* the context's live batches */
     uint32_t max_seqs, n_seqs;
     kvt_seq **seqs;      /* [max_seqs]; an entry is NULL once its request was destroyed */
     uint32_t *n_tokens;  /* [max_seqs] */
@@ -45,8 +46,17 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }
+    b->next = ctx->batches;
+    if (ctx->batches)
+        ctx->batches->prev = b;
+    ctx->batches = b;
     *out = b;
     return KVT_OK;
+}
+
+void kvt__batches_destroy(kvt_ctx *ctx) {
+    while (ctx->batches)
+        kvt_batch_destroy(ctx->batches);
 }
 
 /* End the step's membership of every request (after commit, or when the batch goes away). */
@@ -74,6 +84,12 @@ void kvt_batch_destroy(kvt_batch *b) {
      * have moved, so they stay reserved (the requests can only be destroyed or committed by a
      * new batch step — kvtier.h says to commit first). */
     release_seqs(b, !b->ran);
+    if (b->prev)
+        b->prev->next = b->next;
+    else if (b->ctx->batches == b)
+        b->ctx->batches = b->next;
+    if (b->next)
+        b->next->prev = b->prev;
     const kvt__alloc *a = &b->ctx->alloc;
     kvt__free(a, b->rows, sizeof *b->rows * b->rows_cap);
     kvt__free(a, b->seqs, sizeof *b->seqs * b->max_seqs);

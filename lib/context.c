@@ -59,6 +59,7 @@ kvt_ctx_params kvt_ctx_default_params(void) {
 void kvt_ctx_destroy(kvt_ctx *ctx) {
     if (!ctx)
         return;
+    kvt__batches_destroy(ctx); /* first: a batch's step may still hold reservations */
     while (ctx->seqs)
         kvt_seq_destroy(ctx->seqs);
     const kvt__alloc *a = &ctx->alloc;

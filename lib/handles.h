@@ -23,6 +23,7 @@ struct kvt_ctx {
     uint32_t n_groups;
     kvt__group groups[KVT__MAX_GROUPS]; /* each with its policy table (tiers/policy.h) */
     kvt_seq *seqs; /* live sequences (doubly linked) */
+    kvt_batch *batches; /* live batches (doubly linked): destroyed with the context */
     /* Parallelism (kvt_ctx_params): global ids = local + offset, for the Philox keys. */
     uint32_t kv_head_offset, n_kv_heads_global, layer_offset;
     uint32_t max_rows;     /* max_rows_per_seq (0: none) */
@@ -63,6 +64,8 @@ uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer);
 void kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
+/* Destroy every live batch of the context (kvt_ctx_destroy). */
+void kvt__batches_destroy(kvt_ctx *ctx);
 
 /* Record a detail message on the context and return s. */
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) KVT__PRINTF(3, 4);

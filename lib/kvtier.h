@@ -340,7 +340,7 @@ KVT_API kvt_status kvt_ctx_create(const kvt_ctx_params *params, kvt_ctx **out, c
  * (Python ctypes) that would rather not mirror the parameter struct. */
 KVT_API kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out, char *err,
                                           size_t err_len);
-/* Destroys every sequence still alive. NULL is a no-op. */
+/* Destroys every batch and sequence still alive. NULL is a no-op. */
 KVT_API void kvt_ctx_destroy(kvt_ctx *ctx);
 KVT_API const kvt_model *kvt_ctx_model(const kvt_ctx *ctx);
 KVT_API const kvt_config *kvt_ctx_config(const kvt_ctx *ctx);
@@ -468,7 +468,9 @@ typedef struct kvt_batch kvt_batch;
  * KVT_ERR_OUT_OF_MEMORY. */
 KVT_API kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out);
 /* NULL is a no-op. A step in flight is abandoned: its reservations are released (no row of it is
- * committed) — valid only before any kvt_batch_run of the step; after one, commit first. */
+ * committed) — valid only before any kvt_batch_run of the step; after one, commit first (the
+ * requests then keep their reservation and can only be destroyed). kvt_ctx_destroy destroys the
+ * context's live batches; none may be used after it. */
 KVT_API void kvt_batch_destroy(kvt_batch *batch);
 
 /* Reserve n_tokens[i] new tokens for seqs[i], i < n_seqs (distinct requests of the batch's

@@ -448,3 +448,24 @@ Test(batch, odd_page_sizes_decide_alike) {
         kvt_ctx_destroy(ctx[k]);
     kvt_model_destroy(m);
 }
+
+/* The context owns its live batches: destroying it with a step in flight (after a run) frees
+ * everything, as ASan checks in the sanitizer configurations. */
+Test(batch, context_destroys_live_batches) {
+    kvt_model *m = mixed_model();
+    kvt_ctx *ctx = mixed_ctx(m, 16);
+    kvt_seq *s = new_seq(ctx, 1);
+    kvt_batch *b, *idle;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    cr_assert_eq(kvt_batch_create(ctx, 4, &idle), KVT_OK);
+    uint32_t n = 5;
+    cr_assert_eq(kvt_batch_reserve(b, &s, &n, 1), KVT_OK);
+    fill_rows(s, m, 5, 0);
+    cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+    int32_t idx[8], len;
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                  .capacity = 8, .lengths = &len};
+    cr_assert_eq(kvt_batch_run(b, 1, NULL, NULL, &e), KVT_OK);
+    kvt_ctx_destroy(ctx); /* b, idle and s go with it */
+    kvt_model_destroy(m);
+}
