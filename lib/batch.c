@@ -322,10 +322,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         emit->indptr[0] = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
-        uint64_t n = sq ? kvt__seq_step_count(sq, layer) : 0;
         int32_t *dst = tokens ? emit->indices + (size_t)i * emit->capacity : emit->indices + off;
-        if (sq)
-            kvt__seq_step_slots(sq, layer, b->rows, dst);
+        uint64_t n = sq ? kvt__seq_step_slots(sq, layer, b->rows, dst) : 0;
         if (tokens) {
             emit->lengths[i] = (int32_t)n;
             for (uint64_t j = n; j < emit->capacity; j++)

@@ -58,10 +58,10 @@ void kvt__seq_unreserve(kvt_seq *seq);
 kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n);
 /* The step work of one layer (once per step; KVT_OK when already done or none). */
 kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream);
-/* Rows the layer attends during the step, and their slots (ascending position) into dst, with
- * rows[] as scratch of at least that many entries. */
+/* Rows the layer attends during the step; and their slots (ascending position) into dst, with
+ * rows[] as scratch of at least that many entries, returning how many. */
 uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer);
-void kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst);
+uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */

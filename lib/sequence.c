@@ -529,13 +529,14 @@ uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer) {
     return l.gr->ops->attended_count(&l);
 }
 
-void kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst) {
+uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, &view);
     uint64_t n = l.gr->ops->attended_count(&l);
     l.gr->ops->attended_rows(&l, rows);
     for (uint64_t j = 0; j < n; j++)
         dst[j] = kvt__slot(l.pt, l.pdiv, (uint64_t)rows[j]);
+    return n;
 }
 
 kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {
