@@ -4,6 +4,7 @@
  * sequence.c's, the policy work tiers/' (through the policy tables). */
 #include "handles.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -15,6 +16,7 @@ struct kvt_batch {
     uint32_t max_seqs, n_seqs;
     kvt_seq **seqs;      /* [max_seqs]; an entry is NULL once its request was destroyed */
     uint32_t *n_tokens;  /* [max_seqs] */
+    uint32_t *n_drafts;  /* [max_seqs]: the last n_drafts tokens may be rejected at commit */
     enum batch_state state;
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
     int64_t *rows;       /* row-index scratch of the emission, grown to the longest request */
@@ -37,12 +39,13 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->max_seqs = max_seqs;
     b->seqs = kvt__calloc(a, sizeof *b->seqs * max_seqs);
     b->n_tokens = kvt__calloc(a, sizeof *b->n_tokens * max_seqs);
+    b->n_drafts = kvt__calloc(a, sizeof *b->n_drafts * max_seqs);
     /* A stated limit sizes the emission scratch now, so that plan allocates nothing. */
     void *rows = NULL;
     if (b->seqs && b->n_tokens && ctx->max_rows &&
         kvt__grow(a, &rows, &b->rows_cap, ctx->max_rows, sizeof *b->rows) == KVT_OK)
         b->rows = rows;
-    if (!b->seqs || !b->n_tokens || (ctx->max_rows && !b->rows)) {
+    if (!b->seqs || !b->n_tokens || !b->n_drafts || (ctx->max_rows && !b->rows)) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }
@@ -94,6 +97,7 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->rows, sizeof *b->rows * b->rows_cap);
     kvt__free(a, b->seqs, sizeof *b->seqs * b->max_seqs);
     kvt__free(a, b->n_tokens, sizeof *b->n_tokens * b->max_seqs);
+    kvt__free(a, b->n_drafts, sizeof *b->n_drafts * b->max_seqs);
     kvt__free(a, b, sizeof *b);
 }
 
@@ -102,11 +106,17 @@ void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq) {
         if (b->seqs[i] == seq) {
             b->seqs[i] = NULL;
             b->n_tokens[i] = 0;
+            b->n_drafts[i] = 0;
         }
 }
 
 kvt_status kvt_batch_reserve(kvt_batch *b, kvt_seq *const *seqs, const uint32_t *n_tokens,
                              uint32_t n_seqs) {
+    return kvt_batch_reserve_drafts(b, seqs, n_tokens, NULL, n_seqs);
+}
+
+kvt_status kvt_batch_reserve_drafts(kvt_batch *b, kvt_seq *const *seqs, const uint32_t *n_tokens,
+                                    const uint32_t *n_drafts, uint32_t n_seqs) {
     if (!b)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt_ctx *ctx = b->ctx;
@@ -132,6 +142,10 @@ kvt_status kvt_batch_reserve(kvt_batch *b, kvt_seq *const *seqs, const uint32_t 
         kvt_status us = kvt__seq_usable(s);
         if (us != KVT_OK)
             return us;
+        if (n_drafts && n_drafts[i] > n_tokens[i])
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "n_drafts[%u] = %u exceeds n_tokens[%u] = %u", i, n_drafts[i], i,
+                                 n_tokens[i]);
         for (uint32_t k = 0; k < i; k++)
             if (seqs[k] == s)
                 return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
@@ -153,6 +167,7 @@ kvt_status kvt_batch_reserve(kvt_batch *b, kvt_seq *const *seqs, const uint32_t 
     for (uint32_t i = 0; i < n_seqs; i++) {
         b->seqs[i] = seqs[i];
         b->n_tokens[i] = n_tokens[i];
+        b->n_drafts[i] = n_drafts ? n_drafts[i] : 0;
         seqs[i]->batch = b;
     }
     b->n_seqs = n_seqs;
@@ -264,6 +279,12 @@ kvt_status kvt_batch_capacity(const kvt_batch *b, uint32_t layer, uint32_t *topk
     return KVT_OK;
 }
 
+/* Rows of request i's step that query token t of S sees: all of them with one query per request;
+ * else its own and the earlier ones (a padded token t >= n_tokens sees what the last one does). */
+static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_t t) {
+    return S == 1 || t >= b->n_tokens[i] ? b->n_tokens[i] : t + 1;
+}
+
 kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *stream,
                          const kvt_emit *emit) {
     (void)query; /* recall off: the attended set does not depend on the query */
@@ -273,9 +294,9 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     kvt_status s = enter_layer(b, layer, BATCH_PLANNED);
     if (s != KVT_OK)
         return s;
-    if (!emit || emit->struct_size < sizeof(kvt_emit))
+    if (!emit || emit->struct_size < KVT_EMIT_SIZE_MIN)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "emit is NULL or its struct_size is below sizeof(kvt_emit)");
+                             "emit is NULL or its struct_size is below KVT_EMIT_SIZE_MIN");
     const bool tokens = emit->layout == KVT_EMIT_TOKENS;
     if (!tokens && emit->layout != KVT_EMIT_CSR)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.layout: unknown value %d",
@@ -284,33 +305,65 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         (!tokens && (!emit->indptr || (!emit->indices && emit->capacity > 0))))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit: %s is NULL",
                              tokens ? "indices or lengths" : "indices or indptr");
-    for (uint32_t i = 0; i < b->n_seqs; i++)
-        if (b->seqs[i] && (s = kvt__seq_usable(b->seqs[i])) != KVT_OK)
+    /* Query tokens per request (FlashMLA's s_q): 1 for a struct from before the field. */
+    uint32_t S = 1;
+    if (emit->struct_size >= offsetof(kvt_emit, queries_per_seq) + sizeof emit->queries_per_seq &&
+        emit->queries_per_seq > 1)
+        S = emit->queries_per_seq;
+    if (S > KVT_MAX_QUERIES_PER_SEQ)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.queries_per_seq: %u above %u", S,
+                             KVT_MAX_QUERIES_PER_SEQ);
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        const kvt_seq *sq = b->seqs[i];
+        if (!sq)
+            continue;
+        if ((s = kvt__seq_usable(sq)) != KVT_OK)
             return s;
+        if (S < b->n_tokens[i] && b->n_tokens[i] > 1 && S > 1)
+            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                 "seqs[%u] has %u query tokens, emit.queries_per_seq is %u", i,
+                                 b->n_tokens[i], S);
+        /* Per-token views of a multi-token step need its rows where they were written: a run of
+         * this layer that already closed or compacted over all of them cannot give them. */
+        if (S > 1 && b->n_tokens[i] > 1 && sq->stepped[layer] == KVT__STEP_WORKED)
+            return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                                 "seqs[%u]: layer %u already ran this step's policy work over its "
+                                 "%u tokens (a run with one query per request); per-token "
+                                 "emission must come with the layer's first run",
+                                 i, layer, b->n_tokens[i]);
+    }
 
-    /* 1. The layer's due work for every request (once per step). */
+    /* 1. The layer's due work for every request (once per step). A request with drafts, or with
+     * several query tokens emitted one by one, leaves it to the commit: its decisions then see
+     * only the accepted rows, and each query token's view is the committed state plus the
+     * step's rows up to its own. */
     b->ran = true;
     kvt_status first_err = KVT_OK;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         if (!b->seqs[i])
             continue;
-        s = kvt__seq_step(b->seqs[i], layer, stream);
+        bool defer = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
+        s = kvt__seq_step(b->seqs[i], layer, stream, defer);
         if (s != KVT_OK && first_err == KVT_OK)
             first_err = s;
     }
     if (first_err != KVT_OK)
         return first_err;
 
-    /* 2. Capacity, then the attended sets. */
+    /* 2. Capacity, then the attended sets: entry q = i * S + t is query token t of request i,
+     * which sees the step's first min(t + 1, n_tokens[i]) rows (one query per request: all). */
     uint64_t total = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
-        uint64_t n = b->seqs[i] ? kvt__seq_step_count(b->seqs[i], layer) : 0;
-        if (tokens && n > emit->capacity)
-            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                 "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
-                                 "written (kvt_batch_capacity)",
-                                 i, (unsigned long long)n, layer, emit->capacity);
-        total += n;
+        const kvt_seq *sq = b->seqs[i];
+        for (uint32_t t = 0; sq && t < S; t++) {
+            uint64_t n = kvt__seq_step_count(sq, layer, visible_rows(b, i, S, t));
+            if (tokens && n > emit->capacity)
+                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
+                                     "written (kvt_batch_capacity)",
+                                     i, (unsigned long long)n, layer, emit->capacity);
+            total += n;
+        }
     }
     if (!tokens && (total > emit->capacity || total > INT32_MAX))
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
@@ -322,15 +375,19 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         emit->indptr[0] = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
-        int32_t *dst = tokens ? emit->indices + (size_t)i * emit->capacity : emit->indices + off;
-        uint64_t n = sq ? kvt__seq_step_slots(sq, layer, b->rows, dst) : 0;
-        if (tokens) {
-            emit->lengths[i] = (int32_t)n;
-            for (uint64_t j = n; j < emit->capacity; j++)
-                dst[j] = -1;
-        } else {
-            off += n;
-            emit->indptr[i + 1] = (int32_t)off;
+        for (uint32_t t = 0; t < S; t++) {
+            size_t q = (size_t)i * S + t;
+            int32_t *dst = tokens ? emit->indices + q * emit->capacity : emit->indices + off;
+            uint64_t n =
+                sq ? kvt__seq_step_slots(sq, layer, visible_rows(b, i, S, t), b->rows, dst) : 0;
+            if (tokens) {
+                emit->lengths[q] = (int32_t)n;
+                for (uint64_t j = n; j < emit->capacity; j++)
+                    dst[j] = -1;
+            } else {
+                off += n;
+                emit->indptr[q + 1] = (int32_t)off;
+            }
         }
         if (emit->dense)
             emit->dense[i] = 0; /* recall off: never a dense step */
@@ -352,11 +409,12 @@ kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {
             return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                                  "n_accepted[%u] = %u, %u reserved; nothing committed", i,
                                  n_accepted[i], b->n_tokens[i]);
-        if (n_accepted[i] != b->n_tokens[i])
-            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                                 "n_accepted[%u] = %u of %u reserved: partial acceptance "
-                                 "(speculative rollback) is not supported yet; nothing committed",
-                                 i, n_accepted[i], b->n_tokens[i]);
+        if (n_accepted[i] < b->n_tokens[i] - b->n_drafts[i])
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "n_accepted[%u] = %u of %u reserved, of which %u are drafts: "
+                                 "only drafts may be rejected (kvt_batch_reserve_drafts); "
+                                 "nothing committed",
+                                 i, n_accepted[i], b->n_tokens[i], b->n_drafts[i]);
     }
     kvt_status first_err = KVT_OK;
     char first_msg[KVT__ERR_LEN] = "";
@@ -364,7 +422,7 @@ kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {
         kvt_seq *sq = b->seqs[i];
         if (!sq)
             continue;
-        kvt_status s = kvt__seq_commit(sq, b->n_tokens[i]);
+        kvt_status s = kvt__seq_commit(sq, n_accepted ? n_accepted[i] : b->n_tokens[i]);
         if (s != KVT_OK && first_err == KVT_OK) {
             first_err = s;
             snprintf(first_msg, sizeof first_msg, "seqs[%u] (request %llu): %s", i,

@@ -54,14 +54,22 @@ kvt_status kvt__seq_usable(const kvt_seq *seq);
 kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n);
 /* Give a reservation back (no run happened): pages beyond the committed rows return. */
 void kvt__seq_unreserve(kvt_seq *seq);
-/* Commit the pending rows (n == pending), run the policies' commit work, check counts. */
+/* Commit the first n of the pending rows (the rest are rejected drafts: their pages return), run
+ * the policies' commit work, check counts. */
 kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n);
-/* The step work of one layer (once per step; KVT_OK when already done or none). */
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream);
-/* Rows the layer attends during the step; and their slots (ascending position) into dst, with
- * rows[] as scratch of at least that many entries, returning how many. */
-uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer);
-uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst);
+/* What a layer's run did with the step's policy work (kvt_seq.stepped). */
+enum { KVT__STEP_NONE = 0, KVT__STEP_NOTHING = 1, KVT__STEP_WORKED = 2, KVT__STEP_DEFERRED = 3 };
+/* The step work of one layer (once per step; KVT_OK when already done or none). defer: leave it
+ * all to the commit (drafts that may be rejected; per-token emission of a multi-token step). */
+kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream, bool defer);
+/* Rows the layer attends during the step for a query token that sees the first `visible` of the
+ * step's rows (>= the pending count: all of them); and their slots (ascending position) into
+ * dst, with rows[] as scratch of at least that many entries, returning how many. A visible count
+ * below the pending count is valid only when no work of the step moved rows (STEP_WORKED not
+ * set, or a policy without layer_step). */
+uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer, uint32_t visible);
+uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, uint32_t visible, int64_t *rows,
+                             int32_t *dst);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */

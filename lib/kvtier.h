@@ -450,7 +450,9 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
  *                                              the caller's fixed-capacity buffers
  *   attention over exactly those rows
  *   kvt_batch_commit(b, n_accepted)            after the step: counts, page release (rounds,
- *                                              windows), the O(layers x heads) accounting check
+ *                                              windows), the O(layers x heads) accounting check;
+ *                                              speculative decoding reserves with
+ *                                              kvt_batch_reserve_drafts and accepts k of n here
  *
  * The decisions are those a commit of the same rows makes: a layer's round or close happens in
  * its run, so the step's attention already sees it, and a commit completes whatever a layer's run
@@ -495,12 +497,27 @@ KVT_API kvt_status kvt_batch_plan(kvt_batch *batch);
 KVT_API kvt_status kvt_batch_capacity(const kvt_batch *batch, uint32_t layer, uint32_t *topk,
                                       uint32_t *total);
 
+/* Speculative decoding: as kvt_batch_reserve, where the last n_drafts[i] of request i's
+ * n_tokens[i] tokens are drafts that kvt_batch_commit may reject (n_drafts NULL: none; each at
+ * most n_tokens[i]). A request with drafts runs no policy work in kvt_batch_run: every block
+ * close or eviction round its step makes due runs at commit, over the accepted rows only, so the
+ * decisions are exactly those of a step that reserved the accepted tokens alone; meanwhile its
+ * attended set is the committed one plus the step's rows (each query token: the rows up to its
+ * own, with kvt_emit.queries_per_seq). KVT_ERR_INVALID_ARGUMENT for n_drafts[i] > n_tokens[i];
+ * otherwise the errors of kvt_batch_reserve. */
+KVT_API kvt_status kvt_batch_reserve_drafts(kvt_batch *batch, kvt_seq *const *seqs,
+                                            const uint32_t *n_tokens, const uint32_t *n_drafts,
+                                            uint32_t n_seqs);
+
 typedef enum kvt_emit_layout {
-    KVT_EMIT_TOKENS = 0, /* FlashMLA sparse decode: indices[i * topk + j] = slot, -1 padded to
-                          * topk; lengths[i] = rows (topk_length) */
-    KVT_EMIT_CSR = 1,    /* FlashInfer page-size-1 view: indptr[n_seqs + 1], indices[indptr[i] ..
-                          * indptr[i+1]) = slots of request i */
+    KVT_EMIT_TOKENS = 0, /* FlashMLA sparse decode, [n_seqs][s_q][topk] with s_q =
+                          * queries_per_seq: indices[(i * s_q + t) * topk + j] = slot, -1 padded
+                          * to topk; lengths[i * s_q + t] = rows (topk_length) */
+    KVT_EMIT_CSR = 1,    /* FlashInfer page-size-1 view: indptr[n_seqs * s_q + 1],
+                          * indices[indptr[q] .. indptr[q+1]) = slots of query q = i * s_q + t */
 } kvt_emit_layout;
+
+#define KVT_MAX_QUERIES_PER_SEQ 256u
 
 /* Where kvt_batch_run writes the attended set: caller-owned, fixed capacity (the same buffers
  * can serve every step, e.g. inside a captured graph). Slots ascend by original position. */
@@ -514,7 +531,19 @@ typedef struct kvt_emit {
     uint8_t *dense;         /* optional [n_seqs]: 1 where the step attends every row of the
                              * request (recall overflow or calibration; 0 while recall is off).
                              * Informational: the layouts above already hold every row then. */
+    uint32_t queries_per_seq; /* s_q: 0 or 1, one attended set per request holding all the
+                               * step's rows (decode; a prefill chunk that attends as a whole);
+                               * s_q > 1, one per query token, causal: token t of request i sees
+                               * the step's rows up to its own (speculative verification,
+                               * per-token sparse prefill); a request with fewer tokens repeats
+                               * its last token's set, one with none its committed set; at most
+                               * KVT_MAX_QUERIES_PER_SEQ and at least every request's n_tokens
+                               * (KVT_ERR_CAPACITY). A request with several tokens then runs its
+                               * policy work at commit, as a request with drafts does. CSR then
+                               * needs at most s_q x kvt_batch_capacity's total. */
 } kvt_emit;
+/* The smallest struct_size kvt_batch_run accepts (a struct without queries_per_seq: s_q = 1). */
+#define KVT_EMIT_SIZE_MIN (offsetof(kvt_emit, dense) + sizeof(uint8_t *))
 
 /* Run `layer` for the step: its due close or eviction round for every request of the batch (at
  * most once per step and layer; a second run of the layer only emits), then write the attended
@@ -527,8 +556,11 @@ typedef struct kvt_emit {
  * request (destroy it after commit). */
 KVT_API kvt_status kvt_batch_run(kvt_batch *batch, uint32_t layer, const void *query,
                                  void *stream, const kvt_emit *emit);
-/* Commit the step: n_accepted[i] tokens of seqs[i] (NULL: all reserved). Partial acceptance
- * (speculative rollback) is KVT_ERR_UNSUPPORTED with nothing committed. Completes every layer's
+/* Commit the step: the first n_accepted[i] tokens of seqs[i] (NULL: all reserved). Only drafts
+ * (kvt_batch_reserve_drafts) may be rejected: n_accepted[i] below n_tokens[i] - n_drafts[i], or
+ * above n_tokens[i], is KVT_ERR_INVALID_ARGUMENT with nothing committed (the step stays open).
+ * Rejected rows are forgotten and their pages return; the engine writes the next step's tokens
+ * at the slots the next reserve gives. Completes every layer's
  * policy work the runs did not do, returns pages (eviction rounds, sliding windows) and checks
  * the accounting. Every request is committed even when one fails; the first failure is returned
  * and named: KVT_ERR_OUT_OF_MEMORY (rows stored and attended, the policy work finishes at the

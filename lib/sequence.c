@@ -460,11 +460,13 @@ kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     if (n_tokens > seq->n_pending)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "committing %u tokens, %u reserved", n_tokens, seq->n_pending);
-    if (n_tokens != seq->n_pending)
-        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                             "partial commit (%u of %u reserved): speculative multi-row appends "
-                             "with rollback are not supported yet",
-                             n_tokens, seq->n_pending);
+    /* Rejected drafts: their rows were never committed and no policy work of this step read them
+     * (kvt__seq_step deferred it), so they go like an unreserved tail; their pages return. */
+    for (uint32_t g = 0; n_tokens < seq->n_pending && g < ctx->n_groups; g++) {
+        seq->pt[g].n_pending = n_tokens;
+        kvt__ptable_trim(&seq->pt[g], &ctx->groups[g].pool);
+    }
+    seq->n_pending = n_tokens;
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         seq->pt[g].n_rows += n_tokens;
         seq->pt[g].n_pending = 0;
@@ -485,23 +487,32 @@ kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens) {
 /* The layer as its table's entries see it during a step: the group's table with this step's
  * rows counted, as many as the layer holds (a layer that compacted in its run holds fewer until
  * commit). *view is the storage for that table view. */
-static kvt__tier_layer step_layer(const kvt_seq *seq, uint32_t layer, kvt__ptable *view) {
+static kvt__tier_layer step_layer(const kvt_seq *seq, uint32_t layer, uint32_t visible,
+                                   kvt__ptable *view) {
     kvt__tier_layer l = tier_layer(seq, layer);
     *view = *l.pt;
     uint64_t rows = l.pt->n_rows + l.pt->n_pending;
     view->n_rows = l.gr->ops->held_rows ? l.gr->ops->held_rows(l.state, rows) : rows;
+    /* A query token that sees only the first `visible` rows of the step: the step's last rows
+     * leave the view (valid because no work of this step moved them: kvt__seq_step). */
+    if (visible < l.pt->n_pending)
+        view->n_rows -= l.pt->n_pending - visible;
     view->n_pending = 0;
     l.pt = view;
     return l;
 }
 
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream) {
+kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream, bool defer) {
     kvt_ctx *ctx = seq->ctx;
     if (seq->stepped[layer])
         return KVT_OK;
     const kvt__store *st = &ctx->stores[layer];
     const kvt__policy_ops *ops = ops_of(ctx, layer);
     kvt_status s = KVT_OK;
+    if (defer) {
+        seq->stepped[layer] = KVT__STEP_DEFERRED;
+        return KVT_OK;
+    }
     if (ops->layer_step && seq->n_pending > 0) {
         kvt__env env = kvt__ctx_env(ctx, seq, stream);
         kvt__tier_step t = {.gr = &ctx->groups[st->group],
@@ -518,20 +529,23 @@ kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream) {
             return kvt__ctx_fail(ctx, s, "request %llu layer %u: %s",
                                  (unsigned long long)seq->request_id, layer, tmp);
         }
+        seq->stepped[layer] = KVT__STEP_WORKED;
+        return KVT_OK;
     }
-    seq->stepped[layer] = 1;
+    seq->stepped[layer] = KVT__STEP_NOTHING;
     return KVT_OK;
 }
 
-uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer) {
+uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer, uint32_t visible) {
     kvt__ptable view;
-    kvt__tier_layer l = step_layer(seq, layer, &view);
+    kvt__tier_layer l = step_layer(seq, layer, visible, &view);
     return l.gr->ops->attended_count(&l);
 }
 
-uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, int64_t *rows, int32_t *dst) {
+uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, uint32_t visible, int64_t *rows,
+                             int32_t *dst) {
     kvt__ptable view;
-    kvt__tier_layer l = step_layer(seq, layer, &view);
+    kvt__tier_layer l = step_layer(seq, layer, visible, &view);
     uint64_t n = l.gr->ops->attended_count(&l);
     l.gr->ops->attended_rows(&l, rows);
     for (uint64_t j = 0; j < n; j++)

@@ -409,7 +409,7 @@ Test(storage, reserve_is_all_or_nothing_and_pages_return) {
     cr_assert_eq(need, 6); /* 3 pages in each of the two groups */
     cr_assert_eq(tu_reserve(a, 40), KVT_OK);
     cr_assert_eq(tu_reserve(a, 1), KVT_ERR_BAD_STATE);
-    cr_assert_eq(tu_commit(a, 39), KVT_ERR_UNSUPPORTED);
+    cr_assert_eq(tu_commit(a, 39), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(tu_commit(a, 41), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(tu_commit(a, 40), KVT_OK);
     uint32_t free0, free1;

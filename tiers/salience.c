@@ -197,22 +197,24 @@ static uint64_t closed_sinks(const kvt__sal *s, const kvt_config *cfg) {
     return cfg->sink_rows < s->closed_rows ? cfg->sink_rows : s->closed_rows;
 }
 
-uint64_t kvt__sal_attended_count(const kvt__sal *s, const kvt_config *cfg) {
+uint64_t kvt__sal_attended_count(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows) {
     uint64_t S = closed_sinks(s, cfg);
     uint64_t kept_in_sinks = 0;
     while (kept_in_sinks < s->n_kept && s->kept[kept_in_sinks] < S)
         kept_in_sinks++;
-    return S + (s->n_kept - kept_in_sinks) + (s->n_rows - s->closed_rows);
+    KVT_ASSERT(n_rows >= s->closed_rows);
+    return S + (s->n_kept - kept_in_sinks) + (n_rows - s->closed_rows);
 }
 
-void kvt__sal_attended_rows(const kvt__sal *s, const kvt_config *cfg, int64_t *out) {
+void kvt__sal_attended_rows(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows,
+                            int64_t *out) {
     uint64_t S = closed_sinks(s, cfg), n = 0;
     for (uint64_t p = 0; p < S; p++)
         out[n++] = (int64_t)p;
     for (uint64_t i = 0; i < s->n_kept; i++)
         if (s->kept[i] >= S)
             out[n++] = s->kept[i];
-    for (uint64_t p = s->closed_rows; p < s->n_rows; p++)
+    for (uint64_t p = s->closed_rows; p < n_rows; p++)
         out[n++] = (int64_t)p;
 }
 
@@ -355,11 +357,11 @@ static kvt_status sal_layer_step(const kvt__env *env, const kvt__tier_step *t) {
 }
 
 static uint64_t sal_attended_count(const kvt__tier_layer *l) {
-    return kvt__sal_attended_count(&l->state->sal, l->cfg);
+    return kvt__sal_attended_count(&l->state->sal, l->cfg, l->pt->n_rows);
 }
 
 static void sal_attended_rows(const kvt__tier_layer *l, int64_t *out) {
-    kvt__sal_attended_rows(&l->state->sal, l->cfg, out);
+    kvt__sal_attended_rows(&l->state->sal, l->cfg, l->pt->n_rows, out);
 }
 
 /* Archive = index partition: an archived row keeps its slot, it is only not attended. */

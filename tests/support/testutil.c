@@ -186,3 +186,58 @@ kvt_status tu_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs,
     }
     return KVT_OK;
 }
+
+kvt_status tu_same_rows(const kvt_seq *a, const kvt_seq *b, char *why, size_t why_len) {
+    if (kvt_seq_length(a) != kvt_seq_length(b)) {
+        snprintf(why, why_len, "lengths %llu and %llu", (unsigned long long)kvt_seq_length(a),
+                 (unsigned long long)kvt_seq_length(b));
+        return KVT_ERR_INVARIANT;
+    }
+    const kvt_ctx *ctx = kvt_seq_context(a);
+    const kvt_model *m = kvt_ctx_model(ctx);
+    uint64_t total = kvt_seq_length(a);
+    uint8_t *ra = NULL, *rb = NULL;
+    kvt_status s = KVT_OK;
+    for (uint32_t l = 0; s == KVT_OK && l < kvt_model_n_layers(m); l++) {
+        if (kvt_ctx_layer_group(ctx, l) < 0)
+            continue;
+        const kvt_layer_spec *sp = kvt_model_layer(m, l);
+        free(ra);
+        free(rb);
+        ra = malloc(sp->row_bytes);
+        rb = malloc(sp->row_bytes);
+        if (!ra || !rb)
+            return KVT_ERR_OUT_OF_MEMORY;
+        for (uint32_t h = 0; s == KVT_OK && h < sp->n_kv_heads; h++)
+            for (uint64_t p = 0; s == KVT_OK && p < total; p++) {
+                kvt_row_state x, y;
+                if ((s = kvt_seq_row_state(a, l, h, p, &x, NULL)) != KVT_OK ||
+                    (s = kvt_seq_row_state(b, l, h, p, &y, NULL)) != KVT_OK) {
+                    snprintf(why, why_len, "row_state: %s", kvt_last_error());
+                    break;
+                }
+                if (x != y) {
+                    snprintf(why, why_len, "layer %u head %u position %llu: states %d and %d", l,
+                             h, (unsigned long long)p, (int)x, (int)y);
+                    s = KVT_ERR_INVARIANT;
+                    break;
+                }
+                for (uint32_t pl = 0; x != KVT_ROW_DROPPED && pl < sp->n_planes; pl++) {
+                    if ((s = kvt_seq_read_row(a, l, pl, h, p, ra, sp->row_bytes)) != KVT_OK ||
+                        (s = kvt_seq_read_row(b, l, pl, h, p, rb, sp->row_bytes)) != KVT_OK) {
+                        snprintf(why, why_len, "read_row: %s", kvt_last_error());
+                        break;
+                    }
+                    if (memcmp(ra, rb, sp->row_bytes) != 0) {
+                        snprintf(why, why_len, "layer %u plane %u head %u position %llu: bytes differ",
+                                 l, pl, h, (unsigned long long)p);
+                        s = KVT_ERR_INVARIANT;
+                        break;
+                    }
+                }
+            }
+    }
+    free(ra);
+    free(rb);
+    return s;
+}

@@ -44,5 +44,10 @@ kvt_status tu_attended_csr(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, u
 /* Rows each request attends on a layer between steps (kvt_seq_layer_stats.attended_rows). */
 kvt_status tu_attended_count(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
                              uint32_t *counts);
+/* Two requests of the same model hold the same committed rows: the same length, and at every
+ * (layer with KV, head, position) the same row state and, unless dropped, the same bytes in
+ * every plane. KVT_OK, or KVT_ERR_INVARIANT with the first difference in why (the library's
+ * status and message when a call fails). */
+kvt_status tu_same_rows(const kvt_seq *a, const kvt_seq *b, char *why, size_t why_len);
 
 #endif
