@@ -6,7 +6,7 @@ A sequence's or batch's handle holds a strong reference to its context's handle,
 always outlives them, whatever order the garbage collector picks. kvt_ctx_destroy destroys the
 context's live batches and sequences itself, so ``Context.close()`` first marks their handles as
 already gone (no double free) and then destroys the context. Zero-copy views of a context's
-memory (``Context.plane``, borrowed models) also hold the context's handle: if one is still alive
+memory (``Context.plane``) also hold the context's handle: if one is still alive
 at ``close()``, the C context is destroyed when the last of them goes.
 """
 
@@ -39,34 +39,40 @@ def _str(p) -> str:
 
 
 class _Handle:
-    """One C handle and how to free it. ``parent`` keeps the owning context's handle alive."""
+    """One C handle and how to free it.
 
-    __slots__ = ("ptr", "destroy", "parent", "children", "pins", "__weakref__")
+    A child (sequence, batch, borrowed model) holds its context's handle in ``parent``, so the C
+    context outlives it under reference counting, and shares the context's ``token``: a one-item
+    list that is set False when the context is closed or destroyed. A child frees itself only
+    while the token is True. This keeps frees single and ordered even when the garbage collector
+    finalizes a reference cycle, where CPython calls the finalizers of every unreachable object
+    in arbitrary order (PEP 442) and clears weak references before doing so.
+    """
 
-    def __init__(self, p: int, destroy, parent: "_Handle | None" = None, is_ctx: bool = False):
+    __slots__ = ("ptr", "destroy", "parent", "token", "pins")
+
+    def __init__(self, p: int, destroy, parent: "_Handle | None" = None):
         self.ptr = p
         self.destroy = destroy
         self.parent = parent
-        self.children = weakref.WeakSet() if is_ctx else None
-        self.pins = []  # host memory the C handle uses (kvt_layer_bind): freed after it
-        if parent is not None and parent.children is not None:
-            parent.children.add(self)
+        self.token = parent.token if parent is not None else [True]
+        self.pins = []  # host memory the C handle uses (kvt_layer_bind): dropped after it
+
+    @property
+    def live(self) -> bool:
+        return bool(self.ptr) and (self.parent is None or self.token[0])
 
     def release(self) -> None:
         p, self.ptr = self.ptr, None
         parent, self.parent = self.parent, None
         if p and self.destroy is not None:
-            if self.children is not None:  # the C context frees its batches and sequences
-                for child in list(self.children):
-                    child.forget()
-            self.destroy(p)
+            if parent is None:  # a root (context, model, sigma): its children are gone with it
+                self.token[0] = False
+                self.destroy(p)
+            elif self.token[0]:  # a child whose context is still there
+                self.destroy(p)
         self.pins = []
         del parent  # the context may go now
-
-    def forget(self) -> None:
-        """The C side already freed this handle (its context was destroyed)."""
-        self.ptr = None
-        self.parent = None
 
     def __del__(self):
         try:
@@ -82,13 +88,13 @@ class _Closable:
     @property
     def _ptr(self) -> int:
         h = self._h
-        if h is None or not h.ptr:
+        if h is None or not h.live:
             raise ValueError(f"this {self._kind} is closed")
         return h.ptr
 
     @property
     def closed(self) -> bool:
-        return self._h is None or not self._h.ptr
+        return self._h is None or not self._h.live
 
     def close(self) -> None:
         h, self._h = self._h, None
@@ -537,7 +543,7 @@ class Context(_Closable):
         err = _errbuf()
         check(lib.kvt_ctx_create(ctypes.byref(p), ctypes.byref(out), err, _ERR_LEN),
               "kvt_ctx_create", err)
-        self._h = _Handle(out.value, lib.kvt_ctx_destroy, is_ctx=True)
+        self._h = _Handle(out.value, lib.kvt_ctx_destroy)
         self._page_rows = p.page_rows
         self._n_pages = p.n_pages
         self._specs = [LayerSpec._from_c(lib.kvt_model_layer(lib.kvt_ctx_model(out.value),
@@ -554,7 +560,7 @@ class Context(_Closable):
         check(lib.kvt_ctx_create_default(model._ptr, ctypes.byref(out), err, _ERR_LEN),
               "kvt_ctx_create_default", err)
         ctx = cls.__new__(cls)
-        ctx._h = _Handle(out.value, lib.kvt_ctx_destroy, is_ctx=True)
+        ctx._h = _Handle(out.value, lib.kvt_ctx_destroy)
         d = lib.kvt_ctx_default_params()
         ctx._page_rows, ctx._n_pages = d.page_rows, d.n_pages
         ctx._specs = model.layers
@@ -563,7 +569,8 @@ class Context(_Closable):
     # --- description ---------------------------------------------------------------------
     @property
     def model(self) -> Model:
-        """The context's own copy of the model (kvt_ctx_model), borrowed: it pins the context."""
+        """The context's own copy of the model (kvt_ctx_model), borrowed: closed with the
+        context."""
         return Model._adopt(lib.kvt_ctx_model(self._ptr), self._h)
 
     @property
@@ -689,13 +696,11 @@ class Context(_Closable):
 
     def close(self) -> None:
         """kvt_ctx_destroy: destroys the context's live batches and sequences too (their Python
-        objects become closed). Deferred while a plane view or borrowed model still lives."""
+        objects become closed). Deferred while a plane view still lives."""
         h, self._h = self._h, None
         if h is None:
             return
-        if h.children is not None:
-            for child in list(h.children):
-                child.forget()
+        h.token[0] = False  # its batches, sequences and borrowed models are closed now
         del h  # the last reference: kvt_ctx_destroy now (or when the last view goes)
 
     def __repr__(self):
