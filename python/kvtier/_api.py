@@ -3,9 +3,10 @@
 Ownership. Every C handle lives in a small ``_Handle`` object that frees it exactly once:
 explicitly (``close()``, the end of a ``with`` block) or when the last Python reference goes.
 A sequence's or batch's handle holds a strong reference to its context's handle, so the C context
-always outlives them, whatever order the garbage collector picks. kvt_ctx_destroy destroys the
-context's live batches and sequences itself, so ``Context.close()`` first marks their handles as
-already gone (no double free) and then destroys the context. Zero-copy views of a context's
+outlives them under reference counting, and shares the context's liveness token, so that in a
+collected reference cycle (finalized in any order) a child never frees itself after its context.
+kvt_ctx_destroy destroys the context's live batches and sequences itself, so ``Context.close()``
+first marks them closed (no double free) and then destroys the context. Zero-copy views of a context's
 memory (``Context.plane``) also hold the context's handle: if one is still alive
 at ``close()``, the C context is destroyed when the last of them goes.
 """
