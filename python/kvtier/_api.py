@@ -192,26 +192,28 @@ class LayerSpec:
         return c
 
     @classmethod
+    def _made_by(cls, function: str, kind, dtype, **dims) -> "LayerSpec":
+        """A spec filled by kvt_layer_spec_mla / kvt_layer_spec_gqa (kind, dtype, two dims)."""
+        c = _lib.LayerSpecC()
+        args = [u32(v, k) for k, v in dims.items()]
+        check(getattr(lib, function)(int(to_enum(LayerKind, kind, "kind")),
+                                     int(to_enum(DType, dtype, "dtype")), *args,
+                                     ctypes.byref(c)), function)
+        return cls._from_c(c)
+
+    @classmethod
     def mla(cls, kind=LayerKind.MLA_NOPE, dtype=DType.BF16, kv_lora_rank: int = 512,
             rope_dim: int = 64) -> "LayerSpec":
         """kvt_layer_spec_mla: 1 head, 1 plane, kv_lora_rank + rope_dim values."""
-        c = _lib.LayerSpecC()
-        check(lib.kvt_layer_spec_mla(int(to_enum(LayerKind, kind, "kind")),
-                                     int(to_enum(DType, dtype, "dtype")),
-                                     u32(kv_lora_rank, "kv_lora_rank"), u32(rope_dim, "rope_dim"),
-                                     ctypes.byref(c)), "kvt_layer_spec_mla")
-        return cls._from_c(c)
+        return cls._made_by("kvt_layer_spec_mla", kind, dtype, kv_lora_rank=kv_lora_rank,
+                            rope_dim=rope_dim)
 
     @classmethod
     def gqa(cls, kind=LayerKind.GQA_ROPE, dtype=DType.BF16, n_kv_heads: int = 8,
             head_dim: int = 128) -> "LayerSpec":
         """kvt_layer_spec_gqa: 2 planes (K, V), n_kv_heads rows of head_dim values."""
-        c = _lib.LayerSpecC()
-        check(lib.kvt_layer_spec_gqa(int(to_enum(LayerKind, kind, "kind")),
-                                     int(to_enum(DType, dtype, "dtype")),
-                                     u32(n_kv_heads, "n_kv_heads"), u32(head_dim, "head_dim"),
-                                     ctypes.byref(c)), "kvt_layer_spec_gqa")
-        return cls._from_c(c)
+        return cls._made_by("kvt_layer_spec_gqa", kind, dtype, n_kv_heads=n_kv_heads,
+                            head_dim=head_dim)
 
     def check(self) -> None:
         """kvt_layer_spec_check: raises InvalidArgumentError naming the bad field."""
