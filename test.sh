@@ -4,7 +4,8 @@
 # (-DKVT_CUDA=OFF), and CPU-only under ASan + UBSan twice, with gcc and with clang (halting on
 # the first error; Debug so KVT_ASSERT is live, at -O1 so the long-context needle tests stay
 # within the CI budget). clang's UBSan has checks gcc's lacks (a zero offset applied to a NULL
-# pointer was found that way). Each configuration prints its wall time.
+# pointer was found that way). A fifth block at the end, python, installs the Python package in
+# a fresh venv and runs its pytest suite. Each configuration prints its wall time.
 # GPU tests skip with a message when no device is present.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,4 +33,16 @@ UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
   run_config build-test-clang-asan -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
+# ---------------------------------------------------------------------------------------------
+# python: the Python package (python/). A fresh venv, `pip install ./python` (scikit-build-core
+# builds libkvtier.so CPU-only with this CMake project into the wheel), then its pytest suite,
+# run from outside the source tree so that the installed package is the one tested.
+# ---------------------------------------------------------------------------------------------
+t0=$SECONDS
+echo "== test configuration: build-python (venv, pip install ./python, pytest) =="
+rm -rf build-python
+python3 -m venv build-python/venv
+build-python/venv/bin/pip install -q ./python pytest numpy
+(cd build-python && venv/bin/python -m pytest -q -p no:cacheprovider ../python/tests)
+echo "== build-python: passed in $((SECONDS - t0)) s (venv + wheel build + tests) =="
 echo "test.sh: all configurations passed"

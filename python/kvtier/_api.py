@@ -1,0 +1,1080 @@
+"""The handle classes: Model, Context, Sequence, Batch (kvtier.h) over ctypes.
+
+Ownership. Every C handle lives in a small ``_Handle`` object that frees it exactly once:
+explicitly (``close()``, the end of a ``with`` block) or when the last Python reference goes.
+A sequence's or batch's handle holds a strong reference to its context's handle, so the C context
+outlives them under reference counting, and shares the context's liveness token, so that in a
+collected reference cycle (finalized in any order) a child never frees itself after its context.
+kvt_ctx_destroy destroys the context's live batches and sequences itself, so ``Context.close()``
+first marks them closed (no double free) and then destroys the context. Zero-copy views of a context's
+memory (``Context.plane``) also hold the context's handle: if one is still alive
+at ``close()``, the C context is destroyed when the last of them goes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import weakref
+from typing import Iterable, Sequence as _Seq
+
+import numpy as np
+
+from . import _lib
+from ._errors import check
+from ._lib import lib
+from ._types import (Allocator, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
+                     RowState, Selector, as_array, as_output, element_dtype_ok, maybe_enum, ptr,
+                     to_enum, u32, u64, integer)
+
+_ERR_LEN = 512
+
+
+def _errbuf():
+    return ctypes.create_string_buffer(_ERR_LEN)
+
+
+def _str(p) -> str:
+    return (p or b"").decode("utf-8", "replace")
+
+
+class _Handle:
+    """One C handle and how to free it.
+
+    A child (sequence, batch, borrowed model) holds its context's handle in ``parent``, so the C
+    context outlives it under reference counting, and shares the context's ``token``: a one-item
+    list that is set False when the context is closed or destroyed. A child frees itself only
+    while the token is True. This keeps frees single and ordered even when the garbage collector
+    finalizes a reference cycle, where CPython calls the finalizers of every unreachable object
+    in arbitrary order (PEP 442) and clears weak references before doing so.
+    """
+
+    __slots__ = ("ptr", "destroy", "parent", "token", "pins")
+
+    def __init__(self, p: int, destroy, parent: "_Handle | None" = None):
+        self.ptr = p
+        self.destroy = destroy
+        self.parent = parent
+        self.token = parent.token if parent is not None else [True]
+        self.pins = []  # host memory the C handle uses (kvt_layer_bind): dropped after it
+
+    @property
+    def live(self) -> bool:
+        return bool(self.ptr) and (self.parent is None or self.token[0])
+
+    def release(self) -> None:
+        p, self.ptr = self.ptr, None
+        parent, self.parent = self.parent, None
+        if p and self.destroy is not None:
+            if parent is None:  # a root (context, model, sigma): its children are gone with it
+                self.token[0] = False
+                self.destroy(p)
+            elif self.token[0]:  # a child whose context is still there
+                self.destroy(p)
+        self.pins = []
+        del parent  # the context may go now
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: never raise from a finalizer
+            pass
+
+
+class _Closable:
+    _h: _Handle | None = None
+    _kind = "handle"
+
+    @property
+    def _ptr(self) -> int:
+        h = self._h
+        if h is None or not h.live:
+            raise ValueError(f"this {self._kind} is closed")
+        return h.ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None or not self._h.live
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        if h is not None:
+            h.release()
+
+    def __enter__(self):
+        self._ptr  # refuse a closed handle
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Version and names
+# ---------------------------------------------------------------------------------------------
+def version() -> str:
+    """kvt_version: "MAJOR.MINOR.PATCH" of the loaded library."""
+    return _str(lib.kvt_version(None, None, None))
+
+
+def version_info() -> tuple[int, int, int]:
+    a, b, c = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    lib.kvt_version(ctypes.byref(a), ctypes.byref(b), ctypes.byref(c))
+    return a.value, b.value, c.value
+
+
+def version_number() -> int:
+    """kvt_version_number: MAJOR * 10000 + MINOR * 100 + PATCH of the loaded library."""
+    return lib.kvt_version_number()
+
+
+def last_error() -> str:
+    """kvt_last_error: detail of the calling thread's last failing call ("" after a success)."""
+    return _lib.last_error()
+
+
+def policy_for_kind(kind) -> Policy:
+    return maybe_enum(Policy, lib.kvt_policy_for_kind(int(to_enum(LayerKind, kind, "kind"))))
+
+
+def layer_kind_name(kind) -> str:
+    return _str(lib.kvt_layer_kind_name(integer(kind, "kind", "i32")))
+
+
+def policy_name(policy) -> str:
+    return _str(lib.kvt_policy_name(integer(policy, "policy", "i32")))
+
+
+def dtype_name(dtype) -> str:
+    return _str(lib.kvt_dtype_name(integer(dtype, "dtype", "i32")))
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes of one element (fp8: 1); 0 for an unknown dtype."""
+    return lib.kvt_dtype_bytes(integer(dtype, "dtype", "i32"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer specs
+# ---------------------------------------------------------------------------------------------
+_SPEC_ENUMS = {"kind": LayerKind, "dtype": DType, "branch_dtype": DType}
+
+
+class LayerSpec:
+    """kvt_layer_spec: one layer's cache geometry. Fields as in kvtier.h; enums as
+    :class:`LayerKind` / :class:`DType` (raw ints when a value is not a known member)."""
+
+    __slots__ = tuple(name for name, _ in _lib.LayerSpecC._fields_)
+
+    def __init__(self, **fields):
+        for name, _ in _lib.LayerSpecC._fields_:
+            setattr(self, name, 0)
+        for name, value in fields.items():
+            if name not in self.__slots__:
+                raise TypeError(f"LayerSpec has no field {name!r}")
+            setattr(self, name, value)
+
+    @classmethod
+    def _from_c(cls, c: _lib.LayerSpecC) -> "LayerSpec":
+        s = cls()
+        for name, _ in _lib.LayerSpecC._fields_:
+            v = getattr(c, name)
+            setattr(s, name, maybe_enum(_SPEC_ENUMS[name], v) if name in _SPEC_ENUMS else v)
+        return s
+
+    def _to_c(self) -> _lib.LayerSpecC:
+        c = _lib.LayerSpecC()
+        for name, _ in _lib.LayerSpecC._fields_:
+            kind = "i32" if name in _SPEC_ENUMS else "u32"
+            setattr(c, name, integer(getattr(self, name), f"LayerSpec.{name}", kind))
+        return c
+
+    @classmethod
+    def _made_by(cls, function: str, kind, dtype, **dims) -> "LayerSpec":
+        """A spec filled by kvt_layer_spec_mla / kvt_layer_spec_gqa (kind, dtype, two dims)."""
+        c = _lib.LayerSpecC()
+        args = [u32(v, k) for k, v in dims.items()]
+        check(getattr(lib, function)(int(to_enum(LayerKind, kind, "kind")),
+                                     int(to_enum(DType, dtype, "dtype")), *args,
+                                     ctypes.byref(c)), function)
+        return cls._from_c(c)
+
+    @classmethod
+    def mla(cls, kind=LayerKind.MLA_NOPE, dtype=DType.BF16, kv_lora_rank: int = 512,
+            rope_dim: int = 64) -> "LayerSpec":
+        """kvt_layer_spec_mla: 1 head, 1 plane, kv_lora_rank + rope_dim values."""
+        return cls._made_by("kvt_layer_spec_mla", kind, dtype, kv_lora_rank=kv_lora_rank,
+                            rope_dim=rope_dim)
+
+    @classmethod
+    def gqa(cls, kind=LayerKind.GQA_ROPE, dtype=DType.BF16, n_kv_heads: int = 8,
+            head_dim: int = 128) -> "LayerSpec":
+        """kvt_layer_spec_gqa: 2 planes (K, V), n_kv_heads rows of head_dim values."""
+        return cls._made_by("kvt_layer_spec_gqa", kind, dtype, n_kv_heads=n_kv_heads,
+                            head_dim=head_dim)
+
+    def check(self) -> None:
+        """kvt_layer_spec_check: raises InvalidArgumentError naming the bad field."""
+        c = self._to_c()
+        err = _errbuf()
+        check(lib.kvt_layer_spec_check(ctypes.byref(c), err, _ERR_LEN), "kvt_layer_spec_check",
+              err)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """kvt_layer_bytes_per_token: n_planes * n_kv_heads * row_bytes (0 for no-KV)."""
+        c = self._to_c()
+        return lib.kvt_layer_bytes_per_token(ctypes.byref(c))
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of one plane: n_kv_heads * row_bytes."""
+        return int(self.n_kv_heads) * int(self.row_bytes)
+
+    @property
+    def policy(self) -> Policy:
+        return policy_for_kind(self.kind)
+
+    def __eq__(self, other):
+        if not isinstance(other, LayerSpec):
+            return NotImplemented
+        return all(int(getattr(self, n)) == int(getattr(other, n)) for n in self.__slots__)
+
+    def __repr__(self):
+        parts = []
+        for n in self.__slots__:
+            v = getattr(self, n)
+            parts.append(f"{n}={v.name if hasattr(v, 'name') else v}")
+        return "LayerSpec(" + ", ".join(parts) + ")"
+
+
+class CensusTotals:
+    """kvt_census_totals (see kvt_model_census in kvtier.h)."""
+
+    __slots__ = tuple(n for n, _ in _lib.CensusTotalsC._fields_)
+
+    def __init__(self, c):
+        for n in self.__slots__:
+            setattr(self, n, int(getattr(c, n)))
+
+    def as_dict(self) -> dict:
+        return {n: getattr(self, n) for n in self.__slots__}
+
+    def __repr__(self):
+        return "CensusTotals(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+class Model(_Closable):
+    """kvt_model: an ordered list of layer specs, from a config.json (census) or built by hand.
+
+    ``Model(layers, model_type)`` copies the specs (kvt_model_create); ``Model.from_file(path)``
+    and ``Model.from_json(text)`` read a Hugging Face config. Use as a context manager or call
+    ``close()``; a context copies the model, so the model may be closed once the context exists.
+    """
+
+    _kind = "model"
+
+    def __init__(self, layers: Iterable[LayerSpec], model_type: str = "custom"):
+        layers = list(layers)
+        for i, s in enumerate(layers):
+            if not isinstance(s, LayerSpec):
+                raise TypeError(f"layers[{i}]: expected a LayerSpec, got {type(s).__name__}")
+        arr = (_lib.LayerSpecC * max(1, len(layers)))(*[s._to_c() for s in layers])
+        out = ctypes.c_void_p()
+        err = _errbuf()
+        check(lib.kvt_model_create(arr if layers else None, len(layers),
+                                   model_type.encode() if model_type is not None else None,
+                                   ctypes.byref(out), err, _ERR_LEN), "kvt_model_create", err)
+        self._h = _Handle(out.value, lib.kvt_model_destroy)
+
+    @classmethod
+    def _adopt(cls, p: int, owner: _Handle | None) -> "Model":
+        m = cls.__new__(cls)
+        # A borrowed model (kvt_ctx_model) is freed by its context, whose handle it pins.
+        m._h = _Handle(p, None if owner is not None else lib.kvt_model_destroy, owner)
+        return m
+
+    @classmethod
+    def from_file(cls, path, dtype=DType.BF16) -> "Model":
+        """kvt_model_from_file: census of a config.json; dtype is the cache element type.
+        Raises IoError (cannot read) or ParseError (the key named in the message)."""
+        out = ctypes.c_void_p()
+        err = _errbuf()
+        check(lib.kvt_model_from_file(os.fsencode(path), int(to_enum(DType, dtype, "dtype")),
+                                      ctypes.byref(out), err, _ERR_LEN), "kvt_model_from_file", err)
+        return cls._adopt(out.value, None)
+
+    @classmethod
+    def from_json(cls, text, dtype=DType.BF16) -> "Model":
+        """kvt_model_from_json: text may be str, bytes or a dict (serialised here)."""
+        if isinstance(text, dict):
+            text = json.dumps(text)
+        if isinstance(text, str):
+            text = text.encode()
+        if not isinstance(text, (bytes, bytearray)):
+            raise TypeError(f"from_json: expected str, bytes or dict, got {type(text).__name__}")
+        data = bytes(text)
+        out = ctypes.c_void_p()
+        err = _errbuf()
+        check(lib.kvt_model_from_json(data, len(data), int(to_enum(DType, dtype, "dtype")),
+                                      ctypes.byref(out), err, _ERR_LEN), "kvt_model_from_json", err)
+        return cls._adopt(out.value, None)
+
+    @property
+    def n_layers(self) -> int:
+        return lib.kvt_model_n_layers(self._ptr)
+
+    def __len__(self) -> int:
+        return self.n_layers
+
+    def layer(self, i: int) -> LayerSpec:
+        """A copy of layer i's spec; IndexError when out of range (kvt_model_layer gives NULL)."""
+        p = lib.kvt_model_layer(self._ptr, u32(i, "layer")) if 0 <= i < 2**32 else None
+        if not p:
+            raise IndexError(f"layer {i} out of range ({self.n_layers} layers)")
+        return LayerSpec._from_c(p.contents)
+
+    def __getitem__(self, i: int) -> LayerSpec:
+        if isinstance(i, int) and i < 0:
+            i += self.n_layers
+        return self.layer(i)
+
+    @property
+    def layers(self) -> list[LayerSpec]:
+        return [self.layer(i) for i in range(self.n_layers)]
+
+    @property
+    def model_type(self) -> str:
+        return _str(lib.kvt_model_type(self._ptr))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return lib.kvt_model_kv_bytes_per_token(self._ptr)
+
+    def census(self, context: int, concurrency: int = 1, ratio: float = 32.0) -> CensusTotals:
+        """kvt_model_census at a context length (tokens), concurrency and ratio (>= 1)."""
+        out = _lib.CensusTotalsC()
+        check(lib.kvt_model_census(self._ptr, u64(context, "context"),
+                                   u64(concurrency, "concurrency"), float(ratio),
+                                   ctypes.byref(out)), "kvt_model_census")
+        return CensusTotals(out)
+
+    def __repr__(self):
+        if self.closed:
+            return "<kvtier.Model closed>"
+        return f"<kvtier.Model {self.model_type!r}: {self.n_layers} layers>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+_CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector}
+_CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows": "u32",
+                 "evict_budget_rows": "u32", "recent_rows": "u32", "cadence_rows": "u32",
+                 "seed": "u64"}
+
+
+class Config:
+    """kvt_config: starts from kvt_config_default(); keyword arguments override fields.
+
+    >>> Config(ratio=8, block_rows=64, kappa=4)
+    """
+
+    def __init__(self, **fields):
+        object.__setattr__(self, "_c", lib.kvt_config_default())
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    @classmethod
+    def _from_c(cls, c: _lib.ConfigC) -> "Config":
+        cfg = cls()
+        ctypes.memmove(ctypes.byref(cfg._c), ctypes.byref(c), ctypes.sizeof(_lib.ConfigC))
+        return cfg
+
+    @staticmethod
+    def fields() -> list[str]:
+        return [n for n, _ in _lib.ConfigC._fields_ if n != "struct_size"]
+
+    def __getattr__(self, name):
+        if name in _CONFIG_ENUMS:
+            return maybe_enum(_CONFIG_ENUMS[name], getattr(self._c, name))
+        if name in _CONFIG_KINDS or name in ("protect_prompt", "evict_archive",
+                                             "evict_shared_draw", "evict_vase", "struct_size"):
+            return getattr(self._c, name)
+        raise AttributeError(f"Config has no field {name!r}")
+
+    def __setattr__(self, name, value):
+        if name in _CONFIG_ENUMS:
+            value = int(to_enum(_CONFIG_ENUMS[name], value, f"Config.{name}"))
+        elif name in _CONFIG_KINDS:
+            value = integer(value, f"Config.{name}", _CONFIG_KINDS[name])
+        elif name in ("protect_prompt", "evict_archive", "evict_shared_draw", "evict_vase"):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"Config.{name}: expected a bool, got {type(value).__name__}")
+            value = bool(value)
+        else:
+            raise AttributeError(f"Config has no settable field {name!r}")
+        setattr(self._c, name, value)
+
+    def check(self) -> None:
+        """kvt_config_check: raises InvalidArgumentError / UnsupportedError naming the field."""
+        err = _errbuf()
+        check(lib.kvt_config_check(ctypes.byref(self._c), err, _ERR_LEN), "kvt_config_check", err)
+
+    def as_dict(self) -> dict:
+        return {n: getattr(self, n) for n in self.fields()}
+
+    def __eq__(self, other):
+        return isinstance(other, Config) and self.as_dict() == other.as_dict()
+
+    def __repr__(self):
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
+
+
+def config_default() -> Config:
+    return Config()
+
+
+# ---------------------------------------------------------------------------------------------
+# Row arrays
+# ---------------------------------------------------------------------------------------------
+def _rows_input(obj, spec: LayerSpec | None, what: str):
+    """Validate rows for one plane: shape (n, ...) whose trailing part is one slot
+    (n_kv_heads * row_bytes bytes), dtype uint8 (raw bytes) or the layer's element type,
+    C-contiguous. Returns (array, n)."""
+    arr = as_array(obj, what)
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: must be C-contiguous (np.ascontiguousarray makes a copy that is)")
+    if arr.ndim < 2:
+        raise ValueError(f"{what}: expected shape (n_slots, ...) with one slot per leading index, "
+                         f"got shape {arr.shape}")
+    if spec is None:  # unknown layer: the C call names it; sizes still bound what C reads
+        return arr, arr.shape[0]
+    if arr.dtype != np.uint8:
+        pure = int(spec.row_bytes) == int(spec.head_dim) * dtype_bytes(spec.dtype)
+        if not (pure and element_dtype_ok(arr.dtype, spec.dtype)):
+            raise TypeError(f"{what}: dtype {arr.dtype} does not match the layer's "
+                            f"{dtype_name(spec.dtype)} rows (pass uint8 bytes or the element "
+                            "dtype: bf16 as uint16 bits, fp16 as float16, fp32 as float32)")
+    per_slot = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.itemsize
+    if per_slot != spec.slot_bytes:
+        raise ValueError(f"{what}: each slot must be {spec.slot_bytes} bytes "
+                         f"({spec.n_kv_heads} heads x {spec.row_bytes} B), shape {arr.shape} of "
+                         f"{arr.dtype} gives {per_slot}")
+    return arr, arr.shape[0]
+
+
+def rows_as_elements(raw: np.ndarray, spec: LayerSpec) -> np.ndarray:
+    """View raw row bytes (..., row_bytes) as elements (..., head_dim) of the layer's dtype
+    (bf16 as uint16 bits). Only for rows that hold nothing but head_dim values."""
+    if int(spec.row_bytes) != int(spec.head_dim) * dtype_bytes(spec.dtype):
+        raise ValueError("rows of this layer mix element types (e.g. fp8 ds_mla); read bytes")
+    from ._types import numpy_dtype
+    return np.ascontiguousarray(raw).view(numpy_dtype(spec.dtype))
+
+
+class _PlaneBuffer:
+    """Exports a context plane to numpy and pins the context while the view lives."""
+
+    def __init__(self, address: int, shape, owner: _Handle):
+        self._owner = owner
+        self.__array_interface__ = {"shape": tuple(shape), "typestr": "|u1",
+                                    "data": (address, False), "version": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# Context
+# ---------------------------------------------------------------------------------------------
+class Context(_Closable):
+    """kvt_ctx: one model, one configuration, one row pool.
+
+    Keyword arguments are the fields of kvt_ctx_params (None: the library's default):
+    ``config`` (a Config, a dict of its fields, or None), ``page_rows``, ``n_pages``,
+    ``backend`` ("cpu", "guarded", "cuda", "auto" or a Backend), ``allocator`` ("default",
+    "libc"), ``external_storage``, ``layer_policies`` (one Policy per layer), ``kv_head_offset``,
+    ``n_kv_heads_global``, ``layer_offset``, ``max_rows_per_seq``, ``archive_rows_per_seq``.
+    Asking for "cuda" where it is absent raises NoDeviceError with the library's reason.
+    """
+
+    _kind = "context"
+
+    def __init__(self, model: Model, config=None, *, page_rows=None, n_pages=None, backend=None,
+                 allocator=None, external_storage=None, layer_policies=None, kv_head_offset=None,
+                 n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
+                 archive_rows_per_seq=None):
+        if not isinstance(model, Model):
+            raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
+        p = lib.kvt_ctx_default_params()
+        p.struct_size = ctypes.sizeof(_lib.CtxParamsC)
+        p.model = model._ptr
+        if isinstance(config, dict):
+            config = Config(**config)
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config: expected a Config, a dict or None, got "
+                            f"{type(config).__name__}")
+        cfg_c = config._c if config is not None else None
+        p.config = ctypes.pointer(cfg_c) if cfg_c is not None else None
+        for name, value in (("page_rows", page_rows), ("n_pages", n_pages),
+                            ("kv_head_offset", kv_head_offset),
+                            ("n_kv_heads_global", n_kv_heads_global),
+                            ("layer_offset", layer_offset), ("max_rows_per_seq", max_rows_per_seq),
+                            ("archive_rows_per_seq", archive_rows_per_seq)):
+            if value is not None:
+                setattr(p, name, u32(value, name))
+        if backend is not None:
+            p.backend = int(to_enum(Backend, backend, "backend"))
+        if allocator is not None:
+            p.allocator = int(to_enum(Allocator, allocator, "allocator"))
+        if external_storage is not None:
+            p.external_storage = bool(external_storage)
+        policies = None
+        if layer_policies is not None:
+            lp = list(layer_policies)
+            # kvt_ctx_create reads exactly n_layers entries: a shorter list would be read past.
+            if len(lp) != model.n_layers:
+                raise ValueError(f"layer_policies: {len(lp)} entries for a model of "
+                                 f"{model.n_layers} layers")
+            policies = (_lib.c_enum * max(1, len(lp)))(
+                *[int(to_enum(Policy, x, f"layer_policies[{i}]")) for i, x in enumerate(lp)])
+            p.layer_policies = ctypes.cast(policies, ctypes.POINTER(_lib.c_enum))
+        out = ctypes.c_void_p()
+        err = _errbuf()
+        check(lib.kvt_ctx_create(ctypes.byref(p), ctypes.byref(out), err, _ERR_LEN),
+              "kvt_ctx_create", err)
+        self._h = _Handle(out.value, lib.kvt_ctx_destroy)
+        self._page_rows = p.page_rows
+        self._n_pages = p.n_pages
+        self._specs = [LayerSpec._from_c(lib.kvt_model_layer(lib.kvt_ctx_model(out.value),
+                                                             i).contents)
+                       for i in range(lib.kvt_model_n_layers(lib.kvt_ctx_model(out.value)))]
+
+    @classmethod
+    def create_default(cls, model: Model) -> "Context":
+        """kvt_ctx_create_default: every parameter at its default."""
+        if not isinstance(model, Model):
+            raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
+        out = ctypes.c_void_p()
+        err = _errbuf()
+        check(lib.kvt_ctx_create_default(model._ptr, ctypes.byref(out), err, _ERR_LEN),
+              "kvt_ctx_create_default", err)
+        ctx = cls.__new__(cls)
+        ctx._h = _Handle(out.value, lib.kvt_ctx_destroy)
+        d = lib.kvt_ctx_default_params()
+        ctx._page_rows, ctx._n_pages = d.page_rows, d.n_pages
+        ctx._specs = model.layers
+        return ctx
+
+    # --- description ---------------------------------------------------------------------
+    @property
+    def model(self) -> Model:
+        """The context's own copy of the model (kvt_ctx_model), borrowed: closed with the
+        context."""
+        return Model._adopt(lib.kvt_ctx_model(self._ptr), self._h)
+
+    @property
+    def config(self) -> Config:
+        """A copy of the context's configuration (kvt_ctx_config)."""
+        return Config._from_c(lib.kvt_ctx_config(self._ptr).contents)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self._specs)
+
+    @property
+    def page_rows(self) -> int:
+        return self._page_rows
+
+    @property
+    def n_pages(self) -> int:
+        return self._n_pages
+
+    def layer_spec(self, layer: int) -> LayerSpec:
+        return self._specs[layer]
+
+    def _spec_or_none(self, layer) -> LayerSpec | None:
+        return self._specs[layer] if isinstance(layer, int) and 0 <= layer < len(self._specs) \
+            else None
+
+    @property
+    def backend_name(self) -> str:
+        return _str(lib.kvt_ctx_backend_name(self._ptr))
+
+    @property
+    def allocator_name(self) -> str:
+        return _str(lib.kvt_ctx_allocator_name(self._ptr))
+
+    def layer_policy(self, layer: int) -> Policy:
+        return maybe_enum(Policy, lib.kvt_ctx_layer_policy(self._ptr, u32(layer, "layer")))
+
+    def layer_group(self, layer: int) -> int:
+        """Policy group of a layer; -1 for a no-KV layer (or a layer out of range)."""
+        return lib.kvt_ctx_layer_group(self._ptr, u32(layer, "layer"))
+
+    @property
+    def host_allocations(self) -> int:
+        return lib.kvt_ctx_host_allocations(self._ptr)
+
+    def free_pages(self, layer: int) -> int:
+        out = ctypes.c_uint32()
+        check(lib.kvt_ctx_free_pages(self._ptr, u32(layer, "layer"), ctypes.byref(out)),
+              "kvt_ctx_free_pages")
+        return out.value
+
+    # --- planes ------------------------------------------------------------------------
+    def layer_data(self, layer: int, plane: int = 0) -> tuple[int, int]:
+        """kvt_layer_data: (address, bytes) of a plane, the backend's pointer (a device pointer
+        on CUDA; never dereference it on the guarded backend)."""
+        base, size = ctypes.c_void_p(), ctypes.c_size_t()
+        check(lib.kvt_layer_data(self._ptr, u32(layer, "layer"), u32(plane, "plane"),
+                                 ctypes.byref(base), ctypes.byref(size)), "kvt_layer_data")
+        return base.value or 0, size.value
+
+    def plane(self, layer: int, plane: int = 0) -> np.ndarray:
+        """A zero-copy uint8 view [n_pages * page_rows, n_kv_heads, row_bytes] of a plane on the
+        CPU backend (an engine writes rows at slot_mapping and gathers them for attention).
+        The view pins the context's memory. ValueError on backends whose memory is not the
+        host's (guarded, cuda): use layer_read / layer_write there."""
+        if self.backend_name != "cpu":
+            raise ValueError(f"plane(): the {self.backend_name} backend's memory is not host "
+                             "memory; use layer_read / layer_write")
+        address, size = self.layer_data(layer, plane)
+        spec = self._specs[layer]
+        shape = (self._n_pages * self._page_rows, int(spec.n_kv_heads), int(spec.row_bytes))
+        if int(np.prod(shape)) != size:
+            raise RuntimeError(f"plane(): {size} bytes, expected {shape}")
+        return np.asarray(_PlaneBuffer(address, shape, self._h))
+
+    def layer_read(self, layer: int, plane: int, first_slot: int, n_slots: int,
+                   out=None) -> np.ndarray:
+        """kvt_layer_read: n_slots whole slots from first_slot, as uint8 [n, n_kv_heads,
+        row_bytes] (or into ``out``: a writable C-contiguous array of exactly those bytes)."""
+        spec = self._spec_or_none(layer)
+        n = u64(n_slots, "n_slots")
+        if out is None:
+            shape = (n, int(spec.n_kv_heads), int(spec.row_bytes)) if spec else (n, 0)
+            out = np.empty(shape, dtype=np.uint8)
+        else:
+            if not isinstance(out, np.ndarray) and not hasattr(out, "__array_interface__"):
+                raise TypeError("out: expected a numpy array")
+            out = np.asarray(out)
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out: must be writable and C-contiguous")
+        check(lib.kvt_layer_read(self._ptr, u32(layer, "layer"), u32(plane, "plane"),
+                                 u64(first_slot, "first_slot"), n, ptr(out), out.nbytes),
+              "kvt_layer_read")
+        return out
+
+    def layer_write(self, layer: int, plane: int, first_slot: int, rows) -> None:
+        """kvt_layer_write: rows (n, ...) — one slot per leading index, uint8 bytes or the
+        layer's element dtype — into slots [first_slot, first_slot + n)."""
+        arr, n = _rows_input(rows, self._spec_or_none(layer), "rows")
+        check(lib.kvt_layer_write(self._ptr, u32(layer, "layer"), u32(plane, "plane"),
+                                  u64(first_slot, "first_slot"), n, ptr(arr), arr.nbytes),
+              "kvt_layer_write")
+
+    def layer_bind(self, layer: int, plane: int, buffer) -> None:
+        """kvt_layer_bind (external_storage): the context uses ``buffer`` (a writable,
+        C-contiguous host array of at least the plane's bytes) as the plane. The context keeps
+        a reference to it until it is closed."""
+        arr = as_array(buffer, "buffer")
+        if not arr.flags.c_contiguous or not arr.flags.writeable:
+            raise ValueError("buffer: must be writable and C-contiguous")
+        check(lib.kvt_layer_bind(self._ptr, u32(layer, "layer"), u32(plane, "plane"), ptr(arr),
+                                 arr.nbytes), "kvt_layer_bind")
+        self._h.pins.append(arr)  # the memory must outlive the C context
+
+    # --- children ------------------------------------------------------------------------
+    def sequence(self, request_id: int = 0, prompt_rows: int = 0, ratio: int = 0,
+                 recall=None) -> "Sequence":
+        return Sequence(self, request_id=request_id, prompt_rows=prompt_rows, ratio=ratio,
+                        recall=recall)
+
+    def batch(self, max_seqs: int) -> "Batch":
+        return Batch(self, max_seqs)
+
+    def close(self) -> None:
+        """kvt_ctx_destroy: destroys the context's live batches and sequences too (their Python
+        objects become closed). Deferred while a plane view still lives."""
+        h, self._h = self._h, None
+        if h is None:
+            return
+        h.token[0] = False  # its batches, sequences and borrowed models are closed now
+        del h  # the last reference: kvt_ctx_destroy now (or when the last view goes)
+
+    def __repr__(self):
+        if self.closed:
+            return "<kvtier.Context closed>"
+        return f"<kvtier.Context {self.backend_name}: {self.n_layers} layers>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequences
+# ---------------------------------------------------------------------------------------------
+class LayerStats:
+    """kvt_layer_stats (see kvtier.h for each counter)."""
+
+    __slots__ = tuple(n for n, _ in _lib.LayerStatsC._fields_ if n != "struct_size")
+
+    def __init__(self, c):
+        for n in self.__slots__:
+            v = getattr(c, n)
+            if n == "policy":
+                v = maybe_enum(Policy, v)
+            setattr(self, n, v)
+
+    def as_dict(self) -> dict:
+        return {n: getattr(self, n) for n in self.__slots__}
+
+    def __repr__(self):
+        return "LayerStats(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+
+
+class Sequence(_Closable):
+    """kvt_seq: one request of a context (kvt_seq_create with kvt_seq_params)."""
+
+    _kind = "sequence"
+
+    def __init__(self, ctx: Context, request_id: int = 0, prompt_rows: int = 0, ratio: int = 0,
+                 recall=None):
+        if not isinstance(ctx, Context):
+            raise TypeError(f"ctx: expected a kvtier.Context, got {type(ctx).__name__}")
+        sp = lib.kvt_seq_default_params()
+        sp.struct_size = ctypes.sizeof(_lib.SeqParamsC)
+        sp.request_id = u64(request_id, "request_id")
+        sp.prompt_rows = u64(prompt_rows, "prompt_rows")
+        sp.ratio = u32(ratio, "ratio")
+        sp.recall = -1 if recall is None else int(to_enum(RecallMode, recall, "recall"))
+        out = ctypes.c_void_p()
+        check(lib.kvt_seq_create(ctx._ptr, ctypes.byref(sp), ctypes.byref(out)),
+              "kvt_seq_create")
+        self._ctx = ctx
+        self._h = _Handle(out.value, lib.kvt_seq_destroy, ctx._h)
+        self.request_id = sp.request_id
+
+    @property
+    def context(self) -> Context:
+        return self._ctx
+
+    def _context_ptr(self) -> int | None:
+        """kvt_seq_context (for tests: equals the context's handle)."""
+        return lib.kvt_seq_context(self._ptr)
+
+    def set_prompt_rows(self, n_rows: int) -> None:
+        check(lib.kvt_seq_set_prompt_rows(self._ptr, u64(n_rows, "n_rows")),
+              "kvt_seq_set_prompt_rows")
+
+    @property
+    def length(self) -> int:
+        """Tokens committed so far."""
+        return lib.kvt_seq_length(self._ptr)
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def pending(self) -> int:
+        """Rows reserved for the step in flight (0 between steps)."""
+        return lib.kvt_seq_pending(self._ptr)
+
+    def pages_needed(self, n_tokens: int) -> int:
+        out = ctypes.c_uint32()
+        check(lib.kvt_seq_pages_needed(self._ptr, u32(n_tokens, "n_tokens"), ctypes.byref(out)),
+              "kvt_seq_pages_needed")
+        return out.value
+
+    def reserved_slot(self, layer: int, i: int) -> int:
+        out = ctypes.c_int32()
+        check(lib.kvt_seq_reserved_slot(self._ptr, u32(layer, "layer"), u32(i, "i"),
+                                        ctypes.byref(out)), "kvt_seq_reserved_slot")
+        return out.value
+
+    def write(self, layer: int, plane: int, first: int, rows) -> None:
+        """kvt_seq_write: rows (n, ...) for reserved tokens [first, first + n) of one plane."""
+        arr, n = _rows_input(rows, self._ctx._spec_or_none(layer), "rows")
+        check(lib.kvt_seq_write(self._ptr, u32(layer, "layer"), u32(plane, "plane"),
+                                u32(first, "first"), u32(n, "n"), ptr(arr), arr.nbytes),
+              "kvt_seq_write")
+
+    def fork(self, request_id: int) -> "Sequence":
+        """kvt_seq_fork: shared prefixes are not supported by the library yet (UnsupportedError)."""
+        out = ctypes.c_void_p()
+        check(lib.kvt_seq_fork(self._ptr, u64(request_id, "request_id"), ctypes.byref(out)),
+              "kvt_seq_fork")
+        s = Sequence.__new__(Sequence)
+        s._ctx, s.request_id = self._ctx, request_id
+        s._h = _Handle(out.value, lib.kvt_seq_destroy, self._ctx._h)
+        return s
+
+    def block_table(self, layer: int) -> tuple[np.ndarray, int]:
+        """kvt_seq_block_table: (pages int32, n_rows committed) of the layer's group."""
+        n_pages, n_rows = ctypes.c_uint32(), ctypes.c_uint64()
+        check(lib.kvt_seq_block_table(self._ptr, u32(layer, "layer"), None, 0,
+                                      ctypes.byref(n_pages), ctypes.byref(n_rows)),
+              "kvt_seq_block_table")
+        pages = np.empty(n_pages.value, dtype=np.int32)
+        check(lib.kvt_seq_block_table(self._ptr, layer, ptr(pages, ctypes.c_int32), len(pages),
+                                      ctypes.byref(n_pages), ctypes.byref(n_rows)),
+              "kvt_seq_block_table")
+        return pages[:n_pages.value], n_rows.value
+
+    def first_row(self, layer: int) -> int:
+        out = ctypes.c_uint64()
+        check(lib.kvt_seq_first_row(self._ptr, u32(layer, "layer"), ctypes.byref(out)),
+              "kvt_seq_first_row")
+        return out.value
+
+    def row_state(self, layer: int, head: int, position: int) -> tuple[RowState, int]:
+        """kvt_seq_row_state: (state, slot) — slot -1 unless attended or pending."""
+        st, slot = _lib.c_enum(), ctypes.c_int32()
+        check(lib.kvt_seq_row_state(self._ptr, u32(layer, "layer"), u32(head, "head"),
+                                    u64(position, "position"), ctypes.byref(st),
+                                    ctypes.byref(slot)), "kvt_seq_row_state")
+        return maybe_enum(RowState, st.value), slot.value
+
+    def read_row(self, layer: int, plane: int, head: int, position: int) -> np.ndarray:
+        """kvt_seq_read_row: the row's bytes (uint8, row_bytes). DroppedError for a dropped row."""
+        spec = self._ctx._spec_or_none(layer)
+        buf = np.empty(int(spec.row_bytes) if spec else 1, dtype=np.uint8)
+        check(lib.kvt_seq_read_row(self._ptr, u32(layer, "layer"), u32(plane, "plane"),
+                                   u32(head, "head"), u64(position, "position"), ptr(buf),
+                                   buf.nbytes), "kvt_seq_read_row")
+        return buf
+
+    def positions(self, layer: int, head: int = 0) -> np.ndarray:
+        """kvt_seq_positions: original position of each row index of the group (int64)."""
+        n = ctypes.c_uint64()
+        check(lib.kvt_seq_positions(self._ptr, u32(layer, "layer"), u32(head, "head"), None, 0,
+                                    ctypes.byref(n)), "kvt_seq_positions")
+        out = np.empty(n.value, dtype=np.int64)
+        check(lib.kvt_seq_positions(self._ptr, layer, head, ptr(out, ctypes.c_int64), len(out),
+                                    ctypes.byref(n)), "kvt_seq_positions")
+        return out
+
+    def last_slot_map(self, layer: int, head: int = 0) -> np.ndarray:
+        """kvt_seq_last_slot_map: old row index -> new row index (-1: evicted) of the last
+        round. PolicyMismatchError on a layer without eviction rounds."""
+        n = ctypes.c_uint64()
+        check(lib.kvt_seq_last_slot_map(self._ptr, u32(layer, "layer"), u32(head, "head"), None,
+                                        0, ctypes.byref(n)), "kvt_seq_last_slot_map")
+        out = np.empty(n.value, dtype=np.int32)
+        check(lib.kvt_seq_last_slot_map(self._ptr, layer, head, ptr(out, ctypes.c_int32),
+                                        len(out), ctypes.byref(n)), "kvt_seq_last_slot_map")
+        return out
+
+    def layer_stats(self, layer: int) -> LayerStats:
+        out = _lib.LayerStatsC()
+        out.struct_size = ctypes.sizeof(_lib.LayerStatsC)
+        check(lib.kvt_seq_layer_stats(self._ptr, u32(layer, "layer"), ctypes.byref(out)),
+              "kvt_seq_layer_stats")
+        return LayerStats(out)
+
+    def check(self) -> None:
+        """kvt_seq_check: InvariantError with the first violation; BadStateError mid-step."""
+        check(lib.kvt_seq_check(self._ptr), "kvt_seq_check")
+
+    def __repr__(self):
+        if self.closed:
+            return "<kvtier.Sequence closed>"
+        return f"<kvtier.Sequence request {self.request_id}: {self.length} tokens>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+class Emission:
+    """What kvt_batch_run wrote. TOKENS: ``indices`` [n_seqs, topk] (-1 padded) and
+    ``lengths`` [n_seqs]; CSR: ``indices`` [capacity] and ``indptr`` [n_seqs + 1]. ``dense``
+    [n_seqs] (uint8) when asked for. ``slots(i)`` gives request i's attended slots."""
+
+    __slots__ = ("layout", "n_seqs", "indices", "lengths", "indptr", "dense")
+
+    def __init__(self, layout, n_seqs, indices, lengths=None, indptr=None, dense=None):
+        self.layout, self.n_seqs = layout, n_seqs
+        self.indices, self.lengths, self.indptr, self.dense = indices, lengths, indptr, dense
+
+    def slots(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.n_seqs:
+            raise IndexError(f"request {i} out of range ({self.n_seqs} in the step)")
+        if self.layout == EmitLayout.TOKENS:
+            return self.indices[i, :self.lengths[i]]
+        return self.indices[self.indptr[i]:self.indptr[i + 1]]
+
+    def counts(self) -> np.ndarray:
+        if self.layout == EmitLayout.TOKENS:
+            return self.lengths[:self.n_seqs].copy()
+        return np.diff(self.indptr[:self.n_seqs + 1])
+
+
+class Batch(_Closable):
+    """kvt_batch: one step of many requests — reserve, slot_mapping, plan, run per layer,
+    commit (the timeline and order rules of kvtier.h, "Batches"). A step's requests are kept
+    alive by the batch until the commit."""
+
+    _kind = "batch"
+
+    def __init__(self, ctx: Context, max_seqs: int):
+        if not isinstance(ctx, Context):
+            raise TypeError(f"ctx: expected a kvtier.Context, got {type(ctx).__name__}")
+        out = ctypes.c_void_p()
+        check(lib.kvt_batch_create(ctx._ptr, u32(max_seqs, "max_seqs"), ctypes.byref(out)),
+              "kvt_batch_create")
+        self._ctx = ctx
+        self._h = _Handle(out.value, lib.kvt_batch_destroy, ctx._h)
+        self.max_seqs = max_seqs
+        self._step: list[Sequence] = []
+        self._tokens = 0
+
+    @property
+    def context(self) -> Context:
+        return self._ctx
+
+    @property
+    def n_seqs(self) -> int:
+        """Requests of the step in flight (0 between steps)."""
+        return len(self._step)
+
+    def reserve(self, seqs: _Seq[Sequence], n_tokens) -> None:
+        """kvt_batch_reserve: n_tokens[i] new tokens for seqs[i] (an int: the same for all) in
+        every layer, all or nothing. PoolExhaustedError leaves everything unchanged."""
+        seqs = list(seqs)
+        for i, s in enumerate(seqs):
+            if not isinstance(s, Sequence):
+                raise TypeError(f"seqs[{i}]: expected a kvtier.Sequence, got {type(s).__name__}")
+        if isinstance(n_tokens, (int, np.integer)) and not isinstance(n_tokens, bool):
+            counts = [n_tokens] * len(seqs)
+        else:
+            counts = list(np.asarray(n_tokens).reshape(-1)) if not isinstance(n_tokens, list) \
+                else n_tokens
+            # kvt_batch_reserve reads n_seqs counts: a shorter list would be read past its end.
+            if len(counts) != len(seqs):
+                raise ValueError(f"n_tokens: {len(counts)} counts for {len(seqs)} requests")
+        n = len(seqs)
+        arr_s = (ctypes.c_void_p * max(1, n))(*[s._ptr for s in seqs])
+        arr_n = (ctypes.c_uint32 * max(1, n))(*[u32(c, f"n_tokens[{i}]")
+                                                  for i, c in enumerate(counts)])
+        check(lib.kvt_batch_reserve(self._ptr, arr_s, arr_n, n), "kvt_batch_reserve")
+        self._step = seqs
+        self._tokens = sum(int(c) for c in counts)
+
+    def slot_mapping(self, layer: int, out=None) -> np.ndarray:
+        """kvt_batch_slot_mapping: int32 slot of every new token of the step (request order,
+        then token order) in the layer's group. ``out``: a caller buffer (CapacityError when
+        shorter than the step's tokens)."""
+        n = ctypes.c_uint32()
+        if out is None:
+            out = np.empty(self._tokens, dtype=np.int32)
+        else:
+            out = as_output(out, "out", np.int32)
+            if out.ndim != 1:
+                raise ValueError(f"out: expected one dimension, got shape {out.shape}")
+        check(lib.kvt_batch_slot_mapping(self._ptr, u32(layer, "layer"),
+                                         ptr(out, ctypes.c_int32), len(out), ctypes.byref(n)),
+              "kvt_batch_slot_mapping")
+        return out[:n.value]
+
+    def plan(self) -> None:
+        """kvt_batch_plan (host only). BadStateError without a reservation."""
+        check(lib.kvt_batch_plan(self._ptr), "kvt_batch_plan")
+
+    def capacity(self, layer: int) -> tuple[int, int]:
+        """kvt_batch_capacity after plan: (topk, total) that always suffice for run(layer)."""
+        topk, total = ctypes.c_uint32(), ctypes.c_uint32()
+        check(lib.kvt_batch_capacity(self._ptr, u32(layer, "layer"), ctypes.byref(topk),
+                                     ctypes.byref(total)), "kvt_batch_capacity")
+        return topk.value, total.value
+
+    def run(self, layer: int, layout="tokens", *, indices=None, lengths=None, indptr=None,
+            dense=None, want_dense: bool = False, query=None, stream=None) -> Emission:
+        """kvt_batch_run: the layer's due close or round for every request, then its attended
+        sets. Buffers: pass fixed-capacity ``indices`` (TOKENS: int32 [>= n_seqs, topk]; CSR:
+        int32 [capacity]) and ``lengths`` / ``indptr`` (int32 [>= n_seqs] / [>= n_seqs + 1]),
+        optional ``dense`` (uint8 [>= n_seqs]); or none, and buffers sized by capacity() are
+        made. ``query`` (the recall tier's queries; ignored while recall is off) and ``stream``
+        (a cudaStream_t as int, or an object with ``cuda_stream``; ignored on the CPU) pass
+        through. CapacityError when a request's rows exceed the capacity."""
+        layout = to_enum(EmitLayout, layout, "layout")
+        n = len(self._step)
+        e = _lib.EmitC()
+        e.struct_size = ctypes.sizeof(_lib.EmitC)
+        e.layout = int(layout)
+        if indices is None:
+            topk, total = self.capacity(layer)
+            if layout == EmitLayout.TOKENS:
+                indices = np.empty((n, topk), dtype=np.int32)
+            else:
+                indices = np.empty(total, dtype=np.int32)
+        else:
+            indices = as_output(indices, "indices", np.int32)
+        if layout == EmitLayout.TOKENS:
+            if indices.ndim != 2 or indices.shape[0] < n:
+                raise ValueError(f"indices: TOKENS needs shape (>= {n}, topk), got "
+                                 f"{indices.shape}")
+            e.capacity = u32(indices.shape[1], "topk")
+            lengths = np.empty(n, dtype=np.int32) if lengths is None else \
+                as_output(lengths, "lengths", np.int32)
+            if lengths.ndim != 1 or lengths.shape[0] < n:
+                raise ValueError(f"lengths: needs shape (>= {n},), got {lengths.shape}")
+            e.lengths = ptr(lengths, ctypes.c_int32)
+        else:
+            if indices.ndim != 1:
+                raise ValueError(f"indices: CSR needs one dimension, got {indices.shape}")
+            e.capacity = u32(indices.shape[0], "capacity")
+            indptr = np.empty(n + 1, dtype=np.int32) if indptr is None else \
+                as_output(indptr, "indptr", np.int32)
+            if indptr.ndim != 1 or indptr.shape[0] < n + 1:
+                raise ValueError(f"indptr: needs shape (>= {n + 1},), got {indptr.shape}")
+            e.indptr = ptr(indptr, ctypes.c_int32)
+        e.indices = ptr(indices, ctypes.c_int32)
+        if dense is not None or want_dense:
+            dense = np.zeros(n, dtype=np.uint8) if dense is None else \
+                as_output(dense, "dense", np.uint8)
+            if dense.ndim != 1 or dense.shape[0] < n:
+                raise ValueError(f"dense: needs shape (>= {n},), got {dense.shape}")
+            e.dense = ptr(dense, ctypes.c_uint8)
+        q = None
+        if query is not None:
+            q = as_array(query, "query")
+            if not q.flags.c_contiguous:
+                raise ValueError("query: must be C-contiguous")
+        if stream is None:
+            s = None
+        elif hasattr(stream, "cuda_stream"):
+            s = int(stream.cuda_stream)
+        else:
+            s = u64(stream, "stream")
+        check(lib.kvt_batch_run(self._ptr, u32(layer, "layer"),
+                                ptr(q) if q is not None else None, s, ctypes.byref(e)),
+              "kvt_batch_run")
+        return Emission(layout, n, indices, lengths if layout == EmitLayout.TOKENS else None,
+                        indptr if layout == EmitLayout.CSR else None, dense)
+
+    def commit(self, n_accepted=None) -> None:
+        """kvt_batch_commit: n_accepted[i] tokens of seqs[i] (None: all reserved)."""
+        acc = None
+        if n_accepted is not None:
+            counts = list(n_accepted)
+            # kvt_batch_commit reads one count per request of the step.
+            if len(counts) != len(self._step):
+                raise ValueError(f"n_accepted: {len(counts)} counts for the step's "
+                                 f"{len(self._step)} requests")
+            acc = (ctypes.c_uint32 * max(1, len(counts)))(
+                *[u32(c, f"n_accepted[{i}]") for i, c in enumerate(counts)])
+        check(lib.kvt_batch_commit(self._ptr, acc), "kvt_batch_commit")
+        self._step = []
+        self._tokens = 0
+
+    def close(self) -> None:
+        """kvt_batch_destroy. A step in flight before any run is abandoned (its reservations
+        released); after a run, commit first (the requests otherwise stay reserved)."""
+        super().close()
+        self._step = []
+
+    def __repr__(self):
+        if self.closed:
+            return "<kvtier.Batch closed>"
+        return f"<kvtier.Batch max_seqs={self.max_seqs}, {self.n_seqs} in the step>"

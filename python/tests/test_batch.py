@@ -1,0 +1,177 @@
+"""The batch step's order rules, each with its documented status, both emission layouts,
+caller buffers, and bad input checked before the call."""
+
+import numpy as np
+import pytest
+
+import kvtier
+
+from conftest import fill, small_config
+
+
+def test_order_rules(mixed_ctx):
+    ctx = mixed_ctx
+    s = [ctx.sequence(1), ctx.sequence(2)]
+    b = ctx.batch(2)
+    assert b.context is ctx and b.n_seqs == 0
+    with pytest.raises(kvtier.BadStateError):
+        b.plan()
+    with pytest.raises(kvtier.BadStateError):
+        b.commit()
+    with pytest.raises(kvtier.BadStateError):
+        b.capacity(0)
+    with pytest.raises(kvtier.BadStateError):
+        b.run(0, indices=np.zeros((0, 4), np.int32), lengths=np.zeros(0, np.int32))
+    b.reserve(s, [40, 3])
+    assert b.n_seqs == 2
+    with pytest.raises(kvtier.BadStateError):
+        b.reserve(s, 1)  # a step is in flight
+    with pytest.raises(kvtier.BadStateError):
+        b.run(1)  # before plan (capacity refuses first, with the same status)
+    fill(s[0], ctx, 40, 1)
+    fill(s[1], ctx, 3, 2)
+    b.plan()
+    assert b.capacity(1) == (40, 43)
+    with pytest.raises(kvtier.OutOfRangeError):
+        b.capacity(3)
+    tok = b.run(1)
+    assert tok.lengths.tolist() == [40, 3] and tok.indices.shape == (2, 40)
+    assert np.array_equal(tok.slots(0), [s[0].reserved_slot(1, j) for j in range(40)])
+    with pytest.raises(IndexError):
+        tok.slots(2)
+    with pytest.raises(kvtier.BadStateError):  # its rows may have moved
+        s[0].write(1, 0, 0, np.zeros((1, 64), np.uint8))
+    s[0].write(2, 0, 0, np.zeros((1, 64), np.uint8))  # layer 2 has not run
+    csr = b.run(1, "csr")
+    assert csr.indptr.tolist() == [0, 40, 43] and csr.counts().tolist() == [40, 3]
+    assert np.array_equal(csr.slots(1), tok.slots(1))
+    with pytest.raises(kvtier.UnsupportedError):
+        b.commit([40, 2])  # partial acceptance: nothing committed, the step stays open
+    assert s[1].length == 0
+    with pytest.raises(kvtier.InvalidArgumentError):
+        b.commit([40, 4])
+    with pytest.raises(ValueError):
+        b.commit([40])  # one count per request, checked before the call
+    b.commit([40, 3])
+    assert [x.length for x in s] == [40, 3] and b.n_seqs == 0
+    for x in s:
+        x.check()
+
+
+def test_reserve_checks(mixed_model):
+    with kvtier.Context(mixed_model, small_config(), page_rows=16, n_pages=6) as ctx:
+        s = [ctx.sequence(i) for i in range(3)]
+        b = ctx.batch(3)
+        free = ctx.free_pages(0), ctx.free_pages(1)
+        with pytest.raises(kvtier.PoolExhaustedError) as ei:
+            b.reserve(s, [32, 48, 32])
+        assert "nothing was reserved" in ei.value.message
+        assert (ctx.free_pages(0), ctx.free_pages(1)) == free
+        assert all(x.pending == 0 for x in s) and b.n_seqs == 0
+        with pytest.raises(kvtier.CapacityError):
+            ctx.batch(2).reserve(s, 1)  # 3 requests, max_seqs 2
+        with pytest.raises(kvtier.InvalidArgumentError):
+            b.reserve([s[0], s[0]], 1)  # the same request twice
+        with kvtier.Context(mixed_model, small_config(), n_pages=4) as other:
+            with pytest.raises(kvtier.InvalidArgumentError):
+                b.reserve([other.sequence(9)], 1)  # a request of another context
+        with pytest.raises(ValueError):
+            b.reserve(s, [1, 2])  # one count per request, checked before the call
+        with pytest.raises(ValueError):
+            b.reserve(s, -1)
+        with pytest.raises(TypeError):
+            b.reserve([s[0], "s1"], 1)
+        closed = ctx.sequence(7)
+        closed.close()
+        with pytest.raises(ValueError, match="closed"):
+            b.reserve([closed], 1)
+        with pytest.raises(kvtier.InvalidArgumentError):
+            ctx.batch(0)
+        b.reserve(s, np.array([16, 16, 16]))  # counts as an array
+        other_b = ctx.batch(1)
+        with pytest.raises(kvtier.BadStateError):  # s[0] is in b's step
+            other_b.reserve([s[0]], 1)
+        b.commit()
+
+
+def test_slot_mapping_and_buffers(mixed_ctx):
+    ctx = mixed_ctx
+    s = [ctx.sequence(1), ctx.sequence(2)]
+    b = ctx.batch(2)
+    b.reserve(s, [5, 20])
+    m = b.slot_mapping(0)
+    assert m.dtype == np.int32 and len(m) == 25 and len(set(m.tolist())) == 25
+    out = np.full(32, -7, np.int32)
+    assert np.array_equal(b.slot_mapping(0, out=out), m) and out[25] == -7
+    with pytest.raises(kvtier.CapacityError):
+        b.slot_mapping(0, out=np.zeros(24, np.int32))
+    with pytest.raises(TypeError):
+        b.slot_mapping(0, out=np.zeros(25, np.int64))
+    with pytest.raises(ValueError):
+        b.slot_mapping(0, out=np.zeros((5, 5), np.int32))
+    with pytest.raises(kvtier.OutOfRangeError):
+        b.slot_mapping(7)
+    fill(s[0], ctx, 5)
+    fill(s[1], ctx, 20)
+    b.plan()
+    # fixed-capacity caller buffers (e.g. reused by a captured graph)
+    idx = np.full((4, 32), 99, np.int32)
+    ln = np.zeros(4, np.int32)
+    dense = np.full(4, 7, np.uint8)
+    e = b.run(1, indices=idx, lengths=ln, dense=dense)
+    assert e.indices is idx and ln[:2].tolist() == [5, 20] and dense[:2].tolist() == [0, 0]
+    assert np.all(idx[0, 5:] == -1) and np.all(idx[2:] == 99)  # rows past n_seqs untouched
+    with pytest.raises(kvtier.CapacityError):
+        b.run(1, indices=np.zeros((2, 19), np.int32))
+    with pytest.raises(kvtier.CapacityError):
+        b.run(1, "csr", indices=np.zeros(24, np.int32))
+    with pytest.raises(TypeError):
+        b.run(1, indices=np.zeros((2, 32), np.int64))
+    with pytest.raises(ValueError):
+        b.run(1, indices=np.zeros((1, 32), np.int32))  # fewer rows than requests
+    with pytest.raises(ValueError):
+        b.run(1, indices=np.zeros((2, 32), np.int32), lengths=np.zeros(1, np.int32))
+    with pytest.raises(ValueError):
+        b.run(1, "csr", indices=np.zeros(32, np.int32), indptr=np.zeros(2, np.int32))
+    with pytest.raises(ValueError):
+        b.run(1, indices=np.zeros((2, 64), np.int32)[:, ::2])
+    with pytest.raises(ValueError):
+        ro = np.zeros((2, 32), np.int32)
+        ro.flags.writeable = False
+        b.run(1, indices=ro)
+    with pytest.raises(TypeError):
+        b.run(1, indices=[[0] * 32] * 2)  # a list would be copied: results lost
+    with pytest.raises(ValueError):
+        b.run(1, "pages")
+    with pytest.raises(kvtier.OutOfRangeError):
+        b.run(3, indices=np.zeros((2, 32), np.int32))
+    # the query and stream pass through (recall off: ignored)
+    q = np.zeros((2, 4, 576), np.float32)
+    e = b.run(0, query=q, stream=0)
+    assert e.lengths.tolist() == [5, 20]
+    b.commit()
+
+
+def test_destroying_things_mid_step(mixed_model):
+    """kvt_batch_destroy before any run gives the reservations back; a request destroyed
+    mid-step leaves it (its pages go back)."""
+    with kvtier.Context(mixed_model, small_config(), page_rows=16, n_pages=16) as ctx:
+        free = ctx.free_pages(0), ctx.free_pages(1)
+        s = [ctx.sequence(1), ctx.sequence(2)]
+        b = ctx.batch(2)
+        b.reserve(s, [20, 20])
+        b.close()
+        assert (ctx.free_pages(0), ctx.free_pages(1)) == free and s[0].pending == 0
+        with pytest.raises(ValueError, match="closed"):
+            b.plan()
+        b = ctx.batch(2)
+        b.reserve(s, [20, 20])
+        fill(s[0], ctx, 20)
+        b.plan()
+        s[1].close()
+        e = b.run(0)
+        assert e.lengths.tolist() == [20, 0]
+        b.commit()
+        assert s[0].length == 20
+        s[0].close()
+        assert (ctx.free_pages(0), ctx.free_pages(1)) == free

@@ -1,0 +1,109 @@
+"""Sequences: params, prompt rows, pages, reserved slots, writes, by-position queries, stats,
+checks — and their statuses mid-step and on bad input."""
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier import RowState
+
+from conftest import fill
+
+
+def test_params_and_bad_params(mixed_ctx):
+    s = mixed_ctx.sequence(request_id=2**64 - 1, prompt_rows=5, ratio=32)
+    assert s.request_id == 2**64 - 1 and s.length == 0 and len(s) == 0 and s.pending == 0
+    assert s.context is mixed_ctx and s._context_ptr() == mixed_ctx._ptr
+    with pytest.raises(kvtier.InvalidArgumentError) as ei:
+        mixed_ctx.sequence(ratio=2**20 + 1)
+    assert "ratio" in ei.value.message
+    with pytest.raises(kvtier.UnsupportedError):
+        mixed_ctx.sequence(recall="on")
+    with pytest.raises(ValueError):
+        mixed_ctx.sequence(request_id=-1)
+    with pytest.raises(TypeError):
+        kvtier.Sequence("ctx")
+    with pytest.raises(kvtier.UnsupportedError):
+        s.fork(9)
+
+
+def test_rows_by_position(mixed_ctx):
+    ctx = mixed_ctx
+    s = ctx.sequence(1, prompt_rows=4)
+    assert s.pages_needed(40) == 3 + 3  # two groups of 16-row pages
+    b = ctx.batch(1)
+    b.reserve([s], 40)
+    assert s.pending == 40
+    assert [s.reserved_slot(1, j) for j in range(40)] == b.slot_mapping(1).tolist()
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.reserved_slot(1, 40)
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.reserved_slot(5, 0)
+    fill(s, ctx, 40, seed=3)
+    s.set_prompt_rows(6)
+    # mid-step: by-position queries wait for the commit
+    b.plan()
+    for call in (lambda: s.row_state(0, 0, 0), lambda: s.check(), lambda: s.layer_stats(0),
+                 lambda: s.positions(1, 0), lambda: s.block_table(1),
+                 lambda: s.read_row(0, 0, 0, 0), lambda: s.last_slot_map(1, 0)):
+        with pytest.raises(kvtier.BadStateError):
+            call()
+    b.commit()
+    s.check()
+    assert s.length == 40 and s.pending == 0
+    rows = np.random.default_rng(3)  # fill()'s first layer: what read_row must give back
+    first = rows.integers(0, 64, size=(40, 1152), dtype=np.uint8)
+    assert np.array_equal(s.read_row(0, 0, 0, 17), first[17])
+    state, slot = s.row_state(0, 0, 17)
+    assert state == RowState.ATTENDED and slot >= 0
+    assert np.array_equal(ctx.layer_read(0, 0, slot, 1).reshape(-1), first[17])
+    pages, n_rows = s.block_table(1)
+    assert n_rows == 40 and len(pages) == 3 and pages.dtype == np.int32
+    assert s.first_row(1) == 0
+    assert np.array_equal(s.positions(1, 1), np.arange(40))
+    with pytest.raises(kvtier.PolicyMismatchError):
+        s.last_slot_map(0, 0)  # salience rows never move
+    assert len(s.last_slot_map(1, 0)) == 0  # no round yet (40 < K + r + c = 48)
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.row_state(0, 0, 40)
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.row_state(1, 2, 0)  # head 2 of 2
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.read_row(9, 0, 0, 0)
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.positions(0, 1)
+    st = s.layer_stats(1)
+    assert st.policy == kvtier.Policy.EVICT and st.appended_rows == 80 and st.prompt_rows == 6
+    assert st.attended_rows == 40 and st.rounds == 0
+    sal = s.layer_stats(0)
+    assert sal.policy == kvtier.Policy.SALIENCE and sal.tail_rows == 40 and sal.closes == 0
+    # a round moves rows: afterwards the prompt can no longer change
+    b.reserve([s], 8)
+    fill(s, ctx, 8, seed=4)
+    b.commit()
+    assert s.layer_stats(1).rounds == 1
+    with pytest.raises(kvtier.BadStateError):
+        s.set_prompt_rows(10)
+    smap = s.last_slot_map(1, 0)
+    assert len(smap) == 48 and (smap >= 0).sum() == 40
+    s.check()
+
+
+def test_write_checks(mixed_ctx):
+    s = mixed_ctx.sequence(1)
+    b = mixed_ctx.batch(1)
+    with pytest.raises(kvtier.OutOfRangeError):  # nothing reserved
+        s.write(1, 0, 0, np.zeros((1, 64), np.uint8))
+    b.reserve([s], 4)
+    s.write(1, 0, 0, np.zeros((4, 2, 16), np.float16))
+    with pytest.raises(TypeError):
+        s.write(1, 0, 0, np.zeros((4, 2, 16), np.float32))  # fp16 layer
+    with pytest.raises(TypeError):
+        s.write(0, 0, 0, np.zeros((1, 576), np.float16))    # bf16 layer: uint16 bits
+    with pytest.raises(ValueError):
+        s.write(1, 0, 0, np.zeros((4, 2, 15), np.float16))
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.write(1, 0, 2, np.zeros((4, 64), np.uint8))       # tokens 2..5 of 4
+    with pytest.raises(kvtier.OutOfRangeError):
+        s.write(1, 2, 0, np.zeros((4, 64), np.uint8))       # plane 2
+    b.commit()
