@@ -887,27 +887,47 @@ class Sequence(_Closable):
 # Batches
 # ---------------------------------------------------------------------------------------------
 class Emission:
-    """What kvt_batch_run wrote. TOKENS: ``indices`` [n_seqs, topk] (-1 padded) and
-    ``lengths`` [n_seqs]; CSR: ``indices`` [capacity] and ``indptr`` [n_seqs + 1]. ``dense``
-    [n_seqs] (uint8) when asked for. ``slots(i)`` gives request i's attended slots."""
+    """What kvt_batch_run wrote, with s_q = ``queries_per_seq`` sets per request (query q = i *
+    s_q + t). TOKENS: ``indices`` [n_seqs * s_q, topk] (-1 padded) and ``lengths``
+    [n_seqs * s_q]; CSR: ``indices`` [capacity] and ``indptr`` [n_seqs * s_q + 1]. ``dense``
+    [n_seqs] (uint8) when asked for. ``slots(i, t)`` gives request i's attended slots for its
+    query token t."""
 
-    __slots__ = ("layout", "n_seqs", "indices", "lengths", "indptr", "dense")
+    __slots__ = ("layout", "n_seqs", "queries_per_seq", "indices", "lengths", "indptr", "dense")
 
-    def __init__(self, layout, n_seqs, indices, lengths=None, indptr=None, dense=None):
-        self.layout, self.n_seqs = layout, n_seqs
+    def __init__(self, layout, n_seqs, indices, lengths=None, indptr=None, dense=None,
+                 queries_per_seq=1):
+        self.layout, self.n_seqs, self.queries_per_seq = layout, n_seqs, queries_per_seq
         self.indices, self.lengths, self.indptr, self.dense = indices, lengths, indptr, dense
 
-    def slots(self, i: int) -> np.ndarray:
+    def slots(self, i: int, t: int = 0) -> np.ndarray:
         if not 0 <= i < self.n_seqs:
             raise IndexError(f"request {i} out of range ({self.n_seqs} in the step)")
+        if not 0 <= t < self.queries_per_seq:
+            raise IndexError(f"query token {t} out of range ({self.queries_per_seq} per request)")
+        q = i * self.queries_per_seq + t
         if self.layout == EmitLayout.TOKENS:
-            return self.indices[i, :self.lengths[i]]
-        return self.indices[self.indptr[i]:self.indptr[i + 1]]
+            return self.indices[q, :self.lengths[q]]
+        return self.indices[self.indptr[q]:self.indptr[q + 1]]
 
     def counts(self) -> np.ndarray:
+        """Rows per query (one per request when queries_per_seq is 1)."""
+        nq = self.n_seqs * self.queries_per_seq
         if self.layout == EmitLayout.TOKENS:
-            return self.lengths[:self.n_seqs].copy()
-        return np.diff(self.indptr[:self.n_seqs + 1])
+            return self.lengths[:nq].copy()
+        return np.diff(self.indptr[:nq + 1])
+
+
+def _per_request(values, n: int, name: str) -> list[int]:
+    """One uint32 count per request: an int repeats; a sequence must hold exactly n (the C side
+    reads n entries and would read past a shorter array)."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        values = [values] * n
+    else:
+        values = list(np.asarray(values).reshape(-1)) if not isinstance(values, list) else values
+        if len(values) != n:
+            raise ValueError(f"{name}: {len(values)} counts for {n} requests")
+    return [u32(c, f"{name}[{i}]") for i, c in enumerate(values)]
 
 
 class Batch(_Closable):
@@ -938,28 +958,27 @@ class Batch(_Closable):
         """Requests of the step in flight (0 between steps)."""
         return len(self._step)
 
-    def reserve(self, seqs: _Seq[Sequence], n_tokens) -> None:
+    def reserve(self, seqs: _Seq[Sequence], n_tokens, n_drafts=None) -> None:
         """kvt_batch_reserve: n_tokens[i] new tokens for seqs[i] (an int: the same for all) in
-        every layer, all or nothing. PoolExhaustedError leaves everything unchanged."""
+        every layer, all or nothing. PoolExhaustedError leaves everything unchanged. With
+        ``n_drafts`` (kvt_batch_reserve_drafts; an int or one count per request) the last
+        n_drafts[i] tokens are speculative drafts that commit may reject."""
         seqs = list(seqs)
         for i, s in enumerate(seqs):
             if not isinstance(s, Sequence):
                 raise TypeError(f"seqs[{i}]: expected a kvtier.Sequence, got {type(s).__name__}")
-        if isinstance(n_tokens, (int, np.integer)) and not isinstance(n_tokens, bool):
-            counts = [n_tokens] * len(seqs)
-        else:
-            counts = list(np.asarray(n_tokens).reshape(-1)) if not isinstance(n_tokens, list) \
-                else n_tokens
-            # kvt_batch_reserve reads n_seqs counts: a shorter list would be read past its end.
-            if len(counts) != len(seqs):
-                raise ValueError(f"n_tokens: {len(counts)} counts for {len(seqs)} requests")
         n = len(seqs)
         arr_s = (ctypes.c_void_p * max(1, n))(*[s._ptr for s in seqs])
-        arr_n = (ctypes.c_uint32 * max(1, n))(*[u32(c, f"n_tokens[{i}]")
-                                                  for i, c in enumerate(counts)])
-        check(lib.kvt_batch_reserve(self._ptr, arr_s, arr_n, n), "kvt_batch_reserve")
+        counts = _per_request(n_tokens, n, "n_tokens")
+        arr_n = (ctypes.c_uint32 * max(1, n))(*counts)
+        if n_drafts is None:
+            check(lib.kvt_batch_reserve(self._ptr, arr_s, arr_n, n), "kvt_batch_reserve")
+        else:
+            arr_d = (ctypes.c_uint32 * max(1, n))(*_per_request(n_drafts, n, "n_drafts"))
+            check(lib.kvt_batch_reserve_drafts(self._ptr, arr_s, arr_n, arr_d, n),
+                  "kvt_batch_reserve_drafts")
         self._step = seqs
-        self._tokens = sum(int(c) for c in counts)
+        self._tokens = sum(counts)
 
     def slot_mapping(self, layer: int, out=None) -> np.ndarray:
         """kvt_batch_slot_mapping: int32 slot of every new token of the step (request order,
@@ -989,45 +1008,51 @@ class Batch(_Closable):
         return topk.value, total.value
 
     def run(self, layer: int, layout="tokens", *, indices=None, lengths=None, indptr=None,
-            dense=None, want_dense: bool = False, query=None, stream=None) -> Emission:
+            dense=None, want_dense: bool = False, queries_per_seq: int = 1, query=None,
+            stream=None) -> Emission:
         """kvt_batch_run: the layer's due close or round for every request, then its attended
-        sets. Buffers: pass fixed-capacity ``indices`` (TOKENS: int32 [>= n_seqs, topk]; CSR:
-        int32 [capacity]) and ``lengths`` / ``indptr`` (int32 [>= n_seqs] / [>= n_seqs + 1]),
-        optional ``dense`` (uint8 [>= n_seqs]); or none, and buffers sized by capacity() are
-        made. ``query`` (the recall tier's queries; ignored while recall is off) and ``stream``
-        (a cudaStream_t as int, or an object with ``cuda_stream``; ignored on the CPU) pass
+        sets, one per request or, with ``queries_per_seq`` = s_q > 1, one per query token
+        (causal: token t sees the step's rows up to its own). Buffers: pass fixed-capacity
+        ``indices`` (TOKENS: int32 [>= n_seqs * s_q, topk]; CSR: int32 [capacity]) and
+        ``lengths`` / ``indptr`` (int32 [>= n_seqs * s_q] / [>= n_seqs * s_q + 1]), optional
+        ``dense`` (uint8 [>= n_seqs]); or none, and buffers sized by capacity() are made.
+        ``query`` (the recall tier's queries; ignored while recall is off) and ``stream`` (a
+        cudaStream_t as int, or an object with ``cuda_stream``; ignored on the CPU) pass
         through. CapacityError when a request's rows exceed the capacity."""
         layout = to_enum(EmitLayout, layout, "layout")
         n = len(self._step)
+        sq = u32(queries_per_seq, "queries_per_seq") or 1
+        nq = n * sq
         e = _lib.EmitC()
         e.struct_size = ctypes.sizeof(_lib.EmitC)
         e.layout = int(layout)
+        e.queries_per_seq = sq
         if indices is None:
             topk, total = self.capacity(layer)
             if layout == EmitLayout.TOKENS:
-                indices = np.empty((n, topk), dtype=np.int32)
+                indices = np.empty((nq, topk), dtype=np.int32)
             else:
-                indices = np.empty(total, dtype=np.int32)
+                indices = np.empty(total * sq, dtype=np.int32)
         else:
             indices = as_output(indices, "indices", np.int32)
         if layout == EmitLayout.TOKENS:
-            if indices.ndim != 2 or indices.shape[0] < n:
-                raise ValueError(f"indices: TOKENS needs shape (>= {n}, topk), got "
+            if indices.ndim != 2 or indices.shape[0] < nq:
+                raise ValueError(f"indices: TOKENS needs shape (>= {nq}, topk), got "
                                  f"{indices.shape}")
             e.capacity = u32(indices.shape[1], "topk")
-            lengths = np.empty(n, dtype=np.int32) if lengths is None else \
+            lengths = np.empty(nq, dtype=np.int32) if lengths is None else \
                 as_output(lengths, "lengths", np.int32)
-            if lengths.ndim != 1 or lengths.shape[0] < n:
-                raise ValueError(f"lengths: needs shape (>= {n},), got {lengths.shape}")
+            if lengths.ndim != 1 or lengths.shape[0] < nq:
+                raise ValueError(f"lengths: needs shape (>= {nq},), got {lengths.shape}")
             e.lengths = ptr(lengths, ctypes.c_int32)
         else:
             if indices.ndim != 1:
                 raise ValueError(f"indices: CSR needs one dimension, got {indices.shape}")
             e.capacity = u32(indices.shape[0], "capacity")
-            indptr = np.empty(n + 1, dtype=np.int32) if indptr is None else \
+            indptr = np.empty(nq + 1, dtype=np.int32) if indptr is None else \
                 as_output(indptr, "indptr", np.int32)
-            if indptr.ndim != 1 or indptr.shape[0] < n + 1:
-                raise ValueError(f"indptr: needs shape (>= {n + 1},), got {indptr.shape}")
+            if indptr.ndim != 1 or indptr.shape[0] < nq + 1:
+                raise ValueError(f"indptr: needs shape (>= {nq + 1},), got {indptr.shape}")
             e.indptr = ptr(indptr, ctypes.c_int32)
         e.indices = ptr(indices, ctypes.c_int32)
         if dense is not None or want_dense:
@@ -1051,10 +1076,11 @@ class Batch(_Closable):
                                 ptr(q) if q is not None else None, s, ctypes.byref(e)),
               "kvt_batch_run")
         return Emission(layout, n, indices, lengths if layout == EmitLayout.TOKENS else None,
-                        indptr if layout == EmitLayout.CSR else None, dense)
+                        indptr if layout == EmitLayout.CSR else None, dense, sq)
 
     def commit(self, n_accepted=None) -> None:
-        """kvt_batch_commit: n_accepted[i] tokens of seqs[i] (None: all reserved)."""
+        """kvt_batch_commit: the first n_accepted[i] tokens of seqs[i] (None: all reserved);
+        only drafts (reserve's n_drafts) may be rejected."""
         acc = None
         if n_accepted is not None:
             counts = list(n_accepted)

@@ -162,6 +162,7 @@ class EmitC(ctypes.Structure):
         ("lengths", P(c_i32)),
         ("indptr", P(c_i32)),
         ("dense", P(ctypes.c_uint8)),
+        ("queries_per_seq", c_u32),
     ]
 
 
@@ -218,6 +219,8 @@ class RefAttnArgsC(ctypes.Structure):
 CONFIG_SIZE_MIN = ConfigC.selector.offset + ctypes.sizeof(c_enum)
 CTX_PARAMS_SIZE_MIN = CtxParamsC.layer_policies.offset + ctypes.sizeof(P(c_enum))
 SEQ_PARAMS_SIZE_MIN = SeqParamsC.recall.offset + ctypes.sizeof(c_i32)
+EMIT_SIZE_MIN = EmitC.dense.offset + ctypes.sizeof(P(ctypes.c_uint8))
+MAX_QUERIES_PER_SEQ = 256  # KVT_MAX_QUERIES_PER_SEQ
 LAYER_STATS_SIZE_MIN = (LayerStatsC.attended_bytes_per_token.offset +
                         ctypes.sizeof(ctypes.c_double))
 
@@ -288,6 +291,7 @@ _SIGNATURES = {
     "kvt_batch_create": (c_status, [c_vp, c_u32, P(c_vp)]),
     "kvt_batch_destroy": (None, [c_vp]),
     "kvt_batch_reserve": (c_status, [c_vp, P(c_vp), P(c_u32), c_u32]),
+    "kvt_batch_reserve_drafts": (c_status, [c_vp, P(c_vp), P(c_u32), P(c_u32), c_u32]),
     "kvt_batch_slot_mapping": (c_status, [c_vp, c_u32, P(c_i32), c_u32, P(c_u32)]),
     "kvt_batch_plan": (c_status, [c_vp]),
     "kvt_batch_capacity": (c_status, [c_vp, c_u32, P(c_u32), P(c_u32)]),

@@ -22,7 +22,9 @@ STRUCTS = {
 MINS = {"KVT_CONFIG_SIZE_MIN": _lib.CONFIG_SIZE_MIN,
         "KVT_CTX_PARAMS_SIZE_MIN": _lib.CTX_PARAMS_SIZE_MIN,
         "KVT_SEQ_PARAMS_SIZE_MIN": _lib.SEQ_PARAMS_SIZE_MIN,
-        "KVT_LAYER_STATS_SIZE_MIN": _lib.LAYER_STATS_SIZE_MIN}
+        "KVT_LAYER_STATS_SIZE_MIN": _lib.LAYER_STATS_SIZE_MIN,
+        "KVT_EMIT_SIZE_MIN": _lib.EMIT_SIZE_MIN,
+        "KVT_MAX_QUERIES_PER_SEQ": _lib.MAX_QUERIES_PER_SEQ}
 
 
 def test_struct_layouts_match_the_c_compiler(tmp_path):

@@ -45,8 +45,8 @@ def test_order_rules(mixed_ctx):
     csr = b.run(1, "csr")
     assert csr.indptr.tolist() == [0, 40, 43] and csr.counts().tolist() == [40, 3]
     assert np.array_equal(csr.slots(1), tok.slots(1))
-    with pytest.raises(kvtier.UnsupportedError):
-        b.commit([40, 2])  # partial acceptance: nothing committed, the step stays open
+    with pytest.raises(kvtier.InvalidArgumentError):
+        b.commit([40, 2])  # rejecting a token that is not a draft: the step stays open
     assert s[1].length == 0
     with pytest.raises(kvtier.InvalidArgumentError):
         b.commit([40, 4])
@@ -175,3 +175,50 @@ def test_destroying_things_mid_step(mixed_model):
         assert s[0].length == 20
         s[0].close()
         assert (ctx.free_pages(0), ctx.free_pages(1)) == free
+
+
+def test_drafts_and_per_token_emission(mixed_ctx):
+    """kvt_batch_reserve_drafts + queries_per_seq: token t of a request sees its committed set
+    and the step's rows up to its own; commit accepts k of n, and only drafts may be rejected."""
+    ctx = mixed_ctx
+    s = ctx.sequence(1)
+    b = ctx.batch(1)
+    b.reserve([s], 20)
+    fill(s, ctx, 20, 3)
+    b.plan()
+    b.commit()
+    before = {layer: b_set for layer, b_set in
+              ((layer, _attended(ctx, s, layer)) for layer in range(3))}
+    b.reserve([s], [4], n_drafts=[3])
+    fill(s, ctx, 4, 4)
+    b.plan()
+    for layer in range(3):
+        for layout in ("tokens", "csr"):
+            e = b.run(layer, layout, queries_per_seq=4)
+            assert e.counts().tolist() == [len(before[layer]) + t + 1 for t in range(4)]
+            for t in range(4):
+                want = list(before[layer]) + [s.reserved_slot(layer, j) for j in range(t + 1)]
+                assert e.slots(0, t).tolist() == want
+            with pytest.raises(IndexError):
+                e.slots(0, 4)
+    with pytest.raises(kvtier.CapacityError):
+        b.run(0, queries_per_seq=2)  # 4 query tokens do not fit in 2
+    with pytest.raises(kvtier.InvalidArgumentError):
+        b.commit([0])  # the sampled token is not a draft
+    b.commit([2])
+    assert s.length == 22
+    s.check()
+    with pytest.raises(kvtier.InvalidArgumentError):
+        b.reserve([s], [2], n_drafts=[3])  # more drafts than tokens
+    with pytest.raises(ValueError):
+        b.reserve([s], [2], n_drafts=[1, 1])  # one count per request, checked before the call
+
+
+def _attended(ctx, seq, layer):
+    b = ctx.batch(1)
+    b.reserve([seq], 0)
+    b.plan()
+    out = b.run(layer).slots(0).tolist()
+    b.commit()
+    b.close()
+    return out
