@@ -104,9 +104,11 @@ KVT_API const char *kvt_status_name(kvt_status s);
 KVT_API const char *kvt_version(int *major, int *minor, int *patch);
 /* KVT_VERSION_NUMBER of the library actually loaded. */
 KVT_API int kvt_version_number(void);
-/* Detail of the last failing kvtier call made by the calling thread ("" when the last call that
- * clears it succeeded): the JSON path that failed, the field that is out of range, the layer and
- * request an eviction round failed on. Thread-local, so threads that use distinct contexts never
+/* Detail of the last failing kvtier call made by the calling thread: the JSON path that failed,
+ * the field that is out of range, the layer and request an eviction round failed on. Like errno,
+ * read it right after a call returned a failure status: a successful call clears it only where
+ * it starts by doing so (most context, sequence and batch calls), so after a success it may
+ * still describe an earlier failure. Thread-local, so threads that use distinct contexts never
  * race on it. Valid until the calling thread's next kvtier call. Never NULL. */
 KVT_API const char *kvt_last_error(void);
 
@@ -398,9 +400,10 @@ KVT_API kvt_seq_params kvt_seq_default_params(void);
  * ctx/out, a bad field: ratio above 2^20, an unknown recall), KVT_ERR_UNSUPPORTED (recall on:
  * not implemented yet; a struct from a newer kvtier), KVT_ERR_OUT_OF_MEMORY. */
 KVT_API kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *params, kvt_seq **out);
-/* Returns every page and archive byte. NULL is a no-op. Not while the request is in a batch's
- * step (reserved and not committed): destroy it after kvt_batch_commit, or destroy the batch's
- * context. */
+/* Returns every page and archive byte. NULL is a no-op. Allowed at any time, also while the
+ * request is in a batch's step (preemption, an aborted request): the batch forgets it — the
+ * step's slot_mapping gives -1 for its tokens, its run emits no row for it, its commit skips
+ * it. */
 KVT_API void kvt_seq_destroy(kvt_seq *seq);
 /* Rows [0, n) are the prompt (protected from random eviction). May be called before or after the
  * rows are committed, but not after the first eviction round (KVT_ERR_BAD_STATE). */
