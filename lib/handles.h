@@ -27,6 +27,8 @@ struct kvt_ctx {
     /* Parallelism (kvt_ctx_params): global ids = local + offset, for the Philox keys. */
     uint32_t kv_head_offset, n_kv_heads_global, layer_offset;
     uint32_t max_rows;     /* max_rows_per_seq (0: none) */
+    /* A backend workspace for max_rows (0: none stated, grown on demand): each batch's size. */
+    size_t ws_sigma_floats, ws_topm_u32;
     uint32_t archive_rows; /* archive_rows_per_seq (0: none) */
 };
 
@@ -54,10 +56,12 @@ kvt_status kvt__seq_usable(const kvt_seq *seq);
 kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n);
 /* Give a reservation back (no run happened): pages beyond the committed rows return. */
 void kvt__seq_unreserve(kvt_seq *seq);
-/* Commit the pending rows (n == pending), run the policies' commit work, check counts. */
-kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n);
-/* The step work of one layer (once per step; KVT_OK when already done or none). */
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream);
+/* Commit the pending rows (n == pending), run the policies' commit work through backend be (the
+ * batch's: its own workspace), check counts. */
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n, const kvt__backend *be);
+/* The step work of one layer through the batch's backend be (once per step; KVT_OK when already
+ * done or none). */
+kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, void *stream);
 /* Rows the layer attends during the step; and their slots (ascending position) into dst, with
  * rows[] as scratch of at least that many entries, returning how many. */
 uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer);
