@@ -40,6 +40,7 @@
 #define N_SEQS (N_BATCHES * SEQS_PER_BATCH)
 #define N_STEPS 96
 #define N_CONTEXT_THREADS 3
+#define N_ROUNDS 4 /* of the scheduler + runner plays */
 
 static void die(const char *fmt, ...) {
     va_list ap;
@@ -459,15 +460,18 @@ int main(void) {
     play_fini(&p);
     compare(&ref, &got, "serial, no stated limit");
 
-    play_init(&p, m, 512, &got);
-    play_threads(&p, 1);
-    play_fini(&p);
-    compare(&ref, &got, "pipeline (scheduler + runner)");
+    /* A few rounds: each meets other interleavings (cheap, also under TSan). */
+    for (int round = 0; round < N_ROUNDS; round++) {
+        play_init(&p, m, 512, &got);
+        play_threads(&p, 1);
+        play_fini(&p);
+        compare(&ref, &got, "pipeline (scheduler + runner)");
 
-    play_init(&p, m, 0, &got);
-    play_threads(&p, 2);
-    play_fini(&p);
-    compare(&ref, &got, "two runners");
+        play_init(&p, m, 0, &got);
+        play_threads(&p, 2);
+        play_fini(&p);
+        compare(&ref, &got, "two runners");
+    }
 
     static ctx_arg ca[N_CONTEXT_THREADS];
     pthread_t th[N_CONTEXT_THREADS];
@@ -488,10 +492,10 @@ int main(void) {
     uint64_t total = 0;
     for (int t = 0; t < N_STEPS; t++)
         total += ref.rows[t];
-    printf("test_threads: %d steps x %d requests x %d layers, 4 threaded plays (pipeline, two "
-           "runners, %d contexts) equal the reference (%llu attended rows), kvt_seq_check clean "
-           "after every step\n",
-           N_STEPS, N_SEQS, N_LAYERS, N_CONTEXT_THREADS, (unsigned long long)total);
+    printf("test_threads: %d steps x %d requests x %d layers: %d rounds of the pipeline and the "
+           "two runners, and %d contexts on threads, equal the reference (%llu attended rows), "
+           "kvt_seq_check clean after every step\n",
+           N_STEPS, N_SEQS, N_LAYERS, N_ROUNDS, N_CONTEXT_THREADS, (unsigned long long)total);
     kvt_model_destroy(m);
     return 0;
 }
