@@ -77,19 +77,19 @@
  *      pages of A's requests. A pipelined engine plans step t + 1 on batch B while step t runs
  *      on batch A, and commits A while B runs;
  *    - runners on distinct batches, one thread per batch (the runs of steps t and t + 1).
- *    And these must not: two scheduler calls; two calls on one batch or request from
- *    different threads; kvt_ctx_destroy with any other call on the context (it destroys the
+ *    And these must not: two scheduler calls; two calls on one batch or one request (each
+ *    holder's calls, then the next holder's, in the hand-over's order); kvt_ctx_destroy with any other call on the context (it destroys the
  *    batches and requests); kvt_seq_destroy / kvt_batch_destroy with a call on what they destroy.
  *
  * 3. Any thread, any time (pure, or read-only on a context's fixed fields): kvt_strerror,
  *    kvt_status_name, kvt_version, kvt_version_number, the *_default* and *_name functions,
  *    kvt_layer_spec_*, kvt_policy_for_kind, kvt_layer_bytes_per_token, kvt_ctx_model,
  *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
- *    kvt_ctx_allocator_name, kvt_layer_data, kvt_seq_context, and kvt_ctx_host_allocations (a
- *    relaxed atomic count; exact once the threads that allocate are joined). A kvt_model is only
- *    read after kvt_model_create: the const kvt_model_* calls and kvt_ctx_create may use one
- *    model from many threads at once (a context copies it); kvt_model_destroy must not overlap
- *    them.
+ *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context, and
+ *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
+ *    are joined). A kvt_model is only read after kvt_model_create: the const kvt_model_* calls
+ *    and kvt_ctx_create may use one model from many threads at once (a context copies it);
+ *    kvt_model_destroy must not overlap them.
  *
  * 4. kvt_last_error is per thread: it holds the detail of the calling thread's last failing
  *    call, whatever other threads call meanwhile (a runner reads its run's message, never the
