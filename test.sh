@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Run the whole test suite: install dependencies, then build and run ctest in four
+# Run the whole test suite: install dependencies, then build and run ctest in five
 # configurations — default (CUDA sources compiled when nvcc is present), CPU-only
-# (-DKVT_CUDA=OFF), and CPU-only under ASan + UBSan twice, with gcc and with clang (halting on
+# (-DKVT_CUDA=OFF), CPU-only under ASan + UBSan twice, with gcc and with clang (halting on
 # the first error; Debug so KVT_ASSERT is live, at -O1 so the long-context needle tests stay
-# within the CI budget). clang's UBSan has checks gcc's lacks (a zero offset applied to a NULL
-# pointer was found that way). A fifth block at the end, python, installs the Python package in
-# a fresh venv and runs its pytest suite. Each configuration prints its wall time.
+# within the CI budget), and CPU-only under clang's ThreadSanitizer (KVT_TSAN: only the plain
+# test executables, i.e. test_threads and kvtier.h's "Threads" model; Criterion aborts under
+# TSan). clang's UBSan has checks gcc's lacks (a zero offset applied to a NULL pointer was found
+# that way). A sixth block at the end, python, installs the Python package in a fresh venv and
+# runs its pytest suite. Each configuration prints its wall time.
 # GPU tests skip with a message when no device is present.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -33,6 +35,8 @@ UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
   run_config build-test-clang-asan -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
+TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
+  run_config build-test-tsan -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_TSAN=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF
 # ---------------------------------------------------------------------------------------------
 # python: the Python package (python/). A fresh venv, `pip install ./python` (scikit-build-core
 # builds libkvtier.so CPU-only with this CMake project into the wheel), then its pytest suite,

@@ -89,6 +89,14 @@ void kvt__backend_cpu_close(kvt__backend *be);
 /* Size the workspace for σ scratch of sigma_floats and top-m scratch of topm_u32 (grow only; a
  * backend without a workspace: nothing). */
 kvt_status kvt__backend_cpu_reserve(kvt__backend *be, size_t sigma_floats, size_t topm_u32);
+/* A second handle on the CPU backend `parent` with a workspace of its own, sized as
+ * kvt__backend_cpu_reserve: ops and allocator are parent's. Each batch runs its ops through one,
+ * so that two batches' runs and commits never share scratch (kvtier.h, "Threads").
+ * KVT_ERR_UNSUPPORTED for any other backend (the guarded backend keeps its protection state in
+ * the same impl: its batches share the context's handle); KVT_ERR_OUT_OF_MEMORY. Close it with
+ * kvt__backend_cpu_close. */
+kvt_status kvt__backend_cpu_workspace(const kvt__backend *parent, size_t sigma_floats,
+                                      size_t topm_u32, kvt__backend *out);
 /* CUDA backend: KVT_ERR_NO_DEVICE with the reason in err when built without CUDA or when no
  * device is usable. */
 kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len);

@@ -14,7 +14,8 @@ static const kvt__backend_ops cpu_ops_table;
 
 /* The CPU backend's workspace (be->impl when opened with kvt__backend_cpu_open): grow-only
  * scratch of σ and top-m, sized once from the context's stated limits so that no op allocates in
- * a steady state. A backend without one (impl NULL, as tests build them) allocates per call. */
+ * a steady state. Each batch has its own (kvt__backend_cpu_workspace), so the ops of two batches
+ * may run at once. A backend without one (impl NULL, as tests build them) allocates per call. */
 typedef struct cpu_ws {
     float *sigma;
     uint64_t sigma_cap;
@@ -57,6 +58,17 @@ kvt_status kvt__backend_cpu_reserve(kvt__backend *be, size_t sigma_floats, size_
     s = kvt__grow(be->alloc, &p, &w->topm_cap, topm_u32, sizeof *w->topm);
     if (s == KVT_OK)
         w->topm = p;
+    return s;
+}
+
+kvt_status kvt__backend_cpu_workspace(const kvt__backend *parent, size_t sigma_floats,
+                                      size_t topm_u32, kvt__backend *out) {
+    if (parent->ops != &cpu_ops_table)
+        return KVT_ERR_UNSUPPORTED;
+    out->alloc = parent->alloc;
+    kvt_status s = kvt__backend_cpu_open(out);
+    if (s == KVT_OK && (s = kvt__backend_cpu_reserve(out, sigma_floats, topm_u32)) != KVT_OK)
+        kvt__backend_cpu_close(out);
     return s;
 }
 

@@ -21,6 +21,11 @@ struct kvt_batch {
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
     int64_t *rows;       /* row-index scratch of the emission, grown to the longest request */
     uint64_t rows_cap;
+    /* The backend the batch's runs and commit use: on the CPU backend a handle with a workspace
+     * of its own (own_be), so that runs and commits of distinct batches share no scratch
+     * (kvtier.h, "Threads"); otherwise a copy of the context's handle. */
+    kvt__backend be;
+    bool own_be;
 };
 
 kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
@@ -45,7 +50,14 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (b->seqs && b->n_tokens && ctx->max_rows &&
         kvt__grow(a, &rows, &b->rows_cap, ctx->max_rows, sizeof *b->rows) == KVT_OK)
         b->rows = rows;
-    if (!b->seqs || !b->n_tokens || !b->n_drafts || (ctx->max_rows && !b->rows)) {
+    b->be = ctx->backend;
+    kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
+                                               ctx->ws_topm_u32, &b->be);
+    b->own_be = ws == KVT_OK;
+    if (ws == KVT_ERR_UNSUPPORTED)
+        b->be = ctx->backend; /* shared: one thread at a time on such a context */
+    if (!b->seqs || !b->n_tokens || !b->n_drafts || (ctx->max_rows && !b->rows) ||
+        ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }
@@ -98,6 +110,8 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->seqs, sizeof *b->seqs * b->max_seqs);
     kvt__free(a, b->n_tokens, sizeof *b->n_tokens * b->max_seqs);
     kvt__free(a, b->n_drafts, sizeof *b->n_drafts * b->max_seqs);
+    if (b->own_be)
+        kvt__backend_cpu_close(&b->be);
     kvt__free(a, b, sizeof *b);
 }
 
@@ -343,7 +357,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         if (!b->seqs[i])
             continue;
         bool defer = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
-        s = kvt__seq_step(b->seqs[i], layer, stream, defer);
+        s = kvt__seq_step(b->seqs[i], layer, &b->be, stream, defer);
         if (s != KVT_OK && first_err == KVT_OK)
             first_err = s;
     }
@@ -422,7 +436,8 @@ kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {
         kvt_seq *sq = b->seqs[i];
         if (!sq)
             continue;
-        kvt_status s = kvt__seq_commit(sq, n_accepted ? n_accepted[i] : b->n_tokens[i]);
+        kvt_status s =
+            kvt__seq_commit(sq, n_accepted ? n_accepted[i] : b->n_tokens[i], &b->be);
         if (s != KVT_OK && first_err == KVT_OK) {
             first_err = s;
             snprintf(first_msg, sizeof first_msg, "seqs[%u] (request %llu): %s", i,

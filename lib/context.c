@@ -213,9 +213,10 @@ static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, s
     return kvt__fail(err, len, s, "backend: CUDA requested but unavailable: %s", why);
 }
 
-/* With a stated max_rows_per_seq, size the backend workspace once for the largest close (σ of a
- * block over the widest branch of a salience layer) and the largest top-m (all of a request's
- * rows). */
+/* With a stated max_rows_per_seq, the size of a backend workspace that serves the largest close
+ * (σ of a block over the widest branch of a salience layer) and the largest top-m (all of a
+ * request's rows). Each batch of the CPU backend sizes its own workspace to it
+ * (kvt_batch_create); the guarded backend's batches share the context's, sized here. */
 static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
     if (ctx->max_rows == 0 ||
         (ctx->backend.ops != kvt__backend_cpu_ops() && !kvt__backend_is_guarded(&ctx->backend)))
@@ -224,11 +225,13 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
     for (uint32_t i = 0; i < ctx->n_layers; i++)
         if (ctx->policies[i] == KVT_POLICY_SALIENCE && ctx->stores[i].spec.branch_dim > branch)
             branch = ctx->stores[i].spec.branch_dim;
-    size_t sigma = branch ? kvt__sigma_scratch_floats(ctx->cfg.block_rows, 2 * ctx->cfg.kappa - 1,
-                                                      branch)
-                          : 0;
-    kvt_status s = kvt__backend_cpu_reserve(&ctx->backend, sigma,
-                                            kvt__topm_scratch_u32(ctx->max_rows));
+    ctx->ws_sigma_floats = branch ? kvt__sigma_scratch_floats(ctx->cfg.block_rows,
+                                                              2 * ctx->cfg.kappa - 1, branch)
+                                  : 0;
+    ctx->ws_topm_u32 = kvt__topm_scratch_u32(ctx->max_rows);
+    if (!kvt__backend_is_guarded(&ctx->backend))
+        return KVT_OK;
+    kvt_status s = kvt__backend_cpu_reserve(&ctx->backend, ctx->ws_sigma_floats, ctx->ws_topm_u32);
     return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "backend workspace for %u rows",
                                             ctx->max_rows);
 }
@@ -359,7 +362,7 @@ kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out, char *e
 }
 
 uint64_t kvt_ctx_host_allocations(const kvt_ctx *ctx) {
-    return ctx ? ctx->alloc.calls : 0;
+    return ctx ? kvt__alloc_calls(&ctx->alloc) : 0;
 }
 
 const kvt_model *kvt_ctx_model(const kvt_ctx *ctx) {

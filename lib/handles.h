@@ -27,6 +27,8 @@ struct kvt_ctx {
     /* Parallelism (kvt_ctx_params): global ids = local + offset, for the Philox keys. */
     uint32_t kv_head_offset, n_kv_heads_global, layer_offset;
     uint32_t max_rows;     /* max_rows_per_seq (0: none) */
+    /* A backend workspace for max_rows (0: none stated, grown on demand): each batch's size. */
+    size_t ws_sigma_floats, ws_topm_u32;
     uint32_t archive_rows; /* archive_rows_per_seq (0: none) */
 };
 
@@ -55,13 +57,15 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n);
 /* Give a reservation back (no run happened): pages beyond the committed rows return. */
 void kvt__seq_unreserve(kvt_seq *seq);
 /* Commit the first n of the pending rows (the rest are rejected drafts: their pages return), run
- * the policies' commit work, check counts. */
-kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n);
+ * the policies' commit work through backend be (the batch's: its own workspace), check counts. */
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n, const kvt__backend *be);
 /* What a layer's run did with the step's policy work (kvt_seq.stepped). */
 enum { KVT__STEP_NONE = 0, KVT__STEP_NOTHING = 1, KVT__STEP_WORKED = 2, KVT__STEP_DEFERRED = 3 };
-/* The step work of one layer (once per step; KVT_OK when already done or none). defer: leave it
- * all to the commit (drafts that may be rejected; per-token emission of a multi-token step). */
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream, bool defer);
+/* The step work of one layer through the batch's backend be (once per step; KVT_OK when already
+ * done or none). defer: leave it all to the commit (drafts that may be rejected; per-token
+ * emission of a multi-token step). */
+kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, void *stream,
+                         bool defer);
 /* Rows the layer attends during the step for a query token that sees the first `visible` of the
  * step's rows (>= the pending count: all of them); and their slots (ascending position) into
  * dst, with rows[] as scratch of at least that many entries, returning how many. A visible count

@@ -17,11 +17,7 @@
  * This header is the documentation: every function states ownership, units, what NULL does and
  * the statuses it returns.
  *
- * Threading: a kvt_ctx and everything created from it (sequences, models it copied) may be used by
- * one thread at a time. Distinct contexts are fully independent and may be used concurrently.
- * kvt_strerror, kvt_status_name, kvt_version and the kvt_model_* functions on distinct models are
- * thread-safe. The library keeps no process-wide mutable state; error details are per thread
- * (kvt_last_error).
+ * Threads: which calls may run at once is stated in the "Threads" section below.
  *
  * Storage contract (vLLM's convention): each layer has arrays of rows ("planes": 1 for MLA, one
  * latent row per token; 2 for GQA, K then V), each laid out [page][row][kv_head][row_bytes].
@@ -35,6 +31,77 @@
  */
 #ifndef KVTIER_H
 #define KVTIER_H
+
+/* =============================================================================================
+ * Threads
+ *
+ * kvtier starts no threads and takes no locks. What may run at once follows from what each call
+ * writes, and is this (the CPU backend; KVT_BACKEND_GUARDED is restricted further, below):
+ *
+ * 1. Across contexts: nothing. A context (kvt_ctx and every request and batch created from it)
+ *    shares no mutable state with another; any number of threads may each drive contexts of
+ *    their own. The library keeps no process-wide mutable state.
+ *
+ * 2. Within one context, calls have two roles, the scheduler's and the runner's:
+ *
+ *    scheduler  kvt_seq_create, kvt_seq_destroy, kvt_seq_set_prompt_rows, kvt_batch_create,
+ *               kvt_batch_destroy, kvt_batch_reserve, kvt_batch_plan, kvt_batch_commit,
+ *               kvt_layer_bind, kvt_layer_read, kvt_layer_write, kvt_ctx_free_pages, and the
+ *               inspection calls (kvt_seq_check, kvt_seq_layer_stats, kvt_seq_row_state,
+ *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
+ *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed). They own the row
+ *               pool's page allocators (reserve takes pages; commit, kvt_seq_destroy and an
+ *               abandoned step return them), the context's lists of requests and batches, and
+ *               every request between steps. At most one thread at a time in scheduler calls of
+ *               a context: one scheduler thread, or a lock of the engine's around them.
+ *    runner     kvt_batch_run, and the step's row writes (kvt_seq_write, or the engine's own
+ *               writes at the slot_mapping into kvt_layer_data's memory). A run touches only its
+ *               batch, the requests of its step (their policy state and the rows in their
+ *               pages), and the batch's own backend workspace (σ and top-m scratch: one per
+ *               batch); it never takes or returns a page and never walks the context's lists.
+ *
+ *    A batch, with the requests of its step, is held by one thread at a time: the scheduler
+ *    from kvt_batch_reserve to kvt_batch_plan (and kvt_batch_capacity, kvt_batch_slot_mapping),
+ *    then a runner for the step's writes and runs (each layer's run from that one thread), then
+ *    the scheduler again for kvt_batch_commit. Every call that names the batch or one of its
+ *    step's requests (kvt_seq_reserved_slot, kvt_seq_pending, kvt_seq_length included) comes
+ *    from its holder. The hand-over (a mutex, a condition variable, a queue) is the engine's,
+ *    and it is what orders plan before run and run before commit: kvtier publishes nothing
+ *    between threads by itself.
+ *
+ *    So, on one context, these may overlap:
+ *    - a runner's calls on batch A with scheduler calls that name neither A nor a request of
+ *      A's step: reserve, plan and commit of another batch, kvt_seq_create / kvt_seq_destroy of
+ *      other requests, kvt_seq_check of a request in no step (it reads every request's page
+ *      table, which a run never writes), kvt_layer_read / kvt_layer_write of slots outside the
+ *      pages of A's requests. A pipelined engine plans step t + 1 on batch B while step t runs
+ *      on batch A, and commits A while B runs;
+ *    - runners on distinct batches, one thread per batch (the runs of steps t and t + 1).
+ *    And these must not: two scheduler calls; two calls on one batch or one request (each
+ *    holder's calls, then the next holder's, in the hand-over's order); kvt_ctx_destroy with any other call on the context (it destroys the
+ *    batches and requests); kvt_seq_destroy / kvt_batch_destroy with a call on what they destroy.
+ *
+ * 3. Any thread, any time (pure, or read-only on a context's fixed fields): kvt_strerror,
+ *    kvt_status_name, kvt_version, kvt_version_number, the *_default* and *_name functions,
+ *    kvt_layer_spec_*, kvt_policy_for_kind, kvt_layer_bytes_per_token, kvt_ctx_model,
+ *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
+ *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context, and
+ *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
+ *    are joined). A kvt_model is only read after kvt_model_create: the const kvt_model_* calls
+ *    and kvt_ctx_create may use one model from many threads at once (a context copies it);
+ *    kvt_model_destroy must not overlap them.
+ *
+ * 4. kvt_last_error is per thread: it holds the detail of the calling thread's last failing
+ *    call, whatever other threads call meanwhile (a runner reads its run's message, never the
+ *    scheduler's).
+ *
+ * 5. KVT_BACKEND_GUARDED keeps one protection state per context (its open/close depth; in its
+ *    mprotect fallback, protections that are process-wide), and its batches share the context's
+ *    workspace: a guarded context is used by one thread at a time, all roles together. The
+ *    trace and reference APIs (kvtier_trace.h, kvtier_ref.h) state their own rules.
+ *
+ * tests/test_threads.c checks this model under ThreadSanitizer (test.sh, build-test-tsan).
+ * ========================================================================================== */
 
 #include <stdbool.h>
 #include <stddef.h>

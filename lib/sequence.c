@@ -387,9 +387,10 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
 /* Run every group's policy after `new_rows` rows were committed (0: a retry). Each policy is
  * incremental from its own state, so a failed run (host memory) is completed by the next commit;
  * a failure in one group does not stop the others. */
-static kvt_status run_policies(kvt_seq *seq, uint64_t new_rows) {
+static kvt_status run_policies(kvt_seq *seq, uint64_t new_rows, const kvt__backend *be) {
     kvt_ctx *ctx = seq->ctx;
     kvt__env env = kvt__ctx_env(ctx, seq, NULL);
+    env.backend = be;
     kvt_status first_err = KVT_OK;
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__group *gr = &ctx->groups[g];
@@ -454,7 +455,7 @@ static kvt_status check_counters(const kvt_seq *seq) {
     return KVT_OK;
 }
 
-kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens) {
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *be) {
     CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
     if (n_tokens > seq->n_pending)
@@ -473,7 +474,7 @@ kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens) {
     }
     seq->n_tokens += n_tokens;
     seq->n_pending = 0;
-    kvt_status s = run_policies(seq, n_tokens);
+    kvt_status s = run_policies(seq, n_tokens, be);
     seq->in_step = false;
     memset(seq->stepped, 0, ctx->n_layers);
     kvt_status c = check_counters(seq);
@@ -502,7 +503,8 @@ static kvt__tier_layer step_layer(const kvt_seq *seq, uint32_t layer, uint32_t v
     return l;
 }
 
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream, bool defer) {
+kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, void *stream,
+                         bool defer) {
     kvt_ctx *ctx = seq->ctx;
     if (seq->stepped[layer])
         return KVT_OK;
@@ -515,6 +517,7 @@ kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, void *stream, bool defer)
     }
     if (ops->layer_step && seq->n_pending > 0) {
         kvt__env env = kvt__ctx_env(ctx, seq, stream);
+        env.backend = be;
         kvt__tier_step t = {.gr = &ctx->groups[st->group],
                             .st = &ctx->stores[layer],
                             .pt = &seq->pt[st->group],

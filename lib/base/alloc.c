@@ -55,9 +55,18 @@ const char *kvt__alloc_name(const kvt__alloc *a) {
     return a->use_jemalloc ? "jemalloc" : "libc";
 }
 
-/* The counter is part of the context's allocator object, which is never const itself. */
+_Static_assert(sizeof(kvt__counter) == sizeof(uint64_t) &&
+                   _Alignof(kvt__counter) == _Alignof(uint64_t),
+               "C++ units see kvt__alloc.calls as a plain uint64_t (alloc.h)");
+
+/* The counter is part of the context's allocator object, which is never const itself. Threads
+ * of one context count concurrently (kvtier.h, "Threads"). */
 static void count(const kvt__alloc *a) {
-    ((kvt__alloc *)a)->calls++;
+    atomic_fetch_add_explicit(&((kvt__alloc *)a)->calls, 1, memory_order_relaxed);
+}
+
+uint64_t kvt__alloc_calls(const kvt__alloc *a) {
+    return atomic_load_explicit(&((kvt__alloc *)a)->calls, memory_order_relaxed);
 }
 
 void *kvt__malloc(const kvt__alloc *a, size_t bytes) {

@@ -16,12 +16,23 @@
 
 #include "kvtier.h"
 
+/* The allocation counter is shared by every thread working on a context (a run and the
+ * scheduler's calls may allocate at once; kvtier.h, "Threads"): a C11 atomic, counted relaxed.
+ * C++ translation units (nvcc) only pass kvt__alloc by pointer and never touch the counter; they
+ * see a plain uint64_t of the same size and alignment (alloc.c asserts it). */
+#ifdef __cplusplus
+typedef uint64_t kvt__counter;
+#else
+#include <stdatomic.h>
+typedef _Atomic uint64_t kvt__counter;
+#endif
+
 typedef struct kvt__alloc {
     int use_jemalloc;
     unsigned arena;
-    int flags;      /* mallocx flags: arena, no tcache */
-    uint64_t calls; /* allocations made (malloc, calloc, realloc): a steady-state decode makes
-                     * none, which tests check (kvt_ctx_host_allocations) */
+    int flags;          /* mallocx flags: arena, no tcache */
+    kvt__counter calls; /* allocations made (malloc, calloc, realloc): a steady-state decode makes
+                         * none, which tests check (kvt_ctx_host_allocations) */
 } kvt__alloc;
 
 /* Alignment of every allocation (a cache line). */
@@ -30,6 +41,8 @@ typedef struct kvt__alloc {
 kvt_status kvt__alloc_init(kvt__alloc *a, kvt_allocator kind);
 void kvt__alloc_fini(kvt__alloc *a);
 const char *kvt__alloc_name(const kvt__alloc *a);
+/* Allocations made so far (relaxed: a count, not a synchronisation point). */
+uint64_t kvt__alloc_calls(const kvt__alloc *a);
 /* NULL on failure or bytes == 0. */
 void *kvt__malloc(const kvt__alloc *a, size_t bytes);
 void *kvt__calloc(const kvt__alloc *a, size_t bytes);
