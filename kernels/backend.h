@@ -78,8 +78,8 @@ struct kvt__backend {
 /* CPU backend: always available. */
 const kvt__backend_ops *kvt__backend_cpu_ops(void);
 /* The guarded-device backend: the CPU backend whose buffers the host cannot touch outside the
- * backend's own ops (memory protection keys, else mprotect). KVT_ERR_UNSUPPORTED with the reason
- * in err where neither works. */
+ * backend's own ops (memory protection keys where the CPU and kernel offer them, else a
+ * serialised mprotect, which always works). KVT_ERR_OUT_OF_MEMORY with the reason in err. */
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len);
 bool kvt__backend_is_guarded(const kvt__backend *be);
 /* Open the CPU backend with a workspace (be->alloc set by the caller): ops, and impl = the

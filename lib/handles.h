@@ -79,7 +79,8 @@ void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */
 void kvt__batches_destroy(kvt_ctx *ctx);
 
-/* Record a detail message on the context and return s. */
+/* Record a detail message in the calling thread's last-error buffer (kvt_last_error) and
+ * return s; ctx is only there to name the call's context. */
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) KVT__PRINTF(3, 4);
 void kvt__ctx_clear_error(const kvt_ctx *ctx);
 kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream);

@@ -413,7 +413,8 @@ KVT_API kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out,
 KVT_API void kvt_ctx_destroy(kvt_ctx *ctx);
 KVT_API const kvt_model *kvt_ctx_model(const kvt_ctx *ctx);
 KVT_API const kvt_config *kvt_ctx_config(const kvt_ctx *ctx);
-/* Name of the backend in use ("cpu", "cuda") and of the host allocator ("jemalloc", "libc"). */
+/* Name of the backend in use ("cpu", "guarded", "cuda") and of the host allocator ("jemalloc",
+ * "libc"). */
 KVT_API const char *kvt_ctx_backend_name(const kvt_ctx *ctx);
 KVT_API const char *kvt_ctx_allocator_name(const kvt_ctx *ctx);
 KVT_API kvt_policy kvt_ctx_layer_policy(const kvt_ctx *ctx, uint32_t layer);
@@ -507,9 +508,11 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
  *                                              nothing; kvt_batch_slot_mapping gives them per
  *                                              policy group in vLLM's slot_mapping layout
  *   kvt_batch_plan(b)                          host, before the step, outside any CUDA graph:
- *                                              decides from counts which block closes and
- *                                              eviction rounds this step runs and sizes the
- *                                              emission (kvt_batch_capacity)
+ *                                              fixes the step (its requests answer no
+ *                                              by-position query until commit) and sizes the
+ *                                              emission (kvt_batch_capacity); which close or
+ *                                              round is due follows from counts alone, and each
+ *                                              layer's run does it
  *   for each layer, inside its forward:
  *     the engine writes the step's rows (its cache-write kernel at slot_mapping, or
  *     kvt_seq_write), then
@@ -551,7 +554,9 @@ KVT_API void kvt_batch_destroy(kvt_batch *batch);
  * commit finishes any policy work a failed earlier commit left, as a retry).
  * KVT_ERR_POOL_EXHAUSTED (the message names the request and group) leaves every request and pool
  * unchanged: preempt and retry. KVT_ERR_BAD_STATE when the batch already has a step in flight or
- * a request is in another one or damaged. KVT_ERR_CAPACITY when n_seqs > max_seqs. */
+ * a request is in another one or damaged. KVT_ERR_CAPACITY when n_seqs > max_seqs or a request
+ * would pass max_rows_per_seq; KVT_ERR_ARCHIVE_FULL when a round the step makes due would pass
+ * archive_rows_per_seq; KVT_ERR_OUT_OF_MEMORY (host bookkeeping); each with nothing reserved. */
 KVT_API kvt_status kvt_batch_reserve(kvt_batch *batch, kvt_seq *const *seqs,
                                      const uint32_t *n_tokens, uint32_t n_seqs);
 /* vLLM's slot_mapping for the step: slots[t] = the slot of the batch's t-th new token (request
@@ -594,10 +599,10 @@ typedef enum kvt_emit_layout {
 typedef struct kvt_emit {
     size_t struct_size;     /* sizeof(kvt_emit) */
     kvt_emit_layout layout;
-    int32_t *indices;       /* TOKENS: [n_seqs][topk]; CSR: [capacity] */
+    int32_t *indices;       /* TOKENS: [n_seqs * s_q][topk]; CSR: [capacity] */
     uint32_t capacity;      /* TOKENS: topk, the row capacity per request; CSR: total rows */
-    int32_t *lengths;       /* TOKENS: [n_seqs] (topk_length); unused by CSR */
-    int32_t *indptr;        /* CSR: [n_seqs + 1]; unused by TOKENS */
+    int32_t *lengths;       /* TOKENS: [n_seqs * s_q] (topk_length); unused by CSR */
+    int32_t *indptr;        /* CSR: [n_seqs * s_q + 1]; unused by TOKENS */
     uint8_t *dense;         /* optional [n_seqs]: 1 where the step attends every row of the
                              * request (recall overflow or calibration; 0 while recall is off).
                              * Informational: the layouts above already hold every row then. */
