@@ -9,6 +9,7 @@
 
 #include "kvtier.h"
 #include "lib/base/alloc.h"
+#include "kernels/kvt_hd.h"
 
 typedef struct kvt__backend kvt__backend;
 
@@ -32,6 +33,46 @@ typedef struct kvt__score_args {
     uint64_t first_position;/* original position of row 0 (rows are consecutive positions) */
     float *out;             /* [n_rows] */
 } kvt__score_args;
+
+/* An attended set as a policy describes it, in row indices of the group's table, ascending:
+ * rows [0, lo_end), then list[0 .. n_list) (ascending, each in [lo_end, hi_begin)), then rows
+ * [hi_begin, hi_end). O(1) to build on the host whatever the set's size: the rows themselves are
+ * only written by the backend's pack. */
+typedef struct kvt__attended_desc {
+    uint64_t lo_end;
+    const uint32_t *list;
+    uint64_t n_list;
+    uint64_t hi_begin, hi_end;
+} kvt__attended_desc;
+
+static inline uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
+    return d->lo_end + d->n_list + (d->hi_end - d->hi_begin);
+}
+
+/* One query's attended set to pack into an emission: its description, the request's page table
+ * of the layer's group (pages[k] holds row indices (first_page + k) * page_rows onwards), and
+ * where its slots go: indices[out + j], j < count; then -1 up to pad (TOKENS' topk; CSR: none),
+ * and count into lengths[len_at] (TOKENS) or out + count into indptr[len_at] (CSR, whose
+ * indptr[0] = 0 the caller's first chunk asks for with first_csr). */
+typedef struct kvt__pack_query {
+    kvt__attended_desc d;
+    const int32_t *pages;
+    uint64_t first_page;
+    uint64_t out;
+    uint64_t pad;
+    uint64_t len_at;
+} kvt__pack_query;
+
+typedef struct kvt__pack_args {
+    const kvt__pack_query *q;
+    uint32_t n;
+    const kvt__div32 *pdiv; /* page_rows */
+    bool csr;
+    bool first_csr;         /* write indptr[0] = 0 */
+    int32_t *indices;       /* emission arrays: in the backend's memory space */
+    int32_t *lengths;       /* TOKENS */
+    int32_t *indptr;        /* CSR */
+} kvt__pack_args;
 
 typedef struct kvt__backend_ops {
     const char *name;
@@ -67,6 +108,10 @@ typedef struct kvt__backend_ops {
     kvt_status (*move_rows)(const kvt__backend *be, uint8_t *base, size_t slot_stride,
                             size_t offset, size_t bytes_per_row, const int32_t *src_slots,
                             const int32_t *dst_slots, uint32_t n, void *stream);
+    /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
+     * describes each set in O(1); the rows are expanded here, page by page (one division per
+     * range, not per row). The arrays live in the backend's memory space. */
+    kvt_status (*pack)(const kvt__backend *be, const kvt__pack_args *a, void *stream);
 } kvt__backend_ops;
 
 struct kvt__backend {

@@ -176,6 +176,62 @@ static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, s
     return KVT_OK;
 }
 
+/* Slots of rows [a, b) into out: one division for the first row, then page by page. */
+static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *pages,
+                           uint64_t first_page, const kvt__div32 *pd) {
+    if (a >= b)
+        return out;
+    uint32_t pr = pd->d;
+    uint64_t page = kvt__div32_q(pd, (uint32_t)a);
+    uint32_t off = kvt__div32_r(pd, (uint32_t)a);
+    uint64_t left = b - a;
+    while (left > 0) {
+        int32_t base = pages[page - first_page] * (int32_t)pr;
+        uint32_t take = pr - off;
+        if (take > left)
+            take = (uint32_t)left;
+        for (uint32_t j = 0; j < take; j++)
+            out[j] = base + (int32_t)(off + j);
+        out += take;
+        left -= take;
+        page++;
+        off = 0;
+    }
+    return out;
+}
+
+static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    (void)be;
+    (void)stream;
+    const kvt__div32 *pd = a->pdiv;
+    if (a->csr && a->first_csr)
+        a->indptr[0] = 0;
+    for (uint32_t i = 0; i < a->n; i++) {
+        const kvt__pack_query *q = &a->q[i];
+        const kvt__attended_desc *d = &q->d;
+        uint64_t count = kvt__attended_desc_count(d);
+        if (a->csr)
+            a->indptr[q->len_at] = (int32_t)(q->out + count);
+        else
+            a->lengths[q->len_at] = (int32_t)count;
+        if (count == 0 && q->pad == 0)
+            continue; /* nothing to write (indices may be NULL at capacity 0) */
+        int32_t *o = a->indices + q->out;
+        o = pack_range(o, 0, d->lo_end, q->pages, q->first_page, pd);
+        for (uint64_t j = 0; j < d->n_list; j++) {
+            uint32_t row = d->list[j];
+            o[j] = q->pages[kvt__div32_q(pd, row) - q->first_page] * (int32_t)pd->d +
+                   (int32_t)kvt__div32_r(pd, row);
+        }
+        o += d->n_list;
+        o = pack_range(o, d->hi_begin, d->hi_end, q->pages, q->first_page, pd);
+        KVT_ASSERT((uint64_t)(o - (a->indices + q->out)) == count);
+        for (uint64_t j = count; j < q->pad; j++)
+            a->indices[q->out + j] = -1;
+    }
+    return KVT_OK;
+}
+
 static const kvt__backend_ops cpu_ops_table = {
     .name = "cpu",
     .buf_alloc = cpu_buf_alloc,
@@ -187,6 +243,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .topm = cpu_topm,
     .draws = cpu_draws,
     .move_rows = cpu_move_rows,
+    .pack = cpu_pack,
 };
 
 const kvt__backend_ops *kvt__backend_cpu_ops(void) {
@@ -312,6 +369,13 @@ static kvt_status g_move_rows(const kvt__backend *be, uint8_t *base, size_t slot
     return s;
 }
 
+static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    guard_open(be);
+    kvt_status s = cpu_pack(be, a, stream);
+    guard_close(be);
+    return s;
+}
+
 /* top-m and draws work on host arrays (keys, positions): they need no guard. */
 static const kvt__backend_ops guarded_ops_table = {
     .name = "guarded",
@@ -324,6 +388,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .topm = cpu_topm,
     .draws = cpu_draws,
     .move_rows = g_move_rows,
+    .pack = g_pack,
 };
 
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {

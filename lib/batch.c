@@ -19,8 +19,6 @@ struct kvt_batch {
     uint32_t *n_drafts;  /* [max_seqs]: the last n_drafts tokens may be rejected at commit */
     enum batch_state state;
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
-    int64_t *rows;       /* row-index scratch of the emission, grown to the longest request */
-    uint64_t rows_cap;
     /* The backend the batch's runs and commit use: on the CPU backend a handle with a workspace
      * of its own (own_be), so that runs and commits of distinct batches share no scratch
      * (kvtier.h, "Threads"); otherwise a copy of the context's handle. */
@@ -45,19 +43,13 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->seqs = kvt__calloc(a, sizeof *b->seqs * max_seqs);
     b->n_tokens = kvt__calloc(a, sizeof *b->n_tokens * max_seqs);
     b->n_drafts = kvt__calloc(a, sizeof *b->n_drafts * max_seqs);
-    /* A stated limit sizes the emission scratch now, so that plan allocates nothing. */
-    void *rows = NULL;
-    if (b->seqs && b->n_tokens && ctx->max_rows &&
-        kvt__grow(a, &rows, &b->rows_cap, ctx->max_rows, sizeof *b->rows) == KVT_OK)
-        b->rows = rows;
     b->be = ctx->backend;
     kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
                                                ctx->ws_topm_u32, &b->be);
     b->own_be = ws == KVT_OK;
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
-    if (!b->seqs || !b->n_tokens || !b->n_drafts || (ctx->max_rows && !b->rows) ||
-        ws == KVT_ERR_OUT_OF_MEMORY) {
+    if (!b->seqs || !b->n_tokens || !b->n_drafts || ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }
@@ -106,7 +98,6 @@ void kvt_batch_destroy(kvt_batch *b) {
     if (b->next)
         b->next->prev = b->prev;
     const kvt__alloc *a = &b->ctx->alloc;
-    kvt__free(a, b->rows, sizeof *b->rows * b->rows_cap);
     kvt__free(a, b->seqs, sizeof *b->seqs * b->max_seqs);
     kvt__free(a, b->n_tokens, sizeof *b->n_tokens * b->max_seqs);
     kvt__free(a, b->n_drafts, sizeof *b->n_drafts * b->max_seqs);
@@ -244,30 +235,12 @@ kvt_status kvt_batch_plan(kvt_batch *b) {
     kvt__ctx_clear_error(ctx);
     if (b->state == BATCH_IDLE)
         return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE, "no reservation: kvt_batch_reserve first");
-    /* Part 1 decides the step's work from counts inside each layer's run (the same rule a commit
-     * applies); the plan fixes the step (requests become read-only by position) and sizes the
-     * emission scratch, so that a run allocates nothing. */
-    uint64_t longest = 0;
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        kvt_seq *s = b->seqs[i];
-        if (!s)
-            continue;
-        s->in_step = true;
-        uint64_t rows = s->n_tokens + s->n_pending;
-        if (rows > longest)
-            longest = rows;
-    }
-    void *p = b->rows;
-    kvt_status st = kvt__grow(&ctx->alloc, &p, &b->rows_cap, longest ? longest : 1,
-                              sizeof *b->rows);
-    if (st != KVT_OK) {
-        for (uint32_t i = 0; i < b->n_seqs; i++)
-            if (b->seqs[i])
-                b->seqs[i]->in_step = false;
-        return kvt__ctx_fail(ctx, st, "emission scratch for %llu rows",
-                             (unsigned long long)longest);
-    }
-    b->rows = p;
+    /* The step's work follows from counts inside each layer's run (the same rule a commit
+     * applies); the plan fixes the step (requests become read-only by position). Emission needs
+     * no host scratch: the runs describe each attended set in O(1) and the backend packs it. */
+    for (uint32_t i = 0; i < b->n_seqs; i++)
+        if (b->seqs[i])
+            b->seqs[i]->in_step = true;
     b->state = BATCH_PLANNED;
     return KVT_OK;
 }
@@ -295,6 +268,9 @@ kvt_status kvt_batch_capacity(const kvt_batch *b, uint32_t layer, uint32_t *topk
 
 /* Rows of request i's step that query token t of S sees: all of them with one query per request;
  * else its own and the earlier ones (a padded token t >= n_tokens sees what the last one does). */
+/* Queries described per call of the backend's pack (a stack array: a run allocates nothing). */
+#define KVT__PACK_CHUNK 64u
+
 static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_t t) {
     return S == 1 || t >= b->n_tokens[i] ? b->n_tokens[i] : t + 1;
 }
@@ -365,12 +341,16 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         return first_err;
 
     /* 2. Capacity, then the attended sets: entry q = i * S + t is query token t of request i,
-     * which sees the step's first min(t + 1, n_tokens[i]) rows (one query per request: all). */
+     * which sees the step's first min(t + 1, n_tokens[i]) rows (one query per request: all).
+     * The host describes each set in O(1) (kvt__seq_step_query); the backend's pack writes the
+     * slots into the emission arrays, which live in its memory space, in chunks of queries. */
     uint64_t total = 0;
+    kvt__pack_query q[KVT__PACK_CHUNK];
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
         for (uint32_t t = 0; sq && t < S; t++) {
-            uint64_t n = kvt__seq_step_count(sq, layer, visible_rows(b, i, S, t));
+            kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), &q[0]);
+            uint64_t n = kvt__attended_desc_count(&q[0].d);
             if (tokens && n > emit->capacity)
                 return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                      "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
@@ -384,27 +364,43 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                              "the batch attends %llu rows on layer %u, capacity is %u; nothing "
                              "written (kvt_batch_capacity)",
                              (unsigned long long)total, layer, emit->capacity);
+    const kvt__backend *be = &b->be;
+    kvt__pack_args pa = {.q = q, .pdiv = &ctx->pdiv, .csr = !tokens, .first_csr = true,
+                         .indices = emit->indices, .lengths = emit->lengths,
+                         .indptr = emit->indptr};
     uint64_t off = 0;
-    if (!tokens)
-        emit->indptr[0] = 0;
+    uint32_t k = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
         for (uint32_t t = 0; t < S; t++) {
-            size_t q = (size_t)i * S + t;
-            int32_t *dst = tokens ? emit->indices + q * emit->capacity : emit->indices + off;
-            uint64_t n =
-                sq ? kvt__seq_step_slots(sq, layer, visible_rows(b, i, S, t), b->rows, dst) : 0;
-            if (tokens) {
-                emit->lengths[q] = (int32_t)n;
-                for (uint64_t j = n; j < emit->capacity; j++)
-                    dst[j] = -1;
-            } else {
-                off += n;
-                emit->indptr[q + 1] = (int32_t)off;
+            uint64_t at = (uint64_t)i * S + t;
+            kvt__pack_query *pq = &q[k];
+            if (sq)
+                kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
+            else
+                *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
+            pq->out = tokens ? at * emit->capacity : off;
+            pq->pad = tokens ? emit->capacity : 0;
+            pq->len_at = tokens ? at : at + 1;
+            off += kvt__attended_desc_count(&pq->d);
+            if (++k == KVT__PACK_CHUNK || (i + 1 == b->n_seqs && t + 1 == S)) {
+                pa.n = k;
+                if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)
+                    return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", layer);
+                pa.first_csr = false;
+                k = 0;
             }
         }
-        if (emit->dense)
-            emit->dense[i] = 0; /* recall off: never a dense step */
+    }
+    if (!tokens && b->n_seqs == 0 && (s = be->ops->write(be, emit->indptr, &(int32_t){0},
+                                                         sizeof(int32_t), stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "emission of an empty batch");
+    /* recall off: never a dense step (the flags live in the backend's memory too) */
+    static const uint8_t zeros[256];
+    for (uint32_t i = 0; emit->dense && i < b->n_seqs; i += (uint32_t)sizeof zeros) {
+        uint32_t n = b->n_seqs - i < sizeof zeros ? b->n_seqs - i : (uint32_t)sizeof zeros;
+        if ((s = be->ops->write(be, emit->dense + i, zeros, n, stream)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "emission's dense flags");
     }
     return KVT_OK;
 }

@@ -60,6 +60,7 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
     if (!ctx)
         return;
     kvt__batches_destroy(ctx); /* first: a batch's step may still hold reservations */
+    kvt__buffers_free(ctx);
     while (ctx->seqs)
         kvt_seq_destroy(ctx->seqs);
     const kvt__alloc *a = &ctx->alloc;

@@ -24,6 +24,7 @@ struct kvt_ctx {
     kvt__group groups[KVT__MAX_GROUPS]; /* each with its policy table (tiers/policy.h) */
     kvt_seq *seqs; /* live sequences (doubly linked) */
     kvt_batch *batches; /* live batches (doubly linked): destroyed with the context */
+    kvt_buffer *buffers; /* live kvt_buffer allocations (doubly linked): freed with it */
     /* Parallelism (kvt_ctx_params): global ids = local + offset, for the Philox keys. */
     uint32_t kv_head_offset, n_kv_heads_global, layer_offset;
     uint32_t max_rows;     /* max_rows_per_seq (0: none) */
@@ -66,16 +67,17 @@ enum { KVT__STEP_NONE = 0, KVT__STEP_NOTHING = 1, KVT__STEP_WORKED = 2, KVT__STE
  * emission of a multi-token step). */
 kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, void *stream,
                          bool defer);
-/* Rows the layer attends during the step for a query token that sees the first `visible` of the
- * step's rows (>= the pending count: all of them); and their slots (ascending position) into
- * dst, with rows[] as scratch of at least that many entries, returning how many. A visible count
- * below the pending count is valid only when no work of the step moved rows (STEP_WORKED not
- * set, or a policy without layer_step). */
-uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer, uint32_t visible);
-uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, uint32_t visible, int64_t *rows,
-                             int32_t *dst);
+/* The attended set of the layer during the step for a query token that sees the first `visible`
+ * of the step's rows (>= the pending count: all of them), described in O(1) into q (its desc,
+ * pages and first_page; the caller sets where it goes). A visible count below the pending count
+ * is valid only when no work of the step moved rows (STEP_WORKED not set, or a policy without
+ * layer_step). */
+void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
+                         kvt__pack_query *q);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
+/* Free every live kvt_buffer of the context (kvt_ctx_destroy). */
+void kvt__buffers_free(kvt_ctx *ctx);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */
 void kvt__batches_destroy(kvt_ctx *ctx);
 

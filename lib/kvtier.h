@@ -46,7 +46,8 @@
  *
  *    scheduler  kvt_seq_create, kvt_seq_destroy, kvt_seq_set_prompt_rows, kvt_batch_create,
  *               kvt_batch_destroy, kvt_batch_reserve, kvt_batch_plan, kvt_batch_commit,
- *               kvt_layer_bind, kvt_layer_read, kvt_layer_write, kvt_ctx_free_pages, and the
+ *               kvt_layer_bind, kvt_layer_read, kvt_layer_write, kvt_ctx_free_pages,
+ *               kvt_buffer_alloc, kvt_buffer_free, kvt_buffer_read / _write (_async), and the
  *               inspection calls (kvt_seq_check, kvt_seq_layer_stats, kvt_seq_row_state,
  *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
  *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed). They own the row
@@ -449,6 +450,41 @@ KVT_API kvt_status kvt_layer_bind(kvt_ctx *ctx, uint32_t layer, uint32_t plane, 
                                   size_t bytes);
 
 /* ---------------------------------------------------------------------------------------------
+ * Backend buffers
+ *
+ * Memory in the context's backend's space: host memory on the CPU backend, pages the host cannot
+ * touch on the guarded backend, device memory on CUDA (cudaMalloc, never managed memory). The
+ * arrays kvt_batch_run writes (kvt_emit) live in this space, because attention reads them where
+ * it runs; an engine on a device backend allocates them here once and reuses them every step
+ * (and any other array it wants next to the cache). The host reaches a buffer's bytes only
+ * through kvt_buffer_read / kvt_buffer_write (ggml-backend's rule); kvt_buffer_ptr is the
+ * address to hand to kernels and to kvt_emit, to dereference on the host only on the CPU
+ * backend. A buffer belongs to its context: kvt_ctx_destroy frees the live ones. Calls on one
+ * buffer follow the scheduler's rules ("Threads"); copies are off the decode path except the
+ * _async forms on the step's stream.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct kvt_buffer kvt_buffer;
+
+/* bytes > 0 of zeroed backend memory. KVT_ERR_INVALID_ARGUMENT (0 bytes, NULL),
+ * KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_buffer_alloc(kvt_ctx *ctx, size_t bytes, kvt_buffer **out);
+/* NULL is a no-op. Not after kvt_ctx_destroy of its context (which freed it). */
+KVT_API void kvt_buffer_free(kvt_buffer *buf);
+/* The buffer's address in the backend's space (NULL for NULL) and its size in bytes. */
+KVT_API void *kvt_buffer_ptr(const kvt_buffer *buf);
+KVT_API size_t kvt_buffer_size(const kvt_buffer *buf);
+/* Copy bytes between host memory and [offset, offset + bytes) of the buffer; the copy is done
+ * when the call returns. KVT_ERR_OUT_OF_RANGE past its end, KVT_ERR_INVALID_ARGUMENT for NULL. */
+KVT_API kvt_status kvt_buffer_write(kvt_buffer *buf, size_t offset, const void *src, size_t bytes);
+KVT_API kvt_status kvt_buffer_read(const kvt_buffer *buf, size_t offset, void *dst, size_t bytes);
+/* The same, enqueued on stream (a cudaStream_t on CUDA; the CPU backends copy at once): the host
+ * memory must stay valid, and unchanged for a write, until the stream reaches the copy. */
+KVT_API kvt_status kvt_buffer_write_async(kvt_buffer *buf, size_t offset, const void *src,
+                                          size_t bytes, void *stream);
+KVT_API kvt_status kvt_buffer_read_async(const kvt_buffer *buf, size_t offset, void *dst,
+                                         size_t bytes, void *stream);
+
+/* ---------------------------------------------------------------------------------------------
  * Sequences (requests)
  * ------------------------------------------------------------------------------------------- */
 /* Per-request settings; defaults come from the context. */
@@ -595,7 +631,10 @@ typedef enum kvt_emit_layout {
 #define KVT_MAX_QUERIES_PER_SEQ 256u
 
 /* Where kvt_batch_run writes the attended set: caller-owned, fixed capacity (the same buffers
- * can serve every step, e.g. inside a captured graph). Slots ascend by original position. */
+ * can serve every step, e.g. inside a captured graph), in the backend's memory space (host
+ * memory on the CPU backend; kvt_buffer memory on the guarded and CUDA backends — see "Backend
+ * buffers"): the run describes each set in O(1) on the host and the backend writes the slots.
+ * Slots ascend by original position. */
 typedef struct kvt_emit {
     size_t struct_size;     /* sizeof(kvt_emit) */
     kvt_emit_layout layout;

@@ -539,21 +539,13 @@ kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, v
     return KVT_OK;
 }
 
-uint64_t kvt__seq_step_count(const kvt_seq *seq, uint32_t layer, uint32_t visible) {
+void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
+                         kvt__pack_query *q) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, visible, &view);
-    return l.gr->ops->attended_count(&l);
-}
-
-uint64_t kvt__seq_step_slots(const kvt_seq *seq, uint32_t layer, uint32_t visible, int64_t *rows,
-                             int32_t *dst) {
-    kvt__ptable view;
-    kvt__tier_layer l = step_layer(seq, layer, visible, &view);
-    uint64_t n = l.gr->ops->attended_count(&l);
-    l.gr->ops->attended_rows(&l, rows);
-    for (uint64_t j = 0; j < n; j++)
-        dst[j] = kvt__slot(l.pt, l.pdiv, (uint64_t)rows[j]);
-    return n;
+    l.gr->ops->attended(&l, &q->d);
+    q->pages = view.pages;
+    q->first_page = view.first_page;
 }
 
 kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {
@@ -741,7 +733,7 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     out->policy = ctx->policies[layer];
     out->appended_rows = seq->n_tokens * H;
     kvt__tier_layer l = tier_layer(seq, layer);
-    out->attended_rows = l.gr->ops->attended_count(&l);
+    out->attended_rows = kvt__attended_count(&l);
     out->pages_in_use = t->n_pages;
     out->bytes_in_use = (uint64_t)t->n_pages * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
     out->prompt_rows = seq->prompt_rows;

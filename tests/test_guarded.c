@@ -156,3 +156,148 @@ Test(guarded, engine_memory_cannot_be_guarded) {
     cr_assert(strstr(err, "external_storage"), "%s", err);
     kvt_model_destroy(m);
 }
+
+/* A kvt_buffer of the guarded backend is protected like the pool. */
+Test(guarded, host_touching_a_buffer_faults, .signal = KVT_TEST_FAULT_SIGNAL) {
+    kvt_model *m;
+    kvt_ctx *ctx = guarded_ctx(&m);
+    kvt_buffer *b;
+    cr_assert_eq(kvt_buffer_alloc(ctx, 4096, &b), KVT_OK);
+    volatile int32_t x = *(volatile int32_t *)kvt_buffer_ptr(b); /* must not return */
+    (void)x;
+}
+
+Test(guarded, buffers_copy_through_the_backend_and_refuse_bad_ranges) {
+    kvt_model *m;
+    kvt_ctx *ctx = guarded_ctx(&m);
+    kvt_buffer *b, *b2;
+    cr_assert_eq(kvt_buffer_alloc(ctx, 0, &b), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_null(b);
+    cr_assert_eq(kvt_buffer_alloc(NULL, 8, &b), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_buffer_alloc(ctx, 100, &b), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, 10, &b2), KVT_OK); /* freed by kvt_ctx_destroy */
+    cr_assert_eq(kvt_buffer_size(b), 100);
+    uint8_t in[100], out[100] = {0};
+    for (int i = 0; i < 100; i++)
+        in[i] = (uint8_t)(i * 7 + 1);
+    uint8_t zero[100] = {0};
+    cr_assert_eq(kvt_buffer_read(b, 0, out, 100), KVT_OK);
+    cr_assert_eq(memcmp(out, zero, 100), 0, "zeroed at allocation");
+    cr_assert_eq(kvt_buffer_write(b, 0, in, 100), KVT_OK);
+    cr_assert_eq(kvt_buffer_read_async(b, 10, out, 50, NULL), KVT_OK);
+    cr_assert_eq(memcmp(out, in + 10, 50), 0);
+    cr_assert_eq(kvt_buffer_write_async(b, 99, in, 1, NULL), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(b, 99, out, 1), KVT_OK);
+    cr_assert_eq(out[0], in[0]);
+    cr_assert_eq(kvt_buffer_read(b, 60, out, 41), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_buffer_write(b, 101, in, 0), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_buffer_write(b, SIZE_MAX, in, 2), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_buffer_read(b, 0, NULL, 4), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_buffer_read(NULL, 0, out, 4), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_buffer_read(b, 0, out, 100), KVT_OK, "the buffer is unchanged by refusals");
+    cr_assert_eq(out[99], in[0]);
+    cr_assert_eq(memcmp(out, in, 99), 0);
+    kvt_buffer_free(b);
+    kvt_buffer_free(NULL);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* The emission lives in the backend's memory: on the guarded backend kvt_batch_run writes it into
+ * protected kvt_buffer memory (a host write would fault), and what comes back equals the CPU
+ * backend's emission of the same steps, both layouts, one set per request and per query token. */
+Test(guarded, emission_into_protected_buffers_equals_the_cpu_backends) {
+    kvt_model *m;
+    kvt_ctx *g = guarded_ctx(&m);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config c = *kvt_ctx_config(g);
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = 32;
+    kvt_ctx *h;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &h, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx *ctx[2] = {g, h};
+    kvt_seq *seq[2][2];
+    kvt_batch *b[2];
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(tu_seq_create(ctx[k], 1, &seq[k][0]), KVT_OK);
+        cr_assert_eq(tu_seq_create(ctx[k], 2, &seq[k][1]), KVT_OK);
+        cr_assert_eq(kvt_batch_create(ctx[k], 2, &b[k]), KVT_OK);
+    }
+    enum { TOPK = 256, SQ = 3 };
+    kvt_buffer *bi, *bl, *bp, *bd;
+    cr_assert_eq(kvt_buffer_alloc(g, sizeof(int32_t) * 2 * SQ * TOPK, &bi), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(g, sizeof(int32_t) * 2 * SQ, &bl), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(g, sizeof(int32_t) * (2 * SQ + 1), &bp), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(g, 2, &bd), KVT_OK);
+    static int32_t hi[2 * SQ * TOPK], back[2 * SQ * TOPK];
+    int32_t hl[2 * SQ], hp[2 * SQ + 1], bl_back[2 * SQ], bp_back[2 * SQ + 1];
+    uint8_t hd[2], bd_back[2];
+    tu_rng rng = {7};
+    uint32_t packed = 0;
+    for (int step = 0; step < 120; step++) {
+        uint32_t n[2] = {step == 0 ? 40 : 1 + (uint32_t)(tu_next(&rng) % SQ), 1};
+        uint32_t drafts[2] = {n[0] - 1, 0};
+        for (int k = 0; k < 2; k++) {
+            cr_assert_eq(kvt_batch_reserve_drafts(b[k], seq[k], n, drafts, 2), KVT_OK, "%s",
+                         kvt_last_error());
+            for (int r = 0; r < 2; r++)
+                for (uint32_t l = 0; l < 2; l++) {
+                    const kvt_layer_spec *sp = kvt_model_layer(m, l);
+                    size_t tb = (size_t)sp->n_kv_heads * sp->row_bytes;
+                    uint8_t buf[1152];
+                    for (uint32_t pl = 0; pl < sp->n_planes; pl++)
+                        for (uint32_t t = 0; t < n[r]; t++) {
+                            for (size_t i = 0; i < tb; i++)
+                                buf[i] = (uint8_t)((step * 31 + r * 17 + t * 5 + pl + i * 3) & 0x3f);
+                            cr_assert_eq(kvt_seq_write(seq[k][r], l, pl, t, 1, buf, tb), KVT_OK);
+                        }
+                }
+            cr_assert_eq(kvt_batch_plan(b[k]), KVT_OK);
+        }
+        for (uint32_t l = 0; l < 2; l++) {
+            bool csr = (step + l) % 2;
+            uint32_t sq = step % 3 == 0 ? 1 : SQ;
+            if (step == 0)
+                sq = 1; /* the 40-token prompt: one set */
+            kvt_emit eg = {.struct_size = sizeof eg, .layout = csr ? KVT_EMIT_CSR : KVT_EMIT_TOKENS,
+                           .indices = kvt_buffer_ptr(bi),
+                           .capacity = csr ? 2 * SQ * TOPK : TOPK,
+                           .lengths = kvt_buffer_ptr(bl), .indptr = kvt_buffer_ptr(bp),
+                           .dense = kvt_buffer_ptr(bd), .queries_per_seq = sq};
+            kvt_emit eh = eg;
+            eh.indices = hi;
+            eh.lengths = hl;
+            eh.indptr = hp;
+            eh.dense = hd;
+            cr_assert_eq(kvt_batch_run(b[0], l, NULL, NULL, &eg), KVT_OK, "%s", kvt_last_error());
+            cr_assert_eq(kvt_batch_run(b[1], l, NULL, NULL, &eh), KVT_OK, "%s", kvt_last_error());
+            uint32_t nq = 2 * sq;
+            size_t ni = csr ? (size_t)0 : (size_t)nq * TOPK;
+            if (csr) {
+                cr_assert_eq(kvt_buffer_read(bp, 0, bp_back, sizeof(int32_t) * (nq + 1)), KVT_OK);
+                cr_assert_eq(memcmp(bp_back, hp, sizeof(int32_t) * (nq + 1)), 0, "step %d", step);
+                ni = (size_t)hp[nq];
+            } else {
+                cr_assert_eq(kvt_buffer_read(bl, 0, bl_back, sizeof(int32_t) * nq), KVT_OK);
+                cr_assert_eq(memcmp(bl_back, hl, sizeof(int32_t) * nq), 0, "step %d", step);
+            }
+            cr_assert_eq(kvt_buffer_read(bi, 0, back, sizeof(int32_t) * ni), KVT_OK);
+            cr_assert_eq(memcmp(back, hi, sizeof(int32_t) * ni), 0, "step %d layer %u", step, l);
+            cr_assert_eq(kvt_buffer_read(bd, 0, bd_back, 2), KVT_OK);
+            cr_assert_eq(memcmp(bd_back, hd, 2), 0);
+            packed += (uint32_t)ni;
+        }
+        for (int k = 0; k < 2; k++) {
+            uint32_t acc[2] = {n[0] - (uint32_t)(step % 2 && n[0] > 1), 1};
+            cr_assert_eq(kvt_batch_commit(b[k], acc), KVT_OK, "%s", kvt_last_error());
+        }
+    }
+    cr_assert_gt(packed, 10000);
+    cr_assert_eq(kvt_seq_check(seq[0][0]), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(g); /* frees its buffers and batches */
+    kvt_ctx_destroy(h);
+    kvt_model_destroy(m);
+}

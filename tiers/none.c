@@ -6,13 +6,8 @@
  */
 #include "policy.h"
 
-uint64_t kvt__none_attended_count(const kvt__tier_layer *l) {
-    return l->pt->n_rows;
-}
-
-void kvt__none_attended_rows(const kvt__tier_layer *l, int64_t *out) {
-    for (uint64_t i = 0; i < l->pt->n_rows; i++)
-        out[i] = (int64_t)i;
+void kvt__none_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
+    *d = (kvt__attended_desc){.lo_end = l->pt->n_rows};
 }
 
 static kvt_row_state none_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
@@ -44,8 +39,7 @@ kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t le
 
 const kvt__policy_ops kvt__policy_none = {
     .rows_are_positions = true,
-    .attended_count = kvt__none_attended_count,
-    .attended_rows = kvt__none_attended_rows,
+    .attended = kvt__none_attended,
     .row_state = none_row_state,
     .positions = kvt__none_positions,
     .check_counts = kvt__none_check_counts,

@@ -145,10 +145,10 @@ struct kvt__policy_ops {
     uint64_t (*held_rows)(const kvt__tier_state *s, uint64_t rows);
 
     /* ---- Attended set ---------------------------------------------------------------------- */
-    /* Rows the layer attends (per KV head). */
-    uint64_t (*attended_count)(const kvt__tier_layer *l);
-    /* Their row indices in the group's table, ascending, into out[attended_count]. */
-    void (*attended_rows)(const kvt__tier_layer *l, int64_t *out);
+    /* The rows the layer attends (per KV head), described in O(1) as row-index ranges and one
+     * list of the group's table (kernels/backend.h): the backend's pack expands them into
+     * slots; kvt__attended_rows expands them on the host for inspection. */
+    void (*attended)(const kvt__tier_layer *l, kvt__attended_desc *d);
 
     /* ---- Rows by position ------------------------------------------------------------------ */
     /* State of (head, pos), pos < l->appended (lib/ answers for pending rows). *slot: the row's
@@ -206,8 +206,11 @@ const kvt__policy_ops *kvt__policy_ops_for(const kvt__group *gr, const kvt__stor
 
 /* Entries shared by tables whose layers attend every row they hold (none, evict) and whose row
  * indices are positions (none, salience). */
-uint64_t kvt__none_attended_count(const kvt__tier_layer *l);
-void kvt__none_attended_rows(const kvt__tier_layer *l, int64_t *out);
+void kvt__none_attended(const kvt__tier_layer *l, kvt__attended_desc *d);
+/* The layer's attended rows: how many, and their row indices ascending into out[count] (host
+ * expansion of the policy's description; inspection and checks, not the decode path). */
+uint64_t kvt__attended_count(const kvt__tier_layer *l);
+void kvt__attended_rows(const kvt__tier_layer *l, int64_t *out);
 void kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
 kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
 

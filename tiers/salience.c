@@ -197,28 +197,8 @@ static uint64_t closed_sinks(const kvt__sal *s, const kvt_config *cfg) {
     return cfg->sink_rows < s->closed_rows ? cfg->sink_rows : s->closed_rows;
 }
 
-uint64_t kvt__sal_attended_count(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows) {
-    uint64_t S = closed_sinks(s, cfg);
-    uint64_t kept_in_sinks = 0;
-    while (kept_in_sinks < s->n_kept && s->kept[kept_in_sinks] < S)
-        kept_in_sinks++;
-    KVT_ASSERT(n_rows >= s->closed_rows);
-    return S + (s->n_kept - kept_in_sinks) + (n_rows - s->closed_rows);
-}
-
-void kvt__sal_attended_rows(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows,
-                            int64_t *out) {
-    uint64_t S = closed_sinks(s, cfg), n = 0;
-    for (uint64_t p = 0; p < S; p++)
-        out[n++] = (int64_t)p;
-    for (uint64_t i = 0; i < s->n_kept; i++)
-        if (s->kept[i] >= S)
-            out[n++] = s->kept[i];
-    for (uint64_t p = s->closed_rows; p < n_rows; p++)
-        out[n++] = (int64_t)p;
-}
-
-static bool in_kept(const kvt__sal *s, uint64_t pos) {
+/* Index of the first kept row at or after pos (kept ascends). */
+static uint64_t kept_lower_bound(const kvt__sal *s, uint64_t pos) {
     uint64_t lo = 0, hi = s->n_kept;
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
@@ -227,6 +207,24 @@ static bool in_kept(const kvt__sal *s, uint64_t pos) {
         else
             hi = mid;
     }
+    return lo;
+}
+
+void kvt__sal_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows,
+                       kvt__attended_desc *d) {
+    uint64_t S = closed_sinks(s, cfg);
+    /* Kept rows inside the sinks are attended as sinks: skip them. */
+    uint64_t lo = kept_lower_bound(s, S);
+    KVT_ASSERT(n_rows >= s->closed_rows);
+    *d = (kvt__attended_desc){.lo_end = S,
+                              .list = s->n_kept > lo ? s->kept + lo : NULL,
+                              .n_list = s->n_kept - lo,
+                              .hi_begin = s->closed_rows,
+                              .hi_end = n_rows};
+}
+
+static bool in_kept(const kvt__sal *s, uint64_t pos) {
+    uint64_t lo = kept_lower_bound(s, pos);
     return lo < s->n_kept && s->kept[lo] == pos;
 }
 
@@ -356,12 +354,8 @@ static kvt_status sal_layer_step(const kvt__env *env, const kvt__tier_step *t) {
                            t->pt->n_rows + t->step_rows);
 }
 
-static uint64_t sal_attended_count(const kvt__tier_layer *l) {
-    return kvt__sal_attended_count(&l->state->sal, l->cfg, l->pt->n_rows);
-}
-
-static void sal_attended_rows(const kvt__tier_layer *l, int64_t *out) {
-    kvt__sal_attended_rows(&l->state->sal, l->cfg, l->pt->n_rows, out);
+static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
+    kvt__sal_attended(&l->state->sal, l->cfg, l->pt->n_rows, d);
 }
 
 /* Archive = index partition: an archived row keeps its slot, it is only not attended. */
@@ -410,8 +404,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .group_commit = sal_group_commit,
     .layer_step = sal_layer_step,
     .supports_layer = sal_supports_layer,
-    .attended_count = sal_attended_count,
-    .attended_rows = sal_attended_rows,
+    .attended = sal_attended,
     .row_state = sal_row_state,
     .positions = kvt__none_positions,
     .stats = sal_stats,

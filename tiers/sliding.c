@@ -47,10 +47,9 @@ static uint64_t sliding_attended_count(const kvt__tier_layer *l) {
     return l->pt->n_rows;
 }
 
-static void sliding_attended_rows(const kvt__tier_layer *l, int64_t *out) {
+static void sliding_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
     uint64_t n = sliding_attended_count(l);
-    for (uint64_t i = 0; i < n; i++)
-        out[i] = (int64_t)(l->pt->n_rows - n + i);
+    *d = (kvt__attended_desc){.hi_begin = l->pt->n_rows - n, .hi_end = l->pt->n_rows};
 }
 
 static kvt_row_state sliding_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
@@ -85,8 +84,7 @@ const kvt__policy_ops kvt__policy_sliding = {
     .dropped_how = "with its page (outside every sliding window of its group)",
     .group_init = sliding_group_init,
     .group_commit = sliding_group_commit,
-    .attended_count = sliding_attended_count,
-    .attended_rows = sliding_attended_rows,
+    .attended = sliding_attended,
     .row_state = sliding_row_state,
     .positions = sliding_positions,
     .stats = sliding_stats,

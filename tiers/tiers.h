@@ -164,12 +164,11 @@ uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio);
  * the global top-m once if anything closed. On failure nothing observable changed. */
 kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
                            const kvt__store *st, const kvt__ptable *pt, uint64_t new_n_rows);
-/* Attended rows when the table holds n_rows rows (>= closed_rows; more than s->n_rows during a
- * step whose work runs at commit): sinks, kept, tail [closed_rows, n_rows). */
-uint64_t kvt__sal_attended_count(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows);
-/* Write the attended row indices (ascending) into out[kvt__sal_attended_count]. */
-void kvt__sal_attended_rows(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows,
-                            int64_t *out);
+/* The attended rows when the table holds n_rows rows (>= closed_rows; more than s->n_rows
+ * during a step whose work runs at commit): sinks [0, S), the kept rows past them, the tail
+ * [closed_rows, n_rows). */
+void kvt__sal_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows,
+                       kvt__attended_desc *d);
 bool kvt__sal_is_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t pos);
 /* Full check; writes the first violation into err. */
 kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, size_t len);

@@ -114,7 +114,7 @@ static kvt_status tu_finish(kvt_seq *seq, uint32_t n, bool run) {
             int32_t len;
             kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
                           .capacity = topk, .lengths = &len};
-            s = kvt_batch_run(b, l, NULL, NULL, &e);
+            s = tu_run(b, ctx, l, 1, &e);
             free(idx);
             if (s != KVT_OK)
                 break; /* the commit below finishes what the runs did not */
@@ -127,6 +127,53 @@ static kvt_status tu_finish(kvt_seq *seq, uint32_t n, bool run) {
     kvt_batch_destroy(b);
     tu_open[k].b = NULL;
     tu_open[k].seq = NULL;
+    return s;
+}
+
+/* One buffer of the emission: in host memory on a host-visible backend, else a kvt_buffer whose
+ * bytes are read back into the caller's host array after the run. */
+typedef struct tu_mirror {
+    kvt_buffer *buf;
+    void *host;
+    size_t bytes;
+} tu_mirror;
+
+static void *tu_mirror_of(kvt_ctx *ctx, void *host, size_t bytes, tu_mirror *m, kvt_status *s) {
+    m->buf = NULL;
+    m->host = host;
+    m->bytes = bytes;
+    if (!host || bytes == 0 || strcmp(kvt_ctx_backend_name(ctx), "cpu") == 0 || *s != KVT_OK)
+        return host;
+    *s = kvt_buffer_alloc(ctx, bytes, &m->buf);
+    return m->buf ? kvt_buffer_ptr(m->buf) : NULL;
+}
+
+static kvt_status tu_mirror_back(tu_mirror *m, kvt_status s) {
+    if (m->buf) {
+        if (s == KVT_OK)
+            s = kvt_buffer_read(m->buf, 0, m->host, m->bytes);
+        kvt_buffer_free(m->buf);
+        m->buf = NULL;
+    }
+    return s;
+}
+
+kvt_status tu_run(kvt_batch *b, kvt_ctx *ctx, uint32_t layer, uint32_t n_seqs, const kvt_emit *e) {
+    uint32_t sq = e->queries_per_seq > 1 ? e->queries_per_seq : 1;
+    size_t nq = (size_t)n_seqs * sq;
+    bool tokens = e->layout == KVT_EMIT_TOKENS;
+    kvt_emit d = *e;
+    tu_mirror m[4];
+    kvt_status s = KVT_OK;
+    d.indices = tu_mirror_of(ctx, e->indices,
+                             sizeof(int32_t) * (tokens ? nq * e->capacity : e->capacity), &m[0], &s);
+    d.lengths = tu_mirror_of(ctx, tokens ? e->lengths : NULL, sizeof(int32_t) * nq, &m[1], &s);
+    d.indptr = tu_mirror_of(ctx, tokens ? NULL : e->indptr, sizeof(int32_t) * (nq + 1), &m[2], &s);
+    d.dense = tu_mirror_of(ctx, e->dense, n_seqs, &m[3], &s);
+    if (s == KVT_OK)
+        s = kvt_batch_run(b, layer, NULL, NULL, &d);
+    for (int i = 0; i < 4; i++)
+        s = tu_mirror_back(&m[i], s);
     return s;
 }
 
@@ -149,7 +196,7 @@ static kvt_status tu_emit(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, ui
     if (s == KVT_OK)
         s = kvt_batch_plan(b);
     if (s == KVT_OK) {
-        s = kvt_batch_run(b, layer, NULL, NULL, e);
+        s = tu_run(b, ctx, layer, n, e);
         kvt_status c = kvt_batch_commit(b, NULL);
         if (s == KVT_OK)
             s = c;

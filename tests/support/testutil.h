@@ -35,6 +35,10 @@ kvt_status tu_commit(kvt_seq *seq, uint32_t n);
 /* The same, but the step runs every layer with KV first (kvt_batch_run), so the policy work
  * happens inside the runs, as in an engine's forward; commit finishes it. */
 kvt_status tu_commit_run(kvt_seq *seq, uint32_t n);
+/* kvt_batch_run of a step of n_seqs requests into the caller's host arrays: directly on the CPU
+ * backend; on another backend through kvt_buffer memory (the emission's space), read back after
+ * the run. */
+kvt_status tu_run(kvt_batch *b, kvt_ctx *ctx, uint32_t layer, uint32_t n_seqs, const kvt_emit *e);
 /* The attended set of a layer for requests between steps: a step of zero new tokens (reserve,
  * plan, run into the given buffers, commit). Returns run's status (commit's if run succeeded). */
 kvt_status tu_attended_tokens(kvt_ctx *ctx, uint32_t layer, kvt_seq *const *seqs, uint32_t n,
