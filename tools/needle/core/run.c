@@ -299,6 +299,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     kvt_batch *batch = NULL;
     uint8_t *pool_copy = NULL;
     int32_t *slots = NULL;
+    kvt_buffer *em_idx = NULL, *em_len = NULL; /* freed with the context */
     uint8_t *mark = NULL;
     int64_t *pos_of_slot = NULL;
     uint32_t *seen = NULL;
@@ -376,6 +377,16 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
      * not dereference kvt_layer_data's pointer): each query reads it into this host copy through
      * kvt_layer_read and measures over the copy. */
     pool_copy = malloc(pool_bytes ? pool_bytes : 1);
+    /* The emission lives in the backend's memory space too: on any backend but the CPU one it
+     * goes into kvt_buffer memory and is read back after each query's run. */
+    if (strcmp(kvt_ctx_backend_name(ctx), "cpu") != 0) {
+        if ((s = kvt_buffer_alloc(ctx, sizeof(int32_t) * (c->n_rows + 1) * NB, &em_idx)) !=
+                KVT_OK ||
+            (s = kvt_buffer_alloc(ctx, sizeof(int32_t) * NB, &em_len)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_buffer_alloc (emission)");
+            goto done;
+        }
+    }
     pos_of_slot = malloc(sizeof(int64_t) * (n_slots + 1));
     seen = calloc(n_slots + 1, sizeof(uint32_t));
     if (!slots || !mark || !scratch || !q || !o || !pos_of_slot || !seen || !pool_copy) {
@@ -429,8 +440,14 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                     goto done;
                 }
                 kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_TOKENS,
-                               .indices = slots, .capacity = topk, .lengths = lens};
-                if ((s = kvt_batch_run(batch, 0, tg->q, NULL, &em)) != KVT_OK) {
+                               .indices = em_idx ? kvt_buffer_ptr(em_idx) : slots,
+                               .capacity = topk,
+                               .lengths = em_len ? kvt_buffer_ptr(em_len) : lens};
+                if ((s = kvt_batch_run(batch, 0, tg->q, NULL, &em)) != KVT_OK ||
+                    (em_idx && (s = kvt_buffer_read(em_idx, 0, slots,
+                                                    sizeof(int32_t) * topk * NB)) != KVT_OK) ||
+                    (em_len && (s = kvt_buffer_read(em_len, 0, lens, sizeof(int32_t) * NB)) !=
+                                   KVT_OK)) {
                     rc = lib_fail(err, err_len, ctx, s, "kvt_batch_run");
                     goto done;
                 }
