@@ -74,6 +74,23 @@ typedef struct kvt__pack_args {
     int32_t *indptr;        /* CSR */
 } kvt__pack_args;
 
+/* The selection of a salience close, on the backend's memory: σ of the fresh rows
+ * [first_new, n_closed) of the score plane is canonicalised (NaN/Inf -> +Inf, counted), then the
+ * top-m of all n_closed scores by kvt__score_key (ties to the lower position) is written
+ * ascending into kept. Two counters come back to the host: the close's one synchronisation (a
+ * step with a close runs eagerly; steps without one never call this). On failure (scratch) the
+ * kept set is untouched. */
+typedef struct kvt__select_args {
+    float *score;            /* backend: [n_closed] */
+    uint64_t first_new;
+    uint64_t n_closed;
+    uint32_t m;
+    uint64_t sinks;          /* S: how many kept rows lie below it is reported */
+    uint32_t *kept;          /* backend: [m] out */
+    uint64_t nonfinite;      /* out (host) */
+    uint64_t kept_in_sinks;  /* out (host) */
+} kvt__select_args;
+
 typedef struct kvt__backend_ops {
     const char *name;
     /* Buffers in the backend's memory space (ggml-backend's rule: host code reaches a buffer's
@@ -85,6 +102,9 @@ typedef struct kvt__backend_ops {
     kvt_status (*write)(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                         void *stream);
     kvt_status (*read)(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                       void *stream);
+    /* Copy bytes between two buffers of the backend (regions may not overlap), on the stream. */
+    kvt_status (*copy)(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                        void *stream);
     /* true when host code may dereference buffer pointers (engine-owned host storage can then be
      * bound with kvt_layer_bind). */
@@ -112,6 +132,8 @@ typedef struct kvt__backend_ops {
      * describes each set in O(1); the rows are expanded here, page by page (one division per
      * range, not per row). The arrays live in the backend's memory space. */
     kvt_status (*pack)(const kvt__backend *be, const kvt__pack_args *a, void *stream);
+    /* The selection of a salience close (kvt__select_args). */
+    kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, void *stream);
 } kvt__backend_ops;
 
 struct kvt__backend {

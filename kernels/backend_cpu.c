@@ -8,6 +8,8 @@
 #include "kernels/topm.h"
 #include "lib/base/base.h"
 
+#include <float.h>
+#include <math.h>
 #include <string.h>
 
 static const kvt__backend_ops cpu_ops_table;
@@ -176,6 +178,37 @@ static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, s
     return KVT_OK;
 }
 
+static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
+    (void)stream;
+    if (a->n_closed > UINT32_MAX)
+        return KVT_ERR_UNSUPPORTED;
+    uint32_t n = (uint32_t)a->n_closed;
+    /* Keys, then the top-m scratch, in one piece of the workspace: taken before anything is
+     * written, so a failure leaves the kept set as it was. */
+    size_t sn = kvt__topm_scratch_u32(n);
+    bool owned = false;
+    uint32_t *keys = scratch_get(be, false, (size_t)n + sn, sizeof(uint32_t), &owned);
+    if (!keys)
+        return KVT_ERR_OUT_OF_MEMORY;
+    uint64_t nonfinite = 0;
+    for (uint64_t u = a->first_new; u < n; u++)
+        if (!(a->score[u] <= FLT_MAX)) {
+            a->score[u] = INFINITY;
+            nonfinite++;
+        }
+    for (uint32_t u = 0; u < n; u++)
+        keys[u] = kvt__score_key(a->score[u]);
+    kvt__topm_u32(keys, n, a->m, a->kept, sn ? keys + n : NULL);
+    uint64_t below = 0;
+    while (below < a->m && a->kept[below] < a->sinks)
+        below++;
+    if (owned)
+        kvt__free(be->alloc, keys, ((size_t)n + sn) * sizeof(uint32_t));
+    a->nonfinite = nonfinite;
+    a->kept_in_sinks = below;
+    return KVT_OK;
+}
+
 /* Slots of rows [a, b) into out: one division for the first row, then page by page. */
 static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *pages,
                            uint64_t first_page, const kvt__div32 *pd) {
@@ -244,6 +277,8 @@ static const kvt__backend_ops cpu_ops_table = {
     .draws = cpu_draws,
     .move_rows = cpu_move_rows,
     .pack = cpu_pack,
+    .copy = cpu_copy,
+    .select = cpu_select,
 };
 
 const kvt__backend_ops *kvt__backend_cpu_ops(void) {
@@ -369,6 +404,13 @@ static kvt_status g_move_rows(const kvt__backend *be, uint8_t *base, size_t slot
     return s;
 }
 
+static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
+    guard_open(be);
+    kvt_status s = cpu_select(be, a, stream);
+    guard_close(be);
+    return s;
+}
+
 static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
     guard_open(be);
     kvt_status s = cpu_pack(be, a, stream);
@@ -389,6 +431,8 @@ static const kvt__backend_ops guarded_ops_table = {
     .draws = cpu_draws,
     .move_rows = g_move_rows,
     .pack = g_pack,
+    .copy = g_write,
+    .select = g_select,
 };
 
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {

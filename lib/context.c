@@ -30,6 +30,7 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     kvt__env e;
     e.alloc = &ctx->alloc;
     e.backend = &ctx->backend;
+    e.home = &ctx->backend;
     e.cfg = seq ? &seq->cfg : &ctx->cfg; /* a request's own ratio */
     e.page_rows = ctx->page_rows;
     e.pdiv = &ctx->pdiv;
@@ -229,7 +230,8 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
     ctx->ws_sigma_floats = branch ? kvt__sigma_scratch_floats(ctx->cfg.block_rows,
                                                               2 * ctx->cfg.kappa - 1, branch)
                                   : 0;
-    ctx->ws_topm_u32 = kvt__topm_scratch_u32(ctx->max_rows);
+    /* A salience close's selection takes its keys and the top-m scratch in one piece. */
+    ctx->ws_topm_u32 = (size_t)ctx->max_rows + kvt__topm_scratch_u32(ctx->max_rows);
     if (!kvt__backend_is_guarded(&ctx->backend))
         return KVT_OK;
     kvt_status s = kvt__backend_cpu_reserve(&ctx->backend, ctx->ws_sigma_floats, ctx->ws_topm_u32);

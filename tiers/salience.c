@@ -44,23 +44,57 @@ void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a) {
     memset(sh, 0, sizeof *sh);
 }
 
+void kvt__sal_init(kvt__sal *s, const kvt__backend *home) {
+    s->be = home;
+}
+
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
-    kvt__free(a, s->score, sizeof *s->score * s->score_cap);
-    kvt__free(a, s->kept, sizeof *s->kept * s->kept_cap);
+    if (s->be) {
+        s->be->ops->buf_free(s->be, s->score, sizeof *s->score * s->score_cap);
+        s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
+    }
     kvt__free(a, s->sc_slots, sizeof *s->sc_slots * s->sc_slots_cap);
-    kvt__free(a, s->sc_keys, sizeof *s->sc_keys * s->sc_keys_cap);
-    kvt__free(a, s->sc_idx, sizeof *s->sc_idx * s->sc_idx_cap);
     memset(s, 0, sizeof *s);
 }
 
-/* The close of new_closed rows: score and close scratch. Capacity only. */
+/* Grow a side plane in the backend's memory to hold n elements of elt bytes (grow-only, 1.5x):
+ * a new buffer, the old contents copied over on the device, the old one freed. */
+static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, uint64_t n,
+                             size_t elt) {
+    if (n <= *cap)
+        return KVT_OK;
+    uint64_t want = *cap + *cap / 2;
+    if (want < n)
+        want = n;
+    void *q = NULL;
+    kvt_status s = be->ops->buf_alloc(be, want * elt, &q);
+    if (s != KVT_OK)
+        return s;
+    if (*cap && (s = be->ops->copy(be, q, *p, *cap * elt, NULL)) != KVT_OK) {
+        be->ops->buf_free(be, q, want * elt);
+        return s;
+    }
+    if (*p)
+        be->ops->buf_free(be, *p, *cap * elt);
+    *p = q;
+    *cap = want;
+    return KVT_OK;
+}
+
+/* The close of new_closed rows: score and kept planes, close scratch. Capacity only. */
 static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint64_t new_closed,
                               uint64_t m) {
-    KVT__GROW_OR_RETURN(a, s->score, s->score_cap, new_closed);
+    void *p = s->score;
+    kvt_status st = plane_grow(s->be, &p, &s->score_cap, new_closed, sizeof *s->score);
+    s->score = p;
+    if (st != KVT_OK)
+        return st;
+    p = s->kept;
+    st = plane_grow(s->be, &p, &s->kept_cap, m ? m : 1, sizeof *s->kept);
+    s->kept = p;
+    if (st != KVT_OK)
+        return st;
     KVT__GROW_OR_RETURN(a, s->sc_slots, s->sc_slots_cap, B);
-    KVT__GROW_OR_RETURN(a, s->sc_keys, s->sc_keys_cap, new_closed);
-    KVT__GROW_OR_RETURN(a, s->sc_idx, s->sc_idx_cap, m ? m : 1);
-    KVT__GROW_OR_RETURN(a, s->kept, s->kept_cap, m ? m : 1);
     return KVT_OK;
 }
 
@@ -139,55 +173,49 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
         return kvt__fail(env->err, env->err_len, st_, "salience: scores and close scratch");
     }
     int32_t *slots = s->sc_slots;
-    uint32_t *keys = s->sc_keys;
-    uint32_t *idx = s->sc_idx;
     kvt_status rc = KVT_OK;
-    uint64_t nonfinite = 0;
-    for (uint64_t b = 0; b < n_close; b++) {
-        uint64_t first = s->closed_rows + b * B;
-        float *out = s->score + first;
-        rc = score_block(env, sh, st, pt, first, slots, out);
-        if (rc != KVT_OK) {
-            kvt__fail(env->err, env->err_len, rc, "salience: scoring block at row %llu",
-                      (unsigned long long)first);
-            goto done;
-        }
-        /* A row whose branch holds NaN or Inf was left out of its block's fit and scored +Inf
-         * (sigma.h); a huge finite branch can still overflow to Inf, and the ablation selectors
-         * give NaN/Inf for such a row. Canonicalise every one to +Inf: the row ranks first (ties
-         * to the lower position), stays attended and takes one slot of the budget — only its
-         * own — and is counted in nonfinite_sigma. */
-        for (uint32_t u = 0; u < B; u++) {
-            if (!(out[u] <= FLT_MAX)) {
-                out[u] = INFINITY;
-                nonfinite++;
-            }
-        }
-    }
-    for (uint64_t i = 0; i < new_closed; i++)
-        keys[i] = kvt__score_key(s->score[i]);
     if (new_closed > UINT32_MAX) {
         rc = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
                        "salience: more than 2^32 closed rows");
         goto done;
     }
-    rc = env->backend->ops->topm(env->backend, keys, (uint32_t)new_closed, (uint32_t)m, idx,
-                                 env->stream);
+    for (uint64_t b = 0; b < n_close; b++) {
+        uint64_t first = s->closed_rows + b * B;
+        rc = score_block(env, sh, st, pt, first, slots, s->score + first);
+        if (rc != KVT_OK) {
+            kvt__fail(env->err, env->err_len, rc, "salience: scoring block at row %llu",
+                      (unsigned long long)first);
+            goto done;
+        }
+    }
+    /* A row whose branch holds NaN or Inf was left out of its block's fit and scored +Inf
+     * (sigma.h); a huge finite branch can still overflow to Inf, and the ablation selectors give
+     * NaN/Inf for such a row. The selection canonicalises every one to +Inf: the row ranks first
+     * (ties to the lower position), stays attended and takes one slot of the budget — only its
+     * own — and is counted in nonfinite_sigma. */
+    kvt__select_args sel = {.score = s->score,
+                            .first_new = s->closed_rows,
+                            .n_closed = new_closed,
+                            .m = (uint32_t)m,
+                            .sinks = cfg->sink_rows < new_closed ? cfg->sink_rows : new_closed,
+                            .kept = s->kept};
+    rc = env->backend->ops->select(env->backend, &sel, env->stream);
     if (rc != KVT_OK) {
         kvt__fail(env->err, env->err_len, rc, "salience: top-m select");
         goto done;
     }
-    /* Commit point: nothing below can fail (the kept set was sized above). */
-    memcpy(s->kept, idx, sizeof *idx * m);
+    /* Commit point: nothing below can fail. */
     s->n_kept = m;
+    s->kept_in_sinks = sel.kept_in_sinks;
     s->closed_rows = new_closed;
     s->n_rows = new_n_rows;
     s->closes += n_close;
-    s->nonfinite += nonfinite;
+    s->nonfinite += sel.nonfinite;
     s->score_bytes_read += n_close * B * score_bytes_per_row(cfg, &st->spec);
 done:
     /* On failure the blocks stay unclosed: their rows remain attended as part of the tail (never
-     * lost from the attended set) and the next commit closes them. */
+     * lost from the attended set) and the next commit closes them. Scores written for them are
+     * rewritten by that close. */
     s->n_rows = new_n_rows;
     return rc;
 }
@@ -197,42 +225,46 @@ static uint64_t closed_sinks(const kvt__sal *s, const kvt_config *cfg) {
     return cfg->sink_rows < s->closed_rows ? cfg->sink_rows : s->closed_rows;
 }
 
-/* Index of the first kept row at or after pos (kept ascends). */
-static uint64_t kept_lower_bound(const kvt__sal *s, uint64_t pos) {
-    uint64_t lo = 0, hi = s->n_kept;
-    while (lo < hi) {
-        uint64_t mid = lo + (hi - lo) / 2;
-        if (s->kept[mid] < pos)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
 void kvt__sal_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows,
                        kvt__attended_desc *d) {
-    uint64_t S = closed_sinks(s, cfg);
-    /* Kept rows inside the sinks are attended as sinks: skip them. */
-    uint64_t lo = kept_lower_bound(s, S);
+    /* Kept rows inside the sinks are attended as sinks: the list starts after them (a count the
+     * close brought back; the list itself stays in the backend's memory). */
     KVT_ASSERT(n_rows >= s->closed_rows);
-    *d = (kvt__attended_desc){.lo_end = S,
-                              .list = s->n_kept > lo ? s->kept + lo : NULL,
-                              .n_list = s->n_kept - lo,
+    *d = (kvt__attended_desc){.lo_end = closed_sinks(s, cfg),
+                              .list = s->n_kept > s->kept_in_sinks ? s->kept + s->kept_in_sinks
+                                                                   : NULL,
+                              .n_list = s->n_kept - s->kept_in_sinks,
                               .hi_begin = s->closed_rows,
                               .hi_end = n_rows};
 }
 
+/* kept[i], read through the backend (inspection). */
+static uint32_t kept_at(const kvt__sal *s, uint64_t i) {
+    uint32_t v = 0;
+    if (s->be->ops->read(s->be, &v, s->kept + i, sizeof v, NULL) != KVT_OK)
+        return UINT32_MAX;
+    return v;
+}
+
 static bool in_kept(const kvt__sal *s, uint64_t pos) {
-    uint64_t lo = kept_lower_bound(s, pos);
-    return lo < s->n_kept && s->kept[lo] == pos;
+    uint64_t lo = 0, hi = s->n_kept;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (kept_at(s, mid) < pos)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < s->n_kept && kept_at(s, lo) == pos;
 }
 
 bool kvt__sal_is_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t pos) {
     return pos < cfg->sink_rows || pos >= s->closed_rows || in_kept(s, pos);
 }
 
-kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, size_t len) {
+/* The checks over host copies of the score and kept planes. */
+static kvt_status check_host(const kvt__sal *s, const kvt_config *cfg, const float *score,
+                             const uint32_t *kept, char *err, size_t len) {
     uint32_t B = cfg->block_rows;
     /* A tail of B rows or more is legal only while a failed close waits for its retry. */
     if (s->closed_rows % B != 0 || s->closed_rows > s->n_rows)
@@ -244,23 +276,30 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
                          (unsigned long long)s->n_kept,
                          (unsigned long long)kvt__sal_m(s->closed_rows, cfg->ratio));
     for (uint64_t i = 0; i < s->n_kept; i++) {
-        if (s->kept[i] >= s->closed_rows || (i > 0 && s->kept[i] <= s->kept[i - 1]))
+        if (kept[i] >= s->closed_rows || (i > 0 && kept[i] <= kept[i - 1]))
             return kvt__fail(err, len, KVT_ERR_INVARIANT,
                              "salience: kept[%llu] = %u not ascending inside the closed rows",
-                             (unsigned long long)i, s->kept[i]);
+                             (unsigned long long)i, kept[i]);
     }
+    uint64_t S = closed_sinks(s, cfg), below = 0;
+    while (below < s->n_kept && kept[below] < S)
+        below++;
+    if (below != s->kept_in_sinks)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "salience: %llu kept rows lie in the sinks, %llu recorded",
+                         (unsigned long long)below, (unsigned long long)s->kept_in_sinks);
     /* Top-m property: every kept key >= every archived key; on equal keys, kept positions come
      * first. Walk positions once, merging with the sorted kept list. */
     uint32_t min_kept = UINT32_MAX, max_arch = 0;
     uint64_t min_kept_pos = 0, max_arch_pos = 0, k = 0;
     bool any_arch = false;
     for (uint64_t p = 0; p < s->closed_rows; p++) {
-        float v = s->score[p];
+        float v = score[p];
         if (!(v <= FLT_MAX) && !isinf(v))
             return kvt__fail(err, len, KVT_ERR_INVARIANT, "salience: NaN score stored at %llu",
                              (unsigned long long)p);
         uint32_t key = kvt__score_key(v);
-        if (k < s->n_kept && s->kept[k] == p) {
+        if (k < s->n_kept && kept[k] == p) {
             k++;
             if (key < min_kept || (key == min_kept && p > min_kept_pos)) {
                 min_kept = key;
@@ -278,6 +317,27 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
                          "salience: archived row %llu outranks kept row %llu",
                          (unsigned long long)max_arch_pos, (unsigned long long)min_kept_pos);
     return KVT_OK;
+}
+
+kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, size_t len) {
+    /* Inspection: the planes come to the host through the backend (synchronising). */
+    const kvt__backend *be = s->be;
+    float *score = s->closed_rows ? kvt__malloc(be->alloc, sizeof *score * s->closed_rows) : NULL;
+    uint32_t *kept = s->n_kept ? kvt__malloc(be->alloc, sizeof *kept * s->n_kept) : NULL;
+    kvt_status rc = KVT_OK;
+    if ((s->closed_rows && !score) || (s->n_kept && !kept))
+        rc = kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "salience check: host copies");
+    if (rc == KVT_OK && s->closed_rows &&
+        (rc = be->ops->read(be, score, s->score, sizeof *score * s->closed_rows, NULL)) != KVT_OK)
+        kvt__fail(err, len, rc, "salience check: reading the score plane");
+    if (rc == KVT_OK && s->n_kept &&
+        (rc = be->ops->read(be, kept, s->kept, sizeof *kept * s->n_kept, NULL)) != KVT_OK)
+        kvt__fail(err, len, rc, "salience check: reading the kept set");
+    if (rc == KVT_OK)
+        rc = check_host(s, cfg, score, kept, err, len);
+    kvt__free(be->alloc, score, sizeof *score * s->closed_rows);
+    kvt__free(be->alloc, kept, sizeof *kept * s->n_kept);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -307,6 +367,7 @@ static kvt_status sal_supports_layer(const kvt_layer_spec *sp, uint32_t i, const
 }
 
 static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
+    kvt__sal_init(&s->sal, env->home);
     if (env->max_rows == 0)
         return KVT_OK;
     kvt_status rc = kvt__sal_prepare(&s->sal, env->alloc, env->cfg, env->max_rows);

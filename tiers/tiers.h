@@ -105,7 +105,8 @@ void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a);
 /* What tier code needs from the context and sequence. */
 typedef struct kvt__env {
     const kvt__alloc *alloc;
-    const kvt__backend *backend;
+    const kvt__backend *backend; /* the ops of this call (a batch's: its own workspace) */
+    const kvt__backend *home;    /* the context's: buffers that outlive the call (side planes) */
     const kvt_config *cfg;
     uint32_t page_rows;
     const kvt__div32 *pdiv; /* page_rows as a divider (kvt__slot) */
@@ -130,16 +131,19 @@ typedef struct kvt__env {
 typedef struct kvt__sal {
     uint64_t n_rows;      /* committed rows (= positions) */
     uint64_t closed_rows; /* rows in closed blocks: a multiple of block_rows */
-    float *score;         /* [closed_rows] canonical score (NaN -> +Inf), fixed at close */
+    /* Side planes in the backend's memory space (the host reaches them only through the backend:
+     * inspection calls read them; a close's selection op writes them). */
+    const kvt__backend *be; /* the context's backend, which allocated them */
+    float *score;         /* backend: [closed_rows] canonical score (NaN -> +Inf), fixed at close */
     uint64_t score_cap;
-    uint32_t *kept;       /* [n_kept] ascending positions of the top-m closed rows */
+    uint32_t *kept;       /* backend: [n_kept] ascending positions of the top-m closed rows */
     uint64_t n_kept, kept_cap;
+    uint64_t kept_in_sinks; /* host: kept rows below the sinks' end (attended as sinks) */
     uint64_t closes, nonfinite, score_bytes_read;
-    /* Scratch of a close, grow-only (sized for max_rows at creation when a limit is stated). */
+    /* Host scratch of a close, grow-only (sized for max_rows at creation when a limit is
+     * stated): the block's slots for the scoring op. */
     int32_t *sc_slots;     /* [block_rows] */
-    uint32_t *sc_keys;     /* [closed rows] */
-    uint32_t *sc_idx;      /* [m] */
-    uint64_t sc_slots_cap, sc_keys_cap, sc_idx_cap;
+    uint64_t sc_slots_cap;
 } kvt__sal;
 
 /* Basis tables shared by all salience layers of a context: [n_basis][block_rows]. */
@@ -152,6 +156,8 @@ typedef struct kvt__sal_shared {
 kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt_config *cfg);
 void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a);
 
+/* Bind the state to the backend that holds its side planes (at layer init). */
+void kvt__sal_init(kvt__sal *s, const kvt__backend *home);
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a);
 /* Size the state for `rows` committed rows (scores, kept set, close scratch) so that closes up
  * to there allocate nothing. KVT_OK or KVT_ERR_OUT_OF_MEMORY (capacity only: nothing observable
