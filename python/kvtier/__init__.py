@@ -12,7 +12,7 @@ loaded library's own version string (kvt_version()).
 """
 
 from . import _lib
-from ._api import (Batch, CensusTotals, Config, Context, Emission, LayerSpec, LayerStats, Model,
+from ._api import (Batch, Buffer, CensusTotals, Config, Context, Emission, LayerSpec, LayerStats, Model,
                    Sequence, config_default, dtype_bytes, dtype_name, last_error,
                    layer_kind_name, policy_for_kind, policy_name, rows_as_elements, version,
                    version_info, version_number)
@@ -32,6 +32,6 @@ __all__ = [
     "EmitLayout", "RowState",
     "policy_for_kind", "layer_kind_name", "policy_name", "dtype_name", "dtype_bytes",
     "LayerSpec", "Model", "CensusTotals", "Config", "config_default", "Context", "Sequence",
-    "Batch", "Emission", "LayerStats", "rows_as_elements", "numpy_dtype",
+    "Batch", "Buffer", "Emission", "LayerStats", "rows_as_elements", "numpy_dtype",
     "bf16_from_float32", "bf16_to_float32", "ref",
 ] + [c.__name__ for c in ERROR_CLASSES.values()]

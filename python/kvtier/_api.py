@@ -697,6 +697,9 @@ class Context(_Closable):
     def batch(self, max_seqs: int) -> "Batch":
         return Batch(self, max_seqs)
 
+    def buffer(self, nbytes: int) -> "Buffer":
+        return Buffer(self, nbytes)
+
     def close(self) -> None:
         """kvt_ctx_destroy: destroys the context's live batches and sequences too (their Python
         objects become closed). Deferred while a plane view still lives."""
@@ -916,6 +919,54 @@ class Emission:
         if self.layout == EmitLayout.TOKENS:
             return self.lengths[:nq].copy()
         return np.diff(self.indptr[:nq + 1])
+
+
+class Buffer(_Closable):
+    """kvt_buffer: zeroed memory in the context's backend space (host memory on the CPU backend,
+    protected pages on the guarded one, device memory on CUDA) — where kvt_batch_run's emission
+    lives. ``ptr`` is its address for kernels and for Batch.run's ``*_ptr`` arguments; the host
+    reaches the bytes through ``read`` / ``write`` only (never dereference ``ptr`` off the CPU
+    backend). Freed with its context."""
+
+    _kind = "buffer"
+
+    def __init__(self, ctx: Context, nbytes: int):
+        if not isinstance(ctx, Context):
+            raise TypeError(f"ctx: expected a kvtier.Context, got {type(ctx).__name__}")
+        out = ctypes.c_void_p()
+        check(lib.kvt_buffer_alloc(ctx._ptr, u64(nbytes, "nbytes"), ctypes.byref(out)),
+              "kvt_buffer_alloc")
+        self._ctx = ctx
+        self._h = _Handle(out.value, lib.kvt_buffer_free, ctx._h)
+
+    @property
+    def ptr(self) -> int:
+        return lib.kvt_buffer_ptr(self._ptr) or 0
+
+    @property
+    def nbytes(self) -> int:
+        return lib.kvt_buffer_size(self._ptr)
+
+    def write(self, data, offset: int = 0) -> None:
+        """Copy a C-contiguous array (or bytes) into the buffer at offset."""
+        a = np.ascontiguousarray(np.frombuffer(data, np.uint8) if isinstance(
+            data, (bytes, bytearray, memoryview)) else as_array(data, "data"))
+        check(lib.kvt_buffer_write(self._ptr, u64(offset, "offset"), ptr(a), a.nbytes),
+              "kvt_buffer_write")
+
+    def read(self, dtype=np.uint8, count: int | None = None, offset: int = 0) -> np.ndarray:
+        """count elements of dtype from offset (None: to the end) as a new array."""
+        dt = np.dtype(dtype)
+        off = u64(offset, "offset")
+        if count is None:
+            count = max(0, (self.nbytes - off) // dt.itemsize)
+        out = np.empty(u64(count, "count"), dtype=dt)
+        check(lib.kvt_buffer_read(self._ptr, off, ptr(out), out.nbytes), "kvt_buffer_read")
+        return out
+
+    def close(self) -> None:
+        """kvt_buffer_free (a no-op once its context was closed: the context freed it)."""
+        super().close()
 
 
 def _per_request(values, n: int, name: str) -> list[int]:

@@ -222,3 +222,56 @@ def _attended(ctx, seq, layer):
     b.commit()
     b.close()
     return out
+
+
+def test_buffers_hold_the_emission_on_the_guarded_backend(mixed_model):
+    """kvt_buffer: backend memory, reached through read/write; on the guarded backend the run's
+    emission goes there (a host array is also accepted there but proves nothing), and reading it
+    back gives what the CPU backend emits into numpy arrays."""
+    out = {}
+    for backend in ("cpu", "guarded"):
+        with kvtier.Context(mixed_model, small_config(), page_rows=16, n_pages=64,
+                            allocator="libc", backend=backend) as ctx:
+            s = ctx.sequence(5)
+            b = ctx.batch(1)
+            b.reserve([s], 70)
+            fill(s, ctx, 70, 9)
+            b.plan()
+            b.commit()
+            b.reserve([s], 3, n_drafts=2)
+            fill(s, ctx, 3, 10)
+            b.plan()
+            topk, _ = b.capacity(0)
+            idx = ctx.buffer(4 * 3 * topk)
+            lens = ctx.buffer(4 * 3)
+            assert idx.nbytes == 4 * 3 * topk and idx.read(np.int32).tolist() == [0] * (3 * topk)
+            e = _lib_emit(b, 0, idx, lens, topk, 3)
+            out[backend] = (idx.read(np.int32), lens.read(np.int32), e)
+            b.commit([2])
+            with pytest.raises(kvtier.OutOfRangeError):
+                lens.read(np.int32, count=4)
+            with pytest.raises(kvtier.InvalidArgumentError):
+                ctx.buffer(0)
+            lens.write(np.array([7], np.int32), offset=8)
+            assert lens.read(np.int32).tolist()[2] == 7
+            lens.close()
+            assert lens.closed
+    assert np.array_equal(out["cpu"][0], out["guarded"][0])
+    assert np.array_equal(out["cpu"][1], out["guarded"][1])
+    assert out["cpu"][1].tolist()[1] == out["cpu"][1].tolist()[0] + 1  # causal per token
+
+
+def _lib_emit(b, layer, idx, lens, topk, sq):
+    """kvt_batch_run into two kvt_buffers through the raw struct (Batch.run takes numpy)."""
+    import ctypes
+    from kvtier import _lib
+    e = _lib.EmitC()
+    e.struct_size = ctypes.sizeof(_lib.EmitC)
+    e.layout = int(kvtier.EmitLayout.TOKENS)
+    e.indices = ctypes.cast(idx.ptr, ctypes.POINTER(ctypes.c_int32))
+    e.capacity = topk
+    e.lengths = ctypes.cast(lens.ptr, ctypes.POINTER(ctypes.c_int32))
+    e.queries_per_seq = sq
+    rc = _lib.lib.kvt_batch_run(b._ptr, layer, None, None, ctypes.byref(e))
+    assert rc == 0, kvtier.status_name(rc)
+    return rc
