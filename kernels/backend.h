@@ -91,6 +91,23 @@ typedef struct kvt__select_args {
     uint64_t kept_in_sinks;  /* out (host) */
 } kvt__select_args;
 
+/* VaSE's keys for the rows [first_row, first_row + n) of one head of a plane: the range
+ * (max - min) of each row's first value_dim values, NaN when one is NaN, as kvt__score_key into
+ * keys[n] (host: an eviction round's selection runs on the host). Row r lives at slot
+ * pages[r / page_rows - first_page] * page_rows + r % page_rows. */
+typedef struct kvt__value_args {
+    const uint8_t *base;     /* the plane */
+    size_t slot_bytes;
+    size_t head_offset;      /* head * row_bytes */
+    int dtype;
+    uint32_t value_dim;
+    const int32_t *pages;
+    uint64_t first_page;
+    const kvt__div32 *pdiv;
+    uint64_t first_row, n;
+    uint32_t *keys;
+} kvt__value_args;
+
 typedef struct kvt__backend_ops {
     const char *name;
     /* Buffers in the backend's memory space (ggml-backend's rule: host code reaches a buffer's
@@ -132,6 +149,8 @@ typedef struct kvt__backend_ops {
      * describes each set in O(1); the rows are expanded here, page by page (one division per
      * range, not per row). The arrays live in the backend's memory space. */
     kvt_status (*pack)(const kvt__backend *be, const kvt__pack_args *a, void *stream);
+    /* VaSE value-range keys of a run of rows of one head (kvt__value_args). */
+    kvt_status (*value_keys)(const kvt__backend *be, const kvt__value_args *a, void *stream);
     /* The selection of a salience close (kvt__select_args). */
     kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, void *stream);
 } kvt__backend_ops;

@@ -209,6 +209,30 @@ static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *a, void *
     return KVT_OK;
 }
 
+static kvt_status cpu_value_keys(const kvt__backend *be, const kvt__value_args *a,
+                                 void *stream) {
+    (void)be;
+    (void)stream;
+    const kvt__div32 *pd = a->pdiv;
+    for (uint64_t i = 0; i < a->n; i++) {
+        uint32_t r = (uint32_t)(a->first_row + i);
+        int32_t slot = a->pages[kvt__div32_q(pd, r) - a->first_page] * (int32_t)pd->d +
+                       (int32_t)kvt__div32_r(pd, r);
+        const uint8_t *row = a->base + (size_t)slot * a->slot_bytes + a->head_offset;
+        float lo = INFINITY, hi = -INFINITY;
+        bool nan = false;
+        for (uint32_t v = 0; v < a->value_dim; v++) {
+            float x = kvt__load_elem(row, a->dtype, v);
+            if (x != x)
+                nan = true;
+            lo = x < lo ? x : lo;
+            hi = x > hi ? x : hi;
+        }
+        a->keys[i] = kvt__score_key(nan ? NAN : hi - lo);
+    }
+    return KVT_OK;
+}
+
 /* Slots of rows [a, b) into out: one division for the first row, then page by page. */
 static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *pages,
                            uint64_t first_page, const kvt__div32 *pd) {
@@ -279,6 +303,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
+    .value_keys = cpu_value_keys,
 };
 
 const kvt__backend_ops *kvt__backend_cpu_ops(void) {
@@ -404,6 +429,13 @@ static kvt_status g_move_rows(const kvt__backend *be, uint8_t *base, size_t slot
     return s;
 }
 
+static kvt_status g_value_keys(const kvt__backend *be, const kvt__value_args *a, void *stream) {
+    guard_open(be);
+    kvt_status s = cpu_value_keys(be, a, stream);
+    guard_close(be);
+    return s;
+}
+
 static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
     guard_open(be);
     kvt_status s = cpu_select(be, a, stream);
@@ -433,6 +465,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,
+    .value_keys = g_value_keys,
 };
 
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {

@@ -205,15 +205,13 @@ static void scratch_free(kvt__ev_scratch *s, const kvt__alloc *a) {
     kvt__free(a, s->src, sizeof *s->src * s->src_cap);
     kvt__free(a, s->dst, sizeof *s->dst * s->dst_cap);
     kvt__free(a, s->keep, sizeof *s->keep * s->keep_cap);
-    kvt__free(a, s->row, s->row_cap);
     memset(s, 0, sizeof *s);
 }
 
 
 /* Grow a layer's round scratch (capacity only). */
 static kvt_status scratch_grow(kvt__ev_scratch *s, const kvt__alloc *a, uint64_t cand, uint64_t K,
-                               uint64_t n_new, uint64_t keep_entries, uint64_t row_bytes) {
-    KVT__GROW_OR_RETURN(a, s->row, s->row_cap, row_bytes);
+                               uint64_t n_new, uint64_t keep_entries) {
     KVT__GROW_OR_RETURN(a, s->keys, s->keys_cap, cand);
     KVT__GROW_OR_RETURN(a, s->ridx, s->ridx_cap, cand);
     KVT__GROW_OR_RETURN(a, s->rpos, s->rpos_cap, cand);
@@ -226,34 +224,19 @@ static kvt_status scratch_grow(kvt__ev_scratch *s, const kvt__alloc *a, uint64_t
 }
 
 kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg,
-                           uint64_t rows, uint64_t row_bytes) {
+                           uint64_t rows) {
     kvt_status rc = kvt__ev_reserve(e, a, rows);
     if (rc != KVT_OK)
         return rc;
     KVT__GROW_OR_RETURN(a, e->last_map, e->last_map_cap, (uint64_t)e->n_heads * rows);
     uint64_t K = cfg->evict_budget_rows;
-    return scratch_grow(&e->sc, a, rows, K, K + cfg->recent_rows, (uint64_t)e->n_heads * K,
-                        row_bytes);
+    return scratch_grow(&e->sc, a, rows, K, K + cfg->recent_rows, (uint64_t)e->n_heads * K);
 }
 
 /* VaSE's score of a row: the range (max - min) of its value dimensions — plane 1 (V) for GQA,
  * the first value_dim values (the latent part, which is the value) for MLA. A NaN anywhere makes
  * the range NaN, which kvt__score_key ranks with +Inf: a broken row is kept, never ranked
  * arbitrarily. fp8 rows are refused at context creation (their range needs the scales). */
-static float value_range(const kvt__store *st, const uint8_t *row) {
-    const kvt_layer_spec *sp = &st->spec;
-    float lo = INFINITY, hi = -INFINITY;
-    bool nan = false;
-    for (uint32_t v = 0; v < sp->value_dim; v++) {
-        float x = kvt__load_elem(row, (int)sp->dtype, v);
-        if (x != x)
-            nan = true;
-        lo = x < lo ? x : lo;
-        hi = x > hi ? x : hi;
-    }
-    return nan ? NAN : hi - lo;
-}
-
 /* Choose head h's K kept candidates among row indices [0, cand) of one layer; write them,
  * ascending, to out[K]. Nothing is modified but the scratch. */
 static kvt_status select_head(const kvt__env *env, const kvt__store *st, const kvt__ev *e,
@@ -279,17 +262,21 @@ static kvt_status select_head(const kvt__env *env, const kvt__store *st, const k
         if (m_v > K - taken)
             m_v = K - taken;
         if (m_v > 0) {
-            int vp = st->spec.n_planes > 1 ? 1 : 0;
-            for (uint64_t i = f; i < cand; i++) {
-                /* The row is in the backend's memory: read it through the backend. */
-                const uint8_t *row = st->plane[vp] +
-                                     (size_t)kvt__slot(pt, env->pdiv, i) * st->slot_bytes +
-                                     (size_t)h * st->spec.row_bytes;
-                rc = be->ops->read(be, s->row, row, st->spec.row_bytes, env->stream);
-                if (rc != KVT_OK)
-                    return rc;
-                s->keys[i - f] = kvt__score_key(value_range(st, s->row));
-            }
+            /* The rows stay in the backend's memory: it computes their keys. */
+            kvt__value_args va = {.base = st->plane[st->spec.n_planes > 1 ? 1 : 0],
+                                  .slot_bytes = st->slot_bytes,
+                                  .head_offset = (size_t)h * st->spec.row_bytes,
+                                  .dtype = (int)st->spec.dtype,
+                                  .value_dim = st->spec.value_dim,
+                                  .pages = pt->pages,
+                                  .first_page = pt->first_page,
+                                  .pdiv = env->pdiv,
+                                  .first_row = f,
+                                  .n = cand - f,
+                                  .keys = s->keys};
+            rc = be->ops->value_keys(be, &va, env->stream);
+            if (rc != KVT_OK)
+                return rc;
             rc = be->ops->topm(be, s->keys, (uint32_t)(cand - f), (uint32_t)m_v, s->sel,
                                env->stream);
             if (rc != KVT_OK)
@@ -469,7 +456,7 @@ static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
         kvt__ev *e = states[l];
         const kvt_layer_spec *sp = &stores[l]->spec;
         KVT_ASSERT(e->n_heads == sp->n_kv_heads && e->pos_cap >= N);
-        rc = scratch_grow(&e->sc, a, cand, K, n_new, (uint64_t)e->n_heads * K, sp->row_bytes);
+        rc = scratch_grow(&e->sc, a, cand, K, n_new, (uint64_t)e->n_heads * K);
         if (rc != KVT_OK) {
             kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY,
                       "eviction round: scratch for %llu candidates; nothing was evicted",
@@ -693,7 +680,7 @@ static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const k
     /* With a stated limit the table never holds more than K + r + c rows plus one step's (at
      * most max_rows); size for max_rows so that no round allocates. */
     if (rc == KVT_OK && env->max_rows)
-        rc = kvt__ev_prepare(&s->ev, env->alloc, env->cfg, env->max_rows, st->spec.row_bytes);
+        rc = kvt__ev_prepare(&s->ev, env->alloc, env->cfg, env->max_rows);
     /* A stated archive limit: the archive is allocated now, rounds never grow it. */
     for (uint32_t h = 0; rc == KVT_OK && s->ev.archive && env->archive_rows && h < s->ev.n_heads;
          h++)

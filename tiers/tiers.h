@@ -204,8 +204,7 @@ typedef struct kvt__ev_scratch {
     int32_t *src;   /* [K + r] move lists */
     int32_t *dst;
     uint32_t *keep; /* [heads * K] each head's kept candidate row indices, ascending */
-    uint8_t *row;   /* [row_bytes] one row read out of the backend (VaSE's value range) */
-    uint64_t keys_cap, ridx_cap, rpos_cap, sel_cap, mark_cap, src_cap, dst_cap, keep_cap, row_cap;
+    uint64_t keys_cap, ridx_cap, rpos_cap, sel_cap, mark_cap, src_cap, dst_cap, keep_cap;
 } kvt__ev_scratch;
 
 typedef struct kvt__ev {
@@ -236,8 +235,8 @@ void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a);
 kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows);
 /* Size the state for a table of up to `rows` rows (positions, slot map, round scratch) so that
  * rounds up to there allocate nothing (archive copies still grow). Capacity only. */
-kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg, uint64_t rows,
-                           uint64_t row_bytes);
+kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg,
+                           uint64_t rows);
 /* Record positions [first_pos, first_pos + n) at row indices [first_row, first_row + n) for
  * every head (on commit, before any round). Capacity was reserved: cannot fail. */
 void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n);
