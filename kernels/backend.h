@@ -56,7 +56,8 @@ static inline uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
  * indptr[0] = 0 the caller's first chunk asks for with first_csr). */
 typedef struct kvt__pack_query {
     kvt__attended_desc d;
-    const int32_t *pages;
+    const int32_t *pages;   /* the host's page table today: a device pack needs it mirrored in
+                             * device memory (the CUDA issue) */
     uint64_t first_page;
     uint64_t out;
     uint64_t pad;

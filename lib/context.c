@@ -62,8 +62,10 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
         return;
     kvt__batches_destroy(ctx); /* first: a batch's step may still hold reservations */
     kvt__buffers_free(ctx);
+    ctx->destroying = true; /* requests are freed, slots too */
     while (ctx->seqs)
         kvt_seq_destroy(ctx->seqs);
+    kvt__seq_slots_free(ctx);
     const kvt__alloc *a = &ctx->alloc;
     for (uint32_t i = 0; ctx->stores && i < ctx->n_layers; i++) {
         kvt__store *st = &ctx->stores[i];
@@ -288,6 +290,9 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "params.max_rows_per_seq: %u exceeds 2^31-1 (int32 row indices)",
                          p->max_rows_per_seq);
+    if (p->max_seqs > (1u << 20))
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.max_seqs: %u above 2^20",
+                         p->max_seqs);
     if ((unsigned)p->allocator > KVT_ALLOC_LIBC)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.allocator: unknown value %d",
                          (int)p->allocator);
@@ -308,6 +313,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     ctx->layer_offset = p->layer_offset;
     ctx->max_rows = p->max_rows_per_seq;
     ctx->archive_rows = p->archive_rows_per_seq;
+    ctx->max_seqs = p->max_seqs;
     ctx->page_rows = p->page_rows;
     ctx->pdiv = kvt__div32_make(p->page_rows);
     ctx->n_pages = p->n_pages;
@@ -333,6 +339,12 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         goto fail;
     if ((s = build_groups(ctx, err, len)) != KVT_OK || (s = size_workspace(ctx, err, len)) != KVT_OK)
         goto fail;
+    /* Request slots: with both limits stated, every request's state is built now. */
+    if (ctx->max_seqs && ctx->max_rows && (s = kvt__seq_slots_build(ctx)) != KVT_OK) {
+        kvt__fail(err, len, s, "request slots (max_seqs %u x max_rows_per_seq %u): %s",
+                  ctx->max_seqs, ctx->max_rows, kvt__tls_error());
+        goto fail;
+    }
     *out = ctx;
     return KVT_OK;
 fail:

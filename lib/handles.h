@@ -31,6 +31,10 @@ struct kvt_ctx {
     /* A backend workspace for max_rows (0: none stated, grown on demand): each batch's size. */
     size_t ws_sigma_floats, ws_topm_u32;
     uint32_t archive_rows; /* archive_rows_per_seq (0: none) */
+    uint32_t max_seqs;     /* max_seqs (0: none) */
+    uint32_t n_live;       /* live requests */
+    kvt_seq *free_seqs;    /* request slots built at creation, not in use (linked by next) */
+    bool destroying;       /* kvt_ctx_destroy: requests are freed, not parked */
 };
 
 struct kvt_seq {
@@ -49,7 +53,15 @@ struct kvt_seq {
     kvt_batch *batch;
     bool in_step;            /* planned, not yet committed: by-position queries refused */
     uint8_t *stepped;        /* [n_layers] */
+    bool slot;               /* built at context creation: parked on destroy, reused */
 };
+
+/* Free a request and everything it holds, whether or not it is a slot (kvt_ctx_destroy). */
+void kvt__seq_free(kvt_seq *seq);
+/* Build ctx->max_seqs request slots, parked (kvt_ctx_create with max_seqs and max_rows). */
+kvt_status kvt__seq_slots_build(kvt_ctx *ctx);
+/* Free the parked slots. */
+void kvt__seq_slots_free(kvt_ctx *ctx);
 
 /* Internal sequence operations the batch (lib/batch.c) drives. */
 kvt_status kvt__seq_usable(const kvt_seq *seq);

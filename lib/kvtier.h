@@ -392,6 +392,13 @@ typedef struct kvt_ctx_params {
      * and a reservation whose step would run a round past it answers KVT_ERR_ARCHIVE_FULL, nothing
      * reserved (preempt the request, or give it a context that drops). */
     uint32_t archive_rows_per_seq;
+    /* Stated limit: live requests of the context (0: no limit); kvt_seq_create past it is
+     * KVT_ERR_CAPACITY. With max_rows_per_seq stated too, kvt_ctx_create builds max_seqs request
+     * slots up front (page tables, policy state, side planes, and the archive when
+     * archive_rows_per_seq is stated) and kvt_seq_create / kvt_seq_destroy take and give back a
+     * slot: admitting and finishing requests allocates nothing (continuous batching with no
+     * allocator on the scheduler's path). */
+    uint32_t max_seqs;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
  * parallelism fields then take their defaults: one unsharded rank). */
@@ -663,11 +670,15 @@ typedef struct kvt_emit {
  * most once per step and layer; a second run of the layer only emits), then write the attended
  * sets into emit. query: the absorbed queries for the recall tier, ignored while recall is off
  * (may be NULL). stream: a cudaStream_t on the CUDA backend; the CPU backend ignores it.
- * KVT_ERR_BAD_STATE before plan or on a damaged request; KVT_ERR_CAPACITY (the layer's work is
- * done, nothing emitted) when a request's rows exceed the capacity — kvt_batch_capacity says what
- * suffices; KVT_ERR_OUT_OF_MEMORY (host) from a close or round: nothing of that request's layer
- * changed and the commit retries it; KVT_ERR_CORRUPT: a device error mid-compaction damaged a
- * request (destroy it after commit). */
+ * Checked before any work (nothing done, nothing emitted): KVT_ERR_INVALID_ARGUMENT (emit NULL,
+ * its struct_size below KVT_EMIT_SIZE_MIN, an unknown layout, a NULL array, queries_per_seq
+ * above KVT_MAX_QUERIES_PER_SEQ), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a
+ * request's n_tokens, KVT_ERR_BAD_STATE before plan, on a damaged request, or for per-token
+ * emission of a multi-token request whose earlier run of this layer already did its policy work.
+ * After the work: KVT_ERR_CAPACITY (the layer's work is done, nothing emitted) when a set
+ * exceeds the capacity — kvt_batch_capacity says what suffices; KVT_ERR_OUT_OF_MEMORY (host)
+ * from a close or round: nothing of that request's layer changed and the commit retries it;
+ * KVT_ERR_CORRUPT: a device error mid-compaction damaged a request (destroy it after commit). */
 KVT_API kvt_status kvt_batch_run(kvt_batch *batch, uint32_t layer, const void *query,
                                  void *stream, const kvt_emit *emit);
 /* Commit the step: the first n_accepted[i] tokens of seqs[i] (NULL: all reserved). Only drafts

@@ -92,6 +92,117 @@ kvt_seq_params kvt_seq_default_params(void) {
     return p;
 }
 
+/* Link a request into the context's live list. */
+static void link_live(kvt_ctx *ctx, kvt_seq *seq) {
+    seq->prev = NULL;
+    seq->next = ctx->seqs;
+    if (ctx->seqs)
+        ctx->seqs->prev = seq;
+    ctx->seqs = seq;
+    ctx->n_live++;
+}
+
+static void unlink_live(kvt_ctx *ctx, kvt_seq *seq) {
+    if (seq->prev)
+        seq->prev->next = seq->next;
+    else
+        ctx->seqs = seq->next;
+    if (seq->next)
+        seq->next->prev = seq->prev;
+    seq->prev = seq->next = NULL;
+    ctx->n_live--;
+}
+
+/* The request's own fields from its parameters (a new request or a reused slot). */
+static void bind_params(kvt_seq *seq, const kvt_seq_params *p, const kvt_config *cfg) {
+    seq->cfg = *cfg;
+    seq->request_id = p->request_id;
+    seq->prompt_rows = p->prompt_rows;
+    seq->philox_key = kvt__philox_key(seq->ctx->cfg.seed, p->request_id);
+}
+
+/* Build a request (allocating), linked live. On failure nothing is left and the message is
+ * set. */
+static kvt_status seq_build(kvt_ctx *ctx, const kvt_seq_params *p, const kvt_config *cfg,
+                            kvt_seq **out) {
+    const kvt__alloc *a = &ctx->alloc;
+    kvt_seq *seq = kvt__calloc(a, sizeof *seq);
+    if (!seq)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence");
+    seq->ctx = ctx;
+    bind_params(seq, p, cfg);
+    seq->layers = kvt__calloc(a, sizeof *seq->layers * ctx->n_layers);
+    seq->stepped = kvt__calloc(a, ctx->n_layers);
+    if (!seq->layers || !seq->stepped) {
+        kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
+        kvt__free(a, seq->stepped, ctx->n_layers);
+        kvt__free(a, seq, sizeof *seq);
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence layers");
+    }
+    link_live(ctx, seq);
+    /* A stated limit sizes the page tables now (the layers' state in layer_init below). */
+    for (uint32_t g = 0; ctx->max_rows && g < ctx->n_groups; g++) {
+        void *arr = seq->pt[g].pages;
+        if (kvt__grow(a, &arr, &seq->pt[g].cap, kvt__pages_for(ctx->max_rows, ctx->page_rows),
+                      sizeof *seq->pt[g].pages) != KVT_OK) {
+            kvt__seq_free(seq);
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "page tables for %u rows",
+                                 ctx->max_rows);
+        }
+        seq->pt[g].pages = arr;
+    }
+    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        if (ctx->stores[i].group < 0 || !ops_of(ctx, i)->layer_init)
+            continue;
+        kvt_status s = ops_of(ctx, i)->layer_init(&seq->layers[i], &env, &ctx->stores[i]);
+        if (s != KVT_OK) {
+            kvt__seq_free(seq); /* leaves the message layer_init wrote */
+            return s;
+        }
+    }
+    *out = seq;
+    return KVT_OK;
+}
+
+/* A parked slot back to the state of a new request with these parameters (its allocations
+ * kept). On failure the slot is parked again and the message set. */
+static kvt_status seq_reuse(kvt_ctx *ctx, kvt_seq *seq, const kvt_seq_params *p,
+                            const kvt_config *cfg) {
+    bind_params(seq, p, cfg);
+    seq->n_tokens = 0;
+    seq->n_pending = 0;
+    seq->batch = NULL;
+    seq->in_step = false;
+    memset(seq->stepped, 0, ctx->n_layers);
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        kvt__ptable *t = &seq->pt[g];
+        KVT_ASSERT(t->n_pages == 0);
+        t->n_rows = 0;
+        t->n_pending = 0;
+        t->first_page = 0;
+        t->dropped_rows = 0;
+    }
+    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        if (ctx->stores[i].group < 0)
+            continue;
+        const kvt__policy_ops *ops = ops_of(ctx, i);
+        kvt_status s = KVT_OK;
+        if (ops->layer_reset)
+            s = ops->layer_reset(&seq->layers[i], &env, &ctx->stores[i]);
+        else if (!ops->layer_init)
+            memset(&seq->layers[i], 0, sizeof seq->layers[i]);
+        else
+            s = kvt__fail(env.err, env.err_len, KVT_ERR_INVARIANT,
+                          "layer %u: a policy with state but no reset cannot reuse a slot", i);
+        if (s != KVT_OK)
+            return s;
+    }
+    link_live(ctx, seq);
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **out) {
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
@@ -112,55 +223,26 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **ou
     kvt_status cs = kvt__config_in(&cfg, &cfg, msg, sizeof msg);
     if (cs != KVT_OK)
         return kvt__ctx_fail(ctx, cs, "seq params: %s", msg);
-    const kvt__alloc *a = &ctx->alloc;
-    kvt_seq *seq = kvt__calloc(a, sizeof *seq);
-    if (!seq)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence");
-    seq->ctx = ctx;
-    seq->cfg = cfg;
-    seq->request_id = p.request_id;
-    seq->prompt_rows = p.prompt_rows;
-    seq->philox_key = kvt__philox_key(ctx->cfg.seed, p.request_id);
-    seq->layers = kvt__calloc(a, sizeof *seq->layers * ctx->n_layers);
-    seq->stepped = kvt__calloc(a, ctx->n_layers);
-    if (!seq->layers || !seq->stepped) {
-        kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
-        kvt__free(a, seq->stepped, ctx->n_layers);
-        kvt__free(a, seq, sizeof *seq);
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence layers");
+    if (ctx->max_seqs && ctx->n_live >= ctx->max_seqs)
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                             "%u live requests: params.max_seqs is %u; destroy one first",
+                             ctx->n_live, ctx->max_seqs);
+    kvt_seq *slot = ctx->free_seqs;
+    if (!slot)
+        return seq_build(ctx, &p, &cfg, out);
+    ctx->free_seqs = slot->next;
+    slot->next = NULL;
+    kvt_status s = seq_reuse(ctx, slot, &p, &cfg);
+    if (s != KVT_OK) {
+        slot->next = ctx->free_seqs;
+        ctx->free_seqs = slot;
+        return s;
     }
-    seq->next = ctx->seqs;
-    if (ctx->seqs)
-        ctx->seqs->prev = seq;
-    ctx->seqs = seq;
-    /* A stated limit sizes the page tables now (the layers' state in layer_init below). */
-    for (uint32_t g = 0; ctx->max_rows && g < ctx->n_groups; g++) {
-        void *arr = seq->pt[g].pages;
-        if (kvt__grow(a, &arr, &seq->pt[g].cap, kvt__pages_for(ctx->max_rows, ctx->page_rows),
-                      sizeof *seq->pt[g].pages) != KVT_OK) {
-            kvt_seq_destroy(seq);
-            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "page tables for %u rows",
-                                 ctx->max_rows);
-        }
-        seq->pt[g].pages = arr;
-    }
-    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
-    for (uint32_t i = 0; i < ctx->n_layers; i++) {
-        if (ctx->stores[i].group < 0 || !ops_of(ctx, i)->layer_init)
-            continue;
-        kvt_status s = ops_of(ctx, i)->layer_init(&seq->layers[i], &env, &ctx->stores[i]);
-        if (s != KVT_OK) {
-            kvt_seq_destroy(seq); /* leaves the message layer_init wrote */
-            return s;
-        }
-    }
-    *out = seq;
+    *out = slot;
     return KVT_OK;
 }
 
-void kvt_seq_destroy(kvt_seq *seq) {
-    if (!seq)
-        return;
+void kvt__seq_free(kvt_seq *seq) {
     kvt_ctx *ctx = seq->ctx;
     const kvt__alloc *a = &ctx->alloc;
     for (uint32_t g = 0; g < ctx->n_groups; g++)
@@ -172,13 +254,55 @@ void kvt_seq_destroy(kvt_seq *seq) {
     kvt__free(a, seq->stepped, ctx->n_layers);
     if (seq->batch)
         kvt__batch_forget(seq->batch, seq);
-    if (seq->prev)
-        seq->prev->next = seq->next;
-    else
-        ctx->seqs = seq->next;
-    if (seq->next)
-        seq->next->prev = seq->prev;
+    unlink_live(ctx, seq);
     kvt__free(a, seq, sizeof *seq);
+}
+
+kvt_status kvt__seq_slots_build(kvt_ctx *ctx) {
+    kvt_seq_params p = kvt_seq_default_params();
+    for (uint32_t k = 0; k < ctx->max_seqs; k++) {
+        kvt_seq *seq;
+        kvt_status s = seq_build(ctx, &p, &ctx->cfg, &seq);
+        if (s != KVT_OK)
+            return s;
+        seq->slot = true;
+        kvt_seq_destroy(seq); /* parks it */
+    }
+    return KVT_OK;
+}
+
+void kvt__seq_slots_free(kvt_ctx *ctx) {
+    while (ctx->free_seqs) {
+        kvt_seq *seq = ctx->free_seqs;
+        ctx->free_seqs = seq->next;
+        seq->next = NULL;
+        link_live(ctx, seq); /* kvt__seq_free unlinks */
+        kvt__seq_free(seq);
+    }
+}
+
+void kvt_seq_destroy(kvt_seq *seq) {
+    if (!seq)
+        return;
+    kvt_ctx *ctx = seq->ctx;
+    if (!seq->slot || ctx->destroying) {
+        kvt__seq_free(seq);
+        return;
+    }
+    /* A slot: every page goes back to the pool, the allocations stay for the next request. */
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        kvt__ptable *t = &seq->pt[g];
+        t->n_rows = 0;
+        t->n_pending = 0;
+        t->first_page = 0;
+        kvt__ptable_trim(t, &ctx->groups[g].pool);
+    }
+    if (seq->batch)
+        kvt__batch_forget(seq->batch, seq);
+    seq->batch = NULL;
+    unlink_live(ctx, seq);
+    seq->next = ctx->free_seqs;
+    ctx->free_seqs = seq;
 }
 
 kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {

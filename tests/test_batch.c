@@ -454,3 +454,32 @@ Test(batch, context_destroys_live_batches) {
     kvt_ctx_destroy(ctx); /* b, idle and s go with it */
     kvt_model_destroy(m);
 }
+
+/* A batch destroyed after a run that closed a block over the step's rows: the request keeps its
+ * reservation and can only be destroyed, but inspection still answers sanely (the tail ends at
+ * the rows the close saw, not below the closed ones: this read 2^64 - 52 rows, or aborted in a
+ * debug build). */
+Test(batch, stats_after_a_batch_destroyed_mid_step) {
+    kvt_model *m = mixed_model();
+    kvt_ctx *ctx = mixed_ctx(m, 32);
+    kvt_seq *s = new_seq(ctx, 1);
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    uint32_t n = 100;
+    cr_assert_eq(kvt_batch_reserve(b, &s, &n, 1), KVT_OK);
+    fill_rows(s, m, n, 3);
+    cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+    int32_t idx[128], len;
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                  .capacity = 128, .lengths = &len};
+    cr_assert_eq(kvt_batch_run(b, 0, NULL, NULL, &e), KVT_OK, "%s", kvt_last_error());
+    kvt_batch_destroy(b);
+    kvt_layer_stats ls = {.struct_size = sizeof ls};
+    cr_assert_eq(kvt_seq_layer_stats(s, 0, &ls), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(ls.attended_rows, (uint64_t)len, "the set the run emitted");
+    cr_assert_eq(ls.sink_rows + ls.kept_rows + ls.tail_rows, ls.attended_rows);
+    cr_assert_eq(ls.tail_rows, 100 - 64);
+    kvt_seq_destroy(s);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}

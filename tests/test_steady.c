@@ -14,17 +14,19 @@
 #include "kvtier.h"
 #include "support/testutil.h"
 
-#define NSEQ 64
-#define STEPS 1000
-
-Test(steady, decode_allocates_nothing, .timeout = 300) {
-    kvt_layer_spec s[3];
+/* salience (MLA NoPE), evict (GQA RoPE, 2 heads), sliding (window 40): the three policies. */
+static kvt_model *three_policy_model(const char *name, kvt_layer_spec s[3]) {
     cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s[0]), KVT_OK);
     cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 16, &s[1]), KVT_OK);
     cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_SLIDING, KVT_DTYPE_BF16, 1, 16, &s[2]), KVT_OK);
     s[2].sliding_window = 40;
     kvt_model *m;
-    cr_assert_eq(kvt_model_create(s, 3, "steady", &m, NULL, 0), KVT_OK);
+    cr_assert_eq(kvt_model_create(s, 3, name, &m, NULL, 0), KVT_OK);
+    return m;
+}
+
+/* Closes every 64 rows, rounds every 8 at K = 32. */
+static kvt_config small_config(void) {
     kvt_config c = kvt_config_default();
     c.block_rows = 64;
     c.kappa = 4;
@@ -32,6 +34,16 @@ Test(steady, decode_allocates_nothing, .timeout = 300) {
     c.evict_budget_rows = 32;
     c.recent_rows = 8;
     c.cadence_rows = 8;
+    return c;
+}
+
+#define NSEQ 64
+#define STEPS 1000
+
+Test(steady, decode_allocates_nothing, .timeout = 300) {
+    kvt_layer_spec s[3];
+    kvt_model *m = three_policy_model("steady", s);
+    kvt_config c = small_config();
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = m;
     p.config = &c;
@@ -182,5 +194,121 @@ Test(steady, archive_limit_is_allocated_up_front_and_enforced) {
     cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
     kvt_batch_destroy(b);
     kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* Request slots (max_seqs with max_rows_per_seq): continuous batching — requests finish and new
+ * ones are admitted every few steps, with archives, closes and rounds — allocates nothing after
+ * kvt_ctx_create; a reused slot decides exactly like a fresh request (rows, states and bytes
+ * equal to the same request in a context without slots); past max_seqs, KVT_ERR_CAPACITY. */
+Test(steady, admissions_reuse_slots_and_allocate_nothing, .timeout = 300) {
+    enum { LIVE = 6, MAXR = 400, STEPS2 = 900 };
+    kvt_layer_spec s[3];
+    kvt_model *m = three_policy_model("slots", s);
+    kvt_config c = small_config();
+    c.evict_archive = true;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.max_rows_per_seq = MAXR;
+    p.archive_rows_per_seq = MAXR;
+    p.max_seqs = LIVE;
+    p.n_pages = LIVE * (MAXR / 16 + 2);
+    kvt_ctx *ctx, *ref;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    p.max_seqs = 0; /* the reference: requests built one by one */
+    cr_assert_eq(kvt_ctx_create(&p, &ref, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq *live[LIVE], *mirror[LIVE];
+    uint32_t len_of[LIVE], life[LIVE];
+    uint64_t next_id = 1;
+    kvt_batch *b, *rb;
+    cr_assert_eq(kvt_batch_create(ctx, LIVE, &b), KVT_OK);
+    cr_assert_eq(kvt_batch_create(ref, LIVE, &rb), KVT_OK);
+    static int32_t idx[LIVE * MAXR];
+    int32_t lens[LIVE];
+    uint8_t row[1152];
+    uint32_t ones[LIVE];
+    tu_rng rng = {42};
+    const uint64_t before = kvt_ctx_host_allocations(ctx);
+    uint32_t admitted = 0, compared = 0;
+    for (int i = 0; i < LIVE; i++) {
+        kvt_seq_params sp = kvt_seq_default_params();
+        sp.request_id = next_id++;
+        sp.prompt_rows = 4;
+        cr_assert_eq(kvt_seq_create(ctx, &sp, &live[i]), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_create(ref, &sp, &mirror[i]), KVT_OK);
+        len_of[i] = 0;
+        life[i] = 50 + (uint32_t)(tu_next(&rng) % (MAXR - 60));
+        ones[i] = 1;
+    }
+    kvt_seq *extra;
+    kvt_seq_params sp = kvt_seq_default_params();
+    cr_assert_eq(kvt_seq_create(ctx, &sp, &extra), KVT_ERR_CAPACITY);
+    cr_assert(strstr(kvt_last_error(), "max_seqs"), "%s", kvt_last_error());
+    for (int t = 0; t < STEPS2; t++) {
+        kvt_batch *bb[2] = {b, rb};
+        kvt_seq **sets[2] = {live, mirror};
+        for (int k = 0; k < 2; k++) {
+            cr_assert_eq(kvt_batch_reserve(bb[k], sets[k], ones, LIVE), KVT_OK, "%s",
+                         kvt_last_error());
+            for (uint32_t l = 0; l < 3; l++) {
+                size_t tb = (size_t)s[l].n_kv_heads * s[l].row_bytes;
+                for (int i = 0; i < LIVE; i++) {
+                    for (size_t q = 0; q < tb; q++)
+                        row[q] = (uint8_t)((kvt_seq_length(sets[k][i]) * 131 + l * 7 + q * 3 +
+                                            (uint64_t)i) & 0x3f);
+                    for (uint32_t pl = 0; pl < s[l].n_planes; pl++)
+                        cr_assert_eq(kvt_seq_write(sets[k][i], l, pl, 0, 1, row, tb), KVT_OK);
+                }
+            }
+            cr_assert_eq(kvt_batch_plan(bb[k]), KVT_OK);
+            for (uint32_t l = 0; l < 3; l++) {
+                kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                              .indices = idx, .capacity = MAXR, .lengths = lens};
+                cr_assert_eq(kvt_batch_run(bb[k], l, NULL, NULL, &e), KVT_OK, "%s",
+                             kvt_last_error());
+            }
+            cr_assert_eq(kvt_batch_commit(bb[k], NULL), KVT_OK, "%s", kvt_last_error());
+        }
+        /* Requests that reached their length finish; a new one takes the slot. */
+        for (int i = 0; i < LIVE; i++) {
+            if (++len_of[i] < life[i])
+                continue;
+            char why[256] = "";
+            cr_assert_eq(tu_same_rows(live[i], mirror[i], why, sizeof why), KVT_OK, "%s", why);
+            compared++;
+            kvt_seq_destroy(live[i]);
+            kvt_seq_destroy(mirror[i]);
+            sp.request_id = next_id++;
+            sp.prompt_rows = 4;
+            cr_assert_eq(kvt_seq_create(ctx, &sp, &live[i]), KVT_OK, "%s", kvt_last_error());
+            cr_assert_eq(kvt_seq_create(ref, &sp, &mirror[i]), KVT_OK);
+            admitted++;
+            len_of[i] = 0;
+            life[i] = 50 + (uint32_t)(tu_next(&rng) % (MAXR - 60));
+        }
+    }
+    const uint64_t after = kvt_ctx_host_allocations(ctx);
+    cr_assert_gt(admitted, 10, "%u admissions", admitted);
+    cr_assert_eq(compared, admitted);
+    cr_assert_eq(after, before, "%llu host allocations with admissions and finishes",
+                 (unsigned long long)(after - before));
+    for (int i = 0; i < LIVE; i++) {
+        char why[256] = "";
+        cr_assert_eq(tu_same_rows(live[i], mirror[i], why, sizeof why), KVT_OK, "%s", why);
+        cr_assert_eq(kvt_seq_check(live[i]), KVT_OK, "%s", kvt_last_error());
+    }
+    cr_log_info("%u admissions into %u slots over %d steps", admitted, LIVE, STEPS2);
+    kvt_batch_destroy(b);
+    kvt_batch_destroy(rb);
+    for (int i = 0; i < LIVE; i++)
+        kvt_seq_destroy(live[i]);
+    uint32_t f;
+    cr_assert_eq(kvt_ctx_free_pages(ctx, 0, &f), KVT_OK);
+    cr_assert_eq(f, p.n_pages, "every page back in the pool");
+    kvt_ctx_destroy(ctx);
+    kvt_ctx_destroy(ref);
     kvt_model_destroy(m);
 }

@@ -691,6 +691,18 @@ static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const k
     return KVT_OK;
 }
 
+/* Counts back to zero; positions, slot maps, scratch and archives keep their capacity. */
+static kvt_status ev_layer_reset(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
+    (void)env;
+    (void)st;
+    kvt__ev *e = &s->ev;
+    e->last_n = e->last_kept = e->rounds = e->dropped = 0;
+    e->prompt_over_budget = e->damaged = e->step_appended = e->step_round = false;
+    for (uint32_t h = 0; e->archive && h < e->n_heads; h++)
+        e->archive[h].n = 0;
+    return KVT_OK;
+}
+
 static void ev_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {
     kvt__ev_fini(&s->ev, a);
 }
@@ -878,6 +890,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .rows_are_positions = false,
     .dropped_how = "by random eviction",
     .layer_init = ev_layer_init,
+    .layer_reset = ev_layer_reset,
     .layer_fini = ev_layer_fini,
     .reserve = ev_reserve,
     .group_commit = ev_group_commit,

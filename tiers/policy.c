@@ -33,15 +33,3 @@ uint64_t kvt__attended_count(const kvt__tier_layer *l) {
     l->gr->ops->attended(l, &d);
     return kvt__attended_desc_count(&d);
 }
-
-void kvt__attended_rows(const kvt__tier_layer *l, int64_t *out) {
-    kvt__attended_desc d;
-    l->gr->ops->attended(l, &d);
-    uint64_t n = 0;
-    for (uint64_t r = 0; r < d.lo_end; r++)
-        out[n++] = (int64_t)r;
-    for (uint64_t j = 0; j < d.n_list; j++)
-        out[n++] = d.list[j];
-    for (uint64_t r = d.hi_begin; r < d.hi_end; r++)
-        out[n++] = (int64_t)r;
-}

@@ -117,6 +117,10 @@ struct kvt__policy_ops {
     kvt_status (*layer_init)(kvt__tier_state *s, const kvt__env *env, const kvt__store *st);
     /* (optional) Free the state; must accept a zeroed state (creation may stop half way). */
     void (*layer_fini)(kvt__tier_state *s, const kvt__alloc *a);
+    /* (optional) Bring a state back to what layer_init made, keeping its allocations (a request
+     * slot reused for a new request, env->cfg being the new request's). KVT_OK, or a status with
+     * a message in env->err. Without it the zeroed state is the initial one. */
+    kvt_status (*layer_reset)(kvt__tier_state *s, const kvt__env *env, const kvt__store *st);
     /* (optional) Reserve: the group's table will hold `rows` rows once the reserved tokens commit.
      * Grow whatever group_commit must append to, so that commit cannot fail for memory, and refuse
      * what a stated limit cannot hold. KVT_OK, or KVT_ERR_OUT_OF_MEMORY / KVT_ERR_ARCHIVE_FULL with
@@ -147,7 +151,7 @@ struct kvt__policy_ops {
     /* ---- Attended set ---------------------------------------------------------------------- */
     /* The rows the layer attends (per KV head), described in O(1) as row-index ranges and one
      * list of the group's table (kernels/backend.h): the backend's pack expands them into
-     * slots; kvt__attended_rows expands them on the host for inspection. */
+     * slots (the list may be in the backend's memory: the host never reads it). */
     void (*attended)(const kvt__tier_layer *l, kvt__attended_desc *d);
 
     /* ---- Rows by position ------------------------------------------------------------------ */
@@ -207,10 +211,9 @@ const kvt__policy_ops *kvt__policy_ops_for(const kvt__group *gr, const kvt__stor
 /* Entries shared by tables whose layers attend every row they hold (none, evict) and whose row
  * indices are positions (none, salience). */
 void kvt__none_attended(const kvt__tier_layer *l, kvt__attended_desc *d);
-/* The layer's attended rows: how many, and their row indices ascending into out[count] (host
- * expansion of the policy's description; inspection and checks, not the decode path). */
+/* How many rows the layer attends (from the policy's description; the rows themselves may be
+ * in backend memory: only a backend op expands them). */
 uint64_t kvt__attended_count(const kvt__tier_layer *l);
-void kvt__attended_rows(const kvt__tier_layer *l, int64_t *out);
 void kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
 kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
 

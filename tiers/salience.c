@@ -229,13 +229,16 @@ void kvt__sal_attended(const kvt__sal *s, const kvt_config *cfg, uint64_t n_rows
                        kvt__attended_desc *d) {
     /* Kept rows inside the sinks are attended as sinks: the list starts after them (a count the
      * close brought back; the list itself stays in the backend's memory). */
-    KVT_ASSERT(n_rows >= s->closed_rows);
+    /* The tail ends at the view's rows, or at the state's when a run closed over rows its step
+     * never committed (a batch destroyed after a run: the request can only be destroyed, but
+     * still answers inspection). */
+    uint64_t end = n_rows > s->n_rows ? n_rows : s->n_rows;
     *d = (kvt__attended_desc){.lo_end = closed_sinks(s, cfg),
                               .list = s->n_kept > s->kept_in_sinks ? s->kept + s->kept_in_sinks
                                                                    : NULL,
                               .n_list = s->n_kept - s->kept_in_sinks,
                               .hi_begin = s->closed_rows,
-                              .hi_end = n_rows};
+                              .hi_end = end};
 }
 
 /* kept[i], read through the backend (inspection). */
@@ -386,6 +389,21 @@ static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const
     return KVT_OK;
 }
 
+static kvt_status sal_layer_reset(kvt__tier_state *s, const kvt__env *env,
+                                  const kvt__store *st) {
+    kvt__sal *sa = &s->sal;
+    sa->n_rows = sa->closed_rows = sa->n_kept = sa->kept_in_sinks = 0;
+    sa->closes = sa->nonfinite = sa->score_bytes_read = 0;
+    /* The new request's ratio may keep more rows: grow only then. */
+    if (env->max_rows == 0)
+        return KVT_OK;
+    kvt_status rc = kvt__sal_prepare(sa, env->alloc, env->cfg, env->max_rows);
+    return rc == KVT_OK ? KVT_OK
+                        : kvt__fail(env->err, env->err_len, rc,
+                                    "salience state of layer %u for %llu rows", st->layer,
+                                    (unsigned long long)env->max_rows);
+}
+
 static void sal_group_fini(kvt__group *gr, const kvt__alloc *a) {
     kvt__sal_shared_fini(&gr->sal, a);
 }
@@ -461,6 +479,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .group_init = sal_group_init,
     .group_fini = sal_group_fini,
     .layer_init = sal_layer_init,
+    .layer_reset = sal_layer_reset,
     .layer_fini = sal_layer_fini,
     .group_commit = sal_group_commit,
     .layer_step = sal_layer_step,

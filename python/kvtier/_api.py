@@ -497,7 +497,8 @@ class Context(_Closable):
     ``config`` (a Config, a dict of its fields, or None), ``page_rows``, ``n_pages``,
     ``backend`` ("cpu", "guarded", "cuda", "auto" or a Backend), ``allocator`` ("default",
     "libc"), ``external_storage``, ``layer_policies`` (one Policy per layer), ``kv_head_offset``,
-    ``n_kv_heads_global``, ``layer_offset``, ``max_rows_per_seq``, ``archive_rows_per_seq``.
+    ``n_kv_heads_global``, ``layer_offset``, ``max_rows_per_seq``, ``archive_rows_per_seq``,
+    ``max_seqs`` (with max_rows_per_seq: request slots built at creation, reused).
     Asking for "cuda" where it is absent raises NoDeviceError with the library's reason.
     """
 
@@ -506,7 +507,7 @@ class Context(_Closable):
     def __init__(self, model: Model, config=None, *, page_rows=None, n_pages=None, backend=None,
                  allocator=None, external_storage=None, layer_policies=None, kv_head_offset=None,
                  n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
-                 archive_rows_per_seq=None):
+                 archive_rows_per_seq=None, max_seqs=None):
         if not isinstance(model, Model):
             raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
         p = lib.kvt_ctx_default_params()
@@ -523,7 +524,8 @@ class Context(_Closable):
                             ("kv_head_offset", kv_head_offset),
                             ("n_kv_heads_global", n_kv_heads_global),
                             ("layer_offset", layer_offset), ("max_rows_per_seq", max_rows_per_seq),
-                            ("archive_rows_per_seq", archive_rows_per_seq)):
+                            ("archive_rows_per_seq", archive_rows_per_seq),
+                            ("max_seqs", max_seqs)):
             if value is not None:
                 setattr(p, name, u32(value, name))
         if backend is not None:

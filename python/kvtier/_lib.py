@@ -140,6 +140,7 @@ class CtxParamsC(ctypes.Structure):
         ("layer_offset", c_u32),
         ("max_rows_per_seq", c_u32),
         ("archive_rows_per_seq", c_u32),
+        ("max_seqs", c_u32),
     ]
 
 

@@ -214,3 +214,19 @@ def test_external_storage(mixed_model):
     # the rows landed in our memory
     assert np.all(buffers[0, 0].reshape(-1, 1152)[slots] == 9)
     ctx.close()
+
+
+def test_request_slots(mixed_model):
+    """max_seqs: past it kvt_seq_create is CapacityError; with max_rows_per_seq the slots are
+    built at creation and reused, so admissions allocate nothing."""
+    with kvtier.Context(mixed_model, small_config(), page_rows=16, n_pages=64, allocator="libc",
+                        max_rows_per_seq=128, max_seqs=2) as ctx:
+        before = ctx.host_allocations
+        a, b = ctx.sequence(1), ctx.sequence(2)
+        with pytest.raises(kvtier.CapacityError):
+            ctx.sequence(3)
+        a.close()
+        c = ctx.sequence(3)
+        assert ctx.host_allocations == before
+        c.check()
+        b.check()
