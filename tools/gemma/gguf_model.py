@@ -223,33 +223,45 @@ _LAYER_TENSORS = {
 }
 
 
-def load(path: str | os.PathLike | None = None, verify: bool = True,
-         cache: bool = True) -> tuple[GemmaWeights, object]:
-    """Read and dequantise every tensor to float32. Returns (weights, GGUFReader).
+def load(path: str | os.PathLike | None = None, verify: bool = True, cache: bool = True):
+    """Read and dequantise every tensor to float32; build the tokenizer.
+    Returns (GemmaWeights, tokenizer.Tokenizer).
 
-    With cache (and the file's sha256 verified), the float32 tensors are written once as .npy
-    files under cache_dir()/f32-<sha256 prefix>/ and memory-mapped on later loads (about 1.1 GB
-    for the 270M model; dequantising takes a minute on two busy cores, mapping is instant)."""
-    from gguf import GGUFReader
+    With cache (and the file's sha256 verified), everything derived from the GGUF is written once
+    under cache_dir()/f32-<sha256 prefix>/: the float32 tensors as .npy files, memory-mapped on
+    later loads (about 1.1 GB for the 270M model), the config as JSON and the tokenizer as a
+    SentencePiece model. Parsing the GGUF's 262k-entry vocabulary arrays and dequantising take
+    a minute or more on two busy cores; a cached load takes a second."""
+    import json
+
+    import tokenizer as tok_mod
 
     p = model_path(path, verify=verify)
-    reader = GGUFReader(str(p))
-    cfg = read_config(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    if "output.weight" in tensors:
-        raise ValueError("untied output.weight: not a Gemma-3 layout this reader knows")
     folder = cache_dir() / f"f32-{MODEL_SHA256[:16]}" if (cache and verify) else None
+    done = folder / "complete" if folder else None
+    if done is not None and done.exists():
+        meta = json.loads((folder / "config.json").read_text())
+        cfg = GemmaConfig(**meta["config"])
+        tok = tok_mod.Tokenizer((folder / "tokenizer.model").read_bytes(), meta["add_bos"])
 
-    def get(name: str) -> np.ndarray:
-        if folder is None:
-            return _dequant(tensors[name])
-        f = folder / f"{name}.npy"
-        if not f.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f"{name}.tmp.npy"
-            np.save(tmp, _dequant(tensors[name]))
-            os.replace(tmp, f)
-        return np.load(f, mmap_mode="r")
+        def get(name: str) -> np.ndarray:
+            return np.load(folder / f"{name}.npy", mmap_mode="r")
+    else:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(p))
+        cfg = read_config(reader)
+        tok = tok_mod.Tokenizer.from_gguf(reader)
+        tensors = {t.name: t for t in reader.tensors}
+        if "output.weight" in tensors:
+            raise ValueError("untied output.weight: not a Gemma-3 layout this reader knows")
+
+        def get(name: str) -> np.ndarray:
+            a = _dequant(tensors[name])
+            if folder is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+                np.save(folder / f"{name}.npy", a)
+            return a
 
     layers = [LayerWeights(**{field: get(f"blk.{i}.{name}.weight")
                               for field, name in _LAYER_TENSORS.items()})
@@ -260,4 +272,10 @@ def load(path: str | os.PathLike | None = None, verify: bool = True,
     assert lw.wk.shape == (cfg.n_kv_heads * cfg.head_dim, cfg.hidden), lw.wk.shape
     assert lw.w_down.shape == (cfg.hidden, cfg.ffn), lw.w_down.shape
     assert w.embed.shape == (cfg.vocab, cfg.hidden), w.embed.shape
-    return w, reader
+    if done is not None and not done.exists():
+        cfg_d = {k: (float(v) if isinstance(v, np.floating) else v)
+                 for k, v in cfg.__dict__.items()}
+        (folder / "config.json").write_text(json.dumps({"config": cfg_d, "add_bos": tok.add_bos}))
+        (folder / "tokenizer.model").write_bytes(tok.proto)
+        done.write_text("ok\n")
+    return w, tok

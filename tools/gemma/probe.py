@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# One BLAS thread unless told otherwise: on a small shared machine OpenBLAS's spinning threads
+# made matrix products 10x slower than one thread (measured here, 2 cores under load).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -37,7 +42,6 @@ sys.path.insert(0, str(HERE))
 import engine as eng_mod  # noqa: E402
 import gguf_model  # noqa: E402
 import kvstore  # noqa: E402
-import tokenizer as tok_mod  # noqa: E402
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about the important information there.\n\n")
@@ -78,8 +82,7 @@ def main():
     ap.add_argument("--gguf", default=None)
     a = ap.parse_args()
 
-    w, reader = gguf_model.load(a.gguf)
-    tok = tok_mod.Tokenizer(reader)
+    w, tok = gguf_model.load(a.gguf)
     eng = eng_mod.GemmaEngine(w)
     rng = np.random.default_rng(a.seed)
     cases = []

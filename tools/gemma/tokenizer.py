@@ -70,15 +70,22 @@ def build_model_proto(reader) -> bytes:
 
 
 class Tokenizer:
-    def __init__(self, reader):
+    """SentencePiece processor over a serialized ModelProto (from_gguf builds one)."""
+
+    def __init__(self, proto: bytes, add_bos: bool = True):
         import sentencepiece as spm
 
+        self.proto = proto
         self.sp = spm.SentencePieceProcessor()
-        self.sp.LoadFromSerializedProto(build_model_proto(reader))
+        self.sp.LoadFromSerializedProto(proto)
         self.bos_id = self.sp.bos_id()
         self.eos_id = self.sp.eos_id()
+        self.add_bos = add_bos
+
+    @classmethod
+    def from_gguf(cls, reader) -> "Tokenizer":
         f = reader.fields.get("tokenizer.ggml.add_bos_token")
-        self.add_bos = bool(f.contents()) if f is not None else True
+        return cls(build_model_proto(reader), bool(f.contents()) if f is not None else True)
 
     @property
     def vocab_size(self) -> int:

@@ -14,8 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-from gguf import GGUFReader
-
 import gguf_model
 
 
@@ -25,7 +23,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(root / "tests" / "data" / "gemma-3-270m.json"))
     ap.add_argument("--gguf", default=None, help="the .gguf (default: the cached download)")
     a = ap.parse_args()
-    cfg = gguf_model.read_config(GGUFReader(str(gguf_model.model_path(a.gguf))))
+    cfg = gguf_model.load(a.gguf)[0].config
     Path(a.out).write_text(json.dumps(cfg.hf_config(), indent=2) + "\n")
     print(f"wrote {a.out}: {cfg.n_layers} layers, "
           f"{sum(cfg.is_sliding(i) for i in range(cfg.n_layers))} sliding (window "
