@@ -179,6 +179,17 @@ def main():
         agree = float((lam == am).mean())
         dmax = float(np.abs(ours_z - z[:-1]).max())
         drms = float(np.sqrt(np.mean((ours_z - z[:-1]) ** 2)))
+        # The same text under the engine's "ggml" numerics (llama.cpp's roundings emulated):
+        # if the forward is right, what is left of the difference should mostly go away.
+        eng_g = eng_mod.GemmaEngine(w, numerics="ggml")
+        lpg, amg, hg, _ = numpy_text_logprobs(eng_g, cfg, ids, chunk=1000)
+        zg = eng_g.logits(hg[:-1])
+        res["numpy_ggml_numerics"] = {
+            "ppl": float(np.exp(-lpg.mean())),
+            "argmax_agreement_vs_llama_cpp": float((lam == amg).mean()),
+            "max_abs_logit_diff_vs_llama_cpp": float(np.abs(zg - z[:-1]).max()),
+            "rms_logit_diff_vs_llama_cpp": float(np.sqrt(np.mean((zg - z[:-1]) ** 2)))}
+        del zg
         res["llama_cpp"].update({"ppl": lppl, "eval_s": dt, "argmax_agreement": agree,
                                  "max_abs_logit_diff": dmax, "rms_logit_diff": drms,
                                  "max_abs_logp_diff": float(np.abs(llp - lp).max())})
@@ -186,15 +197,31 @@ def main():
         print(f"per position: argmax agrees at {agree * 100:.2f}% of {len(lam)}; logits "
               f"max |diff| {dmax:.3f}, rms {drms:.4f}; max |dlogp(target)| "
               f"{np.abs(llp - lp).max():.3f}")
+        r = res["numpy_ggml_numerics"]
+        print(f"numpy with llama.cpp's roundings emulated: ppl {r['ppl']:.4f}, argmax agrees at "
+              f"{r['argmax_agreement_vs_llama_cpp'] * 100:.2f}%, logits max |diff| "
+              f"{r['max_abs_logit_diff_vs_llama_cpp']:.3f}, rms "
+              f"{r['rms_logit_diff_vs_llama_cpp']:.4f}")
 
         rows = []
         for p_text, p, ours_g in zip(PROMPTS, prompts, g_batch):
             theirs = llama_greedy(llm, p, a.new)
             k = first_divergence(ours_g, theirs)
             eq = sum(x == y for x, y in zip(ours_g, theirs))
+            gap = None
+            if k < a.new:
+                # How close the call was, on the numpy side: logit of our pick minus theirs,
+                # given the common prefix.
+                st = kvstore.DenseStore(kvstore.specs_for(cfg))
+                st.add_sequence(0)
+                zz = eng.logits(eng.prefill(st, [0], [p + ours_g[:k]])[0])[-1]
+                gap = float(zz[ours_g[k]] - zz[theirs[k]])
             rows.append({"prompt": p_text, "first_divergence": k, "equal": eq,
+                         "logit_gap_at_divergence": gap,
                          "numpy": tok.decode(ours_g), "llama_cpp": tok.decode(theirs)})
-            print(f"greedy {p_text!r}: same prefix {k}/{a.new}, equal positions {eq}/{a.new}")
+            print(f"greedy {p_text!r}: same prefix {k}/{a.new}, equal positions {eq}/{a.new}"
+                  + (f"; at the divergence numpy's pick leads llama.cpp's by {gap:.3f} logits"
+                     if gap is not None else ""))
             if k < a.new:
                 print(f"   numpy:     {tok.decode(ours_g)!r}\n   llama.cpp: {tok.decode(theirs)!r}")
         res["greedy"] = rows

@@ -62,9 +62,28 @@ class Rope:
         return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def attend(q: np.ndarray, qpos: np.ndarray, rows: Rows, window: int) -> np.ndarray:
+def quantize_act(x: np.ndarray, block: int, fp16_scale: bool) -> np.ndarray:
+    """x rounded the way ggml quantises a matrix product's activations: symmetric 8-bit per
+    block of `block` values along the last axis, scale amax/127 (Q8_0: 32 values, fp16 scale;
+    Q8_K: 256 values, fp32 scale)."""
+    shp = x.shape
+    b = x.reshape(-1, block)
+    d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+    if fp16_scale:
+        d = d.astype(np.float16).astype(np.float32)
+    safe = np.where(d == 0, np.float32(1), d)
+    return (np.rint(b / safe) * d).reshape(shp).astype(np.float32)
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def attend(q: np.ndarray, qpos: np.ndarray, rows: Rows, window: int,
+           f16_probs: bool = False) -> np.ndarray:
     """One request's attention. q [T, H, d] (already scaled), qpos [T]; rows per KV head.
-    Query head h reads KV head h // (H / n_kv). Returns [T, H * d]."""
+    Query head h reads KV head h // (H / n_kv). Returns [T, H * d]. f16_probs rounds the
+    probabilities to fp16 before they weight V (ggml's mul_mat of an f16 V)."""
     T, H, d = q.shape
     n_kv = rows.k.shape[0]
     g = H // n_kv
@@ -81,17 +100,39 @@ def attend(q: np.ndarray, qpos: np.ndarray, rows: Rows, window: int) -> np.ndarr
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
+    if f16_probs:
+        scores = f16(scores)
     out = np.matmul(scores.reshape(n_kv, g * T, -1), rows.v.astype(np.float32, copy=False))
     return out.reshape(H, T, d).transpose(1, 0, 2).reshape(T, H * d)
 
 
 class GemmaEngine:
-    def __init__(self, weights):
+    """numerics: "f32" (default) computes every product in float32 from the dequantised
+    weights. "ggml" adds, for diagnosis only, the roundings llama.cpp's CPU backend makes, so
+    that a comparison can tell them from a wrong forward: activations entering a quantised
+    weight's product are quantised to Q8_0 (for Q4_0/Q5_0/Q8_0-type weights) or Q8_K (for
+    K-quants), K and V rows and the query are rounded to fp16 (its default f16 KV cache), and
+    so are the attention probabilities before they weight V."""
+
+    def __init__(self, weights, numerics: str = "f32"):
+        if numerics not in ("f32", "ggml"):
+            raise ValueError(f"numerics {numerics!r}: 'f32' or 'ggml'")
+        self.ggml = numerics == "ggml"
         self.w = weights
         self.cfg = c = weights.config
         self.rope_global = Rope(c.head_dim, c.rope_base_global)
         self.rope_local = Rope(c.head_dim, c.rope_base_local)
         self.embed_scale = np.float32(math.sqrt(c.hidden))
+
+    def mm(self, x: np.ndarray, wt: np.ndarray, name: str) -> np.ndarray:
+        """x @ wt.T; in ggml numerics x is first rounded as ggml rounds it for wt's type."""
+        if self.ggml:
+            qt = self.w.qtypes.get(name, "F32")
+            if qt.endswith("_K"):
+                x = quantize_act(x, 256, False)
+            elif qt not in ("F32", "F16", "BF16"):
+                x = quantize_act(x, 32, True)
+        return x @ wt.T
 
     # -- one step -------------------------------------------------------------------------
     def step(self, store: KVStore, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
@@ -112,14 +153,17 @@ class GemmaEngine:
         H, Hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
         bounds = np.cumsum([0] + ns)
         for li, L in enumerate(w.layers):
+            nm = f"blk.{li}.{{}}.weight".format
             sliding = c.is_sliding(li)
             rope = self.rope_local if sliding else self.rope_global
             h = rmsnorm(x, L.attn_norm, c.eps)
-            q = (h @ L.wq.T).reshape(T, H, d)
-            k = (h @ L.wk.T).reshape(T, Hkv, d)
-            v = (h @ L.wv.T).reshape(T, Hkv, d)
+            q = self.mm(h, L.wq, nm("attn_q")).reshape(T, H, d)
+            k = self.mm(h, L.wk, nm("attn_k")).reshape(T, Hkv, d)
+            v = self.mm(h, L.wv, nm("attn_v")).reshape(T, Hkv, d)
             q = rope(rmsnorm(q, L.q_norm, c.eps), pos) * np.float32(c.query_scale)
             k = rope(rmsnorm(k, L.k_norm, c.eps), pos)
+            if self.ggml:
+                q, k, v = f16(q), f16(k), f16(v)
             store.write(li, k, v)
             rows = store.attended(li)
             a = np.empty((T, H * d), np.float32)
@@ -127,11 +171,11 @@ class GemmaEngine:
             for i in range(len(ns)):
                 lo, hi = bounds[i], bounds[i + 1]
                 if hi > lo:
-                    a[lo:hi] = attend(q[lo:hi], pos[lo:hi], rows[i], win)
-            x = x + rmsnorm(a @ L.wo.T, L.post_attn_norm, c.eps)
+                    a[lo:hi] = attend(q[lo:hi], pos[lo:hi], rows[i], win, self.ggml)
+            x = x + rmsnorm(self.mm(a, L.wo, nm("attn_output")), L.post_attn_norm, c.eps)
             h = rmsnorm(x, L.ffn_norm, c.eps)
-            f = gelu_tanh(h @ L.w_gate.T) * (h @ L.w_up.T)
-            x = x + rmsnorm(f @ L.w_down.T, L.post_ffn_norm, c.eps)
+            f = gelu_tanh(self.mm(h, L.w_gate, nm("ffn_gate"))) * self.mm(h, L.w_up, nm("ffn_up"))
+            x = x + rmsnorm(self.mm(f, L.w_down, nm("ffn_down")), L.post_ffn_norm, c.eps)
         store.commit()
         outs = []
         for i in range(len(ns)):
@@ -147,7 +191,7 @@ class GemmaEngine:
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [R, hidden] (from step) -> logits [R, vocab] float32."""
-        z = hidden @ self.w.embed.T
+        z = self.mm(hidden, self.w.embed, "token_embd.weight")
         cap = self.cfg.final_logit_softcap
         if cap:
             z = np.tanh(z / np.float32(cap)) * np.float32(cap)

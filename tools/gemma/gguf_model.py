@@ -199,6 +199,9 @@ class GemmaWeights:
     embed: np.ndarray  # [vocab, hidden]; also the (tied) output projection
     output_norm: np.ndarray
     layers: list[LayerWeights]
+    # GGUF tensor name -> its stored type ("Q5_0", "Q4_K", ...); engine.py's ggml-numerics mode
+    # uses it to round activations the way llama.cpp's matrix products do.
+    qtypes: dict[str, str] = field(default_factory=dict)
 
 
 def _dequant(t) -> np.ndarray:
@@ -243,6 +246,7 @@ def load(path: str | os.PathLike | None = None, verify: bool = True, cache: bool
         meta = json.loads((folder / "config.json").read_text())
         cfg = GemmaConfig(**meta["config"])
         tok = tok_mod.Tokenizer((folder / "tokenizer.model").read_bytes(), meta["add_bos"])
+        qtypes = meta["qtypes"]
 
         def get(name: str) -> np.ndarray:
             return np.load(folder / f"{name}.npy", mmap_mode="r")
@@ -253,6 +257,7 @@ def load(path: str | os.PathLike | None = None, verify: bool = True, cache: bool
         cfg = read_config(reader)
         tok = tok_mod.Tokenizer.from_gguf(reader)
         tensors = {t.name: t for t in reader.tensors}
+        qtypes = {t.name: t.tensor_type.name for t in reader.tensors}
         if "output.weight" in tensors:
             raise ValueError("untied output.weight: not a Gemma-3 layout this reader knows")
 
@@ -266,7 +271,7 @@ def load(path: str | os.PathLike | None = None, verify: bool = True, cache: bool
     layers = [LayerWeights(**{field: get(f"blk.{i}.{name}.weight")
                               for field, name in _LAYER_TENSORS.items()})
               for i in range(cfg.n_layers)]
-    w = GemmaWeights(cfg, get("token_embd.weight"), get("output_norm.weight"), layers)
+    w = GemmaWeights(cfg, get("token_embd.weight"), get("output_norm.weight"), layers, qtypes)
     lw = layers[0]
     assert lw.wq.shape == (cfg.n_heads * cfg.head_dim, cfg.hidden), lw.wq.shape
     assert lw.wk.shape == (cfg.n_kv_heads * cfg.head_dim, cfg.hidden), lw.wk.shape
@@ -275,7 +280,8 @@ def load(path: str | os.PathLike | None = None, verify: bool = True, cache: bool
     if done is not None and not done.exists():
         cfg_d = {k: (float(v) if isinstance(v, np.floating) else v)
                  for k, v in cfg.__dict__.items()}
-        (folder / "config.json").write_text(json.dumps({"config": cfg_d, "add_bos": tok.add_bos}))
+        meta = {"config": cfg_d, "add_bos": tok.add_bos, "qtypes": qtypes}
+        (folder / "config.json").write_text(json.dumps(meta))
         (folder / "tokenizer.model").write_bytes(tok.proto)
         done.write_text("ok\n")
     return w, tok
