@@ -1,19 +1,26 @@
-"""Check the numpy Gemma-3 forward against llama.cpp (llama-cpp-python) on the same GGUF.
+"""Check the numpy Gemma-3 forward against llama.cpp (llama-cpp-python) on the same weights.
 
     python tools/gemma/check_forward.py [--text FILE] [--max-tokens N] [--new N] [--json OUT]
 
-What it measures, each on both paths:
-  - tokenization of the text and of the prompts (ids compared);
-  - perplexity of the text (teacher-forced, every next token, one sequence; the text is longer
-    than the 512-token sliding window, so local layers are exercised past their window);
-  - per position, agreement of the argmax and the largest |logit difference|;
-  - greedy continuations of a few prompts (`--new` tokens each): tokens equal up to the first
-    divergence, and in total.
-and, on the numpy side alone, that the batch path changes nothing: the text's log-probs with
-prefill chunks of 1000 and 100 tokens (window boundaries fall inside and across chunks), and the
-greedy continuations run as one batch vs one request at a time.
+llama.cpp runs twice:
+  [F32 weights, F32 KV]  on a float32 copy of the GGUF (f32_gguf.py: every tensor dequantised,
+                         metadata unchanged) with an F32 KV cache: both sides then compute the
+                         same model in float32, so what differs is rounding, and a wrong forward
+                         would show. This is the check of the forward.
+  [Q4_K_M as shipped]    on the .gguf itself, as an engine would run it: llama.cpp rounds the
+                         activations entering quantised products to 8 bits (Q8_0/Q8_K) and keeps
+                         an F16 cache, which moves Gemma's logits by ~0.6 rms (large outlier
+                         channels). The numpy forward with those roundings emulated (engine
+                         numerics "ggml") is run too, to show that this gap is numerics.
+Each run measures: perplexity of the text (teacher-forced; the text is longer than the
+512-token window, so local layers run past it); per position, argmax agreement and logit
+differences; greedy continuations of a few prompts (`--new` tokens each): tokens before the
+first divergence, equal positions, and the logit gap at a divergence (how near a tie it was).
+Also: tokenization of the text and prompts by both (ids compared), and, on the numpy side,
+that batching changes nothing: log-probs with prefill chunks of 1000 and 100 tokens, greedy
+continuations as one batch and one request at a time.
 
-Without llama_cpp installed the llama.cpp half is skipped (and said so).
+Without llama_cpp installed the comparison is skipped (and said so).
 """
 from __future__ import annotations
 
@@ -70,11 +77,12 @@ def numpy_greedy(eng, cfg, prompts, new, batch=True):
     return out
 
 
-def llama_model(path, n_ctx):
+def llama_model(path, n_ctx, f32_cache=False):
     from llama_cpp import Llama
 
+    kw = {"type_k": 0, "type_v": 0} if f32_cache else {}  # GGML_TYPE_F32 (default: F16)
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=os.cpu_count(),
-                 logits_all=True, verbose=False)
+                 logits_all=True, verbose=False, **kw)
 
 
 def llama_text_logits(llm, ids):
@@ -108,21 +116,68 @@ def first_divergence(a, b):
     return min(len(a), len(b))
 
 
+def compare_llama(label, llm, eng, cfg, tok, ids, lp, am, z_ours, prompts, g_ours, new):
+    """llama.cpp on the text and the prompts, against the numpy results."""
+    t0 = time.time()
+    z = llama_text_logits(llm, ids)[:-1]
+    dt = time.time() - t0
+    llp = logsoftmax_at(z, np.asarray(ids[1:]))
+    r = {"ppl": float(np.exp(-llp.mean())), "eval_s": dt,
+         "argmax_agreement": float((z.argmax(axis=1) == am).mean()),
+         "max_abs_logit_diff": float(np.abs(z_ours - z).max()),
+         "rms_logit_diff": float(np.sqrt(np.mean((z_ours - z) ** 2))),
+         "max_abs_logp_diff": float(np.abs(llp - lp).max())}
+    print(f"[{label}] llama.cpp ppl {r['ppl']:.4f} (eval {dt:.1f}s); per position: argmax "
+          f"agrees at {r['argmax_agreement'] * 100:.2f}% of {len(am)}, logits max |diff| "
+          f"{r['max_abs_logit_diff']:.3f}, rms {r['rms_logit_diff']:.4f}, max |dlogp(target)| "
+          f"{r['max_abs_logp_diff']:.4f}")
+    rows = []
+    for p_text, p, ours in zip(PROMPTS, prompts, g_ours):
+        theirs = llama_greedy(llm, p, new)
+        k = first_divergence(ours, theirs)
+        eq = sum(x == y for x, y in zip(ours, theirs))
+        gap = None
+        if k < new:
+            # How close the call was on the numpy side: logit of our pick minus theirs, given
+            # the common prefix.
+            st = kvstore.DenseStore(kvstore.specs_for(cfg))
+            st.add_sequence(0)
+            zz = eng.logits(eng.prefill(st, [0], [p + ours[:k]])[0])[-1]
+            gap = float(zz[ours[k]] - zz[theirs[k]])
+        rows.append({"prompt": p_text, "first_divergence": k, "equal": eq,
+                     "logit_gap_at_divergence": gap,
+                     "numpy": tok.decode(ours), "llama_cpp": tok.decode(theirs)})
+        print(f"[{label}] greedy {p_text!r}: same prefix {k}/{new}, equal positions {eq}/{new}"
+              + (f"; at the divergence numpy's pick leads by {gap:.3f} logits"
+                 if gap is not None else ""))
+        if k < new:
+            print(f"   numpy:     {tok.decode(ours)!r}\n   llama.cpp: {tok.decode(theirs)!r}")
+    n_all = new * len(prompts)
+    r["greedy"] = rows
+    r["greedy_tokens_before_divergence"] = f"{sum(x['first_divergence'] for x in rows)}/{n_all}"
+    r["greedy_equal_positions"] = f"{sum(x['equal'] for x in rows)}/{n_all}"
+    print(f"[{label}] greedy: {r['greedy_tokens_before_divergence']} tokens before the first "
+          f"divergence, {r['greedy_equal_positions']} equal positions")
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--text", default=str(HERE / "data" / "declaration.txt"))
     ap.add_argument("--max-tokens", type=int, default=1200)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--no-f32", action="store_true", help="skip the F32-weights comparison")
+    ap.add_argument("--no-emulate", action="store_true",
+                    help="skip the numpy run with llama.cpp's roundings emulated")
     ap.add_argument("--json", default=None, help="write the numbers here")
     a = ap.parse_args()
     res: dict = {}
 
     t0 = time.time()
-    w, tok = gguf_model.load(a.gguf)
+    w, tok = gguf_model.load()
     eng = eng_mod.GemmaEngine(w)
     cfg = w.config
-    path = gguf_model.model_path(a.gguf)
+    path = gguf_model.model_path()
     res["gguf"] = {"file": path.name, "sha256": gguf_model.MODEL_SHA256}
     print(f"loaded {path.name} (sha256 {gguf_model.MODEL_SHA256[:16]}...) in "
           f"{time.time() - t0:.1f}s")
@@ -133,6 +188,7 @@ def main():
     print(f"text: {Path(a.text).name}, {len(ids)} tokens (BOS included)")
 
     lp, am, h, dt = numpy_text_logprobs(eng, cfg, ids, chunk=1000)
+    z_ours = eng.logits(h[:-1])
     ppl = float(np.exp(-lp.mean()))
     res["numpy"] = {"ppl": ppl, "tokens": len(ids), "prefill_s": dt}
     print(f"numpy  ppl {ppl:.4f}  ({len(ids) - 1} predictions, prefill {dt:.1f}s)")
@@ -152,83 +208,37 @@ def main():
           f"prompts ({tb:.1f}s batched, {ts:.1f}s one by one)")
 
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp
     except ImportError:
         print("llama_cpp not installed: the second implementation was not run")
         res["llama_cpp"] = None
     else:
-        import llama_cpp
+        res["llama_cpp_version"] = llama_cpp.__version__
+        n_ctx = max(len(ids), 512) + a.new + 16
+        if not a.no_f32:
+            import f32_gguf
 
-        llm = llama_model(path, n_ctx=max(len(ids), 512) + 16)
-        res["llama_cpp"] = {"version": llama_cpp.__version__}
+            llm = llama_model(f32_gguf.f32_path(), n_ctx, f32_cache=True)
+            res["llama_cpp_f32"] = compare_llama("F32 weights, F32 KV", llm, eng, cfg, tok, ids,
+                                                 lp, am, z_ours, prompts, g_batch, a.new)
+            del llm
+        llm = llama_model(path, n_ctx)
         ltok = [llm.tokenize(text.encode(), add_bos=True, special=False)[:a.max_tokens]]
         ltok += [llm.tokenize(p.encode(), add_bos=True, special=False) for p in PROMPTS]
-        ours = [ids] + prompts
-        tok_same = sum(list(x) == list(y) for x, y in zip(ltok, ours))
-        res["tokenizer_agreement"] = f"{tok_same}/{len(ours)}"
-        print(f"tokenizer: identical ids for {tok_same}/{len(ours)} strings "
+        tok_same = sum(list(x) == list(y) for x, y in zip(ltok, [ids] + prompts))
+        res["tokenizer_agreement"] = f"{tok_same}/{len(ltok)}"
+        print(f"tokenizer: identical ids for {tok_same}/{len(ltok)} strings "
               f"(text + {len(prompts)} prompts)")
-
-        t0 = time.time()
-        z = llama_text_logits(llm, ids)
-        dt = time.time() - t0
-        llp = logsoftmax_at(z[:-1], np.asarray(ids[1:]))
-        lppl = float(np.exp(-llp.mean()))
-        lam = z[:-1].argmax(axis=1)
-        ours_z = eng.logits(h[:-1])
-        agree = float((lam == am).mean())
-        dmax = float(np.abs(ours_z - z[:-1]).max())
-        drms = float(np.sqrt(np.mean((ours_z - z[:-1]) ** 2)))
-        # The same text under the engine's "ggml" numerics (llama.cpp's roundings emulated):
-        # if the forward is right, what is left of the difference should mostly go away.
-        eng_g = eng_mod.GemmaEngine(w, numerics="ggml")
-        lpg, amg, hg, _ = numpy_text_logprobs(eng_g, cfg, ids, chunk=1000)
-        zg = eng_g.logits(hg[:-1])
-        res["numpy_ggml_numerics"] = {
-            "ppl": float(np.exp(-lpg.mean())),
-            "argmax_agreement_vs_llama_cpp": float((lam == amg).mean()),
-            "max_abs_logit_diff_vs_llama_cpp": float(np.abs(zg - z[:-1]).max()),
-            "rms_logit_diff_vs_llama_cpp": float(np.sqrt(np.mean((zg - z[:-1]) ** 2)))}
-        del zg
-        res["llama_cpp"].update({"ppl": lppl, "eval_s": dt, "argmax_agreement": agree,
-                                 "max_abs_logit_diff": dmax, "rms_logit_diff": drms,
-                                 "max_abs_logp_diff": float(np.abs(llp - lp).max())})
-        print(f"llama.cpp ppl {lppl:.4f}  (eval {dt:.1f}s)")
-        print(f"per position: argmax agrees at {agree * 100:.2f}% of {len(lam)}; logits "
-              f"max |diff| {dmax:.3f}, rms {drms:.4f}; max |dlogp(target)| "
-              f"{np.abs(llp - lp).max():.3f}")
-        r = res["numpy_ggml_numerics"]
-        print(f"numpy with llama.cpp's roundings emulated: ppl {r['ppl']:.4f}, argmax agrees at "
-              f"{r['argmax_agreement_vs_llama_cpp'] * 100:.2f}%, logits max |diff| "
-              f"{r['max_abs_logit_diff_vs_llama_cpp']:.3f}, rms "
-              f"{r['rms_logit_diff_vs_llama_cpp']:.4f}")
-
-        rows = []
-        for p_text, p, ours_g in zip(PROMPTS, prompts, g_batch):
-            theirs = llama_greedy(llm, p, a.new)
-            k = first_divergence(ours_g, theirs)
-            eq = sum(x == y for x, y in zip(ours_g, theirs))
-            gap = None
-            if k < a.new:
-                # How close the call was, on the numpy side: logit of our pick minus theirs,
-                # given the common prefix.
-                st = kvstore.DenseStore(kvstore.specs_for(cfg))
-                st.add_sequence(0)
-                zz = eng.logits(eng.prefill(st, [0], [p + ours_g[:k]])[0])[-1]
-                gap = float(zz[ours_g[k]] - zz[theirs[k]])
-            rows.append({"prompt": p_text, "first_divergence": k, "equal": eq,
-                         "logit_gap_at_divergence": gap,
-                         "numpy": tok.decode(ours_g), "llama_cpp": tok.decode(theirs)})
-            print(f"greedy {p_text!r}: same prefix {k}/{a.new}, equal positions {eq}/{a.new}"
-                  + (f"; at the divergence numpy's pick leads llama.cpp's by {gap:.3f} logits"
-                     if gap is not None else ""))
-            if k < a.new:
-                print(f"   numpy:     {tok.decode(ours_g)!r}\n   llama.cpp: {tok.decode(theirs)!r}")
-        res["greedy"] = rows
-        n_all = a.new * len(prompts)
-        res["greedy_prefix_agreement"] = sum(r["first_divergence"] for r in rows) / n_all
-        print(f"greedy: {sum(r['first_divergence'] for r in rows)}/{n_all} tokens before the "
-              f"first divergence, {sum(r['equal'] for r in rows)}/{n_all} equal positions")
+        res["llama_cpp_q4km"] = compare_llama("Q4_K_M as shipped", llm, eng, cfg, tok, ids, lp,
+                                              am, z_ours, prompts, g_batch, a.new)
+        if not a.no_emulate:
+            # The numpy forward with llama.cpp's roundings emulated (engine numerics "ggml"):
+            # if the Q4_K_M gap is numerics, this lands near llama.cpp's ppl.
+            eng_g = eng_mod.GemmaEngine(w, numerics="ggml")
+            lpg, _, _, _ = numpy_text_logprobs(eng_g, cfg, ids, chunk=1000)
+            res["numpy_ggml_numerics_ppl"] = float(np.exp(-lpg.mean()))
+            print(f"numpy with llama.cpp's roundings emulated: ppl "
+                  f"{res['numpy_ggml_numerics_ppl']:.4f}")
 
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
