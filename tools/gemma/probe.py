@@ -52,9 +52,11 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 def build_case(tok, length: int, depth: float, key: int):
     """Token ids of prompt + answer, and how many of them are the answer."""
-    fill_ids = tok.encode(FILLER, bos=False)
+    # Tokens one more filler sentence group adds inside a run of them (its first word merges
+    # with the space before it, so encoding FILLER alone would count one token too many).
+    per_fill = (len(tok.encode(FILLER * 20, bos=False)) - len(tok.encode(FILLER * 10, bos=False))) / 10
     fixed = len(tok.encode(INTRO + NEEDLE.format(key=key) + QUESTION))
-    n_fill = max(0, round((length - fixed) / len(fill_ids)))
+    n_fill = max(0, round((length - fixed) / per_fill))
     before = round(n_fill * depth)
     text = (INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (n_fill - before)
             + QUESTION)
