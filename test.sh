@@ -62,7 +62,7 @@ t0=$SECONDS
 echo "== test configuration: build-test-valgrind (ctest -L fast under valgrind memcheck) =="
 cmake -S . -B build-test-valgrind -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA=OFF \
   -DKVT_JEMALLOC=OFF -DKVT_VALGRIND=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF >/dev/null
-cmake --build build-test-valgrind -j"$JOBS"
+cmake --build build-test-valgrind -j"$JOBS" --target fast_tests
 (cd build-test-valgrind && ctest -L fast --output-on-failure -j"$JOBS" --timeout 900)
 echo "== build-test-valgrind: passed in $((SECONDS - t0)) s (build + tests) =="
 # ---------------------------------------------------------------------------------------------

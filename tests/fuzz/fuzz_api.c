@@ -202,6 +202,14 @@ static void op_reserve(fuzz_state *f) {
         valid = valid && f->seq[i].batch < 0;
         n++;
     }
+    if ((mode & 0x18) == 0x18 && n > 0 && n < MAX_SEQS) { /* the same request twice */
+        seqs[n] = seqs[0];
+        idx[n] = idx[0];
+        tok[n] = tok[0];
+        dr[n] = dr[0];
+        n++;
+        valid = false;
+    }
     uint32_t before[N_LAYERS], after[N_LAYERS];
     free_pages(f, before);
     kvt_status s = drafts ? kvt_batch_reserve_drafts(b->h, seqs, tok, dr, n)
@@ -290,6 +298,46 @@ static void op_write(fuzz_state *f) {
                 }
         }
     }
+}
+
+/* Row writes outside the step's shape (kvt_seq_write's ranges and sizes), pool I/O at any
+ * slot (kvt_layer_read / kvt_layer_write: the engine may write any slot), reserved slots. */
+static void op_raw_io(fuzz_state *f) {
+    int i = fuzz_range(&f->in, 0, MAX_SEQS - 1);
+    uint32_t l = fuzz_range(&f->in, 0, N_LAYERS);
+    uint32_t pl = fuzz_range(&f->in, 0, 2);
+    uint32_t first = fuzz_range(&f->in, 0, 40), n = fuzz_range(&f->in, 0, 40);
+    uint8_t mode = fuzz_u8(&f->in);
+    size_t tb = 0;
+    if (l < N_LAYERS && has_kv(l)) {
+        const kvt_layer_spec *sp = kvt_model_layer(f->model, l);
+        tb = (size_t)sp->n_kv_heads * sp->row_bytes;
+    }
+    size_t bytes = (size_t)n * tb + ((mode & 1) ? 1 : 0);
+    uint8_t *buf = calloc(bytes + 1, 1);
+    FUZZ_REQUIRE(buf, "oom");
+    for (size_t j = 0; j < bytes; j++)
+        buf[j] = (uint8_t)next_rand(f);
+    kvt_status s;
+    if (f->seq[i].h) {
+        s = kvt_seq_write(f->seq[i].h, l, pl, first, n, buf, bytes);
+        FUZZ_STATUS("kvt_seq_write", s, KVT_ERR_BAD_STATE, KVT_ERR_OUT_OF_RANGE,
+                    KVT_ERR_INVALID_ARGUMENT, KVT_ERR_POLICY_MISMATCH);
+        int32_t slot;
+        s = kvt_seq_reserved_slot(f->seq[i].h, l, first, &slot);
+        FUZZ_STATUS("kvt_seq_reserved_slot", s, KVT_ERR_BAD_STATE, KVT_ERR_OUT_OF_RANGE,
+                    KVT_ERR_POLICY_MISMATCH, KVT_ERR_INVALID_ARGUMENT);
+        if (s == KVT_OK)
+            FUZZ_REQUIRE(slot >= 0 && (uint64_t)slot < pool_slots(f), "reserved slot %d", slot);
+        (void)kvt_seq_pending(f->seq[i].h);
+        (void)kvt_seq_length(f->seq[i].h);
+    }
+    uint64_t slot0 = (mode & 2) ? pool_slots(f) - (first % 4) : first;
+    s = (mode & 4) ? kvt_layer_write(f->ctx, l, pl, slot0, n, buf, bytes)
+                   : kvt_layer_read(f->ctx, l, pl, slot0, n, buf, bytes);
+    FUZZ_STATUS("kvt_layer_read/write", s, KVT_ERR_OUT_OF_RANGE, KVT_ERR_INVALID_ARGUMENT,
+                KVT_ERR_POLICY_MISMATCH);
+    free(buf);
 }
 
 static void op_plan(fuzz_state *f) {
@@ -433,9 +481,10 @@ static void op_inspect(fuzz_state *f) {
     int i = fuzz_range(&f->in, 0, MAX_SEQS - 1);
     uint32_t l = fuzz_range(&f->in, 0, N_LAYERS);
     uint32_t head = fuzz_range(&f->in, 0, 2);
-    uint32_t pos = fuzz_range(&f->in, 0, 700);
+    uint32_t pos = fuzz_u16(&f->in);
     if (!f->seq[i].h)
         return;
+    pos %= (uint32_t)kvt_seq_length(f->seq[i].h) + kvt_seq_pending(f->seq[i].h) + 2;
     kvt_seq *sq = f->seq[i].h;
     kvt_status s;
     kvt_layer_stats st = {.struct_size = sizeof st};
@@ -513,9 +562,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
     static const char *const names[] = {"create",  "destroy", "reserve", "write",
                                         "plan",    "run",     "commit",  "batch recreate",
-                                        "prompt",  "inspect", "write",   "run"};
+                                        "prompt",  "inspect", "write",   "run",
+                                        "raw io"};
     for (int op = 0; op < MAX_OPS && f.in.n > 0; op++) {
-        uint8_t code = fuzz_u8(&f.in) % 12;
+        uint8_t code = fuzz_u8(&f.in) % 13;
         if (f.verbose)
             fprintf(stderr, "op %d: %s\n", op, names[code]);
         switch (code) {
@@ -529,6 +579,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         case 7: op_batch_recreate(&f); break;
         case 8: op_prompt(&f); break;
         case 9: op_inspect(&f); break;
+        case 12: op_raw_io(&f); break;
         }
         check_all(&f, names[code]);
     }

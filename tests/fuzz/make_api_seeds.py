@@ -42,8 +42,17 @@ def seeds():
     s = header() + two + step([60, 40])
     for _ in range(30):
         s += step([1, 1])
-    s += [INSPECT, 0, 0, 0, 3, 100, 0, INSPECT, 1, 2, 1, 10, 50, 0]
+    s += [INSPECT, 0, 0, 0, 3, 0, 100, 0, INSPECT, 1, 2, 1, 10, 0, 50, 0]
     yield "decode", s
+    # the ablation selectors (branch norm; row norm with archived eviction), then every
+    # inspection call at positions across the request
+    for name, flags in (("branch_norm", 0x10), ("row_norm_archive", 0x20 | 2)):
+        s = header(flags=flags, ratio=2, K=8) + two + step([70, 50])
+        for _ in range(8):
+            s += step([8, 8])
+        for pos in range(0, 140, 7):
+            s += [INSPECT, pos % 2, pos % 5, pos % 3, pos, 0, 150, 0]
+        yield name, s
     # drafts: 4 tokens of which 3 drafts, one query per token (mode 0x08), 2 accepted
     s = header(ratio=2, K=8, recent=2, cadence=2) + two + step([30, 30])
     for i in range(12):
