@@ -91,7 +91,7 @@ for t in fuzz_config fuzz_trace fuzz_api; do
     echo "== build-fuzz: $t found a crash: $(ls build-fuzz/artifacts/$t-* 2>/dev/null | tr '\n' ' ')=="
     exit 1
   fi
-  echo "$t: $(grep -E '^#[0-9]+ +DONE' "build-fuzz/$t.log" | tail -n 1)"
+  echo "$t: $(grep -E '^#[0-9]+[[:space:]]+DONE' "build-fuzz/$t.log" | tail -n 1)"
 done
 echo "== build-fuzz: passed in $((SECONDS - t0)) s (build + 3 x 60 s) =="
 echo "test.sh: all configurations passed"
