@@ -6,8 +6,10 @@
 # within the CI budget), and CPU-only under clang's ThreadSanitizer (KVT_TSAN: only the plain
 # test executables, i.e. test_threads and kvtier.h's "Threads" model; Criterion aborts under
 # TSan). clang's UBSan has checks gcc's lacks (a zero offset applied to a NULL pointer was found
-# that way). A sixth block at the end, python, installs the Python package in a fresh venv and
-# runs its pytest suite. Each configuration prints its wall time.
+# that way). Three blocks at the end: python installs the Python package in a fresh venv and
+# runs its pytest suite; valgrind runs the fast tests (ctest label "fast") under memcheck; fuzz
+# builds the libFuzzer targets of tests/fuzz with clang and runs each for 60 s. Each
+# configuration prints its wall time.
 # GPU tests skip with a message when no device is present.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -49,4 +51,47 @@ python3 -m venv build-python/venv
 build-python/venv/bin/pip install -q ./python pytest numpy
 (cd build-python && venv/bin/python -m pytest -q -p no:cacheprovider ../python/tests)
 echo "== build-python: passed in $((SECONDS - t0)) s (venv + wheel build + tests) =="
+# ---------------------------------------------------------------------------------------------
+# valgrind: memcheck over the fast tests (ctest -L fast: the Criterion executables that run in
+# seconds, test_threads, the fuzz targets' corpus replays). CPU-only, RelWithDebInfo, libc
+# allocation (-DKVT_JEMALLOC=OFF: valgrind cannot see inside jemalloc's arenas). Each test runs
+# through tests/scripts/valgrind.sh, which follows Criterion's child processes and fails on any
+# memcheck error or definite leak. The guarded backend's tests skip with a message there.
+# ---------------------------------------------------------------------------------------------
+t0=$SECONDS
+echo "== test configuration: build-test-valgrind (ctest -L fast under valgrind memcheck) =="
+cmake -S . -B build-test-valgrind -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA=OFF \
+  -DKVT_JEMALLOC=OFF -DKVT_VALGRIND=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF >/dev/null
+cmake --build build-test-valgrind -j"$JOBS" --target fast_tests
+(cd build-test-valgrind && ctest -L fast --output-on-failure -j"$JOBS" --timeout 900)
+echo "== build-test-valgrind: passed in $((SECONDS - t0)) s (build + tests) =="
+# ---------------------------------------------------------------------------------------------
+# fuzz: the libFuzzer targets of tests/fuzz (config parser, trace reader, batch API sequences),
+# clang, ASan + UBSan halting, Debug asserts at -O1, CPU only. Each runs 60 s from its seed
+# corpus (tests/fuzz/corpus/<target>, read only; what it finds goes to build-fuzz/work/<target>)
+# in one process. A crash, leak, timeout or FUZZ_REQUIRE abort fails CI: the input is left in
+# build-fuzz/artifacts/; fix the library and add the input to tests/fuzz/regress/<target>/ (the
+# plain ctest replays it: <target>_replay).
+# ---------------------------------------------------------------------------------------------
+t0=$SECONDS
+echo "== test configuration: build-fuzz (libFuzzer, 60 s per target) =="
+cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
+  "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_FUZZ=ON -DKVT_BUILD_TESTS=OFF \
+  -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF >/dev/null
+cmake --build build-fuzz -j"$JOBS"
+mkdir -p build-fuzz/artifacts
+for t in fuzz_config fuzz_trace fuzz_api; do
+  rm -rf "build-fuzz/work/$t" && mkdir -p "build-fuzz/work/$t"
+  dict=() && [ -f "tests/fuzz/$t.dict" ] && dict=("-dict=tests/fuzz/$t.dict")
+  if ! ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+      "build-fuzz/tests/fuzz/$t" -max_total_time=60 -timeout=30 -print_final_stats=1 \
+      -artifact_prefix="build-fuzz/artifacts/$t-" "${dict[@]}" \
+      "build-fuzz/work/$t" "tests/fuzz/corpus/$t" > "build-fuzz/$t.log" 2>&1; then
+    tail -n 60 "build-fuzz/$t.log"
+    echo "== build-fuzz: $t found a crash: $(ls build-fuzz/artifacts/$t-* 2>/dev/null | tr '\n' ' ')=="
+    exit 1
+  fi
+  echo "$t: $(grep -E '^#[0-9]+[[:space:]]+DONE' "build-fuzz/$t.log" | tail -n 1)"
+done
+echo "== build-fuzz: passed in $((SECONDS - t0)) s (build + 3 x 60 s) =="
 echo "test.sh: all configurations passed"
