@@ -50,6 +50,9 @@ rm -rf build-python
 python3 -m venv build-python/venv
 build-python/venv/bin/pip install -q ./python pytest numpy
 (cd build-python && venv/bin/python -m pytest -q -p no:cacheprovider ../python/tests)
+# The reference engine's KV stores, model-free: DenseStore and KvtierStore (kvtier's pool through
+# the installed package) against brute-force attention, and random eviction's rows exact.
+(cd build-python && venv/bin/python ../tools/gemma/test_kvstore.py)
 echo "== build-python: passed in $((SECONDS - t0)) s (venv + wheel build + tests) =="
 # ---------------------------------------------------------------------------------------------
 # valgrind: memcheck over the fast tests (ctest -L fast: the Criterion executables that run in

@@ -65,11 +65,17 @@ def build_case(tok, length: int, depth: float, key: int):
     return prompt, answer
 
 
-def make_store(kind: str, cfg):
+def make_store(kind: str, cfg, max_tokens: int, n_seqs: int):
+    """dense: numpy, every row; kvtier-dense: kvtier's pool, every row of the global layers;
+    kvtier-evict:R: kvtier's random eviction on the global layers at K = max_tokens / R."""
     if kind == "dense":
         return kvstore.DenseStore(kvstore.specs_for(cfg))
-    raise SystemExit(f"--store {kind}: only 'dense' exists so far (kvtier's store wraps the "
-                     "Python binding once it lands)")
+    if kind == "kvtier-dense" or kind.startswith("kvtier-evict"):
+        from kvtier_store import KvtierStore
+        ratio = int(kind.split(":")[1]) if ":" in kind else 8
+        return KvtierStore(kvstore.specs_for(cfg), "dense" if kind == "kvtier-dense" else "evict",
+                           max_seqs=n_seqs, max_tokens=max_tokens, ratio=ratio)
+    raise SystemExit(f"--store {kind}: dense, kvtier-dense or kvtier-evict[:RATIO]")
 
 
 def main():
@@ -79,7 +85,12 @@ def main():
     ap.add_argument("--keys", type=int, default=1, help="pass keys per (length, depth)")
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--store", default="dense")
+    ap.add_argument("--store", default="dense",
+                    help="dense | kvtier-dense | kvtier-evict[:RATIO] (random eviction, K = "
+                         "longest case / RATIO, only the first --protect tokens protected)")
+    ap.add_argument("--protect", type=int, default=64,
+                    help="prompt rows protected from eviction (the instruction; the filler and "
+                         "the needle are fed as generated text)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--gguf", default=None)
     a = ap.parse_args()
@@ -96,10 +107,10 @@ def main():
                 cases.append({"length": L, "depth": d, "key": key, "prompt": prompt,
                               "answer": answer})
 
-    store = make_store(a.store, w.config)
     seqs = [p["prompt"] + p["answer"] for p in cases]
+    store = make_store(a.store, w.config, max(len(x) for x in seqs) + 8, len(cases))
     for i, c in enumerate(cases):
-        store.add_sequence(i, len(c["prompt"]))
+        store.add_sequence(i, min(len(c["prompt"]), a.protect))
     total = sum(len(s) for s in seqs)
     print(f"{len(cases)} cases in one batch, {total} tokens, store {a.store}, chunk {a.chunk}")
     t0 = time.time()

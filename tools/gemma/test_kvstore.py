@@ -41,10 +41,10 @@ def brute(q, qpos, K, V, window):
     return out.reshape(T, H * d)
 
 
-def run_case(seed, window, steps, n_seqs=3, H=4, n_kv=2, d=8):
+def run_case(seed, window, steps, n_seqs=3, H=4, n_kv=2, d=8, make=DenseStore):
     rng = np.random.default_rng(seed)
     layers = [LayerSpec("full", n_kv, d), LayerSpec("sliding", n_kv, d, window)]
-    store = DenseStore(layers)
+    store = make(layers)
     total = [sum(s) for s in zip(*steps)] if steps else []
     Ks = [rng.standard_normal((n_kv, total[i], d)).astype(np.float32) for i in range(n_seqs)]
     Vs = [rng.standard_normal((n_kv, total[i], d)).astype(np.float32) for i in range(n_seqs)]
@@ -118,6 +118,68 @@ def test_contract_errors():
         pass
     else:
         raise AssertionError("write of 3 rows for 2 reserved accepted")
+
+
+
+# --- the same checks through kvtier's pool (KvtierStore, mode "dense": every row of a global
+# layer attended, the sliding layer served by kvtier's window) ------------------------------------
+def _kvtier_dense(layers):
+    from kvtier_store import KvtierStore
+    return KvtierStore(layers, "dense", max_seqs=4, max_tokens=512, page_rows=16)
+
+
+def test_kvtier_store_decode_steps():
+    run_case(1, 16, [[20, 7, 33]] + [[1, 1, 1]] * 60, make=_kvtier_dense)
+
+
+def test_kvtier_store_chunked_prefill_and_uneven_batches():
+    run_case(2, 16, [[40, 5, 0], [3, 40, 17], [0, 1, 50], [25, 0, 1], [1, 1, 1]],
+             make=_kvtier_dense)
+
+
+def test_kvtier_store_random_eviction_returns_exact_rows():
+    """mode "evict": the global layer keeps K + r rows per head after each round, each head its
+    own positions; every returned row is the one written at its position, the step's rows are
+    always there, the prompt is protected, and kvtier's invariant check passes after each step."""
+    from kvtier_store import KvtierStore
+    rng = np.random.default_rng(3)
+    n_kv, d, T = 2, 8, 400
+    layers = [LayerSpec("full", n_kv, d), LayerSpec("sliding", n_kv, d, 16)]
+    store = KvtierStore(layers, "evict", max_seqs=2, max_tokens=512, budget_rows=32,
+                        recent_rows=8, page_rows=16)
+    Ks = rng.standard_normal((2, n_kv, T, d)).astype(np.float32)
+    Vs = rng.standard_normal((2, n_kv, T, d)).astype(np.float32)
+    store.add_sequence(0, prompt_rows=10)
+    store.add_sequence(1, prompt_rows=10)
+    steps = [[10, 10]] + [[int(rng.integers(1, 5)), 1] for _ in range(120)]
+    held_max = 0
+    for ns in steps:
+        pos = store.reserve([0, 1], ns)
+        for li in range(2):
+            k = np.concatenate([Ks[i][:, p].transpose(1, 0, 2) for i, p in enumerate(pos)])
+            v = np.concatenate([Vs[i][:, p].transpose(1, 0, 2) for i, p in enumerate(pos)])
+            store.write(li, k, v)
+            for i, r in enumerate(store.attended(li)):
+                for h in range(n_kv):
+                    assert (np.diff(r.pos[h]) > 0).all()
+                    np.testing.assert_array_equal(r.k[h], Ks[i][h, r.pos[h]])
+                    np.testing.assert_array_equal(r.v[h], Vs[i][h, r.pos[h]])
+                    assert set(pos[i].tolist()) <= set(r.pos[h].tolist())
+                    if li == 0:
+                        assert set(range(10)) <= set(r.pos[h].tolist())  # the prompt
+                if li == 0:
+                    held_max = max(held_max, r.pos.shape[1])
+        store.commit()
+        store.check()
+    assert held_max <= 32 + 8 + 8 + 4, held_max  # K + r + c + the step
+    assert store.length(0) == sum(s[0] for s in steps)
+    # different heads keep different positions once rounds ran
+    pos = store.reserve([0], [0])
+    store.write(0, np.zeros((0, n_kv, d), np.float32), np.zeros((0, n_kv, d), np.float32))
+    r = store.attended(0)[0]
+    assert not np.array_equal(r.pos[0], r.pos[1])
+    store.write(1, np.zeros((0, n_kv, d), np.float32), np.zeros((0, n_kv, d), np.float32))
+    store.commit()
 
 
 if __name__ == "__main__":
