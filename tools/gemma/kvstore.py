@@ -104,6 +104,16 @@ class KVStore(ABC):
     def commit(self) -> None:
         """Close the step: the reserved tokens become committed."""
 
+    def _step_args(self, seq_ids, n_new) -> tuple[list[int], list[int]]:
+        """reserve's arguments checked: no step in flight, distinct requests, one non-negative
+        count each."""
+        if getattr(self, "_step", None) is not None:
+            raise RuntimeError("a step is in flight: commit it first")
+        ids, ns = [int(s) for s in seq_ids], [int(n) for n in n_new]
+        if len(set(ids)) != len(ids) or len(ids) != len(ns) or min(ns, default=0) < 0:
+            raise ValueError("reserve: distinct requests, one non-negative count each")
+        return ids, ns
+
 
 class _Seq:
     __slots__ = ("length", "prompt_rows", "k", "v", "start", "n")
@@ -145,11 +155,7 @@ class DenseStore(KVStore):
 
     # -- step -----------------------------------------------------------------------------
     def reserve(self, seq_ids, n_new):
-        if self._step is not None:
-            raise RuntimeError("a step is in flight: commit it first")
-        ids, ns = [int(s) for s in seq_ids], [int(n) for n in n_new]
-        if len(set(ids)) != len(ids) or len(ids) != len(ns) or min(ns, default=0) < 0:
-            raise ValueError("reserve: distinct requests, one non-negative count each")
+        ids, ns = self._step_args(seq_ids, n_new)
         for s, n in zip(ids, ns):
             q = self.seqs[s]
             for li, spec in enumerate(self.layers):

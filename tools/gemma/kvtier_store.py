@@ -106,11 +106,7 @@ class KvtierStore(KVStore):
 
     # -- step -----------------------------------------------------------------------------
     def reserve(self, seq_ids, n_new):
-        if self._step is not None:
-            raise RuntimeError("a step is in flight: commit it first")
-        ids, ns = [int(s) for s in seq_ids], [int(n) for n in n_new]
-        if len(set(ids)) != len(ids) or len(ids) != len(ns) or min(ns, default=0) < 0:
-            raise ValueError("reserve: distinct requests, one non-negative count each")
+        ids, ns = self._step_args(seq_ids, n_new)
         if max(ns, default=0) > kvtier._lib.MAX_QUERIES_PER_SEQ:
             raise ValueError(f"reserve: at most {kvtier._lib.MAX_QUERIES_PER_SEQ} new tokens per "
                              "request per step (chunk the prefill)")
