@@ -216,8 +216,7 @@ static kvt_status cpu_value_keys(const kvt__backend *be, const kvt__value_args *
     const kvt__div32 *pd = a->pdiv;
     for (uint64_t i = 0; i < a->n; i++) {
         uint32_t r = (uint32_t)(a->first_row + i);
-        int32_t slot = a->pages[kvt__div32_q(pd, r) - a->first_page] * (int32_t)pd->d +
-                       (int32_t)kvt__div32_r(pd, r);
+        int32_t slot = kvt__page_slot(a->pages, a->first_page, pd, r);
         const uint8_t *row = a->base + (size_t)slot * a->slot_bytes + a->head_offset;
         float lo = INFINITY, hi = -INFINITY;
         bool nan = false;
@@ -277,8 +276,7 @@ static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void
         o = pack_range(o, 0, d->lo_end, q->pages, q->first_page, pd);
         for (uint64_t j = 0; j < d->n_list; j++) {
             uint32_t row = d->list[j];
-            o[j] = q->pages[kvt__div32_q(pd, row) - q->first_page] * (int32_t)pd->d +
-                   (int32_t)kvt__div32_r(pd, row);
+            o[j] = kvt__page_slot(q->pages, q->first_page, pd, row);
         }
         o += d->n_list;
         o = pack_range(o, d->hi_begin, d->hi_end, q->pages, q->first_page, pd);

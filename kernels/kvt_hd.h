@@ -167,4 +167,13 @@ KVT_HD uint32_t kvt__div32_r(const kvt__div32 *v, uint32_t n) {
     return v->magic ? (uint32_t)kvt__mulhi64(v->magic * n, v->d) : n & (v->d - 1u);
 }
 
+/* Slot of row index `row` of a page table: pages[k] holds rows (first_page + k) * d onwards, d =
+ * page_rows as a divider (no hardware division). The one mapping of rows to slots, for the host
+ * (kvt__slot) and the backends' ops alike. */
+KVT_HD int32_t kvt__page_slot(const int32_t *pages, uint64_t first_page, const kvt__div32 *pd,
+                              uint32_t row) {
+    return pages[kvt__div32_q(pd, row) - first_page] * (int32_t)pd->d +
+           (int32_t)kvt__div32_r(pd, row);
+}
+
 #endif /* KVT_KERNELS_HD_H */

@@ -68,9 +68,9 @@ typedef struct kvt__ptable {
  * page size is divided by its precomputed inverse (kvt__div32): no hardware division per row. */
 static inline int32_t kvt__slot(const kvt__ptable *t, const kvt__div32 *pr, uint64_t row) {
     KVT_ASSERT(row <= UINT32_MAX);
-    uint32_t page = kvt__div32_q(pr, (uint32_t)row), off = kvt__div32_r(pr, (uint32_t)row);
-    KVT_ASSERT(page >= t->first_page && page - t->first_page < t->n_pages);
-    return t->pages[page - t->first_page] * (int32_t)pr->d + (int32_t)off;
+    KVT_ASSERT(kvt__div32_q(pr, (uint32_t)row) >= t->first_page &&
+               kvt__div32_q(pr, (uint32_t)row) - t->first_page < t->n_pages);
+    return kvt__page_slot(t->pages, t->first_page, pr, (uint32_t)row);
 }
 
 /* First row index still held (rows before it left with their pages). */
