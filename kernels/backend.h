@@ -14,12 +14,18 @@
 typedef struct kvt__backend kvt__backend;
 
 /* Score n rows of one closed block for the salience selector. Row u lives at
- * base + slots[u] * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
+ * base + slot(first_row + u) * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
  * Inf are left for the caller to canonicalise). */
 typedef struct kvt__score_args {
     kvt_selector selector;
     const uint8_t *base;
-    const int32_t *slots;   /* [n_rows] */
+    /* The rows: row indices [first_row, first_row + n_rows) of a page table in the backend's
+     * memory (pages[k] holds row indices (first_page + k) * page_rows onwards), expanded to slots
+     * by the backend. */
+    const int32_t *pages;
+    uint64_t first_page;
+    const kvt__div32 *pdiv; /* page_rows */
+    uint64_t first_row;
     uint32_t n_rows;        /* B */
     size_t slot_stride;     /* bytes between consecutive slots */
     uint32_t branch_offset; /* bytes */

@@ -90,38 +90,46 @@ static void *scratch_get(const kvt__backend *be, bool sigma, size_t n, size_t el
     return sigma ? (void *)w->sigma : (void *)w->topm;
 }
 
+static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *pages,
+                           uint64_t first_page, const kvt__div32 *pd);
+
 static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *a, void *stream) {
     (void)stream;
-    switch (a->selector) {
-    case KVT_SELECT_SIGMA: {
-        size_t n = kvt__sigma_scratch_floats(a->n_rows, a->n_basis, a->branch_dim);
-        bool owned;
-        float *scratch = scratch_get(be, true, n, sizeof(float), &owned);
-        if (!scratch)
-            return KVT_ERR_OUT_OF_MEMORY;
-        kvt__sigma_block_cpu(a->base, a->slots, a->n_rows, a->slot_stride, a->branch_offset,
-                             a->branch_dtype, a->branch_dim, a->basis, a->n_basis, scratch,
-                             a->out);
-        if (owned)
-            kvt__free(be->alloc, scratch, n * sizeof(float));
-        return KVT_OK;
-    }
-    case KVT_SELECT_BRANCH_NORM:
-        kvt__branch_norm_cpu(a->base, a->slots, a->n_rows, a->slot_stride, a->branch_offset,
-                             a->branch_dtype, a->branch_dim, a->out);
-        return KVT_OK;
-    case KVT_SELECT_ROW_NORM:
-        kvt__row_norm_cpu(a->base, a->slots, a->n_rows, a->slot_stride, a->dtype, a->n_values,
-                          a->out);
-        return KVT_OK;
-    case KVT_SELECT_RANDOM:
+    if (a->selector == KVT_SELECT_RANDOM) {
         /* One fixed uniform score per row, drawn at its original position. */
         for (uint32_t u = 0; u < a->n_rows; u++)
             a->out[u] = kvt__philox_uniform(
                 kvt__philox_draw_at(a->key, a->subseq, a->first_position + u));
         return KVT_OK;
     }
-    return KVT_ERR_INVALID_ARGUMENT;
+    if (a->selector != KVT_SELECT_SIGMA && a->selector != KVT_SELECT_BRANCH_NORM &&
+        a->selector != KVT_SELECT_ROW_NORM)
+        return KVT_ERR_INVALID_ARGUMENT;
+    /* The block's slots, expanded from the page table into the workspace (σ's own scratch
+     * follows them in the same piece: one reservation). */
+    size_t n_sig = a->selector == KVT_SELECT_SIGMA
+                       ? kvt__sigma_scratch_floats(a->n_rows, a->n_basis, a->branch_dim)
+                       : 0;
+    size_t n = n_sig + a->n_rows;
+    bool owned;
+    float *scratch = scratch_get(be, true, n, sizeof(float), &owned);
+    if (!scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    int32_t *slots = (int32_t *)(scratch + n_sig);
+    pack_range(slots, a->first_row, a->first_row + a->n_rows, a->pages, a->first_page, a->pdiv);
+    if (a->selector == KVT_SELECT_SIGMA)
+        kvt__sigma_block_cpu(a->base, slots, a->n_rows, a->slot_stride, a->branch_offset,
+                             a->branch_dtype, a->branch_dim, a->basis, a->n_basis, scratch,
+                             a->out);
+    else if (a->selector == KVT_SELECT_BRANCH_NORM)
+        kvt__branch_norm_cpu(a->base, slots, a->n_rows, a->slot_stride, a->branch_offset,
+                             a->branch_dtype, a->branch_dim, a->out);
+    else
+        kvt__row_norm_cpu(a->base, slots, a->n_rows, a->slot_stride, a->dtype, a->n_values,
+                          a->out);
+    if (owned)
+        kvt__free(be->alloc, scratch, n * sizeof(float));
+    return KVT_OK;
 }
 
 static kvt_status cpu_topm(const kvt__backend *be, const uint32_t *keys, uint32_t n, uint32_t m,
@@ -402,6 +410,27 @@ static void g_buf_free(const kvt__backend *be, void *p, size_t bytes) {
     munmap(p, page_round(bytes));
 }
 
+/* Does [p, p + bytes) lie inside one of the backend's buffers? The guarded ops check every
+ * pointer their op reads or writes as device memory: a host pointer handed to an op (which a
+ * GPU could not dereference) is caught here, not only a host touch of a buffer. */
+static bool guard_owns(const guard_impl *g, const void *p, size_t bytes) {
+    if (!p)
+        return bytes == 0;
+    const uint8_t *q = p;
+    for (uint64_t i = 0; i < g->n_regions; i++) {
+        const uint8_t *b = g->regions[i].p;
+        if (q >= b && q < b + g->regions[i].len)
+            return bytes <= (size_t)(b + g->regions[i].len - q);
+    }
+    return false;
+}
+
+#define GUARD_OWNS(be, p, bytes)                                                                   \
+    do {                                                                                           \
+        if (!guard_owns((be)->impl, (p), (bytes)))                                                 \
+            return KVT_ERR_INVARIANT;                                                              \
+    } while (0)
+
 static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                           void *stream) {
     guard_open(be);
@@ -411,6 +440,13 @@ static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, si
 }
 
 static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *a, void *stream) {
+    GUARD_OWNS(be, a->out, sizeof(float) * a->n_rows);
+    if (a->selector != KVT_SELECT_RANDOM) {
+        GUARD_OWNS(be, a->base, 1);
+        GUARD_OWNS(be, a->pages, sizeof(int32_t));
+    }
+    if (a->selector == KVT_SELECT_SIGMA)
+        GUARD_OWNS(be, a->basis, sizeof(float) * a->n_basis * a->n_rows);
     guard_open(be);
     kvt_status s = cpu_score_rows(be, a, stream);
     guard_close(be);
@@ -428,6 +464,8 @@ static kvt_status g_move_rows(const kvt__backend *be, uint8_t *base, size_t slot
 }
 
 static kvt_status g_value_keys(const kvt__backend *be, const kvt__value_args *a, void *stream) {
+    GUARD_OWNS(be, a->base, 1);
+    GUARD_OWNS(be, a->pages, sizeof(int32_t));
     guard_open(be);
     kvt_status s = cpu_value_keys(be, a, stream);
     guard_close(be);
@@ -435,6 +473,8 @@ static kvt_status g_value_keys(const kvt__backend *be, const kvt__value_args *a,
 }
 
 static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
+    GUARD_OWNS(be, a->score, sizeof(float) * a->n_closed);
+    GUARD_OWNS(be, a->kept, sizeof(uint32_t) * a->m);
     guard_open(be);
     kvt_status s = cpu_select(be, a, stream);
     guard_close(be);
@@ -442,6 +482,18 @@ static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, void *st
 }
 
 static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    for (uint32_t i = 0; i < a->n; i++) {
+        const kvt__pack_query *q = &a->q[i];
+        uint64_t count = kvt__attended_desc_count(&q->d);
+        if (count)
+            GUARD_OWNS(be, q->pages, sizeof(int32_t));
+        if (q->d.n_list)
+            GUARD_OWNS(be, q->d.list, sizeof(uint32_t) * q->d.n_list);
+        uint64_t w = count > q->pad ? count : q->pad;
+        if (w)
+            GUARD_OWNS(be, a->indices + q->out, sizeof(int32_t) * w);
+        GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
+    }
     guard_open(be);
     kvt_status s = cpu_pack(be, a, stream);
     guard_close(be);

@@ -19,6 +19,8 @@ struct kvt_batch {
     uint32_t *n_drafts;  /* [max_seqs]: the last n_drafts tokens may be rejected at commit */
     enum batch_state state;
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
+    void *stream;        /* the stream of the step's last run: the commit's device work goes on
+                          * it (NULL, the default stream, for a step without a run) */
     /* The backend the batch's runs and commit use: on the CPU backend a handle with a workspace
      * of its own (own_be), so that runs and commits of distinct batches share no scratch
      * (kvtier.h, "Threads"); otherwise a copy of the context's handle. */
@@ -82,6 +84,7 @@ static void release_seqs(kvt_batch *b, bool unreserve) {
     b->n_seqs = 0;
     b->state = BATCH_IDLE;
     b->ran = false;
+    b->stream = NULL;
 }
 
 void kvt_batch_destroy(kvt_batch *b) {
@@ -328,6 +331,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * only the accepted rows, and each query token's view is the committed state plus the
      * step's rows up to its own. */
     b->ran = true;
+    b->stream = stream;
     kvt_status first_err = KVT_OK;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         if (!b->seqs[i])
@@ -433,7 +437,7 @@ kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {
         if (!sq)
             continue;
         kvt_status s =
-            kvt__seq_commit(sq, n_accepted ? n_accepted[i] : b->n_tokens[i], &b->be);
+            kvt__seq_commit(sq, n_accepted ? n_accepted[i] : b->n_tokens[i], &b->be, b->stream);
         if (s != KVT_OK && first_err == KVT_OK) {
             first_err = s;
             snprintf(first_msg, sizeof first_msg, "seqs[%u] (request %llu): %s", i,

@@ -71,7 +71,7 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n);
 void kvt__seq_unreserve(kvt_seq *seq);
 /* Commit the first n of the pending rows (the rest are rejected drafts: their pages return), run
  * the policies' commit work through backend be (the batch's: its own workspace), check counts. */
-kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n, const kvt__backend *be);
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n, const kvt__backend *be, void *stream);
 /* What a layer's run did with the step's policy work (kvt_seq.stepped). */
 enum { KVT__STEP_NONE = 0, KVT__STEP_NOTHING = 1, KVT__STEP_WORKED = 2, KVT__STEP_DEFERRED = 3 };
 /* The step work of one layer through the batch's backend be (once per step; KVT_OK when already

@@ -143,13 +143,19 @@ static kvt_status seq_build(kvt_ctx *ctx, const kvt_seq_params *p, const kvt_con
     /* A stated limit sizes the page tables now (the layers' state in layer_init below). */
     for (uint32_t g = 0; ctx->max_rows && g < ctx->n_groups; g++) {
         void *arr = seq->pt[g].pages;
-        if (kvt__grow(a, &arr, &seq->pt[g].cap, kvt__pages_for(ctx->max_rows, ctx->page_rows),
-                      sizeof *seq->pt[g].pages) != KVT_OK) {
+        uint32_t pages = kvt__pages_for(ctx->max_rows, ctx->page_rows);
+        if (kvt__grow(a, &arr, &seq->pt[g].cap, pages, sizeof *seq->pt[g].pages) != KVT_OK) {
             kvt__seq_free(seq);
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "page tables for %u rows",
                                  ctx->max_rows);
         }
         seq->pt[g].pages = arr;
+        if (kvt__ptable_mirror_reserve(&seq->pt[g], &ctx->backend, pages) != KVT_OK) {
+            kvt__seq_free(seq);
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY,
+                                 "page table mirrors for %u rows in the backend's memory",
+                                 ctx->max_rows);
+        }
     }
     kvt__env env = kvt__ctx_env(ctx, seq, NULL);
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
@@ -246,7 +252,7 @@ void kvt__seq_free(kvt_seq *seq) {
     kvt_ctx *ctx = seq->ctx;
     const kvt__alloc *a = &ctx->alloc;
     for (uint32_t g = 0; g < ctx->n_groups; g++)
-        kvt__ptable_fini(&seq->pt[g], &ctx->groups[g].pool, a);
+        kvt__ptable_fini(&seq->pt[g], &ctx->groups[g].pool, a, &ctx->backend);
     for (uint32_t i = 0; seq->layers && i < ctx->n_layers; i++)
         if (ctx->stores[i].group >= 0 && ops_of(ctx, i)->layer_fini)
             ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
@@ -417,6 +423,8 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     kvt_status s = KVT_OK;
     for (g = 0; g < ctx->n_groups; g++) {
         s = kvt__ptable_reserve(&seq->pt[g], &ctx->groups[g].pool, a, n_tokens);
+        if (s == KVT_OK)
+            s = kvt__ptable_mirror_reserve(&seq->pt[g], &ctx->backend, seq->pt[g].n_pages);
         if (s != KVT_OK)
             break;
     }
@@ -511,9 +519,10 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
 /* Run every group's policy after `new_rows` rows were committed (0: a retry). Each policy is
  * incremental from its own state, so a failed run (host memory) is completed by the next commit;
  * a failure in one group does not stop the others. */
-static kvt_status run_policies(kvt_seq *seq, uint64_t new_rows, const kvt__backend *be) {
+static kvt_status run_policies(kvt_seq *seq, uint64_t new_rows, const kvt__backend *be,
+                               void *stream) {
     kvt_ctx *ctx = seq->ctx;
-    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
+    kvt__env env = kvt__ctx_env(ctx, seq, stream);
     env.backend = be;
     kvt_status first_err = KVT_OK;
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
@@ -579,7 +588,8 @@ static kvt_status check_counters(const kvt_seq *seq) {
     return KVT_OK;
 }
 
-kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *be) {
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *be,
+                           void *stream) {
     CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
     if (n_tokens > seq->n_pending)
@@ -598,7 +608,15 @@ kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *
     }
     seq->n_tokens += n_tokens;
     seq->n_pending = 0;
-    kvt_status s = run_policies(seq, n_tokens, be);
+    /* The policies' ops read the tables' mirrors: bring them up to date on the stream. */
+    kvt_status s = KVT_OK;
+    for (uint32_t g = 0; g < ctx->n_groups && s == KVT_OK; g++)
+        s = kvt__ptable_mirror_sync(&seq->pt[g], be, stream);
+    if (s != KVT_OK)
+        s = kvt__ctx_fail(ctx, s, "request %llu: page table to the backend",
+                          (unsigned long long)seq->request_id);
+    else
+        s = run_policies(seq, n_tokens, be, stream);
     seq->in_step = false;
     memset(seq->stepped, 0, ctx->n_layers);
     kvt_status c = check_counters(seq);
@@ -634,7 +652,11 @@ kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, v
         return KVT_OK;
     const kvt__store *st = &ctx->stores[layer];
     const kvt__policy_ops *ops = ops_of(ctx, layer);
-    kvt_status s = KVT_OK;
+    /* The layer's ops and its emission read the table's mirror (the step's pages included). */
+    kvt_status s = kvt__ptable_mirror_sync(&seq->pt[st->group], be, stream);
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "request %llu layer %u: page table to the backend",
+                             (unsigned long long)seq->request_id, layer);
     if (defer) {
         seq->stepped[layer] = KVT__STEP_DEFERRED;
         return KVT_OK;
@@ -668,7 +690,7 @@ void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, visible, &view);
     l.gr->ops->attended(&l, &q->d);
-    q->pages = view.pages;
+    q->pages = view.dpages; /* the mirror: kvt__seq_step synced it */
     q->first_page = view.first_page;
 }
 

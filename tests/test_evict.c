@@ -960,6 +960,9 @@ Test(evict_internal, failed_move_marks_the_group_damaged) {
     memset(&pt, 0, sizeof pt);
     cr_assert_eq(kvt__ptable_reserve(&pt, &pool, &a, N), KVT_OK);
     pt.n_rows = N;
+    kvt__backend home = {.ops = kvt__backend_cpu_ops(), .alloc = &a, .impl = NULL};
+    cr_assert_eq(kvt__ptable_mirror_reserve(&pt, &home, pt.n_pages), KVT_OK);
+    cr_assert_eq(kvt__ptable_mirror_sync(&pt, &home, NULL), KVT_OK);
     for (int l = 0; l < 2; l++) {
         st[l].spec = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, 8);
         st[l].layer = (uint32_t)l;
@@ -990,7 +993,7 @@ Test(evict_internal, failed_move_marks_the_group_damaged) {
         free(st[l].plane[0]);
         free(st[l].plane[1]);
     }
-    kvt__ptable_fini(&pt, &pool, &a);
+    kvt__ptable_fini(&pt, &pool, &a, &home);
     kvt__pool_fini(&pool, &a);
     kvt__alloc_fini(&a);
 }
@@ -1016,6 +1019,9 @@ Test(evict_internal, failed_selection_changes_nothing) {
     memset(&pt, 0, sizeof pt);
     cr_assert_eq(kvt__ptable_reserve(&pt, &pool, &a, N), KVT_OK);
     pt.n_rows = N;
+    kvt__backend home = {.ops = kvt__backend_cpu_ops(), .alloc = &a, .impl = NULL};
+    cr_assert_eq(kvt__ptable_mirror_reserve(&pt, &home, pt.n_pages), KVT_OK);
+    cr_assert_eq(kvt__ptable_mirror_sync(&pt, &home, NULL), KVT_OK);
     kvt__ev e;
     cr_assert_eq(kvt__ev_init(&e, &a, H, true), KVT_OK);
     cr_assert_eq(kvt__ev_reserve(&e, &a, N), KVT_OK);
@@ -1087,7 +1093,7 @@ Test(evict_internal, failed_selection_changes_nothing) {
     free(planes0[0]);
     free(planes0[1]);
     kvt__ev_fini(&e, &a);
-    kvt__ptable_fini(&pt, &pool, &a);
+    kvt__ptable_fini(&pt, &pool, &a, &home);
     kvt__pool_fini(&pool, &a);
     free(st.plane[0]);
     free(st.plane[1]);

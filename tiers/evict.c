@@ -268,7 +268,7 @@ static kvt_status select_head(const kvt__env *env, const kvt__store *st, const k
                                   .head_offset = (size_t)h * st->spec.row_bytes,
                                   .dtype = (int)st->spec.dtype,
                                   .value_dim = st->spec.value_dim,
-                                  .pages = pt->pages,
+                                  .pages = pt->dpages, /* the mirror */
                                   .first_page = pt->first_page,
                                   .pdiv = env->pdiv,
                                   .first_row = f,

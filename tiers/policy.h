@@ -28,6 +28,8 @@ typedef struct kvt__policy_ops kvt__policy_ops;
  * sequence and one page allocator. */
 typedef struct kvt__group {
     const kvt__policy_ops *ops; /* chosen once, at context creation */
+    const kvt__backend *home;   /* the context's backend: group_init allocates shared tables
+                                 * in its memory */
     kvt_policy policy;          /* the resolved public policy (names, stats) */
     kvt__pool pool;
     uint32_t n_layers;

@@ -25,22 +25,35 @@
 #include <stdio.h>
 #include <string.h>
 
-kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt_config *cfg) {
+kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt__backend *be,
+                                const kvt_config *cfg) {
     memset(sh, 0, sizeof *sh);
     sh->block_rows = cfg->block_rows;
     sh->n_basis = 2 * cfg->kappa - 1;
-    sh->basis = kvt__malloc(a, sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
-    if (!sh->basis)
+    size_t bytes = sizeof(float) * (size_t)sh->n_basis * sh->block_rows;
+    /* Built on the host once, then kept in the backend's memory, where σ reads it. */
+    float *host = kvt__malloc(a, bytes);
+    if (!host)
         return KVT_ERR_OUT_OF_MEMORY;
-    if (kvt__fourier_basis(cfg->block_rows, cfg->kappa, sh->basis) != 0) {
-        kvt__sal_shared_fini(sh, a);
-        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = KVT_OK;
+    if (kvt__fourier_basis(cfg->block_rows, cfg->kappa, host) != 0)
+        s = KVT_ERR_INVALID_ARGUMENT;
+    void *dev = NULL;
+    if (s == KVT_OK && (s = be->ops->buf_alloc(be, bytes, &dev)) == KVT_OK) {
+        sh->be = be;
+        sh->basis = dev;
+        s = be->ops->write(be, dev, host, bytes, NULL);
     }
-    return KVT_OK;
+    kvt__free(a, host, bytes);
+    if (s != KVT_OK)
+        kvt__sal_shared_fini(sh);
+    return s;
 }
 
-void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a) {
-    kvt__free(a, sh->basis, sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
+void kvt__sal_shared_fini(kvt__sal_shared *sh) {
+    if (sh->be && sh->basis)
+        sh->be->ops->buf_free(sh->be, sh->basis,
+                              sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
     memset(sh, 0, sizeof *sh);
 }
 
@@ -53,7 +66,6 @@ void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
         s->be->ops->buf_free(s->be, s->score, sizeof *s->score * s->score_cap);
         s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
     }
-    kvt__free(a, s->sc_slots, sizeof *s->sc_slots * s->sc_slots_cap);
     memset(s, 0, sizeof *s);
 }
 
@@ -94,7 +106,8 @@ static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint
     s->kept = p;
     if (st != KVT_OK)
         return st;
-    KVT__GROW_OR_RETURN(a, s->sc_slots, s->sc_slots_cap, B);
+    (void)a;
+    (void)B;
     return KVT_OK;
 }
 
@@ -114,17 +127,17 @@ uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio) {
 /* Score the block starting at position `first` into out[0..B). */
 static kvt_status score_block(const kvt__env *env, const kvt__sal_shared *sh,
                               const kvt__store *st, const kvt__ptable *pt, uint64_t first,
-                              int32_t *slots, float *out) {
+                              float *out) {
     const kvt_layer_spec *sp = &st->spec;
-    uint32_t B = sh->block_rows;
-    for (uint32_t u = 0; u < B; u++)
-        slots[u] = kvt__slot(pt, env->pdiv, first + u);
     kvt__score_args a;
     memset(&a, 0, sizeof a);
     a.selector = env->cfg->selector;
     a.base = st->plane[0];
-    a.slots = slots;
-    a.n_rows = B;
+    a.pages = pt->dpages; /* the table's mirror: the backend expands the block's slots */
+    a.first_page = pt->first_page;
+    a.pdiv = env->pdiv;
+    a.first_row = first;
+    a.n_rows = sh->block_rows;
     a.slot_stride = st->slot_bytes;
     a.branch_offset = sp->branch_offset;
     a.branch_dtype = (int)sp->branch_dtype;
@@ -172,7 +185,6 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
         s->n_rows = new_n_rows; /* committed rows stay attended, in the tail, until the retry */
         return kvt__fail(env->err, env->err_len, st_, "salience: scores and close scratch");
     }
-    int32_t *slots = s->sc_slots;
     kvt_status rc = KVT_OK;
     if (new_closed > UINT32_MAX) {
         rc = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
@@ -181,7 +193,7 @@ kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shar
     }
     for (uint64_t b = 0; b < n_close; b++) {
         uint64_t first = s->closed_rows + b * B;
-        rc = score_block(env, sh, st, pt, first, slots, s->score + first);
+        rc = score_block(env, sh, st, pt, first, s->score + first);
         if (rc != KVT_OK) {
             kvt__fail(env->err, env->err_len, rc, "salience: scoring block at row %llu",
                       (unsigned long long)first);
@@ -382,7 +394,7 @@ static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const 
 
 static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
                                  const kvt_config *cfg, char *err, size_t len) {
-    kvt_status s = kvt__sal_shared_init(&gr->sal, a, cfg);
+    kvt_status s = kvt__sal_shared_init(&gr->sal, a, gr->home, cfg);
     if (s != KVT_OK)
         return kvt__fail(err, len, s, "salience basis table (B %u, kappa %u)", cfg->block_rows,
                          cfg->kappa);
@@ -405,7 +417,8 @@ static kvt_status sal_layer_reset(kvt__tier_state *s, const kvt__env *env,
 }
 
 static void sal_group_fini(kvt__group *gr, const kvt__alloc *a) {
-    kvt__sal_shared_fini(&gr->sal, a);
+    (void)a;
+    kvt__sal_shared_fini(&gr->sal);
 }
 
 static void sal_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {

@@ -62,6 +62,14 @@ typedef struct kvt__ptable {
     uint64_t first_page;   /* leading pages already returned to the pool (recycled groups) */
     uint64_t dropped_rows; /* rows in those pages, counted as they go (= first_page * page_rows;
                             * kept apart so that the commit check compares two counters) */
+    /* The table's mirror in the backend's memory space, which the backend's ops (pack, value
+     * range, eviction rounds, σ) read: dpages[0 .. dsynced) equal pages[0 .. dsynced). Grown at
+     * reserve (kvt__ptable_mirror_reserve, may fail), brought up to date on the step's stream
+     * before an op reads it (kvt__ptable_mirror_sync: only the pages taken since, O(1) per
+     * decode step). */
+    int32_t *dpages;
+    uint64_t dcap;
+    uint32_t dsynced;
 } kvt__ptable;
 
 /* Slot of row index `row`, which must lie in a live page (row >= first_page * page_rows). The
@@ -99,8 +107,14 @@ void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p);
  * (keep_from <= n_rows), advancing first_page and dropped_rows. Allocates nothing, cannot
  * fail; returns the pages given back. */
 uint32_t kvt__ptable_release_front(kvt__ptable *t, kvt__pool *p, uint64_t keep_from);
-/* Return every live page and free the table. */
-void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a);
+/* Return every live page and free the table and its mirror (allocated from `be`). */
+void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, const kvt__backend *be);
+/* Grow the mirror to hold `pages` live pages (after kvt__ptable_reserve: t->n_pages; at
+ * creation: a stated limit's): KVT_OK or KVT_ERR_OUT_OF_MEMORY with the table unchanged. */
+kvt_status kvt__ptable_mirror_reserve(kvt__ptable *t, const kvt__backend *be, uint64_t pages);
+/* Write the pages taken since the last sync into the mirror, on the stream (`be`: any handle on
+ * the backend that allocated the mirror). */
+kvt_status kvt__ptable_mirror_sync(kvt__ptable *t, const kvt__backend *be, void *stream);
 
 /* What tier code needs from the context and sequence. */
 typedef struct kvt__env {
@@ -140,21 +154,20 @@ typedef struct kvt__sal {
     uint64_t n_kept, kept_cap;
     uint64_t kept_in_sinks; /* host: kept rows below the sinks' end (attended as sinks) */
     uint64_t closes, nonfinite, score_bytes_read;
-    /* Host scratch of a close, grow-only (sized for max_rows at creation when a limit is
-     * stated): the block's slots for the scoring op. */
-    int32_t *sc_slots;     /* [block_rows] */
-    uint64_t sc_slots_cap;
 } kvt__sal;
 
-/* Basis tables shared by all salience layers of a context: [n_basis][block_rows]. */
+/* Basis tables shared by all salience layers of a context: [n_basis][block_rows], in the
+ * backend's memory (σ reads them there). */
 typedef struct kvt__sal_shared {
+    const kvt__backend *be; /* which allocated basis */
     float *basis;
     uint32_t n_basis;
     uint32_t block_rows;
 } kvt__sal_shared;
 
-kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt_config *cfg);
-void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a);
+kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt__backend *be,
+                                const kvt_config *cfg);
+void kvt__sal_shared_fini(kvt__sal_shared *sh);
 
 /* Bind the state to the backend that holds its side planes (at layer init). */
 void kvt__sal_init(kvt__sal *s, const kvt__backend *home);
