@@ -800,12 +800,14 @@ kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, 
                                       st->plane[plane] + (size_t)slot * st->slot_bytes +
                                           (size_t)head * st->spec.row_bytes,
                                       st->spec.row_bytes, NULL);
-    /* Archived out of the pool (eviction's archive). */
+    /* Archived out of the pool (eviction's archive, in the backend's memory). */
     kvt__tier_layer l = tier_layer(seq, layer);
-    const uint8_t *src = ops->archived_row ? ops->archived_row(&l, head, plane, position) : NULL;
-    if (!src)
-        return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "archived row not found");
-    memcpy(dst, src, st->spec.row_bytes);
+    s = ops->read_archived ? ops->read_archived(&l, head, plane, position, dst)
+                           : KVT_ERR_INVARIANT;
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "archived row of layer %u head %u position %llu: %s", layer,
+                             head, (unsigned long long)position,
+                             s == KVT_ERR_INVARIANT ? "not found" : "reading it failed");
     return KVT_OK;
 }
 
@@ -825,8 +827,10 @@ kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, 
         return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu rows, capacity %llu",
                              (unsigned long long)t->n_rows, (unsigned long long)capacity);
     kvt__tier_layer l = tier_layer(seq, layer);
-    l.gr->ops->positions(&l, head, positions);
-    return KVT_OK;
+    s = l.gr->ops->positions(&l, head, positions);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(seq->ctx, s, "positions of layer %u from the backend",
+                                       layer);
 }
 
 kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t head,
@@ -840,18 +844,19 @@ kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t he
     if (!l.gr->ops->last_slot_map) /* rows of this policy never move */
         return kvt__ctx_fail(seq->ctx, KVT_ERR_POLICY_MISMATCH,
                              "layer %u does not run eviction rounds", layer);
-    const int32_t *map;
-    uint64_t n_map = l.gr->ops->last_slot_map(&l, head, &map);
+    uint64_t n_map = 0;
+    s = l.gr->ops->last_slot_map(&l, head, NULL, &n_map);
     if (n)
         *n = n_map;
-    if (!old_to_new)
-        return KVT_OK;
+    if (s != KVT_OK || !old_to_new)
+        return s;
     if (n_map > capacity)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu entries, capacity %llu",
                              (unsigned long long)n_map, (unsigned long long)capacity);
-    if (n_map)
-        memcpy(old_to_new, map, sizeof *old_to_new * n_map);
-    return KVT_OK;
+    s = l.gr->ops->last_slot_map(&l, head, old_to_new, &n_map);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(seq->ctx, s, "slot map of layer %u from the backend",
+                                       layer);
 }
 
 /* ------------------------------------------------------------------------------------------- */

@@ -161,17 +161,22 @@ struct kvt__policy_ops {
      * slot while its bytes are in the pool (attended, or archived in place), else -1. */
     kvt_row_state (*row_state)(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                int32_t *slot);
-    /* (optional) Bytes of an archived row that left the pool (plane `plane`), or NULL. Without it
-     * every archived row stays in the pool at the slot row_state gives. */
-    const uint8_t *(*archived_row)(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
-                                   uint64_t pos);
+    /* (optional) Copy the bytes of an archived row that left the pool (plane `plane`, head
+     * `head`, row_bytes) into dst: KVT_OK, or KVT_ERR_INVARIANT when it is not there.
+     * Synchronising (inspection). Without it every archived row stays in the pool at the slot
+     * row_state gives. */
+    kvt_status (*read_archived)(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
+                                uint64_t pos, void *dst);
     /* Original position at each row index of the table for one head, into out[l->pt->n_rows]
-     * (-1: the row left with its page). */
-    void (*positions)(const kvt__tier_layer *l, uint32_t head, int64_t *out);
-    /* (optional) Slot map of the last compaction of the group for one head: returns its length
-     * and points *map at old row index -> new row index or -1 (NULL when the length is 0).
-     * Without it kvt_seq_last_slot_map answers KVT_ERR_POLICY_MISMATCH: rows never move. */
-    uint64_t (*last_slot_map)(const kvt__tier_layer *l, uint32_t head, const int32_t **map);
+     * (-1: the row left with its page). Synchronising when the positions are in backend
+     * memory; a backend read's status. */
+    kvt_status (*positions)(const kvt__tier_layer *l, uint32_t head, int64_t *out);
+    /* (optional) Slot map of the last compaction of the group for one head: its length into *n
+     * and, when out is not NULL, old row index -> new row index or -1 into out[*n]
+     * (synchronising). Without it kvt_seq_last_slot_map answers KVT_ERR_POLICY_MISMATCH: rows
+     * never move. */
+    kvt_status (*last_slot_map)(const kvt__tier_layer *l, uint32_t head, int32_t *out,
+                                uint64_t *n);
 
     /* ---- Sequence-wide conditions ---------------------------------------------------------- */
     /* (optional) Has a decision already used the prompt length? kvt_seq_set_prompt_rows refuses
@@ -216,7 +221,7 @@ void kvt__none_attended(const kvt__tier_layer *l, kvt__attended_desc *d);
 /* How many rows the layer attends (from the policy's description; the rows themselves may be
  * in backend memory: only a backend op expands them). */
 uint64_t kvt__attended_count(const kvt__tier_layer *l);
-void kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
+kvt_status kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
 kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
 
 #endif

@@ -195,37 +195,18 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
 /* ------------------------------------------------------------------------------------------- */
 /* Random eviction (MLA-RoPE, GQA): rounds, compaction, optional archive pool.                  */
 /* ------------------------------------------------------------------------------------------- */
-/* Archive of one (layer, head): rows copied out before compaction, kept exactly. */
-typedef struct kvt__ev_archive {
-    uint8_t *bytes;       /* [n][n_planes][row_bytes], in order of archiving */
-    uint64_t bytes_cap;   /* in bytes */
-    int64_t *pos;         /* [n] original positions, in order of archiving */
-    uint64_t *by_pos;     /* [n] indices into pos/bytes, sorted by position (lookup) */
-    uint64_t n, cap;      /* cap: capacity of pos[] */
-    uint64_t by_pos_cap;  /* capacity of by_pos[] (grown separately: each array keeps its own
-                           * capacity so sized deallocation always gets the true size) */
-} kvt__ev_archive;
-
-/* Scratch of one layer's round, grow-only (sized for max_rows at creation when a limit is
- * stated, so that rounds allocate nothing). */
-typedef struct kvt__ev_scratch {
-    uint32_t *keys; /* [cand] draws or value-range keys */
-    uint32_t *ridx; /* [cand] row index of each entry of keys */
-    int64_t *rpos;  /* [cand] positions of the rows drawn for */
-    uint32_t *sel;  /* [K] top-m output */
-    uint8_t *mark;  /* [cand] kept candidate */
-    int32_t *src;   /* [K + r] move lists */
-    int32_t *dst;
-    uint32_t *keep; /* [heads * K] each head's kept candidate row indices, ascending */
-    uint64_t keys_cap, ridx_cap, rpos_cap, sel_cap, mark_cap, src_cap, dst_cap, keep_cap;
-} kvt__ev_scratch;
-
+/* The state of one (request, layer). Positions, keep sets, slot maps and the archive live in
+ * the backend's memory (kernels/evict.h computes on them); the host keeps counts only, which
+ * follow from N, K and r alone: a round needs no synchronisation. */
 typedef struct kvt__ev {
+    const kvt__backend *be; /* the context's backend, which allocated the buffers */
     uint32_t n_heads;
-    int64_t *pos;         /* [n_heads][pos_cap]: original position at row index i for head h */
+    int64_t *pos;         /* backend [n_heads][pos_cap]: original position at row index i */
     uint64_t pos_cap;
-    int32_t *last_map;    /* [n_heads][last_n]: old row index -> new row index or -1 */
-    uint64_t last_n, last_map_cap;
+    int32_t *last_map;    /* backend [n_heads][last_n]: old row index -> new row index or -1 */
+    uint64_t last_n, last_map_cap; /* cap in entries */
+    uint32_t *keep;       /* backend [n_heads][K]: the round's keep sets (select -> apply) */
+    uint64_t keep_cap;    /* in entries */
     uint64_t last_kept;   /* rows per head right after the last round (K + r) */
     uint64_t rounds;
     uint64_t dropped;     /* summed over heads */
@@ -233,26 +214,34 @@ typedef struct kvt__ev {
     /* A device error hit mid-compaction: rows may be half moved and the group's layers disagree.
      * Sticky; the sequence refuses further work (KVT_ERR_BAD_STATE) and can only be destroyed. */
     bool damaged;
-    kvt__ev_archive *archive; /* [n_heads], when cfg->evict_archive */
+    /* The archive (cfg->evict_archive): rows copied out before compaction, kept exactly; every
+     * head archives the same count. backend [n_heads][ar_cap] of rows (all planes), positions in
+     * order of archiving, and indices sorted by position (lookup). */
+    bool archive;
+    uint8_t *ar_bytes;
+    int64_t *ar_pos;
+    uint64_t *ar_by_pos;
+    uint64_t ar_n, ar_cap;
+    size_t ar_row_bytes;  /* n_planes * row_bytes */
     /* A step in flight (policy.h layer_step): this layer recorded the step's positions / ran its
      * part of a due round (it then holds last_kept rows while the table still holds N). Cleared
      * by the group's commit. */
     bool step_appended, step_round;
-    kvt__ev_scratch sc;
 } kvt__ev;
 
-kvt_status kvt__ev_init(kvt__ev *e, const kvt__alloc *a, uint32_t n_heads, bool archive);
-void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a);
+kvt_status kvt__ev_init(kvt__ev *e, const kvt__backend *be, const kvt_layer_spec *spec,
+                        bool archive);
+void kvt__ev_fini(kvt__ev *e);
 /* Grow the position arrays to hold `rows` row indices per head (called at reserve, so that the
  * append at commit cannot fail). KVT_OK or KVT_ERR_OUT_OF_MEMORY (nothing changed). */
-kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows);
-/* Size the state for a table of up to `rows` rows (positions, slot map, round scratch) so that
+kvt_status kvt__ev_reserve(kvt__ev *e, uint64_t rows);
+/* Size the state for a table of up to `rows` rows (positions, slot map, keep sets) so that
  * rounds up to there allocate nothing (archive copies still grow). Capacity only. */
-kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg,
-                           uint64_t rows);
+kvt_status kvt__ev_prepare(kvt__ev *e, const kvt_config *cfg, uint64_t rows);
 /* Record positions [first_pos, first_pos + n) at row indices [first_row, first_row + n) for
- * every head (on commit, before any round). Capacity was reserved: cannot fail. */
-void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n);
+ * every head (on commit, before any round), on the stream. Capacity was reserved. */
+kvt_status kvt__ev_append(kvt__ev *e, const kvt__backend *be, void *stream, uint64_t first_row,
+                          uint64_t first_pos, uint64_t n);
 /* Does a group holding n_rows need a round? (n_rows >= K + r + c) */
 bool kvt__ev_round_due(const kvt_config *cfg, uint64_t n_rows);
 /* Rows of the prefix of positions every round keeps: the prompt (when cfg->protect_prompt; its
@@ -270,11 +259,12 @@ uint64_t kvt__ev_protected_rows(const kvt_config *cfg, uint64_t prompt_rows);
 kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
                          uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
                          uint64_t prompt_rows);
-/* Row index of a position for head h, or -1 when not attended. O(log rows). */
+/* Row index of a position for head h, or -1 when not attended. O(log rows), synchronising. */
 int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos);
-/* Archived row bytes of (head, pos) for one plane, or NULL. O(log archived). */
-const uint8_t *kvt__ev_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
-                                uint32_t plane, uint64_t pos);
+/* Copy the archived row of (head, pos), plane `plane` (row_bytes), into dst: KVT_OK, or
+ * KVT_ERR_INVARIANT when it is not archived, or the backend read's status. Synchronising. */
+kvt_status kvt__ev_read_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
+                                 uint32_t plane, uint64_t pos, void *dst);
 /* Full check of one layer's state against its group's page table; `appended` = committed
  * tokens. Writes the first violation into err (KVT_ERR_INVARIANT). O(rows + archived). */
 kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
