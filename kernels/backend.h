@@ -117,8 +117,9 @@ typedef struct kvt__backend_ops {
     /* true when host code may dereference buffer pointers (engine-owned host storage can then be
      * bound with kvt_layer_bind). */
     bool host_visible;
-    /* Salience scores of one block. */
-    kvt_status (*score_rows)(const kvt__backend *be, const kvt__score_args *a, void *stream);
+    /* Salience scores of n blocks (every block closing in a step, across its requests). */
+    kvt_status (*score_rows)(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
+                             void *stream);
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per
      * range, not per row). The arrays live in the backend's memory space. */
@@ -138,8 +139,9 @@ typedef struct kvt__backend_ops {
      * host: synchronising, for inspection calls only. */
     kvt_status (*find_pos)(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
                            uint64_t n, uint64_t key, int64_t *out);
-    /* The selection of a salience close (kvt__select_args). */
-    kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, void *stream);
+    /* The selections of n salience closes (kvt__select_args; a segmented top-m: one segment per
+     * request). A failure (scratch) leaves every kept set untouched. */
+    kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
 } kvt__backend_ops;
 
 struct kvt__backend {

@@ -93,8 +93,7 @@ static void *scratch_get(const kvt__backend *be, bool sigma, size_t n, size_t el
 static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *pages,
                            uint64_t first_page, const kvt__div32 *pd);
 
-static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *a, void *stream) {
-    (void)stream;
+static kvt_status cpu_score_one(const kvt__backend *be, const kvt__score_args *a) {
     if (a->selector == KVT_SELECT_RANDOM) {
         /* One fixed uniform score per row, drawn at its original position. */
         for (uint32_t u = 0; u < a->n_rows; u++)
@@ -129,6 +128,17 @@ static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *
                           a->out);
     if (owned)
         kvt__free(be->alloc, scratch, n * sizeof(float));
+    return KVT_OK;
+}
+
+static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
+                                 void *stream) {
+    (void)stream;
+    for (uint32_t i = 0; i < n; i++) {
+        kvt_status s = cpu_score_one(be, &a[i]);
+        if (s != KVT_OK)
+            return s;
+    }
     return KVT_OK;
 }
 
@@ -197,18 +207,11 @@ static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, s
     return KVT_OK;
 }
 
-static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
-    (void)stream;
-    if (a->n_closed > UINT32_MAX)
-        return KVT_ERR_UNSUPPORTED;
+/* One segment: canonicalise the fresh scores, top-m of all into kept, the two counters. keys
+ * holds n_closed + kvt__topm_scratch_u32(n_closed) entries. */
+static void select_one(kvt__select_args *a, uint32_t *keys) {
     uint32_t n = (uint32_t)a->n_closed;
-    /* Keys, then the top-m scratch, in one piece of the workspace: taken before anything is
-     * written, so a failure leaves the kept set as it was. */
     size_t sn = kvt__topm_scratch_u32(n);
-    bool owned = false;
-    uint32_t *keys = scratch_get(be, false, (size_t)n + sn, sizeof(uint32_t), &owned);
-    if (!keys)
-        return KVT_ERR_OUT_OF_MEMORY;
     uint64_t nonfinite = 0;
     for (uint64_t u = a->first_new; u < n; u++)
         if (!(a->score[u] <= FLT_MAX)) {
@@ -221,10 +224,30 @@ static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *a, void *
     uint64_t below = 0;
     while (below < a->m && a->kept[below] < a->sinks)
         below++;
-    if (owned)
-        kvt__free(be->alloc, keys, ((size_t)n + sn) * sizeof(uint32_t));
     a->nonfinite = nonfinite;
     a->kept_in_sinks = below;
+}
+
+/* Keys, then the top-m scratch, in one piece of the workspace: taken (for the largest segment)
+ * before anything is written, so a failure leaves every kept set as it was. */
+static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *args, uint32_t n_args,
+                             void *stream) {
+    (void)stream;
+    uint64_t most = 0;
+    for (uint32_t i = 0; i < n_args; i++) {
+        if (args[i].n_closed > UINT32_MAX)
+            return KVT_ERR_UNSUPPORTED;
+        most = args[i].n_closed > most ? args[i].n_closed : most;
+    }
+    size_t need = (size_t)most + kvt__topm_scratch_u32((uint32_t)most);
+    bool owned = false;
+    uint32_t *keys = scratch_get(be, false, need, sizeof(uint32_t), &owned);
+    if (!keys)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n_args; i++)
+        select_one(&args[i], keys);
+    if (owned)
+        kvt__free(be->alloc, keys, need * sizeof(uint32_t));
     return KVT_OK;
 }
 
@@ -427,16 +450,20 @@ static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, si
     return s;
 }
 
-static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *a, void *stream) {
-    GUARD_OWNS(be, a->out, sizeof(float) * a->n_rows);
-    if (a->selector != KVT_SELECT_RANDOM) {
-        GUARD_OWNS(be, a->base, 1);
-        GUARD_OWNS(be, a->pages, sizeof(int32_t));
+static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *args, uint32_t n,
+                               void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__score_args *a = &args[i];
+        GUARD_OWNS(be, a->out, sizeof(float) * a->n_rows);
+        if (a->selector != KVT_SELECT_RANDOM) {
+            GUARD_OWNS(be, a->base, 1);
+            GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        }
+        if (a->selector == KVT_SELECT_SIGMA)
+            GUARD_OWNS(be, a->basis, sizeof(float) * a->n_basis * a->n_rows);
     }
-    if (a->selector == KVT_SELECT_SIGMA)
-        GUARD_OWNS(be, a->basis, sizeof(float) * a->n_basis * a->n_rows);
     guard_open(be);
-    kvt_status s = cpu_score_rows(be, a, stream);
+    kvt_status s = cpu_score_rows(be, args, n, stream);
     guard_close(be);
     return s;
 }
@@ -505,11 +532,14 @@ static kvt_status g_find_pos(const kvt__backend *be, const int64_t *sorted, cons
     return s;
 }
 
-static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
-    GUARD_OWNS(be, a->score, sizeof(float) * a->n_closed);
-    GUARD_OWNS(be, a->kept, sizeof(uint32_t) * a->m);
+static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t n,
+                           void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        GUARD_OWNS(be, a[i].score, sizeof(float) * a[i].n_closed);
+        GUARD_OWNS(be, a[i].kept, sizeof(uint32_t) * a[i].m);
+    }
     guard_open(be);
-    kvt_status s = cpu_select(be, a, stream);
+    kvt_status s = cpu_select(be, a, n, stream);
     guard_close(be);
     return s;
 }

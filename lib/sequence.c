@@ -645,44 +645,61 @@ static kvt__tier_layer step_layer(const kvt_seq *seq, uint32_t layer, uint32_t v
     return l;
 }
 
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, void *stream,
-                         bool defer) {
-    kvt_ctx *ctx = seq->ctx;
-    if (seq->stepped[layer])
-        return KVT_OK;
+kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *defer, uint32_t n,
+                          uint32_t layer, const kvt__backend *be, void *stream,
+                          kvt__tier_step *t, kvt_seq **who) {
     const kvt__store *st = &ctx->stores[layer];
     const kvt__policy_ops *ops = ops_of(ctx, layer);
-    /* The layer's ops and its emission read the table's mirror (the step's pages included). */
-    kvt_status s = kvt__ptable_mirror_sync(&seq->pt[st->group], be, stream);
-    if (s != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "request %llu layer %u: page table to the backend",
-                             (unsigned long long)seq->request_id, layer);
-    if (defer) {
-        seq->stepped[layer] = KVT__STEP_DEFERRED;
-        return KVT_OK;
-    }
-    if (ops->layer_step && seq->n_pending > 0) {
-        kvt__env env = kvt__ctx_env(ctx, seq, stream);
-        env.backend = be;
-        kvt__tier_step t = {.gr = &ctx->groups[st->group],
-                            .st = &ctx->stores[layer],
-                            .pt = &seq->pt[st->group],
-                            .state = &seq->layers[layer],
-                            .appended = seq->n_tokens,
-                            .step_rows = seq->n_pending,
-                            .prompt_rows = seq->prompt_rows};
-        s = ops->layer_step(&env, &t);
+    kvt_status first = KVT_OK;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        kvt_seq *seq = seqs[i];
+        if (!seq || seq->stepped[layer])
+            continue;
+        /* The layer's ops and its emission read the table's mirror (the step's pages too). */
+        kvt_status s = kvt__ptable_mirror_sync(&seq->pt[st->group], be, stream);
         if (s != KVT_OK) {
+            if (first == KVT_OK)
+                first = kvt__ctx_fail(ctx, s, "request %llu layer %u: page table to the backend",
+                                      (unsigned long long)seq->request_id, layer);
+            continue;
+        }
+        if (defer[i]) {
+            seq->stepped[layer] = KVT__STEP_DEFERRED;
+            continue;
+        }
+        if (!ops->layer_step || seq->n_pending == 0) {
+            seq->stepped[layer] = KVT__STEP_NOTHING;
+            continue;
+        }
+        t[k] = (kvt__tier_step){.gr = &ctx->groups[st->group],
+                                .st = &ctx->stores[layer],
+                                .pt = &seq->pt[st->group],
+                                .state = &seq->layers[layer],
+                                .appended = seq->n_tokens,
+                                .step_rows = seq->n_pending,
+                                .prompt_rows = seq->prompt_rows,
+                                .cfg = &seq->cfg,
+                                .philox_key = seq->philox_key};
+        who[k++] = seq;
+    }
+    if (k == 0)
+        return first;
+    /* Every request's work in one policy call: batched backend ops. */
+    kvt__env env = kvt__ctx_env(ctx, NULL, stream);
+    env.backend = be;
+    ops->layer_step(&env, t, k);
+    for (uint32_t j = 0; j < k; j++) {
+        if (t[j].status == KVT_OK) {
+            who[j]->stepped[layer] = KVT__STEP_WORKED;
+        } else if (first == KVT_OK) {
             char tmp[KVT__ERR_LEN];
             memcpy(tmp, kvt__tls_error(), sizeof tmp);
-            return kvt__ctx_fail(ctx, s, "request %llu layer %u: %s",
-                                 (unsigned long long)seq->request_id, layer, tmp);
+            first = kvt__ctx_fail(ctx, t[j].status, "request %llu layer %u: %s",
+                                  (unsigned long long)who[j]->request_id, layer, tmp);
         }
-        seq->stepped[layer] = KVT__STEP_WORKED;
-        return KVT_OK;
     }
-    seq->stepped[layer] = KVT__STEP_NOTHING;
-    return KVT_OK;
+    return first;
 }
 
 void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,

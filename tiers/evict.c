@@ -286,10 +286,25 @@ kvt_status kvt__ev_read_archived(const kvt__ev *e, const kvt_layer_spec *spec, u
 /* ------------------------------------------------------------------------------------------- */
 /* The round                                                                                   */
 /* ------------------------------------------------------------------------------------------- */
+/* One layer of one request in a round: a commit runs the layers of one request's group
+ * together, a step's run one layer of many requests. */
+typedef struct ev_job {
+    kvt__store *st;
+    kvt__ev *e;
+    const kvt__ptable *pt;
+    uint64_t N;           /* rows per head the layer holds */
+    uint64_t prompt_rows;
+    const kvt_config *cfg;
+    uint64_t philox_key;
+    kvt_status status;    /* out */
+    bool moving;          /* reached the moves */
+} ev_job;
+
 /* The description of one layer's round for the backend (kernels/evict.h). */
-static kvt__ev_args round_args(const kvt__env *env, const kvt__store *st, const kvt__ev *e,
-                               const kvt__ptable *pt, uint64_t N, uint64_t L) {
-    const kvt_config *cfg = env->cfg;
+static kvt__ev_args round_args(const kvt__env *env, const ev_job *j) {
+    const kvt_config *cfg = j->cfg;
+    const kvt__store *st = j->st;
+    const kvt__ev *e = j->e;
     const kvt_layer_spec *sp = &st->spec;
     kvt__ev_args a = {
         .plane = {st->plane[0], sp->n_planes > 1 ? st->plane[1] : NULL},
@@ -303,8 +318,8 @@ static kvt__ev_args round_args(const kvt__env *env, const kvt__store *st, const 
          * needs the scales). */
         .value_dim = sp->value_dim,
         .value_plane = sp->n_planes > 1 ? 1 : 0,
-        .pages = pt->dpages, /* the mirror */
-        .first_page = pt->first_page,
+        .pages = j->pt->dpages, /* the mirror */
+        .first_page = j->pt->first_page,
         .pdiv = env->pdiv,
         .pos = e->pos,
         .pos_cap = e->pos_cap,
@@ -315,12 +330,12 @@ static kvt__ev_args round_args(const kvt__env *env, const kvt__store *st, const 
         .ar_by_pos = e->ar_by_pos,
         .ar_n = e->ar_n,
         .ar_cap = e->ar_cap,
-        .N = N,
+        .N = j->N,
         .K = cfg->evict_budget_rows,
         .r = cfg->recent_rows,
-        .L = L,
+        .L = kvt__ev_protected_rows(cfg, j->prompt_rows),
         .vase = cfg->evict_vase,
-        .philox_key = env->philox_key,
+        .philox_key = j->philox_key,
         .round = (uint32_t)e->rounds,
         .layer = st->layer + env->layer_offset,
         .head_offset = env->head_offset,
@@ -329,89 +344,142 @@ static kvt__ev_args round_args(const kvt__env *env, const kvt__store *st, const 
     return a;
 }
 
-/* One round over the given layers of a group whose table holds N rows per head (the table's
- * committed rows, or those plus the rows of a step in flight): select, archive or drop, compact
- * each layer to K + r rows — two backend calls for all the layers. The table itself (its n_rows,
- * its pages) is left to the caller, so a step can compact one layer inside its forward while the
- * group's other layers still hold N. */
+/* Layers handed to the backend per call (a stack array: a round allocates nothing on the host). */
+#define KVT__EV_CHUNK 16u
+
+/* Run the backend op over every job still KVT_OK, KVT__EV_CHUNK at a time; a failed call sets
+ * its chunk's jobs to its status. */
+static void ev_call(const kvt__env *env, ev_job *jobs, uint32_t n, bool apply) {
+    const kvt__backend *be = env->backend;
+    kvt__ev_args args[KVT__EV_CHUNK];
+    uint32_t at[KVT__EV_CHUNK], k = 0;
+    for (uint32_t i = 0; i <= n; i++) {
+        if (i < n && jobs[i].status == KVT_OK) {
+            args[k] = round_args(env, &jobs[i]);
+            at[k++] = i;
+        }
+        if (k == KVT__EV_CHUNK || (i == n && k)) {
+            kvt_status rc = apply ? be->ops->ev_apply(be, args, k, env->stream)
+                                  : be->ops->ev_select(be, args, k, env->stream);
+            for (uint32_t x = 0; rc != KVT_OK && x < k; x++)
+                jobs[at[x]].status = rc;
+            k = 0;
+        }
+    }
+}
+
+/* Capacity of one job's round (grow-only: nothing to do when the state was sized for a stated
+ * limit). KVT_OK or a status with a message; nothing observable changes. */
+static kvt_status job_reserve(const kvt__env *env, ev_job *j) {
+    const uint64_t K = j->cfg->evict_budget_rows, cand = j->N - j->cfg->recent_rows;
+    KVT_ASSERT(j->e->n_heads == j->st->spec.n_kv_heads && j->e->pos_cap >= j->N);
+    if (j->N > INT32_MAX)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
+                         "eviction round over %llu rows: row indices must fit in int32",
+                         (unsigned long long)j->N);
+    kvt_status s = round_reserve(j->e, j->N, K);
+    if (s == KVT_OK && j->e->archive)
+        s = archive_reserve(j->e, cand - K);
+    if (s != KVT_OK)
+        return kvt__fail(env->err, env->err_len, s,
+                         "eviction round: slot map / keep sets / archive of layer %u; nothing "
+                         "was evicted",
+                         j->st->layer);
+    return KVT_OK;
+}
+
+/* After a job's moves: the counts, which follow from N, K and r (no read-back). */
+static void job_done(const ev_job *j) {
+    kvt__ev *e = j->e;
+    const uint64_t K = j->cfg->evict_budget_rows, r = j->cfg->recent_rows;
+    if (e->archive)
+        e->ar_n += j->N - r - K;
+    else
+        e->dropped += (j->N - r - K) * e->n_heads;
+    e->last_n = j->N;
+    e->last_kept = K + r;
+    e->rounds++;
+    if (prompt_over_budget(j->cfg, j->prompt_rows))
+        e->prompt_over_budget = true;
+}
+
+static kvt_status damaged_msg(const kvt__env *env, uint32_t layer, kvt_status why) {
+    return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                     "eviction round: moving rows of layer %u failed (%s); the sequence is "
+                     "damaged and must be destroyed",
+                     layer, kvt_status_name(why));
+}
+
+/* Rounds of up to KVT__EV_CHUNK independent jobs (one layer of as many requests: a step's
+ * run), in one select and one apply call. Each job's status says how it went: a failure before
+ * the moves changed nothing of that request (the commit retries it); one in the moves damaged
+ * it. */
+static void round_independent(const kvt__env *env, ev_job *jobs, uint32_t n) {
+    KVT_ASSERT(n <= KVT__EV_CHUNK);
+    for (uint32_t i = 0; i < n; i++)
+        jobs[i].status = job_reserve(env, &jobs[i]);
+    ev_call(env, jobs, n, false);
+    for (uint32_t i = 0; i < n; i++)
+        jobs[i].moving = jobs[i].status == KVT_OK;
+    ev_call(env, jobs, n, true);
+    for (uint32_t i = 0; i < n; i++) {
+        ev_job *j = &jobs[i];
+        if (j->moving && j->status == KVT_OK) {
+            job_done(j);
+        } else if (j->moving) {
+            j->e->damaged = true;
+            j->status = damaged_msg(env, j->st->layer, j->status);
+        } else if (j->status != KVT_OK && j->status != KVT_ERR_OUT_OF_MEMORY &&
+                   j->status != KVT_ERR_UNSUPPORTED) {
+            kvt__fail(env->err, env->err_len, j->status,
+                      "eviction round: selecting layer %u's keep sets failed; nothing was "
+                      "evicted",
+                      j->st->layer);
+        }
+    }
+}
+
+/* One round over the given layers of one request's group, whose table holds N rows per head
+ * (the table's committed rows, or those plus the rows of a step in flight): they share the
+ * table, so they go together — every capacity, then every keep set (batched selects), and only
+ * then the moves (batched applies); any failure before the moves changes nothing, one in them
+ * damages every layer. The table itself (its n_rows, its pages) is left to the caller. */
 static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
                              kvt__ev *const *states, uint32_t n_layers, const kvt__ptable *pt,
                              uint64_t N, uint64_t prompt_rows) {
-    const kvt_config *cfg = env->cfg;
-    const uint64_t K = cfg->evict_budget_rows;
-    const uint64_t r = cfg->recent_rows;
+    const uint64_t K = env->cfg->evict_budget_rows, r = env->cfg->recent_rows;
     if (N < r || N - r <= K)
         return KVT_OK; /* nothing to evict */
-    const uint64_t cand = N - r;
-    const uint64_t n_new = K + r;
-    const uint64_t L = kvt__ev_protected_rows(cfg, prompt_rows);
-    if (N > INT32_MAX)
-        return kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
-                         "eviction round over %llu rows: row indices must fit in int32",
-                         (unsigned long long)N);
-    const kvt__backend *be = env->backend;
-    /* The layers' descriptions: the group's pointer scratch holds at most n_layers of them, a
-     * fixed stack array chunks a larger group. */
-    enum { CHUNK = 16 };
-    kvt__ev_args args[CHUNK];
-
-    /* 1. Capacity (grow-only: nothing to do when the states were sized for a stated limit). */
+    ev_job jobs[KVT__EV_CHUNK];
     kvt_status rc = KVT_OK;
-    for (uint32_t l = 0; l < n_layers; l++) {
-        kvt__ev *e = states[l];
-        KVT_ASSERT(e->n_heads == stores[l]->spec.n_kv_heads && e->pos_cap >= N);
-        rc = round_reserve(e, N, K);
-        if (rc == KVT_OK && e->archive)
-            rc = archive_reserve(e, cand - K);
-        if (rc != KVT_OK)
-            return kvt__fail(env->err, env->err_len, rc,
-                             "eviction round: slot map / keep sets / archive of layer %u; "
-                             "nothing was evicted",
-                             stores[l]->layer);
-    }
-
-    /* 2. Select every keep set (nothing moves yet). */
-    for (uint32_t l0 = 0; l0 < n_layers; l0 += CHUNK) {
-        uint32_t n = n_layers - l0 < CHUNK ? n_layers - l0 : CHUNK;
-        for (uint32_t k = 0; k < n; k++)
-            args[k] = round_args(env, stores[l0 + k], states[l0 + k], pt, N, L);
-        rc = be->ops->ev_select(be, args, n, env->stream);
-        if (rc != KVT_OK)
-            return kvt__fail(env->err, env->err_len, rc,
-                             "eviction round: selecting keep sets of layer %u%s; nothing was "
-                             "evicted",
-                             stores[l0]->layer, n > 1 ? " onwards" : "");
-    }
-
-    /* 3. Apply: archive, compact, positions and slot maps. */
-    for (uint32_t l0 = 0; l0 < n_layers; l0 += CHUNK) {
-        uint32_t n = n_layers - l0 < CHUNK ? n_layers - l0 : CHUNK;
-        for (uint32_t k = 0; k < n; k++)
-            args[k] = round_args(env, stores[l0 + k], states[l0 + k], pt, N, L);
-        rc = be->ops->ev_apply(be, args, n, env->stream);
-        if (rc != KVT_OK) {
-            /* Only a device error can land here; the bytes may be half moved and earlier layers
-             * of the group are already compacted: no retry can repair that. Mark every layer of
-             * the group damaged (sticky) so the sequence refuses further work. */
-            for (uint32_t x = 0; x < n_layers; x++)
-                states[x]->damaged = true;
-            return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
-                             "eviction round: moving rows of layer %u%s failed (%s); the "
-                             "sequence is damaged and must be destroyed",
-                             stores[l0]->layer, n > 1 ? " onwards" : "", kvt_status_name(rc));
-        }
-        /* The counts follow from N, K and r: no read-back. */
-        for (uint32_t k = 0; k < n; k++) {
-            kvt__ev *e = states[l0 + k];
-            if (e->archive)
-                e->ar_n += cand - K;
-            else
-                e->dropped += (cand - K) * e->n_heads;
-            e->last_n = N;
-            e->last_kept = n_new;
-            e->rounds++;
-            if (prompt_over_budget(cfg, prompt_rows))
-                e->prompt_over_budget = true;
+    for (int phase = 0; phase < 3; phase++) {
+        for (uint32_t l0 = 0; l0 < n_layers; l0 += KVT__EV_CHUNK) {
+            uint32_t n = n_layers - l0 < KVT__EV_CHUNK ? n_layers - l0 : KVT__EV_CHUNK;
+            for (uint32_t k = 0; k < n; k++)
+                jobs[k] = (ev_job){.st = stores[l0 + k], .e = states[l0 + k], .pt = pt, .N = N,
+                                   .prompt_rows = prompt_rows, .cfg = env->cfg,
+                                   .philox_key = env->philox_key};
+            if (phase == 0) {
+                for (uint32_t k = 0; k < n; k++)
+                    if ((rc = job_reserve(env, &jobs[k])) != KVT_OK)
+                        return rc;
+                continue;
+            }
+            ev_call(env, jobs, n, phase == 2);
+            for (uint32_t k = 0; k < n; k++) {
+                if (jobs[k].status == KVT_OK)
+                    continue;
+                if (phase == 1)
+                    return kvt__fail(env->err, env->err_len, jobs[k].status,
+                                     "eviction round: selecting layer %u's keep sets failed; "
+                                     "nothing was evicted",
+                                     jobs[k].st->layer);
+                for (uint32_t x = 0; x < n_layers; x++)
+                    states[x]->damaged = true;
+                return damaged_msg(env, jobs[k].st->layer, jobs[k].status);
+            }
+            for (uint32_t k = 0; phase == 2 && k < n; k++)
+                job_done(&jobs[k]);
         }
     }
     return KVT_OK;
@@ -682,22 +750,45 @@ static kvt_status ev_reserve(kvt__tier_state *s, const kvt__env *env, const kvt_
  * row index i maps to the same slot in all of them, and the slots the engine wrote this step's
  * rows to stay valid for the layers whose forward comes later (pages are only trimmed at
  * commit). On a selection failure nothing of this layer changed. */
-static kvt_status ev_layer_step(const kvt__env *env, const kvt__tier_step *t) {
-    kvt__ev *e = &t->state->ev;
-    const uint64_t N = t->pt->n_rows + t->step_rows;
-    kvt_status rc = kvt__ev_append(e, env->backend, env->stream, t->pt->n_rows, t->appended,
-                                   t->step_rows);
-    if (rc != KVT_OK) /* nothing recorded: the commit records them */
-        return kvt__fail(env->err, env->err_len, rc, "positions of layer %u", t->st->layer);
-    e->step_appended = true;
-    if (!kvt__ev_round_due(env->cfg, N))
-        return KVT_OK;
-    kvt__store *sp[1] = {t->st};
-    kvt__ev *ep[1] = {e};
-    rc = round_core(env, sp, ep, 1, t->pt, N, t->prompt_rows);
-    if (rc == KVT_OK)
-        e->step_round = true;
-    return rc;
+static kvt_status ev_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_t n) {
+    ev_job jobs[KVT__EV_CHUNK];
+    uint32_t at[KVT__EV_CHUNK], k = 0;
+    kvt_status first = KVT_OK;
+    for (uint32_t i = 0; i <= n; i++) {
+        if (i < n) {
+            kvt__tier_step *q = &t[i];
+            kvt__ev *e = &q->state->ev;
+            const uint64_t N = q->pt->n_rows + q->step_rows;
+            q->status = kvt__ev_append(e, env->backend, env->stream, q->pt->n_rows, q->appended,
+                                       q->step_rows);
+            if (q->status != KVT_OK) { /* nothing recorded: the commit records them */
+                kvt__fail(env->err, env->err_len, q->status, "positions of layer %u",
+                          q->st->layer);
+            } else {
+                e->step_appended = true;
+                if (kvt__ev_round_due(q->cfg, N)) {
+                    jobs[k] = (ev_job){.st = q->st, .e = e, .pt = q->pt, .N = N,
+                                       .prompt_rows = q->prompt_rows, .cfg = q->cfg,
+                                       .philox_key = q->philox_key};
+                    at[k++] = i;
+                }
+            }
+            if (first == KVT_OK)
+                first = q->status;
+        }
+        if (k == KVT__EV_CHUNK || (i == n && k)) {
+            round_independent(env, jobs, k);
+            for (uint32_t x = 0; x < k; x++) {
+                t[at[x]].status = jobs[x].status;
+                if (jobs[x].status == KVT_OK)
+                    jobs[x].e->step_round = true;
+                else if (first == KVT_OK)
+                    first = jobs[x].status;
+            }
+            k = 0;
+        }
+    }
+    return first;
 }
 
 static uint64_t ev_held_rows(const kvt__tier_state *s, uint64_t rows) {

@@ -87,6 +87,9 @@ typedef struct kvt__tier_step {
     uint64_t appended;         /* tokens committed before the step */
     uint64_t step_rows;
     uint64_t prompt_rows;
+    const kvt_config *cfg;     /* the request's */
+    uint64_t philox_key;       /* the request's */
+    kvt_status status;         /* out: how this request's work went */
 } kvt__tier_step;
 
 struct kvt__policy_ops {
@@ -138,14 +141,18 @@ struct kvt__policy_ops {
     kvt_status (*group_commit)(const kvt__env *env, const kvt__tier_group *g);
 
     /* ---- A step in flight ------------------------------------------------------------------ */
-    /* (optional) This layer's due work of a step, run inside the layer's forward after the engine
-     * wrote the step's rows and before attention (kvt_batch_run), at most once per step: the
-     * decisions are those a commit of the same rows would make (salience: the blocks complete at
-     * n_rows + step_rows close; evict: this layer's part of a due round). The table is not
+    /* (optional) This layer's due work of a step for the n requests t[0..n) of a batch that
+     * have it, run inside the layer's forward after the engine wrote the step's rows and before
+     * attention (kvt_batch_run), at most once per step and request: the decisions are those a
+     * commit of the same rows would make (salience: the blocks complete at n_rows + step_rows
+     * close; evict: this layer's part of a due round). The requests' work goes to the backend
+     * in batched calls (one per layer for a decode step's closes or rounds). The tables are not
      * changed; group_commit completes what is left (layers that did not step, the table's count
-     * and pages). On failure (status, message in env->err) group_commit retries. Without it the
-     * layer's work all happens at commit. */
-    kvt_status (*layer_step)(const kvt__env *env, const kvt__tier_step *t);
+     * and pages). t[i].status says how each request's went; on failure (message in env->err)
+     * nothing of that request's layer changed and group_commit retries, or it is damaged
+     * (KVT_ERR_CORRUPT). env carries the batch's backend and stream; cfg and philox_key are
+     * each request's (t[i]). Without it the layer's work all happens at commit. */
+    kvt_status (*layer_step)(const kvt__env *env, kvt__tier_step *t, uint32_t n);
     /* (optional) Rows the layer holds per head when the table holds `rows` (a layer that
      * compacted in a step holds fewer until commit). Without it: rows. */
     uint64_t (*held_rows)(const kvt__tier_state *s, uint64_t rows);

@@ -179,6 +179,25 @@ kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *
                             uint64_t rows);
 /* m for a number of closed rows: max(1, (closed + ratio/2) / ratio), 0 when closed is 0. */
 uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio);
+/* One (request, layer) of a batched close: its state, tables and request config. */
+typedef struct kvt__sal_job {
+    kvt__sal *s;
+    const kvt__sal_shared *sh;
+    const kvt__store *st;
+    const kvt__ptable *pt;
+    const kvt_config *cfg;
+    uint64_t philox_key;
+    uint64_t new_n_rows;
+    /* filled by kvt__sal_commit_many */
+    uint64_t n_close, new_closed, m;
+    kvt_status status;
+} kvt__sal_job;
+
+/* Close every block the jobs' rows complete, for all of them together: σ of every closing
+ * block in batched backend calls, then one segmented top-m. Each job's status says how it went;
+ * a failed job changed nothing observable (its rows stay attended in the tail) and the next
+ * commit retries it. Returns the first failure. */
+kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_t n);
 /* Rows [s->n_rows, new_n_rows) were committed: close every full block (score it), then re-select
  * the global top-m once if anything closed. On failure nothing observable changed. */
 kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
