@@ -52,7 +52,7 @@ typedef struct kvt__attended_desc {
     uint64_t hi_begin, hi_end;
 } kvt__attended_desc;
 
-static inline uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
+KVT_HD uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
     return d->lo_end + d->n_list + (d->hi_end - d->hi_begin);
 }
 
@@ -135,7 +135,7 @@ typedef struct kvt__backend_ops {
                            void *stream);
     kvt_status (*ev_append)(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
                             void *stream);
-    /* Look a position up in a sorted array of the backend (kvt__find_pos_cpu) into *out, on the
+    /* Look a position up in a sorted array of the backend (kvt__find_pos) into *out, on the
      * host: synchronising, for inspection calls only. */
     kvt_status (*find_pos)(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
                            uint64_t n, uint64_t key, int64_t *out);
