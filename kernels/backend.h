@@ -176,5 +176,9 @@ kvt_status kvt__backend_cpu_workspace(const kvt__backend *parent, size_t sigma_f
  * device is usable. */
 kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len);
 void kvt__backend_cuda_close(kvt__backend *be);
+/* A second handle on the CUDA backend `parent` with a device workspace of its own (each batch
+ * runs through one: two batches' ops on two streams share no scratch). KVT_ERR_UNSUPPORTED for
+ * any other backend; KVT_ERR_OUT_OF_MEMORY. Close it with kvt__backend_cuda_close. */
+kvt_status kvt__backend_cuda_workspace(const kvt__backend *parent, kvt__backend *out);
 
 #endif

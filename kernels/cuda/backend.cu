@@ -829,6 +829,20 @@ extern "C" kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t
     return KVT_OK;
 }
 
+extern "C" kvt_status kvt__backend_cuda_workspace(const kvt__backend *parent,
+                                                  kvt__backend *out) {
+    if (parent->ops != &cuda_ops)
+        return KVT_ERR_UNSUPPORTED;
+    cuda_impl *c = (cuda_impl *)kvt__calloc(parent->alloc, sizeof *c);
+    if (!c)
+        return KVT_ERR_OUT_OF_MEMORY;
+    c->device = ((const cuda_impl *)parent->impl)->device;
+    out->ops = parent->ops;
+    out->alloc = parent->alloc;
+    out->impl = c;
+    return KVT_OK;
+}
+
 extern "C" void kvt__backend_cuda_close(kvt__backend *be) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (!c)
