@@ -739,50 +739,56 @@ __global__ void k_ev_map(const EvParams p) {
     }
 }
 
-/* Workspace bytes of a round's select and of its apply: ev_select reserves the larger, so that
- * ev_apply (past which a failure damages the request) never needs to grow it. */
-void ev_ws_bytes(const kvt__ev_args *a, uint32_t n, uint32_t *H, size_t *sel_each,
-                 size_t *ar_each, size_t *stage_each, size_t *pos_each, uint64_t *most_new,
-                 size_t *sel_total, size_t *apply_total) {
-    *H = 0;
-    *sel_each = *ar_each = *stage_each = *pos_each = 0;
-    *most_new = 0;
+/* Workspace layout of a round's select and of its apply over n layers: ev_select reserves the
+ * larger, so that ev_apply (past which a failure damages the request) never needs to grow it. */
+struct EvSizes {
+    uint32_t H;
+    size_t sel_each, ar_each, stage_each, pos_each, sel_total, apply_total;
+    uint64_t most_new;
+};
+
+EvSizes ev_sizes(const kvt__ev_args *a, uint32_t n) {
+    EvSizes z;
+    memset(&z, 0, sizeof z);
     for (uint32_t i = 0; i < n; i++) {
         const kvt__ev_args &x = a[i];
         const uint64_t cand = x.N - x.r, n_new = x.K + x.r;
-        *H = x.n_heads > *H ? x.n_heads : *H;
-        size_t b = ev_scratch_bytes(cand, x.K);
-        *sel_each = b > *sel_each ? b : *sel_each;
-        b = align256(sizeof(uint32_t) * cand + cand);
-        *ar_each = b > *ar_each ? b : *ar_each;
-        b = align256((size_t)x.n_planes * n_new * x.slot_bytes);
-        *stage_each = b > *stage_each ? b : *stage_each;
-        b = (size_t)x.n_heads * n_new;
-        *pos_each = b > *pos_each ? b : *pos_each;
-        *most_new = n_new > *most_new ? n_new : *most_new;
+        size_t b[4] = {ev_scratch_bytes(cand, x.K), align256(sizeof(uint32_t) * cand + cand),
+                       align256((size_t)x.n_planes * n_new * x.slot_bytes),
+                       (size_t)x.n_heads * n_new};
+        size_t *m[4] = {&z.sel_each, &z.ar_each, &z.stage_each, &z.pos_each};
+        for (int k = 0; k < 4; k++)
+            *m[k] = b[k] > *m[k] ? b[k] : *m[k];
+        z.H = x.n_heads > z.H ? x.n_heads : z.H;
+        z.most_new = n_new > z.most_new ? n_new : z.most_new;
     }
-    *sel_total = *sel_each * n * *H;
-    *apply_total = *ar_each * n * *H + *stage_each * n + align256(sizeof(int64_t) * *pos_each * n);
+    z.sel_total = z.sel_each * n * z.H;
+    z.apply_total =
+        z.ar_each * n * z.H + z.stage_each * n + align256(sizeof(int64_t) * z.pos_each * n);
+    return z;
+}
+
+/* An eviction op's start: its sizes, ordering, and `bytes(z)` of workspace. */
+kvt_status ev_begin(const kvt__backend *be, const kvt__ev_args *a, uint32_t n, void *stream,
+                    bool for_select, EvSizes *z, uint8_t **ws) {
+    if (n > kMaxEv)
+        return KVT_ERR_INVALID_ARGUMENT;
+    *z = ev_sizes(a, n);
+    kvt_status s = op_begin(be, stream);
+    size_t bytes = for_select && z->sel_total > z->apply_total ? z->sel_total : z->apply_total;
+    return s == KVT_OK ? ws_get(be, bytes, ws) : s;
 }
 
 kvt_status cu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                         void *stream) {
     if (n == 0)
         return KVT_OK;
-    if (n > kMaxEv)
-        return KVT_ERR_INVALID_ARGUMENT;
-    uint32_t H;
-    size_t each, ar_each, stage_each, pos_each, sel_total, apply_total;
-    uint64_t most_new;
-    ev_ws_bytes(a, n, &H, &each, &ar_each, &stage_each, &pos_each, &most_new, &sel_total,
-                &apply_total);
-    kvt_status s = op_begin(be, stream);
+    EvSizes z;
     uint8_t *ws = NULL;
-    if (s == KVT_OK)
-        s = ws_get(be, sel_total > apply_total ? sel_total : apply_total, &ws);
+    kvt_status s = ev_begin(be, a, n, stream, true, &z, &ws);
     if (s == KVT_OK) {
-        k_ev_select<<<n * H, kThreads, 0, strm(stream)>>>(params_div<kvt__ev_args, kMaxEv>(a, n),
-                                                          H, ws, each);
+        k_ev_select<<<n * z.H, kThreads, 0, strm(stream)>>>(
+            params_div<kvt__ev_args, kMaxEv>(a, n), z.H, ws, z.sel_each);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -792,20 +798,15 @@ kvt_status cu_ev_apply(const kvt__backend *be, const kvt__ev_args *a, uint32_t n
                        void *stream) {
     if (n == 0)
         return KVT_OK;
-    if (n > kMaxEv)
-        return KVT_ERR_INVALID_ARGUMENT;
-    uint32_t H;
-    size_t sel_each, ar_each, stage_each, pos_each, sel_total, apply_total;
-    uint64_t most_new;
-    ev_ws_bytes(a, n, &H, &sel_each, &ar_each, &stage_each, &pos_each, &most_new, &sel_total,
-                &apply_total);
-    kvt_status s = op_begin(be, stream);
+    EvSizes z;
     uint8_t *ws = NULL;
-    if (s == KVT_OK)
-        s = ws_get(be, apply_total, &ws); /* ev_select reserved it: no growth here */
+    kvt_status s = ev_begin(be, a, n, stream, false, &z, &ws); /* reserved by ev_select */
     if (s != KVT_OK)
         return op_end(be, stream, s);
     const EvParams p = params_div<kvt__ev_args, kMaxEv>(a, n);
+    const uint32_t H = z.H;
+    const size_t ar_each = z.ar_each, stage_each = z.stage_each, pos_each = z.pos_each;
+    const uint64_t most_new = z.most_new;
     uint8_t *ar_scr = ws, *stage = ws + ar_each * n * H;
     int64_t *pstage = (int64_t *)(stage + stage_each * n);
     k_ev_archive<<<n * H, kThreads, 0, strm(stream)>>>(p, H, ar_scr, ar_each);
