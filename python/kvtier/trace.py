@@ -78,6 +78,13 @@ def _s(b) -> str:
     return (b or b"").decode("utf-8", "replace")
 
 
+def _check(status, fn, last_error, handle):
+    """Raise status with the handle's last-error message (the trace calls keep theirs per
+    handle, not in kvt_last_error)."""
+    if status:
+        check(status, fn, ctypes.create_string_buffer(last_error(handle) or b""))
+
+
 class TraceWriter(_Closable):
     """kvt_trace_writer: the file is valid once ``close()`` succeeds (a ``with`` block that
     raises aborts it: the file is removed). Every call raises the library's status with its
@@ -96,9 +103,7 @@ class TraceWriter(_Closable):
         self._specs: dict[int, LayerSpec] = {}
 
     def _check(self, status, fn):
-        if status:
-            msg = _s(lib.kvt_trace_writer_last_error(self._ptr))
-            check(status, fn, ctypes.create_string_buffer(msg.encode()))
+        _check(status, fn, lib.kvt_trace_writer_last_error, self._ptr)
 
     def layer(self, layer: int, spec: LayerSpec) -> None:
         c = spec._to_c()
@@ -185,9 +190,7 @@ class Trace(_Closable):
         self._h = _Handle(out.value, lib.kvt_trace_close)
 
     def _check(self, status, fn):
-        if status:
-            msg = _s(lib.kvt_trace_last_error(self._ptr))
-            check(status, fn, ctypes.create_string_buffer(msg.encode()))
+        _check(status, fn, lib.kvt_trace_last_error, self._ptr)
 
     @property
     def prompt_rows(self) -> int:

@@ -32,7 +32,8 @@ endforeach()
 file(WRITE ${OUT_DIR}/gemma_trace.csv "${all}")
 file(READ ${EXPECTED} want)
 if(NOT all STREQUAL want)
-  message(FATAL_ERROR "the replay CSV differs from ${EXPECTED}:\n--- got\n${all}--- expected\n${want}")
+  message(FATAL_ERROR
+    "the replay CSV differs from ${EXPECTED}:\n--- got\n${all}--- expected\n${want}")
 endif()
 ]=])
   add_test(NAME needle_gemma_trace

@@ -33,24 +33,28 @@ int nd_gqa_layout_check(const kvt_layer_spec *sp, uint32_t n_q_heads, uint32_t q
     return 0;
 }
 
+/* Byte offset of row j of KV head g in a plane. */
+static size_t row_at(const nd_gqa_attn_args *a, uint32_t j, uint32_t g) {
+    const size_t slot = a->slots ? (size_t)(uint32_t)a->slots[j] : (size_t)j;
+    return slot * nd_token_bytes(a->spec) + (size_t)g * a->spec->row_bytes;
+}
+
 int nd_gqa_attn(const nd_gqa_attn_args *a) {
     const kvt_layer_spec *sp = a->spec;
     const uint32_t d = sp->head_dim, group = a->n_q_heads / sp->n_kv_heads;
-    const size_t tb = (size_t)sp->n_kv_heads * sp->row_bytes;
     double *s = malloc(sizeof(double) * (a->n_rows ? a->n_rows : 1));
-    float *kr = malloc(sizeof(float) * d * 2);
-    if (!s || !kr) {
-        free(s), free(kr);
+    double *acc = malloc(sizeof(double) * d);
+    float *kr = malloc(sizeof(float) * d);
+    if (!s || !acc || !kr) {
+        free(s), free(acc), free(kr);
         return ND_ENOMEM;
     }
-    float *vr = kr + d;
     for (uint32_t i = 0; i < a->n_heads; i++) {
         const uint32_t h = a->heads[i], g = h / group;
         const float *q = a->q + (size_t)h * d;
         double mx = -INFINITY;
         for (uint32_t j = 0; j < a->n_rows; j++) {
-            size_t at = (size_t)(a->slots ? (uint32_t)a->slots[j] : j) * tb + (size_t)g * sp->row_bytes;
-            nd_widen(a->k + at, sp->dtype, d, kr);
+            nd_widen(a->k + row_at(a, j, g), sp->dtype, d, kr);
             s[j] = a->scale * nd_dot(q, kr, d);
             if (s[j] > mx || j == 0)
                 mx = s[j];
@@ -62,24 +66,18 @@ int nd_gqa_attn(const nd_gqa_attn_args *a) {
             if (a->mark && a->mark[(size_t)g * a->mark_stride + j])
                 marked += s[j];
         }
-        float *o = a->out + (size_t)i * d;
-        double *acc = calloc(d, sizeof(double));
-        if (!acc) {
-            free(s), free(kr);
-            return ND_ENOMEM;
-        }
+        memset(acc, 0, sizeof(double) * d);
         for (uint32_t j = 0; j < a->n_rows; j++) {
-            size_t at = (size_t)(a->slots ? (uint32_t)a->slots[j] : j) * tb + (size_t)g * sp->row_bytes;
-            nd_widen(a->v + at, sp->dtype, d, vr);
+            nd_widen(a->v + row_at(a, j, g), sp->dtype, d, kr);
             const double p = s[j] / sum;
             for (uint32_t x = 0; x < d; x++)
-                acc[x] += p * vr[x];
+                acc[x] += p * kr[x];
         }
+        float *o = a->out + (size_t)i * d;
         for (uint32_t x = 0; x < d; x++)
             o[x] = (float)acc[x];
-        free(acc);
         a->mass[i] = marked / sum;
     }
-    free(s), free(kr);
+    free(s), free(acc), free(kr);
     return ND_OK;
 }
