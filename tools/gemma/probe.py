@@ -7,14 +7,14 @@ Gemma-3-270M (base) retrieve it with the cache this run attends through?
                                 [--csv OUT] [--trace OUT.kvtt --trace-case I]
 
 Fact task: the stretch is the US Declaration of Independence (data/declaration.txt, public
-domain) cycled sentence by sentence; at a depth the sentence "NAME keeps a red boat in CITY."
+domain) cut into clauses and cycled; at a depth the sentence "NAME keeps a red boat in CITY."
 (a name and a city drawn per case from fixed lists); the question at the end is "Where does
 NAME keep a red boat?" and the answer " CITY". Only the instruction before the text is
 protected (--protect defaults to its token count), so the stretch and the fact are fed as
 generated text.
 
-The prompt is the classic one (Mohtashami & Jaggi, "Landmark Attention", 2023): an instruction,
-filler sentences repeated ("The grass is green. The sky is blue. ..."), at a depth the needle
+Passkey task: the prompt is the classic one (Mohtashami & Jaggi, "Landmark Attention", 2023):
+an instruction, filler sentences repeated ("The grass is green. The sky is blue. ..."), at a depth the needle
 "The pass key is K. Remember it. K is the pass key.", more filler, then
 "What is the pass key? The pass key is". Lengths are in tokens (the whole prompt, BOS
 included, within a few tokens: filler comes in whole sentences); depth is the fraction of the
@@ -59,16 +59,11 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 
-def build_case(tok, length: int, depth: float, key: int):
-    """Token ids of prompt + answer (passkey task), and how many of them are the answer."""
-    prompt, answer, _ = build_passkey(tok, length, depth, key)
-    return prompt, answer
-
-
 FACT_INTRO = ("Read the following document carefully. Afterwards you will be asked a question "
               "about one fact stated in it.\n\n")
 FACT = "{name} keeps a red boat in {city}. "
-FACT_QUESTION = "\n\nQuestion: Where does {name} keep a red boat?\nAnswer: {name} keeps a red boat in"
+FACT_QUESTION = ("\n\nQuestion: Where does {name} keep a red boat?\n"
+                 "Answer: {name} keeps a red boat in")
 NAMES = ["Alice", "Peter", "Maria", "John", "Hannah", "Oliver", "Sofia", "Daniel", "Emma",
          "Lucas", "Clara", "Victor", "Laura", "Martin", "Julia", "Simon"]
 CITIES = ["Paris", "London", "Tokyo", "Cairo", "Lisbon", "Dublin", "Oslo", "Vienna", "Prague",
@@ -80,16 +75,14 @@ CITIES = ["Paris", "London", "Tokyo", "Cairo", "Lisbon", "Dublin", "Oslo", "Vien
 def _sentences() -> list[str]:
     import re
     text = (HERE / "data" / "declaration.txt").read_text()
-    return [x.strip() + " " for x in re.split(r"(?<=[.;:,])\s+", " ".join(text.split())) if x.strip()]
+    clauses = re.split(r"(?<=[.;:,])\s+", " ".join(text.split()))
+    return [x.strip() + " " for x in clauses if x.strip()]
 
 
-def _span(tok, before: str, part: str, after: str = "") -> tuple[list[int], int, int]:
-    """ids of before + part + after, and the token range [a, b) that covers `part`."""
+def _span(tok, before: str, part: str) -> tuple[int, int]:
+    """The token range [a, b) that `part` covers in the encoding of before + part + ..."""
     # SentencePiece glues a space to the next word: measure the prefixes without trailing blanks.
-    a = len(tok.encode(before.rstrip(" ")))
-    ids = tok.encode(before + part + after)
-    b = len(tok.encode((before + part).rstrip(" ")))
-    return ids, a, b
+    return len(tok.encode(before.rstrip(" "))), len(tok.encode((before + part).rstrip(" ")))
 
 
 def build_fact(tok, length: int, depth: float, rng):
@@ -115,7 +108,7 @@ def build_fact(tok, length: int, depth: float, rng):
     while n > 1 and len(tok.encode("".join(text(n)))) > length:
         n -= 1
     before, after = text(n)
-    _, a, b = _span(tok, before, fact)
+    a, b = _span(tok, before, fact)
     prompt = tok.encode(before + after)
     answer = tok.encode(f" {city}", bos=False)
     return prompt, answer, (a, b), f"{name}/{city}"
@@ -123,7 +116,6 @@ def build_fact(tok, length: int, depth: float, rng):
 
 def build_passkey(tok, length: int, depth: float, key: int):
     """prompt ids, answer ids, and the needle sentence's token range in the prompt."""
-    """Token ids of prompt + answer, and how many of them are the answer."""
     # Tokens one more filler sentence group adds inside a run of them (its first word merges
     # with the space before it, so encoding FILLER alone would count one token too many).
     per_fill = (len(tok.encode(FILLER * 20, bos=False)) - len(tok.encode(FILLER * 10, bos=False))) / 10
@@ -133,7 +125,7 @@ def build_passkey(tok, length: int, depth: float, key: int):
     text = (INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (n_fill - before)
             + QUESTION)
     prompt = tok.encode(text)
-    _, a, b = _span(tok, INTRO + FILLER * before, NEEDLE.format(key=key))
+    a, b = _span(tok, INTRO + FILLER * before, NEEDLE.format(key=key))
     answer = tok.encode(f" {key}", bos=False)
     return prompt, answer, (a, b)
 
