@@ -538,7 +538,19 @@ KVT_API kvt_status kvt_seq_reserved_slot(const kvt_seq *seq, uint32_t layer, uin
  * KVT_ERR_BAD_STATE after kvt_batch_run ran this layer for the step (its rows may have moved). */
 KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t first,
                                  uint32_t n, const void *src, size_t src_bytes);
-/* Shared prefixes (copy-on-write forks) are not supported yet: KVT_ERR_UNSUPPORTED. */
+/* Fork seq between steps into a new request *out of id request_id (parallel sampling, a shared
+ * system prompt): the child holds every committed row of seq — the same pages, shared with
+ * reference counts, none copied — and a copy of every layer's policy state (σ and kept sets,
+ * eviction positions, slot maps and archive), with seq's prompt length, ratio and recall; from
+ * then on each decodes on its own. A shared page is read-only: before a step writes into one
+ * (the partial last page at kvt_batch_reserve, the pages past the protected prompt before an
+ * eviction round) the writer copies it into a page of its own, so neither side ever sees the
+ * other's rows; a page goes back to the pool when its last holder lets it go. Later random
+ * draws are keyed by the child's own request id. KVT_ERR_BAD_STATE when seq has a step in flight
+ * (or is damaged), KVT_ERR_INVALID_ARGUMENT (NULL), KVT_ERR_CAPACITY (max_seqs reached),
+ * KVT_ERR_OUT_OF_MEMORY; on failure nothing was forked. A later reserve that must copy a page
+ * the pool cannot give answers KVT_ERR_POOL_EXHAUSTED with nothing reserved. Not yet: attaching
+ * a new request to another's first P rows. */
 KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out);
 
 /* ---------------------------------------------------------------------------------------------

@@ -311,13 +311,125 @@ void kvt_seq_destroy(kvt_seq *seq) {
     ctx->free_seqs = seq;
 }
 
+/* Copy on write: every live page of group g's table that holds a row at or past from_row and
+ * that another table shares becomes this request's own — a page taken from the pool, the page's
+ * rows copied into it on the backend for every layer and plane of the group. Each page copied is
+ * a valid state on its own; KVT_ERR_POOL_EXHAUSTED (or a backend error) leaves the rest shared. */
+static kvt_status own_pages(kvt_seq *seq, uint32_t g, uint64_t from_row) {
+    kvt_ctx *ctx = seq->ctx;
+    kvt__ptable *t = &seq->pt[g];
+    kvt__pool *pool = &ctx->groups[g].pool;
+    const kvt__group *gr = &ctx->groups[g];
+    const uint32_t PR = ctx->page_rows;
+    for (uint32_t k = 0; k < t->n_pages; k++) {
+        uint32_t old = (uint32_t)t->pages[k];
+        if ((t->first_page + k + 1) * PR <= from_row || pool->refs[old] <= 1)
+            continue;
+        if (pool->n_free == 0)
+            return kvt__ctx_fail(ctx, KVT_ERR_POOL_EXHAUSTED,
+                                 "request %llu: group %u has no free page to copy a shared page "
+                                 "into (copy on write)",
+                                 (unsigned long long)seq->request_id, g);
+        uint32_t nw = pool->free_ids[pool->n_free - 1];
+        for (uint32_t i = 0; i < gr->n_layers; i++) {
+            const kvt__store *st = &ctx->stores[gr->layers[i]];
+            const size_t bytes = (size_t)PR * st->slot_bytes;
+            for (uint32_t p = 0; p < st->spec.n_planes; p++) {
+                kvt_status s = ctx->backend.ops->copy(&ctx->backend, st->plane[p] + nw * bytes,
+                                                      st->plane[p] + old * bytes, bytes, NULL);
+                if (s != KVT_OK)
+                    return kvt__ctx_fail(ctx, s, "copying a shared page of layer %u",
+                                         gr->layers[i]);
+            }
+        }
+        pool->n_free--;
+        pool->refs[nw] = 1;
+        kvt__pool_put(pool, old);
+        t->pages[k] = (int32_t)nw;
+        if (t->dsynced > k)
+            t->dsynced = k; /* the mirror rewrites from here */
+    }
+    return KVT_OK;
+}
+
+/* The first row a step growing group g's table to rows_after may write: the new rows, or
+ * earlier ones a policy moves (policy.h writes_from). */
+static uint64_t group_writes_from(const kvt_seq *seq, uint32_t g, uint64_t rows_after) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__group *gr = &ctx->groups[g];
+    uint64_t from = seq->pt[g].n_rows;
+    for (uint32_t k = 0; gr->ops->writes_from && k < gr->n_layers; k++) {
+        uint64_t f = gr->ops->writes_from(&seq->layers[gr->layers[k]], &seq->cfg,
+                                          seq->pt[g].n_rows, rows_after, seq->prompt_rows);
+        from = f < from ? f : from;
+    }
+    return from;
+}
+
 kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {
-    CHECK_SEQ(seq);
-    (void)request_id;
-    if (out)
-        *out = NULL;
-    return kvt__ctx_fail(seq->ctx, KVT_ERR_UNSUPPORTED,
-                         "shared prefixes (copy-on-write forks) are not supported yet");
+    CHECK_LIVE_SEQ(seq);
+    kvt_ctx *ctx = seq->ctx;
+    if (!out)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    if (seq->n_pending || seq->batch)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "request %llu has a step in flight: fork between steps",
+                             (unsigned long long)seq->request_id);
+    kvt_seq_params p = kvt_seq_default_params();
+    p.request_id = request_id;
+    p.prompt_rows = seq->prompt_rows;
+    p.ratio = seq->cfg.ratio;
+    p.recall = (int32_t)seq->cfg.recall;
+    kvt_seq *c;
+    kvt_status s = kvt_seq_create(ctx, &p, &c);
+    if (s != KVT_OK)
+        return s;
+    c->cfg = seq->cfg;
+    /* The tables: every live page shared (read-only while shared: own_pages copies it before
+     * a write), counts as the parent's. */
+    const kvt__alloc *a = &ctx->alloc;
+    for (uint32_t g = 0; g < ctx->n_groups && s == KVT_OK; g++) {
+        const kvt__ptable *src = &seq->pt[g];
+        kvt__ptable *t = &c->pt[g];
+        void *arr = t->pages;
+        s = kvt__grow(a, &arr, &t->cap, src->n_pages, sizeof *t->pages);
+        t->pages = arr;
+        if (s == KVT_OK)
+            s = kvt__ptable_mirror_reserve(t, &ctx->backend, src->n_pages);
+        if (s != KVT_OK) {
+            kvt__ctx_fail(ctx, s, "page table of the fork");
+            break;
+        }
+        for (uint32_t k = 0; k < src->n_pages; k++) {
+            t->pages[k] = src->pages[k];
+            kvt__pool_share(&ctx->groups[g].pool, (uint32_t)src->pages[k]);
+        }
+        t->n_pages = src->n_pages;
+        t->n_rows = src->n_rows;
+        t->first_page = src->first_page;
+        t->dropped_rows = src->dropped_rows;
+        t->dsynced = 0;
+    }
+    /* The policies' states, copied on the backend. */
+    kvt__env env = kvt__ctx_env(ctx, c, NULL);
+    for (uint32_t i = 0; i < ctx->n_layers && s == KVT_OK; i++) {
+        const kvt__store *st = &ctx->stores[i];
+        if (st->group < 0 || !ops_of(ctx, i)->layer_fork)
+            continue;
+        s = ops_of(ctx, i)->layer_fork(&c->layers[i], &seq->layers[i], &env, st,
+                                       seq->pt[st->group].n_rows);
+    }
+    if (s != KVT_OK) {
+        char tmp[KVT__ERR_LEN];
+        memcpy(tmp, kvt__tls_error(), sizeof tmp);
+        kvt_seq_destroy(c); /* its shared pages back to their other holders */
+        return kvt__ctx_fail(ctx, s, "forking request %llu: %s; nothing was forked",
+                             (unsigned long long)seq->request_id, tmp);
+    }
+    c->n_tokens = seq->n_tokens;
+    *out = c;
+    return KVT_OK;
 }
 
 /* The first layer whose policy says it is damaged (else: has used the prompt length), or
@@ -423,6 +535,9 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     kvt_status s = KVT_OK;
     for (g = 0; g < ctx->n_groups; g++) {
         s = kvt__ptable_reserve(&seq->pt[g], &ctx->groups[g].pool, a, n_tokens);
+        /* Copy on write: pages the step will write that a fork shares become this request's. */
+        if (s == KVT_OK && ctx->groups[g].pool.shared)
+            s = own_pages(seq, g, group_writes_from(seq, g, seq->pt[g].n_rows + n_tokens));
         if (s == KVT_OK)
             s = kvt__ptable_mirror_reserve(&seq->pt[g], &ctx->backend, seq->pt[g].n_pages);
         if (s != KVT_OK)

@@ -16,55 +16,26 @@
 #include "kvtier.h"
 #include "support/testutil.h"
 
-enum { L_SAL = 0, L_EV1 = 1, L_EV2 = 2, L_SLIDE = 3, N_LAYERS = 4 };
-enum { BLOCK = 64, K_EV = 32, R_EV = 8, C_EV = 8, WINDOW = 40, S_Q = 5, TOPK = 1024 };
+enum { L_SAL = TU_L_SAL, L_EV1 = TU_L_EV1, L_EV2 = TU_L_EV2, L_SLIDE = TU_L_SLIDE,
+       N_LAYERS = TU_N_LAYERS };
+enum { BLOCK = TU_BLOCK, K_EV = TU_K, R_EV = TU_R, C_EV = TU_R, WINDOW = TU_WINDOW, S_Q = 5,
+       TOPK = 1024 };
 
 /* salience (MLA NoPE, 1 head), two evict layers (GQA RoPE, 2 heads), a sliding window of 40. */
 static kvt_model *spec_model(void) {
-    kvt_layer_spec s[N_LAYERS];
-    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s[L_SAL]), KVT_OK);
-    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, 2, 16, &s[L_EV1]), KVT_OK);
-    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, 2, 16, &s[L_EV2]), KVT_OK);
-    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_SLIDING, KVT_DTYPE_BF16, 2, 8, &s[L_SLIDE]), KVT_OK);
-    s[L_SLIDE].sliding_window = WINDOW;
-    kvt_model *m;
-    char err[256];
-    cr_assert_eq(kvt_model_create(s, N_LAYERS, "spec", &m, err, sizeof err), KVT_OK, "%s", err);
+    kvt_model *m = tu_mixed_model();
+    cr_assert_not_null(m);
     return m;
 }
 
 static kvt_ctx *spec_ctx(kvt_model *m, bool archive) {
-    kvt_config c = kvt_config_default();
-    c.block_rows = BLOCK;
-    c.kappa = 4;
-    c.ratio = 8;
-    c.evict_budget_rows = K_EV;
-    c.recent_rows = R_EV;
-    c.cadence_rows = C_EV;
-    c.evict_archive = archive;
-    kvt_ctx_params p = kvt_ctx_default_params();
-    p.model = m;
-    p.config = &c;
-    p.page_rows = 16;
-    p.n_pages = 256;
-    p.allocator = KVT_ALLOC_LIBC;
-    kvt_ctx *ctx;
-    char err[256];
-    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx *ctx = tu_mixed_ctx(m, archive, 256);
+    cr_assert_not_null(ctx, "%s", kvt_last_error());
     return ctx;
 }
 
-/* The bytes of a row: a function of (layer, plane, position) for a token that is accepted, of the
- * step and its index too for a draft that will be rejected. Every byte <= 0x3f: finite values. */
 static void row_bytes(uint8_t *buf, size_t n, uint32_t l, uint32_t pl, uint64_t pos, uint64_t junk) {
-    uint64_t x = (pos + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)l << 40) ^ ((uint64_t)pl << 48) ^
-                 (junk * 0xD1B54A32D192ED03ull);
-    for (size_t k = 0; k < n; k++) {
-        x ^= x >> 29;
-        x *= 0xBF58476D1CE4E5B9ull;
-        x ^= x >> 32;
-        buf[k] = (uint8_t)(x & 0x3f);
-    }
+    tu_row_bytes(buf, n, l, pl, pos, junk);
 }
 
 /* Write the step's rows of seq: token t holds position first + t; tokens t >= good are junk. */

@@ -806,6 +806,67 @@ static kvt_status ev_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_t
     return first;
 }
 
+/* A round due once the table holds rows_after compacts every row past the protected prefix. */
+static uint64_t ev_writes_from(const kvt__tier_state *s, const kvt_config *cfg, uint64_t n_rows,
+                               uint64_t rows_after, uint64_t prompt_rows) {
+    (void)s;
+    if (!kvt__ev_round_due(cfg, rows_after))
+        return n_rows;
+    uint64_t L = kvt__ev_protected_rows(cfg, prompt_rows);
+    return L < n_rows ? L : n_rows;
+}
+
+/* Copy H rows of n entries (strided by the caps) from one backend array to another. */
+static kvt_status copy_strided(const kvt__backend *be, void *dst, uint64_t dst_cap,
+                               const void *src, uint64_t src_cap, uint32_t H, uint64_t n,
+                               size_t elt) {
+    for (uint32_t h = 0; h < H && n; h++) {
+        kvt_status s = be->ops->copy(be, (uint8_t *)dst + elt * h * dst_cap,
+                                     (const uint8_t *)src + elt * h * src_cap, elt * n, NULL);
+        if (s != KVT_OK)
+            return s;
+    }
+    return KVT_OK;
+}
+
+static kvt_status ev_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+                                const kvt__env *env, const kvt__store *st, uint64_t rows) {
+    kvt__ev *d = &dst_s->ev;
+    const kvt__ev *e = &src_s->ev;
+    const kvt__backend *be = d->be;
+    const uint32_t H = e->n_heads;
+    kvt_status s = kvt__ev_reserve(d, rows);
+    if (s == KVT_OK && e->last_n)
+        s = round_reserve(d, e->last_n, env->cfg->evict_budget_rows);
+    if (s == KVT_OK && e->archive && d->archive)
+        s = archive_reserve(d, e->ar_n, NULL);
+    if (s == KVT_OK)
+        s = copy_strided(be, d->pos, d->pos_cap, e->pos, e->pos_cap, H, rows, sizeof *e->pos);
+    if (s == KVT_OK && e->last_n)
+        s = be->ops->copy(be, d->last_map, e->last_map, sizeof *e->last_map * H * e->last_n,
+                          NULL);
+    if (s == KVT_OK && e->archive && d->archive && e->ar_n) {
+        s = copy_strided(be, d->ar_bytes, d->ar_cap, e->ar_bytes, e->ar_cap, H, e->ar_n,
+                         e->ar_row_bytes);
+        if (s == KVT_OK)
+            s = copy_strided(be, d->ar_pos, d->ar_cap, e->ar_pos, e->ar_cap, H, e->ar_n,
+                             sizeof *e->ar_pos);
+        if (s == KVT_OK)
+            s = copy_strided(be, d->ar_by_pos, d->ar_cap, e->ar_by_pos, e->ar_cap, H, e->ar_n,
+                             sizeof *e->ar_by_pos);
+    }
+    if (s != KVT_OK)
+        return kvt__fail(env->err, env->err_len, s, "forking the eviction state of layer %u",
+                         st->layer);
+    d->last_n = e->last_n;
+    d->last_kept = e->last_kept;
+    d->rounds = e->rounds;
+    d->dropped = e->dropped;
+    d->prompt_over_budget = e->prompt_over_budget;
+    d->ar_n = e->archive && d->archive ? e->ar_n : 0;
+    return KVT_OK;
+}
+
 static uint64_t ev_held_rows(const kvt__tier_state *s, uint64_t rows) {
     return s->ev.step_round ? s->ev.last_kept : rows;
 }
@@ -969,6 +1030,8 @@ const kvt__policy_ops kvt__policy_evict = {
     .reserve = ev_reserve,
     .group_commit = ev_group_commit,
     .layer_step = ev_layer_step,
+    .writes_from = ev_writes_from,
+    .layer_fork = ev_layer_fork,
     .supports_layer = ev_supports_layer,
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,

@@ -133,6 +133,20 @@ struct kvt__policy_ops {
     kvt_status (*reserve)(kvt__tier_state *s, const kvt__env *env, const kvt__store *st,
                           uint64_t rows);
 
+    /* (optional) The first row index of the group's table the work of a step that grows the
+     * table from n_rows to rows_after may write (new rows are always written; a policy that
+     * moves older rows — a due eviction round compacts everything past the protected prefix —
+     * says from where). lib/ copies shared pages from there on before the step (copy on write,
+     * kvt_seq_fork). Without it: n_rows. */
+    uint64_t (*writes_from)(const kvt__tier_state *s, const kvt_config *cfg, uint64_t n_rows,
+                            uint64_t rows_after, uint64_t prompt_rows);
+    /* (optional) A forked request's state: dst (fresh from layer_init) becomes a copy of src,
+     * whose group table holds `rows` rows (kvt_seq_fork; the rows' pages are shared, the state
+     * is copied on the backend). KVT_OK, or a status with a message in env->err (dst stays
+     * valid for layer_fini). Without it the state is empty (a policy with none). */
+    kvt_status (*layer_fork)(kvt__tier_state *dst, const kvt__tier_state *src,
+                             const kvt__env *env, const kvt__store *st, uint64_t rows);
+
     /* ---- Commit ---------------------------------------------------------------------------- */
     /* (optional) Run the policy over one group of one sequence after rows were committed (block
      * close and re-selection, eviction rounds, leading pages returned). Incremental from the

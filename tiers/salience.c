@@ -526,6 +526,32 @@ static kvt_status sal_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_
     return first;
 }
 
+/* The forked request's σ plane and kept set, copied on the backend; the counts as they are. */
+static kvt_status sal_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+                                 const kvt__env *env, const kvt__store *st, uint64_t rows) {
+    (void)rows;
+    kvt__sal *d = &dst_s->sal;
+    const kvt__sal *s = &src_s->sal;
+    const kvt__backend *be = d->be;
+    kvt_status rc = sal_reserve(d, env->alloc, env->cfg->block_rows, s->closed_rows, s->n_kept,
+                                NULL);
+    if (rc == KVT_OK && s->closed_rows)
+        rc = be->ops->copy(be, d->score, s->score, sizeof *s->score * s->closed_rows, NULL);
+    if (rc == KVT_OK && s->n_kept)
+        rc = be->ops->copy(be, d->kept, s->kept, sizeof *s->kept * s->n_kept, NULL);
+    if (rc != KVT_OK)
+        return kvt__fail(env->err, env->err_len, rc, "forking the salience state of layer %u",
+                         st->layer);
+    d->n_rows = s->n_rows;
+    d->closed_rows = s->closed_rows;
+    d->n_kept = s->n_kept;
+    d->kept_in_sinks = s->kept_in_sinks;
+    d->closes = s->closes;
+    d->nonfinite = s->nonfinite;
+    d->score_bytes_read = s->score_bytes_read;
+    return KVT_OK;
+}
+
 static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
     kvt__sal_attended(&l->state->sal, l->cfg, l->pt->n_rows, d);
 }
@@ -576,6 +602,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .layer_fini = sal_layer_fini,
     .group_commit = sal_group_commit,
     .layer_step = sal_layer_step,
+    .layer_fork = sal_layer_fork,
     .supports_layer = sal_supports_layer,
     .attended = sal_attended,
     .row_state = sal_row_state,

@@ -806,7 +806,7 @@ class Sequence(_Closable):
               "kvt_seq_write")
 
     def fork(self, request_id: int) -> "Sequence":
-        """kvt_seq_fork: shared prefixes are not supported by the library yet (UnsupportedError)."""
+        """kvt_seq_fork: a new request sharing every committed row of this one (copy on write)."""
         out = ctypes.c_void_p()
         check(lib.kvt_seq_fork(self._ptr, u64(request_id, "request_id"), ctypes.byref(out)),
               "kvt_seq_fork")

@@ -23,8 +23,10 @@ def test_params_and_bad_params(mixed_ctx):
         mixed_ctx.sequence(request_id=-1)
     with pytest.raises(TypeError):
         kvtier.Sequence("ctx")
-    with pytest.raises(kvtier.UnsupportedError):
-        s.fork(9)
+    f = s.fork(9)
+    assert f.request_id == 9 and f.length == 0
+    f.check()
+    f.close()
 
 
 def test_rows_by_position(mixed_ctx):

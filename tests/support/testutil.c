@@ -44,6 +44,48 @@ static struct {
     kvt_batch *b;
 } tu_open[TU_MAX_OPEN];
 
+kvt_model *tu_mixed_model(void) {
+    kvt_layer_spec s[TU_N_LAYERS];
+    if (kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s[TU_L_SAL]) ||
+        kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, 2, 16, &s[TU_L_EV1]) ||
+        kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, 2, 16, &s[TU_L_EV2]) ||
+        kvt_layer_spec_gqa(KVT_LAYER_SLIDING, KVT_DTYPE_BF16, 2, 8, &s[TU_L_SLIDE]))
+        return NULL;
+    s[TU_L_SLIDE].sliding_window = TU_WINDOW;
+    kvt_model *m;
+    return kvt_model_create(s, TU_N_LAYERS, "mixed", &m, NULL, 0) == KVT_OK ? m : NULL;
+}
+
+kvt_ctx *tu_mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages) {
+    kvt_config c = kvt_config_default();
+    c.block_rows = TU_BLOCK;
+    c.kappa = 4;
+    c.ratio = 8;
+    c.evict_budget_rows = TU_K;
+    c.recent_rows = TU_R;
+    c.cadence_rows = TU_R;
+    c.evict_archive = archive;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = n_pages;
+    p.allocator = KVT_ALLOC_LIBC;
+    kvt_ctx *ctx;
+    return kvt_ctx_create(&p, &ctx, NULL, 0) == KVT_OK ? ctx : NULL;
+}
+
+void tu_row_bytes(uint8_t *buf, size_t n, uint32_t l, uint32_t pl, uint64_t pos, uint64_t seed) {
+    uint64_t x = (pos + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)l << 40) ^ ((uint64_t)pl << 48) ^
+                 (seed * 0xD1B54A32D192ED03ull);
+    for (size_t k = 0; k < n; k++) {
+        x ^= x >> 29;
+        x *= 0xBF58476D1CE4E5B9ull;
+        x ^= x >> 32;
+        buf[k] = (uint8_t)(x & 0x3f);
+    }
+}
+
 kvt_status tu_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out) {
     kvt_seq_params p = kvt_seq_default_params();
     p.request_id = request_id;

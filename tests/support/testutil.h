@@ -25,6 +25,18 @@ double tu_normal(tu_rng *r);   /* standard normal (Box-Muller) */
  * ------------------------------------------------------------------------------------------- */
 #include "kvtier.h"
 
+/* A small model with one layer of each policy: salience (MLA NoPE, 1 head), two random-eviction
+ * layers (GQA RoPE, 2 heads of 16 fp16), a sliding window of TU_WINDOW rows (GQA, 2 heads of 8
+ * bf16); NULL on failure. Its context: block_rows TU_BLOCK, kappa 4, ratio 8, K TU_K, r = c =
+ * TU_R, pages of 16 rows, libc allocation, the archive as asked; NULL on failure. */
+enum { TU_L_SAL = 0, TU_L_EV1 = 1, TU_L_EV2 = 2, TU_L_SLIDE = 3, TU_N_LAYERS = 4 };
+enum { TU_BLOCK = 64, TU_K = 32, TU_R = 8, TU_WINDOW = 40 };
+kvt_model *tu_mixed_model(void);
+kvt_ctx *tu_mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages);
+/* The bytes of a row: a function of (layer, plane, position, seed); every byte <= 0x3f, so every
+ * element is finite. */
+void tu_row_bytes(uint8_t *buf, size_t n, uint32_t l, uint32_t pl, uint64_t pos, uint64_t seed);
+
 /* kvt_seq_create with request_id set (other parameters default). */
 kvt_status tu_seq_create(kvt_ctx *ctx, uint64_t request_id, kvt_seq **out);
 /* kvt_batch_reserve of n tokens for seq in a batch of its own. */

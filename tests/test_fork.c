@@ -1,0 +1,203 @@
+/*
+ * test_fork.c — prefix sharing: kvt_seq_fork gives a child every committed page of its parent
+ * (reference-counted, read-only while shared) and a copy of its policy state; a page either
+ * side will write is copied first (the step's partial page at reserve; the pages past the
+ * protected prompt before an eviction round). The proofs, on a model with one layer of each
+ * policy (salience, random eviction with and without the archive, sliding window):
+ *   - children forked before any round, decoded independently with their own rows, equal at
+ *     every step (row state and bytes at every layer, head and position) unshared requests of
+ *     the same ids fed the same rows — through closes, rounds and window releases;
+ *   - after a fork past rounds, the parent continues exactly as a parent never forked, whatever
+ *     its children write, and each child starts equal to its parent;
+ *   - forking takes no page; sharing keeps the prompt's pages shared through rounds;
+ *   - kvt_seq_check (reference counts included) after every step; misuse answers its status.
+ */
+#include <criterion/criterion.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvtier.h"
+#include "support/testutil.h"
+
+#define N_CHILD 3
+
+static void write_rows(kvt_seq *seq, const kvt_model *m, uint64_t first, uint32_t n,
+                       uint64_t seed) {
+    uint8_t buf[4096];
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++) {
+        const kvt_layer_spec *s = kvt_model_layer(m, l);
+        size_t tb = (size_t)s->n_kv_heads * s->row_bytes;
+        for (uint32_t pl = 0; pl < s->n_planes; pl++)
+            for (uint32_t t = 0; t < n; t++) {
+                tu_row_bytes(buf, tb, l, pl, first + t, seed);
+                cr_assert_eq(kvt_seq_write(seq, l, pl, t, 1, buf, tb), KVT_OK, "%s",
+                             kvt_last_error());
+            }
+    }
+}
+
+/* One step of n rows with the given content seed; run order (policy work in the runs) or
+ * commit order. */
+static void step(kvt_seq *seq, const kvt_model *m, uint32_t n, uint64_t seed, bool run) {
+    cr_assert_eq(tu_reserve(seq, n), KVT_OK, "%s", kvt_last_error());
+    write_rows(seq, m, kvt_seq_length(seq), n, seed);
+    cr_assert_eq(run ? tu_commit_run(seq, n) : tu_commit(seq, n), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
+}
+
+static void same(const kvt_seq *a, const kvt_seq *b, const char *what, int k) {
+    char why[512] = "";
+    cr_assert_eq(tu_same_rows(a, b, why, sizeof why), KVT_OK, "%s, step %d: %s", what, k, why);
+}
+
+static kvt_seq *new_seq(kvt_ctx *ctx, uint64_t id, uint64_t prompt) {
+    kvt_seq *s;
+    cr_assert_eq(tu_seq_create(ctx, id, &s), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_set_prompt_rows(s, prompt), KVT_OK);
+    return s;
+}
+
+static uint32_t used_pages(kvt_ctx *ctx, uint32_t n_pages) {
+    uint32_t used = 0;
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++) {
+        uint32_t f;
+        cr_assert_eq(kvt_ctx_free_pages(ctx, l, &f), KVT_OK);
+        used += n_pages - f; /* groups counted once per layer: fine for comparisons */
+    }
+    return used;
+}
+
+static void fork_before_rounds(bool archive) {
+    kvt_model *m = tu_mixed_model();
+    cr_assert_not_null(m);
+    const uint32_t NP = 512;
+    kvt_ctx *ctx = tu_mixed_ctx(m, archive, NP), *ref = tu_mixed_ctx(m, archive, NP);
+    cr_assert(ctx && ref);
+    const uint64_t PROMPT = 32;
+    kvt_seq *parent = new_seq(ctx, 1, PROMPT);
+    kvt_seq *child[N_CHILD], *twin[N_CHILD + 1];
+    /* The prompt and a little decode: below K + r + c = 48 rows, so no round has run. */
+    const uint32_t pre[3] = {20, 12, 12};
+    for (int i = 0; i <= N_CHILD; i++)
+        twin[i] = new_seq(ref, i == 0 ? 1 : 10 + (uint64_t)i, PROMPT);
+    for (int k = 0; k < 3; k++) {
+        step(parent, m, pre[k], 0, k % 2);
+        for (int i = 0; i <= N_CHILD; i++)
+            step(twin[i], m, pre[k], 0, k % 2);
+    }
+    const uint32_t used0 = used_pages(ctx, NP);
+    for (int i = 0; i < N_CHILD; i++) {
+        cr_assert_eq(kvt_seq_fork(parent, 11 + (uint64_t)i, &child[i]), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_seq_check(child[i]), KVT_OK, "%s", kvt_last_error());
+        same(child[i], parent, "child as forked", 0);
+    }
+    cr_assert_eq(used_pages(ctx, NP), used0, "a fork takes no page");
+    /* Independent decode: each request its own rows (seed), its own step sizes. */
+    tu_rng rng = {0xf0f0 + archive};
+    kvt_seq *all[N_CHILD + 1] = {parent, child[0], child[1], child[2]};
+    for (int k = 0; k < 80; k++) {
+        for (int i = 0; i <= N_CHILD; i++) {
+            uint32_t n = 1 + (uint32_t)(tu_next(&rng) % 9);
+            bool run = tu_next(&rng) & 1;
+            step(all[i], m, n, 100 + (uint64_t)i, run);
+            step(twin[i], m, n, 100 + (uint64_t)i, run);
+            same(all[i], twin[i], i == 0 ? "parent vs never forked" : "child vs unshared", k);
+        }
+    }
+    uint32_t shared_used = used_pages(ctx, NP), unshared_used = used_pages(ref, NP);
+    cr_log_info("archive %d: %u pages in use with sharing, %u without (%d requests)", archive,
+                shared_used, unshared_used, N_CHILD + 1);
+    cr_assert(shared_used < unshared_used, "the prompt's pages stay shared: %u vs %u",
+              shared_used, unshared_used);
+    for (int i = 0; i < N_CHILD; i++)
+        kvt_seq_destroy(child[i]);
+    cr_assert_eq(kvt_seq_check(parent), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_ctx_destroy(ref);
+    kvt_model_destroy(m);
+}
+
+Test(fork, children_equal_unshared_requests) {
+    fork_before_rounds(false);
+}
+
+Test(fork, children_equal_unshared_requests_with_archive) {
+    fork_before_rounds(true);
+}
+
+/* Forked past closes and rounds: the parent goes on exactly as one never forked, whatever the
+ * children write (their rounds copy what they move; their appends copy the partial page). */
+Test(fork, parent_is_isolated_from_its_children) {
+    kvt_model *m = tu_mixed_model();
+    const uint32_t NP = 512;
+    kvt_ctx *ctx = tu_mixed_ctx(m, true, NP), *ref = tu_mixed_ctx(m, true, NP);
+    cr_assert(m && ctx && ref);
+    kvt_seq *parent = new_seq(ctx, 1, 24), *twin = new_seq(ref, 1, 24);
+    tu_rng rng = {77};
+    for (int k = 0; k < 30; k++) {
+        uint32_t n = 1 + (uint32_t)(tu_next(&rng) % 13);
+        step(parent, m, n, 0, k % 2);
+        step(twin, m, n, 0, k % 2);
+    }
+    kvt_seq *c[2];
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(kvt_seq_fork(parent, 50 + (uint64_t)i, &c[i]), KVT_OK, "%s",
+                     kvt_last_error());
+        same(c[i], parent, "child as forked", 0);
+    }
+    for (int k = 0; k < 60; k++) {
+        uint32_t n = 1 + (uint32_t)(tu_next(&rng) % 11);
+        for (int i = 0; i < 2; i++)
+            step(c[i], m, 1 + (n + (uint32_t)i) % 7, 900 + (uint64_t)i, i);
+        step(parent, m, n, 0, k % 2);
+        step(twin, m, n, 0, k % 2);
+        same(parent, twin, "parent vs never forked", k);
+    }
+    /* A child outlives its parent. */
+    kvt_seq_destroy(parent);
+    step(c[0], m, 5, 901, true);
+    cr_assert_eq(kvt_seq_check(c[1]), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_ctx_destroy(ref);
+    kvt_model_destroy(m);
+}
+
+Test(fork, misuse_and_exhaustion) {
+    kvt_model *m = tu_mixed_model();
+    kvt_ctx *ctx = tu_mixed_ctx(m, false, 8); /* 8 pages of 16 rows per group */
+    cr_assert(m && ctx);
+    kvt_seq *p = new_seq(ctx, 1, 4), *c;
+    step(p, m, 40, 0, false); /* 3 pages, the last one partial */
+    cr_assert_eq(kvt_seq_fork(p, 2, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(tu_reserve(p, 1), KVT_OK);
+    cr_assert_eq(kvt_seq_fork(p, 2, &c), KVT_ERR_BAD_STATE);
+    cr_assert_null(c);
+    cr_assert_eq(tu_commit(p, 1), KVT_OK);
+    kvt_seq *kids[3];
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(kvt_seq_fork(p, 10 + (uint64_t)i, &kids[i]), KVT_OK, "%s", kvt_last_error());
+    /* 3 pages shared by 4 requests, 5 free: each writer copies the shared partial page. */
+    uint32_t free0;
+    cr_assert_eq(kvt_ctx_free_pages(ctx, TU_L_SAL, &free0), KVT_OK);
+    cr_assert_eq(free0, 5u);
+    for (int i = 0; i < 3; i++)
+        step(kids[i], m, 1, 5 + (uint64_t)i, false);
+    step(p, m, 1, 0, false); /* the last holder keeps the original: no copy */
+    cr_assert_eq(kvt_ctx_free_pages(ctx, TU_L_SAL, &free0), KVT_OK);
+    cr_assert_eq(free0, 2u);
+    /* Exhaust: a fork shares, its write needs a page the pool does not have. */
+    kvt_seq *more[3];
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(kvt_seq_fork(kids[0], 20 + (uint64_t)i, &more[i]), KVT_OK);
+    for (int i = 0; i < 2; i++)
+        step(more[i], m, 1, 30 + (uint64_t)i, false);
+    cr_assert_eq(tu_reserve(more[2], 1), KVT_ERR_POOL_EXHAUSTED);
+    cr_assert(strstr(kvt_last_error(), "free page") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(more[2]), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(more[0]);
+    step(more[2], m, 1, 32, false);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
