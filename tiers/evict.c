@@ -886,6 +886,11 @@ static kvt_status ev_check(const kvt__tier_layer *l, char *err, size_t len) {
     return kvt__ev_check(&l->state->ev, l->pt, l->cfg, l->appended, l->prompt_rows, err, len);
 }
 
+static uint64_t ev_snap_size(const kvt__tier_layer *l);
+static kvt_status ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
+static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                               const uint8_t *src, uint64_t n);
+
 const kvt__policy_ops kvt__policy_evict = {
     .rows_are_positions = false,
     .dropped_how = "by random eviction",
@@ -907,4 +912,142 @@ const kvt__policy_ops kvt__policy_evict = {
     .stats = ev_stats,
     .check_counts = ev_check_counts,
     .check = ev_check,
+    .snap_size = ev_snap_size,
+    .snap_save = ev_snap_save,
+    .snap_load = ev_snap_load,
 };
+
+/* ------------------------------------------------------------------------------------------- */
+/* Snapshots (policy.h snap_*; lib/snapshot.c)                                                  */
+/* ------------------------------------------------------------------------------------------- */
+/* Layout: u32 n_heads, u32 flags (1: prompt_over_budget, 2: archive present); u64 rounds,
+ * dropped, last_kept, last_n, n_rows; i64 pos[n_heads][n_rows]; i32 last_map[n_heads][last_n];
+ * with the archive, per head: u64 n, i64 pos[n] (order of archiving), u64 by_pos[n],
+ * u8 bytes[n][n_planes][row_bytes]. The round scratch is not state: it is rebuilt on demand. */
+enum { EV_SNAP_FIXED = 8 + 5 * 8 };
+
+static uint64_t ev_snap_size(const kvt__tier_layer *l) {
+    const kvt__ev *e = &l->state->ev;
+    const kvt_layer_spec *sp = &l->st->spec;
+    uint64_t n = EV_SNAP_FIXED + (uint64_t)e->n_heads * (8 * l->pt->n_rows + 4 * e->last_n);
+    for (uint32_t h = 0; e->archive && h < e->n_heads; h++)
+        n += 8 + e->archive[h].n * (16 + (uint64_t)sp->n_planes * sp->row_bytes);
+    return n;
+}
+
+static kvt_status ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len) {
+    (void)err;
+    (void)len;
+    const kvt__ev *e = &l->state->ev;
+    const kvt_layer_spec *sp = &l->st->spec;
+    const uint64_t rows = l->pt->n_rows;
+    kvt__snap_cur c = {.w = dst};
+    uint32_t head[2] = {e->n_heads, (e->prompt_over_budget ? 1u : 0u) | (e->archive ? 2u : 0u)};
+    uint64_t v[5] = {e->rounds, e->dropped, e->last_kept, e->last_n, rows};
+    kvt__snap_put(&c, head, sizeof head);
+    kvt__snap_put(&c, v, sizeof v);
+    for (uint32_t h = 0; h < e->n_heads && rows; h++)
+        kvt__snap_put(&c, e->pos + (size_t)h * e->pos_cap, sizeof *e->pos * rows);
+    if (e->last_n)
+        kvt__snap_put(&c, e->last_map, sizeof *e->last_map * e->n_heads * e->last_n);
+    for (uint32_t h = 0; e->archive && h < e->n_heads; h++) {
+        const kvt__ev_archive *ar = &e->archive[h];
+        kvt__snap_put(&c, &ar->n, sizeof ar->n);
+        if (!ar->n)
+            continue;
+        kvt__snap_put(&c, ar->pos, sizeof *ar->pos * ar->n);
+        kvt__snap_put(&c, ar->by_pos, sizeof *ar->by_pos * ar->n);
+        kvt__snap_put(&c, ar->bytes, ar->n * sp->n_planes * sp->row_bytes);
+    }
+    return KVT_OK;
+}
+
+static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                               const uint8_t *src, uint64_t n) {
+    kvt__ev *e = &s->ev;
+    const kvt_config *cfg = l->cfg;
+    const kvt_layer_spec *sp = &l->st->spec;
+    const uint64_t row_all = (uint64_t)sp->n_planes * sp->row_bytes;
+    kvt__snap_cur c = {.r = src, .left = n};
+    uint32_t head[2];
+    uint64_t v[5];
+    if (!kvt__snap_get(&c, head, sizeof head) || !kvt__snap_get(&c, v, sizeof v))
+        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                         "eviction state: %llu bytes, the counts need %d", (unsigned long long)n,
+                         EV_SNAP_FIXED);
+    const uint64_t rounds = v[0], dropped = v[1], last_kept = v[2], last_n = v[3], rows = v[4];
+    const char *bad = NULL;
+    if (head[0] != e->n_heads)
+        bad = "KV heads differ from the layer's";
+    else if ((head[1] & ~3u) != 0 || ((head[1] & 2u) != 0) != (e->archive != NULL))
+        bad = "unknown flags, or an archive where the configuration has none (or none where it "
+              "has one)";
+    else if (rows != l->pt->n_rows)
+        bad = "rows differ from the page table's";
+    else if (rounds == 0 ? (last_n != 0 || last_kept != 0)
+                         : (last_kept != (uint64_t)cfg->evict_budget_rows + cfg->recent_rows ||
+                            last_n > l->appended))
+        bad = "last round's counts out of range";
+    if (bad)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                         "eviction state: %s (%u heads, %llu rows, %llu rounds)", bad, head[0],
+                         (unsigned long long)rows, (unsigned long long)rounds);
+    const uint8_t *pos = kvt__snap_take_n(&c, rows, 8 * (uint64_t)e->n_heads);
+    const uint8_t *map = pos ? kvt__snap_take_n(&c, last_n, 4 * (uint64_t)e->n_heads) : NULL;
+    if (!map)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                         "eviction state: %llu bytes for %llu rows and a slot map of %llu",
+                         (unsigned long long)n, (unsigned long long)rows,
+                         (unsigned long long)last_n);
+    /* Sizes of everything before any allocation: each archive's count against the bytes. */
+    kvt__snap_cur ac = c;
+    for (uint32_t h = 0; e->archive && h < e->n_heads; h++) {
+        uint64_t an;
+        if (!kvt__snap_get(&ac, &an, sizeof an) || !kvt__snap_take_n(&ac, an, 16 + row_all))
+            return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                             "eviction state: archive of head %u runs past the section", h);
+        if (env->archive_rows && an > env->archive_rows)
+            return kvt__fail(env->err, env->err_len, KVT_ERR_CAPACITY,
+                             "eviction state: head %u archived %llu rows, the context's "
+                             "archive_rows_per_seq is %llu",
+                             h, (unsigned long long)an, (unsigned long long)env->archive_rows);
+    }
+    if (ac.left != 0)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                         "eviction state: %llu bytes after the state", (unsigned long long)ac.left);
+    kvt_status rc = kvt__ev_reserve(e, env->alloc, rows);
+    if (rc == KVT_OK && last_n) {
+        void *p = e->last_map;
+        rc = kvt__grow(env->alloc, &p, &e->last_map_cap, (uint64_t)e->n_heads * last_n,
+                       sizeof *e->last_map);
+        e->last_map = p;
+    }
+    if (rc != KVT_OK)
+        return kvt__fail(env->err, env->err_len, rc, "eviction state: positions, slot map");
+    for (uint32_t h = 0; h < e->n_heads && rows; h++)
+        memcpy(e->pos + (size_t)h * e->pos_cap, pos + (size_t)h * rows * 8, 8 * rows);
+    if (last_n)
+        memcpy(e->last_map, map, 4 * (size_t)e->n_heads * last_n);
+    for (uint32_t h = 0; e->archive && h < e->n_heads; h++) {
+        kvt__ev_archive *ar = &e->archive[h];
+        uint64_t an = 0;
+        kvt__snap_get(&c, &an, sizeof an); /* sizes were checked above */
+        if ((rc = archive_reserve(ar, env->alloc, an, row_all)) != KVT_OK)
+            return kvt__fail(env->err, env->err_len, rc, "eviction state: archive of head %u", h);
+        if (!an)
+            continue;
+        memcpy(ar->pos, kvt__snap_take(&c, 8 * an), 8 * an);
+        memcpy(ar->by_pos, kvt__snap_take(&c, 8 * an), 8 * an);
+        memcpy(ar->bytes, kvt__snap_take(&c, an * row_all), an * row_all);
+        ar->n = an;
+    }
+    e->rounds = rounds;
+    e->dropped = dropped;
+    e->last_kept = last_kept;
+    e->last_n = last_n;
+    e->prompt_over_budget = (head[1] & 1u) != 0;
+    char msg[KVT__ERR_LEN];
+    if (kvt__ev_check(e, l->pt, cfg, l->appended, l->prompt_rows, msg, sizeof msg) != KVT_OK)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT, "eviction state: %s", msg);
+    return KVT_OK;
+}
