@@ -1,7 +1,7 @@
 /*
  * container.h — the generic kvtier container (internal): a file header and a sequence of
- * CRC-checked sections, closed by an END section. Traces use it today (lib/trace.c); request
- * snapshots will use it with their own content kind and section types. Layout: docs/trace-format.md
+ * CRC-checked sections, closed by an END section. Traces use it (lib/trace.c) as files; request
+ * snapshots (lib/snapshot.c) in memory, with their own content kind and section types. Layout: docs/trace-format.md
  * section 1. Little-endian helpers for payload (de)serialisation live here too.
  */
 #ifndef KVT_LIB_CONTAINER_H

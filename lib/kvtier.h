@@ -842,8 +842,10 @@ KVT_API kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capaci
 KVT_API kvt_status kvt_seq_restore(kvt_ctx *ctx, const void *buf, size_t len, kvt_seq **out);
 /* kvt_seq_snapshot into the file at path, atomically: a temporary file in the same directory,
  * written, fsync'ed, renamed over path, then the directory fsync'ed. On any failure the
- * temporary file is removed and a file already at path is left as it was. KVT_ERR_IO (with the
- * failing step and errno's text) besides kvt_seq_snapshot's errors. */
+ * temporary file is removed and a file already at path is left as it was (a failing directory
+ * fsync is reported after the rename: the new file is then in place). The file is created with
+ * mode 0600 (mkstemp). KVT_ERR_IO (with the failing step and errno's text) besides
+ * kvt_seq_snapshot's errors. */
 KVT_API kvt_status kvt_seq_snapshot_file(const kvt_seq *seq, const char *path);
 /* kvt_seq_restore of the file at path. KVT_ERR_IO when it cannot be read. */
 KVT_API kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq **out);
