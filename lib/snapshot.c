@@ -535,6 +535,14 @@ static kvt_status check_layout(const snap_parsed *sp, uint32_t window_of[KVT__MA
                              g, (unsigned long long)fp, (unsigned long long)dropped, W,
                              (unsigned long long)n_rows, (unsigned long long)want_fp);
     }
+    /* Every group holds a layer, so every table's rows are bounded by a ROWS section's bytes. */
+    for (uint32_t g = 0; g < m->n_groups; g++) {
+        uint32_t i = 0;
+        while (i < m->n_layers && meta_group(m, i) != (int32_t)g)
+            i++;
+        if (i == m->n_layers)
+            return kvt__fail(err, elen, KVT_ERR_PARSE, "group %u has no layer", g);
+    }
     for (uint32_t i = 0; i < m->n_layers; i++) {
         int32_t g = meta_group(m, i);
         const kvt__ctr_section *rs = &sp->rows[i];
@@ -603,8 +611,6 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
         else if (s != KVT_OK)
             s = kvt__ctx_fail(ctx, s, "group %u: page table", g);
     }
-    if (s == KVT_OK)
-        ctx->started = true;
     kvt__env env = kvt__ctx_env(ctx, seq, NULL);
     char why[KVT__ERR_LEN] = "";
     env.err = why;
@@ -646,6 +652,7 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
         kvt__ctx_fail(ctx, s, "%s", msg);
         return s;
     }
+    ctx->started = true; /* pages taken: storage can no longer be rebound (as after a reserve) */
     *out = seq;
     return KVT_OK;
 }

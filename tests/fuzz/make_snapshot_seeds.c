@@ -66,8 +66,8 @@ int main(int argc, char **argv) {
     kvt_ctx *ctx = fuzz_snapshot_ctx(&m, 64);
     if (!ctx)
         die("context", KVT_ERR_INVALID_ARGUMENT);
-    kvt_batch *b;
-    kvt_seq *seq;
+    kvt_batch *b = NULL;
+    kvt_seq *seq = NULL;
     kvt_seq_params p = kvt_seq_default_params();
     p.request_id = 3;
     p.prompt_rows = 3;
