@@ -86,6 +86,10 @@ static void fill_rows(uint8_t *dst, size_t bytes, uint32_t layer, uint32_t plane
     }
 }
 
+/* Steps run every layer before their commit (closes and rounds inside the runs, as in an
+ * engine's forward) instead of doing all policy work at commit. */
+static bool g_run_layers;
+
 /* Reserve n tokens, write every layer's rows, commit. */
 static kvt_status step(kvt_seq *seq, uint32_t n) {
     kvt_status s = tu_reserve(seq, n);
@@ -107,7 +111,7 @@ static kvt_status step(kvt_seq *seq, uint32_t n) {
                 cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
             }
     }
-    return tu_commit(seq, n);
+    return g_run_layers ? tu_commit_run(seq, n) : tu_commit(seq, n);
 }
 
 /* A snapshot in a malloc'ed buffer. */
@@ -243,6 +247,12 @@ Test(snapshot, continuation_other_context) {
 
 Test(snapshot, continuation_guarded_backend) {
     continuation(guarded(), true, true, 17);
+}
+
+Test(snapshot, continuation_with_runs) {
+    g_run_layers = true;
+    continuation(KVT_BACKEND_CPU, true, true, 23);
+    g_run_layers = false;
 }
 
 /* A snapshot taken on the guarded backend restores on the CPU backend, byte for byte. */
