@@ -163,6 +163,15 @@ static uint32_t step_size(int i) {
     return i < 12 ? 9 : (i % 5 == 0 ? 13 : 1);
 }
 
+/* A request of ctx with id `id`, driven through `steps` steps of step_size. */
+static kvt_seq *driven(kvt_ctx *ctx, uint64_t id, int steps) {
+    kvt_seq *seq;
+    cr_assert_eq(tu_seq_create(ctx, id, &seq), KVT_OK);
+    for (int i = 0; i < steps; i++)
+        cr_assert_eq(step(seq, step_size(i)), KVT_OK, "step %d: %s", i, kvt_last_error());
+    return seq;
+}
+
 /* ------------------------------------------------------------------------------------------- */
 /* Round trips                                                                                   */
 /* ------------------------------------------------------------------------------------------- */
@@ -261,10 +270,7 @@ Test(snapshot, guarded_to_cpu) {
     kvt_config c = small_config(true);
     kvt_ctx *g = make_ctx(m, &c, guarded(), 64);
     kvt_ctx *cpu = make_ctx(m, &c, KVT_BACKEND_CPU, 64);
-    kvt_seq *a, *b;
-    cr_assert_eq(tu_seq_create(g, 3, &a), KVT_OK);
-    for (int i = 0; i < 40; i++)
-        cr_assert_eq(step(a, step_size(i)), KVT_OK, "%s", kvt_last_error());
+    kvt_seq *a = driven(g, 3, 40), *b;
     size_t n;
     uint8_t *buf = snap(a, &n);
     cr_assert_eq(kvt_seq_restore(cpu, buf, n, &b), KVT_OK, "%s", kvt_last_error());
@@ -356,10 +362,7 @@ Test(snapshot, mismatch_refused) {
     kvt_model *m = mixed_model(2), *m4 = mixed_model(4);
     kvt_config c = small_config(true);
     kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 64);
-    kvt_seq *seq;
-    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
-    for (int i = 0; i < 14; i++)
-        cr_assert_eq(step(seq, step_size(i)), KVT_OK);
+    kvt_seq *seq = driven(ctx, 1, 14);
     size_t n;
     uint8_t *buf = snap(seq, &n);
     struct {
@@ -479,14 +482,40 @@ static void refused(kvt_ctx *ctx, const kvt_seq *orig, const uint8_t *b, size_t 
     cr_assert_eq(kvt_seq_check(orig), KVT_OK, "%s at %zu: %s", what, at, kvt_last_error());
 }
 
-Test(snapshot, every_byte_corrupted) {
-    kvt_model *m = tiny_model();
-    kvt_config c = small_config(true);
-    kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 64);
-    kvt_seq *seq = small_seq(ctx);
+/* The tiny model's context, small_seq's request in it, its snapshot and the free pages. */
+typedef struct fixture {
+    kvt_model *m;
+    kvt_ctx *ctx;
+    kvt_seq *seq;
+    uint8_t *b;
     size_t n;
-    uint8_t *b = snap(seq, &n);
-    uint32_t free0 = free_pages_sum(ctx);
+    uint32_t free0;
+} fixture;
+
+static fixture fixture_make(bool archive) {
+    fixture x;
+    x.m = tiny_model();
+    kvt_config c = small_config(archive);
+    x.ctx = make_ctx(x.m, &c, KVT_BACKEND_CPU, 64);
+    x.seq = small_seq(x.ctx);
+    x.b = snap(x.seq, &x.n);
+    x.free0 = free_pages_sum(x.ctx);
+    return x;
+}
+
+static void fixture_free(fixture *x) {
+    free(x->b);
+    kvt_ctx_destroy(x->ctx);
+    kvt_model_destroy(x->m);
+}
+
+Test(snapshot, every_byte_corrupted) {
+    fixture x = fixture_make(true);
+    kvt_ctx *ctx = x.ctx;
+    kvt_seq *seq = x.seq;
+    uint8_t *b = x.b;
+    size_t n = x.n;
+    uint32_t free0 = x.free0;
     for (size_t i = 0; i < n; i++) {
         for (int k = 0; k < 2; k++) {
             uint8_t old = b[i];
@@ -499,19 +528,16 @@ Test(snapshot, every_byte_corrupted) {
     kvt_seq *r;
     cr_assert_eq(kvt_seq_restore(ctx, b, n, &r), KVT_OK, "%s", kvt_last_error());
     assert_same(seq, r, "after corruption loop");
-    free(b);
-    kvt_ctx_destroy(ctx);
-    kvt_model_destroy(m);
+    fixture_free(&x);
 }
 
 Test(snapshot, every_length_truncated) {
-    kvt_model *m = tiny_model();
-    kvt_config c = small_config(false);
-    kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 64);
-    kvt_seq *seq = small_seq(ctx);
-    size_t n;
-    uint8_t *b = snap(seq, &n);
-    uint32_t free0 = free_pages_sum(ctx);
+    fixture x = fixture_make(false);
+    kvt_ctx *ctx = x.ctx;
+    kvt_seq *seq = x.seq;
+    uint8_t *b = x.b;
+    size_t n = x.n;
+    uint32_t free0 = x.free0;
     for (size_t len = 0; len < n; len++) {
         uint8_t *t = malloc(len ? len : 1); /* exactly len bytes: ASan sees any overread */
         memcpy(t, b, len);
@@ -519,14 +545,12 @@ Test(snapshot, every_length_truncated) {
         free(t);
     }
     /* Extra bytes after END are refused too. */
-    uint8_t *x = malloc(n + 8);
-    memcpy(x, b, n);
-    memset(x + n, 0, 8);
-    refused(ctx, seq, x, n + 8, free0, "extended to", n + 8);
-    free(x);
-    free(b);
-    kvt_ctx_destroy(ctx);
-    kvt_model_destroy(m);
+    uint8_t *ext = malloc(n + 8);
+    memcpy(ext, b, n);
+    memset(ext + n, 0, 8);
+    refused(ctx, seq, ext, n + 8, free0, "extended to", n + 8);
+    free(ext);
+    fixture_free(&x);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -581,10 +605,9 @@ static int stray_files(const char *dir) {
 }
 
 Test(snapshot, file_atomic_under_io_faults) {
-    kvt_model *m = tiny_model();
-    kvt_config c = small_config(true);
-    kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 64);
-    kvt_seq *seq = small_seq(ctx);
+    fixture x = fixture_make(true);
+    kvt_ctx *ctx = x.ctx;
+    kvt_seq *seq = x.seq;
     char dir[] = "/tmp/kvt-snap-XXXXXX";
     cr_assert_not_null(mkdtemp(dir));
     char path[128];
@@ -644,8 +667,7 @@ Test(snapshot, file_atomic_under_io_faults) {
     unlink(path);
     rmdir(dir);
     free(old);
-    kvt_ctx_destroy(ctx);
-    kvt_model_destroy(m);
+    fixture_free(&x);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -671,10 +693,7 @@ static void faults_at_every_allocation(kvt_backend_kind be, bool slots) {
     }
     kvt_ctx *ctx;
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
-    kvt_seq *seq;
-    cr_assert_eq(tu_seq_create(ctx, 5, &seq), KVT_OK);
-    for (int i = 0; i < 40; i++)
-        cr_assert_eq(step(seq, step_size(i)), KVT_OK);
+    kvt_seq *seq = driven(ctx, 5, 40);
     size_t n;
     uint8_t *b = snap(seq, &n);
     uint32_t free0 = free_pages_sum(ctx);
@@ -742,10 +761,7 @@ Test(snapshot, snapshot_context_and_scores) {
     kvt_model *m = mixed_model(2);
     kvt_config c = small_config(true);
     kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
-    kvt_seq *seq;
-    cr_assert_eq(tu_seq_create(ctx, 5, &seq), KVT_OK);
-    for (int i = 0; i < 60; i++)
-        cr_assert_eq(step(seq, step_size(i)), KVT_OK);
+    kvt_seq *seq = driven(ctx, 5, 60);
     size_t n;
     uint8_t *b = snap(seq, &n);
     kvt_ctx *own;
