@@ -838,7 +838,8 @@ KVT_API kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capaci
  * checksum, or a state that fails its invariants), KVT_ERR_UNSUPPORTED (a newer format),
  * KVT_ERR_MISMATCH (another model, configuration, page size, policy or parallelism: the message
  * names what differs), KVT_ERR_CAPACITY (max_seqs, max_rows_per_seq or archive_rows_per_seq too
- * small), KVT_ERR_POOL_EXHAUSTED (not enough free pages), KVT_ERR_OUT_OF_MEMORY. */
+ * small), KVT_ERR_POOL_EXHAUSTED (not enough free pages), KVT_ERR_BAD_STATE (external storage
+ * not bound yet), KVT_ERR_OUT_OF_MEMORY. */
 KVT_API kvt_status kvt_seq_restore(kvt_ctx *ctx, const void *buf, size_t len, kvt_seq **out);
 /* kvt_seq_snapshot into the file at path, atomically: a temporary file in the same directory,
  * written, fsync'ed, renamed over path, then the directory fsync'ed. On any failure the
