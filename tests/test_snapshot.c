@@ -90,11 +90,9 @@ static void fill_rows(uint8_t *dst, size_t bytes, uint32_t layer, uint32_t plane
  * engine's forward) instead of doing all policy work at commit. */
 static bool g_run_layers;
 
-/* Reserve n tokens, write every layer's rows, commit. */
-static kvt_status step(kvt_seq *seq, uint32_t n) {
-    kvt_status s = tu_reserve(seq, n);
-    if (s != KVT_OK)
-        return s;
+/* Write the rows of the n reserved tokens of every layer. */
+static void write_rows(kvt_seq *seq, uint32_t n) {
+    kvt_status s;
     const kvt_model *m = kvt_ctx_model(kvt_seq_context(seq));
     uint64_t first = kvt_seq_length(seq);
     static uint8_t buf[1 << 16];
@@ -111,6 +109,14 @@ static kvt_status step(kvt_seq *seq, uint32_t n) {
                 cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
             }
     }
+}
+
+/* Reserve n tokens, write every layer's rows, commit. */
+static kvt_status step(kvt_seq *seq, uint32_t n) {
+    kvt_status s = tu_reserve(seq, n);
+    if (s != KVT_OK)
+        return s;
+    write_rows(seq, n);
     return g_run_layers ? tu_commit_run(seq, n) : tu_commit(seq, n);
 }
 
@@ -786,5 +792,135 @@ Test(snapshot, snapshot_context_and_scores) {
     free(b);
     kvt_ctx_destroy(kvt_seq_context(r));
     kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* A whole scenario under allocation faults                                                      */
+/* ------------------------------------------------------------------------------------------- */
+/* Create a context and a request, prefill, decode through closes and eviction rounds with an
+ * archive, snapshot to a file, destroy, restore from it, decode on, destroy: with the k-th host
+ * allocation of the whole scenario failing. Each call either succeeds or answers
+ * KVT_ERR_OUT_OF_MEMORY; a refused call is retried (faults are one-shot); a commit that failed
+ * keeps its rows and the next commit finishes its work; kvt_seq_check passes after every step,
+ * and at the end every row written reads back exactly (no row lost). Returns the final snapshot,
+ * which equals the fault-free run's unless a commit failed (a round retried one commit later
+ * sees more candidates and draws another keep set: a different state, no row lost). */
+static kvt_status retry_oom(kvt_status s, int *ooms) {
+    if (s == KVT_ERR_OUT_OF_MEMORY)
+        ++*ooms;
+    return s;
+}
+
+/* No row lost: every committed (layer, head, position) reads back the bytes written for it
+ * (write_rows), attended or archived; only the sliding layer's rows older than its window may
+ * be gone (dropped with their pages). */
+static void rows_exact(const kvt_seq *seq) {
+    const kvt_model *m = kvt_ctx_model(kvt_seq_context(seq));
+    static uint8_t want[1 << 12], got[1 << 12];
+    for (uint32_t l = 0; l < kvt_model_n_layers(m); l++) {
+        const kvt_layer_spec *sp = kvt_model_layer(m, l);
+        if (sp->kind == KVT_LAYER_NO_KV)
+            continue;
+        size_t slot = (size_t)sp->n_kv_heads * sp->row_bytes;
+        for (uint64_t pos = 0; pos < kvt_seq_length(seq); pos++)
+            for (uint32_t p = 0; p < sp->n_planes; p++) {
+                fill_rows(want, slot, l, p, pos);
+                for (uint32_t h = 0; h < sp->n_kv_heads; h++) {
+                    kvt_status s = kvt_seq_read_row(seq, l, p, h, pos, got, sizeof got);
+                    if (s == KVT_ERR_DROPPED && sp->kind == KVT_LAYER_SLIDING)
+                        continue;
+                    cr_assert_eq(s, KVT_OK, "layer %u head %u position %llu: %s", l, h,
+                                 (unsigned long long)pos, kvt_last_error());
+                    cr_assert_eq(memcmp(got, want + (size_t)h * sp->row_bytes, sp->row_bytes),
+                                 0, "layer %u plane %u head %u position %llu: bytes differ", l,
+                                 p, h, (unsigned long long)pos);
+                }
+            }
+    }
+}
+#define RETRY(call)                                                                                \
+    do {                                                                                           \
+        kvt_status s_ = retry_oom((call), ooms);                                                   \
+        if (s_ == KVT_ERR_OUT_OF_MEMORY)                                                           \
+            s_ = (call);                                                                           \
+        cr_assert_eq(s_, KVT_OK, "%s: %s: %s", #call, kvt_status_name(s_), kvt_last_error());     \
+    } while (0)
+
+static uint8_t *scenario(const kvt_model *m, const char *path, int *ooms, size_t *n_out,
+                         bool *commit_failed) {
+    *commit_failed = false;
+    kvt_config c = small_config(true);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = 64;
+    p.allocator = KVT_ALLOC_LIBC;
+    kvt_ctx *ctx = NULL;
+    RETRY(kvt_ctx_create(&p, &ctx, NULL, 0));
+    kvt_seq *seq = NULL;
+    RETRY(tu_seq_create(ctx, 5, &seq));
+    kvt_seq_set_prompt_rows(seq, 6);
+    for (int i = 0; i < 16; i++) {
+        uint32_t n = i == 0 ? 70 : 5;
+        RETRY(tu_reserve(seq, n));
+        write_rows(seq, n);
+        kvt_status s = retry_oom(tu_commit(seq, n), ooms);
+        cr_assert(s == KVT_OK || s == KVT_ERR_OUT_OF_MEMORY, "commit: %s", kvt_status_name(s));
+        *commit_failed |= s != KVT_OK;
+        RETRY(kvt_seq_check(seq)); /* its scratch may fail too */
+        if (i == 7) {
+            RETRY(kvt_seq_snapshot_file(seq, path));
+            kvt_seq *r = NULL;
+            RETRY(kvt_seq_restore_file(ctx, path, &r));
+            kvt_seq_destroy(seq);
+            seq = r;
+        }
+    }
+    RETRY(tu_commit(seq, 0)); /* a zero-token step finishes what a failed commit left */
+    uint8_t *b = snap(seq, n_out);
+    rows_exact(seq);
+    kvt_seq_destroy(seq);
+    uint32_t free_all = free_pages_sum(ctx);
+    cr_assert_eq(free_all, 3 * 64, "pages lost: %u free of %u", free_all, 3 * 64);
+    kvt_ctx_destroy(ctx);
+    return b;
+}
+
+Test(snapshot, whole_scenario_under_allocation_faults) {
+    kvt_model *m = mixed_model(2);
+    char dir[] = "/tmp/kvt-snap-scen-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char path[128];
+    snprintf(path, sizeof path, "%s/s.kvts", dir);
+    int ooms = 0, runs = 0, differ = 0;
+    size_t n_ref, n;
+    bool failed;
+    uint8_t *ref = scenario(m, path, &ooms, &n_ref, &failed);
+    cr_assert_eq(ooms, 0);
+    for (int k = 0;; k++) {
+        fault_countdown = k;
+        fault_hits = 0;
+        uint8_t *b = scenario(m, path, &ooms, &n, &failed);
+        fault_countdown = -1;
+        if (!failed) {
+            cr_assert_eq(n, n_ref, "k %d", k);
+            cr_assert_eq(memcmp(b, ref, n), 0, "k %d: the final state differs", k);
+        } else {
+            differ += n != n_ref || memcmp(b, ref, n) != 0;
+        }
+        free(b);
+        runs++;
+        if (fault_hits == 0)
+            break;
+    }
+    cr_assert_gt(ooms, 20, "%d OOMs", ooms);
+    cr_log_info("whole scenario: %d runs, a fault at each allocation, %d calls answered "
+                "KVT_ERR_OUT_OF_MEMORY, %d final states differ after a failed commit",
+                runs, ooms, differ);
+    free(ref);
+    unlink(path);
+    rmdir(dir);
     kvt_model_destroy(m);
 }
