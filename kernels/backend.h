@@ -9,17 +9,24 @@
 
 #include "kvtier.h"
 #include "lib/base/alloc.h"
+#include "kernels/evict.h"
 #include "kernels/kvt_hd.h"
 
 typedef struct kvt__backend kvt__backend;
 
 /* Score n rows of one closed block for the salience selector. Row u lives at
- * base + slots[u] * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
+ * base + slot(first_row + u) * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
  * Inf are left for the caller to canonicalise). */
 typedef struct kvt__score_args {
     kvt_selector selector;
     const uint8_t *base;
-    const int32_t *slots;   /* [n_rows] */
+    /* The rows: row indices [first_row, first_row + n_rows) of a page table in the backend's
+     * memory (pages[k] holds row indices (first_page + k) * page_rows onwards), expanded to slots
+     * by the backend. */
+    const int32_t *pages;
+    uint64_t first_page;
+    const kvt__div32 *pdiv; /* page_rows */
+    uint64_t first_row;
     uint32_t n_rows;        /* B */
     size_t slot_stride;     /* bytes between consecutive slots */
     uint32_t branch_offset; /* bytes */
@@ -92,23 +99,6 @@ typedef struct kvt__select_args {
     uint64_t kept_in_sinks;  /* out (host) */
 } kvt__select_args;
 
-/* VaSE's keys for the rows [first_row, first_row + n) of one head of a plane: the range
- * (max - min) of each row's first value_dim values, NaN when one is NaN, as kvt__score_key into
- * keys[n] (host: an eviction round's selection runs on the host). Row r lives at slot
- * pages[r / page_rows - first_page] * page_rows + r % page_rows. */
-typedef struct kvt__value_args {
-    const uint8_t *base;     /* the plane */
-    size_t slot_bytes;
-    size_t head_offset;      /* head * row_bytes */
-    int dtype;
-    uint32_t value_dim;
-    const int32_t *pages;
-    uint64_t first_page;
-    const kvt__div32 *pdiv;
-    uint64_t first_row, n;
-    uint32_t *keys;
-} kvt__value_args;
-
 typedef struct kvt__backend_ops {
     const char *name;
     /* Buffers in the backend's memory space (ggml-backend's rule: host code reaches a buffer's
@@ -127,33 +117,31 @@ typedef struct kvt__backend_ops {
     /* true when host code may dereference buffer pointers (engine-owned host storage can then be
      * bound with kvt_layer_bind). */
     bool host_visible;
-    /* Salience scores of one block. */
-    kvt_status (*score_rows)(const kvt__backend *be, const kvt__score_args *a, void *stream);
-    /* Exact top-m of keys[0..n) (ties to the lower index), indices ascending into idx[m']
-     * with m' = min(m, n). */
-    kvt_status (*topm)(const kvt__backend *be, const uint32_t *keys, uint32_t n, uint32_t m,
-                       uint32_t *idx, void *stream);
-    /* Philox draws at original positions: out[i] = draw_at(key, subseq, positions[i]). */
-    kvt_status (*draws)(const kvt__backend *be, uint64_t key, uint64_t subseq,
-                        const int64_t *positions, size_t n, uint32_t *out, void *stream);
-    /* Move n rows of bytes_per_row bytes within one plane: the row at
-     * base + src_slot[i] * slot_stride + offset goes to dst_slot[i] (same offset). Moves must be
-     * applied in order i = 0..n-1: the caller (compaction) lists them by ascending destination
-     * row index with source row index >= destination row index, which makes an in-order pass
-     * safe in place; slot numbers themselves need not be ordered (pages come back from the pool
-     * in any order), and a destination may be an earlier move's source — a parallel
-     * implementation must stage the rows or respect that order. */
-    kvt_status (*move_rows)(const kvt__backend *be, uint8_t *base, size_t slot_stride,
-                            size_t offset, size_t bytes_per_row, const int32_t *src_slots,
-                            const int32_t *dst_slots, uint32_t n, void *stream);
+    /* Salience scores of n blocks (every block closing in a step, across its requests). */
+    kvt_status (*score_rows)(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
+                             void *stream);
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per
      * range, not per row). The arrays live in the backend's memory space. */
     kvt_status (*pack)(const kvt__backend *be, const kvt__pack_args *a, void *stream);
-    /* VaSE value-range keys of a run of rows of one head (kvt__value_args). */
-    kvt_status (*value_keys)(const kvt__backend *be, const kvt__value_args *a, void *stream);
-    /* The selection of a salience close (kvt__select_args). */
-    kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, void *stream);
+    /* A random-eviction round (kernels/evict.h), for n layers at once: ev_select chooses every
+     * head's keep set (draws, VaSE's value range, top-K; nothing but the keep sets changes, so a
+     * failure — scratch — leaves the round undone), ev_apply archives or drops, compacts
+     * slot-major, rewrites positions and slot maps. ev_append records new rows' positions. */
+    kvt_status (*ev_select)(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                            void *stream);
+    kvt_status (*ev_apply)(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                           void *stream);
+    kvt_status (*ev_append)(const kvt__backend *be, int64_t *pos, uint64_t pos_cap,
+                            uint32_t n_heads, uint64_t first_row, uint64_t first_pos, uint64_t n,
+                            void *stream);
+    /* Look a position up in a sorted array of the backend (kvt__find_pos_cpu) into *out, on the
+     * host: synchronising, for inspection calls only. */
+    kvt_status (*find_pos)(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
+                           uint64_t n, uint64_t key, int64_t *out);
+    /* The selections of n salience closes (kvt__select_args; a segmented top-m: one segment per
+     * request). A failure (scratch) leaves every kept set untouched. */
+    kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
 } kvt__backend_ops;
 
 struct kvt__backend {

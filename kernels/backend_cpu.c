@@ -90,73 +90,102 @@ static void *scratch_get(const kvt__backend *be, bool sigma, size_t n, size_t el
     return sigma ? (void *)w->sigma : (void *)w->topm;
 }
 
-static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *a, void *stream) {
-    (void)stream;
-    switch (a->selector) {
-    case KVT_SELECT_SIGMA: {
-        size_t n = kvt__sigma_scratch_floats(a->n_rows, a->n_basis, a->branch_dim);
-        bool owned;
-        float *scratch = scratch_get(be, true, n, sizeof(float), &owned);
-        if (!scratch)
-            return KVT_ERR_OUT_OF_MEMORY;
-        kvt__sigma_block_cpu(a->base, a->slots, a->n_rows, a->slot_stride, a->branch_offset,
-                             a->branch_dtype, a->branch_dim, a->basis, a->n_basis, scratch,
-                             a->out);
-        if (owned)
-            kvt__free(be->alloc, scratch, n * sizeof(float));
-        return KVT_OK;
-    }
-    case KVT_SELECT_BRANCH_NORM:
-        kvt__branch_norm_cpu(a->base, a->slots, a->n_rows, a->slot_stride, a->branch_offset,
-                             a->branch_dtype, a->branch_dim, a->out);
-        return KVT_OK;
-    case KVT_SELECT_ROW_NORM:
-        kvt__row_norm_cpu(a->base, a->slots, a->n_rows, a->slot_stride, a->dtype, a->n_values,
-                          a->out);
-        return KVT_OK;
-    case KVT_SELECT_RANDOM:
+static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *pages,
+                           uint64_t first_page, const kvt__div32 *pd);
+
+static kvt_status cpu_score_one(const kvt__backend *be, const kvt__score_args *a) {
+    if (a->selector == KVT_SELECT_RANDOM) {
         /* One fixed uniform score per row, drawn at its original position. */
         for (uint32_t u = 0; u < a->n_rows; u++)
             a->out[u] = kvt__philox_uniform(
                 kvt__philox_draw_at(a->key, a->subseq, a->first_position + u));
         return KVT_OK;
     }
-    return KVT_ERR_INVALID_ARGUMENT;
-}
-
-static kvt_status cpu_topm(const kvt__backend *be, const uint32_t *keys, uint32_t n, uint32_t m,
-                           uint32_t *idx, void *stream) {
-    (void)stream;
-    size_t sn = kvt__topm_scratch_u32(n);
-    bool owned = false;
-    uint32_t *scratch = sn ? scratch_get(be, false, sn, sizeof(uint32_t), &owned) : NULL;
-    if (sn && !scratch)
+    if (a->selector != KVT_SELECT_SIGMA && a->selector != KVT_SELECT_BRANCH_NORM &&
+        a->selector != KVT_SELECT_ROW_NORM)
+        return KVT_ERR_INVALID_ARGUMENT;
+    /* The block's slots, expanded from the page table into the workspace (σ's own scratch
+     * follows them in the same piece: one reservation). */
+    size_t n_sig = a->selector == KVT_SELECT_SIGMA
+                       ? kvt__sigma_scratch_floats(a->n_rows, a->n_basis, a->branch_dim)
+                       : 0;
+    size_t n = n_sig + a->n_rows;
+    bool owned;
+    float *scratch = scratch_get(be, true, n, sizeof(float), &owned);
+    if (!scratch)
         return KVT_ERR_OUT_OF_MEMORY;
-    kvt__topm_u32(keys, n, m, idx, scratch);
+    int32_t *slots = (int32_t *)(scratch + n_sig);
+    pack_range(slots, a->first_row, a->first_row + a->n_rows, a->pages, a->first_page, a->pdiv);
+    if (a->selector == KVT_SELECT_SIGMA)
+        kvt__sigma_block_cpu(a->base, slots, a->n_rows, a->slot_stride, a->branch_offset,
+                             a->branch_dtype, a->branch_dim, a->basis, a->n_basis, scratch,
+                             a->out);
+    else if (a->selector == KVT_SELECT_BRANCH_NORM)
+        kvt__branch_norm_cpu(a->base, slots, a->n_rows, a->slot_stride, a->branch_offset,
+                             a->branch_dtype, a->branch_dim, a->out);
+    else
+        kvt__row_norm_cpu(a->base, slots, a->n_rows, a->slot_stride, a->dtype, a->n_values,
+                          a->out);
     if (owned)
-        kvt__free(be->alloc, scratch, sn * sizeof(uint32_t));
+        kvt__free(be->alloc, scratch, n * sizeof(float));
     return KVT_OK;
 }
 
-static kvt_status cpu_draws(const kvt__backend *be, uint64_t key, uint64_t subseq,
-                            const int64_t *positions, size_t n, uint32_t *out, void *stream) {
-    (void)be;
-    (void)stream;
-    kvt__philox_draws_cpu(key, subseq, positions, n, out);
-    return KVT_OK;
-}
-
-static kvt_status cpu_move_rows(const kvt__backend *be, uint8_t *base, size_t slot_stride,
-                                size_t offset, size_t bytes_per_row, const int32_t *src_slots,
-                                const int32_t *dst_slots, uint32_t n, void *stream) {
-    (void)be;
+static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
+                                 void *stream) {
     (void)stream;
     for (uint32_t i = 0; i < n; i++) {
-        if (src_slots[i] == dst_slots[i])
-            continue;
-        memmove(base + (size_t)dst_slots[i] * slot_stride + offset,
-                base + (size_t)src_slots[i] * slot_stride + offset, bytes_per_row);
+        kvt_status s = cpu_score_one(be, &a[i]);
+        if (s != KVT_OK)
+            return s;
     }
+    return KVT_OK;
+}
+
+/* A round's selection for n layers: each layer's scratch from the workspace (one piece, reused
+ * layer after layer), taken before any keep set is written. */
+static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                                void *stream) {
+    (void)stream;
+    size_t need = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        size_t b = kvt__ev_select_scratch_bytes(a[i].N - a[i].r, a[i].K);
+        need = b > need ? b : need;
+    }
+    size_t words = (need + 3) / 4;
+    bool owned = false;
+    void *scratch = words ? scratch_get(be, false, words, sizeof(uint32_t), &owned) : NULL;
+    if (words && !scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n; i++)
+        kvt__ev_select_cpu(&a[i], scratch);
+    if (owned)
+        kvt__free(be->alloc, scratch, words * sizeof(uint32_t));
+    return KVT_OK;
+}
+
+static kvt_status cpu_ev_apply(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                               void *stream) {
+    (void)be;
+    (void)stream;
+    for (uint32_t i = 0; i < n; i++)
+        kvt__ev_apply_cpu(&a[i]);
+    return KVT_OK;
+}
+
+static kvt_status cpu_ev_append(const kvt__backend *be, int64_t *pos, uint64_t pos_cap,
+                                uint32_t n_heads, uint64_t first_row, uint64_t first_pos,
+                                uint64_t n, void *stream) {
+    (void)be;
+    (void)stream;
+    kvt__ev_append_cpu(pos, pos_cap, n_heads, first_row, first_pos, n);
+    return KVT_OK;
+}
+
+static kvt_status cpu_find_pos(const kvt__backend *be, const int64_t *sorted,
+                               const uint64_t *perm, uint64_t n, uint64_t key, int64_t *out) {
+    (void)be;
+    *out = kvt__find_pos_cpu(sorted, perm, n, key);
     return KVT_OK;
 }
 
@@ -178,18 +207,11 @@ static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, s
     return KVT_OK;
 }
 
-static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
-    (void)stream;
-    if (a->n_closed > UINT32_MAX)
-        return KVT_ERR_UNSUPPORTED;
+/* One segment: canonicalise the fresh scores, top-m of all into kept, the two counters. keys
+ * holds n_closed + kvt__topm_scratch_u32(n_closed) entries. */
+static void select_one(kvt__select_args *a, uint32_t *keys) {
     uint32_t n = (uint32_t)a->n_closed;
-    /* Keys, then the top-m scratch, in one piece of the workspace: taken before anything is
-     * written, so a failure leaves the kept set as it was. */
     size_t sn = kvt__topm_scratch_u32(n);
-    bool owned = false;
-    uint32_t *keys = scratch_get(be, false, (size_t)n + sn, sizeof(uint32_t), &owned);
-    if (!keys)
-        return KVT_ERR_OUT_OF_MEMORY;
     uint64_t nonfinite = 0;
     for (uint64_t u = a->first_new; u < n; u++)
         if (!(a->score[u] <= FLT_MAX)) {
@@ -202,33 +224,30 @@ static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *a, void *
     uint64_t below = 0;
     while (below < a->m && a->kept[below] < a->sinks)
         below++;
-    if (owned)
-        kvt__free(be->alloc, keys, ((size_t)n + sn) * sizeof(uint32_t));
     a->nonfinite = nonfinite;
     a->kept_in_sinks = below;
-    return KVT_OK;
 }
 
-static kvt_status cpu_value_keys(const kvt__backend *be, const kvt__value_args *a,
-                                 void *stream) {
-    (void)be;
+/* Keys, then the top-m scratch, in one piece of the workspace: taken (for the largest segment)
+ * before anything is written, so a failure leaves every kept set as it was. */
+static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *args, uint32_t n_args,
+                             void *stream) {
     (void)stream;
-    const kvt__div32 *pd = a->pdiv;
-    for (uint64_t i = 0; i < a->n; i++) {
-        uint32_t r = (uint32_t)(a->first_row + i);
-        int32_t slot = kvt__page_slot(a->pages, a->first_page, pd, r);
-        const uint8_t *row = a->base + (size_t)slot * a->slot_bytes + a->head_offset;
-        float lo = INFINITY, hi = -INFINITY;
-        bool nan = false;
-        for (uint32_t v = 0; v < a->value_dim; v++) {
-            float x = kvt__load_elem(row, a->dtype, v);
-            if (x != x)
-                nan = true;
-            lo = x < lo ? x : lo;
-            hi = x > hi ? x : hi;
-        }
-        a->keys[i] = kvt__score_key(nan ? NAN : hi - lo);
+    uint64_t most = 0;
+    for (uint32_t i = 0; i < n_args; i++) {
+        if (args[i].n_closed > UINT32_MAX)
+            return KVT_ERR_UNSUPPORTED;
+        most = args[i].n_closed > most ? args[i].n_closed : most;
     }
+    size_t need = (size_t)most + kvt__topm_scratch_u32((uint32_t)most);
+    bool owned = false;
+    uint32_t *keys = scratch_get(be, false, need, sizeof(uint32_t), &owned);
+    if (!keys)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n_args; i++)
+        select_one(&args[i], keys);
+    if (owned)
+        kvt__free(be->alloc, keys, need * sizeof(uint32_t));
     return KVT_OK;
 }
 
@@ -295,13 +314,13 @@ static const kvt__backend_ops cpu_ops_table = {
     .read = cpu_copy,
     .host_visible = true,
     .score_rows = cpu_score_rows,
-    .topm = cpu_topm,
-    .draws = cpu_draws,
-    .move_rows = cpu_move_rows,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
-    .value_keys = cpu_value_keys,
+    .ev_select = cpu_ev_select,
+    .ev_apply = cpu_ev_apply,
+    .ev_append = cpu_ev_append,
+    .find_pos = cpu_find_pos,
 };
 
 const kvt__backend_ops *kvt__backend_cpu_ops(void) {
@@ -402,6 +421,27 @@ static void g_buf_free(const kvt__backend *be, void *p, size_t bytes) {
     munmap(p, page_round(bytes));
 }
 
+/* Does [p, p + bytes) lie inside one of the backend's buffers? The guarded ops check every
+ * pointer their op reads or writes as device memory: a host pointer handed to an op (which a
+ * GPU could not dereference) is caught here, not only a host touch of a buffer. */
+static bool guard_owns(const guard_impl *g, const void *p, size_t bytes) {
+    if (!p)
+        return bytes == 0;
+    const uint8_t *q = p;
+    for (uint64_t i = 0; i < g->n_regions; i++) {
+        const uint8_t *b = g->regions[i].p;
+        if (q >= b && q < b + g->regions[i].len)
+            return bytes <= (size_t)(b + g->regions[i].len - q);
+    }
+    return false;
+}
+
+#define GUARD_OWNS(be, p, bytes)                                                                   \
+    do {                                                                                           \
+        if (!guard_owns((be)->impl, (p), (bytes)))                                                 \
+            return KVT_ERR_INVARIANT;                                                              \
+    } while (0)
+
 static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                           void *stream) {
     guard_open(be);
@@ -410,45 +450,119 @@ static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, si
     return s;
 }
 
-static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *a, void *stream) {
+static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *args, uint32_t n,
+                               void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__score_args *a = &args[i];
+        GUARD_OWNS(be, a->out, sizeof(float) * a->n_rows);
+        if (a->selector != KVT_SELECT_RANDOM) {
+            GUARD_OWNS(be, a->base, 1);
+            GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        }
+        if (a->selector == KVT_SELECT_SIGMA)
+            GUARD_OWNS(be, a->basis, sizeof(float) * a->n_basis * a->n_rows);
+    }
     guard_open(be);
-    kvt_status s = cpu_score_rows(be, a, stream);
+    kvt_status s = cpu_score_rows(be, args, n, stream);
     guard_close(be);
     return s;
 }
 
-static kvt_status g_move_rows(const kvt__backend *be, uint8_t *base, size_t slot_stride,
-                              size_t offset, size_t bytes_per_row, const int32_t *src_slots,
-                              const int32_t *dst_slots, uint32_t n, void *stream) {
+/* Every buffer of a round's layers must be the backend's. */
+static kvt_status g_ev_owns(const kvt__backend *be, const kvt__ev_args *a, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__ev_args *x = &a[i];
+        for (uint32_t p = 0; p < x->n_planes; p++)
+            GUARD_OWNS(be, x->plane[p], 1);
+        GUARD_OWNS(be, x->pages, sizeof(int32_t));
+        GUARD_OWNS(be, x->pos, sizeof(int64_t) * x->n_heads * x->pos_cap);
+        GUARD_OWNS(be, x->keep, sizeof(uint32_t) * x->n_heads * x->K);
+        GUARD_OWNS(be, x->map, sizeof(int32_t) * x->n_heads * x->N);
+        if (x->ar_bytes) {
+            GUARD_OWNS(be, x->ar_bytes,
+                       (size_t)x->n_heads * x->ar_cap * x->n_planes * x->row_bytes);
+            GUARD_OWNS(be, x->ar_pos, sizeof(int64_t) * x->n_heads * x->ar_cap);
+            GUARD_OWNS(be, x->ar_by_pos, sizeof(uint64_t) * x->n_heads * x->ar_cap);
+        }
+    }
+    return KVT_OK;
+}
+
+/* A round's op on the guarded backend: every buffer checked, then the CPU op unguarded. */
+static kvt_status g_ev_call(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                            void *stream,
+                            kvt_status (*op)(const kvt__backend *, const kvt__ev_args *, uint32_t,
+                                             void *)) {
+    kvt_status s = g_ev_owns(be, a, n);
+    if (s != KVT_OK)
+        return s;
     guard_open(be);
-    kvt_status s = cpu_move_rows(be, base, slot_stride, offset, bytes_per_row, src_slots,
-                                 dst_slots, n, stream);
+    s = op(be, a, n, stream);
     guard_close(be);
     return s;
 }
 
-static kvt_status g_value_keys(const kvt__backend *be, const kvt__value_args *a, void *stream) {
+static kvt_status g_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                              void *stream) {
+    return g_ev_call(be, a, n, stream, cpu_ev_select);
+}
+
+static kvt_status g_ev_apply(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                             void *stream) {
+    return g_ev_call(be, a, n, stream, cpu_ev_apply);
+}
+
+static kvt_status g_ev_append(const kvt__backend *be, int64_t *pos, uint64_t pos_cap,
+                              uint32_t n_heads, uint64_t first_row, uint64_t first_pos,
+                              uint64_t n, void *stream) {
+    GUARD_OWNS(be, pos, sizeof(int64_t) * n_heads * pos_cap);
     guard_open(be);
-    kvt_status s = cpu_value_keys(be, a, stream);
+    kvt_status s = cpu_ev_append(be, pos, pos_cap, n_heads, first_row, first_pos, n, stream);
     guard_close(be);
     return s;
 }
 
-static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, void *stream) {
+static kvt_status g_find_pos(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
+                             uint64_t n, uint64_t key, int64_t *out) {
+    GUARD_OWNS(be, sorted, sizeof(int64_t) * n);
+    GUARD_OWNS(be, perm, perm ? sizeof(uint64_t) * n : 0);
     guard_open(be);
-    kvt_status s = cpu_select(be, a, stream);
+    kvt_status s = cpu_find_pos(be, sorted, perm, n, key, out);
+    guard_close(be);
+    return s;
+}
+
+static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t n,
+                           void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        GUARD_OWNS(be, a[i].score, sizeof(float) * a[i].n_closed);
+        GUARD_OWNS(be, a[i].kept, sizeof(uint32_t) * a[i].m);
+    }
+    guard_open(be);
+    kvt_status s = cpu_select(be, a, n, stream);
     guard_close(be);
     return s;
 }
 
 static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    for (uint32_t i = 0; i < a->n; i++) {
+        const kvt__pack_query *q = &a->q[i];
+        uint64_t count = kvt__attended_desc_count(&q->d);
+        if (count)
+            GUARD_OWNS(be, q->pages, sizeof(int32_t));
+        if (q->d.n_list)
+            GUARD_OWNS(be, q->d.list, sizeof(uint32_t) * q->d.n_list);
+        uint64_t w = count > q->pad ? count : q->pad;
+        if (w)
+            GUARD_OWNS(be, a->indices + q->out, sizeof(int32_t) * w);
+        GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
+    }
     guard_open(be);
     kvt_status s = cpu_pack(be, a, stream);
     guard_close(be);
     return s;
 }
 
-/* top-m and draws work on host arrays (keys, positions): they need no guard. */
 static const kvt__backend_ops guarded_ops_table = {
     .name = "guarded",
     .buf_alloc = g_buf_alloc,
@@ -457,13 +571,13 @@ static const kvt__backend_ops guarded_ops_table = {
     .read = g_write,
     .host_visible = false,
     .score_rows = g_score_rows,
-    .topm = cpu_topm,
-    .draws = cpu_draws,
-    .move_rows = g_move_rows,
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,
-    .value_keys = g_value_keys,
+    .ev_select = g_ev_select,
+    .ev_apply = g_ev_apply,
+    .ev_append = g_ev_append,
+    .find_pos = g_find_pos,
 };
 
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {

@@ -17,8 +17,15 @@ struct kvt_batch {
     kvt_seq **seqs;      /* [max_seqs]; an entry is NULL once its request was destroyed */
     uint32_t *n_tokens;  /* [max_seqs] */
     uint32_t *n_drafts;  /* [max_seqs]: the last n_drafts tokens may be rejected at commit */
+    /* A run's scratch (allocated with the batch: a run allocates nothing): each request's
+     * defer flag and the policy work handed to the layer's table in one call. */
+    uint8_t *defer;          /* [max_seqs] */
+    kvt__tier_step *steps;   /* [max_seqs] */
+    kvt_seq **step_seqs;     /* [max_seqs] */
     enum batch_state state;
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
+    void *stream;        /* the stream of the step's last run: the commit's device work goes on
+                          * it (NULL, the default stream, for a step without a run) */
     /* The backend the batch's runs and commit use: on the CPU backend a handle with a workspace
      * of its own (own_be), so that runs and commits of distinct batches share no scratch
      * (kvtier.h, "Threads"); otherwise a copy of the context's handle. */
@@ -43,13 +50,17 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->seqs = kvt__calloc(a, sizeof *b->seqs * max_seqs);
     b->n_tokens = kvt__calloc(a, sizeof *b->n_tokens * max_seqs);
     b->n_drafts = kvt__calloc(a, sizeof *b->n_drafts * max_seqs);
+    b->defer = kvt__calloc(a, max_seqs);
+    b->steps = kvt__calloc(a, sizeof *b->steps * max_seqs);
+    b->step_seqs = kvt__calloc(a, sizeof *b->step_seqs * max_seqs);
     b->be = ctx->backend;
     kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
                                                ctx->ws_topm_u32, &b->be);
     b->own_be = ws == KVT_OK;
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
-    if (!b->seqs || !b->n_tokens || !b->n_drafts || ws == KVT_ERR_OUT_OF_MEMORY) {
+    if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->defer || !b->steps || !b->step_seqs ||
+        ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }
@@ -82,6 +93,7 @@ static void release_seqs(kvt_batch *b, bool unreserve) {
     b->n_seqs = 0;
     b->state = BATCH_IDLE;
     b->ran = false;
+    b->stream = NULL;
 }
 
 void kvt_batch_destroy(kvt_batch *b) {
@@ -101,6 +113,9 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->seqs, sizeof *b->seqs * b->max_seqs);
     kvt__free(a, b->n_tokens, sizeof *b->n_tokens * b->max_seqs);
     kvt__free(a, b->n_drafts, sizeof *b->n_drafts * b->max_seqs);
+    kvt__free(a, b->defer, b->max_seqs);
+    kvt__free(a, b->steps, sizeof *b->steps * b->max_seqs);
+    kvt__free(a, b->step_seqs, sizeof *b->step_seqs * b->max_seqs);
     if (b->own_be)
         kvt__backend_cpu_close(&b->be);
     kvt__free(a, b, sizeof *b);
@@ -328,17 +343,13 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * only the accepted rows, and each query token's view is the committed state plus the
      * step's rows up to its own. */
     b->ran = true;
-    kvt_status first_err = KVT_OK;
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        if (!b->seqs[i])
-            continue;
-        bool defer = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
-        s = kvt__seq_step(b->seqs[i], layer, &b->be, stream, defer);
-        if (s != KVT_OK && first_err == KVT_OK)
-            first_err = s;
-    }
-    if (first_err != KVT_OK)
-        return first_err;
+    b->stream = stream;
+    for (uint32_t i = 0; i < b->n_seqs; i++)
+        b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
+    s = kvt__seqs_step(ctx, b->seqs, b->defer, b->n_seqs, layer, &b->be, stream, b->steps,
+                       b->step_seqs);
+    if (s != KVT_OK)
+        return s;
 
     /* 2. Capacity, then the attended sets: entry q = i * S + t is query token t of request i,
      * which sees the step's first min(t + 1, n_tokens[i]) rows (one query per request: all).
@@ -433,7 +444,7 @@ kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {
         if (!sq)
             continue;
         kvt_status s =
-            kvt__seq_commit(sq, n_accepted ? n_accepted[i] : b->n_tokens[i], &b->be);
+            kvt__seq_commit(sq, n_accepted ? n_accepted[i] : b->n_tokens[i], &b->be, b->stream);
         if (s != KVT_OK && first_err == KVT_OK) {
             first_err = s;
             snprintf(first_msg, sizeof first_msg, "seqs[%u] (request %llu): %s", i,

@@ -156,6 +156,7 @@ static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
          * it. resolve_policies admitted only policies that have one. */
         gr->ops = kvt__policy_ops_for(gr, ctx->stores);
         KVT_ASSERT(gr->ops != NULL);
+        gr->home = &ctx->backend;
         if (gr->ops->group_init) {
             kvt_status s = gr->ops->group_init(gr, ctx->stores, a, &ctx->cfg, err, len);
             if (s != KVT_OK)
@@ -229,8 +230,10 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
     for (uint32_t i = 0; i < ctx->n_layers; i++)
         if (ctx->policies[i] == KVT_POLICY_SALIENCE && ctx->stores[i].spec.branch_dim > branch)
             branch = ctx->stores[i].spec.branch_dim;
+    /* A close's scoring takes σ's scratch and the block's slots in one piece. */
     ctx->ws_sigma_floats = branch ? kvt__sigma_scratch_floats(ctx->cfg.block_rows,
-                                                              2 * ctx->cfg.kappa - 1, branch)
+                                                              2 * ctx->cfg.kappa - 1, branch) +
+                                        ctx->cfg.block_rows
                                   : 0;
     /* A salience close's selection takes its keys and the top-m scratch in one piece. */
     ctx->ws_topm_u32 = (size_t)ctx->max_rows + kvt__topm_scratch_u32(ctx->max_rows);

@@ -72,14 +72,17 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n);
 void kvt__seq_unreserve(kvt_seq *seq);
 /* Commit the first n of the pending rows (the rest are rejected drafts: their pages return), run
  * the policies' commit work through backend be (the batch's: its own workspace), check counts. */
-kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n, const kvt__backend *be);
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n, const kvt__backend *be, void *stream);
 /* What a layer's run did with the step's policy work (kvt_seq.stepped). */
 enum { KVT__STEP_NONE = 0, KVT__STEP_NOTHING = 1, KVT__STEP_WORKED = 2, KVT__STEP_DEFERRED = 3 };
-/* The step work of one layer through the batch's backend be (once per step; KVT_OK when already
- * done or none). defer: leave it all to the commit (drafts that may be rejected; per-token
- * emission of a multi-token step). */
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, void *stream,
-                         bool defer);
+/* The step work of one layer for the n requests seqs[0..n) of a batch (NULL entries skipped),
+ * through the batch's backend be, once per step and request: defer[i] leaves request i's to the
+ * commit (drafts that may be rejected; per-token emission of a multi-token step); the others'
+ * due work goes to the layer's policy in one call (batched backend ops). t and who are scratch
+ * of n entries. Returns the first failure, named by request (KVT_OK when all is done). */
+kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *defer, uint32_t n,
+                          uint32_t layer, const kvt__backend *be, void *stream,
+                          kvt__tier_step *t, kvt_seq **who);
 /* The attended set of the layer during the step for a query token that sees the first `visible`
  * of the step's rows (>= the pending count: all of them), described in O(1) into q (its desc,
  * pages and first_page; the caller sets where it goes). A visible count below the pending count

@@ -143,13 +143,19 @@ static kvt_status seq_build(kvt_ctx *ctx, const kvt_seq_params *p, const kvt_con
     /* A stated limit sizes the page tables now (the layers' state in layer_init below). */
     for (uint32_t g = 0; ctx->max_rows && g < ctx->n_groups; g++) {
         void *arr = seq->pt[g].pages;
-        if (kvt__grow(a, &arr, &seq->pt[g].cap, kvt__pages_for(ctx->max_rows, ctx->page_rows),
-                      sizeof *seq->pt[g].pages) != KVT_OK) {
+        uint32_t pages = kvt__pages_for(ctx->max_rows, ctx->page_rows);
+        if (kvt__grow(a, &arr, &seq->pt[g].cap, pages, sizeof *seq->pt[g].pages) != KVT_OK) {
             kvt__seq_free(seq);
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "page tables for %u rows",
                                  ctx->max_rows);
         }
         seq->pt[g].pages = arr;
+        if (kvt__ptable_mirror_reserve(&seq->pt[g], &ctx->backend, pages) != KVT_OK) {
+            kvt__seq_free(seq);
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY,
+                                 "page table mirrors for %u rows in the backend's memory",
+                                 ctx->max_rows);
+        }
     }
     kvt__env env = kvt__ctx_env(ctx, seq, NULL);
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
@@ -246,7 +252,7 @@ void kvt__seq_free(kvt_seq *seq) {
     kvt_ctx *ctx = seq->ctx;
     const kvt__alloc *a = &ctx->alloc;
     for (uint32_t g = 0; g < ctx->n_groups; g++)
-        kvt__ptable_fini(&seq->pt[g], &ctx->groups[g].pool, a);
+        kvt__ptable_fini(&seq->pt[g], &ctx->groups[g].pool, a, &ctx->backend);
     for (uint32_t i = 0; seq->layers && i < ctx->n_layers; i++)
         if (ctx->stores[i].group >= 0 && ops_of(ctx, i)->layer_fini)
             ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
@@ -417,6 +423,8 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     kvt_status s = KVT_OK;
     for (g = 0; g < ctx->n_groups; g++) {
         s = kvt__ptable_reserve(&seq->pt[g], &ctx->groups[g].pool, a, n_tokens);
+        if (s == KVT_OK)
+            s = kvt__ptable_mirror_reserve(&seq->pt[g], &ctx->backend, seq->pt[g].n_pages);
         if (s != KVT_OK)
             break;
     }
@@ -511,9 +519,10 @@ kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, uint32_t 
 /* Run every group's policy after `new_rows` rows were committed (0: a retry). Each policy is
  * incremental from its own state, so a failed run (host memory) is completed by the next commit;
  * a failure in one group does not stop the others. */
-static kvt_status run_policies(kvt_seq *seq, uint64_t new_rows, const kvt__backend *be) {
+static kvt_status run_policies(kvt_seq *seq, uint64_t new_rows, const kvt__backend *be,
+                               void *stream) {
     kvt_ctx *ctx = seq->ctx;
-    kvt__env env = kvt__ctx_env(ctx, seq, NULL);
+    kvt__env env = kvt__ctx_env(ctx, seq, stream);
     env.backend = be;
     kvt_status first_err = KVT_OK;
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
@@ -579,7 +588,8 @@ static kvt_status check_counters(const kvt_seq *seq) {
     return KVT_OK;
 }
 
-kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *be) {
+kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *be,
+                           void *stream) {
     CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
     if (n_tokens > seq->n_pending)
@@ -598,7 +608,15 @@ kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *
     }
     seq->n_tokens += n_tokens;
     seq->n_pending = 0;
-    kvt_status s = run_policies(seq, n_tokens, be);
+    /* The policies' ops read the tables' mirrors: bring them up to date on the stream. */
+    kvt_status s = KVT_OK;
+    for (uint32_t g = 0; g < ctx->n_groups && s == KVT_OK; g++)
+        s = kvt__ptable_mirror_sync(&seq->pt[g], be, stream);
+    if (s != KVT_OK)
+        s = kvt__ctx_fail(ctx, s, "request %llu: page table to the backend",
+                          (unsigned long long)seq->request_id);
+    else
+        s = run_policies(seq, n_tokens, be, stream);
     seq->in_step = false;
     memset(seq->stepped, 0, ctx->n_layers);
     kvt_status c = check_counters(seq);
@@ -627,40 +645,61 @@ static kvt__tier_layer step_layer(const kvt_seq *seq, uint32_t layer, uint32_t v
     return l;
 }
 
-kvt_status kvt__seq_step(kvt_seq *seq, uint32_t layer, const kvt__backend *be, void *stream,
-                         bool defer) {
-    kvt_ctx *ctx = seq->ctx;
-    if (seq->stepped[layer])
-        return KVT_OK;
+kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *defer, uint32_t n,
+                          uint32_t layer, const kvt__backend *be, void *stream,
+                          kvt__tier_step *t, kvt_seq **who) {
     const kvt__store *st = &ctx->stores[layer];
     const kvt__policy_ops *ops = ops_of(ctx, layer);
-    kvt_status s = KVT_OK;
-    if (defer) {
-        seq->stepped[layer] = KVT__STEP_DEFERRED;
-        return KVT_OK;
-    }
-    if (ops->layer_step && seq->n_pending > 0) {
-        kvt__env env = kvt__ctx_env(ctx, seq, stream);
-        env.backend = be;
-        kvt__tier_step t = {.gr = &ctx->groups[st->group],
-                            .st = &ctx->stores[layer],
-                            .pt = &seq->pt[st->group],
-                            .state = &seq->layers[layer],
-                            .appended = seq->n_tokens,
-                            .step_rows = seq->n_pending,
-                            .prompt_rows = seq->prompt_rows};
-        s = ops->layer_step(&env, &t);
+    kvt_status first = KVT_OK;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        kvt_seq *seq = seqs[i];
+        if (!seq || seq->stepped[layer])
+            continue;
+        /* The layer's ops and its emission read the table's mirror (the step's pages too). */
+        kvt_status s = kvt__ptable_mirror_sync(&seq->pt[st->group], be, stream);
         if (s != KVT_OK) {
+            if (first == KVT_OK)
+                first = kvt__ctx_fail(ctx, s, "request %llu layer %u: page table to the backend",
+                                      (unsigned long long)seq->request_id, layer);
+            continue;
+        }
+        if (defer[i]) {
+            seq->stepped[layer] = KVT__STEP_DEFERRED;
+            continue;
+        }
+        if (!ops->layer_step || seq->n_pending == 0) {
+            seq->stepped[layer] = KVT__STEP_NOTHING;
+            continue;
+        }
+        t[k] = (kvt__tier_step){.gr = &ctx->groups[st->group],
+                                .st = &ctx->stores[layer],
+                                .pt = &seq->pt[st->group],
+                                .state = &seq->layers[layer],
+                                .appended = seq->n_tokens,
+                                .step_rows = seq->n_pending,
+                                .prompt_rows = seq->prompt_rows,
+                                .cfg = &seq->cfg,
+                                .philox_key = seq->philox_key};
+        who[k++] = seq;
+    }
+    if (k == 0)
+        return first;
+    /* Every request's work in one policy call: batched backend ops. */
+    kvt__env env = kvt__ctx_env(ctx, NULL, stream);
+    env.backend = be;
+    ops->layer_step(&env, t, k);
+    for (uint32_t j = 0; j < k; j++) {
+        if (t[j].status == KVT_OK) {
+            who[j]->stepped[layer] = KVT__STEP_WORKED;
+        } else if (first == KVT_OK) {
             char tmp[KVT__ERR_LEN];
             memcpy(tmp, kvt__tls_error(), sizeof tmp);
-            return kvt__ctx_fail(ctx, s, "request %llu layer %u: %s",
-                                 (unsigned long long)seq->request_id, layer, tmp);
+            first = kvt__ctx_fail(ctx, t[j].status, "request %llu layer %u: %s",
+                                  (unsigned long long)who[j]->request_id, layer, tmp);
         }
-        seq->stepped[layer] = KVT__STEP_WORKED;
-        return KVT_OK;
     }
-    seq->stepped[layer] = KVT__STEP_NOTHING;
-    return KVT_OK;
+    return first;
 }
 
 void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
@@ -668,7 +707,7 @@ void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, visible, &view);
     l.gr->ops->attended(&l, &q->d);
-    q->pages = view.pages;
+    q->pages = view.dpages; /* the mirror: kvt__seq_step synced it */
     q->first_page = view.first_page;
 }
 
@@ -778,12 +817,14 @@ kvt_status kvt_seq_read_row(const kvt_seq *seq, uint32_t layer, uint32_t plane, 
                                       st->plane[plane] + (size_t)slot * st->slot_bytes +
                                           (size_t)head * st->spec.row_bytes,
                                       st->spec.row_bytes, NULL);
-    /* Archived out of the pool (eviction's archive). */
+    /* Archived out of the pool (eviction's archive, in the backend's memory). */
     kvt__tier_layer l = tier_layer(seq, layer);
-    const uint8_t *src = ops->archived_row ? ops->archived_row(&l, head, plane, position) : NULL;
-    if (!src)
-        return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "archived row not found");
-    memcpy(dst, src, st->spec.row_bytes);
+    s = ops->read_archived ? ops->read_archived(&l, head, plane, position, dst)
+                           : KVT_ERR_INVARIANT;
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "archived row of layer %u head %u position %llu: %s", layer,
+                             head, (unsigned long long)position,
+                             s == KVT_ERR_INVARIANT ? "not found" : "reading it failed");
     return KVT_OK;
 }
 
@@ -803,8 +844,10 @@ kvt_status kvt_seq_positions(const kvt_seq *seq, uint32_t layer, uint32_t head, 
         return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu rows, capacity %llu",
                              (unsigned long long)t->n_rows, (unsigned long long)capacity);
     kvt__tier_layer l = tier_layer(seq, layer);
-    l.gr->ops->positions(&l, head, positions);
-    return KVT_OK;
+    s = l.gr->ops->positions(&l, head, positions);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(seq->ctx, s, "positions of layer %u from the backend",
+                                       layer);
 }
 
 kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t head,
@@ -818,18 +861,19 @@ kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t he
     if (!l.gr->ops->last_slot_map) /* rows of this policy never move */
         return kvt__ctx_fail(seq->ctx, KVT_ERR_POLICY_MISMATCH,
                              "layer %u does not run eviction rounds", layer);
-    const int32_t *map;
-    uint64_t n_map = l.gr->ops->last_slot_map(&l, head, &map);
+    uint64_t n_map = 0;
+    s = l.gr->ops->last_slot_map(&l, head, NULL, &n_map);
     if (n)
         *n = n_map;
-    if (!old_to_new)
-        return KVT_OK;
+    if (s != KVT_OK || !old_to_new)
+        return s;
     if (n_map > capacity)
         return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu entries, capacity %llu",
                              (unsigned long long)n_map, (unsigned long long)capacity);
-    if (n_map)
-        memcpy(old_to_new, map, sizeof *old_to_new * n_map);
-    return KVT_OK;
+    s = l.gr->ops->last_slot_map(&l, head, old_to_new, &n_map);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(seq->ctx, s, "slot map of layer %u from the backend",
+                                       layer);
 }
 
 /* ------------------------------------------------------------------------------------------- */

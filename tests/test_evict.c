@@ -927,111 +927,115 @@ Test(evict, pool_exhaustion_then_round_frees) {
 /* Internal: failure safety of a round (no allocation failure can be injected through the      */
 /* public API, so the round is driven directly with a backend whose selection ops fail).       */
 /* ------------------------------------------------------------------------------------------- */
-static kvt_status fail_draws(const kvt__backend *be, uint64_t key, uint64_t subseq,
-                             const int64_t *positions, size_t n, uint32_t *out, void *stream) {
-    (void)be, (void)key, (void)subseq, (void)positions, (void)n, (void)out, (void)stream;
+static kvt_status fail_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                              void *stream) {
+    (void)be, (void)a, (void)n, (void)stream;
     return KVT_ERR_OUT_OF_MEMORY;
 }
 
-static kvt_status fail_topm(const kvt__backend *be, const uint32_t *keys, uint32_t n, uint32_t m,
-                            uint32_t *idx, void *stream) {
-    (void)be, (void)keys, (void)n, (void)m, (void)idx, (void)stream;
+static kvt_status fail_select_dev(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                                  void *stream) {
+    (void)be, (void)a, (void)n, (void)stream;
     return KVT_ERR_NO_DEVICE;
 }
 
-static kvt_status fail_move(const kvt__backend *be, uint8_t *base, size_t slot_stride,
-                            size_t offset, size_t bytes_per_row, const int32_t *src_slots,
-                            const int32_t *dst_slots, uint32_t n, void *stream) {
-    (void)be, (void)base, (void)slot_stride, (void)offset, (void)bytes_per_row, (void)src_slots,
-        (void)dst_slots, (void)n, (void)stream;
+static kvt_status fail_apply(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                             void *stream) {
+    (void)be, (void)a, (void)n, (void)stream;
     return KVT_ERR_NO_DEVICE;
 }
 
-Test(evict_internal, failed_move_marks_the_group_damaged) {
-    const uint32_t K = 8, r = 4, c = 4, PR = 4, NP = 16, H = 2, N = K + r + c;
+/* A group of n_layers GQA layers of H heads over one table of N rows, positions 0..N-1, on the
+ * CPU backend `home` (the states' buffers). */
+typedef struct ev_rig {
     kvt__alloc a;
-    cr_assert_eq(kvt__alloc_init(&a, KVT_ALLOC_LIBC), KVT_OK);
+    kvt__backend home;
     kvt__store st[2];
     kvt__ev e[2];
-    memset(st, 0, sizeof st);
     kvt__pool pool;
-    cr_assert_eq(kvt__pool_init(&pool, &a, NP, PR), KVT_OK);
     kvt__ptable pt;
-    memset(&pt, 0, sizeof pt);
-    cr_assert_eq(kvt__ptable_reserve(&pt, &pool, &a, N), KVT_OK);
-    pt.n_rows = N;
-    for (int l = 0; l < 2; l++) {
-        st[l].spec = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, 8);
-        st[l].layer = (uint32_t)l;
-        st[l].slot_bytes = (size_t)H * st[l].spec.row_bytes;
-        st[l].plane_bytes = (size_t)NP * PR * st[l].slot_bytes;
-        for (int p = 0; p < 2; p++)
-            st[l].plane[p] = calloc(1, st[l].plane_bytes);
-        cr_assert_eq(kvt__ev_init(&e[l], &a, H, false), KVT_OK);
-        cr_assert_eq(kvt__ev_reserve(&e[l], &a, N), KVT_OK);
-        kvt__ev_append(&e[l], 0, 0, N);
+    uint32_t n_layers;
+} ev_rig;
+
+static void rig_init(ev_rig *g, uint32_t n_layers, uint32_t H, uint32_t PR, uint32_t NP,
+                     uint32_t N, bool archive) {
+    memset(g, 0, sizeof *g);
+    g->n_layers = n_layers;
+    cr_assert_eq(kvt__alloc_init(&g->a, KVT_ALLOC_LIBC), KVT_OK);
+    g->home = (kvt__backend){.ops = kvt__backend_cpu_ops(), .alloc = &g->a, .impl = NULL};
+    cr_assert_eq(kvt__pool_init(&g->pool, &g->a, NP, PR), KVT_OK);
+    cr_assert_eq(kvt__ptable_reserve(&g->pt, &g->pool, &g->a, N), KVT_OK);
+    g->pt.n_rows = N;
+    cr_assert_eq(kvt__ptable_mirror_reserve(&g->pt, &g->home, g->pt.n_pages), KVT_OK);
+    cr_assert_eq(kvt__ptable_mirror_sync(&g->pt, &g->home, NULL), KVT_OK);
+    for (uint32_t l = 0; l < n_layers; l++) {
+        kvt__store *st = &g->st[l];
+        st->spec = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, 8);
+        st->layer = l;
+        st->slot_bytes = (size_t)H * st->spec.row_bytes;
+        st->plane_bytes = (size_t)NP * PR * st->slot_bytes;
+        for (int p = 0; p < 2; p++) {
+            st->plane[p] = malloc(st->plane_bytes);
+            cr_assert_not_null(st->plane[p]);
+            for (size_t i = 0; i < st->plane_bytes; i++)
+                st->plane[p][i] = (uint8_t)(i * 7 + (size_t)p * 3 + l);
+        }
+        cr_assert_eq(kvt__ev_init(&g->e[l], &g->home, &st->spec, archive), KVT_OK);
+        cr_assert_eq(kvt__ev_reserve(&g->e[l], N), KVT_OK);
+        cr_assert_eq(kvt__ev_append(&g->e[l], &g->home, NULL, 0, 0, N), KVT_OK);
     }
+}
+
+static void rig_fini(ev_rig *g) {
+    for (uint32_t l = 0; l < g->n_layers; l++) {
+        kvt__ev_fini(&g->e[l]);
+        free(g->st[l].plane[0]);
+        free(g->st[l].plane[1]);
+    }
+    kvt__ptable_fini(&g->pt, &g->pool, &g->a, &g->home);
+    kvt__pool_fini(&g->pool, &g->a);
+    kvt__alloc_fini(&g->a);
+}
+
+Test(evict_internal, failed_apply_marks_the_group_damaged) {
+    const uint32_t K = 8, r = 4, c = 4, N = K + r + c;
+    ev_rig g;
+    rig_init(&g, 2, 2, 4, 16, N, false);
     kvt_config cfg = small_cfg(K, r, c);
     kvt__backend_ops ops = *kvt__backend_cpu_ops();
-    ops.move_rows = fail_move;
-    kvt__backend be = {.ops = &ops, .alloc = &a, .impl = NULL};
+    ops.ev_apply = fail_apply;
+    kvt__backend be = {.ops = &ops, .alloc = &g.a, .impl = NULL};
     char err[256] = "";
-    kvt__div32 pdiv = kvt__div32_make(PR);
-    kvt__env env = {.alloc = &a, .backend = &be, .cfg = &cfg, .page_rows = PR, .pdiv = &pdiv,
-                    .philox_key = kvt__philox_key(cfg.seed, 1), .err = err,
+    kvt__div32 pdiv = kvt__div32_make(4);
+    kvt__env env = {.alloc = &g.a, .backend = &be, .home = &g.home, .cfg = &cfg, .page_rows = 4,
+                    .pdiv = &pdiv, .philox_key = kvt__philox_key(cfg.seed, 1), .err = err,
                     .err_len = sizeof err};
-    kvt__store *stores[2] = {&st[0], &st[1]};
-    kvt__ev *states[2] = {&e[0], &e[1]};
-    cr_assert_eq(kvt__ev_round(&env, stores, states, 2, &pt, &pool, 2), KVT_ERR_CORRUPT);
+    kvt__store *stores[2] = {&g.st[0], &g.st[1]};
+    kvt__ev *states[2] = {&g.e[0], &g.e[1]};
+    cr_assert_eq(kvt__ev_round(&env, stores, states, 2, &g.pt, &g.pool, 2), KVT_ERR_CORRUPT);
     cr_assert(strstr(err, "damaged") != NULL, "%s", err);
-    cr_assert(e[0].damaged && e[1].damaged);
-    for (int l = 0; l < 2; l++) {
-        kvt__ev_fini(&e[l], &a);
-        free(st[l].plane[0]);
-        free(st[l].plane[1]);
-    }
-    kvt__ptable_fini(&pt, &pool, &a);
-    kvt__pool_fini(&pool, &a);
-    kvt__alloc_fini(&a);
+    cr_assert(g.e[0].damaged && g.e[1].damaged);
+    rig_fini(&g);
 }
 
 Test(evict_internal, failed_selection_changes_nothing) {
     const uint32_t K = 8, r = 4, c = 4, PR = 4, NP = 16, H = 2, N = K + r + c;
-    kvt__alloc a;
-    cr_assert_eq(kvt__alloc_init(&a, KVT_ALLOC_LIBC), KVT_OK);
-    kvt__store st;
-    memset(&st, 0, sizeof st);
-    st.spec = gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, 8);
-    st.slot_bytes = (size_t)H * st.spec.row_bytes;
-    st.plane_bytes = (size_t)NP * PR * st.slot_bytes;
-    for (int p = 0; p < 2; p++) {
-        st.plane[p] = malloc(st.plane_bytes);
-        cr_assert_not_null(st.plane[p]);
-        for (size_t i = 0; i < st.plane_bytes; i++)
-            st.plane[p][i] = (uint8_t)(i * 7 + (size_t)p * 3);
-    }
-    kvt__pool pool;
-    cr_assert_eq(kvt__pool_init(&pool, &a, NP, PR), KVT_OK);
-    kvt__ptable pt;
-    memset(&pt, 0, sizeof pt);
-    cr_assert_eq(kvt__ptable_reserve(&pt, &pool, &a, N), KVT_OK);
-    pt.n_rows = N;
-    kvt__ev e;
-    cr_assert_eq(kvt__ev_init(&e, &a, H, true), KVT_OK);
-    cr_assert_eq(kvt__ev_reserve(&e, &a, N), KVT_OK);
-    kvt__ev_append(&e, 0, 0, N);
-
+    ev_rig g;
+    rig_init(&g, 1, H, PR, NP, N, true);
+    kvt__store *st = &g.st[0];
+    kvt__ev *e = &g.e[0];
     kvt_config cfg = small_cfg(K, r, c);
     cfg.evict_archive = true;
     cfg.evict_vase = true;
-    kvt__backend_ops ops_draws = *kvt__backend_cpu_ops(), ops_topm = ops_draws;
-    ops_draws.draws = fail_draws;
-    ops_topm.topm = fail_topm;
-    kvt__backend be = {.ops = &ops_draws, .alloc = &a, .impl = NULL};
+    kvt__backend_ops ops_oom = *kvt__backend_cpu_ops(), ops_dev = ops_oom;
+    ops_oom.ev_select = fail_select;
+    ops_dev.ev_select = fail_select_dev;
+    kvt__backend be = {.ops = &ops_oom, .alloc = &g.a, .impl = NULL};
     char err[256] = "";
     kvt__div32 pdiv = kvt__div32_make(PR);
-    kvt__env env = {.alloc = &a,
+    kvt__env env = {.alloc = &g.a,
                     .backend = &be,
+                    .home = &g.home,
                     .cfg = &cfg,
                     .page_rows = PR,
                     .pdiv = &pdiv,
@@ -1039,59 +1043,53 @@ Test(evict_internal, failed_selection_changes_nothing) {
                     .stream = NULL,
                     .err = err,
                     .err_len = sizeof err};
-    kvt__store *stores[1] = {&st};
-    kvt__ev *states[1] = {&e};
+    kvt__store *stores[1] = {st};
+    kvt__ev *states[1] = {e};
 
-    uint8_t *planes0[2] = {malloc(st.plane_bytes), malloc(st.plane_bytes)};
+    uint8_t *planes0[2] = {malloc(st->plane_bytes), malloc(st->plane_bytes)};
     int64_t pos0[H * N];
     int32_t pages0[8];
-    cr_assert(planes0[0] && planes0[1] && pt.n_pages <= 8);
+    cr_assert(planes0[0] && planes0[1] && g.pt.n_pages <= 8);
     for (int p = 0; p < 2; p++)
-        memcpy(planes0[p], st.plane[p], st.plane_bytes);
-    for (uint32_t h = 0; h < H; h++)
-        memcpy(pos0 + h * N, e.pos + h * e.pos_cap, sizeof(int64_t) * N);
-    memcpy(pages0, pt.pages, sizeof(int32_t) * pt.n_pages);
-    const uint32_t n_pages0 = pt.n_pages, free0 = pool.n_free;
+        memcpy(planes0[p], st->plane[p], st->plane_bytes);
+    for (uint32_t h = 0; h < H; h++) /* the CPU backend's buffers are host memory */
+        memcpy(pos0 + h * N, e->pos + h * e->pos_cap, sizeof(int64_t) * N);
+    memcpy(pages0, g.pt.pages, sizeof(int32_t) * g.pt.n_pages);
+    const uint32_t n_pages0 = g.pt.n_pages, free0 = g.pool.n_free;
 
     for (int v = 0; v < 2; v++) {
-        be.ops = v == 0 ? &ops_draws : &ops_topm;
+        be.ops = v == 0 ? &ops_oom : &ops_dev;
         err[0] = '\0';
-        kvt_status s = kvt__ev_round(&env, stores, states, 1, &pt, &pool, 2);
+        kvt_status s = kvt__ev_round(&env, stores, states, 1, &g.pt, &g.pool, 2);
         cr_assert_eq(s, v == 0 ? KVT_ERR_OUT_OF_MEMORY : KVT_ERR_NO_DEVICE);
         cr_assert(strstr(err, "nothing was evicted") != NULL, "detail: %s", err);
-        cr_assert_eq(pt.n_rows, N);
-        cr_assert_eq(pt.n_pages, n_pages0);
-        cr_assert(memcmp(pt.pages, pages0, sizeof(int32_t) * n_pages0) == 0);
-        cr_assert_eq(pool.n_free, free0);
-        cr_assert_eq(e.rounds, 0u);
-        cr_assert_eq(e.dropped, 0u);
-        cr_assert_eq(e.last_n, 0u);
-        for (uint32_t h = 0; h < H; h++) {
-            cr_assert_eq(e.archive[h].n, 0u);
-            cr_assert(memcmp(pos0 + h * N, e.pos + h * e.pos_cap, sizeof(int64_t) * N) == 0);
-        }
+        cr_assert_eq(g.pt.n_rows, N);
+        cr_assert_eq(g.pt.n_pages, n_pages0);
+        cr_assert(memcmp(g.pt.pages, pages0, sizeof(int32_t) * n_pages0) == 0);
+        cr_assert_eq(g.pool.n_free, free0);
+        cr_assert_eq(e->rounds, 0u);
+        cr_assert_eq(e->dropped, 0u);
+        cr_assert_eq(e->last_n, 0u);
+        cr_assert_eq(e->ar_n, 0u);
+        cr_assert(!e->damaged);
+        for (uint32_t h = 0; h < H; h++)
+            cr_assert(memcmp(pos0 + h * N, e->pos + h * e->pos_cap, sizeof(int64_t) * N) == 0);
         for (int p = 0; p < 2; p++)
-            cr_assert(memcmp(planes0[p], st.plane[p], st.plane_bytes) == 0);
-        cr_assert_eq(kvt__ev_check(&e, &pt, &cfg, N, 2, err, sizeof err), KVT_OK, "%s", err);
+            cr_assert(memcmp(planes0[p], st->plane[p], st->plane_bytes) == 0);
+        cr_assert_eq(kvt__ev_check(e, &g.pt, &cfg, N, 2, err, sizeof err), KVT_OK, "%s", err);
     }
     /* The retry with a working backend runs the round. */
     be.ops = kvt__backend_cpu_ops();
-    cr_assert_eq(kvt__ev_round(&env, stores, states, 1, &pt, &pool, 2), KVT_OK, "%s", err);
-    cr_assert_eq(pt.n_rows, K + r);
-    cr_assert_eq(e.rounds, 1u);
-    cr_assert_eq(pool.n_free, NP - (K + r) / PR);
-    for (uint32_t h = 0; h < H; h++)
-        cr_assert_eq(e.archive[h].n, (uint64_t)c);
-    cr_assert_eq(kvt__ev_check(&e, &pt, &cfg, N, 2, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt__ev_round(&env, stores, states, 1, &g.pt, &g.pool, 2), KVT_OK, "%s", err);
+    cr_assert_eq(g.pt.n_rows, K + r);
+    cr_assert_eq(e->rounds, 1u);
+    cr_assert_eq(g.pool.n_free, NP - (K + r) / PR);
+    cr_assert_eq(e->ar_n, (uint64_t)c);
+    cr_assert_eq(kvt__ev_check(e, &g.pt, &cfg, N, 2, err, sizeof err), KVT_OK, "%s", err);
 
     free(planes0[0]);
     free(planes0[1]);
-    kvt__ev_fini(&e, &a);
-    kvt__ptable_fini(&pt, &pool, &a);
-    kvt__pool_fini(&pool, &a);
-    free(st.plane[0]);
-    free(st.plane[1]);
-    kvt__alloc_fini(&a);
+    rig_fini(&g);
 }
 
 /* Tensor and pipeline parallelism: a rank holding KV heads [off, off + H) of n_global, and layers

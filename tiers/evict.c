@@ -32,17 +32,20 @@
  * group share one page table while holding different positions: row index i of the table holds,
  * for head h of layer l, position pos[l][h][i]. Each head's survivors move, in chronological
  * order, to row indices 0..K+r-1 (its own row_bytes slice at head * row_bytes of the slot, in
- * each plane), through the backend's move_rows; then the table is cut to K + r rows and its
- * trailing pages go back to the pool — memory really freed, unlike the salience archive.
- * Moves are listed by ascending destination row index and every source row index is >= its
- * destination, so applying them in order never overwrites a row still to be read (a destination
- * row is either evicted or the source of an earlier move). Note that this holds for row indices;
- * slots need not be monotonic in them (the page table lists pages in the order they were taken).
+ * each plane); then the table is cut to K + r rows and its trailing pages go back to the pool —
+ * memory really freed, unlike the salience archive.
  *
- * Failure safety. Everything a round allocates (scratch, the keep lists of every layer and head,
- * the published slot maps, the archive growth) is allocated, and every keep set is selected,
- * before the first byte moves; a failure there returns with nothing observable changed and the
- * next commit retries the round. From the first move on nothing can fail on the CPU backend.
+ * Where it runs. The state this file keeps on the host is counts only (rows, rounds, archived
+ * and dropped rows — all follow from N, K and r). Positions, keep sets, slot maps and the
+ * archive are buffers of the backend's memory; a round is two backend calls for all the layers
+ * it covers (ev_select, ev_apply: kernels/evict.h) and reads nothing back, so it adds no
+ * synchronisation to a step. Inspection calls (row_state, positions, last_slot_map, the full
+ * check) read through the backend and synchronise.
+ *
+ * Failure safety. Everything a round allocates (the slot maps, keep sets, archive growth) is
+ * allocated, and every keep set is selected, before the first byte moves; a failure there
+ * returns with nothing observable changed and the next commit retries the round. Only a device
+ * error in ev_apply can leave rows half moved: the group is then marked damaged.
  */
 #include "policy.h"
 
@@ -79,467 +82,413 @@ uint64_t kvt__ev_protected_rows(const kvt_config *cfg, uint64_t prompt_rows) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* State lifecycle                                                                             */
+/* State lifecycle: every array is a buffer of the backend's memory                             */
 /* ------------------------------------------------------------------------------------------- */
-kvt_status kvt__ev_init(kvt__ev *e, const kvt__alloc *a, uint32_t n_heads, bool archive) {
+kvt_status kvt__ev_init(kvt__ev *e, const kvt__backend *be, const kvt_layer_spec *spec,
+                        bool archive) {
     memset(e, 0, sizeof *e);
-    if (n_heads == 0)
+    if (spec->n_kv_heads == 0)
         return KVT_ERR_INVALID_ARGUMENT;
-    e->n_heads = n_heads;
-    if (archive) {
-        e->archive = kvt__calloc(a, sizeof *e->archive * n_heads);
-        if (!e->archive)
-            return KVT_ERR_OUT_OF_MEMORY;
-    }
+    e->be = be;
+    e->n_heads = spec->n_kv_heads;
+    e->archive = archive;
+    e->ar_row_bytes = (size_t)spec->n_planes * spec->row_bytes;
     return KVT_OK;
 }
 
-static void archive_fini(kvt__ev_archive *ar, const kvt__alloc *a) {
-    kvt__free(a, ar->bytes, ar->bytes_cap);
-    kvt__free(a, ar->pos, sizeof *ar->pos * ar->cap);
-    kvt__free(a, ar->by_pos, sizeof *ar->by_pos * ar->by_pos_cap);
-    memset(ar, 0, sizeof *ar);
+static void buf_free(const kvt__backend *be, void *p, size_t bytes) {
+    if (p)
+        be->ops->buf_free(be, p, bytes);
 }
 
-static void scratch_free(kvt__ev_scratch *s, const kvt__alloc *a);
-
-void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a) {
-    if (e->archive) {
-        for (uint32_t h = 0; h < e->n_heads; h++)
-            archive_fini(&e->archive[h], a);
-        kvt__free(a, e->archive, sizeof *e->archive * e->n_heads);
+void kvt__ev_fini(kvt__ev *e) {
+    if (e->be) {
+        const size_t H = e->n_heads;
+        buf_free(e->be, e->pos, sizeof *e->pos * H * e->pos_cap);
+        buf_free(e->be, e->last_map, sizeof *e->last_map * e->last_map_cap);
+        buf_free(e->be, e->keep, sizeof *e->keep * e->keep_cap);
+        buf_free(e->be, e->ar_bytes, e->ar_row_bytes * H * e->ar_cap);
+        buf_free(e->be, e->ar_pos, sizeof *e->ar_pos * H * e->ar_cap);
+        buf_free(e->be, e->ar_by_pos, sizeof *e->ar_by_pos * H * e->ar_cap);
     }
-    kvt__free(a, e->pos, sizeof *e->pos * e->n_heads * e->pos_cap);
-    kvt__free(a, e->last_map, sizeof *e->last_map * e->last_map_cap);
-    scratch_free(&e->sc, a);
     memset(e, 0, sizeof *e);
 }
 
-kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows) {
-    if (rows <= e->pos_cap)
-        return KVT_OK;
-    /* Doubling keeps the per-token cost of decode-time reserves O(1) amortised. The rows of a
-     * head are strided by pos_cap, so growth re-lays every head out (no realloc). */
-    uint64_t cap = e->pos_cap ? e->pos_cap : 64;
-    while (cap < rows) {
+/* Re-lay an [H][old_cap] array of elt-byte entries out as [H][cap] in a new buffer of the
+ * backend (the first `used` entries of each head copied over on the device). */
+static kvt_status relayout(const kvt__backend *be, void **arr, uint32_t H, uint64_t old_cap,
+                           uint64_t cap, uint64_t used, size_t elt) {
+    if (cap > SIZE_MAX / elt / H)
+        return KVT_ERR_OUT_OF_MEMORY;
+    void *p = NULL;
+    kvt_status s = be->ops->buf_alloc(be, elt * H * cap, &p);
+    if (s != KVT_OK)
+        return s;
+    for (uint32_t h = 0; h < H && used; h++)
+        if ((s = be->ops->copy(be, (uint8_t *)p + elt * h * cap,
+                               (const uint8_t *)*arr + elt * h * old_cap, elt * used, NULL)) !=
+            KVT_OK) {
+            be->ops->buf_free(be, p, elt * H * cap);
+            return s;
+        }
+    buf_free(be, *arr, elt * H * old_cap);
+    *arr = p;
+    return KVT_OK;
+}
+
+/* Doubling from 64 up to at least n (O(1) amortised per decode-time reserve). */
+static kvt_status doubled(uint64_t cap, uint64_t n, uint64_t *out) {
+    cap = cap ? cap : 64;
+    while (cap < n) {
         if (cap > UINT64_MAX / 2)
             return KVT_ERR_OUT_OF_MEMORY;
         cap *= 2;
     }
-    if (cap > SIZE_MAX / sizeof *e->pos / e->n_heads)
-        return KVT_ERR_OUT_OF_MEMORY;
-    int64_t *p = kvt__malloc(a, sizeof *p * e->n_heads * cap);
-    if (!p)
-        return KVT_ERR_OUT_OF_MEMORY;
-    for (uint32_t h = 0; h < e->n_heads && e->pos_cap; h++)
-        memcpy(p + (size_t)h * cap, e->pos + (size_t)h * e->pos_cap, sizeof *p * e->pos_cap);
-    kvt__free(a, e->pos, sizeof *e->pos * e->n_heads * e->pos_cap);
-    e->pos = p;
-    e->pos_cap = cap;
+    *out = cap;
     return KVT_OK;
 }
 
-void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n) {
-    KVT_ASSERT(first_row + n <= e->pos_cap);
-    for (uint32_t h = 0; h < e->n_heads; h++) {
-        int64_t *P = e->pos + (size_t)h * e->pos_cap + first_row;
-        for (uint64_t i = 0; i < n; i++)
-            P[i] = (int64_t)(first_pos + i);
+kvt_status kvt__ev_reserve(kvt__ev *e, uint64_t rows) {
+    if (rows <= e->pos_cap)
+        return KVT_OK;
+    uint64_t cap;
+    kvt_status s = doubled(e->pos_cap, rows, &cap);
+    void *p = e->pos;
+    if (s == KVT_OK &&
+        (s = relayout(e->be, &p, e->n_heads, e->pos_cap, cap, e->pos_cap, sizeof *e->pos)) ==
+            KVT_OK) {
+        e->pos = p;
+        e->pos_cap = cap;
     }
+    return s;
+}
+
+/* A flat buffer of the backend grown to n entries, its first `keep` entries copied over on the
+ * device (0 for a round's scratch). */
+static kvt_status flat_grow(const kvt__backend *be, void **arr, uint64_t *cap, uint64_t n,
+                            size_t elt, uint64_t keep) {
+    if (n <= *cap)
+        return KVT_OK;
+    if (n > SIZE_MAX / elt)
+        return KVT_ERR_OUT_OF_MEMORY;
+    void *p = NULL;
+    kvt_status s = be->ops->buf_alloc(be, elt * n, &p);
+    if (s != KVT_OK)
+        return s;
+    if (keep && (s = be->ops->copy(be, p, *arr, elt * keep, NULL)) != KVT_OK) {
+        be->ops->buf_free(be, p, elt * n);
+        return s;
+    }
+    buf_free(be, *arr, elt * *cap);
+    *arr = p;
+    *cap = n;
+    return KVT_OK;
+}
+
+/* The slot map and keep sets of a round over N rows with budget K. The slot map of the last
+ * round is published (kvt_seq_last_slot_map) until the next round rewrites it whole, and that
+ * round can still fail for memory after this (keep sets, archive): growing it keeps the
+ * published map. */
+static kvt_status round_reserve(kvt__ev *e, uint64_t N, uint64_t K) {
+    void *p = e->last_map;
+    kvt_status s = flat_grow(e->be, &p, &e->last_map_cap, (uint64_t)e->n_heads * N,
+                             sizeof *e->last_map, (uint64_t)e->n_heads * e->last_n);
+    e->last_map = p;
+    if (s != KVT_OK)
+        return s;
+    if (e->last_map_cap < (uint64_t)e->n_heads * e->last_n)
+        return KVT_ERR_INVARIANT;
+    p = e->keep;
+    s = flat_grow(e->be, &p, &e->keep_cap, (uint64_t)e->n_heads * K, sizeof *e->keep, 0);
+    e->keep = p;
+    return s;
+}
+
+/* Grow the archive to hold `add` more rows per head: three new buffers filled on the device,
+ * swapped in only when all succeeded (a failure changes nothing). */
+static kvt_status archive_reserve(kvt__ev *e, uint64_t add) {
+    uint64_t need = e->ar_n + add;
+    if (need <= e->ar_cap)
+        return KVT_OK;
+    uint64_t cap = e->ar_cap + e->ar_cap / 2;
+    if (cap < need)
+        cap = need;
+    const kvt__backend *be = e->be;
+    const size_t H = e->n_heads;
+    const size_t elt[3] = {e->ar_row_bytes, sizeof *e->ar_pos, sizeof *e->ar_by_pos};
+    void *old[3] = {e->ar_bytes, e->ar_pos, e->ar_by_pos};
+    void *nw[3] = {NULL, NULL, NULL};
+    kvt_status s = KVT_OK;
+    for (int i = 0; i < 3 && s == KVT_OK; i++) {
+        s = cap > SIZE_MAX / elt[i] / H ? KVT_ERR_OUT_OF_MEMORY
+                                        : be->ops->buf_alloc(be, elt[i] * H * cap, &nw[i]);
+        for (size_t h = 0; s == KVT_OK && e->ar_n && h < H; h++)
+            s = be->ops->copy(be, (uint8_t *)nw[i] + elt[i] * h * cap,
+                              (const uint8_t *)old[i] + elt[i] * h * e->ar_cap,
+                              elt[i] * e->ar_n, NULL);
+    }
+    for (int i = 0; i < 3; i++)
+        buf_free(be, s == KVT_OK ? old[i] : nw[i],
+                 elt[i] * H * (s == KVT_OK ? e->ar_cap : cap));
+    if (s != KVT_OK)
+        return s;
+    e->ar_bytes = nw[0];
+    e->ar_pos = nw[1];
+    e->ar_by_pos = nw[2];
+    e->ar_cap = cap;
+    return KVT_OK;
+}
+
+kvt_status kvt__ev_prepare(kvt__ev *e, const kvt_config *cfg, uint64_t rows) {
+    kvt_status rc = kvt__ev_reserve(e, rows);
+    return rc == KVT_OK ? round_reserve(e, rows, cfg->evict_budget_rows) : rc;
+}
+
+kvt_status kvt__ev_append(kvt__ev *e, const kvt__backend *be, void *stream, uint64_t first_row,
+                          uint64_t first_pos, uint64_t n) {
+    KVT_ASSERT(first_row + n <= e->pos_cap);
+    if (n == 0)
+        return KVT_OK;
+    return be->ops->ev_append(be, e->pos, e->pos_cap, e->n_heads, first_row, first_pos, n,
+                              stream);
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Lookups                                                                                     */
+/* Lookups (inspection: synchronising)                                                          */
 /* ------------------------------------------------------------------------------------------- */
 int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos) {
-    if (head >= e->n_heads || !e->pos)
+    if (head >= e->n_heads || !e->pos || pt->n_rows == 0)
         return -1;
-    const int64_t *P = e->pos + (size_t)head * e->pos_cap;
-    uint64_t lo = 0, hi = pt->n_rows;
-    while (lo < hi) {
-        uint64_t mid = lo + (hi - lo) / 2;
-        if ((uint64_t)P[mid] < pos)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < pt->n_rows && (uint64_t)P[lo] == pos ? (int64_t)lo : -1;
+    int64_t at = -1;
+    if (e->be->ops->find_pos(e->be, e->pos + (size_t)head * e->pos_cap, NULL, pt->n_rows, pos,
+                             &at) != KVT_OK)
+        return -1;
+    return at;
 }
 
-/* Index into the archive's arrays of a position, or -1. */
-static int64_t archive_find(const kvt__ev_archive *ar, uint64_t pos) {
-    uint64_t lo = 0, hi = ar->n;
-    while (lo < hi) {
-        uint64_t mid = lo + (hi - lo) / 2;
-        if ((uint64_t)ar->pos[ar->by_pos[mid]] < pos)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo < ar->n && (uint64_t)ar->pos[ar->by_pos[lo]] == pos)
-        return (int64_t)ar->by_pos[lo];
-    return -1;
+/* Index into head's archive of a position, or -1. */
+static int64_t archive_find(const kvt__ev *e, uint32_t head, uint64_t pos) {
+    if (!e->archive || head >= e->n_heads || e->ar_n == 0)
+        return -1;
+    int64_t k = -1;
+    const size_t h = head;
+    if (e->be->ops->find_pos(e->be, e->ar_pos + h * e->ar_cap, e->ar_by_pos + h * e->ar_cap,
+                             e->ar_n, pos, &k) != KVT_OK)
+        return -1;
+    return k;
 }
 
-const uint8_t *kvt__ev_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
-                                uint32_t plane, uint64_t pos) {
-    if (!e->archive || head >= e->n_heads || plane >= spec->n_planes)
-        return NULL;
-    const kvt__ev_archive *ar = &e->archive[head];
-    int64_t k = archive_find(ar, pos);
+kvt_status kvt__ev_read_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
+                                 uint32_t plane, uint64_t pos, void *dst) {
+    int64_t k = plane < spec->n_planes ? archive_find(e, head, pos) : -1;
     if (k < 0)
-        return NULL;
-    return ar->bytes + ((size_t)k * spec->n_planes + plane) * spec->row_bytes;
+        return KVT_ERR_INVARIANT;
+    const size_t h = head;
+    const uint8_t *src = e->ar_bytes + (h * e->ar_cap + (size_t)k) * e->ar_row_bytes +
+                         (size_t)plane * spec->row_bytes;
+    return e->be->ops->read(e->be, dst, src, spec->row_bytes, NULL);
 }
 
 /* ------------------------------------------------------------------------------------------- */
 /* The round                                                                                   */
 /* ------------------------------------------------------------------------------------------- */
+/* One layer of one request in a round: a commit runs the layers of one request's group
+ * together, a step's run one layer of many requests. */
+typedef struct ev_job {
+    kvt__store *st;
+    kvt__ev *e;
+    const kvt__ptable *pt;
+    uint64_t N;           /* rows per head the layer holds */
+    uint64_t prompt_rows;
+    const kvt_config *cfg;
+    uint64_t philox_key;
+    kvt_status status;    /* out */
+    bool moving;          /* reached the moves */
+} ev_job;
 
-static void scratch_free(kvt__ev_scratch *s, const kvt__alloc *a) {
-    kvt__free(a, s->keys, sizeof *s->keys * s->keys_cap);
-    kvt__free(a, s->ridx, sizeof *s->ridx * s->ridx_cap);
-    kvt__free(a, s->rpos, sizeof *s->rpos * s->rpos_cap);
-    kvt__free(a, s->sel, sizeof *s->sel * s->sel_cap);
-    kvt__free(a, s->mark, sizeof *s->mark * s->mark_cap);
-    kvt__free(a, s->src, sizeof *s->src * s->src_cap);
-    kvt__free(a, s->dst, sizeof *s->dst * s->dst_cap);
-    kvt__free(a, s->keep, sizeof *s->keep * s->keep_cap);
-    memset(s, 0, sizeof *s);
-}
-
-
-/* Grow a layer's round scratch (capacity only). */
-static kvt_status scratch_grow(kvt__ev_scratch *s, const kvt__alloc *a, uint64_t cand, uint64_t K,
-                               uint64_t n_new, uint64_t keep_entries) {
-    KVT__GROW_OR_RETURN(a, s->keys, s->keys_cap, cand);
-    KVT__GROW_OR_RETURN(a, s->ridx, s->ridx_cap, cand);
-    KVT__GROW_OR_RETURN(a, s->rpos, s->rpos_cap, cand);
-    KVT__GROW_OR_RETURN(a, s->sel, s->sel_cap, K);
-    KVT__GROW_OR_RETURN(a, s->mark, s->mark_cap, cand);
-    KVT__GROW_OR_RETURN(a, s->src, s->src_cap, n_new);
-    KVT__GROW_OR_RETURN(a, s->dst, s->dst_cap, n_new);
-    KVT__GROW_OR_RETURN(a, s->keep, s->keep_cap, keep_entries);
-    return KVT_OK;
-}
-
-kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg,
-                           uint64_t rows) {
-    kvt_status rc = kvt__ev_reserve(e, a, rows);
-    if (rc != KVT_OK)
-        return rc;
-    KVT__GROW_OR_RETURN(a, e->last_map, e->last_map_cap, (uint64_t)e->n_heads * rows);
-    uint64_t K = cfg->evict_budget_rows;
-    return scratch_grow(&e->sc, a, rows, K, K + cfg->recent_rows, (uint64_t)e->n_heads * K);
-}
-
-/* VaSE's score of a row: the range (max - min) of its value dimensions — plane 1 (V) for GQA,
- * the first value_dim values (the latent part, which is the value) for MLA. A NaN anywhere makes
- * the range NaN, which kvt__score_key ranks with +Inf: a broken row is kept, never ranked
- * arbitrarily. fp8 rows are refused at context creation (their range needs the scales). */
-/* Choose head h's K kept candidates among row indices [0, cand) of one layer; write them,
- * ascending, to out[K]. Nothing is modified but the scratch. */
-static kvt_status select_head(const kvt__env *env, const kvt__store *st, const kvt__ev *e,
-                              const kvt__ptable *pt, uint32_t h, uint64_t cand, uint64_t L,
-                              kvt__ev_scratch *s, uint32_t *out) {
-    const kvt_config *cfg = env->cfg;
-    const kvt__backend *be = env->backend;
-    const uint32_t K = cfg->evict_budget_rows;
-    const int64_t *P = e->pos + (size_t)h * e->pos_cap;
-    kvt_status rc;
-
-    /* Protected prefix: positions below L. Positions ascend, so it is a prefix of row indices
-     * (every such row is present: no round ever evicted one). */
-    uint64_t f = 0;
-    while (f < cand && (uint64_t)P[f] < L)
-        f++;
-    memset(s->mark, 0, cand);
-    memset(s->mark, 1, f);
-
-    uint64_t taken = f;
-    if (cfg->evict_vase) {
-        uint64_t m_v = K / 4;
-        if (m_v > K - taken)
-            m_v = K - taken;
-        if (m_v > 0) {
-            /* The rows stay in the backend's memory: it computes their keys. */
-            kvt__value_args va = {.base = st->plane[st->spec.n_planes > 1 ? 1 : 0],
-                                  .slot_bytes = st->slot_bytes,
-                                  .head_offset = (size_t)h * st->spec.row_bytes,
-                                  .dtype = (int)st->spec.dtype,
-                                  .value_dim = st->spec.value_dim,
-                                  .pages = pt->pages,
-                                  .first_page = pt->first_page,
-                                  .pdiv = env->pdiv,
-                                  .first_row = f,
-                                  .n = cand - f,
-                                  .keys = s->keys};
-            rc = be->ops->value_keys(be, &va, env->stream);
-            if (rc != KVT_OK)
-                return rc;
-            rc = be->ops->topm(be, s->keys, (uint32_t)(cand - f), (uint32_t)m_v, s->sel,
-                               env->stream);
-            if (rc != KVT_OK)
-                return rc;
-            for (uint64_t j = 0; j < m_v; j++)
-                s->mark[f + s->sel[j]] = 1;
-            taken += m_v;
-        }
-    }
-
-    /* Uniform fill: the largest draws among the unmarked candidates. */
-    uint64_t n_rest = 0;
-    for (uint64_t i = f; i < cand; i++) {
-        if (s->mark[i])
-            continue;
-        s->ridx[n_rest] = (uint32_t)i;
-        s->rpos[n_rest] = P[i];
-        n_rest++;
-    }
-    uint64_t m_r = K - taken;
-    if (m_r > 0) {
-        /* Global ids (tensor/pipeline parallel ranks draw alike); the shared draw is one draw
-         * for every head of the layer on every rank: global head 0. */
-        uint32_t draw_head = cfg->evict_shared_draw ? 0 : h + env->head_offset;
-        uint64_t subseq = kvt__philox_subseq((uint32_t)e->rounds, st->layer + env->layer_offset,
-                                             draw_head);
-        rc = be->ops->draws(be, env->philox_key, subseq, s->rpos, (size_t)n_rest, s->keys,
-                            env->stream);
-        if (rc != KVT_OK)
-            return rc;
-        rc = be->ops->topm(be, s->keys, (uint32_t)n_rest, (uint32_t)m_r, s->sel, env->stream);
-        if (rc != KVT_OK)
-            return rc;
-        for (uint64_t j = 0; j < m_r; j++)
-            s->mark[s->ridx[s->sel[j]]] = 1;
-    }
-    uint64_t k = 0;
-    for (uint64_t i = 0; i < cand; i++)
-        if (s->mark[i])
-            out[k++] = (uint32_t)i;
-    KVT_ASSERT(k == K);
-    return KVT_OK;
-}
-
-/* Grow head h's archive for `add` more rows of row_all bytes. Capacity only: nothing observable
- * changes, so a failure half-way leaves the state valid. */
-static kvt_status archive_reserve(kvt__ev_archive *ar, const kvt__alloc *a, uint64_t add,
-                                  uint64_t row_all) {
-    uint64_t need = ar->n + add;
-    if (need > UINT64_MAX / row_all)
-        return KVT_ERR_OUT_OF_MEMORY;
-    void *p = ar->bytes;
-    kvt_status s = kvt__grow(a, &p, &ar->bytes_cap, need * row_all, 1);
-    if (s != KVT_OK)
-        return s;
-    ar->bytes = p;
-    p = ar->pos;
-    s = kvt__grow(a, &p, &ar->cap, need, sizeof *ar->pos);
-    if (s != KVT_OK)
-        return s;
-    ar->pos = p;
-    p = ar->by_pos;
-    s = kvt__grow(a, &p, &ar->by_pos_cap, need, sizeof *ar->by_pos);
-    if (s != KVT_OK)
-        return s;
-    ar->by_pos = p;
-    return KVT_OK;
-}
-
-/* Copy head h's evicted candidates (every row in [0, cand) not in keep[K]) into its archive, all
- * planes, and merge them into the by-position index. Capacity was reserved. */
-static kvt_status archive_evicted(kvt__ev_archive *ar, const kvt__env *env, const kvt__store *st,
-                            const kvt__ptable *pt, const int64_t *P, uint32_t h, uint64_t cand,
-                            const uint32_t *keep, uint64_t K) {
+/* The description of one layer's round for the backend (kernels/evict.h). */
+static kvt__ev_args round_args(const kvt__env *env, const ev_job *j) {
+    const kvt_config *cfg = j->cfg;
+    const kvt__store *st = j->st;
+    const kvt__ev *e = j->e;
     const kvt_layer_spec *sp = &st->spec;
-    const uint64_t n_old = ar->n;
-    uint64_t n = n_old, k = 0;
-    for (uint64_t i = 0; i < cand; i++) {
-        if (k < K && keep[k] == i) {
-            k++;
-            continue;
-        }
-        size_t off =
-            (size_t)kvt__slot(pt, env->pdiv, i) * st->slot_bytes + (size_t)h * sp->row_bytes;
-        uint8_t *d = ar->bytes + (size_t)n * sp->n_planes * sp->row_bytes;
-        for (uint32_t p = 0; p < sp->n_planes; p++) {
-            /* out of the backend's memory into the host archive */
-            kvt_status rc = env->backend->ops->read(env->backend, d + (size_t)p * sp->row_bytes,
-                                                    st->plane[p] + off, sp->row_bytes,
-                                                    env->stream);
-            if (rc != KVT_OK)
-                return rc;
-        }
-        ar->pos[n] = P[i];
-        n++;
-    }
-    /* The new entries n_old..n-1 ascend by position; merge them into by_pos from the back (in
-     * place, no scratch). An old row kept in earlier rounds can be archived after newer ones,
-     * so the two runs interleave. */
-    uint64_t i = n_old, j = n - n_old, w = n;
-    while (j > 0) {
-        if (i > 0 && ar->pos[ar->by_pos[i - 1]] > ar->pos[n_old + j - 1])
-            ar->by_pos[--w] = ar->by_pos[--i];
-        else
-            ar->by_pos[--w] = n_old + --j;
-    }
-    ar->n = n;
-    return KVT_OK;
+    kvt__ev_args a = {
+        .plane = {st->plane[0], sp->n_planes > 1 ? st->plane[1] : NULL},
+        .n_planes = sp->n_planes,
+        .slot_bytes = st->slot_bytes,
+        .row_bytes = sp->row_bytes,
+        .n_heads = e->n_heads,
+        .dtype = (int)sp->dtype,
+        /* VaSE's value range: plane 1 (V) for GQA, the first value_dim values (the latent part,
+         * which is the value) for MLA. fp8 rows are refused at context creation (their range
+         * needs the scales). */
+        .value_dim = sp->value_dim,
+        .value_plane = sp->n_planes > 1 ? 1 : 0,
+        .pages = j->pt->dpages, /* the mirror */
+        .first_page = j->pt->first_page,
+        .pdiv = env->pdiv,
+        .pos = e->pos,
+        .pos_cap = e->pos_cap,
+        .keep = e->keep,
+        .map = e->last_map,
+        .ar_bytes = e->archive ? e->ar_bytes : NULL,
+        .ar_pos = e->ar_pos,
+        .ar_by_pos = e->ar_by_pos,
+        .ar_n = e->ar_n,
+        .ar_cap = e->ar_cap,
+        .N = j->N,
+        .K = cfg->evict_budget_rows,
+        .r = cfg->recent_rows,
+        .L = kvt__ev_protected_rows(cfg, j->prompt_rows),
+        .vase = cfg->evict_vase,
+        .philox_key = j->philox_key,
+        .round = (uint32_t)e->rounds,
+        .layer = st->layer + env->layer_offset,
+        .head_offset = env->head_offset,
+        .shared_draw = cfg->evict_shared_draw,
+    };
+    return a;
 }
 
-/* Old row index of new row index j: the K kept candidates, then the r recent rows. */
-static uint64_t old_row(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_t j) {
-    return j < K ? keep[j] : cand + (j - K);
-}
+/* Layers handed to the backend per call (a stack array: a round allocates nothing on the host). */
+#define KVT__EV_CHUNK 16u
 
-/* Move one layer's survivors to the front. When every head keeps the same rows (MLA, or a
- * shared draw without VaSE) a whole slot moves at once; otherwise each head's slice moves on its
- * own. */
-static kvt_status compact_layer(const kvt__env *env, kvt__store *st, const kvt__ptable *pt,
-                                const uint32_t *keep, uint32_t H, uint64_t K, uint64_t cand,
-                                uint64_t n_new, kvt__ev_scratch *s) {
+/* Run the backend op over every job still KVT_OK, KVT__EV_CHUNK at a time; a failed call sets
+ * its chunk's jobs to its status. */
+static void ev_call(const kvt__env *env, ev_job *jobs, uint32_t n, bool apply) {
     const kvt__backend *be = env->backend;
-    const kvt_layer_spec *sp = &st->spec;
-    bool same = true;
-    for (uint32_t h = 1; h < H && same; h++)
-        same = memcmp(keep, keep + (size_t)h * K, sizeof *keep * K) == 0;
-    uint32_t n_heads_moved = same ? 1 : H;
-    for (uint32_t h = 0; h < n_heads_moved; h++) {
-        const uint32_t *kh = keep + (size_t)h * K;
-        uint32_t n = 0;
-        for (uint64_t j = 0; j < n_new; j++) {
-            uint64_t o = old_row(kh, K, cand, j);
-            if (o == j)
-                continue;
-            s->src[n] = kvt__slot(pt, env->pdiv, o);
-            s->dst[n] = kvt__slot(pt, env->pdiv, j);
-            n++;
+    kvt__ev_args args[KVT__EV_CHUNK];
+    uint32_t at[KVT__EV_CHUNK], k = 0;
+    for (uint32_t i = 0; i <= n; i++) {
+        if (i < n && jobs[i].status == KVT_OK) {
+            args[k] = round_args(env, &jobs[i]);
+            at[k++] = i;
         }
-        if (n == 0)
-            continue;
-        size_t offset = same ? 0 : (size_t)h * sp->row_bytes;
-        size_t bytes = same ? st->slot_bytes : sp->row_bytes;
-        for (uint32_t p = 0; p < sp->n_planes; p++) {
-            kvt_status rc = be->ops->move_rows(be, st->plane[p], st->slot_bytes, offset, bytes,
-                                               s->src, s->dst, n, env->stream);
-            if (rc != KVT_OK)
-                return rc;
+        if (k == KVT__EV_CHUNK || (i == n && k)) {
+            kvt_status rc = apply ? be->ops->ev_apply(be, args, k, env->stream)
+                                  : be->ops->ev_select(be, args, k, env->stream);
+            for (uint32_t x = 0; rc != KVT_OK && x < k; x++)
+                jobs[at[x]].status = rc;
+            k = 0;
         }
     }
+}
+
+/* Capacity of one job's round (grow-only: nothing to do when the state was sized for a stated
+ * limit). KVT_OK or a status with a message; nothing observable changes. */
+static kvt_status job_reserve(const kvt__env *env, ev_job *j) {
+    const uint64_t K = j->cfg->evict_budget_rows, cand = j->N - j->cfg->recent_rows;
+    KVT_ASSERT(j->e->n_heads == j->st->spec.n_kv_heads && j->e->pos_cap >= j->N);
+    if (j->N > INT32_MAX)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
+                         "eviction round over %llu rows: row indices must fit in int32",
+                         (unsigned long long)j->N);
+    kvt_status s = round_reserve(j->e, j->N, K);
+    if (s == KVT_OK && j->e->archive)
+        s = archive_reserve(j->e, cand - K);
+    if (s != KVT_OK)
+        return kvt__fail(env->err, env->err_len, s,
+                         "eviction round: slot map / keep sets / archive of layer %u; nothing "
+                         "was evicted",
+                         j->st->layer);
     return KVT_OK;
 }
 
-/* One round over the given layers of a group whose table holds N rows per head (the table's
- * committed rows, or those plus the rows of a step in flight): select, archive or drop, compact
- * each layer to K + r rows. The table itself (its n_rows, its pages) is left to the caller, so a
- * step can compact one layer inside its forward while the group's other layers still hold N. */
+/* After a job's moves: the counts, which follow from N, K and r (no read-back). */
+static void job_done(const ev_job *j) {
+    kvt__ev *e = j->e;
+    const uint64_t K = j->cfg->evict_budget_rows, r = j->cfg->recent_rows;
+    if (e->archive)
+        e->ar_n += j->N - r - K;
+    else
+        e->dropped += (j->N - r - K) * e->n_heads;
+    e->last_n = j->N;
+    e->last_kept = K + r;
+    e->rounds++;
+    if (prompt_over_budget(j->cfg, j->prompt_rows))
+        e->prompt_over_budget = true;
+}
+
+static kvt_status damaged_msg(const kvt__env *env, uint32_t layer, kvt_status why) {
+    return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                     "eviction round: moving rows of layer %u failed (%s); the sequence is "
+                     "damaged and must be destroyed",
+                     layer, kvt_status_name(why));
+}
+
+/* Rounds of up to KVT__EV_CHUNK independent jobs (one layer of as many requests: a step's
+ * run), in one select and one apply call. Each job's status says how it went: a failure before
+ * the moves changed nothing of that request (the commit retries it); one in the moves damaged
+ * it. */
+static void round_independent(const kvt__env *env, ev_job *jobs, uint32_t n) {
+    KVT_ASSERT(n <= KVT__EV_CHUNK);
+    for (uint32_t i = 0; i < n; i++)
+        jobs[i].status = job_reserve(env, &jobs[i]);
+    ev_call(env, jobs, n, false);
+    for (uint32_t i = 0; i < n; i++)
+        jobs[i].moving = jobs[i].status == KVT_OK;
+    ev_call(env, jobs, n, true);
+    for (uint32_t i = 0; i < n; i++) {
+        ev_job *j = &jobs[i];
+        if (j->moving && j->status == KVT_OK) {
+            job_done(j);
+        } else if (j->moving) {
+            j->e->damaged = true;
+            j->status = damaged_msg(env, j->st->layer, j->status);
+        } else if (j->status != KVT_OK && j->status != KVT_ERR_OUT_OF_MEMORY &&
+                   j->status != KVT_ERR_UNSUPPORTED) {
+            kvt__fail(env->err, env->err_len, j->status,
+                      "eviction round: selecting layer %u's keep sets failed; nothing was "
+                      "evicted",
+                      j->st->layer);
+        }
+    }
+}
+
+/* One round over the given layers of one request's group, whose table holds N rows per head
+ * (the table's committed rows, or those plus the rows of a step in flight): they share the
+ * table, so they go together — every capacity, then every keep set (batched selects), and only
+ * then the moves (batched applies); any failure before the moves changes nothing, one in them
+ * damages every layer. The table itself (its n_rows, its pages) is left to the caller. */
 static kvt_status round_core(const kvt__env *env, kvt__store *const *stores,
                              kvt__ev *const *states, uint32_t n_layers, const kvt__ptable *pt,
                              uint64_t N, uint64_t prompt_rows) {
-    const kvt_config *cfg = env->cfg;
-    const kvt__alloc *a = env->alloc;
-    const uint64_t K = cfg->evict_budget_rows;
-    const uint64_t r = cfg->recent_rows;
+    const uint64_t K = env->cfg->evict_budget_rows, r = env->cfg->recent_rows;
     if (N < r || N - r <= K)
         return KVT_OK; /* nothing to evict */
-    const uint64_t cand = N - r;
-    const uint64_t n_new = K + r;
-    const uint64_t L = kvt__ev_protected_rows(cfg, prompt_rows);
-    if (N > INT32_MAX)
-        return kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
-                         "eviction round over %llu rows: row indices must fit in int32",
-                         (unsigned long long)N);
-
-    /* 1. Capacity (grow-only: nothing to do when the states were sized for a stated limit). */
+    ev_job jobs[KVT__EV_CHUNK];
     kvt_status rc = KVT_OK;
-    for (uint32_t l = 0; l < n_layers; l++) {
-        kvt__ev *e = states[l];
-        const kvt_layer_spec *sp = &stores[l]->spec;
-        KVT_ASSERT(e->n_heads == sp->n_kv_heads && e->pos_cap >= N);
-        rc = scratch_grow(&e->sc, a, cand, K, n_new, (uint64_t)e->n_heads * K);
-        if (rc != KVT_OK) {
-            kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY,
-                      "eviction round: scratch for %llu candidates; nothing was evicted",
-                      (unsigned long long)cand);
-            goto done;
-        }
-        void *p = e->last_map;
-        rc = kvt__grow(a, &p, &e->last_map_cap, (uint64_t)e->n_heads * N, sizeof *e->last_map);
-        if (rc == KVT_OK)
-            e->last_map = p;
-        for (uint32_t h = 0; rc == KVT_OK && e->archive && h < e->n_heads; h++)
-            rc = archive_reserve(&e->archive[h], a, cand - K,
-                                 (uint64_t)sp->n_planes * sp->row_bytes);
-        if (rc != KVT_OK) {
-            kvt__fail(env->err, env->err_len, rc,
-                      "eviction round: slot map / archive of layer %u; nothing was evicted",
-                      stores[l]->layer);
-            goto done;
-        }
-    }
-
-    /* 2. Select every keep set (backend draws and top-m; nothing moves yet). */
-    for (uint32_t l = 0; l < n_layers; l++) {
-        uint32_t *keep = states[l]->sc.keep;
-        for (uint32_t h = 0; h < states[l]->n_heads; h++, keep += K) {
-            rc = select_head(env, stores[l], states[l], pt, h, cand, L, &states[l]->sc, keep);
-            if (rc != KVT_OK) {
-                kvt__fail(env->err, env->err_len, rc,
-                          "eviction round: selecting layer %u head %u; nothing was evicted",
-                          stores[l]->layer, h);
-                goto done;
+    for (int phase = 0; phase < 3; phase++) {
+        for (uint32_t l0 = 0; l0 < n_layers; l0 += KVT__EV_CHUNK) {
+            uint32_t n = n_layers - l0 < KVT__EV_CHUNK ? n_layers - l0 : KVT__EV_CHUNK;
+            for (uint32_t k = 0; k < n; k++)
+                jobs[k] = (ev_job){.st = stores[l0 + k], .e = states[l0 + k], .pt = pt, .N = N,
+                                   .prompt_rows = prompt_rows, .cfg = env->cfg,
+                                   .philox_key = env->philox_key};
+            if (phase == 0) {
+                for (uint32_t k = 0; k < n; k++)
+                    if ((rc = job_reserve(env, &jobs[k])) != KVT_OK)
+                        return rc;
+                continue;
             }
-        }
-    }
-
-    /* 3. Commit: archive, publish the maps, compact, update positions. */
-    for (uint32_t l = 0; l < n_layers; l++) {
-        kvt__ev *e = states[l];
-        kvt__store *st = stores[l];
-        const uint32_t H = e->n_heads;
-        const uint32_t *keep = e->sc.keep;
-        for (uint32_t h = 0; rc == KVT_OK && h < H; h++) {
-            const int64_t *P = e->pos + (size_t)h * e->pos_cap;
-            if (e->archive)
-                rc = archive_evicted(&e->archive[h], env, st, pt, P, h, cand,
-                                     keep + (size_t)h * K, K);
-            else
-                e->dropped += cand - K;
-        }
-        if (rc == KVT_OK)
-            rc = compact_layer(env, st, pt, keep, H, K, cand, n_new, &e->sc);
-        if (rc != KVT_OK) {
-            /* Only a device error can land here; the bytes may be half moved and earlier layers
-             * of the group are already compacted: no retry can repair that. Mark every layer of
-             * the group damaged (sticky) so the sequence refuses further work. */
-            for (uint32_t x = 0; x < n_layers; x++)
-                states[x]->damaged = true;
-            kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
-                      "eviction round: moving rows of layer %u failed (%s); the sequence is "
-                      "damaged and must be destroyed",
-                      st->layer, kvt_status_name(rc));
-            rc = KVT_ERR_CORRUPT;
-            goto done;
-        }
-        e->last_n = N;
-        for (uint32_t h = 0; h < H; h++, keep += K) {
-            int32_t *map = e->last_map + (size_t)h * N;
-            int64_t *P = e->pos + (size_t)h * e->pos_cap;
-            for (uint64_t i = 0; i < N; i++)
-                map[i] = -1;
-            for (uint64_t j = 0; j < n_new; j++) {
-                uint64_t o = old_row(keep, K, cand, j);
-                map[o] = (int32_t)j;
-                P[j] = P[o]; /* o >= j: in place, ascending */
+            ev_call(env, jobs, n, phase == 2);
+            for (uint32_t k = 0; k < n; k++) {
+                if (jobs[k].status == KVT_OK)
+                    continue;
+                if (phase == 1)
+                    return kvt__fail(env->err, env->err_len, jobs[k].status,
+                                     "eviction round: selecting layer %u's keep sets failed; "
+                                     "nothing was evicted",
+                                     jobs[k].st->layer);
+                for (uint32_t x = 0; x < n_layers; x++)
+                    states[x]->damaged = true;
+                return damaged_msg(env, jobs[k].st->layer, jobs[k].status);
             }
+            for (uint32_t k = 0; phase == 2 && k < n; k++)
+                job_done(&jobs[k]);
         }
-        e->last_kept = n_new;
-        e->rounds++;
-        if (prompt_over_budget(cfg, prompt_rows))
-            e->prompt_over_budget = true;
     }
-done:
-    return rc;
+    return KVT_OK;
 }
 
 kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
@@ -559,42 +508,67 @@ kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev
 /* ------------------------------------------------------------------------------------------- */
 /* Invariants                                                                                  */
 /* ------------------------------------------------------------------------------------------- */
-kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
-                         uint64_t appended, uint64_t prompt_rows, char *err, size_t len) {
+/* Host copies of a state's backend arrays, for the full check (synchronising, O(rows)). */
+typedef struct ev_host {
+    int64_t *pos;       /* [H][n] */
+    int64_t *ar_pos;    /* [H][ar_n] */
+    uint64_t *ar_by_pos;/* [H][ar_n] */
+    int32_t *map;       /* [H][last_n] */
+    size_t b_pos, b_ar_pos, b_ar_by, b_map;
+} ev_host;
+
+static void ev_host_free(ev_host *v, const kvt__alloc *a) {
+    kvt__free(a, v->pos, v->b_pos);
+    kvt__free(a, v->ar_pos, v->b_ar_pos);
+    kvt__free(a, v->ar_by_pos, v->b_ar_by);
+    kvt__free(a, v->map, v->b_map);
+}
+
+/* Read H rows of `n` entries strided by `cap` into a host [H][n] array. */
+static kvt_status read_strided(const kvt__backend *be, void **out, size_t *bytes,
+                               const void *src, uint32_t H, uint64_t n, uint64_t cap, size_t elt) {
+    *bytes = elt * H * n;
+    if (*bytes == 0)
+        return KVT_OK;
+    *out = kvt__malloc(be->alloc, *bytes);
+    if (!*out)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t h = 0; h < H; h++) {
+        kvt_status s = be->ops->read(be, (uint8_t *)*out + elt * h * n,
+                                     (const uint8_t *)src + elt * h * cap, elt * n, NULL);
+        if (s != KVT_OK)
+            return s;
+    }
+    return KVT_OK;
+}
+
+static kvt_status ev_host_read(const kvt__ev *e, uint64_t n, ev_host *v) {
+    memset(v, 0, sizeof *v);
+    const kvt__backend *be = e->be;
+    kvt_status s = read_strided(be, (void **)&v->pos, &v->b_pos, e->pos, e->n_heads, n,
+                                e->pos_cap, sizeof *v->pos);
+    if (s == KVT_OK && e->archive)
+        s = read_strided(be, (void **)&v->ar_pos, &v->b_ar_pos, e->ar_pos, e->n_heads, e->ar_n,
+                         e->ar_cap, sizeof *v->ar_pos);
+    if (s == KVT_OK && e->archive)
+        s = read_strided(be, (void **)&v->ar_by_pos, &v->b_ar_by, e->ar_by_pos, e->n_heads,
+                         e->ar_n, e->ar_cap, sizeof *v->ar_by_pos);
+    if (s == KVT_OK && e->rounds > 0)
+        s = read_strided(be, (void **)&v->map, &v->b_map, e->last_map, e->n_heads, e->last_n,
+                         e->last_n, sizeof *v->map);
+    return s;
+}
+
+static kvt_status ev_check_host(const kvt__ev *e, const ev_host *v, uint64_t n,
+                                const kvt_config *cfg, uint64_t appended, uint64_t prompt_rows,
+                                char *err, size_t len) {
     const uint32_t H = e->n_heads;
-    const uint64_t n = pt->n_rows;
-    if (n > e->pos_cap && n > 0)
-        return kvt__fail(err, len, KVT_ERR_INVARIANT, "evict: %llu rows, position capacity %llu",
-                         (unsigned long long)n, (unsigned long long)e->pos_cap);
-    /* Counts: what every head holds + archived + dropped covers every appended row once. */
-    uint64_t archived = 0;
-    for (uint32_t h = 0; e->archive && h < H; h++)
-        archived += e->archive[h].n;
-    if (e->archive && e->dropped != 0)
-        return kvt__fail(err, len, KVT_ERR_INVARIANT, "evict: archive on, %llu rows dropped",
-                         (unsigned long long)e->dropped);
-    if (n * H + archived + e->dropped != appended * H)
-        return kvt__fail(err, len, KVT_ERR_INVARIANT,
-                         "evict: %llu rows x %u heads + %llu archived + %llu dropped != %llu "
-                         "appended x %u heads",
-                         (unsigned long long)n, H, (unsigned long long)archived,
-                         (unsigned long long)e->dropped, (unsigned long long)appended, H);
-    if (e->rounds > 0 && n < e->last_kept)
-        return kvt__fail(err, len, KVT_ERR_INVARIANT,
-                         "evict: %llu rows, fewer than the %llu the last round kept",
-                         (unsigned long long)n, (unsigned long long)e->last_kept);
-    if (e->prompt_over_budget != (e->rounds > 0 && prompt_over_budget(cfg, prompt_rows)))
-        return kvt__fail(err, len, KVT_ERR_INVARIANT,
-                         "evict: prompt_over_budget %d with %llu prompt rows, K = %u, %llu rounds",
-                         (int)e->prompt_over_budget, (unsigned long long)prompt_rows,
-                         cfg->evict_budget_rows, (unsigned long long)e->rounds);
     uint64_t L = kvt__ev_protected_rows(cfg, prompt_rows);
     if (L > appended)
         L = appended;
     uint64_t R = cfg->recent_rows < appended ? cfg->recent_rows : appended;
     for (uint32_t h = 0; h < H; h++) {
-        /* No committed row yet: pos may still be NULL, and NULL + 0 is undefined in C. */
-        const int64_t *P = e->pos ? e->pos + (size_t)h * e->pos_cap : NULL;
+        const int64_t *P = v->pos ? v->pos + (size_t)h * n : NULL;
         for (uint64_t i = 0; i < n; i++) {
             if (P[i] < 0 || (uint64_t)P[i] >= appended || (i > 0 && P[i] <= P[i - 1]))
                 return kvt__fail(err, len, KVT_ERR_INVARIANT,
@@ -614,29 +588,30 @@ kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_conf
                 return kvt__fail(err, len, KVT_ERR_INVARIANT,
                                  "evict: head %u lost recent position %llu", h,
                                  (unsigned long long)(appended - t));
-        if (e->archive) {
-            const kvt__ev_archive *ar = &e->archive[h];
-            for (uint64_t i = 0; i < ar->n; i++) {
-                uint64_t k = ar->by_pos[i];
-                if (k >= ar->n)
+        if (e->archive && e->ar_n) {
+            const int64_t *apos = v->ar_pos + (size_t)h * e->ar_n;
+            const uint64_t *by = v->ar_by_pos + (size_t)h * e->ar_n;
+            for (uint64_t i = 0; i < e->ar_n; i++) {
+                uint64_t k = by[i];
+                if (k >= e->ar_n)
                     return kvt__fail(err, len, KVT_ERR_INVARIANT,
                                      "evict: head %u archive index %llu out of range", h,
                                      (unsigned long long)k);
-                int64_t p = ar->pos[k];
+                int64_t p = apos[k];
                 /* Strictly ascending positions also make by_pos a permutation. */
-                if (p < 0 || (uint64_t)p >= appended || (i > 0 && p <= ar->pos[ar->by_pos[i - 1]]))
+                if (p < 0 || (uint64_t)p >= appended || (i > 0 && p <= apos[by[i - 1]]))
                     return kvt__fail(err, len, KVT_ERR_INVARIANT,
                                      "evict: head %u archive not sorted/unique at %llu", h,
                                      (unsigned long long)i);
-                if (kvt__ev_find(e, pt, h, (uint64_t)p) >= 0)
+                if (n && kvt__find_pos_cpu(P, NULL, n, (uint64_t)p) >= 0)
                     return kvt__fail(err, len, KVT_ERR_INVARIANT,
                                      "evict: head %u position %lld both attended and archived", h,
                                      (long long)p);
             }
         }
         /* The last slot map: kept old rows onto 0..m-1, ascending (chronological compaction). */
-        if (e->rounds > 0) {
-            const int32_t *map = e->last_map + (size_t)h * e->last_n;
+        if (e->rounds > 0 && e->last_n) {
+            const int32_t *map = v->map + (size_t)h * e->last_n;
             int64_t next = 0;
             for (uint64_t i = 0; i < e->last_n; i++) {
                 if (map[i] == -1)
@@ -654,6 +629,51 @@ kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_conf
         }
     }
     return KVT_OK;
+}
+
+kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
+                         uint64_t appended, uint64_t prompt_rows, char *err, size_t len) {
+    const uint32_t H = e->n_heads;
+    const uint64_t n = pt->n_rows;
+    if (n > e->pos_cap && n > 0)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "evict: %llu rows, position capacity %llu",
+                         (unsigned long long)n, (unsigned long long)e->pos_cap);
+    /* Counts: what every head holds + archived + dropped covers every appended row once. */
+    uint64_t archived = e->archive ? e->ar_n * H : 0;
+    if (e->archive && e->dropped != 0)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "evict: archive on, %llu rows dropped",
+                         (unsigned long long)e->dropped);
+    if (n * H + archived + e->dropped != appended * H)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "evict: %llu rows x %u heads + %llu archived + %llu dropped != %llu "
+                         "appended x %u heads",
+                         (unsigned long long)n, H, (unsigned long long)archived,
+                         (unsigned long long)e->dropped, (unsigned long long)appended, H);
+    if (e->rounds > 0 && n < e->last_kept)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "evict: %llu rows, fewer than the %llu the last round kept",
+                         (unsigned long long)n, (unsigned long long)e->last_kept);
+    if (e->prompt_over_budget != (e->rounds > 0 && prompt_over_budget(cfg, prompt_rows)))
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "evict: prompt_over_budget %d with %llu prompt rows, K = %u, %llu rounds",
+                         (int)e->prompt_over_budget, (unsigned long long)prompt_rows,
+                         cfg->evict_budget_rows, (unsigned long long)e->rounds);
+    if (e->ar_n > e->ar_cap || (e->rounds > 0 && e->last_map_cap < (uint64_t)H * e->last_n))
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "evict: archive %llu of capacity %llu, slot map %llu of %llu",
+                         (unsigned long long)e->ar_n, (unsigned long long)e->ar_cap,
+                         (unsigned long long)H * e->last_n,
+                         (unsigned long long)e->last_map_cap);
+    if (!e->be) /* a state never initialised holds nothing */
+        return KVT_OK;
+    ev_host v;
+    kvt_status s = ev_host_read(e, n, &v);
+    if (s != KVT_OK)
+        s = kvt__fail(err, len, s, "evict: reading the state from the backend");
+    else
+        s = ev_check_host(e, &v, n, cfg, appended, prompt_rows, err, len);
+    ev_host_free(&v, e->be->alloc);
+    return s;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -676,35 +696,34 @@ static kvt_status ev_supports_layer(const kvt_layer_spec *sp, uint32_t i, const 
 }
 
 static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
-    kvt_status rc = kvt__ev_init(&s->ev, env->alloc, st->spec.n_kv_heads, env->cfg->evict_archive);
+    /* Buffers from the context's backend: they outlive every call. */
+    kvt_status rc = kvt__ev_init(&s->ev, env->home, &st->spec, env->cfg->evict_archive);
     /* With a stated limit the table never holds more than K + r + c rows plus one step's (at
      * most max_rows); size for max_rows so that no round allocates. */
     if (rc == KVT_OK && env->max_rows)
-        rc = kvt__ev_prepare(&s->ev, env->alloc, env->cfg, env->max_rows);
+        rc = kvt__ev_prepare(&s->ev, env->cfg, env->max_rows);
     /* A stated archive limit: the archive is allocated now, rounds never grow it. */
-    for (uint32_t h = 0; rc == KVT_OK && s->ev.archive && env->archive_rows && h < s->ev.n_heads;
-         h++)
-        rc = archive_reserve(&s->ev.archive[h], env->alloc, env->archive_rows,
-                             (uint64_t)st->spec.n_planes * st->spec.row_bytes);
+    if (rc == KVT_OK && s->ev.archive && env->archive_rows)
+        rc = archive_reserve(&s->ev, env->archive_rows);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc, "eviction state of layer %u", st->layer);
     return KVT_OK;
 }
 
-/* Counts back to zero; positions, slot maps, scratch and archives keep their capacity. */
+/* Counts back to zero; positions, slot maps, keep sets and archives keep their capacity. */
 static kvt_status ev_layer_reset(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
     (void)env;
     (void)st;
     kvt__ev *e = &s->ev;
-    e->last_n = e->last_kept = e->rounds = e->dropped = 0;
+    e->last_n = e->last_kept = e->rounds = e->dropped = e->ar_n = 0;
     e->prompt_over_budget = e->damaged = e->step_appended = e->step_round = false;
-    for (uint32_t h = 0; e->archive && h < e->n_heads; h++)
-        e->archive[h].n = 0;
+    e->archive = env->cfg->evict_archive && e->ar_row_bytes; /* the new request's choice */
     return KVT_OK;
 }
 
 static void ev_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {
-    kvt__ev_fini(&s->ev, a);
+    (void)a;
+    kvt__ev_fini(&s->ev);
 }
 
 /* Positions grow for the table's rows; with a stated archive limit, a round this step would run
@@ -716,16 +735,15 @@ static kvt_status ev_reserve(kvt__tier_state *s, const kvt__env *env, const kvt_
     const kvt_config *cfg = env->cfg;
     if (e->archive && env->archive_rows && kvt__ev_round_due(cfg, rows)) {
         uint64_t evicted = rows - cfg->recent_rows - cfg->evict_budget_rows;
-        for (uint32_t h = 0; h < e->n_heads; h++)
-            if (e->archive[h].n + evicted > env->archive_rows)
-                return kvt__fail(env->err, env->err_len, KVT_ERR_ARCHIVE_FULL,
-                                 "layer %u head %u: the archive holds %llu of %llu rows and the "
-                                 "step's round would add %llu",
-                                 st->layer, h, (unsigned long long)e->archive[h].n,
-                                 (unsigned long long)env->archive_rows,
-                                 (unsigned long long)evicted);
+        /* every head archives the same count */
+        if (e->ar_n + evicted > env->archive_rows)
+            return kvt__fail(env->err, env->err_len, KVT_ERR_ARCHIVE_FULL,
+                             "layer %u: each head's archive holds %llu of %llu rows and the "
+                             "step's round would add %llu",
+                             st->layer, (unsigned long long)e->ar_n,
+                             (unsigned long long)env->archive_rows, (unsigned long long)evicted);
     }
-    kvt_status rc = kvt__ev_reserve(e, env->alloc, rows);
+    kvt_status rc = kvt__ev_reserve(e, rows);
     return rc == KVT_OK ? KVT_OK
                         : kvt__fail(env->err, env->err_len, rc, "positions of layer %u", st->layer);
 }
@@ -738,19 +756,45 @@ static kvt_status ev_reserve(kvt__tier_state *s, const kvt__env *env, const kvt_
  * row index i maps to the same slot in all of them, and the slots the engine wrote this step's
  * rows to stay valid for the layers whose forward comes later (pages are only trimmed at
  * commit). On a selection failure nothing of this layer changed. */
-static kvt_status ev_layer_step(const kvt__env *env, const kvt__tier_step *t) {
-    kvt__ev *e = &t->state->ev;
-    const uint64_t N = t->pt->n_rows + t->step_rows;
-    kvt__ev_append(e, t->pt->n_rows, t->appended, t->step_rows);
-    e->step_appended = true;
-    if (!kvt__ev_round_due(env->cfg, N))
-        return KVT_OK;
-    kvt__store *sp[1] = {t->st};
-    kvt__ev *ep[1] = {e};
-    kvt_status rc = round_core(env, sp, ep, 1, t->pt, N, t->prompt_rows);
-    if (rc == KVT_OK)
-        e->step_round = true;
-    return rc;
+static kvt_status ev_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_t n) {
+    ev_job jobs[KVT__EV_CHUNK];
+    uint32_t at[KVT__EV_CHUNK], k = 0;
+    kvt_status first = KVT_OK;
+    for (uint32_t i = 0; i <= n; i++) {
+        if (i < n) {
+            kvt__tier_step *q = &t[i];
+            kvt__ev *e = &q->state->ev;
+            const uint64_t N = q->pt->n_rows + q->step_rows;
+            q->status = kvt__ev_append(e, env->backend, env->stream, q->pt->n_rows, q->appended,
+                                       q->step_rows);
+            if (q->status != KVT_OK) { /* nothing recorded: the commit records them */
+                kvt__fail(env->err, env->err_len, q->status, "positions of layer %u",
+                          q->st->layer);
+            } else {
+                e->step_appended = true;
+                if (kvt__ev_round_due(q->cfg, N)) {
+                    jobs[k] = (ev_job){.st = q->st, .e = e, .pt = q->pt, .N = N,
+                                       .prompt_rows = q->prompt_rows, .cfg = q->cfg,
+                                       .philox_key = q->philox_key};
+                    at[k++] = i;
+                }
+            }
+            if (first == KVT_OK)
+                first = q->status;
+        }
+        if (k == KVT__EV_CHUNK || (i == n && k)) {
+            round_independent(env, jobs, k);
+            for (uint32_t x = 0; x < k; x++) {
+                t[at[x]].status = jobs[x].status;
+                if (jobs[x].status == KVT_OK)
+                    jobs[x].e->step_round = true;
+                else if (first == KVT_OK)
+                    first = jobs[x].status;
+            }
+            k = 0;
+        }
+    }
+    return first;
 }
 
 static uint64_t ev_held_rows(const kvt__tier_state *s, uint64_t rows) {
@@ -767,9 +811,17 @@ static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g)
     uint32_t stepped = 0;
     for (uint32_t k = 0; k < gr->n_layers; k++) {
         kvt__ev *e = &g->states[gr->layers[k]].ev;
-        if (g->new_rows > 0 && !e->step_appended)
-            kvt__ev_append(e, g->pt->n_rows - g->new_rows, g->appended - g->new_rows,
-                           g->new_rows);
+        if (g->new_rows > 0 && !e->step_appended &&
+            kvt__ev_append(e, env->backend, env->stream, g->pt->n_rows - g->new_rows,
+                           g->appended - g->new_rows, g->new_rows) != KVT_OK) {
+            /* A device error: the positions of committed rows are unknown (no retry repeats
+             * the append) */
+            e->damaged = true;
+            return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                             "recording positions of layer %u failed on the device; the "
+                             "sequence is damaged and must be destroyed",
+                             g->stores[gr->layers[k]].layer);
+        }
         e->step_appended = false;
         stepped += e->step_round;
     }
@@ -823,24 +875,30 @@ static kvt_row_state ev_row_state(const kvt__tier_layer *l, uint32_t head, uint6
         return KVT_ROW_ATTENDED;
     }
     *slot = -1;
-    return kvt__ev_archived(e, &l->st->spec, head, 0, pos) ? KVT_ROW_ARCHIVED : KVT_ROW_DROPPED;
+    return archive_find(e, head, pos) >= 0 ? KVT_ROW_ARCHIVED : KVT_ROW_DROPPED;
 }
 
-static const uint8_t *ev_archived_row(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
-                                      uint64_t pos) {
-    return kvt__ev_archived(&l->state->ev, &l->st->spec, head, plane, pos);
+static kvt_status ev_read_archived(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
+                                   uint64_t pos, void *dst) {
+    return kvt__ev_read_archived(&l->state->ev, &l->st->spec, head, plane, pos, dst);
 }
 
-static void ev_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
+static kvt_status ev_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
     const kvt__ev *e = &l->state->ev;
-    if (l->pt->n_rows)
-        memcpy(out, e->pos + (size_t)head * e->pos_cap, sizeof *out * l->pt->n_rows);
+    if (l->pt->n_rows == 0)
+        return KVT_OK;
+    return e->be->ops->read(e->be, out, e->pos + (size_t)head * e->pos_cap,
+                            sizeof *out * l->pt->n_rows, NULL);
 }
 
-static uint64_t ev_last_slot_map(const kvt__tier_layer *l, uint32_t head, const int32_t **map) {
+static kvt_status ev_last_slot_map(const kvt__tier_layer *l, uint32_t head, int32_t *out,
+                                   uint64_t *n) {
     const kvt__ev *e = &l->state->ev;
-    *map = e->last_n ? e->last_map + (size_t)head * e->last_n : NULL;
-    return e->last_n;
+    *n = e->last_n;
+    if (!out || e->last_n == 0)
+        return KVT_OK;
+    return e->be->ops->read(e->be, out, e->last_map + (size_t)head * e->last_n,
+                            sizeof *out * e->last_n, NULL);
 }
 
 static bool ev_prompt_used(const kvt__tier_state *s) {
@@ -852,10 +910,7 @@ static bool ev_damaged(const kvt__tier_state *s) {
 }
 
 static uint64_t archived_rows(const kvt__ev *e) {
-    uint64_t n = 0;
-    for (uint32_t h = 0; e->archive && h < e->n_heads; h++)
-        n += e->archive[h].n;
-    return n;
+    return e->archive ? e->ar_n * e->n_heads : 0;
 }
 
 static void ev_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
@@ -904,7 +959,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,
     .row_state = ev_row_state,
-    .archived_row = ev_archived_row,
+    .read_archived = ev_read_archived,
     .positions = ev_positions,
     .last_slot_map = ev_last_slot_map,
     .prompt_used = ev_prompt_used,
@@ -921,65 +976,90 @@ const kvt__policy_ops kvt__policy_evict = {
 /* Snapshots (policy.h snap_*; lib/snapshot.c)                                                  */
 /* ------------------------------------------------------------------------------------------- */
 /* Layout: u32 n_heads, u32 flags (1: prompt_over_budget, 2: archive present); u64 rounds,
- * dropped, last_kept, last_n, n_rows; i64 pos[n_heads][n_rows]; i32 last_map[n_heads][last_n];
- * with the archive, per head: u64 n, i64 pos[n] (order of archiving), u64 by_pos[n],
- * u8 bytes[n][n_planes][row_bytes]. The round scratch is not state: it is rebuilt on demand. */
-enum { EV_SNAP_FIXED = 8 + 5 * 8 };
+ * dropped, last_kept, last_n, n_rows, ar_n; i64 pos[n_heads][n_rows];
+ * i32 last_map[n_heads][last_n]; with the archive (ar_n rows per head), i64 ar_pos[n_heads][ar_n]
+ * (order of archiving), u64 ar_by_pos[n_heads][ar_n], u8 bytes[n_heads][ar_n][n_planes x
+ * row_bytes]. Every array lives in the backend's memory: saved and loaded through its read and
+ * write ops, head by head (the buffers are strided by their capacities). The keep sets are a
+ * round's scratch, not state. */
+enum { EV_SNAP_FIXED = 8 + 6 * 8 };
 
 static uint64_t ev_snap_size(const kvt__tier_layer *l) {
     const kvt__ev *e = &l->state->ev;
-    const kvt_layer_spec *sp = &l->st->spec;
     uint64_t n = EV_SNAP_FIXED + (uint64_t)e->n_heads * (8 * l->pt->n_rows + 4 * e->last_n);
-    for (uint32_t h = 0; e->archive && h < e->n_heads; h++)
-        n += 8 + e->archive[h].n * (16 + (uint64_t)sp->n_planes * sp->row_bytes);
+    if (e->archive)
+        n += (uint64_t)e->n_heads * e->ar_n * (16 + e->ar_row_bytes);
     return n;
 }
 
+/* Copy `rows` entries of elt bytes of every head between the snapshot (packed [H][rows]) and a
+ * backend array strided by cap ([H][cap]): out of the backend (save) or into it (load). */
+static kvt_status heads_copy(const kvt__backend *be, uint8_t *dev, uint64_t cap, uint8_t *host,
+                             uint64_t rows, size_t elt, uint32_t H, bool save) {
+    kvt_status s = KVT_OK;
+    for (uint32_t h = 0; h < H && rows && s == KVT_OK; h++) {
+        uint8_t *d = dev + elt * h * cap, *p = host + elt * h * rows;
+        s = save ? be->ops->read(be, p, d, elt * rows, NULL)
+                 : be->ops->write(be, d, p, elt * rows, NULL);
+    }
+    return s;
+}
+
+/* The backend arrays of a state and the bytes of each in the snapshot, in layout order. */
+static void ev_snap_arrays(const kvt__ev *e, uint64_t rows, uint8_t *dev[5], uint64_t cap[5],
+                           size_t elt[5], uint64_t count[5]) {
+    uint8_t *d[5] = {(uint8_t *)e->pos, (uint8_t *)e->last_map, (uint8_t *)e->ar_pos,
+                     (uint8_t *)e->ar_by_pos, e->ar_bytes};
+    const uint64_t c[5] = {e->pos_cap, e->last_n, e->ar_cap, e->ar_cap, e->ar_cap};
+    const size_t el[5] = {8, 4, 8, 8, e->ar_row_bytes};
+    const uint64_t k[5] = {rows, e->last_n, e->ar_n, e->ar_n, e->ar_n};
+    for (int i = 0; i < 5; i++) {
+        dev[i] = d[i];
+        cap[i] = c[i];
+        elt[i] = el[i];
+        count[i] = i >= 2 && !e->archive ? 0 : k[i];
+    }
+}
+
 static kvt_status ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len) {
-    (void)err;
-    (void)len;
     const kvt__ev *e = &l->state->ev;
-    const kvt_layer_spec *sp = &l->st->spec;
     const uint64_t rows = l->pt->n_rows;
     kvt__snap_cur c = {.w = dst};
     uint32_t head[2] = {e->n_heads, (e->prompt_over_budget ? 1u : 0u) | (e->archive ? 2u : 0u)};
-    uint64_t v[5] = {e->rounds, e->dropped, e->last_kept, e->last_n, rows};
+    uint64_t v[6] = {e->rounds, e->dropped, e->last_kept, e->last_n, rows, e->ar_n};
     kvt__snap_put(&c, head, sizeof head);
     kvt__snap_put(&c, v, sizeof v);
-    for (uint32_t h = 0; h < e->n_heads && rows; h++)
-        kvt__snap_put(&c, e->pos + (size_t)h * e->pos_cap, sizeof *e->pos * rows);
-    if (e->last_n)
-        kvt__snap_put(&c, e->last_map, sizeof *e->last_map * e->n_heads * e->last_n);
-    for (uint32_t h = 0; e->archive && h < e->n_heads; h++) {
-        const kvt__ev_archive *ar = &e->archive[h];
-        kvt__snap_put(&c, &ar->n, sizeof ar->n);
-        if (!ar->n)
-            continue;
-        kvt__snap_put(&c, ar->pos, sizeof *ar->pos * ar->n);
-        kvt__snap_put(&c, ar->by_pos, sizeof *ar->by_pos * ar->n);
-        kvt__snap_put(&c, ar->bytes, ar->n * sp->n_planes * sp->row_bytes);
+    uint8_t *dev[5];
+    uint64_t cap[5], count[5];
+    size_t elt[5];
+    ev_snap_arrays(e, rows, dev, cap, elt, count);
+    kvt_status s = KVT_OK;
+    for (int i = 0; i < 5 && s == KVT_OK; i++) {
+        s = heads_copy(e->be, dev[i], cap[i], c.w, count[i], elt[i], e->n_heads, true);
+        c.w += elt[i] * e->n_heads * count[i];
     }
-    return KVT_OK;
+    return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "eviction state: reading it back");
 }
 
 static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
                                const uint8_t *src, uint64_t n) {
     kvt__ev *e = &s->ev;
     const kvt_config *cfg = l->cfg;
-    const kvt_layer_spec *sp = &l->st->spec;
-    const uint64_t row_all = (uint64_t)sp->n_planes * sp->row_bytes;
+    const uint32_t H = e->n_heads;
     kvt__snap_cur c = {.r = src, .left = n};
     uint32_t head[2];
-    uint64_t v[5];
+    uint64_t v[6];
     if (!kvt__snap_get(&c, head, sizeof head) || !kvt__snap_get(&c, v, sizeof v))
         return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
                          "eviction state: %llu bytes, the counts need %d", (unsigned long long)n,
                          EV_SNAP_FIXED);
-    const uint64_t rounds = v[0], dropped = v[1], last_kept = v[2], last_n = v[3], rows = v[4];
+    const uint64_t rounds = v[0], dropped = v[1], last_kept = v[2], last_n = v[3], rows = v[4],
+                   ar_n = v[5];
     const char *bad = NULL;
-    if (head[0] != e->n_heads)
+    if (head[0] != H)
         bad = "KV heads differ from the layer's";
-    else if ((head[1] & ~3u) != 0 || ((head[1] & 2u) != 0) != (e->archive != NULL))
+    else if ((head[1] & ~3u) != 0 || ((head[1] & 2u) != 0) != e->archive ||
+             (!e->archive && ar_n != 0))
         bad = "unknown flags, or an archive where the configuration has none (or none where it "
               "has one)";
     else if (rows != l->pt->n_rows)
@@ -992,62 +1072,52 @@ static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kv
         return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
                          "eviction state: %s (%u heads, %llu rows, %llu rounds)", bad, head[0],
                          (unsigned long long)rows, (unsigned long long)rounds);
-    const uint8_t *pos = kvt__snap_take_n(&c, rows, 8 * (uint64_t)e->n_heads);
-    const uint8_t *map = pos ? kvt__snap_take_n(&c, last_n, 4 * (uint64_t)e->n_heads) : NULL;
-    if (!map)
-        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
-                         "eviction state: %llu bytes for %llu rows and a slot map of %llu",
-                         (unsigned long long)n, (unsigned long long)rows,
-                         (unsigned long long)last_n);
-    /* Sizes of everything before any allocation: each archive's count against the bytes. */
-    kvt__snap_cur ac = c;
-    for (uint32_t h = 0; e->archive && h < e->n_heads; h++) {
-        uint64_t an;
-        if (!kvt__snap_get(&ac, &an, sizeof an) || !kvt__snap_take_n(&ac, an, 16 + row_all))
+    /* Sizes of everything before any allocation. */
+    const uint64_t per_row[5] = {8, 4, 8, 8, e->ar_row_bytes};
+    const uint64_t count[5] = {rows, last_n, ar_n, ar_n, ar_n};
+    const uint8_t *part[5];
+    for (int i = 0; i < 5; i++)
+        if (!(part[i] = kvt__snap_take_n(&c, count[i], per_row[i] * H)))
             return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
-                             "eviction state: archive of head %u runs past the section", h);
-        if (env->archive_rows && an > env->archive_rows)
-            return kvt__fail(env->err, env->err_len, KVT_ERR_CAPACITY,
-                             "eviction state: head %u archived %llu rows, the context's "
-                             "archive_rows_per_seq is %llu",
-                             h, (unsigned long long)an, (unsigned long long)env->archive_rows);
-    }
-    if (ac.left != 0)
+                             "eviction state: %llu bytes for %llu rows, a slot map of %llu and "
+                             "%llu archived rows per head",
+                             (unsigned long long)n, (unsigned long long)rows,
+                             (unsigned long long)last_n, (unsigned long long)ar_n);
+    if (c.left != 0)
         return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
-                         "eviction state: %llu bytes after the state", (unsigned long long)ac.left);
-    kvt_status rc = kvt__ev_reserve(e, env->alloc, rows);
-    if (rc == KVT_OK && last_n) {
-        void *p = e->last_map;
-        rc = kvt__grow(env->alloc, &p, &e->last_map_cap, (uint64_t)e->n_heads * last_n,
-                       sizeof *e->last_map);
-        e->last_map = p;
-    }
+                         "eviction state: %llu bytes after the state", (unsigned long long)c.left);
+    if (env->archive_rows && ar_n > env->archive_rows)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_CAPACITY,
+                         "eviction state: %llu rows archived per head, the context's "
+                         "archive_rows_per_seq is %llu",
+                         (unsigned long long)ar_n, (unsigned long long)env->archive_rows);
+    kvt_status rc = kvt__ev_reserve(e, rows);
+    if (rc == KVT_OK && last_n)
+        rc = round_reserve(e, last_n, cfg->evict_budget_rows);
+    if (rc == KVT_OK && ar_n)
+        rc = archive_reserve(e, ar_n);
     if (rc != KVT_OK)
-        return kvt__fail(env->err, env->err_len, rc, "eviction state: positions, slot map");
-    for (uint32_t h = 0; h < e->n_heads && rows; h++)
-        memcpy(e->pos + (size_t)h * e->pos_cap, pos + (size_t)h * rows * 8, 8 * rows);
-    if (last_n)
-        memcpy(e->last_map, map, 4 * (size_t)e->n_heads * last_n);
-    for (uint32_t h = 0; e->archive && h < e->n_heads; h++) {
-        kvt__ev_archive *ar = &e->archive[h];
-        uint64_t an = 0;
-        kvt__snap_get(&c, &an, sizeof an); /* sizes were checked above */
-        if ((rc = archive_reserve(ar, env->alloc, an, row_all)) != KVT_OK)
-            return kvt__fail(env->err, env->err_len, rc, "eviction state: archive of head %u", h);
-        if (!an)
-            continue;
-        memcpy(ar->pos, kvt__snap_take(&c, 8 * an), 8 * an);
-        memcpy(ar->by_pos, kvt__snap_take(&c, 8 * an), 8 * an);
-        memcpy(ar->bytes, kvt__snap_take(&c, an * row_all), an * row_all);
-        ar->n = an;
-    }
+        return kvt__fail(env->err, env->err_len, rc,
+                         "eviction state: positions, slot map, archive");
+    e->last_n = last_n;
+    e->ar_n = ar_n;
+    uint8_t *dev[5];
+    uint64_t cap[5], cnt[5];
+    size_t elt[5];
+    ev_snap_arrays(e, rows, dev, cap, elt, cnt);
+    for (int i = 0; i < 5 && rc == KVT_OK; i++)
+        rc = heads_copy(e->be, dev[i], cap[i], (uint8_t *)(uintptr_t)part[i], cnt[i], elt[i], H,
+                        false);
+    if (rc != KVT_OK)
+        return kvt__fail(env->err, env->err_len, rc, "eviction state: writing it");
     e->rounds = rounds;
     e->dropped = dropped;
     e->last_kept = last_kept;
-    e->last_n = last_n;
     e->prompt_over_budget = (head[1] & 1u) != 0;
     char msg[KVT__ERR_LEN];
-    if (kvt__ev_check(e, l->pt, cfg, l->appended, l->prompt_rows, msg, sizeof msg) != KVT_OK)
-        return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT, "eviction state: %s", msg);
+    rc = kvt__ev_check(e, l->pt, cfg, l->appended, l->prompt_rows, msg, sizeof msg);
+    if (rc != KVT_OK) /* an invariant broken: the snapshot's fault; else the check's (memory) */
+        return kvt__fail(env->err, env->err_len, rc == KVT_ERR_INVARIANT ? KVT_ERR_CORRUPT : rc,
+                         "eviction state: %s", msg);
     return KVT_OK;
 }

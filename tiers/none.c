@@ -16,9 +16,11 @@ static kvt_row_state none_row_state(const kvt__tier_layer *l, uint32_t head, uin
     return KVT_ROW_ATTENDED;
 }
 
-void kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
+kvt_status kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
+    (void)head;
     for (uint64_t i = 0; i < l->pt->n_rows; i++)
         out[i] = (int64_t)i;
+    return KVT_OK;
 }
 
 /* Row index = position: the table holds every appended row, those before the first live page

@@ -30,6 +30,8 @@ typedef struct kvt__policy_ops kvt__policy_ops;
  * sequence and one page allocator. */
 typedef struct kvt__group {
     const kvt__policy_ops *ops; /* chosen once, at context creation */
+    const kvt__backend *home;   /* the context's backend: group_init allocates shared tables
+                                 * in its memory */
     kvt_policy policy;          /* the resolved public policy (names, stats) */
     kvt__pool pool;
     uint32_t n_layers;
@@ -87,6 +89,9 @@ typedef struct kvt__tier_step {
     uint64_t appended;         /* tokens committed before the step */
     uint64_t step_rows;
     uint64_t prompt_rows;
+    const kvt_config *cfg;     /* the request's */
+    uint64_t philox_key;       /* the request's */
+    kvt_status status;         /* out: how this request's work went */
 } kvt__tier_step;
 
 struct kvt__policy_ops {
@@ -138,14 +143,18 @@ struct kvt__policy_ops {
     kvt_status (*group_commit)(const kvt__env *env, const kvt__tier_group *g);
 
     /* ---- A step in flight ------------------------------------------------------------------ */
-    /* (optional) This layer's due work of a step, run inside the layer's forward after the engine
-     * wrote the step's rows and before attention (kvt_batch_run), at most once per step: the
-     * decisions are those a commit of the same rows would make (salience: the blocks complete at
-     * n_rows + step_rows close; evict: this layer's part of a due round). The table is not
+    /* (optional) This layer's due work of a step for the n requests t[0..n) of a batch that
+     * have it, run inside the layer's forward after the engine wrote the step's rows and before
+     * attention (kvt_batch_run), at most once per step and request: the decisions are those a
+     * commit of the same rows would make (salience: the blocks complete at n_rows + step_rows
+     * close; evict: this layer's part of a due round). The requests' work goes to the backend
+     * in batched calls (one per layer for a decode step's closes or rounds). The tables are not
      * changed; group_commit completes what is left (layers that did not step, the table's count
-     * and pages). On failure (status, message in env->err) group_commit retries. Without it the
-     * layer's work all happens at commit. */
-    kvt_status (*layer_step)(const kvt__env *env, const kvt__tier_step *t);
+     * and pages). t[i].status says how each request's went; on failure (message in env->err)
+     * nothing of that request's layer changed and group_commit retries, or it is damaged
+     * (KVT_ERR_CORRUPT). env carries the batch's backend and stream; cfg and philox_key are
+     * each request's (t[i]). Without it the layer's work all happens at commit. */
+    kvt_status (*layer_step)(const kvt__env *env, kvt__tier_step *t, uint32_t n);
     /* (optional) Rows the layer holds per head when the table holds `rows` (a layer that
      * compacted in a step holds fewer until commit). Without it: rows. */
     uint64_t (*held_rows)(const kvt__tier_state *s, uint64_t rows);
@@ -161,17 +170,22 @@ struct kvt__policy_ops {
      * slot while its bytes are in the pool (attended, or archived in place), else -1. */
     kvt_row_state (*row_state)(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                int32_t *slot);
-    /* (optional) Bytes of an archived row that left the pool (plane `plane`), or NULL. Without it
-     * every archived row stays in the pool at the slot row_state gives. */
-    const uint8_t *(*archived_row)(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
-                                   uint64_t pos);
+    /* (optional) Copy the bytes of an archived row that left the pool (plane `plane`, head
+     * `head`, row_bytes) into dst: KVT_OK, or KVT_ERR_INVARIANT when it is not there.
+     * Synchronising (inspection). Without it every archived row stays in the pool at the slot
+     * row_state gives. */
+    kvt_status (*read_archived)(const kvt__tier_layer *l, uint32_t head, uint32_t plane,
+                                uint64_t pos, void *dst);
     /* Original position at each row index of the table for one head, into out[l->pt->n_rows]
-     * (-1: the row left with its page). */
-    void (*positions)(const kvt__tier_layer *l, uint32_t head, int64_t *out);
-    /* (optional) Slot map of the last compaction of the group for one head: returns its length
-     * and points *map at old row index -> new row index or -1 (NULL when the length is 0).
-     * Without it kvt_seq_last_slot_map answers KVT_ERR_POLICY_MISMATCH: rows never move. */
-    uint64_t (*last_slot_map)(const kvt__tier_layer *l, uint32_t head, const int32_t **map);
+     * (-1: the row left with its page). Synchronising when the positions are in backend
+     * memory; a backend read's status. */
+    kvt_status (*positions)(const kvt__tier_layer *l, uint32_t head, int64_t *out);
+    /* (optional) Slot map of the last compaction of the group for one head: its length into *n
+     * and, when out is not NULL, old row index -> new row index or -1 into out[*n]
+     * (synchronising). Without it kvt_seq_last_slot_map answers KVT_ERR_POLICY_MISMATCH: rows
+     * never move. */
+    kvt_status (*last_slot_map)(const kvt__tier_layer *l, uint32_t head, int32_t *out,
+                                uint64_t *n);
 
     /* ---- Sequence-wide conditions ---------------------------------------------------------- */
     /* (optional) Has a decision already used the prompt length? kvt_seq_set_prompt_rows refuses
@@ -275,7 +289,7 @@ void kvt__none_attended(const kvt__tier_layer *l, kvt__attended_desc *d);
 /* How many rows the layer attends (from the policy's description; the rows themselves may be
  * in backend memory: only a backend op expands them). */
 uint64_t kvt__attended_count(const kvt__tier_layer *l);
-void kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
+kvt_status kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
 kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
 
 #endif

@@ -50,6 +50,41 @@ void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p) {
     uint64_t need = kvt__ptable_pages_for(t, t->n_rows + t->n_pending, p->page_rows);
     while (t->n_pages > need)
         p->free_ids[p->n_free++] = (uint32_t)t->pages[--t->n_pages];
+    if (t->dsynced > t->n_pages)
+        t->dsynced = t->n_pages;
+}
+
+kvt_status kvt__ptable_mirror_reserve(kvt__ptable *t, const kvt__backend *be, uint64_t pages) {
+    if (pages <= t->dcap)
+        return KVT_OK;
+    /* Doubling: decode reserves a page now and then, the copy stays O(1) amortised. */
+    uint64_t cap = t->dcap ? t->dcap : 16;
+    while (cap < pages)
+        cap *= 2;
+    void *p = NULL;
+    kvt_status s = be->ops->buf_alloc(be, sizeof *t->dpages * cap, &p);
+    if (s != KVT_OK)
+        return s;
+    if (t->dsynced && (s = be->ops->copy(be, p, t->dpages, sizeof *t->dpages * t->dsynced,
+                                         NULL)) != KVT_OK) {
+        be->ops->buf_free(be, p, sizeof *t->dpages * cap);
+        return s;
+    }
+    be->ops->buf_free(be, t->dpages, sizeof *t->dpages * t->dcap);
+    t->dpages = p;
+    t->dcap = cap;
+    return KVT_OK;
+}
+
+kvt_status kvt__ptable_mirror_sync(kvt__ptable *t, const kvt__backend *be, void *stream) {
+    KVT_ASSERT(t->n_pages <= t->dcap || t->n_pages == 0);
+    if (t->dsynced >= t->n_pages)
+        return KVT_OK;
+    kvt_status s = be->ops->write(be, t->dpages + t->dsynced, t->pages + t->dsynced,
+                                  sizeof *t->pages * (t->n_pages - t->dsynced), stream);
+    if (s == KVT_OK)
+        t->dsynced = t->n_pages;
+    return s;
 }
 
 /* The live pages are few (a window's worth plus one reservation), so shifting them down is
@@ -66,14 +101,17 @@ uint32_t kvt__ptable_release_front(kvt__ptable *t, kvt__pool *p, uint64_t keep_f
         p->free_ids[p->n_free++] = (uint32_t)t->pages[i];
     memmove(t->pages, t->pages + n, sizeof *t->pages * (t->n_pages - n));
     t->n_pages -= n;
+    t->dsynced = 0; /* the live pages shifted: the next sync rewrites them (a window's worth) */
     t->first_page = upto;
     t->dropped_rows += (uint64_t)n * p->page_rows;
     return n;
 }
 
-void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a) {
+void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, const kvt__backend *be) {
     while (t->n_pages > 0)
         p->free_ids[p->n_free++] = (uint32_t)t->pages[--t->n_pages];
     kvt__free(a, t->pages, sizeof *t->pages * t->cap);
+    if (t->dpages)
+        be->ops->buf_free(be, t->dpages, sizeof *t->dpages * t->dcap);
     memset(t, 0, sizeof *t);
 }

@@ -25,22 +25,35 @@
 #include <stdio.h>
 #include <string.h>
 
-kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt_config *cfg) {
+kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt__backend *be,
+                                const kvt_config *cfg) {
     memset(sh, 0, sizeof *sh);
     sh->block_rows = cfg->block_rows;
     sh->n_basis = 2 * cfg->kappa - 1;
-    sh->basis = kvt__malloc(a, sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
-    if (!sh->basis)
+    size_t bytes = sizeof(float) * (size_t)sh->n_basis * sh->block_rows;
+    /* Built on the host once, then kept in the backend's memory, where σ reads it. */
+    float *host = kvt__malloc(a, bytes);
+    if (!host)
         return KVT_ERR_OUT_OF_MEMORY;
-    if (kvt__fourier_basis(cfg->block_rows, cfg->kappa, sh->basis) != 0) {
-        kvt__sal_shared_fini(sh, a);
-        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = KVT_OK;
+    if (kvt__fourier_basis(cfg->block_rows, cfg->kappa, host) != 0)
+        s = KVT_ERR_INVALID_ARGUMENT;
+    void *dev = NULL;
+    if (s == KVT_OK && (s = be->ops->buf_alloc(be, bytes, &dev)) == KVT_OK) {
+        sh->be = be;
+        sh->basis = dev;
+        s = be->ops->write(be, dev, host, bytes, NULL);
     }
-    return KVT_OK;
+    kvt__free(a, host, bytes);
+    if (s != KVT_OK)
+        kvt__sal_shared_fini(sh);
+    return s;
 }
 
-void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a) {
-    kvt__free(a, sh->basis, sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
+void kvt__sal_shared_fini(kvt__sal_shared *sh) {
+    if (sh->be && sh->basis)
+        sh->be->ops->buf_free(sh->be, sh->basis,
+                              sizeof(float) * (size_t)sh->n_basis * sh->block_rows);
     memset(sh, 0, sizeof *sh);
 }
 
@@ -53,7 +66,6 @@ void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
         s->be->ops->buf_free(s->be, s->score, sizeof *s->score * s->score_cap);
         s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
     }
-    kvt__free(a, s->sc_slots, sizeof *s->sc_slots * s->sc_slots_cap);
     memset(s, 0, sizeof *s);
 }
 
@@ -94,7 +106,8 @@ static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint
     s->kept = p;
     if (st != KVT_OK)
         return st;
-    KVT__GROW_OR_RETURN(a, s->sc_slots, s->sc_slots_cap, B);
+    (void)a;
+    (void)B;
     return KVT_OK;
 }
 
@@ -111,33 +124,32 @@ uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio) {
     return m < 1 ? 1 : m;
 }
 
-/* Score the block starting at position `first` into out[0..B). */
-static kvt_status score_block(const kvt__env *env, const kvt__sal_shared *sh,
-                              const kvt__store *st, const kvt__ptable *pt, uint64_t first,
-                              int32_t *slots, float *out) {
-    const kvt_layer_spec *sp = &st->spec;
-    uint32_t B = sh->block_rows;
-    for (uint32_t u = 0; u < B; u++)
-        slots[u] = kvt__slot(pt, env->pdiv, first + u);
+/* The scoring of the block starting at position `first` of a job's layer into out[0..B). */
+static kvt__score_args score_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first,
+                                  float *out) {
+    const kvt_layer_spec *sp = &j->st->spec;
     kvt__score_args a;
     memset(&a, 0, sizeof a);
-    a.selector = env->cfg->selector;
-    a.base = st->plane[0];
-    a.slots = slots;
-    a.n_rows = B;
-    a.slot_stride = st->slot_bytes;
+    a.selector = j->cfg->selector;
+    a.base = j->st->plane[0];
+    a.pages = j->pt->dpages; /* the table's mirror: the backend expands the block's slots */
+    a.first_page = j->pt->first_page;
+    a.pdiv = env->pdiv;
+    a.first_row = first;
+    a.n_rows = j->sh->block_rows;
+    a.slot_stride = j->st->slot_bytes;
     a.branch_offset = sp->branch_offset;
     a.branch_dtype = (int)sp->branch_dtype;
     a.branch_dim = sp->branch_dim;
     a.dtype = (int)sp->dtype;
     a.n_values = sp->head_dim;
-    a.basis = sh->basis;
-    a.n_basis = sh->n_basis;
-    a.key = env->philox_key;
-    a.subseq = kvt__philox_subseq(0, st->layer + env->layer_offset, 0); /* global layer id */
+    a.basis = j->sh->basis;
+    a.n_basis = j->sh->n_basis;
+    a.key = j->philox_key;
+    a.subseq = kvt__philox_subseq(0, j->st->layer + env->layer_offset, 0); /* global layer id */
     a.first_position = first;
     a.out = out;
-    return env->backend->ops->score_rows(env->backend, &a, env->stream);
+    return a;
 }
 
 /* Bytes of a row the selector reads. */
@@ -154,70 +166,133 @@ static uint64_t score_bytes_per_row(const kvt_config *cfg, const kvt_layer_spec 
     return 0;
 }
 
-kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
-                           const kvt__store *st, const kvt__ptable *pt, uint64_t new_n_rows) {
-    const kvt_config *cfg = env->cfg;
-    uint32_t B = sh->block_rows;
-    KVT_ASSERT(new_n_rows >= s->n_rows);
-    uint64_t n_close = (new_n_rows - s->closed_rows) / B;
-    if (n_close == 0) {
-        s->n_rows = new_n_rows;
-        return KVT_OK;
-    }
-    uint64_t new_closed = s->closed_rows + n_close * B;
-    uint64_t m = kvt__sal_m(new_closed, cfg->ratio);
-    /* Capacity first (grow-only; nothing to do when the state was sized for a stated limit). */
-    kvt_status st_ = sal_reserve(s, env->alloc, B, new_closed, m);
-    if (st_ != KVT_OK) {
-        s->n_rows = new_n_rows; /* committed rows stay attended, in the tail, until the retry */
-        return kvt__fail(env->err, env->err_len, st_, "salience: scores and close scratch");
-    }
-    int32_t *slots = s->sc_slots;
-    kvt_status rc = KVT_OK;
-    if (new_closed > UINT32_MAX) {
-        rc = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
-                       "salience: more than 2^32 closed rows");
-        goto done;
-    }
-    for (uint64_t b = 0; b < n_close; b++) {
-        uint64_t first = s->closed_rows + b * B;
-        rc = score_block(env, sh, st, pt, first, slots, s->score + first);
-        if (rc != KVT_OK) {
-            kvt__fail(env->err, env->err_len, rc, "salience: scoring block at row %llu",
-                      (unsigned long long)first);
-            goto done;
+/* Blocks and selections handed to the backend per call (stack arrays: a close allocates
+ * nothing on the host). A decode step closes at most one block per request and layer. */
+#define KVT__SAL_CHUNK 32u
+
+/* Mark every job of [lo, hi) that is still running failed with rc (its blocks stay unclosed:
+ * their rows remain attended in the tail, and the next commit closes them). */
+static void fail_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t lo, uint32_t hi,
+                      kvt_status rc, const char *what) {
+    for (uint32_t i = lo; i < hi; i++)
+        if (jobs[i].status == KVT_OK && jobs[i].n_close) {
+            jobs[i].status = rc;
+            jobs[i].n_close = 0;
+            kvt__fail(env->err, env->err_len, rc, "salience: %s", what);
+        }
+}
+
+/* Score every block the jobs close: chunks of KVT__SAL_CHUNK blocks, one backend call each. */
+static void score_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
+    kvt__score_args args[KVT__SAL_CHUNK];
+    uint32_t k = 0, first_job = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        kvt__sal_job *j = &jobs[i];
+        for (uint64_t b = 0; j->status == KVT_OK && b < j->n_close; b++) {
+            uint64_t first = j->s->closed_rows + b * j->sh->block_rows;
+            if (k == 0)
+                first_job = i;
+            args[k++] = score_args(env, j, first, j->s->score + first);
+            bool last = b + 1 == j->n_close && i + 1 == n;
+            if (k == KVT__SAL_CHUNK || last) {
+                kvt_status rc = env->backend->ops->score_rows(env->backend, args, k, env->stream);
+                if (rc != KVT_OK)
+                    fail_jobs(env, jobs, first_job, i + 1, rc, "scoring a closed block");
+                k = 0;
+            }
         }
     }
-    /* A row whose branch holds NaN or Inf was left out of its block's fit and scored +Inf
-     * (sigma.h); a huge finite branch can still overflow to Inf, and the ablation selectors give
-     * NaN/Inf for such a row. The selection canonicalises every one to +Inf: the row ranks first
-     * (ties to the lower position), stays attended and takes one slot of the budget — only its
-     * own — and is counted in nonfinite_sigma. */
-    kvt__select_args sel = {.score = s->score,
-                            .first_new = s->closed_rows,
-                            .n_closed = new_closed,
-                            .m = (uint32_t)m,
-                            .sinks = cfg->sink_rows < new_closed ? cfg->sink_rows : new_closed,
-                            .kept = s->kept};
-    rc = env->backend->ops->select(env->backend, &sel, env->stream);
-    if (rc != KVT_OK) {
-        kvt__fail(env->err, env->err_len, rc, "salience: top-m select");
-        goto done;
+    if (k) {
+        kvt_status rc = env->backend->ops->score_rows(env->backend, args, k, env->stream);
+        if (rc != KVT_OK)
+            fail_jobs(env, jobs, first_job, n, rc, "scoring a closed block");
     }
-    /* Commit point: nothing below can fail. */
-    s->n_kept = m;
-    s->kept_in_sinks = sel.kept_in_sinks;
-    s->closed_rows = new_closed;
-    s->n_rows = new_n_rows;
-    s->closes += n_close;
-    s->nonfinite += sel.nonfinite;
-    s->score_bytes_read += n_close * B * score_bytes_per_row(cfg, &st->spec);
-done:
-    /* On failure the blocks stay unclosed: their rows remain attended as part of the tail (never
-     * lost from the attended set) and the next commit closes them. Scores written for them are
-     * rewritten by that close. */
-    s->n_rows = new_n_rows;
-    return rc;
+}
+
+kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
+    /* 1. What closes, and capacity (grow-only; nothing to do when sized for a stated limit). */
+    for (uint32_t i = 0; i < n; i++) {
+        kvt__sal_job *j = &jobs[i];
+        kvt__sal *s = j->s;
+        uint32_t B = j->sh->block_rows;
+        KVT_ASSERT(j->new_n_rows >= s->n_rows);
+        j->status = KVT_OK;
+        j->n_close = (j->new_n_rows - s->closed_rows) / B;
+        if (j->n_close == 0)
+            continue;
+        j->new_closed = s->closed_rows + j->n_close * B;
+        j->m = kvt__sal_m(j->new_closed, j->cfg->ratio);
+        kvt_status st = sal_reserve(s, env->alloc, B, j->new_closed, j->m);
+        if (st == KVT_OK && j->new_closed > UINT32_MAX)
+            st = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
+                           "salience: more than 2^32 closed rows");
+        else if (st != KVT_OK)
+            kvt__fail(env->err, env->err_len, st, "salience: scores and close scratch");
+        if (st != KVT_OK) {
+            j->status = st;
+            j->n_close = 0;
+        }
+    }
+    /* 2. σ of every closing block (a batched op). */
+    score_jobs(env, jobs, n);
+    /* 3. The selections, one segment per job. A row whose branch holds NaN or Inf was left out
+     * of its block's fit and scored +Inf (sigma.h); a huge finite branch can still overflow to
+     * Inf, and the ablation selectors give NaN/Inf for such a row. The selection canonicalises
+     * every one to +Inf: the row ranks first (ties to the lower position), stays attended and
+     * takes one slot of the budget — only its own — and is counted in nonfinite_sigma. */
+    kvt__select_args sel[KVT__SAL_CHUNK];
+    uint32_t at[KVT__SAL_CHUNK];
+    uint32_t k = 0;
+    for (uint32_t i = 0; i <= n; i++) {
+        if (i < n && jobs[i].status == KVT_OK && jobs[i].n_close) {
+            kvt__sal_job *j = &jobs[i];
+            uint64_t S = j->cfg->sink_rows;
+            sel[k] = (kvt__select_args){.score = j->s->score,
+                                        .first_new = j->s->closed_rows,
+                                        .n_closed = j->new_closed,
+                                        .m = (uint32_t)j->m,
+                                        .sinks = S < j->new_closed ? S : j->new_closed,
+                                        .kept = j->s->kept};
+            at[k++] = i;
+        }
+        if (k == KVT__SAL_CHUNK || (i == n && k)) {
+            kvt_status rc = env->backend->ops->select(env->backend, sel, k, env->stream);
+            for (uint32_t x = 0; x < k; x++) {
+                kvt__sal_job *j = &jobs[at[x]];
+                if (rc != KVT_OK) {
+                    fail_jobs(env, jobs, at[x], at[x] + 1, rc, "top-m select");
+                    continue;
+                }
+                /* Commit point: nothing below can fail. */
+                kvt__sal *s = j->s;
+                s->n_kept = j->m;
+                s->kept_in_sinks = sel[x].kept_in_sinks;
+                s->closes += j->n_close;
+                s->nonfinite += sel[x].nonfinite;
+                s->score_bytes_read +=
+                    j->n_close * j->sh->block_rows * score_bytes_per_row(j->cfg, &j->st->spec);
+                s->closed_rows = j->new_closed;
+            }
+            k = 0;
+        }
+    }
+    /* On failure the blocks stay unclosed: their rows remain attended as part of the tail
+     * (never lost from the attended set) and the next commit closes them. Scores written for
+     * them are rewritten by that close. */
+    kvt_status first = KVT_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        jobs[i].s->n_rows = jobs[i].new_n_rows;
+        if (first == KVT_OK)
+            first = jobs[i].status;
+    }
+    return first;
+}
+
+kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
+                           const kvt__store *st, const kvt__ptable *pt, uint64_t new_n_rows) {
+    kvt__sal_job j = {.s = s, .sh = sh, .st = st, .pt = pt, .cfg = env->cfg,
+                      .philox_key = env->philox_key, .new_n_rows = new_n_rows};
+    return kvt__sal_commit_many(env, &j, 1);
 }
 
 /* Sinks that lie in the closed region (the others are part of the tail). */
@@ -382,7 +457,7 @@ static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const 
 
 static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
                                  const kvt_config *cfg, char *err, size_t len) {
-    kvt_status s = kvt__sal_shared_init(&gr->sal, a, cfg);
+    kvt_status s = kvt__sal_shared_init(&gr->sal, a, gr->home, cfg);
     if (s != KVT_OK)
         return kvt__fail(err, len, s, "salience basis table (B %u, kappa %u)", cfg->block_rows,
                          cfg->kappa);
@@ -405,7 +480,8 @@ static kvt_status sal_layer_reset(kvt__tier_state *s, const kvt__env *env,
 }
 
 static void sal_group_fini(kvt__group *gr, const kvt__alloc *a) {
-    kvt__sal_shared_fini(&gr->sal, a);
+    (void)a;
+    kvt__sal_shared_fini(&gr->sal);
 }
 
 static void sal_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {
@@ -428,9 +504,24 @@ static kvt_status sal_group_commit(const kvt__env *env, const kvt__tier_group *g
 
 /* The blocks complete once the step's rows count close now, exactly as a commit of the same rows
  * would close them (σ reads only this layer's rows, all written before the step's run). */
-static kvt_status sal_layer_step(const kvt__env *env, const kvt__tier_step *t) {
-    return kvt__sal_commit(&t->state->sal, env, &t->gr->sal, t->st, t->pt,
-                           t->pt->n_rows + t->step_rows);
+static kvt_status sal_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_t n) {
+    kvt__sal_job jobs[KVT__SAL_CHUNK];
+    kvt_status first = KVT_OK;
+    for (uint32_t i0 = 0; i0 < n; i0 += KVT__SAL_CHUNK) {
+        uint32_t k = n - i0 < KVT__SAL_CHUNK ? n - i0 : KVT__SAL_CHUNK;
+        for (uint32_t x = 0; x < k; x++) {
+            kvt__tier_step *q = &t[i0 + x];
+            jobs[x] = (kvt__sal_job){.s = &q->state->sal, .sh = &q->gr->sal, .st = q->st,
+                                     .pt = q->pt, .cfg = q->cfg, .philox_key = q->philox_key,
+                                     .new_n_rows = q->pt->n_rows + q->step_rows};
+        }
+        kvt_status s = kvt__sal_commit_many(env, jobs, k);
+        if (first == KVT_OK)
+            first = s;
+        for (uint32_t x = 0; x < k; x++)
+            t[i0 + x].status = jobs[x].status;
+    }
+    return first;
 }
 
 static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {

@@ -64,10 +64,12 @@ static kvt_row_state sliding_row_state(const kvt__tier_layer *l, uint32_t head, 
     return pos >= t->n_rows - sliding_attended_count(l) ? KVT_ROW_ATTENDED : KVT_ROW_ARCHIVED;
 }
 
-static void sliding_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
+static kvt_status sliding_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out) {
+    (void)head;
     uint64_t first = kvt__ptable_first_row(l->pt, l->page_rows);
     for (uint64_t i = 0; i < l->pt->n_rows; i++)
         out[i] = i < first ? -1 : (int64_t)i; /* -1: the row left with its page */
+    return KVT_OK;
 }
 
 static void sliding_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {

@@ -62,6 +62,14 @@ typedef struct kvt__ptable {
     uint64_t first_page;   /* leading pages already returned to the pool (recycled groups) */
     uint64_t dropped_rows; /* rows in those pages, counted as they go (= first_page * page_rows;
                             * kept apart so that the commit check compares two counters) */
+    /* The table's mirror in the backend's memory space, which the backend's ops (pack, value
+     * range, eviction rounds, σ) read: dpages[0 .. dsynced) equal pages[0 .. dsynced). Grown at
+     * reserve (kvt__ptable_mirror_reserve, may fail), brought up to date on the step's stream
+     * before an op reads it (kvt__ptable_mirror_sync: only the pages taken since, O(1) per
+     * decode step). */
+    int32_t *dpages;
+    uint64_t dcap;
+    uint32_t dsynced;
 } kvt__ptable;
 
 /* Slot of row index `row`, which must lie in a live page (row >= first_page * page_rows). The
@@ -99,8 +107,14 @@ void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p);
  * (keep_from <= n_rows), advancing first_page and dropped_rows. Allocates nothing, cannot
  * fail; returns the pages given back. */
 uint32_t kvt__ptable_release_front(kvt__ptable *t, kvt__pool *p, uint64_t keep_from);
-/* Return every live page and free the table. */
-void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a);
+/* Return every live page and free the table and its mirror (allocated from `be`). */
+void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, const kvt__backend *be);
+/* Grow the mirror to hold `pages` live pages (after kvt__ptable_reserve: t->n_pages; at
+ * creation: a stated limit's): KVT_OK or KVT_ERR_OUT_OF_MEMORY with the table unchanged. */
+kvt_status kvt__ptable_mirror_reserve(kvt__ptable *t, const kvt__backend *be, uint64_t pages);
+/* Write the pages taken since the last sync into the mirror, on the stream (`be`: any handle on
+ * the backend that allocated the mirror). */
+kvt_status kvt__ptable_mirror_sync(kvt__ptable *t, const kvt__backend *be, void *stream);
 
 /* What tier code needs from the context and sequence. */
 typedef struct kvt__env {
@@ -140,21 +154,20 @@ typedef struct kvt__sal {
     uint64_t n_kept, kept_cap;
     uint64_t kept_in_sinks; /* host: kept rows below the sinks' end (attended as sinks) */
     uint64_t closes, nonfinite, score_bytes_read;
-    /* Host scratch of a close, grow-only (sized for max_rows at creation when a limit is
-     * stated): the block's slots for the scoring op. */
-    int32_t *sc_slots;     /* [block_rows] */
-    uint64_t sc_slots_cap;
 } kvt__sal;
 
-/* Basis tables shared by all salience layers of a context: [n_basis][block_rows]. */
+/* Basis tables shared by all salience layers of a context: [n_basis][block_rows], in the
+ * backend's memory (σ reads them there). */
 typedef struct kvt__sal_shared {
+    const kvt__backend *be; /* which allocated basis */
     float *basis;
     uint32_t n_basis;
     uint32_t block_rows;
 } kvt__sal_shared;
 
-kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt_config *cfg);
-void kvt__sal_shared_fini(kvt__sal_shared *sh, const kvt__alloc *a);
+kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const kvt__backend *be,
+                                const kvt_config *cfg);
+void kvt__sal_shared_fini(kvt__sal_shared *sh);
 
 /* Bind the state to the backend that holds its side planes (at layer init). */
 void kvt__sal_init(kvt__sal *s, const kvt__backend *home);
@@ -166,6 +179,25 @@ kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *
                             uint64_t rows);
 /* m for a number of closed rows: max(1, (closed + ratio/2) / ratio), 0 when closed is 0. */
 uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio);
+/* One (request, layer) of a batched close: its state, tables and request config. */
+typedef struct kvt__sal_job {
+    kvt__sal *s;
+    const kvt__sal_shared *sh;
+    const kvt__store *st;
+    const kvt__ptable *pt;
+    const kvt_config *cfg;
+    uint64_t philox_key;
+    uint64_t new_n_rows;
+    /* filled by kvt__sal_commit_many */
+    uint64_t n_close, new_closed, m;
+    kvt_status status;
+} kvt__sal_job;
+
+/* Close every block the jobs' rows complete, for all of them together: σ of every closing
+ * block in batched backend calls, then one segmented top-m. Each job's status says how it went;
+ * a failed job changed nothing observable (its rows stay attended in the tail) and the next
+ * commit retries it. Returns the first failure. */
+kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_t n);
 /* Rows [s->n_rows, new_n_rows) were committed: close every full block (score it), then re-select
  * the global top-m once if anything closed. On failure nothing observable changed. */
 kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
@@ -182,37 +214,18 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
 /* ------------------------------------------------------------------------------------------- */
 /* Random eviction (MLA-RoPE, GQA): rounds, compaction, optional archive pool.                  */
 /* ------------------------------------------------------------------------------------------- */
-/* Archive of one (layer, head): rows copied out before compaction, kept exactly. */
-typedef struct kvt__ev_archive {
-    uint8_t *bytes;       /* [n][n_planes][row_bytes], in order of archiving */
-    uint64_t bytes_cap;   /* in bytes */
-    int64_t *pos;         /* [n] original positions, in order of archiving */
-    uint64_t *by_pos;     /* [n] indices into pos/bytes, sorted by position (lookup) */
-    uint64_t n, cap;      /* cap: capacity of pos[] */
-    uint64_t by_pos_cap;  /* capacity of by_pos[] (grown separately: each array keeps its own
-                           * capacity so sized deallocation always gets the true size) */
-} kvt__ev_archive;
-
-/* Scratch of one layer's round, grow-only (sized for max_rows at creation when a limit is
- * stated, so that rounds allocate nothing). */
-typedef struct kvt__ev_scratch {
-    uint32_t *keys; /* [cand] draws or value-range keys */
-    uint32_t *ridx; /* [cand] row index of each entry of keys */
-    int64_t *rpos;  /* [cand] positions of the rows drawn for */
-    uint32_t *sel;  /* [K] top-m output */
-    uint8_t *mark;  /* [cand] kept candidate */
-    int32_t *src;   /* [K + r] move lists */
-    int32_t *dst;
-    uint32_t *keep; /* [heads * K] each head's kept candidate row indices, ascending */
-    uint64_t keys_cap, ridx_cap, rpos_cap, sel_cap, mark_cap, src_cap, dst_cap, keep_cap;
-} kvt__ev_scratch;
-
+/* The state of one (request, layer). Positions, keep sets, slot maps and the archive live in
+ * the backend's memory (kernels/evict.h computes on them); the host keeps counts only, which
+ * follow from N, K and r alone: a round needs no synchronisation. */
 typedef struct kvt__ev {
+    const kvt__backend *be; /* the context's backend, which allocated the buffers */
     uint32_t n_heads;
-    int64_t *pos;         /* [n_heads][pos_cap]: original position at row index i for head h */
+    int64_t *pos;         /* backend [n_heads][pos_cap]: original position at row index i */
     uint64_t pos_cap;
-    int32_t *last_map;    /* [n_heads][last_n]: old row index -> new row index or -1 */
-    uint64_t last_n, last_map_cap;
+    int32_t *last_map;    /* backend [n_heads][last_n]: old row index -> new row index or -1 */
+    uint64_t last_n, last_map_cap; /* cap in entries */
+    uint32_t *keep;       /* backend [n_heads][K]: the round's keep sets (select -> apply) */
+    uint64_t keep_cap;    /* in entries */
     uint64_t last_kept;   /* rows per head right after the last round (K + r) */
     uint64_t rounds;
     uint64_t dropped;     /* summed over heads */
@@ -220,26 +233,34 @@ typedef struct kvt__ev {
     /* A device error hit mid-compaction: rows may be half moved and the group's layers disagree.
      * Sticky; the sequence refuses further work (KVT_ERR_BAD_STATE) and can only be destroyed. */
     bool damaged;
-    kvt__ev_archive *archive; /* [n_heads], when cfg->evict_archive */
+    /* The archive (cfg->evict_archive): rows copied out before compaction, kept exactly; every
+     * head archives the same count. backend [n_heads][ar_cap] of rows (all planes), positions in
+     * order of archiving, and indices sorted by position (lookup). */
+    bool archive;
+    uint8_t *ar_bytes;
+    int64_t *ar_pos;
+    uint64_t *ar_by_pos;
+    uint64_t ar_n, ar_cap;
+    size_t ar_row_bytes;  /* n_planes * row_bytes */
     /* A step in flight (policy.h layer_step): this layer recorded the step's positions / ran its
      * part of a due round (it then holds last_kept rows while the table still holds N). Cleared
      * by the group's commit. */
     bool step_appended, step_round;
-    kvt__ev_scratch sc;
 } kvt__ev;
 
-kvt_status kvt__ev_init(kvt__ev *e, const kvt__alloc *a, uint32_t n_heads, bool archive);
-void kvt__ev_fini(kvt__ev *e, const kvt__alloc *a);
+kvt_status kvt__ev_init(kvt__ev *e, const kvt__backend *be, const kvt_layer_spec *spec,
+                        bool archive);
+void kvt__ev_fini(kvt__ev *e);
 /* Grow the position arrays to hold `rows` row indices per head (called at reserve, so that the
  * append at commit cannot fail). KVT_OK or KVT_ERR_OUT_OF_MEMORY (nothing changed). */
-kvt_status kvt__ev_reserve(kvt__ev *e, const kvt__alloc *a, uint64_t rows);
-/* Size the state for a table of up to `rows` rows (positions, slot map, round scratch) so that
+kvt_status kvt__ev_reserve(kvt__ev *e, uint64_t rows);
+/* Size the state for a table of up to `rows` rows (positions, slot map, keep sets) so that
  * rounds up to there allocate nothing (archive copies still grow). Capacity only. */
-kvt_status kvt__ev_prepare(kvt__ev *e, const kvt__alloc *a, const kvt_config *cfg,
-                           uint64_t rows);
+kvt_status kvt__ev_prepare(kvt__ev *e, const kvt_config *cfg, uint64_t rows);
 /* Record positions [first_pos, first_pos + n) at row indices [first_row, first_row + n) for
- * every head (on commit, before any round). Capacity was reserved: cannot fail. */
-void kvt__ev_append(kvt__ev *e, uint64_t first_row, uint64_t first_pos, uint64_t n);
+ * every head (on commit, before any round), on the stream. Capacity was reserved. */
+kvt_status kvt__ev_append(kvt__ev *e, const kvt__backend *be, void *stream, uint64_t first_row,
+                          uint64_t first_pos, uint64_t n);
 /* Does a group holding n_rows need a round? (n_rows >= K + r + c) */
 bool kvt__ev_round_due(const kvt_config *cfg, uint64_t n_rows);
 /* Rows of the prefix of positions every round keeps: the prompt (when cfg->protect_prompt; its
@@ -257,11 +278,12 @@ uint64_t kvt__ev_protected_rows(const kvt_config *cfg, uint64_t prompt_rows);
 kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
                          uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
                          uint64_t prompt_rows);
-/* Row index of a position for head h, or -1 when not attended. O(log rows). */
+/* Row index of a position for head h, or -1 when not attended. O(log rows), synchronising. */
 int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos);
-/* Archived row bytes of (head, pos) for one plane, or NULL. O(log archived). */
-const uint8_t *kvt__ev_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
-                                uint32_t plane, uint64_t pos);
+/* Copy the archived row of (head, pos), plane `plane` (row_bytes), into dst: KVT_OK, or
+ * KVT_ERR_INVARIANT when it is not archived, or the backend read's status. Synchronising. */
+kvt_status kvt__ev_read_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,
+                                 uint32_t plane, uint64_t pos, void *dst);
 /* Full check of one layer's state against its group's page table; `appended` = committed
  * tokens. Writes the first violation into err (KVT_ERR_INVARIANT). O(rows + archived). */
 kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
