@@ -14,43 +14,12 @@
 #include <string.h>
 #include <time.h>
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static uint64_t rng_state = 0x1234567;
-static uint64_t rnd(void) {
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+#include "bench_util.h"
 
 static void fill_bf16(uint8_t *p, size_t n_values) {
     uint16_t *v = (uint16_t *)p;
     for (size_t i = 0; i < n_values; i++)
         v[i] = (uint16_t)(0x3c00u + (rnd() & 0x3ffu)) ^ (uint16_t)((rnd() & 1u) << 15);
-}
-
-static double memcpy_best(size_t bytes, int reps) {
-    uint8_t *a = malloc(bytes), *b = malloc(bytes);
-    memset(a, 1, bytes);
-    memset(b, 2, bytes);
-    double best = 1e30;
-    for (int r = 0; r < reps; r++) {
-        double t = now_s();
-        memcpy(b, a, bytes);
-        t = now_s() - t;
-        if (t < best)
-            best = t;
-    }
-    volatile uint8_t sink = b[bytes / 2];
-    (void)sink;
-    free(a);
-    free(b);
-    return best;
 }
 
 static void die(kvt_status s, const char *what, const char *detail) {

@@ -127,13 +127,13 @@ typedef struct kvt__backend_ops {
     /* A random-eviction round (kernels/evict.h), for n layers at once: ev_select chooses every
      * head's keep set (draws, VaSE's value range, top-K; nothing but the keep sets changes, so a
      * failure — scratch — leaves the round undone), ev_apply archives or drops, compacts
-     * slot-major, rewrites positions and slot maps. ev_append records new rows' positions. */
+     * slot-major, rewrites positions and slot maps. ev_append records new rows' positions (n
+     * layers or requests at once). */
     kvt_status (*ev_select)(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                             void *stream);
     kvt_status (*ev_apply)(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                            void *stream);
-    kvt_status (*ev_append)(const kvt__backend *be, int64_t *pos, uint64_t pos_cap,
-                            uint32_t n_heads, uint64_t first_row, uint64_t first_pos, uint64_t n,
+    kvt_status (*ev_append)(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
                             void *stream);
     /* Look a position up in a sorted array of the backend (kvt__find_pos_cpu) into *out, on the
      * host: synchronising, for inspection calls only. */

@@ -173,12 +173,12 @@ static kvt_status cpu_ev_apply(const kvt__backend *be, const kvt__ev_args *a, ui
     return KVT_OK;
 }
 
-static kvt_status cpu_ev_append(const kvt__backend *be, int64_t *pos, uint64_t pos_cap,
-                                uint32_t n_heads, uint64_t first_row, uint64_t first_pos,
-                                uint64_t n, void *stream) {
+static kvt_status cpu_ev_append(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
+                                void *stream) {
     (void)be;
     (void)stream;
-    kvt__ev_append_cpu(pos, pos_cap, n_heads, first_row, first_pos, n);
+    for (uint32_t i = 0; i < n; i++)
+        kvt__ev_append_cpu(&a[i]);
     return KVT_OK;
 }
 
@@ -512,12 +512,12 @@ static kvt_status g_ev_apply(const kvt__backend *be, const kvt__ev_args *a, uint
     return g_ev_call(be, a, n, stream, cpu_ev_apply);
 }
 
-static kvt_status g_ev_append(const kvt__backend *be, int64_t *pos, uint64_t pos_cap,
-                              uint32_t n_heads, uint64_t first_row, uint64_t first_pos,
-                              uint64_t n, void *stream) {
-    GUARD_OWNS(be, pos, sizeof(int64_t) * n_heads * pos_cap);
+static kvt_status g_ev_append(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
+                              void *stream) {
+    for (uint32_t i = 0; i < n; i++)
+        GUARD_OWNS(be, a[i].pos, sizeof(int64_t) * a[i].n_heads * a[i].pos_cap);
     guard_open(be);
-    kvt_status s = cpu_ev_append(be, pos, pos_cap, n_heads, first_row, first_pos, n, stream);
+    kvt_status s = cpu_ev_append(be, a, n, stream);
     guard_close(be);
     return s;
 }

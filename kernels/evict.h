@@ -62,9 +62,16 @@ size_t kvt__ev_select_scratch_bytes(uint64_t cand, uint64_t K);
 void kvt__ev_select_cpu(const kvt__ev_args *a, void *scratch);
 /* Archive or drop, compact, rewrite positions, write the slot maps (after kvt__ev_select_cpu). */
 void kvt__ev_apply_cpu(const kvt__ev_args *a);
-/* Positions first_pos + i at rows first_row + i, i < n, of every head. */
-void kvt__ev_append_cpu(int64_t *pos, uint64_t pos_cap, uint32_t n_heads, uint64_t first_row,
-                        uint64_t first_pos, uint64_t n);
+/* New rows' positions of one layer of one request: first_pos + i at rows first_row + i,
+ * i < n, of every head. */
+typedef struct kvt__ev_append_args {
+    int64_t *pos; /* [n_heads][pos_cap] */
+    uint64_t pos_cap;
+    uint32_t n_heads;
+    uint64_t first_row, first_pos, n;
+} kvt__ev_append_args;
+
+void kvt__ev_append_cpu(const kvt__ev_append_args *a);
 /* Index i < n with sorted[perm ? perm[i] : i] == key (sorted ascending through perm), returned
  * as perm[i] (or i); -1 when absent. */
 int64_t kvt__find_pos_cpu(const int64_t *sorted, const uint64_t *perm, uint64_t n, uint64_t key);

@@ -218,12 +218,11 @@ void kvt__ev_apply_cpu(const kvt__ev_args *a) {
     }
 }
 
-void kvt__ev_append_cpu(int64_t *pos, uint64_t pos_cap, uint32_t n_heads, uint64_t first_row,
-                        uint64_t first_pos, uint64_t n) {
-    for (uint32_t h = 0; h < n_heads; h++) {
-        int64_t *P = pos + (size_t)h * pos_cap + first_row;
-        for (uint64_t i = 0; i < n; i++)
-            P[i] = (int64_t)(first_pos + i);
+void kvt__ev_append_cpu(const kvt__ev_append_args *a) {
+    for (uint32_t h = 0; h < a->n_heads; h++) {
+        int64_t *P = a->pos + (size_t)h * a->pos_cap + a->first_row;
+        for (uint64_t i = 0; i < a->n; i++)
+            P[i] = (int64_t)(a->first_pos + i);
     }
 }
 

@@ -580,7 +580,17 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
  * read_row, positions, last_slot_map, layer_stats, block_table, kvt_seq_check):
  * KVT_ERR_BAD_STATE; they describe the committed state between steps.
  *
- * Part 1 runs on the CPU backend: stream is accepted and ignored; buffers are host memory.
+ * Memory spaces and streams. Everything a step's device work reads or writes lives in the
+ * backend's memory space, allocated at creation or at reserve (never in a run): the row pool,
+ * the page tables' mirrors, σ and the kept sets, the eviction positions, keep sets, slot maps
+ * and archive, the emission arrays the engine hands in (kvt_buffer on a device backend). The
+ * host keeps counts and O(1) descriptions; a run enqueues, for the whole batch, one call per
+ * layer and kind of work (the closing blocks' σ, one segmented top-m, the rounds' selections and
+ * moves, the packing of the attended sets) on its stream and reads nothing back except a close's
+ * two counters. The commit's device work (what deferred runs left, rounds of layers never run)
+ * goes on the stream of the step's last run. The CPU backends execute each op when it is
+ * enqueued, which is one valid order of the stream; the guarded backend (KVT_BACKEND_GUARDED)
+ * refuses any op argument outside its buffers and faults on any host touch of them.
  * ------------------------------------------------------------------------------------------- */
 typedef struct kvt_batch kvt_batch;
 
@@ -671,7 +681,8 @@ typedef struct kvt_emit {
 /* Run `layer` for the step: its due close or eviction round for every request of the batch (at
  * most once per step and layer; a second run of the layer only emits), then write the attended
  * sets into emit. query: the absorbed queries for the recall tier, ignored while recall is off
- * (may be NULL). stream: a cudaStream_t on the CUDA backend; the CPU backend ignores it.
+ * (may be NULL). stream: a cudaStream_t on the CUDA backend, where every op of the run goes (the
+ * CPU backends run each op as it is enqueued); the commit reuses the last run's.
  * Checked before any work (nothing done, nothing emitted): KVT_ERR_INVALID_ARGUMENT (emit NULL,
  * its struct_size below KVT_EMIT_SIZE_MIN, an unknown layout, a NULL array, queries_per_seq
  * above KVT_MAX_QUERIES_PER_SEQ), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a

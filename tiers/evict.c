@@ -244,13 +244,19 @@ kvt_status kvt__ev_prepare(kvt__ev *e, const kvt_config *cfg, uint64_t rows) {
     return rc == KVT_OK ? round_reserve(e, rows, cfg->evict_budget_rows) : rc;
 }
 
+static kvt__ev_append_args append_args(kvt__ev *e, uint64_t first_row, uint64_t first_pos,
+                                       uint64_t n) {
+    KVT_ASSERT(first_row + n <= e->pos_cap);
+    return (kvt__ev_append_args){.pos = e->pos, .pos_cap = e->pos_cap, .n_heads = e->n_heads,
+                                 .first_row = first_row, .first_pos = first_pos, .n = n};
+}
+
 kvt_status kvt__ev_append(kvt__ev *e, const kvt__backend *be, void *stream, uint64_t first_row,
                           uint64_t first_pos, uint64_t n) {
-    KVT_ASSERT(first_row + n <= e->pos_cap);
     if (n == 0)
         return KVT_OK;
-    return be->ops->ev_append(be, e->pos, e->pos_cap, e->n_heads, first_row, first_pos, n,
-                              stream);
+    kvt__ev_append_args a = append_args(e, first_row, first_pos, n);
+    return be->ops->ev_append(be, &a, 1, stream);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -758,40 +764,47 @@ static kvt_status ev_reserve(kvt__tier_state *s, const kvt__env *env, const kvt_
  * commit). On a selection failure nothing of this layer changed. */
 static kvt_status ev_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_t n) {
     ev_job jobs[KVT__EV_CHUNK];
-    uint32_t at[KVT__EV_CHUNK], k = 0;
+    kvt__ev_append_args app[KVT__EV_CHUNK];
+    uint32_t at[KVT__EV_CHUNK];
     kvt_status first = KVT_OK;
-    for (uint32_t i = 0; i <= n; i++) {
-        if (i < n) {
-            kvt__tier_step *q = &t[i];
+    for (uint32_t i0 = 0; i0 < n; i0 += KVT__EV_CHUNK) {
+        uint32_t m = n - i0 < KVT__EV_CHUNK ? n - i0 : KVT__EV_CHUNK, k = 0;
+        /* 1. The step's positions of every request: one backend call. On failure nothing was
+         * recorded for them (the commit records them) and they run no round. */
+        for (uint32_t x = 0; x < m; x++) {
+            kvt__tier_step *q = &t[i0 + x];
+            app[x] = append_args(&q->state->ev, q->pt->n_rows, q->appended, q->step_rows);
+        }
+        kvt_status rc = env->backend->ops->ev_append(env->backend, app, m, env->stream);
+        for (uint32_t x = 0; x < m; x++) {
+            kvt__tier_step *q = &t[i0 + x];
             kvt__ev *e = &q->state->ev;
             const uint64_t N = q->pt->n_rows + q->step_rows;
-            q->status = kvt__ev_append(e, env->backend, env->stream, q->pt->n_rows, q->appended,
-                                       q->step_rows);
-            if (q->status != KVT_OK) { /* nothing recorded: the commit records them */
-                kvt__fail(env->err, env->err_len, q->status, "positions of layer %u",
-                          q->st->layer);
-            } else {
-                e->step_appended = true;
-                if (kvt__ev_round_due(q->cfg, N)) {
-                    jobs[k] = (ev_job){.st = q->st, .e = e, .pt = q->pt, .N = N,
-                                       .prompt_rows = q->prompt_rows, .cfg = q->cfg,
-                                       .philox_key = q->philox_key};
-                    at[k++] = i;
-                }
+            q->status = rc;
+            if (rc != KVT_OK)
+                continue;
+            e->step_appended = true;
+            if (kvt__ev_round_due(q->cfg, N)) {
+                jobs[k] = (ev_job){.st = q->st, .e = e, .pt = q->pt, .N = N,
+                                   .prompt_rows = q->prompt_rows, .cfg = q->cfg,
+                                   .philox_key = q->philox_key};
+                at[k++] = i0 + x;
             }
-            if (first == KVT_OK)
-                first = q->status;
         }
-        if (k == KVT__EV_CHUNK || (i == n && k)) {
-            round_independent(env, jobs, k);
-            for (uint32_t x = 0; x < k; x++) {
-                t[at[x]].status = jobs[x].status;
-                if (jobs[x].status == KVT_OK)
-                    jobs[x].e->step_round = true;
-                else if (first == KVT_OK)
-                    first = jobs[x].status;
-            }
-            k = 0;
+        if (rc != KVT_OK) {
+            kvt__fail(env->err, env->err_len, rc, "recording the step's positions");
+            if (first == KVT_OK)
+                first = rc;
+            continue;
+        }
+        /* 2. The due rounds of those requests: one select and one apply call. */
+        round_independent(env, jobs, k);
+        for (uint32_t x = 0; x < k; x++) {
+            t[at[x]].status = jobs[x].status;
+            if (jobs[x].status == KVT_OK)
+                jobs[x].e->step_round = true;
+            else if (first == KVT_OK)
+                first = jobs[x].status;
         }
     }
     return first;
@@ -809,19 +822,29 @@ static uint64_t ev_held_rows(const kvt__tier_state *s, uint64_t rows) {
 static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g) {
     kvt__group *gr = g->gr;
     uint32_t stepped = 0;
+    /* The new rows' positions in the layers whose run did not record them: batched calls. */
+    kvt__ev_append_args app[KVT__EV_CHUNK];
+    uint32_t m = 0;
+    for (uint32_t k = 0; k <= gr->n_layers; k++) {
+        kvt__ev *e = k < gr->n_layers ? &g->states[gr->layers[k]].ev : NULL;
+        if (e && g->new_rows > 0 && !e->step_appended)
+            app[m++] = append_args(e, g->pt->n_rows - g->new_rows, g->appended - g->new_rows,
+                                   g->new_rows);
+        if (m == KVT__EV_CHUNK || (!e && m)) {
+            if (env->backend->ops->ev_append(env->backend, app, m, env->stream) != KVT_OK) {
+                /* A device error: the positions of committed rows are unknown (no retry
+                 * repeats the append) */
+                for (uint32_t x = 0; x < gr->n_layers; x++)
+                    g->states[gr->layers[x]].ev.damaged = true;
+                return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                                 "recording positions failed on the device; the sequence is "
+                                 "damaged and must be destroyed");
+            }
+            m = 0;
+        }
+    }
     for (uint32_t k = 0; k < gr->n_layers; k++) {
         kvt__ev *e = &g->states[gr->layers[k]].ev;
-        if (g->new_rows > 0 && !e->step_appended &&
-            kvt__ev_append(e, env->backend, env->stream, g->pt->n_rows - g->new_rows,
-                           g->appended - g->new_rows, g->new_rows) != KVT_OK) {
-            /* A device error: the positions of committed rows are unknown (no retry repeats
-             * the append) */
-            e->damaged = true;
-            return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
-                             "recording positions of layer %u failed on the device; the "
-                             "sequence is damaged and must be destroyed",
-                             g->stores[gr->layers[k]].layer);
-        }
         e->step_appended = false;
         stepped += e->step_round;
     }
