@@ -603,6 +603,9 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
         kvt__ptable *t = &seq->pt[g];
         meta_table(m, g, &t->n_rows, &t->first_page, &t->dropped_rows);
         s = kvt__ptable_reserve(t, &ctx->groups[g].pool, &ctx->alloc, 0);
+        /* The table's mirror in the backend's memory (the ops read it; synced at the step). */
+        if (s == KVT_OK)
+            s = kvt__ptable_mirror_reserve(t, &ctx->backend, t->n_pages);
         if (s == KVT_ERR_POOL_EXHAUSTED)
             s = kvt__ctx_fail(ctx, s, "group %u (%s): %u free pages, the snapshot holds %llu", g,
                               kvt_policy_name(ctx->groups[g].policy), ctx->groups[g].pool.n_free,

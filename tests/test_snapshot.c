@@ -965,3 +965,31 @@ Test(snapshot, whole_scenario_under_allocation_faults) {
     rmdir(dir);
     kvt_model_destroy(m);
 }
+
+/* A restored request's first step may reserve nothing (a request that only attends): its page
+ * tables' mirrors in the backend's memory were sized at restore, so the commit's sync finds room
+ * (fuzz_api found the unsized mirror: tests/fuzz/regress/fuzz_api/restore_mirror_unreserved). */
+Test(snapshot, zero_token_step_after_restore) {
+    kvt_model *m = mixed_model(2);
+    kvt_config c = small_config(true);
+    kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
+    kvt_seq *seq = driven(ctx, 4, 30), *r;
+    size_t n;
+    uint8_t *b = snap(seq, &n);
+    cr_assert_eq(kvt_seq_restore(ctx, b, n, &r), KVT_OK, "%s", kvt_last_error());
+    kvt_batch *bt;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &bt), KVT_OK);
+    uint32_t zero = 0;
+    cr_assert_eq(kvt_batch_reserve(bt, &r, &zero, 1), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_plan(bt), KVT_OK);
+    int32_t idx[4096], len;
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
+                  .capacity = 4096, .lengths = &len};
+    cr_assert_eq(kvt_batch_run(bt, 1, NULL, NULL, &e), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(bt, NULL), KVT_OK, "%s", kvt_last_error());
+    kvt_batch_destroy(bt);
+    assert_same(seq, r, "after a zero-token step");
+    free(b);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
