@@ -593,9 +593,11 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
     p.recall = (int32_t)m->seq_recall;
     kvt_seq *seq;
     kvt_status s = kvt_seq_create(ctx, &p, &seq);
-    if (s == KVT_ERR_INVALID_ARGUMENT) /* the request's ratio or recall mode */
-        return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT, "snapshot: request parameters: %s",
-                             kvt_last_error());
+    if (s == KVT_ERR_INVALID_ARGUMENT) { /* the request's ratio or recall mode */
+        char msg[KVT__ERR_LEN]; /* the thread's buffer is also the output: copy it first */
+        snprintf(msg, sizeof msg, "%s", kvt_last_error());
+        return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT, "snapshot: request parameters: %s", msg);
+    }
     if (s != KVT_OK)
         return s;
     seq->n_tokens = m->n_tokens;
