@@ -52,7 +52,7 @@ typedef struct kvt__attended_desc {
     uint64_t hi_begin, hi_end;
 } kvt__attended_desc;
 
-static inline uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
+KVT_HD uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
     return d->lo_end + d->n_list + (d->hi_end - d->hi_begin);
 }
 
@@ -135,7 +135,7 @@ typedef struct kvt__backend_ops {
                            void *stream);
     kvt_status (*ev_append)(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
                             void *stream);
-    /* Look a position up in a sorted array of the backend (kvt__find_pos_cpu) into *out, on the
+    /* Look a position up in a sorted array of the backend (kvt__find_pos) into *out, on the
      * host: synchronising, for inspection calls only. */
     kvt_status (*find_pos)(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
                            uint64_t n, uint64_t key, int64_t *out);
@@ -176,5 +176,9 @@ kvt_status kvt__backend_cpu_workspace(const kvt__backend *parent, size_t sigma_f
  * device is usable. */
 kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len);
 void kvt__backend_cuda_close(kvt__backend *be);
+/* A second handle on the CUDA backend `parent` with a device workspace of its own (each batch
+ * runs through one: two batches' ops on two streams share no scratch). KVT_ERR_UNSUPPORTED for
+ * any other backend; KVT_ERR_OUT_OF_MEMORY. Close it with kvt__backend_cuda_close. */
+kvt_status kvt__backend_cuda_workspace(const kvt__backend *parent, kvt__backend *out);
 
 #endif

@@ -185,7 +185,7 @@ static kvt_status cpu_ev_append(const kvt__backend *be, const kvt__ev_append_arg
 static kvt_status cpu_find_pos(const kvt__backend *be, const int64_t *sorted,
                                const uint64_t *perm, uint64_t n, uint64_t key, int64_t *out) {
     (void)be;
-    *out = kvt__find_pos_cpu(sorted, perm, n, key);
+    *out = kvt__find_pos(sorted, perm, n, key);
     return KVT_OK;
 }
 

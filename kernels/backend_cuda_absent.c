@@ -15,4 +15,10 @@ kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len) {
 void kvt__backend_cuda_close(kvt__backend *be) {
     (void)be;
 }
+
+kvt_status kvt__backend_cuda_workspace(const kvt__backend *parent, kvt__backend *out) {
+    (void)parent;
+    (void)out;
+    return KVT_ERR_UNSUPPORTED;
+}
 #endif

@@ -225,17 +225,3 @@ void kvt__ev_append_cpu(const kvt__ev_append_args *a) {
             P[i] = (int64_t)(a->first_pos + i);
     }
 }
-
-int64_t kvt__find_pos_cpu(const int64_t *sorted, const uint64_t *perm, uint64_t n, uint64_t key) {
-    uint64_t lo = 0, hi = n;
-    while (lo < hi) {
-        uint64_t mid = lo + (hi - lo) / 2;
-        if ((uint64_t)sorted[perm ? perm[mid] : mid] < key)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo < n && (uint64_t)sorted[perm ? perm[lo] : lo] == key)
-        return (int64_t)(perm ? perm[lo] : lo);
-    return -1;
-}

@@ -26,9 +26,9 @@ struct kvt_batch {
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
     void *stream;        /* the stream of the step's last run: the commit's device work goes on
                           * it (NULL, the default stream, for a step without a run) */
-    /* The backend the batch's runs and commit use: on the CPU backend a handle with a workspace
-     * of its own (own_be), so that runs and commits of distinct batches share no scratch
-     * (kvtier.h, "Threads"); otherwise a copy of the context's handle. */
+    /* The backend the batch's runs and commit use: on the CPU and CUDA backends a handle with a
+     * workspace of its own (own_be), so that runs and commits of distinct batches share no
+     * scratch (kvtier.h, "Threads"); on the guarded backend a copy of the context's handle. */
     kvt__backend be;
     bool own_be;
 };
@@ -56,6 +56,8 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->be = ctx->backend;
     kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
                                                ctx->ws_topm_u32, &b->be);
+    if (ws == KVT_ERR_UNSUPPORTED) /* CUDA: a device workspace of the batch's own */
+        ws = kvt__backend_cuda_workspace(&ctx->backend, &b->be);
     b->own_be = ws == KVT_OK;
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
@@ -116,8 +118,10 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->defer, b->max_seqs);
     kvt__free(a, b->steps, sizeof *b->steps * b->max_seqs);
     kvt__free(a, b->step_seqs, sizeof *b->step_seqs * b->max_seqs);
-    if (b->own_be)
+    if (b->own_be && b->be.ops == kvt__backend_cpu_ops())
         kvt__backend_cpu_close(&b->be);
+    else if (b->own_be)
+        kvt__backend_cuda_close(&b->be);
     kvt__free(a, b, sizeof *b);
 }
 

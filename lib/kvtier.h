@@ -820,8 +820,10 @@ KVT_API kvt_status kvt_seq_check(const kvt_seq *seq);
  * field of kvt_config; the request's own ratio and recall travel with it), the same page_rows,
  * per-layer policies and parallelism offsets: anything else is KVT_ERR_MISMATCH naming the first
  * difference. The pool size, max_seqs and the backend may differ: restore across backends is
- * supported (CPU <-> guarded today; every byte goes through the backend's read and write ops, so
- * CUDA will follow), as is restore into the context that took it or into another one.
+ * supported: every byte goes through the backend's read and write ops, so a snapshot taken on
+ * one backend restores on any other (CPU <-> guarded tested; CPU <-> CUDA uses the CUDA
+ * backend's same ops, tested where a device is present), as is restore into the context that
+ * took it or into another one.
  *
  * Format: a kvtier container (docs/snapshot-format.md): file header, sections each with a CRC-32
  * (zlib's) over its payload and one over its header, END. Versioned: a newer major version is

@@ -271,6 +271,24 @@ Test(snapshot, continuation_guarded_backend) {
     continuation(guarded(), true, true, 17);
 }
 
+/* CPU -> CUDA: the CUDA backend fills the same read / write ops; skipped without a device. */
+Test(snapshot, continuation_cuda_backend) {
+    kvt_model *m = mixed_model(2);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    kvt_config c = small_config(true);
+    p.model = m;
+    p.config = &c;
+    p.backend = KVT_BACKEND_CUDA;
+    kvt_ctx *probe = NULL;
+    kvt_status s = kvt_ctx_create(&p, &probe, NULL, 0);
+    kvt_ctx_destroy(probe);
+    kvt_model_destroy(m);
+    if (s == KVT_ERR_NO_DEVICE)
+        cr_skip_test("no CUDA device (or built without CUDA): CPU -> CUDA restore not run");
+    cr_assert_eq(s, KVT_OK);
+    continuation(KVT_BACKEND_CUDA, true, true, 19);
+}
+
 Test(snapshot, continuation_with_runs) {
     g_run_layers = true;
     continuation(KVT_BACKEND_CPU, true, true, 23);

@@ -609,7 +609,7 @@ static kvt_status ev_check_host(const kvt__ev *e, const ev_host *v, uint64_t n,
                     return kvt__fail(err, len, KVT_ERR_INVARIANT,
                                      "evict: head %u archive not sorted/unique at %llu", h,
                                      (unsigned long long)i);
-                if (n && kvt__find_pos_cpu(P, NULL, n, (uint64_t)p) >= 0)
+                if (n && kvt__find_pos(P, NULL, n, (uint64_t)p) >= 0)
                     return kvt__fail(err, len, KVT_ERR_INVARIANT,
                                      "evict: head %u position %lld both attended and archived", h,
                                      (long long)p);

@@ -1,20 +1,816 @@
 /*
- * backend.cu — the CUDA backend's entry points. This build has nvcc: the backend opens only when
- * the runtime finds a usable device. The kernels that fill the operation table (σ, top-m, Philox,
- * gather/compact) arrive with the CUDA issue; until then a present device is answered with
- * KVT_ERR_NO_DEVICE and a message saying the CUDA operations are not built yet, never a crash.
- * Runtime API only: linking libcuda would break loading where no driver is installed.
+ * backend.cu — the CUDA backend: the operation table of kernels/backend.h on device memory.
+ *
+ * Every op is enqueued on the caller's stream and takes only device pointers (plus small host
+ * argument arrays, copied into the device workspace on the same stream). Results the host must
+ * see (a close's two counters, find_pos, read) are the only synchronisations. Each kernel follows
+ * its CPU twin (backend_cpu.c, evict_cpu.c, sigma.c) through the same KVT_HD per-element
+ * functions and the same accumulation order, so every decision is bit-equal; the twins are the
+ * oracle of the GPU tests (scripts/gpu-check.sh), which need a device this build machine lacks.
+ *
+ * Written for clarity first: one thread block per work item (a closing block, a selection
+ * segment, a head of a layer's round, a query to pack). Runtime API only (cudart_static): linking
+ * libcuda would break loading where no driver is installed.
  */
 #include <cuda_runtime.h>
+#include <cub/block/block_scan.cuh>
 
 #include <stdio.h>
+#include <string.h>
 
 extern "C" {
 #include "kernels/backend.h"
+#include "kernels/philox.h"
+#include "kernels/sigma.h"
+#include "kernels/topm.h"
+#include "lib/base/alloc.h"
 }
 
-extern "C" kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len) {
+namespace {
+
+constexpr int kThreads = 256;
+typedef cub::BlockScan<uint32_t, kThreads> Scan;
+
+struct cuda_impl {
+    int device;
+    uint8_t *ws; /* device workspace: argument arrays and scratch, grow-only */
+    size_t ws_bytes;
+    uint64_t *counters; /* device: per-segment counters of select */
+    size_t counters_n;
+};
+
+kvt_status st(cudaError_t e) {
+    if (e == cudaSuccess)
+        return KVT_OK;
+    (void)cudaGetLastError();
+    return e == cudaErrorMemoryAllocation ? KVT_ERR_OUT_OF_MEMORY : KVT_ERR_NO_DEVICE;
+}
+
+cudaStream_t strm(void *s) {
+    return (cudaStream_t)s;
+}
+
+/* Workspace of at least `bytes` (grow-only; growing synchronises the device: only when a larger
+ * step than any before arrives, never in a steady state). */
+kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
+    cuda_impl *c = (cuda_impl *)be->impl;
+    if (bytes > c->ws_bytes) {
+        size_t want = bytes + bytes / 2;
+        if (c->ws) {
+            cudaDeviceSynchronize();
+            cudaFree(c->ws);
+            c->ws = NULL;
+            c->ws_bytes = 0;
+        }
+        kvt_status s = st(cudaMalloc(&c->ws, want));
+        if (s != KVT_OK)
+            return s;
+        c->ws_bytes = want;
+    }
+    *out = c->ws;
+    return KVT_OK;
+}
+
+size_t align256(size_t n) {
+    return (n + 255) / 256 * 256;
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Buffers
+ * -------------------------------------------------------------------------------------------- */
+kvt_status cu_buf_alloc(const kvt__backend *be, size_t bytes, void **out) {
     (void)be;
+    *out = NULL;
+    if (bytes == 0)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = st(cudaMalloc(out, bytes));
+    if (s == KVT_OK && (s = st(cudaMemset(*out, 0, bytes))) != KVT_OK) {
+        cudaFree(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+void cu_buf_free(const kvt__backend *be, void *p, size_t bytes) {
+    (void)be;
+    (void)bytes;
+    if (p)
+        cudaFree(p);
+}
+
+kvt_status cu_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                    void *stream) {
+    (void)be;
+    return bytes ? st(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, strm(stream)))
+                 : KVT_OK;
+}
+
+/* The host reads what it asked for: the one op that waits for the stream. */
+kvt_status cu_read(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                   void *stream) {
+    (void)be;
+    if (!bytes)
+        return KVT_OK;
+    kvt_status s = st(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, strm(stream)));
+    return s == KVT_OK ? st(cudaStreamSynchronize(strm(stream))) : s;
+}
+
+kvt_status cu_copy(const kvt__backend *be, void *dst, const void *src, size_t bytes,
+                   void *stream) {
+    (void)be;
+    return bytes ? st(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, strm(stream)))
+                 : KVT_OK;
+}
+
+/* Host argument array -> the workspace at offset `at`, on the stream (pageable source: the call
+ * returns once the bytes are staged, so a stack array may go). */
+template <typename T>
+kvt_status args_in(const kvt__backend *be, const T *host, uint32_t n, size_t extra, void *stream,
+                   T **dev, uint8_t **rest) {
+    size_t head = align256(sizeof(T) * n);
+    uint8_t *ws;
+    kvt_status s = ws_get(be, head + extra, &ws);
+    if (s != KVT_OK)
+        return s;
+    *dev = (T *)ws;
+    if (rest)
+        *rest = ws + head;
+    return st(cudaMemcpyAsync(ws, host, sizeof(T) * n, cudaMemcpyHostToDevice, strm(stream)));
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Block-wide pieces
+ * -------------------------------------------------------------------------------------------- */
+/* Top-m of keys[0..n) (larger first, ties to the lower index), written ascending into idx.
+ * Radix select of the threshold T, 8 bits at a time from the top, then one ordered pass that
+ * emits every key > T and the first `need` keys == T (kvt__topm_u32's definition). */
+__device__ void block_topm(const uint32_t *keys, uint32_t n, uint32_t m, uint32_t *idx) {
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t s_prefix, s_need;
+    __shared__ typename Scan::TempStorage scan;
+    __shared__ uint32_t s_base, s_eq_base;
+    if (m > n)
+        m = n;
+    if (m == 0)
+        return;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_need = m;
+    }
+    __syncthreads();
+    for (int level = 0; level < 4; level++) {
+        const int shift = 24 - 8 * level;
+        const uint32_t mask_hi = level == 0 ? 0u : 0xffffffffu << (32 - 8 * level);
+        for (int b = threadIdx.x; b < 256; b += blockDim.x)
+            hist[b] = 0;
+        __syncthreads();
+        const uint32_t prefix = s_prefix;
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+            uint32_t k = keys[i];
+            if ((k & mask_hi) == prefix)
+                atomicAdd(&hist[(k >> shift) & 0xffu], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint32_t need = s_need, acc = 0;
+            int b = 255;
+            for (; b > 0; b--) {
+                if (acc + hist[b] >= need)
+                    break;
+                acc += hist[b];
+            }
+            s_prefix = prefix | ((uint32_t)b << shift);
+            s_need = need - acc;
+        }
+        __syncthreads();
+    }
+    const uint32_t T = s_prefix, need = s_need;
+    if (threadIdx.x == 0) {
+        s_base = 0;
+        s_eq_base = 0;
+    }
+    __syncthreads();
+    for (uint32_t i0 = 0; i0 < n; i0 += blockDim.x) {
+        uint32_t i = i0 + threadIdx.x;
+        uint32_t k = i < n ? keys[i] : 0;
+        uint32_t eq = i < n && k == T ? 1u : 0u, eq_before, eq_total;
+        Scan(scan).ExclusiveSum(eq, eq_before, eq_total);
+        __syncthreads();
+        uint32_t take = i < n && (k > T || (eq && s_eq_base + eq_before < need)) ? 1u : 0u;
+        uint32_t at, total;
+        Scan(scan).ExclusiveSum(take, at, total);
+        if (take)
+            idx[s_base + at] = i;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            s_base += total;
+            s_eq_base += eq_total;
+        }
+        __syncthreads();
+    }
+}
+
+/* Stable compaction: out[k] = i for every i < n with flag(i), ascending; returns the count
+ * (all threads). */
+template <typename F>
+__device__ uint32_t block_compact(uint32_t n, F flag, uint32_t *out) {
+    __shared__ typename Scan::TempStorage scan;
+    __shared__ uint32_t s_base;
+    if (threadIdx.x == 0)
+        s_base = 0;
+    __syncthreads();
+    for (uint32_t i0 = 0; i0 < n; i0 += blockDim.x) {
+        uint32_t i = i0 + threadIdx.x;
+        uint32_t f = i < n && flag(i) ? 1u : 0u, at, total;
+        Scan(scan).ExclusiveSum(f, at, total);
+        if (f)
+            out[s_base + at] = i;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            s_base += total;
+        __syncthreads();
+    }
+    return s_base;
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * σ (score_rows): one thread block per closing block, the CPU twin's order (sigma.c).
+ * -------------------------------------------------------------------------------------------- */
+__device__ const uint8_t *row_of(const kvt__score_args &a, uint32_t u) {
+    int32_t slot = kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)(a.first_row + u));
+    return a.base + (size_t)slot * a.slot_stride;
+}
+
+/* scratch: [P][n_basis][D] floats for this block. pdiv: the args' divider, copied to the device
+ * next to them (the args' pointer is rewritten to it). */
+__global__ void k_score(const kvt__score_args *args, float *scratch_all, size_t scratch_each) {
+    const kvt__score_args a = args[blockIdx.x];
+    float *scratch = scratch_all + scratch_each * blockIdx.x;
+    const uint32_t B = a.n_rows, D = a.branch_dim;
+    if (a.selector == KVT_SELECT_RANDOM) {
+        for (uint32_t u = threadIdx.x; u < B; u += blockDim.x)
+            a.out[u] =
+                kvt__philox_uniform(kvt__philox_draw_at(a.key, a.subseq, a.first_position + u));
+        return;
+    }
+    if (a.selector == KVT_SELECT_BRANCH_NORM || a.selector == KVT_SELECT_ROW_NORM) {
+        for (uint32_t u = threadIdx.x; u < B; u += blockDim.x) {
+            const uint8_t *row = row_of(a, u);
+            a.out[u] = a.selector == KVT_SELECT_BRANCH_NORM
+                           ? kvt__elem_norm_fixed(row + a.branch_offset, a.branch_dtype, D)
+                           : kvt__elem_norm_fixed(row, a.dtype, a.n_values);
+        }
+        return;
+    }
+    const uint32_t P = B / KVT__SIGMA_LEAF_ROWS, J = a.n_basis;
+    const size_t part = (size_t)J * D;
+    /* each row's finiteness once (scratch after the partials) */
+    uint8_t *fin = (uint8_t *)(scratch + (size_t)P * part);
+    for (uint32_t u = threadIdx.x; u < B; u += blockDim.x)
+        fin[u] = (uint8_t)kvt__sigma_branch_finite(row_of(a, u), a.branch_offset,
+                                                   a.branch_dtype, D);
+    __syncthreads();
+    /* 1a: leaf partials, u ascending within each leaf. */
+    for (uint32_t t = threadIdx.x; t < P * part; t += blockDim.x) {
+        uint32_t p = t / (uint32_t)part, e = t % (uint32_t)part, j = e / D, d = e % D;
+        float acc = 0.0f;
+        for (uint32_t u = p * KVT__SIGMA_LEAF_ROWS; u < (p + 1) * KVT__SIGMA_LEAF_ROWS; u++) {
+            const uint8_t *row = row_of(a, u);
+            float r = kvt__sigma_fit_val(row, a.branch_offset, a.branch_dtype, d, fin[u]);
+            acc = kvt__sigma_leaf_step(acc, a.basis[(size_t)j * B + u], r);
+        }
+        scratch[(size_t)p * part + e] = acc;
+    }
+    __syncthreads();
+    /* 1b: stride-halving tree over the leaves. */
+    for (uint32_t s = P / 2; s >= 1; s >>= 1) {
+        for (uint32_t t = threadIdx.x; t < s * part; t += blockDim.x) {
+            uint32_t i = t / (uint32_t)part, e = t % (uint32_t)part;
+            scratch[(size_t)i * part + e] = scratch[(size_t)i * part + e] +
+                                            scratch[(size_t)(i + s) * part + e];
+        }
+        __syncthreads();
+    }
+    /* 2-3: per row, the residual and its fixed-order norm. */
+    for (uint32_t u = threadIdx.x; u < B; u += blockDim.x) {
+        const uint8_t *row = row_of(a, u);
+        if (!fin[u]) {
+            a.out[u] = INFINITY;
+            continue;
+        }
+        float r[KVT__SIGMA_MAX_BRANCH_DIM];
+        for (uint32_t d = 0; d < D; d++)
+            r[d] = kvt__sigma_residual(kvt__sigma_branch_val(row, a.branch_offset,
+                                                             a.branch_dtype, d),
+                                       kvt__sigma_recon(a.basis, B, J, u, scratch, D, d));
+        a.out[u] = kvt__norm_fixed(r, D);
+    }
+}
+
+/* Argument arrays carry a host pointer to their divider: copy the dividers next to the args and
+ * point the args at the device copies. */
+template <typename T>
+kvt_status args_with_div(const kvt__backend *be, const T *host, uint32_t n, size_t extra,
+                         void *stream, T **dev, uint8_t **rest) {
+    T tmp[64];
+    kvt__div32 divs[64];
+    if (n > 64)
+        return KVT_ERR_INVALID_ARGUMENT;
+    size_t head = align256(sizeof(T) * n) + align256(sizeof(kvt__div32) * n);
+    uint8_t *ws;
+    kvt_status s = ws_get(be, head + extra, &ws);
+    if (s != KVT_OK)
+        return s;
+    kvt__div32 *ddiv = (kvt__div32 *)(ws + align256(sizeof(T) * n));
+    for (uint32_t i = 0; i < n; i++) {
+        tmp[i] = host[i];
+        divs[i] = *host[i].pdiv;
+        tmp[i].pdiv = ddiv + i;
+    }
+    *dev = (T *)ws;
+    *rest = ws + head;
+    s = st(cudaMemcpyAsync(ws, tmp, sizeof(T) * n, cudaMemcpyHostToDevice, strm(stream)));
+    if (s == KVT_OK)
+        s = st(cudaMemcpyAsync(ddiv, divs, sizeof(kvt__div32) * n, cudaMemcpyHostToDevice,
+                               strm(stream)));
+    return s;
+}
+
+kvt_status cu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
+                         void *stream) {
+    for (uint32_t i0 = 0; i0 < n; i0 += 64) {
+        uint32_t k = n - i0 < 64 ? n - i0 : 64;
+        size_t each = 0;
+        for (uint32_t i = 0; i < k; i++) {
+            const kvt__score_args &x = a[i0 + i];
+            if (x.selector == KVT_SELECT_SIGMA) {
+                if (x.branch_dim > KVT__SIGMA_MAX_BRANCH_DIM || x.n_rows < KVT__SIGMA_LEAF_ROWS)
+                    return KVT_ERR_UNSUPPORTED;
+                size_t f = kvt__sigma_scratch_floats(x.n_rows, x.n_basis, x.branch_dim) +
+                           (x.n_rows + 3) / 4; /* + the finiteness flags */
+                each = f > each ? f : each;
+            }
+        }
+        kvt__score_args *dev;
+        uint8_t *rest;
+        kvt_status s = args_with_div(be, a + i0, k, sizeof(float) * each * k, stream, &dev, &rest);
+        if (s != KVT_OK)
+            return s;
+        k_score<<<k, kThreads, 0, strm(stream)>>>(dev, (float *)rest, each);
+        if ((s = st(cudaGetLastError())) != KVT_OK)
+            return s;
+    }
+    return KVT_OK;
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * select: one block per segment (a request's close): canonicalise, keys, top-m, counters.
+ * -------------------------------------------------------------------------------------------- */
+__global__ void k_select(kvt__select_args *args, uint32_t *keys_all, size_t keys_each,
+                         uint64_t *counters) {
+    kvt__select_args a = args[blockIdx.x];
+    uint32_t *keys = keys_all + keys_each * blockIdx.x;
+    const uint32_t n = (uint32_t)a.n_closed;
+    __shared__ unsigned long long s_nonfinite, s_below;
+    if (threadIdx.x == 0)
+        s_nonfinite = s_below = 0;
+    __syncthreads();
+    for (uint32_t u = threadIdx.x; u < n; u += blockDim.x) {
+        float f = a.score[u];
+        if (u >= a.first_new && !(f <= 3.402823466e+38f)) {
+            a.score[u] = f = INFINITY;
+            atomicAdd(&s_nonfinite, 1ull);
+        }
+        keys[u] = kvt__score_key(f);
+    }
+    __syncthreads();
+    block_topm(keys, n, a.m, a.kept);
+    __syncthreads();
+    uint32_t m = a.m < n ? a.m : n;
+    for (uint32_t j = threadIdx.x; j < m; j += blockDim.x)
+        if (a.kept[j] < a.sinks)
+            atomicAdd(&s_below, 1ull);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        counters[2 * blockIdx.x] = s_nonfinite;
+        counters[2 * blockIdx.x + 1] = s_below;
+    }
+}
+
+kvt_status cu_select(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream) {
+    cuda_impl *c = (cuda_impl *)be->impl;
+    for (uint32_t i0 = 0; i0 < n; i0 += 64) {
+        uint32_t k = n - i0 < 64 ? n - i0 : 64;
+        size_t most = 0;
+        for (uint32_t i = 0; i < k; i++) {
+            if (a[i0 + i].n_closed > UINT32_MAX)
+                return KVT_ERR_UNSUPPORTED;
+            most = a[i0 + i].n_closed > most ? a[i0 + i].n_closed : most;
+        }
+        if (c->counters_n < 2 * (size_t)k) {
+            cudaFree(c->counters);
+            c->counters = NULL;
+            c->counters_n = 0;
+            kvt_status s = st(cudaMalloc(&c->counters, sizeof(uint64_t) * 128));
+            if (s != KVT_OK)
+                return s;
+            c->counters_n = 128;
+        }
+        kvt__select_args *dev;
+        uint8_t *rest;
+        kvt_status s =
+            args_in(be, a + i0, k, sizeof(uint32_t) * most * k, stream, &dev, &rest);
+        if (s != KVT_OK)
+            return s;
+        k_select<<<k, kThreads, 0, strm(stream)>>>(dev, (uint32_t *)rest, most, c->counters);
+        if ((s = st(cudaGetLastError())) != KVT_OK)
+            return s;
+        /* The close's one synchronisation: its two counters per request. */
+        uint64_t h[128];
+        if ((s = cu_read(be, h, c->counters, sizeof(uint64_t) * 2 * k, stream)) != KVT_OK)
+            return s;
+        for (uint32_t i = 0; i < k; i++) {
+            a[i0 + i].nonfinite = h[2 * i];
+            a[i0 + i].kept_in_sinks = h[2 * i + 1];
+        }
+    }
+    return KVT_OK;
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * pack: one block per query.
+ * -------------------------------------------------------------------------------------------- */
+__global__ void k_pack(const kvt__pack_query *qs, kvt__div32 pd, bool csr, bool first_csr,
+                       int32_t *indices, int32_t *lengths, int32_t *indptr) {
+    const kvt__pack_query q = qs[blockIdx.x];
+    const kvt__attended_desc &d = q.d;
+    const uint64_t count = kvt__attended_desc_count(&d);
+    if (threadIdx.x == 0) {
+        if (csr) {
+            indptr[q.len_at] = (int32_t)(q.out + count);
+            if (first_csr && blockIdx.x == 0)
+                indptr[0] = 0;
+        } else {
+            lengths[q.len_at] = (int32_t)count;
+        }
+    }
+    const uint64_t hi_start = d.lo_end + d.n_list;
+    for (uint64_t j = threadIdx.x; j < count || j < q.pad; j += blockDim.x) {
+        if (j >= count) {
+            indices[q.out + j] = -1;
+            continue;
+        }
+        uint64_t row = j < d.lo_end ? j
+                       : j < hi_start ? d.list[j - d.lo_end]
+                                      : d.hi_begin + (j - hi_start);
+        indices[q.out + j] = kvt__page_slot(q.pages, q.first_page, &pd, (uint32_t)row);
+    }
+}
+
+kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    if (a->n == 0)
+        return KVT_OK;
+    kvt__pack_query *dev;
+    kvt_status s = args_in(be, a->q, a->n, 0, stream, &dev, (uint8_t **)NULL);
+    if (s != KVT_OK)
+        return s;
+    k_pack<<<a->n, kThreads, 0, strm(stream)>>>(dev, *a->pdiv, a->csr, a->first_csr, a->indices,
+                                                a->lengths, a->indptr);
+    return st(cudaGetLastError());
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Eviction rounds (evict.h): select one block per (layer, head), apply in staged kernels.
+ * -------------------------------------------------------------------------------------------- */
+struct ev_scratch {
+    uint32_t *keys, *ridx, *sel;
+    uint8_t *mark;
+};
+
+__device__ ev_scratch ev_carve(uint8_t *base, uint64_t cand, uint64_t K) {
+    ev_scratch s;
+    s.keys = (uint32_t *)base;
+    s.ridx = s.keys + cand;
+    s.sel = s.ridx + cand;
+    s.mark = (uint8_t *)(s.sel + K);
+    return s;
+}
+
+size_t ev_scratch_bytes(uint64_t cand, uint64_t K) {
+    return align256(sizeof(uint32_t) * (2 * cand + K) + cand);
+}
+
+__device__ uint32_t value_key_dev(const kvt__ev_args &a, uint32_t h, uint32_t row) {
+    int32_t slot = kvt__page_slot(a.pages, a.first_page, a.pdiv, row);
+    const uint8_t *p = a.plane[a.value_plane] + (size_t)slot * a.slot_bytes + (size_t)h * a.row_bytes;
+    float lo = INFINITY, hi = -INFINITY;
+    bool nan = false;
+    for (uint32_t v = 0; v < a.value_dim; v++) {
+        float x = kvt__load_elem(p, a.dtype, v);
+        if (x != x)
+            nan = true;
+        lo = x < lo ? x : lo;
+        hi = x > hi ? x : hi;
+    }
+    return kvt__score_key(nan ? NAN : hi - lo);
+}
+
+__global__ void k_ev_select(const kvt__ev_args *args, uint32_t n_heads_max, uint8_t *scr_all,
+                            size_t scr_each) {
+    const kvt__ev_args a = args[blockIdx.x / n_heads_max];
+    const uint32_t h = blockIdx.x % n_heads_max;
+    if (h >= a.n_heads)
+        return;
+    const uint64_t K = a.K, cand = a.N - a.r;
+    ev_scratch s = ev_carve(scr_all + scr_each * blockIdx.x, cand, K);
+    const int64_t *P = a.pos + (size_t)h * a.pos_cap;
+    __shared__ uint32_t s_f;
+    if (threadIdx.x == 0)
+        s_f = 0;
+    __syncthreads();
+    /* protected prefix: positions below L (ascending: a prefix) */
+    for (uint64_t i = threadIdx.x; i < cand; i += blockDim.x) {
+        s.mark[i] = (uint64_t)P[i] < a.L ? 1 : 0;
+        if (s.mark[i])
+            atomicAdd(&s_f, 1u);
+    }
+    __syncthreads();
+    const uint64_t f = s_f;
+    uint64_t taken = f;
+    if (a.vase) {
+        uint64_t m_v = K / 4;
+        if (m_v > K - taken)
+            m_v = K - taken;
+        if (m_v > 0) {
+            for (uint64_t i = f + threadIdx.x; i < cand; i += blockDim.x)
+                s.keys[i - f] = value_key_dev(a, h, (uint32_t)i);
+            __syncthreads();
+            block_topm(s.keys, (uint32_t)(cand - f), (uint32_t)m_v, s.sel);
+            __syncthreads();
+            for (uint64_t j = threadIdx.x; j < m_v; j += blockDim.x)
+                s.mark[f + s.sel[j]] = 1;
+            __syncthreads();
+            taken += m_v;
+        }
+    }
+    /* the unmarked candidates, ascending, and their draws */
+    const uint32_t n_rest =
+        block_compact((uint32_t)(cand - f), [&](uint32_t i) { return !s.mark[f + i]; }, s.ridx);
+    const uint32_t draw_head = a.shared_draw ? 0 : h + a.head_offset;
+    const uint64_t subseq = kvt__philox_subseq(a.round, a.layer, draw_head);
+    for (uint32_t k = threadIdx.x; k < n_rest; k += blockDim.x) {
+        s.ridx[k] += (uint32_t)f;
+        s.keys[k] = kvt__philox_draw_at(a.philox_key, subseq, (uint64_t)P[s.ridx[k]]);
+    }
+    __syncthreads();
+    const uint64_t m_r = K - taken;
+    if (m_r > 0) {
+        block_topm(s.keys, n_rest, (uint32_t)m_r, s.sel);
+        __syncthreads();
+        for (uint64_t j = threadIdx.x; j < m_r; j += blockDim.x)
+            s.mark[s.ridx[s.sel[j]]] = 1;
+        __syncthreads();
+    }
+    block_compact((uint32_t)cand, [&](uint32_t i) { return s.mark[i] != 0; },
+                  a.keep + (size_t)h * K);
+}
+
+/* Old row index of new row index j (evict_cpu.c's old_row). */
+__device__ uint64_t old_row_dev(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_t j) {
+    return j < K ? keep[j] : cand + (j - K);
+}
+
+/* Archive: per (layer, head) block, the evicted candidates ascending copied out (all planes),
+ * then the by-position index merged by thread 0 (a sequential merge: first version). */
+__global__ void k_ev_archive(const kvt__ev_args *args, uint32_t n_heads_max, uint8_t *scr_all,
+                             size_t scr_each) {
+    const kvt__ev_args a = args[blockIdx.x / n_heads_max];
+    const uint32_t h = blockIdx.x % n_heads_max;
+    if (h >= a.n_heads || !a.ar_bytes)
+        return;
+    const uint64_t K = a.K, cand = a.N - a.r;
+    uint32_t *ev = (uint32_t *)(scr_all + scr_each * blockIdx.x);
+    uint8_t *mark = (uint8_t *)(ev + cand);
+    const uint32_t *keep = a.keep + (size_t)h * K;
+    for (uint64_t i = threadIdx.x; i < cand; i += blockDim.x)
+        mark[i] = 0;
+    __syncthreads();
+    for (uint64_t j = threadIdx.x; j < K; j += blockDim.x)
+        mark[keep[j]] = 1;
+    __syncthreads();
+    const uint32_t n_ev = block_compact((uint32_t)cand, [&](uint32_t i) { return !mark[i]; }, ev);
+    const size_t row_all = (size_t)a.n_planes * a.row_bytes;
+    uint8_t *bytes = a.ar_bytes + (size_t)h * a.ar_cap * row_all;
+    int64_t *apos = a.ar_pos + (size_t)h * a.ar_cap;
+    uint64_t *by_pos = a.ar_by_pos + (size_t)h * a.ar_cap;
+    const int64_t *P = a.pos + (size_t)h * a.pos_cap;
+    for (uint32_t k = threadIdx.x; k < n_ev; k += blockDim.x) {
+        uint32_t i = ev[k];
+        size_t off = (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, i) * a.slot_bytes +
+                     (size_t)h * a.row_bytes;
+        uint8_t *d = bytes + (size_t)(a.ar_n + k) * row_all;
+        for (uint32_t p = 0; p < a.n_planes; p++)
+            memcpy(d + (size_t)p * a.row_bytes, a.plane[p] + off, a.row_bytes);
+        apos[a.ar_n + k] = P[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint64_t n_old = a.ar_n, n = n_old + n_ev, i = n_old, j = n - n_old, w = n;
+        while (j > 0) {
+            if (i > 0 && apos[by_pos[i - 1]] > apos[n_old + j - 1])
+                by_pos[--w] = by_pos[--i];
+            else
+                by_pos[--w] = n_old + --j;
+        }
+    }
+}
+
+/* Compaction, staged: survivors of every head gathered into the workspace (one block per
+ * (layer, plane, new row)), then written back to rows 0..K+r-1 by a second kernel. Positions and
+ * slot maps likewise through the workspace (a parallel in-place pass would race). */
+__global__ void k_ev_gather(const kvt__ev_args *args, uint8_t *stage_all, size_t stage_each,
+                            int64_t *pos_stage_all, size_t pos_each) {
+    const kvt__ev_args a = args[blockIdx.y];
+    const uint64_t K = a.K, cand = a.N - a.r, n_new = K + a.r;
+    uint8_t *stage = stage_all + stage_each * blockIdx.y;
+    int64_t *pstage = pos_stage_all + pos_each * blockIdx.y;
+    for (uint64_t j = blockIdx.x; j < n_new; j += gridDim.x) {
+        for (uint32_t p = 0; p < a.n_planes; p++) {
+            uint8_t *dst = stage + ((size_t)p * n_new + j) * a.slot_bytes;
+            for (uint32_t t = threadIdx.x; t < a.slot_bytes; t += blockDim.x) {
+                uint32_t h = t / a.row_bytes;
+                uint64_t o = old_row_dev(a.keep + (size_t)h * K, K, cand, j);
+                int32_t slot = kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)o);
+                dst[t] = a.plane[p][(size_t)slot * a.slot_bytes + t];
+            }
+        }
+        for (uint32_t h = threadIdx.x; h < a.n_heads; h += blockDim.x)
+            pstage[(size_t)h * n_new + j] =
+                a.pos[(size_t)h * a.pos_cap + old_row_dev(a.keep + (size_t)h * K, K, cand, j)];
+    }
+}
+
+__global__ void k_ev_scatter(const kvt__ev_args *args, const uint8_t *stage_all,
+                             size_t stage_each, const int64_t *pos_stage_all, size_t pos_each) {
+    const kvt__ev_args a = args[blockIdx.y];
+    const uint64_t n_new = a.K + a.r;
+    const uint8_t *stage = stage_all + stage_each * blockIdx.y;
+    const int64_t *pstage = pos_stage_all + pos_each * blockIdx.y;
+    for (uint64_t j = blockIdx.x; j < n_new; j += gridDim.x) {
+        int32_t slot = kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)j);
+        for (uint32_t p = 0; p < a.n_planes; p++)
+            for (uint32_t t = threadIdx.x; t < a.slot_bytes; t += blockDim.x)
+                a.plane[p][(size_t)slot * a.slot_bytes + t] =
+                    stage[((size_t)p * n_new + j) * a.slot_bytes + t];
+        for (uint32_t h = threadIdx.x; h < a.n_heads; h += blockDim.x)
+            a.pos[(size_t)h * a.pos_cap + j] = pstage[(size_t)h * n_new + j];
+    }
+    /* slot maps: old -> new or -1 */
+    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_heads * a.N;
+         t += (uint64_t)gridDim.x * blockDim.x)
+        a.map[t] = -1;
+}
+
+__global__ void k_ev_map(const kvt__ev_args *args) {
+    const kvt__ev_args a = args[blockIdx.y];
+    const uint64_t K = a.K, cand = a.N - a.r, n_new = K + a.r;
+    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_heads * n_new;
+         t += (uint64_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)(t / n_new);
+        uint64_t j = t % n_new;
+        a.map[(size_t)h * a.N + old_row_dev(a.keep + (size_t)h * K, K, cand, j)] = (int32_t)j;
+    }
+}
+
+kvt_status ev_args_in(const kvt__backend *be, const kvt__ev_args *a, uint32_t n, size_t extra,
+                      void *stream, kvt__ev_args **dev, uint8_t **rest) {
+    return args_with_div(be, a, n, extra, stream, dev, rest);
+}
+
+kvt_status cu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                        void *stream) {
+    if (n == 0)
+        return KVT_OK;
+    uint32_t H = 0;
+    size_t each = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        H = a[i].n_heads > H ? a[i].n_heads : H;
+        size_t b = ev_scratch_bytes(a[i].N - a[i].r, a[i].K);
+        each = b > each ? b : each;
+    }
+    kvt__ev_args *dev;
+    uint8_t *rest;
+    kvt_status s = ev_args_in(be, a, n, each * n * H, stream, &dev, &rest);
+    if (s != KVT_OK)
+        return s;
+    k_ev_select<<<n * H, kThreads, 0, strm(stream)>>>(dev, H, rest, each);
+    return st(cudaGetLastError());
+}
+
+kvt_status cu_ev_apply(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
+                       void *stream) {
+    if (n == 0)
+        return KVT_OK;
+    uint32_t H = 0;
+    size_t ar_each = 0, stage_each = 0, pos_each = 0;
+    uint64_t most_new = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__ev_args &x = a[i];
+        H = x.n_heads > H ? x.n_heads : H;
+        uint64_t cand = x.N - x.r, n_new = x.K + x.r;
+        size_t b = align256(sizeof(uint32_t) * cand + cand);
+        ar_each = b > ar_each ? b : ar_each;
+        size_t sb = align256((size_t)x.n_planes * n_new * x.slot_bytes);
+        stage_each = sb > stage_each ? sb : stage_each;
+        size_t pb = (size_t)x.n_heads * n_new;
+        pos_each = pb > pos_each ? pb : pos_each;
+        most_new = n_new > most_new ? n_new : most_new;
+    }
+    const size_t pos_bytes = align256(sizeof(int64_t) * pos_each * n);
+    kvt__ev_args *dev;
+    uint8_t *rest;
+    kvt_status s = ev_args_in(be, a, n, ar_each * n * H + stage_each * n + pos_bytes, stream,
+                              &dev, &rest);
+    if (s != KVT_OK)
+        return s;
+    uint8_t *ar_scr = rest, *stage = rest + ar_each * n * H;
+    int64_t *pstage = (int64_t *)(stage + stage_each * n);
+    k_ev_archive<<<n * H, kThreads, 0, strm(stream)>>>(dev, H, ar_scr, ar_each);
+    dim3 grid((unsigned)(most_new < 1024 ? most_new : 1024), n);
+    k_ev_gather<<<grid, kThreads, 0, strm(stream)>>>(dev, stage, stage_each, pstage, pos_each);
+    k_ev_scatter<<<grid, kThreads, 0, strm(stream)>>>(dev, stage, stage_each, pstage, pos_each);
+    k_ev_map<<<grid, kThreads, 0, strm(stream)>>>(dev);
+    return st(cudaGetLastError());
+}
+
+__global__ void k_ev_append(const kvt__ev_append_args *args) {
+    const kvt__ev_append_args a = args[blockIdx.y];
+    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_heads * a.n;
+         t += (uint64_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)(t / a.n);
+        uint64_t i = t % a.n;
+        a.pos[(size_t)h * a.pos_cap + a.first_row + i] = (int64_t)(a.first_pos + i);
+    }
+}
+
+kvt_status cu_ev_append(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
+                        void *stream) {
+    if (n == 0)
+        return KVT_OK;
+    kvt__ev_append_args *dev;
+    kvt_status s = args_in(be, a, n, 0, stream, &dev, (uint8_t **)NULL);
+    if (s != KVT_OK)
+        return s;
+    k_ev_append<<<dim3(8, n), kThreads, 0, strm(stream)>>>(dev);
+    return st(cudaGetLastError());
+}
+
+__global__ void k_find(const int64_t *sorted, const uint64_t *perm, uint64_t n, uint64_t key,
+                       int64_t *out) {
+    *out = kvt__find_pos(sorted, perm, n, key);
+}
+
+kvt_status cu_find_pos(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
+                       uint64_t n, uint64_t key, int64_t *out) {
+    uint8_t *ws;
+    kvt_status s = ws_get(be, sizeof(int64_t), &ws);
+    if (s != KVT_OK)
+        return s;
+    /* inspection: after everything enqueued on any stream */
+    if ((s = st(cudaDeviceSynchronize())) != KVT_OK)
+        return s;
+    k_find<<<1, 1>>>(sorted, perm, n, key, (int64_t *)ws);
+    if ((s = st(cudaGetLastError())) != KVT_OK)
+        return s;
+    return cu_read(be, out, ws, sizeof(int64_t), NULL);
+}
+
+/* The table, filled by field name (C++ has no C designated initialisers out of order). */
+kvt__backend_ops make_ops() {
+    kvt__backend_ops o;
+    memset(&o, 0, sizeof o);
+    o.name = "cuda";
+    o.buf_alloc = cu_buf_alloc;
+    o.buf_free = cu_buf_free;
+    o.write = cu_write;
+    o.read = cu_read;
+    o.copy = cu_copy;
+    o.host_visible = false;
+    o.score_rows = cu_score_rows;
+    o.pack = cu_pack;
+    o.select = cu_select;
+    o.ev_select = cu_ev_select;
+    o.ev_apply = cu_ev_apply;
+    o.ev_append = cu_ev_append;
+    o.find_pos = cu_find_pos;
+    return o;
+}
+
+const kvt__backend_ops cuda_ops = make_ops();
+
+} // namespace
+
+extern "C" kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t err_len) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
@@ -24,13 +820,36 @@ extern "C" kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t
         (void)cudaGetLastError(); /* clear the sticky error for the caller */
         return KVT_ERR_NO_DEVICE;
     }
-    if (err && err_len)
-        snprintf(err, err_len,
-                 "CUDA device found, but the CUDA operations are not implemented yet; use "
-                 "KVT_BACKEND_CPU or KVT_BACKEND_AUTO");
-    return KVT_ERR_NO_DEVICE;
+    cuda_impl *c = (cuda_impl *)kvt__calloc(be->alloc, sizeof *c);
+    if (!c)
+        return KVT_ERR_OUT_OF_MEMORY;
+    cudaGetDevice(&c->device);
+    be->impl = c;
+    be->ops = &cuda_ops;
+    return KVT_OK;
+}
+
+extern "C" kvt_status kvt__backend_cuda_workspace(const kvt__backend *parent,
+                                                  kvt__backend *out) {
+    if (parent->ops != &cuda_ops)
+        return KVT_ERR_UNSUPPORTED;
+    cuda_impl *c = (cuda_impl *)kvt__calloc(parent->alloc, sizeof *c);
+    if (!c)
+        return KVT_ERR_OUT_OF_MEMORY;
+    c->device = ((const cuda_impl *)parent->impl)->device;
+    out->ops = parent->ops;
+    out->alloc = parent->alloc;
+    out->impl = c;
+    return KVT_OK;
 }
 
 extern "C" void kvt__backend_cuda_close(kvt__backend *be) {
-    (void)be;
+    cuda_impl *c = (cuda_impl *)be->impl;
+    if (!c)
+        return;
+    cudaDeviceSynchronize();
+    cudaFree(c->ws);
+    cudaFree(c->counters);
+    kvt__free(be->alloc, c, sizeof *c);
+    be->impl = NULL;
 }

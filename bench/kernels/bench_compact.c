@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "bench_util.h"
+#include "../bench_util.h"
 
 enum { L = 8, H = 8, D = 128, K = 1024, R = 64, C = 64, PR = 64 };
 #define NROWS (K + R + C)
