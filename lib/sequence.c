@@ -920,8 +920,8 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
 static kvt_status check_pages(const kvt_seq *seq) {
     const kvt_ctx *ctx = seq->ctx;
     const kvt__alloc *a = &ctx->alloc;
-    size_t bytes = ctx->n_pages;
-    uint8_t *seen = kvt__malloc(a, bytes);
+    size_t bytes = sizeof(uint32_t) * ctx->n_pages;
+    uint32_t *seen = kvt__malloc(a, bytes); /* tables holding each page */
     if (!seen)
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "check scratch");
     kvt_status rc = KVT_OK;
@@ -929,9 +929,10 @@ static kvt_status check_pages(const kvt_seq *seq) {
         const kvt__pool *p = &ctx->groups[g].pool;
         memset(seen, 0, bytes);
         for (uint32_t i = 0; i < p->n_free && rc == KVT_OK; i++) {
-            if (p->free_ids[i] >= ctx->n_pages || seen[p->free_ids[i]]++)
-                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "group %u: free page %u invalid or "
-                                   "listed twice", g, p->free_ids[i]);
+            if (p->free_ids[i] >= ctx->n_pages || seen[p->free_ids[i]]++ ||
+                p->refs[p->free_ids[i]] != 0)
+                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "group %u: free page %u invalid, "
+                                   "listed twice or still referenced", g, p->free_ids[i]);
         }
         uint64_t held = 0;
         for (const kvt_seq *q = ctx->seqs; q && rc == KVT_OK; q = q->next) {
@@ -973,13 +974,28 @@ static kvt_status check_pages(const kvt_seq *seq) {
                                                         ctx->page_rows));
             for (uint32_t i = 0; i < t->n_pages && rc == KVT_OK; i++) {
                 int32_t pg = t->pages[i];
-                if (pg < 0 || (uint32_t)pg >= ctx->n_pages || seen[pg]++)
+                if (pg < 0 || (uint32_t)pg >= ctx->n_pages)
                     rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
-                                       "group %u: page %d of request %llu invalid or shared", g,
-                                       pg, (unsigned long long)q->request_id);
+                                       "group %u: page %d of request %llu invalid", g, pg,
+                                       (unsigned long long)q->request_id);
+                else if (seen[pg]++ == 0)
+                    held++; /* a shared page counts once */
             }
-            held += t->n_pages;
         }
+        /* Every page is free or held by exactly as many tables as its reference count says. */
+        uint64_t shared = 0;
+        for (uint32_t pg = 0; pg < ctx->n_pages && rc == KVT_OK; pg++) {
+            bool is_free = p->refs[pg] == 0;
+            if (is_free ? seen[pg] != 1 : seen[pg] != p->refs[pg])
+                rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                   "group %u: page %u is referenced %u times, held by %u tables%s",
+                                   g, pg, p->refs[pg], is_free ? 0 : seen[pg],
+                                   is_free ? " (free)" : "");
+            shared += p->refs[pg] > 1;
+        }
+        if (rc == KVT_OK && shared != p->shared)
+            rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "group %u: %llu shared pages, counted %llu",
+                               g, (unsigned long long)shared, (unsigned long long)p->shared);
         if (rc == KVT_OK && held + p->n_free != ctx->n_pages)
             rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "group %u: %llu held + %u free != %u pages",
                                g, (unsigned long long)held, p->n_free, ctx->n_pages);

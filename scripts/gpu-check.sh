@@ -6,6 +6,8 @@
 #   - test_golden with KVT_REQUIRE_GPU=1: every golden case driven in the engine's order on the
 #     CUDA backend must give the CPU's keep-set file byte for byte (decisions bit-equal: σ, top-m,
 #     Philox draws, VaSE, compaction, archive); without a device this fails instead of skipping.
+#   - test_cuda with KVT_REQUIRE_GPU=1: each op against its CPU twin on random inputs (which op
+#     differs, when the goldens do).
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #
@@ -31,6 +33,8 @@ status=0
 (cd build-gpu && KVT_REQUIRE_GPU=1 ./tests/test_golden --verbose) > "$OUT/golden_cuda.txt" 2>&1 ||
   status=1
 echo "golden on CUDA: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a "$OUT/summary.txt"
+(cd build-gpu && KVT_REQUIRE_GPU=1 ./tests/test_cuda --verbose) > "$OUT/cuda_ops.txt" 2>&1 || status=1
+echo "CUDA ops vs CPU twins: see cuda_ops.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && ctest -L fast -j"$JOBS" --output-on-failure) > "$OUT/fast_tests.txt" 2>&1 ||
   status=1
 echo "fast tests: see fast_tests.txt" | tee -a "$OUT/summary.txt"

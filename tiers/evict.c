@@ -117,7 +117,7 @@ void kvt__ev_fini(kvt__ev *e) {
 /* Re-lay an [H][old_cap] array of elt-byte entries out as [H][cap] in a new buffer of the
  * backend (the first `used` entries of each head copied over on the device). */
 static kvt_status relayout(const kvt__backend *be, void **arr, uint32_t H, uint64_t old_cap,
-                           uint64_t cap, uint64_t used, size_t elt) {
+                           uint64_t cap, uint64_t used, size_t elt, void *stream) {
     if (cap > SIZE_MAX / elt / H)
         return KVT_ERR_OUT_OF_MEMORY;
     void *p = NULL;
@@ -126,7 +126,7 @@ static kvt_status relayout(const kvt__backend *be, void **arr, uint32_t H, uint6
         return s;
     for (uint32_t h = 0; h < H && used; h++)
         if ((s = be->ops->copy(be, (uint8_t *)p + elt * h * cap,
-                               (const uint8_t *)*arr + elt * h * old_cap, elt * used, NULL)) !=
+                               (const uint8_t *)*arr + elt * h * old_cap, elt * used, stream)) !=
             KVT_OK) {
             be->ops->buf_free(be, p, elt * H * cap);
             return s;
@@ -155,7 +155,8 @@ kvt_status kvt__ev_reserve(kvt__ev *e, uint64_t rows) {
     kvt_status s = doubled(e->pos_cap, rows, &cap);
     void *p = e->pos;
     if (s == KVT_OK &&
-        (s = relayout(e->be, &p, e->n_heads, e->pos_cap, cap, e->pos_cap, sizeof *e->pos)) ==
+        (s = relayout(e->be, &p, e->n_heads, e->pos_cap, cap, e->pos_cap, sizeof *e->pos,
+                      NULL)) ==
             KVT_OK) {
         e->pos = p;
         e->pos_cap = cap;
@@ -204,9 +205,10 @@ static kvt_status round_reserve(kvt__ev *e, uint64_t N, uint64_t K) {
     return s;
 }
 
-/* Grow the archive to hold `add` more rows per head: three new buffers filled on the device,
- * swapped in only when all succeeded (a failure changes nothing). */
-static kvt_status archive_reserve(kvt__ev *e, uint64_t add) {
+/* Grow the archive to hold `add` more rows per head: three new buffers filled on the device (on
+ * `stream`, after the rounds that wrote the old ones; NULL: synchronously), swapped in only when
+ * all succeeded (a failure changes nothing). */
+static kvt_status archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
     uint64_t need = e->ar_n + add;
     if (need <= e->ar_cap)
         return KVT_OK;
@@ -225,7 +227,7 @@ static kvt_status archive_reserve(kvt__ev *e, uint64_t add) {
         for (size_t h = 0; s == KVT_OK && e->ar_n && h < H; h++)
             s = be->ops->copy(be, (uint8_t *)nw[i] + elt[i] * h * cap,
                               (const uint8_t *)old[i] + elt[i] * h * e->ar_cap,
-                              elt[i] * e->ar_n, NULL);
+                              elt[i] * e->ar_n, stream);
     }
     for (int i = 0; i < 3; i++)
         buf_free(be, s == KVT_OK ? old[i] : nw[i],
@@ -391,7 +393,7 @@ static kvt_status job_reserve(const kvt__env *env, ev_job *j) {
                          (unsigned long long)j->N);
     kvt_status s = round_reserve(j->e, j->N, K);
     if (s == KVT_OK && j->e->archive)
-        s = archive_reserve(j->e, cand - K);
+        s = archive_reserve(j->e, cand - K, env->stream); /* after the earlier rounds */
     if (s != KVT_OK)
         return kvt__fail(env->err, env->err_len, s,
                          "eviction round: slot map / keep sets / archive of layer %u; nothing "
@@ -710,7 +712,7 @@ static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const k
         rc = kvt__ev_prepare(&s->ev, env->cfg, env->max_rows);
     /* A stated archive limit: the archive is allocated now, rounds never grow it. */
     if (rc == KVT_OK && s->ev.archive && env->archive_rows)
-        rc = archive_reserve(&s->ev, env->archive_rows);
+        rc = archive_reserve(&s->ev, env->archive_rows, NULL);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc, "eviction state of layer %u", st->layer);
     return KVT_OK;
@@ -1118,7 +1120,7 @@ static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kv
     if (rc == KVT_OK && last_n)
         rc = round_reserve(e, last_n, cfg->evict_budget_rows);
     if (rc == KVT_OK && ar_n)
-        rc = archive_reserve(e, ar_n);
+        rc = archive_reserve(e, ar_n, NULL);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc,
                          "eviction state: positions, slot map, archive");

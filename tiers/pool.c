@@ -8,8 +8,13 @@ kvt_status kvt__pool_init(kvt__pool *p, const kvt__alloc *a, uint32_t n_pages, u
     if (n_pages == 0 || page_rows == 0)
         return KVT_ERR_INVALID_ARGUMENT;
     p->free_ids = kvt__malloc(a, sizeof *p->free_ids * n_pages);
-    if (!p->free_ids)
+    p->refs = kvt__calloc(a, sizeof *p->refs * n_pages);
+    if (!p->free_ids || !p->refs) {
+        kvt__free(a, p->free_ids, sizeof *p->free_ids * n_pages);
+        kvt__free(a, p->refs, sizeof *p->refs * n_pages);
+        memset(p, 0, sizeof *p);
         return KVT_ERR_OUT_OF_MEMORY;
+    }
     p->n_pages = n_pages;
     p->page_rows = page_rows;
     /* Pop order: page 0 first, so a fresh pool hands out pages in ascending order. */
@@ -21,6 +26,7 @@ kvt_status kvt__pool_init(kvt__pool *p, const kvt__alloc *a, uint32_t n_pages, u
 
 void kvt__pool_fini(kvt__pool *p, const kvt__alloc *a) {
     kvt__free(a, p->free_ids, sizeof *p->free_ids * p->n_pages);
+    kvt__free(a, p->refs, sizeof *p->refs * p->n_pages);
     memset(p, 0, sizeof *p);
 }
 
@@ -40,8 +46,11 @@ kvt_status kvt__ptable_reserve(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a
     if (s != KVT_OK)
         return s;
     t->pages = arr;
-    for (uint32_t i = 0; i < more; i++)
-        t->pages[t->n_pages + i] = (int32_t)p->free_ids[--p->n_free];
+    for (uint32_t i = 0; i < more; i++) {
+        uint32_t id = p->free_ids[--p->n_free];
+        p->refs[id] = 1;
+        t->pages[t->n_pages + i] = (int32_t)id;
+    }
     t->n_pages = need;
     return KVT_OK;
 }
@@ -49,7 +58,7 @@ kvt_status kvt__ptable_reserve(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a
 void kvt__ptable_trim(kvt__ptable *t, kvt__pool *p) {
     uint64_t need = kvt__ptable_pages_for(t, t->n_rows + t->n_pending, p->page_rows);
     while (t->n_pages > need)
-        p->free_ids[p->n_free++] = (uint32_t)t->pages[--t->n_pages];
+        kvt__pool_put(p, (uint32_t)t->pages[--t->n_pages]);
     if (t->dsynced > t->n_pages)
         t->dsynced = t->n_pages;
 }
@@ -98,7 +107,7 @@ uint32_t kvt__ptable_release_front(kvt__ptable *t, kvt__pool *p, uint64_t keep_f
     KVT_ASSERT(n64 <= t->n_pages);
     uint32_t n = (uint32_t)n64;
     for (uint32_t i = 0; i < n; i++)
-        p->free_ids[p->n_free++] = (uint32_t)t->pages[i];
+        kvt__pool_put(p, (uint32_t)t->pages[i]);
     memmove(t->pages, t->pages + n, sizeof *t->pages * (t->n_pages - n));
     t->n_pages -= n;
     t->dsynced = 0; /* the live pages shifted: the next sync rewrites them (a window's worth) */
@@ -109,7 +118,7 @@ uint32_t kvt__ptable_release_front(kvt__ptable *t, kvt__pool *p, uint64_t keep_f
 
 void kvt__ptable_fini(kvt__ptable *t, kvt__pool *p, const kvt__alloc *a, const kvt__backend *be) {
     while (t->n_pages > 0)
-        p->free_ids[p->n_free++] = (uint32_t)t->pages[--t->n_pages];
+        kvt__pool_put(p, (uint32_t)t->pages[--t->n_pages]);
     kvt__free(a, t->pages, sizeof *t->pages * t->cap);
     if (t->dpages)
         be->ops->buf_free(be, t->dpages, sizeof *t->dpages * t->dcap);

@@ -70,9 +70,10 @@ void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
 }
 
 /* Grow a side plane in the backend's memory to hold n elements of elt bytes (grow-only, 1.5x):
- * a new buffer, the old contents copied over on the device, the old one freed. */
+ * a new buffer, the old contents copied over on the device on `stream` (NULL: synchronously),
+ * the old one freed. */
 static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, uint64_t n,
-                             size_t elt) {
+                             size_t elt, void *stream) {
     if (n <= *cap)
         return KVT_OK;
     uint64_t want = *cap + *cap / 2;
@@ -82,7 +83,7 @@ static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, ui
     kvt_status s = be->ops->buf_alloc(be, want * elt, &q);
     if (s != KVT_OK)
         return s;
-    if (*cap && (s = be->ops->copy(be, q, *p, *cap * elt, NULL)) != KVT_OK) {
+    if (*cap && (s = be->ops->copy(be, q, *p, *cap * elt, stream)) != KVT_OK) {
         be->ops->buf_free(be, q, want * elt);
         return s;
     }
@@ -95,14 +96,14 @@ static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, ui
 
 /* The close of new_closed rows: score and kept planes, close scratch. Capacity only. */
 static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint64_t new_closed,
-                              uint64_t m) {
+                              uint64_t m, void *stream) {
     void *p = s->score;
-    kvt_status st = plane_grow(s->be, &p, &s->score_cap, new_closed, sizeof *s->score);
+    kvt_status st = plane_grow(s->be, &p, &s->score_cap, new_closed, sizeof *s->score, stream);
     s->score = p;
     if (st != KVT_OK)
         return st;
     p = s->kept;
-    st = plane_grow(s->be, &p, &s->kept_cap, m ? m : 1, sizeof *s->kept);
+    st = plane_grow(s->be, &p, &s->kept_cap, m ? m : 1, sizeof *s->kept, stream);
     s->kept = p;
     if (st != KVT_OK)
         return st;
@@ -114,7 +115,7 @@ static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint
 kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
                             uint64_t rows) {
     uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
-    return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg->ratio));
+    return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg->ratio), NULL);
 }
 
 uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio) {
@@ -222,7 +223,8 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
             continue;
         j->new_closed = s->closed_rows + j->n_close * B;
         j->m = kvt__sal_m(j->new_closed, j->cfg->ratio);
-        kvt_status st = sal_reserve(s, env->alloc, B, j->new_closed, j->m);
+        /* growth on the run's stream: ordered with its earlier closes */
+        kvt_status st = sal_reserve(s, env->alloc, B, j->new_closed, j->m, env->stream);
         if (st == KVT_OK && j->new_closed > UINT32_MAX)
             st = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
                            "salience: more than 2^32 closed rows");
@@ -673,7 +675,7 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
             rc = kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT, "salience state: %s", msg);
     }
     kvt__sal *sa = &s->sal;
-    if (rc == KVT_OK && (rc = sal_reserve(sa, a, B, t.closed_rows, t.n_kept)) != KVT_OK)
+    if (rc == KVT_OK && (rc = sal_reserve(sa, a, B, t.closed_rows, t.n_kept, NULL)) != KVT_OK)
         kvt__fail(env->err, env->err_len, rc, "salience state: side planes");
     if (rc == KVT_OK && t.closed_rows &&
         (rc = sa->be->ops->write(sa->be, sa->score, score, sizeof *score * t.closed_rows,

@@ -36,7 +36,27 @@ typedef struct kvt__pool {
     uint32_t n_pages, page_rows;
     uint32_t n_free;
     uint32_t *free_ids; /* [n_pages]; free_ids[0..n_free) are free */
+    /* [n_pages] how many page tables hold each page (0: free). A page held by more than one
+     * (kvt_seq_fork) is read-only: whoever writes into it copies it first (kvt__ptable_own). */
+    uint32_t *refs;
+    uint64_t shared; /* pages with refs > 1 */
 } kvt__pool;
+
+/* A page a table lets go: back to the free list when no other table holds it. */
+static inline void kvt__pool_put(kvt__pool *p, uint32_t page) {
+    KVT_ASSERT(p->refs[page] > 0);
+    if (--p->refs[page] == 0)
+        p->free_ids[p->n_free++] = page;
+    else if (p->refs[page] == 1)
+        p->shared--;
+}
+
+/* A page another table takes too (sharing). */
+static inline void kvt__pool_share(kvt__pool *p, uint32_t page) {
+    KVT_ASSERT(p->refs[page] > 0);
+    if (p->refs[page]++ == 1)
+        p->shared++;
+}
 
 kvt_status kvt__pool_init(kvt__pool *p, const kvt__alloc *a, uint32_t n_pages, uint32_t page_rows);
 void kvt__pool_fini(kvt__pool *p, const kvt__alloc *a);

@@ -31,13 +31,21 @@ namespace {
 constexpr int kThreads = 256;
 typedef cub::BlockScan<uint32_t, kThreads> Scan;
 
+/* A handle's state: the context's, or a batch's own (kvt__backend_cuda_workspace). */
 struct cuda_impl {
     int device;
-    uint8_t *ws; /* device workspace: argument arrays and scratch, grow-only */
+    uint8_t *ws; /* device workspace: scratch of one op at a time, grow-only */
     size_t ws_bytes;
-    uint64_t *counters; /* device: per-segment counters of select */
-    size_t counters_n;
+    uint64_t *counters; /* device [2 * 64]: select's per-segment counters */
+    /* The workspace is reused op after op: an op on another stream than the last one waits for
+     * the last one's work first (event), so two streams never share it at once. */
+    cudaEvent_t ev;
+    void *last_stream;
+    bool have_ev;
 };
+
+constexpr uint32_t kMaxSeg = 64; /* work items per call (score, select, pack) */
+constexpr uint32_t kMaxEv = 16;  /* layers per eviction call (KVT__EV_CHUNK) */
 
 kvt_status st(cudaError_t e) {
     if (e == cudaSuccess)
@@ -50,8 +58,77 @@ cudaStream_t strm(void *s) {
     return (cudaStream_t)s;
 }
 
-/* Workspace of at least `bytes` (grow-only; growing synchronises the device: only when a larger
- * step than any before arrives, never in a steady state). */
+/* Every op: the handle's device; then order after the handle's last op when it ran on another
+ * stream (op_end records where each op ended). */
+kvt_status op_begin(const kvt__backend *be, void *stream) {
+    cuda_impl *c = (cuda_impl *)be->impl;
+    kvt_status s = st(cudaSetDevice(c->device));
+    if (s == KVT_OK && c->have_ev && c->last_stream != stream)
+        s = st(cudaStreamWaitEvent(strm(stream), c->ev, 0));
+    return s;
+}
+
+kvt_status op_end(const kvt__backend *be, void *stream, kvt_status s) {
+    cuda_impl *c = (cuda_impl *)be->impl;
+    if (s == KVT_OK)
+        s = st(cudaGetLastError());
+    if (s == KVT_OK && (s = st(cudaEventRecord(c->ev, strm(stream)))) == KVT_OK) {
+        c->last_stream = stream;
+        c->have_ev = true;
+    }
+    return s;
+}
+
+/* A copy with stream NULL is synchronous with the whole device (the library's calls outside a
+ * run, e.g. at reserve, pass NULL): the legacy default stream orders nothing with non-blocking
+ * streams, so wait for everything before and after. */
+kvt_status copy_on(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, void *stream) {
+    if (!bytes)
+        return KVT_OK;
+    if (!stream) {
+        kvt_status s = st(cudaDeviceSynchronize());
+        if (s == KVT_OK)
+            s = st(cudaMemcpy(dst, src, bytes, kind));
+        return s == KVT_OK ? st(cudaDeviceSynchronize()) : s;
+    }
+    kvt_status s = st(cudaMemcpyAsync(dst, src, bytes, kind, strm(stream)));
+    if (s == KVT_OK && kind == cudaMemcpyDeviceToHost) /* the host reads it now */
+        s = st(cudaStreamSynchronize(strm(stream)));
+    return s;
+}
+
+/* Kernel arguments by value (CUDA 12.1+: up to 32 KB of parameters): no host staging, nothing
+ * synchronises, and a captured graph holds the values. The dividers the args point at travel
+ * with them. */
+template <typename T, uint32_t N>
+struct Params {
+    T a[N];
+    kvt__div32 div[N];
+    uint32_t n;
+};
+
+template <typename T, uint32_t N>
+Params<T, N> params_of(const T *host, uint32_t n) {
+    Params<T, N> p;
+    memset(&p, 0, sizeof p);
+    p.n = n;
+    for (uint32_t i = 0; i < n; i++)
+        p.a[i] = host[i];
+    return p;
+}
+
+template <typename T, uint32_t N>
+Params<T, N> params_div(const T *host, uint32_t n) {
+    Params<T, N> p = params_of<T, N>(host, n);
+    for (uint32_t i = 0; i < n; i++)
+        if (host[i].pdiv)
+            p.div[i] = *host[i].pdiv;
+    return p;
+}
+
+/* Workspace of at least `bytes` (grow-only; growing synchronises the device and allocates: only
+ * when a larger step than any before arrives, never in a steady state; sizing it from stated
+ * limits at creation is the CUDA issue's). */
 kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (bytes > c->ws_bytes) {
@@ -79,12 +156,15 @@ size_t align256(size_t n) {
  * Buffers
  * -------------------------------------------------------------------------------------------- */
 kvt_status cu_buf_alloc(const kvt__backend *be, size_t bytes, void **out) {
-    (void)be;
     *out = NULL;
     if (bytes == 0)
         return KVT_ERR_INVALID_ARGUMENT;
-    kvt_status s = st(cudaMalloc(out, bytes));
-    if (s == KVT_OK && (s = st(cudaMemset(*out, 0, bytes))) != KVT_OK) {
+    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
+    if (s == KVT_OK)
+        s = st(cudaMalloc(out, bytes));
+    /* zeroed before any stream can use it */
+    if (s == KVT_OK && ((s = st(cudaMemset(*out, 0, bytes))) != KVT_OK ||
+                        (s = st(cudaDeviceSynchronize())) != KVT_OK)) {
         cudaFree(*out);
         *out = NULL;
     }
@@ -100,42 +180,24 @@ void cu_buf_free(const kvt__backend *be, void *p, size_t bytes) {
 
 kvt_status cu_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                     void *stream) {
-    (void)be;
-    return bytes ? st(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, strm(stream)))
-                 : KVT_OK;
+    kvt_status s = op_begin(be, stream);
+    return op_end(be, stream,
+                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyHostToDevice, stream) : s);
 }
 
 /* The host reads what it asked for: the one op that waits for the stream. */
 kvt_status cu_read(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                    void *stream) {
-    (void)be;
-    if (!bytes)
-        return KVT_OK;
-    kvt_status s = st(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, strm(stream)));
-    return s == KVT_OK ? st(cudaStreamSynchronize(strm(stream))) : s;
+    kvt_status s = op_begin(be, stream);
+    return op_end(be, stream,
+                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDeviceToHost, stream) : s);
 }
 
 kvt_status cu_copy(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                    void *stream) {
-    (void)be;
-    return bytes ? st(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, strm(stream)))
-                 : KVT_OK;
-}
-
-/* Host argument array -> the workspace at offset `at`, on the stream (pageable source: the call
- * returns once the bytes are staged, so a stack array may go). */
-template <typename T>
-kvt_status args_in(const kvt__backend *be, const T *host, uint32_t n, size_t extra, void *stream,
-                   T **dev, uint8_t **rest) {
-    size_t head = align256(sizeof(T) * n);
-    uint8_t *ws;
-    kvt_status s = ws_get(be, head + extra, &ws);
-    if (s != KVT_OK)
-        return s;
-    *dev = (T *)ws;
-    if (rest)
-        *rest = ws + head;
-    return st(cudaMemcpyAsync(ws, host, sizeof(T) * n, cudaMemcpyHostToDevice, strm(stream)));
+    kvt_status s = op_begin(be, stream);
+    return op_end(be, stream,
+                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDeviceToDevice, stream) : s);
 }
 
 /* ----------------------------------------------------------------------------------------------
@@ -190,13 +252,14 @@ __device__ void block_topm(const uint32_t *keys, uint32_t n, uint32_t m, uint32_
         s_eq_base = 0;
     }
     __syncthreads();
-    for (uint32_t i0 = 0; i0 < n; i0 += blockDim.x) {
-        uint32_t i = i0 + threadIdx.x;
-        uint32_t k = i < n ? keys[i] : 0;
-        uint32_t eq = i < n && k == T ? 1u : 0u, eq_before, eq_total;
+    for (uint64_t i0 = 0; i0 < n; i0 += blockDim.x) {
+        uint32_t i = (uint32_t)(i0 + threadIdx.x);
+        uint32_t k = i0 + threadIdx.x < n ? keys[i] : 0;
+        const bool in = i0 + threadIdx.x < n;
+        uint32_t eq = in && k == T ? 1u : 0u, eq_before, eq_total;
         Scan(scan).ExclusiveSum(eq, eq_before, eq_total);
         __syncthreads();
-        uint32_t take = i < n && (k > T || (eq && s_eq_base + eq_before < need)) ? 1u : 0u;
+        uint32_t take = in && (k > T || (eq && s_eq_base + eq_before < need)) ? 1u : 0u;
         uint32_t at, total;
         Scan(scan).ExclusiveSum(take, at, total);
         if (take)
@@ -219,9 +282,9 @@ __device__ uint32_t block_compact(uint32_t n, F flag, uint32_t *out) {
     if (threadIdx.x == 0)
         s_base = 0;
     __syncthreads();
-    for (uint32_t i0 = 0; i0 < n; i0 += blockDim.x) {
-        uint32_t i = i0 + threadIdx.x;
-        uint32_t f = i < n && flag(i) ? 1u : 0u, at, total;
+    for (uint64_t i0 = 0; i0 < n; i0 += blockDim.x) {
+        uint32_t i = (uint32_t)(i0 + threadIdx.x);
+        uint32_t f = i0 + threadIdx.x < n && flag(i) ? 1u : 0u, at, total;
         Scan(scan).ExclusiveSum(f, at, total);
         if (f)
             out[s_base + at] = i;
@@ -243,8 +306,12 @@ __device__ const uint8_t *row_of(const kvt__score_args &a, uint32_t u) {
 
 /* scratch: [P][n_basis][D] floats for this block. pdiv: the args' divider, copied to the device
  * next to them (the args' pointer is rewritten to it). */
-__global__ void k_score(const kvt__score_args *args, float *scratch_all, size_t scratch_each) {
-    const kvt__score_args a = args[blockIdx.x];
+typedef Params<kvt__score_args, kMaxSeg> ScoreParams;
+
+__global__ void k_score(const ScoreParams p, float *scratch_all, size_t scratch_each) {
+    kvt__score_args a = p.a[blockIdx.x];
+    const kvt__div32 pdiv = p.div[blockIdx.x];
+    a.pdiv = &pdiv;
     float *scratch = scratch_all + scratch_each * blockIdx.x;
     const uint32_t B = a.n_rows, D = a.branch_dim;
     if (a.selector == KVT_SELECT_RANDOM) {
@@ -307,39 +374,11 @@ __global__ void k_score(const kvt__score_args *args, float *scratch_all, size_t 
     }
 }
 
-/* Argument arrays carry a host pointer to their divider: copy the dividers next to the args and
- * point the args at the device copies. */
-template <typename T>
-kvt_status args_with_div(const kvt__backend *be, const T *host, uint32_t n, size_t extra,
-                         void *stream, T **dev, uint8_t **rest) {
-    T tmp[64];
-    kvt__div32 divs[64];
-    if (n > 64)
-        return KVT_ERR_INVALID_ARGUMENT;
-    size_t head = align256(sizeof(T) * n) + align256(sizeof(kvt__div32) * n);
-    uint8_t *ws;
-    kvt_status s = ws_get(be, head + extra, &ws);
-    if (s != KVT_OK)
-        return s;
-    kvt__div32 *ddiv = (kvt__div32 *)(ws + align256(sizeof(T) * n));
-    for (uint32_t i = 0; i < n; i++) {
-        tmp[i] = host[i];
-        divs[i] = *host[i].pdiv;
-        tmp[i].pdiv = ddiv + i;
-    }
-    *dev = (T *)ws;
-    *rest = ws + head;
-    s = st(cudaMemcpyAsync(ws, tmp, sizeof(T) * n, cudaMemcpyHostToDevice, strm(stream)));
-    if (s == KVT_OK)
-        s = st(cudaMemcpyAsync(ddiv, divs, sizeof(kvt__div32) * n, cudaMemcpyHostToDevice,
-                               strm(stream)));
-    return s;
-}
-
 kvt_status cu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
                          void *stream) {
-    for (uint32_t i0 = 0; i0 < n; i0 += 64) {
-        uint32_t k = n - i0 < 64 ? n - i0 : 64;
+    kvt_status s = op_begin(be, stream);
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxSeg) {
+        uint32_t k = n - i0 < kMaxSeg ? n - i0 : kMaxSeg;
         size_t each = 0;
         for (uint32_t i = 0; i < k; i++) {
             const kvt__score_args &x = a[i0 + i];
@@ -351,24 +390,24 @@ kvt_status cu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint3
                 each = f > each ? f : each;
             }
         }
-        kvt__score_args *dev;
-        uint8_t *rest;
-        kvt_status s = args_with_div(be, a + i0, k, sizeof(float) * each * k, stream, &dev, &rest);
-        if (s != KVT_OK)
-            return s;
-        k_score<<<k, kThreads, 0, strm(stream)>>>(dev, (float *)rest, each);
-        if ((s = st(cudaGetLastError())) != KVT_OK)
-            return s;
+        uint8_t *ws = NULL;
+        if (each && (s = ws_get(be, sizeof(float) * each * k, &ws)) != KVT_OK)
+            break;
+        k_score<<<k, kThreads, 0, strm(stream)>>>(params_div<kvt__score_args, kMaxSeg>(a + i0, k),
+                                                  (float *)ws, each);
+        s = st(cudaGetLastError());
     }
-    return KVT_OK;
+    return op_end(be, stream, s);
 }
 
 /* ----------------------------------------------------------------------------------------------
  * select: one block per segment (a request's close): canonicalise, keys, top-m, counters.
  * -------------------------------------------------------------------------------------------- */
-__global__ void k_select(kvt__select_args *args, uint32_t *keys_all, size_t keys_each,
+typedef Params<kvt__select_args, kMaxSeg> SelectParams;
+
+__global__ void k_select(const SelectParams p, uint32_t *keys_all, size_t keys_each,
                          uint64_t *counters) {
-    kvt__select_args a = args[blockIdx.x];
+    kvt__select_args a = p.a[blockIdx.x];
     uint32_t *keys = keys_all + keys_each * blockIdx.x;
     const uint32_t n = (uint32_t)a.n_closed;
     __shared__ unsigned long long s_nonfinite, s_below;
@@ -399,50 +438,43 @@ __global__ void k_select(kvt__select_args *args, uint32_t *keys_all, size_t keys
 
 kvt_status cu_select(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream) {
     cuda_impl *c = (cuda_impl *)be->impl;
-    for (uint32_t i0 = 0; i0 < n; i0 += 64) {
-        uint32_t k = n - i0 < 64 ? n - i0 : 64;
+    kvt_status s = op_begin(be, stream);
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxSeg) {
+        uint32_t k = n - i0 < kMaxSeg ? n - i0 : kMaxSeg;
         size_t most = 0;
         for (uint32_t i = 0; i < k; i++) {
             if (a[i0 + i].n_closed > UINT32_MAX)
                 return KVT_ERR_UNSUPPORTED;
             most = a[i0 + i].n_closed > most ? a[i0 + i].n_closed : most;
         }
-        if (c->counters_n < 2 * (size_t)k) {
-            cudaFree(c->counters);
-            c->counters = NULL;
-            c->counters_n = 0;
-            kvt_status s = st(cudaMalloc(&c->counters, sizeof(uint64_t) * 128));
-            if (s != KVT_OK)
-                return s;
-            c->counters_n = 128;
-        }
-        kvt__select_args *dev;
-        uint8_t *rest;
-        kvt_status s =
-            args_in(be, a + i0, k, sizeof(uint32_t) * most * k, stream, &dev, &rest);
-        if (s != KVT_OK)
-            return s;
-        k_select<<<k, kThreads, 0, strm(stream)>>>(dev, (uint32_t *)rest, most, c->counters);
+        uint8_t *ws;
+        if ((s = ws_get(be, sizeof(uint32_t) * most * k, &ws)) != KVT_OK)
+            break;
+        k_select<<<k, kThreads, 0, strm(stream)>>>(params_of<kvt__select_args, kMaxSeg>(a + i0, k),
+                                                   (uint32_t *)ws, most, c->counters);
         if ((s = st(cudaGetLastError())) != KVT_OK)
-            return s;
+            break;
         /* The close's one synchronisation: its two counters per request. */
-        uint64_t h[128];
-        if ((s = cu_read(be, h, c->counters, sizeof(uint64_t) * 2 * k, stream)) != KVT_OK)
-            return s;
+        uint64_t h[2 * kMaxSeg];
+        if ((s = copy_on(h, c->counters, sizeof(uint64_t) * 2 * k, cudaMemcpyDeviceToHost,
+                         stream ? stream : NULL)) != KVT_OK)
+            break;
         for (uint32_t i = 0; i < k; i++) {
             a[i0 + i].nonfinite = h[2 * i];
             a[i0 + i].kept_in_sinks = h[2 * i + 1];
         }
     }
-    return KVT_OK;
+    return op_end(be, stream, s);
 }
 
 /* ----------------------------------------------------------------------------------------------
  * pack: one block per query.
  * -------------------------------------------------------------------------------------------- */
-__global__ void k_pack(const kvt__pack_query *qs, kvt__div32 pd, bool csr, bool first_csr,
+typedef Params<kvt__pack_query, kMaxSeg> PackParams;
+
+__global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_csr,
                        int32_t *indices, int32_t *lengths, int32_t *indptr) {
-    const kvt__pack_query q = qs[blockIdx.x];
+    const kvt__pack_query q = p.a[blockIdx.x];
     const kvt__attended_desc &d = q.d;
     const uint64_t count = kvt__attended_desc_count(&d);
     if (threadIdx.x == 0) {
@@ -468,15 +500,17 @@ __global__ void k_pack(const kvt__pack_query *qs, kvt__div32 pd, bool csr, bool 
 }
 
 kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
-    if (a->n == 0)
-        return KVT_OK;
-    kvt__pack_query *dev;
-    kvt_status s = args_in(be, a->q, a->n, 0, stream, &dev, (uint8_t **)NULL);
-    if (s != KVT_OK)
-        return s;
-    k_pack<<<a->n, kThreads, 0, strm(stream)>>>(dev, *a->pdiv, a->csr, a->first_csr, a->indices,
-                                                a->lengths, a->indptr);
-    return st(cudaGetLastError());
+    kvt_status s = op_begin(be, stream);
+    if (s == KVT_OK && a->n == 0 && a->csr && a->first_csr) /* the CPU twin writes indptr[0] */
+        s = st(cudaMemsetAsync(a->indptr, 0, sizeof(int32_t), strm(stream)));
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < a->n; i0 += kMaxSeg) {
+        uint32_t k = a->n - i0 < kMaxSeg ? a->n - i0 : kMaxSeg;
+        k_pack<<<k, kThreads, 0, strm(stream)>>>(params_of<kvt__pack_query, kMaxSeg>(a->q + i0, k),
+                                                 *a->pdiv, a->csr, a->first_csr && i0 == 0,
+                                                 a->indices, a->lengths, a->indptr);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
 }
 
 /* ----------------------------------------------------------------------------------------------
@@ -515,9 +549,17 @@ __device__ uint32_t value_key_dev(const kvt__ev_args &a, uint32_t h, uint32_t ro
     return kvt__score_key(nan ? NAN : hi - lo);
 }
 
-__global__ void k_ev_select(const kvt__ev_args *args, uint32_t n_heads_max, uint8_t *scr_all,
+typedef Params<kvt__ev_args, kMaxEv> EvParams;
+
+/* The job's args with its divider (the args' pdiv pointed at host memory). */
+#define EV_ARGS(p, i)                                                                              \
+    kvt__ev_args a = (p).a[i];                                                                     \
+    const kvt__div32 a_div = (p).div[i];                                                           \
+    a.pdiv = &a_div
+
+__global__ void k_ev_select(const EvParams p, uint32_t n_heads_max, uint8_t *scr_all,
                             size_t scr_each) {
-    const kvt__ev_args a = args[blockIdx.x / n_heads_max];
+    EV_ARGS(p, blockIdx.x / n_heads_max);
     const uint32_t h = blockIdx.x % n_heads_max;
     if (h >= a.n_heads)
         return;
@@ -582,9 +624,9 @@ __device__ uint64_t old_row_dev(const uint32_t *keep, uint64_t K, uint64_t cand,
 
 /* Archive: per (layer, head) block, the evicted candidates ascending copied out (all planes),
  * then the by-position index merged by thread 0 (a sequential merge: first version). */
-__global__ void k_ev_archive(const kvt__ev_args *args, uint32_t n_heads_max, uint8_t *scr_all,
+__global__ void k_ev_archive(const EvParams p, uint32_t n_heads_max, uint8_t *scr_all,
                              size_t scr_each) {
-    const kvt__ev_args a = args[blockIdx.x / n_heads_max];
+    EV_ARGS(p, blockIdx.x / n_heads_max);
     const uint32_t h = blockIdx.x % n_heads_max;
     if (h >= a.n_heads || !a.ar_bytes)
         return;
@@ -628,20 +670,28 @@ __global__ void k_ev_archive(const kvt__ev_args *args, uint32_t n_heads_max, uin
 /* Compaction, staged: survivors of every head gathered into the workspace (one block per
  * (layer, plane, new row)), then written back to rows 0..K+r-1 by a second kernel. Positions and
  * slot maps likewise through the workspace (a parallel in-place pass would race). */
-__global__ void k_ev_gather(const kvt__ev_args *args, uint8_t *stage_all, size_t stage_each,
+__global__ void k_ev_gather(const EvParams p, uint8_t *stage_all, size_t stage_each,
                             int64_t *pos_stage_all, size_t pos_each) {
-    const kvt__ev_args a = args[blockIdx.y];
+    EV_ARGS(p, blockIdx.y);
     const uint64_t K = a.K, cand = a.N - a.r, n_new = K + a.r;
     uint8_t *stage = stage_all + stage_each * blockIdx.y;
     int64_t *pstage = pos_stage_all + pos_each * blockIdx.y;
+    /* one (row, head) slice per warp-stride: the slot and source computed once per slice; 4-byte
+     * words when the rows allow (bf16/fp16 rows of even dims, fp32), bytes otherwise */
+    const uint32_t unit = a.row_bytes % 4 == 0 ? 4 : 1, per_row = a.row_bytes / unit;
     for (uint64_t j = blockIdx.x; j < n_new; j += gridDim.x) {
         for (uint32_t p = 0; p < a.n_planes; p++) {
             uint8_t *dst = stage + ((size_t)p * n_new + j) * a.slot_bytes;
-            for (uint32_t t = threadIdx.x; t < a.slot_bytes; t += blockDim.x) {
-                uint32_t h = t / a.row_bytes;
+            for (uint32_t t = threadIdx.x; t < a.n_heads * per_row; t += blockDim.x) {
+                uint32_t h = t / per_row, w = t % per_row;
                 uint64_t o = old_row_dev(a.keep + (size_t)h * K, K, cand, j);
                 int32_t slot = kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)o);
-                dst[t] = a.plane[p][(size_t)slot * a.slot_bytes + t];
+                size_t off = (size_t)h * a.row_bytes + (size_t)w * unit;
+                const uint8_t *src = a.plane[p] + (size_t)slot * a.slot_bytes + off;
+                if (unit == 4)
+                    *(uint32_t *)(dst + off) = *(const uint32_t *)src;
+                else
+                    dst[off] = *src;
             }
         }
         for (uint32_t h = threadIdx.x; h < a.n_heads; h += blockDim.x)
@@ -650,18 +700,25 @@ __global__ void k_ev_gather(const kvt__ev_args *args, uint8_t *stage_all, size_t
     }
 }
 
-__global__ void k_ev_scatter(const kvt__ev_args *args, const uint8_t *stage_all,
-                             size_t stage_each, const int64_t *pos_stage_all, size_t pos_each) {
-    const kvt__ev_args a = args[blockIdx.y];
+__global__ void k_ev_scatter(const EvParams p, const uint8_t *stage_all, size_t stage_each,
+                             const int64_t *pos_stage_all, size_t pos_each) {
+    EV_ARGS(p, blockIdx.y);
     const uint64_t n_new = a.K + a.r;
     const uint8_t *stage = stage_all + stage_each * blockIdx.y;
     const int64_t *pstage = pos_stage_all + pos_each * blockIdx.y;
     for (uint64_t j = blockIdx.x; j < n_new; j += gridDim.x) {
         int32_t slot = kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)j);
-        for (uint32_t p = 0; p < a.n_planes; p++)
-            for (uint32_t t = threadIdx.x; t < a.slot_bytes; t += blockDim.x)
-                a.plane[p][(size_t)slot * a.slot_bytes + t] =
-                    stage[((size_t)p * n_new + j) * a.slot_bytes + t];
+        const bool words = a.slot_bytes % 4 == 0;
+        for (uint32_t p = 0; p < a.n_planes; p++) {
+            uint8_t *d = a.plane[p] + (size_t)slot * a.slot_bytes;
+            const uint8_t *src = stage + ((size_t)p * n_new + j) * a.slot_bytes;
+            if (words)
+                for (uint32_t t = threadIdx.x; t < a.slot_bytes / 4; t += blockDim.x)
+                    ((uint32_t *)d)[t] = ((const uint32_t *)src)[t];
+            else
+                for (uint32_t t = threadIdx.x; t < a.slot_bytes; t += blockDim.x)
+                    d[t] = src[t];
+        }
         for (uint32_t h = threadIdx.x; h < a.n_heads; h += blockDim.x)
             a.pos[(size_t)h * a.pos_cap + j] = pstage[(size_t)h * n_new + j];
     }
@@ -671,8 +728,8 @@ __global__ void k_ev_scatter(const kvt__ev_args *args, const uint8_t *stage_all,
         a.map[t] = -1;
 }
 
-__global__ void k_ev_map(const kvt__ev_args *args) {
-    const kvt__ev_args a = args[blockIdx.y];
+__global__ void k_ev_map(const EvParams p) {
+    EV_ARGS(p, blockIdx.y);
     const uint64_t K = a.K, cand = a.N - a.r, n_new = K + a.r;
     for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_heads * n_new;
          t += (uint64_t)gridDim.x * blockDim.x) {
@@ -682,69 +739,88 @@ __global__ void k_ev_map(const kvt__ev_args *args) {
     }
 }
 
-kvt_status ev_args_in(const kvt__backend *be, const kvt__ev_args *a, uint32_t n, size_t extra,
-                      void *stream, kvt__ev_args **dev, uint8_t **rest) {
-    return args_with_div(be, a, n, extra, stream, dev, rest);
+/* Workspace layout of a round's select and of its apply over n layers: ev_select reserves the
+ * larger, so that ev_apply (past which a failure damages the request) never needs to grow it. */
+struct EvSizes {
+    uint32_t H;
+    size_t sel_each, ar_each, stage_each, pos_each, sel_total, apply_total;
+    uint64_t most_new;
+};
+
+EvSizes ev_sizes(const kvt__ev_args *a, uint32_t n) {
+    EvSizes z;
+    memset(&z, 0, sizeof z);
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__ev_args &x = a[i];
+        const uint64_t cand = x.N - x.r, n_new = x.K + x.r;
+        size_t b[4] = {ev_scratch_bytes(cand, x.K), align256(sizeof(uint32_t) * cand + cand),
+                       align256((size_t)x.n_planes * n_new * x.slot_bytes),
+                       (size_t)x.n_heads * n_new};
+        size_t *m[4] = {&z.sel_each, &z.ar_each, &z.stage_each, &z.pos_each};
+        for (int k = 0; k < 4; k++)
+            *m[k] = b[k] > *m[k] ? b[k] : *m[k];
+        z.H = x.n_heads > z.H ? x.n_heads : z.H;
+        z.most_new = n_new > z.most_new ? n_new : z.most_new;
+    }
+    z.sel_total = z.sel_each * n * z.H;
+    z.apply_total =
+        z.ar_each * n * z.H + z.stage_each * n + align256(sizeof(int64_t) * z.pos_each * n);
+    return z;
+}
+
+/* An eviction op's start: its sizes, ordering, and `bytes(z)` of workspace. */
+kvt_status ev_begin(const kvt__backend *be, const kvt__ev_args *a, uint32_t n, void *stream,
+                    bool for_select, EvSizes *z, uint8_t **ws) {
+    if (n > kMaxEv)
+        return KVT_ERR_INVALID_ARGUMENT;
+    *z = ev_sizes(a, n);
+    kvt_status s = op_begin(be, stream);
+    size_t bytes = for_select && z->sel_total > z->apply_total ? z->sel_total : z->apply_total;
+    return s == KVT_OK ? ws_get(be, bytes, ws) : s;
 }
 
 kvt_status cu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                         void *stream) {
     if (n == 0)
         return KVT_OK;
-    uint32_t H = 0;
-    size_t each = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        H = a[i].n_heads > H ? a[i].n_heads : H;
-        size_t b = ev_scratch_bytes(a[i].N - a[i].r, a[i].K);
-        each = b > each ? b : each;
+    EvSizes z;
+    uint8_t *ws = NULL;
+    kvt_status s = ev_begin(be, a, n, stream, true, &z, &ws);
+    if (s == KVT_OK) {
+        k_ev_select<<<n * z.H, kThreads, 0, strm(stream)>>>(
+            params_div<kvt__ev_args, kMaxEv>(a, n), z.H, ws, z.sel_each);
+        s = st(cudaGetLastError());
     }
-    kvt__ev_args *dev;
-    uint8_t *rest;
-    kvt_status s = ev_args_in(be, a, n, each * n * H, stream, &dev, &rest);
-    if (s != KVT_OK)
-        return s;
-    k_ev_select<<<n * H, kThreads, 0, strm(stream)>>>(dev, H, rest, each);
-    return st(cudaGetLastError());
+    return op_end(be, stream, s);
 }
 
 kvt_status cu_ev_apply(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                        void *stream) {
     if (n == 0)
         return KVT_OK;
-    uint32_t H = 0;
-    size_t ar_each = 0, stage_each = 0, pos_each = 0;
-    uint64_t most_new = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        const kvt__ev_args &x = a[i];
-        H = x.n_heads > H ? x.n_heads : H;
-        uint64_t cand = x.N - x.r, n_new = x.K + x.r;
-        size_t b = align256(sizeof(uint32_t) * cand + cand);
-        ar_each = b > ar_each ? b : ar_each;
-        size_t sb = align256((size_t)x.n_planes * n_new * x.slot_bytes);
-        stage_each = sb > stage_each ? sb : stage_each;
-        size_t pb = (size_t)x.n_heads * n_new;
-        pos_each = pb > pos_each ? pb : pos_each;
-        most_new = n_new > most_new ? n_new : most_new;
-    }
-    const size_t pos_bytes = align256(sizeof(int64_t) * pos_each * n);
-    kvt__ev_args *dev;
-    uint8_t *rest;
-    kvt_status s = ev_args_in(be, a, n, ar_each * n * H + stage_each * n + pos_bytes, stream,
-                              &dev, &rest);
+    EvSizes z;
+    uint8_t *ws = NULL;
+    kvt_status s = ev_begin(be, a, n, stream, false, &z, &ws); /* reserved by ev_select */
     if (s != KVT_OK)
-        return s;
-    uint8_t *ar_scr = rest, *stage = rest + ar_each * n * H;
+        return op_end(be, stream, s);
+    const EvParams p = params_div<kvt__ev_args, kMaxEv>(a, n);
+    const uint32_t H = z.H;
+    const size_t ar_each = z.ar_each, stage_each = z.stage_each, pos_each = z.pos_each;
+    const uint64_t most_new = z.most_new;
+    uint8_t *ar_scr = ws, *stage = ws + ar_each * n * H;
     int64_t *pstage = (int64_t *)(stage + stage_each * n);
-    k_ev_archive<<<n * H, kThreads, 0, strm(stream)>>>(dev, H, ar_scr, ar_each);
+    k_ev_archive<<<n * H, kThreads, 0, strm(stream)>>>(p, H, ar_scr, ar_each);
     dim3 grid((unsigned)(most_new < 1024 ? most_new : 1024), n);
-    k_ev_gather<<<grid, kThreads, 0, strm(stream)>>>(dev, stage, stage_each, pstage, pos_each);
-    k_ev_scatter<<<grid, kThreads, 0, strm(stream)>>>(dev, stage, stage_each, pstage, pos_each);
-    k_ev_map<<<grid, kThreads, 0, strm(stream)>>>(dev);
-    return st(cudaGetLastError());
+    k_ev_gather<<<grid, kThreads, 0, strm(stream)>>>(p, stage, stage_each, pstage, pos_each);
+    k_ev_scatter<<<grid, kThreads, 0, strm(stream)>>>(p, stage, stage_each, pstage, pos_each);
+    k_ev_map<<<grid, kThreads, 0, strm(stream)>>>(p);
+    return op_end(be, stream, KVT_OK);
 }
 
-__global__ void k_ev_append(const kvt__ev_append_args *args) {
-    const kvt__ev_append_args a = args[blockIdx.y];
+typedef Params<kvt__ev_append_args, kMaxEv> AppendParams;
+
+__global__ void k_ev_append(const AppendParams p) {
+    const kvt__ev_append_args a = p.a[blockIdx.y];
     for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_heads * a.n;
          t += (uint64_t)gridDim.x * blockDim.x) {
         uint32_t h = (uint32_t)(t / a.n);
@@ -755,14 +831,14 @@ __global__ void k_ev_append(const kvt__ev_append_args *args) {
 
 kvt_status cu_ev_append(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
                         void *stream) {
-    if (n == 0)
-        return KVT_OK;
-    kvt__ev_append_args *dev;
-    kvt_status s = args_in(be, a, n, 0, stream, &dev, (uint8_t **)NULL);
-    if (s != KVT_OK)
-        return s;
-    k_ev_append<<<dim3(8, n), kThreads, 0, strm(stream)>>>(dev);
-    return st(cudaGetLastError());
+    kvt_status s = op_begin(be, stream);
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxEv) {
+        uint32_t k = n - i0 < kMaxEv ? n - i0 : kMaxEv;
+        k_ev_append<<<dim3(8, k), kThreads, 0, strm(stream)>>>(
+            params_of<kvt__ev_append_args, kMaxEv>(a + i0, k));
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
 }
 
 __global__ void k_find(const int64_t *sorted, const uint64_t *perm, uint64_t n, uint64_t key,
@@ -772,17 +848,41 @@ __global__ void k_find(const int64_t *sorted, const uint64_t *perm, uint64_t n, 
 
 kvt_status cu_find_pos(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
                        uint64_t n, uint64_t key, int64_t *out) {
-    uint8_t *ws;
-    kvt_status s = ws_get(be, sizeof(int64_t), &ws);
-    if (s != KVT_OK)
-        return s;
     /* inspection: after everything enqueued on any stream */
-    if ((s = st(cudaDeviceSynchronize())) != KVT_OK)
+    kvt_status s = op_begin(be, NULL);
+    uint8_t *ws = NULL;
+    if (s == KVT_OK)
+        s = st(cudaDeviceSynchronize());
+    if (s == KVT_OK)
+        s = ws_get(be, sizeof(int64_t), &ws);
+    if (s == KVT_OK) {
+        k_find<<<1, 1>>>(sorted, perm, n, key, (int64_t *)ws);
+        s = st(cudaGetLastError());
+    }
+    if (s == KVT_OK)
+        s = copy_on(out, ws, sizeof(int64_t), cudaMemcpyDeviceToHost, NULL);
+    return op_end(be, NULL, s);
+}
+
+/* A handle's state on `device`: the select counters and the ordering event, made now so that
+ * no op allocates them. */
+kvt_status impl_new(const kvt__alloc *a, int device, cuda_impl **out) {
+    cuda_impl *c = (cuda_impl *)kvt__calloc(a, sizeof *c);
+    if (!c)
+        return KVT_ERR_OUT_OF_MEMORY;
+    c->device = device;
+    kvt_status s = st(cudaSetDevice(device));
+    if (s == KVT_OK)
+        s = st(cudaMalloc(&c->counters, sizeof(uint64_t) * 2 * kMaxSeg));
+    if (s == KVT_OK)
+        s = st(cudaEventCreateWithFlags(&c->ev, cudaEventDisableTiming));
+    if (s != KVT_OK) {
+        cudaFree(c->counters);
+        kvt__free(a, c, sizeof *c);
         return s;
-    k_find<<<1, 1>>>(sorted, perm, n, key, (int64_t *)ws);
-    if ((s = st(cudaGetLastError())) != KVT_OK)
-        return s;
-    return cu_read(be, out, ws, sizeof(int64_t), NULL);
+    }
+    *out = c;
+    return KVT_OK;
 }
 
 /* The table, filled by field name (C++ has no C designated initialisers out of order). */
@@ -820,10 +920,16 @@ extern "C" kvt_status kvt__backend_cuda_open(kvt__backend *be, char *err, size_t
         (void)cudaGetLastError(); /* clear the sticky error for the caller */
         return KVT_ERR_NO_DEVICE;
     }
-    cuda_impl *c = (cuda_impl *)kvt__calloc(be->alloc, sizeof *c);
-    if (!c)
-        return KVT_ERR_OUT_OF_MEMORY;
-    cudaGetDevice(&c->device);
+    int device = 0;
+    cudaGetDevice(&device);
+    cuda_impl *c;
+    kvt_status s = impl_new(be->alloc, device, &c);
+    if (s != KVT_OK) {
+        if (err && err_len)
+            snprintf(err, err_len, "CUDA device %d: setting up the backend failed (%s)", device,
+                     kvt_status_name(s));
+        return s;
+    }
     be->impl = c;
     be->ops = &cuda_ops;
     return KVT_OK;
@@ -833,10 +939,10 @@ extern "C" kvt_status kvt__backend_cuda_workspace(const kvt__backend *parent,
                                                   kvt__backend *out) {
     if (parent->ops != &cuda_ops)
         return KVT_ERR_UNSUPPORTED;
-    cuda_impl *c = (cuda_impl *)kvt__calloc(parent->alloc, sizeof *c);
-    if (!c)
-        return KVT_ERR_OUT_OF_MEMORY;
-    c->device = ((const cuda_impl *)parent->impl)->device;
+    cuda_impl *c;
+    kvt_status s = impl_new(parent->alloc, ((const cuda_impl *)parent->impl)->device, &c);
+    if (s != KVT_OK)
+        return s;
     out->ops = parent->ops;
     out->alloc = parent->alloc;
     out->impl = c;
@@ -847,9 +953,11 @@ extern "C" void kvt__backend_cuda_close(kvt__backend *be) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (!c)
         return;
+    cudaSetDevice(c->device);
     cudaDeviceSynchronize();
     cudaFree(c->ws);
     cudaFree(c->counters);
+    cudaEventDestroy(c->ev);
     kvt__free(be->alloc, c, sizeof *c);
     be->impl = NULL;
 }

@@ -20,7 +20,7 @@ from ._errors import *  # noqa: F401,F403  Status, KvtError and one subclass per
 from ._errors import ERROR_CLASSES, KvtError, Status, status_name, strerror
 from ._types import (Allocator, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
                      RowState, Selector, bf16_from_float32, bf16_to_float32, numpy_dtype)
-from . import ref
+from . import ref, trace
 
 __version__ = version()
 library_path = str(_lib.library_path)
@@ -33,5 +33,5 @@ __all__ = [
     "policy_for_kind", "layer_kind_name", "policy_name", "dtype_name", "dtype_bytes",
     "LayerSpec", "Model", "CensusTotals", "Config", "config_default", "Context", "Sequence",
     "Batch", "Buffer", "Emission", "LayerStats", "rows_as_elements", "numpy_dtype",
-    "bf16_from_float32", "bf16_to_float32", "ref",
+    "bf16_from_float32", "bf16_to_float32", "ref", "trace",
 ] + [c.__name__ for c in ERROR_CLASSES.values()]

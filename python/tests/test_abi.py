@@ -1,4 +1,4 @@
-"""The ctypes mirrors of kvtier.h's structs against a C compiler's view of the real header:
+"""The ctypes mirrors of kvtier.h's (and kvtier_trace.h's) structs against a C compiler's view of the real header:
 every field's offset and every struct's size, and the KVT_*_SIZE_MIN constants."""
 
 import ctypes
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from kvtier import _lib
+from kvtier import _lib, trace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,13 +18,17 @@ STRUCTS = {
     "kvt_config": _lib.ConfigC, "kvt_ctx_params": _lib.CtxParamsC,
     "kvt_seq_params": _lib.SeqParamsC, "kvt_emit": _lib.EmitC,
     "kvt_layer_stats": _lib.LayerStatsC, "kvt_ref_attn_args": _lib.RefAttnArgsC,
+    "kvt_trace_meta": trace.MetaC, "kvt_trace_needle": trace.NeedleC,
+    "kvt_trace_target": trace.TargetC, "kvt_trace_layer": trace.LayerInfoC,
 }
 MINS = {"KVT_CONFIG_SIZE_MIN": _lib.CONFIG_SIZE_MIN,
         "KVT_CTX_PARAMS_SIZE_MIN": _lib.CTX_PARAMS_SIZE_MIN,
         "KVT_SEQ_PARAMS_SIZE_MIN": _lib.SEQ_PARAMS_SIZE_MIN,
         "KVT_LAYER_STATS_SIZE_MIN": _lib.LAYER_STATS_SIZE_MIN,
         "KVT_EMIT_SIZE_MIN": _lib.EMIT_SIZE_MIN,
-        "KVT_MAX_QUERIES_PER_SEQ": _lib.MAX_QUERIES_PER_SEQ}
+        "KVT_MAX_QUERIES_PER_SEQ": _lib.MAX_QUERIES_PER_SEQ,
+        "KVT_TRACE_FORMAT_MAJOR": trace.FORMAT_MAJOR,
+        "KVT_TRACE_FORMAT_MINOR": trace.FORMAT_MINOR}
 
 
 def test_struct_layouts_match_the_c_compiler(tmp_path):
@@ -32,6 +36,7 @@ def test_struct_layouts_match_the_c_compiler(tmp_path):
     if cc is None:
         pytest.fail("no C compiler to compare the struct layouts with")
     lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "kvtier_ref.h"',
+             '#include "kvtier_trace.h"',
              "int main(void) {"]
     for cname, cls in STRUCTS.items():
         lines.append(f'printf("{cname} sizeof %zu\\n", sizeof({cname}));')

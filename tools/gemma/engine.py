@@ -123,6 +123,9 @@ class GemmaEngine:
         self.rope_global = Rope(c.head_dim, c.rope_base_global)
         self.rope_local = Rope(c.head_dim, c.rope_base_local)
         self.embed_scale = np.float32(math.sqrt(c.hidden))
+        # Optional observer: tap(layer, seq_ids, bounds, pos, q, k, v) after RoPE, q scaled
+        # (trace_dump.Recorder writes kvtier traces from it).
+        self.tap = None
 
     def mm(self, x: np.ndarray, wt: np.ndarray, name: str) -> np.ndarray:
         """x @ wt.T; in ggml numerics x is first rounded as ggml rounds it for wt's type."""
@@ -164,6 +167,8 @@ class GemmaEngine:
             k = rope(rmsnorm(k, L.k_norm, c.eps), pos)
             if self.ggml:
                 q, k, v = f16(q), f16(k), f16(v)
+            if self.tap is not None:
+                self.tap(li, seq_ids, bounds, pos, q, k, v)
             store.write(li, k, v)
             rows = store.attended(li)
             a = np.empty((T, H * d), np.float32)

@@ -37,8 +37,8 @@ static void usage(FILE *f) {
 "Source (default --synthetic):\n"
 "  --synthetic            generate the haystack (model: docs/needle.md)\n"
 "  --trace FILE           replay a kvtier trace (needles and targets from the file)\n"
-"  --layer L              model layer of the trace to replay (default: first MLA layer with\n"
-"                         needles); --trace only\n"
+"  --layer L              model layer of the trace to replay (default: first MLA or GQA-RoPE\n"
+"                         layer with needles); --trace only\n"
 "  --write-trace FILE     save the generated haystack as a trace (one context, one seed)\n"
 "\n"
 "Haystack (synthetic only: refused with --trace, except --seed):\n"
@@ -73,7 +73,8 @@ static void usage(FILE *f) {
 "  --ratio X              compression ratio (default 32); a comma list is allowed\n"
 "  --block B              rows per block (default 4096)   --kappa K  (default 16)\n"
 "  --sinks S              sink rows (default 4)           --recent R (RoPE window, default 64)\n"
-"  --scale S              softmax scale (default 192^-1/2)\n"
+"  --scale S              softmax scale (default: the trace's scale= line, else head_dim^-1/2\n"
+"                         on a GQA layer, 192^-1/2 on MLA)\n"
 "\n"
 "Pass rule:\n"
 "  --min-mass M           needle mass ratio threshold (default 0.9)\n"
@@ -133,6 +134,7 @@ typedef struct opts {
     uint32_t layer;
     nd_gen_params gen;
     nd_run_params run;
+    bool scale_set; /* --scale given (else a trace's own scale applies) */
     uint64_t contexts[MAX_LIST];
     uint32_t n_contexts;
     uint64_t ratios[MAX_LIST];
@@ -454,6 +456,7 @@ static int parse_args(int argc, char **argv, opts *o) {
             if (parse_f64(v, &d) || d <= 0)
                 return usage_err("bad --scale '%s'", v);
             o->gen.scale = o->run.scale = d;
+            o->scale_set = true;
         } else if (!strcmp(a, "--min-mass")) {
             NEED_VALUE();
             if (parse_f64(v, &d))
@@ -687,6 +690,12 @@ int main(int argc, char **argv) {
                     rc = e == ND_EARG ? EXIT_USAGE : EXIT_ERR;
                     break;
                 }
+                /* The softmax scale: --scale, else the one the trace names, else a GQA layer's
+                 * head_dim^-1/2 (an MLA layer keeps the 192^-1/2 default). */
+                if (!o.scale_set && c.scale > 0)
+                    o.run.scale = c.scale;
+                else if (!o.scale_set && c.spec.n_planes == 2)
+                    o.run.scale = 1.0 / sqrt((double)c.spec.head_dim);
             } else {
                 nd_gen_params gp = o.gen;
                 gp.context = o.contexts[ci];

@@ -1,7 +1,8 @@
 /*
  * case.c — nd_case lifecycle, names, and the kvtier trace bridge (lib/kvtier_trace.h): a case is
- * saved as a trace (one MLA layer, rows in chunks, one query step per target, needles, targets,
- * provenance text) and a trace is loaded back as a case (only the targeted query steps).
+ * saved as a trace (one MLA or GQA layer, rows in chunks, one query step per target, needles,
+ * targets, provenance text) and a trace is loaded back as a case (only the targeted query
+ * steps).
  */
 #include "nd_internal.h"
 
@@ -91,6 +92,7 @@ void nd_case_free(nd_case *c) {
     if (!c)
         return;
     free(c->rows);
+    free(c->vrows);
     free(c->needles);
     if (c->targets)
         for (uint32_t i = 0; i < c->n_targets; i++)
@@ -117,11 +119,14 @@ int nd_case_save(const nd_case *c, const char *path, char *err, size_t err_len) 
     if (s != KVT_OK)
         return nd_fail(err, err_len, ND_EIO, "%s: %s", path, e2);
     const kvt_layer_spec *sp = &c->spec;
+    const size_t tb = nd_token_bytes(sp);
     s = kvt_trace_write_layer(w, c->layer, sp);
-    for (uint64_t r = 0; s == KVT_OK && r < c->n_rows; r += ROW_CHUNK) {
-        uint64_t n = c->n_rows - r < ROW_CHUNK ? c->n_rows - r : ROW_CHUNK;
-        s = kvt_trace_write_rows(w, c->layer, 0, c->rows + r * sp->row_bytes, n,
-                                 (size_t)n * sp->row_bytes);
+    for (uint32_t pl = 0; pl < (nd_case_gqa(c) ? 2u : 1u); pl++) {
+        const uint8_t *src = pl ? c->vrows : c->rows;
+        for (uint64_t r = 0; s == KVT_OK && r < c->n_rows; r += ROW_CHUNK) {
+            uint64_t n = c->n_rows - r < ROW_CHUNK ? c->n_rows - r : ROW_CHUNK;
+            s = kvt_trace_write_rows(w, c->layer, pl, src + r * tb, n, (size_t)n * tb);
+        }
     }
     size_t qbytes = (size_t)c->n_q_heads * c->q_dim * sizeof(float);
     for (uint32_t i = 0; s == KVT_OK && i < c->n_targets; i++) {
@@ -209,15 +214,16 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
         for (uint32_t i = 0; i < kvt_trace_n_layers(t) && !found; i++) {
             if (kvt_trace_layer_info(t, i, &info) != KVT_OK || info.n_steps == 0)
                 continue;
-            if (info.spec.kind != KVT_LAYER_MLA_NOPE && info.spec.kind != KVT_LAYER_MLA_ROPE)
+            if (info.spec.kind != KVT_LAYER_MLA_NOPE && info.spec.kind != KVT_LAYER_MLA_ROPE &&
+                info.spec.kind != KVT_LAYER_GQA_ROPE)
                 continue;
             for (uint32_t k = 0; k < n_nd; k++)
                 if (tn[k].layer == info.layer)
                     found = true;
         }
         if (!found) {
-            rc = nd_fail(err, err_len, ND_EIO, "%s: no MLA layer with queries and needles",
-                         path);
+            rc = nd_fail(err, err_len, ND_EIO, "%s: no MLA or GQA-RoPE layer with queries and "
+                         "needles", path);
             goto fail;
         }
     } else if (kvt_trace_find_layer(t, layer, &info) != KVT_OK) {
@@ -225,13 +231,19 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
         goto fail;
     }
     const kvt_layer_spec *sp = &info.spec;
-    if ((sp->kind != KVT_LAYER_MLA_NOPE && sp->kind != KVT_LAYER_MLA_ROPE) || sp->n_planes != 1 ||
-        sp->n_kv_heads != 1) {
+    const bool gqa = sp->kind == KVT_LAYER_GQA_ROPE;
+    if (gqa) {
+        if (nd_gqa_layout_check(sp, info.n_q_heads, info.q_dim, e2, sizeof e2) != 0) {
+            rc = nd_fail(err, err_len, ND_EIO, "%s: layer %u: %s", path, info.layer, e2);
+            goto fail;
+        }
+    } else if ((sp->kind != KVT_LAYER_MLA_NOPE && sp->kind != KVT_LAYER_MLA_ROPE) ||
+               sp->n_planes != 1 || sp->n_kv_heads != 1) {
         rc = nd_fail(err, err_len, ND_EIO, "%s: layer %u is %s; the needle suite replays MLA "
-                     "layers", path, info.layer, kvt_layer_kind_name(sp->kind));
+                     "and GQA-RoPE layers", path, info.layer, kvt_layer_kind_name(sp->kind));
         goto fail;
     }
-    if (nd_spec_layout_check(sp, e2, sizeof e2) != 0) {
+    if (!gqa && nd_spec_layout_check(sp, e2, sizeof e2) != 0) {
         rc = nd_fail(err, err_len, ND_EIO, "%s: layer %u: %s", path, info.layer, e2);
         goto fail;
     }
@@ -254,7 +266,8 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
     out->prompt_rows = kvt_trace_prompt_rows(t);
     out->n_q_heads = info.n_q_heads;
     out->q_dim = info.q_dim;
-    if ((double)info.n_tokens * sp->row_bytes > 16e9) {
+    const size_t tb = nd_token_bytes(sp);
+    if ((double)info.n_tokens * tb * (gqa ? 2 : 1) > 16e9) {
         rc = nd_fail(err, err_len, ND_EIO, "%s: %llu rows do not fit the 16 GB the runner allows",
                      path, (unsigned long long)info.n_tokens);
         goto fail;
@@ -266,24 +279,29 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
                      kvt_trace_last_error(t));
         goto fail;
     }
-    out->rows = malloc((size_t)info.n_tokens * sp->row_bytes + 1);
+    out->rows = malloc((size_t)info.n_tokens * tb + 1);
+    if (gqa)
+        out->vrows = malloc((size_t)info.n_tokens * tb + 1);
     uint32_t *nd_map = malloc(sizeof(uint32_t) * (n_nd ? n_nd : 1));
     out->needles = calloc(n_nd ? n_nd : 1, sizeof *out->needles);
     out->targets = calloc(n_tg ? n_tg : 1, sizeof *out->targets);
-    if (!out->rows || !nd_map || !out->needles || !out->targets) {
+    if (!out->rows || (gqa && !out->vrows) || !nd_map || !out->needles || !out->targets) {
         free(nd_map);
         rc = nd_fail(err, err_len, ND_ENOMEM, "%s: %llu rows", path,
                      (unsigned long long)info.n_tokens);
         goto fail;
     }
-    for (uint64_t r = 0; r < info.n_tokens; r += ROW_CHUNK) {
-        uint64_t n = info.n_tokens - r < ROW_CHUNK ? info.n_tokens - r : ROW_CHUNK;
-        s = kvt_trace_read_rows(t, info.layer, 0, r, n, out->rows + r * sp->row_bytes,
-                                (size_t)n * sp->row_bytes);
-        if (s != KVT_OK) {
-            free(nd_map);
-            rc = nd_fail(err, err_len, ND_EIO, "%s: rows: %s", path, kvt_trace_last_error(t));
-            goto fail;
+    for (uint32_t pl = 0; pl < (gqa ? 2u : 1u); pl++) { /* GQA: K, then V */
+        uint8_t *dst = pl ? out->vrows : out->rows;
+        for (uint64_t r = 0; r < info.n_tokens; r += ROW_CHUNK) {
+            uint64_t n = info.n_tokens - r < ROW_CHUNK ? info.n_tokens - r : ROW_CHUNK;
+            s = kvt_trace_read_rows(t, info.layer, pl, r, n, dst + r * tb, (size_t)n * tb);
+            if (s != KVT_OK) {
+                free(nd_map);
+                rc = nd_fail(err, err_len, ND_EIO, "%s: rows: %s", path,
+                             kvt_trace_last_error(t));
+                goto fail;
+            }
         }
     }
     const char *text = kvt_trace_text(t, NULL);
@@ -291,6 +309,8 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
     char buf[128], key[64];
     if (text_value(out->text, "seed", buf, sizeof buf))
         out->seed = strtoull(buf, NULL, 10);
+    if (text_value(out->text, "scale", buf, sizeof buf))
+        out->scale = strtod(buf, NULL);
     for (uint32_t k = 0; k < n_nd; k++) {
         nd_map[k] = UINT32_MAX;
         if (tn[k].layer != info.layer)
@@ -374,14 +394,19 @@ static bool value_nonfinite(const uint8_t *row, kvt_dtype dt, uint32_t i) {
 uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row) {
     const kvt_layer_spec *sp = &c->spec;
     uint64_t n = 0, first = UINT64_MAX;
+    /* GQA: every KV head's key and value (the reference reads both); MLA: the key. */
+    const uint32_t per_token = nd_case_gqa(c) ? 2 * sp->n_kv_heads : 1;
     for (uint64_t r = 0; r < c->n_rows; r++) {
-        const uint8_t *row = c->rows + r * sp->row_bytes;
-        for (uint32_t i = 0; i < sp->head_dim; i++)
-            if (value_nonfinite(row, sp->dtype, i)) {
-                if (n++ == 0)
-                    first = r;
-                break;
-            }
+        bool bad = false;
+        for (uint32_t x = 0; x < per_token && !bad; x++) {
+            const uint8_t *plane = x >= sp->n_kv_heads && nd_case_gqa(c) ? c->vrows : c->rows;
+            const uint8_t *row = plane + r * nd_token_bytes(sp) +
+                                 (size_t)(x % sp->n_kv_heads) * sp->row_bytes;
+            for (uint32_t i = 0; i < sp->head_dim && !bad; i++)
+                bad = value_nonfinite(row, sp->dtype, i);
+        }
+        if (bad && n++ == 0)
+            first = r;
     }
     if (first_row)
         *first_row = first;
@@ -394,6 +419,11 @@ uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row) {
 int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out, char *err,
                       size_t err_len) {
     const kvt_layer_spec *sp = &c->spec;
+    if (nd_case_gqa(c)) { /* no salience branch: σ does not exist on GQA layers */
+        for (uint32_t i = 0; i < c->n_needles; i++)
+            out[i] = NAN;
+        return ND_OK;
+    }
     float *sig = malloc(sizeof(float) * B);
     kvt_ref_sigma *ref = NULL;
     int rc = ND_OK;

@@ -94,6 +94,45 @@ void nd_widen(const uint8_t *row, kvt_dtype dt, uint32_t n, float *out);
 /* Store float values into a row of dtype dt (round to nearest even). */
 void nd_narrow(uint8_t *row, kvt_dtype dt, uint32_t n, const float *in);
 
+/* ------------------------------------------------------------------------------------------- */
+/* GQA layers (gqa.c)                                                                           */
+/* ------------------------------------------------------------------------------------------- */
+/* Bytes of one token's rows in one plane: n_kv_heads x row_bytes (an MLA layer: one row). */
+static inline size_t nd_token_bytes(const kvt_layer_spec *sp) {
+    return (size_t)sp->n_kv_heads * sp->row_bytes;
+}
+/* Whether a case is a GQA layer (K in rows, V in vrows) rather than MLA. */
+static inline bool nd_case_gqa(const nd_case *c) {
+    return c->spec.n_planes == 2;
+}
+/* 0 when a GQA layer can be replayed: kind gqa-rope, 2 planes, a float dtype, row_bytes =
+ * head_dim values, n_q_heads a multiple of n_kv_heads, q_dim = head_dim. Else -1 with a
+ * message. */
+int nd_gqa_layout_check(const kvt_layer_spec *sp, uint32_t n_q_heads, uint32_t q_dim, char *msg,
+                        size_t len);
+
+/* Reference attention of some query heads over GQA rows: row j of KV head g at
+ * k / v + slot_j x nd_token_bytes + g x row_bytes (slot_j = slots[j], or j when slots is NULL).
+ * Query head h (q + h x head_dim) reads KV head h / (n_q_heads / n_kv_heads). Per listed head
+ * i: out[i][head_dim] and mass[i], the softmax mass on rows j with mark[g x mark_stride + j]
+ * nonzero (mark may be NULL: mass 0). Double-precision softmax. ND_OK or ND_ENOMEM. */
+typedef struct nd_gqa_attn_args {
+    const kvt_layer_spec *spec;
+    const uint8_t *k, *v;
+    const int32_t *slots;
+    uint32_t n_rows;
+    const float *q;
+    uint32_t n_q_heads;
+    const uint32_t *heads;
+    uint32_t n_heads;
+    double scale;
+    const uint8_t *mark;
+    size_t mark_stride;
+    float *out;
+    double *mass;
+} nd_gqa_attn_args;
+int nd_gqa_attn(const nd_gqa_attn_args *a);
+
 /* Dot product of n floats, 8 accumulators, in double (fast enough, order fixed). */
 static inline double nd_dot(const float *a, const float *b, uint32_t n) {
     double p[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -2,7 +2,8 @@
  * needle.h — the long-context needle suite at the attention level (DESIGN §5), as a library the
  * kvtier-needle tool and tests/test_needle.c share (kvtier_needle_core).
  *
- *   nd_case      an attention-level trace held in memory: one MLA layer's rows, the needles
+ *   nd_case      an attention-level trace held in memory: one MLA layer's rows (or one GQA
+ *                layer's K and V rows, from a real engine's trace), the needles
  *                planted in it and the queries that target them. Made by the synthetic
  *                generator (nd_generate, statistical model in docs/needle.md) or read from a
  *                kvtier trace file (nd_case_load); written with nd_case_save.
@@ -79,10 +80,12 @@ typedef struct nd_target {
 } nd_target;
 
 typedef struct nd_case {
-    kvt_layer_spec spec;   /* one MLA layer (NoPE or RoPE) */
+    kvt_layer_spec spec;   /* one MLA layer (NoPE or RoPE), or one GQA-RoPE layer (traces) */
     uint32_t layer;        /* model layer index in the source trace (0 for synthetic) */
     uint64_t n_rows;
-    uint8_t *rows;         /* [n_rows][row_bytes] (owned) */
+    uint8_t *rows;         /* [n_rows][n_kv_heads][row_bytes] (owned): MLA rows, or GQA keys */
+    uint8_t *vrows;        /* GQA: the V plane, laid out as rows (owned); NULL for MLA, whose
+                              value is the first value_dim values of the row */
     uint64_t prompt_rows;
     uint32_t n_q_heads, q_dim;
     nd_needle *needles;
@@ -92,12 +95,16 @@ typedef struct nd_case {
     char *text;            /* provenance text (owned, may be NULL) */
     uint64_t seed;         /* generator seed (0 for a loaded trace without one) */
     uint32_t band_misses;  /* generator: needle rows whose σ calibration missed the band */
+    double scale;          /* softmax scale a trace names (text line "scale="); 0: none */
 } nd_case;
 
 void nd_case_free(nd_case *c);
 
-/* Read a kvtier trace: layer = model layer index, or UINT32_MAX for the first MLA layer that has
- * queries and needles. Every CRC of the file is checked first (kvt_trace_verify: one streaming
+/* Read a kvtier trace: layer = model layer index, or UINT32_MAX for the first MLA or GQA-RoPE
+ * layer that has queries and needles. A GQA-RoPE layer (both planes, n_kv_heads rows per token,
+ * query heads grouped over them: nd_gqa_layout_check) is replayed under the RoPE policy (random
+ * eviction, prompt protected) with attention over its K and V; its needle rows are marked per KV
+ * head by the positions each head holds. Every CRC of the file is checked first (kvt_trace_verify: one streaming
  * pass; a corrupt file is refused with ND_EIO and a message naming KVT_ERR_CORRUPT). The layer
  * must be laid out the way the reference attention reads it: key = head_dim contiguous values of
  * dtype from byte 0, i.e. head_dim == value_dim + branch_dim, branch_offset == value_dim x

@@ -1,8 +1,9 @@
 /*
  * run.c — full-cache references and the replay of a case through the real manager.
  *
- * Replay: one context with a model of one MLA layer (the case's spec, so the policy table picks
- * salience tiering on NoPE and random eviction on RoPE), ratio and B from the run parameters. Rows
+ * Replay: one context with a model of one layer (the case's spec, so the policy table picks
+ * salience tiering on MLA NoPE and random eviction on MLA RoPE and GQA-RoPE), ratio and B from
+ * the run parameters. A GQA layer writes both planes and is measured per KV head (gqa.c). Rows
  * are committed in steps (kvt_batch_reserve / kvt_seq_write / kvt_batch_commit) of B rows on
  * salience layers, where chunking cannot change a block close, and r = c rows on eviction layers,
  * so rounds run at the cadence a decoder would see, up to each query's position. The step ending
@@ -125,7 +126,8 @@ int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progres
         return nd_fail(err, err_len, ND_EARG, "more than 2^32 rows");
     out->t = calloc(c->n_targets ? c->n_targets : 1, sizeof *out->t);
     out->n = c->n_targets;
-    out->value_dim = sp->value_dim;
+    const bool gqa = nd_case_gqa(c);
+    out->value_dim = gqa ? sp->head_dim : sp->value_dim;
     uint32_t H = 1;
     for (uint32_t i = 0; i < c->n_targets; i++)
         if (c->targets[i].n_heads > H)
@@ -143,7 +145,7 @@ int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progres
         const nd_target *tg = &c->targets[i];
         const nd_needle *nd = &c->needles[tg->needle];
         nd_ref *r = &out->t[i];
-        r->out = malloc(sizeof(float) * tg->n_heads * sp->value_dim);
+        r->out = malloc(sizeof(float) * tg->n_heads * out->value_dim);
         if (!r->out) {
             rc = nd_fail(err, err_len, ND_ENOMEM, "reference output");
             goto done;
@@ -152,6 +154,19 @@ int nd_refs_compute(const nd_case *c, double scale, nd_refs *out, void (*progres
         memset(mark, 0, n);
         for (uint64_t k = nd->first_row; k < nd->first_row + nd->n_rows && k < n; k++)
             mark[k] = 1;
+        if (gqa) { /* every position in every KV head: mark_stride 0 */
+            nd_gqa_attn_args g = {.spec = sp, .k = c->rows, .v = c->vrows, .n_rows = n,
+                                  .q = tg->q, .n_q_heads = c->n_q_heads, .heads = tg->heads,
+                                  .n_heads = tg->n_heads, .scale = scale, .mark = mark,
+                                  .out = r->out, .mass = r->mass};
+            if ((rc = nd_gqa_attn(&g)) != ND_OK) {
+                rc = nd_fail(err, err_len, rc, "reference attention: out of memory");
+                goto done;
+            }
+            if (progress)
+                progress(ud, (double)(i + 1) / c->n_targets);
+            continue;
+        }
         gather_q(c, tg, q);
         kvt_ref_attn_args a;
         memset(&a, 0, sizeof a);
@@ -199,11 +214,13 @@ static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const cha
  * Fills pos_of_slot[n_slots] (-1: no attended position) for the caller. ND_ELIB with a message
  * on the first mismatch. */
 static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, const uint8_t *pool,
-                          size_t pool_bytes, const int32_t *slots, int32_t len, uint64_t P,
-                          const kvt_layer_stats *ls, uint32_t ti, int64_t *pos_of_slot,
-                          uint64_t n_slots, uint32_t *seen, char *err, size_t err_len) {
+                          const uint8_t *vpool, size_t pool_bytes, uint32_t head,
+                          const int32_t *slots, int32_t len, uint64_t P,
+                          const kvt_layer_stats *ls, uint32_t ti, uint32_t stamp,
+                          int64_t *pos_of_slot, uint64_t n_slots, uint32_t *seen, char *err,
+                          size_t err_len) {
     const uint32_t rb = c->spec.row_bytes;
-    const size_t stride = (size_t)c->spec.n_kv_heads * rb;
+    const size_t stride = nd_token_bytes(&c->spec), at = (size_t)head * rb;
 #define ND_CHECK_FAIL(...)                                                                         \
     do {                                                                                           \
         char m_[384];                                                                              \
@@ -220,7 +237,7 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
     for (uint64_t pos = 0; pos < P; pos++) {
         kvt_row_state st;
         int32_t slot = -1;
-        kvt_status s = kvt_seq_row_state(seq, 0, 0, pos, &st, &slot);
+        kvt_status s = kvt_seq_row_state(seq, 0, head, pos, &st, &slot);
         if (s != KVT_OK)
             return lib_fail(err, err_len, ctx, s, "kvt_seq_row_state");
         if (st == KVT_ROW_PENDING)
@@ -240,7 +257,6 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
     if (n_state != (uint64_t)len)
         ND_CHECK_FAIL("kvt_attended_tokens returned %d rows, kvt_seq_row_state has %llu "
                       "positions attended", (int)len, (unsigned long long)n_state);
-    const uint32_t stamp = ti + 1;
     int64_t prev = -1;
     for (int32_t j = 0; j < len; j++) {
         int32_t slot = slots[j];
@@ -257,10 +273,13 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
             ND_CHECK_FAIL("entry %d: position %lld after %lld (not ascending)", (int)j,
                           (long long)pos, (long long)prev);
         prev = pos;
-        if ((size_t)slot * stride + rb > pool_bytes ||
-            memcmp(pool + (size_t)slot * stride, c->rows + (size_t)pos * rb, rb) != 0)
-            ND_CHECK_FAIL("entry %d: slot %d holds position %lld but its %u pool bytes differ "
-                          "from that row", (int)j, (int)slot, (long long)pos, rb);
+        if ((size_t)slot * stride + at + rb > pool_bytes ||
+            memcmp(pool + (size_t)slot * stride + at, c->rows + (size_t)pos * stride + at, rb) ||
+            (vpool && memcmp(vpool + (size_t)slot * stride + at,
+                             c->vrows + (size_t)pos * stride + at, rb)))
+            ND_CHECK_FAIL("entry %d: slot %d holds position %lld (KV head %u) but its %u pool "
+                          "bytes differ from that row", (int)j, (int)slot, (long long)pos, head,
+                          rb);
     }
 #undef ND_CHECK_FAIL
     return ND_OK;
@@ -301,12 +320,17 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         return nd_fail(err, err_len, ND_EARG, "batch %u not in 1..%u", p->batch, ND_MAX_BATCH);
     const uint32_t NB = p->batch;
     const kvt_layer_spec *sp = &c->spec;
-    if (sp->n_kv_heads != 1 || sp->n_planes != 1 ||
-        (sp->kind != KVT_LAYER_MLA_NOPE && sp->kind != KVT_LAYER_MLA_ROPE))
-        return nd_fail(err, err_len, ND_EARG, "the case is not one MLA layer (1 head, 1 plane)");
+    const bool gqa = nd_case_gqa(c);
     char e2[512];
-    if (nd_spec_layout_check(sp, e2, sizeof e2) != 0)
+    if (gqa) {
+        if (nd_gqa_layout_check(sp, c->n_q_heads, c->q_dim, e2, sizeof e2) != 0 || !c->vrows)
+            return nd_fail(err, err_len, ND_EARG, "case layer: %s", c->vrows ? e2 : "no V rows");
+    } else if (sp->n_kv_heads != 1 || sp->n_planes != 1 ||
+               (sp->kind != KVT_LAYER_MLA_NOPE && sp->kind != KVT_LAYER_MLA_ROPE)) {
+        return nd_fail(err, err_len, ND_EARG, "the case is not one MLA layer (1 head, 1 plane)");
+    } else if (nd_spec_layout_check(sp, e2, sizeof e2) != 0) {
         return nd_fail(err, err_len, ND_EARG, "case layer: %s", e2);
+    }
     const bool rope = sp->kind != KVT_LAYER_MLA_NOPE;
     const bool dense = p->mode == ND_MODE_DENSE;
     kvt_model *model = NULL;
@@ -315,7 +339,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     int32_t lens[ND_MAX_BATCH] = {0};
     uint32_t ntok[ND_MAX_BATCH];
     kvt_batch *batch = NULL;
-    uint8_t *pool_copy = NULL;
+    uint8_t *pool_copy = NULL, *vpool_copy = NULL;
     int32_t *slots = NULL;
     kvt_buffer *em_idx = NULL, *em_len = NULL; /* freed with the context */
     uint8_t *mark = NULL;
@@ -377,10 +401,13 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     for (uint32_t i = 0; i < c->n_targets; i++)
         if (c->targets[i].n_heads > H)
             H = c->targets[i].n_heads;
-    const uint32_t V = sp->value_dim;
+    const uint32_t V = gqa ? sp->head_dim : sp->value_dim;
+    const uint32_t n_kv = gqa ? sp->n_kv_heads : 1;
+    const size_t tb = nd_token_bytes(sp);
+    uint32_t stamp = 0;
     size_t sd = kvt_ref_attn_scratch_doubles((uint32_t)c->n_rows, H, V, sp->head_dim);
     slots = malloc(sizeof(int32_t) * (c->n_rows + 1) * NB);
-    mark = malloc(c->n_rows + 1);
+    mark = malloc((c->n_rows + 1) * n_kv);
     scratch = malloc(sizeof(double) * sd);
     q = malloc(sizeof(float) * H * c->q_dim);
     o = malloc(sizeof(float) * H * V);
@@ -395,6 +422,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
      * not dereference kvt_layer_data's pointer): each query reads it into this host copy through
      * kvt_layer_read and measures over the copy. */
     pool_copy = malloc(pool_bytes ? pool_bytes : 1);
+    if (gqa)
+        vpool_copy = malloc(pool_bytes ? pool_bytes : 1);
     /* The emission lives in the backend's memory space too: on any backend but the CPU one it
      * goes into kvt_buffer memory and is read back after each query's run. */
     if (strcmp(kvt_ctx_backend_name(ctx), "cpu") != 0) {
@@ -407,7 +436,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     }
     pos_of_slot = malloc(sizeof(int64_t) * (n_slots + 1));
     seen = calloc(n_slots + 1, sizeof(uint32_t));
-    if (!slots || !mark || !scratch || !q || !o || !pos_of_slot || !seen || !pool_copy) {
+    if (!slots || !mark || !scratch || !q || !o || !pos_of_slot || !seen || !pool_copy ||
+        (gqa && !vpool_copy)) {
         rc = nd_fail(err, err_len, ND_ENOMEM, "replay scratch");
         goto done;
     }
@@ -438,8 +468,10 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                 goto done;
             }
             for (uint32_t r = 0; n > 0 && r < NB; r++) {
-                s = kvt_seq_write(seqs[r], 0, 0, 0, n, c->rows + committed * sp->row_bytes,
-                                  (size_t)n * sp->row_bytes);
+                s = kvt_seq_write(seqs[r], 0, 0, 0, n, c->rows + committed * tb, (size_t)n * tb);
+                if (s == KVT_OK && gqa)
+                    s = kvt_seq_write(seqs[r], 0, 1, 0, n, c->vrows + committed * tb,
+                                      (size_t)n * tb);
                 if (s != KVT_OK) {
                     rc = lib_fail(err, err_len, ctx, s, "kvt_seq_write");
                     goto done;
@@ -483,7 +515,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                 progress(ud, 0.9 * (double)committed / (double)c->n_rows);
         }
         /* The pool once per query: every request's slots index it. */
-        if ((s = kvt_layer_read(ctx, 0, 0, 0, n_slots, pool_copy, pool_bytes)) != KVT_OK) {
+        if ((s = kvt_layer_read(ctx, 0, 0, 0, n_slots, pool_copy, pool_bytes)) != KVT_OK ||
+            (gqa && (s = kvt_layer_read(ctx, 0, 1, 0, n_slots, vpool_copy, pool_bytes)) !=
+                        KVT_OK)) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_layer_read");
             goto done;
         }
@@ -507,17 +541,25 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         size_t bytes = pool_bytes;
         if (p->tamper)
             p->tamper(p->tamper_ud, base, bytes, rslots, &len);
-        rc = check_attended(c, seq, ctx, base, bytes, rslots, len, P, &ls, ti, pos_of_slot,
-                            n_slots, seen, err, err_len);
-        if (rc != ND_OK)
-            goto done;
-        /* Needle rows in the attended set, by the positions their slots hold. */
-        uint32_t n_att = 0;
+        /* Needle rows in the attended set, by the positions their slots hold: per KV head on a
+         * GQA layer (random eviction keeps different positions in each head at the same slots;
+         * the fewest any head keeps is reported). */
+        uint32_t n_att = UINT32_MAX;
         const uint64_t nd_end = nd->first_row + nd->n_rows;
-        for (int32_t j = 0; j < len; j++) {
-            int64_t pos = pos_of_slot[rslots[j]];
-            mark[j] = (uint64_t)pos >= nd->first_row && (uint64_t)pos < nd_end;
-            n_att += mark[j];
+        for (uint32_t g = 0; g < n_kv; g++) {
+            rc = check_attended(c, seq, ctx, base, vpool_copy, bytes, g, rslots, len, P, &ls, ti,
+                                ++stamp, pos_of_slot, n_slots, seen, err, err_len);
+            if (rc != ND_OK)
+                goto done;
+            uint32_t k = 0;
+            for (int32_t j = 0; j < len; j++) {
+                int64_t pos = pos_of_slot[rslots[j]];
+                uint8_t m = (uint64_t)pos >= nd->first_row && (uint64_t)pos < nd_end;
+                mark[(size_t)g * (size_t)len + (size_t)j] = m;
+                k += m;
+            }
+            if (k < n_att)
+                n_att = k;
         }
         /* Rows attended without ever being scored: the unclosed tail (salience); on eviction
          * layers every row before the first round, then the newest attended_rows - K (the r
@@ -537,8 +579,19 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             scored_end = P - (unscored < P ? unscored : P);
         /* (Partly) in the unscored rows, or not even written yet: reported, not counted. */
         const bool in_tail = nd_end > scored_end;
-        gather_q(c, tg, q);
         double mass[ND_MAX_HEADS];
+        if (gqa) {
+            nd_gqa_attn_args g = {.spec = sp, .k = base, .v = vpool_copy, .slots = rslots,
+                                  .n_rows = (uint32_t)len, .q = tg->q,
+                                  .n_q_heads = c->n_q_heads, .heads = tg->heads,
+                                  .n_heads = tg->n_heads, .scale = p->scale, .mark = mark,
+                                  .mark_stride = (size_t)len, .out = o, .mass = mass};
+            if ((rc = nd_gqa_attn(&g)) != ND_OK) {
+                rc = nd_fail(err, err_len, rc, "attention over the attended set: out of memory");
+                goto done;
+            }
+        } else {
+        gather_q(c, tg, q);
         kvt_ref_attn_args a;
         memset(&a, 0, sizeof a);
         a.base = base;
@@ -560,6 +613,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             rc = nd_fail(err, err_len, ND_EARG, "attention over the attended set: bad arguments");
             goto done;
         }
+        } /* MLA */
         const nd_ref *ref = &refs->t[ti];
         nd_result *res = &out[(size_t)r * c->n_targets + ti];
         memset(res, 0, sizeof *res);
@@ -636,7 +690,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
 done:
     kvt_batch_destroy(batch);
     free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
-    free(pool_copy);
+    free(pool_copy), free(vpool_copy);
     for (uint32_t r = 0; r < ND_MAX_BATCH; r++)
         kvt_seq_destroy(seqs[r]);
     kvt_ctx_destroy(ctx);
