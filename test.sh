@@ -82,7 +82,8 @@ cmake --build build-test-valgrind -j"$JOBS" --target fast_tests
 (cd build-test-valgrind && ctest -L fast --output-on-failure -j"$JOBS" --timeout 900)
 echo "== build-test-valgrind: passed in $((SECONDS - t0)) s (build + tests) =="
 # ---------------------------------------------------------------------------------------------
-# fuzz: the libFuzzer targets of tests/fuzz (config parser, trace reader, batch API sequences),
+# fuzz: the libFuzzer targets of tests/fuzz (config parser, trace reader, batch API sequences with
+# snapshots, snapshot reader),
 # clang, ASan + UBSan halting, Debug asserts at -O1, CPU only. Each runs 60 s from its seed
 # corpus (tests/fuzz/corpus/<target>, read only; what it finds goes to build-fuzz/work/<target>)
 # in one process. A crash, leak, timeout or FUZZ_REQUIRE abort fails CI: the input is left in
@@ -96,7 +97,7 @@ cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
   -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF >/dev/null
 cmake --build build-fuzz -j"$JOBS"
 mkdir -p build-fuzz/artifacts
-for t in fuzz_config fuzz_trace fuzz_api; do
+for t in fuzz_config fuzz_trace fuzz_api fuzz_snapshot; do
   rm -rf "build-fuzz/work/$t" && mkdir -p "build-fuzz/work/$t"
   dict=() && [ -f "tests/fuzz/$t.dict" ] && dict=("-dict=tests/fuzz/$t.dict")
   if ! ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
@@ -109,5 +110,5 @@ for t in fuzz_config fuzz_trace fuzz_api; do
   fi
   echo "$t: $(grep -E '^#[0-9]+[[:space:]]+DONE' "build-fuzz/$t.log" | tail -n 1)"
 done
-echo "== build-fuzz: passed in $((SECONDS - t0)) s (build + 3 x 60 s) =="
+echo "== build-fuzz: passed in $((SECONDS - t0)) s (build + 4 x 60 s) =="
 echo "test.sh: all configurations passed"

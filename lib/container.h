@@ -1,7 +1,7 @@
 /*
  * container.h — the generic kvtier container (internal): a file header and a sequence of
- * CRC-checked sections, closed by an END section. Traces use it today (lib/trace.c); request
- * snapshots will use it with their own content kind and section types. Layout: docs/trace-format.md
+ * CRC-checked sections, closed by an END section. Traces use it (lib/trace.c) as files; request
+ * snapshots (lib/snapshot.c) in memory, with their own content kind and section types. Layout: docs/trace-format.md
  * section 1. Little-endian helpers for payload (de)serialisation live here too.
  */
 #ifndef KVT_LIB_CONTAINER_H
@@ -104,5 +104,26 @@ kvt_status kvt__ctr_read_payload(const kvt__ctr_reader *r, const kvt__ctr_sectio
 /* Stream bytes [off, off + n) through a bounded buffer, continuing *crc. */
 kvt_status kvt__ctr_crc_range(const kvt__ctr_reader *r, uint64_t off, uint64_t n, uint32_t *crc,
                               char *err, size_t len);
+
+/* ---- in memory (request snapshots) ----
+ * The same layout in one caller buffer. A writer puts the 24-byte file header with
+ * kvt__ctr_mem_header, then per section writes the payload at dst + KVT__CTR_SECTION_HEADER_BYTES
+ * and seals it with kvt__ctr_mem_seal (header, CRC, zero padding; returns the bytes the section
+ * took, header and padding included), and ends with a sealed END section (type 0, length 0). */
+void kvt__ctr_mem_header(uint8_t *dst, uint32_t kind);
+uint64_t kvt__ctr_mem_seal(uint8_t *dst, uint32_t type, uint32_t flags, uint64_t length);
+/* Bytes a section of `length` payload bytes takes. */
+static inline uint64_t kvt__ctr_mem_section_bytes(uint64_t length) {
+    return KVT__CTR_SECTION_HEADER_BYTES + length + ((8 - (length & 7)) & 7);
+}
+/* Check the file header of buf[0..size) (as kvt__ctr_open: magic, major version, CRC, kind);
+ * *minor receives the minor version. */
+kvt_status kvt__ctr_mem_open(const uint8_t *buf, uint64_t size, uint32_t kind, uint32_t *minor,
+                             char *err, size_t len);
+/* The section whose header is at *off (idx: its index, for messages): header CRC, payload and
+ * padding inside the buffer, payload CRC, END last with nothing after it; *off advances past
+ * it. Start at *off = KVT__CTR_HEADER_BYTES and stop at type KVT__CTR_SEC_END. */
+kvt_status kvt__ctr_mem_next(const uint8_t *buf, uint64_t size, uint64_t *off, size_t idx,
+                             kvt__ctr_section *sec, char *err, size_t len);
 
 #endif /* KVT_LIB_CONTAINER_H */

@@ -32,6 +32,7 @@ struct kvt_ctx {
     size_t ws_sigma_floats, ws_topm_u32;
     uint32_t archive_rows; /* archive_rows_per_seq (0: none) */
     uint32_t max_seqs;     /* max_seqs (0: none) */
+    const struct kvt__io *io; /* snapshot file I/O (lib/snapshot.h); NULL: the system's */
     uint32_t n_live;       /* live requests */
     kvt_seq *free_seqs;    /* request slots built at creation, not in use (linked by next) */
     bool destroying;       /* kvt_ctx_destroy: requests are freed, not parked */

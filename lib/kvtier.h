@@ -50,7 +50,8 @@
  *               kvt_buffer_alloc, kvt_buffer_free, kvt_buffer_read / _write (_async), and the
  *               inspection calls (kvt_seq_check, kvt_seq_layer_stats, kvt_seq_row_state,
  *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
- *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed). They own the row
+ *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed, kvt_seq_scores),
+ *               and the snapshot calls (kvt_seq_snapshot*, kvt_seq_restore*). They own the row
  *               pool's page allocators (reserve takes pages; commit, kvt_seq_destroy and an
  *               abandoned step return them), the context's lists of requests and batches, and
  *               every request between steps. At most one thread at a time in scheduler calls of
@@ -156,7 +157,8 @@ extern "C" {
     X(ERR_CORRUPT, -12, "data failed its integrity check")                                         \
     X(ERR_INVARIANT, -13, "internal invariant violated")                                           \
     X(ERR_DROPPED, -14, "row was dropped by policy and is not stored")                          \
-    X(ERR_ARCHIVE_FULL, -15, "the archive of a request is full (archive_rows_per_seq)")
+    X(ERR_ARCHIVE_FULL, -15, "the archive of a request is full (archive_rows_per_seq)")          \
+    X(ERR_MISMATCH, -16, "snapshot taken under another model or configuration")
 
 typedef enum kvt_status {
 #define KVT__STATUS_ENUM(name, code, text) KVT_##name = code,
@@ -811,6 +813,82 @@ KVT_API kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_l
  * are disjoint and cover every appended row, page tables are valid, slot maps are bijections.
  * KVT_OK, or KVT_ERR_INVARIANT with the first violation in kvt_last_error(). O(rows). */
 KVT_API kvt_status kvt_seq_check(const kvt_seq *seq);
+
+/* ---------------------------------------------------------------------------------------------
+ * Snapshots: one request's whole state, to memory or to a file, and back
+ *
+ * A snapshot holds, for one request between steps: its committed rows (every layer's pool rows,
+ * each plane, in row-index order: positions for salience, none and sliding layers, the compacted
+ * order of random eviction), every policy's state (salience: the σ score plane, the kept set and
+ * the close counters; random eviction: each head's positions, the last slot map, the round
+ * counters and the archive with its bytes; sliding: the pages already returned), the page
+ * tables' counts, the request's id, prompt length, ratio and recall mode, and the statistics. A
+ * restored request continues exactly as the original would have: the same closes, the same
+ * eviction draws (keyed by the saved request id), the same keep sets and archived bytes; its
+ * attended sets are the same by position (slots differ when the pool hands out other pages).
+ * The recall tier's state (sketches, calibration) will join the format when it lands.
+ *
+ * Restore needs a context of the same model (every layer's spec), the same configuration (every
+ * field of kvt_config; the request's own ratio and recall travel with it), the same page_rows,
+ * per-layer policies and parallelism offsets: anything else is KVT_ERR_MISMATCH naming the first
+ * difference. The pool size, max_seqs and the backend may differ: restore across backends is
+ * supported: every byte goes through the backend's read and write ops, so a snapshot taken on
+ * one backend restores on any other (CPU <-> guarded tested; CPU <-> CUDA uses the CUDA
+ * backend's same ops, tested where a device is present), as is restore into the context that
+ * took it or into another one.
+ *
+ * Format: a kvtier container (docs/snapshot-format.md): file header, sections each with a CRC-32
+ * (zlib's) over its payload and one over its header, END. Versioned: a newer major version is
+ * KVT_ERR_UNSUPPORTED, as is an unknown section marked critical. Restore checks everything before
+ * the request becomes visible — every CRC, every size against the configuration, every count,
+ * positions ascending, kept sets inside the closed rows, archived positions not held, then the
+ * full invariant check (kvt_seq_check) — and on any failure returns the status with nothing
+ * changed: no request, every page back in its pool, no allocation kept.
+ *
+ * Threads: scheduler calls ("Threads"); kvt_snapshot_* are pure and may run on any thread.
+ * ------------------------------------------------------------------------------------------- */
+/* Bytes kvt_seq_snapshot will write for seq now. Between steps only: KVT_ERR_BAD_STATE for a
+ * request with a reservation open (reserved, planned, not committed) or damaged;
+ * KVT_ERR_INVALID_ARGUMENT for NULL. */
+KVT_API kvt_status kvt_seq_snapshot_size(const kvt_seq *seq, size_t *bytes);
+/* Write the snapshot of seq into buf[0..capacity) (caller's host memory); *written = its length
+ * (may be NULL). The request is not changed. KVT_ERR_CAPACITY (nothing meaningful written) when
+ * capacity is below kvt_seq_snapshot_size; KVT_ERR_BAD_STATE as kvt_seq_snapshot_size;
+ * KVT_ERR_OUT_OF_MEMORY (host scratch); a backend error reading rows. */
+KVT_API kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capacity,
+                                    size_t *written);
+/* A new request of ctx holding the state of the snapshot buf[0..len) (the caller keeps buf).
+ * *out is NULL on failure, and then nothing changed. Errors: KVT_ERR_INVALID_ARGUMENT (NULL),
+ * KVT_ERR_PARSE (truncated, malformed, sizes or counts that do not fit), KVT_ERR_CORRUPT (a
+ * checksum, or a state that fails its invariants), KVT_ERR_UNSUPPORTED (a newer format),
+ * KVT_ERR_MISMATCH (another model, configuration, page size, policy or parallelism: the message
+ * names what differs), KVT_ERR_CAPACITY (max_seqs, max_rows_per_seq or archive_rows_per_seq too
+ * small), KVT_ERR_POOL_EXHAUSTED (not enough free pages), KVT_ERR_BAD_STATE (external storage
+ * not bound yet), KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_seq_restore(kvt_ctx *ctx, const void *buf, size_t len, kvt_seq **out);
+/* kvt_seq_snapshot into the file at path, atomically: a temporary file in the same directory,
+ * written, fsync'ed, renamed over path, then the directory fsync'ed. On any failure the
+ * temporary file is removed and a file already at path is left as it was (a failing directory
+ * fsync is reported after the rename: the new file is then in place). The file is created with
+ * mode 0600 (mkstemp). KVT_ERR_IO (with the failing step and errno's text) besides
+ * kvt_seq_snapshot's errors. */
+KVT_API kvt_status kvt_seq_snapshot_file(const kvt_seq *seq, const char *path);
+/* kvt_seq_restore of the file at path. KVT_ERR_IO when it cannot be read. */
+KVT_API kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq **out);
+
+/* For tools (kvtier-inspect): a context of the snapshot's own model, configuration, page size,
+ * policies and parallelism, on the given backend, with just enough pages in each pool to restore
+ * it (the snapshot's checksums and sizes are checked first). Restore the snapshot into it to
+ * verify or inspect it. Errors: those of kvt_seq_restore's parsing, and of kvt_ctx_create. */
+KVT_API kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind backend,
+                                        kvt_ctx **out);
+
+/* The σ scores of a salience layer's closed rows, by position (for inspection): scores has
+ * capacity entries, *n receives the closed rows; non-finite σ reads +Inf. Between steps only.
+ * KVT_ERR_POLICY_MISMATCH for a layer without scores, KVT_ERR_CAPACITY when capacity < *n
+ * (nothing written; NULL scores asks for *n only). */
+KVT_API kvt_status kvt_seq_scores(const kvt_seq *seq, uint32_t layer, float *scores,
+                                  uint64_t capacity, uint64_t *n);
 
 #ifdef __cplusplus
 }

@@ -1144,3 +1144,29 @@ kvt_status kvt_seq_check(const kvt_seq *seq) {
     }
     return KVT_OK;
 }
+
+kvt_status kvt_seq_scores(const kvt_seq *seq, uint32_t layer, float *scores, uint64_t capacity,
+                          uint64_t *n) {
+    CHECK_BETWEEN_STEPS(seq);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    kvt__tier_layer l = tier_layer(seq, layer);
+    if (!l.gr->ops->scores)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_POLICY_MISMATCH,
+                             "layer %u (%s) keeps no per-row scores", layer,
+                             kvt_policy_name(seq->ctx->policies[layer]));
+    kvt_layer_stats ls = {.struct_size = sizeof ls};
+    l.gr->ops->stats(&l, &ls);
+    if (n)
+        *n = ls.closed_rows;
+    if (!scores)
+        return KVT_OK;
+    if (ls.closed_rows > capacity)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_CAPACITY, "%llu scores, capacity %llu",
+                             (unsigned long long)ls.closed_rows, (unsigned long long)capacity);
+    char msg[KVT__ERR_LEN];
+    s = l.gr->ops->scores(&l, scores, msg, sizeof msg);
+    return s == KVT_OK ? KVT_OK : kvt__ctx_fail(seq->ctx, s, "layer %u: %s", layer, msg);
+}

@@ -10,22 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int fault_countdown = -1; /* -1: off; 0: the next allocation fails */
-static int fault_hits;
-
-void *aligned_alloc(size_t align, size_t size) {
-    if (fault_countdown == 0) {
-        fault_countdown = -1;
-        fault_hits++;
-        return NULL;
-    }
-    if (fault_countdown > 0)
-        fault_countdown--;
-    void *p = NULL;
-    if (posix_memalign(&p, align < sizeof(void *) ? sizeof(void *) : align, size) != 0)
-        return NULL;
-    return p;
-}
+#include "support/fault_alloc.h"
 
 static kvt_model *two_group_model(void) {
     kvt_layer_spec s[3];

@@ -164,9 +164,10 @@ kvt_status kvt__ev_reserve(kvt__ev *e, uint64_t rows) {
     return s;
 }
 
-/* A flat buffer of the backend grown to n entries (contents not kept: scratch of one round). */
+/* A flat buffer of the backend grown to n entries, its first `keep` entries copied over on the
+ * device (0 for a round's scratch). */
 static kvt_status flat_grow(const kvt__backend *be, void **arr, uint64_t *cap, uint64_t n,
-                            size_t elt) {
+                            size_t elt, uint64_t keep) {
     if (n <= *cap)
         return KVT_OK;
     if (n > SIZE_MAX / elt)
@@ -175,6 +176,10 @@ static kvt_status flat_grow(const kvt__backend *be, void **arr, uint64_t *cap, u
     kvt_status s = be->ops->buf_alloc(be, elt * n, &p);
     if (s != KVT_OK)
         return s;
+    if (keep && (s = be->ops->copy(be, p, *arr, elt * keep, NULL)) != KVT_OK) {
+        be->ops->buf_free(be, p, elt * n);
+        return s;
+    }
     buf_free(be, *arr, elt * *cap);
     *arr = p;
     *cap = n;
@@ -182,19 +187,20 @@ static kvt_status flat_grow(const kvt__backend *be, void **arr, uint64_t *cap, u
 }
 
 /* The slot map and keep sets of a round over N rows with budget K. The slot map of the last
- * round is published (kvt_seq_last_slot_map), so growing it keeps nothing of the old one only
- * because the round about to run rewrites it whole. */
+ * round is published (kvt_seq_last_slot_map) until the next round rewrites it whole, and that
+ * round can still fail for memory after this (keep sets, archive): growing it keeps the
+ * published map. */
 static kvt_status round_reserve(kvt__ev *e, uint64_t N, uint64_t K) {
     void *p = e->last_map;
     kvt_status s = flat_grow(e->be, &p, &e->last_map_cap, (uint64_t)e->n_heads * N,
-                             sizeof *e->last_map);
+                             sizeof *e->last_map, (uint64_t)e->n_heads * e->last_n);
     e->last_map = p;
     if (s != KVT_OK)
         return s;
     if (e->last_map_cap < (uint64_t)e->n_heads * e->last_n)
         return KVT_ERR_INVARIANT;
     p = e->keep;
-    s = flat_grow(e->be, &p, &e->keep_cap, (uint64_t)e->n_heads * K, sizeof *e->keep);
+    s = flat_grow(e->be, &p, &e->keep_cap, (uint64_t)e->n_heads * K, sizeof *e->keep, 0);
     e->keep = p;
     return s;
 }
@@ -1021,6 +1027,11 @@ static kvt_status ev_check(const kvt__tier_layer *l, char *err, size_t len) {
     return kvt__ev_check(&l->state->ev, l->pt, l->cfg, l->appended, l->prompt_rows, err, len);
 }
 
+static uint64_t ev_snap_size(const kvt__tier_layer *l);
+static kvt_status ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
+static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                               const uint8_t *src, uint64_t n);
+
 const kvt__policy_ops kvt__policy_evict = {
     .rows_are_positions = false,
     .dropped_how = "by random eviction",
@@ -1044,4 +1055,157 @@ const kvt__policy_ops kvt__policy_evict = {
     .stats = ev_stats,
     .check_counts = ev_check_counts,
     .check = ev_check,
+    .snap_size = ev_snap_size,
+    .snap_save = ev_snap_save,
+    .snap_load = ev_snap_load,
 };
+
+/* ------------------------------------------------------------------------------------------- */
+/* Snapshots (policy.h snap_*; lib/snapshot.c)                                                  */
+/* ------------------------------------------------------------------------------------------- */
+/* Layout: u32 n_heads, u32 flags (1: prompt_over_budget, 2: archive present); u64 rounds,
+ * dropped, last_kept, last_n, n_rows, ar_n; i64 pos[n_heads][n_rows];
+ * i32 last_map[n_heads][last_n]; with the archive (ar_n rows per head), i64 ar_pos[n_heads][ar_n]
+ * (order of archiving), u64 ar_by_pos[n_heads][ar_n], u8 bytes[n_heads][ar_n][n_planes x
+ * row_bytes]. Every array lives in the backend's memory: saved and loaded through its read and
+ * write ops, head by head (the buffers are strided by their capacities). The keep sets are a
+ * round's scratch, not state. */
+enum { EV_SNAP_FIXED = 8 + 6 * 8 };
+
+static uint64_t ev_snap_size(const kvt__tier_layer *l) {
+    const kvt__ev *e = &l->state->ev;
+    uint64_t n = EV_SNAP_FIXED + (uint64_t)e->n_heads * (8 * l->pt->n_rows + 4 * e->last_n);
+    if (e->archive)
+        n += (uint64_t)e->n_heads * e->ar_n * (16 + e->ar_row_bytes);
+    return n;
+}
+
+/* Copy `rows` entries of elt bytes of every head between the snapshot (packed [H][rows]) and a
+ * backend array strided by cap ([H][cap]): out of the backend (save) or into it (load). */
+static kvt_status heads_copy(const kvt__backend *be, uint8_t *dev, uint64_t cap, uint8_t *host,
+                             uint64_t rows, size_t elt, uint32_t H, bool save) {
+    kvt_status s = KVT_OK;
+    for (uint32_t h = 0; h < H && rows && s == KVT_OK; h++) {
+        uint8_t *d = dev + elt * h * cap, *p = host + elt * h * rows;
+        s = save ? be->ops->read(be, p, d, elt * rows, NULL)
+                 : be->ops->write(be, d, p, elt * rows, NULL);
+    }
+    return s;
+}
+
+/* The backend arrays of a state and the bytes of each in the snapshot, in layout order. */
+static void ev_snap_arrays(const kvt__ev *e, uint64_t rows, uint8_t *dev[5], uint64_t cap[5],
+                           size_t elt[5], uint64_t count[5]) {
+    uint8_t *d[5] = {(uint8_t *)e->pos, (uint8_t *)e->last_map, (uint8_t *)e->ar_pos,
+                     (uint8_t *)e->ar_by_pos, e->ar_bytes};
+    const uint64_t c[5] = {e->pos_cap, e->last_n, e->ar_cap, e->ar_cap, e->ar_cap};
+    const size_t el[5] = {8, 4, 8, 8, e->ar_row_bytes};
+    const uint64_t k[5] = {rows, e->last_n, e->ar_n, e->ar_n, e->ar_n};
+    for (int i = 0; i < 5; i++) {
+        dev[i] = d[i];
+        cap[i] = c[i];
+        elt[i] = el[i];
+        count[i] = i >= 2 && !e->archive ? 0 : k[i];
+    }
+}
+
+static kvt_status ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len) {
+    const kvt__ev *e = &l->state->ev;
+    const uint64_t rows = l->pt->n_rows;
+    kvt__snap_cur c = {.w = dst};
+    uint32_t head[2] = {e->n_heads, (e->prompt_over_budget ? 1u : 0u) | (e->archive ? 2u : 0u)};
+    uint64_t v[6] = {e->rounds, e->dropped, e->last_kept, e->last_n, rows, e->ar_n};
+    kvt__snap_put(&c, head, sizeof head);
+    kvt__snap_put(&c, v, sizeof v);
+    uint8_t *dev[5];
+    uint64_t cap[5], count[5];
+    size_t elt[5];
+    ev_snap_arrays(e, rows, dev, cap, elt, count);
+    kvt_status s = KVT_OK;
+    for (int i = 0; i < 5 && s == KVT_OK; i++) {
+        s = heads_copy(e->be, dev[i], cap[i], c.w, count[i], elt[i], e->n_heads, true);
+        c.w += elt[i] * e->n_heads * count[i];
+    }
+    return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "eviction state: reading it back");
+}
+
+static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                               const uint8_t *src, uint64_t n) {
+    kvt__ev *e = &s->ev;
+    const kvt_config *cfg = l->cfg;
+    const uint32_t H = e->n_heads;
+    kvt__snap_cur c = {.r = src, .left = n};
+    uint32_t head[2];
+    uint64_t v[6];
+    if (!kvt__snap_get(&c, head, sizeof head) || !kvt__snap_get(&c, v, sizeof v))
+        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                         "eviction state: %llu bytes, the counts need %d", (unsigned long long)n,
+                         EV_SNAP_FIXED);
+    const uint64_t rounds = v[0], dropped = v[1], last_kept = v[2], last_n = v[3], rows = v[4],
+                   ar_n = v[5];
+    const char *bad = NULL;
+    if (head[0] != H)
+        bad = "KV heads differ from the layer's";
+    else if ((head[1] & ~3u) != 0 || ((head[1] & 2u) != 0) != e->archive ||
+             (!e->archive && ar_n != 0))
+        bad = "unknown flags, or an archive where the configuration has none (or none where it "
+              "has one)";
+    else if (rows != l->pt->n_rows)
+        bad = "rows differ from the page table's";
+    else if (rounds == 0 ? (last_n != 0 || last_kept != 0)
+                         : (last_kept != (uint64_t)cfg->evict_budget_rows + cfg->recent_rows ||
+                            last_n > l->appended))
+        bad = "last round's counts out of range";
+    if (bad)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                         "eviction state: %s (%u heads, %llu rows, %llu rounds)", bad, head[0],
+                         (unsigned long long)rows, (unsigned long long)rounds);
+    /* Sizes of everything before any allocation. */
+    const uint64_t per_row[5] = {8, 4, 8, 8, e->ar_row_bytes};
+    const uint64_t count[5] = {rows, last_n, ar_n, ar_n, ar_n};
+    const uint8_t *part[5];
+    for (int i = 0; i < 5; i++)
+        if (!(part[i] = kvt__snap_take_n(&c, count[i], per_row[i] * H)))
+            return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                             "eviction state: %llu bytes for %llu rows, a slot map of %llu and "
+                             "%llu archived rows per head",
+                             (unsigned long long)n, (unsigned long long)rows,
+                             (unsigned long long)last_n, (unsigned long long)ar_n);
+    if (c.left != 0)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                         "eviction state: %llu bytes after the state", (unsigned long long)c.left);
+    if (env->archive_rows && ar_n > env->archive_rows)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_CAPACITY,
+                         "eviction state: %llu rows archived per head, the context's "
+                         "archive_rows_per_seq is %llu",
+                         (unsigned long long)ar_n, (unsigned long long)env->archive_rows);
+    kvt_status rc = kvt__ev_reserve(e, rows);
+    if (rc == KVT_OK && last_n)
+        rc = round_reserve(e, last_n, cfg->evict_budget_rows);
+    if (rc == KVT_OK && ar_n)
+        rc = archive_reserve(e, ar_n, NULL);
+    if (rc != KVT_OK)
+        return kvt__fail(env->err, env->err_len, rc,
+                         "eviction state: positions, slot map, archive");
+    e->last_n = last_n;
+    e->ar_n = ar_n;
+    uint8_t *dev[5];
+    uint64_t cap[5], cnt[5];
+    size_t elt[5];
+    ev_snap_arrays(e, rows, dev, cap, elt, cnt);
+    for (int i = 0; i < 5 && rc == KVT_OK; i++)
+        rc = heads_copy(e->be, dev[i], cap[i], (uint8_t *)(uintptr_t)part[i], cnt[i], elt[i], H,
+                        false);
+    if (rc != KVT_OK)
+        return kvt__fail(env->err, env->err_len, rc, "eviction state: writing it");
+    e->rounds = rounds;
+    e->dropped = dropped;
+    e->last_kept = last_kept;
+    e->prompt_over_budget = (head[1] & 1u) != 0;
+    char msg[KVT__ERR_LEN];
+    rc = kvt__ev_check(e, l->pt, cfg, l->appended, l->prompt_rows, msg, sizeof msg);
+    if (rc != KVT_OK) /* an invariant broken: the snapshot's fault; else the check's (memory) */
+        return kvt__fail(env->err, env->err_len, rc == KVT_ERR_INVARIANT ? KVT_ERR_CORRUPT : rc,
+                         "eviction state: %s", msg);
+    return KVT_OK;
+}

@@ -22,6 +22,8 @@
 
 #include "tiers.h"
 
+#include <string.h>
+
 typedef struct kvt__policy_ops kvt__policy_ops;
 
 /* A policy group: the layers of a context under one policy, which share one page table per
@@ -219,7 +221,66 @@ struct kvt__policy_ops {
     /* (optional) Full check of the state (kvt_seq_check, O(rows)); as check_counts. Without it
      * the state has nothing to check beyond the counts and the page tables. */
     kvt_status (*check)(const kvt__tier_layer *l, char *err, size_t len);
+
+    /* ---- Snapshots (lib/snapshot.c) -------------------------------------------------------- */
+    /* (optional, all three or none) The layer's state in a request snapshot: snap_size bytes,
+     * written by snap_save into dst in the byte order of kvt__snap_cur (little-endian), its
+     * backend planes read through the backend's ops. Without them the layer has no state beyond
+     * its group's page table (none, sliding). snap_save: KVT_OK, or a backend or host-memory
+     * status with a message in err. */
+    uint64_t (*snap_size)(const kvt__tier_layer *l);
+    kvt_status (*snap_save)(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
+    /* Load src[0..n), written by snap_save, into *s: a state fresh from layer_init of a request
+     * nobody sees yet, whose group table l->pt already holds the restored count (l->state is s).
+     * Every size is checked against n before anything is allocated, every count and range
+     * against the configuration and l, and the loaded state must pass `check`. KVT_OK, or
+     * KVT_ERR_PARSE (sizes), KVT_ERR_CORRUPT (a value out of range or an invariant broken),
+     * KVT_ERR_CAPACITY (a stated limit too small), KVT_ERR_OUT_OF_MEMORY, with a message in
+     * env->err; on failure *s may hold allocations that layer_fini frees. */
+    kvt_status (*snap_load)(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                            const uint8_t *src, uint64_t n);
+    /* (optional) Copy the layer's per-row scores (σ of the closed rows, by position; out holds
+     * as many as stats' closed_rows) to host memory. Without it the layer has no scores. */
+    kvt_status (*scores)(const kvt__tier_layer *l, float *out, char *err, size_t len);
 };
+
+/* Byte cursor of the snapshot entries: values are stored in the host's order, which the build
+ * requires to be little-endian (the container's). take: the next n bytes, or NULL past the end
+ * (the cursor then stays put). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvtier snapshots are little-endian: a big-endian host needs byte swaps here"
+#endif
+typedef struct kvt__snap_cur {
+    uint8_t *w;         /* writing */
+    const uint8_t *r;   /* reading */
+    uint64_t left;      /* bytes left to read */
+} kvt__snap_cur;
+static inline void kvt__snap_put(kvt__snap_cur *c, const void *src, uint64_t n) {
+    if (n)
+        memcpy(c->w, src, (size_t)n);
+    c->w += n;
+}
+static inline const uint8_t *kvt__snap_take(kvt__snap_cur *c, uint64_t n) {
+    if (n > c->left)
+        return NULL;
+    const uint8_t *p = c->r;
+    c->r += n;
+    c->left -= n;
+    return p;
+}
+/* Read a fixed-size value into *dst; false past the end. */
+static inline bool kvt__snap_get(kvt__snap_cur *c, void *dst, uint64_t n) {
+    const uint8_t *p = kvt__snap_take(c, n);
+    if (p && n)
+        memcpy(dst, p, (size_t)n);
+    return p != NULL;
+}
+/* Take count elements of elt bytes (count checked against what is left before multiplying). */
+static inline const uint8_t *kvt__snap_take_n(kvt__snap_cur *c, uint64_t count, uint64_t elt) {
+    if (elt && count > c->left / elt)
+        return NULL;
+    return kvt__snap_take(c, count * elt);
+}
 
 extern const kvt__policy_ops kvt__policy_none;
 extern const kvt__policy_ops kvt__policy_sliding;

@@ -593,6 +593,12 @@ static kvt_status sal_check(const kvt__tier_layer *l, char *err, size_t len) {
     return kvt__sal_check(sa, l->cfg, err, len);
 }
 
+static uint64_t sal_snap_size(const kvt__tier_layer *l);
+static kvt_status sal_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
+static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                                const uint8_t *src, uint64_t n);
+static kvt_status sal_scores(const kvt__tier_layer *l, float *out, char *err, size_t len);
+
 const kvt__policy_ops kvt__policy_salience = {
     .rows_are_positions = true,
     .group_init = sal_group_init,
@@ -610,4 +616,120 @@ const kvt__policy_ops kvt__policy_salience = {
     .stats = sal_stats,
     .check_counts = sal_check_counts,
     .check = sal_check,
+    .snap_size = sal_snap_size,
+    .snap_save = sal_snap_save,
+    .snap_load = sal_snap_load,
+    .scores = sal_scores,
 };
+
+/* ------------------------------------------------------------------------------------------- */
+/* Snapshots (policy.h snap_*; lib/snapshot.c)                                                  */
+/* ------------------------------------------------------------------------------------------- */
+/* Layout: u64 n_rows, closed_rows, n_kept, kept_in_sinks, closes, nonfinite, score_bytes_read;
+ * f32 score[closed_rows] (canonical: no NaN); u32 kept[n_kept] (ascending positions). */
+enum { SAL_SNAP_COUNTS = 7 };
+
+static uint64_t sal_snap_size(const kvt__tier_layer *l) {
+    const kvt__sal *sa = &l->state->sal;
+    return 8 * SAL_SNAP_COUNTS + sizeof(float) * sa->closed_rows + sizeof(uint32_t) * sa->n_kept;
+}
+
+static kvt_status sal_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len) {
+    const kvt__sal *sa = &l->state->sal;
+    uint64_t v[SAL_SNAP_COUNTS] = {sa->n_rows, sa->closed_rows, sa->n_kept, sa->kept_in_sinks,
+                                   sa->closes, sa->nonfinite,   sa->score_bytes_read};
+    kvt__snap_cur c = {.w = dst};
+    kvt__snap_put(&c, v, sizeof v);
+    /* The planes are in the backend's memory: read through it, straight into the snapshot. */
+    kvt_status rc = KVT_OK;
+    if (sa->closed_rows)
+        rc = sa->be->ops->read(sa->be, c.w, sa->score, sizeof *sa->score * sa->closed_rows, NULL);
+    c.w += sizeof *sa->score * sa->closed_rows;
+    if (rc == KVT_OK && sa->n_kept)
+        rc = sa->be->ops->read(sa->be, c.w, sa->kept, sizeof *sa->kept * sa->n_kept, NULL);
+    return rc == KVT_OK ? KVT_OK : kvt__fail(err, len, rc, "salience: reading the side planes");
+}
+
+static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                                const uint8_t *src, uint64_t n) {
+    const kvt_config *cfg = l->cfg;
+    const uint32_t B = cfg->block_rows;
+    kvt__snap_cur c = {.r = src, .left = n};
+    uint64_t v[SAL_SNAP_COUNTS];
+    if (!kvt__snap_get(&c, v, sizeof v))
+        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                         "salience state: %llu bytes, the counts need %zu",
+                         (unsigned long long)n, sizeof v);
+    kvt__sal t = {.n_rows = v[0], .closed_rows = v[1], .n_kept = v[2], .kept_in_sinks = v[3],
+                  .closes = v[4], .nonfinite = v[5], .score_bytes_read = v[6]};
+    const char *bad = NULL;
+    if (t.n_rows != l->pt->n_rows)
+        bad = "rows differ from the page table's";
+    else if (t.closed_rows > t.n_rows || t.closed_rows % B != 0 || t.closed_rows > UINT32_MAX)
+        bad = "closed rows not whole blocks inside the rows";
+    else if (t.n_kept != kvt__sal_m(t.closed_rows, cfg->ratio) || t.kept_in_sinks > t.n_kept)
+        bad = "kept count is not m of the closed rows";
+    else if (t.closes != t.closed_rows / B || t.nonfinite > t.closed_rows ||
+             t.score_bytes_read != t.closed_rows * score_bytes_per_row(cfg, &l->st->spec))
+        bad = "close counters disagree with the closed rows";
+    if (bad)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT,
+                         "salience state: %s (rows %llu, closed %llu, kept %llu, closes %llu)",
+                         bad, (unsigned long long)t.n_rows, (unsigned long long)t.closed_rows,
+                         (unsigned long long)t.n_kept, (unsigned long long)t.closes);
+    const uint8_t *sp = kvt__snap_take_n(&c, t.closed_rows, sizeof(float));
+    const uint8_t *kp = sp ? kvt__snap_take_n(&c, t.n_kept, sizeof(uint32_t)) : NULL;
+    if (!kp || c.left != 0)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
+                         "salience state: %llu bytes for %llu scores and %llu kept rows",
+                         (unsigned long long)n, (unsigned long long)t.closed_rows,
+                         (unsigned long long)t.n_kept);
+    /* Host copies (the bytes of src need not be aligned) checked as kvt_seq_check would, before
+     * the planes are allocated. */
+    const kvt__alloc *a = env->alloc;
+    float *score = t.closed_rows ? kvt__malloc(a, sizeof *score * t.closed_rows) : NULL;
+    uint32_t *kept = t.n_kept ? kvt__malloc(a, sizeof *kept * t.n_kept) : NULL;
+    kvt_status rc = KVT_OK;
+    if ((t.closed_rows && !score) || (t.n_kept && !kept))
+        rc = kvt__fail(env->err, env->err_len, KVT_ERR_OUT_OF_MEMORY, "salience state: copies");
+    if (rc == KVT_OK) {
+        if (t.closed_rows)
+            memcpy(score, sp, sizeof *score * t.closed_rows);
+        if (t.n_kept)
+            memcpy(kept, kp, sizeof *kept * t.n_kept);
+        char msg[KVT__ERR_LEN];
+        if (check_host(&t, cfg, score, kept, msg, sizeof msg) != KVT_OK)
+            rc = kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT, "salience state: %s", msg);
+    }
+    kvt__sal *sa = &s->sal;
+    if (rc == KVT_OK && (rc = sal_reserve(sa, a, B, t.closed_rows, t.n_kept, NULL)) != KVT_OK)
+        kvt__fail(env->err, env->err_len, rc, "salience state: side planes");
+    if (rc == KVT_OK && t.closed_rows &&
+        (rc = sa->be->ops->write(sa->be, sa->score, score, sizeof *score * t.closed_rows,
+                                 NULL)) != KVT_OK)
+        kvt__fail(env->err, env->err_len, rc, "salience state: writing the score plane");
+    if (rc == KVT_OK && t.n_kept &&
+        (rc = sa->be->ops->write(sa->be, sa->kept, kept, sizeof *kept * t.n_kept, NULL)) !=
+            KVT_OK)
+        kvt__fail(env->err, env->err_len, rc, "salience state: writing the kept set");
+    if (rc == KVT_OK) {
+        sa->n_rows = t.n_rows;
+        sa->closed_rows = t.closed_rows;
+        sa->n_kept = t.n_kept;
+        sa->kept_in_sinks = t.kept_in_sinks;
+        sa->closes = t.closes;
+        sa->nonfinite = t.nonfinite;
+        sa->score_bytes_read = t.score_bytes_read;
+    }
+    kvt__free(a, score, sizeof *score * t.closed_rows);
+    kvt__free(a, kept, sizeof *kept * t.n_kept);
+    return rc;
+}
+
+static kvt_status sal_scores(const kvt__tier_layer *l, float *out, char *err, size_t len) {
+    const kvt__sal *sa = &l->state->sal;
+    kvt_status rc = KVT_OK;
+    if (sa->closed_rows)
+        rc = sa->be->ops->read(sa->be, out, sa->score, sizeof *out * sa->closed_rows, NULL);
+    return rc == KVT_OK ? KVT_OK : kvt__fail(err, len, rc, "salience: reading the score plane");
+}

@@ -27,6 +27,7 @@ class Status(enum.IntEnum):
     ERR_INVARIANT = -13
     ERR_DROPPED = -14
     ERR_ARCHIVE_FULL = -15
+    ERR_MISMATCH = -16
 
     @property
     def c_name(self) -> str:

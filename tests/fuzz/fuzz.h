@@ -65,4 +65,41 @@ static inline uint32_t fuzz_range(fuzz_in *in, uint32_t lo, uint32_t hi) {
     return lo + v % span;
 }
 
+/* kvtier containers (traces, snapshots; docs/trace-format.md §1): the file header's CRC of bytes
+ * 0..19 at 20; each section header's payload CRC at 16 (of the payload's length bytes, when they
+ * are in the input) and its own CRC of bytes 0..19 at 20; sections start at multiples of 8 after
+ * the payload, the padding zero. fuzz_fix_crcs restores the magic's first byte and recomputes
+ * every CRC and padding, so that a target whose input starts with 0x88 reaches the parsers
+ * behind the checksums; other inputs fuzz the checksums themselves. */
+#include <string.h>
+#include <zlib.h>
+
+static inline uint32_t fuzz_get_u32(const uint8_t *p) {
+    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline void fuzz_put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void fuzz_fix_crcs(uint8_t *b, size_t n) {
+    b[0] = 0x89;
+    if (n < 24)
+        return;
+    fuzz_put_u32(b + 20, (uint32_t)crc32(0, b, 20));
+    uint64_t off = 24;
+    while (off + 24 <= n) {
+        uint8_t *h = b + off;
+        uint64_t len = fuzz_get_u32(h + 8) | (uint64_t)fuzz_get_u32(h + 12) << 32;
+        if (len <= n - off - 24)
+            fuzz_put_u32(h + 16, (uint32_t)crc32(0, h + 24, (uInt)len));
+        fuzz_put_u32(h + 20, (uint32_t)crc32(0, h, 20));
+        if (len > n - off - 24)
+            break;
+        uint64_t pad = (8 - len % 8) % 8;
+        if (pad <= n - off - 24 - len)
+            memset(h + 24 + len, 0, (size_t)pad);
+        off += 24 + len + pad;
+    }
+}
+
 #endif

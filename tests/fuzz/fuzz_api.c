@@ -5,7 +5,8 @@
  * kvt_batch_reserve_drafts, row writes, plan, run in both emission layouts with one or several
  * queries per request and capacities that sometimes fall short, commit with partial acceptance
  * (and acceptances the contract refuses), prompt changes, batches destroyed before their run,
- * and the inspection calls.
+ * the inspection calls, and snapshots: taken (refused inside a step), restored into a free
+ * request slot (as they are, with a byte flipped, or cut short), replacing the original.
  *
  * After every call: its status is in the set kvtier.h documents for it (KVT_ERR_INVARIANT never
  * is), and kvt_seq_check of every live request is KVT_OK (KVT_ERR_BAD_STATE allowed only for a
@@ -544,6 +545,76 @@ static void op_inspect(fuzz_state *f) {
     free(map);
 }
 
+/* Snapshot request i; restore it (mode bit 0: one byte flipped, bit 1: cut short, both refused
+ * with the pools unchanged) into a free request slot, or in place of the original (bit 2). A
+ * restored request snapshots to the same bytes. */
+static void op_snapshot(fuzz_state *f) {
+    int i = fuzz_range(&f->in, 0, MAX_SEQS - 1);
+    uint8_t mode = fuzz_u8(&f->in);
+    uint32_t at = fuzz_u16(&f->in);
+    if (!f->seq[i].h)
+        return;
+    size_t n = 0;
+    kvt_status s = kvt_seq_snapshot_size(f->seq[i].h, &n);
+    FUZZ_STATUS("kvt_seq_snapshot_size", s, KVT_ERR_BAD_STATE);
+    if (f->seq[i].batch >= 0)
+        FUZZ_REQUIRE(s == KVT_ERR_BAD_STATE, "snapshot inside a step: %s", kvt_status_name(s));
+    if (s != KVT_OK)
+        return;
+    uint8_t *buf = malloc(n), *again = NULL;
+    FUZZ_REQUIRE(buf, "oom");
+    s = kvt_seq_snapshot(f->seq[i].h, buf, n - (mode & 8 ? 1 : 0), NULL);
+    FUZZ_REQUIRE(s == ((mode & 8) ? KVT_ERR_CAPACITY : KVT_OK), "snapshot: %s",
+                 kvt_status_name(s));
+    if (mode & 8)
+        s = kvt_seq_snapshot(f->seq[i].h, buf, n, NULL);
+    int j = (mode & 4) ? i : -1;
+    for (int k = 0; j < 0 && k < MAX_SEQS; k++)
+        if (!f->seq[k].h)
+            j = k;
+    uint32_t before[N_LAYERS], after[N_LAYERS];
+    free_pages(f, before);
+    size_t len = n;
+    if (mode & 1)
+        buf[at % n] ^= (uint8_t)(1 + (mode >> 4));
+    else if (mode & 2)
+        len = at % n;
+    kvt_seq *r = NULL;
+    s = j < 0 ? KVT_ERR_CAPACITY : kvt_seq_restore(f->ctx, buf, len, &r);
+    if (f->verbose)
+        fprintf(stderr, "  snapshot of %d (%zu bytes), restore into %d: %s\n", i, n, j,
+                kvt_status_name(s));
+    if (mode & 3) {
+        FUZZ_STATUS("kvt_seq_restore (damaged)", s, KVT_ERR_PARSE, KVT_ERR_CORRUPT,
+                    KVT_ERR_UNSUPPORTED, KVT_ERR_MISMATCH, KVT_ERR_CAPACITY);
+        FUZZ_REQUIRE(s != KVT_OK, "a damaged snapshot was restored");
+    } else {
+        FUZZ_STATUS("kvt_seq_restore", s, KVT_ERR_POOL_EXHAUSTED, KVT_ERR_CAPACITY);
+    }
+    if (s != KVT_OK) {
+        FUZZ_REQUIRE(!r, "a refused restore returned a request");
+        free_pages(f, after);
+        for (uint32_t l = 0; l < N_LAYERS; l++)
+            FUZZ_REQUIRE(before[l] == after[l], "layer %u: %u free pages before a refused "
+                         "restore, %u after", l, before[l], after[l]);
+        free(buf);
+        return;
+    }
+    size_t m = 0;
+    FUZZ_REQUIRE(kvt_seq_snapshot_size(r, &m) == KVT_OK && m == n, "restored size %zu of %zu",
+                 m, n);
+    again = malloc(n);
+    FUZZ_REQUIRE(again && kvt_seq_snapshot(r, again, n, NULL) == KVT_OK &&
+                     memcmp(buf, again, n) == 0,
+                 "a restored request snapshots to other bytes");
+    if (j == i)
+        kvt_seq_destroy(f->seq[i].h);
+    f->seq[j].h = r;
+    f->seq[j].batch = -1;
+    free(buf);
+    free(again);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fuzz_state f = {.in = {data, size}};
     f.rng = size;
@@ -563,9 +634,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static const char *const names[] = {"create",  "destroy", "reserve", "write",
                                         "plan",    "run",     "commit",  "batch recreate",
                                         "prompt",  "inspect", "write",   "run",
-                                        "raw io"};
+                                        "raw io",  "snapshot"};
     for (int op = 0; op < MAX_OPS && f.in.n > 0; op++) {
-        uint8_t code = fuzz_u8(&f.in) % 13;
+        uint8_t code = fuzz_u8(&f.in) % 14;
         if (f.verbose)
             fprintf(stderr, "op %d: %s\n", op, names[code]);
         switch (code) {
@@ -580,6 +651,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         case 8: op_prompt(&f); break;
         case 9: op_inspect(&f); break;
         case 12: op_raw_io(&f); break;
+        case 13: op_snapshot(&f); break;
         }
         check_all(&f, names[code]);
     }

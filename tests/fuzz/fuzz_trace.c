@@ -6,7 +6,7 @@
  * The bytes go to a memfd opened by its /proc/self/fd path (kvt_trace_open takes a path), so
  * nothing touches the disk. CRCs would stop almost every mutation at the header: an input whose
  * first byte is 0x88 instead of the magic's 0x89 is written with the magic restored and every
- * header and payload CRC recomputed (fix_crcs), so the fuzzer reaches the section parsers and the
+ * header and payload CRC recomputed (fuzz_fix_crcs), so the fuzzer reaches the section parsers and the
  * cross-checks; other inputs are written as they are, which fuzzes the CRC checks themselves. Statuses must stay in each call's documented set; what open
  * accepted must be consistent (targets name needles that exist, positions within rows). */
 #define _GNU_SOURCE
@@ -17,7 +17,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
-#include <zlib.h>
 
 /* Rows and query bytes read per input: the reader holds O(sections), a fuzzed directory may
  * describe many rows; cap the reads, not what is described. */
@@ -92,42 +91,13 @@ static void read_layer(kvt_trace *t, const kvt_trace_layer *li, size_t *budget) 
     free(q);
 }
 
-static uint32_t get_u32(const uint8_t *p) {
-    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static void put_u32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-/* docs/trace-format.md §1: the file header's CRC of bytes 0..19 at 20; each section header's
- * payload CRC at 16 (of the payload's length bytes, when they are in the file) and its own CRC
- * of bytes 0..19 at 20; sections start at multiples of 8 after the payload. */
-static void fix_crcs(uint8_t *b, size_t n) {
-    b[0] = 0x89;
-    if (n < 24)
-        return;
-    put_u32(b + 20, (uint32_t)crc32(0, b, 20));
-    uint64_t off = 24;
-    while (off + 24 <= n) {
-        uint8_t *h = b + off;
-        uint64_t len = get_u32(h + 8) | (uint64_t)get_u32(h + 12) << 32;
-        if (len <= n - off - 24)
-            put_u32(h + 16, (uint32_t)crc32(0, h + 24, (uInt)len));
-        put_u32(h + 20, (uint32_t)crc32(0, h, 20));
-        if (len > n - off - 24)
-            break;
-        off += 24 + len + (8 - len % 8) % 8;
-    }
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t *fixed = NULL;
     if (size > 0 && data[0] == 0x88) {
         fixed = malloc(size);
         FUZZ_REQUIRE(fixed, "oom");
         memcpy(fixed, data, size);
-        fix_crcs(fixed, size);
+        fuzz_fix_crcs(fixed, size);
         data = fixed;
     }
     if (trace_fd < 0) {

@@ -2,11 +2,12 @@
 """make_api_seeds.py — writes the fuzz_api seed corpus: byte programs in fuzz_api.c's encoding
 (a context header, then one opcode byte per call with its argument bytes) for a prefill and a
 decode loop that reaches block closes and eviction rounds, speculative steps with drafts and
-per-token emission, pool exhaustion, and archived eviction with limits.
+per-token emission, pool exhaustion, archived eviction with limits, and snapshots.
 Usage: make_api_seeds.py DIR"""
 import sys
 
 CREATE, DESTROY, RESERVE, WRITE, PLAN, RUN, COMMIT, RECREATE, PROMPT, INSPECT = range(10)
+SNAPSHOT = 13
 
 
 def header(window=20, block128=0, kappa=4, ratio=4, sink=2, K=16, recent=4, cadence=4,
@@ -67,6 +68,15 @@ def seeds():
     for _ in range(20):
         s += step([6, 3], runs=((1, 1), (2, 1), (0, 0x31)), wmode=1)
     yield "archive", s
+    # snapshots between steps: restored into a free slot, in place, with a byte flipped, cut
+    # short, into a buffer one byte short; refused inside a step
+    s = header(flags=2, K=8) + two
+    for i in range(24):
+        s += step([5, 2])
+        s += [SNAPSHOT, i % 2, [0, 4, 1 | 0x30, 2, 8][i % 5], (i * 37) & 0xff, i & 3]
+        s += [DESTROY, 2, DESTROY, 3]
+    s += [RESERVE, 0, 1, 0, 2, SNAPSHOT, 0, 0, 0, 0, COMMIT, 0, 1]
+    yield "snapshot", s
 
 
 if __name__ == "__main__":

@@ -124,3 +124,62 @@ endif()
     COMMAND ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle> -DDIR=${CMAKE_CURRENT_BINARY_DIR}
             -P ${KVT_NEEDLE_SAME})
 endif()
+
+# Preemption drill: --snapshot-at snapshots every request to a file at that step of each
+# replay, destroys it and restores it; the CSV must be the run's without it (salience closes,
+# the random selector, and random eviction on a RoPE layer, on both sides of the snapshot).
+if(TARGET kvtier-needle)
+  set(KVT_NEEDLE_SNAP ${CMAKE_CURRENT_BINARY_DIR}/needle_snapshot_same.cmake)
+  file(WRITE ${KVT_NEEDLE_SNAP} [=[
+set(common --synthetic --context 4096 --ratio 8,32 --needles 2 --seed 5 --block 256 --kappa 8)
+file(REMOVE_RECURSE ${DIR}/needle_snapshots)
+file(MAKE_DIRECTORY ${DIR}/needle_snapshots)
+foreach(kind nope rope)
+  # Steps of 256 rows (salience: after 3 closes) or 32 (RoPE: after the first round).
+  set(extra --mode salience,random,dense)
+  set(at 3)
+  if(kind STREQUAL "rope")
+    set(extra --mode salience --rope --recent 32)
+    set(at 20)
+  endif()
+  execute_process(COMMAND ${BIN} ${common} ${extra} --csv ${DIR}/needle_plain_${kind}.csv
+                  RESULT_VARIABLE a OUTPUT_QUIET)
+  execute_process(COMMAND ${BIN} ${common} ${extra} --snapshot-at ${at}
+                  --snapshot-dir ${DIR}/needle_snapshots --csv ${DIR}/needle_snap_${kind}.csv
+                  RESULT_VARIABLE b OUTPUT_QUIET ERROR_VARIABLE e)
+  if(NOT a EQUAL 0 OR NOT b EQUAL 0)
+    message(FATAL_ERROR "${kind}: exit statuses ${a} (plain) and ${b} (snapshot): ${e}")
+  endif()
+  file(READ ${DIR}/needle_plain_${kind}.csv x)
+  file(READ ${DIR}/needle_snap_${kind}.csv y)
+  if(NOT x STREQUAL y OR x STREQUAL "")
+    message(FATAL_ERROR "${kind}: the CSV with --snapshot-at differs from the plain run's")
+  endif()
+endforeach()
+if(NOT EXISTS ${DIR}/needle_snapshots/r1.kvts)
+  message(FATAL_ERROR "no snapshot file kept in --snapshot-dir")
+endif()
+# kvtier-inspect snapshot reads it (text and JSON), --verify passes; one flipped byte fails.
+set(f ${DIR}/needle_snapshots/r1.kvts)
+execute_process(COMMAND ${INSPECT} snapshot ${f} --verify RESULT_VARIABLE a OUTPUT_VARIABLE o)
+if(NOT a EQUAL 0 OR NOT o MATCHES "verified: every CRC.*random-evict.*recall: none")
+  message(FATAL_ERROR "inspect snapshot --verify: ${a}\n${o}")
+endif()
+execute_process(COMMAND ${INSPECT} snapshot ${f} --json RESULT_VARIABLE a OUTPUT_VARIABLE o)
+if(NOT a EQUAL 0 OR NOT o MATCHES "^{\"file\".*\"rounds\":[1-9].*\"memory\"")
+  message(FATAL_ERROR "inspect snapshot --json: ${a}\n${o}")
+endif()
+file(COPY_FILE ${f} ${f}.bad)
+execute_process(COMMAND printf "\\377" COMMAND dd of=${f}.bad bs=1 seek=300 conv=notrunc
+                RESULT_VARIABLE a ERROR_QUIET)
+execute_process(COMMAND ${INSPECT} snapshot ${f}.bad --verify RESULT_VARIABLE a
+                OUTPUT_QUIET ERROR_VARIABLE e)
+if(NOT a EQUAL 1 OR NOT e MATCHES "CRC mismatch")
+  message(FATAL_ERROR "inspect snapshot --verify of a corrupted file: ${a}: ${e}")
+endif()
+]=])
+  add_test(NAME needle_snapshot_same_csv
+    COMMAND ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle> -DDIR=${CMAKE_CURRENT_BINARY_DIR}
+            -DINSPECT=$<TARGET_FILE:kvtier-inspect>
+            -P ${KVT_NEEDLE_SNAP})
+endif()

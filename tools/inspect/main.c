@@ -4,9 +4,10 @@
  *   kvtier-inspect census CONFIG.json [--context N] [--concurrency C] [--ratio X]
  *                         [--dtype bf16|fp16|fp32] [--json]
  *   kvtier-inspect trace FILE.kvtt [--verify] [--json] [--rows LAYER:FIRST:N]...
+ *   kvtier-inspect snapshot FILE [--verify] [--json]
  *
  * Subcommands live in their own files of tools/inspect/ and are listed in k_commands below
- * (later: snapshot). Exit status: 0 success, 1 bad input, 2 bad command line.
+ * Exit status: 0 success, 1 bad input, 2 bad command line.
  */
 #include "inspect.h"
 
@@ -22,6 +23,8 @@ static const struct command {
 } k_commands[] = {
     {"census", inspect_census, "per-layer KV cache census of a Hugging Face config.json"},
     {"trace", inspect_trace, "contents of a kvtier trace file (.kvtt); --verify checks all CRCs"},
+    {"snapshot", inspect_snapshot,
+     "a request snapshot: occupancy per tier and layer, sigma, memory; --verify checks it all"},
 };
 
 #define N_COMMANDS (sizeof k_commands / sizeof k_commands[0])

@@ -60,6 +60,9 @@ static void usage(FILE *f) {
 "  --backend B            cpu (default), guarded (the CPU backend with its memory closed to\n"
 "                         the host outside its ops: same CSV as cpu), cuda\n"
 "  --seeds N              haystacks per context: seeds S .. S+N-1 (default 1)\n"
+"  --snapshot-at STEP     after the STEP-th committed step of each replay, snapshot every\n"
+"                         request to a file, destroy it and restore it (same CSV as without)\n"
+"  --snapshot-dir DIR     where those files go, one per request, kept (default .)\n"
 "\n"
 "Manager:\n"
 "  --mode LIST            salience|random|dense|recall|promote, comma list (default salience)\n"
@@ -403,6 +406,14 @@ static int parse_args(int argc, char **argv, opts *o) {
                 o->run.backend = KVT_BACKEND_CUDA;
             else
                 return usage_err("bad --backend '%s' (cpu, guarded, cuda)", v);
+        } else if (!strcmp(a, "--snapshot-at")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1)
+                return usage_err("bad --snapshot-at '%s' (a step, 1..)", v);
+            o->run.snapshot_at = u;
+        } else if (!strcmp(a, "--snapshot-dir")) {
+            NEED_VALUE();
+            o->run.snapshot_dir = v;
         } else if (!strcmp(a, "--seeds")) {
             NEED_VALUE();
             if (parse_u64(v, &u) || u < 1 || u > 10000)

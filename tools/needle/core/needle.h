@@ -200,6 +200,12 @@ typedef struct nd_run_params {
      * that tests can damage them and see the check refuse the measurement. */
     void (*tamper)(void *ud, uint8_t *pool, size_t pool_bytes, int32_t *slots, int32_t *len);
     void *tamper_ud;
+    /* Preemption drill (0: off): after the snapshot_at-th committed step of the replay, every
+     * request is snapshotted to snapshot_dir/r<request id>.kvts (kvt_seq_snapshot_file),
+     * destroyed, and restored from the file (kvt_seq_restore_file); the replay continues on the
+     * restored requests and must give the same results. */
+    uint64_t snapshot_at;
+    const char *snapshot_dir;
 } nd_run_params;
 
 nd_run_params nd_run_default_params(void);

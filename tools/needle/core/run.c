@@ -285,6 +285,24 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
     return ND_OK;
 }
 
+/* nd_run_params.snapshot_at: every request to a file, destroyed, restored from it. */
+static int snapshot_drill(kvt_ctx *ctx, const nd_run_params *p, kvt_seq **seqs, uint32_t n,
+                          char *err, size_t err_len) {
+    char path[4096];
+    for (uint32_t r = 0; r < n; r++) {
+        snprintf(path, sizeof path, "%s/r%llu.kvts", p->snapshot_dir ? p->snapshot_dir : ".",
+                 (unsigned long long)(p->request_base + r));
+        kvt_status s = kvt_seq_snapshot_file(seqs[r], path);
+        if (s != KVT_OK)
+            return lib_fail(err, err_len, ctx, s, "kvt_seq_snapshot_file");
+        kvt_seq_destroy(seqs[r]);
+        seqs[r] = NULL;
+        if ((s = kvt_seq_restore_file(ctx, path, &seqs[r])) != KVT_OK)
+            return lib_fail(err, err_len, ctx, s, "kvt_seq_restore_file");
+    }
+    return 0;
+}
+
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
     if (p->mode == ND_MODE_RECALL || p->mode == ND_MODE_PROMOTE)
@@ -423,7 +441,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         rc = nd_fail(err, err_len, ND_ENOMEM, "replay scratch");
         goto done;
     }
-    uint64_t committed = 0;
+    uint64_t committed = 0, steps = 0;
     for (uint32_t ti = 0; ti < c->n_targets; ti++) {
         const nd_target *tg = &c->targets[ti];
         const nd_needle *nd = &c->needles[tg->needle];
@@ -490,6 +508,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                 goto done;
             }
             committed += n;
+            if (++steps == p->snapshot_at && (rc = snapshot_drill(ctx, p, seqs, NB, err,
+                                                                    err_len)) != 0)
+                goto done;
             if (progress)
                 progress(ud, 0.9 * (double)committed / (double)c->n_rows);
         }
