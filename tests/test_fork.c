@@ -10,6 +10,7 @@
  *   - after a fork past rounds, the parent continues exactly as a parent never forked, whatever
  *     its children write, and each child starts equal to its parent;
  *   - forking takes no page; sharing keeps the prompt's pages shared through rounds;
+ *   - a forked request's snapshot is self-contained (restored elsewhere, it continues alike);
  *   - kvt_seq_check (reference counts included) after every step; misuse answers its status.
  */
 #include <criterion/criterion.h>
@@ -155,6 +156,21 @@ Test(fork, parent_is_isolated_from_its_children) {
         step(twin, m, n, 0, k % 2);
         same(parent, twin, "parent vs never forked", k);
     }
+    /* A forked request's snapshot is self-contained: restored into another context (its pages
+     * its own), it holds the same rows and continues alike. */
+    size_t bytes;
+    cr_assert_eq(kvt_seq_snapshot_size(c[1], &bytes), KVT_OK, "%s", kvt_last_error());
+    void *buf = malloc(bytes);
+    cr_assert_eq(kvt_seq_snapshot(c[1], buf, bytes, NULL), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx *other = tu_mixed_ctx(m, true, NP);
+    kvt_seq *back;
+    cr_assert_eq(kvt_seq_restore(other, buf, bytes, &back), KVT_OK, "%s", kvt_last_error());
+    same(back, c[1], "restored fork", 0);
+    step(back, m, 9, 77, true);
+    step(c[1], m, 9, 77, true);
+    same(back, c[1], "restored fork continued", 1);
+    free(buf);
+    kvt_ctx_destroy(other);
     /* A child outlives its parent. */
     kvt_seq_destroy(parent);
     step(c[0], m, 5, 901, true);
