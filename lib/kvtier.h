@@ -551,9 +551,21 @@ KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, u
  * draws are keyed by the child's own request id. KVT_ERR_BAD_STATE when seq has a step in flight
  * (or is damaged), KVT_ERR_INVALID_ARGUMENT (NULL), KVT_ERR_CAPACITY (max_seqs reached),
  * KVT_ERR_OUT_OF_MEMORY; on failure nothing was forked. A later reserve that must copy a page
- * the pool cannot give answers KVT_ERR_POOL_EXHAUSTED with nothing reserved. Not yet: attaching
- * a new request to another's first P rows. */
+ * the pool cannot give answers KVT_ERR_POOL_EXHAUSTED with nothing reserved. */
 KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out);
+/* A new request *out of id request_id holding src's first prefix_rows committed rows —
+ * positions [0, prefix_rows), a multiple of page_rows — sharing their pages (a system prompt or
+ * document many requests start from), in exactly the state a request fed those rows alone would
+ * have: salience layers keep the σ of the blocks closed within the prefix and select their
+ * top-m anew, random-eviction layers start with no round, a sliding group holds the prefix's
+ * last window. Its prompt length is min(src's, prefix_rows); src's parameters otherwise. Pages
+ * are shared and copied on write as with kvt_seq_fork. KVT_ERR_INVALID_ARGUMENT (prefix not a
+ * multiple of page_rows or past src's length, out NULL), KVT_ERR_UNSUPPORTED when src no longer
+ * holds the prefix as it was (an eviction round moved rows past its protected prompt; a
+ * sliding group returned rows the prefix's window needs), KVT_ERR_BAD_STATE (a step in flight),
+ * KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY; on failure nothing was created. */
+KVT_API kvt_status kvt_seq_attach(kvt_seq *src, uint64_t prefix_rows, uint64_t request_id,
+                                  kvt_seq **out);
 
 /* ---------------------------------------------------------------------------------------------
  * Batches: one decode (or prefill) step of many requests.

@@ -366,68 +366,145 @@ static uint64_t group_writes_from(const kvt_seq *seq, uint32_t g, uint64_t rows_
     return from;
 }
 
-kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {
-    CHECK_LIVE_SEQ(seq);
-    kvt_ctx *ctx = seq->ctx;
-    if (!out)
-        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "out is NULL");
-    *out = NULL;
-    if (seq->n_pending || seq->batch)
-        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
-                             "request %llu has a step in flight: fork between steps",
-                             (unsigned long long)seq->request_id);
+/* Group g's table of c becomes a reader of src's live pages [k0, k0 + n_pages), which hold row
+ * indices from first_page * page_rows; c then holds n_rows rows. Shared pages: read-only until
+ * own_pages copies them. */
+static kvt_status share_pages(kvt_seq *c, uint32_t g, const kvt__ptable *src, uint64_t k0,
+                              uint32_t n_pages, uint64_t first_page, uint64_t n_rows) {
+    kvt_ctx *ctx = c->ctx;
+    kvt__ptable *t = &c->pt[g];
+    void *arr = t->pages;
+    kvt_status s = kvt__grow(&ctx->alloc, &arr, &t->cap, n_pages, sizeof *t->pages);
+    t->pages = arr;
+    if (s == KVT_OK)
+        s = kvt__ptable_mirror_reserve(t, &ctx->backend, n_pages);
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "page table of the new request");
+    for (uint32_t k = 0; k < n_pages; k++) {
+        t->pages[k] = src->pages[k0 + k];
+        kvt__pool_share(&ctx->groups[g].pool, (uint32_t)t->pages[k]);
+    }
+    t->n_pages = n_pages;
+    t->n_rows = n_rows;
+    t->first_page = first_page;
+    t->dropped_rows = first_page * ctx->page_rows;
+    t->dsynced = 0;
+    return KVT_OK;
+}
+
+/* A new request of src's context, its parameters src's (request id aside). */
+static kvt_status seq_like(kvt_seq *src, uint64_t request_id, uint64_t prompt_rows,
+                           kvt_seq **out) {
     kvt_seq_params p = kvt_seq_default_params();
     p.request_id = request_id;
-    p.prompt_rows = seq->prompt_rows;
-    p.ratio = seq->cfg.ratio;
-    p.recall = (int32_t)seq->cfg.recall;
-    kvt_seq *c;
-    kvt_status s = kvt_seq_create(ctx, &p, &c);
-    if (s != KVT_OK)
-        return s;
-    c->cfg = seq->cfg;
-    /* The tables: every live page shared (read-only while shared: own_pages copies it before
-     * a write), counts as the parent's. */
-    const kvt__alloc *a = &ctx->alloc;
-    for (uint32_t g = 0; g < ctx->n_groups && s == KVT_OK; g++) {
-        const kvt__ptable *src = &seq->pt[g];
-        kvt__ptable *t = &c->pt[g];
-        void *arr = t->pages;
-        s = kvt__grow(a, &arr, &t->cap, src->n_pages, sizeof *t->pages);
-        t->pages = arr;
-        if (s == KVT_OK)
-            s = kvt__ptable_mirror_reserve(t, &ctx->backend, src->n_pages);
-        if (s != KVT_OK) {
-            kvt__ctx_fail(ctx, s, "page table of the fork");
-            break;
-        }
-        for (uint32_t k = 0; k < src->n_pages; k++) {
-            t->pages[k] = src->pages[k];
-            kvt__pool_share(&ctx->groups[g].pool, (uint32_t)src->pages[k]);
-        }
-        t->n_pages = src->n_pages;
-        t->n_rows = src->n_rows;
-        t->first_page = src->first_page;
-        t->dropped_rows = src->dropped_rows;
-        t->dsynced = 0;
-    }
-    /* The policies' states, copied on the backend. */
+    p.prompt_rows = prompt_rows;
+    p.ratio = src->cfg.ratio;
+    p.recall = (int32_t)src->cfg.recall;
+    kvt_status s = kvt_seq_create(src->ctx, &p, out);
+    if (s == KVT_OK)
+        (*out)->cfg = src->cfg;
+    return s;
+}
+
+/* The policies' states of c from src's (fork: all of it; attach: its first `rows` rows); on
+ * failure c is destroyed and the failure named. */
+static kvt_status states_from(kvt_seq *c, kvt_seq *src, uint64_t rows, bool attach,
+                              kvt_status s) {
+    kvt_ctx *ctx = c->ctx;
     kvt__env env = kvt__ctx_env(ctx, c, NULL);
     for (uint32_t i = 0; i < ctx->n_layers && s == KVT_OK; i++) {
         const kvt__store *st = &ctx->stores[i];
-        if (st->group < 0 || !ops_of(ctx, i)->layer_fork)
-            continue;
-        s = ops_of(ctx, i)->layer_fork(&c->layers[i], &seq->layers[i], &env, st,
-                                       seq->pt[st->group].n_rows);
+        const kvt__policy_ops *ops = st->group >= 0 ? ops_of(ctx, i) : NULL;
+        if (ops && attach && ops->layer_attach)
+            s = ops->layer_attach(&c->layers[i], &src->layers[i], &env, st, rows,
+                                  src->prompt_rows);
+        else if (ops && !attach && ops->layer_fork)
+            s = ops->layer_fork(&c->layers[i], &src->layers[i], &env, st,
+                                src->pt[st->group].n_rows);
     }
-    if (s != KVT_OK) {
-        char tmp[KVT__ERR_LEN];
-        memcpy(tmp, kvt__tls_error(), sizeof tmp);
-        kvt_seq_destroy(c); /* its shared pages back to their other holders */
-        return kvt__ctx_fail(ctx, s, "forking request %llu: %s; nothing was forked",
-                             (unsigned long long)seq->request_id, tmp);
+    if (s == KVT_OK)
+        return KVT_OK;
+    char tmp[KVT__ERR_LEN];
+    memcpy(tmp, kvt__tls_error(), sizeof tmp);
+    kvt_seq_destroy(c); /* its shared pages back to their other holders */
+    return kvt__ctx_fail(ctx, s, "%s request %llu: %s; nothing was created",
+                         attach ? "attaching to" : "forking", (unsigned long long)src->request_id,
+                         tmp);
+}
+
+/* Fork and attach need src between steps. */
+static kvt_status source_ready(kvt_seq *src, kvt_seq **out) {
+    if (!out)
+        return kvt__ctx_fail(src->ctx, KVT_ERR_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    if (src->n_pending || src->batch)
+        return kvt__ctx_fail(src->ctx, KVT_ERR_BAD_STATE,
+                             "request %llu has a step in flight: share it between steps",
+                             (unsigned long long)src->request_id);
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {
+    CHECK_LIVE_SEQ(seq);
+    kvt_ctx *ctx = seq->ctx;
+    kvt_seq *c;
+    kvt_status s = source_ready(seq, out);
+    if (s == KVT_OK)
+        s = seq_like(seq, request_id, seq->prompt_rows, &c);
+    if (s != KVT_OK)
+        return s;
+    /* The tables: every live page shared, counts as the parent's. */
+    for (uint32_t g = 0; g < ctx->n_groups && s == KVT_OK; g++) {
+        const kvt__ptable *src = &seq->pt[g];
+        s = share_pages(c, g, src, 0, src->n_pages, src->first_page, src->n_rows);
     }
+    if ((s = states_from(c, seq, 0, false, s)) != KVT_OK)
+        return s;
     c->n_tokens = seq->n_tokens;
+    *out = c;
+    return KVT_OK;
+}
+
+kvt_status kvt_seq_attach(kvt_seq *src, uint64_t prefix_rows, uint64_t request_id,
+                          kvt_seq **out) {
+    CHECK_LIVE_SEQ(src);
+    kvt_ctx *ctx = src->ctx;
+    const uint64_t P = prefix_rows, PR = ctx->page_rows;
+    kvt_status s = source_ready(src, out);
+    if (s != KVT_OK)
+        return s;
+    if (P % PR != 0 || P > src->n_tokens)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "prefix_rows %llu: a multiple of page_rows (%llu) up to the "
+                             "request's %llu committed rows",
+                             (unsigned long long)P, (unsigned long long)PR,
+                             (unsigned long long)src->n_tokens);
+    /* Each group: the pages an unshared request of P rows would hold (a sliding group has
+     * returned those before its widest window), all of them still src's. */
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        uint64_t W = ctx->groups[g].window_rows;
+        uint64_t first = W && P > W ? (P - W) / PR : 0;
+        if (src->pt[g].first_page > first)
+            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                 "group %u: request %llu returned rows before %llu, which a "
+                                 "request of %llu rows still holds",
+                                 g, (unsigned long long)src->request_id,
+                                 (unsigned long long)(src->pt[g].first_page * PR),
+                                 (unsigned long long)P);
+    }
+    kvt_seq *c;
+    if ((s = seq_like(src, request_id, src->prompt_rows < P ? src->prompt_rows : P, &c)) !=
+        KVT_OK)
+        return s;
+    for (uint32_t g = 0; g < ctx->n_groups && s == KVT_OK; g++) {
+        uint64_t W = ctx->groups[g].window_rows;
+        uint64_t first = W && P > W ? (P - W) / PR : 0;
+        s = share_pages(c, g, &src->pt[g], first - src->pt[g].first_page,
+                        (uint32_t)(P / PR - first), first, P);
+    }
+    if ((s = states_from(c, src, P, true, s)) != KVT_OK)
+        return s;
+    c->n_tokens = P;
     *out = c;
     return KVT_OK;
 }

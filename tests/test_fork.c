@@ -11,6 +11,9 @@
  *     its children write, and each child starts equal to its parent;
  *   - forking takes no page; sharing keeps the prompt's pages shared through rounds;
  *   - a forked request's snapshot is self-contained (restored elsewhere, it continues alike);
+ *   - kvt_seq_attach: requests started from another's first P rows (closed σ blocks inherited,
+ *     top-m selected anew, the prefix's window) equal unshared requests fed those P rows;
+ *     prefixes a round or a window has changed are refused;
  *   - kvt_seq_check (reference counts included) after every step; misuse answers its status.
  */
 #include <criterion/criterion.h>
@@ -215,5 +218,51 @@ Test(fork, misuse_and_exhaustion) {
     kvt_seq_destroy(more[0]);
     step(more[2], m, 1, 32, false);
     kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* A prefix holder of exactly P = 128 rows (no round yet: K is large), two requests attached to
+ * its 128 rows, each then decoded on its own, against unshared requests of the same ids fed the
+ * same rows; an attach to its first 64 is refused (its sliding window returned rows a request of
+ * 64 rows still holds). */
+Test(fork, attached_requests_equal_unshared_requests) {
+    kvt_model *m = tu_mixed_model();
+    const uint32_t NP = 512, K = 256;
+    kvt_ctx *ctx = tu_mixed_ctx_k(m, true, NP, K), *ref = tu_mixed_ctx_k(m, true, NP, K);
+    cr_assert(m && ctx && ref);
+    kvt_seq *holder = new_seq(ctx, 1, 40);
+    for (int k = 0; k < 8; k++)
+        step(holder, m, 16, 0, k % 2); /* 128 rows: two closed blocks of 64 */
+    const uint64_t P[2] = {128, 128};
+    kvt_seq *c[2], *twin[2];
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(kvt_seq_attach(holder, P[i], 20 + (uint64_t)i, &c[i]), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_seq_length(c[i]), P[i]);
+        cr_assert_eq(kvt_seq_check(c[i]), KVT_OK, "%s", kvt_last_error());
+        twin[i] = new_seq(ref, 20 + (uint64_t)i, 40);
+        step(twin[i], m, (uint32_t)P[i], 0, false);
+        same(c[i], twin[i], "attached as created", 0);
+    }
+    tu_rng rng = {5};
+    for (int k = 0; k < 60; k++)
+        for (int i = 0; i < 2; i++) {
+            uint32_t n = 1 + (uint32_t)(tu_next(&rng) % 12);
+            bool run = tu_next(&rng) & 1;
+            step(c[i], m, n, 300 + (uint64_t)i, run);
+            step(twin[i], m, n, 300 + (uint64_t)i, run);
+            same(c[i], twin[i], "attached vs unshared", k);
+        }
+    /* Misuse: not a page multiple, past the length, a prefix a window or a round changed. */
+    kvt_seq *x;
+    cr_assert_eq(kvt_seq_attach(holder, 64, 9, &x), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "returned rows") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_attach(holder, 40, 9, &x), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_seq_attach(holder, 144, 9, &x), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_seq_attach(c[0], 64, 9, &x), KVT_ERR_UNSUPPORTED, "%s", kvt_last_error());
+    cr_assert_null(x);
+    cr_assert_eq(kvt_seq_check(holder), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_ctx_destroy(ref);
     kvt_model_destroy(m);
 }

@@ -873,6 +873,27 @@ static kvt_status ev_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *s
     return KVT_OK;
 }
 
+/* Rows [0, rows) of src are positions [0, rows) in every head while no round ran, or inside the
+ * protected prefix, which no round moves. */
+static kvt_status ev_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+                                  const kvt__env *env, const kvt__store *st, uint64_t rows,
+                                  uint64_t src_prompt_rows) {
+    kvt__ev *d = &dst_s->ev;
+    const kvt__ev *e = &src_s->ev;
+    /* the prompt length cannot change after a round, so this is the prefix every round kept */
+    const uint64_t L = kvt__ev_protected_rows(env->cfg, src_prompt_rows);
+    if (e->rounds > 0 && rows > L)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
+                         "layer %u: rows past the %llu its eviction rounds protect have moved; "
+                         "attach at most that prefix (asked %llu)",
+                         st->layer, (unsigned long long)L, (unsigned long long)rows);
+    kvt_status s = kvt__ev_reserve(d, rows);
+    if (s == KVT_OK)
+        s = kvt__ev_append(d, env->backend, NULL, 0, 0, rows);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__fail(env->err, env->err_len, s, "positions of layer %u", st->layer);
+}
+
 static uint64_t ev_held_rows(const kvt__tier_state *s, uint64_t rows) {
     return s->ev.step_round ? s->ev.last_kept : rows;
 }
@@ -1043,6 +1064,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .layer_step = ev_layer_step,
     .writes_from = ev_writes_from,
     .layer_fork = ev_layer_fork,
+    .layer_attach = ev_layer_attach,
     .supports_layer = ev_supports_layer,
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,

@@ -149,6 +149,15 @@ struct kvt__policy_ops {
     kvt_status (*layer_fork)(kvt__tier_state *dst, const kvt__tier_state *src,
                              const kvt__env *env, const kvt__store *st, uint64_t rows);
 
+    /* (optional) An attached request's state: dst (fresh from layer_init) becomes the state a
+     * request holding only src's first `rows` rows (positions [0, rows), whose pages it shares)
+     * would have (env->cfg: src's config). KVT_ERR_UNSUPPORTED with a message when src's rows
+     * [0, rows) no longer are those positions (a round moved them: src_prompt_rows says what
+     * its rounds protected), or a status from the backend. Without it the state is empty. */
+    kvt_status (*layer_attach)(kvt__tier_state *dst, const kvt__tier_state *src,
+                               const kvt__env *env, const kvt__store *st, uint64_t rows,
+                               uint64_t src_prompt_rows);
+
     /* ---- Commit ---------------------------------------------------------------------------- */
     /* (optional) Run the policy over one group of one sequence after rows were committed (block
      * close and re-selection, eviction rounds, leading pages returned). Incremental from the

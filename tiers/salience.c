@@ -552,6 +552,42 @@ static kvt_status sal_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *
     return KVT_OK;
 }
 
+/* An attached request holds the first `rows` rows: the blocks closed within them keep their σ
+ * (copied on the backend), and its global top-m over them is selected anew (one select; the
+ * copied scores are canonical already, so counting from 0 gives their non-finite rows). */
+static kvt_status sal_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+                                   const kvt__env *env, const kvt__store *st, uint64_t rows,
+                                   uint64_t src_prompt_rows) {
+    (void)src_prompt_rows;
+    kvt__sal *d = &dst_s->sal;
+    const kvt__sal *s = &src_s->sal;
+    const kvt_config *cfg = env->cfg;
+    uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
+    if (closed > s->closed_rows) /* a close src has not done yet (it retries at its commit) */
+        closed = s->closed_rows;
+    uint64_t m = kvt__sal_m(closed, cfg->ratio);
+    kvt_status rc = sal_reserve(d, env->alloc, cfg->block_rows, closed, m, NULL);
+    if (rc == KVT_OK && closed)
+        rc = d->be->ops->copy(d->be, d->score, s->score, sizeof *s->score * closed, NULL);
+    kvt__select_args sel = {.score = d->score, .first_new = 0, .n_closed = closed,
+                            .m = (uint32_t)m,
+                            .sinks = cfg->sink_rows < closed ? cfg->sink_rows : closed,
+                            .kept = d->kept};
+    if (rc == KVT_OK && closed)
+        rc = env->backend->ops->select(env->backend, &sel, 1, NULL);
+    if (rc != KVT_OK)
+        return kvt__fail(env->err, env->err_len, rc, "attaching the salience state of layer %u",
+                         st->layer);
+    d->n_rows = rows;
+    d->closed_rows = closed;
+    d->n_kept = closed ? m : 0;
+    d->kept_in_sinks = closed ? sel.kept_in_sinks : 0;
+    d->closes = closed / cfg->block_rows;
+    d->nonfinite = closed ? sel.nonfinite : 0;
+    d->score_bytes_read = closed * score_bytes_per_row(cfg, &st->spec);
+    return KVT_OK;
+}
+
 static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
     kvt__sal_attended(&l->state->sal, l->cfg, l->pt->n_rows, d);
 }
@@ -609,6 +645,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .group_commit = sal_group_commit,
     .layer_step = sal_layer_step,
     .layer_fork = sal_layer_fork,
+    .layer_attach = sal_layer_attach,
     .supports_layer = sal_supports_layer,
     .attended = sal_attended,
     .row_state = sal_row_state,

@@ -810,6 +810,18 @@ class Sequence(_Closable):
         out = ctypes.c_void_p()
         check(lib.kvt_seq_fork(self._ptr, u64(request_id, "request_id"), ctypes.byref(out)),
               "kvt_seq_fork")
+        return self._adopt(out, request_id)
+
+    def attach(self, prefix_rows: int, request_id: int) -> "Sequence":
+        """kvt_seq_attach: a new request holding this one's first prefix_rows rows (shared)."""
+        out = ctypes.c_void_p()
+        check(lib.kvt_seq_attach(self._ptr, u64(prefix_rows, "prefix_rows"),
+                                 u64(request_id, "request_id"), ctypes.byref(out)),
+              "kvt_seq_attach")
+        return self._adopt(out, request_id)
+
+    def _adopt(self, out, request_id: int) -> "Sequence":
+        """A Sequence object for a request the library just created from this one."""
         s = Sequence.__new__(Sequence)
         s._ctx, s.request_id = self._ctx, request_id
         s._h = _Handle(out.value, lib.kvt_seq_destroy, self._ctx._h)

@@ -288,6 +288,7 @@ _SIGNATURES = {
     "kvt_seq_reserved_slot": (c_status, [c_vp, c_u32, c_u32, P(c_i32)]),
     "kvt_seq_write": (c_status, [c_vp, c_u32, c_u32, c_u32, c_u32, c_vp, c_size]),
     "kvt_seq_fork": (c_status, [c_vp, c_u64, P(c_vp)]),
+    "kvt_seq_attach": (c_status, [c_vp, c_u64, c_u64, P(c_vp)]),
     # batches
     "kvt_batch_create": (c_status, [c_vp, c_u32, P(c_vp)]),
     "kvt_batch_destroy": (None, [c_vp]),

@@ -27,6 +27,11 @@ def test_params_and_bad_params(mixed_ctx):
     assert f.request_id == 9 and f.length == 0
     f.check()
     f.close()
+    a = s.attach(0, 10)
+    assert a.request_id == 10 and a.length == 0
+    with pytest.raises(kvtier.InvalidArgumentError):
+        s.attach(1, 11)  # not a multiple of the page size (and past the length)
+    a.close()
 
 
 def test_rows_by_position(mixed_ctx):

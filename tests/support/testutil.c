@@ -57,11 +57,15 @@ kvt_model *tu_mixed_model(void) {
 }
 
 kvt_ctx *tu_mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages) {
+    return tu_mixed_ctx_k(m, archive, n_pages, TU_K);
+}
+
+kvt_ctx *tu_mixed_ctx_k(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K) {
     kvt_config c = kvt_config_default();
     c.block_rows = TU_BLOCK;
     c.kappa = 4;
     c.ratio = 8;
-    c.evict_budget_rows = TU_K;
+    c.evict_budget_rows = K;
     c.recent_rows = TU_R;
     c.cadence_rows = TU_R;
     c.evict_archive = archive;

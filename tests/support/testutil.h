@@ -33,6 +33,8 @@ enum { TU_L_SAL = 0, TU_L_EV1 = 1, TU_L_EV2 = 2, TU_L_SLIDE = 3, TU_N_LAYERS = 4
 enum { TU_BLOCK = 64, TU_K = 32, TU_R = 8, TU_WINDOW = 40 };
 kvt_model *tu_mixed_model(void);
 kvt_ctx *tu_mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages);
+/* The same with the random-eviction budget K given. */
+kvt_ctx *tu_mixed_ctx_k(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K);
 /* The bytes of a row: a function of (layer, plane, position, seed); every byte <= 0x3f, so every
  * element is finite. */
 void tu_row_bytes(uint8_t *buf, size_t n, uint32_t l, uint32_t pl, uint64_t pos, uint64_t seed);
