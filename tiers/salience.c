@@ -18,6 +18,7 @@
 
 #include "kernels/philox.h"
 #include "kernels/sigma.h"
+#include "kernels/sketch.h"
 #include "kernels/topm.h"
 
 #include <float.h>
@@ -57,14 +58,17 @@ void kvt__sal_shared_fini(kvt__sal_shared *sh) {
     memset(sh, 0, sizeof *sh);
 }
 
-void kvt__sal_init(kvt__sal *s, const kvt__backend *home) {
+void kvt__sal_init(kvt__sal *s, const kvt__backend *home, uint32_t sk_stride) {
     s->be = home;
+    s->sk_stride = sk_stride;
 }
 
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
     if (s->be) {
         s->be->ops->buf_free(s->be, s->score, sizeof *s->score * s->score_cap);
         s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
+        s->be->ops->buf_free(s->be, s->csk, sizeof *s->csk * s->sk_stride * s->csk_cap);
+        s->be->ops->buf_free(s->be, s->rho, sizeof *s->rho * s->rho_cap);
     }
     memset(s, 0, sizeof *s);
 }
@@ -104,6 +108,17 @@ static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint
     p = s->kept;
     st = plane_grow(s->be, &p, &s->kept_cap, m ? m : 1, sizeof *s->kept);
     s->kept = p;
+    if (st != KVT_OK || s->sk_stride == 0)
+        return st;
+    /* The recall sketches of the closed rows, grown with σ. */
+    p = s->csk;
+    st = plane_grow(s->be, &p, &s->csk_cap, new_closed, sizeof *s->csk * s->sk_stride);
+    s->csk = p;
+    if (st != KVT_OK)
+        return st;
+    p = s->rho;
+    st = plane_grow(s->be, &p, &s->rho_cap, new_closed, sizeof *s->rho);
+    s->rho = p;
     if (st != KVT_OK)
         return st;
     (void)a;
@@ -182,31 +197,71 @@ static void fail_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t lo, uint
         }
 }
 
-/* Score every block the jobs close: chunks of KVT__SAL_CHUNK blocks, one backend call each. */
-static void score_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
-    kvt__score_args args[KVT__SAL_CHUNK];
+/* The sketching of the block starting at position `first` of a job's layer (kernels/sketch.h)
+ * into its rows of the sketch planes. */
+static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first) {
+    const kvt_layer_spec *sp = &j->st->spec;
+    const kvt__rbasis *rb = &j->st->rbasis;
+    kvt__sketch_args a;
+    memset(&a, 0, sizeof a);
+    a.base = j->st->plane[0];
+    a.pages = j->pt->dpages;
+    a.first_page = j->pt->first_page;
+    a.pdiv = env->pdiv;
+    a.first_row = first;
+    a.n_rows = j->sh->block_rows;
+    a.slot_stride = j->st->slot_bytes;
+    a.dtype = (int)sp->dtype;
+    a.latent_dim = sp->value_dim;
+    a.basis = rb->rank ? rb->V : NULL;
+    a.rank = rb->rank;
+    a.csk_stride = j->s->sk_stride;
+    a.csk = j->s->csk + first * j->s->sk_stride;
+    a.rho = j->s->rho + first;
+    return a;
+}
+
+/* Arguments of one batched call: σ of blocks, or their sketches. */
+typedef union block_args {
+    kvt__score_args score[KVT__SAL_CHUNK];
+    kvt__sketch_args sketch[KVT__SAL_CHUNK];
+} block_args;
+
+static void block_call(const kvt__env *env, kvt__sal_job *jobs, uint32_t lo, uint32_t hi,
+                       const block_args *a, uint32_t k, bool sketch) {
+    const kvt__backend *be = env->backend;
+    kvt_status rc = sketch ? be->ops->sketch_rows(be, a->sketch, k, env->stream)
+                           : be->ops->score_rows(be, a->score, k, env->stream);
+    if (rc != KVT_OK)
+        fail_jobs(env, jobs, lo, hi, rc,
+                  sketch ? "sketching a closed block" : "scoring a closed block");
+}
+
+/* Score (σ) or sketch every block the jobs close: chunks of KVT__SAL_CHUNK blocks, one backend
+ * call each. Sketches only for states with sketch planes. */
+static void block_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n, bool sketch) {
+    block_args args;
     uint32_t k = 0, first_job = 0;
     for (uint32_t i = 0; i < n; i++) {
         kvt__sal_job *j = &jobs[i];
+        if (sketch && j->s->sk_stride == 0)
+            continue;
         for (uint64_t b = 0; j->status == KVT_OK && b < j->n_close; b++) {
             uint64_t first = j->s->closed_rows + b * j->sh->block_rows;
             if (k == 0)
                 first_job = i;
-            args[k++] = score_args(env, j, first, j->s->score + first);
-            bool last = b + 1 == j->n_close && i + 1 == n;
-            if (k == KVT__SAL_CHUNK || last) {
-                kvt_status rc = env->backend->ops->score_rows(env->backend, args, k, env->stream);
-                if (rc != KVT_OK)
-                    fail_jobs(env, jobs, first_job, i + 1, rc, "scoring a closed block");
+            if (sketch)
+                args.sketch[k++] = sketch_args(env, j, first);
+            else
+                args.score[k++] = score_args(env, j, first, j->s->score + first);
+            if (k == KVT__SAL_CHUNK) {
+                block_call(env, jobs, first_job, i + 1, &args, k, sketch);
                 k = 0;
             }
         }
     }
-    if (k) {
-        kvt_status rc = env->backend->ops->score_rows(env->backend, args, k, env->stream);
-        if (rc != KVT_OK)
-            fail_jobs(env, jobs, first_job, n, rc, "scoring a closed block");
-    }
+    if (k)
+        block_call(env, jobs, first_job, n, &args, k, sketch);
 }
 
 kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
@@ -233,8 +288,10 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
             j->n_close = 0;
         }
     }
-    /* 2. σ of every closing block (a batched op). */
-    score_jobs(env, jobs, n);
+    /* 2. σ of every closing block (a batched op), and the recall sketches of their rows when the
+     * context builds them (another batched op; docs/recall.md). */
+    block_jobs(env, jobs, n, false);
+    block_jobs(env, jobs, n, true);
     /* 3. The selections, one segment per job. A row whose branch holds NaN or Inf was left out
      * of its block's fit and scored +Inf (sigma.h); a huge finite branch can still overflow to
      * Inf, and the ablation selectors give NaN/Inf for such a row. The selection canonicalises
@@ -418,6 +475,41 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
     return rc;
 }
 
+/* The recall sketches of the closed rows (read through the backend): ρ is never NaN nor
+ * negative; a row with ρ = +Inf (undescribable, kernels/sketch.h) has an all-zero sketch; every
+ * other coefficient is finite, and the entries past the layer's basis rank are 0. */
+static kvt_status check_sketches(const kvt__sal *s, uint32_t rank, char *err, size_t len) {
+    if (s->sk_stride == 0 || s->closed_rows == 0)
+        return KVT_OK;
+    const kvt__backend *be = s->be;
+    size_t n_csk = (size_t)s->closed_rows * s->sk_stride;
+    uint16_t *csk = kvt__malloc(be->alloc, sizeof *csk * n_csk);
+    float *rho = kvt__malloc(be->alloc, sizeof *rho * s->closed_rows);
+    kvt_status rc = KVT_OK;
+    if (!csk || !rho)
+        rc = kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "salience check: sketch copies");
+    if (rc == KVT_OK && ((rc = be->ops->read(be, csk, s->csk, sizeof *csk * n_csk, NULL)) !=
+                             KVT_OK ||
+                         (rc = be->ops->read(be, rho, s->rho, sizeof *rho * s->closed_rows,
+                                             NULL)) != KVT_OK))
+        kvt__fail(err, len, rc, "salience check: reading the sketch planes");
+    for (uint64_t u = 0; rc == KVT_OK && u < s->closed_rows; u++) {
+        const uint16_t *c = csk + u * s->sk_stride;
+        if (!(rho[u] >= 0.0f))
+            rc = kvt__fail(err, len, KVT_ERR_INVARIANT, "salience: ρ of row %llu is %g",
+                           (unsigned long long)u, (double)rho[u]);
+        for (uint32_t k = 0; rc == KVT_OK && k < s->sk_stride; k++)
+            if ((k >= rank || isinf(rho[u])) ? (c[k] & 0x7fffu) != 0 : !kvt__f16_finite(c[k]))
+                rc = kvt__fail(err, len, KVT_ERR_INVARIANT,
+                               "salience: sketch of row %llu, coefficient %u (rank %u, ρ %g): "
+                               "0x%04x",
+                               (unsigned long long)u, k, rank, (double)rho[u], c[k]);
+    }
+    kvt__free(be->alloc, csk, sizeof *csk * n_csk);
+    kvt__free(be->alloc, rho, sizeof *rho * s->closed_rows);
+    return rc;
+}
+
 /* ------------------------------------------------------------------------------------------- */
 /* The policy table (policy.h)                                                                  */
 /* ------------------------------------------------------------------------------------------- */
@@ -445,7 +537,7 @@ static kvt_status sal_supports_layer(const kvt_layer_spec *sp, uint32_t i, const
 }
 
 static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
-    kvt__sal_init(&s->sal, env->home);
+    kvt__sal_init(&s->sal, env->home, env->sketch_stride);
     if (env->max_rows == 0)
         return KVT_OK;
     kvt_status rc = kvt__sal_prepare(&s->sal, env->alloc, env->cfg, env->max_rows);
@@ -546,6 +638,9 @@ static void sal_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
     out->closes = sa->closes;
     out->nonfinite_sigma = sa->nonfinite;
     out->sigma_bytes_read = sa->score_bytes_read;
+    out->recall_rank = l->st->rbasis.rank;
+    out->recall_basis_id = l->st->rbasis.id;
+    out->sketched_rows = sa->sk_stride ? sa->closed_rows : 0;
 }
 
 static kvt_status sal_check_counts(const kvt__tier_layer *l, char *err, size_t len) {
@@ -562,7 +657,8 @@ static kvt_status sal_check(const kvt__tier_layer *l, char *err, size_t len) {
                          "salience state at %llu rows, table at %llu (a policy run failed and "
                          "was not retried)",
                          (unsigned long long)sa->n_rows, (unsigned long long)l->pt->n_rows);
-    return kvt__sal_check(sa, l->cfg, err, len);
+    kvt_status rc = kvt__sal_check(sa, l->cfg, err, len);
+    return rc == KVT_OK ? check_sketches(sa, l->st->rbasis.rank, err, len) : rc;
 }
 
 const kvt__policy_ops kvt__policy_salience = {
