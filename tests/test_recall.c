@@ -12,11 +12,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include "kernels/sketch.h"
 #include "kvtier.h"
+#include "kvtier_trace.h"
 #include "lib/handles.h"
 #include "support/testutil.h"
 
@@ -655,4 +657,141 @@ Test(basis, file_round_trip_and_damage) {
     kvt_model_destroy(m);
     free(V);
     free(back);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * kvtier-inspect calibrate on a synthetic trace of known structure. The query latents are
+ *     x_i = μ + Σ_k A_k cos(2π f_k i / n) U_k + Σ_j B_j cos(2π g_j i / n) W_j
+ * over the n = steps × heads samples (i = step · heads + head), with U (8 directions) and W (8
+ * weaker ones) orthonormal and all frequencies distinct in 1 .. n/2 − 1: over whole periods the
+ * cosines are orthogonal with mean 0, so the sample covariance is exactly diagonal in the basis
+ * [U | W] with eigenvalues A_k² n / (2(n − 1)) and B_j² n / (2(n − 1)), and the mean μ (large)
+ * must be removed by the centring. The captured variance of rank 8 is ΣA² / (ΣA² + ΣB²) and the
+ * recovered rows are ±U_k, in order.
+ * ------------------------------------------------------------------------------------------- */
+#define CAL_STEPS 96u
+#define CAL_HEADS 8u
+
+static void write_cal_trace(const char *path, const float *UW, bool with_queries) {
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &sp), KVT_OK);
+    sp.n_q_heads = CAL_HEADS;
+    kvt_trace_meta meta = {.n_model_layers = 4, .text = "generator=test_recall calibrate\n"};
+    kvt_trace_writer *w;
+    char err[256];
+    cr_assert_eq(kvt_trace_writer_open(path, &meta, &w, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt_trace_write_layer(w, 2, &sp), KVT_OK);
+    uint8_t *rows = calloc(CAL_STEPS, 1152);
+    cr_assert(rows);
+    cr_assert_eq(kvt_trace_write_rows(w, 2, 0, rows, CAL_STEPS, (size_t)CAL_STEPS * 1152), KVT_OK);
+    free(rows);
+    const uint32_t n = CAL_STEPS * CAL_HEADS;
+    float *q = malloc(sizeof(float) * CAL_HEADS * 576);
+    cr_assert(q);
+    for (uint32_t s = 0; with_queries && s < CAL_STEPS; s++) {
+        for (uint32_t h = 0; h < CAL_HEADS; h++) {
+            uint32_t i = s * CAL_HEADS + h;
+            float *x = q + h * 576;
+            for (uint32_t d = 0; d < 576; d++)
+                x[d] = d < 512 ? 5.0f + 0.01f * (float)d : 1.0f; /* μ; the branch is ignored */
+            for (uint32_t k = 0; k < 16; k++) {
+                double amp = k < 8 ? 10.0 - k : 0.3 - 0.02 * (k - 8);
+                uint32_t f = 3 + 7 * k; /* distinct, < n/2 */
+                double a = amp * cos(6.283185307179586 * (double)((uint64_t)f * i % n) / n);
+                for (uint32_t d = 0; d < 512; d++)
+                    x[d] += (float)(a * UW[(size_t)k * 512 + d]);
+            }
+        }
+        uint64_t pos = s + 1;
+        cr_assert_eq(kvt_trace_write_queries(w, 2, KVT_DTYPE_FP32, CAL_HEADS, 576, &pos, q, 1,
+                                             sizeof(float) * CAL_HEADS * 576),
+                     KVT_OK);
+    }
+    free(q);
+    cr_assert_eq(kvt_trace_writer_close(w, err, sizeof err), KVT_OK, "%s", err);
+}
+
+static int run_calibrate(const char *args, char *out, size_t out_len) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s/tools/kvtier-inspect calibrate %s 2>&1", KVT_BINARY_DIR, args);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p);
+    size_t n = fread(out, 1, out_len - 1, p);
+    out[n] = '\0';
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+Test(calibrate, recovers_a_known_subspace_and_its_variance, .timeout = 120) {
+#if !KVT_HAVE_LAPACKE
+    cr_skip_test("built without LAPACKE (liblapacke-dev): kvtier-inspect calibrate is disabled");
+#else
+    char trace[] = "/tmp/kvt_cal_XXXXXX", basis[] = "/tmp/kvt_calb_XXXXXX";
+    int fd = mkstemp(trace);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    fd = mkstemp(basis);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    float *UW = malloc(sizeof(float) * 16 * 512);
+    cr_assert(UW);
+    orthonormal_rows(12012, 16, 512, UW);
+    write_cal_trace(trace, UW, true);
+    double sa = 0, sb = 0, s4 = 0;
+    for (uint32_t k = 0; k < 16; k++) {
+        double amp = k < 8 ? 10.0 - k : 0.3 - 0.02 * (k - 8);
+        *(k < 8 ? &sa : &sb) += amp * amp;
+        if (k < 4)
+            s4 += amp * amp;
+    }
+    char out[4096], args[512];
+    snprintf(args, sizeof args, "%s -o %s --rank 8", trace, basis);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 0, "%s", out);
+    cr_log_info("%s", out);
+    cr_assert(strstr(out, "layer 2: 768 samples"), "%s", out);
+    kvt_recall_basis_info info;
+    float V[8 * 512];
+    cr_assert_eq(kvt_recall_basis_read(basis, &info, V, sizeof V / sizeof V[0]), KVT_OK);
+    cr_assert_eq(info.layer, 2);
+    cr_assert_eq(info.rank, 8);
+    cr_assert_eq(info.dim, 512);
+    cr_assert_eq(info.samples, CAL_STEPS * CAL_HEADS);
+    cr_assert_float_eq(info.captured, sa / (sa + sb), 1e-5, "captured %.8f, expected %.8f",
+                       info.captured, sa / (sa + sb));
+    for (uint32_t k = 0; k < 8; k++) {
+        double dot = 0;
+        for (uint32_t d = 0; d < 512; d++)
+            dot += (double)V[k * 512 + d] * UW[(size_t)k * 512 + d];
+        cr_assert_geq(fabs(dot), 0.9999, "row %u: |V_k . U_k| = %.6f", k, fabs(dot));
+    }
+    /* The file loads into a context (orthonormal to the library's tolerance). */
+    kvt_model *m = mla_model(KVT_DTYPE_BF16, false);
+    kvt_config c = small_config();
+    kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, R, 0);
+    cr_assert_eq(kvt_ctx_load_recall_basis(ctx, 0, basis), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+    /* Rank 4 of the 8 strong directions: their share. */
+    snprintf(args, sizeof args, "%s -o %s --rank 4 --layer 2", trace, basis);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 0, "%s", out);
+    cr_assert_eq(kvt_recall_basis_read(basis, &info, NULL, 0), KVT_OK);
+    cr_assert_float_eq(info.captured, s4 / (sa + sb), 1e-5, "captured %.8f", info.captured);
+    /* Two copies of the trace: twice the samples, the same subspace and share. */
+    snprintf(args, sizeof args, "%s %s -o %s --rank 8", trace, trace, basis);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 0, "%s", out);
+    cr_assert_eq(kvt_recall_basis_read(basis, &info, NULL, 0), KVT_OK);
+    cr_assert_eq(info.samples, 2 * CAL_STEPS * CAL_HEADS);
+    cr_assert_float_eq(info.captured, sa / (sa + sb), 1e-5);
+    /* Refusals: a trace without queries, a layer not traced, a bad command line. */
+    write_cal_trace(trace, UW, false);
+    snprintf(args, sizeof args, "%s -o %s", trace, basis);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_assert(strstr(out, "carries no queries"), "%s", out);
+    snprintf(args, sizeof args, "%s -o %s --layer 1", trace, basis);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_assert_eq(run_calibrate("--rank 0", out, sizeof out), 2, "%s", out);
+    remove(trace);
+    remove(basis);
+    free(UW);
+#endif
 }

@@ -4,6 +4,7 @@
  *   kvtier-inspect census CONFIG.json [--context N] [--concurrency C] [--ratio X]
  *                         [--dtype bf16|fp16|fp32] [--json]
  *   kvtier-inspect trace FILE.kvtt [--verify] [--json] [--rows LAYER:FIRST:N]...
+ *   kvtier-inspect calibrate TRACE... -o FILE [--layer L] [--rank R]
  *
  * Subcommands live in their own files of tools/inspect/ and are listed in k_commands below
  * (later: snapshot). Exit status: 0 success, 1 bad input, 2 bad command line.
@@ -22,6 +23,7 @@ static const struct command {
 } k_commands[] = {
     {"census", inspect_census, "per-layer KV cache census of a Hugging Face config.json"},
     {"trace", inspect_trace, "contents of a kvtier trace file (.kvtt); --verify checks all CRCs"},
+    {"calibrate", inspect_calibrate, "recall basis of a layer from the queries of traces"},
 };
 
 #define N_COMMANDS (sizeof k_commands / sizeof k_commands[0])
