@@ -20,6 +20,7 @@
 #include "kvtier.h"
 #include "kvtier_trace.h"
 #include "lib/handles.h"
+#include "recall/conformal.h"
 #include "support/testutil.h"
 
 #define D 512u
@@ -794,4 +795,86 @@ Test(calibrate, recovers_a_known_subspace_and_its_variance, .timeout = 120) {
     remove(basis);
     free(UW);
 #endif
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Conformal z (recall/conformal.h) on hand-computed samples.
+ * ------------------------------------------------------------------------------------------- */
+Test(conformal, rank_and_the_smallest_sample_count) {
+    /* k = ceil((n + 1) * 0.947): n = 18 -> 17.993 -> 18 (= n, the largest sample); n = 17 ->
+     * 17.046 -> 18 > n (too few); n = 100 -> 95.647 -> 96; n = 999 -> 947 exactly. */
+    cr_assert_eq(kvt__conformal_rank(18, 947), 18);
+    cr_assert_eq(kvt__conformal_rank(17, 947), 18);
+    cr_assert_eq(kvt__conformal_rank(100, 947), 96);
+    cr_assert_eq(kvt__conformal_rank(999, 947), 947);
+    cr_assert_eq(kvt__conformal_rank(256, 947), 244); /* 257 * 0.947 = 243.379 */
+    float e;
+    cr_assert(kvt__conformal_sample(3.0f, 1.0f, 0.5f, &e));
+    cr_assert_eq(e, 4.0f);
+    cr_assert(kvt__conformal_sample(1.0f, 3.0f, 0.5f, &e));
+    cr_assert_eq(e, -4.0f);
+    cr_assert_not(kvt__conformal_sample(3.0f, 1.0f, 0.0f, &e));
+    cr_assert_not(kvt__conformal_sample(3.0f, 1.0f, INFINITY, &e));
+    cr_assert_not(kvt__conformal_sample(NAN, 1.0f, 1.0f, &e));
+}
+
+/* 8 steps of 2 samples: 16 < 18 at the first window end, so z stays provisional; 8 more steps:
+ * n = 32, k = ceil(33 * 0.947) = ceil(31.251) = 32: the largest sample. */
+Test(conformal, windows_and_a_hand_computed_z) {
+    float buf[64 * 4];
+    kvt__conformal c;
+    kvt__conformal_init(&c, buf, 64 * 4);
+    for (uint32_t s = 0; s < 8; s++) {
+        float e[2] = {0.25f * (float)s, -1.0f + 0.5f * (float)s}; /* max so far 3.0 */
+        cr_assert(kvt__conformal_step(&c, e, 2), "step %u", s);
+    }
+    cr_assert_eq(c.z, KVT__CONFORMAL_Z_MAX);
+    cr_assert_not(c.calibrated);
+    for (uint32_t s = 8; s < 16; s++) {
+        float e[2] = {0.25f * (float)s, -1.0f + 0.25f * (float)s}; /* s = 15: 3.75 and 2.75 */
+        cr_assert_eq(kvt__conformal_step(&c, e, 2), s < 15, "step %u", s);
+    }
+    cr_assert(c.calibrated && c.fixed);
+    cr_assert_eq(c.n, 32);
+    cr_assert_eq(c.k, 32);
+    cr_assert_eq(c.z, 3.75f);
+    /* Fixed: later steps change nothing. */
+    float big = 100.0f;
+    cr_assert_not(kvt__conformal_step(&c, &big, 1));
+    cr_assert_eq(c.z, 3.75f);
+}
+
+/* 100 samples at the 8-step window: e = 0.05 * (i + 1) for i < 100 in a scrambled order; k = 96,
+ * so z = 4.8; the same samples scaled by 2 give 9.6, clamped to Z_MAX = 8 and reported. */
+Test(conformal, order_statistic_and_clamp) {
+    for (int scale = 1; scale <= 2; scale++) {
+        float buf[256], e[100];
+        for (uint32_t i = 0; i < 100; i++)
+            e[(i * 37) % 100] = 0.05f * (float)(i + 1) * (float)scale; /* 37 is prime to 100 */
+        kvt__conformal c;
+        kvt__conformal_init(&c, buf, 256);
+        for (uint32_t s = 0; s < 8; s++)
+            kvt__conformal_step(&c, e + s * 12, s < 7 ? 12 : 16);
+        cr_assert(c.calibrated);
+        cr_assert_eq(c.n, 100);
+        cr_assert_eq(c.k, 96);
+        if (scale == 1) {
+            cr_assert_float_eq(c.z, 4.8f, 1e-6);
+            cr_assert_not(c.clamped);
+        } else {
+            cr_assert_eq(c.z, KVT__CONFORMAL_Z_MAX);
+            cr_assert(c.clamped);
+        }
+    }
+    /* Never 18 samples by the 64-step window: provisional Z_MAX for good. */
+    float buf[64], one = 1.0f;
+    kvt__conformal c;
+    kvt__conformal_init(&c, buf, 64);
+    uint32_t s = 0;
+    while (kvt__conformal_step(&c, &one, s % 4 == 0 ? 1 : 0))
+        s++;
+    cr_assert_eq(c.steps, 64);
+    cr_assert_eq(c.n, 16);
+    cr_assert(c.fixed && !c.calibrated);
+    cr_assert_eq(c.z, KVT__CONFORMAL_Z_MAX);
 }
