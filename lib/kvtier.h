@@ -50,7 +50,9 @@
  *               kvt_buffer_alloc, kvt_buffer_free, kvt_buffer_read / _write (_async), and the
  *               inspection calls (kvt_seq_check, kvt_seq_layer_stats, kvt_seq_row_state,
  *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
- *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed). They own the row
+ *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed), and
+ *               kvt_ctx_set_recall_basis / kvt_ctx_load_recall_basis (before any reserve) and
+ *               kvt_ctx_recall_basis. They own the row
  *               pool's page allocators (reserve takes pages; commit, kvt_seq_destroy and an
  *               abandoned step return them), the context's lists of requests and batches, and
  *               every request between steps. At most one thread at a time in scheduler calls of
@@ -86,7 +88,8 @@
  *    kvt_status_name, kvt_version, kvt_version_number, the *_default* and *_name functions,
  *    kvt_layer_spec_*, kvt_policy_for_kind, kvt_layer_bytes_per_token, kvt_ctx_model,
  *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
- *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context, and
+ *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context,
+ *    kvt_recall_basis_read / kvt_recall_basis_write (files only; distinct paths), and
  *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
  *    are joined). A kvt_model is only read after kvt_model_create: the const kvt_model_* calls
  *    and kvt_ctx_create may use one model from many threads at once (a context copies it);
