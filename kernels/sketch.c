@@ -21,6 +21,23 @@ size_t kvt__sketch_scratch_floats(uint32_t D) {
     return (size_t)SKETCH_TILE * D + 2u * (size_t)D;
 }
 
+/* kvt__norm_fixed with its 32 lane chains advanced together: lane l still accumulates
+ * d = l, l+32, .. ascending from +0, then the same tree and sqrtf, so the bits are
+ * kvt__norm_fixed's; the 32 chains are independent, so they vectorise instead of running one
+ * after the other (16 dependent steps each for D = 512). */
+static inline float norm_interleaved(const float *v, uint32_t n) {
+    float p[KVT__SIGMA_LANES];
+    for (uint32_t l = 0; l < KVT__SIGMA_LANES; l++)
+        p[l] = 0.0f;
+    uint32_t d0 = 0;
+    for (; d0 + KVT__SIGMA_LANES <= n; d0 += KVT__SIGMA_LANES)
+        for (uint32_t l = 0; l < KVT__SIGMA_LANES; l++)
+            p[l] = fmaf(v[d0 + l], v[d0 + l], p[l]);
+    for (uint32_t l = 0; d0 + l < n; l++)
+        p[l] = fmaf(v[d0 + l], v[d0 + l], p[l]);
+    return sqrtf(kvt__tree32(p));
+}
+
 KVT__FMA_CLONES
 void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
                           size_t slot_stride_bytes, int dtype, uint32_t D, const float *V,
@@ -38,9 +55,15 @@ void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_
          * lanes) as zeros, so its lane computes finite garbage that is never stored. */
         for (uint32_t r = 0; r < SKETCH_TILE; r++) {
             const uint8_t *row = r < T ? base + (size_t)slots[u0 + r] * slot_stride_bytes : NULL;
-            fin[r] = row ? kvt__sketch_row_finite(row, dtype, D) : 0;
-            for (uint32_t d = 0; d < D; d++)
-                ct[(size_t)d * SKETCH_TILE + r] = fin[r] ? kvt__sketch_latent(row, dtype, d) : 0.0f;
+            uint32_t bad = row ? 0 : 1; /* kvt__sketch_row_finite, fused with the load */
+            for (uint32_t d = 0; row && d < D; d++) {
+                float x = kvt__sketch_latent(row, dtype, d);
+                bad |= (kvt__bits_from_f32(x) & 0x7f800000u) == 0x7f800000u;
+                ct[(size_t)d * SKETCH_TILE + r] = x;
+            }
+            fin[r] = !bad;
+            for (uint32_t d = 0; bad && d < D; d++)
+                ct[(size_t)d * SKETCH_TILE + r] = 0.0f;
         }
         /* Step 1: coefficients, then fp16. SKETCH_KB coefficients at a time: their chains are
          * independent, so the fused multiply-adds of one d do not wait on each other's latency
@@ -102,7 +125,7 @@ void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_
             }
             for (uint32_t d = 0; d < D; d++)
                 e[d] = ct[(size_t)d * SKETCH_TILE + r] - rec[d];
-            rho[u0 + r] = kvt__sketch_rho_canon(kvt__norm_fixed(e, D));
+            rho[u0 + r] = kvt__sketch_rho_canon(norm_interleaved(e, D));
         }
     }
 }
