@@ -175,47 +175,55 @@ Test(sketch, orthogonal_latent_has_empty_sketch_and_full_rho) {
     free(W);
 }
 
-/* The CPU twin (tiled, loops interchanged) gives exactly the bits of the per-element KVT_HD
- * functions a CUDA kernel will map threads over; bf16 rows, a tail tile, a stride past the rank
- * (zero-filled), rank 0 (ρ = the latent's fixed-order norm). */
+/* The CPU twin (tiled, loops interchanged, coefficients four at a time) gives exactly the bits
+ * of the per-element KVT_HD functions a CUDA kernel will map threads over: bf16, fp16 and fp32
+ * rows, a tail tile (13 rows), ranks 0 (ρ = the latent's fixed-order norm), 13 (a tail of the
+ * 4-coefficient pass) and 48, a stride past the rank (zero-filled). */
 Test(sketch, twin_equals_per_element_functions_bit_for_bit) {
     const uint64_t seed = 3003;
     const uint32_t n = 13, rank = 48, stride = 64;
-    const size_t row_bytes = 576 * 2;
+    const int dts[3] = {KVT__DT_BF16, KVT__DT_FP16, KVT__DT_FP32};
+    const uint32_t ranks[3] = {0, 13, rank};
     float *V = malloc(sizeof(float) * rank * D);
-    uint8_t *rows = malloc(row_bytes * n);
+    uint8_t *rows = malloc(576 * 4 * n);
     cr_assert(V && rows);
     orthonormal_rows(seed, rank, D, V);
-    tu_rng g = {seed + 1};
-    for (uint32_t u = 0; u < n; u++)
-        for (uint32_t d = 0; d < 576; d++)
-            kvt__store_elem(rows + u * row_bytes, KVT__DT_BF16, d,
-                            (float)(tu_normal(&g) * (d % 7 == 0 ? 4.0 : 0.5)));
-    for (uint32_t rk = 0; rk <= rank; rk += rank) {
-        uint16_t csk[13 * 64];
-        float rho[13];
-        memset(csk, 0xff, sizeof csk);
-        sketch_host((const float *)rows, n, KVT__DT_BF16, row_bytes, V, rk, stride, csk, rho);
-        for (uint32_t u = 0; u < n; u++) {
-            const uint8_t *row = rows + u * row_bytes;
-            float c[D], e[D];
-            uint16_t want[64];
-            for (uint32_t d = 0; d < D; d++)
-                c[d] = kvt__sketch_latent(row, KVT__DT_BF16, d);
-            for (uint32_t k = 0; k < rk; k++)
-                want[k] = kvt__f32_to_f16(kvt__sketch_coef(c, D, V + (size_t)k * D));
-            for (uint32_t k = 0; k < stride; k++)
-                cr_assert_eq(csk[u * stride + k], k < rk ? want[k] : 0,
-                             "seed %llu rank %u row %u coefficient %u", (unsigned long long)seed,
-                             rk, u, k);
-            for (uint32_t d = 0; d < D; d++)
-                e[d] = kvt__sketch_resid(c[d], want, rk, V, D, d);
-            float r = kvt__norm_fixed(e, D);
-            cr_assert_eq(kvt__bits_from_f32(rho[u]), kvt__bits_from_f32(r),
-                         "rank %u row %u: %a vs %a", rk, u, (double)rho[u], (double)r);
-            if (rk == 0)
-                cr_assert_eq(kvt__bits_from_f32(rho[u]),
-                             kvt__bits_from_f32(kvt__elem_norm_fixed(row, KVT__DT_BF16, D)));
+    for (int t = 0; t < 3; t++) {
+        const int dt = dts[t];
+        const size_t row_bytes = 576 * (dt == KVT__DT_FP32 ? 4 : 2);
+        tu_rng g = {seed + 1};
+        for (uint32_t u = 0; u < n; u++)
+            for (uint32_t d = 0; d < 576; d++)
+                kvt__store_elem(rows + u * row_bytes, dt, d,
+                                (float)(tu_normal(&g) * (d % 7 == 0 ? 4.0 : 0.5)));
+        for (int ri = 0; ri < 3; ri++) {
+            const uint32_t rk = ranks[ri];
+            uint16_t csk[13 * 64];
+            float rho[13];
+            memset(csk, 0xff, sizeof csk);
+            sketch_host((const float *)rows, n, dt, row_bytes, V, rk, stride, csk, rho);
+            for (uint32_t u = 0; u < n; u++) {
+                const uint8_t *row = rows + u * row_bytes;
+                float c[D], e[D];
+                uint16_t want[64];
+                for (uint32_t d = 0; d < D; d++)
+                    c[d] = kvt__sketch_latent(row, dt, d);
+                for (uint32_t k = 0; k < rk; k++)
+                    want[k] = kvt__f32_to_f16(kvt__sketch_coef(c, D, V + (size_t)k * D));
+                for (uint32_t k = 0; k < stride; k++)
+                    cr_assert_eq(csk[u * stride + k], k < rk ? want[k] : 0,
+                                 "seed %llu dtype %d rank %u row %u coefficient %u",
+                                 (unsigned long long)seed, dt, rk, u, k);
+                for (uint32_t d = 0; d < D; d++)
+                    e[d] = kvt__sketch_resid(c[d], want, rk, V, D, d);
+                float r = kvt__norm_fixed(e, D);
+                cr_assert_eq(kvt__bits_from_f32(rho[u]), kvt__bits_from_f32(r),
+                             "dtype %d rank %u row %u: %a vs %a", dt, rk, u, (double)rho[u],
+                             (double)r);
+                if (rk == 0)
+                    cr_assert_eq(kvt__bits_from_f32(rho[u]),
+                                 kvt__bits_from_f32(kvt__elem_norm_fixed(row, dt, D)));
+            }
         }
     }
     free(V);
