@@ -52,8 +52,11 @@ static double one_close(kvt_ctx *ctx, const uint8_t *rows) {
     uint32_t n = B;
     static int32_t idx[B + 8];
     int32_t len;
-    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
-                  .capacity = B + 8, .lengths = &len};
+    kvt_emit e = {.struct_size = sizeof e,
+                  .layout = KVT_EMIT_TOKENS,
+                  .indices = idx,
+                  .capacity = B + 8,
+                  .lengths = &len};
     double t = NAN;
     if (kvt_batch_reserve(b, &seq, &n, 1) == KVT_OK &&
         kvt_seq_write(seq, 0, 0, 0, B, rows, (size_t)B * 1152) == KVT_OK &&

@@ -45,9 +45,9 @@ void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_
                           float *rho) {
     KVT_ASSERT(D >= 1 && D <= KVT__SKETCH_MAX_DIM);
     KVT_ASSERT(rank <= csk_stride && csk_stride <= KVT__SKETCH_MAX_RANK);
-    float *ct = scratch;                        /* [D][SKETCH_TILE]: the tile's latents */
+    float *ct = scratch;                            /* [D][SKETCH_TILE]: the tile's latents */
     float *rec = scratch + (size_t)SKETCH_TILE * D; /* [D] */
-    float *e = rec + D;                         /* [D] */
+    float *e = rec + D;                             /* [D] */
     for (uint32_t u0 = 0; u0 < n_rows; u0 += SKETCH_TILE) {
         uint32_t T = n_rows - u0 < SKETCH_TILE ? n_rows - u0 : SKETCH_TILE;
         int fin[SKETCH_TILE];
@@ -91,8 +91,8 @@ void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_
                     const float *Vk = V + (size_t)(k0 + j) * D;
                     for (uint32_t d = 0; d < D; d++)
                         for (uint32_t r = 0; r < SKETCH_TILE; r++)
-                            acc[j][r] = kvt__sketch_coef_step(acc[j][r],
-                                                              ct[(size_t)d * SKETCH_TILE + r], Vk[d]);
+                            acc[j][r] = kvt__sketch_coef_step(
+                                acc[j][r], ct[(size_t)d * SKETCH_TILE + r], Vk[d]);
                 }
             }
             for (uint32_t j = 0; j < kb; j++)

@@ -100,8 +100,7 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
     return KVT_OK;
 }
 
-kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank,
-                                uint32_t *id) {
+kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank, uint32_t *id) {
     if (!ctx)
         return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_ctx_recall_basis: ctx is NULL");
     if (layer >= ctx->n_layers)
@@ -160,24 +159,27 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
     uint8_t h[RB_HEADER_BYTES] = {0};
     kvt_status s = KVT_OK;
     long size = -1;
-    if (fread(h, 1, sizeof h, f) != sizeof h || fseek(f, 0, SEEK_END) != 0 ||
-        (size = ftell(f)) < 0)
+    if (fread(h, 1, sizeof h, f) != sizeof h || fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0)
         s = kvt__tls_fail(KVT_ERR_PARSE, "kvt_recall_basis_read: %s: truncated header", path);
     else if (memcmp(h, RB_MAGIC, 8) != 0)
         s = kvt__tls_fail(KVT_ERR_PARSE, "kvt_recall_basis_read: %s is not a basis file", path);
     else if (kvt__get_u32(h + 8) != RB_VERSION)
-        s = kvt__tls_fail(KVT_ERR_PARSE, "kvt_recall_basis_read: %s: version %u (this library "
-                          "reads %u)", path, kvt__get_u32(h + 8), RB_VERSION);
-    kvt_recall_basis_info in = {.layer = kvt__get_u32(h + 12), .rank = kvt__get_u32(h + 16),
-                                .dim = kvt__get_u32(h + 20), .samples = kvt__get_u64(h + 32)};
+        s = kvt__tls_fail(KVT_ERR_PARSE,
+                          "kvt_recall_basis_read: %s: version %u (this library "
+                          "reads %u)",
+                          path, kvt__get_u32(h + 8), RB_VERSION);
+    kvt_recall_basis_info in = {.layer = kvt__get_u32(h + 12),
+                                .rank = kvt__get_u32(h + 16),
+                                .dim = kvt__get_u32(h + 20),
+                                .samples = kvt__get_u64(h + 32)};
     uint64_t cap = kvt__get_u64(h + 24);
     memcpy(&in.captured, &cap, 8);
     size_t n = (size_t)in.rank * in.dim, vb = sizeof(float) * n;
     if (s == KVT_OK && (in.rank == 0 || in.rank > KVT_RECALL_MAX_RANK || in.dim == 0 ||
                         in.dim > RB_MAX_DIM || (uint64_t)size != RB_HEADER_BYTES + vb + 4))
         s = kvt__tls_fail(KVT_ERR_PARSE,
-                          "kvt_recall_basis_read: %s: rank %u, dim %u and %ld bytes disagree",
-                          path, in.rank, in.dim, size);
+                          "kvt_recall_basis_read: %s: rank %u, dim %u and %ld bytes disagree", path,
+                          in.rank, in.dim, size);
     float *buf = s == KVT_OK ? malloc(vb) : NULL;
     uint8_t tail[4];
     if (s == KVT_OK && !buf)
@@ -188,8 +190,10 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
     if (s == KVT_OK && kvt__crc32(kvt__crc32(0, h, sizeof h), buf, vb) != kvt__get_u32(tail))
         s = kvt__tls_fail(KVT_ERR_CORRUPT, "kvt_recall_basis_read: %s: CRC mismatch", path);
     if (s == KVT_OK && v && v_floats < n)
-        s = kvt__tls_fail(KVT_ERR_CAPACITY, "kvt_recall_basis_read: %zu floats for a %u x %u "
-                          "basis", v_floats, in.rank, in.dim);
+        s = kvt__tls_fail(KVT_ERR_CAPACITY,
+                          "kvt_recall_basis_read: %zu floats for a %u x %u "
+                          "basis",
+                          v_floats, in.rank, in.dim);
     if (s == KVT_OK) {
         in.id = basis_id(buf, n);
         *info = in;

@@ -49,13 +49,13 @@
 typedef struct kvt__conformal {
     float *samples;
     uint32_t cap;
-    uint32_t n;        /* samples recorded */
-    uint32_t steps;    /* calibration steps seen */
-    float z;           /* Z_MAX until fixed */
-    bool fixed;        /* z is the request's for good (calibrated, or the last window passed) */
-    bool calibrated;   /* z came from the samples (false: provisional Z_MAX) */
-    bool clamped;      /* the k-th sample exceeded Z_MAX */
-    uint32_t k;        /* the order statistic used (0 until calibrated) */
+    uint32_t n;      /* samples recorded */
+    uint32_t steps;  /* calibration steps seen */
+    float z;         /* Z_MAX until fixed */
+    bool fixed;      /* z is the request's for good (calibrated, or the last window passed) */
+    bool calibrated; /* z came from the samples (false: provisional Z_MAX) */
+    bool clamped;    /* the k-th sample exceeded Z_MAX */
+    uint32_t k;      /* the order statistic used (0 until calibrated) */
 } kvt__conformal;
 
 /* Start a calibration over caller memory of cap floats. */

@@ -121,8 +121,8 @@ Test(sketch, latent_in_span_leaves_only_fp16_rounding) {
             double got = kvt__f16_to_f32(csk[u * R + k]), want = a[u * R + k];
             /* fp16 has 11 significant bits: rounding to nearest is within 2^-11 relative. */
             cr_assert_leq(fabs(got - want), fabs(want) * 0x1p-11 + 1e-4 * (1.0 + u),
-                          "seed %llu row %u coefficient %u: %g vs %g", (unsigned long long)seed,
-                          u, k, got, want);
+                          "seed %llu row %u coefficient %u: %g vs %g", (unsigned long long)seed, u,
+                          k, got, want);
             fp16_err += (got - want) * (got - want);
         }
         fp16_err = sqrt(fp16_err);
@@ -357,8 +357,7 @@ static void setup(fixture *f, kvt_backend_kind be, uint32_t max_rows, uint64_t s
     orthonormal_rows(seed, R, D, f->V);
     fill_rows(seed + 1, f->V, f->rows, n_rows);
     if (basis)
-        cr_assert_eq(kvt_ctx_set_recall_basis(f->ctx, 0, f->V, R), KVT_OK, "%s",
-                     kvt_last_error());
+        cr_assert_eq(kvt_ctx_set_recall_basis(f->ctx, 0, f->V, R), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(tu_seq_create(f->ctx, 1, &f->seq), KVT_OK);
 }
 
@@ -388,8 +387,7 @@ Test(sketch_planes, closes_write_the_twins_bits_on_every_backend) {
     const kvt_backend_kind kinds[2] = {KVT_BACKEND_CPU, KVT_BACKEND_GUARDED};
     for (int b = 0; b < 2; b++) {
         ctx[b] = make_ctx(m, &c, kinds[b], R, 0);
-        cr_assert_eq(kvt_ctx_set_recall_basis(ctx[b], 0, V, rank), KVT_OK, "%s",
-                     kvt_last_error());
+        cr_assert_eq(kvt_ctx_set_recall_basis(ctx[b], 0, V, rank), KVT_OK, "%s", kvt_last_error());
         cr_assert_eq(tu_seq_create(ctx[b], 7, &seq[b]), KVT_OK);
         feed(seq[b], rows, N, b ? 5 : 64); /* prefill chunks vs decode-like steps */
         cr_assert_eq(kvt_seq_check(seq[b]), KVT_OK, "%s", kvt_last_error());
@@ -452,10 +450,16 @@ Test(sketch_planes, guarded_op_refuses_host_planes) {
     setup(&f, KVT_BACKEND_GUARDED, 0, 11011, 64, false);
     feed(f.seq, f.rows, 64, 64);
     const kvt__sal *s = &f.seq->layers[0].sal;
-    kvt__sketch_args a = {.base = f.ctx->stores[0].plane[0], .pages = f.seq->pt[0].dpages,
-                          .pdiv = &f.ctx->pdiv, .n_rows = 64, .slot_stride = 1152,
-                          .dtype = KVT__DT_BF16, .latent_dim = D, .csk_stride = R,
-                          .csk = s->csk, .rho = s->rho};
+    kvt__sketch_args a = {.base = f.ctx->stores[0].plane[0],
+                          .pages = f.seq->pt[0].dpages,
+                          .pdiv = &f.ctx->pdiv,
+                          .n_rows = 64,
+                          .slot_stride = 1152,
+                          .dtype = KVT__DT_BF16,
+                          .latent_dim = D,
+                          .csk_stride = R,
+                          .csk = s->csk,
+                          .rho = s->rho};
     const kvt__backend *be = &f.ctx->backend;
     cr_assert_eq(be->ops->sketch_rows(be, &a, 1, NULL), KVT_OK);
     float host_rho[64];
@@ -526,11 +530,13 @@ Test(sketch_planes, steady_decode_allocates_nothing) {
         cr_assert_eq(kvt_batch_plan(b), KVT_OK);
         uint32_t topk;
         cr_assert_eq(kvt_batch_capacity(b, 0, &topk, NULL), KVT_OK);
-        kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS, .indices = idx,
-                      .capacity = topk, .lengths = lens};
+        kvt_emit e = {.struct_size = sizeof e,
+                      .layout = KVT_EMIT_TOKENS,
+                      .indices = idx,
+                      .capacity = topk,
+                      .lengths = lens};
         for (uint32_t i = 0; i < NSEQ; i++)
-            cr_assert_eq(kvt_seq_write(seqs[i], 0, 0, 0, 1, rows + (size_t)t * 1152, 1152),
-                         KVT_OK);
+            cr_assert_eq(kvt_seq_write(seqs[i], 0, 0, 0, 1, rows + (size_t)t * 1152, 1152), KVT_OK);
         cr_assert_eq(kvt_batch_run(b, 0, NULL, NULL, &e), KVT_OK, "%s", kvt_last_error());
         cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
     }
@@ -594,9 +600,16 @@ Test(basis, statuses) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
     /* Creation: fp8 salience rows cannot be sketched; a rank past the limit or the latent. */
-    kvt_layer_spec f = {.kind = KVT_LAYER_MLA_NOPE, .dtype = KVT_DTYPE_FP8_E4M3, .n_kv_heads = 1,
-                        .n_planes = 1, .head_dim = 576, .value_dim = 512, .branch_dim = 64,
-                        .row_bytes = 656, .branch_offset = 528, .branch_dtype = KVT_DTYPE_BF16};
+    kvt_layer_spec f = {.kind = KVT_LAYER_MLA_NOPE,
+                        .dtype = KVT_DTYPE_FP8_E4M3,
+                        .n_kv_heads = 1,
+                        .n_planes = 1,
+                        .head_dim = 576,
+                        .value_dim = 512,
+                        .branch_dim = 64,
+                        .row_bytes = 656,
+                        .branch_offset = 528,
+                        .branch_dtype = KVT_DTYPE_BF16};
     kvt_model *m8;
     cr_assert_eq(kvt_model_create(&f, 1, "fp8", &m8, NULL, 0), KVT_OK);
     kvt_ctx_params p = kvt_ctx_default_params();
@@ -626,8 +639,8 @@ Test(basis, file_round_trip_and_damage) {
     float *V = malloc(sizeof(float) * R * D), *back = malloc(sizeof(float) * R * D);
     cr_assert(V && back);
     orthonormal_rows(10010, R, D, V);
-    kvt_recall_basis_info in = {.layer = 3, .rank = R, .dim = D, .captured = 0.875,
-                                .samples = 12345};
+    kvt_recall_basis_info in = {
+        .layer = 3, .rank = R, .dim = D, .captured = 0.875, .samples = 12345};
     cr_assert_eq(kvt_recall_basis_write(path, &in, V), KVT_OK);
     kvt_recall_basis_info out;
     cr_assert_eq(kvt_recall_basis_read(path, &out, back, (size_t)R * D), KVT_OK);

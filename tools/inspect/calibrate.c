@@ -157,8 +157,10 @@ static int add_trace(const char *path, cal_opts *o, cal_acc *c, kvt_layer_spec *
     }
     uint32_t dim = li.spec.value_dim;
     if (li.spec.kind != KVT_LAYER_MLA_NOPE)
-        rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "%s: layer %u is %s; recall bases are for "
-                           "MLA-NoPE layers", path, o->layer, kvt_layer_kind_name(li.spec.kind));
+        rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
+                           "%s: layer %u is %s; recall bases are for "
+                           "MLA-NoPE layers",
+                           path, o->layer, kvt_layer_kind_name(li.spec.kind));
     else if (li.n_steps == 0)
         rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
                            "%s: layer %u carries no queries (the trace holds %llu rows and no "
@@ -170,8 +172,10 @@ static int add_trace(const char *path, cal_opts *o, cal_acc *c, kvt_layer_spec *
                            "%s: layer %u's queries hold %u values, its latent %u", path, o->layer,
                            li.q_dim, dim);
     else if (c->dim && c->dim != dim)
-        rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "%s: layer %u has value_dim %u, earlier "
-                           "traces %u", path, o->layer, dim, c->dim);
+        rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
+                           "%s: layer %u has value_dim %u, earlier "
+                           "traces %u",
+                           path, o->layer, dim, c->dim);
     if (rc != INSPECT_EXIT_OK) {
         kvt_trace_close(t);
         return rc;
@@ -204,8 +208,10 @@ static int add_trace(const char *path, cal_opts *o, cal_acc *c, kvt_layer_spec *
             for (uint32_t i = 0; i < dim && finite; i++)
                 finite = isfinite(x[i]);
             if (!finite) {
-                rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "%s: query step %llu head %u holds a "
-                                   "NaN or Inf", path, (unsigned long long)s, h);
+                rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
+                                   "%s: query step %llu head %u holds a "
+                                   "NaN or Inf",
+                                   path, (unsigned long long)s, h);
                 break;
             }
             acc_add(c, x);
@@ -246,8 +252,10 @@ static int top_eigen(const cal_acc *c, uint32_t rank, float *V, double *w_top, d
                                      (lapack_int)n, 0.0, &m, w, Z, (lapack_int)rank, supp);
     int rc = INSPECT_EXIT_OK;
     if (info != 0 || m != (lapack_int)rank)
-        rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "LAPACKE_dsyevr failed (info %d, %d of %u "
-                           "eigenpairs)", (int)info, (int)m, rank);
+        rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
+                           "LAPACKE_dsyevr failed (info %d, %d of %u "
+                           "eigenpairs)",
+                           (int)info, (int)m, rank);
     /* dsyevr returns ascending eigenvalues; column j of Z (row-major [n][rank]) is eigenvector j.
      */
     for (uint32_t k = 0; rc == INSPECT_EXIT_OK && k < rank; k++) {
@@ -297,7 +305,9 @@ int inspect_calibrate(int argc, char **argv) {
         double top = 0;
         for (uint32_t k = 0; k < o.rank; k++)
             top += w[k];
-        kvt_recall_basis_info info = {.layer = o.layer, .rank = o.rank, .dim = c.dim,
+        kvt_recall_basis_info info = {.layer = o.layer,
+                                      .rank = o.rank,
+                                      .dim = c.dim,
                                       .captured = total > 0 ? top / total : NAN,
                                       .samples = c.n};
         kvt_recall_basis_info back;
