@@ -691,6 +691,7 @@ Test(basis, file_round_trip_and_damage) {
  * must be removed by the centring. The captured variance of rank 8 is ΣA² / (ΣA² + ΣB²) and the
  * recovered rows are ±U_k, in order.
  * ------------------------------------------------------------------------------------------- */
+#if KVT_HAVE_LAPACKE
 #define CAL_STEPS 96u
 #define CAL_HEADS 8u
 
@@ -743,6 +744,8 @@ static int run_calibrate(const char *args, char *out, size_t out_len) {
     int st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
+
+#endif
 
 Test(calibrate, recovers_a_known_subspace_and_its_variance, .timeout = 120) {
 #if !KVT_HAVE_LAPACKE

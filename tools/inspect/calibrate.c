@@ -103,6 +103,7 @@ static int parse_args(int argc, char **argv, cal_opts *o) {
     return 0;
 }
 
+#if KVT_HAVE_LAPACKE
 /* The running sums of one layer's samples: shift x0 (the first sample), Σ(x − x0) and the upper
  * triangle of Σ(x − x0)(x − x0)ᵀ, row-major [dim][dim]. */
 typedef struct cal_acc {
@@ -223,7 +224,6 @@ static int add_trace(const char *path, cal_opts *o, cal_acc *c, kvt_layer_spec *
     return rc;
 }
 
-#if KVT_HAVE_LAPACKE
 /* The top-R eigenpairs of the centred covariance: V [rank][dim] fp32, descending eigenvalues
  * into w_top, the covariance's trace into *total. */
 static int top_eigen(const cal_acc *c, uint32_t rank, float *V, double *w_top, double *total) {
