@@ -41,6 +41,26 @@ typedef struct kvt__score_args {
     float *out;             /* [n_rows] */
 } kvt__score_args;
 
+/* Sketch n rows of one closed block for the recall tier (kernels/sketch.h): the rows as in
+ * kvt__score_args (page-table mirror + first_row + n_rows, all in the backend's memory), the
+ * layer's basis V and the output planes in the backend's memory too. */
+typedef struct kvt__sketch_args {
+    const uint8_t *base;
+    const int32_t *pages;   /* the table's mirror, as kvt__score_args.pages */
+    uint64_t first_page;
+    const kvt__div32 *pdiv; /* page_rows */
+    uint64_t first_row;
+    uint32_t n_rows;        /* B */
+    size_t slot_stride;     /* bytes between consecutive slots */
+    int dtype;              /* KVT__DT_BF16 / FP16 / FP32 (fp8 rows are refused at creation) */
+    uint32_t latent_dim;    /* D: the row's first D values (value_dim) */
+    const float *basis;     /* [rank][latent_dim] fp32; NULL when rank is 0 */
+    uint32_t rank;
+    uint32_t csk_stride;    /* fp16 values per row in the plane (>= rank; the rest written 0) */
+    uint16_t *csk;          /* [n_rows][csk_stride] out */
+    float *rho;             /* [n_rows] out */
+} kvt__sketch_args;
+
 /* An attended set as a policy describes it, in row indices of the group's table, ascending:
  * rows [0, lo_end), then list[0 .. n_list) (ascending, each in [lo_end, hi_begin)), then rows
  * [hi_begin, hi_end). O(1) to build on the host whatever the set's size: the rows themselves are
@@ -120,6 +140,10 @@ typedef struct kvt__backend_ops {
     /* Salience scores of n blocks (every block closing in a step, across its requests). */
     kvt_status (*score_rows)(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
                              void *stream);
+    /* Recall sketches of n blocks (every block closing in a step, across its requests), next to
+     * score_rows: csk and ρ of each row (kvt__sketch_args). */
+    kvt_status (*sketch_rows)(const kvt__backend *be, const kvt__sketch_args *a, uint32_t n,
+                              void *stream);
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per
      * range, not per row). The arrays live in the backend's memory space. */
@@ -161,6 +185,9 @@ bool kvt__backend_is_guarded(const kvt__backend *be);
  * workspace. KVT_ERR_OUT_OF_MEMORY. Close frees it (NULL impl: nothing). */
 kvt_status kvt__backend_cpu_open(kvt__backend *be);
 void kvt__backend_cpu_close(kvt__backend *be);
+/* Floats of workspace a sketch of n_rows rows of a latent of latent_dim values takes (its slots
+ * and kvt__sketch_scratch_floats), for sizing kvt__backend_cpu_reserve's sigma_floats. */
+size_t kvt__backend_sketch_floats(uint32_t n_rows, uint32_t latent_dim);
 /* Size the workspace for σ scratch of sigma_floats and top-m scratch of topm_u32 (grow only; a
  * backend without a workspace: nothing). */
 kvt_status kvt__backend_cpu_reserve(kvt__backend *be, size_t sigma_floats, size_t topm_u32);

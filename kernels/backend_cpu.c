@@ -5,6 +5,7 @@
 
 #include "kernels/philox.h"
 #include "kernels/sigma.h"
+#include "kernels/sketch.h"
 #include "kernels/topm.h"
 #include "lib/base/base.h"
 
@@ -136,6 +137,43 @@ static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *
     (void)stream;
     for (uint32_t i = 0; i < n; i++) {
         kvt_status s = cpu_score_one(be, &a[i]);
+        if (s != KVT_OK)
+            return s;
+    }
+    return KVT_OK;
+}
+
+size_t kvt__backend_sketch_floats(uint32_t n_rows, uint32_t latent_dim) {
+    return kvt__sketch_scratch_floats(latent_dim) + n_rows;
+}
+
+/* One block's sketches: its slots expanded into the workspace, the twin's scratch after them (one
+ * reservation, the σ scratch's: a close runs σ, then the sketches, never both at once). */
+static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args *a) {
+    if (a->latent_dim == 0 || a->latent_dim > KVT__SKETCH_MAX_DIM || a->rank > a->csk_stride ||
+        a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) ||
+        (a->dtype != KVT__DT_BF16 && a->dtype != KVT__DT_FP16 && a->dtype != KVT__DT_FP32))
+        return KVT_ERR_INVALID_ARGUMENT;
+    size_t n_sk = kvt__sketch_scratch_floats(a->latent_dim);
+    size_t n = kvt__backend_sketch_floats(a->n_rows, a->latent_dim);
+    bool owned;
+    float *scratch = scratch_get(be, true, n, sizeof(float), &owned);
+    if (!scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    int32_t *slots = (int32_t *)(scratch + n_sk);
+    pack_range(slots, a->first_row, a->first_row + a->n_rows, a->pages, a->first_page, a->pdiv);
+    kvt__sketch_rows_cpu(a->base, slots, a->n_rows, a->slot_stride, a->dtype, a->latent_dim,
+                         a->basis, a->rank, a->csk_stride, scratch, a->csk, a->rho);
+    if (owned)
+        kvt__free(be->alloc, scratch, n * sizeof(float));
+    return KVT_OK;
+}
+
+static kvt_status cpu_sketch_rows(const kvt__backend *be, const kvt__sketch_args *a, uint32_t n,
+                                  void *stream) {
+    (void)stream;
+    for (uint32_t i = 0; i < n; i++) {
+        kvt_status s = cpu_sketch_one(be, &a[i]);
         if (s != KVT_OK)
             return s;
     }
@@ -314,6 +352,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .read = cpu_copy,
     .host_visible = true,
     .score_rows = cpu_score_rows,
+    .sketch_rows = cpu_sketch_rows,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
@@ -468,6 +507,22 @@ static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *ar
     return s;
 }
 
+static kvt_status g_sketch_rows(const kvt__backend *be, const kvt__sketch_args *args, uint32_t n,
+                                void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__sketch_args *a = &args[i];
+        GUARD_OWNS(be, a->base, 1);
+        GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        GUARD_OWNS(be, a->basis, sizeof(float) * a->rank * a->latent_dim);
+        GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * a->n_rows);
+        GUARD_OWNS(be, a->rho, sizeof(float) * a->n_rows);
+    }
+    guard_open(be);
+    kvt_status s = cpu_sketch_rows(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
 /* Every buffer of a round's layers must be the backend's. */
 static kvt_status g_ev_owns(const kvt__backend *be, const kvt__ev_args *a, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) {
@@ -571,6 +626,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .read = g_write,
     .host_visible = false,
     .score_rows = g_score_rows,
+    .sketch_rows = g_sketch_rows,
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,

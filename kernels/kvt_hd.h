@@ -15,6 +15,18 @@
 #define KVT_HD static inline
 #endif
 
+/* The per-element math is written with explicit fmaf so CPU and GPU round identically. On x86-64
+ * without -mfma every fmaf is a libm call (a software fused multiply-add); the FMA clone of a CPU
+ * twin marked KVT__FMA_CLONES runs the same correctly rounded operation as one instruction,
+ * chosen at load time by the CPU's features (GCC function multiversioning). Results are
+ * bit-identical between the clones. Host C only (nvcc never compiles a twin). */
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && defined(__x86_64__) &&     \
+    !defined(__SANITIZE_ADDRESS__)
+#define KVT__FMA_CLONES __attribute__((target_clones("fma", "default")))
+#else
+#define KVT__FMA_CLONES
+#endif
+
 /* Element types, numbered as kvt_dtype in lib/kvtier.h (kept in sync by a static assertion). */
 #define KVT__DT_BF16 0
 #define KVT__DT_FP16 1

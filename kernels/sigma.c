@@ -50,16 +50,6 @@ static inline const uint8_t *row_at(const uint8_t *base, const int32_t *slots, u
     return base + (size_t)slots[u] * stride;
 }
 
-/* The per-element math is written with explicit fmaf so CPU and GPU round identically. On x86-64
- * without -mfma every fmaf is a libm call (a software fused multiply-add); the FMA clone below
- * runs the same correctly rounded operation as one instruction, chosen at load time by the CPU's
- * features (GCC function multiversioning). Results are bit-identical between the clones. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define KVT__FMA_CLONES __attribute__((target_clones("fma", "default")))
-#else
-#define KVT__FMA_CLONES
-#endif
-
 KVT__FMA_CLONES
 void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
                           size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,

@@ -3,6 +3,7 @@
 #include "handles.h"
 
 #include "kernels/sigma.h"
+#include "kernels/sketch.h"
 #include "kernels/topm.h"
 
 
@@ -39,6 +40,7 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     e.head_offset = ctx->kv_head_offset;
     e.max_rows = ctx->max_rows;
     e.archive_rows = ctx->archive_rows;
+    e.sketch_stride = ctx->sketch_rank;
     e.stream = stream;
     e.err = kvt__tls_error();
     e.err_len = KVT__ERR_LEN;
@@ -72,6 +74,7 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
         for (int p = 0; p < 2; p++)
             if (st->owned[p])
                 ctx->backend.ops->buf_free(&ctx->backend, st->plane[p], st->plane_bytes);
+        kvt__rbasis_free(ctx, st);
     }
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__group *gr = &ctx->groups[g];
@@ -230,11 +233,17 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
     for (uint32_t i = 0; i < ctx->n_layers; i++)
         if (ctx->policies[i] == KVT_POLICY_SALIENCE && ctx->stores[i].spec.branch_dim > branch)
             branch = ctx->stores[i].spec.branch_dim;
-    /* A close's scoring takes σ's scratch and the block's slots in one piece. */
+    /* A close's scoring takes σ's scratch and the block's slots in one piece; its sketches, when
+     * the context builds them, the same piece (after σ) for their scratch and the slots. */
     ctx->ws_sigma_floats = branch ? kvt__sigma_scratch_floats(ctx->cfg.block_rows,
                                                               2 * ctx->cfg.kappa - 1, branch) +
                                         ctx->cfg.block_rows
                                   : 0;
+    for (uint32_t i = 0; ctx->sketch_rank && i < ctx->n_layers; i++) {
+        size_t f = kvt__backend_sketch_floats(ctx->cfg.block_rows, ctx->stores[i].spec.value_dim);
+        if (ctx->policies[i] == KVT_POLICY_SALIENCE && f > ctx->ws_sigma_floats)
+            ctx->ws_sigma_floats = f;
+    }
     /* A salience close's selection takes its keys and the top-m scratch in one piece. */
     ctx->ws_topm_u32 = (size_t)ctx->max_rows + kvt__topm_scratch_u32(ctx->max_rows);
     if (!kvt__backend_is_guarded(&ctx->backend))
@@ -242,6 +251,33 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
     kvt_status s = kvt__backend_cpu_reserve(&ctx->backend, ctx->ws_sigma_floats, ctx->ws_topm_u32);
     return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "backend workspace for %u rows",
                                             ctx->max_rows);
+}
+
+/* params.recall_sketch_rank against the salience layers (docs/recall.md): the sketch reads a
+ * row's latent, which kvtier can decode in bf16, fp16 and fp32 rows only. */
+static kvt_status check_sketch_rank(const kvt_ctx *ctx, uint32_t r, char *err, size_t len) {
+    if (r == 0)
+        return KVT_OK;
+    if (r > KVT_RECALL_MAX_RANK)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.recall_sketch_rank: %u above KVT_RECALL_MAX_RANK (%u)", r,
+                         KVT_RECALL_MAX_RANK);
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
+        if (ctx->policies[i] != KVT_POLICY_SALIENCE)
+            continue;
+        if (sp->dtype == KVT_DTYPE_FP8_E4M3)
+            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                             "params.recall_sketch_rank: layer %u stores fp8 rows, whose latent "
+                             "kvtier cannot decode yet (no fp8 decoder with the ds_mla scales)",
+                             i);
+        if (sp->value_dim > KVT__SKETCH_MAX_DIM || r > sp->value_dim)
+            return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                             "params.recall_sketch_rank: %u with layer %u's value_dim %u (the "
+                             "sketch takes 1..%u latent values and a rank up to them)",
+                             r, i, sp->value_dim, KVT__SKETCH_MAX_DIM);
+    }
+    return KVT_OK;
 }
 
 /* Parallelism fields: every layer's heads must fit in the global head count. */
@@ -317,6 +353,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     ctx->max_rows = p->max_rows_per_seq;
     ctx->archive_rows = p->archive_rows_per_seq;
     ctx->max_seqs = p->max_seqs;
+    ctx->sketch_rank = p->recall_sketch_rank;
     ctx->page_rows = p->page_rows;
     ctx->pdiv = kvt__div32_make(p->page_rows);
     ctx->n_pages = p->n_pages;
@@ -336,7 +373,8 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         s = kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "layer tables");
         goto fail;
     }
-    if ((s = resolve_policies(ctx, p, err, len)) != KVT_OK)
+    if ((s = resolve_policies(ctx, p, err, len)) != KVT_OK ||
+        (s = check_sketch_rank(ctx, p->recall_sketch_rank, err, len)) != KVT_OK)
         goto fail;
     if ((s = open_backend(ctx, p->backend, err, len)) != KVT_OK)
         goto fail;

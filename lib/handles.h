@@ -33,6 +33,7 @@ struct kvt_ctx {
     uint32_t archive_rows; /* archive_rows_per_seq (0: none) */
     uint32_t max_seqs;     /* max_seqs (0: none) */
     const struct kvt__io *io; /* snapshot file I/O (lib/snapshot.h); NULL: the system's */
+    uint32_t sketch_rank;  /* recall_sketch_rank (0: no sketch planes) */
     uint32_t n_live;       /* live requests */
     kvt_seq *free_seqs;    /* request slots built at creation, not in use (linked by next) */
     bool destroying;       /* kvt_ctx_destroy: requests are freed, not parked */
@@ -57,6 +58,8 @@ struct kvt_seq {
     bool slot;               /* built at context creation: parked on destroy, reused */
 };
 
+/* Free a layer's recall basis (lib/recall_basis.c; kvt_ctx_destroy). */
+void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st);
 /* Free a request and everything it holds, whether or not it is a slot (kvt_ctx_destroy). */
 void kvt__seq_free(kvt_seq *seq);
 /* Build ctx->max_seqs request slots, parked (kvt_ctx_create with max_seqs and max_rows). */

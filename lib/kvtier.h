@@ -51,7 +51,9 @@
  *               inspection calls (kvt_seq_check, kvt_seq_layer_stats, kvt_seq_row_state,
  *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
  *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed, kvt_seq_scores),
- *               and the snapshot calls (kvt_seq_snapshot*, kvt_seq_restore*). They own the row
+ *               the snapshot calls (kvt_seq_snapshot*, kvt_seq_restore*), and
+ *               kvt_ctx_set_recall_basis / kvt_ctx_load_recall_basis (before any reserve) and
+ *               kvt_ctx_recall_basis. They own the row
  *               pool's page allocators (reserve takes pages; commit, kvt_seq_destroy and an
  *               abandoned step return them), the context's lists of requests and batches, and
  *               every request between steps. At most one thread at a time in scheduler calls of
@@ -87,7 +89,8 @@
  *    kvt_status_name, kvt_version, kvt_version_number, the *_default* and *_name functions,
  *    kvt_layer_spec_*, kvt_policy_for_kind, kvt_layer_bytes_per_token, kvt_ctx_model,
  *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
- *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context, and
+ *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context,
+ *    kvt_recall_basis_read / kvt_recall_basis_write (files only; distinct paths), and
  *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
  *    are joined). A kvt_model is only read after kvt_model_create: the const kvt_model_* calls
  *    and kvt_ctx_create may use one model from many threads at once (a context copies it);
@@ -401,6 +404,18 @@ typedef struct kvt_ctx_params {
      * slot: admitting and finishing requests allocates nothing (continuous batching with no
      * allocator on the scheduler's path). */
     uint32_t max_seqs;
+    /* Recall sketches (docs/recall.md): fp16 coefficients per closed row of every salience layer
+     * (0, the default: none, and closes compute nothing more than σ). With r > 0 each block close
+     * also writes, per row, csk = the row's latent (its first value_dim values) projected on the
+     * layer's basis (kvt_ctx_set_recall_basis; r coefficients, fp16, entries past the basis's
+     * rank 0) and ρ = the norm of what that fp16 sketch misses (fp32): 2r + 4 bytes a row, 132 B
+     * at the design's r = 64, in the backend's memory, sized with the score plane (at
+     * kvt_seq_create when max_rows_per_seq is stated). A layer without a basis gets empty
+     * sketches and ρ = the latent's norm. The trigger that reads them is not built yet: sketches
+     * change no attended set. 1..KVT_RECALL_MAX_RANK and at most every salience layer's
+     * value_dim (KVT_ERR_INVALID_ARGUMENT); salience layers with fp8 rows are
+     * KVT_ERR_UNSUPPORTED (kvtier has no fp8 decoder: a ds_mla row's latent needs its scales). */
+    uint32_t recall_sketch_rank;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
  * parallelism fields then take their defaults: one unsharded rank). */
@@ -457,6 +472,68 @@ KVT_API kvt_status kvt_layer_write(kvt_ctx *ctx, uint32_t layer, uint32_t plane,
  * or without external_storage. */
 KVT_API kvt_status kvt_layer_bind(kvt_ctx *ctx, uint32_t layer, uint32_t plane, void *base,
                                   size_t bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Recall basis (docs/recall.md). A salience layer's recall sketches project each row's latent on
+ * a rank-r basis V: r orthonormal rows of value_dim values, the top-r eigenvectors of the
+ * centred covariance of calibration queries' latent parts (kvtier-inspect calibrate writes
+ * them to a basis file). Its id is the CRC-32 (zlib's) of V's bytes as stored (r x value_dim
+ * little-endian fp32), kept in kvt_layer_stats.recall_basis_id.
+ * ------------------------------------------------------------------------------------------- */
+/* Largest rank a basis may have (and params.recall_sketch_rank). The design's rank is 64. */
+#define KVT_RECALL_MAX_RANK 256u
+
+/* Give salience layer `layer` its basis: V is host memory of rank x value_dim fp32 values, row k
+ * at V + k * value_dim, copied into the backend's memory (the caller keeps V). Rows must be
+ * orthonormal (|V Vᵀ − I| <= 1e-3 in every entry): the certificates of docs/recall.md §3 rest on
+ * it. A second call replaces the basis. Errors (nothing changed): KVT_ERR_INVALID_ARGUMENT (NULL
+ * ctx or V, a NaN or Inf in V, rows not orthonormal), KVT_ERR_OUT_OF_RANGE (layer >= n_layers;
+ * rank 0 or above params.recall_sketch_rank), KVT_ERR_POLICY_MISMATCH (not a salience layer),
+ * KVT_ERR_UNSUPPORTED (the context was created without recall_sketch_rank), KVT_ERR_BAD_STATE
+ * once any request of the context has reserved rows (a block may close in the step's run, before
+ * its commit, and every sketch of a layer must come from one basis), KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V,
+                                            uint32_t rank);
+/* A layer's basis: *rank (0: none) and *id (0 without one); either may be NULL.
+ * KVT_ERR_INVALID_ARGUMENT (NULL ctx), KVT_ERR_OUT_OF_RANGE (layer). */
+KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank,
+                                        uint32_t *id);
+
+/* A basis file (kvtier-inspect calibrate writes it; format in docs/recall.md §5): little-endian,
+ *   0   8 B   magic "KVTRBAS1"
+ *   8   u32   format version (1)
+ *   12  u32   layer the basis was calibrated for (informational: any salience layer of the same
+ *             value_dim may load it)
+ *   16  u32   rank r
+ *   20  u32   dim (value_dim)
+ *   24  f64   captured: share of the calibration queries' centred variance the r directions
+ *             hold, in [0, 1] (NaN when unknown)
+ *   32  u64   samples: query latents the covariance was estimated from
+ *   40  r x dim fp32: V, row-major
+ *   end u32   CRC-32 of every byte before it. */
+typedef struct kvt_recall_basis_info {
+    uint32_t layer;
+    uint32_t rank;
+    uint32_t dim;
+    double captured;
+    uint64_t samples;
+    uint32_t id;       /* read: CRC-32 of V's bytes (the basis id); ignored by write */
+} kvt_recall_basis_info;
+
+/* Write a basis file (created or truncated). V: info->rank x info->dim fp32. Errors:
+ * KVT_ERR_INVALID_ARGUMENT (NULL, rank 0 or above KVT_RECALL_MAX_RANK, dim 0 or above 65536),
+ * KVT_ERR_IO. */
+KVT_API kvt_status kvt_recall_basis_write(const char *path, const kvt_recall_basis_info *info,
+                                          const float *V);
+/* Read a basis file: *info always, and V into v (v_floats >= rank x dim) when v is not NULL.
+ * Errors: KVT_ERR_INVALID_ARGUMENT (NULL path or info), KVT_ERR_IO, KVT_ERR_PARSE (bad magic,
+ * unknown version, a size that disagrees with rank and dim, rank or dim out of range),
+ * KVT_ERR_CORRUPT (CRC mismatch), KVT_ERR_CAPACITY (v too small). */
+KVT_API kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, float *v,
+                                         size_t v_floats);
+/* kvt_recall_basis_read, then kvt_ctx_set_recall_basis of its V on `layer` (whose value_dim
+ * must equal the file's dim: KVT_ERR_INVALID_ARGUMENT). The errors of both. */
+KVT_API kvt_status kvt_ctx_load_recall_basis(kvt_ctx *ctx, uint32_t layer, const char *path);
 
 /* ---------------------------------------------------------------------------------------------
  * Backend buffers
@@ -814,6 +891,10 @@ typedef struct kvt_layer_stats {
     uint64_t prompt_rows;     /* protected prompt rows */
     bool prompt_over_budget;  /* prompt alone exceeded K: only its first K-1 rows protected */
     double attended_bytes_per_token; /* bytes attention reads per committed token this step */
+    /* Recall (salience layers of a context with params.recall_sketch_rank): */
+    uint32_t recall_rank;     /* rank of the layer's basis (0: none) */
+    uint32_t recall_basis_id; /* CRC-32 of the basis's bytes (0: none) */
+    uint64_t sketched_rows;   /* closed rows that carry a sketch (0 without sketch planes) */
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

@@ -18,6 +18,7 @@
 
 #include "kernels/philox.h"
 #include "kernels/sigma.h"
+#include "kernels/sketch.h"
 #include "kernels/topm.h"
 
 #include <float.h>
@@ -57,14 +58,17 @@ void kvt__sal_shared_fini(kvt__sal_shared *sh) {
     memset(sh, 0, sizeof *sh);
 }
 
-void kvt__sal_init(kvt__sal *s, const kvt__backend *home) {
+void kvt__sal_init(kvt__sal *s, const kvt__backend *home, uint32_t sk_stride) {
     s->be = home;
+    s->sk_stride = sk_stride;
 }
 
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
     if (s->be) {
         s->be->ops->buf_free(s->be, s->score, sizeof *s->score * s->score_cap);
         s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
+        s->be->ops->buf_free(s->be, s->csk, sizeof *s->csk * s->sk_stride * s->csk_cap);
+        s->be->ops->buf_free(s->be, s->rho, sizeof *s->rho * s->rho_cap);
     }
     memset(s, 0, sizeof *s);
 }
@@ -105,6 +109,17 @@ static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint
     p = s->kept;
     st = plane_grow(s->be, &p, &s->kept_cap, m ? m : 1, sizeof *s->kept, stream);
     s->kept = p;
+    if (st != KVT_OK || s->sk_stride == 0)
+        return st;
+    /* The recall sketches of the closed rows, grown with σ. */
+    p = s->csk;
+    st = plane_grow(s->be, &p, &s->csk_cap, new_closed, sizeof *s->csk * s->sk_stride, stream);
+    s->csk = p;
+    if (st != KVT_OK)
+        return st;
+    p = s->rho;
+    st = plane_grow(s->be, &p, &s->rho_cap, new_closed, sizeof *s->rho, stream);
+    s->rho = p;
     if (st != KVT_OK)
         return st;
     (void)a;
@@ -183,31 +198,71 @@ static void fail_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t lo, uint
         }
 }
 
-/* Score every block the jobs close: chunks of KVT__SAL_CHUNK blocks, one backend call each. */
-static void score_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
-    kvt__score_args args[KVT__SAL_CHUNK];
+/* The sketching of the block starting at position `first` of a job's layer (kernels/sketch.h)
+ * into its rows of the sketch planes. */
+static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first) {
+    const kvt_layer_spec *sp = &j->st->spec;
+    const kvt__rbasis *rb = &j->st->rbasis;
+    kvt__sketch_args a;
+    memset(&a, 0, sizeof a);
+    a.base = j->st->plane[0];
+    a.pages = j->pt->dpages;
+    a.first_page = j->pt->first_page;
+    a.pdiv = env->pdiv;
+    a.first_row = first;
+    a.n_rows = j->sh->block_rows;
+    a.slot_stride = j->st->slot_bytes;
+    a.dtype = (int)sp->dtype;
+    a.latent_dim = sp->value_dim;
+    a.basis = rb->rank ? rb->V : NULL;
+    a.rank = rb->rank;
+    a.csk_stride = j->s->sk_stride;
+    a.csk = j->s->csk + first * j->s->sk_stride;
+    a.rho = j->s->rho + first;
+    return a;
+}
+
+/* Arguments of one batched call: σ of blocks, or their sketches. */
+typedef union block_args {
+    kvt__score_args score[KVT__SAL_CHUNK];
+    kvt__sketch_args sketch[KVT__SAL_CHUNK];
+} block_args;
+
+static void block_call(const kvt__env *env, kvt__sal_job *jobs, uint32_t lo, uint32_t hi,
+                       const block_args *a, uint32_t k, bool sketch) {
+    const kvt__backend *be = env->backend;
+    kvt_status rc = sketch ? be->ops->sketch_rows(be, a->sketch, k, env->stream)
+                           : be->ops->score_rows(be, a->score, k, env->stream);
+    if (rc != KVT_OK)
+        fail_jobs(env, jobs, lo, hi, rc,
+                  sketch ? "sketching a closed block" : "scoring a closed block");
+}
+
+/* Score (σ) or sketch every block the jobs close: chunks of KVT__SAL_CHUNK blocks, one backend
+ * call each. Sketches only for states with sketch planes. */
+static void block_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n, bool sketch) {
+    block_args args;
     uint32_t k = 0, first_job = 0;
     for (uint32_t i = 0; i < n; i++) {
         kvt__sal_job *j = &jobs[i];
+        if (sketch && j->s->sk_stride == 0)
+            continue;
         for (uint64_t b = 0; j->status == KVT_OK && b < j->n_close; b++) {
             uint64_t first = j->s->closed_rows + b * j->sh->block_rows;
             if (k == 0)
                 first_job = i;
-            args[k++] = score_args(env, j, first, j->s->score + first);
-            bool last = b + 1 == j->n_close && i + 1 == n;
-            if (k == KVT__SAL_CHUNK || last) {
-                kvt_status rc = env->backend->ops->score_rows(env->backend, args, k, env->stream);
-                if (rc != KVT_OK)
-                    fail_jobs(env, jobs, first_job, i + 1, rc, "scoring a closed block");
+            if (sketch)
+                args.sketch[k++] = sketch_args(env, j, first);
+            else
+                args.score[k++] = score_args(env, j, first, j->s->score + first);
+            if (k == KVT__SAL_CHUNK) {
+                block_call(env, jobs, first_job, i + 1, &args, k, sketch);
                 k = 0;
             }
         }
     }
-    if (k) {
-        kvt_status rc = env->backend->ops->score_rows(env->backend, args, k, env->stream);
-        if (rc != KVT_OK)
-            fail_jobs(env, jobs, first_job, n, rc, "scoring a closed block");
-    }
+    if (k)
+        block_call(env, jobs, first_job, n, &args, k, sketch);
 }
 
 kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
@@ -235,8 +290,10 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
             j->n_close = 0;
         }
     }
-    /* 2. σ of every closing block (a batched op). */
-    score_jobs(env, jobs, n);
+    /* 2. σ of every closing block (a batched op), and the recall sketches of their rows when the
+     * context builds them (another batched op; docs/recall.md). */
+    block_jobs(env, jobs, n, false);
+    block_jobs(env, jobs, n, true);
     /* 3. The selections, one segment per job. A row whose branch holds NaN or Inf was left out
      * of its block's fit and scored +Inf (sigma.h); a huge finite branch can still overflow to
      * Inf, and the ablation selectors give NaN/Inf for such a row. The selection canonicalises
@@ -420,6 +477,41 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
     return rc;
 }
 
+/* The recall sketches of the closed rows (read through the backend): ρ is never NaN nor
+ * negative; a row with ρ = +Inf (undescribable, kernels/sketch.h) has an all-zero sketch; every
+ * other coefficient is finite, and the entries past the layer's basis rank are 0. */
+static kvt_status check_sketches(const kvt__sal *s, uint32_t rank, char *err, size_t len) {
+    if (s->sk_stride == 0 || s->closed_rows == 0)
+        return KVT_OK;
+    const kvt__backend *be = s->be;
+    size_t n_csk = (size_t)s->closed_rows * s->sk_stride;
+    uint16_t *csk = kvt__malloc(be->alloc, sizeof *csk * n_csk);
+    float *rho = kvt__malloc(be->alloc, sizeof *rho * s->closed_rows);
+    kvt_status rc = KVT_OK;
+    if (!csk || !rho)
+        rc = kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "salience check: sketch copies");
+    if (rc == KVT_OK && ((rc = be->ops->read(be, csk, s->csk, sizeof *csk * n_csk, NULL)) !=
+                             KVT_OK ||
+                         (rc = be->ops->read(be, rho, s->rho, sizeof *rho * s->closed_rows,
+                                             NULL)) != KVT_OK))
+        kvt__fail(err, len, rc, "salience check: reading the sketch planes");
+    for (uint64_t u = 0; rc == KVT_OK && u < s->closed_rows; u++) {
+        const uint16_t *c = csk + u * s->sk_stride;
+        if (!(rho[u] >= 0.0f))
+            rc = kvt__fail(err, len, KVT_ERR_INVARIANT, "salience: ρ of row %llu is %g",
+                           (unsigned long long)u, (double)rho[u]);
+        for (uint32_t k = 0; rc == KVT_OK && k < s->sk_stride; k++)
+            if ((k >= rank || isinf(rho[u])) ? (c[k] & 0x7fffu) != 0 : !kvt__f16_finite(c[k]))
+                rc = kvt__fail(err, len, KVT_ERR_INVARIANT,
+                               "salience: sketch of row %llu, coefficient %u (rank %u, ρ %g): "
+                               "0x%04x",
+                               (unsigned long long)u, k, rank, (double)rho[u], c[k]);
+    }
+    kvt__free(be->alloc, csk, sizeof *csk * n_csk);
+    kvt__free(be->alloc, rho, sizeof *rho * s->closed_rows);
+    return rc;
+}
+
 /* ------------------------------------------------------------------------------------------- */
 /* The policy table (policy.h)                                                                  */
 /* ------------------------------------------------------------------------------------------- */
@@ -447,7 +539,7 @@ static kvt_status sal_supports_layer(const kvt_layer_spec *sp, uint32_t i, const
 }
 
 static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
-    kvt__sal_init(&s->sal, env->home);
+    kvt__sal_init(&s->sal, env->home, env->sketch_stride);
     if (env->max_rows == 0)
         return KVT_OK;
     kvt_status rc = kvt__sal_prepare(&s->sal, env->alloc, env->cfg, env->max_rows);
@@ -526,6 +618,17 @@ static kvt_status sal_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_
     return first;
 }
 
+/* The recall sketches of closed rows [0, n) from src to dst (both sized for them). */
+static kvt_status copy_sketches(kvt__sal *d, const kvt__sal *s, uint64_t n) {
+    if (d->sk_stride == 0 || n == 0)
+        return KVT_OK;
+    if (d->sk_stride != s->sk_stride)
+        return KVT_ERR_INVARIANT;
+    kvt_status rc = d->be->ops->copy(d->be, d->csk, s->csk, sizeof *s->csk * s->sk_stride * n,
+                                     NULL);
+    return rc == KVT_OK ? d->be->ops->copy(d->be, d->rho, s->rho, sizeof *s->rho * n, NULL) : rc;
+}
+
 /* The forked request's σ plane and kept set, copied on the backend; the counts as they are. */
 static kvt_status sal_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
                                  const kvt__env *env, const kvt__store *st, uint64_t rows) {
@@ -539,6 +642,8 @@ static kvt_status sal_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *
         rc = be->ops->copy(be, d->score, s->score, sizeof *s->score * s->closed_rows, NULL);
     if (rc == KVT_OK && s->n_kept)
         rc = be->ops->copy(be, d->kept, s->kept, sizeof *s->kept * s->n_kept, NULL);
+    if (rc == KVT_OK)
+        rc = copy_sketches(d, s, s->closed_rows);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc, "forking the salience state of layer %u",
                          st->layer);
@@ -569,6 +674,8 @@ static kvt_status sal_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state
     kvt_status rc = sal_reserve(d, env->alloc, cfg->block_rows, closed, m, NULL);
     if (rc == KVT_OK && closed)
         rc = d->be->ops->copy(d->be, d->score, s->score, sizeof *s->score * closed, NULL);
+    if (rc == KVT_OK)
+        rc = copy_sketches(d, s, closed);
     kvt__select_args sel = {.score = d->score, .first_new = 0, .n_closed = closed,
                             .m = (uint32_t)m,
                             .sinks = cfg->sink_rows < closed ? cfg->sink_rows : closed,
@@ -610,6 +717,9 @@ static void sal_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
     out->closes = sa->closes;
     out->nonfinite_sigma = sa->nonfinite;
     out->sigma_bytes_read = sa->score_bytes_read;
+    out->recall_rank = l->st->rbasis.rank;
+    out->recall_basis_id = l->st->rbasis.id;
+    out->sketched_rows = sa->sk_stride ? sa->closed_rows : 0;
 }
 
 static kvt_status sal_check_counts(const kvt__tier_layer *l, char *err, size_t len) {
@@ -626,7 +736,8 @@ static kvt_status sal_check(const kvt__tier_layer *l, char *err, size_t len) {
                          "salience state at %llu rows, table at %llu (a policy run failed and "
                          "was not retried)",
                          (unsigned long long)sa->n_rows, (unsigned long long)l->pt->n_rows);
-    return kvt__sal_check(sa, l->cfg, err, len);
+    kvt_status rc = kvt__sal_check(sa, l->cfg, err, len);
+    return rc == KVT_OK ? check_sketches(sa, l->st->rbasis.rank, err, len) : rc;
 }
 
 static uint64_t sal_snap_size(const kvt__tier_layer *l);
@@ -662,19 +773,28 @@ const kvt__policy_ops kvt__policy_salience = {
 /* ------------------------------------------------------------------------------------------- */
 /* Snapshots (policy.h snap_*; lib/snapshot.c)                                                  */
 /* ------------------------------------------------------------------------------------------- */
-/* Layout: u64 n_rows, closed_rows, n_kept, kept_in_sinks, closes, nonfinite, score_bytes_read;
- * f32 score[closed_rows] (canonical: no NaN); u32 kept[n_kept] (ascending positions). */
-enum { SAL_SNAP_COUNTS = 7 };
+/* Layout: u64 n_rows, closed_rows, n_kept, kept_in_sinks, closes, nonfinite, score_bytes_read,
+ * sk_stride, recall basis rank, recall basis id; f32 score[closed_rows] (canonical: no NaN);
+ * u32 kept[n_kept] (ascending positions); with sk_stride > 0, the recall sketches of the closed
+ * rows: f16 csk[closed_rows][sk_stride], f32 rho[closed_rows]. */
+enum { SAL_SNAP_COUNTS = 10 };
+
+static uint64_t sketch_bytes(const kvt__sal *sa, uint64_t closed) {
+    return sa->sk_stride ? (sizeof(uint16_t) * sa->sk_stride + sizeof(float)) * closed : 0;
+}
 
 static uint64_t sal_snap_size(const kvt__tier_layer *l) {
     const kvt__sal *sa = &l->state->sal;
-    return 8 * SAL_SNAP_COUNTS + sizeof(float) * sa->closed_rows + sizeof(uint32_t) * sa->n_kept;
+    return 8 * SAL_SNAP_COUNTS + sizeof(float) * sa->closed_rows + sizeof(uint32_t) * sa->n_kept +
+           sketch_bytes(sa, sa->closed_rows);
 }
 
 static kvt_status sal_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len) {
     const kvt__sal *sa = &l->state->sal;
-    uint64_t v[SAL_SNAP_COUNTS] = {sa->n_rows, sa->closed_rows, sa->n_kept, sa->kept_in_sinks,
-                                   sa->closes, sa->nonfinite,   sa->score_bytes_read};
+    uint64_t v[SAL_SNAP_COUNTS] = {sa->n_rows,        sa->closed_rows,     sa->n_kept,
+                                   sa->kept_in_sinks, sa->closes,          sa->nonfinite,
+                                   sa->score_bytes_read, sa->sk_stride,    l->st->rbasis.rank,
+                                   l->st->rbasis.id};
     kvt__snap_cur c = {.w = dst};
     kvt__snap_put(&c, v, sizeof v);
     /* The planes are in the backend's memory: read through it, straight into the snapshot. */
@@ -684,6 +804,13 @@ static kvt_status sal_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *er
     c.w += sizeof *sa->score * sa->closed_rows;
     if (rc == KVT_OK && sa->n_kept)
         rc = sa->be->ops->read(sa->be, c.w, sa->kept, sizeof *sa->kept * sa->n_kept, NULL);
+    c.w += sizeof *sa->kept * sa->n_kept;
+    const size_t n_csk = sizeof *sa->csk * sa->sk_stride * sa->closed_rows;
+    if (rc == KVT_OK && n_csk)
+        rc = sa->be->ops->read(sa->be, c.w, sa->csk, n_csk, NULL);
+    c.w += n_csk;
+    if (rc == KVT_OK && sa->sk_stride && sa->closed_rows)
+        rc = sa->be->ops->read(sa->be, c.w, sa->rho, sizeof *sa->rho * sa->closed_rows, NULL);
     return rc == KVT_OK ? KVT_OK : kvt__fail(err, len, rc, "salience: reading the side planes");
 }
 
@@ -699,6 +826,14 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
                          (unsigned long long)n, sizeof v);
     kvt__sal t = {.n_rows = v[0], .closed_rows = v[1], .n_kept = v[2], .kept_in_sinks = v[3],
                   .closes = v[4], .nonfinite = v[5], .score_bytes_read = v[6]};
+    kvt__sal *sa = &s->sal;
+    if (v[7] != sa->sk_stride || v[8] != l->st->rbasis.rank || v[9] != l->st->rbasis.id)
+        return kvt__fail(env->err, env->err_len, KVT_ERR_MISMATCH,
+                         "salience state of layer %u: recall sketches of %llu values with basis "
+                         "rank %llu id %08llx; this context: %u values, rank %u id %08x",
+                         l->st->layer, (unsigned long long)v[7], (unsigned long long)v[8],
+                         (unsigned long long)v[9], sa->sk_stride, l->st->rbasis.rank,
+                         (unsigned)l->st->rbasis.id);
     const char *bad = NULL;
     if (t.n_rows != l->pt->n_rows)
         bad = "rows differ from the page table's";
@@ -716,7 +851,9 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
                          (unsigned long long)t.n_kept, (unsigned long long)t.closes);
     const uint8_t *sp = kvt__snap_take_n(&c, t.closed_rows, sizeof(float));
     const uint8_t *kp = sp ? kvt__snap_take_n(&c, t.n_kept, sizeof(uint32_t)) : NULL;
-    if (!kp || c.left != 0)
+    const uint64_t skb = sketch_bytes(sa, t.closed_rows);
+    const uint8_t *skp = kp && skb ? kvt__snap_take_n(&c, skb, 1) : kp;
+    if (!kp || !skp || c.left != 0)
         return kvt__fail(env->err, env->err_len, KVT_ERR_PARSE,
                          "salience state: %llu bytes for %llu scores and %llu kept rows",
                          (unsigned long long)n, (unsigned long long)t.closed_rows,
@@ -738,7 +875,6 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
         if (check_host(&t, cfg, score, kept, msg, sizeof msg) != KVT_OK)
             rc = kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT, "salience state: %s", msg);
     }
-    kvt__sal *sa = &s->sal;
     if (rc == KVT_OK && (rc = sal_reserve(sa, a, B, t.closed_rows, t.n_kept, NULL)) != KVT_OK)
         kvt__fail(env->err, env->err_len, rc, "salience state: side planes");
     if (rc == KVT_OK && t.closed_rows &&
@@ -749,6 +885,13 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
         (rc = sa->be->ops->write(sa->be, sa->kept, kept, sizeof *kept * t.n_kept, NULL)) !=
             KVT_OK)
         kvt__fail(env->err, env->err_len, rc, "salience state: writing the kept set");
+    /* The sketches: checked with the rest by the kvt_seq_check that ends every restore. */
+    const size_t n_csk = sizeof *sa->csk * sa->sk_stride * t.closed_rows;
+    if (rc == KVT_OK && skb &&
+        ((rc = sa->be->ops->write(sa->be, sa->csk, skp, n_csk, NULL)) != KVT_OK ||
+         (rc = sa->be->ops->write(sa->be, sa->rho, skp + n_csk, sizeof *sa->rho * t.closed_rows,
+                                  NULL)) != KVT_OK))
+        kvt__fail(env->err, env->err_len, rc, "salience state: writing the sketch planes");
     if (rc == KVT_OK) {
         sa->n_rows = t.n_rows;
         sa->closed_rows = t.closed_rows;

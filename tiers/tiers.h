@@ -61,6 +61,15 @@ static inline void kvt__pool_share(kvt__pool *p, uint32_t page) {
 kvt_status kvt__pool_init(kvt__pool *p, const kvt__alloc *a, uint32_t n_pages, uint32_t page_rows);
 void kvt__pool_fini(kvt__pool *p, const kvt__alloc *a);
 
+/* A salience layer's recall basis (kvt_ctx_set_recall_basis): rank orthonormal rows of
+ * value_dim fp32 in the backend's memory, which the sketch op reads; id = CRC-32 of its bytes.
+ * rank 0: no basis (empty sketches, ρ = the latent's norm). */
+typedef struct kvt__rbasis {
+    float *V;      /* backend: [rank][value_dim] */
+    uint32_t rank;
+    uint32_t id;
+} kvt__rbasis;
+
 /* One layer's storage: planes laid out [page][row][head][row_bytes]. */
 typedef struct kvt__store {
     kvt_layer_spec spec;
@@ -70,6 +79,7 @@ typedef struct kvt__store {
     size_t plane_bytes; /* n_pages * page_rows * slot_bytes */
     uint8_t *plane[2];
     bool owned[2];      /* allocated by kvtier (vs bound by the engine) */
+    kvt__rbasis rbasis; /* salience layers of a context with recall sketches */
 } kvt__store;
 
 /* Page table of one sequence in one group. */
@@ -154,6 +164,9 @@ typedef struct kvt__env {
     uint64_t max_rows;
     /* Stated limit of the eviction archive per (layer, KV head) (archive_rows_per_seq; 0: none). */
     uint64_t archive_rows;
+    /* fp16 values per row of the recall sketch planes (kvt_ctx_params.recall_sketch_rank; 0: no
+     * sketches are built). */
+    uint32_t sketch_stride;
     void *stream;
     char *err;           /* detail message buffer (the calling thread's, kvt_last_error) */
     size_t err_len;
@@ -174,6 +187,14 @@ typedef struct kvt__sal {
     uint64_t n_kept, kept_cap;
     uint64_t kept_in_sinks; /* host: kept rows below the sinks' end (attended as sinks) */
     uint64_t closes, nonfinite, score_bytes_read;
+    /* Recall sketches of the closed rows (kernels/sketch.h), written at each close next to σ
+     * when sk_stride > 0: csk [closed_rows][sk_stride] fp16 (entries past the layer's basis rank
+     * are 0) and ρ [closed_rows] fp32, in the backend's memory; caps in rows. */
+    uint32_t sk_stride;
+    uint16_t *csk;
+    uint64_t csk_cap;
+    float *rho;
+    uint64_t rho_cap;
 } kvt__sal;
 
 /* Basis tables shared by all salience layers of a context: [n_basis][block_rows], in the
@@ -189,8 +210,9 @@ kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const 
                                 const kvt_config *cfg);
 void kvt__sal_shared_fini(kvt__sal_shared *sh);
 
-/* Bind the state to the backend that holds its side planes (at layer init). */
-void kvt__sal_init(kvt__sal *s, const kvt__backend *home);
+/* Bind the state to the backend that holds its side planes (at layer init), with sketch planes
+ * of sk_stride fp16 values a row (0: none). */
+void kvt__sal_init(kvt__sal *s, const kvt__backend *home, uint32_t sk_stride);
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a);
 /* Size the state for `rows` committed rows (scores, kept set, close scratch) so that closes up
  * to there allocate nothing. KVT_OK or KVT_ERR_OUT_OF_MEMORY (capacity only: nothing observable

@@ -141,6 +141,7 @@ class CtxParamsC(ctypes.Structure):
         ("max_rows_per_seq", c_u32),
         ("archive_rows_per_seq", c_u32),
         ("max_seqs", c_u32),
+        ("recall_sketch_rank", c_u32),
     ]
 
 
@@ -189,6 +190,9 @@ class LayerStatsC(ctypes.Structure):
         ("prompt_rows", c_u64),
         ("prompt_over_budget", ctypes.c_bool),
         ("attended_bytes_per_token", ctypes.c_double),
+        ("recall_rank", c_u32),
+        ("recall_basis_id", c_u32),
+        ("sketched_rows", c_u64),
     ]
 
 

@@ -21,6 +21,7 @@ enum {
 int inspect_census(int argc, char **argv);
 int inspect_trace(int argc, char **argv);
 int inspect_snapshot(int argc, char **argv);
+int inspect_calibrate(int argc, char **argv);
 
 /* One-line error on stderr: "kvtier-inspect <cmd>: <message>". Returns code. */
 int inspect_error(int code, const char *cmd, const char *fmt, ...)

@@ -5,6 +5,7 @@
  *                         [--dtype bf16|fp16|fp32] [--json]
  *   kvtier-inspect trace FILE.kvtt [--verify] [--json] [--rows LAYER:FIRST:N]...
  *   kvtier-inspect snapshot FILE [--verify] [--json]
+ *   kvtier-inspect calibrate TRACE... -o FILE [--layer L] [--rank R]
  *
  * Subcommands live in their own files of tools/inspect/ and are listed in k_commands below
  * Exit status: 0 success, 1 bad input, 2 bad command line.
@@ -25,6 +26,7 @@ static const struct command {
     {"trace", inspect_trace, "contents of a kvtier trace file (.kvtt); --verify checks all CRCs"},
     {"snapshot", inspect_snapshot,
      "a request snapshot: occupancy per tier and layer, sigma, memory; --verify checks it all"},
+    {"calibrate", inspect_calibrate, "recall basis of a layer from the queries of traces"},
 };
 
 #define N_COMMANDS (sizeof k_commands / sizeof k_commands[0])

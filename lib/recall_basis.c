@@ -1,0 +1,231 @@
+/* recall_basis.c — a salience layer's recall basis (kvt_ctx_set_recall_basis) and the basis file
+ * (kvt_recall_basis_read / _write; layout in kvtier.h and docs/recall.md §5). */
+#include "container.h"
+#include "handles.h"
+
+#include "kernels/sketch.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+_Static_assert(KVT_RECALL_MAX_RANK == KVT__SKETCH_MAX_RANK, "one rank limit");
+
+#define RB_MAGIC "KVTRBAS1"
+#define RB_VERSION 1u
+#define RB_HEADER_BYTES 40u
+#define RB_MAX_DIM 65536u
+
+void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st) {
+    if (st->rbasis.V)
+        ctx->backend.ops->buf_free(&ctx->backend, st->rbasis.V,
+                                   sizeof(float) * (size_t)st->rbasis.rank * st->spec.value_dim);
+    memset(&st->rbasis, 0, sizeof st->rbasis);
+}
+
+/* The basis id: CRC-32 of V's bytes as stored (little-endian fp32, the only layout kvtier
+ * builds for). */
+static uint32_t basis_id(const float *V, size_t n) {
+    return kvt__crc32(0, V, sizeof(float) * n);
+}
+
+/* Rows of V (rank x D) orthonormal within 1e-3 in every entry of V Vᵀ (double sums), every value
+ * finite. The certificates of docs/recall.md §3 (ρ bounds what the scan misses through
+ * ‖q_res‖) assume an orthonormal basis. */
+static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank, uint32_t D) {
+    for (size_t i = 0; i < (size_t)rank * D; i++)
+        if (!isfinite(V[i]))
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "kvt_ctx_set_recall_basis: V[%zu][%zu] is not finite", i / D,
+                                 i % D);
+    for (uint32_t a = 0; a < rank; a++)
+        for (uint32_t b = a; b < rank; b++) {
+            double dot = 0.0;
+            for (uint32_t d = 0; d < D; d++)
+                dot += (double)V[(size_t)a * D + d] * V[(size_t)b * D + d];
+            double want = a == b ? 1.0 : 0.0;
+            if (fabs(dot - want) > 1e-3)
+                return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                     "kvt_ctx_set_recall_basis: rows %u and %u of V have dot "
+                                     "product %.6g (orthonormal rows required)",
+                                     a, b, dot);
+        }
+    return KVT_OK;
+}
+
+kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V, uint32_t rank) {
+    if (!ctx || !V)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_ctx_set_recall_basis: %s is NULL",
+                             ctx ? "V" : "ctx");
+    kvt__ctx_clear_error(ctx);
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "kvt_ctx_set_recall_basis: layer %u of %u",
+                             layer, ctx->n_layers);
+    kvt__store *st = &ctx->stores[layer];
+    if (ctx->policies[layer] != KVT_POLICY_SALIENCE)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH,
+                             "kvt_ctx_set_recall_basis: layer %u is under policy %s; recall "
+                             "sketches are built on salience (MLA-NoPE) layers",
+                             layer, kvt_policy_name(ctx->policies[layer]));
+    if (ctx->sketch_rank == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "kvt_ctx_set_recall_basis: the context builds no recall sketches "
+                             "(params.recall_sketch_rank 0)");
+    if (rank == 0 || rank > ctx->sketch_rank)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE,
+                             "kvt_ctx_set_recall_basis: rank %u not in 1..%u "
+                             "(params.recall_sketch_rank)",
+                             rank, ctx->sketch_rank);
+    if (ctx->started)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "kvt_ctx_set_recall_basis: a request already reserved rows (sketches "
+                             "of a layer must all come from one basis)");
+    uint32_t D = st->spec.value_dim;
+    kvt_status s = check_basis(ctx, V, rank, D);
+    if (s != KVT_OK)
+        return s;
+    size_t bytes = sizeof(float) * (size_t)rank * D;
+    void *dev = NULL;
+    const kvt__backend *be = &ctx->backend;
+    if ((s = be->ops->buf_alloc(be, bytes, &dev)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "kvt_ctx_set_recall_basis: %zu bytes of backend memory",
+                             bytes);
+    if ((s = be->ops->write(be, dev, V, bytes, NULL)) != KVT_OK) {
+        be->ops->buf_free(be, dev, bytes);
+        return kvt__ctx_fail(ctx, s, "kvt_ctx_set_recall_basis: writing V");
+    }
+    kvt__rbasis_free(ctx, st);
+    st->rbasis = (kvt__rbasis){.V = dev, .rank = rank, .id = basis_id(V, (size_t)rank * D)};
+    return KVT_OK;
+}
+
+kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank, uint32_t *id) {
+    if (!ctx)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_ctx_recall_basis: ctx is NULL");
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "kvt_ctx_recall_basis: layer %u of %u",
+                             layer, ctx->n_layers);
+    if (rank)
+        *rank = ctx->stores[layer].rbasis.rank;
+    if (id)
+        *id = ctx->stores[layer].rbasis.id;
+    return KVT_OK;
+}
+
+kvt_status kvt_recall_basis_write(const char *path, const kvt_recall_basis_info *info,
+                                  const float *V) {
+    if (!path || !info || !V)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_recall_basis_write: NULL argument");
+    if (info->rank == 0 || info->rank > KVT_RECALL_MAX_RANK || info->dim == 0 ||
+        info->dim > RB_MAX_DIM)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT,
+                             "kvt_recall_basis_write: rank %u / dim %u out of range", info->rank,
+                             info->dim);
+    uint8_t h[RB_HEADER_BYTES];
+    memcpy(h, RB_MAGIC, 8);
+    kvt__put_u32(h + 8, RB_VERSION);
+    kvt__put_u32(h + 12, info->layer);
+    kvt__put_u32(h + 16, info->rank);
+    kvt__put_u32(h + 20, info->dim);
+    uint64_t cap;
+    memcpy(&cap, &info->captured, 8);
+    kvt__put_u64(h + 24, cap);
+    kvt__put_u64(h + 32, info->samples);
+    size_t vb = sizeof(float) * (size_t)info->rank * info->dim;
+    uint32_t crc = kvt__crc32(kvt__crc32(0, h, sizeof h), V, vb);
+    uint8_t tail[4];
+    kvt__put_u32(tail, crc);
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_write: cannot create %s", path);
+    bool ok = fwrite(h, 1, sizeof h, f) == sizeof h && fwrite(V, 1, vb, f) == vb &&
+              fwrite(tail, 1, 4, f) == 4;
+    ok = (fclose(f) == 0) && ok;
+    if (!ok) {
+        remove(path);
+        return kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_write: writing %s", path);
+    }
+    return KVT_OK;
+}
+
+kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, float *v,
+                                 size_t v_floats) {
+    if (!path || !info)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_recall_basis_read: NULL argument");
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: cannot open %s", path);
+    uint8_t h[RB_HEADER_BYTES] = {0};
+    kvt_status s = KVT_OK;
+    long size = -1;
+    if (fread(h, 1, sizeof h, f) != sizeof h || fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0)
+        s = kvt__tls_fail(KVT_ERR_PARSE, "kvt_recall_basis_read: %s: truncated header", path);
+    else if (memcmp(h, RB_MAGIC, 8) != 0)
+        s = kvt__tls_fail(KVT_ERR_PARSE, "kvt_recall_basis_read: %s is not a basis file", path);
+    else if (kvt__get_u32(h + 8) != RB_VERSION)
+        s = kvt__tls_fail(KVT_ERR_PARSE,
+                          "kvt_recall_basis_read: %s: version %u (this library "
+                          "reads %u)",
+                          path, kvt__get_u32(h + 8), RB_VERSION);
+    kvt_recall_basis_info in = {.layer = kvt__get_u32(h + 12),
+                                .rank = kvt__get_u32(h + 16),
+                                .dim = kvt__get_u32(h + 20),
+                                .samples = kvt__get_u64(h + 32)};
+    uint64_t cap = kvt__get_u64(h + 24);
+    memcpy(&in.captured, &cap, 8);
+    size_t n = (size_t)in.rank * in.dim, vb = sizeof(float) * n;
+    if (s == KVT_OK && (in.rank == 0 || in.rank > KVT_RECALL_MAX_RANK || in.dim == 0 ||
+                        in.dim > RB_MAX_DIM || (uint64_t)size != RB_HEADER_BYTES + vb + 4))
+        s = kvt__tls_fail(KVT_ERR_PARSE,
+                          "kvt_recall_basis_read: %s: rank %u, dim %u and %ld bytes disagree", path,
+                          in.rank, in.dim, size);
+    float *buf = s == KVT_OK ? malloc(vb) : NULL;
+    uint8_t tail[4];
+    if (s == KVT_OK && !buf)
+        s = kvt__tls_fail(KVT_ERR_OUT_OF_MEMORY, "kvt_recall_basis_read: %zu bytes", vb);
+    if (s == KVT_OK && (fseek(f, RB_HEADER_BYTES, SEEK_SET) != 0 || fread(buf, 1, vb, f) != vb ||
+                        fread(tail, 1, 4, f) != 4))
+        s = kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: reading %s", path);
+    if (s == KVT_OK && kvt__crc32(kvt__crc32(0, h, sizeof h), buf, vb) != kvt__get_u32(tail))
+        s = kvt__tls_fail(KVT_ERR_CORRUPT, "kvt_recall_basis_read: %s: CRC mismatch", path);
+    if (s == KVT_OK && v && v_floats < n)
+        s = kvt__tls_fail(KVT_ERR_CAPACITY,
+                          "kvt_recall_basis_read: %zu floats for a %u x %u "
+                          "basis",
+                          v_floats, in.rank, in.dim);
+    if (s == KVT_OK) {
+        in.id = basis_id(buf, n);
+        *info = in;
+        if (v)
+            memcpy(v, buf, vb);
+    }
+    free(buf);
+    fclose(f);
+    return s;
+}
+
+kvt_status kvt_ctx_load_recall_basis(kvt_ctx *ctx, uint32_t layer, const char *path) {
+    if (!ctx || !path)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_ctx_load_recall_basis: NULL argument");
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "kvt_ctx_load_recall_basis: layer %u of %u",
+                             layer, ctx->n_layers);
+    kvt_recall_basis_info info;
+    kvt_status s = kvt_recall_basis_read(path, &info, NULL, 0);
+    if (s != KVT_OK)
+        return s;
+    if (info.dim != ctx->stores[layer].spec.value_dim)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "kvt_ctx_load_recall_basis: %s holds dim %u, layer %u has value_dim "
+                             "%u",
+                             path, info.dim, layer, ctx->stores[layer].spec.value_dim);
+    size_t n = (size_t)info.rank * info.dim;
+    float *V = kvt__malloc(&ctx->alloc, sizeof(float) * n);
+    if (!V)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "kvt_ctx_load_recall_basis");
+    if ((s = kvt_recall_basis_read(path, &info, V, n)) == KVT_OK)
+        s = kvt_ctx_set_recall_basis(ctx, layer, V, info.rank);
+    kvt__free(&ctx->alloc, V, sizeof(float) * n);
+    return s;
+}
