@@ -895,6 +895,10 @@ typedef struct kvt_layer_stats {
     uint32_t recall_rank;     /* rank of the layer's basis (0: none) */
     uint32_t recall_basis_id; /* CRC-32 of the basis's bytes (0: none) */
     uint64_t sketched_rows;   /* closed rows that carry a sketch (0 without sketch planes) */
+    /* Prefix sharing (kvt_seq_fork, kvt_seq_attach): how many of pages_in_use another request
+     * holds too — the memory the requests share, which the pool counts once
+     * (kvt_ctx_free_pages). */
+    uint64_t shared_pages;
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

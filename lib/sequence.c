@@ -1095,6 +1095,9 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     kvt__tier_layer l = tier_layer(seq, layer);
     out->attended_rows = kvt__attended_count(&l);
     out->pages_in_use = t->n_pages;
+    const kvt__pool *pool = &ctx->groups[st->group].pool;
+    for (uint32_t k = 0; pool->shared && k < t->n_pages; k++)
+        out->shared_pages += pool->refs[t->pages[k]] > 1;
     out->bytes_in_use = (uint64_t)t->n_pages * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
     out->prompt_rows = seq->prompt_rows;
     if (l.gr->ops->stats)

@@ -14,6 +14,8 @@
  *   - kvt_seq_attach: requests started from another's first P rows (closed σ blocks inherited,
  *     top-m selected anew, the prefix's window) equal unshared requests fed those P rows;
  *     prefixes a round or a window has changed are refused;
+ *   - the k-th allocation failing, for every k, in a fork, an attach and a copy-on-write reserve:
+ *     each answers KVT_ERR_OUT_OF_MEMORY with nothing created or reserved, no page leaked;
  *   - kvt_seq_check (reference counts included) after every step; misuse answers its status.
  */
 #include <criterion/criterion.h>
@@ -22,6 +24,7 @@
 #include <string.h>
 
 #include "kvtier.h"
+#include "support/fault_alloc.h"
 #include "support/testutil.h"
 
 #define N_CHILD 3
@@ -98,6 +101,11 @@ static void fork_before_rounds(bool archive) {
         same(child[i], parent, "child as forked", 0);
     }
     cr_assert_eq(used_pages(ctx, NP), used0, "a fork takes no page");
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++) {
+        kvt_layer_stats st = {.struct_size = sizeof st};
+        cr_assert_eq(kvt_seq_layer_stats(child[0], l, &st), KVT_OK);
+        cr_assert_eq(st.shared_pages, st.pages_in_use, "layer %u: every page shared", l);
+    }
     /* Independent decode: each request its own rows (seed), its own step sizes. */
     tu_rng rng = {0xf0f0 + archive};
     kvt_seq *all[N_CHILD + 1] = {parent, child[0], child[1], child[2]};
@@ -264,5 +272,80 @@ Test(fork, attached_requests_equal_unshared_requests) {
     cr_assert_eq(kvt_seq_check(holder), KVT_OK, "%s", kvt_last_error());
     kvt_ctx_destroy(ctx);
     kvt_ctx_destroy(ref);
+    kvt_model_destroy(m);
+}
+
+/* Free pages of every layer's group, summed (a leak or a lost reference shows here). */
+static uint32_t free_sum(kvt_ctx *ctx) {
+    uint32_t sum = 0;
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++) {
+        uint32_t f;
+        cr_assert_eq(kvt_ctx_free_pages(ctx, l, &f), KVT_OK);
+        sum += f;
+    }
+    return sum;
+}
+
+/* Fork, attach and a copy-on-write reserve with the k-th host allocation failing, for every k
+ * until the call needs fewer: every failure is KVT_ERR_OUT_OF_MEMORY (or, for the reserve, the
+ * step simply fails) with the pool as before and every request checking; then the call works. */
+Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
+    kvt_model *m = tu_mixed_model();
+    kvt_ctx *ctx = tu_mixed_ctx_k(m, true, 256, 256);
+    cr_assert(m && ctx);
+    kvt_seq *p = new_seq(ctx, 1, 20), *q = new_seq(ctx, 2, 20);
+    for (int k = 0; k < 5; k++)
+        step(p, m, 16 + (uint32_t)k, 0, k % 2); /* 90 rows: a closed block, a partial page */
+    for (int k = 0; k < 6; k++)
+        step(q, m, 16, 0, k % 2); /* a prefix holder of 96 rows (its window: the last 40) */
+    int faults[3] = {0, 0, 0};
+    for (int what = 0; what < 3; what++) {
+        for (int k = 0;; k++) {
+            const uint32_t free0 = free_sum(ctx);
+            kvt_seq *c = NULL;
+            kvt_status s;
+            fault_hits = 0;
+            fault_countdown = k;
+            if (what == 0)
+                s = kvt_seq_fork(p, 100 + (uint64_t)k, &c);
+            else if (what == 1)
+                s = kvt_seq_attach(q, 96, 200 + (uint64_t)k, &c);
+            else { /* the copy-on-write reserve of a fresh fork */
+                fault_countdown = -1;
+                cr_assert_eq(kvt_seq_fork(p, 300 + (uint64_t)k, &c), KVT_OK, "%s",
+                             kvt_last_error());
+                fault_countdown = k;
+                s = tu_reserve(c, 3);
+            }
+            fault_countdown = -1;
+            if (fault_hits == 0) { /* the call needed fewer than k + 1 allocations */
+                cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
+                if (what == 2)
+                    cr_assert_eq(tu_commit(c, 3), KVT_OK, "%s", kvt_last_error());
+                cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
+                kvt_seq_destroy(c);
+                cr_assert_eq(free_sum(ctx), free0, "pages back after destroy");
+                break;
+            }
+            faults[what]++;
+            cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "k=%d: %s (%s)", k, kvt_status_name(s),
+                         kvt_last_error());
+            if (what < 2) {
+                cr_assert_null(c);
+                cr_assert_eq(free_sum(ctx), free0, "k=%d: a failed %s kept pages", k,
+                             what ? "attach" : "fork");
+            } else {
+                cr_assert_eq(kvt_seq_pending(c), 0u, "k=%d: nothing reserved", k);
+                cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
+                kvt_seq_destroy(c);
+                cr_assert_eq(free_sum(ctx), free0, "k=%d: pages back", k);
+            }
+            cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+        }
+    }
+    cr_log_info("faults injected: fork %d, attach %d, copy-on-write reserve %d", faults[0],
+                faults[1], faults[2]);
+    cr_assert(faults[0] > 0 && faults[1] > 0 && faults[2] > 0);
+    kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }

@@ -193,6 +193,7 @@ class LayerStatsC(ctypes.Structure):
         ("recall_rank", c_u32),
         ("recall_basis_id", c_u32),
         ("sketched_rows", c_u64),
+        ("shared_pages", c_u64),
     ]
 
 
