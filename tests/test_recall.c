@@ -30,30 +30,7 @@
  * accuracy), stored fp32. */
 static void orthonormal_rows(uint64_t seed, uint32_t rank, uint32_t n, float *out) {
     tu_rng g = {seed};
-    double *v = malloc(sizeof(double) * rank * n);
-    cr_assert(v);
-    for (uint32_t k = 0; k < rank; k++) {
-        double *vk = v + (size_t)k * n;
-        for (uint32_t d = 0; d < n; d++)
-            vk[d] = tu_normal(&g);
-        for (int pass = 0; pass < 2; pass++)
-            for (uint32_t j = 0; j < k; j++) {
-                const double *vj = v + (size_t)j * n;
-                double dot = 0;
-                for (uint32_t d = 0; d < n; d++)
-                    dot += vk[d] * vj[d];
-                for (uint32_t d = 0; d < n; d++)
-                    vk[d] -= dot * vj[d];
-            }
-        double nn = 0;
-        for (uint32_t d = 0; d < n; d++)
-            nn += vk[d] * vk[d];
-        for (uint32_t d = 0; d < n; d++)
-            vk[d] /= sqrt(nn);
-    }
-    for (size_t i = 0; i < (size_t)rank * n; i++)
-        out[i] = (float)v[i];
-    free(v);
+    cr_assert(tu_orthonormal_rows(&g, rank, n, out));
 }
 
 /* Sketch rows stored as fp32 rows [n][D] (slot u = row u) with the CPU twin. */
