@@ -566,6 +566,38 @@ Test(sketch_planes, sound_scan_over_a_requests_planes) {
                 STEPS, H, (unsigned long long)must, (double)total / (double)arch_total);
 }
 
+/* A backend without the recall ops (CUDA today: sketch_rows and recall_scan are NULL in its
+ * table) refuses a context with sketch planes instead of calling NULL at the first close. Without
+ * a device the CUDA request ends earlier, at NO_DEVICE; both CPU-side backends have the ops. */
+Test(sketch_planes, backend_without_recall_ops_refused) {
+    kvt_model *m = mla_model(KVT_DTYPE_BF16, false);
+    kvt_config c = small_config();
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = 16;
+    p.recall_sketch_rank = R;
+    p.backend = KVT_BACKEND_CUDA;
+    kvt_ctx *ctx = NULL;
+    char err[256] = "";
+    kvt_status s = kvt_ctx_create(&p, &ctx, err, sizeof err);
+    if (s == KVT_ERR_NO_DEVICE) {
+        cr_log_info("no CUDA device: the refusal itself is not reached (%s)", err);
+    } else {
+        cr_assert_eq(s, KVT_ERR_UNSUPPORTED, "%s: %s", kvt_status_name(s), err);
+        cr_assert(strstr(err, "recall") != NULL, "%s", err);
+        cr_assert_null(ctx);
+    }
+    for (int b = 0; b < 2; b++) {
+        p.backend = b ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU;
+        cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+        cr_assert_not_null(ctx->backend.ops->recall_scan);
+        kvt_ctx_destroy(ctx);
+    }
+    kvt_model_destroy(m);
+}
+
 /* Recall off (the default): no planes, nothing sketched, the same kept sets as with sketches. */
 Test(sketch_planes, off_by_default_and_changes_no_decision) {
     const uint32_t N = 64 * 4;
