@@ -90,8 +90,8 @@ typedef struct kvt__recall_scan_args {
     const float *q;         /* [n_heads][latent_dim + branch_dim], latent first */
     const float *best;      /* [n_heads]: the head's best attended score */
     uint32_t n_heads;
-    float scale;            /* s */
-    float z;
+    float scale;            /* s (> 0, finite) */
+    float z;                /* finite (conformal); >= √(latent_dim − 64) (sound) */
     int mode;
     uint32_t cap;           /* W */
     uint32_t *fired;        /* [cap] out */

@@ -191,11 +191,12 @@ static bool recall_scan_ok(const kvt__recall_scan_args *a) {
         a->branch_dim > KVT__RECALL_MAX_BRANCH || a->rank > a->csk_stride ||
         a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) || !dtype_ok(a->dtype) ||
         (a->branch_dim && !dtype_ok(a->branch_dtype)) || a->n_closed > UINT32_MAX ||
-        a->m > a->n_closed || (a->cap && !a->fired) || !a->n_fired || !a->overflow)
+        a->m > a->n_closed || (a->cap && !a->fired) || !a->n_fired || !a->overflow ||
+        !(a->scale > 0.0f && a->scale <= FLT_MAX))
         return false;
-    if (a->mode == KVT__RECALL_SOUND)
-        return a->z >= sqrtf((float)(a->latent_dim - 64u)); /* false for a NaN z */
-    return a->mode == KVT__RECALL_CONFORMAL;
+    if (a->mode == KVT__RECALL_SOUND) /* false for a NaN z; +Inf fires every row */
+        return a->z >= sqrtf((float)(a->latent_dim - 64u));
+    return a->mode == KVT__RECALL_CONFORMAL && a->z >= -FLT_MAX && a->z <= FLT_MAX;
 }
 
 static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a,

@@ -546,8 +546,8 @@ Test(recall_scan, undescribable_rows_and_nan_queries_fire) {
     rig_close(&r);
 }
 
-/* Misuse: a sound z below √(D − 64), an unknown mode, and (guarded) a host pointer among the
- * arguments are refused. */
+/* Misuse: a sound z below √(D − 64) or NaN, a NaN conformal z, a zero scale, an unknown mode,
+ * and (guarded) a host pointer among the arguments are refused. */
 Test(recall_scan, refuses_bad_arguments_and_host_pointers) {
     rig r;
     rig_open(&r);
@@ -564,6 +564,12 @@ Test(recall_scan, refuses_bad_arguments_and_host_pointers) {
                  KVT_ERR_INVALID_ARGUMENT);
     free(o.fired);
     cr_assert_eq(run_scan(&r.guarded, &s, q, &best, 1, SMAX, 1.0f, 7, 4, &o),
+                 KVT_ERR_INVALID_ARGUMENT);
+    free(o.fired);
+    cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, SMAX, NAN, KVT__RECALL_CONFORMAL, 4, &o),
+                 KVT_ERR_INVALID_ARGUMENT);
+    free(o.fired);
+    cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, 0.0f, 1.0f, KVT__RECALL_CONFORMAL, 4, &o),
                  KVT_ERR_INVALID_ARGUMENT);
     free(o.fired);
     /* A host query array on the guarded backend. */
