@@ -61,6 +61,44 @@ typedef struct kvt__sketch_args {
     float *rho;             /* [n_rows] out */
 } kvt__sketch_args;
 
+/* One recall scan (kernels/recall_scan.h): one request × layer of a step. Every pointer but pdiv
+ * is in the backend's memory. The archived rows are the closed rows [sinks, n_closed) not in kept
+ * (ascending, m entries, as the salience close writes it), scanned ascending; a row fires when
+ * any head's trigger fires on it (mode: KVT__RECALL_CONFORMAL or KVT__RECALL_SOUND, which takes
+ * z >= √(latent_dim − 64)). Out: fired[0 .. *n_fired) the first min(cap, fired) of them,
+ * ascending; *overflow = 1 when more than cap fired (else 0). */
+typedef struct kvt__recall_scan_args {
+    const uint8_t *base;    /* pool plane */
+    const int32_t *pages;   /* the table's mirror, as kvt__score_args.pages */
+    uint64_t first_page;
+    const kvt__div32 *pdiv; /* page_rows (a host value, as in kvt__score_args) */
+    size_t slot_stride;     /* bytes */
+    int dtype;              /* latent: KVT__DT_BF16 / FP16 / FP32 */
+    uint32_t latent_dim;    /* D (> 64) */
+    uint32_t branch_offset; /* bytes */
+    int branch_dtype;
+    uint32_t branch_dim;
+    const uint16_t *csk;    /* [n_closed][csk_stride] */
+    const float *rho;       /* [n_closed] */
+    uint32_t csk_stride;
+    const float *basis;     /* [rank][latent_dim]; NULL when rank is 0 */
+    uint32_t rank;          /* <= csk_stride */
+    uint64_t n_closed;
+    uint64_t sinks;
+    const uint32_t *kept;   /* [m] ascending */
+    uint32_t m;
+    const float *q;         /* [n_heads][latent_dim + branch_dim], latent first */
+    const float *best;      /* [n_heads]: the head's best attended score */
+    uint32_t n_heads;
+    float scale;            /* s (> 0, finite) */
+    float z;                /* finite (conformal); >= √(latent_dim − 64) (sound) */
+    int mode;
+    uint32_t cap;           /* W */
+    uint32_t *fired;        /* [cap] out */
+    uint32_t *n_fired;      /* [1] out */
+    uint32_t *overflow;     /* [1] out */
+} kvt__recall_scan_args;
+
 /* An attended set as a policy describes it, in row indices of the group's table, ascending:
  * rows [0, lo_end), then list[0 .. n_list) (ascending, each in [lo_end, hi_begin)), then rows
  * [hi_begin, hi_end). O(1) to build on the host whatever the set's size: the rows themselves are
@@ -143,6 +181,11 @@ typedef struct kvt__backend_ops {
     /* Recall sketches of n blocks (every block closing in a step, across its requests), next to
      * score_rows: csk and ρ of each row (kvt__sketch_args). */
     kvt_status (*sketch_rows)(const kvt__backend *be, const kvt__sketch_args *a, uint32_t n,
+                              void *stream);
+    /* Recall scans of n (request, layer) work items (kvt__recall_scan_args). Optional: NULL
+     * where the backend has no scan yet (CUDA today); the library then refuses recall
+     * (KVT_ERR_UNSUPPORTED). KVT_ERR_INVALID_ARGUMENT for arguments out of their ranges. */
+    kvt_status (*recall_scan)(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
                               void *stream);
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per

@@ -4,6 +4,7 @@
 #include "backend.h"
 
 #include "kernels/philox.h"
+#include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
@@ -180,6 +181,45 @@ static kvt_status cpu_sketch_rows(const kvt__backend *be, const kvt__sketch_args
     return KVT_OK;
 }
 
+static bool dtype_ok(int dt) {
+    return dt == KVT__DT_BF16 || dt == KVT__DT_FP16 || dt == KVT__DT_FP32;
+}
+
+/* A recall scan's arguments within the twin's ranges. */
+static bool recall_scan_ok(const kvt__recall_scan_args *a) {
+    if (a->latent_dim <= 64u || a->latent_dim > KVT__SKETCH_MAX_DIM ||
+        a->branch_dim > KVT__RECALL_MAX_BRANCH || a->rank > a->csk_stride ||
+        a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) || !dtype_ok(a->dtype) ||
+        (a->branch_dim && !dtype_ok(a->branch_dtype)) || a->n_closed > UINT32_MAX ||
+        a->m > a->n_closed || (a->cap && !a->fired) || !a->n_fired || !a->overflow ||
+        !(a->scale > 0.0f && a->scale <= FLT_MAX))
+        return false;
+    if (a->mode == KVT__RECALL_SOUND) /* false for a NaN z; +Inf fires every row */
+        return a->z >= sqrtf((float)(a->latent_dim - 64u));
+    return a->mode == KVT__RECALL_CONFORMAL && a->z >= -FLT_MAX && a->z <= FLT_MAX;
+}
+
+static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a,
+                                  uint32_t n, void *stream) {
+    (void)stream;
+    size_t need = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!recall_scan_ok(&a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+        size_t f = kvt__recall_scan_scratch_floats(a[i].n_heads, a[i].rank, a[i].latent_dim);
+        need = f > need ? f : need;
+    }
+    bool owned = false;
+    float *scratch = need ? scratch_get(be, true, need, sizeof(float), &owned) : NULL;
+    if (need && !scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n; i++)
+        kvt__recall_scan_cpu(&a[i], scratch);
+    if (owned)
+        kvt__free(be->alloc, scratch, need * sizeof(float));
+    return KVT_OK;
+}
+
 /* A round's selection for n layers: each layer's scratch from the workspace (one piece, reused
  * layer after layer), taken before any keep set is written. */
 static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
@@ -353,6 +393,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .host_visible = true,
     .score_rows = cpu_score_rows,
     .sketch_rows = cpu_sketch_rows,
+    .recall_scan = cpu_recall_scan,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
@@ -523,6 +564,33 @@ static kvt_status g_sketch_rows(const kvt__backend *be, const kvt__sketch_args *
     return s;
 }
 
+/* Every buffer a scan reads or writes must be the backend's (pdiv is a host value). */
+static kvt_status g_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *args,
+                                uint32_t n, void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__recall_scan_args *a = &args[i];
+        const size_t qdim = (size_t)a->latent_dim + a->branch_dim;
+        const bool rows = a->n_closed > a->sinks;
+        if (rows) {
+            GUARD_OWNS(be, a->base, 1);
+            GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        }
+        GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * a->n_closed);
+        GUARD_OWNS(be, a->rho, sizeof(float) * a->n_closed);
+        GUARD_OWNS(be, a->basis, sizeof(float) * a->rank * a->latent_dim);
+        GUARD_OWNS(be, a->kept, sizeof(uint32_t) * a->m);
+        GUARD_OWNS(be, a->q, sizeof(float) * qdim * a->n_heads);
+        GUARD_OWNS(be, a->best, sizeof(float) * a->n_heads);
+        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * a->cap);
+        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t));
+        GUARD_OWNS(be, a->overflow, sizeof(uint32_t));
+    }
+    guard_open(be);
+    kvt_status s = cpu_recall_scan(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
 /* Every buffer of a round's layers must be the backend's. */
 static kvt_status g_ev_owns(const kvt__backend *be, const kvt__ev_args *a, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) {
@@ -627,6 +695,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .host_visible = false,
     .score_rows = g_score_rows,
     .sketch_rows = g_sketch_rows,
+    .recall_scan = g_recall_scan,
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,

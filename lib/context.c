@@ -378,6 +378,16 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         goto fail;
     if ((s = open_backend(ctx, p->backend, err, len)) != KVT_OK)
         goto fail;
+    /* The recall tier's ops are optional in a backend's table (CUDA has neither yet): a context
+     * that asks for sketches on a backend without them is refused, not left to call NULL. */
+    if (ctx->sketch_rank &&
+        (!ctx->backend.ops->sketch_rows || !ctx->backend.ops->recall_scan)) {
+        s = kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                      "params.recall_sketch_rank: the %s backend has no recall ops (sketch_rows, "
+                      "recall_scan)",
+                      ctx->backend.ops->name);
+        goto fail;
+    }
     if ((s = build_groups(ctx, err, len)) != KVT_OK || (s = size_workspace(ctx, err, len)) != KVT_OK)
         goto fail;
     /* Request slots: with both limits stated, every request's state is built now. */

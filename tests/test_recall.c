@@ -16,6 +16,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "kernels/recall_scan.h"
 #include "kernels/sketch.h"
 #include "kvtier.h"
 #include "kvtier_trace.h"
@@ -30,30 +31,7 @@
  * accuracy), stored fp32. */
 static void orthonormal_rows(uint64_t seed, uint32_t rank, uint32_t n, float *out) {
     tu_rng g = {seed};
-    double *v = malloc(sizeof(double) * rank * n);
-    cr_assert(v);
-    for (uint32_t k = 0; k < rank; k++) {
-        double *vk = v + (size_t)k * n;
-        for (uint32_t d = 0; d < n; d++)
-            vk[d] = tu_normal(&g);
-        for (int pass = 0; pass < 2; pass++)
-            for (uint32_t j = 0; j < k; j++) {
-                const double *vj = v + (size_t)j * n;
-                double dot = 0;
-                for (uint32_t d = 0; d < n; d++)
-                    dot += vk[d] * vj[d];
-                for (uint32_t d = 0; d < n; d++)
-                    vk[d] -= dot * vj[d];
-            }
-        double nn = 0;
-        for (uint32_t d = 0; d < n; d++)
-            nn += vk[d] * vk[d];
-        for (uint32_t d = 0; d < n; d++)
-            vk[d] /= sqrt(nn);
-    }
-    for (size_t i = 0; i < (size_t)rank * n; i++)
-        out[i] = (float)v[i];
-    free(v);
+    cr_assert(tu_orthonormal_rows(&g, rank, n, out));
 }
 
 /* Sketch rows stored as fp32 rows [n][D] (slot u = row u) with the CPU twin. */
@@ -466,6 +444,158 @@ Test(sketch_planes, guarded_op_refuses_host_planes) {
     a.rho = host_rho;
     cr_assert_eq(be->ops->sketch_rows(be, &a, 1, NULL), KVT_ERR_INVARIANT);
     teardown(&f);
+}
+
+/* The recall_scan op over a request's own state (pool plane, page-table mirror, sketch planes,
+ * basis, kept set from real closes): in sound mode every archived row whose exact score reaches
+ * its head's best attended score (sinks, kept, tail) fires, and the CPU and guarded contexts fire
+ * the same rows. */
+Test(sketch_planes, sound_scan_over_a_requests_planes) {
+    const uint32_t N = 64 * 6 + 23, H = 4, STEPS = 24;
+    uint32_t fired[2][STEPS][N];
+    uint32_t n_fired[2][STEPS];
+    uint64_t must = 0, arch_total = 0;
+    for (int b = 0; b < 2; b++) {
+        fixture f;
+        setup(&f, b ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU, 0, 31031, N, true);
+        feed(f.seq, f.rows, N, 64);
+        const kvt__sal *s = &f.seq->layers[0].sal;
+        const kvt__backend *be = &f.ctx->backend;
+        const uint64_t closed = s->closed_rows;
+        uint32_t *kept = malloc(sizeof(uint32_t) * s->n_kept + 4);
+        uint8_t *is_kept = calloc(N, 1);
+        cr_assert(kept && is_kept && closed == 64 * 6);
+        cr_assert_eq(be->ops->read(be, kept, s->kept, sizeof *kept * s->n_kept, NULL), KVT_OK);
+        for (uint64_t i = 0; i < s->n_kept; i++)
+            is_kept[kept[i]] = 1;
+        const uint32_t S = f.c.sink_rows;
+        void *dq, *dbest, *dout;
+        const size_t qb = sizeof(float) * 576 * H;
+        cr_assert_eq(be->ops->buf_alloc(be, qb, &dq), KVT_OK);
+        cr_assert_eq(be->ops->buf_alloc(be, sizeof(float) * H, &dbest), KVT_OK);
+        cr_assert_eq(be->ops->buf_alloc(be, sizeof(uint32_t) * (N + 2), &dout), KVT_OK);
+        tu_rng g = {777};
+        float q[4 * 576], best[4];
+        for (uint32_t st = 0; st < STEPS; st++) {
+            for (uint32_t h = 0; h < H; h++) {
+                float *qh = q + (size_t)h * 576;
+                for (uint32_t i = 0; i < 576; i++)
+                    qh[i] = (float)tu_normal(&g) * (i < D ? 0.2f : 1.0f);
+                for (uint32_t k = 0; k < 8; k++) { /* toward the rows' subspace */
+                    float a = (float)tu_normal(&g);
+                    for (uint32_t d = 0; d < D; d++)
+                        qh[d] += a * f.V[(size_t)k * D + d];
+                }
+                best[h] = -INFINITY;
+                for (uint32_t u = 0; u < N; u++)
+                    if (u < S || u >= closed || is_kept[u]) {
+                        float e = kvt__recall_exact(qh, f.rows + (size_t)u * 1152, KVT__DT_BF16,
+                                                    D, 1024, KVT__DT_BF16, 64, 0.0721687836f);
+                        best[h] = e > best[h] ? e : best[h];
+                    }
+            }
+            cr_assert_eq(be->ops->write(be, dq, q, qb, NULL), KVT_OK);
+            cr_assert_eq(be->ops->write(be, dbest, best, sizeof best, NULL), KVT_OK);
+            kvt__recall_scan_args a = {.base = f.ctx->stores[0].plane[0],
+                                       .pages = f.seq->pt[0].dpages,
+                                       .first_page = f.seq->pt[0].first_page,
+                                       .pdiv = &f.ctx->pdiv,
+                                       .slot_stride = 1152,
+                                       .dtype = KVT__DT_BF16,
+                                       .latent_dim = D,
+                                       .branch_offset = 1024,
+                                       .branch_dtype = KVT__DT_BF16,
+                                       .branch_dim = 64,
+                                       .csk = s->csk,
+                                       .rho = s->rho,
+                                       .csk_stride = s->sk_stride,
+                                       .basis = f.ctx->stores[0].rbasis.V,
+                                       .rank = f.ctx->stores[0].rbasis.rank,
+                                       .n_closed = closed,
+                                       .sinks = S,
+                                       .kept = s->kept,
+                                       .m = (uint32_t)s->n_kept,
+                                       .q = dq,
+                                       .best = dbest,
+                                       .n_heads = H,
+                                       .scale = 0.0721687836f,
+                                       .z = sqrtf(448.0f),
+                                       .mode = KVT__RECALL_SOUND,
+                                       .cap = N,
+                                       .fired = dout,
+                                       .n_fired = (uint32_t *)dout + N,
+                                       .overflow = (uint32_t *)dout + N + 1};
+            cr_assert_eq(be->ops->recall_scan(be, &a, 1, NULL), KVT_OK);
+            uint32_t out[N + 2];
+            cr_assert_eq(be->ops->read(be, out, dout, sizeof out, NULL), KVT_OK);
+            cr_assert_eq(out[N + 1], 0); /* no overflow */
+            n_fired[b][st] = out[N];
+            memcpy(fired[b][st], out, sizeof(uint32_t) * out[N]);
+            uint8_t got[N];
+            memset(got, 0, sizeof got);
+            for (uint32_t i = 0; i < out[N]; i++)
+                got[out[i]] = 1;
+            for (uint32_t u = S; u < closed; u++) {
+                if (is_kept[u])
+                    continue;
+                arch_total += b == 0;
+                for (uint32_t h = 0; h < H; h++)
+                    if (kvt__recall_exact(q + (size_t)h * 576, f.rows + (size_t)u * 1152,
+                                          KVT__DT_BF16, D, 1024, KVT__DT_BF16, 64,
+                                          0.0721687836f) >= best[h]) {
+                        must += b == 0;
+                        cr_assert(got[u], "step %u head %u row %u missed", st, h, u);
+                    }
+            }
+        }
+        be->ops->buf_free(be, dq, qb);
+        be->ops->buf_free(be, dbest, sizeof(float) * H);
+        be->ops->buf_free(be, dout, sizeof(uint32_t) * (N + 2));
+        free(kept);
+        free(is_kept);
+        teardown(&f);
+    }
+    uint64_t total = 0;
+    for (uint32_t st = 0; st < STEPS; st++) {
+        cr_assert_eq(n_fired[0][st], n_fired[1][st]);
+        cr_assert_eq(memcmp(fired[0][st], fired[1][st], sizeof(uint32_t) * n_fired[0][st]), 0);
+        total += n_fired[0][st];
+    }
+    cr_log_info("sound scan over a request's planes: %u steps x %u heads, %llu (row, head) pairs "
+                "at or above the best attended score, all fired; firing rate %.3f",
+                STEPS, H, (unsigned long long)must, (double)total / (double)arch_total);
+}
+
+/* A backend without the recall ops (CUDA today: sketch_rows and recall_scan are NULL in its
+ * table) refuses a context with sketch planes instead of calling NULL at the first close. Without
+ * a device the CUDA request ends earlier, at NO_DEVICE; both CPU-side backends have the ops. */
+Test(sketch_planes, backend_without_recall_ops_refused) {
+    kvt_model *m = mla_model(KVT_DTYPE_BF16, false);
+    kvt_config c = small_config();
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = 16;
+    p.recall_sketch_rank = R;
+    p.backend = KVT_BACKEND_CUDA;
+    kvt_ctx *ctx = NULL;
+    char err[256] = "";
+    kvt_status s = kvt_ctx_create(&p, &ctx, err, sizeof err);
+    if (s == KVT_ERR_NO_DEVICE) {
+        cr_log_info("no CUDA device: the refusal itself is not reached (%s)", err);
+    } else {
+        cr_assert_eq(s, KVT_ERR_UNSUPPORTED, "%s: %s", kvt_status_name(s), err);
+        cr_assert(strstr(err, "recall") != NULL, "%s", err);
+        cr_assert_null(ctx);
+    }
+    for (int b = 0; b < 2; b++) {
+        p.backend = b ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU;
+        cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+        cr_assert_not_null(ctx->backend.ops->recall_scan);
+        kvt_ctx_destroy(ctx);
+    }
+    kvt_model_destroy(m);
 }
 
 /* Recall off (the default): no planes, nothing sketched, the same kept sets as with sketches. */

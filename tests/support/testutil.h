@@ -2,6 +2,7 @@
 #ifndef KVT_TESTS_TESTUTIL_H
 #define KVT_TESTS_TESTUTIL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -17,6 +18,9 @@ typedef struct tu_rng {
 uint64_t tu_next(tu_rng *r);
 double tu_uniform(tu_rng *r);  /* [0, 1) */
 double tu_normal(tu_rng *r);   /* standard normal (Box-Muller) */
+/* rank orthonormal rows of n values into out ([rank][n] fp32): Gram-Schmidt in double on
+ * normal draws from r, twice for accuracy. false when out of memory. */
+bool tu_orthonormal_rows(tu_rng *r, uint32_t rank, uint32_t n, float *out);
 
 /* ---------------------------------------------------------------------------------------------
  * Single-request drivers over the batch API (kvtier.h's step timeline), for tests that exercise

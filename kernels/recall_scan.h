@@ -1,0 +1,211 @@
+/*
+ * recall_scan.h — the recall tier's per-(query head, archived row) scores (docs/recall.md §3):
+ * the exact score, the approximate score idx from the row's sketch, the conformal certificate
+ * unit and the sound bound. Pure math: no policy, no state. Read by gcc and nvcc (no restrict,
+ * _Generic or compound literals): the KVT_HD functions are the per-element math the CPU twin
+ * (kernels/recall_scan.c) and a CUDA kernel share, each with a fixed accumulation order and
+ * explicit fmaf, so fired sets are bit-equal across backends.
+ *
+ * A stored row is [c | r]: latent c (its first D values) and branch r (branch_dim values at
+ * branch_offset). A head's absorbed query is q = [q_lat | q_br] (D + branch_dim fp32, latent
+ * first: the trace format's QUERIES layout). With s the softmax scale:
+ *
+ *     score_a = s · (q_br · r_a + q_lat · c_a)                         (kvt__recall_exact)
+ *     idx_a   = s · (q_br · r_a + q̃_sk · csk_a)                       (kvt__recall_idx)
+ *     cert_a  = s · ‖q̃_res‖ · ρ_a / √(D − 64)                         (kvt__recall_cert)
+ *
+ * q̃_sk = q_lat Vᵀ and q̃_res = q_lat − q̃_sk V as computed in fp32 (kvt__recall_head_prep).
+ *
+ * Orders (every multiply-add an fmaf, every chain from +0.0f, indices ascending):
+ *   exact: acc over j < branch_dim of q_br[j]·r[j], then over d < D of q_lat[d]·c[d]; s·acc.
+ *   idx:   acc over j < branch_dim of q_br[j]·r[j], then over k < rank of q̃_sk[k]·f32(csk[k]);
+ *          s·acc. Alongside, P = the same chain over |·| products and ‖csk‖² over k.
+ *   head:  q̃_sk[k] = chain over d (kvt__sketch_coef's order); q̃_res[d] = q_lat[d] − chain over
+ *          k of q̃_sk[k]·V[k][d]; norms by kvt__norm_fixed (σ's warp-shaped order).
+ *
+ * The sound bound (kvt__recall_sound_fires). Real arithmetic, V orthonormal: with e = c − csk V
+ * = e⊥ + δV, q_lat·c − q̃_sk·csk = q_res·e⊥ + q_sk·δ + η·csk (η = q_sk − q̃_sk, the fp32 error
+ * of the head's projection), so |score − idx| / s is at most
+ *
+ *     Qres·E + Qsk·min(E, ε) + ‖η‖·‖csk‖ + γ_n·P + γ_{D+bd}·(P + ‖q_lat‖·(‖csk‖ + E))
+ *
+ * where E bounds ‖e‖ from the stored ρ (ρ's own fp32 evaluation: (1 + γ_D + 2u)·ρ + γ_r·√r·‖csk‖),
+ * ε bounds ‖δ‖ (fp16 rounding 2^-11‖csk‖ + 2^-25√r, plus the fp32 coefficient chain γ_D·√r·‖c‖,
+ * ‖c‖ <= ‖csk‖ + E), Qres and Qsk bound the exact ‖q_res‖, ‖q_sk‖ from the computed ones (plus
+ * ‖η‖ <= γ_D·√r·‖q_lat‖ and the reconstruction's γ_r·√r·‖q̃_sk‖), γ_n·P bounds idx's own fp32
+ * evaluation and the last term the exact-score function's (so "kvt__recall_exact >= best" implies
+ * "fired" for the fp32 score a test or an engine computes, not only for the real one). Every
+ * factor gets a relative slack of 2^-8 and the whole an absolute 2^-120, which absorbs the
+ * roundings of the bound's own evaluation, of the two products by s, and V's departure from
+ * orthonormality at fp32 precision (tests: Gram-Schmidt in double, rounded to fp32). In cert
+ * units the Qres·E term is √(D − 64) units: the sound mode takes z >= √(D − 64) and fires on
+ *
+ *     idx + z · s·Qres·E·(1 + 2^-8)/√(D − 64) + s·(the other terms) >= best          (not <)
+ *
+ * written !(lhs < best): a NaN anywhere (a non-finite query, best NaN) fires, ρ = +Inf fires.
+ * NOT covered: a basis orthonormal only to kvt_ctx_set_recall_basis's 1e-3 per entry of V Vᵀ —
+ * the decomposition then errs by up to ~‖V Vᵀ − I‖·‖q‖·‖c‖, which no term above bounds.
+ *
+ * The conformal mode fires on !(idx + z·cert <= best) (a NaN fires; cert = s·‖q̃_res‖·ρ/√(D−64),
+ * no rounding terms: its z is calibrated, not proven).
+ */
+#ifndef KVT_KERNELS_RECALL_SCAN_H
+#define KVT_KERNELS_RECALL_SCAN_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/kvt_hd.h"
+#include "kernels/sigma.h"
+#include "kernels/sketch.h"
+
+/* Trigger modes of the scan (docs/recall.md §4). */
+#define KVT__RECALL_CONFORMAL 1
+#define KVT__RECALL_SOUND 2
+
+/* Largest branch a scan takes (the NoPE branch is 64 on every MLA model in the census). */
+#define KVT__RECALL_MAX_BRANCH 256u
+
+/* γ_n = n·u / (1 − n·u), u = 2^-24: the relative error bound of an n-term fp32 sum/dot. */
+KVT_HD float kvt__recall_gamma(uint32_t n) {
+    float nu = (float)n * 5.9604645e-8f;
+    return nu / (1.0f - nu);
+}
+
+/* The exact score s·(q_br·r + q_lat·c) of one row (row points at its first byte). */
+KVT_HD float kvt__recall_exact(const float *q, const uint8_t *row, int dtype, uint32_t D,
+                               uint32_t branch_offset, int branch_dtype, uint32_t branch_dim,
+                               float s) {
+    float acc = 0.0f;
+    for (uint32_t j = 0; j < branch_dim; j++)
+        acc = fmaf(q[D + j], kvt__sigma_branch_val(row, branch_offset, branch_dtype, j), acc);
+    for (uint32_t d = 0; d < D; d++)
+        acc = fmaf(q[d], kvt__sketch_latent(row, dtype, d), acc);
+    return s * acc;
+}
+
+/* What the scan keeps of one query head. */
+typedef struct kvt__recall_head {
+    float nlat; /* ‖q_lat‖ as computed */
+    float nres; /* ‖q̃_res‖ as computed (the conformal cert's) */
+    float Qres; /* >= the exact ‖q_res‖ */
+    float Qsk;  /* >= the exact ‖q_sk‖ */
+    float eta;  /* >= ‖q_sk − q̃_sk‖ */
+} kvt__recall_head;
+
+/* Floats of scratch kvt__recall_head_prep takes for a latent of D values. */
+#define KVT__RECALL_PREP_FLOATS(D) ((size_t)(D))
+
+/* Element d of a head's residual q̃_res (chain over k ascending from +0, then a subtraction). */
+KVT_HD float kvt__recall_resid(const float *q, const float *q_sk, const float *V, uint32_t rank,
+                               uint32_t D, uint32_t d) {
+    float rec = 0.0f;
+    for (uint32_t k = 0; k < rank; k++)
+        rec = fmaf(q_sk[k], V[(size_t)k * D + d], rec);
+    return q[d] - rec;
+}
+
+/* A head's norms and bounds from its projection q_sk and residual res[0 .. D). */
+KVT_HD void kvt__recall_head_finish(const float *q, uint32_t D, uint32_t rank, const float *q_sk,
+                                    const float *res, kvt__recall_head *h) {
+    const float slack = 1.0f + 0.00390625f; /* 2^-8 */
+    const float sqrt_r = sqrtf((float)rank);
+    const float gD = kvt__recall_gamma(D + 2u);
+    const float gr = kvt__recall_gamma(rank + 2u);
+    float nres = kvt__norm_fixed(res, D);
+    float nlat = kvt__norm_fixed(q, D);
+    float nsk = rank ? kvt__norm_fixed(q_sk, rank) : 0.0f;
+    h->nlat = nlat;
+    h->nres = nres;
+    h->eta = gD * sqrt_r * nlat * slack;
+    h->Qsk = (nsk * (1.0f + gr) + h->eta) * slack;
+    h->Qres = (nres * (1.0f + gD) + gr * sqrt_r * nsk + h->eta) * slack;
+}
+
+/* A head's projection q̃_sk[0 .. rank) (out) and norms. V: [rank][D] (NULL when rank is 0);
+ * tmp: D floats. */
+KVT_HD void kvt__recall_head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
+                                  float *q_sk, float *tmp, kvt__recall_head *h) {
+    for (uint32_t k = 0; k < rank; k++)
+        q_sk[k] = kvt__sketch_coef(q, D, V + (size_t)k * D);
+    for (uint32_t d = 0; d < D; d++)
+        tmp[d] = kvt__recall_resid(q, q_sk, V, rank, D, d);
+    kvt__recall_head_finish(q, D, rank, q_sk, tmp, h);
+}
+
+/* idx of one row, and its side sums: *P = Σ|products| (same chain), *ncsk = ‖csk‖ (chain over
+ * k, then sqrtf). csk: the row's rank fp16 values. */
+KVT_HD float kvt__recall_idx(const float *q, const float *q_sk, const uint8_t *row, uint32_t D,
+                             uint32_t branch_offset, int branch_dtype, uint32_t branch_dim,
+                             const uint16_t *csk, uint32_t rank, float s, float *P, float *ncsk) {
+    float acc = 0.0f, pa = 0.0f, n2 = 0.0f;
+    for (uint32_t j = 0; j < branch_dim; j++) {
+        float qj = q[D + j], rj = kvt__sigma_branch_val(row, branch_offset, branch_dtype, j);
+        acc = fmaf(qj, rj, acc);
+        pa = fmaf(fabsf(qj), fabsf(rj), pa);
+    }
+    for (uint32_t k = 0; k < rank; k++) {
+        float ck = kvt__f16_to_f32(csk[k]);
+        acc = fmaf(q_sk[k], ck, acc);
+        pa = fmaf(fabsf(q_sk[k]), fabsf(ck), pa);
+        n2 = fmaf(ck, ck, n2);
+    }
+    *P = pa;
+    *ncsk = sqrtf(n2);
+    return s * acc;
+}
+
+/* The conformal certificate unit s·‖q̃_res‖·ρ/√(D − 64) (D > 64; 0·Inf is NaN: the trigger
+ * fires on it). */
+KVT_HD float kvt__recall_cert(const kvt__recall_head *h, float rho, float s, uint32_t D) {
+    return s * h->nres * rho / sqrtf((float)(D - 64u));
+}
+
+/* The sound margin of a row: z·(the Qres·E term in cert units) + s·(the other terms), the
+ * header comment's bound on |score − idx| when z >= √(D − 64). NaN when an input is NaN; +Inf
+ * for ρ = +Inf (or NaN when the head's Qres is 0: the trigger fires on both). */
+KVT_HD float kvt__recall_sound_margin(const kvt__recall_head *h, float idx, float P, float ncsk,
+                                      float rho, float s, float z, uint32_t D,
+                                      uint32_t branch_dim, uint32_t rank) {
+    const float slack = 1.0f + 0.00390625f;
+    const float sqrt_r = sqrtf((float)rank);
+    const float gD = kvt__recall_gamma(D + 2u);
+    const float gr = kvt__recall_gamma(rank + 2u);
+    const float gn = kvt__recall_gamma(branch_dim + rank + 2u);
+    const float gx = kvt__recall_gamma(D + branch_dim + 2u);
+    float ncsk_b = ncsk * (1.0f + gr) * slack;
+    float E = (rho * (1.0f + gD) + gr * sqrt_r * ncsk_b) * slack;
+    float eps = (4.8828125e-4f * ncsk_b + 2.9802322e-8f * sqrt_r + gD * sqrt_r * (ncsk_b + E)) *
+                slack;
+    float dmin = eps < E ? eps : E;
+    float unit = s * (h->Qres * E * slack) / sqrtf((float)(D - 64u));
+    float rest = h->Qsk * dmin + h->eta * ncsk_b + gn * P * slack +
+                 gx * (P * slack + h->nlat * slack * (ncsk_b + E));
+    rest = s * (rest * slack + 2.0f * 5.9604645e-8f * (fabsf(idx / s) + rest)) + 7.5231638e-37f;
+    return z * unit + rest;
+}
+
+/* Sound trigger: !(idx + margin < best) — at the threshold fires; a NaN fires. */
+KVT_HD int kvt__recall_sound_fires(float idx, float margin, float best) {
+    return !(idx + margin < best);
+}
+
+/* Conformal trigger: !(idx + z·cert <= best). */
+KVT_HD int kvt__recall_conformal_fires(float idx, float cert, float z, float best) {
+    return !(idx + z * cert <= best);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * CPU twin (kernels/recall_scan.c)
+ * ------------------------------------------------------------------------------------------- */
+struct kvt__recall_scan_args;
+
+/* Floats of scratch kvt__recall_scan_cpu takes. */
+size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D);
+
+/* One work item (kernels/backend.h), arguments checked by the caller: the heads prepared, then
+ * the archived rows ascending, each against the heads in order until one fires. */
+void kvt__recall_scan_cpu(const struct kvt__recall_scan_args *a, float *scratch);
+
+#endif /* KVT_KERNELS_RECALL_SCAN_H */

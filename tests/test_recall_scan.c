@@ -1,0 +1,638 @@
+/*
+ * test_recall_scan.c — the recall scan (kernels/recall_scan.h, the recall_scan op): the sound
+ * mode never misses an archived row whose exact score reaches its head's threshold, over
+ * randomized rows (near and far from span V, no basis, adversarial near-identical rows) and
+ * queries; the op's fired set equals a per-element reference and is bit-equal on the CPU and
+ * guarded backends; cap W and the overflow flag are exact; the guarded op refuses host pointers.
+ * Seeds are fixed and printed on failure.
+ */
+#include <criterion/criterion.h>
+#include <criterion/logging.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "kernels/recall_scan.h"
+#include "kernels/sketch.h"
+#include "support/testutil.h"
+
+#define D 512u
+#define BD 64u
+#define QD (D + BD)
+#define PR 16u /* page rows */
+#define SMAX 0.072168784f /* 192^-1/2 */
+
+/* rank orthonormal rows of n values (Gram-Schmidt in double, twice), stored fp32. */
+static void orthonormal_rows(tu_rng *g, uint32_t rank, uint32_t n, float *out) {
+    cr_assert(tu_orthonormal_rows(g, rank, n, out));
+}
+
+/* One scenario: a pool of N rows behind a permuted page table, their sketches, a kept set. */
+typedef struct scen {
+    uint32_t N, rank, csk_stride, sinks, m;
+    int dtype;
+    size_t stride;
+    uint8_t *pool;   /* [N slots][stride] */
+    int32_t *pages;  /* [N / PR] */
+    kvt__div32 pdiv;
+    float *V;        /* [rank][D] or NULL */
+    uint16_t *csk;   /* [N][csk_stride] */
+    float *rho;      /* [N] */
+    uint32_t *kept;  /* [m] ascending */
+    uint8_t *is_kept;
+} scen;
+
+static void put(uint8_t *row, int dt, uint32_t i, float v) {
+    kvt__store_elem(row, dt, i, v);
+}
+
+/* Row kinds: 0 near span V (noise nz), 1 far (random), 2 a near-identical copy of an earlier
+ * row, 3 exactly in span V, 4 large magnitude. */
+static void scen_make(scen *s, tu_rng *g, uint32_t N, uint32_t rank, int dtype) {
+    memset(s, 0, sizeof *s);
+    s->N = N;
+    s->rank = rank;
+    s->csk_stride = rank ? rank + (uint32_t)(tu_next(g) % 3) : 1;
+    s->dtype = dtype;
+    s->stride = (size_t)QD * (dtype == KVT__DT_FP32 ? 4 : 2);
+    s->pool = calloc(N, s->stride);
+    s->pages = malloc(sizeof(int32_t) * (N / PR));
+    s->pdiv = kvt__div32_make(PR);
+    s->V = rank ? malloc(sizeof(float) * rank * D) : NULL;
+    s->csk = malloc(sizeof(uint16_t) * N * s->csk_stride);
+    s->rho = malloc(sizeof(float) * N);
+    s->is_kept = calloc(N, 1);
+    cr_assert(s->pool && s->pages && s->csk && s->rho && s->is_kept);
+    if (rank)
+        orthonormal_rows(g, rank, D, s->V);
+    for (uint32_t p = 0; p < N / PR; p++)
+        s->pages[p] = (int32_t)p;
+    for (uint32_t p = N / PR - 1; p > 0; p--) { /* a permuted table */
+        uint32_t j = (uint32_t)(tu_next(g) % (p + 1));
+        int32_t t = s->pages[p];
+        s->pages[p] = s->pages[j];
+        s->pages[j] = t;
+    }
+    float c[D];
+    for (uint32_t row = 0; row < N; row++) {
+        uint8_t *p = s->pool + (size_t)kvt__page_slot(s->pages, 0, &s->pdiv, row) * s->stride;
+        uint32_t kind = (uint32_t)(tu_next(g) % 5);
+        if (row == 0 && kind == 2)
+            kind = 1;
+        if (kind == 2) { /* a copy of an earlier row, perturbed by ~1e-6 */
+            uint32_t src = (uint32_t)(tu_next(g) % row);
+            const uint8_t *q =
+                s->pool + (size_t)kvt__page_slot(s->pages, 0, &s->pdiv, src) * s->stride;
+            for (uint32_t i = 0; i < QD; i++)
+                put(p, dtype, i,
+                    kvt__load_elem(q, dtype, i) * (1.0f + 1e-6f * (float)tu_normal(g)));
+            continue;
+        }
+        double scale = kind == 4 ? 300.0 : 1.0;
+        double nz = kind == 3 ? 0.0 : kind == 0 ? (tu_next(g) % 2 ? 1e-3 : 0.05) : 1.0;
+        for (uint32_t d = 0; d < D; d++)
+            c[d] = (float)(nz * tu_normal(g) * scale);
+        if (rank && kind != 1 && kind != 4)
+            for (uint32_t k = 0; k < rank; k++) {
+                float a = (float)(3.0 * tu_normal(g));
+                for (uint32_t d = 0; d < D; d++)
+                    c[d] += a * s->V[(size_t)k * D + d];
+            }
+        for (uint32_t d = 0; d < D; d++)
+            put(p, dtype, d, c[d]);
+        for (uint32_t j = 0; j < BD; j++)
+            put(p, dtype, D + j, (float)(tu_normal(g) * scale));
+    }
+    int32_t *slots = malloc(sizeof(int32_t) * N);
+    float *scratch = malloc(sizeof(float) * kvt__sketch_scratch_floats(D));
+    cr_assert(slots && scratch);
+    for (uint32_t row = 0; row < N; row++)
+        slots[row] = kvt__page_slot(s->pages, 0, &s->pdiv, row);
+    kvt__sketch_rows_cpu(s->pool, slots, N, s->stride, dtype, D, s->V, rank, s->csk_stride,
+                         scratch, s->csk, s->rho);
+    free(slots);
+    free(scratch);
+    /* sinks and a kept set of m rows (some inside the sinks, as a close may keep them) */
+    s->sinks = (uint32_t)(tu_next(g) % 9);
+    s->m = N / 8;
+    s->kept = malloc(sizeof(uint32_t) * s->m);
+    uint32_t got = 0;
+    while (got < s->m) {
+        uint32_t r = (uint32_t)(tu_next(g) % N);
+        if (!s->is_kept[r]) {
+            s->is_kept[r] = 1;
+            got++;
+        }
+    }
+    got = 0;
+    for (uint32_t r = 0; r < N; r++)
+        if (s->is_kept[r])
+            s->kept[got++] = r;
+}
+
+static void scen_free(scen *s) {
+    free(s->pool);
+    free(s->pages);
+    free(s->V);
+    free(s->csk);
+    free(s->rho);
+    free(s->kept);
+    free(s->is_kept);
+}
+
+static bool archived(const scen *s, uint32_t row) {
+    return row >= s->sinks && !s->is_kept[row];
+}
+
+static const uint8_t *row_at(const scen *s, uint32_t row) {
+    return s->pool + (size_t)kvt__page_slot(s->pages, 0, &s->pdiv, row) * s->stride;
+}
+
+static float exact(const scen *s, const float *q, uint32_t row, float sc) {
+    uint32_t elt = s->dtype == KVT__DT_FP32 ? 4 : 2;
+    return kvt__recall_exact(q, row_at(s, row), s->dtype, D, D * elt, s->dtype, BD, sc);
+}
+
+/* Queries: latent near span V (share in span random) or random; some heads tiny or large. */
+static void make_queries(tu_rng *g, const scen *s, uint32_t H, float *q) {
+    for (uint32_t h = 0; h < H; h++) {
+        float *qh = q + (size_t)h * QD;
+        /* a quarter of the heads exactly inside span V: q_res is rounding only, so the bound
+         * rests on the ‖q_sk‖·ε term (the sketch's fp16 rounding) */
+        double in = tu_next(g) % 4 == 0 ? 1.0 : tu_uniform(g);
+        double mag = tu_next(g) % 7 == 0 ? 40.0 : 1.0;
+        for (uint32_t i = 0; i < QD; i++)
+            qh[i] = (float)(tu_normal(g) * mag * (i < D ? (1.0 - in) * 0.3 : 1.0));
+        if (in == 1.0 && s->rank == 0)
+            for (uint32_t d = 0; d < D; d++)
+                qh[d] = (float)(tu_normal(g) * mag); /* no span: a plain latent */
+        for (uint32_t k = 0; s->rank && k < s->rank; k++) {
+            float a = (float)(tu_normal(g) * in * mag);
+            for (uint32_t d = 0; d < D; d++)
+                qh[d] += a * s->V[(size_t)k * D + d];
+        }
+    }
+}
+
+/* The op on a backend: every input copied into its buffers, the outputs read back. */
+typedef struct scan_out {
+    uint32_t *fired;
+    uint32_t n_fired, overflow;
+} scan_out;
+
+static void *dev(const kvt__backend *be, const void *host, size_t bytes) {
+    void *p = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, bytes ? bytes : 4, &p), KVT_OK);
+    if (bytes && host)
+        cr_assert_eq(be->ops->write(be, p, host, bytes, NULL), KVT_OK);
+    return p;
+}
+
+static kvt_status run_scan(const kvt__backend *be, const scen *s, const float *q,
+                           const float *best, uint32_t H, float sc, float z, int mode,
+                           uint32_t cap, scan_out *out) {
+    uint32_t elt = s->dtype == KVT__DT_FP32 ? 4 : 2;
+    size_t qb = sizeof(float) * QD * H;
+    kvt__recall_scan_args a = {
+        .base = dev(be, s->pool, s->stride * s->N),
+        .pages = dev(be, s->pages, sizeof(int32_t) * (s->N / PR)),
+        .pdiv = &s->pdiv,
+        .slot_stride = s->stride,
+        .dtype = s->dtype,
+        .latent_dim = D,
+        .branch_offset = D * elt,
+        .branch_dtype = s->dtype,
+        .branch_dim = BD,
+        .csk = dev(be, s->csk, sizeof(uint16_t) * s->N * s->csk_stride),
+        .rho = dev(be, s->rho, sizeof(float) * s->N),
+        .csk_stride = s->csk_stride,
+        .basis = s->rank ? dev(be, s->V, sizeof(float) * s->rank * D) : NULL,
+        .rank = s->rank,
+        .n_closed = s->N,
+        .sinks = s->sinks,
+        .kept = dev(be, s->kept, sizeof(uint32_t) * s->m),
+        .m = s->m,
+        .q = dev(be, q, qb),
+        .best = dev(be, best, sizeof(float) * H),
+        .n_heads = H,
+        .scale = sc,
+        .z = z,
+        .mode = mode,
+        .cap = cap,
+        .fired = dev(be, NULL, sizeof(uint32_t) * cap),
+        .n_fired = dev(be, NULL, 4),
+        .overflow = dev(be, NULL, 4)};
+    kvt_status st = be->ops->recall_scan(be, &a, 1, NULL);
+    out->fired = calloc(cap + 1, sizeof(uint32_t));
+    cr_assert(out->fired);
+    if (st == KVT_OK) {
+        cr_assert_eq(be->ops->read(be, &out->n_fired, a.n_fired, 4, NULL), KVT_OK);
+        cr_assert_eq(be->ops->read(be, &out->overflow, a.overflow, 4, NULL), KVT_OK);
+        cr_assert(out->n_fired <= cap);
+        if (out->n_fired)
+            cr_assert_eq(be->ops->read(be, out->fired, a.fired, 4 * out->n_fired, NULL), KVT_OK);
+    }
+    be->ops->buf_free(be, (void *)a.base, s->stride * s->N);
+    be->ops->buf_free(be, (void *)a.pages, sizeof(int32_t) * (s->N / PR));
+    be->ops->buf_free(be, (void *)a.csk, sizeof(uint16_t) * s->N * s->csk_stride);
+    be->ops->buf_free(be, (void *)a.rho, sizeof(float) * s->N);
+    if (a.basis)
+        be->ops->buf_free(be, (void *)a.basis, sizeof(float) * s->rank * D);
+    be->ops->buf_free(be, (void *)a.kept, sizeof(uint32_t) * s->m);
+    be->ops->buf_free(be, (void *)a.q, qb);
+    be->ops->buf_free(be, (void *)a.best, sizeof(float) * H);
+    be->ops->buf_free(be, a.fired, cap ? sizeof(uint32_t) * cap : 4);
+    be->ops->buf_free(be, a.n_fired, 4);
+    be->ops->buf_free(be, a.overflow, 4);
+    return st;
+}
+
+typedef struct rig {
+    kvt__alloc a;
+    kvt__backend cpu, guarded;
+} rig;
+
+static void rig_open(rig *r) {
+    memset(r, 0, sizeof *r);
+    cr_assert_eq(kvt__alloc_init(&r->a, KVT_ALLOC_LIBC), KVT_OK);
+    r->cpu.alloc = &r->a;
+    cr_assert_eq(kvt__backend_cpu_open(&r->cpu), KVT_OK);
+    r->guarded.alloc = &r->a;
+    char why[256] = "";
+    cr_assert_eq(kvt__backend_guarded_open(&r->guarded, why, sizeof why), KVT_OK, "%s", why);
+}
+
+static void rig_close(rig *r) {
+    kvt__backend_cpu_close(&r->cpu);
+    kvt__backend_cpu_close(&r->guarded);
+    kvt__alloc_fini(&r->a);
+}
+
+/* The reference: the per-element functions, row by row, head by head. fired[row] = 0/1. With
+ * worst (sound mode), every archived (row, head) also checks |exact − idx| <= the sound margin
+ * and *worst keeps the largest share of the margin the real error took. */
+static uint32_t reference(const scen *s, const float *q, const float *best, uint32_t H, float sc,
+                          float z, int mode, uint8_t *fired, double *worst) {
+    uint32_t elt = s->dtype == KVT__DT_FP32 ? 4 : 2, n = 0;
+    float *qsk = malloc(sizeof(float) * (s->rank + 1) * H);
+    float tmp[D];
+    kvt__recall_head *hd = malloc(sizeof *hd * H);
+    cr_assert(qsk && hd);
+    for (uint32_t h = 0; h < H; h++)
+        kvt__recall_head_prep(q + (size_t)h * QD, D, s->V, s->rank, qsk + (size_t)h * s->rank,
+                              tmp, &hd[h]);
+    for (uint32_t row = 0; row < s->N; row++) {
+        fired[row] = 0;
+        if (!archived(s, row))
+            continue;
+        for (uint32_t h = 0; h < H; h++) {
+            float P, nc;
+            float idx = kvt__recall_idx(q + (size_t)h * QD, qsk + (size_t)h * s->rank,
+                                        row_at(s, row), D, D * elt, s->dtype, BD,
+                                        s->csk + (size_t)row * s->csk_stride, s->rank, sc, &P,
+                                        &nc);
+            float margin = kvt__recall_sound_margin(&hd[h], idx, P, nc, s->rho[row], sc, z, D,
+                                                    BD, s->rank);
+            if (worst && mode == KVT__RECALL_SOUND) {
+                /* how much of the margin the real error takes (<= 1: sound) */
+                double err = fabs((double)exact(s, q + (size_t)h * QD, row, sc) - idx);
+                double u = err / margin;
+                cr_assert(u <= 1.0, "row %u head %u: |score - idx| %g above the margin %g", row,
+                          h, err, margin);
+                *worst = u > *worst ? u : *worst;
+            }
+            int f = mode == KVT__RECALL_SOUND
+                        ? kvt__recall_sound_fires(idx, margin, best[h])
+                        : kvt__recall_conformal_fires(
+                              idx, kvt__recall_cert(&hd[h], s->rho[row], sc, D), z, best[h]);
+            fired[row] |= (uint8_t)f;
+        }
+        n += fired[row];
+    }
+    free(qsk);
+    free(hd);
+    return n;
+}
+
+/* The sound mode never misses: for thousands of steps of random heads, with the threshold the
+ * head's best attended score (sinks and kept rows) and, harder, the exact score of the head's
+ * best archived row itself (so that row sits exactly at the threshold), every archived row whose
+ * exact score reaches the threshold fires. The op's fired set is the per-element reference's,
+ * and the firing rate is reported. */
+Test(recall_scan, sound_never_misses) {
+    rig r;
+    rig_open(&r);
+    const uint32_t H = 8, N = 256, CONFIGS = 48, STEPS = 24;
+    const float z = sqrtf((float)(D - 64u));
+    uint64_t n_steps = 0, n_queries = 0, archived_rows = 0, fired_att = 0, fired_top = 0,
+             must_fire = 0;
+    double worst = 0;
+    float *q = malloc(sizeof(float) * QD * H);
+    float best[8], top[8];
+    uint8_t *ref = malloc(N);
+    float *ex = malloc(sizeof(float) * H * N); /* exact scores of the step [head][row] */
+    cr_assert(q && ref && ex);
+    for (uint32_t c = 0; c < CONFIGS; c++) {
+        uint64_t seed = 0x5ca4000u + c;
+        tu_rng g = {seed};
+        static const uint32_t ranks[] = {0, 1, 8, 64, 64, 128};
+        uint32_t rank = ranks[c % 6];
+        int dtype = c % 2 ? KVT__DT_BF16 : KVT__DT_FP32;
+        scen s;
+        scen_make(&s, &g, N, rank, dtype);
+        uint32_t n_arch = 0;
+        for (uint32_t row = 0; row < N; row++)
+            n_arch += archived(&s, row);
+        for (uint32_t st = 0; st < STEPS; st++) {
+            make_queries(&g, &s, H, q);
+            for (uint32_t h = 0; h < H; h++) {
+                best[h] = -INFINITY;
+                top[h] = -INFINITY;
+                for (uint32_t row = 0; row < N; row++) {
+                    float e = ex[(size_t)h * N + row] = exact(&s, q + (size_t)h * QD, row, SMAX);
+                    if (archived(&s, row))
+                        top[h] = e > top[h] ? e : top[h];
+                    else
+                        best[h] = e > best[h] ? e : best[h];
+                }
+            }
+            for (int pass = 0; pass < 2; pass++) {
+                const float *thr = pass ? top : best;
+                scan_out o;
+                cr_assert_eq(run_scan(&r.cpu, &s, q, thr, H, SMAX, z, KVT__RECALL_SOUND, N, &o),
+                             KVT_OK);
+                cr_assert_eq(o.overflow, 0);
+                /* The per-element oracle (strided, slow): every fourth step. */
+                bool oracle = st % 4 == 0;
+                uint32_t n_ref =
+                    oracle ? reference(&s, q, thr, H, SMAX, z, KVT__RECALL_SOUND, ref, &worst) : 0;
+                cr_assert(!oracle || o.n_fired == n_ref, "seed %llx step %u",
+                          (unsigned long long)seed, st);
+                uint8_t *got = calloc(N, 1);
+                cr_assert(got);
+                for (uint32_t i = 0; i < o.n_fired; i++) {
+                    cr_assert(i == 0 || o.fired[i] > o.fired[i - 1]);
+                    cr_assert(archived(&s, o.fired[i]));
+                    got[o.fired[i]] = 1;
+                    cr_assert(!oracle || ref[o.fired[i]]);
+                }
+                for (uint32_t row = 0; row < N; row++) {
+                    if (!archived(&s, row))
+                        continue;
+                    for (uint32_t h = 0; h < H; h++)
+                        if (ex[(size_t)h * N + row] >= thr[h]) {
+                            must_fire++;
+                            cr_assert(got[row],
+                                      "seed %llx (rank %u) step %u head %u: row %u scores %g >= "
+                                      "%g but did not fire",
+                                      (unsigned long long)seed, rank, st, h, row,
+                                      ex[(size_t)h * N + row], thr[h]);
+                        }
+                }
+                if (pass)
+                    fired_top += o.n_fired;
+                else
+                    fired_att += o.n_fired;
+                free(got);
+                free(o.fired);
+            }
+            archived_rows += n_arch;
+            n_steps++;
+            n_queries += H;
+        }
+        scen_free(&s);
+    }
+    cr_assert(must_fire >= n_steps * H); /* every head's best archived row, at least */
+    cr_log_info("recall_scan sound: %llu steps, %llu queries, %llu (row, head) pairs at or "
+                "above threshold, all fired; firing rate %.4f with the best attended score as "
+                "threshold, %.4f with the best archived score; |score - idx| took at most %.3g of the "
+                "sound margin",
+                (unsigned long long)n_steps, (unsigned long long)n_queries,
+                (unsigned long long)must_fire, (double)fired_att / (double)archived_rows,
+                (double)fired_top / (double)archived_rows, worst);
+    free(q);
+    free(ref);
+    free(ex);
+    rig_close(&r);
+}
+
+/* CPU and guarded: the same fired rows, counts and flags, bit for bit, in both modes and for z
+ * from negative to large (conformal), with caps that overflow; both equal the per-element
+ * functions' set. */
+Test(recall_scan, cpu_and_guarded_bit_equal) {
+    rig r;
+    rig_open(&r);
+    const uint32_t H = 11, N = 128;
+    float *q = malloc(sizeof(float) * QD * H);
+    uint8_t ref[128];
+    cr_assert(q);
+    uint64_t compared = 0;
+    for (uint32_t c = 0; c < 12; c++) {
+        uint64_t seed = 0x9a4d0u + c;
+        tu_rng g = {seed};
+        scen s;
+        scen_make(&s, &g, N, c % 3 == 0 ? 0 : 16 * (c % 3), c % 2 ? KVT__DT_FP32 : KVT__DT_BF16);
+        for (uint32_t st = 0; st < 6; st++) {
+            make_queries(&g, &s, H, q);
+            float best[11];
+            for (uint32_t h = 0; h < H; h++)
+                best[h] = (float)(tu_normal(&g) * 2.0);
+            static const float zs[] = {-1.0f, 0.0f, 0.5f, 2.0f, 8.0f};
+            for (uint32_t v = 0; v < 6; v++) {
+                int mode = v == 5 ? KVT__RECALL_SOUND : KVT__RECALL_CONFORMAL;
+                float z = v == 5 ? sqrtf((float)(D - 64u)) : zs[v];
+                uint32_t cap = (uint32_t)(tu_next(&g) % N);
+                scan_out a, b;
+                cr_assert_eq(run_scan(&r.cpu, &s, q, best, H, SMAX, z, mode, cap, &a), KVT_OK);
+                cr_assert_eq(run_scan(&r.guarded, &s, q, best, H, SMAX, z, mode, cap, &b),
+                             KVT_OK);
+                cr_assert_eq(a.n_fired, b.n_fired, "seed %llx", (unsigned long long)seed);
+                cr_assert_eq(a.overflow, b.overflow, "seed %llx", (unsigned long long)seed);
+                cr_assert_eq(memcmp(a.fired, b.fired, 4 * a.n_fired), 0);
+                /* and the per-element functions' set (H = 11: a whole tile of the twin and a partial one) */
+                uint32_t k = reference(&s, q, best, H, SMAX, z, mode, ref, NULL), j = 0;
+                cr_assert_eq(a.overflow, k > cap ? 1u : 0u, "seed %llx", (unsigned long long)seed);
+                for (uint32_t row = 0; row < N && j < a.n_fired; row++)
+                    if (ref[row])
+                        cr_assert_eq(a.fired[j++], row, "seed %llx", (unsigned long long)seed);
+                cr_assert_eq(j, a.n_fired);
+                cr_assert_eq(a.n_fired, k < cap ? k : cap);
+                free(a.fired);
+                free(b.fired);
+                compared++;
+            }
+        }
+        scen_free(&s);
+    }
+    cr_log_info("recall_scan: %llu scans bit-equal on the CPU and guarded backends",
+                (unsigned long long)compared);
+    free(q);
+    rig_close(&r);
+}
+
+/* Cap W: the first min(W, k) fired rows of the uncapped scan, overflow exactly when k > W. */
+Test(recall_scan, cap_and_overflow_exact) {
+    rig r;
+    rig_open(&r);
+    const uint32_t H = 2, N = 128;
+    tu_rng g = {0xca9u};
+    scen s;
+    scen_make(&s, &g, N, 8, KVT__DT_FP32);
+    float q[2 * QD], best[2] = {0.0f, 0.5f};
+    make_queries(&g, &s, H, q);
+    scan_out full;
+    cr_assert_eq(run_scan(&r.cpu, &s, q, best, H, SMAX, 1.0f, KVT__RECALL_CONFORMAL, N, &full),
+                 KVT_OK);
+    uint32_t k = full.n_fired;
+    cr_assert_eq(full.overflow, 0);
+    cr_assert(k >= 3, "k = %u", k);
+    const uint32_t caps[] = {0, 1, k - 1, k, k + 1, N};
+    for (uint32_t i = 0; i < 6; i++)
+        for (int b = 0; b < 2; b++) {
+            scan_out o;
+            cr_assert_eq(run_scan(b ? &r.guarded : &r.cpu, &s, q, best, H, SMAX, 1.0f,
+                                  KVT__RECALL_CONFORMAL, caps[i], &o),
+                         KVT_OK);
+            cr_assert_eq(o.n_fired, caps[i] < k ? caps[i] : k);
+            cr_assert_eq(o.overflow, caps[i] < k ? 1u : 0u, "cap %u k %u", caps[i], k);
+            cr_assert_eq(memcmp(o.fired, full.fired, 4 * o.n_fired), 0);
+            free(o.fired);
+        }
+    /* Every archived row fires with best = -Inf; none with best = +Inf (conformal, finite). */
+    float lo[2] = {-INFINITY, -INFINITY}, hi[2] = {INFINITY, INFINITY};
+    uint32_t n_arch = 0;
+    for (uint32_t row = 0; row < N; row++)
+        n_arch += archived(&s, row);
+    scan_out o;
+    cr_assert_eq(run_scan(&r.cpu, &s, q, lo, H, SMAX, 1.0f, KVT__RECALL_CONFORMAL, N, &o),
+                 KVT_OK);
+    cr_assert_eq(o.n_fired, n_arch);
+    free(o.fired);
+    cr_assert_eq(run_scan(&r.cpu, &s, q, hi, H, SMAX, 1.0f, KVT__RECALL_CONFORMAL, N, &o),
+                 KVT_OK);
+    cr_assert_eq(o.n_fired, 0);
+    free(o.fired);
+    free(full.fired);
+    scen_free(&s);
+    rig_close(&r);
+}
+
+/* Rows the sketch cannot describe (ρ = +Inf) fire in both modes, whatever the threshold short
+ * of +Inf; a NaN query fires every row (sound). */
+Test(recall_scan, undescribable_rows_and_nan_queries_fire) {
+    rig r;
+    rig_open(&r);
+    tu_rng g = {0x1f1u};
+    scen s;
+    scen_make(&s, &g, 64, 8, KVT__DT_FP32);
+    uint32_t row = 0;
+    while (!archived(&s, row))
+        row++;
+    s.rho[row] = INFINITY;
+    memset(s.csk + (size_t)row * s.csk_stride, 0, 2 * s.csk_stride);
+    float q[QD], best = 1e30f;
+    make_queries(&g, &s, 1, q);
+    for (int mode = 1; mode <= 2; mode++) {
+        scan_out o;
+        float z = mode == KVT__RECALL_SOUND ? sqrtf(448.0f) : 0.0f;
+        cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, SMAX, z, mode, 64, &o), KVT_OK);
+        cr_assert_eq(o.n_fired, 1, "mode %d", mode);
+        cr_assert_eq(o.fired[0], row);
+        free(o.fired);
+    }
+    q[3] = NAN;
+    scan_out o;
+    cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, SMAX, sqrtf(448.0f), KVT__RECALL_SOUND, 64,
+                          &o),
+                 KVT_OK);
+    uint32_t n_arch = 0;
+    for (uint32_t u = 0; u < 64; u++)
+        n_arch += archived(&s, u);
+    cr_assert_eq(o.n_fired, n_arch);
+    free(o.fired);
+    scen_free(&s);
+    rig_close(&r);
+}
+
+/* Misuse: a sound z below √(D − 64) or NaN, a NaN conformal z, a zero scale, an unknown mode,
+ * and (guarded) a host pointer among the arguments are refused. */
+Test(recall_scan, refuses_bad_arguments_and_host_pointers) {
+    rig r;
+    rig_open(&r);
+    tu_rng g = {0xbad1u};
+    scen s;
+    scen_make(&s, &g, 64, 8, KVT__DT_BF16);
+    float q[QD], best = 0.0f;
+    make_queries(&g, &s, 1, q);
+    scan_out o;
+    cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, SMAX, 8.0f, KVT__RECALL_SOUND, 4, &o),
+                 KVT_ERR_INVALID_ARGUMENT);
+    free(o.fired);
+    cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, SMAX, NAN, KVT__RECALL_SOUND, 4, &o),
+                 KVT_ERR_INVALID_ARGUMENT);
+    free(o.fired);
+    cr_assert_eq(run_scan(&r.guarded, &s, q, &best, 1, SMAX, 1.0f, 7, 4, &o),
+                 KVT_ERR_INVALID_ARGUMENT);
+    free(o.fired);
+    cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, SMAX, NAN, KVT__RECALL_CONFORMAL, 4, &o),
+                 KVT_ERR_INVALID_ARGUMENT);
+    free(o.fired);
+    cr_assert_eq(run_scan(&r.cpu, &s, q, &best, 1, 0.0f, 1.0f, KVT__RECALL_CONFORMAL, 4, &o),
+                 KVT_ERR_INVALID_ARGUMENT);
+    free(o.fired);
+    /* A host query array on the guarded backend. */
+    const kvt__backend *be = &r.guarded;
+    void *dq = dev(be, q, sizeof q), *db = dev(be, &best, 4), *out = dev(be, NULL, 64);
+    kvt__recall_scan_args a = {.latent_dim = D,
+                               .branch_dim = BD,
+                               .dtype = KVT__DT_BF16,
+                               .branch_dtype = KVT__DT_BF16,
+                               .csk_stride = 1,
+                               .q = q,
+                               .best = db,
+                               .n_heads = 1,
+                               .scale = SMAX,
+                               .z = 1.0f,
+                               .mode = KVT__RECALL_CONFORMAL,
+                               .cap = 4,
+                               .fired = out,
+                               .n_fired = (uint32_t *)out + 8,
+                               .overflow = (uint32_t *)out + 9};
+    cr_assert_eq(be->ops->recall_scan(be, &a, 1, NULL), KVT_ERR_INVARIANT);
+    a.q = dq;
+    cr_assert_eq(be->ops->recall_scan(be, &a, 1, NULL), KVT_OK); /* no closed rows: nothing */
+    uint32_t nf = 7;
+    a.n_fired = &nf; /* host output */
+    cr_assert_eq(be->ops->recall_scan(be, &a, 1, NULL), KVT_ERR_INVARIANT);
+    be->ops->buf_free(be, dq, sizeof q);
+    be->ops->buf_free(be, db, 4);
+    be->ops->buf_free(be, out, 64);
+    scen_free(&s);
+    rig_close(&r);
+}
+
+/* The exact score against a double-precision dot product, and idx = exact for a row exactly
+ * representable in a full-rank... (rank < D here: idx vs exact within the sound bound is what
+ * sound_never_misses covers); here: exact's own accuracy. */
+Test(recall_scan, exact_score_matches_double) {
+    tu_rng g = {0xe8ac7u};
+    scen s;
+    scen_make(&s, &g, 32, 0, KVT__DT_FP32);
+    float q[QD];
+    make_queries(&g, &s, 1, q);
+    for (uint32_t row = 0; row < 32; row++) {
+        const float *x = (const float *)row_at(&s, row);
+        double want = 0, mag = 0;
+        for (uint32_t i = 0; i < QD; i++) {
+            want += (double)q[i] * x[i];
+            mag += fabs((double)q[i] * x[i]);
+        }
+        want *= SMAX;
+        float got = exact(&s, q, row, SMAX);
+        cr_assert(fabs(got - want) <= 1e-5 * mag * SMAX + 1e-30, "row %u: %g vs %g", row, got,
+                  want);
+    }
+    scen_free(&s);
+}
