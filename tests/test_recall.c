@@ -821,7 +821,7 @@ Test(basis, file_round_trip_and_damage) {
  * must be removed by the centring. The captured variance of rank 8 is ΣA² / (ΣA² + ΣB²) and the
  * recovered rows are ±U_k, in order.
  * ------------------------------------------------------------------------------------------- */
-#if KVT_HAVE_LAPACKE
+#if KVT_HAVE_LAPACKE && KVT_HAVE_INSPECT
 #define CAL_STEPS 96u
 #define CAL_HEADS 8u
 
@@ -880,6 +880,8 @@ static int run_calibrate(const char *args, char *out, size_t out_len) {
 Test(calibrate, recovers_a_known_subspace_and_its_variance, .timeout = 120) {
 #if !KVT_HAVE_LAPACKE
     cr_skip_test("built without LAPACKE (liblapacke-dev): kvtier-inspect calibrate is disabled");
+#elif !KVT_HAVE_INSPECT
+    cr_skip_test("built without the tools (KVT_BUILD_TOOLS=OFF): no kvtier-inspect to run");
 #else
     char trace[] = "/tmp/kvt_cal_XXXXXX", basis[] = "/tmp/kvt_calb_XXXXXX";
     int fd = mkstemp(trace);
