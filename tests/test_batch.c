@@ -23,23 +23,10 @@ static kvt_model *mixed_model(void) {
     return m;
 }
 
+/* block 64, ratio 8, K 32, r = c = 8, pages of 16 rows, no archive: the shared test context. */
 static kvt_ctx *mixed_ctx(kvt_model *m, uint32_t n_pages) {
-    kvt_config c = kvt_config_default();
-    c.block_rows = 64;
-    c.kappa = 4;
-    c.ratio = 8;
-    c.evict_budget_rows = 32;
-    c.recent_rows = 8;
-    c.cadence_rows = 8;
-    kvt_ctx_params p = kvt_ctx_default_params();
-    p.model = m;
-    p.config = &c;
-    p.page_rows = 16;
-    p.n_pages = n_pages;
-    p.allocator = KVT_ALLOC_LIBC;
-    kvt_ctx *ctx;
-    char err[256];
-    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx *ctx = tu_mixed_ctx(m, false, n_pages);
+    cr_assert_not_null(ctx, "%s", kvt_last_error());
     return ctx;
 }
 
