@@ -99,6 +99,44 @@ typedef struct kvt__recall_scan_args {
     uint32_t *overflow;     /* [1] out */
 } kvt__recall_scan_args;
 
+/* What the recall tier keeps of one (request, layer) between steps, in the backend's memory:
+ * the conformal calibration (kernels/conformal.h) and the certificate of the last step with its
+ * running totals (kvt_layer_stats' recall fields). Only the recall step op writes it; the host
+ * zeroes it (z = Z_MAX) at creation and reads it for statistics and snapshots. */
+typedef struct kvt__recall_state {
+    float z;                 /* the conformal multiplier (Z_MAX until calibrated) */
+    uint32_t phase;          /* KVT__CONFORMAL_OPEN / _CALIBRATED / _PROVISIONAL */
+    uint32_t cal_steps;      /* calibration steps seen */
+    uint32_t n_samples;      /* samples recorded (sorted ascending in the sample array) */
+    uint32_t k;              /* the order statistic z came from (0 until calibrated) */
+    uint32_t clamped;        /* that sample exceeded Z_MAX */
+    uint32_t last_dense;     /* the last step attended every row (calibration or overflow) */
+    uint32_t last_overflow;  /* the last step's fired rows exceeded the cap */
+    uint64_t last_archived;  /* archived rows at the last step */
+    uint64_t last_visited;   /* archived rows the last step's scan evaluated */
+    uint64_t last_fired;     /* rows the last step's trigger fired (at most cap + 1 counted) */
+    uint64_t last_fetched;   /* archived rows the last step attended (fired, or all when dense) */
+    uint64_t steps;          /* steps the recall step ran on (single-query steps) */
+    uint64_t calib_steps;    /* of which calibration steps (dense) */
+    uint64_t overflow_steps; /* of which overflowed to dense */
+    uint64_t visited, fired, fetched; /* sums of the last_* over the steps */
+} kvt__recall_state;
+
+/* One recall step of one (request, layer) (kernels/recall_step.h): the archive view and the
+ * queries in scan (scan.best, scan.z and the outputs point into the request's recall buffer; the
+ * op sets best and z), the attended tail [scan.n_closed, n_rows), the state, and the step's
+ * dense flag for the emission. Every pointer but scan.pdiv is in the backend's memory. */
+typedef struct kvt__recall_step_args {
+    kvt__recall_scan_args scan;
+    uint64_t n_rows;         /* rows in the table, the step's included */
+    int mode;                /* KVT__RECALL_CONFORMAL / SOUND / MARGIN */
+    float margin;            /* δ of the margin mode (score units, >= 0) */
+    kvt__recall_state *st;
+    float *samples;          /* [sample_cap]: the calibration's samples, sorted */
+    uint32_t sample_cap;
+    uint8_t *dense;          /* [1] out, or NULL: 1 when the step attends every row */
+} kvt__recall_step_args;
+
 /* An attended set as a policy describes it, in row indices of the group's table, ascending:
  * rows [0, lo_end), then list[0 .. n_list) (ascending, each in [lo_end, hi_begin)), then rows
  * [hi_begin, hi_end). O(1) to build on the host whatever the set's size: the rows themselves are
@@ -121,6 +159,14 @@ KVT_HD uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
  * indptr[0] = 0 the caller's first chunk asks for with first_csr). */
 typedef struct kvt__pack_query {
     kvt__attended_desc d;
+    /* Recall (all NULL without): rows fetched this step, ascending, in (lo_end, hi_begin) and
+     * not in d.list: fetch[0 .. *n_fetch), merged into the list; *dense != 0: the query attends
+     * every row [0, d.hi_end) instead. In the backend's memory: the host knows neither count, so
+     * CSR offsets then follow from indptr on the backend (kvt__pack_args.dev_offsets). */
+    const uint32_t *fetch;
+    const uint32_t *n_fetch;
+    const uint32_t *dense;
+    bool all_rows;          /* attend every row [0, d.hi_end) (decided on the host) */
     const int32_t *pages;   /* the host's page table today: a device pack needs it mirrored in
                              * device memory (the CUDA issue) */
     uint64_t first_page;
@@ -135,6 +181,9 @@ typedef struct kvt__pack_args {
     const kvt__div32 *pdiv; /* page_rows */
     bool csr;
     bool first_csr;         /* write indptr[0] = 0 */
+    bool dev_offsets;       /* CSR: query q's slots start at indptr[len_at − 1] as the backend
+                             * wrote it (q.out ignored): sets whose size the host does not know */
+    uint64_t capacity;      /* entries of indices (the guarded backend checks writes against it) */
     int32_t *indices;       /* emission arrays: in the backend's memory space */
     int32_t *lengths;       /* TOKENS */
     int32_t *indptr;        /* CSR */
@@ -186,6 +235,13 @@ typedef struct kvt__backend_ops {
      * where the backend has no scan yet (CUDA today); the library then refuses recall
      * (KVT_ERR_UNSUPPORTED). KVT_ERR_INVALID_ARGUMENT for arguments out of their ranges. */
     kvt_status (*recall_scan)(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
+                              void *stream);
+    /* The recall steps of n (request, layer) work items (kvt__recall_step_args): each head's best
+     * attended score, then a calibration step (exact scores of the archived rows, samples, z at a
+     * window end; the step is dense) or the scan with the request's z, its fired rows, overflow
+     * and the step's certificate in the state. Optional: NULL where the backend has none (CUDA
+     * today); the library then refuses recall modes. KVT_ERR_INVALID_ARGUMENT as recall_scan. */
+    kvt_status (*recall_step)(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
                               void *stream);
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per

@@ -5,6 +5,7 @@
 
 #include "kernels/philox.h"
 #include "kernels/recall_scan.h"
+#include "kernels/recall_step.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
@@ -196,6 +197,8 @@ static bool recall_scan_ok(const kvt__recall_scan_args *a) {
         return false;
     if (a->mode == KVT__RECALL_SOUND) /* false for a NaN z; +Inf fires every row */
         return a->z >= sqrtf((float)(a->latent_dim - 64u));
+    if (a->mode == KVT__RECALL_MARGIN)
+        return a->z >= 0.0f && a->z <= FLT_MAX;
     return a->mode == KVT__RECALL_CONFORMAL && a->z >= -FLT_MAX && a->z <= FLT_MAX;
 }
 
@@ -215,6 +218,42 @@ static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan
         return KVT_ERR_OUT_OF_MEMORY;
     for (uint32_t i = 0; i < n; i++)
         kvt__recall_scan_cpu(&a[i], scratch);
+    if (owned)
+        kvt__free(be->alloc, scratch, need * sizeof(float));
+    return KVT_OK;
+}
+
+/* A recall step's arguments: the scan's rules with the z its mode takes (conformal: any finite
+ * z, the state's), the state, the samples of a calibration, a tail within the table. */
+static bool recall_step_ok(const kvt__recall_step_args *x) {
+    kvt__recall_scan_args a = x->scan;
+    a.mode = x->mode;
+    a.z = x->mode == KVT__RECALL_SOUND    ? sqrtf((float)(a.latent_dim - 64u))
+          : x->mode == KVT__RECALL_MARGIN ? x->margin
+                                          : 0.0f;
+    return recall_scan_ok(&a) && x->st && a.best && x->n_rows >= a.n_closed &&
+           x->n_rows <= UINT32_MAX && (x->mode != KVT__RECALL_CONFORMAL || x->samples) &&
+           (a.n_heads == 0 || a.q);
+}
+
+static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a,
+                                  uint32_t n, void *stream) {
+    (void)stream;
+    size_t need = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!recall_step_ok(&a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+        const kvt__recall_scan_args *s = &a[i].scan;
+        size_t f = kvt__recall_step_scratch_floats(s->n_heads, s->rank, s->latent_dim,
+                                                   s->branch_dim);
+        need = f > need ? f : need;
+    }
+    bool owned = false;
+    float *scratch = need ? scratch_get(be, true, need, sizeof(float), &owned) : NULL;
+    if (need && !scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n; i++)
+        kvt__recall_step_cpu(&a[i], scratch);
     if (owned)
         kvt__free(be->alloc, scratch, need * sizeof(float));
     return KVT_OK;
@@ -353,6 +392,18 @@ static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *
     return out;
 }
 
+/* Slots of list rows a[0 .. na) and b[0 .. nb) (both ascending, disjoint) merged, into out. */
+static int32_t *pack_merge(int32_t *out, const uint32_t *a, uint64_t na, const uint32_t *b,
+                           uint64_t nb, const int32_t *pages, uint64_t first_page,
+                           const kvt__div32 *pd) {
+    uint64_t i = 0, j = 0;
+    while (i < na || j < nb) {
+        uint32_t row = j == nb || (i < na && a[i] < b[j]) ? a[i++] : b[j++];
+        *out++ = kvt__page_slot(pages, first_page, pd, row);
+    }
+    return out;
+}
+
 static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
     (void)be;
     (void)stream;
@@ -362,24 +413,28 @@ static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void
     for (uint32_t i = 0; i < a->n; i++) {
         const kvt__pack_query *q = &a->q[i];
         const kvt__attended_desc *d = &q->d;
-        uint64_t count = kvt__attended_desc_count(d);
+        const bool all = q->all_rows || (q->dense && *q->dense);
+        const uint64_t n_fetch = !all && q->n_fetch ? *q->n_fetch : 0;
+        const uint64_t count = all ? d->hi_end : kvt__attended_desc_count(d) + n_fetch;
+        const uint64_t out =
+            a->csr && a->dev_offsets ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
         if (a->csr)
-            a->indptr[q->len_at] = (int32_t)(q->out + count);
+            a->indptr[q->len_at] = (int32_t)(out + count);
         else
             a->lengths[q->len_at] = (int32_t)count;
         if (count == 0 && q->pad == 0)
             continue; /* nothing to write (indices may be NULL at capacity 0) */
-        int32_t *o = a->indices + q->out;
-        o = pack_range(o, 0, d->lo_end, q->pages, q->first_page, pd);
-        for (uint64_t j = 0; j < d->n_list; j++) {
-            uint32_t row = d->list[j];
-            o[j] = kvt__page_slot(q->pages, q->first_page, pd, row);
+        int32_t *o = a->indices + out;
+        if (all) {
+            o = pack_range(o, 0, d->hi_end, q->pages, q->first_page, pd);
+        } else {
+            o = pack_range(o, 0, d->lo_end, q->pages, q->first_page, pd);
+            o = pack_merge(o, d->list, d->n_list, q->fetch, n_fetch, q->pages, q->first_page, pd);
+            o = pack_range(o, d->hi_begin, d->hi_end, q->pages, q->first_page, pd);
         }
-        o += d->n_list;
-        o = pack_range(o, d->hi_begin, d->hi_end, q->pages, q->first_page, pd);
-        KVT_ASSERT((uint64_t)(o - (a->indices + q->out)) == count);
+        KVT_ASSERT((uint64_t)(o - (a->indices + out)) == count);
         for (uint64_t j = count; j < q->pad; j++)
-            a->indices[q->out + j] = -1;
+            a->indices[out + j] = -1;
     }
     return KVT_OK;
 }
@@ -394,6 +449,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .score_rows = cpu_score_rows,
     .sketch_rows = cpu_sketch_rows,
     .recall_scan = cpu_recall_scan,
+    .recall_step = cpu_recall_step,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
@@ -565,28 +621,51 @@ static kvt_status g_sketch_rows(const kvt__backend *be, const kvt__sketch_args *
 }
 
 /* Every buffer a scan reads or writes must be the backend's (pdiv is a host value). */
+static kvt_status g_scan_owns(const kvt__backend *be, const kvt__recall_scan_args *a,
+                              bool rows) {
+    const size_t qdim = (size_t)a->latent_dim + a->branch_dim;
+    if (rows) {
+        GUARD_OWNS(be, a->base, 1);
+        GUARD_OWNS(be, a->pages, sizeof(int32_t));
+    }
+    GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * a->n_closed);
+    GUARD_OWNS(be, a->rho, sizeof(float) * a->n_closed);
+    GUARD_OWNS(be, a->basis, sizeof(float) * a->rank * a->latent_dim);
+    GUARD_OWNS(be, a->kept, sizeof(uint32_t) * a->m);
+    GUARD_OWNS(be, a->q, sizeof(float) * qdim * a->n_heads);
+    GUARD_OWNS(be, a->best, sizeof(float) * a->n_heads);
+    GUARD_OWNS(be, a->fired, sizeof(uint32_t) * a->cap);
+    GUARD_OWNS(be, a->n_fired, sizeof(uint32_t));
+    GUARD_OWNS(be, a->overflow, sizeof(uint32_t));
+    return KVT_OK;
+}
+
 static kvt_status g_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *args,
                                 uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++) {
-        const kvt__recall_scan_args *a = &args[i];
-        const size_t qdim = (size_t)a->latent_dim + a->branch_dim;
-        const bool rows = a->n_closed > a->sinks;
-        if (rows) {
-            GUARD_OWNS(be, a->base, 1);
-            GUARD_OWNS(be, a->pages, sizeof(int32_t));
-        }
-        GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * a->n_closed);
-        GUARD_OWNS(be, a->rho, sizeof(float) * a->n_closed);
-        GUARD_OWNS(be, a->basis, sizeof(float) * a->rank * a->latent_dim);
-        GUARD_OWNS(be, a->kept, sizeof(uint32_t) * a->m);
-        GUARD_OWNS(be, a->q, sizeof(float) * qdim * a->n_heads);
-        GUARD_OWNS(be, a->best, sizeof(float) * a->n_heads);
-        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * a->cap);
-        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t));
-        GUARD_OWNS(be, a->overflow, sizeof(uint32_t));
+        kvt_status s = g_scan_owns(be, &args[i], args[i].n_closed > args[i].sinks);
+        if (s != KVT_OK)
+            return s;
     }
     guard_open(be);
     kvt_status s = cpu_recall_scan(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
+static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_args *args,
+                                uint32_t n, void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__recall_step_args *a = &args[i];
+        kvt_status s = g_scan_owns(be, &a->scan, a->n_rows > 0);
+        if (s != KVT_OK)
+            return s;
+        GUARD_OWNS(be, a->st, sizeof *a->st);
+        GUARD_OWNS(be, a->samples, sizeof(float) * a->sample_cap);
+        GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+    }
+    guard_open(be);
+    kvt_status s = cpu_recall_step(be, args, n, stream);
     guard_close(be);
     return s;
 }
@@ -670,14 +749,26 @@ static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t
 static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
     for (uint32_t i = 0; i < a->n; i++) {
         const kvt__pack_query *q = &a->q[i];
-        uint64_t count = kvt__attended_desc_count(&q->d);
+        const bool recall = q->fetch || q->n_fetch || q->dense || q->all_rows;
+        /* The most it can write: every row of the view with recall (the count is the backend's). */
+        uint64_t count = recall ? q->d.hi_end : kvt__attended_desc_count(&q->d);
         if (count)
             GUARD_OWNS(be, q->pages, sizeof(int32_t));
         if (q->d.n_list)
             GUARD_OWNS(be, q->d.list, sizeof(uint32_t) * q->d.n_list);
+        if (q->n_fetch) {
+            GUARD_OWNS(be, q->n_fetch, sizeof(uint32_t));
+            GUARD_OWNS(be, q->fetch, sizeof(uint32_t));
+        }
+        if (q->dense)
+            GUARD_OWNS(be, q->dense, sizeof(uint32_t));
         uint64_t w = count > q->pad ? count : q->pad;
-        if (w)
+        if (a->csr && a->dev_offsets) { /* where it starts is the backend's too */
+            GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
+            GUARD_OWNS(be, a->indptr + q->len_at - 1, sizeof(int32_t));
+        } else if (w) {
             GUARD_OWNS(be, a->indices + q->out, sizeof(int32_t) * w);
+        }
         GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
     }
     guard_open(be);
@@ -696,6 +787,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .score_rows = g_score_rows,
     .sketch_rows = g_sketch_rows,
     .recall_scan = g_recall_scan,
+    .recall_step = g_recall_step,
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,

@@ -116,6 +116,8 @@ void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
                         kvt__recall_sound_margin(&heads[h], idx, pa[t], ncsk, rho, a->scale, a->z,
                                                  D, bd, rank),
                         a->best[h]);
+                else if (a->mode == KVT__RECALL_MARGIN)
+                    fire = !(idx + a->z < a->best[h]);
                 else
                     fire = kvt__recall_conformal_fires(
                         idx, kvt__recall_cert(&heads[h], rho, a->scale, D), a->z, a->best[h]);

@@ -63,6 +63,7 @@
 /* Trigger modes of the scan (docs/recall.md §4). */
 #define KVT__RECALL_CONFORMAL 1
 #define KVT__RECALL_SOUND 2
+#define KVT__RECALL_MARGIN 3 /* fires on !(idx + z < best): z is the margin δ >= 0 */
 
 /* Largest branch a scan takes (the NoPE branch is 64 on every MLA model in the census). */
 #define KVT__RECALL_MAX_BRANCH 256u

@@ -22,6 +22,11 @@ struct kvt_batch {
     uint8_t *defer;          /* [max_seqs] */
     kvt__tier_step *steps;   /* [max_seqs] */
     kvt_seq **step_seqs;     /* [max_seqs] */
+    /* Recall: each request's way on the layer being run (RECALL_*), the dense flags the host
+     * writes, and the trigger's work items. */
+    uint8_t *recall_way;     /* [max_seqs] */
+    uint8_t *dense;          /* [max_seqs] */
+    kvt__recall_step_args *rsteps; /* [max_seqs] */
     enum batch_state state;
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
     void *stream;        /* the stream of the step's last run: the commit's device work goes on
@@ -53,6 +58,9 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->defer = kvt__calloc(a, max_seqs);
     b->steps = kvt__calloc(a, sizeof *b->steps * max_seqs);
     b->step_seqs = kvt__calloc(a, sizeof *b->step_seqs * max_seqs);
+    b->recall_way = kvt__calloc(a, max_seqs);
+    b->dense = kvt__calloc(a, max_seqs);
+    b->rsteps = kvt__calloc(a, sizeof *b->rsteps * max_seqs);
     b->be = ctx->backend;
     kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
                                                ctx->ws_topm_u32, &b->be);
@@ -62,7 +70,7 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
     if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->defer || !b->steps || !b->step_seqs ||
-        ws == KVT_ERR_OUT_OF_MEMORY) {
+        !b->recall_way || !b->dense || !b->rsteps || ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }
@@ -118,6 +126,9 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->defer, b->max_seqs);
     kvt__free(a, b->steps, sizeof *b->steps * b->max_seqs);
     kvt__free(a, b->step_seqs, sizeof *b->step_seqs * b->max_seqs);
+    kvt__free(a, b->recall_way, b->max_seqs);
+    kvt__free(a, b->dense, b->max_seqs);
+    kvt__free(a, b->rsteps, sizeof *b->rsteps * b->max_seqs);
     if (b->own_be && b->be.ops == kvt__backend_cpu_ops())
         kvt__backend_cpu_close(&b->be);
     else if (b->own_be)
@@ -294,9 +305,45 @@ static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_
     return S == 1 || t >= b->n_tokens[i] ? b->n_tokens[i] : t + 1;
 }
 
+/* How a request's set is made on a layer: without recall; with the trigger's fetched rows (one
+ * query token); every row (a request with recall whose step has several query tokens). */
+enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2 };
+
+static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32_t S) {
+    const kvt_seq *sq = b->seqs[i];
+    if (!sq || !kvt__seq_recalls(sq, layer))
+        return RECALL_NONE;
+    return b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
+                                                                                 : RECALL_ALL;
+}
+
+/* The trigger for every request that fetches on this layer (one backend call), after the
+ * emission's dense flags are written (the call overwrites the fetching requests' flags). */
+static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, void *stream,
+                             const kvt_emit *emit) {
+    kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
+    const size_t per_seq = (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
+    kvt_status s;
+    for (uint32_t i = 0; emit->dense && i < b->n_seqs; i++)
+        b->dense[i] = b->recall_way[i] == RECALL_ALL;
+    if (emit->dense && b->n_seqs &&
+        (s = be->ops->write(be, emit->dense, b->dense, b->n_seqs, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "emission's dense flags");
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++)
+        if (b->recall_way[i] == RECALL_FETCH &&
+            kvt__seq_recall_item(b->seqs[i], layer, query + i * per_seq,
+                                 emit->dense ? emit->dense + i : NULL, &b->rsteps[n]))
+            n++;
+    if (n && (s = be->ops->recall_step(be, b->rsteps, n, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "the recall trigger of layer %u (%u requests)", layer, n);
+    return KVT_OK;
+}
+
 kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *stream,
                          const kvt_emit *emit) {
-    (void)query; /* recall off: the attended set does not depend on the query */
     if (!b)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt_ctx *ctx = b->ctx;
@@ -346,10 +393,17 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * several query tokens emitted one by one, leaves it to the commit: its decisions then see
      * only the accepted rows, and each query token's view is the committed state plus the
      * step's rows up to its own. */
+    bool fetches = false;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
+        b->recall_way[i] = recall_way(b, i, layer, S);
+        fetches |= b->recall_way[i] == RECALL_FETCH;
+    }
+    if (fetches && !query)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "query is NULL: requests of the batch recall on layer %u", layer);
     b->ran = true;
     b->stream = stream;
-    for (uint32_t i = 0; i < b->n_seqs; i++)
-        b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
     s = kvt__seqs_step(ctx, b->seqs, b->defer, b->n_seqs, layer, &b->be, stream, b->steps,
                        b->step_seqs);
     if (s != KVT_OK)
@@ -365,7 +419,9 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         const kvt_seq *sq = b->seqs[i];
         for (uint32_t t = 0; sq && t < S; t++) {
             kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), &q[0]);
-            uint64_t n = kvt__attended_desc_count(&q[0].d);
+            /* With recall the set may be every row of the view: what the host can promise. */
+            uint64_t n = b->recall_way[i] != RECALL_NONE ? q[0].d.hi_end
+                                                         : kvt__attended_desc_count(&q[0].d);
             if (tokens && n > emit->capacity)
                 return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                      "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
@@ -380,7 +436,11 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                              "written (kvt_batch_capacity)",
                              (unsigned long long)total, layer, emit->capacity);
     const kvt__backend *be = &b->be;
+    /* 3. The trigger (recall on): fetched rows and dense flags, in the backend's memory. */
+    if ((s = run_recall(b, layer, query, stream, emit)) != KVT_OK)
+        return s;
     kvt__pack_args pa = {.q = q, .pdiv = &ctx->pdiv, .csr = !tokens, .first_csr = true,
+                         .dev_offsets = !tokens && fetches, .capacity = emit->capacity,
                          .indices = emit->indices, .lengths = emit->lengths,
                          .indptr = emit->indptr};
     uint64_t off = 0;
@@ -394,6 +454,9 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                 kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
             else
                 *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
+            if (b->recall_way[i] == RECALL_FETCH)
+                kvt__recall_pack_query(&sq->recall[layer], pq);
+            pq->all_rows = b->recall_way[i] == RECALL_ALL;
             pq->out = tokens ? at * emit->capacity : off;
             pq->pad = tokens ? emit->capacity : 0;
             pq->len_at = tokens ? at : at + 1;
@@ -410,13 +473,6 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (!tokens && b->n_seqs == 0 && (s = be->ops->write(be, emit->indptr, &(int32_t){0},
                                                          sizeof(int32_t), stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "emission of an empty batch");
-    /* recall off: never a dense step (the flags live in the backend's memory too) */
-    static const uint8_t zeros[256];
-    for (uint32_t i = 0; emit->dense && i < b->n_seqs; i += (uint32_t)sizeof zeros) {
-        uint32_t n = b->n_seqs - i < sizeof zeros ? b->n_seqs - i : (uint32_t)sizeof zeros;
-        if ((s = be->ops->write(be, emit->dense + i, zeros, n, stream)) != KVT_OK)
-            return kvt__ctx_fail(ctx, s, "emission's dense flags");
-    }
     return KVT_OK;
 }
 

@@ -1,6 +1,8 @@
 /* config.c — the configuration defaults and the check that names the bad field. */
 #include "base/base.h"
 
+#include <float.h>
+
 kvt_config kvt_config_default(void) {
     kvt_config c = {0};
     c.struct_size = sizeof c;
@@ -18,6 +20,8 @@ kvt_config kvt_config_default(void) {
     c.seed = 0x6b76746965720001ull; /* "kvtier" 1 */
     c.recall = KVT_RECALL_OFF;
     c.selector = KVT_SELECT_SIGMA;
+    c.recall_cap_rows = 4096;
+    c.recall_margin = 1.0f;
     return c;
 }
 
@@ -79,11 +83,15 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
     if ((unsigned)c->selector > KVT_SELECT_RANDOM)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.selector: unknown value %d",
                          (int)c->selector);
-    if (c->recall == KVT_RECALL_ON)
-        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                         "config.recall: the recall tier is not implemented yet");
-    if ((unsigned)c->recall > KVT_RECALL_ON)
+    if ((unsigned)c->recall > KVT_RECALL_MARGIN)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.recall: unknown value %d",
                          (int)c->recall);
+    if (c->recall_cap_rows < 1 || c->recall_cap_rows > (1u << 24))
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.recall_cap_rows: %u not in 1..2^24", c->recall_cap_rows);
+    if (!(c->recall_margin >= 0.0f && c->recall_margin <= FLT_MAX))
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.recall_margin: %g is not a finite value >= 0",
+                         (double)c->recall_margin);
     return KVT_OK;
 }

@@ -388,6 +388,15 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
                       ctx->backend.ops->name);
         goto fail;
     }
+    if (ctx->cfg.recall != KVT_RECALL_OFF &&
+        (ctx->sketch_rank == 0 || !ctx->backend.ops->recall_step)) {
+        s = kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                      "config.recall %d: %s", (int)ctx->cfg.recall,
+                      ctx->sketch_rank == 0
+                          ? "recall needs sketch planes (params.recall_sketch_rank > 0)"
+                          : "the backend has no recall step yet");
+        goto fail;
+    }
     if ((s = build_groups(ctx, err, len)) != KVT_OK || (s = size_workspace(ctx, err, len)) != KVT_OK)
         goto fail;
     /* Request slots: with both limits stated, every request's state is built now. */

@@ -4,6 +4,7 @@
 
 #include "base/base.h"
 #include "base/alloc.h"
+#include "recall/recall.h"
 #include "tiers/policy.h"
 
 #define KVT__MAX_GROUPS 3
@@ -56,6 +57,9 @@ struct kvt_seq {
     bool in_step;            /* planned, not yet committed: by-position queries refused */
     uint8_t *stepped;        /* [n_layers] */
     bool slot;               /* built at context creation: parked on destroy, reused */
+    /* The recall trigger's state per layer ([n_layers]; NULL until a request of this handle
+     * recalls): a buffer for each layer whose policy has recall_view. */
+    kvt__recall_layer *recall;
 };
 
 /* Free a layer's recall basis (lib/recall_basis.c; kvt_ctx_destroy). */
@@ -93,6 +97,13 @@ kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *def
  * layer_step). */
 void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
                          kvt__pack_query *q);
+/* Does the request recall on this layer (recall on, a policy with an archive view)? */
+bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
+/* The recall step's work item of the request on `layer` during the step (the view as the
+ * step's run left it), its queries q and the emission's dense flag; false when the layer has
+ * nothing to recall from. */
+bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
+                          kvt__recall_step_args *out);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 /* Free every live kvt_buffer of the context (kvt_ctx_destroy). */

@@ -301,10 +301,39 @@ KVT_API kvt_status kvt_model_census(const kvt_model *model, uint64_t context, ui
 /* ---------------------------------------------------------------------------------------------
  * Configuration
  * ------------------------------------------------------------------------------------------- */
+/* The recall trigger on salience layers (docs/recall.md §4; needs params.recall_sketch_rank > 0
+ * and a backend with the recall ops). Each decode step (one query token per request), per query
+ * head h, best_h = the highest exact score over the rows attended without recall (sinks, kept,
+ * tail); an archived row a (a closed row outside the kept set) is fetched for the step when, for
+ * some head, its approximate score idx_a (branch exact, latent through the rank-r sketch) plus a
+ * certificate reaches best_h. At most config.recall_cap_rows rows (W) a step: past W the step
+ * attends every row and says so (kvt_emit.dense, statistics). Steps of several query tokens
+ * (prefill chunks, drafts, per-token emission) attend every row.
+ *
+ *   CONFORMAL  certificate z·cert_a, cert_a = ‖q_res‖·ρ_a/√(D − 64) (q_res: the query's latent
+ *              outside the basis, ρ_a: the row's sketch residual). z is calibrated per request
+ *              and layer: during the first steps with archived rows (at most 64), each step
+ *              attends every row and records, per head, e = (score − idx)/cert of its
+ *              highest-scoring archived row; at the end of the windows of 8, 16, 32 and 64 steps,
+ *              once n >= 18 samples, z = the k-th smallest e, k = ceil((n + 1)·0.947), clamped
+ *              to 8, then fixed (with too few samples by step 64: z = 8, provisional, for good).
+ *              Guarantee, as it is: if the request's later queries are exchangeable with its
+ *              calibration queries, a head's best archived row is fetched with probability
+ *              >= 0.947, marginally over calibration and query — not per query, not conditional
+ *              on content, void when the queries drift.
+ *   SOUND      z = √(D − 64) plus every rounding term (fp16 sketch, fp32 evaluation): never
+ *              misses a row whose fp32 exact score reaches best_h, for any query, given a basis
+ *              orthonormal to fp32 precision (docs/recall.md §3.1). Fires far more often.
+ *   MARGIN     fires when idx_a >= best_h − config.recall_margin (no certificate: a heuristic).
+ */
 typedef enum kvt_recall_mode {
-    KVT_RECALL_OFF = 0, /* archived rows are never brought back (until the recall tier lands) */
-    KVT_RECALL_ON = 1,  /* reserved: KVT_ERR_UNSUPPORTED for now */
+    KVT_RECALL_OFF = 0,       /* archived rows are never brought back */
+    KVT_RECALL_CONFORMAL = 1,
+    KVT_RECALL_SOUND = 2,
+    KVT_RECALL_MARGIN = 3,
 } kvt_recall_mode;
+/* The default recall mode (the design's). */
+#define KVT_RECALL_ON KVT_RECALL_CONFORMAL
 
 /* Selector for salience layers. SIGMA is the method; the others are ablations that share its
  * block-close schedule and top-m so that only the score differs. */
@@ -331,6 +360,9 @@ typedef struct kvt_config {
     uint64_t seed;            /* Philox seed for every random choice */
     kvt_recall_mode recall;   /* KVT_RECALL_OFF */
     kvt_selector selector;    /* KVT_SELECT_SIGMA */
+    uint32_t recall_cap_rows; /* W: most rows a recall step fetches per request and layer, 1..2^24
+                               * (4096); past it the step attends every row */
+    float recall_margin;      /* δ of KVT_RECALL_MARGIN, in score units, finite >= 0 (1.0) */
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
@@ -587,8 +619,9 @@ typedef struct kvt_seq_params {
 
 KVT_API kvt_seq_params kvt_seq_default_params(void);
 /* Create a request. params NULL: kvt_seq_default_params(). Errors: KVT_ERR_INVALID_ARGUMENT (NULL
- * ctx/out, a bad field: ratio above 2^20, an unknown recall), KVT_ERR_UNSUPPORTED (recall on:
- * not implemented yet; a struct from a newer kvtier), KVT_ERR_OUT_OF_MEMORY. */
+ * ctx/out, a bad field: ratio above 2^20, an unknown recall), KVT_ERR_UNSUPPORTED (recall on in
+ * a context without sketch planes or on a backend without the recall step; a struct from a newer
+ * kvtier), KVT_ERR_OUT_OF_MEMORY (host, or the trigger's state in the backend's memory). */
 KVT_API kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *params, kvt_seq **out);
 /* Returns every page and archive byte. NULL is a no-op. Allowed at any time, also while the
  * request is in a batch's step (preemption, an aborted request): the batch forgets it — the
@@ -763,7 +796,8 @@ typedef struct kvt_emit {
     int32_t *lengths;       /* TOKENS: [n_seqs * s_q] (topk_length); unused by CSR */
     int32_t *indptr;        /* CSR: [n_seqs * s_q + 1]; unused by TOKENS */
     uint8_t *dense;         /* optional [n_seqs]: 1 where the step attends every row of the
-                             * request (recall overflow or calibration; 0 while recall is off).
+                             * request (recall overflow or calibration, or a multi-token step of
+                             * a request with recall; always 0 without recall).
                              * Informational: the layouts above already hold every row then. */
     uint32_t queries_per_seq; /* s_q: 0 or 1, one attended set per request holding all the
                                * step's rows (decode; a prefill chunk that attends as a whole);
@@ -781,8 +815,11 @@ typedef struct kvt_emit {
 
 /* Run `layer` for the step: its due close or eviction round for every request of the batch (at
  * most once per step and layer; a second run of the layer only emits), then write the attended
- * sets into emit. query: the absorbed queries for the recall tier, ignored while recall is off
- * (may be NULL). stream: a cudaStream_t on the CUDA backend, where every op of the run goes (the
+ * sets into emit. query: the absorbed queries for the recall tier, fp32 in the backend's memory,
+ * [n_seqs][n_q_heads][value_dim + branch_dim] (latent first, then the branch; multiplied by the
+ * softmax scale), one query per request (its step's last token), request i at the batch's i-th
+ * place; read only for requests with recall on a salience layer, otherwise ignored (may be NULL
+ * when no request of the batch recalls: KVT_ERR_INVALID_ARGUMENT otherwise). stream: a cudaStream_t on the CUDA backend, where every op of the run goes (the
  * CPU backends run each op as it is enqueued); the commit reuses the last run's.
  * Checked before any work (nothing done, nothing emitted): KVT_ERR_INVALID_ARGUMENT (emit NULL,
  * its struct_size below KVT_EMIT_SIZE_MIN, an unknown layout, a NULL array, queries_per_seq
@@ -899,6 +936,22 @@ typedef struct kvt_layer_stats {
      * holds too — the memory the requests share, which the pool counts once
      * (kvt_ctx_free_pages). */
     uint64_t shared_pages;
+    /* Recall trigger (a salience layer of a request with recall on; zero otherwise): the
+     * certificate of the last step and totals over the request's steps (single-query steps). */
+    int32_t recall_mode;          /* the request's kvt_recall_mode */
+    int32_t recall_phase;         /* conformal: 0 calibrating, 1 calibrated, 2 provisional */
+    float recall_z;               /* the multiplier: conformal z (8 until calibrated), sound
+                                   * √(D − 64), margin δ */
+    uint32_t recall_samples;      /* calibration samples recorded */
+    uint64_t recall_steps;        /* steps the trigger ran */
+    uint64_t recall_calib_steps;  /* of which calibration steps (every row attended) */
+    uint64_t recall_overflow_steps; /* of which more than W rows fired (every row attended) */
+    uint64_t recall_visited_rows; /* archived rows the scans evaluated (sum over steps) */
+    uint64_t recall_fired_rows;   /* rows that fired (sum; an overflow step counts W + 1) */
+    uint64_t recall_fetched_rows; /* archived rows attended (sum; dense steps count them all) */
+    uint64_t recall_last_archived, recall_last_visited, recall_last_fired, recall_last_fetched;
+    bool recall_last_dense;       /* the last step attended every row */
+    bool recall_last_overflow;
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */
@@ -923,7 +976,8 @@ KVT_API kvt_status kvt_seq_check(const kvt_seq *seq);
  * restored request continues exactly as the original would have: the same closes, the same
  * eviction draws (keyed by the saved request id), the same keep sets and archived bytes; its
  * attended sets are the same by position (slots differ when the pool hands out other pages).
- * The recall tier's state (sketches, calibration) will join the format when it lands.
+ * With recall, the sketch planes and the trigger's state (calibration samples, z, counters)
+ * travel too.
  *
  * Restore needs a context of the same model (every layer's spec), the same configuration (every
  * field of kvt_config; the request's own ratio and recall travel with it), the same page_rows,

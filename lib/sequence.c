@@ -6,6 +6,7 @@
 
 #include "kernels/philox.h"
 
+#include <math.h>
 #include <string.h>
 
 #define CHECK_SEQ(seq)                                                                             \
@@ -209,6 +210,54 @@ static kvt_status seq_reuse(kvt_ctx *ctx, kvt_seq *seq, const kvt_seq_params *p,
     return KVT_OK;
 }
 
+bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer) {
+    return seq->cfg.recall != KVT_RECALL_OFF && seq->recall && seq->recall[layer].buf;
+}
+
+/* Can this context recall with the request's config? KVT_ERR_UNSUPPORTED with the reason. */
+static kvt_status recall_supported(const kvt_ctx *ctx, const kvt_config *cfg) {
+    if (cfg->recall == KVT_RECALL_OFF)
+        return KVT_OK;
+    if (ctx->sketch_rank == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "recall mode %d needs sketch planes: create the context with "
+                             "params.recall_sketch_rank > 0",
+                             (int)cfg->recall);
+    if (!ctx->backend.ops->recall_step)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "recall mode %d: the %s backend has no recall step yet",
+                             (int)cfg->recall, ctx->backend.ops->name);
+    return KVT_OK;
+}
+
+/* The trigger's buffers of a request with recall on, in their initial state (a request without
+ * keeps what a slot had, unused). */
+static kvt_status seq_recall_prepare(kvt_seq *seq) {
+    kvt_ctx *ctx = seq->ctx;
+    if (seq->cfg.recall == KVT_RECALL_OFF)
+        return KVT_OK;
+    if (!seq->recall) {
+        seq->recall = kvt__calloc(&ctx->alloc, sizeof *seq->recall * ctx->n_layers);
+        if (!seq->recall)
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "recall state");
+    }
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt__store *st = &ctx->stores[i];
+        if (st->group < 0 || !ops_of(ctx, i)->recall_view)
+            continue;
+        if (st->spec.n_q_heads == 0 || st->spec.n_q_heads > 4096)
+            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                 "recall on layer %u: its spec states %u query heads (1..4096)",
+                                 i, st->spec.n_q_heads);
+        kvt_status s = kvt__recall_layer_prepare(&seq->recall[i], &ctx->backend,
+                                                 st->spec.n_q_heads, seq->cfg.recall_cap_rows);
+        if (s != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "recall state of layer %u (%u heads, W %u)", i,
+                                 st->spec.n_q_heads, seq->cfg.recall_cap_rows);
+    }
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **out) {
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
@@ -229,19 +278,28 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **ou
     kvt_status cs = kvt__config_in(&cfg, &cfg, msg, sizeof msg);
     if (cs != KVT_OK)
         return kvt__ctx_fail(ctx, cs, "seq params: %s", msg);
+    if ((cs = recall_supported(ctx, &cfg)) != KVT_OK)
+        return cs;
     if (ctx->max_seqs && ctx->n_live >= ctx->max_seqs)
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                              "%u live requests: params.max_seqs is %u; destroy one first",
                              ctx->n_live, ctx->max_seqs);
     kvt_seq *slot = ctx->free_seqs;
-    if (!slot)
-        return seq_build(ctx, &p, &cfg, out);
-    ctx->free_seqs = slot->next;
-    slot->next = NULL;
-    kvt_status s = seq_reuse(ctx, slot, &p, &cfg);
-    if (s != KVT_OK) {
-        slot->next = ctx->free_seqs;
-        ctx->free_seqs = slot;
+    kvt_status s;
+    if (!slot) {
+        if ((s = seq_build(ctx, &p, &cfg, &slot)) != KVT_OK)
+            return s;
+    } else {
+        ctx->free_seqs = slot->next;
+        slot->next = NULL;
+        if ((s = seq_reuse(ctx, slot, &p, &cfg)) != KVT_OK) {
+            slot->next = ctx->free_seqs;
+            ctx->free_seqs = slot;
+            return s;
+        }
+    }
+    if ((s = seq_recall_prepare(slot)) != KVT_OK) {
+        kvt_seq_destroy(slot);
         return s;
     }
     *out = slot;
@@ -258,6 +316,9 @@ void kvt__seq_free(kvt_seq *seq) {
             ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
     kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
     kvt__free(a, seq->stepped, ctx->n_layers);
+    for (uint32_t i = 0; seq->recall && i < ctx->n_layers; i++)
+        kvt__recall_layer_fini(&seq->recall[i], &ctx->backend);
+    kvt__free(a, seq->recall, seq->recall ? sizeof *seq->recall * ctx->n_layers : 0);
     if (seq->batch)
         kvt__batch_forget(seq->batch, seq);
     unlink_live(ctx, seq);
@@ -421,6 +482,10 @@ static kvt_status states_from(kvt_seq *c, kvt_seq *src, uint64_t rows, bool atta
         else if (ops && !attach && ops->layer_fork)
             s = ops->layer_fork(&c->layers[i], &src->layers[i], &env, st,
                                 src->pt[st->group].n_rows);
+        /* A fork continues its parent's calibration; an attached request calibrates anew. */
+        if (s == KVT_OK && !attach && kvt__seq_recalls(c, i) && kvt__seq_recalls(src, i) &&
+            (s = kvt__recall_layer_copy(&c->recall[i], &src->recall[i], &ctx->backend)) != KVT_OK)
+            kvt__fail(env.err, env.err_len, s, "the recall state of layer %u", i);
     }
     if (s == KVT_OK)
         return KVT_OK;
@@ -898,9 +963,23 @@ void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
                          kvt__pack_query *q) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, visible, &view);
+    memset(q, 0, sizeof *q);
     l.gr->ops->attended(&l, &q->d);
     q->pages = view.dpages; /* the mirror: kvt__seq_step synced it */
     q->first_page = view.first_page;
+}
+
+bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
+                          kvt__recall_step_args *out) {
+    kvt__ptable view;
+    kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
+    kvt__recall_scan_args v;
+    if (!kvt__seq_recalls(seq, layer) || !l.gr->ops->recall_view ||
+        !l.gr->ops->recall_view(&l, &v))
+        return false;
+    kvt__recall_step_make(&seq->recall[layer], &v, q, view.n_rows, seq->cfg.recall,
+                          seq->cfg.recall_margin, dense, out);
+    return true;
 }
 
 kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {
@@ -1102,6 +1181,30 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     out->prompt_rows = seq->prompt_rows;
     if (l.gr->ops->stats)
         l.gr->ops->stats(&l, out);
+    if (kvt__seq_recalls(seq, layer)) {
+        kvt__recall_state rs;
+        if ((s = kvt__recall_layer_read(&seq->recall[layer], &ctx->backend, &rs)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "reading the recall state of layer %u", layer);
+        out->recall_mode = (int32_t)seq->cfg.recall;
+        out->recall_phase = (int32_t)rs.phase;
+        out->recall_z = seq->cfg.recall == KVT_RECALL_SOUND
+                            ? sqrtf((float)(st->spec.value_dim - 64u))
+                        : seq->cfg.recall == KVT_RECALL_MARGIN ? seq->cfg.recall_margin
+                                                               : rs.z;
+        out->recall_samples = rs.n_samples;
+        out->recall_steps = rs.steps;
+        out->recall_calib_steps = rs.calib_steps;
+        out->recall_overflow_steps = rs.overflow_steps;
+        out->recall_visited_rows = rs.visited;
+        out->recall_fired_rows = rs.fired;
+        out->recall_fetched_rows = rs.fetched;
+        out->recall_last_archived = rs.last_archived;
+        out->recall_last_visited = rs.last_visited;
+        out->recall_last_fired = rs.last_fired;
+        out->recall_last_fetched = rs.last_fetched;
+        out->recall_last_dense = rs.last_dense != 0;
+        out->recall_last_overflow = rs.last_overflow != 0;
+    }
     uint64_t row_bytes_all = kvt_layer_bytes_per_token(&st->spec);
     out->attended_bytes_per_token =
         seq->n_tokens ? (double)out->attended_rows * (double)row_bytes_all / (double)seq->n_tokens
@@ -1199,6 +1302,29 @@ static kvt_status check_pages(const kvt_seq *seq) {
     return rc;
 }
 
+/* The trigger's state of a layer, read back (samples included). */
+static kvt_status check_recall(const kvt_seq *seq, uint32_t layer) {
+    if (!kvt__seq_recalls(seq, layer))
+        return KVT_OK;
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__recall_layer *r = &seq->recall[layer];
+    kvt__recall_state rs;
+    kvt_status s = kvt__recall_layer_read(r, &ctx->backend, &rs);
+    float *smp = NULL;
+    size_t bytes = sizeof *smp * (rs.n_samples <= r->sample_cap ? rs.n_samples : 0);
+    if (s == KVT_OK && bytes && !(smp = kvt__malloc(&ctx->alloc, bytes)))
+        s = KVT_ERR_OUT_OF_MEMORY;
+    if (s == KVT_OK && bytes)
+        s = kvt__recall_layer_read_samples(r, &ctx->backend, smp, rs.n_samples);
+    char msg[KVT__ERR_LEN] = "";
+    if (s == KVT_OK)
+        s = kvt__recall_state_check(r, &rs, bytes ? smp : NULL, msg, sizeof msg);
+    kvt__free(&ctx->alloc, smp, bytes);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(ctx, s, "layer %u: %s", layer,
+                                       msg[0] ? msg : "reading the recall state");
+}
+
 kvt_status kvt_seq_check(const kvt_seq *seq) {
     CHECK_BETWEEN_STEPS(seq);
     const kvt_ctx *ctx = seq->ctx;
@@ -1220,6 +1346,8 @@ kvt_status kvt_seq_check(const kvt_seq *seq) {
             continue;
         s = check_layer(seq, i, true);
         if (s != KVT_OK)
+            return s;
+        if ((s = check_recall(seq, i)) != KVT_OK)
             return s;
     }
     return KVT_OK;

@@ -38,13 +38,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVT__CONFORMAL_TAU_S_PERMILLE 947u /* τ_s = 0.947 (DESIGN: τ = 0.90 split for the scan) */
-#define KVT__CONFORMAL_Z_MAX 8.0f
-#define KVT__CONFORMAL_MIN_SAMPLES 18u
-#define KVT__CONFORMAL_MIN_STEPS 8u
-#define KVT__CONFORMAL_LAST_WINDOW 64u /* windows end at 8, 16, 32, 64 steps */
+/* The constants and the per-element math (rank, sample, sorted insertion, window close) are
+ * kernels/conformal.h's: the recall step's backend op fixes z on the device with the same
+ * functions (kvt__recall_step_cpu), this host form serves tests and tools. */
+#include "kernels/conformal.h"
 
-/* One (request, layer)'s calibration. samples has room for cap floats (64 steps x the layer's
+/* One (request, layer)'s calibration. samples (kept sorted ascending) has room for cap floats (64 steps x the layer's
  * query heads suffices): owned by the caller (the request's state), so a step allocates nothing. */
 typedef struct kvt__conformal {
     float *samples;
@@ -60,11 +59,6 @@ typedef struct kvt__conformal {
 
 /* Start a calibration over caller memory of cap floats. */
 void kvt__conformal_init(kvt__conformal *c, float *samples, uint32_t cap);
-/* The nonconformity of one (step, head): true and *e set when the sample is defined (cert
- * positive and finite, score and idx not NaN). */
-bool kvt__conformal_sample(float score, float idx, float cert, float *e);
-/* k = ceil((n + 1) · permille / 1000), in integers. */
-uint32_t kvt__conformal_rank(uint32_t n, uint32_t permille);
 /* Record one calibration step's samples (e[0..n_e), the defined ones of its heads), then, at a
  * window end, fix z if it can. Returns true while the request still calibrates (its next step must
  * attend every row), false once z is fixed (the step's samples are then ignored). Samples past

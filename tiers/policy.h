@@ -188,6 +188,13 @@ struct kvt__policy_ops {
      * slots (the list may be in the backend's memory: the host never reads it). */
     void (*attended)(const kvt__tier_layer *l, kvt__attended_desc *d);
 
+    /* (optional) The layer's archive as the recall trigger reads it, for the view l (l->pt->n_rows
+     * rows, the step's included): the archive-side fields of kernels/backend.h's
+     * kvt__recall_scan_args (rows, sketch planes, basis, closed rows, sinks, kept set; every
+     * pointer in the backend's memory); the query side is the recall tier's. false when the
+     * layer has nothing to recall from (no sketch planes). Without it the layer never recalls. */
+    bool (*recall_view)(const kvt__tier_layer *l, kvt__recall_scan_args *a);
+
     /* ---- Rows by position ------------------------------------------------------------------ */
     /* State of (head, pos), pos < l->appended (lib/ answers for pending rows). *slot: the row's
      * slot while its bytes are in the pool (attended, or archived in place), else -1. */

@@ -699,6 +699,36 @@ static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
     kvt__sal_attended(&l->state->sal, l->cfg, l->pt->n_rows, d);
 }
 
+/* The archive is every closed row past the sinks outside the kept set, in place in the pool; the
+ * sketches are the planes the closes wrote. */
+static bool sal_recall_view(const kvt__tier_layer *l, kvt__recall_scan_args *a) {
+    const kvt__sal *sa = &l->state->sal;
+    const kvt_layer_spec *sp = &l->st->spec;
+    if (sa->sk_stride == 0)
+        return false;
+    memset(a, 0, sizeof *a);
+    a->base = l->st->plane[0];
+    a->pages = l->pt->dpages;
+    a->first_page = l->pt->first_page;
+    a->pdiv = l->pdiv;
+    a->slot_stride = l->st->slot_bytes;
+    a->dtype = (int)sp->dtype;
+    a->latent_dim = sp->value_dim;
+    a->branch_offset = sp->branch_offset;
+    a->branch_dtype = (int)sp->branch_dtype;
+    a->branch_dim = sp->branch_dim;
+    a->csk = sa->csk;
+    a->rho = sa->rho;
+    a->csk_stride = sa->sk_stride;
+    a->basis = l->st->rbasis.rank ? l->st->rbasis.V : NULL;
+    a->rank = l->st->rbasis.rank;
+    a->n_closed = sa->closed_rows;
+    a->sinks = closed_sinks(sa, l->cfg);
+    a->kept = sa->kept;
+    a->m = (uint32_t)sa->n_kept;
+    return true;
+}
+
 /* Archive = index partition: an archived row keeps its slot, it is only not attended. */
 static kvt_row_state sal_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                    int32_t *slot) {
@@ -759,6 +789,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .layer_attach = sal_layer_attach,
     .supports_layer = sal_supports_layer,
     .attended = sal_attended,
+    .recall_view = sal_recall_view,
     .row_state = sal_row_state,
     .positions = kvt__none_positions,
     .stats = sal_stats,

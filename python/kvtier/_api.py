@@ -376,7 +376,7 @@ class Model(_Closable):
 _CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector}
 _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows": "u32",
                  "evict_budget_rows": "u32", "recent_rows": "u32", "cadence_rows": "u32",
-                 "seed": "u64"}
+                 "seed": "u64", "recall_cap_rows": "u32"}
 
 
 class Config:
@@ -404,7 +404,8 @@ class Config:
         if name in _CONFIG_ENUMS:
             return maybe_enum(_CONFIG_ENUMS[name], getattr(self._c, name))
         if name in _CONFIG_KINDS or name in ("protect_prompt", "evict_archive",
-                                             "evict_shared_draw", "evict_vase", "struct_size"):
+                                             "evict_shared_draw", "evict_vase", "struct_size",
+                                             "recall_margin"):
             return getattr(self._c, name)
         raise AttributeError(f"Config has no field {name!r}")
 
@@ -413,6 +414,11 @@ class Config:
             value = int(to_enum(_CONFIG_ENUMS[name], value, f"Config.{name}"))
         elif name in _CONFIG_KINDS:
             value = integer(value, f"Config.{name}", _CONFIG_KINDS[name])
+        elif name == "recall_margin":
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating,
+                                                                              np.integer)):
+                raise TypeError(f"Config.{name}: expected a number, got {type(value).__name__}")
+            value = float(value)
         elif name in ("protect_prompt", "evict_archive", "evict_shared_draw", "evict_vase"):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"Config.{name}: expected a bool, got {type(value).__name__}")

@@ -121,6 +121,8 @@ class ConfigC(ctypes.Structure):
         ("seed", c_u64),
         ("recall", c_enum),
         ("selector", c_enum),
+        ("recall_cap_rows", c_u32),
+        ("recall_margin", ctypes.c_float),
     ]
 
 
@@ -194,6 +196,22 @@ class LayerStatsC(ctypes.Structure):
         ("recall_basis_id", c_u32),
         ("sketched_rows", c_u64),
         ("shared_pages", c_u64),
+        ("recall_mode", c_i32),
+        ("recall_phase", c_i32),
+        ("recall_z", ctypes.c_float),
+        ("recall_samples", c_u32),
+        ("recall_steps", c_u64),
+        ("recall_calib_steps", c_u64),
+        ("recall_overflow_steps", c_u64),
+        ("recall_visited_rows", c_u64),
+        ("recall_fired_rows", c_u64),
+        ("recall_fetched_rows", c_u64),
+        ("recall_last_archived", c_u64),
+        ("recall_last_visited", c_u64),
+        ("recall_last_fired", c_u64),
+        ("recall_last_fetched", c_u64),
+        ("recall_last_dense", ctypes.c_bool),
+        ("recall_last_overflow", ctypes.c_bool),
     ]
 
 

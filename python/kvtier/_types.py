@@ -35,7 +35,10 @@ class Policy(enum.IntEnum):
 
 class RecallMode(enum.IntEnum):
     OFF = 0
-    ON = 1
+    CONFORMAL = 1
+    SOUND = 2
+    MARGIN = 3
+    ON = 1  # the default recall mode (an alias of CONFORMAL)
 
 
 class Selector(enum.IntEnum):

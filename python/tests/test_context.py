@@ -33,8 +33,16 @@ def test_config_defaults_and_fields():
     with pytest.raises(kvtier.InvalidArgumentError) as ei:
         kvtier.Config(block_rows=100).check()
     assert "block_rows" in ei.value.message
-    with pytest.raises(kvtier.UnsupportedError):
-        kvtier.Config(recall="on").check()
+    kvtier.Config(recall="sound", recall_cap_rows=64, recall_margin=0.5).check()
+    assert kvtier.Config(recall="on").recall == kvtier.RecallMode.CONFORMAL
+    assert kvtier.Config().recall_cap_rows == 4096 and kvtier.Config().recall_margin == 1.0
+    with pytest.raises(kvtier.InvalidArgumentError) as ei:
+        kvtier.Config(recall_cap_rows=0).check()
+    assert "recall_cap_rows" in ei.value.message
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.Config(recall_margin=float("nan")).check()
+    with pytest.raises(TypeError):
+        kvtier.Config(recall_margin="wide")
 
 
 def test_context_description(mixed_model):

@@ -648,9 +648,10 @@ int main(int argc, char **argv) {
         return prc;
     for (uint32_t k = 0; k < o.n_modes; k++)
         if (o.modes[k] == ND_MODE_RECALL || o.modes[k] == ND_MODE_PROMOTE) {
-            fprintf(stderr, "kvtier-needle: mode '%s' is not implemented yet: the recall tier "
-                    "does not exist in kvtier (KVT_RECALL_ON is reserved), so there is nothing "
-                    "to measure\n", nd_mode_name(o.modes[k]));
+            fprintf(stderr, "kvtier-needle: mode '%s' is not implemented yet: the library's "
+                    "recall trigger exists (kvt_config.recall), but the needle generator has no "
+                    "decode phase with per-step queries to drive it, so nothing is measured\n",
+                    nd_mode_name(o.modes[k]));
             return EXIT_NOTIMPL;
         }
     progress pg;

@@ -307,8 +307,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
            void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
     if (p->mode == ND_MODE_RECALL || p->mode == ND_MODE_PROMOTE)
         return nd_fail(err, err_len, ND_ENOTIMPL,
-                       "mode '%s' is not implemented yet: the recall tier does not exist "
-                       "(KVT_RECALL_ON is reserved); nothing was measured",
+                       "mode '%s' is not implemented yet: the generator has no decode phase "
+                       "with per-step queries to drive the recall trigger; nothing was measured",
                        nd_mode_name(p->mode));
     if ((unsigned)p->mode >= ND_MODE_COUNT)
         return nd_fail(err, err_len, ND_EARG, "unknown mode");

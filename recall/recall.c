@@ -1,0 +1,162 @@
+/* recall.c — the request's trigger state and the step's work item (recall.h). */
+#include "recall/recall.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels/recall_scan.h"
+#include "lib/base/base.h"
+
+/* The public modes are the scan's (one number space). */
+_Static_assert((int)KVT_RECALL_CONFORMAL == KVT__RECALL_CONFORMAL, "recall modes");
+_Static_assert((int)KVT_RECALL_SOUND == KVT__RECALL_SOUND, "recall modes");
+_Static_assert((int)KVT_RECALL_MARGIN == KVT__RECALL_MARGIN, "recall modes");
+
+static size_t layout(uint32_t n_heads, uint32_t cap, size_t *samples, size_t *best,
+                     size_t *fired, size_t *tail) {
+    size_t o = sizeof(kvt__recall_state);
+    *samples = o;
+    o += sizeof(float) * (size_t)n_heads * KVT__RECALL_SAMPLES_PER_HEAD;
+    *best = o;
+    o += sizeof(float) * n_heads;
+    *fired = o;
+    o += sizeof(uint32_t) * cap;
+    *tail = o;
+    return o + 2 * sizeof(uint32_t);
+}
+
+static kvt__recall_state initial_state(void) {
+    kvt__recall_state st;
+    memset(&st, 0, sizeof st);
+    st.z = KVT__CONFORMAL_Z_MAX;
+    st.phase = KVT__CONFORMAL_OPEN;
+    return st;
+}
+
+kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *be,
+                                     uint32_t n_heads, uint32_t cap) {
+    size_t o_s, o_b, o_f, o_t;
+    size_t bytes = layout(n_heads, cap, &o_s, &o_b, &o_f, &o_t);
+    if (!r->buf || r->bytes != bytes || r->n_heads != n_heads || r->cap != cap) {
+        kvt__recall_layer_fini(r, be);
+        void *p = NULL;
+        kvt_status s = be->ops->buf_alloc(be, bytes, &p);
+        if (s != KVT_OK)
+            return s;
+        uint8_t *b = p;
+        r->buf = p;
+        r->bytes = bytes;
+        r->st = (kvt__recall_state *)b;
+        r->samples = (float *)(b + o_s);
+        r->best = (float *)(b + o_b);
+        r->fired = (uint32_t *)(b + o_f);
+        r->n_fired = (uint32_t *)(b + o_t);
+        r->overflow = r->n_fired + 1;
+        r->n_heads = n_heads;
+        r->sample_cap = n_heads * KVT__RECALL_SAMPLES_PER_HEAD;
+        r->cap = cap;
+    }
+    kvt__recall_state st = initial_state();
+    uint32_t zero[2] = {0, 0};
+    kvt_status s = be->ops->write(be, r->st, &st, sizeof st, NULL);
+    return s == KVT_OK ? be->ops->write(be, r->n_fired, zero, sizeof zero, NULL) : s;
+}
+
+void kvt__recall_layer_fini(kvt__recall_layer *r, const kvt__backend *be) {
+    if (r->buf)
+        be->ops->buf_free(be, r->buf, r->bytes);
+    memset(r, 0, sizeof *r);
+}
+
+kvt_status kvt__recall_layer_copy(kvt__recall_layer *dst, const kvt__recall_layer *src,
+                                  const kvt__backend *be) {
+    if (!dst->buf || !src->buf || dst->bytes != src->bytes)
+        return KVT_ERR_INVARIANT;
+    return be->ops->copy(be, dst->buf, src->buf, src->bytes, NULL);
+}
+
+kvt_status kvt__recall_layer_read(const kvt__recall_layer *r, const kvt__backend *be,
+                                  kvt__recall_state *out) {
+    if (!r->buf) {
+        *out = initial_state();
+        return KVT_OK;
+    }
+    return be->ops->read(be, out, r->st, sizeof *out, NULL);
+}
+
+kvt_status kvt__recall_layer_read_samples(const kvt__recall_layer *r, const kvt__backend *be,
+                                          float *out, uint32_t n) {
+    if (n > r->sample_cap)
+        return KVT_ERR_INVARIANT;
+    return n ? be->ops->read(be, out, r->samples, sizeof *out * n, NULL) : KVT_OK;
+}
+
+kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
+                                  const kvt__recall_state *st, const float *samples) {
+    kvt_status s = be->ops->write(be, r->st, st, sizeof *st, NULL);
+    if (s == KVT_OK && st->n_samples)
+        s = be->ops->write(be, r->samples, samples, sizeof *samples * st->n_samples, NULL);
+    return s;
+}
+
+kvt_status kvt__recall_state_check(const kvt__recall_layer *r, const kvt__recall_state *st,
+                                   const float *samples, char *err, size_t len) {
+    if (st->phase > KVT__CONFORMAL_PROVISIONAL)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "recall: phase %u", st->phase);
+    if (st->n_samples > r->sample_cap)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "recall: %u samples, room for %u",
+                         st->n_samples, r->sample_cap);
+    if (st->cal_steps > KVT__CONFORMAL_LAST_WINDOW || st->cal_steps > st->calib_steps)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "recall: %u calibration steps (%llu dense)",
+                         st->cal_steps, (unsigned long long)st->calib_steps);
+    if (isnan(st->z) || isinf(st->z) || st->z > KVT__CONFORMAL_Z_MAX)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "recall: z = %g", (double)st->z);
+    if (st->phase == KVT__CONFORMAL_CALIBRATED &&
+        (st->k == 0 || st->k > st->n_samples || st->n_samples < KVT__CONFORMAL_MIN_SAMPLES))
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "recall: calibrated from sample %u of %u",
+                         st->k, st->n_samples);
+    if (st->last_fetched > st->last_archived || st->last_visited > st->last_archived ||
+        st->calib_steps + st->overflow_steps > st->steps || st->fetched < st->last_fetched)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "recall: certificate counts disagree (fetched %llu of %llu archived, "
+                         "%llu calibration + %llu overflow of %llu steps)",
+                         (unsigned long long)st->last_fetched,
+                         (unsigned long long)st->last_archived,
+                         (unsigned long long)st->calib_steps,
+                         (unsigned long long)st->overflow_steps, (unsigned long long)st->steps);
+    for (uint32_t i = 0; samples && i < st->n_samples; i++)
+        if (isnan(samples[i]) || (i > 0 && samples[i - 1] > samples[i]))
+            return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                             "recall: calibration samples not sorted or NaN at %u", i);
+    return KVT_OK;
+}
+
+void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_args *view,
+                           const float *q, uint64_t n_rows, kvt_recall_mode mode, float margin,
+                           uint8_t *dense, kvt__recall_step_args *out) {
+    memset(out, 0, sizeof *out);
+    out->scan = *view;
+    out->scan.q = q;
+    out->scan.best = r->best;
+    out->scan.n_heads = r->n_heads;
+    out->scan.scale = 1.0f; /* the engine's queries carry the softmax scale */
+    out->scan.mode = (int)mode;
+    out->scan.cap = r->cap;
+    out->scan.fired = r->fired;
+    out->scan.n_fired = r->n_fired;
+    out->scan.overflow = r->overflow;
+    out->n_rows = n_rows;
+    out->mode = (int)mode;
+    out->margin = margin;
+    out->st = r->st;
+    out->samples = r->samples;
+    out->sample_cap = r->sample_cap;
+    out->dense = dense;
+}
+
+void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq) {
+    pq->fetch = r->fired;
+    pq->n_fetch = r->n_fired;
+    pq->dense = &r->st->last_dense;
+}

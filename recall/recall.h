@@ -1,0 +1,68 @@
+/*
+ * recall.h — the recall trigger of one (request, layer) (docs/recall.md §4). The recall tier owns
+ * no rows: the archive is the policy's (a salience layer's closed rows outside its kept set,
+ * described by the policy's recall_view), the queries are the engine's. What it owns is the
+ * request's trigger state, in one buffer of the backend's memory:
+ *
+ *   [kvt__recall_state | samples [sample_cap] | best [n_heads] | fired [cap] | n_fired | overflow]
+ *
+ * the conformal calibration and the last step's certificate (kvt__recall_state), the heads'
+ * thresholds, and the fetch buffer the emission merges: at most cap rows (W) a step, past it the
+ * step attends every row (overflow). Only the backend's recall_step op writes it in the decode
+ * path; the host zeroes it at creation and reads it for statistics, checks and snapshots.
+ */
+#ifndef KVT_RECALL_RECALL_H
+#define KVT_RECALL_RECALL_H
+
+#include "kernels/backend.h"
+#include "kernels/conformal.h"
+
+/* Samples a calibration can hold per query head: one per calibration step, 64 steps. */
+#define KVT__RECALL_SAMPLES_PER_HEAD KVT__CONFORMAL_LAST_WINDOW
+
+typedef struct kvt__recall_layer {
+    void *buf;               /* backend buffer (NULL: none allocated) */
+    size_t bytes;
+    kvt__recall_state *st;
+    float *samples;
+    float *best;
+    uint32_t *fired;
+    uint32_t *n_fired;
+    uint32_t *overflow;
+    uint32_t n_heads, sample_cap, cap;
+} kvt__recall_layer;
+
+/* Allocate the buffer for n_heads query heads and a fetch cap of `cap` rows in be's memory (kept
+ * when it already has that shape) and put it in its initial state: no sample, z = Z_MAX,
+ * calibration open, zero counters. KVT_ERR_OUT_OF_MEMORY, or a backend write's status. */
+kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *be,
+                                     uint32_t n_heads, uint32_t cap);
+void kvt__recall_layer_fini(kvt__recall_layer *r, const kvt__backend *be);
+/* dst (prepared with src's shape) takes src's state: a forked request continues its parent's
+ * calibration. On the backend. */
+kvt_status kvt__recall_layer_copy(kvt__recall_layer *dst, const kvt__recall_layer *src,
+                                  const kvt__backend *be);
+/* The state to the host (synchronising: statistics, checks, snapshots). */
+kvt_status kvt__recall_layer_read(const kvt__recall_layer *r, const kvt__backend *be,
+                                  kvt__recall_state *out);
+/* The sorted samples [0 .. n) to the host (snapshots); n <= sample_cap. */
+kvt_status kvt__recall_layer_read_samples(const kvt__recall_layer *r, const kvt__backend *be,
+                                          float *out, uint32_t n);
+/* Load a state and its samples (a snapshot's, checked by kvt__recall_state_check first). */
+kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
+                                  const kvt__recall_state *st, const float *samples);
+/* A state's invariants for a buffer of this shape (and its samples when not NULL: sorted,
+ * finite): KVT_OK or KVT_ERR_INVARIANT with the violation in err. */
+kvt_status kvt__recall_state_check(const kvt__recall_layer *r, const kvt__recall_state *st,
+                                   const float *samples, char *err, size_t len);
+
+/* The step's work item of this request: the archive view the policy filled (view: everything up
+ * to m), its queries q ([n_heads][latent_dim + branch_dim], backend memory), the table's rows
+ * n_rows, the public mode and margin, the emission's dense flag (backend memory, or NULL). */
+void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_args *view,
+                           const float *q, uint64_t n_rows, kvt_recall_mode mode, float margin,
+                           uint8_t *dense, kvt__recall_step_args *out);
+/* The emission's view of the step's outcome: fetched rows and the dense flag, in pq. */
+void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq);
+
+#endif /* KVT_RECALL_RECALL_H */

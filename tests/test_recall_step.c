@@ -1,0 +1,671 @@
+/*
+ * test_recall_step.c — the recall trigger inside a decode step (kvt_batch_run with recall on,
+ * docs/recall.md §4): every emitted set is checked against a host oracle built from the
+ * per-element functions (kernels/recall_scan.h, kernels/conformal.h) on the rows as the test
+ * wrote them — calibration steps attend every row and fix z exactly as recall/conformal.c does
+ * on the same samples; later steps attend sinks ∪ kept ∪ tail ∪ the rows the trigger fires;
+ * overflow attends every row; the CPU and guarded backends emit the same sets; kvt_seq_check
+ * passes after every step. Seeds are fixed.
+ */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/recall_scan.h"
+#include "kernels/sketch.h"
+#include "kvtier.h"
+#include "lib/handles.h"
+#include "recall/conformal.h"
+#include "support/testutil.h"
+
+#define D 512u
+#define QD 576u  /* latent + branch */
+#define RB 16u   /* basis rank */
+#define H 4u     /* query heads */
+#define PR 16u   /* page rows */
+#define NMAX 1024u
+
+typedef struct rig {
+    kvt_model *m;
+    kvt_config c;
+    kvt_ctx *ctx;
+    kvt_batch *b;
+    kvt_seq *seq;
+    float V[RB * D];
+    uint8_t *rows;       /* host copy of every row written, by position */
+    uint64_t n;          /* rows committed */
+    kvt_buffer *qbuf, *ibuf, *lbuf, *dbuf;
+    kvt__conformal conf; /* the oracle's calibration */
+    float conf_samples[64 * H];
+    tu_rng g;
+} rig;
+
+static void make_row(rig *r, uint8_t *row) {
+    float c[D];
+    for (uint32_t d = 0; d < D; d++)
+        c[d] = (float)(0.05 * tu_normal(&r->g));
+    for (uint32_t k = 0; k < 8; k++) {
+        float a = (float)tu_normal(&r->g);
+        for (uint32_t d = 0; d < D; d++)
+            c[d] += a * r->V[(size_t)k * D + d];
+    }
+    for (uint32_t d = 0; d < D; d++)
+        kvt__store_elem(row, KVT__DT_BF16, d, c[d]);
+    for (uint32_t d = 0; d < 64; d++)
+        kvt__store_elem(row + 1024, KVT__DT_BF16, d, (float)tu_normal(&r->g));
+}
+
+static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t cap,
+                     float margin, uint64_t seed) {
+    memset(r, 0, sizeof *r);
+    r->g.s = seed;
+    kvt_layer_spec s;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s), KVT_OK);
+    s.n_q_heads = H;
+    cr_assert_eq(kvt_model_create(&s, 1, "recall-step", &r->m, NULL, 0), KVT_OK);
+    r->c = kvt_config_default();
+    r->c.block_rows = 64;
+    r->c.kappa = 4;
+    r->c.ratio = 8;
+    r->c.recall = mode;
+    r->c.recall_cap_rows = cap;
+    r->c.recall_margin = margin;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = r->m;
+    p.config = &r->c;
+    p.page_rows = PR;
+    p.n_pages = 2 * NMAX / PR;
+    p.backend = be;
+    p.recall_sketch_rank = RB;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &r->ctx, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert(tu_orthonormal_rows(&r->g, RB, D, r->V));
+    cr_assert_eq(kvt_ctx_set_recall_basis(r->ctx, 0, r->V, RB), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_create(r->ctx, 2, &r->b), KVT_OK);
+    cr_assert_eq(tu_seq_create(r->ctx, 7, &r->seq), KVT_OK, "%s", kvt_last_error());
+    r->rows = calloc(NMAX, 1152);
+    cr_assert(r->rows);
+    cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(float) * QD * H * 2, &r->qbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(int32_t) * NMAX * 2, &r->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(int32_t) * 4, &r->lbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(r->ctx, 4, &r->dbuf), KVT_OK);
+    kvt__conformal_init(&r->conf, r->conf_samples, 64 * H);
+}
+
+static void rig_close(rig *r) {
+    kvt_ctx_destroy(r->ctx);
+    kvt_model_destroy(r->m);
+    free(r->rows);
+}
+
+/* A prefill of n rows in one multi-token step (attends every row: no query needed). */
+static void prefill(rig *r, uint32_t n) {
+    for (uint32_t u = 0; u < n; u++)
+        make_row(r, r->rows + (r->n + u) * 1152);
+    cr_assert_eq(kvt_batch_reserve(r->b, &r->seq, &n, 1), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_write(r->seq, 0, 0, 0, n, r->rows + r->n * 1152, (size_t)n * 1152),
+                 KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r->b), KVT_OK);
+    cr_assert_eq(kvt_batch_commit(r->b, NULL), KVT_OK, "%s", kvt_last_error());
+    r->n += n;
+}
+
+static float exact(const rig *r, const float *q, uint64_t pos) {
+    return kvt__recall_exact(q, r->rows + pos * 1152, KVT__DT_BF16, D, 1024, KVT__DT_BF16, 64,
+                             1.0f);
+}
+
+/* What one decode step emitted, and what the library's state was during it. */
+typedef struct step_out {
+    uint32_t len;
+    int32_t idx[NMAX];
+    uint8_t dense;
+    uint64_t closed, n_kept;
+    uint32_t kept[NMAX];
+    uint16_t csk[NMAX * RB];
+    float rho[NMAX];
+} step_out;
+
+/* One decode step: a new row, the queries q[H][QD], run with TOKENS emission, the state read
+ * white-box before commit, then commit and kvt_seq_check. */
+static void decode(rig *r, const float *q, step_out *o) {
+    uint32_t one = 1;
+    make_row(r, r->rows + r->n * 1152);
+    cr_assert_eq(kvt_batch_reserve(r->b, &r->seq, &one, 1), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_write(r->seq, 0, 0, 0, 1, r->rows + r->n * 1152, 1152), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r->b), KVT_OK);
+    uint32_t topk;
+    cr_assert_eq(kvt_batch_capacity(r->b, 0, &topk, NULL), KVT_OK);
+    cr_assert_eq(topk, r->n + 1);
+    cr_assert_eq(kvt_buffer_write(r->qbuf, 0, q, sizeof(float) * QD * H), KVT_OK);
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                  .indices = kvt_buffer_ptr(r->ibuf), .capacity = topk,
+                  .lengths = kvt_buffer_ptr(r->lbuf), .dense = kvt_buffer_ptr(r->dbuf)};
+    cr_assert_eq(kvt_batch_run(r->b, 0, kvt_buffer_ptr(r->qbuf), NULL, &e), KVT_OK, "%s",
+                 kvt_last_error());
+    int32_t len;
+    cr_assert_eq(kvt_buffer_read(r->lbuf, 0, &len, sizeof len), KVT_OK);
+    o->len = (uint32_t)len;
+    cr_assert_eq(kvt_buffer_read(r->ibuf, 0, o->idx, sizeof(int32_t) * topk), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(r->dbuf, 0, &o->dense, 1), KVT_OK);
+    const kvt__sal *s = &r->seq->layers[0].sal;
+    const kvt__backend *be = &r->ctx->backend;
+    o->closed = s->closed_rows;
+    o->n_kept = s->n_kept;
+    cr_assert_eq(be->ops->read(be, o->kept, s->kept, sizeof(uint32_t) * s->n_kept, NULL), KVT_OK);
+    cr_assert_eq(be->ops->read(be, o->csk, s->csk, sizeof(uint16_t) * RB * o->closed, NULL),
+                 KVT_OK);
+    cr_assert_eq(be->ops->read(be, o->rho, s->rho, sizeof(float) * o->closed, NULL), KVT_OK);
+    /* padding past the set */
+    for (uint32_t j = o->len; j < topk; j++)
+        cr_assert_eq(o->idx[j], -1);
+    cr_assert_eq(kvt_batch_commit(r->b, NULL), KVT_OK, "%s", kvt_last_error());
+    r->n++;
+    cr_assert_eq(kvt_seq_check(r->seq), KVT_OK, "%s", kvt_last_error());
+}
+
+/* Slot of a position (salience: row index = position). */
+static int32_t slot_of(const rig *r, uint64_t pos) {
+    const kvt__ptable *t = &r->seq->pt[0];
+    return t->pages[pos / PR - t->first_page] * (int32_t)PR + (int32_t)(pos % PR);
+}
+
+/* Queries near the rows' subspace; target >= 0 aims every head at that row. */
+static void make_queries(rig *r, float *q, int64_t target) {
+    for (uint32_t h = 0; h < H; h++) {
+        float *qh = q + (size_t)h * QD;
+        for (uint32_t i = 0; i < QD; i++)
+            qh[i] = (float)tu_normal(&r->g) * (i < D ? 0.05f : 0.3f);
+        for (uint32_t k = 0; k < 8; k++) {
+            float a = (float)tu_normal(&r->g) * 0.3f;
+            for (uint32_t d = 0; d < D; d++)
+                qh[d] += a * r->V[(size_t)k * D + d];
+        }
+        if (target >= 0) { /* a query that wants this row: its own latent and branch */
+            const uint8_t *row = r->rows + target * 1152;
+            for (uint32_t d = 0; d < D; d++)
+                qh[d] += 0.5f * kvt__sketch_latent(row, KVT__DT_BF16, d);
+            for (uint32_t j = 0; j < 64; j++)
+                qh[D + j] += 0.5f * kvt__sigma_branch_val(row, 1024, KVT__DT_BF16, j);
+        }
+    }
+}
+
+/* The oracle's per-position membership of the set attended without recall. */
+static void base_set(const rig *r, const step_out *o, uint64_t n_rows, uint8_t *in) {
+    memset(in, 0, n_rows);
+    uint64_t S = r->c.sink_rows < o->closed ? r->c.sink_rows : o->closed;
+    for (uint64_t u = 0; u < S; u++)
+        in[u] = 1;
+    for (uint64_t i = 0; i < o->n_kept; i++)
+        in[o->kept[i]] = 1;
+    for (uint64_t u = o->closed; u < n_rows; u++)
+        in[u] = 1;
+}
+
+/* The emitted set, by position, against the oracle's membership `want`. */
+static void expect_set(const rig *r, const step_out *o, uint64_t n_rows, const uint8_t *want,
+                       uint32_t step) {
+    uint32_t k = 0;
+    for (uint64_t u = 0; u < n_rows; u++) {
+        if (!want[u])
+            continue;
+        cr_assert(k < o->len, "step %u: set ends at %u, position %llu missing", step, o->len,
+                  (unsigned long long)u);
+        cr_assert_eq(o->idx[k], slot_of(r, u), "step %u entry %u: slot %d, want %d (pos %llu)",
+                     step, k, o->idx[k], slot_of(r, u), (unsigned long long)u);
+        k++;
+    }
+    cr_assert_eq(k, o->len, "step %u: %u rows emitted, oracle has %u", step, o->len, k);
+}
+
+/* The conformal trigger as the oracle computes it: membership of the fired archived rows. */
+static uint64_t oracle_fire(const rig *r, const step_out *o, const float *q, uint64_t n_rows,
+                            float z, int mode, uint8_t *in) {
+    uint8_t base[NMAX];
+    base_set(r, o, n_rows, base);
+    float best[H];
+    for (uint32_t h = 0; h < H; h++) {
+        best[h] = -INFINITY;
+        for (uint64_t u = 0; u < n_rows; u++)
+            if (base[u]) {
+                float e = exact(r, q + h * QD, u);
+                best[h] = e > best[h] ? e : best[h];
+            }
+    }
+    memcpy(in, base, n_rows);
+    float q_sk[H][RB], tmp[D];
+    kvt__recall_head hd[H];
+    for (uint32_t h = 0; h < H; h++)
+        kvt__recall_head_prep(q + h * QD, D, r->V, RB, q_sk[h], tmp, &hd[h]);
+    uint64_t fired = 0;
+    for (uint64_t u = 0; u < o->closed; u++) {
+        if (base[u])
+            continue;
+        for (uint32_t h = 0; h < H; h++) {
+            const float *qh = q + h * QD;
+            float P, ncsk;
+            float idx = kvt__recall_idx(qh, q_sk[h], r->rows + u * 1152, D, 1024, KVT__DT_BF16,
+                                        64, o->csk + u * RB, RB, 1.0f, &P, &ncsk);
+            int f = mode == KVT__RECALL_SOUND
+                        ? kvt__recall_sound_fires(
+                              idx,
+                              kvt__recall_sound_margin(&hd[h], idx, P, ncsk, o->rho[u], 1.0f, z,
+                                                       D, 64, RB),
+                              best[h])
+                        : kvt__recall_conformal_fires(
+                              idx, kvt__recall_cert(&hd[h], o->rho[u], 1.0f, D), z, best[h]);
+            if (f) {
+                in[u] = 1;
+                fired++;
+                break;
+            }
+        }
+    }
+    return fired;
+}
+
+/* The oracle's calibration step: one sample per head from its best archived row. */
+static bool oracle_calibrate(rig *r, const step_out *o, const float *q, uint64_t n_rows) {
+    uint8_t base[NMAX];
+    base_set(r, o, n_rows, base);
+    float e[H];
+    uint32_t n_e = 0;
+    for (uint32_t h = 0; h < H; h++) {
+        const float *qh = q + h * QD;
+        float bs = -INFINITY;
+        int64_t arg = -1;
+        for (uint64_t u = 0; u < o->closed; u++)
+            if (!base[u]) {
+                float x = exact(r, qh, u);
+                if (x > bs) {
+                    bs = x;
+                    arg = (int64_t)u;
+                }
+            }
+        if (arg < 0)
+            continue;
+        float q_sk[RB], tmp[D], P, ncsk;
+        kvt__recall_head hd;
+        kvt__recall_head_prep(qh, D, r->V, RB, q_sk, tmp, &hd);
+        float idx = kvt__recall_idx(qh, q_sk, r->rows + arg * 1152, D, 1024, KVT__DT_BF16, 64,
+                                    o->csk + arg * RB, RB, 1.0f, &P, &ncsk);
+        float cert = kvt__recall_cert(&hd, o->rho[arg], 1.0f, D);
+        if (kvt__conformal_sample(bs, idx, cert, &e[n_e]))
+            n_e++;
+    }
+    return kvt__conformal_step(&r->conf, e, n_e);
+}
+
+static kvt_layer_stats stats(const rig *r) {
+    kvt_layer_stats st = {.struct_size = sizeof st};
+    cr_assert_eq(kvt_seq_layer_stats(r->seq, 0, &st), KVT_OK, "%s", kvt_last_error());
+    return st;
+}
+
+/* Conformal recall end to end on both CPU-side backends: the first 8 steps with archived rows
+ * calibrate (every row attended, the dense flag set) and fix z from exactly the oracle's samples;
+ * every later step attends the oracle's set; queries aimed at an archived row get it back by
+ * fetch; the two backends emit the same slots. */
+Test(recall_step, conformal_decode_matches_the_oracle, .timeout = 240) {
+    static step_out o;
+    static int32_t first_sets[2][120][NMAX];
+    uint32_t first_len[2][120];
+    for (int bk = 0; bk < 2; bk++) {
+        rig r;
+        rig_open(&r, bk ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096,
+                 1.0f, 9001);
+        prefill(&r, 64 * 6 + 10);
+        kvt_layer_stats st0 = stats(&r);
+        cr_assert_eq(st0.recall_mode, KVT_RECALL_CONFORMAL);
+        cr_assert_eq(st0.recall_phase, 0);
+        cr_assert_eq(st0.recall_z, 8.0f);
+        bool calibrating = true;
+        uint32_t aimed = 0, aimed_fetched = 0, fetched_sum = 0, archived_sum = 0;
+        for (uint32_t step = 0; step < 120; step++) {
+            float q[H * QD];
+            int64_t target = -1;
+            if (step >= 40 && step % 5 == 0) { /* aim at an archived row */
+                uint8_t base[NMAX];
+                base_set(&r, &o, r.n + 1, base);
+                for (uint64_t u = 17 + step; u < o.closed; u++)
+                    if (!base[u]) {
+                        target = (int64_t)u;
+                        break;
+                    }
+            }
+            make_queries(&r, q, target);
+            decode(&r, q, &o);
+            uint64_t n_rows = r.n;
+            memcpy(first_sets[bk][step], o.idx, sizeof(int32_t) * o.len);
+            first_len[bk][step] = o.len;
+            kvt_layer_stats st = stats(&r);
+            uint8_t want[NMAX];
+            if (calibrating) {
+                cr_assert_eq(o.dense, 1, "calibration step %u is dense", step);
+                memset(want, 1, n_rows);
+                expect_set(&r, &o, n_rows, want, step);
+                calibrating = oracle_calibrate(&r, &o, q, n_rows);
+                cr_assert_eq(st.recall_phase, calibrating ? 0 : (r.conf.calibrated ? 1 : 2));
+                cr_assert_eq(st.recall_samples, r.conf.n);
+                if (!calibrating)
+                    cr_log_info("calibrated at step %u: z = %g from %u samples (k = %u)", step,
+                                (double)r.conf.z, r.conf.n, r.conf.k);
+                cr_assert_eq(st.recall_z, r.conf.z, "step %u: z %g, oracle %g", step,
+                             (double)st.recall_z, (double)r.conf.z);
+                continue;
+            }
+            uint64_t fired = oracle_fire(&r, &o, q, n_rows, r.conf.z, KVT__RECALL_CONFORMAL, want);
+            cr_assert_eq(o.dense, 0, "step %u overflowed", step);
+            expect_set(&r, &o, n_rows, want, step);
+            cr_assert_eq(st.recall_last_fired, fired);
+            cr_assert_eq(st.recall_last_fetched, fired);
+            fetched_sum += (uint32_t)fired;
+            archived_sum += (uint32_t)st.recall_last_archived;
+            if (target >= 0) {
+                aimed++;
+                aimed_fetched += want[target];
+            }
+        }
+        cr_assert_not(calibrating, "calibration never ended");
+        kvt_layer_stats st = stats(&r);
+        cr_assert_eq(st.recall_steps, 120);
+        cr_assert_eq(st.recall_overflow_steps, 0);
+        cr_assert_gt(aimed, 10);
+        cr_assert_geq(aimed_fetched * 10, aimed * 9, "aimed rows fetched %u of %u",
+                      aimed_fetched, aimed);
+        cr_log_info("%s: %u of %u aimed rows fetched; %u of %u archived rows fetched over "
+                    "the other steps",
+                    bk ? "guarded" : "cpu", aimed_fetched, aimed, fetched_sum, archived_sum);
+        rig_close(&r);
+    }
+    for (uint32_t step = 0; step < 120; step++) {
+        cr_assert_eq(first_len[0][step], first_len[1][step], "step %u", step);
+        cr_assert_eq(memcmp(first_sets[0][step], first_sets[1][step],
+                            sizeof(int32_t) * first_len[0][step]),
+                     0, "step %u: backends differ", step);
+    }
+}
+
+/* Sound mode never misses: every archived row whose fp32 exact score reaches the head's best
+ * attended score is in the emitted set, over many random and aimed queries. */
+Test(recall_step, sound_never_misses_the_best_archived_row, .timeout = 240) {
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_SOUND, 4096, 1.0f, 4242);
+    prefill(&r, 64 * 7 + 3);
+    uint64_t must = 0, fetched = 0, archived = 0;
+    for (uint32_t step = 0; step < 150; step++) {
+        float q[H * QD];
+        make_queries(&r, q, step % 3 == 0 ? (int64_t)(5 + (step * 37) % 400) : -1);
+        decode(&r, q, &o);
+        uint64_t n_rows = r.n;
+        uint8_t base[NMAX], want[NMAX];
+        base_set(&r, &o, n_rows, base);
+        uint64_t fired = oracle_fire(&r, &o, q, n_rows, sqrtf((float)(D - 64)), KVT__RECALL_SOUND,
+                                     want);
+        if (!o.dense)
+            expect_set(&r, &o, n_rows, want, step);
+        uint8_t got[NMAX];
+        memset(got, 0, sizeof got);
+        uint64_t u0 = 0; /* the set ascends by position */
+        for (uint32_t j = 0; j < o.len; j++) {
+            while (u0 < n_rows && slot_of(&r, u0) != o.idx[j])
+                u0++;
+            cr_assert(u0 < n_rows, "step %u: entry %u is no row's slot", step, j);
+            got[u0] = 1;
+        }
+        for (uint32_t h = 0; h < H; h++) {
+            float best = -INFINITY;
+            for (uint64_t u = 0; u < n_rows; u++)
+                if (base[u]) {
+                    float e = exact(&r, q + h * QD, u);
+                    best = e > best ? e : best;
+                }
+            for (uint64_t u = 0; u < o.closed; u++)
+                if (!base[u] && exact(&r, q + h * QD, u) >= best) {
+                    must++;
+                    cr_assert(got[u], "step %u head %u: archived row %llu scores above the "
+                              "attended best and was not attended", step, h,
+                              (unsigned long long)u);
+                }
+        }
+        kvt_layer_stats st = stats(&r);
+        cr_assert_eq(st.recall_last_fired, fired);
+        fetched += st.recall_last_fetched;
+        archived += st.recall_last_archived;
+    }
+    cr_assert_gt(must, 0, "no query reached an archived row: the test proves nothing");
+    kvt_layer_stats st = stats(&r);
+    cr_assert_eq(st.recall_calib_steps, 0);
+    cr_log_info("sound: %llu (row, head) pairs above the attended best, all attended; fetched "
+                "%.3f of archived rows (its honest cost)", (unsigned long long)must,
+                (double)fetched / (double)archived);
+    rig_close(&r);
+}
+
+/* Past W fired rows the step attends every row, says so in the flag and the statistics; the
+ * margin mode with a huge δ fires everything. */
+Test(recall_step, overflow_gives_exactly_the_dense_set) {
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_GUARDED, KVT_RECALL_MARGIN, 3, 1e30f, 77);
+    prefill(&r, 64 * 3);
+    for (uint32_t step = 0; step < 5; step++) {
+        float q[H * QD];
+        make_queries(&r, q, -1);
+        decode(&r, q, &o);
+        cr_assert_eq(o.dense, 1);
+        uint8_t want[NMAX];
+        memset(want, 1, r.n);
+        expect_set(&r, &o, r.n, want, step);
+        kvt_layer_stats st = stats(&r);
+        cr_assert(st.recall_last_overflow && st.recall_last_dense);
+        cr_assert_eq(st.recall_last_fetched, st.recall_last_archived);
+        cr_assert_eq(st.recall_last_fired, 4); /* W + 1 counted */
+        cr_assert_eq(st.recall_overflow_steps, step + 1);
+    }
+    rig_close(&r);
+}
+
+/* A margin of 0 with W large: fires exactly the rows whose idx reaches the best attended score;
+ * nothing overflows. Compared with the oracle's idx. */
+Test(recall_step, margin_zero_fires_by_idx) {
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_MARGIN, 4096, 0.0f, 78);
+    prefill(&r, 64 * 4);
+    for (uint32_t step = 0; step < 10; step++) {
+        float q[H * QD];
+        make_queries(&r, q, step % 2 ? (int64_t)(40 + step) : -1);
+        decode(&r, q, &o);
+        uint8_t base[NMAX], want[NMAX];
+        base_set(&r, &o, r.n, base);
+        memcpy(want, base, r.n);
+        float best[H], q_sk[H][RB], tmp[D];
+        kvt__recall_head hd[H];
+        for (uint32_t h = 0; h < H; h++) {
+            best[h] = -INFINITY;
+            for (uint64_t v = 0; v < r.n; v++)
+                if (base[v]) {
+                    float e = exact(&r, q + h * QD, v);
+                    best[h] = e > best[h] ? e : best[h];
+                }
+            kvt__recall_head_prep(q + h * QD, D, r.V, RB, q_sk[h], tmp, &hd[h]);
+        }
+        for (uint64_t u = 0; u < o.closed; u++) {
+            if (base[u])
+                continue;
+            for (uint32_t h = 0; h < H && !want[u]; h++) {
+                float P, ncsk;
+                float idx = kvt__recall_idx(q + h * QD, q_sk[h], r.rows + u * 1152, D, 1024,
+                                            KVT__DT_BF16, 64, o.csk + u * RB, RB, 1.0f, &P,
+                                            &ncsk);
+                want[u] = !(idx + 0.0f < best[h]);
+            }
+        }
+        cr_assert_eq(o.dense, 0);
+        expect_set(&r, &o, r.n, want, step);
+    }
+    rig_close(&r);
+}
+
+/* Statuses: recall without sketch planes or with an unknown mode; a NULL query; a multi-token
+ * step of a recalling request attends every row with the dense flag; a request without recall in
+ * the same batch is untouched (CSR offsets follow the backend's counts). */
+Test(recall_step, statuses_and_mixed_batches) {
+    kvt_layer_spec s;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s), KVT_OK);
+    s.n_q_heads = H;
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(&s, 1, "st", &m, NULL, 0), KVT_OK);
+    kvt_config c = kvt_config_default();
+    c.recall = KVT_RECALL_CONFORMAL;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = PR;
+    p.n_pages = 64;
+    kvt_ctx *ctx;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(err, "recall_sketch_rank"), "%s", err);
+    c.recall = KVT_RECALL_OFF;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.recall = KVT_RECALL_SOUND;
+    kvt_seq *bad = (kvt_seq *)1;
+    cr_assert_eq(kvt_seq_create(ctx, &sp, &bad), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "recall_sketch_rank"), "%s", kvt_last_error());
+    cr_assert_null(bad);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 5);
+    sp.recall = 9;
+    cr_assert_eq(kvt_seq_create(r.ctx, &sp, &bad), KVT_ERR_INVALID_ARGUMENT);
+    prefill(&r, 64 * 3);
+    /* A NULL query when a request recalls: refused before any work. */
+    uint32_t one = 1;
+    make_row(&r, r.rows + r.n * 1152);
+    cr_assert_eq(kvt_batch_reserve(r.b, &r.seq, &one, 1), KVT_OK);
+    cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 1, r.rows + r.n * 1152, 1152), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                  .indices = kvt_buffer_ptr(r.ibuf), .capacity = NMAX,
+                  .lengths = kvt_buffer_ptr(r.lbuf), .dense = kvt_buffer_ptr(r.dbuf)};
+    cr_assert_eq(kvt_batch_run(r.b, 0, NULL, NULL, &e), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "query"), "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK);
+    r.n++;
+    /* A multi-token step of the recalling request: every row, flagged. */
+    uint32_t n3 = 3;
+    for (uint32_t u = 0; u < 3; u++)
+        make_row(&r, r.rows + (r.n + u) * 1152);
+    cr_assert_eq(kvt_batch_reserve(r.b, &r.seq, &n3, 1), KVT_OK);
+    cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 3, r.rows + r.n * 1152, 3 * 1152), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+    cr_assert_eq(kvt_batch_run(r.b, 0, NULL, NULL, &e), KVT_OK, "%s", kvt_last_error());
+    int32_t len;
+    uint8_t dense;
+    cr_assert_eq(kvt_buffer_read(r.lbuf, 0, &len, sizeof len), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(r.dbuf, 0, &dense, 1), KVT_OK);
+    cr_assert_eq(dense, 1);
+    cr_assert_eq((uint64_t)len, r.n + 3);
+    cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK);
+    r.n += 3;
+    /* A batch of two: the recalling request and one without recall, CSR. Calibration makes the
+     * first dense; the second attends its own set. Then the CSR offsets equal TOKENS' lengths. */
+    kvt_seq *plain;
+    sp = kvt_seq_default_params();
+    sp.request_id = 99;
+    sp.recall = KVT_RECALL_OFF;
+    cr_assert_eq(kvt_seq_create(r.ctx, &sp, &plain), KVT_OK);
+    for (uint32_t step = 0; step < 12; step++) {
+        kvt_seq *two[2] = {plain, r.seq};
+        uint32_t n[2] = {1, 1};
+        uint8_t rowp[1152], rows2[1152];
+        make_row(&r, rowp);
+        make_row(&r, rows2);
+        memcpy(r.rows + r.n * 1152, rows2, 1152);
+        cr_assert_eq(kvt_batch_reserve(r.b, two, n, 2), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_write(plain, 0, 0, 0, 1, rowp, 1152), KVT_OK);
+        cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 1, rows2, 1152), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+        float q[2 * H * QD];
+        make_queries(&r, q, -1);
+        make_queries(&r, q + H * QD, -1);
+        cr_assert_eq(kvt_buffer_write(r.qbuf, 0, q, sizeof q), KVT_OK);
+        int32_t ind_t[2 * NMAX], ind_c[2 * NMAX], lens[2], indptr[3];
+        kvt_emit et = {.struct_size = sizeof et, .layout = KVT_EMIT_TOKENS,
+                       .indices = kvt_buffer_ptr(r.ibuf), .capacity = NMAX,
+                       .lengths = kvt_buffer_ptr(r.lbuf), .dense = kvt_buffer_ptr(r.dbuf)};
+        cr_assert_eq(kvt_batch_run(r.b, 0, kvt_buffer_ptr(r.qbuf), NULL, &et), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_buffer_read(r.ibuf, 0, ind_t, sizeof ind_t), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(r.lbuf, 0, lens, sizeof lens), KVT_OK);
+        uint8_t dn[2];
+        cr_assert_eq(kvt_buffer_read(r.dbuf, 0, dn, 2), KVT_OK);
+        cr_assert_eq(dn[0], 0); /* no recall */
+        kvt_emit ec = {.struct_size = sizeof ec, .layout = KVT_EMIT_CSR,
+                       .indices = kvt_buffer_ptr(r.ibuf), .capacity = 2 * NMAX,
+                       .indptr = kvt_buffer_ptr(r.lbuf)};
+        cr_assert_eq(kvt_batch_run(r.b, 0, kvt_buffer_ptr(r.qbuf), NULL, &ec), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_buffer_read(r.ibuf, 0, ind_c, sizeof ind_c), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(r.lbuf, 0, indptr, sizeof indptr), KVT_OK);
+        cr_assert_eq(indptr[0], 0);
+        cr_assert_eq(indptr[1], lens[0]);
+        cr_assert_eq(indptr[2], lens[0] + lens[1]);
+        cr_assert_eq(memcmp(ind_c, ind_t, sizeof(int32_t) * lens[0]), 0);
+        cr_assert_eq(memcmp(ind_c + lens[0], ind_t + NMAX, sizeof(int32_t) * lens[1]), 0);
+        cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK);
+        r.n++;
+        cr_assert_eq(kvt_seq_check(r.seq), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_check(plain), KVT_OK, "%s", kvt_last_error());
+    }
+    kvt_layer_stats st = {.struct_size = sizeof st};
+    cr_assert_eq(kvt_seq_layer_stats(plain, 0, &st), KVT_OK);
+    cr_assert_eq(st.recall_mode, 0);
+    cr_assert_eq(st.recall_steps, 0);
+    kvt_seq_destroy(plain);
+    (void)o;
+    rig_close(&r);
+}
+
+/* A fork continues its parent's calibration (same z and phase, same next sets); an attached
+ * request calibrates anew. */
+Test(recall_step, fork_keeps_the_calibration_attach_starts_over, .timeout = 120) {
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 31);
+    prefill(&r, 64 * 5);
+    for (uint32_t step = 0; step < 12; step++) {
+        float q[H * QD];
+        make_queries(&r, q, -1);
+        decode(&r, q, &o);
+    }
+    kvt_layer_stats ps = stats(&r);
+    cr_assert_neq(ps.recall_phase, 0);
+    kvt_seq *child, *att;
+    cr_assert_eq(kvt_seq_fork(r.seq, 8, &child), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_attach(r.seq, 64 * 4, 9, &att), KVT_OK, "%s", kvt_last_error());
+    kvt_layer_stats cs = {.struct_size = sizeof cs}, as = {.struct_size = sizeof as};
+    cr_assert_eq(kvt_seq_layer_stats(child, 0, &cs), KVT_OK);
+    cr_assert_eq(kvt_seq_layer_stats(att, 0, &as), KVT_OK);
+    cr_assert_eq(cs.recall_z, ps.recall_z);
+    cr_assert_eq(cs.recall_phase, ps.recall_phase);
+    cr_assert_eq(cs.recall_samples, ps.recall_samples);
+    cr_assert_eq(as.recall_phase, 0);
+    cr_assert_eq(as.recall_steps, 0);
+    cr_assert_eq(kvt_seq_check(child), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(att), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(child);
+    kvt_seq_destroy(att);
+    rig_close(&r);
+}
