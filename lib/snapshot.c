@@ -270,6 +270,12 @@ static kvt_status meta_compare(const kvt_ctx *ctx, const snap_meta *m) {
  * row indices [first_row, n_rows) of the group's table (n_kv_heads x row_bytes each). */
 #define ROWS_HEAD 24
 #define STATE_HEAD 8
+/* RECALL: layer, n_heads, cap (W), margin (f32 bits), then the state and its samples. */
+#define RECALL_HEAD 16
+
+static uint64_t recall_bytes(const kvt__recall_state *st) {
+    return RECALL_HEAD + sizeof *st + sizeof(float) * (uint64_t)st->n_samples;
+}
 
 /* Copy rows [first, end) of a layer's plane between host memory and the pool, a page's run of
  * consecutive slots per backend call: out of the pool (to_host) or into it. */
@@ -338,6 +344,10 @@ static uint64_t snapshot_bytes(const kvt_seq *seq) {
         kvt__tier_layer l = tier_layer(seq, i);
         if (l.gr->ops->snap_size)
             n += kvt__ctr_mem_section_bytes(STATE_HEAD + l.gr->ops->snap_size(&l));
+        kvt__recall_state rs;
+        if (kvt__seq_recalls(seq, i) &&
+            kvt__recall_layer_read(&seq->recall[i], &ctx->backend, &rs) == KVT_OK)
+            n += kvt__ctr_mem_section_bytes(recall_bytes(&rs));
     }
     return n;
 }
@@ -395,17 +405,41 @@ kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capacity, size
                                rows_bytes(ctx, st, t));
         kvt__tier_layer l = tier_layer(seq, i);
         const kvt__policy_ops *ops = l.gr->ops;
-        if (!ops->snap_size)
-            continue;
-        uint64_t n = ops->snap_size(&l);
-        q = w + KVT__CTR_SECTION_HEADER_BYTES;
-        kvt__put_u32(q, i);
-        kvt__put_u32(q + 4, (uint32_t)ctx->policies[i]);
-        char msg[KVT__ERR_LEN];
-        s = ops->snap_save(&l, q + STATE_HEAD, msg, sizeof msg);
-        if (s != KVT_OK)
-            return kvt__ctx_fail(ctx, s, "layer %u: %s", i, msg);
-        w += kvt__ctr_mem_seal(w, KVT__SNAP_SEC_STATE, KVT__CTR_FLAG_CRITICAL, STATE_HEAD + n);
+        if (ops->snap_size) {
+            uint64_t n = ops->snap_size(&l);
+            q = w + KVT__CTR_SECTION_HEADER_BYTES;
+            kvt__put_u32(q, i);
+            kvt__put_u32(q + 4, (uint32_t)ctx->policies[i]);
+            char msg[KVT__ERR_LEN];
+            s = ops->snap_save(&l, q + STATE_HEAD, msg, sizeof msg);
+            if (s != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "layer %u: %s", i, msg);
+            w += kvt__ctr_mem_seal(w, KVT__SNAP_SEC_STATE, KVT__CTR_FLAG_CRITICAL,
+                                   STATE_HEAD + n);
+        }
+        if (kvt__seq_recalls(seq, i)) {
+            const kvt__recall_layer *r = &seq->recall[i];
+            kvt__recall_state rs;
+            if ((s = kvt__recall_layer_read(r, &ctx->backend, &rs)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "layer %u: reading the recall state", i);
+            q = w + KVT__CTR_SECTION_HEADER_BYTES;
+            uint32_t margin;
+            memcpy(&margin, &seq->cfg.recall_margin, 4);
+            kvt__put_u32(q, i);
+            kvt__put_u32(q + 4, r->n_heads);
+            kvt__put_u32(q + 8, r->cap);
+            kvt__put_u32(q + 12, margin);
+            memcpy(q + RECALL_HEAD, &rs, sizeof rs); /* little-endian host (snapshot.h) */
+            if (rs.n_samples > r->sample_cap)
+                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %u recall samples", i,
+                                     rs.n_samples);
+            if ((s = kvt__recall_layer_read_samples(r, &ctx->backend,
+                                                    (float *)(void *)(q + RECALL_HEAD + sizeof rs),
+                                                    rs.n_samples)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "layer %u: reading the recall samples", i);
+            w += kvt__ctr_mem_seal(w, KVT__SNAP_SEC_RECALL, KVT__CTR_FLAG_CRITICAL,
+                                   recall_bytes(&rs));
+        }
     }
     w += kvt__ctr_mem_seal(w, KVT__CTR_SEC_END, 0, 0);
     KVT_ASSERT((size_t)(w - p) == need);
@@ -422,14 +456,15 @@ typedef struct snap_parsed {
     snap_meta meta;
     const uint8_t *buf;
     uint64_t len;
-    kvt__ctr_section *rows, *state; /* [n_layers]; length 0 and offset 0: absent */
+    kvt__ctr_section *rows, *state, *recall; /* [n_layers]; length 0 and offset 0: absent */
     uint32_t n_alloc;               /* entries allocated in each */
 } snap_parsed;
 
 static void parsed_free(snap_parsed *sp, const kvt__alloc *a) {
     kvt__free(a, sp->rows, sizeof *sp->rows * sp->n_alloc);
     kvt__free(a, sp->state, sizeof *sp->state * sp->n_alloc);
-    sp->rows = sp->state = NULL;
+    kvt__free(a, sp->recall, sizeof *sp->recall * sp->n_alloc);
+    sp->rows = sp->state = sp->recall = NULL;
 }
 
 /* Walk and checksum every section; decode META; file each layer's sections. a: where the
@@ -475,20 +510,24 @@ static kvt_status parse(const uint8_t *buf, uint64_t len, const kvt__alloc *a, s
             sp->n_alloc = sp->meta.n_layers ? sp->meta.n_layers : 1;
             sp->rows = kvt__calloc(a, sizeof *sp->rows * sp->n_alloc);
             sp->state = kvt__calloc(a, sizeof *sp->state * sp->n_alloc);
-            if (!sp->rows || !sp->state) {
+            sp->recall = kvt__calloc(a, sizeof *sp->recall * sp->n_alloc);
+            if (!sp->rows || !sp->state || !sp->recall) {
                 s = kvt__fail(err, elen, KVT_ERR_OUT_OF_MEMORY, "section directory");
                 break;
             }
             continue;
         }
-        if (sec.type == KVT__SNAP_SEC_ROWS || sec.type == KVT__SNAP_SEC_STATE) {
+        if (sec.type == KVT__SNAP_SEC_ROWS || sec.type == KVT__SNAP_SEC_STATE ||
+            sec.type == KVT__SNAP_SEC_RECALL) {
             if (sec.length < 8) {
                 s = kvt__fail(err, elen, KVT_ERR_PARSE, "section %zu (type %u): %llu bytes", idx,
                               sec.type, (unsigned long long)sec.length);
                 break;
             }
             uint32_t layer = kvt__get_u32(buf + sec.offset);
-            kvt__ctr_section *dir = sec.type == KVT__SNAP_SEC_ROWS ? sp->rows : sp->state;
+            kvt__ctr_section *dir = sec.type == KVT__SNAP_SEC_ROWS    ? sp->rows
+                                    : sec.type == KVT__SNAP_SEC_STATE ? sp->state
+                                                                      : sp->recall;
             if (layer >= sp->meta.n_layers || dir[layer].length != 0) {
                 s = kvt__fail(err, elen, KVT_ERR_PARSE,
                               "section %zu (type %u) names layer %u: out of range or repeated",
@@ -584,6 +623,48 @@ static kvt_status check_layout(const snap_parsed *sp, uint32_t window_of[KVT__MA
 /* Restore                                                                                      */
 /* ------------------------------------------------------------------------------------------- */
 /* Build the request from a parsed, compared snapshot. On failure *seq is destroyed. */
+/* A layer's RECALL section into the restored request: present exactly when the request recalls
+ * on the layer, of the buffer's shape and the context's margin, a state that passes its check. */
+static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt__ctr_section *rs,
+                              const uint8_t *buf) {
+    bool recalls = kvt__seq_recalls(seq, i);
+    if (!recalls != !rs->length)
+        return kvt__ctx_fail(ctx, KVT_ERR_PARSE, "layer %u: RECALL section %s", i,
+                             recalls ? "missing for a request with recall"
+                                     : "for a layer or request without recall");
+    if (!recalls)
+        return KVT_OK;
+    const kvt__recall_layer *r = &seq->recall[i];
+    kvt__recall_state st;
+    if (rs->length < RECALL_HEAD + sizeof st)
+        return kvt__ctx_fail(ctx, KVT_ERR_PARSE, "layer %u: RECALL section of %llu bytes", i,
+                             (unsigned long long)rs->length);
+    const uint8_t *p = buf + rs->offset;
+    uint32_t heads = kvt__get_u32(p + 4), cap = kvt__get_u32(p + 8), mbits = kvt__get_u32(p + 12);
+    float margin;
+    memcpy(&margin, &mbits, 4);
+    uint32_t want_bits;
+    memcpy(&want_bits, &seq->cfg.recall_margin, 4);
+    if (heads != r->n_heads || cap != r->cap || mbits != want_bits)
+        return kvt__ctx_fail(ctx, KVT_ERR_MISMATCH,
+                             "layer %u: the snapshot recalls with %u heads, W %u, margin %g; this "
+                             "context with %u, %u, %g",
+                             i, heads, cap, (double)margin, r->n_heads, r->cap,
+                             (double)seq->cfg.recall_margin);
+    memcpy(&st, p + RECALL_HEAD, sizeof st);
+    if (rs->length != recall_bytes(&st) || st.n_samples > r->sample_cap)
+        return kvt__ctx_fail(ctx, KVT_ERR_PARSE, "layer %u: RECALL section of %llu bytes for %u "
+                             "samples", i, (unsigned long long)rs->length, st.n_samples);
+    const float *smp = (const float *)(const void *)(p + RECALL_HEAD + sizeof st);
+    char msg[KVT__ERR_LEN];
+    kvt_status s = kvt__recall_state_check(r, &st, smp, msg, sizeof msg);
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT, "layer %u: %s", i, msg);
+    if ((s = kvt__recall_layer_load(&seq->recall[i], &ctx->backend, &st, smp)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "layer %u: writing the recall state", i);
+    return KVT_OK;
+}
+
 static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
     const snap_meta *m = &sp->meta;
     kvt_seq_params p = kvt_seq_default_params();
@@ -636,6 +717,8 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
             (s = ops->snap_load(&seq->layers[i], &env, &l, sp->buf + ss->offset + STATE_HEAD,
                                 ss->length - STATE_HEAD)) != KVT_OK)
             s = kvt__ctx_fail(ctx, s, "layer %u: %s", i, why);
+        if (s == KVT_OK)
+            s = recall_load(ctx, seq, i, &sp->recall[i], sp->buf);
         const uint8_t *src = sp->buf + sp->rows[i].offset + ROWS_HEAD;
         const kvt__ptable *t = &seq->pt[st->group];
         uint64_t first = kvt__ptable_first_row(t, ctx->page_rows);

@@ -24,6 +24,7 @@ enum {
     KVT__SNAP_SEC_META = 1,  /* model, configuration, request, page tables */
     KVT__SNAP_SEC_ROWS = 2,  /* one per layer with KV: its pool rows */
     KVT__SNAP_SEC_STATE = 3, /* one per layer whose policy has state */
+    KVT__SNAP_SEC_RECALL = 4, /* one per layer where the request recalls: the trigger's state */
 };
 
 #endif

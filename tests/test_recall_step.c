@@ -669,3 +669,92 @@ Test(recall_step, fork_keeps_the_calibration_attach_starts_over, .timeout = 120)
     kvt_seq_destroy(att);
     rig_close(&r);
 }
+
+/* Positions of a step's emitted slots, through seq's page table (white-box). */
+static void slots_to_positions(const kvt_seq *seq, const int32_t *idx, uint32_t n,
+                               uint64_t n_rows, int64_t *pos) {
+    const kvt__ptable *t = &seq->pt[0];
+    for (uint32_t j = 0; j < n; j++) {
+        pos[j] = -1;
+        for (uint64_t u = 0; u < n_rows; u++)
+            if (t->pages[u / PR - t->first_page] * (int32_t)PR + (int32_t)(u % PR) == idx[j]) {
+                pos[j] = (int64_t)u;
+                break;
+            }
+    }
+}
+
+/* A snapshot carries the trigger's state: the restored request continues with the same z, the
+ * same counters and the same attended positions as the original, step for step; a context with
+ * another W is a mismatch. */
+Test(recall_step, snapshots_carry_the_trigger_state, .timeout = 120) {
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 606);
+    prefill(&r, 64 * 4 + 9);
+    for (uint32_t step = 0; step < 10; step++) { /* calibrated after 8 */
+        float q[H * QD];
+        make_queries(&r, q, -1);
+        decode(&r, q, &o);
+    }
+    size_t need;
+    cr_assert_eq(kvt_seq_snapshot_size(r.seq, &need), KVT_OK, "%s", kvt_last_error());
+    uint8_t *snap = malloc(need);
+    cr_assert(snap);
+    cr_assert_eq(kvt_seq_snapshot(r.seq, snap, need, NULL), KVT_OK, "%s", kvt_last_error());
+    kvt_seq *copy;
+    cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
+    kvt_layer_stats a = stats(&r), b = {.struct_size = sizeof b};
+    cr_assert_eq(kvt_seq_layer_stats(copy, 0, &b), KVT_OK);
+    cr_assert_eq(a.recall_phase, 1);
+    cr_assert_eq(b.recall_phase, a.recall_phase);
+    cr_assert_eq(b.recall_z, a.recall_z);
+    cr_assert_eq(b.recall_samples, a.recall_samples);
+    cr_assert_eq(b.recall_steps, a.recall_steps);
+    cr_assert_eq(b.recall_fetched_rows, a.recall_fetched_rows);
+    /* Both continue over the same rows and queries: the same positions every step. */
+    for (uint32_t step = 0; step < 6; step++) {
+        float q[2 * H * QD];
+        make_queries(&r, q, step % 2 ? 30 : -1);
+        memcpy(q + H * QD, q, sizeof(float) * H * QD);
+        uint8_t row[1152];
+        make_row(&r, row);
+        kvt_seq *two[2] = {r.seq, copy};
+        uint32_t n[2] = {1, 1};
+        cr_assert_eq(kvt_batch_reserve(r.b, two, n, 2), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 1, row, 1152), KVT_OK);
+        cr_assert_eq(kvt_seq_write(copy, 0, 0, 0, 1, row, 1152), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+        cr_assert_eq(kvt_buffer_write(r.qbuf, 0, q, sizeof q), KVT_OK);
+        kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                      .indices = kvt_buffer_ptr(r.ibuf), .capacity = NMAX,
+                      .lengths = kvt_buffer_ptr(r.lbuf), .dense = kvt_buffer_ptr(r.dbuf)};
+        cr_assert_eq(kvt_batch_run(r.b, 0, kvt_buffer_ptr(r.qbuf), NULL, &e), KVT_OK, "%s",
+                     kvt_last_error());
+        static int32_t idx[2 * NMAX];
+        static int64_t pa[NMAX], pb[NMAX];
+        int32_t lens[2];
+        cr_assert_eq(kvt_buffer_read(r.ibuf, 0, idx, sizeof idx), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(r.lbuf, 0, lens, sizeof lens), KVT_OK);
+        cr_assert_eq(lens[0], lens[1], "step %u", step);
+        slots_to_positions(r.seq, idx, (uint32_t)lens[0], r.n + 1, pa);
+        slots_to_positions(copy, idx + NMAX, (uint32_t)lens[1], r.n + 1, pb);
+        cr_assert_eq(memcmp(pa, pb, sizeof(int64_t) * (size_t)lens[0]), 0, "step %u", step);
+        cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK);
+        r.n++;
+    }
+    a = stats(&r);
+    cr_assert_eq(kvt_seq_layer_stats(copy, 0, &b), KVT_OK);
+    cr_assert_eq(b.recall_fetched_rows, a.recall_fetched_rows);
+    cr_assert_eq(b.recall_steps, a.recall_steps);
+    kvt_seq_destroy(copy);
+    /* Another W: refused, naming it. */
+    rig other;
+    rig_open(&other, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 128, 1.0f, 606); /* same basis */
+    cr_assert_eq(kvt_seq_restore(other.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
+                 kvt_last_error());
+    cr_assert(strstr(kvt_last_error(), "W"), "%s", kvt_last_error());
+    rig_close(&other);
+    free(snap);
+    rig_close(&r);
+}
