@@ -1,0 +1,368 @@
+/*
+ * bench_decode.c — one decode step of one MLA layer on the CPU (issue 10): dense attention over
+ * every row against kvtier's step at 32× — attention over the attended set (sinks, top-m kept,
+ * tail), the full recall scan of the archived rows (conformal, z = 8) and the emission of the
+ * attended slots — with the same attention code for both (kernels/attn_f32.c), whose rate is
+ * reported as a fraction of this machine's sgemm rate (OpenBLAS) measured in the same run.
+ *
+ * Shape: H = 32 query heads, bf16 rows of 576 values (512 latent | 64 branch, 1152 B), blocks of
+ * B = 4096 rows, 4 sinks; the step happens mid-block: the tail (open block) holds B/2 rows, the
+ * closed rows are N − B/2, m = closed/32 of them kept (random positions), the rest archived with
+ * rank-64 sketches. Everything single-threaded (attention is per sequence; OpenBLAS pinned to one
+ * thread too).
+ *
+ * Synthetic data (shaped so that the conformal trigger behaves as on a model: most archived rows
+ * are far below the threshold): latents are 90% of their energy in a random rank-64 subspace
+ * (the basis given to the sketch), 10% isotropic; every query carries a shared component along
+ * the sink rows' direction (attention sinks: the best attended score of each head is a sink's),
+ * plus an isotropic part. Printed: how many archived rows fired.
+ *
+ * Times, per context, best and range over `reps` repeats:
+ *   (a) dense attention over all N rows (a contiguous range),
+ *   (b) attention over the attended set (a gather) — its max score per head is the scan's
+ *       threshold, no separate prologue,
+ *   (c) the recall scan (the backend's recall_scan op: kvt__recall_scan_cpu), visiting every
+ *       archived row (visited fraction 1.0; a pruned scan would report less here),
+ *   (d) emission: the backend's pack op writes the attended slots (TOKENS layout),
+ *   (e) attention over the rows the scan fired (they join the attended set).
+ * speedup = a / (b + c + d + e), and a / b. Bytes read per context row: dense 1152; kvtier
+ * (attended + fired)·1152 + archived·(csk 128 + ρ 4 + branch 128) + 4 per emitted slot.
+ *
+ * Usage: bench_decode [reps (3)] [largest context in k rows (128)]
+ */
+#include "kernels/attn.h"
+#include "kernels/backend.h"
+#include "kernels/recall_scan.h"
+#include "kernels/sketch.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../bench_util.h"
+
+enum { H = 32, KD = 576, D = 512, BD = 64, RANK = 64, BLK = 4096, SINKS = 4, RATIO = 32,
+       PR = 64, ROW = KD * 2, TAIL = BLK / 2 };
+#define SCALE 0.07216878364870322
+#define Z 8.0f
+/* Queries: isotropic N(0, 1) per value plus Q_SHARED·u; sinks: SINK_LEN·u. A sink then scores
+ * s·Q_SHARED·SINK_LEN ≈ 12 against ≈ N(0, 1.9²) for the other rows: the sinks take most of the
+ * attention, and a head fires on an archived row when its idx is ~4σ high. */
+#define Q_SHARED 10.0f
+#define SINK_LEN 16.6f
+
+/* BLAS (Fortran interface: every BLAS has it) and OpenBLAS's thread control (weak: absent
+ * elsewhere). */
+void sgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k,
+            const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+            const float *beta, float *c, const int *ldc);
+void openblas_set_num_threads(int n) __attribute__((weak));
+
+static float gauss(void) { /* a sum of 4 uniforms, centred and scaled to unit variance */
+    float s = 0;
+    for (int i = 0; i < 4; i++)
+        s += (float)((rnd() >> 11) * 0x1p-53);
+    return (s - 2.0f) * 1.7320508f;
+}
+
+/* rank orthonormal rows of n values (Gram-Schmidt in double, twice), stored fp32. */
+static void orthonormal(uint32_t rank, uint32_t n, float *out) {
+    double *v = malloc(sizeof(double) * rank * n);
+    for (uint32_t k = 0; k < rank; k++) {
+        double *r = v + (size_t)k * n;
+        for (uint32_t d = 0; d < n; d++)
+            r[d] = gauss();
+        for (int pass = 0; pass < 2; pass++)
+            for (uint32_t j = 0; j < k; j++) {
+                const double *p = v + (size_t)j * n;
+                double dot = 0;
+                for (uint32_t d = 0; d < n; d++)
+                    dot += r[d] * p[d];
+                for (uint32_t d = 0; d < n; d++)
+                    r[d] -= dot * p[d];
+            }
+        double nn = 0;
+        for (uint32_t d = 0; d < n; d++)
+            nn += r[d] * r[d];
+        nn = sqrt(nn);
+        for (uint32_t d = 0; d < n; d++) {
+            r[d] /= nn;
+            out[(size_t)k * n + d] = (float)r[d];
+        }
+    }
+    free(v);
+}
+
+typedef struct stats {
+    double best, worst;
+} stats;
+
+static void note(stats *s, double t) {
+    if (t < s->best)
+        s->best = t;
+    if (t > s->worst)
+        s->worst = t;
+}
+
+static double sgemm_gflops(int m, int n, int k, const char *ta, int reps) {
+    float *A = malloc(sizeof(float) * (size_t)m * k), *B = malloc(sizeof(float) * (size_t)k * n);
+    float *C = malloc(sizeof(float) * (size_t)m * n);
+    for (size_t i = 0; i < (size_t)m * k; i++)
+        A[i] = gauss();
+    for (size_t i = 0; i < (size_t)k * n; i++)
+        B[i] = gauss();
+    const float one = 1.0f, zero = 0.0f;
+    int lda = ta[0] == 'T' ? k : m;
+    double best = 1e30;
+    for (int r = 0; r < reps + 1; r++) { /* the first call warms up */
+        double t = now_s();
+        sgemm_(ta, "N", &m, &n, &k, &one, A, &lda, B, &k, &zero, C, &m);
+        t = now_s() - t;
+        if (r > 0 && t < best)
+            best = t;
+    }
+    free(A);
+    free(B);
+    free(C);
+    return 2.0 * m * n * k / best * 1e-9;
+}
+
+int main(int argc, char **argv) {
+    int reps = argc > 1 ? atoi(argv[1]) : 3;
+    uint32_t max_k = argc > 2 ? (uint32_t)atoi(argv[2]) : 128;
+    if (reps < 1)
+        reps = 1;
+    if (openblas_set_num_threads)
+        openblas_set_num_threads(1);
+    const uint32_t NMAX = max_k * 1024u;
+
+    /* sgemm rates: square, and the decode step's score shape (rows × 576 by 576 × heads) */
+    double g_sq = sgemm_gflops(1024, 1024, 1024, "N", reps);
+    double g_dec = sgemm_gflops(4096, H, KD, "T", reps);
+    double g_ref = g_sq > g_dec ? g_sq : g_dec;
+    printf("decode step, CPU, single thread: H = %d heads, bf16 MLA rows (%d B), B = %d, sinks %d, "
+           "%d×, tail %d rows, rank %d, conformal z = %.0f, %d repeats\n",
+           H, ROW, BLK, SINKS, RATIO, TAIL, RANK, Z, reps);
+    printf("sgemm (OpenBLAS, 1 thread): 1024³ %.1f GFLOP/s, 4096×%d×%d (decode score shape) "
+           "%.1f GFLOP/s\n", g_sq, H, KD, g_dec);
+
+    /* the pool: NMAX rows, identity page table of PR-row pages */
+    uint8_t *pool = malloc((size_t)NMAX * ROW);
+    float *basis = malloc(sizeof(float) * RANK * D), *q = malloc(sizeof(float) * H * KD);
+    float u[KD], lat[D];
+    orthonormal(RANK, D, basis);
+    double un = 0;
+    for (uint32_t i = 0; i < KD; i++) {
+        u[i] = gauss();
+        un += (double)u[i] * u[i];
+    }
+    for (uint32_t i = 0; i < KD; i++)
+        u[i] /= (float)sqrt(un); /* the sinks' direction, a unit vector */
+    for (uint32_t r = 0; r < NMAX; r++) {
+        uint8_t *row = pool + (size_t)r * ROW;
+        if (r < SINKS) { /* a sink: SINK_LEN·u plus a little noise */
+            for (uint32_t i = 0; i < KD; i++)
+                kvt__store_elem(row, KVT__DT_BF16, i, SINK_LEN * u[i] + 0.3f * gauss());
+            continue;
+        }
+        float a[RANK];
+        for (uint32_t k = 0; k < RANK; k++)
+            a[k] = gauss() * sqrtf(0.9f * D / RANK);
+        for (uint32_t d = 0; d < D; d++) {
+            float c = sqrtf(0.1f) * gauss();
+            for (uint32_t k = 0; k < RANK; k++)
+                c += a[k] * basis[(size_t)k * D + d];
+            lat[d] = c;
+        }
+        for (uint32_t d = 0; d < D; d++)
+            kvt__store_elem(row, KVT__DT_BF16, d, lat[d]);
+        for (uint32_t j = 0; j < BD; j++)
+            kvt__store_elem(row, KVT__DT_BF16, D + j, gauss());
+    }
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t i = 0; i < KD; i++)
+            q[h * KD + i] = gauss() + Q_SHARED * u[i];
+    int32_t *pages = malloc(sizeof(int32_t) * (NMAX / PR));
+    for (uint32_t p = 0; p < NMAX / PR; p++)
+        pages[p] = (int32_t)p;
+    kvt__div32 pd = kvt__div32_make(PR);
+    /* sketches of every row that can be closed (row r's sketch at r) */
+    const uint32_t NC = NMAX - TAIL;
+    uint16_t *csk = malloc(sizeof(uint16_t) * (size_t)NC * RANK);
+    float *rho = malloc(sizeof(float) * NC);
+    int32_t *ident = malloc(sizeof(int32_t) * NMAX);
+    for (uint32_t r = 0; r < NMAX; r++)
+        ident[r] = (int32_t)r;
+    float *sks = malloc(sizeof(float) * kvt__sketch_scratch_floats(D));
+    double t_sk = now_s();
+    kvt__sketch_rows_cpu(pool, ident, NC, ROW, KVT__DT_BF16, D, basis, RANK, RANK, sks, csk, rho);
+    t_sk = now_s() - t_sk;
+
+    kvt__alloc al;
+    if (kvt__alloc_init(&al, KVT_ALLOC_LIBC) != KVT_OK)
+        return 1;
+    kvt__backend be = {.alloc = &al};
+    if (kvt__backend_cpu_open(&be) != KVT_OK)
+        return 1;
+
+    float *scr = malloc(sizeof(float) * kvt__attn_f32_scratch_floats(H, KD, D));
+    float *out = malloc(sizeof(float) * H * D), *best = malloc(sizeof(float) * H);
+    int32_t *att = malloc(sizeof(int32_t) * NMAX), *fired_slots = malloc(sizeof(int32_t) * NMAX);
+    uint32_t *kept = malloc(sizeof(uint32_t) * NMAX), *fired = malloc(sizeof(uint32_t) * NMAX);
+    uint8_t *pick = malloc(NMAX);
+    int32_t *idx_out = malloc(sizeof(int32_t) * NMAX), lens[2];
+
+    /* the double reference's rate once, at 4096 rows (issue 10: 3–5% of sgemm) */
+    {
+        uint32_t n = 4096;
+        double *ds = malloc(sizeof(double) * kvt__attn_scratch_doubles(n, H, D, KD));
+        kvt__attn_args r = {.base = pool, .n_rows = n, .slot_stride = ROW, .dtype = KVT__DT_BF16,
+                            .key_dim = KD, .value_dim = D, .q = q, .n_heads = H, .q_stride = KD,
+                            .scale = SCALE, .out = out, .scratch = ds};
+        double t = now_s();
+        kvt__attn_cpu(&r);
+        t = now_s() - t;
+        printf("double reference (kernels/attn.c), 4096 rows: %.1f GFLOP/s = %.3f of sgemm\n",
+               2.0 * H * (KD + D) * n / t * 1e-9, 2.0 * H * (KD + D) * n / t * 1e-9 / g_ref);
+        free(ds);
+    }
+    printf("sketches of %u rows: %.2f s (setup, not timed below)\n\n", NC, t_sk);
+
+    static const uint32_t ctxs[] = {4096, 8192, 16384, 32768, 65536, 131072};
+    uint32_t crossover = 0;
+    int crossed = 0;
+    printf("%8s %10s %10s %10s %10s %10s %9s %9s %8s %8s %7s %8s %8s\n", "N", "dense ms",
+           "attn ms", "scan ms", "emit ms", "fired ms", "a/(b..e)", "a/b", "GF/s a", "frac",
+           "fired", "B/tok", "visited");
+    for (size_t ci = 0; ci < sizeof ctxs / sizeof ctxs[0]; ci++) {
+        const uint32_t N = ctxs[ci];
+        if (N > NMAX)
+            break;
+        const uint32_t closed = N - TAIL, m = closed / RATIO;
+        /* kept: m distinct random positions in [SINKS, closed), ascending */
+        memset(pick, 0, closed);
+        for (uint32_t c = 0; c < m;) {
+            uint32_t r = SINKS + (uint32_t)(rnd() % (closed - SINKS));
+            if (!pick[r]) {
+                pick[r] = 1;
+                c++;
+            }
+        }
+        uint32_t na = 0, nk = 0;
+        for (uint32_t r = 0; r < SINKS; r++)
+            att[na++] = (int32_t)r;
+        for (uint32_t r = SINKS; r < closed; r++)
+            if (pick[r]) {
+                kept[nk++] = r;
+                att[na++] = (int32_t)r;
+            }
+        for (uint32_t r = closed; r < N; r++)
+            att[na++] = (int32_t)r;
+        const uint32_t archived = closed - SINKS - m;
+
+        kvt__attn_f32_args dense = {.base = pool, .n_rows = N, .slot_stride = ROW,
+                                    .dtype = KVT__DT_BF16, .key_dim = KD, .value_dim = D,
+                                    .q = q, .n_heads = H, .q_stride = KD, .scale = SCALE,
+                                    .out = out, .scratch = scr};
+        kvt__attn_f32_args sparse = dense;
+        sparse.slots = att;
+        sparse.n_rows = na;
+        sparse.max_score = best;
+        uint32_t nf = 0, ov = 0;
+        kvt__recall_scan_args s = {.base = pool, .pages = pages, .pdiv = &pd,
+                                   .slot_stride = ROW, .dtype = KVT__DT_BF16, .latent_dim = D,
+                                   .branch_offset = 2 * D, .branch_dtype = KVT__DT_BF16,
+                                   .branch_dim = BD, .csk = csk, .rho = rho, .csk_stride = RANK,
+                                   .basis = basis, .rank = RANK, .n_closed = closed,
+                                   .sinks = SINKS, .kept = kept, .m = m, .q = q, .best = best,
+                                   .n_heads = H, .scale = (float)SCALE, .z = Z,
+                                   .mode = KVT__RECALL_CONFORMAL, .cap = archived,
+                                   .fired = fired, .n_fired = &nf, .overflow = &ov};
+        kvt__pack_query pq[2] = {
+            {.d = {.lo_end = SINKS, .list = kept, .n_list = m, .hi_begin = closed, .hi_end = N},
+             .pages = pages, .out = 0, .pad = na, .len_at = 0},
+            {.d = {.lo_end = 0, .list = fired, .n_list = 0, .hi_begin = 0, .hi_end = 0},
+             .pages = pages, .out = na, .len_at = 1}};
+        kvt__pack_args pk = {.q = pq, .n = 2, .pdiv = &pd, .indices = idx_out, .lengths = lens};
+        kvt__attn_f32_args fa = dense;
+        fa.slots = fired_slots;
+        fa.out = out;
+        stats ta = {1e30, 0}, tb = ta, tc = ta, td = ta, te = ta, tt = ta;
+        for (int rep = 0; rep < reps; rep++) {
+            double t0 = now_s();
+            kvt__attn_f32_cpu(&dense);
+            double t1 = now_s();
+            kvt__attn_f32_cpu(&sparse);
+            double t2 = now_s();
+            if (be.ops->recall_scan(&be, &s, 1, NULL) != KVT_OK)
+                return 1;
+            double t3 = now_s();
+            pq[1].d.n_list = nf;
+            pq[1].pad = nf;
+            if (be.ops->pack(&be, &pk, NULL) != KVT_OK)
+                return 1;
+            double t4 = now_s();
+            for (uint32_t i = 0; i < nf; i++)
+                fired_slots[i] = (int32_t)fired[i];
+            fa.n_rows = nf;
+            kvt__attn_f32_cpu(&fa);
+            double t5 = now_s();
+            note(&ta, t1 - t0);
+            note(&tb, t2 - t1);
+            note(&tc, t3 - t2);
+            note(&td, t4 - t3);
+            note(&te, t5 - t4);
+            note(&tt, t5 - t1);
+        }
+        if (lens[0] != (int32_t)na || lens[1] != (int32_t)nf) {
+            fprintf(stderr, "emission wrote %d + %d slots, expected %u + %u\n", lens[0], lens[1],
+                    na, nf);
+            return 1;
+        }
+        const double fl = 2.0 * H * (KD + D) * (double)N;
+        const double bytes = ((double)na + nf) * ROW + (double)archived * (2 * RANK + 4 + 2 * BD) +
+                             4.0 * (na + nf);
+        printf("%8u %10.2f %10.2f %10.2f %10.3f %10.3f %9.2f %9.2f %8.1f %8.2f %7u %8.0f %8.2f\n",
+               N, ta.best * 1e3, tb.best * 1e3, tc.best * 1e3, td.best * 1e3, te.best * 1e3,
+               ta.best / tt.best, ta.best / tb.best, fl / ta.best * 1e-9,
+               fl / ta.best * 1e-9 / g_ref, nf, bytes / N, archived ? 1.0 : 0.0);
+        printf("%8s ranges: dense %.2f–%.2f, attn %.2f–%.2f, scan %.2f–%.2f, emit %.3f–%.3f, "
+               "fired %.3f–%.3f; speedup %.2f–%.2f (worst/best pairings); attended %u rows, "
+               "archived %u\n", "", ta.best * 1e3, ta.worst * 1e3, tb.best * 1e3, tb.worst * 1e3,
+               tc.best * 1e3, tc.worst * 1e3, td.best * 1e3, td.worst * 1e3, te.best * 1e3,
+               te.worst * 1e3, ta.best / tt.worst, ta.worst / tt.best, na, archived);
+        if (!crossed && tt.best < ta.best) {
+            crossed = 1;
+            crossover = N;
+        }
+        fflush(stdout);
+    }
+    if (crossed)
+        printf("\ncrossover: kvtier's step beats dense from N = %u rows (the smallest context "
+               "measured where it does)\n", crossover);
+    else
+        printf("\ncrossover: not reached up to N = %u\n", NMAX);
+    printf("bytes read per context row at 32×: dense %d; the reference figure for kvtier is 294\n",
+           ROW);
+    kvt__backend_cpu_close(&be);
+    kvt__alloc_fini(&al);
+    free(pool);
+    free(basis);
+    free(q);
+    free(pages);
+    free(csk);
+    free(rho);
+    free(ident);
+    free(sks);
+    free(scr);
+    free(out);
+    free(best);
+    free(att);
+    free(fired_slots);
+    free(kept);
+    free(fired);
+    free(pick);
+    free(idx_out);
+    return 0;
+}
