@@ -9,7 +9,7 @@
  * B = 4096 rows, 4 sinks; the step happens mid-block: the tail (open block) holds B/2 rows, the
  * closed rows are N − B/2, m = closed/32 of them kept (random positions), the rest archived with
  * rank-64 sketches. Everything single-threaded (attention is per sequence; OpenBLAS pinned to one
- * thread too).
+ * thread too), timed in the thread's CPU time (CLOCK_THREAD_CPUTIME_ID), sgemm included.
  *
  * Synthetic data (shaped so that the conformal trigger behaves as on a model: most archived rows
  * are far below the threshold): latents are 90% of their energy in a random rank-64 subspace
@@ -25,7 +25,15 @@
  *       archived row (visited fraction 1.0; a pruned scan would report less here),
  *   (d) emission: the backend's pack op writes the attended slots (TOKENS layout),
  *   (e) attention over the rows the scan fired (they join the attended set).
- * speedup = a / (b + c + d + e), and a / b. Bytes read per context row: dense 1152; kvtier
+ * speedup = a / (b + c + d + e), and a / b.
+ *   (c') a projection, not a scan: the attention kernel itself over the archived rows' idx inputs
+ *        ([branch | csk] as 128 bf16 values a row, all heads per row load, value_dim 0) — the
+ *        FLOPs of every head's idx at GEMM speed, plus a softmax's exponentials instead of the
+ *        trigger's compares. It shows what a GEMM-shaped scan could cost; speedup' = a / (b + c' +
+ *        d + e). The twin (c) is what kvtier runs today.
+ * Visited fraction: archived rows the scan read / archived rows; 1.0 for the full scan (a pruned
+ * scan, kernels/recall_group.* when it lands, would replace (c) and count what it visits).
+ * Bytes read per context row: dense 1152; kvtier
  * (attended + fired)·1152 + archived·(csk 128 + ρ 4 + branch 128) + 4 per emitted slot.
  *
  * Usage: bench_decode [reps (3)] [largest context in k rows (128)]
@@ -94,6 +102,15 @@ static void orthonormal(uint32_t rank, uint32_t n, float *out) {
     free(v);
 }
 
+/* This thread's CPU time: the machine is shared (load averages of 8–10 on 2 cores), and a
+ * single-threaded step's CPU time does not count the slices other processes take from it
+ * (their cache pressure still counts). */
+static double cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 typedef struct stats {
     double best, worst;
 } stats;
@@ -116,9 +133,9 @@ static double sgemm_gflops(int m, int n, int k, const char *ta, int reps) {
     int lda = ta[0] == 'T' ? k : m;
     double best = 1e30;
     for (int r = 0; r < reps + 1; r++) { /* the first call warms up */
-        double t = now_s();
+        double t = cpu_s();
         sgemm_(ta, "N", &m, &n, &k, &one, A, &lda, B, &k, &zero, C, &m);
-        t = now_s() - t;
+        t = cpu_s() - t;
         if (r > 0 && t < best)
             best = t;
     }
@@ -195,9 +212,9 @@ int main(int argc, char **argv) {
     for (uint32_t r = 0; r < NMAX; r++)
         ident[r] = (int32_t)r;
     float *sks = malloc(sizeof(float) * kvt__sketch_scratch_floats(D));
-    double t_sk = now_s();
+    double t_sk = cpu_s();
     kvt__sketch_rows_cpu(pool, ident, NC, ROW, KVT__DT_BF16, D, basis, RANK, RANK, sks, csk, rho);
-    t_sk = now_s() - t_sk;
+    t_sk = cpu_s() - t_sk;
 
     kvt__alloc al;
     if (kvt__alloc_init(&al, KVT_ALLOC_LIBC) != KVT_OK)
@@ -220,21 +237,44 @@ int main(int argc, char **argv) {
         kvt__attn_args r = {.base = pool, .n_rows = n, .slot_stride = ROW, .dtype = KVT__DT_BF16,
                             .key_dim = KD, .value_dim = D, .q = q, .n_heads = H, .q_stride = KD,
                             .scale = SCALE, .out = out, .scratch = ds};
-        double t = now_s();
+        double t = cpu_s();
         kvt__attn_cpu(&r);
-        t = now_s() - t;
+        t = cpu_s() - t;
         printf("double reference (kernels/attn.c), 4096 rows: %.1f GFLOP/s = %.3f of sgemm\n",
                2.0 * H * (KD + D) * n / t * 1e-9, 2.0 * H * (KD + D) * n / t * 1e-9 / g_ref);
         free(ds);
     }
     printf("sketches of %u rows: %.2f s (setup, not timed below)\n\n", NC, t_sk);
 
+    /* (c')'s inputs: per row [branch | f32(csk) as bf16], per head [q_br | q̃_sk = q_lat Vᵀ] */
+    enum { PXD = BD + RANK };
+    uint8_t *px = malloc((size_t)NC * PXD * 2);
+    float *qpx = malloc(sizeof(float) * H * PXD);
+    for (uint32_t r = 0; r < NC; r++) {
+        uint8_t *o = px + (size_t)r * PXD * 2;
+        memcpy(o, pool + (size_t)r * ROW + 2 * D, 2 * BD);
+        for (uint32_t k = 0; k < RANK; k++)
+            kvt__store_elem(o, KVT__DT_BF16, BD + k, kvt__f16_to_f32(csk[(size_t)r * RANK + k]));
+    }
+    for (uint32_t h = 0; h < H; h++) {
+        for (uint32_t j = 0; j < BD; j++)
+            qpx[h * PXD + j] = q[h * KD + D + j];
+        for (uint32_t k = 0; k < RANK; k++) {
+            double acc = 0;
+            for (uint32_t d = 0; d < D; d++)
+                acc += (double)q[h * KD + d] * basis[(size_t)k * D + d];
+            qpx[h * PXD + BD + k] = (float)acc;
+        }
+    }
+    float *pxscr = malloc(sizeof(float) * kvt__attn_f32_scratch_floats(H, PXD, 0));
+    int32_t *arch = malloc(sizeof(int32_t) * NMAX);
+
     static const uint32_t ctxs[] = {4096, 8192, 16384, 32768, 65536, 131072};
     uint32_t crossover = 0;
     int crossed = 0;
-    printf("%8s %10s %10s %10s %10s %10s %9s %9s %8s %8s %7s %8s %8s\n", "N", "dense ms",
-           "attn ms", "scan ms", "emit ms", "fired ms", "a/(b..e)", "a/b", "GF/s a", "frac",
-           "fired", "B/tok", "visited");
+    printf("%7s %9s %8s %8s %7s %7s %9s %7s %7s %8s %7s %6s %6s %6s %5s\n", "N", "dense ms",
+           "attn ms", "scan ms", "emit ms", "(e) ms", "a/(b..e)", "a/b", "GF/s a", "frac",
+           "c' ms", "a/(..)'", "fired", "B/tok", "visit");
     for (size_t ci = 0; ci < sizeof ctxs / sizeof ctxs[0]; ci++) {
         const uint32_t N = ctxs[ci];
         if (N > NMAX)
@@ -260,6 +300,14 @@ int main(int argc, char **argv) {
         for (uint32_t r = closed; r < N; r++)
             att[na++] = (int32_t)r;
         const uint32_t archived = closed - SINKS - m;
+        uint32_t narch = 0;
+        for (uint32_t r = SINKS; r < closed; r++)
+            if (!pick[r])
+                arch[narch++] = (int32_t)r;
+        kvt__attn_f32_args proxy = {.base = px, .slots = arch, .n_rows = narch,
+                                    .slot_stride = PXD * 2, .dtype = KVT__DT_BF16,
+                                    .key_dim = PXD, .value_dim = 0, .q = qpx, .n_heads = H,
+                                    .q_stride = PXD, .scale = SCALE, .scratch = pxscr};
 
         kvt__attn_f32_args dense = {.base = pool, .n_rows = N, .slot_stride = ROW,
                                     .dtype = KVT__DT_BF16, .key_dim = KD, .value_dim = D,
@@ -288,33 +336,37 @@ int main(int argc, char **argv) {
         kvt__attn_f32_args fa = dense;
         fa.slots = fired_slots;
         fa.out = out;
-        stats ta = {1e30, 0}, tb = ta, tc = ta, td = ta, te = ta, tt = ta;
+        stats ta = {1e30, 0}, tb = ta, tc = ta, td = ta, te = ta, tt = ta, tp = ta;
         for (int rep = 0; rep < reps; rep++) {
-            double t0 = now_s();
+            double t0 = cpu_s();
             kvt__attn_f32_cpu(&dense);
-            double t1 = now_s();
+            double t1 = cpu_s();
             kvt__attn_f32_cpu(&sparse);
-            double t2 = now_s();
+            double t2 = cpu_s();
             if (be.ops->recall_scan(&be, &s, 1, NULL) != KVT_OK)
                 return 1;
-            double t3 = now_s();
+            double t3 = cpu_s();
             pq[1].d.n_list = nf;
             pq[1].pad = nf;
             if (be.ops->pack(&be, &pk, NULL) != KVT_OK)
                 return 1;
-            double t4 = now_s();
+            double t4 = cpu_s();
             for (uint32_t i = 0; i < nf; i++)
                 fired_slots[i] = (int32_t)fired[i];
             fa.n_rows = nf;
             kvt__attn_f32_cpu(&fa);
-            double t5 = now_s();
+            double t5 = cpu_s();
             note(&ta, t1 - t0);
             note(&tb, t2 - t1);
             note(&tc, t3 - t2);
             note(&td, t4 - t3);
             note(&te, t5 - t4);
             note(&tt, t5 - t1);
+            double t6 = cpu_s();
+            kvt__attn_f32_cpu(&proxy);
+            note(&tp, cpu_s() - t6);
         }
+        const double visited = archived ? (double)archived / archived : 1.0; /* the full scan */
         if (lens[0] != (int32_t)na || lens[1] != (int32_t)nf) {
             fprintf(stderr, "emission wrote %d + %d slots, expected %u + %u\n", lens[0], lens[1],
                     na, nf);
@@ -323,15 +375,19 @@ int main(int argc, char **argv) {
         const double fl = 2.0 * H * (KD + D) * (double)N;
         const double bytes = ((double)na + nf) * ROW + (double)archived * (2 * RANK + 4 + 2 * BD) +
                              4.0 * (na + nf);
-        printf("%8u %10.2f %10.2f %10.2f %10.3f %10.3f %9.2f %9.2f %8.1f %8.2f %7u %8.0f %8.2f\n",
+        const double tpx = tb.best + tp.best + td.best + te.best;
+        printf("%7u %9.2f %8.2f %8.2f %7.3f %7.3f %9.2f %7.2f %7.1f %8.2f %7.2f %6.2f %6u %6.0f "
+               "%5.2f\n",
                N, ta.best * 1e3, tb.best * 1e3, tc.best * 1e3, td.best * 1e3, te.best * 1e3,
                ta.best / tt.best, ta.best / tb.best, fl / ta.best * 1e-9,
-               fl / ta.best * 1e-9 / g_ref, nf, bytes / N, archived ? 1.0 : 0.0);
-        printf("%8s ranges: dense %.2f–%.2f, attn %.2f–%.2f, scan %.2f–%.2f, emit %.3f–%.3f, "
-               "fired %.3f–%.3f; speedup %.2f–%.2f (worst/best pairings); attended %u rows, "
-               "archived %u\n", "", ta.best * 1e3, ta.worst * 1e3, tb.best * 1e3, tb.worst * 1e3,
-               tc.best * 1e3, tc.worst * 1e3, td.best * 1e3, td.worst * 1e3, te.best * 1e3,
-               te.worst * 1e3, ta.best / tt.worst, ta.worst / tt.best, na, archived);
+               fl / ta.best * 1e-9 / g_ref, tp.best * 1e3, ta.best / tpx, nf, bytes / N,
+               visited);
+        printf("%7s ranges: dense %.2f–%.2f, attn %.2f–%.2f, scan %.2f–%.2f, emit %.3f–%.3f, "
+               "fired %.3f–%.3f, c' %.2f–%.2f; a/(b..e) %.2f–%.2f (worst/best pairings); "
+               "attended %u rows, archived %u\n", "", ta.best * 1e3, ta.worst * 1e3,
+               tb.best * 1e3, tb.worst * 1e3, tc.best * 1e3, tc.worst * 1e3, td.best * 1e3,
+               td.worst * 1e3, te.best * 1e3, te.worst * 1e3, tp.best * 1e3, tp.worst * 1e3,
+               ta.best / tt.worst, ta.worst / tt.best, na, archived);
         if (!crossed && tt.best < ta.best) {
             crossed = 1;
             crossover = N;
@@ -364,5 +420,9 @@ int main(int argc, char **argv) {
     free(fired);
     free(pick);
     free(idx_out);
+    free(px);
+    free(qpx);
+    free(pxscr);
+    free(arch);
     return 0;
 }
