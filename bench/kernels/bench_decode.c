@@ -269,9 +269,11 @@ int main(int argc, char **argv) {
     float *pxscr = malloc(sizeof(float) * kvt__attn_f32_scratch_floats(H, PXD, 0));
     int32_t *arch = malloc(sizeof(int32_t) * NMAX);
 
-    static const uint32_t ctxs[] = {4096, 8192, 16384, 32768, 65536, 131072};
-    uint32_t crossover = 0;
-    int crossed = 0;
+    static const uint32_t ctxs[] = {2560, 3072, 4096, 8192, 16384, 32768, 65536, 131072};
+    /* crossover: the smallest measured N from which on (that N and every larger one measured)
+     * kvtier's step (best time) beats dense (best time); 0: not reached. For the twin scan and
+     * for the projection (c'). */
+    uint32_t cross = 0, cross_px = 0;
     printf("%7s %9s %8s %8s %7s %7s %9s %7s %7s %8s %7s %6s %6s %6s %5s\n", "N", "dense ms",
            "attn ms", "scan ms", "emit ms", "(e) ms", "a/(b..e)", "a/b", "GF/s a", "frac",
            "c' ms", "a/(..)'", "fired", "B/tok", "visit");
@@ -388,17 +390,55 @@ int main(int argc, char **argv) {
                tb.best * 1e3, tb.worst * 1e3, tc.best * 1e3, tc.worst * 1e3, td.best * 1e3,
                td.worst * 1e3, te.best * 1e3, te.worst * 1e3, tp.best * 1e3, tp.worst * 1e3,
                ta.best / tt.worst, ta.worst / tt.best, na, archived);
-        if (!crossed && tt.best < ta.best) {
-            crossed = 1;
-            crossover = N;
+        if (tt.best < ta.best) {
+            if (!cross)
+                cross = N;
+        } else {
+            cross = 0;
+        }
+        if (tpx < ta.best) {
+            if (!cross_px)
+                cross_px = N;
+        } else {
+            cross_px = 0;
         }
         fflush(stdout);
     }
-    if (crossed)
-        printf("\ncrossover: kvtier's step beats dense from N = %u rows (the smallest context "
-               "measured where it does)\n", crossover);
+    { /* the scan's fixed cost: no archived row, only the heads' preparation */
+        float b0[H];
+        for (uint32_t h = 0; h < H; h++)
+            b0[h] = 0.0f;
+        uint32_t nf = 0, ov = 0, f0 = 0;
+        kvt__recall_scan_args s = {.base = pool, .pages = pages, .pdiv = &pd,
+                                   .slot_stride = ROW, .dtype = KVT__DT_BF16, .latent_dim = D,
+                                   .branch_offset = 2 * D, .branch_dtype = KVT__DT_BF16,
+                                   .branch_dim = BD, .csk = csk, .rho = rho, .csk_stride = RANK,
+                                   .basis = basis, .rank = RANK, .n_closed = SINKS,
+                                   .sinks = SINKS, .kept = kept, .m = 0, .q = q, .best = b0,
+                                   .n_heads = H, .scale = (float)SCALE, .z = Z,
+                                   .mode = KVT__RECALL_CONFORMAL, .cap = 1, .fired = &f0,
+                                   .n_fired = &nf, .overflow = &ov};
+        stats t0 = {1e30, 0};
+        for (int rep = 0; rep < reps; rep++) {
+            double t = cpu_s();
+            if (be.ops->recall_scan(&be, &s, 1, NULL) != KVT_OK)
+                return 1;
+            note(&t0, cpu_s() - t);
+        }
+        printf("\nrecall scan twin with no archived row (its %d heads' preparation alone): "
+               "%.2f ms (%.2f–%.2f)\n", H, t0.best * 1e3, t0.best * 1e3, t0.worst * 1e3);
+    }
+    printf("crossover (beats dense at that N and every larger N measured): with the recall "
+           "scan twin ");
+    if (cross)
+        printf("N = %u rows", cross);
     else
-        printf("\ncrossover: not reached up to N = %u\n", NMAX);
+        printf("not reached up to N = %u", NMAX);
+    printf("; with the projection (c') ");
+    if (cross_px)
+        printf("N = %u rows\n", cross_px);
+    else
+        printf("not reached up to N = %u\n", NMAX);
     printf("bytes read per context row at 32×: dense %d; the reference figure for kvtier is 294\n",
            ROW);
     kvt__backend_cpu_close(&be);
