@@ -125,8 +125,9 @@ static void check(const setup *s, const int32_t *slots, uint32_t n) {
 
 Test(attn_f32, contiguous_ranges_match_the_reference) {
     tu_rng g = {.s = 11};
-    setup s = make(&g, 400, 32, KVT__DT_BF16, 1.0, 0.0);
-    static const uint32_t ns[] = {1, 2, 5, 6, 7, 95, 96, 97, 191, 400};
+    setup s = make(&g, 200, 32, KVT__DT_BF16, 1.0, 0.0);
+    /* micro-kernel blocks of 6 rows and tiles of 96: partial ones of every kind */
+    static const uint32_t ns[] = {1, 5, 7, 97, 200};
     for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++)
         check(&s, NULL, ns[i]);
     drop(&s);
@@ -134,19 +135,19 @@ Test(attn_f32, contiguous_ranges_match_the_reference) {
 
 Test(attn_f32, gathers_with_gaps_and_any_order_match_the_reference) {
     tu_rng g = {.s = 12};
-    setup s = make(&g, 1000, 32, KVT__DT_BF16, 1.0, 0.0);
-    int32_t slots[300];
-    for (uint32_t j = 0; j < 300; j++)
+    setup s = make(&g, 600, 32, KVT__DT_BF16, 1.0, 0.0);
+    int32_t slots[200];
+    for (uint32_t j = 0; j < 200; j++)
         slots[j] = (int32_t)(j * 3 + (j % 2)); /* gaps of 1 and 3 slots */
-    check(&s, slots, 300);
-    for (uint32_t j = 299; j > 0; j--) { /* shuffled */
+    check(&s, slots, 200);
+    for (uint32_t j = 199; j > 0; j--) { /* shuffled */
         uint32_t k = (uint32_t)(tu_next(&g) % (j + 1));
         int32_t t = slots[j];
         slots[j] = slots[k];
         slots[k] = t;
     }
-    check(&s, slots, 300);
-    slots[0] = 999;
+    check(&s, slots, 200);
+    slots[0] = 599;
     check(&s, slots, 1);
     drop(&s);
 }
@@ -171,8 +172,8 @@ Test(attn_f32, head_counts_off_the_tile_and_other_dtypes) {
  * moves in every tile and the accumulators are rescaled. */
 Test(attn_f32, peaked_softmax_with_a_moving_max) {
     tu_rng g = {.s = 14};
-    setup s = make(&g, 500, 32, KVT__DT_BF16, 4.0, 0.01);
-    check(&s, NULL, 500);
+    setup s = make(&g, 300, 32, KVT__DT_BF16, 4.0, 0.015);
+    check(&s, NULL, 300);
     drop(&s);
 }
 
