@@ -135,7 +135,8 @@ int kvt__attn_cpu(const kvt__attn_args *a);
  * Fast fp32 twin (kernels/attn_f32.c): the same step computed like a GEMM, for benchmarks that
  * compare attention over a subset of rows with attention over all of them (bench/kernels/
  * bench_decode.c). fp32 throughout, online softmax (every row read once, for all heads), the
- * tiling's summation order: agrees with kvt__attn_cpu to a relative ~1e-5, not bit for bit.
+ * tiling's summation order: agrees with kvt__attn_cpu to a relative ~1e-5 on unit-scale data, not
+ * bit for bit (the error grows with the scores' magnitude: tests/test_attn_f32.c states the bound).
  * ------------------------------------------------------------------------------------------- */
 
 /* Rows widened to fp32 per tile (a tile of 96 bf16 MLA rows is 216 KiB of fp32). */

@@ -150,6 +150,8 @@ int main(int argc, char **argv) {
     uint32_t max_k = argc > 2 ? (uint32_t)atoi(argv[2]) : 128;
     if (reps < 1)
         reps = 1;
+    if (max_k < 3) /* the tail alone is 2k rows */
+        max_k = 3;
     if (openblas_set_num_threads)
         openblas_set_num_threads(1);
     const uint32_t NMAX = max_k * 1024u;
