@@ -131,4 +131,45 @@ size_t kvt__attn_scratch_doubles(uint32_t n_rows, uint32_t n_heads, uint32_t val
  * q_stride < key_dim, a negative slot, an unknown dtype). */
 int kvt__attn_cpu(const kvt__attn_args *a);
 
+/* ---------------------------------------------------------------------------------------------
+ * Fast fp32 twin (kernels/attn_f32.c): the same step computed like a GEMM, for benchmarks that
+ * compare attention over a subset of rows with attention over all of them (bench/kernels/
+ * bench_decode.c). fp32 throughout, online softmax (every row read once, for all heads), the
+ * tiling's summation order: agrees with kvt__attn_cpu to a relative ~1e-5 on unit-scale data, not
+ * bit for bit (the error grows with the scores' magnitude: tests/test_attn_f32.c states the bound).
+ * ------------------------------------------------------------------------------------------- */
+
+/* Rows widened to fp32 per tile (a tile of 96 bf16 MLA rows is 216 KiB of fp32). */
+#define KVT__ATTN_F32_TILE 96u
+
+typedef struct kvt__attn_f32_args {
+    const uint8_t *base;   /* as kvt__attn_args: row j at base + slots[j] * slot_stride +
+                              row_offset; slots NULL: a contiguous range, row j at slot j (point
+                              base at the range's first slot) */
+    const int32_t *slots;  /* [n_rows] (a gather; any order, gaps allowed), or NULL */
+    uint32_t n_rows;
+    size_t slot_stride;
+    size_t row_offset;
+    int dtype;             /* KVT__DT_BF16 / FP16 / FP32 */
+    uint32_t key_dim;      /* <= KVT__ATTN_MAX_DIM */
+    uint32_t value_dim;    /* <= key_dim */
+    const float *q;        /* [n_heads] queries at q + h * q_stride */
+    uint32_t n_heads;
+    size_t q_stride;       /* >= key_dim */
+    double scale;          /* softmax scale s (applied in fp32) */
+    float *out;            /* [n_heads][value_dim]; NULL: not written */
+    float *lse;            /* [n_heads] log-sum-exp of the scores; NULL: not written */
+    float *max_score;      /* [n_heads] the largest score s·(q·k) over the rows (fp32): the
+                              recall scan's threshold "best"; NULL: not written */
+    float *scratch;        /* kvt__attn_f32_scratch_floats(...) floats, caller-owned */
+} kvt__attn_f32_args;
+
+/* Floats of scratch kvt__attn_f32_cpu needs (whatever n_rows). */
+size_t kvt__attn_f32_scratch_floats(uint32_t n_heads, uint32_t key_dim, uint32_t value_dim);
+
+/* Run the step. An empty row set gives out = 0, lse = max_score = −Inf. A NaN score or value
+ * makes the head's out and lse NaN (max_score ignores NaN scores). Returns 0, or -1 with nothing
+ * written on the arguments kvt__attn_cpu refuses (scratch NULL instead of its doubles). */
+int kvt__attn_f32_cpu(const kvt__attn_f32_args *a);
+
 #endif /* KVT_KERNELS_ATTN_H */
