@@ -121,6 +121,12 @@ Params<T, N> params_of(const T *host, uint32_t n) {
     return p;
 }
 
+/* Job i's args in a kernel as `a`, with its divider (the args' pdiv pointed at host memory). */
+#define JOB_ARGS(T, p, i)                                                                          \
+    T a = (p).a[i];                                                                                \
+    const kvt__div32 a_div = (p).div[i];                                                           \
+    a.pdiv = &a_div
+
 template <typename T, uint32_t N>
 Params<T, N> params_div(const T *host, uint32_t n) {
     Params<T, N> p = params_of<T, N>(host, n);
@@ -313,9 +319,7 @@ __device__ const uint8_t *row_of(const kvt__score_args &a, uint32_t u) {
 typedef Params<kvt__score_args, kMaxSeg> ScoreParams;
 
 __global__ void k_score(const ScoreParams p, float *scratch_all, size_t scratch_each) {
-    kvt__score_args a = p.a[blockIdx.x];
-    const kvt__div32 pdiv = p.div[blockIdx.x];
-    a.pdiv = &pdiv;
+    JOB_ARGS(kvt__score_args, p, blockIdx.x);
     float *scratch = scratch_all + scratch_each * blockIdx.x;
     const uint32_t B = a.n_rows, D = a.branch_dim;
     if (a.selector == KVT_SELECT_RANDOM) {
@@ -422,9 +426,7 @@ bool sketch_args_ok(const kvt__sketch_args &a) {
 }
 
 __global__ void k_sketch(const SketchParams p) {
-    kvt__sketch_args a = p.a[blockIdx.y];
-    const kvt__div32 pdiv = p.div[blockIdx.y];
-    a.pdiv = &pdiv;
+    JOB_ARGS(kvt__sketch_args, p, blockIdx.y);
     /* each warp's row: its latent as fp32 and its fp16 sketch (36 KB a block) */
     __shared__ float s_c[kWarps][KVT__SKETCH_MAX_DIM];
     __shared__ uint16_t s_csk[kWarps][KVT__SKETCH_MAX_RANK];
@@ -548,11 +550,7 @@ __device__ ScanItem scan_item(const ScanWs &w, uint32_t i) {
     return it;
 }
 
-/* The job's args with its divider (the args' pdiv pointed at host memory). */
-#define SCAN_ARGS(p, i)                                                                            \
-    kvt__recall_scan_args a = (p).a[i];                                                            \
-    const kvt__div32 a_div = (p).div[i];                                                           \
-    a.pdiv = &a_div
+#define SCAN_ARGS(p, i) JOB_ARGS(kvt__recall_scan_args, p, i)
 
 /* Head prep (kvt__recall_head_prep, parallel over k then d): q̃_sk[k] by kvt__sketch_coef's
  * chain, q̃_res[d] by kvt__recall_resid's, then the norms and bounds by thread 0. */
@@ -826,11 +824,7 @@ __device__ uint32_t value_key_dev(const kvt__ev_args &a, uint32_t h, uint32_t ro
 
 typedef Params<kvt__ev_args, kMaxEv> EvParams;
 
-/* The job's args with its divider (the args' pdiv pointed at host memory). */
-#define EV_ARGS(p, i)                                                                              \
-    kvt__ev_args a = (p).a[i];                                                                     \
-    const kvt__div32 a_div = (p).div[i];                                                           \
-    a.pdiv = &a_div
+#define EV_ARGS(p, i) JOB_ARGS(kvt__ev_args, p, i)
 
 __global__ void k_ev_select(const EvParams p, uint32_t n_heads_max, uint8_t *scr_all,
                             size_t scr_each) {
