@@ -231,9 +231,10 @@ typedef struct kvt__backend_ops {
      * score_rows: csk and ρ of each row (kvt__sketch_args). */
     kvt_status (*sketch_rows)(const kvt__backend *be, const kvt__sketch_args *a, uint32_t n,
                               void *stream);
-    /* Recall scans of n (request, layer) work items (kvt__recall_scan_args). Optional: NULL
-     * where the backend has no scan yet (CUDA today); the library then refuses recall
-     * (KVT_ERR_UNSUPPORTED). KVT_ERR_INVALID_ARGUMENT for arguments out of their ranges. */
+    /* Recall scans of n (request, layer) work items (kvt__recall_scan_args). Optional, like
+     * sketch_rows: NULL in a backend without the recall ops (the CPU, guarded and CUDA backends
+     * have both); the library then refuses recall (KVT_ERR_UNSUPPORTED).
+     * KVT_ERR_INVALID_ARGUMENT for arguments out of their ranges. */
     kvt_status (*recall_scan)(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
                               void *stream);
     /* The recall steps of n (request, layer) work items (kvt__recall_step_args): each head's best

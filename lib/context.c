@@ -378,8 +378,9 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
         goto fail;
     if ((s = open_backend(ctx, p->backend, err, len)) != KVT_OK)
         goto fail;
-    /* The recall tier's ops are optional in a backend's table (CUDA has neither yet): a context
-     * that asks for sketches on a backend without them is refused, not left to call NULL. */
+    /* The recall tier's ops are optional in a backend's table (the CPU, guarded and CUDA
+     * backends have both): a context that asks for sketches on a backend without them is
+     * refused, not left to call NULL. */
     if (ctx->sketch_rank &&
         (!ctx->backend.ops->sketch_rows || !ctx->backend.ops->recall_scan)) {
         s = kvt__fail(err, len, KVT_ERR_UNSUPPORTED,

@@ -7,7 +7,9 @@
 #     CUDA backend must give the CPU's keep-set file byte for byte (decisions bit-equal: σ, top-m,
 #     Philox draws, VaSE, compaction, archive); without a device this fails instead of skipping.
 #   - test_cuda with KVT_REQUIRE_GPU=1: each op against its CPU twin on random inputs (which op
-#     differs, when the goldens do).
+#     differs, when the goldens do), the recall tier's sketch_rows and recall_scan included
+#     (cuda::sketch_rows_equal_the_cpu, cuda::recall_scan_equals_the_cpu: never run on a device
+#     before this script's first run with them).
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #

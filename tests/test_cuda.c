@@ -2,8 +2,9 @@
  * test_cuda.c — every op of the CUDA backend against its CPU twin on the same random inputs,
  * bit for bit: select (segmented top-m with NaN/Inf and ties), score_rows (σ and the norm and
  * random selectors over a shuffled page table), pack (TOKENS and CSR), ev_append, ev_select and
- * ev_apply (per-head and shared keep sets, VaSE, with and without the archive), find_pos, and
- * the buffer copies. Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
+ * ev_apply (per-head and shared keep sets, VaSE, with and without the archive), find_pos, the
+ * buffer copies, and the recall tier's sketch_rows (csk and ρ, undescribable rows included) and
+ * recall_scan (sound and conformal, caps and overflow: fired sets, counts and flags). Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
  * the skip into a failure: scripts/gpu-check.sh sets it; KVT_CUDA_TEST_SELFCHECK=1 runs the tests
  * with the guarded backend in CUDA's place, which checks the tests themselves). The golden suite
  * (test_golden) drives whole scenarios on the CUDA backend; this one says which op differs.
@@ -12,7 +13,9 @@
 
 #include "kernels/backend.h"
 #include "kernels/evict.h"
+#include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
+#include "kernels/sketch.h"
 #include "lib/base/alloc.h"
 #include "support/testutil.h"
 
@@ -361,5 +364,318 @@ Test(cuda, eviction_rounds_equal_the_cpu) {
     rig_open(&r);
     for (int v = 0; v < 8; v++)
         round_pair(&r, v & 1 ? 8 : 1, v & 2, v & 4, v % 3 != 0);
+    rig_close(&r);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The recall tier's ops: sketch_rows and recall_scan against their CPU twins.
+ * ------------------------------------------------------------------------------------------- */
+
+/* A recall pool: NP pages of PR rows behind a shuffled table, each row a latent of D values then
+ * a branch of 64, dtype dt; random values (random_pool), a few rows made undescribable (a NaN, an
+ * Inf) and one whose first coefficient overflows fp16 (latent = 7e4 · V[0]), the rest of the
+ * rows a mix of in-span and random latents. */
+typedef struct rpool {
+    uint32_t D, rank, NP, PR;
+    int dt;
+    size_t slot;
+    uint8_t *pool;
+    int32_t *pages;
+    kvt__div32 pdiv;
+    float *V; /* [rank][D] or NULL */
+    void *dpool, *dpages, *dV; /* the device copies (dV NULL without a basis) */
+} rpool;
+
+static void rpool_make(rig *r, rpool *p, tu_rng *g, int dt, uint32_t D, uint32_t rank) {
+    memset(p, 0, sizeof *p);
+    p->D = D;
+    p->rank = rank;
+    p->dt = dt;
+    p->PR = 16;
+    p->NP = 32;
+    p->slot = (size_t)(D + 64) * (dt == KVT__DT_FP32 ? 4 : 2);
+    p->pool = random_pool((size_t)p->NP * p->PR * p->slot);
+    p->pages = malloc(sizeof(int32_t) * p->NP);
+    shuffled(p->pages, p->NP);
+    p->pdiv = kvt__div32_make(p->PR);
+    if (rank) {
+        p->V = malloc(sizeof(float) * rank * D);
+        cr_assert(tu_orthonormal_rows(g, rank, D, p->V));
+    }
+    for (uint32_t row = 0; row < p->NP * p->PR; row++) {
+        uint8_t *x = p->pool + (size_t)kvt__page_slot(p->pages, 0, &p->pdiv, row) * p->slot;
+        uint32_t kind = (uint32_t)(tu_next(g) % 4);
+        if (row == 9 || row == 300)
+            kvt__store_elem(x, dt, (uint32_t)(tu_next(g) % D), row == 9 ? NAN : INFINITY);
+        else if (row == 40 && rank)
+            for (uint32_t d = 0; d < D; d++)
+                kvt__store_elem(x, dt, d, 7e4f * p->V[d]);
+        else if (kind == 0 && rank) /* near span V: a few coefficients, small noise */
+            for (uint32_t d = 0; d < D; d++) {
+                float c = (float)(0.01 * tu_normal(g));
+                for (uint32_t k = 0; k < rank; k += 1 + k % 5)
+                    c += (float)(k % 3 + 1) * 0.5f * p->V[(size_t)k * D + d];
+                kvt__store_elem(x, dt, d, c);
+            }
+    }
+    p->dpool = dev(r, p->pool, (size_t)p->NP * p->PR * p->slot);
+    p->dpages = dev(r, p->pages, sizeof(int32_t) * p->NP);
+    p->dV = rank ? dev(r, p->V, sizeof(float) * rank * D) : NULL;
+}
+
+static void rpool_free(rig *r, rpool *p) {
+    undev(r, p->dpool, (size_t)p->NP * p->PR * p->slot);
+    undev(r, p->dpages, sizeof(int32_t) * p->NP);
+    if (p->dV)
+        undev(r, p->dV, sizeof(float) * p->rank * p->D);
+    free(p->pool);
+    free(p->pages);
+    free(p->V);
+}
+
+Test(cuda, sketch_rows_equal_the_cpu) {
+    rig r;
+    rig_open(&r);
+    tu_rng g = {.s = 0x5e7c4};
+    /* dtype, D, rank, csk_stride: MLA's shape, odd ranks, a D off the warp width, no basis */
+    const struct {
+        int dt;
+        uint32_t D, rank, stride;
+    } cfg[] = {{KVT__DT_BF16, 512, 64, 64},
+               {KVT__DT_FP16, 512, 33, 40},
+               {KVT__DT_FP32, 200, 7, 8},
+               {KVT__DT_BF16, 512, 0, 1},
+               {KVT__DT_FP32, 1024, 96, 96}};
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+        rpool p;
+        rpool_make(&r, &p, &g, cfg[c].dt, cfg[c].D, cfg[c].rank);
+        /* two blocks in one call: rows [0, 200) and [256, 333) (a count off the warps) */
+        enum { NB = 2 };
+        const uint64_t first[NB] = {0, 256};
+        const uint32_t nr[NB] = {200, 77};
+        kvt__sketch_args ca[NB], ga[NB];
+        for (int b = 0; b < NB; b++) {
+            const size_t cb = sizeof(uint16_t) * nr[b] * cfg[c].stride;
+            ca[b] = (kvt__sketch_args){.base = p.pool, .pages = p.pages, .first_page = 0,
+                                       .pdiv = &p.pdiv, .first_row = first[b], .n_rows = nr[b],
+                                       .slot_stride = p.slot, .dtype = p.dt, .latent_dim = p.D,
+                                       .basis = p.V, .rank = p.rank,
+                                       .csk_stride = cfg[c].stride, .csk = malloc(cb),
+                                       .rho = malloc(sizeof(float) * nr[b])};
+            /* stale values where the op must write */
+            memset(ca[b].csk, 0x5a, cb);
+            memset(ca[b].rho, 0x5a, sizeof(float) * nr[b]);
+            ga[b] = ca[b];
+            ga[b].base = p.dpool;
+            ga[b].pages = p.dpages;
+            ga[b].basis = p.dV;
+            ga[b].csk = dev(&r, ca[b].csk, cb);
+            ga[b].rho = dev(&r, ca[b].rho, sizeof(float) * nr[b]);
+        }
+        cr_assert_eq(r.cpu.ops->sketch_rows(&r.cpu, ca, NB, NULL), KVT_OK);
+        cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, ga, NB, NULL), KVT_OK);
+        /* out of range: the CPU op's status (before the buffers go) */
+        kvt__sketch_args bad = ga[0];
+        bad.latent_dim = 0;
+        kvt_status bs = r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL);
+        cr_assert_eq(bs, KVT_ERR_INVALID_ARGUMENT, "config %zu: %s", c, kvt_status_name(bs));
+        bad = ga[0];
+        bad.dtype = KVT__DT_FP8; /* refused at creation; the op refuses it too */
+        cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        if (p.rank) { /* a sketch plane narrower than the rank */
+            bad = ga[0];
+            bad.csk_stride = bad.rank - 1;
+            cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL),
+                         KVT_ERR_INVALID_ARGUMENT);
+        }
+        uint32_t inf = 0;
+        for (int b = 0; b < NB; b++) {
+            const size_t cb = sizeof(uint16_t) * nr[b] * cfg[c].stride;
+            same(&r, ga[b].csk, ca[b].csk, cb, "sketch coefficients");
+            same(&r, ga[b].rho, ca[b].rho, sizeof(float) * nr[b], "rho");
+            for (uint32_t u = 0; u < nr[b]; u++)
+                inf += isinf(ca[b].rho[u]) ? 1u : 0u;
+            undev(&r, ga[b].csk, cb);
+            undev(&r, ga[b].rho, sizeof(float) * nr[b]);
+            free(ca[b].csk);
+            free(ca[b].rho);
+        }
+        /* the undescribable rows were in the blocks: NaN (9), Inf (300), fp16 overflow (40) */
+        cr_assert_eq(inf, p.rank ? 3u : 2u, "config %zu: %u rows with rho = +Inf", c, inf);
+        rpool_free(&r, &p);
+    }
+    rig_close(&r);
+}
+
+/* One scan work item on both backends' memory: the host arrays and their device copies. */
+typedef struct scan_item {
+    kvt__recall_scan_args c, g;
+    uint32_t n_closed, H, cap;
+    uint16_t *csk;
+    float *rho, *q, *best;
+    uint32_t *kept, *fired, n_fired, overflow;
+} scan_item;
+
+/* Item i over pool p: its sketches (the CPU op), a kept set, H heads' queries and thresholds at
+ * the q-th quantile of the archived rows' exact scores (so that some rows fire and some not). */
+static void scan_item_make(rig *r, scan_item *it, const rpool *p, tu_rng *g, uint32_t n_closed,
+                           uint32_t H, int mode, float z, double quant, uint32_t cap) {
+    memset(it, 0, sizeof *it);
+    const uint32_t D = p->D, QD = D + 64, S = p->rank ? p->rank + 1 : 1;
+    const uint32_t elt = p->dt == KVT__DT_FP32 ? 4 : 2;
+    it->n_closed = n_closed;
+    it->H = H;
+    it->cap = cap;
+    it->csk = malloc(sizeof(uint16_t) * n_closed * S);
+    it->rho = malloc(sizeof(float) * n_closed);
+    kvt__sketch_args sa = {.base = p->pool, .pages = p->pages, .first_page = 0, .pdiv = &p->pdiv,
+                           .first_row = 0, .n_rows = n_closed, .slot_stride = p->slot,
+                           .dtype = p->dt, .latent_dim = D, .basis = p->V, .rank = p->rank,
+                           .csk_stride = S, .csk = it->csk, .rho = it->rho};
+    cr_assert_eq(r->cpu.ops->sketch_rows(&r->cpu, &sa, 1, NULL), KVT_OK);
+    /* kept: every 5th row and row 3 (inside the sinks), ascending */
+    uint32_t m = 0;
+    it->kept = malloc(sizeof(uint32_t) * n_closed);
+    for (uint32_t row = 0; row < n_closed; row++)
+        if (row % 5 == 2 || row == 3)
+            it->kept[m++] = row;
+    it->q = malloc(sizeof(float) * QD * H);
+    it->best = malloc(sizeof(float) * H);
+    float *sc = malloc(sizeof(float) * n_closed);
+    for (uint32_t h = 0; h < H; h++) {
+        float *qh = it->q + (size_t)h * QD;
+        const double in = h % 3 == 0 ? 1.0 : tu_uniform(g);
+        for (uint32_t i = 0; i < QD; i++)
+            qh[i] = (float)(tu_normal(g) * (i < D ? (1.0 - in) * 0.3 : 1.0));
+        for (uint32_t k = 0; k < p->rank; k++) {
+            const float a = (float)(tu_normal(g) * in);
+            for (uint32_t d = 0; d < D; d++)
+                qh[d] += a * p->V[(size_t)k * D + d];
+        }
+        uint32_t n = 0;
+        for (uint32_t row = 6; row < n_closed; row++) {
+            const uint8_t *x =
+                p->pool + (size_t)kvt__page_slot(p->pages, 0, &p->pdiv, row) * p->slot;
+            const float e = kvt__recall_exact(qh, x, p->dt, D, D * elt, p->dt, 64, 0.07f);
+            if (e == e)
+                sc[n++] = e;
+        }
+        /* the quant-quantile by selection (n is small) */
+        uint32_t want = (uint32_t)(quant * (n - 1));
+        for (uint32_t i = 0; i <= want; i++)
+            for (uint32_t j = i + 1; j < n; j++)
+                if (sc[j] < sc[i]) {
+                    float t = sc[i];
+                    sc[i] = sc[j];
+                    sc[j] = t;
+                }
+        it->best[h] = sc[want];
+    }
+    free(sc);
+    it->fired = calloc(cap + 1, sizeof(uint32_t));
+    it->c = (kvt__recall_scan_args){
+        .base = p->pool, .pages = p->pages, .first_page = 0, .pdiv = &p->pdiv,
+        .slot_stride = p->slot, .dtype = p->dt, .latent_dim = D, .branch_offset = D * elt,
+        .branch_dtype = p->dt, .branch_dim = 64, .csk = it->csk, .rho = it->rho,
+        .csk_stride = S, .basis = p->V, .rank = p->rank, .n_closed = n_closed, .sinks = 6,
+        .kept = it->kept, .m = m, .q = it->q, .best = it->best, .n_heads = H, .scale = 0.07f,
+        .z = z, .mode = mode, .cap = cap, .fired = it->fired, .n_fired = &it->n_fired,
+        .overflow = &it->overflow};
+    it->g = it->c;
+    it->g.base = p->dpool;
+    it->g.pages = p->dpages;
+    it->g.basis = p->dV;
+    it->g.csk = dev(r, it->csk, sizeof(uint16_t) * n_closed * S);
+    it->g.rho = dev(r, it->rho, sizeof(float) * n_closed);
+    it->g.kept = dev(r, it->kept, sizeof(uint32_t) * (m ? m : 1));
+    it->g.q = dev(r, it->q, sizeof(float) * QD * H);
+    it->g.best = dev(r, it->best, sizeof(float) * H);
+    it->g.fired = dev(r, it->fired, sizeof(uint32_t) * (cap + 1));
+    /* stale values where the op must write */
+    it->n_fired = it->overflow = 0x5a5a5a5au;
+    it->g.n_fired = dev(r, &it->n_fired, 4);
+    it->g.overflow = dev(r, &it->overflow, 4);
+}
+
+static void scan_item_free(rig *r, scan_item *it) {
+    const uint32_t S = it->c.csk_stride, QD = it->c.latent_dim + 64;
+    undev(r, (void *)it->g.csk, sizeof(uint16_t) * it->n_closed * S);
+    undev(r, (void *)it->g.rho, sizeof(float) * it->n_closed);
+    undev(r, (void *)it->g.kept, sizeof(uint32_t) * (it->c.m ? it->c.m : 1));
+    undev(r, (void *)it->g.q, sizeof(float) * QD * it->H);
+    undev(r, (void *)it->g.best, sizeof(float) * it->H);
+    undev(r, it->g.fired, sizeof(uint32_t) * (it->cap + 1));
+    undev(r, it->g.n_fired, 4);
+    undev(r, it->g.overflow, 4);
+    free(it->csk);
+    free(it->rho);
+    free(it->kept);
+    free(it->q);
+    free(it->best);
+    free(it->fired);
+}
+
+Test(cuda, recall_scan_equals_the_cpu) {
+    rig r;
+    rig_open(&r);
+    tu_rng g = {.s = 0x5ca9};
+    const struct {
+        int dt;
+        uint32_t rank;
+    } pcfg[] = {{KVT__DT_BF16, 64}, {KVT__DT_FP16, 17}, {KVT__DT_FP32, 0}};
+    const float zs = sqrtf(512.0f - 64.0f);
+    uint32_t some_fired = 0, some_quiet = 0, some_over = 0;
+    for (size_t c = 0; c < sizeof pcfg / sizeof pcfg[0]; c++) {
+        rpool p;
+        rpool_make(&r, &p, &g, pcfg[c].dt, 512, pcfg[c].rank);
+        /* four items in one call: sound and conformal (z > 0, z < 0), heads 1 .. 16, caps that
+         * hold every fired row and one that overflows, a head whose best is NaN (all fire) */
+        enum { NI = 4 };
+        scan_item it[NI];
+        scan_item_make(&r, &it[0], &p, &g, 512, 16, KVT__RECALL_SOUND, zs, 0.97, 512);
+        scan_item_make(&r, &it[1], &p, &g, 333, 5, KVT__RECALL_CONFORMAL, 1.5f, 0.9, 512);
+        scan_item_make(&r, &it[2], &p, &g, 400, 1, KVT__RECALL_CONFORMAL, -0.5f, 0.5, 20);
+        scan_item_make(&r, &it[3], &p, &g, 256, 3, KVT__RECALL_SOUND, zs * 2.0f, 0.99, 64);
+        it[3].best[1] = NAN;
+        cr_assert_eq(r.gpu.ops->write(&r.gpu, (void *)it[3].g.best, it[3].best,
+                                      sizeof(float) * it[3].H, NULL),
+                     KVT_OK);
+        kvt__recall_scan_args ca[NI], ga[NI];
+        for (int i = 0; i < NI; i++) {
+            ca[i] = it[i].c;
+            ga[i] = it[i].g;
+        }
+        cr_assert_eq(r.cpu.ops->recall_scan(&r.cpu, ca, NI, NULL), KVT_OK);
+        cr_assert_eq(r.gpu.ops->recall_scan(&r.gpu, ga, NI, NULL), KVT_OK);
+        for (int i = 0; i < NI; i++) {
+            uint32_t n_fired = 0, over = 0;
+            cr_assert_eq(r.gpu.ops->read(&r.gpu, &n_fired, ga[i].n_fired, 4, NULL), KVT_OK);
+            cr_assert_eq(r.gpu.ops->read(&r.gpu, &over, ga[i].overflow, 4, NULL), KVT_OK);
+            cr_assert_eq(n_fired, it[i].n_fired, "config %zu item %d: %u fired, the CPU %u", c,
+                         i, n_fired, it[i].n_fired);
+            cr_assert_eq(over, it[i].overflow, "config %zu item %d: overflow", c, i);
+            same(&r, ga[i].fired, it[i].fired, sizeof(uint32_t) * n_fired, "fired rows");
+            some_fired += it[i].n_fired > 0;
+            some_quiet += it[i].n_fired < it[i].n_closed - 6 - it[i].c.m && !it[i].overflow;
+            some_over += it[i].overflow;
+        }
+        /* out of range: the CPU's statuses */
+        kvt__recall_scan_args bad = ga[0];
+        bad.latent_dim = 64;
+        cr_assert_eq(r.gpu.ops->recall_scan(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        bad = ga[0];
+        bad.z = zs * 0.5f; /* sound mode below its proven z */
+        cr_assert_eq(r.gpu.ops->recall_scan(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        bad = ga[1];
+        bad.z = NAN;
+        cr_assert_eq(r.gpu.ops->recall_scan(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        cr_assert_eq(r.gpu.ops->recall_scan(&r.gpu, ga, 0, NULL), KVT_OK);
+        for (int i = 0; i < NI; i++)
+            scan_item_free(&r, &it[i]);
+        rpool_free(&r, &p);
+    }
+    /* the inputs were not degenerate: rows fired, rows did not, a cap overflowed */
+    cr_assert(some_fired && some_quiet && some_over, "fired %u, quiet %u, overflowed %u",
+              some_fired, some_quiet, some_over);
     rig_close(&r);
 }

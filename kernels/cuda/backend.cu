@@ -4,9 +4,10 @@
  * Every op is enqueued on the caller's stream and takes only device pointers (plus small host
  * argument arrays, copied into the device workspace on the same stream). Results the host must
  * see (a close's two counters, find_pos, read) are the only synchronisations. Each kernel follows
- * its CPU twin (backend_cpu.c, evict_cpu.c, sigma.c) through the same KVT_HD per-element
- * functions and the same accumulation order, so every decision is bit-equal; the twins are the
- * oracle of the GPU tests (scripts/gpu-check.sh), which need a device this build machine lacks.
+ * its CPU twin (backend_cpu.c, evict_cpu.c, sigma.c, sketch.c, recall_scan.c) through the same
+ * KVT_HD per-element functions and the same accumulation order, so every decision is bit-equal;
+ * the twins are the oracle of the GPU tests (scripts/gpu-check.sh), which need a device this
+ * build machine lacks.
  *
  * Written for clarity first: one thread block per work item (a closing block, a selection
  * segment, a head of a layer's round, a query to pack). Runtime API only (cudart_static): linking
@@ -15,13 +16,16 @@
 #include <cuda_runtime.h>
 #include <cub/block/block_scan.cuh>
 
+#include <float.h>
 #include <stdio.h>
 #include <string.h>
 
 extern "C" {
 #include "kernels/backend.h"
 #include "kernels/philox.h"
+#include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
+#include "kernels/sketch.h"
 #include "kernels/topm.h"
 #include "lib/base/alloc.h"
 }
@@ -116,6 +120,12 @@ Params<T, N> params_of(const T *host, uint32_t n) {
         p.a[i] = host[i];
     return p;
 }
+
+/* Job i's args in a kernel as `a`, with its divider (the args' pdiv pointed at host memory). */
+#define JOB_ARGS(T, p, i)                                                                          \
+    T a = (p).a[i];                                                                                \
+    const kvt__div32 a_div = (p).div[i];                                                           \
+    a.pdiv = &a_div
 
 template <typename T, uint32_t N>
 Params<T, N> params_div(const T *host, uint32_t n) {
@@ -273,10 +283,10 @@ __device__ void block_topm(const uint32_t *keys, uint32_t n, uint32_t m, uint32_
     }
 }
 
-/* Stable compaction: out[k] = i for every i < n with flag(i), ascending; returns the count
- * (all threads). */
+/* Stable compaction: out[k] = i for every i < n with flag(i), ascending, the first `cap` of them
+ * written (out holds cap entries); returns the count of all flagged (all threads). */
 template <typename F>
-__device__ uint32_t block_compact(uint32_t n, F flag, uint32_t *out) {
+__device__ uint32_t block_compact(uint32_t n, F flag, uint32_t *out, uint32_t cap = UINT32_MAX) {
     __shared__ typename Scan::TempStorage scan;
     __shared__ uint32_t s_base;
     if (threadIdx.x == 0)
@@ -286,7 +296,7 @@ __device__ uint32_t block_compact(uint32_t n, F flag, uint32_t *out) {
         uint32_t i = (uint32_t)(i0 + threadIdx.x);
         uint32_t f = i0 + threadIdx.x < n && flag(i) ? 1u : 0u, at, total;
         Scan(scan).ExclusiveSum(f, at, total);
-        if (f)
+        if (f && s_base + at < cap)
             out[s_base + at] = i;
         __syncthreads();
         if (threadIdx.x == 0)
@@ -309,9 +319,7 @@ __device__ const uint8_t *row_of(const kvt__score_args &a, uint32_t u) {
 typedef Params<kvt__score_args, kMaxSeg> ScoreParams;
 
 __global__ void k_score(const ScoreParams p, float *scratch_all, size_t scratch_each) {
-    kvt__score_args a = p.a[blockIdx.x];
-    const kvt__div32 pdiv = p.div[blockIdx.x];
-    a.pdiv = &pdiv;
+    JOB_ARGS(kvt__score_args, p, blockIdx.x);
     float *scratch = scratch_all + scratch_each * blockIdx.x;
     const uint32_t B = a.n_rows, D = a.branch_dim;
     if (a.selector == KVT_SELECT_RANDOM) {
@@ -395,6 +403,271 @@ kvt_status cu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint3
             break;
         k_score<<<k, kThreads, 0, strm(stream)>>>(params_div<kvt__score_args, kMaxSeg>(a + i0, k),
                                                   (float *)ws, each);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Recall sketches (sketch_rows): one warp per row, every block of the call in one launch (grid y
+ * = the block), the CPU twin's order (sketch.h, sketch.c). Lane k computes coefficient k's chain
+ * (kvt__sketch_coef: d ascending from +0), lane l the residual elements d = l, l+32, ..
+ * (kvt__sketch_resid) and their squares' chain, then the shuffle tree of kvt__tree32 and sqrtf:
+ * kvt__norm_fixed's lanes, so the bits are the twin's.
+ * -------------------------------------------------------------------------------------------- */
+typedef Params<kvt__sketch_args, kMaxSeg> SketchParams;
+constexpr uint32_t kWarps = kThreads / 32;
+
+/* The CPU op's argument check (backend_cpu.c, cpu_sketch_one). */
+bool sketch_args_ok(const kvt__sketch_args &a) {
+    return a.latent_dim >= 1 && a.latent_dim <= KVT__SKETCH_MAX_DIM && a.rank <= a.csk_stride &&
+           a.csk_stride <= KVT__SKETCH_MAX_RANK && (!a.rank || a.basis) &&
+           (a.dtype == KVT__DT_BF16 || a.dtype == KVT__DT_FP16 || a.dtype == KVT__DT_FP32);
+}
+
+__global__ void k_sketch(const SketchParams p) {
+    JOB_ARGS(kvt__sketch_args, p, blockIdx.y);
+    /* each warp's row: its latent as fp32 and its fp16 sketch (36 KB a block) */
+    __shared__ float s_c[kWarps][KVT__SKETCH_MAX_DIM];
+    __shared__ uint16_t s_csk[kWarps][KVT__SKETCH_MAX_RANK];
+    const uint32_t w = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.latent_dim, R = a.rank;
+    const unsigned full = 0xffffffffu;
+    float *c = s_c[w];
+    uint16_t *cs = s_csk[w];
+    /* u is the same for the warp's 32 lanes: every branch below is warp-uniform */
+    for (uint32_t u = blockIdx.x * kWarps + w; u < a.n_rows; u += gridDim.x * kWarps) {
+        __syncwarp(); /* the previous row's reads of c and cs are done */
+        const uint8_t *row =
+            a.base + (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv,
+                                            (uint32_t)(a.first_row + u)) *
+                         a.slot_stride;
+        uint32_t bad = 0; /* kvt__sketch_row_finite, fused with the load */
+        for (uint32_t d = lane; d < D; d += 32) {
+            const float x = kvt__sketch_latent(row, a.dtype, d);
+            bad |= (kvt__bits_from_f32(x) & 0x7f800000u) == 0x7f800000u;
+            c[d] = x;
+        }
+        __syncwarp();
+        bad = __any_sync(full, bad);
+        /* step 1: coefficient k on lane k % 32, then fp16 */
+        uint32_t inf = 0;
+        for (uint32_t k = lane; !bad && k < R; k += 32) {
+            const uint16_t h = kvt__f32_to_f16(kvt__sketch_coef(c, D, a.basis + (size_t)k * D));
+            inf |= !kvt__f16_finite(h);
+            cs[k] = h;
+        }
+        __syncwarp();
+        bad = __any_sync(full, bad | inf);
+        uint16_t *out = a.csk + (size_t)u * a.csk_stride;
+        for (uint32_t k = lane; k < a.csk_stride; k += 32)
+            out[k] = bad || k >= R ? (uint16_t)0 : cs[k];
+        if (bad) { /* undescribable: every certificate on it is infinite */
+            if (lane == 0)
+                a.rho[u] = INFINITY;
+            continue;
+        }
+        /* steps 2-3: residual against the stored sketch, lane l's chain of squares */
+        float acc = 0.0f;
+        for (uint32_t d = lane; d < D; d += 32) {
+            const float e = kvt__sketch_resid(c[d], cs, R, a.basis, D, d);
+            acc = fmaf(e, e, acc);
+        }
+        /* kvt__tree32: p[i] = p[i] + p[i + s], s = 16 .. 1 (lane i < s holds p[i]) */
+        for (uint32_t s = KVT__SIGMA_LANES / 2; s >= 1; s >>= 1)
+            acc = acc + __shfl_down_sync(full, acc, s);
+        if (lane == 0)
+            a.rho[u] = kvt__sketch_rho_canon(sqrtf(acc));
+    }
+}
+
+kvt_status cu_sketch_rows(const kvt__backend *be, const kvt__sketch_args *a, uint32_t n,
+                          void *stream) {
+    for (uint32_t i = 0; i < n; i++)
+        if (!sketch_args_ok(a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream);
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxSeg) {
+        uint32_t k = n - i0 < kMaxSeg ? n - i0 : kMaxSeg, most = 0;
+        for (uint32_t i = 0; i < k; i++)
+            most = a[i0 + i].n_rows > most ? a[i0 + i].n_rows : most;
+        if (!most)
+            continue;
+        const uint32_t groups = (most + kWarps - 1) / kWarps;
+        k_sketch<<<dim3(groups < 4096 ? groups : 4096, k), kThreads, 0, strm(stream)>>>(
+            params_div<kvt__sketch_args, kMaxSeg>(a + i0, k));
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Recall scans (recall_scan): three launches for up to kMaxSeg work items (grid y = the item):
+ * the heads prepared (one block per head), the archived rows' fire flags (one thread per row,
+ * its heads in order until one fires: the OR), then the fired rows compacted ascending (one
+ * block per item), the first cap written. Every value through recall_scan.h's KVT_HD functions
+ * (kvt__recall_idx's chains are the twin's tiled ones), so fired sets are the CPU twin's.
+ * -------------------------------------------------------------------------------------------- */
+typedef Params<kvt__recall_scan_args, kMaxSeg> ScanParams;
+
+/* The CPU op's argument check (backend_cpu.c, recall_scan_ok): the same statuses. */
+bool scan_dtype_ok(int dt) {
+    return dt == KVT__DT_BF16 || dt == KVT__DT_FP16 || dt == KVT__DT_FP32;
+}
+
+bool scan_args_ok(const kvt__recall_scan_args &a) {
+    if (a.latent_dim <= 64u || a.latent_dim > KVT__SKETCH_MAX_DIM ||
+        a.branch_dim > KVT__RECALL_MAX_BRANCH || a.rank > a.csk_stride ||
+        a.csk_stride > KVT__SKETCH_MAX_RANK || (a.rank && !a.basis) || !scan_dtype_ok(a.dtype) ||
+        (a.branch_dim && !scan_dtype_ok(a.branch_dtype)) || a.n_closed > UINT32_MAX ||
+        a.m > a.n_closed || (a.cap && !a.fired) || !a.n_fired || !a.overflow ||
+        !(a.scale > 0.0f && a.scale <= FLT_MAX))
+        return false;
+    if (a.mode == KVT__RECALL_SOUND) /* false for a NaN z; +Inf fires every row */
+        return a.z >= sqrtf((float)(a.latent_dim - 64u));
+    return a.mode == KVT__RECALL_CONFORMAL && a.z >= -FLT_MAX && a.z <= FLT_MAX;
+}
+
+/* Workspace of each item (`each` bytes apart): q̃_sk [heads][rank] floats, the residuals
+ * [heads][D] floats, the heads' fields [heads], one fire flag per closed row. */
+struct ScanWs {
+    uint8_t *base;
+    size_t each, off_res, off_heads, off_flags;
+};
+
+struct ScanItem {
+    float *q_sk, *res;
+    kvt__recall_head *heads;
+    uint8_t *flags;
+};
+
+__device__ ScanItem scan_item(const ScanWs &w, uint32_t i) {
+    uint8_t *b = w.base + w.each * i;
+    ScanItem it;
+    it.q_sk = (float *)b;
+    it.res = (float *)(b + w.off_res);
+    it.heads = (kvt__recall_head *)(b + w.off_heads);
+    it.flags = b + w.off_flags;
+    return it;
+}
+
+#define SCAN_ARGS(p, i) JOB_ARGS(kvt__recall_scan_args, p, i)
+
+/* Head prep (kvt__recall_head_prep, parallel over k then d): q̃_sk[k] by kvt__sketch_coef's
+ * chain, q̃_res[d] by kvt__recall_resid's, then the norms and bounds by thread 0. */
+__global__ void k_scan_heads(const ScanParams p, const ScanWs w) {
+    SCAN_ARGS(p, blockIdx.y);
+    const uint32_t h = blockIdx.x, D = a.latent_dim, rank = a.rank;
+    if (h >= a.n_heads)
+        return;
+    const ScanItem it = scan_item(w, blockIdx.y);
+    const float *q = a.q + (size_t)h * (D + a.branch_dim);
+    float *q_sk = it.q_sk + (size_t)h * rank, *res = it.res + (size_t)h * D;
+    for (uint32_t k = threadIdx.x; k < rank; k += blockDim.x)
+        q_sk[k] = kvt__sketch_coef(q, D, a.basis + (size_t)k * D);
+    __syncthreads();
+    for (uint32_t d = threadIdx.x; d < D; d += blockDim.x)
+        res[d] = kvt__recall_resid(q, q_sk, a.basis, rank, D, d);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        kvt__recall_head_finish(q, D, rank, q_sk, res, &it.heads[h]);
+}
+
+/* Is row in kept[0 .. m) (ascending)? */
+__device__ bool scan_kept(const uint32_t *kept, uint32_t m, uint64_t row) {
+    uint32_t lo = 0, hi = m;
+    while (lo < hi) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (kept[mid] < row)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < m && kept[lo] == row;
+}
+
+/* Does an archived row fire? Its heads in order until one does (the twin's OR). */
+__device__ bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it, uint32_t row) {
+    const uint32_t D = a.latent_dim, bd = a.branch_dim, rank = a.rank;
+    const uint8_t *p =
+        a.base + (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, row) * a.slot_stride;
+    const uint16_t *csk = a.csk + (size_t)row * a.csk_stride;
+    const float rho = a.rho[row];
+    for (uint32_t h = 0; h < a.n_heads; h++) {
+        float P, ncsk;
+        const float idx =
+            kvt__recall_idx(a.q + (size_t)h * (D + bd), it.q_sk + (size_t)h * rank, p, D,
+                            a.branch_offset, a.branch_dtype, bd, csk, rank, a.scale, &P, &ncsk);
+        const kvt__recall_head hd = it.heads[h];
+        const int fire =
+            a.mode == KVT__RECALL_SOUND
+                ? kvt__recall_sound_fires(idx,
+                                          kvt__recall_sound_margin(&hd, idx, P, ncsk, rho,
+                                                                   a.scale, a.z, D, bd, rank),
+                                          a.best[h])
+                : kvt__recall_conformal_fires(idx, kvt__recall_cert(&hd, rho, a.scale, D), a.z,
+                                              a.best[h]);
+        if (fire)
+            return true;
+    }
+    return false;
+}
+
+/* One flag per closed row: archived (>= sinks, not kept) and fired. */
+__global__ void k_scan_rows(const ScanParams p, const ScanWs w) {
+    SCAN_ARGS(p, blockIdx.y);
+    const ScanItem it = scan_item(w, blockIdx.y);
+    for (uint64_t r = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; r < a.n_closed;
+         r += (uint64_t)gridDim.x * blockDim.x)
+        it.flags[r] = r >= a.sinks && !scan_kept(a.kept, a.m, r) &&
+                      scan_fires(a, it, (uint32_t)r);
+}
+
+/* The fired rows ascending, the first cap of them; the count and the overflow flag. */
+__global__ void k_scan_compact(const ScanParams p, const ScanWs w) {
+    const kvt__recall_scan_args &a = p.a[blockIdx.x];
+    const uint8_t *flags = scan_item(w, blockIdx.x).flags;
+    const uint32_t total = block_compact(
+        (uint32_t)a.n_closed, [&](uint32_t i) { return flags[i] != 0; }, a.fired, a.cap);
+    if (threadIdx.x == 0) {
+        *a.n_fired = total < a.cap ? total : a.cap;
+        *a.overflow = total > a.cap ? 1u : 0u;
+    }
+}
+
+kvt_status cu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
+                          void *stream) {
+    for (uint32_t i = 0; i < n; i++)
+        if (!scan_args_ok(a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream);
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxSeg) {
+        const uint32_t k = n - i0 < kMaxSeg ? n - i0 : kMaxSeg;
+        size_t qsk = 0, res = 0, rows = 0;
+        uint32_t H = 0;
+        for (uint32_t i = 0; i < k; i++) {
+            const kvt__recall_scan_args &x = a[i0 + i];
+            const size_t q1 = (size_t)x.n_heads * x.rank, r1 = (size_t)x.n_heads * x.latent_dim;
+            qsk = q1 > qsk ? q1 : qsk;
+            res = r1 > res ? r1 : res;
+            rows = x.n_closed > rows ? x.n_closed : rows;
+            H = x.n_heads > H ? x.n_heads : H;
+        }
+        ScanWs w;
+        w.off_res = align256(sizeof(float) * qsk);
+        w.off_heads = w.off_res + align256(sizeof(float) * res);
+        w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
+        w.each = w.off_flags + align256(rows);
+        if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
+            break;
+        const ScanParams prm = params_div<kvt__recall_scan_args, kMaxSeg>(a + i0, k);
+        if (H)
+            k_scan_heads<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
+        if (rows) {
+            const size_t blocks = (rows + kThreads - 1) / kThreads;
+            k_scan_rows<<<dim3((unsigned)(blocks < 4096 ? blocks : 4096), k), kThreads, 0,
+                          strm(stream)>>>(prm, w);
+        }
+        k_scan_compact<<<k, kThreads, 0, strm(stream)>>>(prm, w);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -551,11 +824,7 @@ __device__ uint32_t value_key_dev(const kvt__ev_args &a, uint32_t h, uint32_t ro
 
 typedef Params<kvt__ev_args, kMaxEv> EvParams;
 
-/* The job's args with its divider (the args' pdiv pointed at host memory). */
-#define EV_ARGS(p, i)                                                                              \
-    kvt__ev_args a = (p).a[i];                                                                     \
-    const kvt__div32 a_div = (p).div[i];                                                           \
-    a.pdiv = &a_div
+#define EV_ARGS(p, i) JOB_ARGS(kvt__ev_args, p, i)
 
 __global__ void k_ev_select(const EvParams p, uint32_t n_heads_max, uint8_t *scr_all,
                             size_t scr_each) {
@@ -897,6 +1166,8 @@ kvt__backend_ops make_ops() {
     o.copy = cu_copy;
     o.host_visible = false;
     o.score_rows = cu_score_rows;
+    o.sketch_rows = cu_sketch_rows;
+    o.recall_scan = cu_recall_scan;
     o.pack = cu_pack;
     o.select = cu_select;
     o.ev_select = cu_ev_select;
