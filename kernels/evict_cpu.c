@@ -173,6 +173,18 @@ static uint64_t old_row(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_
 #define EV_PREFETCH(p) ((void)(p))
 #endif
 
+/* memcpy of a per-head piece: inline 32-byte chunks when n is a multiple of 32 (every bf16 or
+ * fp32 row of 16k values), else one memcpy call. Per-head pieces are a few hundred bytes, and a
+ * libc call per piece measured ~10% slower over the whole compaction in bench_compact. */
+static inline void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
+    if (n % 32 != 0) {
+        memcpy(d, s, n);
+        return;
+    }
+    for (size_t i = 0; i < n; i += 32)
+        memcpy(d + i, s + i, 32);
+}
+
 /* Destination rows the prefetch of compact() runs ahead of its moves (4 to 16 measured alike). */
 enum { EV_PREFETCH_ROWS = 8 };
 
@@ -238,7 +250,11 @@ static void compact(const kvt__ev_args *a) {
                         base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
                                                       (uint32_t)o) *
                                    a->slot_bytes;
-                    memcpy(dst + (size_t)h * rb, src + (size_t)h * rb, (size_t)(e - h) * rb);
+                    if (same)
+                        memcpy(dst, src, rb);
+                    else
+                        copy_piece(dst + (size_t)h * rb, src + (size_t)h * rb,
+                                   (size_t)(e - h) * rb);
                 }
                 h = e;
             }
