@@ -166,16 +166,18 @@ static uint64_t old_row(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_
     return j < K ? keep[j] : cand + (j - K);
 }
 
-/* A hint to bring the line at p into the cache for reading (nothing without GCC or Clang). */
+/* A hint to bring the line at p into the cache for reading (nothing without GCC or Clang). The
+ * loops below step by 64 bytes, the line size of current x86-64 and most Arm cores. */
 #if defined(__GNUC__)
 #define EV_PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #else
 #define EV_PREFETCH(p) ((void)(p))
 #endif
 
-/* memcpy of a per-head piece: inline 32-byte chunks when n is a multiple of 32 (every bf16 or
- * fp32 row of 16k values), else one memcpy call. Per-head pieces are a few hundred bytes, and a
- * libc call per piece measured ~10% slower over the whole compaction in bench_compact. */
+/* memcpy of a per-head piece: inline 32-byte chunks when n is a multiple of 32 (a row of a
+ * multiple of 16 bf16/fp16 or 8 fp32 values), else one memcpy call. Per-head pieces are a few hundred bytes,
+ * and a libc call per piece measured 3-14% slower over the whole compaction (bench_compact's
+ * setup, six A/B runs). */
 static inline void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
     if (n % 32 != 0) {
         memcpy(d, s, n);
@@ -185,7 +187,7 @@ static inline void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
         memcpy(d + i, s + i, 32);
 }
 
-/* Destination rows the prefetch of compact() runs ahead of its moves (4 to 16 measured alike). */
+/* Destination rows the prefetch of compact() runs ahead of its moves (2 to 16 measured alike). */
 enum { EV_PREFETCH_ROWS = 8 };
 
 /* Move every head's survivors to the front, slot-major: destination rows in ascending order,
@@ -198,14 +200,15 @@ enum { EV_PREFETCH_ROWS = 8 };
  *
  * Per-head keep sets scatter a destination slot's sources over up to cand - K + 1 slots, one
  * row_bytes piece from each, all read through the same memcpy instructions, so the hardware's
- * stride prefetchers see no pattern and each piece waited for memory (1.5-1.9x the copy floor in
+ * stride prefetchers see no pattern and each piece waited for memory (1.5-1.7x the copy floor in
  * bench_compact). So the slots are prefetched whole, in row order, by a cursor that stays ahead
  * of the furthest source of destination j + EV_PREFETCH_ROWS: one sequential stream per plane.
- * Every line it brings is used: a slot's kept pieces are read as sources, its evicted pieces
- * (below K + r) written as destinations. The lines wait in cache for at most the spread of the
+ * Nearly every line it brings is used: a slot's kept pieces are read as sources, its evicted
+ * pieces below K + r written as destinations (unused: pieces of rows a head keeps in place, and
+ * evicted pieces at or beyond K + r). The lines wait in cache for at most the spread of the
  * heads' sources (max - min over h of keep[h][j]) plus EV_PREFETCH_ROWS slots. With one keep
  * set for every head the moves are whole slots, which the hardware prefetches by itself: no
- * hints then (they measured slower there). */
+ * hints then (no gain measured there). */
 static void compact(const kvt__ev_args *a) {
     const uint64_t K = a->K, cand = a->N - a->r, n_new = K + a->r;
     bool same = true;

@@ -80,8 +80,8 @@ static kvt__ev_args args_of(layer *l) {
 }
 
 /* The comparisons copy runtime sizes, as the kernel does: a constant 256-B memcpy compiles to
- * `rep movsq` (GCC 12, -O2), which costs 2-3x a memcpy call per piece on the bench machine
- * (the figures of the comparisons before 2026-12-01 carried that). */
+ * `rep movsq` (GCC 12, -O2), which made the same slot-major order ~1.6x slower on the bench
+ * machine (the head-major figures before 2026-12-01 carried that). */
 static volatile size_t g_piece_bytes[2] = {ROW_BYTES, SLOT_BYTES};
 
 static uint8_t *at(uint8_t *base, uint32_t row) {
