@@ -9,6 +9,8 @@
 #include "kernels/backend.h"
 #include "lib/base/base.h"
 
+#include <string.h>
+
 /* Per head: rank projection values, then the kvt__recall_head fields. */
 #define HEAD_FLOATS(rank) ((size_t)(rank) + 5u)
 /* Heads whose idx chains advance together (independent chains: one vector instruction). */
@@ -21,10 +23,29 @@ static size_t heads_padded(uint32_t n_heads) {
 
 size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D) {
     /* heads' q̃_sk and fields; tmp [D]; the transposed queries [branch + rank][padded heads];
-     * the row's branch and sketch as fp32 */
+     * the row's branch and sketch as fp32; per padded head: acc, the |·| chain, s·‖q̃_res‖ */
     return (size_t)n_heads * HEAD_FLOATS(rank) + KVT__RECALL_PREP_FLOATS(D) +
            heads_padded(n_heads) * (KVT__RECALL_MAX_BRANCH + rank) + KVT__RECALL_MAX_BRANCH +
-           rank;
+           rank + 3u * heads_padded(n_heads);
+}
+
+/* kvt__f16_to_f32 without branches (so a loop of it vectorises), exact for every input: the
+ * exponent is rebiased in the integer domain; zero and subnormal inputs are finished by one exact
+ * fp32 subtraction; Inf and NaN get the all-ones exponent (the NaN payload kept, as there). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t o = (uint32_t)(h & 0x7fffu) << 13;
+    uint32_t e = o & 0x0f800000u;
+    o += (uint32_t)(127 - 15) << 23;
+    uint32_t inf_nan = e == 0x0f800000u ? (uint32_t)(128 - 16) << 23 : 0u;
+    o += inf_nan;
+    uint32_t sub = e == 0u;
+    float f = kvt__f32_from_bits(o + (sub << 23)) - (sub ? kvt__f32_from_bits(113u << 23) : 0.0f);
+    return kvt__f32_from_bits(kvt__bits_from_f32(f) | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+/* Every 16-bit pattern converts as kvt__f16_to_f32 does (tests/test_recall_scan.c). */
+float kvt__recall_f16_fast(uint16_t h) {
+    return f16_to_f32(h);
 }
 
 /* kvt__recall_head_prep with the residual's loops interchanged: element d still sees its chain
@@ -61,9 +82,13 @@ void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
     float *qT = tmp + KVT__RECALL_PREP_FLOATS(D);
     float *rb = qT + HP * (bd + rank);
     float *ck = rb + bd;
+    float *acc = ck + rank, *pa = acc + HP, *snr = pa + HP;
+    const int sound = a->mode == KVT__RECALL_SOUND;
+    const float sqrt_dr = sqrtf((float)(D - 64u));
     for (uint32_t h = 0; h < H; h++)
         head_prep(a->q + h * qdim, D, a->basis, rank, q_sk + (size_t)h * rank, tmp, &heads[h]);
     for (size_t h = 0; h < HP; h++) {
+        snr[h] = h < H ? a->scale * heads[h].nres : 0.0f;
         for (uint32_t j = 0; j < bd; j++)
             qT[j * HP + h] = h < H ? a->q[h * qdim + D + j] : 0.0f;
         for (uint32_t k = 0; k < rank; k++)
@@ -81,46 +106,64 @@ void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
                           a->slot_stride;
         const uint16_t *csk = a->csk + (size_t)row * a->csk_stride;
         const float rho = a->rho[row];
-        /* The row once: branch and sketch as fp32, ‖csk‖ (kvt__recall_idx's n2 chain, the same
-         * for every head). */
-        float n2 = 0.0f;
-        for (uint32_t j = 0; j < bd; j++)
-            rb[j] = kvt__sigma_branch_val(p, a->branch_offset, a->branch_dtype, j);
-        for (uint32_t k = 0; k < rank; k++) {
-            ck[k] = kvt__f16_to_f32(csk[k]);
-            n2 = fmaf(ck[k], ck[k], n2);
-        }
-        const float ncsk = sqrtf(n2);
-        int fire = 0;
-        /* SCAN_TILE heads at a time: each head's acc and P see kvt__recall_idx's chains (branch
-         * j ascending, then k ascending, from +0), so the bits are the per-element function's. */
-        for (size_t h0 = 0; h0 < HP && !fire; h0 += SCAN_TILE) {
-            float acc[SCAN_TILE], pa[SCAN_TILE];
-            for (uint32_t t = 0; t < SCAN_TILE; t++)
-                acc[t] = pa[t] = 0.0f;
-            for (uint32_t j = 0; j < bd + rank; j++) {
-                const float x = j < bd ? rb[j] : ck[j - bd], ax = fabsf(x);
-                const float *qj = qT + j * HP + h0;
-#pragma GCC unroll 8
-                for (uint32_t t = 0; t < SCAN_TILE; t++) {
-                    acc[t] = fmaf(qj[t], x, acc[t]);
-                    pa[t] = fmaf(fabsf(qj[t]), ax, pa[t]);
-                }
+        /* The row once: branch and sketch as fp32; ‖csk‖ (kvt__recall_idx's n2 chain, the same
+         * for every head) only where the sound margin reads it. */
+        if (a->branch_dtype == KVT__DT_BF16) {
+            const uint8_t *br = p + a->branch_offset;
+            for (uint32_t j = 0; j < bd; j++) {
+                uint16_t b;
+                memcpy(&b, br + 2u * j, 2);
+                rb[j] = kvt__f32_from_bits((uint32_t)b << 16);
             }
-            for (uint32_t t = 0; t < SCAN_TILE && h0 + t < H && !fire; t++) {
-                const size_t h = h0 + t;
-                const float idx = a->scale * acc[t];
-                if (a->mode == KVT__RECALL_SOUND)
-                    fire = kvt__recall_sound_fires(
-                        idx,
-                        kvt__recall_sound_margin(&heads[h], idx, pa[t], ncsk, rho, a->scale, a->z,
-                                                 D, bd, rank),
-                        a->best[h]);
-                else if (a->mode == KVT__RECALL_MARGIN)
-                    fire = !(idx + a->z < a->best[h]);
-                else
-                    fire = kvt__recall_conformal_fires(
-                        idx, kvt__recall_cert(&heads[h], rho, a->scale, D), a->z, a->best[h]);
+        } else {
+            for (uint32_t j = 0; j < bd; j++)
+                rb[j] = kvt__sigma_branch_val(p, a->branch_offset, a->branch_dtype, j);
+        }
+        for (uint32_t k = 0; k < rank; k++)
+            ck[k] = f16_to_f32(csk[k]);
+        float ncsk = 0.0f;
+        if (sound) {
+            float n2 = 0.0f;
+            for (uint32_t k = 0; k < rank; k++)
+                n2 = fmaf(ck[k], ck[k], n2);
+            ncsk = sqrtf(n2);
+        }
+        /* Every head's chains advance together (each head keeps kvt__recall_idx's order: branch
+         * j ascending, then k ascending, from +0, so the bits are the per-element function's);
+         * the |·| chain only in sound mode. */
+        for (size_t h = 0; h < HP; h++)
+            acc[h] = pa[h] = 0.0f;
+        for (uint32_t j = 0; j < bd + rank; j++) {
+            const float x = j < bd ? rb[j] : ck[j - bd];
+            const float *qj = qT + j * HP;
+            for (size_t h = 0; h < HP; h++)
+                acc[h] = fmaf(qj[h], x, acc[h]);
+            if (sound) {
+                const float ax = fabsf(x);
+                for (size_t h = 0; h < HP; h++)
+                    pa[h] = fmaf(fabsf(qj[h]), ax, pa[h]);
+            }
+        }
+        int fire = 0;
+        if (sound) {
+            for (uint32_t h = 0; h < H && !fire; h++) {
+                const float idx = a->scale * acc[h];
+                fire = kvt__recall_sound_fires(
+                    idx,
+                    kvt__recall_sound_margin(&heads[h], idx, pa[h], ncsk, rho, a->scale, a->z, D,
+                                             bd, rank),
+                    a->best[h]);
+            }
+        } else if (a->mode == KVT__RECALL_MARGIN) {
+            for (uint32_t h = 0; h < H; h++)
+                fire |= !(a->scale * acc[h] + a->z < a->best[h]);
+        } else {
+            /* kvt__recall_conformal_fires(idx, kvt__recall_cert(...), z, best) per head, with
+             * cert's (s·‖q̃_res‖)·ρ / √(D − 64) evaluated in the same order */
+            for (uint32_t h = 0; h < H; h++) {
+                const float idx = a->scale * acc[h];
+                const float cert = snr[h] * rho / sqrt_dr;
+                fire |= !(idx + a->z * cert <= a->best[h]);
             }
         }
         if (!fire)

@@ -205,6 +205,9 @@ struct kvt__recall_scan_args;
 /* Floats of scratch kvt__recall_scan_cpu takes. */
 size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D);
 
+/* kvt__f16_to_f32 as the CPU twin computes it (branch-free; the same value for every input). */
+float kvt__recall_f16_fast(uint16_t h);
+
 /* One work item (kernels/backend.h), arguments checked by the caller: the heads prepared, then
  * the archived rows ascending, each against the heads in order until one fires. */
 void kvt__recall_scan_cpu(const struct kvt__recall_scan_args *a, float *scratch);

@@ -636,3 +636,12 @@ Test(recall_scan, exact_score_matches_double) {
     }
     scen_free(&s);
 }
+
+/* The twin's branch-free fp16 conversion equals kvt__f16_to_f32 on every bit pattern. */
+Test(recall_scan, fast_f16_conversion_is_exact) {
+    for (uint32_t h = 0; h < 65536u; h++) {
+        uint32_t a = kvt__bits_from_f32(kvt__recall_f16_fast((uint16_t)h));
+        uint32_t b = kvt__bits_from_f32(kvt__f16_to_f32((uint16_t)h));
+        cr_assert_eq(a, b, "0x%04x: 0x%08x, want 0x%08x", h, a, b);
+    }
+}
