@@ -43,18 +43,49 @@ static void seg_mean(const float *X, size_t n, const uint32_t *perm, uint32_t lo
         m[j] /= cnt;
 }
 
-/* The member of perm[lo .. hi) farthest from c (the first on a tie; a NaN distance never wins). */
+/* Rows whose chains advance together in the build (each keeps its own: bits unchanged). */
+#define ROW_TILE 8u
+
+/* out[i − lo] = kvt__recall_dist2(x_perm[i], c) (dot = 0) or the fmaf chain of c·x_perm[i]
+ * (dot = 1) for i in [lo, hi), ROW_TILE rows' chains interleaved. */
+KVT__FMA_CLONES
+static void seg_chains(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo, uint32_t hi,
+                       const float *c, int dot, float *out) {
+    for (uint32_t i0 = lo; i0 < hi; i0 += ROW_TILE) {
+        const float *x[ROW_TILE];
+        float acc[ROW_TILE];
+        const uint32_t nt = hi - i0 < ROW_TILE ? hi - i0 : ROW_TILE;
+        for (uint32_t t = 0; t < ROW_TILE; t++) {
+            x[t] = X + (size_t)perm[t < nt ? i0 + t : i0] * n;
+            acc[t] = 0.0f;
+        }
+        if (dot)
+            for (uint32_t j = 0; j < n; j++)
+                for (uint32_t t = 0; t < ROW_TILE; t++)
+                    acc[t] = fmaf(c[j], x[t][j], acc[t]);
+        else
+            for (uint32_t j = 0; j < n; j++)
+                for (uint32_t t = 0; t < ROW_TILE; t++) {
+                    const float d = x[t][j] - c[j];
+                    acc[t] = fmaf(d, d, acc[t]);
+                }
+        for (uint32_t t = 0; t < nt; t++)
+            out[i0 - lo + t] = acc[t];
+    }
+}
+
+/* The member of perm[lo .. hi) farthest from c (the first on a tie; a NaN distance never wins).
+ * d: hi − lo floats of scratch. */
 static uint32_t seg_farthest(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo,
-                             uint32_t hi, const float *c) {
+                             uint32_t hi, const float *c, float *d) {
+    seg_chains(X, n, perm, lo, hi, c, 0, d);
     uint32_t best = perm[lo];
     float bd = -1.0f;
-    for (uint32_t i = lo; i < hi; i++) {
-        float d = kvt__recall_dist2(X + (size_t)perm[i] * n, c, n);
-        if (d > bd) {
-            bd = d;
+    for (uint32_t i = lo; i < hi; i++)
+        if (d[i - lo] > bd) {
+            bd = d[i - lo];
             best = perm[i];
         }
-    }
     return best;
 }
 
@@ -124,17 +155,14 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
             continue;
         }
         seg_mean(X, n, perm, lo, hi, m);
-        const uint32_t p1 = seg_farthest(X, n, perm, lo, hi, m);
-        const uint32_t p2 = seg_farthest(X, n, perm, lo, hi, X + (size_t)p1 * n);
+        const uint32_t p1 = seg_farthest(X, n, perm, lo, hi, m, ts);
+        const uint32_t p2 = seg_farthest(X, n, perm, lo, hi, X + (size_t)p1 * n, ts);
         for (uint32_t j = 0; j < n; j++)
             v[j] = X[(size_t)p2 * n + j] - X[(size_t)p1 * n + j];
+        seg_chains(X, n, perm, lo, hi, v, 1, ts); /* t_a = v·x_a */
         for (uint32_t i = lo; i < hi; i++) {
-            const float *x = X + (size_t)perm[i] * n;
-            float t = 0.0f;
-            for (uint32_t j = 0; j < n; j++)
-                t = fmaf(v[j], x[j], t);
-            tv[perm[i]] = t;
-            key[i] = (uint64_t)kvt__recall_order_key(t) << 32 | perm[i];
+            tv[perm[i]] = ts[i - lo];
+            key[i] = (uint64_t)kvt__recall_order_key(ts[i - lo]) << 32 | perm[i];
         }
         qsort(key + lo, cnt, sizeof *key, cmp_u64); /* keys are distinct: the order is unique */
         for (uint32_t i = lo; i < hi; i++) {
@@ -148,6 +176,13 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
         stack[sp++] = lo + k;
     }
     *out->n_groups = ng;
+    /* members ascending within each group: a scan reads them in row order */
+    for (uint32_t g = 0, lo = 0; g < ng; lo = out->end[g++])
+        for (uint32_t i = lo + 1; i < out->end[g]; i++)
+            for (uint32_t j = i, x = perm[i]; j > lo && perm[j - 1] > x; j--) {
+                perm[j] = perm[j - 1];
+                perm[j - 1] = x;
+            }
     uint32_t start = 0;
     for (uint32_t g = 0; g < G; g++) {
         float *c = out->centre + (size_t)g * dim, *st = out->stat + (size_t)g * KVT__RG_STATS;
@@ -235,6 +270,18 @@ size_t kvt__recall_scan_pruned_scratch_bytes(uint32_t n_heads, uint32_t rank, ui
     return prune_layout(n_heads, rank, D, n_closed, NULL, NULL);
 }
 
+static void prefetch_row(const kvt__recall_scan_args *a, uint64_t row) {
+    const uint8_t *r =
+        a->base +
+        (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride +
+        a->branch_offset;
+    const uint8_t *c = (const uint8_t *)(a->csk + (size_t)row * a->csk_stride);
+    for (uint32_t o = 0; o < a->branch_dim * 4u; o += 64u) /* up to fp32 branch values */
+        __builtin_prefetch(r + o);
+    for (uint32_t o = 0; o < a->rank * 2u; o += 64u)
+        __builtin_prefetch(c + o);
+}
+
 static int bit(const uint64_t *w, uint64_t i) {
     return (int)(w[i >> 6] >> (i & 63u) & 1u);
 }
@@ -307,6 +354,9 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
                 if (row < a->sinks || bit(w.kept, row))
                     continue;
                 s.visited++;
+                if (i + 1 < end[gi]) /* the next member's branch and sketch: rows of a group
+                                      * are scattered, no hardware prefetcher sees them */
+                    prefetch_row(a, b * B + perm[i + 1]);
                 if (kvt__recall_row_fires_cpu(a, &p, qL, QP, nl < H ? w.hmap : NULL, nl, row))
                     w.fired[row >> 6] |= (uint64_t)1 << (row & 63u);
             }
