@@ -226,9 +226,25 @@ int kvt__recall_groups_ok(const kvt__recall_scan_args *a, const kvt__recall_grou
     const uint32_t B = g->block_rows;
     if (!g->n_blocks)
         return 1;
-    return B >= 64u && (B & (B - 1u)) == 0 && g->n_blocks <= a->n_closed / B &&
-           g->dim >= a->branch_dim + a->rank && g->perm && g->n_groups && g->end && g->centre &&
-           g->stat;
+    if (!(B >= 64u && (B & (B - 1u)) == 0 && g->n_blocks <= a->n_closed / B &&
+          g->dim >= a->branch_dim + a->rank && g->perm && g->n_groups && g->end && g->centre &&
+          g->stat))
+        return 0;
+    /* the planes' indices in range (what a scan dereferences): n_groups, the group ends
+     * ascending with 32..64 rows each and the last at B, the row offsets below B */
+    const uint32_t G = kvt__recall_group_slots(B);
+    for (uint64_t b = 0; b < g->n_blocks; b++) {
+        const uint32_t ng = g->n_groups[b], *end = g->end + b * G, *perm = g->perm + b * B;
+        if (ng == 0 || ng > G || end[ng - 1] != B)
+            return 0;
+        for (uint32_t i = 0, lo = 0; i < ng; lo = end[i++])
+            if (end[i] < lo + KVT__RECALL_GROUP_MIN || end[i] > lo + KVT__RECALL_GROUP_MAX)
+                return 0;
+        for (uint32_t u = 0; u < B; u++)
+            if (perm[u] >= B)
+                return 0;
+    }
+    return 1;
 }
 
 /* The pruned scan's scratch after the full scan's: the live heads' queries [n][HP] and y·c

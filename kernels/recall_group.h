@@ -13,15 +13,16 @@
  * Layout, per closed block of B rows (B = block_rows, a power of two >= 64), G = B/32 group
  * slots (the most a block can have; n_groups of them used):
  *
- *     perm     [B]        uint32  row offsets in the block, group-major (a permutation of 0..B-1)
+ *     perm     [B]        uint32  row offsets in the block, group-major, ascending within a
+ *                                 group (a permutation of 0..B-1)
  *     n_groups [1]        uint32
  *     end      [G]        uint32  group g's members are perm[end[g-1] .. end[g]) (end[-1] = 0)
  *     centre   [G][dim]   fp32    dim >= branch_dim + rank (the layer's stride); zero past it
  *     stat     [G][5]     fp32    radius, ‖centre‖ bound, ρ max, ρ min, ‖csk‖ max
  *
  * Bytes per row: 4 (perm) + (4 + 4·dim + 20)/32 for the group slots, 4/B for n_groups: at
- * dim = 128 (rank 64), 4 + 17.5 = 21.5 B a row as allocated (about half as used with groups of
- * ~64), against the sketch's 132.
+ * dim = 128 (rank 64), 4 + 16.75 = 20.75 B a row as allocated (4 + ~12.5 as used: the bench's
+ * blocks average ~43 rows a group), against the sketch's 132.
  *
  * The build (kvt__recall_group_block_cpu; every choice deterministic, ties by position, so a
  * GPU twin over the same KVT_HD functions builds the same groups). A segment of n > 64 rows
@@ -31,7 +32,8 @@
  * key: no comparison is ambiguous) and cut at k in [max(32, n/4), min(n − 32, 3n/4)] minimising
  * the two sides' sum of squared deviations of t (1-D 2-means, computed in double from the sorted
  * t; on equal costs the k nearest n/2, then the smaller). A segment of n <= 64 is a group; every
- * group holds 32..64 rows. Depth-first, left first: groups are numbered left to right.
+ * group holds 32..64 rows. Depth-first, left first: groups are numbered left to right; then each
+ * group's members are sorted ascending (a scan reads them in row order).
  *
  * Per group: centre c = fp32 mean of its members (sum in perm order, then / count); radius R =
  * max over members of kvt__recall_radius_up(kvt__recall_dist2(x_a, c)), a true upper bound of
@@ -259,7 +261,10 @@ typedef struct kvt__recall_prune_stats {
 } kvt__recall_prune_stats;
 
 /* Are the group planes usable with a (B a power of two >= 64, dim >= branch_dim + rank, the
- * grouped rows closed, every plane present when a block is)? */
+ * grouped rows closed, every plane present when a block is, and every index in range: n_groups,
+ * ends ascending by 32..64 up to B, row offsets below B)? O(grouped rows). Not checked: that perm
+ * is a permutation (a repeated offset is evaluated twice, a missing one never: the build writes
+ * permutations). */
 int kvt__recall_groups_ok(const struct kvt__recall_scan_args *a, const kvt__recall_groups *g);
 
 /* Bytes of scratch kvt__recall_scan_pruned_cpu takes (8-byte aligned). */

@@ -84,8 +84,8 @@ static void build_block(const lay *l, uint32_t b, int fill) {
 /* Rows: K clusters (a latent a·V plus an off-span part of scale off, a random branch), members
  * = centre + noise·N(0,1); among them near-identical copies of earlier rows (5%), needles (large,
  * random), far rows (random) and large ones (0.5% each). K = 0: every row independent. */
-static void lay_make(lay *l, tu_rng *g, uint32_t B, uint32_t nb, uint32_t tail, uint32_t rank,
-                     int dt, uint32_t K, double noise, double off) {
+static void lay_make_x(lay *l, tu_rng *g, uint32_t B, uint32_t nb, uint32_t tail,
+                       uint32_t rank, int dt, uint32_t K, double noise, double off, bool outliers) {
     memset(l, 0, sizeof *l);
     l->B = B;
     l->nb = nb;
@@ -140,6 +140,8 @@ static void lay_make(lay *l, tu_rng *g, uint32_t B, uint32_t nb, uint32_t tail, 
         uint8_t *p = row_of(l, r);
         /* 5% copies, 0.5% each needles, far and large rows */
         uint32_t u = (uint32_t)(tu_next(g) % 200), kind = u < 10 ? 0 : u < 13 ? u - 9 : 4;
+        if (!outliers && kind != 0)
+            kind = 4;
         if (kind == 0 && r > 0) {
             const uint8_t *q = row_of(l, (uint32_t)(tu_next(g) % r));
             for (uint32_t i = 0; i < QD; i++)
@@ -175,6 +177,11 @@ static void lay_make(lay *l, tu_rng *g, uint32_t B, uint32_t nb, uint32_t tail, 
             l->kept[got++] = r;
     for (uint32_t b = 0; b < nb; b++)
         build_block(l, b, 0x5a);
+}
+
+static void lay_make(lay *l, tu_rng *g, uint32_t B, uint32_t nb, uint32_t tail, uint32_t rank,
+                     int dt, uint32_t K, double noise, double off) {
+    lay_make_x(l, g, B, nb, tail, rank, dt, K, noise, off, true);
 }
 
 static void lay_free(lay *l) {
@@ -332,7 +339,7 @@ static float exact(const lay *l, const float *qh, uint32_t row) {
 
 /* Thousands of steps: the pruned scan's output is the full scan's, bit for bit. */
 Test(recall_prune, identical_to_full_scan) {
-    const uint32_t H = 8, CONFIGS = 48, STEPS = 8;
+    const uint32_t H = 8, CONFIGS = 42, STEPS = 8;
     float *q = xmalloc(sizeof(float) * QD * H), best[8];
     totals t = {0};
     for (uint32_t c = 0; c < CONFIGS; c++) {
@@ -423,6 +430,85 @@ Test(recall_prune, identical_to_full_scan) {
               (unsigned long long)t.groups_visited, (unsigned long long)t.groups);
     cr_assert(t.skipped_fired > 300);
     cr_assert(t.capped > 100);
+    free(q);
+}
+
+/* Re-sketch row r and rebuild its block's groups (after its bytes changed). */
+static void lay_touch(lay *l, uint32_t r) {
+    float *scratch = xmalloc(sizeof(float) * kvt__sketch_scratch_floats(D));
+    kvt__sketch_rows_cpu(l->pool, l->slots + r, 1, l->stride, l->dt, D, l->V, l->rank, l->cs,
+                         scratch, l->csk + (size_t)r * l->cs, l->rho + r);
+    free(scratch);
+    if (r < l->nb * l->B)
+        build_block(l, r / l->B, 0);
+}
+
+/* Where pruning works: tight clusters of at least a group's size, thresholds the best attended score, and per step a few
+ * "needle" rows planted along some heads' queries (they fire); one head's threshold exactly at a
+ * needle's trigger value (or one ulp either side) while the others keep the attended one. Most
+ * groups are skipped, and the outputs are still the full scan's. */
+Test(recall_prune, clustered_needles_identical) {
+    /* two heads: with many, every cluster is some head's best (the union is what is skipped) */
+    const uint32_t H = 2, CONFIGS = 16, STEPS = 12;
+    float *q = xmalloc(sizeof(float) * QD * H), best[8], att[8];
+    totals t = {0};
+    for (uint32_t c = 0; c < CONFIGS; c++) {
+        uint64_t seed = 0x7ee0u + c;
+        tu_rng g = {seed};
+        lay l;
+        /* clusters of 64 rows or more a block (a group holds 32..64 rows), no outliers */
+        uint32_t B = c % 2 ? 512 : 256;
+        lay_make_x(&l, &g, B, 3, (uint32_t)(tu_next(&g) % 50), c % 3 ? 64 : 8,
+                   c % 2 ? KVT__DT_BF16 : KVT__DT_FP32, 2 + (uint32_t)(tu_next(&g) % (B / 64 - 1)),
+                   c % 4 ? 0.03 : 0.003, 0.02, false);
+        for (uint32_t s = 0; s < STEPS; s++) {
+            make_queries(&g, &l, H, q);
+            uint32_t needle[2];
+            for (uint32_t k = 0; k < 2; k++) { /* plant two needles along heads 0 and 1 */
+                uint32_t r = (uint32_t)(tu_next(&g) % l.N);
+                while (!archived(&l, r))
+                    r = (r + 1) % l.N;
+                needle[k] = r;
+                const float *qh = q + (size_t)k * QD;
+                double n2 = 0;
+                for (uint32_t i = 0; i < QD; i++)
+                    n2 += (double)qh[i] * qh[i];
+                double a = (30.0 + 30.0 * tu_uniform(&g)) / sqrt(n2);
+                for (uint32_t i = 0; i < QD; i++)
+                    kvt__store_elem(row_of(&l, r), l.dt, i, (float)(a * qh[i]));
+                lay_touch(&l, r);
+            }
+            for (uint32_t h = 0; h < H; h++) {
+                att[h] = -INFINITY;
+                for (uint32_t r = 0; r < l.N; r++)
+                    if (!archived(&l, r)) {
+                        float e = exact(&l, q + (size_t)h * QD, r);
+                        att[h] = e > att[h] ? e : att[h];
+                    }
+            }
+            for (int mode = 1; mode <= 2; mode++) {
+                float z = mode == KVT__RECALL_SOUND ? sqrtf(448.0f) : (float)(4.0 * tu_uniform(&g));
+                uint32_t k = compare(&l, q, att, H, z, mode, l.N, &t, seed, "clustered");
+                if (k > 1)
+                    compare(&l, q, att, H, z, mode, k / 2, &t, seed, "clustered, capped");
+                for (uint32_t w = 0; w < 3; w++) { /* head 0 at its needle's trigger value */
+                    memcpy(best, att, sizeof best);
+                    float x = lhs(&l, q, needle[0], z, mode);
+                    best[0] = w == 0 ? x : w == 1 ? nextafterf(x, INFINITY) : nextafterf(x, -INFINITY);
+                    compare(&l, q, best, H, z, mode, l.N, &t, seed, "at a needle's trigger value");
+                }
+            }
+        }
+        lay_free(&l);
+    }
+    cr_log_info("recall_prune clustered: %llu scans identical to the full scan (%llu with fired "
+                "rows, %llu of them with skipped groups); visited %.3f of archived rows, %.3f of "
+                "groups",
+                (unsigned long long)t.steps, (unsigned long long)t.fired_steps,
+                (unsigned long long)t.skipped_fired, (double)t.visited / (double)t.archived,
+                (double)t.groups_visited / (double)t.groups);
+    cr_assert(t.skipped_fired > t.steps / 2);
+    cr_assert(t.visited < t.archived * 3 / 4);
     free(q);
 }
 
@@ -622,5 +708,47 @@ Test(recall_prune, non_finite_rows_and_queries) {
         free(f);
         free(sc);
     }
+    lay_free(&l);
+}
+
+/* kvt__recall_groups_ok: the built planes pass; bad shapes and out-of-range indices are refused. */
+Test(recall_prune, groups_ok_refuses_bad_planes) {
+    tu_rng g = {0x0c0u};
+    lay l;
+    lay_make(&l, &g, 128, 2, 5, 8, KVT__DT_BF16, 2, 0.01, 0.0);
+    float q[QD], best = 0.0f;
+    make_queries(&g, &l, 1, q);
+    uint32_t f[4], nf, ov;
+    kvt__recall_scan_args a = scan_args(&l, q, &best, 1, 1.0f, KVT__RECALL_CONFORMAL, 4, f, &nf, &ov);
+    kvt__recall_groups gr = groups_of(&l);
+    cr_assert(kvt__recall_groups_ok(&a, &gr));
+    kvt__recall_groups x = gr;
+    x.block_rows = 96; /* not a power of two */
+    cr_assert(!kvt__recall_groups_ok(&a, &x));
+    x = gr;
+    x.n_blocks = 3; /* more rows than are closed */
+    cr_assert(!kvt__recall_groups_ok(&a, &x));
+    x = gr;
+    x.dim = BD + l.rank - 1;
+    cr_assert(!kvt__recall_groups_ok(&a, &x));
+    x = gr;
+    x.stat = NULL;
+    cr_assert(!kvt__recall_groups_ok(&a, &x));
+    x = gr;
+    x.n_blocks = 0; /* nothing grouped: every row scanned one by one */
+    cr_assert(kvt__recall_groups_ok(&a, &x));
+    uint32_t keep = l.perm[130];
+    l.perm[130] = 128; /* a row offset out of its block */
+    cr_assert(!kvt__recall_groups_ok(&a, &gr));
+    l.perm[130] = keep;
+    uint32_t ng = l.ng[1];
+    l.ng[1] = 5; /* more groups than slots */
+    cr_assert(!kvt__recall_groups_ok(&a, &gr));
+    l.ng[1] = ng;
+    uint32_t e0 = l.end[0];
+    l.end[0] = 20; /* a group under 32 rows */
+    cr_assert(!kvt__recall_groups_ok(&a, &gr));
+    l.end[0] = e0;
+    cr_assert(kvt__recall_groups_ok(&a, &gr));
     lay_free(&l);
 }
