@@ -29,7 +29,7 @@
  * splits in two: its fp32 mean m (sum over the segment in order, then / n), p1 = the row
  * farthest from m, p2 = the row farthest from p1 (first in segment order on a tie), v = x_p2 −
  * x_p1, t_a = v·x_a (fmaf chain); the segment is sorted by (t, row offset) (t by its total-order
- * key: no comparison is ambiguous) and cut at k in [max(32, n/4), min(n − 32, 3n/4)] minimising
+ * key: no comparison is ambiguous) and cut at k in [q, n − q], q = max(32, ⌊n/4⌋), minimising
  * the two sides' sum of squared deviations of t (1-D 2-means, computed in double from the sorted
  * t; on equal costs the k nearest n/2, then the smaller). A segment of n <= 64 is a group; every
  * group holds 32..64 rows. Depth-first, left first: groups are numbered left to right; then each
@@ -222,7 +222,9 @@ typedef struct kvt__recall_group_block {
     float *stat;        /* [B/32][KVT__RG_STATS] */
 } kvt__recall_group_block;
 
-/* Bytes of scratch kvt__recall_group_block_cpu takes. */
+/* Bytes of scratch kvt__recall_group_block_cpu takes: 4·B·(branch_dim + rank + 4) + 8·(branch_dim
+ * + rank) — the block's embeddings as fp32 (2.1 MB at B = 4096, rank 64; 528 MiB at the largest
+ * block_rows, 2^20). */
 size_t kvt__recall_group_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank);
 
 /* Build the groups of one closed block of B rows (a power of two >= 64): row u (block offset) at
