@@ -23,10 +23,10 @@ static size_t heads_padded(uint32_t n_heads) {
 
 size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D) {
     /* heads' q̃_sk and fields; tmp [D]; the transposed queries [branch + rank][padded heads];
-     * the row's branch and sketch as fp32; per padded head: acc, the |·| chain, s·‖q̃_res‖ */
+     * the row's branch and sketch as fp32 */
     return (size_t)n_heads * HEAD_FLOATS(rank) + KVT__RECALL_PREP_FLOATS(D) +
            heads_padded(n_heads) * (KVT__RECALL_MAX_BRANCH + rank) + KVT__RECALL_MAX_BRANCH +
-           rank + 3u * heads_padded(n_heads);
+           rank + 2u * heads_padded(n_heads);
 }
 
 /* kvt__f16_to_f32 without branches (so a loop of it vectorises), exact for every input: the
@@ -36,8 +36,7 @@ static inline float f16_to_f32(uint16_t h) {
     uint32_t o = (uint32_t)(h & 0x7fffu) << 13;
     uint32_t e = o & 0x0f800000u;
     o += (uint32_t)(127 - 15) << 23;
-    uint32_t inf_nan = e == 0x0f800000u ? (uint32_t)(128 - 16) << 23 : 0u;
-    o += inf_nan;
+    o += e == 0x0f800000u ? (uint32_t)(128 - 16) << 23 : 0u;
     uint32_t sub = e == 0u;
     float f = kvt__f32_from_bits(o + (sub << 23)) - (sub ? kvt__f32_from_bits(113u << 23) : 0.0f);
     return kvt__f32_from_bits(kvt__bits_from_f32(f) | ((uint32_t)(h & 0x8000u) << 16));
@@ -69,31 +68,120 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
     kvt__recall_head_finish(q, D, rank, q_sk, tmp, h);
 }
 
-KVT__FMA_CLONES
-void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
+size_t kvt__recall_scan_heads_padded(uint32_t n_heads) {
+    return heads_padded(n_heads);
+}
+
+void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
+                               kvt__recall_scan_prep *p) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank, H = a->n_heads;
     const size_t qdim = (size_t)D + bd, HP = heads_padded(H);
     /* scratch: q̃_sk of every head [H][rank], the heads [H] (5 floats each), tmp [D], then the
      * heads' branch queries and projections transposed, [bd + rank][HP] (padding heads zero),
      * then the row's branch [bd] and sketch [rank] as fp32 */
-    float *q_sk = scratch;
-    kvt__recall_head *heads = (kvt__recall_head *)(scratch + (size_t)H * rank);
+    p->q_sk = scratch;
+    p->heads = (kvt__recall_head *)(scratch + (size_t)H * rank);
     float *tmp = scratch + (size_t)H * HEAD_FLOATS(rank);
-    float *qT = tmp + KVT__RECALL_PREP_FLOATS(D);
-    float *rb = qT + HP * (bd + rank);
-    float *ck = rb + bd;
-    float *acc = ck + rank, *pa = acc + HP, *snr = pa + HP;
-    const int sound = a->mode == KVT__RECALL_SOUND;
-    const float sqrt_dr = sqrtf((float)(D - 64u));
+    p->qT = tmp + KVT__RECALL_PREP_FLOATS(D);
+    p->HP = HP;
+    p->rb = p->qT + HP * (bd + rank);
+    p->ck = p->rb + bd;
+    p->acc = p->ck + rank;
+    p->pa = p->acc + HP;
     for (uint32_t h = 0; h < H; h++)
-        head_prep(a->q + h * qdim, D, a->basis, rank, q_sk + (size_t)h * rank, tmp, &heads[h]);
+        head_prep(a->q + h * qdim, D, a->basis, rank, p->q_sk + (size_t)h * rank, tmp,
+                  &p->heads[h]);
     for (size_t h = 0; h < HP; h++) {
-        snr[h] = h < H ? a->scale * heads[h].nres : 0.0f;
         for (uint32_t j = 0; j < bd; j++)
-            qT[j * HP + h] = h < H ? a->q[h * qdim + D + j] : 0.0f;
+            p->qT[j * HP + h] = h < H ? a->q[h * qdim + D + j] : 0.0f;
         for (uint32_t k = 0; k < rank; k++)
-            qT[(bd + k) * HP + h] = h < H ? q_sk[h * rank + k] : 0.0f;
+            p->qT[(bd + k) * HP + h] = h < H ? p->q_sk[h * rank + k] : 0.0f;
     }
+}
+
+KVT__FMA_CLONES
+int kvt__recall_row_fires_cpu(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
+                              const float *qT, size_t HP, const uint32_t *hmap, uint32_t n,
+                              uint64_t row) {
+    const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank;
+    const int sound = a->mode == KVT__RECALL_SOUND;
+    float *rb = p->rb, *ck = p->ck, *acc = p->acc, *pa = p->pa;
+    const uint8_t *r =
+        a->base +
+        (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride;
+    const uint16_t *csk = a->csk + (size_t)row * a->csk_stride;
+    const float rho = a->rho[row];
+    /* The row once: branch and sketch as fp32; ‖csk‖ (kvt__recall_idx's n2 chain, the same for
+     * every head) only where the sound margin reads it. */
+    if (a->branch_dtype == KVT__DT_BF16) {
+        const uint8_t *br = r + a->branch_offset;
+        for (uint32_t j = 0; j < bd; j++) {
+            uint16_t b;
+            memcpy(&b, br + 2u * j, 2);
+            rb[j] = kvt__f32_from_bits((uint32_t)b << 16);
+        }
+    } else {
+        for (uint32_t j = 0; j < bd; j++)
+            rb[j] = kvt__sigma_branch_val(r, a->branch_offset, a->branch_dtype, j);
+    }
+    for (uint32_t k = 0; k < rank; k++)
+        ck[k] = f16_to_f32(csk[k]);
+    float ncsk = 0.0f;
+    if (sound) {
+        float n2 = 0.0f;
+        for (uint32_t k = 0; k < rank; k++)
+            n2 = fmaf(ck[k], ck[k], n2);
+        ncsk = sqrtf(n2);
+    }
+    /* Every column's chains advance together, j outer (each head keeps kvt__recall_idx's order:
+     * branch j ascending, then k ascending, from +0, so the bits are the per-element function's);
+     * the |·| chain only in sound mode. */
+    for (uint32_t t = 0; t < n; t++)
+        acc[t] = pa[t] = 0.0f;
+    for (uint32_t j = 0; j < bd + rank; j++) {
+        const float x = j < bd ? rb[j] : ck[j - bd];
+        const float *qj = qT + j * HP;
+        for (uint32_t t = 0; t < n; t++)
+            acc[t] = fmaf(qj[t], x, acc[t]);
+        if (sound) {
+            const float ax = fabsf(x);
+            for (uint32_t t = 0; t < n; t++)
+                pa[t] = fmaf(fabsf(qj[t]), ax, pa[t]);
+        }
+    }
+    int fire = 0;
+    if (sound) {
+        for (uint32_t t = 0; t < n && !fire; t++) {
+            const size_t h = hmap ? hmap[t] : t;
+            const float idx = a->scale * acc[t];
+            fire = kvt__recall_sound_fires(
+                idx,
+                kvt__recall_sound_margin(&p->heads[h], idx, pa[t], ncsk, rho, a->scale, a->z, D,
+                                         bd, rank),
+                a->best[h]);
+        }
+    } else if (a->mode == KVT__RECALL_MARGIN) {
+        for (uint32_t t = 0; t < n; t++) {
+            const size_t h = hmap ? hmap[t] : t;
+            fire |= !(a->scale * acc[t] + a->z < a->best[h]);
+        }
+    } else {
+        /* kvt__recall_conformal_fires(idx, kvt__recall_cert(...), z, best) per head, cert's
+         * ((s·‖q̃_res‖)·ρ) / √(D − 64) in its own order */
+        const float sqrt_dr = sqrtf((float)(D - 64u));
+        for (uint32_t t = 0; t < n; t++) {
+            const size_t h = hmap ? hmap[t] : t;
+            const float idx = a->scale * acc[t];
+            const float cert = a->scale * p->heads[h].nres * rho / sqrt_dr;
+            fire |= !(idx + a->z * cert <= a->best[h]);
+        }
+    }
+    return fire;
+}
+
+void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
+    kvt__recall_scan_prep p;
+    kvt__recall_scan_prep_cpu(a, scratch, &p);
     uint32_t count = 0, over = 0;
     uint64_t jk = 0; /* kept[jk]: the first kept row >= the current one */
     for (uint64_t row = a->sinks; row < a->n_closed; row++) {
@@ -101,72 +189,7 @@ void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
             jk++;
         if (jk < a->m && a->kept[jk] == row)
             continue;
-        const uint8_t *p =
-            a->base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) *
-                          a->slot_stride;
-        const uint16_t *csk = a->csk + (size_t)row * a->csk_stride;
-        const float rho = a->rho[row];
-        /* The row once: branch and sketch as fp32; ‖csk‖ (kvt__recall_idx's n2 chain, the same
-         * for every head) only where the sound margin reads it. */
-        if (a->branch_dtype == KVT__DT_BF16) {
-            const uint8_t *br = p + a->branch_offset;
-            for (uint32_t j = 0; j < bd; j++) {
-                uint16_t b;
-                memcpy(&b, br + 2u * j, 2);
-                rb[j] = kvt__f32_from_bits((uint32_t)b << 16);
-            }
-        } else {
-            for (uint32_t j = 0; j < bd; j++)
-                rb[j] = kvt__sigma_branch_val(p, a->branch_offset, a->branch_dtype, j);
-        }
-        for (uint32_t k = 0; k < rank; k++)
-            ck[k] = f16_to_f32(csk[k]);
-        float ncsk = 0.0f;
-        if (sound) {
-            float n2 = 0.0f;
-            for (uint32_t k = 0; k < rank; k++)
-                n2 = fmaf(ck[k], ck[k], n2);
-            ncsk = sqrtf(n2);
-        }
-        /* Every head's chains advance together (each head keeps kvt__recall_idx's order: branch
-         * j ascending, then k ascending, from +0, so the bits are the per-element function's);
-         * the |·| chain only in sound mode. */
-        for (size_t h = 0; h < HP; h++)
-            acc[h] = pa[h] = 0.0f;
-        for (uint32_t j = 0; j < bd + rank; j++) {
-            const float x = j < bd ? rb[j] : ck[j - bd];
-            const float *qj = qT + j * HP;
-            for (size_t h = 0; h < HP; h++)
-                acc[h] = fmaf(qj[h], x, acc[h]);
-            if (sound) {
-                const float ax = fabsf(x);
-                for (size_t h = 0; h < HP; h++)
-                    pa[h] = fmaf(fabsf(qj[h]), ax, pa[h]);
-            }
-        }
-        int fire = 0;
-        if (sound) {
-            for (uint32_t h = 0; h < H && !fire; h++) {
-                const float idx = a->scale * acc[h];
-                fire = kvt__recall_sound_fires(
-                    idx,
-                    kvt__recall_sound_margin(&heads[h], idx, pa[h], ncsk, rho, a->scale, a->z, D,
-                                             bd, rank),
-                    a->best[h]);
-            }
-        } else if (a->mode == KVT__RECALL_MARGIN) {
-            for (uint32_t h = 0; h < H; h++)
-                fire |= !(a->scale * acc[h] + a->z < a->best[h]);
-        } else {
-            /* kvt__recall_conformal_fires(idx, kvt__recall_cert(...), z, best) per head, with
-             * cert's (s·‖q̃_res‖)·ρ / √(D − 64) evaluated in the same order */
-            for (uint32_t h = 0; h < H; h++) {
-                const float idx = a->scale * acc[h];
-                const float cert = snr[h] * rho / sqrt_dr;
-                fire |= !(idx + a->z * cert <= a->best[h]);
-            }
-        }
-        if (!fire)
+        if (!kvt__recall_row_fires_cpu(a, &p, p.qT, p.HP, NULL, a->n_heads, row))
             continue;
         if (count == a->cap) {
             over = 1;

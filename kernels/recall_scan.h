@@ -212,4 +212,30 @@ float kvt__recall_f16_fast(uint16_t h);
  * the archived rows ascending, each against the heads in order until one fires. */
 void kvt__recall_scan_cpu(const struct kvt__recall_scan_args *a, float *scratch);
 
+/* The pieces kvt__recall_scan_cpu is made of, for the pruned scan (kernels/recall_group.h),
+ * which evaluates the rows of the groups it cannot skip exactly as the full scan does. */
+typedef struct kvt__recall_scan_prep {
+    float *q_sk;             /* [n_heads][rank] */
+    kvt__recall_head *heads; /* [n_heads] */
+    float *qT;               /* [branch_dim + rank][HP]: q_br then q̃_sk, padding heads zero */
+    size_t HP;               /* heads rounded up to whole tiles */
+    float *rb, *ck;          /* a row's branch [branch_dim] and sketch [rank] as fp32 */
+    float *acc, *pa;         /* [HP] each: the columns' idx and |·| chains of a row */
+} kvt__recall_scan_prep;
+
+/* Heads rounded up to whole tiles of the twin (the columns of a transposed query block). */
+size_t kvt__recall_scan_heads_padded(uint32_t n_heads);
+
+/* Prepare every head of a into scratch (kvt__recall_scan_scratch_floats floats). */
+void kvt__recall_scan_prep_cpu(const struct kvt__recall_scan_args *a, float *scratch,
+                               kvt__recall_scan_prep *p);
+
+/* Does row fire for one of n heads? The heads' queries are the columns of qT ([branch_dim +
+ * rank][HP], HP a multiple of the tile, columns n .. HP zero); column t is head hmap[t] (hmap
+ * NULL: head t). The full scan passes p->qT, p->HP, NULL, n_heads. Per (row, head) the bits are
+ * kvt__recall_idx's and the trigger functions': which heads share a tile changes none. */
+int kvt__recall_row_fires_cpu(const struct kvt__recall_scan_args *a,
+                              const kvt__recall_scan_prep *p, const float *qT, size_t HP,
+                              const uint32_t *hmap, uint32_t n, uint64_t row);
+
 #endif /* KVT_KERNELS_RECALL_SCAN_H */

@@ -1,0 +1,403 @@
+/*
+ * recall_group.c — CPU twins of the recall tier's groups and the pruned scan
+ * (kernels/recall_group.h for the layout, the build's rules and the bound). The loops only
+ * arrange the KVT_HD functions; the rows of a group that is not skipped go through the full
+ * scan's own row evaluation (kvt__recall_row_fires_cpu), so every fire decision is the full
+ * scan's.
+ */
+#include "kernels/recall_group.h"
+
+#include "kernels/backend.h"
+#include "lib/base/base.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Heads whose y·c chains advance together (independent chains: one vector instruction). */
+#define YC_TILE 8u
+
+static size_t align8(size_t b) {
+    return (b + 7u) & ~(size_t)7u;
+}
+
+size_t kvt__recall_group_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank) {
+    const size_t n = (size_t)branch_dim + rank;
+    /* embeddings [B][n], projections by row and sorted [2][B], sort keys [B] (u64), a mean [n],
+     * a direction [n] */
+    return align8(sizeof(float) * ((size_t)B * n + 2 * (size_t)B)) + sizeof(uint64_t) * B +
+           sizeof(float) * 2 * n;
+}
+
+/* fp32 mean of the embeddings of perm[lo .. hi) (sum in that order from +0, then / count). */
+static void seg_mean(const float *X, size_t n, const uint32_t *perm, uint32_t lo, uint32_t hi,
+                     float *m) {
+    for (size_t j = 0; j < n; j++)
+        m[j] = 0.0f;
+    for (uint32_t i = lo; i < hi; i++) {
+        const float *x = X + (size_t)perm[i] * n;
+        for (size_t j = 0; j < n; j++)
+            m[j] += x[j];
+    }
+    const float cnt = (float)(hi - lo);
+    for (size_t j = 0; j < n; j++)
+        m[j] /= cnt;
+}
+
+/* Rows whose chains advance together in the build (each keeps its own: bits unchanged). */
+#define ROW_TILE 8u
+
+/* out[i − lo] = kvt__recall_dist2(x_perm[i], c) (dot = 0) or the fmaf chain of c·x_perm[i]
+ * (dot = 1) for i in [lo, hi), ROW_TILE rows' chains interleaved. */
+KVT__FMA_CLONES
+static void seg_chains(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo, uint32_t hi,
+                       const float *c, int dot, float *out) {
+    for (uint32_t i0 = lo; i0 < hi; i0 += ROW_TILE) {
+        const float *x[ROW_TILE];
+        float acc[ROW_TILE];
+        const uint32_t nt = hi - i0 < ROW_TILE ? hi - i0 : ROW_TILE;
+        for (uint32_t t = 0; t < ROW_TILE; t++) {
+            x[t] = X + (size_t)perm[t < nt ? i0 + t : i0] * n;
+            acc[t] = 0.0f;
+        }
+        if (dot)
+            for (uint32_t j = 0; j < n; j++)
+                for (uint32_t t = 0; t < ROW_TILE; t++)
+                    acc[t] = fmaf(c[j], x[t][j], acc[t]);
+        else
+            for (uint32_t j = 0; j < n; j++)
+                for (uint32_t t = 0; t < ROW_TILE; t++) {
+                    const float d = x[t][j] - c[j];
+                    acc[t] = fmaf(d, d, acc[t]);
+                }
+        for (uint32_t t = 0; t < nt; t++)
+            out[i0 - lo + t] = acc[t];
+    }
+}
+
+/* The member of perm[lo .. hi) farthest from c (the first on a tie; a NaN distance never wins).
+ * d: hi − lo floats of scratch. */
+static uint32_t seg_farthest(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo,
+                             uint32_t hi, const float *c, float *d) {
+    seg_chains(X, n, perm, lo, hi, c, 0, d);
+    uint32_t best = perm[lo];
+    float bd = -1.0f;
+    for (uint32_t i = lo; i < hi; i++)
+        if (d[i - lo] > bd) {
+            bd = d[i - lo];
+            best = perm[i];
+        }
+    return best;
+}
+
+static int cmp_u64(const void *x, const void *y) {
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* The cut k of a sorted segment of cnt values t (header comment: 1-D 2-means in double over k in
+ * [max(32, cnt/4), cnt − max(32, cnt/4)], ties to the k nearest cnt/2, then the smaller). */
+static uint32_t seg_cut(const float *t, uint32_t cnt) {
+    const uint32_t q = cnt / 4 > KVT__RECALL_GROUP_MIN ? cnt / 4 : KVT__RECALL_GROUP_MIN;
+    const uint32_t klo = q, khi = cnt - q, mid = cnt / 2;
+    const double tm = t[mid];
+    double s1 = 0.0, s2 = 0.0;
+    for (uint32_t i = 0; i < cnt; i++) {
+        double d = (double)t[i] - tm;
+        s1 += d;
+        s2 += d * d;
+    }
+    double a1 = 0.0, a2 = 0.0, bc = INFINITY;
+    uint32_t bk = 0;
+    for (uint32_t k = 1; k <= khi; k++) {
+        double d = (double)t[k - 1] - tm;
+        a1 += d;
+        a2 += d * d;
+        if (k < klo)
+            continue;
+        double c = (a2 - a1 * a1 / k) + ((s2 - a2) - (s1 - a1) * (s1 - a1) / (cnt - k));
+        uint32_t dk = k > mid ? k - mid : mid - k, db = bk > mid ? bk - mid : mid - bk;
+        if (c < bc || (c == bc && dk < db)) {
+            bc = c;
+            bk = k;
+        }
+    }
+    return bk ? bk : mid; /* every cost NaN (non-finite t): the middle */
+}
+
+KVT__FMA_CLONES
+void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
+                                 size_t slot_stride, uint32_t branch_offset, int branch_dtype,
+                                 uint32_t branch_dim, const uint16_t *csk, uint32_t csk_stride,
+                                 const float *rho, uint32_t rank, uint32_t dim, void *scratch,
+                                 const kvt__recall_group_block *out) {
+    const uint32_t n = branch_dim + rank, G = kvt__recall_group_slots(B);
+    float *X = scratch, *tv = X + (size_t)B * n, *ts = tv + B;
+    uint64_t *key =
+        (uint64_t *)((uint8_t *)scratch + align8(sizeof(float) * ((size_t)B * n + 2 * B)));
+    float *m = (float *)(key + B), *v = m + n;
+    uint32_t *perm = out->perm;
+    for (uint32_t u = 0; u < B; u++) {
+        const uint8_t *row = base + (size_t)slots[u] * slot_stride;
+        for (uint32_t j = 0; j < n; j++)
+            X[(size_t)u * n + j] = kvt__recall_embed(row, branch_offset, branch_dtype,
+                                                     branch_dim, csk + (size_t)u * csk_stride, j);
+        perm[u] = u;
+    }
+    /* Depth-first, left first: each split leaves at most 3/4 of its segment on a side, so the
+     * stack holds at most log_{4/3}(B / 32) + 1 segments (47 at B = 2^20). */
+    uint32_t stack[2 * 64], sp = 0, ng = 0;
+    stack[sp++] = 0;
+    stack[sp++] = B;
+    while (sp) {
+        const uint32_t hi = stack[--sp], lo = stack[--sp], cnt = hi - lo;
+        if (cnt <= KVT__RECALL_GROUP_MAX) {
+            out->end[ng++] = hi;
+            continue;
+        }
+        seg_mean(X, n, perm, lo, hi, m);
+        const uint32_t p1 = seg_farthest(X, n, perm, lo, hi, m, ts);
+        const uint32_t p2 = seg_farthest(X, n, perm, lo, hi, X + (size_t)p1 * n, ts);
+        for (uint32_t j = 0; j < n; j++)
+            v[j] = X[(size_t)p2 * n + j] - X[(size_t)p1 * n + j];
+        seg_chains(X, n, perm, lo, hi, v, 1, ts); /* t_a = v·x_a */
+        for (uint32_t i = lo; i < hi; i++) {
+            tv[perm[i]] = ts[i - lo];
+            key[i] = (uint64_t)kvt__recall_order_key(ts[i - lo]) << 32 | perm[i];
+        }
+        qsort(key + lo, cnt, sizeof *key, cmp_u64); /* keys are distinct: the order is unique */
+        for (uint32_t i = lo; i < hi; i++) {
+            perm[i] = (uint32_t)key[i];
+            ts[i] = tv[perm[i]];
+        }
+        const uint32_t k = seg_cut(ts + lo, cnt);
+        stack[sp++] = lo + k;
+        stack[sp++] = hi;
+        stack[sp++] = lo;
+        stack[sp++] = lo + k;
+    }
+    *out->n_groups = ng;
+    /* members ascending within each group: a scan reads them in row order */
+    for (uint32_t g = 0, lo = 0; g < ng; lo = out->end[g++])
+        for (uint32_t i = lo + 1; i < out->end[g]; i++)
+            for (uint32_t j = i, x = perm[i]; j > lo && perm[j - 1] > x; j--) {
+                perm[j] = perm[j - 1];
+                perm[j - 1] = x;
+            }
+    uint32_t start = 0;
+    for (uint32_t g = 0; g < G; g++) {
+        float *c = out->centre + (size_t)g * dim, *st = out->stat + (size_t)g * KVT__RG_STATS;
+        if (g >= ng) { /* unused slots: zero, so the planes are a function of the rows */
+            out->end[g] = B;
+            memset(c, 0, sizeof(float) * dim);
+            memset(st, 0, sizeof(float) * KVT__RG_STATS);
+            continue;
+        }
+        const uint32_t e = out->end[g];
+        seg_mean(X, n, perm, start, e, c);
+        for (uint32_t j = n; j < dim; j++)
+            c[j] = 0.0f;
+        float R = 0.0f, rmax = 0.0f, rmin = INFINITY, nck = 0.0f;
+        int bad = 0;
+        for (uint32_t i = start; i < e; i++) {
+            const uint32_t u = perm[i];
+            float r = kvt__recall_radius_up(kvt__recall_dist2(X + (size_t)u * n, c, n), n);
+            R = r > R ? r : R;
+            bad |= !(r <= 3.40282347e38f);
+            const float p = rho[u]; /* never NaN (sketch.h); a NaN would make the group live */
+            if (!(p >= 0.0f && p <= 3.40282347e38f))
+                rmax = INFINITY;
+            else {
+                rmax = p > rmax ? p : rmax;
+                rmin = p < rmin ? p : rmin;
+            }
+            const float nc = kvt__recall_csk_norm(csk + (size_t)u * csk_stride, rank);
+            nck = nc > nck || !(nc == nc) ? nc : nck;
+        }
+        st[KVT__RG_RADIUS] = bad ? INFINITY : R;
+        st[KVT__RG_NCENTRE] = kvt__recall_radius_up(kvt__recall_norm2(c, n), n);
+        st[KVT__RG_RHO_MAX] = rmax;
+        st[KVT__RG_RHO_MIN] = rmin <= rmax ? rmin : 0.0f;
+        st[KVT__RG_NCSK_MAX] = nck == nck ? nck : INFINITY;
+        start = e;
+    }
+}
+
+int kvt__recall_groups_ok(const kvt__recall_scan_args *a, const kvt__recall_groups *g) {
+    const uint32_t B = g->block_rows;
+    if (!g->n_blocks)
+        return 1;
+    if (!(B >= 64u && (B & (B - 1u)) == 0 && g->n_blocks <= a->n_closed / B &&
+          g->dim >= a->branch_dim + a->rank && g->perm && g->n_groups && g->end && g->centre &&
+          g->stat))
+        return 0;
+    /* the planes' indices in range (what a scan dereferences): n_groups, the group ends
+     * ascending with 32..64 rows each and the last at B, the row offsets below B */
+    const uint32_t G = kvt__recall_group_slots(B);
+    for (uint64_t b = 0; b < g->n_blocks; b++) {
+        const uint32_t ng = g->n_groups[b], *end = g->end + b * G, *perm = g->perm + b * B;
+        if (ng == 0 || ng > G || end[ng - 1] != B)
+            return 0;
+        for (uint32_t i = 0, lo = 0; i < ng; lo = end[i++])
+            if (end[i] < lo + KVT__RECALL_GROUP_MIN || end[i] > lo + KVT__RECALL_GROUP_MAX)
+                return 0;
+        for (uint32_t u = 0; u < B; u++)
+            if (perm[u] >= B)
+                return 0;
+    }
+    return 1;
+}
+
+/* The pruned scan's scratch after the full scan's: the live heads' queries [n][HP] and y·c
+ * [HP] (floats), Y [H] (doubles), the live heads [H] (u32), then the kept and fired bitmaps
+ * (u64 words over the closed rows). */
+typedef struct prune_ws {
+    float *qL, *yc;
+    double *Y;
+    uint32_t *hmap;
+    uint64_t *kept, *fired;
+} prune_ws;
+
+static size_t prune_layout(uint32_t H, uint32_t rank, uint32_t D, uint64_t n_closed,
+                           void *scratch, prune_ws *w) {
+    const size_t HP = kvt__recall_scan_heads_padded(H);
+    const size_t n = KVT__RECALL_MAX_BRANCH + rank, words = (n_closed + 63u) / 64u;
+    size_t off = align8(sizeof(float) * kvt__recall_scan_scratch_floats(H, rank, D));
+    uint8_t *b = scratch;
+    if (w) {
+        w->qL = (float *)(b + off);
+        w->yc = w->qL + n * HP;
+    }
+    off = align8(off + sizeof(float) * (n * HP + HP));
+    if (w)
+        w->Y = (double *)(b + off);
+    off += sizeof(double) * H;
+    if (w)
+        w->hmap = (uint32_t *)(b + off);
+    off = align8(off + sizeof(uint32_t) * H);
+    if (w) {
+        w->kept = (uint64_t *)(b + off);
+        w->fired = w->kept + words;
+    }
+    return off + sizeof(uint64_t) * 2 * words;
+}
+
+size_t kvt__recall_scan_pruned_scratch_bytes(uint32_t n_heads, uint32_t rank, uint32_t D,
+                                             uint64_t n_closed) {
+    return prune_layout(n_heads, rank, D, n_closed, NULL, NULL);
+}
+
+static void prefetch_row(const kvt__recall_scan_args *a, uint64_t row) {
+    const uint8_t *r =
+        a->base +
+        (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride +
+        a->branch_offset;
+    const uint8_t *c = (const uint8_t *)(a->csk + (size_t)row * a->csk_stride);
+    for (uint32_t o = 0; o < a->branch_dim * 4u; o += 64u) /* up to fp32 branch values */
+        __builtin_prefetch(r + o);
+    for (uint32_t o = 0; o < a->rank * 2u; o += 64u)
+        __builtin_prefetch(c + o);
+}
+
+static int bit(const uint64_t *w, uint64_t i) {
+    return (int)(w[i >> 6] >> (i & 63u) & 1u);
+}
+
+KVT__FMA_CLONES
+void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__recall_groups *g,
+                                 void *scratch, kvt__recall_prune_stats *stats) {
+    const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank, H = a->n_heads;
+    const uint32_t n = bd + rank;
+    const size_t qdim = (size_t)D + bd;
+    kvt__recall_scan_prep p;
+    kvt__recall_scan_prep_cpu(a, scratch, &p);
+    prune_ws w;
+    prune_layout(H, rank, D, a->n_closed, scratch, &w);
+    const size_t words = (a->n_closed + 63u) / 64u, HP = p.HP;
+    memset(w.kept, 0, sizeof(uint64_t) * 2 * words);
+    for (uint32_t h = 0; h < H; h++)
+        w.Y[h] = kvt__recall_group_ynorm(a->q + h * qdim + D, p.q_sk + (size_t)h * rank, bd, rank);
+    kvt__recall_prune_stats s = {0};
+    s.archived = a->n_closed > a->sinks ? a->n_closed - a->sinks : 0;
+    for (uint32_t i = 0; i < a->m; i++)
+        if (a->kept[i] < a->n_closed) {
+            w.kept[a->kept[i] >> 6] |= (uint64_t)1 << (a->kept[i] & 63u);
+            s.archived -= a->kept[i] >= a->sinks;
+        }
+    const uint32_t B = g->block_rows, G = g->n_blocks ? kvt__recall_group_slots(B) : 0;
+    for (uint64_t b = 0; b < g->n_blocks; b++) {
+        const uint32_t *perm = g->perm + b * B, *end = g->end + b * G;
+        uint32_t start = 0;
+        for (uint32_t gi = 0; gi < g->n_groups[b]; start = end[gi++]) {
+            const float *c = g->centre + (b * G + gi) * g->dim;
+            const float *st = g->stat + (b * G + gi) * KVT__RG_STATS;
+            s.groups++;
+            /* y·c of every head, YC_TILE chains at a time (kvt__recall_group_ydot's order) */
+            for (size_t h0 = 0; h0 < HP; h0 += YC_TILE) {
+                float acc[YC_TILE];
+                for (uint32_t t = 0; t < YC_TILE; t++)
+                    acc[t] = 0.0f;
+                for (uint32_t j = 0; j < n; j++) {
+                    const float *qj = p.qT + j * HP + h0, cj = c[j];
+#pragma GCC unroll 8
+                    for (uint32_t t = 0; t < YC_TILE; t++)
+                        acc[t] = fmaf(qj[t], cj, acc[t]);
+                }
+                for (uint32_t t = 0; t < YC_TILE; t++)
+                    w.yc[h0 + t] = acc[t];
+            }
+            uint32_t nl = 0;
+            for (uint32_t h = 0; h < H; h++)
+                if (kvt__recall_group_live(&p.heads[h], w.Y[h], w.yc[h], st, a->mode, a->scale,
+                                           a->z, a->best[h], D, bd, rank))
+                    w.hmap[nl++] = h;
+            if (!nl)
+                continue;
+            s.groups_visited++;
+            s.head_groups += nl;
+            /* the live heads' columns, tiles padded with zero columns */
+            const size_t LP = kvt__recall_scan_heads_padded(nl);
+            const float *qL = p.qT;
+            size_t QP = HP;
+            if (nl < H) {
+                for (uint32_t j = 0; j < n; j++)
+                    for (size_t t = 0; t < LP; t++)
+                        w.qL[j * LP + t] = t < nl ? p.qT[j * HP + w.hmap[t]] : 0.0f;
+                qL = w.qL;
+                QP = LP;
+            }
+            for (uint32_t i = start; i < end[gi]; i++) {
+                const uint64_t row = b * B + perm[i];
+                if (row < a->sinks || bit(w.kept, row))
+                    continue;
+                s.visited++;
+                if (i + 1 < end[gi]) /* the next member's branch and sketch: rows of a group
+                                      * are scattered, no hardware prefetcher sees them */
+                    prefetch_row(a, b * B + perm[i + 1]);
+                if (kvt__recall_row_fires_cpu(a, &p, qL, QP, nl < H ? w.hmap : NULL, nl, row))
+                    w.fired[row >> 6] |= (uint64_t)1 << (row & 63u);
+            }
+        }
+    }
+    /* closed rows past the grouped blocks: one by one, every head */
+    for (uint64_t row = g->n_blocks * B; row < a->n_closed; row++) {
+        if (row < a->sinks || bit(w.kept, row))
+            continue;
+        s.visited++;
+        if (kvt__recall_row_fires_cpu(a, &p, p.qT, HP, NULL, H, row))
+            w.fired[row >> 6] |= (uint64_t)1 << (row & 63u);
+    }
+    /* ascending: the first min(W, fired), overflow when more fired */
+    uint32_t count = 0, over = 0;
+    for (size_t i = 0; i < words && !over; i++)
+        for (uint64_t x = w.fired[i]; x; x &= x - 1) {
+            if (count == a->cap) {
+                over = 1;
+                break;
+            }
+            a->fired[count++] = (uint32_t)(i * 64u + (uint64_t)__builtin_ctzll(x));
+        }
+    *a->n_fired = count;
+    *a->overflow = over;
+    if (stats)
+        *stats = s;
+}

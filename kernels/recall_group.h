@@ -1,0 +1,282 @@
+/*
+ * recall_group.h — the pruned recall scan (issue 10 item 5, docs/recall.md §3.2): at block close
+ * the rows of the block are partitioned into groups of 32..64 similar rows, each with a centre, a
+ * radius and the extremes of ρ and ‖csk‖; a step skips a whole group when no head can fire on any
+ * member, and evaluates the members of the others exactly as the full scan does
+ * (kernels/recall_scan.h), so its output is the full scan's, bit for bit. Read by gcc and nvcc
+ * (no restrict, _Generic or compound literals).
+ *
+ * The space. idx is linear in a row's embedding x = [r | f32(csk)] (branch_dim + rank values):
+ * idx_a = s·acc_a, acc_a = the fmaf chain of y·x_a with y = [q_br | q̃_sk] of the head
+ * (kvt__recall_idx's chain). Groups are built and bounded in that space.
+ *
+ * Layout, per closed block of B rows (B = block_rows, a power of two >= 64), G = B/32 group
+ * slots (the most a block can have; n_groups of them used):
+ *
+ *     perm     [B]        uint32  row offsets in the block, group-major, ascending within a
+ *                                 group (a permutation of 0..B-1)
+ *     n_groups [1]        uint32
+ *     end      [G]        uint32  group g's members are perm[end[g-1] .. end[g]) (end[-1] = 0)
+ *     centre   [G][dim]   fp32    dim >= branch_dim + rank (the layer's stride); zero past it
+ *     stat     [G][5]     fp32    radius, ‖centre‖ bound, ρ max, ρ min, ‖csk‖ max
+ *
+ * Bytes per row: 4 (perm) + (4 + 4·dim + 20)/32 for the group slots, 4/B for n_groups: at
+ * dim = 128 (rank 64), 4 + 16.75 = 20.75 B a row as allocated (4 + ~12.5 as used: the bench's
+ * blocks average ~43 rows a group), against the sketch's 132.
+ *
+ * The build (kvt__recall_group_block_cpu; every choice deterministic, ties by position, so a
+ * GPU twin over the same KVT_HD functions builds the same groups). A segment of n > 64 rows
+ * splits in two: its fp32 mean m (sum over the segment in order, then / n), p1 = the row
+ * farthest from m, p2 = the row farthest from p1 (first in segment order on a tie), v = x_p2 −
+ * x_p1, t_a = v·x_a (fmaf chain); the segment is sorted by (t, row offset) (t by its total-order
+ * key: no comparison is ambiguous) and cut at k in [q, n − q], q = max(32, ⌊n/4⌋), minimising
+ * the two sides' sum of squared deviations of t (1-D 2-means, computed in double from the sorted
+ * t; on equal costs the k nearest n/2, then the smaller). A segment of n <= 64 is a group; every
+ * group holds 32..64 rows. Depth-first, left first: groups are numbered left to right; then each
+ * group's members are sorted ascending (a scan reads them in row order).
+ *
+ * Per group: centre c = fp32 mean of its members (sum in perm order, then / count); radius R =
+ * max over members of kvt__recall_radius_up(kvt__recall_dist2(x_a, c)), a true upper bound of
+ * the real ‖x_a − c‖ (below); ‖c‖ bound likewise; ρ max / min over members of the stored ρ;
+ * ‖csk‖ max = max over members of kvt__recall_csk_norm (the scan's own ‖csk‖ chain: the same bits).
+ * A member with a NaN or infinite value makes the radius +Inf: that group is never skipped.
+ *
+ * The bound (kvt__recall_group_live). For a member a, head h, with Y >= ‖y‖ (double, per step),
+ * Nc >= ‖c‖, R >= ‖x_a − c‖, n = branch_dim + rank, u = 2^-24:
+ *
+ *     acc_a <= y·x_a + γ_n·Σ|y_j||x_aj|           (the fp32 chain; Σ|y||x| <= Y·(Nc + R))
+ *     y·x_a  = y·c + y·(x_a − c) <= y·c + Y·R      (Cauchy–Schwarz)
+ *
+ * and y·c is computed by the same kind of chain (kvt__recall_group_ydot: error <= γ_n·Y·Nc).
+ * With MAG = s·Y·(Nc + R) and the stated rounding ε = 2·γ_{n+8} + 2^-16 (the two chains, the
+ * products by s, the final addition, the bound's own double evaluation, and 2^-16 for the
+ * certificate term below), every member's fp32 trigger left-hand side is at most
+ *
+ *     U = s·(yc + Y·R) + T + ε·(MAG + |T|) + 2^-100
+ *
+ * T, the certificate term, from the fp32 functions of the full scan at the group's extremes:
+ *   conformal: T = z · kvt__recall_cert(h, ρ max) (ρ min when z < 0): cert is nondecreasing in ρ
+ *     and every fp32 rounding is monotone, so each member's z·cert is at most T (up to 2^-16·|T|
+ *     should a compiler contract the two evaluations differently);
+ *   sound: T = kvt__recall_sound_margin(h, Imax, Pmax, ‖csk‖ max, ρ max) with Imax >= s·Y·(Nc +
+ *     R)·(1 + ε) >= |idx_a| and Pmax >= Y·(Nc + R)·(1 + ε) >= P_a: the margin is a composition of
+ *     fp32 +, ·, min and |idx/s| over nonnegative values, nondecreasing in each of ρ, ‖csk‖, P,
+ *     |idx|, so it bounds every member's margin.
+ * The group is skipped for head h when U < best_h (strict: the sound trigger fires at equality;
+ * a NaN best never skips). A group is skipped when it is skipped for every head. The bound's
+ * no-overflow argument needs finite, moderate magnitudes: s and |z| <= 2^20, the head's norms,
+ * Y, R, Nc, ρ max and ‖csk‖ max <= 2^40 (products of four stay below fp32's range, so no member's
+ * evaluation can overflow to Inf or NaN); outside that (a NaN or Inf anywhere, ρ = +Inf rows,
+ * absurd scales) the group is live and evaluated exactly. Members that are sinks or kept are not
+ * archived: they are never evaluated and never fire (the bound over all members bounds the
+ * archived ones).
+ *
+ * Output: fired rows are collected in a bitmap over the closed rows, then written ascending —
+ * the first min(W, fired) rows and overflow = fired > W, as the full scan (which stops at the
+ * W+1-th fired row in row order: the pruned scan must know every fired row to know the first W).
+ */
+#ifndef KVT_KERNELS_RECALL_GROUP_H
+#define KVT_KERNELS_RECALL_GROUP_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/kvt_hd.h"
+#include "kernels/recall_scan.h"
+#include "kernels/sigma.h"
+
+#define KVT__RECALL_GROUP_MIN 32u
+#define KVT__RECALL_GROUP_MAX 64u
+/* stat fields of a group */
+#define KVT__RG_RADIUS 0
+#define KVT__RG_NCENTRE 1
+#define KVT__RG_RHO_MAX 2
+#define KVT__RG_RHO_MIN 3
+#define KVT__RG_NCSK_MAX 4
+#define KVT__RG_STATS 5u
+
+/* Group slots of a block of B rows. */
+KVT_HD uint32_t kvt__recall_group_slots(uint32_t B) {
+    return B / KVT__RECALL_GROUP_MIN;
+}
+
+/* Element j of a row's embedding [r | f32(csk)] (j < branch_dim + rank). */
+KVT_HD float kvt__recall_embed(const uint8_t *row, uint32_t branch_offset, int branch_dtype,
+                               uint32_t branch_dim, const uint16_t *csk, uint32_t j) {
+    return j < branch_dim ? kvt__sigma_branch_val(row, branch_offset, branch_dtype, j)
+                          : kvt__f16_to_f32(csk[j - branch_dim]);
+}
+
+/* A float's total-order key (ascending keys = ascending values, -0 before +0, NaNs at the ends
+ * by sign): the sort's comparisons are never ambiguous. */
+KVT_HD uint32_t kvt__recall_order_key(float t) {
+    uint32_t u = kvt__bits_from_f32(t);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* ‖csk‖ exactly as the scan computes it (kvt__recall_idx's n2 chain, then sqrtf). */
+KVT_HD float kvt__recall_csk_norm(const uint16_t *csk, uint32_t rank) {
+    float n2 = 0.0f;
+    for (uint32_t k = 0; k < rank; k++) {
+        float ck = kvt__f16_to_f32(csk[k]);
+        n2 = fmaf(ck, ck, n2);
+    }
+    return sqrtf(n2);
+}
+
+/* Squared distance: fmaf chain over j ascending of (x_j − c_j)², from +0. */
+KVT_HD float kvt__recall_dist2(const float *x, const float *c, uint32_t n) {
+    float acc = 0.0f;
+    for (uint32_t j = 0; j < n; j++) {
+        float d = x[j] - c[j];
+        acc = fmaf(d, d, acc);
+    }
+    return acc;
+}
+
+/* Squared norm: fmaf chain over j ascending of c_j², from +0 (kvt__recall_dist2 against 0). */
+KVT_HD float kvt__recall_norm2(const float *c, uint32_t n) {
+    float acc = 0.0f;
+    for (uint32_t j = 0; j < n; j++)
+        acc = fmaf(c[j], c[j], acc);
+    return acc;
+}
+
+/* An upper bound of the real norm whose square's chain (n terms, kvt__recall_dist2's order)
+ * gave d2. Each difference rounds by at most u (exact when subnormal), each square and the chain
+ * lose at most γ_n relatively and n·2^-150 absolutely (underflow), sqrtf u: the real norm is at
+ * most sqrtf(d2)·(1 + γ_{n+4}) + 2^-70; ×(1 + 2^-12) then + 2^-64, each rounded to nearest,
+ * covers it for n <= 1024 (γ_{1028} + 3u < 2^-12). NaN becomes +Inf. */
+KVT_HD float kvt__recall_radius_up(float d2, uint32_t n) {
+    (void)n;
+    float r = sqrtf(d2) * 1.000244140625f + 5.42101086e-20f; /* 1 + 2^-12, 2^-64 */
+    return r <= 3.40282347e38f ? r : INFINITY;
+}
+
+/* y·c for one head: fmaf chain over the branch (q_br, j < branch_dim) then the sketch (q̃_sk,
+ * k < rank), from +0 — the twin's column-tiled loop gives the same bits. */
+KVT_HD float kvt__recall_group_ydot(const float *q_br, const float *q_sk, const float *c,
+                                    uint32_t branch_dim, uint32_t rank) {
+    float acc = 0.0f;
+    for (uint32_t j = 0; j < branch_dim; j++)
+        acc = fmaf(q_br[j], c[j], acc);
+    for (uint32_t k = 0; k < rank; k++)
+        acc = fmaf(q_sk[k], c[branch_dim + k], acc);
+    return acc;
+}
+
+/* Y >= ‖[q_br | q̃_sk]‖ (double; the sum's relative error is far below the 2^-40 added). */
+KVT_HD double kvt__recall_group_ynorm(const float *q_br, const float *q_sk, uint32_t branch_dim,
+                                      uint32_t rank) {
+    double s2 = 0.0;
+    for (uint32_t j = 0; j < branch_dim; j++)
+        s2 += (double)q_br[j] * q_br[j];
+    for (uint32_t k = 0; k < rank; k++)
+        s2 += (double)q_sk[k] * q_sk[k];
+    return sqrt(s2) * (1.0 + 9.094947017729282e-13); /* 2^-40 */
+}
+
+/* May a member of the group fire for this head? (the header comment's bound; 1 = evaluate) */
+KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, double Y, float yc, const float *st,
+                                  int mode, float s, float z, float best, uint32_t D,
+                                  uint32_t branch_dim, uint32_t rank) {
+    const double lim = 1099511627776.0, slim = 1048576.0; /* 2^40, 2^20 */
+    const double R = st[KVT__RG_RADIUS], Nc = st[KVT__RG_NCENTRE];
+    const float rmax = st[KVT__RG_RHO_MAX], rmin = st[KVT__RG_RHO_MIN];
+    const float nck = st[KVT__RG_NCSK_MAX];
+    if (!(s <= slim && z <= slim && z >= -slim && Y <= lim && h->nres <= lim &&
+          h->Qres <= lim && h->Qsk <= lim && h->nlat <= lim && h->eta <= lim && R <= lim &&
+          Nc <= lim && rmax <= lim && rmin >= 0.0f && nck <= lim))
+        return 1;
+    const double eps = 2.0 * (double)kvt__recall_gamma(branch_dim + rank + 8u) +
+                       1.52587890625e-05; /* 2^-16 */
+    const double mag = (double)s * Y * (Nc + R);
+    double T;
+    if (mode == KVT__RECALL_SOUND) {
+        /* fp32 values >= the members' |idx| and P: ×(1 + 2^-20) before rounding to nearest,
+         * + 2^-120 for the subnormal range */
+        const double up = (1.0 + eps) * (1.0 + 9.5367431640625e-07);
+        float imax = (float)(mag * up + 7.52316384526264e-37);
+        float pmax = (float)(Y * (Nc + R) * up + 7.52316384526264e-37);
+        T = kvt__recall_sound_margin(h, imax, pmax, nck, rmax, s, z, D, branch_dim, rank);
+    } else {
+        T = (double)(z * kvt__recall_cert(h, z >= 0.0f ? rmax : rmin, s, D));
+    }
+    double U = (double)s * ((double)yc + Y * R) + T + eps * (mag + fabs(T)) +
+               7.888609052210118e-31; /* 2^-100 */
+    return !(U < (double)best);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * CPU twins (kernels/recall_group.c)
+ * ------------------------------------------------------------------------------------------- */
+struct kvt__recall_scan_args;
+
+/* One block's group planes (the layout above), as the build writes them. */
+typedef struct kvt__recall_group_block {
+    uint32_t *perm;     /* [B] */
+    uint32_t *n_groups; /* [1] */
+    uint32_t *end;      /* [B/32] */
+    float *centre;      /* [B/32][dim] */
+    float *stat;        /* [B/32][KVT__RG_STATS] */
+} kvt__recall_group_block;
+
+/* Bytes of scratch kvt__recall_group_block_cpu takes: 4·B·(branch_dim + rank + 4) + 8·(branch_dim
+ * + rank) — the block's embeddings as fp32 (2.1 MB at B = 4096, rank 64; 528 MiB at the largest
+ * block_rows, 2^20). */
+size_t kvt__recall_group_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank);
+
+/* Build the groups of one closed block of B rows (a power of two >= 64): row u (block offset) at
+ * base + (size_t)slots[u] * slot_stride, its branch branch_dim values of branch_dtype at byte
+ * branch_offset; its sketch csk + u * csk_stride (rank fp16 values used), its ρ rho[u]. dim >=
+ * branch_dim + rank is the centre stride. Arguments trusted (kvt__recall_group_args_ok); scratch
+ * 8-byte aligned, kvt__recall_group_scratch_bytes. */
+void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
+                                 size_t slot_stride, uint32_t branch_offset, int branch_dtype,
+                                 uint32_t branch_dim, const uint16_t *csk, uint32_t csk_stride,
+                                 const float *rho, uint32_t rank, uint32_t dim, void *scratch,
+                                 const kvt__recall_group_block *out);
+
+/* The group planes of a (request, layer) as the pruned scan reads them: blocks 0 .. n_blocks − 1
+ * (rows [0, n_blocks·block_rows), every one closed), block b's planes at perm + b·B, n_groups + b,
+ * end + b·B/32, centre + b·(B/32)·dim, stat + b·(B/32)·KVT__RG_STATS. Closed rows past the
+ * grouped blocks are scanned one by one. */
+typedef struct kvt__recall_groups {
+    uint32_t block_rows;
+    uint64_t n_blocks;
+    uint32_t dim;
+    const uint32_t *perm;
+    const uint32_t *n_groups;
+    const uint32_t *end;
+    const float *centre;
+    const float *stat;
+} kvt__recall_groups;
+
+/* What a pruned scan did (for benchmarks and tests). */
+typedef struct kvt__recall_prune_stats {
+    uint64_t archived;       /* archived rows of the work item */
+    uint64_t visited;        /* archived rows evaluated */
+    uint64_t groups;         /* groups of the grouped blocks */
+    uint64_t groups_visited; /* groups not skipped */
+    uint64_t head_groups;    /* (group, head) pairs the bound could not exclude */
+} kvt__recall_prune_stats;
+
+/* Are the group planes usable with a (B a power of two >= 64, dim >= branch_dim + rank, the
+ * grouped rows closed, every plane present when a block is, and every index in range: n_groups,
+ * ends ascending by 32..64 up to B, row offsets below B)? O(grouped rows). Not checked: that perm
+ * is a permutation (a repeated offset is evaluated twice, a missing one never: the build writes
+ * permutations). */
+int kvt__recall_groups_ok(const struct kvt__recall_scan_args *a, const kvt__recall_groups *g);
+
+/* Bytes of scratch kvt__recall_scan_pruned_cpu takes (8-byte aligned). */
+size_t kvt__recall_scan_pruned_scratch_bytes(uint32_t n_heads, uint32_t rank, uint32_t D,
+                                             uint64_t n_closed);
+
+/* The pruned scan: a's outputs are exactly kvt__recall_scan_cpu's (same arguments, checked as
+ * the recall_scan op checks them, and kvt__recall_groups_ok). stats may be NULL. */
+void kvt__recall_scan_pruned_cpu(const struct kvt__recall_scan_args *a,
+                                 const kvt__recall_groups *g, void *scratch,
+                                 kvt__recall_prune_stats *stats);
+
+#endif /* KVT_KERNELS_RECALL_GROUP_H */
