@@ -22,6 +22,8 @@ kvt_config kvt_config_default(void) {
     c.selector = KVT_SELECT_SIGMA;
     c.recall_cap_rows = 4096;
     c.recall_margin = 1.0f;
+    c.salience_budget = false;
+    c.budget_min_kept = 256;
     return c;
 }
 
@@ -89,6 +91,10 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
     if (c->recall_cap_rows < 1 || c->recall_cap_rows > (1u << 24))
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "config.recall_cap_rows: %u not in 1..2^24", c->recall_cap_rows);
+    if (c->budget_min_kept < 1 || c->budget_min_kept > KVT__MAX_BUDGET)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.budget_min_kept: %u not in 1..%u", c->budget_min_kept,
+                         KVT__MAX_BUDGET);
     if (!(c->recall_margin >= 0.0f && c->recall_margin <= FLT_MAX))
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "config.recall_margin: %g is not a finite value >= 0",

@@ -363,6 +363,13 @@ typedef struct kvt_config {
     uint32_t recall_cap_rows; /* W: most rows a recall step fetches per request and layer, 1..2^24
                                * (4096); past it the step attends every row */
     float recall_margin;      /* δ of KVT_RECALL_MARGIN, in score units, finite >= 0 (1.0) */
+    /* Salience budget that counts the tail (false: the reference's m = closed / ratio, which
+     * leaves the unclosed tail, up to block_rows rows, attended on top). true: at each close
+     * m = max(budget_min_kept, ceil((closed + B/2) / ratio) − sinks − B/2), at most the closed
+     * rows, so that sinks + kept + the tail's mean B/2 ≈ the context over the next block / ratio
+     * (kvt_layer_stats.effective_ratio reports what holds). */
+    bool salience_budget;
+    uint32_t budget_min_kept; /* the floor of kept rows in budget mode (256) */
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
@@ -952,6 +959,9 @@ typedef struct kvt_layer_stats {
     uint64_t recall_last_archived, recall_last_visited, recall_last_fired, recall_last_fetched;
     bool recall_last_dense;       /* the last step attended every row */
     bool recall_last_overflow;
+    /* Committed rows per attended row (per KV head) now: the compression the step really gets,
+     * tail included (0 when nothing is attended). */
+    double effective_ratio;
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

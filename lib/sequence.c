@@ -1205,6 +1205,8 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
         out->recall_last_dense = rs.last_dense != 0;
         out->recall_last_overflow = rs.last_overflow != 0;
     }
+    out->effective_ratio =
+        out->attended_rows ? (double)seq->n_tokens / (double)out->attended_rows : 0.0;
     uint64_t row_bytes_all = kvt_layer_bytes_per_token(&st->spec);
     out->attended_bytes_per_token =
         seq->n_tokens ? (double)out->attended_rows * (double)row_bytes_all / (double)seq->n_tokens

@@ -77,7 +77,8 @@ static const char *const spec_names[12] = {
 
 static uint32_t cfg_flags(const kvt_config *c) {
     return (c->protect_prompt ? 1u : 0u) | (c->evict_archive ? 2u : 0u) |
-           (c->evict_shared_draw ? 4u : 0u) | (c->evict_vase ? 8u : 0u);
+           (c->evict_shared_draw ? 4u : 0u) | (c->evict_vase ? 8u : 0u) |
+           (c->salience_budget ? 16u : 0u);
 }
 
 static void meta_write(const kvt_seq *seq, uint8_t *p) {
@@ -90,7 +91,7 @@ static void meta_write(const kvt_seq *seq, uint8_t *p) {
     p = put32(p, ctx->kv_head_offset);
     p = put32(p, ctx->n_kv_heads_global);
     p = put32(p, ctx->layer_offset);
-    p = put32(p, 0);
+    p = put32(p, c->salience_budget ? c->budget_min_kept : 0); /* 0 without budget mode */
     const uint32_t cw[8] = {c->ratio,        c->block_rows,  c->kappa,     c->sink_rows,
                             c->evict_budget_rows, c->recent_rows, c->cadence_rows, cfg_flags(c)};
     for (int i = 0; i < 8; i++)
@@ -143,7 +144,7 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     m->kv_head_offset = G32();
     m->n_kv_heads_global = G32();
     m->layer_offset = G32();
-    (void)G32();
+    uint32_t min_kept = G32();
     kvt_config *c = &m->cfg;
     *c = kvt_config_default();
     c->ratio = G32();
@@ -158,6 +159,9 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     c->evict_archive = (fl & 2u) != 0;
     c->evict_shared_draw = (fl & 4u) != 0;
     c->evict_vase = (fl & 8u) != 0;
+    c->salience_budget = (fl & 16u) != 0;
+    if (c->salience_budget)
+        c->budget_min_kept = min_kept;
     c->seed = G64();
     c->recall = (kvt_recall_mode)G32();
     c->selector = (kvt_selector)G32();
@@ -168,7 +172,7 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     m->seq_recall = G32();
 #undef G32
 #undef G64
-    if (fl & ~15u)
+    if (fl & ~31u || (!(fl & 16u) && min_kept != 0))
         return kvt__fail(err, len, KVT_ERR_PARSE, "META: unknown configuration flags 0x%x", fl);
     if (m->n_groups > KVT__MAX_GROUPS)
         return kvt__fail(err, len, KVT_ERR_PARSE, "META: %u policy groups (at most %d)",
@@ -235,6 +239,9 @@ static kvt_status meta_compare(const kvt_ctx *ctx, const snap_meta *m) {
     DIFF("config.evict_archive", s->evict_archive, c->evict_archive);
     DIFF("config.evict_shared_draw", s->evict_shared_draw, c->evict_shared_draw);
     DIFF("config.evict_vase", s->evict_vase, c->evict_vase);
+    DIFF("config.salience_budget", s->salience_budget, c->salience_budget);
+    if (c->salience_budget)
+        DIFF("config.budget_min_kept", s->budget_min_kept, c->budget_min_kept);
     DIFF("config.seed", s->seed, c->seed);
     DIFF("config.recall", s->recall, c->recall);
     DIFF("config.selector", s->selector, c->selector);

@@ -130,14 +130,26 @@ static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint
 kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
                             uint64_t rows) {
     uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
-    return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg->ratio), NULL);
+    return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg), NULL);
 }
 
-uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio) {
+uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg) {
     if (closed_rows == 0)
         return 0;
-    uint64_t m = (closed_rows + ratio / 2) / ratio;
-    return m < 1 ? 1 : m;
+    const uint64_t ratio = cfg->ratio;
+    if (!cfg->salience_budget) {
+        uint64_t m = (closed_rows + ratio / 2) / ratio;
+        return m < 1 ? 1 : m;
+    }
+    /* Budget mode: the attended rows over the next block, sinks + m + its mean tail B/2, match
+     * the mean context (closed + B/2) / ratio, never below the floor nor above the closed rows. */
+    const uint64_t half = cfg->block_rows / 2;
+    const uint64_t want = (closed_rows + half + ratio - 1) / ratio;
+    const uint64_t other = cfg->sink_rows + half;
+    uint64_t m = want > other ? want - other : 0;
+    if (m < cfg->budget_min_kept)
+        m = cfg->budget_min_kept;
+    return m > closed_rows ? closed_rows : m;
 }
 
 /* The scoring of the block starting at position `first` of a job's layer into out[0..B). */
@@ -277,7 +289,7 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
         if (j->n_close == 0)
             continue;
         j->new_closed = s->closed_rows + j->n_close * B;
-        j->m = kvt__sal_m(j->new_closed, j->cfg->ratio);
+        j->m = kvt__sal_m(j->new_closed, j->cfg);
         /* growth on the run's stream: ordered with its earlier closes */
         kvt_status st = sal_reserve(s, env->alloc, B, j->new_closed, j->m, env->stream);
         if (st == KVT_OK && j->new_closed > UINT32_MAX)
@@ -408,10 +420,10 @@ static kvt_status check_host(const kvt__sal *s, const kvt_config *cfg, const flo
         return kvt__fail(err, len, KVT_ERR_INVARIANT,
                          "salience: closed %llu / rows %llu inconsistent with block %u",
                          (unsigned long long)s->closed_rows, (unsigned long long)s->n_rows, B);
-    if (s->n_kept != kvt__sal_m(s->closed_rows, cfg->ratio))
+    if (s->n_kept != kvt__sal_m(s->closed_rows, cfg))
         return kvt__fail(err, len, KVT_ERR_INVARIANT, "salience: %llu kept rows, m = %llu",
                          (unsigned long long)s->n_kept,
-                         (unsigned long long)kvt__sal_m(s->closed_rows, cfg->ratio));
+                         (unsigned long long)kvt__sal_m(s->closed_rows, cfg));
     for (uint64_t i = 0; i < s->n_kept; i++) {
         if (kept[i] >= s->closed_rows || (i > 0 && kept[i] <= kept[i - 1]))
             return kvt__fail(err, len, KVT_ERR_INVARIANT,
@@ -670,7 +682,7 @@ static kvt_status sal_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state
     uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
     if (closed > s->closed_rows) /* a close src has not done yet (it retries at its commit) */
         closed = s->closed_rows;
-    uint64_t m = kvt__sal_m(closed, cfg->ratio);
+    uint64_t m = kvt__sal_m(closed, cfg);
     kvt_status rc = sal_reserve(d, env->alloc, cfg->block_rows, closed, m, NULL);
     if (rc == KVT_OK && closed)
         rc = d->be->ops->copy(d->be, d->score, s->score, sizeof *s->score * closed, NULL);
@@ -870,7 +882,7 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
         bad = "rows differ from the page table's";
     else if (t.closed_rows > t.n_rows || t.closed_rows % B != 0 || t.closed_rows > UINT32_MAX)
         bad = "closed rows not whole blocks inside the rows";
-    else if (t.n_kept != kvt__sal_m(t.closed_rows, cfg->ratio) || t.kept_in_sinks > t.n_kept)
+    else if (t.n_kept != kvt__sal_m(t.closed_rows, cfg) || t.kept_in_sinks > t.n_kept)
         bad = "kept count is not m of the closed rows";
     else if (t.closes != t.closed_rows / B || t.nonfinite > t.closed_rows ||
              t.score_bytes_read != t.closed_rows * score_bytes_per_row(cfg, &l->st->spec))

@@ -219,8 +219,9 @@ void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a);
  * changes). */
 kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
                             uint64_t rows);
-/* m for a number of closed rows: max(1, (closed + ratio/2) / ratio), 0 when closed is 0. */
-uint64_t kvt__sal_m(uint64_t closed_rows, uint32_t ratio);
+/* m for a number of closed rows: max(1, (closed + ratio/2) / ratio), 0 when closed is 0; in
+ * budget mode (cfg->salience_budget) the tail-aware m of kvtier.h's kvt_config. */
+uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg);
 /* One (request, layer) of a batched close: its state, tables and request config. */
 typedef struct kvt__sal_job {
     kvt__sal *s;

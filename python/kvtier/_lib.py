@@ -123,6 +123,8 @@ class ConfigC(ctypes.Structure):
         ("selector", c_enum),
         ("recall_cap_rows", c_u32),
         ("recall_margin", ctypes.c_float),
+        ("salience_budget", ctypes.c_bool),
+        ("budget_min_kept", c_u32),
     ]
 
 
@@ -212,6 +214,7 @@ class LayerStatsC(ctypes.Structure):
         ("recall_last_fetched", c_u64),
         ("recall_last_dense", ctypes.c_bool),
         ("recall_last_overflow", ctypes.c_bool),
+        ("effective_ratio", ctypes.c_double),
     ]
 
 
