@@ -166,6 +166,20 @@ KVT_HD float kvt__norm_fixed(const float *v, uint32_t n) {
  * is NULL. */
 int kvt__fourier_basis(uint32_t B, uint32_t kappa, float *out);
 
+/* The n_basis = 2κ − 1 first DCT-II columns over u = 0 .. B−1 (orthonormal as they stand):
+ *   column 0          1/√B
+ *   column k          √(2/B)·cos(πk(2u + 1)/(2B))   for k = 1 .. 2κ − 2
+ * Column k makes k/2 cycles per block, so the span reaches κ − 1 cycles like the Fourier columns,
+ * without assuming the block is periodic: the even extension behind DCT-II has no jump at the
+ * block's ends, so a slow drift (a linear ramp, a random walk) leaves no edge residual.
+ * Built in double (angle reduced as (k·(2u + 1) mod 4B) / (2B) half-turns) and stored fp32, same
+ * layout and argument rules as kvt__fourier_basis (2κ − 2 < B since κ <= B/2). */
+int kvt__dct_basis(uint32_t B, uint32_t kappa, float *out);
+
+/* The basis σ uses under kvt_config.sigma_basis (KVT_SIGMA_FOURIER = 0: kvt__fourier_basis,
+ * KVT_SIGMA_DCT = 1: kvt__dct_basis), 2κ − 1 columns either way. -1 for another kind. */
+int kvt__sigma_basis(int kind, uint32_t B, uint32_t kappa, float *out);
+
 /* Floats of scratch kvt__sigma_block_cpu needs: (B / 64) leaves x n_basis x branch_dim partials.
  * 0 when B < 64. */
 size_t kvt__sigma_scratch_floats(uint32_t B, uint32_t n_basis, uint32_t branch_dim);

@@ -18,6 +18,7 @@ kvt_config kvt_config_default(void) {
     c.seed = 0x6b76746965720001ull; /* "kvtier" 1 */
     c.recall = KVT_RECALL_OFF;
     c.selector = KVT_SELECT_SIGMA;
+    c.sigma_basis = KVT_SIGMA_FOURIER;
     return c;
 }
 
@@ -79,6 +80,9 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
     if ((unsigned)c->selector > KVT_SELECT_RANDOM)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.selector: unknown value %d",
                          (int)c->selector);
+    if ((unsigned)c->sigma_basis > KVT_SIGMA_DCT)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.sigma_basis: unknown value %d", (int)c->sigma_basis);
     if (c->recall == KVT_RECALL_ON)
         return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
                          "config.recall: the recall tier is not implemented yet");

@@ -27,7 +27,8 @@
 /* META                                                                                         */
 /* ------------------------------------------------------------------------------------------- */
 /* Fixed part: u32 version, n_layers, page_rows, n_groups, kv_head_offset, n_kv_heads_global,
- * layer_offset, 0; config: u32 ratio, block_rows, kappa, sink_rows, evict_budget_rows,
+ * layer_offset, sigma_basis (0 = FOURIER: the word was a reserved 0 before the field);
+ * config: u32 ratio, block_rows, kappa, sink_rows, evict_budget_rows,
  * recent_rows, cadence_rows, flags (1 protect_prompt, 2 evict_archive, 4 evict_shared_draw,
  * 8 evict_vase), u64 seed, u32 recall, selector; request: u64 request_id, n_tokens, prompt_rows,
  * u32 ratio, recall. Then per layer 14 u32 (the spec's 12 fields, policy, group as i32), per
@@ -90,7 +91,7 @@ static void meta_write(const kvt_seq *seq, uint8_t *p) {
     p = put32(p, ctx->kv_head_offset);
     p = put32(p, ctx->n_kv_heads_global);
     p = put32(p, ctx->layer_offset);
-    p = put32(p, 0);
+    p = put32(p, (uint32_t)ctx->cfg.sigma_basis); /* the reserved 0 word: FOURIER writes 0 */
     const uint32_t cw[8] = {c->ratio,        c->block_rows,  c->kappa,     c->sink_rows,
                             c->evict_budget_rows, c->recent_rows, c->cadence_rows, cfg_flags(c)};
     for (int i = 0; i < 8; i++)
@@ -143,9 +144,10 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     m->kv_head_offset = G32();
     m->n_kv_heads_global = G32();
     m->layer_offset = G32();
-    (void)G32();
+    uint32_t sigma_basis = G32(); /* 0 (FOURIER) in every snapshot written before the field */
     kvt_config *c = &m->cfg;
     *c = kvt_config_default();
+    c->sigma_basis = (kvt_sigma_basis)sigma_basis;
     c->ratio = G32();
     c->block_rows = G32();
     c->kappa = G32();
@@ -238,6 +240,7 @@ static kvt_status meta_compare(const kvt_ctx *ctx, const snap_meta *m) {
     DIFF("config.seed", s->seed, c->seed);
     DIFF("config.recall", s->recall, c->recall);
     DIFF("config.selector", s->selector, c->selector);
+    DIFF("config.sigma_basis", s->sigma_basis, c->sigma_basis);
     DIFF("number of policy groups", m->n_groups, ctx->n_groups);
     if (what)
         return kvt__ctx_fail(ctx, KVT_ERR_MISMATCH,
