@@ -634,47 +634,63 @@ Test(sigma_basis, config_field_checked_and_defaulted) {
 /* The option reaches σ: a context with sigma_basis = DCT scores a closed block exactly as
  * kvt__sigma_block_cpu does on the DCT table (bit for bit), and differently from the Fourier
  * context on the same rows. */
-static float *context_scores(kvt_sigma_basis kind, uint32_t B, uint8_t *rows, size_t row_bytes) {
+/* A context of one MLA-NoPE bf16 layer (512 + 64), block B, κ 4, ratio 8, σ basis kind. */
+static kvt_ctx *one_layer_ctx(kvt_sigma_basis kind, uint32_t B, kvt_model **m) {
     kvt_layer_spec sp;
     cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &sp), KVT_OK);
-    kvt_model *m;
-    cr_assert_eq(kvt_model_create(&sp, 1, "one", &m, NULL, 0), KVT_OK);
+    cr_assert_eq(kvt_model_create(&sp, 1, "one", m, NULL, 0), KVT_OK);
     kvt_config c = kvt_config_default();
     c.block_rows = B;
     c.kappa = 4;
     c.ratio = 8;
     c.sigma_basis = kind;
     kvt_ctx_params p = kvt_ctx_default_params();
-    p.model = m;
+    p.model = *m;
     p.config = &c;
     p.page_rows = 16;
     p.n_pages = 2 * B / 16 + 4;
     kvt_ctx *ctx;
     char err[256];
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    return ctx;
+}
+
+/* A request of ctx holding one closed block of B rows (row_bytes each at rows). */
+static kvt_seq *seq_with_block(kvt_ctx *ctx, uint32_t B, const uint8_t *rows, size_t row_bytes) {
     kvt_seq *seq;
     cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
     cr_assert_eq(tu_reserve(seq, B), KVT_OK);
     cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, B, rows, (size_t)B * row_bytes), KVT_OK, "%s",
                  kvt_last_error());
     cr_assert_eq(tu_commit(seq, B), KVT_OK, "%s", kvt_last_error());
+    return seq;
+}
+
+static float *seq_scores(const kvt_seq *seq, uint32_t B) {
     uint64_t n = 0;
     float *sc = malloc(sizeof *sc * B);
     cr_assert_eq(kvt_seq_scores(seq, 0, sc, B, &n), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(n, B);
+    return sc;
+}
+
+/* The option reaches σ: a context with sigma_basis = DCT scores a closed block exactly as
+ * kvt__sigma_block_cpu does on the DCT table (bit for bit), and differently from the Fourier
+ * context on the same rows. */
+static float *context_scores(kvt_sigma_basis kind, uint32_t B, uint8_t *rows, size_t row_bytes) {
+    kvt_model *m;
+    kvt_ctx *ctx = one_layer_ctx(kind, B, &m);
+    float *sc = seq_scores(seq_with_block(ctx, B, rows, row_bytes), B);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
     return sc;
 }
 
-Test(sigma_basis, context_option_reaches_sigma) {
-    const uint32_t B = 128, kappa = 4;
-    const layout *L = &LAYOUTS[0]; /* the MLA bf16 row: 1152 B, branch at 1024 */
-    tu_rng rng = {77};
+/* B rows of the MLA bf16 layout: random latent, branch = per-channel ramp + noise. */
+static uint8_t *ramp_rows(uint32_t B, const layout *L, uint64_t seed) {
+    tu_rng rng = {seed};
     uint8_t *rows = calloc(B, L->stride_bytes);
-    int32_t *slots = malloc(B * sizeof *slots);
     for (uint32_t u = 0; u < B; u++) {
-        slots[u] = (int32_t)u;
         for (uint32_t i = 0; i < 512; i++)
             kvt__store_elem(rows + (size_t)u * L->stride_bytes, L->dt, i,
                             (float)tu_normal(&rng));
@@ -682,6 +698,55 @@ Test(sigma_basis, context_option_reaches_sigma) {
             kvt__store_elem(rows + (size_t)u * L->stride_bytes + L->branch_offset, L->dt, d,
                             (float)(0.02 * d * ((double)u - B / 2.0) / B * 8 + 0.1 * tu_normal(&rng)));
     }
+    return rows;
+}
+
+/* A snapshot carries the basis in META's formerly reserved word (file offset 76: 24-byte file
+ * header, 24-byte section header, 7 words): 0 for FOURIER, so those snapshots are what they
+ * were; restoring into a context of the other basis is a mismatch naming the field, into one of
+ * the same basis gives the same scores. */
+Test(sigma_basis, snapshot_carries_the_basis) {
+    const uint32_t B = 128;
+    const layout *L = &LAYOUTS[0];
+    uint8_t *rows = ramp_rows(B, L, 5);
+    for (int kind = KVT_SIGMA_FOURIER; kind <= KVT_SIGMA_DCT; kind++) {
+        kvt_model *m, *m2, *m3;
+        kvt_ctx *ctx = one_layer_ctx((kvt_sigma_basis)kind, B, &m);
+        kvt_seq *seq = seq_with_block(ctx, B, rows, L->stride_bytes);
+        size_t n = 0;
+        cr_assert_eq(kvt_seq_snapshot_size(seq, &n), KVT_OK);
+        uint8_t *buf = malloc(n);
+        cr_assert_eq(kvt_seq_snapshot(seq, buf, n, &n), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(buf[76] | buf[77] << 8 | buf[78] << 16 | (uint32_t)buf[79] << 24,
+                     (uint32_t)kind);
+        kvt_ctx *other = one_layer_ctx((kvt_sigma_basis)(1 - kind), B, &m2);
+        kvt_seq *r;
+        cr_assert_eq(kvt_seq_restore(other, buf, n, &r), KVT_ERR_MISMATCH);
+        cr_assert(strstr(kvt_last_error(), "config.sigma_basis"), "%s", kvt_last_error());
+        kvt_ctx *same = one_layer_ctx((kvt_sigma_basis)kind, B, &m3);
+        cr_assert_eq(kvt_seq_restore(same, buf, n, &r), KVT_OK, "%s", kvt_last_error());
+        float *a = seq_scores(seq, B), *b = seq_scores(r, B);
+        cr_assert(memcmp(a, b, B * sizeof *a) == 0);
+        free(a);
+        free(b);
+        free(buf);
+        kvt_ctx_destroy(same);
+        kvt_ctx_destroy(other);
+        kvt_ctx_destroy(ctx);
+        kvt_model_destroy(m);
+        kvt_model_destroy(m2);
+        kvt_model_destroy(m3);
+    }
+    free(rows);
+}
+
+Test(sigma_basis, context_option_reaches_sigma) {
+    const uint32_t B = 128, kappa = 4;
+    const layout *L = &LAYOUTS[0]; /* the MLA bf16 row: 1152 B, branch at 1024 */
+    uint8_t *rows = ramp_rows(B, L, 77);
+    int32_t *slots = malloc(B * sizeof *slots);
+    for (uint32_t u = 0; u < B; u++)
+        slots[u] = (int32_t)u;
     for (int kind = KVT_SIGMA_FOURIER; kind <= KVT_SIGMA_DCT; kind++) {
         const uint32_t nb = 2 * kappa - 1;
         float *basis = malloc((size_t)nb * B * sizeof *basis);
