@@ -121,6 +121,7 @@ class ConfigC(ctypes.Structure):
         ("seed", c_u64),
         ("recall", c_enum),
         ("selector", c_enum),
+        ("sigma_basis", c_enum),
     ]
 
 
