@@ -5,8 +5,10 @@
  * unchanged; this header is read by gcc and nvcc (no restrict, _Generic or compound literals).
  *
  * σ of one closed block of B rows. R is the B x D matrix of the rows' branches (D = branch_dim,
- * 64 in practice) and C the B x n orthonormal low-frequency Fourier basis (n = 2κ − 1 columns,
- * see kvt__fourier_basis). With Y = Cᵀ R (n x D):
+ * 64 in practice) and C a B x n orthonormal low-frequency basis (n = 2κ − 1 columns): the real
+ * Fourier columns (kvt__fourier_basis, the reference and the default) or the DCT-II columns
+ * (kvt__dct_basis), as kvt_config.sigma_basis says. The basis is data: nothing below depends on
+ * which. With Y = Cᵀ R (n x D):
  *
  *     σ_u = ‖ R_u − Σ_j C[u][j] Y[j] ‖₂
  *
@@ -187,7 +189,7 @@ size_t kvt__sigma_scratch_floats(uint32_t B, uint32_t n_basis, uint32_t branch_d
 /* σ of one closed block of B rows (order documented at the top of this file). Row u is at
  * base + (size_t)slots[u] * slot_stride_bytes; its branch is branch_dim (<= 256) values of
  * branch_dtype (KVT__DT_BF16/FP16/FP32) at byte branch_offset of the row. basis is
- * kvt__fourier_basis(B, κ) with n_basis = 2κ − 1 columns. scratch holds
+ * kvt__sigma_basis(kind, B, κ) with n_basis = 2κ − 1 columns. scratch holds
  * kvt__sigma_scratch_floats(B, n_basis, branch_dim) floats. sigma_out[u] for u < B (+Inf for a
  * row with a non-finite branch value, which is left out of the fit). Only the branch bytes of the
  * B rows are read. Arguments are trusted (the caller validated them);

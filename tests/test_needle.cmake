@@ -24,6 +24,11 @@ if(TARGET kvtier-needle)
   kvt_needle_edges_cli(branch_needs_value 2 "--branch")
   kvt_needle_edges_cli(bad_sigma_basis 2 "--sigma-basis|haar"
     "-DERR=bad --sigma-basis 'haar' \\(fourier\\|dct\\)")
+  kvt_needle_edges_cli(bad_calib_basis 2 "--calib-basis|dst"
+    "-DERR=bad --calib-basis 'dst' \\(fourier\\|dct\\)")
+  kvt_needle_edges_cli(trace_refuses_calib_basis 2
+    "--trace|${PROJECT_SOURCE_DIR}/tests/golden/mla_bf16.kvtt|--calib-basis|dct"
+    "-DERR=--calib-basis shapes the synthetic haystack and does not apply to --trace")
   kvt_needle_edges_cli(trace_refuses_branch 2
     "--trace|${PROJECT_SOURCE_DIR}/tests/golden/mla_bf16.kvtt|--branch|drift"
     "-DERR=--branch shapes the synthetic haystack and does not apply to --trace")

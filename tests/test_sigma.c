@@ -16,6 +16,7 @@
 
 #include "kernels/sigma.h"
 #include "kvtier.h"
+#include "kvtier_ref.h"
 #include "support/testutil.h"
 
 #define D 64u
@@ -770,4 +771,33 @@ Test(sigma_basis, context_option_reaches_sigma) {
     }
     free(rows);
     free(slots);
+}
+
+/* The reference API takes the basis too (kvtier-needle calibrates its needles with it):
+ * kvt_ref_sigma_create is the FOURIER one; an unknown basis is refused. */
+Test(sigma_basis, ref_handle_takes_the_basis) {
+    const uint32_t B = 256, kappa = 8, nb = 2 * kappa - 1;
+    float *want = malloc((size_t)nb * B * sizeof *want);
+    for (int kind = KVT_SIGMA_FOURIER; kind <= KVT_SIGMA_DCT; kind++) {
+        kvt_ref_sigma *h;
+        cr_assert_eq(kvt_ref_sigma_create_basis(B, kappa, D, (kvt_sigma_basis)kind, &h), KVT_OK);
+        uint32_t n = 0;
+        const float *got = kvt_ref_sigma_basis(h, &n);
+        cr_assert_eq(n, nb);
+        cr_assert_eq(kvt__sigma_basis(kind, B, kappa, want), 0);
+        cr_assert(memcmp(got, want, (size_t)nb * B * sizeof *want) == 0, "kind %d", kind);
+        kvt_ref_sigma_destroy(h);
+    }
+    kvt_ref_sigma *h;
+    cr_assert_eq(kvt_ref_sigma_create(B, kappa, D, &h), KVT_OK);
+    cr_assert(memcmp(kvt_ref_sigma_basis(h, NULL), want, (size_t)nb * B * sizeof *want) != 0,
+              "kvt_ref_sigma_create is not the DCT basis");
+    cr_assert_eq(kvt__fourier_basis(B, kappa, want), 0);
+    cr_assert(memcmp(kvt_ref_sigma_basis(h, NULL), want, (size_t)nb * B * sizeof *want) == 0);
+    kvt_ref_sigma_destroy(h);
+    h = (kvt_ref_sigma *)1;
+    cr_assert_eq(kvt_ref_sigma_create_basis(B, kappa, D, (kvt_sigma_basis)2, &h),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_null(h);
+    free(want);
 }

@@ -55,6 +55,8 @@ static void usage(FILE *f) {
 "  --branch smooth|drift  slow part of the background branch: two slow cosines per channel\n"
 "                         (default), or those plus an AR(1) walk with phi near 1 (a branch\n"
 "                         that drifts along the sequence: docs/needle.md)\n"
+"  --calib-basis B        fourier (default) | dct: the sigma basis the needles' salience\n"
+"                         bands are calibrated under\n"
 "  --dtype bf16|fp16|fp32 row dtype (default bf16)\n"
 "  --seed S               generator and kvtier seed (default 1); with --trace the kvtier\n"
 "                         seed (random selector, random eviction)\n"
@@ -255,6 +257,7 @@ static const char *const k_synthetic_only[] = {
     "--context", "--depth",        "--needles",       "--needle-rows", "--salience",
     "--heads",   "--target-heads", "--kv-haystack",   "--rope",        "--prompt-rows",
     "--dtype",   "--seeds",        "--grid-contexts", "--grid-depths", "--branch",
+    "--calib-basis",
 };
 
 static bool synthetic_only(const char *a) {
@@ -378,14 +381,19 @@ static int parse_args(int argc, char **argv, opts *o) {
             NEED_VALUE();
             if (nd_branch_parse(v, &o->gen.branch))
                 return usage_err("bad --branch '%s' (smooth|drift)", v);
-        } else if (!strcmp(a, "--sigma-basis")) {
+        } else if (!strcmp(a, "--sigma-basis") || !strcmp(a, "--calib-basis")) {
             NEED_VALUE();
+            kvt_sigma_basis b;
             if (!strcmp(v, "fourier"))
-                o->run.sigma_basis = KVT_SIGMA_FOURIER;
+                b = KVT_SIGMA_FOURIER;
             else if (!strcmp(v, "dct"))
-                o->run.sigma_basis = KVT_SIGMA_DCT;
+                b = KVT_SIGMA_DCT;
             else
-                return usage_err("bad --sigma-basis '%s' (fourier|dct)", v);
+                return usage_err("bad %s '%s' (fourier|dct)", a, v);
+            if (a[2] == 's')
+                o->run.sigma_basis = b;
+            else
+                o->gen.calib_basis = b;
         } else if (!strcmp(a, "--edges")) {
             o->edges = true;
         } else if (!strcmp(a, "--rope")) {
@@ -778,7 +786,8 @@ int main(int argc, char **argv) {
                 rc = EXIT_ERR;
                 goto case_done;
             }
-            if (nd_case_sigma_pct(&c, o.run.block_rows, o.run.kappa, pct, err, sizeof err)) {
+            if (nd_case_sigma_pct_basis(&c, o.run.block_rows, o.run.kappa, o.run.sigma_basis,
+                                        pct, err, sizeof err)) {
                 fprintf(stderr, "kvtier-needle: %s\n", err);
                 rc = EXIT_ERR;
                 goto case_done;

@@ -561,6 +561,8 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         p->kappa > p->block_rows / 2)
         return nd_fail(err, err_len, ND_EARG, "block rows %u / kappa %u invalid", p->block_rows,
                        p->kappa);
+    if ((unsigned)p->calib_basis > KVT_SIGMA_DCT)
+        return nd_fail(err, err_len, ND_EARG, "calibration basis %d unknown", (int)p->calib_basis);
     if ((unsigned)p->branch > ND_BRANCH_DRIFT)
         return nd_fail(err, err_len, ND_EARG, "branch model %d unknown", (int)p->branch);
     if (!(p->kv_haystack >= 0 && p->kv_haystack <= 0.5))
@@ -606,7 +608,7 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
     memset(&cc, 0, sizeof cc);
     cc.B = p->block_rows;
     cc.n_basis = 2 * p->kappa - 1;
-    kvt_status ref_st = kvt_ref_sigma_create(cc.B, p->kappa, D, &cc.ref);
+    kvt_status ref_st = kvt_ref_sigma_create_basis(cc.B, p->kappa, D, p->calib_basis, &cc.ref);
     cc.basis = kvt_ref_sigma_basis(cc.ref, NULL);
     cc.sig = malloc(sizeof(float) * cc.B);
     cc.sorted = malloc(sizeof(float) * cc.B);
@@ -795,6 +797,9 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
                    p->mass_hi, p->scale);
         if (p->branch != ND_BRANCH_SMOOTH) /* the smooth branch's text is what it always was */
             t = append(t, &len, &cap, "branch=%s\n", nd_branch_name(p->branch));
+        if (p->calib_basis != KVT_SIGMA_FOURIER) /* likewise */
+            t = append(t, &len, &cap, "calib_basis=%s\n",
+                       p->calib_basis == KVT_SIGMA_DCT ? "dct" : "?");
         for (uint32_t i = 0; i < c->n_needles; i++) {
             t = append(t, &len, &cap, "needle.%u.salience=%s\n", i,
                        nd_salience_name(c->needles[i].salience));

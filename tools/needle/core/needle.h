@@ -129,6 +129,9 @@ uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row);
  * block. out has c->n_needles entries. */
 int nd_case_sigma_pct(const nd_case *c, uint32_t block_rows, uint32_t kappa, double *out,
                       char *err, size_t err_len);
+/* The same under the σ basis `basis` (nd_case_sigma_pct: KVT_SIGMA_FOURIER). */
+int nd_case_sigma_pct_basis(const nd_case *c, uint32_t block_rows, uint32_t kappa,
+                            kvt_sigma_basis basis, double *out, char *err, size_t err_len);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Generator (statistical model: docs/needle.md)                                                */
@@ -164,6 +167,8 @@ typedef struct nd_gen_params {
     double mass_lo, mass_hi; /* needle mass under the full cache, per targeted head (0.6, 0.9) */
     double scale;            /* softmax scale (192^-1/2) */
     nd_branch branch;        /* ND_BRANCH_SMOOTH */
+    kvt_sigma_basis calib_basis; /* σ basis the needles' bands are calibrated under
+                                    (KVT_SIGMA_FOURIER, the reference) */
 } nd_gen_params;
 
 nd_gen_params nd_gen_default_params(void);
