@@ -15,14 +15,21 @@ static int is_pow2(uint32_t x) {
     return x != 0 && (x & (x - 1)) == 0;
 }
 
-int kvt__fourier_basis(uint32_t B, uint32_t kappa, float *out) {
+/* The argument rule of both bases, then their common column 0 (1/√B). -1 when refused. */
+static int basis_begin(uint32_t B, uint32_t kappa, float *out) {
     if (out == NULL || B < 64 || !is_pow2(B) || kappa < 1 || kappa > B / 2)
         return -1;
-    const double two_pi = 6.283185307179586476925286766559;
     const double c0 = 1.0 / sqrt((double)B);
-    const double ck = sqrt(2.0 / (double)B);
     for (uint32_t u = 0; u < B; u++)
         out[u] = (float)c0;
+    return 0;
+}
+
+int kvt__fourier_basis(uint32_t B, uint32_t kappa, float *out) {
+    if (basis_begin(B, kappa, out) != 0)
+        return -1;
+    const double two_pi = 6.283185307179586476925286766559;
+    const double ck = sqrt(2.0 / (double)B);
     for (uint32_t k = 1; k < kappa; k++) {
         float *cosc = out + (size_t)(2 * k - 1) * B;
         float *sinc = out + (size_t)(2 * k) * B;
@@ -37,6 +44,33 @@ int kvt__fourier_basis(uint32_t B, uint32_t kappa, float *out) {
         }
     }
     return 0;
+}
+
+int kvt__dct_basis(uint32_t B, uint32_t kappa, float *out) {
+    if (basis_begin(B, kappa, out) != 0)
+        return -1;
+    const double pi = 3.141592653589793238462643383280;
+    const double ck = sqrt(2.0 / (double)B);
+    for (uint32_t k = 1; k < 2 * kappa - 1; k++) {
+        float *col = out + (size_t)k * B;
+        for (uint32_t u = 0; u < B; u++) {
+            /* k(2u + 1) mod 4B keeps the angle in [0, 2π) */
+            uint64_t m = ((uint64_t)k * (2u * (uint64_t)u + 1u)) % (4u * (uint64_t)B);
+            col[u] = (float)(ck * cos(pi * (double)m / (2.0 * (double)B)));
+        }
+    }
+    return 0;
+}
+
+int kvt__sigma_basis(int kind, uint32_t B, uint32_t kappa, float *out) {
+    switch (kind) {
+    case 0:
+        return kvt__fourier_basis(B, kappa, out);
+    case 1:
+        return kvt__dct_basis(B, kappa, out);
+    default:
+        return -1;
+    }
 }
 
 size_t kvt__sigma_scratch_floats(uint32_t B, uint32_t n_basis, uint32_t branch_dim) {

@@ -5,8 +5,10 @@
  * unchanged; this header is read by gcc and nvcc (no restrict, _Generic or compound literals).
  *
  * σ of one closed block of B rows. R is the B x D matrix of the rows' branches (D = branch_dim,
- * 64 in practice) and C the B x n orthonormal low-frequency Fourier basis (n = 2κ − 1 columns,
- * see kvt__fourier_basis). With Y = Cᵀ R (n x D):
+ * 64 in practice) and C a B x n orthonormal low-frequency basis (n = 2κ − 1 columns): the real
+ * Fourier columns (kvt__fourier_basis, the reference and the default) or the DCT-II columns
+ * (kvt__dct_basis), as kvt_config.sigma_basis says. The basis is data: nothing below depends on
+ * which. With Y = Cᵀ R (n x D):
  *
  *     σ_u = ‖ R_u − Σ_j C[u][j] Y[j] ‖₂
  *
@@ -166,6 +168,20 @@ KVT_HD float kvt__norm_fixed(const float *v, uint32_t n) {
  * is NULL. */
 int kvt__fourier_basis(uint32_t B, uint32_t kappa, float *out);
 
+/* The n_basis = 2κ − 1 first DCT-II columns over u = 0 .. B−1 (orthonormal as they stand):
+ *   column 0          1/√B
+ *   column k          √(2/B)·cos(πk(2u + 1)/(2B))   for k = 1 .. 2κ − 2
+ * Column k makes k/2 cycles per block, so the span reaches κ − 1 cycles like the Fourier columns,
+ * without assuming the block is periodic: the even extension behind DCT-II has no jump at the
+ * block's ends, so a slow drift (a linear ramp, a random walk) leaves no edge residual.
+ * Built in double (angle reduced as (k·(2u + 1) mod 4B) / (2B) half-turns) and stored fp32, same
+ * layout and argument rules as kvt__fourier_basis (2κ − 2 < B since κ <= B/2). */
+int kvt__dct_basis(uint32_t B, uint32_t kappa, float *out);
+
+/* The basis σ uses under kvt_config.sigma_basis (KVT_SIGMA_FOURIER = 0: kvt__fourier_basis,
+ * KVT_SIGMA_DCT = 1: kvt__dct_basis), 2κ − 1 columns either way. -1 for another kind. */
+int kvt__sigma_basis(int kind, uint32_t B, uint32_t kappa, float *out);
+
 /* Floats of scratch kvt__sigma_block_cpu needs: (B / 64) leaves x n_basis x branch_dim partials.
  * 0 when B < 64. */
 size_t kvt__sigma_scratch_floats(uint32_t B, uint32_t n_basis, uint32_t branch_dim);
@@ -173,7 +189,7 @@ size_t kvt__sigma_scratch_floats(uint32_t B, uint32_t n_basis, uint32_t branch_d
 /* σ of one closed block of B rows (order documented at the top of this file). Row u is at
  * base + (size_t)slots[u] * slot_stride_bytes; its branch is branch_dim (<= 256) values of
  * branch_dtype (KVT__DT_BF16/FP16/FP32) at byte branch_offset of the row. basis is
- * kvt__fourier_basis(B, κ) with n_basis = 2κ − 1 columns. scratch holds
+ * kvt__sigma_basis(kind, B, κ) with n_basis = 2κ − 1 columns. scratch holds
  * kvt__sigma_scratch_floats(B, n_basis, branch_dim) floats. sigma_out[u] for u < B (+Inf for a
  * row with a non-finite branch value, which is left out of the fit). Only the branch bytes of the
  * B rows are read. Arguments are trusted (the caller validated them);

@@ -24,6 +24,7 @@ kvt_config kvt_config_default(void) {
     c.recall_margin = 1.0f;
     c.salience_budget = false;
     c.budget_min_kept = 256;
+    c.sigma_basis = KVT_SIGMA_FOURIER;
     return c;
 }
 
@@ -85,6 +86,9 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
     if ((unsigned)c->selector > KVT_SELECT_RANDOM)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.selector: unknown value %d",
                          (int)c->selector);
+    if ((unsigned)c->sigma_basis > KVT_SIGMA_DCT)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.sigma_basis: unknown value %d", (int)c->sigma_basis);
     if ((unsigned)c->recall > KVT_RECALL_MARGIN)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.recall: unknown value %d",
                          (int)c->recall);

@@ -344,6 +344,16 @@ typedef enum kvt_selector {
     KVT_SELECT_RANDOM = 3,      /* uniform Philox draw */
 } kvt_selector;
 
+/* Basis σ projects the block's branches on (n = 2 kappa - 1 orthonormal columns over the B rows
+ * of a block; kernels/sigma.h). FOURIER is the reference: low-frequency real Fourier columns,
+ * which assume the block is periodic, so a branch that drifts along the sequence leaves a large
+ * residual at both ends of every block. DCT: the first n DCT-II columns, which do not (a linear
+ * ramp lies mostly in their span). Measured in docs/needle.md ("Block edges"). */
+typedef enum kvt_sigma_basis {
+    KVT_SIGMA_FOURIER = 0, /* reference: cos/sin of k = 0 .. kappa-1 cycles per block */
+    KVT_SIGMA_DCT = 1,     /* DCT-II columns k = 0 .. 2 kappa - 2 (k/2 cycles per block) */
+} kvt_sigma_basis;
+
 typedef struct kvt_config {
     size_t struct_size;       /* sizeof(kvt_config); set by kvt_config_default */
     uint32_t ratio;           /* compression ratio >= 1 (salience: m = closed / ratio) */
@@ -370,6 +380,7 @@ typedef struct kvt_config {
      * (kvt_layer_stats.effective_ratio reports what holds). */
     bool salience_budget;
     uint32_t budget_min_kept; /* the floor of kept rows in budget mode (256) */
+    kvt_sigma_basis sigma_basis; /* KVT_SIGMA_FOURIER; a struct that ends before it gets that */
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))

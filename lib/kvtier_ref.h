@@ -23,7 +23,7 @@ KVT_API void kvt_ref_store(void *row, kvt_dtype dtype, uint32_t i, float v);
 
 /* ---------------------------------------------------------------------------------------------
  * σ of one block (DESIGN §2.1; summation order in kernels/sigma.h). A handle holds the block's
- * Fourier basis and scratch, so scoring many blocks allocates once.
+ * basis (Fourier unless created with another) and scratch, so scoring many blocks allocates once.
  * ------------------------------------------------------------------------------------------- */
 typedef struct kvt_ref_sigma kvt_ref_sigma;
 
@@ -31,6 +31,11 @@ typedef struct kvt_ref_sigma kvt_ref_sigma;
  * KVT_ERR_INVALID_ARGUMENT (NULL out or a bad value), KVT_ERR_OUT_OF_MEMORY. *out NULL on error. */
 KVT_API kvt_status kvt_ref_sigma_create(uint32_t block_rows, uint32_t kappa, uint32_t branch_dim,
                                         kvt_ref_sigma **out);
+/* The same with the basis kvt_config.sigma_basis names (kvt_ref_sigma_create is
+ * KVT_SIGMA_FOURIER); KVT_ERR_INVALID_ARGUMENT for an unknown one. */
+KVT_API kvt_status kvt_ref_sigma_create_basis(uint32_t block_rows, uint32_t kappa,
+                                              uint32_t branch_dim, kvt_sigma_basis basis,
+                                              kvt_ref_sigma **out);
 /* NULL is a no-op. */
 KVT_API void kvt_ref_sigma_destroy(kvt_ref_sigma *h);
 /* The basis: n_basis = 2 kappa - 1 orthonormal columns of block_rows floats each, column j at

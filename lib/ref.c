@@ -39,6 +39,11 @@ struct kvt_ref_sigma {
 
 kvt_status kvt_ref_sigma_create(uint32_t block_rows, uint32_t kappa, uint32_t branch_dim,
                                 kvt_ref_sigma **out) {
+    return kvt_ref_sigma_create_basis(block_rows, kappa, branch_dim, KVT_SIGMA_FOURIER, out);
+}
+
+kvt_status kvt_ref_sigma_create_basis(uint32_t block_rows, uint32_t kappa, uint32_t branch_dim,
+                                      kvt_sigma_basis basis, kvt_ref_sigma **out) {
     if (!out)
         return KVT_ERR_INVALID_ARGUMENT;
     *out = NULL;
@@ -59,7 +64,7 @@ kvt_status kvt_ref_sigma_create(uint32_t block_rows, uint32_t kappa, uint32_t br
         kvt_ref_sigma_destroy(h);
         return KVT_ERR_OUT_OF_MEMORY;
     }
-    if (kvt__fourier_basis(block_rows, kappa, h->basis) != 0) {
+    if (kvt__sigma_basis((int)basis, block_rows, kappa, h->basis) != 0) {
         kvt_ref_sigma_destroy(h);
         return KVT_ERR_INVALID_ARGUMENT;
     }

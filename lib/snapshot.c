@@ -27,7 +27,8 @@
 /* META                                                                                         */
 /* ------------------------------------------------------------------------------------------- */
 /* Fixed part: u32 version, n_layers, page_rows, n_groups, kv_head_offset, n_kv_heads_global,
- * layer_offset, 0; config: u32 ratio, block_rows, kappa, sink_rows, evict_budget_rows,
+ * layer_offset, budget_min_kept (0 without budget mode: the word was a reserved 0 before);
+ * config: u32 ratio, block_rows, kappa, sink_rows, evict_budget_rows,
  * recent_rows, cadence_rows, flags (1 protect_prompt, 2 evict_archive, 4 evict_shared_draw,
  * 8 evict_vase), u64 seed, u32 recall, selector; request: u64 request_id, n_tokens, prompt_rows,
  * u32 ratio, recall. Then per layer 14 u32 (the spec's 12 fields, policy, group as i32), per
@@ -78,7 +79,7 @@ static const char *const spec_names[12] = {
 static uint32_t cfg_flags(const kvt_config *c) {
     return (c->protect_prompt ? 1u : 0u) | (c->evict_archive ? 2u : 0u) |
            (c->evict_shared_draw ? 4u : 0u) | (c->evict_vase ? 8u : 0u) |
-           (c->salience_budget ? 16u : 0u);
+           (c->salience_budget ? 16u : 0u) | (c->sigma_basis == KVT_SIGMA_DCT ? 32u : 0u);
 }
 
 static void meta_write(const kvt_seq *seq, uint8_t *p) {
@@ -160,6 +161,7 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     c->evict_shared_draw = (fl & 4u) != 0;
     c->evict_vase = (fl & 8u) != 0;
     c->salience_budget = (fl & 16u) != 0;
+    c->sigma_basis = (fl & 32u) ? KVT_SIGMA_DCT : KVT_SIGMA_FOURIER;
     if (c->salience_budget)
         c->budget_min_kept = min_kept;
     c->seed = G64();
@@ -172,7 +174,7 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     m->seq_recall = G32();
 #undef G32
 #undef G64
-    if (fl & ~31u || (!(fl & 16u) && min_kept != 0))
+    if (fl & ~63u || (!(fl & 16u) && min_kept != 0))
         return kvt__fail(err, len, KVT_ERR_PARSE, "META: unknown configuration flags 0x%x", fl);
     if (m->n_groups > KVT__MAX_GROUPS)
         return kvt__fail(err, len, KVT_ERR_PARSE, "META: %u policy groups (at most %d)",
@@ -245,6 +247,7 @@ static kvt_status meta_compare(const kvt_ctx *ctx, const snap_meta *m) {
     DIFF("config.seed", s->seed, c->seed);
     DIFF("config.recall", s->recall, c->recall);
     DIFF("config.selector", s->selector, c->selector);
+    DIFF("config.sigma_basis", s->sigma_basis, c->sigma_basis);
     DIFF("number of policy groups", m->n_groups, ctx->n_groups);
     if (what)
         return kvt__ctx_fail(ctx, KVT_ERR_MISMATCH,

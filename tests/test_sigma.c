@@ -15,6 +15,8 @@
 #include <string.h>
 
 #include "kernels/sigma.h"
+#include "kvtier.h"
+#include "kvtier_ref.h"
 #include "support/testutil.h"
 
 #define D 64u
@@ -138,11 +140,12 @@ static double max_branch_norm(const block *b) {
     return mx;
 }
 
-/* Run kvt__sigma_block_cpu with guard floats after scratch and output. */
-static float *run_sigma(const block *b, uint32_t kappa) {
+/* Run kvt__sigma_block_cpu with guard floats after scratch and output, on the basis of kind
+ * (kvt_sigma_basis). */
+static float *run_sigma_kind(const block *b, uint32_t kappa, int kind) {
     const uint32_t B = b->B, nb = 2 * kappa - 1;
     float *basis = malloc((size_t)nb * B * sizeof *basis);
-    cr_assert_eq(kvt__fourier_basis(B, kappa, basis), 0);
+    cr_assert_eq(kvt__sigma_basis(kind, B, kappa, basis), 0);
     size_t ns = kvt__sigma_scratch_floats(B, nb, D);
     float *scratch = malloc((ns + N_GUARD) * sizeof *scratch);
     float *out = malloc((B + N_GUARD) * sizeof *out);
@@ -157,6 +160,10 @@ static float *run_sigma(const block *b, uint32_t kappa) {
     free(basis);
     free(scratch);
     return out;
+}
+
+static float *run_sigma(const block *b, uint32_t kappa) {
+    return run_sigma_kind(b, kappa, KVT_SIGMA_FOURIER);
 }
 
 /* Drift + DC + noise: per channel a DC offset, low-frequency sinusoids and a linear ramp (not
@@ -361,6 +368,19 @@ Test(sigma, nonfinite_row_costs_only_itself) {
     }
 }
 
+/* max |CᵀC − I| of an [nb][B] basis, in double. */
+static double gram_error(const float *basis, uint32_t nb, uint32_t B) {
+    double worst = 0;
+    for (uint32_t i = 0; i < nb; i++)
+        for (uint32_t j = i; j < nb; j++) {
+            double g = 0;
+            for (uint32_t u = 0; u < B; u++)
+                g += (double)basis[(size_t)i * B + u] * basis[(size_t)j * B + u];
+            worst = fmax(worst, fabs(g - (i == j ? 1.0 : 0.0)));
+        }
+    return worst;
+}
+
 Test(sigma, basis_orthonormal) {
     struct {
         uint32_t B, kappa;
@@ -370,14 +390,7 @@ Test(sigma, basis_orthonormal) {
         const uint32_t B = cases[c].B, kappa = cases[c].kappa, nb = 2 * kappa - 1;
         float *basis = malloc((size_t)nb * B * sizeof *basis);
         cr_assert_eq(kvt__fourier_basis(B, kappa, basis), 0);
-        double worst = 0;
-        for (uint32_t i = 0; i < nb; i++)
-            for (uint32_t j = i; j < nb; j++) {
-                double g = 0;
-                for (uint32_t u = 0; u < B; u++)
-                    g += (double)basis[(size_t)i * B + u] * basis[(size_t)j * B + u];
-                worst = fmax(worst, fabs(g - (i == j ? 1.0 : 0.0)));
-            }
+        double worst = gram_error(basis, nb, B);
         cr_assert_leq(worst, 1e-6, "B=%u kappa=%u: |CᵀC − I| = %g", B, kappa, worst);
         /* Column layout: 1/√B, then cos k, sin k. */
         cr_assert_float_eq(basis[5], (float)(1 / sqrt((double)B)), 1e-9);
@@ -488,4 +501,304 @@ Test(sigma, twin_equals_per_element_functions) {
         free(out);
         block_free(&a);
     }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The σ basis option (kvt_config.sigma_basis): DCT-II columns instead of the periodic Fourier ones
+ * ------------------------------------------------------------------------------------------- */
+
+Test(sigma_basis, dct_orthonormal_and_laid_out) {
+    struct {
+        uint32_t B, kappa;
+    } cases[] = {{64, 1}, {64, 16}, {64, 32}, {128, 64}, {1024, 16}, {4096, 16}, {65536, 4}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const uint32_t B = cases[c].B, kappa = cases[c].kappa, nb = 2 * kappa - 1;
+        float *basis = malloc((size_t)nb * B * sizeof *basis);
+        cr_assert_eq(kvt__dct_basis(B, kappa, basis), 0);
+        double worst = gram_error(basis, nb, B);
+        cr_assert_leq(worst, 1e-6, "B=%u kappa=%u: |CᵀC − I| = %g", B, kappa, worst);
+        /* Column k at row u: √(2/B)·cos(πk(2u + 1)/(2B)), column 0 constant. */
+        for (uint32_t k = 0; k < nb; k++)
+            for (uint32_t u = 0; u < B; u += B / 8 + 3) {
+                double want = k == 0 ? 1 / sqrt((double)B)
+                                     : sqrt(2.0 / B) * cos(TWO_PI / 2 * k * (2.0 * u + 1) / (2.0 * B));
+                cr_assert_float_eq(basis[(size_t)k * B + u], (float)want, 1e-7,
+                                   "B=%u column %u row %u", B, k, u);
+            }
+        /* The dispatcher: kind 0 is the Fourier table bit for bit, kind 1 this one. */
+        float *other = malloc((size_t)nb * B * sizeof *other);
+        cr_assert_eq(kvt__sigma_basis(KVT_SIGMA_DCT, B, kappa, other), 0);
+        cr_assert(memcmp(basis, other, (size_t)nb * B * sizeof *basis) == 0);
+        cr_assert_eq(kvt__sigma_basis(KVT_SIGMA_FOURIER, B, kappa, other), 0);
+        cr_assert_eq(kvt__fourier_basis(B, kappa, basis), 0);
+        cr_assert(memcmp(basis, other, (size_t)nb * B * sizeof *basis) == 0);
+        free(other);
+        free(basis);
+    }
+    float buf[64 * 64];
+    cr_assert_eq(kvt__dct_basis(32, 4, buf), -1);
+    cr_assert_eq(kvt__dct_basis(96, 4, buf), -1);
+    cr_assert_eq(kvt__dct_basis(64, 0, buf), -1);
+    cr_assert_eq(kvt__dct_basis(64, 33, buf), -1);
+    cr_assert_eq(kvt__dct_basis(64, 4, NULL), -1);
+    cr_assert_eq(kvt__sigma_basis(2, 64, 4, buf), -1);
+    cr_assert_eq(kvt__sigma_basis(-1, 64, 4, buf), -1);
+}
+
+/* Of the top B/32 σ rows of a block whose branch is a per-channel linear ramp plus small
+ * heteroscedastic noise, how many lie within 32 rows of either end of the block (chance: 64 / B
+ * of them). */
+static uint32_t ramp_top_edge_rows(int kind, uint64_t seed) {
+    const uint32_t B = 1024, kappa = 16, top = B / 32, edge = 32;
+    tu_rng rng = {seed};
+    block b;
+    block_init(&b, &LAYOUTS[3], B, &rng); /* fp32 branch: no rounding of the ramp */
+    double slope[D];
+    for (uint32_t d = 0; d < D; d++)
+        slope[d] = (tu_uniform(&rng) - 0.5) * 4.0 / B; /* a span of up to ±2 over the block */
+    for (uint32_t u = 0; u < B; u++) {
+        double noise = 0.1 * exp(0.25 * tu_normal(&rng));
+        for (uint32_t d = 0; d < D; d++)
+            set(&b, u, d, slope[d] * ((double)u - B / 2.0) + noise * tu_normal(&rng));
+    }
+    float *sig = run_sigma_kind(&b, kappa, kind);
+    uint32_t near = 0;
+    for (uint32_t k = 0; k < top; k++) { /* pick the top rows one by one */
+        uint32_t best = 0;
+        for (uint32_t u = 1; u < B; u++)
+            if (sig[u] > sig[best])
+                best = u;
+        near += best < edge || best >= B - edge;
+        sig[best] = -1.0f;
+    }
+    free(sig);
+    block_free(&b);
+    return near;
+}
+
+/* A drifting branch (a ramp) must not put the σ budget at the block's ends. Chance is 2 of the 32
+ * top rows; the periodic Fourier fit sees the ramp as a jump at the block's ends and puts nearly
+ * all 32 there (checked too, so the test can tell the two bases apart); DCT-II has no such jump. */
+Test(sigma_basis, ramp_edges_not_favoured_with_dct) {
+    for (uint64_t seed = 1; seed <= 3; seed++) {
+        uint32_t dct = ramp_top_edge_rows(KVT_SIGMA_DCT, seed);
+        uint32_t fourier = ramp_top_edge_rows(KVT_SIGMA_FOURIER, seed);
+        cr_log_info("seed %llu: top 32 rows near an edge: DCT %u, Fourier %u (chance 2)",
+                    (unsigned long long)seed, dct, fourier);
+        cr_assert_leq(dct, 8, "seed %llu: DCT put %u of the top 32 rows at the block's edges",
+                      (unsigned long long)seed, dct);
+        cr_assert_geq(fourier, 24, "seed %llu: Fourier put only %u of 32 at the edges: the ramp "
+                      "no longer tells the bases apart", (unsigned long long)seed, fourier);
+    }
+}
+
+Test(sigma_basis, config_field_checked_and_defaulted) {
+    char err[256];
+    kvt_config c = kvt_config_default();
+    cr_assert_eq(c.sigma_basis, KVT_SIGMA_FOURIER, "the reference basis stays the default");
+    cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_OK, "%s", err);
+    c.sigma_basis = KVT_SIGMA_DCT;
+    cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_OK, "%s", err);
+    const int bad[] = {2, 3, -1, 1000};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        c.sigma_basis = (kvt_sigma_basis)bad[i];
+        err[0] = 0;
+        cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+        cr_assert(strstr(err, "config.sigma_basis"), "message names the field: %s", err);
+    }
+    /* A caller built before the field: its struct ends at KVT_CONFIG_SIZE_MIN, so whatever lies
+     * after is not read and the context gets the default. */
+    cr_assert_eq(KVT_CONFIG_SIZE_MIN, offsetof(kvt_config, recall_cap_rows));
+    cr_assert_gt(offsetof(kvt_config, sigma_basis), KVT_CONFIG_SIZE_MIN);
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &sp), KVT_OK);
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(&sp, 1, "one", &m, NULL, 0), KVT_OK);
+    c = kvt_config_default();
+    c.block_rows = 64;
+    c.kappa = 4;
+    c.struct_size = KVT_CONFIG_SIZE_MIN;
+    c.sigma_basis = (kvt_sigma_basis)7; /* past the caller's struct: never read */
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = 16;
+    kvt_ctx *ctx;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt_ctx_config(ctx)->sigma_basis, KVT_SIGMA_FOURIER);
+    kvt_ctx_destroy(ctx);
+    c.struct_size = sizeof c; /* now it is read, and refused */
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    kvt_model_destroy(m);
+}
+
+/* The option reaches σ: a context with sigma_basis = DCT scores a closed block exactly as
+ * kvt__sigma_block_cpu does on the DCT table (bit for bit), and differently from the Fourier
+ * context on the same rows. */
+/* A context of one MLA-NoPE bf16 layer (512 + 64), block B, κ 4, ratio 8, σ basis kind. */
+static kvt_ctx *one_layer_ctx(kvt_sigma_basis kind, uint32_t B, kvt_model **m) {
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &sp), KVT_OK);
+    cr_assert_eq(kvt_model_create(&sp, 1, "one", m, NULL, 0), KVT_OK);
+    kvt_config c = kvt_config_default();
+    c.block_rows = B;
+    c.kappa = 4;
+    c.ratio = 8;
+    c.sigma_basis = kind;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = *m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = 2 * B / 16 + 4;
+    kvt_ctx *ctx;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    return ctx;
+}
+
+/* A request of ctx holding one closed block of B rows (row_bytes each at rows). */
+static kvt_seq *seq_with_block(kvt_ctx *ctx, uint32_t B, const uint8_t *rows, size_t row_bytes) {
+    kvt_seq *seq;
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, B), KVT_OK);
+    cr_assert_eq(kvt_seq_write(seq, 0, 0, 0, B, rows, (size_t)B * row_bytes), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(tu_commit(seq, B), KVT_OK, "%s", kvt_last_error());
+    return seq;
+}
+
+static float *seq_scores(const kvt_seq *seq, uint32_t B) {
+    uint64_t n = 0;
+    float *sc = malloc(sizeof *sc * B);
+    cr_assert_eq(kvt_seq_scores(seq, 0, sc, B, &n), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(n, B);
+    return sc;
+}
+
+/* The option reaches σ: a context with sigma_basis = DCT scores a closed block exactly as
+ * kvt__sigma_block_cpu does on the DCT table (bit for bit), and differently from the Fourier
+ * context on the same rows. */
+static float *context_scores(kvt_sigma_basis kind, uint32_t B, uint8_t *rows, size_t row_bytes) {
+    kvt_model *m;
+    kvt_ctx *ctx = one_layer_ctx(kind, B, &m);
+    float *sc = seq_scores(seq_with_block(ctx, B, rows, row_bytes), B);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+    return sc;
+}
+
+/* B rows of the MLA bf16 layout: random latent, branch = per-channel ramp + noise. */
+static uint8_t *ramp_rows(uint32_t B, const layout *L, uint64_t seed) {
+    tu_rng rng = {seed};
+    uint8_t *rows = calloc(B, L->stride_bytes);
+    for (uint32_t u = 0; u < B; u++) {
+        for (uint32_t i = 0; i < 512; i++)
+            kvt__store_elem(rows + (size_t)u * L->stride_bytes, L->dt, i,
+                            (float)tu_normal(&rng));
+        for (uint32_t d = 0; d < D; d++)
+            kvt__store_elem(rows + (size_t)u * L->stride_bytes + L->branch_offset, L->dt, d,
+                            (float)(0.02 * d * ((double)u - B / 2.0) / B * 8 + 0.1 * tu_normal(&rng)));
+    }
+    return rows;
+}
+
+/* A snapshot carries the basis in META's formerly reserved word (file offset 76: 24-byte file
+ * header, 24-byte section header, 7 words): 0 for FOURIER, so those snapshots are what they
+ * were; restoring into a context of the other basis is a mismatch naming the field, into one of
+ * the same basis gives the same scores. */
+Test(sigma_basis, snapshot_carries_the_basis) {
+    const uint32_t B = 128;
+    const layout *L = &LAYOUTS[0];
+    uint8_t *rows = ramp_rows(B, L, 5);
+    for (int kind = KVT_SIGMA_FOURIER; kind <= KVT_SIGMA_DCT; kind++) {
+        kvt_model *m, *m2, *m3;
+        kvt_ctx *ctx = one_layer_ctx((kvt_sigma_basis)kind, B, &m);
+        kvt_seq *seq = seq_with_block(ctx, B, rows, L->stride_bytes);
+        size_t n = 0;
+        cr_assert_eq(kvt_seq_snapshot_size(seq, &n), KVT_OK);
+        uint8_t *buf = malloc(n);
+        cr_assert_eq(kvt_seq_snapshot(seq, buf, n, &n), KVT_OK, "%s", kvt_last_error());
+        /* META's configuration flags word (file header 24 + section header 24 + 60): bit 32 */
+        cr_assert_eq((buf[108] >> 5) & 1u, (uint32_t)kind);
+        kvt_ctx *other = one_layer_ctx((kvt_sigma_basis)(1 - kind), B, &m2);
+        kvt_seq *r;
+        cr_assert_eq(kvt_seq_restore(other, buf, n, &r), KVT_ERR_MISMATCH);
+        cr_assert(strstr(kvt_last_error(), "config.sigma_basis"), "%s", kvt_last_error());
+        kvt_ctx *same = one_layer_ctx((kvt_sigma_basis)kind, B, &m3);
+        cr_assert_eq(kvt_seq_restore(same, buf, n, &r), KVT_OK, "%s", kvt_last_error());
+        float *a = seq_scores(seq, B), *b = seq_scores(r, B);
+        cr_assert(memcmp(a, b, B * sizeof *a) == 0);
+        free(a);
+        free(b);
+        free(buf);
+        kvt_ctx_destroy(same);
+        kvt_ctx_destroy(other);
+        kvt_ctx_destroy(ctx);
+        kvt_model_destroy(m);
+        kvt_model_destroy(m2);
+        kvt_model_destroy(m3);
+    }
+    free(rows);
+}
+
+Test(sigma_basis, context_option_reaches_sigma) {
+    const uint32_t B = 128, kappa = 4;
+    const layout *L = &LAYOUTS[0]; /* the MLA bf16 row: 1152 B, branch at 1024 */
+    uint8_t *rows = ramp_rows(B, L, 77);
+    int32_t *slots = malloc(B * sizeof *slots);
+    for (uint32_t u = 0; u < B; u++)
+        slots[u] = (int32_t)u;
+    for (int kind = KVT_SIGMA_FOURIER; kind <= KVT_SIGMA_DCT; kind++) {
+        const uint32_t nb = 2 * kappa - 1;
+        float *basis = malloc((size_t)nb * B * sizeof *basis);
+        cr_assert_eq(kvt__sigma_basis(kind, B, kappa, basis), 0);
+        float *scratch = malloc(kvt__sigma_scratch_floats(B, nb, D) * sizeof *scratch);
+        float *want = malloc(B * sizeof *want);
+        kvt__sigma_block_cpu(rows, slots, B, L->stride_bytes, L->branch_offset, L->dt, D, basis,
+                             nb, scratch, want);
+        float *got = context_scores((kvt_sigma_basis)kind, B, rows, L->stride_bytes);
+        cr_assert(memcmp(got, want, B * sizeof *got) == 0, "kind %d: scores differ from the CPU "
+                  "twin on its basis", kind);
+        if (kind == KVT_SIGMA_DCT) {
+            float *four = context_scores(KVT_SIGMA_FOURIER, B, rows, L->stride_bytes);
+            cr_assert(memcmp(got, four, B * sizeof *got) != 0, "DCT scored like Fourier");
+            free(four);
+        }
+        free(got);
+        free(want);
+        free(scratch);
+        free(basis);
+    }
+    free(rows);
+    free(slots);
+}
+
+/* The reference API takes the basis too (kvtier-needle calibrates its needles with it):
+ * kvt_ref_sigma_create is the FOURIER one; an unknown basis is refused. */
+Test(sigma_basis, ref_handle_takes_the_basis) {
+    const uint32_t B = 256, kappa = 8, nb = 2 * kappa - 1;
+    float *want = malloc((size_t)nb * B * sizeof *want);
+    for (int kind = KVT_SIGMA_FOURIER; kind <= KVT_SIGMA_DCT; kind++) {
+        kvt_ref_sigma *h;
+        cr_assert_eq(kvt_ref_sigma_create_basis(B, kappa, D, (kvt_sigma_basis)kind, &h), KVT_OK);
+        uint32_t n = 0;
+        const float *got = kvt_ref_sigma_basis(h, &n);
+        cr_assert_eq(n, nb);
+        cr_assert_eq(kvt__sigma_basis(kind, B, kappa, want), 0);
+        cr_assert(memcmp(got, want, (size_t)nb * B * sizeof *want) == 0, "kind %d", kind);
+        kvt_ref_sigma_destroy(h);
+    }
+    kvt_ref_sigma *h;
+    cr_assert_eq(kvt_ref_sigma_create(B, kappa, D, &h), KVT_OK);
+    cr_assert(memcmp(kvt_ref_sigma_basis(h, NULL), want, (size_t)nb * B * sizeof *want) != 0,
+              "kvt_ref_sigma_create is not the DCT basis");
+    cr_assert_eq(kvt__fourier_basis(B, kappa, want), 0);
+    cr_assert(memcmp(kvt_ref_sigma_basis(h, NULL), want, (size_t)nb * B * sizeof *want) == 0);
+    kvt_ref_sigma_destroy(h);
+    h = (kvt_ref_sigma *)1;
+    cr_assert_eq(kvt_ref_sigma_create_basis(B, kappa, D, (kvt_sigma_basis)2, &h),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_null(h);
+    free(want);
 }

@@ -37,7 +37,7 @@ kvt_status kvt__sal_shared_init(kvt__sal_shared *sh, const kvt__alloc *a, const 
     if (!host)
         return KVT_ERR_OUT_OF_MEMORY;
     kvt_status s = KVT_OK;
-    if (kvt__fourier_basis(cfg->block_rows, cfg->kappa, host) != 0)
+    if (kvt__sigma_basis((int)cfg->sigma_basis, cfg->block_rows, cfg->kappa, host) != 0)
         s = KVT_ERR_INVALID_ARGUMENT;
     void *dev = NULL;
     if (s == KVT_OK && (s = be->ops->buf_alloc(be, bytes, &dev)) == KVT_OK) {

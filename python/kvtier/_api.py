@@ -25,7 +25,7 @@ from . import _lib
 from ._errors import check
 from ._lib import lib
 from ._types import (Allocator, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
-                     RowState, Selector, as_array, as_output, element_dtype_ok, maybe_enum, ptr,
+                     RowState, Selector, SigmaBasis, as_array, as_output, element_dtype_ok, maybe_enum, ptr,
                      to_enum, u32, u64, integer)
 
 _ERR_LEN = 512
@@ -373,7 +373,7 @@ class Model(_Closable):
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
-_CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector}
+_CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector, "sigma_basis": SigmaBasis}
 _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows": "u32",
                  "evict_budget_rows": "u32", "recent_rows": "u32", "cadence_rows": "u32",
                  "seed": "u64", "recall_cap_rows": "u32", "budget_min_kept": "u32"}

@@ -125,6 +125,7 @@ class ConfigC(ctypes.Structure):
         ("recall_margin", ctypes.c_float),
         ("salience_budget", ctypes.c_bool),
         ("budget_min_kept", c_u32),
+        ("sigma_basis", c_enum),
     ]
 
 

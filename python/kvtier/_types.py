@@ -48,6 +48,11 @@ class Selector(enum.IntEnum):
     RANDOM = 3
 
 
+class SigmaBasis(enum.IntEnum):
+    FOURIER = 0
+    DCT = 1
+
+
 class Backend(enum.IntEnum):
     CPU = 0
     CUDA = 1

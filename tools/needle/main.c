@@ -52,6 +52,11 @@ static void usage(FILE *f) {
 "  --kv-haystack F        fraction of key-value-pair rows (needle look-alikes) (default 0)\n"
 "  --rope                 rotate the branch (MLA-RoPE layer: random eviction, prompt protected)\n"
 "  --prompt-rows P        prompt rows (default 0; 256 with --rope)\n"
+"  --branch smooth|drift  slow part of the background branch: two slow cosines per channel\n"
+"                         (default), or those plus an AR(1) walk with phi near 1 (a branch\n"
+"                         that drifts along the sequence: docs/needle.md)\n"
+"  --calib-basis B        fourier (default) | dct: the sigma basis the needles' salience\n"
+"                         bands are calibrated under\n"
 "  --dtype bf16|fp16|fp32 row dtype (default bf16)\n"
 "  --seed S               generator and kvtier seed (default 1); with --trace the kvtier\n"
 "                         seed (random selector, random eviction)\n"
@@ -72,6 +77,7 @@ static void usage(FILE *f) {
 "                         recall, promote: not implemented yet (exit 3)\n"
 "  --ratio X              compression ratio (default 32); a comma list is allowed\n"
 "  --block B              rows per block (default 4096)   --kappa K  (default 16)\n"
+"  --sigma-basis B        fourier (reference, default) | dct: kvt_config.sigma_basis\n"
 "  --sinks S              sink rows (default 4)           --recent R (RoPE window, default 64)\n"
 "  --scale S              softmax scale (default: the trace's scale= line, else head_dim^-1/2\n"
 "                         on a GQA layer, 192^-1/2 on MLA)\n"
@@ -91,6 +97,8 @@ static void usage(FILE *f) {
 "  --csv FILE             one line per needle query and run\n"
 "  --svg FILE             heatmap: pass rate per (context, ratio), depth as sub-cells\n"
 "  --verbose              one line per needle query on stdout\n"
+"  --edges                share of the kept rows within 32 rows of a block edge, per\n"
+"                         (mode, context, ratio) of the salience policy, after the table\n"
 "  --progress / --no-progress   progress bar on stderr (default: when stderr is a terminal)\n"
 "  --help\n");
 }
@@ -147,6 +155,7 @@ typedef struct opts {
     uint32_t n_modes;
     uint64_t seeds;
     bool grid, verbose, prompt_set;
+    bool edges; /* --edges: the block-edge share of the kept rows (nd_report_edges) */
     int progress; /* -1 auto */
 } opts;
 
@@ -247,7 +256,8 @@ static int parse_list(const char *flag, const char *v, uint32_t max, item_fn fn,
 static const char *const k_synthetic_only[] = {
     "--context", "--depth",        "--needles",       "--needle-rows", "--salience",
     "--heads",   "--target-heads", "--kv-haystack",   "--rope",        "--prompt-rows",
-    "--dtype",   "--seeds",        "--grid-contexts", "--grid-depths",
+    "--dtype",   "--seeds",        "--grid-contexts", "--grid-depths", "--branch",
+    "--calib-basis",
 };
 
 static bool synthetic_only(const char *a) {
@@ -367,6 +377,25 @@ static int parse_args(int argc, char **argv, opts *o) {
             if (parse_f64(v, &d) || d < 0 || d > 0.5)
                 return usage_err("bad --kv-haystack '%s' (0..0.5)", v);
             o->gen.kv_haystack = d;
+        } else if (!strcmp(a, "--branch")) {
+            NEED_VALUE();
+            if (nd_branch_parse(v, &o->gen.branch))
+                return usage_err("bad --branch '%s' (smooth|drift)", v);
+        } else if (!strcmp(a, "--sigma-basis") || !strcmp(a, "--calib-basis")) {
+            NEED_VALUE();
+            kvt_sigma_basis b;
+            if (!strcmp(v, "fourier"))
+                b = KVT_SIGMA_FOURIER;
+            else if (!strcmp(v, "dct"))
+                b = KVT_SIGMA_DCT;
+            else
+                return usage_err("bad %s '%s' (fourier|dct)", a, v);
+            if (a[2] == 's')
+                o->run.sigma_basis = b;
+            else
+                o->gen.calib_basis = b;
+        } else if (!strcmp(a, "--edges")) {
+            o->edges = true;
         } else if (!strcmp(a, "--rope")) {
             o->gen.rope = true;
         } else if (!strcmp(a, "--prompt-rows")) {
@@ -758,7 +787,8 @@ int main(int argc, char **argv) {
                 rc = EXIT_ERR;
                 goto case_done;
             }
-            if (nd_case_sigma_pct(&c, o.run.block_rows, o.run.kappa, pct, err, sizeof err)) {
+            if (nd_case_sigma_pct_basis(&c, o.run.block_rows, o.run.kappa, o.run.sigma_basis,
+                                        pct, err, sizeof err)) {
                 fprintf(stderr, "kvtier-needle: %s\n", err);
                 rc = EXIT_ERR;
                 goto case_done;
@@ -822,6 +852,8 @@ int main(int argc, char **argv) {
     if (o.verbose)
         nd_report_lines(&rep, stdout);
     nd_report_table(&rep, stdout);
+    if (o.edges)
+        nd_report_edges(&rep, stdout);
     if (o.csv && nd_report_csv(&rep, o.csv, err, sizeof err)) {
         fprintf(stderr, "kvtier-needle: %s\n", err);
         free(recs);

@@ -238,6 +238,59 @@ void nd_report_table(const nd_report *r, FILE *f) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
+/* Block edges (--edges)                                                                        */
+/* ------------------------------------------------------------------------------------------- */
+/* One replay's attended set is measured by each of its queries at one position: count it once. */
+static bool same_replay(const nd_record *a, const nd_record *b) {
+    return a->context == b->context && a->seed == b->seed && a->ratio == b->ratio &&
+           a->mode == b->mode && a->rope == b->rope && a->res.request == b->res.request &&
+           a->res.position == b->res.position;
+}
+
+void nd_report_edges(const nd_report *r, FILE *f) {
+    fprintf(f, "block edges: kept = attended rows that were scored (closed, not sinks); near = "
+               "within %u rows of a block edge; chance = near share of all scored rows\n",
+            ND_EDGE_ROWS);
+    fprintf(f, "%-8s %-4s %7s %5s %7s %10s %10s %7s %7s\n", "mode", "rope", "context", "ratio",
+            "replays", "kept", "near", "share", "chance");
+    bool *done = calloc(r->n ? r->n : 1, sizeof *done);
+    if (!done)
+        return;
+    char cb[32];
+    for (size_t i = 0; i < r->n; i++) {
+        const nd_record *x = &r->recs[i];
+        if (done[i] || x->res.policy != KVT_POLICY_SALIENCE)
+            continue;
+        uint64_t replays = 0, kept = 0, near = 0, rows = 0, rows_near = 0;
+        for (size_t j = i; j < r->n; j++) {
+            const nd_record *y = &r->recs[j];
+            if (done[j] || y->mode != x->mode || y->rope != x->rope ||
+                y->context != x->context || y->ratio != x->ratio)
+                continue;
+            done[j] = true;
+            bool seen = false;
+            for (size_t k = i; k < j && !seen; k++)
+                seen = same_replay(&r->recs[k], y) && k != j;
+            if (seen)
+                continue;
+            replays++;
+            kept += y->res.kept_scored;
+            near += y->res.kept_edge;
+            rows += y->res.scored_rows;
+            rows_near += y->res.scored_edge;
+        }
+        fprintf(f, "%-8s %-4s %7s %5u %7llu %10llu %10llu %6.1f%% %6.1f%%\n",
+                nd_mode_name(x->mode), x->rope ? "yes" : "no",
+                ctx_label(x->context, cb, sizeof cb), x->ratio, (unsigned long long)replays,
+                (unsigned long long)kept, (unsigned long long)near,
+                kept ? 100.0 * (double)near / (double)kept : NAN,
+                rows ? 100.0 * (double)rows_near / (double)rows : NAN);
+    }
+    fprintf(f, "\n");
+    free(done);
+}
+
+/* ------------------------------------------------------------------------------------------- */
 /* CSV                                                                                          */
 /* ------------------------------------------------------------------------------------------- */
 /* Columns are documented in docs/needle.md; the status flags (pass, in_tail, band_miss, invalid)

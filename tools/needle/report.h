@@ -25,6 +25,10 @@ typedef struct nd_report {
 
 void nd_report_lines(const nd_report *r, FILE *f);
 void nd_report_table(const nd_report *r, FILE *f);
+/* --edges: per (mode, RoPE, context, ratio) of the salience policy, the share of kept rows near a
+ * block edge (nd_result's kept_edge / kept_scored, each replay counted once) and its chance
+ * share. */
+void nd_report_edges(const nd_report *r, FILE *f);
 int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_len);
 int nd_report_svg(const nd_report *r, const char *path, char *err, size_t err_len);
 

@@ -418,6 +418,11 @@ uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row) {
 /* ------------------------------------------------------------------------------------------- */
 int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out, char *err,
                       size_t err_len) {
+    return nd_case_sigma_pct_basis(c, B, kappa, KVT_SIGMA_FOURIER, out, err, err_len);
+}
+
+int nd_case_sigma_pct_basis(const nd_case *c, uint32_t B, uint32_t kappa, kvt_sigma_basis basis,
+                            double *out, char *err, size_t err_len) {
     const kvt_layer_spec *sp = &c->spec;
     if (nd_case_gqa(c)) { /* no salience branch: σ does not exist on GQA layers */
         for (uint32_t i = 0; i < c->n_needles; i++)
@@ -431,7 +436,7 @@ int nd_case_sigma_pct(const nd_case *c, uint32_t B, uint32_t kappa, double *out,
         rc = nd_fail(err, err_len, ND_ENOMEM, "sigma scratch");
         goto done;
     }
-    kvt_status st = kvt_ref_sigma_create(B, kappa, sp->branch_dim, &ref);
+    kvt_status st = kvt_ref_sigma_create_basis(B, kappa, sp->branch_dim, basis, &ref);
     if (st == KVT_ERR_OUT_OF_MEMORY) {
         rc = nd_fail(err, err_len, ND_ENOMEM, "sigma scratch");
         goto done;

@@ -35,6 +35,23 @@
 #define BR_NOISE_LOG_SD 0.25
 #define Q_NOISE 0.3    /* per-element query latent noise */
 #define Q_OTHER 8.0    /* norm scale of a non-targeted head's latent direction */
+#define WALK_PHI 0.9995 /* --branch drift: AR(1) coefficient per row (time constant 2000 rows) */
+#define WALK_SD 1.0    /* its stationary per-channel standard deviation */
+
+static const char *const k_branch_names[] = {"smooth", "drift"};
+
+const char *nd_branch_name(nd_branch b) {
+    return (unsigned)b <= ND_BRANCH_DRIFT ? k_branch_names[b] : "?";
+}
+
+int nd_branch_parse(const char *s, nd_branch *out) {
+    for (int i = 0; i <= ND_BRANCH_DRIFT; i++)
+        if (strcmp(s, k_branch_names[i]) == 0) {
+            *out = (nd_branch)i;
+            return 0;
+        }
+    return -1;
+}
 
 nd_gen_params nd_gen_default_params(void) {
     nd_gen_params p;
@@ -63,6 +80,8 @@ typedef struct model {
     double t_period[N_TOPICS], t_phase[N_TOPICS];
     double d_amp[N_DRIFT][64], d_period[N_DRIFT][64], d_phase[N_DRIFT][64];
     float sink_dir[64];    /* unit */
+    float *walk;           /* --branch drift: [n_rows][D] AR(1) walk added to the drift; NULL
+                              for the smooth branch */
 } model;
 
 static void rms_normalise(float *v, uint32_t n, double rms) {
@@ -103,6 +122,21 @@ static void model_init(model *m, uint64_t seed, uint32_t L, uint32_t D) {
         m->sink_dir[d] = (float)(m->sink_dir[d] / sqrt(s));
 }
 
+/* The AR(1) walk of --branch drift, per channel: w_0 ~ N(0, WALK_SD²) (stationary), then
+ * w_t = φ·w_{t−1} + WALK_SD·√(1 − φ²)·N(0, 1). One stream drawn from row 0 up, so the first rows
+ * of a longer haystack are those of a shorter one with the same seed. */
+static void walk_init(model *m, uint64_t seed, uint64_t n_rows) {
+    nd_rng r = nd_rng_for(seed, ND_STREAM_WALK, 0);
+    const double innov = WALK_SD * sqrt(1.0 - WALK_PHI * WALK_PHI);
+    const uint32_t D = m->D;
+    for (uint32_t d = 0; d < D; d++)
+        m->walk[d] = (float)(WALK_SD * nd_normal(&r));
+    for (uint64_t t = 1; t < n_rows; t++)
+        for (uint32_t d = 0; d < D; d++)
+            m->walk[t * D + d] =
+                (float)(WALK_PHI * m->walk[(t - 1) * D + d] + innov * nd_normal(&r));
+}
+
 /* Slow branch drift at row t, sink direction projected out. */
 static void drift_at(const model *m, uint64_t t, float *out) {
     double proj = 0;
@@ -111,6 +145,8 @@ static void drift_at(const model *m, uint64_t t, float *out) {
         for (int k = 0; k < N_DRIFT; k++)
             v += m->d_amp[k][d] *
                  cos(6.283185307179586 * (double)t / m->d_period[k][d] + m->d_phase[k][d]);
+        if (m->walk)
+            v += m->walk[t * m->D + d];
         out[d] = (float)v;
         proj += v * m->sink_dir[d];
     }
@@ -525,6 +561,10 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         p->kappa > p->block_rows / 2)
         return nd_fail(err, err_len, ND_EARG, "block rows %u / kappa %u invalid", p->block_rows,
                        p->kappa);
+    if ((unsigned)p->calib_basis > KVT_SIGMA_DCT)
+        return nd_fail(err, err_len, ND_EARG, "calibration basis %d unknown", (int)p->calib_basis);
+    if ((unsigned)p->branch > ND_BRANCH_DRIFT)
+        return nd_fail(err, err_len, ND_EARG, "branch model %d unknown", (int)p->branch);
     if (!(p->kv_haystack >= 0 && p->kv_haystack <= 0.5))
         return nd_fail(err, err_len, ND_EARG, "kv haystack fraction %g outside [0, 0.5]",
                        p->kv_haystack);
@@ -560,13 +600,15 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
     model m;
     memset(&m, 0, sizeof m);
     m.topic = malloc(sizeof(float) * N_TOPICS * L);
+    if (p->branch == ND_BRANCH_DRIFT)
+        m.walk = malloc(sizeof(float) * c->n_rows * D);
     float *vdirs = malloc(sizeof(float) * (size_t)n_needles * L);
     calib_row *crow = calloc((size_t)n_needles * p->needle_rows, sizeof *crow);
     calib_ctx cc;
     memset(&cc, 0, sizeof cc);
     cc.B = p->block_rows;
     cc.n_basis = 2 * p->kappa - 1;
-    kvt_status ref_st = kvt_ref_sigma_create(cc.B, p->kappa, D, &cc.ref);
+    kvt_status ref_st = kvt_ref_sigma_create_basis(cc.B, p->kappa, D, p->calib_basis, &cc.ref);
     cc.basis = kvt_ref_sigma_basis(cc.ref, NULL);
     cc.sig = malloc(sizeof(float) * cc.B);
     cc.sorted = malloc(sizeof(float) * cc.B);
@@ -577,12 +619,15 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         goto done;
     }
     if (!c->rows || !c->needles || !c->targets || !m.topic || !vdirs || !crow || !cc.ref ||
+        (p->branch == ND_BRANCH_DRIFT && !m.walk) ||
         !cc.sig || !cc.sorted || !cc.Y) {
         rc = nd_fail(err, err_len, ND_ENOMEM, "generator buffers (%llu rows)",
                      (unsigned long long)c->n_rows);
         goto done;
     }
     model_init(&m, p->seed, L, D);
+    if (m.walk)
+        walk_init(&m, p->seed, c->n_rows);
 
     /* 1-3: background, sinks, key-value pairs. */
     {
@@ -750,6 +795,11 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
                    (unsigned long long)p->prompt_rows, p->block_rows, p->kappa, p->sink_rows,
                    p->n_q_heads, p->n_target_heads, p->needle_rows, p->kv_haystack, p->mass_lo,
                    p->mass_hi, p->scale);
+        if (p->branch != ND_BRANCH_SMOOTH) /* the smooth branch's text is what it always was */
+            t = append(t, &len, &cap, "branch=%s\n", nd_branch_name(p->branch));
+        if (p->calib_basis != KVT_SIGMA_FOURIER) /* likewise */
+            t = append(t, &len, &cap, "calib_basis=%s\n",
+                       p->calib_basis == KVT_SIGMA_DCT ? "dct" : "?");
         for (uint32_t i = 0; i < c->n_needles; i++) {
             t = append(t, &len, &cap, "needle.%u.salience=%s\n", i,
                        nd_salience_name(c->needles[i].salience));
@@ -767,6 +817,7 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         progress(ud, 1.0);
 done:
     free(m.topic);
+    free(m.walk);
     free(vdirs);
     free(crow);
     kvt_ref_sigma_destroy(cc.ref);

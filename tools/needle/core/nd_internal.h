@@ -41,6 +41,7 @@ enum {
     ND_STREAM_PAIR = 3,   /* key-value haystack membership */
     ND_STREAM_NEEDLE = 4, /* one per needle: direction, rows, band target */
     ND_STREAM_QUERY = 5,  /* one per target: heads, noise, mass target */
+    ND_STREAM_WALK = 6,   /* --branch drift: the AR(1) walk of the branch, drawn row by row */
 };
 
 static inline nd_rng nd_rng_for(uint64_t seed, uint64_t stream, uint64_t index) {

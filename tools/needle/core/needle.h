@@ -32,6 +32,7 @@
 
 #define ND_MAX_HEADS 64u         /* targeted heads per target, and query heads of a case */
 #define ND_MAX_BATCH 64u         /* requests replayed together (--batch) */
+#define ND_EDGE_ROWS 32u          /* "near a block edge": within this many rows of it */
 #define ND_MAX_NEEDLE_ROWS 16u   /* rows per needle: the generator's limit, and what nd_case_load
                                     accepts from a trace (a longer needle is refused) */
 
@@ -128,10 +129,22 @@ uint64_t nd_case_nonfinite_rows(const nd_case *c, uint64_t *first_row);
  * block. out has c->n_needles entries. */
 int nd_case_sigma_pct(const nd_case *c, uint32_t block_rows, uint32_t kappa, double *out,
                       char *err, size_t err_len);
+/* The same under the σ basis `basis` (nd_case_sigma_pct: KVT_SIGMA_FOURIER). */
+int nd_case_sigma_pct_basis(const nd_case *c, uint32_t block_rows, uint32_t kappa,
+                            kvt_sigma_basis basis, double *out, char *err, size_t err_len);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Generator (statistical model: docs/needle.md)                                                */
 /* ------------------------------------------------------------------------------------------- */
+/* Model of the background branch's slow part (docs/needle.md, item 2). */
+typedef enum nd_branch {
+    ND_BRANCH_SMOOTH = 0, /* two slow cosines per channel (periods 16k..256k rows) */
+    ND_BRANCH_DRIFT = 1,  /* the same plus a per-channel AR(1) walk with φ near 1: a branch that
+                             drifts along the sequence, so the ends of a block differ */
+} nd_branch;
+const char *nd_branch_name(nd_branch b);
+int nd_branch_parse(const char *s, nd_branch *out);
+
 typedef struct nd_gen_params {
     uint64_t context;        /* rows (= query position of every target) */
     uint64_t seed;
@@ -153,6 +166,9 @@ typedef struct nd_gen_params {
     double kv_haystack;      /* fraction of haystack rows that are key-value-pair rows (0) */
     double mass_lo, mass_hi; /* needle mass under the full cache, per targeted head (0.6, 0.9) */
     double scale;            /* softmax scale (192^-1/2) */
+    nd_branch branch;        /* ND_BRANCH_SMOOTH */
+    kvt_sigma_basis calib_basis; /* σ basis the needles' bands are calibrated under
+                                    (KVT_SIGMA_FOURIER, the reference) */
 } nd_gen_params;
 
 nd_gen_params nd_gen_default_params(void);
@@ -206,6 +222,7 @@ typedef struct nd_run_params {
      * restored requests and must give the same results. */
     uint64_t snapshot_at;
     const char *snapshot_dir;
+    kvt_sigma_basis sigma_basis; /* kvt_config.sigma_basis (the library's default) */
 } nd_run_params;
 
 nd_run_params nd_run_default_params(void);
@@ -247,6 +264,11 @@ typedef struct nd_result {
                                 (salience); attended_rows - K after a round, all rows before
                                 the first (eviction); 0 for policy none */
     uint64_t kept_rows, sink_rows, m_rows;
+    /* Block edges (salience policy; 0 otherwise): of the attended rows that were scored (closed,
+     * not sinks), how many lie within ND_EDGE_ROWS rows of a block edge (position mod B below
+     * ND_EDGE_ROWS or at least B − ND_EDGE_ROWS); and the same two counts over every scored row,
+     * whose ratio is the share a selection blind to the position would give ("chance"). */
+    uint64_t kept_scored, kept_edge, scored_rows, scored_edge;
     double read_bytes_per_token;
 } nd_result;
 

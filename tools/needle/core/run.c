@@ -20,6 +20,28 @@
 #include <stdlib.h>
 #include <string.h>
 
+static bool near_edge(uint64_t pos, uint32_t B) {
+    uint64_t u = pos % B;
+    return u < ND_EDGE_ROWS || u >= (uint64_t)B - ND_EDGE_ROWS;
+}
+
+/* The block-edge counts of nd_result: attended rows in [sinks, closed) and those near an edge,
+ * and the same over every row of [sinks, closed). */
+static void edge_counts(const int64_t *pos_of_slot, const int32_t *slots, int32_t len, uint32_t B,
+                        uint32_t sinks, uint64_t closed, nd_result *res) {
+    for (int32_t j = 0; j < len; j++) {
+        int64_t pos = pos_of_slot[slots[j]];
+        if (pos < (int64_t)sinks || (uint64_t)pos >= closed)
+            continue;
+        res->kept_scored++;
+        res->kept_edge += near_edge((uint64_t)pos, B);
+    }
+    for (uint64_t t = sinks; t < closed; t++) {
+        res->scored_rows++;
+        res->scored_edge += near_edge(t, B);
+    }
+}
+
 nd_run_params nd_run_default_params(void) {
     nd_run_params p;
     memset(&p, 0, sizeof p);
@@ -37,6 +59,7 @@ nd_run_params nd_run_default_params(void) {
     p.backend = KVT_BACKEND_CPU;
     p.batch = 1;
     p.request_base = 1;
+    p.sigma_basis = lib.sigma_basis;
     return p;
 }
 
@@ -366,6 +389,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     cfg->sink_rows = p->sink_rows;
     cfg->seed = p->seed;
     cfg->selector = p->mode == ND_MODE_RANDOM ? KVT_SELECT_RANDOM : KVT_SELECT_SIGMA;
+    cfg->sigma_basis = p->sigma_basis;
     cfg->recent_rows = p->recent_rows;
     cfg->cadence_rows = 0;
     cfg->protect_prompt = true;
@@ -669,6 +693,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         if (res->m_rows == 0 && ls.closed_rows)
             res->m_rows = 1;
         res->read_bytes_per_token = ls.attended_bytes_per_token;
+        if (policy == KVT_POLICY_SALIENCE)
+            edge_counts(pos_of_slot, rslots, len, cfg->block_rows, cfg->sink_rows,
+                        ls.closed_rows, res);
         bool pass = res->mass_ratio >= p->min_mass && res->out_cos >= p->min_cos;
         res->status = in_tail ? ND_TAIL : nd->band_miss ? ND_BAND_MISS : pass ? ND_PASS : ND_FAIL;
         /* A non-finite reference leaves nothing to measure against: the ratio and cosine above
