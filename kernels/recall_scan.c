@@ -136,16 +136,47 @@ int kvt__recall_row_fires_cpu(const kvt__recall_scan_args *a, const kvt__recall_
     /* Every column's chains advance together, j outer (each head keeps kvt__recall_idx's order:
      * branch j ascending, then k ascending, from +0, so the bits are the per-element function's);
      * the |·| chain only in sound mode. */
-    for (uint32_t t = 0; t < n; t++)
+    uint32_t t0 = 0;
+    /* Whole tiles of 32 columns with their accumulators in registers (4 independent vector
+     * chains: the j loop is not held up by one chain's latency), then the rest through memory. */
+    for (; t0 + 32u <= n; t0 += 32u) {
+        float A[32], Q[32];
+        for (uint32_t t = 0; t < 32u; t++)
+            A[t] = Q[t] = 0.0f;
+        if (sound) {
+            for (uint32_t j = 0; j < bd + rank; j++) {
+                const float x = j < bd ? rb[j] : ck[j - bd], ax = fabsf(x);
+                const float *qj = qT + j * HP + t0;
+#pragma GCC unroll 32
+                for (uint32_t t = 0; t < 32u; t++) {
+                    A[t] = fmaf(qj[t], x, A[t]);
+                    Q[t] = fmaf(fabsf(qj[t]), ax, Q[t]);
+                }
+            }
+        } else {
+            for (uint32_t j = 0; j < bd + rank; j++) {
+                const float x = j < bd ? rb[j] : ck[j - bd];
+                const float *qj = qT + j * HP + t0;
+#pragma GCC unroll 32
+                for (uint32_t t = 0; t < 32u; t++)
+                    A[t] = fmaf(qj[t], x, A[t]);
+            }
+        }
+        for (uint32_t t = 0; t < 32u; t++) {
+            acc[t0 + t] = A[t];
+            pa[t0 + t] = Q[t];
+        }
+    }
+    for (uint32_t t = t0; t < n; t++)
         acc[t] = pa[t] = 0.0f;
-    for (uint32_t j = 0; j < bd + rank; j++) {
+    for (uint32_t j = 0; t0 < n && j < bd + rank; j++) {
         const float x = j < bd ? rb[j] : ck[j - bd];
         const float *qj = qT + j * HP;
-        for (uint32_t t = 0; t < n; t++)
+        for (uint32_t t = t0; t < n; t++)
             acc[t] = fmaf(qj[t], x, acc[t]);
         if (sound) {
             const float ax = fabsf(x);
-            for (uint32_t t = 0; t < n; t++)
+            for (uint32_t t = t0; t < n; t++)
                 pa[t] = fmaf(fabsf(qj[t]), ax, pa[t]);
         }
     }

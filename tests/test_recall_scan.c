@@ -424,7 +424,7 @@ Test(recall_scan, sound_never_misses) {
 Test(recall_scan, cpu_and_guarded_bit_equal) {
     rig r;
     rig_open(&r);
-    const uint32_t H = 11, N = 128;
+    const uint32_t H = 43, N = 128; /* a whole 32-column tile of the twin, then 11 more */
     float *q = malloc(sizeof(float) * QD * H);
     uint8_t ref[128];
     cr_assert(q);
@@ -436,7 +436,7 @@ Test(recall_scan, cpu_and_guarded_bit_equal) {
         scen_make(&s, &g, N, c % 3 == 0 ? 0 : 16 * (c % 3), c % 2 ? KVT__DT_FP32 : KVT__DT_BF16);
         for (uint32_t st = 0; st < 6; st++) {
             make_queries(&g, &s, H, q);
-            float best[11];
+            float best[43];
             for (uint32_t h = 0; h < H; h++)
                 best[h] = (float)(tu_normal(&g) * 2.0);
             static const float zs[] = {-1.0f, 0.0f, 0.5f, 2.0f, 8.0f};
@@ -451,7 +451,7 @@ Test(recall_scan, cpu_and_guarded_bit_equal) {
                 cr_assert_eq(a.n_fired, b.n_fired, "seed %llx", (unsigned long long)seed);
                 cr_assert_eq(a.overflow, b.overflow, "seed %llx", (unsigned long long)seed);
                 cr_assert_eq(memcmp(a.fired, b.fired, 4 * a.n_fired), 0);
-                /* and the per-element functions' set (H = 11: a whole tile of the twin and a partial one) */
+                /* and the per-element functions' set */
                 uint32_t k = reference(&s, q, best, H, SMAX, z, mode, ref, NULL), j = 0;
                 cr_assert_eq(a.overflow, k > cap ? 1u : 0u, "seed %llx", (unsigned long long)seed);
                 for (uint32_t row = 0; row < N && j < a.n_fired; row++)
