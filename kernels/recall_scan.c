@@ -37,9 +37,11 @@ static inline float f16_to_f32(uint16_t h) {
     uint32_t e = o & 0x0f800000u;
     o += (uint32_t)(127 - 15) << 23;
     o += e == 0x0f800000u ? (uint32_t)(128 - 16) << 23 : 0u;
-    uint32_t sub = e == 0u;
-    float f = kvt__f32_from_bits(o + (sub << 23)) - (sub ? kvt__f32_from_bits(113u << 23) : 0.0f);
-    return kvt__f32_from_bits(kvt__bits_from_f32(f) | ((uint32_t)(h & 0x8000u) << 16));
+    /* zero or subnormal: 2^-14 · (1 + m/1024) − 2^-14, exact; the result is selected by bits, so
+     * no arithmetic touches the other inputs (a signalling NaN stays as kvt__f16_to_f32 gives it) */
+    float fsub = kvt__f32_from_bits(o + (1u << 23)) - kvt__f32_from_bits(113u << 23);
+    uint32_t bits = e == 0u ? kvt__bits_from_f32(fsub) : o;
+    return kvt__f32_from_bits(bits | ((uint32_t)(h & 0x8000u) << 16));
 }
 
 /* Every 16-bit pattern converts as kvt__f16_to_f32 does (tests/test_recall_scan.c). */
