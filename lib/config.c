@@ -2,6 +2,7 @@
 #include "base/base.h"
 
 #include <float.h>
+#include <string.h>
 
 kvt_config kvt_config_default(void) {
     kvt_config c = {0};
@@ -26,6 +27,16 @@ kvt_config kvt_config_default(void) {
     c.budget_min_kept = 256;
     c.sigma_basis = KVT_SIGMA_FOURIER;
     return c;
+}
+
+kvt_status kvt_config_init(kvt_config *out, size_t struct_size) {
+    if (!out || struct_size < KVT_CONFIG_SIZE_MIN)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_config c = kvt_config_default();
+    c.struct_size = struct_size < sizeof c ? struct_size : sizeof c;
+    memcpy(out, &c, c.struct_size);
+    out->struct_size = struct_size;
+    return KVT_OK;
 }
 
 /* Caps that keep row arithmetic in 32 bits and far from overflow. */

@@ -385,7 +385,14 @@ typedef struct kvt_config {
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
 
+/* The defaults, returned by value: safe only when the caller's kvtier.h is this library's (a
+ * caller built against an older, smaller kvt_config reserves less than this writes). Code that
+ * may run against a newer library uses kvt_config_init. */
 KVT_API kvt_config kvt_config_default(void);
+/* Write the defaults into out's first struct_size bytes (the caller's sizeof(kvt_config), which
+ * becomes out->struct_size). KVT_ERR_INVALID_ARGUMENT for NULL or a size below
+ * KVT_CONFIG_SIZE_MIN. */
+KVT_API kvt_status kvt_config_init(kvt_config *out, size_t struct_size);
 /* Check every field (struct_size by the ABI rule at the top); on error names it in err.
  * KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
 KVT_API kvt_status kvt_config_check(const kvt_config *cfg, char *err, size_t err_len);

@@ -120,6 +120,19 @@ Test(config, each_bad_field_is_named) {
     cr_assert(strstr(err, "recall_margin") != NULL, "%s", err);
     c.recall_margin = -1.0f;
     cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    /* kvt_config_init writes no byte past the caller's size (an older, smaller struct). */
+    unsigned char buf[sizeof(kvt_config) + 16];
+    memset(buf, 0xa5, sizeof buf);
+    cr_assert_eq(kvt_config_init((kvt_config *)buf, KVT_CONFIG_SIZE_MIN), KVT_OK);
+    for (size_t i = KVT_CONFIG_SIZE_MIN; i < sizeof buf; i++)
+        cr_assert_eq(buf[i], 0xa5, "byte %zu written", i);
+    kvt_config small;
+    memcpy(&small, buf, KVT_CONFIG_SIZE_MIN);
+    cr_assert_eq(small.struct_size, KVT_CONFIG_SIZE_MIN);
+    cr_assert_eq(small.ratio, 32);
+    cr_assert_eq(kvt_config_check(&small, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt_config_init(&small, 3), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_config_init(NULL, sizeof small), KVT_ERR_INVALID_ARGUMENT);
     c = kvt_config_default();
     c.struct_size = 3;
     cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
