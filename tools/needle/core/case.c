@@ -99,6 +99,9 @@ void nd_case_free(nd_case *c) {
             free(c->targets[i].q);
     free(c->targets);
     free(c->text);
+    free(c->decode_q);
+    free(c->decode_target);
+    free(c->qbasis);
     memset(c, 0, sizeof *c);
 }
 
