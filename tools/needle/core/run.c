@@ -497,8 +497,13 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         goto done;
     }
     const kvt_policy policy = kvt_ctx_layer_policy(ctx, 0);
+    /* The basis: the query subspace's first min(rank, sketch rank) rows (its directions carry
+     * equal variance, so any of them are top eigenvectors of the filler queries' covariance). */
     if (recall && p->recall_basis && c->qbasis &&
-        (s = kvt_ctx_set_recall_basis(ctx, 0, c->qbasis, c->qbasis_rank)) != KVT_OK) {
+        (s = kvt_ctx_set_recall_basis(ctx, 0, c->qbasis,
+                                      c->qbasis_rank < p->recall_rank ? c->qbasis_rank
+                                                                      : p->recall_rank)) !=
+            KVT_OK) {
         rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_set_recall_basis");
         goto done;
     }
