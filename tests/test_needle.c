@@ -1139,6 +1139,46 @@ Test(recall, decode_phase_generator) {
     cr_assert_eq(memcmp(a.rows + 8 * a.spec.row_bytes, z.rows + 8 * a.spec.row_bytes,
                         (size_t)512 * a.spec.row_bytes), 0);
     nd_case_free(&z);
+    /* Through a trace: every decode step is a query step, so the loaded case has the same
+     * decode phase; with the subspace as a basis file, recall gives the same results. */
+    char trace[64], basis[64];
+    tmp_path(trace);
+    tmp_path(basis);
+    cr_assert_eq(nd_case_save(&a, trace, err, sizeof err), ND_OK, "%s", err);
+    kvt_recall_basis_info bi = {.rank = a.qbasis_rank, .dim = 512, .captured = NAN};
+    cr_assert_eq(kvt_recall_basis_write(basis, &bi, a.qbasis), KVT_OK);
+    nd_case l;
+    cr_assert_eq(nd_case_load(trace, UINT32_MAX, &l, err, sizeof err), ND_OK, "%s", err);
+    unlink(trace);
+    cr_assert_eq(l.decode_start, a.decode_start);
+    cr_assert_eq(l.n_decode, a.n_decode);
+    cr_assert_null(l.qbasis);
+    cr_assert_eq(memcmp(l.decode_q, a.decode_q, sizeof(float) * qn * a.n_decode), 0);
+    cr_assert_eq(memcmp(l.decode_target, a.decode_target, sizeof(int32_t) * a.n_decode), 0);
+    nd_refs ra, rl;
+    cr_assert_eq(nd_refs_compute(&a, gp.scale, &ra, NULL, NULL, err, sizeof err), ND_OK);
+    cr_assert_eq(nd_refs_compute(&l, gp.scale, &rl, NULL, NULL, err, sizeof err), ND_OK);
+    nd_result xa[2], xl[2];
+    nd_run_params rp = nd_run_default_params();
+    rp.mode = ND_MODE_RECALL;
+    rp.block_rows = 1024;
+    rp.seed = 7;
+    cr_assert_eq(nd_run(&a, &ra, &rp, xa, NULL, NULL, err, sizeof err), ND_OK, "%s", err);
+    /* the loaded case has no subspace: refused unless a file or no basis is asked for */
+    cr_assert_eq(nd_run(&l, &rl, &rp, xl, NULL, NULL, err, sizeof err), ND_EARG);
+    rp.recall_basis_file = basis;
+    cr_assert_eq(nd_run(&l, &rl, &rp, xl, NULL, NULL, err, sizeof err), ND_OK, "%s", err);
+    unlink(basis);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(xa[i].status, xl[i].status);
+        cr_assert_eq(xa[i].pass_by, xl[i].pass_by);
+        cr_assert_eq(xa[i].fetched_rows, xl[i].fetched_rows);
+        cr_assert_eq(xa[i].mass_ratio, xl[i].mass_ratio);
+        cr_assert_eq(xa[i].recall_z, xl[i].recall_z);
+    }
+    nd_refs_free(&ra);
+    nd_refs_free(&rl);
+    nd_case_free(&l);
     nd_gen_params bad = gp;
     bad.decode_calib = 0;
     bad.decoys = 0.1;

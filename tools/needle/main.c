@@ -73,7 +73,9 @@ static void usage(FILE *f) {
 "                                    (synthetic only; a summary line per context x ratio)\n"
 "                         promote: not implemented yet (exit 3)\n"
 "  --recall M             conformal (default) | sound | margin\n"
-"  --recall-basis B       subspace (default: the generator's query subspace) | none\n"
+"  --recall-basis B       subspace (default: the generator's query subspace) | none | FILE\n"
+"                         (a basis file, kvtier-inspect calibrate's format)\n"
+"  --write-basis FILE     write the generator's query subspace as a basis file\n"
 "  --recall-cap W         rows a recall step may fetch (default: the library's, 4096)\n"
 "  --decode-calib N       filler decode steps before the first needle query (16 with recall)\n"
 "  --decode-gap N         filler decode steps before each needle query (default 3)\n"
@@ -139,7 +141,7 @@ static int parse_f64(const char *s, double *out) {
 #define MAX_LIST 64
 
 typedef struct opts {
-    const char *trace, *write_trace, *csv, *svg;
+    const char *trace, *write_trace, *csv, *svg, *write_basis;
     uint32_t layer;
     nd_gen_params gen;
     nd_run_params run;
@@ -411,12 +413,11 @@ static int parse_args(int argc, char **argv, opts *o) {
                 return usage_err("bad --recall '%s' (conformal, sound, margin)", v);
         } else if (!strcmp(a, "--recall-basis")) {
             NEED_VALUE();
-            if (!strcmp(v, "subspace"))
-                o->run.recall_basis = true;
-            else if (!strcmp(v, "none"))
-                o->run.recall_basis = false;
-            else
-                return usage_err("bad --recall-basis '%s' (subspace, none)", v);
+            o->run.recall_basis = strcmp(v, "none") != 0;
+            o->run.recall_basis_file = strcmp(v, "subspace") && strcmp(v, "none") ? v : NULL;
+        } else if (!strcmp(a, "--write-basis")) {
+            NEED_VALUE();
+            o->write_basis = v;
         } else if (!strcmp(a, "--recall-cap")) {
             NEED_VALUE();
             if (parse_u64(v, &u) || u < 1 || u > (1u << 24))
@@ -610,6 +611,9 @@ static int parse_args(int argc, char **argv, opts *o) {
     if (o->gen.decoys > 0 && !o->gen.decode_calib)
         return usage_err("%s", "--decoys needs the decode phase (--mode recall or "
                                "--decode-calib)");
+    if (o->write_basis && (o->trace || o->n_contexts != 1 || o->seeds != 1 || !want_recall))
+        return usage_err("%s", "--write-basis needs --synthetic, one context, one seed and "
+                               "--mode recall");
     if (o->write_trace && (o->trace || o->n_contexts != 1 || o->seeds != 1))
         return usage_err("%s", "--write-trace needs --synthetic, one context and one seed");
     return 0;
@@ -710,6 +714,7 @@ typedef struct recall_sum {
     uint32_t runs;
     uint32_t counted, pass, by_fetch, by_dense, by_kept;
     float z_min, z_max;
+    uint64_t context; /* the haystack's rows (decode_start) */
 } recall_sum;
 
 static void recall_add(recall_sum *a, const nd_recall_stats *s, const nd_result *res, size_t n) {
@@ -773,13 +778,6 @@ int main(int argc, char **argv) {
         if (o.modes[k] == ND_MODE_PROMOTE) {
             fprintf(stderr, "kvtier-needle: mode '%s' is not implemented yet, so nothing is "
                     "measured\n", nd_mode_name(o.modes[k]));
-            return EXIT_NOTIMPL;
-        }
-    for (uint32_t k = 0; k < o.n_modes; k++)
-        if (o.modes[k] == ND_MODE_RECALL && o.trace) {
-            fprintf(stderr, "kvtier-needle: mode 'recall' needs a decode phase with per-step "
-                    "queries, which only the synthetic generator makes (a trace carries its "
-                    "needle queries only), so nothing is measured\n");
             return EXIT_NOTIMPL;
         }
     static recall_sum rsum[MAX_LIST][MAX_LIST];
@@ -868,6 +866,23 @@ int main(int argc, char **argv) {
                         source, c.layer, (unsigned long long)first_bad);
                 nonfinite_total += n_bad;
             }
+            if (o.write_basis) {
+                kvt_recall_basis_info bi;
+                memset(&bi, 0, sizeof bi);
+                bi.rank = c.qbasis_rank < o.run.recall_rank ? c.qbasis_rank : o.run.recall_rank;
+                bi.dim = c.spec.value_dim;
+                bi.captured = NAN;
+                kvt_status bs = c.qbasis ? kvt_recall_basis_write(o.write_basis, &bi, c.qbasis)
+                                         : KVT_ERR_INVALID_ARGUMENT;
+                if (bs != KVT_OK) {
+                    progress_clear(&pg);
+                    fprintf(stderr, "kvtier-needle: --write-basis %s: %s\n", o.write_basis,
+                            c.qbasis ? kvt_strerror(bs) : "the case has no decode phase");
+                    nd_case_free(&c);
+                    rc = EXIT_ERR;
+                    break;
+                }
+            }
             if (o.write_trace) {
                 int e = nd_case_save(&c, o.write_trace, err, sizeof err);
                 if (e) {
@@ -917,8 +932,10 @@ int main(int argc, char **argv) {
                     nd_recall_stats rst;
                     rp.recall_stats = &rst;
                     int e = nd_run(&c, &refs, &rp, res, progress_cb, &pg, err, sizeof err);
-                    if (!e && rp.mode == ND_MODE_RECALL)
+                    if (!e && rp.mode == ND_MODE_RECALL) {
                         recall_add(&rsum[ci][ri], &rst, res, (size_t)c.n_targets * rp.batch);
+                        rsum[ci][ri].context = c.decode_start;
+                    }
                     t_run += now_s() - t;
                     progress_end_step(&pg);
                     if (e) {
@@ -984,10 +1001,10 @@ int main(int argc, char **argv) {
         counted++;
         pass += recs[i].res.status == ND_PASS;
     }
-    for (uint32_t ci = 0; ci < (o.trace ? 0 : o.n_contexts); ci++)
+    for (uint32_t ci = 0; ci < (o.trace ? 1 : o.n_contexts); ci++)
         for (uint32_t ri = 0; ri < o.n_ratios; ri++)
-            recall_print(&rsum[ci][ri], o.contexts[ci], (uint32_t)o.ratios[ri], o.run.recall,
-                         (uint32_t)o.seeds);
+            recall_print(&rsum[ci][ri], rsum[ci][ri].context, (uint32_t)o.ratios[ri],
+                         o.run.recall, o.trace ? 1 : (uint32_t)o.seeds);
     printf("time: generate %.1f s, full-cache references %.1f s, replay %.1f s, total %.1f s\n",
            t_gen, t_ref, t_run, now_s() - pg.t0);
     if (tails)

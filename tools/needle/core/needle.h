@@ -238,6 +238,8 @@ typedef struct nd_run_params {
     uint32_t recall_cap_rows;
     uint32_t recall_rank;
     bool recall_basis;
+    const char *recall_basis_file; /* a basis file (kvt_ctx_load_recall_basis) instead of the
+                                    * case's subspace (NULL: none) */
     /* Output (may be NULL): the decode steps' recall statistics, summed over requests. */
     struct nd_recall_stats *recall_stats;
 } nd_run_params;

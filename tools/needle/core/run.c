@@ -405,8 +405,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     if (recall && !c->decode_start)
         return nd_fail(err, err_len, ND_ENOTIMPL,
                        "mode 'recall' needs a decode phase with per-step queries (the synthetic "
-                       "generator's; a trace carries only its needle queries); nothing was "
-                       "measured");
+                       "generator's, or a trace it wrote; other traces carry only needle "
+                       "queries); nothing was measured");
     if (recall && (c->spec.kind != KVT_LAYER_MLA_NOPE || nd_case_gqa(c)))
         return nd_fail(err, err_len, ND_EARG, "mode 'recall' needs an MLA-NoPE (salience) layer");
     if (recall && (p->recall == KVT_RECALL_OFF || p->recall_rank < 1 ||
@@ -499,7 +499,17 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     const kvt_policy policy = kvt_ctx_layer_policy(ctx, 0);
     /* The basis: the query subspace's first min(rank, sketch rank) rows (its directions carry
      * equal variance, so any of them are top eigenvectors of the filler queries' covariance). */
-    if (recall && p->recall_basis && c->qbasis &&
+    if (recall && p->recall_basis_file &&
+        (s = kvt_ctx_load_recall_basis(ctx, 0, p->recall_basis_file)) != KVT_OK) {
+        rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_load_recall_basis");
+        goto done;
+    }
+    if (recall && p->recall_basis && !p->recall_basis_file && !c->qbasis) {
+        rc = nd_fail(err, err_len, ND_EARG, "recall: the case has no query subspace to use as "
+                     "the basis (a trace): give a basis file or run without one");
+        goto done;
+    }
+    if (recall && p->recall_basis && !p->recall_basis_file && c->qbasis &&
         (s = kvt_ctx_set_recall_basis(ctx, 0, c->qbasis,
                                       c->qbasis_rank < p->recall_rank ? c->qbasis_rank
                                                                       : p->recall_rank)) !=
