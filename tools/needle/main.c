@@ -11,8 +11,9 @@
  * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
  * library error, an attended set that disagrees with the library), 2 on a bad command line (a
  * bad or empty list item, a flag of the synthetic haystack given with --trace), 3 for a mode
- * that is not implemented yet (recall, promote). A query whose full-cache reference is
- * non-finite (NaN / Inf rows in a trace) is reported as "invalid", not an error.
+ * that is not implemented yet (promote; recall on a trace without a decode phase). A query
+ * whose full-cache reference is non-finite (NaN / Inf rows in a trace) is reported as
+ * "invalid", not an error.
  */
 #include "needle.h"
 #include "report.h"

@@ -11,6 +11,12 @@
  * the commit, it is checked against what the
  * library reports (check_attended); attention over it reads the rows from the pool through their
  * slots (kernels/attn.h) and is compared with attention over every row.
+ *
+ * Recall mode: the rows before the case's decode phase are committed in chunks, then each decode
+ * step commits one row and runs the layer with that step's queries (kvt_batch_run's query
+ * argument), so the trigger calibrates on the filler steps and meets the needle queries later;
+ * each step's recall statistics are summed (recall_account), and the needle steps' emissions,
+ * which hold exactly recall_last_fetched archived rows, are checked and measured as above.
  */
 #include "nd_internal.h"
 
