@@ -885,6 +885,17 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
         p.kv_head_offset = m->kv_head_offset;
         p.n_kv_heads_global = m->n_kv_heads_global;
         p.layer_offset = m->layer_offset;
+        /* Sketch planes: a salience STATE's eighth u64 is its sketch stride (docs/snapshot-
+         * format.md); a context for the snapshot needs the widest (a layer basis, if any, is
+         * the engine's to set before restoring: restore names it when it differs). */
+        for (uint32_t i = 0; i < m->n_layers; i++) {
+            const kvt__ctr_section *ss = &sp.state[i];
+            if (pol[i] == KVT_POLICY_SALIENCE && ss->length >= STATE_HEAD + 64) {
+                uint64_t stride = kvt__get_u64(sp.buf + ss->offset + STATE_HEAD + 56);
+                if (stride <= KVT_RECALL_MAX_RANK && stride > p.recall_sketch_rank)
+                    p.recall_sketch_rank = (uint32_t)stride;
+            }
+        }
         s = kvt_ctx_create(&p, out, err, sizeof err);
     }
     if (s != KVT_OK)

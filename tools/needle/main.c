@@ -11,8 +11,9 @@
  * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
  * library error, an attended set that disagrees with the library), 2 on a bad command line (a
  * bad or empty list item, a flag of the synthetic haystack given with --trace), 3 for a mode
- * that is not implemented yet (recall, promote). A query whose full-cache reference is
- * non-finite (NaN / Inf rows in a trace) is reported as "invalid", not an error.
+ * that is not implemented yet (promote; recall on a trace without a decode phase). A query
+ * whose full-cache reference is non-finite (NaN / Inf rows in a trace) is reported as
+ * "invalid", not an error.
  */
 #include "needle.h"
 #include "report.h"
@@ -74,7 +75,18 @@ static void usage(FILE *f) {
 "                         salience = the policy table (sigma top-m; random eviction on RoPE)\n"
 "                         random   = uniform Philox selector (KVT_SELECT_RANDOM)\n"
 "                         dense    = ratio 1, everything attended\n"
-"                         recall, promote: not implemented yet (exit 3)\n"
+"                         recall   = salience + the recall trigger over a decode phase\n"
+"                                    (synthetic only; a summary line per context x ratio)\n"
+"                         promote: not implemented yet (exit 3)\n"
+"  --recall M             conformal (default) | sound | margin\n"
+"  --recall-basis B       subspace (default: the generator's query subspace) | none | FILE\n"
+"                         (a basis file, kvtier-inspect calibrate's format)\n"
+"  --write-basis FILE     write the generator's query subspace as a basis file\n"
+"  --recall-cap W         rows a recall step may fetch (default: the library's, 4096)\n"
+"  --decode-calib N       filler decode steps before the first needle query (16 with recall)\n"
+"  --decode-gap N         filler decode steps before each needle query (default 3)\n"
+"  --query-rank R         rank of the query subspace of the decode phase (default 64)\n"
+"  --decoys F             multi-key haystack: fraction F of rows near-identical to the needles\n"
 "  --ratio X              compression ratio (default 32); a comma list is allowed\n"
 "  --block B              rows per block (default 4096)   --kappa K  (default 16)\n"
 "  --sigma-basis B        fourier (reference, default) | dct: kvt_config.sigma_basis\n"
@@ -138,7 +150,7 @@ static int parse_f64(const char *s, double *out) {
 #define MAX_LIST 64
 
 typedef struct opts {
-    const char *trace, *write_trace, *csv, *svg;
+    const char *trace, *write_trace, *csv, *svg, *write_basis;
     uint32_t layer;
     nd_gen_params gen;
     nd_run_params run;
@@ -257,7 +269,7 @@ static const char *const k_synthetic_only[] = {
     "--context", "--depth",        "--needles",       "--needle-rows", "--salience",
     "--heads",   "--target-heads", "--kv-haystack",   "--rope",        "--prompt-rows",
     "--dtype",   "--seeds",        "--grid-contexts", "--grid-depths", "--branch",
-    "--calib-basis",
+    "--calib-basis", "--decode-calib", "--decode-gap", "--query-rank", "--decoys",
 };
 
 static bool synthetic_only(const char *a) {
@@ -398,6 +410,48 @@ static int parse_args(int argc, char **argv, opts *o) {
             o->edges = true;
         } else if (!strcmp(a, "--rope")) {
             o->gen.rope = true;
+        } else if (!strcmp(a, "--decode-calib")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > 65536)
+                return usage_err("bad --decode-calib '%s' (1..65536)", v);
+            o->gen.decode_calib = (uint32_t)u;
+        } else if (!strcmp(a, "--decode-gap")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u > 4096)
+                return usage_err("bad --decode-gap '%s' (0..4096)", v);
+            o->gen.decode_gap = (uint32_t)u;
+        } else if (!strcmp(a, "--query-rank")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > KVT_RECALL_MAX_RANK)
+                return usage_err("bad --query-rank '%s' (1..%u)", v, KVT_RECALL_MAX_RANK);
+            o->gen.query_rank = (uint32_t)u;
+        } else if (!strcmp(a, "--decoys")) {
+            NEED_VALUE();
+            if (parse_f64(v, &d) || d < 0 || d > 0.5)
+                return usage_err("bad --decoys '%s' (0..0.5)", v);
+            o->gen.decoys = d;
+        } else if (!strcmp(a, "--recall")) {
+            NEED_VALUE();
+            if (!strcmp(v, "conformal"))
+                o->run.recall = KVT_RECALL_CONFORMAL;
+            else if (!strcmp(v, "sound"))
+                o->run.recall = KVT_RECALL_SOUND;
+            else if (!strcmp(v, "margin"))
+                o->run.recall = KVT_RECALL_MARGIN;
+            else
+                return usage_err("bad --recall '%s' (conformal, sound, margin)", v);
+        } else if (!strcmp(a, "--recall-basis")) {
+            NEED_VALUE();
+            o->run.recall_basis = strcmp(v, "none") != 0;
+            o->run.recall_basis_file = strcmp(v, "subspace") && strcmp(v, "none") ? v : NULL;
+        } else if (!strcmp(a, "--write-basis")) {
+            NEED_VALUE();
+            o->write_basis = v;
+        } else if (!strcmp(a, "--recall-cap")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > (1u << 24))
+                return usage_err("bad --recall-cap '%s' (1..2^24)", v);
+            o->run.recall_cap_rows = (uint32_t)u;
         } else if (!strcmp(a, "--prompt-rows")) {
             NEED_VALUE();
             if (parse_u64(v, &u))
@@ -576,6 +630,19 @@ static int parse_args(int argc, char **argv, opts *o) {
         return usage_err("%s", "--target-heads exceeds --heads");
     if (o->gen.rope && !o->prompt_set)
         o->gen.prompt_rows = 256;
+    /* recall needs the decode phase: 16 filler steps before the first needle query unless
+     * --decode-calib says otherwise; --decoys and the decode flags need it too */
+    bool want_recall = false;
+    for (uint32_t k = 0; k < o->n_modes; k++)
+        want_recall |= o->modes[k] == ND_MODE_RECALL;
+    if (want_recall && !o->gen.decode_calib)
+        o->gen.decode_calib = 16;
+    if (o->gen.decoys > 0 && !o->gen.decode_calib)
+        return usage_err("%s", "--decoys needs the decode phase (--mode recall or "
+                               "--decode-calib)");
+    if (o->write_basis && (o->trace || o->n_contexts != 1 || o->seeds != 1 || !want_recall))
+        return usage_err("%s", "--write-basis needs --synthetic, one context, one seed and "
+                               "--mode recall");
     if (o->write_trace && (o->trace || o->n_contexts != 1 || o->seeds != 1))
         return usage_err("%s", "--write-trace needs --synthetic, one context and one seed");
     return 0;
@@ -670,19 +737,80 @@ static int append_results(nd_record **recs, size_t *n, size_t *cap, const nd_cas
     return 0;
 }
 
+/* Recall summary of one (context, ratio) cell over its seeds. */
+typedef struct recall_sum {
+    nd_recall_stats st;
+    uint32_t runs;
+    uint32_t counted, pass, by_fetch, by_dense, by_kept;
+    float z_min, z_max;
+    uint64_t context; /* the haystack's rows (decode_start) */
+} recall_sum;
+
+static void recall_add(recall_sum *a, const nd_recall_stats *s, const nd_result *res, size_t n) {
+    a->st.steps += s->steps;
+    a->st.calib_steps += s->calib_steps;
+    a->st.needle_steps += s->needle_steps;
+    a->st.needle_overflow += s->needle_overflow;
+    a->st.needle_dense += s->needle_dense;
+    a->st.other_steps += s->other_steps;
+    a->st.other_overflow += s->other_overflow;
+    a->st.other_dense += s->other_dense;
+    a->st.other_fetched += s->other_fetched;
+    a->st.other_archived += s->other_archived;
+    a->st.visited += s->visited;
+    a->st.archived += s->archived;
+    if (!a->runs || s->z < a->z_min)
+        a->z_min = s->z;
+    if (!a->runs || s->z > a->z_max)
+        a->z_max = s->z;
+    a->runs++;
+    for (size_t i = 0; i < n; i++) {
+        if (res[i].status != ND_PASS && res[i].status != ND_FAIL)
+            continue;
+        a->counted++;
+        if (res[i].status != ND_PASS)
+            continue;
+        a->pass++;
+        a->by_fetch += res[i].pass_by == 'f';
+        a->by_dense += res[i].pass_by == 'd';
+        a->by_kept += res[i].pass_by == 'k';
+    }
+}
+
+static void recall_print(const recall_sum *a, uint64_t context, uint32_t ratio,
+                         kvt_recall_mode mode, uint32_t seeds) {
+    if (!a->runs)
+        return;
+    const nd_recall_stats *s = &a->st;
+    printf("recall %s %lluk %ux (%u haystack%s): pass %u/%u (by fetch %u, by overflow/dense %u, "
+           "kept by salience %u); needle steps %llu: overflow %llu, dense %llu; other steps %llu "
+           "(after %llu calibration): overflow %llu, dense %llu; fetched on other non-dense "
+           "steps %.4f%% of the archive; visited %.1f%%; z %.3g..%.3g\n",
+           mode == KVT_RECALL_SOUND ? "sound" : mode == KVT_RECALL_MARGIN ? "margin" : "conformal",
+           (unsigned long long)(context / 1024), ratio, seeds, seeds == 1 ? "" : "s", a->pass,
+           a->counted, a->by_fetch, a->by_dense, a->by_kept,
+           (unsigned long long)s->needle_steps, (unsigned long long)s->needle_overflow,
+           (unsigned long long)s->needle_dense, (unsigned long long)s->other_steps,
+           (unsigned long long)s->calib_steps, (unsigned long long)s->other_overflow,
+           (unsigned long long)s->other_dense,
+           s->other_archived ? 100.0 * (double)s->other_fetched / (double)s->other_archived : 0.0,
+           s->archived ? 100.0 * (double)s->visited / (double)s->archived : 0.0,
+           (double)a->z_min, (double)a->z_max);
+}
+
 int main(int argc, char **argv) {
     opts o;
     int prc = parse_args(argc, argv, &o);
     if (prc)
         return prc;
     for (uint32_t k = 0; k < o.n_modes; k++)
-        if (o.modes[k] == ND_MODE_RECALL || o.modes[k] == ND_MODE_PROMOTE) {
-            fprintf(stderr, "kvtier-needle: mode '%s' is not implemented yet: the library's "
-                    "recall trigger exists (kvt_config.recall), but the needle generator has no "
-                    "decode phase with per-step queries to drive it, so nothing is measured\n",
-                    nd_mode_name(o.modes[k]));
+        if (o.modes[k] == ND_MODE_PROMOTE) {
+            fprintf(stderr, "kvtier-needle: mode '%s' is not implemented yet, so nothing is "
+                    "measured\n", nd_mode_name(o.modes[k]));
             return EXIT_NOTIMPL;
         }
+    static recall_sum rsum[MAX_LIST][MAX_LIST];
+    memset(rsum, 0, sizeof rsum);
     progress pg;
     memset(&pg, 0, sizeof pg);
     pg.enabled = o.progress == 1 || (o.progress == -1 && isatty(2));
@@ -767,6 +895,23 @@ int main(int argc, char **argv) {
                         source, c.layer, (unsigned long long)first_bad);
                 nonfinite_total += n_bad;
             }
+            if (o.write_basis) {
+                kvt_recall_basis_info bi;
+                memset(&bi, 0, sizeof bi);
+                bi.rank = c.qbasis_rank < o.run.recall_rank ? c.qbasis_rank : o.run.recall_rank;
+                bi.dim = c.spec.value_dim;
+                bi.captured = NAN;
+                kvt_status bs = c.qbasis ? kvt_recall_basis_write(o.write_basis, &bi, c.qbasis)
+                                         : KVT_ERR_INVALID_ARGUMENT;
+                if (bs != KVT_OK) {
+                    progress_clear(&pg);
+                    fprintf(stderr, "kvtier-needle: --write-basis %s: %s\n", o.write_basis,
+                            c.qbasis ? kvt_strerror(bs) : "the case has no decode phase");
+                    nd_case_free(&c);
+                    rc = EXIT_ERR;
+                    break;
+                }
+            }
             if (o.write_trace) {
                 int e = nd_case_save(&c, o.write_trace, err, sizeof err);
                 if (e) {
@@ -814,7 +959,13 @@ int main(int argc, char **argv) {
                              (unsigned long long)(c.n_rows / 1024), rp.ratio);
                     progress_step(&pg, units, what);
                     t = now_s();
+                    nd_recall_stats rst;
+                    rp.recall_stats = &rst;
                     int e = nd_run(&c, &refs, &rp, res, progress_cb, &pg, err, sizeof err);
+                    if (!e && rp.mode == ND_MODE_RECALL) {
+                        recall_add(&rsum[ci][ri], &rst, res, (size_t)c.n_targets * rp.batch);
+                        rsum[ci][ri].context = c.decode_start;
+                    }
                     t_run += now_s() - t;
                     progress_end_step(&pg);
                     if (e) {
@@ -823,7 +974,8 @@ int main(int argc, char **argv) {
                         rc = e == ND_ENOTIMPL ? EXIT_NOTIMPL : e == ND_EARG ? EXIT_USAGE : EXIT_ERR;
                         break;
                     }
-                    if (append_results(&recs, &n_recs, &cap_recs, &c, res, pct, c.n_rows,
+                    if (append_results(&recs, &n_recs, &cap_recs, &c, res, pct,
+                                       c.decode_start ? c.decode_start : c.n_rows,
                                        c.seed, rp.ratio, rp.mode, rp.batch)) {
                         fprintf(stderr, "kvtier-needle: out of memory\n");
                         rc = EXIT_ERR;
@@ -881,6 +1033,10 @@ int main(int argc, char **argv) {
         counted++;
         pass += recs[i].res.status == ND_PASS;
     }
+    for (uint32_t ci = 0; ci < (o.trace ? 1 : o.n_contexts); ci++)
+        for (uint32_t ri = 0; ri < o.n_ratios; ri++)
+            recall_print(&rsum[ci][ri], rsum[ci][ri].context, (uint32_t)o.ratios[ri],
+                         o.run.recall, o.trace ? 1 : (uint32_t)o.seeds);
     printf("time: generate %.1f s, full-cache references %.1f s, replay %.1f s, total %.1f s\n",
            t_gen, t_ref, t_run, now_s() - pg.t0);
     if (tails)

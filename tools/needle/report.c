@@ -304,12 +304,18 @@ int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_le
     fprintf(f, "context,seed,request,ratio,depth,mode,policy,rope,salience,needle,needle_rows,first_row,"
                "position,sigma_pct,status,pass,in_tail,band_miss,invalid,mass_ratio,out_cos,"
                "out_rel_err,full_mass,needle_rows_attended,attended_rows,archived_rows,"
-               "dropped_rows,fetched_rows,m_rows,tail_rows,read_bytes_per_token\n");
+               "dropped_rows,fetched_rows,m_rows,tail_rows,read_bytes_per_token");
+    /* The recall columns are appended only when the run has recall-mode lines, so that the
+     * CSV of every other run keeps its columns byte for byte. */
+    bool any_recall = false;
+    for (size_t i = 0; i < r->n; i++)
+        any_recall |= r->recs[i].mode == ND_MODE_RECALL;
+    fprintf(f, any_recall ? ",fetched,visited_frac,overflow,z,dense,pass_by\n" : "\n");
     for (size_t i = 0; i < r->n; i++) {
         const nd_record *x = &r->recs[i];
         const nd_result *s = &x->res;
         fprintf(f, "%llu,%llu,%llu,%u,%.6f,%s,%s,%d,%s,%u,%llu,%llu,%llu,%.4f,%s,%d,%d,%d,%d,%.6f,%.6f,"
-                   "%.6f,%.6f,%u,%llu,%llu,%llu,%llu,%llu,%llu,%.3f\n",
+                   "%.6f,%.6f,%u,%llu,%llu,%llu,%llu,%llu,%llu,%.3f",
                 (unsigned long long)x->context, (unsigned long long)x->seed,
                 (unsigned long long)s->request, x->ratio, s->depth,
                 nd_mode_name(x->mode), policy_name(s->policy), x->rope ? 1 : 0,
@@ -322,6 +328,20 @@ int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_le
                 (unsigned long long)s->dropped_rows, (unsigned long long)s->fetched_rows,
                 (unsigned long long)s->m_rows, (unsigned long long)s->tail_rows,
                 s->read_bytes_per_token);
+        /* recall columns (appended): empty outside recall mode */
+        if (x->mode == ND_MODE_RECALL)
+            fprintf(f, ",%llu,%.6f,%d,%.4f,%d,%s\n", (unsigned long long)s->fetched_rows,
+                    s->recall_archived ? (double)s->recall_visited / (double)s->recall_archived
+                                       : 0.0,
+                    s->recall_overflow ? 1 : 0, (double)s->recall_z, s->recall_dense ? 1 : 0,
+                    s->pass_by == 'f'   ? "fetch"
+                    : s->pass_by == 'd' ? "dense"
+                    : s->pass_by == 'k' ? "kept"
+                                        : "");
+        else if (any_recall)
+            fprintf(f, ",,,,,,\n");
+        else
+            fprintf(f, "\n");
     }
     if (fclose(f) != 0) {
         snprintf(err, err_len, "error writing %s", path);

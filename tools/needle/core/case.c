@@ -99,6 +99,9 @@ void nd_case_free(nd_case *c) {
             free(c->targets[i].q);
     free(c->targets);
     free(c->text);
+    free(c->decode_q);
+    free(c->decode_target);
+    free(c->qbasis);
     memset(c, 0, sizeof *c);
 }
 
@@ -129,7 +132,16 @@ int nd_case_save(const nd_case *c, const char *path, char *err, size_t err_len) 
         }
     }
     size_t qbytes = (size_t)c->n_q_heads * c->q_dim * sizeof(float);
-    for (uint32_t i = 0; s == KVT_OK && i < c->n_targets; i++) {
+    /* With a decode phase every decode step is a query step (step k at position
+     * decode_start + k + 1: filler and needle queries alike), the targets naming theirs; else
+     * one query step per target. */
+    for (uint32_t k = 0; s == KVT_OK && c->decode_start && k < c->n_decode; k++) {
+        uint64_t pos = c->decode_start + k + 1;
+        s = kvt_trace_write_queries(w, c->layer, KVT_DTYPE_FP32, c->n_q_heads, c->q_dim, &pos,
+                                    c->decode_q + (size_t)k * c->n_q_heads * c->q_dim, 1,
+                                    qbytes);
+    }
+    for (uint32_t i = 0; s == KVT_OK && !c->decode_start && i < c->n_targets; i++) {
         uint64_t pos = c->targets[i].position;
         s = kvt_trace_write_queries(w, c->layer, KVT_DTYPE_FP32, c->n_q_heads, c->q_dim, &pos,
                                     c->targets[i].q, 1, qbytes);
@@ -147,7 +159,7 @@ int nd_case_save(const nd_case *c, const char *path, char *err, size_t err_len) 
         nds[i].n_rows = c->needles[i].n_rows;
     }
     for (uint32_t i = 0; i < c->n_targets; i++) {
-        tgs[i].step = i;
+        tgs[i].step = c->decode_start ? c->targets[i].step : i;
         tgs[i].needle = c->targets[i].needle;
         tgs[i].n_heads = c->targets[i].n_heads;
         tgs[i].heads = c->targets[i].heads;
@@ -363,6 +375,50 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
         goto fail;
     }
     qsort(out->targets, out->n_targets, sizeof *out->targets, cmp_target_pos);
+    /* A decode phase (the generator's, saved by nd_case_save: text line "decode_calib=" and
+     * "context=" = its start): every query step of the layer is a decode step, step k at
+     * position decode_start + k + 1. Anything else: no decode phase. */
+    {
+        char buf[64];
+        uint64_t ds = 0;
+        if (!gqa && text_value(out->text, "decode_calib", buf, sizeof buf) &&
+            text_value(out->text, "context", buf, sizeof buf))
+            ds = strtoull(buf, NULL, 10);
+        bool ok = ds > 0 && info.n_steps > 0 && ds + info.n_steps == out->n_rows &&
+                  info.n_steps <= UINT32_MAX;
+        if (ok) {
+            out->decode_q = malloc(sizeof(float) * qfloats * info.n_steps);
+            out->decode_target = malloc(sizeof(int32_t) * info.n_steps);
+            if (!out->decode_q || !out->decode_target) {
+                rc = nd_fail(err, err_len, ND_ENOMEM, "decode queries");
+                goto fail;
+            }
+        }
+        for (uint64_t k = 0; ok && k < info.n_steps; k++) {
+            uint64_t pos = 0;
+            s = kvt_trace_read_query(t, info.layer, k, KVT_DTYPE_FP32, out->decode_q + k * qfloats,
+                                     sizeof(float) * qfloats, &pos);
+            if (s != KVT_OK) {
+                rc = nd_fail(err, err_len, ND_EIO, "%s: query step %llu: %s", path,
+                             (unsigned long long)k, kvt_trace_last_error(t));
+                goto fail;
+            }
+            ok = pos == ds + k + 1;
+            out->decode_target[k] = -1;
+            for (uint32_t i = 0; i < out->n_targets; i++)
+                if (out->targets[i].step == k)
+                    out->decode_target[k] = (int32_t)i;
+        }
+        if (ok) {
+            out->decode_start = ds;
+            out->n_decode = (uint32_t)info.n_steps;
+        } else {
+            free(out->decode_q);
+            free(out->decode_target);
+            out->decode_q = NULL;
+            out->decode_target = NULL;
+        }
+    }
     kvt_trace_close(t);
     return ND_OK;
 fail:

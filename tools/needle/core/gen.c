@@ -52,6 +52,9 @@ int nd_branch_parse(const char *s, nd_branch *out) {
         }
     return -1;
 }
+#define DECOY_COS2 0.8 /* decoys: squared cosine between the template and a needle / decoy */
+#define ND_STREAM_DECODE 6 /* one per decode step: filler queries */
+#define ND_STREAM_DECOY 7  /* decoy membership and directions; the query subspace (index 0) */
 
 nd_gen_params nd_gen_default_params(void) {
     nd_gen_params p;
@@ -70,6 +73,8 @@ nd_gen_params nd_gen_default_params(void) {
     p.mass_lo = 0.6;
     p.mass_hi = 0.9;
     p.scale = KVT_REF_ATTN_DEFAULT_SCALE;
+    p.decode_gap = 3;
+    p.query_rank = 64;
     return p;
 }
 
@@ -91,6 +96,86 @@ static void rms_normalise(float *v, uint32_t n, double rms) {
     double f = s > 0 ? rms * sqrt((double)n / s) : 0.0;
     for (uint32_t i = 0; i < n; i++)
         v[i] = (float)(v[i] * f);
+}
+
+/* An orthonormal basis of a random rank-r subspace of R^L: Gaussian rows, Gram-Schmidt in double
+ * (twice, so the rows are orthonormal to fp32 precision). U: [r][L]. */
+static void subspace_init(float *U, uint32_t r, uint32_t L, uint64_t seed) {
+    nd_rng g = nd_rng_for(seed, ND_STREAM_DECOY, 0);
+    double *u = malloc(sizeof(double) * (size_t)r * L);
+    if (!u) { /* callers check U; fall back to coordinate axes */
+        memset(U, 0, sizeof(float) * (size_t)r * L);
+        for (uint32_t k = 0; k < r; k++)
+            U[(size_t)k * L + k] = 1.0f;
+        return;
+    }
+    for (size_t i = 0; i < (size_t)r * L; i++)
+        u[i] = nd_normal(&g);
+    for (uint32_t k = 0; k < r; k++) {
+        double *a = u + (size_t)k * L;
+        for (int pass = 0; pass < 2; pass++)
+            for (uint32_t j = 0; j < k; j++) {
+                const double *b = u + (size_t)j * L;
+                double d = 0;
+                for (uint32_t i = 0; i < L; i++)
+                    d += a[i] * b[i];
+                for (uint32_t i = 0; i < L; i++)
+                    a[i] -= d * b[i];
+            }
+        double n = 0;
+        for (uint32_t i = 0; i < L; i++)
+            n += a[i] * a[i];
+        n = sqrt(n);
+        for (uint32_t i = 0; i < L; i++)
+            a[i] /= n;
+    }
+    for (size_t i = 0; i < (size_t)r * L; i++)
+        U[i] = (float)u[i];
+    free(u);
+}
+
+/* A random unit vector of the subspace spanned by U's r rows: Uᵀ g normalised, g ~ N(0, I_r). */
+static void subspace_draw(const float *U, uint32_t r, uint32_t L, nd_rng *g, float *out) {
+    double c[KVT_RECALL_MAX_RANK], n = 0;
+    for (uint32_t k = 0; k < r; k++)
+        c[k] = nd_normal(g);
+    for (uint32_t i = 0; i < L; i++) {
+        double v = 0;
+        for (uint32_t k = 0; k < r; k++)
+            v += c[k] * U[(size_t)k * L + i];
+        out[i] = (float)v;
+        n += v * v;
+    }
+    n = n > 0 ? sqrt(n) : 1.0;
+    for (uint32_t i = 0; i < L; i++)
+        out[i] = (float)(out[i] / n);
+}
+
+/* cos·t + sin·u normalised (t, u unit): a decoy's or a decoyed needle's latent direction. */
+static void decoy_dir(const float *t, const float *u, uint32_t L, float *out) {
+    double a = sqrt(DECOY_COS2), b = sqrt(1.0 - DECOY_COS2), n = 0;
+    for (uint32_t i = 0; i < L; i++) {
+        out[i] = (float)(a * t[i] + b * u[i]);
+        n += (double)out[i] * out[i];
+    }
+    n = sqrt(n);
+    for (uint32_t i = 0; i < L; i++)
+        out[i] = (float)(out[i] / n);
+}
+
+/* A non-targeted head's (or a filler query's) latent: Q_OTHER · w + Q_NOISE · g, w a random unit
+ * direction (in the query subspace when the case has one). */
+static void other_latent(const nd_case *c, uint32_t L, nd_rng *r, float *q) {
+    float dir[512];
+    if (c->qbasis) {
+        subspace_draw(c->qbasis, c->qbasis_rank, L, r, dir);
+    } else {
+        for (uint32_t i = 0; i < L; i++)
+            dir[i] = (float)nd_normal(r);
+        rms_normalise(dir, L, 1.0 / sqrt((double)L)); /* unit norm */
+    }
+    for (uint32_t i = 0; i < L; i++)
+        q[i] = (float)(Q_OTHER * dir[i] + Q_NOISE * nd_normal(r));
 }
 
 static void model_init(model *m, uint64_t seed, uint32_t L, uint32_t D) {
@@ -406,9 +491,9 @@ static int make_queries(const nd_gen_params *p, const model *m, nd_case *c, cons
                         void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
     const kvt_layer_spec *sp = &c->spec;
     const uint32_t L = sp->value_dim, D = sp->branch_dim, K = sp->head_dim;
-    const uint64_t T = p->context;
-    double *x = malloc(sizeof(double) * T);
-    double *y = malloc(sizeof(double) * T);
+    const uint64_t TM = c->n_rows; /* every target's position is at most this */
+    double *x = malloc(sizeof(double) * TM);
+    double *y = malloc(sizeof(double) * TM);
     float *rowf = malloc(sizeof(float) * K);
     if (!x || !y || !rowf) {
         free(x), free(y), free(rowf);
@@ -418,6 +503,7 @@ static int make_queries(const nd_gen_params *p, const model *m, nd_case *c, cons
     for (uint32_t ti = 0; ti < c->n_targets && rc == ND_OK; ti++) {
         nd_target *tg = &c->targets[ti];
         const nd_needle *nd = &c->needles[tg->needle];
+        const uint64_t T = tg->position; /* the query attends rows [0, T) */
         nd_rng r = nd_rng_for(p->seed, ND_STREAM_QUERY, (p->context << 20) ^ ti);
         tg->q = calloc((size_t)p->n_q_heads * K, sizeof(float));
         if (!tg->q) {
@@ -465,12 +551,7 @@ static int make_queries(const nd_gen_params *p, const model *m, nd_case *c, cons
             for (uint32_t d = 0; d < D; d++)
                 q[L + d] = qbr[d];
             if (!targeted) {
-                float dir[512];
-                for (uint32_t i = 0; i < L; i++)
-                    dir[i] = (float)nd_normal(&r);
-                rms_normalise(dir, L, 1.0 / sqrt((double)L)); /* unit norm */
-                for (uint32_t i = 0; i < L; i++)
-                    q[i] = (float)(Q_OTHER * dir[i] + Q_NOISE * nd_normal(&r));
+                other_latent(c, L, &r, q);
                 continue;
             }
             for (uint32_t i = 0; i < L; i++)
@@ -581,6 +662,16 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
     for (uint32_t i = 0; i < p->n_depths; i++)
         if (!(p->depths[i] >= 0 && p->depths[i] <= 1))
             return nd_fail(err, err_len, ND_EARG, "depth %g outside [0, 1]", p->depths[i]);
+    const bool decode = p->decode_calib > 0;
+    if (p->decode_calib > 65536 || p->decode_gap > 4096)
+        return nd_fail(err, err_len, ND_EARG, "decode phase: %u calibration steps, gap %u (at "
+                       "most 65536 and 4096)", p->decode_calib, p->decode_gap);
+    if (decode && (p->query_rank < 1 || p->query_rank > KVT_RECALL_MAX_RANK))
+        return nd_fail(err, err_len, ND_EARG, "query rank %u outside [1, %u]", p->query_rank,
+                       KVT_RECALL_MAX_RANK);
+    if (!(p->decoys >= 0 && p->decoys <= 0.5) || (p->decoys > 0 && !decode))
+        return nd_fail(err, err_len, ND_EARG, "decoy fraction %g: in [0, 0.5], and only with a "
+                       "decode phase", p->decoys);
 
     nd_case *c = out;
     c->seed = p->seed;
@@ -590,7 +681,10 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
     c->spec.n_q_heads = p->n_q_heads;
     const kvt_layer_spec *sp = &c->spec;
     const uint32_t L = sp->value_dim, D = sp->branch_dim;
-    c->n_rows = p->context;
+    const uint64_t HR = p->context; /* haystack rows; the decode phase's rows follow */
+    const uint32_t n_decode =
+        decode ? p->decode_calib + n_needles * (p->decode_gap + 1) : 0;
+    c->n_rows = HR + n_decode;
     c->prompt_rows = p->prompt_rows;
     c->n_q_heads = p->n_q_heads;
     c->q_dim = sp->head_dim;
@@ -603,6 +697,26 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
     if (p->branch == ND_BRANCH_DRIFT)
         m.walk = malloc(sizeof(float) * c->n_rows * D);
     float *vdirs = malloc(sizeof(float) * (size_t)n_needles * L);
+    float *tmpl = NULL; /* decoys' template direction */
+    if (decode) {
+        c->qbasis_rank = p->query_rank;
+        c->qbasis = malloc(sizeof(float) * (size_t)p->query_rank * L);
+        c->decode_q = malloc(sizeof(float) * (size_t)n_decode * p->n_q_heads * sp->head_dim);
+        c->decode_target = malloc(sizeof(int32_t) * n_decode);
+        tmpl = malloc(sizeof(float) * L);
+        if (!c->qbasis || !c->decode_q || !c->decode_target || !tmpl) {
+            free(tmpl);
+            free(vdirs);
+            free(m.topic);
+            nd_case_free(c);
+            return nd_fail(err, err_len, ND_ENOMEM, "decode phase buffers");
+        }
+        c->decode_start = HR;
+        c->n_decode = n_decode;
+        subspace_init(c->qbasis, p->query_rank, L, p->seed);
+        nd_rng g = nd_rng_for(p->seed, ND_STREAM_DECOY, UINT64_MAX);
+        subspace_draw(c->qbasis, c->qbasis_rank, L, &g, tmpl);
+    }
     calib_row *crow = calloc((size_t)n_needles * p->needle_rows, sizeof *crow);
     calib_ctx cc;
     memset(&cc, 0, sizeof cc);
@@ -647,6 +761,18 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
                     pair = nd_uniform(&r) < p->kv_haystack;
                 }
                 background_row(&m, p->seed, t, pair, lat, br);
+                if (p->decoys > 0 && t < HR) {
+                    /* a decoy: the template plus its own direction, like a needle's latent */
+                    nd_rng r = nd_rng_for(p->seed, ND_STREAM_DECOY, t + 1);
+                    if (nd_uniform(&r) < p->decoys) {
+                        float u[512], d[512];
+                        subspace_draw(c->qbasis, c->qbasis_rank, L, &r, u);
+                        decoy_dir(tmpl, u, L, d);
+                        for (uint32_t k = 0; k < L; k++)
+                            lat[k] = (float)(d[k] * sqrt((double)L) + 0.3 * nd_normal(&r));
+                        rms_normalise(lat, L, 1.0);
+                    }
+                }
             }
             put_row(row, sp, lat, br);
             if (progress && (t & 0xFFFF) == 0)
@@ -661,9 +787,9 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         const uint64_t lo_pos = p->prompt_rows > p->sink_rows ? p->prompt_rows : p->sink_rows;
         uint32_t per_group = p->n_levels * p->needles_per_depth;
         uint64_t group_span = per_group * (R + gap);
-        if (lo_pos + (uint64_t)p->n_depths * group_span > c->n_rows) {
+        if (lo_pos + (uint64_t)p->n_depths * group_span > HR) {
             rc = nd_fail(err, err_len, ND_EARG, "context %llu too short for %u needles of %llu "
-                         "rows", (unsigned long long)c->n_rows, n_needles, (unsigned long long)R);
+                         "rows", (unsigned long long)HR, n_needles, (unsigned long long)R);
             goto done;
         }
         /* depths in ascending order (stable) */
@@ -684,9 +810,9 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         uint32_t k = 0;
         for (uint32_t gi = 0; gi < p->n_depths; gi++) {
             double dep = p->depths[order[gi]];
-            uint64_t start = (uint64_t)llround(dep * (double)c->n_rows);
+            uint64_t start = (uint64_t)llround(dep * (double)HR);
             /* leave room for this group and the deeper ones */
-            uint64_t room_end = c->n_rows - (uint64_t)(p->n_depths - gi) * group_span;
+            uint64_t room_end = HR - (uint64_t)(p->n_depths - gi) * group_span;
             if (start > room_end)
                 start = room_end;
             if (start < next_free)
@@ -711,9 +837,18 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
              * independently (the background rows they share are the same) */
             nd_rng r = nd_rng_for(p->seed, ND_STREAM_NEEDLE, (p->context << 20) ^ i);
             float *v = vdirs + (size_t)i * L;
-            for (uint32_t k = 0; k < L; k++)
-                v[k] = (float)nd_normal(&r);
-            rms_normalise(v, L, 1.0 / sqrt((double)L)); /* unit norm */
+            if (decode) { /* in the query subspace (and on the decoys' template) */
+                float u[512];
+                subspace_draw(c->qbasis, c->qbasis_rank, L, &r, u);
+                if (p->decoys > 0)
+                    decoy_dir(tmpl, u, L, v);
+                else
+                    memcpy(v, u, sizeof(float) * L);
+            } else {
+                for (uint32_t k = 0; k < L; k++)
+                    v[k] = (float)nd_normal(&r);
+                rms_normalise(v, L, 1.0 / sqrt((double)L)); /* unit norm */
+            }
             double lo, hi, tlo, thi;
             band_of(nd->salience, &lo, &hi, &tlo, &thi);
             for (uint64_t rr = 0; rr < nd->n_rows; rr++) {
@@ -741,7 +876,7 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
                 cr->needle = i;
                 cr->miss = false;
                 if (nd->salience != ND_SAL_NATURAL &&
-                    (t / cc.B + 1) * (uint64_t)cc.B <= c->n_rows) /* complete blocks only */
+                    (t / cc.B + 1) * (uint64_t)cc.B <= HR) /* complete blocks only */
                     nc++;
             }
         }
@@ -776,12 +911,44 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
     c->n_targets = c->n_needles;
     for (uint32_t i = 0; i < c->n_targets; i++) {
         c->targets[i].step = i;
-        c->targets[i].position = c->n_rows;
+        c->targets[i].position = HR;
         c->targets[i].needle = i;
+        if (decode) { /* 8: needle i's query at decode step calib + i (gap + 1) + gap */
+            uint64_t k = p->decode_calib + (uint64_t)i * (p->decode_gap + 1) + p->decode_gap;
+            c->targets[i].step = k;
+            c->targets[i].position = HR + k + 1;
+        }
     }
     rc = make_queries(p, &m, c, vdirs, progress, ud, err, err_len);
     if (rc != ND_OK)
         goto done;
+    /* 8: the decode phase's queries: the needles' at their steps, filler queries elsewhere
+     * (every head as a non-targeted head of a needle query; branch for position T). */
+    for (uint32_t k = 0; k < c->n_decode; k++) {
+        const size_t qn = (size_t)p->n_q_heads * sp->head_dim;
+        float *dq = c->decode_q + (size_t)k * qn;
+        c->decode_target[k] = -1;
+        for (uint32_t i = 0; i < c->n_targets; i++)
+            if (c->targets[i].step == k) {
+                c->decode_target[k] = (int32_t)i;
+                memcpy(dq, c->targets[i].q, sizeof(float) * qn);
+            }
+        if (c->decode_target[k] >= 0)
+            continue;
+        nd_rng r = nd_rng_for(p->seed, ND_STREAM_DECODE, (p->context << 20) ^ k);
+        const uint64_t T = HR + k + 1;
+        double cq = (log((double)T) - 1.0) / (p->scale * SINK_AMP);
+        float qbr[64];
+        for (uint32_t d = 0; d < D; d++)
+            qbr[d] = (float)(cq * m.sink_dir[d] + 0.1 * nd_normal(&r));
+        if (p->rope)
+            rope_rotate(qbr, D, T);
+        for (uint32_t h = 0; h < p->n_q_heads; h++) {
+            float *q = dq + (size_t)h * sp->head_dim;
+            other_latent(c, L, &r, q);
+            memcpy(q + L, qbr, sizeof(float) * D);
+        }
+    }
     {
         size_t len = 0, cap = 1024;
         char *t = malloc(cap);
@@ -800,6 +967,9 @@ int nd_generate(const nd_gen_params *p, nd_case *out, void (*progress)(void *, d
         if (p->calib_basis != KVT_SIGMA_FOURIER) /* likewise */
             t = append(t, &len, &cap, "calib_basis=%s\n",
                        p->calib_basis == KVT_SIGMA_DCT ? "dct" : "?");
+        if (decode)
+            t = append(t, &len, &cap, "decode_calib=%u\ndecode_gap=%u\nquery_rank=%u\n"
+                       "decoys=%g\n", p->decode_calib, p->decode_gap, p->query_rank, p->decoys);
         for (uint32_t i = 0; i < c->n_needles; i++) {
             t = append(t, &len, &cap, "needle.%u.salience=%s\n", i,
                        nd_salience_name(c->needles[i].salience));
@@ -819,6 +989,7 @@ done:
     free(m.topic);
     free(m.walk);
     free(vdirs);
+    free(tmpl);
     free(crow);
     kvt_ref_sigma_destroy(cc.ref);
     free(cc.sig), free(cc.sorted), free(cc.Y);

@@ -28,7 +28,7 @@
 #define ND_EIO 3    /* cannot read / write a file, malformed trace */
 #define ND_ELIB 4   /* kvtier returned an error */
 #define ND_ENOMEM 5
-#define ND_ENOTIMPL 6 /* recall / promote: the recall tier does not exist yet */
+#define ND_ENOTIMPL 6 /* promote; recall on a case without a decode phase */
 
 #define ND_MAX_HEADS 64u         /* targeted heads per target, and query heads of a case */
 #define ND_MAX_BATCH 64u         /* requests replayed together (--batch) */
@@ -50,7 +50,7 @@ typedef enum nd_mode {
     ND_MODE_SALIENCE = 0, /* the policy table (σ top-m on NoPE; random eviction on RoPE) */
     ND_MODE_RANDOM = 1,   /* salience tier with the uniform Philox selector (KVT_SELECT_RANDOM) */
     ND_MODE_DENSE = 2,    /* ratio 1: everything attended */
-    ND_MODE_RECALL = 3,   /* not implemented yet */
+    ND_MODE_RECALL = 3,   /* salience + the recall trigger, over the case's decode phase */
     ND_MODE_PROMOTE = 4,  /* not implemented yet */
 } nd_mode;
 #define ND_MODE_COUNT 5
@@ -97,6 +97,20 @@ typedef struct nd_case {
     uint64_t seed;         /* generator seed (0 for a loaded trace without one) */
     uint32_t band_misses;  /* generator: needle rows whose σ calibration missed the band */
     double scale;          /* softmax scale a trace names (text line "scale="); 0: none */
+    /* Decode phase (generator with nd_gen_params.decode_calib > 0; none from a trace): rows
+     * [decode_start, n_rows) are committed one per decode step, step k committing row
+     * decode_start + k and querying with decode_q + k x n_q_heads x q_dim (the rows [0,
+     * decode_start + k + 1)). decode_target[k] = the target whose query it is (a copy of its q),
+     * or -1 for a filler query. decode_start = 0: no decode phase. */
+    uint64_t decode_start;
+    uint32_t n_decode;
+    float *decode_q;       /* [n_decode][n_q_heads][q_dim] (owned) */
+    int32_t *decode_target; /* [n_decode] (owned) */
+    /* The generator's query subspace (decode phase only): qbasis_rank orthonormal rows of
+     * value_dim fp32 values spanning the latent directions of every query (filler, needle and
+     * non-targeted heads) and of the needles (owned; NULL: none). */
+    float *qbasis;
+    uint32_t qbasis_rank;
 } nd_case;
 
 void nd_case_free(nd_case *c);
@@ -169,6 +183,17 @@ typedef struct nd_gen_params {
     nd_branch branch;        /* ND_BRANCH_SMOOTH */
     kvt_sigma_basis calib_basis; /* σ basis the needles' bands are calibrated under
                                     (KVT_SIGMA_FOURIER, the reference) */
+    /* Decode phase (docs/needle.md, item 8): 0 = none (every query at position = context).
+     * Otherwise decode_calib filler decode steps follow the haystack, then for each needle
+     * decode_gap filler steps and the needle's query step; every step commits one background
+     * row. Query and needle latent directions are then drawn in a rank-query_rank subspace. */
+    uint32_t decode_calib;
+    uint32_t decode_gap;
+    uint32_t query_rank;     /* 64 */
+    /* Multi-key (UUID-style) haystack, decode phase only: this fraction of haystack rows are
+     * decoys sharing a template direction with every needle (cosine 0.5 with each needle's
+     * latent direction); 0 = none. */
+    double decoys;
 } nd_gen_params;
 
 nd_gen_params nd_gen_default_params(void);
@@ -223,7 +248,32 @@ typedef struct nd_run_params {
     uint64_t snapshot_at;
     const char *snapshot_dir;
     kvt_sigma_basis sigma_basis; /* kvt_config.sigma_basis (the library's default) */
+    /* ND_MODE_RECALL: the trigger's mode (KVT_RECALL_CONFORMAL), cap W (0: the library's),
+     * sketch rank (64), and whether the case's query subspace is loaded as the recall basis
+     * (true; false: recall without a basis). */
+    kvt_recall_mode recall;
+    uint32_t recall_cap_rows;
+    uint32_t recall_rank;
+    bool recall_basis;
+    const char *recall_basis_file; /* a basis file (kvt_ctx_load_recall_basis) instead of the
+                                    * case's subspace (NULL: none) */
+    /* Output (may be NULL): the decode steps' recall statistics, summed over requests. */
+    struct nd_recall_stats *recall_stats;
 } nd_run_params;
+
+/* Recall statistics of a replay's decode steps (ND_MODE_RECALL), summed over requests. A step is
+ * "dense" when it attended every row (calibration or overflow); "overflow" when more than W rows
+ * fired. Needle steps are the decode steps whose query is a target's. */
+typedef struct nd_recall_stats {
+    uint64_t steps, calib_steps;               /* decode steps run; filler calibration steps */
+    /* needle steps: every needle query step (dense ones included: calibration or overflow) */
+    uint64_t needle_steps, needle_overflow, needle_dense;
+    uint64_t other_steps, other_overflow, other_dense; /* filler steps after calibration */
+    uint64_t other_fetched, other_archived;    /* filler steps after calibration, not dense */
+    uint64_t visited, archived;                /* over every non-calibration step */
+    float z;                                   /* the last step's recall_z */
+    int32_t phase;                             /* the last step's recall_phase */
+} nd_recall_stats;
 
 nd_run_params nd_run_default_params(void);
 
@@ -270,6 +320,14 @@ typedef struct nd_result {
      * whose ratio is the share a selection blind to the position would give ("chance"). */
     uint64_t kept_scored, kept_edge, scored_rows, scored_edge;
     double read_bytes_per_token;
+    /* Recall (ND_MODE_RECALL; zero otherwise): the needle step's recall_last_fetched,
+     * recall_last_visited / recall_last_archived, overflow and dense flags, recall_z, and how a
+     * pass came about: 'k' needle kept by salience, 'f' fetched by recall, 'd' a dense step
+     * (calibration or overflow: counted as overflow, not fetch), 0 none. */
+    uint64_t recall_visited, recall_archived;
+    bool recall_overflow, recall_dense;
+    float recall_z;
+    char pass_by;
 } nd_result;
 
 /* Replay c through kvtier under p and measure every target of every request into

@@ -11,6 +11,12 @@
  * the commit, it is checked against what the
  * library reports (check_attended); attention over it reads the rows from the pool through their
  * slots (kernels/attn.h) and is compared with attention over every row.
+ *
+ * Recall mode: the rows before the case's decode phase are committed in chunks, then each decode
+ * step commits one row and runs the layer with that step's queries (kvt_batch_run's query
+ * argument), so the trigger calibrates on the filler steps and meets the needle queries later;
+ * each step's recall statistics are summed (recall_account), and the needle steps' emissions,
+ * which hold exactly recall_last_fetched archived rows, are checked and measured as above.
  */
 #include "nd_internal.h"
 
@@ -60,6 +66,9 @@ nd_run_params nd_run_default_params(void) {
     p.batch = 1;
     p.request_base = 1;
     p.sigma_basis = lib.sigma_basis;
+    p.recall = KVT_RECALL_CONFORMAL;
+    p.recall_rank = 64;
+    p.recall_basis = true;
     return p;
 }
 
@@ -235,39 +244,80 @@ static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const cha
  *     contract);
  *   - each slot's pool bytes equal the case's row of that position.
  * Fills pos_of_slot[n_slots] (-1: no attended position) for the caller. ND_ELIB with a message
- * on the first mismatch. */
+ * on the first mismatch. With recall (fetched = the step's recall_last_fetched, or UINT64_MAX
+ * without recall) the set also holds exactly `fetched` archived positions: len ==
+ * attended_rows + fetched, and slots of archived positions are accepted (archived[slot] = 1 for
+ * them; archived may be NULL without recall). */
 static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, const uint8_t *pool,
                           const uint8_t *vpool, size_t pool_bytes, uint32_t head,
                           const int32_t *slots, int32_t len, uint64_t P,
                           const kvt_layer_stats *ls, uint32_t ti, uint32_t stamp,
-                          int64_t *pos_of_slot, uint64_t n_slots, uint32_t *seen, char *err,
-                          size_t err_len) {
+                          int64_t *pos_of_slot, uint64_t n_slots, uint32_t *seen,
+                          uint64_t fetched, uint8_t *archived, char *err, size_t err_len) {
+    const bool recall = fetched != UINT64_MAX;
+    int32_t *pages = NULL; /* recall: the block table */
     const uint32_t rb = c->spec.row_bytes;
     const size_t stride = nd_token_bytes(&c->spec), at = (size_t)head * rb;
 #define ND_CHECK_FAIL(...)                                                                         \
     do {                                                                                           \
         char m_[384];                                                                              \
         snprintf(m_, sizeof m_, __VA_ARGS__);                                                      \
+        free(pages);                                                                               \
         return nd_fail(err, err_len, ND_ELIB, "attended set check: query %u at position %llu: %s", \
                        ti, (unsigned long long)P, m_);                                             \
     } while (0)
-    if (len < 0 || (uint64_t)len != ls->attended_rows)
+    if (len < 0 || (uint64_t)len != ls->attended_rows + (recall ? fetched : 0))
         ND_CHECK_FAIL("kvt_attended_tokens returned %d rows, kvt_seq_layer_stats says "
-                      "attended_rows = %llu", (int)len, (unsigned long long)ls->attended_rows);
+                      "attended_rows = %llu (+ %llu fetched by recall)", (int)len,
+                      (unsigned long long)ls->attended_rows,
+                      (unsigned long long)(recall ? fetched : 0));
     for (uint64_t k = 0; k < n_slots; k++)
         pos_of_slot[k] = -1;
+    if (archived)
+        memset(archived, 0, n_slots);
+    /* Archived rows have no slot in kvt_seq_row_state; on a salience layer they stay where they
+     * were written (the archive is an index partition of the pool), at the block table's slot
+     * of their position, which is checked against row_state's slot for every attended row. */
+    uint32_t n_pages = 0;
+    const uint32_t page_rows = 64; /* nd_run's cp.page_rows */
+    if (recall) {
+        uint64_t nr = 0;
+        uint32_t cap = (uint32_t)(P / page_rows + 2);
+        pages = malloc(sizeof(int32_t) * cap);
+        if (!pages)
+            return nd_fail(err, err_len, ND_ENOMEM, "block table");
+        kvt_status s = kvt_seq_block_table(seq, 0, pages, cap, &n_pages, &nr);
+        if (s != KVT_OK) {
+            free(pages);
+            return lib_fail(err, err_len, ctx, s, "kvt_seq_block_table");
+        }
+    }
+#define ND_TABLE_SLOT(pos)                                                                         \
+    ((pos) / page_rows < n_pages ? pages[(pos) / page_rows] * (int32_t)page_rows +                 \
+                                       (int32_t)((pos) % page_rows)                                \
+                                 : -1)
     uint64_t n_state = 0;
     for (uint64_t pos = 0; pos < P; pos++) {
         kvt_row_state st;
         int32_t slot = -1;
         kvt_status s = kvt_seq_row_state(seq, 0, head, pos, &st, &slot);
-        if (s != KVT_OK)
+        if (s != KVT_OK) {
+            free(pages);
             return lib_fail(err, err_len, ctx, s, "kvt_seq_row_state");
+        }
         if (st == KVT_ROW_PENDING)
             ND_CHECK_FAIL("position %llu is still pending", (unsigned long long)pos);
-        if (st != KVT_ROW_ATTENDED)
+        if (st != KVT_ROW_ATTENDED && !(recall && st == KVT_ROW_ARCHIVED))
             continue;
-        n_state++;
+        n_state += st == KVT_ROW_ATTENDED;
+        if (recall) {
+            int32_t ts = ND_TABLE_SLOT(pos);
+            if (st == KVT_ROW_ATTENDED && ts != slot) {
+                ND_CHECK_FAIL("position %llu: kvt_seq_row_state says slot %d, the block table "
+                              "%d", (unsigned long long)pos, (int)slot, (int)ts);
+            }
+            slot = ts;
+        }
         if (slot < 0 || (uint64_t)slot >= n_slots)
             ND_CHECK_FAIL("kvt_seq_row_state puts position %llu at slot %d, outside the pool "
                           "(%llu slots)", (unsigned long long)pos, (int)slot,
@@ -276,10 +326,13 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
             ND_CHECK_FAIL("kvt_seq_row_state puts positions %lld and %llu at the same slot %d",
                           (long long)pos_of_slot[slot], (unsigned long long)pos, (int)slot);
         pos_of_slot[slot] = (int64_t)pos;
+        if (archived)
+            archived[slot] = st == KVT_ROW_ARCHIVED;
     }
-    if (n_state != (uint64_t)len)
+    if (n_state + (recall ? fetched : 0) != (uint64_t)len)
         ND_CHECK_FAIL("kvt_attended_tokens returned %d rows, kvt_seq_row_state has %llu "
                       "positions attended", (int)len, (unsigned long long)n_state);
+    uint64_t n_arch = 0;
     int64_t prev = -1;
     for (int32_t j = 0; j < len; j++) {
         int32_t slot = slots[j];
@@ -292,6 +345,7 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
         int64_t pos = pos_of_slot[slot];
         if (pos < 0)
             ND_CHECK_FAIL("entry %d: slot %d holds no attended position", (int)j, (int)slot);
+        n_arch += archived && archived[slot];
         if (pos <= prev)
             ND_CHECK_FAIL("entry %d: position %lld after %lld (not ascending)", (int)j,
                           (long long)pos, (long long)prev);
@@ -304,7 +358,51 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
                           "bytes differ from that row", (int)j, (int)slot, (long long)pos, head,
                           rb);
     }
+    if (recall && n_arch != fetched)
+        ND_CHECK_FAIL("%llu archived positions in the set, recall_last_fetched says %llu",
+                      (unsigned long long)n_arch, (unsigned long long)fetched);
 #undef ND_CHECK_FAIL
+#undef ND_TABLE_SLOT
+    free(pages);
+    return ND_OK;
+}
+
+/* After a decode step's commit: its recall statistics (every request) into st. */
+static int recall_account(kvt_ctx *ctx, kvt_seq *const *seqs, uint32_t n, bool needle,
+                          nd_recall_stats *st, char *err, size_t err_len) {
+    for (uint32_t r = 0; r < n; r++) {
+        kvt_layer_stats ls;
+        memset(&ls, 0, sizeof ls);
+        ls.struct_size = sizeof ls;
+        kvt_status s = kvt_seq_layer_stats(seqs[r], 0, &ls);
+        if (s != KVT_OK)
+            return lib_fail(err, err_len, ctx, s, "kvt_seq_layer_stats");
+        st->steps++;
+        st->z = ls.recall_z;
+        st->phase = ls.recall_phase;
+        /* a calibration step: dense without overflow (a one-token step attends every row
+         * otherwise only while the trigger calibrates) */
+        const bool calib = ls.recall_last_dense && !ls.recall_last_overflow;
+        if (!needle && calib) {
+            st->calib_steps++;
+            continue;
+        }
+        st->visited += ls.recall_last_visited;
+        st->archived += ls.recall_last_archived;
+        if (needle) {
+            st->needle_steps++;
+            st->needle_overflow += ls.recall_last_overflow;
+            st->needle_dense += ls.recall_last_dense;
+        } else {
+            st->other_steps++;
+            st->other_overflow += ls.recall_last_overflow;
+            st->other_dense += ls.recall_last_dense;
+            if (!ls.recall_last_dense) {
+                st->other_fetched += ls.recall_last_fetched;
+                st->other_archived += ls.recall_last_archived;
+            }
+        }
+    }
     return ND_OK;
 }
 
@@ -328,11 +426,24 @@ static int snapshot_drill(kvt_ctx *ctx, const nd_run_params *p, kvt_seq **seqs, 
 
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
-    if (p->mode == ND_MODE_RECALL || p->mode == ND_MODE_PROMOTE)
+    if (p->mode == ND_MODE_PROMOTE)
         return nd_fail(err, err_len, ND_ENOTIMPL,
-                       "mode '%s' is not implemented yet: the generator has no decode phase "
-                       "with per-step queries to drive the recall trigger; nothing was measured",
+                       "mode '%s' is not implemented yet; nothing was measured",
                        nd_mode_name(p->mode));
+    const bool recall = p->mode == ND_MODE_RECALL;
+    if (recall && !c->decode_start)
+        return nd_fail(err, err_len, ND_ENOTIMPL,
+                       "mode 'recall' needs a decode phase with per-step queries (the synthetic "
+                       "generator's, or a trace it wrote; other traces carry only needle "
+                       "queries); nothing was measured");
+    if (recall && (c->spec.kind != KVT_LAYER_MLA_NOPE || nd_case_gqa(c)))
+        return nd_fail(err, err_len, ND_EARG, "mode 'recall' needs an MLA-NoPE (salience) layer");
+    if (recall && (p->recall == KVT_RECALL_OFF || p->recall_rank < 1 ||
+                   p->recall_rank > KVT_RECALL_MAX_RANK))
+        return nd_fail(err, err_len, ND_EARG, "recall: mode %d, sketch rank %u", (int)p->recall,
+                       p->recall_rank);
+    if (p->recall_stats)
+        memset(p->recall_stats, 0, sizeof *p->recall_stats);
     if ((unsigned)p->mode >= ND_MODE_COUNT)
         return nd_fail(err, err_len, ND_EARG, "unknown mode");
     if (!refs || refs->n != c->n_targets)
@@ -370,6 +481,11 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     uint32_t *seen = NULL;
     double *scratch = NULL;
     float *q = NULL, *o = NULL;
+    float *qhost = NULL;                          /* recall: the step's queries, every request */
+    kvt_buffer *q_buf = NULL, *d_buf = NULL;      /* their backend copies (not the CPU backend) */
+    uint8_t dense_of[ND_MAX_BATCH] = {0};
+    uint8_t *archived = NULL;
+    const size_t qn = (size_t)c->n_q_heads * c->q_dim;
     int rc = ND_OK;
     kvt_status s = kvt_model_create(sp, 1, "kvtier-needle", &model, e2, sizeof e2);
     if (s != KVT_OK)
@@ -393,6 +509,12 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     cfg->recent_rows = p->recent_rows;
     cfg->cadence_rows = 0;
     cfg->protect_prompt = true;
+    if (recall) {
+        cfg->recall = p->recall;
+        if (p->recall_cap_rows)
+            cfg->recall_cap_rows = p->recall_cap_rows;
+        cp.recall_sketch_rank = p->recall_rank;
+    }
     /* Eviction budget at this ratio: K = context / ratio rows (kvt_model_census's convention). */
     uint64_t K = (c->n_rows + p->ratio / 2) / p->ratio;
     cfg->evict_budget_rows = (uint32_t)(K < 1 ? 1 : K);
@@ -405,6 +527,26 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         goto done;
     }
     const kvt_policy policy = kvt_ctx_layer_policy(ctx, 0);
+    /* The basis: the query subspace's first min(rank, sketch rank) rows (its directions carry
+     * equal variance, so any of them are top eigenvectors of the filler queries' covariance). */
+    if (recall && p->recall_basis_file &&
+        (s = kvt_ctx_load_recall_basis(ctx, 0, p->recall_basis_file)) != KVT_OK) {
+        rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_load_recall_basis");
+        goto done;
+    }
+    if (recall && p->recall_basis && !p->recall_basis_file && !c->qbasis) {
+        rc = nd_fail(err, err_len, ND_EARG, "recall: the case has no query subspace to use as "
+                     "the basis (a trace): give a basis file or run without one");
+        goto done;
+    }
+    if (recall && p->recall_basis && !p->recall_basis_file && c->qbasis &&
+        (s = kvt_ctx_set_recall_basis(ctx, 0, c->qbasis,
+                                      c->qbasis_rank < p->recall_rank ? c->qbasis_rank
+                                                                      : p->recall_rank)) !=
+            KVT_OK) {
+        rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_set_recall_basis");
+        goto done;
+    }
     for (uint32_t r = 0; r < NB; r++) {
         kvt_seq_params sprm = kvt_seq_default_params();
         sprm.request_id = p->request_base + r;
@@ -458,6 +600,19 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             goto done;
         }
     }
+    if (recall) {
+        qhost = malloc(sizeof(float) * qn * NB);
+        archived = malloc(n_slots + 1);
+        if (em_idx && ((s = kvt_buffer_alloc(ctx, sizeof(float) * qn * NB, &q_buf)) != KVT_OK ||
+                       (s = kvt_buffer_alloc(ctx, NB, &d_buf)) != KVT_OK)) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_buffer_alloc (recall queries)");
+            goto done;
+        }
+        if (!qhost || !archived) {
+            rc = nd_fail(err, err_len, ND_ENOMEM, "recall scratch");
+            goto done;
+        }
+    }
     pos_of_slot = malloc(sizeof(int64_t) * (n_slots + 1));
     seen = calloc(n_slots + 1, sizeof(uint32_t));
     if (!slots || !mark || !scratch || !q || !o || !pos_of_slot || !seen || !pool_copy ||
@@ -483,6 +638,13 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         uint32_t topk = 0;
         while (!emitted) {
             uint64_t n64 = P - committed;
+            /* Recall: the prompt (rows before the decode phase) in chunks, then one row per
+             * decode step, each run with its step's queries. */
+            const bool dec = recall && committed >= c->decode_start;
+            if (recall && !dec && c->decode_start - committed < n64)
+                n64 = c->decode_start - committed;
+            if (dec)
+                n64 = 1;
             /* align salience chunks to blocks so every commit closes at most one block */
             uint32_t n = (uint32_t)(n64 < chunk ? n64 : chunk);
             for (uint32_t r = 0; r < NB; r++)
@@ -501,7 +663,12 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                     goto done;
                 }
             }
-            if (committed + n == P) {
+            const uint64_t k_dec = committed - c->decode_start; /* decode step (dec only) */
+            if (dec && k_dec >= c->n_decode) {
+                rc = nd_fail(err, err_len, ND_EARG, "target %u past the decode phase", ti);
+                goto done;
+            }
+            if (committed + n == P || dec) {
                 if ((s = kvt_batch_plan(batch)) != KVT_OK ||
                     (s = kvt_batch_capacity(batch, 0, &topk, NULL)) != KVT_OK) {
                     rc = lib_fail(err, err_len, ctx, s, "kvt_batch_plan");
@@ -516,8 +683,25 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                 kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_TOKENS,
                                .indices = em_idx ? kvt_buffer_ptr(em_idx) : slots,
                                .capacity = topk,
-                               .lengths = em_len ? kvt_buffer_ptr(em_len) : lens};
-                if ((s = kvt_batch_run(batch, 0, tg->q, NULL, &em)) != KVT_OK ||
+                               .lengths = em_len ? kvt_buffer_ptr(em_len) : lens,
+                               .dense = d_buf ? kvt_buffer_ptr(d_buf) : dense_of};
+                const float *qrun = tg->q;
+                if (dec) {
+                    for (uint32_t r = 0; r < NB; r++)
+                        memcpy(qhost + (size_t)r * qn, c->decode_q + k_dec * qn,
+                               sizeof(float) * qn);
+                    qrun = qhost;
+                    if (q_buf) {
+                        if ((s = kvt_buffer_write(q_buf, 0, qhost, sizeof(float) * qn * NB)) !=
+                            KVT_OK) {
+                            rc = lib_fail(err, err_len, ctx, s, "kvt_buffer_write (queries)");
+                            goto done;
+                        }
+                        qrun = kvt_buffer_ptr(q_buf);
+                    }
+                }
+                if ((s = kvt_batch_run(batch, 0, qrun, NULL, &em)) != KVT_OK ||
+                    (d_buf && (s = kvt_buffer_read(d_buf, 0, dense_of, NB)) != KVT_OK) ||
                     (em_idx && (s = kvt_buffer_read(em_idx, 0, slots,
                                                     sizeof(int32_t) * topk * NB)) != KVT_OK) ||
                     (em_len && (s = kvt_buffer_read(em_len, 0, lens, sizeof(int32_t) * NB)) !=
@@ -525,13 +709,17 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                     rc = lib_fail(err, err_len, ctx, s, "kvt_batch_run");
                     goto done;
                 }
-                emitted = true;
+                emitted = committed + n == P;
             }
             if ((s = kvt_batch_commit(batch, NULL)) != KVT_OK) {
                 rc = lib_fail(err, err_len, ctx, s, "kvt_batch_commit");
                 goto done;
             }
             committed += n;
+            if (dec && p->recall_stats &&
+                (rc = recall_account(ctx, seqs, NB, c->decode_target[k_dec] >= 0,
+                                     p->recall_stats, err, err_len)) != ND_OK)
+                goto done;
             if (++steps == p->snapshot_at && (rc = snapshot_drill(ctx, p, seqs, NB, err,
                                                                     err_len)) != 0)
                 goto done;
@@ -570,9 +758,12 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
          * the fewest any head keeps is reported). */
         uint32_t n_att = UINT32_MAX;
         const uint64_t nd_end = nd->first_row + nd->n_rows;
+        uint32_t n_fetched_needle = 0; /* needle rows in the set that are archived (recall) */
         for (uint32_t g = 0; g < n_kv; g++) {
             rc = check_attended(c, seq, ctx, base, vpool_copy, bytes, g, rslots, len, P, &ls, ti,
-                                ++stamp, pos_of_slot, n_slots, seen, err, err_len);
+                                ++stamp, pos_of_slot, n_slots, seen,
+                                recall ? ls.recall_last_fetched : UINT64_MAX, archived, err,
+                                err_len);
             if (rc != ND_OK)
                 goto done;
             uint32_t k = 0;
@@ -581,6 +772,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                 uint8_t m = (uint64_t)pos >= nd->first_row && (uint64_t)pos < nd_end;
                 mark[(size_t)g * (size_t)len + (size_t)j] = m;
                 k += m;
+                n_fetched_needle += m && archived && archived[rslots[j]];
             }
             if (k < n_att)
                 n_att = k;
@@ -679,7 +871,14 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         res->attended_rows = (uint64_t)len;
         res->archived_rows = ls.archived_rows;
         res->dropped_rows = ls.dropped_rows;
-        res->fetched_rows = 0; /* no recall tier yet */
+        res->fetched_rows = recall ? ls.recall_last_fetched : 0;
+        if (recall) {
+            res->recall_visited = ls.recall_last_visited;
+            res->recall_archived = ls.recall_last_archived;
+            res->recall_overflow = ls.recall_last_overflow;
+            res->recall_dense = dense_of[r] != 0;
+            res->recall_z = ls.recall_z;
+        }
         res->closed_rows = ls.closed_rows;
         res->tail_rows = unscored;
         res->kept_rows = ls.kept_rows;
@@ -698,6 +897,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                         ls.closed_rows, res);
         bool pass = res->mass_ratio >= p->min_mass && res->out_cos >= p->min_cos;
         res->status = in_tail ? ND_TAIL : nd->band_miss ? ND_BAND_MISS : pass ? ND_PASS : ND_FAIL;
+        if (recall && res->status == ND_PASS)
+            res->pass_by = dense_of[r] ? 'd' : n_fetched_needle ? 'f' : 'k';
         /* A non-finite reference leaves nothing to measure against: the ratio and cosine above
          * come out 0 (a NaN compares false) or NaN, and a 0 reads as a lost needle ("fail").
          * Report the query as invalid instead, whatever else holds (a tail or band-miss label
@@ -717,7 +918,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
 done:
     kvt_batch_destroy(batch);
     free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
-    free(pool_copy), free(vpool_copy);
+    free(pool_copy), free(vpool_copy), free(qhost), free(archived);
     for (uint32_t r = 0; r < ND_MAX_BATCH; r++)
         kvt_seq_destroy(seqs[r]);
     kvt_ctx_destroy(ctx);
