@@ -514,7 +514,7 @@ class Context(_Closable):
     def __init__(self, model: Model, config=None, *, page_rows=None, n_pages=None, backend=None,
                  allocator=None, external_storage=None, layer_policies=None, kv_head_offset=None,
                  n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
-                 archive_rows_per_seq=None, max_seqs=None):
+                 archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None):
         if not isinstance(model, Model):
             raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
         p = lib.kvt_ctx_default_params()
@@ -532,7 +532,7 @@ class Context(_Closable):
                             ("n_kv_heads_global", n_kv_heads_global),
                             ("layer_offset", layer_offset), ("max_rows_per_seq", max_rows_per_seq),
                             ("archive_rows_per_seq", archive_rows_per_seq),
-                            ("max_seqs", max_seqs)):
+                            ("max_seqs", max_seqs), ("recall_sketch_rank", recall_sketch_rank)):
             if value is not None:
                 setattr(p, name, u32(value, name))
         if backend is not None:
@@ -633,6 +633,16 @@ class Context(_Closable):
         check(lib.kvt_ctx_free_pages(self._ptr, u32(layer, "layer"), ctypes.byref(out)),
               "kvt_ctx_free_pages")
         return out.value
+
+    def set_recall_basis(self, layer: int, basis) -> None:
+        """kvt_ctx_set_recall_basis: the layer's recall basis, float32 [rank, value_dim] with
+        orthonormal rows, before any reserve (a context made with recall_sketch_rank > 0)."""
+        v = as_array(basis, "basis")
+        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
+            raise TypeError("basis: expected a C-contiguous float32 array [rank, value_dim]")
+        check(lib.kvt_ctx_set_recall_basis(self._ptr, u32(layer, "layer"),
+                                           ptr(v, ctypes.c_float), u32(v.shape[0], "rank")),
+              "kvt_ctx_set_recall_basis")
 
     # --- planes ------------------------------------------------------------------------
     def layer_data(self, layer: int, plane: int = 0) -> tuple[int, int]:
@@ -1088,7 +1098,8 @@ class Batch(_Closable):
         ``indices`` (TOKENS: int32 [>= n_seqs * s_q, topk]; CSR: int32 [capacity]) and
         ``lengths`` / ``indptr`` (int32 [>= n_seqs * s_q] / [>= n_seqs * s_q + 1]), optional
         ``dense`` (uint8 [>= n_seqs]); or none, and buffers sized by capacity() are made.
-        ``query`` (the recall tier's queries; ignored while recall is off) and ``stream`` (a
+        ``query`` (the recall trigger's queries: float32 [n_seqs, n_q_heads, value_dim +
+        branch_dim], softmax-scaled; needed when a request recalls on the layer) and ``stream`` (a
         cudaStream_t as int, or an object with ``cuda_stream``; ignored on the CPU) pass
         through. CapacityError when a request's rows exceed the capacity."""
         layout = to_enum(EmitLayout, layout, "layout")
@@ -1138,6 +1149,8 @@ class Batch(_Closable):
             q = as_array(query, "query")
             if not q.flags.c_contiguous:
                 raise ValueError("query: must be C-contiguous")
+            if q.dtype != np.float32:
+                raise TypeError(f"query: expected float32, got {q.dtype}")
         if stream is None:
             s = None
         elif hasattr(stream, "cuda_stream"):

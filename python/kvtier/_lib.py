@@ -285,6 +285,7 @@ _SIGNATURES = {
     "kvt_model_census": (c_status, [c_vp, c_u64, c_u64, ctypes.c_double, P(CensusTotalsC)]),
     # configuration
     "kvt_config_default": (ConfigC, []),
+    "kvt_config_init": (c_status, [P(ConfigC), c_size]),
     "kvt_config_check": (c_status, [P(ConfigC), c_cp, c_size]),
     # context
     "kvt_ctx_default_params": (CtxParamsC, []),
@@ -299,6 +300,7 @@ _SIGNATURES = {
     "kvt_ctx_layer_group": (c_i32, [c_vp, c_u32]),
     "kvt_ctx_host_allocations": (c_u64, [c_vp]),
     "kvt_ctx_free_pages": (c_status, [c_vp, c_u32, P(c_u32)]),
+    "kvt_ctx_set_recall_basis": (c_status, [c_vp, c_u32, P(ctypes.c_float), c_u32]),
     "kvt_layer_data": (c_status, [c_vp, c_u32, c_u32, P(c_vp), P(c_size)]),
     "kvt_layer_read": (c_status, [c_vp, c_u32, c_u32, c_u64, c_u64, c_vp, c_size]),
     "kvt_layer_write": (c_status, [c_vp, c_u32, c_u32, c_u64, c_u64, c_vp, c_size]),

@@ -1,0 +1,65 @@
+"""The recall trigger through the binding: a NoPE MLA context with sketch planes and a basis,
+decode steps with queries, the certificate in the layer statistics, bad input."""
+import numpy as np
+import pytest
+
+import kvtier
+
+
+def _model(heads=4):
+    spec = kvtier.LayerSpec.mla("mla_nope", "bf16", 512, 64)
+    spec.n_q_heads = heads
+    return kvtier.Model([spec], "recall")
+
+
+def test_conformal_recall_decode_steps():
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="conformal")
+    with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
+                                      recall_sketch_rank=16) as ctx:
+        rng = np.random.default_rng(5)
+        v, _ = np.linalg.qr(rng.standard_normal((512, 16)))
+        ctx.set_recall_basis(0, np.ascontiguousarray(v.T, dtype=np.float32))
+        with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
+            rows = rng.standard_normal((300, 576)).astype(np.float32)
+            bf16 = (rows.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated)
+            b.reserve([seq], [300])
+            seq.write(0, 0, 0, bf16)
+            b.plan()
+            b.commit()
+            dense_steps = 0
+            for step in range(12):
+                b.reserve([seq], [1])
+                seq.write(0, 0, 0, (rng.standard_normal((1, 576)).astype(np.float32)
+                                    .view(np.uint32) >> 16).astype(np.uint16))
+                b.plan()
+                q = rng.standard_normal((1, 4, 576)).astype(np.float32)
+                em = b.run(0, query=q, want_dense=True)
+                dense_steps += int(em.dense[0])
+                b.commit()
+                seq.check()
+            st = seq.layer_stats(0)
+            assert st.recall_mode == 1 and st.recall_steps == 12
+            assert st.recall_calib_steps == dense_steps == 8  # the first window closes at 8
+            assert st.recall_phase == 1 and st.recall_samples == 32
+            assert st.recall_z <= 8.0
+
+
+def test_recall_needs_sketch_planes_and_float32_queries():
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="sound")
+    with _model() as m:
+        with pytest.raises(kvtier.UnsupportedError) as ei:
+            kvtier.Context(m, cfg, page_rows=16, n_pages=64)
+        assert "recall_sketch_rank" in ei.value.message
+        with kvtier.Context(m, cfg, page_rows=16, n_pages=64, recall_sketch_rank=8) as ctx:
+            with pytest.raises(TypeError):
+                ctx.set_recall_basis(0, np.zeros((2, 512)))
+            with pytest.raises(kvtier.InvalidArgumentError):
+                ctx.set_recall_basis(0, np.zeros((2, 512), dtype=np.float32))  # not orthonormal
+            with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
+                b.reserve([seq], [1])
+                b.plan()
+                with pytest.raises(TypeError):
+                    b.run(0, query=np.zeros((1, 4, 576)))
+                with pytest.raises(kvtier.InvalidArgumentError):
+                    b.run(0)  # a recalling request needs its query
+                b.commit()
