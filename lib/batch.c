@@ -97,7 +97,7 @@ static void release_seqs(kvt_batch *b, bool unreserve) {
             kvt__seq_unreserve(s);
         s->batch = NULL;
         s->in_step = false;
-        memset(s->stepped, 0, b->ctx->n_layers);
+        memset(s->stepped, 0, 2u * b->ctx->n_layers); /* and recalled */
         b->seqs[i] = NULL;
     }
     b->n_seqs = 0;
@@ -331,14 +331,20 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     if (emit->dense && b->n_seqs &&
         (s = be->ops->write(be, emit->dense, b->dense, b->n_seqs, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "emission's dense flags");
+    /* Once per step and layer: a second run of the layer emits what the first fetched (the fetch
+     * buffer and the state's dense flag are unchanged), it does not scan or calibrate again. */
     uint32_t n = 0;
-    for (uint32_t i = 0; i < b->n_seqs; i++)
-        if (b->recall_way[i] == RECALL_FETCH &&
-            kvt__seq_recall_item(b->seqs[i], layer, query + i * per_seq,
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        kvt_seq *sq = b->seqs[i];
+        if (b->recall_way[i] == RECALL_FETCH && !sq->recalled[layer] &&
+            kvt__seq_recall_item(sq, layer, query + i * per_seq,
                                  emit->dense ? emit->dense + i : NULL, &b->rsteps[n]))
-            n++;
+            b->step_seqs[n++] = sq;
+    }
     if (n && (s = be->ops->recall_step(be, b->rsteps, n, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "the recall trigger of layer %u (%u requests)", layer, n);
+    for (uint32_t k = 0; k < n; k++)
+        b->step_seqs[k]->recalled[layer] = 1;
     return KVT_OK;
 }
 

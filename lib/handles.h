@@ -55,7 +55,9 @@ struct kvt_seq {
      * layers whose run already did their step work. */
     kvt_batch *batch;
     bool in_step;            /* planned, not yet committed: by-position queries refused */
-    uint8_t *stepped;        /* [n_layers] */
+    uint8_t *stepped;        /* [2 * n_layers]: the first n_layers, then `recalled` */
+    uint8_t *recalled;       /* [n_layers], inside stepped's allocation: the layer's recall
+                              * step ran this step (a second run of the layer only emits) */
     bool slot;               /* built at context creation: parked on destroy, reused */
     /* The recall trigger's state per layer ([n_layers]; NULL until a request of this handle
      * recalls): a buffer for each layer whose policy has recall_view. */

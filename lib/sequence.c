@@ -133,10 +133,11 @@ static kvt_status seq_build(kvt_ctx *ctx, const kvt_seq_params *p, const kvt_con
     seq->ctx = ctx;
     bind_params(seq, p, cfg);
     seq->layers = kvt__calloc(a, sizeof *seq->layers * ctx->n_layers);
-    seq->stepped = kvt__calloc(a, ctx->n_layers);
+    seq->stepped = kvt__calloc(a, 2u * ctx->n_layers);
+    seq->recalled = seq->stepped ? seq->stepped + ctx->n_layers : NULL;
     if (!seq->layers || !seq->stepped) {
         kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
-        kvt__free(a, seq->stepped, ctx->n_layers);
+        kvt__free(a, seq->stepped, 2u * ctx->n_layers);
         kvt__free(a, seq, sizeof *seq);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence layers");
     }
@@ -181,7 +182,7 @@ static kvt_status seq_reuse(kvt_ctx *ctx, kvt_seq *seq, const kvt_seq_params *p,
     seq->n_pending = 0;
     seq->batch = NULL;
     seq->in_step = false;
-    memset(seq->stepped, 0, ctx->n_layers);
+    memset(seq->stepped, 0, 2u * ctx->n_layers);
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__ptable *t = &seq->pt[g];
         KVT_ASSERT(t->n_pages == 0);
@@ -315,7 +316,7 @@ void kvt__seq_free(kvt_seq *seq) {
         if (ctx->stores[i].group >= 0 && ops_of(ctx, i)->layer_fini)
             ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
     kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
-    kvt__free(a, seq->stepped, ctx->n_layers);
+    kvt__free(a, seq->stepped, 2u * ctx->n_layers);
     for (uint32_t i = 0; seq->recall && i < ctx->n_layers; i++)
         kvt__recall_layer_fini(&seq->recall[i], &ctx->backend);
     kvt__free(a, seq->recall, seq->recall ? sizeof *seq->recall * ctx->n_layers : 0);
@@ -875,7 +876,7 @@ kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n_tokens, const kvt__backend *
     else
         s = run_policies(seq, n_tokens, be, stream);
     seq->in_step = false;
-    memset(seq->stepped, 0, ctx->n_layers);
+    memset(seq->stepped, 0, 2u * ctx->n_layers);
     kvt_status c = check_counters(seq);
     return c != KVT_OK ? c : s;
 }

@@ -629,6 +629,10 @@ Test(recall_step, statuses_and_mixed_batches) {
         cr_assert_eq(kvt_seq_check(r.seq), KVT_OK, "%s", kvt_last_error());
         cr_assert_eq(kvt_seq_check(plain), KVT_OK, "%s", kvt_last_error());
     }
+    /* Two runs of the layer a step (TOKENS, then CSR): the trigger ran once per step. */
+    kvt_layer_stats rs = stats(&r);
+    cr_assert_eq(rs.recall_steps, 12, "%llu", (unsigned long long)rs.recall_steps);
+    cr_assert_eq(rs.recall_calib_steps, 8);
     kvt_layer_stats st = {.struct_size = sizeof st};
     cr_assert_eq(kvt_seq_layer_stats(plain, 0, &st), KVT_OK);
     cr_assert_eq(st.recall_mode, 0);
