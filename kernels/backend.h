@@ -112,6 +112,9 @@ typedef struct kvt__recall_state {
     uint32_t clamped;        /* that sample exceeded Z_MAX */
     uint32_t last_dense;     /* the last step attended every row (calibration or overflow) */
     uint32_t last_overflow;  /* the last step's fired rows exceeded the cap */
+    uint32_t n_grouped;      /* closed blocks whose pruned-scan groups are built (0 after a
+                              * restore or without group planes: built at the next step) */
+    uint32_t reserved0;      /* 0 */
     uint64_t last_archived;  /* archived rows at the last step */
     uint64_t last_visited;   /* archived rows the last step's scan evaluated */
     uint64_t last_fired;     /* rows the last step's trigger fired (at most cap + 1 counted) */
@@ -135,6 +138,14 @@ typedef struct kvt__recall_step_args {
     float *samples;          /* [sample_cap]: the calibration's samples, sorted */
     uint32_t sample_cap;
     uint8_t *dense;          /* [1] out, or NULL: 1 when the step attends every row */
+    /* The pruned scan's group planes (kernels/recall_group.h), for g_blocks_cap closed blocks of
+     * block_rows rows, centres of g_dim floats; g_perm NULL: the full scan. The op builds the
+     * groups of the blocks closed since the state's n_grouped, then scans pruned (the same fired
+     * rows as the full scan); the margin mode always scans in full. */
+    uint32_t *g_perm, *g_n, *g_end;
+    float *g_centre, *g_stat;
+    uint64_t g_blocks_cap;
+    uint32_t block_rows, g_dim;
 } kvt__recall_step_args;
 
 /* An attended set as a policy describes it, in row indices of the group's table, ascending:
@@ -166,6 +177,7 @@ typedef struct kvt__pack_query {
     const uint32_t *fetch;
     const uint32_t *n_fetch;
     const uint32_t *dense;
+    uint32_t fetch_cap;     /* fetch's length (W): what the guarded backend checks */
     bool all_rows;          /* attend every row [0, d.hi_end) (decided on the host) */
     const int32_t *pages;   /* the host's page table today: a device pack needs it mirrored in
                              * device memory (the CUDA issue) */

@@ -231,9 +231,13 @@ static bool recall_step_ok(const kvt__recall_step_args *x) {
     a.z = x->mode == KVT__RECALL_SOUND    ? sqrtf((float)(a.latent_dim - 64u))
           : x->mode == KVT__RECALL_MARGIN ? x->margin
                                           : 0.0f;
+    const uint32_t B = x->block_rows;
+    const bool groups_ok =
+        !x->g_perm || (B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && x->g_n &&
+                       x->g_end && x->g_centre && x->g_stat && x->g_dim >= a.branch_dim + a.rank);
     return recall_scan_ok(&a) && x->st && a.best && x->n_rows >= a.n_closed &&
            x->n_rows <= UINT32_MAX && (x->mode != KVT__RECALL_CONFORMAL || x->samples) &&
-           (a.n_heads == 0 || a.q);
+           (a.n_heads == 0 || a.q) && groups_ok;
 }
 
 static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a,
@@ -245,7 +249,8 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
             return KVT_ERR_INVALID_ARGUMENT;
         const kvt__recall_scan_args *s = &a[i].scan;
         size_t f = kvt__recall_step_scratch_floats(s->n_heads, s->rank, s->latent_dim,
-                                                   s->branch_dim);
+                                                   s->branch_dim, s->n_closed,
+                                                   a[i].g_perm ? a[i].block_rows : 0);
         need = f > need ? f : need;
     }
     bool owned = false;
@@ -663,6 +668,14 @@ static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_a
         GUARD_OWNS(be, a->st, sizeof *a->st);
         GUARD_OWNS(be, a->samples, sizeof(float) * a->sample_cap);
         GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+        if (a->g_perm) {
+            const uint64_t nb = a->g_blocks_cap, G = a->block_rows / 32u;
+            GUARD_OWNS(be, a->g_perm, sizeof(uint32_t) * nb * a->block_rows);
+            GUARD_OWNS(be, a->g_n, sizeof(uint32_t) * nb);
+            GUARD_OWNS(be, a->g_end, sizeof(uint32_t) * nb * G);
+            GUARD_OWNS(be, a->g_centre, sizeof(float) * nb * G * a->g_dim);
+            GUARD_OWNS(be, a->g_stat, sizeof(float) * nb * G * 5u);
+        }
     }
     guard_open(be);
     kvt_status s = cpu_recall_step(be, args, n, stream);
@@ -758,7 +771,7 @@ static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *
             GUARD_OWNS(be, q->d.list, sizeof(uint32_t) * q->d.n_list);
         if (q->n_fetch) {
             GUARD_OWNS(be, q->n_fetch, sizeof(uint32_t));
-            GUARD_OWNS(be, q->fetch, sizeof(uint32_t));
+            GUARD_OWNS(be, q->fetch, sizeof(uint32_t) * (q->fetch_cap ? q->fetch_cap : 1u));
         }
         if (q->dense)
             GUARD_OWNS(be, q->dense, sizeof(uint32_t));

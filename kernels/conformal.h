@@ -34,12 +34,12 @@ KVT_HD int kvt__conformal_window_end(uint32_t steps) {
 }
 
 /* The nonconformity of one (step, head): 1 and *e set when the sample is defined (cert positive
- * and finite, score and idx not NaN, e not NaN). */
+ * and finite, score and idx not NaN, e finite). */
 KVT_HD int kvt__conformal_sample(float score, float idx, float cert, float *e) {
     if (!(cert > 0.0f) || isinf(cert) || isnan(score) || isnan(idx))
         return 0;
     *e = (score - idx) / cert;
-    return !isnan(*e);
+    return isfinite(*e);
 }
 
 /* Insert e into sorted[0 .. *n) (ascending) when there is room (cap); past cap it is dropped. */

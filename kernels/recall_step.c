@@ -6,6 +6,7 @@
  */
 #include "kernels/recall_step.h"
 
+#include "kernels/recall_group.h"
 #include "kernels/sketch.h"
 #include "lib/base/base.h"
 
@@ -15,13 +16,59 @@ static size_t heads_padded(uint32_t n_heads) {
     return ((size_t)n_heads + TILE - 1) / TILE * TILE;
 }
 
-size_t kvt__recall_step_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D,
-                                       uint32_t branch_dim) {
+/* Floats of the step's own part of the scratch (after the scan's). */
+static size_t own_floats(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim) {
     const size_t HP = heads_padded(n_heads), qdim = (size_t)D + branch_dim;
-    /* the scan's; qT [qdim][HP]; the row [qdim]; scores [HP]; best archived and its row [2H];
-     * one head's prep: q̃_sk [rank], tmp [D] */
-    return kvt__recall_scan_scratch_floats(n_heads, rank, D) + qdim * HP + qdim + HP +
-           2u * (size_t)n_heads + rank + D;
+    /* qT [qdim][HP]; the row [qdim]; scores [HP]; best archived and its row [2H]; one head's
+     * prep: q̃_sk [rank], tmp [D] */
+    return qdim * HP + qdim + HP + 2u * (size_t)n_heads + rank + D;
+}
+
+/* The scan's part: the full scan's, or the pruned scan's (which holds it) and, while groups are
+ * built, the build's and a block's slots — one region, used by one at a time. */
+static size_t scan_floats(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim,
+                          uint64_t n_closed, uint32_t block_rows) {
+    size_t f = kvt__recall_scan_scratch_floats(n_heads, rank, D);
+    if (block_rows) {
+        size_t p = (kvt__recall_scan_pruned_scratch_bytes(n_heads, rank, D, n_closed) + 7u) / 4u;
+        size_t g = (kvt__recall_group_scratch_bytes(block_rows, branch_dim, rank) + 7u) / 4u +
+                   block_rows + 2u;
+        f = p > f ? p : f;
+        f = g > f ? g : f;
+    }
+    return (f + 1u) & ~(size_t)1u; /* keeps what follows 8-byte aligned */
+}
+
+size_t kvt__recall_step_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D,
+                                       uint32_t branch_dim, uint64_t n_closed,
+                                       uint32_t block_rows) {
+    return scan_floats(n_heads, rank, D, branch_dim, n_closed, block_rows) +
+           own_floats(n_heads, rank, D, branch_dim);
+}
+
+/* Build the groups of closed blocks [st->n_grouped, n_closed / B) into the planes. */
+static void build_groups(const kvt__recall_step_args *x, const kvt__recall_scan_args *a,
+                         kvt__recall_state *st, void *scratch) {
+    const uint32_t B = x->block_rows, G = kvt__recall_group_slots(B);
+    uint64_t want = a->n_closed / B;
+    if (want > x->g_blocks_cap)
+        want = x->g_blocks_cap;
+    int32_t *slots = scratch;
+    void *ws = (uint8_t *)scratch + (((size_t)B * 4u + 7u) & ~(size_t)7u);
+    for (uint64_t blk = st->n_grouped; blk < want; blk++) {
+        for (uint32_t u = 0; u < B; u++)
+            slots[u] = kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)(blk * B + u));
+        kvt__recall_group_block out = {.perm = x->g_perm + blk * B,
+                                       .n_groups = x->g_n + blk,
+                                       .end = x->g_end + blk * G,
+                                       .centre = x->g_centre + blk * G * x->g_dim,
+                                       .stat = x->g_stat + blk * G * KVT__RG_STATS};
+        kvt__recall_group_block_cpu(a->base, slots, B, a->slot_stride, a->branch_offset,
+                                    a->branch_dtype, a->branch_dim, a->csk + blk * B * a->csk_stride,
+                                    a->csk_stride, a->rho + blk * B, a->rank, x->g_dim, ws, &out);
+    }
+    if (want > st->n_grouped)
+        st->n_grouped = (uint32_t)want;
 }
 
 /* Exact scores of one row for every head into sc[0 .. HP). */
@@ -77,8 +124,9 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
     kvt__recall_state *st = x->st;
     const uint32_t D = a.latent_dim, bd = a.branch_dim, H = a.n_heads, rank = a.rank;
     const size_t HP = heads_padded(H), qdim = (size_t)D + bd;
+    const uint32_t Bg = x->g_perm ? x->block_rows : 0;
     float *scan_scratch = scratch;
-    float *qT = scratch + kvt__recall_scan_scratch_floats(H, rank, D);
+    float *qT = scratch + scan_floats(H, rank, D, bd, a.n_closed, Bg);
     float *rb = qT + qdim * HP;
     float *sc = rb + qdim;
     float *best_ar = sc + HP;
@@ -164,11 +212,26 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
                                               : st->z;
         a.mode = x->mode;
         a.sinks = S;
-        kvt__recall_scan_cpu(&a, scan_scratch);
+        visited = archived;
+        if (Bg && x->mode != KVT__RECALL_MARGIN) {
+            build_groups(x, &a, st, scan_scratch);
+            kvt__recall_groups g = {.block_rows = Bg,
+                                    .n_blocks = st->n_grouped,
+                                    .dim = x->g_dim,
+                                    .perm = x->g_perm,
+                                    .n_groups = x->g_n,
+                                    .end = x->g_end,
+                                    .centre = x->g_centre,
+                                    .stat = x->g_stat};
+            kvt__recall_prune_stats ps;
+            kvt__recall_scan_pruned_cpu(&a, &g, scan_scratch, &ps);
+            visited = ps.visited;
+        } else {
+            kvt__recall_scan_cpu(&a, scan_scratch);
+        }
         n_fired = *a.n_fired;
         over = *a.overflow;
         dense = over;
-        visited = archived;
         fired = (uint64_t)n_fired + over;
         fetched = over ? archived : n_fired;
         st->overflow_steps += over;

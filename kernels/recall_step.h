@@ -13,8 +13,11 @@
  *      the lower position, NaN skipped) gives e = (score − idx) / cert when defined
  *      (kvt__conformal_sample); the samples go in sorted, the step is counted, and at a window end
  *      z is fixed (kvt__conformal_close).
- *   4. Otherwise the scan (kvt__recall_scan_cpu) with z = the state's (conformal), √(D − 64)
- *      (sound) or the margin δ (margin); its overflow makes the step dense.
+ *   4. Otherwise the scan with z = the state's (conformal), √(D − 64) (sound) or the margin δ
+ *      (margin); its overflow makes the step dense. With group planes (conformal and sound) the
+ *      groups of blocks closed since the last step are built first (kvt__recall_group_block_cpu)
+ *      and the scan is the pruned one (kvt__recall_scan_pruned_cpu: the full scan's output, bit
+ *      for bit, visiting fewer rows); the margin mode and a step without planes scan in full.
  *
  * The state records the step's certificate (kvt__recall_state). Scratch: the scan's plus the
  * transposed queries and per-head scores of steps 1 and 3.
@@ -26,9 +29,11 @@
 #include "kernels/conformal.h"
 #include "kernels/recall_scan.h"
 
-/* Floats of scratch kvt__recall_step_cpu takes. */
+/* Floats of scratch kvt__recall_step_cpu takes for a (request, layer) of n_closed closed rows
+ * (and, with group planes, blocks of block_rows rows; 0: none). */
 size_t kvt__recall_step_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D,
-                                       uint32_t branch_dim);
+                                       uint32_t branch_dim, uint64_t n_closed,
+                                       uint32_t block_rows);
 /* One work item, arguments checked by the caller (the scan's rules, plus st, samples). */
 void kvt__recall_step_cpu(const kvt__recall_step_args *a, float *scratch);
 

@@ -336,6 +336,11 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     uint32_t n = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
+        /* a second run: the flag the first one's trigger wrote, from the state (low byte) */
+        if (b->recall_way[i] == RECALL_FETCH && sq->recalled[layer] && emit->dense &&
+            (s = be->ops->copy(be, emit->dense + i, &sq->recall[layer].st->last_dense, 1,
+                               stream)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "emission's dense flags");
         if (b->recall_way[i] == RECALL_FETCH && !sq->recalled[layer] &&
             kvt__seq_recall_item(sq, layer, query + i * per_seq,
                                  emit->dense ? emit->dense + i : NULL, &b->rsteps[n]))
@@ -466,7 +471,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
             pq->out = tokens ? at * emit->capacity : off;
             pq->pad = tokens ? emit->capacity : 0;
             pq->len_at = tokens ? at : at + 1;
-            off += kvt__attended_desc_count(&pq->d);
+            /* an every-row set's size is the host's too (a fetching one's is not: dev_offsets) */
+            off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
             if (++k == KVT__PACK_CHUNK || (i + 1 == b->n_seqs && t + 1 == S)) {
                 pa.n = k;
                 if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)

@@ -5,8 +5,10 @@
 #include "handles.h"
 
 #include "kernels/philox.h"
+#include "kernels/recall_scan.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #define CHECK_SEQ(seq)                                                                             \
@@ -231,6 +233,15 @@ static kvt_status recall_supported(const kvt_ctx *ctx, const kvt_config *cfg) {
     return KVT_OK;
 }
 
+/* The group planes of the pruned scan on `layer` for a request holding `rows` rows. */
+static kvt_status recall_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t rows) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__store *st = &ctx->stores[layer];
+    const uint32_t B = seq->cfg.block_rows;
+    return kvt__recall_layer_groups_reserve(&seq->recall[layer], &ctx->backend, rows / B, B,
+                                            st->spec.branch_dim + ctx->sketch_rank);
+}
+
 /* The trigger's buffers of a request with recall on, in their initial state (a request without
  * keeps what a slot had, unused). */
 static kvt_status seq_recall_prepare(kvt_seq *seq) {
@@ -246,12 +257,20 @@ static kvt_status seq_recall_prepare(kvt_seq *seq) {
         const kvt__store *st = &ctx->stores[i];
         if (st->group < 0 || !ops_of(ctx, i)->recall_view)
             continue;
+        if (st->spec.value_dim <= 64 || st->spec.branch_dim > KVT__RECALL_MAX_BRANCH)
+            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                 "recall on layer %u: value_dim %u (must exceed 64) / branch_dim "
+                                 "%u (at most %u) outside what the recall scan takes",
+                                 i, st->spec.value_dim, st->spec.branch_dim,
+                                 KVT__RECALL_MAX_BRANCH);
         if (st->spec.n_q_heads == 0 || st->spec.n_q_heads > 4096)
             return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                                  "recall on layer %u: its spec states %u query heads (1..4096)",
                                  i, st->spec.n_q_heads);
         kvt_status s = kvt__recall_layer_prepare(&seq->recall[i], &ctx->backend,
                                                  st->spec.n_q_heads, seq->cfg.recall_cap_rows);
+        if (s == KVT_OK && ctx->max_rows) /* a stated limit: every block's planes now */
+            s = recall_groups_reserve(seq, i, ctx->max_rows);
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "recall state of layer %u (%u heads, W %u)", i,
                                  st->spec.n_q_heads, seq->cfg.recall_cap_rows);
@@ -698,6 +717,12 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
         const kvt__ptable *t = &seq->pt[ctx->stores[i].group];
         s = ops_of(ctx, i)->reserve(&seq->layers[i], &env, &ctx->stores[i], t->n_rows + n_tokens);
     }
+    /* The recall trigger's group planes for the blocks the step can close (a step's run builds
+     * them, and a run allocates nothing). */
+    for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++)
+        if (kvt__seq_recalls(seq, i) && (s = recall_groups_reserve(seq, i, seq->n_tokens +
+                                                                             n_tokens)) != KVT_OK)
+            snprintf(why, sizeof why, "layer %u: the recall scan's group planes", i);
     if (s != KVT_OK) {
         for (uint32_t h = 0; h < ctx->n_groups && h <= g; h++)
             kvt__ptable_trim(&seq->pt[h], &ctx->groups[h].pool);

@@ -662,6 +662,7 @@ static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt_
                              i, heads, cap, (double)margin, r->n_heads, r->cap,
                              (double)seq->cfg.recall_margin);
     memcpy(&st, p + RECALL_HEAD, sizeof st);
+    st.n_grouped = 0; /* derived planes: the restored request builds its groups anew */
     if (rs->length != recall_bytes(&st) || st.n_samples > r->sample_cap)
         return kvt__ctx_fail(ctx, KVT_ERR_PARSE, "layer %u: RECALL section of %llu bytes for %u "
                              "samples", i, (unsigned long long)rs->length, st.n_samples);

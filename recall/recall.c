@@ -63,7 +63,73 @@ kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *b
     return s == KVT_OK ? be->ops->write(be, r->n_fired, zero, sizeof zero, NULL) : s;
 }
 
+/* Bytes of each group plane for `blocks` blocks of B rows, centres of dim floats. */
+static void group_plane_bytes(uint64_t blocks, uint32_t B, uint32_t dim, size_t out[5]) {
+    const uint64_t G = B / 32u;
+    out[0] = sizeof(uint32_t) * blocks * B;       /* perm */
+    out[1] = sizeof(uint32_t) * blocks;           /* n_groups */
+    out[2] = sizeof(uint32_t) * blocks * G;       /* end */
+    out[3] = sizeof(float) * blocks * G * dim;    /* centre */
+    out[4] = sizeof(float) * blocks * G * 5u;     /* stat */
+}
+
+static void group_planes(kvt__recall_layer *r, void **p[5]) {
+    p[0] = (void **)&r->g_perm;
+    p[1] = (void **)&r->g_n;
+    p[2] = (void **)&r->g_end;
+    p[3] = (void **)&r->g_centre;
+    p[4] = (void **)&r->g_stat;
+}
+
+static void groups_free(kvt__recall_layer *r, const kvt__backend *be) {
+    void **p[5];
+    size_t bytes[5];
+    group_planes(r, p);
+    group_plane_bytes(r->g_cap, r->g_B, r->g_dim, bytes);
+    for (int k = 0; k < 5; k++)
+        if (*p[k])
+            be->ops->buf_free(be, *p[k], bytes[k]);
+    r->g_cap = 0;
+}
+
+kvt_status kvt__recall_layer_groups_reserve(kvt__recall_layer *r, const kvt__backend *be,
+                                            uint64_t blocks, uint32_t B, uint32_t dim) {
+    if (blocks <= r->g_cap && (r->g_cap == 0 || (r->g_B == B && r->g_dim == dim)))
+        return KVT_OK;
+    if (r->g_cap && (r->g_B != B || r->g_dim != dim))
+        return KVT_ERR_INVARIANT;
+    uint64_t cap = r->g_cap ? r->g_cap : 1;
+    while (cap < blocks)
+        cap *= 2;
+    size_t old_b[5], new_b[5];
+    group_plane_bytes(r->g_cap, B, dim, old_b);
+    group_plane_bytes(cap, B, dim, new_b);
+    void *fresh[5] = {0};
+    void **p[5];
+    group_planes(r, p);
+    kvt_status s = KVT_OK;
+    for (int k = 0; k < 5 && s == KVT_OK; k++)
+        s = be->ops->buf_alloc(be, new_b[k], &fresh[k]);
+    for (int k = 0; k < 5 && s == KVT_OK; k++)
+        if (old_b[k])
+            s = be->ops->copy(be, fresh[k], *p[k], old_b[k], NULL);
+    if (s != KVT_OK) {
+        for (int k = 0; k < 5; k++)
+            if (fresh[k])
+                be->ops->buf_free(be, fresh[k], new_b[k]);
+        return s;
+    }
+    groups_free(r, be);
+    for (int k = 0; k < 5; k++)
+        *p[k] = fresh[k];
+    r->g_cap = cap;
+    r->g_B = B;
+    r->g_dim = dim;
+    return KVT_OK;
+}
+
 void kvt__recall_layer_fini(kvt__recall_layer *r, const kvt__backend *be) {
+    groups_free(r, be);
     if (r->buf)
         be->ops->buf_free(be, r->buf, r->bytes);
     memset(r, 0, sizeof *r);
@@ -73,7 +139,25 @@ kvt_status kvt__recall_layer_copy(kvt__recall_layer *dst, const kvt__recall_laye
                                   const kvt__backend *be) {
     if (!dst->buf || !src->buf || dst->bytes != src->bytes)
         return KVT_ERR_INVARIANT;
-    return be->ops->copy(be, dst->buf, src->buf, src->bytes, NULL);
+    kvt_status s = KVT_OK;
+    if (src->g_cap)
+        s = kvt__recall_layer_groups_reserve(dst, be, src->g_cap, src->g_B, src->g_dim);
+    if (s == KVT_OK && src->g_cap) {
+        void **pd[5], **ps[5];
+        size_t bytes[5];
+        group_planes(dst, pd);
+        group_planes((kvt__recall_layer *)(uintptr_t)src, ps);
+        group_plane_bytes(src->g_cap, src->g_B, src->g_dim, bytes);
+        for (int k = 0; k < 5 && s == KVT_OK; k++)
+            s = be->ops->copy(be, *pd[k], *ps[k], bytes[k], NULL);
+    }
+    if (s == KVT_OK)
+        s = be->ops->copy(be, dst->buf, src->buf, src->bytes, NULL);
+    if (s == KVT_OK && !src->g_cap && dst->g_cap) { /* no groups to take: build them anew */
+        uint32_t zero = 0;
+        s = be->ops->write(be, &dst->st->n_grouped, &zero, sizeof zero, NULL);
+    }
+    return s;
 }
 
 kvt_status kvt__recall_layer_read(const kvt__recall_layer *r, const kvt__backend *be,
@@ -94,7 +178,9 @@ kvt_status kvt__recall_layer_read_samples(const kvt__recall_layer *r, const kvt_
 
 kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
                                   const kvt__recall_state *st, const float *samples) {
-    kvt_status s = be->ops->write(be, r->st, st, sizeof *st, NULL);
+    kvt__recall_state copy = *st;
+    copy.n_grouped = 0; /* the groups are derived: the next step builds them anew */
+    kvt_status s = be->ops->write(be, r->st, &copy, sizeof copy, NULL);
     if (s == KVT_OK && st->n_samples)
         s = be->ops->write(be, r->samples, samples, sizeof *samples * st->n_samples, NULL);
     return s;
@@ -102,6 +188,9 @@ kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
 
 kvt_status kvt__recall_state_check(const kvt__recall_layer *r, const kvt__recall_state *st,
                                    const float *samples, char *err, size_t len) {
+    if (st->n_grouped > r->g_cap || st->reserved0 != 0)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "recall: %u grouped blocks, room for %llu",
+                         st->n_grouped, (unsigned long long)r->g_cap);
     if (st->phase > KVT__CONFORMAL_PROVISIONAL)
         return kvt__fail(err, len, KVT_ERR_INVARIANT, "recall: phase %u", st->phase);
     if (st->n_samples > r->sample_cap)
@@ -153,10 +242,21 @@ void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_ar
     out->samples = r->samples;
     out->sample_cap = r->sample_cap;
     out->dense = dense;
+    if (r->g_cap) {
+        out->g_perm = r->g_perm;
+        out->g_n = r->g_n;
+        out->g_end = r->g_end;
+        out->g_centre = r->g_centre;
+        out->g_stat = r->g_stat;
+        out->g_blocks_cap = r->g_cap;
+        out->block_rows = r->g_B;
+        out->g_dim = r->g_dim;
+    }
 }
 
 void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq) {
     pq->fetch = r->fired;
+    pq->fetch_cap = r->cap;
     pq->n_fetch = r->n_fired;
     pq->dense = &r->st->last_dense;
 }

@@ -30,6 +30,13 @@ typedef struct kvt__recall_layer {
     uint32_t *n_fired;
     uint32_t *overflow;
     uint32_t n_heads, sample_cap, cap;
+    /* The pruned scan's group planes (kernels/recall_group.h) for g_cap closed blocks of g_B
+     * rows, centres of g_dim floats, in the backend's memory; grown at reserve (never in a
+     * step), filled by the recall step as blocks close. g_cap 0: none (the full scan). */
+    uint32_t *g_perm, *g_n, *g_end;
+    float *g_centre, *g_stat;
+    uint64_t g_cap;
+    uint32_t g_B, g_dim;
 } kvt__recall_layer;
 
 /* Allocate the buffer for n_heads query heads and a fetch cap of `cap` rows in be's memory (kept
@@ -38,8 +45,13 @@ typedef struct kvt__recall_layer {
 kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *be,
                                      uint32_t n_heads, uint32_t cap);
 void kvt__recall_layer_fini(kvt__recall_layer *r, const kvt__backend *be);
+/* Room for the groups of `blocks` closed blocks of B rows (centres of dim floats), grown at
+ * reserve so that no step allocates; what was built is kept. KVT_ERR_OUT_OF_MEMORY with nothing
+ * changed. */
+kvt_status kvt__recall_layer_groups_reserve(kvt__recall_layer *r, const kvt__backend *be,
+                                            uint64_t blocks, uint32_t B, uint32_t dim);
 /* dst (prepared with src's shape) takes src's state: a forked request continues its parent's
- * calibration. On the backend. */
+ * calibration, and src's built groups (dst's planes are grown to src's). On the backend. */
 kvt_status kvt__recall_layer_copy(kvt__recall_layer *dst, const kvt__recall_layer *src,
                                   const kvt__backend *be);
 /* The state to the host (synchronising: statistics, checks, snapshots). */

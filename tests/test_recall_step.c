@@ -28,6 +28,11 @@
 #define PR 16u   /* page rows */
 #define NMAX 1024u
 
+/* Block rows of the next rig (64 unless a test asks for more), and whether its rows come from 4
+ * tight clusters (the pruned scan's case) instead of the spread default. */
+static uint32_t g_block = 64;
+static bool g_clustered = false;
+
 typedef struct rig {
     kvt_model *m;
     kvt_config c;
@@ -45,6 +50,16 @@ typedef struct rig {
 
 static void make_row(rig *r, uint8_t *row) {
     float c[D];
+    if (g_clustered) { /* cluster k: latent along V row k, branch along axis k, tiny noise */
+        uint32_t k = (uint32_t)(tu_next(&r->g) % 4u);
+        for (uint32_t d = 0; d < D; d++)
+            kvt__store_elem(row, KVT__DT_BF16, d,
+                            3.0f * r->V[(size_t)k * D + d] + (float)(0.001 * tu_normal(&r->g)));
+        for (uint32_t j = 0; j < 64; j++)
+            kvt__store_elem(row + 1024, KVT__DT_BF16, j,
+                            (j == 8 * k ? 4.0f : 0.0f) + (float)(0.01 * tu_normal(&r->g)));
+        return;
+    }
     for (uint32_t d = 0; d < D; d++)
         c[d] = (float)(0.05 * tu_normal(&r->g));
     for (uint32_t k = 0; k < 8; k++) {
@@ -67,7 +82,7 @@ static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t
     s.n_q_heads = H;
     cr_assert_eq(kvt_model_create(&s, 1, "recall-step", &r->m, NULL, 0), KVT_OK);
     r->c = kvt_config_default();
-    r->c.block_rows = 64;
+    r->c.block_rows = g_block;
     r->c.kappa = 4;
     r->c.ratio = 8;
     r->c.recall = mode;
@@ -325,6 +340,7 @@ Test(recall_step, conformal_decode_matches_the_oracle, .timeout = 240) {
         cr_assert_eq(st0.recall_z, 8.0f);
         bool calibrating = true;
         uint32_t aimed = 0, aimed_fetched = 0, fetched_sum = 0, archived_sum = 0;
+        uint64_t visited_sum = 0;
         for (uint32_t step = 0; step < 120; step++) {
             float q[H * QD];
             int64_t target = -1;
@@ -365,6 +381,8 @@ Test(recall_step, conformal_decode_matches_the_oracle, .timeout = 240) {
             cr_assert_eq(st.recall_last_fetched, fired);
             fetched_sum += (uint32_t)fired;
             archived_sum += (uint32_t)st.recall_last_archived;
+            visited_sum += st.recall_last_visited;
+            cr_assert_leq(st.recall_last_visited, st.recall_last_archived);
             if (target >= 0) {
                 aimed++;
                 aimed_fetched += want[target];
@@ -378,8 +396,9 @@ Test(recall_step, conformal_decode_matches_the_oracle, .timeout = 240) {
         cr_assert_geq(aimed_fetched * 10, aimed * 9, "aimed rows fetched %u of %u",
                       aimed_fetched, aimed);
         cr_log_info("%s: %u of %u aimed rows fetched; %u of %u archived rows fetched over "
-                    "the other steps",
-                    bk ? "guarded" : "cpu", aimed_fetched, aimed, fetched_sum, archived_sum);
+                    "the other steps; the pruned scan visited %llu of them",
+                    bk ? "guarded" : "cpu", aimed_fetched, aimed, fetched_sum, archived_sum,
+                    (unsigned long long)visited_sum);
         rig_close(&r);
     }
     for (uint32_t step = 0; step < 120; step++) {
@@ -761,4 +780,143 @@ Test(recall_step, snapshots_carry_the_trigger_state, .timeout = 120) {
     rig_close(&other);
     free(snap);
     rig_close(&r);
+}
+
+/* The pruned scan inside the step: on clustered rows (blocks of 256 split into groups of one
+ * cluster each) the step visits fewer archived rows than it holds, and its sets still equal the
+ * full-scan oracle's, step for step. */
+Test(recall_step, pruned_scan_skips_clusters_and_changes_nothing, .timeout = 120) {
+    static step_out o;
+    g_block = 256;
+    g_clustered = true;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 1357);
+    prefill(&r, 256 * 3 + 10);
+    bool calibrating = true;
+    uint64_t visited = 0, archived = 0;
+    for (uint32_t step = 0; step < 30; step++) {
+        float q[H * QD];
+        make_queries(&r, q, -1);
+        decode(&r, q, &o);
+        uint8_t want[NMAX];
+        if (calibrating) {
+            calibrating = oracle_calibrate(&r, &o, q, r.n);
+            continue;
+        }
+        oracle_fire(&r, &o, q, r.n, r.conf.z, KVT__RECALL_CONFORMAL, want);
+        if (!o.dense)
+            expect_set(&r, &o, r.n, want, step);
+        kvt_layer_stats st = stats(&r);
+        visited += st.recall_last_visited;
+        archived += st.recall_last_archived;
+    }
+    cr_assert_not(calibrating);
+    cr_log_info("pruned scan in the step: visited %llu of %llu archived rows (%.2f)",
+                (unsigned long long)visited, (unsigned long long)archived,
+                (double)visited / (double)archived);
+    cr_assert_lt(visited, archived, "no group was ever skipped");
+    g_block = 64;
+    g_clustered = false;
+    rig_close(&r);
+}
+
+/* Review findings, each reproduced first: (1) a recalling request whose step attends every row
+ * (two tokens) beside a plain request, CSR with nobody fetching: offsets follow every-row sizes;
+ * (2) a second run of the layer in a calibration step keeps the dense flag; (3) a layer the
+ * scan cannot take (value_dim 64) is refused when the request is created, not at its first
+ * step. */
+Test(recall_step, review_csr_every_row_second_run_flag_and_small_latents) {
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_GUARDED, KVT_RECALL_CONFORMAL, 4096, 1.0f, 2468);
+    prefill(&r, 64 * 3 + 1);
+    kvt_seq *plain;
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 5;
+    sp.recall = KVT_RECALL_OFF;
+    cr_assert_eq(kvt_seq_create(r.ctx, &sp, &plain), KVT_OK);
+    uint8_t rows[3 * 1152];
+    for (uint32_t u = 0; u < 3; u++)
+        make_row(&r, rows + u * 1152);
+    kvt_seq *two[2] = {r.seq, plain};
+    uint32_t n[2] = {2, 1};
+    cr_assert_eq(kvt_batch_reserve(r.b, two, n, 2), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 2, rows, 2 * 1152), KVT_OK);
+    cr_assert_eq(kvt_seq_write(plain, 0, 0, 0, 1, rows + 2 * 1152, 1152), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+    static int32_t it[2 * NMAX], ic[2 * NMAX];
+    int32_t lens[2], indptr[3];
+    kvt_emit et = {.struct_size = sizeof et, .layout = KVT_EMIT_TOKENS,
+                   .indices = kvt_buffer_ptr(r.ibuf), .capacity = NMAX,
+                   .lengths = kvt_buffer_ptr(r.lbuf)};
+    cr_assert_eq(kvt_batch_run(r.b, 0, NULL, NULL, &et), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_buffer_read(r.ibuf, 0, it, sizeof it), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(r.lbuf, 0, lens, sizeof lens), KVT_OK);
+    cr_assert_eq((uint64_t)lens[0], r.n + 2); /* every row */
+    kvt_emit ec = {.struct_size = sizeof ec, .layout = KVT_EMIT_CSR,
+                   .indices = kvt_buffer_ptr(r.ibuf), .capacity = 2 * NMAX,
+                   .indptr = kvt_buffer_ptr(r.lbuf)};
+    cr_assert_eq(kvt_batch_run(r.b, 0, NULL, NULL, &ec), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_buffer_read(r.ibuf, 0, ic, sizeof ic), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(r.lbuf, 0, indptr, sizeof indptr), KVT_OK);
+    cr_assert_eq(indptr[1], lens[0], "indptr %d %d %d", indptr[0], indptr[1], indptr[2]);
+    cr_assert_eq(indptr[2], lens[0] + lens[1]);
+    cr_assert_eq(memcmp(ic, it, sizeof(int32_t) * lens[0]), 0);
+    cr_assert_eq(memcmp(ic + lens[0], it + NMAX, sizeof(int32_t) * lens[1]), 0);
+    cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK);
+    r.n += 2;
+    kvt_seq_destroy(plain);
+    /* (2) calibration steps, each run twice with a dense buffer: the flag stays 1 */
+    for (uint32_t step = 0; step < 3; step++) {
+        float q[H * QD];
+        make_queries(&r, q, -1);
+        uint32_t one = 1;
+        make_row(&r, r.rows + r.n * 1152);
+        cr_assert_eq(kvt_batch_reserve(r.b, &r.seq, &one, 1), KVT_OK);
+        cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 1, r.rows + r.n * 1152, 1152), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+        cr_assert_eq(kvt_buffer_write(r.qbuf, 0, q, sizeof q), KVT_OK);
+        for (int run = 0; run < 2; run++) {
+            uint8_t zero = 0, d = 9;
+            cr_assert_eq(kvt_buffer_write(r.dbuf, 0, &zero, 1), KVT_OK);
+            kvt_emit e = {.struct_size = sizeof e, .layout = run ? KVT_EMIT_CSR : KVT_EMIT_TOKENS,
+                          .indices = kvt_buffer_ptr(r.ibuf), .capacity = NMAX,
+                          .lengths = kvt_buffer_ptr(r.lbuf), .indptr = kvt_buffer_ptr(r.lbuf),
+                          .dense = kvt_buffer_ptr(r.dbuf)};
+            cr_assert_eq(kvt_batch_run(r.b, 0, kvt_buffer_ptr(r.qbuf), NULL, &e), KVT_OK, "%s",
+                         kvt_last_error());
+            cr_assert_eq(kvt_buffer_read(r.dbuf, 0, &d, 1), KVT_OK);
+            cr_assert_eq(d, 1, "step %u run %d: a calibration step is dense", step, run);
+        }
+        cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK);
+        r.n++;
+    }
+    (void)o;
+    rig_close(&r);
+    /* (3) */
+    kvt_layer_spec s;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 64, 64, &s), KVT_OK);
+    s.n_q_heads = 2;
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(&s, 1, "small", &m, NULL, 0), KVT_OK);
+    kvt_config c = kvt_config_default();
+    c.block_rows = 64;
+    c.kappa = 4;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.n_pages = 16;
+    p.recall_sketch_rank = 16;
+    kvt_ctx *ctx;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    sp = kvt_seq_default_params();
+    sp.recall = KVT_RECALL_CONFORMAL;
+    kvt_seq *bad = (kvt_seq *)1;
+    cr_assert_eq(kvt_seq_create(ctx, &sp, &bad), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "value_dim"), "%s", kvt_last_error());
+    cr_assert_null(bad);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
 }
