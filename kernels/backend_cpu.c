@@ -202,6 +202,25 @@ static bool recall_scan_ok(const kvt__recall_scan_args *a) {
     return a->mode == KVT__RECALL_CONFORMAL && a->z >= -FLT_MAX && a->z <= FLT_MAX;
 }
 
+/* Run n work items of item_bytes each through fn with one scratch of `need` floats (the
+ * workspace's, or owned for this call), after their arguments passed: the recall ops' frame. */
+static kvt_status run_items(const kvt__backend *be, const void *items, size_t item_bytes,
+                            uint32_t n, size_t need, void (*fn)(const void *, float *)) {
+    bool owned = false;
+    float *scratch = need ? scratch_get(be, true, need, sizeof(float), &owned) : NULL;
+    if (need && !scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n; i++)
+        fn((const uint8_t *)items + i * item_bytes, scratch);
+    if (owned)
+        kvt__free(be->alloc, scratch, need * sizeof(float));
+    return KVT_OK;
+}
+
+static void scan_item(const void *a, float *scratch) {
+    kvt__recall_scan_cpu(a, scratch);
+}
+
 static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a,
                                   uint32_t n, void *stream) {
     (void)stream;
@@ -212,15 +231,7 @@ static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan
         size_t f = kvt__recall_scan_scratch_floats(a[i].n_heads, a[i].rank, a[i].latent_dim);
         need = f > need ? f : need;
     }
-    bool owned = false;
-    float *scratch = need ? scratch_get(be, true, need, sizeof(float), &owned) : NULL;
-    if (need && !scratch)
-        return KVT_ERR_OUT_OF_MEMORY;
-    for (uint32_t i = 0; i < n; i++)
-        kvt__recall_scan_cpu(&a[i], scratch);
-    if (owned)
-        kvt__free(be->alloc, scratch, need * sizeof(float));
-    return KVT_OK;
+    return run_items(be, a, sizeof *a, n, need, scan_item);
 }
 
 /* A recall step's arguments: the scan's rules with the z its mode takes (conformal: any finite
@@ -228,9 +239,7 @@ static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan
 static bool recall_step_ok(const kvt__recall_step_args *x) {
     kvt__recall_scan_args a = x->scan;
     a.mode = x->mode;
-    a.z = x->mode == KVT__RECALL_SOUND    ? sqrtf((float)(a.latent_dim - 64u))
-          : x->mode == KVT__RECALL_MARGIN ? x->margin
-                                          : 0.0f;
+    a.z = kvt__recall_mode_z(x->mode, a.latent_dim, x->margin, 0.0f); /* conformal: any z */
     const uint32_t B = x->block_rows;
     const bool groups_ok =
         !x->g_perm || (B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && x->g_n &&
@@ -238,6 +247,10 @@ static bool recall_step_ok(const kvt__recall_step_args *x) {
     return recall_scan_ok(&a) && x->st && a.best && x->n_rows >= a.n_closed &&
            x->n_rows <= UINT32_MAX && (x->mode != KVT__RECALL_CONFORMAL || x->samples) &&
            (a.n_heads == 0 || a.q) && groups_ok;
+}
+
+static void step_item(const void *a, float *scratch) {
+    kvt__recall_step_cpu(a, scratch);
 }
 
 static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a,
@@ -253,15 +266,7 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
                                                    a[i].g_perm ? a[i].block_rows : 0);
         need = f > need ? f : need;
     }
-    bool owned = false;
-    float *scratch = need ? scratch_get(be, true, need, sizeof(float), &owned) : NULL;
-    if (need && !scratch)
-        return KVT_ERR_OUT_OF_MEMORY;
-    for (uint32_t i = 0; i < n; i++)
-        kvt__recall_step_cpu(&a[i], scratch);
-    if (owned)
-        kvt__free(be->alloc, scratch, need * sizeof(float));
-    return KVT_OK;
+    return run_items(be, a, sizeof *a, n, need, step_item);
 }
 
 /* A round's selection for n layers: each layer's scratch from the workspace (one piece, reused

@@ -65,6 +65,14 @@
 #define KVT__RECALL_SOUND 2
 #define KVT__RECALL_MARGIN 3 /* fires on !(idx + z < best): z is the margin δ >= 0 */
 
+/* The multiplier a trigger mode scans with: √(D − 64) in sound mode (the least sound z), the
+ * margin δ in margin mode, the request's calibrated z in conformal mode. */
+KVT_HD float kvt__recall_mode_z(int mode, uint32_t D, float margin, float conformal_z) {
+    return mode == KVT__RECALL_SOUND    ? sqrtf((float)(D - 64u))
+           : mode == KVT__RECALL_MARGIN ? margin
+                                        : conformal_z;
+}
+
 /* Largest branch a scan takes (the NoPE branch is 64 on every MLA model in the census). */
 #define KVT__RECALL_MAX_BRANCH 256u
 

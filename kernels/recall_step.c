@@ -207,9 +207,7 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         visited = fetched = archived;
     } else {
         /* 4. The scan with the request's multiplier. */
-        a.z = x->mode == KVT__RECALL_SOUND    ? sqrtf((float)(D - 64u))
-              : x->mode == KVT__RECALL_MARGIN ? x->margin
-                                              : st->z;
+        a.z = kvt__recall_mode_z(x->mode, D, x->margin, st->z);
         a.mode = x->mode;
         a.sinks = S;
         visited = archived;

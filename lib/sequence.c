@@ -1213,10 +1213,8 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
             return kvt__ctx_fail(ctx, s, "reading the recall state of layer %u", layer);
         out->recall_mode = (int32_t)seq->cfg.recall;
         out->recall_phase = (int32_t)rs.phase;
-        out->recall_z = seq->cfg.recall == KVT_RECALL_SOUND
-                            ? sqrtf((float)(st->spec.value_dim - 64u))
-                        : seq->cfg.recall == KVT_RECALL_MARGIN ? seq->cfg.recall_margin
-                                                               : rs.z;
+        out->recall_z = kvt__recall_mode_z((int)seq->cfg.recall, st->spec.value_dim,
+                                           seq->cfg.recall_margin, rs.z);
         out->recall_samples = rs.n_samples;
         out->recall_steps = rs.steps;
         out->recall_calib_steps = rs.calib_steps;
