@@ -59,6 +59,12 @@ kvt_ctx_params kvt_ctx_default_params(void) {
     return p;
 }
 
+kvt_status kvt_ctx_params_init(kvt_ctx_params *out, size_t struct_size) {
+    const kvt_ctx_params p = kvt_ctx_default_params();
+    return kvt__struct_init(out, struct_size, KVT_CTX_PARAMS_SIZE_MIN, &p, sizeof p,
+                            "kvt_ctx_params");
+}
+
 void kvt_ctx_destroy(kvt_ctx *ctx) {
     if (!ctx)
         return;

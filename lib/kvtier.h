@@ -481,7 +481,12 @@ typedef struct kvt_ctx_params {
 typedef struct kvt_ctx kvt_ctx;
 typedef struct kvt_seq kvt_seq;
 
+/* The defaults by value: as kvt_config_default, safe only with this library's kvtier.h. */
 KVT_API kvt_ctx_params kvt_ctx_default_params(void);
+/* The defaults written into out's first struct_size bytes (the caller's sizeof), never past
+ * them; as kvt_config_init. KVT_ERR_INVALID_ARGUMENT for NULL or a size below
+ * KVT_CTX_PARAMS_SIZE_MIN. */
+KVT_API kvt_status kvt_ctx_params_init(kvt_ctx_params *out, size_t struct_size);
 /* Create a context. Errors: KVT_ERR_INVALID_ARGUMENT (bad params; err names the field),
  * KVT_ERR_UNSUPPORTED (a config option not available yet), KVT_ERR_NO_DEVICE (CUDA asked for and
  * absent), KVT_ERR_OUT_OF_MEMORY. err may be NULL; *out is NULL on failure. */
@@ -642,7 +647,10 @@ typedef struct kvt_seq_params {
 } kvt_seq_params;
 #define KVT_SEQ_PARAMS_SIZE_MIN (offsetof(kvt_seq_params, recall) + sizeof(int32_t))
 
+/* The defaults by value: as kvt_config_default, safe only with this library's kvtier.h. */
 KVT_API kvt_seq_params kvt_seq_default_params(void);
+/* As kvt_ctx_params_init (KVT_SEQ_PARAMS_SIZE_MIN). */
+KVT_API kvt_status kvt_seq_params_init(kvt_seq_params *out, size_t struct_size);
 /* Create a request. params NULL: kvt_seq_default_params(). Errors: KVT_ERR_INVALID_ARGUMENT (NULL
  * ctx/out, a bad field: ratio above 2^20, an unknown recall), KVT_ERR_UNSUPPORTED (recall on in
  * a context without sketch planes or on a backend without the recall step; a struct from a newer

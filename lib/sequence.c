@@ -95,6 +95,12 @@ kvt_seq_params kvt_seq_default_params(void) {
     return p;
 }
 
+kvt_status kvt_seq_params_init(kvt_seq_params *out, size_t struct_size) {
+    const kvt_seq_params p = kvt_seq_default_params();
+    return kvt__struct_init(out, struct_size, KVT_SEQ_PARAMS_SIZE_MIN, &p, sizeof p,
+                            "kvt_seq_params");
+}
+
 /* Link a request into the context's live list. */
 static void link_live(kvt_ctx *ctx, kvt_seq *seq) {
     seq->prev = NULL;

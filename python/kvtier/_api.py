@@ -379,14 +379,24 @@ _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows
                  "seed": "u64", "recall_cap_rows": "u32", "budget_min_kept": "u32"}
 
 
+def _defaults(struct, init):
+    """A versioned struct filled with the library's defaults by its _init function: the C
+    library writes only ctypes.sizeof(struct) bytes, so a library newer than this mirror (a
+    larger struct) cannot overrun it, as returning the struct by value would."""
+    out = struct()
+    check(init(ctypes.byref(out), ctypes.sizeof(struct)), init.__name__, None)
+    return out
+
+
 class Config:
-    """kvt_config: starts from kvt_config_default(); keyword arguments override fields.
+    """kvt_config: starts from the library's defaults (kvt_config_init, which writes no byte
+    past this mirror's size); keyword arguments override fields.
 
     >>> Config(ratio=8, block_rows=64, kappa=4)
     """
 
     def __init__(self, **fields):
-        object.__setattr__(self, "_c", lib.kvt_config_default())
+        object.__setattr__(self, "_c", _defaults(_lib.ConfigC, lib.kvt_config_init))
         for k, v in fields.items():
             setattr(self, k, v)
 
@@ -517,8 +527,7 @@ class Context(_Closable):
                  archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None):
         if not isinstance(model, Model):
             raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
-        p = lib.kvt_ctx_default_params()
-        p.struct_size = ctypes.sizeof(_lib.CtxParamsC)
+        p = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
         p.model = model._ptr
         if isinstance(config, dict):
             config = Config(**config)
@@ -573,7 +582,7 @@ class Context(_Closable):
               "kvt_ctx_create_default", err)
         ctx = cls.__new__(cls)
         ctx._h = _Handle(out.value, lib.kvt_ctx_destroy)
-        d = lib.kvt_ctx_default_params()
+        d = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
         ctx._page_rows, ctx._n_pages = d.page_rows, d.n_pages
         ctx._specs = model.layers
         return ctx
@@ -765,8 +774,7 @@ class Sequence(_Closable):
                  recall=None):
         if not isinstance(ctx, Context):
             raise TypeError(f"ctx: expected a kvtier.Context, got {type(ctx).__name__}")
-        sp = lib.kvt_seq_default_params()
-        sp.struct_size = ctypes.sizeof(_lib.SeqParamsC)
+        sp = _defaults(_lib.SeqParamsC, lib.kvt_seq_params_init)
         sp.request_id = u64(request_id, "request_id")
         sp.prompt_rows = u64(prompt_rows, "prompt_rows")
         sp.ratio = u32(ratio, "ratio")

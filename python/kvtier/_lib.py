@@ -289,6 +289,7 @@ _SIGNATURES = {
     "kvt_config_check": (c_status, [P(ConfigC), c_cp, c_size]),
     # context
     "kvt_ctx_default_params": (CtxParamsC, []),
+    "kvt_ctx_params_init": (c_status, [P(CtxParamsC), c_size]),
     "kvt_ctx_create": (c_status, [P(CtxParamsC), P(c_vp), c_cp, c_size]),
     "kvt_ctx_create_default": (c_status, [c_vp, P(c_vp), c_cp, c_size]),
     "kvt_ctx_destroy": (None, [c_vp]),
@@ -307,6 +308,7 @@ _SIGNATURES = {
     "kvt_layer_bind": (c_status, [c_vp, c_u32, c_u32, c_vp, c_size]),
     # sequences
     "kvt_seq_default_params": (SeqParamsC, []),
+    "kvt_seq_params_init": (c_status, [P(SeqParamsC), c_size]),
     "kvt_seq_create": (c_status, [c_vp, P(SeqParamsC), P(c_vp)]),
     "kvt_seq_destroy": (None, [c_vp]),
     "kvt_seq_set_prompt_rows": (c_status, [c_vp, c_u64]),
