@@ -468,10 +468,12 @@ typedef struct kvt_ctx_params {
      * rank 0) and ρ = the norm of what that fp16 sketch misses (fp32): 2r + 4 bytes a row, 132 B
      * at the design's r = 64, in the backend's memory, sized with the score plane (at
      * kvt_seq_create when max_rows_per_seq is stated). A layer without a basis gets empty
-     * sketches and ρ = the latent's norm. The trigger that reads them is not built yet: sketches
-     * change no attended set. 1..KVT_RECALL_MAX_RANK and at most every salience layer's
-     * value_dim (KVT_ERR_INVALID_ARGUMENT); salience layers with fp8 rows are
-     * KVT_ERR_UNSUPPORTED (kvtier has no fp8 decoder: a ds_mla row's latent needs its scales). */
+     * sketches and ρ = the latent's norm. The recall trigger (kvt_config.recall) reads them.
+     * 1..KVT_RECALL_MAX_RANK and at most every salience layer's value_dim
+     * (KVT_ERR_INVALID_ARGUMENT). fp8 rows are read in FlashMLA's 656-B ds_mla layout only (512
+     * E4M3 latent values, 4 fp32 scales, one per 128 values, the bf16 branch at byte 528; latent
+     * value i = e4m3(byte i) · scale[i / 128] in fp32); another fp8 layout is
+     * KVT_ERR_UNSUPPORTED. */
     uint32_t recall_sketch_rank;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
