@@ -376,7 +376,11 @@ void kvt_seq_destroy(kvt_seq *seq) {
         kvt__seq_free(seq);
         return;
     }
-    /* A slot: every page goes back to the pool, the allocations stay for the next request. */
+    /* A slot: every page goes back to the pool, the allocations stay for the next request;
+     * what its policies share with other requests (prefix sharing) goes back to them. */
+    for (uint32_t i = 0; i < ctx->n_layers; i++)
+        if (ctx->stores[i].group >= 0 && ops_of(ctx, i)->layer_unshare)
+            ops_of(ctx, i)->layer_unshare(&seq->layers[i], &ctx->alloc);
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__ptable *t = &seq->pt[g];
         t->n_rows = 0;

@@ -835,7 +835,7 @@ static kvt_status copy_strided(const kvt__backend *be, void *dst, uint64_t dst_c
     return KVT_OK;
 }
 
-static kvt_status ev_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+static kvt_status ev_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                 const kvt__env *env, const kvt__store *st, uint64_t rows) {
     kvt__ev *d = &dst_s->ev;
     const kvt__ev *e = &src_s->ev;
@@ -875,7 +875,7 @@ static kvt_status ev_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *s
 
 /* Rows [0, rows) of src are positions [0, rows) in every head while no round ran, or inside the
  * protected prefix, which no round moves. */
-static kvt_status ev_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+static kvt_status ev_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                   const kvt__env *env, const kvt__store *st, uint64_t rows,
                                   uint64_t src_prompt_rows) {
     kvt__ev *d = &dst_s->ev;
