@@ -47,6 +47,7 @@
  *    scheduler  kvt_seq_create, kvt_seq_destroy, kvt_seq_set_prompt_rows, kvt_batch_create,
  *               kvt_batch_destroy, kvt_batch_reserve, kvt_batch_plan, kvt_batch_commit,
  *               kvt_layer_bind, kvt_layer_read, kvt_layer_write, kvt_ctx_free_pages,
+ *               kvt_ctx_memory_stats, kvt_seq_fork, kvt_seq_attach,
  *               kvt_buffer_alloc, kvt_buffer_free, kvt_buffer_read / _write (_async), and the
  *               inspection calls (kvt_seq_check, kvt_seq_layer_stats, kvt_seq_row_state,
  *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
@@ -507,6 +508,28 @@ KVT_API int32_t kvt_ctx_layer_group(const kvt_ctx *ctx, uint32_t layer);
 KVT_API uint64_t kvt_ctx_host_allocations(const kvt_ctx *ctx);
 /* Pages free in a layer's group pool. */
 KVT_API kvt_status kvt_ctx_free_pages(const kvt_ctx *ctx, uint32_t layer, uint32_t *out);
+
+/* The memory a context's live requests hold now, summed over its groups and layers, with what
+ * requests share (kvt_seq_fork, kvt_seq_attach) counted once: a shared page is one page of the
+ * pool, a shared set of side planes one set. The sum over requests of kvt_layer_stats'
+ * pages_in_use / bytes_in_use / side_bytes counts it once per holder instead. */
+typedef struct kvt_ctx_memory {
+    size_t struct_size;        /* in: sizeof(kvt_ctx_memory) (output written up to it) */
+    uint64_t requests;         /* live requests (parked request slots are not) */
+    uint64_t pages_in_use;     /* pool pages held, over every group (each page once) */
+    uint64_t shared_pages;     /* of which held by more than one request */
+    uint64_t bytes_in_use;     /* their bytes: per group, pages x page_rows x the group's layers'
+                                * row bytes of every plane */
+    uint64_t shared_bytes;     /* of which in shared pages */
+    uint64_t side_bytes;       /* kvt_layer_stats.side_bytes over requests and layers, a shared
+                                * set counted once */
+    uint64_t shared_side_bytes;/* of which in sets held by more than one request */
+} kvt_ctx_memory;
+#define KVT_CTX_MEMORY_SIZE_MIN (offsetof(kvt_ctx_memory, shared_side_bytes) + sizeof(uint64_t))
+/* Fill *out (out->struct_size set by the caller). KVT_ERR_INVALID_ARGUMENT (NULL, a struct_size
+ * below KVT_CTX_MEMORY_SIZE_MIN), KVT_ERR_BAD_STATE (a step in flight: call between steps),
+ * KVT_ERR_OUT_OF_MEMORY (host scratch). O(requests x layers). */
+KVT_API kvt_status kvt_ctx_memory_stats(const kvt_ctx *ctx, kvt_ctx_memory *out);
 
 /* Base address and size of a layer's plane (0 = K or the MLA row, 1 = V): the array
  * [n_pages][page_rows][n_kv_heads][row_bytes]. KVT_ERR_OUT_OF_RANGE for a bad layer/plane,
@@ -980,6 +1003,15 @@ typedef struct kvt_layer_stats {
     /* Committed rows per attended row (per KV head) now: the compression the step really gets,
      * tail included (0 when nothing is attended). */
     double effective_ratio;
+    /* Backend bytes the layer holds for this request beyond its pool pages (capacity): the
+     * policy's side planes (salience: σ, kept set, recall sketches; eviction: positions, slot
+     * map, keep sets, the archive's position indices — its rows are in archive_bytes) and the
+     * recall trigger's buffer and group planes. */
+    uint64_t side_bytes;
+    /* Of side_bytes, the planes this request shares with others (kvt_seq_fork, kvt_seq_attach:
+     * the σ and sketch planes of the closed blocks they share, fixed once written; a holder
+     * that closes a block copies them first). kvt_ctx_memory counts them once. */
+    uint64_t shared_side_bytes;
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

@@ -164,10 +164,11 @@ struct kvt__policy_ops {
     void (*layer_unshare)(kvt__tier_state *s, const kvt__alloc *a);
     /* (optional) Backend bytes of the state's side planes (capacity, beyond the pool's pages):
      * *own those only this request holds; *shared those of a set it shares with other requests,
-     * *key naming that set (the same for every holder; NULL when *shared is 0), so that a total
-     * over requests counts it once. Without it: none. */
+     * *key naming that set (the same for every holder; NULL when *shared is 0) and *holders the
+     * holders it records (kvt_seq_check counts them), so that a total over requests counts it
+     * once. Without it: none. */
     void (*side_bytes)(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
-                       const void **key);
+                       const void **key, uint32_t *holders);
 
     /* ---- Commit ---------------------------------------------------------------------------- */
     /* (optional) Run the policy over one group of one sequence after rows were committed (block

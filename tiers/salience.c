@@ -830,9 +830,10 @@ static void sal_layer_unshare(kvt__tier_state *s, const kvt__alloc *a) {
 }
 
 static void sal_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
-                           const void **key) {
+                           const void **key, uint32_t *holders) {
     kvt__sal_side_bytes(&s->sal, own, shared);
     *key = *shared ? (const void *)s->sal.share : NULL;
+    *holders = *shared ? *s->sal.share : 1;
 }
 
 static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {

@@ -216,6 +216,8 @@ class LayerStatsC(ctypes.Structure):
         ("recall_last_dense", ctypes.c_bool),
         ("recall_last_overflow", ctypes.c_bool),
         ("effective_ratio", ctypes.c_double),
+        ("side_bytes", c_u64),
+        ("shared_side_bytes", c_u64),
     ]
 
 
