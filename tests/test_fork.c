@@ -546,3 +546,49 @@ Test(fork, attached_requests_share_side_planes_until_written) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
+
+/* Request slots (max_seqs, max_rows_per_seq): a forked child takes a slot and shares its
+ * parent's side planes; destroyed, the slot is parked and gives its share back (the parent is
+ * the set's only holder again); the slot serves a new request from scratch; and a fork's close
+ * copies the set at the step's reserve, so that it fails there, for memory, never in the step. */
+Test(fork, parked_slots_give_their_share_back) {
+    kvt_model *m = tu_mixed_model();
+    kvt_ctx *ctx = tu_mixed_ctx_slots(m, false, 512, 512, 8, 4, 1024);
+    cr_assert(m && ctx);
+    kvt_seq *p = new_seq(ctx, 1, 40), *c;
+    for (int k = 0; k < 9; k++)
+        step(p, m, 16, 0, k % 2); /* 144 rows: two closed blocks */
+    cr_assert_eq(kvt_seq_fork(p, 2, &c), KVT_OK, "%s", kvt_last_error());
+    const kvt_layer_stats shared = sal_stats(c);
+    cr_assert_gt(shared.shared_side_bytes, 0u);
+    cr_assert_eq(sal_stats(p).shared_side_bytes, shared.shared_side_bytes);
+    cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(c); /* parked */
+    cr_assert_eq(sal_stats(p).shared_side_bytes, 0u, "the parked slot holds no share");
+    cr_assert_eq(memory_of(ctx).shared_side_bytes, 0u);
+    cr_assert_eq(memory_of(ctx).requests, 1u);
+    cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+    kvt_seq *fresh = new_seq(ctx, 3, 40), *ref = NULL;
+    kvt_ctx *rctx = tu_mixed_ctx_slots(m, false, 512, 512, 8, 4, 1024);
+    cr_assert(rctx);
+    ref = new_seq(rctx, 3, 40);
+    for (int k = 0; k < 10; k++) {
+        step(fresh, m, 16, 5, k % 2);
+        step(ref, m, 16, 5, k % 2);
+        same(fresh, ref, "slot reused", k);
+        same_scores(fresh, ref, "slot reused", k);
+        step(p, m, 16, 0, k % 2);
+    }
+    cr_assert_eq(sal_stats(fresh).shared_side_bytes, 0u);
+    /* Fork again; the child's step that closes a block copies the set at its reserve. */
+    cr_assert_eq(kvt_seq_fork(p, 4, &c), KVT_OK, "%s", kvt_last_error());
+    const uint32_t to_close = (uint32_t)(64 - kvt_seq_length(c) % 64);
+    cr_assert_eq(tu_reserve(c, to_close), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(sal_stats(p).shared_side_bytes, 0u, "copied at the reserve");
+    write_rows(c, m, kvt_seq_length(c), to_close, 6);
+    cr_assert_eq(tu_commit_run(c, to_close), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(rctx);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
