@@ -298,6 +298,19 @@ typedef struct kvt_census_totals {
  * KVT_ERR_OUT_OF_RANGE (a total overflows 64 bits). *out is zeroed on error. */
 KVT_API kvt_status kvt_model_census(const kvt_model *model, uint64_t context, uint64_t concurrency,
                                     double ratio, kvt_census_totals *out);
+/* kvt_model_census when the requests share their first shared_rows tokens (prefix sharing:
+ * kvt_seq_fork, kvt_seq_attach; a common system prompt), which the pool holds once. Per layer,
+ * with O = the shared rows the layer still holds (sliding: those inside its last S rows, else
+ * shared_rows) and C = concurrency:
+ *   dense_bytes     C x S - (C - 1) x O               rows held with no policy
+ *   freed_bytes     dense rows - (C x K - (C - 1) x min(O, K)) for evict (the shared prefix is
+ *                   taken to be the protected prompt, which rounds keep shared); 0 otherwise
+ *   attended_bytes  as kvt_model_census: every request reads its own attended rows
+ * each times bytes_per_token. shared_rows 0 gives kvt_model_census's figures.
+ * KVT_ERR_INVALID_ARGUMENT also when shared_rows > context. */
+KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t context,
+                                           uint64_t concurrency, double ratio,
+                                           uint64_t shared_rows, kvt_census_totals *out);
 
 /* ---------------------------------------------------------------------------------------------
  * Configuration
