@@ -713,12 +713,16 @@ KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, u
                                  uint32_t n, const void *src, size_t src_bytes);
 /* Fork seq between steps into a new request *out of id request_id (parallel sampling, a shared
  * system prompt): the child holds every committed row of seq — the same pages, shared with
- * reference counts, none copied — and a copy of every layer's policy state (σ and kept sets,
- * eviction positions, slot maps and archive), with seq's prompt length, ratio and recall; from
- * then on each decodes on its own. A shared page is read-only: before a step writes into one
- * (the partial last page at kvt_batch_reserve, the pages past the protected prompt before an
- * eviction round) the writer copies it into a page of its own, so neither side ever sees the
- * other's rows; a page goes back to the pool when its last holder lets it go. Later random
+ * reference counts, none copied — and every layer's policy state: the σ and recall sketch
+ * planes of the closed blocks shared the same way (they are fixed once written), a copy of the
+ * rest (kept sets, eviction positions, slot maps and archive, recall groups), with seq's prompt
+ * length, ratio and recall; from then on each decodes on its own. A shared page is read-only:
+ * before a step writes into one (the partial last page at kvt_batch_reserve, the pages past the
+ * protected prompt before an eviction round) the writer copies it into a page of its own, so
+ * neither side ever sees the other's rows; a page goes back to the pool when its last holder
+ * lets it go. Shared σ and sketch planes likewise: the kvt_batch_reserve of a step that closes
+ * a block copies them first (KVT_ERR_OUT_OF_MEMORY there, nothing reserved, when it cannot; so
+ * a request that shares them may allocate at that reserve even with max_rows_per_seq). Later random
  * draws are keyed by the child's own request id. KVT_ERR_BAD_STATE when seq has a step in flight
  * (or is damaged), KVT_ERR_INVALID_ARGUMENT (NULL), KVT_ERR_CAPACITY (max_seqs reached),
  * KVT_ERR_OUT_OF_MEMORY; on failure nothing was forked. A later reserve that must copy a page
@@ -729,8 +733,9 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
  * document many requests start from), in exactly the state a request fed those rows alone would
  * have: salience layers keep the σ of the blocks closed within the prefix and select their
  * top-m anew, random-eviction layers start with no round, a sliding group holds the prefix's
- * last window. Its prompt length is min(src's, prefix_rows); src's parameters otherwise. Pages
- * are shared and copied on write as with kvt_seq_fork. KVT_ERR_INVALID_ARGUMENT (prefix not a
+ * last window. Its prompt length is min(src's, prefix_rows); src's parameters otherwise. Pages,
+ * and the σ and sketch planes of the blocks closed within the prefix, are shared and copied on
+ * write as with kvt_seq_fork. KVT_ERR_INVALID_ARGUMENT (prefix not a
  * multiple of page_rows or past src's length, out NULL), KVT_ERR_UNSUPPORTED when src no longer
  * holds the prefix as it was (an eviction round moved rows past its protected prompt; a
  * sliding group returned rows the prefix's window needs), KVT_ERR_BAD_STATE (a step in flight),
