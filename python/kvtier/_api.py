@@ -356,12 +356,16 @@ class Model(_Closable):
     def kv_bytes_per_token(self) -> int:
         return lib.kvt_model_kv_bytes_per_token(self._ptr)
 
-    def census(self, context: int, concurrency: int = 1, ratio: float = 32.0) -> CensusTotals:
-        """kvt_model_census at a context length (tokens), concurrency and ratio (>= 1)."""
+    def census(self, context: int, concurrency: int = 1, ratio: float = 32.0,
+               shared_prefix: int = 0) -> CensusTotals:
+        """kvt_model_census at a context length (tokens), concurrency and ratio (>= 1); with
+        shared_prefix > 0, kvt_model_census_shared (the requests' first shared_prefix tokens
+        held once)."""
         out = _lib.CensusTotalsC()
-        check(lib.kvt_model_census(self._ptr, u64(context, "context"),
-                                   u64(concurrency, "concurrency"), float(ratio),
-                                   ctypes.byref(out)), "kvt_model_census")
+        check(lib.kvt_model_census_shared(self._ptr, u64(context, "context"),
+                                          u64(concurrency, "concurrency"), float(ratio),
+                                          u64(shared_prefix, "shared_prefix"),
+                                          ctypes.byref(out)), "kvt_model_census_shared")
         return CensusTotals(out)
 
     def __repr__(self):
@@ -642,6 +646,13 @@ class Context(_Closable):
         check(lib.kvt_ctx_free_pages(self._ptr, u32(layer, "layer"), ctypes.byref(out)),
               "kvt_ctx_free_pages")
         return out.value
+
+    def memory(self) -> dict:
+        """kvt_ctx_memory_stats: what the live requests hold, shared pages and side planes
+        counted once (a dict of its fields)."""
+        out = _lib.CtxMemoryC(struct_size=ctypes.sizeof(_lib.CtxMemoryC))
+        check(lib.kvt_ctx_memory_stats(self._ptr, ctypes.byref(out)), "kvt_ctx_memory_stats")
+        return {n: int(getattr(out, n)) for n, _ in _lib.CtxMemoryC._fields_ if n != "struct_size"}
 
     def set_recall_basis(self, layer: int, basis) -> None:
         """kvt_ctx_set_recall_basis: the layer's recall basis, float32 [rank, value_dim] with
