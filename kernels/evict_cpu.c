@@ -170,97 +170,167 @@ static uint64_t old_row(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_
  * loops below step by 64 bytes, the line size of current x86-64 and most Arm cores. */
 #if defined(__GNUC__)
 #define EV_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#define EV_INLINE static inline __attribute__((always_inline))
 #else
 #define EV_PREFETCH(p) ((void)(p))
+#define EV_INLINE static inline
 #endif
 
-/* memcpy of a per-head piece: inline 32-byte chunks when n is a multiple of 32 (a row of a
- * multiple of 16 bf16/fp16 or 8 fp32 values), else one memcpy call. Per-head pieces are a few hundred bytes,
- * and a libc call per piece measured 3-14% slower over the whole compaction (bench_compact's
- * setup, six A/B runs). */
-static inline void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
+/* memcpy of a per-head piece: inline 32-byte chunks, four at a time, when n is a multiple of 32
+ * (a row of a multiple of 16 bf16/fp16 or 8 fp32 values), else one memcpy call. Per-head pieces
+ * are a few hundred bytes, and a libc call per piece measured 3-14% slower over the whole
+ * compaction (bench_compact's setup, six A/B runs). Compiled inside an AVX2 body (below), each
+ * 32-byte memcpy is one 256-bit load and store. */
+EV_INLINE void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
     if (n % 32 != 0) {
         memcpy(d, s, n);
         return;
     }
-    for (size_t i = 0; i < n; i += 32)
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        memcpy(d + i, s + i, 32);
+        memcpy(d + i + 32, s + i + 32, 32);
+        memcpy(d + i + 64, s + i + 64, 32);
+        memcpy(d + i + 96, s + i + 96, 32);
+    }
+    for (; i < n; i += 32)
         memcpy(d + i, s + i, 32);
 }
 
-/* Destination rows the prefetch of compact() runs ahead of its moves (2 to 16 measured alike). */
-enum { EV_PREFETCH_ROWS = 8 };
+/* Destination rows the prefetch of compact() runs ahead of its moves (1 to 8 measured alike with
+ * the spread prefetch; 16 and more slower: the lines leave L1 before use). */
+enum { EV_PREFETCH_ROWS = 4 };
+
+/* The prefetch cursor of one plane: the next line to bring, walking the slots in row order. */
+typedef struct ev_cursor {
+    const uint8_t *slot; /* slot of row `row` */
+    size_t line;         /* byte offset of the next line in it */
+    uint64_t row, issued, target; /* lines issued and wanted so far (row * lines + ...) */
+} ev_cursor;
+
+/* Issue up to n lines of the cursor, not past its target. */
+EV_INLINE void cursor_issue(const kvt__ev_args *a, const uint8_t *base, ev_cursor *c, uint64_t n) {
+    for (; n > 0 && c->issued < c->target; n--, c->issued++) {
+        EV_PREFETCH(c->slot + c->line);
+        c->line += 64;
+        if (c->line >= a->slot_bytes) {
+            c->line = 0;
+            if (++c->row < a->N)
+                c->slot = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
+                                                        (uint32_t)c->row) *
+                                     a->slot_bytes;
+        }
+    }
+}
+
+/* Per-head keep sets, one plane, destination rows [0, K): each destination slot filled head by
+ * head, adjacent heads with the same source as one piece; the source slots prefetched in row
+ * order by a cursor (see compact()). */
+EV_INLINE void compact_heads_body(const kvt__ev_args *a, uint8_t *base) {
+    const uint64_t K = a->K;
+    const uint32_t H = a->n_heads;
+    const size_t rb = a->row_bytes;
+    const uint64_t lines = (a->slot_bytes + 63) / 64, piece_lines = (rb + 63) / 64;
+    ev_cursor c = {.slot = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, 0) *
+                                      a->slot_bytes};
+    for (uint64_t j = 0; j < K; j++) {
+        const uint64_t jp = j + EV_PREFETCH_ROWS < K ? j + EV_PREFETCH_ROWS : K - 1;
+        uint64_t far = 0;
+        for (uint32_t h = 0; h < H; h++) {
+            uint64_t o = a->keep[(size_t)h * K + jp];
+            far = o > far ? o : far;
+        }
+        c.target = (far + 1) * lines;
+        uint8_t *dst = NULL;
+        uint64_t o = a->keep[j], oe = 0;
+        for (uint32_t h = 0; h < H;) {
+            uint32_t e = h + 1;
+            while (e < H && (oe = a->keep[(size_t)e * K + j]) == o)
+                e++;
+            /* This piece's share of the prefetch: its own lines, plus a 16th of any backlog (a
+             * far source jumps ahead when a head's keep set skips rows). */
+            cursor_issue(a, base, &c,
+                         (uint64_t)(e - h) * piece_lines + ((c.target - c.issued) >> 4));
+            if (o != j) {
+                if (!dst)
+                    dst = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
+                                                        (uint32_t)j) *
+                                     a->slot_bytes;
+                const uint8_t *src =
+                    base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)o) *
+                               a->slot_bytes;
+                copy_piece(dst + (size_t)h * rb, src + (size_t)h * rb, (size_t)(e - h) * rb);
+            }
+            h = e;
+            o = oe;
+        }
+    }
+}
+
+static void compact_heads_plain(const kvt__ev_args *a, uint8_t *base) {
+    compact_heads_body(a, base);
+}
+
+/* The same body compiled for AVX2 (32-byte loads and stores: half the copy instructions, and
+ * the compaction is instruction-bound once its reads are prefetched), chosen at run time. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define EV_HAVE_AVX2 1
+__attribute__((target("avx2"))) static void compact_heads_avx2(const kvt__ev_args *a,
+                                                               uint8_t *base) {
+    compact_heads_body(a, base);
+}
+#endif
 
 /* Move every head's survivors to the front, slot-major: destination rows in ascending order,
  * each destination slot filled head by head (its writes contiguous). In place: for a head, the
  * row a move writes is either evicted or the source of a move of a lower destination, which
  * already happened (sources never lie below their destinations). Adjacent heads that take the
  * same source row move as one piece (a slot is [head][row_bytes], so their bytes are contiguous
- * in both slots); when every head keeps the same rows (MLA, or a shared draw without VaSE) that
- * is the whole slot.
+ * in both slots); when every head keeps the same rows (MLA, or a shared draw without VaSE), and
+ * for the r recent rows, that is the whole slot.
  *
  * Per-head keep sets scatter a destination slot's sources over up to cand - K + 1 slots, one
- * row_bytes piece from each, all read through the same memcpy instructions, so the hardware's
+ * row_bytes piece from each, all read through the same copy instructions, so the hardware's
  * stride prefetchers see no pattern and each piece waited for memory (1.5-1.7x the copy floor in
  * bench_compact). So the slots are prefetched whole, in row order, by a cursor that stays ahead
  * of the furthest source of destination j + EV_PREFETCH_ROWS: one sequential stream per plane.
- * Nearly every line it brings is used: a slot's kept pieces are read as sources, its evicted
- * pieces below K + r written as destinations (unused: pieces of rows a head keeps in place, and
- * evicted pieces at or beyond K + r). The lines wait in cache for at most the spread of the
- * heads' sources (max - min over h of keep[h][j]) plus EV_PREFETCH_ROWS slots. With one keep
- * set for every head the moves are whole slots, which the hardware prefetches by itself: no
- * hints then (no gain measured there). */
+ * The cursor's lines are issued a few with each piece (spread over the row's pieces, not in a
+ * burst per slot: a burst of a slot's 32 lines measured 1.3-1.4x the spread's time, cold cache,
+ * thread CPU clock). Nearly every line it brings is used: a slot's kept pieces are read as
+ * sources, its evicted pieces below K + r written as destinations (unused: pieces of rows a
+ * head keeps in place, and evicted pieces at or beyond K + r). With one keep set for every head
+ * the moves are whole slots, which the hardware prefetches by itself: no hints then (no gain
+ * measured there). */
 static void compact(const kvt__ev_args *a) {
     const uint64_t K = a->K, cand = a->N - a->r, n_new = K + a->r;
     bool same = true;
     for (uint32_t h = 1; h < a->n_heads && same; h++)
         same = memcmp(a->keep, a->keep + (size_t)h * K, sizeof *a->keep * K) == 0;
-    /* The moved pieces: one per head, or whole slots. */
-    const uint32_t H = same ? 1 : a->n_heads;
-    const size_t rb = same ? a->slot_bytes : a->row_bytes;
+#if EV_HAVE_AVX2
+    const bool avx2 = __builtin_cpu_supports("avx2");
+#endif
     for (uint32_t p = 0; p < a->n_planes; p++) {
         uint8_t *base = a->plane[p];
-        uint64_t pf = 0; /* the next row to prefetch */
-        for (uint64_t j = 0; j < n_new; j++) {
-            if (!same) {
-                const uint64_t jp =
-                    j + EV_PREFETCH_ROWS < n_new ? j + EV_PREFETCH_ROWS : n_new - 1;
-                uint64_t far = 0;
-                for (uint32_t h = 0; h < H; h++) {
-                    uint64_t o = old_row(a->keep + (size_t)h * K, K, cand, jp);
-                    far = o > far ? o : far;
-                }
-                for (; pf <= far; pf++) {
-                    const uint8_t *s =
-                        base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
-                                                      (uint32_t)pf) *
-                                   a->slot_bytes;
-                    for (size_t b = 0; b < a->slot_bytes; b += 64)
-                        EV_PREFETCH(s + b);
-                }
-            }
-            uint8_t *dst = NULL;
-            for (uint32_t h = 0; h < H;) {
-                uint64_t o = old_row(a->keep + (size_t)h * K, K, cand, j);
-                uint32_t e = h + 1;
-                while (e < H && old_row(a->keep + (size_t)e * K, K, cand, j) == o)
-                    e++;
-                if (o != j) {
-                    if (!dst)
-                        dst = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
-                                                            (uint32_t)j) *
-                                         a->slot_bytes;
-                    const uint8_t *src =
-                        base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
-                                                      (uint32_t)o) *
-                                   a->slot_bytes;
-                    if (same)
-                        memcpy(dst, src, rb);
-                    else
-                        copy_piece(dst + (size_t)h * rb, src + (size_t)h * rb,
-                                   (size_t)(e - h) * rb);
-                }
-                h = e;
-            }
+        uint64_t j = 0;
+        if (!same && K > 0) {
+#if EV_HAVE_AVX2
+            if (avx2)
+                compact_heads_avx2(a, base);
+            else
+#endif
+                compact_heads_plain(a, base);
+            j = K;
+        }
+        /* Whole slots: every row with a shared keep set, the recent rows with any. */
+        for (; j < n_new; j++) {
+            uint64_t o = old_row(a->keep, K, cand, j);
+            if (o == j)
+                continue;
+            memcpy(base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)j) *
+                              a->slot_bytes,
+                   base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)o) *
+                              a->slot_bytes,
+                   a->slot_bytes);
         }
     }
 }
