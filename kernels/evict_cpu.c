@@ -9,6 +9,9 @@
 
 #include <math.h>
 #include <string.h>
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#endif
 
 /* The selection's scratch, carved from one piece. */
 typedef struct sel_scratch {
@@ -197,24 +200,67 @@ EV_INLINE void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
         memcpy(d + i, s + i, 32);
 }
 
+/* The 256-bit copy of the AVX2 body: explicit loads and stores (GCC's generic tuning splits a
+ * 32-byte memcpy into two 16-byte moves even inside an AVX2 function), four chunks loaded before
+ * they are stored. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define EV_HAVE_AVX2 1
+__attribute__((target("avx2"))) static inline void copy_piece_avx2(uint8_t *d, const uint8_t *s,
+                                                                   size_t n) {
+    if (n % 32 != 0) {
+        memcpy(d, s, n);
+        return;
+    }
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        __m256i x3 = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_storeu_si256((__m256i *)(d + i), x0);
+        _mm256_storeu_si256((__m256i *)(d + i + 32), x1);
+        _mm256_storeu_si256((__m256i *)(d + i + 64), x2);
+        _mm256_storeu_si256((__m256i *)(d + i + 96), x3);
+    }
+    for (; i < n; i += 32)
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+}
+#else
+#define EV_HAVE_AVX2 0
+#endif
+
 /* Destination rows the prefetch of compact() runs ahead of its moves (1 to 8 measured alike with
  * the spread prefetch; 16 and more slower: the lines leave L1 before use). */
 enum { EV_PREFETCH_ROWS = 4 };
 
-/* The prefetch cursor of one plane: the next line to bring, walking the slots in row order. */
+/* The prefetch cursor of one plane: the next head piece to bring, walking the slots in row
+ * order, a piece (row_bytes) at a time. */
 typedef struct ev_cursor {
-    const uint8_t *slot; /* slot of row `row` */
-    size_t line;         /* byte offset of the next line in it */
-    uint64_t row, issued, target; /* lines issued and wanted so far (row * lines + ...) */
+    const uint8_t *slot;  /* slot of row `row` */
+    size_t off;           /* byte offset of the next piece in it */
+    uint32_t head;        /* its head */
+    uint64_t row, issued, target; /* pieces issued and wanted (row * n_heads + head) */
 } ev_cursor;
 
-/* Issue up to n lines of the cursor, not past its target. */
+/* Issue up to n pieces of the cursor, not past its target. */
 EV_INLINE void cursor_issue(const kvt__ev_args *a, const uint8_t *base, ev_cursor *c, uint64_t n) {
-    for (; n > 0 && c->issued < c->target; n--, c->issued++) {
-        EV_PREFETCH(c->slot + c->line);
-        c->line += 64;
-        if (c->line >= a->slot_bytes) {
-            c->line = 0;
+    if (n > c->target - c->issued)
+        n = c->target - c->issued;
+    c->issued += n;
+    for (; n > 0; n--) {
+        const uint8_t *q = c->slot + c->off, *qe = q + a->row_bytes;
+        for (; q + 256 <= qe; q += 256) {
+            EV_PREFETCH(q);
+            EV_PREFETCH(q + 64);
+            EV_PREFETCH(q + 128);
+            EV_PREFETCH(q + 192);
+        }
+        for (; q < qe; q += 64)
+            EV_PREFETCH(q);
+        c->off += a->row_bytes;
+        if (++c->head == a->n_heads) {
+            c->head = 0;
+            c->off = 0;
             if (++c->row < a->N)
                 c->slot = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
                                                         (uint32_t)c->row) *
@@ -226,11 +272,10 @@ EV_INLINE void cursor_issue(const kvt__ev_args *a, const uint8_t *base, ev_curso
 /* Per-head keep sets, one plane, destination rows [0, K): each destination slot filled head by
  * head, adjacent heads with the same source as one piece; the source slots prefetched in row
  * order by a cursor (see compact()). */
-EV_INLINE void compact_heads_body(const kvt__ev_args *a, uint8_t *base) {
+EV_INLINE void compact_heads_body(const kvt__ev_args *a, uint8_t *base, bool wide) {
     const uint64_t K = a->K;
     const uint32_t H = a->n_heads;
     const size_t rb = a->row_bytes;
-    const uint64_t lines = (a->slot_bytes + 63) / 64, piece_lines = (rb + 63) / 64;
     ev_cursor c = {.slot = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, 0) *
                                       a->slot_bytes};
     for (uint64_t j = 0; j < K; j++) {
@@ -240,17 +285,16 @@ EV_INLINE void compact_heads_body(const kvt__ev_args *a, uint8_t *base) {
             uint64_t o = a->keep[(size_t)h * K + jp];
             far = o > far ? o : far;
         }
-        c.target = (far + 1) * lines;
+        c.target = (far + 1) * H;
         uint8_t *dst = NULL;
         uint64_t o = a->keep[j], oe = 0;
         for (uint32_t h = 0; h < H;) {
             uint32_t e = h + 1;
             while (e < H && (oe = a->keep[(size_t)e * K + j]) == o)
                 e++;
-            /* This piece's share of the prefetch: its own lines, plus a 16th of any backlog (a
-             * far source jumps ahead when a head's keep set skips rows). */
-            cursor_issue(a, base, &c,
-                         (uint64_t)(e - h) * piece_lines + ((c.target - c.issued) >> 4));
+            /* This piece's share of the prefetch: as many pieces as it moves, plus a 16th of
+             * any backlog (the furthest source jumps ahead when a head's keep set skips rows). */
+            cursor_issue(a, base, &c, (uint64_t)(e - h) + ((c.target - c.issued) >> 4));
             if (o != j) {
                 if (!dst)
                     dst = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
@@ -259,7 +303,13 @@ EV_INLINE void compact_heads_body(const kvt__ev_args *a, uint8_t *base) {
                 const uint8_t *src =
                     base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)o) *
                                a->slot_bytes;
-                copy_piece(dst + (size_t)h * rb, src + (size_t)h * rb, (size_t)(e - h) * rb);
+#if EV_HAVE_AVX2
+                if (wide)
+                    copy_piece_avx2(dst + (size_t)h * rb, src + (size_t)h * rb,
+                                    (size_t)(e - h) * rb);
+                else
+#endif
+                    copy_piece(dst + (size_t)h * rb, src + (size_t)h * rb, (size_t)(e - h) * rb);
             }
             h = e;
             o = oe;
@@ -268,16 +318,15 @@ EV_INLINE void compact_heads_body(const kvt__ev_args *a, uint8_t *base) {
 }
 
 static void compact_heads_plain(const kvt__ev_args *a, uint8_t *base) {
-    compact_heads_body(a, base);
+    compact_heads_body(a, base, false);
 }
 
-/* The same body compiled for AVX2 (32-byte loads and stores: half the copy instructions, and
- * the compaction is instruction-bound once its reads are prefetched), chosen at run time. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define EV_HAVE_AVX2 1
+/* The same body with 256-bit copies (half the copy instructions: the compaction is
+ * instruction-bound once its reads are prefetched), chosen at run time. */
+#if EV_HAVE_AVX2
 __attribute__((target("avx2"))) static void compact_heads_avx2(const kvt__ev_args *a,
                                                                uint8_t *base) {
-    compact_heads_body(a, base);
+    compact_heads_body(a, base, true);
 }
 #endif
 
@@ -321,16 +370,27 @@ static void compact(const kvt__ev_args *a) {
                 compact_heads_plain(a, base);
             j = K;
         }
-        /* Whole slots: every row with a shared keep set, the recent rows with any. */
-        for (; j < n_new; j++) {
-            uint64_t o = old_row(a->keep, K, cand, j);
-            if (o == j)
+        /* Whole slots: every row with a shared keep set, the recent rows with any; a run of
+         * consecutive rows that moves by the same distance within one page on both sides is
+         * one memmove (the same bytes as row by row in ascending order: a source row is read
+         * before any move writes it, as the rows ascend). */
+        while (j < n_new) {
+            const uint64_t o = old_row(a->keep, K, cand, j);
+            if (o == j) {
+                j++;
                 continue;
-            memcpy(base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)j) *
-                              a->slot_bytes,
-                   base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)o) *
-                              a->slot_bytes,
-                   a->slot_bytes);
+            }
+            uint64_t n = 1;
+            while (j + n < n_new && kvt__div32_r(a->pdiv, (uint32_t)(j + n)) != 0 &&
+                   kvt__div32_r(a->pdiv, (uint32_t)(o + n)) != 0 &&
+                   old_row(a->keep, K, cand, j + n) == o + n)
+                n++;
+            memmove(base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)j) *
+                               a->slot_bytes,
+                    base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)o) *
+                               a->slot_bytes,
+                    (size_t)n * a->slot_bytes);
+            j += n;
         }
     }
 }
