@@ -3,8 +3,9 @@
  * backend's ev_apply, kernels/evict_cpu.c, without the archive), against memcpy of the bytes it
  * writes, measured side by side in one run (repetitions interleaved):
  *   - the kernel: slot-major (destination rows in ascending order, each destination slot filled
- *     head by head), its sources prefetched a few rows ahead, adjacent heads with the same source
- *     moved as one piece;
+ *     head by head), its source slots prefetched in row order a few rows ahead (a piece at a
+ *     time, spread over the moves), adjacent heads with the same source moved as one piece, 256-bit
+ *     copies where the CPU has AVX2, runs of whole slots as one memmove;
  *   - slot-major as before the prefetch (re-implemented here for the comparison);
  *   - head-major (what the round did before Core v2 part 2, re-implemented here): each head's
  *     survivors moved on their own, head after head;
@@ -13,12 +14,21 @@
  * of 64 rows in a shuffled order (as a pool hands them out after churn): 37 MB of kept rows, more
  * than the last-level cache. The rows are restored before each repetition (not timed).
  *
- * The copy floor is one memcpy of exactly the bytes the compaction moves, between two other
- * buffers; a second floor copies the same bytes in row_bytes pieces (one memcpy call per piece,
- * sequential), the granularity per-head moves cannot avoid. Each figure is the best of `reps`
- * repetitions, on two clocks: wall time, and the thread's CPU time (CLOCK_THREAD_CPUTIME_ID),
- * which leaves out the time other processes hold the core — on a shared, loaded machine the wall
- * figures of the same build scatter by 2x, the CPU-time ones far less. Usage: bench_compact [reps]
+ * Two copy floors: one memcpy of exactly the bytes the compaction moves, between two other
+ * buffers (the floor issue 9 states its 1.1x against); and the same bytes moved in place, one
+ * memmove per (layer, plane) by one slot within the same planes, after the same restore — the
+ * same buffers, the same cache state, a single sequential stream (tighter: on the development
+ * machine it takes about half the memcpy's time). A third copies the memcpy's bytes in row_bytes
+ * pieces (one memcpy call per piece, sequential), the granularity per-head moves cannot avoid.
+ * Every figure starts from a cold cache (a clean 96 MB buffer read first, untimed: as in a decode
+ * step of a long context, whose pool is far larger than the caches); `warm` as the second
+ * argument skips that (the figures then start from whatever the restore left cached, as before
+ * 2026-12-01). Each figure is the best of `reps` repetitions, interleaved, on two clocks: wall
+ * time, and the thread's CPU time (CLOCK_THREAD_CPUTIME_ID), which leaves out the time other
+ * processes hold the core — on a shared, loaded machine the wall figures of the same build
+ * scatter by 2x, the CPU-time ones far less. The kernel's figure includes ev_apply's position
+ * and slot-map rewrite (about 2% of the bytes), which the floors do not.
+ * Usage: bench_compact [reps] [warm]
  */
 #include "kernels/evict.h"
 
@@ -170,6 +180,8 @@ static size_t g_moved_lp[L];
 static uint8_t *g_flush;
 static volatile uint64_t g_flush_sink;
 static void cache_cold(void) {
+    if (!g_flush)
+        return;
     uint64_t acc = 0;
     for (size_t b = 0; b < FLUSH_BYTES; b += 64)
         acc += g_flush[b];
@@ -270,8 +282,10 @@ int main(int argc, char **argv) {
     }
     g_pages = pages;
     g_pdiv = kvt__div32_make(PR);
-    g_flush = malloc(FLUSH_BYTES);
-    memset(g_flush, 3, FLUSH_BYTES);
+    if (!(argc > 2 && strcmp(argv[2], "warm") == 0)) {
+        g_flush = malloc(FLUSH_BYTES);
+        memset(g_flush, 3, FLUSH_BYTES);
+    }
     const size_t plane_bytes = (size_t)(NROWS / PR + 1) * PR * SLOT_BYTES;
     layer ls[L];
     for (int i = 0; i < L; i++) {
@@ -311,10 +325,10 @@ int main(int argc, char **argv) {
         }
         stamp best[N_FIG];
         run_all(ls, same, moved, reps, best);
-        printf("compaction %s keep sets, %d layers x %d heads x %d rows, %.1f MB moved; "
+        printf("compaction %s keep sets (%s cache), %d layers x %d heads x %d rows, %.1f MB moved; "
                "memcpy %.3f ms (thread CPU %.3f ms); ratios wall [CPU] to memcpy, then to the "
                "in-place floor:\n",
-               same ? "shared" : "per-head", L, H, K + R, (double)moved / 1e6,
+               same ? "shared" : "per-head", g_flush ? "cold" : "warm", L, H, K + R, (double)moved / 1e6,
                best[MEMCPY].wall * 1e3, best[MEMCPY].cpu * 1e3);
         static const char *name[N_FIG] = {"kernel (prefetch, merged heads)",
                                           "slot-major as before", "head-major",
@@ -335,5 +349,6 @@ int main(int argc, char **argv) {
         free(ls[i].keep);
         free(ls[i].map);
     }
+    free(g_flush);
     return 0;
 }
