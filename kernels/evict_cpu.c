@@ -229,8 +229,8 @@ __attribute__((target("avx2"))) static inline void copy_piece_avx2(uint8_t *d, c
 #define EV_HAVE_AVX2 0
 #endif
 
-/* Destination rows the prefetch of compact() runs ahead of its moves (1 to 8 measured alike with
- * the spread prefetch; 16 and more slower: the lines leave L1 before use). */
+/* Destination rows the prefetch of compact() runs ahead of its moves (2, 4 and 8 measured alike
+ * with the spread prefetch, 16 to 64 slower; bench_compact, cold cache, thread CPU clock). */
 enum { EV_PREFETCH_ROWS = 4 };
 
 /* The prefetch cursor of one plane: the next head piece to bring, walking the slots in row
@@ -321,8 +321,7 @@ static void compact_heads_plain(const kvt__ev_args *a, uint8_t *base) {
     compact_heads_body(a, base, false);
 }
 
-/* The same body with 256-bit copies (half the copy instructions: the compaction is
- * instruction-bound once its reads are prefetched), chosen at run time. */
+/* The same body with 256-bit copies (half the copy instructions), chosen at run time. */
 #if EV_HAVE_AVX2
 __attribute__((target("avx2"))) static void compact_heads_avx2(const kvt__ev_args *a,
                                                                uint8_t *base) {
@@ -343,9 +342,11 @@ __attribute__((target("avx2"))) static void compact_heads_avx2(const kvt__ev_arg
  * stride prefetchers see no pattern and each piece waited for memory (1.5-1.7x the copy floor in
  * bench_compact). So the slots are prefetched whole, in row order, by a cursor that stays ahead
  * of the furthest source of destination j + EV_PREFETCH_ROWS: one sequential stream per plane.
- * The cursor's lines are issued a few with each piece (spread over the row's pieces, not in a
- * burst per slot: a burst of a slot's 32 lines measured 1.3-1.4x the spread's time, cold cache,
- * thread CPU clock). Nearly every line it brings is used: a slot's kept pieces are read as
+ * The cursor's lines are issued a piece at a time with each move (spread over the row's moves,
+ * not in a burst of a slot's 32 lines: the burst measured 1.15-1.2x the spread's time, cold cache,
+ * thread CPU clock), and every line of a piece: hinting one line in 2 or 4 and leaving the rest
+ * to the hardware measured 2.5x slower. Non-temporal stores measured no better (the destination
+ * lines are already cached: each was a prefetched source slot). Nearly every line it brings is used: a slot's kept pieces are read as
  * sources, its evicted pieces below K + r written as destinations (unused: pieces of rows a
  * head keeps in place, and evicted pieces at or beyond K + r). With one keep set for every head
  * the moves are whole slots, which the hardware prefetches by itself: no hints then (no gain
