@@ -9,6 +9,9 @@
 
 #include <math.h>
 #include <string.h>
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#endif
 
 /* The selection's scratch, carved from one piece. */
 typedef struct sel_scratch {
@@ -170,97 +173,225 @@ static uint64_t old_row(const uint32_t *keep, uint64_t K, uint64_t cand, uint64_
  * loops below step by 64 bytes, the line size of current x86-64 and most Arm cores. */
 #if defined(__GNUC__)
 #define EV_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#define EV_INLINE static inline __attribute__((always_inline))
 #else
 #define EV_PREFETCH(p) ((void)(p))
+#define EV_INLINE static inline
 #endif
 
-/* memcpy of a per-head piece: inline 32-byte chunks when n is a multiple of 32 (a row of a
- * multiple of 16 bf16/fp16 or 8 fp32 values), else one memcpy call. Per-head pieces are a few hundred bytes,
- * and a libc call per piece measured 3-14% slower over the whole compaction (bench_compact's
- * setup, six A/B runs). */
-static inline void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
+/* memcpy of a per-head piece: inline 32-byte chunks, four at a time, when n is a multiple of 32
+ * (a row of a multiple of 16 bf16/fp16 or 8 fp32 values), else one memcpy call. Per-head pieces
+ * are a few hundred bytes, and a libc call per piece measured 3-14% slower over the whole
+ * compaction (bench_compact's setup, six A/B runs). Compiled inside an AVX2 body (below), each
+ * 32-byte memcpy is one 256-bit load and store. */
+EV_INLINE void copy_piece(uint8_t *d, const uint8_t *s, size_t n) {
     if (n % 32 != 0) {
         memcpy(d, s, n);
         return;
     }
-    for (size_t i = 0; i < n; i += 32)
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        memcpy(d + i, s + i, 32);
+        memcpy(d + i + 32, s + i + 32, 32);
+        memcpy(d + i + 64, s + i + 64, 32);
+        memcpy(d + i + 96, s + i + 96, 32);
+    }
+    for (; i < n; i += 32)
         memcpy(d + i, s + i, 32);
 }
 
-/* Destination rows the prefetch of compact() runs ahead of its moves (2 to 16 measured alike). */
-enum { EV_PREFETCH_ROWS = 8 };
+/* The 256-bit copy of the AVX2 body: explicit loads and stores (GCC's generic tuning splits a
+ * 32-byte memcpy into two 16-byte moves even inside an AVX2 function), four chunks loaded before
+ * they are stored. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define EV_HAVE_AVX2 1
+__attribute__((target("avx2"))) static inline void copy_piece_avx2(uint8_t *d, const uint8_t *s,
+                                                                   size_t n) {
+    if (n % 32 != 0) {
+        memcpy(d, s, n);
+        return;
+    }
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        __m256i x3 = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_storeu_si256((__m256i *)(d + i), x0);
+        _mm256_storeu_si256((__m256i *)(d + i + 32), x1);
+        _mm256_storeu_si256((__m256i *)(d + i + 64), x2);
+        _mm256_storeu_si256((__m256i *)(d + i + 96), x3);
+    }
+    for (; i < n; i += 32)
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+}
+#else
+#define EV_HAVE_AVX2 0
+#endif
+
+/* Destination rows the prefetch of compact() runs ahead of its moves (2, 4 and 8 measured alike
+ * with the spread prefetch, 16 to 64 slower; bench_compact, cold cache, thread CPU clock). */
+enum { EV_PREFETCH_ROWS = 4 };
+
+/* The prefetch cursor of one plane: the next head piece to bring, walking the slots in row
+ * order, a piece (row_bytes) at a time. */
+typedef struct ev_cursor {
+    const uint8_t *slot;  /* slot of row `row` */
+    size_t off;           /* byte offset of the next piece in it */
+    uint32_t head;        /* its head */
+    uint64_t row, issued, target; /* pieces issued and wanted (row * n_heads + head) */
+} ev_cursor;
+
+/* Issue up to n pieces of the cursor, not past its target. */
+EV_INLINE void cursor_issue(const kvt__ev_args *a, const uint8_t *base, ev_cursor *c, uint64_t n) {
+    if (n > c->target - c->issued)
+        n = c->target - c->issued;
+    c->issued += n;
+    for (; n > 0; n--) {
+        const uint8_t *q = c->slot + c->off, *qe = q + a->row_bytes;
+        for (; q + 256 <= qe; q += 256) {
+            EV_PREFETCH(q);
+            EV_PREFETCH(q + 64);
+            EV_PREFETCH(q + 128);
+            EV_PREFETCH(q + 192);
+        }
+        for (; q < qe; q += 64)
+            EV_PREFETCH(q);
+        c->off += a->row_bytes;
+        if (++c->head == a->n_heads) {
+            c->head = 0;
+            c->off = 0;
+            if (++c->row < a->N)
+                c->slot = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
+                                                        (uint32_t)c->row) *
+                                     a->slot_bytes;
+        }
+    }
+}
+
+/* Per-head keep sets, one plane, destination rows [0, K): each destination slot filled head by
+ * head, adjacent heads with the same source as one piece; the source slots prefetched in row
+ * order by a cursor (see compact()). */
+EV_INLINE void compact_heads_body(const kvt__ev_args *a, uint8_t *base, bool wide) {
+    const uint64_t K = a->K;
+    const uint32_t H = a->n_heads;
+    const size_t rb = a->row_bytes;
+    ev_cursor c = {.slot = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, 0) *
+                                      a->slot_bytes};
+    for (uint64_t j = 0; j < K; j++) {
+        const uint64_t jp = j + EV_PREFETCH_ROWS < K ? j + EV_PREFETCH_ROWS : K - 1;
+        uint64_t far = 0;
+        for (uint32_t h = 0; h < H; h++) {
+            uint64_t o = a->keep[(size_t)h * K + jp];
+            far = o > far ? o : far;
+        }
+        c.target = (far + 1) * H;
+        uint8_t *dst = NULL;
+        uint64_t o = a->keep[j], oe = 0;
+        for (uint32_t h = 0; h < H;) {
+            uint32_t e = h + 1;
+            while (e < H && (oe = a->keep[(size_t)e * K + j]) == o)
+                e++;
+            /* This piece's share of the prefetch: as many pieces as it moves, plus a 16th of
+             * any backlog (the furthest source jumps ahead when a head's keep set skips rows). */
+            cursor_issue(a, base, &c, (uint64_t)(e - h) + ((c.target - c.issued) >> 4));
+            if (o != j) {
+                if (!dst)
+                    dst = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
+                                                        (uint32_t)j) *
+                                     a->slot_bytes;
+                const uint8_t *src =
+                    base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)o) *
+                               a->slot_bytes;
+#if EV_HAVE_AVX2
+                if (wide)
+                    copy_piece_avx2(dst + (size_t)h * rb, src + (size_t)h * rb,
+                                    (size_t)(e - h) * rb);
+                else
+#endif
+                    copy_piece(dst + (size_t)h * rb, src + (size_t)h * rb, (size_t)(e - h) * rb);
+            }
+            h = e;
+            o = oe;
+        }
+    }
+}
+
+static void compact_heads_plain(const kvt__ev_args *a, uint8_t *base) {
+    compact_heads_body(a, base, false);
+}
+
+/* The same body with 256-bit copies (half the copy instructions), chosen at run time. */
+#if EV_HAVE_AVX2
+__attribute__((target("avx2"))) static void compact_heads_avx2(const kvt__ev_args *a,
+                                                               uint8_t *base) {
+    compact_heads_body(a, base, true);
+}
+#endif
 
 /* Move every head's survivors to the front, slot-major: destination rows in ascending order,
  * each destination slot filled head by head (its writes contiguous). In place: for a head, the
  * row a move writes is either evicted or the source of a move of a lower destination, which
  * already happened (sources never lie below their destinations). Adjacent heads that take the
  * same source row move as one piece (a slot is [head][row_bytes], so their bytes are contiguous
- * in both slots); when every head keeps the same rows (MLA, or a shared draw without VaSE) that
- * is the whole slot.
+ * in both slots); when every head keeps the same rows (MLA, or a shared draw without VaSE), and
+ * for the r recent rows, that is the whole slot.
  *
  * Per-head keep sets scatter a destination slot's sources over up to cand - K + 1 slots, one
- * row_bytes piece from each, all read through the same memcpy instructions, so the hardware's
+ * row_bytes piece from each, all read through the same copy instructions, so the hardware's
  * stride prefetchers see no pattern and each piece waited for memory (1.5-1.7x the copy floor in
  * bench_compact). So the slots are prefetched whole, in row order, by a cursor that stays ahead
  * of the furthest source of destination j + EV_PREFETCH_ROWS: one sequential stream per plane.
- * Nearly every line it brings is used: a slot's kept pieces are read as sources, its evicted
- * pieces below K + r written as destinations (unused: pieces of rows a head keeps in place, and
- * evicted pieces at or beyond K + r). The lines wait in cache for at most the spread of the
- * heads' sources (max - min over h of keep[h][j]) plus EV_PREFETCH_ROWS slots. With one keep
- * set for every head the moves are whole slots, which the hardware prefetches by itself: no
- * hints then (no gain measured there). */
+ * The cursor's lines are issued a piece at a time with each move (spread over the row's moves,
+ * not in a burst of a slot's 32 lines: the burst measured 1.15-1.2x the spread's time, cold cache,
+ * thread CPU clock), and every line of a piece: hinting one line in 2 or 4 and leaving the rest
+ * to the hardware measured 2.5x slower. Non-temporal stores measured no better (the destination
+ * lines are already cached: each was a prefetched source slot). Nearly every line it brings is used: a slot's kept pieces are read as
+ * sources, its evicted pieces below K + r written as destinations (unused: pieces of rows a
+ * head keeps in place, and evicted pieces at or beyond K + r). With one keep set for every head
+ * the moves are whole slots, which the hardware prefetches by itself: no hints then (no gain
+ * measured there). */
 static void compact(const kvt__ev_args *a) {
     const uint64_t K = a->K, cand = a->N - a->r, n_new = K + a->r;
     bool same = true;
     for (uint32_t h = 1; h < a->n_heads && same; h++)
         same = memcmp(a->keep, a->keep + (size_t)h * K, sizeof *a->keep * K) == 0;
-    /* The moved pieces: one per head, or whole slots. */
-    const uint32_t H = same ? 1 : a->n_heads;
-    const size_t rb = same ? a->slot_bytes : a->row_bytes;
+#if EV_HAVE_AVX2
+    const bool avx2 = __builtin_cpu_supports("avx2");
+#endif
     for (uint32_t p = 0; p < a->n_planes; p++) {
         uint8_t *base = a->plane[p];
-        uint64_t pf = 0; /* the next row to prefetch */
-        for (uint64_t j = 0; j < n_new; j++) {
-            if (!same) {
-                const uint64_t jp =
-                    j + EV_PREFETCH_ROWS < n_new ? j + EV_PREFETCH_ROWS : n_new - 1;
-                uint64_t far = 0;
-                for (uint32_t h = 0; h < H; h++) {
-                    uint64_t o = old_row(a->keep + (size_t)h * K, K, cand, jp);
-                    far = o > far ? o : far;
-                }
-                for (; pf <= far; pf++) {
-                    const uint8_t *s =
-                        base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
-                                                      (uint32_t)pf) *
-                                   a->slot_bytes;
-                    for (size_t b = 0; b < a->slot_bytes; b += 64)
-                        EV_PREFETCH(s + b);
-                }
+        uint64_t j = 0;
+        if (!same && K > 0) {
+#if EV_HAVE_AVX2
+            if (avx2)
+                compact_heads_avx2(a, base);
+            else
+#endif
+                compact_heads_plain(a, base);
+            j = K;
+        }
+        /* Whole slots: every row with a shared keep set, the recent rows with any; a run of
+         * consecutive rows that moves by the same distance within one page on both sides is
+         * one memmove (the same bytes as row by row in ascending order: a source row is read
+         * before any move writes it, as the rows ascend). */
+        while (j < n_new) {
+            const uint64_t o = old_row(a->keep, K, cand, j);
+            if (o == j) {
+                j++;
+                continue;
             }
-            uint8_t *dst = NULL;
-            for (uint32_t h = 0; h < H;) {
-                uint64_t o = old_row(a->keep + (size_t)h * K, K, cand, j);
-                uint32_t e = h + 1;
-                while (e < H && old_row(a->keep + (size_t)e * K, K, cand, j) == o)
-                    e++;
-                if (o != j) {
-                    if (!dst)
-                        dst = base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
-                                                            (uint32_t)j) *
-                                         a->slot_bytes;
-                    const uint8_t *src =
-                        base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
-                                                      (uint32_t)o) *
-                                   a->slot_bytes;
-                    if (same)
-                        memcpy(dst, src, rb);
-                    else
-                        copy_piece(dst + (size_t)h * rb, src + (size_t)h * rb,
-                                   (size_t)(e - h) * rb);
-                }
-                h = e;
-            }
+            uint64_t n = 1;
+            while (j + n < n_new && kvt__div32_r(a->pdiv, (uint32_t)(j + n)) != 0 &&
+                   kvt__div32_r(a->pdiv, (uint32_t)(o + n)) != 0 &&
+                   old_row(a->keep, K, cand, j + n) == o + n)
+                n++;
+            memmove(base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)j) *
+                               a->slot_bytes,
+                    base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)o) *
+                               a->slot_bytes,
+                    (size_t)n * a->slot_bytes);
+            j += n;
         }
     }
 }

@@ -2,6 +2,7 @@
  * row pools, backend. */
 #include "handles.h"
 
+#include "kernels/recall_step.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
@@ -249,6 +250,22 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
         size_t f = kvt__backend_sketch_floats(ctx->cfg.block_rows, ctx->stores[i].spec.value_dim);
         if (ctx->policies[i] == KVT_POLICY_SALIENCE && f > ctx->ws_sigma_floats)
             ctx->ws_sigma_floats = f;
+    }
+    /* A recall step (a request with recall on, its own or the context's mode) takes the scan's
+     * scratch and the step's own from the same piece, sized by the request's closed rows (the
+     * pruned scan's) and its query heads: at most max_rows closed rows, with or without group
+     * planes. Sized here so that no step grows it (steady-state decode allocates nothing). */
+    for (uint32_t i = 0; ctx->sketch_rank && i < ctx->n_layers; i++) {
+        if (ctx->policies[i] != KVT_POLICY_SALIENCE)
+            continue;
+        const kvt_layer_spec *sp = &ctx->stores[i].spec;
+        for (uint32_t g = 0; g < 2; g++) {
+            size_t f = kvt__recall_step_scratch_floats(sp->n_q_heads, ctx->sketch_rank,
+                                                       sp->value_dim, sp->branch_dim,
+                                                       ctx->max_rows, g ? ctx->cfg.block_rows : 0);
+            if (f > ctx->ws_sigma_floats)
+                ctx->ws_sigma_floats = f;
+        }
     }
     /* A salience close's selection takes its keys and the top-m scratch in one piece. */
     ctx->ws_topm_u32 = (size_t)ctx->max_rows + kvt__topm_scratch_u32(ctx->max_rows);
