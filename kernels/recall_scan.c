@@ -568,7 +568,7 @@ int kvt__recall_scan_tile_chains_cpu(const kvt__recall_scan_args *a, float *scra
     const size_t J = (size_t)a->branch_dim + a->rank, HP = p.HP;
     const size_t rt = a->mode == KVT__RECALL_SOUND ? 2u : 6u, nr = (n + rt - 1) / rt * rt;
     for (uint32_t i = 0; i < n; i++)
-        load_row(a, rows[i], p.X + i * J);
+        load_row_vec(a, rows[i], p.X + i * J);
     memset(p.X + n * J, 0, sizeof(float) * (nr - n) * J);
     tile_scores(p.X, J, p.qT, HP, nr, a->mode == KVT__RECALL_SOUND, p.tacc, p.tpa);
     memcpy(acc, p.tacc, sizeof(float) * n * HP);
