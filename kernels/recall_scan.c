@@ -561,18 +561,22 @@ int kvt__recall_scan_tile_chains_cpu(const kvt__recall_scan_args *a, float *scra
     (void)a, (void)scratch, (void)rows, (void)n, (void)acc, (void)pa;
     return 0;
 #else
-    if (!kvt__recall_scan_tiled(-1) || n > CHUNK_ROWS)
+    if (!kvt__recall_scan_tiled(-1))
         return 0;
     kvt__recall_scan_prep p;
     kvt__recall_scan_prep_cpu(a, scratch, &p);
     const size_t J = (size_t)a->branch_dim + a->rank, HP = p.HP;
-    const size_t rt = a->mode == KVT__RECALL_SOUND ? 2u : 6u, nr = (n + rt - 1) / rt * rt;
-    for (uint32_t i = 0; i < n; i++)
-        load_row_vec(a, rows[i], p.X + i * J);
-    memset(p.X + n * J, 0, sizeof(float) * (nr - n) * J);
-    tile_scores(p.X, J, p.qT, HP, nr, a->mode == KVT__RECALL_SOUND, p.tacc, p.tpa);
-    memcpy(acc, p.tacc, sizeof(float) * n * HP);
-    memcpy(pa, p.tpa, sizeof(float) * n * HP);
+    const size_t rt = a->mode == KVT__RECALL_SOUND ? 2u : 6u;
+    for (uint32_t c0 = 0; c0 < n; c0 += CHUNK_ROWS) { /* as scan_tiled, a chunk at a time */
+        const uint32_t c = n - c0 < CHUNK_ROWS ? n - c0 : CHUNK_ROWS;
+        const size_t nr = (c + rt - 1) / rt * rt;
+        for (uint32_t i = 0; i < c; i++)
+            load_row_vec(a, rows[c0 + i], p.X + i * J);
+        memset(p.X + c * J, 0, sizeof(float) * (nr - c) * J);
+        tile_scores(p.X, J, p.qT, HP, nr, a->mode == KVT__RECALL_SOUND, p.tacc, p.tpa);
+        memcpy(acc + c0 * HP, p.tacc, sizeof(float) * c * HP);
+        memcpy(pa + c0 * HP, p.tpa, sizeof(float) * c * HP);
+    }
     return 1;
 #endif
 }

@@ -232,7 +232,7 @@ void kvt__recall_scan_rowwise_cpu(const struct kvt__recall_scan_args *a, float *
 int kvt__recall_scan_tiled(int enable);
 
 /* Tests: the tiled scan's idx chains (acc) and, in sound mode, |·| chains (pa) of rows[0 .. n)
- * (archived or not; n <= 48), [n][kvt__recall_scan_heads_padded(n_heads)] each; scratch as for
+ * (archived or not; any n), [n][kvt__recall_scan_heads_padded(n_heads)] each; scratch as for
  * kvt__recall_scan_cpu. Returns 0 (nothing written) where the tiled scan does not run. */
 int kvt__recall_scan_tile_chains_cpu(const struct kvt__recall_scan_args *a, float *scratch,
                                      const uint64_t *rows, uint32_t n, float *acc, float *pa);
