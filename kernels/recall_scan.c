@@ -373,12 +373,11 @@ TILED_FN static void tile_scores(const float *X, size_t J, const float *qT, size
     }
 }
 
-/* The conformal (margin = 0) or margin (margin = 1) trigger of one row over all H heads, eight
- * lanes at a time: the scalar row_trigger's operations, each one IEEE operation per lane in the
+/* The conformal (margin = 0) or margin (margin = 1) trigger of one row over columns 0 .. H of
+ * acc (p->snres and p->tbest hold the columns' heads' values), eight lanes at a time: the scalar row_trigger's operations, each one IEEE operation per lane in the
  * same order (((s·‖q̃_res‖)·ρ)/√(D−64), z·cert, idx + that, the compare; padding lanes masked). */
 TILED_FN static int trigger_vec(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
-                                const float *acc, float rho, int margin) {
-    const uint32_t H = a->n_heads;
+                                const float *acc, uint32_t H, float rho, int margin) {
     const __m256 s = _mm256_set1_ps(a->scale), z = _mm256_set1_ps(a->z);
     const __m256 vr = _mm256_set1_ps(rho);
     const __m256 sq = _mm256_set1_ps(sqrtf((float)(a->latent_dim - 64u)));
@@ -453,21 +452,47 @@ static inline void prefetch_row(const kvt__recall_scan_args *a, uint64_t row) {
         __builtin_prefetch(c + o);
 }
 
-/* The full scan, tiled: chunks of CHUNK_ROWS archived rows ascending; their embeddings, then
- * every (row, head) chain by tile_scores, then each row's trigger; fired rows in row order, at
+/* The columns' per-head values of the vectorised trigger: column t is head hmap[t] (NULL: t),
+ * columns nc .. QP zero. */
+static void column_tables(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                          const uint32_t *hmap, uint32_t nc, size_t QP) {
+    for (size_t t = 0; t < QP; t++) {
+        const size_t h = t < nc ? (hmap ? hmap[t] : t) : 0;
+        /* s·‖q̃_res‖: the first product of row_trigger's cert, the same rounding */
+        p->snres[t] = t < nc ? a->scale * p->heads[h].nres : 0.0f;
+        p->tbest[t] = t < nc ? a->best[h] : 0.0f;
+    }
+}
+
+/* Rows 0 .. n (<= CHUNK_ROWS) whose embeddings are in p->X and ‖csk‖ in ncsk: every (row, column)
+ * chain by tile_scores against qT (stride QP), then each row's trigger over columns 0 .. nc
+ * (column_tables set for them); fire[i] = 0/1. */
+TILED_FN static void chunk_fire(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                                const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
+                                const uint64_t *rows, const float *ncsk, size_t n, uint8_t *fire) {
+    const size_t J = (size_t)a->branch_dim + a->rank;
+    const int sound = a->mode == KVT__RECALL_SOUND, margin = a->mode == KVT__RECALL_MARGIN;
+    const size_t rt = sound ? 2u : 6u, nr = (n + rt - 1) / rt * rt;
+    if (nr > n) /* padding rows: zero embeddings, their chains unread */
+        memset(p->X + n * J, 0, sizeof(float) * (nr - n) * J);
+    tile_scores(p->X, J, qT, QP, nr, sound, p->tacc, p->tpa);
+    for (size_t i = 0; i < n; i++) {
+        const float *acc = p->tacc + i * QP;
+        const float rho = a->rho[rows[i]];
+        fire[i] = (uint8_t)(sound ? row_trigger(a, p, acc, p->tpa + i * QP, hmap, nc, rho, ncsk[i])
+                                  : trigger_vec(a, p, acc, nc, rho, margin));
+    }
+}
+
+/* The full scan, tiled: chunks of CHUNK_ROWS archived rows ascending (each row's branch and
+ * sketch prefetched PREFETCH_ROWS closed rows ahead), chunk_fire, fired rows in row order, at
  * most cap, stopping at the (cap + 1)-th as the row-wise scan does. */
 TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p) {
-    const uint32_t H = a->n_heads;
-    const size_t J = (size_t)a->branch_dim + a->rank, HP = p->HP;
-    const int sound = a->mode == KVT__RECALL_SOUND, margin = a->mode == KVT__RECALL_MARGIN;
-    const size_t rt = sound ? 2u : 6u;
-    for (size_t h = 0; h < HP; h++) {
-        /* s·‖q̃_res‖: the first product of row_trigger's cert, the same rounding */
-        p->snres[h] = h < H ? a->scale * p->heads[h].nres : 0.0f;
-        p->tbest[h] = h < H ? a->best[h] : 0.0f;
-    }
+    const size_t J = (size_t)a->branch_dim + a->rank;
+    column_tables(a, p, NULL, a->n_heads, p->HP);
     uint64_t rows[CHUNK_ROWS];
     float ncsk[CHUNK_ROWS];
+    uint8_t fire[CHUNK_ROWS];
     uint32_t count = 0, over = 0;
     uint64_t jk = 0, row = a->sinks;
     while (row < a->n_closed && !over) {
@@ -483,16 +508,9 @@ TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan
             ncsk[n] = load_row_vec(a, row, p->X + n * J);
             n++;
         }
-        const size_t nr = (n + rt - 1) / rt * rt;
-        if (nr > n) /* padding rows: zero embeddings, their chains unread */
-            memset(p->X + n * J, 0, sizeof(float) * (nr - n) * J);
-        tile_scores(p->X, J, p->qT, HP, nr, sound, p->tacc, p->tpa);
+        chunk_fire(a, p, p->qT, p->HP, NULL, a->n_heads, rows, ncsk, n, fire);
         for (size_t i = 0; i < n; i++) {
-            const float *acc = p->tacc + i * HP;
-            const float rho = a->rho[rows[i]];
-            const int fire = sound ? row_trigger(a, p, acc, p->tpa + i * HP, NULL, H, rho, ncsk[i])
-                                   : trigger_vec(a, p, acc, rho, margin);
-            if (!fire)
+            if (!fire[i])
                 continue;
             if (count == a->cap) {
                 over = 1;
@@ -503,6 +521,25 @@ TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan
     }
     *a->n_fired = count;
     *a->overflow = over;
+}
+
+/* kvt__recall_rows_fire_cpu, tiled: chunks of the listed rows, each prefetched a few ahead. */
+TILED_FN static void rows_fire_tiled(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                                     const float *qT, size_t QP, const uint32_t *hmap,
+                                     uint32_t nc, const uint64_t *rows, uint32_t n,
+                                     uint8_t *fire) {
+    const size_t J = (size_t)a->branch_dim + a->rank;
+    float ncsk[CHUNK_ROWS];
+    column_tables(a, p, hmap, nc, QP);
+    for (uint32_t c0 = 0; c0 < n; c0 += CHUNK_ROWS) {
+        const uint32_t c = n - c0 < CHUNK_ROWS ? n - c0 : CHUNK_ROWS;
+        for (uint32_t i = 0; i < c; i++) {
+            if (c0 + i + 4u < n) /* listed rows are scattered: no hardware prefetcher sees them */
+                prefetch_row(a, rows[c0 + i + 4u]);
+            ncsk[i] = load_row_vec(a, rows[c0 + i], p->X + i * J);
+        }
+        chunk_fire(a, p, qT, QP, hmap, nc, rows + c0, ncsk, c, fire + c0);
+    }
 }
 #endif
 
@@ -519,6 +556,19 @@ int kvt__recall_scan_tiled(int enable) {
     (void)tiled_enabled;
     return 0;
 #endif
+}
+
+void kvt__recall_rows_fire_cpu(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                               const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
+                               const uint64_t *rows, uint32_t n, uint8_t *fire) {
+#ifdef SCAN_TILED
+    if (kvt__recall_scan_tiled(-1)) {
+        rows_fire_tiled(a, p, qT, QP, hmap, nc, rows, n, fire);
+        return;
+    }
+#endif
+    for (uint32_t i = 0; i < n; i++)
+        fire[i] = (uint8_t)kvt__recall_row_fires_cpu(a, p, qT, QP, hmap, nc, rows[i]);
 }
 
 void kvt__recall_scan_rowwise_cpu(const kvt__recall_scan_args *a, float *scratch) {

@@ -266,4 +266,12 @@ int kvt__recall_row_fires_cpu(const struct kvt__recall_scan_args *a,
                               const kvt__recall_scan_prep *p, const float *qT, size_t HP,
                               const uint32_t *hmap, uint32_t n, uint64_t row);
 
+/* Does each of rows[0 .. n) fire? fire[i] = kvt__recall_row_fires_cpu(a, p, qT, QP, hmap, nc,
+ * rows[i]) bit for bit (QP a multiple of 8, at most p->HP; nc <= QP), through the tiled
+ * evaluation where kvt__recall_scan_cpu runs it (the listed rows a chunk at a time against every
+ * column), else row by row. Writes p's chunk and column scratch. */
+void kvt__recall_rows_fire_cpu(const struct kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                               const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
+                               const uint64_t *rows, uint32_t n, uint8_t *fire);
+
 #endif /* KVT_KERNELS_RECALL_SCAN_H */

@@ -654,8 +654,10 @@ Test(recall_scan, fast_f16_conversion_is_exact) {
  * permuted rows, raw fp16 sketch patterns (subnormal, Inf, NaN), special branch values, ρ of 0
  * and +Inf, thresholds at a row's own trigger value and one ulp either side, NaN and ±Inf.
  * Checked: every (row, head) idx chain and |·| chain of the tiled scan bit for bit against
- * kvt__recall_idx (heads prepared by kvt__recall_head_prep), and fired rows, count and overflow
- * identical to the row-wise scan and to the per-element trigger functions.
+ * kvt__recall_idx (heads prepared by kvt__recall_head_prep); fired rows, count and overflow
+ * identical to the row-wise scan and to the per-element trigger functions; and the pruned
+ * scan's evaluation of listed rows against a random subset of heads (kvt__recall_rows_fire_cpu)
+ * identical to kvt__recall_row_fires_cpu's, row by row.
  * ------------------------------------------------------------------------------------------- */
 static float rand_special(tu_rng *g) {
     static const float sp[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 65504.0f, 1e30f};
@@ -824,6 +826,42 @@ Test(recall_scan, tiled_scan_bit_equal_to_rowwise_and_per_element) {
             }
             free(acc);
             free(pa);
+        }
+        /* the pruned scan's evaluation of listed rows against a subset of the heads (its live
+         * heads' columns, as kernels/recall_group.c lays them out) equals the row-wise one's */
+        {
+            kvt__recall_scan_prep p;
+            kvt__recall_scan_prep_cpu(&a, scratch, &p);
+            uint32_t *hmap = malloc(sizeof(uint32_t) * H), nl = 0;
+            const size_t J = (size_t)bd + rank;
+            float *qL = malloc(sizeof(float) * (J * HP + 1));
+            uint64_t *rows = malloc(sizeof(uint64_t) * N);
+            uint8_t *fire = malloc(N);
+            cr_assert(hmap && qL && rows && fire);
+            for (uint32_t h = 0; h < H; h++)
+                if (tu_next(&g) % 3)
+                    hmap[nl++] = h;
+            const int all = nl == H;
+            const size_t LP = kvt__recall_scan_heads_padded(nl);
+            for (size_t j = 0; j < J; j++)
+                for (size_t t = 0; t < LP; t++)
+                    qL[j * LP + t] = t < nl ? p.qT[j * HP + hmap[t]] : 0.0f;
+            uint32_t nr = 0;
+            for (uint32_t row = 0; row < N; row++)
+                if (tu_next(&g) % 2)
+                    rows[nr++] = (row * 7919u) % N; /* scattered, repeats allowed */
+            const float *qc = all ? p.qT : qL;
+            const size_t QP = all ? HP : LP;
+            const uint32_t *hm = all ? NULL : hmap;
+            kvt__recall_rows_fire_cpu(&a, &p, qc, QP, hm, nl, rows, nr, fire);
+            for (uint32_t i = 0; i < nr; i++)
+                cr_assert_eq(fire[i], kvt__recall_row_fires_cpu(&a, &p, qc, QP, hm, nl, rows[i]),
+                             "seed %llu: listed row %u (%llu) of %u, %u of %u heads",
+                             (unsigned long long)seed, i, (unsigned long long)rows[i], nr, nl, H);
+            free(hmap);
+            free(qL);
+            free(rows);
+            free(fire);
         }
         /* fired sets: the dispatched scan (tiled), the row-wise scan, the per-element triggers */
         for (int w = 0; w < 2; w++) {
