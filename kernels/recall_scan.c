@@ -126,7 +126,8 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
 
 /* The row's embedding x = [branch | f32(csk)] (bd + rank values) into x, as kvt__recall_idx
  * reads it; returns ‖csk‖ (kvt__recall_idx's n2 chain, then sqrtf) when sound, else 0. */
-__attribute__((always_inline)) static inline float load_row(const kvt__recall_scan_args *a, uint64_t row, float *x) {
+__attribute__((always_inline)) static inline float
+load_row(const kvt__recall_scan_args *a, uint64_t row, float *x) {
     const uint32_t bd = a->branch_dim, rank = a->rank;
     const uint8_t *r =
         a->base +
@@ -157,9 +158,9 @@ __attribute__((always_inline)) static inline float load_row(const kvt__recall_sc
 /* The trigger of one row over columns 0 .. n of its chains acc, pa (column t is head hmap[t],
  * hmap NULL: head t): kvt__recall_sound_fires / the margin / kvt__recall_conformal_fires per
  * head, as the per-element functions compute them. */
-__attribute__((always_inline)) static inline int row_trigger(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
-                              const float *acc, const float *pa, const uint32_t *hmap, uint32_t n,
-                              float rho, float ncsk) {
+__attribute__((always_inline)) static inline int
+row_trigger(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p, const float *acc,
+            const float *pa, const uint32_t *hmap, uint32_t n, float rho, float ncsk) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank;
     int fire = 0;
     if (a->mode == KVT__RECALL_SOUND) {
@@ -374,8 +375,9 @@ TILED_FN static void tile_scores(const float *X, size_t J, const float *qT, size
 }
 
 /* The conformal (margin = 0) or margin (margin = 1) trigger of one row over columns 0 .. H of
- * acc (p->snres and p->tbest hold the columns' heads' values), eight lanes at a time: the scalar row_trigger's operations, each one IEEE operation per lane in the
- * same order (((s·‖q̃_res‖)·ρ)/√(D−64), z·cert, idx + that, the compare; padding lanes masked). */
+ * acc (p->snres and p->tbest hold the columns' heads' values), eight lanes at a time: the scalar
+ * row_trigger's operations, each one IEEE operation per lane in the same order
+ * (((s·‖q̃_res‖)·ρ)/√(D−64), z·cert, idx + that, the compare; padding lanes masked). */
 TILED_FN static int trigger_vec(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
                                 const float *acc, uint32_t H, float rho, int margin) {
     const __m256 s = _mm256_set1_ps(a->scale), z = _mm256_set1_ps(a->z);
@@ -390,7 +392,8 @@ TILED_FN static int trigger_vec(const kvt__recall_scan_args *a, const kvt__recal
         if (margin) { /* !(idx + z < best) */
             f = _mm256_cmp_ps(_mm256_add_ps(idx, z), best, _CMP_NLT_UQ);
         } else { /* !(idx + z·cert <= best) */
-            const __m256 cert = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(p->snres + h0), vr), sq);
+            const __m256 sn = _mm256_loadu_ps(p->snres + h0);
+            const __m256 cert = _mm256_div_ps(_mm256_mul_ps(sn, vr), sq);
             f = _mm256_cmp_ps(_mm256_add_ps(idx, _mm256_mul_ps(z, cert)), best, _CMP_NLE_UQ);
         }
         const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(H - h0)), lane);
@@ -537,7 +540,8 @@ TILED_FN static void rows_fire_tiled(const kvt__recall_scan_args *a, kvt__recall
     for (uint32_t c0 = 0; c0 < n; c0 += CHUNK_ROWS) {
         const uint32_t c = n - c0 < CHUNK_ROWS ? n - c0 : CHUNK_ROWS;
         for (uint32_t i = 0; i < c; i++) {
-            if (c0 + i + LIST_AHEAD < n) /* listed rows are scattered: no hardware prefetcher sees them */
+            /* listed rows are scattered: no hardware prefetcher sees them */
+            if (c0 + i + LIST_AHEAD < n)
                 prefetch_row(a, rows[c0 + i + LIST_AHEAD]);
             ncsk[i] = load_row_vec(a, rows[c0 + i], p->X + i * J);
         }

@@ -294,7 +294,8 @@ int main(int argc, char **argv) {
     /* (c2)'s groups: every whole 4096-row block of the closable rows, as a close builds them */
     const uint32_t NBLK = NC / BLK, GS = kvt__recall_group_slots(BLK);
     uint32_t *g_perm = malloc(sizeof(uint32_t) * (size_t)NBLK * BLK);
-    uint32_t *g_ng = malloc(sizeof(uint32_t) * (NBLK + 1)), *g_end = malloc(sizeof(uint32_t) * NBLK * GS + 4);
+    uint32_t *g_ng = malloc(sizeof(uint32_t) * (NBLK + 1));
+    uint32_t *g_end = malloc(sizeof(uint32_t) * NBLK * GS + 4);
     float *g_centre = malloc(sizeof(float) * (size_t)NBLK * GS * PXD + 4);
     float *g_stat = malloc(sizeof(float) * (size_t)NBLK * GS * KVT__RG_STATS + 4);
     void *g_scr = malloc(kvt__recall_group_scratch_bytes(BLK, BD, RANK));
