@@ -2,7 +2,10 @@
  * recall_scan.c — CPU twin of the recall scan (kernels/recall_scan.h for the math and its fixed
  * orders). The loops only arrange the KVT_HD functions: a CUDA kernel over the same functions
  * (one thread per (row, head), an OR over heads, a compaction of fired rows in row order) gives
- * the same fired set.
+ * the same fired set. Two arrangements: the row-wise scan (one row against every head) and, on
+ * x86-64 with AVX2 and FMA, the tiled scan (a GEMM over chunks of rows × heads; each vector lane
+ * performs one (row, head) chain's fused multiply-adds, and the triggers' operations, in the
+ * per-element functions' order, so the bits are theirs — tests/test_recall_scan.c).
  */
 #include "kernels/recall_scan.h"
 
