@@ -2,7 +2,8 @@
  * recall_group.c — CPU twins of the recall tier's groups and the pruned scan
  * (kernels/recall_group.h for the layout, the build's rules and the bound). The loops only
  * arrange the KVT_HD functions; the rows of a group that is not skipped go through the full
- * scan's own row evaluation (kvt__recall_row_fires_cpu), so every fire decision is the full
+ * scan's own row evaluation (kvt__recall_rows_fire_cpu: the tiled scan's chunks on AVX2/FMA
+ * CPUs, kvt__recall_row_fires_cpu row by row elsewhere), so every fire decision is the full
  * scan's.
  */
 #include "kernels/recall_group.h"
@@ -286,18 +287,6 @@ size_t kvt__recall_scan_pruned_scratch_bytes(uint32_t n_heads, uint32_t rank, ui
     return prune_layout(n_heads, rank, D, n_closed, NULL, NULL);
 }
 
-static void prefetch_row(const kvt__recall_scan_args *a, uint64_t row) {
-    const uint8_t *r =
-        a->base +
-        (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride +
-        a->branch_offset;
-    const uint8_t *c = (const uint8_t *)(a->csk + (size_t)row * a->csk_stride);
-    for (uint32_t o = 0; o < a->branch_dim * 4u; o += 64u) /* up to fp32 branch values */
-        __builtin_prefetch(r + o);
-    for (uint32_t o = 0; o < a->rank * 2u; o += 64u)
-        __builtin_prefetch(c + o);
-}
-
 static int bit(const uint64_t *w, uint64_t i) {
     return (int)(w[i >> 6] >> (i & 63u) & 1u);
 }
@@ -365,26 +354,36 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
                 qL = w.qL;
                 QP = LP;
             }
-            for (uint32_t i = start; i < end[gi]; i++) {
+            /* the archived members, evaluated together (kvt__recall_rows_fire_cpu: the full
+             * scan's tiles where it runs them, each fire decision the row-wise one's) */
+            uint64_t rows[KVT__RECALL_GROUP_MAX];
+            uint8_t fire[KVT__RECALL_GROUP_MAX];
+            uint32_t nm = 0;
+            for (uint32_t i = start; i < end[gi] && nm < KVT__RECALL_GROUP_MAX; i++) {
                 const uint64_t row = b * B + perm[i];
-                if (row < a->sinks || bit(w.kept, row))
-                    continue;
-                s.visited++;
-                if (i + 1 < end[gi]) /* the next member's branch and sketch: rows of a group
-                                      * are scattered, no hardware prefetcher sees them */
-                    prefetch_row(a, b * B + perm[i + 1]);
-                if (kvt__recall_row_fires_cpu(a, &p, qL, QP, nl < H ? w.hmap : NULL, nl, row))
-                    w.fired[row >> 6] |= (uint64_t)1 << (row & 63u);
+                if (row >= a->sinks && !bit(w.kept, row))
+                    rows[nm++] = row;
             }
+            s.visited += nm;
+            kvt__recall_rows_fire_cpu(a, &p, qL, QP, nl < H ? w.hmap : NULL, nl, rows, nm, fire);
+            for (uint32_t i = 0; i < nm; i++)
+                if (fire[i])
+                    w.fired[rows[i] >> 6] |= (uint64_t)1 << (rows[i] & 63u);
         }
     }
-    /* closed rows past the grouped blocks: one by one, every head */
-    for (uint64_t row = g->n_blocks * B; row < a->n_closed; row++) {
-        if (row < a->sinks || bit(w.kept, row))
-            continue;
-        s.visited++;
-        if (kvt__recall_row_fires_cpu(a, &p, p.qT, HP, NULL, H, row))
-            w.fired[row >> 6] |= (uint64_t)1 << (row & 63u);
+    /* closed rows past the grouped blocks: every one, every head, 64 at a time */
+    for (uint64_t row = g->n_blocks * B; row < a->n_closed;) {
+        uint64_t rows[64];
+        uint8_t fire[64];
+        uint32_t nm = 0;
+        for (; row < a->n_closed && nm < 64u; row++)
+            if (row >= a->sinks && !bit(w.kept, row))
+                rows[nm++] = row;
+        s.visited += nm;
+        kvt__recall_rows_fire_cpu(a, &p, p.qT, HP, NULL, H, rows, nm, fire);
+        for (uint32_t i = 0; i < nm; i++)
+            if (fire[i])
+                w.fired[rows[i] >> 6] |= (uint64_t)1 << (rows[i] & 63u);
     }
     /* ascending: the first min(W, fired), overflow when more fired */
     uint32_t count = 0, over = 0;

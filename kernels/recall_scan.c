@@ -2,7 +2,10 @@
  * recall_scan.c — CPU twin of the recall scan (kernels/recall_scan.h for the math and its fixed
  * orders). The loops only arrange the KVT_HD functions: a CUDA kernel over the same functions
  * (one thread per (row, head), an OR over heads, a compaction of fired rows in row order) gives
- * the same fired set.
+ * the same fired set. Two arrangements: the row-wise scan (one row against every head) and, on
+ * x86-64 with AVX2 and FMA, the tiled scan (a GEMM over chunks of rows × heads; each vector lane
+ * performs one (row, head) chain's fused multiply-adds, and the triggers' operations, in the
+ * per-element functions' order, so the bits are theirs — tests/test_recall_scan.c).
  */
 #include "kernels/recall_scan.h"
 
@@ -15,6 +18,8 @@
 #define HEAD_FLOATS(rank) ((size_t)(rank) + 5u)
 /* Heads whose idx chains advance together (independent chains: one vector instruction). */
 #define SCAN_TILE 8u
+/* Archived rows the tiled scan evaluates together (a multiple of its row tiles, 6 and 2). */
+#define CHUNK_ROWS 48u
 
 /* Heads rounded up to whole tiles. */
 static size_t heads_padded(uint32_t n_heads) {
@@ -23,10 +28,13 @@ static size_t heads_padded(uint32_t n_heads) {
 
 size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D) {
     /* heads' q̃_sk and fields; tmp [D]; the transposed queries [branch + rank][padded heads];
-     * the row's branch and sketch as fp32 */
+     * the row's branch and sketch as fp32; the row-wise scan's chains [2][padded heads]; the
+     * tiled scan's chunk: its rows' embeddings [CHUNK_ROWS][branch + rank], their chains
+     * [2][CHUNK_ROWS][padded heads], and per head s·‖q̃_res‖ and the threshold [2][padded] */
+    const size_t HP = heads_padded(n_heads);
     return (size_t)n_heads * HEAD_FLOATS(rank) + KVT__RECALL_PREP_FLOATS(D) +
-           heads_padded(n_heads) * (KVT__RECALL_MAX_BRANCH + rank) + KVT__RECALL_MAX_BRANCH +
-           rank + 2u * heads_padded(n_heads);
+           HP * (KVT__RECALL_MAX_BRANCH + rank) + KVT__RECALL_MAX_BRANCH + rank + 2u * HP +
+           (size_t)CHUNK_ROWS * (KVT__RECALL_MAX_BRANCH + rank) + 2u * CHUNK_ROWS * HP + 2u * HP;
 }
 
 /* kvt__f16_to_f32 without branches (so a loop of it vectorises), exact for every input: the
@@ -55,7 +63,20 @@ float kvt__recall_f16_fast(uint16_t h) {
 KVT__FMA_CLONES
 static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank, float *q_sk,
                       float *tmp, kvt__recall_head *h) {
-    for (uint32_t k = 0; k < rank; k++)
+    /* q̃_sk[k] = kvt__sketch_coef(q, D, V_k): eight coefficients' chains advance together (one
+     * chain at a time waits on each fused multiply-add's latency), each over d ascending from +0
+     * with kvt__sketch_coef_step, so every coefficient has the per-element function's bits. */
+    uint32_t k0 = 0;
+    for (; k0 + 8u <= rank; k0 += 8u) {
+        float c[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        const float *V0 = V + (size_t)k0 * D;
+        for (uint32_t d = 0; d < D; d++)
+            for (uint32_t i = 0; i < 8u; i++)
+                c[i] = kvt__sketch_coef_step(c[i], q[d], V0[(size_t)i * D + d]);
+        for (uint32_t i = 0; i < 8u; i++)
+            q_sk[k0 + i] = c[i];
+    }
+    for (uint32_t k = k0; k < rank; k++)
         q_sk[k] = kvt__sketch_coef(q, D, V + (size_t)k * D);
     for (uint32_t d = 0; d < D; d++)
         tmp[d] = 0.0f;
@@ -90,6 +111,11 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
     p->ck = p->rb + bd;
     p->acc = p->ck + rank;
     p->pa = p->acc + HP;
+    p->X = p->pa + HP;
+    p->tacc = p->X + (size_t)CHUNK_ROWS * (bd + rank);
+    p->tpa = p->tacc + (size_t)CHUNK_ROWS * HP;
+    p->snres = p->tpa + (size_t)CHUNK_ROWS * HP;
+    p->tbest = p->snres + HP;
     for (uint32_t h = 0; h < H; h++)
         head_prep(a->q + h * qdim, D, a->basis, rank, p->q_sk + (size_t)h * rank, tmp,
                   &p->heads[h]);
@@ -101,40 +127,86 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
     }
 }
 
-KVT__FMA_CLONES
-int kvt__recall_row_fires_cpu(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
-                              const float *qT, size_t HP, const uint32_t *hmap, uint32_t n,
-                              uint64_t row) {
-    const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank;
-    const int sound = a->mode == KVT__RECALL_SOUND;
-    float *rb = p->rb, *ck = p->ck, *acc = p->acc, *pa = p->pa;
+/* The row's embedding x = [branch | f32(csk)] (bd + rank values) into x, as kvt__recall_idx
+ * reads it; returns ‖csk‖ (kvt__recall_idx's n2 chain, then sqrtf) when sound, else 0. */
+__attribute__((always_inline)) static inline float
+load_row(const kvt__recall_scan_args *a, uint64_t row, float *x) {
+    const uint32_t bd = a->branch_dim, rank = a->rank;
     const uint8_t *r =
         a->base +
         (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride;
     const uint16_t *csk = a->csk + (size_t)row * a->csk_stride;
-    const float rho = a->rho[row];
-    /* The row once: branch and sketch as fp32; ‖csk‖ (kvt__recall_idx's n2 chain, the same for
-     * every head) only where the sound margin reads it. */
     if (a->branch_dtype == KVT__DT_BF16) {
         const uint8_t *br = r + a->branch_offset;
         for (uint32_t j = 0; j < bd; j++) {
             uint16_t b;
             memcpy(&b, br + 2u * j, 2);
-            rb[j] = kvt__f32_from_bits((uint32_t)b << 16);
+            x[j] = kvt__f32_from_bits((uint32_t)b << 16);
         }
     } else {
         for (uint32_t j = 0; j < bd; j++)
-            rb[j] = kvt__sigma_branch_val(r, a->branch_offset, a->branch_dtype, j);
+            x[j] = kvt__sigma_branch_val(r, a->branch_offset, a->branch_dtype, j);
     }
+    float *ck = x + bd;
     for (uint32_t k = 0; k < rank; k++)
         ck[k] = f16_to_f32(csk[k]);
-    float ncsk = 0.0f;
-    if (sound) {
-        float n2 = 0.0f;
-        for (uint32_t k = 0; k < rank; k++)
-            n2 = fmaf(ck[k], ck[k], n2);
-        ncsk = sqrtf(n2);
+    if (a->mode != KVT__RECALL_SOUND)
+        return 0.0f;
+    float n2 = 0.0f;
+    for (uint32_t k = 0; k < rank; k++)
+        n2 = fmaf(ck[k], ck[k], n2);
+    return sqrtf(n2);
+}
+
+/* The trigger of one row over columns 0 .. n of its chains acc, pa (column t is head hmap[t],
+ * hmap NULL: head t): kvt__recall_sound_fires / the margin / kvt__recall_conformal_fires per
+ * head, as the per-element functions compute them. */
+__attribute__((always_inline)) static inline int
+row_trigger(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p, const float *acc,
+            const float *pa, const uint32_t *hmap, uint32_t n, float rho, float ncsk) {
+    const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank;
+    int fire = 0;
+    if (a->mode == KVT__RECALL_SOUND) {
+        for (uint32_t t = 0; t < n && !fire; t++) {
+            const size_t h = hmap ? hmap[t] : t;
+            const float idx = a->scale * acc[t];
+            fire = kvt__recall_sound_fires(
+                idx,
+                kvt__recall_sound_margin(&p->heads[h], idx, pa[t], ncsk, rho, a->scale, a->z, D,
+                                         bd, rank),
+                a->best[h]);
+        }
+    } else if (a->mode == KVT__RECALL_MARGIN) {
+        for (uint32_t t = 0; t < n; t++) {
+            const size_t h = hmap ? hmap[t] : t;
+            fire |= !(a->scale * acc[t] + a->z < a->best[h]);
+        }
+    } else {
+        /* kvt__recall_conformal_fires(idx, kvt__recall_cert(...), z, best) per head, cert's
+         * ((s·‖q̃_res‖)·ρ) / √(D − 64) in its own order */
+        const float sqrt_dr = sqrtf((float)(D - 64u));
+        for (uint32_t t = 0; t < n; t++) {
+            const size_t h = hmap ? hmap[t] : t;
+            const float idx = a->scale * acc[t];
+            const float cert = a->scale * p->heads[h].nres * rho / sqrt_dr;
+            fire |= !(idx + a->z * cert <= a->best[h]);
+        }
     }
+    return fire;
+}
+
+KVT__FMA_CLONES
+int kvt__recall_row_fires_cpu(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
+                              const float *qT, size_t HP, const uint32_t *hmap, uint32_t n,
+                              uint64_t row) {
+    const uint32_t bd = a->branch_dim, rank = a->rank;
+    const int sound = a->mode == KVT__RECALL_SOUND;
+    float *acc = p->acc, *pa = p->pa;
+    /* The row once: branch and sketch as fp32 (rb, then ck = rb + bd); ‖csk‖ only where the
+     * sound margin reads it. */
+    const float ncsk = load_row(a, row, p->rb);
+    const float *rb = p->rb, *ck = p->rb + bd;
+    const float rho = a->rho[row];
     /* Every column's chains advance together, j outer (each head keeps kvt__recall_idx's order:
      * branch j ascending, then k ascending, from +0, so the bits are the per-element function's);
      * the |·| chain only in sound mode. */
@@ -182,37 +254,334 @@ int kvt__recall_row_fires_cpu(const kvt__recall_scan_args *a, const kvt__recall_
                 pa[t] = fmaf(fabsf(qj[t]), ax, pa[t]);
         }
     }
-    int fire = 0;
-    if (sound) {
-        for (uint32_t t = 0; t < n && !fire; t++) {
-            const size_t h = hmap ? hmap[t] : t;
-            const float idx = a->scale * acc[t];
-            fire = kvt__recall_sound_fires(
-                idx,
-                kvt__recall_sound_margin(&p->heads[h], idx, pa[t], ncsk, rho, a->scale, a->z, D,
-                                         bd, rank),
-                a->best[h]);
-        }
-    } else if (a->mode == KVT__RECALL_MARGIN) {
-        for (uint32_t t = 0; t < n; t++) {
-            const size_t h = hmap ? hmap[t] : t;
-            fire |= !(a->scale * acc[t] + a->z < a->best[h]);
-        }
-    } else {
-        /* kvt__recall_conformal_fires(idx, kvt__recall_cert(...), z, best) per head, cert's
-         * ((s·‖q̃_res‖)·ρ) / √(D − 64) in its own order */
-        const float sqrt_dr = sqrtf((float)(D - 64u));
-        for (uint32_t t = 0; t < n; t++) {
-            const size_t h = hmap ? hmap[t] : t;
-            const float idx = a->scale * acc[t];
-            const float cert = a->scale * p->heads[h].nres * rho / sqrt_dr;
-            fire |= !(idx + a->z * cert <= a->best[h]);
-        }
-    }
-    return fire;
+    return row_trigger(a, p, acc, pa, hmap, n, rho, ncsk);
 }
 
-void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
+/* ---------------------------------------------------------------------------------------------
+ * The tiled scan (x86-64 with AVX2 and FMA): a GEMM over a chunk of archived rows × all heads.
+ * A register tile of RT rows × 8·W heads holds RT·W vector accumulators, one lane per (row,
+ * head) chain; the k loop runs over the embedding index j ascending, and each step is one
+ * _mm256_fmadd_ps per accumulator: lane (r, h) computes fmaf(qT[j][h], x_r[j], acc) — the
+ * correctly rounded fused multiply-add kvt__recall_idx's chain does, in its order, from +0. So
+ * every (row, head) chain is bit for bit the per-element function's; tiling decides only which
+ * chains share an instruction (tests/test_recall_scan.c compares the chains and the fired sets
+ * with the row-wise scan and the per-element functions over random shapes).
+ * ------------------------------------------------------------------------------------------- */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <immintrin.h>
+#define SCAN_TILED 1
+#define TILED_FN __attribute__((target("avx2,fma")))
+
+/* Register tiles (explicit: the accumulators must stay in registers). Rows r0 .. r0 + RT of X
+ * (stride J) × heads h0 .. h0 + 8·W of qT (stride HP): the idx chains into acc and, when sound,
+ * the |·| chains into pa ([rows][HP] each). T_FMA(v, r, w): accumulator v of row r, vector w. */
+#define T_ZERO(v) __m256 v = _mm256_setzero_ps()
+#define T_X(r) const __m256 x##r = _mm256_broadcast_ss(X + (r0 + r) * J + j)
+#define T_AX(r) const __m256 ax##r = _mm256_andnot_ps(sign, x##r) /* fabsf */
+#define T_ST(v, r, w) _mm256_storeu_ps(out + (r0 + r) * HP + h0 + 8u * (w), v)
+
+/* conformal and margin: 6 rows × 16 heads, 12 accumulators */
+TILED_FN static void tile_6x16(const float *X, size_t J, const float *qT, size_t HP, size_t r0,
+                               size_t h0, float *out) {
+    T_ZERO(a00); T_ZERO(a01); T_ZERO(a10); T_ZERO(a11); T_ZERO(a20); T_ZERO(a21);
+    T_ZERO(a30); T_ZERO(a31); T_ZERO(a40); T_ZERO(a41); T_ZERO(a50); T_ZERO(a51);
+    for (size_t j = 0; j < J; j++) {
+        const float *qj = qT + j * HP + h0;
+        const __m256 q0 = _mm256_loadu_ps(qj), q1 = _mm256_loadu_ps(qj + 8);
+        T_X(0); a00 = _mm256_fmadd_ps(q0, x0, a00); a01 = _mm256_fmadd_ps(q1, x0, a01);
+        T_X(1); a10 = _mm256_fmadd_ps(q0, x1, a10); a11 = _mm256_fmadd_ps(q1, x1, a11);
+        T_X(2); a20 = _mm256_fmadd_ps(q0, x2, a20); a21 = _mm256_fmadd_ps(q1, x2, a21);
+        T_X(3); a30 = _mm256_fmadd_ps(q0, x3, a30); a31 = _mm256_fmadd_ps(q1, x3, a31);
+        T_X(4); a40 = _mm256_fmadd_ps(q0, x4, a40); a41 = _mm256_fmadd_ps(q1, x4, a41);
+        T_X(5); a50 = _mm256_fmadd_ps(q0, x5, a50); a51 = _mm256_fmadd_ps(q1, x5, a51);
+    }
+    T_ST(a00, 0, 0); T_ST(a01, 0, 1); T_ST(a10, 1, 0); T_ST(a11, 1, 1); T_ST(a20, 2, 0);
+    T_ST(a21, 2, 1); T_ST(a30, 3, 0); T_ST(a31, 3, 1); T_ST(a40, 4, 0); T_ST(a41, 4, 1);
+    T_ST(a50, 5, 0); T_ST(a51, 5, 1);
+}
+
+/* conformal and margin: 6 rows × the last 8 heads */
+TILED_FN static void tile_6x8(const float *X, size_t J, const float *qT, size_t HP, size_t r0,
+                              size_t h0, float *out) {
+    T_ZERO(a00); T_ZERO(a10); T_ZERO(a20); T_ZERO(a30); T_ZERO(a40); T_ZERO(a50);
+    for (size_t j = 0; j < J; j++) {
+        const __m256 q0 = _mm256_loadu_ps(qT + j * HP + h0);
+        T_X(0); a00 = _mm256_fmadd_ps(q0, x0, a00);
+        T_X(1); a10 = _mm256_fmadd_ps(q0, x1, a10);
+        T_X(2); a20 = _mm256_fmadd_ps(q0, x2, a20);
+        T_X(3); a30 = _mm256_fmadd_ps(q0, x3, a30);
+        T_X(4); a40 = _mm256_fmadd_ps(q0, x4, a40);
+        T_X(5); a50 = _mm256_fmadd_ps(q0, x5, a50);
+    }
+    T_ST(a00, 0, 0); T_ST(a10, 1, 0); T_ST(a20, 2, 0); T_ST(a30, 3, 0); T_ST(a40, 4, 0);
+    T_ST(a50, 5, 0);
+}
+
+/* sound: 2 rows × 16 heads, the idx (a) and |·| (p) chains, 8 accumulators */
+TILED_FN static void tile_2x16s(const float *X, size_t J, const float *qT, size_t HP, size_t r0,
+                                size_t h0, float *out, float *pout) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    T_ZERO(a00); T_ZERO(a01); T_ZERO(a10); T_ZERO(a11);
+    T_ZERO(p00); T_ZERO(p01); T_ZERO(p10); T_ZERO(p11);
+    for (size_t j = 0; j < J; j++) {
+        const float *qj = qT + j * HP + h0;
+        const __m256 q0 = _mm256_loadu_ps(qj), q1 = _mm256_loadu_ps(qj + 8);
+        const __m256 b0 = _mm256_andnot_ps(sign, q0), b1 = _mm256_andnot_ps(sign, q1);
+        T_X(0); T_AX(0);
+        a00 = _mm256_fmadd_ps(q0, x0, a00); a01 = _mm256_fmadd_ps(q1, x0, a01);
+        p00 = _mm256_fmadd_ps(b0, ax0, p00); p01 = _mm256_fmadd_ps(b1, ax0, p01);
+        T_X(1); T_AX(1);
+        a10 = _mm256_fmadd_ps(q0, x1, a10); a11 = _mm256_fmadd_ps(q1, x1, a11);
+        p10 = _mm256_fmadd_ps(b0, ax1, p10); p11 = _mm256_fmadd_ps(b1, ax1, p11);
+    }
+    T_ST(a00, 0, 0); T_ST(a01, 0, 1); T_ST(a10, 1, 0); T_ST(a11, 1, 1);
+    out = pout;
+    T_ST(p00, 0, 0); T_ST(p01, 0, 1); T_ST(p10, 1, 0); T_ST(p11, 1, 1);
+}
+
+/* sound: 2 rows × the last 8 heads */
+TILED_FN static void tile_2x8s(const float *X, size_t J, const float *qT, size_t HP, size_t r0,
+                               size_t h0, float *out, float *pout) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    T_ZERO(a00); T_ZERO(a10); T_ZERO(p00); T_ZERO(p10);
+    for (size_t j = 0; j < J; j++) {
+        const __m256 q0 = _mm256_loadu_ps(qT + j * HP + h0);
+        const __m256 b0 = _mm256_andnot_ps(sign, q0);
+        T_X(0); T_AX(0);
+        a00 = _mm256_fmadd_ps(q0, x0, a00); p00 = _mm256_fmadd_ps(b0, ax0, p00);
+        T_X(1); T_AX(1);
+        a10 = _mm256_fmadd_ps(q0, x1, a10); p10 = _mm256_fmadd_ps(b0, ax1, p10);
+    }
+    T_ST(a00, 0, 0); T_ST(a10, 1, 0);
+    out = pout;
+    T_ST(p00, 0, 0); T_ST(p10, 1, 0);
+}
+
+/* The chains of rows 0 .. nr of X (nr a multiple of the row tile: 6, or 2 when sound) against
+ * every column of qT (HP a multiple of 8). */
+TILED_FN static void tile_scores(const float *X, size_t J, const float *qT, size_t HP, size_t nr,
+                                 int sound, float *acc, float *pa) {
+    for (size_t r0 = 0; r0 < nr; r0 += sound ? 2u : 6u) {
+        size_t h0 = 0;
+        if (sound) {
+            for (; h0 + 16u <= HP; h0 += 16u)
+                tile_2x16s(X, J, qT, HP, r0, h0, acc, pa);
+            if (h0 < HP)
+                tile_2x8s(X, J, qT, HP, r0, h0, acc, pa);
+        } else {
+            for (; h0 + 16u <= HP; h0 += 16u)
+                tile_6x16(X, J, qT, HP, r0, h0, acc);
+            if (h0 < HP)
+                tile_6x8(X, J, qT, HP, r0, h0, acc);
+        }
+    }
+}
+
+/* The conformal (margin = 0) or margin (margin = 1) trigger of one row over columns 0 .. H of
+ * acc (p->snres and p->tbest hold the columns' heads' values), eight lanes at a time: the scalar
+ * row_trigger's operations, each one IEEE operation per lane in the same order
+ * (((s·‖q̃_res‖)·ρ)/√(D−64), z·cert, idx + that, the compare; padding lanes masked). */
+TILED_FN static int trigger_vec(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
+                                const float *acc, uint32_t H, float rho, int margin) {
+    const __m256 s = _mm256_set1_ps(a->scale), z = _mm256_set1_ps(a->z);
+    const __m256 vr = _mm256_set1_ps(rho);
+    const __m256 sq = _mm256_set1_ps(sqrtf((float)(a->latent_dim - 64u)));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int bits = 0;
+    for (uint32_t h0 = 0; h0 < H; h0 += 8u) {
+        const __m256 idx = _mm256_mul_ps(s, _mm256_loadu_ps(acc + h0));
+        const __m256 best = _mm256_loadu_ps(p->tbest + h0);
+        __m256 f;
+        if (margin) { /* !(idx + z < best) */
+            f = _mm256_cmp_ps(_mm256_add_ps(idx, z), best, _CMP_NLT_UQ);
+        } else { /* !(idx + z·cert <= best) */
+            const __m256 sn = _mm256_loadu_ps(p->snres + h0);
+            const __m256 cert = _mm256_div_ps(_mm256_mul_ps(sn, vr), sq);
+            f = _mm256_cmp_ps(_mm256_add_ps(idx, _mm256_mul_ps(z, cert)), best, _CMP_NLE_UQ);
+        }
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(H - h0)), lane);
+        bits |= _mm256_movemask_ps(_mm256_and_ps(f, _mm256_castsi256_ps(live)));
+    }
+    return bits != 0;
+}
+
+/* load_row with the conversions eight lanes at a time: bf16 by a shift, fp16 by f16_to_f32's
+ * integer steps and its one exact subtraction, lane for lane (the same bits); fp32 and fp16
+ * branches and the tails through load_row's scalar code. */
+TILED_FN static float load_row_vec(const kvt__recall_scan_args *a, uint64_t row, float *x) {
+    const uint32_t bd = a->branch_dim, rank = a->rank;
+    if (a->branch_dtype != KVT__DT_BF16 || (bd | rank) & 7u || a->mode == KVT__RECALL_SOUND)
+        return load_row(a, row, x);
+    const uint8_t *br =
+        a->base +
+        (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride +
+        a->branch_offset;
+    const uint16_t *csk = a->csk + (size_t)row * a->csk_stride;
+    for (uint32_t j = 0; j < bd; j += 8u) {
+        const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(br + 2u * j)));
+        _mm256_storeu_si256((__m256i *)(x + j), _mm256_slli_epi32(b, 16));
+    }
+    const __m256i m7fff = _mm256_set1_epi32(0x7fff), mexp = _mm256_set1_epi32(0x0f800000);
+    const __m256i bias = _mm256_set1_epi32((127 - 15) << 23);
+    const __m256i infb = _mm256_set1_epi32((128 - 16) << 23), one = _mm256_set1_epi32(1 << 23);
+    const __m256 c113 = _mm256_castsi256_ps(_mm256_set1_epi32(113 << 23));
+    const __m256i msign = _mm256_set1_epi32(0x8000), zero = _mm256_setzero_si256();
+    for (uint32_t k = 0; k < rank; k += 8u) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(csk + k)));
+        __m256i o = _mm256_slli_epi32(_mm256_and_si256(h, m7fff), 13);
+        const __m256i e = _mm256_and_si256(o, mexp);
+        o = _mm256_add_epi32(o, bias);
+        o = _mm256_add_epi32(o, _mm256_and_si256(_mm256_cmpeq_epi32(e, mexp), infb));
+        const __m256 fsub = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(o, one)), c113);
+        const __m256i bits = _mm256_blendv_epi8(o, _mm256_castps_si256(fsub),
+                                                _mm256_cmpeq_epi32(e, zero));
+        const __m256i sg = _mm256_slli_epi32(_mm256_and_si256(h, msign), 16);
+        _mm256_storeu_si256((__m256i *)(x + bd + k), _mm256_or_si256(bits, sg));
+    }
+    return 0.0f;
+}
+
+/* Closed rows ahead of the one being read whose branch and sketch are prefetched (the pool's
+ * rows are 1152 B apart and the page table may scatter them: the loads would stall). */
+#define PREFETCH_ROWS 16u
+/* Listed rows ahead of the one being read that kvt__recall_rows_fire_cpu prefetches (4: 12 was
+ * slower in the pruned scan of bench_decode). */
+#define LIST_AHEAD 4u
+
+static inline void prefetch_row(const kvt__recall_scan_args *a, uint64_t row) {
+    const uint8_t *r =
+        a->base +
+        (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride +
+        a->branch_offset;
+    const uint8_t *c = (const uint8_t *)(a->csk + (size_t)row * a->csk_stride);
+    const uint32_t bb = a->branch_dtype == KVT__DT_FP32 ? 4u : 2u;
+    for (uint32_t o = 0; o < a->branch_dim * bb; o += 64u)
+        __builtin_prefetch(r + o);
+    for (uint32_t o = 0; o < a->rank * 2u; o += 64u)
+        __builtin_prefetch(c + o);
+}
+
+/* The columns' per-head values of the vectorised trigger: column t is head hmap[t] (NULL: t),
+ * columns nc .. QP zero. */
+static void column_tables(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                          const uint32_t *hmap, uint32_t nc, size_t QP) {
+    for (size_t t = 0; t < QP; t++) {
+        const size_t h = t < nc ? (hmap ? hmap[t] : t) : 0;
+        /* s·‖q̃_res‖: the first product of row_trigger's cert, the same rounding */
+        p->snres[t] = t < nc ? a->scale * p->heads[h].nres : 0.0f;
+        p->tbest[t] = t < nc ? a->best[h] : 0.0f;
+    }
+}
+
+/* Rows 0 .. n (<= CHUNK_ROWS) whose embeddings are in p->X and ‖csk‖ in ncsk: every (row, column)
+ * chain by tile_scores against qT (stride QP), then each row's trigger over columns 0 .. nc
+ * (column_tables set for them); fire[i] = 0/1. */
+TILED_FN static void chunk_fire(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                                const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
+                                const uint64_t *rows, const float *ncsk, size_t n, uint8_t *fire) {
+    const size_t J = (size_t)a->branch_dim + a->rank;
+    const int sound = a->mode == KVT__RECALL_SOUND, margin = a->mode == KVT__RECALL_MARGIN;
+    const size_t rt = sound ? 2u : 6u, nr = (n + rt - 1) / rt * rt;
+    if (nr > n) /* padding rows: zero embeddings, their chains unread */
+        memset(p->X + n * J, 0, sizeof(float) * (nr - n) * J);
+    tile_scores(p->X, J, qT, QP, nr, sound, p->tacc, p->tpa);
+    for (size_t i = 0; i < n; i++) {
+        const float *acc = p->tacc + i * QP;
+        const float rho = a->rho[rows[i]];
+        fire[i] = (uint8_t)(sound ? row_trigger(a, p, acc, p->tpa + i * QP, hmap, nc, rho, ncsk[i])
+                                  : trigger_vec(a, p, acc, nc, rho, margin));
+    }
+}
+
+/* The full scan, tiled: chunks of CHUNK_ROWS archived rows ascending (each row's branch and
+ * sketch prefetched PREFETCH_ROWS closed rows ahead), chunk_fire, fired rows in row order, at
+ * most cap, stopping at the (cap + 1)-th as the row-wise scan does. */
+TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p) {
+    const size_t J = (size_t)a->branch_dim + a->rank;
+    column_tables(a, p, NULL, a->n_heads, p->HP);
+    uint64_t rows[CHUNK_ROWS];
+    float ncsk[CHUNK_ROWS];
+    uint8_t fire[CHUNK_ROWS];
+    uint32_t count = 0, over = 0;
+    uint64_t jk = 0, row = a->sinks;
+    while (row < a->n_closed && !over) {
+        size_t n = 0;
+        for (; row < a->n_closed && n < CHUNK_ROWS; row++) {
+            while (jk < a->m && a->kept[jk] < row)
+                jk++;
+            if (jk < a->m && a->kept[jk] == row)
+                continue;
+            if (row + PREFETCH_ROWS < a->n_closed)
+                prefetch_row(a, row + PREFETCH_ROWS);
+            rows[n] = row;
+            ncsk[n] = load_row_vec(a, row, p->X + n * J);
+            n++;
+        }
+        chunk_fire(a, p, p->qT, p->HP, NULL, a->n_heads, rows, ncsk, n, fire);
+        for (size_t i = 0; i < n; i++) {
+            if (!fire[i])
+                continue;
+            if (count == a->cap) {
+                over = 1;
+                break;
+            }
+            a->fired[count++] = (uint32_t)rows[i];
+        }
+    }
+    *a->n_fired = count;
+    *a->overflow = over;
+}
+
+/* kvt__recall_rows_fire_cpu, tiled: chunks of the listed rows, each prefetched a few ahead. */
+TILED_FN static void rows_fire_tiled(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                                     const float *qT, size_t QP, const uint32_t *hmap,
+                                     uint32_t nc, const uint64_t *rows, uint32_t n,
+                                     uint8_t *fire) {
+    const size_t J = (size_t)a->branch_dim + a->rank;
+    float ncsk[CHUNK_ROWS];
+    column_tables(a, p, hmap, nc, QP);
+    for (uint32_t c0 = 0; c0 < n; c0 += CHUNK_ROWS) {
+        const uint32_t c = n - c0 < CHUNK_ROWS ? n - c0 : CHUNK_ROWS;
+        for (uint32_t i = 0; i < c; i++) {
+            /* listed rows are scattered: no hardware prefetcher sees them */
+            if (c0 + i + LIST_AHEAD < n)
+                prefetch_row(a, rows[c0 + i + LIST_AHEAD]);
+            ncsk[i] = load_row_vec(a, rows[c0 + i], p->X + i * J);
+        }
+        chunk_fire(a, p, qT, QP, hmap, nc, rows + c0, ncsk, c, fire + c0);
+    }
+}
+#endif
+
+/* Does this CPU run the tiled scan? (0 under tests that force the row-wise one.) */
+static int tiled_enabled = 1;
+
+int kvt__recall_scan_tiled(int enable) {
+#ifdef SCAN_TILED
+    if (enable >= 0)
+        tiled_enabled = enable;
+    return tiled_enabled && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    (void)enable;
+    (void)tiled_enabled;
+    return 0;
+#endif
+}
+
+void kvt__recall_rows_fire_cpu(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                               const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
+                               const uint64_t *rows, uint32_t n, uint8_t *fire) {
+#ifdef SCAN_TILED
+    if (kvt__recall_scan_tiled(-1)) {
+        rows_fire_tiled(a, p, qT, QP, hmap, nc, rows, n, fire);
+        return;
+    }
+#endif
+    for (uint32_t i = 0; i < n; i++)
+        fire[i] = (uint8_t)kvt__recall_row_fires_cpu(a, p, qT, QP, hmap, nc, rows[i]);
+}
+
+void kvt__recall_scan_rowwise_cpu(const kvt__recall_scan_args *a, float *scratch) {
     kvt__recall_scan_prep p;
     kvt__recall_scan_prep_cpu(a, scratch, &p);
     uint32_t count = 0, over = 0;
@@ -232,4 +601,42 @@ void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
     }
     *a->n_fired = count;
     *a->overflow = over;
+}
+
+void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
+#ifdef SCAN_TILED
+    if (kvt__recall_scan_tiled(-1)) {
+        kvt__recall_scan_prep p;
+        kvt__recall_scan_prep_cpu(a, scratch, &p);
+        scan_tiled(a, &p);
+        return;
+    }
+#endif
+    kvt__recall_scan_rowwise_cpu(a, scratch);
+}
+
+int kvt__recall_scan_tile_chains_cpu(const kvt__recall_scan_args *a, float *scratch,
+                                     const uint64_t *rows, uint32_t n, float *acc, float *pa) {
+#ifndef SCAN_TILED
+    (void)a, (void)scratch, (void)rows, (void)n, (void)acc, (void)pa;
+    return 0;
+#else
+    if (!kvt__recall_scan_tiled(-1))
+        return 0;
+    kvt__recall_scan_prep p;
+    kvt__recall_scan_prep_cpu(a, scratch, &p);
+    const size_t J = (size_t)a->branch_dim + a->rank, HP = p.HP;
+    const size_t rt = a->mode == KVT__RECALL_SOUND ? 2u : 6u;
+    for (uint32_t c0 = 0; c0 < n; c0 += CHUNK_ROWS) { /* as scan_tiled, a chunk at a time */
+        const uint32_t c = n - c0 < CHUNK_ROWS ? n - c0 : CHUNK_ROWS;
+        const size_t nr = (c + rt - 1) / rt * rt;
+        for (uint32_t i = 0; i < c; i++)
+            load_row_vec(a, rows[c0 + i], p.X + i * J);
+        memset(p.X + c * J, 0, sizeof(float) * (nr - c) * J);
+        tile_scores(p.X, J, p.qT, HP, nr, a->mode == KVT__RECALL_SOUND, p.tacc, p.tpa);
+        memcpy(acc + c0 * HP, p.tacc, sizeof(float) * c * HP);
+        memcpy(pa + c0 * HP, p.tpa, sizeof(float) * c * HP);
+    }
+    return 1;
+#endif
 }

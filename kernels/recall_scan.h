@@ -217,8 +217,25 @@ size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t
 float kvt__recall_f16_fast(uint16_t h);
 
 /* One work item (kernels/backend.h), arguments checked by the caller: the heads prepared, then
- * the archived rows ascending, each against the heads in order until one fires. */
+ * the archived rows ascending, each against the heads in order until one fires. On x86-64 with
+ * AVX2 and FMA it runs the tiled scan (kernels/recall_scan.c: a GEMM over chunks of rows × all
+ * heads, every (row, head) chain still kvt__recall_idx's fmaf sequence), else the row-wise one;
+ * the outputs are the same bits either way. */
 void kvt__recall_scan_cpu(const struct kvt__recall_scan_args *a, float *scratch);
+
+/* The row-wise scan (one row at a time against every head): the reference the tiled scan is
+ * tested against, and the scan where the tiled one is not built or the CPU lacks AVX2/FMA. */
+void kvt__recall_scan_rowwise_cpu(const struct kvt__recall_scan_args *a, float *scratch);
+
+/* Whether kvt__recall_scan_cpu runs the tiled scan; enable 0 or 1 switches it (tests only, not
+ * thread-safe), -1 only asks. 0 where it is not built or the CPU lacks AVX2/FMA. */
+int kvt__recall_scan_tiled(int enable);
+
+/* Tests: the tiled scan's idx chains (acc) and, in sound mode, |·| chains (pa) of rows[0 .. n)
+ * (archived or not; any n), [n][kvt__recall_scan_heads_padded(n_heads)] each; scratch as for
+ * kvt__recall_scan_cpu. Returns 0 (nothing written) where the tiled scan does not run. */
+int kvt__recall_scan_tile_chains_cpu(const struct kvt__recall_scan_args *a, float *scratch,
+                                     const uint64_t *rows, uint32_t n, float *acc, float *pa);
 
 /* The pieces kvt__recall_scan_cpu is made of, for the pruned scan (kernels/recall_group.h),
  * which evaluates the rows of the groups it cannot skip exactly as the full scan does. */
@@ -229,6 +246,9 @@ typedef struct kvt__recall_scan_prep {
     size_t HP;               /* heads rounded up to whole tiles */
     float *rb, *ck;          /* a row's branch [branch_dim] and sketch [rank] as fp32 */
     float *acc, *pa;         /* [HP] each: the columns' idx and |·| chains of a row */
+    float *X;                /* the tiled scan's chunk of rows' embeddings [rows][bd + rank] */
+    float *tacc, *tpa;       /* [rows][HP] each: their idx and |·| chains */
+    float *snres, *tbest;    /* [HP] each: s·‖q̃_res‖ and best per head (tiled conformal) */
 } kvt__recall_scan_prep;
 
 /* Heads rounded up to whole tiles of the twin (the columns of a transposed query block). */
@@ -245,5 +265,13 @@ void kvt__recall_scan_prep_cpu(const struct kvt__recall_scan_args *a, float *scr
 int kvt__recall_row_fires_cpu(const struct kvt__recall_scan_args *a,
                               const kvt__recall_scan_prep *p, const float *qT, size_t HP,
                               const uint32_t *hmap, uint32_t n, uint64_t row);
+
+/* Does each of rows[0 .. n) fire? fire[i] = kvt__recall_row_fires_cpu(a, p, qT, QP, hmap, nc,
+ * rows[i]) bit for bit (QP a multiple of 8, at most p->HP; nc <= QP), through the tiled
+ * evaluation where kvt__recall_scan_cpu runs it (the listed rows a chunk at a time against every
+ * column), else row by row. Writes p's chunk and column scratch. */
+void kvt__recall_rows_fire_cpu(const struct kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                               const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
+                               const uint64_t *rows, uint32_t n, uint8_t *fire);
 
 #endif /* KVT_KERNELS_RECALL_SCAN_H */

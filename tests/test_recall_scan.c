@@ -645,3 +645,291 @@ Test(recall_scan, fast_f16_conversion_is_exact) {
         cr_assert_eq(a, b, "0x%04x: 0x%08x, want 0x%08x", h, a, b);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The tiled scan (kvt__recall_scan_cpu on AVX2/FMA CPUs) against the row-wise scan and the
+ * per-element functions, over random shapes: latent dims 65..512, branches of 0..100 values
+ * (multiples of 8 and not) in bf16, fp16 or fp32, ranks 0..128, 1..70 heads (tiles of 16 and 8
+ * and partial ones), 1..300 closed rows (chunks of 48 and tiles of 6 and 2 partial), strided and
+ * permuted rows, raw fp16 sketch patterns (subnormal, Inf, NaN), special branch values, ρ of 0
+ * and +Inf, thresholds at a row's own trigger value and one ulp either side, NaN and ±Inf.
+ * Checked: every (row, head) idx chain and |·| chain of the tiled scan bit for bit against
+ * kvt__recall_idx (heads prepared by kvt__recall_head_prep); fired rows, count and overflow
+ * identical to the row-wise scan and to the per-element trigger functions; and the pruned
+ * scan's evaluation of listed rows against a random subset of heads (kvt__recall_rows_fire_cpu)
+ * identical to kvt__recall_row_fires_cpu's, row by row.
+ * ------------------------------------------------------------------------------------------- */
+static float rand_special(tu_rng *g) {
+    static const float sp[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 65504.0f, 1e30f};
+    switch (tu_next(g) % 64) {
+    case 0:
+        return INFINITY;
+    case 1:
+        return -INFINITY;
+    case 2:
+        return NAN;
+    case 3:
+        return sp[tu_next(g) % 6];
+    default:
+        return (float)tu_normal(g);
+    }
+}
+
+Test(recall_scan, tiled_scan_bit_equal_to_rowwise_and_per_element) {
+    const int tiled = kvt__recall_scan_tiled(-1);
+    if (!tiled)
+        cr_log_warn("the tiled scan does not run on this CPU (no AVX2/FMA): the row-wise scan "
+                    "is compared with the per-element functions only");
+    uint32_t shapes = 0, chains = 0, fired_total = 0, overflowed = 0;
+    for (uint64_t seed = 1; seed <= 160; seed++) {
+        tu_rng g = {0x7113du * seed};
+        static const uint32_t Ds[] = {65, 96, 128, 512};
+        static const uint32_t BDs[] = {0, 8, 16, 24, 64, 100};
+        static const uint32_t ranks[] = {0, 1, 7, 8, 16, 64, 128};
+        static const int bdts[] = {KVT__DT_BF16, KVT__DT_FP16, KVT__DT_FP32};
+        const uint32_t Dl = Ds[tu_next(&g) % 4], bd = BDs[tu_next(&g) % 6];
+        const uint32_t rank = ranks[tu_next(&g) % 7];
+        const int bdt = seed % 4 ? bdts[tu_next(&g) % 3] : KVT__DT_BF16;
+        const uint32_t H = 1 + (uint32_t)(tu_next(&g) % 70);
+        const uint32_t N = 1 + (uint32_t)(tu_next(&g) % 300);
+        const uint32_t pr = 1u << (uint32_t)(tu_next(&g) % 5), np = (N + pr - 1) / pr;
+        const int mode = 1 + (int)(seed % 3);
+        const uint32_t be = bdt == KVT__DT_FP32 ? 4 : 2;
+        const uint32_t boff = 2 * Dl, stride = boff + bd * be + 2 * (uint32_t)(tu_next(&g) % 3);
+        const uint32_t cstride = rank + (uint32_t)(tu_next(&g) % 3);
+        const float sc = (float)(0.02 + tu_uniform(&g) * 0.2);
+        const float z = mode == KVT__RECALL_SOUND
+                            ? sqrtf((float)(Dl - 64)) + (float)tu_uniform(&g)
+                        : mode == KVT__RECALL_MARGIN ? (float)(3.0 * tu_uniform(&g))
+                                                     : (float)(-1.0 + 11.0 * tu_uniform(&g));
+        uint8_t *pool = malloc((size_t)np * pr * stride + 1);
+        int32_t *pages = malloc(sizeof(int32_t) * np);
+        uint16_t *csk = malloc(sizeof(uint16_t) * ((size_t)N * cstride + 1));
+        float *rho = malloc(sizeof(float) * N), *V = malloc(sizeof(float) * (rank * Dl + 1));
+        float *q = malloc(sizeof(float) * H * (Dl + bd)), *best = malloc(sizeof(float) * H);
+        uint32_t *kept = malloc(sizeof(uint32_t) * N), m = 0;
+        cr_assert(pool && pages && csk && rho && V && q && best && kept);
+        for (size_t i = 0; i < (size_t)np * pr * stride; i++)
+            pool[i] = (uint8_t)tu_next(&g);
+        for (uint32_t p = 0; p < np; p++)
+            pages[p] = (int32_t)p;
+        for (uint32_t p = np - 1; p > 0; p--) {
+            uint32_t j = (uint32_t)(tu_next(&g) % (p + 1));
+            int32_t t = pages[p];
+            pages[p] = pages[j];
+            pages[j] = t;
+        }
+        kvt__div32 pd = kvt__div32_make(pr);
+        for (uint32_t row = 0; row < N; row++) {
+            uint8_t *r = pool + (size_t)kvt__page_slot(pages, 0, &pd, row) * stride;
+            for (uint32_t j = 0; j < bd; j++)
+                kvt__store_elem(r + boff, bdt, j, rand_special(&g));
+            for (uint32_t k = 0; k < cstride; k++)
+                csk[(size_t)row * cstride + k] = tu_next(&g) % 50 == 0
+                                                     ? (uint16_t)tu_next(&g)
+                                                     : kvt__f32_to_f16((float)tu_normal(&g));
+            uint64_t k = tu_next(&g) % 40;
+            rho[row] = k == 0 ? INFINITY : k == 1 ? 0.0f : (float)(2.0 * tu_uniform(&g));
+        }
+        for (uint32_t i = 0; i < rank * Dl; i++)
+            V[i] = (float)(tu_normal(&g) / sqrt((double)Dl));
+        for (uint32_t i = 0; i < H * (Dl + bd); i++)
+            q[i] = tu_next(&g) % 500 == 0 ? rand_special(&g) : (float)tu_normal(&g);
+        const uint32_t sinks = (uint32_t)(tu_next(&g) % 9);
+        for (uint32_t row = 0; row < N; row++)
+            if (tu_next(&g) % 6 == 0)
+                kept[m++] = row;
+        const size_t HP = kvt__recall_scan_heads_padded(H);
+        float *scratch = malloc(sizeof(float) * kvt__recall_scan_scratch_floats(H, rank, Dl));
+        float *qsk = malloc(sizeof(float) * (H * rank + 1)), *tmp = malloc(sizeof(float) * Dl);
+        float *idx = malloc(sizeof(float) * N * H), *P = malloc(sizeof(float) * N * H);
+        float *ncsk = malloc(sizeof(float) * N);
+        kvt__recall_head *hd = malloc(sizeof *hd * H);
+        cr_assert(scratch && qsk && tmp && idx && P && ncsk && hd);
+        /* the per-element reference: every (row, head) idx, P and ‖csk‖ */
+        for (uint32_t h = 0; h < H; h++)
+            kvt__recall_head_prep(q + (size_t)h * (Dl + bd), Dl, rank ? V : NULL, rank,
+                                  qsk + (size_t)h * rank, tmp, &hd[h]);
+        for (uint32_t row = 0; row < N; row++)
+            for (uint32_t h = 0; h < H; h++)
+                idx[(size_t)row * H + h] = kvt__recall_idx(
+                    q + (size_t)h * (Dl + bd), qsk + (size_t)h * rank,
+                    pool + (size_t)kvt__page_slot(pages, 0, &pd, row) * stride, Dl, boff, bdt,
+                    bd, csk + (size_t)row * cstride, rank, sc, &P[(size_t)row * H + h],
+                    &ncsk[row]);
+        /* thresholds: a row's idx (plus its margin) exactly, or one ulp either side, or far,
+         * NaN, ±Inf */
+        for (uint32_t h = 0; h < H; h++) {
+            const uint32_t row = (uint32_t)(tu_next(&g) % N);
+            const float v = idx[(size_t)row * H + h];
+            float t = mode == KVT__RECALL_SOUND
+                          ? v + kvt__recall_sound_margin(&hd[h], v, P[(size_t)row * H + h],
+                                                         ncsk[row], rho[row], sc, z, Dl, bd, rank)
+                      : mode == KVT__RECALL_MARGIN
+                          ? v + z
+                          : v + z * kvt__recall_cert(&hd[h], rho[row], sc, Dl);
+            switch (tu_next(&g) % 8) {
+            case 0:
+                t = nextafterf(t, INFINITY);
+                break;
+            case 1:
+                t = nextafterf(t, -INFINITY);
+                break;
+            case 2:
+                t = 1e30f;
+                break;
+            case 3:
+                t = tu_next(&g) % 4 ? INFINITY : tu_next(&g) % 2 ? -INFINITY : NAN;
+                break;
+            default:
+                break;
+            }
+            best[h] = t;
+        }
+        uint32_t cap = seed % 2 ? N : 1 + (uint32_t)(tu_next(&g) % (N + 1)), nf[2] = {0, 0},
+                 ov[2] = {0, 0};
+        uint32_t *fired = malloc(sizeof(uint32_t) * 2 * cap);
+        cr_assert(fired);
+        kvt__recall_scan_args a = {.base = pool, .pages = pages, .pdiv = &pd,
+                                   .slot_stride = stride, .dtype = KVT__DT_BF16,
+                                   .latent_dim = Dl, .branch_offset = boff, .branch_dtype = bdt,
+                                   .branch_dim = bd, .csk = csk, .rho = rho,
+                                   .csk_stride = cstride, .basis = rank ? V : NULL,
+                                   .rank = rank, .n_closed = N, .sinks = sinks, .kept = kept,
+                                   .m = m, .q = q, .best = best, .n_heads = H, .scale = sc,
+                                   .z = z, .mode = mode, .cap = cap};
+        /* the tiled chains, 48 rows at a time */
+        if (tiled) {
+            float *acc = malloc(sizeof(float) * 48 * HP), *pa = malloc(sizeof(float) * 48 * HP);
+            uint64_t rows[48];
+            cr_assert(acc && pa);
+            for (uint32_t r0 = 0; r0 < N; r0 += 48) {
+                uint32_t n = N - r0 < 48 ? N - r0 : 48;
+                for (uint32_t i = 0; i < n; i++)
+                    rows[i] = r0 + i;
+                cr_assert(kvt__recall_scan_tile_chains_cpu(&a, scratch, rows, n, acc, pa));
+                for (uint32_t i = 0; i < n; i++)
+                    for (uint32_t h = 0; h < H; h++) {
+                        const size_t e = (size_t)(r0 + i) * H + h;
+                        const float ti = sc * acc[i * HP + h];
+                        cr_assert(memcmp(&ti, &idx[e], 4) == 0,
+                                  "seed %llu row %u head %u: tiled idx %a, per-element %a",
+                                  (unsigned long long)seed, r0 + i, h, (double)ti,
+                                  (double)idx[e]);
+                        cr_assert(mode != KVT__RECALL_SOUND ||
+                                      memcmp(&pa[i * HP + h], &P[e], 4) == 0,
+                                  "seed %llu row %u head %u: tiled P %a, per-element %a",
+                                  (unsigned long long)seed, r0 + i, h, (double)pa[i * HP + h],
+                                  (double)P[e]);
+                        chains++;
+                    }
+            }
+            free(acc);
+            free(pa);
+        }
+        /* the pruned scan's evaluation of listed rows against a subset of the heads (its live
+         * heads' columns, as kernels/recall_group.c lays them out) equals the row-wise one's */
+        {
+            kvt__recall_scan_prep p;
+            kvt__recall_scan_prep_cpu(&a, scratch, &p);
+            uint32_t *hmap = malloc(sizeof(uint32_t) * H), nl = 0;
+            const size_t J = (size_t)bd + rank;
+            float *qL = malloc(sizeof(float) * (J * HP + 1));
+            uint64_t *rows = malloc(sizeof(uint64_t) * N);
+            uint8_t *fire = malloc(N);
+            cr_assert(hmap && qL && rows && fire);
+            for (uint32_t h = 0; h < H; h++)
+                if (tu_next(&g) % 3)
+                    hmap[nl++] = h;
+            const int all = nl == H;
+            const size_t LP = kvt__recall_scan_heads_padded(nl);
+            for (size_t j = 0; j < J; j++)
+                for (size_t t = 0; t < LP; t++)
+                    qL[j * LP + t] = t < nl ? p.qT[j * HP + hmap[t]] : 0.0f;
+            uint32_t nr = 0;
+            for (uint32_t row = 0; row < N; row++)
+                if (tu_next(&g) % 2)
+                    rows[nr++] = (row * 7919u) % N; /* scattered, repeats allowed */
+            const float *qc = all ? p.qT : qL;
+            const size_t QP = all ? HP : LP;
+            const uint32_t *hm = all ? NULL : hmap;
+            kvt__recall_rows_fire_cpu(&a, &p, qc, QP, hm, nl, rows, nr, fire);
+            for (uint32_t i = 0; i < nr; i++)
+                cr_assert_eq(fire[i], kvt__recall_row_fires_cpu(&a, &p, qc, QP, hm, nl, rows[i]),
+                             "seed %llu: listed row %u (%llu) of %u, %u of %u heads",
+                             (unsigned long long)seed, i, (unsigned long long)rows[i], nr, nl, H);
+            free(hmap);
+            free(qL);
+            free(rows);
+            free(fire);
+        }
+        /* fired sets: the dispatched scan (tiled), the row-wise scan, the per-element triggers */
+        for (int w = 0; w < 2; w++) {
+            a.fired = fired + (size_t)w * cap;
+            a.n_fired = &nf[w];
+            a.overflow = &ov[w];
+            if (w == 0)
+                kvt__recall_scan_cpu(&a, scratch);
+            else
+                kvt__recall_scan_rowwise_cpu(&a, scratch);
+        }
+        uint32_t nref = 0, oref = 0, mk = 0;
+        for (uint32_t row = sinks; row < N && !oref; row++) {
+            while (mk < m && kept[mk] < row)
+                mk++;
+            if (mk < m && kept[mk] == row)
+                continue;
+            int f = 0;
+            for (uint32_t h = 0; h < H && !f; h++) {
+                const float v = idx[(size_t)row * H + h];
+                if (mode == KVT__RECALL_SOUND)
+                    f = kvt__recall_sound_fires(
+                        v,
+                        kvt__recall_sound_margin(&hd[h], v, P[(size_t)row * H + h], ncsk[row],
+                                                 rho[row], sc, z, Dl, bd, rank),
+                        best[h]);
+                else if (mode == KVT__RECALL_MARGIN)
+                    f = !(v + z < best[h]);
+                else
+                    f = kvt__recall_conformal_fires(v, kvt__recall_cert(&hd[h], rho[row], sc, Dl),
+                                                    z, best[h]);
+            }
+            if (!f)
+                continue;
+            if (nref == cap)
+                oref = 1;
+            else
+                cr_assert_eq(fired[cap + nref++], row, "seed %llu: row-wise fired[%u]",
+                             (unsigned long long)seed, nref - 1);
+        }
+        cr_assert_eq(nf[1], nref, "seed %llu", (unsigned long long)seed);
+        cr_assert_eq(ov[1], oref, "seed %llu", (unsigned long long)seed);
+        cr_assert_eq(nf[0], nf[1], "seed %llu: tiled %u fired, row-wise %u",
+                     (unsigned long long)seed, nf[0], nf[1]);
+        cr_assert_eq(ov[0], ov[1], "seed %llu", (unsigned long long)seed);
+        cr_assert(memcmp(fired, fired + cap, sizeof(uint32_t) * nf[0]) == 0, "seed %llu",
+                  (unsigned long long)seed);
+        shapes++;
+        fired_total += nf[0];
+        overflowed += ov[0];
+        free(fired);
+        free(pool);
+        free(pages);
+        free(csk);
+        free(rho);
+        free(V);
+        free(q);
+        free(best);
+        free(kept);
+        free(scratch);
+        free(qsk);
+        free(tmp);
+        free(idx);
+        free(P);
+        free(ncsk);
+        free(hd);
+    }
+    cr_log_info("tiled scan: %u shapes, %u (row, head) chains compared, %u rows fired, %u "
+                "overflowing scans", shapes, chains, fired_total, overflowed);
+    cr_assert(fired_total > 0 && overflowed > 0 && (!tiled || chains > 100000));
+}

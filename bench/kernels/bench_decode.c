@@ -21,25 +21,34 @@
  *   (a) dense attention over all N rows (a contiguous range),
  *   (b) attention over the attended set (a gather) — its max score per head is the scan's
  *       threshold, no separate prologue,
- *   (c) the recall scan (the backend's recall_scan op: kvt__recall_scan_cpu), visiting every
- *       archived row (visited fraction 1.0; a pruned scan would report less here),
+ *   (c) the recall scan (the backend's recall_scan op: kvt__recall_scan_cpu — the tiled scan
+ *       on AVX2/FMA CPUs), visiting every archived row,
+ *   (c2) the pruned scan (kernels/recall_group.h: kvt__recall_scan_pruned_cpu over the groups of
+ *       every closed 4096-row block, built at setup as a block close builds them, not timed;
+ *       the closed rows past the last whole block are scanned one by one), the scan the recall
+ *       step runs in conformal and sound modes; its fired set is checked equal to (c)'s, and
+ *       "visit" is the fraction of archived rows it evaluated,
  *   (d) emission: the backend's pack op writes the attended slots (TOKENS layout),
  *   (e) attention over the rows the scan fired (they join the attended set).
- * speedup = a / (b + c + d + e), and a / b.
+ * speedup = a / (b + c + d + e), a / (b + c2 + d + e), and a / b.
  *   (c') a projection, not a scan: the attention kernel itself over the archived rows' idx inputs
  *        ([branch | csk] as 128 bf16 values a row, all heads per row load, value_dim 0) — the
  *        FLOPs of every head's idx at GEMM speed, plus a softmax's exponentials instead of the
  *        trigger's compares. It shows what a GEMM-shaped scan could cost; speedup' = a / (b + c' +
  *        d + e). The twin (c) is what kvtier runs today.
- * Visited fraction: archived rows the scan read / archived rows; 1.0 for the full scan (a pruned
- * scan, kernels/recall_group.* when it lands, would replace (c) and count what it visits).
+ * Visited fraction: archived rows the pruned scan evaluated / archived rows (1.0 for (c)).
  * Bytes read per context row: dense 1152; kvtier
  * (attended + fired)·1152 + archived·(csk 128 + ρ 4 + branch 128) + 4 per emitted slot.
  *
- * Usage: bench_decode [reps (3)] [largest context in k rows (128)]
+ * The pool (and so dense attention, the gathers and the scan's branch reads alike) is on
+ * transparent huge pages (madvise) unless the third argument is 0.
+ *
+ * Usage: bench_decode [reps (3)] [largest context in k rows (128)] [huge pages (1) | 0]
  */
+#define _DEFAULT_SOURCE /* madvise's MADV_HUGEPAGE */
 #include "kernels/attn.h"
 #include "kernels/backend.h"
+#include "kernels/recall_group.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sketch.h"
 
@@ -47,6 +56,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "../bench_util.h"
 
@@ -148,6 +158,7 @@ static double sgemm_gflops(int m, int n, int k, const char *ta, int reps) {
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 3;
     uint32_t max_k = argc > 2 ? (uint32_t)atoi(argv[2]) : 128;
+    const int huge = argc > 3 ? atoi(argv[3]) != 0 : 1;
     if (reps < 1)
         reps = 1;
     if (max_k < 3) /* the tail alone is 2k rows */
@@ -165,9 +176,20 @@ int main(int argc, char **argv) {
            H, ROW, BLK, SINKS, RATIO, TAIL, RANK, Z, reps);
     printf("sgemm (OpenBLAS, 1 thread): 1024³ %.1f GFLOP/s, 4096×%d×%d (decode score shape) "
            "%.1f GFLOP/s\n", g_sq, H, KD, g_dec);
+    printf("pool: %s\n", huge ? "2-MiB aligned, madvise(MADV_HUGEPAGE) (transparent huge pages)"
+                             : "2-MiB aligned, 4-KiB pages");
+    printf("recall scan (c): %s\n", kvt__recall_scan_tiled(-1)
+                                       ? "the tiled scan (AVX2/FMA)"
+                                       : "the row-wise scan (no AVX2/FMA on this CPU)");
 
     /* the pool: NMAX rows, identity page table of PR-row pages */
-    uint8_t *pool = malloc((size_t)NMAX * ROW);
+    /* the pool on transparent huge pages unless asked not to (an engine's KV pool is one large
+     * pinned or hugepage-backed allocation; with 4-KiB pages the scan's strided branch reads take
+     * a TLB miss every ~3.5 rows, dense attention's sequential reads amortise them) */
+    const size_t pool_bytes = ((size_t)NMAX * ROW + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+    uint8_t *pool = aligned_alloc(2u << 20, pool_bytes);
+    if (huge && pool && madvise(pool, pool_bytes, MADV_HUGEPAGE) != 0)
+        printf("madvise(MADV_HUGEPAGE) refused: 4-KiB pages\n");
     float *basis = malloc(sizeof(float) * RANK * D), *q = malloc(sizeof(float) * H * KD);
     float u[KD], lat[D];
     orthonormal(RANK, D, basis);
@@ -246,7 +268,7 @@ int main(int argc, char **argv) {
                2.0 * H * (KD + D) * n / t * 1e-9, 2.0 * H * (KD + D) * n / t * 1e-9 / g_ref);
         free(ds);
     }
-    printf("sketches of %u rows: %.2f s (setup, not timed below)\n\n", NC, t_sk);
+    printf("sketches of %u rows: %.2f s (setup, not timed below)\n", NC, t_sk);
 
     /* (c')'s inputs: per row [branch | f32(csk) as bf16], per head [q_br | q̃_sk = q_lat Vᵀ] */
     enum { PXD = BD + RANK };
@@ -269,6 +291,29 @@ int main(int argc, char **argv) {
         }
     }
     float *pxscr = malloc(sizeof(float) * kvt__attn_f32_scratch_floats(H, PXD, 0));
+    /* (c2)'s groups: every whole 4096-row block of the closable rows, as a close builds them */
+    const uint32_t NBLK = NC / BLK, GS = kvt__recall_group_slots(BLK);
+    uint32_t *g_perm = malloc(sizeof(uint32_t) * (size_t)NBLK * BLK);
+    uint32_t *g_ng = malloc(sizeof(uint32_t) * (NBLK + 1));
+    uint32_t *g_end = malloc(sizeof(uint32_t) * NBLK * GS + 4);
+    float *g_centre = malloc(sizeof(float) * (size_t)NBLK * GS * PXD + 4);
+    float *g_stat = malloc(sizeof(float) * (size_t)NBLK * GS * KVT__RG_STATS + 4);
+    void *g_scr = malloc(kvt__recall_group_scratch_bytes(BLK, BD, RANK));
+    double t_gr = cpu_s();
+    for (uint32_t b = 0; b < NBLK; b++) {
+        kvt__recall_group_block o = {.perm = g_perm + (size_t)b * BLK, .n_groups = g_ng + b,
+                                     .end = g_end + (size_t)b * GS,
+                                     .centre = g_centre + (size_t)b * GS * PXD,
+                                     .stat = g_stat + (size_t)b * GS * KVT__RG_STATS};
+        kvt__recall_group_block_cpu(pool, ident + (size_t)b * BLK, BLK, ROW, 2 * D, KVT__DT_BF16,
+                                    BD, csk + (size_t)b * BLK * RANK, RANK, rho + (size_t)b * BLK,
+                                    RANK, PXD, g_scr, &o);
+    }
+    t_gr = cpu_s() - t_gr;
+    printf("groups of %u blocks for the pruned scan: %.2f s (setup, not timed below)\n\n", NBLK,
+           t_gr);
+    void *pscr = malloc(kvt__recall_scan_pruned_scratch_bytes(H, RANK, D, NC));
+    uint32_t *fired2 = malloc(sizeof(uint32_t) * NMAX);
     int32_t *arch = malloc(sizeof(int32_t) * NMAX);
 
     static const uint32_t ctxs[] = {2560, 3072, 4096, 8192, 16384, 32768, 65536, 131072};
@@ -276,9 +321,9 @@ int main(int argc, char **argv) {
      * kvtier's step (best time) beats dense (best time); 0: not reached. For the twin scan and
      * for the projection (c'). */
     uint32_t cross = 0, cross_px = 0;
-    printf("%7s %9s %8s %8s %7s %7s %9s %7s %7s %8s %7s %6s %6s %6s %5s\n", "N", "dense ms",
-           "attn ms", "scan ms", "emit ms", "(e) ms", "a/(b..e)", "a/b", "GF/s a", "frac",
-           "c' ms", "a/(..)'", "fired", "B/tok", "visit");
+    printf("%7s %9s %8s %8s %7s %7s %9s %7s %7s %8s %7s %6s %6s %6s %8s %8s %5s\n", "N",
+           "dense ms", "attn ms", "scan ms", "emit ms", "(e) ms", "a/(b..e)", "a/b", "GF/s a",
+           "frac", "c' ms", "a/(..)'", "fired", "B/tok", "prune ms", "a/(..)p", "visit");
     for (size_t ci = 0; ci < sizeof ctxs / sizeof ctxs[0]; ci++) {
         const uint32_t N = ctxs[ci];
         if (N > NMAX)
@@ -344,7 +389,16 @@ int main(int argc, char **argv) {
         kvt__attn_f32_args fa = dense;
         fa.slots = fired_slots;
         fa.out = out;
-        stats ta = {1e30, 0}, tb = ta, tc = ta, td = ta, te = ta, tt = ta, tp = ta;
+        stats ta = {1e30, 0}, tb = ta, tc = ta, td = ta, te = ta, tt = ta, tp = ta, tq = ta;
+        kvt__recall_groups grp = {.block_rows = BLK, .n_blocks = closed / BLK, .dim = PXD,
+                                  .perm = g_perm, .n_groups = g_ng, .end = g_end,
+                                  .centre = g_centre, .stat = g_stat};
+        kvt__recall_scan_args s2 = s;
+        uint32_t nf2 = 0, ov2 = 0;
+        s2.fired = fired2;
+        s2.n_fired = &nf2;
+        s2.overflow = &ov2;
+        kvt__recall_prune_stats pst = {0};
         for (int rep = 0; rep < reps; rep++) {
             double t0 = cpu_s();
             kvt__attn_f32_cpu(&dense);
@@ -372,9 +426,16 @@ int main(int argc, char **argv) {
             note(&tt, t5 - t1);
             double t6 = cpu_s();
             kvt__attn_f32_cpu(&proxy);
-            note(&tp, cpu_s() - t6);
+            double t7 = cpu_s();
+            kvt__recall_scan_pruned_cpu(&s2, &grp, pscr, &pst);
+            note(&tp, t7 - t6);
+            note(&tq, cpu_s() - t7);
         }
-        const double visited = archived ? (double)archived / archived : 1.0; /* the full scan */
+        if (nf2 != nf || ov2 != ov || memcmp(fired, fired2, sizeof(uint32_t) * nf)) {
+            fprintf(stderr, "pruned scan fired %u rows, full scan %u\n", nf2, nf);
+            return 1;
+        }
+        const double visited = pst.archived ? (double)pst.visited / pst.archived : 1.0;
         if (lens[0] != (int32_t)na || lens[1] != (int32_t)nf) {
             fprintf(stderr, "emission wrote %d + %d slots, expected %u + %u\n", lens[0], lens[1],
                     na, nf);
@@ -384,18 +445,20 @@ int main(int argc, char **argv) {
         const double bytes = ((double)na + nf) * ROW + (double)archived * (2 * RANK + 4 + 2 * BD) +
                              4.0 * (na + nf);
         const double tpx = tb.best + tp.best + td.best + te.best;
+        const double tpr = tb.best + tq.best + td.best + te.best;
         printf("%7u %9.2f %8.2f %8.2f %7.3f %7.3f %9.2f %7.2f %7.1f %8.2f %7.2f %6.2f %6u %6.0f "
-               "%5.2f\n",
+               "%8.2f %8.2f %5.2f\n",
                N, ta.best * 1e3, tb.best * 1e3, tc.best * 1e3, td.best * 1e3, te.best * 1e3,
                ta.best / tt.best, ta.best / tb.best, fl / ta.best * 1e-9,
                fl / ta.best * 1e-9 / g_ref, tp.best * 1e3, ta.best / tpx, nf, bytes / N,
-               visited);
+               tq.best * 1e3, ta.best / tpr, visited);
         printf("%7s ranges: dense %.2f–%.2f, attn %.2f–%.2f, scan %.2f–%.2f, emit %.3f–%.3f, "
-               "fired %.3f–%.3f, c' %.2f–%.2f; a/(b..e) %.2f–%.2f (worst/best pairings); "
-               "attended %u rows, archived %u\n", "", ta.best * 1e3, ta.worst * 1e3,
+               "fired %.3f–%.3f, c' %.2f–%.2f, pruned %.2f–%.2f; a/(b..e) %.2f–%.2f (worst/best "
+               "pairings); attended %u rows, archived %u\n", "", ta.best * 1e3, ta.worst * 1e3,
                tb.best * 1e3, tb.worst * 1e3, tc.best * 1e3, tc.worst * 1e3, td.best * 1e3,
                td.worst * 1e3, te.best * 1e3, te.worst * 1e3, tp.best * 1e3, tp.worst * 1e3,
-               ta.best / tt.worst, ta.worst / tt.best, na, archived);
+               tq.best * 1e3, tq.worst * 1e3, ta.best / tt.worst, ta.worst / tt.best, na,
+               archived);
         if (tt.best < ta.best) {
             if (!cross)
                 cross = N;
@@ -472,5 +535,13 @@ int main(int argc, char **argv) {
     free(qpx);
     free(pxscr);
     free(arch);
+    free(g_perm);
+    free(g_ng);
+    free(g_end);
+    free(g_centre);
+    free(g_stat);
+    free(g_scr);
+    free(pscr);
+    free(fired2);
     return 0;
 }
