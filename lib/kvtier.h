@@ -556,6 +556,26 @@ KVT_API kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const 
 KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank,
                                         uint32_t *id);
 
+/* Give KV head `kv_head` of an evict (GQA/MHA-RoPE) layer its key basis (docs/recall.md §8): V is
+ * host memory of rank x head_dim fp32 values, orthonormal rows as for kvt_ctx_set_recall_basis,
+ * fitted to that head's post-RoPE keys; each archived row of the head gets csk = its key
+ * projected on V (fp16) and ρ = the norm of what the sketch misses. A head without one gets
+ * empty sketches and ρ = the key's norm (the trigger is still sound, it only fetches more).
+ * Sketches are built on evict layers with two planes (K, V) of bf16/fp16/fp32 rows in a context
+ * with params.recall_sketch_rank > 0, for requests with config.evict_archive; their stride is
+ * min(recall_sketch_rank, head_dim). A second call replaces the head's basis. Errors (nothing
+ * changed): KVT_ERR_INVALID_ARGUMENT (NULL ctx or V, NaN/Inf, rows not orthonormal),
+ * KVT_ERR_OUT_OF_RANGE (layer, kv_head, or rank 0 or above the stride), KVT_ERR_POLICY_MISMATCH
+ * (not an evict layer), KVT_ERR_UNSUPPORTED (no sketch planes, or a layer whose rows the sketch
+ * cannot take: one plane (MLA) or fp8), KVT_ERR_BAD_STATE (a request already reserved rows),
+ * KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                                 const float *V, uint32_t rank);
+/* A head's key basis: *rank (0: none) and *id (CRC-32 of V's bytes, 0 without one); either may
+ * be NULL. KVT_ERR_INVALID_ARGUMENT (NULL ctx), KVT_ERR_OUT_OF_RANGE (layer or kv_head). */
+KVT_API kvt_status kvt_ctx_recall_head_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                             uint32_t *rank, uint32_t *id);
+
 /* A basis file (kvtier-inspect calibrate writes it; format in docs/recall.md §5): little-endian,
  *   0   8 B   magic "KVTRBAS1"
  *   8   u32   format version (1)
