@@ -6,6 +6,7 @@
 #include "kernels/philox.h"
 #include "kernels/recall_scan.h"
 #include "kernels/recall_step.h"
+#include "kernels/recall_rope.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
@@ -269,6 +270,12 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
     return run_items(be, a, sizeof *a, n, need, step_item);
 }
 
+static kvt_status cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *a,
+                                       uint32_t n, void *stream) {
+    (void)stream;
+    return kvt__recall_rope_step_op_cpu(be, a, n);
+}
+
 /* A round's selection for n layers: each layer's scratch from the workspace (one piece, reused
  * layer after layer), taken before any keep set is written. */
 static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
@@ -460,6 +467,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .sketch_rows = cpu_sketch_rows,
     .recall_scan = cpu_recall_scan,
     .recall_step = cpu_recall_step,
+    .recall_rope_step = cpu_recall_rope_step,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
@@ -663,6 +671,42 @@ static kvt_status g_recall_scan(const kvt__backend *be, const kvt__recall_scan_a
     return s;
 }
 
+/* Every buffer a RoPE recall step reads or writes is the backend's (pdiv and the ranks are host
+ * values). */
+static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
+                                     uint32_t n, void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__recall_rope_args *a = &args[i];
+        if (!kvt__recall_rope_args_ok(a))
+            return KVT_ERR_INVALID_ARGUMENT;
+        const size_t H = a->n_kv, nq = H * a->group;
+        if (a->n_rows) {
+            GUARD_OWNS(be, a->keys, 1);
+            GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        }
+        if (a->ar_n) {
+            GUARD_OWNS(be, a->ar_bytes, a->ar_row_bytes * H * a->ar_cap);
+            GUARD_OWNS(be, a->ar_ident, sizeof(int32_t));
+            GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * H * a->ar_cap);
+            GUARD_OWNS(be, a->rho, sizeof(float) * H * a->ar_cap);
+        }
+        if (a->basis)
+            GUARD_OWNS(be, a->basis, sizeof(float) * H * a->basis_stride * a->D);
+        GUARD_OWNS(be, a->q, sizeof(float) * nq * a->D);
+        GUARD_OWNS(be, a->best, sizeof(float) * nq);
+        GUARD_OWNS(be, a->st, sizeof *a->st);
+        GUARD_OWNS(be, a->samples, a->samples ? sizeof(float) * a->sample_cap : 0);
+        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
+        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
+        GUARD_OWNS(be, a->overflow, sizeof(uint32_t) * H);
+        GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+    }
+    guard_open(be);
+    kvt_status s = cpu_recall_rope_step(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
 static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_args *args,
                                 uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++) {
@@ -806,6 +850,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .sketch_rows = g_sketch_rows,
     .recall_scan = g_recall_scan,
     .recall_step = g_recall_step,
+    .recall_rope_step = g_recall_rope_step,
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,

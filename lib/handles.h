@@ -5,6 +5,7 @@
 #include "base/base.h"
 #include "base/alloc.h"
 #include "recall/recall.h"
+#include "recall/recall_rope.h"
 #include "tiers/policy.h"
 
 #define KVT__MAX_GROUPS 3
@@ -106,6 +107,12 @@ bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
  * nothing to recall from. */
 bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
                           kvt__recall_step_args *out);
+/* The RoPE recall trigger's archive view (kernels/recall_rope.h: the fields up to rank) of a
+ * request's layer between steps, its page table mirrored: the evict policy's recall_rope_view.
+ * KVT_ERR_POLICY_MISMATCH (a layer without one), the view's statuses (UNSUPPORTED, BAD_STATE),
+ * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. Not yet called by
+ * kvt_batch_run: the emission of fetched rows is docs/recall.md §8.3's next piece. */
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 /* Free every live kvt_buffer of the context (kvt_ctx_destroy). */

@@ -1008,6 +1008,25 @@ bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, ui
     return true;
 }
 
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out) {
+    CHECK_BETWEEN_STEPS(seq);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    kvt_ctx *ctx = seq->ctx;
+    if (!ops_of(ctx, layer)->recall_rope_view)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH,
+                             "layer %u: its policy has no archive a RoPE recall reads", layer);
+    if ((s = kvt__ptable_mirror_sync(&seq->pt[st->group], &ctx->backend, NULL)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "layer %u: page table to the backend", layer);
+    kvt__tier_layer l = tier_layer(seq, layer);
+    char *err = kvt__tls_error();
+    if ((s = ops_of(ctx, layer)->recall_rope_view(&l, out, err, KVT__ERR_LEN)) != KVT_OK)
+        return s;
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {
     CHECK_BETWEEN_STEPS(seq);
     if (!first_row)

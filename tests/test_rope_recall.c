@@ -17,9 +17,13 @@
 #include <string.h>
 
 #include "kernels/kvt_hd.h"
+#include "kernels/recall_rope.h"
+#include "kernels/recall_scan.h"
 #include "kernels/sketch.h"
 #include "kvtier.h"
 #include "lib/handles.h"
+#include "recall/conformal.h"
+#include "recall/recall_rope.h"
 #include "support/testutil.h"
 
 enum { RR_MAXH = 4 };
@@ -98,15 +102,17 @@ static uint8_t *rr_row(const rr *x, uint32_t plane, uint64_t pos, uint32_t h) {
     return x->rows[plane] + (pos * x->H + h) * x->sp.row_bytes;
 }
 
-/* A key of head h at pos: normal draws, some of them in span of the head's basis (so ρ takes
- * both small and full values), one in 97 with a NaN (ρ = +Inf). bf16. */
+/* A key of head h at pos, bf16. With a basis: mostly near an 8-dim subspace of it (small ρ: the
+ * trigger is selective), one in five a plain normal draw (ρ near ‖k‖); without: normal draws
+ * (ρ = ‖k‖). One in 97 has a NaN (ρ = +Inf). */
 static void rr_fill(rr *x, uint64_t pos, uint32_t h, uint8_t *key, uint8_t *val) {
     float c[1024];
     const uint32_t D = x->D;
-    if (x->V[h] && pos % 3 == 0) {
+    if (x->V[h] && pos % 5 != 0) {
+        const uint32_t sub = x->rank[h] < 8 ? x->rank[h] : 8;
         for (uint32_t d = 0; d < D; d++)
-            c[d] = 0.0f;
-        for (uint32_t k = 0; k < x->rank[h]; k++) {
+            c[d] = (float)(0.02 * tu_normal(&x->rng));
+        for (uint32_t k = 0; k < sub; k++) {
             float a = (float)tu_normal(&x->rng);
             for (uint32_t d = 0; d < D; d++)
                 c[d] += a * x->V[h][(size_t)k * D + d];
@@ -388,5 +394,512 @@ Test(rope_sketch, head_basis_statuses) {
     cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 0, V, 8), KVT_ERR_BAD_STATE);
     kvt_seq_destroy(seq);
     kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* ---- (2) The trigger ------------------------------------------------------------------------ */
+
+enum { TR_MAXQ = 64, TR_MAXA = 4096 };
+
+/* One trigger step's outputs, read back from the backend. */
+typedef struct trig_out {
+    kvt__recall_state st;
+    uint32_t n_fired[RR_MAXH], overflow[RR_MAXH];
+    uint32_t *fired[RR_MAXH]; /* [cap] each */
+    uint8_t dense;
+    float best[TR_MAXQ];
+} trig_out;
+
+/* The test's side of the trigger: the state the recall tier keeps, the queries' and the dense
+ * flag's backend buffers. */
+typedef struct trig {
+    kvt__recall_rope_layer rl;
+    float *qdev;
+    uint8_t *ddev;
+    uint32_t nq, cap;
+    kvt__conformal conf; /* the oracle's calibration */
+    float conf_samples[64 * TR_MAXQ];
+} trig;
+
+static const kvt__backend *be_of(const rr *x) {
+    return &x->ctx->backend;
+}
+
+static void trig_init(trig *t, rr *x, uint32_t cap) {
+    memset(t, 0, sizeof *t);
+    t->nq = x->sp.n_q_heads;
+    t->cap = cap;
+    const kvt__backend *be = be_of(x);
+    cr_assert_eq(kvt__recall_rope_prepare(&t->rl, be, t->nq, x->H, cap), KVT_OK);
+    void *p = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(float) * t->nq * x->D, &p), KVT_OK);
+    t->qdev = p;
+    cr_assert_eq(be->ops->buf_alloc(be, 1, &p), KVT_OK);
+    t->ddev = p;
+    kvt__conformal_init(&t->conf, t->conf_samples, 64 * t->nq);
+}
+
+static void trig_fini(trig *t, rr *x) {
+    const kvt__backend *be = be_of(x);
+    kvt__recall_rope_fini(&t->rl, be);
+    be->ops->buf_free(be, t->qdev, sizeof(float) * t->nq * x->D);
+    be->ops->buf_free(be, t->ddev, 1);
+}
+
+/* Run one trigger step on the committed state with queries q ([nq][D], host). */
+static void trig_run(trig *t, rr *x, const float *q, kvt_recall_mode mode, float margin,
+                     trig_out *o) {
+    const kvt__backend *be = be_of(x);
+    kvt__recall_rope_args view, a;
+    cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(be->ops->write(be, t->qdev, q, sizeof(float) * t->nq * x->D, NULL), KVT_OK);
+    kvt__recall_rope_make(&t->rl, &view, t->qdev, mode, margin, t->ddev, &a);
+    cr_assert_eq(be->ops->recall_rope_step(be, &a, 1, NULL), KVT_OK);
+    dev_read(x, &o->st, t->rl.base.st, sizeof o->st);
+    dev_read(x, o->n_fired, t->rl.n_fired, sizeof(uint32_t) * x->H);
+    dev_read(x, o->overflow, t->rl.overflow, sizeof(uint32_t) * x->H);
+    dev_read(x, &o->dense, t->ddev, 1);
+    dev_read(x, o->best, t->rl.base.best, sizeof(float) * t->nq);
+    for (uint32_t h = 0; h < x->H; h++) {
+        o->fired[h] = realloc(o->fired[h], sizeof(uint32_t) * t->cap);
+        cr_assert(o->n_fired[h] <= t->cap);
+        if (o->n_fired[h])
+            dev_read(x, o->fired[h], t->rl.fired + (size_t)h * t->cap,
+                     sizeof(uint32_t) * o->n_fired[h]);
+    }
+    /* The state passes the recall tier's own invariants after every step. */
+    float *samples = malloc(sizeof(float) * (o->st.n_samples + 1));
+    if (o->st.n_samples)
+        dev_read(x, samples, t->rl.base.samples, sizeof(float) * o->st.n_samples);
+    char err[256];
+    cr_assert_eq(kvt__recall_state_check(&t->rl.base, &o->st, samples, err, sizeof err), KVT_OK,
+                 "%s", err);
+    free(samples);
+}
+
+static void trig_out_free(trig_out *o) {
+    for (uint32_t h = 0; h < RR_MAXH; h++)
+        free(o->fired[h]);
+}
+
+/* What the oracle knows of the committed state: per head the attended positions and the
+ * archive (positions in archive order, sketches as stored: their equality with the sketch oracle
+ * is rope_sketch's test). */
+typedef struct oview {
+    uint64_t n_rows, ar_n;
+    int64_t *pos[RR_MAXH];
+    int64_t *ar_pos[RR_MAXH];
+    uint16_t *csk[RR_MAXH];
+    float *rho[RR_MAXH];
+} oview;
+
+static void oview_read(const rr *x, oview *v) {
+    memset(v, 0, sizeof *v);
+    const kvt__ev *e = &x->seq->layers[0].ev;
+    v->ar_n = e->ar_n;
+    for (uint32_t h = 0; h < x->H; h++) {
+        v->pos[h] = malloc(sizeof(int64_t) * (x->n_tok + 1));
+        cr_assert_eq(kvt_seq_positions(x->seq, 0, h, v->pos[h], x->n_tok + 1, &v->n_rows), KVT_OK);
+        v->ar_pos[h] = malloc(sizeof(int64_t) * (v->ar_n + 1));
+        v->csk[h] = malloc(sizeof(uint16_t) * (v->ar_n + 1) * x->stride);
+        v->rho[h] = malloc(sizeof(float) * (v->ar_n + 1));
+        if (!v->ar_n)
+            continue;
+        dev_read(x, v->ar_pos[h], e->ar_pos + (size_t)h * e->ar_cap, sizeof(int64_t) * v->ar_n);
+        dev_read(x, v->csk[h], e->ar_csk + (size_t)h * e->ar_cap * x->stride,
+                 sizeof(uint16_t) * v->ar_n * x->stride);
+        dev_read(x, v->rho[h], e->ar_rho + (size_t)h * e->ar_cap, sizeof(float) * v->ar_n);
+    }
+}
+
+static void oview_free(oview *v) {
+    for (uint32_t h = 0; h < RR_MAXH; h++) {
+        free(v->pos[h]);
+        free(v->ar_pos[h]);
+        free(v->csk[h]);
+        free(v->rho[h]);
+    }
+}
+
+static float o_exact(const rr *x, const float *q, uint32_t h, int64_t pos) {
+    return kvt__recall_exact(q, rr_row(x, 0, (uint64_t)pos, h), KVT__DT_BF16, x->D, 0,
+                             KVT__DT_BF16, 0, 1.0f);
+}
+
+/* The oracle's best per query head (over the attended rows of its KV head). */
+static void o_best(const rr *x, const oview *v, const float *q, float *best) {
+    const uint32_t G = x->sp.n_q_heads / x->H;
+    for (uint32_t t = 0; t < x->sp.n_q_heads; t++) {
+        const uint32_t h = t / G;
+        best[t] = -INFINITY;
+        for (uint64_t i = 0; i < v->n_rows; i++) {
+            float sc = o_exact(x, q + (size_t)t * x->D, h, v->pos[h][i]);
+            best[t] = sc > best[t] ? sc : best[t];
+        }
+    }
+}
+
+/* The oracle's fired membership of head h's archive (in[k] = 1), for scan z and mode; count. */
+static uint64_t o_fire(const rr *x, const oview *v, const float *q, const float *best, uint32_t h,
+                       float z, int mode, uint8_t *in) {
+    const uint32_t G = x->sp.n_q_heads / x->H, D = x->D, R = x->rank[h];
+    float q_sk[KVT__SKETCH_MAX_RANK + 1], tmp[1024];
+    uint64_t n = 0;
+    for (uint64_t k = 0; k < v->ar_n; k++) {
+        in[k] = 0;
+        for (uint32_t g = 0; g < G && !in[k]; g++) {
+            const uint32_t t = h * G + g;
+            const float *qh = q + (size_t)t * D;
+            kvt__recall_head hd;
+            kvt__recall_head_prep(qh, D, x->V[h], R, q_sk, tmp, &hd);
+            float P, ncsk;
+            float idx = kvt__recall_idx(qh, q_sk, rr_row(x, 0, (uint64_t)v->ar_pos[h][k], h), D,
+                                        0, KVT__DT_BF16, 0, v->csk[h] + k * x->stride, R, 1.0f,
+                                        &P, &ncsk);
+            int f;
+            if (mode == KVT__RECALL_SOUND)
+                f = kvt__recall_sound_fires(idx,
+                                            kvt__recall_sound_margin(&hd, idx, P, ncsk,
+                                                                     v->rho[h][k], 1.0f, z, D, 0,
+                                                                     R),
+                                            best[t]);
+            else if (mode == KVT__RECALL_MARGIN)
+                f = !(idx + z < best[t]);
+            else
+                f = kvt__recall_conformal_fires(
+                    idx, kvt__recall_cert(&hd, v->rho[h][k], 1.0f, D), z, best[t]);
+            in[k] = (uint8_t)f;
+        }
+        n += in[k];
+    }
+    return n;
+}
+
+/* The oracle's calibration step: one sample per query head from its best archived row; true
+ * while the request still calibrates. */
+static bool o_calibrate(trig *t, const rr *x, const oview *v, const float *q, const float *best) {
+    (void)best;
+    const uint32_t G = x->sp.n_q_heads / x->H, D = x->D;
+    float e[TR_MAXQ];
+    uint32_t n_e = 0;
+    for (uint32_t qt = 0; qt < x->sp.n_q_heads; qt++) {
+        const uint32_t h = qt / G;
+        const float *qh = q + (size_t)qt * D;
+        float bs = -INFINITY;
+        int64_t arg = -1;
+        for (uint64_t k = 0; k < v->ar_n; k++) {
+            float sc = o_exact(x, qh, h, v->ar_pos[h][k]);
+            if (sc > bs) {
+                bs = sc;
+                arg = (int64_t)k;
+            }
+        }
+        if (arg < 0)
+            continue;
+        float q_sk[KVT__SKETCH_MAX_RANK + 1], tmp[1024], P, ncsk;
+        kvt__recall_head hd;
+        kvt__recall_head_prep(qh, D, x->V[h], x->rank[h], q_sk, tmp, &hd);
+        float idx = kvt__recall_idx(qh, q_sk, rr_row(x, 0, (uint64_t)v->ar_pos[h][arg], h), D, 0,
+                                    KVT__DT_BF16, 0, v->csk[h] + arg * x->stride, x->rank[h], 1.0f,
+                                    &P, &ncsk);
+        float cert = kvt__recall_cert(&hd, v->rho[h][arg], 1.0f, D);
+        if (kvt__conformal_sample(bs, idx, cert, &e[n_e]))
+            n_e++;
+    }
+    return kvt__conformal_step(&t->conf, e, n_e);
+}
+
+/* Queries: a random direction inside the head's 8-dim key subspace (or a plain normal draw
+ * without a basis) plus small noise outside it; one in three query heads aimed at a random
+ * archived row of its KV head (it then outscores most attended rows, so a miss would show). */
+static void make_queries(rr *x, const oview *v, float *q, uint32_t *aimed) {
+    const uint32_t G = x->sp.n_q_heads / x->H, D = x->D;
+    *aimed = 0;
+    for (uint32_t t = 0; t < x->sp.n_q_heads; t++) {
+        const uint32_t h = t / G;
+        float *qh = q + (size_t)t * D;
+        bool aim = v->ar_n && tu_next(&x->rng) % 3 == 0;
+        const uint8_t *key =
+            aim ? rr_row(x, 0, (uint64_t)v->ar_pos[h][tu_next(&x->rng) % v->ar_n], h) : NULL;
+        for (uint32_t d = 0; d < D; d++) {
+            float kd = key ? kvt__load_elem(key, KVT__DT_BF16, d) : 0.0f;
+            if (key && !isfinite(kd))
+                kd = 0.0f;
+            qh[d] = 0.3f * kd + (float)(0.03 * tu_normal(&x->rng));
+        }
+        const uint32_t sub = x->rank[h] < 8 ? x->rank[h] : 8;
+        for (uint32_t k = 0; !key && k < sub; k++) {
+            float b = (float)(0.3 * tu_normal(&x->rng));
+            for (uint32_t d = 0; d < D; d++)
+                qh[d] += b * x->V[h][(size_t)k * D + d];
+        }
+        *aimed += aim;
+    }
+}
+
+/* The backend's fired list of head h equals the oracle's membership: the first min(cap, n)
+ * ascending, overflow when more. */
+static void expect_fired(const rr *x, const trig_out *o, uint32_t h, const uint8_t *in,
+                         uint64_t n_in, uint32_t cap, int step) {
+    if (o->st.last_dense && !o->overflow[h]) {
+        cr_assert_eq(o->n_fired[h], 0u);
+        return;
+    }
+    const bool over = n_in > cap;
+    cr_assert_eq(o->overflow[h], (uint32_t)over, "seed %llu step %d head %u: overflow %u, oracle "
+                 "fired %llu of cap %u", (unsigned long long)x->seed, step, h, o->overflow[h],
+                 (unsigned long long)n_in, cap);
+    if (over) {
+        cr_assert_eq(o->n_fired[h], 0u, "a dense step leaves no list");
+        return;
+    }
+    cr_assert_eq(o->n_fired[h], (uint32_t)n_in, "seed %llu step %d head %u: %u fired, oracle %llu",
+                 (unsigned long long)x->seed, step, h, o->n_fired[h], (unsigned long long)n_in);
+    for (uint64_t k = 0, w = 0; w < n_in; k++)
+        if (in[k]) {
+            cr_assert_eq(o->fired[h][w], (uint32_t)k, "seed %llu step %d head %u: fired[%llu] = "
+                         "%u, oracle %llu", (unsigned long long)x->seed, step, h,
+                         (unsigned long long)w, o->fired[h][w], (unsigned long long)k);
+            w++;
+        }
+}
+
+/* The RoPE model of the trigger tests: 2 KV heads of 128, 8 query heads (G = 4), bases of rank
+ * 32 and 16 (sound_never_misses also runs a head without one). */
+static void trig_model_ranks(rr *x, kvt_backend_kind backend, uint64_t seed, uint32_t r1) {
+    const uint32_t rank[2] = {32, r1};
+    rr_init(x, 2, 128, rr_cfg(32, 8, 16), 32, rank, backend, seed);
+    cr_assert_eq(kvt_seq_set_prompt_rows(x->seq, 4), KVT_OK);
+    rr_step(x, 4, false);
+    for (int i = 0; i < 60; i++)
+        rr_step(x, 1, i % 2 == 0);
+}
+
+static void trig_model(rr *x, kvt_backend_kind backend, uint64_t seed) {
+    trig_model_ranks(x, backend, seed, 16);
+}
+
+/* Conformal decode: the first steps calibrate (dense, no list; z as the oracle's calibration
+ * over the same samples, bit for bit), every later step's per-KV-head fired lists equal the
+ * oracle's; the best scores too. Run on CPU and guarded: both equal the oracle, so each other. */
+static void conformal_run(kvt_backend_kind backend, uint64_t seed, uint64_t *fetched_aimed) {
+    rr x;
+    trig_model(&x, backend, seed);
+    trig t;
+    trig_init(&t, &x, 4096);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    bool calibrating = true;
+    uint64_t aimed_hit = 0, aimed_total = 0;
+    uint8_t *in = malloc(TR_MAXA);
+    for (int step = 0; step < 60; step++) {
+        rr_step(&x, 1, step % 3 == 0);
+        oview v;
+        oview_read(&x, &v);
+        cr_assert(v.ar_n < TR_MAXA);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        trig_run(&t, &x, q, KVT_RECALL_CONFORMAL, 0.0f, &o);
+        o_best(&x, &v, q, best);
+        cr_assert(memcmp(best, o.best, sizeof(float) * t.nq) == 0, "seed %llu step %d: best",
+                  (unsigned long long)seed, step);
+        if (calibrating) {
+            cr_assert_eq(o.dense, 1, "a calibration step attends every row");
+            calibrating = o_calibrate(&t, &x, &v, q, best);
+            cr_assert_eq(o.st.n_samples, t.conf.n);
+            cr_assert_eq(o.st.z, t.conf.z, "step %d: z %g, oracle %g", step, (double)o.st.z,
+                         (double)t.conf.z);
+            cr_assert_eq(o.st.phase != KVT__CONFORMAL_OPEN, !calibrating);
+        } else {
+            uint64_t total = 0;
+            for (uint32_t h = 0; h < x.H; h++) {
+                uint64_t n = o_fire(&x, &v, q, best, h, t.conf.z, KVT__RECALL_CONFORMAL, in);
+                expect_fired(&x, &o, h, in, n, t.cap, step);
+                total += n;
+            }
+            cr_assert_eq(o.st.last_fetched, total);
+            cr_assert_eq(o.st.last_archived, v.ar_n * x.H);
+            aimed_total += aimed;
+            aimed_hit += aimed ? 1 : 0;
+        }
+        oview_free(&v);
+    }
+    cr_assert(!calibrating, "z was fixed within 60 steps");
+    cr_assert_gt(aimed_total, 0u);
+    cr_log_info("conformal (seed %llu): z %g from %u samples after %llu calibration steps; %llu "
+                "steps fetched %llu of %llu archived (row, KV head) pairs",
+                (unsigned long long)seed, (double)o.st.z, o.st.n_samples,
+                (unsigned long long)o.st.calib_steps, (unsigned long long)o.st.steps,
+                (unsigned long long)o.st.fetched, (unsigned long long)o.st.visited);
+    *fetched_aimed = o.st.fetched;
+    free(in);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+Test(rope_trigger, conformal_fired_sets_equal_the_oracle, .timeout = 240) {
+    uint64_t a = 0, b = 0;
+    conformal_run(KVT_BACKEND_CPU, 4242, &a);
+    conformal_run(KVT_BACKEND_GUARDED, 4242, &b);
+    cr_assert_eq(a, b, "CPU and guarded fetched the same rows (%llu, %llu)",
+                 (unsigned long long)a, (unsigned long long)b);
+}
+
+/* Sound mode never misses an archived row whose exact score reaches its query head's attended
+ * best (the fp32 score kvt__recall_exact computes); margin mode is the oracle's !(idx + δ < best). */
+Test(rope_trigger, sound_never_misses_and_margin_is_exact, .timeout = 240) {
+    rr x;
+    trig_model_ranks(&x, KVT_BACKEND_CPU, 777, 0);
+    trig t;
+    trig_init(&t, &x, 4096);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    uint8_t *in = malloc(TR_MAXA);
+    const uint32_t G = x.sp.n_q_heads / x.H;
+    uint64_t reaching = 0, fetched = 0, archived = 0;
+    for (int step = 0; step < 40; step++) {
+        rr_step(&x, 1, step % 2 == 0);
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        const bool margin = step % 4 == 3;
+        const float delta = step % 8 == 3 ? 0.0f : 0.5f;
+        trig_run(&t, &x, q, margin ? KVT_RECALL_MARGIN : KVT_RECALL_SOUND, delta, &o);
+        o_best(&x, &v, q, best);
+        cr_assert_eq(o.st.phase, KVT__CONFORMAL_OPEN, "sound and margin never calibrate");
+        for (uint32_t h = 0; h < x.H; h++) {
+            uint64_t n = o_fire(&x, &v, q, best, h, margin ? delta : sqrtf((float)(x.D - 64)),
+                                margin ? KVT__RECALL_MARGIN : KVT__RECALL_SOUND, in);
+            expect_fired(&x, &o, h, in, n, t.cap, step);
+            if (margin || o.overflow[h])
+                continue;
+            fetched += o.n_fired[h];
+            archived += v.ar_n;
+            /* soundness, directly: every row reaching a head's best is in the list */
+            for (uint64_t k = 0; k < v.ar_n; k++)
+                for (uint32_t g = 0; g < G; g++) {
+                    const uint32_t qt = h * G + g;
+                    if (!(o_exact(&x, q + (size_t)qt * x.D, h, v.ar_pos[h][k]) >= best[qt]))
+                        continue;
+                    reaching++;
+                    bool found = false;
+                    for (uint32_t j = 0; j < o.n_fired[h] && !found; j++)
+                        found = o.fired[h][j] == k;
+                    cr_assert(found, "seed 777 step %d head %u: archived row %llu reaches query "
+                              "head %u's best and did not fire", step, h, (unsigned long long)k,
+                              qt);
+                }
+        }
+        oview_free(&v);
+    }
+    cr_assert_gt(reaching, 10u, "the data has archived rows that beat the attended ones");
+    cr_log_info("sound: %llu (row, head) pairs reaching the best, fetched %llu of %llu archived "
+                "(row, KV head) pairs", (unsigned long long)reaching, (unsigned long long)fetched,
+                (unsigned long long)archived);
+    free(in);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+/* Overflow: with W = 2 a sound step fires more rows than W in some head: the step is dense (the
+ * flag, every list empty, the whole archive counted as fetched), and the overflow is counted. */
+Test(rope_trigger, overflow_gives_every_row) {
+    rr x;
+    trig_model(&x, KVT_BACKEND_CPU, 31);
+    trig t;
+    trig_init(&t, &x, 2);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    uint8_t *in = malloc(TR_MAXA);
+    oview v;
+    oview_read(&x, &v);
+    uint32_t aimed;
+    make_queries(&x, &v, q, &aimed);
+    trig_run(&t, &x, q, KVT_RECALL_SOUND, 0.0f, &o);
+    o_best(&x, &v, q, best);
+    uint32_t over = 0;
+    for (uint32_t h = 0; h < x.H; h++) {
+        uint64_t n = o_fire(&x, &v, q, best, h, sqrtf((float)(x.D - 64)), KVT__RECALL_SOUND, in);
+        over |= n > 2;
+        expect_fired(&x, &o, h, in, n, 2, 0);
+    }
+    cr_assert(over, "the data overflows W = 2 (sound fetches more)");
+    cr_assert_eq(o.dense, 1);
+    cr_assert_eq(o.st.last_dense, 1u);
+    cr_assert_eq(o.st.last_overflow, 1u);
+    cr_assert_eq(o.st.overflow_steps, 1u);
+    cr_assert_eq(o.st.last_fetched, v.ar_n * x.H);
+    for (uint32_t h = 0; h < x.H; h++)
+        cr_assert_eq(o.n_fired[h], 0u);
+    oview_free(&v);
+    free(in);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+/* Statuses: the view of a layer without an archive, without sketches, of a salience layer; the
+ * op's argument checks; salience on a RoPE layer stays refused. */
+Test(rope_trigger, statuses) {
+    /* no archive: the request's config has none */
+    kvt_config cfg = rr_cfg(16, 4, 8);
+    cfg.evict_archive = false;
+    rr x;
+    rr_init(&x, 2, 128, cfg, 16, NULL, KVT_BACKEND_CPU, 3);
+    rr_step(&x, 1, false);
+    kvt__recall_rope_args v;
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &v), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "no archive") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 3, &v), KVT_ERR_OUT_OF_RANGE);
+    rr_fini(&x);
+    /* no sketch planes */
+    rr_init(&x, 2, 128, rr_cfg(16, 4, 8), 0, NULL, KVT_BACKEND_CPU, 3);
+    rr_step(&x, 1, false);
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &v), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "sketches") != NULL, "%s", kvt_last_error());
+    rr_fini(&x);
+    /* the op's argument checks: nothing runs */
+    trig_model(&x, KVT_BACKEND_GUARDED, 3);
+    trig t;
+    trig_init(&t, &x, 16);
+    kvt__recall_rope_args view, a;
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    kvt__recall_rope_make(&t.rl, &view, t.qdev, KVT_RECALL_CONFORMAL, 0.0f, t.ddev, &a);
+    const kvt__backend *be = be_of(&x);
+    kvt__recall_rope_args bad = a;
+    bad.D = 64;
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    bad = a;
+    bad.rank[0] = bad.csk_stride + 1;
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    bad = a;
+    bad.mode = 9;
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    bad = a;
+    float host_q[8 * 128];
+    bad.q = host_q; /* a host pointer: the guarded backend refuses it */
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVARIANT);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+    /* salience on a RoPE layer: the paper's control, refused */
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 128, &sp), KVT_OK);
+    kvt_model *m = NULL;
+    cr_assert_eq(kvt_model_create(&sp, 1, "rope", &m, NULL, 0), KVT_OK);
+    kvt_policy pol = KVT_POLICY_SALIENCE;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.layer_policies = &pol;
+    p.recall_sketch_rank = 32;
+    kvt_ctx *ctx = NULL;
+    char err[256] = "";
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_POLICY_MISMATCH, "%s", err);
+    cr_assert_null(ctx);
     kvt_model_destroy(m);
 }

@@ -51,6 +51,7 @@
 
 #include "kernels/kvt_hd.h"
 #include "kernels/philox.h"
+#include "kernels/recall_rope.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
 
@@ -1157,6 +1158,58 @@ static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g)
     return s;
 }
 
+/* The archive as the RoPE recall trigger reads it (policy.h recall_rope_view). */
+static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope_args *a,
+                                      char *err, size_t len) {
+    const kvt__ev *e = &l->state->ev;
+    const kvt__store *st = l->st;
+    const kvt_layer_spec *sp = &st->spec;
+    if (!e->archive || e->sk_stride == 0)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "layer %u has %s: recall on a RoPE layer reads the archive's sketches "
+                         "(config.evict_archive, params.recall_sketch_rank > 0, two planes of "
+                         "bf16/fp16/fp32)",
+                         st->layer, e->archive ? "no archive sketches" : "no archive");
+    if (e->sk_n != e->ar_n)
+        return kvt__fail(err, len, KVT_ERR_BAD_STATE,
+                         "layer %u: %llu of %llu archived rows sketched (a failed sketch, "
+                         "retried at the next commit)",
+                         st->layer, (unsigned long long)e->sk_n, (unsigned long long)e->ar_n);
+    if (e->n_heads > KVT__RECALL_ROPE_MAX_KV || sp->n_q_heads == 0 ||
+        sp->n_q_heads % e->n_heads != 0 || sp->head_dim <= 64)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "layer %u: %u KV heads (at most %u), %u query heads (a multiple of "
+                         "them), head_dim %u (must exceed 64): outside what the RoPE recall "
+                         "step takes",
+                         st->layer, e->n_heads, KVT__RECALL_ROPE_MAX_KV, sp->n_q_heads,
+                         sp->head_dim);
+    memset(a, 0, sizeof *a);
+    a->keys = st->plane[0];
+    a->pages = l->pt->dpages;
+    a->first_page = l->pt->first_page;
+    a->pdiv = l->pdiv;
+    a->slot_stride = st->slot_bytes;
+    a->row_bytes = sp->row_bytes;
+    a->n_rows = l->pt->n_rows;
+    a->dtype = (int)sp->dtype;
+    a->D = sp->head_dim;
+    a->n_kv = e->n_heads;
+    a->group = sp->n_q_heads / e->n_heads;
+    a->ar_bytes = e->ar_bytes;
+    a->ar_row_bytes = e->ar_row_bytes;
+    a->ar_cap = e->ar_cap;
+    a->ar_n = e->ar_n;
+    a->ar_ident = e->ar_ident;
+    a->csk = e->ar_csk;
+    a->rho = e->ar_rho;
+    a->csk_stride = e->sk_stride;
+    a->basis = st->kb_V;
+    a->basis_stride = st->kb_stride;
+    for (uint32_t h = 0; h < e->n_heads; h++)
+        a->rank[h] = st->kb_rank ? st->kb_rank[h] : 0;
+    return KVT_OK;
+}
+
 static kvt_row_state ev_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                   int32_t *slot) {
     const kvt__ev *e = &l->state->ev;
@@ -1260,6 +1313,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .supports_layer = ev_supports_layer,
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,
+    .recall_rope_view = ev_recall_rope_view,
     .row_state = ev_row_state,
     .read_archived = ev_read_archived,
     .positions = ev_positions,
