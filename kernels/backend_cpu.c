@@ -276,6 +276,19 @@ static kvt_status cpu_recall_rope_step(const kvt__backend *be, const kvt__recall
     return kvt__recall_rope_step_op_cpu(be, a, n);
 }
 
+static kvt_status cpu_recall_rope_emit(const kvt__backend *be,
+                                       const kvt__recall_rope_emit_args *a, uint32_t n,
+                                       void *stream) {
+    (void)be;
+    (void)stream;
+    for (uint32_t i = 0; i < n; i++)
+        if (!kvt__recall_rope_emit_ok(&a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+    for (uint32_t i = 0; i < n; i++)
+        kvt__recall_rope_emit_cpu(&a[i]);
+    return KVT_OK;
+}
+
 /* A round's selection for n layers: each layer's scratch from the workspace (one piece, reused
  * layer after layer), taken before any keep set is written. */
 static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
@@ -468,6 +481,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .recall_scan = cpu_recall_scan,
     .recall_step = cpu_recall_step,
     .recall_rope_step = cpu_recall_rope_step,
+    .recall_rope_emit = cpu_recall_rope_emit,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
@@ -707,6 +721,34 @@ static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_r
     return s;
 }
 
+/* The emission's buffers, all the backend's (fetch slots, lists, planes, archive). */
+static kvt_status g_recall_rope_emit(const kvt__backend *be,
+                                     const kvt__recall_rope_emit_args *args, uint32_t n,
+                                     void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__recall_rope_emit_args *a = &args[i];
+        if (!kvt__recall_rope_emit_ok(a))
+            return KVT_ERR_INVALID_ARGUMENT;
+        const size_t H = a->n_kv;
+        GUARD_OWNS(be, a->plane[0], 1);
+        GUARD_OWNS(be, a->plane[1], 1);
+        if (a->n_rows)
+            GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        if (a->ar_n)
+            GUARD_OWNS(be, a->ar_bytes, 2u * a->row_bytes * H * a->ar_cap);
+        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
+        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
+        GUARD_OWNS(be, a->st, sizeof *a->st);
+        GUARD_OWNS(be, a->fetch_slots, sizeof(int32_t) * a->fetch_cap);
+        GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
+        GUARD_OWNS(be, a->indptr, sizeof(int32_t) * (H + 1));
+    }
+    guard_open(be);
+    kvt_status s = cpu_recall_rope_emit(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
 static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_args *args,
                                 uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++) {
@@ -851,6 +893,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .recall_scan = g_recall_scan,
     .recall_step = g_recall_step,
     .recall_rope_step = g_recall_rope_step,
+    .recall_rope_emit = g_recall_rope_emit,
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,

@@ -92,4 +92,43 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch);
 kvt_status kvt__recall_rope_step_op_cpu(const kvt__backend *be, const kvt__recall_rope_args *a,
                                         uint32_t n);
 
+/* ---------------------------------------------------------------------------------------------
+ * Emission of a recall step (docs/recall.md §8.3). On a recall step each KV head attends the
+ * table's rows [0, n_rows) plus its own fetched archive rows, so the sets differ per KV head:
+ * one CSR list per (request, KV head). The archive is not in the pool's slot space, so the
+ * fetched rows are first copied into slots the attention can read: a fetch area of the
+ * request's (fetch_slots, pool slots it owns), fetched row j of head h into fetch_slots[j], head
+ * h's slice, both planes. Head h's list: the slots of rows [0, n_rows) ascending, then
+ * fetch_slots[0 .. m_h), m_h = n_fired[h] (archive order), or ar_n on a dense step (every
+ * archived row; st->last_dense). No filler row: a head whose m_h is smaller lists fewer slots (a
+ * zero key is not neutral, a duplicate doubles its weight). Other heads' slices of a fetch slot
+ * are never listed for head h unless written for it in the same call.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct kvt__recall_rope_emit_args {
+    uint8_t *plane[2];          /* the layer's pool planes (K, V) */
+    size_t slot_stride;         /* bytes of a slot of a plane (n_kv · row_bytes) */
+    uint32_t row_bytes;
+    uint32_t n_kv;
+    const int32_t *pages;       /* the table's mirror */
+    uint64_t first_page;
+    const kvt__div32 *pdiv;     /* page_rows (host value) */
+    uint64_t n_rows;            /* rows every head attends without recall */
+    const uint8_t *ar_bytes;    /* [n_kv][ar_cap][2][row_bytes] */
+    uint64_t ar_cap, ar_n;
+    const uint32_t *fired;      /* [n_kv][cap] */
+    const uint32_t *n_fired;    /* [n_kv] */
+    uint32_t cap;
+    const kvt__recall_state *st; /* last_dense */
+    const int32_t *fetch_slots; /* [fetch_cap] distinct pool slots of the request */
+    uint32_t fetch_cap;         /* >= max(cap, ar_n) */
+    int32_t *indices;           /* [capacity] */
+    uint64_t capacity;          /* >= out + n_kv · (n_rows + max(cap, ar_n)) */
+    int32_t *indptr;            /* [n_kv + 1]: head h's entries [indptr[h], indptr[h + 1]) */
+    uint64_t out;               /* first entry written (indptr[0] = out) */
+} kvt__recall_rope_emit_args;
+
+bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a);
+/* One request's emission (arguments checked). */
+void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a);
+
 #endif /* KVT_KERNELS_RECALL_ROPE_H */

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/attn.h"
 #include "kernels/kvt_hd.h"
 #include "kernels/recall_rope.h"
 #include "kernels/recall_scan.h"
@@ -902,4 +903,221 @@ Test(rope_trigger, statuses) {
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_POLICY_MISMATCH, "%s", err);
     cr_assert_null(ctx);
     kvt_model_destroy(m);
+}
+
+/* ---- (3) Emission: fetched rows copied into fetch slots, per-KV-head lists -------------------- */
+
+/* A fetch area of the request: n pool pages of the layer's group taken off the free list (what
+ * the request's reservation will do), their slots in a backend buffer. */
+typedef struct fetch_area {
+    uint32_t pages[64], n_pages;
+    int32_t *slots_host;
+    int32_t *slots_dev;
+    uint32_t n;
+} fetch_area;
+
+static void fetch_take(rr *x, uint32_t rows, fetch_area *f) {
+    memset(f, 0, sizeof *f);
+    kvt__pool *pool = &x->ctx->groups[x->ctx->stores[0].group].pool;
+    const uint32_t pr = x->ctx->page_rows;
+    f->n_pages = (rows + pr - 1) / pr;
+    cr_assert(f->n_pages <= 64 && pool->n_free >= f->n_pages);
+    f->n = f->n_pages * pr;
+    f->slots_host = malloc(sizeof(int32_t) * f->n);
+    for (uint32_t k = 0; k < f->n_pages; k++) {
+        uint32_t page = pool->free_ids[--pool->n_free];
+        pool->refs[page] = 1;
+        f->pages[k] = page;
+        for (uint32_t r = 0; r < pr; r++)
+            f->slots_host[k * pr + r] = (int32_t)(page * pr + r);
+    }
+    const kvt__backend *be = be_of(x);
+    void *p = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * f->n, &p), KVT_OK);
+    f->slots_dev = p;
+    cr_assert_eq(be->ops->write(be, p, f->slots_host, sizeof(int32_t) * f->n, NULL), KVT_OK);
+}
+
+static void fetch_give(rr *x, fetch_area *f) {
+    kvt__pool *pool = &x->ctx->groups[x->ctx->stores[0].group].pool;
+    for (uint32_t k = 0; k < f->n_pages; k++)
+        kvt__pool_put(pool, f->pages[k]);
+    be_of(x)->ops->buf_free(be_of(x), f->slots_dev, sizeof(int32_t) * f->n);
+    free(f->slots_host);
+}
+
+static int cmp_pos(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Reference attention (kernels/attn.h) of query q over rows given as [V | K] (2D values each, so
+ * the value is the first D values and the key, with the query [0 | q], the rest). */
+static void ref_attn(const rr *x, const uint8_t *rows, uint32_t n, const float *q, float *out,
+                     double *lse) {
+    const uint32_t D = x->D;
+    float qq[256];
+    for (uint32_t d = 0; d < D; d++) {
+        qq[d] = 0.0f;
+        qq[D + d] = q[d];
+    }
+    double *scratch = malloc(sizeof(double) * kvt__attn_scratch_doubles(n, 1, D, 2 * D));
+    kvt__attn_args a = {.base = rows, .slots = NULL, .n_rows = n, .slot_stride = 2u * x->sp.row_bytes,
+                        .row_offset = 0, .dtype = KVT__DT_BF16, .key_dim = 2 * D, .value_dim = D,
+                        .q = qq, .n_heads = 1, .q_stride = 2 * D, .scale = 1.0, .out = out,
+                        .lse = lse, .scratch = scratch};
+    cr_assert_eq(kvt__attn_cpu(&a), 0);
+    free(scratch);
+}
+
+/* Run the emission after a trigger step and check it: per KV head, the listed rows are exactly the
+ * attended rows then the fired archived rows (the oracle's, or all on a dense step), the bytes at
+ * every listed slot are those rows' (both planes), no slot is listed twice, and every query
+ * head's reference attention over the listed rows equals the one over the oracle's rows. */
+static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, const float *q,
+                           const float *best, int mode, float z, uint64_t *fetched_rows) {
+    const kvt__backend *be = be_of(x);
+    const uint32_t H = x->H, G = x->sp.n_q_heads / H, D = x->D, rb = x->sp.row_bytes;
+    const uint64_t m = t->cap > v->ar_n ? t->cap : v->ar_n;
+    fetch_area f;
+    fetch_take(x, (uint32_t)m, &f);
+    kvt__recall_rope_args view;
+    cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    const uint64_t cap_idx = (uint64_t)H * (view.n_rows + m);
+    void *ind = NULL, *ptr = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * cap_idx, &ind), KVT_OK);
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * (H + 1), &ptr), KVT_OK);
+    const kvt__store *st = &x->ctx->stores[0];
+    kvt__recall_rope_emit_args ea = {
+        .plane = {st->plane[0], st->plane[1]}, .slot_stride = st->slot_bytes, .row_bytes = rb,
+        .n_kv = H, .pages = view.pages, .first_page = view.first_page, .pdiv = view.pdiv,
+        .n_rows = view.n_rows, .ar_bytes = view.ar_bytes, .ar_cap = view.ar_cap,
+        .ar_n = view.ar_n, .fired = t->rl.fired, .n_fired = t->rl.n_fired, .cap = t->rl.cap,
+        .st = t->rl.base.st, .fetch_slots = f.slots_dev, .fetch_cap = f.n, .indices = ind,
+        .capacity = cap_idx, .indptr = ptr, .out = 0};
+    kvt__recall_rope_emit_args bad = ea;
+    bad.capacity = cap_idx - 1;
+    cr_assert_eq(be->ops->recall_rope_emit(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(be->ops->recall_rope_emit(be, &ea, 1, NULL), KVT_OK);
+    int32_t *indptr = malloc(sizeof(int32_t) * (H + 1));
+    int32_t *indices = malloc(sizeof(int32_t) * cap_idx);
+    dev_read(x, indptr, ptr, sizeof(int32_t) * (H + 1));
+    dev_read(x, indices, ind, sizeof(int32_t) * cap_idx);
+    uint8_t *in = malloc(v->ar_n + 1);
+    const size_t slot_bytes = st->slot_bytes;
+    uint8_t *got = malloc((v->n_rows + m) * 2u * rb), *want = malloc((v->n_rows + m) * 2u * rb);
+    int64_t *wpos = malloc(sizeof(int64_t) * (v->n_rows + m));
+    cr_assert_eq(indptr[0], 0);
+    for (uint32_t h = 0; h < H; h++) {
+        /* the oracle's rows of head h: attended positions, then fired (or all) archived ones */
+        uint64_t n = 0;
+        for (uint64_t r = 0; r < v->n_rows; r++)
+            wpos[n++] = v->pos[h][r];
+        if (o->st.last_dense) {
+            for (uint64_t k = 0; k < v->ar_n; k++)
+                wpos[n++] = v->ar_pos[h][k];
+        } else if (v->ar_n) {
+            o_fire(x, v, q, best, h, z, mode, in);
+            for (uint64_t k = 0; k < v->ar_n; k++)
+                if (in[k])
+                    wpos[n++] = v->ar_pos[h][k];
+        }
+        cr_assert_eq((uint64_t)(indptr[h + 1] - indptr[h]), n,
+                     "seed %llu head %u: %d rows listed, the oracle has %llu",
+                     (unsigned long long)x->seed, h, indptr[h + 1] - indptr[h],
+                     (unsigned long long)n);
+        *fetched_rows += n - v->n_rows;
+        /* the listed rows' bytes, in list order, [V | K] */
+        for (uint64_t e = 0; e < n; e++) {
+            const int32_t slot = indices[indptr[h] + e];
+            for (uint64_t e2 = 0; e2 < e; e2++)
+                cr_assert_neq(indices[indptr[h] + e2], slot, "head %u lists slot %d twice", h,
+                              slot);
+            uint8_t *g = got + e * 2u * rb;
+            dev_read(x, g, st->plane[1] + (size_t)slot * slot_bytes + (size_t)h * rb, rb);
+            dev_read(x, g + rb, st->plane[0] + (size_t)slot * slot_bytes + (size_t)h * rb, rb);
+            cr_assert(memcmp(g, rr_row(x, 1, (uint64_t)wpos[e], h), rb) == 0 &&
+                          memcmp(g + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb) == 0,
+                      "seed %llu head %u entry %llu: bytes differ from position %lld's",
+                      (unsigned long long)x->seed, h, (unsigned long long)e, (long long)wpos[e]);
+        }
+        /* the oracle's rows sorted by position, from the shadow */
+        qsort(wpos, n, sizeof *wpos, cmp_pos);
+        for (uint64_t e = 0; e < n; e++) {
+            cr_assert(e == 0 || wpos[e] > wpos[e - 1], "a position twice in head %u's set", h);
+            memcpy(want + e * 2u * rb, rr_row(x, 1, (uint64_t)wpos[e], h), rb);
+            memcpy(want + e * 2u * rb + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb);
+        }
+        for (uint32_t g = 0; g < G; g++) {
+            const float *qt = q + (size_t)(h * G + g) * D;
+            float out_a[128], out_b[128];
+            double lse_a, lse_b;
+            ref_attn(x, got, (uint32_t)n, qt, out_a, &lse_a);
+            ref_attn(x, want, (uint32_t)n, qt, out_b, &lse_b);
+            if (isnan(lse_b)) { /* a NaN key among the rows: both NaN */
+                cr_assert(isnan(lse_a));
+                continue;
+            }
+            cr_assert(fabs(lse_a - lse_b) <= 1e-9 * (1.0 + fabs(lse_b)), "lse %.17g vs %.17g",
+                      lse_a, lse_b);
+            for (uint32_t d = 0; d < D; d++)
+                cr_assert(fabsf(out_a[d] - out_b[d]) <= 1e-6f * (1.0f + fabsf(out_b[d])),
+                          "head %u out[%u] %g vs %g", h * G + g, d, (double)out_a[d],
+                          (double)out_b[d]);
+        }
+    }
+    free(in);
+    free(got);
+    free(want);
+    free(wpos);
+    free(indptr);
+    free(indices);
+    be->ops->buf_free(be, ind, sizeof(int32_t) * cap_idx);
+    be->ops->buf_free(be, ptr, sizeof(int32_t) * (H + 1));
+    fetch_give(x, &f);
+}
+
+/* Conformal decode with the emission after every step (calibration steps list the whole archive,
+ * later ones the fired rows), then sound and an overflow, on the CPU and guarded backends; the
+ * reference attention over exactly the listed rows is the oracle set's. */
+static void emission_run(kvt_backend_kind backend, uint64_t seed) {
+    rr x;
+    trig_model(&x, backend, seed);
+    trig t;
+    trig_init(&t, &x, 64);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    uint64_t fetched = 0, dense_steps = 0, steps = 0;
+    for (int step = 0; step < 24; step++) {
+        rr_step(&x, 1, step % 2 == 1);
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        const kvt_recall_mode mode = step < 20 ? KVT_RECALL_CONFORMAL : KVT_RECALL_SOUND;
+        trig_run(&t, &x, q, mode, 0.0f, &o);
+        o_best(&x, &v, q, best);
+        const float z = mode == KVT_RECALL_SOUND ? sqrtf((float)(x.D - 64)) : o.st.z;
+        emit_and_check(&x, &t, &o, &v, q, best, (int)mode, z, &fetched);
+        dense_steps += o.st.last_dense;
+        steps++;
+        oview_free(&v);
+    }
+    cr_assert_gt(dense_steps, 0u, "calibration or overflow steps were emitted");
+    cr_assert_lt(dense_steps, steps, "fetching steps were emitted");
+    cr_log_info("emission (seed %llu): %llu steps, %llu dense, %llu fetched rows listed",
+                (unsigned long long)seed, (unsigned long long)steps,
+                (unsigned long long)dense_steps, (unsigned long long)fetched);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+Test(rope_emit, listed_rows_equal_the_oracle_cpu, .timeout = 240) {
+    emission_run(KVT_BACKEND_CPU, 515);
+}
+
+Test(rope_emit, listed_rows_equal_the_oracle_guarded, .timeout = 240) {
+    emission_run(KVT_BACKEND_GUARDED, 515);
 }
