@@ -739,7 +739,7 @@ static kvt_status g_recall_rope_emit(const kvt__backend *be,
         GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
         GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
         GUARD_OWNS(be, a->st, sizeof *a->st);
-        GUARD_OWNS(be, a->fetch_slots, sizeof(int32_t) * a->fetch_cap);
+        GUARD_OWNS(be, a->fetch_pages, sizeof(int32_t) * ((a->fetch_cap + a->pdiv->d - 1) / a->pdiv->d));
         GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
         GUARD_OWNS(be, a->indptr, sizeof(int32_t) * (H + 1));
     }

@@ -223,12 +223,13 @@ kvt_status kvt__recall_rope_step_op_cpu(const kvt__backend *be, const kvt__recal
 }
 
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
-    const uint64_t m = a->cap > a->ar_n ? a->cap : a->ar_n;
+    /* a head lists at most every archived row once (its fired rows are distinct archive rows) */
+    const uint64_t m = a->ar_n;
     return a->n_kv && a->n_kv <= KVT__RECALL_ROPE_MAX_KV && a->row_bytes &&
            a->slot_stride >= (size_t)a->n_kv * a->row_bytes && a->plane[0] && a->plane[1] &&
            a->pdiv && a->st && a->fired && a->n_fired && a->cap && a->indices && a->indptr &&
            a->ar_n <= a->ar_cap && (a->ar_n == 0 || a->ar_bytes) && (a->n_rows == 0 || a->pages) &&
-           a->fetch_slots && a->fetch_cap >= m && a->n_rows <= INT32_MAX &&
+           a->fetch_pages && a->fetch_cap >= m && a->n_rows <= INT32_MAX &&
            a->capacity >= a->out + (uint64_t)a->n_kv * (a->n_rows + m) &&
            a->capacity <= (uint64_t)INT32_MAX;
 }
@@ -242,11 +243,12 @@ void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
         for (uint64_t r = 0; r < a->n_rows; r++)
             a->indices[o++] = kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)r);
         uint64_t m = dense ? a->ar_n : a->n_fired[h];
-        if (m > a->cap && !dense)
-            m = a->cap; /* never past the list (n_fired <= cap by the step) */
+        /* never past the list or the fetch area (the step keeps n_fired <= min(cap, ar_n)) */
+        m = m > a->cap && !dense ? a->cap : m;
+        m = m > a->ar_n ? a->ar_n : m;
         for (uint64_t j = 0; j < m; j++) {
             const uint64_t k = dense ? j : a->fired[(size_t)h * a->cap + j];
-            const int32_t slot = a->fetch_slots[j];
+            const int32_t slot = kvt__recall_rope_fetch_slot(a, (uint32_t)j);
             const uint8_t *src = a->ar_bytes + ((size_t)h * a->ar_cap + k) * 2u * rb;
             for (int p = 0; p < 2; p++)
                 memcpy(a->plane[p] + (size_t)slot * a->slot_stride + (size_t)h * rb, src + p * rb,

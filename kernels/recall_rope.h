@@ -97,9 +97,9 @@ kvt_status kvt__recall_rope_step_op_cpu(const kvt__backend *be, const kvt__recal
  * table's rows [0, n_rows) plus its own fetched archive rows, so the sets differ per KV head:
  * one CSR list per (request, KV head). The archive is not in the pool's slot space, so the
  * fetched rows are first copied into slots the attention can read: a fetch area of the
- * request's (fetch_slots, pool slots it owns), fetched row j of head h into fetch_slots[j], head
- * h's slice, both planes. Head h's list: the slots of rows [0, n_rows) ascending, then
- * fetch_slots[0 .. m_h), m_h = n_fired[h] (archive order), or ar_n on a dense step (every
+ * request's (pool pages it owns), fetched row j of head h into fetch row j, head h's slice, both
+ * planes. Head h's list: the slots of rows [0, n_rows) ascending, then fetch rows
+ * [0 .. m_h), m_h = n_fired[h] (archive order), or ar_n on a dense step (every
  * archived row; st->last_dense). No filler row: a head whose m_h is smaller lists fewer slots (a
  * zero key is not neutral, a duplicate doubles its weight). Other heads' slices of a fetch slot
  * are never listed for head h unless written for it in the same call.
@@ -119,15 +119,23 @@ typedef struct kvt__recall_rope_emit_args {
     const uint32_t *n_fired;    /* [n_kv] */
     uint32_t cap;
     const kvt__recall_state *st; /* last_dense */
-    const int32_t *fetch_slots; /* [fetch_cap] distinct pool slots of the request */
-    uint32_t fetch_cap;         /* >= max(cap, ar_n) */
+    /* The fetch area: fetch rows [0, fetch_cap) of pool pages the request owns, as a page table
+     * (a kvt__ptable's mirror: fetch row j at kvt__page_slot(fetch_pages, 0, pdiv, j)), so the
+     * request can grow it at reserve like its other tables. */
+    const int32_t *fetch_pages;
+    uint32_t fetch_cap;         /* rows, >= ar_n (a dense step lists every archived row) */
     int32_t *indices;           /* [capacity] */
-    uint64_t capacity;          /* >= out + n_kv · (n_rows + max(cap, ar_n)) */
+    uint64_t capacity;          /* >= out + n_kv · (n_rows + ar_n): held + archived rows per
+                                 * head are at most the request's rows (kvt_batch_capacity) */
     int32_t *indptr;            /* [n_kv + 1]: head h's entries [indptr[h], indptr[h + 1]) */
     uint64_t out;               /* first entry written (indptr[0] = out) */
 } kvt__recall_rope_emit_args;
 
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a);
+/* The slot of fetch row j. */
+KVT_HD int32_t kvt__recall_rope_fetch_slot(const kvt__recall_rope_emit_args *a, uint32_t j) {
+    return kvt__page_slot(a->fetch_pages, 0, a->pdiv, j);
+}
 /* One request's emission (arguments checked). */
 void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a);
 

@@ -907,13 +907,12 @@ Test(rope_trigger, statuses) {
 
 /* ---- (3) Emission: fetched rows copied into fetch slots, per-KV-head lists -------------------- */
 
-/* A fetch area of the request: n pool pages of the layer's group taken off the free list (what
- * the request's reservation will do), their slots in a backend buffer. */
+/* A fetch area of the request: pool pages of the layer's group taken off the free list (what
+ * the request's reservation will do), as a page table in a backend buffer. */
 typedef struct fetch_area {
     uint32_t pages[64], n_pages;
-    int32_t *slots_host;
-    int32_t *slots_dev;
-    uint32_t n;
+    int32_t *pages_dev;
+    uint32_t n; /* rows */
 } fetch_area;
 
 static void fetch_take(rr *x, uint32_t rows, fetch_area *f) {
@@ -923,27 +922,25 @@ static void fetch_take(rr *x, uint32_t rows, fetch_area *f) {
     f->n_pages = (rows + pr - 1) / pr;
     cr_assert(f->n_pages <= 64 && pool->n_free >= f->n_pages);
     f->n = f->n_pages * pr;
-    f->slots_host = malloc(sizeof(int32_t) * f->n);
+    int32_t ids[64];
     for (uint32_t k = 0; k < f->n_pages; k++) {
         uint32_t page = pool->free_ids[--pool->n_free];
         pool->refs[page] = 1;
         f->pages[k] = page;
-        for (uint32_t r = 0; r < pr; r++)
-            f->slots_host[k * pr + r] = (int32_t)(page * pr + r);
+        ids[k] = (int32_t)page;
     }
     const kvt__backend *be = be_of(x);
     void *p = NULL;
-    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * f->n, &p), KVT_OK);
-    f->slots_dev = p;
-    cr_assert_eq(be->ops->write(be, p, f->slots_host, sizeof(int32_t) * f->n, NULL), KVT_OK);
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * f->n_pages, &p), KVT_OK);
+    f->pages_dev = p;
+    cr_assert_eq(be->ops->write(be, p, ids, sizeof(int32_t) * f->n_pages, NULL), KVT_OK);
 }
 
 static void fetch_give(rr *x, fetch_area *f) {
     kvt__pool *pool = &x->ctx->groups[x->ctx->stores[0].group].pool;
     for (uint32_t k = 0; k < f->n_pages; k++)
         kvt__pool_put(pool, f->pages[k]);
-    be_of(x)->ops->buf_free(be_of(x), f->slots_dev, sizeof(int32_t) * f->n);
-    free(f->slots_host);
+    be_of(x)->ops->buf_free(be_of(x), f->pages_dev, sizeof(int32_t) * f->n_pages);
 }
 
 static int cmp_pos(const void *a, const void *b) {
@@ -978,12 +975,13 @@ static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, co
                            const float *best, int mode, float z, uint64_t *fetched_rows) {
     const kvt__backend *be = be_of(x);
     const uint32_t H = x->H, G = x->sp.n_q_heads / H, D = x->D, rb = x->sp.row_bytes;
-    const uint64_t m = t->cap > v->ar_n ? t->cap : v->ar_n;
+    const uint64_t m = v->ar_n ? v->ar_n : 1;
     fetch_area f;
     fetch_take(x, (uint32_t)m, &f);
     kvt__recall_rope_args view;
     cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
-    const uint64_t cap_idx = (uint64_t)H * (view.n_rows + m);
+    const uint64_t cap_idx = (uint64_t)H * (view.n_rows + view.ar_n);
+    cr_assert_leq(view.n_rows + view.ar_n, x->n_tok, "within what kvt_batch_capacity promises");
     void *ind = NULL, *ptr = NULL;
     cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * cap_idx, &ind), KVT_OK);
     cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * (H + 1), &ptr), KVT_OK);
@@ -993,14 +991,14 @@ static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, co
         .n_kv = H, .pages = view.pages, .first_page = view.first_page, .pdiv = view.pdiv,
         .n_rows = view.n_rows, .ar_bytes = view.ar_bytes, .ar_cap = view.ar_cap,
         .ar_n = view.ar_n, .fired = t->rl.fired, .n_fired = t->rl.n_fired, .cap = t->rl.cap,
-        .st = t->rl.base.st, .fetch_slots = f.slots_dev, .fetch_cap = f.n, .indices = ind,
+        .st = t->rl.base.st, .fetch_pages = f.pages_dev, .fetch_cap = f.n, .indices = ind,
         .capacity = cap_idx, .indptr = ptr, .out = 0};
     kvt__recall_rope_emit_args bad = ea;
     bad.capacity = cap_idx - 1;
     cr_assert_eq(be->ops->recall_rope_emit(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(be->ops->recall_rope_emit(be, &ea, 1, NULL), KVT_OK);
     int32_t *indptr = malloc(sizeof(int32_t) * (H + 1));
-    int32_t *indices = malloc(sizeof(int32_t) * cap_idx);
+    int32_t *indices = malloc(sizeof(int32_t) * (cap_idx + 1));
     dev_read(x, indptr, ptr, sizeof(int32_t) * (H + 1));
     dev_read(x, indices, ind, sizeof(int32_t) * cap_idx);
     uint8_t *in = malloc(v->ar_n + 1);
