@@ -692,7 +692,7 @@ static void conformal_run(kvt_backend_kind backend, uint64_t seed, uint64_t *fet
     memset(&o, 0, sizeof o);
     float q[TR_MAXQ * 128], best[TR_MAXQ];
     bool calibrating = true;
-    uint64_t aimed_hit = 0, aimed_total = 0;
+    uint64_t aimed_total = 0;
     uint8_t *in = malloc(TR_MAXA);
     for (int step = 0; step < 60; step++) {
         rr_step(&x, 1, step % 3 == 0);
@@ -722,7 +722,6 @@ static void conformal_run(kvt_backend_kind backend, uint64_t seed, uint64_t *fet
             cr_assert_eq(o.st.last_fetched, total);
             cr_assert_eq(o.st.last_archived, v.ar_n * x.H);
             aimed_total += aimed;
-            aimed_hit += aimed ? 1 : 0;
         }
         oview_free(&v);
     }
