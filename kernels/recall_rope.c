@@ -230,14 +230,21 @@ bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
            a->pdiv && a->st && a->fired && a->n_fired && a->cap && a->indices && a->indptr &&
            a->ar_n <= a->ar_cap && (a->ar_n == 0 || a->ar_bytes) && (a->n_rows == 0 || a->pages) &&
            a->fetch_pages && a->fetch_cap >= m && a->n_rows <= INT32_MAX &&
-           a->capacity >= a->out + (uint64_t)a->n_kv * (a->n_rows + m) &&
+           (a->chain || a->capacity >= a->out + (uint64_t)a->n_kv * (a->n_rows + m)) &&
            a->capacity <= (uint64_t)INT32_MAX;
 }
 
 void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
-    const bool dense = a->st->last_dense != 0;
+    const bool dense = a->all || a->st->last_dense != 0;
     const size_t rb = a->row_bytes;
-    uint64_t o = a->out;
+    uint64_t o = a->chain ? (uint64_t)a->indptr[0] : a->out;
+    /* chained: the host checked the batch's total; a set past the capacity is cut here (never
+     * written past the array) — kvt_batch_capacity's figures make it unreachable */
+    if (o + (uint64_t)a->n_kv * (a->n_rows + a->ar_n) > a->capacity) {
+        for (uint32_t h = 0; h <= a->n_kv; h++)
+            a->indptr[h] = (int32_t)o;
+        return;
+    }
     for (uint32_t h = 0; h < a->n_kv; h++) {
         a->indptr[h] = (int32_t)o;
         for (uint64_t r = 0; r < a->n_rows; r++)

@@ -129,6 +129,10 @@ typedef struct kvt__recall_rope_emit_args {
                                  * head are at most the request's rows (kvt_batch_capacity) */
     int32_t *indptr;            /* [n_kv + 1]: head h's entries [indptr[h], indptr[h + 1]) */
     uint64_t out;               /* first entry written (indptr[0] = out) */
+    bool chain;                 /* out = indptr[0] as the backend already wrote it (requests
+                                 * emitted one after another: the host knows no count) */
+    bool all;                   /* every archived row, whatever the state says (a request with
+                                 * recall whose step has several query tokens) */
 } kvt__recall_rope_emit_args;
 
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a);

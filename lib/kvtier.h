@@ -824,6 +824,15 @@ typedef enum kvt_emit_layout {
                           * to topk; lengths[i * s_q + t] = rows (topk_length) */
     KVT_EMIT_CSR = 1,    /* FlashInfer page-size-1 view: indptr[n_seqs * s_q + 1],
                           * indices[indptr[q] .. indptr[q+1]) = slots of query q = i * s_q + t */
+    KVT_EMIT_CSR_KV_HEADS = 2, /* one list per (request, KV head) of the layer:
+                          * indptr[n_seqs * n_kv_heads + 1], indices[indptr[q] .. indptr[q+1]) =
+                          * the slots KV head h of request i attends, q = i * n_kv_heads + h (read
+                          * head h's slice of each slot); one query per request (queries_per_seq
+                          * <= 1). Required on a GQA/MHA-RoPE layer on which a request of the batch
+                          * recalls (docs/recall.md §8: its heads fetch different archived rows,
+                          * copied into fetch slots of the request's, listed after the table's
+                          * rows); any layer may use it (every head then lists the same set).
+                          * Capacity: n_kv_heads x kvt_batch_capacity's total. */
 } kvt_emit_layout;
 
 #define KVT_MAX_QUERIES_PER_SEQ 256u
@@ -863,7 +872,9 @@ typedef struct kvt_emit {
  * sets into emit. query: the absorbed queries for the recall tier, fp32 in the backend's memory,
  * [n_seqs][n_q_heads][value_dim + branch_dim] (latent first, then the branch; multiplied by the
  * softmax scale), one query per request (its step's last token), request i at the batch's i-th
- * place; read only for requests with recall on a salience layer, otherwise ignored (may be NULL
+ * place; on a GQA/MHA-RoPE layer whose archive recalls (docs/recall.md §8) the post-RoPE queries
+ * [n_seqs][n_q_heads][head_dim] (scaled alike; query head t attends KV head t / (n_q_heads /
+ * n_kv_heads)); read only for requests with recall on such a layer, otherwise ignored (may be NULL
  * when no request of the batch recalls: KVT_ERR_INVALID_ARGUMENT otherwise). stream: a cudaStream_t on the CUDA backend, where every op of the run goes (the
  * CPU backends run each op as it is enqueued); the commit reuses the last run's.
  * Checked before any work (nothing done, nothing emitted): KVT_ERR_INVALID_ARGUMENT (emit NULL,

@@ -133,7 +133,20 @@ static void rr_fill(rr *x, uint64_t pos, uint32_t h, uint8_t *key, uint8_t *val)
 }
 
 /* One step of n tokens: reserve, write, commit (through the run when `run`), kvt_seq_check. */
+static void rr_write(rr *x, uint32_t n);
+
 static void rr_step(rr *x, uint32_t n, bool run) {
+    cr_assert_eq(tu_reserve(x->seq, n), KVT_OK, "%s", kvt_last_error());
+    rr_write(x, n);
+    kvt_status s = run ? tu_commit_run(x->seq, n) : tu_commit(x->seq, n);
+    cr_assert_eq(s, KVT_OK, "seed %llu: %s", (unsigned long long)x->seed, kvt_last_error());
+    x->n_tok += n;
+    cr_assert_eq(kvt_seq_check(x->seq), KVT_OK, "seed %llu after %llu tokens: %s",
+                 (unsigned long long)x->seed, (unsigned long long)x->n_tok, kvt_last_error());
+}
+
+/* The rows of n reserved tokens: drawn into the shadow, written with kvt_seq_write. */
+static void rr_write(rr *x, uint32_t n) {
     if (x->n_tok + n > x->cap) {
         x->cap = (x->n_tok + n) * 2;
         for (int p = 0; p < 2; p++) {
@@ -141,7 +154,6 @@ static void rr_step(rr *x, uint32_t n, bool run) {
             cr_assert_not_null(x->rows[p]);
         }
     }
-    cr_assert_eq(tu_reserve(x->seq, n), KVT_OK, "%s", kvt_last_error());
     for (uint32_t t = 0; t < n; t++)
         for (uint32_t h = 0; h < x->H; h++)
             rr_fill(x, x->n_tok + t, h, rr_row(x, 0, x->n_tok + t, h),
@@ -150,11 +162,6 @@ static void rr_step(rr *x, uint32_t n, bool run) {
     for (uint32_t p = 0; p < 2; p++)
         cr_assert_eq(kvt_seq_write(x->seq, 0, p, 0, n, rr_row(x, p, x->n_tok, 0), n * slot),
                      KVT_OK, "%s", kvt_last_error());
-    kvt_status s = run ? tu_commit_run(x->seq, n) : tu_commit(x->seq, n);
-    cr_assert_eq(s, KVT_OK, "seed %llu: %s", (unsigned long long)x->seed, kvt_last_error());
-    x->n_tok += n;
-    cr_assert_eq(kvt_seq_check(x->seq), KVT_OK, "seed %llu after %llu tokens: %s",
-                 (unsigned long long)x->seed, (unsigned long long)x->n_tok, kvt_last_error());
 }
 
 static void dev_read(const rr *x, void *dst, const void *src, size_t bytes) {
@@ -966,40 +973,16 @@ static void ref_attn(const rr *x, const uint8_t *rows, uint32_t n, const float *
     free(scratch);
 }
 
-/* Run the emission after a trigger step and check it: per KV head, the listed rows are exactly the
- * attended rows then the fired archived rows (the oracle's, or all on a dense step), the bytes at
- * every listed slot are those rows' (both planes), no slot is listed twice, and every query
- * head's reference attention over the listed rows equals the one over the oracle's rows. */
-static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, const float *q,
-                           const float *best, int mode, float z, uint64_t *fetched_rows) {
-    const kvt__backend *be = be_of(x);
+/* Per KV head, the listed rows (indptr/indices, read back) are exactly the attended rows then
+ * the fired archived rows (the oracle's, or all on a dense step), the bytes at every listed slot
+ * are those rows' (both planes), no slot is listed twice, and every query head's reference
+ * attention over the listed rows equals the one over the oracle's rows. */
+static void check_lists(rr *x, bool dense, const oview *v, const float *q, const float *best,
+                        int mode, float z, const int32_t *indptr, const int32_t *indices,
+                        uint64_t *fetched_rows) {
     const uint32_t H = x->H, G = x->sp.n_q_heads / H, D = x->D, rb = x->sp.row_bytes;
     const uint64_t m = v->ar_n ? v->ar_n : 1;
-    fetch_area f;
-    fetch_take(x, (uint32_t)m, &f);
-    kvt__recall_rope_args view;
-    cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
-    const uint64_t cap_idx = (uint64_t)H * (view.n_rows + view.ar_n);
-    cr_assert_leq(view.n_rows + view.ar_n, x->n_tok, "within what kvt_batch_capacity promises");
-    void *ind = NULL, *ptr = NULL;
-    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * cap_idx, &ind), KVT_OK);
-    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * (H + 1), &ptr), KVT_OK);
     const kvt__store *st = &x->ctx->stores[0];
-    kvt__recall_rope_emit_args ea = {
-        .plane = {st->plane[0], st->plane[1]}, .slot_stride = st->slot_bytes, .row_bytes = rb,
-        .n_kv = H, .pages = view.pages, .first_page = view.first_page, .pdiv = view.pdiv,
-        .n_rows = view.n_rows, .ar_bytes = view.ar_bytes, .ar_cap = view.ar_cap,
-        .ar_n = view.ar_n, .fired = t->rl.fired, .n_fired = t->rl.n_fired, .cap = t->rl.cap,
-        .st = t->rl.base.st, .fetch_pages = f.pages_dev, .fetch_cap = f.n, .indices = ind,
-        .capacity = cap_idx, .indptr = ptr, .out = 0};
-    kvt__recall_rope_emit_args bad = ea;
-    bad.capacity = cap_idx - 1;
-    cr_assert_eq(be->ops->recall_rope_emit(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
-    cr_assert_eq(be->ops->recall_rope_emit(be, &ea, 1, NULL), KVT_OK);
-    int32_t *indptr = malloc(sizeof(int32_t) * (H + 1));
-    int32_t *indices = malloc(sizeof(int32_t) * (cap_idx + 1));
-    dev_read(x, indptr, ptr, sizeof(int32_t) * (H + 1));
-    dev_read(x, indices, ind, sizeof(int32_t) * cap_idx);
     uint8_t *in = malloc(v->ar_n + 1);
     const size_t slot_bytes = st->slot_bytes;
     uint8_t *got = malloc((v->n_rows + m) * 2u * rb), *want = malloc((v->n_rows + m) * 2u * rb);
@@ -1010,7 +993,7 @@ static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, co
         uint64_t n = 0;
         for (uint64_t r = 0; r < v->n_rows; r++)
             wpos[n++] = v->pos[h][r];
-        if (o->st.last_dense) {
+        if (dense) {
             for (uint64_t k = 0; k < v->ar_n; k++)
                 wpos[n++] = v->ar_pos[h][k];
         } else if (v->ar_n) {
@@ -1067,6 +1050,43 @@ static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, co
     free(got);
     free(want);
     free(wpos);
+}
+
+/* Run the emission after a trigger step and check it: per KV head, the listed rows are exactly the
+ * attended rows then the fired archived rows (the oracle's, or all on a dense step), the bytes at
+ * every listed slot are those rows' (both planes), no slot is listed twice, and every query
+ * head's reference attention over the listed rows equals the one over the oracle's rows. */
+static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, const float *q,
+                           const float *best, int mode, float z, uint64_t *fetched_rows) {
+    const kvt__backend *be = be_of(x);
+    const uint32_t H = x->H, rb = x->sp.row_bytes;
+    const uint64_t m = v->ar_n ? v->ar_n : 1;
+    fetch_area f;
+    fetch_take(x, (uint32_t)m, &f);
+    kvt__recall_rope_args view;
+    cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    const uint64_t cap_idx = (uint64_t)H * (view.n_rows + view.ar_n);
+    cr_assert_leq(view.n_rows + view.ar_n, x->n_tok, "within what kvt_batch_capacity promises");
+    void *ind = NULL, *ptr = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * cap_idx, &ind), KVT_OK);
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * (H + 1), &ptr), KVT_OK);
+    const kvt__store *st = &x->ctx->stores[0];
+    kvt__recall_rope_emit_args ea = {
+        .plane = {st->plane[0], st->plane[1]}, .slot_stride = st->slot_bytes, .row_bytes = rb,
+        .n_kv = H, .pages = view.pages, .first_page = view.first_page, .pdiv = view.pdiv,
+        .n_rows = view.n_rows, .ar_bytes = view.ar_bytes, .ar_cap = view.ar_cap,
+        .ar_n = view.ar_n, .fired = t->rl.fired, .n_fired = t->rl.n_fired, .cap = t->rl.cap,
+        .st = t->rl.base.st, .fetch_pages = f.pages_dev, .fetch_cap = f.n, .indices = ind,
+        .capacity = cap_idx, .indptr = ptr, .out = 0};
+    kvt__recall_rope_emit_args bad = ea;
+    bad.capacity = cap_idx - 1;
+    cr_assert_eq(be->ops->recall_rope_emit(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(be->ops->recall_rope_emit(be, &ea, 1, NULL), KVT_OK);
+    int32_t *indptr = malloc(sizeof(int32_t) * (H + 1));
+    int32_t *indices = malloc(sizeof(int32_t) * (cap_idx + 1));
+    dev_read(x, indptr, ptr, sizeof(int32_t) * (H + 1));
+    dev_read(x, indices, ind, sizeof(int32_t) * cap_idx);
+    check_lists(x, o->st.last_dense != 0, v, q, best, mode, z, indptr, indices, fetched_rows);
     free(indptr);
     free(indices);
     be->ops->buf_free(be, ind, sizeof(int32_t) * cap_idx);
@@ -1117,4 +1137,166 @@ Test(rope_emit, listed_rows_equal_the_oracle_cpu, .timeout = 240) {
 
 Test(rope_emit, listed_rows_equal_the_oracle_guarded, .timeout = 240) {
     emission_run(KVT_BACKEND_GUARDED, 515);
+}
+
+/* ---- (3) End to end: kvt_batch_run on a RoPE layer with recall --------------------------------- */
+
+/* A decode step through the public step API: reserve one token, write it, plan, run the layer
+ * with the queries and a KVT_EMIT_CSR_KV_HEADS emission, commit, kvt_seq_check. The lists and
+ * the dense flag come back in indptr/indices/dense. */
+typedef struct e2e {
+    kvt_batch *b;
+    kvt_buffer *qbuf, *ibuf, *pbuf, *dbuf;
+    uint32_t cap_idx;
+} e2e;
+
+static void e2e_init(e2e *e, rr *x, uint32_t max_rows) {
+    memset(e, 0, sizeof *e);
+    cr_assert_eq(kvt_batch_create(x->ctx, 1, &e->b), KVT_OK);
+    e->cap_idx = x->H * max_rows;
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(float) * x->sp.n_q_heads * x->D, &e->qbuf),
+                 KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(int32_t) * e->cap_idx, &e->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(int32_t) * (x->H + 1), &e->pbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, 1, &e->dbuf), KVT_OK);
+}
+
+static void e2e_fini(e2e *e) {
+    kvt_batch_destroy(e->b);
+    kvt_buffer_free(e->qbuf);
+    kvt_buffer_free(e->ibuf);
+    kvt_buffer_free(e->pbuf);
+    kvt_buffer_free(e->dbuf);
+}
+
+static kvt_status e2e_step(e2e *e, rr *x, const float *q, kvt_emit_layout layout,
+                           int32_t *indptr, int32_t *indices, uint8_t *dense) {
+    uint32_t one = 1;
+    cr_assert_eq(kvt_batch_reserve(e->b, &x->seq, &one, 1), KVT_OK, "%s", kvt_last_error());
+    rr_write(x, 1);
+    cr_assert_eq(kvt_buffer_write(e->qbuf, 0, q, sizeof(float) * x->sp.n_q_heads * x->D), KVT_OK);
+    uint32_t topk, total;
+    cr_assert_eq(kvt_batch_plan(e->b), KVT_OK);
+    cr_assert_eq(kvt_batch_capacity(e->b, 0, &topk, &total), KVT_OK);
+    cr_assert_leq((uint64_t)x->H * total, e->cap_idx);
+    kvt_emit em = {.struct_size = sizeof em, .layout = layout,
+                   .indices = kvt_buffer_ptr(e->ibuf), .capacity = x->H * total,
+                   .indptr = kvt_buffer_ptr(e->pbuf), .dense = kvt_buffer_ptr(e->dbuf),
+                   .queries_per_seq = 1};
+    kvt_status s = kvt_batch_run(e->b, 0, kvt_buffer_ptr(e->qbuf), NULL, &em);
+    cr_assert_eq(kvt_batch_commit(e->b, NULL), KVT_OK, "%s", kvt_last_error());
+    x->n_tok += 1;
+    cr_assert_eq(kvt_seq_check(x->seq), KVT_OK, "seed %llu after %llu tokens: %s",
+                 (unsigned long long)x->seed, (unsigned long long)x->n_tok, kvt_last_error());
+    if (s == KVT_OK) {
+        cr_assert_eq(kvt_buffer_read(e->pbuf, 0, indptr, sizeof(int32_t) * (x->H + 1)), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(e->ibuf, 0, indices, sizeof(int32_t) * e->cap_idx), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(e->dbuf, 0, dense, 1), KVT_OK);
+    }
+    return s;
+}
+
+/* Conformal decode through kvt_batch_run: every step's per-KV-head lists are the oracle's
+ * (calibration steps: every archived row; then the fired ones), with the right bytes and the
+ * reference attention of the oracle set; z as the oracle's calibration; statistics, fork (the
+ * child continues), snapshot refused (KVT_ERR_UNSUPPORTED), another layout refused. */
+static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    rr x;
+    rr_init(&x, 2, 128, cfg, 32, rank, backend, seed);
+    cr_assert(kvt__seq_recalls_rope(x.seq, 0), "the request recalls on the RoPE layer");
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 4), KVT_OK);
+    e2e e;
+    e2e_init(&e, &x, 512);
+    trig t; /* the oracle's calibration only */
+    memset(&t, 0, sizeof t);
+    t.nq = x.sp.n_q_heads;
+    kvt__conformal_init(&t.conf, t.conf_samples, 64 * t.nq);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    int32_t indptr[RR_MAXH + 1];
+    int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
+    uint8_t dense = 0;
+    bool calibrating = true;
+    uint64_t fetched = 0, dense_steps = 0, archived_steps = 0;
+    for (int step = 0; step < 100; step++) {
+        oview v0;
+        oview_read(&x, &v0); /* queries aim at rows archived before this step */
+        uint32_t aimed;
+        make_queries(&x, &v0, q, &aimed);
+        oview_free(&v0);
+        cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense), KVT_OK,
+                     "seed %llu step %d: %s", (unsigned long long)seed, step, kvt_last_error());
+        oview v; /* the state the run saw: the committed one (its round ran in the step) */
+        oview_read(&x, &v);
+        o_best(&x, &v, q, best);
+        kvt_layer_stats ls = rr_stats(&x);
+        if (v.ar_n == 0) {
+            cr_assert_eq(dense, 0);
+        } else if (calibrating) {
+            cr_assert_eq(dense, 1, "step %d: a calibration step lists the whole archive", step);
+            calibrating = o_calibrate(&t, &x, &v, q, best);
+            cr_assert_eq(ls.recall_z, t.conf.z, "step %d: z %g, oracle %g", step,
+                         (double)ls.recall_z, (double)t.conf.z);
+        }
+        dense_steps += dense;
+        archived_steps += v.ar_n > 0;
+        check_lists(&x, dense != 0, &v, q, best, KVT__RECALL_CONFORMAL, t.conf.z, indptr,
+                    indices, &fetched);
+        cr_assert_eq(ls.recall_mode, (int32_t)KVT_RECALL_CONFORMAL);
+        oview_free(&v);
+    }
+    cr_assert(!calibrating);
+    cr_assert_gt(archived_steps, dense_steps, "fetching steps ran");
+    kvt_layer_stats ls = rr_stats(&x);
+    cr_assert_eq(ls.recall_calib_steps, 8u);
+    cr_log_info("end to end (seed %llu): z %g, %llu steps, %llu dense, %llu fetched (row, KV "
+                "head) pairs listed; stats: fetched %llu of %llu steps",
+                (unsigned long long)seed, (double)ls.recall_z, (unsigned long long)archived_steps,
+                (unsigned long long)dense_steps, (unsigned long long)fetched,
+                (unsigned long long)ls.recall_fetched_rows, (unsigned long long)ls.recall_steps);
+    /* another layout on a layer where the request recalls: refused before any work */
+    uint32_t one = 1;
+    cr_assert_eq(kvt_batch_reserve(e.b, &x.seq, &one, 1), KVT_OK);
+    rr_write(&x, 1);
+    cr_assert_eq(kvt_batch_plan(e.b), KVT_OK);
+    int32_t len;
+    kvt_emit bad = {.struct_size = sizeof bad, .layout = KVT_EMIT_TOKENS,
+                    .indices = kvt_buffer_ptr(e.ibuf), .capacity = 128,
+                    .lengths = kvt_buffer_ptr(e.pbuf)};
+    (void)len;
+    cr_assert_eq(kvt_batch_run(e.b, 0, kvt_buffer_ptr(e.qbuf), NULL, &bad),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "KVT_EMIT_CSR_KV_HEADS") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(e.b, NULL), KVT_OK);
+    x.n_tok++;
+    cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+    /* snapshots: refused, named */
+    size_t bytes;
+    cr_assert_eq(kvt_seq_snapshot_size(x.seq, &bytes), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "RoPE") != NULL, "%s", kvt_last_error());
+    /* a fork continues the calibration */
+    kvt_seq *child = NULL;
+    cr_assert_eq(kvt_seq_fork(x.seq, 99, &child), KVT_OK, "%s", kvt_last_error());
+    kvt_layer_stats lc;
+    memset(&lc, 0, sizeof lc);
+    lc.struct_size = sizeof lc;
+    cr_assert_eq(kvt_seq_layer_stats(child, 0, &lc), KVT_OK);
+    cr_assert_eq(lc.recall_z, ls.recall_z);
+    cr_assert_eq(lc.recall_phase, ls.recall_phase);
+    cr_assert_eq(kvt_seq_check(child), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(child);
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
+}
+
+Test(rope_e2e, batch_run_lists_equal_the_oracle_cpu, .timeout = 240) {
+    e2e_run(KVT_BACKEND_CPU, 808);
+}
+
+Test(rope_e2e, batch_run_lists_equal_the_oracle_guarded, .timeout = 240) {
+    e2e_run(KVT_BACKEND_GUARDED, 808);
 }
