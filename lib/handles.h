@@ -66,7 +66,8 @@ struct kvt_seq {
     /* Recall on GQA/MHA-RoPE layers (docs/recall.md §8): the trigger's state per layer
      * ([n_layers]; NULL until a request of this handle recalls; fbuf NULL on a layer that does
      * not) and, per policy group, the fetch area the emission copies fetched rows into (a table
-     * of pool pages, n_rows 0: sized at reserve to hold the archive). */
+     * of pool pages, n_rows 0 and n_pending the rows it holds: sized at reserve to hold the
+     * archive). */
     kvt__recall_rope_layer *rrope;
     kvt__ptable fetch[KVT__MAX_GROUPS];
 };

@@ -432,7 +432,8 @@ void kvt_seq_destroy(kvt_seq *seq) {
         t->n_pending = 0;
         t->first_page = 0;
         kvt__ptable_trim(t, &ctx->groups[g].pool);
-        kvt__ptable_trim(&seq->fetch[g], &ctx->groups[g].pool); /* RoPE recall's fetch area */
+        seq->fetch[g].n_pending = 0; /* RoPE recall's fetch area: every page back */
+        kvt__ptable_trim(&seq->fetch[g], &ctx->groups[g].pool);
     }
     if (seq->batch)
         kvt__batch_forget(seq->batch, seq);
@@ -778,24 +779,28 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
                                                                              n_tokens)) != KVT_OK)
             snprintf(why, sizeof why, "layer %u: the recall scan's group planes", i);
     /* RoPE recall: the fetch area holds the whole archive after the step (a dense step lists
-     * it): held + archived rows are at most the request's rows. */
+     * it): held + archived rows are at most the request's rows. Its size is set only once the
+     * whole reservation succeeded (a failure trims it back to what it held). */
+    uint32_t f_grown[KVT__MAX_GROUPS] = {0};
     for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
         if (!kvt__seq_recalls_rope(seq, i))
             continue;
         const uint32_t fg = (uint32_t)ctx->stores[i].group;
+        kvt__ptable *f = &seq->fetch[fg]; /* its n_pending: the rows it holds (n_rows 0) */
         const uint64_t need = seq->n_tokens + n_tokens;
         if (need > UINT32_MAX)
             s = KVT_ERR_CAPACITY;
-        else if ((s = kvt__ptable_reserve(&seq->fetch[fg], &ctx->groups[fg].pool, a,
-                                          (uint32_t)need)) == KVT_OK)
-            s = kvt__ptable_mirror_reserve(&seq->fetch[fg], &ctx->backend,
-                                           seq->fetch[fg].n_pages);
+        else if (need > f->n_pending &&
+                 (s = kvt__ptable_reserve(f, &ctx->groups[fg].pool, a,
+                                          (uint32_t)(need - f->n_pending))) == KVT_OK &&
+                 (s = kvt__ptable_mirror_reserve(f, &ctx->backend, f->n_pages)) == KVT_OK)
+            f_grown[fg] = (uint32_t)need;
         if (s != KVT_OK)
             snprintf(why, sizeof why, "layer %u: the recall fetch area (%llu rows of group %u)",
                      i, (unsigned long long)need, fg);
     }
     if (s != KVT_OK) {
-        for (uint32_t h = 0; h < ctx->n_groups; h++) /* all or nothing: fetch pages back too */
+        for (uint32_t h = 0; h < ctx->n_groups; h++) /* all or nothing: fetch areas as they were */
             kvt__ptable_trim(&seq->fetch[h], &ctx->groups[h].pool);
         for (uint32_t h = 0; h < ctx->n_groups && h <= g; h++)
             kvt__ptable_trim(&seq->pt[h], &ctx->groups[h].pool);
@@ -809,8 +814,11 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
                              (unsigned long long)seq->request_id, n_tokens, why[0] ? ": " : "",
                              why);
     }
-    for (g = 0; g < ctx->n_groups; g++)
+    for (g = 0; g < ctx->n_groups; g++) {
         seq->pt[g].n_pending = n_tokens;
+        if (f_grown[g])
+            seq->fetch[g].n_pending = f_grown[g];
+    }
     seq->n_pending = n_tokens;
     ctx->started = true;
     return KVT_OK;

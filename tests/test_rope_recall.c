@@ -29,6 +29,9 @@
 
 enum { RR_MAXH = 4 };
 
+/* Context overrides for the next rr_init (0: the defaults). */
+static uint32_t g_n_pages, g_max_seqs, g_max_rows;
+
 typedef struct rr {
     kvt_ctx *ctx;
     kvt_seq *seq;
@@ -70,7 +73,9 @@ static void rr_init(rr *x, uint32_t H, uint32_t D, kvt_config cfg, uint32_t sk_r
     p.config = &cfg;
     p.model = m;
     p.page_rows = 16;
-    p.n_pages = 256;
+    p.n_pages = g_n_pages ? g_n_pages : 256;
+    p.max_seqs = g_max_seqs;
+    p.max_rows_per_seq = g_max_rows;
     p.allocator = KVT_ALLOC_LIBC;
     p.backend = backend;
     p.recall_sketch_rank = sk_rank;
@@ -1299,4 +1304,91 @@ Test(rope_e2e, batch_run_lists_equal_the_oracle_cpu, .timeout = 240) {
 
 Test(rope_e2e, batch_run_lists_equal_the_oracle_guarded, .timeout = 240) {
     e2e_run(KVT_BACKEND_GUARDED, 808);
+}
+
+/* The fetch area in the pool: a reserve that cannot take it is KVT_ERR_POOL_EXHAUSTED with
+ * nothing reserved (the pool's free pages unchanged); a parked request slot gives its fetch pages
+ * back, and the slot serves a request without recall as before. */
+Test(rope_e2e, fetch_area_pool_and_slots) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_SOUND;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    /* 10 pages of 16 rows: the table needs at most 4 (56 rows), the fetch area the rest */
+    g_n_pages = 10;
+    rr x;
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_CPU, 21);
+    g_n_pages = 0;
+    e2e e;
+    e2e_init(&e, &x, 256);
+    float q[TR_MAXQ * 128];
+    int32_t indptr[RR_MAXH + 1];
+    int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
+    uint8_t dense;
+    kvt_status s = KVT_OK;
+    uint32_t free_before = 0, free_after = 0;
+    for (int step = 0; step < 200 && s == KVT_OK; step++) {
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        oview_free(&v);
+        cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &free_before), KVT_OK);
+        uint32_t one = 1;
+        s = kvt_batch_reserve(e.b, &x.seq, &one, 1);
+        if (s != KVT_OK)
+            break;
+        kvt_batch_destroy(e.b); /* give the reservation back: the next call reserves anew */
+        cr_assert_eq(kvt_batch_create(x.ctx, 1, &e.b), KVT_OK);
+        cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense),
+                     KVT_OK, "step %d: %s", step, kvt_last_error());
+    }
+    cr_assert_eq(s, KVT_ERR_POOL_EXHAUSTED, "the fetch area outgrew the pool (%s)",
+                 kvt_status_name(s));
+    cr_assert(strstr(kvt_last_error(), "fetch") != NULL || strstr(kvt_last_error(), "pages"),
+              "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &free_after), KVT_OK);
+    cr_assert_eq(free_after, free_before, "nothing reserved");
+    cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
+
+    /* request slots (max_seqs with max_rows): parking gives the fetch pages back */
+    g_max_seqs = 2;
+    g_max_rows = 512;
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_GUARDED, 22);
+    g_max_seqs = g_max_rows = 0;
+    uint32_t all_free;
+    e2e_init(&e, &x, 512);
+    indices = malloc(sizeof(int32_t) * e.cap_idx);
+    cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &all_free), KVT_OK);
+    all_free += x.seq->pt[0].n_pages; /* none yet: created, nothing reserved */
+    for (int step = 0; step < 80; step++) {
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        oview_free(&v);
+        cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense),
+                     KVT_OK, "step %d: %s", step, kvt_last_error());
+    }
+    cr_assert_gt(x.seq->fetch[0].n_pages, 0u);
+    kvt_batch_destroy(e.b);
+    e.b = NULL;
+    kvt_seq_destroy(x.seq); /* parked */
+    uint32_t now_free;
+    cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &now_free), KVT_OK);
+    cr_assert_eq(now_free, all_free, "every page back, the fetch area's too");
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 5;
+    sp.recall = KVT_RECALL_OFF;
+    cr_assert_eq(kvt_seq_create(x.ctx, &sp, &x.seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert(!kvt__seq_recalls_rope(x.seq, 0));
+    x.n_tok = 0;
+    for (int step = 0; step < 70; step++)
+        rr_step(&x, 1, step % 2 == 0); /* plain random eviction through the usual layouts */
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
 }
