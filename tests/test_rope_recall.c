@@ -1392,3 +1392,116 @@ Test(rope_e2e, fetch_area_pool_and_slots) {
     e2e_fini(&e);
     rr_fini(&x);
 }
+
+/* A batch of two requests, one recalling on the RoPE layer and one not, emitted together with
+ * KVT_EMIT_CSR_KV_HEADS in both orders: the recalling one's lists are the oracle's, the other's
+ * n_kv lists are each its attended rows (the table's slots); the offsets chain across both. */
+Test(rope_e2e, mixed_batch_chains_the_lists, .timeout = 240) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    rr x; /* x.seq recalls; y shares x's context and rows generator but not its recall */
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_GUARDED, 909);
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 77;
+    sp.recall = KVT_RECALL_OFF;
+    kvt_seq *other = NULL;
+    cr_assert_eq(kvt_seq_create(x.ctx, &sp, &other), KVT_OK, "%s", kvt_last_error());
+    cr_assert(!kvt__seq_recalls_rope(other, 0));
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(x.ctx, 2, &b), KVT_OK);
+    const uint32_t H = x.H, D = x.D, nq = x.sp.n_q_heads;
+    const uint32_t cap = 2 * H * 256;
+    kvt_buffer *qbuf, *ibuf, *pbuf;
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(float) * 2 * nq * D, &qbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * cap, &ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * (2 * H + 1), &pbuf), KVT_OK);
+    int32_t *indices = malloc(sizeof(int32_t) * cap), indptr[2 * RR_MAXH + 1];
+    float q[2 * TR_MAXQ * 128], best[TR_MAXQ];
+    trig t;
+    memset(&t, 0, sizeof t);
+    kvt__conformal_init(&t.conf, t.conf_samples, 64 * nq);
+    uint8_t *other_rows = malloc((size_t)2 * H * x.sp.row_bytes);
+    uint64_t other_n = 0, fetched = 0;
+    bool calibrating = true;
+    for (int step = 0; step < 90; step++) {
+        const bool recall_first = step % 2 == 0;
+        kvt_seq *seqs[2] = {recall_first ? x.seq : other, recall_first ? other : x.seq};
+        const uint32_t ri = recall_first ? 0 : 1; /* the recalling request's place */
+        uint32_t ones[2] = {1, 1};
+        cr_assert_eq(kvt_batch_reserve(b, seqs, ones, 2), KVT_OK, "%s", kvt_last_error());
+        rr_write(&x, 1);
+        for (uint32_t p = 0; p < 2; p++) { /* the other request's row: any finite bytes */
+            for (uint32_t k = 0; k < H * x.sp.row_bytes / 2; k++) {
+                uint16_t v = kvt__f32_to_bf16((float)tu_normal(&x.rng));
+                memcpy(other_rows + p * H * x.sp.row_bytes + 2 * k, &v, 2);
+            }
+            cr_assert_eq(kvt_seq_write(other, 0, p, 0, 1, other_rows + p * H * x.sp.row_bytes,
+                                       H * x.sp.row_bytes),
+                         KVT_OK);
+        }
+        oview v0;
+        oview_read(&x, &v0);
+        uint32_t aimed;
+        make_queries(&x, &v0, q + (size_t)ri * nq * D, &aimed);
+        oview_free(&v0);
+        cr_assert_eq(kvt_buffer_write(qbuf, 0, q, sizeof(float) * 2 * nq * D), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+        uint32_t topk, total;
+        cr_assert_eq(kvt_batch_capacity(b, 0, &topk, &total), KVT_OK);
+        cr_assert_leq(H * total, cap);
+        kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_CSR_KV_HEADS,
+                       .indices = kvt_buffer_ptr(ibuf), .capacity = H * total,
+                       .indptr = kvt_buffer_ptr(pbuf), .queries_per_seq = 1};
+        cr_assert_eq(kvt_batch_run(b, 0, kvt_buffer_ptr(qbuf), NULL, &em), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
+        x.n_tok++;
+        other_n++;
+        cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_check(other), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_buffer_read(pbuf, 0, indptr, sizeof(int32_t) * (2 * H + 1)), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(ibuf, 0, indices, sizeof(int32_t) * cap), KVT_OK);
+        cr_assert_eq(indptr[0], 0);
+        /* the recalling request: its lists against the oracle (offsets rebased) */
+        oview v;
+        oview_read(&x, &v);
+        const float *qx = q + (size_t)ri * nq * D;
+        o_best(&x, &v, qx, best);
+        kvt__recall_state rs;
+        dev_read(&x, &rs, x.seq->rrope[0].base.st, sizeof rs);
+        if (v.ar_n && calibrating)
+            calibrating = o_calibrate(&t, &x, &v, qx, best);
+        int32_t local[RR_MAXH + 1];
+        for (uint32_t h = 0; h <= H; h++)
+            local[h] = indptr[ri * H + h] - indptr[ri * H];
+        check_lists(&x, rs.last_dense != 0, &v, qx, best, KVT__RECALL_CONFORMAL, t.conf.z, local,
+                    indices + indptr[ri * H], &fetched);
+        oview_free(&v);
+        /* the other request: every head lists its table's rows [0, n_rows) in order */
+        int32_t pages[64];
+        uint32_t n_pages;
+        uint64_t n_rows;
+        cr_assert_eq(kvt_seq_block_table(other, 0, pages, 64, &n_pages, &n_rows), KVT_OK);
+        const uint32_t oi = 1 - ri;
+        for (uint32_t h = 0; h < H; h++) {
+            const int32_t *l = indices + indptr[oi * H + h];
+            cr_assert_eq((uint64_t)(indptr[oi * H + h + 1] - indptr[oi * H + h]), n_rows,
+                         "step %d head %u", step, h);
+            for (uint64_t r = 0; r < n_rows; r++)
+                cr_assert_eq(l[r], pages[r / 16] * 16 + (int32_t)(r % 16));
+        }
+    }
+    cr_assert(!calibrating);
+    cr_assert_gt(fetched, 0u);
+    cr_assert_gt(other_n, 60u);
+    free(indices);
+    free(other_rows);
+    kvt_batch_destroy(b);
+    kvt_buffer_free(qbuf);
+    kvt_buffer_free(ibuf);
+    kvt_buffer_free(pbuf);
+    kvt_seq_destroy(other);
+    rr_fini(&x);
+}
