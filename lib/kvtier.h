@@ -325,6 +325,15 @@ KVT_API kvt_status kvt_model_census(const kvt_model *model, uint64_t context, ui
  *              misses a row whose fp32 exact score reaches best_h, for any query, given a basis
  *              orthonormal to fp32 precision (docs/recall.md §3.1). Fires far more often.
  *   MARGIN     fires when idx_a >= best_h − config.recall_margin (no certificate: a heuristic).
+ *
+ * On GQA/MHA-RoPE layers under random eviction (docs/recall.md §8) the same modes apply to the
+ * archive (config.evict_archive, with sketch planes): per KV head, its archived rows' post-RoPE
+ * keys through the head's sketch (kvt_ctx_set_recall_head_basis), its query heads' best over the
+ * rows it attends, D = head_dim (> 64), one z per request and layer; W is per KV head, and an
+ * overflow in any head lists the whole archive. Such a layer then needs the emission layout
+ * KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) and costs the request a fetch area of pool pages as
+ * large as its archive; its requests cannot be snapshotted yet (KVT_ERR_UNSUPPORTED). CPU and
+ * guarded backends only for now.
  */
 typedef enum kvt_recall_mode {
     KVT_RECALL_OFF = 0,       /* archived rows are never brought back */
