@@ -389,6 +389,16 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     return KVT_OK;
 }
 
+/* Pack the *k queued queries of pa (then none are queued). */
+static kvt_status flush_pack(kvt_batch *b, uint32_t layer, void *stream, kvt__pack_args *pa,
+                             uint32_t *k) {
+    pa->n = *k;
+    *k = 0;
+    kvt_status s = b->be.ops->pack(&b->be, pa, stream);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(b->ctx, s, "packing the attended sets of layer %u", layer);
+}
+
 /* KVT_EMIT_CSR_KV_HEADS: per request, n_kv lists — a RoPE-recalling request's from the
  * recall_rope_emit op (fetched rows copied into its fetch area), any other's the shared set
  * once per head through the pack op. Every list starts where the backend ended the previous one
@@ -407,12 +417,8 @@ static kvt_status emit_kv_heads(kvt_batch *b, uint32_t layer, uint32_t n_kv, voi
         const kvt_seq *sq = i < b->n_seqs ? b->seqs[i] : NULL;
         const bool rope = sq && kvt__seq_recalls_rope(sq, layer);
         /* the queued lists first: a RoPE request's chain reads where they end */
-        if (k && (rope || i == b->n_seqs || k + n_kv > KVT__PACK_CHUNK)) {
-            pa->n = k;
-            if ((s = be->ops->pack(be, pa, stream)) != KVT_OK)
-                return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", layer);
-            k = 0;
-        }
+        if (k && (rope || i == b->n_seqs) && (s = flush_pack(b, layer, stream, pa, &k)) != KVT_OK)
+            return s;
         if (i == b->n_seqs)
             break;
         if (rope) {
@@ -427,6 +433,8 @@ static kvt_status emit_kv_heads(kvt_batch *b, uint32_t layer, uint32_t n_kv, voi
             continue;
         }
         for (uint32_t h = 0; h < n_kv; h++) {
+            if (k == KVT__PACK_CHUNK && (s = flush_pack(b, layer, stream, pa, &k)) != KVT_OK)
+                return s;
             kvt__pack_query *pq = &q[k++];
             if (sq)
                 kvt__seq_step_query(sq, layer, b->n_tokens[i], pq);
