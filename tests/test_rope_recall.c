@@ -1505,3 +1505,59 @@ Test(rope_e2e, mixed_batch_chains_the_lists, .timeout = 240) {
     kvt_seq_destroy(other);
     rr_fini(&x);
 }
+
+/* KVT_EMIT_CSR_KV_HEADS on a layer without recall and with more KV heads than one pack call
+ * takes (80): every head lists the table's rows, in order, offsets chained. */
+Test(rope_e2e, kv_heads_layout_many_heads) {
+    const uint32_t H = 80, D = 16;
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, H, D, &sp), KVT_OK);
+    kvt_model *m = NULL;
+    cr_assert_eq(kvt_model_create(&sp, 1, "heads", &m, NULL, 0), KVT_OK);
+    kvt_config cfg = rr_cfg(16, 4, 8);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.config = &cfg;
+    p.model = m;
+    p.page_rows = 16;
+    p.n_pages = 16;
+    kvt_ctx *ctx = NULL;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq *seq = NULL;
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    const size_t slot = (size_t)H * sp.row_bytes;
+    uint8_t *row = calloc(1, slot);
+    int32_t *idx = malloc(sizeof(int32_t) * H * 64), ptr[81];
+    for (int step = 0; step < 40; step++) {
+        uint32_t one = 1;
+        cr_assert_eq(kvt_batch_reserve(b, &seq, &one, 1), KVT_OK);
+        for (uint32_t pl = 0; pl < 2; pl++)
+            cr_assert_eq(kvt_seq_write(seq, 0, pl, 0, 1, row, slot), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+        uint32_t topk, total;
+        cr_assert_eq(kvt_batch_capacity(b, 0, &topk, &total), KVT_OK);
+        kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_CSR_KV_HEADS, .indices = idx,
+                       .capacity = H * total, .indptr = ptr, .queries_per_seq = 1};
+        cr_assert_eq(kvt_batch_run(b, 0, NULL, NULL, &em), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK);
+        cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
+        int32_t pages[16];
+        uint32_t n_pages;
+        uint64_t n_rows;
+        cr_assert_eq(kvt_seq_block_table(seq, 0, pages, 16, &n_pages, &n_rows), KVT_OK);
+        cr_assert_eq(ptr[0], 0);
+        for (uint32_t h = 0; h < H; h++) {
+            cr_assert_eq((uint64_t)(ptr[h + 1] - ptr[h]), n_rows, "step %d head %u", step, h);
+            for (uint64_t r = 0; r < n_rows; r++)
+                cr_assert_eq(idx[ptr[h] + r], pages[r / 16] * 16 + (int32_t)(r % 16));
+        }
+    }
+    free(row);
+    free(idx);
+    kvt_batch_destroy(b);
+    kvt_seq_destroy(seq);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
