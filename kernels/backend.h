@@ -13,6 +13,8 @@
 #include "kernels/kvt_hd.h"
 
 typedef struct kvt__backend kvt__backend;
+struct kvt__recall_rope_args;      /* kernels/recall_rope.h */
+struct kvt__recall_rope_emit_args; /* kernels/recall_rope.h */
 
 /* Score n rows of one closed block for the salience selector. Row u lives at
  * base + slot(first_row + u) * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
@@ -278,6 +280,19 @@ typedef struct kvt__backend_ops {
     /* The selections of n salience closes (kvt__select_args; a segmented top-m: one segment per
      * request). A failure (scratch) leaves every kept set untouched. */
     kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
+    /* (optional) The recall steps of n (request, GQA/MHA-RoPE layer) work items
+     * (kernels/recall_rope.h): per KV head the scan of its archive with its query heads, or a
+     * calibration step. NULL where the backend has none (CUDA today): the library then refuses
+     * recall on RoPE layers. KVT_ERR_INVALID_ARGUMENT as recall_step. */
+    kvt_status (*recall_rope_step)(const kvt__backend *be, const struct kvt__recall_rope_args *a,
+                                   uint32_t n, void *stream);
+    /* (optional, with recall_rope_step) The emission of n requests' RoPE recall steps
+     * (kernels/recall_rope.h): fetched archive rows copied into each request's fetch slots, and
+     * per KV head a CSR list of the table's rows then the fetched ones. KVT_ERR_INVALID_ARGUMENT
+     * (nothing written) for arguments out of range. */
+    kvt_status (*recall_rope_emit)(const kvt__backend *be,
+                                   const struct kvt__recall_rope_emit_args *a, uint32_t n,
+                                   void *stream);
 } kvt__backend_ops;
 
 struct kvt__backend {

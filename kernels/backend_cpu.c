@@ -6,6 +6,7 @@
 #include "kernels/philox.h"
 #include "kernels/recall_scan.h"
 #include "kernels/recall_step.h"
+#include "kernels/recall_rope.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
@@ -270,6 +271,25 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
     return run_items(be, a, sizeof *a, n, need, step_item);
 }
 
+static kvt_status cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *a,
+                                       uint32_t n, void *stream) {
+    (void)stream;
+    return kvt__recall_rope_step_op_cpu(be, a, n);
+}
+
+static kvt_status cpu_recall_rope_emit(const kvt__backend *be,
+                                       const kvt__recall_rope_emit_args *a, uint32_t n,
+                                       void *stream) {
+    (void)be;
+    (void)stream;
+    for (uint32_t i = 0; i < n; i++)
+        if (!kvt__recall_rope_emit_ok(&a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+    for (uint32_t i = 0; i < n; i++)
+        kvt__recall_rope_emit_cpu(&a[i]);
+    return KVT_OK;
+}
+
 /* A round's selection for n layers: each layer's scratch from the workspace (one piece, reused
  * layer after layer), taken before any keep set is written. */
 static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
@@ -461,6 +481,8 @@ static const kvt__backend_ops cpu_ops_table = {
     .sketch_rows = cpu_sketch_rows,
     .recall_scan = cpu_recall_scan,
     .recall_step = cpu_recall_step,
+    .recall_rope_step = cpu_recall_rope_step,
+    .recall_rope_emit = cpu_recall_rope_emit,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .select = cpu_select,
@@ -664,6 +686,70 @@ static kvt_status g_recall_scan(const kvt__backend *be, const kvt__recall_scan_a
     return s;
 }
 
+/* Every buffer a RoPE recall step reads or writes is the backend's (pdiv and the ranks are host
+ * values). */
+static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
+                                     uint32_t n, void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__recall_rope_args *a = &args[i];
+        if (!kvt__recall_rope_args_ok(a))
+            return KVT_ERR_INVALID_ARGUMENT;
+        const size_t H = a->n_kv, nq = H * a->group;
+        if (a->n_rows) {
+            GUARD_OWNS(be, a->keys, 1);
+            GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        }
+        if (a->ar_n) {
+            GUARD_OWNS(be, a->ar_bytes, a->ar_row_bytes * H * a->ar_cap);
+            GUARD_OWNS(be, a->ar_ident, sizeof(int32_t));
+            GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * H * a->ar_cap);
+            GUARD_OWNS(be, a->rho, sizeof(float) * H * a->ar_cap);
+        }
+        if (a->basis)
+            GUARD_OWNS(be, a->basis, sizeof(float) * H * a->basis_stride * a->D);
+        GUARD_OWNS(be, a->q, sizeof(float) * nq * a->D);
+        GUARD_OWNS(be, a->best, sizeof(float) * nq);
+        GUARD_OWNS(be, a->st, sizeof *a->st);
+        GUARD_OWNS(be, a->samples, a->samples ? sizeof(float) * a->sample_cap : 0);
+        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
+        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
+        GUARD_OWNS(be, a->overflow, sizeof(uint32_t) * H);
+        GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+    }
+    guard_open(be);
+    kvt_status s = cpu_recall_rope_step(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
+/* The emission's buffers, all the backend's (fetch slots, lists, planes, archive). */
+static kvt_status g_recall_rope_emit(const kvt__backend *be,
+                                     const kvt__recall_rope_emit_args *args, uint32_t n,
+                                     void *stream) {
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__recall_rope_emit_args *a = &args[i];
+        if (!kvt__recall_rope_emit_ok(a))
+            return KVT_ERR_INVALID_ARGUMENT;
+        const size_t H = a->n_kv;
+        GUARD_OWNS(be, a->plane[0], 1);
+        GUARD_OWNS(be, a->plane[1], 1);
+        if (a->n_rows)
+            GUARD_OWNS(be, a->pages, sizeof(int32_t));
+        if (a->ar_n)
+            GUARD_OWNS(be, a->ar_bytes, 2u * a->row_bytes * H * a->ar_cap);
+        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
+        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
+        GUARD_OWNS(be, a->st, sizeof *a->st);
+        GUARD_OWNS(be, a->fetch_pages, sizeof(int32_t) * ((a->fetch_cap + a->pdiv->d - 1) / a->pdiv->d));
+        GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
+        GUARD_OWNS(be, a->indptr, sizeof(int32_t) * (H + 1));
+    }
+    guard_open(be);
+    kvt_status s = cpu_recall_rope_emit(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
 static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_args *args,
                                 uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++) {
@@ -807,6 +893,8 @@ static const kvt__backend_ops guarded_ops_table = {
     .sketch_rows = g_sketch_rows,
     .recall_scan = g_recall_scan,
     .recall_step = g_recall_step,
+    .recall_rope_step = g_recall_rope_step,
+    .recall_rope_emit = g_recall_rope_emit,
     .pack = g_pack,
     .copy = g_write,
     .select = g_select,

@@ -311,10 +311,41 @@ enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2 };
 
 static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32_t S) {
     const kvt_seq *sq = b->seqs[i];
-    if (!sq || !kvt__seq_recalls(sq, layer))
+    if (!sq || !(kvt__seq_recalls(sq, layer) || kvt__seq_recalls_rope(sq, layer)))
         return RECALL_NONE;
     return b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
                                                                                  : RECALL_ALL;
+}
+
+/* The RoPE trigger of request i on this layer (docs/recall.md §9), once per step: one backend
+ * call per request (not batched yet); a second run of the layer emits what the first fetched. */
+static kvt_status run_rope_recall(kvt_batch *b, uint32_t i, uint32_t layer, const float *query,
+                                  void *stream, const kvt_emit *emit) {
+    kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    kvt_seq *sq = b->seqs[i];
+    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
+    kvt_status s;
+    if (sq->recalled[layer]) {
+        if (emit->dense &&
+            (s = be->ops->copy(be, emit->dense + i, &sq->rrope[layer].base.st->last_dense, 1,
+                               stream)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "emission's dense flags");
+        return KVT_OK;
+    }
+    if (!be->ops->recall_rope_step || !be->ops->recall_rope_emit)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "layer %u: the %s backend has no RoPE recall ops", layer,
+                             be->ops->name);
+    kvt__recall_rope_args a;
+    const size_t per_seq = (size_t)sp->n_q_heads * sp->head_dim;
+    if ((s = kvt__seq_rope_recall_item(sq, layer, query + i * per_seq,
+                                       emit->dense ? emit->dense + i : NULL, &a)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer, kvt__tls_error());
+    if ((s = be->ops->recall_rope_step(be, &a, 1, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "the RoPE recall trigger of seqs[%u] on layer %u", i, layer);
+    sq->recalled[layer] = 1;
+    return KVT_OK;
 }
 
 /* The trigger for every request that fetches on this layer (one backend call), after the
@@ -337,6 +368,11 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
         /* a second run: the flag the first one's trigger wrote, from the state (low byte) */
+        if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls_rope(sq, layer)) {
+            if ((s = run_rope_recall(b, i, layer, query, stream, emit)) != KVT_OK)
+                return s;
+            continue;
+        }
         if (b->recall_way[i] == RECALL_FETCH && sq->recalled[layer] && emit->dense &&
             (s = be->ops->copy(be, emit->dense + i, &sq->recall[layer].st->last_dense, 1,
                                stream)) != KVT_OK)
@@ -353,6 +389,68 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     return KVT_OK;
 }
 
+/* Pack the *k queued queries of pa (then none are queued). */
+static kvt_status flush_pack(kvt_batch *b, uint32_t layer, void *stream, kvt__pack_args *pa,
+                             uint32_t *k) {
+    pa->n = *k;
+    *k = 0;
+    kvt_status s = b->be.ops->pack(&b->be, pa, stream);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(b->ctx, s, "packing the attended sets of layer %u", layer);
+}
+
+/* KVT_EMIT_CSR_KV_HEADS: per request, n_kv lists — a RoPE-recalling request's from the
+ * recall_rope_emit op (fetched rows copied into its fetch area), any other's the shared set
+ * once per head through the pack op. Every list starts where the backend ended the previous one
+ * (indptr[0] = 0 written first): fetch counts are the backend's. */
+static kvt_status emit_kv_heads(kvt_batch *b, uint32_t layer, uint32_t n_kv, void *stream,
+                                const kvt_emit *emit, kvt__pack_query *q, kvt__pack_args *pa) {
+    kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    kvt_status s = be->ops->write(be, emit->indptr, &(int32_t){0}, sizeof(int32_t), stream);
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "emission's first offset");
+    pa->dev_offsets = true;
+    pa->first_csr = false;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i <= b->n_seqs; i++) {
+        const kvt_seq *sq = i < b->n_seqs ? b->seqs[i] : NULL;
+        const bool rope = sq && kvt__seq_recalls_rope(sq, layer);
+        /* the queued lists first: a RoPE request's chain reads where they end */
+        if (k && (rope || i == b->n_seqs) && (s = flush_pack(b, layer, stream, pa, &k)) != KVT_OK)
+            return s;
+        if (i == b->n_seqs)
+            break;
+        if (rope) {
+            kvt__recall_rope_emit_args ea;
+            if ((s = kvt__seq_rope_emit_item(sq, layer, b->recall_way[i] == RECALL_ALL,
+                                             emit->indices, emit->capacity,
+                                             emit->indptr + (size_t)i * n_kv, &ea)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer,
+                                     kvt__tls_error());
+            if ((s = be->ops->recall_rope_emit(be, &ea, 1, stream)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "emitting seqs[%u]'s lists on layer %u", i, layer);
+            continue;
+        }
+        for (uint32_t h = 0; h < n_kv; h++) {
+            if (k == KVT__PACK_CHUNK && (s = flush_pack(b, layer, stream, pa, &k)) != KVT_OK)
+                return s;
+            kvt__pack_query *pq = &q[k++];
+            if (sq)
+                kvt__seq_step_query(sq, layer, b->n_tokens[i], pq);
+            else
+                *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
+            if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls(sq, layer))
+                kvt__recall_pack_query(&sq->recall[layer], pq);
+            pq->all_rows = b->recall_way[i] == RECALL_ALL;
+            pq->out = 0; /* dev_offsets */
+            pq->pad = 0;
+            pq->len_at = (uint64_t)i * n_kv + h + 1;
+        }
+    }
+    return KVT_OK;
+}
+
 kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *stream,
                          const kvt_emit *emit) {
     if (!b)
@@ -365,7 +463,9 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emit is NULL or its struct_size is below KVT_EMIT_SIZE_MIN");
     const bool tokens = emit->layout == KVT_EMIT_TOKENS;
-    if (!tokens && emit->layout != KVT_EMIT_CSR)
+    /* One list per (request, KV head) (docs/recall.md §9): CSR over n_seqs x n_kv entries. */
+    const bool heads = emit->layout == KVT_EMIT_CSR_KV_HEADS;
+    if (!tokens && !heads && emit->layout != KVT_EMIT_CSR)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.layout: unknown value %d",
                              (int)emit->layout);
     if ((tokens && (!emit->lengths || (!emit->indices && emit->capacity > 0))) ||
@@ -380,6 +480,12 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (S > KVT_MAX_QUERIES_PER_SEQ)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.queries_per_seq: %u above %u", S,
                              KVT_MAX_QUERIES_PER_SEQ);
+    if (heads && S > 1)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "emit.layout KVT_EMIT_CSR_KV_HEADS takes one query per request "
+                             "(queries_per_seq %u)",
+                             S);
+    const uint32_t n_kv = heads ? ctx->stores[layer].spec.n_kv_heads : 1;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
         if (!sq)
@@ -404,15 +510,22 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * several query tokens emitted one by one, leaves it to the commit: its decisions then see
      * only the accepted rows, and each query token's view is the committed state plus the
      * step's rows up to its own. */
-    bool fetches = false;
+    bool fetches = false, rope = false;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
         b->recall_way[i] = recall_way(b, i, layer, S);
         fetches |= b->recall_way[i] == RECALL_FETCH;
+        rope |= b->seqs[i] && kvt__seq_recalls_rope(b->seqs[i], layer);
     }
     if (fetches && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: requests of the batch recall on layer %u", layer);
+    if (rope && !heads)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "layer %u: requests of the batch recall on this RoPE layer, whose KV "
+                             "heads attend different rows: emit.layout must be "
+                             "KVT_EMIT_CSR_KV_HEADS",
+                             layer);
     b->ran = true;
     b->stream = stream;
     s = kvt__seqs_step(ctx, b->seqs, b->defer, b->n_seqs, layer, &b->be, stream, b->steps,
@@ -430,9 +543,12 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         const kvt_seq *sq = b->seqs[i];
         for (uint32_t t = 0; sq && t < S; t++) {
             kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), &q[0]);
-            /* With recall the set may be every row of the view: what the host can promise. */
-            uint64_t n = b->recall_way[i] != RECALL_NONE ? q[0].d.hi_end
-                                                         : kvt__attended_desc_count(&q[0].d);
+            /* With recall the set may be every row of the view: what the host can promise (on a
+             * RoPE layer: the held rows and the whole archive, the request's rows). */
+            uint64_t n = b->recall_way[i] == RECALL_NONE ? kvt__attended_desc_count(&q[0].d)
+                         : kvt__seq_recalls_rope(sq, layer) ? sq->n_tokens + sq->n_pending
+                                                            : q[0].d.hi_end;
+            n *= n_kv;
             if (tokens && n > emit->capacity)
                 return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                      "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
@@ -450,10 +566,12 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     /* 3. The trigger (recall on): fetched rows and dense flags, in the backend's memory. */
     if ((s = run_recall(b, layer, query, stream, emit)) != KVT_OK)
         return s;
-    kvt__pack_args pa = {.q = q, .pdiv = &ctx->pdiv, .csr = !tokens, .first_csr = true,
+    kvt__pack_args pa = {.q = q, .pdiv = &ctx->pdiv, .csr = !tokens, .first_csr = !heads,
                          .dev_offsets = !tokens && fetches, .capacity = emit->capacity,
                          .indices = emit->indices, .lengths = emit->lengths,
                          .indptr = emit->indptr};
+    if (heads) /* the lists are chained on the backend from indptr[0] */
+        return emit_kv_heads(b, layer, n_kv, stream, emit, q, &pa);
     uint64_t off = 0;
     uint32_t k = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
@@ -465,7 +583,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                 kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
             else
                 *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
-            if (b->recall_way[i] == RECALL_FETCH)
+            if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls(sq, layer))
                 kvt__recall_pack_query(&sq->recall[layer], pq);
             pq->all_rows = b->recall_way[i] == RECALL_ALL;
             pq->out = tokens ? at * emit->capacity : off;

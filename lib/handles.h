@@ -5,6 +5,7 @@
 #include "base/base.h"
 #include "base/alloc.h"
 #include "recall/recall.h"
+#include "recall/recall_rope.h"
 #include "tiers/policy.h"
 
 #define KVT__MAX_GROUPS 3
@@ -62,6 +63,13 @@ struct kvt_seq {
     /* The recall trigger's state per layer ([n_layers]; NULL until a request of this handle
      * recalls): a buffer for each layer whose policy has recall_view. */
     kvt__recall_layer *recall;
+    /* Recall on GQA/MHA-RoPE layers (docs/recall.md §9): the trigger's state per layer
+     * ([n_layers]; NULL until a request of this handle recalls; fbuf NULL on a layer that does
+     * not) and, per policy group, the fetch area the emission copies fetched rows into (a table
+     * of pool pages, n_rows 0 and n_pending the rows it holds: sized at reserve to hold the
+     * archive). */
+    kvt__recall_rope_layer *rrope;
+    kvt__ptable fetch[KVT__MAX_GROUPS];
 };
 
 /* Free a layer's recall basis (lib/recall_basis.c; kvt_ctx_destroy). */
@@ -106,6 +114,25 @@ bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
  * nothing to recall from. */
 bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
                           kvt__recall_step_args *out);
+/* Does the request recall on this RoPE layer (its trigger state prepared)? */
+bool kvt__seq_recalls_rope(const kvt_seq *seq, uint32_t layer);
+/* The RoPE recall step's work item of the request on `layer` during the step (the view as the
+ * step's run left it; the table's mirror synced), its queries q ([n_q][head_dim], backend) and
+ * the emission's dense flag. KVT_OK, or the view's status with its message. */
+kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const float *q,
+                                     uint8_t *dense, kvt__recall_rope_args *out);
+/* The emission work item of the request on `layer` (after its trigger ran, or with all: every
+ * archived row), chained after what the batch emitted before (indptr points at the request's
+ * first list). The fetch area's mirror must be synced (kvt__seq_step does it). */
+kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
+                                   int32_t *indices, uint64_t capacity, int32_t *indptr,
+                                   kvt__recall_rope_emit_args *out);
+/* The RoPE recall trigger's archive view (kernels/recall_rope.h: the fields up to rank) of a
+ * request's layer between steps, its page table mirrored: the evict policy's recall_rope_view.
+ * KVT_ERR_POLICY_MISMATCH (a layer without one), the view's statuses (UNSUPPORTED, BAD_STATE),
+ * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. Not yet called by
+ * kvt_batch_run: the emission of fetched rows is docs/recall.md §9.3's next piece. */
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 /* Free every live kvt_buffer of the context (kvt_ctx_destroy). */

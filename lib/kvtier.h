@@ -339,6 +339,15 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  *              misses a row whose fp32 exact score reaches best_h, for any query, given a basis
  *              orthonormal to fp32 precision (docs/recall.md §3.1). Fires far more often.
  *   MARGIN     fires when idx_a >= best_h − config.recall_margin (no certificate: a heuristic).
+ *
+ * On GQA/MHA-RoPE layers under random eviction (docs/recall.md §9) the same modes apply to the
+ * archive (config.evict_archive, with sketch planes): per KV head, its archived rows' post-RoPE
+ * keys through the head's sketch (kvt_ctx_set_recall_head_basis), its query heads' best over the
+ * rows it attends, D = head_dim (> 64), one z per request and layer; W is per KV head, and an
+ * overflow in any head lists the whole archive. Such a layer then needs the emission layout
+ * KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) and costs the request a fetch area of pool pages as
+ * large as its archive; its requests cannot be snapshotted yet (KVT_ERR_UNSUPPORTED). CPU and
+ * guarded backends only for now.
  */
 typedef enum kvt_recall_mode {
     KVT_RECALL_OFF = 0,       /* archived rows are never brought back */
@@ -599,6 +608,26 @@ KVT_API kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const 
 KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank,
                                         uint32_t *id);
 
+/* Give KV head `kv_head` of an evict (GQA/MHA-RoPE) layer its key basis (docs/recall.md §9): V is
+ * host memory of rank x head_dim fp32 values, orthonormal rows as for kvt_ctx_set_recall_basis,
+ * fitted to that head's post-RoPE keys; each archived row of the head gets csk = its key
+ * projected on V (fp16) and ρ = the norm of what the sketch misses. A head without one gets
+ * empty sketches and ρ = the key's norm (the trigger is still sound, it only fetches more).
+ * Sketches are built on evict layers with two planes (K, V) of bf16/fp16/fp32 rows in a context
+ * with params.recall_sketch_rank > 0, for requests with config.evict_archive; their stride is
+ * min(recall_sketch_rank, head_dim). A second call replaces the head's basis. Errors (nothing
+ * changed): KVT_ERR_INVALID_ARGUMENT (NULL ctx or V, NaN/Inf, rows not orthonormal),
+ * KVT_ERR_OUT_OF_RANGE (layer, kv_head, or rank 0 or above the stride), KVT_ERR_POLICY_MISMATCH
+ * (not an evict layer), KVT_ERR_UNSUPPORTED (no sketch planes, or a layer whose rows the sketch
+ * cannot take: one plane (MLA) or fp8), KVT_ERR_BAD_STATE (a request already reserved rows),
+ * KVT_ERR_OUT_OF_MEMORY. */
+KVT_API kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                                 const float *V, uint32_t rank);
+/* A head's key basis: *rank (0: none) and *id (CRC-32 of V's bytes, 0 without one); either may
+ * be NULL. KVT_ERR_INVALID_ARGUMENT (NULL ctx), KVT_ERR_OUT_OF_RANGE (layer or kv_head). */
+KVT_API kvt_status kvt_ctx_recall_head_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                             uint32_t *rank, uint32_t *id);
+
 /* A basis file (kvtier-inspect calibrate writes it; format in docs/recall.md §5): little-endian,
  *   0   8 B   magic "KVTRBAS1"
  *   8   u32   format version (1)
@@ -855,6 +884,15 @@ typedef enum kvt_emit_layout {
                           * to topk; lengths[i * s_q + t] = rows (topk_length) */
     KVT_EMIT_CSR = 1,    /* FlashInfer page-size-1 view: indptr[n_seqs * s_q + 1],
                           * indices[indptr[q] .. indptr[q+1]) = slots of query q = i * s_q + t */
+    KVT_EMIT_CSR_KV_HEADS = 2, /* one list per (request, KV head) of the layer:
+                          * indptr[n_seqs * n_kv_heads + 1], indices[indptr[q] .. indptr[q+1]) =
+                          * the slots KV head h of request i attends, q = i * n_kv_heads + h (read
+                          * head h's slice of each slot); one query per request (queries_per_seq
+                          * <= 1). Required on a GQA/MHA-RoPE layer on which a request of the batch
+                          * recalls (docs/recall.md §9: its heads fetch different archived rows,
+                          * copied into fetch slots of the request's, listed after the table's
+                          * rows); any layer may use it (every head then lists the same set).
+                          * Capacity: n_kv_heads x kvt_batch_capacity's total. */
 } kvt_emit_layout;
 
 #define KVT_MAX_QUERIES_PER_SEQ 256u
@@ -894,7 +932,9 @@ typedef struct kvt_emit {
  * sets into emit. query: the absorbed queries for the recall tier, fp32 in the backend's memory,
  * [n_seqs][n_q_heads][value_dim + branch_dim] (latent first, then the branch; multiplied by the
  * softmax scale), one query per request (its step's last token), request i at the batch's i-th
- * place; read only for requests with recall on a salience layer, otherwise ignored (may be NULL
+ * place; on a GQA/MHA-RoPE layer whose archive recalls (docs/recall.md §9) the post-RoPE queries
+ * [n_seqs][n_q_heads][head_dim] (scaled alike; query head t attends KV head t / (n_q_heads /
+ * n_kv_heads)); read only for requests with recall on such a layer, otherwise ignored (may be NULL
  * when no request of the batch recalls: KVT_ERR_INVALID_ARGUMENT otherwise). stream: a cudaStream_t on the CUDA backend, where every op of the run goes (the
  * CPU backends run each op as it is enqueued); the commit reuses the last run's.
  * Checked before any work (nothing done, nothing emitted): KVT_ERR_INVALID_ARGUMENT (emit NULL,

@@ -22,6 +22,15 @@ void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st) {
         ctx->backend.ops->buf_free(&ctx->backend, st->rbasis.V,
                                    sizeof(float) * (size_t)st->rbasis.rank * st->spec.value_dim);
     memset(&st->rbasis, 0, sizeof st->rbasis);
+    const size_t H = st->spec.n_kv_heads;
+    if (st->kb_V)
+        ctx->backend.ops->buf_free(&ctx->backend, st->kb_V,
+                                   sizeof(float) * H * st->kb_stride * st->spec.head_dim);
+    kvt__free(&ctx->alloc, st->kb_rank, sizeof *st->kb_rank * H);
+    kvt__free(&ctx->alloc, st->kb_id, sizeof *st->kb_id * H);
+    st->kb_V = NULL;
+    st->kb_rank = st->kb_id = NULL;
+    st->kb_stride = 0;
 }
 
 /* The basis id: CRC-32 of V's bytes as stored (little-endian fp32, the only layout kvtier
@@ -33,12 +42,12 @@ static uint32_t basis_id(const float *V, size_t n) {
 /* Rows of V (rank x D) orthonormal within 1e-3 in every entry of V Vᵀ (double sums), every value
  * finite. The certificates of docs/recall.md §3 (ρ bounds what the scan misses through
  * ‖q_res‖) assume an orthonormal basis. */
-static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank, uint32_t D) {
+static kvt_status check_basis_of(const kvt_ctx *ctx, const char *fn, const float *V,
+                                 uint32_t rank, uint32_t D) {
     for (size_t i = 0; i < (size_t)rank * D; i++)
         if (!isfinite(V[i]))
-            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                                 "kvt_ctx_set_recall_basis: V[%zu][%zu] is not finite", i / D,
-                                 i % D);
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "%s: V[%zu][%zu] is not finite",
+                                 fn, i / D, i % D);
     for (uint32_t a = 0; a < rank; a++)
         for (uint32_t b = a; b < rank; b++) {
             double dot = 0.0;
@@ -47,11 +56,15 @@ static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank,
             double want = a == b ? 1.0 : 0.0;
             if (fabs(dot - want) > 1e-3)
                 return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                                     "kvt_ctx_set_recall_basis: rows %u and %u of V have dot "
-                                     "product %.6g (orthonormal rows required)",
-                                     a, b, dot);
+                                     "%s: rows %u and %u of V have dot product %.6g (orthonormal "
+                                     "rows required)",
+                                     fn, a, b, dot);
         }
     return KVT_OK;
+}
+
+static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank, uint32_t D) {
+    return check_basis_of(ctx, "kvt_ctx_set_recall_basis", V, rank, D);
 }
 
 kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V, uint32_t rank) {
@@ -97,6 +110,101 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
     }
     kvt__rbasis_free(ctx, st);
     st->rbasis = (kvt__rbasis){.V = dev, .rank = rank, .id = basis_id(V, (size_t)rank * D)};
+    return KVT_OK;
+}
+
+/* ---- Per-KV-head key bases of evict layers (recall on RoPE layers, docs/recall.md §9) ---- */
+
+/* The layer's [H][stride][head_dim] buffer and host arrays, allocated on the first head's basis
+ * (zeroed: every other head has none). */
+static kvt_status head_bases_alloc(kvt_ctx *ctx, kvt__store *st, uint32_t stride) {
+    if (st->kb_V)
+        return KVT_OK;
+    const size_t H = st->spec.n_kv_heads;
+    const size_t bytes = sizeof(float) * H * stride * st->spec.head_dim;
+    void *dev = NULL;
+    kvt_status s = ctx->backend.ops->buf_alloc(&ctx->backend, bytes, &dev);
+    if (s != KVT_OK)
+        return s;
+    st->kb_rank = kvt__calloc(&ctx->alloc, sizeof *st->kb_rank * H);
+    st->kb_id = kvt__calloc(&ctx->alloc, sizeof *st->kb_id * H);
+    if (!st->kb_rank || !st->kb_id) {
+        kvt__free(&ctx->alloc, st->kb_rank, sizeof *st->kb_rank * H);
+        kvt__free(&ctx->alloc, st->kb_id, sizeof *st->kb_id * H);
+        st->kb_rank = st->kb_id = NULL;
+        ctx->backend.ops->buf_free(&ctx->backend, dev, bytes);
+        return KVT_ERR_OUT_OF_MEMORY;
+    }
+    st->kb_V = dev;
+    st->kb_stride = stride;
+    return KVT_OK;
+}
+
+kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                         const float *V, uint32_t rank) {
+    static const char fn[] = "kvt_ctx_set_recall_head_basis";
+    if (!ctx || !V)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, ctx ? "V" : "ctx");
+    kvt__ctx_clear_error(ctx);
+    if (layer >= ctx->n_layers)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "%s: layer %u of %u", fn, layer,
+                             ctx->n_layers);
+    kvt__store *st = &ctx->stores[layer];
+    if (ctx->policies[layer] != KVT_POLICY_EVICT)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH,
+                             "%s: layer %u is under policy %s; key bases are for the archive of "
+                             "evict (RoPE) layers",
+                             fn, layer, kvt_policy_name(ctx->policies[layer]));
+    if (ctx->sketch_rank == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "%s: the context builds no recall sketches (params.recall_sketch_rank "
+                             "0)",
+                             fn);
+    const uint32_t stride = kvt__ev_sketch_stride(&st->spec, ctx->sketch_rank);
+    if (stride == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "%s: layer %u's rows (%u planes of %s) get no archive sketches "
+                             "(GQA/MHA layers of bf16, fp16 or fp32 rows only)",
+                             fn, layer, st->spec.n_planes, kvt_dtype_name(st->spec.dtype));
+    if (kv_head >= st->spec.n_kv_heads)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "%s: KV head %u of %u", fn, kv_head,
+                             st->spec.n_kv_heads);
+    if (rank == 0 || rank > stride)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE,
+                             "%s: rank %u not in 1..%u (min(recall_sketch_rank, head_dim))", fn,
+                             rank, stride);
+    if (ctx->started)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "%s: a request already reserved rows (sketches of a head must all "
+                             "come from one basis)",
+                             fn);
+    const uint32_t D = st->spec.head_dim;
+    kvt_status s = check_basis_of(ctx, fn, V, rank, D);
+    if (s != KVT_OK)
+        return s;
+    if ((s = head_bases_alloc(ctx, st, stride)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "%s: the key bases of layer %u", fn, layer);
+    const size_t bytes = sizeof(float) * (size_t)rank * D;
+    float *dst = st->kb_V + (size_t)kv_head * stride * D;
+    if ((s = ctx->backend.ops->write(&ctx->backend, dst, V, bytes, NULL)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "%s: writing V", fn);
+    st->kb_rank[kv_head] = rank;
+    st->kb_id[kv_head] = basis_id(V, (size_t)rank * D);
+    return KVT_OK;
+}
+
+kvt_status kvt_ctx_recall_head_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                     uint32_t *rank, uint32_t *id) {
+    if (!ctx)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_ctx_recall_head_basis: ctx is NULL");
+    if (layer >= ctx->n_layers || kv_head >= ctx->stores[layer].spec.n_kv_heads)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE,
+                             "kvt_ctx_recall_head_basis: layer %u, KV head %u", layer, kv_head);
+    const kvt__store *st = &ctx->stores[layer];
+    if (rank)
+        *rank = st->kb_rank ? st->kb_rank[kv_head] : 0;
+    if (id)
+        *id = st->kb_id ? st->kb_id[kv_head] : 0;
     return KVT_OK;
 }
 

@@ -224,6 +224,17 @@ bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer) {
     return seq->cfg.recall != KVT_RECALL_OFF && seq->recall && seq->recall[layer].buf;
 }
 
+bool kvt__seq_recalls_rope(const kvt_seq *seq, uint32_t layer) {
+    return seq->cfg.recall != KVT_RECALL_OFF && seq->rrope && seq->rrope[layer].fbuf;
+}
+
+/* The trigger state of a layer the request recalls on (salience or RoPE), or NULL. */
+static const kvt__recall_layer *recall_base(const kvt_seq *seq, uint32_t layer) {
+    if (kvt__seq_recalls(seq, layer))
+        return &seq->recall[layer];
+    return kvt__seq_recalls_rope(seq, layer) ? &seq->rrope[layer].base : NULL;
+}
+
 /* Can this context recall with the request's config? KVT_ERR_UNSUPPORTED with the reason. */
 static kvt_status recall_supported(const kvt_ctx *ctx, const kvt_config *cfg) {
     if (cfg->recall == KVT_RECALL_OFF)
@@ -247,6 +258,39 @@ static kvt_status recall_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t r
     const uint32_t B = seq->cfg.block_rows;
     return kvt__recall_layer_groups_reserve(&seq->recall[layer], &ctx->backend, rows / B, B,
                                             st->spec.branch_dim + ctx->sketch_rank);
+}
+
+/* The RoPE trigger's buffers (docs/recall.md §9) for every layer whose policy has an archive view
+ * that the request's configuration gives something to recall from (archive, sketches); a layer
+ * without (KVT_ERR_UNSUPPORTED from the view) does not recall, as a salience layer without
+ * sketch planes. */
+static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
+    kvt_ctx *ctx = seq->ctx;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt__store *st = &ctx->stores[i];
+        if (st->group < 0 || !ops_of(ctx, i)->recall_rope_view)
+            continue;
+        kvt__tier_layer l = tier_layer(seq, i);
+        kvt__recall_rope_args v;
+        char msg[KVT__ERR_LEN];
+        kvt_status s = ops_of(ctx, i)->recall_rope_view(&l, &v, msg, sizeof msg);
+        if (s == KVT_ERR_UNSUPPORTED) {
+            if (seq->rrope) /* a reused slot's, from a request that recalled here */
+                kvt__recall_rope_fini(&seq->rrope[i], &ctx->backend);
+            continue;
+        }
+        if (s != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "recall on layer %u: %s", i, msg);
+        if (!seq->rrope &&
+            !(seq->rrope = kvt__calloc(&ctx->alloc, sizeof *seq->rrope * ctx->n_layers)))
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "recall state");
+        if ((s = kvt__recall_rope_prepare(&seq->rrope[i], &ctx->backend, st->spec.n_q_heads,
+                                          v.n_kv, seq->cfg.recall_cap_rows)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "recall state of RoPE layer %u (%u query heads, %u KV "
+                                 "heads, W %u)",
+                                 i, st->spec.n_q_heads, v.n_kv, seq->cfg.recall_cap_rows);
+    }
+    return KVT_OK;
 }
 
 /* The trigger's buffers of a request with recall on, in their initial state (a request without
@@ -282,7 +326,7 @@ static kvt_status seq_recall_prepare(kvt_seq *seq) {
             return kvt__ctx_fail(ctx, s, "recall state of layer %u (%u heads, W %u)", i,
                                  st->spec.n_q_heads, seq->cfg.recall_cap_rows);
     }
-    return KVT_OK;
+    return seq_rope_recall_prepare(seq);
 }
 
 kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **out) {
@@ -346,6 +390,11 @@ void kvt__seq_free(kvt_seq *seq) {
     for (uint32_t i = 0; seq->recall && i < ctx->n_layers; i++)
         kvt__recall_layer_fini(&seq->recall[i], &ctx->backend);
     kvt__free(a, seq->recall, seq->recall ? sizeof *seq->recall * ctx->n_layers : 0);
+    for (uint32_t i = 0; seq->rrope && i < ctx->n_layers; i++)
+        kvt__recall_rope_fini(&seq->rrope[i], &ctx->backend);
+    kvt__free(a, seq->rrope, seq->rrope ? sizeof *seq->rrope * ctx->n_layers : 0);
+    for (uint32_t g = 0; g < ctx->n_groups; g++)
+        kvt__ptable_fini(&seq->fetch[g], &ctx->groups[g].pool, a, &ctx->backend);
     if (seq->batch)
         kvt__batch_forget(seq->batch, seq);
     unlink_live(ctx, seq);
@@ -394,6 +443,8 @@ void kvt_seq_destroy(kvt_seq *seq) {
         t->n_pending = 0;
         t->first_page = 0;
         kvt__ptable_trim(t, &ctx->groups[g].pool);
+        seq->fetch[g].n_pending = 0; /* RoPE recall's fetch area: every page back */
+        kvt__ptable_trim(&seq->fetch[g], &ctx->groups[g].pool);
     }
     if (seq->batch)
         kvt__batch_forget(seq->batch, seq);
@@ -517,6 +568,10 @@ static kvt_status states_from(kvt_seq *c, kvt_seq *src, uint64_t rows, bool atta
         if (s == KVT_OK && !attach && kvt__seq_recalls(c, i) && kvt__seq_recalls(src, i) &&
             (s = kvt__recall_layer_copy(&c->recall[i], &src->recall[i], &ctx->backend)) != KVT_OK)
             kvt__fail(env.err, env.err_len, s, "the recall state of layer %u", i);
+        if (s == KVT_OK && !attach && kvt__seq_recalls_rope(c, i) &&
+            kvt__seq_recalls_rope(src, i) &&
+            (s = kvt__recall_rope_copy(&c->rrope[i], &src->rrope[i], &ctx->backend)) != KVT_OK)
+            kvt__fail(env.err, env.err_len, s, "the recall state of RoPE layer %u", i);
     }
     if (s == KVT_OK)
         return KVT_OK;
@@ -734,7 +789,30 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
         if (kvt__seq_recalls(seq, i) && (s = recall_groups_reserve(seq, i, seq->n_tokens +
                                                                              n_tokens)) != KVT_OK)
             snprintf(why, sizeof why, "layer %u: the recall scan's group planes", i);
+    /* RoPE recall: the fetch area holds the whole archive after the step (a dense step lists
+     * it): held + archived rows are at most the request's rows. Its size is set only once the
+     * whole reservation succeeded (a failure trims it back to what it held). */
+    uint32_t f_grown[KVT__MAX_GROUPS] = {0};
+    for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
+        if (!kvt__seq_recalls_rope(seq, i))
+            continue;
+        const uint32_t fg = (uint32_t)ctx->stores[i].group;
+        kvt__ptable *f = &seq->fetch[fg]; /* its n_pending: the rows it holds (n_rows 0) */
+        const uint64_t need = seq->n_tokens + n_tokens;
+        if (need > UINT32_MAX)
+            s = KVT_ERR_CAPACITY;
+        else if (need > f->n_pending &&
+                 (s = kvt__ptable_reserve(f, &ctx->groups[fg].pool, a,
+                                          (uint32_t)(need - f->n_pending))) == KVT_OK &&
+                 (s = kvt__ptable_mirror_reserve(f, &ctx->backend, f->n_pages)) == KVT_OK)
+            f_grown[fg] = (uint32_t)need;
+        if (s != KVT_OK)
+            snprintf(why, sizeof why, "layer %u: the recall fetch area (%llu rows of group %u)",
+                     i, (unsigned long long)need, fg);
+    }
     if (s != KVT_OK) {
+        for (uint32_t h = 0; h < ctx->n_groups; h++) /* all or nothing: fetch areas as they were */
+            kvt__ptable_trim(&seq->fetch[h], &ctx->groups[h].pool);
         for (uint32_t h = 0; h < ctx->n_groups && h <= g; h++)
             kvt__ptable_trim(&seq->pt[h], &ctx->groups[h].pool);
         if (s == KVT_ERR_POOL_EXHAUSTED)
@@ -747,8 +825,11 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
                              (unsigned long long)seq->request_id, n_tokens, why[0] ? ": " : "",
                              why);
     }
-    for (g = 0; g < ctx->n_groups; g++)
+    for (g = 0; g < ctx->n_groups; g++) {
         seq->pt[g].n_pending = n_tokens;
+        if (f_grown[g])
+            seq->fetch[g].n_pending = f_grown[g];
+    }
     seq->n_pending = n_tokens;
     ctx->started = true;
     return KVT_OK;
@@ -950,8 +1031,11 @@ kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *def
         kvt_seq *seq = seqs[i];
         if (!seq || seq->stepped[layer])
             continue;
-        /* The layer's ops and its emission read the table's mirror (the step's pages too). */
+        /* The layer's ops and its emission read the table's mirror (the step's pages too), and
+         * a RoPE recall's emission its fetch area's. */
         kvt_status s = kvt__ptable_mirror_sync(&seq->pt[st->group], be, stream);
+        if (s == KVT_OK && kvt__seq_recalls_rope(seq, layer))
+            s = kvt__ptable_mirror_sync(&seq->fetch[st->group], be, stream);
         if (s != KVT_OK) {
             if (first == KVT_OK)
                 first = kvt__ctx_fail(ctx, s, "request %llu layer %u: page table to the backend",
@@ -1017,6 +1101,62 @@ bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, ui
     kvt__recall_step_make(&seq->recall[layer], &v, q, view.n_rows, seq->cfg.recall,
                           seq->cfg.recall_margin, dense, out);
     return true;
+}
+
+kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const float *q,
+                                     uint8_t *dense, kvt__recall_rope_args *out) {
+    kvt__ptable view;
+    kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
+    kvt__recall_rope_args v;
+    kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
+    if (s != KVT_OK)
+        return s;
+    kvt__recall_rope_make(&seq->rrope[layer], &v, q, seq->cfg.recall, seq->cfg.recall_margin,
+                          dense, out);
+    return KVT_OK;
+}
+
+kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
+                                   int32_t *indices, uint64_t capacity, int32_t *indptr,
+                                   kvt__recall_rope_emit_args *out) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__store *st = &ctx->stores[layer];
+    kvt__ptable view;
+    kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
+    kvt__recall_rope_args v; /* the archive as the policy describes it */
+    kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
+    if (s != KVT_OK)
+        return s;
+    const kvt__recall_rope_layer *r = &seq->rrope[layer];
+    const kvt__ptable *f = &seq->fetch[st->group];
+    *out = (kvt__recall_rope_emit_args){
+        .plane = {st->plane[0], st->plane[1]}, .slot_stride = st->slot_bytes,
+        .row_bytes = st->spec.row_bytes, .n_kv = v.n_kv, .pages = v.pages,
+        .first_page = v.first_page, .pdiv = v.pdiv, .n_rows = v.n_rows, .ar_bytes = v.ar_bytes,
+        .ar_cap = v.ar_cap, .ar_n = v.ar_n, .fired = r->fired, .n_fired = r->n_fired,
+        .cap = r->cap, .st = r->base.st, .fetch_pages = f->dpages,
+        .fetch_cap = (uint32_t)((uint64_t)f->n_pages * ctx->page_rows), .indices = indices,
+        .capacity = capacity, .indptr = indptr, .out = 0, .chain = true, .all = all};
+    return KVT_OK;
+}
+
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out) {
+    CHECK_BETWEEN_STEPS(seq);
+    const kvt__store *st;
+    kvt_status s = layer_of(seq, layer, &st);
+    if (s != KVT_OK)
+        return s;
+    kvt_ctx *ctx = seq->ctx;
+    if (!ops_of(ctx, layer)->recall_rope_view)
+        return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH,
+                             "layer %u: its policy has no archive a RoPE recall reads", layer);
+    if ((s = kvt__ptable_mirror_sync(&seq->pt[st->group], &ctx->backend, NULL)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "layer %u: page table to the backend", layer);
+    kvt__tier_layer l = tier_layer(seq, layer);
+    char *err = kvt__tls_error();
+    if ((s = ops_of(ctx, layer)->recall_rope_view(&l, out, err, KVT__ERR_LEN)) != KVT_OK)
+        return s;
+    return KVT_OK;
 }
 
 kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {
@@ -1237,9 +1377,9 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     out->prompt_rows = seq->prompt_rows;
     if (l.gr->ops->stats)
         l.gr->ops->stats(&l, out);
-    if (kvt__seq_recalls(seq, layer)) {
+    if (recall_base(seq, layer)) {
         kvt__recall_state rs;
-        if ((s = kvt__recall_layer_read(&seq->recall[layer], &ctx->backend, &rs)) != KVT_OK)
+        if ((s = kvt__recall_layer_read(recall_base(seq, layer), &ctx->backend, &rs)) != KVT_OK)
             return kvt__ctx_fail(ctx, s, "reading the recall state of layer %u", layer);
         out->recall_mode = (int32_t)seq->cfg.recall;
         out->recall_phase = (int32_t)rs.phase;
@@ -1412,6 +1552,18 @@ static kvt_status check_pages(const kvt_seq *seq) {
                 else if (seen[pg]++ == 0)
                     held++; /* a shared page counts once */
             }
+            /* a RoPE recall's fetch area: pages of the request's own, never shared */
+            const kvt__ptable *f = &q->fetch[g];
+            for (uint32_t i = 0; i < f->n_pages && rc == KVT_OK; i++) {
+                int32_t pg = f->pages[i];
+                if (pg < 0 || (uint32_t)pg >= ctx->n_pages || seen[pg]++ != 0)
+                    rc = kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                       "group %u: fetch page %d of request %llu invalid or held "
+                                       "twice",
+                                       g, pg, (unsigned long long)q->request_id);
+                else
+                    held++;
+            }
         }
         /* Every page is free or held by exactly as many tables as its reference count says. */
         uint64_t shared = 0;
@@ -1437,10 +1589,10 @@ static kvt_status check_pages(const kvt_seq *seq) {
 
 /* The trigger's state of a layer, read back (samples included). */
 static kvt_status check_recall(const kvt_seq *seq, uint32_t layer) {
-    if (!kvt__seq_recalls(seq, layer))
+    const kvt__recall_layer *r = recall_base(seq, layer);
+    if (!r)
         return KVT_OK;
     const kvt_ctx *ctx = seq->ctx;
-    const kvt__recall_layer *r = &seq->recall[layer];
     kvt__recall_state rs;
     kvt_status s = kvt__recall_layer_read(r, &ctx->backend, &rs);
     float *smp = NULL;

@@ -339,6 +339,14 @@ static kvt_status between_steps(const kvt_seq *seq) {
                              "request %llu has a reservation open (%u tokens reserved, not "
                              "committed): snapshots are taken between steps",
                              (unsigned long long)seq->request_id, seq->n_pending);
+    /* The RoPE recall trigger's state (docs/recall.md §9) has no section in the format yet:
+     * refused, never dropped silently. */
+    for (uint32_t i = 0; i < seq->ctx->n_layers; i++)
+        if (kvt__seq_recalls_rope(seq, i))
+            return kvt__ctx_fail(seq->ctx, KVT_ERR_UNSUPPORTED,
+                                 "request %llu recalls on RoPE layer %u: its trigger state "
+                                 "(calibration, fetch lists) is not in the snapshot format yet",
+                                 (unsigned long long)seq->request_id, i);
     return kvt__seq_usable(seq);
 }
 

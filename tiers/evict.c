@@ -51,6 +51,8 @@
 
 #include "kernels/kvt_hd.h"
 #include "kernels/philox.h"
+#include "kernels/recall_rope.h"
+#include "kernels/sketch.h"
 #include "kernels/topm.h"
 
 #include <math.h>
@@ -110,6 +112,9 @@ void kvt__ev_fini(kvt__ev *e) {
         buf_free(e->be, e->ar_bytes, e->ar_row_bytes * H * e->ar_cap);
         buf_free(e->be, e->ar_pos, sizeof *e->ar_pos * H * e->ar_cap);
         buf_free(e->be, e->ar_by_pos, sizeof *e->ar_by_pos * H * e->ar_cap);
+        buf_free(e->be, e->ar_csk, sizeof *e->ar_csk * e->sk_stride * H * e->ar_cap);
+        buf_free(e->be, e->ar_rho, sizeof *e->ar_rho * H * e->ar_cap);
+        buf_free(e->be, e->ar_ident, sizeof *e->ar_ident * e->ident_n);
     }
     memset(e, 0, sizeof *e);
 }
@@ -205,9 +210,35 @@ static kvt_status round_reserve(kvt__ev *e, uint64_t N, uint64_t K) {
     return s;
 }
 
-/* Grow the archive to hold `add` more rows per head: three new buffers filled on the device (on
- * `stream`, after the rounds that wrote the old ones; NULL: synchronously), swapped in only when
- * all succeeded (a failure changes nothing). */
+/* The identity page mirror of an archive of cap rows per head (entry i = i): ceil(cap /
+ * page_rows) entries, written from the host once per growth. */
+static kvt_status ident_grow(kvt__ev *e, uint64_t cap, int32_t **out, uint64_t *n_out) {
+    const kvt__backend *be = e->be;
+    const uint64_t n = (cap + e->page_rows - 1) / e->page_rows;
+    *out = NULL;
+    *n_out = n;
+    if (n > INT32_MAX || n > SIZE_MAX / sizeof(int32_t))
+        return KVT_ERR_OUT_OF_MEMORY;
+    int32_t *host = kvt__malloc(be->alloc, sizeof *host * n);
+    if (!host)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint64_t i = 0; i < n; i++)
+        host[i] = (int32_t)i;
+    void *p = NULL;
+    kvt_status s = be->ops->buf_alloc(be, sizeof *host * n, &p);
+    if (s == KVT_OK && (s = be->ops->write(be, p, host, sizeof *host * n, NULL)) != KVT_OK) {
+        be->ops->buf_free(be, p, sizeof *host * n);
+        p = NULL;
+    }
+    kvt__free(be->alloc, host, sizeof *host * n);
+    *out = p;
+    return s;
+}
+
+/* Grow the archive to hold `add` more rows per head: new buffers (rows, positions, lookup, and
+ * with sketches csk and ρ) filled on the device (on `stream`, after the rounds that wrote the
+ * old ones; NULL: synchronously), swapped in only when all succeeded (a failure changes
+ * nothing). */
 static kvt_status archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
     uint64_t need = e->ar_n + add;
     if (need <= e->ar_cap)
@@ -217,26 +248,40 @@ static kvt_status archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
         cap = need;
     const kvt__backend *be = e->be;
     const size_t H = e->n_heads;
-    const size_t elt[3] = {e->ar_row_bytes, sizeof *e->ar_pos, sizeof *e->ar_by_pos};
-    void *old[3] = {e->ar_bytes, e->ar_pos, e->ar_by_pos};
-    void *nw[3] = {NULL, NULL, NULL};
+    enum { N_AR = 5 };
+    const int n_arr = e->sk_stride ? N_AR : 3;
+    const size_t elt[N_AR] = {e->ar_row_bytes, sizeof *e->ar_pos, sizeof *e->ar_by_pos,
+                              sizeof *e->ar_csk * e->sk_stride, sizeof *e->ar_rho};
+    /* rows already there worth copying: the sketches only up to sk_n */
+    const uint64_t used[N_AR] = {e->ar_n, e->ar_n, e->ar_n, e->sk_n, e->sk_n};
+    void *old[N_AR] = {e->ar_bytes, e->ar_pos, e->ar_by_pos, e->ar_csk, e->ar_rho};
+    void *nw[N_AR] = {NULL, NULL, NULL, NULL, NULL};
+    int32_t *ident = NULL;
+    uint64_t ident_n = 0;
     kvt_status s = KVT_OK;
-    for (int i = 0; i < 3 && s == KVT_OK; i++) {
+    for (int i = 0; i < n_arr && s == KVT_OK; i++) {
         s = cap > SIZE_MAX / elt[i] / H ? KVT_ERR_OUT_OF_MEMORY
                                         : be->ops->buf_alloc(be, elt[i] * H * cap, &nw[i]);
-        for (size_t h = 0; s == KVT_OK && e->ar_n && h < H; h++)
+        for (size_t h = 0; s == KVT_OK && used[i] && h < H; h++)
             s = be->ops->copy(be, (uint8_t *)nw[i] + elt[i] * h * cap,
                               (const uint8_t *)old[i] + elt[i] * h * e->ar_cap,
-                              elt[i] * e->ar_n, stream);
+                              elt[i] * used[i], stream);
     }
-    for (int i = 0; i < 3; i++)
+    if (s == KVT_OK && e->sk_stride)
+        s = ident_grow(e, cap, &ident, &ident_n);
+    for (int i = 0; i < n_arr; i++)
         buf_free(be, s == KVT_OK ? old[i] : nw[i],
                  elt[i] * H * (s == KVT_OK ? e->ar_cap : cap));
     if (s != KVT_OK)
         return s;
+    buf_free(be, e->ar_ident, sizeof *e->ar_ident * e->ident_n);
     e->ar_bytes = nw[0];
     e->ar_pos = nw[1];
     e->ar_by_pos = nw[2];
+    e->ar_csk = nw[3];
+    e->ar_rho = nw[4];
+    e->ar_ident = ident;
+    e->ident_n = ident_n;
     e->ar_cap = cap;
     return KVT_OK;
 }
@@ -259,6 +304,79 @@ kvt_status kvt__ev_append(kvt__ev *e, const kvt__backend *be, void *stream, uint
         return KVT_OK;
     kvt__ev_append_args a = append_args(e, first_row, first_pos, n);
     return be->ops->ev_append(be, &a, 1, stream);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Recall sketches of the archive (docs/recall.md §9)                                           */
+/* ------------------------------------------------------------------------------------------- */
+uint32_t kvt__ev_sketch_stride(const kvt_layer_spec *sp, uint32_t stride) {
+    if (stride == 0 || sp->n_planes != 2 || sp->head_dim == 0 ||
+        sp->head_dim > KVT__SKETCH_MAX_DIM ||
+        (sp->dtype != KVT_DTYPE_BF16 && sp->dtype != KVT_DTYPE_FP16 &&
+         sp->dtype != KVT_DTYPE_FP32))
+        return 0;
+    return stride < sp->head_dim ? stride : sp->head_dim;
+}
+
+/* The sketch of archive rows [first, first + n) of head h: the archive of the head is a run of
+ * ar_cap rows of ar_row_bytes (plane 0, the post-RoPE key, first), addressed through the
+ * identity mirror as slots 0 .. ar_cap - 1; the head's basis from the store. */
+static kvt__sketch_args archive_sketch_args(const kvt__env *env, const kvt__store *st,
+                                            const kvt__ev *e, uint32_t h, uint64_t first,
+                                            uint32_t n) {
+    const kvt_layer_spec *sp = &st->spec;
+    const uint32_t rank = st->kb_rank ? st->kb_rank[h] : 0;
+    kvt__sketch_args a;
+    memset(&a, 0, sizeof a);
+    a.base = e->ar_bytes + (size_t)h * e->ar_cap * e->ar_row_bytes;
+    a.pages = e->ar_ident;
+    a.first_page = 0;
+    a.pdiv = env->pdiv;
+    a.first_row = first;
+    a.n_rows = n;
+    a.slot_stride = e->ar_row_bytes;
+    a.dtype = (int)sp->dtype;
+    a.latent_dim = sp->head_dim;
+    a.basis = rank ? st->kb_V + (size_t)h * st->kb_stride * sp->head_dim : NULL;
+    a.rank = rank;
+    a.csk_stride = e->sk_stride;
+    a.csk = e->ar_csk + ((size_t)h * e->ar_cap + first) * e->sk_stride;
+    a.rho = e->ar_rho + (size_t)h * e->ar_cap + first;
+    return a;
+}
+
+/* Rows per sketch call of one head (a round archives cand - K rows: chunks keep the CPU
+ * backend's scratch, which holds a chunk's slots, bounded). */
+#define KVT__EV_SKETCH_ROWS 4096u
+/* Sketch blocks per backend call (a stack array). */
+#define KVT__EV_SKETCH_CHUNK 16u
+
+kvt_status kvt__ev_sketch_pending(const kvt__env *env, const kvt__store *st, kvt__ev *e) {
+    if (!e->archive || e->sk_stride == 0 || e->sk_n >= e->ar_n)
+        return KVT_OK;
+    KVT_ASSERT(e->page_rows == env->page_rows && st->spec.n_kv_heads == e->n_heads);
+    const kvt__backend *be = env->backend;
+    kvt__sketch_args args[KVT__EV_SKETCH_CHUNK];
+    uint32_t k = 0;
+    kvt_status s = KVT_OK;
+    for (uint32_t h = 0; h < e->n_heads && s == KVT_OK; h++)
+        for (uint64_t r = e->sk_n; r < e->ar_n && s == KVT_OK; r += KVT__EV_SKETCH_ROWS) {
+            uint64_t n = e->ar_n - r < KVT__EV_SKETCH_ROWS ? e->ar_n - r : KVT__EV_SKETCH_ROWS;
+            args[k++] = archive_sketch_args(env, st, e, h, r, (uint32_t)n);
+            if (k == KVT__EV_SKETCH_CHUNK) {
+                s = be->ops->sketch_rows(be, args, k, env->stream);
+                k = 0;
+            }
+        }
+    if (s == KVT_OK && k)
+        s = be->ops->sketch_rows(be, args, k, env->stream);
+    if (s != KVT_OK)
+        return kvt__fail(env->err, env->err_len, s,
+                         "sketching archived rows %llu..%llu of layer %u failed; retried at the "
+                         "next commit",
+                         (unsigned long long)e->sk_n, (unsigned long long)e->ar_n, st->layer);
+    e->sk_n = e->ar_n;
+    return KVT_OK;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -639,6 +757,43 @@ static kvt_status ev_check_host(const kvt__ev *e, const ev_host *v, uint64_t n,
     return KVT_OK;
 }
 
+/* The archive's sketches (rows [0, sk_n) of every head): ρ never NaN or negative, coefficients
+ * finite, and zero on a ρ = +Inf row (docs/recall.md §2's rule for rows the sketch cannot
+ * describe). Synchronising, O(sketched rows). */
+static kvt_status ev_check_sketches(const kvt__ev *e, char *err, size_t len) {
+    if (e->sk_n > e->ar_n)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT, "evict: %llu rows sketched of %llu archived",
+                         (unsigned long long)e->sk_n, (unsigned long long)e->ar_n);
+    if (!e->archive || e->sk_stride == 0 || e->sk_n == 0)
+        return KVT_OK;
+    const kvt__backend *be = e->be;
+    float *rho = NULL;
+    uint16_t *csk = NULL;
+    size_t b_rho = 0, b_csk = 0;
+    kvt_status s = read_strided(be, (void **)&rho, &b_rho, e->ar_rho, e->n_heads, e->sk_n,
+                                e->ar_cap, sizeof *rho);
+    if (s == KVT_OK)
+        s = read_strided(be, (void **)&csk, &b_csk, e->ar_csk, e->n_heads, e->sk_n, e->ar_cap,
+                         sizeof *csk * e->sk_stride);
+    if (s != KVT_OK)
+        s = kvt__fail(err, len, s, "evict: reading the archive's sketches from the backend");
+    for (uint64_t i = 0; s == KVT_OK && i < (uint64_t)e->n_heads * e->sk_n; i++) {
+        bool bad = isnan(rho[i]) || rho[i] < 0.0f;
+        for (uint32_t k = 0; !bad && k < e->sk_stride; k++) {
+            uint16_t c = csk[i * e->sk_stride + k];
+            bad = !kvt__f16_finite(c) || (isinf(rho[i]) && (c & 0x7fffu) != 0);
+        }
+        if (bad)
+            s = kvt__fail(err, len, KVT_ERR_INVARIANT,
+                          "evict: head %llu archived row %llu: sketch with rho %g",
+                          (unsigned long long)(i / e->sk_n), (unsigned long long)(i % e->sk_n),
+                          (double)rho[i]);
+    }
+    kvt__free(be->alloc, rho, b_rho);
+    kvt__free(be->alloc, csk, b_csk);
+    return s;
+}
+
 kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_config *cfg,
                          uint64_t appended, uint64_t prompt_rows, char *err, size_t len) {
     const uint32_t H = e->n_heads;
@@ -681,7 +836,7 @@ kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_conf
     else
         s = ev_check_host(e, &v, n, cfg, appended, prompt_rows, err, len);
     ev_host_free(&v, e->be->alloc);
-    return s;
+    return s == KVT_OK ? ev_check_sketches(e, err, len) : s;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -706,6 +861,9 @@ static kvt_status ev_supports_layer(const kvt_layer_spec *sp, uint32_t i, const 
 static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
     /* Buffers from the context's backend: they outlive every call. */
     kvt_status rc = kvt__ev_init(&s->ev, env->home, &st->spec, env->cfg->evict_archive);
+    /* Archive sketches (recall on RoPE layers) when the context builds sketch planes. */
+    s->ev.sk_stride = kvt__ev_sketch_stride(&st->spec, env->sketch_stride);
+    s->ev.page_rows = env->page_rows;
     /* With a stated limit the table never holds more than K + r + c rows plus one step's (at
      * most max_rows); size for max_rows so that no round allocates. */
     if (rc == KVT_OK && env->max_rows)
@@ -723,7 +881,7 @@ static kvt_status ev_layer_reset(kvt__tier_state *s, const kvt__env *env, const 
     (void)env;
     (void)st;
     kvt__ev *e = &s->ev;
-    e->last_n = e->last_kept = e->rounds = e->dropped = e->ar_n = 0;
+    e->last_n = e->last_kept = e->rounds = e->dropped = e->ar_n = e->sk_n = 0;
     e->prompt_over_budget = e->damaged = e->step_appended = e->step_round = false;
     e->archive = env->cfg->evict_archive && e->ar_row_bytes; /* the new request's choice */
     return KVT_OK;
@@ -803,9 +961,17 @@ static kvt_status ev_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_t
         round_independent(env, jobs, k);
         for (uint32_t x = 0; x < k; x++) {
             t[at[x]].status = jobs[x].status;
-            if (jobs[x].status == KVT_OK)
+            if (jobs[x].status == KVT_OK) {
                 jobs[x].e->step_round = true;
-            else if (first == KVT_OK)
+                /* The rows just archived get their sketches now, so that the recall trigger
+                 * of this step's attention sees them; a failure is left to the commit, which
+                 * retries it (its message goes to a scratch buffer: the step did not fail). */
+                char msg[KVT__ERR_LEN];
+                kvt__env quiet = *env;
+                quiet.err = msg;
+                quiet.err_len = sizeof msg;
+                (void)kvt__ev_sketch_pending(&quiet, jobs[x].st, jobs[x].e);
+            } else if (first == KVT_OK)
                 first = jobs[x].status;
         }
     }
@@ -860,6 +1026,13 @@ static kvt_status ev_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
         if (s == KVT_OK)
             s = copy_strided(be, d->ar_by_pos, d->ar_cap, e->ar_by_pos, e->ar_cap, H, e->ar_n,
                              sizeof *e->ar_by_pos);
+        /* the sketches built so far (the same stride: one context) */
+        if (s == KVT_OK && d->sk_stride && d->sk_stride == e->sk_stride)
+            s = copy_strided(be, d->ar_csk, d->ar_cap, e->ar_csk, e->ar_cap, H, e->sk_n,
+                             sizeof *e->ar_csk * e->sk_stride);
+        if (s == KVT_OK && d->sk_stride && d->sk_stride == e->sk_stride)
+            s = copy_strided(be, d->ar_rho, d->ar_cap, e->ar_rho, e->ar_cap, H, e->sk_n,
+                             sizeof *e->ar_rho);
     }
     if (s != KVT_OK)
         return kvt__fail(env->err, env->err_len, s, "forking the eviction state of layer %u",
@@ -870,6 +1043,7 @@ static kvt_status ev_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
     d->dropped = e->dropped;
     d->prompt_over_budget = e->prompt_over_budget;
     d->ar_n = e->archive && d->archive ? e->ar_n : 0;
+    d->sk_n = d->ar_n && d->sk_stride == e->sk_stride ? e->sk_n : 0;
     return KVT_OK;
 }
 
@@ -903,7 +1077,7 @@ static uint64_t ev_held_rows(const kvt__tier_state *s, uint64_t rows) {
  * (they share the page table), except those that already ran theirs in the step. A group some of
  * whose layers compacted in the step while the others now fail cannot be made to agree again:
  * it is marked damaged (KVT_ERR_CORRUPT). */
-static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g) {
+static kvt_status ev_group_rounds(const kvt__env *env, const kvt__tier_group *g) {
     kvt__group *gr = g->gr;
     uint32_t stepped = 0;
     /* The new rows' positions in the layers whose run did not record them: batched calls. */
@@ -973,6 +1147,69 @@ done:
     return s;
 }
 
+/* The rounds, then the sketches of every row archived and not yet sketched (this commit's round,
+ * or an earlier one whose sketch failed: retried here). */
+static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g) {
+    kvt_status s = ev_group_rounds(env, g);
+    for (uint32_t k = 0; s == KVT_OK && k < g->gr->n_layers; k++) {
+        const uint32_t l = g->gr->layers[k];
+        s = kvt__ev_sketch_pending(env, &g->stores[l], &g->states[l].ev);
+    }
+    return s;
+}
+
+/* The archive as the RoPE recall trigger reads it (policy.h recall_rope_view). */
+static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope_args *a,
+                                      char *err, size_t len) {
+    const kvt__ev *e = &l->state->ev;
+    const kvt__store *st = l->st;
+    const kvt_layer_spec *sp = &st->spec;
+    if (!e->archive || e->sk_stride == 0)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "layer %u has %s: recall on a RoPE layer reads the archive's sketches "
+                         "(config.evict_archive, params.recall_sketch_rank > 0, two planes of "
+                         "bf16/fp16/fp32)",
+                         st->layer, e->archive ? "no archive sketches" : "no archive");
+    if (e->sk_n != e->ar_n)
+        return kvt__fail(err, len, KVT_ERR_BAD_STATE,
+                         "layer %u: %llu of %llu archived rows sketched (a failed sketch, "
+                         "retried at the next commit)",
+                         st->layer, (unsigned long long)e->sk_n, (unsigned long long)e->ar_n);
+    if (e->n_heads > KVT__RECALL_ROPE_MAX_KV || sp->n_q_heads == 0 ||
+        sp->n_q_heads % e->n_heads != 0 || sp->head_dim <= 64)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "layer %u: %u KV heads (at most %u), %u query heads (a multiple of "
+                         "them), head_dim %u (must exceed 64): outside what the RoPE recall "
+                         "step takes",
+                         st->layer, e->n_heads, KVT__RECALL_ROPE_MAX_KV, sp->n_q_heads,
+                         sp->head_dim);
+    memset(a, 0, sizeof *a);
+    a->keys = st->plane[0];
+    a->pages = l->pt->dpages;
+    a->first_page = l->pt->first_page;
+    a->pdiv = l->pdiv;
+    a->slot_stride = st->slot_bytes;
+    a->row_bytes = sp->row_bytes;
+    a->n_rows = l->pt->n_rows;
+    a->dtype = (int)sp->dtype;
+    a->D = sp->head_dim;
+    a->n_kv = e->n_heads;
+    a->group = sp->n_q_heads / e->n_heads;
+    a->ar_bytes = e->ar_bytes;
+    a->ar_row_bytes = e->ar_row_bytes;
+    a->ar_cap = e->ar_cap;
+    a->ar_n = e->ar_n;
+    a->ar_ident = e->ar_ident;
+    a->csk = e->ar_csk;
+    a->rho = e->ar_rho;
+    a->csk_stride = e->sk_stride;
+    a->basis = st->kb_V;
+    a->basis_stride = st->kb_stride;
+    for (uint32_t h = 0; h < e->n_heads; h++)
+        a->rank[h] = st->kb_rank ? st->kb_rank[h] : 0;
+    return KVT_OK;
+}
+
 static kvt_row_state ev_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                   int32_t *slot) {
     const kvt__ev *e = &l->state->ev;
@@ -1028,6 +1265,14 @@ static void ev_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
     out->prompt_over_budget = e->prompt_over_budget;
     out->archived_rows = archived_rows(e);
     out->archive_bytes = out->archived_rows * sp->n_planes * (uint64_t)sp->row_bytes;
+    if (e->archive && e->sk_stride) {
+        const kvt__store *st = l->st;
+        out->sketched_rows = e->sk_n * e->n_heads;
+        for (uint32_t h = 0; st->kb_rank && h < e->n_heads; h++)
+            if (st->kb_rank[h] > out->recall_rank)
+                out->recall_rank = st->kb_rank[h];
+        out->recall_basis_id = st->kb_id ? st->kb_id[0] : 0; /* head 0's */
+    }
     out->attended_rows = l->pt->n_rows; /* per head: every head keeps the same count */
 }
 
@@ -1082,6 +1327,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .supports_layer = ev_supports_layer,
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,
+    .recall_rope_view = ev_recall_rope_view,
     .row_state = ev_row_state,
     .read_archived = ev_read_archived,
     .positions = ev_positions,
@@ -1243,5 +1489,6 @@ static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kv
     if (rc != KVT_OK) /* an invariant broken: the snapshot's fault; else the check's (memory) */
         return kvt__fail(env->err, env->err_len, rc == KVT_ERR_INVARIANT ? KVT_ERR_CORRUPT : rc,
                          "eviction state: %s", msg);
-    return KVT_OK;
+    /* The archive's sketches are derived (the rows and the context's bases): rebuilt here. */
+    return kvt__ev_sketch_pending(env, l->st, e);
 }

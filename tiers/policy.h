@@ -206,6 +206,16 @@ struct kvt__policy_ops {
      * pointer in the backend's memory); the query side is the recall tier's. false when the
      * layer has nothing to recall from (no sketch planes). Without it the layer never recalls. */
     bool (*recall_view)(const kvt__tier_layer *l, kvt__recall_scan_args *a);
+    /* (optional) The archive of a GQA/MHA-RoPE layer as the RoPE recall trigger reads it
+     * (kernels/recall_rope.h), for the view l: the attended rows' keys (the table's mirror,
+     * l->pt->n_rows rows), every KV head's archive, its sketches, bases and ranks (the fields up
+     * to `rank`; every pointer in the backend's memory); the query side is the recall tier's.
+     * KVT_OK; KVT_ERR_UNSUPPORTED when the layer has nothing to recall from (no archive, no
+     * sketches: the message says which) or KVT_ERR_BAD_STATE when rows archived are not sketched
+     * yet (a failed sketch, retried at commit), each with a message in err. Without it the layer
+     * never recalls this way. */
+    kvt_status (*recall_rope_view)(const kvt__tier_layer *l, struct kvt__recall_rope_args *a,
+                                   char *err, size_t len);
 
     /* ---- Rows by position ------------------------------------------------------------------ */
     /* State of (head, pos), pos < l->appended (lib/ answers for pending rows). *slot: the row's

@@ -80,6 +80,13 @@ typedef struct kvt__store {
     uint8_t *plane[2];
     bool owned[2];      /* allocated by kvtier (vs bound by the engine) */
     kvt__rbasis rbasis; /* salience layers of a context with recall sketches */
+    /* Per-KV-head key bases of an evict (GQA/MHA-RoPE) layer whose archive is sketched
+     * (kvt_ctx_set_recall_head_basis; docs/recall.md §9): V is one backend buffer
+     * [n_kv_heads][kb_stride][head_dim] fp32 (NULL until the first head's basis), kb_rank and
+     * kb_id host arrays [n_kv_heads] (rank 0: that head has none: empty sketches, ρ = ‖k‖). */
+    float *kb_V;
+    uint32_t kb_stride;
+    uint32_t *kb_rank, *kb_id;
 } kvt__store;
 
 /* Page table of one sequence in one group. */
@@ -305,6 +312,19 @@ typedef struct kvt__ev {
      * part of a due round (it then holds last_kept rows while the table still holds N). Cleared
      * by the group's commit. */
     bool step_appended, step_round;
+    /* Recall sketches of the archive (docs/recall.md §9; GQA/MHA layers of a context with
+     * recall_sketch_rank, archive on): per head and archived row, the key (plane 0) projected on
+     * the head's basis (store kb_*), fp16, and ρ, fp32, built after the round that archived it
+     * (kvt__ev_sketch_pending). Derived data: a snapshot does not carry them, a restore rebuilds
+     * them. ar_ident is an identity page mirror (entry i = i, of page_rows rows) so that the
+     * page-table ops (sketch_rows, the recall scan) address archive row k of a head as slot k. */
+    uint32_t sk_stride;  /* fp16 coefficients per archived row (0: no sketches) */
+    uint16_t *ar_csk;    /* backend [n_heads][ar_cap][sk_stride] */
+    float *ar_rho;       /* backend [n_heads][ar_cap] */
+    int32_t *ar_ident;   /* backend [ident_n] */
+    uint64_t ident_n;
+    uint32_t page_rows;
+    uint64_t sk_n;       /* archived rows per head sketched: [0, sk_n), sk_n <= ar_n */
 } kvt__ev;
 
 kvt_status kvt__ev_init(kvt__ev *e, const kvt__backend *be, const kvt_layer_spec *spec,
@@ -337,6 +357,14 @@ uint64_t kvt__ev_protected_rows(const kvt_config *cfg, uint64_t prompt_rows);
 kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev *const *states,
                          uint32_t n_layers, kvt__ptable *pt, kvt__pool *pool,
                          uint64_t prompt_rows);
+/* Sketch the archived rows [e->sk_n, e->ar_n) of every head (store st's key bases), through
+ * env->backend on env->stream; sk_n = ar_n on success. KVT_OK when there is nothing to do, or the
+ * backend's status with a message in env->err (nothing recorded: the next call retries). */
+kvt_status kvt__ev_sketch_pending(const kvt__env *env, const kvt__store *st, kvt__ev *e);
+/* Does this layer spec get archive sketches when the context builds sketch planes of `stride`?
+ * Its stride (min(stride, head_dim)), or 0: GQA/MHA layers (two planes) of bf16/fp16/fp32 rows
+ * whose head_dim the sketch takes. */
+uint32_t kvt__ev_sketch_stride(const kvt_layer_spec *sp, uint32_t stride);
 /* Row index of a position for head h, or -1 when not attended. O(log rows), synchronising. */
 int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos);
 /* Copy the archived row of (head, pos), plane `plane` (row_bytes), into dst: KVT_OK, or

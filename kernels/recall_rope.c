@@ -1,0 +1,267 @@
+/*
+ * recall_rope.c — CPU twin of the RoPE recall step (kernels/recall_rope.h for what it computes).
+ * Straight loops over the per-element functions (kvt__recall_exact, kvt__recall_idx,
+ * kvt__recall_cert, the conformal functions) and one call of the full scan per KV head: every
+ * value is the per-element function's, so a host oracle over the same functions gives the same
+ * bits. Not tiled yet (the NoPE step's 8-head tiles are the model for that).
+ */
+#include "kernels/recall_rope.h"
+
+#include "kernels/sketch.h"
+#include "lib/base/base.h"
+
+#include <float.h>
+#include <string.h>
+
+bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a) {
+    if (a->D <= 64u || a->D > KVT__SKETCH_MAX_DIM || a->n_kv == 0 ||
+        a->n_kv > KVT__RECALL_ROPE_MAX_KV || a->group == 0 || a->group > 4096u ||
+        (a->dtype != KVT__DT_BF16 && a->dtype != KVT__DT_FP16 && a->dtype != KVT__DT_FP32) ||
+        a->csk_stride > KVT__SKETCH_MAX_RANK || a->cap == 0 || a->n_rows > UINT32_MAX ||
+        a->ar_n > a->ar_cap || a->ar_n > UINT32_MAX || !a->q || !a->best || !a->st ||
+        !a->fired || !a->n_fired || !a->overflow || !a->pdiv ||
+        (a->n_rows && (!a->keys || !a->pages)) ||
+        (a->ar_n && (!a->ar_bytes || !a->ar_ident || !a->csk || !a->rho)) ||
+        (a->mode == KVT__RECALL_CONFORMAL && !a->samples))
+        return false;
+    if (a->mode == KVT__RECALL_MARGIN && !(a->margin >= 0.0f && a->margin <= FLT_MAX))
+        return false;
+    if (a->mode != KVT__RECALL_CONFORMAL && a->mode != KVT__RECALL_SOUND &&
+        a->mode != KVT__RECALL_MARGIN)
+        return false;
+    for (uint32_t h = 0; h < a->n_kv; h++)
+        if (a->rank[h] > a->csk_stride || a->rank[h] > a->basis_stride ||
+            (a->rank[h] && !a->basis))
+            return false;
+    return true;
+}
+
+size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a) {
+    uint32_t rmax = 0;
+    for (uint32_t h = 0; h < a->n_kv; h++)
+        rmax = a->rank[h] > rmax ? a->rank[h] : rmax;
+    /* the scan's (one KV head at a time), then per query head the best archived score and row,
+     * and one head's prep: q̃_sk [rank], tmp [D] */
+    return kvt__recall_scan_scratch_floats(a->group, rmax, a->D) + 2u * (size_t)a->group + rmax +
+           a->D;
+}
+
+void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
+                           kvt__recall_scan_args *v) {
+    const size_t G = a->group;
+    memset(v, 0, sizeof *v);
+    v->base = a->ar_bytes + (size_t)h * a->ar_cap * a->ar_row_bytes;
+    v->pages = a->ar_ident;
+    v->first_page = 0;
+    v->pdiv = a->pdiv;
+    v->slot_stride = a->ar_row_bytes;
+    v->dtype = a->dtype;
+    v->latent_dim = a->D;
+    v->branch_offset = 0;
+    v->branch_dtype = a->dtype;
+    v->branch_dim = 0;
+    v->csk = a->csk + (size_t)h * a->ar_cap * a->csk_stride;
+    v->rho = a->rho + (size_t)h * a->ar_cap;
+    v->csk_stride = a->csk_stride;
+    v->rank = a->rank[h];
+    v->basis = a->rank[h] ? a->basis + (size_t)h * a->basis_stride * a->D : NULL;
+    v->n_closed = a->ar_n;
+    v->sinks = 0;
+    v->kept = NULL;
+    v->m = 0;
+    v->q = a->q + (size_t)h * G * a->D;
+    v->best = a->best + (size_t)h * G;
+    v->n_heads = a->group;
+    v->scale = 1.0f; /* the engine's queries carry the softmax scale */
+    v->z = z;
+    v->mode = a->mode;
+    v->cap = a->cap;
+    v->fired = a->fired + (size_t)h * a->cap;
+    v->n_fired = a->n_fired + h;
+    v->overflow = a->overflow + h;
+}
+
+/* The key of head h at row `row` of the table. */
+static const uint8_t *table_key(const kvt__recall_rope_args *a, uint32_t h, uint64_t row) {
+    return a->keys +
+           (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) *
+               a->slot_stride +
+           (size_t)h * a->row_bytes;
+}
+
+static const uint8_t *archive_key(const kvt__recall_rope_args *a, uint32_t h, uint64_t k) {
+    return a->ar_bytes + ((size_t)h * a->ar_cap + k) * a->ar_row_bytes;
+}
+
+void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
+    kvt__recall_state *st = a->st;
+    const uint32_t D = a->D, G = a->group, H = a->n_kv, nq = H * G;
+    float *scan_scratch = scratch;
+    uint32_t rmax = 0;
+    for (uint32_t h = 0; h < H; h++)
+        rmax = a->rank[h] > rmax ? a->rank[h] : rmax;
+    float *best_ar = scratch + kvt__recall_scan_scratch_floats(G, rmax, D);
+    uint32_t *arg = (uint32_t *)(best_ar + G);
+    float *q_sk = (float *)(arg + G);
+    float *tmp = q_sk + rmax;
+
+    /* 1. Each query head's best over the rows its KV head attends without recall. */
+    for (uint32_t t = 0; t < nq; t++)
+        a->best[t] = -INFINITY;
+    for (uint32_t h = 0; h < H; h++)
+        for (uint64_t r = 0; r < a->n_rows; r++) {
+            const uint8_t *key = table_key(a, h, r);
+            for (uint32_t g = 0; g < G; g++) {
+                const uint32_t t = h * G + g;
+                float sc = kvt__recall_exact(a->q + (size_t)t * D, key, a->dtype, D, 0, a->dtype,
+                                             0, 1.0f);
+                if (sc > a->best[t])
+                    a->best[t] = sc;
+            }
+        }
+
+    const uint64_t archived = a->ar_n * H;
+    uint32_t dense = 0, over = 0;
+    uint64_t fired = 0, fetched = 0;
+    for (uint32_t h = 0; h < H; h++)
+        a->n_fired[h] = a->overflow[h] = 0;
+    st->steps++;
+    if (a->ar_n == 0) {
+        /* 2. nothing to recall */
+    } else if (a->mode == KVT__RECALL_CONFORMAL && st->phase == KVT__CONFORMAL_OPEN) {
+        /* 3. A calibration step: every archived row attended; one sample per query head. */
+        for (uint32_t h = 0; h < H; h++) {
+            for (uint32_t g = 0; g < G; g++) {
+                best_ar[g] = -INFINITY;
+                arg[g] = UINT32_MAX;
+            }
+            for (uint64_t k = 0; k < a->ar_n; k++) {
+                const uint8_t *key = archive_key(a, h, k);
+                for (uint32_t g = 0; g < G; g++) {
+                    float sc = kvt__recall_exact(a->q + (size_t)(h * G + g) * D, key, a->dtype, D,
+                                                 0, a->dtype, 0, 1.0f);
+                    if (sc > best_ar[g]) {
+                        best_ar[g] = sc;
+                        arg[g] = (uint32_t)k;
+                    }
+                }
+            }
+            const uint32_t rank = a->rank[h];
+            const float *V = rank ? a->basis + (size_t)h * a->basis_stride * D : NULL;
+            for (uint32_t g = 0; g < G; g++) {
+                if (arg[g] == UINT32_MAX)
+                    continue;
+                const float *q = a->q + (size_t)(h * G + g) * D;
+                kvt__recall_head hd;
+                kvt__recall_head_prep(q, D, V, rank, q_sk, tmp, &hd);
+                const size_t k = arg[g];
+                float P, ncsk, e;
+                float idx = kvt__recall_idx(q, q_sk, archive_key(a, h, k), D, 0, a->dtype, 0,
+                                            a->csk + ((size_t)h * a->ar_cap + k) * a->csk_stride,
+                                            rank, 1.0f, &P, &ncsk);
+                float cert = kvt__recall_cert(&hd, a->rho[(size_t)h * a->ar_cap + k], 1.0f, D);
+                if (kvt__conformal_sample(best_ar[g], idx, cert, &e))
+                    kvt__conformal_insert(a->samples, &st->n_samples, a->sample_cap, e);
+            }
+        }
+        st->cal_steps++;
+        st->phase = kvt__conformal_close(a->samples, st->n_samples, st->cal_steps, &st->z, &st->k,
+                                         &st->clamped);
+        st->calib_steps++;
+        dense = 1;
+        fetched = archived;
+    } else {
+        /* 4. Per KV head, the full scan of its archive with its group's queries. */
+        const float z = kvt__recall_mode_z(a->mode, D, a->margin, st->z);
+        for (uint32_t h = 0; h < H; h++) {
+            kvt__recall_scan_args v;
+            kvt__recall_rope_view(a, h, z, &v);
+            kvt__recall_scan_cpu(&v, scan_scratch);
+            fired += (uint64_t)a->n_fired[h] + a->overflow[h];
+            fetched += a->n_fired[h];
+            over |= a->overflow[h];
+        }
+        dense = over;
+        if (over)
+            fetched = archived;
+        st->overflow_steps += over;
+    }
+    if (dense)
+        for (uint32_t h = 0; h < H; h++)
+            a->n_fired[h] = 0; /* the emission attends every archived row instead */
+    st->last_dense = dense;
+    st->last_overflow = over;
+    st->last_archived = archived;
+    st->last_visited = a->ar_n ? archived : 0;
+    st->last_fired = fired;
+    st->last_fetched = fetched;
+    st->visited += st->last_visited;
+    st->fired += fired;
+    st->fetched += fetched;
+    if (a->dense)
+        *a->dense = (uint8_t)dense;
+}
+
+kvt_status kvt__recall_rope_step_op_cpu(const kvt__backend *be, const kvt__recall_rope_args *a,
+                                        uint32_t n) {
+    size_t need = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!kvt__recall_rope_args_ok(&a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+        size_t f = kvt__recall_rope_scratch_floats(&a[i]);
+        need = f > need ? f : need;
+    }
+    if (n == 0)
+        return KVT_OK;
+    float *scratch = kvt__malloc(be->alloc, need * sizeof(float));
+    if (!scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n; i++)
+        kvt__recall_rope_step_cpu(&a[i], scratch);
+    kvt__free(be->alloc, scratch, need * sizeof(float));
+    return KVT_OK;
+}
+
+bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
+    /* a head lists at most every archived row once (its fired rows are distinct archive rows) */
+    const uint64_t m = a->ar_n;
+    return a->n_kv && a->n_kv <= KVT__RECALL_ROPE_MAX_KV && a->row_bytes &&
+           a->slot_stride >= (size_t)a->n_kv * a->row_bytes && a->plane[0] && a->plane[1] &&
+           a->pdiv && a->st && a->fired && a->n_fired && a->cap && a->indices && a->indptr &&
+           a->ar_n <= a->ar_cap && (a->ar_n == 0 || a->ar_bytes) && (a->n_rows == 0 || a->pages) &&
+           a->fetch_pages && a->fetch_cap >= m && a->n_rows <= INT32_MAX &&
+           (a->chain || a->capacity >= a->out + (uint64_t)a->n_kv * (a->n_rows + m)) &&
+           a->capacity <= (uint64_t)INT32_MAX;
+}
+
+void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
+    const bool dense = a->all || a->st->last_dense != 0;
+    const size_t rb = a->row_bytes;
+    uint64_t o = a->chain ? (uint64_t)a->indptr[0] : a->out;
+    /* chained: the host checked the batch's total; a set past the capacity is cut here (never
+     * written past the array) — kvt_batch_capacity's figures make it unreachable */
+    if (o + (uint64_t)a->n_kv * (a->n_rows + a->ar_n) > a->capacity) {
+        for (uint32_t h = 0; h <= a->n_kv; h++)
+            a->indptr[h] = (int32_t)o;
+        return;
+    }
+    for (uint32_t h = 0; h < a->n_kv; h++) {
+        a->indptr[h] = (int32_t)o;
+        for (uint64_t r = 0; r < a->n_rows; r++)
+            a->indices[o++] = kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)r);
+        uint64_t m = dense ? a->ar_n : a->n_fired[h];
+        /* never past the list or the fetch area (the step keeps n_fired <= min(cap, ar_n)) */
+        m = m > a->cap && !dense ? a->cap : m;
+        m = m > a->ar_n ? a->ar_n : m;
+        for (uint64_t j = 0; j < m; j++) {
+            const uint64_t k = dense ? j : a->fired[(size_t)h * a->cap + j];
+            const int32_t slot = kvt__recall_rope_fetch_slot(a, (uint32_t)j);
+            const uint8_t *src = a->ar_bytes + ((size_t)h * a->ar_cap + k) * 2u * rb;
+            for (int p = 0; p < 2; p++)
+                memcpy(a->plane[p] + (size_t)slot * a->slot_stride + (size_t)h * rb, src + p * rb,
+                       rb);
+            a->indices[o++] = slot;
+        }
+    }
+    a->indptr[a->n_kv] = (int32_t)o;
+}

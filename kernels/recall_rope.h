@@ -1,0 +1,146 @@
+/*
+ * recall_rope.h — one decode step of the recall trigger on a GQA/MHA-RoPE layer under random
+ * eviction with the archive (docs/recall.md §9), CPU twin. The NoPE step (kernels/recall_step.h)
+ * per KV head: the archive of head h is the scanned set, its query heads (the group of h) the
+ * scan's heads. Arranges the KVT_HD functions of recall_scan.h and conformal.h, and calls the
+ * full scan (kvt__recall_scan_cpu) once per KV head; a CUDA kernel over the same functions gives
+ * the same bits.
+ *
+ * A row here is one KV head's post-RoPE key: D = head_dim values (D > 64: the certificate unit
+ * is s·‖q̃_res‖·ρ/√(D − 64) as on NoPE layers, so sound z = √(D − 64)), no branch. Query head t
+ * attends KV head t / G (G = n_q_heads / n_kv_heads; MHA: G = 1). The step, given one query per
+ * query head (fp32 [n_q][D], the softmax scale already applied):
+ *
+ *   1. best_t = the head's highest exact score (kvt__recall_exact, branch 0) over the rows its KV
+ *      head attends without recall: the table's rows [0, n_rows) (the step's included), key at
+ *      keys + slot·slot_stride + h·row_bytes. NaN skipped; no row: -Inf.
+ *   2. No archived row (ar_n = 0): nothing fires, the step is not dense.
+ *   3. Conformal while the calibration is open: a calibration step (dense: every archived row of
+ *      every head attended). For each query head, a* = its highest exact score over its KV head's
+ *      archive (ties to the lower archive index, NaN skipped) gives e = (score − idx)/cert
+ *      (kvt__conformal_sample); samples of every head go into the one sorted array, and at a
+ *      window end z is fixed (kvt__conformal_close): one z per (request, layer).
+ *   4. Otherwise per KV head h the full scan of h's archive (rows [0, ar_n), addressed through the
+ *      identity mirror) with its G query heads, z = the state's (conformal), √(D − 64) (sound) or
+ *      δ (margin): fired[h][0 .. n_fired[h]) ascending archive indices, the union over the group;
+ *      overflow[h] when more than cap fired. An overflow in any head makes the step dense (every
+ *      archived row of every head attended), as on NoPE layers.
+ *
+ * Counts in the state are (row, KV head) pairs: archived = n_kv·ar_n, fetched = Σ_h n_fired[h]
+ * (all archived when dense), fired = Σ_h (n_fired[h] + overflow[h]).
+ */
+#ifndef KVT_KERNELS_RECALL_ROPE_H
+#define KVT_KERNELS_RECALL_ROPE_H
+
+#include "kernels/backend.h"
+#include "kernels/conformal.h"
+#include "kernels/recall_scan.h"
+
+/* Most KV heads a RoPE recall step takes (the per-head ranks are passed by value). */
+#define KVT__RECALL_ROPE_MAX_KV 64u
+
+typedef struct kvt__recall_rope_args {
+    /* The rows attended without recall: the pool's key plane through the table's mirror. */
+    const uint8_t *keys;      /* plane 0 */
+    const int32_t *pages;     /* the table's mirror (kvt__score_args.pages) */
+    uint64_t first_page;
+    const kvt__div32 *pdiv;   /* page_rows (a host value) */
+    size_t slot_stride;       /* bytes of one slot of the plane (n_kv · row_bytes) */
+    uint32_t row_bytes;       /* head h's key at + h · row_bytes */
+    uint64_t n_rows;          /* rows every head attends (the step's included) */
+    int dtype;                /* KVT__DT_BF16 / FP16 / FP32 */
+    uint32_t D;               /* head_dim (> 64) */
+    uint32_t n_kv;            /* KV heads (<= KVT__RECALL_ROPE_MAX_KV) */
+    uint32_t group;           /* query heads per KV head (G >= 1) */
+    /* The archive (tiers/evict.c): [n_kv][ar_cap][ar_row_bytes], key first, ar_n rows a head. */
+    const uint8_t *ar_bytes;
+    size_t ar_row_bytes;
+    uint64_t ar_cap, ar_n;
+    const int32_t *ar_ident;  /* identity page mirror of at least ar_n rows */
+    const uint16_t *csk;      /* [n_kv][ar_cap][csk_stride] */
+    const float *rho;         /* [n_kv][ar_cap] */
+    uint32_t csk_stride;
+    const float *basis;       /* [n_kv][basis_stride][D]; NULL when no head has one */
+    uint32_t basis_stride;
+    uint32_t rank[KVT__RECALL_ROPE_MAX_KV]; /* per head, <= csk_stride (0: none) */
+    /* The request's queries and trigger. */
+    const float *q;           /* [n_kv · group][D] */
+    float *best;              /* [n_kv · group] out */
+    int mode;                 /* KVT__RECALL_CONFORMAL / SOUND / MARGIN */
+    float margin;             /* δ (margin mode) */
+    uint32_t cap;             /* W per KV head */
+    kvt__recall_state *st;
+    float *samples;           /* [sample_cap] sorted */
+    uint32_t sample_cap;
+    uint32_t *fired;          /* [n_kv][cap] out */
+    uint32_t *n_fired;        /* [n_kv] out */
+    uint32_t *overflow;       /* [n_kv] out */
+    uint8_t *dense;           /* [1] out, or NULL */
+} kvt__recall_rope_args;
+
+/* Are the arguments in the ranges the twin takes? (The op answers KVT_ERR_INVALID_ARGUMENT.) */
+bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a);
+/* Floats of scratch one step takes. */
+size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a);
+/* The scan view of KV head h's archive (its group's queries and outputs, z and mode as given). */
+void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
+                           kvt__recall_scan_args *v);
+/* One step (arguments checked). */
+void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch);
+/* The op over n items with scratch from be's allocator: KVT_ERR_INVALID_ARGUMENT (nothing run)
+ * or KVT_ERR_OUT_OF_MEMORY. */
+kvt_status kvt__recall_rope_step_op_cpu(const kvt__backend *be, const kvt__recall_rope_args *a,
+                                        uint32_t n);
+
+/* ---------------------------------------------------------------------------------------------
+ * Emission of a recall step (docs/recall.md §9.3). On a recall step each KV head attends the
+ * table's rows [0, n_rows) plus its own fetched archive rows, so the sets differ per KV head:
+ * one CSR list per (request, KV head). The archive is not in the pool's slot space, so the
+ * fetched rows are first copied into slots the attention can read: a fetch area of the
+ * request's (pool pages it owns), fetched row j of head h into fetch row j, head h's slice, both
+ * planes. Head h's list: the slots of rows [0, n_rows) ascending, then fetch rows
+ * [0 .. m_h), m_h = n_fired[h] (archive order), or ar_n on a dense step (every
+ * archived row; st->last_dense). No filler row: a head whose m_h is smaller lists fewer slots (a
+ * zero key is not neutral, a duplicate doubles its weight). Other heads' slices of a fetch slot
+ * are never listed for head h unless written for it in the same call.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct kvt__recall_rope_emit_args {
+    uint8_t *plane[2];          /* the layer's pool planes (K, V) */
+    size_t slot_stride;         /* bytes of a slot of a plane (n_kv · row_bytes) */
+    uint32_t row_bytes;
+    uint32_t n_kv;
+    const int32_t *pages;       /* the table's mirror */
+    uint64_t first_page;
+    const kvt__div32 *pdiv;     /* page_rows (host value) */
+    uint64_t n_rows;            /* rows every head attends without recall */
+    const uint8_t *ar_bytes;    /* [n_kv][ar_cap][2][row_bytes] */
+    uint64_t ar_cap, ar_n;
+    const uint32_t *fired;      /* [n_kv][cap] */
+    const uint32_t *n_fired;    /* [n_kv] */
+    uint32_t cap;
+    const kvt__recall_state *st; /* last_dense */
+    /* The fetch area: fetch rows [0, fetch_cap) of pool pages the request owns, as a page table
+     * (a kvt__ptable's mirror: fetch row j at kvt__page_slot(fetch_pages, 0, pdiv, j)), so the
+     * request can grow it at reserve like its other tables. */
+    const int32_t *fetch_pages;
+    uint32_t fetch_cap;         /* rows, >= ar_n (a dense step lists every archived row) */
+    int32_t *indices;           /* [capacity] */
+    uint64_t capacity;          /* >= out + n_kv · (n_rows + ar_n): held + archived rows per
+                                 * head are at most the request's rows (kvt_batch_capacity) */
+    int32_t *indptr;            /* [n_kv + 1]: head h's entries [indptr[h], indptr[h + 1]) */
+    uint64_t out;               /* first entry written (indptr[0] = out) */
+    bool chain;                 /* out = indptr[0] as the backend already wrote it (requests
+                                 * emitted one after another: the host knows no count) */
+    bool all;                   /* every archived row, whatever the state says (a request with
+                                 * recall whose step has several query tokens) */
+} kvt__recall_rope_emit_args;
+
+bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a);
+/* The slot of fetch row j. */
+KVT_HD int32_t kvt__recall_rope_fetch_slot(const kvt__recall_rope_emit_args *a, uint32_t j) {
+    return kvt__page_slot(a->fetch_pages, 0, a->pdiv, j);
+}
+/* One request's emission (arguments checked). */
+void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a);
+
+#endif /* KVT_KERNELS_RECALL_ROPE_H */

@@ -1,0 +1,64 @@
+/* recall_rope.c — the RoPE trigger's state and work item (recall_rope.h). */
+#include "recall/recall_rope.h"
+
+#include <string.h>
+
+kvt_status kvt__recall_rope_prepare(kvt__recall_rope_layer *r, const kvt__backend *be,
+                                    uint32_t n_q, uint32_t n_kv, uint32_t cap) {
+    if (n_kv == 0 || n_kv > KVT__RECALL_ROPE_MAX_KV || cap == 0 || n_q % n_kv != 0)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = kvt__recall_layer_prepare(&r->base, be, n_q, 0);
+    if (s != KVT_OK)
+        return s;
+    const size_t bytes = sizeof(uint32_t) * (size_t)n_kv * ((size_t)cap + 2u);
+    if (!r->fbuf || r->fbytes != bytes || r->n_kv != n_kv || r->cap != cap) {
+        if (r->fbuf)
+            be->ops->buf_free(be, r->fbuf, r->fbytes);
+        r->fbuf = NULL;
+        if ((s = be->ops->buf_alloc(be, bytes, &r->fbuf)) != KVT_OK)
+            return s;
+        r->fbytes = bytes;
+        r->fired = r->fbuf;
+        r->n_fired = r->fired + (size_t)n_kv * cap;
+        r->overflow = r->n_fired + n_kv;
+        r->n_kv = n_kv;
+        r->cap = cap;
+    }
+    /* empty lists: n_fired and overflow zero (the fired entries are only read below n_fired) */
+    uint32_t zero[2 * KVT__RECALL_ROPE_MAX_KV];
+    memset(zero, 0, sizeof zero);
+    return be->ops->write(be, r->n_fired, zero, sizeof(uint32_t) * 2u * n_kv, NULL);
+}
+
+void kvt__recall_rope_fini(kvt__recall_rope_layer *r, const kvt__backend *be) {
+    kvt__recall_layer_fini(&r->base, be);
+    if (r->fbuf)
+        be->ops->buf_free(be, r->fbuf, r->fbytes);
+    memset(r, 0, sizeof *r);
+}
+
+kvt_status kvt__recall_rope_copy(kvt__recall_rope_layer *dst, const kvt__recall_rope_layer *src,
+                                 const kvt__backend *be) {
+    if (!dst->fbuf || !src->fbuf || dst->fbytes != src->fbytes)
+        return KVT_ERR_INVARIANT;
+    kvt_status s = kvt__recall_layer_copy(&dst->base, &src->base, be);
+    return s == KVT_OK ? be->ops->copy(be, dst->fbuf, src->fbuf, src->fbytes, NULL) : s;
+}
+
+void kvt__recall_rope_make(const kvt__recall_rope_layer *r, const kvt__recall_rope_args *view,
+                           const float *q, kvt_recall_mode mode, float margin, uint8_t *dense,
+                           kvt__recall_rope_args *out) {
+    *out = *view;
+    out->q = q;
+    out->best = r->base.best;
+    out->mode = (int)mode;
+    out->margin = margin;
+    out->cap = r->cap;
+    out->st = r->base.st;
+    out->samples = r->base.samples;
+    out->sample_cap = r->base.sample_cap;
+    out->fired = r->fired;
+    out->n_fired = r->n_fired;
+    out->overflow = r->overflow;
+    out->dense = dense;
+}

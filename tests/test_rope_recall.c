@@ -1,0 +1,1563 @@
+/*
+ * test_rope_recall.c — recall on RoPE layers (issue 12, docs/recall.md §9): the sketches of the
+ * random-eviction archive (tiers/evict.c kvt__ev_sketch_pending, built with kernels/sketch.h's
+ * per-element functions), the per-KV-head key bases (kvt_ctx_set_recall_head_basis), and that
+ * without recall sketch planes nothing changes.
+ *
+ * The harness drives one request of a GQA-RoPE model through the public step API, keeps a
+ * shadow of every key it wrote, runs kvt_seq_check after every step, and compares the
+ * archive's sketch planes (read through the backend: the guarded backend faults on a host touch)
+ * with a host oracle: kvt__sketch_rows_cpu over the shadow keys in the archive's order.
+ */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/attn.h"
+#include "kernels/kvt_hd.h"
+#include "kernels/recall_rope.h"
+#include "kernels/recall_scan.h"
+#include "kernels/sketch.h"
+#include "kvtier.h"
+#include "lib/handles.h"
+#include "recall/conformal.h"
+#include "recall/recall_rope.h"
+#include "support/testutil.h"
+
+enum { RR_MAXH = 4 };
+
+/* Context overrides for the next rr_init (0: the defaults). */
+static uint32_t g_n_pages, g_max_seqs, g_max_rows;
+
+typedef struct rr {
+    kvt_ctx *ctx;
+    kvt_seq *seq;
+    kvt_layer_spec sp;
+    uint32_t H, D, stride;
+    uint64_t n_tok, cap;
+    uint8_t *rows[2];  /* shadow [token][H][row_bytes] per plane */
+    float *V[RR_MAXH]; /* host bases ([rank][D]) or NULL */
+    uint32_t rank[RR_MAXH];
+    tu_rng rng;
+    uint64_t seed;
+} rr;
+
+static kvt_config rr_cfg(uint32_t K, uint32_t r, uint32_t c) {
+    kvt_config cfg = kvt_config_default();
+    cfg.evict_budget_rows = K;
+    cfg.recent_rows = r;
+    cfg.cadence_rows = c;
+    cfg.protect_prompt = true;
+    cfg.evict_archive = true;
+    return cfg;
+}
+
+/* A one-layer GQA-RoPE model of H KV heads of D bf16 values; sketch planes of `sk_rank`
+ * (0: none); bases for the heads with rank[h] > 0. */
+static void rr_init(rr *x, uint32_t H, uint32_t D, kvt_config cfg, uint32_t sk_rank,
+                    const uint32_t *rank, kvt_backend_kind backend, uint64_t seed) {
+    memset(x, 0, sizeof *x);
+    x->H = H;
+    x->D = D;
+    x->seed = seed;
+    x->rng.s = seed;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, D, &x->sp), KVT_OK);
+    x->sp.n_q_heads = 4 * H;
+    char err[512] = "";
+    kvt_model *m = NULL;
+    cr_assert_eq(kvt_model_create(&x->sp, 1, "rope", &m, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.config = &cfg;
+    p.model = m;
+    p.page_rows = 16;
+    p.n_pages = g_n_pages ? g_n_pages : 256;
+    p.max_seqs = g_max_seqs;
+    p.max_rows_per_seq = g_max_rows;
+    p.allocator = KVT_ALLOC_LIBC;
+    p.backend = backend;
+    p.recall_sketch_rank = sk_rank;
+    cr_assert_eq(kvt_ctx_create(&p, &x->ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_model_destroy(m);
+    x->stride = sk_rank < D ? sk_rank : D;
+    for (uint32_t h = 0; rank && h < H; h++) {
+        x->rank[h] = rank[h];
+        if (!rank[h])
+            continue;
+        x->V[h] = malloc(sizeof(float) * rank[h] * D);
+        cr_assert(tu_orthonormal_rows(&x->rng, rank[h], D, x->V[h]));
+        cr_assert_eq(kvt_ctx_set_recall_head_basis(x->ctx, 0, h, x->V[h], rank[h]), KVT_OK, "%s",
+                     kvt_last_error());
+    }
+    cr_assert_eq(tu_seq_create(x->ctx, 7, &x->seq), KVT_OK);
+}
+
+static void rr_fini(rr *x) {
+    kvt_seq_destroy(x->seq);
+    kvt_ctx_destroy(x->ctx);
+    for (int p = 0; p < 2; p++)
+        free(x->rows[p]);
+    for (uint32_t h = 0; h < RR_MAXH; h++)
+        free(x->V[h]);
+    memset(x, 0, sizeof *x);
+}
+
+static uint8_t *rr_row(const rr *x, uint32_t plane, uint64_t pos, uint32_t h) {
+    return x->rows[plane] + (pos * x->H + h) * x->sp.row_bytes;
+}
+
+/* A key of head h at pos, bf16. With a basis: mostly near an 8-dim subspace of it (small ρ: the
+ * trigger is selective), one in five a plain normal draw (ρ near ‖k‖); without: normal draws
+ * (ρ = ‖k‖). One in 97 has a NaN (ρ = +Inf). */
+static void rr_fill(rr *x, uint64_t pos, uint32_t h, uint8_t *key, uint8_t *val) {
+    float c[1024];
+    const uint32_t D = x->D;
+    if (x->V[h] && pos % 5 != 0) {
+        const uint32_t sub = x->rank[h] < 8 ? x->rank[h] : 8;
+        for (uint32_t d = 0; d < D; d++)
+            c[d] = (float)(0.02 * tu_normal(&x->rng));
+        for (uint32_t k = 0; k < sub; k++) {
+            float a = (float)tu_normal(&x->rng);
+            for (uint32_t d = 0; d < D; d++)
+                c[d] += a * x->V[h][(size_t)k * D + d];
+        }
+    } else {
+        for (uint32_t d = 0; d < D; d++)
+            c[d] = (float)tu_normal(&x->rng);
+    }
+    if (pos % 97 == 50)
+        c[pos % D] = NAN;
+    for (uint32_t d = 0; d < D; d++) {
+        uint16_t b = kvt__f32_to_bf16(c[d]);
+        memcpy(key + 2 * d, &b, 2);
+        b = kvt__f32_to_bf16((float)tu_normal(&x->rng));
+        memcpy(val + 2 * d, &b, 2);
+    }
+}
+
+/* One step of n tokens: reserve, write, commit (through the run when `run`), kvt_seq_check. */
+static void rr_write(rr *x, uint32_t n);
+
+static void rr_step(rr *x, uint32_t n, bool run) {
+    cr_assert_eq(tu_reserve(x->seq, n), KVT_OK, "%s", kvt_last_error());
+    rr_write(x, n);
+    kvt_status s = run ? tu_commit_run(x->seq, n) : tu_commit(x->seq, n);
+    cr_assert_eq(s, KVT_OK, "seed %llu: %s", (unsigned long long)x->seed, kvt_last_error());
+    x->n_tok += n;
+    cr_assert_eq(kvt_seq_check(x->seq), KVT_OK, "seed %llu after %llu tokens: %s",
+                 (unsigned long long)x->seed, (unsigned long long)x->n_tok, kvt_last_error());
+}
+
+/* The rows of n reserved tokens: drawn into the shadow, written with kvt_seq_write. */
+static void rr_write(rr *x, uint32_t n) {
+    if (x->n_tok + n > x->cap) {
+        x->cap = (x->n_tok + n) * 2;
+        for (int p = 0; p < 2; p++) {
+            x->rows[p] = realloc(x->rows[p], x->cap * x->H * x->sp.row_bytes);
+            cr_assert_not_null(x->rows[p]);
+        }
+    }
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < x->H; h++)
+            rr_fill(x, x->n_tok + t, h, rr_row(x, 0, x->n_tok + t, h),
+                    rr_row(x, 1, x->n_tok + t, h));
+    const size_t slot = (size_t)x->H * x->sp.row_bytes;
+    for (uint32_t p = 0; p < 2; p++)
+        cr_assert_eq(kvt_seq_write(x->seq, 0, p, 0, n, rr_row(x, p, x->n_tok, 0), n * slot),
+                     KVT_OK, "%s", kvt_last_error());
+}
+
+static void dev_read(const rr *x, void *dst, const void *src, size_t bytes) {
+    const kvt__backend *be = &x->ctx->backend;
+    cr_assert_eq(be->ops->read(be, dst, src, bytes, NULL), KVT_OK);
+}
+
+/* The archive's sketches equal the host oracle's, bit for bit, for every head and row. Returns
+ * the rows checked per head. */
+static uint64_t rr_check_sketches(const rr *x) {
+    const kvt__ev *e = &x->seq->layers[0].ev;
+    cr_assert_eq(e->sk_n, e->ar_n, "every archived row is sketched after a commit");
+    cr_assert_eq(e->sk_stride, x->stride);
+    const uint64_t n = e->ar_n;
+    if (n == 0)
+        return 0;
+    const uint32_t D = x->D, S = x->stride;
+    int64_t *pos = malloc(sizeof *pos * n);
+    uint16_t *csk = malloc(sizeof *csk * n * S), *want_csk = malloc(sizeof *csk * n * S);
+    float *rho = malloc(sizeof *rho * n), *want_rho = malloc(sizeof *rho * n);
+    int32_t *slots = malloc(sizeof *slots * n);
+    float *scratch = malloc(sizeof(float) * kvt__sketch_scratch_floats(D));
+    cr_assert(pos && csk && want_csk && rho && want_rho && slots && scratch);
+    for (uint32_t h = 0; h < x->H; h++) {
+        dev_read(x, pos, e->ar_pos + (size_t)h * e->ar_cap, sizeof *pos * n);
+        dev_read(x, csk, e->ar_csk + (size_t)h * e->ar_cap * S, sizeof *csk * n * S);
+        dev_read(x, rho, e->ar_rho + (size_t)h * e->ar_cap, sizeof *rho * n);
+        /* The oracle reads the shadow keys: slot of archive row k = its position's shadow row. */
+        for (uint64_t k = 0; k < n; k++) {
+            cr_assert(pos[k] >= 0 && (uint64_t)pos[k] < x->n_tok);
+            slots[k] = (int32_t)((uint64_t)pos[k] * x->H + h);
+        }
+        kvt__sketch_rows_cpu(x->rows[0], slots, (uint32_t)n, x->sp.row_bytes, KVT__DT_BF16, D,
+                             x->V[h], x->rank[h], S, scratch, want_csk, want_rho);
+        for (uint64_t k = 0; k < n; k++) {
+            cr_assert(memcmp(&rho[k], &want_rho[k], sizeof *rho) == 0,
+                      "seed %llu head %u archive row %llu (position %lld): rho %a, oracle %a",
+                      (unsigned long long)x->seed, h, (unsigned long long)k, (long long)pos[k],
+                      (double)rho[k], (double)want_rho[k]);
+            cr_assert(memcmp(csk + k * S, want_csk + k * S, sizeof *csk * S) == 0,
+                      "seed %llu head %u archive row %llu: csk differs", (unsigned long long)x->seed,
+                      h, (unsigned long long)k);
+        }
+    }
+    free(pos);
+    free(csk);
+    free(want_csk);
+    free(rho);
+    free(want_rho);
+    free(slots);
+    free(scratch);
+    return n;
+}
+
+static kvt_layer_stats rr_stats(const rr *x) {
+    kvt_layer_stats s;
+    memset(&s, 0, sizeof s);
+    s.struct_size = sizeof s;
+    cr_assert_eq(kvt_seq_layer_stats(x->seq, 0, &s), KVT_OK);
+    return s;
+}
+
+/* ---- (1) Sketches of the archive ------------------------------------------------------------ */
+
+static void sketch_run(kvt_backend_kind backend, uint64_t seed) {
+    const uint32_t rank[3] = {32, 0, 8}; /* head 1 has no basis: ρ = ‖k‖ */
+    rr x;
+    rr_init(&x, 3, 128, rr_cfg(32, 8, 16), 32, rank, backend, seed);
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 5), KVT_OK);
+    rr_step(&x, 5, false); /* the prompt */
+    uint64_t checked = 0;
+    for (int i = 0; i < 150; i++) {
+        rr_step(&x, 1 + (uint32_t)(i % 3 == 0), i % 2 == 0); /* half the rounds run in the step */
+        if (i % 25 == 24)
+            checked += rr_check_sketches(&x);
+    }
+    checked += rr_check_sketches(&x);
+    cr_assert_gt(x.seq->layers[0].ev.rounds, 5u);
+    cr_assert_gt(checked, 100u);
+    kvt_layer_stats st = rr_stats(&x);
+    cr_assert_eq(st.sketched_rows, st.archived_rows);
+    cr_assert_eq(st.recall_rank, 32u);
+    uint32_t r = 99, id = 0;
+    cr_assert_eq(kvt_ctx_recall_head_basis(x.ctx, 0, 1, &r, &id), KVT_OK);
+    cr_assert_eq(r, 0u);
+    cr_assert_eq(id, 0u);
+    cr_assert_eq(kvt_ctx_recall_head_basis(x.ctx, 0, 2, &r, &id), KVT_OK);
+    cr_assert_eq(r, 8u);
+    cr_assert_neq(id, 0u);
+    rr_fini(&x);
+}
+
+Test(rope_sketch, archive_sketches_equal_the_oracle_cpu) {
+    sketch_run(KVT_BACKEND_CPU, 1201);
+}
+
+Test(rope_sketch, archive_sketches_equal_the_oracle_guarded) {
+    sketch_run(KVT_BACKEND_GUARDED, 1201);
+}
+
+/* ρ with no basis is the key's norm (σ's fixed order), and rows the sketch cannot describe
+ * (a NaN) get ρ = +Inf and an empty sketch: checked by the oracle, and here in plain terms. */
+Test(rope_sketch, no_basis_rho_is_the_key_norm) {
+    rr x;
+    rr_init(&x, 1, 128, rr_cfg(16, 4, 8), 16, NULL, KVT_BACKEND_CPU, 77);
+    for (int i = 0; i < 120; i++)
+        rr_step(&x, 1, false);
+    rr_check_sketches(&x);
+    const kvt__ev *e = &x.seq->layers[0].ev;
+    uint64_t n = e->ar_n, inf = 0;
+    int64_t *pos = malloc(sizeof *pos * n);
+    float *rho = malloc(sizeof *rho * n);
+    dev_read(&x, pos, e->ar_pos, sizeof *pos * n);
+    dev_read(&x, rho, e->ar_rho, sizeof *rho * n);
+    for (uint64_t k = 0; k < n; k++) {
+        const uint8_t *key = rr_row(&x, 0, (uint64_t)pos[k], 0);
+        double s = 0;
+        bool finite = true;
+        for (uint32_t d = 0; d < x.D; d++) {
+            float v = kvt__load_elem(key, KVT__DT_BF16, d);
+            finite = finite && isfinite(v);
+            s += (double)v * v;
+        }
+        if (!finite) {
+            cr_assert(isinf(rho[k]));
+            inf++;
+            continue;
+        }
+        cr_assert_float_eq(rho[k], sqrt(s), 1e-5 * sqrt(s), "row %llu", (unsigned long long)k);
+    }
+    cr_assert_gt(inf, 0u, "the data has undescribable rows");
+    free(pos);
+    free(rho);
+    rr_fini(&x);
+}
+
+/* Forks carry the sketches; a snapshot restore rebuilds them (derived data) bit for bit. */
+Test(rope_sketch, fork_and_snapshot_keep_the_sketches) {
+    const uint32_t rank[2] = {16, 16};
+    rr x;
+    rr_init(&x, 2, 128, rr_cfg(16, 4, 8), 16, rank, KVT_BACKEND_CPU, 99);
+    for (int i = 0; i < 80; i++)
+        rr_step(&x, 1, false);
+    rr_check_sketches(&x);
+    kvt_seq *child = NULL;
+    cr_assert_eq(kvt_seq_fork(x.seq, 8, &child), KVT_OK, "%s", kvt_last_error());
+    kvt_seq *parent = x.seq;
+    x.seq = child;
+    rr_check_sketches(&x);
+    cr_assert_eq(kvt_seq_check(child), KVT_OK, "%s", kvt_last_error());
+    /* snapshot of the parent into memory, restored as a new request */
+    size_t bytes = 0;
+    cr_assert_eq(kvt_seq_snapshot_size(parent, &bytes), KVT_OK, "%s", kvt_last_error());
+    void *buf = malloc(bytes);
+    size_t written = 0;
+    cr_assert_eq(kvt_seq_snapshot(parent, buf, bytes, &written), KVT_OK, "%s",
+                 kvt_last_error());
+    kvt_seq *back = NULL;
+    cr_assert_eq(kvt_seq_restore(x.ctx, buf, written, &back), KVT_OK, "%s",
+                 kvt_last_error());
+    x.seq = back;
+    rr_check_sketches(&x);
+    cr_assert_eq(kvt_seq_check(back), KVT_OK, "%s", kvt_last_error());
+    free(buf);
+    kvt_seq_destroy(back);
+    kvt_seq_destroy(child);
+    x.seq = parent;
+    rr_fini(&x);
+}
+
+/* Without sketch planes (recall_sketch_rank 0, the default) the archive has none: nothing is
+ * computed, the statistics say so. */
+Test(rope_sketch, off_without_sketch_planes) {
+    rr x;
+    rr_init(&x, 2, 128, rr_cfg(16, 4, 8), 0, NULL, KVT_BACKEND_CPU, 5);
+    for (int i = 0; i < 60; i++)
+        rr_step(&x, 1, i % 2 == 0);
+    const kvt__ev *e = &x.seq->layers[0].ev;
+    cr_assert_eq(e->sk_stride, 0u);
+    cr_assert_null(e->ar_csk);
+    cr_assert_gt(e->ar_n, 0u);
+    kvt_layer_stats st = rr_stats(&x);
+    cr_assert_eq(st.sketched_rows, 0u);
+    float V[128];
+    memset(V, 0, sizeof V);
+    V[0] = 1.0f;
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(x.ctx, 0, 0, V, 1), KVT_ERR_UNSUPPORTED);
+    rr_fini(&x);
+}
+
+/* The basis API's refusals, each with nothing changed. */
+Test(rope_sketch, head_basis_statuses) {
+    kvt_model *m = tu_mixed_model();
+    cr_assert_not_null(m);
+    kvt_config cfg = kvt_config_default();
+    cfg.evict_archive = true;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.config = &cfg;
+    p.model = m;
+    p.page_rows = 16;
+    p.n_pages = 64;
+    p.recall_sketch_rank = 8;
+    kvt_ctx *ctx = NULL;
+    char err[512];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    float V[8 * 16];
+    tu_rng rng = {3};
+    cr_assert(tu_orthonormal_rows(&rng, 8, 16, V));
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(NULL, TU_L_EV1, 0, V, 8), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 0, NULL, 8),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, 99, 0, V, 8), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_SAL, 0, V, 8), KVT_ERR_POLICY_MISMATCH);
+    cr_assert(strstr(kvt_last_error(), "policy") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 2, V, 8), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 0, V, 9), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 0, V, 0), KVT_ERR_OUT_OF_RANGE);
+    float bad[8 * 16];
+    memcpy(bad, V, sizeof bad);
+    bad[17] += 0.5f; /* rows no longer orthonormal */
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 0, bad, 8),
+                 KVT_ERR_INVALID_ARGUMENT);
+    bad[17] = NAN;
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 0, bad, 8),
+                 KVT_ERR_INVALID_ARGUMENT);
+    uint32_t r = 7;
+    cr_assert_eq(kvt_ctx_recall_head_basis(ctx, TU_L_EV1, 0, &r, NULL), KVT_OK);
+    cr_assert_eq(r, 0u, "nothing changed");
+    /* The salience basis call stays refused on an evict layer. */
+    cr_assert_eq(kvt_ctx_set_recall_basis(ctx, TU_L_EV1, V, 8), KVT_ERR_POLICY_MISMATCH);
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 1, V, 8), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(kvt_ctx_recall_head_basis(ctx, TU_L_EV1, 1, &r, NULL), KVT_OK);
+    cr_assert_eq(r, 8u);
+    kvt_seq *seq = NULL;
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(tu_reserve(seq, 1), KVT_OK);
+    cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, TU_L_EV1, 0, V, 8), KVT_ERR_BAD_STATE);
+    kvt_seq_destroy(seq);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* ---- (2) The trigger ------------------------------------------------------------------------ */
+
+enum { TR_MAXQ = 64, TR_MAXA = 4096 };
+
+/* One trigger step's outputs, read back from the backend. */
+typedef struct trig_out {
+    kvt__recall_state st;
+    uint32_t n_fired[RR_MAXH], overflow[RR_MAXH];
+    uint32_t *fired[RR_MAXH]; /* [cap] each */
+    uint8_t dense;
+    float best[TR_MAXQ];
+} trig_out;
+
+/* The test's side of the trigger: the state the recall tier keeps, the queries' and the dense
+ * flag's backend buffers. */
+typedef struct trig {
+    kvt__recall_rope_layer rl;
+    float *qdev;
+    uint8_t *ddev;
+    uint32_t nq, cap;
+    kvt__conformal conf; /* the oracle's calibration */
+    float conf_samples[64 * TR_MAXQ];
+} trig;
+
+static const kvt__backend *be_of(const rr *x) {
+    return &x->ctx->backend;
+}
+
+static void trig_init(trig *t, rr *x, uint32_t cap) {
+    memset(t, 0, sizeof *t);
+    t->nq = x->sp.n_q_heads;
+    t->cap = cap;
+    const kvt__backend *be = be_of(x);
+    cr_assert_eq(kvt__recall_rope_prepare(&t->rl, be, t->nq, x->H, cap), KVT_OK);
+    void *p = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(float) * t->nq * x->D, &p), KVT_OK);
+    t->qdev = p;
+    cr_assert_eq(be->ops->buf_alloc(be, 1, &p), KVT_OK);
+    t->ddev = p;
+    kvt__conformal_init(&t->conf, t->conf_samples, 64 * t->nq);
+}
+
+static void trig_fini(trig *t, rr *x) {
+    const kvt__backend *be = be_of(x);
+    kvt__recall_rope_fini(&t->rl, be);
+    be->ops->buf_free(be, t->qdev, sizeof(float) * t->nq * x->D);
+    be->ops->buf_free(be, t->ddev, 1);
+}
+
+/* Run one trigger step on the committed state with queries q ([nq][D], host). */
+static void trig_run(trig *t, rr *x, const float *q, kvt_recall_mode mode, float margin,
+                     trig_out *o) {
+    const kvt__backend *be = be_of(x);
+    kvt__recall_rope_args view, a;
+    cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(be->ops->write(be, t->qdev, q, sizeof(float) * t->nq * x->D, NULL), KVT_OK);
+    kvt__recall_rope_make(&t->rl, &view, t->qdev, mode, margin, t->ddev, &a);
+    cr_assert_eq(be->ops->recall_rope_step(be, &a, 1, NULL), KVT_OK);
+    dev_read(x, &o->st, t->rl.base.st, sizeof o->st);
+    dev_read(x, o->n_fired, t->rl.n_fired, sizeof(uint32_t) * x->H);
+    dev_read(x, o->overflow, t->rl.overflow, sizeof(uint32_t) * x->H);
+    dev_read(x, &o->dense, t->ddev, 1);
+    dev_read(x, o->best, t->rl.base.best, sizeof(float) * t->nq);
+    for (uint32_t h = 0; h < x->H; h++) {
+        o->fired[h] = realloc(o->fired[h], sizeof(uint32_t) * t->cap);
+        cr_assert(o->n_fired[h] <= t->cap);
+        if (o->n_fired[h])
+            dev_read(x, o->fired[h], t->rl.fired + (size_t)h * t->cap,
+                     sizeof(uint32_t) * o->n_fired[h]);
+    }
+    /* The state passes the recall tier's own invariants after every step. */
+    float *samples = malloc(sizeof(float) * (o->st.n_samples + 1));
+    if (o->st.n_samples)
+        dev_read(x, samples, t->rl.base.samples, sizeof(float) * o->st.n_samples);
+    char err[256];
+    cr_assert_eq(kvt__recall_state_check(&t->rl.base, &o->st, samples, err, sizeof err), KVT_OK,
+                 "%s", err);
+    free(samples);
+}
+
+static void trig_out_free(trig_out *o) {
+    for (uint32_t h = 0; h < RR_MAXH; h++)
+        free(o->fired[h]);
+}
+
+/* What the oracle knows of the committed state: per head the attended positions and the
+ * archive (positions in archive order, sketches as stored: their equality with the sketch oracle
+ * is rope_sketch's test). */
+typedef struct oview {
+    uint64_t n_rows, ar_n;
+    int64_t *pos[RR_MAXH];
+    int64_t *ar_pos[RR_MAXH];
+    uint16_t *csk[RR_MAXH];
+    float *rho[RR_MAXH];
+} oview;
+
+static void oview_read(const rr *x, oview *v) {
+    memset(v, 0, sizeof *v);
+    const kvt__ev *e = &x->seq->layers[0].ev;
+    v->ar_n = e->ar_n;
+    for (uint32_t h = 0; h < x->H; h++) {
+        v->pos[h] = malloc(sizeof(int64_t) * (x->n_tok + 1));
+        cr_assert_eq(kvt_seq_positions(x->seq, 0, h, v->pos[h], x->n_tok + 1, &v->n_rows), KVT_OK);
+        v->ar_pos[h] = malloc(sizeof(int64_t) * (v->ar_n + 1));
+        v->csk[h] = malloc(sizeof(uint16_t) * (v->ar_n + 1) * x->stride);
+        v->rho[h] = malloc(sizeof(float) * (v->ar_n + 1));
+        if (!v->ar_n)
+            continue;
+        dev_read(x, v->ar_pos[h], e->ar_pos + (size_t)h * e->ar_cap, sizeof(int64_t) * v->ar_n);
+        dev_read(x, v->csk[h], e->ar_csk + (size_t)h * e->ar_cap * x->stride,
+                 sizeof(uint16_t) * v->ar_n * x->stride);
+        dev_read(x, v->rho[h], e->ar_rho + (size_t)h * e->ar_cap, sizeof(float) * v->ar_n);
+    }
+}
+
+static void oview_free(oview *v) {
+    for (uint32_t h = 0; h < RR_MAXH; h++) {
+        free(v->pos[h]);
+        free(v->ar_pos[h]);
+        free(v->csk[h]);
+        free(v->rho[h]);
+    }
+}
+
+static float o_exact(const rr *x, const float *q, uint32_t h, int64_t pos) {
+    return kvt__recall_exact(q, rr_row(x, 0, (uint64_t)pos, h), KVT__DT_BF16, x->D, 0,
+                             KVT__DT_BF16, 0, 1.0f);
+}
+
+/* The oracle's best per query head (over the attended rows of its KV head). */
+static void o_best(const rr *x, const oview *v, const float *q, float *best) {
+    const uint32_t G = x->sp.n_q_heads / x->H;
+    for (uint32_t t = 0; t < x->sp.n_q_heads; t++) {
+        const uint32_t h = t / G;
+        best[t] = -INFINITY;
+        for (uint64_t i = 0; i < v->n_rows; i++) {
+            float sc = o_exact(x, q + (size_t)t * x->D, h, v->pos[h][i]);
+            best[t] = sc > best[t] ? sc : best[t];
+        }
+    }
+}
+
+/* The oracle's fired membership of head h's archive (in[k] = 1), for scan z and mode; count. */
+static uint64_t o_fire(const rr *x, const oview *v, const float *q, const float *best, uint32_t h,
+                       float z, int mode, uint8_t *in) {
+    const uint32_t G = x->sp.n_q_heads / x->H, D = x->D, R = x->rank[h];
+    float q_sk[KVT__SKETCH_MAX_RANK + 1], tmp[1024];
+    uint64_t n = 0;
+    for (uint64_t k = 0; k < v->ar_n; k++) {
+        in[k] = 0;
+        for (uint32_t g = 0; g < G && !in[k]; g++) {
+            const uint32_t t = h * G + g;
+            const float *qh = q + (size_t)t * D;
+            kvt__recall_head hd;
+            kvt__recall_head_prep(qh, D, x->V[h], R, q_sk, tmp, &hd);
+            float P, ncsk;
+            float idx = kvt__recall_idx(qh, q_sk, rr_row(x, 0, (uint64_t)v->ar_pos[h][k], h), D,
+                                        0, KVT__DT_BF16, 0, v->csk[h] + k * x->stride, R, 1.0f,
+                                        &P, &ncsk);
+            int f;
+            if (mode == KVT__RECALL_SOUND)
+                f = kvt__recall_sound_fires(idx,
+                                            kvt__recall_sound_margin(&hd, idx, P, ncsk,
+                                                                     v->rho[h][k], 1.0f, z, D, 0,
+                                                                     R),
+                                            best[t]);
+            else if (mode == KVT__RECALL_MARGIN)
+                f = !(idx + z < best[t]);
+            else
+                f = kvt__recall_conformal_fires(
+                    idx, kvt__recall_cert(&hd, v->rho[h][k], 1.0f, D), z, best[t]);
+            in[k] = (uint8_t)f;
+        }
+        n += in[k];
+    }
+    return n;
+}
+
+/* The oracle's calibration step: one sample per query head from its best archived row; true
+ * while the request still calibrates. */
+static bool o_calibrate(trig *t, const rr *x, const oview *v, const float *q, const float *best) {
+    (void)best;
+    const uint32_t G = x->sp.n_q_heads / x->H, D = x->D;
+    float e[TR_MAXQ];
+    uint32_t n_e = 0;
+    for (uint32_t qt = 0; qt < x->sp.n_q_heads; qt++) {
+        const uint32_t h = qt / G;
+        const float *qh = q + (size_t)qt * D;
+        float bs = -INFINITY;
+        int64_t arg = -1;
+        for (uint64_t k = 0; k < v->ar_n; k++) {
+            float sc = o_exact(x, qh, h, v->ar_pos[h][k]);
+            if (sc > bs) {
+                bs = sc;
+                arg = (int64_t)k;
+            }
+        }
+        if (arg < 0)
+            continue;
+        float q_sk[KVT__SKETCH_MAX_RANK + 1], tmp[1024], P, ncsk;
+        kvt__recall_head hd;
+        kvt__recall_head_prep(qh, D, x->V[h], x->rank[h], q_sk, tmp, &hd);
+        float idx = kvt__recall_idx(qh, q_sk, rr_row(x, 0, (uint64_t)v->ar_pos[h][arg], h), D, 0,
+                                    KVT__DT_BF16, 0, v->csk[h] + arg * x->stride, x->rank[h], 1.0f,
+                                    &P, &ncsk);
+        float cert = kvt__recall_cert(&hd, v->rho[h][arg], 1.0f, D);
+        if (kvt__conformal_sample(bs, idx, cert, &e[n_e]))
+            n_e++;
+    }
+    return kvt__conformal_step(&t->conf, e, n_e);
+}
+
+/* Queries: a random direction inside the head's 8-dim key subspace (or a plain normal draw
+ * without a basis) plus small noise outside it; one in three query heads aimed at a random
+ * archived row of its KV head (it then outscores most attended rows, so a miss would show). */
+static void make_queries(rr *x, const oview *v, float *q, uint32_t *aimed) {
+    const uint32_t G = x->sp.n_q_heads / x->H, D = x->D;
+    *aimed = 0;
+    for (uint32_t t = 0; t < x->sp.n_q_heads; t++) {
+        const uint32_t h = t / G;
+        float *qh = q + (size_t)t * D;
+        bool aim = v->ar_n && tu_next(&x->rng) % 3 == 0;
+        const uint8_t *key =
+            aim ? rr_row(x, 0, (uint64_t)v->ar_pos[h][tu_next(&x->rng) % v->ar_n], h) : NULL;
+        for (uint32_t d = 0; d < D; d++) {
+            float kd = key ? kvt__load_elem(key, KVT__DT_BF16, d) : 0.0f;
+            if (key && !isfinite(kd))
+                kd = 0.0f;
+            qh[d] = 0.3f * kd + (float)(0.03 * tu_normal(&x->rng));
+        }
+        const uint32_t sub = x->rank[h] < 8 ? x->rank[h] : 8;
+        for (uint32_t k = 0; !key && k < sub; k++) {
+            float b = (float)(0.3 * tu_normal(&x->rng));
+            for (uint32_t d = 0; d < D; d++)
+                qh[d] += b * x->V[h][(size_t)k * D + d];
+        }
+        *aimed += aim;
+    }
+}
+
+/* The backend's fired list of head h equals the oracle's membership: the first min(cap, n)
+ * ascending, overflow when more. */
+static void expect_fired(const rr *x, const trig_out *o, uint32_t h, const uint8_t *in,
+                         uint64_t n_in, uint32_t cap, int step) {
+    if (o->st.last_dense && !o->overflow[h]) {
+        cr_assert_eq(o->n_fired[h], 0u);
+        return;
+    }
+    const bool over = n_in > cap;
+    cr_assert_eq(o->overflow[h], (uint32_t)over, "seed %llu step %d head %u: overflow %u, oracle "
+                 "fired %llu of cap %u", (unsigned long long)x->seed, step, h, o->overflow[h],
+                 (unsigned long long)n_in, cap);
+    if (over) {
+        cr_assert_eq(o->n_fired[h], 0u, "a dense step leaves no list");
+        return;
+    }
+    cr_assert_eq(o->n_fired[h], (uint32_t)n_in, "seed %llu step %d head %u: %u fired, oracle %llu",
+                 (unsigned long long)x->seed, step, h, o->n_fired[h], (unsigned long long)n_in);
+    for (uint64_t k = 0, w = 0; w < n_in; k++)
+        if (in[k]) {
+            cr_assert_eq(o->fired[h][w], (uint32_t)k, "seed %llu step %d head %u: fired[%llu] = "
+                         "%u, oracle %llu", (unsigned long long)x->seed, step, h,
+                         (unsigned long long)w, o->fired[h][w], (unsigned long long)k);
+            w++;
+        }
+}
+
+/* The RoPE model of the trigger tests: 2 KV heads of 128, 8 query heads (G = 4), bases of rank
+ * 32 and 16 (sound_never_misses also runs a head without one). */
+static void trig_model_ranks(rr *x, kvt_backend_kind backend, uint64_t seed, uint32_t r1) {
+    const uint32_t rank[2] = {32, r1};
+    rr_init(x, 2, 128, rr_cfg(32, 8, 16), 32, rank, backend, seed);
+    cr_assert_eq(kvt_seq_set_prompt_rows(x->seq, 4), KVT_OK);
+    rr_step(x, 4, false);
+    for (int i = 0; i < 60; i++)
+        rr_step(x, 1, i % 2 == 0);
+}
+
+static void trig_model(rr *x, kvt_backend_kind backend, uint64_t seed) {
+    trig_model_ranks(x, backend, seed, 16);
+}
+
+/* Conformal decode: the first steps calibrate (dense, no list; z as the oracle's calibration
+ * over the same samples, bit for bit), every later step's per-KV-head fired lists equal the
+ * oracle's; the best scores too. Run on CPU and guarded: both equal the oracle, so each other. */
+static void conformal_run(kvt_backend_kind backend, uint64_t seed, uint64_t *fetched_aimed) {
+    rr x;
+    trig_model(&x, backend, seed);
+    trig t;
+    trig_init(&t, &x, 4096);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    bool calibrating = true;
+    uint64_t aimed_total = 0;
+    uint8_t *in = malloc(TR_MAXA);
+    for (int step = 0; step < 60; step++) {
+        rr_step(&x, 1, step % 3 == 0);
+        oview v;
+        oview_read(&x, &v);
+        cr_assert(v.ar_n < TR_MAXA);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        trig_run(&t, &x, q, KVT_RECALL_CONFORMAL, 0.0f, &o);
+        o_best(&x, &v, q, best);
+        cr_assert(memcmp(best, o.best, sizeof(float) * t.nq) == 0, "seed %llu step %d: best",
+                  (unsigned long long)seed, step);
+        if (calibrating) {
+            cr_assert_eq(o.dense, 1, "a calibration step attends every row");
+            calibrating = o_calibrate(&t, &x, &v, q, best);
+            cr_assert_eq(o.st.n_samples, t.conf.n);
+            cr_assert_eq(o.st.z, t.conf.z, "step %d: z %g, oracle %g", step, (double)o.st.z,
+                         (double)t.conf.z);
+            cr_assert_eq(o.st.phase != KVT__CONFORMAL_OPEN, !calibrating);
+        } else {
+            uint64_t total = 0;
+            for (uint32_t h = 0; h < x.H; h++) {
+                uint64_t n = o_fire(&x, &v, q, best, h, t.conf.z, KVT__RECALL_CONFORMAL, in);
+                expect_fired(&x, &o, h, in, n, t.cap, step);
+                total += n;
+            }
+            cr_assert_eq(o.st.last_fetched, total);
+            cr_assert_eq(o.st.last_archived, v.ar_n * x.H);
+            aimed_total += aimed;
+        }
+        oview_free(&v);
+    }
+    cr_assert(!calibrating, "z was fixed within 60 steps");
+    cr_assert_gt(aimed_total, 0u);
+    cr_log_info("conformal (seed %llu): z %g from %u samples after %llu calibration steps; %llu "
+                "steps fetched %llu of %llu archived (row, KV head) pairs",
+                (unsigned long long)seed, (double)o.st.z, o.st.n_samples,
+                (unsigned long long)o.st.calib_steps, (unsigned long long)o.st.steps,
+                (unsigned long long)o.st.fetched, (unsigned long long)o.st.visited);
+    *fetched_aimed = o.st.fetched;
+    free(in);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+Test(rope_trigger, conformal_fired_sets_equal_the_oracle, .timeout = 240) {
+    uint64_t a = 0, b = 0;
+    conformal_run(KVT_BACKEND_CPU, 4242, &a);
+    conformal_run(KVT_BACKEND_GUARDED, 4242, &b);
+    cr_assert_eq(a, b, "CPU and guarded fetched the same rows (%llu, %llu)",
+                 (unsigned long long)a, (unsigned long long)b);
+}
+
+/* Sound mode never misses an archived row whose exact score reaches its query head's attended
+ * best (the fp32 score kvt__recall_exact computes); margin mode is the oracle's !(idx + δ < best). */
+Test(rope_trigger, sound_never_misses_and_margin_is_exact, .timeout = 240) {
+    rr x;
+    trig_model_ranks(&x, KVT_BACKEND_CPU, 777, 0);
+    trig t;
+    trig_init(&t, &x, 4096);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    uint8_t *in = malloc(TR_MAXA);
+    const uint32_t G = x.sp.n_q_heads / x.H;
+    uint64_t reaching = 0, fetched = 0, archived = 0;
+    for (int step = 0; step < 40; step++) {
+        rr_step(&x, 1, step % 2 == 0);
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        const bool margin = step % 4 == 3;
+        const float delta = step % 8 == 3 ? 0.0f : 0.5f;
+        trig_run(&t, &x, q, margin ? KVT_RECALL_MARGIN : KVT_RECALL_SOUND, delta, &o);
+        o_best(&x, &v, q, best);
+        cr_assert_eq(o.st.phase, KVT__CONFORMAL_OPEN, "sound and margin never calibrate");
+        for (uint32_t h = 0; h < x.H; h++) {
+            uint64_t n = o_fire(&x, &v, q, best, h, margin ? delta : sqrtf((float)(x.D - 64)),
+                                margin ? KVT__RECALL_MARGIN : KVT__RECALL_SOUND, in);
+            expect_fired(&x, &o, h, in, n, t.cap, step);
+            if (margin || o.overflow[h])
+                continue;
+            fetched += o.n_fired[h];
+            archived += v.ar_n;
+            /* soundness, directly: every row reaching a head's best is in the list */
+            for (uint64_t k = 0; k < v.ar_n; k++)
+                for (uint32_t g = 0; g < G; g++) {
+                    const uint32_t qt = h * G + g;
+                    if (!(o_exact(&x, q + (size_t)qt * x.D, h, v.ar_pos[h][k]) >= best[qt]))
+                        continue;
+                    reaching++;
+                    bool found = false;
+                    for (uint32_t j = 0; j < o.n_fired[h] && !found; j++)
+                        found = o.fired[h][j] == k;
+                    cr_assert(found, "seed 777 step %d head %u: archived row %llu reaches query "
+                              "head %u's best and did not fire", step, h, (unsigned long long)k,
+                              qt);
+                }
+        }
+        oview_free(&v);
+    }
+    cr_assert_gt(reaching, 10u, "the data has archived rows that beat the attended ones");
+    cr_log_info("sound: %llu (row, head) pairs reaching the best, fetched %llu of %llu archived "
+                "(row, KV head) pairs", (unsigned long long)reaching, (unsigned long long)fetched,
+                (unsigned long long)archived);
+    free(in);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+/* Overflow: with W = 2 a sound step fires more rows than W in some head: the step is dense (the
+ * flag, every list empty, the whole archive counted as fetched), and the overflow is counted. */
+Test(rope_trigger, overflow_gives_every_row) {
+    rr x;
+    trig_model(&x, KVT_BACKEND_CPU, 31);
+    trig t;
+    trig_init(&t, &x, 2);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    uint8_t *in = malloc(TR_MAXA);
+    oview v;
+    oview_read(&x, &v);
+    uint32_t aimed;
+    make_queries(&x, &v, q, &aimed);
+    trig_run(&t, &x, q, KVT_RECALL_SOUND, 0.0f, &o);
+    o_best(&x, &v, q, best);
+    uint32_t over = 0;
+    for (uint32_t h = 0; h < x.H; h++) {
+        uint64_t n = o_fire(&x, &v, q, best, h, sqrtf((float)(x.D - 64)), KVT__RECALL_SOUND, in);
+        over |= n > 2;
+        expect_fired(&x, &o, h, in, n, 2, 0);
+    }
+    cr_assert(over, "the data overflows W = 2 (sound fetches more)");
+    cr_assert_eq(o.dense, 1);
+    cr_assert_eq(o.st.last_dense, 1u);
+    cr_assert_eq(o.st.last_overflow, 1u);
+    cr_assert_eq(o.st.overflow_steps, 1u);
+    cr_assert_eq(o.st.last_fetched, v.ar_n * x.H);
+    for (uint32_t h = 0; h < x.H; h++)
+        cr_assert_eq(o.n_fired[h], 0u);
+    oview_free(&v);
+    free(in);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+/* Statuses: the view of a layer without an archive, without sketches, of a salience layer; the
+ * op's argument checks; salience on a RoPE layer stays refused. */
+Test(rope_trigger, statuses) {
+    /* no archive: the request's config has none */
+    kvt_config cfg = rr_cfg(16, 4, 8);
+    cfg.evict_archive = false;
+    rr x;
+    rr_init(&x, 2, 128, cfg, 16, NULL, KVT_BACKEND_CPU, 3);
+    rr_step(&x, 1, false);
+    kvt__recall_rope_args v;
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &v), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "no archive") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 3, &v), KVT_ERR_OUT_OF_RANGE);
+    rr_fini(&x);
+    /* no sketch planes */
+    rr_init(&x, 2, 128, rr_cfg(16, 4, 8), 0, NULL, KVT_BACKEND_CPU, 3);
+    rr_step(&x, 1, false);
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &v), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "sketches") != NULL, "%s", kvt_last_error());
+    rr_fini(&x);
+    /* the op's argument checks: nothing runs */
+    trig_model(&x, KVT_BACKEND_GUARDED, 3);
+    trig t;
+    trig_init(&t, &x, 16);
+    kvt__recall_rope_args view, a;
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    kvt__recall_rope_make(&t.rl, &view, t.qdev, KVT_RECALL_CONFORMAL, 0.0f, t.ddev, &a);
+    const kvt__backend *be = be_of(&x);
+    kvt__recall_rope_args bad = a;
+    bad.D = 64;
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    bad = a;
+    bad.rank[0] = bad.csk_stride + 1;
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    bad = a;
+    bad.mode = 9;
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    bad = a;
+    float host_q[8 * 128];
+    bad.q = host_q; /* a host pointer: the guarded backend refuses it */
+    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVARIANT);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+    /* salience on a RoPE layer: the paper's control, refused */
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 128, &sp), KVT_OK);
+    kvt_model *m = NULL;
+    cr_assert_eq(kvt_model_create(&sp, 1, "rope", &m, NULL, 0), KVT_OK);
+    kvt_policy pol = KVT_POLICY_SALIENCE;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.layer_policies = &pol;
+    p.recall_sketch_rank = 32;
+    kvt_ctx *ctx = NULL;
+    char err[256] = "";
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_POLICY_MISMATCH, "%s", err);
+    cr_assert_null(ctx);
+    kvt_model_destroy(m);
+}
+
+/* ---- (3) Emission: fetched rows copied into fetch slots, per-KV-head lists -------------------- */
+
+/* A fetch area of the request: pool pages of the layer's group taken off the free list (what
+ * the request's reservation will do), as a page table in a backend buffer. */
+typedef struct fetch_area {
+    uint32_t pages[64], n_pages;
+    int32_t *pages_dev;
+    uint32_t n; /* rows */
+} fetch_area;
+
+static void fetch_take(rr *x, uint32_t rows, fetch_area *f) {
+    memset(f, 0, sizeof *f);
+    kvt__pool *pool = &x->ctx->groups[x->ctx->stores[0].group].pool;
+    const uint32_t pr = x->ctx->page_rows;
+    f->n_pages = (rows + pr - 1) / pr;
+    cr_assert(f->n_pages <= 64 && pool->n_free >= f->n_pages);
+    f->n = f->n_pages * pr;
+    int32_t ids[64];
+    for (uint32_t k = 0; k < f->n_pages; k++) {
+        uint32_t page = pool->free_ids[--pool->n_free];
+        pool->refs[page] = 1;
+        f->pages[k] = page;
+        ids[k] = (int32_t)page;
+    }
+    const kvt__backend *be = be_of(x);
+    void *p = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * f->n_pages, &p), KVT_OK);
+    f->pages_dev = p;
+    cr_assert_eq(be->ops->write(be, p, ids, sizeof(int32_t) * f->n_pages, NULL), KVT_OK);
+}
+
+static void fetch_give(rr *x, fetch_area *f) {
+    kvt__pool *pool = &x->ctx->groups[x->ctx->stores[0].group].pool;
+    for (uint32_t k = 0; k < f->n_pages; k++)
+        kvt__pool_put(pool, f->pages[k]);
+    be_of(x)->ops->buf_free(be_of(x), f->pages_dev, sizeof(int32_t) * f->n_pages);
+}
+
+static int cmp_pos(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Reference attention (kernels/attn.h) of query q over rows given as [V | K] (2D values each, so
+ * the value is the first D values and the key, with the query [0 | q], the rest). */
+static void ref_attn(const rr *x, const uint8_t *rows, uint32_t n, const float *q, float *out,
+                     double *lse) {
+    const uint32_t D = x->D;
+    float qq[256];
+    for (uint32_t d = 0; d < D; d++) {
+        qq[d] = 0.0f;
+        qq[D + d] = q[d];
+    }
+    double *scratch = malloc(sizeof(double) * kvt__attn_scratch_doubles(n, 1, D, 2 * D));
+    kvt__attn_args a = {.base = rows, .slots = NULL, .n_rows = n, .slot_stride = 2u * x->sp.row_bytes,
+                        .row_offset = 0, .dtype = KVT__DT_BF16, .key_dim = 2 * D, .value_dim = D,
+                        .q = qq, .n_heads = 1, .q_stride = 2 * D, .scale = 1.0, .out = out,
+                        .lse = lse, .scratch = scratch};
+    cr_assert_eq(kvt__attn_cpu(&a), 0);
+    free(scratch);
+}
+
+/* Per KV head, the listed rows (indptr/indices, read back) are exactly the attended rows then
+ * the fired archived rows (the oracle's, or all on a dense step), the bytes at every listed slot
+ * are those rows' (both planes), no slot is listed twice, and every query head's reference
+ * attention over the listed rows equals the one over the oracle's rows. */
+static void check_lists(rr *x, bool dense, const oview *v, const float *q, const float *best,
+                        int mode, float z, const int32_t *indptr, const int32_t *indices,
+                        uint64_t *fetched_rows) {
+    const uint32_t H = x->H, G = x->sp.n_q_heads / H, D = x->D, rb = x->sp.row_bytes;
+    const uint64_t m = v->ar_n ? v->ar_n : 1;
+    const kvt__store *st = &x->ctx->stores[0];
+    uint8_t *in = malloc(v->ar_n + 1);
+    const size_t slot_bytes = st->slot_bytes;
+    uint8_t *got = malloc((v->n_rows + m) * 2u * rb), *want = malloc((v->n_rows + m) * 2u * rb);
+    int64_t *wpos = malloc(sizeof(int64_t) * (v->n_rows + m));
+    cr_assert_eq(indptr[0], 0);
+    for (uint32_t h = 0; h < H; h++) {
+        /* the oracle's rows of head h: attended positions, then fired (or all) archived ones */
+        uint64_t n = 0;
+        for (uint64_t r = 0; r < v->n_rows; r++)
+            wpos[n++] = v->pos[h][r];
+        if (dense) {
+            for (uint64_t k = 0; k < v->ar_n; k++)
+                wpos[n++] = v->ar_pos[h][k];
+        } else if (v->ar_n) {
+            o_fire(x, v, q, best, h, z, mode, in);
+            for (uint64_t k = 0; k < v->ar_n; k++)
+                if (in[k])
+                    wpos[n++] = v->ar_pos[h][k];
+        }
+        cr_assert_eq((uint64_t)(indptr[h + 1] - indptr[h]), n,
+                     "seed %llu head %u: %d rows listed, the oracle has %llu",
+                     (unsigned long long)x->seed, h, indptr[h + 1] - indptr[h],
+                     (unsigned long long)n);
+        *fetched_rows += n - v->n_rows;
+        /* the listed rows' bytes, in list order, [V | K] */
+        for (uint64_t e = 0; e < n; e++) {
+            const int32_t slot = indices[indptr[h] + e];
+            for (uint64_t e2 = 0; e2 < e; e2++)
+                cr_assert_neq(indices[indptr[h] + e2], slot, "head %u lists slot %d twice", h,
+                              slot);
+            uint8_t *g = got + e * 2u * rb;
+            dev_read(x, g, st->plane[1] + (size_t)slot * slot_bytes + (size_t)h * rb, rb);
+            dev_read(x, g + rb, st->plane[0] + (size_t)slot * slot_bytes + (size_t)h * rb, rb);
+            cr_assert(memcmp(g, rr_row(x, 1, (uint64_t)wpos[e], h), rb) == 0 &&
+                          memcmp(g + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb) == 0,
+                      "seed %llu head %u entry %llu: bytes differ from position %lld's",
+                      (unsigned long long)x->seed, h, (unsigned long long)e, (long long)wpos[e]);
+        }
+        /* the oracle's rows sorted by position, from the shadow */
+        qsort(wpos, n, sizeof *wpos, cmp_pos);
+        for (uint64_t e = 0; e < n; e++) {
+            cr_assert(e == 0 || wpos[e] > wpos[e - 1], "a position twice in head %u's set", h);
+            memcpy(want + e * 2u * rb, rr_row(x, 1, (uint64_t)wpos[e], h), rb);
+            memcpy(want + e * 2u * rb + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb);
+        }
+        for (uint32_t g = 0; g < G; g++) {
+            const float *qt = q + (size_t)(h * G + g) * D;
+            float out_a[128], out_b[128];
+            double lse_a, lse_b;
+            ref_attn(x, got, (uint32_t)n, qt, out_a, &lse_a);
+            ref_attn(x, want, (uint32_t)n, qt, out_b, &lse_b);
+            if (isnan(lse_b)) { /* a NaN key among the rows: both NaN */
+                cr_assert(isnan(lse_a));
+                continue;
+            }
+            cr_assert(fabs(lse_a - lse_b) <= 1e-9 * (1.0 + fabs(lse_b)), "lse %.17g vs %.17g",
+                      lse_a, lse_b);
+            for (uint32_t d = 0; d < D; d++)
+                cr_assert(fabsf(out_a[d] - out_b[d]) <= 1e-6f * (1.0f + fabsf(out_b[d])),
+                          "head %u out[%u] %g vs %g", h * G + g, d, (double)out_a[d],
+                          (double)out_b[d]);
+        }
+    }
+    free(in);
+    free(got);
+    free(want);
+    free(wpos);
+}
+
+/* Run the emission after a trigger step and check it: per KV head, the listed rows are exactly the
+ * attended rows then the fired archived rows (the oracle's, or all on a dense step), the bytes at
+ * every listed slot are those rows' (both planes), no slot is listed twice, and every query
+ * head's reference attention over the listed rows equals the one over the oracle's rows. */
+static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, const float *q,
+                           const float *best, int mode, float z, uint64_t *fetched_rows) {
+    const kvt__backend *be = be_of(x);
+    const uint32_t H = x->H, rb = x->sp.row_bytes;
+    const uint64_t m = v->ar_n ? v->ar_n : 1;
+    fetch_area f;
+    fetch_take(x, (uint32_t)m, &f);
+    kvt__recall_rope_args view;
+    cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    const uint64_t cap_idx = (uint64_t)H * (view.n_rows + view.ar_n);
+    cr_assert_leq(view.n_rows + view.ar_n, x->n_tok, "within what kvt_batch_capacity promises");
+    void *ind = NULL, *ptr = NULL;
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * cap_idx, &ind), KVT_OK);
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * (H + 1), &ptr), KVT_OK);
+    const kvt__store *st = &x->ctx->stores[0];
+    kvt__recall_rope_emit_args ea = {
+        .plane = {st->plane[0], st->plane[1]}, .slot_stride = st->slot_bytes, .row_bytes = rb,
+        .n_kv = H, .pages = view.pages, .first_page = view.first_page, .pdiv = view.pdiv,
+        .n_rows = view.n_rows, .ar_bytes = view.ar_bytes, .ar_cap = view.ar_cap,
+        .ar_n = view.ar_n, .fired = t->rl.fired, .n_fired = t->rl.n_fired, .cap = t->rl.cap,
+        .st = t->rl.base.st, .fetch_pages = f.pages_dev, .fetch_cap = f.n, .indices = ind,
+        .capacity = cap_idx, .indptr = ptr, .out = 0};
+    kvt__recall_rope_emit_args bad = ea;
+    bad.capacity = cap_idx - 1;
+    cr_assert_eq(be->ops->recall_rope_emit(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(be->ops->recall_rope_emit(be, &ea, 1, NULL), KVT_OK);
+    int32_t *indptr = malloc(sizeof(int32_t) * (H + 1));
+    int32_t *indices = malloc(sizeof(int32_t) * (cap_idx + 1));
+    dev_read(x, indptr, ptr, sizeof(int32_t) * (H + 1));
+    dev_read(x, indices, ind, sizeof(int32_t) * cap_idx);
+    check_lists(x, o->st.last_dense != 0, v, q, best, mode, z, indptr, indices, fetched_rows);
+    free(indptr);
+    free(indices);
+    be->ops->buf_free(be, ind, sizeof(int32_t) * cap_idx);
+    be->ops->buf_free(be, ptr, sizeof(int32_t) * (H + 1));
+    fetch_give(x, &f);
+}
+
+/* Conformal decode with the emission after every step (calibration steps list the whole archive,
+ * later ones the fired rows), then sound and an overflow, on the CPU and guarded backends; the
+ * reference attention over exactly the listed rows is the oracle set's. */
+static void emission_run(kvt_backend_kind backend, uint64_t seed) {
+    rr x;
+    trig_model(&x, backend, seed);
+    trig t;
+    trig_init(&t, &x, 64);
+    trig_out o;
+    memset(&o, 0, sizeof o);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    uint64_t fetched = 0, dense_steps = 0, steps = 0;
+    for (int step = 0; step < 24; step++) {
+        rr_step(&x, 1, step % 2 == 1);
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        const kvt_recall_mode mode = step < 20 ? KVT_RECALL_CONFORMAL : KVT_RECALL_SOUND;
+        trig_run(&t, &x, q, mode, 0.0f, &o);
+        o_best(&x, &v, q, best);
+        const float z = mode == KVT_RECALL_SOUND ? sqrtf((float)(x.D - 64)) : o.st.z;
+        emit_and_check(&x, &t, &o, &v, q, best, (int)mode, z, &fetched);
+        dense_steps += o.st.last_dense;
+        steps++;
+        oview_free(&v);
+    }
+    cr_assert_gt(dense_steps, 0u, "calibration or overflow steps were emitted");
+    cr_assert_lt(dense_steps, steps, "fetching steps were emitted");
+    cr_log_info("emission (seed %llu): %llu steps, %llu dense, %llu fetched rows listed",
+                (unsigned long long)seed, (unsigned long long)steps,
+                (unsigned long long)dense_steps, (unsigned long long)fetched);
+    trig_out_free(&o);
+    trig_fini(&t, &x);
+    rr_fini(&x);
+}
+
+Test(rope_emit, listed_rows_equal_the_oracle_cpu, .timeout = 240) {
+    emission_run(KVT_BACKEND_CPU, 515);
+}
+
+Test(rope_emit, listed_rows_equal_the_oracle_guarded, .timeout = 240) {
+    emission_run(KVT_BACKEND_GUARDED, 515);
+}
+
+/* ---- (3) End to end: kvt_batch_run on a RoPE layer with recall --------------------------------- */
+
+/* A decode step through the public step API: reserve one token, write it, plan, run the layer
+ * with the queries and a KVT_EMIT_CSR_KV_HEADS emission, commit, kvt_seq_check. The lists and
+ * the dense flag come back in indptr/indices/dense. */
+typedef struct e2e {
+    kvt_batch *b;
+    kvt_buffer *qbuf, *ibuf, *pbuf, *dbuf;
+    uint32_t cap_idx;
+} e2e;
+
+static void e2e_init(e2e *e, rr *x, uint32_t max_rows) {
+    memset(e, 0, sizeof *e);
+    cr_assert_eq(kvt_batch_create(x->ctx, 1, &e->b), KVT_OK);
+    e->cap_idx = x->H * max_rows;
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(float) * x->sp.n_q_heads * x->D, &e->qbuf),
+                 KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(int32_t) * e->cap_idx, &e->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(int32_t) * (x->H + 1), &e->pbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, 1, &e->dbuf), KVT_OK);
+}
+
+static void e2e_fini(e2e *e) {
+    kvt_batch_destroy(e->b);
+    kvt_buffer_free(e->qbuf);
+    kvt_buffer_free(e->ibuf);
+    kvt_buffer_free(e->pbuf);
+    kvt_buffer_free(e->dbuf);
+}
+
+static kvt_status e2e_step(e2e *e, rr *x, const float *q, kvt_emit_layout layout,
+                           int32_t *indptr, int32_t *indices, uint8_t *dense) {
+    uint32_t one = 1;
+    cr_assert_eq(kvt_batch_reserve(e->b, &x->seq, &one, 1), KVT_OK, "%s", kvt_last_error());
+    rr_write(x, 1);
+    cr_assert_eq(kvt_buffer_write(e->qbuf, 0, q, sizeof(float) * x->sp.n_q_heads * x->D), KVT_OK);
+    uint32_t topk, total;
+    cr_assert_eq(kvt_batch_plan(e->b), KVT_OK);
+    cr_assert_eq(kvt_batch_capacity(e->b, 0, &topk, &total), KVT_OK);
+    cr_assert_leq((uint64_t)x->H * total, e->cap_idx);
+    kvt_emit em = {.struct_size = sizeof em, .layout = layout,
+                   .indices = kvt_buffer_ptr(e->ibuf), .capacity = x->H * total,
+                   .indptr = kvt_buffer_ptr(e->pbuf), .dense = kvt_buffer_ptr(e->dbuf),
+                   .queries_per_seq = 1};
+    kvt_status s = kvt_batch_run(e->b, 0, kvt_buffer_ptr(e->qbuf), NULL, &em);
+    cr_assert_eq(kvt_batch_commit(e->b, NULL), KVT_OK, "%s", kvt_last_error());
+    x->n_tok += 1;
+    cr_assert_eq(kvt_seq_check(x->seq), KVT_OK, "seed %llu after %llu tokens: %s",
+                 (unsigned long long)x->seed, (unsigned long long)x->n_tok, kvt_last_error());
+    if (s == KVT_OK) {
+        cr_assert_eq(kvt_buffer_read(e->pbuf, 0, indptr, sizeof(int32_t) * (x->H + 1)), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(e->ibuf, 0, indices, sizeof(int32_t) * e->cap_idx), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(e->dbuf, 0, dense, 1), KVT_OK);
+    }
+    return s;
+}
+
+/* Conformal decode through kvt_batch_run: every step's per-KV-head lists are the oracle's
+ * (calibration steps: every archived row; then the fired ones), with the right bytes and the
+ * reference attention of the oracle set; z as the oracle's calibration; statistics, fork (the
+ * child continues), snapshot refused (KVT_ERR_UNSUPPORTED), another layout refused. */
+static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    rr x;
+    rr_init(&x, 2, 128, cfg, 32, rank, backend, seed);
+    cr_assert(kvt__seq_recalls_rope(x.seq, 0), "the request recalls on the RoPE layer");
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 4), KVT_OK);
+    e2e e;
+    e2e_init(&e, &x, 512);
+    trig t; /* the oracle's calibration only */
+    memset(&t, 0, sizeof t);
+    t.nq = x.sp.n_q_heads;
+    kvt__conformal_init(&t.conf, t.conf_samples, 64 * t.nq);
+    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    int32_t indptr[RR_MAXH + 1];
+    int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
+    uint8_t dense = 0;
+    bool calibrating = true;
+    uint64_t fetched = 0, dense_steps = 0, archived_steps = 0;
+    for (int step = 0; step < 100; step++) {
+        oview v0;
+        oview_read(&x, &v0); /* queries aim at rows archived before this step */
+        uint32_t aimed;
+        make_queries(&x, &v0, q, &aimed);
+        oview_free(&v0);
+        cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense), KVT_OK,
+                     "seed %llu step %d: %s", (unsigned long long)seed, step, kvt_last_error());
+        oview v; /* the state the run saw: the committed one (its round ran in the step) */
+        oview_read(&x, &v);
+        o_best(&x, &v, q, best);
+        kvt_layer_stats ls = rr_stats(&x);
+        if (v.ar_n == 0) {
+            cr_assert_eq(dense, 0);
+        } else if (calibrating) {
+            cr_assert_eq(dense, 1, "step %d: a calibration step lists the whole archive", step);
+            calibrating = o_calibrate(&t, &x, &v, q, best);
+            cr_assert_eq(ls.recall_z, t.conf.z, "step %d: z %g, oracle %g", step,
+                         (double)ls.recall_z, (double)t.conf.z);
+        }
+        dense_steps += dense;
+        archived_steps += v.ar_n > 0;
+        check_lists(&x, dense != 0, &v, q, best, KVT__RECALL_CONFORMAL, t.conf.z, indptr,
+                    indices, &fetched);
+        cr_assert_eq(ls.recall_mode, (int32_t)KVT_RECALL_CONFORMAL);
+        oview_free(&v);
+    }
+    cr_assert(!calibrating);
+    cr_assert_gt(archived_steps, dense_steps, "fetching steps ran");
+    kvt_layer_stats ls = rr_stats(&x);
+    cr_assert_eq(ls.recall_calib_steps, 8u);
+    cr_log_info("end to end (seed %llu): z %g, %llu steps, %llu dense, %llu fetched (row, KV "
+                "head) pairs listed; stats: fetched %llu of %llu steps",
+                (unsigned long long)seed, (double)ls.recall_z, (unsigned long long)archived_steps,
+                (unsigned long long)dense_steps, (unsigned long long)fetched,
+                (unsigned long long)ls.recall_fetched_rows, (unsigned long long)ls.recall_steps);
+    /* another layout on a layer where the request recalls: refused before any work */
+    uint32_t one = 1;
+    cr_assert_eq(kvt_batch_reserve(e.b, &x.seq, &one, 1), KVT_OK);
+    rr_write(&x, 1);
+    cr_assert_eq(kvt_batch_plan(e.b), KVT_OK);
+    int32_t len;
+    kvt_emit bad = {.struct_size = sizeof bad, .layout = KVT_EMIT_TOKENS,
+                    .indices = kvt_buffer_ptr(e.ibuf), .capacity = 128,
+                    .lengths = kvt_buffer_ptr(e.pbuf)};
+    (void)len;
+    cr_assert_eq(kvt_batch_run(e.b, 0, kvt_buffer_ptr(e.qbuf), NULL, &bad),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "KVT_EMIT_CSR_KV_HEADS") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(e.b, NULL), KVT_OK);
+    x.n_tok++;
+    cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+    /* snapshots: refused, named */
+    size_t bytes;
+    cr_assert_eq(kvt_seq_snapshot_size(x.seq, &bytes), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "RoPE") != NULL, "%s", kvt_last_error());
+    /* a fork continues the calibration */
+    kvt_seq *child = NULL;
+    cr_assert_eq(kvt_seq_fork(x.seq, 99, &child), KVT_OK, "%s", kvt_last_error());
+    kvt_layer_stats lc;
+    memset(&lc, 0, sizeof lc);
+    lc.struct_size = sizeof lc;
+    cr_assert_eq(kvt_seq_layer_stats(child, 0, &lc), KVT_OK);
+    cr_assert_eq(lc.recall_z, ls.recall_z);
+    cr_assert_eq(lc.recall_phase, ls.recall_phase);
+    cr_assert_eq(kvt_seq_check(child), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(child);
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
+}
+
+Test(rope_e2e, batch_run_lists_equal_the_oracle_cpu, .timeout = 240) {
+    e2e_run(KVT_BACKEND_CPU, 808);
+}
+
+Test(rope_e2e, batch_run_lists_equal_the_oracle_guarded, .timeout = 240) {
+    e2e_run(KVT_BACKEND_GUARDED, 808);
+}
+
+/* The fetch area in the pool: a reserve that cannot take it is KVT_ERR_POOL_EXHAUSTED with
+ * nothing reserved (the pool's free pages unchanged); a parked request slot gives its fetch pages
+ * back, and the slot serves a request without recall as before. */
+Test(rope_e2e, fetch_area_pool_and_slots) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_SOUND;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    /* 10 pages of 16 rows: the table needs at most 4 (56 rows), the fetch area the rest */
+    g_n_pages = 10;
+    rr x;
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_CPU, 21);
+    g_n_pages = 0;
+    e2e e;
+    e2e_init(&e, &x, 256);
+    float q[TR_MAXQ * 128];
+    int32_t indptr[RR_MAXH + 1];
+    int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
+    uint8_t dense;
+    kvt_status s = KVT_OK;
+    uint32_t free_before = 0, free_after = 0;
+    for (int step = 0; step < 200 && s == KVT_OK; step++) {
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        oview_free(&v);
+        cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &free_before), KVT_OK);
+        uint32_t one = 1;
+        s = kvt_batch_reserve(e.b, &x.seq, &one, 1);
+        if (s != KVT_OK)
+            break;
+        kvt_batch_destroy(e.b); /* give the reservation back: the next call reserves anew */
+        cr_assert_eq(kvt_batch_create(x.ctx, 1, &e.b), KVT_OK);
+        cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense),
+                     KVT_OK, "step %d: %s", step, kvt_last_error());
+    }
+    cr_assert_eq(s, KVT_ERR_POOL_EXHAUSTED, "the fetch area outgrew the pool (%s)",
+                 kvt_status_name(s));
+    cr_assert(strstr(kvt_last_error(), "fetch") != NULL || strstr(kvt_last_error(), "pages"),
+              "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &free_after), KVT_OK);
+    cr_assert_eq(free_after, free_before, "nothing reserved");
+    cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
+
+    /* request slots (max_seqs with max_rows): parking gives the fetch pages back */
+    g_max_seqs = 2;
+    g_max_rows = 512;
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_GUARDED, 22);
+    g_max_seqs = g_max_rows = 0;
+    uint32_t all_free;
+    e2e_init(&e, &x, 512);
+    indices = malloc(sizeof(int32_t) * e.cap_idx);
+    cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &all_free), KVT_OK);
+    all_free += x.seq->pt[0].n_pages; /* none yet: created, nothing reserved */
+    for (int step = 0; step < 80; step++) {
+        oview v;
+        oview_read(&x, &v);
+        uint32_t aimed;
+        make_queries(&x, &v, q, &aimed);
+        oview_free(&v);
+        cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense),
+                     KVT_OK, "step %d: %s", step, kvt_last_error());
+    }
+    cr_assert_gt(x.seq->fetch[0].n_pages, 0u);
+    kvt_batch_destroy(e.b);
+    e.b = NULL;
+    kvt_seq_destroy(x.seq); /* parked */
+    uint32_t now_free;
+    cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &now_free), KVT_OK);
+    cr_assert_eq(now_free, all_free, "every page back, the fetch area's too");
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 5;
+    sp.recall = KVT_RECALL_OFF;
+    cr_assert_eq(kvt_seq_create(x.ctx, &sp, &x.seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert(!kvt__seq_recalls_rope(x.seq, 0));
+    x.n_tok = 0;
+    for (int step = 0; step < 70; step++)
+        rr_step(&x, 1, step % 2 == 0); /* plain random eviction through the usual layouts */
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
+}
+
+/* A batch of two requests, one recalling on the RoPE layer and one not, emitted together with
+ * KVT_EMIT_CSR_KV_HEADS in both orders: the recalling one's lists are the oracle's, the other's
+ * n_kv lists are each its attended rows (the table's slots); the offsets chain across both. */
+Test(rope_e2e, mixed_batch_chains_the_lists, .timeout = 240) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    rr x; /* x.seq recalls; y shares x's context and rows generator but not its recall */
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_GUARDED, 909);
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 77;
+    sp.recall = KVT_RECALL_OFF;
+    kvt_seq *other = NULL;
+    cr_assert_eq(kvt_seq_create(x.ctx, &sp, &other), KVT_OK, "%s", kvt_last_error());
+    cr_assert(!kvt__seq_recalls_rope(other, 0));
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(x.ctx, 2, &b), KVT_OK);
+    const uint32_t H = x.H, D = x.D, nq = x.sp.n_q_heads;
+    const uint32_t cap = 2 * H * 256;
+    kvt_buffer *qbuf, *ibuf, *pbuf;
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(float) * 2 * nq * D, &qbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * cap, &ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * (2 * H + 1), &pbuf), KVT_OK);
+    int32_t *indices = malloc(sizeof(int32_t) * cap), indptr[2 * RR_MAXH + 1];
+    float q[2 * TR_MAXQ * 128], best[TR_MAXQ];
+    trig t;
+    memset(&t, 0, sizeof t);
+    kvt__conformal_init(&t.conf, t.conf_samples, 64 * nq);
+    uint8_t *other_rows = malloc((size_t)2 * H * x.sp.row_bytes);
+    uint64_t other_n = 0, fetched = 0;
+    bool calibrating = true;
+    for (int step = 0; step < 90; step++) {
+        const bool recall_first = step % 2 == 0;
+        kvt_seq *seqs[2] = {recall_first ? x.seq : other, recall_first ? other : x.seq};
+        const uint32_t ri = recall_first ? 0 : 1; /* the recalling request's place */
+        uint32_t ones[2] = {1, 1};
+        cr_assert_eq(kvt_batch_reserve(b, seqs, ones, 2), KVT_OK, "%s", kvt_last_error());
+        rr_write(&x, 1);
+        for (uint32_t p = 0; p < 2; p++) { /* the other request's row: any finite bytes */
+            for (uint32_t k = 0; k < H * x.sp.row_bytes / 2; k++) {
+                uint16_t v = kvt__f32_to_bf16((float)tu_normal(&x.rng));
+                memcpy(other_rows + p * H * x.sp.row_bytes + 2 * k, &v, 2);
+            }
+            cr_assert_eq(kvt_seq_write(other, 0, p, 0, 1, other_rows + p * H * x.sp.row_bytes,
+                                       H * x.sp.row_bytes),
+                         KVT_OK);
+        }
+        oview v0;
+        oview_read(&x, &v0);
+        uint32_t aimed;
+        make_queries(&x, &v0, q + (size_t)ri * nq * D, &aimed);
+        oview_free(&v0);
+        cr_assert_eq(kvt_buffer_write(qbuf, 0, q, sizeof(float) * 2 * nq * D), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+        uint32_t topk, total;
+        cr_assert_eq(kvt_batch_capacity(b, 0, &topk, &total), KVT_OK);
+        cr_assert_leq(H * total, cap);
+        kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_CSR_KV_HEADS,
+                       .indices = kvt_buffer_ptr(ibuf), .capacity = H * total,
+                       .indptr = kvt_buffer_ptr(pbuf), .queries_per_seq = 1};
+        cr_assert_eq(kvt_batch_run(b, 0, kvt_buffer_ptr(qbuf), NULL, &em), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
+        x.n_tok++;
+        other_n++;
+        cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_check(other), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_buffer_read(pbuf, 0, indptr, sizeof(int32_t) * (2 * H + 1)), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(ibuf, 0, indices, sizeof(int32_t) * cap), KVT_OK);
+        cr_assert_eq(indptr[0], 0);
+        /* the recalling request: its lists against the oracle (offsets rebased) */
+        oview v;
+        oview_read(&x, &v);
+        const float *qx = q + (size_t)ri * nq * D;
+        o_best(&x, &v, qx, best);
+        kvt__recall_state rs;
+        dev_read(&x, &rs, x.seq->rrope[0].base.st, sizeof rs);
+        if (v.ar_n && calibrating)
+            calibrating = o_calibrate(&t, &x, &v, qx, best);
+        int32_t local[RR_MAXH + 1];
+        for (uint32_t h = 0; h <= H; h++)
+            local[h] = indptr[ri * H + h] - indptr[ri * H];
+        check_lists(&x, rs.last_dense != 0, &v, qx, best, KVT__RECALL_CONFORMAL, t.conf.z, local,
+                    indices + indptr[ri * H], &fetched);
+        oview_free(&v);
+        /* the other request: every head lists its table's rows [0, n_rows) in order */
+        int32_t pages[64];
+        uint32_t n_pages;
+        uint64_t n_rows;
+        cr_assert_eq(kvt_seq_block_table(other, 0, pages, 64, &n_pages, &n_rows), KVT_OK);
+        const uint32_t oi = 1 - ri;
+        for (uint32_t h = 0; h < H; h++) {
+            const int32_t *l = indices + indptr[oi * H + h];
+            cr_assert_eq((uint64_t)(indptr[oi * H + h + 1] - indptr[oi * H + h]), n_rows,
+                         "step %d head %u", step, h);
+            for (uint64_t r = 0; r < n_rows; r++)
+                cr_assert_eq(l[r], pages[r / 16] * 16 + (int32_t)(r % 16));
+        }
+    }
+    cr_assert(!calibrating);
+    cr_assert_gt(fetched, 0u);
+    cr_assert_gt(other_n, 60u);
+    free(indices);
+    free(other_rows);
+    kvt_batch_destroy(b);
+    kvt_buffer_free(qbuf);
+    kvt_buffer_free(ibuf);
+    kvt_buffer_free(pbuf);
+    kvt_seq_destroy(other);
+    rr_fini(&x);
+}
+
+/* KVT_EMIT_CSR_KV_HEADS on a layer without recall and with more KV heads than one pack call
+ * takes (80): every head lists the table's rows, in order, offsets chained. */
+Test(rope_e2e, kv_heads_layout_many_heads) {
+    const uint32_t H = 80, D = 16;
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, H, D, &sp), KVT_OK);
+    kvt_model *m = NULL;
+    cr_assert_eq(kvt_model_create(&sp, 1, "heads", &m, NULL, 0), KVT_OK);
+    kvt_config cfg = rr_cfg(16, 4, 8);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.config = &cfg;
+    p.model = m;
+    p.page_rows = 16;
+    p.n_pages = 16;
+    kvt_ctx *ctx = NULL;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_seq *seq = NULL;
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    const size_t slot = (size_t)H * sp.row_bytes;
+    uint8_t *row = calloc(1, slot);
+    int32_t *idx = malloc(sizeof(int32_t) * H * 64), ptr[81];
+    for (int step = 0; step < 40; step++) {
+        uint32_t one = 1;
+        cr_assert_eq(kvt_batch_reserve(b, &seq, &one, 1), KVT_OK);
+        for (uint32_t pl = 0; pl < 2; pl++)
+            cr_assert_eq(kvt_seq_write(seq, 0, pl, 0, 1, row, slot), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+        uint32_t topk, total;
+        cr_assert_eq(kvt_batch_capacity(b, 0, &topk, &total), KVT_OK);
+        kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_CSR_KV_HEADS, .indices = idx,
+                       .capacity = H * total, .indptr = ptr, .queries_per_seq = 1};
+        cr_assert_eq(kvt_batch_run(b, 0, NULL, NULL, &em), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK);
+        cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
+        int32_t pages[16];
+        uint32_t n_pages;
+        uint64_t n_rows;
+        cr_assert_eq(kvt_seq_block_table(seq, 0, pages, 16, &n_pages, &n_rows), KVT_OK);
+        cr_assert_eq(ptr[0], 0);
+        for (uint32_t h = 0; h < H; h++) {
+            cr_assert_eq((uint64_t)(ptr[h + 1] - ptr[h]), n_rows, "step %d head %u", step, h);
+            for (uint64_t r = 0; r < n_rows; r++)
+                cr_assert_eq(idx[ptr[h] + r], pages[r / 16] * 16 + (int32_t)(r % 16));
+        }
+    }
+    free(row);
+    free(idx);
+    kvt_batch_destroy(b);
+    kvt_seq_destroy(seq);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
