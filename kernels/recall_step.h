@@ -29,11 +29,8 @@
 #include "kernels/conformal.h"
 #include "kernels/recall_scan.h"
 
-/* Floats of scratch kvt__recall_step_cpu takes for a (request, layer) of n_closed closed rows
- * (and, with group planes, blocks of block_rows rows; 0: none). */
-size_t kvt__recall_step_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D,
-                                       uint32_t branch_dim, uint64_t n_closed,
-                                       uint32_t block_rows);
+/* Floats of scratch kvt__recall_step_cpu takes for this work item. */
+size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x);
 /* One work item, arguments checked by the caller (the scan's rules, plus st, samples). */
 void kvt__recall_step_cpu(const kvt__recall_step_args *a, float *scratch);
 

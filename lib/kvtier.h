@@ -381,6 +381,18 @@ typedef struct kvt_config {
     bool salience_budget;
     uint32_t budget_min_kept; /* the floor of kept rows in budget mode (256) */
     kvt_sigma_basis sigma_basis; /* KVT_SIGMA_FOURIER; a struct that ends before it gets that */
+    /* Recall promotion (docs/recall.md §6; a request with recall on; off by default). An
+     * archived row that fired in at least recall_promote_hits of the request's last
+     * recall_promote_window recall steps joins the layer's promoted set: attended without
+     * recall from the next step on (it counts in best_h and is emitted every step) until it
+     * stops mattering. The set holds at most recall_promote_capacity rows (C), reserved out of
+     * the salience budget: every close keeps m − min(C, m − 1) rows by σ (the lowest-σ of the
+     * top m give way), so sinks + kept + promoted + tail never exceeds the budget without
+     * promotion. 0 (the default): off, every decision as without these fields. C <= 2^16,
+     * 1 <= hits <= window <= 32 (3 of 8). A struct that ends before them gets the defaults. */
+    uint32_t recall_promote_capacity;
+    uint32_t recall_promote_hits;
+    uint32_t recall_promote_window;
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
@@ -980,6 +992,13 @@ typedef struct kvt_layer_stats {
     /* Committed rows per attended row (per KV head) now: the compression the step really gets,
      * tail included (0 when nothing is attended). */
     double effective_ratio;
+    /* Recall promotion (config.recall_promote_capacity > 0; zero otherwise): rows promoted now
+     * (attended at every step without recall, part of the certificate), the room the last close
+     * reserved for them, and totals: rows promoted, demoted (no hit in the window at a close),
+     * absorbed (a close kept them by σ). */
+    uint64_t recall_promoted;
+    uint64_t recall_promote_room;
+    uint64_t recall_promotions, recall_demotions, recall_absorbed;
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

@@ -133,7 +133,8 @@ kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *
     return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg), NULL);
 }
 
-uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg) {
+/* The top-m size before promotion's reserve (kvt__sal_m without it). */
+static uint64_t budget_m(uint64_t closed_rows, const kvt_config *cfg) {
     if (closed_rows == 0)
         return 0;
     const uint64_t ratio = cfg->ratio;
@@ -150,6 +151,17 @@ uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg) {
     if (m < cfg->budget_min_kept)
         m = cfg->budget_min_kept;
     return m > closed_rows ? closed_rows : m;
+}
+
+uint64_t kvt__sal_promote_room(uint64_t closed_rows, const kvt_config *cfg) {
+    if (cfg->recall == KVT_RECALL_OFF || cfg->recall_promote_capacity == 0)
+        return 0;
+    const uint64_t m = budget_m(closed_rows, cfg);
+    return m <= 1 ? 0 : m - 1 < cfg->recall_promote_capacity ? m - 1 : cfg->recall_promote_capacity;
+}
+
+uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg) {
+    return budget_m(closed_rows, cfg) - kvt__sal_promote_room(closed_rows, cfg);
 }
 
 /* The scoring of the block starting at position `first` of a job's layer into out[0..B). */
