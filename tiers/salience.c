@@ -889,6 +889,18 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
                          l->st->layer, (unsigned long long)v[7], (unsigned long long)v[8],
                          (unsigned long long)v[9], sa->sk_stride, l->st->rbasis.rank,
                          (unsigned)l->st->rbasis.id);
+    const uint64_t room = kvt__sal_promote_room(t.closed_rows, cfg);
+    if (t.closed_rows <= t.n_rows && t.closed_rows % B == 0 &&
+        t.n_kept != kvt__sal_m(t.closed_rows, cfg) && t.n_kept <= budget_m(t.closed_rows, cfg) &&
+        t.n_kept + (1u << 16) >= budget_m(t.closed_rows, cfg)) /* a promotion reserve's */
+        return kvt__fail(env->err, env->err_len, KVT_ERR_MISMATCH,
+                         "salience state of layer %u: %llu kept rows of %llu closed; this context "
+                         "keeps %llu with %llu reserved for recall promotion (a snapshot of a "
+                         "request with another config.recall_promote_capacity or recall mode)",
+                         l->st->layer, (unsigned long long)t.n_kept,
+                         (unsigned long long)t.closed_rows,
+                         (unsigned long long)kvt__sal_m(t.closed_rows, cfg),
+                         (unsigned long long)room);
     const char *bad = NULL;
     if (t.n_rows != l->pt->n_rows)
         bad = "rows differ from the page table's";
