@@ -126,6 +126,9 @@ class ConfigC(ctypes.Structure):
         ("salience_budget", ctypes.c_bool),
         ("budget_min_kept", c_u32),
         ("sigma_basis", c_enum),
+        ("recall_promote_capacity", c_u32),
+        ("recall_promote_hits", c_u32),
+        ("recall_promote_window", c_u32),
     ]
 
 
@@ -216,6 +219,11 @@ class LayerStatsC(ctypes.Structure):
         ("recall_last_dense", ctypes.c_bool),
         ("recall_last_overflow", ctypes.c_bool),
         ("effective_ratio", ctypes.c_double),
+        ("recall_promoted", c_u64),
+        ("recall_promote_room", c_u64),
+        ("recall_promotions", c_u64),
+        ("recall_demotions", c_u64),
+        ("recall_absorbed", c_u64),
     ]
 
 
