@@ -125,7 +125,7 @@ typedef struct kvt__recall_state {
     uint64_t visited, fired, fetched; /* sums of the last_* over the steps */
 } kvt__recall_state;
 
-/* Recall promotion of one (request, layer) (docs/recall.md §6), in the backend's memory after
+/* Recall promotion of one (request, layer) (docs/recall.md §4.2), in the backend's memory after
  * the trigger state: this header, then cand_row [cand_cap], cand_hist [cand_cap], prom_row
  * [prom_cap], prom_hist [prom_cap] (u32). A history's bit k says the row hit k steps ago (bit 0:
  * the last step), masked to the window. Candidates: archived rows that fired in the window,
@@ -135,7 +135,7 @@ typedef struct kvt__recall_promo {
     uint32_t n_prom;      /* promoted rows now */
     uint32_t n_cand;      /* candidates now */
     uint32_t last_closed; /* closed rows at the last step (a change: a block closed since) */
-    uint32_t reserved0;   /* 0 */
+    uint32_t last_promoted; /* promoted rows the last step attended (the certificate's) */
     uint64_t promotions, demotions, absorbed; /* totals */
 } kvt__recall_promo;
 

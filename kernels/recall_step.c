@@ -323,6 +323,7 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         pv = promo_of(x);
         n_merged = promo_before(x, &pv, S, merged);
         promoted = pv.h->n_prom;
+        pv.h->last_promoted = pv.h->n_prom;
         for (uint32_t h = 0; h < H; h++)
             best_ar[h] = best[h];
         for (uint32_t i = 0; i < pv.h->n_prom; i++) {

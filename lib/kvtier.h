@@ -304,7 +304,8 @@ KVT_API kvt_status kvt_model_census(const kvt_model *model, uint64_t context, ui
 /* The recall trigger on salience layers (docs/recall.md §4; needs params.recall_sketch_rank > 0
  * and a backend with the recall ops). Each decode step (one query token per request), per query
  * head h, best_h = the highest exact score over the rows attended without recall (sinks, kept,
- * tail); an archived row a (a closed row outside the kept set) is fetched for the step when, for
+ * tail, promoted: config.recall_promote_capacity); an archived row a (a closed row outside the
+ * kept and promoted sets) is fetched for the step when, for
  * some head, its approximate score idx_a (branch exact, latent through the rank-r sketch) plus a
  * certificate reaches best_h. At most config.recall_cap_rows rows (W) a step: past W the step
  * attends every row and says so (kvt_emit.dense, statistics). Steps of several query tokens
@@ -381,11 +382,12 @@ typedef struct kvt_config {
     bool salience_budget;
     uint32_t budget_min_kept; /* the floor of kept rows in budget mode (256) */
     kvt_sigma_basis sigma_basis; /* KVT_SIGMA_FOURIER; a struct that ends before it gets that */
-    /* Recall promotion (docs/recall.md §6; a request with recall on; off by default). An
+    /* Recall promotion (docs/recall.md §4.2; a request with recall on; off by default). An
      * archived row that fired in at least recall_promote_hits of the request's last
      * recall_promote_window recall steps joins the layer's promoted set: attended without
      * recall from the next step on (it counts in best_h and is emitted every step) until it
-     * stops mattering. The set holds at most recall_promote_capacity rows (C), reserved out of
+     * stops mattering (no hit in the window at a close: demoted; kept by a close's σ: absorbed).
+     * The set holds at most recall_promote_capacity rows (C), reserved out of
      * the salience budget: every close keeps m − min(C, m − 1) rows by σ (the lowest-σ of the
      * top m give way), so sinks + kept + promoted + tail never exceeds the budget without
      * promotion. 0 (the default): off, every decision as without these fields. C <= 2^16,
@@ -995,10 +997,12 @@ typedef struct kvt_layer_stats {
     /* Recall promotion (config.recall_promote_capacity > 0; zero otherwise): rows promoted now
      * (attended at every step without recall, part of the certificate), the room the last close
      * reserved for them, and totals: rows promoted, demoted (no hit in the window at a close),
-     * absorbed (a close kept them by σ). */
+     * absorbed (a close kept them by σ); then the rows the last step attended as promoted (the
+     * step's certificate: promotions at a step take effect at the next). */
     uint64_t recall_promoted;
     uint64_t recall_promote_room;
     uint64_t recall_promotions, recall_demotions, recall_absorbed;
+    uint64_t recall_last_promoted; /* promoted rows the last step attended (its certificate) */
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

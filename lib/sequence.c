@@ -1242,6 +1242,7 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
             out->recall_promotions = pr.promotions;
             out->recall_demotions = pr.demotions;
             out->recall_absorbed = pr.absorbed;
+            out->recall_last_promoted = pr.last_promoted;
         }
     }
     /* promoted rows are attended at every step: they count in the compression */

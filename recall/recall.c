@@ -274,7 +274,7 @@ kvt_status kvt__recall_promo_check(const kvt__recall_layer *r, const void *in, u
     const uint32_t *cr = (const uint32_t *)((const uint8_t *)in + sizeof pr);
     const uint32_t *ch = cr + r->cand_cap, *pw = ch + r->cand_cap, *ph = pw + r->prom_cap;
     const uint32_t mask = window >= 32 ? UINT32_MAX : (1u << window) - 1u;
-    if (pr.reserved0 || pr.n_prom > r->prom_cap || pr.n_cand > r->cand_cap ||
+    if (pr.last_promoted > r->prom_cap || pr.n_prom > r->prom_cap || pr.n_cand > r->cand_cap ||
         pr.last_closed > n_closed)
         return kvt__fail(err, len, KVT_ERR_INVARIANT,
                          "recall promotion: %u promoted (room for %u), %u candidates (room for "

@@ -31,7 +31,7 @@ typedef struct kvt__recall_layer {
     uint32_t *n_fired;
     uint32_t *overflow;
     uint32_t n_heads, sample_cap, cap;
-    /* Promotion (kernels/backend.h, kvt__recall_promo; docs/recall.md §6): the header and its
+    /* Promotion (kernels/backend.h, kvt__recall_promo; docs/recall.md §4.2): the header and its
      * tables after the trigger state, prom_cap promoted rows and cand_cap candidates; promo
      * NULL (prom_cap 0): off, the buffer laid out as without promotion. The fetch buffer holds
      * cap + prom_cap rows. */

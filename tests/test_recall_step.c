@@ -957,10 +957,10 @@ Test(recall_step, review_csr_every_row_second_run_flag_and_small_latents) {
     kvt_model_destroy(m);
 }
 
-/* ---- Promotion (docs/recall.md §6) ---------------------------------------------------------- */
+/* ---- Promotion (docs/recall.md §4.2) ---------------------------------------------------------- */
 
 /* The host oracle of promotion: the promoted set and the candidate table, from the oracle's
- * fired sets, by the rule as docs/recall.md §6 states it. */
+ * fired sets, by the rule as docs/recall.md §4.2 states it. */
 typedef struct promo_oracle {
     uint32_t prom[64], prom_hist[64], n_prom;
     uint32_t cand[256], cand_hist[256], n_cand;
@@ -1110,6 +1110,7 @@ Test(recall_step, promotion_matches_the_oracle_and_keeps_the_budget, .timeout = 
             decode(&r, q, &o);
             const uint64_t n_rows = r.n;
             oracle_promo_close(&r, &po, &o);
+            const uint32_t attended_prom = po.n_prom;
             uint8_t base[NMAX], extra[NMAX], want[NMAX];
             base_set(&r, &o, n_rows, base);
             memset(extra, 0, sizeof extra);
@@ -1152,6 +1153,7 @@ Test(recall_step, promotion_matches_the_oracle_and_keeps_the_budget, .timeout = 
             cr_assert_eq(st.recall_promoted, po.n_prom);
             cr_assert_eq(st.recall_promote_room, room);
             cr_assert_eq(st.recall_promotions, po.promotions);
+            cr_assert_eq(st.recall_last_promoted, attended_prom);
             max_prom = po.n_prom > max_prom ? po.n_prom : max_prom;
             if (run < 2) {
                 memcpy(sets[run][step], o.idx, sizeof(int32_t) * o.len);

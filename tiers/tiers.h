@@ -223,7 +223,7 @@ kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *
  * budget mode (cfg->salience_budget) the tail-aware m of kvtier.h's kvt_config; minus the rows
  * reserved for recall promotion (kvt__sal_promote_room). */
 uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg);
-/* The rows of the budget a close reserves for recall's promoted set (docs/recall.md §6):
+/* The rows of the budget a close reserves for recall's promoted set (docs/recall.md §4.2):
  * min(config.recall_promote_capacity, m − 1) with m the budget's top-m, for a request with
  * recall and promotion on; 0 otherwise (every decision as without promotion). */
 uint64_t kvt__sal_promote_room(uint64_t closed_rows, const kvt_config *cfg);

@@ -224,6 +224,7 @@ class LayerStatsC(ctypes.Structure):
         ("recall_promotions", c_u64),
         ("recall_demotions", c_u64),
         ("recall_absorbed", c_u64),
+        ("recall_last_promoted", c_u64),
     ]
 
 
