@@ -1079,8 +1079,8 @@ static void expect_promo(const rig *r, const promo_oracle *po, uint32_t step) {
     cr_assert_eq(h.absorbed, po->absorbed);
 }
 
-/* Promotion end to end, sound mode (no calibration), C = 16, 3 hits of 8: the rows the
- * library promotes, its candidate table and every emitted set equal the host oracle's, step by
+/* Promotion end to end, 3 hits of 8, sound mode (and conformal after its calibration): the rows
+ * the library promotes, its candidate table and every emitted set equal the host oracle's, step by
  * step over closes (absorption, demotion), on the CPU and guarded backends alike (same slots);
  * a small W overflows (dense steps count no hit). The budget holds at every step: sinks + kept
  * + promoted + tail <= sinks + m + tail with m the top-m without promotion, and the emitted set
@@ -1089,13 +1089,16 @@ Test(recall_step, promotion_matches_the_oracle_and_keeps_the_budget, .timeout = 
     static step_out o;
     static int32_t sets[2][240][NMAX];
     static uint32_t lens[2][240];
-    const uint32_t W[4] = {4096, 4096, 48, 4096}, C[4] = {16, 16, 16, 60};
+    const uint32_t W[5] = {4096, 4096, 48, 4096, 4096}, C[5] = {16, 16, 16, 60, 16};
+    const kvt_recall_mode M[5] = {KVT_RECALL_SOUND, KVT_RECALL_SOUND, KVT_RECALL_SOUND,
+                                  KVT_RECALL_SOUND, KVT_RECALL_CONFORMAL};
     uint64_t absorbed = 0;
-    for (int run = 0; run < 4; run++) {
+    for (int run = 0; run < 5; run++) {
         g_promote[0] = C[run];
         rig r;
-        rig_open(&r, run == 1 ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU, KVT_RECALL_SOUND,
-                 W[run], 1.0f, 515);
+        rig_open(&r, run == 1 ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU, M[run], W[run], 1.0f,
+                 515);
+        bool calibrating = M[run] == KVT_RECALL_CONFORMAL;
         kvt_config off = r.c;
         off.recall_promote_capacity = 0;
         promo_oracle po = {.cap = C[run], .hits = 3, .mask = 0xffu};
@@ -1105,7 +1108,9 @@ Test(recall_step, promotion_matches_the_oracle_and_keeps_the_budget, .timeout = 
         for (uint32_t step = 0; step < 240; step++) {
             float q[H * QD];
             /* aim at one row for a while (it gets promoted and keeps hitting), then let go */
-            int64_t target = step < 70 && step % 2 == 0 ? 200 : step % 7 == 0 ? (int64_t)(300 + step) : -1;
+            int64_t target = step < 70 && step % 2 == 0 ? 200
+                             : step % 7 == 0           ? (int64_t)(300 + step)
+                                                       : -1;
             make_queries(&r, q, target);
             decode(&r, q, &o);
             const uint64_t n_rows = r.n;
@@ -1125,8 +1130,16 @@ Test(recall_step, promotion_matches_the_oracle_and_keeps_the_budget, .timeout = 
             }
             for (uint64_t u = 0; u < n_rows; u++)
                 extra[u] = extra[u] && has(po.prom, po.n_prom, (uint32_t)u);
-            oracle_fire_with(&r, &o, q, n_rows, sqrtf((float)(D - 64)), KVT__RECALL_SOUND,
-                             extra, want);
+            if (calibrating) { /* dense, no hit; nothing can be promoted yet */
+                cr_assert_eq(po.n_prom, 0);
+                cr_assert_eq(o.dense, 1);
+                calibrating = oracle_calibrate(&r, &o, q, n_rows);
+                memcpy(want, base, n_rows);
+            } else {
+                oracle_fire_with(&r, &o, q, n_rows,
+                                 M[run] == KVT_RECALL_SOUND ? sqrtf((float)(D - 64)) : r.conf.z,
+                                 (int)M[run], extra, want);
+            }
             uint8_t fired[NMAX];
             for (uint64_t u = 0; u < n_rows; u++)
                 fired[u] = want[u] && !base[u] && !extra[u];
@@ -1160,9 +1173,9 @@ Test(recall_step, promotion_matches_the_oracle_and_keeps_the_budget, .timeout = 
                 lens[run][step] = o.len;
             }
         }
-        cr_log_info("promotion, C %u W %u: %llu promoted, %llu demoted, %llu absorbed, at most %llu "
+        cr_log_info("promotion, mode %d C %u W %u: %llu promoted, %llu demoted, %llu absorbed, at most %llu "
                     "at once, %u dense steps",
-                    C[run], W[run], (unsigned long long)po.promotions, (unsigned long long)po.demotions,
+                    (int)M[run], C[run], W[run], (unsigned long long)po.promotions, (unsigned long long)po.demotions,
                     (unsigned long long)po.absorbed, (unsigned long long)max_prom, dense_steps);
         cr_assert_gt(po.promotions, 0, "nothing promoted: the test proves nothing");
         cr_assert_gt(po.demotions, 0, "nothing demoted: the demotion path is untested");
