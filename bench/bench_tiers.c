@@ -6,7 +6,8 @@
  *      rows it keeps, per-head and shared-draw;
  *   3. the attended set in FlashMLA's layout at 128k context, 32x, vs memcpy of as many int32s;
  *   4. (and the decode step of a batch, below); prefix sharing: memory of n forked children vs
- *      unshared requests, and the forks' cost vs copying the prompt.
+ *      unshared requests, and the forks' cost vs copying the prompt; the salience side planes
+ *      (σ, sketches) they share (`bench_tiers REPS side`: those figures alone).
  * Each figure is the best of several repetitions. Usage: bench_tiers [reps]
  */
 #include "kvtier.h"
@@ -477,16 +478,112 @@ static void bench_fork(int reps, uint32_t P, uint32_t n, uint32_t D) {
     kvt_model_destroy(m);
 }
 
+/* Prefix sharing of the salience side planes: a P-row prompt on L MLA-NoPE layers (bf16, 512 +
+ * 64; the design's B = 4096, recall sketches of rank 64: σ 4 B + 64 fp16 + ρ 4 B = 136 B a
+ * closed row) forked into n children, vs n + 1 unshared requests fed the same rows. The
+ * context's memory (kvt_ctx_memory_stats: a shared page or plane set counted once) right after
+ * the forks and each child's first one-row step, then after every request has decoded B rows of
+ * its own (its next close copies the set it shared first). The n forks' time vs feeding the
+ * prompt n times (rows written, the block's σ and sketches computed). */
+static kvt_ctx_memory ctx_memory(const kvt_ctx *ctx) {
+    kvt_ctx_memory mm = {.struct_size = sizeof mm};
+    kvt_status s = kvt_ctx_memory_stats(ctx, &mm);
+    if (s)
+        die(s, "memory statistics", kvt_last_error());
+    return mm;
+}
+
+static void bench_fork_side(int reps, uint32_t P, uint32_t n) {
+    const uint32_t L = 4, B = 4096, PR = 64;
+    kvt_layer_spec specs[4];
+    for (uint32_t l = 0; l < L; l++)
+        kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &specs[l]);
+    kvt_model *m;
+    char err[256];
+    kvt_status s = kvt_model_create(specs, L, "bench", &m, err, sizeof err);
+    if (s)
+        die(s, "model", err);
+    const size_t slot = 576 * 2;
+    uint8_t *rows = malloc((size_t)P * slot);
+    fill_bf16(rows, (size_t)P * 576);
+    const uint32_t NP = (n + 1) * ((P + B) / PR + 2);
+    kvt_ctx_memory after[2][2];
+    double best[2] = {1e30, 1e30};
+    for (int r = 0; r < reps; r++)
+        for (int shared = 1; shared >= 0; shared--) {
+            kvt_ctx_params p = kvt_ctx_default_params();
+            kvt_config c = kvt_config_default();
+            c.block_rows = B;
+            p.config = &c;
+            p.model = m;
+            p.n_pages = NP;
+            p.page_rows = PR;
+            p.recall_sketch_rank = 64;
+            kvt_ctx *ctx;
+            if ((s = kvt_ctx_create(&p, &ctx, err, sizeof err)))
+                die(s, "context", err);
+            kvt_batch *b;
+            if ((s = kvt_batch_create(ctx, 1, &b)))
+                die(s, "batch", kvt_last_error());
+            kvt_seq *all[65];
+            all[0] = new_seq(ctx, 1, P);
+            feed_rows(b, all[0], m, P, rows, slot);
+            double t = now_s();
+            for (uint32_t i = 1; i <= n; i++) {
+                if (shared) {
+                    if ((s = kvt_seq_fork(all[0], 10 + i, &all[i])))
+                        die(s, "fork", kvt_last_error());
+                } else {
+                    all[i] = new_seq(ctx, 10 + i, P);
+                    feed_rows(b, all[i], m, P, rows, slot);
+                }
+            }
+            t = now_s() - t;
+            best[shared] = t < best[shared] ? t : best[shared];
+            for (uint32_t i = 0; i <= n; i++)
+                feed_rows(b, all[i], m, 1, rows, slot);
+            after[shared][0] = ctx_memory(ctx);
+            for (uint32_t i = 0; i <= n; i++) /* B - 1 more rows: each request closes a block */
+                for (uint32_t d = 1; d < B; d += 63)
+                    feed_rows(b, all[i], m, B - d < 63 ? B - d : 63, rows + (size_t)d * slot,
+                              slot);
+            after[shared][1] = ctx_memory(ctx);
+            kvt_batch_destroy(b);
+            kvt_ctx_destroy(ctx);
+        }
+    const double MB = 1024.0 * 1024.0;
+    for (int k = 0; k < 2; k++)
+        printf("prefix sharing   side planes, %u children of a %u-row prompt (%u MLA-NoPE layers, "
+               "B %u, sketch rank 64), %s: %.2f MB shared (%.2f MB of it in shared sets) vs "
+               "%.2f MB unshared (unshared/shared %.2fx); pool %.1f MB vs %.1f MB (%.2fx)\n",
+               n, P, L, B, k ? "after each decoded B rows of its own" : "after the forks",
+               after[1][k].side_bytes / MB, after[1][k].shared_side_bytes / MB,
+               after[0][k].side_bytes / MB,
+               (double)after[0][k].side_bytes / (double)after[1][k].side_bytes,
+               after[1][k].bytes_in_use / MB, after[0][k].bytes_in_use / MB,
+               (double)after[0][k].bytes_in_use / (double)after[1][k].bytes_in_use);
+    printf("prefix sharing   %u forks sharing the side planes %.3f ms vs %u unshared prompts fed "
+           "%.1f ms (%.2e x)\n",
+           n, best[1] * 1e3, n, best[0] * 1e3, best[1] / best[0]);
+    free(rows);
+    kvt_model_destroy(m);
+}
+
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 5;
     if (reps < 1)
         reps = 1;
     printf("bench_tiers: kvtier %s, CPU backend, best of %d\n", kvt_version(0, 0, 0), reps);
+    if (argc > 2 && strcmp(argv[2], "side") == 0) { /* the side planes' sharing alone */
+        bench_fork_side(reps, 4096, 8);
+        return 0;
+    }
     bench_salience(reps);
     bench_evict(reps, false);
     bench_evict(reps, true);
     bench_attended(reps);
     bench_batch_step(reps);
     bench_fork(reps, 4096, 8, 4096); /* rounds run in every child: the prompt stays shared */
+    bench_fork_side(reps, 4096, 8);
     return 0;
 }

@@ -52,7 +52,7 @@ typedef struct kvt__sketch_args {
     uint64_t first_row;
     uint32_t n_rows;        /* B */
     size_t slot_stride;     /* bytes between consecutive slots */
-    int dtype;              /* KVT__DT_BF16 / FP16 / FP32 (fp8 rows are refused at creation) */
+    int dtype;              /* kvt__sketch_dtype_ok: bf16 / fp16 / fp32 / fp8 (ds_mla layout) */
     uint32_t latent_dim;    /* D: the row's first D values (value_dim) */
     const float *basis;     /* [rank][latent_dim] fp32; NULL when rank is 0 */
     uint32_t rank;

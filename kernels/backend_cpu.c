@@ -154,7 +154,7 @@ size_t kvt__backend_sketch_floats(uint32_t n_rows, uint32_t latent_dim) {
 static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args *a) {
     if (a->latent_dim == 0 || a->latent_dim > KVT__SKETCH_MAX_DIM || a->rank > a->csk_stride ||
         a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) ||
-        (a->dtype != KVT__DT_BF16 && a->dtype != KVT__DT_FP16 && a->dtype != KVT__DT_FP32))
+        !kvt__sketch_dtype_ok(a->dtype, a->latent_dim))
         return KVT_ERR_INVALID_ARGUMENT;
     size_t n_sk = kvt__sketch_scratch_floats(a->latent_dim);
     size_t n = kvt__backend_sketch_floats(a->n_rows, a->latent_dim);
@@ -190,7 +190,8 @@ static bool dtype_ok(int dt) {
 static bool recall_scan_ok(const kvt__recall_scan_args *a) {
     if (a->latent_dim <= 64u || a->latent_dim > KVT__SKETCH_MAX_DIM ||
         a->branch_dim > KVT__RECALL_MAX_BRANCH || a->rank > a->csk_stride ||
-        a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) || !dtype_ok(a->dtype) ||
+        a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) ||
+        !kvt__sketch_dtype_ok(a->dtype, a->latent_dim) ||
         (a->branch_dim && !dtype_ok(a->branch_dtype)) || a->n_closed > UINT32_MAX ||
         a->m > a->n_closed || (a->cap && !a->fired) || !a->n_fired || !a->overflow ||
         !(a->scale > 0.0f && a->scale <= FLT_MAX))

@@ -112,8 +112,35 @@ KVT_HD uint16_t kvt__f32_to_f16(float f) {
     return (uint16_t)(sign | h);
 }
 
-/* Load element i of a row of dtype dt (bf16, fp16, fp32) as fp32. */
+/* OCP FP8 E4M3 ("FN": bias 7, no infinities, S.1111.111 is NaN, largest finite 448) -> fp32,
+ * exact. */
+KVT_HD float kvt__e4m3_to_f32(uint8_t b) {
+    uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    uint32_t exp = (b >> 3) & 0xfu;
+    uint32_t man = b & 0x7u;
+    if (exp == 0xfu && man == 0x7u)
+        return kvt__f32_from_bits(sign | 0x7fc00000u);
+    if (exp == 0) /* zero or subnormal: man · 2^-9, exact in fp32 */
+        return kvt__f32_from_bits(sign | kvt__bits_from_f32((float)man * 0.001953125f));
+    return kvt__f32_from_bits(sign | ((exp + 127u - 7u) << 23) | (man << 20));
+}
+
+/* The fp8 row kvtier reads (FlashMLA's 656-B "ds_mla" layout, DESIGN §1): KVT__FP8_VALUES fp8
+ * E4M3 latent values, then one fp32 scale per KVT__FP8_GROUP of them (4 scales at byte 512),
+ * then the bf16 branch (byte 528, read through branch_offset / branch_dtype, never as fp8).
+ * Latent value i = e4m3(byte i) · scale[i / 128], one fp32 rounding. A layer with fp8 rows
+ * must have exactly this layout (lib/context.c checks it before any kernel reads one). */
+#define KVT__FP8_VALUES 512u
+#define KVT__FP8_GROUP 128u
+
+/* Load element i of a row of dtype dt (bf16, fp16, fp32; fp8: latent i < KVT__FP8_VALUES of the
+ * layout above, p the row's first byte) as fp32. */
 KVT_HD float kvt__load_elem(const uint8_t *p, int dt, uint32_t i) {
+    if (dt == KVT__DT_FP8) {
+        float scale;
+        memcpy(&scale, p + KVT__FP8_VALUES + 4u * (i / KVT__FP8_GROUP), 4);
+        return kvt__e4m3_to_f32(p[i]) * scale;
+    }
     if (dt == KVT__DT_FP32) {
         float f;
         memcpy(&f, p + 4u * i, 4);
@@ -124,7 +151,7 @@ KVT_HD float kvt__load_elem(const uint8_t *p, int dt, uint32_t i) {
     return dt == KVT__DT_BF16 ? kvt__bf16_to_f32(h) : kvt__f16_to_f32(h);
 }
 
-/* Store v as element i of dtype dt (bf16, fp16, fp32), rounding to nearest even. */
+/* Store v as element i of dtype dt (bf16, fp16, fp32; not fp8), rounding to nearest even. */
 KVT_HD void kvt__store_elem(uint8_t *p, int dt, uint32_t i, float v) {
     if (dt == KVT__DT_FP32) {
         memcpy(p + 4u * i, &v, 4);

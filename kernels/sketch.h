@@ -44,7 +44,15 @@
 /* Largest basis rank (the public KVT_RECALL_MAX_RANK). */
 #define KVT__SKETCH_MAX_RANK 256u
 
-/* Latent value d of a row (row points at its first byte; bf16, fp16 or fp32 values). */
+/* A row dtype the sketch reads: bf16, fp16, fp32, or the fp8 ds_mla layout (kvt_hd.h) with a
+ * latent of at most its KVT__FP8_VALUES values. */
+KVT_HD int kvt__sketch_dtype_ok(int dtype, uint32_t D) {
+    return dtype == KVT__DT_BF16 || dtype == KVT__DT_FP16 || dtype == KVT__DT_FP32 ||
+           (dtype == KVT__DT_FP8 && D <= KVT__FP8_VALUES);
+}
+
+/* Latent value d of a row (row points at its first byte; bf16, fp16, fp32 or the fp8 ds_mla
+ * layout's scaled values). */
 KVT_HD float kvt__sketch_latent(const uint8_t *row, int dtype, uint32_t d) {
     return kvt__load_elem(row, dtype, d);
 }
@@ -98,7 +106,7 @@ KVT_HD float kvt__sketch_rho_canon(float rho) {
 size_t kvt__sketch_scratch_floats(uint32_t D);
 
 /* Sketch n_rows rows: row u at base + (size_t)slots[u] * slot_stride_bytes, its latent the first
- * D values of dtype (KVT__DT_BF16 / FP16 / FP32; fp8 rows are refused upstream). V: [rank][D]
+ * D values of dtype (kvt__sketch_dtype_ok: bf16 / fp16 / fp32 / fp8 ds_mla). V: [rank][D]
  * fp32 (NULL when rank is 0). Writes csk[u * csk_stride + k] for k < csk_stride (entries from
  * rank on are 0) and rho[u], in the fixed order above. scratch holds
  * kvt__sketch_scratch_floats(D) floats. Arguments are trusted (checked upstream): D <=

@@ -671,9 +671,28 @@ static uint64_t rows_at_ratio(uint64_t context, double ratio) {
 
 kvt_status kvt_model_census(const kvt_model *m, uint64_t context, uint64_t concurrency,
                             double ratio, kvt_census_totals *out) {
+    return kvt_model_census_shared(m, context, concurrency, ratio, 0, out);
+}
+
+/* Rows of a layer C requests hold together when each holds `rows` of which the first `shared`
+ * are one copy for all: C * rows - (C - 1) * shared (shared <= rows). */
+static bool held_once(uint64_t C, uint64_t rows, uint64_t shared, uint64_t *out) {
+    uint64_t all, dup;
+    if (C == 0) {
+        *out = 0;
+        return true;
+    }
+    if (!mul_u64(C, rows, &all) || !mul_u64(C - 1, shared, &dup))
+        return false;
+    *out = all - dup;
+    return true;
+}
+
+kvt_status kvt_model_census_shared(const kvt_model *m, uint64_t context, uint64_t concurrency,
+                                   double ratio, uint64_t shared_rows, kvt_census_totals *out) {
     if (out)
         memset(out, 0, sizeof *out);
-    if (!m || !out || !isfinite(ratio) || !(ratio >= 1.0))
+    if (!m || !out || !isfinite(ratio) || !(ratio >= 1.0) || shared_rows > context)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt_census_totals t = {0};
     t.kv_bytes_per_token = kvt_model_kv_bytes_per_token(m);
@@ -704,12 +723,20 @@ kvt_status kvt_model_census(const kvt_model *m, uint64_t context, uint64_t concu
             attended = stored;
             break;
         }
-        uint64_t per_req, dense, att, fr;
+        /* The shared prefix's rows the layer still holds (a sliding layer holds the last
+         * `stored` rows), and of them those a random-evicting layer keeps: the protected prompt,
+         * at most its budget. Every request reads its own attended rows. */
+        const uint64_t start = context - stored;
+        const uint64_t overlap = shared_rows > start ? shared_rows - start : 0;
+        const uint64_t kept = pol == KVT_POLICY_EVICT ? stored - freed : stored;
+        uint64_t per_req, rows_held, rows_kept, dense, att, fr;
         uint64_t bpt = kvt_layer_bytes_per_token(l);
-        if (!mul_u64(bpt, concurrency, &per_req) || !mul_u64(per_req, stored, &dense) ||
-            !mul_u64(per_req, attended, &att) || !mul_u64(per_req, freed, &fr) ||
-            !add_u64(&t.dense_bytes, dense) || !add_u64(&t.attended_bytes, att) ||
-            !add_u64(&t.freed_bytes, fr))
+        if (!mul_u64(bpt, concurrency, &per_req) ||
+            !held_once(concurrency, stored, overlap, &rows_held) ||
+            !held_once(concurrency, kept, overlap < kept ? overlap : kept, &rows_kept) ||
+            !mul_u64(bpt, rows_held, &dense) || !mul_u64(per_req, attended, &att) ||
+            !mul_u64(bpt, rows_held - rows_kept, &fr) || !add_u64(&t.dense_bytes, dense) ||
+            !add_u64(&t.attended_bytes, att) || !add_u64(&t.freed_bytes, fr))
             return KVT_ERR_OUT_OF_RANGE;
     }
     *out = t;

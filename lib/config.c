@@ -33,13 +33,8 @@ kvt_config kvt_config_default(void) {
 }
 
 kvt_status kvt_config_init(kvt_config *out, size_t struct_size) {
-    if (!out || struct_size < KVT_CONFIG_SIZE_MIN)
-        return KVT_ERR_INVALID_ARGUMENT;
-    kvt_config c = kvt_config_default();
-    c.struct_size = struct_size < sizeof c ? struct_size : sizeof c;
-    memcpy(out, &c, c.struct_size);
-    out->struct_size = struct_size;
-    return KVT_OK;
+    const kvt_config c = kvt_config_default();
+    return kvt__struct_init(out, struct_size, KVT_CONFIG_SIZE_MIN, &c, sizeof c, "kvt_config");
 }
 
 /* Caps that keep row arithmetic in 32 bits and far from overflow. */

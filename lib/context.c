@@ -59,6 +59,12 @@ kvt_ctx_params kvt_ctx_default_params(void) {
     return p;
 }
 
+kvt_status kvt_ctx_params_init(kvt_ctx_params *out, size_t struct_size) {
+    const kvt_ctx_params p = kvt_ctx_default_params();
+    return kvt__struct_init(out, struct_size, KVT_CTX_PARAMS_SIZE_MIN, &p, sizeof p,
+                            "kvt_ctx_params");
+}
+
 void kvt_ctx_destroy(kvt_ctx *ctx) {
     if (!ctx)
         return;
@@ -266,10 +272,15 @@ static kvt_status check_sketch_rank(const kvt_ctx *ctx, uint32_t r, char *err, s
         const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
         if (ctx->policies[i] != KVT_POLICY_SALIENCE)
             continue;
-        if (sp->dtype == KVT_DTYPE_FP8_E4M3)
+        /* fp8 rows are read in one layout only: FlashMLA's 656-B ds_mla row (kvt_hd.h). */
+        if (sp->dtype == KVT_DTYPE_FP8_E4M3 &&
+            (sp->value_dim != KVT__FP8_VALUES || sp->row_bytes != 656 ||
+             sp->branch_offset != KVT__FP8_VALUES + 4 * (KVT__FP8_VALUES / KVT__FP8_GROUP) ||
+             sp->branch_dtype != KVT_DTYPE_BF16 || sp->branch_dim != 64))
             return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                             "params.recall_sketch_rank: layer %u stores fp8 rows, whose latent "
-                             "kvtier cannot decode yet (no fp8 decoder with the ds_mla scales)",
+                             "params.recall_sketch_rank: layer %u stores fp8 rows in a layout "
+                             "other than the 656-B ds_mla row (512 fp8 values, 4 fp32 scales, "
+                             "64 bf16 branch values at byte 528), the only one kvtier decodes",
                              i);
         if (sp->value_dim > KVT__SKETCH_MAX_DIM || r > sp->value_dim)
             return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,

@@ -47,6 +47,7 @@
  *    scheduler  kvt_seq_create, kvt_seq_destroy, kvt_seq_set_prompt_rows, kvt_batch_create,
  *               kvt_batch_destroy, kvt_batch_reserve, kvt_batch_plan, kvt_batch_commit,
  *               kvt_layer_bind, kvt_layer_read, kvt_layer_write, kvt_ctx_free_pages,
+ *               kvt_ctx_memory_stats, kvt_seq_fork, kvt_seq_attach,
  *               kvt_buffer_alloc, kvt_buffer_free, kvt_buffer_read / _write (_async), and the
  *               inspection calls (kvt_seq_check, kvt_seq_layer_stats, kvt_seq_row_state,
  *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
@@ -297,6 +298,19 @@ typedef struct kvt_census_totals {
  * KVT_ERR_OUT_OF_RANGE (a total overflows 64 bits). *out is zeroed on error. */
 KVT_API kvt_status kvt_model_census(const kvt_model *model, uint64_t context, uint64_t concurrency,
                                     double ratio, kvt_census_totals *out);
+/* kvt_model_census when the requests share their first shared_rows tokens (prefix sharing:
+ * kvt_seq_fork, kvt_seq_attach; a common system prompt), which the pool holds once. Per layer,
+ * with O = the shared rows the layer still holds (sliding: those inside its last S rows, else
+ * shared_rows) and C = concurrency:
+ *   dense_bytes     C x S - (C - 1) x O               rows held with no policy
+ *   freed_bytes     dense rows - (C x K - (C - 1) x min(O, K)) for evict (the shared prefix is
+ *                   taken to be the protected prompt, which rounds keep shared); 0 otherwise
+ *   attended_bytes  as kvt_model_census: every request reads its own attended rows
+ * each times bytes_per_token. shared_rows 0 gives kvt_model_census's figures.
+ * KVT_ERR_INVALID_ARGUMENT also when shared_rows > context. */
+KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t context,
+                                           uint64_t concurrency, double ratio,
+                                           uint64_t shared_rows, kvt_census_totals *out);
 
 /* ---------------------------------------------------------------------------------------------
  * Configuration
@@ -482,10 +496,12 @@ typedef struct kvt_ctx_params {
      * rank 0) and ρ = the norm of what that fp16 sketch misses (fp32): 2r + 4 bytes a row, 132 B
      * at the design's r = 64, in the backend's memory, sized with the score plane (at
      * kvt_seq_create when max_rows_per_seq is stated). A layer without a basis gets empty
-     * sketches and ρ = the latent's norm. The trigger that reads them is not built yet: sketches
-     * change no attended set. 1..KVT_RECALL_MAX_RANK and at most every salience layer's
-     * value_dim (KVT_ERR_INVALID_ARGUMENT); salience layers with fp8 rows are
-     * KVT_ERR_UNSUPPORTED (kvtier has no fp8 decoder: a ds_mla row's latent needs its scales). */
+     * sketches and ρ = the latent's norm. The recall trigger (kvt_config.recall) reads them.
+     * 1..KVT_RECALL_MAX_RANK and at most every salience layer's value_dim
+     * (KVT_ERR_INVALID_ARGUMENT). fp8 rows are read in FlashMLA's 656-B ds_mla layout only (512
+     * E4M3 latent values, 4 fp32 scales, one per 128 values, the bf16 branch at byte 528; latent
+     * value i = e4m3(byte i) · scale[i / 128] in fp32); another fp8 layout is
+     * KVT_ERR_UNSUPPORTED. */
     uint32_t recall_sketch_rank;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
@@ -495,7 +511,12 @@ typedef struct kvt_ctx_params {
 typedef struct kvt_ctx kvt_ctx;
 typedef struct kvt_seq kvt_seq;
 
+/* The defaults by value: as kvt_config_default, safe only with this library's kvtier.h. */
 KVT_API kvt_ctx_params kvt_ctx_default_params(void);
+/* The defaults written into out's first struct_size bytes (the caller's sizeof), never past
+ * them; as kvt_config_init. KVT_ERR_INVALID_ARGUMENT for NULL or a size below
+ * KVT_CTX_PARAMS_SIZE_MIN. */
+KVT_API kvt_status kvt_ctx_params_init(kvt_ctx_params *out, size_t struct_size);
 /* Create a context. Errors: KVT_ERR_INVALID_ARGUMENT (bad params; err names the field),
  * KVT_ERR_UNSUPPORTED (a config option not available yet), KVT_ERR_NO_DEVICE (CUDA asked for and
  * absent), KVT_ERR_OUT_OF_MEMORY. err may be NULL; *out is NULL on failure. */
@@ -521,6 +542,28 @@ KVT_API int32_t kvt_ctx_layer_group(const kvt_ctx *ctx, uint32_t layer);
 KVT_API uint64_t kvt_ctx_host_allocations(const kvt_ctx *ctx);
 /* Pages free in a layer's group pool. */
 KVT_API kvt_status kvt_ctx_free_pages(const kvt_ctx *ctx, uint32_t layer, uint32_t *out);
+
+/* The memory a context's live requests hold now, summed over its groups and layers, with what
+ * requests share (kvt_seq_fork, kvt_seq_attach) counted once: a shared page is one page of the
+ * pool, a shared set of side planes one set. The sum over requests of kvt_layer_stats'
+ * pages_in_use / bytes_in_use / side_bytes counts it once per holder instead. */
+typedef struct kvt_ctx_memory {
+    size_t struct_size;        /* in: sizeof(kvt_ctx_memory) (output written up to it) */
+    uint64_t requests;         /* live requests (parked request slots are not) */
+    uint64_t pages_in_use;     /* pool pages held, over every group (each page once) */
+    uint64_t shared_pages;     /* of which held by more than one request */
+    uint64_t bytes_in_use;     /* their bytes: per group, pages x page_rows x the group's layers'
+                                * row bytes of every plane */
+    uint64_t shared_bytes;     /* of which in shared pages */
+    uint64_t side_bytes;       /* kvt_layer_stats.side_bytes over requests and layers, a shared
+                                * set counted once */
+    uint64_t shared_side_bytes;/* of which in sets held by more than one request */
+} kvt_ctx_memory;
+#define KVT_CTX_MEMORY_SIZE_MIN (offsetof(kvt_ctx_memory, shared_side_bytes) + sizeof(uint64_t))
+/* Fill *out (out->struct_size set by the caller). KVT_ERR_INVALID_ARGUMENT (NULL, a struct_size
+ * below KVT_CTX_MEMORY_SIZE_MIN), KVT_ERR_BAD_STATE (a step in flight: call between steps),
+ * KVT_ERR_OUT_OF_MEMORY (host scratch). O(requests x layers). */
+KVT_API kvt_status kvt_ctx_memory_stats(const kvt_ctx *ctx, kvt_ctx_memory *out);
 
 /* Base address and size of a layer's plane (0 = K or the MLA row, 1 = V): the array
  * [n_pages][page_rows][n_kv_heads][row_bytes]. KVT_ERR_OUT_OF_RANGE for a bad layer/plane,
@@ -656,7 +699,10 @@ typedef struct kvt_seq_params {
 } kvt_seq_params;
 #define KVT_SEQ_PARAMS_SIZE_MIN (offsetof(kvt_seq_params, recall) + sizeof(int32_t))
 
+/* The defaults by value: as kvt_config_default, safe only with this library's kvtier.h. */
 KVT_API kvt_seq_params kvt_seq_default_params(void);
+/* As kvt_ctx_params_init (KVT_SEQ_PARAMS_SIZE_MIN). */
+KVT_API kvt_status kvt_seq_params_init(kvt_seq_params *out, size_t struct_size);
 /* Create a request. params NULL: kvt_seq_default_params(). Errors: KVT_ERR_INVALID_ARGUMENT (NULL
  * ctx/out, a bad field: ratio above 2^20, an unknown recall), KVT_ERR_UNSUPPORTED (recall on in
  * a context without sketch planes or on a backend without the recall step; a struct from a newer
@@ -691,12 +737,16 @@ KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, u
                                  uint32_t n, const void *src, size_t src_bytes);
 /* Fork seq between steps into a new request *out of id request_id (parallel sampling, a shared
  * system prompt): the child holds every committed row of seq — the same pages, shared with
- * reference counts, none copied — and a copy of every layer's policy state (σ and kept sets,
- * eviction positions, slot maps and archive), with seq's prompt length, ratio and recall; from
- * then on each decodes on its own. A shared page is read-only: before a step writes into one
- * (the partial last page at kvt_batch_reserve, the pages past the protected prompt before an
- * eviction round) the writer copies it into a page of its own, so neither side ever sees the
- * other's rows; a page goes back to the pool when its last holder lets it go. Later random
+ * reference counts, none copied — and every layer's policy state: the σ and recall sketch
+ * planes of the closed blocks shared the same way (they are fixed once written), a copy of the
+ * rest (kept sets, eviction positions, slot maps and archive, recall groups), with seq's prompt
+ * length, ratio and recall; from then on each decodes on its own. A shared page is read-only:
+ * before a step writes into one (the partial last page at kvt_batch_reserve, the pages past the
+ * protected prompt before an eviction round) the writer copies it into a page of its own, so
+ * neither side ever sees the other's rows; a page goes back to the pool when its last holder
+ * lets it go. Shared σ and sketch planes likewise: the kvt_batch_reserve of a step that closes
+ * a block copies them first (KVT_ERR_OUT_OF_MEMORY there, nothing reserved, when it cannot; so
+ * a request that shares them may allocate at that reserve even with max_rows_per_seq). Later random
  * draws are keyed by the child's own request id. KVT_ERR_BAD_STATE when seq has a step in flight
  * (or is damaged), KVT_ERR_INVALID_ARGUMENT (NULL), KVT_ERR_CAPACITY (max_seqs reached),
  * KVT_ERR_OUT_OF_MEMORY; on failure nothing was forked. A later reserve that must copy a page
@@ -707,8 +757,9 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
  * document many requests start from), in exactly the state a request fed those rows alone would
  * have: salience layers keep the σ of the blocks closed within the prefix and select their
  * top-m anew, random-eviction layers start with no round, a sliding group holds the prefix's
- * last window. Its prompt length is min(src's, prefix_rows); src's parameters otherwise. Pages
- * are shared and copied on write as with kvt_seq_fork. KVT_ERR_INVALID_ARGUMENT (prefix not a
+ * last window. Its prompt length is min(src's, prefix_rows); src's parameters otherwise. Pages,
+ * and the σ and sketch planes of the blocks closed within the prefix, are shared and copied on
+ * write as with kvt_seq_fork. KVT_ERR_INVALID_ARGUMENT (prefix not a
  * multiple of page_rows or past src's length, out NULL), KVT_ERR_UNSUPPORTED when src no longer
  * holds the prefix as it was (an eviction round moved rows past its protected prompt; a
  * sliding group returned rows the prefix's window needs), KVT_ERR_BAD_STATE (a step in flight),
@@ -994,6 +1045,15 @@ typedef struct kvt_layer_stats {
     /* Committed rows per attended row (per KV head) now: the compression the step really gets,
      * tail included (0 when nothing is attended). */
     double effective_ratio;
+    /* Backend bytes the layer holds for this request beyond its pool pages (capacity): the
+     * policy's side planes (salience: σ, kept set, recall sketches; eviction: positions, slot
+     * map, keep sets, the archive's position indices — its rows are in archive_bytes) and the
+     * recall trigger's buffer and group planes. */
+    uint64_t side_bytes;
+    /* Of side_bytes, the planes this request shares with others (kvt_seq_fork, kvt_seq_attach:
+     * the σ and sketch planes of the closed blocks they share, fixed once written; a holder
+     * that closes a block copies them first). kvt_ctx_memory counts them once. */
+    uint64_t shared_side_bytes;
     /* Recall promotion (config.recall_promote_capacity > 0; zero otherwise): rows promoted now
      * (attended at every step without recall, part of the certificate), the room the last close
      * reserved for them, and totals: rows promoted, demoted (no hit in the window at a close),

@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CHECK_SEQ(seq)                                                                             \
@@ -93,6 +94,12 @@ kvt_seq_params kvt_seq_default_params(void) {
     p.struct_size = sizeof p;
     p.recall = -1;
     return p;
+}
+
+kvt_status kvt_seq_params_init(kvt_seq_params *out, size_t struct_size) {
+    const kvt_seq_params p = kvt_seq_default_params();
+    return kvt__struct_init(out, struct_size, KVT_SEQ_PARAMS_SIZE_MIN, &p, sizeof p,
+                            "kvt_seq_params");
 }
 
 /* Link a request into the context's live list. */
@@ -377,7 +384,11 @@ void kvt_seq_destroy(kvt_seq *seq) {
         kvt__seq_free(seq);
         return;
     }
-    /* A slot: every page goes back to the pool, the allocations stay for the next request. */
+    /* A slot: every page goes back to the pool, the allocations stay for the next request;
+     * what its policies share with other requests (prefix sharing) goes back to them. */
+    for (uint32_t i = 0; i < ctx->n_layers; i++)
+        if (ctx->stores[i].group >= 0 && ops_of(ctx, i)->layer_unshare)
+            ops_of(ctx, i)->layer_unshare(&seq->layers[i], &ctx->alloc);
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__ptable *t = &seq->pt[g];
         t->n_rows = 0;
@@ -1179,6 +1190,20 @@ kvt_status kvt_seq_last_slot_map(const kvt_seq *seq, uint32_t layer, uint32_t he
 /* ------------------------------------------------------------------------------------------- */
 /* Statistics and invariants                                                                   */
 /* ------------------------------------------------------------------------------------------- */
+/* Backend bytes beyond the pool's pages that layer i holds for seq: the policy's side planes
+ * (*shared of them in the set *key, which other requests hold too) and the recall trigger's. */
+static void layer_side_bytes(const kvt_seq *seq, uint32_t i, uint64_t *own, uint64_t *shared,
+                             const void **key, uint32_t *holders) {
+    const kvt__policy_ops *ops = ops_of(seq->ctx, i);
+    *own = *shared = 0;
+    *key = NULL;
+    *holders = 1;
+    if (ops->side_bytes)
+        ops->side_bytes(&seq->layers[i], own, shared, key, holders);
+    if (seq->recall)
+        *own += kvt__recall_layer_bytes(&seq->recall[i]);
+}
+
 kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out) {
     CHECK_BETWEEN_STEPS(seq);
     size_t out_size = out ? kvt__struct_out_size(out, sizeof *out, KVT_LAYER_STATS_SIZE_MIN) : 0;
@@ -1207,6 +1232,11 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     for (uint32_t k = 0; pool->shared && k < t->n_pages; k++)
         out->shared_pages += pool->refs[t->pages[k]] > 1;
     out->bytes_in_use = (uint64_t)t->n_pages * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
+    const void *side_key;
+    uint32_t side_holders;
+    layer_side_bytes(seq, layer, &out->side_bytes, &out->shared_side_bytes, &side_key,
+                     &side_holders);
+    out->side_bytes += out->shared_side_bytes;
     out->prompt_rows = seq->prompt_rows;
     if (l.gr->ops->stats)
         l.gr->ops->stats(&l, out);
@@ -1255,6 +1285,83 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     /* An output struct: written up to the caller's size, which says so. */
     full.struct_size = out_size;
     memcpy(caller, &full, out_size);
+    return KVT_OK;
+}
+
+/* Shared side-plane sets seen by kvt_ctx_memory_stats: one entry per (holder, layer). */
+typedef struct side_set {
+    const void *key;
+    uint64_t bytes;
+} side_set;
+
+static int side_set_cmp(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t)((const side_set *)a)->key, y = (uintptr_t)((const side_set *)b)->key;
+    return x < y ? -1 : x > y;
+}
+
+kvt_status kvt_ctx_memory_stats(const kvt_ctx *ctx, kvt_ctx_memory *out) {
+    if (!ctx)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt__ctx_clear_error(ctx);
+    size_t out_size = out ? kvt__struct_out_size(out, sizeof *out, KVT_CTX_MEMORY_SIZE_MIN) : 0;
+    if (out_size == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "out is NULL or out->struct_size below KVT_CTX_MEMORY_SIZE_MIN (%zu)",
+                             (size_t)KVT_CTX_MEMORY_SIZE_MIN);
+    kvt_ctx_memory m;
+    memset(&m, 0, sizeof m);
+    /* The pools: a page is held once whatever the number of its holders. */
+    for (uint32_t g = 0; g < ctx->n_groups; g++) {
+        const kvt__group *gr = &ctx->groups[g];
+        uint64_t page_bytes = 0;
+        for (uint32_t k = 0; k < gr->n_layers; k++) {
+            const kvt__store *st = &ctx->stores[gr->layers[k]];
+            page_bytes += (uint64_t)ctx->page_rows * st->slot_bytes * st->spec.n_planes;
+        }
+        const uint64_t held = ctx->n_pages - gr->pool.n_free;
+        m.pages_in_use += held;
+        m.shared_pages += gr->pool.shared;
+        m.bytes_in_use += held * page_bytes;
+        m.shared_bytes += gr->pool.shared * page_bytes;
+    }
+    /* The side planes: own ones summed, shared sets once each (sorted by key). */
+    uint64_t n_sets = 0;
+    for (const kvt_seq *q = ctx->seqs; q; q = q->next) {
+        if (q->in_step)
+            return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                                 "request %llu has a step in flight: memory is counted between "
+                                 "steps",
+                                 (unsigned long long)q->request_id);
+        m.requests++;
+        n_sets += ctx->n_layers;
+    }
+    const size_t bytes = sizeof(side_set) * (n_sets ? n_sets : 1);
+    side_set *sets = kvt__malloc(&ctx->alloc, bytes);
+    if (!sets)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "memory statistics: scratch of %zu bytes",
+                             bytes);
+    size_t n = 0;
+    for (const kvt_seq *q = ctx->seqs; q; q = q->next)
+        for (uint32_t i = 0; i < ctx->n_layers; i++) {
+            if (ctx->stores[i].group < 0)
+                continue;
+            uint64_t own, shared;
+            const void *key;
+            uint32_t holders;
+            layer_side_bytes(q, i, &own, &shared, &key, &holders);
+            m.side_bytes += own;
+            if (shared)
+                sets[n++] = (side_set){key, shared};
+        }
+    qsort(sets, n, sizeof *sets, side_set_cmp);
+    for (size_t k = 0; k < n; k++)
+        if (k == 0 || sets[k].key != sets[k - 1].key) {
+            m.side_bytes += sets[k].bytes;
+            m.shared_side_bytes += sets[k].bytes;
+        }
+    kvt__free(&ctx->alloc, sets, bytes);
+    m.struct_size = out_size;
+    memcpy(out, &m, out_size);
     return KVT_OK;
 }
 
@@ -1395,6 +1502,38 @@ static kvt_status check_recall(const kvt_seq *seq, uint32_t layer) {
                                        msg[0] ? msg : "reading the recall state");
 }
 
+/* A set of side planes seq shares on layer i (prefix sharing) is held by as many live requests
+ * as it records (parked slots hold none). */
+static kvt_status check_side_share(const kvt_seq *seq, uint32_t i) {
+    uint64_t own, shared;
+    const void *key;
+    uint32_t holders;
+    layer_side_bytes(seq, i, &own, &shared, &key, &holders);
+    if (!key)
+        return KVT_OK;
+    uint32_t seen = 0;
+    for (const kvt_seq *q = seq->ctx->seqs; q; q = q->next) {
+        uint64_t o2, s2;
+        const void *k2;
+        uint32_t h2;
+        layer_side_bytes(q, i, &o2, &s2, &k2, &h2);
+        if (k2 == key && (s2 != shared || h2 != holders))
+            return kvt__ctx_fail(seq->ctx, KVT_ERR_INVARIANT,
+                                 "layer %u: requests %llu and %llu share side planes but count "
+                                 "%llu bytes / %u holders and %llu / %u",
+                                 i, (unsigned long long)seq->request_id,
+                                 (unsigned long long)q->request_id, (unsigned long long)shared,
+                                 holders, (unsigned long long)s2, h2);
+        seen += k2 == key;
+    }
+    if (seen != holders || holders < 2)
+        return kvt__ctx_fail(seq->ctx, KVT_ERR_INVARIANT,
+                             "layer %u: request %llu's shared side planes record %u holders, %u "
+                             "live requests hold them",
+                             i, (unsigned long long)seq->request_id, holders, seen);
+    return KVT_OK;
+}
+
 kvt_status kvt_seq_check(const kvt_seq *seq) {
     CHECK_BETWEEN_STEPS(seq);
     const kvt_ctx *ctx = seq->ctx;
@@ -1418,6 +1557,8 @@ kvt_status kvt_seq_check(const kvt_seq *seq) {
         if (s != KVT_OK)
             return s;
         if ((s = check_recall(seq, i)) != KVT_OK)
+            return s;
+        if ((s = check_side_share(seq, i)) != KVT_OK)
             return s;
     }
     return KVT_OK;

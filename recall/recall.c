@@ -387,3 +387,9 @@ void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq) {
     pq->n_fetch = r->n_fired;
     pq->dense = &r->st->last_dense;
 }
+
+uint64_t kvt__recall_layer_bytes(const kvt__recall_layer *r) {
+    size_t g[5];
+    group_plane_bytes(r->g_cap, r->g_B, r->g_dim, g);
+    return (r->buf ? r->bytes : 0) + g[0] + g[1] + g[2] + g[3] + g[4];
+}

@@ -79,6 +79,8 @@ kvt_status kvt__recall_layer_groups_reserve(kvt__recall_layer *r, const kvt__bac
  * calibration, and src's built groups (dst's planes are grown to src's). On the backend. */
 kvt_status kvt__recall_layer_copy(kvt__recall_layer *dst, const kvt__recall_layer *src,
                                   const kvt__backend *be);
+/* Backend bytes the trigger holds (its buffer and group planes, capacity): memory accounting. */
+uint64_t kvt__recall_layer_bytes(const kvt__recall_layer *r);
 /* The state to the host (synchronising: statistics, checks, snapshots). */
 kvt_status kvt__recall_layer_read(const kvt__recall_layer *r, const kvt__backend *be,
                                   kvt__recall_state *out);

@@ -394,6 +394,53 @@ Test(census_totals, bad_arguments) {
     kvt_model_destroy(m);
 }
 
+/* A shared prefix is held once: one layer of each policy, 4 requests of 1000 tokens, ratio 10
+ * (K = 100), the first 600 (then 950) tokens shared; figures worked out by hand. */
+Test(census_totals, shared_prefix_counted_once) {
+    kvt_layer_spec s[3];
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s[0]), KVT_OK);
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 64, &s[1]), KVT_OK);
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_SLIDING, KVT_DTYPE_BF16, 2, 32, &s[2]), KVT_OK);
+    s[2].sliding_window = 128;
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(s, 3, "mixed", &m, NULL, 0), KVT_OK);
+    const uint64_t b0 = 1152, b1 = 2 * 2 * 64 * 2, b2 = 2 * 2 * 32 * 2;
+    cr_assert_eq(kvt_layer_bytes_per_token(&s[1]), b1);
+    cr_assert_eq(kvt_layer_bytes_per_token(&s[2]), b2);
+    kvt_census_totals t, u;
+    cr_assert_eq(kvt_model_census_shared(m, 1000, 4, 10.0, 600, &t), KVT_OK);
+    /* salience and evict hold 4 x 1000 - 3 x 600 = 2200 rows; the window (the last 128 of
+     * 1000) none of the prefix: 4 x 128; evict keeps 4 x 100 - 3 x 100 = 100 rows. */
+    cr_assert_eq(t.dense_bytes, 2200 * b0 + 2200 * b1 + 512 * b2);
+    cr_assert_eq(t.freed_bytes, (2200 - 100) * b1);
+    cr_assert_eq(t.attended_bytes, 400 * b0 + 400 * b1 + 512 * b2, "reads are per request");
+    cr_assert_eq(kvt_model_census_shared(m, 1000, 4, 10.0, 950, &t), KVT_OK);
+    /* the window holds rows 872..999, 78 of them shared: 512 - 3 x 78 = 278 */
+    cr_assert_eq(t.dense_bytes, 1150 * b0 + 1150 * b1 + 278 * b2);
+    cr_assert_eq(t.freed_bytes, (1150 - 100) * b1);
+    /* no prefix, or one request: kvt_model_census's figures */
+    cr_assert_eq(kvt_model_census_shared(m, 1000, 4, 10.0, 0, &t), KVT_OK);
+    census(m, 1000, 4, 10.0, &u);
+    cr_assert_eq(memcmp(&t, &u, sizeof t), 0);
+    cr_assert_eq(kvt_model_census_shared(m, 1000, 1, 10.0, 1000, &t), KVT_OK);
+    census(m, 1000, 1, 10.0, &u);
+    cr_assert_eq(memcmp(&t, &u, sizeof t), 0);
+    cr_assert_eq(kvt_model_census_shared(m, 1000, 0, 10.0, 500, &t), KVT_OK);
+    cr_assert_eq(t.dense_bytes + t.freed_bytes + t.attended_bytes, 0);
+    cr_assert_eq(kvt_model_census_shared(m, 1000, 4, 10.0, 1001, &t), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_model_census_shared(m, UINT64_MAX / 2, UINT64_MAX / 2, 1.0, 1, &t),
+                 KVT_ERR_OUT_OF_RANGE);
+    kvt_model_destroy(m);
+    /* a real model, no prefix: the same as kvt_model_census at several contexts */
+    m = load(GEMMA, KVT_DTYPE_BF16);
+    for (uint64_t c = 1; c < 100000; c *= 7) {
+        cr_assert_eq(kvt_model_census_shared(m, c, 3, 8.0, 0, &t), KVT_OK);
+        census(m, c, 3, 8.0, &u);
+        cr_assert_eq(memcmp(&t, &u, sizeof t), 0, "context %llu", (unsigned long long)c);
+    }
+    kvt_model_destroy(m);
+}
+
 /* ---- malformed input ---------------------------------------------------------------------- */
 
 Test(census_bad, truncated_json_reports_line_and_column) {

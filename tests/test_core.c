@@ -133,6 +133,30 @@ Test(config, each_bad_field_is_named) {
     cr_assert_eq(kvt_config_check(&small, err, sizeof err), KVT_OK, "%s", err);
     cr_assert_eq(kvt_config_init(&small, 3), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(kvt_config_init(NULL, sizeof small), KVT_ERR_INVALID_ARGUMENT);
+    /* The same for the context's and a request's parameters. */
+    memset(buf, 0xa5, sizeof buf);
+    _Static_assert(sizeof buf >= sizeof(kvt_ctx_params), "buffer");
+    cr_assert_eq(kvt_ctx_params_init((kvt_ctx_params *)buf, KVT_CTX_PARAMS_SIZE_MIN), KVT_OK);
+    for (size_t i = KVT_CTX_PARAMS_SIZE_MIN; i < sizeof buf; i++)
+        cr_assert_eq(buf[i], 0xa5, "kvt_ctx_params: byte %zu written", i);
+    kvt_ctx_params cp0 = kvt_ctx_default_params(), cp1;
+    memcpy(&cp1, buf, KVT_CTX_PARAMS_SIZE_MIN);
+    cr_assert_eq(cp1.struct_size, KVT_CTX_PARAMS_SIZE_MIN);
+    cr_assert_eq(cp1.page_rows, cp0.page_rows);
+    cr_assert_eq(cp1.n_pages, cp0.n_pages);
+    cr_assert_eq(kvt_ctx_params_init(&cp1, sizeof cp1), KVT_OK);
+    cr_assert_eq(cp1.struct_size, sizeof cp1);
+    cr_assert_eq(kvt_ctx_params_init(&cp1, 7), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "kvt_ctx_params") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_params_init(NULL, sizeof cp1), KVT_ERR_INVALID_ARGUMENT);
+    memset(buf, 0xa5, sizeof buf);
+    cr_assert_eq(kvt_seq_params_init((kvt_seq_params *)buf, KVT_SEQ_PARAMS_SIZE_MIN), KVT_OK);
+    for (size_t i = KVT_SEQ_PARAMS_SIZE_MIN; i < sizeof buf; i++)
+        cr_assert_eq(buf[i], 0xa5, "kvt_seq_params: byte %zu written", i);
+    kvt_seq_params sp1;
+    memcpy(&sp1, buf, KVT_SEQ_PARAMS_SIZE_MIN);
+    cr_assert_eq(sp1.recall, -1);
+    cr_assert_eq(kvt_seq_params_init(&sp1, 1), KVT_ERR_INVALID_ARGUMENT);
     c = kvt_config_default();
     c.struct_size = 3;
     cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);

@@ -480,7 +480,11 @@ Test(cuda, sketch_rows_equal_the_cpu) {
         kvt_status bs = r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL);
         cr_assert_eq(bs, KVT_ERR_INVALID_ARGUMENT, "config %zu: %s", c, kvt_status_name(bs));
         bad = ga[0];
-        bad.dtype = KVT__DT_FP8; /* refused at creation; the op refuses it too */
+        bad.dtype = 7; /* no such dtype */
+        cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        bad.dtype = KVT__DT_FP8; /* the ds_mla layout holds 512 latent values, no more */
+        bad.latent_dim = KVT__FP8_VALUES + 1;
+        bad.rank = 0; /* (no basis to own past its size) */
         cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
         if (p.rank) { /* a sketch plane narrower than the rank */
             bad = ga[0];

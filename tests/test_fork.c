@@ -14,8 +14,12 @@
  *   - kvt_seq_attach: requests started from another's first P rows (closed σ blocks inherited,
  *     top-m selected anew, the prefix's window) equal unshared requests fed those P rows;
  *     prefixes a round or a window has changed are refused;
- *   - the k-th allocation failing, for every k, in a fork, an attach and a copy-on-write reserve:
- *     each answers KVT_ERR_OUT_OF_MEMORY with nothing created or reserved, no page leaked;
+ *   - the salience side planes (σ, sketches) of closed blocks are shared by the holders until
+ *     one closes a block; kvt_ctx_memory_stats counts shared pages and planes once, and a
+ *     child's snapshot taken after its parent is gone restores and continues alike;
+ *   - the k-th allocation failing, for every k, in a fork, an attach and a copy-on-write reserve
+ *     (one closing a block: the side planes copied too): each answers KVT_ERR_OUT_OF_MEMORY with
+ *     nothing created or reserved, no page leaked;
  *   - kvt_seq_check (reference counts included) after every step; misuse answers its status.
  */
 #include <criterion/criterion.h>
@@ -291,15 +295,18 @@ static uint32_t free_sum(kvt_ctx *ctx) {
  * step simply fails) with the pool as before and every request checking; then the call works. */
 Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
     kvt_model *m = tu_mixed_model();
-    kvt_ctx *ctx = tu_mixed_ctx_k(m, true, 256, 256);
+    kvt_ctx *ctx = tu_mixed_ctx_sketch(m, true, 256, 256, 8); /* σ and sketch planes shared */
     cr_assert(m && ctx);
     kvt_seq *p = new_seq(ctx, 1, 20), *q = new_seq(ctx, 2, 20);
     for (int k = 0; k < 5; k++)
         step(p, m, 16 + (uint32_t)k, 0, k % 2); /* 90 rows: a closed block, a partial page */
     for (int k = 0; k < 6; k++)
         step(q, m, 16, 0, k % 2); /* a prefix holder of 96 rows (its window: the last 40) */
-    int faults[3] = {0, 0, 0};
-    for (int what = 0; what < 3; what++) {
+    /* 2: a reserve that copies the partial page; 3: one that also closes a block, so copies
+     * the shared σ and sketch planes too. */
+    int faults[4] = {0, 0, 0, 0};
+    const uint32_t cow_rows[4] = {0, 0, 3, 38};
+    for (int what = 0; what < 4; what++) {
         for (int k = 0;; k++) {
             const uint32_t free0 = free_sum(ctx);
             kvt_seq *c = NULL;
@@ -315,13 +322,13 @@ Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
                 cr_assert_eq(kvt_seq_fork(p, 300 + (uint64_t)k, &c), KVT_OK, "%s",
                              kvt_last_error());
                 fault_countdown = k;
-                s = tu_reserve(c, 3);
+                s = tu_reserve(c, cow_rows[what]);
             }
             fault_countdown = -1;
             if (fault_hits == 0) { /* the call needed fewer than k + 1 allocations */
                 cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
-                if (what == 2)
-                    cr_assert_eq(tu_commit(c, 3), KVT_OK, "%s", kvt_last_error());
+                if (what >= 2)
+                    cr_assert_eq(tu_commit(c, cow_rows[what]), KVT_OK, "%s", kvt_last_error());
                 cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
                 kvt_seq_destroy(c);
                 cr_assert_eq(free_sum(ctx), free0, "pages back after destroy");
@@ -343,9 +350,245 @@ Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
             cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
         }
     }
-    cr_log_info("faults injected: fork %d, attach %d, copy-on-write reserve %d", faults[0],
-                faults[1], faults[2]);
-    cr_assert(faults[0] > 0 && faults[1] > 0 && faults[2] > 0);
+    cr_log_info("faults injected: fork %d, attach %d, copy-on-write reserve %d (closing a "
+                "block: %d)",
+                faults[0], faults[1], faults[2], faults[3]);
+    cr_assert(faults[0] > 0 && faults[1] > 0 && faults[2] > 0 && faults[3] > faults[2],
+              "the close's copy of the σ and sketch planes can fail too");
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* The context's memory, shared pages and side planes counted once. */
+static kvt_ctx_memory memory_of(const kvt_ctx *ctx) {
+    kvt_ctx_memory mm = {.struct_size = sizeof mm};
+    cr_assert_eq(kvt_ctx_memory_stats(ctx, &mm), KVT_OK, "%s", kvt_last_error());
+    return mm;
+}
+
+static kvt_layer_stats sal_stats(const kvt_seq *s) {
+    kvt_layer_stats st = {.struct_size = sizeof st};
+    cr_assert_eq(kvt_seq_layer_stats(s, TU_L_SAL, &st), KVT_OK, "%s", kvt_last_error());
+    return st;
+}
+
+/* The same σ plane (bit for bit). */
+static void same_scores(const kvt_seq *a, const kvt_seq *b, const char *what, int k) {
+    static float x[1024], y[1024];
+    uint64_t na, nb;
+    cr_assert_eq(kvt_seq_scores(a, TU_L_SAL, x, 1024, &na), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_scores(b, TU_L_SAL, y, 1024, &nb), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(na, nb, "%s, step %d: %llu vs %llu closed rows", what, k,
+                 (unsigned long long)na, (unsigned long long)nb);
+    cr_assert_eq(memcmp(x, y, sizeof *x * na), 0, "%s, step %d: σ differs", what, k);
+}
+
+/* Snapshots of two requests hold the same bytes (rows, σ, kept set, sketches, counters). */
+static void same_snapshot(const kvt_seq *a, const kvt_seq *b, const char *what) {
+    size_t na, nb;
+    cr_assert_eq(kvt_seq_snapshot_size(a, &na), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_snapshot_size(b, &nb), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(na, nb, "%s: snapshot sizes %zu vs %zu", what, na, nb);
+    uint8_t *x = malloc(na), *y = malloc(nb);
+    cr_assert(x && y);
+    cr_assert_eq(kvt_seq_snapshot(a, x, na, NULL), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_snapshot(b, y, nb, NULL), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(memcmp(x, y, na), 0, "%s: snapshots differ", what);
+    free(x);
+    free(y);
+}
+
+/* Salience side planes of closed blocks (σ, sketches) are one set for the parent and its
+ * children until a holder closes a block (it copies them first); the context's memory counts
+ * shared pages and planes once and agrees with the requests' own statistics; every request
+ * equals its unshared twin throughout (rows, σ, snapshot bytes); a child's snapshot written
+ * after its parent is gone restores elsewhere and continues alike. */
+Test(fork, side_planes_are_shared_until_written_and_counted_once) {
+    kvt_model *m = tu_mixed_model();
+    const uint32_t NP = 512, K = 512, RANK = 8;
+    kvt_ctx *ctx = tu_mixed_ctx_sketch(m, false, NP, K, RANK);
+    kvt_ctx *ref = tu_mixed_ctx_sketch(m, false, NP, K, RANK);
+    cr_assert(m && ctx && ref);
+    kvt_seq *all[N_CHILD + 1], *twin[N_CHILD + 1];
+    all[0] = new_seq(ctx, 1, 40);
+    for (int i = 0; i <= N_CHILD; i++)
+        twin[i] = new_seq(ref, i == 0 ? 1 : 10 + (uint64_t)i, 40);
+    for (int k = 0; k < 4; k++) { /* 200 rows: three closed blocks of 64 */
+        step(all[0], m, 50, 0, k % 2);
+        for (int i = 0; i <= N_CHILD; i++)
+            step(twin[i], m, 50, 0, k % 2);
+    }
+    const kvt_ctx_memory m0 = memory_of(ctx);
+    const kvt_layer_stats p0 = sal_stats(all[0]);
+    cr_assert_eq(p0.closed_rows, 192u);
+    cr_assert_eq(p0.shared_side_bytes, 0u);
+    cr_assert_eq(m0.shared_side_bytes, 0u);
+    cr_assert_eq(m0.shared_pages, 0u);
+    for (int i = 1; i <= N_CHILD; i++) {
+        cr_assert_eq(kvt_seq_fork(all[0], 10 + (uint64_t)i, &all[i]), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_seq_check(all[i]), KVT_OK, "%s", kvt_last_error());
+    }
+    cr_assert_eq(kvt_seq_check(all[0]), KVT_OK, "%s", kvt_last_error());
+    /* σ (4 B), 8 fp16 sketch values and ρ (4 B) per closed row: at least 24 B x 192 rows. */
+    const kvt_layer_stats p1 = sal_stats(all[0]);
+    cr_assert_geq(p1.shared_side_bytes, 24u * 192u);
+    cr_assert_eq(p1.side_bytes, p0.side_bytes, "the parent's planes are the set now shared");
+    const kvt_ctx_memory m1 = memory_of(ctx);
+    uint64_t own_sum = 0, held_pages = 0;
+    for (int i = 0; i <= N_CHILD; i++)
+        for (uint32_t l = 0; l < TU_N_LAYERS; l++) {
+            kvt_layer_stats st = {.struct_size = sizeof st};
+            cr_assert_eq(kvt_seq_layer_stats(all[i], l, &st), KVT_OK);
+            own_sum += st.side_bytes - st.shared_side_bytes;
+            if (l == TU_L_SAL) {
+                held_pages += st.pages_in_use;
+                cr_assert_eq(st.shared_side_bytes, p1.shared_side_bytes, "request %d", i);
+                cr_assert_eq(st.shared_pages, st.pages_in_use);
+            }
+        }
+    cr_assert_eq(m1.requests, N_CHILD + 1u);
+    cr_assert_eq(m1.pages_in_use, m0.pages_in_use, "a fork takes no page");
+    cr_assert_eq(m1.shared_pages, m1.pages_in_use);
+    cr_assert_eq(m1.shared_bytes, m1.bytes_in_use);
+    cr_assert_eq(m1.bytes_in_use, m0.bytes_in_use);
+    uint32_t sal_free;
+    cr_assert_eq(kvt_ctx_free_pages(ctx, TU_L_SAL, &sal_free), KVT_OK);
+    cr_assert_eq(held_pages, (N_CHILD + 1u) * (NP - sal_free), "the requests count each page");
+    cr_assert_eq(m1.shared_side_bytes, p1.shared_side_bytes, "one shared set, counted once");
+    cr_assert_eq(m1.side_bytes, own_sum + m1.shared_side_bytes);
+    const kvt_ctx_memory mr = memory_of(ref);
+    cr_log_info("side bytes: %llu shared (%llu in the shared set), %llu unshared; pool bytes "
+                "%llu vs %llu",
+                (unsigned long long)m1.side_bytes, (unsigned long long)m1.shared_side_bytes,
+                (unsigned long long)mr.side_bytes, (unsigned long long)m1.bytes_in_use,
+                (unsigned long long)mr.bytes_in_use);
+    cr_assert_lt(m1.side_bytes + 2 * p1.shared_side_bytes, mr.side_bytes + 1,
+                 "the children's copies are not made");
+    for (int i = 0; i <= N_CHILD; i++) {
+        same(all[i], twin[i], "as forked", 0);
+        same_scores(all[i], twin[i], "as forked", 0);
+    }
+    /* One row a step, each request its own rows: the close at 256 rows makes each holder copy
+     * the set before writing into it; the last holder keeps the original. */
+    tu_rng rng = {0x51de};
+    for (int k = 0; k < 60; k++) {
+        for (int i = 0; i <= N_CHILD; i++) {
+            bool run = tu_next(&rng) & 1;
+            step(all[i], m, 1, 500 + (uint64_t)i, run);
+            step(twin[i], m, 1, 500 + (uint64_t)i, run);
+            same(all[i], twin[i], i ? "child vs unshared" : "parent vs never forked", k);
+            same_scores(all[i], twin[i], "σ", k);
+        }
+        const kvt_ctx_memory mk = memory_of(ctx);
+        if (k < 55) /* 200 + 56 rows close the fourth block */
+            cr_assert_eq(mk.shared_side_bytes, p1.shared_side_bytes, "step %d", k);
+        else
+            cr_assert_eq(mk.shared_side_bytes, 0u, "step %d: every holder wrote", k);
+    }
+    for (int i = 0; i <= N_CHILD; i++)
+        same_snapshot(all[i], twin[i], "fork vs unshared");
+    /* The parent goes; a child's snapshot is self-contained. */
+    kvt_seq_destroy(all[0]);
+    size_t bytes;
+    cr_assert_eq(kvt_seq_snapshot_size(all[1], &bytes), KVT_OK, "%s", kvt_last_error());
+    void *buf = malloc(bytes);
+    cr_assert(buf);
+    cr_assert_eq(kvt_seq_snapshot(all[1], buf, bytes, NULL), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx *other = tu_mixed_ctx_sketch(m, false, NP, K, RANK);
+    kvt_seq *back;
+    cr_assert_eq(kvt_seq_restore(other, buf, bytes, &back), KVT_OK, "%s", kvt_last_error());
+    free(buf);
+    for (int k = 0; k < 70; k++) { /* through the next close */
+        same(back, all[1], "restored child", k);
+        same_scores(back, all[1], "restored child", k);
+        step(back, m, 1, 77, k % 2);
+        step(all[1], m, 1, 77, k % 2);
+    }
+    for (int i = 1; i <= N_CHILD; i++)
+        cr_assert_eq(kvt_seq_check(all[i]), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(other);
+    kvt_ctx_destroy(ctx);
+    kvt_ctx_destroy(ref);
+    kvt_model_destroy(m);
+}
+
+/* Attached requests share the closed blocks' planes of their prefix with its holder; whoever
+ * closes a block copies them, the others still share; the last holder owns them. */
+Test(fork, attached_requests_share_side_planes_until_written) {
+    kvt_model *m = tu_mixed_model();
+    kvt_ctx *ctx = tu_mixed_ctx_sketch(m, false, 512, 512, 8);
+    cr_assert(m && ctx);
+    kvt_seq *holder = new_seq(ctx, 1, 40);
+    for (int k = 0; k < 8; k++)
+        step(holder, m, 16, 0, k % 2); /* 128 rows: two closed blocks */
+    kvt_seq *a, *b;
+    cr_assert_eq(kvt_seq_attach(holder, 128, 2, &a), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_attach(holder, 128, 3, &b), KVT_OK, "%s", kvt_last_error());
+    const kvt_layer_stats h = sal_stats(holder), sa = sal_stats(a), sb = sal_stats(b);
+    cr_assert_gt(h.shared_side_bytes, 0u);
+    cr_assert_eq(sa.shared_side_bytes, h.shared_side_bytes);
+    cr_assert_eq(sb.shared_side_bytes, h.shared_side_bytes);
+    cr_assert_eq(memory_of(ctx).shared_side_bytes, h.shared_side_bytes);
+    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
+    /* b closes its third block first: it copies; a and the holder still share. */
+    for (int k = 0; k < 64; k++)
+        step(b, m, 1, 9, k % 2);
+    cr_assert_eq(sal_stats(b).closed_rows, 192u);
+    cr_assert_eq(sal_stats(b).shared_side_bytes, 0u);
+    cr_assert_eq(sal_stats(a).shared_side_bytes, h.shared_side_bytes);
+    kvt_seq_destroy(a);
+    cr_assert_eq(sal_stats(holder).shared_side_bytes, 0u, "the last holder owns the set");
+    cr_assert_eq(memory_of(ctx).shared_side_bytes, 0u);
+    cr_assert_eq(kvt_seq_check(holder), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(b);
+    kvt_seq_destroy(holder);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* Request slots (max_seqs, max_rows_per_seq): a forked child takes a slot and shares its
+ * parent's side planes; destroyed, the slot is parked and gives its share back (the parent is
+ * the set's only holder again); the slot serves a new request from scratch; and a fork's close
+ * copies the set at the step's reserve, so that it fails there, for memory, never in the step. */
+Test(fork, parked_slots_give_their_share_back) {
+    kvt_model *m = tu_mixed_model();
+    kvt_ctx *ctx = tu_mixed_ctx_slots(m, false, 512, 512, 8, 4, 1024);
+    cr_assert(m && ctx);
+    kvt_seq *p = new_seq(ctx, 1, 40), *c;
+    for (int k = 0; k < 9; k++)
+        step(p, m, 16, 0, k % 2); /* 144 rows: two closed blocks */
+    cr_assert_eq(kvt_seq_fork(p, 2, &c), KVT_OK, "%s", kvt_last_error());
+    const kvt_layer_stats shared = sal_stats(c);
+    cr_assert_gt(shared.shared_side_bytes, 0u);
+    cr_assert_eq(sal_stats(p).shared_side_bytes, shared.shared_side_bytes);
+    cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(c); /* parked */
+    cr_assert_eq(sal_stats(p).shared_side_bytes, 0u, "the parked slot holds no share");
+    cr_assert_eq(memory_of(ctx).shared_side_bytes, 0u);
+    cr_assert_eq(memory_of(ctx).requests, 1u);
+    cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+    kvt_seq *fresh = new_seq(ctx, 3, 40), *ref = NULL;
+    kvt_ctx *rctx = tu_mixed_ctx_slots(m, false, 512, 512, 8, 4, 1024);
+    cr_assert(rctx);
+    ref = new_seq(rctx, 3, 40);
+    for (int k = 0; k < 10; k++) {
+        step(fresh, m, 16, 5, k % 2);
+        step(ref, m, 16, 5, k % 2);
+        same(fresh, ref, "slot reused", k);
+        same_scores(fresh, ref, "slot reused", k);
+        step(p, m, 16, 0, k % 2);
+    }
+    cr_assert_eq(sal_stats(fresh).shared_side_bytes, 0u);
+    /* Fork again; the child's step that closes a block copies the set at its reserve. */
+    cr_assert_eq(kvt_seq_fork(p, 4, &c), KVT_OK, "%s", kvt_last_error());
+    const uint32_t to_close = (uint32_t)(64 - kvt_seq_length(c) % 64);
+    cr_assert_eq(tu_reserve(c, to_close), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(sal_stats(p).shared_side_bytes, 0u, "copied at the reserve");
+    write_rows(c, m, kvt_seq_length(c), to_close, 6);
+    cr_assert_eq(tu_commit_run(c, to_close), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(rctx);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }

@@ -736,7 +736,8 @@ Test(basis, statuses) {
     cr_assert_eq(tu_commit(seq, 1), KVT_OK);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
-    /* Creation: fp8 salience rows cannot be sketched; a rank past the limit or the latent. */
+    /* Creation: fp8 salience rows outside the ds_mla layout cannot be sketched; a rank past the
+     * limit or the latent. */
     kvt_layer_spec f = {.kind = KVT_LAYER_MLA_NOPE,
                         .dtype = KVT_DTYPE_FP8_E4M3,
                         .n_kv_heads = 1,
@@ -754,8 +755,16 @@ Test(basis, statuses) {
     p.recall_sketch_rank = R;
     kvt_ctx *bad = NULL;
     char err[256];
+    /* the ds_mla layout is sketched (test_fp8); any other fp8 layout is refused */
+    cr_assert_eq(kvt_ctx_create(&p, &bad, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx_destroy(bad);
+    kvt_model_destroy(m8);
+    f.row_bytes = 720;
+    f.branch_offset = 592;
+    cr_assert_eq(kvt_model_create(&f, 1, "fp8", &m8, NULL, 0), KVT_OK);
+    p.model = m8;
     cr_assert_eq(kvt_ctx_create(&p, &bad, err, sizeof err), KVT_ERR_UNSUPPORTED);
-    cr_assert(strstr(err, "fp8"), "%s", err);
+    cr_assert(strstr(err, "fp8") && strstr(err, "ds_mla"), "%s", err);
     p.recall_sketch_rank = 0;
     cr_assert_eq(kvt_ctx_create(&p, &bad, err, sizeof err), KVT_OK, "%s", err);
     kvt_ctx_destroy(bad);

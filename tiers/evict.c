@@ -835,7 +835,7 @@ static kvt_status copy_strided(const kvt__backend *be, void *dst, uint64_t dst_c
     return KVT_OK;
 }
 
-static kvt_status ev_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+static kvt_status ev_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                 const kvt__env *env, const kvt__store *st, uint64_t rows) {
     kvt__ev *d = &dst_s->ev;
     const kvt__ev *e = &src_s->ev;
@@ -875,7 +875,7 @@ static kvt_status ev_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *s
 
 /* Rows [0, rows) of src are positions [0, rows) in every head while no round ran, or inside the
  * protected prefix, which no round moves. */
-static kvt_status ev_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+static kvt_status ev_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                   const kvt__env *env, const kvt__store *st, uint64_t rows,
                                   uint64_t src_prompt_rows) {
     kvt__ev *d = &dst_s->ev;
@@ -1053,6 +1053,19 @@ static kvt_status ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err
 static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
                                const uint8_t *src, uint64_t n);
 
+/* Positions, slot map, keep sets and the archive's position indices (its rows count in
+ * archive_bytes); nothing is shared (a fork copies them). */
+static void ev_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
+                          const void **key, uint32_t *holders) {
+    const kvt__ev *e = &s->ev;
+    const uint64_t H = e->n_heads;
+    *own = sizeof *e->pos * H * e->pos_cap + sizeof *e->last_map * e->last_map_cap +
+           sizeof *e->keep * e->keep_cap + (sizeof *e->ar_pos + sizeof *e->ar_by_pos) * H * e->ar_cap;
+    *shared = 0;
+    *key = NULL;
+    *holders = 1;
+}
+
 const kvt__policy_ops kvt__policy_evict = {
     .rows_are_positions = false,
     .dropped_how = "by random eviction",
@@ -1065,6 +1078,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .writes_from = ev_writes_from,
     .layer_fork = ev_layer_fork,
     .layer_attach = ev_layer_attach,
+    .side_bytes = ev_side_bytes,
     .supports_layer = ev_supports_layer,
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,

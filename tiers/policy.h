@@ -144,9 +144,10 @@ struct kvt__policy_ops {
                             uint64_t rows_after, uint64_t prompt_rows);
     /* (optional) A forked request's state: dst (fresh from layer_init) becomes a copy of src,
      * whose group table holds `rows` rows (kvt_seq_fork; the rows' pages are shared, the state
-     * is copied on the backend). KVT_OK, or a status with a message in env->err (dst stays
-     * valid for layer_fini). Without it the state is empty (a policy with none). */
-    kvt_status (*layer_fork)(kvt__tier_state *dst, const kvt__tier_state *src,
+     * is copied on the backend or, for planes fixed once written, shared with src: src's
+     * sharing count changes, nothing it decides does). KVT_OK, or a status with a message in
+     * env->err (dst stays valid for layer_fini). Without it the state is empty. */
+    kvt_status (*layer_fork)(kvt__tier_state *dst, kvt__tier_state *src,
                              const kvt__env *env, const kvt__store *st, uint64_t rows);
 
     /* (optional) An attached request's state: dst (fresh from layer_init) becomes the state a
@@ -154,9 +155,20 @@ struct kvt__policy_ops {
      * would have (env->cfg: src's config). KVT_ERR_UNSUPPORTED with a message when src's rows
      * [0, rows) no longer are those positions (a round moved them: src_prompt_rows says what
      * its rounds protected), or a status from the backend. Without it the state is empty. */
-    kvt_status (*layer_attach)(kvt__tier_state *dst, const kvt__tier_state *src,
+    kvt_status (*layer_attach)(kvt__tier_state *dst, kvt__tier_state *src,
                                const kvt__env *env, const kvt__store *st, uint64_t rows,
                                uint64_t src_prompt_rows);
+    /* (optional) A request slot is parked (kvt_seq_destroy keeps its allocations): give up what
+     * the state shares with other requests (layer_fork, layer_attach), so that it holds no
+     * other request's memory. Without it the policy shares nothing. */
+    void (*layer_unshare)(kvt__tier_state *s, const kvt__alloc *a);
+    /* (optional) Backend bytes of the state's side planes (capacity, beyond the pool's pages):
+     * *own those only this request holds; *shared those of a set it shares with other requests,
+     * *key naming that set (the same for every holder; NULL when *shared is 0) and *holders the
+     * holders it records (kvt_seq_check counts them), so that a total over requests counts it
+     * once. Without it: none. */
+    void (*side_bytes)(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
+                       const void **key, uint32_t *holders);
 
     /* ---- Commit ---------------------------------------------------------------------------- */
     /* (optional) Run the policy over one group of one sequence after rows were committed (block

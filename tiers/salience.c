@@ -63,13 +63,116 @@ void kvt__sal_init(kvt__sal *s, const kvt__backend *home, uint32_t sk_stride) {
     s->sk_stride = sk_stride;
 }
 
-void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
-    if (s->be) {
-        s->be->ops->buf_free(s->be, s->score, sizeof *s->score * s->score_cap);
-        s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
-        s->be->ops->buf_free(s->be, s->csk, sizeof *s->csk * s->sk_stride * s->csk_cap);
-        s->be->ops->buf_free(s->be, s->rho, sizeof *s->rho * s->rho_cap);
+/* The closed-row planes (score, csk, rho): where each is, its cap and its bytes per row (0: the
+ * state has no such plane). */
+typedef struct closed_planes {
+    void **p[3];
+    uint64_t *cap[3];
+    size_t elt[3];
+} closed_planes;
+
+static closed_planes closed_planes_of(kvt__sal *s) {
+    closed_planes c = {{(void **)&s->score, (void **)&s->csk, (void **)&s->rho},
+                       {&s->score_cap, &s->csk_cap, &s->rho_cap},
+                       {sizeof *s->score, sizeof *s->csk * s->sk_stride,
+                        s->sk_stride ? sizeof *s->rho : 0}};
+    return c;
+}
+
+static bool sal_is_shared(const kvt__sal *s) {
+    return s->share && *s->share > 1;
+}
+
+/* Let go of the closed-row planes: freed unless other holders share them (the last one frees
+ * the count too). The state then holds none. */
+static void closed_planes_drop(kvt__sal *s, const kvt__alloc *a) {
+    closed_planes c = closed_planes_of(s);
+    const bool others = s->share && --*s->share > 0;
+    for (int k = 0; k < 3; k++) {
+        if (!others && s->be && *c.p[k])
+            s->be->ops->buf_free(s->be, *c.p[k], *c.cap[k] * c.elt[k]);
+        *c.p[k] = NULL;
+        *c.cap[k] = 0;
     }
+    if (s->share && !others)
+        kvt__free(a, s->share, sizeof *s->share);
+    s->share = NULL;
+}
+
+/* Copy on write: a holder of a shared set that will write into it takes its own copy, planes of
+ * at least `rows` rows (and the set's caps), its closed rows copied on `stream`; its reference
+ * dropped. Nothing changes on failure. */
+static kvt_status closed_planes_own(kvt__sal *s, uint64_t rows, void *stream) {
+    if (!sal_is_shared(s))
+        return KVT_OK;
+    const kvt__backend *be = s->be;
+    closed_planes c = closed_planes_of(s);
+    void *fresh[3] = {NULL, NULL, NULL};
+    uint64_t cap[3];
+    kvt_status rc = KVT_OK;
+    for (int k = 0; k < 3 && rc == KVT_OK; k++) {
+        cap[k] = rows > *c.cap[k] ? rows : *c.cap[k];
+        if (c.elt[k] && cap[k])
+            rc = be->ops->buf_alloc(be, cap[k] * c.elt[k], &fresh[k]);
+    }
+    for (int k = 0; k < 3 && rc == KVT_OK; k++)
+        if (fresh[k] && s->closed_rows)
+            rc = be->ops->copy(be, fresh[k], *c.p[k], s->closed_rows * c.elt[k], stream);
+    if (rc != KVT_OK) {
+        for (int k = 0; k < 3; k++)
+            if (fresh[k])
+                be->ops->buf_free(be, fresh[k], cap[k] * c.elt[k]);
+        return rc;
+    }
+    --*s->share; /* the other holders keep the set */
+    s->share = NULL;
+    for (int k = 0; k < 3; k++) {
+        *c.p[k] = fresh[k];
+        *c.cap[k] = fresh[k] ? cap[k] : 0;
+    }
+    return KVT_OK;
+}
+
+kvt_status kvt__sal_share(kvt__sal *dst, kvt__sal *src, const kvt__alloc *a) {
+    if (src->closed_rows == 0)
+        return KVT_OK; /* nothing closed: nothing to share */
+    if (dst->sk_stride != src->sk_stride || dst->be != src->be || dst->closed_rows != 0)
+        return KVT_ERR_INVARIANT;
+    if (!src->share) {
+        if (!(src->share = kvt__malloc(a, sizeof *src->share)))
+            return KVT_ERR_OUT_OF_MEMORY;
+        *src->share = 1;
+    }
+    closed_planes_drop(dst, a);
+    closed_planes d = closed_planes_of(dst), s = closed_planes_of(src);
+    for (int k = 0; k < 3; k++) {
+        *d.p[k] = *s.p[k];
+        *d.cap[k] = *s.cap[k];
+    }
+    dst->share = src->share;
+    ++*dst->share;
+    return KVT_OK;
+}
+
+void kvt__sal_unshare(kvt__sal *s, const kvt__alloc *a) {
+    if (sal_is_shared(s))
+        closed_planes_drop(s, a);
+}
+
+void kvt__sal_side_bytes(const kvt__sal *s, uint64_t *own, uint64_t *shared) {
+    closed_planes c = closed_planes_of((kvt__sal *)(uintptr_t)s);
+    uint64_t closed = 0;
+    for (int k = 0; k < 3; k++)
+        closed += *c.cap[k] * c.elt[k];
+    const bool sh = sal_is_shared(s);
+    *own = sizeof *s->kept * s->kept_cap + (sh ? 0 : closed);
+    *shared = sh ? closed : 0;
+}
+
+void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
+    closed_planes_drop(s, a);
+    if (s->be)
+        s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
     memset(s, 0, sizeof *s);
 }
 
@@ -101,8 +204,13 @@ static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, ui
 /* The close of new_closed rows: score and kept planes, close scratch. Capacity only. */
 static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint64_t new_closed,
                               uint64_t m, void *stream) {
+    /* Rows past the closed ones will be written: a shared set is copied first (normally at the
+     * step's reserve already: sal_reserve_shared). */
+    kvt_status st = new_closed > s->closed_rows ? closed_planes_own(s, new_closed, stream) : KVT_OK;
+    if (st != KVT_OK)
+        return st;
     void *p = s->score;
-    kvt_status st = plane_grow(s->be, &p, &s->score_cap, new_closed, sizeof *s->score, stream);
+    st = plane_grow(s->be, &p, &s->score_cap, new_closed, sizeof *s->score, stream);
     s->score = p;
     if (st != KVT_OK)
         return st;
@@ -585,6 +693,7 @@ static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const
 static kvt_status sal_layer_reset(kvt__tier_state *s, const kvt__env *env,
                                   const kvt__store *st) {
     kvt__sal *sa = &s->sal;
+    kvt__sal_unshare(sa, env->alloc); /* parked slots have given theirs up already */
     sa->n_rows = sa->closed_rows = sa->n_kept = sa->kept_in_sinks = 0;
     sa->closes = sa->nonfinite = sa->score_bytes_read = 0;
     /* The new request's ratio may keep more rows: grow only then. */
@@ -642,32 +751,28 @@ static kvt_status sal_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_
     return first;
 }
 
-/* The recall sketches of closed rows [0, n) from src to dst (both sized for them). */
-static kvt_status copy_sketches(kvt__sal *d, const kvt__sal *s, uint64_t n) {
-    if (d->sk_stride == 0 || n == 0)
-        return KVT_OK;
-    if (d->sk_stride != s->sk_stride)
-        return KVT_ERR_INVARIANT;
-    kvt_status rc = d->be->ops->copy(d->be, d->csk, s->csk, sizeof *s->csk * s->sk_stride * n,
-                                     NULL);
-    return rc == KVT_OK ? d->be->ops->copy(d->be, d->rho, s->rho, sizeof *s->rho * n, NULL) : rc;
+/* Room for a kept set of m rows (grow-only). */
+static kvt_status kept_reserve(kvt__sal *s, uint64_t m) {
+    void *p = s->kept;
+    kvt_status rc = plane_grow(s->be, &p, &s->kept_cap, m ? m : 1, sizeof *s->kept, NULL);
+    s->kept = p;
+    return rc;
 }
 
-/* The forked request's σ plane and kept set, copied on the backend; the counts as they are. */
-static kvt_status sal_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+/* The forked request shares its parent's closed-row planes (σ, sketches: fixed once written;
+ * copied on write by whichever holder closes a block next); its kept set is copied on the
+ * backend; the counts as they are. */
+static kvt_status sal_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                  const kvt__env *env, const kvt__store *st, uint64_t rows) {
     (void)rows;
     kvt__sal *d = &dst_s->sal;
-    const kvt__sal *s = &src_s->sal;
+    kvt__sal *s = &src_s->sal;
     const kvt__backend *be = d->be;
-    kvt_status rc = sal_reserve(d, env->alloc, env->cfg->block_rows, s->closed_rows, s->n_kept,
-                                NULL);
-    if (rc == KVT_OK && s->closed_rows)
-        rc = be->ops->copy(be, d->score, s->score, sizeof *s->score * s->closed_rows, NULL);
+    kvt_status rc = kept_reserve(d, s->n_kept);
+    if (rc == KVT_OK)
+        rc = kvt__sal_share(d, s, env->alloc);
     if (rc == KVT_OK && s->n_kept)
         rc = be->ops->copy(be, d->kept, s->kept, sizeof *s->kept * s->n_kept, NULL);
-    if (rc == KVT_OK)
-        rc = copy_sketches(d, s, s->closed_rows);
     if (rc != KVT_OK)
         return kvt__fail(env->err, env->err_len, rc, "forking the salience state of layer %u",
                          st->layer);
@@ -682,24 +787,23 @@ static kvt_status sal_layer_fork(kvt__tier_state *dst_s, const kvt__tier_state *
 }
 
 /* An attached request holds the first `rows` rows: the blocks closed within them keep their σ
- * (copied on the backend), and its global top-m over them is selected anew (one select; the
- * copied scores are canonical already, so counting from 0 gives their non-finite rows). */
-static kvt_status sal_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state *src_s,
+ * and sketches (src's planes, shared: it reads their first rows only), and its global top-m over
+ * them is selected anew (one select; the shared scores are canonical already, so counting from 0
+ * gives their non-finite rows and rewrites nothing: +Inf stays +Inf). */
+static kvt_status sal_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                    const kvt__env *env, const kvt__store *st, uint64_t rows,
                                    uint64_t src_prompt_rows) {
     (void)src_prompt_rows;
     kvt__sal *d = &dst_s->sal;
-    const kvt__sal *s = &src_s->sal;
+    kvt__sal *s = &src_s->sal;
     const kvt_config *cfg = env->cfg;
     uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
     if (closed > s->closed_rows) /* a close src has not done yet (it retries at its commit) */
         closed = s->closed_rows;
     uint64_t m = kvt__sal_m(closed, cfg);
-    kvt_status rc = sal_reserve(d, env->alloc, cfg->block_rows, closed, m, NULL);
+    kvt_status rc = kept_reserve(d, m);
     if (rc == KVT_OK && closed)
-        rc = d->be->ops->copy(d->be, d->score, s->score, sizeof *s->score * closed, NULL);
-    if (rc == KVT_OK)
-        rc = copy_sketches(d, s, closed);
+        rc = kvt__sal_share(d, s, env->alloc);
     kvt__select_args sel = {.score = d->score, .first_new = 0, .n_closed = closed,
                             .m = (uint32_t)m,
                             .sinks = cfg->sink_rows < closed ? cfg->sink_rows : closed,
@@ -717,6 +821,31 @@ static kvt_status sal_layer_attach(kvt__tier_state *dst_s, const kvt__tier_state
     d->nonfinite = closed ? sel.nonfinite : 0;
     d->score_bytes_read = closed * score_bytes_per_row(cfg, &st->spec);
     return KVT_OK;
+}
+
+/* A step that closes a block writes the closed-row planes: a shared set is copied here, at the
+ * step's reserve, so that the step's run allocates nothing. */
+static kvt_status sal_reserve_shared(kvt__tier_state *s, const kvt__env *env,
+                                     const kvt__store *st, uint64_t rows) {
+    kvt__sal *sa = &s->sal;
+    const uint64_t closed = rows / env->cfg->block_rows * env->cfg->block_rows;
+    kvt_status rc = closed > sa->closed_rows ? closed_planes_own(sa, closed, NULL) : KVT_OK;
+    return rc == KVT_OK ? KVT_OK
+                        : kvt__fail(env->err, env->err_len, rc,
+                                    "copying the shared salience planes of layer %u (copy on "
+                                    "write)",
+                                    st->layer);
+}
+
+static void sal_layer_unshare(kvt__tier_state *s, const kvt__alloc *a) {
+    kvt__sal_unshare(&s->sal, a);
+}
+
+static void sal_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
+                           const void **key, uint32_t *holders) {
+    kvt__sal_side_bytes(&s->sal, own, shared);
+    *key = *shared ? (const void *)s->sal.share : NULL;
+    *holders = *shared ? *s->sal.share : 1;
 }
 
 static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
@@ -811,6 +940,9 @@ const kvt__policy_ops kvt__policy_salience = {
     .layer_step = sal_layer_step,
     .layer_fork = sal_layer_fork,
     .layer_attach = sal_layer_attach,
+    .reserve = sal_reserve_shared,
+    .layer_unshare = sal_layer_unshare,
+    .side_bytes = sal_side_bytes,
     .supports_layer = sal_supports_layer,
     .attended = sal_attended,
     .recall_view = sal_recall_view,

@@ -195,6 +195,12 @@ typedef struct kvt__sal {
     uint64_t csk_cap;
     float *rho;
     uint64_t rho_cap;
+    /* Prefix sharing (kvt_seq_fork, kvt_seq_attach): the closed-row planes (score, csk, rho) are
+     * fixed once written, so requests sharing closed blocks hold one set of them. `share` counts
+     * the set's holders (host memory; NULL: never shared). While *share > 1 the set is
+     * read-only: a holder that will write into it (a close, a load) copies it first, and every
+     * holder's caps are the set's. */
+    uint32_t *share;
 } kvt__sal;
 
 /* Basis tables shared by all salience layers of a context: [n_basis][block_rows], in the
@@ -214,6 +220,16 @@ void kvt__sal_shared_fini(kvt__sal_shared *sh);
  * of sk_stride fp16 values a row (0: none). */
 void kvt__sal_init(kvt__sal *s, const kvt__backend *home, uint32_t sk_stride);
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a);
+/* Prefix sharing: dst (no closed row yet) takes src's closed-row planes as a holder of the same
+ * set (counted in *share, allocated on first share: KVT_ERR_OUT_OF_MEMORY with nothing changed);
+ * dst's own closed-row planes are freed. */
+kvt_status kvt__sal_share(kvt__sal *dst, kvt__sal *src, const kvt__alloc *a);
+/* Give up a shared set (a request slot parked): the planes are forgotten (freed by their last
+ * holder); the state then holds no closed-row plane. */
+void kvt__sal_unshare(kvt__sal *s, const kvt__alloc *a);
+/* Backend bytes of the state's side planes (capacity): *own those only it holds, *shared those
+ * of a set it shares with other requests (0 when none). */
+void kvt__sal_side_bytes(const kvt__sal *s, uint64_t *own, uint64_t *shared);
 /* Size the state for `rows` committed rows (scores, kept set, close scratch) so that closes up
  * to there allocate nothing. KVT_OK or KVT_ERR_OUT_OF_MEMORY (capacity only: nothing observable
  * changes). */

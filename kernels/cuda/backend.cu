@@ -422,7 +422,7 @@ constexpr uint32_t kWarps = kThreads / 32;
 bool sketch_args_ok(const kvt__sketch_args &a) {
     return a.latent_dim >= 1 && a.latent_dim <= KVT__SKETCH_MAX_DIM && a.rank <= a.csk_stride &&
            a.csk_stride <= KVT__SKETCH_MAX_RANK && (!a.rank || a.basis) &&
-           (a.dtype == KVT__DT_BF16 || a.dtype == KVT__DT_FP16 || a.dtype == KVT__DT_FP32);
+           kvt__sketch_dtype_ok(a.dtype, a.latent_dim);
 }
 
 __global__ void k_sketch(const SketchParams p) {
@@ -517,7 +517,7 @@ bool scan_dtype_ok(int dt) {
 bool scan_args_ok(const kvt__recall_scan_args &a) {
     if (a.latent_dim <= 64u || a.latent_dim > KVT__SKETCH_MAX_DIM ||
         a.branch_dim > KVT__RECALL_MAX_BRANCH || a.rank > a.csk_stride ||
-        a.csk_stride > KVT__SKETCH_MAX_RANK || (a.rank && !a.basis) || !scan_dtype_ok(a.dtype) ||
+        a.csk_stride > KVT__SKETCH_MAX_RANK || (a.rank && !a.basis) || !kvt__sketch_dtype_ok(a.dtype, a.latent_dim) ||
         (a.branch_dim && !scan_dtype_ok(a.branch_dtype)) || a.n_closed > UINT32_MAX ||
         a.m > a.n_closed || (a.cap && !a.fired) || !a.n_fired || !a.overflow ||
         !(a.scale > 0.0f && a.scale <= FLT_MAX))

@@ -56,6 +56,17 @@ kvt_status kvt__struct_in(void *dst, size_t dst_size, const void *src, size_t mi
     return KVT_OK;
 }
 
+kvt_status kvt__struct_init(void *out, size_t size, size_t min_size, const void *def,
+                            size_t def_size, const char *what) {
+    if (!out || size < min_size)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT,
+                             "%s_init: %s (the oldest layout this library writes is %zu bytes)",
+                             what, out ? "struct_size too small" : "NULL struct", min_size);
+    memcpy(out, def, size < def_size ? size : def_size);
+    memcpy(out, &size, sizeof size);
+    return KVT_OK;
+}
+
 size_t kvt__struct_out_size(const void *dst, size_t build_size, size_t min_size) {
     size_t n;
     memcpy(&n, dst, sizeof n);

@@ -40,6 +40,12 @@ void kvt__tls_clear(void);
  * `what` in the thread's error buffer. */
 kvt_status kvt__struct_in(void *dst, size_t dst_size, const void *src, size_t min_size,
                           const char *what);
+/* The _init form of a default function (ABI rule of kvtier.h): write the defaults `def` (this
+ * build's struct of def_size bytes, first field struct_size) into out's first `size` bytes (the
+ * caller's sizeof), never past them, and set out->struct_size = size. KVT_ERR_INVALID_ARGUMENT
+ * (named `what` in the thread's error buffer) for NULL or a size below min_size. */
+kvt_status kvt__struct_init(void *out, size_t size, size_t min_size, const void *def,
+                            size_t def_size, const char *what);
 /* The size a caller's output struct (first field struct_size) may be written to: its
  * struct_size capped at this build's, or 0 when it is below min_size (nothing may be written). */
 size_t kvt__struct_out_size(const void *dst, size_t build_size, size_t min_size);

@@ -356,12 +356,16 @@ class Model(_Closable):
     def kv_bytes_per_token(self) -> int:
         return lib.kvt_model_kv_bytes_per_token(self._ptr)
 
-    def census(self, context: int, concurrency: int = 1, ratio: float = 32.0) -> CensusTotals:
-        """kvt_model_census at a context length (tokens), concurrency and ratio (>= 1)."""
+    def census(self, context: int, concurrency: int = 1, ratio: float = 32.0,
+               shared_prefix: int = 0) -> CensusTotals:
+        """kvt_model_census at a context length (tokens), concurrency and ratio (>= 1); with
+        shared_prefix > 0, kvt_model_census_shared (the requests' first shared_prefix tokens
+        held once)."""
         out = _lib.CensusTotalsC()
-        check(lib.kvt_model_census(self._ptr, u64(context, "context"),
-                                   u64(concurrency, "concurrency"), float(ratio),
-                                   ctypes.byref(out)), "kvt_model_census")
+        check(lib.kvt_model_census_shared(self._ptr, u64(context, "context"),
+                                          u64(concurrency, "concurrency"), float(ratio),
+                                          u64(shared_prefix, "shared_prefix"),
+                                          ctypes.byref(out)), "kvt_model_census_shared")
         return CensusTotals(out)
 
     def __repr__(self):
@@ -381,14 +385,24 @@ _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows
                  "recall_promote_window": "u32"}
 
 
+def _defaults(struct, init):
+    """A versioned struct filled with the library's defaults by its _init function: the C
+    library writes only ctypes.sizeof(struct) bytes, so a library newer than this mirror (a
+    larger struct) cannot overrun it, as returning the struct by value would."""
+    out = struct()
+    check(init(ctypes.byref(out), ctypes.sizeof(struct)), init.__name__, None)
+    return out
+
+
 class Config:
-    """kvt_config: starts from kvt_config_default(); keyword arguments override fields.
+    """kvt_config: starts from the library's defaults (kvt_config_init, which writes no byte
+    past this mirror's size); keyword arguments override fields.
 
     >>> Config(ratio=8, block_rows=64, kappa=4)
     """
 
     def __init__(self, **fields):
-        object.__setattr__(self, "_c", lib.kvt_config_default())
+        object.__setattr__(self, "_c", _defaults(_lib.ConfigC, lib.kvt_config_init))
         for k, v in fields.items():
             setattr(self, k, v)
 
@@ -519,8 +533,7 @@ class Context(_Closable):
                  archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None):
         if not isinstance(model, Model):
             raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
-        p = lib.kvt_ctx_default_params()
-        p.struct_size = ctypes.sizeof(_lib.CtxParamsC)
+        p = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
         p.model = model._ptr
         if isinstance(config, dict):
             config = Config(**config)
@@ -575,7 +588,7 @@ class Context(_Closable):
               "kvt_ctx_create_default", err)
         ctx = cls.__new__(cls)
         ctx._h = _Handle(out.value, lib.kvt_ctx_destroy)
-        d = lib.kvt_ctx_default_params()
+        d = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
         ctx._page_rows, ctx._n_pages = d.page_rows, d.n_pages
         ctx._specs = model.layers
         return ctx
@@ -635,6 +648,13 @@ class Context(_Closable):
         check(lib.kvt_ctx_free_pages(self._ptr, u32(layer, "layer"), ctypes.byref(out)),
               "kvt_ctx_free_pages")
         return out.value
+
+    def memory(self) -> dict:
+        """kvt_ctx_memory_stats: what the live requests hold, shared pages and side planes
+        counted once (a dict of its fields)."""
+        out = _lib.CtxMemoryC(struct_size=ctypes.sizeof(_lib.CtxMemoryC))
+        check(lib.kvt_ctx_memory_stats(self._ptr, ctypes.byref(out)), "kvt_ctx_memory_stats")
+        return {n: int(getattr(out, n)) for n, _ in _lib.CtxMemoryC._fields_ if n != "struct_size"}
 
     def set_recall_basis(self, layer: int, basis) -> None:
         """kvt_ctx_set_recall_basis: the layer's recall basis, float32 [rank, value_dim] with
@@ -767,8 +787,7 @@ class Sequence(_Closable):
                  recall=None):
         if not isinstance(ctx, Context):
             raise TypeError(f"ctx: expected a kvtier.Context, got {type(ctx).__name__}")
-        sp = lib.kvt_seq_default_params()
-        sp.struct_size = ctypes.sizeof(_lib.SeqParamsC)
+        sp = _defaults(_lib.SeqParamsC, lib.kvt_seq_params_init)
         sp.request_id = u64(request_id, "request_id")
         sp.prompt_rows = u64(prompt_rows, "prompt_rows")
         sp.ratio = u32(ratio, "ratio")

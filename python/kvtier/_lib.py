@@ -219,12 +219,27 @@ class LayerStatsC(ctypes.Structure):
         ("recall_last_dense", ctypes.c_bool),
         ("recall_last_overflow", ctypes.c_bool),
         ("effective_ratio", ctypes.c_double),
+        ("side_bytes", c_u64),
+        ("shared_side_bytes", c_u64),
         ("recall_promoted", c_u64),
         ("recall_promote_room", c_u64),
         ("recall_promotions", c_u64),
         ("recall_demotions", c_u64),
         ("recall_absorbed", c_u64),
         ("recall_last_promoted", c_u64),
+    ]
+
+
+class CtxMemoryC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size),
+        ("requests", c_u64),
+        ("pages_in_use", c_u64),
+        ("shared_pages", c_u64),
+        ("bytes_in_use", c_u64),
+        ("shared_bytes", c_u64),
+        ("side_bytes", c_u64),
+        ("shared_side_bytes", c_u64),
     ]
 
 
@@ -260,6 +275,7 @@ EMIT_SIZE_MIN = EmitC.dense.offset + ctypes.sizeof(P(ctypes.c_uint8))
 MAX_QUERIES_PER_SEQ = 256  # KVT_MAX_QUERIES_PER_SEQ
 LAYER_STATS_SIZE_MIN = (LayerStatsC.attended_bytes_per_token.offset +
                         ctypes.sizeof(ctypes.c_double))
+CTX_MEMORY_SIZE_MIN = CtxMemoryC.shared_side_bytes.offset + ctypes.sizeof(c_u64)
 
 # ---------------------------------------------------------------------------------------------
 # Function signatures: name -> (restype, argtypes). Every public function of kvtier.h and
@@ -292,12 +308,15 @@ _SIGNATURES = {
     "kvt_model_type": (c_cp, [c_vp]),
     "kvt_model_kv_bytes_per_token": (c_u64, [c_vp]),
     "kvt_model_census": (c_status, [c_vp, c_u64, c_u64, ctypes.c_double, P(CensusTotalsC)]),
+    "kvt_model_census_shared": (c_status, [c_vp, c_u64, c_u64, ctypes.c_double, c_u64,
+                                           P(CensusTotalsC)]),
     # configuration
     "kvt_config_default": (ConfigC, []),
     "kvt_config_init": (c_status, [P(ConfigC), c_size]),
     "kvt_config_check": (c_status, [P(ConfigC), c_cp, c_size]),
     # context
     "kvt_ctx_default_params": (CtxParamsC, []),
+    "kvt_ctx_params_init": (c_status, [P(CtxParamsC), c_size]),
     "kvt_ctx_create": (c_status, [P(CtxParamsC), P(c_vp), c_cp, c_size]),
     "kvt_ctx_create_default": (c_status, [c_vp, P(c_vp), c_cp, c_size]),
     "kvt_ctx_destroy": (None, [c_vp]),
@@ -309,6 +328,7 @@ _SIGNATURES = {
     "kvt_ctx_layer_group": (c_i32, [c_vp, c_u32]),
     "kvt_ctx_host_allocations": (c_u64, [c_vp]),
     "kvt_ctx_free_pages": (c_status, [c_vp, c_u32, P(c_u32)]),
+    "kvt_ctx_memory_stats": (c_status, [c_vp, P(CtxMemoryC)]),
     "kvt_ctx_set_recall_basis": (c_status, [c_vp, c_u32, P(ctypes.c_float), c_u32]),
     "kvt_layer_data": (c_status, [c_vp, c_u32, c_u32, P(c_vp), P(c_size)]),
     "kvt_layer_read": (c_status, [c_vp, c_u32, c_u32, c_u64, c_u64, c_vp, c_size]),
@@ -316,6 +336,7 @@ _SIGNATURES = {
     "kvt_layer_bind": (c_status, [c_vp, c_u32, c_u32, c_vp, c_size]),
     # sequences
     "kvt_seq_default_params": (SeqParamsC, []),
+    "kvt_seq_params_init": (c_status, [P(SeqParamsC), c_size]),
     "kvt_seq_create": (c_status, [c_vp, P(SeqParamsC), P(c_vp)]),
     "kvt_seq_destroy": (None, [c_vp]),
     "kvt_seq_set_prompt_rows": (c_status, [c_vp, c_u64]),

@@ -114,3 +114,43 @@ def test_write_checks(mixed_ctx):
     with pytest.raises(kvtier.OutOfRangeError):
         s.write(1, 2, 0, np.zeros((4, 64), np.uint8))       # plane 2
     b.commit()
+
+
+def test_forks_share_pages_and_side_planes_counted_once(mixed_ctx):
+    """kvt_ctx_memory_stats: a fork takes no page and no σ plane; the pages and the closed
+    block's σ plane are counted once; kvt_layer_stats says what each request shares."""
+    ctx = mixed_ctx
+    s = ctx.sequence(1, prompt_rows=4)
+    b = ctx.batch(1)
+    b.reserve([s], 48)  # stays under the evict layers' first round (K + r + c = 48)
+    fill(s, ctx, 48, seed=1)
+    b.commit()
+    b.reserve([s], 16)  # 64 rows: the salience layer closes its first block
+    fill(s, ctx, 16, seed=2)
+    b.commit()
+    before = ctx.memory()
+    assert before["requests"] == 1 and before["shared_pages"] == 0
+    assert before["shared_side_bytes"] == 0 and before["side_bytes"] > 0
+    kids = [s.fork(10 + i) for i in range(3)]
+    after = ctx.memory()
+    assert after["requests"] == 4
+    assert after["pages_in_use"] == before["pages_in_use"]
+    assert after["shared_pages"] == after["pages_in_use"]
+    assert after["bytes_in_use"] == before["bytes_in_use"] == after["shared_bytes"]
+    st = kids[0].layer_stats(0)
+    assert st.shared_side_bytes >= 4 * 64 and st.side_bytes >= st.shared_side_bytes
+    assert after["shared_side_bytes"] == st.shared_side_bytes
+    for k in kids:
+        k.check()
+        k.close()
+    assert ctx.memory()["shared_side_bytes"] == 0
+
+
+def test_census_with_a_shared_prefix(mixed_model):
+    t = mixed_model.census(1000, 4, 10.0)
+    u = mixed_model.census(1000, 4, 10.0, shared_prefix=600)
+    bpt = mixed_model.kv_bytes_per_token
+    assert t.dense_bytes - u.dense_bytes == 3 * 600 * bpt
+    assert u.attended_bytes == t.attended_bytes
+    with pytest.raises(kvtier.InvalidArgumentError):
+        mixed_model.census(100, 2, 10.0, shared_prefix=101)

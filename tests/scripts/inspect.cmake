@@ -20,6 +20,16 @@ if(TARGET kvtier-inspect)
   set_tests_properties(inspect_census_kimi_concurrency PROPERTIES PASS_REGULAR_EXPRESSION
     "dense cache +8,455,716,864 B \\(8\\.5 GB\\)")
 
+  # 32 requests of 32768 tokens sharing their first 30720 (a long system prompt): the dense
+  # cache 32 x 32768 - 31 x 30720 = 96,256 rows of 8,064 B, the prefix held once.
+  add_test(NAME inspect_census_kimi_shared_prefix
+    COMMAND $<TARGET_FILE:kvtier-inspect> census ${KVT_KIMI} --context 32768 --concurrency 32 --shared-prefix 30720)
+  set_tests_properties(inspect_census_kimi_shared_prefix PROPERTIES PASS_REGULAR_EXPRESSION
+    "dense cache +8,455,716,864 B.*first 30,720 tokens shared.*dense cache +776,208,384 B")
+  add_test(NAME inspect_census_bad_shared_prefix
+    COMMAND $<TARGET_FILE:kvtier-inspect> census ${KVT_KIMI} --context 100 --shared-prefix 101)
+  set_tests_properties(inspect_census_bad_shared_prefix PROPERTIES WILL_FAIL TRUE)
+
   add_test(NAME inspect_census_deepseek
     COMMAND $<TARGET_FILE:kvtier-inspect> census ${KVT_DSV3})
   set_tests_properties(inspect_census_deepseek PROPERTIES PASS_REGULAR_EXPRESSION

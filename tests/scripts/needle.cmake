@@ -162,7 +162,7 @@ endif()
 # kvtier-inspect snapshot reads it (text and JSON), --verify passes; one flipped byte fails.
 set(f ${DIR}/needle_snapshots/r1.kvts)
 execute_process(COMMAND ${INSPECT} snapshot ${f} --verify RESULT_VARIABLE a OUTPUT_VARIABLE o)
-if(NOT a EQUAL 0 OR NOT o MATCHES "verified: every CRC.*random-evict.*recall: none")
+if(NOT a EQUAL 0 OR NOT o MATCHES "verified: every CRC.*random-evict.*recall: off")
   message(FATAL_ERROR "inspect snapshot --verify: ${a}\n${o}")
 endif()
 execute_process(COMMAND ${INSPECT} snapshot ${f} --json RESULT_VARIABLE a OUTPUT_VARIABLE o)
@@ -176,6 +176,35 @@ execute_process(COMMAND ${INSPECT} snapshot ${f}.bad --verify RESULT_VARIABLE a
                 OUTPUT_QUIET ERROR_VARIABLE e)
 if(NOT a EQUAL 1 OR NOT e MATCHES "CRC mismatch")
   message(FATAL_ERROR "inspect snapshot --verify of a corrupted file: ${a}: ${e}")
+endif()
+# A recalling request's snapshot: the same CSV with and without the drill; inspect needs the
+# layer's basis (--basis; without it: a mismatch that names the option) and shows the trigger.
+set(rc --synthetic --context 8192 --ratio 32 --needles 2 --seed 5 --block 1024 --mode recall)
+file(REMOVE ${DIR}/needle_snapshots/r1.kvts)
+execute_process(COMMAND ${BIN} ${rc} --csv ${DIR}/needle_plain_recall.csv RESULT_VARIABLE a
+                OUTPUT_QUIET)
+execute_process(COMMAND ${BIN} ${rc} --snapshot-at 14 --snapshot-dir ${DIR}/needle_snapshots
+                --write-basis ${DIR}/needle_snapshots/b.kvtb --csv ${DIR}/needle_snap_recall.csv
+                RESULT_VARIABLE b OUTPUT_QUIET ERROR_VARIABLE e)
+file(READ ${DIR}/needle_plain_recall.csv x)
+file(READ ${DIR}/needle_snap_recall.csv y)
+if(NOT a EQUAL 0 OR NOT b EQUAL 0 OR NOT x STREQUAL y OR NOT x MATCHES "pass_by")
+  message(FATAL_ERROR "recall: exit statuses ${a} / ${b}, or the CSVs differ: ${e}")
+endif()
+execute_process(COMMAND ${INSPECT} snapshot ${f} --verify RESULT_VARIABLE a OUTPUT_QUIET
+                ERROR_VARIABLE e)
+if(NOT a EQUAL 1 OR NOT e MATCHES "KVT_ERR_MISMATCH.*--basis")
+  message(FATAL_ERROR "inspect snapshot of a recall snapshot without its basis: ${a}: ${e}")
+endif()
+execute_process(COMMAND ${INSPECT} snapshot ${f} --verify --basis ${DIR}/needle_snapshots/b.kvtb
+                RESULT_VARIABLE a OUTPUT_VARIABLE o ERROR_VARIABLE e)
+if(NOT a EQUAL 0 OR NOT o MATCHES "recall conformal, calibrating, z 8 from [0-9]+ samples.*basis rank 64")
+  message(FATAL_ERROR "inspect snapshot --basis: ${a}\n${o}${e}")
+endif()
+execute_process(COMMAND ${INSPECT} snapshot ${f} --json --basis ${DIR}/needle_snapshots/b.kvtb
+                RESULT_VARIABLE a OUTPUT_VARIABLE o)
+if(NOT a EQUAL 0 OR NOT o MATCHES "\"recall\":{\"mode\":\"conformal\".*\"recall_layers\":1")
+  message(FATAL_ERROR "inspect snapshot --json --basis: ${a}\n${o}")
 endif()
 ]=])
   add_test(NAME needle_snapshot_same_csv

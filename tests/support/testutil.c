@@ -90,6 +90,16 @@ kvt_ctx *tu_mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages) {
 }
 
 kvt_ctx *tu_mixed_ctx_k(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K) {
+    return tu_mixed_ctx_sketch(m, archive, n_pages, K, 0);
+}
+
+kvt_ctx *tu_mixed_ctx_sketch(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
+                             uint32_t sketch_rank) {
+    return tu_mixed_ctx_slots(m, archive, n_pages, K, sketch_rank, 0, 0);
+}
+
+kvt_ctx *tu_mixed_ctx_slots(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
+                            uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows) {
     kvt_config c = kvt_config_default();
     c.block_rows = TU_BLOCK;
     c.kappa = 4;
@@ -104,6 +114,9 @@ kvt_ctx *tu_mixed_ctx_k(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K
     p.page_rows = 16;
     p.n_pages = n_pages;
     p.allocator = KVT_ALLOC_LIBC;
+    p.recall_sketch_rank = sketch_rank;
+    p.max_seqs = max_seqs;
+    p.max_rows_per_seq = max_rows;
     kvt_ctx *ctx;
     return kvt_ctx_create(&p, &ctx, NULL, 0) == KVT_OK ? ctx : NULL;
 }

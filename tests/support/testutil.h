@@ -39,6 +39,13 @@ kvt_model *tu_mixed_model(void);
 kvt_ctx *tu_mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages);
 /* The same with the random-eviction budget K given. */
 kvt_ctx *tu_mixed_ctx_k(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K);
+/* The same with recall sketch planes of sketch_rank values a row on the salience layer (no
+ * basis set: each sketch is 0 and ρ the latent's norm). */
+kvt_ctx *tu_mixed_ctx_sketch(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
+                             uint32_t sketch_rank);
+/* The same with max_seqs request slots of max_rows rows each (0, 0: none). */
+kvt_ctx *tu_mixed_ctx_slots(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
+                            uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows);
 /* The bytes of a row: a function of (layer, plane, position, seed); every byte <= 0x3f, so every
  * element is finite. */
 void tu_row_bytes(uint8_t *buf, size_t n, uint32_t l, uint32_t pl, uint64_t pos, uint64_t seed);

@@ -22,9 +22,11 @@
 static void census_usage(FILE *f) {
     fprintf(f,
             "usage: kvtier-inspect census CONFIG.json [--context N] [--concurrency C] [--ratio X]\n"
-            "                             [--dtype bf16|fp16|fp32] [--json]\n"
+            "                             [--shared-prefix P] [--dtype bf16|fp16|fp32] [--json]\n"
             "  --context N      tokens per request (default 32768)\n"
             "  --concurrency C  requests (default 1)\n"
+            "  --shared-prefix P  the requests share their first P tokens (prefix sharing: a\n"
+            "                   system prompt, forks), held once: the totals with it too\n"
             "  --ratio X        compression ratio >= 1: show what each policy frees or stops\n"
             "                   reading (default: none, i.e. 1)\n"
             "  --dtype D        cache element type (default bf16)\n"
@@ -33,7 +35,7 @@ static void census_usage(FILE *f) {
 
 typedef struct census_opts {
     const char *path;
-    uint64_t context, concurrency;
+    uint64_t context, concurrency, shared_prefix;
     double ratio;
     bool have_ratio, json;
     kvt_dtype dtype;
@@ -51,7 +53,7 @@ static const char *flag_value(int argc, char **argv, int *i, const char *arg, co
 }
 
 static int parse_args(int argc, char **argv, census_opts *o) {
-    *o = (census_opts){NULL, 32768, 1, 1.0, false, false, KVT_DTYPE_BF16};
+    *o = (census_opts){NULL, 32768, 1, 0, 1.0, false, false, KVT_DTYPE_BF16};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
@@ -77,18 +79,24 @@ static int parse_args(int argc, char **argv, census_opts *o) {
             continue;
         }
         const char *v;
-        if (strcmp(name, "--context") == 0) {
+        /* The count flags: name, what it counts, its largest power of two, where it goes. */
+        const struct {
+            const char *name, *unit;
+            int log2_max;
+            uint64_t *out;
+        } counts[] = {{"--context", "tokens", 40, &o->context},
+                      {"--concurrency", "requests", 24, &o->concurrency},
+                      {"--shared-prefix", "tokens", 40, &o->shared_prefix}};
+        size_t c = 0;
+        while (c < sizeof counts / sizeof counts[0] && strcmp(name, counts[c].name) != 0)
+            c++;
+        if (c < sizeof counts / sizeof counts[0]) {
             if (!(v = flag_value(argc, argv, &i, name, eq)))
                 return INSPECT_EXIT_USAGE;
-            if (!inspect_parse_count(v, UINT64_C(1) << 40, &o->context))
+            if (!inspect_parse_count(v, UINT64_C(1) << counts[c].log2_max, counts[c].out))
                 return inspect_error(INSPECT_EXIT_USAGE, CMD,
-                                     "--context: expected tokens in 1..2^40, got '%s'", v);
-        } else if (strcmp(name, "--concurrency") == 0) {
-            if (!(v = flag_value(argc, argv, &i, name, eq)))
-                return INSPECT_EXIT_USAGE;
-            if (!inspect_parse_count(v, UINT64_C(1) << 24, &o->concurrency))
-                return inspect_error(INSPECT_EXIT_USAGE, CMD,
-                                     "--concurrency: expected requests in 1..2^24, got '%s'", v);
+                                     "%s: expected %s in 1..2^%d, got '%s'", name, counts[c].unit,
+                                     counts[c].log2_max, v);
         } else if (strcmp(name, "--ratio") == 0) {
             if (!(v = flag_value(argc, argv, &i, name, eq)))
                 return INSPECT_EXIT_USAGE;
@@ -114,6 +122,11 @@ static int parse_args(int argc, char **argv, census_opts *o) {
     }
     if (!o->path)
         return inspect_error(INSPECT_EXIT_USAGE, CMD, "missing CONFIG.json (see --help)");
+    if (o->shared_prefix > o->context)
+        return inspect_error(INSPECT_EXIT_USAGE, CMD,
+                             "--shared-prefix %llu exceeds the context of %llu tokens",
+                             (unsigned long long)o->shared_prefix,
+                             (unsigned long long)o->context);
     return INSPECT_EXIT_OK;
 }
 
@@ -178,7 +191,7 @@ static void print_bytes(const char *label, uint64_t b) {
 }
 
 static void print_text(const kvt_model *m, const census_opts *o, const kvt_census_totals *t,
-                       const kvt_census_totals *by_policy) {
+                       const kvt_census_totals *by_policy, const kvt_census_totals *sh) {
     uint32_t n = kvt_model_n_layers(m);
     char g[40], g2[40], geo[96];
     printf("model: %s, %u layers, cache dtype %s\n", kvt_model_type(m), n,
@@ -218,6 +231,13 @@ static void print_text(const kvt_model *m, const census_opts *o, const kvt_censu
     if (t->dense_bytes / tokens != t->kv_bytes_per_token)
         printf("  %-22s %llu B/token with the sliding-window caps\n", "",
                (unsigned long long)(t->dense_bytes / tokens));
+    if (o->shared_prefix) {
+        inspect_grouped(o->shared_prefix, g, sizeof g);
+        printf("with the first %s tokens shared by the requests (held once):\n", g);
+        print_bytes("dense cache", sh->dense_bytes);
+        if (o->have_ratio)
+            print_bytes("freed from the pool", sh->freed_bytes);
+    }
     if (!o->have_ratio)
         return;
     printf("at ratio %g:\n", o->ratio);
@@ -278,7 +298,7 @@ static json_t *totals_json(const kvt_census_totals *t, bool counts) {
 }
 
 static int print_json(const kvt_model *m, const census_opts *o, const kvt_census_totals *t,
-                      const kvt_census_totals *by_policy) {
+                      const kvt_census_totals *by_policy, const kvt_census_totals *sh) {
     json_t *root = json_object();
     json_object_set_new(root, "model_type", json_string(kvt_model_type(m)));
     json_object_set_new(root, "dtype", json_string(kvt_dtype_name(o->dtype)));
@@ -313,6 +333,10 @@ static int print_json(const kvt_model *m, const census_opts *o, const kvt_census
     for (size_t p = 0; p < 3; p++)
         json_object_set_new(bp, kvt_policy_name(k_policies[p]), totals_json(&by_policy[p], false));
     json_object_set_new(root, "by_policy", bp);
+    if (o->shared_prefix) {
+        json_object_set_new(root, "shared_prefix", json_u64(o->shared_prefix));
+        json_object_set_new(root, "shared_totals", totals_json(sh, false));
+    }
     int rc =
         json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
     json_decref(root);
@@ -334,8 +358,10 @@ int inspect_census(int argc, char **argv) {
     kvt_status s = kvt_model_from_file(o.path, o.dtype, &m, err, sizeof err);
     if (s != KVT_OK)
         return inspect_error(INSPECT_EXIT_FAIL, CMD, "%s (%s)", err, kvt_status_name(s));
-    kvt_census_totals t, by_policy[3];
+    kvt_census_totals t, by_policy[3], sh;
     s = kvt_model_census(m, o.context, o.concurrency, o.ratio, &t);
+    if (s == KVT_OK)
+        s = kvt_model_census_shared(m, o.context, o.concurrency, o.ratio, o.shared_prefix, &sh);
     for (size_t p = 0; p < 3 && s == KVT_OK; p++)
         s = policy_totals(m, k_policies[p], &o, &by_policy[p]);
     if (s != KVT_OK) {
@@ -347,9 +373,9 @@ int inspect_census(int argc, char **argv) {
                              kvt_status_name(s));
     }
     if (o.json)
-        rc = print_json(m, &o, &t, by_policy);
+        rc = print_json(m, &o, &t, by_policy, &sh);
     else
-        print_text(m, &o, &t, by_policy);
+        print_text(m, &o, &t, by_policy, &sh);
     kvt_model_destroy(m);
     if (!o.json && fflush(stdout) != 0)
         return inspect_error(INSPECT_EXIT_FAIL, CMD, "cannot write to stdout");

@@ -1,12 +1,16 @@
 /*
- * kvtier-inspect snapshot FILE [--verify] [--json] — what a request snapshot holds (kvtier.h,
+ * kvtier-inspect snapshot FILE [--verify] [--json] [--basis BASIS]... — what a request snapshot
+ * holds (kvtier.h,
  * "Snapshots"): occupancy per tier and layer, the σ histogram of each salience layer, the recall
  * state, memory by tier.
  *
  * The file is restored into a context built from the snapshot's own model and configuration
  * (kvt_snapshot_context), so every figure comes from the library's public inspection calls, and
  * reading it already checks every CRC, size, count and invariant: a bad file exits 1 with the
- * reason. --verify also runs kvt_seq_check on the restored request and says so.
+ * reason. --verify also runs kvt_seq_check on the restored request and says so. A snapshot of a
+ * request that recalls names each layer's basis by id and does not carry it: --basis loads a
+ * basis file (kvtier-inspect calibrate's) on the layer it was made for before the restore, which
+ * checks the id.
  */
 #include "inspect.h"
 
@@ -21,11 +25,14 @@
 #define SIGMA_BINS 10
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: kvtier-inspect snapshot FILE [--verify] [--json]\n"
+    fprintf(f, "usage: kvtier-inspect snapshot FILE [--verify] [--json] [--basis BASIS]...\n"
                "  occupancy per tier and layer, sigma histogram of salience layers, recall state,\n"
                "  memory by tier of a request snapshot (kvt_seq_snapshot_file).\n"
                "  --verify  check every checksum and invariant; exit 1 with the reason if bad\n"
-               "  --json    one JSON object on stdout\n");
+               "  --json    one JSON object on stdout\n"
+               "  --basis   a recall basis file (kvtier-inspect calibrate), loaded on its layer\n"
+               "            before the restore: a snapshot of a recalling request needs the basis\n"
+               "            of each such layer (the snapshot holds its id, not its values)\n");
 }
 
 static uint8_t *read_all(const char *path, size_t *n) {
@@ -86,8 +93,21 @@ static void histogram(const float *s, uint64_t n, sigma_hist *h) {
     }
 }
 
+#define MAX_BASES 64
+
+static const char *recall_mode_name(int32_t m) {
+    switch (m) {
+    case KVT_RECALL_CONFORMAL: return "conformal";
+    case KVT_RECALL_SOUND: return "sound";
+    case KVT_RECALL_MARGIN: return "margin";
+    default: return "off";
+    }
+}
+
 int inspect_snapshot(int argc, char **argv) {
     const char *path = NULL;
+    const char *bases[MAX_BASES];
+    int n_bases = 0;
     bool verify = false, json = false;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -97,6 +117,13 @@ int inspect_snapshot(int argc, char **argv) {
             verify = true;
         } else if (strcmp(argv[i], "--json") == 0) {
             json = true;
+        } else if (strcmp(argv[i], "--basis") == 0) {
+            if (i + 1 >= argc)
+                return inspect_error(INSPECT_EXIT_USAGE, CMD, "--basis needs a FILE");
+            if (n_bases == MAX_BASES)
+                return inspect_error(INSPECT_EXIT_USAGE, CMD, "more than %d --basis files",
+                                     MAX_BASES);
+            bases[n_bases++] = argv[++i];
         } else if (strncmp(argv[i], "--", 2) == 0) {
             return inspect_error(INSPECT_EXIT_USAGE, CMD, "unknown flag '%s' (see --help)",
                                  argv[i]);
@@ -116,23 +143,40 @@ int inspect_snapshot(int argc, char **argv) {
     kvt_ctx *ctx = NULL;
     kvt_seq *seq = NULL;
     kvt_status s = kvt_snapshot_context(buf, len, KVT_BACKEND_CPU, &ctx);
+    for (int b = 0; s == KVT_OK && b < n_bases; b++) {
+        kvt_recall_basis_info info;
+        s = kvt_recall_basis_read(bases[b], &info, NULL, 0);
+        if (s == KVT_OK)
+            s = kvt_ctx_load_recall_basis(ctx, info.layer, bases[b]);
+        if (s != KVT_OK) {
+            int rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "basis %s: %s (%s)", bases[b],
+                                   kvt_last_error(), kvt_status_name(s));
+            free(buf);
+            kvt_ctx_destroy(ctx);
+            return rc;
+        }
+    }
     if (s == KVT_OK)
         s = kvt_seq_restore(ctx, buf, len, &seq);
     if (s == KVT_OK && verify)
         s = kvt_seq_check(seq);
     free(buf);
     if (s != KVT_OK) {
-        int rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "%s: %s (%s)", path, kvt_last_error(),
-                               kvt_status_name(s));
+        int rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "%s: %s (%s)%s", path, kvt_last_error(),
+                               kvt_status_name(s),
+                               s == KVT_ERR_MISMATCH && !n_bases
+                                   ? "; a recalling request needs its layers' bases: --basis FILE"
+                                   : "");
         kvt_ctx_destroy(ctx);
         return rc;
     }
     const kvt_model *m = kvt_ctx_model(ctx);
     uint32_t L = kvt_model_n_layers(m);
     uint64_t pool_bytes = 0, archive_bytes = 0, side_bytes = 0;
+    uint32_t n_recall = 0;
     if (json)
         printf("{\"file\":\"%s\",\"bytes\":%zu,\"model_type\":\"%s\",\"layers\":%u,"
-               "\"tokens\":%llu,\"verified\":%s,\"recall\":null,\"per_layer\":[",
+               "\"tokens\":%llu,\"verified\":%s,\"per_layer\":[",
                path, len, kvt_model_type(m), L, (unsigned long long)kvt_seq_length(seq),
                verify ? "true" : "false");
     else
@@ -164,6 +208,8 @@ int inspect_snapshot(int argc, char **argv) {
             free(sc);
             side_bytes += n_sig * 4 + st.kept_rows * 4;
         }
+        /* sketch plane: rank fp16 coefficients and the fp32 residual norm a sketched row */
+        side_bytes += st.sketched_rows * (2ull * st.recall_rank + 4);
         if (json) {
             printf("%s{\"layer\":%u,\"kind\":\"%s\",\"policy\":\"%s\",\"appended\":%llu,"
                    "\"attended_per_head\":%llu,\"sinks\":%llu,\"kept\":%llu,\"tail\":%llu,"
@@ -176,6 +222,19 @@ int inspect_snapshot(int argc, char **argv) {
                    (unsigned long long)st.dropped_rows, (unsigned long long)st.closed_rows,
                    (unsigned long long)st.closes, (unsigned long long)st.rounds,
                    (unsigned long long)st.bytes_in_use, (unsigned long long)st.archive_bytes);
+            if (st.recall_mode != KVT_RECALL_OFF)
+                printf(",\"recall\":{\"mode\":\"%s\",\"phase\":%d,\"z\":%g,\"samples\":%u,"
+                       "\"steps\":%llu,\"calib_steps\":%llu,\"overflow_steps\":%llu,"
+                       "\"visited\":%llu,\"fired\":%llu,\"fetched\":%llu,\"rank\":%u,"
+                       "\"basis_id\":%u,\"sketched\":%llu}",
+                       recall_mode_name(st.recall_mode), st.recall_phase, (double)st.recall_z,
+                       st.recall_samples, (unsigned long long)st.recall_steps,
+                       (unsigned long long)st.recall_calib_steps,
+                       (unsigned long long)st.recall_overflow_steps,
+                       (unsigned long long)st.recall_visited_rows,
+                       (unsigned long long)st.recall_fired_rows,
+                       (unsigned long long)st.recall_fetched_rows, st.recall_rank,
+                       st.recall_basis_id, (unsigned long long)st.sketched_rows);
             if (has_sigma) {
                 printf(",\"sigma\":{\"n\":%llu,\"inf\":%llu,\"lo\":%g,\"hi\":%g,\"bins\":[",
                        (unsigned long long)h.n, (unsigned long long)h.inf, h.lo, h.hi);
@@ -198,13 +257,30 @@ int inspect_snapshot(int argc, char **argv) {
                     printf(" %llu", (unsigned long long)h.bins[b]);
                 printf("\n");
             }
+            if (st.recall_mode != KVT_RECALL_OFF)
+                printf("      recall %s, %s, z %.4g from %u samples; %llu steps (%llu "
+                       "calibration, %llu overflow), rows visited %llu, fired %llu, fetched "
+                       "%llu; basis rank %u id 0x%08x, %llu rows sketched\n",
+                       recall_mode_name(st.recall_mode),
+                       st.recall_phase == 0   ? "calibrating"
+                       : st.recall_phase == 1 ? "calibrated"
+                                              : "provisional",
+                       (double)st.recall_z, st.recall_samples,
+                       (unsigned long long)st.recall_steps,
+                       (unsigned long long)st.recall_calib_steps,
+                       (unsigned long long)st.recall_overflow_steps,
+                       (unsigned long long)st.recall_visited_rows,
+                       (unsigned long long)st.recall_fired_rows,
+                       (unsigned long long)st.recall_fetched_rows, st.recall_rank,
+                       st.recall_basis_id, (unsigned long long)st.sketched_rows);
         }
+        n_recall += st.recall_mode != KVT_RECALL_OFF;
         first = false;
     }
     if (json) {
-        printf("],\"memory\":{\"pool_bytes\":%llu,\"archive_bytes\":%llu,\"side_plane_bytes\":"
+        printf("],\"recall_layers\":%u,\"memory\":{\"pool_bytes\":%llu,\"archive_bytes\":%llu,\"side_plane_bytes\":"
                "%llu}}\n",
-               (unsigned long long)pool_bytes, (unsigned long long)archive_bytes,
+               n_recall, (unsigned long long)pool_bytes, (unsigned long long)archive_bytes,
                (unsigned long long)side_bytes);
     } else {
         char a[32], b[32], c[32];
@@ -212,10 +288,10 @@ int inspect_snapshot(int argc, char **argv) {
         inspect_human(archive_bytes, b, sizeof b);
         inspect_human(side_bytes, c, sizeof c);
         printf("memory: row pool %s (attended tier, and salience's archive in place), archive "
-               "pool %s (random eviction's copies), side planes %s (sigma, kept sets)\n",
+               "pool %s (random eviction's copies), side planes %s (sigma, kept sets, sketches)\n",
                a, b, c);
-        printf("recall: none (the recall tier is not implemented yet: no sketches, no "
-               "calibration in this snapshot)\n");
+        if (!n_recall)
+            printf("recall: off in this request\n");
     }
     kvt_ctx_destroy(ctx);
     return INSPECT_EXIT_OK;

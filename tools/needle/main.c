@@ -90,6 +90,10 @@ static void usage(FILE *f) {
 "  --ratio X              compression ratio (default 32); a comma list is allowed\n"
 "  --block B              rows per block (default 4096)   --kappa K  (default 16)\n"
 "  --sigma-basis B        fourier (reference, default) | dct: kvt_config.sigma_basis\n"
+"  --budget               budget mode (kvt_config.salience_budget): m recomputed at each\n"
+"                         block close so that sinks + kept + tail ~ context / ratio; adds\n"
+"                         the CSV column eff_ratio (committed rows per attended row)\n"
+"  --budget-min-kept N    its floor of kept rows (default: the library's, 256)\n"
 "  --sinks S              sink rows (default 4)           --recent R (RoPE window, default 64)\n"
 "  --scale S              softmax scale (default: the trace's scale= line, else head_dim^-1/2\n"
 "                         on a GQA layer, 192^-1/2 on MLA)\n"
@@ -406,6 +410,13 @@ static int parse_args(int argc, char **argv, opts *o) {
                 o->run.sigma_basis = b;
             else
                 o->gen.calib_basis = b;
+        } else if (!strcmp(a, "--budget")) {
+            o->run.salience_budget = true;
+        } else if (!strcmp(a, "--budget-min-kept")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || u < 1 || u > UINT32_MAX)
+                return usage_err("bad --budget-min-kept '%s'", v);
+            o->run.budget_min_kept = (uint32_t)u;
         } else if (!strcmp(a, "--edges")) {
             o->edges = true;
         } else if (!strcmp(a, "--rope")) {

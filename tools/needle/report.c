@@ -310,7 +310,12 @@ int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_le
     bool any_recall = false;
     for (size_t i = 0; i < r->n; i++)
         any_recall |= r->recs[i].mode == ND_MODE_RECALL;
-    fprintf(f, any_recall ? ",fetched,visited_frac,overflow,z,dense,pass_by\n" : "\n");
+    /* Likewise the budget mode's eff_ratio column, last. */
+    bool any_budget = false;
+    for (size_t i = 0; i < r->n; i++)
+        any_budget |= r->recs[i].res.budget;
+    fprintf(f, "%s%s\n", any_recall ? ",fetched,visited_frac,overflow,z,dense,pass_by" : "",
+            any_budget ? ",eff_ratio" : "");
     for (size_t i = 0; i < r->n; i++) {
         const nd_record *x = &r->recs[i];
         const nd_result *s = &x->res;
@@ -330,7 +335,7 @@ int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_le
                 s->read_bytes_per_token);
         /* recall columns (appended): empty outside recall mode */
         if (x->mode == ND_MODE_RECALL)
-            fprintf(f, ",%llu,%.6f,%d,%.4f,%d,%s\n", (unsigned long long)s->fetched_rows,
+            fprintf(f, ",%llu,%.6f,%d,%.4f,%d,%s", (unsigned long long)s->fetched_rows,
                     s->recall_archived ? (double)s->recall_visited / (double)s->recall_archived
                                        : 0.0,
                     s->recall_overflow ? 1 : 0, (double)s->recall_z, s->recall_dense ? 1 : 0,
@@ -339,9 +344,10 @@ int nd_report_csv(const nd_report *r, const char *path, char *err, size_t err_le
                     : s->pass_by == 'k' ? "kept"
                                         : "");
         else if (any_recall)
-            fprintf(f, ",,,,,,\n");
-        else
-            fprintf(f, "\n");
+            fprintf(f, ",,,,,,");
+        if (any_budget)
+            fprintf(f, ",%.3f", s->eff_ratio);
+        fprintf(f, "\n");
     }
     if (fclose(f) != 0) {
         snprintf(err, err_len, "error writing %s", path);

@@ -248,6 +248,9 @@ typedef struct nd_run_params {
     uint64_t snapshot_at;
     const char *snapshot_dir;
     kvt_sigma_basis sigma_basis; /* kvt_config.sigma_basis (the library's default) */
+    /* kvt_config.salience_budget and budget_min_kept (0: the library's floor). */
+    bool salience_budget;
+    uint32_t budget_min_kept;
     /* ND_MODE_RECALL: the trigger's mode (KVT_RECALL_CONFORMAL), cap W (0: the library's),
      * sketch rank (64), and whether the case's query subspace is loaded as the recall basis
      * (true; false: recall without a basis). */
@@ -314,6 +317,8 @@ typedef struct nd_result {
                                 (salience); attended_rows - K after a round, all rows before
                                 the first (eviction); 0 for policy none */
     uint64_t kept_rows, sink_rows, m_rows;
+    bool budget;             /* run in budget mode (kvt_config.salience_budget) */
+    double eff_ratio;        /* kvt_layer_stats.effective_ratio at the query */
     /* Block edges (salience policy; 0 otherwise): of the attended rows that were scored (closed,
      * not sinks), how many lie within ND_EDGE_ROWS rows of a block edge (position mod B below
      * ND_EDGE_ROWS or at least B − ND_EDGE_ROWS); and the same two counts over every scored row,

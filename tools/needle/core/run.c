@@ -506,6 +506,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     cfg->seed = p->seed;
     cfg->selector = p->mode == ND_MODE_RANDOM ? KVT_SELECT_RANDOM : KVT_SELECT_SIGMA;
     cfg->sigma_basis = p->sigma_basis;
+    cfg->salience_budget = p->salience_budget;
+    if (p->budget_min_kept)
+        cfg->budget_min_kept = p->budget_min_kept;
     cfg->recent_rows = p->recent_rows;
     cfg->cadence_rows = 0;
     cfg->protect_prompt = true;
@@ -891,6 +894,10 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             res->m_rows = committed;
         if (res->m_rows == 0 && ls.closed_rows)
             res->m_rows = 1;
+        if (policy == KVT_POLICY_SALIENCE && cfg->salience_budget)
+            res->m_rows = ls.kept_rows; /* budget mode: m as the last close set it */
+        res->budget = cfg->salience_budget;
+        res->eff_ratio = ls.effective_ratio;
         res->read_bytes_per_token = ls.attended_bytes_per_token;
         if (policy == KVT_POLICY_SALIENCE)
             edge_counts(pos_of_slot, rslots, len, cfg->block_rows, cfg->sink_rows,
