@@ -1140,7 +1140,8 @@ KVT_API kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq 
 
 /* For tools (kvtier-inspect): a context of the snapshot's own model, configuration, page size,
  * policies and parallelism, on the given backend, with just enough pages in each pool to restore
- * it (the snapshot's checksums and sizes are checked first). Restore the snapshot into it to
+ * it (the snapshot's checksums and sizes are checked first); the recall settings META does not
+ * hold (recall_cap_rows, recall_margin, recall_promote_*) come from its RECALL sections. Restore the snapshot into it to
  * verify or inspect it. Errors: those of kvt_seq_restore's parsing, and of kvt_ctx_create. */
 KVT_API kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind backend,
                                         kvt_ctx **out);

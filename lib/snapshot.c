@@ -911,7 +911,26 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
     if (s == KVT_OK) {
         kvt_ctx_params p = kvt_ctx_default_params();
         p.model = model;
-        p.config = &m->cfg;
+        kvt_config cfg = m->cfg;
+        /* What META does not carry, from a RECALL section: W, margin, promotion (its tail). */
+        for (uint32_t i = 0; i < m->n_layers; i++) {
+            const kvt__ctr_section *rs = &sp.recall[i];
+            if (rs->length < RECALL_HEAD + sizeof(kvt__recall_state))
+                continue;
+            const uint8_t *q = sp.buf + rs->offset;
+            kvt__recall_state st;
+            memcpy(&st, q + RECALL_HEAD, sizeof st);
+            cfg.recall_cap_rows = kvt__get_u32(q + 8);
+            uint32_t mb = kvt__get_u32(q + 12);
+            memcpy(&cfg.recall_margin, &mb, 4);
+            if (rs->length >= recall_bytes(&st) + PROMO_HEAD) {
+                const uint8_t *t = q + recall_bytes(&st);
+                cfg.recall_promote_capacity = kvt__get_u32(t);
+                cfg.recall_promote_hits = kvt__get_u32(t + 4);
+                cfg.recall_promote_window = kvt__get_u32(t + 8);
+            }
+        }
+        p.config = &cfg;
         p.page_rows = m->page_rows;
         p.n_pages = 1;
         for (uint32_t g = 0; g < m->n_groups; g++)

@@ -1248,6 +1248,19 @@ Test(recall_step, promotion_forks_attaches_and_snapshots, .timeout = 120) {
     cr_assert_eq(b.recall_demotions, a.recall_demotions);
     cr_assert_gt(a.recall_demotions + a.recall_absorbed, 0, "no close touched the promoted set");
     kvt_seq_destroy(copy);
+    /* a context built from the snapshot alone (kvtier-inspect's way) takes its promotion */
+    kvt_ctx *sctx;
+    cr_assert_eq(kvt_snapshot_context(snap, need, KVT_BACKEND_CPU, &sctx), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(kvt_ctx_set_recall_basis(sctx, 0, r.V, RB), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_restore(sctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt__recall_layer_read_promo(&copy->recall[0], &sctx->backend, pb), KVT_OK);
+    cr_assert_eq(memcmp(pa, pb, nb), 0, "the promotion tables restored in the snapshot's context");
+    kvt_layer_stats sc = {.struct_size = sizeof sc};
+    cr_assert_eq(kvt_seq_layer_stats(copy, 0, &sc), KVT_OK);
+    cr_assert_eq(sc.recall_promote_room, 16);
+    kvt_seq_destroy(copy);
+    kvt_ctx_destroy(sctx);
     /* another capacity: a mismatch, named */
     g_promote[0] = 8;
     rig other;
