@@ -10,38 +10,12 @@
 
 #include <kvtier.h>
 
-#include <math.h>
 #include <stdio.h>
 
 #define B 4096u
 #define D 512u
 #define RANK 64u
 #define REPS 5
-
-/* A rank-RANK orthonormal basis: Gram-Schmidt of random rows (double), stored fp32. */
-static void basis(float *V) {
-    static double v[RANK * D];
-    for (uint32_t k = 0; k < RANK; k++) {
-        double *vk = v + (size_t)k * D;
-        for (uint32_t d = 0; d < D; d++)
-            vk[d] = (double)(rnd() >> 11) * 0x1p-53 - 0.5;
-        for (int pass = 0; pass < 2; pass++)
-            for (uint32_t j = 0; j < k; j++) {
-                double dot = 0;
-                for (uint32_t d = 0; d < D; d++)
-                    dot += vk[d] * v[(size_t)j * D + d];
-                for (uint32_t d = 0; d < D; d++)
-                    vk[d] -= dot * v[(size_t)j * D + d];
-            }
-        double nn = 0;
-        for (uint32_t d = 0; d < D; d++)
-            nn += vk[d] * vk[d];
-        for (uint32_t d = 0; d < D; d++) {
-            vk[d] /= sqrt(nn);
-            V[(size_t)k * D + d] = (float)vk[d];
-        }
-    }
-}
 
 /* Seconds of one close of B rows in a fresh request of ctx. */
 static double one_close(kvt_ctx *ctx, const uint8_t *rows) {
@@ -83,7 +57,7 @@ int main(void) {
         uint16_t h = (uint16_t)(0x3c00u + (rnd() & 0x3ffu)) ^ (uint16_t)(rnd() & 0x8000u);
         memcpy(rows + i, &h, 2); /* bf16-shaped values in about [1, 2) in magnitude */
     }
-    basis(V);
+    bench_basis(V, RANK, D);
     const char *names[3] = {"sigma only (recall_sketch_rank 0)", "sigma + sketch planes, no basis",
                             "sigma + rank-64 sketches"};
     kvt_ctx *ctx[3];

@@ -3,6 +3,7 @@
 #ifndef KVT_BENCH_UTIL_H
 #define KVT_BENCH_UTIL_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,32 @@ static inline double memcpy_best(size_t bytes, int reps) {
     free(a);
     free(b);
     return best;
+}
+
+/* A rank × d orthonormal basis (rows): double Gram-Schmidt of random rows, stored fp32. */
+static inline void bench_basis(float *V, uint32_t rank, uint32_t d) {
+    double *v = malloc(sizeof(double) * rank * d);
+    for (uint32_t k = 0; k < rank; k++) {
+        double *vk = v + (size_t)k * d;
+        for (uint32_t i = 0; i < d; i++)
+            vk[i] = (double)(rnd() >> 11) * 0x1p-53 - 0.5;
+        for (int pass = 0; pass < 2; pass++)
+            for (uint32_t j = 0; j < k; j++) {
+                double dot = 0;
+                for (uint32_t i = 0; i < d; i++)
+                    dot += vk[i] * v[(size_t)j * d + i];
+                for (uint32_t i = 0; i < d; i++)
+                    vk[i] -= dot * v[(size_t)j * d + i];
+            }
+        double nn = 0;
+        for (uint32_t i = 0; i < d; i++)
+            nn += vk[i] * vk[i];
+        for (uint32_t i = 0; i < d; i++) {
+            vk[i] /= sqrt(nn);
+            V[(size_t)k * d + i] = (float)vk[i];
+        }
+    }
+    free(v);
 }
 
 #endif

@@ -127,6 +127,20 @@ typedef struct kvt__recall_state {
     uint64_t visited, fired, fetched; /* sums of the last_* over the steps */
 } kvt__recall_state;
 
+/* Recall promotion of one (request, layer) (docs/recall.md §4.2), in the backend's memory after
+ * the trigger state: this header, then cand_row [cand_cap], cand_hist [cand_cap], prom_row
+ * [prom_cap], prom_hist [prom_cap] (u32). A history's bit k says the row hit k steps ago (bit 0:
+ * the last step), masked to the window. Candidates: archived rows that fired in the window,
+ * ascending; promoted rows: ascending, disjoint from the sinks, the kept set and the candidates.
+ * Only the recall step op writes it. */
+typedef struct kvt__recall_promo {
+    uint32_t n_prom;      /* promoted rows now */
+    uint32_t n_cand;      /* candidates now */
+    uint32_t last_closed; /* closed rows at the last step (a change: a block closed since) */
+    uint32_t last_promoted; /* promoted rows the last step attended (the certificate's) */
+    uint64_t promotions, demotions, absorbed; /* totals */
+} kvt__recall_promo;
+
 /* One recall step of one (request, layer) (kernels/recall_step.h): the archive view and the
  * queries in scan (scan.best, scan.z and the outputs point into the request's recall buffer; the
  * op sets best and z), the attended tail [scan.n_closed, n_rows), the state, and the step's
@@ -148,6 +162,12 @@ typedef struct kvt__recall_step_args {
     float *g_centre, *g_stat;
     uint64_t g_blocks_cap;
     uint32_t block_rows, g_dim;
+    /* Promotion (kvt__recall_promo; promo NULL: off, nothing below is read). The fetch buffer
+     * scan.fired holds scan.cap + prom_cap rows: a step that does not attend every row emits the
+     * promoted rows merged into its fetched ones. prom_room <= prom_cap: the most rows promoted
+     * at once (what the last close reserved), hits of window (1 <= hits <= window <= 32). */
+    kvt__recall_promo *promo;
+    uint32_t cand_cap, prom_cap, prom_room, hits, window;
 } kvt__recall_step_args;
 
 /* An attended set as a policy describes it, in row indices of the group's table, ascending:

@@ -246,9 +246,14 @@ static bool recall_step_ok(const kvt__recall_step_args *x) {
     const bool groups_ok =
         !x->g_perm || (B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && x->g_n &&
                        x->g_end && x->g_centre && x->g_stat && x->g_dim >= a.branch_dim + a.rank);
+    const bool promo_ok =
+        !x->promo || (x->prom_cap >= 1 && x->prom_cap <= (1u << 16) &&
+                      x->cand_cap >= x->prom_cap && x->cand_cap <= (1u << 20) &&
+                      x->prom_room <= x->prom_cap && x->hits >= 1 && x->hits <= x->window &&
+                      x->window <= 32 && a.fired && a.n_closed <= UINT32_MAX);
     return recall_scan_ok(&a) && x->st && a.best && x->n_rows >= a.n_closed &&
            x->n_rows <= UINT32_MAX && (x->mode != KVT__RECALL_CONFORMAL || x->samples) &&
-           (a.n_heads == 0 || a.q) && groups_ok;
+           (a.n_heads == 0 || a.q) && groups_ok && promo_ok;
 }
 
 static void step_item(const void *a, float *scratch) {
@@ -262,10 +267,7 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
     for (uint32_t i = 0; i < n; i++) {
         if (!recall_step_ok(&a[i]))
             return KVT_ERR_INVALID_ARGUMENT;
-        const kvt__recall_scan_args *s = &a[i].scan;
-        size_t f = kvt__recall_step_scratch_floats(s->n_heads, s->rank, s->latent_dim,
-                                                   s->branch_dim, s->n_closed,
-                                                   a[i].g_perm ? a[i].block_rows : 0);
+        size_t f = kvt__recall_step_scratch_floats(&a[i]);
         need = f > need ? f : need;
     }
     return run_items(be, a, sizeof *a, n, need, step_item);
@@ -760,6 +762,13 @@ static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_a
         GUARD_OWNS(be, a->st, sizeof *a->st);
         GUARD_OWNS(be, a->samples, sizeof(float) * a->sample_cap);
         GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+        if (a->promo) {
+            GUARD_OWNS(be, a->promo,
+                       sizeof *a->promo +
+                           2u * sizeof(uint32_t) * ((size_t)a->cand_cap + a->prom_cap));
+            GUARD_OWNS(be, a->scan.fired,
+                       sizeof(uint32_t) * ((size_t)a->scan.cap + a->prom_cap));
+        }
         if (a->g_perm) {
             const uint64_t nb = a->g_blocks_cap, G = a->block_rows / 32u;
             GUARD_OWNS(be, a->g_perm, sizeof(uint32_t) * nb * a->block_rows);

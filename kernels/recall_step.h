@@ -19,6 +19,13 @@
  *      and the scan is the pruned one (kvt__recall_scan_pruned_cpu: the full scan's output, bit
  *      for bit, visiting fewer rows); the margin mode and a step without planes scan in full.
  *
+ * With promotion (a->promo, docs/recall.md §4.2): first, after a close, the promoted rows the
+ * close kept are absorbed and those without a hit in the window demoted; the promoted rows are
+ * attended in step 1 (each records whether it reached the others' best for some head) and are
+ * not archived in steps 2-4; after the scan the candidates' histories take the fired rows, the
+ * promoted rows join the fetch buffer (unless the step is dense), and candidates with enough
+ * hits are promoted, up to prom_room.
+ *
  * The state records the step's certificate (kvt__recall_state). Scratch: the scan's plus the
  * transposed queries and per-head scores of steps 1 and 3.
  */
@@ -29,11 +36,8 @@
 #include "kernels/conformal.h"
 #include "kernels/recall_scan.h"
 
-/* Floats of scratch kvt__recall_step_cpu takes for a (request, layer) of n_closed closed rows
- * (and, with group planes, blocks of block_rows rows; 0: none). */
-size_t kvt__recall_step_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D,
-                                       uint32_t branch_dim, uint64_t n_closed,
-                                       uint32_t block_rows);
+/* Floats of scratch kvt__recall_step_cpu takes for this work item. */
+size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x);
 /* One work item, arguments checked by the caller (the scan's rules, plus st, samples). */
 void kvt__recall_step_cpu(const kvt__recall_step_args *a, float *scratch);
 

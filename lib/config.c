@@ -26,6 +26,9 @@ kvt_config kvt_config_default(void) {
     c.salience_budget = false;
     c.budget_min_kept = 256;
     c.sigma_basis = KVT_SIGMA_FOURIER;
+    c.recall_promote_capacity = 0;
+    c.recall_promote_hits = 3;
+    c.recall_promote_window = 8;
     return c;
 }
 
@@ -38,6 +41,7 @@ kvt_status kvt_config_init(kvt_config *out, size_t struct_size) {
 #define KVT__MAX_RATIO (1u << 20)
 #define KVT__MAX_BLOCK (1u << 20)
 #define KVT__MAX_BUDGET (1u << 28)
+#define KVT__MAX_PROMOTE (1u << 16)
 
 static kvt_status check_fields(const kvt_config *c, char *err, size_t len);
 
@@ -105,6 +109,16 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "config.budget_min_kept: %u not in 1..%u", c->budget_min_kept,
                          KVT__MAX_BUDGET);
+    if (c->recall_promote_capacity > KVT__MAX_PROMOTE)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.recall_promote_capacity: %u above %u",
+                         c->recall_promote_capacity, KVT__MAX_PROMOTE);
+    if (c->recall_promote_window < 1 || c->recall_promote_window > 32 ||
+        c->recall_promote_hits < 1 || c->recall_promote_hits > c->recall_promote_window)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.recall_promote_hits %u of recall_promote_window %u: want "
+                         "1 <= hits <= window <= 32",
+                         c->recall_promote_hits, c->recall_promote_window);
     if (!(c->recall_margin >= 0.0f && c->recall_margin <= FLT_MAX))
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "config.recall_margin: %g is not a finite value >= 0",

@@ -318,7 +318,8 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
 /* The recall trigger on salience layers (docs/recall.md §4; needs params.recall_sketch_rank > 0
  * and a backend with the recall ops). Each decode step (one query token per request), per query
  * head h, best_h = the highest exact score over the rows attended without recall (sinks, kept,
- * tail); an archived row a (a closed row outside the kept set) is fetched for the step when, for
+ * tail, promoted: config.recall_promote_capacity); an archived row a (a closed row outside the
+ * kept and promoted sets) is fetched for the step when, for
  * some head, its approximate score idx_a (branch exact, latent through the rank-r sketch) plus a
  * certificate reaches best_h. At most config.recall_cap_rows rows (W) a step: past W the step
  * attends every row and says so (kvt_emit.dense, statistics). Steps of several query tokens
@@ -404,6 +405,19 @@ typedef struct kvt_config {
     bool salience_budget;
     uint32_t budget_min_kept; /* the floor of kept rows in budget mode (256) */
     kvt_sigma_basis sigma_basis; /* KVT_SIGMA_FOURIER; a struct that ends before it gets that */
+    /* Recall promotion (docs/recall.md §4.2; a request with recall on; off by default). An
+     * archived row that fired in at least recall_promote_hits of the request's last
+     * recall_promote_window recall steps joins the layer's promoted set: attended without
+     * recall from the next step on (it counts in best_h and is emitted every step) until it
+     * stops mattering (no hit in the window at a close: demoted; kept by a close's σ: absorbed).
+     * The set holds at most recall_promote_capacity rows (C), reserved out of
+     * the salience budget: every close keeps m − min(C, m − 1) rows by σ (the lowest-σ of the
+     * top m give way), so sinks + kept + promoted + tail never exceeds the budget without
+     * promotion. 0 (the default): off, every decision as without these fields. C <= 2^16,
+     * 1 <= hits <= window <= 32 (3 of 8). A struct that ends before them gets the defaults. */
+    uint32_t recall_promote_capacity;
+    uint32_t recall_promote_hits;
+    uint32_t recall_promote_window;
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
@@ -1080,6 +1094,15 @@ typedef struct kvt_layer_stats {
      * the σ and sketch planes of the closed blocks they share, fixed once written; a holder
      * that closes a block copies them first). kvt_ctx_memory counts them once. */
     uint64_t shared_side_bytes;
+    /* Recall promotion (config.recall_promote_capacity > 0; zero otherwise): rows promoted now
+     * (attended at every step without recall, part of the certificate), the room the last close
+     * reserved for them, and totals: rows promoted, demoted (no hit in the window at a close),
+     * absorbed (a close kept them by σ); then the rows the last step attended as promoted (the
+     * step's certificate: promotions at a step take effect at the next). */
+    uint64_t recall_promoted;
+    uint64_t recall_promote_room;
+    uint64_t recall_promotions, recall_demotions, recall_absorbed;
+    uint64_t recall_last_promoted; /* promoted rows the last step attended (its certificate) */
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */
@@ -1157,7 +1180,8 @@ KVT_API kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq 
 
 /* For tools (kvtier-inspect): a context of the snapshot's own model, configuration, page size,
  * policies and parallelism, on the given backend, with just enough pages in each pool to restore
- * it (the snapshot's checksums and sizes are checked first). Restore the snapshot into it to
+ * it (the snapshot's checksums and sizes are checked first); the recall settings META does not
+ * hold (recall_cap_rows, recall_margin, recall_promote_*) come from its RECALL sections. Restore the snapshot into it to
  * verify or inspect it. Errors: those of kvt_seq_restore's parsing, and of kvt_ctx_create. */
 KVT_API kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind backend,
                                         kvt_ctx **out);

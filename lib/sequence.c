@@ -319,7 +319,8 @@ static kvt_status seq_recall_prepare(kvt_seq *seq) {
                                  "recall on layer %u: its spec states %u query heads (1..4096)",
                                  i, st->spec.n_q_heads);
         kvt_status s = kvt__recall_layer_prepare(&seq->recall[i], &ctx->backend,
-                                                 st->spec.n_q_heads, seq->cfg.recall_cap_rows);
+                                                 st->spec.n_q_heads, seq->cfg.recall_cap_rows,
+                                                 seq->cfg.recall_promote_capacity);
         if (s == KVT_OK && ctx->max_rows) /* a stated limit: every block's planes now */
             s = recall_groups_reserve(seq, i, ctx->max_rows);
         if (s != KVT_OK)
@@ -1100,6 +1101,8 @@ bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, ui
         return false;
     kvt__recall_step_make(&seq->recall[layer], &v, q, view.n_rows, seq->cfg.recall,
                           seq->cfg.recall_margin, dense, out);
+    kvt__recall_step_promote(&seq->recall[layer], kvt__sal_promote_room(v.n_closed, &seq->cfg),
+                             seq->cfg.recall_promote_hits, seq->cfg.recall_promote_window, out);
     return true;
 }
 
@@ -1398,9 +1401,23 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
         out->recall_last_fetched = rs.last_fetched;
         out->recall_last_dense = rs.last_dense != 0;
         out->recall_last_overflow = rs.last_overflow != 0;
+        kvt__recall_promo pr;
+        if (seq->recall[layer].promo &&
+            (s = ctx->backend.ops->read(&ctx->backend, &pr, seq->recall[layer].promo, sizeof pr,
+                                        NULL)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "reading the recall promotion of layer %u", layer);
+        if (seq->recall[layer].promo) {
+            out->recall_promoted = pr.n_prom;
+            out->recall_promote_room = kvt__sal_promote_room(out->closed_rows, &seq->cfg);
+            out->recall_promotions = pr.promotions;
+            out->recall_demotions = pr.demotions;
+            out->recall_absorbed = pr.absorbed;
+            out->recall_last_promoted = pr.last_promoted;
+        }
     }
-    out->effective_ratio =
-        out->attended_rows ? (double)seq->n_tokens / (double)out->attended_rows : 0.0;
+    /* promoted rows are attended at every step: they count in the compression */
+    const uint64_t attended = out->attended_rows + out->recall_promoted;
+    out->effective_ratio = attended ? (double)seq->n_tokens / (double)attended : 0.0;
     uint64_t row_bytes_all = kvt_layer_bytes_per_token(&st->spec);
     out->attended_bytes_per_token =
         seq->n_tokens ? (double)out->attended_rows * (double)row_bytes_all / (double)seq->n_tokens
@@ -1587,6 +1604,31 @@ static kvt_status check_pages(const kvt_seq *seq) {
     return rc;
 }
 
+/* The promotion part of a layer's recall state against the policy's view (kept set, closed
+ * rows, the close's reserve). */
+static kvt_status check_promo(const kvt_seq *seq, uint32_t layer, char *msg, size_t len) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt__recall_layer *r = &seq->recall[layer];
+    kvt__tier_layer l = tier_layer(seq, layer);
+    kvt__recall_scan_args v;
+    if (!l.gr->ops->recall_view || !l.gr->ops->recall_view(&l, &v))
+        return KVT_OK;
+    size_t pb = kvt__recall_promo_bytes(r), kb = sizeof(uint32_t) * v.m;
+    uint8_t *buf = kvt__malloc(&ctx->alloc, pb + kb + 1);
+    if (!buf)
+        return KVT_ERR_OUT_OF_MEMORY;
+    uint32_t *kept = (uint32_t *)(void *)(buf + pb);
+    kvt_status s = kvt__recall_layer_read_promo(r, &ctx->backend, buf);
+    if (s == KVT_OK && kb)
+        s = ctx->backend.ops->read(&ctx->backend, kept, v.kept, kb, NULL);
+    if (s == KVT_OK)
+        s = kvt__recall_promo_check(r, buf, v.n_closed, v.sinks, kept, v.m,
+                                    kvt__sal_promote_room(v.n_closed, &seq->cfg),
+                                    seq->cfg.recall_promote_window, msg, len);
+    kvt__free(&ctx->alloc, buf, pb + kb + 1);
+    return s;
+}
+
 /* The trigger's state of a layer, read back (samples included). */
 static kvt_status check_recall(const kvt_seq *seq, uint32_t layer) {
     const kvt__recall_layer *r = recall_base(seq, layer);
@@ -1605,6 +1647,8 @@ static kvt_status check_recall(const kvt_seq *seq, uint32_t layer) {
     if (s == KVT_OK)
         s = kvt__recall_state_check(r, &rs, bytes ? smp : NULL, msg, sizeof msg);
     kvt__free(&ctx->alloc, smp, bytes);
+    if (s == KVT_OK && r->promo)
+        s = check_promo(seq, layer, msg, sizeof msg);
     return s == KVT_OK ? KVT_OK
                        : kvt__ctx_fail(ctx, s, "layer %u: %s", layer,
                                        msg[0] ? msg : "reading the recall state");

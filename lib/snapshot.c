@@ -280,11 +280,19 @@ static kvt_status meta_compare(const kvt_ctx *ctx, const snap_meta *m) {
  * row indices [first_row, n_rows) of the group's table (n_kv_heads x row_bytes each). */
 #define ROWS_HEAD 24
 #define STATE_HEAD 8
-/* RECALL: layer, n_heads, cap (W), margin (f32 bits), then the state and its samples. */
+/* RECALL: layer, n_heads, cap (W), margin (f32 bits), then the state and its samples; with
+ * promotion (a request with config.recall_promote_capacity > 0), then u32 capacity, hits,
+ * window, 0 and the promotion part (kvt__recall_promo and its tables). A section without that
+ * tail (every file before promotion) restores with nothing promoted. */
 #define RECALL_HEAD 16
+#define PROMO_HEAD 16
 
 static uint64_t recall_bytes(const kvt__recall_state *st) {
     return RECALL_HEAD + sizeof *st + sizeof(float) * (uint64_t)st->n_samples;
+}
+
+static uint64_t promo_section_bytes(const kvt__recall_layer *r) {
+    return r->promo ? PROMO_HEAD + kvt__recall_promo_bytes(r) : 0;
 }
 
 /* Copy rows [first, end) of a layer's plane between host memory and the pool, a page's run of
@@ -365,7 +373,8 @@ static uint64_t snapshot_bytes(const kvt_seq *seq) {
         kvt__recall_state rs;
         if (kvt__seq_recalls(seq, i) &&
             kvt__recall_layer_read(&seq->recall[i], &ctx->backend, &rs) == KVT_OK)
-            n += kvt__ctr_mem_section_bytes(recall_bytes(&rs));
+            n += kvt__ctr_mem_section_bytes(recall_bytes(&rs) +
+                                            promo_section_bytes(&seq->recall[i]));
     }
     return n;
 }
@@ -455,8 +464,17 @@ kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capacity, size
                                                     (float *)(void *)(q + RECALL_HEAD + sizeof rs),
                                                     rs.n_samples)) != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "layer %u: reading the recall samples", i);
+            if (r->promo) {
+                uint8_t *t = q + recall_bytes(&rs);
+                kvt__put_u32(t, r->prom_cap);
+                kvt__put_u32(t + 4, seq->cfg.recall_promote_hits);
+                kvt__put_u32(t + 8, seq->cfg.recall_promote_window);
+                kvt__put_u32(t + 12, 0);
+                if ((s = kvt__recall_layer_read_promo(r, &ctx->backend, t + PROMO_HEAD)) != KVT_OK)
+                    return kvt__ctx_fail(ctx, s, "layer %u: reading the recall promotion", i);
+            }
             w += kvt__ctr_mem_seal(w, KVT__SNAP_SEC_RECALL, KVT__CTR_FLAG_CRITICAL,
-                                   recall_bytes(&rs));
+                                   recall_bytes(&rs) + promo_section_bytes(r));
         }
     }
     w += kvt__ctr_mem_seal(w, KVT__CTR_SEC_END, 0, 0);
@@ -671,15 +689,33 @@ static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt_
                              (double)seq->cfg.recall_margin);
     memcpy(&st, p + RECALL_HEAD, sizeof st);
     st.n_grouped = 0; /* derived planes: the restored request builds its groups anew */
-    if (rs->length != recall_bytes(&st) || st.n_samples > r->sample_cap)
-        return kvt__ctx_fail(ctx, KVT_ERR_PARSE, "layer %u: RECALL section of %llu bytes for %u "
-                             "samples", i, (unsigned long long)rs->length, st.n_samples);
+    const bool promo_tail = rs->length > recall_bytes(&st);
+    if ((rs->length != recall_bytes(&st) &&
+         (!r->promo || rs->length != recall_bytes(&st) + promo_section_bytes(r))) ||
+        st.n_samples > r->sample_cap)
+        return kvt__ctx_fail(ctx, KVT_ERR_PARSE,
+                             "layer %u: RECALL section of %llu bytes for %u samples%s", i,
+                             (unsigned long long)rs->length, st.n_samples,
+                             r->promo ? "" : " (a promotion part for a request without one?)");
+    const uint8_t *pt = p + recall_bytes(&st);
+    if (promo_tail && (kvt__get_u32(pt) != r->prom_cap ||
+                       kvt__get_u32(pt + 4) != seq->cfg.recall_promote_hits ||
+                       kvt__get_u32(pt + 8) != seq->cfg.recall_promote_window ||
+                       kvt__get_u32(pt + 12) != 0))
+        return kvt__ctx_fail(ctx, KVT_ERR_MISMATCH,
+                             "layer %u: the snapshot promotes %u rows, %u hits of %u steps; this "
+                             "context %u, %u of %u",
+                             i, kvt__get_u32(pt), kvt__get_u32(pt + 4), kvt__get_u32(pt + 8),
+                             r->prom_cap, seq->cfg.recall_promote_hits,
+                             seq->cfg.recall_promote_window);
     const float *smp = (const float *)(const void *)(p + RECALL_HEAD + sizeof st);
     char msg[KVT__ERR_LEN];
     kvt_status s = kvt__recall_state_check(r, &st, smp, msg, sizeof msg);
     if (s != KVT_OK)
         return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT, "layer %u: %s", i, msg);
-    if ((s = kvt__recall_layer_load(&seq->recall[i], &ctx->backend, &st, smp)) != KVT_OK)
+    if ((s = kvt__recall_layer_load(&seq->recall[i], &ctx->backend, &st, smp)) != KVT_OK ||
+        (s = kvt__recall_layer_load_promo(&seq->recall[i], &ctx->backend,
+                                          promo_tail ? pt + PROMO_HEAD : NULL)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "layer %u: writing the recall state", i);
     return KVT_OK;
 }
@@ -883,7 +919,26 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
     if (s == KVT_OK) {
         kvt_ctx_params p = kvt_ctx_default_params();
         p.model = model;
-        p.config = &m->cfg;
+        kvt_config cfg = m->cfg;
+        /* What META does not carry, from a RECALL section: W, margin, promotion (its tail). */
+        for (uint32_t i = 0; i < m->n_layers; i++) {
+            const kvt__ctr_section *rs = &sp.recall[i];
+            if (rs->length < RECALL_HEAD + sizeof(kvt__recall_state))
+                continue;
+            const uint8_t *q = sp.buf + rs->offset;
+            kvt__recall_state st;
+            memcpy(&st, q + RECALL_HEAD, sizeof st);
+            cfg.recall_cap_rows = kvt__get_u32(q + 8);
+            uint32_t mb = kvt__get_u32(q + 12);
+            memcpy(&cfg.recall_margin, &mb, 4);
+            if (rs->length >= recall_bytes(&st) + PROMO_HEAD) {
+                const uint8_t *t = q + recall_bytes(&st);
+                cfg.recall_promote_capacity = kvt__get_u32(t);
+                cfg.recall_promote_hits = kvt__get_u32(t + 4);
+                cfg.recall_promote_window = kvt__get_u32(t + 8);
+            }
+        }
+        p.config = &cfg;
         p.page_rows = m->page_rows;
         p.n_pages = 1;
         for (uint32_t g = 0; g < m->n_groups; g++)

@@ -13,17 +13,28 @@ _Static_assert((int)KVT_RECALL_CONFORMAL == KVT__RECALL_CONFORMAL, "recall modes
 _Static_assert((int)KVT_RECALL_SOUND == KVT__RECALL_SOUND, "recall modes");
 _Static_assert((int)KVT_RECALL_MARGIN == KVT__RECALL_MARGIN, "recall modes");
 
-static size_t layout(uint32_t n_heads, uint32_t cap, size_t *samples, size_t *best,
-                     size_t *fired, size_t *tail) {
+/* Candidates a promotion table holds for a capacity of C promoted rows. */
+#define CAND_PER_PROMOTED 4u
+
+static size_t layout(uint32_t n_heads, uint32_t cap, uint32_t prom_cap, size_t *samples,
+                     size_t *best, size_t *fired, size_t *tail, size_t *promo) {
     size_t o = sizeof(kvt__recall_state);
     *samples = o;
     o += sizeof(float) * (size_t)n_heads * KVT__RECALL_SAMPLES_PER_HEAD;
     *best = o;
     o += sizeof(float) * n_heads;
     *fired = o;
-    o += sizeof(uint32_t) * cap;
+    o += sizeof(uint32_t) * ((size_t)cap + prom_cap);
     *tail = o;
-    return o + 2 * sizeof(uint32_t);
+    o += 2 * sizeof(uint32_t);
+    if (!prom_cap) { /* without promotion: the layout as before it existed */
+        *promo = 0;
+        return o;
+    }
+    o = (o + 7u) & ~(size_t)7u;
+    *promo = o;
+    return o + sizeof(kvt__recall_promo) +
+           2u * sizeof(uint32_t) * ((size_t)prom_cap * CAND_PER_PROMOTED + prom_cap);
 }
 
 static kvt__recall_state initial_state(void) {
@@ -35,10 +46,11 @@ static kvt__recall_state initial_state(void) {
 }
 
 kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *be,
-                                     uint32_t n_heads, uint32_t cap) {
-    size_t o_s, o_b, o_f, o_t;
-    size_t bytes = layout(n_heads, cap, &o_s, &o_b, &o_f, &o_t);
-    if (!r->buf || r->bytes != bytes || r->n_heads != n_heads || r->cap != cap) {
+                                     uint32_t n_heads, uint32_t cap, uint32_t prom_cap) {
+    size_t o_s, o_b, o_f, o_t, o_p;
+    size_t bytes = layout(n_heads, cap, prom_cap, &o_s, &o_b, &o_f, &o_t, &o_p);
+    if (!r->buf || r->bytes != bytes || r->n_heads != n_heads || r->cap != cap ||
+        r->prom_cap != prom_cap) {
         kvt__recall_layer_fini(r, be);
         void *p = NULL;
         kvt_status s = be->ops->buf_alloc(be, bytes, &p);
@@ -56,11 +68,21 @@ kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *b
         r->n_heads = n_heads;
         r->sample_cap = n_heads * KVT__RECALL_SAMPLES_PER_HEAD;
         r->cap = cap;
+        r->prom_cap = prom_cap;
+        r->cand_cap = prom_cap * CAND_PER_PROMOTED;
+        r->promo = prom_cap ? (kvt__recall_promo *)(b + o_p) : NULL;
     }
     kvt__recall_state st = initial_state();
     uint32_t zero[2] = {0, 0};
     kvt_status s = be->ops->write(be, r->st, &st, sizeof st, NULL);
-    return s == KVT_OK ? be->ops->write(be, r->n_fired, zero, sizeof zero, NULL) : s;
+    if (s == KVT_OK)
+        s = be->ops->write(be, r->n_fired, zero, sizeof zero, NULL);
+    if (s == KVT_OK && r->promo) {
+        kvt__recall_promo pr;
+        memset(&pr, 0, sizeof pr);
+        s = be->ops->write(be, r->promo, &pr, sizeof pr, NULL);
+    }
+    return s;
 }
 
 /* Bytes of each group plane for `blocks` blocks of B rows, centres of dim floats. */
@@ -186,6 +208,99 @@ kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
     return s;
 }
 
+size_t kvt__recall_promo_bytes(const kvt__recall_layer *r) {
+    return r->promo ? sizeof(kvt__recall_promo) +
+                          2u * sizeof(uint32_t) * ((size_t)r->cand_cap + r->prom_cap)
+                    : 0;
+}
+
+kvt_status kvt__recall_layer_read_promo(const kvt__recall_layer *r, const kvt__backend *be,
+                                        void *out) {
+    size_t n = kvt__recall_promo_bytes(r);
+    return n ? be->ops->read(be, out, r->promo, n, NULL) : KVT_OK;
+}
+
+kvt_status kvt__recall_layer_load_promo(kvt__recall_layer *r, const kvt__backend *be,
+                                        const void *in) {
+    if (!r->promo)
+        return KVT_OK;
+    if (in)
+        return be->ops->write(be, r->promo, in, kvt__recall_promo_bytes(r), NULL);
+    kvt__recall_promo pr;
+    memset(&pr, 0, sizeof pr);
+    return be->ops->write(be, r->promo, &pr, sizeof pr, NULL);
+}
+
+/* rows[0 .. n) strictly ascending in [S, n_closed), hist within mask (and nonzero: nz). */
+static kvt_status check_rows(const char *what, const uint32_t *rows, const uint32_t *hist,
+                             uint32_t n, uint64_t S, uint64_t n_closed, uint32_t mask, bool nz,
+                             char *err, size_t len) {
+    for (uint32_t i = 0; i < n; i++) {
+        if (rows[i] < S || rows[i] >= n_closed || (i && rows[i - 1] >= rows[i]))
+            return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                             "recall promotion: %s row %u at position %u (archived rows are "
+                             "[%llu, %llu), ascending)",
+                             what, i, rows[i], (unsigned long long)S,
+                             (unsigned long long)n_closed);
+        if ((hist[i] & ~mask) || (nz && !hist[i]))
+            return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                             "recall promotion: %s row %u (position %u) has history 0x%x, window "
+                             "mask 0x%x",
+                             what, i, rows[i], hist[i], mask);
+    }
+    return KVT_OK;
+}
+
+/* The first element of a[0 .. na) that b[0 .. nb) holds too (both ascending), or UINT32_MAX. */
+static uint32_t first_common(const uint32_t *a, uint64_t na, const uint32_t *b, uint64_t nb) {
+    for (uint64_t i = 0, j = 0; i < na && j < nb;) {
+        if (a[i] == b[j])
+            return a[i];
+        if (a[i] < b[j])
+            i++;
+        else
+            j++;
+    }
+    return UINT32_MAX;
+}
+
+kvt_status kvt__recall_promo_check(const kvt__recall_layer *r, const void *in, uint64_t n_closed,
+                                   uint64_t S, const uint32_t *kept, uint64_t m, uint64_t room,
+                                   uint32_t window, char *err, size_t len) {
+    if (!r->promo)
+        return KVT_OK;
+    kvt__recall_promo pr;
+    memcpy(&pr, in, sizeof pr);
+    const uint32_t *cr = (const uint32_t *)((const uint8_t *)in + sizeof pr);
+    const uint32_t *ch = cr + r->cand_cap, *pw = ch + r->cand_cap, *ph = pw + r->prom_cap;
+    const uint32_t mask = window >= 32 ? UINT32_MAX : (1u << window) - 1u;
+    if (pr.last_promoted > r->prom_cap || pr.n_prom > r->prom_cap || pr.n_cand > r->cand_cap ||
+        pr.last_closed > n_closed)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "recall promotion: %u promoted (room for %u), %u candidates (room for "
+                         "%u), last step at %u closed rows of %llu",
+                         pr.n_prom, r->prom_cap, pr.n_cand, r->cand_cap, pr.last_closed,
+                         (unsigned long long)n_closed);
+    if (pr.n_prom > room)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "recall promotion: %u rows promoted, the close reserved %llu: the budget "
+                         "does not hold",
+                         pr.n_prom, (unsigned long long)room);
+    kvt_status s = check_rows("promoted", pw, ph, pr.n_prom, S, n_closed, mask, false, err, len);
+    if (s == KVT_OK)
+        s = check_rows("candidate", cr, ch, pr.n_cand, S, n_closed, mask, true, err, len);
+    if (s != KVT_OK)
+        return s;
+    uint32_t c = first_common(pw, pr.n_prom, cr, pr.n_cand);
+    if (c != UINT32_MAX)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "recall promotion: position %u is both promoted and a candidate", c);
+    if (pr.last_closed == n_closed && (c = first_common(pw, pr.n_prom, kept, m)) != UINT32_MAX)
+        return kvt__fail(err, len, KVT_ERR_INVARIANT,
+                         "recall promotion: position %u is both promoted and kept", c);
+    return KVT_OK;
+}
+
 kvt_status kvt__recall_state_check(const kvt__recall_layer *r, const kvt__recall_state *st,
                                    const float *samples, char *err, size_t len) {
     if (st->n_grouped > r->g_cap || st->reserved0 != 0)
@@ -254,9 +369,21 @@ void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_ar
     }
 }
 
+void kvt__recall_step_promote(const kvt__recall_layer *r, uint64_t room, uint32_t hits,
+                              uint32_t window, kvt__recall_step_args *out) {
+    if (!r->promo)
+        return;
+    out->promo = r->promo;
+    out->cand_cap = r->cand_cap;
+    out->prom_cap = r->prom_cap;
+    out->prom_room = (uint32_t)(room < r->prom_cap ? room : r->prom_cap);
+    out->hits = hits;
+    out->window = window;
+}
+
 void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq) {
     pq->fetch = r->fired;
-    pq->fetch_cap = r->cap;
+    pq->fetch_cap = r->cap + r->prom_cap;
     pq->n_fetch = r->n_fired;
     pq->dense = &r->st->last_dense;
 }

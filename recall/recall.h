@@ -4,7 +4,8 @@
  * described by the policy's recall_view), the queries are the engine's. What it owns is the
  * request's trigger state, in one buffer of the backend's memory:
  *
- *   [kvt__recall_state | samples [sample_cap] | best [n_heads] | fired [cap] | n_fired | overflow]
+ *   [kvt__recall_state | samples [sample_cap] | best [n_heads] | fired [cap + prom_cap] | n_fired |
+ *    overflow | promotion (prom_cap > 0: kvt__recall_promo and its tables)]
  *
  * the conformal calibration and the last step's certificate (kvt__recall_state), the heads'
  * thresholds, and the fetch buffer the emission merges: at most cap rows (W) a step, past it the
@@ -30,6 +31,12 @@ typedef struct kvt__recall_layer {
     uint32_t *n_fired;
     uint32_t *overflow;
     uint32_t n_heads, sample_cap, cap;
+    /* Promotion (kernels/backend.h, kvt__recall_promo; docs/recall.md §4.2): the header and its
+     * tables after the trigger state, prom_cap promoted rows and cand_cap candidates; promo
+     * NULL (prom_cap 0): off, the buffer laid out as without promotion. The fetch buffer holds
+     * cap + prom_cap rows. */
+    kvt__recall_promo *promo;
+    uint32_t prom_cap, cand_cap;
     /* The pruned scan's group planes (kernels/recall_group.h) for g_cap closed blocks of g_B
      * rows, centres of g_dim floats, in the backend's memory; grown at reserve (never in a
      * step), filled by the recall step as blocks close. g_cap 0: none (the full scan). */
@@ -39,11 +46,29 @@ typedef struct kvt__recall_layer {
     uint32_t g_B, g_dim;
 } kvt__recall_layer;
 
-/* Allocate the buffer for n_heads query heads and a fetch cap of `cap` rows in be's memory (kept
- * when it already has that shape) and put it in its initial state: no sample, z = Z_MAX,
- * calibration open, zero counters. KVT_ERR_OUT_OF_MEMORY, or a backend write's status. */
+/* Allocate the buffer for n_heads query heads, a fetch cap of `cap` rows and a promoted set of
+ * prom_cap rows (0: no promotion) in be's memory (kept when it already has that shape) and put
+ * it in its initial state: no sample, z = Z_MAX, calibration open, zero counters, nothing
+ * promoted. KVT_ERR_OUT_OF_MEMORY, or a backend write's status. */
 kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *be,
-                                     uint32_t n_heads, uint32_t cap);
+                                     uint32_t n_heads, uint32_t cap, uint32_t prom_cap);
+/* Bytes of the promotion part (header and tables; 0 without promotion), as read and loaded by
+ * the two functions below (snapshots, checks). */
+size_t kvt__recall_promo_bytes(const kvt__recall_layer *r);
+kvt_status kvt__recall_layer_read_promo(const kvt__recall_layer *r, const kvt__backend *be,
+                                        void *out);
+/* Load a promotion part (checked by kvt__recall_promo_check first), or the empty one (NULL). */
+kvt_status kvt__recall_layer_load_promo(kvt__recall_layer *r, const kvt__backend *be,
+                                        const void *in);
+/* A promotion part's invariants (host copy `in` of kvt__recall_promo_bytes) for a layer of
+ * n_closed closed rows, S sinks in them, the kept set kept[0 .. m) (host copy, ascending), a
+ * reserve of room rows and a window of `window` steps: KVT_OK or KVT_ERR_INVARIANT. Promoted
+ * rows and candidates ascending, archived rows of [S, n_closed), disjoint; at most room
+ * promoted; histories within the window; outside the kept set unless a close came after the
+ * last step (which absorbs them). */
+kvt_status kvt__recall_promo_check(const kvt__recall_layer *r, const void *in, uint64_t n_closed,
+                                   uint64_t S, const uint32_t *kept, uint64_t m, uint64_t room,
+                                   uint32_t window, char *err, size_t len);
 void kvt__recall_layer_fini(kvt__recall_layer *r, const kvt__backend *be);
 /* Room for the groups of `blocks` closed blocks of B rows (centres of dim floats), grown at
  * reserve so that no step allocates; what was built is kept. KVT_ERR_OUT_OF_MEMORY with nothing
@@ -76,6 +101,10 @@ kvt_status kvt__recall_state_check(const kvt__recall_layer *r, const kvt__recall
 void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_args *view,
                            const float *q, uint64_t n_rows, kvt_recall_mode mode, float margin,
                            uint8_t *dense, kvt__recall_step_args *out);
+/* Promotion's part of the work item (r with promotion; nothing otherwise): a reserve of room
+ * rows (kvt__sal_promote_room), hits of window. */
+void kvt__recall_step_promote(const kvt__recall_layer *r, uint64_t room, uint32_t hits,
+                              uint32_t window, kvt__recall_step_args *out);
 /* The emission's view of the step's outcome: fetched rows and the dense flag, in pq. */
 void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq);
 

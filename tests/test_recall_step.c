@@ -32,6 +32,8 @@
  * tight clusters (the pruned scan's case) instead of the spread default. */
 static uint32_t g_block = 64;
 static bool g_clustered = false;
+/* Promotion of the next rig: capacity (0: off), hits, window. */
+static uint32_t g_promote[3] = {0, 3, 8};
 
 typedef struct rig {
     kvt_model *m;
@@ -88,6 +90,9 @@ static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t
     r->c.recall = mode;
     r->c.recall_cap_rows = cap;
     r->c.recall_margin = margin;
+    r->c.recall_promote_capacity = g_promote[0];
+    r->c.recall_promote_hits = g_promote[1];
+    r->c.recall_promote_window = g_promote[2];
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = r->m;
     p.config = &r->c;
@@ -131,6 +136,17 @@ static void prefill(rig *r, uint32_t n) {
 static float exact(const rig *r, const float *q, uint64_t pos) {
     return kvt__recall_exact(q, r->rows + pos * 1152, KVT__DT_BF16, D, 1024, KVT__DT_BF16, 64,
                              1.0f);
+}
+
+/* A head's best exact score over the rows `in` marks (-Inf: none). */
+static float best_over(const rig *r, const float *qh, const uint8_t *in, uint64_t n_rows) {
+    float best = -INFINITY;
+    for (uint64_t u = 0; u < n_rows; u++)
+        if (in[u]) {
+            float e = exact(r, qh, u);
+            best = e > best ? e : best;
+        }
+    return best;
 }
 
 /* What one decode step emitted, and what the library's state was during it. */
@@ -237,20 +253,18 @@ static void expect_set(const rig *r, const step_out *o, uint64_t n_rows, const u
     cr_assert_eq(k, o->len, "step %u: %u rows emitted, oracle has %u", step, o->len, k);
 }
 
-/* The conformal trigger as the oracle computes it: membership of the fired archived rows. */
-static uint64_t oracle_fire(const rig *r, const step_out *o, const float *q, uint64_t n_rows,
-                            float z, int mode, uint8_t *in) {
+/* The trigger as the oracle computes it: membership of the fired archived rows, with the rows
+ * `extra` marks (promoted; NULL: none) attended without recall too. */
+static uint64_t oracle_fire_with(const rig *r, const step_out *o, const float *q,
+                                 uint64_t n_rows, float z, int mode, const uint8_t *extra,
+                                 uint8_t *in) {
     uint8_t base[NMAX];
     base_set(r, o, n_rows, base);
+    for (uint64_t u = 0; extra && u < n_rows; u++)
+        base[u] |= extra[u];
     float best[H];
-    for (uint32_t h = 0; h < H; h++) {
-        best[h] = -INFINITY;
-        for (uint64_t u = 0; u < n_rows; u++)
-            if (base[u]) {
-                float e = exact(r, q + h * QD, u);
-                best[h] = e > best[h] ? e : best[h];
-            }
-    }
+    for (uint32_t h = 0; h < H; h++)
+        best[h] = best_over(r, q + h * QD, base, n_rows);
     memcpy(in, base, n_rows);
     float q_sk[H][RB], tmp[D];
     kvt__recall_head hd[H];
@@ -281,6 +295,11 @@ static uint64_t oracle_fire(const rig *r, const step_out *o, const float *q, uin
         }
     }
     return fired;
+}
+
+static uint64_t oracle_fire(const rig *r, const step_out *o, const float *q, uint64_t n_rows,
+                            float z, int mode, uint8_t *in) {
+    return oracle_fire_with(r, o, q, n_rows, z, mode, NULL, in);
 }
 
 /* The oracle's calibration step: one sample per head from its best archived row. */
@@ -438,12 +457,7 @@ Test(recall_step, sound_never_misses_the_best_archived_row, .timeout = 240) {
             got[u0] = 1;
         }
         for (uint32_t h = 0; h < H; h++) {
-            float best = -INFINITY;
-            for (uint64_t u = 0; u < n_rows; u++)
-                if (base[u]) {
-                    float e = exact(&r, q + h * QD, u);
-                    best = e > best ? e : best;
-                }
+            const float best = best_over(&r, q + h * QD, base, n_rows);
             for (uint64_t u = 0; u < o.closed; u++)
                 if (!base[u] && exact(&r, q + h * QD, u) >= best) {
                     must++;
@@ -661,6 +675,19 @@ Test(recall_step, statuses_and_mixed_batches) {
     rig_close(&r);
 }
 
+/* Fork r's request and attach another to its first 4 blocks, with both statistics. */
+static void fork_and_attach(rig *r, kvt_seq **child, kvt_seq **att, kvt_layer_stats *cs,
+                            kvt_layer_stats *as) {
+    cr_assert_eq(kvt_seq_fork(r->seq, 8, child), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_attach(r->seq, 64 * 4, 9, att), KVT_OK, "%s", kvt_last_error());
+    *cs = (kvt_layer_stats){.struct_size = sizeof *cs};
+    *as = (kvt_layer_stats){.struct_size = sizeof *as};
+    cr_assert_eq(kvt_seq_layer_stats(*child, 0, cs), KVT_OK);
+    cr_assert_eq(kvt_seq_layer_stats(*att, 0, as), KVT_OK);
+    cr_assert_eq(kvt_seq_check(*child), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(*att), KVT_OK, "%s", kvt_last_error());
+}
+
 /* A fork continues its parent's calibration (same z and phase, same next sets); an attached
  * request calibrates anew. */
 Test(recall_step, fork_keeps_the_calibration_attach_starts_over, .timeout = 120) {
@@ -676,18 +703,13 @@ Test(recall_step, fork_keeps_the_calibration_attach_starts_over, .timeout = 120)
     kvt_layer_stats ps = stats(&r);
     cr_assert_neq(ps.recall_phase, 0);
     kvt_seq *child, *att;
-    cr_assert_eq(kvt_seq_fork(r.seq, 8, &child), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_attach(r.seq, 64 * 4, 9, &att), KVT_OK, "%s", kvt_last_error());
-    kvt_layer_stats cs = {.struct_size = sizeof cs}, as = {.struct_size = sizeof as};
-    cr_assert_eq(kvt_seq_layer_stats(child, 0, &cs), KVT_OK);
-    cr_assert_eq(kvt_seq_layer_stats(att, 0, &as), KVT_OK);
+    kvt_layer_stats cs, as;
+    fork_and_attach(&r, &child, &att, &cs, &as);
     cr_assert_eq(cs.recall_z, ps.recall_z);
     cr_assert_eq(cs.recall_phase, ps.recall_phase);
     cr_assert_eq(cs.recall_samples, ps.recall_samples);
     cr_assert_eq(as.recall_phase, 0);
     cr_assert_eq(as.recall_steps, 0);
-    cr_assert_eq(kvt_seq_check(child), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_check(att), KVT_OK, "%s", kvt_last_error());
     kvt_seq_destroy(child);
     kvt_seq_destroy(att);
     rig_close(&r);
@@ -707,6 +729,51 @@ static void slots_to_positions(const kvt_seq *seq, const int32_t *idx, uint32_t 
     }
 }
 
+/* A snapshot of seq in a malloc'd buffer of *need bytes. */
+static uint8_t *snapshot_of(const kvt_seq *seq, size_t *need) {
+    cr_assert_eq(kvt_seq_snapshot_size(seq, need), KVT_OK, "%s", kvt_last_error());
+    uint8_t *snap = malloc(*need);
+    cr_assert(snap);
+    cr_assert_eq(kvt_seq_snapshot(seq, snap, *need, NULL), KVT_OK, "%s", kvt_last_error());
+    return snap;
+}
+
+/* One decode step of r's request and `copy` (same new row, same queries aimed at target):
+ * both attend the same positions. */
+static void step_pair(rig *r, kvt_seq *copy, int64_t target, uint32_t step) {
+    float q[2 * H * QD];
+    make_queries(r, q, target);
+    memcpy(q + H * QD, q, sizeof(float) * H * QD);
+    uint8_t row[1152];
+    make_row(r, row);
+    memcpy(r->rows + r->n * 1152, row, 1152);
+    kvt_seq *two[2] = {r->seq, copy};
+    uint32_t n[2] = {1, 1};
+    cr_assert_eq(kvt_batch_reserve(r->b, two, n, 2), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_write(r->seq, 0, 0, 0, 1, row, 1152), KVT_OK);
+    cr_assert_eq(kvt_seq_write(copy, 0, 0, 0, 1, row, 1152), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r->b), KVT_OK);
+    cr_assert_eq(kvt_buffer_write(r->qbuf, 0, q, sizeof q), KVT_OK);
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                  .indices = kvt_buffer_ptr(r->ibuf), .capacity = NMAX,
+                  .lengths = kvt_buffer_ptr(r->lbuf), .dense = kvt_buffer_ptr(r->dbuf)};
+    cr_assert_eq(kvt_batch_run(r->b, 0, kvt_buffer_ptr(r->qbuf), NULL, &e), KVT_OK, "%s",
+                 kvt_last_error());
+    static int32_t idx[2 * NMAX];
+    static int64_t pa[NMAX], pb[NMAX];
+    int32_t lens[2];
+    cr_assert_eq(kvt_buffer_read(r->ibuf, 0, idx, sizeof idx), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(r->lbuf, 0, lens, sizeof lens), KVT_OK);
+    cr_assert_eq(lens[0], lens[1], "step %u", step);
+    slots_to_positions(r->seq, idx, (uint32_t)lens[0], r->n + 1, pa);
+    slots_to_positions(copy, idx + NMAX, (uint32_t)lens[1], r->n + 1, pb);
+    cr_assert_eq(memcmp(pa, pb, sizeof(int64_t) * (size_t)lens[0]), 0, "step %u", step);
+    cr_assert_eq(kvt_batch_commit(r->b, NULL), KVT_OK);
+    r->n++;
+    cr_assert_eq(kvt_seq_check(r->seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(copy), KVT_OK, "%s", kvt_last_error());
+}
+
 /* A snapshot carries the trigger's state: the restored request continues with the same z, the
  * same counters and the same attended positions as the original, step for step; a context with
  * another W is a mismatch. */
@@ -721,10 +788,7 @@ Test(recall_step, snapshots_carry_the_trigger_state, .timeout = 120) {
         decode(&r, q, &o);
     }
     size_t need;
-    cr_assert_eq(kvt_seq_snapshot_size(r.seq, &need), KVT_OK, "%s", kvt_last_error());
-    uint8_t *snap = malloc(need);
-    cr_assert(snap);
-    cr_assert_eq(kvt_seq_snapshot(r.seq, snap, need, NULL), KVT_OK, "%s", kvt_last_error());
+    uint8_t *snap = snapshot_of(r.seq, &need);
     kvt_seq *copy;
     cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
     kvt_layer_stats a = stats(&r), b = {.struct_size = sizeof b};
@@ -736,36 +800,8 @@ Test(recall_step, snapshots_carry_the_trigger_state, .timeout = 120) {
     cr_assert_eq(b.recall_steps, a.recall_steps);
     cr_assert_eq(b.recall_fetched_rows, a.recall_fetched_rows);
     /* Both continue over the same rows and queries: the same positions every step. */
-    for (uint32_t step = 0; step < 6; step++) {
-        float q[2 * H * QD];
-        make_queries(&r, q, step % 2 ? 30 : -1);
-        memcpy(q + H * QD, q, sizeof(float) * H * QD);
-        uint8_t row[1152];
-        make_row(&r, row);
-        kvt_seq *two[2] = {r.seq, copy};
-        uint32_t n[2] = {1, 1};
-        cr_assert_eq(kvt_batch_reserve(r.b, two, n, 2), KVT_OK, "%s", kvt_last_error());
-        cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 1, row, 1152), KVT_OK);
-        cr_assert_eq(kvt_seq_write(copy, 0, 0, 0, 1, row, 1152), KVT_OK);
-        cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
-        cr_assert_eq(kvt_buffer_write(r.qbuf, 0, q, sizeof q), KVT_OK);
-        kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
-                      .indices = kvt_buffer_ptr(r.ibuf), .capacity = NMAX,
-                      .lengths = kvt_buffer_ptr(r.lbuf), .dense = kvt_buffer_ptr(r.dbuf)};
-        cr_assert_eq(kvt_batch_run(r.b, 0, kvt_buffer_ptr(r.qbuf), NULL, &e), KVT_OK, "%s",
-                     kvt_last_error());
-        static int32_t idx[2 * NMAX];
-        static int64_t pa[NMAX], pb[NMAX];
-        int32_t lens[2];
-        cr_assert_eq(kvt_buffer_read(r.ibuf, 0, idx, sizeof idx), KVT_OK);
-        cr_assert_eq(kvt_buffer_read(r.lbuf, 0, lens, sizeof lens), KVT_OK);
-        cr_assert_eq(lens[0], lens[1], "step %u", step);
-        slots_to_positions(r.seq, idx, (uint32_t)lens[0], r.n + 1, pa);
-        slots_to_positions(copy, idx + NMAX, (uint32_t)lens[1], r.n + 1, pb);
-        cr_assert_eq(memcmp(pa, pb, sizeof(int64_t) * (size_t)lens[0]), 0, "step %u", step);
-        cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK);
-        r.n++;
-    }
+    for (uint32_t step = 0; step < 6; step++)
+        step_pair(&r, copy, step % 2 ? 30 : -1, step);
     a = stats(&r);
     cr_assert_eq(kvt_seq_layer_stats(copy, 0, &b), KVT_OK);
     cr_assert_eq(b.recall_fetched_rows, a.recall_fetched_rows);
@@ -919,4 +955,333 @@ Test(recall_step, review_csr_every_row_second_run_flag_and_small_latents) {
     cr_assert_null(bad);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
+}
+
+/* ---- Promotion (docs/recall.md §4.2) ---------------------------------------------------------- */
+
+/* The host oracle of promotion: the promoted set and the candidate table, from the oracle's
+ * fired sets, by the rule as docs/recall.md §4.2 states it. */
+typedef struct promo_oracle {
+    uint32_t prom[64], prom_hist[64], n_prom;
+    uint32_t cand[256], cand_hist[256], n_cand;
+    uint64_t last_closed, promotions, demotions, absorbed;
+    uint32_t cap, hits, mask;
+} promo_oracle;
+
+static bool has(const uint32_t *v, uint32_t n, uint32_t x) {
+    for (uint32_t i = 0; i < n; i++)
+        if (v[i] == x)
+            return true;
+    return false;
+}
+
+/* kept (after the step's close) and the sinks: what a close absorbs. */
+static bool kept_or_sink(const rig *r, const step_out *o, uint32_t row) {
+    return row < r->c.sink_rows || has(o->kept, (uint32_t)o->n_kept, row);
+}
+
+/* Before the step's scores: a close since the last step absorbs, demotes, filters. */
+static void oracle_promo_close(const rig *r, promo_oracle *po, const step_out *o) {
+    if (po->last_closed == o->closed)
+        return;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < po->n_prom; i++) {
+        if (kept_or_sink(r, o, po->prom[i]))
+            po->absorbed++;
+        else if (!po->prom_hist[i])
+            po->demotions++;
+        else {
+            po->prom[k] = po->prom[i];
+            po->prom_hist[k++] = po->prom_hist[i];
+        }
+    }
+    po->n_prom = k;
+    k = 0;
+    for (uint32_t i = 0; i < po->n_cand; i++)
+        if (!kept_or_sink(r, o, po->cand[i])) {
+            po->cand[k] = po->cand[i];
+            po->cand_hist[k++] = po->cand_hist[i];
+        }
+    po->n_cand = k;
+    po->last_closed = o->closed;
+}
+
+/* After the step: histories, new candidates (lowest positions first while there is room), then
+ * promotions up to `room`. fired: membership of the step's fired rows (NULL: a dense step). */
+static void oracle_promo_after(promo_oracle *po, const uint8_t *fired, uint64_t n_closed,
+                               uint64_t room) {
+    uint32_t cc = 4 * po->cap, keep = 0;
+    for (uint32_t i = 0; i < po->n_cand; i++) {
+        uint32_t hit = fired && fired[po->cand[i]];
+        po->cand_hist[i] = ((po->cand_hist[i] << 1) | hit) & po->mask;
+        keep += po->cand_hist[i] != 0;
+    }
+    uint32_t nr[256], nh[256], n = 0, free_slots = cc - keep;
+    for (uint64_t u = 0; u < n_closed; u++) {
+        int32_t at = -1;
+        for (uint32_t i = 0; i < po->n_cand; i++)
+            if (po->cand[i] == u)
+                at = (int32_t)i;
+        if (at >= 0) {
+            if (po->cand_hist[at]) {
+                nr[n] = (uint32_t)u;
+                nh[n++] = po->cand_hist[at];
+            }
+        } else if (fired && fired[u] && free_slots) {
+            nr[n] = (uint32_t)u;
+            nh[n++] = 1;
+            free_slots--;
+        }
+    }
+    po->n_cand = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if ((uint32_t)__builtin_popcount(nh[i]) >= po->hits && po->n_prom < room) {
+            uint32_t j = po->n_prom++; /* insert in order */
+            while (j > 0 && po->prom[j - 1] > nr[i]) {
+                po->prom[j] = po->prom[j - 1];
+                po->prom_hist[j] = po->prom_hist[j - 1];
+                j--;
+            }
+            po->prom[j] = nr[i];
+            po->prom_hist[j] = nh[i];
+            po->promotions++;
+        } else {
+            po->cand[po->n_cand] = nr[i];
+            po->cand_hist[po->n_cand++] = nh[i];
+        }
+    }
+}
+
+/* The library's promotion tables (white-box) equal the oracle's. */
+static void expect_promo(const rig *r, const promo_oracle *po, uint32_t step) {
+    const kvt__recall_layer *rl = &r->seq->recall[0];
+    static uint8_t buf[1 << 16];
+    cr_assert_leq(kvt__recall_promo_bytes(rl), sizeof buf);
+    cr_assert_eq(kvt__recall_layer_read_promo(rl, &r->ctx->backend, buf), KVT_OK);
+    kvt__recall_promo h;
+    memcpy(&h, buf, sizeof h);
+    const uint32_t *cr = (const uint32_t *)(buf + sizeof h), *ch = cr + rl->cand_cap,
+                   *pr = ch + rl->cand_cap, *ph = pr + rl->prom_cap;
+    cr_assert_eq(h.n_prom, po->n_prom, "step %u: %u promoted, oracle %u", step, h.n_prom,
+                 po->n_prom);
+    cr_assert_eq(h.n_cand, po->n_cand, "step %u: %u candidates, oracle %u", step, h.n_cand,
+                 po->n_cand);
+    for (uint32_t i = 0; i < h.n_prom; i++)
+        cr_assert(pr[i] == po->prom[i] && ph[i] == po->prom_hist[i],
+                  "step %u promoted %u: %u/%x, oracle %u/%x", step, i, pr[i], ph[i], po->prom[i],
+                  po->prom_hist[i]);
+    for (uint32_t i = 0; i < h.n_cand; i++)
+        cr_assert(cr[i] == po->cand[i] && ch[i] == po->cand_hist[i],
+                  "step %u candidate %u: %u/%x, oracle %u/%x", step, i, cr[i], ch[i],
+                  po->cand[i], po->cand_hist[i]);
+    cr_assert_eq(h.promotions, po->promotions);
+    cr_assert_eq(h.demotions, po->demotions);
+    cr_assert_eq(h.absorbed, po->absorbed);
+}
+
+/* Promotion end to end, 3 hits of 8, sound mode (and conformal after its calibration): the rows
+ * the library promotes, its candidate table and every emitted set equal the host oracle's, step by
+ * step over closes (absorption, demotion), on the CPU and guarded backends alike (same slots);
+ * a small W overflows (dense steps count no hit). The budget holds at every step: sinks + kept
+ * + promoted + tail <= sinks + m + tail with m the top-m without promotion, and the emitted set
+ * exceeds it by at most W; kvt_seq_check passes after every step (decode). */
+Test(recall_step, promotion_matches_the_oracle_and_keeps_the_budget, .timeout = 300) {
+    static step_out o;
+    static int32_t sets[2][240][NMAX];
+    static uint32_t lens[2][240];
+    const uint32_t W[5] = {4096, 4096, 48, 4096, 4096}, C[5] = {16, 16, 16, 60, 16};
+    const kvt_recall_mode M[5] = {KVT_RECALL_SOUND, KVT_RECALL_SOUND, KVT_RECALL_SOUND,
+                                  KVT_RECALL_SOUND, KVT_RECALL_CONFORMAL};
+    uint64_t absorbed = 0;
+    for (int run = 0; run < 5; run++) {
+        g_promote[0] = C[run];
+        rig r;
+        rig_open(&r, run == 1 ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU, M[run], W[run], 1.0f,
+                 515);
+        bool calibrating = M[run] == KVT_RECALL_CONFORMAL;
+        kvt_config off = r.c;
+        off.recall_promote_capacity = 0;
+        promo_oracle po = {.cap = C[run], .hits = 3, .mask = 0xffu};
+        prefill(&r, 64 * 6 + 7);
+        uint32_t dense_steps = 0;
+        uint64_t max_prom = 0;
+        for (uint32_t step = 0; step < 240; step++) {
+            float q[H * QD];
+            /* aim at one row for a while (it gets promoted and keeps hitting), then let go */
+            int64_t target = step < 70 && step % 2 == 0 ? 200
+                             : step % 7 == 0           ? (int64_t)(300 + step)
+                                                       : -1;
+            make_queries(&r, q, target);
+            decode(&r, q, &o);
+            const uint64_t n_rows = r.n;
+            oracle_promo_close(&r, &po, &o);
+            const uint32_t attended_prom = po.n_prom;
+            uint8_t base[NMAX], extra[NMAX], want[NMAX];
+            base_set(&r, &o, n_rows, base);
+            memset(extra, 0, sizeof extra);
+            for (uint32_t h = 0; h < H; h++) { /* the promoted rows' hits, before the fold */
+                const float best = best_over(&r, q + h * QD, base, n_rows);
+                for (uint32_t i = 0; i < po.n_prom; i++)
+                    extra[po.prom[i]] |= (uint8_t)(exact(&r, q + h * QD, po.prom[i]) >= best);
+            }
+            for (uint32_t i = 0; i < po.n_prom; i++) {
+                po.prom_hist[i] = ((po.prom_hist[i] << 1) | extra[po.prom[i]]) & po.mask;
+                extra[po.prom[i]] = 1; /* from here: membership */
+            }
+            for (uint64_t u = 0; u < n_rows; u++)
+                extra[u] = extra[u] && has(po.prom, po.n_prom, (uint32_t)u);
+            if (calibrating) { /* dense, no hit; nothing can be promoted yet */
+                cr_assert_eq(po.n_prom, 0);
+                cr_assert_eq(o.dense, 1);
+                calibrating = oracle_calibrate(&r, &o, q, n_rows);
+                memcpy(want, base, n_rows);
+            } else {
+                oracle_fire_with(&r, &o, q, n_rows,
+                                 M[run] == KVT_RECALL_SOUND ? sqrtf((float)(D - 64)) : r.conf.z,
+                                 (int)M[run], extra, want);
+            }
+            uint8_t fired[NMAX];
+            for (uint64_t u = 0; u < n_rows; u++)
+                fired[u] = want[u] && !base[u] && !extra[u];
+            if (o.dense) {
+                dense_steps++;
+                memset(want, 1, n_rows);
+            }
+            expect_set(&r, &o, n_rows, want, step);
+            /* the budget */
+            uint64_t attended = 0;
+            for (uint64_t u = 0; u < n_rows; u++)
+                attended += base[u] || extra[u];
+            const uint64_t S = r.c.sink_rows < o.closed ? r.c.sink_rows : o.closed;
+            const uint64_t budget = S + kvt__sal_m(o.closed, &off) + (n_rows - o.closed);
+            cr_assert_leq(attended, budget, "step %u: %llu attended without recall, budget %llu",
+                          step, (unsigned long long)attended, (unsigned long long)budget);
+            if (!o.dense)
+                cr_assert_leq(o.len, budget + W[run]);
+            const uint64_t room = kvt__sal_promote_room(o.closed, &r.c);
+            cr_assert_eq(room, kvt__sal_m(o.closed, &off) - kvt__sal_m(o.closed, &r.c));
+            oracle_promo_after(&po, o.dense ? NULL : fired, o.closed, room);
+            expect_promo(&r, &po, step);
+            kvt_layer_stats st = stats(&r);
+            cr_assert_eq(st.recall_promoted, po.n_prom);
+            cr_assert_eq(st.recall_promote_room, room);
+            cr_assert_eq(st.recall_promotions, po.promotions);
+            cr_assert_eq(st.recall_last_promoted, attended_prom);
+            max_prom = po.n_prom > max_prom ? po.n_prom : max_prom;
+            if (run < 2) {
+                memcpy(sets[run][step], o.idx, sizeof(int32_t) * o.len);
+                lens[run][step] = o.len;
+            }
+        }
+        cr_log_info("promotion, mode %d C %u W %u: %llu promoted, %llu demoted, %llu absorbed, at most %llu "
+                    "at once, %u dense steps",
+                    (int)M[run], C[run], W[run], (unsigned long long)po.promotions, (unsigned long long)po.demotions,
+                    (unsigned long long)po.absorbed, (unsigned long long)max_prom, dense_steps);
+        cr_assert_gt(po.promotions, 0, "nothing promoted: the test proves nothing");
+        cr_assert_gt(po.demotions, 0, "nothing demoted: the demotion path is untested");
+        cr_assert(run != 2 || dense_steps > 0, "W %u never overflowed", W[run]);
+        absorbed += po.absorbed;
+        rig_close(&r);
+    }
+    for (uint32_t step = 0; step < 240; step++) {
+        cr_assert_eq(lens[0][step], lens[1][step], "step %u", step);
+        cr_assert_eq(memcmp(sets[0][step], sets[1][step], sizeof(int32_t) * lens[0][step]), 0,
+                     "step %u: backends differ", step);
+    }
+    cr_assert_gt(absorbed, 0, "no close kept a promoted row: absorption is untested");
+    g_promote[0] = 0;
+}
+
+/* The promotion part of a request's layer-0 recall state (white-box), into buf. */
+static size_t promo_blob(const rig *r, const kvt_seq *seq, uint8_t *buf) {
+    const kvt__recall_layer *rl = &seq->recall[0];
+    cr_assert_eq(kvt__recall_layer_read_promo(rl, &r->ctx->backend, buf), KVT_OK);
+    return kvt__recall_promo_bytes(rl);
+}
+
+/* A fork copies the promotion state (same promoted rows, same sets after); an attached request
+ * starts with nothing promoted; a snapshot carries the state (the restored request continues
+ * with the same sets, step for step, over a close); a snapshot without promotion restores into
+ * a context with promotion as a mismatch, and one with it into a context with another capacity
+ * too. */
+Test(recall_step, promotion_forks_attaches_and_snapshots, .timeout = 120) {
+    static step_out o;
+    static uint8_t pa[1 << 16], pb[1 << 16];
+    g_promote[0] = 16;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_SOUND, 4096, 1.0f, 8080);
+    prefill(&r, 64 * 5 + 20);
+    for (uint32_t step = 0; step < 24; step++) {
+        float q[H * QD];
+        make_queries(&r, q, step % 2 ? 150 : -1);
+        decode(&r, q, &o);
+    }
+    kvt_layer_stats ps = stats(&r);
+    cr_assert_gt(ps.recall_promoted, 0, "nothing promoted: the test proves nothing");
+    kvt_seq *child, *att;
+    kvt_layer_stats cs, as;
+    fork_and_attach(&r, &child, &att, &cs, &as);
+    cr_assert_eq(cs.recall_promoted, ps.recall_promoted);
+    cr_assert_eq(cs.recall_promotions, ps.recall_promotions);
+    size_t nb = promo_blob(&r, r.seq, pa);
+    cr_assert_eq(promo_blob(&r, child, pb), nb);
+    cr_assert_eq(memcmp(pa, pb, nb), 0, "the fork's promotion tables differ");
+    cr_assert_eq(as.recall_promoted, 0);
+    cr_assert_eq(as.recall_promotions, 0);
+    kvt_seq_destroy(att);
+    for (uint32_t step = 0; step < 4; step++)
+        step_pair(&r, child, step % 2 ? 150 : -1, step);
+    kvt_seq_destroy(child);
+    /* snapshot and restore */
+    size_t need;
+    uint8_t *snap = snapshot_of(r.seq, &need);
+    kvt_seq *copy;
+    cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(promo_blob(&r, copy, pb), nb);
+    nb = promo_blob(&r, r.seq, pa);
+    cr_assert_eq(memcmp(pa, pb, nb), 0, "the restored promotion tables differ");
+    for (uint32_t step = 0; step < 70; step++) /* past a close: absorption and demotion */
+        step_pair(&r, copy, step % 3 ? 150 : -1, step);
+    kvt_layer_stats a = stats(&r), b = {.struct_size = sizeof b};
+    cr_assert_eq(kvt_seq_layer_stats(copy, 0, &b), KVT_OK);
+    cr_assert_eq(b.recall_promoted, a.recall_promoted);
+    cr_assert_eq(b.recall_demotions, a.recall_demotions);
+    cr_assert_gt(a.recall_demotions + a.recall_absorbed, 0, "no close touched the promoted set");
+    kvt_seq_destroy(copy);
+    /* a context built from the snapshot alone (kvtier-inspect's way) takes its promotion */
+    kvt_ctx *sctx;
+    cr_assert_eq(kvt_snapshot_context(snap, need, KVT_BACKEND_CPU, &sctx), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(kvt_ctx_set_recall_basis(sctx, 0, r.V, RB), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_restore(sctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt__recall_layer_read_promo(&copy->recall[0], &sctx->backend, pb), KVT_OK);
+    cr_assert_eq(memcmp(pa, pb, nb), 0, "the promotion tables restored in the snapshot's context");
+    kvt_layer_stats sc = {.struct_size = sizeof sc};
+    cr_assert_eq(kvt_seq_layer_stats(copy, 0, &sc), KVT_OK);
+    cr_assert_eq(sc.recall_promote_room, 16);
+    kvt_seq_destroy(copy);
+    kvt_ctx_destroy(sctx);
+    /* another capacity: a mismatch, named */
+    g_promote[0] = 8;
+    rig other;
+    rig_open(&other, KVT_BACKEND_CPU, KVT_RECALL_SOUND, 4096, 1.0f, 8080); /* same basis */
+    cr_assert_eq(kvt_seq_restore(other.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
+                 kvt_last_error());
+    cr_assert(strstr(kvt_last_error(), "promot"), "%s", kvt_last_error());
+    rig_close(&other);
+    free(snap);
+    /* a snapshot without promotion (every file before it) into a context with promotion */
+    g_promote[0] = 0;
+    rig plain;
+    rig_open(&plain, KVT_BACKEND_CPU, KVT_RECALL_SOUND, 4096, 1.0f, 8080);
+    prefill(&plain, 64 * 3 + 5);
+    snap = snapshot_of(plain.seq, &need);
+    cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
+                 kvt_last_error());
+    cr_assert(strstr(kvt_last_error(), "recall_promote_capacity"), "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_restore(plain.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(copy);
+    free(snap);
+    rig_close(&plain);
+    rig_close(&r);
 }

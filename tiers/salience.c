@@ -241,7 +241,8 @@ kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *
     return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg), NULL);
 }
 
-uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg) {
+/* The top-m size before promotion's reserve (kvt__sal_m without it). */
+static uint64_t budget_m(uint64_t closed_rows, const kvt_config *cfg) {
     if (closed_rows == 0)
         return 0;
     const uint64_t ratio = cfg->ratio;
@@ -258,6 +259,17 @@ uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg) {
     if (m < cfg->budget_min_kept)
         m = cfg->budget_min_kept;
     return m > closed_rows ? closed_rows : m;
+}
+
+uint64_t kvt__sal_promote_room(uint64_t closed_rows, const kvt_config *cfg) {
+    if (cfg->recall == KVT_RECALL_OFF || cfg->recall_promote_capacity == 0)
+        return 0;
+    const uint64_t m = budget_m(closed_rows, cfg);
+    return m <= 1 ? 0 : m - 1 < cfg->recall_promote_capacity ? m - 1 : cfg->recall_promote_capacity;
+}
+
+uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg) {
+    return budget_m(closed_rows, cfg) - kvt__sal_promote_room(closed_rows, cfg);
 }
 
 /* The scoring of the block starting at position `first` of a job's layer into out[0..B). */
@@ -1009,6 +1021,18 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
                          l->st->layer, (unsigned long long)v[7], (unsigned long long)v[8],
                          (unsigned long long)v[9], sa->sk_stride, l->st->rbasis.rank,
                          (unsigned)l->st->rbasis.id);
+    const uint64_t room = kvt__sal_promote_room(t.closed_rows, cfg);
+    if (t.closed_rows <= t.n_rows && t.closed_rows % B == 0 &&
+        t.n_kept != kvt__sal_m(t.closed_rows, cfg) && t.n_kept <= budget_m(t.closed_rows, cfg) &&
+        t.n_kept + (1u << 16) >= budget_m(t.closed_rows, cfg)) /* a promotion reserve's */
+        return kvt__fail(env->err, env->err_len, KVT_ERR_MISMATCH,
+                         "salience state of layer %u: %llu kept rows of %llu closed; this context "
+                         "keeps %llu with %llu reserved for recall promotion (a snapshot of a "
+                         "request with another config.recall_promote_capacity or recall mode)",
+                         l->st->layer, (unsigned long long)t.n_kept,
+                         (unsigned long long)t.closed_rows,
+                         (unsigned long long)kvt__sal_m(t.closed_rows, cfg),
+                         (unsigned long long)room);
     const char *bad = NULL;
     if (t.n_rows != l->pt->n_rows)
         bad = "rows differ from the page table's";

@@ -243,8 +243,13 @@ void kvt__sal_side_bytes(const kvt__sal *s, uint64_t *own, uint64_t *shared);
 kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
                             uint64_t rows);
 /* m for a number of closed rows: max(1, (closed + ratio/2) / ratio), 0 when closed is 0; in
- * budget mode (cfg->salience_budget) the tail-aware m of kvtier.h's kvt_config. */
+ * budget mode (cfg->salience_budget) the tail-aware m of kvtier.h's kvt_config; minus the rows
+ * reserved for recall promotion (kvt__sal_promote_room). */
 uint64_t kvt__sal_m(uint64_t closed_rows, const kvt_config *cfg);
+/* The rows of the budget a close reserves for recall's promoted set (docs/recall.md §4.2):
+ * min(config.recall_promote_capacity, m − 1) with m the budget's top-m, for a request with
+ * recall and promotion on; 0 otherwise (every decision as without promotion). */
+uint64_t kvt__sal_promote_room(uint64_t closed_rows, const kvt_config *cfg);
 /* One (request, layer) of a batched close: its state, tables and request config. */
 typedef struct kvt__sal_job {
     kvt__sal *s;

@@ -380,7 +380,9 @@ class Model(_Closable):
 _CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector, "sigma_basis": SigmaBasis}
 _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows": "u32",
                  "evict_budget_rows": "u32", "recent_rows": "u32", "cadence_rows": "u32",
-                 "seed": "u64", "recall_cap_rows": "u32", "budget_min_kept": "u32"}
+                 "seed": "u64", "recall_cap_rows": "u32", "budget_min_kept": "u32",
+                 "recall_promote_capacity": "u32", "recall_promote_hits": "u32",
+                 "recall_promote_window": "u32"}
 
 
 def _defaults(struct, init):

@@ -126,6 +126,9 @@ class ConfigC(ctypes.Structure):
         ("salience_budget", ctypes.c_bool),
         ("budget_min_kept", c_u32),
         ("sigma_basis", c_enum),
+        ("recall_promote_capacity", c_u32),
+        ("recall_promote_hits", c_u32),
+        ("recall_promote_window", c_u32),
     ]
 
 
@@ -218,6 +221,12 @@ class LayerStatsC(ctypes.Structure):
         ("effective_ratio", ctypes.c_double),
         ("side_bytes", c_u64),
         ("shared_side_bytes", c_u64),
+        ("recall_promoted", c_u64),
+        ("recall_promote_room", c_u64),
+        ("recall_promotions", c_u64),
+        ("recall_demotions", c_u64),
+        ("recall_absorbed", c_u64),
+        ("recall_last_promoted", c_u64),
     ]
 
 

@@ -63,3 +63,38 @@ def test_recall_needs_sketch_planes_and_float32_queries():
                 with pytest.raises(kvtier.InvalidArgumentError):
                     b.run(0)  # a recalling request needs its query
                 b.commit()
+
+
+def test_promotion_through_the_binding():
+    """Promotion's config fields and statistics cross the ABI; bad hits/window are refused."""
+    assert kvtier.Config().recall_promote_capacity == 0  # off by default
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.Config(recall_promote_hits=9, recall_promote_window=8).check()
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="sound",
+                        recall_promote_capacity=8, recall_promote_hits=2,
+                        recall_promote_window=4)
+    cfg.check()
+    with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
+                                      recall_sketch_rank=16) as ctx:
+        rng = np.random.default_rng(7)
+        v, _ = np.linalg.qr(rng.standard_normal((512, 16)))
+        ctx.set_recall_basis(0, np.ascontiguousarray(v.T, dtype=np.float32))
+        with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
+            rows = rng.standard_normal((300, 576)).astype(np.float32)
+            b.reserve([seq], [300])
+            seq.write(0, 0, 0, (rows.view(np.uint32) >> 16).astype(np.uint16))
+            b.plan()
+            b.commit()
+            for step in range(12):
+                b.reserve([seq], [1])
+                seq.write(0, 0, 0, (rng.standard_normal((1, 576)).astype(np.float32)
+                                    .view(np.uint32) >> 16).astype(np.uint16))
+                b.plan()
+                b.run(0, query=rng.standard_normal((1, 4, 576)).astype(np.float32))
+                b.commit()
+                seq.check()
+            st = seq.layer_stats(0)
+            assert st.recall_promote_room == 8  # min(C, m - 1), m = 256 / 8
+            assert 0 < st.recall_promoted <= 8
+            assert st.recall_promotions >= st.recall_promoted
+            assert st.kept_rows <= 256 // 8 - 8  # the reserve comes out of the kept set (m 32)
