@@ -6,6 +6,7 @@
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
+#include "recall/recall.h"
 
 
 #include <stdio.h>
@@ -260,9 +261,10 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
             continue;
         const kvt_layer_spec *sp = &ctx->stores[i].spec;
         for (uint32_t g = 0; g < 2; g++) {
-            size_t f = kvt__recall_step_scratch_floats(sp->n_q_heads, ctx->sketch_rank,
-                                                       sp->value_dim, sp->branch_dim,
-                                                       ctx->max_rows, g ? ctx->cfg.block_rows : 0);
+            size_t f = kvt__recall_step_scratch_max(sp->n_q_heads, ctx->sketch_rank,
+                                                    sp->value_dim, sp->branch_dim, ctx->max_rows,
+                                                    g ? ctx->cfg.block_rows : 0,
+                                                    ctx->cfg.recall_promote_capacity);
             if (f > ctx->ws_sigma_floats)
                 ctx->ws_sigma_floats = f;
         }

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/recall_scan.h"
+#include "kernels/recall_step.h"
 #include "lib/base/base.h"
 
 /* The public modes are the scan's (one number space). */
@@ -392,4 +393,23 @@ uint64_t kvt__recall_layer_bytes(const kvt__recall_layer *r) {
     size_t g[5];
     group_plane_bytes(r->g_cap, r->g_B, r->g_dim, g);
     return (r->buf ? r->bytes : 0) + g[0] + g[1] + g[2] + g[3] + g[4];
+}
+
+size_t kvt__recall_step_scratch_max(uint32_t n_heads, uint32_t rank, uint32_t D,
+                                    uint32_t branch_dim, uint64_t max_rows, uint32_t block_rows,
+                                    uint32_t prom_cap) {
+    static kvt__recall_promo on; /* only its address is read: promotion on */
+    static uint32_t perm_on;     /* likewise: group planes */
+    kvt__recall_step_args x = {.promo = prom_cap ? &on : NULL,
+                               .prom_cap = prom_cap,
+                               .cand_cap = prom_cap * CAND_PER_PROMOTED,
+                               .g_perm = block_rows ? &perm_on : NULL,
+                               .block_rows = block_rows};
+    x.scan.n_heads = n_heads;
+    x.scan.rank = rank;
+    x.scan.latent_dim = D;
+    x.scan.branch_dim = branch_dim;
+    x.scan.n_closed = max_rows;
+    x.scan.m = (uint32_t)max_rows; /* the kept set holds at most every closed row */
+    return kvt__recall_step_scratch_floats(&x);
 }

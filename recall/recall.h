@@ -108,4 +108,12 @@ void kvt__recall_step_promote(const kvt__recall_layer *r, uint64_t room, uint32_
 /* The emission's view of the step's outcome: fetched rows and the dense flag, in pq. */
 void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq);
 
+/* Floats of backend scratch a recall step of a layer may take at most: n_heads query heads, a
+ * basis of rank, latent D, branch_dim, up to max_rows closed rows, group planes of block_rows
+ * rows (0: none), promotion capacity prom_cap (0: off). The context sizes its workspace with it
+ * at creation, so that no step grows it. */
+size_t kvt__recall_step_scratch_max(uint32_t n_heads, uint32_t rank, uint32_t D,
+                                    uint32_t branch_dim, uint64_t max_rows, uint32_t block_rows,
+                                    uint32_t prom_cap);
+
 #endif /* KVT_RECALL_RECALL_H */

@@ -7,7 +7,7 @@ kvt_status kvt__recall_rope_prepare(kvt__recall_rope_layer *r, const kvt__backen
                                     uint32_t n_q, uint32_t n_kv, uint32_t cap) {
     if (n_kv == 0 || n_kv > KVT__RECALL_ROPE_MAX_KV || cap == 0 || n_q % n_kv != 0)
         return KVT_ERR_INVALID_ARGUMENT;
-    kvt_status s = kvt__recall_layer_prepare(&r->base, be, n_q, 0);
+    kvt_status s = kvt__recall_layer_prepare(&r->base, be, n_q, 0, 0); /* no promotion on RoPE layers */
     if (s != KVT_OK)
         return s;
     const size_t bytes = sizeof(uint32_t) * (size_t)n_kv * ((size_t)cap + 2u);
