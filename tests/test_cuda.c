@@ -997,3 +997,42 @@ Test(cuda, pack_recall_equals_the_cpu) {
     free(fetch);
     rig_close(&r);
 }
+
+/* The positions the CUDA step's parallel sample merge writes to (kvt__conformal_merged_old /
+ * _new) give kvt__conformal_insert's array bit for bit: ties, ±0, NaN samples (left out before
+ * the merge, as the step does), a cap that cuts the new samples. Host only: runs everywhere. */
+Test(cuda, sample_merge_equals_sequential_insertion) {
+    uint32_t merged = 0, capped = 0;
+    for (int it = 0; it < 20000; it++) {
+        const uint32_t cap = 1 + rnd32() % 40, H = rnd32() % 12;
+        float want[64], got[64], old[64], e[16], nw[16];
+        uint32_t n = 0, n0 = rnd32() % (cap + 1);
+        for (uint32_t i = 0; i < n0; i++) { /* coarse values: many ties; ±0 */
+            const uint32_t k = rnd32() % 8;
+            kvt__conformal_insert(want, &n, cap, k == 0 ? -0.0f : (float)k - 4.0f);
+        }
+        n0 = n;
+        memcpy(old, want, sizeof(float) * n0);
+        for (uint32_t h = 0; h < H; h++) {
+            const uint32_t k = rnd32() % 10;
+            e[h] = k == 0 ? 0.0f : k == 1 ? -0.0f : k == 2 ? NAN : (float)(k % 7) - 3.0f;
+        }
+        for (uint32_t h = 0; h < H; h++) /* the CPU step: valid samples in head order */
+            if (!isnan(e[h]))
+                kvt__conformal_insert(want, &n, cap, e[h]);
+        uint32_t v = 0;
+        for (uint32_t h = 0; h < H; h++)
+            if (!isnan(e[h]) && n0 + v < cap)
+                nw[v++] = e[h];
+        memset(got, 0x5a, sizeof got);
+        for (uint32_t t = 0; t < n0; t++)
+            got[kvt__conformal_merged_old(nw, v, t, old[t])] = old[t];
+        for (uint32_t j = 0; j < v; j++)
+            got[kvt__conformal_merged_new(old, n0, nw, v, j)] = nw[j];
+        cr_assert_eq(n, n0 + v, "case %d", it);
+        cr_assert(memcmp(got, want, sizeof(float) * n) == 0, "case %d: arrays differ", it);
+        merged += v > 0 && n0 > 0;
+        capped += n == cap && v < H;
+    }
+    cr_assert(merged > 1000 && capped > 100, "merged %u, capped %u", merged, capped);
+}

@@ -159,7 +159,7 @@ kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     return KVT_OK;
 }
 
-size_t align256(size_t n) {
+__host__ __device__ size_t align256(size_t n) {
     return (n + 255) / 256 * 256;
 }
 
@@ -718,9 +718,10 @@ kvt_status cu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a
  *      score with its row, whose sample (kvt__recall_idx, kvt__recall_cert,
  *      kvt__conformal_sample) goes to the workspace (NaN: none);
  *   3. the scan's fire flags (scan_rows) with the state's z, on scanning steps only;
- *   4. one block per item: the samples inserted in head order (kvt__conformal_insert) and z fixed
- *      at a window end (kvt__conformal_close) by one thread, or the fired rows compacted; the
- *      certificate into the state, the dense flag.
+ *   4. one block per item: the samples merged into the sorted array by the block exactly as
+ *      kvt__conformal_insert in head order leaves it (step_insert) and z fixed at a window end
+ *      (kvt__conformal_close, one thread), or the fired rows compacted; the certificate into the
+ *      state, the dense flag.
  * Which kind of step it is, the device decides from the state (its phase as launch 2 and 3 find
  * it: launch 4 alone writes the state). The pruned scan is not built here: its group planes are
  * left untouched and the full scan gives the fired set the pruned one does (bit for bit, the
@@ -837,6 +838,27 @@ __device__ float step_exact(const kvt__recall_scan_args &a, const float *q, uint
                              a.branch_dim, a.scale);
 }
 
+/* The calibration's part of an item's workspace: each head's sample e [H] (NaN: none), the
+ * valid ones' heads in order [H] and their samples [H], the samples as the step found them
+ * [sample_cap]. */
+struct StepExtra {
+    float *e;
+    uint32_t *valid;
+    float *nw;
+    float *old;
+};
+
+__device__ StepExtra step_extra(const ScanWs &w, uint32_t item, uint32_t n_heads) {
+    uint8_t *b = w.base + w.each * item + w.off_extra;
+    const size_t hb = align256(sizeof(float) * n_heads);
+    StepExtra x;
+    x.e = (float *)b;
+    x.valid = (uint32_t *)(b + hb);
+    x.nw = (float *)(b + 2 * hb);
+    x.old = (float *)(b + 3 * hb);
+    return x;
+}
+
 __global__ void k_step_heads(const StepParams p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.y);
     if (blockIdx.x < x.scan.n_heads)
@@ -876,7 +898,7 @@ __global__ void k_step_best(const StepParams p, const ScanWs w) {
         return;
     /* 3. the calibration's sample of this head: its best archived row */
     const ScanItem it = scan_item(w, blockIdx.y);
-    float *e_out = (float *)(w.base + w.each * blockIdx.y + w.off_extra);
+    float *e_out = step_extra(w, blockIdx.y, a.n_heads).e;
     bv = -INFINITY;
     br = UINT64_MAX;
     for (uint64_t row = pl.S + threadIdx.x; row < a.n_closed; row += blockDim.x)
@@ -911,26 +933,47 @@ __global__ void k_step_rows(const StepParams p, const ScanWs w) {
     scan_rows(step_scan(x, pl, x.st->z), scan_item(w, blockIdx.y));
 }
 
+/* The heads' samples into the sorted array, as kvt__conformal_insert one by one in head order
+ * leaves it, by the whole block: the first `room` valid samples in head order go in (the rest are
+ * dropped, as past the cap), each value moved to where kvt__conformal_merged_old / _new say
+ * (never computed, so the bits are the twin's); then n_samples. */
+__device__ void step_insert(const kvt__recall_step_args &x, const StepExtra &ex, uint32_t n0) {
+    const uint32_t H = x.scan.n_heads, room = n0 < x.sample_cap ? x.sample_cap - n0 : 0;
+    const uint32_t total = block_compact(
+        H, [&](uint32_t h) { return !isnan(ex.e[h]); }, ex.valid, room);
+    const uint32_t v = total < room ? total : room;
+    for (uint32_t j = threadIdx.x; j < v; j += blockDim.x)
+        ex.nw[j] = ex.e[ex.valid[j]];
+    for (uint32_t t = threadIdx.x; t < n0; t += blockDim.x)
+        ex.old[t] = x.samples[t];
+    __syncthreads();
+    for (uint32_t t = threadIdx.x; t < n0; t += blockDim.x)
+        x.samples[kvt__conformal_merged_old(ex.nw, v, t, ex.old[t])] = ex.old[t];
+    for (uint32_t j = threadIdx.x; j < v; j += blockDim.x)
+        x.samples[kvt__conformal_merged_new(ex.old, n0, ex.nw, v, j)] = ex.nw[j];
+    __syncthreads();
+    if (threadIdx.x == 0)
+        x.st->n_samples = n0 + v;
+}
+
 /* Launch 4: one block per item. */
 __global__ void k_step_finish(const StepParams p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.x);
     kvt__recall_state *st = x.st;
-    __shared__ uint32_t s_phase;
+    __shared__ uint32_t s_phase, s_n;
     __shared__ float s_z;
     if (threadIdx.x == 0) {
         s_phase = st->phase;
         s_z = st->z;
+        s_n = st->n_samples;
     }
     __syncthreads();
     const StepPlan pl = step_plan(x, s_phase);
     uint32_t dense = 0, over = 0, n_fired = 0;
     uint64_t visited = 0, fired = 0, fetched = 0;
     if (pl.calib) {
+        step_insert(x, step_extra(w, blockIdx.x, x.scan.n_heads), s_n);
         if (threadIdx.x == 0) {
-            const float *e = (const float *)(w.base + w.each * blockIdx.x + w.off_extra);
-            for (uint32_t h = 0; h < x.scan.n_heads; h++)
-                if (!isnan(e[h]))
-                    kvt__conformal_insert(x.samples, &st->n_samples, x.sample_cap, e[h]);
             st->cal_steps++;
             st->phase = kvt__conformal_close(x.samples, st->n_samples, st->cal_steps, &st->z,
                                              &st->k, &st->clamped);
@@ -975,11 +1018,15 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
     kvt_status s = op_begin(be, stream);
     for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxStep) {
         const uint32_t k = n - i0 < kMaxStep ? n - i0 : kMaxStep;
-        uint32_t H = 0;
-        for (uint32_t i = 0; i < k; i++)
+        uint32_t H = 0, cap = 0;
+        for (uint32_t i = 0; i < k; i++) {
             H = a[i0 + i].scan.n_heads > H ? a[i0 + i].scan.n_heads : H;
+            cap = a[i0 + i].sample_cap > cap ? a[i0 + i].sample_cap : cap;
+        }
+        /* step_extra's layout (its offsets from each item's own head count fit in this) */
+        const size_t extra = 3 * align256(sizeof(float) * H) + sizeof(float) * cap;
         size_t rows;
-        ScanWs w = scan_ws_of(&a[i0].scan, sizeof *a, k, sizeof(float) * H, &H, &rows);
+        ScanWs w = scan_ws_of(&a[i0].scan, sizeof *a, k, extra, &H, &rows);
         if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
             break;
         const StepParams prm = step_params(a + i0, k);
