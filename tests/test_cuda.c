@@ -4,10 +4,11 @@
  * random selectors over a shuffled page table), pack (TOKENS and CSR), ev_append, ev_select and
  * ev_apply (per-head and shared keep sets, VaSE, with and without the archive), find_pos, the
  * buffer copies, and the recall tier's sketch_rows (csk and ρ, undescribable rows included) and
- * recall_scan (sound, conformal and margin, caps and overflow: fired sets, counts and flags),
- * recall_step (calibration, calibrated and overflowing steps in all three modes: state, samples,
- * best scores, fired sets) and pack with recall (fetched rows merged, dense flags, device CSR
- * offsets). Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
+ * recall_scan (sound and conformal, caps and overflow: fired sets, counts and flags),
+ * recall_step (conformal, sound and margin items; calibration, calibrated, overflowing and
+ * nothing-archived steps: state, samples, best scores, fired sets) and pack with recall (fetched
+ * rows merged, dense flags, device CSR offsets); plus, host only, the positions the CUDA step's
+ * parallel sample merge uses. Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
  * the skip into a failure: scripts/gpu-check.sh sets it; KVT_CUDA_TEST_SELFCHECK=1 runs the tests
  * with the guarded backend in CUDA's place, which checks the tests themselves). The golden suite
  * (test_golden) drives whole scenarios on the CUDA backend; this one says which op differs.
