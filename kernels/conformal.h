@@ -55,6 +55,34 @@ KVT_HD void kvt__conformal_insert(float *sorted, uint32_t *n, uint32_t cap, floa
     (*n)++;
 }
 
+/* Where kvt__conformal_insert, called on sorted[0 .. n0) (ascending, room for all) for
+ * nw[0 .. v) in that order, leaves each value, for a parallel twin that moves values instead of
+ * shifting them: the old sample o at t goes to t + #{nw < o}; nw[j] goes to #{old <= nw[j]} +
+ * #{nw < nw[j]} + #{i < j: nw[i] == nw[j]} (insertion stops at the first element from the right
+ * that is <= e, so equal values keep their arrival order, ±0 included). */
+KVT_HD uint32_t kvt__conformal_merged_old(const float *nw, uint32_t v, uint32_t t, float o) {
+    uint32_t c = t;
+    for (uint32_t j = 0; j < v; j++)
+        c += nw[j] < o;
+    return c;
+}
+
+KVT_HD uint32_t kvt__conformal_merged_new(const float *old, uint32_t n0, const float *nw,
+                                          uint32_t v, uint32_t j) {
+    const float e = nw[j];
+    uint32_t lo = 0, hi = n0; /* #{old <= e}: a prefix of the sorted array */
+    while (lo < hi) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (!(old[mid] > e))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    for (uint32_t i = 0; i < v; i++)
+        lo += nw[i] < e || (nw[i] == e && i < j);
+    return lo;
+}
+
 /* Outcome of a window end. */
 #define KVT__CONFORMAL_OPEN 0        /* still calibrating: the next step attends every row */
 #define KVT__CONFORMAL_CALIBRATED 1  /* z from the samples, fixed for the request */

@@ -7,9 +7,14 @@
 #     CUDA backend must give the CPU's keep-set file byte for byte (decisions bit-equal: σ, top-m,
 #     Philox draws, VaSE, compaction, archive); without a device this fails instead of skipping.
 #   - test_cuda with KVT_REQUIRE_GPU=1: each op against its CPU twin on random inputs (which op
-#     differs, when the goldens do), the recall tier's sketch_rows and recall_scan included
-#     (cuda::sketch_rows_equal_the_cpu, cuda::recall_scan_equals_the_cpu: never run on a device
-#     before this script's first run with them).
+#     differs, when the goldens do), the recall tier's sketch_rows, recall_scan, recall_step and
+#     the pack's recall merge included (cuda::sketch_rows_equal_the_cpu,
+#     cuda::recall_scan_equals_the_cpu, cuda::recall_step_equals_the_cpu,
+#     cuda::recall_step_full_scan_equals_the_cpu_pruned_one, cuda::pack_recall_equals_the_cpu:
+#     never run on a device before this script's first run with them).
+#   - test_recall_step's conformal decode with KVT_REQUIRE_GPU=1: 120 decode steps through the
+#     library (calibration, fetches, CSR-free TOKENS emission) on the CUDA backend emit the CPU's
+#     sets, slot for slot.
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #
@@ -37,6 +42,10 @@ status=0
 echo "golden on CUDA: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a "$OUT/summary.txt"
 (cd build-gpu && KVT_REQUIRE_GPU=1 ./tests/test_cuda --verbose) > "$OUT/cuda_ops.txt" 2>&1 || status=1
 echo "CUDA ops vs CPU twins: see cuda_ops.txt" | tee -a "$OUT/summary.txt"
+(cd build-gpu && KVT_REQUIRE_GPU=1 timeout 300 ./tests/test_recall_step \
+  --filter 'recall_step/conformal_decode_matches_the_oracle' --verbose) \
+  > "$OUT/recall_step_cuda.txt" 2>&1 || status=1
+echo "recall decode on CUDA vs CPU: see recall_step_cuda.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && ctest -L fast -j"$JOBS" --output-on-failure) > "$OUT/fast_tests.txt" 2>&1 ||
   status=1
 echo "fast tests: see fast_tests.txt" | tee -a "$OUT/summary.txt"

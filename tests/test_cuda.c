@@ -4,7 +4,11 @@
  * random selectors over a shuffled page table), pack (TOKENS and CSR), ev_append, ev_select and
  * ev_apply (per-head and shared keep sets, VaSE, with and without the archive), find_pos, the
  * buffer copies, and the recall tier's sketch_rows (csk and ρ, undescribable rows included) and
- * recall_scan (sound and conformal, caps and overflow: fired sets, counts and flags). Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
+ * recall_scan (sound and conformal, caps and overflow: fired sets, counts and flags),
+ * recall_step (conformal, sound and margin items; calibration, calibrated, overflowing and
+ * nothing-archived steps: state, samples, best scores, fired sets) and pack with recall (fetched
+ * rows merged, dense flags, device CSR offsets); plus, host only, the positions the CUDA step's
+ * parallel sample merge uses. Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
  * the skip into a failure: scripts/gpu-check.sh sets it; KVT_CUDA_TEST_SELFCHECK=1 runs the tests
  * with the guarded backend in CUDA's place, which checks the tests themselves). The golden suite
  * (test_golden) drives whole scenarios on the CUDA backend; this one says which op differs.
@@ -12,6 +16,7 @@
 #include <criterion/criterion.h>
 
 #include "kernels/backend.h"
+#include "kernels/conformal.h"
 #include "kernels/evict.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
@@ -682,4 +687,353 @@ Test(cuda, recall_scan_equals_the_cpu) {
     cr_assert(some_fired && some_quiet && some_over, "fired %u, quiet %u, overflowed %u",
               some_fired, some_quiet, some_over);
     rig_close(&r);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * recall_step: a sequence of steps of several (request, layer) items in one call per step, both
+ * backends from the same inputs, every output compared after each step: the state (bit for bit,
+ * or, where the CPU runs its pruned scan over group planes, every field but the pruned scan's
+ * own: n_grouped, last_visited, visited), the samples, each head's best, the fired rows, their
+ * count, the overflow and dense flags.
+ * ---------------------------------------------------------------------------------------------- */
+typedef struct step_item {
+    scan_item s;
+    int mode;
+    float margin;
+    uint64_t n_rows;
+    kvt__recall_state st;
+    float *samples;
+    uint32_t sample_cap;
+    uint8_t dense;
+    void *dst, *dsamples, *ddense;
+    /* the CPU's group planes (groups) */
+    uint32_t *g_perm, *g_n, *g_end;
+    float *g_centre, *g_stat;
+    uint64_t g_cap;
+    uint32_t B, g_dim;
+    float *q0; /* the item's base queries; each step perturbs them */
+} step_item;
+
+static void step_item_make(rig *r, step_item *it, const rpool *p, tu_rng *g, uint32_t n_closed,
+                           uint32_t tail, uint32_t H, int mode, float margin, uint32_t cap,
+                           bool groups) {
+    memset(it, 0, sizeof *it);
+    const float zs = sqrtf((float)p->D - 64.0f);
+    scan_item_make(r, &it->s, p, g, n_closed, H, mode == KVT__RECALL_MARGIN ? KVT__RECALL_SOUND
+                                                                             : mode,
+                   mode == KVT__RECALL_CONFORMAL ? 1.0f : zs, 0.9, cap);
+    it->mode = mode;
+    it->margin = margin;
+    it->n_rows = n_closed + tail;
+    cr_assert(it->n_rows <= p->NP * p->PR);
+    memset(&it->st, 0, sizeof it->st);
+    it->st.z = KVT__CONFORMAL_Z_MAX;
+    it->st.phase = KVT__CONFORMAL_OPEN;
+    it->sample_cap = H * KVT__CONFORMAL_LAST_WINDOW;
+    it->samples = calloc(it->sample_cap, sizeof(float));
+    it->dense = 0x5a;
+    it->dst = dev(r, &it->st, sizeof it->st);
+    it->dsamples = dev(r, it->samples, sizeof(float) * it->sample_cap);
+    it->ddense = dev(r, &it->dense, 1);
+    const size_t QD = (size_t)(p->D + 64) * H;
+    it->q0 = malloc(sizeof(float) * QD);
+    memcpy(it->q0, it->s.q, sizeof(float) * QD);
+    if (groups) {
+        it->B = 64;
+        it->g_cap = n_closed / it->B + 1;
+        it->g_dim = 64 + p->rank;
+        const uint64_t G = it->B / 32u;
+        it->g_perm = calloc(it->g_cap * it->B, 4);
+        it->g_n = calloc(it->g_cap, 4);
+        it->g_end = calloc(it->g_cap * G, 4);
+        it->g_centre = calloc(it->g_cap * G * it->g_dim, 4);
+        it->g_stat = calloc(it->g_cap * G * 5u, 4);
+    }
+}
+
+static void step_item_free(rig *r, step_item *it) {
+    undev(r, it->dst, sizeof it->st);
+    undev(r, it->dsamples, sizeof(float) * it->sample_cap);
+    undev(r, it->ddense, 1);
+    scan_item_free(r, &it->s);
+    free(it->samples);
+    free(it->q0);
+    free(it->g_perm);
+    free(it->g_n);
+    free(it->g_end);
+    free(it->g_centre);
+    free(it->g_stat);
+}
+
+/* The step's args on one backend's memory (gpu: the device copies, no group planes). */
+static kvt__recall_step_args step_args_of(step_item *it, bool gpu) {
+    kvt__recall_step_args x;
+    memset(&x, 0, sizeof x);
+    x.scan = gpu ? it->s.g : it->s.c;
+    x.n_rows = it->n_rows;
+    x.mode = it->mode;
+    x.margin = it->margin;
+    x.st = gpu ? it->dst : &it->st;
+    x.samples = gpu ? it->dsamples : it->samples;
+    x.sample_cap = it->sample_cap;
+    x.dense = gpu ? it->ddense : &it->dense;
+    if (!gpu && it->g_perm) {
+        x.g_perm = it->g_perm;
+        x.g_n = it->g_n;
+        x.g_end = it->g_end;
+        x.g_centre = it->g_centre;
+        x.g_stat = it->g_stat;
+        x.g_blocks_cap = it->g_cap;
+        x.block_rows = it->B;
+        x.g_dim = it->g_dim;
+    }
+    return x;
+}
+
+/* New queries for a step on both sides: the base ones plus noise scaled by `noise`. */
+static void step_queries(rig *r, step_item *it, tu_rng *g, double noise) {
+    const size_t QD = (size_t)(it->s.c.latent_dim + 64) * it->s.H;
+    for (size_t i = 0; i < QD; i++)
+        it->s.q[i] = it->q0[i] + (float)(noise * tu_normal(g));
+    cr_assert_eq(r->gpu.ops->write(&r->gpu, (void *)it->s.g.q, it->s.q, sizeof(float) * QD, NULL),
+                 KVT_OK);
+}
+
+static void step_pair(bool groups) {
+    rig r;
+    rig_open(&r);
+    tu_rng g = {.s = groups ? 0x57e9u : 0x57e8u};
+    const struct {
+        int dt;
+        uint32_t rank;
+    } pcfg[] = {{KVT__DT_BF16, 64}, {KVT__DT_FP16, 17}, {KVT__DT_FP32, 0}};
+    uint32_t calibrated = 0, calib_dense = 0, some_fired = 0, some_over = 0, quiet = 0;
+    for (size_t c = 0; c < sizeof pcfg / sizeof pcfg[0]; c++) {
+        rpool p;
+        rpool_make(&r, &p, &g, pcfg[c].dt, 512, pcfg[c].rank);
+        /* conformal (calibrating, then calibrated; a wide and a narrow cap), sound with a cap
+         * that overflows, margin, and an item with nothing archived (every row a sink) */
+        enum { NI = 5 };
+        step_item it[NI];
+        step_item_make(&r, &it[0], &p, &g, 400, 50, 5, KVT__RECALL_CONFORMAL, 0.0f, 400, groups);
+        step_item_make(&r, &it[1], &p, &g, 333, 100, 3, KVT__RECALL_CONFORMAL, 0.0f, 6, groups);
+        step_item_make(&r, &it[2], &p, &g, 256, 0, 16, KVT__RECALL_SOUND, 0.0f, 20, groups);
+        step_item_make(&r, &it[3], &p, &g, 300, 12, 4, KVT__RECALL_MARGIN, 0.5f, 300, groups);
+        step_item_make(&r, &it[4], &p, &g, 40, 30, 2, KVT__RECALL_CONFORMAL, 0.0f, 16, groups);
+        it[4].s.c.sinks = it[4].s.g.sinks = 1000; /* S clamps to n_closed: nothing archived */
+        for (uint32_t step = 0; step < 12; step++) {
+            kvt__recall_step_args ca[NI], ga[NI];
+            for (int i = 0; i < NI; i++) {
+                step_queries(&r, &it[i], &g, step ? 0.05 : 0.0);
+                ca[i] = step_args_of(&it[i], false);
+                ga[i] = step_args_of(&it[i], true);
+            }
+            cr_assert_eq(r.cpu.ops->recall_step(&r.cpu, ca, NI, NULL), KVT_OK);
+            cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
+            for (int i = 0; i < NI; i++) {
+                step_item *x = &it[i];
+                kvt__recall_state gs;
+                cr_assert_eq(r.gpu.ops->read(&r.gpu, &gs, x->dst, sizeof gs, NULL), KVT_OK);
+                kvt__recall_state cs = x->st;
+                if (groups) { /* the pruned scan's own fields */
+                    cr_assert_leq(cs.last_visited, gs.last_visited);
+                    cs.n_grouped = gs.n_grouped;
+                    cs.last_visited = gs.last_visited;
+                    cs.visited = gs.visited;
+                }
+                cr_assert(memcmp(&gs, &cs, sizeof gs) == 0,
+                          "config %zu item %d step %u: state differs (phase %u/%u, samples "
+                          "%u/%u, z %a/%a, fired %llu/%llu, dense %u/%u)",
+                          c, i, step, gs.phase, cs.phase, gs.n_samples, cs.n_samples,
+                          (double)gs.z, (double)cs.z, (unsigned long long)gs.last_fired,
+                          (unsigned long long)cs.last_fired, gs.last_dense, cs.last_dense);
+                same(&r, x->dsamples, x->samples, sizeof(float) * cs.n_samples, "samples");
+                same(&r, x->s.g.best, x->s.best, sizeof(float) * x->s.H, "best scores");
+                same(&r, x->ddense, &x->dense, 1, "dense flag");
+                same(&r, x->s.g.n_fired, &x->s.n_fired, 4, "fired count");
+                same(&r, x->s.g.overflow, &x->s.overflow, 4, "overflow flag");
+                same(&r, x->s.g.fired, x->s.fired, sizeof(uint32_t) * x->s.n_fired,
+                     "fired rows");
+                calib_dense += cs.last_dense && !cs.last_overflow;
+                some_fired += x->s.n_fired > 0;
+                some_over += cs.last_overflow;
+                quiet += !cs.last_dense && cs.last_archived && x->s.n_fired < cs.last_archived;
+                if (i == 4)
+                    cr_assert_eq(cs.last_archived, 0u);
+            }
+        }
+        calibrated += it[0].st.phase == KVT__CONFORMAL_CALIBRATED;
+        calibrated += it[1].st.phase == KVT__CONFORMAL_CALIBRATED;
+        /* out of range: the CPU's statuses */
+        kvt__recall_step_args bad = step_args_of(&it[0], true);
+        bad.n_rows = bad.scan.n_closed - 1;
+        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        bad = step_args_of(&it[0], true);
+        bad.samples = NULL; /* conformal mode without a sample array */
+        bad.sample_cap = 0;
+        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        bad = step_args_of(&it[3], true);
+        bad.margin = -1.0f;
+        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 0, NULL), KVT_OK);
+        for (int i = 0; i < NI; i++)
+            step_item_free(&r, &it[i]);
+        rpool_free(&r, &p);
+    }
+    /* the inputs were not degenerate: calibration steps, calibrated requests, fired rows, quiet
+     * scans and overflows */
+    cr_assert(calibrated && calib_dense && some_fired && some_over && quiet,
+              "calibrated %u, calibration steps %u, fired %u, overflowed %u, quiet %u", calibrated,
+              calib_dense, some_fired, some_over, quiet);
+    rig_close(&r);
+}
+
+Test(cuda, recall_step_equals_the_cpu) {
+    step_pair(false);
+}
+
+/* The CPU's pruned scan over group planes and the device's full scan: the same decisions. */
+Test(cuda, recall_step_full_scan_equals_the_cpu_pruned_one) {
+    step_pair(true);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * pack with recall: fetched rows merged into the list, the dense flag, every row by the host,
+ * plain queries in the same call, TOKENS and CSR with device offsets, over two calls (the first
+ * longer than a launch's 64 queries).
+ * ---------------------------------------------------------------------------------------------- */
+Test(cuda, pack_recall_equals_the_cpu) {
+    rig r;
+    rig_open(&r);
+    enum { PR = 16, NP = 64, NQ = 70, FC = 48, CALL0 = 66 };
+    int32_t pages[NP];
+    shuffled(pages, NP);
+    int32_t *dpages = dev(&r, pages, sizeof pages);
+    uint32_t list[200];
+    for (uint32_t i = 0; i < 200; i++)
+        list[i] = 40 + 3 * i;
+    uint32_t *dlist = dev(&r, list, sizeof list);
+    /* fetched rows: ascending, in (lo_end, hi_begin), off the list (40 + 3i + 1) */
+    uint32_t *fetch = malloc(sizeof(uint32_t) * NQ * FC), n_fetch[NQ], dense[NQ];
+    for (uint32_t i = 0; i < NQ; i++) {
+        uint32_t row = 41 + rnd32() % 5 * 3, n = 0;
+        for (; n < FC && row < 40 + 3 * 200; n++, row += 3 * (1 + rnd32() % 4))
+            fetch[i * FC + n] = row;
+        n_fetch[i] = i % 5 == 3 ? 0 : 1 + rnd32() % n; /* n >= 1: row 53 < 640 */
+        dense[i] = i % 5 == 2 ? 1u : 0u;
+    }
+    uint32_t *dfetch = dev(&r, fetch, sizeof(uint32_t) * NQ * FC);
+    uint32_t *dn_fetch = dev(&r, n_fetch, sizeof n_fetch), *ddense = dev(&r, dense, sizeof dense);
+    kvt__div32 pdiv = kvt__div32_make(PR);
+    const uint64_t cap = 1024; /* >= every set: hi_end < 40 + 3 * 200 + 200 */
+    uint32_t kinds[5] = {0};
+    for (int csr = 0; csr < 2; csr++) {
+        kvt__pack_query qc[NQ], qg[NQ];
+        for (uint32_t i = 0; i < NQ; i++) {
+            uint64_t nl = rnd32() % 150, hi0 = 40 + 3 * 200, hi1 = hi0 + rnd32() % 200;
+            qc[i] = (kvt__pack_query){.d = {.lo_end = 1 + rnd32() % 39, .list = list, .n_list = nl,
+                                            .hi_begin = hi0, .hi_end = hi1},
+                                      .pages = pages, .first_page = 0};
+            /* 0: plain; 1: fetched rows; 2: dense by the flag; 3: a flag of 0, no fetched row;
+             * 4: every row, decided on the host */
+            const uint32_t kind = i % 5;
+            kinds[kind]++;
+            if (kind >= 1 && kind <= 3) {
+                qc[i].fetch = fetch + i * FC;
+                qc[i].n_fetch = &n_fetch[i];
+                qc[i].dense = &dense[i];
+                qc[i].fetch_cap = FC;
+            }
+            qc[i].all_rows = kind == 4;
+            qc[i].out = csr ? 0 : (uint64_t)i * cap; /* CSR: the device's offsets */
+            qc[i].pad = csr ? 0 : cap;
+            qc[i].len_at = csr ? i + 1 : i;
+            qg[i] = qc[i];
+            qg[i].d.list = dlist;
+            qg[i].pages = dpages;
+            if (qc[i].fetch) {
+                qg[i].fetch = dfetch + i * FC;
+                qg[i].n_fetch = dn_fetch + i;
+                qg[i].dense = ddense + i;
+            }
+        }
+        const size_t n_idx = (size_t)NQ * cap;
+        int32_t *idx = malloc(4 * n_idx), *len = malloc(4 * (NQ + 1));
+        memset(idx, 0x5a, 4 * n_idx); /* stale values: what the op leaves must agree too */
+        memset(len, 0x5a, 4 * (NQ + 1));
+        int32_t *didx = dev(&r, idx, 4 * n_idx), *dlen = dev(&r, len, 4 * (NQ + 1));
+        for (int call = 0; call < 2; call++) {
+            const uint32_t q0 = call ? CALL0 : 0, n = call ? NQ - CALL0 : CALL0;
+            kvt__pack_args pc = {.q = qc + q0, .n = n, .pdiv = &pdiv, .csr = csr,
+                                 .first_csr = call == 0, .dev_offsets = csr,
+                                 .capacity = n_idx, .indices = idx,
+                                 .lengths = csr ? NULL : len, .indptr = csr ? len : NULL};
+            kvt__pack_args pg = pc;
+            pg.q = qg + q0;
+            pg.indices = didx;
+            pg.lengths = csr ? NULL : dlen;
+            pg.indptr = csr ? dlen : NULL;
+            cr_assert_eq(r.cpu.ops->pack(&r.cpu, &pc, NULL), KVT_OK);
+            cr_assert_eq(r.gpu.ops->pack(&r.gpu, &pg, NULL), KVT_OK);
+        }
+        same(&r, didx, idx, 4 * n_idx, "indices");
+        same(&r, dlen, len, 4 * (csr ? NQ + 1 : NQ), csr ? "indptr" : "lengths");
+        /* the merge was exercised: a set holds a fetched row between two list rows */
+        if (!csr) {
+            const uint32_t i = 1; /* kind 1 */
+            cr_assert_gt(n_fetch[i] + 0u, 0u, "query 1 fetched nothing (test inputs)");
+            cr_assert_eq((uint64_t)len[i], kvt__attended_desc_count(&qc[i].d) + n_fetch[i]);
+        }
+        undev(&r, didx, 4 * n_idx);
+        undev(&r, dlen, 4 * (NQ + 1));
+        free(idx);
+        free(len);
+    }
+    cr_assert(kinds[0] && kinds[1] && kinds[2] && kinds[3] && kinds[4]);
+    undev(&r, dpages, sizeof pages);
+    undev(&r, dlist, sizeof list);
+    undev(&r, dfetch, sizeof(uint32_t) * NQ * FC);
+    undev(&r, dn_fetch, sizeof n_fetch);
+    undev(&r, ddense, sizeof dense);
+    free(fetch);
+    rig_close(&r);
+}
+
+/* The positions the CUDA step's parallel sample merge writes to (kvt__conformal_merged_old /
+ * _new) give kvt__conformal_insert's array bit for bit: ties, ±0, NaN samples (left out before
+ * the merge, as the step does), a cap that cuts the new samples. Host only: runs everywhere. */
+Test(cuda, sample_merge_equals_sequential_insertion) {
+    uint32_t merged = 0, capped = 0;
+    for (int it = 0; it < 20000; it++) {
+        const uint32_t cap = 1 + rnd32() % 40, H = rnd32() % 12;
+        float want[64], got[64], old[64], e[16], nw[16];
+        uint32_t n = 0, n0 = rnd32() % (cap + 1);
+        for (uint32_t i = 0; i < n0; i++) { /* coarse values: many ties; ±0 */
+            const uint32_t k = rnd32() % 8;
+            kvt__conformal_insert(want, &n, cap, k == 0 ? -0.0f : (float)k - 4.0f);
+        }
+        n0 = n;
+        memcpy(old, want, sizeof(float) * n0);
+        for (uint32_t h = 0; h < H; h++) {
+            const uint32_t k = rnd32() % 10;
+            e[h] = k == 0 ? 0.0f : k == 1 ? -0.0f : k == 2 ? NAN : (float)(k % 7) - 3.0f;
+        }
+        for (uint32_t h = 0; h < H; h++) /* the CPU step: valid samples in head order */
+            if (!isnan(e[h]))
+                kvt__conformal_insert(want, &n, cap, e[h]);
+        uint32_t v = 0;
+        for (uint32_t h = 0; h < H; h++)
+            if (!isnan(e[h]) && n0 + v < cap)
+                nw[v++] = e[h];
+        memset(got, 0x5a, sizeof got);
+        for (uint32_t t = 0; t < n0; t++)
+            got[kvt__conformal_merged_old(nw, v, t, old[t])] = old[t];
+        for (uint32_t j = 0; j < v; j++)
+            got[kvt__conformal_merged_new(old, n0, nw, v, j)] = nw[j];
+        cr_assert_eq(n, n0 + v, "case %d", it);
+        cr_assert(memcmp(got, want, sizeof(float) * n) == 0, "case %d: arrays differ", it);
+        merged += v > 0 && n0 > 0;
+        capped += n == cap && v < H;
+    }
+    cr_assert(merged > 1000 && capped > 100, "merged %u, capped %u", merged, capped);
 }

@@ -4,8 +4,9 @@
  * per-element functions (kernels/recall_scan.h, kernels/conformal.h) on the rows as the test
  * wrote them — calibration steps attend every row and fix z exactly as recall/conformal.c does
  * on the same samples; later steps attend sinks ∪ kept ∪ tail ∪ the rows the trigger fires;
- * overflow attends every row; the CPU and guarded backends emit the same sets; kvt_seq_check
- * passes after every step. Seeds are fixed.
+ * overflow attends every row; the CPU and guarded backends (and CUDA, where a device is
+ * usable: skipped with a note without one, a failure with KVT_REQUIRE_GPU=1) emit the same sets;
+ * kvt_seq_check passes after every step. Seeds are fixed.
  */
 #include <criterion/criterion.h>
 
@@ -14,9 +15,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/backend.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sketch.h"
 #include "kvtier.h"
+#include "lib/base/alloc.h"
 #include "lib/handles.h"
 #include "recall/conformal.h"
 #include "support/testutil.h"
@@ -344,14 +347,32 @@ static kvt_layer_stats stats(const rig *r) {
  * calibrate (every row attended, the dense flag set) and fix z from exactly the oracle's samples;
  * every later step attends the oracle's set; queries aimed at an archived row get it back by
  * fetch; the two backends emit the same slots. */
+/* Can the CUDA backend open here? No: a note (a failure with KVT_REQUIRE_GPU=1). */
+static bool cuda_usable(void) {
+    kvt__alloc a;
+    cr_assert_eq(kvt__alloc_init(&a, KVT_ALLOC_LIBC), KVT_OK);
+    kvt__backend be = {.alloc = &a};
+    char why[256] = "";
+    const bool ok = kvt__backend_cuda_open(&be, why, sizeof why) == KVT_OK;
+    if (ok)
+        kvt__backend_cuda_close(&be);
+    kvt__alloc_fini(&a);
+    if (!ok && getenv("KVT_REQUIRE_GPU"))
+        cr_assert_fail("KVT_REQUIRE_GPU set but the CUDA backend did not open: %s", why);
+    if (!ok)
+        cr_log_info("the CUDA leg is skipped: %s", why);
+    return ok;
+}
+
 Test(recall_step, conformal_decode_matches_the_oracle, .timeout = 240) {
     static step_out o;
-    static int32_t first_sets[2][120][NMAX];
-    uint32_t first_len[2][120];
-    for (int bk = 0; bk < 2; bk++) {
+    static int32_t first_sets[3][120][NMAX];
+    uint32_t first_len[3][120];
+    const kvt_backend_kind kinds[3] = {KVT_BACKEND_CPU, KVT_BACKEND_GUARDED, KVT_BACKEND_CUDA};
+    int n_bk = cuda_usable() ? 3 : 2;
+    for (int bk = 0; bk < n_bk; bk++) {
         rig r;
-        rig_open(&r, bk ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096,
-                 1.0f, 9001);
+        rig_open(&r, kinds[bk], KVT_RECALL_CONFORMAL, 4096, 1.0f, 9001);
         prefill(&r, 64 * 6 + 10);
         kvt_layer_stats st0 = stats(&r);
         cr_assert_eq(st0.recall_mode, KVT_RECALL_CONFORMAL);
@@ -416,16 +437,17 @@ Test(recall_step, conformal_decode_matches_the_oracle, .timeout = 240) {
                       aimed_fetched, aimed);
         cr_log_info("%s: %u of %u aimed rows fetched; %u of %u archived rows fetched over "
                     "the other steps; the pruned scan visited %llu of them",
-                    bk ? "guarded" : "cpu", aimed_fetched, aimed, fetched_sum, archived_sum,
+                    bk == 2 ? "cuda" : bk ? "guarded" : "cpu", aimed_fetched, aimed, fetched_sum, archived_sum,
                     (unsigned long long)visited_sum);
         rig_close(&r);
     }
-    for (uint32_t step = 0; step < 120; step++) {
-        cr_assert_eq(first_len[0][step], first_len[1][step], "step %u", step);
-        cr_assert_eq(memcmp(first_sets[0][step], first_sets[1][step],
-                            sizeof(int32_t) * first_len[0][step]),
-                     0, "step %u: backends differ", step);
-    }
+    for (int bk = 1; bk < n_bk; bk++)
+        for (uint32_t step = 0; step < 120; step++) {
+            cr_assert_eq(first_len[0][step], first_len[bk][step], "backend %d step %u", bk, step);
+            cr_assert_eq(memcmp(first_sets[0][step], first_sets[bk][step],
+                                sizeof(int32_t) * first_len[0][step]),
+                         0, "step %u: backend %d differs from the CPU", step, bk);
+        }
 }
 
 /* Sound mode never misses: every archived row whose fp32 exact score reaches the head's best

@@ -22,6 +22,7 @@
 
 extern "C" {
 #include "kernels/backend.h"
+#include "kernels/conformal.h"
 #include "kernels/philox.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
@@ -158,7 +159,7 @@ kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     return KVT_OK;
 }
 
-size_t align256(size_t n) {
+__host__ __device__ size_t align256(size_t n) {
     return (n + 255) / 256 * 256;
 }
 
@@ -524,6 +525,8 @@ bool scan_args_ok(const kvt__recall_scan_args &a) {
         return false;
     if (a.mode == KVT__RECALL_SOUND) /* false for a NaN z; +Inf fires every row */
         return a.z >= sqrtf((float)(a.latent_dim - 64u));
+    if (a.mode == KVT__RECALL_MARGIN)
+        return a.z >= 0.0f && a.z <= FLT_MAX;
     return a.mode == KVT__RECALL_CONFORMAL && a.z >= -FLT_MAX && a.z <= FLT_MAX;
 }
 
@@ -531,8 +534,35 @@ bool scan_args_ok(const kvt__recall_scan_args &a) {
  * [heads][D] floats, the heads' fields [heads], one fire flag per closed row. */
 struct ScanWs {
     uint8_t *base;
-    size_t each, off_res, off_heads, off_flags;
+    size_t each, off_res, off_heads, off_flags, off_extra;
 };
+
+/* The layout of k work items' scan workspace (item i's scan args at (char *)a0 + i * stride on
+ * the host), `extra` more bytes each at off_extra; the most heads and closed rows among them. */
+ScanWs scan_ws_of(const kvt__recall_scan_args *a0, size_t stride, uint32_t k, size_t extra,
+                  uint32_t *H_out, size_t *rows_out) {
+    size_t qsk = 0, res = 0, rows = 0;
+    uint32_t H = 0;
+    for (uint32_t i = 0; i < k; i++) {
+        const kvt__recall_scan_args &x =
+            *(const kvt__recall_scan_args *)((const uint8_t *)a0 + i * stride);
+        const size_t q1 = (size_t)x.n_heads * x.rank, r1 = (size_t)x.n_heads * x.latent_dim;
+        qsk = q1 > qsk ? q1 : qsk;
+        res = r1 > res ? r1 : res;
+        rows = x.n_closed > rows ? x.n_closed : rows;
+        H = x.n_heads > H ? x.n_heads : H;
+    }
+    ScanWs w;
+    w.base = NULL;
+    w.off_res = align256(sizeof(float) * qsk);
+    w.off_heads = w.off_res + align256(sizeof(float) * res);
+    w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
+    w.off_extra = w.off_flags + align256(rows);
+    w.each = w.off_extra + align256(extra);
+    *H_out = H;
+    *rows_out = rows;
+    return w;
+}
 
 struct ScanItem {
     float *q_sk, *res;
@@ -553,13 +583,10 @@ __device__ ScanItem scan_item(const ScanWs &w, uint32_t i) {
 #define SCAN_ARGS(p, i) JOB_ARGS(kvt__recall_scan_args, p, i)
 
 /* Head prep (kvt__recall_head_prep, parallel over k then d): q̃_sk[k] by kvt__sketch_coef's
- * chain, q̃_res[d] by kvt__recall_resid's, then the norms and bounds by thread 0. */
-__global__ void k_scan_heads(const ScanParams p, const ScanWs w) {
-    SCAN_ARGS(p, blockIdx.y);
-    const uint32_t h = blockIdx.x, D = a.latent_dim, rank = a.rank;
-    if (h >= a.n_heads)
-        return;
-    const ScanItem it = scan_item(w, blockIdx.y);
+ * chain, q̃_res[d] by kvt__recall_resid's, then the norms and bounds by thread 0. The whole
+ * block calls it for head h < a.n_heads. */
+__device__ void scan_head(const kvt__recall_scan_args &a, const ScanItem &it, uint32_t h) {
+    const uint32_t D = a.latent_dim, rank = a.rank;
     const float *q = a.q + (size_t)h * (D + a.branch_dim);
     float *q_sk = it.q_sk + (size_t)h * rank, *res = it.res + (size_t)h * D;
     for (uint32_t k = threadIdx.x; k < rank; k += blockDim.x)
@@ -570,6 +597,12 @@ __global__ void k_scan_heads(const ScanParams p, const ScanWs w) {
     __syncthreads();
     if (threadIdx.x == 0)
         kvt__recall_head_finish(q, D, rank, q_sk, res, &it.heads[h]);
+}
+
+__global__ void k_scan_heads(const ScanParams p, const ScanWs w) {
+    SCAN_ARGS(p, blockIdx.y);
+    if (blockIdx.x < a.n_heads)
+        scan_head(a, scan_item(w, blockIdx.y), blockIdx.x);
 }
 
 /* Is row in kept[0 .. m) (ascending)? */
@@ -598,8 +631,10 @@ __device__ bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it, u
             kvt__recall_idx(a.q + (size_t)h * (D + bd), it.q_sk + (size_t)h * rank, p, D,
                             a.branch_offset, a.branch_dtype, bd, csk, rank, a.scale, &P, &ncsk);
         const kvt__recall_head hd = it.heads[h];
+        /* margin mode: the twin's !(s·acc + δ < best), idx being s·acc */
         const int fire =
-            a.mode == KVT__RECALL_SOUND
+            a.mode == KVT__RECALL_MARGIN ? !(idx + a.z < a.best[h])
+            : a.mode == KVT__RECALL_SOUND
                 ? kvt__recall_sound_fires(idx,
                                           kvt__recall_sound_margin(&hd, idx, P, ncsk, rho,
                                                                    a.scale, a.z, D, bd, rank),
@@ -612,26 +647,42 @@ __device__ bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it, u
     return false;
 }
 
-/* One flag per closed row: archived (>= sinks, not kept) and fired. */
-__global__ void k_scan_rows(const ScanParams p, const ScanWs w) {
-    SCAN_ARGS(p, blockIdx.y);
-    const ScanItem it = scan_item(w, blockIdx.y);
+/* One flag per closed row: archived (>= sinks, not kept) and fired; rows split over the grid's x
+ * (every block of an item calls it). */
+__device__ void scan_rows(const kvt__recall_scan_args &a, const ScanItem &it) {
     for (uint64_t r = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; r < a.n_closed;
          r += (uint64_t)gridDim.x * blockDim.x)
         it.flags[r] = r >= a.sinks && !scan_kept(a.kept, a.m, r) &&
                       scan_fires(a, it, (uint32_t)r);
 }
 
+__global__ void k_scan_rows(const ScanParams p, const ScanWs w) {
+    SCAN_ARGS(p, blockIdx.y);
+    scan_rows(a, scan_item(w, blockIdx.y));
+}
+
+/* The fired rows ascending, the first cap of them into a.fired; returns how many fired (all
+ * threads of the block call it). */
+__device__ uint32_t scan_compact(const kvt__recall_scan_args &a, const uint8_t *flags) {
+    return block_compact(
+        (uint32_t)a.n_closed, [&](uint32_t i) { return flags[i] != 0; }, a.fired, a.cap);
+}
+
 /* The fired rows ascending, the first cap of them; the count and the overflow flag. */
 __global__ void k_scan_compact(const ScanParams p, const ScanWs w) {
     const kvt__recall_scan_args &a = p.a[blockIdx.x];
-    const uint8_t *flags = scan_item(w, blockIdx.x).flags;
-    const uint32_t total = block_compact(
-        (uint32_t)a.n_closed, [&](uint32_t i) { return flags[i] != 0; }, a.fired, a.cap);
+    const uint32_t total = scan_compact(a, scan_item(w, blockIdx.x).flags);
     if (threadIdx.x == 0) {
         *a.n_fired = total < a.cap ? total : a.cap;
         *a.overflow = total > a.cap ? 1u : 0u;
     }
+}
+
+/* The grid of a per-row launch over k items of at most `rows` rows (a thread per row, at most
+ * 4096 blocks an item: the rest in strides). */
+dim3 rows_grid(size_t rows, uint32_t k) {
+    const size_t blocks = (rows + kThreads - 1) / kThreads;
+    return dim3((unsigned)(blocks < 4096 ? blocks : 4096), k);
 }
 
 kvt_status cu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
@@ -642,32 +693,350 @@ kvt_status cu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a
     kvt_status s = op_begin(be, stream);
     for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxSeg) {
         const uint32_t k = n - i0 < kMaxSeg ? n - i0 : kMaxSeg;
-        size_t qsk = 0, res = 0, rows = 0;
-        uint32_t H = 0;
-        for (uint32_t i = 0; i < k; i++) {
-            const kvt__recall_scan_args &x = a[i0 + i];
-            const size_t q1 = (size_t)x.n_heads * x.rank, r1 = (size_t)x.n_heads * x.latent_dim;
-            qsk = q1 > qsk ? q1 : qsk;
-            res = r1 > res ? r1 : res;
-            rows = x.n_closed > rows ? x.n_closed : rows;
-            H = x.n_heads > H ? x.n_heads : H;
-        }
-        ScanWs w;
-        w.off_res = align256(sizeof(float) * qsk);
-        w.off_heads = w.off_res + align256(sizeof(float) * res);
-        w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
-        w.each = w.off_flags + align256(rows);
+        uint32_t H;
+        size_t rows;
+        ScanWs w = scan_ws_of(a + i0, sizeof *a, k, 0, &H, &rows);
         if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
             break;
         const ScanParams prm = params_div<kvt__recall_scan_args, kMaxSeg>(a + i0, k);
         if (H)
             k_scan_heads<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
-        if (rows) {
-            const size_t blocks = (rows + kThreads - 1) / kThreads;
-            k_scan_rows<<<dim3((unsigned)(blocks < 4096 ? blocks : 4096), k), kThreads, 0,
-                          strm(stream)>>>(prm, w);
-        }
+        if (rows)
+            k_scan_rows<<<rows_grid(rows, k), kThreads, 0, strm(stream)>>>(prm, w);
         k_scan_compact<<<k, kThreads, 0, strm(stream)>>>(prm, w);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Recall steps (recall_step): the CPU twin's kvt__recall_step_cpu (kernels/recall_step.c) in four
+ * launches for up to kMaxStep work items (grid y = the item), nothing read back by the host:
+ *   1. the heads prepared (scan_head, as the scan's first launch);
+ *   2. one block per head: the best attended exact score (kvt__recall_exact; a max over rows,
+ *      ties to the lower row: the twin's first-seen), and on a calibration step the best archived
+ *      score with its row, whose sample (kvt__recall_idx, kvt__recall_cert,
+ *      kvt__conformal_sample) goes to the workspace (NaN: none);
+ *   3. the scan's fire flags (scan_rows) with the state's z, on scanning steps only;
+ *   4. one block per item: the samples merged into the sorted array by the block exactly as
+ *      kvt__conformal_insert in head order leaves it (step_insert) and z fixed at a window end
+ *      (kvt__conformal_close, one thread), or the fired rows compacted; the certificate into the
+ *      state, the dense flag.
+ * Which kind of step it is, the device decides from the state (its phase as launch 2 and 3 find
+ * it: launch 4 alone writes the state). The pruned scan is not built here: its group planes are
+ * left untouched and the full scan gives the fired set the pruned one does (bit for bit, the
+ * pruned scan's contract), so every decision is the twin's; the state differs from the CPU's
+ * only in n_grouped (stays 0: no group is built) and in last_visited / visited (the rows the
+ * full scan evaluated, all archived rows), which no later step reads.
+ * -------------------------------------------------------------------------------------------- */
+constexpr uint32_t kMaxStep = 32;
+typedef Params<kvt__recall_step_args, kMaxStep> StepParams;
+static_assert(sizeof(StepParams) <= 32000, "kernel parameters above CUDA's 32 KB");
+
+StepParams step_params(const kvt__recall_step_args *host, uint32_t n) {
+    StepParams p = params_of<kvt__recall_step_args, kMaxStep>(host, n);
+    for (uint32_t i = 0; i < n; i++)
+        if (host[i].scan.pdiv)
+            p.div[i] = *host[i].scan.pdiv;
+    return p;
+}
+
+#define STEP_ARGS(p, i)                                                                            \
+    kvt__recall_step_args x = (p).a[i];                                                            \
+    const kvt__div32 x_div = (p).div[i];                                                           \
+    x.scan.pdiv = &x_div
+
+/* The CPU op's check (backend_cpu.c, recall_step_ok): the same statuses. */
+bool step_args_ok(const kvt__recall_step_args &x) {
+    kvt__recall_scan_args a = x.scan;
+    a.mode = x.mode;
+    a.z = kvt__recall_mode_z(x.mode, a.latent_dim, x.margin, 0.0f); /* conformal: any z */
+    const uint32_t B = x.block_rows;
+    const bool groups_ok =
+        !x.g_perm || (B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && x.g_n && x.g_end &&
+                      x.g_centre && x.g_stat && x.g_dim >= a.branch_dim + a.rank);
+    return scan_args_ok(a) && x.st && a.best && x.n_rows >= a.n_closed &&
+           x.n_rows <= UINT32_MAX && (x.mode != KVT__RECALL_CONFORMAL || x.samples) &&
+           (a.n_heads == 0 || a.q) && groups_ok;
+}
+
+/* How many of kept[0 .. m) (ascending) lie below row. */
+__device__ uint64_t kept_below(const uint32_t *kept, uint32_t m, uint64_t row) {
+    uint32_t lo = 0, hi = m;
+    while (lo < hi) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (kept[mid] < row)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* What the step is, from the item and the state's phase (the twin's S, archived, branches). */
+struct StepPlan {
+    uint64_t S, archived;
+    bool calib, scan;
+};
+
+__device__ StepPlan step_plan(const kvt__recall_step_args &x, uint32_t phase) {
+    const kvt__recall_scan_args &a = x.scan;
+    StepPlan pl;
+    pl.S = a.sinks < a.n_closed ? a.sinks : a.n_closed;
+    const uint64_t kept_past = a.m - kept_below(a.kept, a.m, pl.S);
+    pl.archived = a.n_closed - pl.S - kept_past;
+    pl.calib = pl.archived && x.mode == KVT__RECALL_CONFORMAL && phase == KVT__CONFORMAL_OPEN;
+    pl.scan = pl.archived && !pl.calib;
+    return pl;
+}
+
+/* The scan the step runs: the request's z (the state's in conformal mode), the clamped sinks. */
+__device__ kvt__recall_scan_args step_scan(const kvt__recall_step_args &x, const StepPlan &pl,
+                                           float state_z) {
+    kvt__recall_scan_args a = x.scan;
+    a.z = kvt__recall_mode_z(x.mode, a.latent_dim, x.margin, state_z);
+    a.mode = x.mode;
+    a.sinks = pl.S;
+    return a;
+}
+
+/* The running best of a block: higher score, ties (==, so ±0 too) to the lower row; a score
+ * that is not above -Inf (NaN, -Inf) never counts — the twin's `sc > best` from -Inf. */
+__device__ void best_take(float v, uint64_t row, float &bv, uint64_t &br) {
+    if (v > -INFINITY && (v > bv || (v == bv && row < br))) {
+        bv = v;
+        br = row;
+    }
+}
+
+__device__ void best_reduce(float &bv, uint64_t &br) {
+    __shared__ float sv[kThreads];
+    __shared__ uint64_t sr[kThreads];
+    sv[threadIdx.x] = bv;
+    sr[threadIdx.x] = br;
+    __syncthreads();
+    for (uint32_t half = kThreads / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            float v = sv[threadIdx.x];
+            uint64_t r = sr[threadIdx.x];
+            best_take(sv[threadIdx.x + half], sr[threadIdx.x + half], v, r);
+            sv[threadIdx.x] = v;
+            sr[threadIdx.x] = r;
+        }
+        __syncthreads();
+    }
+    bv = sv[0];
+    br = sr[0];
+    __syncthreads(); /* the arrays are reused by the next call */
+}
+
+__device__ float step_exact(const kvt__recall_scan_args &a, const float *q, uint64_t row) {
+    const uint8_t *p =
+        a.base + (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)row) *
+                     a.slot_stride;
+    return kvt__recall_exact(q, p, a.dtype, a.latent_dim, a.branch_offset, a.branch_dtype,
+                             a.branch_dim, a.scale);
+}
+
+/* The calibration's part of an item's workspace: each head's sample e [H] (NaN: none), the
+ * valid ones' heads in order [H] and their samples [H], the samples as the step found them
+ * [sample_cap]. */
+struct StepExtra {
+    float *e;
+    uint32_t *valid;
+    float *nw;
+    float *old;
+};
+
+__device__ StepExtra step_extra(const ScanWs &w, uint32_t item, uint32_t n_heads) {
+    uint8_t *b = w.base + w.each * item + w.off_extra;
+    const size_t hb = align256(sizeof(float) * n_heads);
+    StepExtra x;
+    x.e = (float *)b;
+    x.valid = (uint32_t *)(b + hb);
+    x.nw = (float *)(b + 2 * hb);
+    x.old = (float *)(b + 3 * hb);
+    return x;
+}
+
+__global__ void k_step_heads(const StepParams p, const ScanWs w) {
+    STEP_ARGS(p, blockIdx.y);
+    if (blockIdx.x < x.scan.n_heads)
+        scan_head(x.scan, scan_item(w, blockIdx.y), blockIdx.x);
+}
+
+/* Launch 2: head blockIdx.x of item blockIdx.y. */
+__global__ void k_step_best(const StepParams p, const ScanWs w) {
+    STEP_ARGS(p, blockIdx.y);
+    const kvt__recall_scan_args &a = x.scan;
+    const uint32_t h = blockIdx.x, D = a.latent_dim, bd = a.branch_dim;
+    if (h >= a.n_heads)
+        return;
+    const StepPlan pl = step_plan(x, x.st->phase);
+    const float *q = a.q + (size_t)h * (D + bd);
+    /* 1. rows [0, S), the kept rows past S, the tail [n_closed, n_rows): ascending rows */
+    float bv = -INFINITY;
+    uint64_t br = UINT64_MAX;
+    const uint64_t n_tail = x.n_rows - a.n_closed, n_att = pl.S + a.m + n_tail;
+    for (uint64_t j = threadIdx.x; j < n_att; j += blockDim.x) {
+        uint64_t row;
+        if (j < pl.S) {
+            row = j;
+        } else if (j < pl.S + a.m) {
+            row = a.kept[j - pl.S];
+            if (row < pl.S)
+                continue;
+        } else {
+            row = a.n_closed + (j - pl.S - a.m);
+        }
+        best_take(step_exact(a, q, row), row, bv, br);
+    }
+    best_reduce(bv, br);
+    if (threadIdx.x == 0)
+        ((float *)a.best)[h] = bv;
+    if (!pl.calib)
+        return;
+    /* 3. the calibration's sample of this head: its best archived row */
+    const ScanItem it = scan_item(w, blockIdx.y);
+    float *e_out = step_extra(w, blockIdx.y, a.n_heads).e;
+    bv = -INFINITY;
+    br = UINT64_MAX;
+    for (uint64_t row = pl.S + threadIdx.x; row < a.n_closed; row += blockDim.x)
+        if (!scan_kept(a.kept, a.m, row))
+            best_take(step_exact(a, q, row), row, bv, br);
+    best_reduce(bv, br);
+    if (threadIdx.x != 0)
+        return;
+    float e = NAN;
+    if (br != UINT64_MAX) {
+        const uint32_t rank = a.rank;
+        const uint8_t *row = a.base + (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv,
+                                                             (uint32_t)br) * a.slot_stride;
+        float P, ncsk, v;
+        const float idx = kvt__recall_idx(q, it.q_sk + (size_t)h * rank, row, D, a.branch_offset,
+                                          a.branch_dtype, bd, a.csk + (size_t)br * a.csk_stride,
+                                          rank, a.scale, &P, &ncsk);
+        const kvt__recall_head hd = it.heads[h];
+        const float cert = kvt__recall_cert(&hd, a.rho[br], a.scale, D);
+        if (kvt__conformal_sample(bv, idx, cert, &v))
+            e = v; /* finite: NaN marks no sample */
+    }
+    e_out[h] = e;
+}
+
+/* Launch 3: the scan's fire flags, scanning steps only. */
+__global__ void k_step_rows(const StepParams p, const ScanWs w) {
+    STEP_ARGS(p, blockIdx.y);
+    const StepPlan pl = step_plan(x, x.st->phase);
+    if (!pl.scan)
+        return;
+    scan_rows(step_scan(x, pl, x.st->z), scan_item(w, blockIdx.y));
+}
+
+/* The heads' samples into the sorted array, as kvt__conformal_insert one by one in head order
+ * leaves it, by the whole block: the first `room` valid samples in head order go in (the rest are
+ * dropped, as past the cap), each value moved to where kvt__conformal_merged_old / _new say
+ * (never computed, so the bits are the twin's); then n_samples. */
+__device__ void step_insert(const kvt__recall_step_args &x, const StepExtra &ex, uint32_t n0) {
+    const uint32_t H = x.scan.n_heads, room = n0 < x.sample_cap ? x.sample_cap - n0 : 0;
+    const uint32_t total = block_compact(
+        H, [&](uint32_t h) { return !isnan(ex.e[h]); }, ex.valid, room);
+    const uint32_t v = total < room ? total : room;
+    for (uint32_t j = threadIdx.x; j < v; j += blockDim.x)
+        ex.nw[j] = ex.e[ex.valid[j]];
+    for (uint32_t t = threadIdx.x; t < n0; t += blockDim.x)
+        ex.old[t] = x.samples[t];
+    __syncthreads();
+    for (uint32_t t = threadIdx.x; t < n0; t += blockDim.x)
+        x.samples[kvt__conformal_merged_old(ex.nw, v, t, ex.old[t])] = ex.old[t];
+    for (uint32_t j = threadIdx.x; j < v; j += blockDim.x)
+        x.samples[kvt__conformal_merged_new(ex.old, n0, ex.nw, v, j)] = ex.nw[j];
+    __syncthreads();
+    if (threadIdx.x == 0)
+        x.st->n_samples = n0 + v;
+}
+
+/* Launch 4: one block per item. */
+__global__ void k_step_finish(const StepParams p, const ScanWs w) {
+    STEP_ARGS(p, blockIdx.x);
+    kvt__recall_state *st = x.st;
+    __shared__ uint32_t s_phase, s_n;
+    __shared__ float s_z;
+    if (threadIdx.x == 0) {
+        s_phase = st->phase;
+        s_z = st->z;
+        s_n = st->n_samples;
+    }
+    __syncthreads();
+    const StepPlan pl = step_plan(x, s_phase);
+    uint32_t dense = 0, over = 0, n_fired = 0;
+    uint64_t visited = 0, fired = 0, fetched = 0;
+    if (pl.calib) {
+        step_insert(x, step_extra(w, blockIdx.x, x.scan.n_heads), s_n);
+        if (threadIdx.x == 0) {
+            st->cal_steps++;
+            st->phase = kvt__conformal_close(x.samples, st->n_samples, st->cal_steps, &st->z,
+                                             &st->k, &st->clamped);
+            st->calib_steps++;
+        }
+        dense = 1;
+        visited = fetched = pl.archived;
+    } else if (pl.scan) {
+        const kvt__recall_scan_args a = step_scan(x, pl, s_z);
+        const uint32_t total = scan_compact(a, scan_item(w, blockIdx.x).flags);
+        n_fired = total < a.cap ? total : a.cap;
+        over = total > a.cap ? 1u : 0u;
+        dense = over;
+        visited = pl.archived; /* the full scan's: every archived row */
+        fired = (uint64_t)n_fired + over;
+        fetched = over ? pl.archived : n_fired;
+    }
+    if (threadIdx.x != 0)
+        return;
+    *x.scan.n_fired = dense || pl.archived == 0 ? 0u : n_fired;
+    *x.scan.overflow = over;
+    st->steps++;
+    st->overflow_steps += over;
+    st->last_dense = dense;
+    st->last_overflow = over;
+    st->last_archived = pl.archived;
+    st->last_visited = visited;
+    st->last_fired = fired;
+    st->last_fetched = fetched;
+    st->visited += visited;
+    st->fired += fired;
+    st->fetched += fetched;
+    if (x.dense)
+        *x.dense = (uint8_t)dense;
+}
+
+kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
+                          void *stream) {
+    for (uint32_t i = 0; i < n; i++)
+        if (!step_args_ok(a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream);
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxStep) {
+        const uint32_t k = n - i0 < kMaxStep ? n - i0 : kMaxStep;
+        uint32_t H = 0, cap = 0;
+        for (uint32_t i = 0; i < k; i++) {
+            H = a[i0 + i].scan.n_heads > H ? a[i0 + i].scan.n_heads : H;
+            cap = a[i0 + i].sample_cap > cap ? a[i0 + i].sample_cap : cap;
+        }
+        /* step_extra's layout (its offsets from each item's own head count fit in this) */
+        const size_t extra = 3 * align256(sizeof(float) * H) + sizeof(float) * cap;
+        size_t rows;
+        ScanWs w = scan_ws_of(&a[i0].scan, sizeof *a, k, extra, &H, &rows);
+        if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
+            break;
+        const StepParams prm = step_params(a + i0, k);
+        if (H) {
+            k_step_heads<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
+            k_step_best<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
+        }
+        if (rows)
+            k_step_rows<<<rows_grid(rows, k), kThreads, 0, strm(stream)>>>(prm, w);
+        k_step_finish<<<k, kThreads, 0, strm(stream)>>>(prm, w);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -741,34 +1110,110 @@ kvt_status cu_select(const kvt__backend *be, kvt__select_args *a, uint32_t n, vo
 }
 
 /* ----------------------------------------------------------------------------------------------
- * pack: one block per query.
+ * pack: one block per query, the CPU twin's cpu_pack. A query's count and where its slots start
+ * are the host's (q.out, the description's count) unless the set is a recall one: then its fetch
+ * count and dense flag are device values, and with dev_offsets (CSR) its start is the indptr entry
+ * the previous query wrote. Such a chunk first runs k_pack_plan, one thread walking the queries
+ * in order (the twin's loop: a query's indptr entry is read after the previous one wrote it),
+ * which writes lengths / indptr and each query's (out, count, every row?, fetched) for k_pack.
+ * The fetched rows merge into the list by position: a list row's output index is its own index
+ * plus the fetched rows below it, and the other way round (the two are disjoint, both ascending).
  * -------------------------------------------------------------------------------------------- */
 typedef Params<kvt__pack_query, kMaxSeg> PackParams;
 
+struct PackPlan {
+    uint64_t out, count, n_fetch;
+    uint32_t all;
+};
+
+/* The host's plan of a query without device values (no fetch, no dense flag, host offsets). */
+__device__ PackPlan pack_plan_host(const kvt__pack_query &q) {
+    PackPlan pl;
+    pl.all = q.all_rows ? 1u : 0u;
+    pl.n_fetch = 0;
+    pl.count = pl.all ? q.d.hi_end : kvt__attended_desc_count(&q.d);
+    pl.out = q.out;
+    return pl;
+}
+
+__global__ void k_pack_plan(const PackParams p, bool csr, bool first_csr, bool dev_offsets,
+                            int32_t *lengths, int32_t *indptr, PackPlan *plan) {
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    if (csr && first_csr)
+        indptr[0] = 0;
+    for (uint32_t i = 0; i < p.n; i++) {
+        const kvt__pack_query &q = p.a[i];
+        PackPlan pl;
+        pl.all = q.all_rows || (q.dense && *q.dense) ? 1u : 0u;
+        pl.n_fetch = !pl.all && q.n_fetch ? *q.n_fetch : 0;
+        pl.count = pl.all ? q.d.hi_end : kvt__attended_desc_count(&q.d) + pl.n_fetch;
+        pl.out = csr && dev_offsets ? (uint64_t)indptr[q.len_at - 1] : q.out;
+        if (csr)
+            indptr[q.len_at] = (int32_t)(pl.out + pl.count);
+        else
+            lengths[q.len_at] = (int32_t)pl.count;
+        plan[i] = pl;
+    }
+}
+
+/* How many of v[0 .. n) (ascending) lie below x (or_equal: at or below it). */
+__device__ uint64_t below(const uint32_t *v, uint64_t n, uint32_t x, bool or_equal) {
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const uint64_t mid = lo + (hi - lo) / 2;
+        if (v[mid] < x || (or_equal && v[mid] == x))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* plan NULL: the host's plan, and this kernel writes lengths / indptr. */
 __global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_csr,
-                       int32_t *indices, int32_t *lengths, int32_t *indptr) {
-    const kvt__pack_query q = p.a[blockIdx.x];
+                       const PackPlan *plan, int32_t *indices, int32_t *lengths,
+                       int32_t *indptr) {
+    const kvt__pack_query &q = p.a[blockIdx.x];
     const kvt__attended_desc &d = q.d;
-    const uint64_t count = kvt__attended_desc_count(&d);
-    if (threadIdx.x == 0) {
+    const PackPlan pl = plan ? plan[blockIdx.x] : pack_plan_host(q);
+    if (!plan && threadIdx.x == 0) {
         if (csr) {
-            indptr[q.len_at] = (int32_t)(q.out + count);
+            indptr[q.len_at] = (int32_t)(pl.out + pl.count);
             if (first_csr && blockIdx.x == 0)
                 indptr[0] = 0;
         } else {
-            lengths[q.len_at] = (int32_t)count;
+            lengths[q.len_at] = (int32_t)pl.count;
         }
     }
-    const uint64_t hi_start = d.lo_end + d.n_list;
-    for (uint64_t j = threadIdx.x; j < count || j < q.pad; j += blockDim.x) {
-        if (j >= count) {
-            indices[q.out + j] = -1;
-            continue;
-        }
-        uint64_t row = j < d.lo_end ? j
-                       : j < hi_start ? d.list[j - d.lo_end]
-                                      : d.hi_begin + (j - hi_start);
-        indices[q.out + j] = kvt__page_slot(q.pages, q.first_page, &pd, (uint32_t)row);
+    int32_t *o = indices + pl.out;
+    const uint64_t count = pl.count;
+    /* padding, and every row when the set is dense */
+    for (uint64_t j = threadIdx.x; j < q.pad || (pl.all && j < count); j += blockDim.x) {
+        if (j >= count)
+            o[j] = -1;
+        else if (pl.all)
+            o[j] = kvt__page_slot(q.pages, q.first_page, &pd, (uint32_t)j);
+    }
+    if (pl.all)
+        return;
+    /* rows [0, lo_end), then list ∪ fetch by position, then [hi_begin, hi_end) */
+    const uint64_t mid = d.n_list + pl.n_fetch, hi_at = d.lo_end + mid;
+    for (uint64_t j = threadIdx.x; j < d.lo_end; j += blockDim.x)
+        o[j] = kvt__page_slot(q.pages, q.first_page, &pd, (uint32_t)j);
+    for (uint64_t j = threadIdx.x; j < count - hi_at; j += blockDim.x)
+        o[hi_at + j] = kvt__page_slot(q.pages, q.first_page, &pd, (uint32_t)(d.hi_begin + j));
+    /* (a row in both, which the contract rules out, comes out twice, the fetched one first:
+     * the twin's merge) */
+    for (uint64_t i = threadIdx.x; i < d.n_list; i += blockDim.x) {
+        const uint32_t row = d.list[i];
+        const uint64_t at = i + (pl.n_fetch ? below(q.fetch, pl.n_fetch, row, true) : 0);
+        o[d.lo_end + at] = kvt__page_slot(q.pages, q.first_page, &pd, row);
+    }
+    for (uint64_t i = threadIdx.x; i < pl.n_fetch; i += blockDim.x) {
+        const uint32_t row = q.fetch[i];
+        o[d.lo_end + i + below(d.list, d.n_list, row, false)] =
+            kvt__page_slot(q.pages, q.first_page, &pd, row);
     }
 }
 
@@ -778,9 +1223,23 @@ kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream
         s = st(cudaMemsetAsync(a->indptr, 0, sizeof(int32_t), strm(stream)));
     for (uint32_t i0 = 0; s == KVT_OK && i0 < a->n; i0 += kMaxSeg) {
         uint32_t k = a->n - i0 < kMaxSeg ? a->n - i0 : kMaxSeg;
-        k_pack<<<k, kThreads, 0, strm(stream)>>>(params_of<kvt__pack_query, kMaxSeg>(a->q + i0, k),
-                                                 *a->pdiv, a->csr, a->first_csr && i0 == 0,
-                                                 a->indices, a->lengths, a->indptr);
+        const PackParams prm = params_of<kvt__pack_query, kMaxSeg>(a->q + i0, k);
+        const bool first = a->first_csr && i0 == 0;
+        /* device values in the chunk: plan on the device */
+        bool dev = a->csr && a->dev_offsets;
+        for (uint32_t i = 0; i < k && !dev; i++)
+            dev = a->q[i0 + i].n_fetch || a->q[i0 + i].dense;
+        PackPlan *plan = NULL;
+        if (dev) {
+            uint8_t *ws;
+            if ((s = ws_get(be, sizeof(PackPlan) * kMaxSeg, &ws)) != KVT_OK)
+                break;
+            plan = (PackPlan *)ws;
+            k_pack_plan<<<1, 32, 0, strm(stream)>>>(prm, a->csr, first, a->dev_offsets,
+                                                     a->lengths, a->indptr, plan);
+        }
+        k_pack<<<k, kThreads, 0, strm(stream)>>>(prm, *a->pdiv, a->csr, first, plan, a->indices,
+                                                 a->lengths, a->indptr);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -1168,6 +1627,7 @@ kvt__backend_ops make_ops() {
     o.score_rows = cu_score_rows;
     o.sketch_rows = cu_sketch_rows;
     o.recall_scan = cu_recall_scan;
+    o.recall_step = cu_recall_step;
     o.pack = cu_pack;
     o.select = cu_select;
     o.ev_select = cu_ev_select;
