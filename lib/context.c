@@ -428,6 +428,14 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
                           : "the backend has no recall step yet");
         goto fail;
     }
+    if (ctx->cfg.recall != KVT_RECALL_OFF && ctx->cfg.recall_promote_capacity &&
+        !ctx->backend.ops->recall_promote) {
+        s = kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                      "config.recall_promote_capacity %u: the %s backend's recall step has no "
+                      "promotion yet",
+                      ctx->cfg.recall_promote_capacity, ctx->backend.ops->name);
+        goto fail;
+    }
     if ((s = build_groups(ctx, err, len)) != KVT_OK || (s = size_workspace(ctx, err, len)) != KVT_OK)
         goto fail;
     /* Request slots: with both limits stated, every request's state is built now. */

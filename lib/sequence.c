@@ -248,6 +248,11 @@ static kvt_status recall_supported(const kvt_ctx *ctx, const kvt_config *cfg) {
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "recall mode %d: the %s backend has no recall step yet",
                              (int)cfg->recall, ctx->backend.ops->name);
+    if (cfg->recall_promote_capacity && !ctx->backend.ops->recall_promote)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "config.recall_promote_capacity %u: the %s backend's recall step has "
+                             "no promotion yet",
+                             cfg->recall_promote_capacity, ctx->backend.ops->name);
     return KVT_OK;
 }
 

@@ -757,7 +757,7 @@ bool step_args_ok(const kvt__recall_step_args &x) {
                       x.g_centre && x.g_stat && x.g_dim >= a.branch_dim + a.rank);
     return scan_args_ok(a) && x.st && a.best && x.n_rows >= a.n_closed &&
            x.n_rows <= UINT32_MAX && (x.mode != KVT__RECALL_CONFORMAL || x.samples) &&
-           (a.n_heads == 0 || a.q) && groups_ok;
+           (a.n_heads == 0 || a.q) && groups_ok && !x.promo; /* no promotion twin yet */
 }
 
 /* How many of kept[0 .. m) (ascending) lie below row. */
