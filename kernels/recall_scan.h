@@ -43,8 +43,10 @@
  *     idx + z · s·Qres·E·(1 + 2^-8)/√(D − 64) + s·(the other terms) >= best          (not <)
  *
  * written !(lhs < best): a NaN anywhere (a non-finite query, best NaN) fires, ρ = +Inf fires.
- * NOT covered: a basis orthonormal only to kvt_ctx_set_recall_basis's 1e-3 per entry of V Vᵀ —
- * the decomposition then errs by up to ~‖V Vᵀ − I‖·‖q‖·‖c‖, which no term above bounds.
+ * A basis orthonormal only to kvt_ctx_set_recall_basis's 1e-3 per entry of V Vᵀ is not covered:
+ * the library refuses sound mode unless ω = ‖V Vᵀ − I‖_F <= 2^-20, and then the slack covers ω
+ * (docs/recall.md §3.1: the terms ω·‖q_sk‖·‖csk‖ and the factors √(1 + ω) it adds are below
+ * 2^-9 of terms already in the bound).
  *
  * The conformal mode fires on !(idx + z·cert <= best) (a NaN fires; cert = s·‖q̃_res‖·ρ/√(D−64),
  * no rounding terms: its z is calibrated, not proven).

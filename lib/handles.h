@@ -74,6 +74,9 @@ struct kvt_seq {
 
 /* Free a layer's recall basis (lib/recall_basis.c; kvt_ctx_destroy). */
 void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st);
+/* Sound recall on `layer` with a basis of ‖V Vᵀ − I‖_F = omega: KVT_OK when the sound margin
+ * covers it (omega <= KVT__SOUND_MAX_OMEGA), else KVT_ERR_INVALID_ARGUMENT naming both. */
+kvt_status kvt__sound_basis_check(const kvt_ctx *ctx, uint32_t layer, float omega);
 /* Free a request and everything it holds, whether or not it is a slot (kvt_ctx_destroy). */
 void kvt__seq_free(kvt_seq *seq);
 /* Build ctx->max_seqs request slots, parked (kvt_ctx_create with max_seqs and max_rows). */

@@ -338,7 +338,10 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  *              on content, void when the queries drift.
  *   SOUND      z = √(D − 64) plus every rounding term (fp16 sketch, fp32 evaluation): never
  *              misses a row whose fp32 exact score reaches best_h, for any query, given a basis
- *              orthonormal to fp32 precision (docs/recall.md §3.1). Fires far more often.
+ *              with ‖V Vᵀ − I‖_F <= 2^-20 (fp32 precision; an fp32-rounded orthonormal basis
+ *              measures ~1e-7): a sound request on a layer whose basis is looser, or such a
+ *              basis set while a sound request lives, is KVT_ERR_INVALID_ARGUMENT, named
+ *              (docs/recall.md §3.1). Fires far more often.
  *   MARGIN     fires when idx_a >= best_h − config.recall_margin (no certificate: a heuristic).
  *
  * On GQA/MHA-RoPE layers under random eviction (docs/recall.md §9) the same modes apply to the
@@ -609,7 +612,8 @@ KVT_API kvt_status kvt_layer_bind(kvt_ctx *ctx, uint32_t layer, uint32_t plane, 
 /* Give salience layer `layer` its basis: V is host memory of rank x value_dim fp32 values, row k
  * at V + k * value_dim, copied into the backend's memory (the caller keeps V). Rows must be
  * orthonormal (|V Vᵀ − I| <= 1e-3 in every entry): the certificates of docs/recall.md §3 rest on
- * it. A second call replaces the basis. Errors (nothing changed): KVT_ERR_INVALID_ARGUMENT (NULL
+ * it; the sound mode needs ‖V Vᵀ − I‖_F <= 2^-20 (KVT_ERR_INVALID_ARGUMENT when the context's
+ * mode or a live request's is sound and V is looser). A second call replaces the basis. Errors (nothing changed): KVT_ERR_INVALID_ARGUMENT (NULL
  * ctx or V, a NaN or Inf in V, rows not orthonormal), KVT_ERR_OUT_OF_RANGE (layer >= n_layers;
  * rank 0 or above params.recall_sketch_rank), KVT_ERR_POLICY_MISMATCH (not a salience layer),
  * KVT_ERR_UNSUPPORTED (the context was created without recall_sketch_rank), KVT_ERR_BAD_STATE

@@ -41,30 +41,49 @@ static uint32_t basis_id(const float *V, size_t n) {
 
 /* Rows of V (rank x D) orthonormal within 1e-3 in every entry of V Vᵀ (double sums), every value
  * finite. The certificates of docs/recall.md §3 (ρ bounds what the scan misses through
- * ‖q_res‖) assume an orthonormal basis. */
+ * ‖q_res‖) assume an orthonormal basis. *omega (when not NULL) = ‖V Vᵀ − I‖_F (double sums,
+ * rounded up to fp32), which bounds ‖V Vᵀ − I‖₂: sound mode needs it <= KVT__SOUND_MAX_OMEGA. */
 static kvt_status check_basis_of(const kvt_ctx *ctx, const char *fn, const float *V,
-                                 uint32_t rank, uint32_t D) {
+                                 uint32_t rank, uint32_t D, float *omega) {
     for (size_t i = 0; i < (size_t)rank * D; i++)
         if (!isfinite(V[i]))
             return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "%s: V[%zu][%zu] is not finite",
                                  fn, i / D, i % D);
+    double frob = 0.0;
     for (uint32_t a = 0; a < rank; a++)
         for (uint32_t b = a; b < rank; b++) {
             double dot = 0.0;
             for (uint32_t d = 0; d < D; d++)
                 dot += (double)V[(size_t)a * D + d] * V[(size_t)b * D + d];
             double want = a == b ? 1.0 : 0.0;
+            frob += (a == b ? 1.0 : 2.0) * (dot - want) * (dot - want);
             if (fabs(dot - want) > 1e-3)
                 return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                                      "%s: rows %u and %u of V have dot product %.6g (orthonormal "
                                      "rows required)",
                                      fn, a, b, dot);
         }
+    if (omega) {
+        double w = sqrt(frob) * (1.0 + 1e-6);
+        *omega = (double)(float)w < w ? nextafterf((float)w, INFINITY) : (float)w;
+    }
     return KVT_OK;
 }
 
-static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank, uint32_t D) {
-    return check_basis_of(ctx, "kvt_ctx_set_recall_basis", V, rank, D);
+static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank, uint32_t D,
+                              float *omega) {
+    return check_basis_of(ctx, "kvt_ctx_set_recall_basis", V, rank, D, omega);
+}
+
+kvt_status kvt__sound_basis_check(const kvt_ctx *ctx, uint32_t layer, float omega) {
+    if (omega <= KVT__SOUND_MAX_OMEGA)
+        return KVT_OK;
+    return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                         "sound recall on layer %u: its basis is orthonormal only to "
+                         "|V V^T - I|_F = %.3g, above the %.3g the sound margin covers "
+                         "(docs/recall.md 3.1); re-orthonormalise V (in double, then round to "
+                         "fp32) or use the conformal or margin mode",
+                         layer, (double)omega, (double)KVT__SOUND_MAX_OMEGA);
 }
 
 kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V, uint32_t rank) {
@@ -95,8 +114,15 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
                              "kvt_ctx_set_recall_basis: a request already reserved rows (sketches "
                              "of a layer must all come from one basis)");
     uint32_t D = st->spec.value_dim;
-    kvt_status s = check_basis(ctx, V, rank, D);
+    float omega = 0.0f;
+    kvt_status s = check_basis(ctx, V, rank, D, &omega);
     if (s != KVT_OK)
+        return s;
+    /* Sound mode (the context's, or a live request's) needs a basis its margin covers. */
+    bool sound = ctx->cfg.recall == KVT_RECALL_SOUND;
+    for (const kvt_seq *q = ctx->seqs; q && !sound; q = q->next)
+        sound = q->cfg.recall == KVT_RECALL_SOUND;
+    if (sound && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
         return s;
     size_t bytes = sizeof(float) * (size_t)rank * D;
     void *dev = NULL;
@@ -109,7 +135,8 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
         return kvt__ctx_fail(ctx, s, "kvt_ctx_set_recall_basis: writing V");
     }
     kvt__rbasis_free(ctx, st);
-    st->rbasis = (kvt__rbasis){.V = dev, .rank = rank, .id = basis_id(V, (size_t)rank * D)};
+    st->rbasis = (kvt__rbasis){
+        .V = dev, .rank = rank, .id = basis_id(V, (size_t)rank * D), .omega = omega};
     return KVT_OK;
 }
 
@@ -179,7 +206,7 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
                              "come from one basis)",
                              fn);
     const uint32_t D = st->spec.head_dim;
-    kvt_status s = check_basis_of(ctx, fn, V, rank, D);
+    kvt_status s = check_basis_of(ctx, fn, V, rank, D, NULL);
     if (s != KVT_OK)
         return s;
     if ((s = head_bases_alloc(ctx, st, stride)) != KVT_OK)

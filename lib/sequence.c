@@ -248,6 +248,11 @@ static kvt_status recall_supported(const kvt_ctx *ctx, const kvt_config *cfg) {
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "recall mode %d: the %s backend has no recall step yet",
                              (int)cfg->recall, ctx->backend.ops->name);
+    for (uint32_t i = 0; cfg->recall == KVT_RECALL_SOUND && i < ctx->n_layers; i++) {
+        kvt_status s = kvt__sound_basis_check(ctx, i, ctx->stores[i].rbasis.omega);
+        if (s != KVT_OK)
+            return s;
+    }
     if (cfg->recall_promote_capacity && !ctx->backend.ops->recall_promote)
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "config.recall_promote_capacity %u: the %s backend's recall step has "

@@ -777,6 +777,56 @@ Test(basis, statuses) {
     free(V);
 }
 
+/* Sound mode needs a basis whose departure from orthonormality its margin covers
+ * (‖V Vᵀ − I‖_F <= 2^-20): an fp32 rounding of an orthonormal basis passes; one perturbed by 1e-4
+ * (which set_recall_basis's 1e-3 per-entry check accepts) is refused for sound mode, in either
+ * order of basis and request, and stays usable for the conformal mode. */
+Test(basis, sound_mode_needs_an_orthonormal_basis) {
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &sp), KVT_OK);
+    sp.n_q_heads = 4;
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(&sp, 1, "sound", &m, NULL, 0), KVT_OK);
+    float *V = malloc(sizeof(float) * R * D);
+    cr_assert(V);
+    orthonormal_rows(4242, R, D, V);
+    kvt_config c = small_config();
+    c.recall = KVT_RECALL_SOUND;
+    kvt_ctx *snd = make_ctx(m, &c, KVT_BACKEND_CPU, R, 0);
+    cr_assert_eq(kvt_ctx_set_recall_basis(snd, 0, V, R), KVT_OK, "%s", kvt_last_error());
+    V[3 * D + 11] += 1e-4f; /* row 3's norm moves by ~2e-4: within 1e-3, far above 2^-20 */
+    cr_assert_eq(kvt_ctx_set_recall_basis(snd, 0, V, R), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "sound") && strstr(kvt_last_error(), "layer 0"), "%s",
+              kvt_last_error());
+    kvt_ctx_destroy(snd);
+    /* conformal context: the perturbed basis is accepted; a sound request is then refused, a
+     * request with recall off is not */
+    c.recall = KVT_RECALL_CONFORMAL;
+    kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, R, 0);
+    cr_assert_eq(kvt_ctx_set_recall_basis(ctx, 0, V, R), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_params p = kvt_seq_default_params();
+    p.recall = KVT_RECALL_SOUND;
+    kvt_seq *seq = NULL;
+    cr_assert_eq(kvt_seq_create(ctx, &p, &seq), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "sound"), "%s", kvt_last_error());
+    cr_assert_null(seq);
+    p.recall = KVT_RECALL_OFF;
+    cr_assert_eq(kvt_seq_create(ctx, &p, &seq), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    /* a live sound request refuses a basis its margin does not cover */
+    c.recall = KVT_RECALL_OFF;
+    ctx = make_ctx(m, &c, KVT_BACKEND_CPU, R, 0);
+    p.recall = KVT_RECALL_SOUND;
+    cr_assert_eq(kvt_seq_create(ctx, &p, &seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_set_recall_basis(ctx, 0, V, R), KVT_ERR_INVALID_ARGUMENT);
+    V[3 * D + 11] -= 1e-4f;
+    orthonormal_rows(4242, R, D, V);
+    cr_assert_eq(kvt_ctx_set_recall_basis(ctx, 0, V, R), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+    free(V);
+}
+
 Test(basis, file_round_trip_and_damage) {
     char path[] = "/tmp/kvt_basis_XXXXXX";
     int fd = mkstemp(path);

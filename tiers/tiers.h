@@ -68,7 +68,13 @@ typedef struct kvt__rbasis {
     float *V;      /* backend: [rank][value_dim] */
     uint32_t rank;
     uint32_t id;
+    float omega;   /* ‖V Vᵀ − I‖_F, rounded up (sound mode: <= KVT__SOUND_MAX_OMEGA) */
 } kvt__rbasis;
+
+/* The largest ‖V Vᵀ − I‖_F sound recall accepts: 2^-20, which the sound margin's relative slack
+ * of 2^-8 covers (docs/recall.md §3.1; an fp32 rounding of an orthonormal basis measures
+ * 1e-7 to 2e-7 at rank 16 to 128). */
+#define KVT__SOUND_MAX_OMEGA 9.5367431640625e-7f
 
 /* One layer's storage: planes laid out [page][row][head][row_bytes]. */
 typedef struct kvt__store {
