@@ -428,6 +428,10 @@ static kvt_status emit_kv_heads(kvt_batch *b, uint32_t layer, uint32_t n_kv, voi
                                              emit->indptr + (size_t)i * n_kv, &ea)) != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer,
                                      kvt__tls_error());
+            if (!be->ops->recall_rope_emit) /* refused at request creation; never reached */
+                return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                     "layer %u: the %s backend has no RoPE recall ops", layer,
+                                     be->ops->name);
             if ((s = be->ops->recall_rope_emit(be, &ea, 1, stream)) != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "emitting seqs[%u]'s lists on layer %u", i, layer);
             continue;

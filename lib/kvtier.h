@@ -349,9 +349,10 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  * keys through the head's sketch (kvt_ctx_set_recall_head_basis), its query heads' best over the
  * rows it attends, D = head_dim (> 64), one z per request and layer; W is per KV head, and an
  * overflow in any head lists the whole archive. Such a layer then needs the emission layout
- * KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) and costs the request a fetch area of pool pages as
- * large as its archive; its requests cannot be snapshotted yet (KVT_ERR_UNSUPPORTED). CPU and
- * guarded backends only for now.
+ * KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) and costs the request a fetch area of pool pages for as
+ * many rows as it holds (counted by kvt_seq_pages_needed); its requests cannot be snapshotted yet
+ * (KVT_ERR_UNSUPPORTED). CPU and guarded backends only for now: on CUDA a request that would
+ * recall on such a layer is refused at creation (KVT_ERR_UNSUPPORTED, named).
  */
 typedef enum kvt_recall_mode {
     KVT_RECALL_OFF = 0,       /* archived rows are never brought back */

@@ -291,6 +291,12 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
         }
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "recall on layer %u: %s", i, msg);
+        if (!ctx->backend.ops->recall_rope_step || !ctx->backend.ops->recall_rope_emit)
+            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                 "recall on RoPE layer %u: the %s backend has no RoPE recall ops "
+                                 "yet (recall_sketch_rank 0 or recall off on this context keeps "
+                                 "its archive without recall)",
+                                 i, ctx->backend.ops->name);
         if (!seq->rrope &&
             !(seq->rrope = kvt__calloc(&ctx->alloc, sizeof *seq->rrope * ctx->n_layers)))
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "recall state");
@@ -711,6 +717,21 @@ kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t 
             kvt__ptable_pages_for(t, t->n_rows + t->n_pending + n_tokens, ctx->page_rows);
         if (need > t->n_pages)
             sum += need - t->n_pages;
+    }
+    /* RoPE recall's fetch area of a group: sized at reserve to the request's rows (kvt__seq
+     * reserve), from the same pool. */
+    bool fetch_counted[KVT__MAX_GROUPS] = {false};
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        if (!kvt__seq_recalls_rope(seq, i))
+            continue;
+        const uint32_t fg = (uint32_t)ctx->stores[i].group;
+        if (fetch_counted[fg])
+            continue;
+        fetch_counted[fg] = true;
+        const kvt__ptable *f = &seq->fetch[fg];
+        uint64_t need = kvt__ptable_pages_for(f, seq->n_tokens + (uint64_t)n_tokens, ctx->page_rows);
+        if (need > f->n_pages)
+            sum += need - f->n_pages;
     }
     *out = sum > UINT32_MAX ? UINT32_MAX : (uint32_t)sum;
     return KVT_OK;

@@ -1561,3 +1561,131 @@ Test(rope_e2e, kv_heads_layout_many_heads) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
+
+/* ---- review probes (not for commit) ---- */
+static kvt_status rv_step(e2e *e, rr *x, const float *q) {
+    uint32_t one = 1;
+    kvt_status s = kvt_batch_reserve(e->b, &x->seq, &one, 1);
+    if (s != KVT_OK)
+        return s;
+    rr_write(x, 1);
+    cr_assert_eq(kvt_buffer_write(e->qbuf, 0, q, sizeof(float) * x->sp.n_q_heads * x->D), KVT_OK);
+    uint32_t topk, total;
+    cr_assert_eq(kvt_batch_plan(e->b), KVT_OK);
+    cr_assert_eq(kvt_batch_capacity(e->b, 0, &topk, &total), KVT_OK);
+    kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_CSR_KV_HEADS,
+                   .indices = kvt_buffer_ptr(e->ibuf), .capacity = x->H * total,
+                   .indptr = kvt_buffer_ptr(e->pbuf), .dense = kvt_buffer_ptr(e->dbuf),
+                   .queries_per_seq = 1};
+    s = kvt_batch_run(e->b, 0, kvt_buffer_ptr(e->qbuf), NULL, &em);
+    cr_assert_eq(kvt_batch_commit(e->b, NULL), KVT_OK, "%s", kvt_last_error());
+    x->n_tok += 1;
+    return s;
+}
+
+static void rv_query(rr *x, float *q) {
+    oview v;
+    oview_read(x, &v);
+    uint32_t aimed;
+    make_queries(x, &v, q, &aimed);
+    oview_free(&v);
+}
+
+/* kvt_seq_pages_needed counts the fetch area a reserve takes (admission control). */
+Test(rope_recall_more, pages_needed_counts_the_fetch_area) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_SOUND;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    rr x;
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_CPU, 31);
+    e2e e;
+    e2e_init(&e, &x, 512);
+    float q[TR_MAXQ * 128];
+    int bad = 0;
+    for (int step = 0; step < 200; step++) {
+        rv_query(&x, q);
+        uint32_t need, f0, f1;
+        cr_assert_eq(kvt_seq_pages_needed(x.seq, 1, &need), KVT_OK);
+        cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &f0), KVT_OK);
+        uint32_t one = 1;
+        cr_assert_eq(kvt_batch_reserve(e.b, &x.seq, &one, 1), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &f1), KVT_OK);
+        if (f0 - f1 > need && !bad++)
+            cr_log_error("step %d: pages_needed said %u, the reserve took %u (fetch area %u pages)",
+                         step, need, f0 - f1, x.seq->fetch[0].n_pages);
+        kvt_batch_destroy(e.b);
+        cr_assert_eq(kvt_batch_create(x.ctx, 1, &e.b), KVT_OK);
+        cr_assert_eq(rv_step(&e, &x, q), KVT_OK, "%s", kvt_last_error());
+    }
+    cr_assert_eq(bad, 0, "%d steps took more pages than kvt_seq_pages_needed said", bad);
+    e2e_fini(&e);
+    rr_fini(&x);
+}
+
+
+
+/* Review D: fork (and attach) of a RoPE-recalling request, both stepped in one batch. */
+static void rv_fork_steps(kvt_backend_kind backend, bool attach) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_SOUND;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[2] = {32, 16};
+    rr x;
+    rr_init(&x, 2, 128, cfg, 32, rank, backend, 41);
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 48), KVT_OK);
+    e2e e;
+    e2e_init(&e, &x, 512);
+    float q[TR_MAXQ * 128];
+    for (int step = 0; step < 80; step++) {
+        rv_query(&x, q);
+        cr_assert_eq(rv_step(&e, &x, q), KVT_OK, "%s", kvt_last_error());
+    }
+    kvt_seq *child = NULL;
+    kvt_status fs = attach ? kvt_seq_attach(x.seq, 16, 99, &child) : kvt_seq_fork(x.seq, 99, &child);
+    cr_assert_eq(fs, KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(child), KVT_OK, "%s", kvt_last_error());
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(x.ctx, 2, &b), KVT_OK);
+    const uint32_t cap = 2 * x.H * 1024;
+    kvt_buffer *ib, *pb, *db, *qb;
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * cap, &ib), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * (2 * x.H + 1), &pb), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, 2, &db), KVT_OK);
+    const size_t qn = (size_t)x.sp.n_q_heads * x.D;
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(float) * 2 * qn, &qb), KVT_OK);
+    for (int step = 0; step < 60; step++) {
+        rv_query(&x, q);
+        kvt_seq *two[2] = {x.seq, child};
+        uint32_t n[2] = {1, 1};
+        cr_assert_eq(kvt_batch_reserve(b, two, n, 2), KVT_OK, "step %d: %s", step, kvt_last_error());
+        rr_write(&x, 1);
+        const size_t slot = (size_t)x.H * x.sp.row_bytes;
+        for (uint32_t p = 0; p < 2; p++)
+            cr_assert_eq(kvt_seq_write(child, 0, p, 0, 1, rr_row(&x, p, x.n_tok, 0), slot), KVT_OK);
+        cr_assert_eq(kvt_buffer_write(qb, 0, q, sizeof(float) * qn), KVT_OK);
+        cr_assert_eq(kvt_buffer_write(qb, sizeof(float) * qn, q, sizeof(float) * qn), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+        uint32_t topk, total;
+        cr_assert_eq(kvt_batch_capacity(b, 0, &topk, &total), KVT_OK);
+        cr_assert_leq(x.H * total, cap);
+        kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_CSR_KV_HEADS,
+                       .indices = kvt_buffer_ptr(ib), .capacity = x.H * total,
+                       .indptr = kvt_buffer_ptr(pb), .dense = kvt_buffer_ptr(db),
+                       .queries_per_seq = 1};
+        cr_assert_eq(kvt_batch_run(b, 0, kvt_buffer_ptr(qb), NULL, &em), KVT_OK, "step %d: %s",
+                     step, kvt_last_error());
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
+        x.n_tok++;
+        cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "step %d: %s", step, kvt_last_error());
+        cr_assert_eq(kvt_seq_check(child), KVT_OK, "step %d: %s", step, kvt_last_error());
+    }
+    kvt_batch_destroy(b);
+    kvt_seq_destroy(child);
+    kvt_buffer_free(ib); kvt_buffer_free(pb); kvt_buffer_free(db); kvt_buffer_free(qb);
+    e2e_fini(&e);
+    rr_fini(&x);
+}
+Test(rope_recall_more, rope_fork_steps_cpu) { rv_fork_steps(KVT_BACKEND_CPU, false); }
+Test(rope_recall_more, rope_fork_steps_guarded) { rv_fork_steps(KVT_BACKEND_GUARDED, false); }
+Test(rope_recall_more, rope_attach_steps_guarded) { rv_fork_steps(KVT_BACKEND_GUARDED, true); }
