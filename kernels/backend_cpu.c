@@ -273,10 +273,21 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
     return run_items(be, a, sizeof *a, n, need, step_item);
 }
 
+static void rope_step_item(const void *a, float *scratch) {
+    kvt__recall_rope_step_cpu(a, scratch);
+}
+
 static kvt_status cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *a,
                                        uint32_t n, void *stream) {
     (void)stream;
-    return kvt__recall_rope_step_op_cpu(be, a, n);
+    size_t need = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!kvt__recall_rope_args_ok(&a[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+        size_t f = kvt__recall_rope_scratch_floats(&a[i]);
+        need = f > need ? f : need;
+    }
+    return run_items(be, a, sizeof *a, n, need, rope_step_item);
 }
 
 static kvt_status cpu_recall_rope_emit(const kvt__backend *be,

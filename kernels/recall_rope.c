@@ -202,26 +202,6 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
         *a->dense = (uint8_t)dense;
 }
 
-kvt_status kvt__recall_rope_step_op_cpu(const kvt__backend *be, const kvt__recall_rope_args *a,
-                                        uint32_t n) {
-    size_t need = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (!kvt__recall_rope_args_ok(&a[i]))
-            return KVT_ERR_INVALID_ARGUMENT;
-        size_t f = kvt__recall_rope_scratch_floats(&a[i]);
-        need = f > need ? f : need;
-    }
-    if (n == 0)
-        return KVT_OK;
-    float *scratch = kvt__malloc(be->alloc, need * sizeof(float));
-    if (!scratch)
-        return KVT_ERR_OUT_OF_MEMORY;
-    for (uint32_t i = 0; i < n; i++)
-        kvt__recall_rope_step_cpu(&a[i], scratch);
-    kvt__free(be->alloc, scratch, need * sizeof(float));
-    return KVT_OK;
-}
-
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
     /* a head lists at most every archived row once (its fired rows are distinct archive rows) */
     const uint64_t m = a->ar_n;

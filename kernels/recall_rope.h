@@ -87,10 +87,6 @@ void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
                            kvt__recall_scan_args *v);
 /* One step (arguments checked). */
 void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch);
-/* The op over n items with scratch from be's allocator: KVT_ERR_INVALID_ARGUMENT (nothing run)
- * or KVT_ERR_OUT_OF_MEMORY. */
-kvt_status kvt__recall_rope_step_op_cpu(const kvt__backend *be, const kvt__recall_rope_args *a,
-                                        uint32_t n);
 
 /* ---------------------------------------------------------------------------------------------
  * Emission of a recall step (docs/recall.md §9.3). On a recall step each KV head attends the
