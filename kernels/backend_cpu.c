@@ -183,27 +183,6 @@ static kvt_status cpu_sketch_rows(const kvt__backend *be, const kvt__sketch_args
     return KVT_OK;
 }
 
-static bool dtype_ok(int dt) {
-    return dt == KVT__DT_BF16 || dt == KVT__DT_FP16 || dt == KVT__DT_FP32;
-}
-
-/* A recall scan's arguments within the twin's ranges. */
-static bool recall_scan_ok(const kvt__recall_scan_args *a) {
-    if (a->latent_dim <= 64u || a->latent_dim > KVT__SKETCH_MAX_DIM ||
-        a->branch_dim > KVT__RECALL_MAX_BRANCH || a->rank > a->csk_stride ||
-        a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) ||
-        !kvt__sketch_dtype_ok(a->dtype, a->latent_dim) ||
-        (a->branch_dim && !dtype_ok(a->branch_dtype)) || a->n_closed > UINT32_MAX ||
-        a->m > a->n_closed || (a->cap && !a->fired) || !a->n_fired || !a->overflow ||
-        !(a->scale > 0.0f && a->scale <= FLT_MAX))
-        return false;
-    if (a->mode == KVT__RECALL_SOUND) /* false for a NaN z; +Inf fires every row */
-        return a->z >= sqrtf((float)(a->latent_dim - 64u));
-    if (a->mode == KVT__RECALL_MARGIN)
-        return a->z >= 0.0f && a->z <= FLT_MAX;
-    return a->mode == KVT__RECALL_CONFORMAL && a->z >= -FLT_MAX && a->z <= FLT_MAX;
-}
-
 /* Run n work items of item_bytes each through fn with one scratch of `need` floats (the
  * workspace's, or owned for this call), after their arguments passed: the recall ops' frame. */
 static kvt_status run_items(const kvt__backend *be, const void *items, size_t item_bytes,
@@ -228,7 +207,7 @@ static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan
     (void)stream;
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) {
-        if (!recall_scan_ok(&a[i]))
+        if (!kvt__recall_scan_args_ok(&a[i]))
             return KVT_ERR_INVALID_ARGUMENT;
         size_t f = kvt__recall_scan_scratch_floats(a[i].n_heads, a[i].rank, a[i].latent_dim);
         need = f > need ? f : need;
@@ -236,25 +215,6 @@ static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan
     return run_items(be, a, sizeof *a, n, need, scan_item);
 }
 
-/* A recall step's arguments: the scan's rules with the z its mode takes (conformal: any finite
- * z, the state's), the state, the samples of a calibration, a tail within the table. */
-static bool recall_step_ok(const kvt__recall_step_args *x) {
-    kvt__recall_scan_args a = x->scan;
-    a.mode = x->mode;
-    a.z = kvt__recall_mode_z(x->mode, a.latent_dim, x->margin, 0.0f); /* conformal: any z */
-    const uint32_t B = x->block_rows;
-    const bool groups_ok =
-        !x->g_perm || (B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && x->g_n &&
-                       x->g_end && x->g_centre && x->g_stat && x->g_dim >= a.branch_dim + a.rank);
-    const bool promo_ok =
-        !x->promo || (x->prom_cap >= 1 && x->prom_cap <= (1u << 16) &&
-                      x->cand_cap >= x->prom_cap && x->cand_cap <= (1u << 20) &&
-                      x->prom_room <= x->prom_cap && x->hits >= 1 && x->hits <= x->window &&
-                      x->window <= 32 && a.fired && a.n_closed <= UINT32_MAX);
-    return recall_scan_ok(&a) && x->st && a.best && x->n_rows >= a.n_closed &&
-           x->n_rows <= UINT32_MAX && (x->mode != KVT__RECALL_CONFORMAL || x->samples) &&
-           (a.n_heads == 0 || a.q) && groups_ok && promo_ok;
-}
 
 static void step_item(const void *a, float *scratch) {
     kvt__recall_step_cpu(a, scratch);
@@ -265,7 +225,7 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
     (void)stream;
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) {
-        if (!recall_step_ok(&a[i]))
+        if (!kvt__recall_step_args_ok(&a[i]))
             return KVT_ERR_INVALID_ARGUMENT;
         size_t f = kvt__recall_step_scratch_floats(&a[i]);
         need = f > need ? f : need;

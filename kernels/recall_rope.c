@@ -7,6 +7,7 @@
  */
 #include "kernels/recall_rope.h"
 
+#include "kernels/recall_step.h"
 #include "kernels/sketch.h"
 #include "lib/base/base.h"
 
@@ -189,17 +190,8 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     if (dense)
         for (uint32_t h = 0; h < H; h++)
             a->n_fired[h] = 0; /* the emission attends every archived row instead */
-    st->last_dense = dense;
-    st->last_overflow = over;
-    st->last_archived = archived;
-    st->last_visited = a->ar_n ? archived : 0;
-    st->last_fired = fired;
-    st->last_fetched = fetched;
-    st->visited += st->last_visited;
-    st->fired += fired;
-    st->fetched += fetched;
-    if (a->dense)
-        *a->dense = (uint8_t)dense;
+    kvt__recall_state_record(st, a->dense, dense, over, archived, a->ar_n ? archived : 0, fired,
+                             fetched);
 }
 
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {

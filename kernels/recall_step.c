@@ -424,15 +424,5 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
     if (x->promo)
         promo_after(x, &pv, a.fired, a.n_fired, *a.n_fired, dense != 0,
                     merged + a.m + (x->prom_cap - promoted));
-    st->last_dense = dense;
-    st->last_overflow = over;
-    st->last_archived = archived;
-    st->last_visited = visited;
-    st->last_fired = fired;
-    st->last_fetched = fetched;
-    st->visited += visited;
-    st->fired += fired;
-    st->fetched += fetched;
-    if (x->dense)
-        *x->dense = (uint8_t)dense;
+    kvt__recall_state_record(st, x->dense, dense, over, archived, visited, fired, fetched);
 }

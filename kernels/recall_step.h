@@ -36,6 +36,69 @@
 #include "kernels/conformal.h"
 #include "kernels/recall_scan.h"
 
+#include <float.h>
+
+/* A step's certificate into the trigger's state (every backend's step, NoPE and RoPE): the
+ * last_* fields, their sums over steps, and the request's dense flag when asked for. */
+KVT_HD void kvt__recall_state_record(kvt__recall_state *st, uint8_t *dense_out, uint32_t dense,
+                                     uint32_t over, uint64_t archived, uint64_t visited,
+                                     uint64_t fired, uint64_t fetched) {
+    st->last_dense = dense;
+    st->last_overflow = over;
+    st->last_archived = archived;
+    st->last_visited = visited;
+    st->last_fired = fired;
+    st->last_fetched = fetched;
+    st->visited += visited;
+    st->fired += fired;
+    st->fetched += fetched;
+    if (dense_out)
+        *dense_out = (uint8_t)dense;
+}
+
+/* The recall ops' argument rules, one definition for every backend (the CPU and guarded ops in
+ * backend_cpu.c, the CUDA ops in cuda/backend.cu answer KVT_ERR_INVALID_ARGUMENT when false).
+ * The latent's row dtype by kvt__sketch_dtype_ok (fp8 ds_mla included), the branch's bf16 / fp16 /
+ * fp32, and z as the mode takes it: sound >= √(D − 64) (false for NaN; +Inf fires every row),
+ * margin a finite δ >= 0, conformal any finite z. */
+KVT_HD int kvt__recall_scan_args_ok(const kvt__recall_scan_args *a) {
+    const int br = a->branch_dtype;
+    if (a->latent_dim <= 64u || a->latent_dim > KVT__SKETCH_MAX_DIM ||
+        a->branch_dim > KVT__RECALL_MAX_BRANCH || a->rank > a->csk_stride ||
+        a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) ||
+        !kvt__sketch_dtype_ok(a->dtype, a->latent_dim) ||
+        (a->branch_dim && br != KVT__DT_BF16 && br != KVT__DT_FP16 && br != KVT__DT_FP32) ||
+        a->n_closed > UINT32_MAX || a->m > a->n_closed || (a->cap && !a->fired) || !a->n_fired ||
+        !a->overflow || !(a->scale > 0.0f && a->scale <= FLT_MAX))
+        return 0;
+    if (a->mode == KVT__RECALL_SOUND)
+        return a->z >= sqrtf((float)(a->latent_dim - 64u));
+    if (a->mode == KVT__RECALL_MARGIN)
+        return a->z >= 0.0f && a->z <= FLT_MAX;
+    return a->mode == KVT__RECALL_CONFORMAL && a->z >= -FLT_MAX && a->z <= FLT_MAX;
+}
+
+/* A recall step's arguments: the scan's rules with the z its mode takes (conformal: any finite
+ * z, the state's), the state, the samples of a calibration, a tail within the table, the group
+ * planes and the promotion tables when given. */
+KVT_HD int kvt__recall_step_args_ok(const kvt__recall_step_args *x) {
+    kvt__recall_scan_args a = x->scan;
+    a.mode = x->mode;
+    a.z = kvt__recall_mode_z(x->mode, a.latent_dim, x->margin, 0.0f); /* conformal: any z */
+    const uint32_t B = x->block_rows;
+    const int groups_ok =
+        !x->g_perm || (B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && x->g_n &&
+                       x->g_end && x->g_centre && x->g_stat && x->g_dim >= a.branch_dim + a.rank);
+    const int promo_ok =
+        !x->promo || (x->prom_cap >= 1 && x->prom_cap <= (1u << 16) &&
+                      x->cand_cap >= x->prom_cap && x->cand_cap <= (1u << 20) &&
+                      x->prom_room <= x->prom_cap && x->hits >= 1 && x->hits <= x->window &&
+                      x->window <= 32 && a.fired && a.n_closed <= UINT32_MAX);
+    return kvt__recall_scan_args_ok(&a) && x->st && a.best && x->n_rows >= a.n_closed &&
+           x->n_rows <= UINT32_MAX && (x->mode != KVT__RECALL_CONFORMAL || x->samples) &&
+           (a.n_heads == 0 || a.q) && groups_ok && promo_ok;
+}
+
 /* Floats of scratch kvt__recall_step_cpu takes for this work item. */
 size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x);
 /* One work item, arguments checked by the caller (the scan's rules, plus st, samples). */

@@ -25,6 +25,7 @@ extern "C" {
 #include "kernels/conformal.h"
 #include "kernels/philox.h"
 #include "kernels/recall_scan.h"
+#include "kernels/recall_step.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
@@ -510,24 +511,10 @@ kvt_status cu_sketch_rows(const kvt__backend *be, const kvt__sketch_args *a, uin
  * -------------------------------------------------------------------------------------------- */
 typedef Params<kvt__recall_scan_args, kMaxSeg> ScanParams;
 
-/* The CPU op's argument check (backend_cpu.c, recall_scan_ok): the same statuses. */
-bool scan_dtype_ok(int dt) {
-    return dt == KVT__DT_BF16 || dt == KVT__DT_FP16 || dt == KVT__DT_FP32;
-}
-
+/* The argument rules: kvt__recall_scan_args_ok / kvt__recall_step_args_ok
+ * (kernels/recall_step.h), one definition with the CPU ops'. */
 bool scan_args_ok(const kvt__recall_scan_args &a) {
-    if (a.latent_dim <= 64u || a.latent_dim > KVT__SKETCH_MAX_DIM ||
-        a.branch_dim > KVT__RECALL_MAX_BRANCH || a.rank > a.csk_stride ||
-        a.csk_stride > KVT__SKETCH_MAX_RANK || (a.rank && !a.basis) || !kvt__sketch_dtype_ok(a.dtype, a.latent_dim) ||
-        (a.branch_dim && !scan_dtype_ok(a.branch_dtype)) || a.n_closed > UINT32_MAX ||
-        a.m > a.n_closed || (a.cap && !a.fired) || !a.n_fired || !a.overflow ||
-        !(a.scale > 0.0f && a.scale <= FLT_MAX))
-        return false;
-    if (a.mode == KVT__RECALL_SOUND) /* false for a NaN z; +Inf fires every row */
-        return a.z >= sqrtf((float)(a.latent_dim - 64u));
-    if (a.mode == KVT__RECALL_MARGIN)
-        return a.z >= 0.0f && a.z <= FLT_MAX;
-    return a.mode == KVT__RECALL_CONFORMAL && a.z >= -FLT_MAX && a.z <= FLT_MAX;
+    return kvt__recall_scan_args_ok(&a);
 }
 
 /* Workspace of each item (`each` bytes apart): q̃_sk [heads][rank] floats, the residuals
@@ -605,8 +592,8 @@ __global__ void k_scan_heads(const ScanParams p, const ScanWs w) {
         scan_head(a, scan_item(w, blockIdx.y), blockIdx.x);
 }
 
-/* Is row in kept[0 .. m) (ascending)? */
-__device__ bool scan_kept(const uint32_t *kept, uint32_t m, uint64_t row) {
+/* How many of kept[0 .. m) (ascending) lie below row. */
+__device__ uint64_t kept_below(const uint32_t *kept, uint32_t m, uint64_t row) {
     uint32_t lo = 0, hi = m;
     while (lo < hi) {
         const uint32_t mid = lo + (hi - lo) / 2;
@@ -615,6 +602,12 @@ __device__ bool scan_kept(const uint32_t *kept, uint32_t m, uint64_t row) {
         else
             hi = mid;
     }
+    return lo;
+}
+
+/* Is row in kept[0 .. m) (ascending)? */
+__device__ bool scan_kept(const uint32_t *kept, uint32_t m, uint64_t row) {
+    const uint64_t lo = kept_below(kept, m, row);
     return lo < m && kept[lo] == row;
 }
 
@@ -746,32 +739,11 @@ StepParams step_params(const kvt__recall_step_args *host, uint32_t n) {
     const kvt__div32 x_div = (p).div[i];                                                           \
     x.scan.pdiv = &x_div
 
-/* The CPU op's check (backend_cpu.c, recall_step_ok): the same statuses. */
+/* The CPU ops' rules, and no promotion (no twin yet: the library refuses it on CUDA). */
 bool step_args_ok(const kvt__recall_step_args &x) {
-    kvt__recall_scan_args a = x.scan;
-    a.mode = x.mode;
-    a.z = kvt__recall_mode_z(x.mode, a.latent_dim, x.margin, 0.0f); /* conformal: any z */
-    const uint32_t B = x.block_rows;
-    const bool groups_ok =
-        !x.g_perm || (B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && x.g_n && x.g_end &&
-                      x.g_centre && x.g_stat && x.g_dim >= a.branch_dim + a.rank);
-    return scan_args_ok(a) && x.st && a.best && x.n_rows >= a.n_closed &&
-           x.n_rows <= UINT32_MAX && (x.mode != KVT__RECALL_CONFORMAL || x.samples) &&
-           (a.n_heads == 0 || a.q) && groups_ok && !x.promo; /* no promotion twin yet */
+    return kvt__recall_step_args_ok(&x) && !x.promo;
 }
 
-/* How many of kept[0 .. m) (ascending) lie below row. */
-__device__ uint64_t kept_below(const uint32_t *kept, uint32_t m, uint64_t row) {
-    uint32_t lo = 0, hi = m;
-    while (lo < hi) {
-        const uint32_t mid = lo + (hi - lo) / 2;
-        if (kept[mid] < row)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
 
 /* What the step is, from the item and the state's phase (the twin's S, archived, branches). */
 struct StepPlan {
@@ -997,17 +969,7 @@ __global__ void k_step_finish(const StepParams p, const ScanWs w) {
     *x.scan.overflow = over;
     st->steps++;
     st->overflow_steps += over;
-    st->last_dense = dense;
-    st->last_overflow = over;
-    st->last_archived = pl.archived;
-    st->last_visited = visited;
-    st->last_fired = fired;
-    st->last_fetched = fetched;
-    st->visited += visited;
-    st->fired += fired;
-    st->fetched += fetched;
-    if (x.dense)
-        *x.dense = (uint8_t)dense;
+    kvt__recall_state_record(st, x.dense, dense, over, pl.archived, visited, fired, fetched);
 }
 
 kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
