@@ -125,3 +125,17 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
                          (double)c->recall_margin);
     return KVT_OK;
 }
+
+const char *kvt_recall_mode_name(kvt_recall_mode mode) {
+    switch (mode) {
+    case KVT_RECALL_OFF:
+        return "off";
+    case KVT_RECALL_CONFORMAL:
+        return "conformal";
+    case KVT_RECALL_SOUND:
+        return "sound";
+    case KVT_RECALL_MARGIN:
+        return "margin";
+    }
+    return "unknown";
+}

@@ -360,6 +360,8 @@ typedef enum kvt_recall_mode {
     KVT_RECALL_SOUND = 2,
     KVT_RECALL_MARGIN = 3,
 } kvt_recall_mode;
+/* "off", "conformal", "sound", "margin"; "unknown" for another value. */
+KVT_API const char *kvt_recall_mode_name(kvt_recall_mode mode);
 /* The default recall mode (the design's). */
 #define KVT_RECALL_ON KVT_RECALL_CONFORMAL
 

@@ -133,6 +133,12 @@ Test(config, each_bad_field_is_named) {
     cr_assert_eq(kvt_config_check(&small, err, sizeof err), KVT_OK, "%s", err);
     cr_assert_eq(kvt_config_init(&small, 3), KVT_ERR_INVALID_ARGUMENT);
     cr_assert_eq(kvt_config_init(NULL, sizeof small), KVT_ERR_INVALID_ARGUMENT);
+    /* The recall modes' names (tools print them). */
+    cr_assert_str_eq(kvt_recall_mode_name(KVT_RECALL_OFF), "off");
+    cr_assert_str_eq(kvt_recall_mode_name(KVT_RECALL_CONFORMAL), "conformal");
+    cr_assert_str_eq(kvt_recall_mode_name(KVT_RECALL_SOUND), "sound");
+    cr_assert_str_eq(kvt_recall_mode_name(KVT_RECALL_MARGIN), "margin");
+    cr_assert_str_eq(kvt_recall_mode_name((kvt_recall_mode)9), "unknown");
     /* The same for the context's and a request's parameters. */
     memset(buf, 0xa5, sizeof buf);
     _Static_assert(sizeof buf >= sizeof(kvt_ctx_params), "buffer");

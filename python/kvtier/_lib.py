@@ -292,6 +292,7 @@ _SIGNATURES = {
     "kvt_policy_for_kind": (c_enum, [c_enum]),
     "kvt_layer_kind_name": (c_cp, [c_enum]),
     "kvt_policy_name": (c_cp, [c_enum]),
+    "kvt_recall_mode_name": (c_cp, [c_enum]),
     "kvt_dtype_name": (c_cp, [c_enum]),
     "kvt_dtype_bytes": (c_u32, [c_enum]),
     "kvt_layer_spec_mla": (c_status, [c_enum, c_enum, c_u32, c_u32, P(LayerSpecC)]),

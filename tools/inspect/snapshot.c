@@ -95,15 +95,6 @@ static void histogram(const float *s, uint64_t n, sigma_hist *h) {
 
 #define MAX_BASES 64
 
-static const char *recall_mode_name(int32_t m) {
-    switch (m) {
-    case KVT_RECALL_CONFORMAL: return "conformal";
-    case KVT_RECALL_SOUND: return "sound";
-    case KVT_RECALL_MARGIN: return "margin";
-    default: return "off";
-    }
-}
-
 int inspect_snapshot(int argc, char **argv) {
     const char *path = NULL;
     const char *bases[MAX_BASES];
@@ -227,7 +218,7 @@ int inspect_snapshot(int argc, char **argv) {
                        "\"steps\":%llu,\"calib_steps\":%llu,\"overflow_steps\":%llu,"
                        "\"visited\":%llu,\"fired\":%llu,\"fetched\":%llu,\"rank\":%u,"
                        "\"basis_id\":%u,\"sketched\":%llu}",
-                       recall_mode_name(st.recall_mode), st.recall_phase, (double)st.recall_z,
+                       kvt_recall_mode_name((kvt_recall_mode)st.recall_mode), st.recall_phase, (double)st.recall_z,
                        st.recall_samples, (unsigned long long)st.recall_steps,
                        (unsigned long long)st.recall_calib_steps,
                        (unsigned long long)st.recall_overflow_steps,
@@ -261,7 +252,7 @@ int inspect_snapshot(int argc, char **argv) {
                 printf("      recall %s, %s, z %.4g from %u samples; %llu steps (%llu "
                        "calibration, %llu overflow), rows visited %llu, fired %llu, fetched "
                        "%llu; basis rank %u id 0x%08x, %llu rows sketched\n",
-                       recall_mode_name(st.recall_mode),
+                       kvt_recall_mode_name((kvt_recall_mode)st.recall_mode),
                        st.recall_phase == 0   ? "calibrating"
                        : st.recall_phase == 1 ? "calibrated"
                                               : "provisional",

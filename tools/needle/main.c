@@ -797,7 +797,7 @@ static void recall_print(const recall_sum *a, uint64_t context, uint32_t ratio,
            "kept by salience %u); needle steps %llu: overflow %llu, dense %llu; other steps %llu "
            "(after %llu calibration): overflow %llu, dense %llu; fetched on other non-dense "
            "steps %.4f%% of the archive; visited %.1f%%; z %.3g..%.3g\n",
-           mode == KVT_RECALL_SOUND ? "sound" : mode == KVT_RECALL_MARGIN ? "margin" : "conformal",
+           kvt_recall_mode_name(mode),
            (unsigned long long)(context / 1024), ratio, seeds, seeds == 1 ? "" : "s", a->pass,
            a->counted, a->by_fetch, a->by_dense, a->by_kept,
            (unsigned long long)s->needle_steps, (unsigned long long)s->needle_overflow,
