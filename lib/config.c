@@ -41,6 +41,7 @@ kvt_status kvt_config_init(kvt_config *out, size_t struct_size) {
 #define KVT__MAX_RATIO (1u << 20)
 #define KVT__MAX_BLOCK (1u << 20)
 #define KVT__MAX_BUDGET (1u << 28)
+#define KVT__MAX_SIGMA_BASIS (1u << 24) /* values of σ's basis: 64 MiB of fp32 */
 #define KVT__MAX_PROMOTE (1u << 16)
 
 static kvt_status check_fields(const kvt_config *c, char *err, size_t len);
@@ -75,6 +76,15 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "config.kappa: %u not in 1..block_rows/2 (%u)", c->kappa,
                          c->block_rows / 2);
+    /* σ's basis ((2κ − 1) columns of block_rows fp32) is built at context creation: a config
+     * within the two ranges above could ask for terabytes (κ = 2^19 at block_rows 2^20). */
+    if ((uint64_t)(2u * c->kappa - 1u) * c->block_rows > KVT__MAX_SIGMA_BASIS)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.kappa: %u with block_rows %u makes a sigma basis of %llu values, "
+                         "above %u",
+                         c->kappa, c->block_rows,
+                         (unsigned long long)(2u * c->kappa - 1u) * c->block_rows,
+                         KVT__MAX_SIGMA_BASIS);
     if (c->sink_rows > c->block_rows)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "config.sink_rows: %u exceeds block_rows %u", c->sink_rows,

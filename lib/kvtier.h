@@ -388,7 +388,7 @@ typedef struct kvt_config {
     size_t struct_size;       /* sizeof(kvt_config); set by kvt_config_default */
     uint32_t ratio;           /* compression ratio >= 1 (salience: m = closed / ratio) */
     uint32_t block_rows;      /* B: close block, power of two >= 64 (4096) */
-    uint32_t kappa;           /* low-frequency bins, 1 <= kappa <= B/2 (16) */
+    uint32_t kappa;           /* low-frequency bins, 1 <= kappa <= B/2, (2 kappa - 1) B <= 2^24 (16) */
     uint32_t sink_rows;       /* first rows always attended on salience layers (4) */
     uint32_t evict_budget_rows; /* K: rows kept per head by a random-eviction round (1024) */
     uint32_t recent_rows;     /* r: newest rows never scored (64) */

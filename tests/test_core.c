@@ -95,6 +95,14 @@ Test(config, each_bad_field_is_named) {
     c.kappa = c.block_rows / 2 + 1;
     cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(err, "kappa") != NULL, "%s", err);
+    /* σ's basis is bounded: (2κ − 1)·B <= 2^24 values (a fuzzed snapshot asked for 34 GB) */
+    c.block_rows = 1u << 20;
+    c.kappa = 8; /* 15 · 2^20 values: within */
+    cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_OK, "%s", err);
+    c.kappa = 9; /* 17 · 2^20 */
+    cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(err, "kappa") && strstr(err, "sigma basis"), "%s", err);
+    c = kvt_config_default();
     c = kvt_config_default();
     c.evict_budget_rows = 0;
     cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
