@@ -681,7 +681,7 @@ static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_r
         }
         if (a->basis)
             GUARD_OWNS(be, a->basis, sizeof(float) * H * a->basis_stride * a->D);
-        GUARD_OWNS(be, a->q, sizeof(float) * nq * a->D);
+        GUARD_OWNS(be, a->q, sizeof(float) * nq * (a->D + a->branch_dim));
         GUARD_OWNS(be, a->best, sizeof(float) * nq);
         GUARD_OWNS(be, a->st, sizeof *a->st);
         GUARD_OWNS(be, a->samples, a->samples ? sizeof(float) * a->sample_cap : 0);
@@ -705,18 +705,21 @@ static kvt_status g_recall_rope_emit(const kvt__backend *be,
         if (!kvt__recall_rope_emit_ok(a))
             return KVT_ERR_INVALID_ARGUMENT;
         const size_t H = a->n_kv;
-        GUARD_OWNS(be, a->plane[0], 1);
-        GUARD_OWNS(be, a->plane[1], 1);
+        for (uint32_t p = 0; p < a->n_planes; p++)
+            GUARD_OWNS(be, a->plane[p], 1);
         if (a->n_rows)
             GUARD_OWNS(be, a->pages, sizeof(int32_t));
         if (a->ar_n)
-            GUARD_OWNS(be, a->ar_bytes, 2u * a->row_bytes * H * a->ar_cap);
+            GUARD_OWNS(be, a->ar_bytes, (size_t)a->n_planes * a->row_bytes * H * a->ar_cap);
         GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
         GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
         GUARD_OWNS(be, a->st, sizeof *a->st);
         GUARD_OWNS(be, a->fetch_pages, sizeof(int32_t) * ((a->fetch_cap + a->pdiv->d - 1) / a->pdiv->d));
         GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
-        GUARD_OWNS(be, a->indptr, sizeof(int32_t) * (H + 1));
+        if (a->length)
+            GUARD_OWNS(be, a->length, sizeof(int32_t));
+        else
+            GUARD_OWNS(be, a->indptr, sizeof(int32_t) * (H + 1));
     }
     guard_open(be);
     kvt_status s = cpu_recall_rope_emit(be, args, n, stream);

@@ -19,6 +19,9 @@ bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a) {
         a->n_kv > KVT__RECALL_ROPE_MAX_KV || a->group == 0 || a->group > 4096u ||
         (a->dtype != KVT__DT_BF16 && a->dtype != KVT__DT_FP16 && a->dtype != KVT__DT_FP32) ||
         a->csk_stride > KVT__SKETCH_MAX_RANK || a->cap == 0 || a->n_rows > UINT32_MAX ||
+        a->branch_dim > KVT__RECALL_MAX_BRANCH ||
+        (a->branch_dim && a->branch_dtype != KVT__DT_BF16 && a->branch_dtype != KVT__DT_FP16 &&
+         a->branch_dtype != KVT__DT_FP32) ||
         a->ar_n > a->ar_cap || a->ar_n > UINT32_MAX || !a->q || !a->best || !a->st ||
         !a->fired || !a->n_fired || !a->overflow || !a->pdiv ||
         (a->n_rows && (!a->keys || !a->pages)) ||
@@ -58,9 +61,9 @@ void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
     v->slot_stride = a->ar_row_bytes;
     v->dtype = a->dtype;
     v->latent_dim = a->D;
-    v->branch_offset = 0;
-    v->branch_dtype = a->dtype;
-    v->branch_dim = 0;
+    v->branch_offset = a->branch_offset;
+    v->branch_dtype = a->branch_dim ? a->branch_dtype : a->dtype;
+    v->branch_dim = a->branch_dim;
     v->csk = a->csk + (size_t)h * a->ar_cap * a->csk_stride;
     v->rho = a->rho + (size_t)h * a->ar_cap;
     v->csk_stride = a->csk_stride;
@@ -70,7 +73,7 @@ void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
     v->sinks = 0;
     v->kept = NULL;
     v->m = 0;
-    v->q = a->q + (size_t)h * G * a->D;
+    v->q = a->q + (size_t)h * G * (a->D + a->branch_dim);
     v->best = a->best + (size_t)h * G;
     v->n_heads = a->group;
     v->scale = 1.0f; /* the engine's queries carry the softmax scale */
@@ -97,6 +100,8 @@ static const uint8_t *archive_key(const kvt__recall_rope_args *a, uint32_t h, ui
 void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     kvt__recall_state *st = a->st;
     const uint32_t D = a->D, G = a->group, H = a->n_kv, nq = H * G;
+    const uint32_t bd = a->branch_dim, bo = a->branch_offset, qw = D + bd;
+    const int bt = bd ? a->branch_dtype : a->dtype;
     float *scan_scratch = scratch;
     uint32_t rmax = 0;
     for (uint32_t h = 0; h < H; h++)
@@ -114,8 +119,8 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
             const uint8_t *key = table_key(a, h, r);
             for (uint32_t g = 0; g < G; g++) {
                 const uint32_t t = h * G + g;
-                float sc = kvt__recall_exact(a->q + (size_t)t * D, key, a->dtype, D, 0, a->dtype,
-                                             0, 1.0f);
+                float sc = kvt__recall_exact(a->q + (size_t)t * qw, key, a->dtype, D, bo, bt, bd,
+                                             1.0f);
                 if (sc > a->best[t])
                     a->best[t] = sc;
             }
@@ -139,8 +144,8 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
             for (uint64_t k = 0; k < a->ar_n; k++) {
                 const uint8_t *key = archive_key(a, h, k);
                 for (uint32_t g = 0; g < G; g++) {
-                    float sc = kvt__recall_exact(a->q + (size_t)(h * G + g) * D, key, a->dtype, D,
-                                                 0, a->dtype, 0, 1.0f);
+                    float sc = kvt__recall_exact(a->q + (size_t)(h * G + g) * qw, key, a->dtype,
+                                                 D, bo, bt, bd, 1.0f);
                     if (sc > best_ar[g]) {
                         best_ar[g] = sc;
                         arg[g] = (uint32_t)k;
@@ -152,12 +157,12 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
             for (uint32_t g = 0; g < G; g++) {
                 if (arg[g] == UINT32_MAX)
                     continue;
-                const float *q = a->q + (size_t)(h * G + g) * D;
+                const float *q = a->q + (size_t)(h * G + g) * qw;
                 kvt__recall_head hd;
                 kvt__recall_head_prep(q, D, V, rank, q_sk, tmp, &hd);
                 const size_t k = arg[g];
                 float P, ncsk, e;
-                float idx = kvt__recall_idx(q, q_sk, archive_key(a, h, k), D, 0, a->dtype, 0,
+                float idx = kvt__recall_idx(q, q_sk, archive_key(a, h, k), D, bo, bt, bd,
                                             a->csk + ((size_t)h * a->ar_cap + k) * a->csk_stride,
                                             rank, 1.0f, &P, &ncsk);
                 float cert = kvt__recall_cert(&hd, a->rho[(size_t)h * a->ar_cap + k], 1.0f, D);
@@ -197,9 +202,13 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
     /* a head lists at most every archived row once (its fired rows are distinct archive rows) */
     const uint64_t m = a->ar_n;
+    const bool tokens = a->length != NULL; /* one list, its length instead of an indptr */
     return a->n_kv && a->n_kv <= KVT__RECALL_ROPE_MAX_KV && a->row_bytes &&
-           a->slot_stride >= (size_t)a->n_kv * a->row_bytes && a->plane[0] && a->plane[1] &&
-           a->pdiv && a->st && a->fired && a->n_fired && a->cap && a->indices && a->indptr &&
+           a->slot_stride >= (size_t)a->n_kv * a->row_bytes && a->plane[0] &&
+           (a->n_planes == 1 || (a->n_planes == 2 && a->plane[1])) && a->pdiv && a->st &&
+           a->fired && a->n_fired && a->cap && a->indices &&
+           (tokens ? a->n_kv == 1 && !a->chain && a->out + a->pad <= a->capacity
+                   : a->indptr != NULL) &&
            a->ar_n <= a->ar_cap && (a->ar_n == 0 || a->ar_bytes) && (a->n_rows == 0 || a->pages) &&
            a->fetch_pages && a->fetch_cap >= m && a->n_rows <= INT32_MAX &&
            (a->chain || a->capacity >= a->out + (uint64_t)a->n_kv * (a->n_rows + m)) &&
@@ -212,13 +221,17 @@ void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
     uint64_t o = a->chain ? (uint64_t)a->indptr[0] : a->out;
     /* chained: the host checked the batch's total; a set past the capacity is cut here (never
      * written past the array) — kvt_batch_capacity's figures make it unreachable */
+    const uint64_t o0 = o;
     if (o + (uint64_t)a->n_kv * (a->n_rows + a->ar_n) > a->capacity) {
-        for (uint32_t h = 0; h <= a->n_kv; h++)
+        for (uint32_t h = 0; !a->length && h <= a->n_kv; h++)
             a->indptr[h] = (int32_t)o;
+        if (a->length)
+            *a->length = 0;
         return;
     }
     for (uint32_t h = 0; h < a->n_kv; h++) {
-        a->indptr[h] = (int32_t)o;
+        if (!a->length)
+            a->indptr[h] = (int32_t)o;
         for (uint64_t r = 0; r < a->n_rows; r++)
             a->indices[o++] = kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)r);
         uint64_t m = dense ? a->ar_n : a->n_fired[h];
@@ -228,12 +241,18 @@ void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
         for (uint64_t j = 0; j < m; j++) {
             const uint64_t k = dense ? j : a->fired[(size_t)h * a->cap + j];
             const int32_t slot = kvt__recall_rope_fetch_slot(a, (uint32_t)j);
-            const uint8_t *src = a->ar_bytes + ((size_t)h * a->ar_cap + k) * 2u * rb;
-            for (int p = 0; p < 2; p++)
+            const uint8_t *src = a->ar_bytes + ((size_t)h * a->ar_cap + k) * a->n_planes * rb;
+            for (uint32_t p = 0; p < a->n_planes; p++)
                 memcpy(a->plane[p] + (size_t)slot * a->slot_stride + (size_t)h * rb, src + p * rb,
                        rb);
             a->indices[o++] = slot;
         }
+    }
+    if (a->length) {
+        *a->length = (int32_t)(o - o0);
+        for (; o < o0 + a->pad; o++)
+            a->indices[o] = -1;
+        return;
     }
     a->indptr[a->n_kv] = (int32_t)o;
 }

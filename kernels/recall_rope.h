@@ -6,12 +6,16 @@
  * full scan (kvt__recall_scan_cpu) once per KV head; a CUDA kernel over the same functions gives
  * the same bits.
  *
- * A row here is one KV head's post-RoPE key: D = head_dim values (D > 64: the certificate unit
- * is s·‖q̃_res‖·ρ/√(D − 64) as on NoPE layers, so sound z = √(D − 64)), no branch. Query head t
- * attends KV head t / G (G = n_q_heads / n_kv_heads; MHA: G = 1). The step, given one query per
- * query head (fp32 [n_q][D], the softmax scale already applied):
+ * A row here is one KV head's post-RoPE key: on a GQA/MHA layer D = head_dim values and no
+ * branch; on an MLA-RoPE layer (one latent head, n_kv = 1, G = n_q_heads) the row [c | r] of the
+ * NoPE scan: latent c of D = kv_lora_rank values, sketched, and the rotated branch r (branch_dim
+ * values at branch_offset) scored exactly — the NoPE scan's arithmetic on the archive of random
+ * eviction. D > 64: the certificate unit is s·‖q̃_res‖·ρ/√(D − 64) as on NoPE layers, so sound
+ * z = √(D − 64). Query head t attends KV head t / G (G = n_q_heads / n_kv_heads; MHA: G = 1). The
+ * step, given one query per query head (fp32 [n_q][D + branch_dim], latent first, the softmax
+ * scale already applied):
  *
- *   1. best_t = the head's highest exact score (kvt__recall_exact, branch 0) over the rows its KV
+ *   1. best_t = the head's highest exact score (kvt__recall_exact) over the rows its KV
  *      head attends without recall: the table's rows [0, n_rows) (the step's included), key at
  *      keys + slot·slot_stride + h·row_bytes. NaN skipped; no row: -Inf.
  *   2. No archived row (ar_n = 0): nothing fires, the step is not dense.
@@ -49,7 +53,10 @@ typedef struct kvt__recall_rope_args {
     uint32_t row_bytes;       /* head h's key at + h · row_bytes */
     uint64_t n_rows;          /* rows every head attends (the step's included) */
     int dtype;                /* KVT__DT_BF16 / FP16 / FP32 */
-    uint32_t D;               /* head_dim (> 64) */
+    uint32_t D;               /* the sketched part: head_dim (GQA), kv_lora_rank (MLA-RoPE); > 64 */
+    uint32_t branch_dim;      /* MLA-RoPE: the rotated branch, scored exactly (64); GQA: 0 */
+    uint32_t branch_offset;   /* its byte offset in a row */
+    int branch_dtype;
     uint32_t n_kv;            /* KV heads (<= KVT__RECALL_ROPE_MAX_KV) */
     uint32_t group;           /* query heads per KV head (G >= 1) */
     /* The archive (tiers/evict.c): [n_kv][ar_cap][ar_row_bytes], key first, ar_n rows a head. */
@@ -64,7 +71,7 @@ typedef struct kvt__recall_rope_args {
     uint32_t basis_stride;
     uint32_t rank[KVT__RECALL_ROPE_MAX_KV]; /* per head, <= csk_stride (0: none) */
     /* The request's queries and trigger. */
-    const float *q;           /* [n_kv · group][D] */
+    const float *q;           /* [n_kv · group][D + branch_dim] */
     float *best;              /* [n_kv · group] out */
     int mode;                 /* KVT__RECALL_CONFORMAL / SOUND / MARGIN */
     float margin;             /* δ (margin mode) */
@@ -93,15 +100,16 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch);
  * table's rows [0, n_rows) plus its own fetched archive rows, so the sets differ per KV head:
  * one CSR list per (request, KV head). The archive is not in the pool's slot space, so the
  * fetched rows are first copied into slots the attention can read: a fetch area of the
- * request's (pool pages it owns), fetched row j of head h into fetch row j, head h's slice, both
- * planes. Head h's list: the slots of rows [0, n_rows) ascending, then fetch rows
+ * request's (pool pages it owns), fetched row j of head h into fetch row j, head h's slice, every
+ * plane. Head h's list: the slots of rows [0, n_rows) ascending, then fetch rows
  * [0 .. m_h), m_h = n_fired[h] (archive order), or ar_n on a dense step (every
  * archived row; st->last_dense). No filler row: a head whose m_h is smaller lists fewer slots (a
  * zero key is not neutral, a duplicate doubles its weight). Other heads' slices of a fetch slot
  * are never listed for head h unless written for it in the same call.
  * ------------------------------------------------------------------------------------------- */
 typedef struct kvt__recall_rope_emit_args {
-    uint8_t *plane[2];          /* the layer's pool planes (K, V) */
+    uint8_t *plane[2];          /* the layer's pool planes (K, V; MLA: the one row plane) */
+    uint32_t n_planes;          /* 2 (GQA/MHA) or 1 (MLA-RoPE) */
     size_t slot_stride;         /* bytes of a slot of a plane (n_kv · row_bytes) */
     uint32_t row_bytes;
     uint32_t n_kv;
@@ -109,7 +117,7 @@ typedef struct kvt__recall_rope_emit_args {
     uint64_t first_page;
     const kvt__div32 *pdiv;     /* page_rows (host value) */
     uint64_t n_rows;            /* rows every head attends without recall */
-    const uint8_t *ar_bytes;    /* [n_kv][ar_cap][2][row_bytes] */
+    const uint8_t *ar_bytes;    /* [n_kv][ar_cap][n_planes][row_bytes] */
     uint64_t ar_cap, ar_n;
     const uint32_t *fired;      /* [n_kv][cap] */
     const uint32_t *n_fired;    /* [n_kv] */
@@ -123,7 +131,12 @@ typedef struct kvt__recall_rope_emit_args {
     int32_t *indices;           /* [capacity] */
     uint64_t capacity;          /* >= out + n_kv · (n_rows + ar_n): held + archived rows per
                                  * head are at most the request's rows (kvt_batch_capacity) */
-    int32_t *indptr;            /* [n_kv + 1]: head h's entries [indptr[h], indptr[h + 1]) */
+    int32_t *indptr;            /* [n_kv + 1]: head h's entries [indptr[h], indptr[h + 1]);
+                                 * NULL with `length` */
+    int32_t *length;            /* FlashMLA's layout (one KV head: n_kv = 1, not chained): the
+                                 * list's length is written here instead of an indptr, and
+                                 * indices [out + length, out + pad) get -1; NULL: CSR */
+    uint64_t pad;
     uint64_t out;               /* first entry written (indptr[0] = out) */
     bool chain;                 /* out = indptr[0] as the backend already wrote it (requests
                                  * emitted one after another: the host knows no count) */

@@ -395,8 +395,33 @@ static kvt_status flush_pack(kvt_batch *b, uint32_t layer, void *stream, kvt__pa
     pa->n = *k;
     *k = 0;
     kvt_status s = b->be.ops->pack(&b->be, pa, stream);
+    pa->first_csr = false;
     return s == KVT_OK ? KVT_OK
                        : kvt__ctx_fail(b->ctx, s, "packing the attended sets of layer %u", layer);
+}
+
+/* KVT_EMIT_TOKENS on a layer with one KV head: RoPE-recalling request i's row of the indices
+ * (FlashMLA's layout: topk_length, then -1 up to topk) from the recall_rope_emit op, after the
+ * queued queries are packed. */
+static kvt_status emit_rope_tokens(kvt_batch *b, uint32_t i, uint32_t layer, void *stream,
+                                   const kvt_emit *emit, kvt__pack_args *pa, uint32_t *k) {
+    kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    kvt_status s;
+    if (*k && (s = flush_pack(b, layer, stream, pa, k)) != KVT_OK)
+        return s;
+    const uint64_t at = (uint64_t)i * emit->capacity;
+    kvt__recall_rope_emit_args ea;
+    if ((s = kvt__seq_rope_emit_item(b->seqs[i], layer, b->recall_way[i] == RECALL_ALL,
+                                     emit->indices, at + emit->capacity, NULL, &ea)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer, kvt__tls_error());
+    ea.chain = false;
+    ea.out = at;
+    ea.pad = emit->capacity;
+    ea.length = emit->lengths + i;
+    if ((s = be->ops->recall_rope_emit(be, &ea, 1, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "emitting seqs[%u]'s set on layer %u", i, layer);
+    return KVT_OK;
 }
 
 /* KVT_EMIT_CSR_KV_HEADS: per request, n_kv lists — a RoPE-recalling request's from the
@@ -524,12 +549,16 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (fetches && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: requests of the batch recall on layer %u", layer);
-    if (rope && !heads)
+    /* One KV head (MLA-RoPE, MQA): the per-head list is the request's list, so CSR is the
+     * per-head layout and TOKENS takes it at the request's row (one query token per request). */
+    const bool one_kv = ctx->stores[layer].spec.n_kv_heads == 1;
+    if (rope && !heads && (!one_kv || S > 1))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "layer %u: requests of the batch recall on this RoPE layer, whose KV "
-                             "heads attend different rows: emit.layout must be "
-                             "KVT_EMIT_CSR_KV_HEADS",
-                             layer);
+                             "layer %u: requests of the batch recall on this RoPE layer: "
+                             "emit.layout must be KVT_EMIT_CSR_KV_HEADS (%s)",
+                             layer,
+                             one_kv ? "TOKENS and CSR take one query per request here"
+                                    : "its KV heads attend different rows");
     b->ran = true;
     b->stream = stream;
     s = kvt__seqs_step(ctx, b->seqs, b->defer, b->n_seqs, layer, &b->be, stream, b->steps,
@@ -574,12 +603,17 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                          .dev_offsets = !tokens && fetches, .capacity = emit->capacity,
                          .indices = emit->indices, .lengths = emit->lengths,
                          .indptr = emit->indptr};
-    if (heads) /* the lists are chained on the backend from indptr[0] */
+    if (heads || (rope && !tokens)) /* the lists are chained on the backend from indptr[0] */
         return emit_kv_heads(b, layer, n_kv, stream, emit, q, &pa);
     uint64_t off = 0;
     uint32_t k = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
+        if (sq && kvt__seq_recalls_rope(sq, layer)) { /* TOKENS, one KV head, S = 1 */
+            if ((s = emit_rope_tokens(b, i, layer, stream, emit, &pa, &k)) != KVT_OK)
+                return s;
+            continue;
+        }
         for (uint32_t t = 0; t < S; t++) {
             uint64_t at = (uint64_t)i * S + t;
             kvt__pack_query *pq = &q[k];
@@ -595,15 +629,12 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
             pq->len_at = tokens ? at : at + 1;
             /* an every-row set's size is the host's too (a fetching one's is not: dev_offsets) */
             off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
-            if (++k == KVT__PACK_CHUNK || (i + 1 == b->n_seqs && t + 1 == S)) {
-                pa.n = k;
-                if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)
-                    return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", layer);
-                pa.first_csr = false;
-                k = 0;
-            }
+            if (++k == KVT__PACK_CHUNK && (s = flush_pack(b, layer, stream, &pa, &k)) != KVT_OK)
+                return s;
         }
     }
+    if (k && (s = flush_pack(b, layer, stream, &pa, &k)) != KVT_OK)
+        return s;
     if (!tokens && b->n_seqs == 0 && (s = be->ops->write(be, emit->indptr, &(int32_t){0},
                                                          sizeof(int32_t), stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "emission of an empty batch");

@@ -348,8 +348,12 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  * archive (config.evict_archive, with sketch planes): per KV head, its archived rows' post-RoPE
  * keys through the head's sketch (kvt_ctx_set_recall_head_basis), its query heads' best over the
  * rows it attends, D = head_dim (> 64), one z per request and layer; W is per KV head, and an
- * overflow in any head lists the whole archive. Such a layer then needs the emission layout
- * KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) and costs the request a fetch area of pool pages for as
+ * overflow in any head lists the whole archive. On an MLA-RoPE layer (one latent head) the
+ * archived row is scored as on NoPE layers: its latent (kv_lora_rank values) through the head's
+ * sketch, its rotated branch exactly, D = kv_lora_rank. Such a layer then needs the emission
+ * layout KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) — on a layer with one KV head (MLA-RoPE, MQA)
+ * KVT_EMIT_TOKENS and KVT_EMIT_CSR serve too (one list, the same) — and costs the request a
+ * fetch area of pool pages for as
  * many rows as it holds (counted by kvt_seq_pages_needed); its requests cannot be snapshotted yet
  * (KVT_ERR_UNSUPPORTED). CPU and guarded backends only for now: on CUDA a request that would
  * recall on such a layer is refused at creation (KVT_ERR_UNSUPPORTED, named).
@@ -629,19 +633,22 @@ KVT_API kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const 
 KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank,
                                         uint32_t *id);
 
-/* Give KV head `kv_head` of an evict (GQA/MHA-RoPE) layer its key basis (docs/recall.md §9): V is
- * host memory of rank x head_dim fp32 values, orthonormal rows as for kvt_ctx_set_recall_basis,
+/* Give KV head `kv_head` of an evict (GQA/MHA-RoPE or MLA-RoPE) layer its key basis
+ * (docs/recall.md §9): V is host memory of rank x D fp32 values (D = head_dim on GQA/MHA layers,
+ * kv_lora_rank = value_dim on MLA-RoPE layers, whose one head is 0 and whose rotated branch is
+ * scored exactly), orthonormal rows as for kvt_ctx_set_recall_basis,
  * fitted to that head's post-RoPE keys; each archived row of the head gets csk = its key
  * projected on V (fp16) and ρ = the norm of what the sketch misses. A head without one gets
  * empty sketches and ρ = the key's norm (the trigger is still sound, it only fetches more).
- * Sketches are built on evict layers with two planes (K, V) of bf16/fp16/fp32 rows in a context
- * with params.recall_sketch_rank > 0, for requests with config.evict_archive; their stride is
- * min(recall_sketch_rank, head_dim). A second call replaces the head's basis. Errors (nothing
- * changed): KVT_ERR_INVALID_ARGUMENT (NULL ctx or V, NaN/Inf, rows not orthonormal),
+ * Sketches are built on evict layers with two planes (K, V) or one MLA-RoPE plane of
+ * bf16/fp16/fp32 rows in a context with params.recall_sketch_rank > 0, for requests with
+ * config.evict_archive; their stride is min(recall_sketch_rank, D). A second call replaces the
+ * head's basis. Errors (nothing changed): KVT_ERR_INVALID_ARGUMENT (NULL ctx or V, NaN/Inf,
+ * rows not orthonormal),
  * KVT_ERR_OUT_OF_RANGE (layer, kv_head, or rank 0 or above the stride), KVT_ERR_POLICY_MISMATCH
  * (not an evict layer), KVT_ERR_UNSUPPORTED (no sketch planes, or a layer whose rows the sketch
- * cannot take: one plane (MLA) or fp8), KVT_ERR_BAD_STATE (a request already reserved rows),
- * KVT_ERR_OUT_OF_MEMORY. */
+ * cannot take: fp8, or a one-plane layer that is not MLA-RoPE), KVT_ERR_BAD_STATE (a request
+ * already reserved rows), KVT_ERR_OUT_OF_MEMORY. */
 KVT_API kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
                                                  const float *V, uint32_t rank);
 /* A head's key basis: *rank (0: none) and *id (CRC-32 of V's bytes, 0 without one); either may

@@ -25,7 +25,7 @@ void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st) {
     const size_t H = st->spec.n_kv_heads;
     if (st->kb_V)
         ctx->backend.ops->buf_free(&ctx->backend, st->kb_V,
-                                   sizeof(float) * H * st->kb_stride * st->spec.head_dim);
+                                   sizeof(float) * H * st->kb_stride * kvt__ev_key_dim(&st->spec));
     kvt__free(&ctx->alloc, st->kb_rank, sizeof *st->kb_rank * H);
     kvt__free(&ctx->alloc, st->kb_id, sizeof *st->kb_id * H);
     st->kb_V = NULL;
@@ -142,13 +142,13 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
 
 /* ---- Per-KV-head key bases of evict layers (recall on RoPE layers, docs/recall.md §9) ---- */
 
-/* The layer's [H][stride][head_dim] buffer and host arrays, allocated on the first head's basis
+/* The layer's [H][stride][D] buffer (D = kvt__ev_key_dim) and host arrays, allocated on the first head's basis
  * (zeroed: every other head has none). */
 static kvt_status head_bases_alloc(kvt_ctx *ctx, kvt__store *st, uint32_t stride) {
     if (st->kb_V)
         return KVT_OK;
     const size_t H = st->spec.n_kv_heads;
-    const size_t bytes = sizeof(float) * H * stride * st->spec.head_dim;
+    const size_t bytes = sizeof(float) * H * stride * kvt__ev_key_dim(&st->spec);
     void *dev = NULL;
     kvt_status s = ctx->backend.ops->buf_alloc(&ctx->backend, bytes, &dev);
     if (s != KVT_OK)
@@ -191,21 +191,21 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
     if (stride == 0)
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "%s: layer %u's rows (%u planes of %s) get no archive sketches "
-                             "(GQA/MHA layers of bf16, fp16 or fp32 rows only)",
+                             "(GQA/MHA and MLA-RoPE layers of bf16, fp16 or fp32 rows only)",
                              fn, layer, st->spec.n_planes, kvt_dtype_name(st->spec.dtype));
     if (kv_head >= st->spec.n_kv_heads)
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "%s: KV head %u of %u", fn, kv_head,
                              st->spec.n_kv_heads);
     if (rank == 0 || rank > stride)
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE,
-                             "%s: rank %u not in 1..%u (min(recall_sketch_rank, head_dim))", fn,
+                             "%s: rank %u not in 1..%u (min(recall_sketch_rank, the key's sketched dim))", fn,
                              rank, stride);
     if (ctx->started)
         return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
                              "%s: a request already reserved rows (sketches of a head must all "
                              "come from one basis)",
                              fn);
-    const uint32_t D = st->spec.head_dim;
+    const uint32_t D = kvt__ev_key_dim(&st->spec);
     kvt_status s = check_basis_of(ctx, fn, V, rank, D, NULL);
     if (s != KVT_OK)
         return s;

@@ -1164,7 +1164,8 @@ kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
     const kvt__recall_rope_layer *r = &seq->rrope[layer];
     const kvt__ptable *f = &seq->fetch[st->group];
     *out = (kvt__recall_rope_emit_args){
-        .plane = {st->plane[0], st->plane[1]}, .slot_stride = st->slot_bytes,
+        .plane = {st->plane[0], st->plane[1]}, .n_planes = st->spec.n_planes,
+        .slot_stride = st->slot_bytes,
         .row_bytes = st->spec.row_bytes, .n_kv = v.n_kv, .pages = v.pages,
         .first_page = v.first_page, .pdiv = v.pdiv, .n_rows = v.n_rows, .ar_bytes = v.ar_bytes,
         .ar_cap = v.ar_cap, .ar_n = v.ar_n, .fired = r->fired, .n_fired = r->n_fired,

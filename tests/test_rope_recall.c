@@ -29,14 +29,17 @@
 
 enum { RR_MAXH = 4 };
 
-/* Context overrides for the next rr_init (0: the defaults). */
+/* Context overrides for the next rr_init (0: the defaults). g_mla: an MLA-RoPE layer instead (one
+ * latent head of D values, a rotated 64-value branch scored exactly; H must be 1). */
 static uint32_t g_n_pages, g_max_seqs, g_max_rows;
+static bool g_mla;
 
 typedef struct rr {
     kvt_ctx *ctx;
     kvt_seq *seq;
     kvt_layer_spec sp;
     uint32_t H, D, stride;
+    uint32_t bd, bo, QW, P; /* branch values and byte offset (MLA), query width D + bd, planes */
     uint64_t n_tok, cap;
     uint8_t *rows[2];  /* shadow [token][H][row_bytes] per plane */
     float *V[RR_MAXH]; /* host bases ([rank][D]) or NULL */
@@ -64,7 +67,16 @@ static void rr_init(rr *x, uint32_t H, uint32_t D, kvt_config cfg, uint32_t sk_r
     x->D = D;
     x->seed = seed;
     x->rng.s = seed;
-    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, D, &x->sp), KVT_OK);
+    if (g_mla) {
+        cr_assert_eq(H, 1u);
+        cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_ROPE, KVT_DTYPE_BF16, D, 64, &x->sp), KVT_OK);
+        x->bd = x->sp.branch_dim;
+        x->bo = x->sp.branch_offset;
+    } else {
+        cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, H, D, &x->sp), KVT_OK);
+    }
+    x->QW = D + x->bd;
+    x->P = x->sp.n_planes;
     x->sp.n_q_heads = 4 * H;
     char err[512] = "";
     kvt_model *m = NULL;
@@ -135,6 +147,10 @@ static void rr_fill(rr *x, uint64_t pos, uint32_t h, uint8_t *key, uint8_t *val)
         b = kvt__f32_to_bf16((float)tu_normal(&x->rng));
         memcpy(val + 2 * d, &b, 2);
     }
+    for (uint32_t j = 0; j < x->bd; j++) { /* MLA-RoPE: the rotated branch (any values) */
+        uint16_t b = kvt__f32_to_bf16((float)(0.5 * tu_normal(&x->rng)));
+        memcpy(key + x->bo + 2 * j, &b, 2);
+    }
 }
 
 /* One step of n tokens: reserve, write, commit (through the run when `run`), kvt_seq_check. */
@@ -164,7 +180,7 @@ static void rr_write(rr *x, uint32_t n) {
             rr_fill(x, x->n_tok + t, h, rr_row(x, 0, x->n_tok + t, h),
                     rr_row(x, 1, x->n_tok + t, h));
     const size_t slot = (size_t)x->H * x->sp.row_bytes;
-    for (uint32_t p = 0; p < 2; p++)
+    for (uint32_t p = 0; p < x->P; p++)
         cr_assert_eq(kvt_seq_write(x->seq, 0, p, 0, n, rr_row(x, p, x->n_tok, 0), n * slot),
                      KVT_OK, "%s", kvt_last_error());
 }
@@ -445,7 +461,7 @@ static void trig_init(trig *t, rr *x, uint32_t cap) {
     const kvt__backend *be = be_of(x);
     cr_assert_eq(kvt__recall_rope_prepare(&t->rl, be, t->nq, x->H, cap), KVT_OK);
     void *p = NULL;
-    cr_assert_eq(be->ops->buf_alloc(be, sizeof(float) * t->nq * x->D, &p), KVT_OK);
+    cr_assert_eq(be->ops->buf_alloc(be, sizeof(float) * t->nq * x->QW, &p), KVT_OK);
     t->qdev = p;
     cr_assert_eq(be->ops->buf_alloc(be, 1, &p), KVT_OK);
     t->ddev = p;
@@ -455,7 +471,7 @@ static void trig_init(trig *t, rr *x, uint32_t cap) {
 static void trig_fini(trig *t, rr *x) {
     const kvt__backend *be = be_of(x);
     kvt__recall_rope_fini(&t->rl, be);
-    be->ops->buf_free(be, t->qdev, sizeof(float) * t->nq * x->D);
+    be->ops->buf_free(be, t->qdev, sizeof(float) * t->nq * x->QW);
     be->ops->buf_free(be, t->ddev, 1);
 }
 
@@ -465,7 +481,7 @@ static void trig_run(trig *t, rr *x, const float *q, kvt_recall_mode mode, float
     const kvt__backend *be = be_of(x);
     kvt__recall_rope_args view, a;
     cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(be->ops->write(be, t->qdev, q, sizeof(float) * t->nq * x->D, NULL), KVT_OK);
+    cr_assert_eq(be->ops->write(be, t->qdev, q, sizeof(float) * t->nq * x->QW, NULL), KVT_OK);
     kvt__recall_rope_make(&t->rl, &view, t->qdev, mode, margin, t->ddev, &a);
     cr_assert_eq(be->ops->recall_rope_step(be, &a, 1, NULL), KVT_OK);
     dev_read(x, &o->st, t->rl.base.st, sizeof o->st);
@@ -535,8 +551,8 @@ static void oview_free(oview *v) {
 }
 
 static float o_exact(const rr *x, const float *q, uint32_t h, int64_t pos) {
-    return kvt__recall_exact(q, rr_row(x, 0, (uint64_t)pos, h), KVT__DT_BF16, x->D, 0,
-                             KVT__DT_BF16, 0, 1.0f);
+    return kvt__recall_exact(q, rr_row(x, 0, (uint64_t)pos, h), KVT__DT_BF16, x->D, x->bo,
+                             KVT__DT_BF16, x->bd, 1.0f);
 }
 
 /* The oracle's best per query head (over the attended rows of its KV head). */
@@ -546,7 +562,7 @@ static void o_best(const rr *x, const oview *v, const float *q, float *best) {
         const uint32_t h = t / G;
         best[t] = -INFINITY;
         for (uint64_t i = 0; i < v->n_rows; i++) {
-            float sc = o_exact(x, q + (size_t)t * x->D, h, v->pos[h][i]);
+            float sc = o_exact(x, q + (size_t)t * x->QW, h, v->pos[h][i]);
             best[t] = sc > best[t] ? sc : best[t];
         }
     }
@@ -562,19 +578,19 @@ static uint64_t o_fire(const rr *x, const oview *v, const float *q, const float 
         in[k] = 0;
         for (uint32_t g = 0; g < G && !in[k]; g++) {
             const uint32_t t = h * G + g;
-            const float *qh = q + (size_t)t * D;
+            const float *qh = q + (size_t)t * x->QW;
             kvt__recall_head hd;
             kvt__recall_head_prep(qh, D, x->V[h], R, q_sk, tmp, &hd);
             float P, ncsk;
             float idx = kvt__recall_idx(qh, q_sk, rr_row(x, 0, (uint64_t)v->ar_pos[h][k], h), D,
-                                        0, KVT__DT_BF16, 0, v->csk[h] + k * x->stride, R, 1.0f,
-                                        &P, &ncsk);
+                                        x->bo, KVT__DT_BF16, x->bd, v->csk[h] + k * x->stride, R,
+                                        1.0f, &P, &ncsk);
             int f;
             if (mode == KVT__RECALL_SOUND)
                 f = kvt__recall_sound_fires(idx,
                                             kvt__recall_sound_margin(&hd, idx, P, ncsk,
-                                                                     v->rho[h][k], 1.0f, z, D, 0,
-                                                                     R),
+                                                                     v->rho[h][k], 1.0f, z, D,
+                                                                     x->bd, R),
                                             best[t]);
             else if (mode == KVT__RECALL_MARGIN)
                 f = !(idx + z < best[t]);
@@ -597,7 +613,7 @@ static bool o_calibrate(trig *t, const rr *x, const oview *v, const float *q, co
     uint32_t n_e = 0;
     for (uint32_t qt = 0; qt < x->sp.n_q_heads; qt++) {
         const uint32_t h = qt / G;
-        const float *qh = q + (size_t)qt * D;
+        const float *qh = q + (size_t)qt * x->QW;
         float bs = -INFINITY;
         int64_t arg = -1;
         for (uint64_t k = 0; k < v->ar_n; k++) {
@@ -612,9 +628,9 @@ static bool o_calibrate(trig *t, const rr *x, const oview *v, const float *q, co
         float q_sk[KVT__SKETCH_MAX_RANK + 1], tmp[1024], P, ncsk;
         kvt__recall_head hd;
         kvt__recall_head_prep(qh, D, x->V[h], x->rank[h], q_sk, tmp, &hd);
-        float idx = kvt__recall_idx(qh, q_sk, rr_row(x, 0, (uint64_t)v->ar_pos[h][arg], h), D, 0,
-                                    KVT__DT_BF16, 0, v->csk[h] + arg * x->stride, x->rank[h], 1.0f,
-                                    &P, &ncsk);
+        float idx = kvt__recall_idx(qh, q_sk, rr_row(x, 0, (uint64_t)v->ar_pos[h][arg], h), D,
+                                    x->bo, KVT__DT_BF16, x->bd, v->csk[h] + arg * x->stride,
+                                    x->rank[h], 1.0f, &P, &ncsk);
         float cert = kvt__recall_cert(&hd, v->rho[h][arg], 1.0f, D);
         if (kvt__conformal_sample(bs, idx, cert, &e[n_e]))
             n_e++;
@@ -630,7 +646,7 @@ static void make_queries(rr *x, const oview *v, float *q, uint32_t *aimed) {
     *aimed = 0;
     for (uint32_t t = 0; t < x->sp.n_q_heads; t++) {
         const uint32_t h = t / G;
-        float *qh = q + (size_t)t * D;
+        float *qh = q + (size_t)t * x->QW;
         bool aim = v->ar_n && tu_next(&x->rng) % 3 == 0;
         const uint8_t *key =
             aim ? rr_row(x, 0, (uint64_t)v->ar_pos[h][tu_next(&x->rng) % v->ar_n], h) : NULL;
@@ -639,6 +655,10 @@ static void make_queries(rr *x, const oview *v, float *q, uint32_t *aimed) {
             if (key && !isfinite(kd))
                 kd = 0.0f;
             qh[d] = 0.3f * kd + (float)(0.03 * tu_normal(&x->rng));
+        }
+        for (uint32_t j = 0; j < x->bd; j++) { /* MLA-RoPE: the branch part */
+            float kj = key ? kvt__sigma_branch_val(key, x->bo, KVT__DT_BF16, j) : 0.0f;
+            qh[D + j] = 0.3f * kj + (float)(0.1 * tu_normal(&x->rng));
         }
         const uint32_t sub = x->rank[h] < 8 ? x->rank[h] : 8;
         for (uint32_t k = 0; !key && k < sub; k++) {
@@ -681,7 +701,7 @@ static void expect_fired(const rr *x, const trig_out *o, uint32_t h, const uint8
  * 32 and 16 (sound_never_misses also runs a head without one). */
 static void trig_model_ranks(rr *x, kvt_backend_kind backend, uint64_t seed, uint32_t r1) {
     const uint32_t rank[2] = {32, r1};
-    rr_init(x, 2, 128, rr_cfg(32, 8, 16), 32, rank, backend, seed);
+    rr_init(x, g_mla ? 1 : 2, 128, rr_cfg(32, 8, 16), 32, rank, backend, seed); /* MLA: head 0 */
     cr_assert_eq(kvt_seq_set_prompt_rows(x->seq, 4), KVT_OK);
     rr_step(x, 4, false);
     for (int i = 0; i < 60; i++)
@@ -702,7 +722,7 @@ static void conformal_run(kvt_backend_kind backend, uint64_t seed, uint64_t *fet
     trig_init(&t, &x, 4096);
     trig_out o;
     memset(&o, 0, sizeof o);
-    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    float q[TR_MAXQ * 256], best[TR_MAXQ];
     bool calibrating = true;
     uint64_t aimed_total = 0;
     uint8_t *in = malloc(TR_MAXA);
@@ -761,14 +781,14 @@ Test(rope_trigger, conformal_fired_sets_equal_the_oracle, .timeout = 240) {
 
 /* Sound mode never misses an archived row whose exact score reaches its query head's attended
  * best (the fp32 score kvt__recall_exact computes); margin mode is the oracle's !(idx + δ < best). */
-Test(rope_trigger, sound_never_misses_and_margin_is_exact, .timeout = 240) {
+static void sound_margin_run(void) {
     rr x;
     trig_model_ranks(&x, KVT_BACKEND_CPU, 777, 0);
     trig t;
     trig_init(&t, &x, 4096);
     trig_out o;
     memset(&o, 0, sizeof o);
-    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    float q[TR_MAXQ * 256], best[TR_MAXQ];
     uint8_t *in = malloc(TR_MAXA);
     const uint32_t G = x.sp.n_q_heads / x.H;
     uint64_t reaching = 0, fetched = 0, archived = 0;
@@ -795,7 +815,7 @@ Test(rope_trigger, sound_never_misses_and_margin_is_exact, .timeout = 240) {
             for (uint64_t k = 0; k < v.ar_n; k++)
                 for (uint32_t g = 0; g < G; g++) {
                     const uint32_t qt = h * G + g;
-                    if (!(o_exact(&x, q + (size_t)qt * x.D, h, v.ar_pos[h][k]) >= best[qt]))
+                    if (!(o_exact(&x, q + (size_t)qt * x.QW, h, v.ar_pos[h][k]) >= best[qt]))
                         continue;
                     reaching++;
                     bool found = false;
@@ -809,13 +829,17 @@ Test(rope_trigger, sound_never_misses_and_margin_is_exact, .timeout = 240) {
         oview_free(&v);
     }
     cr_assert_gt(reaching, 10u, "the data has archived rows that beat the attended ones");
-    cr_log_info("sound: %llu (row, head) pairs reaching the best, fetched %llu of %llu archived "
-                "(row, KV head) pairs", (unsigned long long)reaching, (unsigned long long)fetched,
-                (unsigned long long)archived);
+    cr_log_info("sound%s: %llu (row, head) pairs reaching the best, fetched %llu of %llu archived "
+                "(row, KV head) pairs", g_mla ? " (MLA-RoPE)" : "", (unsigned long long)reaching,
+                (unsigned long long)fetched, (unsigned long long)archived);
     free(in);
     trig_out_free(&o);
     trig_fini(&t, &x);
     rr_fini(&x);
+}
+
+Test(rope_trigger, sound_never_misses_and_margin_is_exact, .timeout = 240) {
+    sound_margin_run();
 }
 
 /* Overflow: with W = 2 a sound step fires more rows than W in some head: the step is dense (the
@@ -827,7 +851,7 @@ Test(rope_trigger, overflow_gives_every_row) {
     trig_init(&t, &x, 2);
     trig_out o;
     memset(&o, 0, sizeof o);
-    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    float q[TR_MAXQ * 256], best[TR_MAXQ];
     uint8_t *in = malloc(TR_MAXA);
     oview v;
     oview_read(&x, &v);
@@ -964,6 +988,17 @@ static int cmp_pos(const void *a, const void *b) {
 static void ref_attn(const rr *x, const uint8_t *rows, uint32_t n, const float *q, float *out,
                      double *lse) {
     const uint32_t D = x->D;
+    if (x->P == 1) { /* MLA: the row is the key [c | r], its first D values the value */
+        double *sc = malloc(sizeof(double) * kvt__attn_scratch_doubles(n, 1, D, x->QW));
+        kvt__attn_args a = {.base = rows, .slots = NULL, .n_rows = n,
+                            .slot_stride = x->sp.row_bytes, .row_offset = 0,
+                            .dtype = KVT__DT_BF16, .key_dim = x->QW, .value_dim = D, .q = q,
+                            .n_heads = 1, .q_stride = x->QW, .scale = 1.0, .out = out,
+                            .lse = lse, .scratch = sc};
+        cr_assert_eq(kvt__attn_cpu(&a), 0);
+        free(sc);
+        return;
+    }
     float qq[256];
     for (uint32_t d = 0; d < D; d++) {
         qq[d] = 0.0f;
@@ -990,7 +1025,8 @@ static void check_lists(rr *x, bool dense, const oview *v, const float *q, const
     const kvt__store *st = &x->ctx->stores[0];
     uint8_t *in = malloc(v->ar_n + 1);
     const size_t slot_bytes = st->slot_bytes;
-    uint8_t *got = malloc((v->n_rows + m) * 2u * rb), *want = malloc((v->n_rows + m) * 2u * rb);
+    const size_t es = (size_t)x->P * rb; /* one entry's bytes: [V | K], or the MLA row */
+    uint8_t *got = malloc((v->n_rows + m) * es), *want = malloc((v->n_rows + m) * es);
     int64_t *wpos = malloc(sizeof(int64_t) * (v->n_rows + m));
     cr_assert_eq(indptr[0], 0);
     for (uint32_t h = 0; h < H; h++) {
@@ -1018,11 +1054,17 @@ static void check_lists(rr *x, bool dense, const oview *v, const float *q, const
             for (uint64_t e2 = 0; e2 < e; e2++)
                 cr_assert_neq(indices[indptr[h] + e2], slot, "head %u lists slot %d twice", h,
                               slot);
-            uint8_t *g = got + e * 2u * rb;
-            dev_read(x, g, st->plane[1] + (size_t)slot * slot_bytes + (size_t)h * rb, rb);
-            dev_read(x, g + rb, st->plane[0] + (size_t)slot * slot_bytes + (size_t)h * rb, rb);
-            cr_assert(memcmp(g, rr_row(x, 1, (uint64_t)wpos[e], h), rb) == 0 &&
-                          memcmp(g + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb) == 0,
+            uint8_t *g = got + e * es;
+            if (x->P == 1) {
+                dev_read(x, g, st->plane[0] + (size_t)slot * slot_bytes, rb);
+            } else {
+                dev_read(x, g, st->plane[1] + (size_t)slot * slot_bytes + (size_t)h * rb, rb);
+                dev_read(x, g + rb, st->plane[0] + (size_t)slot * slot_bytes + (size_t)h * rb,
+                         rb);
+            }
+            cr_assert((x->P == 1 && memcmp(g, rr_row(x, 0, (uint64_t)wpos[e], h), rb) == 0) ||
+                          (x->P == 2 && memcmp(g, rr_row(x, 1, (uint64_t)wpos[e], h), rb) == 0 &&
+                           memcmp(g + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb) == 0),
                       "seed %llu head %u entry %llu: bytes differ from position %lld's",
                       (unsigned long long)x->seed, h, (unsigned long long)e, (long long)wpos[e]);
         }
@@ -1030,11 +1072,15 @@ static void check_lists(rr *x, bool dense, const oview *v, const float *q, const
         qsort(wpos, n, sizeof *wpos, cmp_pos);
         for (uint64_t e = 0; e < n; e++) {
             cr_assert(e == 0 || wpos[e] > wpos[e - 1], "a position twice in head %u's set", h);
-            memcpy(want + e * 2u * rb, rr_row(x, 1, (uint64_t)wpos[e], h), rb);
-            memcpy(want + e * 2u * rb + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb);
+            if (x->P == 1) {
+                memcpy(want + e * es, rr_row(x, 0, (uint64_t)wpos[e], h), rb);
+            } else {
+                memcpy(want + e * es, rr_row(x, 1, (uint64_t)wpos[e], h), rb);
+                memcpy(want + e * es + rb, rr_row(x, 0, (uint64_t)wpos[e], h), rb);
+            }
         }
         for (uint32_t g = 0; g < G; g++) {
-            const float *qt = q + (size_t)(h * G + g) * D;
+            const float *qt = q + (size_t)(h * G + g) * x->QW;
             float out_a[128], out_b[128];
             double lse_a, lse_b;
             ref_attn(x, got, (uint32_t)n, qt, out_a, &lse_a);
@@ -1077,7 +1123,8 @@ static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, co
     cr_assert_eq(be->ops->buf_alloc(be, sizeof(int32_t) * (H + 1), &ptr), KVT_OK);
     const kvt__store *st = &x->ctx->stores[0];
     kvt__recall_rope_emit_args ea = {
-        .plane = {st->plane[0], st->plane[1]}, .slot_stride = st->slot_bytes, .row_bytes = rb,
+        .plane = {st->plane[0], st->plane[1]}, .n_planes = 2, .slot_stride = st->slot_bytes,
+        .row_bytes = rb,
         .n_kv = H, .pages = view.pages, .first_page = view.first_page, .pdiv = view.pdiv,
         .n_rows = view.n_rows, .ar_bytes = view.ar_bytes, .ar_cap = view.ar_cap,
         .ar_n = view.ar_n, .fired = t->rl.fired, .n_fired = t->rl.n_fired, .cap = t->rl.cap,
@@ -1109,7 +1156,7 @@ static void emission_run(kvt_backend_kind backend, uint64_t seed) {
     trig_init(&t, &x, 64);
     trig_out o;
     memset(&o, 0, sizeof o);
-    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    float q[TR_MAXQ * 256], best[TR_MAXQ];
     uint64_t fetched = 0, dense_steps = 0, steps = 0;
     for (int step = 0; step < 24; step++) {
         rr_step(&x, 1, step % 2 == 1);
@@ -1159,7 +1206,7 @@ static void e2e_init(e2e *e, rr *x, uint32_t max_rows) {
     memset(e, 0, sizeof *e);
     cr_assert_eq(kvt_batch_create(x->ctx, 1, &e->b), KVT_OK);
     e->cap_idx = x->H * max_rows;
-    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(float) * x->sp.n_q_heads * x->D, &e->qbuf),
+    cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(float) * x->sp.n_q_heads * x->QW, &e->qbuf),
                  KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(int32_t) * e->cap_idx, &e->ibuf), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(x->ctx, sizeof(int32_t) * (x->H + 1), &e->pbuf), KVT_OK);
@@ -1179,7 +1226,7 @@ static kvt_status e2e_step(e2e *e, rr *x, const float *q, kvt_emit_layout layout
     uint32_t one = 1;
     cr_assert_eq(kvt_batch_reserve(e->b, &x->seq, &one, 1), KVT_OK, "%s", kvt_last_error());
     rr_write(x, 1);
-    cr_assert_eq(kvt_buffer_write(e->qbuf, 0, q, sizeof(float) * x->sp.n_q_heads * x->D), KVT_OK);
+    cr_assert_eq(kvt_buffer_write(e->qbuf, 0, q, sizeof(float) * x->sp.n_q_heads * x->QW), KVT_OK);
     uint32_t topk, total;
     cr_assert_eq(kvt_batch_plan(e->b), KVT_OK);
     cr_assert_eq(kvt_batch_capacity(e->b, 0, &topk, &total), KVT_OK);
@@ -1201,6 +1248,37 @@ static kvt_status e2e_step(e2e *e, rr *x, const float *q, kvt_emit_layout layout
     return s;
 }
 
+/* After a conformal decode step through kvt_batch_run (dense flag and the lists read back as
+ * indptr/indices): the committed state's oracle — while calibrating, a whole-archive list and z
+ * as the oracle's calibration; then the lists of check_lists. Counts into the tallies. */
+typedef struct e2e_tally {
+    bool calibrating;
+    uint64_t fetched, dense_steps, archived_steps;
+} e2e_tally;
+
+static void e2e_check(rr *x, trig *t, const float *q, uint8_t dense, const int32_t *indptr,
+                      const int32_t *indices, int step, e2e_tally *y) {
+    float best[TR_MAXQ];
+    oview v; /* the state the run saw: the committed one (its round ran in the step) */
+    oview_read(x, &v);
+    o_best(x, &v, q, best);
+    kvt_layer_stats ls = rr_stats(x);
+    if (v.ar_n == 0) {
+        cr_assert_eq(dense, 0);
+    } else if (y->calibrating) {
+        cr_assert_eq(dense, 1, "step %d: a calibration step lists the whole archive", step);
+        y->calibrating = o_calibrate(t, x, &v, q, best);
+        cr_assert_eq(ls.recall_z, t->conf.z, "step %d: z %g, oracle %g", step,
+                     (double)ls.recall_z, (double)t->conf.z);
+    }
+    y->dense_steps += dense;
+    y->archived_steps += v.ar_n > 0;
+    check_lists(x, dense != 0, &v, q, best, KVT__RECALL_CONFORMAL, t->conf.z, indptr, indices,
+                &y->fetched);
+    cr_assert_eq(ls.recall_mode, (int32_t)KVT_RECALL_CONFORMAL);
+    oview_free(&v);
+}
+
 /* Conformal decode through kvt_batch_run: every step's per-KV-head lists are the oracle's
  * (calibration steps: every archived row; then the fired ones), with the right bytes and the
  * reference attention of the oracle set; z as the oracle's calibration; statistics, fork (the
@@ -1220,12 +1298,11 @@ static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
     memset(&t, 0, sizeof t);
     t.nq = x.sp.n_q_heads;
     kvt__conformal_init(&t.conf, t.conf_samples, 64 * t.nq);
-    float q[TR_MAXQ * 128], best[TR_MAXQ];
+    float q[TR_MAXQ * 256];
     int32_t indptr[RR_MAXH + 1];
     int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
     uint8_t dense = 0;
-    bool calibrating = true;
-    uint64_t fetched = 0, dense_steps = 0, archived_steps = 0;
+    e2e_tally y = {.calibrating = true};
     for (int step = 0; step < 100; step++) {
         oview v0;
         oview_read(&x, &v0); /* queries aim at rows archived before this step */
@@ -1234,27 +1311,12 @@ static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
         oview_free(&v0);
         cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense), KVT_OK,
                      "seed %llu step %d: %s", (unsigned long long)seed, step, kvt_last_error());
-        oview v; /* the state the run saw: the committed one (its round ran in the step) */
-        oview_read(&x, &v);
-        o_best(&x, &v, q, best);
-        kvt_layer_stats ls = rr_stats(&x);
-        if (v.ar_n == 0) {
-            cr_assert_eq(dense, 0);
-        } else if (calibrating) {
-            cr_assert_eq(dense, 1, "step %d: a calibration step lists the whole archive", step);
-            calibrating = o_calibrate(&t, &x, &v, q, best);
-            cr_assert_eq(ls.recall_z, t.conf.z, "step %d: z %g, oracle %g", step,
-                         (double)ls.recall_z, (double)t.conf.z);
-        }
-        dense_steps += dense;
-        archived_steps += v.ar_n > 0;
-        check_lists(&x, dense != 0, &v, q, best, KVT__RECALL_CONFORMAL, t.conf.z, indptr,
-                    indices, &fetched);
-        cr_assert_eq(ls.recall_mode, (int32_t)KVT_RECALL_CONFORMAL);
-        oview_free(&v);
+        e2e_check(&x, &t, q, dense, indptr, indices, step, &y);
     }
-    cr_assert(!calibrating);
-    cr_assert_gt(archived_steps, dense_steps, "fetching steps ran");
+    cr_assert(!y.calibrating);
+    cr_assert_gt(y.archived_steps, y.dense_steps, "fetching steps ran");
+    const uint64_t fetched = y.fetched, dense_steps = y.dense_steps,
+                   archived_steps = y.archived_steps;
     kvt_layer_stats ls = rr_stats(&x);
     cr_assert_eq(ls.recall_calib_steps, 8u);
     cr_log_info("end to end (seed %llu): z %g, %llu steps, %llu dense, %llu fetched (row, KV "
@@ -1321,7 +1383,7 @@ Test(rope_e2e, fetch_area_pool_and_slots) {
     g_n_pages = 0;
     e2e e;
     e2e_init(&e, &x, 256);
-    float q[TR_MAXQ * 128];
+    float q[TR_MAXQ * 256];
     int32_t indptr[RR_MAXH + 1];
     int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
     uint8_t dense;
@@ -1418,7 +1480,7 @@ Test(rope_e2e, mixed_batch_chains_the_lists, .timeout = 240) {
     cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * cap, &ibuf), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * (2 * H + 1), &pbuf), KVT_OK);
     int32_t *indices = malloc(sizeof(int32_t) * cap), indptr[2 * RR_MAXH + 1];
-    float q[2 * TR_MAXQ * 128], best[TR_MAXQ];
+    float q[2 * TR_MAXQ * 256], best[TR_MAXQ];
     trig t;
     memset(&t, 0, sizeof t);
     kvt__conformal_init(&t.conf, t.conf_samples, 64 * nq);
@@ -1569,7 +1631,7 @@ static kvt_status rv_step(e2e *e, rr *x, const float *q) {
     if (s != KVT_OK)
         return s;
     rr_write(x, 1);
-    cr_assert_eq(kvt_buffer_write(e->qbuf, 0, q, sizeof(float) * x->sp.n_q_heads * x->D), KVT_OK);
+    cr_assert_eq(kvt_buffer_write(e->qbuf, 0, q, sizeof(float) * x->sp.n_q_heads * x->QW), KVT_OK);
     uint32_t topk, total;
     cr_assert_eq(kvt_batch_plan(e->b), KVT_OK);
     cr_assert_eq(kvt_batch_capacity(e->b, 0, &topk, &total), KVT_OK);
@@ -1601,7 +1663,7 @@ Test(rope_recall_more, pages_needed_counts_the_fetch_area) {
     rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_CPU, 31);
     e2e e;
     e2e_init(&e, &x, 512);
-    float q[TR_MAXQ * 128];
+    float q[TR_MAXQ * 256];
     int bad = 0;
     for (int step = 0; step < 200; step++) {
         rv_query(&x, q);
@@ -1636,7 +1698,7 @@ static void rv_fork_steps(kvt_backend_kind backend, bool attach) {
     cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 48), KVT_OK);
     e2e e;
     e2e_init(&e, &x, 512);
-    float q[TR_MAXQ * 128];
+    float q[TR_MAXQ * 256];
     for (int step = 0; step < 80; step++) {
         rv_query(&x, q);
         cr_assert_eq(rv_step(&e, &x, q), KVT_OK, "%s", kvt_last_error());
@@ -1652,7 +1714,7 @@ static void rv_fork_steps(kvt_backend_kind backend, bool attach) {
     cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * cap, &ib), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t) * (2 * x.H + 1), &pb), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(x.ctx, 2, &db), KVT_OK);
-    const size_t qn = (size_t)x.sp.n_q_heads * x.D;
+    const size_t qn = (size_t)x.sp.n_q_heads * x.QW;
     cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(float) * 2 * qn, &qb), KVT_OK);
     for (int step = 0; step < 60; step++) {
         rv_query(&x, q);
@@ -1689,3 +1751,141 @@ static void rv_fork_steps(kvt_backend_kind backend, bool attach) {
 Test(rope_recall_more, rope_fork_steps_cpu) { rv_fork_steps(KVT_BACKEND_CPU, false); }
 Test(rope_recall_more, rope_fork_steps_guarded) { rv_fork_steps(KVT_BACKEND_GUARDED, false); }
 Test(rope_recall_more, rope_attach_steps_guarded) { rv_fork_steps(KVT_BACKEND_GUARDED, true); }
+
+/* ---- MLA-RoPE: one latent head, its rotated branch scored exactly ------------------------------ */
+
+/* The trigger on an MLA-RoPE layer (kv_lora_rank 128 + a 64-value branch, 4 query heads on the
+ * one latent head): the same oracles as on GQA — calibration z bit for bit, conformal fired sets,
+ * CPU == guarded; sound never misses, margin exact — with the branch in every exact score and idx. */
+Test(rope_mla, conformal_fired_sets_equal_the_oracle, .timeout = 240) {
+    g_mla = true;
+    uint64_t a = 0, b = 0;
+    conformal_run(KVT_BACKEND_CPU, 4343, &a);
+    conformal_run(KVT_BACKEND_GUARDED, 4343, &b);
+    g_mla = false;
+    cr_assert_eq(a, b, "CPU and guarded fetched the same rows (%llu, %llu)",
+                 (unsigned long long)a, (unsigned long long)b);
+}
+
+Test(rope_mla, sound_never_misses_and_margin_is_exact, .timeout = 240) {
+    g_mla = true;
+    sound_margin_run();
+    g_mla = false;
+}
+
+/* Decode through kvt_batch_run on an MLA-RoPE layer, the emission layout changing every step:
+ * KVT_EMIT_TOKENS (FlashMLA's indices: the held rows, then the fetch slots, then -1 up to topk,
+ * the length in topk_length), KVT_EMIT_CSR and KVT_EMIT_CSR_KV_HEADS (one list: the same). Each
+ * step's list is the oracle's (calibration: every archived row; then the fired ones), its bytes
+ * the rows', its attention the oracle set's; the archive's sketches equal the sketch oracle's; z
+ * as the oracle's calibration; two query tokens a step are refused unless per KV head. */
+static void mla_e2e_run(kvt_backend_kind backend, uint64_t seed) {
+    g_mla = true;
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[1] = {32};
+    rr x;
+    rr_init(&x, 1, 128, cfg, 32, rank, backend, seed);
+    g_mla = false;
+    cr_assert(kvt__seq_recalls_rope(x.seq, 0), "the request recalls on the MLA-RoPE layer");
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 4), KVT_OK);
+    e2e e;
+    e2e_init(&e, &x, 512);
+    kvt_buffer *lbuf = NULL;
+    cr_assert_eq(kvt_buffer_alloc(x.ctx, sizeof(int32_t), &lbuf), KVT_OK);
+    trig t;
+    memset(&t, 0, sizeof t);
+    t.nq = x.sp.n_q_heads;
+    kvt__conformal_init(&t.conf, t.conf_samples, 64 * t.nq);
+    float q[TR_MAXQ * 256];
+    int32_t indptr[2];
+    int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
+    e2e_tally y = {.calibrating = true};
+    uint64_t tokens_steps = 0;
+    for (int step = 0; step < 90; step++) {
+        oview v0;
+        oview_read(&x, &v0);
+        uint32_t aimed;
+        make_queries(&x, &v0, q, &aimed);
+        oview_free(&v0);
+        const kvt_emit_layout layout = step % 3 == 0   ? KVT_EMIT_TOKENS
+                                       : step % 3 == 1 ? KVT_EMIT_CSR
+                                                       : KVT_EMIT_CSR_KV_HEADS;
+        uint8_t dense = 0;
+        uint32_t topk = 0;
+        if (layout == KVT_EMIT_TOKENS) {
+            uint32_t one = 1, total;
+            cr_assert_eq(kvt_batch_reserve(e.b, &x.seq, &one, 1), KVT_OK, "%s", kvt_last_error());
+            rr_write(&x, 1);
+            cr_assert_eq(kvt_buffer_write(e.qbuf, 0, q, sizeof(float) * t.nq * x.QW), KVT_OK);
+            cr_assert_eq(kvt_batch_plan(e.b), KVT_OK);
+            cr_assert_eq(kvt_batch_capacity(e.b, 0, &topk, &total), KVT_OK);
+            cr_assert_leq(topk, e.cap_idx);
+            kvt_emit em = {.struct_size = sizeof em, .layout = KVT_EMIT_TOKENS,
+                           .indices = kvt_buffer_ptr(e.ibuf), .capacity = topk,
+                           .lengths = kvt_buffer_ptr(lbuf), .dense = kvt_buffer_ptr(e.dbuf),
+                           .queries_per_seq = 1};
+            cr_assert_eq(kvt_batch_run(e.b, 0, kvt_buffer_ptr(e.qbuf), NULL, &em), KVT_OK, "%s",
+                         kvt_last_error());
+            cr_assert_eq(kvt_batch_commit(e.b, NULL), KVT_OK, "%s", kvt_last_error());
+            x.n_tok++;
+            cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+            int32_t len = -1;
+            cr_assert_eq(kvt_buffer_read(lbuf, 0, &len, sizeof len), KVT_OK);
+            cr_assert_eq(kvt_buffer_read(e.ibuf, 0, indices, sizeof(int32_t) * topk), KVT_OK);
+            cr_assert_eq(kvt_buffer_read(e.dbuf, 0, &dense, 1), KVT_OK);
+            cr_assert(len >= 0 && (uint32_t)len <= topk, "topk_length %d of topk %u", len, topk);
+            for (uint32_t j = (uint32_t)len; j < topk; j++)
+                cr_assert_eq(indices[j], -1, "step %d: entry %u past the length is %d", step, j,
+                             indices[j]);
+            indptr[0] = 0;
+            indptr[1] = len;
+            tokens_steps++;
+        } else {
+            cr_assert_eq(e2e_step(&e, &x, q, layout, indptr, indices, &dense), KVT_OK,
+                         "seed %llu step %d: %s", (unsigned long long)seed, step,
+                         kvt_last_error());
+        }
+        e2e_check(&x, &t, q, dense, indptr, indices, step, &y);
+        if (step % 30 == 29)
+            rr_check_sketches(&x);
+    }
+    cr_assert(!y.calibrating);
+    cr_assert_gt(y.archived_steps, y.dense_steps, "fetching steps ran");
+    cr_assert_gt(y.fetched, 0u, "rows were fetched");
+    cr_assert_eq(tokens_steps, 30u);
+    /* two query tokens with TOKENS: refused, named (CSR_KV_HEADS takes one query a request) */
+    uint32_t one = 1;
+    cr_assert_eq(kvt_batch_reserve(e.b, &x.seq, &one, 1), KVT_OK);
+    rr_write(&x, 1);
+    cr_assert_eq(kvt_batch_plan(e.b), KVT_OK);
+    kvt_emit two = {.struct_size = sizeof two, .layout = KVT_EMIT_TOKENS,
+                    .indices = kvt_buffer_ptr(e.ibuf), .capacity = 256,
+                    .lengths = kvt_buffer_ptr(e.pbuf), .queries_per_seq = 2};
+    cr_assert_eq(kvt_batch_run(e.b, 0, kvt_buffer_ptr(e.qbuf), NULL, &two),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "one query per request") != NULL, "%s",
+              kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(e.b, NULL), KVT_OK);
+    x.n_tok++;
+    cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+    kvt_layer_stats ls = rr_stats(&x);
+    cr_log_info("MLA-RoPE end to end (%s, seed %llu): z %g, %llu steps with an archive, %llu "
+                "dense, %llu fetched rows listed",
+                backend == KVT_BACKEND_CPU ? "cpu" : "guarded", (unsigned long long)seed,
+                (double)ls.recall_z, (unsigned long long)y.archived_steps,
+                (unsigned long long)y.dense_steps, (unsigned long long)y.fetched);
+    kvt_buffer_free(lbuf);
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
+}
+
+Test(rope_mla, batch_run_every_layout_equals_the_oracle_cpu, .timeout = 240) {
+    mla_e2e_run(KVT_BACKEND_CPU, 909);
+}
+
+Test(rope_mla, batch_run_every_layout_equals_the_oracle_guarded, .timeout = 240) {
+    mla_e2e_run(KVT_BACKEND_GUARDED, 909);
+}

@@ -309,13 +309,24 @@ kvt_status kvt__ev_append(kvt__ev *e, const kvt__backend *be, void *stream, uint
 /* ------------------------------------------------------------------------------------------- */
 /* Recall sketches of the archive (docs/recall.md §9)                                           */
 /* ------------------------------------------------------------------------------------------- */
+static bool float_dtype(kvt_dtype t) {
+    return t == KVT_DTYPE_BF16 || t == KVT_DTYPE_FP16 || t == KVT_DTYPE_FP32;
+}
+
+uint32_t kvt__ev_key_dim(const kvt_layer_spec *sp) {
+    if (sp->n_planes == 2)
+        return sp->head_dim;
+    if (sp->n_planes == 1 && sp->kind == KVT_LAYER_MLA_ROPE && sp->n_kv_heads == 1 &&
+        sp->branch_dim <= KVT__RECALL_MAX_BRANCH && float_dtype(sp->branch_dtype))
+        return sp->value_dim;
+    return 0;
+}
+
 uint32_t kvt__ev_sketch_stride(const kvt_layer_spec *sp, uint32_t stride) {
-    if (stride == 0 || sp->n_planes != 2 || sp->head_dim == 0 ||
-        sp->head_dim > KVT__SKETCH_MAX_DIM ||
-        (sp->dtype != KVT_DTYPE_BF16 && sp->dtype != KVT_DTYPE_FP16 &&
-         sp->dtype != KVT_DTYPE_FP32))
+    const uint32_t D = kvt__ev_key_dim(sp);
+    if (stride == 0 || D == 0 || D > KVT__SKETCH_MAX_DIM || !float_dtype(sp->dtype))
         return 0;
-    return stride < sp->head_dim ? stride : sp->head_dim;
+    return stride < D ? stride : D;
 }
 
 /* The sketch of archive rows [first, first + n) of head h: the archive of the head is a run of
@@ -336,8 +347,8 @@ static kvt__sketch_args archive_sketch_args(const kvt__env *env, const kvt__stor
     a.n_rows = n;
     a.slot_stride = e->ar_row_bytes;
     a.dtype = (int)sp->dtype;
-    a.latent_dim = sp->head_dim;
-    a.basis = rank ? st->kb_V + (size_t)h * st->kb_stride * sp->head_dim : NULL;
+    a.latent_dim = kvt__ev_key_dim(sp);
+    a.basis = rank ? st->kb_V + (size_t)h * st->kb_stride * a.latent_dim : NULL;
     a.rank = rank;
     a.csk_stride = e->sk_stride;
     a.csk = e->ar_csk + ((size_t)h * e->ar_cap + first) * e->sk_stride;
@@ -1175,14 +1186,14 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope
                          "layer %u: %llu of %llu archived rows sketched (a failed sketch, "
                          "retried at the next commit)",
                          st->layer, (unsigned long long)e->sk_n, (unsigned long long)e->ar_n);
+    const uint32_t D = kvt__ev_key_dim(sp);
     if (e->n_heads > KVT__RECALL_ROPE_MAX_KV || sp->n_q_heads == 0 ||
-        sp->n_q_heads % e->n_heads != 0 || sp->head_dim <= 64)
+        sp->n_q_heads % e->n_heads != 0 || D <= 64)
         return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
                          "layer %u: %u KV heads (at most %u), %u query heads (a multiple of "
-                         "them), head_dim %u (must exceed 64): outside what the RoPE recall "
-                         "step takes",
-                         st->layer, e->n_heads, KVT__RECALL_ROPE_MAX_KV, sp->n_q_heads,
-                         sp->head_dim);
+                         "them), sketched key part %u values (must exceed 64): outside what the "
+                         "RoPE recall step takes",
+                         st->layer, e->n_heads, KVT__RECALL_ROPE_MAX_KV, sp->n_q_heads, D);
     memset(a, 0, sizeof *a);
     a->keys = st->plane[0];
     a->pages = l->pt->dpages;
@@ -1192,7 +1203,12 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope
     a->row_bytes = sp->row_bytes;
     a->n_rows = l->pt->n_rows;
     a->dtype = (int)sp->dtype;
-    a->D = sp->head_dim;
+    a->D = D;
+    if (sp->n_planes == 1) { /* MLA-RoPE: the rotated branch scored exactly */
+        a->branch_dim = sp->branch_dim;
+        a->branch_offset = sp->branch_offset;
+        a->branch_dtype = (int)sp->branch_dtype;
+    }
     a->n_kv = e->n_heads;
     a->group = sp->n_q_heads / e->n_heads;
     a->ar_bytes = e->ar_bytes;

@@ -372,9 +372,14 @@ kvt_status kvt__ev_round(const kvt__env *env, kvt__store *const *stores, kvt__ev
  * env->backend on env->stream; sk_n = ar_n on success. KVT_OK when there is nothing to do, or the
  * backend's status with a message in env->err (nothing recorded: the next call retries). */
 kvt_status kvt__ev_sketch_pending(const kvt__env *env, const kvt__store *st, kvt__ev *e);
+/* The sketched part of an archived key, in values: head_dim on a GQA/MHA layer (two planes, the
+ * whole post-RoPE key), value_dim on an MLA-RoPE layer (one plane: the latent kv_lora_rank; its
+ * rotated branch is scored exactly, as on NoPE layers); 0 for any other spec. */
+uint32_t kvt__ev_key_dim(const kvt_layer_spec *sp);
 /* Does this layer spec get archive sketches when the context builds sketch planes of `stride`?
- * Its stride (min(stride, head_dim)), or 0: GQA/MHA layers (two planes) of bf16/fp16/fp32 rows
- * whose head_dim the sketch takes. */
+ * Its stride (min(stride, kvt__ev_key_dim)), or 0: GQA/MHA layers (two planes) and MLA-RoPE
+ * layers (one plane, branch of at most KVT__RECALL_MAX_BRANCH values) of bf16/fp16/fp32 rows
+ * whose key the sketch takes. */
 uint32_t kvt__ev_sketch_stride(const kvt_layer_spec *sp, uint32_t stride);
 /* Row index of a position for head h, or -1 when not attended. O(log rows), synchronising. */
 int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos);

@@ -235,6 +235,73 @@ static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const cha
                    ctx ? kvt_last_error() : "");
 }
 
+/* Recall on a RoPE layer: the fetched rows are copies in the request's fetch area, listed after
+ * the held rows in archive order, with no slot a position lookup knows. They are identified by
+ * content: every row of the case by a 64-bit hash of its bytes (sorted), each fetched slot's pool
+ * bytes matched to an archived position (kvt_seq_row_state) whose row is byte-identical and not
+ * listed yet. */
+typedef struct nd_rowmap {
+    uint64_t *key;     /* [n_rows][2]: hash, position; sorted */
+    uint64_t n;
+    uint8_t *arch;     /* [n_rows]: 1 where the position is archived at this query */
+    uint32_t *used;    /* [n_rows]: stamp of the check that matched it */
+} nd_rowmap;
+
+static uint64_t row_hash(const uint8_t *b, size_t n) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+static int key_cmp(const void *x, const void *y) {
+    const uint64_t *a = x, *b = y;
+    return a[0] != b[0] ? (a[0] < b[0] ? -1 : 1) : (a[1] < b[1] ? -1 : a[1] > b[1]);
+}
+
+static int rowmap_build(const nd_case *c, nd_rowmap *m) {
+    const size_t tb = nd_token_bytes(&c->spec);
+    m->n = c->n_rows;
+    m->key = malloc(sizeof(uint64_t) * 2 * (m->n + 1));
+    m->arch = calloc(m->n + 1, 1);
+    m->used = calloc(m->n + 1, sizeof(uint32_t));
+    if (!m->key || !m->arch || !m->used)
+        return ND_ENOMEM;
+    for (uint64_t t = 0; t < m->n; t++) {
+        m->key[2 * t] = row_hash(c->rows + t * tb, tb);
+        m->key[2 * t + 1] = t;
+    }
+    qsort(m->key, m->n, 2 * sizeof(uint64_t), key_cmp);
+    return ND_OK;
+}
+
+static void rowmap_free(nd_rowmap *m) {
+    free(m->key), free(m->arch), free(m->used);
+}
+
+/* The archived position below P, not matched by this check yet (stamp), whose row equals b[0 ..
+ * tb); -1 when none. */
+static int64_t rowmap_match(const nd_case *c, nd_rowmap *m, const uint8_t *b, size_t tb,
+                            uint64_t P, uint32_t stamp) {
+    const uint64_t h = row_hash(b, tb);
+    uint64_t lo = 0, hi = m->n;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (m->key[2 * mid] < h)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    for (; lo < m->n && m->key[2 * lo] == h; lo++) {
+        const uint64_t t = m->key[2 * lo + 1];
+        if (t < P && m->arch[t] && m->used[t] != stamp && !memcmp(c->rows + t * tb, b, tb)) {
+            m->used[t] = stamp;
+            return (int64_t)t;
+        }
+    }
+    return -1;
+}
+
 /* The attended set the library returned at query ti (position P), checked against what the
  * library reports about the same layer before anything is measured over it:
  *   - len == the layer's attended_rows (kvt_seq_layer_stats; per head on eviction layers, and an
@@ -247,14 +314,18 @@ static int lib_fail(char *err, size_t len, kvt_ctx *ctx, kvt_status s, const cha
  * on the first mismatch. With recall (fetched = the step's recall_last_fetched, or UINT64_MAX
  * without recall) the set also holds exactly `fetched` archived positions: len ==
  * attended_rows + fetched, and slots of archived positions are accepted (archived[slot] = 1 for
- * them; archived may be NULL without recall). */
+ * them; archived may be NULL without recall). With recall on a RoPE layer (rm non-NULL) the
+ * last `fetched` entries are fetch slots in archive order, each checked to hold a distinct
+ * archived position's row (nd_rowmap), the others as without recall. */
 static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, const uint8_t *pool,
                           const uint8_t *vpool, size_t pool_bytes, uint32_t head,
                           const int32_t *slots, int32_t len, uint64_t P,
                           const kvt_layer_stats *ls, uint32_t ti, uint32_t stamp,
                           int64_t *pos_of_slot, uint64_t n_slots, uint32_t *seen,
-                          uint64_t fetched, uint8_t *archived, char *err, size_t err_len) {
+                          uint64_t fetched, uint8_t *archived, nd_rowmap *rm, char *err,
+                          size_t err_len) {
     const bool recall = fetched != UINT64_MAX;
+    const bool table = recall && !rm; /* archived rows at their block table's slot (salience) */
     int32_t *pages = NULL; /* recall: the block table */
     const uint32_t rb = c->spec.row_bytes;
     const size_t stride = nd_token_bytes(&c->spec), at = (size_t)head * rb;
@@ -280,7 +351,7 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
      * of their position, which is checked against row_state's slot for every attended row. */
     uint32_t n_pages = 0;
     const uint32_t page_rows = 64; /* nd_run's cp.page_rows */
-    if (recall) {
+    if (table) {
         uint64_t nr = 0;
         uint32_t cap = (uint32_t)(P / page_rows + 2);
         pages = malloc(sizeof(int32_t) * cap);
@@ -307,10 +378,12 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
         }
         if (st == KVT_ROW_PENDING)
             ND_CHECK_FAIL("position %llu is still pending", (unsigned long long)pos);
-        if (st != KVT_ROW_ATTENDED && !(recall && st == KVT_ROW_ARCHIVED))
+        if (rm)
+            rm->arch[pos] = st == KVT_ROW_ARCHIVED;
+        if (st != KVT_ROW_ATTENDED && !(table && st == KVT_ROW_ARCHIVED))
             continue;
         n_state += st == KVT_ROW_ATTENDED;
-        if (recall) {
+        if (table) {
             int32_t ts = ND_TABLE_SLOT(pos);
             if (st == KVT_ROW_ATTENDED && ts != slot) {
                 ND_CHECK_FAIL("position %llu: kvt_seq_row_state says slot %d, the block table "
@@ -334,6 +407,7 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
                       "positions attended", (int)len, (unsigned long long)n_state);
     uint64_t n_arch = 0;
     int64_t prev = -1;
+    const int32_t held = rm ? len - (int32_t)fetched : len; /* entries before the fetch slots */
     for (int32_t j = 0; j < len; j++) {
         int32_t slot = slots[j];
         if (slot < 0 || (uint64_t)slot >= n_slots)
@@ -342,6 +416,21 @@ static int check_attended(const nd_case *c, const kvt_seq *seq, kvt_ctx *ctx, co
         if (seen[slot] == stamp)
             ND_CHECK_FAIL("entry %d: slot %d appears twice", (int)j, (int)slot);
         seen[slot] = stamp;
+        if (j >= held) { /* a fetch slot: which archived row does it hold? */
+            if (pos_of_slot[slot] >= 0)
+                ND_CHECK_FAIL("entry %d: fetch slot %d also holds attended position %lld", (int)j,
+                              (int)slot, (long long)pos_of_slot[slot]);
+            if ((size_t)slot * stride + at + rb > pool_bytes)
+                ND_CHECK_FAIL("entry %d: fetch slot %d past the pool", (int)j, (int)slot);
+            int64_t t = rowmap_match(c, rm, pool + (size_t)slot * stride, stride, P, stamp);
+            if (t < 0)
+                ND_CHECK_FAIL("entry %d: fetch slot %d holds no archived row's bytes (or one "
+                              "listed twice)", (int)j, (int)slot);
+            pos_of_slot[slot] = t;
+            archived[slot] = 1;
+            n_arch++;
+            continue;
+        }
         int64_t pos = pos_of_slot[slot];
         if (pos < 0)
             ND_CHECK_FAIL("entry %d: slot %d holds no attended position", (int)j, (int)slot);
@@ -424,6 +513,23 @@ static int snapshot_drill(kvt_ctx *ctx, const nd_run_params *p, kvt_seq **seqs, 
     return 0;
 }
 
+/* A basis file (kvt_recall_basis_read) as the key basis of the RoPE layer's one KV head. */
+static kvt_status load_head_basis(kvt_ctx *ctx, const char *path) {
+    kvt_recall_basis_info info;
+    memset(&info, 0, sizeof info);
+    kvt_status s = kvt_recall_basis_read(path, &info, NULL, 0);
+    if (s != KVT_OK)
+        return s;
+    float *v = malloc(sizeof(float) * (size_t)info.rank * info.dim + 1);
+    if (!v)
+        return KVT_ERR_OUT_OF_MEMORY;
+    s = kvt_recall_basis_read(path, &info, v, (size_t)info.rank * info.dim);
+    if (s == KVT_OK)
+        s = kvt_ctx_set_recall_head_basis(ctx, 0, 0, v, info.rank);
+    free(v);
+    return s;
+}
+
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
     if (p->mode == ND_MODE_PROMOTE)
@@ -436,8 +542,10 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                        "mode 'recall' needs a decode phase with per-step queries (the synthetic "
                        "generator's, or a trace it wrote; other traces carry only needle "
                        "queries); nothing was measured");
-    if (recall && (c->spec.kind != KVT_LAYER_MLA_NOPE || nd_case_gqa(c)))
-        return nd_fail(err, err_len, ND_EARG, "mode 'recall' needs an MLA-NoPE (salience) layer");
+    if (recall && nd_case_gqa(c))
+        return nd_fail(err, err_len, ND_EARG,
+                       "mode 'recall' needs an MLA layer (NoPE: salience; RoPE: random eviction "
+                       "with the archive)");
     if (recall && (p->recall == KVT_RECALL_OFF || p->recall_rank < 1 ||
                    p->recall_rank > KVT_RECALL_MAX_RANK))
         return nd_fail(err, err_len, ND_EARG, "recall: mode %d, sketch rank %u", (int)p->recall,
@@ -485,6 +593,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     kvt_buffer *q_buf = NULL, *d_buf = NULL;      /* their backend copies (not the CPU backend) */
     uint8_t dense_of[ND_MAX_BATCH] = {0};
     uint8_t *archived = NULL;
+    nd_rowmap rmap = {0}; /* recall on RoPE: fetched rows identified by content */
     const size_t qn = (size_t)c->n_q_heads * c->q_dim;
     int rc = ND_OK;
     kvt_status s = kvt_model_create(sp, 1, "kvtier-needle", &model, e2, sizeof e2);
@@ -497,7 +606,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     cp.model = model;
     cp.backend = p->backend;
     cp.page_rows = 64;
-    cp.n_pages = (uint32_t)(((c->n_rows + 63) / 64 + 4) * NB);
+    /* recall on RoPE: a fetch area of as many rows as the request holds (kvt_seq_pages_needed) */
+    cp.n_pages = (uint32_t)(((c->n_rows + 63) / 64 + 4) * NB * (recall && rope ? 2 : 1));
     kvt_config *cfg = &cp_cfg;
     cfg->ratio = dense ? 1 : p->ratio;
     cfg->block_rows = p->block_rows;
@@ -517,6 +627,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         if (p->recall_cap_rows)
             cfg->recall_cap_rows = p->recall_cap_rows;
         cp.recall_sketch_rank = p->recall_rank;
+        cfg->evict_archive = rope; /* what a RoPE layer's recall brings back */
     }
     /* Eviction budget at this ratio: K = context / ratio rows (kvt_model_census's convention). */
     uint64_t K = (c->n_rows + p->ratio / 2) / p->ratio;
@@ -533,7 +644,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     /* The basis: the query subspace's first min(rank, sketch rank) rows (its directions carry
      * equal variance, so any of them are top eigenvectors of the filler queries' covariance). */
     if (recall && p->recall_basis_file &&
-        (s = kvt_ctx_load_recall_basis(ctx, 0, p->recall_basis_file)) != KVT_OK) {
+        (s = rope ? load_head_basis(ctx, p->recall_basis_file)
+                  : kvt_ctx_load_recall_basis(ctx, 0, p->recall_basis_file)) != KVT_OK) {
         rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_load_recall_basis");
         goto done;
     }
@@ -542,11 +654,10 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                      "the basis (a trace): give a basis file or run without one");
         goto done;
     }
+    const uint32_t qrank = c->qbasis_rank < p->recall_rank ? c->qbasis_rank : p->recall_rank;
     if (recall && p->recall_basis && !p->recall_basis_file && c->qbasis &&
-        (s = kvt_ctx_set_recall_basis(ctx, 0, c->qbasis,
-                                      c->qbasis_rank < p->recall_rank ? c->qbasis_rank
-                                                                      : p->recall_rank)) !=
-            KVT_OK) {
+        (s = rope ? kvt_ctx_set_recall_head_basis(ctx, 0, 0, c->qbasis, qrank)
+                  : kvt_ctx_set_recall_basis(ctx, 0, c->qbasis, qrank)) != KVT_OK) {
         rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_set_recall_basis");
         goto done;
     }
@@ -615,6 +726,10 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             rc = nd_fail(err, err_len, ND_ENOMEM, "recall scratch");
             goto done;
         }
+    }
+    if (recall && rope && (rc = rowmap_build(c, &rmap)) != ND_OK) {
+        rc = nd_fail(err, err_len, rc, "row map");
+        goto done;
     }
     pos_of_slot = malloc(sizeof(int64_t) * (n_slots + 1));
     seen = calloc(n_slots + 1, sizeof(uint32_t));
@@ -765,8 +880,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         for (uint32_t g = 0; g < n_kv; g++) {
             rc = check_attended(c, seq, ctx, base, vpool_copy, bytes, g, rslots, len, P, &ls, ti,
                                 ++stamp, pos_of_slot, n_slots, seen,
-                                recall ? ls.recall_last_fetched : UINT64_MAX, archived, err,
-                                err_len);
+                                recall ? ls.recall_last_fetched : UINT64_MAX, archived,
+                                recall && rope ? &rmap : NULL, err, err_len);
             if (rc != ND_OK)
                 goto done;
             uint32_t k = 0;
@@ -926,6 +1041,7 @@ done:
     kvt_batch_destroy(batch);
     free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
     free(pool_copy), free(vpool_copy), free(qhost), free(archived);
+    rowmap_free(&rmap);
     for (uint32_t r = 0; r < ND_MAX_BATCH; r++)
         kvt_seq_destroy(seqs[r]);
     kvt_ctx_destroy(ctx);
