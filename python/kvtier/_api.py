@@ -666,6 +666,27 @@ class Context(_Closable):
                                            ptr(v, ctypes.c_float), u32(v.shape[0], "rank")),
               "kvt_ctx_set_recall_basis")
 
+    def set_recall_head_basis(self, layer: int, kv_head: int, basis) -> None:
+        """kvt_ctx_set_recall_head_basis: the key basis of KV head ``kv_head`` of an evict
+        (GQA/MHA-RoPE or MLA-RoPE) layer, float32 [rank, D] with orthonormal rows (D = head_dim;
+        MLA-RoPE: kv_lora_rank), before any reserve (a context made with recall_sketch_rank > 0;
+        its archived keys are sketched on it for the RoPE recall trigger)."""
+        v = as_array(basis, "basis")
+        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
+            raise TypeError("basis: expected a C-contiguous float32 array [rank, D]")
+        check(lib.kvt_ctx_set_recall_head_basis(self._ptr, u32(layer, "layer"),
+                                                u32(kv_head, "kv_head"), ptr(v, ctypes.c_float),
+                                                u32(v.shape[0], "rank")),
+              "kvt_ctx_set_recall_head_basis")
+
+    def recall_head_basis(self, layer: int, kv_head: int) -> tuple[int, int]:
+        """kvt_ctx_recall_head_basis: (rank, id) of a KV head's key basis ((0, 0): none)."""
+        r, i = ctypes.c_uint32(), ctypes.c_uint32()
+        check(lib.kvt_ctx_recall_head_basis(self._ptr, u32(layer, "layer"),
+                                            u32(kv_head, "kv_head"), ctypes.byref(r),
+                                            ctypes.byref(i)), "kvt_ctx_recall_head_basis")
+        return int(r.value), int(i.value)
+
     # --- planes ------------------------------------------------------------------------
     def layer_data(self, layer: int, plane: int = 0) -> tuple[int, int]:
         """kvt_layer_data: (address, bytes) of a plane, the backend's pointer (a device pointer

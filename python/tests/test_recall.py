@@ -98,3 +98,53 @@ def test_promotion_through_the_binding():
             assert 0 < st.recall_promoted <= 8
             assert st.recall_promotions >= st.recall_promoted
             assert st.kept_rows <= 256 // 8 - 8  # the reserve comes out of the kept set (m 32)
+
+
+def test_rope_recall_head_basis_tokens_layout():
+    """Recall on an MLA-RoPE layer (random eviction + archive): the key basis of its one head,
+    decode steps with queries in FlashMLA's TOKENS layout (held rows, then fetched rows, -1
+    after the length), the certificate in the statistics; a bad basis and a bad head refused."""
+    spec = kvtier.LayerSpec.mla("mla_rope", "bf16", 128, 64)
+    spec.n_q_heads = 4
+    cfg = kvtier.Config(evict_budget_rows=32, recent_rows=8, cadence_rows=8, evict_archive=True,
+                        recall="margin", recall_margin=0.5)
+    with kvtier.Model([spec], "rope") as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
+                                                          recall_sketch_rank=16) as ctx:
+        rng = np.random.default_rng(9)
+        v, _ = np.linalg.qr(rng.standard_normal((128, 16)))
+        basis = np.ascontiguousarray(v.T, dtype=np.float32)
+        with pytest.raises(kvtier.KvtError):
+            ctx.set_recall_head_basis(0, 1, basis)  # one KV head on an MLA layer
+        with pytest.raises(kvtier.KvtError):
+            ctx.set_recall_head_basis(0, 0, np.zeros((2, 128), dtype=np.float32))
+        with pytest.raises(TypeError):
+            ctx.set_recall_head_basis(0, 0, basis.astype(np.float64))
+        ctx.set_recall_head_basis(0, 0, basis)
+        rank, ident = ctx.recall_head_basis(0, 0)
+        assert rank == 16 and ident != 0
+        with ctx.sequence(request_id=1, prompt_rows=4) as seq, ctx.batch(1) as b:
+            def bf16(x):
+                return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            b.reserve([seq], [100])
+            seq.write(0, 0, 0, bf16(rng.standard_normal((100, 192))))
+            b.plan()
+            b.commit()
+            fetched = 0
+            for step in range(20):
+                b.reserve([seq], [1])
+                seq.write(0, 0, 0, bf16(rng.standard_normal((1, 192))))
+                b.plan()
+                q = rng.standard_normal((1, 4, 192)).astype(np.float32)
+                em = b.run(0, "tokens", query=q)
+                b.commit()
+                seq.check()
+                st = seq.layer_stats(0)
+                n = int(em.lengths[0])
+                assert n == st.attended_rows + st.recall_last_fetched
+                assert (em.indices[0, n:] == -1).all()
+                assert len(set(em.indices[0, :n].tolist())) == n
+                fetched += st.recall_last_fetched
+            st = seq.layer_stats(0)
+            assert st.recall_mode == int(kvtier.RecallMode.MARGIN)
+            assert st.recall_steps == 20 and st.archived_rows > 0
+            assert fetched == st.recall_fetched_rows and fetched > 0
