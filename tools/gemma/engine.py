@@ -170,7 +170,9 @@ class GemmaEngine:
             if self.tap is not None:
                 self.tap(li, seq_ids, bounds, pos, q, k, v)
             store.write(li, k, v)
-            rows = store.attended(li)
+            # a store with a recall trigger scores its archive against the step's queries
+            rows = store.attended(li, q) if getattr(store, "wants_queries", False) \
+                else store.attended(li)
             a = np.empty((T, H * d), np.float32)
             win = c.sliding_window if sliding else 0
             for i in range(len(ns)):

@@ -14,7 +14,7 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM
 mkdir -p results
 for st in ${STORES//,/ }; do
   for L in ${LENGTHS//,/ }; do
-    tag=fact_${st/:/_}_$L
+    tag=fact_${st//:/_}_$L
     t0=$SECONDS
     nice -n 10 "$PY" probe.py --task fact --lengths "$L" --depths "$DEPTHS" --keys "$KEYS" \
       --seed 13 --chunk 64 --store "$st" --csv "results/$tag.csv" > "results/$tag.log" 2>&1

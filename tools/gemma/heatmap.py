@@ -11,7 +11,8 @@ import csv
 import sys
 from collections import defaultdict
 
-STORE_ORDER = ["dense", "kvtier-dense", "kvtier-evict:4", "kvtier-evict:8"]
+STORE_ORDER = ["dense", "kvtier-dense", "kvtier-evict:4", "kvtier-evict:8",
+               "kvtier-recall:8:conformal:128"]
 
 
 def load(paths):

@@ -48,6 +48,7 @@ class LayerSpec:
     n_kv_heads: int
     head_dim: int
     window: int = 0  # tokens a query sees on a sliding layer, itself included (q - k < window)
+    n_q_heads: int = 0  # query heads reading the layer (0: not stated; a recall trigger needs it)
 
 
 @dataclass
@@ -62,7 +63,8 @@ class Rows:
 def specs_for(config) -> list[LayerSpec]:
     """Layer specs of a GemmaConfig (gguf_model.GemmaConfig)."""
     return [LayerSpec("sliding" if config.is_sliding(i) else "full", config.n_kv_heads,
-                      config.head_dim, config.sliding_window if config.is_sliding(i) else 0)
+                      config.head_dim, config.sliding_window if config.is_sliding(i) else 0,
+                      config.n_heads)
             for i in range(config.n_layers)]
 
 

@@ -130,11 +130,70 @@ def build_passkey(tok, length: int, depth: float, key: int):
     return prompt, answer, (a, b)
 
 
-def make_store(kind: str, cfg, max_tokens: int, n_seqs: int):
+# Recall on the global layers: the key bases come from other text (the calibration stretch below,
+# no fact in it), rank RECALL_RANK of head_dim; the trigger scans decode steps only, so the last
+# DECODE_TAIL tokens of every case (the question and the answer) are fed one per step.
+RECALL_RANK = 32
+DECODE_TAIL = 24
+
+
+def calibrate_bases(eng, tok, rank: int = RECALL_RANK, tokens: int = 1024) -> dict:
+    """Key bases of the global layers: the top-`rank` right singular vectors of the post-RoPE
+    keys one dense pass over `tokens` tokens of the Declaration (cycled, no fact) produces, per
+    (layer, KV head): {layer: [n_kv, rank, head_dim] float32}. Uncentred, as the sketch
+    projects uncentred keys."""
+    sents = _sentences()
+    text, n = FACT_INTRO, 0
+    while len(tok.encode(text)) < tokens:
+        text += sents[n % len(sents)]
+        n += 1
+    ids = tok.encode(text)[:tokens]
+    c = eng.cfg
+    keys: dict = {li: [] for li in range(c.n_layers) if not c.is_sliding(li)}
+
+    def tap(li, seq_ids, bounds, pos, q, k, v):
+        if li in keys:
+            keys[li].append(np.array(k, dtype=np.float32))
+
+    store = kvstore.DenseStore(kvstore.specs_for(c))
+    store.add_sequence(0, 0)
+    eng.tap = tap
+    try:
+        eng.prefill(store, [0], [ids], chunk=256)
+    finally:
+        eng.tap = None
+    out = {}
+    for li, ks in keys.items():
+        K = np.concatenate(ks)  # [tokens, n_kv, head_dim]
+        heads = []
+        for h in range(K.shape[1]):
+            _, _, vt = np.linalg.svd(K[:, h, :].astype(np.float64), full_matrices=False)
+            q_, _ = np.linalg.qr(vt[:rank].T)  # orthonormal to double precision, then fp32
+            heads.append(q_.T.astype(np.float32))
+        out[li] = np.stack(heads)
+    return out
+
+
+def recall_kind(kind: str) -> tuple[int, str, int]:
+    """kvtier-recall[:RATIO[:MODE[:RANK]]] -> (ratio, mode, key basis rank)."""
+    parts = kind.split(":")
+    return (int(parts[1]) if len(parts) > 1 else 8, parts[2] if len(parts) > 2 else "margin",
+            int(parts[3]) if len(parts) > 3 else RECALL_RANK)
+
+
+def make_store(kind: str, cfg, max_tokens: int, n_seqs: int, bases=None):
     """dense: numpy, every row; kvtier-dense: kvtier's pool, every row of the global layers;
-    kvtier-evict:R: kvtier's random eviction on the global layers at K = max_tokens / R."""
+    kvtier-evict:R: kvtier's random eviction on the global layers at K = max_tokens / R;
+    kvtier-recall:R[:MODE]: the same with the archive and the recall trigger (MODE margin
+    (default), conformal or sound) over key bases `bases` (calibrate_bases)."""
     if kind == "dense":
         return kvstore.DenseStore(kvstore.specs_for(cfg))
+    if kind.startswith("kvtier-recall"):
+        from kvtier_store import KvtierStore
+        ratio, mode, rank = recall_kind(kind)
+        return KvtierStore(kvstore.specs_for(cfg), "recall", max_seqs=n_seqs,
+                           max_tokens=max_tokens, ratio=ratio, recall=mode, sketch_rank=rank,
+                           bases=bases)
     if kind == "kvtier-dense" or kind.startswith("kvtier-evict"):
         from kvtier_store import KvtierStore
         ratio = int(kind.split(":")[1]) if ":" in kind else 8
@@ -153,7 +212,11 @@ def main():
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--store", default="dense",
                     help="dense | kvtier-dense | kvtier-evict[:RATIO] (random eviction, K = "
-                         "longest case / RATIO, only the first --protect tokens protected)")
+                         "longest case / RATIO, only the first --protect tokens protected) | "
+                         "kvtier-recall[:RATIO[:MODE[:RANK]]] (the same with the archive and the "
+                         "RoPE recall trigger, MODE margin|conformal|sound, key bases of RANK (32) "
+                         "fitted on other text; the question and answer decoded one token per "
+                         "step)")
     ap.add_argument("--protect", type=int, default=None,
                     help="prompt rows protected from eviction (passkey: 64; fact: the "
                          "instruction's tokens); the stretch and the needle are fed as generated "
@@ -198,7 +261,9 @@ def run_cases(eng, tok, task, lengths, depths, keys, seed, store_kind, chunk, pr
     if protect is None:
         protect = 64 if task == "passkey" else len(tok.encode(FACT_INTRO.rstrip()))
     seqs = [p["prompt"] + p["answer"] for p in cases]
-    store = make_store(store_kind, eng.cfg, max(len(x) for x in seqs) + 8, len(cases))
+    recall = store_kind.startswith("kvtier-recall")
+    bases = calibrate_bases(eng, tok, recall_kind(store_kind)[2]) if recall else None
+    store = make_store(store_kind, eng.cfg, max(len(x) for x in seqs) + 8, len(cases), bases)
     for i, c in enumerate(cases):
         store.add_sequence(i, min(len(c["prompt"]), protect))
     tap = None
@@ -212,12 +277,23 @@ def run_cases(eng, tok, task, lengths, depths, keys, seed, store_kind, chunk, pr
     say(f"{task}: {len(cases)} cases in one batch, {total} tokens, store {store_kind}, "
         f"chunk {chunk}, {protect} prompt rows protected")
     t0 = time.time()
-    hid = eng.prefill(store, list(range(len(cases))), seqs, chunk=chunk, out_rows="all")
+    ids = list(range(len(cases)))
+    if recall:
+        # the stretch in chunks, then the question and the answer one token per step
+        tail = min(DECODE_TAIL, min(len(x) for x in seqs) - 1)
+        hid = eng.prefill(store, ids, [x[:-tail] for x in seqs], chunk=chunk, out_rows="all")
+        for j in range(tail, 0, -1):
+            hs = eng.step(store, ids, [[x[-j]] for x in seqs], "all")
+            hid = [np.concatenate([a, b]) for a, b in zip(hid, hs)]
+    else:
+        hid = eng.prefill(store, ids, seqs, chunk=chunk, out_rows="all")
     dt = time.time() - t0
     eng.tap = None
     say(f"prefill {dt:.1f}s ({dt / total * 1e3:.1f} ms/token)")
     if hasattr(store, "check"):
         store.check()  # kvt_seq_check on every request
+    if recall:
+        say("recall: " + recall_summary(store, len(cases)))
     rows = []
     for c, h in zip(cases, hid):
         n_p, ans = len(c["prompt"]), np.asarray(c["answer"])
@@ -244,6 +320,28 @@ def run_cases(eng, tok, task, lengths, depths, keys, seed, store_kind, chunk, pr
         tap.write(trace, c, store_kind, protect, task)
         say(f"trace: {trace} ({os.path.getsize(trace)} bytes)")
     return rows, store
+
+
+def recall_summary(store, n_cases: int) -> str:
+    """The trigger's certificate over the global layers, summed over the requests."""
+    tot = {"steps": 0, "calib": 0, "overflow": 0, "fetched": 0, "archived": 0}
+    for i in range(n_cases):
+        seq = store.seqs[i]
+        for li in range(len(store.layers)):
+            if not store.evict[li]:
+                continue
+            st = seq.layer_stats(li)
+            tot["steps"] += st.recall_steps
+            tot["calib"] += st.recall_calib_steps
+            tot["overflow"] += st.recall_overflow_steps
+            tot["fetched"] += st.recall_fetched_rows
+            tot["archived"] += st.archived_rows
+    t = store.recall_tally
+    frac = t["fetched"] / t["archived"] if t["archived"] else 0.0
+    return (f"{tot['steps']} (request, layer) steps, {tot['calib']} calibration, "
+            f"{tot['overflow']} overflow; the {t['steps'] - t['dense']} others fetched "
+            f"{100 * frac:.1f}% of the archive (mean {t['fetched'] / max(1, t['steps'] - t['dense']):.0f} "
+            f"rows a step)")
 
 
 def write_csv(path, rows):

@@ -182,6 +182,68 @@ def test_kvtier_store_random_eviction_returns_exact_rows():
     store.commit()
 
 
+def test_kvtier_store_recall_rows_exact_and_sound():
+    """mode "recall" (random eviction + archive + the RoPE recall trigger, sound mode, a rank-16
+    key basis of 96): on multi-token steps every row written so far comes back exactly once (the
+    held ones, the step's, the whole archive: fetched rows carry position -1); on decode steps
+    every returned row is a written row, once, the step's own among them, and no row left out
+    scores at or above the best returned one for any query head (what sound recall promises:
+    it fetches every archived row that could beat the attended best)."""
+    from kvtier_store import KvtierStore
+    rng = np.random.default_rng(11)
+    d, H, T = 96, 4, 260
+    layers = [LayerSpec("full", 1, d, 0, H), LayerSpec("sliding", 1, d, 16, H)]
+    basis, _ = np.linalg.qr(rng.standard_normal((d, 16)))
+    store = KvtierStore(layers, "recall", max_seqs=2, max_tokens=512, budget_rows=32,
+                        recent_rows=8, page_rows=16, recall="sound", sketch_rank=16,
+                        bases={0: np.ascontiguousarray(basis.T, dtype=np.float32)[None]})
+    assert store.wants_queries
+    Ks = rng.standard_normal((2, 1, T, d)).astype(np.float32)
+    Vs = rng.standard_normal((2, 1, T, d)).astype(np.float32)
+    for i in range(2):
+        store.add_sequence(i, prompt_rows=8)
+    steps = [[30, 30], [25, 20], [40, 45]] + [[1, 1]] * 80
+    fetched_some = False
+    for ns in steps:
+        pos = store.reserve([0, 1], ns)
+        q = rng.standard_normal((sum(ns), H, d)).astype(np.float32) * 0.3
+        ends = [int(p[-1]) + 1 for p in pos]
+        for li in range(2):
+            k = np.concatenate([Ks[i][:, p].transpose(1, 0, 2) for i, p in enumerate(pos)])
+            v = np.concatenate([Vs[i][:, p].transpose(1, 0, 2) for i, p in enumerate(pos)])
+            store.write(li, k, v)
+            rows = store.attended(li, q)
+            if li:
+                continue
+            for i, r in enumerate(rows):
+                # each returned row: which written position holds these bytes (once each)
+                got = []
+                for j in range(r.k.shape[1]):
+                    hit = np.flatnonzero((Ks[i][0, :ends[i]] == r.k[0, j]).all(axis=1))
+                    assert hit.size == 1, (i, j, hit)
+                    t = int(hit[0])
+                    np.testing.assert_array_equal(r.v[0, j], Vs[i][0, t])
+                    if r.pos[0, j] >= 0 and max(ns) > 1:
+                        assert r.pos[0, j] == t
+                    got.append(t)
+                assert len(set(got)) == len(got)
+                assert set(pos[i].tolist()) <= set(got)
+                if max(ns) > 1:
+                    assert sorted(got) == list(range(ends[i])), "every row on a multi-token step"
+                    continue
+                qi = q[i]  # this request's one query token [H, d]
+                sc = Ks[i][0, :ends[i]] @ qi.T  # [rows, H]
+                best = sc[got].max(axis=0)
+                left = np.setdiff1d(np.arange(ends[i]), got)
+                if left.size:
+                    assert (sc[left] < best - 1e-4).all(), "sound recall left out a better row"
+                fetched_some |= len(got) > 32 + 8 + 8 + 1
+        store.commit()
+        store.check()
+    t = store.recall_tally
+    assert t["steps"] > 0 and fetched_some, t
+
+
 if __name__ == "__main__":
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_")]
     for n, f in tests:
