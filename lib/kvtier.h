@@ -339,8 +339,9 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  *   SOUND      z = √(D − 64) plus every rounding term (fp16 sketch, fp32 evaluation): never
  *              misses a row whose fp32 exact score reaches best_h, for any query, given a basis
  *              with ‖V Vᵀ − I‖_F <= 2^-20 (fp32 precision; an fp32-rounded orthonormal basis
- *              measures ~1e-7): a sound request on a layer whose basis is looser, or such a
- *              basis set while a sound request lives, is KVT_ERR_INVALID_ARGUMENT, named
+ *              measures ~1e-7; on RoPE layers every KV head's key basis): a sound request
+ *              on a layer whose basis is looser, or such a basis set while a sound request
+ *              lives, is KVT_ERR_INVALID_ARGUMENT, named
  *              (docs/recall.md §3.1). Fires far more often.
  *   MARGIN     fires when idx_a >= best_h − config.recall_margin (no certificate: a heuristic).
  *

@@ -28,8 +28,10 @@ void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st) {
                                    sizeof(float) * H * st->kb_stride * kvt__ev_key_dim(&st->spec));
     kvt__free(&ctx->alloc, st->kb_rank, sizeof *st->kb_rank * H);
     kvt__free(&ctx->alloc, st->kb_id, sizeof *st->kb_id * H);
+    kvt__free(&ctx->alloc, st->kb_omega, sizeof *st->kb_omega * H);
     st->kb_V = NULL;
     st->kb_rank = st->kb_id = NULL;
+    st->kb_omega = NULL;
     st->kb_stride = 0;
 }
 
@@ -75,6 +77,14 @@ static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank,
     return check_basis_of(ctx, "kvt_ctx_set_recall_basis", V, rank, D, omega);
 }
 
+/* Sound mode (the context's, or a live request's) needs bases its margin covers. */
+static bool sound_live(const kvt_ctx *ctx) {
+    bool sound = ctx->cfg.recall == KVT_RECALL_SOUND;
+    for (const kvt_seq *q = ctx->seqs; q && !sound; q = q->next)
+        sound = q->cfg.recall == KVT_RECALL_SOUND;
+    return sound;
+}
+
 kvt_status kvt__sound_basis_check(const kvt_ctx *ctx, uint32_t layer, float omega) {
     if (omega <= KVT__SOUND_MAX_OMEGA)
         return KVT_OK;
@@ -118,11 +128,7 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
     kvt_status s = check_basis(ctx, V, rank, D, &omega);
     if (s != KVT_OK)
         return s;
-    /* Sound mode (the context's, or a live request's) needs a basis its margin covers. */
-    bool sound = ctx->cfg.recall == KVT_RECALL_SOUND;
-    for (const kvt_seq *q = ctx->seqs; q && !sound; q = q->next)
-        sound = q->cfg.recall == KVT_RECALL_SOUND;
-    if (sound && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
+    if (sound_live(ctx) && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
         return s;
     size_t bytes = sizeof(float) * (size_t)rank * D;
     void *dev = NULL;
@@ -155,10 +161,13 @@ static kvt_status head_bases_alloc(kvt_ctx *ctx, kvt__store *st, uint32_t stride
         return s;
     st->kb_rank = kvt__calloc(&ctx->alloc, sizeof *st->kb_rank * H);
     st->kb_id = kvt__calloc(&ctx->alloc, sizeof *st->kb_id * H);
-    if (!st->kb_rank || !st->kb_id) {
+    st->kb_omega = kvt__calloc(&ctx->alloc, sizeof *st->kb_omega * H);
+    if (!st->kb_rank || !st->kb_id || !st->kb_omega) {
         kvt__free(&ctx->alloc, st->kb_rank, sizeof *st->kb_rank * H);
         kvt__free(&ctx->alloc, st->kb_id, sizeof *st->kb_id * H);
+        kvt__free(&ctx->alloc, st->kb_omega, sizeof *st->kb_omega * H);
         st->kb_rank = st->kb_id = NULL;
+        st->kb_omega = NULL;
         ctx->backend.ops->buf_free(&ctx->backend, dev, bytes);
         return KVT_ERR_OUT_OF_MEMORY;
     }
@@ -206,8 +215,11 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
                              "come from one basis)",
                              fn);
     const uint32_t D = kvt__ev_key_dim(&st->spec);
-    kvt_status s = check_basis_of(ctx, fn, V, rank, D, NULL);
+    float omega = 0.0f;
+    kvt_status s = check_basis_of(ctx, fn, V, rank, D, &omega);
     if (s != KVT_OK)
+        return s;
+    if (sound_live(ctx) && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
         return s;
     if ((s = head_bases_alloc(ctx, st, stride)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "%s: the key bases of layer %u", fn, layer);
@@ -217,6 +229,7 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
         return kvt__ctx_fail(ctx, s, "%s: writing V", fn);
     st->kb_rank[kv_head] = rank;
     st->kb_id[kv_head] = basis_id(V, (size_t)rank * D);
+    st->kb_omega[kv_head] = omega;
     return KVT_OK;
 }
 

@@ -249,7 +249,10 @@ static kvt_status recall_supported(const kvt_ctx *ctx, const kvt_config *cfg) {
                              "recall mode %d: the %s backend has no recall step yet",
                              (int)cfg->recall, ctx->backend.ops->name);
     for (uint32_t i = 0; cfg->recall == KVT_RECALL_SOUND && i < ctx->n_layers; i++) {
-        kvt_status s = kvt__sound_basis_check(ctx, i, ctx->stores[i].rbasis.omega);
+        const kvt__store *st = &ctx->stores[i];
+        kvt_status s = kvt__sound_basis_check(ctx, i, st->rbasis.omega);
+        for (uint32_t h = 0; s == KVT_OK && st->kb_omega && h < st->spec.n_kv_heads; h++)
+            s = kvt__sound_basis_check(ctx, i, st->kb_omega[h]); /* RoPE key bases */
         if (s != KVT_OK)
             return s;
     }

@@ -1889,3 +1889,81 @@ Test(rope_mla, batch_run_every_layout_equals_the_oracle_cpu, .timeout = 240) {
 Test(rope_mla, batch_run_every_layout_equals_the_oracle_guarded, .timeout = 240) {
     mla_e2e_run(KVT_BACKEND_GUARDED, 909);
 }
+
+/* Sound mode on a RoPE layer needs key bases its margin covers (‖V Vᵀ − I‖_F <= 2^-20, as on
+ * NoPE layers): a head basis within kvt_ctx_set_recall_head_basis's 1e-3 but far above 2^-20 is
+ * refused in a sound context and while a sound request lives; in a conformal context it is
+ * taken and a sound request is then refused at creation, a request with recall off is not. */
+Test(rope_mla, sound_mode_needs_orthonormal_key_bases) {
+    for (int mla = 0; mla < 2; mla++) {
+        kvt_layer_spec sp;
+        if (mla)
+            cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_ROPE, KVT_DTYPE_BF16, 128, 64, &sp),
+                         KVT_OK);
+        else
+            cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 128, &sp),
+                         KVT_OK);
+        sp.n_q_heads = 4;
+        kvt_model *m = NULL;
+        cr_assert_eq(kvt_model_create(&sp, 1, "sound", &m, NULL, 0), KVT_OK);
+        tu_rng rng = {.s = 77};
+        float V[16 * 128];
+        cr_assert(tu_orthonormal_rows(&rng, 16, 128, V));
+        kvt_config c = rr_cfg(32, 8, 16);
+        kvt_ctx_params p = kvt_ctx_default_params();
+        p.config = &c;
+        p.model = m;
+        p.page_rows = 16;
+        p.n_pages = 64;
+        p.recall_sketch_rank = 16;
+        kvt_ctx *ctx = NULL;
+        char err[256];
+        for (int sound_ctx = 1; sound_ctx >= 0; sound_ctx--) {
+            c.recall = sound_ctx ? KVT_RECALL_SOUND : KVT_RECALL_CONFORMAL;
+            cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+            cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, 0, 0, V, 16), KVT_OK, "%s",
+                         kvt_last_error());
+            V[3 * 128 + 11] += 1e-4f; /* within 1e-3, far above 2^-20 */
+            kvt_status s = kvt_ctx_set_recall_head_basis(ctx, 0, 0, V, 16);
+            if (sound_ctx) {
+                cr_assert_eq(s, KVT_ERR_INVALID_ARGUMENT);
+                cr_assert(strstr(kvt_last_error(), "sound") != NULL, "%s", kvt_last_error());
+                uint32_t r = 0, id0 = 0, id1 = 0;
+                cr_assert_eq(kvt_ctx_recall_head_basis(ctx, 0, 0, &r, &id0), KVT_OK);
+                V[3 * 128 + 11] -= 1e-4f;
+                cr_assert(tu_orthonormal_rows(&(tu_rng){.s = 77}, 16, 128, V));
+                cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, 0, 0, V, 16), KVT_OK);
+                cr_assert_eq(kvt_ctx_recall_head_basis(ctx, 0, 0, NULL, &id1), KVT_OK);
+                cr_assert_eq(id0, id1, "the refused basis changed nothing");
+            } else {
+                cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
+                kvt_seq_params sq = kvt_seq_default_params();
+                sq.recall = KVT_RECALL_SOUND;
+                kvt_seq *seq = NULL;
+                cr_assert_eq(kvt_seq_create(ctx, &sq, &seq), KVT_ERR_INVALID_ARGUMENT);
+                cr_assert(strstr(kvt_last_error(), "sound") != NULL, "%s", kvt_last_error());
+                cr_assert_null(seq);
+                sq.recall = KVT_RECALL_OFF;
+                cr_assert_eq(kvt_seq_create(ctx, &sq, &seq), KVT_OK, "%s", kvt_last_error());
+                kvt_seq_destroy(seq);
+                V[3 * 128 + 11] -= 1e-4f;
+            }
+            kvt_ctx_destroy(ctx);
+        }
+        /* a live sound request refuses a loose key basis */
+        c.recall = KVT_RECALL_OFF;
+        cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+        kvt_seq_params sq = kvt_seq_default_params();
+        sq.recall = KVT_RECALL_SOUND;
+        kvt_seq *seq = NULL;
+        cr_assert_eq(kvt_seq_create(ctx, &sq, &seq), KVT_OK, "%s", kvt_last_error());
+        cr_assert(tu_orthonormal_rows(&(tu_rng){.s = 77}, 16, 128, V));
+        V[5 * 128 + 2] += 1e-4f;
+        cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, 0, 0, V, 16), KVT_ERR_INVALID_ARGUMENT);
+        kvt_seq_destroy(seq);
+        cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, 0, 0, V, 16), KVT_OK, "%s",
+                     kvt_last_error());
+        kvt_ctx_destroy(ctx);
+        kvt_model_destroy(m);
+    }
+}

@@ -86,13 +86,15 @@ typedef struct kvt__store {
     uint8_t *plane[2];
     bool owned[2];      /* allocated by kvtier (vs bound by the engine) */
     kvt__rbasis rbasis; /* salience layers of a context with recall sketches */
-    /* Per-KV-head key bases of an evict (GQA/MHA-RoPE) layer whose archive is sketched
-     * (kvt_ctx_set_recall_head_basis; docs/recall.md §9): V is one backend buffer
-     * [n_kv_heads][kb_stride][head_dim] fp32 (NULL until the first head's basis), kb_rank and
-     * kb_id host arrays [n_kv_heads] (rank 0: that head has none: empty sketches, ρ = ‖k‖). */
+    /* Per-KV-head key bases of an evict (GQA/MHA-RoPE, MLA-RoPE) layer whose archive is
+     * sketched (kvt_ctx_set_recall_head_basis; docs/recall.md §9): V is one backend buffer
+     * [n_kv_heads][kb_stride][D] fp32 (D = kvt__ev_key_dim; NULL until the first head's basis),
+     * kb_rank, kb_id and kb_omega (‖V Vᵀ − I‖_F, what sound mode checks) host arrays
+     * [n_kv_heads] (rank 0: that head has none: empty sketches, ρ = ‖k‖). */
     float *kb_V;
     uint32_t kb_stride;
     uint32_t *kb_rank, *kb_id;
+    float *kb_omega;
 } kvt__store;
 
 /* Page table of one sequence in one group. */
