@@ -112,6 +112,9 @@ void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
                          kvt__pack_query *q);
 /* Does the request recall on this layer (recall on, a policy with an archive view)? */
 bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
+/* The trigger state of a layer the request recalls on — the salience layer's, or the common part
+ * of a RoPE layer's (kvt__recall_rope_layer.base) — or NULL. */
+kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer);
 /* The recall step's work item of the request on `layer` during the step (the view as the
  * step's run left it), its queries q and the emission's dense flag; false when the layer has
  * nothing to recall from. */

@@ -354,10 +354,10 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  * sketch, its rotated branch exactly, D = kv_lora_rank. Such a layer then needs the emission
  * layout KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) — on a layer with one KV head (MLA-RoPE, MQA)
  * KVT_EMIT_TOKENS and KVT_EMIT_CSR serve too (one list, the same) — and costs the request a
- * fetch area of pool pages for as
- * many rows as it holds (counted by kvt_seq_pages_needed); its requests cannot be snapshotted yet
- * (KVT_ERR_UNSUPPORTED). CPU and guarded backends only for now: on CUDA a request that would
- * recall on such a layer is refused at creation (KVT_ERR_UNSUPPORTED, named).
+ * fetch area of pool pages for as many rows as it holds (counted by kvt_seq_pages_needed); its
+ * snapshots carry the trigger's state (a RECALL section, as on salience layers). CPU and guarded
+ * backends only for now: on CUDA a request that would recall on such a layer is refused at
+ * creation (KVT_ERR_UNSUPPORTED, named).
  */
 typedef enum kvt_recall_mode {
     KVT_RECALL_OFF = 0,       /* archived rows are never brought back */

@@ -228,11 +228,14 @@ bool kvt__seq_recalls_rope(const kvt_seq *seq, uint32_t layer) {
     return seq->cfg.recall != KVT_RECALL_OFF && seq->rrope && seq->rrope[layer].fbuf;
 }
 
-/* The trigger state of a layer the request recalls on (salience or RoPE), or NULL. */
-static const kvt__recall_layer *recall_base(const kvt_seq *seq, uint32_t layer) {
+kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer) {
     if (kvt__seq_recalls(seq, layer))
         return &seq->recall[layer];
     return kvt__seq_recalls_rope(seq, layer) ? &seq->rrope[layer].base : NULL;
+}
+
+static const kvt__recall_layer *recall_base(const kvt_seq *seq, uint32_t layer) {
+    return kvt__seq_recall_base(seq, layer);
 }
 
 /* Can this context recall with the request's config? KVT_ERR_UNSUPPORTED with the reason. */

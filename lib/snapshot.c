@@ -347,14 +347,6 @@ static kvt_status between_steps(const kvt_seq *seq) {
                              "request %llu has a reservation open (%u tokens reserved, not "
                              "committed): snapshots are taken between steps",
                              (unsigned long long)seq->request_id, seq->n_pending);
-    /* The RoPE recall trigger's state (docs/recall.md §9) has no section in the format yet:
-     * refused, never dropped silently. */
-    for (uint32_t i = 0; i < seq->ctx->n_layers; i++)
-        if (kvt__seq_recalls_rope(seq, i))
-            return kvt__ctx_fail(seq->ctx, KVT_ERR_UNSUPPORTED,
-                                 "request %llu recalls on RoPE layer %u: its trigger state "
-                                 "(calibration, fetch lists) is not in the snapshot format yet",
-                                 (unsigned long long)seq->request_id, i);
     return kvt__seq_usable(seq);
 }
 
@@ -371,10 +363,9 @@ static uint64_t snapshot_bytes(const kvt_seq *seq) {
         if (l.gr->ops->snap_size)
             n += kvt__ctr_mem_section_bytes(STATE_HEAD + l.gr->ops->snap_size(&l));
         kvt__recall_state rs;
-        if (kvt__seq_recalls(seq, i) &&
-            kvt__recall_layer_read(&seq->recall[i], &ctx->backend, &rs) == KVT_OK)
-            n += kvt__ctr_mem_section_bytes(recall_bytes(&rs) +
-                                            promo_section_bytes(&seq->recall[i]));
+        const kvt__recall_layer *rb = kvt__seq_recall_base(seq, i);
+        if (rb && kvt__recall_layer_read(rb, &ctx->backend, &rs) == KVT_OK)
+            n += kvt__ctr_mem_section_bytes(recall_bytes(&rs) + promo_section_bytes(rb));
     }
     return n;
 }
@@ -444,8 +435,8 @@ kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capacity, size
             w += kvt__ctr_mem_seal(w, KVT__SNAP_SEC_STATE, KVT__CTR_FLAG_CRITICAL,
                                    STATE_HEAD + n);
         }
-        if (kvt__seq_recalls(seq, i)) {
-            const kvt__recall_layer *r = &seq->recall[i];
+        const kvt__recall_layer *r = kvt__seq_recall_base(seq, i);
+        if (r) {
             kvt__recall_state rs;
             if ((s = kvt__recall_layer_read(r, &ctx->backend, &rs)) != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "layer %u: reading the recall state", i);
@@ -663,14 +654,13 @@ static kvt_status check_layout(const snap_parsed *sp, uint32_t window_of[KVT__MA
  * on the layer, of the buffer's shape and the context's margin, a state that passes its check. */
 static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt__ctr_section *rs,
                               const uint8_t *buf) {
-    bool recalls = kvt__seq_recalls(seq, i);
-    if (!recalls != !rs->length)
+    kvt__recall_layer *r = kvt__seq_recall_base(seq, i); /* salience or RoPE */
+    if (!r != !rs->length)
         return kvt__ctx_fail(ctx, KVT_ERR_PARSE, "layer %u: RECALL section %s", i,
-                             recalls ? "missing for a request with recall"
-                                     : "for a layer or request without recall");
-    if (!recalls)
+                             r ? "missing for a request with recall"
+                               : "for a layer or request without recall");
+    if (!r)
         return KVT_OK;
-    const kvt__recall_layer *r = &seq->recall[i];
     kvt__recall_state st;
     if (rs->length < RECALL_HEAD + sizeof st)
         return kvt__ctx_fail(ctx, KVT_ERR_PARSE, "layer %u: RECALL section of %llu bytes", i,
@@ -713,8 +703,8 @@ static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt_
     kvt_status s = kvt__recall_state_check(r, &st, smp, msg, sizeof msg);
     if (s != KVT_OK)
         return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT, "layer %u: %s", i, msg);
-    if ((s = kvt__recall_layer_load(&seq->recall[i], &ctx->backend, &st, smp)) != KVT_OK ||
-        (s = kvt__recall_layer_load_promo(&seq->recall[i], &ctx->backend,
+    if ((s = kvt__recall_layer_load(r, &ctx->backend, &st, smp)) != KVT_OK ||
+        (s = kvt__recall_layer_load_promo(r, &ctx->backend,
                                           promo_tail ? pt + PROMO_HEAD : NULL)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "layer %u: writing the recall state", i);
     return KVT_OK;

@@ -1279,10 +1279,39 @@ static void e2e_check(rr *x, trig *t, const float *q, uint8_t dense, const int32
     oview_free(&v);
 }
 
+/* Preemption mid-request: the request is snapshotted (its RECALL section: the RoPE trigger's
+ * calibration and counters), destroyed and restored; the restored one has the same trigger state
+ * and archive, and the oracle then follows it as it followed the original. */
+static void snapshot_swap(rr *x) {
+    kvt_layer_stats a = rr_stats(x);
+    size_t bytes = 0, wrote = 0;
+    cr_assert_eq(kvt_seq_snapshot_size(x->seq, &bytes), KVT_OK, "%s", kvt_last_error());
+    void *buf = malloc(bytes);
+    cr_assert_eq(kvt_seq_snapshot(x->seq, buf, bytes, &wrote), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(x->seq);
+    x->seq = NULL;
+    cr_assert_eq(kvt_seq_restore(x->ctx, buf, wrote, &x->seq), KVT_OK, "%s", kvt_last_error());
+    free(buf);
+    cr_assert_eq(kvt_seq_check(x->seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert(kvt__seq_recalls_rope(x->seq, 0), "the restored request recalls on the layer");
+    kvt_layer_stats b = rr_stats(x);
+    cr_assert_eq(b.recall_mode, a.recall_mode);
+    cr_assert_eq(b.recall_phase, a.recall_phase);
+    cr_assert(memcmp(&b.recall_z, &a.recall_z, sizeof a.recall_z) == 0);
+    cr_assert_eq(b.recall_samples, a.recall_samples);
+    cr_assert_eq(b.recall_steps, a.recall_steps);
+    cr_assert_eq(b.recall_calib_steps, a.recall_calib_steps);
+    cr_assert_eq(b.recall_fetched_rows, a.recall_fetched_rows);
+    cr_assert_eq(b.archived_rows, a.archived_rows);
+    cr_assert_eq(b.sketched_rows, a.sketched_rows);
+    cr_assert_eq(b.attended_rows, a.attended_rows);
+}
+
 /* Conformal decode through kvt_batch_run: every step's per-KV-head lists are the oracle's
  * (calibration steps: every archived row; then the fired ones), with the right bytes and the
  * reference attention of the oracle set; z as the oracle's calibration; statistics, fork (the
- * child continues), snapshot refused (KVT_ERR_UNSUPPORTED), another layout refused. */
+ * child continues), a snapshot and restore at step 60 (the oracle follows the restored request),
+ * another layout refused. */
 static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
     kvt_config cfg = rr_cfg(32, 8, 16);
     cfg.recall = KVT_RECALL_CONFORMAL;
@@ -1304,6 +1333,8 @@ static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
     uint8_t dense = 0;
     e2e_tally y = {.calibrating = true};
     for (int step = 0; step < 100; step++) {
+        if (step == 60)
+            snapshot_swap(&x);
         oview v0;
         oview_read(&x, &v0); /* queries aim at rows archived before this step */
         uint32_t aimed;
@@ -1340,10 +1371,6 @@ static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
     cr_assert_eq(kvt_batch_commit(e.b, NULL), KVT_OK);
     x.n_tok++;
     cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
-    /* snapshots: refused, named */
-    size_t bytes;
-    cr_assert_eq(kvt_seq_snapshot_size(x.seq, &bytes), KVT_ERR_UNSUPPORTED);
-    cr_assert(strstr(kvt_last_error(), "RoPE") != NULL, "%s", kvt_last_error());
     /* a fork continues the calibration */
     kvt_seq *child = NULL;
     cr_assert_eq(kvt_seq_fork(x.seq, 99, &child), KVT_OK, "%s", kvt_last_error());
@@ -1804,6 +1831,8 @@ static void mla_e2e_run(kvt_backend_kind backend, uint64_t seed) {
     e2e_tally y = {.calibrating = true};
     uint64_t tokens_steps = 0;
     for (int step = 0; step < 90; step++) {
+        if (step == 45)
+            snapshot_swap(&x);
         oview v0;
         oview_read(&x, &v0);
         uint32_t aimed;
