@@ -1067,7 +1067,8 @@ typedef struct kvt_layer_stats {
                                * fit, so it changes no other row's σ) or an fp32 overflow. They
                                * rank first: attended, one slot of the budget each. */
     uint64_t sigma_bytes_read;/* salience: bytes read to score rows */
-    uint64_t pages_in_use;    /* pages of this layer's group held by the sequence now */
+    uint64_t pages_in_use;    /* pages of this layer's group held by the sequence now (its
+                               * table's, and the fetch area of recall on a RoPE layer) */
     uint64_t bytes_in_use;    /* pool bytes of this layer held (pages x page_rows x row size) */
     uint64_t archive_bytes;   /* bytes held in the separate archive pool for this layer */
     uint64_t prompt_rows;     /* protected prompt rows */
@@ -1102,8 +1103,8 @@ typedef struct kvt_layer_stats {
     double effective_ratio;
     /* Backend bytes the layer holds for this request beyond its pool pages (capacity): the
      * policy's side planes (salience: σ, kept set, recall sketches; eviction: positions, slot
-     * map, keep sets, the archive's position indices — its rows are in archive_bytes) and the
-     * recall trigger's buffer and group planes. */
+     * map, keep sets, the archive's position indices and sketches — its rows are in
+     * archive_bytes) and the recall trigger's buffers (and group planes). */
     uint64_t side_bytes;
     /* Of side_bytes, the planes this request shares with others (kvt_seq_fork, kvt_seq_attach:
      * the σ and sketch planes of the closed blocks they share, fixed once written; a holder

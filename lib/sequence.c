@@ -1380,6 +1380,9 @@ static void layer_side_bytes(const kvt_seq *seq, uint32_t i, uint64_t *own, uint
         ops->side_bytes(&seq->layers[i], own, shared, key, holders);
     if (seq->recall)
         *own += kvt__recall_layer_bytes(&seq->recall[i]);
+    if (seq->rrope) /* the RoPE trigger's state and fetch lists */
+        *own += kvt__recall_layer_bytes(&seq->rrope[i].base) +
+                (seq->rrope[i].fbuf ? seq->rrope[i].fbytes : 0);
 }
 
 kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out) {
@@ -1405,11 +1408,13 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
     out->appended_rows = seq->n_tokens * H;
     kvt__tier_layer l = tier_layer(seq, layer);
     out->attended_rows = kvt__attended_count(&l);
-    out->pages_in_use = t->n_pages;
+    /* the table's pages and, with recall on a RoPE layer of the group, the fetch area's */
+    const uint64_t fetch_pages = seq->fetch[st->group].n_pages;
+    out->pages_in_use = t->n_pages + fetch_pages;
     const kvt__pool *pool = &ctx->groups[st->group].pool;
     for (uint32_t k = 0; pool->shared && k < t->n_pages; k++)
         out->shared_pages += pool->refs[t->pages[k]] > 1;
-    out->bytes_in_use = (uint64_t)t->n_pages * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
+    out->bytes_in_use = out->pages_in_use * ctx->page_rows * st->slot_bytes * st->spec.n_planes;
     const void *side_key;
     uint32_t side_holders;
     layer_side_bytes(seq, layer, &out->side_bytes, &out->shared_side_bytes, &side_key,

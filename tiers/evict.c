@@ -1314,14 +1314,19 @@ static kvt_status ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err
 static kvt_status ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
                                const uint8_t *src, uint64_t n);
 
-/* Positions, slot map, keep sets and the archive's position indices (its rows count in
- * archive_bytes); nothing is shared (a fork copies them). */
+/* Positions, slot map, keep sets, the archive's position indices and, when it is sketched, its
+ * sketch planes (csk, ρ) and identity mirror (its rows count in archive_bytes); nothing is shared
+ * (a fork copies them). */
 static void ev_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
                           const void **key, uint32_t *holders) {
     const kvt__ev *e = &s->ev;
     const uint64_t H = e->n_heads;
     *own = sizeof *e->pos * H * e->pos_cap + sizeof *e->last_map * e->last_map_cap +
            sizeof *e->keep * e->keep_cap + (sizeof *e->ar_pos + sizeof *e->ar_by_pos) * H * e->ar_cap;
+    if (e->ar_csk)
+        *own += (sizeof *e->ar_csk * e->sk_stride + sizeof *e->ar_rho) * H * e->ar_cap;
+    if (e->ar_ident)
+        *own += sizeof *e->ar_ident * e->ident_n;
     *shared = 0;
     *key = NULL;
     *holders = 1;
