@@ -728,3 +728,41 @@ Test(abi, last_error_is_per_thread) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
+
+/* The CPU backend advises its large buffers onto transparent huge pages (backend_cpu.c,
+ * advise_huge): the mapping that holds a layer's row pool carries the MADV_HUGEPAGE flag ("hg"
+ * in /proc/self/smaps' VmFlags), whatever huge pages the kernel then has to give. Linux only. */
+Test(context, row_pool_advised_onto_huge_pages) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f)
+        cr_skip_test("no /proc/self/smaps: not Linux");
+    kvt_model *m = mla_model(KVT_LAYER_MLA_NOPE, 1);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.n_pages = 256; /* 256 x 64 rows x 1152 B = 18 MiB, past the 4-MiB advice threshold */
+    kvt_ctx *ctx = NULL;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    void *base = NULL;
+    size_t bytes = 0;
+    cr_assert_eq(kvt_layer_data(ctx, 0, 0, &base, &bytes), KVT_OK);
+    const uintptr_t mid = (uintptr_t)base + bytes / 2; /* inside the advised interior */
+    char line[512];
+    bool inside = false, found = false, advised = false;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' ')) {
+            inside = mid >= lo && mid < hi;
+            continue;
+        }
+        if (inside && strncmp(line, "VmFlags:", 8) == 0) {
+            found = true;
+            advised = strstr(line, " hg") != NULL;
+        }
+    }
+    fclose(f);
+    cr_assert(found, "no mapping of /proc/self/smaps holds the row pool");
+    cr_expect(advised, "the row pool's mapping lacks MADV_HUGEPAGE (VmFlags without hg)");
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
