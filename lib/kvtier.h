@@ -657,16 +657,18 @@ KVT_API kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, u
 KVT_API kvt_status kvt_ctx_recall_head_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
                                              uint32_t *rank, uint32_t *id);
 
-/* A basis file (kvtier-inspect calibrate writes it; format in docs/recall.md §5): little-endian,
+/* A basis file (kvtier-inspect calibrate writes it: one for an MLA-NoPE layer, one per KV head,
+ * PREFIX.h<H>, for a RoPE layer; format in docs/recall.md §5): little-endian,
  *   0   8 B   magic "KVTRBAS1"
  *   8   u32   format version (1)
  *   12  u32   layer the basis was calibrated for (informational: any salience layer of the same
- *             value_dim may load it)
+ *             value_dim may load it; a key basis, any head of a layer of the same key dim)
  *   16  u32   rank r
  *   20  u32   dim (value_dim)
- *   24  f64   captured: share of the calibration queries' centred variance the r directions
- *             hold, in [0, 1] (NaN when unknown)
- *   32  u64   samples: query latents the covariance was estimated from
+ *   24  f64   captured: share of the calibration samples' energy the r directions hold, in
+ *             [0, 1] (NaN when unknown): the centred variance of query latents (a salience
+ *             layer's basis) or the uncentred energy of one KV head's keys (a key basis)
+ *   32  u64   samples: query latents, or key rows, the matrix was estimated from
  *   40  r x dim fp32: V, row-major
  *   end u32   CRC-32 of every byte before it. */
 typedef struct kvt_recall_basis_info {
@@ -692,6 +694,18 @@ KVT_API kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info
 /* kvt_recall_basis_read, then kvt_ctx_set_recall_basis of its V on `layer` (whose value_dim
  * must equal the file's dim: KVT_ERR_INVALID_ARGUMENT). The errors of both. */
 KVT_API kvt_status kvt_ctx_load_recall_basis(kvt_ctx *ctx, uint32_t layer, const char *path);
+/* kvt_recall_basis_read, then kvt_ctx_set_recall_head_basis of its V on KV head `kv_head` of
+ * `layer` (a file kvtier-inspect calibrate fitted to that head's keys, `PREFIX.h<kv_head>`; the
+ * file's layer field is informational, as above). The file's dim must equal the layer's key dim
+ * (head_dim on GQA/MHA layers, kv_lora_rank = value_dim on MLA-RoPE layers):
+ * KVT_ERR_INVALID_ARGUMENT, naming both. A layer that takes no key basis (a salience layer, fp8
+ * rows, no sketch planes) is refused as kvt_ctx_set_recall_head_basis refuses it. Errors: NULL
+ * ctx or path (KVT_ERR_INVALID_ARGUMENT), layer out of range (KVT_ERR_OUT_OF_RANGE), the file's
+ * (KVT_ERR_IO, KVT_ERR_PARSE, KVT_ERR_CORRUPT), KVT_ERR_OUT_OF_MEMORY, and every error of
+ * kvt_ctx_set_recall_head_basis (kv_head and rank out of range, rows not orthonormal, sound mode's
+ * 2^-20, a request already started); nothing changed on any error. */
+KVT_API kvt_status kvt_ctx_load_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                                  const char *path);
 
 /* ---------------------------------------------------------------------------------------------
  * Backend buffers

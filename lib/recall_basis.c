@@ -353,27 +353,67 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
     return s;
 }
 
-kvt_status kvt_ctx_load_recall_basis(kvt_ctx *ctx, uint32_t layer, const char *path) {
+/* Read the basis file at path for `layer` of ctx, whose sketched dim is want_dim (what_dim names
+ * it in the message; 0: the layer takes no such basis, which the set call then refuses by name):
+ * V (rank x dim fp32, the context's allocator, *V_floats of them) and *info. The errors of
+ * kvt_recall_basis_read, KVT_ERR_OUT_OF_RANGE (layer), KVT_ERR_INVALID_ARGUMENT (a dim other than
+ * want_dim), KVT_ERR_OUT_OF_MEMORY. */
+static kvt_status read_for_layer(kvt_ctx *ctx, const char *fn, uint32_t layer, const char *path,
+                                 uint32_t (*want_dim)(const kvt_layer_spec *), const char *what_dim,
+                                 kvt_recall_basis_info *info, float **V, size_t *V_floats) {
+    *V = NULL;
     if (!ctx || !path)
-        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_ctx_load_recall_basis: NULL argument");
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
     if (layer >= ctx->n_layers)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "kvt_ctx_load_recall_basis: layer %u of %u",
-                             layer, ctx->n_layers);
-    kvt_recall_basis_info info;
-    kvt_status s = kvt_recall_basis_read(path, &info, NULL, 0);
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "%s: layer %u of %u", fn, layer,
+                             ctx->n_layers);
+    kvt_status s = kvt_recall_basis_read(path, info, NULL, 0);
     if (s != KVT_OK)
         return s;
-    if (info.dim != ctx->stores[layer].spec.value_dim)
+    const uint32_t dim = want_dim(&ctx->stores[layer].spec);
+    if (dim && info->dim != dim)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "kvt_ctx_load_recall_basis: %s holds dim %u, layer %u has value_dim "
-                             "%u",
-                             path, info.dim, layer, ctx->stores[layer].spec.value_dim);
-    size_t n = (size_t)info.rank * info.dim;
-    float *V = kvt__malloc(&ctx->alloc, sizeof(float) * n);
-    if (!V)
-        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "kvt_ctx_load_recall_basis");
-    if ((s = kvt_recall_basis_read(path, &info, V, n)) == KVT_OK)
-        s = kvt_ctx_set_recall_basis(ctx, layer, V, info.rank);
+                             "%s: %s holds dim %u, layer %u (%s) has %s %u", fn, path, info->dim,
+                             layer, kvt_layer_kind_name(ctx->stores[layer].spec.kind), what_dim,
+                             dim);
+    size_t n = (size_t)info->rank * info->dim;
+    if (!(*V = kvt__malloc(&ctx->alloc, sizeof(float) * n)))
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "%s: %zu floats", fn, n);
+    *V_floats = n;
+    if ((s = kvt_recall_basis_read(path, info, *V, n)) != KVT_OK) {
+        kvt__free(&ctx->alloc, *V, sizeof(float) * n);
+        *V = NULL;
+    }
+    return s;
+}
+
+static uint32_t value_dim_of(const kvt_layer_spec *sp) {
+    return sp->value_dim;
+}
+
+kvt_status kvt_ctx_load_recall_basis(kvt_ctx *ctx, uint32_t layer, const char *path) {
+    kvt_recall_basis_info info;
+    float *V;
+    size_t n = 0;
+    kvt_status s = read_for_layer(ctx, "kvt_ctx_load_recall_basis", layer, path, value_dim_of,
+                                  "value_dim", &info, &V, &n);
+    if (s != KVT_OK)
+        return s;
+    s = kvt_ctx_set_recall_basis(ctx, layer, V, info.rank);
+    kvt__free(&ctx->alloc, V, sizeof(float) * n);
+    return s;
+}
+
+kvt_status kvt_ctx_load_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                          const char *path) {
+    kvt_recall_basis_info info;
+    float *V;
+    size_t n = 0;
+    kvt_status s = read_for_layer(ctx, "kvt_ctx_load_recall_head_basis", layer, path,
+                                  kvt__ev_key_dim, "key dim", &info, &V, &n);
+    if (s != KVT_OK)
+        return s;
+    s = kvt_ctx_set_recall_head_basis(ctx, layer, kv_head, V, info.rank);
     kvt__free(&ctx->alloc, V, sizeof(float) * n);
     return s;
 }

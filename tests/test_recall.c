@@ -930,6 +930,13 @@ static void write_cal_trace(const char *path, const float *UW, bool with_queries
     cr_assert_eq(kvt_trace_writer_close(w, err, sizeof err), KVT_OK, "%s", err);
 }
 
+/* Create an empty temporary file from a mkstemp template (rewritten in place). */
+static void temp_file(char *tmpl) {
+    int fd = mkstemp(tmpl);
+    cr_assert_geq(fd, 0, "mkstemp %s", tmpl);
+    close(fd);
+}
+
 static int run_calibrate(const char *args, char *out, size_t out_len) {
     char cmd[1024];
     snprintf(cmd, sizeof cmd, "%s/tools/kvtier-inspect calibrate %s 2>&1", KVT_BINARY_DIR, args);
@@ -950,12 +957,8 @@ Test(calibrate, recovers_a_known_subspace_and_its_variance, .timeout = 120) {
     cr_skip_test("built without the tools (KVT_BUILD_TOOLS=OFF): no kvtier-inspect to run");
 #else
     char trace[] = "/tmp/kvt_cal_XXXXXX", basis[] = "/tmp/kvt_calb_XXXXXX";
-    int fd = mkstemp(trace);
-    cr_assert_geq(fd, 0);
-    close(fd);
-    fd = mkstemp(basis);
-    cr_assert_geq(fd, 0);
-    close(fd);
+    temp_file(trace);
+    temp_file(basis);
     float *UW = malloc(sizeof(float) * 16 * 512);
     cr_assert(UW);
     orthonormal_rows(12012, 16, 512, UW);
@@ -1156,4 +1159,260 @@ Test(sketch_planes, snapshots_forks_and_attaches_carry_the_sketches) {
     kvt_ctx_destroy(same_basis);
     kvt_ctx_destroy(other);
     teardown(&f);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * kvtier-inspect calibrate on RoPE layers: per KV head, the top eigenvectors of the uncentred
+ * second moment of the traced rows' keys (docs/recall.md §9), one file PREFIX.h<H> per head,
+ * loaded by kvt_ctx_load_recall_head_basis. Synthetic: a GQA-RoPE layer (2 KV heads, head_dim
+ * 64, bf16) whose head h's keys are Σ_k a_k U_h,k (U_h: 8 orthonormal rows, another subspace per
+ * head; a_k normal with scale 4 − k/4) plus noise of 1e-3: the fitted rows must lie in span U_h
+ * (each row's projection on it >= 0.9999 of its norm²), not in the other head's, and capture
+ * >= 0.999 of the key energy. Real: Gemma-3-270M's global layers (tests/data).
+ * ------------------------------------------------------------------------------------------- */
+#if KVT_HAVE_LAPACKE && KVT_HAVE_INSPECT
+#define KC_ROWS 200u
+#define KC_HEADS 2u
+#define KC_DIM 64u
+#define KC_RANK 8u
+
+static void kc_spec(uint32_t head_dim, kvt_layer_spec *sp) {
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, KC_HEADS, head_dim, sp),
+                 KVT_OK);
+    sp->n_q_heads = 4;
+}
+
+/* Layer 1 of a 4-layer model: keys of head h in span U_h (U: [KC_HEADS][KC_RANK][KC_DIM]). */
+static void write_key_trace(const char *path, const float *U, uint64_t seed) {
+    kvt_layer_spec sp;
+    kc_spec(KC_DIM, &sp);
+    kvt_trace_meta meta = {.n_model_layers = 4, .text = "generator=test_recall key calibrate\n"};
+    kvt_trace_writer *w;
+    char err[256];
+    cr_assert_eq(kvt_trace_writer_open(path, &meta, &w, err, sizeof err), KVT_OK, "%s", err);
+    cr_assert_eq(kvt_trace_write_layer(w, 1, &sp), KVT_OK);
+    const size_t bytes = (size_t)KC_ROWS * KC_HEADS * sp.row_bytes;
+    uint16_t *k = malloc(bytes), *v = calloc(1, bytes);
+    cr_assert(k && v);
+    tu_rng g = {seed};
+    for (uint32_t r = 0; r < KC_ROWS; r++)
+        for (uint32_t h = 0; h < KC_HEADS; h++) {
+            float x[KC_DIM];
+            for (uint32_t d = 0; d < KC_DIM; d++)
+                x[d] = (float)(1e-3 * tu_normal(&g));
+            for (uint32_t j = 0; j < KC_RANK; j++) {
+                float a = (float)((4.0 - 0.25 * j) * tu_normal(&g));
+                for (uint32_t d = 0; d < KC_DIM; d++)
+                    x[d] += a * U[((size_t)h * KC_RANK + j) * KC_DIM + d];
+            }
+            for (uint32_t d = 0; d < KC_DIM; d++) /* bf16, truncated: noise of 2^-8 at most */
+                memcpy(&k[((size_t)r * KC_HEADS + h) * KC_DIM + d], (char *)&x[d] + 2, 2);
+        }
+    cr_assert_eq(kvt_trace_write_rows(w, 1, 0, k, KC_ROWS, bytes), KVT_OK);
+    cr_assert_eq(kvt_trace_write_rows(w, 1, 1, v, KC_ROWS, bytes), KVT_OK);
+    free(k);
+    free(v);
+    cr_assert_eq(kvt_trace_writer_close(w, err, sizeof err), KVT_OK, "%s", err);
+}
+
+/* Smallest share of a fitted row's norm² inside span U (rank rows of dim). */
+static double min_share_in(const float *V, uint32_t vrank, const float *U, uint32_t rank,
+                           uint32_t dim) {
+    double worst = 1.0;
+    for (uint32_t a = 0; a < vrank; a++) {
+        double in = 0;
+        for (uint32_t j = 0; j < rank; j++) {
+            double dot = 0;
+            for (uint32_t d = 0; d < dim; d++)
+                dot += (double)V[(size_t)a * dim + d] * U[(size_t)j * dim + d];
+            in += dot * dot;
+        }
+        worst = in < worst ? in : worst;
+    }
+    return worst;
+}
+
+static kvt_ctx *key_ctx(kvt_model *m, kvt_recall_mode mode, uint32_t sketch_rank) {
+    kvt_config c = kvt_config_default();
+    c.recall = mode;
+    return make_ctx(m, &c, KVT_BACKEND_CPU, sketch_rank, 0);
+}
+#endif
+
+Test(calibrate, key_bases_per_kv_head_span_each_heads_keys, .timeout = 120) {
+#if !KVT_HAVE_LAPACKE
+    cr_skip_test("built without LAPACKE (liblapacke-dev): kvtier-inspect calibrate is disabled");
+#elif !KVT_HAVE_INSPECT
+    cr_skip_test("built without the tools (KVT_BUILD_TOOLS=OFF): no kvtier-inspect to run");
+#else
+    char trace[] = "/tmp/kvt_kcal_XXXXXX", prefix[] = "/tmp/kvt_kcalb_XXXXXX";
+    temp_file(trace);
+    temp_file(prefix);
+    float U[KC_HEADS * KC_RANK * KC_DIM];
+    orthonormal_rows(4242, KC_RANK, KC_DIM, U);
+    orthonormal_rows(4343, KC_RANK, KC_DIM, U + KC_RANK * KC_DIM);
+    write_key_trace(trace, U, 99);
+    char out[4096], args[512], file[600];
+    snprintf(args, sizeof args, "%s -o %s --rank %u", trace, prefix, KC_RANK); /* default layer */
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 0, "%s", out);
+    cr_log_info("%s", out);
+    cr_assert(strstr(out, "layer 1 KV head 0: 200 samples (keys of 200 rows"), "%s", out);
+    cr_assert(strstr(out, "layer 1 KV head 1: 200 samples"), "%s", out);
+    cr_assert(strstr(out, "uncentred key energy"), "%s", out);
+    kvt_layer_spec sp[2];
+    kc_spec(KC_DIM, &sp[0]);
+    kc_spec(32, &sp[1]);
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(sp, 2, "keys", &m, NULL, 0), KVT_OK);
+    kvt_ctx *ctx = key_ctx(m, KVT_RECALL_CONFORMAL, 16);
+    kvt_ctx *sound = key_ctx(m, KVT_RECALL_SOUND, 16);
+    for (uint32_t h = 0; h < KC_HEADS; h++) {
+        snprintf(file, sizeof file, "%s.h%u", prefix, h);
+        kvt_recall_basis_info info;
+        float V[KC_RANK * KC_DIM];
+        cr_assert_eq(kvt_recall_basis_read(file, &info, V, KC_RANK * KC_DIM), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert(info.layer == 1 && info.rank == KC_RANK && info.dim == KC_DIM &&
+                  info.samples == KC_ROWS);
+        cr_assert_geq(info.captured, 0.999, "head %u: captured %.6f", h, info.captured);
+        cr_assert_leq(info.captured, 1.0);
+        const float *mine = U + (size_t)h * KC_RANK * KC_DIM;
+        const float *other = U + (size_t)(1 - h) * KC_RANK * KC_DIM;
+        double in = min_share_in(V, KC_RANK, mine, KC_RANK, KC_DIM);
+        double cross = 1.0 - min_share_in(V, KC_RANK, other, KC_RANK, KC_DIM);
+        cr_assert_geq(in, 0.9999, "head %u: a row has only %.6f of its norm^2 in its span", h, in);
+        cr_assert_geq(cross, 0.5, "head %u: its basis lies in the other head's span", h);
+        /* Orthonormal to fp32 precision, as the sound mode needs. */
+        double frob = 0;
+        for (uint32_t a = 0; a < KC_RANK; a++)
+            for (uint32_t b = 0; b < KC_RANK; b++) {
+                double dot = -(a == b);
+                for (uint32_t d = 0; d < KC_DIM; d++)
+                    dot += (double)V[a * KC_DIM + d] * V[b * KC_DIM + d];
+                frob += dot * dot;
+            }
+        cr_assert_leq(sqrt(frob), 0x1p-20, "head %u: |V V^T - I|_F = %.3g", h, sqrt(frob));
+        cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 0, h, file), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_ctx_load_recall_head_basis(sound, 0, h, file), KVT_OK, "%s",
+                     kvt_last_error());
+        uint32_t rank = 0, id = 0;
+        cr_assert_eq(kvt_ctx_recall_head_basis(sound, 0, h, &rank, &id), KVT_OK);
+        cr_assert(rank == KC_RANK && id == info.id, "rank %u id 0x%08x", rank, id);
+    }
+    /* Refusals: a file on a layer of another head_dim, a KV head out of range, a NULL path. */
+    snprintf(file, sizeof file, "%s.h0", prefix);
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 1, 0, file), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "key dim 32"), "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 0, 2, file), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 2, 0, file), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 0, 0, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(NULL, 0, 0, file), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_ctx_load_recall_basis(ctx, 0, file), KVT_ERR_POLICY_MISMATCH, "%s",
+                 kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_ctx_destroy(sound);
+    kvt_model_destroy(m);
+    /* A rank above the sketch's stride (16) is refused at load; above the dim, by the tool. */
+    snprintf(args, sizeof args, "%s -o %s --rank 32 --layer 1", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 0, "%s", out);
+    kc_spec(KC_DIM, &sp[0]);
+    cr_assert_eq(kvt_model_create(sp, 1, "keys", &m, NULL, 0), KVT_OK);
+    ctx = key_ctx(m, KVT_RECALL_CONFORMAL, 16);
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 0, 0, file), KVT_ERR_OUT_OF_RANGE);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+    snprintf(args, sizeof args, "%s -o %s --rank 65", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_assert(strstr(out, "cannot give a rank-65 basis"), "%s", out);
+    snprintf(args, sizeof args, "%s -o %s --rank x", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 2, "%s", out);
+    snprintf(args, sizeof args, "%s -o %s --layer 2", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_assert(strstr(out, "layer 2 is not traced"), "%s", out);
+    /* Bad input: a missing trace, a corrupt one (a flipped byte in the K rows), a truncated one,
+     * a file that is not a trace: a message and exit 1, never a crash. */
+    snprintf(args, sizeof args, "/nonexistent/kvt.kvtt -o %s", prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_assert(strstr(out, "kvtier-inspect calibrate: /nonexistent/kvt.kvtt: "), "%s", out);
+    FILE *f = fopen(trace, "r+b");
+    cr_assert(f);
+    cr_assert_eq(fseek(f, -4000, SEEK_END), 0);
+    int ch = fgetc(f);
+    cr_assert_eq(fseek(f, -4000, SEEK_END), 0);
+    fputc(ch ^ 0x40, f);
+    fclose(f);
+    snprintf(args, sizeof args, "%s -o %s", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_assert(strstr(out, "kvtier-inspect calibrate: ") && strstr(out, trace), "%s", out);
+    cr_log_info("corrupt: %s", out);
+    cr_assert_eq(truncate(trace, 5000), 0);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_log_info("truncated: %s", out);
+    snprintf(args, sizeof args, "%s.h0 -o %s", prefix, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    for (uint32_t h = 0; h < KC_HEADS; h++) {
+        snprintf(file, sizeof file, "%s.h%u", prefix, h);
+        remove(file);
+    }
+    remove(trace);
+    remove(prefix);
+#endif
+}
+
+/* The committed Gemma-3-270M trace (tests/data/gemma3-270m-fact-1k.md): global layers 5, 11, 17,
+ * GQA-RoPE, 1 KV head of head_dim 256, 1,019 rows of fp32 post-RoPE keys. Calibrate runs on
+ * each, the share is in (0, 1], and the files load on a context made from the model's config. */
+Test(calibrate, key_bases_of_the_gemma_trace, .timeout = 120) {
+#if !KVT_HAVE_LAPACKE
+    cr_skip_test("built without LAPACKE (liblapacke-dev): kvtier-inspect calibrate is disabled");
+#elif !KVT_HAVE_INSPECT
+    cr_skip_test("built without the tools (KVT_BUILD_TOOLS=OFF): no kvtier-inspect to run");
+#else
+    const char *trace = KVT_SOURCE_DIR "/tests/data/gemma3-270m-fact-1k.kvtt";
+    char prefix[] = "/tmp/kvt_gcal_XXXXXX";
+    temp_file(prefix);
+    kvt_model *m;
+    char err[256], out[4096], args[1024], file[600];
+    cr_assert_eq(kvt_model_from_file(KVT_SOURCE_DIR "/tests/data/gemma-3-270m.json",
+                                     KVT_DTYPE_FP32, &m, err, sizeof err),
+                 KVT_OK, "%s", err);
+    kvt_ctx *ctx = key_ctx(m, KVT_RECALL_SOUND, 128);
+    snprintf(file, sizeof file, "%s.h0", prefix);
+    const uint32_t layers[] = {5, 11, 17};
+    for (uint32_t i = 0; i < 3; i++) {
+        snprintf(args, sizeof args, "%s -o %s --rank 64%s%u", trace, prefix,
+                 i ? " --layer " : "", i ? layers[i] : 0);
+        if (!i) /* the default layer: the first traced RoPE layer */
+            snprintf(args, sizeof args, "%s -o %s --rank 64", trace, prefix);
+        cr_assert_eq(run_calibrate(args, out, sizeof out), 0, "%s", out);
+        cr_log_info("%s", out);
+        char want[64];
+        snprintf(want, sizeof want, "layer %u KV head 0: 1019 samples", layers[i]);
+        cr_assert(strstr(out, want), "%s", out);
+        kvt_recall_basis_info info;
+        cr_assert_eq(kvt_recall_basis_read(file, &info, NULL, 0), KVT_OK);
+        cr_assert(info.layer == layers[i] && info.dim == 256 && info.rank == 64);
+        cr_assert(info.captured > 0 && info.captured <= 1, "captured %g", info.captured);
+        cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, layers[i], 0, file), KVT_OK, "%s",
+                     kvt_last_error());
+    }
+    /* The layer field is informational: layer 17's basis loads on layer 5 too; a sliding layer
+     * (random eviction does not run there), KV head 1 and another dim are refused. */
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 5, 0, file), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 0, 0, file), KVT_ERR_POLICY_MISMATCH);
+    cr_assert_eq(kvt_ctx_load_recall_head_basis(ctx, 5, 1, file), KVT_ERR_OUT_OF_RANGE);
+    snprintf(args, sizeof args, "%s -o %s --layer 0", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 1, "%s", out);
+    cr_assert(strstr(out, "layer 0 is not traced"), "%s", out);
+    snprintf(args, sizeof args, "%s -o %s --layer 5 --rank 257", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 2, "%s", out);
+    snprintf(args, sizeof args, "%s -o %s --layer 5 --rank 256", trace, prefix);
+    cr_assert_eq(run_calibrate(args, out, sizeof out), 0, "%s", out); /* every direction */
+    cr_assert(strstr(out, "captures 100.0000%"), "%s", out);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+    remove(file);
+    remove(prefix);
+#endif
 }

@@ -212,3 +212,36 @@ endif()
             -DINSPECT=$<TARGET_FILE:kvtier-inspect>
             -P ${KVT_NEEDLE_SNAP})
 endif()
+
+# A RoPE layer's key basis from a file (--recall-basis FILE, kvt_ctx_load_recall_head_basis): the
+# generator's subspace written with --write-basis gives the CSV of the run that sets it directly;
+# a file of another dim (kvtier-inspect calibrate's fit of Gemma's 256-dim keys) is refused by
+# name (the tool used to hand it to kvt_ctx_set_recall_head_basis, which read 512-dim rows past
+# the 256-dim buffer).
+if(TARGET kvtier-needle AND TARGET kvtier-inspect AND KVT_HAVE_LAPACKE)
+  set(KVT_NEEDLE_RBASIS ${CMAKE_CURRENT_BINARY_DIR}/needle_rope_basis_file.cmake)
+  file(WRITE ${KVT_NEEDLE_RBASIS} [=[
+set(common --synthetic --rope --mode recall --context 2048 --needles 1 --seed 3 --no-progress)
+execute_process(COMMAND ${BIN} ${common} --write-basis ${DIR}/needle_rope_b.kvtb
+                --csv ${DIR}/needle_rope_a.csv RESULT_VARIABLE a OUTPUT_QUIET)
+execute_process(COMMAND ${BIN} ${common} --recall-basis ${DIR}/needle_rope_b.kvtb
+                --csv ${DIR}/needle_rope_b.csv RESULT_VARIABLE b OUTPUT_QUIET ERROR_VARIABLE e)
+file(READ ${DIR}/needle_rope_a.csv x)
+file(READ ${DIR}/needle_rope_b.csv y)
+if(NOT a EQUAL 0 OR NOT b EQUAL 0 OR NOT x STREQUAL y OR NOT x MATCHES "pass_by")
+  message(FATAL_ERROR "exit statuses ${a} / ${b}, or the CSVs differ: ${e}")
+endif()
+execute_process(COMMAND ${INSPECT} calibrate ${TRACE} -o ${DIR}/needle_rope_gemma --rank 16
+                RESULT_VARIABLE a OUTPUT_QUIET ERROR_VARIABLE e)
+execute_process(COMMAND ${BIN} ${common} --recall-basis ${DIR}/needle_rope_gemma.h0
+                RESULT_VARIABLE b OUTPUT_QUIET ERROR_VARIABLE e2)
+if(NOT a EQUAL 0 OR b EQUAL 0 OR NOT e2 MATCHES "kvt_ctx_load_recall_head_basis.*dim 256.*key dim 512")
+  message(FATAL_ERROR "calibrate ${a}: ${e}; needle with a 256-dim basis: ${b}: ${e2}")
+endif()
+]=])
+  add_test(NAME needle_rope_basis_file
+    COMMAND ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle>
+            -DINSPECT=$<TARGET_FILE:kvtier-inspect> -DDIR=${CMAKE_CURRENT_BINARY_DIR}
+            -DTRACE=${PROJECT_SOURCE_DIR}/tests/data/gemma3-270m-fact-1k.kvtt
+            -P ${KVT_NEEDLE_RBASIS})
+endif()

@@ -5,7 +5,7 @@
  *                         [--dtype bf16|fp16|fp32] [--json]
  *   kvtier-inspect trace FILE.kvtt [--verify] [--json] [--rows LAYER:FIRST:N]...
  *   kvtier-inspect snapshot FILE [--verify] [--json]
- *   kvtier-inspect calibrate TRACE... -o FILE [--layer L] [--rank R]
+ *   kvtier-inspect calibrate TRACE... -o OUT [--layer L] [--rank R]   (RoPE layers: OUT.h<H>)
  *
  * Subcommands live in their own files of tools/inspect/ and are listed in k_commands below
  * Exit status: 0 success, 1 bad input, 2 bad command line.
@@ -26,7 +26,7 @@ static const struct command {
     {"trace", inspect_trace, "contents of a kvtier trace file (.kvtt); --verify checks all CRCs"},
     {"snapshot", inspect_snapshot,
      "a request snapshot: occupancy per tier and layer, sigma, memory; --verify checks it all"},
-    {"calibrate", inspect_calibrate, "recall basis of a layer from the queries of traces"},
+    {"calibrate", inspect_calibrate, "recall bases from traces: MLA-NoPE from queries, RoPE per KV head from keys"},
 };
 
 #define N_COMMANDS (sizeof k_commands / sizeof k_commands[0])

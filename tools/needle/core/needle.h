@@ -258,8 +258,9 @@ typedef struct nd_run_params {
     uint32_t recall_cap_rows;
     uint32_t recall_rank;
     bool recall_basis;
-    const char *recall_basis_file; /* a basis file (kvt_ctx_load_recall_basis) instead of the
-                                    * case's subspace (NULL: none) */
+    const char *recall_basis_file; /* a basis file instead of the case's subspace (NULL: none):
+                                    * kvt_ctx_load_recall_basis, or on a RoPE layer
+                                    * kvt_ctx_load_recall_head_basis of head 0 */
     /* Output (may be NULL): the decode steps' recall statistics, summed over requests. */
     struct nd_recall_stats *recall_stats;
 } nd_run_params;

@@ -513,23 +513,6 @@ static int snapshot_drill(kvt_ctx *ctx, const nd_run_params *p, kvt_seq **seqs, 
     return 0;
 }
 
-/* A basis file (kvt_recall_basis_read) as the key basis of the RoPE layer's one KV head. */
-static kvt_status load_head_basis(kvt_ctx *ctx, const char *path) {
-    kvt_recall_basis_info info;
-    memset(&info, 0, sizeof info);
-    kvt_status s = kvt_recall_basis_read(path, &info, NULL, 0);
-    if (s != KVT_OK)
-        return s;
-    float *v = malloc(sizeof(float) * (size_t)info.rank * info.dim + 1);
-    if (!v)
-        return KVT_ERR_OUT_OF_MEMORY;
-    s = kvt_recall_basis_read(path, &info, v, (size_t)info.rank * info.dim);
-    if (s == KVT_OK)
-        s = kvt_ctx_set_recall_head_basis(ctx, 0, 0, v, info.rank);
-    free(v);
-    return s;
-}
-
 int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_result *out,
            void (*progress)(void *, double), void *ud, char *err, size_t err_len) {
     if (p->mode == ND_MODE_PROMOTE)
@@ -644,9 +627,10 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     /* The basis: the query subspace's first min(rank, sketch rank) rows (its directions carry
      * equal variance, so any of them are top eigenvectors of the filler queries' covariance). */
     if (recall && p->recall_basis_file &&
-        (s = rope ? load_head_basis(ctx, p->recall_basis_file)
+        (s = rope ? kvt_ctx_load_recall_head_basis(ctx, 0, 0, p->recall_basis_file)
                   : kvt_ctx_load_recall_basis(ctx, 0, p->recall_basis_file)) != KVT_OK) {
-        rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_load_recall_basis");
+        rc = lib_fail(err, err_len, ctx, s,
+                      rope ? "kvt_ctx_load_recall_head_basis" : "kvt_ctx_load_recall_basis");
         goto done;
     }
     if (recall && p->recall_basis && !p->recall_basis_file && !c->qbasis) {
