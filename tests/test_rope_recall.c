@@ -41,6 +41,7 @@ typedef struct rr {
     uint32_t H, D, stride;
     uint32_t bd, bo, QW, P; /* branch values and byte offset (MLA), query width D + bd, planes */
     uint64_t n_tok, cap;
+    uint32_t n_pages;  /* the context's pool pages (one group) */
     uint8_t *rows[2];  /* shadow [token][H][row_bytes] per plane */
     float *V[RR_MAXH]; /* host bases ([rank][D]) or NULL */
     uint32_t rank[RR_MAXH];
@@ -85,7 +86,7 @@ static void rr_init(rr *x, uint32_t H, uint32_t D, kvt_config cfg, uint32_t sk_r
     p.config = &cfg;
     p.model = m;
     p.page_rows = 16;
-    p.n_pages = g_n_pages ? g_n_pages : 256;
+    p.n_pages = x->n_pages = g_n_pages ? g_n_pages : 256;
     p.max_seqs = g_max_seqs;
     p.max_rows_per_seq = g_max_rows;
     p.allocator = KVT_ALLOC_LIBC;
@@ -1263,6 +1264,13 @@ static void e2e_check(rr *x, trig *t, const float *q, uint8_t dense, const int32
     oview_read(x, &v);
     o_best(x, &v, q, best);
     kvt_layer_stats ls = rr_stats(x);
+    /* the request is the pool's only holder: the pages in use are its table's and its fetch
+     * area's, and the statistics count both */
+    uint32_t free_pages = 0;
+    cr_assert_eq(kvt_ctx_free_pages(x->ctx, 0, &free_pages), KVT_OK);
+    cr_assert_eq(ls.pages_in_use, (uint64_t)x->n_pages - free_pages,
+                 "step %d: pages_in_use %llu, pool pages taken %u", step,
+                 (unsigned long long)ls.pages_in_use, x->n_pages - free_pages);
     if (v.ar_n == 0) {
         cr_assert_eq(dense, 0);
     } else if (y->calibrating) {
