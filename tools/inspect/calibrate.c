@@ -33,11 +33,8 @@
 #include "inspect.h"
 
 #include <kvtier.h>
+#include <kvtier_ref.h> /* kvt_ref_load: the library's one bf16/fp16/fp32 -> fp32 element load */
 #include <kvtier_trace.h>
-
-/* Rows are decoded with the element loads the kernels use (header-only, no library internals):
- * one definition of bf16/fp16 -> fp32 in the project. */
-#include "../../kernels/kvt_hd.h"
 
 #include <errno.h>
 #include <math.h>
@@ -262,7 +259,7 @@ static int add_rows(kvt_trace *t, const char *path, const kvt_trace_layer *li, c
             for (uint32_t h = 0; h < sp->n_kv_heads; h++) {
                 const uint8_t *row = buf + r * tok_bytes + (size_t)h * sp->row_bytes;
                 for (uint32_t d = 0; d < c->dim; d++)
-                    x[d] = kvt__load_elem(row, (int)sp->dtype, d);
+                    x[d] = kvt_ref_load(row, sp->dtype, d);
                 if (!all_finite(x, c->dim)) {
                     rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
                                        "%s: row %llu KV head %u holds a NaN or Inf", path,
