@@ -679,6 +679,20 @@ class Context(_Closable):
                                                 u32(v.shape[0], "rank")),
               "kvt_ctx_set_recall_head_basis")
 
+    def load_recall_basis(self, layer: int, path) -> None:
+        """kvt_ctx_load_recall_basis: a basis file (kvtier-inspect calibrate on an MLA-NoPE
+        layer) set as the layer's recall basis; its dim must be the layer's value_dim."""
+        check(lib.kvt_ctx_load_recall_basis(self._ptr, u32(layer, "layer"), os.fsencode(path)),
+              "kvt_ctx_load_recall_basis")
+
+    def load_recall_head_basis(self, layer: int, kv_head: int, path) -> None:
+        """kvt_ctx_load_recall_head_basis: a key basis file (kvtier-inspect calibrate on a RoPE
+        layer writes PREFIX.h<H>) set as KV head ``kv_head``'s basis; its dim must be the
+        layer's key dim (head_dim; MLA-RoPE: kv_lora_rank)."""
+        check(lib.kvt_ctx_load_recall_head_basis(self._ptr, u32(layer, "layer"),
+                                                 u32(kv_head, "kv_head"), os.fsencode(path)),
+              "kvt_ctx_load_recall_head_basis")
+
     def recall_head_basis(self, layer: int, kv_head: int) -> tuple[int, int]:
         """kvt_ctx_recall_head_basis: (rank, id) of a KV head's key basis ((0, 0): none)."""
         r, i = ctypes.c_uint32(), ctypes.c_uint32()

@@ -332,6 +332,8 @@ _SIGNATURES = {
     "kvt_ctx_memory_stats": (c_status, [c_vp, P(CtxMemoryC)]),
     "kvt_ctx_set_recall_basis": (c_status, [c_vp, c_u32, P(ctypes.c_float), c_u32]),
     "kvt_ctx_set_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, P(ctypes.c_float), c_u32]),
+    "kvt_ctx_load_recall_basis": (c_status, [c_vp, c_u32, ctypes.c_char_p]),
+    "kvt_ctx_load_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, ctypes.c_char_p]),
     "kvt_ctx_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, P(c_u32), P(c_u32)]),
     "kvt_layer_data": (c_status, [c_vp, c_u32, c_u32, P(c_vp), P(c_size)]),
     "kvt_layer_read": (c_status, [c_vp, c_u32, c_u32, c_u64, c_u64, c_vp, c_size]),

@@ -1,5 +1,8 @@
 """The recall trigger through the binding: a NoPE MLA context with sketch planes and a basis,
 decode steps with queries, the certificate in the layer statistics, bad input."""
+import struct
+import zlib
+
 import numpy as np
 import pytest
 
@@ -148,3 +151,56 @@ def test_rope_recall_head_basis_tokens_layout():
             assert st.recall_mode == int(kvtier.RecallMode.MARGIN)
             assert st.recall_steps == 20 and st.archived_rows > 0
             assert fetched == st.recall_fetched_rows and fetched > 0
+
+
+def _basis_file(path, v, layer=0, captured=float("nan"), samples=0):
+    """A basis file in the format kvtier.h documents (written here independently of the C
+    writer): magic, version 1, layer, rank, dim, captured, samples, V row-major, CRC-32."""
+    rank, dim = v.shape
+    body = (b"KVTRBAS1" + struct.pack("<IIIIdQ", 1, layer, rank, dim, captured, samples) +
+            np.ascontiguousarray(v, dtype="<f4").tobytes())
+    path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+
+
+def test_load_recall_basis_files(tmp_path):
+    """Context.load_recall_basis (a salience layer) and load_recall_head_basis (a KV head of a
+    RoPE layer) read basis files: the loaded basis has the file's rank and the id of its bytes
+    (the same as setting the array), and a wrong dim, a corrupt file, a missing file and a bad
+    head are refused with the library's status."""
+    rng = np.random.default_rng(5)
+    v, _ = np.linalg.qr(rng.standard_normal((512, 8)))
+    nope = np.ascontiguousarray(v.T, dtype=np.float32)
+    _basis_file(tmp_path / "nope.kvtb", nope)
+    with _model() as m, kvtier.Context(m, kvtier.Config(recall="conformal"), page_rows=64,
+                                       n_pages=64, recall_sketch_rank=64) as ctx:
+        ctx.load_recall_basis(0, tmp_path / "nope.kvtb")
+        with ctx.sequence(request_id=1) as seq:
+            st = seq.layer_stats(0)
+            assert st.recall_rank == 8
+            assert st.recall_basis_id == zlib.crc32(nope.astype("<f4").tobytes())
+        with pytest.raises(kvtier.KvtError) as e:
+            ctx.load_recall_basis(0, tmp_path / "missing.kvtb")
+        assert e.value.name == "KVT_ERR_IO"
+        bad = bytearray((tmp_path / "nope.kvtb").read_bytes())
+        bad[100] ^= 1
+        (tmp_path / "bad.kvtb").write_bytes(bytes(bad))
+        with pytest.raises(kvtier.KvtError) as e:
+            ctx.load_recall_basis(0, tmp_path / "bad.kvtb")
+        assert e.value.name == "KVT_ERR_CORRUPT"
+    spec = kvtier.LayerSpec.mla("mla_rope", "bf16", 128, 64)
+    spec.n_q_heads = 4
+    cfg = kvtier.Config(evict_budget_rows=32, recent_rows=8, cadence_rows=8, evict_archive=True,
+                        recall="sound")
+    k, _ = np.linalg.qr(rng.standard_normal((128, 16)))
+    key = np.ascontiguousarray(k.T, dtype=np.float32)
+    _basis_file(tmp_path / "keys.h0", key)
+    with kvtier.Model([spec], "rope") as m, kvtier.Context(m, cfg, page_rows=16, n_pages=64,
+                                                          recall_sketch_rank=16) as ctx:
+        with pytest.raises(kvtier.KvtError) as e:
+            ctx.load_recall_head_basis(0, 0, tmp_path / "nope.kvtb")  # dim 512, not 128
+        assert e.value.name == "KVT_ERR_INVALID_ARGUMENT"
+        with pytest.raises(kvtier.KvtError) as e:
+            ctx.load_recall_head_basis(0, 1, tmp_path / "keys.h0")  # MLA-RoPE: one head
+        assert e.value.name == "KVT_ERR_OUT_OF_RANGE"
+        ctx.load_recall_head_basis(0, 0, tmp_path / "keys.h0")
+        assert ctx.recall_head_basis(0, 0) == (16, zlib.crc32(key.astype("<f4").tobytes()))
