@@ -733,6 +733,11 @@ Test(abi, last_error_is_per_thread) {
  * advise_huge): the mapping that holds a layer's row pool carries the MADV_HUGEPAGE flag ("hg"
  * in /proc/self/smaps' VmFlags), whatever huge pages the kernel then has to give. Linux only. */
 Test(context, row_pool_advised_onto_huge_pages) {
+    FILE *thp = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!thp)
+        cr_skip_test("no /sys/kernel/mm/transparent_hugepage: a kernel without THP refuses "
+                     "the advice (nothing to check)");
+    fclose(thp);
     FILE *f = fopen("/proc/self/smaps", "r");
     if (!f)
         cr_skip_test("no /proc/self/smaps: not Linux");
