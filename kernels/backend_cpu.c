@@ -507,8 +507,11 @@ const kvt__backend_ops *kvt__backend_cpu_ops(void) {
  * inside the backend's own ops, which proves on a machine without a GPU that no host code path
  * touches "device" bytes (a stray access faults with SIGSEGV). Protection keys (pkey_alloc /
  * pkey_mprotect, then pkey_set around each op: a register write of the calling thread, ~0.15 us)
- * where the CPU and kernel have them; otherwise mprotect of every buffer around each op (a system
- * call per buffer: only for small tests). The ops themselves are the CPU backend's.
+ * where the CPU and kernel have them; otherwise mprotect around each op. In mprotect mode every
+ * buffer is carved from one reserved arena, so a toggle is one system call over the arena's used
+ * extent: with a mapping per buffer it was a call per buffer, each splitting and re-merging
+ * kernel VMAs (on a 2-core machine without pkeys the default ctest spent 17 min in the kernel,
+ * test_snapshot 562 s of it). The ops themselves are the CPU backend's.
  * ------------------------------------------------------------------------------------------- */
 #include <sys/mman.h>
 #include <unistd.h>
@@ -522,9 +525,17 @@ typedef struct guard_impl {
     cpu_ws ws;              /* first: the CPU ops read be->impl as their workspace */
     int pkey;               /* -1: mprotect mode */
     int depth;              /* nested opens (an op calling another) */
-    guard_region *regions;  /* every live buffer (mprotect mode needs them all) */
+    guard_region *regions;  /* every live buffer; in mprotect mode sorted by address */
     uint64_t n_regions, regions_cap;
+    uint8_t *arena;         /* mprotect mode: the reserved range every buffer is carved from */
+    size_t arena_len;       /* its reserved bytes */
+    size_t arena_hi;        /* the end of its last live buffer: a toggle covers [arena, +hi) */
 } guard_impl;
+
+/* The mprotect-mode arena's reservation: address space only (PROT_NONE, MAP_NORESERVE: no
+ * memory is committed until a buffer's pages are touched), halved until the kernel grants it. */
+#define GUARD_ARENA_MAX ((size_t)64 << 30)
+#define GUARD_ARENA_MIN ((size_t)1 << 30)
 
 static const kvt__backend_ops guarded_ops_table;
 
@@ -542,8 +553,8 @@ static void guard_set(const guard_impl *g, bool open) {
         pkey_set(g->pkey, open ? 0 : PKEY_DISABLE_ACCESS);
         return;
     }
-    for (uint64_t i = 0; i < g->n_regions; i++)
-        mprotect(g->regions[i].p, g->regions[i].len, open ? PROT_READ | PROT_WRITE : PROT_NONE);
+    if (g->arena_hi > 0)
+        mprotect(g->arena, g->arena_hi, open ? PROT_READ | PROT_WRITE : PROT_NONE);
 }
 
 static void guard_open(const kvt__backend *be) {
@@ -558,6 +569,25 @@ static void guard_close(const kvt__backend *be) {
         guard_set(g, false);
 }
 
+/* mprotect mode: the first gap between live buffers (sorted by address) that holds len bytes,
+ * else the arena's end. Gap pages were zapped (MADV_DONTNEED) and closed when their buffer was
+ * freed, so they read as zero, like fresh pages. Returns the region's index, or -1 when full. */
+static int64_t arena_place(const guard_impl *g, size_t len, size_t *off) {
+    size_t at = 0;
+    for (uint64_t i = 0; i < g->n_regions; i++) {
+        size_t b = (size_t)((uint8_t *)g->regions[i].p - g->arena);
+        if (b - at >= len) {
+            *off = at;
+            return (int64_t)i;
+        }
+        at = b + g->regions[i].len;
+    }
+    if (g->arena_len - at < len)
+        return -1;
+    *off = at;
+    return (int64_t)g->n_regions;
+}
+
 static kvt_status g_buf_alloc(const kvt__backend *be, size_t bytes, void **out) {
     guard_impl *g = be->impl;
     *out = NULL;
@@ -568,12 +598,29 @@ static kvt_status g_buf_alloc(const kvt__backend *be, size_t bytes, void **out) 
         return KVT_ERR_OUT_OF_MEMORY;
     g->regions = arr;
     size_t len = page_round(bytes);
+    if (g->pkey < 0) {
+        size_t off = 0;
+        int64_t at = arena_place(g, len, &off);
+        if (at < 0)
+            return KVT_ERR_OUT_OF_MEMORY; /* the reservation is spent */
+        uint8_t *p = g->arena + off;
+        /* closed pages; inside an op (open) the new buffer opens with the rest */
+        if (g->depth > 0 && mprotect(p, len, PROT_READ | PROT_WRITE) != 0)
+            return KVT_ERR_OUT_OF_MEMORY;
+        memmove(&g->regions[at + 1], &g->regions[at],
+                sizeof *g->regions * (size_t)(g->n_regions - (uint64_t)at));
+        g->regions[at].p = p;
+        g->regions[at].len = len;
+        g->n_regions++;
+        if (off + len > g->arena_hi)
+            g->arena_hi = off + len;
+        *out = p;
+        return KVT_OK;
+    }
     void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return KVT_ERR_OUT_OF_MEMORY;
-    int rc = g->pkey >= 0 ? pkey_mprotect(p, len, PROT_READ | PROT_WRITE, g->pkey)
-                          : (g->depth > 0 ? 0 : mprotect(p, len, PROT_NONE));
-    if (rc != 0) {
+    if (pkey_mprotect(p, len, PROT_READ | PROT_WRITE, g->pkey) != 0) {
         munmap(p, len);
         return KVT_ERR_OUT_OF_MEMORY;
     }
@@ -588,12 +635,28 @@ static void g_buf_free(const kvt__backend *be, void *p, size_t bytes) {
     guard_impl *g = be->impl;
     if (!p)
         return;
-    for (uint64_t i = 0; i < g->n_regions; i++)
-        if (g->regions[i].p == p) {
+    (void)bytes;
+    for (uint64_t i = 0; i < g->n_regions; i++) {
+        if (g->regions[i].p != p)
+            continue;
+        const guard_region r = g->regions[i];
+        if (g->pkey >= 0) {
             g->regions[i] = g->regions[--g->n_regions];
-            break;
+            munmap(r.p, r.len);
+            return;
         }
-    munmap(p, page_round(bytes));
+        /* release the pages (they read as zero if the range is reused) and close them */
+        madvise(r.p, r.len, MADV_DONTNEED);
+        mprotect(r.p, r.len, PROT_NONE);
+        memmove(&g->regions[i], &g->regions[i + 1],
+                sizeof *g->regions * (size_t)(g->n_regions - i - 1));
+        g->n_regions--;
+        g->arena_hi = g->n_regions == 0 ? 0
+                                        : (size_t)((uint8_t *)g->regions[g->n_regions - 1].p -
+                                                   g->arena) +
+                                              g->regions[g->n_regions - 1].len;
+        return;
+    }
 }
 
 /* Does [p, p + bytes) lie inside one of the backend's buffers? The guarded ops check every
@@ -928,6 +991,26 @@ kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len
     /* A key denies access to the calling thread at once; other threads start with every key but 0
      * denied. Sixteen keys exist per process: without one, fall back to mprotect. */
     g->pkey = pkey_alloc(0, PKEY_DISABLE_ACCESS);
+    if (g->pkey < 0) {
+        for (size_t len = GUARD_ARENA_MAX; len >= GUARD_ARENA_MIN && !g->arena; len /= 2) {
+            void *a = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (a != MAP_FAILED) {
+                g->arena = a;
+                g->arena_len = len;
+            }
+        }
+        if (!g->arena) {
+            kvt__free(be->alloc, g, sizeof *g);
+            return kvt__fail(err, err_len, KVT_ERR_OUT_OF_MEMORY,
+                             "guarded backend: no protection keys, and no address space for its "
+                             "%zu-MiB arena", GUARD_ARENA_MIN >> 20);
+        }
+        /* A toggle rewrites the protection of every page table entry in use: on 2-MiB pages
+         * there are 512x fewer (advice; without THP nothing changes). */
+#ifdef MADV_HUGEPAGE
+        (void)madvise(g->arena, g->arena_len, MADV_HUGEPAGE);
+#endif
+    }
     be->impl = g;
     be->ops = &guarded_ops_table;
     return KVT_OK;
@@ -935,8 +1018,11 @@ kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len
 
 static void guarded_close(kvt__backend *be) {
     guard_impl *g = be->impl;
-    for (uint64_t i = 0; i < g->n_regions; i++)
-        munmap(g->regions[i].p, g->regions[i].len);
+    if (g->arena)
+        munmap(g->arena, g->arena_len);
+    else
+        for (uint64_t i = 0; i < g->n_regions; i++)
+            munmap(g->regions[i].p, g->regions[i].len);
     kvt__free(be->alloc, g->regions, sizeof *g->regions * g->regions_cap);
     if (g->pkey >= 0)
         pkey_free(g->pkey);

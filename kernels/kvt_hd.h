@@ -19,12 +19,37 @@
  * without -mfma every fmaf is a libm call (a software fused multiply-add); the FMA clone of a CPU
  * twin marked KVT__FMA_CLONES runs the same correctly rounded operation as one instruction,
  * chosen at load time by the CPU's features (GCC function multiversioning). Results are
- * bit-identical between the clones. Host C only (nvcc never compiles a twin). */
+ * bit-identical between the clones. Host C only (nvcc never compiles a twin). -DKVT_NO_FMA_CLONES
+ * builds the default code alone (to time what a CPU without FMA runs). */
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && defined(__x86_64__) &&     \
-    !defined(__SANITIZE_ADDRESS__)
+    !defined(__SANITIZE_ADDRESS__) && !defined(KVT_NO_FMA_CLONES)
 #define KVT__FMA_CLONES __attribute__((target_clones("fma", "default")))
 #else
 #define KVT__FMA_CLONES
+#endif
+
+/* Where the compiler does not know the CPU has FMA (no -mfma: the default clone above, every
+ * clang and ASan build), an fmaf it does not expand into the instruction is a library call. On a
+ * CPU without FMA, glibc's fmaf is a software routine that saves and restores the floating-point
+ * environment on every call: 94% of test_recall_step's time on such a CPU, whose tests ran
+ * 12-40x longer than on an FMA machine (CI timed out on one). Those calls are renamed here to
+ * kvt__fmaf (kernels/fmaf.c): the FMA instruction where the CPU has it, else an exact emulation
+ * in double (the product of two floats is exact in double; the sum's rounding error is recovered
+ * exactly and folded in by rounding to odd, so the last rounding, to float, is the correctly
+ * rounded a*b+c). Bit-identical to fmaf on every input, NaN payloads aside (tests/test_fmaf.c).
+ * The rename changes only the symbol called: GCC still expands fmaf inline where FMA is enabled
+ * (the FMA clones) and still folds constants. */
+#if !defined(__CUDACC__) && defined(__x86_64__) && defined(__ELF__) && !defined(__FMA__) &&        \
+    defined(__GNUC__)
+#define KVT__FMAF_RENAMED 1
+#if !defined(KVT__FMAF_IMPLEMENTATION) /* kernels/fmaf.c, tests/test_fmaf.c: no rename */
+#include <math.h>
+float fmaf(float, float, float) __asm__("kvt__fmaf");
+#endif
+#endif
+#if !defined(__CUDACC__)
+/* The emulation, on every host (what kvt__fmaf runs on a CPU without FMA). */
+float kvt__fmaf_emulated(float a, float b, float c);
 #endif
 
 /* Element types, numbered as kvt_dtype in lib/kvtier.h (kept in sync by a static assertion). */
