@@ -384,8 +384,14 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     }
     if (n && (s = be->ops->recall_step(be, b->rsteps, n, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "the recall trigger of layer %u (%u requests)", layer, n);
-    for (uint32_t k = 0; k < n; k++)
+    for (uint32_t k = 0; k < n; k++) {
         b->step_seqs[k]->recalled[layer] = 1;
+        /* config.recall_lagged_query: this step's queries are the next step's (after the op) */
+        if ((s = kvt__recall_layer_lag_advance(&b->step_seqs[k]->recall[layer], be, stream)) !=
+            KVT_OK)
+            return kvt__ctx_fail(ctx, s, "layer %u: keeping the queries for the next step",
+                                 layer);
+    }
     return KVT_OK;
 }
 

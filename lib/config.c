@@ -29,6 +29,7 @@ kvt_config kvt_config_default(void) {
     c.recall_promote_capacity = 0;
     c.recall_promote_hits = 3;
     c.recall_promote_window = 8;
+    c.recall_lagged_query = false;
     return c;
 }
 

@@ -118,7 +118,7 @@ kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer);
 /* The recall step's work item of the request on `layer` during the step (the view as the
  * step's run left it), its queries q and the emission's dense flag; false when the layer has
  * nothing to recall from. */
-bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
+bool kvt__seq_recall_item(kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
                           kvt__recall_step_args *out);
 /* Does the request recall on this RoPE layer (its trigger state prepared)? */
 bool kvt__seq_recalls_rope(const kvt_seq *seq, uint32_t layer);

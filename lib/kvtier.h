@@ -429,6 +429,17 @@ typedef struct kvt_config {
     uint32_t recall_promote_capacity;
     uint32_t recall_promote_hits;
     uint32_t recall_promote_window;
+    /* Scan with the previous step's query (docs/recall.md §4.3; salience layers, a request with
+     * recall on; false by default). true: each recall step (a single-query step) scans,
+     * calibrates and fetches with the queries the request's previous recall step on that layer
+     * was given — the reference's overlap, where the scan for step t runs beside step t − 1's
+     * attention, before q_t exists — and its own queries are kept for the next one; the first
+     * recall step, with none before it, uses its own. The certificate then holds for the query
+     * the scan used, not for this step's (kvt_layer_stats.recall_last_lagged says which): a row
+     * that only q_t needs is fetched a step late, or not at all. A RoPE recall layer refuses it
+     * (KVT_ERR_UNSUPPORTED at request creation). Snapshots and forks carry the kept queries.
+     * A struct that ends before it gets false. */
+    bool recall_lagged_query;
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
@@ -1133,6 +1144,9 @@ typedef struct kvt_layer_stats {
     uint64_t recall_promote_room;
     uint64_t recall_promotions, recall_demotions, recall_absorbed;
     uint64_t recall_last_promoted; /* promoted rows the last step attended (its certificate) */
+    /* config.recall_lagged_query: the last recall step scanned with the previous recall step's
+     * queries (false: with its own, as every step does without the option, and the first). */
+    bool recall_last_lagged;
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

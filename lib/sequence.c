@@ -297,6 +297,11 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
         }
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "recall on layer %u: %s", i, msg);
+        if (seq->cfg.recall_lagged_query)
+            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                 "recall on RoPE layer %u: config.recall_lagged_query is for "
+                                 "salience (NoPE) recall layers only",
+                                 i);
         if (!ctx->backend.ops->recall_rope_step || !ctx->backend.ops->recall_rope_emit)
             return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                                  "recall on RoPE layer %u: the %s backend has no RoPE recall ops "
@@ -343,6 +348,12 @@ static kvt_status seq_recall_prepare(kvt_seq *seq) {
         kvt_status s = kvt__recall_layer_prepare(&seq->recall[i], &ctx->backend,
                                                  st->spec.n_q_heads, seq->cfg.recall_cap_rows,
                                                  seq->cfg.recall_promote_capacity);
+        if (s == KVT_OK)
+            s = kvt__recall_layer_lag_prepare(
+                &seq->recall[i], &ctx->backend,
+                seq->cfg.recall_lagged_query
+                    ? st->spec.n_q_heads * (st->spec.value_dim + st->spec.branch_dim)
+                    : 0);
         if (s == KVT_OK && ctx->max_rows) /* a stated limit: every block's planes now */
             s = recall_groups_reserve(seq, i, ctx->max_rows);
         if (s != KVT_OK)
@@ -1128,7 +1139,7 @@ void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
     q->first_page = view.first_page;
 }
 
-bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
+bool kvt__seq_recall_item(kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
                           kvt__recall_step_args *out) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
@@ -1136,8 +1147,9 @@ bool kvt__seq_recall_item(const kvt_seq *seq, uint32_t layer, const float *q, ui
     if (!kvt__seq_recalls(seq, layer) || !l.gr->ops->recall_view ||
         !l.gr->ops->recall_view(&l, &v))
         return false;
-    kvt__recall_step_make(&seq->recall[layer], &v, q, view.n_rows, seq->cfg.recall,
-                          seq->cfg.recall_margin, dense, out);
+    kvt__recall_step_make(&seq->recall[layer], &v,
+                          kvt__recall_layer_lag_query(&seq->recall[layer], q), view.n_rows,
+                          seq->cfg.recall, seq->cfg.recall_margin, dense, out);
     kvt__recall_step_promote(&seq->recall[layer], kvt__sal_promote_room(v.n_closed, &seq->cfg),
                              seq->cfg.recall_promote_hits, seq->cfg.recall_promote_window, out);
     return true;
@@ -1444,6 +1456,7 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
         out->recall_last_fetched = rs.last_fetched;
         out->recall_last_dense = rs.last_dense != 0;
         out->recall_last_overflow = rs.last_overflow != 0;
+        out->recall_last_lagged = recall_base(seq, layer)->last_lagged != 0;
         kvt__recall_promo pr;
         if (seq->recall[layer].promo &&
             (s = ctx->backend.ops->read(&ctx->backend, &pr, seq->recall[layer].promo, sizeof pr,

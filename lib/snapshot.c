@@ -286,6 +286,15 @@ static kvt_status meta_compare(const kvt_ctx *ctx, const snap_meta *m) {
  * tail (every file before promotion) restores with nothing promoted. */
 #define RECALL_HEAD 16
 #define PROMO_HEAD 16
+/* Then, for a request with config.recall_lagged_query, the lagged query: u32 LAG_TAG ("LAGQ",
+ * above any promotion capacity, so the parts cannot be confused), has, last_lagged, n, and n
+ * floats (the kept queries; n = 0 when none is kept yet). */
+#define LAG_HEAD 16
+#define LAG_TAG 0x5147414cu
+
+static uint64_t lag_section_bytes(const kvt__recall_layer *r) {
+    return r->lag_q ? LAG_HEAD + (r->lag_has ? sizeof(float) * (uint64_t)r->lag_floats : 0) : 0;
+}
 
 static uint64_t recall_bytes(const kvt__recall_state *st) {
     return RECALL_HEAD + sizeof *st + sizeof(float) * (uint64_t)st->n_samples;
@@ -365,7 +374,8 @@ static uint64_t snapshot_bytes(const kvt_seq *seq) {
         kvt__recall_state rs;
         const kvt__recall_layer *rb = kvt__seq_recall_base(seq, i);
         if (rb && kvt__recall_layer_read(rb, &ctx->backend, &rs) == KVT_OK)
-            n += kvt__ctr_mem_section_bytes(recall_bytes(&rs) + promo_section_bytes(rb));
+            n += kvt__ctr_mem_section_bytes(recall_bytes(&rs) + promo_section_bytes(rb) +
+                                            lag_section_bytes(rb));
     }
     return n;
 }
@@ -464,8 +474,21 @@ kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capacity, size
                 if ((s = kvt__recall_layer_read_promo(r, &ctx->backend, t + PROMO_HEAD)) != KVT_OK)
                     return kvt__ctx_fail(ctx, s, "layer %u: reading the recall promotion", i);
             }
+            if (r->lag_q) {
+                uint8_t *t = q + recall_bytes(&rs) + promo_section_bytes(r);
+                kvt__put_u32(t, LAG_TAG);
+                kvt__put_u32(t + 4, r->lag_has);
+                kvt__put_u32(t + 8, r->last_lagged);
+                kvt__put_u32(t + 12, r->lag_has ? r->lag_floats : 0);
+                if (r->lag_has && (s = ctx->backend.ops->read(&ctx->backend, t + LAG_HEAD,
+                                                              r->lag_q,
+                                                              sizeof(float) * r->lag_floats,
+                                                              NULL)) != KVT_OK)
+                    return kvt__ctx_fail(ctx, s, "layer %u: reading the lagged query", i);
+            }
             w += kvt__ctr_mem_seal(w, KVT__SNAP_SEC_RECALL, KVT__CTR_FLAG_CRITICAL,
-                                   recall_bytes(&rs) + promo_section_bytes(r));
+                                   recall_bytes(&rs) + promo_section_bytes(r) +
+                                       lag_section_bytes(r));
         }
     }
     w += kvt__ctr_mem_seal(w, KVT__CTR_SEC_END, 0, 0);
@@ -679,9 +702,36 @@ static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt_
                              (double)seq->cfg.recall_margin);
     memcpy(&st, p + RECALL_HEAD, sizeof st);
     st.n_grouped = 0; /* derived planes: the restored request builds its groups anew */
-    const bool promo_tail = rs->length > recall_bytes(&st);
-    if ((rs->length != recall_bytes(&st) &&
-         (!r->promo || rs->length != recall_bytes(&st) + promo_section_bytes(r))) ||
+    /* the lagged query's part, last: present exactly when this context scans lagged */
+    uint64_t len = rs->length;
+    const uint8_t *pl = NULL;
+    uint32_t lag_n = 0;
+    /* it follows the samples, or the promotion part when there is one */
+    const uint64_t lag_at[2] = {recall_bytes(&st), recall_bytes(&st) + promo_section_bytes(r)};
+    for (int k = 0; k < 2 && !pl; k++) {
+        const uint64_t at = lag_at[k];
+        if (at + LAG_HEAD > len || kvt__get_u32(p + at) != LAG_TAG)
+            continue;
+        lag_n = kvt__get_u32(p + at + 12);
+        if (at + LAG_HEAD + sizeof(float) * (uint64_t)lag_n == len) {
+            pl = p + at;
+            len = at;
+        }
+    }
+    if (!pl != !r->lag_q)
+        return kvt__ctx_fail(ctx, KVT_ERR_MISMATCH,
+                             "layer %u: the snapshot %s with the previous step's query; this "
+                             "context %s (config.recall_lagged_query)",
+                             i, pl ? "scans" : "does not scan", r->lag_q ? "does" : "does not");
+    if (pl && (kvt__get_u32(pl + 4) > 1 || kvt__get_u32(pl + 8) > 1 ||
+               lag_n != (kvt__get_u32(pl + 4) ? r->lag_floats : 0u)))
+        return kvt__ctx_fail(ctx, KVT_ERR_PARSE,
+                             "layer %u: a lagged query of %u floats (has %u, lagged %u) for "
+                             "queries of %u",
+                             i, lag_n, kvt__get_u32(pl + 4), kvt__get_u32(pl + 8), r->lag_floats);
+    const bool promo_tail = len > recall_bytes(&st);
+    if ((len != recall_bytes(&st) &&
+         (!r->promo || len != recall_bytes(&st) + promo_section_bytes(r))) ||
         st.n_samples > r->sample_cap)
         return kvt__ctx_fail(ctx, KVT_ERR_PARSE,
                              "layer %u: RECALL section of %llu bytes for %u samples%s", i,
@@ -705,7 +755,10 @@ static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt_
         return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT, "layer %u: %s", i, msg);
     if ((s = kvt__recall_layer_load(r, &ctx->backend, &st, smp)) != KVT_OK ||
         (s = kvt__recall_layer_load_promo(r, &ctx->backend,
-                                          promo_tail ? pt + PROMO_HEAD : NULL)) != KVT_OK)
+                                          promo_tail ? pt + PROMO_HEAD : NULL)) != KVT_OK ||
+        (s = kvt__recall_layer_lag_load(
+             r, &ctx->backend, pl && kvt__get_u32(pl + 4), pl && kvt__get_u32(pl + 8),
+             pl ? (const float *)(const void *)(pl + LAG_HEAD) : NULL)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "layer %u: writing the recall state", i);
     return KVT_OK;
 }
@@ -921,7 +974,13 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
             cfg.recall_cap_rows = kvt__get_u32(q + 8);
             uint32_t mb = kvt__get_u32(q + 12);
             memcpy(&cfg.recall_margin, &mb, 4);
-            if (rs->length >= recall_bytes(&st) + PROMO_HEAD) {
+            uint64_t at = recall_bytes(&st); /* the promotion part, then the lagged query */
+            if (rs->length >= at + PROMO_HEAD && kvt__get_u32(q + at) != LAG_TAG)
+                at += PROMO_HEAD + kvt__recall_promo_bytes_for(kvt__get_u32(q + at));
+            if (rs->length >= at + LAG_HEAD && kvt__get_u32(q + at) == LAG_TAG)
+                cfg.recall_lagged_query = true;
+            if (rs->length >= recall_bytes(&st) + PROMO_HEAD &&
+                kvt__get_u32(q + recall_bytes(&st)) != LAG_TAG) {
                 const uint8_t *t = q + recall_bytes(&st);
                 cfg.recall_promote_capacity = kvt__get_u32(t);
                 cfg.recall_promote_hits = kvt__get_u32(t + 4);

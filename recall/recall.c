@@ -151,8 +151,66 @@ kvt_status kvt__recall_layer_groups_reserve(kvt__recall_layer *r, const kvt__bac
     return KVT_OK;
 }
 
+static size_t lag_bytes(const kvt__recall_layer *r) {
+    return sizeof(float) * (size_t)r->lag_floats;
+}
+
+kvt_status kvt__recall_layer_lag_prepare(kvt__recall_layer *r, const kvt__backend *be,
+                                         uint32_t q_floats) {
+    if (r->lag_q && r->lag_floats != q_floats) {
+        be->ops->buf_free(be, r->lag_q, lag_bytes(r));
+        r->lag_q = NULL;
+        r->lag_floats = 0;
+    }
+    if (q_floats && !r->lag_q) {
+        void *p = NULL;
+        kvt_status s = be->ops->buf_alloc(be, sizeof(float) * (size_t)q_floats, &p);
+        if (s != KVT_OK)
+            return s;
+        r->lag_q = p;
+        r->lag_floats = q_floats;
+    }
+    r->lag_has = r->last_lagged = 0;
+    r->lag_next = NULL;
+    return KVT_OK;
+}
+
+const float *kvt__recall_layer_lag_query(kvt__recall_layer *r, const float *q) {
+    if (!r->lag_q)
+        return q;
+    r->lag_next = q;
+    r->last_lagged = r->lag_has;
+    return r->lag_has ? r->lag_q : q;
+}
+
+kvt_status kvt__recall_layer_lag_advance(kvt__recall_layer *r, const kvt__backend *be,
+                                         void *stream) {
+    if (!r->lag_q || !r->lag_next)
+        return KVT_OK;
+    kvt_status s = be->ops->copy(be, r->lag_q, r->lag_next, lag_bytes(r), stream);
+    r->lag_next = NULL;
+    if (s == KVT_OK)
+        r->lag_has = 1;
+    return s;
+}
+
+kvt_status kvt__recall_layer_lag_load(kvt__recall_layer *r, const kvt__backend *be, bool has,
+                                      bool last_lagged, const float *q) {
+    if (!r->lag_q)
+        return has || last_lagged ? KVT_ERR_INVARIANT : KVT_OK;
+    kvt_status s = has ? be->ops->write(be, r->lag_q, q, lag_bytes(r), NULL) : KVT_OK;
+    if (s == KVT_OK) {
+        r->lag_has = has;
+        r->last_lagged = last_lagged;
+        r->lag_next = NULL;
+    }
+    return s;
+}
+
 void kvt__recall_layer_fini(kvt__recall_layer *r, const kvt__backend *be) {
     groups_free(r, be);
+    if (r->lag_q)
+        be->ops->buf_free(be, r->lag_q, lag_bytes(r));
     if (r->buf)
         be->ops->buf_free(be, r->buf, r->bytes);
     memset(r, 0, sizeof *r);
@@ -179,6 +237,14 @@ kvt_status kvt__recall_layer_copy(kvt__recall_layer *dst, const kvt__recall_laye
     if (s == KVT_OK && !src->g_cap && dst->g_cap) { /* no groups to take: build them anew */
         uint32_t zero = 0;
         s = be->ops->write(be, &dst->st->n_grouped, &zero, sizeof zero, NULL);
+    }
+    if (s == KVT_OK && src->lag_q) { /* the child's next step scans with the parent's query */
+        if (dst->lag_floats != src->lag_floats)
+            return KVT_ERR_INVARIANT;
+        if (src->lag_has)
+            s = be->ops->copy(be, dst->lag_q, src->lag_q, lag_bytes(src), NULL);
+        dst->lag_has = src->lag_has;
+        dst->last_lagged = src->last_lagged;
     }
     return s;
 }
@@ -209,10 +275,14 @@ kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
     return s;
 }
 
-size_t kvt__recall_promo_bytes(const kvt__recall_layer *r) {
-    return r->promo ? sizeof(kvt__recall_promo) +
-                          2u * sizeof(uint32_t) * ((size_t)r->cand_cap + r->prom_cap)
+size_t kvt__recall_promo_bytes_for(uint32_t prom_cap) {
+    return prom_cap ? sizeof(kvt__recall_promo) +
+                          2u * sizeof(uint32_t) * ((size_t)prom_cap * CAND_PER_PROMOTED + prom_cap)
                     : 0;
+}
+
+size_t kvt__recall_promo_bytes(const kvt__recall_layer *r) {
+    return r->promo ? kvt__recall_promo_bytes_for(r->prom_cap) : 0;
 }
 
 kvt_status kvt__recall_layer_read_promo(const kvt__recall_layer *r, const kvt__backend *be,
@@ -392,7 +462,7 @@ void kvt__recall_pack_query(const kvt__recall_layer *r, kvt__pack_query *pq) {
 uint64_t kvt__recall_layer_bytes(const kvt__recall_layer *r) {
     size_t g[5];
     group_plane_bytes(r->g_cap, r->g_B, r->g_dim, g);
-    return (r->buf ? r->bytes : 0) + g[0] + g[1] + g[2] + g[3] + g[4];
+    return (r->buf ? r->bytes : 0) + g[0] + g[1] + g[2] + g[3] + g[4] + lag_bytes(r);
 }
 
 size_t kvt__recall_step_scratch_max(uint32_t n_heads, uint32_t rank, uint32_t D,

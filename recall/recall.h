@@ -44,6 +44,15 @@ typedef struct kvt__recall_layer {
     float *g_centre, *g_stat;
     uint64_t g_cap;
     uint32_t g_B, g_dim;
+    /* The lagged query (config.recall_lagged_query; docs/recall.md §4.3): the previous recall
+     * step's queries, lag_floats floats in the backend's memory, which the next step scans
+     * with. lag_q NULL: off. Host-side: lag_has (lag_q holds a query), last_lagged (the last
+     * step scanned with it: its certificate), lag_next (this step's queries, backend memory,
+     * copied into lag_q after the step's op). */
+    float *lag_q;
+    uint32_t lag_floats;
+    uint8_t lag_has, last_lagged;
+    const float *lag_next;
 } kvt__recall_layer;
 
 /* Allocate the buffer for n_heads query heads, a fetch cap of `cap` rows and a promoted set of
@@ -55,6 +64,8 @@ kvt_status kvt__recall_layer_prepare(kvt__recall_layer *r, const kvt__backend *b
 /* Bytes of the promotion part (header and tables; 0 without promotion), as read and loaded by
  * the two functions below (snapshots, checks). */
 size_t kvt__recall_promo_bytes(const kvt__recall_layer *r);
+/* The same for a promoted set of prom_cap rows (0: none), before any buffer exists. */
+size_t kvt__recall_promo_bytes_for(uint32_t prom_cap);
 kvt_status kvt__recall_layer_read_promo(const kvt__recall_layer *r, const kvt__backend *be,
                                         void *out);
 /* Load a promotion part (checked by kvt__recall_promo_check first), or the empty one (NULL). */
@@ -79,6 +90,18 @@ kvt_status kvt__recall_layer_groups_reserve(kvt__recall_layer *r, const kvt__bac
  * calibration, and src's built groups (dst's planes are grown to src's). On the backend. */
 kvt_status kvt__recall_layer_copy(kvt__recall_layer *dst, const kvt__recall_layer *src,
                                   const kvt__backend *be);
+/* The lagged query's buffer for queries of q_floats floats (0: off, freed), kept when it has
+ * that size, and emptied (the next step scans with its own query). KVT_ERR_OUT_OF_MEMORY. */
+kvt_status kvt__recall_layer_lag_prepare(kvt__recall_layer *r, const kvt__backend *be,
+                                         uint32_t q_floats);
+/* The query a step scans with: the lagged one when there is one, else q (and lag_next = q). */
+const float *kvt__recall_layer_lag_query(kvt__recall_layer *r, const float *q);
+/* After the step's op, on its stream: this step's queries become the next step's lagged ones. */
+kvt_status kvt__recall_layer_lag_advance(kvt__recall_layer *r, const kvt__backend *be,
+                                         void *stream);
+/* Load a lagged query (a snapshot's: has, and q of lag_floats floats when has). */
+kvt_status kvt__recall_layer_lag_load(kvt__recall_layer *r, const kvt__backend *be, bool has,
+                                      bool last_lagged, const float *q);
 /* Backend bytes the trigger holds (its buffer and group planes, capacity): memory accounting. */
 uint64_t kvt__recall_layer_bytes(const kvt__recall_layer *r);
 /* The state to the host (synchronising: statistics, checks, snapshots). */

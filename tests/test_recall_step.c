@@ -37,6 +37,8 @@ static uint32_t g_block = 64;
 static bool g_clustered = false;
 /* Promotion of the next rig: capacity (0: off), hits, window. */
 static uint32_t g_promote[3] = {0, 3, 8};
+/* config.recall_lagged_query of the next rig. */
+static bool g_lagged;
 
 typedef struct rig {
     kvt_model *m;
@@ -96,6 +98,7 @@ static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t
     r->c.recall_promote_capacity = g_promote[0];
     r->c.recall_promote_hits = g_promote[1];
     r->c.recall_promote_window = g_promote[2];
+    r->c.recall_lagged_query = g_lagged;
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = r->m;
     p.config = &r->c;
@@ -1303,6 +1306,145 @@ Test(recall_step, promotion_forks_attaches_and_snapshots, .timeout = 120) {
     cr_assert(strstr(kvt_last_error(), "recall_promote_capacity"), "%s", kvt_last_error());
     cr_assert_eq(kvt_seq_restore(plain.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
     kvt_seq_destroy(copy);
+    free(snap);
+    rig_close(&plain);
+    rig_close(&r);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * config.recall_lagged_query: the scan of step t runs with step t − 1's queries.
+ * ------------------------------------------------------------------------------------------- */
+/* Positions a step emitted (TOKENS, white-box slot map) and its certificate. */
+typedef struct lag_out {
+    uint32_t len;
+    int64_t pos[NMAX];
+    uint8_t dense;
+    kvt_layer_stats st;
+} lag_out;
+
+static void lag_decode(rig *r, const float *q, lag_out *o) {
+    static step_out so;
+    decode(r, q, &so);
+    o->len = so.len;
+    o->dense = so.dense;
+    slots_to_positions(r->seq, so.idx, so.len, r->n, o->pos);
+    o->st = stats(r);
+}
+
+static void expect_same_step(const lag_out *a, const lag_out *b, uint32_t step) {
+    cr_assert_eq(a->len, b->len, "step %u: %u rows vs %u", step, a->len, b->len);
+    cr_assert_eq(memcmp(a->pos, b->pos, sizeof(int64_t) * a->len), 0, "step %u: positions", step);
+    cr_assert_eq(a->dense, b->dense, "step %u: dense flag", step);
+    cr_assert_eq(a->st.recall_phase, b->st.recall_phase, "step %u", step);
+    cr_assert_eq(a->st.recall_z, b->st.recall_z, "step %u: z", step);
+    cr_assert_eq(a->st.recall_samples, b->st.recall_samples, "step %u", step);
+    cr_assert_eq(a->st.recall_last_fired, b->st.recall_last_fired, "step %u", step);
+    cr_assert_eq(a->st.recall_last_fetched, b->st.recall_last_fetched, "step %u", step);
+    cr_assert_eq(a->st.recall_last_visited, b->st.recall_last_visited, "step %u", step);
+    cr_assert_eq(a->st.recall_last_overflow, b->st.recall_last_overflow, "step %u", step);
+}
+
+/* A request with the option fed q_1, q_2, ..., q_T makes, step for step, exactly the decisions
+ * (emitted positions, dense flag, calibration, z, fired / fetched / visited counts) of a request
+ * without it fed q_1, q_1, q_2, ..., q_{T-1}: the same rows, the same queries one step late. Both
+ * CPU-side backends; queries aimed at archived rows every third step, so fetches happen (and a
+ * row aimed at by q_t only is fetched at t + 1). */
+static void lagged_equals_shifted(kvt_backend_kind be, uint64_t seed) {
+    static float q[3][H * QD]; /* q_{t-1}, q_t */
+    rig a, b;
+    g_lagged = true;
+    rig_open(&a, be, KVT_RECALL_CONFORMAL, 4096, 1.0f, seed);
+    g_lagged = false;
+    rig_open(&b, be, KVT_RECALL_CONFORMAL, 4096, 1.0f, seed);
+    prefill(&a, 64 * 4 + 9);
+    prefill(&b, 64 * 4 + 9);
+    static lag_out oa, ob;
+    uint64_t fetched_aimed = 0;
+    for (uint32_t t = 0; t < 40; t++) {
+        int64_t target = t % 3 == 2 ? (int64_t)(5 + (t * 37) % 250) : -1;
+        make_queries(&a, q[1], target);
+        make_queries(&b, q[2], target); /* b's generator stays in step with a's */
+        cr_assert_eq(memcmp(q[1], q[2], sizeof q[1]), 0);
+        if (t == 0)
+            memcpy(q[0], q[1], sizeof q[0]);
+        lag_decode(&a, q[1], &oa);
+        lag_decode(&b, q[0], &ob); /* the previous step's queries (the first: its own) */
+        expect_same_step(&oa, &ob, t);
+        cr_assert_eq(oa.st.recall_last_lagged, t > 0, "step %u: lagged flag", t);
+        cr_assert(!ob.st.recall_last_lagged);
+        fetched_aimed += oa.st.recall_phase == 1 && oa.st.recall_last_fetched > 0;
+        memcpy(q[0], q[1], sizeof q[0]);
+    }
+    kvt_layer_stats sa = stats(&a);
+    cr_assert_eq(sa.recall_steps, 40u);
+    cr_assert_eq(sa.recall_phase, 1, "calibrated");
+    cr_assert_gt(fetched_aimed, 0u, "some calibrated step fetched rows");
+    rig_close(&a);
+    rig_close(&b);
+}
+
+Test(recall_lag, lagged_request_equals_a_plain_one_fed_the_previous_query_cpu,
+     .timeout = 120) {
+    lagged_equals_shifted(KVT_BACKEND_CPU, 808);
+}
+
+Test(recall_lag, lagged_request_equals_a_plain_one_fed_the_previous_query_guarded,
+     .timeout = 240) {
+    lagged_equals_shifted(KVT_BACKEND_GUARDED, 809);
+}
+
+/* The kept queries travel: a snapshot restored, and a fork, continue the lagged request step for
+ * step (their first step scans with the original's last queries, not their own); a context
+ * without the option refuses the snapshot, and one with it refuses a snapshot without, naming
+ * the option. */
+Test(recall_lag, snapshots_and_forks_carry_the_kept_queries, .timeout = 120) {
+    rig r;
+    g_lagged = true;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 810);
+    prefill(&r, 64 * 4 + 9);
+    static step_out o;
+    for (uint32_t step = 0; step < 12; step++) {
+        float q[H * QD];
+        make_queries(&r, q, step % 3 == 2 ? 40 : -1);
+        decode(&r, q, &o);
+    }
+    size_t need;
+    uint8_t *snap = snapshot_of(r.seq, &need);
+    kvt_seq *copy, *child;
+    cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
+    kvt_layer_stats b = {.struct_size = sizeof b};
+    cr_assert_eq(kvt_seq_layer_stats(copy, 0, &b), KVT_OK);
+    cr_assert(b.recall_last_lagged);
+    /* the restored request's first step aims at a row the kept queries do not: it must
+     * scan with the kept ones, as the original does */
+    for (uint32_t step = 0; step < 6; step++)
+        step_pair(&r, copy, step % 2 ? 60 : -1, step);
+    kvt_layer_stats a = stats(&r);
+    cr_assert_eq(kvt_seq_layer_stats(copy, 0, &b), KVT_OK);
+    cr_assert_eq(b.recall_fetched_rows, a.recall_fetched_rows);
+    cr_assert_eq(b.recall_steps, a.recall_steps);
+    cr_assert_eq(b.recall_last_lagged, a.recall_last_lagged);
+    kvt_seq_destroy(copy);
+    cr_assert_eq(kvt_seq_fork(r.seq, 11, &child), KVT_OK, "%s", kvt_last_error());
+    for (uint32_t step = 0; step < 4; step++)
+        step_pair(&r, child, step % 2 ? -1 : 70, step);
+    a = stats(&r);
+    cr_assert_eq(kvt_seq_layer_stats(child, 0, &b), KVT_OK);
+    cr_assert_eq(b.recall_fetched_rows - a.recall_fetched_rows, 0u);
+    kvt_seq_destroy(child);
+    /* without the option: refused, named */
+    rig plain;
+    g_lagged = false;
+    rig_open(&plain, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 810);
+    cr_assert_eq(kvt_seq_restore(plain.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
+                 kvt_last_error());
+    cr_assert(strstr(kvt_last_error(), "recall_lagged_query"), "%s", kvt_last_error());
+    free(snap);
+    prefill(&plain, 64 * 4 + 9);
+    snap = snapshot_of(plain.seq, &need);
+    cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
+                 kvt_last_error());
+    cr_assert(strstr(kvt_last_error(), "recall_lagged_query"), "%s", kvt_last_error());
     free(snap);
     rig_close(&plain);
     rig_close(&r);

@@ -374,21 +374,27 @@ Test(rope_sketch, off_without_sketch_planes) {
     rr_fini(&x);
 }
 
+/* A CPU context of 64 pages of 16 rows over m with cfg and sketch planes of sk_rank. */
+static kvt_ctx *small_ctx(kvt_model *m, const kvt_config *cfg, uint32_t sk_rank) {
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.config = cfg;
+    p.model = m;
+    p.page_rows = 16;
+    p.n_pages = 64;
+    p.recall_sketch_rank = sk_rank;
+    kvt_ctx *ctx = NULL;
+    char err[512] = "";
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    return ctx;
+}
+
 /* The basis API's refusals, each with nothing changed. */
 Test(rope_sketch, head_basis_statuses) {
     kvt_model *m = tu_mixed_model();
     cr_assert_not_null(m);
     kvt_config cfg = kvt_config_default();
     cfg.evict_archive = true;
-    kvt_ctx_params p = kvt_ctx_default_params();
-    p.config = &cfg;
-    p.model = m;
-    p.page_rows = 16;
-    p.n_pages = 64;
-    p.recall_sketch_rank = 8;
-    kvt_ctx *ctx = NULL;
-    char err[512];
-    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx *ctx = small_ctx(m, &cfg, 8);
     float V[8 * 16];
     tu_rng rng = {3};
     cr_assert(tu_orthonormal_rows(&rng, 8, 16, V));
@@ -2003,4 +2009,32 @@ Test(rope_mla, sound_mode_needs_orthonormal_key_bases) {
         kvt_ctx_destroy(ctx);
         kvt_model_destroy(m);
     }
+}
+
+/* config.recall_lagged_query is for salience (NoPE) recall: a request that would recall on a
+ * RoPE layer with it is refused at creation, naming the option; without recall it is inert. */
+Test(rope_recall, lagged_query_refused_on_rope_layers) {
+    kvt_layer_spec sp;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 128, &sp), KVT_OK);
+    sp.n_q_heads = 8;
+    kvt_model *m = NULL;
+    cr_assert_eq(kvt_model_create(&sp, 1, "rope", &m, NULL, 0), KVT_OK);
+    for (int recall = 0; recall < 2; recall++) {
+        kvt_config cfg = rr_cfg(64, 16, 16);
+        cfg.recall = recall ? KVT_RECALL_CONFORMAL : KVT_RECALL_OFF;
+        cfg.recall_lagged_query = true;
+        kvt_ctx *ctx = small_ctx(m, &cfg, 16);
+        kvt_seq *seq = NULL;
+        kvt_status s = tu_seq_create(ctx, 3, &seq);
+        if (recall) {
+            cr_assert_eq(s, KVT_ERR_UNSUPPORTED, "%s", kvt_last_error());
+            cr_assert(strstr(kvt_last_error(), "recall_lagged_query"), "%s", kvt_last_error());
+            cr_assert_null(seq);
+        } else {
+            cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
+            kvt_seq_destroy(seq);
+        }
+        kvt_ctx_destroy(ctx);
+    }
+    kvt_model_destroy(m);
 }

@@ -378,6 +378,8 @@ class Model(_Closable):
 # Configuration
 # ---------------------------------------------------------------------------------------------
 _CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector, "sigma_basis": SigmaBasis}
+_CONFIG_BOOLS = ("protect_prompt", "evict_archive", "evict_shared_draw", "evict_vase",
+                 "salience_budget", "recall_lagged_query")
 _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows": "u32",
                  "evict_budget_rows": "u32", "recent_rows": "u32", "cadence_rows": "u32",
                  "seed": "u64", "recall_cap_rows": "u32", "budget_min_kept": "u32",
@@ -419,9 +421,8 @@ class Config:
     def __getattr__(self, name):
         if name in _CONFIG_ENUMS:
             return maybe_enum(_CONFIG_ENUMS[name], getattr(self._c, name))
-        if name in _CONFIG_KINDS or name in ("protect_prompt", "evict_archive",
-                                             "evict_shared_draw", "evict_vase", "struct_size",
-                                             "recall_margin", "salience_budget"):
+        if name in _CONFIG_KINDS or name in _CONFIG_BOOLS or name in ("struct_size",
+                                                                      "recall_margin"):
             return getattr(self._c, name)
         raise AttributeError(f"Config has no field {name!r}")
 
@@ -435,8 +436,7 @@ class Config:
                                                                               np.integer)):
                 raise TypeError(f"Config.{name}: expected a number, got {type(value).__name__}")
             value = float(value)
-        elif name in ("protect_prompt", "evict_archive", "evict_shared_draw", "evict_vase",
-                      "salience_budget"):
+        elif name in _CONFIG_BOOLS:
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"Config.{name}: expected a bool, got {type(value).__name__}")
             value = bool(value)

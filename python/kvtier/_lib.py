@@ -129,6 +129,7 @@ class ConfigC(ctypes.Structure):
         ("recall_promote_capacity", c_u32),
         ("recall_promote_hits", c_u32),
         ("recall_promote_window", c_u32),
+        ("recall_lagged_query", ctypes.c_bool),
     ]
 
 
@@ -227,6 +228,7 @@ class LayerStatsC(ctypes.Structure):
         ("recall_demotions", c_u64),
         ("recall_absorbed", c_u64),
         ("recall_last_promoted", c_u64),
+        ("recall_last_lagged", ctypes.c_bool),
     ]
 
 

@@ -15,6 +15,33 @@ def _model(heads=4):
     return kvtier.Model([spec], "recall")
 
 
+def _bf16(x):
+    return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # truncated
+
+
+def _decode_steps(cfg, seed, steps, after_step):
+    """A 4-head context with a rank-16 basis, a 300-row prefill, then `steps` decode steps of
+    random rows and queries; after_step(seq) after each commit. Returns the last statistics."""
+    with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
+                                      recall_sketch_rank=16) as ctx:
+        rng = np.random.default_rng(seed)
+        v, _ = np.linalg.qr(rng.standard_normal((512, 16)))
+        ctx.set_recall_basis(0, np.ascontiguousarray(v.T, dtype=np.float32))
+        with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
+            b.reserve([seq], [300])
+            seq.write(0, 0, 0, _bf16(rng.standard_normal((300, 576))))
+            b.plan()
+            b.commit()
+            for _ in range(steps):
+                b.reserve([seq], [1])
+                seq.write(0, 0, 0, _bf16(rng.standard_normal((1, 576))))
+                b.plan()
+                b.run(0, query=rng.standard_normal((1, 4, 576)).astype(np.float32))
+                b.commit()
+                after_step(seq)
+            return seq.layer_stats(0)
+
+
 def test_conformal_recall_decode_steps():
     cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="conformal")
     with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
@@ -77,30 +104,23 @@ def test_promotion_through_the_binding():
                         recall_promote_capacity=8, recall_promote_hits=2,
                         recall_promote_window=4)
     cfg.check()
-    with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
-                                      recall_sketch_rank=16) as ctx:
-        rng = np.random.default_rng(7)
-        v, _ = np.linalg.qr(rng.standard_normal((512, 16)))
-        ctx.set_recall_basis(0, np.ascontiguousarray(v.T, dtype=np.float32))
-        with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
-            rows = rng.standard_normal((300, 576)).astype(np.float32)
-            b.reserve([seq], [300])
-            seq.write(0, 0, 0, (rows.view(np.uint32) >> 16).astype(np.uint16))
-            b.plan()
-            b.commit()
-            for step in range(12):
-                b.reserve([seq], [1])
-                seq.write(0, 0, 0, (rng.standard_normal((1, 576)).astype(np.float32)
-                                    .view(np.uint32) >> 16).astype(np.uint16))
-                b.plan()
-                b.run(0, query=rng.standard_normal((1, 4, 576)).astype(np.float32))
-                b.commit()
-                seq.check()
-            st = seq.layer_stats(0)
-            assert st.recall_promote_room == 8  # min(C, m - 1), m = 256 / 8
-            assert 0 < st.recall_promoted <= 8
-            assert st.recall_promotions >= st.recall_promoted
-            assert st.kept_rows <= 256 // 8 - 8  # the reserve comes out of the kept set (m 32)
+    st = _decode_steps(cfg, 7, 12, lambda seq: seq.check())
+    assert st.recall_promote_room == 8  # min(C, m - 1), m = 256 / 8
+    assert 0 < st.recall_promoted <= 8
+    assert st.recall_promotions >= st.recall_promoted
+    assert st.kept_rows <= 256 // 8 - 8  # the reserve comes out of the kept set (m 32)
+
+
+def test_lagged_query_through_the_binding():
+    """config.recall_lagged_query crosses the ABI: off by default; on, every recall step after
+    the first scans with the previous step's query, and the statistics say so."""
+    assert kvtier.Config().recall_lagged_query is False
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="conformal",
+                        recall_lagged_query=True)
+    cfg.check()
+    lagged = []
+    _decode_steps(cfg, 9, 3, lambda seq: lagged.append(seq.layer_stats(0).recall_last_lagged))
+    assert lagged == [False, True, True]
 
 
 def test_rope_recall_head_basis_tokens_layout():
