@@ -44,7 +44,9 @@ __attribute__((target("fma"))) static float fmaf_instruction(float a, float b, f
 }
 
 /* What every renamed fmaf call reaches (its name is the asm label in kernels/kvt_hd.h). The
- * feature test is a load of libgcc's CPU model, set up before main. */
+ * feature test is a load of libgcc's CPU model, set up before main. (Not an indirect function:
+ * its resolver runs before the sanitizers' runtimes exist, and clang's ThreadSanitizer
+ * instruments it even under no_sanitize: test_threads crashed in the dynamic loader.) */
 float kvt__fmaf(float a, float b, float c);
 float kvt__fmaf(float a, float b, float c) {
     if (__builtin_cpu_supports("fma"))
