@@ -247,6 +247,13 @@ typedef struct kvt__backend_ops {
      * KVT_ERR_OUT_OF_MEMORY. free: bytes as allocated; NULL is a no-op. */
     kvt_status (*buf_alloc)(const kvt__backend *be, size_t bytes, void **out);
     void (*buf_free)(const kvt__backend *be, void *p, size_t bytes);
+    /* Pinned host memory the backend's ops may read and write, as they do their buffers (a GPU
+     * over the bus: cudaHostAlloc, mapped; the CPU backends: host pages, which the guarded
+     * backend leaves open and its ops accept), and host code directly: the host-resident archive
+     * (kvt_ctx_params.archive_space). alloc: zeroed bytes; KVT_ERR_OUT_OF_MEMORY. free: bytes as
+     * allocated; NULL is a no-op. read/write/copy take these as they take buffers. */
+    kvt_status (*host_alloc)(const kvt__backend *be, size_t bytes, void **out);
+    void (*host_free)(const kvt__backend *be, void *p, size_t bytes);
     /* Copy bytes from host memory into a buffer (write) or out of one (read), on the stream. */
     kvt_status (*write)(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                         void *stream);

@@ -479,6 +479,8 @@ static const kvt__backend_ops cpu_ops_table = {
     .name = "cpu",
     .buf_alloc = cpu_buf_alloc,
     .buf_free = cpu_buf_free,
+    .host_alloc = cpu_buf_alloc, /* host memory is what the CPU backend's buffers are */
+    .host_free = cpu_buf_free,
     .write = cpu_copy,
     .read = cpu_copy,
     .host_visible = true,
@@ -530,6 +532,8 @@ typedef struct guard_impl {
     uint8_t *arena;         /* mprotect mode: the reserved range every buffer is carved from */
     size_t arena_len;       /* its reserved bytes */
     size_t arena_hi;        /* the end of its last live buffer: a toggle covers [arena, +hi) */
+    guard_region *pinned;   /* host_alloc's pages: open to the host, accepted by the ops */
+    uint64_t n_pinned, pinned_cap;
 } guard_impl;
 
 /* The mprotect-mode arena's reservation: address space only (PROT_NONE, MAP_NORESERVE: no
@@ -680,6 +684,54 @@ static bool guard_owns(const guard_impl *g, const void *p, size_t bytes) {
             return KVT_ERR_INVARIANT;                                                              \
     } while (0)
 
+/* Pinned host memory (host_alloc): mmap'd pages the host may touch, as a GPU's pinned host
+ * memory is; the ops that take an archive accept them (GUARD_REACHES), no other op does. */
+static kvt_status g_host_alloc(const kvt__backend *be, size_t bytes, void **out) {
+    guard_impl *g = be->impl;
+    *out = NULL;
+    if (bytes == 0)
+        return KVT_ERR_INVALID_ARGUMENT;
+    void *arr = g->pinned;
+    if (kvt__grow(be->alloc, &arr, &g->pinned_cap, g->n_pinned + 1, sizeof *g->pinned) != KVT_OK)
+        return KVT_ERR_OUT_OF_MEMORY;
+    g->pinned = arr;
+    const size_t len = page_round(bytes);
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return KVT_ERR_OUT_OF_MEMORY;
+    g->pinned[g->n_pinned++] = (guard_region){p, len};
+    *out = p; /* zero */
+    return KVT_OK;
+}
+
+static void g_host_free(const kvt__backend *be, void *p, size_t bytes) {
+    guard_impl *g = be->impl;
+    (void)bytes;
+    for (uint64_t i = 0; p && i < g->n_pinned; i++)
+        if (g->pinned[i].p == p) {
+            munmap(p, g->pinned[i].len);
+            g->pinned[i] = g->pinned[--g->n_pinned];
+            return;
+        }
+}
+
+static bool pinned_holds(const guard_impl *g, const void *p, size_t bytes) {
+    const uint8_t *q = p;
+    for (uint64_t i = 0; q && i < g->n_pinned; i++) {
+        const uint8_t *b = g->pinned[i].p;
+        if (q >= b && q < b + g->pinned[i].len)
+            return bytes <= (size_t)(b + g->pinned[i].len - q);
+    }
+    return false;
+}
+
+/* A buffer of the backend's or pinned host memory of its (the archive's two spaces). */
+#define GUARD_REACHES(be, p, bytes)                                                                \
+    do {                                                                                           \
+        if (!guard_owns((be)->impl, (p), (bytes)) && !pinned_holds((be)->impl, (p), (bytes)))      \
+            return KVT_ERR_INVARIANT;                                                              \
+    } while (0)
+
 static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                           void *stream) {
     guard_open(be);
@@ -710,7 +762,7 @@ static kvt_status g_sketch_rows(const kvt__backend *be, const kvt__sketch_args *
                                 void *stream) {
     for (uint32_t i = 0; i < n; i++) {
         const kvt__sketch_args *a = &args[i];
-        GUARD_OWNS(be, a->base, 1);
+        GUARD_REACHES(be, a->base, 1); /* a random-eviction archive's rows may be pinned */
         GUARD_OWNS(be, a->pages, sizeof(int32_t));
         GUARD_OWNS(be, a->basis, sizeof(float) * a->rank * a->latent_dim);
         GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * a->n_rows);
@@ -769,7 +821,7 @@ static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_r
             GUARD_OWNS(be, a->pages, sizeof(int32_t));
         }
         if (a->ar_n) {
-            GUARD_OWNS(be, a->ar_bytes, a->ar_row_bytes * H * a->ar_cap);
+            GUARD_REACHES(be, a->ar_bytes, a->ar_row_bytes * H * a->ar_cap);
             GUARD_OWNS(be, a->ar_ident, sizeof(int32_t));
             GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * H * a->ar_cap);
             GUARD_OWNS(be, a->rho, sizeof(float) * H * a->ar_cap);
@@ -805,7 +857,7 @@ static kvt_status g_recall_rope_emit(const kvt__backend *be,
         if (a->n_rows)
             GUARD_OWNS(be, a->pages, sizeof(int32_t));
         if (a->ar_n)
-            GUARD_OWNS(be, a->ar_bytes, (size_t)a->n_planes * a->row_bytes * H * a->ar_cap);
+            GUARD_REACHES(be, a->ar_bytes, (size_t)a->n_planes * a->row_bytes * H * a->ar_cap);
         GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
         GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
         GUARD_OWNS(be, a->st, sizeof *a->st);
@@ -865,8 +917,8 @@ static kvt_status g_ev_owns(const kvt__backend *be, const kvt__ev_args *a, uint3
         GUARD_OWNS(be, x->keep, sizeof(uint32_t) * x->n_heads * x->K);
         GUARD_OWNS(be, x->map, sizeof(int32_t) * x->n_heads * x->N);
         if (x->ar_bytes) {
-            GUARD_OWNS(be, x->ar_bytes,
-                       (size_t)x->n_heads * x->ar_cap * x->n_planes * x->row_bytes);
+            GUARD_REACHES(be, x->ar_bytes,
+                          (size_t)x->n_heads * x->ar_cap * x->n_planes * x->row_bytes);
             GUARD_OWNS(be, x->ar_pos, sizeof(int64_t) * x->n_heads * x->ar_cap);
             GUARD_OWNS(be, x->ar_by_pos, sizeof(uint64_t) * x->n_heads * x->ar_cap);
         }
@@ -965,6 +1017,8 @@ static const kvt__backend_ops guarded_ops_table = {
     .name = "guarded",
     .buf_alloc = g_buf_alloc,
     .buf_free = g_buf_free,
+    .host_alloc = g_host_alloc,
+    .host_free = g_host_free,
     .write = g_write,
     .read = g_write,
     .host_visible = false,
@@ -1024,6 +1078,9 @@ static void guarded_close(kvt__backend *be) {
         for (uint64_t i = 0; i < g->n_regions; i++)
             munmap(g->regions[i].p, g->regions[i].len);
     kvt__free(be->alloc, g->regions, sizeof *g->regions * g->regions_cap);
+    for (uint64_t i = 0; i < g->n_pinned; i++)
+        munmap(g->pinned[i].p, g->pinned[i].len);
+    kvt__free(be->alloc, g->pinned, sizeof *g->pinned * g->pinned_cap);
     if (g->pkey >= 0)
         pkey_free(g->pkey);
     kvt__free(be->alloc, g->ws.sigma, sizeof *g->ws.sigma * g->ws.sigma_cap);

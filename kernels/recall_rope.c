@@ -97,6 +97,27 @@ static const uint8_t *archive_key(const kvt__recall_rope_args *a, uint32_t h, ui
     return a->ar_bytes + ((size_t)h * a->ar_cap + k) * a->ar_row_bytes;
 }
 
+/* The distinct archive rows of arg[0 .. G) (UINT32_MAX: none) ascending, at most cap, into out:
+ * a capped calibration step's fetched rows. Returns how many. */
+static uint32_t capped_calibration_rows(const uint32_t *arg, uint32_t G, uint32_t cap,
+                                        uint32_t *out) {
+    uint32_t n = 0;
+    uint32_t last = 0;
+    bool any = false;
+    /* repeated minimum over the rows above the last taken: O(G²), G is a group's query heads */
+    while (n < cap) {
+        uint32_t next = UINT32_MAX;
+        for (uint32_t g = 0; g < G; g++)
+            if (arg[g] != UINT32_MAX && (!any || arg[g] > last) && arg[g] < next)
+                next = arg[g];
+        if (next == UINT32_MAX)
+            break;
+        out[n++] = last = next;
+        any = true;
+    }
+    return n;
+}
+
 void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     kvt__recall_state *st = a->st;
     const uint32_t D = a->D, G = a->group, H = a->n_kv, nq = H * G;
@@ -154,6 +175,10 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
             }
             const uint32_t rank = a->rank[h];
             const float *V = rank ? a->basis + (size_t)h * a->basis_stride * D : NULL;
+            if (a->capped) /* fetch each query head's a*, distinct and ascending, at most cap */
+                a->n_fired[h] =
+                    capped_calibration_rows(arg, G, a->cap, a->fired + (size_t)h * a->cap);
+            fetched += a->n_fired[h];
             for (uint32_t g = 0; g < G; g++) {
                 if (arg[g] == UINT32_MAX)
                     continue;
@@ -174,8 +199,9 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
         st->phase = kvt__conformal_close(a->samples, st->n_samples, st->cal_steps, &st->z, &st->k,
                                          &st->clamped);
         st->calib_steps++;
-        dense = 1;
-        fetched = archived;
+        dense = !a->capped;
+        if (dense)
+            fetched = archived;
     } else {
         /* 4. Per KV head, the full scan of its archive with its group's queries. */
         const float z = kvt__recall_mode_z(a->mode, D, a->margin, st->z);
@@ -187,8 +213,8 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
             fetched += a->n_fired[h];
             over |= a->overflow[h];
         }
-        dense = over;
-        if (over)
+        dense = over && !a->capped; /* capped: the first cap fired rows of each head */
+        if (dense)
             fetched = archived;
         st->overflow_steps += over;
     }
@@ -201,7 +227,7 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
 
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
     /* a head lists at most every archived row once (its fired rows are distinct archive rows) */
-    const uint64_t m = a->ar_n;
+    const uint64_t m = a->capped && a->ar_n > a->cap ? a->cap : a->ar_n;
     const bool tokens = a->length != NULL; /* one list, its length instead of an indptr */
     return a->n_kv && a->n_kv <= KVT__RECALL_ROPE_MAX_KV && a->row_bytes &&
            a->slot_stride >= (size_t)a->n_kv * a->row_bytes && a->plane[0] &&
@@ -216,7 +242,7 @@ bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
 }
 
 void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
-    const bool dense = a->all || a->st->last_dense != 0;
+    const bool dense = !a->capped && (a->all || a->st->last_dense != 0);
     const size_t rb = a->row_bytes;
     uint64_t o = a->chain ? (uint64_t)a->indptr[0] : a->out;
     /* chained: the host checked the batch's total; a set past the capacity is cut here (never
@@ -234,7 +260,7 @@ void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
             a->indptr[h] = (int32_t)o;
         for (uint64_t r = 0; r < a->n_rows; r++)
             a->indices[o++] = kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)r);
-        uint64_t m = dense ? a->ar_n : a->n_fired[h];
+        uint64_t m = dense ? a->ar_n : a->capped && a->all ? 0 : a->n_fired[h];
         /* never past the list or the fetch area (the step keeps n_fired <= min(cap, ar_n)) */
         m = m > a->cap && !dense ? a->cap : m;
         m = m > a->ar_n ? a->ar_n : m;

@@ -32,6 +32,12 @@
  *
  * Counts in the state are (row, KV head) pairs: archived = n_kv·ar_n, fetched = Σ_h n_fired[h]
  * (all archived when dense), fired = Σ_h (n_fired[h] + overflow[h]).
+ *
+ * Capped (the archive in pinned host memory, kvt_ctx_params.archive_space HOST): no step is
+ * dense, so only fetched rows cross the bus. A calibration step samples as in 3. and fetches,
+ * per KV head, the best archived rows a* of its query heads (distinct, ascending, at most cap);
+ * an overflow in 4. keeps the first cap fired rows of the head (the scan's fired list) with
+ * overflow[h] set, and counts as an overflow step.
  */
 #ifndef KVT_KERNELS_RECALL_ROPE_H
 #define KVT_KERNELS_RECALL_ROPE_H
@@ -64,6 +70,7 @@ typedef struct kvt__recall_rope_args {
     size_t ar_row_bytes;
     uint64_t ar_cap, ar_n;
     const int32_t *ar_ident;  /* identity page mirror of at least ar_n rows */
+    bool capped;              /* the archive is host memory: no dense step (above) */
     const uint16_t *csk;      /* [n_kv][ar_cap][csk_stride] */
     const float *rho;         /* [n_kv][ar_cap] */
     uint32_t csk_stride;
@@ -141,7 +148,9 @@ typedef struct kvt__recall_rope_emit_args {
     bool chain;                 /* out = indptr[0] as the backend already wrote it (requests
                                  * emitted one after another: the host knows no count) */
     bool all;                   /* every archived row, whatever the state says (a request with
-                                 * recall whose step has several query tokens) */
+                                 * recall whose step has several query tokens); capped: none */
+    bool capped;                /* a host archive: never every archived row (the step capped
+                                 * its lists at cap), and the fetch area holds cap rows */
 } kvt__recall_rope_emit_args;
 
 bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a);

@@ -357,8 +357,11 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     const kvt_layer_spec *sp = &ctx->stores[layer].spec;
     const size_t per_seq = (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
     kvt_status s;
+    /* several query tokens: every row, but a host archive's RoPE request attends its held rows
+     * only (no step copies the whole archive over the bus) */
     for (uint32_t i = 0; emit->dense && i < b->n_seqs; i++)
-        b->dense[i] = b->recall_way[i] == RECALL_ALL;
+        b->dense[i] = b->recall_way[i] == RECALL_ALL &&
+                      !(ctx->archive_host && kvt__seq_recalls_rope(b->seqs[i], layer));
     if (emit->dense && b->n_seqs &&
         (s = be->ops->write(be, emit->dense, b->dense, b->n_seqs, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "emission's dense flags");

@@ -42,6 +42,7 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     e.head_offset = ctx->kv_head_offset;
     e.max_rows = ctx->max_rows;
     e.archive_rows = ctx->archive_rows;
+    e.archive_host = ctx->archive_host;
     e.sketch_stride = ctx->sketch_rank;
     e.stream = stream;
     e.err = kvt__tls_error();
@@ -362,6 +363,9 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     if (p->max_seqs > (1u << 20))
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.max_seqs: %u above 2^20",
                          p->max_seqs);
+    if ((unsigned)p->archive_space > KVT_SPACE_HOST)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.archive_space: unknown value %d", (int)p->archive_space);
     if ((unsigned)p->allocator > KVT_ALLOC_LIBC)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.allocator: unknown value %d",
                          (int)p->allocator);
@@ -382,6 +386,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     ctx->layer_offset = p->layer_offset;
     ctx->max_rows = p->max_rows_per_seq;
     ctx->archive_rows = p->archive_rows_per_seq;
+    ctx->archive_host = p->archive_space == KVT_SPACE_HOST;
     ctx->max_seqs = p->max_seqs;
     ctx->sketch_rank = p->recall_sketch_rank;
     ctx->page_rows = p->page_rows;

@@ -33,6 +33,8 @@ struct kvt_ctx {
     /* A backend workspace for max_rows (0: none stated, grown on demand): each batch's size. */
     size_t ws_sigma_floats, ws_topm_u32;
     uint32_t archive_rows; /* archive_rows_per_seq (0: none) */
+    bool archive_host;     /* archive_space == KVT_SPACE_HOST: the archive's rows in pinned host
+                            * memory (the backend's host_alloc) */
     uint32_t max_seqs;     /* max_seqs (0: none) */
     const struct kvt__io *io; /* snapshot file I/O (lib/snapshot.h); NULL: the system's */
     uint32_t sketch_rank;  /* recall_sketch_rank (0: no sketch planes) */

@@ -477,6 +477,12 @@ typedef enum kvt_allocator {
     KVT_ALLOC_LIBC = 1,    /* aligned_alloc/free, visible to ASan and valgrind */
 } kvt_allocator;
 
+/* A memory space (kvt_ctx_params.archive_space). */
+typedef enum kvt_space {
+    KVT_SPACE_DEVICE = 0, /* the backend's memory (device memory on CUDA) */
+    KVT_SPACE_HOST = 1,   /* pinned host memory the backend's ops reach */
+} kvt_space;
+
 typedef struct kvt_ctx_params {
     size_t struct_size;        /* sizeof(kvt_ctx_params); ABI rule at the top */
     const kvt_model *model;    /* required; copied */
@@ -534,6 +540,19 @@ typedef struct kvt_ctx_params {
      * value i = e4m3(byte i) · scale[i / 128] in fp32); another fp8 layout is
      * KVT_ERR_UNSUPPORTED. */
     uint32_t recall_sketch_rank;
+    /* Where random eviction's archive (config.evict_archive) keeps its rows. DEVICE (the
+     * default): the backend's memory, like the pool. HOST: pinned host memory the backend's ops
+     * reach over the bus (cudaHostAlloc, mapped; the CPU and guarded backends: host pages the
+     * guarded backend leaves open, since a GPU reads pinned memory too). The archive then costs
+     * no device memory; its positions and recall sketches stay in the backend's. With recall on a
+     * GQA/MHA-RoPE layer only fetched rows cross the bus (docs/recall.md §9.7): no step attends
+     * the whole archive — an overflow fetches the first recall_cap_rows fired rows per KV head
+     * and is flagged (recall_last_overflow), a calibration step fetches each query head's best
+     * archived row, a step of several query tokens attends the held rows only — and the fetch
+     * area in the pool holds at most recall_cap_rows rows. MLA-RoPE recall with a host archive
+     * is refused (KVT_ERR_UNSUPPORTED at kvt_seq_create: its scan reads every archived row's
+     * rotated branch each step). A struct that ends before it gets DEVICE. */
+    kvt_space archive_space;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
  * parallelism fields then take their defaults: one unsharded rank). */
@@ -589,6 +608,10 @@ typedef struct kvt_ctx_memory {
     uint64_t side_bytes;       /* kvt_layer_stats.side_bytes over requests and layers, a shared
                                 * set counted once */
     uint64_t shared_side_bytes;/* of which in sets held by more than one request */
+    /* Random eviction's archive rows over requests and layers (kvt_layer_stats.archive_bytes, at
+     * capacity), by the space they live in (kvt_ctx_params.archive_space). */
+    uint64_t archive_device_bytes;
+    uint64_t archive_host_bytes;
 } kvt_ctx_memory;
 #define KVT_CTX_MEMORY_SIZE_MIN (offsetof(kvt_ctx_memory, shared_side_bytes) + sizeof(uint64_t))
 /* Fill *out (out->struct_size set by the caller). KVT_ERR_INVALID_ARGUMENT (NULL, a struct_size
@@ -1147,6 +1170,14 @@ typedef struct kvt_layer_stats {
     /* config.recall_lagged_query: the last recall step scanned with the previous recall step's
      * queries (false: with its own, as every step does without the option, and the first). */
     bool recall_last_lagged;
+    /* Archive placement and traffic (random eviction with the archive): the space its rows live
+     * in (kvt_ctx_params.archive_space), and the bytes recall steps copied out of it into the
+     * fetch area — every plane of each fetched (row, KV head) — over the request's steps and at
+     * the last one (with a host archive: the bytes that crossed the bus; calibration steps also
+     * read every archived key in place, recall_calib_steps says how many there were). */
+    int32_t archive_space;
+    uint64_t recall_moved_bytes;
+    uint64_t recall_last_moved_bytes;
 } kvt_layer_stats;
 /* Oldest kvt_layer_stats layout this library writes (an output: written up to
  * min(struct_size, sizeof)). */

@@ -302,6 +302,12 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
                                  "recall on RoPE layer %u: config.recall_lagged_query is for "
                                  "salience (NoPE) recall layers only",
                                  i);
+        if (v.capped && v.branch_dim)
+            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                 "recall on MLA-RoPE layer %u with params.archive_space HOST: its "
+                                 "scan reads every archived row's rotated branch each step (keep "
+                                 "the archive in device memory, or recall off)",
+                                 i);
         if (!ctx->backend.ops->recall_rope_step || !ctx->backend.ops->recall_rope_emit)
             return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                                  "recall on RoPE layer %u: the %s backend has no RoPE recall ops "
@@ -839,15 +845,18 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
                                                                              n_tokens)) != KVT_OK)
             snprintf(why, sizeof why, "layer %u: the recall scan's group planes", i);
     /* RoPE recall: the fetch area holds the whole archive after the step (a dense step lists
-     * it): held + archived rows are at most the request's rows. Its size is set only once the
-     * whole reservation succeeded (a failure trims it back to what it held). */
+     * it): held + archived rows are at most the request's rows; with a host archive no step is
+     * dense and it holds at most recall_cap_rows rows. Its size is set only once the whole
+     * reservation succeeded (a failure trims it back to what it held). */
     uint32_t f_grown[KVT__MAX_GROUPS] = {0};
     for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
         if (!kvt__seq_recalls_rope(seq, i))
             continue;
         const uint32_t fg = (uint32_t)ctx->stores[i].group;
         kvt__ptable *f = &seq->fetch[fg]; /* its n_pending: the rows it holds (n_rows 0) */
-        const uint64_t need = seq->n_tokens + n_tokens;
+        uint64_t need = seq->n_tokens + n_tokens;
+        if (ctx->archive_host && need > seq->cfg.recall_cap_rows)
+            need = seq->cfg.recall_cap_rows;
         if (need > UINT32_MAX)
             s = KVT_ERR_CAPACITY;
         else if (need > f->n_pending &&
@@ -1189,7 +1198,8 @@ kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
         .ar_cap = v.ar_cap, .ar_n = v.ar_n, .fired = r->fired, .n_fired = r->n_fired,
         .cap = r->cap, .st = r->base.st, .fetch_pages = f->dpages,
         .fetch_cap = (uint32_t)((uint64_t)f->n_pages * ctx->page_rows), .indices = indices,
-        .capacity = capacity, .indptr = indptr, .out = 0, .chain = true, .all = all};
+        .capacity = capacity, .indptr = indptr, .out = 0, .chain = true, .all = all,
+        .capped = v.capped};
     return KVT_OK;
 }
 
@@ -1457,6 +1467,11 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
         out->recall_last_dense = rs.last_dense != 0;
         out->recall_last_overflow = rs.last_overflow != 0;
         out->recall_last_lagged = recall_base(seq, layer)->last_lagged != 0;
+        if (kvt__seq_recalls_rope(seq, layer)) { /* fetched rows copied out of the archive */
+            const uint64_t rb = (uint64_t)st->spec.n_planes * st->spec.row_bytes;
+            out->recall_moved_bytes = rs.fetched * rb;
+            out->recall_last_moved_bytes = rs.last_fetched * rb;
+        }
         kvt__recall_promo pr;
         if (seq->recall[layer].promo &&
             (s = ctx->backend.ops->read(&ctx->backend, &pr, seq->recall[layer].promo, sizeof pr,
@@ -1546,6 +1561,14 @@ kvt_status kvt_ctx_memory_stats(const kvt_ctx *ctx, kvt_ctx_memory *out) {
             uint32_t holders;
             layer_side_bytes(q, i, &own, &shared, &key, &holders);
             m.side_bytes += own;
+            const kvt__tier_layer l = tier_layer(q, i);
+            if (l.gr->ops->stats) { /* the archive's rows, by space */
+                kvt_layer_stats ls;
+                memset(&ls, 0, sizeof ls);
+                l.gr->ops->stats(&l, &ls);
+                *(ls.archive_space == KVT_SPACE_HOST ? &m.archive_host_bytes
+                                                     : &m.archive_device_bytes) += ls.archive_bytes;
+            }
             if (shared)
                 sets[n++] = (side_set){key, shared};
         }

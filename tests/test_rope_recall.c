@@ -33,6 +33,11 @@ enum { RR_MAXH = 4 };
  * latent head of D values, a rotated 64-value branch scored exactly; H must be 1). */
 static uint32_t g_n_pages, g_max_seqs, g_max_rows;
 static bool g_mla;
+/* g_archive_host: the next rr_init's archive in pinned host memory (params.archive_space HOST).
+ * check_lists' oracle then caps each head's fetched rows at g_cap_rows, and g_capped_calib says
+ * the step was a capped calibration step (each query head's best archived row fetched). */
+static bool g_archive_host, g_capped_calib;
+static uint32_t g_cap_rows;
 
 typedef struct rr {
     kvt_ctx *ctx;
@@ -92,6 +97,7 @@ static void rr_init(rr *x, uint32_t H, uint32_t D, kvt_config cfg, uint32_t sk_r
     p.allocator = KVT_ALLOC_LIBC;
     p.backend = backend;
     p.recall_sketch_rank = sk_rank;
+    p.archive_space = g_archive_host ? KVT_SPACE_HOST : KVT_SPACE_DEVICE;
     cr_assert_eq(kvt_ctx_create(&p, &x->ctx, err, sizeof err), KVT_OK, "%s", err);
     kvt_model_destroy(m);
     x->stride = sk_rank < D ? sk_rank : D;
@@ -382,6 +388,7 @@ static kvt_ctx *small_ctx(kvt_model *m, const kvt_config *cfg, uint32_t sk_rank)
     p.page_rows = 16;
     p.n_pages = 64;
     p.recall_sketch_rank = sk_rank;
+    p.archive_space = g_archive_host ? KVT_SPACE_HOST : KVT_SPACE_DEVICE;
     kvt_ctx *ctx = NULL;
     char err[512] = "";
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
@@ -611,6 +618,22 @@ static uint64_t o_fire(const rr *x, const oview *v, const float *q, const float 
     return n;
 }
 
+/* The archive index of KV head h's best archived row for query qh by exact score (ties to the
+ * lower index, NaN skipped), its score in *bs; -1 when none. */
+static int64_t o_best_archived(const rr *x, const oview *v, const float *qh, uint32_t h,
+                               float *bs) {
+    int64_t arg = -1;
+    *bs = -INFINITY;
+    for (uint64_t k = 0; k < v->ar_n; k++) {
+        float sc = o_exact(x, qh, h, v->ar_pos[h][k]);
+        if (sc > *bs) {
+            *bs = sc;
+            arg = (int64_t)k;
+        }
+    }
+    return arg;
+}
+
 /* The oracle's calibration step: one sample per query head from its best archived row; true
  * while the request still calibrates. */
 static bool o_calibrate(trig *t, const rr *x, const oview *v, const float *q, const float *best) {
@@ -621,15 +644,8 @@ static bool o_calibrate(trig *t, const rr *x, const oview *v, const float *q, co
     for (uint32_t qt = 0; qt < x->sp.n_q_heads; qt++) {
         const uint32_t h = qt / G;
         const float *qh = q + (size_t)qt * x->QW;
-        float bs = -INFINITY;
-        int64_t arg = -1;
-        for (uint64_t k = 0; k < v->ar_n; k++) {
-            float sc = o_exact(x, qh, h, v->ar_pos[h][k]);
-            if (sc > bs) {
-                bs = sc;
-                arg = (int64_t)k;
-            }
-        }
+        float bs;
+        const int64_t arg = o_best_archived(x, v, qh, h, &bs);
         if (arg < 0)
             continue;
         float q_sk[KVT__SKETCH_MAX_RANK + 1], tmp[1024], P, ncsk;
@@ -643,6 +659,19 @@ static bool o_calibrate(trig *t, const rr *x, const oview *v, const float *q, co
             n_e++;
     }
     return kvt__conformal_step(&t->conf, e, n_e);
+}
+
+/* A capped calibration step's rows of KV head h (in[k] = 1): each query head's best archived row
+ * by exact score (ties to the lower index, NaN skipped), as o_calibrate picks them. */
+static void o_calib_rows(const rr *x, const oview *v, const float *q, uint32_t h, uint8_t *in) {
+    const uint32_t G = x->sp.n_q_heads / x->H;
+    memset(in, 0, v->ar_n);
+    for (uint32_t g = 0; g < G; g++) {
+        float bs;
+        const int64_t arg = o_best_archived(x, v, q + (size_t)(h * G + g) * x->QW, h, &bs);
+        if (arg >= 0)
+            in[arg] = 1;
+    }
 }
 
 /* Queries: a random direction inside the head's 8-dim key subspace (or a plain normal draw
@@ -675,6 +704,15 @@ static void make_queries(rr *x, const oview *v, float *q, uint32_t *aimed) {
         }
         *aimed += aim;
     }
+}
+
+/* make_queries on the committed state. */
+static void aimed_queries(rr *x, float *q) {
+    oview v;
+    oview_read(x, &v);
+    uint32_t aimed;
+    make_queries(x, &v, q, &aimed);
+    oview_free(&v);
 }
 
 /* The backend's fired list of head h equals the oracle's membership: the first min(cap, n)
@@ -1045,9 +1083,13 @@ static void check_lists(rr *x, bool dense, const oview *v, const float *q, const
             for (uint64_t k = 0; k < v->ar_n; k++)
                 wpos[n++] = v->ar_pos[h][k];
         } else if (v->ar_n) {
-            o_fire(x, v, q, best, h, z, mode, in);
-            for (uint64_t k = 0; k < v->ar_n; k++)
-                if (in[k])
+            if (g_capped_calib)
+                o_calib_rows(x, v, q, h, in);
+            else
+                o_fire(x, v, q, best, h, z, mode, in);
+            /* a host archive: the first g_cap_rows of them (0: every one) */
+            for (uint64_t k = 0, taken = 0; k < v->ar_n; k++)
+                if (in[k] && (!g_cap_rows || taken++ < g_cap_rows))
                     wpos[n++] = v->ar_pos[h][k];
         }
         cr_assert_eq((uint64_t)(indptr[h + 1] - indptr[h]), n,
@@ -1349,11 +1391,7 @@ static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
     for (int step = 0; step < 100; step++) {
         if (step == 60)
             snapshot_swap(&x);
-        oview v0;
-        oview_read(&x, &v0); /* queries aim at rows archived before this step */
-        uint32_t aimed;
-        make_queries(&x, &v0, q, &aimed);
-        oview_free(&v0);
+        aimed_queries(&x, q); /* at rows archived before this step */
         cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense), KVT_OK,
                      "seed %llu step %d: %s", (unsigned long long)seed, step, kvt_last_error());
         e2e_check(&x, &t, q, dense, indptr, indices, step, &y);
@@ -1847,11 +1885,7 @@ static void mla_e2e_run(kvt_backend_kind backend, uint64_t seed) {
     for (int step = 0; step < 90; step++) {
         if (step == 45)
             snapshot_swap(&x);
-        oview v0;
-        oview_read(&x, &v0);
-        uint32_t aimed;
-        make_queries(&x, &v0, q, &aimed);
-        oview_free(&v0);
+        aimed_queries(&x, q); /* at rows archived before this step */
         const kvt_emit_layout layout = step % 3 == 0   ? KVT_EMIT_TOKENS
                                        : step % 3 == 1 ? KVT_EMIT_CSR
                                                        : KVT_EMIT_CSR_KV_HEADS;
@@ -2013,22 +2047,27 @@ Test(rope_mla, sound_mode_needs_orthonormal_key_bases) {
 
 /* config.recall_lagged_query is for salience (NoPE) recall: a request that would recall on a
  * RoPE layer with it is refused at creation, naming the option; without recall it is inert. */
-Test(rope_recall, lagged_query_refused_on_rope_layers) {
+/* A one-layer GQA-RoPE model: 2 KV heads of 128 bf16 values, 8 query heads. */
+static kvt_model *gqa_model(void) {
     kvt_layer_spec sp;
     cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 128, &sp), KVT_OK);
     sp.n_q_heads = 8;
     kvt_model *m = NULL;
     cr_assert_eq(kvt_model_create(&sp, 1, "rope", &m, NULL, 0), KVT_OK);
+    return m;
+}
+
+/* A request of model m under cfg is created with recall off, and refused with conformal recall
+ * (KVT_ERR_UNSUPPORTED, the message naming `option`, no request made). */
+static void refused_with_recall(kvt_model *m, kvt_config *cfg, const char *option) {
     for (int recall = 0; recall < 2; recall++) {
-        kvt_config cfg = rr_cfg(64, 16, 16);
-        cfg.recall = recall ? KVT_RECALL_CONFORMAL : KVT_RECALL_OFF;
-        cfg.recall_lagged_query = true;
-        kvt_ctx *ctx = small_ctx(m, &cfg, 16);
+        cfg->recall = recall ? KVT_RECALL_CONFORMAL : KVT_RECALL_OFF;
+        kvt_ctx *ctx = small_ctx(m, cfg, 16);
         kvt_seq *seq = NULL;
         kvt_status s = tu_seq_create(ctx, 3, &seq);
         if (recall) {
             cr_assert_eq(s, KVT_ERR_UNSUPPORTED, "%s", kvt_last_error());
-            cr_assert(strstr(kvt_last_error(), "recall_lagged_query"), "%s", kvt_last_error());
+            cr_assert(strstr(kvt_last_error(), option), "%s", kvt_last_error());
             cr_assert_null(seq);
         } else {
             cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
@@ -2036,5 +2075,181 @@ Test(rope_recall, lagged_query_refused_on_rope_layers) {
         }
         kvt_ctx_destroy(ctx);
     }
+}
+
+Test(rope_recall, lagged_query_refused_on_rope_layers) {
+    kvt_model *m = gqa_model();
+    kvt_config cfg = rr_cfg(64, 16, 16);
+    cfg.recall_lagged_query = true;
+    refused_with_recall(m, &cfg, "recall_lagged_query");
     kvt_model_destroy(m);
+}
+
+/* ---- (4) A host archive (params.archive_space HOST, docs/recall.md §9.7) ---------------------- */
+
+/* Conformal decode through kvt_batch_run with the archive in pinned host memory and a small W:
+ * no step attends the whole archive; calibration steps fetch each query head's best archived row
+ * (and sample as with a device archive: z equals the oracle's), overflow steps the first W fired
+ * rows, flagged; the lists, bytes and reference attention are the oracle's at every step; the
+ * fetch area holds at most W rows; the bytes moved are the fetched rows'; the archive's bytes are
+ * counted in host memory; snapshot/restore and fork keep the placement. */
+static void host_e2e_run(kvt_backend_kind backend, uint64_t seed, uint32_t W) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = W;
+    const uint32_t rank[2] = {32, 16};
+    rr x;
+    g_archive_host = true;
+    rr_init(&x, 2, 128, cfg, 32, rank, backend, seed);
+    g_archive_host = false;
+    cr_assert(kvt__seq_recalls_rope(x.seq, 0), "the request recalls on the RoPE layer");
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 4), KVT_OK);
+    e2e e;
+    e2e_init(&e, &x, 512);
+    trig t;
+    memset(&t, 0, sizeof t);
+    t.nq = x.sp.n_q_heads;
+    kvt__conformal_init(&t.conf, t.conf_samples, 64 * t.nq);
+    float q[TR_MAXQ * 256];
+    int32_t indptr[RR_MAXH + 1];
+    int32_t *indices = malloc(sizeof(int32_t) * e.cap_idx);
+    uint8_t dense = 0;
+    bool calibrating = true;
+    uint64_t listed_fetched = 0, calib_steps = 0, overflow_steps = 0, archived_steps = 0;
+    const uint64_t rb2 = 2u * x.sp.row_bytes; /* both planes of a (row, KV head) */
+    const uint32_t page_rows = 16, fetch_pages_max = (W + page_rows - 1) / page_rows;
+    g_cap_rows = W;
+    for (int step = 0; step < 100; step++) {
+        if (step == 60)
+            snapshot_swap(&x);
+        aimed_queries(&x, q); /* at rows archived before this step */
+        cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense), KVT_OK,
+                     "seed %llu step %d: %s", (unsigned long long)seed, step, kvt_last_error());
+        cr_assert_eq(dense, 0, "step %d: a host archive never attends every row", step);
+        float best[TR_MAXQ];
+        oview v;
+        oview_read(&x, &v);
+        o_best(&x, &v, q, best);
+        kvt_layer_stats ls = rr_stats(&x);
+        cr_assert_eq(ls.archive_space, (int32_t)KVT_SPACE_HOST);
+        cr_assert(!ls.recall_last_dense);
+        const bool calib = v.ar_n && calibrating;
+        if (calib) {
+            calibrating = o_calibrate(&t, &x, &v, q, best);
+            cr_assert_eq(ls.recall_z, t.conf.z, "step %d: z %g, oracle %g", step,
+                         (double)ls.recall_z, (double)t.conf.z);
+            calib_steps++;
+        }
+        archived_steps += v.ar_n > 0;
+        overflow_steps += ls.recall_last_overflow;
+        g_capped_calib = calib;
+        uint64_t fetched = 0;
+        check_lists(&x, false, &v, q, best, KVT__RECALL_CONFORMAL, t.conf.z, indptr, indices,
+                    &fetched);
+        g_capped_calib = false;
+        listed_fetched += fetched;
+        cr_assert_eq(ls.recall_last_fetched, fetched, "step %d", step);
+        cr_assert_eq(ls.recall_last_moved_bytes, fetched * rb2, "step %d", step);
+        cr_assert_leq(fetched, (uint64_t)x.H * W);
+        /* the fetch area: at most W rows (the pages beyond the table's) */
+        uint32_t tpages = (uint32_t)((v.n_rows + page_rows - 1) / page_rows);
+        cr_assert_leq(ls.pages_in_use - tpages, fetch_pages_max, "step %d: %llu pages in use, "
+                      "table %u", step, (unsigned long long)ls.pages_in_use, tpages);
+        oview_free(&v);
+    }
+    kvt_layer_stats ls = rr_stats(&x);
+    cr_assert(!calibrating);
+    cr_assert_eq(ls.recall_calib_steps, calib_steps);
+    cr_assert_eq(ls.recall_overflow_steps, overflow_steps);
+    cr_assert_gt(overflow_steps, 0u, "W = %u overflows on this data", W);
+    cr_assert_gt(archived_steps, calib_steps + overflow_steps, "fetching steps ran");
+    /* after the restore the totals restart from the snapshot's, which kept them */
+    cr_assert_eq(ls.recall_moved_bytes, ls.recall_fetched_rows * rb2);
+    cr_assert_gt(ls.archived_rows, 0u);
+    kvt_ctx_memory mem = {.struct_size = sizeof mem};
+    cr_assert_eq(kvt_ctx_memory_stats(x.ctx, &mem), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(mem.archive_host_bytes, ls.archive_bytes);
+    cr_assert_eq(mem.archive_device_bytes, 0u);
+    /* every archived row's bytes, read back, are the appended ones */
+    for (uint32_t h = 0; h < x.H; h++) {
+        oview v;
+        oview_read(&x, &v);
+        uint8_t row[256];
+        for (uint64_t k = 0; k < v.ar_n; k++)
+            for (uint32_t pl = 0; pl < 2; pl++) {
+                cr_assert_eq(kvt_seq_read_row(x.seq, 0, pl, h, (uint64_t)v.ar_pos[h][k], row,
+                                              x.sp.row_bytes),
+                             KVT_OK, "%s", kvt_last_error());
+                cr_assert(memcmp(row, rr_row(&x, pl, (uint64_t)v.ar_pos[h][k], h),
+                                 x.sp.row_bytes) == 0);
+            }
+        oview_free(&v);
+    }
+    /* a fork's archive is host memory too */
+    kvt_seq *child = NULL;
+    cr_assert_eq(kvt_seq_fork(x.seq, 99, &child), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(child), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_memory_stats(x.ctx, &mem), KVT_OK);
+    cr_assert_eq(mem.archive_host_bytes, 2 * ls.archive_bytes);
+    cr_assert_eq(mem.archive_device_bytes, 0u);
+    kvt_seq_destroy(child);
+    cr_log_info("host archive (seed %llu, W %u): %llu steps with an archive, %llu calibration, "
+                "%llu capped overflows, %llu (row, KV head) pairs fetched = %llu B moved",
+                (unsigned long long)seed, W, (unsigned long long)archived_steps,
+                (unsigned long long)calib_steps, (unsigned long long)overflow_steps,
+                (unsigned long long)listed_fetched, (unsigned long long)ls.recall_moved_bytes);
+    g_cap_rows = 0;
+    free(indices);
+    e2e_fini(&e);
+    rr_fini(&x);
+}
+
+Test(rope_host, capped_lists_equal_the_oracle_cpu, .timeout = 240) {
+    host_e2e_run(KVT_BACKEND_CPU, 808, 6);
+}
+
+Test(rope_host, capped_lists_equal_the_oracle_guarded, .timeout = 240) {
+    host_e2e_run(KVT_BACKEND_GUARDED, 909, 6);
+}
+
+/* A device archive (the default) is counted as device memory, and the statuses of the option:
+ * an unknown space refused; MLA-RoPE recall with a host archive refused at request creation
+ * (its scan reads every archived branch), the same request without recall accepted. */
+Test(rope_host, placement_statuses) {
+    kvt_model *m = gqa_model();
+    kvt_config cfg = rr_cfg(64, 16, 16);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.config = &cfg;
+    p.model = m;
+    p.archive_space = (kvt_space)7;
+    kvt_ctx *ctx = NULL;
+    char err[512] = "";
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(err, "archive_space"), "%s", err);
+    cr_assert_null(ctx);
+    kvt_model_destroy(m);
+
+    kvt_layer_spec ml;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_ROPE, KVT_DTYPE_BF16, 128, 64, &ml), KVT_OK);
+    ml.n_q_heads = 4;
+    cr_assert_eq(kvt_model_create(&ml, 1, "mla-rope", &m, NULL, 0), KVT_OK);
+    g_archive_host = true;
+    refused_with_recall(m, &cfg, "archive_space");
+    g_archive_host = false;
+    kvt_model_destroy(m);
+
+    /* the device default: the archive's bytes counted as device memory */
+    rr x;
+    rr_init(&x, 2, 128, rr_cfg(32, 8, 16), 0, NULL, KVT_BACKEND_CPU, 5);
+    rr_step(&x, 4, false);
+    for (int i = 0; i < 80; i++)
+        rr_step(&x, 1, true);
+    kvt_layer_stats ls = rr_stats(&x);
+    cr_assert_gt(ls.archive_bytes, 0u);
+    cr_assert_eq(ls.archive_space, (int32_t)KVT_SPACE_DEVICE);
+    kvt_ctx_memory mem = {.struct_size = sizeof mem};
+    cr_assert_eq(kvt_ctx_memory_stats(x.ctx, &mem), KVT_OK);
+    cr_assert_eq(mem.archive_device_bytes, ls.archive_bytes);
+    cr_assert_eq(mem.archive_host_bytes, 0u);
+    rr_fini(&x);
 }

@@ -103,13 +103,26 @@ static void buf_free(const kvt__backend *be, void *p, size_t bytes) {
         be->ops->buf_free(be, p, bytes);
 }
 
+/* The archive's row buffer, in the space the context placed it (ar_host). */
+static kvt_status ar_rows_alloc(const kvt__ev *e, size_t bytes, void **out) {
+    return e->ar_host ? e->be->ops->host_alloc(e->be, bytes, out)
+                      : e->be->ops->buf_alloc(e->be, bytes, out);
+}
+
+static void ar_rows_free(const kvt__ev *e, void *p, size_t bytes) {
+    if (p && e->ar_host)
+        e->be->ops->host_free(e->be, p, bytes);
+    else if (p)
+        e->be->ops->buf_free(e->be, p, bytes);
+}
+
 void kvt__ev_fini(kvt__ev *e) {
     if (e->be) {
         const size_t H = e->n_heads;
         buf_free(e->be, e->pos, sizeof *e->pos * H * e->pos_cap);
         buf_free(e->be, e->last_map, sizeof *e->last_map * e->last_map_cap);
         buf_free(e->be, e->keep, sizeof *e->keep * e->keep_cap);
-        buf_free(e->be, e->ar_bytes, e->ar_row_bytes * H * e->ar_cap);
+        ar_rows_free(e, e->ar_bytes, e->ar_row_bytes * H * e->ar_cap);
         buf_free(e->be, e->ar_pos, sizeof *e->ar_pos * H * e->ar_cap);
         buf_free(e->be, e->ar_by_pos, sizeof *e->ar_by_pos * H * e->ar_cap);
         buf_free(e->be, e->ar_csk, sizeof *e->ar_csk * e->sk_stride * H * e->ar_cap);
@@ -261,6 +274,7 @@ static kvt_status archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
     kvt_status s = KVT_OK;
     for (int i = 0; i < n_arr && s == KVT_OK; i++) {
         s = cap > SIZE_MAX / elt[i] / H ? KVT_ERR_OUT_OF_MEMORY
+            : i == 0                    ? ar_rows_alloc(e, elt[i] * H * cap, &nw[i])
                                         : be->ops->buf_alloc(be, elt[i] * H * cap, &nw[i]);
         for (size_t h = 0; s == KVT_OK && used[i] && h < H; h++)
             s = be->ops->copy(be, (uint8_t *)nw[i] + elt[i] * h * cap,
@@ -269,9 +283,14 @@ static kvt_status archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
     }
     if (s == KVT_OK && e->sk_stride)
         s = ident_grow(e, cap, &ident, &ident_n);
-    for (int i = 0; i < n_arr; i++)
-        buf_free(be, s == KVT_OK ? old[i] : nw[i],
-                 elt[i] * H * (s == KVT_OK ? e->ar_cap : cap));
+    for (int i = 0; i < n_arr; i++) {
+        void *p = s == KVT_OK ? old[i] : nw[i];
+        const size_t bytes = elt[i] * H * (s == KVT_OK ? e->ar_cap : cap);
+        if (i == 0)
+            ar_rows_free(e, p, bytes);
+        else
+            buf_free(be, p, bytes);
+    }
     if (s != KVT_OK)
         return s;
     buf_free(be, e->ar_ident, sizeof *e->ar_ident * e->ident_n);
@@ -872,6 +891,7 @@ static kvt_status ev_supports_layer(const kvt_layer_spec *sp, uint32_t i, const 
 static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
     /* Buffers from the context's backend: they outlive every call. */
     kvt_status rc = kvt__ev_init(&s->ev, env->home, &st->spec, env->cfg->evict_archive);
+    s->ev.ar_host = env->archive_host;
     /* Archive sketches (recall on RoPE layers) when the context builds sketch planes. */
     s->ev.sk_stride = kvt__ev_sketch_stride(&st->spec, env->sketch_stride);
     s->ev.page_rows = env->page_rows;
@@ -1216,6 +1236,7 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope
     a->ar_cap = e->ar_cap;
     a->ar_n = e->ar_n;
     a->ar_ident = e->ar_ident;
+    a->capped = e->ar_host;
     a->csk = e->ar_csk;
     a->rho = e->ar_rho;
     a->csk_stride = e->sk_stride;
@@ -1281,6 +1302,7 @@ static void ev_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
     out->prompt_over_budget = e->prompt_over_budget;
     out->archived_rows = archived_rows(e);
     out->archive_bytes = out->archived_rows * sp->n_planes * (uint64_t)sp->row_bytes;
+    out->archive_space = e->ar_host ? KVT_SPACE_HOST : KVT_SPACE_DEVICE;
     if (e->archive && e->sk_stride) {
         const kvt__store *st = l->st;
         out->sketched_rows = e->sk_n * e->n_heads;

@@ -179,6 +179,8 @@ typedef struct kvt__env {
     uint64_t max_rows;
     /* Stated limit of the eviction archive per (layer, KV head) (archive_rows_per_seq; 0: none). */
     uint64_t archive_rows;
+    /* The archive's rows in pinned host memory (kvt_ctx_params.archive_space HOST). */
+    bool archive_host;
     /* fp16 values per row of the recall sketch planes (kvt_ctx_params.recall_sketch_rank; 0: no
      * sketches are built). */
     uint32_t sketch_stride;
@@ -321,6 +323,9 @@ typedef struct kvt__ev {
     uint64_t *ar_by_pos;
     uint64_t ar_n, ar_cap;
     size_t ar_row_bytes;  /* n_planes * row_bytes */
+    /* ar_bytes in pinned host memory (the backend's host_alloc; kvt_ctx_params.archive_space
+     * HOST), the other archive arrays in the backend's: the rows cost no device memory. */
+    bool ar_host;
     /* A step in flight (policy.h layer_step): this layer recorded the step's positions / ran its
      * part of a due round (it then holds last_kept rows while the table still holds N). Cleared
      * by the group's commit. */

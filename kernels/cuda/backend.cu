@@ -88,7 +88,8 @@ kvt_status op_end(const kvt__backend *be, void *stream, kvt_status s) {
 /* A copy with stream NULL is synchronous with the whole device (the library's calls outside a
  * run, e.g. at reserve, pass NULL): the legacy default stream orders nothing with non-blocking
  * streams, so wait for everything before and after. */
-kvt_status copy_on(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, void *stream) {
+kvt_status copy_on(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, void *stream,
+                   bool host_reads = false) {
     if (!bytes)
         return KVT_OK;
     if (!stream) {
@@ -98,7 +99,7 @@ kvt_status copy_on(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind
         return s == KVT_OK ? st(cudaDeviceSynchronize()) : s;
     }
     kvt_status s = st(cudaMemcpyAsync(dst, src, bytes, kind, strm(stream)));
-    if (s == KVT_OK && kind == cudaMemcpyDeviceToHost) /* the host reads it now */
+    if (s == KVT_OK && (host_reads || kind == cudaMemcpyDeviceToHost)) /* the host reads it now */
         s = st(cudaStreamSynchronize(strm(stream)));
     return s;
 }
@@ -190,11 +191,34 @@ void cu_buf_free(const kvt__backend *be, void *p, size_t bytes) {
         cudaFree(p);
 }
 
+/* Pinned host memory the kernels read and write over the bus: mapped, and with unified
+ * addressing (every 64-bit sm_90 system) its host pointer is its device pointer, so the ops take
+ * it as they take a buffer. read/write/copy use cudaMemcpyDefault for the same reason: either
+ * side may be pinned host memory. */
+kvt_status cu_host_alloc(const kvt__backend *be, size_t bytes, void **out) {
+    *out = NULL;
+    if (bytes == 0)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
+    if (s == KVT_OK)
+        s = st(cudaHostAlloc(out, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+    if (s == KVT_OK)
+        memset(*out, 0, bytes);
+    return s;
+}
+
+void cu_host_free(const kvt__backend *be, void *p, size_t bytes) {
+    (void)be;
+    (void)bytes;
+    if (p)
+        cudaFreeHost(p);
+}
+
 kvt_status cu_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                     void *stream) {
     kvt_status s = op_begin(be, stream);
     return op_end(be, stream,
-                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyHostToDevice, stream) : s);
+                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDefault, stream) : s);
 }
 
 /* The host reads what it asked for: the one op that waits for the stream. */
@@ -202,14 +226,14 @@ kvt_status cu_read(const kvt__backend *be, void *dst, const void *src, size_t by
                    void *stream) {
     kvt_status s = op_begin(be, stream);
     return op_end(be, stream,
-                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDeviceToHost, stream) : s);
+                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDefault, stream, true) : s);
 }
 
 kvt_status cu_copy(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                    void *stream) {
     kvt_status s = op_begin(be, stream);
     return op_end(be, stream,
-                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDeviceToDevice, stream) : s);
+                  s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDefault, stream) : s);
 }
 
 /* ----------------------------------------------------------------------------------------------
@@ -1582,6 +1606,8 @@ kvt__backend_ops make_ops() {
     o.name = "cuda";
     o.buf_alloc = cu_buf_alloc;
     o.buf_free = cu_buf_free;
+    o.host_alloc = cu_host_alloc;
+    o.host_free = cu_host_free;
     o.write = cu_write;
     o.read = cu_read;
     o.copy = cu_copy;

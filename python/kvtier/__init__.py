@@ -18,7 +18,7 @@ from ._api import (Batch, Buffer, CensusTotals, Config, Context, Emission, Layer
                    version_info, version_number)
 from ._errors import *  # noqa: F401,F403  Status, KvtError and one subclass per error status
 from ._errors import ERROR_CLASSES, KvtError, Status, status_name, strerror
-from ._types import (Allocator, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
+from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
                      RowState, Selector, SigmaBasis, bf16_from_float32, bf16_to_float32, numpy_dtype)
 from . import ref, trace
 
@@ -29,6 +29,7 @@ __all__ = [
     "__version__", "library_path", "version", "version_info", "version_number", "last_error",
     "Status", "KvtError", "ERROR_CLASSES", "strerror", "status_name",
     "LayerKind", "DType", "Policy", "RecallMode", "Selector", "SigmaBasis", "Backend", "Allocator",
+    "Space",
     "EmitLayout", "RowState",
     "policy_for_kind", "layer_kind_name", "policy_name", "dtype_name", "dtype_bytes",
     "LayerSpec", "Model", "CensusTotals", "Config", "config_default", "Context", "Sequence",

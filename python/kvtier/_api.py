@@ -24,7 +24,7 @@ import numpy as np
 from . import _lib
 from ._errors import check
 from ._lib import lib
-from ._types import (Allocator, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
+from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
                      RowState, Selector, SigmaBasis, as_array, as_output, element_dtype_ok, maybe_enum, ptr,
                      to_enum, u32, u64, integer)
 
@@ -521,7 +521,9 @@ class Context(_Closable):
     ``backend`` ("cpu", "guarded", "cuda", "auto" or a Backend), ``allocator`` ("default",
     "libc"), ``external_storage``, ``layer_policies`` (one Policy per layer), ``kv_head_offset``,
     ``n_kv_heads_global``, ``layer_offset``, ``max_rows_per_seq``, ``archive_rows_per_seq``,
-    ``max_seqs`` (with max_rows_per_seq: request slots built at creation, reused).
+    ``max_seqs`` (with max_rows_per_seq: request slots built at creation, reused),
+    ``recall_sketch_rank``, ``archive_space`` ("device", "host" or a Space: where random
+    eviction's archive keeps its rows).
     Asking for "cuda" where it is absent raises NoDeviceError with the library's reason.
     """
 
@@ -530,7 +532,8 @@ class Context(_Closable):
     def __init__(self, model: Model, config=None, *, page_rows=None, n_pages=None, backend=None,
                  allocator=None, external_storage=None, layer_policies=None, kv_head_offset=None,
                  n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
-                 archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None):
+                 archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None,
+                 archive_space=None):
         if not isinstance(model, Model):
             raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
         p = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
@@ -554,6 +557,8 @@ class Context(_Closable):
             p.backend = int(to_enum(Backend, backend, "backend"))
         if allocator is not None:
             p.allocator = int(to_enum(Allocator, allocator, "allocator"))
+        if archive_space is not None:
+            p.archive_space = int(to_enum(Space, archive_space, "archive_space"))
         if external_storage is not None:
             p.external_storage = bool(external_storage)
         policies = None

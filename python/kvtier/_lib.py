@@ -151,6 +151,7 @@ class CtxParamsC(ctypes.Structure):
         ("archive_rows_per_seq", c_u32),
         ("max_seqs", c_u32),
         ("recall_sketch_rank", c_u32),
+        ("archive_space", c_enum),
     ]
 
 
@@ -229,6 +230,9 @@ class LayerStatsC(ctypes.Structure):
         ("recall_absorbed", c_u64),
         ("recall_last_promoted", c_u64),
         ("recall_last_lagged", ctypes.c_bool),
+        ("archive_space", ctypes.c_int32),
+        ("recall_moved_bytes", c_u64),
+        ("recall_last_moved_bytes", c_u64),
     ]
 
 
@@ -242,6 +246,8 @@ class CtxMemoryC(ctypes.Structure):
         ("shared_bytes", c_u64),
         ("side_bytes", c_u64),
         ("shared_side_bytes", c_u64),
+        ("archive_device_bytes", c_u64),
+        ("archive_host_bytes", c_u64),
     ]
 
 

@@ -65,6 +65,12 @@ class Allocator(enum.IntEnum):
     LIBC = 1
 
 
+class Space(enum.IntEnum):
+    """kvt_space: where random eviction's archive keeps its rows (Context(archive_space=...))."""
+    DEVICE = 0
+    HOST = 1
+
+
 class EmitLayout(enum.IntEnum):
     TOKENS = 0
     CSR = 1

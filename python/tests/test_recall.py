@@ -224,3 +224,42 @@ def test_load_recall_basis_files(tmp_path):
         assert e.value.name == "KVT_ERR_OUT_OF_RANGE"
         ctx.load_recall_head_basis(0, 0, tmp_path / "keys.h0")
         assert ctx.recall_head_basis(0, 0) == (16, zlib.crc32(key.astype("<f4").tobytes()))
+
+
+def test_archive_space_host():
+    """Context(archive_space=...): the archive's placement. A host archive's rows are counted in
+    memory()'s archive_host_bytes after eviction rounds (the device's stay 0), the statistics name
+    the space; MLA-RoPE recall with a host archive is refused at request creation, naming the
+    option; an unknown space is refused before the library is called."""
+    spec = kvtier.LayerSpec.mla("mla_rope", "bf16", 128, 64)
+    spec.n_q_heads = 4
+    rng = np.random.default_rng(3)
+    with kvtier.Model([spec], "rope") as m:
+        with pytest.raises(ValueError):
+            kvtier.Context(m, page_rows=16, n_pages=64, archive_space="nowhere")
+        for space in ("device", "host"):
+            cfg = kvtier.Config(evict_budget_rows=32, recent_rows=8, cadence_rows=8,
+                                evict_archive=True)
+            with kvtier.Context(m, cfg, page_rows=16, n_pages=64, archive_space=space) as ctx, \
+                    ctx.sequence(request_id=1, prompt_rows=4) as seq, ctx.batch(1) as b:
+                for n in (100, 1, 1, 1):
+                    b.reserve([seq], [n])
+                    seq.write(0, 0, 0, _bf16(rng.standard_normal((n, 192))))
+                    b.plan()
+                    b.commit()
+                    seq.check()
+                st = seq.layer_stats(0)
+                assert st.archived_rows > 0 and st.archive_bytes == st.archived_rows * 384
+                assert st.archive_space == int(kvtier.Space[space.upper()])
+                mem = ctx.memory()
+                key = "archive_host_bytes" if space == "host" else "archive_device_bytes"
+                other = "archive_device_bytes" if space == "host" else "archive_host_bytes"
+                assert mem[key] == st.archive_bytes and mem[other] == 0
+        cfg = kvtier.Config(evict_budget_rows=32, recent_rows=8, cadence_rows=8,
+                            evict_archive=True, recall="conformal")
+        with kvtier.Context(m, cfg, page_rows=16, n_pages=64, recall_sketch_rank=16,
+                            archive_space=kvtier.Space.HOST) as ctx:
+            with pytest.raises(kvtier.KvtError) as e:
+                ctx.sequence(request_id=2)
+            assert e.value.name == "KVT_ERR_UNSUPPORTED"
+            assert "archive_space" in str(e.value)
