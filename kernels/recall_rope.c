@@ -86,14 +86,14 @@ void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
 }
 
 /* The key of head h at row `row` of the table. */
-static const uint8_t *table_key(const kvt__recall_rope_args *a, uint32_t h, uint64_t row) {
+static inline const uint8_t *table_key(const kvt__recall_rope_args *a, uint32_t h, uint64_t row) {
     return a->keys +
            (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) *
                a->slot_stride +
            (size_t)h * a->row_bytes;
 }
 
-static const uint8_t *archive_key(const kvt__recall_rope_args *a, uint32_t h, uint64_t k) {
+static inline const uint8_t *archive_key(const kvt__recall_rope_args *a, uint32_t h, uint64_t k) {
     return a->ar_bytes + ((size_t)h * a->ar_cap + k) * a->ar_row_bytes;
 }
 
@@ -118,6 +118,104 @@ static uint32_t capped_calibration_rows(const uint32_t *arg, uint32_t G, uint32_
     return n;
 }
 
+/* kvt__recall_exact (s = 1) of nr keys against m query heads (q_t at q + t·qw), out[r][t]: the
+ * same chain per (key, head) — branch j ascending, then latent d ascending, from +0 — with the
+ * nr·m chains interleaved (independent: up to 16 in flight instead of one; the same bits). */
+#define EXACT_HEADS 4u
+#define EXACT_ROWS 4u
+static inline __attribute__((always_inline)) void
+exact_block(const float *q, size_t qw, uint32_t m, const uint8_t *const *keys, uint32_t nr,
+            int dtype, uint32_t D, uint32_t bo, int bt, uint32_t bd,
+            float out[EXACT_ROWS][EXACT_HEADS]) {
+    float acc[EXACT_ROWS][EXACT_HEADS] = {{0}};
+    for (uint32_t j = 0; j < bd; j++)
+        for (uint32_t r = 0; r < nr; r++) {
+            const float kj = kvt__sigma_branch_val(keys[r], bo, bt, j);
+            for (uint32_t t = 0; t < m; t++)
+                acc[r][t] = fmaf(q[(size_t)t * qw + D + j], kj, acc[r][t]);
+        }
+    for (uint32_t d = 0; d < D; d++)
+        for (uint32_t r = 0; r < nr; r++) {
+            const float kd = kvt__sketch_latent(keys[r], dtype, d);
+            for (uint32_t t = 0; t < m; t++)
+                acc[r][t] = fmaf(q[(size_t)t * qw + d], kd, acc[r][t]);
+        }
+    for (uint32_t r = 0; r < nr; r++)
+        for (uint32_t t = 0; t < m; t++)
+            out[r][t] = 1.0f * acc[r][t];
+}
+
+/* exact_block for a whole block (EXACT_ROWS keys × EXACT_HEADS heads) with the latent's dtype a
+ * constant (each caller below folds the conversion): constant bounds, so the 16 chains stay in
+ * registers. The same chains as exact_block, in the same order per chain. */
+static inline __attribute__((always_inline)) void
+exact_full(const float *q, size_t qw, const uint8_t *const *keys, int dtype, uint32_t D,
+           uint32_t bo, int bt, uint32_t bd, float out[EXACT_ROWS][EXACT_HEADS]) {
+    float acc[EXACT_ROWS][EXACT_HEADS] = {{0}};
+    for (uint32_t j = 0; j < bd; j++)
+#pragma GCC unroll 4
+        for (uint32_t r = 0; r < EXACT_ROWS; r++) {
+            const float kj = kvt__sigma_branch_val(keys[r], bo, bt, j);
+#pragma GCC unroll 4
+            for (uint32_t t = 0; t < EXACT_HEADS; t++)
+                acc[r][t] = fmaf(q[(size_t)t * qw + D + j], kj, acc[r][t]);
+        }
+    for (uint32_t d = 0; d < D; d++) {
+        float qd[EXACT_HEADS];
+        for (uint32_t t = 0; t < EXACT_HEADS; t++)
+            qd[t] = q[(size_t)t * qw + d];
+#pragma GCC unroll 4
+        for (uint32_t r = 0; r < EXACT_ROWS; r++) {
+            const float kd = kvt__sketch_latent(keys[r], dtype, d);
+#pragma GCC unroll 4
+            for (uint32_t t = 0; t < EXACT_HEADS; t++)
+                acc[r][t] = fmaf(qd[t], kd, acc[r][t]);
+        }
+    }
+    for (uint32_t r = 0; r < EXACT_ROWS; r++)
+        for (uint32_t t = 0; t < EXACT_HEADS; t++)
+            out[r][t] = 1.0f * acc[r][t];
+}
+
+/* Over rows [0, n) of KV head h (key(a, h, row)), ascending, each of its G query heads' highest
+ * exact score (NaN skipped: ties and NaN as a plain ascending loop of `sc > best`) into
+ * best[0 .. G) (starting from what best holds) and, when arg is not NULL, the row of it. */
+static inline __attribute__((always_inline)) void
+exact_best(const kvt__recall_rope_args *a, uint32_t h, uint64_t n,
+           const uint8_t *(*key)(const kvt__recall_rope_args *, uint32_t, uint64_t), float *best,
+           uint32_t *arg) {
+    const uint32_t D = a->D, G = a->group, bd = a->branch_dim;
+    const size_t qw = (size_t)D + bd;
+    const int bt = bd ? a->branch_dtype : a->dtype;
+    float sc[EXACT_ROWS][EXACT_HEADS];
+    const uint8_t *keys[EXACT_ROWS];
+    for (uint64_t r0 = 0; r0 < n; r0 += EXACT_ROWS) {
+        const uint32_t nr = n - r0 < EXACT_ROWS ? (uint32_t)(n - r0) : EXACT_ROWS;
+        for (uint32_t r = 0; r < nr; r++)
+            keys[r] = key(a, h, r0 + r);
+        for (uint32_t g0 = 0; g0 < G; g0 += EXACT_HEADS) {
+            const uint32_t m = G - g0 < EXACT_HEADS ? G - g0 : EXACT_HEADS;
+            const float *qg = a->q + (size_t)(h * G + g0) * qw;
+            if (nr < EXACT_ROWS || m < EXACT_HEADS)
+                exact_block(qg, qw, m, keys, nr, a->dtype, D, a->branch_offset, bt, bd, sc);
+            else if (a->dtype == KVT__DT_BF16)
+                exact_full(qg, qw, keys, KVT__DT_BF16, D, a->branch_offset, bt, bd, sc);
+            else if (a->dtype == KVT__DT_FP16)
+                exact_full(qg, qw, keys, KVT__DT_FP16, D, a->branch_offset, bt, bd, sc);
+            else
+                exact_full(qg, qw, keys, KVT__DT_FP32, D, a->branch_offset, bt, bd, sc);
+            for (uint32_t r = 0; r < nr; r++)
+                for (uint32_t g = 0; g < m; g++)
+                    if (sc[r][g] > best[g0 + g]) {
+                        best[g0 + g] = sc[r][g];
+                        if (arg)
+                            arg[g0 + g] = (uint32_t)(r0 + r);
+                    }
+        }
+    }
+}
+
+KVT__FMA_CLONES
 void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     kvt__recall_state *st = a->st;
     const uint32_t D = a->D, G = a->group, H = a->n_kv, nq = H * G;
@@ -136,16 +234,7 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     for (uint32_t t = 0; t < nq; t++)
         a->best[t] = -INFINITY;
     for (uint32_t h = 0; h < H; h++)
-        for (uint64_t r = 0; r < a->n_rows; r++) {
-            const uint8_t *key = table_key(a, h, r);
-            for (uint32_t g = 0; g < G; g++) {
-                const uint32_t t = h * G + g;
-                float sc = kvt__recall_exact(a->q + (size_t)t * qw, key, a->dtype, D, bo, bt, bd,
-                                             1.0f);
-                if (sc > a->best[t])
-                    a->best[t] = sc;
-            }
-        }
+        exact_best(a, h, a->n_rows, table_key, a->best + (size_t)h * G, NULL);
 
     const uint64_t archived = a->ar_n * H;
     uint32_t dense = 0, over = 0;
@@ -162,17 +251,7 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
                 best_ar[g] = -INFINITY;
                 arg[g] = UINT32_MAX;
             }
-            for (uint64_t k = 0; k < a->ar_n; k++) {
-                const uint8_t *key = archive_key(a, h, k);
-                for (uint32_t g = 0; g < G; g++) {
-                    float sc = kvt__recall_exact(a->q + (size_t)(h * G + g) * qw, key, a->dtype,
-                                                 D, bo, bt, bd, 1.0f);
-                    if (sc > best_ar[g]) {
-                        best_ar[g] = sc;
-                        arg[g] = (uint32_t)k;
-                    }
-                }
-            }
+            exact_best(a, h, a->ar_n, archive_key, best_ar, arg);
             const uint32_t rank = a->rank[h];
             const float *V = rank ? a->basis + (size_t)h * a->basis_stride * D : NULL;
             if (a->capped) /* fetch each query head's a*, distinct and ascending, at most cap */
