@@ -2,6 +2,7 @@
  * row pools, backend. */
 #include "handles.h"
 
+#include "kernels/recall_rope.h"
 #include "kernels/recall_step.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
@@ -269,6 +270,27 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
             if (f > ctx->ws_sigma_floats)
                 ctx->ws_sigma_floats = f;
         }
+    }
+    /* A RoPE recall step (random eviction's archive with sketch planes, docs/recall.md §9) takes
+     * the scan's scratch for one KV head's group and its own (kvt__recall_rope_scratch_floats),
+     * whatever the archive's length: the largest over the evict layers, every head at the
+     * context's sketch stride. */
+    for (uint32_t i = 0; ctx->sketch_rank && i < ctx->n_layers; i++) {
+        const kvt_layer_spec *sp = &ctx->stores[i].spec;
+        const uint32_t stride = kvt__ev_sketch_stride(sp, ctx->sketch_rank);
+        if (ctx->policies[i] != KVT_POLICY_EVICT || stride == 0 || sp->n_kv_heads == 0 ||
+            sp->n_kv_heads > KVT__RECALL_ROPE_MAX_KV)
+            continue;
+        kvt__recall_rope_args a;
+        memset(&a, 0, sizeof a);
+        a.D = kvt__ev_key_dim(sp);
+        a.n_kv = sp->n_kv_heads;
+        a.group = sp->n_q_heads / sp->n_kv_heads;
+        for (uint32_t h = 0; h < a.n_kv; h++)
+            a.rank[h] = stride;
+        const size_t f = kvt__recall_rope_scratch_floats(&a);
+        if (f > ctx->ws_sigma_floats)
+            ctx->ws_sigma_floats = f;
     }
     /* A salience close's selection takes its keys and the top-m scratch in one piece. */
     ctx->ws_topm_u32 = (size_t)ctx->max_rows + kvt__topm_scratch_u32(ctx->max_rows);

@@ -322,6 +322,21 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
             return kvt__ctx_fail(ctx, s, "recall state of RoPE layer %u (%u query heads, %u KV "
                                  "heads, W %u)",
                                  i, st->spec.n_q_heads, v.n_kv, seq->cfg.recall_cap_rows);
+        /* A stated limit: the fetch area's page array and mirror sized now for the most it
+         * holds (the request's rows; with a host archive W), so that no reserve allocates. */
+        if (ctx->max_rows) {
+            kvt__ptable *f = &seq->fetch[st->group];
+            uint32_t rows = ctx->max_rows;
+            if (ctx->archive_host && rows > seq->cfg.recall_cap_rows)
+                rows = seq->cfg.recall_cap_rows;
+            const uint32_t pages = kvt__pages_for(rows, ctx->page_rows);
+            void *arr = f->pages;
+            if ((s = kvt__grow(&ctx->alloc, &arr, &f->cap, pages, sizeof *f->pages)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "RoPE recall's fetch area for %u rows", rows);
+            f->pages = arr;
+            if ((s = kvt__ptable_mirror_reserve(f, &ctx->backend, pages)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "RoPE recall's fetch area mirror for %u rows", rows);
+        }
     }
     return KVT_OK;
 }

@@ -493,3 +493,106 @@ Test(steady, recall_decode_allocates_nothing, .timeout = 300) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
+
+/* Recall on a GQA-RoPE layer (random eviction with the archive, docs/recall.md §9) with every
+ * limit stated (max_rows_per_seq, archive_rows_per_seq, max_seqs): decode steps through rounds,
+ * calibration and fetching steps allocate nothing, with the archive in device and in host memory
+ * (the fetch area and its mirror, the trigger's scratch and the archive all sized up front). */
+static void rope_steady(kvt_space space) {
+    enum { QH = 8, KH = 2, HD = 128, MAXR = 768, NSTEP = 500 };
+    kvt_layer_spec s;
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, KH, HD, &s), KVT_OK);
+    s.n_q_heads = QH;
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(&s, 1, "steady-rope", &m, NULL, 0), KVT_OK);
+    kvt_config c = kvt_config_default();
+    c.evict_budget_rows = 64;
+    c.recent_rows = 16;
+    c.cadence_rows = 16;
+    c.evict_archive = true;
+    c.recall = KVT_RECALL_CONFORMAL;
+    c.recall_cap_rows = 32;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = m;
+    p.config = &c;
+    p.page_rows = 16;
+    p.max_rows_per_seq = MAXR;
+    p.archive_rows_per_seq = MAXR;
+    p.max_seqs = 1;
+    p.n_pages = 2 * (MAXR / 16 + 2);
+    p.recall_sketch_rank = 16;
+    p.archive_space = space;
+    kvt_ctx *ctx;
+    char err[256];
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_model_destroy(m);
+    tu_rng g = {31};
+    static float V[16 * HD];
+    cr_assert(tu_orthonormal_rows(&g, 16, HD, V));
+    for (uint32_t h = 0; h < KH; h++)
+        cr_assert_eq(kvt_ctx_set_recall_head_basis(ctx, 0, h, V, 16), KVT_OK, "%s",
+                     kvt_last_error());
+    kvt_seq *seq;
+    cr_assert_eq(tu_seq_create(ctx, 5, &seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_set_prompt_rows(seq, 4), KVT_OK);
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    kvt_buffer *qbuf, *ibuf, *pbuf;
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(float) * QH * HD, &qbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(int32_t) * KH * MAXR, &ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(int32_t) * (KH + 1), &pbuf), KVT_OK);
+    static uint8_t row[KH * HD * 2];
+    static float q[QH * HD];
+    uint64_t before = 0, fetched = 0;
+    for (int t = 0; t < NSTEP; t++) {
+        if (t == 0)
+            before = kvt_ctx_host_allocations(ctx);
+        uint32_t one = 1;
+        cr_assert_eq(kvt_batch_reserve(b, &seq, &one, 1), KVT_OK, "step %d: %s", t,
+                     kvt_last_error());
+        for (uint32_t pl = 0; pl < 2; pl++) {
+            for (uint32_t i = 0; i < KH * HD; i++)
+                put_bf16(row, i, (float)tu_normal(&g));
+            cr_assert_eq(kvt_seq_write(seq, 0, pl, 0, 1, row, sizeof row), KVT_OK);
+        }
+        for (uint32_t i = 0; i < QH * HD; i++)
+            q[i] = (float)(0.09 * tu_normal(&g));
+        cr_assert_eq(kvt_buffer_write(qbuf, 0, q, sizeof q), KVT_OK);
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+        uint32_t total;
+        cr_assert_eq(kvt_batch_capacity(b, 0, NULL, &total), KVT_OK);
+        kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_CSR_KV_HEADS,
+                      .indices = kvt_buffer_ptr(ibuf), .capacity = KH * total,
+                      .indptr = kvt_buffer_ptr(pbuf)};
+        cr_assert_eq(kvt_batch_run(b, 0, kvt_buffer_ptr(qbuf), NULL, &e), KVT_OK, "step %d: %s",
+                     t, kvt_last_error());
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "step %d: %s", t, kvt_last_error());
+        kvt_layer_stats st = {.struct_size = sizeof st};
+        cr_assert_eq(kvt_seq_layer_stats(seq, 0, &st), KVT_OK);
+        fetched += st.recall_last_fetched;
+    }
+    const uint64_t allocs = kvt_ctx_host_allocations(ctx) - before;
+    kvt_layer_stats st = {.struct_size = sizeof st};
+    cr_assert_eq(kvt_seq_layer_stats(seq, 0, &st), KVT_OK);
+    cr_assert_gt(st.rounds, 10u);
+    cr_assert_gt(st.recall_steps, 400u);
+    cr_assert_gt(fetched, 0u);
+    cr_assert_eq(allocs, 0u, "%s archive: %llu host allocations in %d decode steps (%llu rounds)",
+                 space == KVT_SPACE_HOST ? "host" : "device", (unsigned long long)allocs,
+                 NSTEP - 8, (unsigned long long)st.rounds);
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
+    kvt_buffer_free(qbuf);
+    kvt_buffer_free(ibuf);
+    kvt_buffer_free(pbuf);
+    kvt_batch_destroy(b);
+    kvt_seq_destroy(seq);
+    kvt_ctx_destroy(ctx);
+}
+
+Test(steady, rope_recall_decode_allocates_nothing_device_archive, .timeout = 300) {
+    rope_steady(KVT_SPACE_DEVICE);
+}
+
+Test(steady, rope_recall_decode_allocates_nothing_host_archive, .timeout = 300) {
+    rope_steady(KVT_SPACE_HOST);
+}
