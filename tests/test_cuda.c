@@ -7,7 +7,9 @@
  * recall_scan (sound and conformal, caps and overflow: fired sets, counts and flags),
  * recall_step (conformal, sound and margin items; calibration, calibrated, overflowing and
  * nothing-archived steps: state, samples, best scores, fired sets) and pack with recall (fetched
- * rows merged, dense flags, device CSR offsets); plus, host only, the positions the CUDA step's
+ * rows merged, dense flags, device CSR offsets), recall_rope_step and recall_rope_emit (GQA-RoPE
+ * archives per KV head: conformal calibration then scanning, sound, margin, overflow, a capped
+ * host archive; best scores, state, samples, fired lists, the lists and the fetched bytes); plus, host only, the positions the CUDA step's
  * parallel sample merge uses. Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
  * the skip into a failure: scripts/gpu-check.sh sets it; KVT_CUDA_TEST_SELFCHECK=1 runs the tests
  * with the guarded backend in CUDA's place, which checks the tests themselves). The golden suite
@@ -18,6 +20,7 @@
 #include "kernels/backend.h"
 #include "kernels/conformal.h"
 #include "kernels/evict.h"
+#include "kernels/recall_rope.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
@@ -66,11 +69,11 @@ static void rig_close(rig *r) {
     kvt__alloc_fini(&r->a);
 }
 
-/* A device copy of host bytes. */
+/* A device copy of host bytes (host NULL: zeroed bytes). */
 static void *dev(rig *r, const void *host, size_t bytes) {
     void *p = NULL;
     cr_assert_eq(r->gpu.ops->buf_alloc(&r->gpu, bytes ? bytes : 1, &p), KVT_OK);
-    if (bytes)
+    if (bytes && host)
         cr_assert_eq(r->gpu.ops->write(&r->gpu, p, host, bytes, NULL), KVT_OK);
     return p;
 }
@@ -1036,4 +1039,248 @@ Test(cuda, sample_merge_equals_sequential_insertion) {
         capped += n == cap && v < H;
     }
     cr_assert(merged > 1000 && capped > 100, "merged %u, capped %u", merged, capped);
+}
+
+/* ---- RoPE recall: recall_rope_step and recall_rope_emit ------------------------------------- */
+
+enum { RK = 2, RG = 4, RQ = RK * RG, RDIM = 128, RPR = 16, RTP = 12, RFP = 20, RSC = 512 };
+
+/* One GQA-RoPE layer's request as the ops see it, host and device copies: a table of RTP pages
+ * (keys, values), a fetch area of RFP pages after them (it holds the whole archive: dense steps), each KV head's archive (ar_n rows of
+ * [K | V], sketched by the CPU backend's sketch_rows over the identity mirror), the bases, the
+ * trigger's state and buffers. */
+typedef struct rope_case {
+    uint32_t n_rows, ar_n, ar_cap, stride, cap, rank[RK];
+    size_t rb, slot, ar_row;
+    kvt__div32 pdiv;
+    uint8_t *plane[2], *ar;
+    int32_t *pages, *fpages, *ident;
+    uint16_t *csk;
+    float *rho, *basis;
+    /* host state and buffers (the CPU's), then the device's */
+    kvt__recall_state st;
+    float samples[RSC], best[RQ];
+    uint32_t fired[RK * 64], n_fired[RK], overflow[RK];
+    uint8_t dense;
+    void *d_plane[2], *d_ar, *d_pages, *d_fpages, *d_ident, *d_csk, *d_rho, *d_basis, *d_st,
+        *d_samples, *d_best, *d_fired, *d_nf, *d_ov, *d_dense, *d_q;
+} rope_case;
+
+static void rope_case_make(rig *r, rope_case *c, tu_rng *g, uint32_t cap) {
+    memset(c, 0, sizeof *c);
+    c->rb = RDIM * 2;
+    c->slot = RK * c->rb;
+    c->ar_row = 2 * c->rb;
+    c->n_rows = RTP * RPR - 5;
+    c->ar_n = 300;
+    c->ar_cap = 320;
+    c->stride = 32;
+    c->cap = cap;
+    c->rank[0] = 32;
+    c->rank[1] = 16;
+    c->pdiv = kvt__div32_make(RPR);
+    const size_t pool_bytes = (size_t)(RTP + RFP) * RPR * c->slot;
+    for (int pl = 0; pl < 2; pl++)
+        c->plane[pl] = random_pool(pool_bytes);
+    c->pages = malloc(sizeof(int32_t) * (RTP + RFP));
+    shuffled(c->pages, RTP + RFP);
+    c->fpages = c->pages + RTP;
+    c->basis = calloc((size_t)RK * c->stride * RDIM, sizeof(float));
+    for (uint32_t h = 0; h < RK; h++)
+        cr_assert(tu_orthonormal_rows(g, c->rank[h], RDIM, c->basis + (size_t)h * c->stride * RDIM));
+    /* archive rows: in the head's span with noise, every tenth random; one NaN key */
+    c->ar = random_pool((size_t)RK * c->ar_cap * c->ar_row);
+    for (uint32_t h = 0; h < RK; h++)
+        for (uint32_t k = 0; k < c->ar_n; k++) {
+            uint8_t *x = c->ar + ((size_t)h * c->ar_cap + k) * c->ar_row;
+            if (k % 10 == 0)
+                continue;
+            const float *V = c->basis + (size_t)h * c->stride * RDIM;
+            for (uint32_t d = 0; d < RDIM; d++) {
+                float v = (float)(0.05 * tu_normal(g));
+                for (uint32_t j = 0; j < 8; j++)
+                    v += (float)((k * 7 + j) % 5) * 0.4f * V[(size_t)j * RDIM + d];
+                kvt__store_elem(x, KVT__DT_BF16, d, v);
+            }
+        }
+    kvt__store_elem(c->ar + (size_t)17 * c->ar_row, KVT__DT_BF16, 3, NAN);
+    const uint32_t n_ident = (c->ar_cap + RPR - 1) / RPR;
+    c->ident = malloc(sizeof(int32_t) * n_ident);
+    for (uint32_t i = 0; i < n_ident; i++)
+        c->ident[i] = (int32_t)i;
+    c->csk = calloc((size_t)RK * c->ar_cap * c->stride, sizeof(uint16_t));
+    c->rho = calloc((size_t)RK * c->ar_cap, sizeof(float));
+    for (uint32_t h = 0; h < RK; h++) {
+        kvt__sketch_args sa = {.base = c->ar + (size_t)h * c->ar_cap * c->ar_row,
+                               .pages = c->ident, .pdiv = &c->pdiv, .n_rows = c->ar_n,
+                               .slot_stride = c->ar_row, .dtype = KVT__DT_BF16,
+                               .latent_dim = RDIM,
+                               .basis = c->basis + (size_t)h * c->stride * RDIM,
+                               .rank = c->rank[h], .csk_stride = c->stride,
+                               .csk = c->csk + (size_t)h * c->ar_cap * c->stride,
+                               .rho = c->rho + (size_t)h * c->ar_cap};
+        cr_assert_eq(r->cpu.ops->sketch_rows(&r->cpu, &sa, 1, NULL), KVT_OK);
+    }
+    c->st.z = KVT__CONFORMAL_Z_MAX;
+    c->d_plane[0] = dev(r, c->plane[0], pool_bytes);
+    c->d_plane[1] = dev(r, c->plane[1], pool_bytes);
+    c->d_ar = dev(r, c->ar, (size_t)RK * c->ar_cap * c->ar_row);
+    c->d_pages = dev(r, c->pages, sizeof(int32_t) * (RTP + RFP));
+    c->d_fpages = (int32_t *)c->d_pages + RTP;
+    c->d_ident = dev(r, c->ident, sizeof(int32_t) * n_ident);
+    c->d_csk = dev(r, c->csk, sizeof(uint16_t) * RK * c->ar_cap * c->stride);
+    c->d_rho = dev(r, c->rho, sizeof(float) * RK * c->ar_cap);
+    c->d_basis = dev(r, c->basis, sizeof(float) * RK * c->stride * RDIM);
+    c->d_st = dev(r, &c->st, sizeof c->st);
+    c->d_samples = dev(r, c->samples, sizeof c->samples);
+    c->d_best = dev(r, c->best, sizeof c->best);
+    c->d_fired = dev(r, c->fired, sizeof c->fired);
+    c->d_nf = dev(r, c->n_fired, sizeof c->n_fired);
+    c->d_ov = dev(r, c->overflow, sizeof c->overflow);
+    c->d_dense = dev(r, &c->dense, 1);
+    c->d_q = dev(r, NULL, sizeof(float) * RQ * RDIM);
+}
+
+static void rope_case_free(rig *r, rope_case *c) {
+    const size_t pool_bytes = (size_t)(RTP + RFP) * RPR * c->slot;
+    undev(r, c->d_plane[0], pool_bytes);
+    undev(r, c->d_plane[1], pool_bytes);
+    undev(r, c->d_ar, (size_t)RK * c->ar_cap * c->ar_row);
+    undev(r, c->d_pages, sizeof(int32_t) * (RTP + RFP));
+    undev(r, c->d_ident, sizeof(int32_t) * ((c->ar_cap + RPR - 1) / RPR));
+    undev(r, c->d_csk, sizeof(uint16_t) * RK * c->ar_cap * c->stride);
+    undev(r, c->d_rho, sizeof(float) * RK * c->ar_cap);
+    undev(r, c->d_basis, sizeof(float) * RK * c->stride * RDIM);
+    undev(r, c->d_st, sizeof c->st);
+    undev(r, c->d_samples, sizeof c->samples);
+    undev(r, c->d_best, sizeof c->best);
+    undev(r, c->d_fired, sizeof c->fired);
+    undev(r, c->d_nf, sizeof c->n_fired);
+    undev(r, c->d_ov, sizeof c->overflow);
+    undev(r, c->d_dense, 1);
+    undev(r, c->d_q, sizeof(float) * RQ * RDIM);
+    free(c->plane[0]);
+    free(c->plane[1]);
+    free(c->ar);
+    free(c->pages);
+    free(c->ident);
+    free(c->csk);
+    free(c->rho);
+    free(c->basis);
+}
+
+static kvt__recall_rope_args rope_args(rope_case *c, bool gpu, const float *q, int mode,
+                                       bool capped) {
+    kvt__recall_rope_args a = {
+        .keys = gpu ? c->d_plane[0] : c->plane[0], .pages = gpu ? c->d_pages : c->pages,
+        .pdiv = &c->pdiv, .slot_stride = c->slot, .row_bytes = (uint32_t)c->rb,
+        .n_rows = c->n_rows, .dtype = KVT__DT_BF16, .D = RDIM, .n_kv = RK, .group = RG,
+        .ar_bytes = gpu ? c->d_ar : c->ar, .ar_row_bytes = c->ar_row, .ar_cap = c->ar_cap,
+        .ar_n = c->ar_n, .ar_ident = gpu ? c->d_ident : c->ident, .capped = capped,
+        .csk = gpu ? c->d_csk : c->csk, .rho = gpu ? c->d_rho : c->rho,
+        .csk_stride = c->stride, .basis = gpu ? c->d_basis : c->basis,
+        .basis_stride = c->stride, .q = q, .best = gpu ? c->d_best : c->best, .mode = mode,
+        .margin = 0.5f, .cap = c->cap, .st = gpu ? c->d_st : &c->st,
+        .samples = gpu ? c->d_samples : c->samples, .sample_cap = RSC,
+        .fired = gpu ? c->d_fired : c->fired, .n_fired = gpu ? c->d_nf : c->n_fired,
+        .overflow = gpu ? c->d_ov : c->overflow, .dense = gpu ? c->d_dense : &c->dense};
+    for (uint32_t h = 0; h < RK; h++)
+        a.rank[h] = c->rank[h];
+    return a;
+}
+
+/* Steps of one mode on both backends from the same state: after each, every output equal. Then
+ * the emission of the step's lists (CSR per KV head, chained after 7 entries), both backends:
+ * the lists and the pool planes (the fetched rows copied in) equal. Returns the steps that
+ * overflowed and the fired (row, head) pairs. */
+static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, uint32_t *overflows,
+                      uint64_t *fired) {
+    tu_rng g = {(uint64_t)mode * 131 + capped * 7 + cap};
+    rope_case c;
+    rope_case_make(r, &c, &g, cap);
+    float q[RQ * RDIM];
+    const uint64_t cap_idx = 7 + (uint64_t)RK * (c.n_rows + c.ar_n);
+    int32_t *idx = malloc(sizeof(int32_t) * cap_idx);
+    int32_t indptr[RK + 1];
+    void *d_idx = dev(r, NULL, sizeof(int32_t) * cap_idx), *d_ptr = dev(r, NULL, sizeof indptr);
+    for (int step = 0; step < 14; step++) {
+        for (uint32_t t = 0; t < RQ; t++) { /* half the heads aimed at an archived key */
+            const uint32_t h = t / RG, k = (uint32_t)(tu_next(&g) % c.ar_n);
+            const uint8_t *key = c.ar + ((size_t)h * c.ar_cap + k) * c.ar_row;
+            for (uint32_t d = 0; d < RDIM; d++) {
+                float kd = kvt__load_elem(key, KVT__DT_BF16, d);
+                q[t * RDIM + d] = (float)(0.3 * tu_normal(&g)) +
+                                  (t % 2 && isfinite(kd) ? 0.5f * kd : 0.0f);
+            }
+        }
+        cr_assert_eq(r->gpu.ops->write(&r->gpu, c.d_q, q, sizeof q, NULL), KVT_OK);
+        kvt__recall_rope_args ac = rope_args(&c, false, q, mode, capped),
+                              ag = rope_args(&c, true, c.d_q, mode, capped);
+        cr_assert_eq(r->cpu.ops->recall_rope_step(&r->cpu, &ac, 1, NULL), KVT_OK);
+        cr_assert_eq(r->gpu.ops->recall_rope_step(&r->gpu, &ag, 1, NULL), KVT_OK);
+        same(r, c.d_best, c.best, sizeof c.best, "best");
+        same(r, c.d_st, &c.st, sizeof c.st, "state");
+        same(r, c.d_samples, c.samples, sizeof(float) * c.st.n_samples, "samples");
+        same(r, c.d_nf, c.n_fired, sizeof c.n_fired, "n_fired");
+        same(r, c.d_ov, c.overflow, sizeof c.overflow, "overflow");
+        same(r, c.d_dense, &c.dense, 1, "dense");
+        for (uint32_t h = 0; h < RK; h++)
+            if (c.n_fired[h])
+                same(r, (uint32_t *)c.d_fired + (size_t)h * cap, c.fired + (size_t)h * cap,
+                     sizeof(uint32_t) * c.n_fired[h], "fired");
+        *overflows += c.st.last_overflow;
+        *fired += c.st.last_fired;
+        /* the emission, chained after 7 entries another list wrote */
+        kvt__recall_rope_emit_args ec = {
+            .plane = {c.plane[0], c.plane[1]}, .n_planes = 2, .slot_stride = c.slot,
+            .row_bytes = (uint32_t)c.rb, .n_kv = RK, .pages = c.pages, .pdiv = &c.pdiv,
+            .n_rows = c.n_rows, .ar_bytes = c.ar, .ar_cap = c.ar_cap, .ar_n = c.ar_n,
+            .fired = c.fired, .n_fired = c.n_fired, .cap = cap, .st = &c.st,
+            .fetch_pages = c.fpages, .fetch_cap = RFP * RPR, .indices = idx,
+            .capacity = cap_idx, .indptr = indptr, .chain = true, .all = step == 13,
+            .capped = capped};
+        kvt__recall_rope_emit_args eg = ec;
+        eg.plane[0] = c.d_plane[0];
+        eg.plane[1] = c.d_plane[1];
+        eg.pages = c.d_pages;
+        eg.ar_bytes = c.d_ar;
+        eg.fired = c.d_fired;
+        eg.n_fired = c.d_nf;
+        eg.st = c.d_st;
+        eg.fetch_pages = c.d_fpages;
+        eg.indices = d_idx;
+        eg.indptr = d_ptr;
+        indptr[0] = 7;
+        cr_assert_eq(r->gpu.ops->write(&r->gpu, d_ptr, indptr, sizeof(int32_t), NULL), KVT_OK);
+        cr_assert_eq(r->cpu.ops->recall_rope_emit(&r->cpu, &ec, 1, NULL), KVT_OK);
+        cr_assert_eq(r->gpu.ops->recall_rope_emit(&r->gpu, &eg, 1, NULL), KVT_OK);
+        same(r, d_ptr, indptr, sizeof indptr, "indptr");
+        same(r, (int32_t *)d_idx + 7, idx + 7, sizeof(int32_t) * (size_t)(indptr[RK] - 7),
+             "indices");
+        const size_t pool_bytes = (size_t)(RTP + RFP) * RPR * c.slot;
+        same(r, c.d_plane[0], c.plane[0], pool_bytes, "plane 0 (fetched keys)");
+        same(r, c.d_plane[1], c.plane[1], pool_bytes, "plane 1 (fetched values)");
+    }
+    free(idx);
+    undev(r, d_idx, sizeof(int32_t) * cap_idx);
+    undev(r, d_ptr, sizeof indptr);
+    rope_case_free(r, &c);
+}
+
+Test(cuda, recall_rope_step_and_emit_equal_the_cpu, .timeout = 240) {
+    rig r;
+    rig_open(&r);
+    uint32_t overflows = 0;
+    uint64_t fired = 0;
+    const int modes[3] = {KVT__RECALL_CONFORMAL, KVT__RECALL_SOUND, KVT__RECALL_MARGIN};
+    for (int m = 0; m < 3; m++)
+        for (int capped = 0; capped < 2; capped++)
+            for (uint32_t cap = 3; cap <= 64; cap += 61)
+                rope_pair(&r, modes[m], capped != 0, cap, &overflows, &fired);
+    cr_assert_gt(overflows, 10u, "the small cap overflows");
+    cr_assert_gt(fired, 100u, "rows fire");
+    cr_log_info("RoPE recall on %s: %u overflowing steps, %llu fired (row, KV head) pairs",
+                r.guarded ? "the guarded backend (self-check)" : "CUDA", overflows,
+                (unsigned long long)fired);
+    rig_close(&r);
 }

@@ -24,6 +24,7 @@ extern "C" {
 #include "kernels/backend.h"
 #include "kernels/conformal.h"
 #include "kernels/philox.h"
+#include "kernels/recall_rope.h"
 #include "kernels/recall_scan.h"
 #include "kernels/recall_step.h"
 #include "kernels/sigma.h"
@@ -933,23 +934,31 @@ __global__ void k_step_rows(const StepParams p, const ScanWs w) {
  * leaves it, by the whole block: the first `room` valid samples in head order go in (the rest are
  * dropped, as past the cap), each value moved to where kvt__conformal_merged_old / _new say
  * (never computed, so the bits are the twin's); then n_samples. */
-__device__ void step_insert(const kvt__recall_step_args &x, const StepExtra &ex, uint32_t n0) {
-    const uint32_t H = x.scan.n_heads, room = n0 < x.sample_cap ? x.sample_cap - n0 : 0;
+/* e[0 .. n) (NaN: none) into samples[0 .. n0) (sorted, at most cap), by the whole block, with
+ * valid / nw [n] and old [n0] as scratch; thread 0 writes the new count to *n_out. */
+__device__ void samples_merge(const float *e, uint32_t n, uint32_t *valid, float *nw, float *old,
+                              float *samples, uint32_t cap, uint32_t n0, uint32_t *n_out) {
+    const uint32_t room = n0 < cap ? cap - n0 : 0;
     const uint32_t total = block_compact(
-        H, [&](uint32_t h) { return !isnan(ex.e[h]); }, ex.valid, room);
+        n, [&](uint32_t h) { return !isnan(e[h]); }, valid, room);
     const uint32_t v = total < room ? total : room;
     for (uint32_t j = threadIdx.x; j < v; j += blockDim.x)
-        ex.nw[j] = ex.e[ex.valid[j]];
+        nw[j] = e[valid[j]];
     for (uint32_t t = threadIdx.x; t < n0; t += blockDim.x)
-        ex.old[t] = x.samples[t];
+        old[t] = samples[t];
     __syncthreads();
     for (uint32_t t = threadIdx.x; t < n0; t += blockDim.x)
-        x.samples[kvt__conformal_merged_old(ex.nw, v, t, ex.old[t])] = ex.old[t];
+        samples[kvt__conformal_merged_old(nw, v, t, old[t])] = old[t];
     for (uint32_t j = threadIdx.x; j < v; j += blockDim.x)
-        x.samples[kvt__conformal_merged_new(ex.old, n0, ex.nw, v, j)] = ex.nw[j];
+        samples[kvt__conformal_merged_new(old, n0, nw, v, j)] = nw[j];
     __syncthreads();
     if (threadIdx.x == 0)
-        x.st->n_samples = n0 + v;
+        *n_out = n0 + v;
+}
+
+__device__ void step_insert(const kvt__recall_step_args &x, const StepExtra &ex, uint32_t n0) {
+    samples_merge(ex.e, x.scan.n_heads, ex.valid, ex.nw, ex.old, x.samples, x.sample_cap, n0,
+                  &x.st->n_samples);
 }
 
 /* Launch 4: one block per item. */
@@ -1023,6 +1032,328 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
         if (rows)
             k_step_rows<<<rows_grid(rows, k), kThreads, 0, strm(stream)>>>(prm, w);
         k_step_finish<<<k, kThreads, 0, strm(stream)>>>(prm, w);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * RoPE recall (recall_rope_step, recall_rope_emit): the CPU twin kvt__recall_rope_step_cpu
+ * (kernels/recall_rope.c) per KV head h = grid y, its G query heads = grid x, one work item per
+ * call of the kernels below (the library calls the op once per request):
+ *   1. the query heads prepared against their KV head's basis (scan_head on the head's view,
+ *      kvt__recall_rope_view: its archive as a scan over slots 0 .. ar_n);
+ *   2. one block per query head: its best exact score over the table's rows (kvt__recall_exact:
+ *      each row's chain is the twin's, the max is order-free), and on a calibration step its
+ *      best archived row (ties to the lower index: the twin's first-seen) with its sample;
+ *   3. the scan's fire flags of each KV head's archive, with the state's z, on scanning steps;
+ *   4. one block: the samples merged in query-head order (as kvt__conformal_insert one by one)
+ *      and z fixed at a window end, or each head's fired rows compacted, the first W of them;
+ *      capped (a host archive): the calibration's rows, no dense step; the certificate.
+ * The emission (k_rope_emit) is one block: per KV head its list (the table's slots, then its
+ * fetched rows copied into the fetch area), chained from where the previous list ended.
+ * -------------------------------------------------------------------------------------------- */
+struct RopeParams {
+    kvt__recall_rope_args a;
+    kvt__div32 div;
+    kvt__recall_scan_args v[KVT__RECALL_ROPE_MAX_KV]; /* the KV heads' scan views (z: device's) */
+};
+static_assert(sizeof(RopeParams) <= 32000, "kernel parameters above CUDA's 32 KB");
+
+#define ROPE_ARGS(p)                                                                               \
+    kvt__recall_rope_args a = (p).a;                                                               \
+    const kvt__div32 a_div = (p).div;                                                              \
+    a.pdiv = &a_div
+
+/* KV head h's scan view with the step's z (the state's in conformal mode). */
+__device__ kvt__recall_scan_args rope_view(const RopeParams &p, const kvt__div32 *div,
+                                           uint32_t h, float state_z) {
+    kvt__recall_scan_args v = p.v[h];
+    v.pdiv = div;
+    v.z = kvt__recall_mode_z(p.a.mode, p.a.D, p.a.margin, state_z);
+    return v;
+}
+
+__device__ bool rope_calibrating(const kvt__recall_rope_args &a, uint32_t phase) {
+    return a.ar_n && a.mode == KVT__RECALL_CONFORMAL && phase == KVT__CONFORMAL_OPEN;
+}
+
+/* The step's own workspace after the scan items': each query head's sample e [nq] (NaN: none)
+ * and best archived row [nq] (UINT32_MAX: none), the valid samples' heads [nq] and values [nq],
+ * the samples as the step found them [sample_cap]. */
+struct RopeExtra {
+    float *e;
+    uint32_t *arg, *valid;
+    float *nw, *old;
+};
+
+__device__ RopeExtra rope_extra(const ScanWs &w, uint32_t nq) {
+    uint8_t *b = w.base + w.off_extra; /* item 0's extra: the step's */
+    const size_t hb = align256(sizeof(float) * nq);
+    RopeExtra x;
+    x.e = (float *)b;
+    x.arg = (uint32_t *)(b + hb);
+    x.valid = (uint32_t *)(b + 2 * hb);
+    x.nw = (float *)(b + 3 * hb);
+    x.old = (float *)(b + 4 * hb);
+    return x;
+}
+
+__global__ void k_rope_heads(const RopeParams p, const ScanWs w) {
+    const kvt__div32 div = p.div;
+    const uint32_t h = blockIdx.y;
+    if (blockIdx.x < p.a.group && p.a.ar_n)
+        scan_head(rope_view(p, &div, h, 0.0f), scan_item(w, h), blockIdx.x);
+}
+
+__device__ const uint8_t *rope_table_key(const kvt__recall_rope_args &a, uint32_t h,
+                                         uint64_t row) {
+    return a.keys +
+           (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)row) * a.slot_stride +
+           (size_t)h * a.row_bytes;
+}
+
+__global__ void k_rope_best(const RopeParams p, const ScanWs w) {
+    ROPE_ARGS(p);
+    const uint32_t h = blockIdx.y, g = blockIdx.x, G = a.group, t = h * G + g;
+    const uint32_t D = a.D, bd = a.branch_dim;
+    const int bt = bd ? a.branch_dtype : a.dtype;
+    const float *q = a.q + (size_t)t * (D + bd);
+    float bv = -INFINITY;
+    uint64_t br = UINT64_MAX;
+    for (uint64_t r = threadIdx.x; r < a.n_rows; r += blockDim.x)
+        best_take(kvt__recall_exact(q, rope_table_key(a, h, r), a.dtype, D, a.branch_offset, bt,
+                                    bd, 1.0f),
+                  r, bv, br);
+    best_reduce(bv, br);
+    if (threadIdx.x == 0)
+        a.best[t] = bv;
+    if (!rope_calibrating(a, a.st->phase))
+        return;
+    const RopeExtra ex = rope_extra(w, a.n_kv * G);
+    bv = -INFINITY;
+    br = UINT64_MAX;
+    for (uint64_t k = threadIdx.x; k < a.ar_n; k += blockDim.x)
+        best_take(kvt__recall_exact(q, a.ar_bytes + ((size_t)h * a.ar_cap + k) * a.ar_row_bytes,
+                                    a.dtype, D, a.branch_offset, bt, bd, 1.0f),
+                  k, bv, br);
+    best_reduce(bv, br);
+    if (threadIdx.x != 0)
+        return;
+    float e = NAN;
+    ex.arg[t] = br == UINT64_MAX ? UINT32_MAX : (uint32_t)br;
+    if (br != UINT64_MAX) {
+        const kvt__recall_scan_args v = rope_view(p, &a_div, h, 0.0f);
+        const ScanItem it = scan_item(w, h);
+        float P, ncsk, sv;
+        const float idx = kvt__recall_idx(q, it.q_sk + (size_t)g * v.rank,
+                                          a.ar_bytes + ((size_t)h * a.ar_cap + br) * a.ar_row_bytes,
+                                          D, a.branch_offset, bt, bd,
+                                          v.csk + (size_t)br * v.csk_stride, v.rank, 1.0f, &P,
+                                          &ncsk);
+        const kvt__recall_head hd = it.heads[g];
+        const float cert = kvt__recall_cert(&hd, v.rho[br], 1.0f, D);
+        if (kvt__conformal_sample(bv, idx, cert, &sv))
+            e = sv;
+    }
+    ex.e[t] = e;
+}
+
+/* Launch 3: each KV head's fire flags (grid y), scanning steps only. */
+__global__ void k_rope_rows(const RopeParams p, const ScanWs w) {
+    const kvt__div32 div = p.div;
+    const kvt__recall_rope_args &a = p.a;
+    if (!a.ar_n || rope_calibrating(a, a.st->phase))
+        return;
+    scan_rows(rope_view(p, &div, blockIdx.y, a.st->z), scan_item(w, blockIdx.y));
+}
+
+/* Launch 4: one block. */
+__global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
+    ROPE_ARGS(p);
+    kvt__recall_state *st = a.st;
+    const uint32_t H = a.n_kv, G = a.group, nq = H * G;
+    __shared__ uint32_t s_phase, s_n;
+    __shared__ float s_z;
+    __shared__ uint32_t s_over;
+    __shared__ unsigned long long s_fired, s_fetched;
+    if (threadIdx.x == 0) {
+        s_phase = st->phase;
+        s_z = st->z;
+        s_n = st->n_samples;
+        s_over = 0;
+        s_fired = s_fetched = 0;
+    }
+    __syncthreads();
+    const uint64_t archived = a.ar_n * H;
+    const bool calib = rope_calibrating(a, s_phase);
+    uint32_t dense = 0;
+    if (a.ar_n == 0) {
+        /* nothing to recall */
+    } else if (calib) {
+        const RopeExtra ex = rope_extra(w, nq);
+        samples_merge(ex.e, nq, ex.valid, ex.nw, ex.old, a.samples, a.sample_cap, s_n,
+                      &st->n_samples);
+        if (threadIdx.x == 0) {
+            st->cal_steps++;
+            st->phase = kvt__conformal_close(a.samples, st->n_samples, st->cal_steps, &st->z,
+                                             &st->k, &st->clamped);
+            st->calib_steps++;
+            /* capped: each KV head fetches its query heads' best rows, distinct, ascending */
+            for (uint32_t h = 0; h < H; h++) {
+                uint32_t n = 0, last = 0;
+                bool any = false;
+                while (a.capped && n < a.cap) {
+                    uint32_t next = UINT32_MAX;
+                    for (uint32_t g = 0; g < G; g++) {
+                        const uint32_t r = ex.arg[h * G + g];
+                        if (r != UINT32_MAX && (!any || r > last) && r < next)
+                            next = r;
+                    }
+                    if (next == UINT32_MAX)
+                        break;
+                    a.fired[(size_t)h * a.cap + n++] = last = next;
+                    any = true;
+                }
+                a.n_fired[h] = a.capped ? n : 0;
+                a.overflow[h] = 0;
+                s_fetched += a.capped ? n : 0;
+            }
+        }
+        dense = !a.capped;
+    } else {
+        for (uint32_t h = 0; h < H; h++) {
+            const kvt__recall_scan_args v = rope_view(p, &a_div, h, s_z);
+            const uint32_t total = scan_compact(v, scan_item(w, h).flags);
+            if (threadIdx.x == 0) {
+                const uint32_t nf = total < a.cap ? total : a.cap, over = total > a.cap ? 1u : 0u;
+                a.n_fired[h] = nf;
+                a.overflow[h] = over;
+                s_fired += (uint64_t)nf + over;
+                s_fetched += nf;
+                s_over |= over;
+            }
+            __syncthreads();
+        }
+        dense = s_over && !a.capped;
+    }
+    if (threadIdx.x != 0)
+        return;
+    if (a.ar_n == 0)
+        for (uint32_t h = 0; h < H; h++)
+            a.n_fired[h] = a.overflow[h] = 0;
+    const uint32_t over = a.ar_n && !calib ? s_over : 0u;
+    if (dense)
+        for (uint32_t h = 0; h < H; h++)
+            a.n_fired[h] = 0;
+    st->steps++;
+    st->overflow_steps += over;
+    kvt__recall_state_record(st, a.dense, dense, over, archived, a.ar_n ? archived : 0, s_fired,
+                             dense ? archived : s_fetched);
+}
+
+kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
+                               uint32_t n, void *stream) {
+    for (uint32_t i = 0; i < n; i++)
+        if (!kvt__recall_rope_args_ok(&args[i]) || args[i].group > 4096u)
+            return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream);
+    for (uint32_t i = 0; s == KVT_OK && i < n; i++) {
+        const kvt__recall_rope_args &a = args[i];
+        RopeParams p;
+        memset(&p, 0, sizeof p);
+        p.a = a;
+        p.div = *a.pdiv;
+        for (uint32_t h = 0; h < a.n_kv; h++)
+            kvt__recall_rope_view(&a, h, 0.0f, &p.v[h]);
+        const uint32_t nq = a.n_kv * a.group;
+        const size_t extra = 4 * align256(sizeof(float) * nq) + sizeof(float) * a.sample_cap;
+        uint32_t H;
+        size_t rows;
+        ScanWs w = scan_ws_of(p.v, sizeof p.v[0], a.n_kv, extra, &H, &rows);
+        if ((s = ws_get(be, w.each * a.n_kv, &w.base)) != KVT_OK)
+            break;
+        const dim3 grid(a.group, a.n_kv);
+        k_rope_heads<<<grid, kThreads, 0, strm(stream)>>>(p, w);
+        k_rope_best<<<grid, kThreads, 0, strm(stream)>>>(p, w);
+        if (a.ar_n)
+            k_rope_rows<<<rows_grid(a.ar_n, a.n_kv), kThreads, 0, strm(stream)>>>(p, w);
+        k_rope_finish<<<1, kThreads, 0, strm(stream)>>>(p, w);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+struct RopeEmitParams {
+    kvt__recall_rope_emit_args a;
+    kvt__div32 div;
+};
+
+/* One block: kvt__recall_rope_emit_cpu's lists, in its order. Every thread walks the heads
+ * alike (the counts are device values every thread reads), each writes its share. */
+__global__ void k_rope_emit(const RopeEmitParams p) {
+    kvt__recall_rope_emit_args a = p.a;
+    const kvt__div32 div = p.div;
+    a.pdiv = &div;
+    const bool dense = !a.capped && (a.all || a.st->last_dense != 0);
+    const size_t rb = a.row_bytes;
+    uint64_t o = a.chain ? (uint64_t)a.indptr[0] : a.out;
+    const uint64_t o0 = o;
+    __syncthreads(); /* every thread read indptr[0] before thread 0 rewrites it */
+    if (o + (uint64_t)a.n_kv * (a.n_rows + a.ar_n) > a.capacity) {
+        if (threadIdx.x == 0) {
+            for (uint32_t h = 0; !a.length && h <= a.n_kv; h++)
+                a.indptr[h] = (int32_t)o;
+            if (a.length)
+                *a.length = 0;
+        }
+        return;
+    }
+    for (uint32_t h = 0; h < a.n_kv; h++) {
+        if (!a.length && threadIdx.x == 0)
+            a.indptr[h] = (int32_t)o;
+        for (uint64_t r = threadIdx.x; r < a.n_rows; r += blockDim.x)
+            a.indices[o + r] = kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)r);
+        o += a.n_rows;
+        uint64_t m = dense ? a.ar_n : a.capped && a.all ? 0 : a.n_fired[h];
+        m = m > a.cap && !dense ? a.cap : m;
+        m = m > a.ar_n ? a.ar_n : m;
+        /* the rows' bytes, 4 at a time (row_bytes is a multiple of 2; copy by bytes past it) */
+        const uint64_t per = (uint64_t)a.n_planes * rb;
+        for (uint64_t x = threadIdx.x; x < m * per; x += blockDim.x) {
+            const uint64_t j = x / per, b = x % per, pl = b / rb, off = b % rb;
+            const uint64_t k = dense ? j : a.fired[(size_t)h * a.cap + j];
+            const int32_t slot = kvt__recall_rope_fetch_slot(&a, (uint32_t)j);
+            a.plane[pl][(size_t)slot * a.slot_stride + (size_t)h * rb + off] =
+                a.ar_bytes[((size_t)h * a.ar_cap + k) * per + pl * rb + off];
+        }
+        for (uint64_t j = threadIdx.x; j < m; j += blockDim.x)
+            a.indices[o + j] = kvt__recall_rope_fetch_slot(&a, (uint32_t)j);
+        o += m;
+    }
+    if (threadIdx.x != 0)
+        return;
+    if (a.length) {
+        *a.length = (int32_t)(o - o0);
+        for (; o < o0 + a.pad; o++)
+            a.indices[o] = -1;
+        return;
+    }
+    a.indptr[a.n_kv] = (int32_t)o;
+}
+
+kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_emit_args *args,
+                               uint32_t n, void *stream) {
+    for (uint32_t i = 0; i < n; i++)
+        if (!kvt__recall_rope_emit_ok(&args[i]))
+            return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream);
+    /* in order: a chained list starts where the previous call's ended (stream order) */
+    for (uint32_t i = 0; s == KVT_OK && i < n; i++) {
+        RopeEmitParams p;
+        p.a = args[i];
+        p.div = *args[i].pdiv;
+        k_rope_emit<<<1, kThreads, 0, strm(stream)>>>(p);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -1616,6 +1947,8 @@ kvt__backend_ops make_ops() {
     o.sketch_rows = cu_sketch_rows;
     o.recall_scan = cu_recall_scan;
     o.recall_step = cu_recall_step;
+    o.recall_rope_step = cu_recall_rope_step;
+    o.recall_rope_emit = cu_recall_rope_emit;
     o.pack = cu_pack;
     o.select = cu_select;
     o.ev_select = cu_ev_select;
