@@ -984,14 +984,16 @@ class Sequence(_Closable):
 class Emission:
     """What kvt_batch_run wrote, with s_q = ``queries_per_seq`` sets per request (query q = i *
     s_q + t). TOKENS: ``indices`` [n_seqs * s_q, topk] (-1 padded) and ``lengths``
-    [n_seqs * s_q]; CSR: ``indices`` [capacity] and ``indptr`` [n_seqs * s_q + 1]. ``dense``
-    [n_seqs] (uint8) when asked for. ``slots(i, t)`` gives request i's attended slots for its
-    query token t."""
+    [n_seqs * s_q]; CSR: ``indices`` [capacity] and ``indptr`` [n_seqs * s_q + 1];
+    CSR_KV_HEADS: ``indptr`` [n_seqs * n_kv_heads + 1], one list per (request, KV head), and
+    ``slots(i, h)`` takes the KV head h in place of the query token. ``dense`` [n_seqs] (uint8)
+    when asked for. ``slots(i, t)`` gives request i's attended slots for its query token t."""
 
     __slots__ = ("layout", "n_seqs", "queries_per_seq", "indices", "lengths", "indptr", "dense")
 
     def __init__(self, layout, n_seqs, indices, lengths=None, indptr=None, dense=None,
                  queries_per_seq=1):
+        # CSR_KV_HEADS: queries_per_seq is the layer's KV heads (the lists per request)
         self.layout, self.n_seqs, self.queries_per_seq = layout, n_seqs, queries_per_seq
         self.indices, self.lengths, self.indptr, self.dense = indices, lengths, indptr, dense
 
@@ -999,7 +1001,8 @@ class Emission:
         if not 0 <= i < self.n_seqs:
             raise IndexError(f"request {i} out of range ({self.n_seqs} in the step)")
         if not 0 <= t < self.queries_per_seq:
-            raise IndexError(f"query token {t} out of range ({self.queries_per_seq} per request)")
+            what = "KV head" if self.layout == EmitLayout.CSR_KV_HEADS else "query token"
+            raise IndexError(f"{what} {t} out of range ({self.queries_per_seq} per request)")
         q = i * self.queries_per_seq + t
         if self.layout == EmitLayout.TOKENS:
             return self.indices[q, :self.lengths[q]]
@@ -1159,6 +1162,9 @@ class Batch(_Closable):
         ``indices`` (TOKENS: int32 [>= n_seqs * s_q, topk]; CSR: int32 [capacity]) and
         ``lengths`` / ``indptr`` (int32 [>= n_seqs * s_q] / [>= n_seqs * s_q + 1]), optional
         ``dense`` (uint8 [>= n_seqs]); or none, and buffers sized by capacity() are made.
+        ``layout="csr_kv_heads"``: one list per (request, KV head) of the layer (needed where a
+        request recalls on a GQA/MHA-RoPE layer), indptr [>= n_seqs * n_kv_heads + 1], capacity
+        n_kv_heads x capacity()'s total; one query per request.
         ``query`` (the recall trigger's queries: float32 [n_seqs, n_q_heads, value_dim +
         branch_dim], softmax-scaled; needed when a request recalls on the layer) and ``stream`` (a
         cudaStream_t as int, or an object with ``cuda_stream``; ignored on the CPU) pass
@@ -1167,6 +1173,12 @@ class Batch(_Closable):
         n = len(self._step)
         sq = u32(queries_per_seq, "queries_per_seq") or 1
         nq = n * sq
+        lists = nq  # the emission's lists
+        if layout == EmitLayout.CSR_KV_HEADS:
+            if sq != 1:
+                raise ValueError("queries_per_seq: CSR_KV_HEADS takes one query per request")
+            n_kv = int(self._ctx.model.layer(u32(layer, "layer")).n_kv_heads)
+            lists = n * n_kv
         e = _lib.EmitC()
         e.struct_size = ctypes.sizeof(_lib.EmitC)
         e.layout = int(layout)
@@ -1176,7 +1188,7 @@ class Batch(_Closable):
             if layout == EmitLayout.TOKENS:
                 indices = np.empty((nq, topk), dtype=np.int32)
             else:
-                indices = np.empty(total * sq, dtype=np.int32)
+                indices = np.empty(total * (lists // n if n else sq), dtype=np.int32)
         else:
             indices = as_output(indices, "indices", np.int32)
         if layout == EmitLayout.TOKENS:
@@ -1193,10 +1205,10 @@ class Batch(_Closable):
             if indices.ndim != 1:
                 raise ValueError(f"indices: CSR needs one dimension, got {indices.shape}")
             e.capacity = u32(indices.shape[0], "capacity")
-            indptr = np.empty(nq + 1, dtype=np.int32) if indptr is None else \
+            indptr = np.empty(lists + 1, dtype=np.int32) if indptr is None else \
                 as_output(indptr, "indptr", np.int32)
-            if indptr.ndim != 1 or indptr.shape[0] < nq + 1:
-                raise ValueError(f"indptr: needs shape (>= {nq + 1},), got {indptr.shape}")
+            if indptr.ndim != 1 or indptr.shape[0] < lists + 1:
+                raise ValueError(f"indptr: needs shape (>= {lists + 1},), got {indptr.shape}")
             e.indptr = ptr(indptr, ctypes.c_int32)
         e.indices = ptr(indices, ctypes.c_int32)
         if dense is not None or want_dense:
@@ -1222,7 +1234,8 @@ class Batch(_Closable):
                                 ptr(q) if q is not None else None, s, ctypes.byref(e)),
               "kvt_batch_run")
         return Emission(layout, n, indices, lengths if layout == EmitLayout.TOKENS else None,
-                        indptr if layout == EmitLayout.CSR else None, dense, sq)
+                        indptr if layout != EmitLayout.TOKENS else None, dense,
+                        lists // n if n else sq)
 
     def commit(self, n_accepted=None) -> None:
         """kvt_batch_commit: the first n_accepted[i] tokens of seqs[i] (None: all reserved);

@@ -74,6 +74,7 @@ class Space(enum.IntEnum):
 class EmitLayout(enum.IntEnum):
     TOKENS = 0
     CSR = 1
+    CSR_KV_HEADS = 2  # one list per (request, KV head): GQA/MHA-RoPE recall
 
 
 class RowState(enum.IntEnum):

@@ -263,3 +263,55 @@ def test_archive_space_host():
                 ctx.sequence(request_id=2)
             assert e.value.name == "KVT_ERR_UNSUPPORTED"
             assert "archive_space" in str(e.value)
+
+
+def test_gqa_rope_recall_csr_kv_heads_host_archive():
+    """Recall on a GQA-RoPE layer from Python: run(layout="csr_kv_heads") gives one list per
+    (request, KV head) — the held rows, then that head's fetched rows — with the archive in host
+    memory: no dense step, the bytes moved are the fetched rows', slots(i, h) per KV head."""
+    spec = kvtier.LayerSpec.gqa("gqa_rope", "bf16", 2, 128)
+    spec.n_q_heads = 8
+    cfg = kvtier.Config(evict_budget_rows=32, recent_rows=8, cadence_rows=8, evict_archive=True,
+                        recall="conformal", recall_cap_rows=4)
+    rng = np.random.default_rng(12)
+    with kvtier.Model([spec], "gqa") as m, \
+            kvtier.Context(m, cfg, page_rows=16, n_pages=64, recall_sketch_rank=16,
+                           archive_space="host") as ctx:
+        for h in range(2):
+            v, _ = np.linalg.qr(rng.standard_normal((128, 16)))
+            ctx.set_recall_head_basis(0, h, np.ascontiguousarray(v.T, dtype=np.float32))
+        with ctx.sequence(request_id=1, prompt_rows=4) as seq, ctx.batch(1) as b:
+            b.reserve([seq], [60])
+            for plane in range(2):
+                seq.write(0, plane, 0, _bf16(rng.standard_normal((60, 256))))
+            b.plan()
+            b.commit()
+            moved = fetched = 0
+            for step in range(40):
+                b.reserve([seq], [1])
+                for plane in range(2):
+                    seq.write(0, plane, 0, _bf16(rng.standard_normal((1, 256))))
+                b.plan()
+                q = (0.1 * rng.standard_normal((1, 8, 128))).astype(np.float32)
+                em = b.run(0, "csr_kv_heads", query=q, want_dense=True)
+                b.commit()
+                seq.check()
+                st = seq.layer_stats(0)
+                assert em.dense[0] == 0 and not st.recall_last_dense
+                assert len(em.counts()) == 2
+                listed = 0
+                for h in range(2):
+                    s = em.slots(0, h)
+                    assert len(set(s.tolist())) == len(s)
+                    assert len(s) >= st.attended_rows
+                    listed += len(s) - st.attended_rows
+                assert listed == st.recall_last_fetched <= 2 * 4
+                assert st.recall_last_moved_bytes == listed * 2 * 256
+                moved += st.recall_last_moved_bytes
+                fetched += listed
+            st = seq.layer_stats(0)
+            assert st.archive_space == int(kvtier.Space.HOST) and st.archived_rows > 0
+            assert st.recall_moved_bytes == moved and fetched > 0
+            assert ctx.memory()["archive_host_bytes"] == st.archive_bytes
+            with pytest.raises(IndexError):
+                em.slots(0, 2)
