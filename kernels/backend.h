@@ -262,6 +262,11 @@ typedef struct kvt__backend_ops {
     /* Copy bytes between two buffers of the backend (regions may not overlap), on the stream. */
     kvt_status (*copy)(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                        void *stream);
+    /* Copy n rows of `width` bytes, row i from src + i·src_stride to dst + i·dst_stride (a 2-D
+     * copy; regions may not overlap), on the stream: dst a buffer, src a buffer or pinned host
+     * memory (the host archive's rotated branches into their device plane). */
+    kvt_status (*copy_rows)(const kvt__backend *be, void *dst, size_t dst_stride, const void *src,
+                            size_t src_stride, size_t width, uint64_t n, void *stream);
     /* true when host code may dereference buffer pointers (engine-owned host storage can then be
      * bound with kvt_layer_bind). */
     bool host_visible;

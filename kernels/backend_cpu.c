@@ -360,6 +360,16 @@ static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, s
     return KVT_OK;
 }
 
+static kvt_status cpu_copy_rows(const kvt__backend *be, void *dst, size_t dst_stride,
+                                const void *src, size_t src_stride, size_t width, uint64_t n,
+                                void *stream) {
+    (void)be;
+    (void)stream;
+    for (uint64_t i = 0; width && i < n; i++)
+        memcpy((uint8_t *)dst + i * dst_stride, (const uint8_t *)src + i * src_stride, width);
+    return KVT_OK;
+}
+
 /* One segment: canonicalise the fresh scores, top-m of all into kept, the two counters. keys
  * holds n_closed + kvt__topm_scratch_u32(n_closed) entries. */
 static void select_one(kvt__select_args *a, uint32_t *keys) {
@@ -493,6 +503,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .recall_rope_emit = cpu_recall_rope_emit,
     .pack = cpu_pack,
     .copy = cpu_copy,
+    .copy_rows = cpu_copy_rows,
     .select = cpu_select,
     .ev_select = cpu_ev_select,
     .ev_apply = cpu_ev_apply,
@@ -740,6 +751,19 @@ static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, si
     return s;
 }
 
+static kvt_status g_copy_rows(const kvt__backend *be, void *dst, size_t dst_stride,
+                              const void *src, size_t src_stride, size_t width, uint64_t n,
+                              void *stream) {
+    if (n && width) {
+        GUARD_OWNS(be, dst, (size_t)(n - 1) * dst_stride + width);
+        GUARD_REACHES(be, src, (size_t)(n - 1) * src_stride + width);
+    }
+    guard_open(be);
+    kvt_status s = cpu_copy_rows(be, dst, dst_stride, src, src_stride, width, n, stream);
+    guard_close(be);
+    return s;
+}
+
 static kvt_status g_score_rows(const kvt__backend *be, const kvt__score_args *args, uint32_t n,
                                void *stream) {
     for (uint32_t i = 0; i < n; i++) {
@@ -828,6 +852,8 @@ static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_r
         }
         if (a->basis)
             GUARD_OWNS(be, a->basis, sizeof(float) * H * a->basis_stride * a->D);
+        if (a->ar_n && a->ar_branch)
+            GUARD_OWNS(be, a->ar_branch, (size_t)a->ar_branch_bytes * H * a->ar_cap);
         GUARD_OWNS(be, a->q, sizeof(float) * nq * (a->D + a->branch_dim));
         GUARD_OWNS(be, a->best, sizeof(float) * nq);
         GUARD_OWNS(be, a->st, sizeof *a->st);
@@ -1031,6 +1057,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .recall_rope_emit = g_recall_rope_emit,
     .pack = g_pack,
     .copy = g_write,
+    .copy_rows = g_copy_rows,
     .select = g_select,
     .ev_select = g_ev_select,
     .ev_apply = g_ev_apply,

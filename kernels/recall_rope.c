@@ -54,14 +54,16 @@ void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
                            kvt__recall_scan_args *v) {
     const size_t G = a->group;
     memset(v, 0, sizeof *v);
-    v->base = a->ar_bytes + (size_t)h * a->ar_cap * a->ar_row_bytes;
+    const bool plane = a->ar_branch && a->branch_dim; /* the scan reads only the branch */
+    v->base = plane ? a->ar_branch + (size_t)h * a->ar_cap * a->ar_branch_bytes
+                    : a->ar_bytes + (size_t)h * a->ar_cap * a->ar_row_bytes;
     v->pages = a->ar_ident;
     v->first_page = 0;
     v->pdiv = a->pdiv;
-    v->slot_stride = a->ar_row_bytes;
+    v->slot_stride = plane ? a->ar_branch_bytes : a->ar_row_bytes;
     v->dtype = a->dtype;
     v->latent_dim = a->D;
-    v->branch_offset = a->branch_offset;
+    v->branch_offset = plane ? 0u : a->branch_offset;
     v->branch_dtype = a->branch_dim ? a->branch_dtype : a->dtype;
     v->branch_dim = a->branch_dim;
     v->csk = a->csk + (size_t)h * a->ar_cap * a->csk_stride;

@@ -71,6 +71,11 @@ typedef struct kvt__recall_rope_args {
     uint64_t ar_cap, ar_n;
     const int32_t *ar_ident;  /* identity page mirror of at least ar_n rows */
     bool capped;              /* the archive is host memory: no dense step (above) */
+    /* A host archive on an MLA-RoPE layer: the rows' rotated branches in the backend's memory,
+     * [n_kv][ar_cap][ar_branch_bytes], which the scan reads instead of the archived rows (NULL:
+     * it reads the branch in the rows). */
+    const uint8_t *ar_branch;
+    uint32_t ar_branch_bytes;
     const uint16_t *csk;      /* [n_kv][ar_cap][csk_stride] */
     const float *rho;         /* [n_kv][ar_cap] */
     uint32_t csk_stride;

@@ -549,9 +549,9 @@ typedef struct kvt_ctx_params {
      * the whole archive — an overflow fetches the first recall_cap_rows fired rows per KV head
      * and is flagged (recall_last_overflow), a calibration step fetches each query head's best
      * archived row, a step of several query tokens attends the held rows only — and the fetch
-     * area in the pool holds at most recall_cap_rows rows. MLA-RoPE recall with a host archive
-     * is refused (KVT_ERR_UNSUPPORTED at kvt_seq_create: its scan reads every archived row's
-     * rotated branch each step). A struct that ends before it gets DEVICE. */
+     * area in the pool holds at most recall_cap_rows rows. On an MLA-RoPE layer the archived
+     * rows' rotated branches (what its scan reads every step) are also kept in the backend's
+     * memory (branch_dim values a row). A struct that ends before it gets DEVICE. */
     kvt_space archive_space;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the

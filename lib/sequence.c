@@ -302,12 +302,6 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
                                  "recall on RoPE layer %u: config.recall_lagged_query is for "
                                  "salience (NoPE) recall layers only",
                                  i);
-        if (v.capped && v.branch_dim)
-            return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                                 "recall on MLA-RoPE layer %u with params.archive_space HOST: its "
-                                 "scan reads every archived row's rotated branch each step (keep "
-                                 "the archive in device memory, or recall off)",
-                                 i);
         if (!ctx->backend.ops->recall_rope_step || !ctx->backend.ops->recall_rope_emit)
             return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                                  "recall on RoPE layer %u: the %s backend has no RoPE recall ops "

@@ -2093,15 +2093,16 @@ Test(rope_recall, lagged_query_refused_on_rope_layers) {
  * rows, flagged; the lists, bytes and reference attention are the oracle's at every step; the
  * fetch area holds at most W rows; the bytes moved are the fetched rows'; the archive's bytes are
  * counted in host memory; snapshot/restore and fork keep the placement. */
-static void host_e2e_run(kvt_backend_kind backend, uint64_t seed, uint32_t W) {
+static void host_e2e_run(kvt_backend_kind backend, uint64_t seed, uint32_t W, bool mla) {
     kvt_config cfg = rr_cfg(32, 8, 16);
     cfg.recall = KVT_RECALL_CONFORMAL;
     cfg.recall_cap_rows = W;
     const uint32_t rank[2] = {32, 16};
     rr x;
     g_archive_host = true;
-    rr_init(&x, 2, 128, cfg, 32, rank, backend, seed);
-    g_archive_host = false;
+    g_mla = mla; /* MLA-RoPE: one latent head, the branch plane in the backend's memory */
+    rr_init(&x, mla ? 1 : 2, 128, cfg, 32, rank, backend, seed);
+    g_archive_host = g_mla = false;
     cr_assert(kvt__seq_recalls_rope(x.seq, 0), "the request recalls on the RoPE layer");
     cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 4), KVT_OK);
     e2e e;
@@ -2116,7 +2117,7 @@ static void host_e2e_run(kvt_backend_kind backend, uint64_t seed, uint32_t W) {
     uint8_t dense = 0;
     bool calibrating = true;
     uint64_t listed_fetched = 0, calib_steps = 0, overflow_steps = 0, archived_steps = 0;
-    const uint64_t rb2 = 2u * x.sp.row_bytes; /* both planes of a (row, KV head) */
+    const uint64_t rb2 = (uint64_t)x.P * x.sp.row_bytes; /* every plane of a (row, KV head) */
     const uint32_t page_rows = 16, fetch_pages_max = (W + page_rows - 1) / page_rows;
     g_cap_rows = W;
     for (int step = 0; step < 100; step++) {
@@ -2174,9 +2175,9 @@ static void host_e2e_run(kvt_backend_kind backend, uint64_t seed, uint32_t W) {
     for (uint32_t h = 0; h < x.H; h++) {
         oview v;
         oview_read(&x, &v);
-        uint8_t row[256];
+        uint8_t row[512];
         for (uint64_t k = 0; k < v.ar_n; k++)
-            for (uint32_t pl = 0; pl < 2; pl++) {
+            for (uint32_t pl = 0; pl < x.P; pl++) {
                 cr_assert_eq(kvt_seq_read_row(x.seq, 0, pl, h, (uint64_t)v.ar_pos[h][k], row,
                                               x.sp.row_bytes),
                              KVT_OK, "%s", kvt_last_error());
@@ -2205,16 +2206,20 @@ static void host_e2e_run(kvt_backend_kind backend, uint64_t seed, uint32_t W) {
 }
 
 Test(rope_host, capped_lists_equal_the_oracle_cpu, .timeout = 240) {
-    host_e2e_run(KVT_BACKEND_CPU, 808, 6);
+    host_e2e_run(KVT_BACKEND_CPU, 808, 6, false);
 }
 
 Test(rope_host, capped_lists_equal_the_oracle_guarded, .timeout = 240) {
-    host_e2e_run(KVT_BACKEND_GUARDED, 909, 6);
+    host_e2e_run(KVT_BACKEND_GUARDED, 909, 6, false);
 }
 
-/* A device archive (the default) is counted as device memory, and the statuses of the option:
- * an unknown space refused; MLA-RoPE recall with a host archive refused at request creation
- * (its scan reads every archived branch), the same request without recall accepted. */
+/* MLA-RoPE: the same with one latent head of 128 + a rotated 64-value branch; the branch plane
+ * (the scan's reads) checked against the rows by kvt_seq_check at every step. */
+Test(rope_host, mla_capped_lists_equal_the_oracle_guarded, .timeout = 240) {
+    host_e2e_run(KVT_BACKEND_GUARDED, 606, 6, true);
+}
+
+/* A device archive (the default) is counted as device memory; an unknown space is refused. */
 Test(rope_host, placement_statuses) {
     kvt_model *m = gqa_model();
     kvt_config cfg = rr_cfg(64, 16, 16);
@@ -2227,15 +2232,6 @@ Test(rope_host, placement_statuses) {
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(err, "archive_space"), "%s", err);
     cr_assert_null(ctx);
-    kvt_model_destroy(m);
-
-    kvt_layer_spec ml;
-    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_ROPE, KVT_DTYPE_BF16, 128, 64, &ml), KVT_OK);
-    ml.n_q_heads = 4;
-    cr_assert_eq(kvt_model_create(&ml, 1, "mla-rope", &m, NULL, 0), KVT_OK);
-    g_archive_host = true;
-    refused_with_recall(m, &cfg, "archive_space");
-    g_archive_host = false;
     kvt_model_destroy(m);
 
     /* the device default: the archive's bytes counted as device memory */

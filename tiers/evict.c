@@ -127,6 +127,7 @@ void kvt__ev_fini(kvt__ev *e) {
         buf_free(e->be, e->ar_by_pos, sizeof *e->ar_by_pos * H * e->ar_cap);
         buf_free(e->be, e->ar_csk, sizeof *e->ar_csk * e->sk_stride * H * e->ar_cap);
         buf_free(e->be, e->ar_rho, sizeof *e->ar_rho * H * e->ar_cap);
+        buf_free(e->be, e->ar_branch, (size_t)e->br_bytes * H * e->ar_cap);
         buf_free(e->be, e->ar_ident, sizeof *e->ar_ident * e->ident_n);
     }
     memset(e, 0, sizeof *e);
@@ -261,14 +262,14 @@ static kvt_status archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
         cap = need;
     const kvt__backend *be = e->be;
     const size_t H = e->n_heads;
-    enum { N_AR = 5 };
-    const int n_arr = e->sk_stride ? N_AR : 3;
+    enum { N_AR = 6 };
+    const int n_arr = e->sk_stride ? (e->br_bytes ? 6 : 5) : 3;
     const size_t elt[N_AR] = {e->ar_row_bytes, sizeof *e->ar_pos, sizeof *e->ar_by_pos,
-                              sizeof *e->ar_csk * e->sk_stride, sizeof *e->ar_rho};
-    /* rows already there worth copying: the sketches only up to sk_n */
-    const uint64_t used[N_AR] = {e->ar_n, e->ar_n, e->ar_n, e->sk_n, e->sk_n};
-    void *old[N_AR] = {e->ar_bytes, e->ar_pos, e->ar_by_pos, e->ar_csk, e->ar_rho};
-    void *nw[N_AR] = {NULL, NULL, NULL, NULL, NULL};
+                              sizeof *e->ar_csk * e->sk_stride, sizeof *e->ar_rho, e->br_bytes};
+    /* rows already there worth copying: the sketches (and branches) only up to sk_n */
+    const uint64_t used[N_AR] = {e->ar_n, e->ar_n, e->ar_n, e->sk_n, e->sk_n, e->sk_n};
+    void *old[N_AR] = {e->ar_bytes, e->ar_pos, e->ar_by_pos, e->ar_csk, e->ar_rho, e->ar_branch};
+    void *nw[N_AR] = {NULL, NULL, NULL, NULL, NULL, NULL};
     int32_t *ident = NULL;
     uint64_t ident_n = 0;
     kvt_status s = KVT_OK;
@@ -299,6 +300,7 @@ static kvt_status archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
     e->ar_by_pos = nw[2];
     e->ar_csk = nw[3];
     e->ar_rho = nw[4];
+    e->ar_branch = nw[5];
     e->ar_ident = ident;
     e->ident_n = ident_n;
     e->ar_cap = cap;
@@ -400,6 +402,13 @@ kvt_status kvt__ev_sketch_pending(const kvt__env *env, const kvt__store *st, kvt
         }
     if (s == KVT_OK && k)
         s = be->ops->sketch_rows(be, args, k, env->stream);
+    /* a host archive's rotated branches into their device plane (what the scan reads) */
+    for (uint32_t h = 0; h < e->n_heads && s == KVT_OK && e->br_bytes; h++)
+        s = be->ops->copy_rows(be, e->ar_branch + ((size_t)h * e->ar_cap + e->sk_n) * e->br_bytes,
+                               e->br_bytes,
+                               e->ar_bytes + ((size_t)h * e->ar_cap + e->sk_n) * e->ar_row_bytes +
+                                   e->br_offset,
+                               e->ar_row_bytes, e->br_bytes, e->ar_n - e->sk_n, env->stream);
     if (s != KVT_OK)
         return kvt__fail(env->err, env->err_len, s,
                          "sketching archived rows %llu..%llu of layer %u failed; retried at the "
@@ -821,6 +830,24 @@ static kvt_status ev_check_sketches(const kvt__ev *e, char *err, size_t len) {
     }
     kvt__free(be->alloc, rho, b_rho);
     kvt__free(be->alloc, csk, b_csk);
+    /* a host archive's branch plane: each sketched row's branch, byte for byte */
+    uint8_t *br = NULL, *rows = NULL;
+    size_t b_br = 0, b_rows = 0;
+    if (s == KVT_OK && e->br_bytes &&
+        ((s = read_strided(be, (void **)&br, &b_br, e->ar_branch, e->n_heads, e->sk_n, e->ar_cap,
+                           e->br_bytes)) != KVT_OK ||
+         (s = read_strided(be, (void **)&rows, &b_rows, e->ar_bytes, e->n_heads, e->sk_n,
+                           e->ar_cap, e->ar_row_bytes)) != KVT_OK))
+        s = kvt__fail(err, len, s, "evict: reading the archive's branch plane");
+    for (uint64_t i = 0; s == KVT_OK && e->br_bytes && i < (uint64_t)e->n_heads * e->sk_n; i++)
+        if (memcmp(br + i * e->br_bytes, rows + i * e->ar_row_bytes + e->br_offset,
+                   e->br_bytes) != 0)
+            s = kvt__fail(err, len, KVT_ERR_INVARIANT,
+                          "evict: head %llu archived row %llu: its branch plane entry differs "
+                          "from the row's branch",
+                          (unsigned long long)(i / e->sk_n), (unsigned long long)(i % e->sk_n));
+    kvt__free(be->alloc, br, b_br);
+    kvt__free(be->alloc, rows, b_rows);
     return s;
 }
 
@@ -894,6 +921,10 @@ static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const k
     s->ev.ar_host = env->archive_host;
     /* Archive sketches (recall on RoPE layers) when the context builds sketch planes. */
     s->ev.sk_stride = kvt__ev_sketch_stride(&st->spec, env->sketch_stride);
+    if (s->ev.sk_stride && s->ev.ar_host && st->spec.n_planes == 1 && st->spec.branch_dim) {
+        s->ev.br_bytes = st->spec.branch_dim * (uint32_t)kvt_dtype_bytes(st->spec.branch_dtype);
+        s->ev.br_offset = st->spec.branch_offset;
+    }
     s->ev.page_rows = env->page_rows;
     /* With a stated limit the table never holds more than K + r + c rows plus one step's (at
      * most max_rows); size for max_rows so that no round allocates. */
@@ -1064,6 +1095,9 @@ static kvt_status ev_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
         if (s == KVT_OK && d->sk_stride && d->sk_stride == e->sk_stride)
             s = copy_strided(be, d->ar_rho, d->ar_cap, e->ar_rho, e->ar_cap, H, e->sk_n,
                              sizeof *e->ar_rho);
+        if (s == KVT_OK && d->sk_stride == e->sk_stride && d->br_bytes && e->br_bytes)
+            s = copy_strided(be, d->ar_branch, d->ar_cap, e->ar_branch, e->ar_cap, H, e->sk_n,
+                             e->br_bytes);
     }
     if (s != KVT_OK)
         return kvt__fail(env->err, env->err_len, s, "forking the eviction state of layer %u",
@@ -1237,6 +1271,8 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope
     a->ar_n = e->ar_n;
     a->ar_ident = e->ar_ident;
     a->capped = e->ar_host;
+    a->ar_branch = e->ar_branch; /* a host archive's branches, in the backend's memory */
+    a->ar_branch_bytes = e->br_bytes;
     a->csk = e->ar_csk;
     a->rho = e->ar_rho;
     a->csk_stride = e->sk_stride;
@@ -1349,6 +1385,7 @@ static void ev_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *sha
         *own += (sizeof *e->ar_csk * e->sk_stride + sizeof *e->ar_rho) * H * e->ar_cap;
     if (e->ar_ident)
         *own += sizeof *e->ar_ident * e->ident_n;
+    *own += (uint64_t)e->br_bytes * H * e->ar_cap;
     *shared = 0;
     *key = NULL;
     *holders = 1;

@@ -326,6 +326,12 @@ typedef struct kvt__ev {
     /* ar_bytes in pinned host memory (the backend's host_alloc; kvt_ctx_params.archive_space
      * HOST), the other archive arrays in the backend's: the rows cost no device memory. */
     bool ar_host;
+    /* With a host archive on an MLA-RoPE layer with sketches: each archived row's rotated branch
+     * (br_bytes at br_offset of the row) also in a plane of the backend's, [n_heads][ar_cap]
+     * [br_bytes], written when the row is sketched (derived data), so that the per-step scan
+     * reads no archived row over the bus. br_bytes 0: no plane. */
+    uint8_t *ar_branch;
+    uint32_t br_bytes, br_offset;
     /* A step in flight (policy.h layer_step): this layer recorded the step's positions / ran its
      * part of a due round (it then holds last_kept rows while the table still holds N). Cleared
      * by the group's commit. */

@@ -237,6 +237,21 @@ kvt_status cu_copy(const kvt__backend *be, void *dst, const void *src, size_t by
                   s == KVT_OK ? copy_on(dst, src, bytes, cudaMemcpyDefault, stream) : s);
 }
 
+kvt_status cu_copy_rows(const kvt__backend *be, void *dst, size_t dst_stride, const void *src,
+                        size_t src_stride, size_t width, uint64_t n, void *stream) {
+    if (!n || !width)
+        return KVT_OK;
+    kvt_status s = op_begin(be, stream);
+    if (s == KVT_OK && !stream)
+        s = st(cudaDeviceSynchronize());
+    if (s == KVT_OK)
+        s = st(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, width, (size_t)n,
+                                 cudaMemcpyDefault, strm(stream)));
+    if (s == KVT_OK && !stream)
+        s = st(cudaDeviceSynchronize());
+    return op_end(be, stream, s);
+}
+
 /* ----------------------------------------------------------------------------------------------
  * Block-wide pieces
  * -------------------------------------------------------------------------------------------- */
@@ -1942,6 +1957,7 @@ kvt__backend_ops make_ops() {
     o.write = cu_write;
     o.read = cu_read;
     o.copy = cu_copy;
+    o.copy_rows = cu_copy_rows;
     o.host_visible = false;
     o.score_rows = cu_score_rows;
     o.sketch_rows = cu_sketch_rows;

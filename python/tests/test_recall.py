@@ -229,8 +229,8 @@ def test_load_recall_basis_files(tmp_path):
 def test_archive_space_host():
     """Context(archive_space=...): the archive's placement. A host archive's rows are counted in
     memory()'s archive_host_bytes after eviction rounds (the device's stay 0), the statistics name
-    the space; MLA-RoPE recall with a host archive is refused at request creation, naming the
-    option; an unknown space is refused before the library is called."""
+    the space; MLA-RoPE recall runs with a host archive; an unknown space is refused before the
+    library is called."""
     spec = kvtier.LayerSpec.mla("mla_rope", "bf16", 128, 64)
     spec.n_q_heads = 4
     rng = np.random.default_rng(3)
@@ -258,11 +258,18 @@ def test_archive_space_host():
         cfg = kvtier.Config(evict_budget_rows=32, recent_rows=8, cadence_rows=8,
                             evict_archive=True, recall="conformal")
         with kvtier.Context(m, cfg, page_rows=16, n_pages=64, recall_sketch_rank=16,
-                            archive_space=kvtier.Space.HOST) as ctx:
-            with pytest.raises(kvtier.KvtError) as e:
-                ctx.sequence(request_id=2)
-            assert e.value.name == "KVT_ERR_UNSUPPORTED"
-            assert "archive_space" in str(e.value)
+                            archive_space=kvtier.Space.HOST) as ctx, \
+                ctx.sequence(request_id=2, prompt_rows=4) as seq, ctx.batch(1) as b:
+            for n in (100, 1, 1):  # MLA-RoPE recall with a host archive (its branch plane)
+                b.reserve([seq], [n])
+                seq.write(0, 0, 0, _bf16(rng.standard_normal((n, 192))))
+                b.plan()
+                if n == 1:
+                    b.run(0, "tokens", query=rng.standard_normal((1, 4, 192)).astype(np.float32))
+                b.commit()
+                seq.check()
+            st = seq.layer_stats(0)
+            assert st.recall_steps == 2 and st.archive_space == int(kvtier.Space.HOST)
 
 
 def test_gqa_rope_recall_csr_kv_heads_host_archive():

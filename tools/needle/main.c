@@ -84,6 +84,8 @@ static void usage(FILE *f) {
 "                         (a basis file, kvtier-inspect calibrate's format)\n"
 "  --write-basis FILE     write the generator's query subspace as a basis file\n"
 "  --recall-cap W         rows a recall step may fetch (default: the library's, 4096)\n"
+"  --archive-space S      device (default) | host: random eviction's archive in pinned host\n"
+"                         memory (with --rope --mode recall: no step attends the whole archive)\n"
 "  --decode-calib N       filler decode steps before the first needle query (16 with recall)\n"
 "  --decode-gap N         filler decode steps before each needle query (default 3)\n"
 "  --query-rank R         rank of the query subspace of the decode phase (default 64)\n"
@@ -459,6 +461,14 @@ static int parse_args(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--write-basis")) {
             NEED_VALUE();
             o->write_basis = v;
+        } else if (!strcmp(a, "--archive-space")) {
+            NEED_VALUE();
+            if (!strcmp(v, "device"))
+                o->run.archive_space = KVT_SPACE_DEVICE;
+            else if (!strcmp(v, "host"))
+                o->run.archive_space = KVT_SPACE_HOST;
+            else
+                return usage_err("bad --archive-space '%s' (device, host)", v);
         } else if (!strcmp(a, "--recall-cap")) {
             NEED_VALUE();
             if (parse_u64(v, &u) || u < 1 || u > (1u << 24))

@@ -231,6 +231,9 @@ typedef struct nd_run_params {
     double scale;
     double min_mass, min_cos; /* pass rule: mass_ratio >= min_mass and out_cos >= min_cos */
     kvt_backend_kind backend;
+    /* Where random eviction's archive lives (kvt_ctx_params.archive_space): KVT_SPACE_DEVICE, or
+     * KVT_SPACE_HOST (RoPE recall then never attends the whole archive: docs/recall.md §9.7). */
+    kvt_space archive_space;
     /* Requests replayed together, as one engine batch (1): request r (0 <= r < batch) has request
      * id request_base + r and the case's rows; its results land at out[r * n_targets + ...].
      * Every request's results equal a batch-of-one run with its request id. */

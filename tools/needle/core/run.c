@@ -588,6 +588,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     cp.config = &cp_cfg;
     cp.model = model;
     cp.backend = p->backend;
+    cp.archive_space = p->archive_space;
     cp.page_rows = 64;
     /* recall on RoPE: a fetch area of as many rows as the request holds (kvt_seq_pages_needed) */
     cp.n_pages = (uint32_t)(((c->n_rows + 63) / 64 + 4) * NB * (recall && rope ? 2 : 1));
