@@ -9,6 +9,7 @@
 
 #include "kernels/recall_step.h"
 #include "kernels/sketch.h"
+#include "kernels/topm.h"
 #include "lib/base/base.h"
 
 #include <float.h>
@@ -46,9 +47,17 @@ size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a) {
         rmax = a->rank[h] > rmax ? a->rank[h] : rmax;
     /* the scan's (one KV head at a time), then per query head the best archived score and row,
      * and one head's prep: q̃_sk [rank], tmp [D] */
-    return kvt__recall_scan_scratch_floats(a->group, rmax, a->D) + 2u * (size_t)a->group + rmax +
-           a->D;
+    size_t f = kvt__recall_scan_scratch_floats(a->group, rmax, a->D) + 2u * (size_t)a->group +
+               rmax + a->D;
+    /* capped (a host archive): an overflow's choice of W rows, one head at a time — the group's
+     * preps (q̃_sk [G][rank], heads [G]), a key per archived row and the top-m's scratch */
+    if (a->capped)
+        f += (size_t)a->group * rmax +
+             (sizeof(kvt__recall_head) * a->group + sizeof(float) - 1) / sizeof(float) + a->ar_n +
+             kvt__topm_scratch_u32((uint32_t)a->ar_n);
+    return f;
 }
+
 
 void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
                            kvt__recall_scan_args *v) {
@@ -217,6 +226,46 @@ exact_best(const kvt__recall_rope_args *a, uint32_t h, uint64_t n,
     }
 }
 
+/* A capped overflow of KV head h (more than cap of its archived rows fired): the cap rows it keeps
+ * are the fired ones of the highest kvt__recall_rope_capped_key, ties to the lower index,
+ * ascending — every row's fire test and score from the per-element functions (the scan's
+ * predicate), the selection kvt__topm_u32's. ws: the scratch past the step's own. */
+static void capped_choice(const kvt__recall_rope_args *a, uint32_t h, float z, float *ws,
+                          float *tmp) {
+    const uint32_t G = a->group, D = a->D, rank = a->rank[h];
+    kvt__recall_scan_args v;
+    kvt__recall_rope_view(a, h, z, &v);
+    float *q_sk = ws;
+    kvt__recall_head *hd = (kvt__recall_head *)(q_sk + (size_t)G * (rank ? rank : 1u));
+    uint32_t *keys = (uint32_t *)(ws + (size_t)G * (rank ? rank : 1u) +
+                                  (sizeof(kvt__recall_head) * G + sizeof(float) - 1) /
+                                      sizeof(float));
+    uint32_t *topm = keys + a->ar_n;
+    const size_t qw = (size_t)D + v.branch_dim;
+    for (uint32_t g = 0; g < G; g++)
+        kvt__recall_head_prep(v.q + g * qw, D, v.basis, rank, q_sk + (size_t)g * rank, tmp,
+                              &hd[g]);
+    for (uint64_t k = 0; k < a->ar_n; k++) {
+        const uint8_t *row = v.base + (size_t)k * v.slot_stride;
+        const uint16_t *csk = v.csk + (size_t)k * v.csk_stride;
+        int fires = 0;
+        float score = -INFINITY;
+        for (uint32_t g = 0; g < G; g++) {
+            float P, ncsk;
+            const float idx = kvt__recall_idx(v.q + g * qw, q_sk + (size_t)g * rank, row, D,
+                                              v.branch_offset, v.branch_dtype, v.branch_dim, csk,
+                                              rank, 1.0f, &P, &ncsk);
+            fires |= kvt__recall_rope_fires(&v, &hd[g], g, idx, P, ncsk, v.rho[k]);
+            const float sc = idx - v.best[g];
+            if (sc > score || sc != sc)
+                score = sc;
+        }
+        keys[k] = kvt__recall_rope_capped_key(fires, score);
+    }
+    kvt__topm_u32(keys, (uint32_t)a->ar_n, a->cap, a->fired + (size_t)h * a->cap, topm);
+    a->n_fired[h] = a->cap;
+}
+
 KVT__FMA_CLONES
 void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     kvt__recall_state *st = a->st;
@@ -290,6 +339,8 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
             kvt__recall_scan_args v;
             kvt__recall_rope_view(a, h, z, &v);
             kvt__recall_scan_cpu(&v, scan_scratch);
+            if (a->capped && a->overflow[h])
+                capped_choice(a, h, z, tmp + D, tmp);
             fired += (uint64_t)a->n_fired[h] + a->overflow[h];
             fetched += a->n_fired[h];
             over |= a->overflow[h];

@@ -36,8 +36,10 @@
  * Capped (the archive in pinned host memory, kvt_ctx_params.archive_space HOST): no step is
  * dense, so only fetched rows cross the bus. A calibration step samples as in 3. and fetches,
  * per KV head, the best archived rows a* of its query heads (distinct, ascending, at most cap);
- * an overflow in 4. keeps the first cap fired rows of the head (the scan's fired list) with
- * overflow[h] set, and counts as an overflow step.
+ * an overflow in 4. keeps cap of the head's fired rows — those of the highest
+ * kvt__recall_rope_capped_key (the row's best idx over the group's heads relative to their best
+ * attended scores), ties to the lower index, ascending — with overflow[h] set, and counts as an
+ * overflow step.
  */
 #ifndef KVT_KERNELS_RECALL_ROPE_H
 #define KVT_KERNELS_RECALL_ROPE_H
@@ -45,6 +47,7 @@
 #include "kernels/backend.h"
 #include "kernels/conformal.h"
 #include "kernels/recall_scan.h"
+#include "kernels/topm.h"
 
 /* Most KV heads a RoPE recall step takes (the per-head ranks are passed by value). */
 #define KVT__RECALL_ROPE_MAX_KV 64u
@@ -96,6 +99,29 @@ typedef struct kvt__recall_rope_args {
     uint32_t *overflow;       /* [n_kv] out */
     uint8_t *dense;           /* [1] out, or NULL */
 } kvt__recall_rope_args;
+
+/* Does query head g of a scan view fire on an archived row (its idx, P, ‖csk‖ and ρ)? The scan's
+ * predicate (kernels/recall_scan.h): margin !(idx + z < best), sound, conformal. */
+KVT_HD int kvt__recall_rope_fires(const kvt__recall_scan_args *v, const kvt__recall_head *hd,
+                                  uint32_t g, float idx, float P, float ncsk, float rho) {
+    if (v->mode == KVT__RECALL_MARGIN)
+        return !(idx + v->z < v->best[g]);
+    if (v->mode == KVT__RECALL_SOUND)
+        return kvt__recall_sound_fires(idx,
+                                       kvt__recall_sound_margin(hd, idx, P, ncsk, rho, v->scale,
+                                                                v->z, v->latent_dim,
+                                                                v->branch_dim, v->rank),
+                                       v->best[g]);
+    return kvt__recall_conformal_fires(idx, kvt__recall_cert(hd, rho, v->scale, v->latent_dim),
+                                       v->z, v->best[g]);
+}
+
+/* A capped overflow's priority of an archived row (kernels/topm.h keys, larger first): 0 when no
+ * query head of the group fires on it, else kvt__score_key of max_g (idx_g − best_g) (NaN as
+ * +Inf). */
+KVT_HD uint32_t kvt__recall_rope_capped_key(int fires, float score) {
+    return fires ? kvt__score_key(score != score ? INFINITY : score) : 0u;
+}
 
 /* Are the arguments in the ranges the twin takes? (The op answers KVT_ERR_INVALID_ARGUMENT.) */
 bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a);

@@ -286,6 +286,8 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
         a.D = kvt__ev_key_dim(sp);
         a.n_kv = sp->n_kv_heads;
         a.group = sp->n_q_heads / sp->n_kv_heads;
+        a.capped = ctx->archive_host; /* an overflow's choice over the whole archive */
+        a.ar_n = ctx->archive_rows ? ctx->archive_rows : ctx->max_rows;
         for (uint32_t h = 0; h < a.n_kv; h++)
             a.rank[h] = stride;
         const size_t f = kvt__recall_rope_scratch_floats(&a);

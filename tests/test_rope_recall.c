@@ -582,15 +582,26 @@ static void o_best(const rr *x, const oview *v, const float *q, float *best) {
     }
 }
 
-/* The oracle's fired membership of head h's archive (in[k] = 1), for scan z and mode; count. */
+/* The oracle's fired membership of head h's archive (in[k] = 1), for scan z and mode; count.
+ * key (or NULL): each row's capped-overflow priority, kvt__recall_rope_capped_key of
+ * max_g (idx_g − best_g). */
+static uint64_t o_fire_keys(const rr *x, const oview *v, const float *q, const float *best,
+                            uint32_t h, float z, int mode, uint8_t *in, uint32_t *key);
+
 static uint64_t o_fire(const rr *x, const oview *v, const float *q, const float *best, uint32_t h,
                        float z, int mode, uint8_t *in) {
+    return o_fire_keys(x, v, q, best, h, z, mode, in, NULL);
+}
+
+static uint64_t o_fire_keys(const rr *x, const oview *v, const float *q, const float *best,
+                            uint32_t h, float z, int mode, uint8_t *in, uint32_t *key) {
     const uint32_t G = x->sp.n_q_heads / x->H, D = x->D, R = x->rank[h];
     float q_sk[KVT__SKETCH_MAX_RANK + 1], tmp[1024];
     uint64_t n = 0;
     for (uint64_t k = 0; k < v->ar_n; k++) {
         in[k] = 0;
-        for (uint32_t g = 0; g < G && !in[k]; g++) {
+        float score = -INFINITY;
+        for (uint32_t g = 0; g < G && (key || !in[k]); g++) {
             const uint32_t t = h * G + g;
             const float *qh = q + (size_t)t * x->QW;
             kvt__recall_head hd;
@@ -611,8 +622,13 @@ static uint64_t o_fire(const rr *x, const oview *v, const float *q, const float 
             else
                 f = kvt__recall_conformal_fires(
                     idx, kvt__recall_cert(&hd, v->rho[h][k], 1.0f, D), z, best[t]);
-            in[k] = (uint8_t)f;
+            in[k] |= (uint8_t)f;
+            const float sc = idx - best[t];
+            if (sc > score || sc != sc)
+                score = sc;
         }
+        if (key)
+            key[k] = kvt__recall_rope_capped_key(in[k], score);
         n += in[k];
     }
     return n;
@@ -1083,13 +1099,29 @@ static void check_lists(rr *x, bool dense, const oview *v, const float *q, const
             for (uint64_t k = 0; k < v->ar_n; k++)
                 wpos[n++] = v->ar_pos[h][k];
         } else if (v->ar_n) {
+            uint64_t n_in = 0;
+            uint32_t *key = malloc(sizeof(uint32_t) * (v->ar_n + 1));
             if (g_capped_calib)
                 o_calib_rows(x, v, q, h, in);
             else
-                o_fire(x, v, q, best, h, z, mode, in);
-            /* a host archive: the first g_cap_rows of them (0: every one) */
-            for (uint64_t k = 0, taken = 0; k < v->ar_n; k++)
-                if (in[k] && (!g_cap_rows || taken++ < g_cap_rows))
+                n_in = o_fire_keys(x, v, q, best, h, z, mode, in, key);
+            /* a host archive's overflow: the g_cap_rows fired rows of the highest keys, ties to
+             * the lower index (repeatedly the best not yet taken) */
+            if (g_cap_rows && !g_capped_calib && n_in > g_cap_rows) {
+                uint8_t *keep = calloc(v->ar_n, 1);
+                for (uint32_t j = 0; j < g_cap_rows; j++) {
+                    int64_t b = -1;
+                    for (uint64_t k = 0; k < v->ar_n; k++)
+                        if (in[k] && !keep[k] && (b < 0 || key[k] > key[b]))
+                            b = (int64_t)k;
+                    keep[b] = 1;
+                }
+                memcpy(in, keep, v->ar_n);
+                free(keep);
+            }
+            free(key);
+            for (uint64_t k = 0; k < v->ar_n; k++)
+                if (in[k])
                     wpos[n++] = v->ar_pos[h][k];
         }
         cr_assert_eq((uint64_t)(indptr[h + 1] - indptr[h]), n,

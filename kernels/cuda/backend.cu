@@ -1100,9 +1100,10 @@ struct RopeExtra {
     float *e;
     uint32_t *arg, *valid;
     float *nw, *old;
+    uint32_t *keys; /* capped: [n_kv][ar_n] the overflow's priorities */
 };
 
-__device__ RopeExtra rope_extra(const ScanWs &w, uint32_t nq) {
+__device__ RopeExtra rope_extra(const ScanWs &w, uint32_t nq, uint32_t sample_cap) {
     uint8_t *b = w.base + w.off_extra; /* item 0's extra: the step's */
     const size_t hb = align256(sizeof(float) * nq);
     RopeExtra x;
@@ -1111,6 +1112,7 @@ __device__ RopeExtra rope_extra(const ScanWs &w, uint32_t nq) {
     x.valid = (uint32_t *)(b + 2 * hb);
     x.nw = (float *)(b + 3 * hb);
     x.old = (float *)(b + 4 * hb);
+    x.keys = (uint32_t *)(b + 4 * hb + align256(sizeof(float) * sample_cap));
     return x;
 }
 
@@ -1145,7 +1147,7 @@ __global__ void k_rope_best(const RopeParams p, const ScanWs w) {
         a.best[t] = bv;
     if (!rope_calibrating(a, a.st->phase))
         return;
-    const RopeExtra ex = rope_extra(w, a.n_kv * G);
+    const RopeExtra ex = rope_extra(w, a.n_kv * G, a.sample_cap);
     bv = -INFINITY;
     br = UINT64_MAX;
     for (uint64_t k = threadIdx.x; k < a.ar_n; k += blockDim.x)
@@ -1183,6 +1185,39 @@ __global__ void k_rope_rows(const RopeParams p, const ScanWs w) {
     scan_rows(rope_view(p, &div, blockIdx.y, a.st->z), scan_item(w, blockIdx.y));
 }
 
+/* Launch 3b (capped): each archived row's overflow priority per KV head (grid y), the CPU
+ * twin's capped_choice keys: the scan's fire test and max_g (idx_g − best_g). */
+__global__ void k_rope_keys(const RopeParams p, const ScanWs w) {
+    const kvt__div32 div = p.div;
+    const kvt__recall_rope_args &a = p.a;
+    if (!a.ar_n || rope_calibrating(a, a.st->phase))
+        return;
+    const uint32_t h = blockIdx.y;
+    const kvt__recall_scan_args v = rope_view(p, &div, h, a.st->z);
+    const ScanItem it = scan_item(w, h);
+    uint32_t *keys = rope_extra(w, a.n_kv * a.group, a.sample_cap).keys + (size_t)h * a.ar_n;
+    const size_t qw = (size_t)v.latent_dim + v.branch_dim;
+    for (uint64_t k = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; k < a.ar_n;
+         k += (uint64_t)gridDim.x * blockDim.x) {
+        const uint8_t *row = v.base + (size_t)k * v.slot_stride;
+        const uint16_t *csk = v.csk + (size_t)k * v.csk_stride;
+        int fires = 0;
+        float score = -INFINITY;
+        for (uint32_t g = 0; g < v.n_heads; g++) {
+            float P, ncsk;
+            const float idx = kvt__recall_idx(v.q + g * qw, it.q_sk + (size_t)g * v.rank, row,
+                                              v.latent_dim, v.branch_offset, v.branch_dtype,
+                                              v.branch_dim, csk, v.rank, 1.0f, &P, &ncsk);
+            const kvt__recall_head hd = it.heads[g];
+            fires |= kvt__recall_rope_fires(&v, &hd, g, idx, P, ncsk, v.rho[k]);
+            const float sc = idx - v.best[g];
+            if (sc > score || sc != sc)
+                score = sc;
+        }
+        keys[k] = kvt__recall_rope_capped_key(fires, score);
+    }
+}
+
 /* Launch 4: one block. */
 __global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
     ROPE_ARGS(p);
@@ -1206,7 +1241,7 @@ __global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
     if (a.ar_n == 0) {
         /* nothing to recall */
     } else if (calib) {
-        const RopeExtra ex = rope_extra(w, nq);
+        const RopeExtra ex = rope_extra(w, nq, a.sample_cap);
         samples_merge(ex.e, nq, ex.valid, ex.nw, ex.old, a.samples, a.sample_cap, s_n,
                       &st->n_samples);
         if (threadIdx.x == 0) {
@@ -1240,6 +1275,12 @@ __global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
         for (uint32_t h = 0; h < H; h++) {
             const kvt__recall_scan_args v = rope_view(p, &a_div, h, s_z);
             const uint32_t total = scan_compact(v, scan_item(w, h).flags);
+            if (a.capped && total > a.cap) { /* the cap best fired rows, not the first */
+                __syncthreads();
+                block_topm(rope_extra(w, nq, a.sample_cap).keys + (size_t)h * a.ar_n,
+                           (uint32_t)a.ar_n, a.cap, a.fired + (size_t)h * a.cap);
+                __syncthreads();
+            }
             if (threadIdx.x == 0) {
                 const uint32_t nf = total < a.cap ? total : a.cap, over = total > a.cap ? 1u : 0u;
                 a.n_fired[h] = nf;
@@ -1282,7 +1323,9 @@ kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_ar
         for (uint32_t h = 0; h < a.n_kv; h++)
             kvt__recall_rope_view(&a, h, 0.0f, &p.v[h]);
         const uint32_t nq = a.n_kv * a.group;
-        const size_t extra = 4 * align256(sizeof(float) * nq) + sizeof(float) * a.sample_cap;
+        const size_t extra = 4 * align256(sizeof(float) * nq) +
+                             align256(sizeof(float) * a.sample_cap) +
+                             (a.capped ? sizeof(uint32_t) * a.n_kv * a.ar_n : 0);
         uint32_t H;
         size_t rows;
         ScanWs w = scan_ws_of(p.v, sizeof p.v[0], a.n_kv, extra, &H, &rows);
@@ -1293,6 +1336,8 @@ kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_ar
         k_rope_best<<<grid, kThreads, 0, strm(stream)>>>(p, w);
         if (a.ar_n)
             k_rope_rows<<<rows_grid(a.ar_n, a.n_kv), kThreads, 0, strm(stream)>>>(p, w);
+        if (a.ar_n && a.capped)
+            k_rope_keys<<<rows_grid(a.ar_n, a.n_kv), kThreads, 0, strm(stream)>>>(p, w);
         k_rope_finish<<<1, kThreads, 0, strm(stream)>>>(p, w);
         s = st(cudaGetLastError());
     }
