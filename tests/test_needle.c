@@ -1026,9 +1026,15 @@ typedef struct recall_tally {
 
 /* Replay h in recall mode (trigger `mode`, basis or not) at `ratio`, checking every result's
  * recall fields against each other; tally the needles of salience level `lv`. */
+/* The recall cap and archive placement of the next recall_run (0 / DEVICE: the defaults). */
+static uint32_t g_recall_cap;
+static kvt_space g_archive_space;
+
 static recall_tally recall_run(hay *h, uint32_t ratio, uint32_t block, kvt_recall_mode mode,
                                bool basis, nd_salience lv, nd_result *res) {
     nd_run_params rp = nd_run_default_params();
+    rp.recall_cap_rows = g_recall_cap;
+    rp.archive_space = g_archive_space;
     rp.mode = ND_MODE_RECALL;
     rp.ratio = ratio;
     rp.block_rows = block;
@@ -1413,6 +1419,48 @@ static void rope_probe(uint64_t context, uint64_t n_seeds, bool conformal) {
                                      : 0.0);
     cr_assert_geq(100u * cf.pass, 95u * cf.counted, "conformal recall: %u/%u facts", cf.pass,
                   cf.counted);
+}
+
+/* The same probe with the archive in host memory and W = 32 (docs/recall.md §9.7): no step attends
+ * the whole archive, and the conformal trigger (whose overflows a device archive serves densely)
+ * keeps the 32 best-scored fired rows of each overflow: >= 95% of the facts with at most 1% of the
+ * archive fetched on the other steps (54/54 at 0.41% measured, 3 haystacks). */
+Test(floors, rope_recall_host_archive_conformal_8k, .timeout = 900) {
+    static const nd_salience lv[] = {ND_SAL_NONE};
+    recall_tally cf = {0};
+    const uint64_t n_seeds = ND_SANITIZED ? 1 : 3;
+    for (uint64_t seed = 60; seed < 60 + n_seeds; seed++) {
+        nd_gen_params gp = gen(8192, seed);
+        gp.levels = lv;
+        gp.n_levels = 1;
+        gp.needles_per_depth = 2;
+        gp.rope = true;
+        gp.prompt_rows = 256;
+        gp.decode_calib = 16;
+        gp.decode_gap = 3;
+        hay h;
+        hay_make(&h, gp);
+        nd_result *res = calloc(h.c.n_targets, sizeof *res);
+        g_recall_cap = 32;
+        g_archive_space = KVT_SPACE_HOST;
+        recall_tally t = recall_run(&h, 8, 4096, KVT_RECALL_CONFORMAL, true, ND_SAL_NONE, res);
+        g_recall_cap = 0;
+        g_archive_space = KVT_SPACE_DEVICE;
+        for (uint32_t i = 0; i < h.c.n_targets; i++)
+            cr_assert(!res[i].recall_dense, "a host archive never attends every row");
+        cf.counted += t.counted, cf.pass += t.pass;
+        cf.st.other_fetched += t.st.other_fetched;
+        cf.st.other_archived += t.st.other_archived;
+        free(res);
+        hay_free(&h);
+    }
+    cr_log_info("RoPE 8k 8x, host archive, conformal W = 32: %u/%u, filler steps fetched %.4f%% "
+                "of the archive", cf.pass, cf.counted,
+                100.0 * (double)cf.st.other_fetched / (double)cf.st.other_archived);
+    cr_assert_gt(cf.counted, 0);
+    cr_assert_geq(100u * cf.pass, 95u * cf.counted, "%u/%u facts", cf.pass, cf.counted);
+    cr_assert_gt(cf.st.other_archived, 0);
+    cr_assert_leq(cf.st.other_fetched * 100, cf.st.other_archived);
 }
 
 Test(floors, rope_recall_once_stated_facts_8k, .timeout = 900) {
