@@ -349,15 +349,16 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  * archive (config.evict_archive, with sketch planes): per KV head, its archived rows' post-RoPE
  * keys through the head's sketch (kvt_ctx_set_recall_head_basis), its query heads' best over the
  * rows it attends, D = head_dim (> 64), one z per request and layer; W is per KV head, and an
- * overflow in any head lists the whole archive. On an MLA-RoPE layer (one latent head) the
+ * overflow in any head lists the whole archive (with a host archive, kvt_ctx_params.archive_space,
+ * no step does: an overflowing head fetches its W best-scored fired rows, flagged, and a
+ * calibration step each query head's best archived row). On an MLA-RoPE layer (one latent head) the
  * archived row is scored as on NoPE layers: its latent (kv_lora_rank values) through the head's
  * sketch, its rotated branch exactly, D = kv_lora_rank. Such a layer then needs the emission
  * layout KVT_EMIT_CSR_KV_HEADS (kvt_batch_run) — on a layer with one KV head (MLA-RoPE, MQA)
  * KVT_EMIT_TOKENS and KVT_EMIT_CSR serve too (one list, the same) — and costs the request a
- * fetch area of pool pages for as many rows as it holds (counted by kvt_seq_pages_needed); its
- * snapshots carry the trigger's state (a RECALL section, as on salience layers). CPU and guarded
- * backends only for now: on CUDA a request that would recall on such a layer is refused at
- * creation (KVT_ERR_UNSUPPORTED, named).
+ * fetch area of pool pages for as many rows as it holds (with a host archive at most W; counted
+ * by kvt_seq_pages_needed); its snapshots carry the trigger's state (a RECALL section, as on
+ * salience layers). CPU, guarded and CUDA backends (the CUDA twins have not run on a GPU yet).
  */
 typedef enum kvt_recall_mode {
     KVT_RECALL_OFF = 0,       /* archived rows are never brought back */

@@ -750,8 +750,8 @@ kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t 
         if (need > t->n_pages)
             sum += need - t->n_pages;
     }
-    /* RoPE recall's fetch area of a group: sized at reserve to the request's rows (kvt__seq
-     * reserve), from the same pool. */
+    /* RoPE recall's fetch area of a group: sized at reserve to the request's rows (with a host
+     * archive at most recall_cap_rows, as kvt__seq_reserve does), from the same pool. */
     bool fetch_counted[KVT__MAX_GROUPS] = {false};
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
         if (!kvt__seq_recalls_rope(seq, i))
@@ -761,7 +761,10 @@ kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t 
             continue;
         fetch_counted[fg] = true;
         const kvt__ptable *f = &seq->fetch[fg];
-        uint64_t need = kvt__ptable_pages_for(f, seq->n_tokens + (uint64_t)n_tokens, ctx->page_rows);
+        uint64_t rows = seq->n_tokens + (uint64_t)n_tokens;
+        if (ctx->archive_host && rows > seq->cfg.recall_cap_rows)
+            rows = seq->cfg.recall_cap_rows;
+        uint64_t need = kvt__ptable_pages_for(f, rows, ctx->page_rows);
         if (need > f->n_pages)
             sum += need - f->n_pages;
     }

@@ -1764,14 +1764,18 @@ static void rv_query(rr *x, float *q) {
     oview_free(&v);
 }
 
-/* kvt_seq_pages_needed counts the fetch area a reserve takes (admission control). */
-Test(rope_recall_more, pages_needed_counts_the_fetch_area) {
+/* kvt_seq_pages_needed counts exactly the pages a reserve takes, the fetch area's among them
+ * (admission control: neither fewer, which would fail a reserve it admitted, nor more, which
+ * would refuse a request that fits; with a host archive the fetch area holds at most W rows). */
+static void pages_needed_run(bool host) {
     kvt_config cfg = rr_cfg(32, 8, 16);
     cfg.recall = KVT_RECALL_SOUND;
     cfg.recall_cap_rows = 64;
     const uint32_t rank[2] = {32, 16};
     rr x;
+    g_archive_host = host;
     rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_CPU, 31);
+    g_archive_host = false;
     e2e e;
     e2e_init(&e, &x, 512);
     float q[TR_MAXQ * 256];
@@ -1784,16 +1788,27 @@ Test(rope_recall_more, pages_needed_counts_the_fetch_area) {
         uint32_t one = 1;
         cr_assert_eq(kvt_batch_reserve(e.b, &x.seq, &one, 1), KVT_OK, "%s", kvt_last_error());
         cr_assert_eq(kvt_ctx_free_pages(x.ctx, 0, &f1), KVT_OK);
-        if (f0 - f1 > need && !bad++)
+        if (f0 - f1 != need && !bad++)
             cr_log_error("step %d: pages_needed said %u, the reserve took %u (fetch area %u pages)",
                          step, need, f0 - f1, x.seq->fetch[0].n_pages);
+        if (host)
+            cr_assert_leq(x.seq->fetch[0].n_pages, (cfg.recall_cap_rows + 15) / 16,
+                          "step %d: a host archive's fetch area holds at most W rows", step);
         kvt_batch_destroy(e.b);
         cr_assert_eq(kvt_batch_create(x.ctx, 1, &e.b), KVT_OK);
         cr_assert_eq(rv_step(&e, &x, q), KVT_OK, "%s", kvt_last_error());
     }
-    cr_assert_eq(bad, 0, "%d steps took more pages than kvt_seq_pages_needed said", bad);
+    cr_assert_eq(bad, 0, "%d steps took other than the pages kvt_seq_pages_needed said", bad);
     e2e_fini(&e);
     rr_fini(&x);
+}
+
+Test(rope_recall_more, pages_needed_counts_the_fetch_area) {
+    pages_needed_run(false);
+}
+
+Test(rope_recall_more, pages_needed_counts_a_host_archive_fetch_area) {
+    pages_needed_run(true);
 }
 
 
