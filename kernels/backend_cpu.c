@@ -6,6 +6,7 @@
 #include "kernels/philox.h"
 #include "kernels/recall_scan.h"
 #include "kernels/recall_step.h"
+#include "kernels/recall_group.h"
 #include "kernels/recall_rope.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
@@ -854,6 +855,14 @@ static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_r
             GUARD_OWNS(be, a->basis, sizeof(float) * H * a->basis_stride * a->D);
         if (a->ar_n && a->ar_branch)
             GUARD_OWNS(be, a->ar_branch, (size_t)a->ar_branch_bytes * H * a->ar_cap);
+        if (a->g_perm && a->g_blocks_cap) { /* the pruned scan's group planes, every head's */
+            const size_t slots = H * a->g_blocks_cap, Gs = kvt__recall_group_slots(a->g_B);
+            GUARD_OWNS(be, a->g_perm, sizeof(uint32_t) * slots * a->g_B);
+            GUARD_OWNS(be, a->g_n, sizeof(uint32_t) * slots);
+            GUARD_OWNS(be, a->g_end, sizeof(uint32_t) * slots * Gs);
+            GUARD_OWNS(be, a->g_centre, sizeof(float) * slots * Gs * a->g_dim);
+            GUARD_OWNS(be, a->g_stat, sizeof(float) * slots * Gs * KVT__RG_STATS);
+        }
         GUARD_OWNS(be, a->q, sizeof(float) * nq * (a->D + a->branch_dim));
         GUARD_OWNS(be, a->best, sizeof(float) * nq);
         GUARD_OWNS(be, a->st, sizeof *a->st);

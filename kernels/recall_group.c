@@ -223,6 +223,32 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
     }
 }
 
+size_t kvt__recall_group_build_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank) {
+    return align8(sizeof(int32_t) * (size_t)B) + kvt__recall_group_scratch_bytes(B, branch_dim, rank);
+}
+
+void kvt__recall_group_build_cpu(const kvt__recall_scan_args *a, uint32_t B, uint32_t dim,
+                                 uint32_t stride, const kvt__recall_group_block *planes,
+                                 uint64_t from, uint64_t to, void *scratch) {
+    const uint32_t G = kvt__recall_group_slots(B);
+    const uint64_t step = stride ? stride : 1u;
+    int32_t *slots = scratch;
+    void *ws = (uint8_t *)scratch + align8(sizeof(int32_t) * (size_t)B);
+    for (uint64_t blk = from; blk < to; blk++) {
+        for (uint32_t u = 0; u < B; u++)
+            slots[u] = kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)(blk * B + u));
+        const uint64_t k = blk * step;
+        kvt__recall_group_block out = {.perm = planes->perm + k * B,
+                                       .n_groups = planes->n_groups + k,
+                                       .end = planes->end + k * G,
+                                       .centre = planes->centre + k * G * dim,
+                                       .stat = planes->stat + k * G * KVT__RG_STATS};
+        kvt__recall_group_block_cpu(a->base, slots, B, a->slot_stride, a->branch_offset,
+                                    a->branch_dtype, a->branch_dim, a->csk + blk * B * a->csk_stride,
+                                    a->csk_stride, a->rho + blk * B, a->rank, dim, ws, &out);
+    }
+}
+
 int kvt__recall_groups_ok(const kvt__recall_scan_args *a, const kvt__recall_groups *g) {
     const uint32_t B = g->block_rows;
     if (!g->n_blocks)
@@ -234,8 +260,10 @@ int kvt__recall_groups_ok(const kvt__recall_scan_args *a, const kvt__recall_grou
     /* the planes' indices in range (what a scan dereferences): n_groups, the group ends
      * ascending with 32..64 rows each and the last at B, the row offsets below B */
     const uint32_t G = kvt__recall_group_slots(B);
+    const uint64_t step = g->stride ? g->stride : 1u;
     for (uint64_t b = 0; b < g->n_blocks; b++) {
-        const uint32_t ng = g->n_groups[b], *end = g->end + b * G, *perm = g->perm + b * B;
+        const uint64_t k = b * step;
+        const uint32_t ng = g->n_groups[k], *end = g->end + k * G, *perm = g->perm + k * B;
         if (ng == 0 || ng > G || end[ng - 1] != B)
             return 0;
         for (uint32_t i = 0, lo = 0; i < ng; lo = end[i++])
@@ -313,12 +341,14 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
             s.archived -= a->kept[i] >= a->sinks;
         }
     const uint32_t B = g->block_rows, G = g->n_blocks ? kvt__recall_group_slots(B) : 0;
+    const uint64_t step = g->stride ? g->stride : 1u;
     for (uint64_t b = 0; b < g->n_blocks; b++) {
-        const uint32_t *perm = g->perm + b * B, *end = g->end + b * G;
+        const uint64_t k = b * step; /* the block's plane slot */
+        const uint32_t *perm = g->perm + k * B, *end = g->end + k * G;
         uint32_t start = 0;
-        for (uint32_t gi = 0; gi < g->n_groups[b]; start = end[gi++]) {
-            const float *c = g->centre + (b * G + gi) * g->dim;
-            const float *st = g->stat + (b * G + gi) * KVT__RG_STATS;
+        for (uint32_t gi = 0; gi < g->n_groups[k]; start = end[gi++]) {
+            const float *c = g->centre + (k * G + gi) * g->dim;
+            const float *st = g->stat + (k * G + gi) * KVT__RG_STATS;
             s.groups++;
             /* y·c of every head, YC_TILE chains at a time (kvt__recall_group_ydot's order) */
             for (size_t h0 = 0; h0 < HP; h0 += YC_TILE) {

@@ -239,19 +239,33 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
                                  const kvt__recall_group_block *out);
 
 /* The group planes of a (request, layer) as the pruned scan reads them: blocks 0 .. n_blocks − 1
- * (rows [0, n_blocks·block_rows), every one closed), block b's planes at perm + b·B, n_groups + b,
- * end + b·B/32, centre + b·(B/32)·dim, stat + b·(B/32)·KVT__RG_STATS. Closed rows past the
- * grouped blocks are scanned one by one. */
+ * (rows [0, n_blocks·block_rows), every one closed), block b's planes at slot k = b·stride
+ * (stride 0 reads as 1): perm + k·B, n_groups + k, end + k·B/32, centre + k·(B/32)·dim, stat +
+ * k·(B/32)·KVT__RG_STATS. A RoPE layer's planes interleave its KV heads (stride n_kv, each head's
+ * pointers offset by its slot; kernels/recall_rope.h). Closed rows past the grouped blocks are
+ * scanned one by one. */
 typedef struct kvt__recall_groups {
     uint32_t block_rows;
     uint64_t n_blocks;
     uint32_t dim;
+    uint32_t stride;
     const uint32_t *perm;
     const uint32_t *n_groups;
     const uint32_t *end;
     const float *centre;
     const float *stat;
 } kvt__recall_groups;
+
+/* Bytes of scratch kvt__recall_group_build_cpu takes: a block's slots, then the build's. */
+size_t kvt__recall_group_build_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank);
+
+/* Build the groups of closed blocks [from, to) of a scan's rows (a's rows through its pages,
+ * its sketches and ρ, branch and rank) into the planes as kvt__recall_groups reads them: block
+ * b's at slot b·stride (stride 0: 1) past `planes`' pointers, centres of dim floats. Arguments
+ * trusted; scratch 8-byte aligned, kvt__recall_group_build_scratch_bytes. */
+void kvt__recall_group_build_cpu(const struct kvt__recall_scan_args *a, uint32_t B, uint32_t dim,
+                                 uint32_t stride, const kvt__recall_group_block *planes,
+                                 uint64_t from, uint64_t to, void *scratch);
 
 /* What a pruned scan did (for benchmarks and tests). */
 typedef struct kvt__recall_prune_stats {

@@ -1,11 +1,13 @@
 /*
  * recall_rope.c — CPU twin of the RoPE recall step (kernels/recall_rope.h for what it computes).
  * Straight loops over the per-element functions (kvt__recall_exact, kvt__recall_idx,
- * kvt__recall_cert, the conformal functions) and one call of the full scan per KV head: every
- * value is the per-element function's, so a host oracle over the same functions gives the same
- * bits. Not tiled yet (the NoPE step's 8-head tiles are the model for that).
+ * kvt__recall_cert, the conformal functions) and one call of the full scan per KV head — or of
+ * the pruned scan over the archive's groups (kernels/recall_group.h), whose outputs are the full
+ * scan's — every value is the per-element function's, so a host oracle over the same functions
+ * gives the same bits. Not tiled yet (the NoPE step's 8-head tiles are the model for that).
  */
 #include "kernels/recall_rope.h"
+#include "kernels/recall_group.h"
 
 #include "kernels/recall_step.h"
 #include "kernels/sketch.h"
@@ -38,7 +40,27 @@ bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a) {
         if (a->rank[h] > a->csk_stride || a->rank[h] > a->basis_stride ||
             (a->rank[h] && !a->basis))
             return false;
+    const uint32_t B = a->g_B;
+    if (a->g_perm && !(B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && a->g_n &&
+                       a->g_end && a->g_centre && a->g_stat &&
+                       a->g_dim >= a->branch_dim + a->csk_stride))
+        return false;
     return true;
+}
+
+/* The scan's region of the scratch: one KV head's full scan, or its pruned scan and the group
+ * build (one at a time), even so that what follows stays 8-byte aligned. */
+static size_t scan_region_floats(const kvt__recall_rope_args *a, uint32_t rmax) {
+    size_t f = kvt__recall_scan_scratch_floats(a->group, rmax, a->D);
+    if (a->g_perm) {
+        const size_t p =
+            (kvt__recall_scan_pruned_scratch_bytes(a->group, rmax, a->D, a->ar_n) + 3u) / 4u;
+        const size_t g =
+            (kvt__recall_group_build_scratch_bytes(a->g_B, a->branch_dim, rmax) + 3u) / 4u;
+        f = p > f ? p : f;
+        f = g > f ? g : f;
+    }
+    return (f + 1u) & ~(size_t)1u;
 }
 
 size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a) {
@@ -47,8 +69,7 @@ size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a) {
         rmax = a->rank[h] > rmax ? a->rank[h] : rmax;
     /* the scan's (one KV head at a time), then per query head the best archived score and row,
      * and one head's prep: q̃_sk [rank], tmp [D] */
-    size_t f = kvt__recall_scan_scratch_floats(a->group, rmax, a->D) + 2u * (size_t)a->group +
-               rmax + a->D;
+    size_t f = scan_region_floats(a, rmax) + 2u * (size_t)a->group + rmax + a->D;
     /* capped (a host archive): an overflow's choice of W rows, one head at a time — the group's
      * preps (q̃_sk [G][rank], heads [G]), a key per archived row and the top-m's scratch */
     if (a->capped)
@@ -276,7 +297,7 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     uint32_t rmax = 0;
     for (uint32_t h = 0; h < H; h++)
         rmax = a->rank[h] > rmax ? a->rank[h] : rmax;
-    float *best_ar = scratch + kvt__recall_scan_scratch_floats(G, rmax, D);
+    float *best_ar = scratch + scan_region_floats(a, rmax);
     uint32_t *arg = (uint32_t *)(best_ar + G);
     float *q_sk = (float *)(arg + G);
     float *tmp = q_sk + rmax;
@@ -289,7 +310,7 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
 
     const uint64_t archived = a->ar_n * H;
     uint32_t dense = 0, over = 0;
-    uint64_t fired = 0, fetched = 0;
+    uint64_t fired = 0, fetched = 0, visited = archived;
     for (uint32_t h = 0; h < H; h++)
         a->n_fired[h] = a->overflow[h] = 0;
     st->steps++;
@@ -333,18 +354,56 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
         if (dense)
             fetched = archived;
     } else {
-        /* 4. Per KV head, the full scan of its archive with its group's queries. */
+        /* 4. Per KV head, the scan of its archive with its group's queries: the pruned scan
+         * where it pays, as on NoPE layers (kernels/recall_step.c) — after a dense step, while
+         * the last scan visited at most 7/8 of the archive, and every 16th step to look again —
+         * for heads with a basis; otherwise the full scan. The same fired rows either way. */
         const float z = kvt__recall_mode_z(a->mode, D, a->margin, st->z);
+        const bool prune = a->g_perm && a->mode != KVT__RECALL_MARGIN &&
+                           (st->last_dense || st->last_visited * 8u <= st->last_archived * 7u ||
+                            st->steps % 16u == 0);
+        uint64_t want = prune ? a->ar_n / a->g_B : 0;
+        if (want > a->g_blocks_cap)
+            want = a->g_blocks_cap;
+        visited = 0;
         for (uint32_t h = 0; h < H; h++) {
             kvt__recall_scan_args v;
             kvt__recall_rope_view(a, h, z, &v);
-            kvt__recall_scan_cpu(&v, scan_scratch);
+            if (prune && a->rank[h]) {
+                const uint32_t B = a->g_B, Gs = kvt__recall_group_slots(B);
+                const size_t dim = a->g_dim;
+                const kvt__recall_group_block planes = {
+                    .perm = a->g_perm + (size_t)h * B, .n_groups = a->g_n + h,
+                    .end = a->g_end + (size_t)h * Gs, .centre = a->g_centre + h * Gs * dim,
+                    .stat = a->g_stat + (size_t)h * Gs * KVT__RG_STATS};
+                if (want > st->n_grouped) /* the blocks archived since the last build */
+                    kvt__recall_group_build_cpu(&v, B, a->g_dim, H, &planes, st->n_grouped, want,
+                                                scan_scratch);
+                const kvt__recall_groups g = {.block_rows = B,
+                                              .n_blocks = want > st->n_grouped ? want
+                                                                               : st->n_grouped,
+                                              .dim = a->g_dim,
+                                              .stride = H,
+                                              .perm = planes.perm,
+                                              .n_groups = planes.n_groups,
+                                              .end = planes.end,
+                                              .centre = planes.centre,
+                                              .stat = planes.stat};
+                kvt__recall_prune_stats ps;
+                kvt__recall_scan_pruned_cpu(&v, &g, scan_scratch, &ps);
+                visited += ps.visited;
+            } else {
+                kvt__recall_scan_cpu(&v, scan_scratch);
+                visited += a->ar_n;
+            }
             if (a->capped && a->overflow[h])
                 capped_choice(a, h, z, tmp + D, tmp);
             fired += (uint64_t)a->n_fired[h] + a->overflow[h];
             fetched += a->n_fired[h];
             over |= a->overflow[h];
         }
+        if (want > st->n_grouped)
+            st->n_grouped = (uint32_t)want;
         dense = over && !a->capped; /* capped: the first cap fired rows of each head */
         if (dense)
             fetched = archived;
@@ -353,7 +412,7 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
     if (dense)
         for (uint32_t h = 0; h < H; h++)
             a->n_fired[h] = 0; /* the emission attends every archived row instead */
-    kvt__recall_state_record(st, a->dense, dense, over, archived, a->ar_n ? archived : 0, fired,
+    kvt__recall_state_record(st, a->dense, dense, over, archived, a->ar_n ? visited : 0, fired,
                              fetched);
 }
 

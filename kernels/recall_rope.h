@@ -82,6 +82,16 @@ typedef struct kvt__recall_rope_args {
     const uint16_t *csk;      /* [n_kv][ar_cap][csk_stride] */
     const float *rho;         /* [n_kv][ar_cap] */
     uint32_t csk_stride;
+    /* The pruned scan's group planes (kernels/recall_group.h) over each head's archive in blocks
+     * of g_B archive rows (archive indices [b·g_B, (b + 1)·g_B)): head h's block b at plane slot
+     * b·n_kv + h (kvt__recall_groups.stride n_kv), room for g_blocks_cap blocks a head, centres of
+     * g_dim >= branch_dim + csk_stride floats; st->n_grouped blocks of every head built. g_perm
+     * NULL: the full scan only (the CUDA twin's: the pruned scan's fired rows are the full
+     * scan's, bit for bit, so the choice moves only the step's `visited` and its time). */
+    uint32_t g_B, g_dim;
+    uint64_t g_blocks_cap;
+    uint32_t *g_perm, *g_n, *g_end;
+    float *g_centre, *g_stat;
     const float *basis;       /* [n_kv][basis_stride][D]; NULL when no head has one */
     uint32_t basis_stride;
     uint32_t rank[KVT__RECALL_ROPE_MAX_KV]; /* per head, <= csk_stride (0: none) */

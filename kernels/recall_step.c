@@ -31,8 +31,7 @@ static size_t scan_floats(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t 
     size_t f = kvt__recall_scan_scratch_floats(n_heads, rank, D);
     if (block_rows) {
         size_t p = (kvt__recall_scan_pruned_scratch_bytes(n_heads, rank, D, n_closed) + 7u) / 4u;
-        size_t g = (kvt__recall_group_scratch_bytes(block_rows, branch_dim, rank) + 7u) / 4u +
-                   block_rows + 2u;
+        size_t g = (kvt__recall_group_build_scratch_bytes(block_rows, branch_dim, rank) + 3u) / 4u;
         f = p > f ? p : f;
         f = g > f ? g : f;
     }
@@ -58,24 +57,14 @@ size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x) {
 /* Build the groups of closed blocks [st->n_grouped, n_closed / B) into the planes. */
 static void build_groups(const kvt__recall_step_args *x, const kvt__recall_scan_args *a,
                          kvt__recall_state *st, void *scratch) {
-    const uint32_t B = x->block_rows, G = kvt__recall_group_slots(B);
-    uint64_t want = a->n_closed / B;
+    uint64_t want = a->n_closed / x->block_rows;
     if (want > x->g_blocks_cap)
         want = x->g_blocks_cap;
-    int32_t *slots = scratch;
-    void *ws = (uint8_t *)scratch + (((size_t)B * 4u + 7u) & ~(size_t)7u);
-    for (uint64_t blk = st->n_grouped; blk < want; blk++) {
-        for (uint32_t u = 0; u < B; u++)
-            slots[u] = kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)(blk * B + u));
-        kvt__recall_group_block out = {.perm = x->g_perm + blk * B,
-                                       .n_groups = x->g_n + blk,
-                                       .end = x->g_end + blk * G,
-                                       .centre = x->g_centre + blk * G * x->g_dim,
-                                       .stat = x->g_stat + blk * G * KVT__RG_STATS};
-        kvt__recall_group_block_cpu(a->base, slots, B, a->slot_stride, a->branch_offset,
-                                    a->branch_dtype, a->branch_dim, a->csk + blk * B * a->csk_stride,
-                                    a->csk_stride, a->rho + blk * B, a->rank, x->g_dim, ws, &out);
-    }
+    const kvt__recall_group_block planes = {.perm = x->g_perm, .n_groups = x->g_n,
+                                            .end = x->g_end, .centre = x->g_centre,
+                                            .stat = x->g_stat};
+    kvt__recall_group_build_cpu(a, x->block_rows, x->g_dim, 1, &planes, st->n_grouped, want,
+                                scratch);
     if (want > st->n_grouped)
         st->n_grouped = (uint32_t)want;
 }

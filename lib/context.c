@@ -290,6 +290,13 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
         a.ar_n = ctx->archive_rows ? ctx->archive_rows : ctx->max_rows;
         for (uint32_t h = 0; h < a.n_kv; h++)
             a.rank[h] = stride;
+        static uint32_t planes_on; /* the pruned scan's share: any non-NULL plane */
+        const uint32_t B = ctx->cfg.block_rows;
+        if (B >= 64u && (B & (B - 1u)) == 0) {
+            a.g_perm = &planes_on;
+            a.g_B = B;
+            a.branch_dim = sp->n_planes == 1 ? sp->branch_dim : 0;
+        }
         const size_t f = kvt__recall_rope_scratch_floats(&a);
         if (f > ctx->ws_sigma_floats)
             ctx->ws_sigma_floats = f;

@@ -276,6 +276,19 @@ static kvt_status recall_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t r
                                             st->spec.branch_dim + ctx->sketch_rank);
 }
 
+/* The RoPE trigger's group planes on `layer` for an archive of at most `rows` rows a KV head
+ * (the pruned scan over archive blocks of config.block_rows rows; docs/recall.md §9.8). */
+static kvt_status rope_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t rows) {
+    const kvt_ctx *ctx = seq->ctx;
+    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
+    if (ctx->archive_rows && rows > ctx->archive_rows)
+        rows = ctx->archive_rows;
+    const uint32_t branch = sp->n_planes == 1 ? sp->branch_dim : 0; /* MLA-RoPE's rotated branch */
+    return kvt__recall_rope_groups_reserve(&seq->rrope[layer], &ctx->backend, rows,
+                                           seq->cfg.block_rows,
+                                           branch + kvt__ev_sketch_stride(sp, ctx->sketch_rank));
+}
+
 /* The RoPE trigger's buffers (docs/recall.md §9) for every layer whose policy has an archive view
  * that the request's configuration gives something to recall from (archive, sketches); a layer
  * without (KVT_ERR_UNSUPPORTED from the view) does not recall, as a salience layer without
@@ -316,6 +329,8 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
             return kvt__ctx_fail(ctx, s, "recall state of RoPE layer %u (%u query heads, %u KV "
                                  "heads, W %u)",
                                  i, st->spec.n_q_heads, v.n_kv, seq->cfg.recall_cap_rows);
+        if (ctx->max_rows && (s = rope_groups_reserve(seq, i, ctx->max_rows)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "the recall scan's group planes of RoPE layer %u", i);
         /* A stated limit: the fetch area's page array and mirror sized now for the most it
          * holds (the request's rows; with a host archive W), so that no reserve allocates. */
         if (ctx->max_rows) {
@@ -856,6 +871,10 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
         if (kvt__seq_recalls(seq, i) && (s = recall_groups_reserve(seq, i, seq->n_tokens +
                                                                              n_tokens)) != KVT_OK)
             snprintf(why, sizeof why, "layer %u: the recall scan's group planes", i);
+    for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++)
+        if (kvt__seq_recalls_rope(seq, i) &&
+            (s = rope_groups_reserve(seq, i, seq->n_tokens + n_tokens)) != KVT_OK)
+            snprintf(why, sizeof why, "layer %u: the RoPE recall scan's group planes", i);
     /* RoPE recall: the fetch area holds the whole archive after the step (a dense step lists
      * it): held + archived rows are at most the request's rows; with a host archive no step is
      * dense and it holds at most recall_cap_rows rows. Its size is set only once the whole

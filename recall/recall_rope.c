@@ -61,4 +61,22 @@ void kvt__recall_rope_make(const kvt__recall_rope_layer *r, const kvt__recall_ro
     out->n_fired = r->n_fired;
     out->overflow = r->overflow;
     out->dense = dense;
+    const kvt__recall_layer *b = &r->base;
+    if (b->g_cap >= r->n_kv && r->n_kv) { /* the pruned scan's planes, every head's interleaved */
+        out->g_B = b->g_B;
+        out->g_dim = b->g_dim;
+        out->g_blocks_cap = b->g_cap / r->n_kv;
+        out->g_perm = b->g_perm;
+        out->g_n = b->g_n;
+        out->g_end = b->g_end;
+        out->g_centre = b->g_centre;
+        out->g_stat = b->g_stat;
+    }
+}
+
+kvt_status kvt__recall_rope_groups_reserve(kvt__recall_rope_layer *r, const kvt__backend *be,
+                                           uint64_t rows, uint32_t B, uint32_t dim) {
+    if (B < 64u || (B & (B - 1u)) != 0 || r->n_kv == 0)
+        return KVT_OK; /* no block the group build takes: the full scan only */
+    return kvt__recall_layer_groups_reserve(&r->base, be, rows / B * r->n_kv, B, dim);
 }

@@ -9,7 +9,8 @@
  *   fetch: [fired [n_kv][cap] | n_fired [n_kv] | overflow [n_kv]] — each KV head's fired archive
  *         rows (archive indices, ascending), at most cap (W) a head.
  *
- * So the state's read, load, check and copy are recall.h's, and the fetch lists are per KV head.
+ * and the pruned scan's group planes in the base layer's (kvt__recall_rope_groups_reserve). So the
+ * state's read, load, check and copy are recall.h's, and the fetch lists are per KV head.
  */
 #ifndef KVT_RECALL_RECALL_ROPE_H
 #define KVT_RECALL_RECALL_ROPE_H
@@ -35,6 +36,13 @@ void kvt__recall_rope_fini(kvt__recall_rope_layer *r, const kvt__backend *be);
  * calibration). */
 kvt_status kvt__recall_rope_copy(kvt__recall_rope_layer *dst, const kvt__recall_rope_layer *src,
                                  const kvt__backend *be);
+/* Room for the pruned scan's group planes (kernels/recall_group.h) of an archive of up to `rows`
+ * rows a KV head, in blocks of B rows (a power of two >= 64; otherwise none: the full scan),
+ * centres of dim floats: the base layer's planes, head h's block b at slot b·n_kv + h, so that
+ * growing them (recall.h, which keeps what was built) and forking them (kvt__recall_rope_copy)
+ * keep every built group. KVT_ERR_OUT_OF_MEMORY with nothing changed. */
+kvt_status kvt__recall_rope_groups_reserve(kvt__recall_rope_layer *r, const kvt__backend *be,
+                                           uint64_t rows, uint32_t B, uint32_t dim);
 /* The step's work item: the archive view the policy filled (every field up to rank), the
  * queries q ([n_q][D], backend memory), the public mode and margin, the dense flag (backend
  * memory, or NULL). */

@@ -38,6 +38,9 @@ static bool g_mla;
  * the step was a capped calibration step (each query head's best archived row fetched). */
 static bool g_archive_host, g_capped_calib;
 static uint32_t g_cap_rows;
+/* g_clustered: rr_fill draws the keys of a head with a basis around four tight centres in it (no
+ * plain normal draws; the NaN rows stay), so that the pruned scan's groups separate them. */
+static bool g_clustered;
 
 typedef struct rr {
     kvt_ctx *ctx;
@@ -61,6 +64,7 @@ static kvt_config rr_cfg(uint32_t K, uint32_t r, uint32_t c) {
     cfg.cadence_rows = c;
     cfg.protect_prompt = true;
     cfg.evict_archive = true;
+    cfg.block_rows = 64; /* the pruned scan's archive blocks: groups from the 64th archived row */
     return cfg;
 }
 
@@ -133,7 +137,11 @@ static uint8_t *rr_row(const rr *x, uint32_t plane, uint64_t pos, uint32_t h) {
 static void rr_fill(rr *x, uint64_t pos, uint32_t h, uint8_t *key, uint8_t *val) {
     float c[1024];
     const uint32_t D = x->D;
-    if (x->V[h] && pos % 5 != 0) {
+    if (g_clustered && x->V[h]) {
+        const uint32_t cl = (uint32_t)((pos * 7u + h) % 4u); /* centre cl: 2·(basis row cl) */
+        for (uint32_t d = 0; d < D; d++)
+            c[d] = (float)(0.02 * tu_normal(&x->rng)) + 2.0f * x->V[h][(size_t)cl * D + d];
+    } else if (x->V[h] && pos % 5 != 0) {
         const uint32_t sub = x->rank[h] < 8 ? x->rank[h] : 8;
         for (uint32_t d = 0; d < D; d++)
             c[d] = (float)(0.02 * tu_normal(&x->rng));
@@ -696,12 +704,21 @@ static void o_calib_rows(const rr *x, const oview *v, const float *q, uint32_t h
 static void make_queries(rr *x, const oview *v, float *q, uint32_t *aimed) {
     const uint32_t G = x->sp.n_q_heads / x->H, D = x->D;
     *aimed = 0;
+    uint32_t cl_of[RR_MAXH]; /* g_clustered: every query head of a KV head aims at one cluster */
+    for (uint32_t h = 0; g_clustered && h < x->H; h++)
+        cl_of[h] = (uint32_t)(tu_next(&x->rng) % 4u);
     for (uint32_t t = 0; t < x->sp.n_q_heads; t++) {
         const uint32_t h = t / G;
         float *qh = q + (size_t)t * x->QW;
-        bool aim = v->ar_n && tu_next(&x->rng) % 3 == 0;
-        const uint8_t *key =
-            aim ? rr_row(x, 0, (uint64_t)v->ar_pos[h][tu_next(&x->rng) % v->ar_n], h) : NULL;
+        bool aim = v->ar_n && (g_clustered || tu_next(&x->rng) % 3 == 0);
+        uint64_t ak = aim ? tu_next(&x->rng) % v->ar_n : 0;
+        for (int tries = 0; aim && g_clustered && tries < 64; tries++) {
+            const uint64_t pos = (uint64_t)v->ar_pos[h][ak];
+            if ((pos * 7u + h) % 4u == cl_of[h])
+                break;
+            ak = tu_next(&x->rng) % v->ar_n;
+        }
+        const uint8_t *key = aim ? rr_row(x, 0, (uint64_t)v->ar_pos[h][ak], h) : NULL;
         for (uint32_t d = 0; d < D; d++) {
             float kd = key ? kvt__load_elem(key, KVT__DT_BF16, d) : 0.0f;
             if (key && !isfinite(kd))
@@ -838,6 +855,105 @@ Test(rope_trigger, conformal_fired_sets_equal_the_oracle, .timeout = 240) {
     conformal_run(KVT_BACKEND_GUARDED, 4242, &b);
     cr_assert_eq(a, b, "CPU and guarded fetched the same rows (%llu, %llu)",
                  (unsigned long long)a, (unsigned long long)b);
+}
+
+/* The pruned scan over the archive's groups (docs/recall.md §9.8): on a state whose keys sit in
+ * four tight clusters, a trigger with group planes (blocks of 256 archived rows) and one without
+ * (the full scan) run on the same committed state at every step give the same outputs, bit for
+ * bit — fired lists, overflow, dense, best scores, z — while the pruned one evaluates fewer
+ * archived rows; the full scan's lists are the oracle's (rope_trigger). On spread keys (below,
+ * clustered = false) nothing is skipped and the step falls back to the full scan. */
+static void prune_run(kvt_backend_kind backend, kvt_recall_mode mode, bool clustered,
+                      uint64_t seed, uint64_t *visited_full, uint64_t *visited_pruned) {
+    const uint32_t rank[2] = {32, 32};
+    g_clustered = clustered;
+    rr x;
+    rr_init(&x, g_mla ? 1 : 2, 128, rr_cfg(32, 8, 16), 32, rank, backend, seed);
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 4), KVT_OK);
+    rr_step(&x, 4, false);
+    trig full, pruned;
+    trig_init(&full, &x, 4096);
+    trig_init(&pruned, &x, 4096);
+    trig_out of, op;
+    memset(&of, 0, sizeof of);
+    memset(&op, 0, sizeof op);
+    float q[TR_MAXQ * 256];
+    uint64_t grouped_steps = 0;
+    for (int step = 0; step < 900; step++) {
+        rr_step(&x, 1, step % 2 == 0);
+        if (step < 300 && step % 10 != 0)
+            continue; /* the archive fills; the trigger runs now and then */
+        cr_assert_eq(kvt__recall_rope_groups_reserve(&pruned.rl, be_of(&x), x.n_tok, 256,
+                                                     x.bd + 32),
+                     KVT_OK);
+        aimed_queries(&x, q);
+        trig_run(&full, &x, q, mode, 0.0f, &of);
+        trig_run(&pruned, &x, q, mode, 0.0f, &op);
+        cr_assert_eq(op.dense, of.dense, "step %d", step);
+        cr_assert(memcmp(op.best, of.best, sizeof(float) * full.nq) == 0, "step %d: best", step);
+        cr_assert_eq(op.st.z, of.st.z, "step %d", step);
+        cr_assert_eq(op.st.last_fired, of.st.last_fired, "step %d", step);
+        cr_assert_eq(op.st.last_fetched, of.st.last_fetched, "step %d", step);
+        for (uint32_t h = 0; h < x.H; h++) {
+            cr_assert_eq(op.overflow[h], of.overflow[h], "step %d head %u", step, h);
+            cr_assert_eq(op.n_fired[h], of.n_fired[h], "step %d head %u", step, h);
+            cr_assert(memcmp(op.fired[h], of.fired[h], sizeof(uint32_t) * of.n_fired[h]) == 0,
+                      "step %d head %u: fired lists differ", step, h);
+        }
+        cr_assert_eq(of.st.n_grouped, 0u);
+        cr_assert_leq(op.st.last_visited, of.st.last_visited, "step %d", step);
+        grouped_steps += op.st.n_grouped > 0;
+    }
+    cr_assert_gt(grouped_steps, 0u, "groups were built");
+    *visited_full = of.st.visited;
+    *visited_pruned = op.st.visited;
+    cr_log_info("pruned RoPE scan (%s, %s keys, seed %llu): %llu of %llu archived rows visited, "
+                "%u blocks a head grouped",
+                mode == KVT_RECALL_SOUND ? "sound" : "conformal",
+                clustered ? "clustered" : "spread", (unsigned long long)seed,
+                (unsigned long long)op.st.visited, (unsigned long long)of.st.visited,
+                op.st.n_grouped);
+    trig_out_free(&of);
+    trig_out_free(&op);
+    trig_fini(&full, &x);
+    trig_fini(&pruned, &x);
+    rr_fini(&x);
+    g_clustered = false;
+}
+
+Test(rope_prune, clustered_keys_skip_groups_and_change_nothing_cpu, .timeout = 240) {
+    for (int m = 0; m < 2; m++) {
+        uint64_t vf, vp;
+        prune_run(KVT_BACKEND_CPU, m ? KVT_RECALL_SOUND : KVT_RECALL_CONFORMAL, true, 5150 + m,
+                  &vf, &vp);
+        cr_assert_lt(vp * 4, vf * 3, "the pruned scan visited %llu of %llu rows",
+                     (unsigned long long)vp, (unsigned long long)vf);
+    }
+}
+
+Test(rope_prune, clustered_keys_skip_groups_and_change_nothing_guarded, .timeout = 240) {
+    uint64_t vf, vp;
+    prune_run(KVT_BACKEND_GUARDED, KVT_RECALL_CONFORMAL, true, 6160, &vf, &vp);
+    cr_assert_lt(vp * 4, vf * 3);
+}
+
+/* MLA-RoPE: the rows' embedding is [rotated branch | sketch] (the branch read from the archived
+ * rows), one latent head of 8 query heads. */
+Test(rope_prune, mla_changes_nothing_guarded, .timeout = 240) {
+    g_mla = true;
+    uint64_t vf, vp;
+    prune_run(KVT_BACKEND_GUARDED, KVT_RECALL_CONFORMAL, true, 6262, &vf, &vp);
+    g_mla = false;
+    cr_assert_leq(vp, vf);
+}
+
+Test(rope_prune, spread_keys_change_nothing, .timeout = 240) {
+    for (int m = 0; m < 2; m++) {
+        uint64_t vf, vp;
+        prune_run(KVT_BACKEND_CPU, m ? KVT_RECALL_SOUND : KVT_RECALL_CONFORMAL, false, 7170 + m,
+                  &vf, &vp);
+        cr_assert_leq(vp, vf);
+    }
 }
 
 /* Sound mode never misses an archived row whose exact score reaches its query head's attended
@@ -1400,17 +1516,28 @@ static void snapshot_swap(rr *x) {
  * reference attention of the oracle set; z as the oracle's calibration; statistics, fork (the
  * child continues), a snapshot and restore at step 60 (the oracle follows the restored request),
  * another layout refused. */
-static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
+/* clustered: keys in clusters (g_clustered), archive blocks of 256 rows and 800 rows prefilled,
+ * so that the request's steps take the pruned scan and skip groups (docs/recall.md §9.8). */
+static void e2e_run_with(kvt_backend_kind backend, uint64_t seed, bool clustered) {
     kvt_config cfg = rr_cfg(32, 8, 16);
     cfg.recall = KVT_RECALL_CONFORMAL;
-    cfg.recall_cap_rows = 64;
-    const uint32_t rank[2] = {32, 16};
+    cfg.recall_cap_rows = clustered ? 512 : 64; /* a cluster fires whole: ~220 rows a head */
+    if (clustered)
+        cfg.block_rows = 256;
+    const uint32_t rank[2] = {32, clustered ? 32 : 16};
+    g_clustered = clustered;
     rr x;
     rr_init(&x, 2, 128, cfg, 32, rank, backend, seed);
     cr_assert(kvt__seq_recalls_rope(x.seq, 0), "the request recalls on the RoPE layer");
     cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 4), KVT_OK);
+    if (clustered) {
+        rr_step(&x, 4, false);
+        for (int i = 0; i < 16; i++)
+            rr_step(&x, 50, false);
+    }
+    uint64_t sum_archived = 0, sum_visited = 0;
     e2e e;
-    e2e_init(&e, &x, 512);
+    e2e_init(&e, &x, 1024);
     trig t; /* the oracle's calibration only */
     memset(&t, 0, sizeof t);
     t.nq = x.sp.n_q_heads;
@@ -1427,9 +1554,22 @@ static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
         cr_assert_eq(e2e_step(&e, &x, q, KVT_EMIT_CSR_KV_HEADS, indptr, indices, &dense), KVT_OK,
                      "seed %llu step %d: %s", (unsigned long long)seed, step, kvt_last_error());
         e2e_check(&x, &t, q, dense, indptr, indices, step, &y);
+        kvt_layer_stats st = rr_stats(&x);
+        if (!dense) {
+            sum_archived += st.recall_last_archived;
+            sum_visited += st.recall_last_visited;
+        }
     }
     cr_assert(!y.calibrating);
     cr_assert_gt(y.archived_steps, y.dense_steps, "fetching steps ran");
+    if (clustered)
+        cr_assert_lt(sum_visited * 4, sum_archived * 3, "the pruned scan visited %llu of %llu "
+                     "archived (row, KV head) pairs on steps that were not dense",
+                     (unsigned long long)sum_visited, (unsigned long long)sum_archived);
+    cr_log_info("end to end (seed %llu, %s keys): the scans visited %llu of %llu archived (row, "
+                "KV head) pairs on steps that were not dense", (unsigned long long)seed,
+                clustered ? "clustered" : "spread", (unsigned long long)sum_visited,
+                (unsigned long long)sum_archived);
     const uint64_t fetched = y.fetched, dense_steps = y.dense_steps,
                    archived_steps = y.archived_steps;
     kvt_layer_stats ls = rr_stats(&x);
@@ -1469,6 +1609,19 @@ static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
     free(indices);
     e2e_fini(&e);
     rr_fini(&x);
+    g_clustered = false;
+}
+
+static void e2e_run(kvt_backend_kind backend, uint64_t seed) {
+    e2e_run_with(backend, seed, false);
+}
+
+Test(rope_e2e, pruned_scan_lists_equal_the_oracle_cpu, .timeout = 240) {
+    e2e_run_with(KVT_BACKEND_CPU, 818, true);
+}
+
+Test(rope_e2e, pruned_scan_lists_equal_the_oracle_guarded, .timeout = 240) {
+    e2e_run_with(KVT_BACKEND_GUARDED, 828, true);
 }
 
 Test(rope_e2e, batch_run_lists_equal_the_oracle_cpu, .timeout = 240) {
