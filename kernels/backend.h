@@ -293,9 +293,9 @@ typedef struct kvt__backend_ops {
      * recall_scan. */
     kvt_status (*recall_step)(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
                               void *stream);
-    /* Whether recall_step serves promotion (args.promo non-NULL): the CPU and guarded backends;
-     * CUDA has no promotion twin yet (its op refuses promo), and the library refuses
-     * config.recall_promote_capacity > 0 there, naming it. */
+    /* Whether recall_step serves promotion (args.promo non-NULL): every backend's does (the
+     * CPU, guarded and CUDA ones, over kernels/recall_promo.h); one without it has the library
+     * refuse config.recall_promote_capacity > 0, naming it. */
     bool recall_promote;
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per

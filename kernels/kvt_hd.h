@@ -52,6 +52,25 @@ float fmaf(float, float, float) __asm__("kvt__fmaf");
 float kvt__fmaf_emulated(float a, float b, float c);
 #endif
 
+/* How many of s[0 .. n) (ascending) lie below v; whether v is among them. The sorted index
+ * sets (kept sets, promoted rows, fired rows) are searched with these on every backend. */
+KVT_HD uint64_t kvt__sorted_below(const uint32_t *s, uint64_t n, uint64_t v) {
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const uint64_t mid = lo + (hi - lo) / 2;
+        if (s[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+KVT_HD int kvt__sorted_has(const uint32_t *s, uint64_t n, uint64_t v) {
+    const uint64_t i = kvt__sorted_below(s, n, v);
+    return i < n && s[i] == v;
+}
+
 /* Element types, numbered as kvt_dtype in lib/kvtier.h (kept in sync by a static assertion). */
 #define KVT__DT_BF16 0
 #define KVT__DT_FP16 1

@@ -7,6 +7,7 @@
 #include "kernels/recall_step.h"
 
 #include "kernels/recall_group.h"
+#include "kernels/recall_promo.h"
 #include "kernels/sketch.h"
 #include "lib/base/base.h"
 
@@ -38,20 +39,11 @@ static size_t scan_floats(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t 
     return (f + 1u) & ~(size_t)1u; /* keeps what follows 8-byte aligned */
 }
 
-/* Promotion's part (after the step's own): the kept set merged with the promoted rows, the
- * candidates' next table (rows, histories) and the rows promoted at this step (rows,
- * histories), u32 each. */
-static size_t promo_floats(const kvt__recall_step_args *x) {
-    return x->promo ? (size_t)x->scan.m + x->prom_cap + 2u * (size_t)x->cand_cap +
-                          2u * (size_t)x->prom_cap
-                    : 0;
-}
-
 size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x) {
     const kvt__recall_scan_args *s = &x->scan;
     return scan_floats(s->n_heads, s->rank, s->latent_dim, s->branch_dim, s->n_closed,
                        x->g_perm ? x->block_rows : 0) +
-           own_floats(s->n_heads, s->rank, s->latent_dim, s->branch_dim) + promo_floats(x);
+           own_floats(s->n_heads, s->rank, s->latent_dim, s->branch_dim) + kvt__promo_scratch_u32(x);
 }
 
 /* Build the groups of closed blocks [st->n_grouped, n_closed / B) into the planes. */
@@ -117,149 +109,6 @@ static void fold_max(float *best, const float *sc, uint32_t H) {
         }                                                                                          \
     } while (0)
 
-/* Promotion's tables in the state (kernels/backend.h, kvt__recall_promo). */
-typedef struct promo_view {
-    kvt__recall_promo *h;
-    uint32_t *cand_row, *cand_hist, *prom_row, *prom_hist;
-    uint32_t mask;
-} promo_view;
-
-static promo_view promo_of(const kvt__recall_step_args *x) {
-    promo_view p = {.h = x->promo};
-    p.cand_row = (uint32_t *)(x->promo + 1);
-    p.cand_hist = p.cand_row + x->cand_cap;
-    p.prom_row = p.cand_hist + x->cand_cap;
-    p.prom_hist = p.prom_row + x->prom_cap;
-    p.mask = x->window >= 32 ? UINT32_MAX : (1u << x->window) - 1u;
-    return p;
-}
-
-/* Whether row is in kept[*j ..) (ascending; *j advances past the rows below it). */
-static bool in_sorted(const uint32_t *kept, uint64_t m, uint64_t *j, uint32_t row) {
-    while (*j < m && kept[*j] < row)
-        (*j)++;
-    return *j < m && kept[*j] == row;
-}
-
-/* After a close (the closed rows moved since the last step): promoted rows the close kept by σ
- * (or below the sinks) are absorbed, the others without a hit in the window demoted; candidates
- * the close kept leave the table. Then the list of rows attended without recall past the
- * policy's own: kept ∪ promoted, ascending, into merged (the scan's "not archived" list). */
-static uint64_t promo_before(const kvt__recall_step_args *x, const promo_view *p, uint64_t S,
-                             uint32_t *merged) {
-    const kvt__recall_scan_args *a = &x->scan;
-    kvt__recall_promo *h = p->h;
-    if (h->last_closed != a->n_closed) {
-        uint32_t k = 0;
-        uint64_t j = 0;
-        for (uint32_t i = 0; i < h->n_prom; i++) {
-            const uint32_t row = p->prom_row[i];
-            if (row < S || in_sorted(a->kept, a->m, &j, row)) {
-                h->absorbed++;
-            } else if ((p->prom_hist[i] & p->mask) == 0) {
-                h->demotions++;
-            } else {
-                p->prom_row[k] = row;
-                p->prom_hist[k++] = p->prom_hist[i] & p->mask;
-            }
-        }
-        h->n_prom = k;
-        k = 0;
-        j = 0;
-        for (uint32_t i = 0; i < h->n_cand; i++) {
-            const uint32_t row = p->cand_row[i];
-            if (row >= S && !in_sorted(a->kept, a->m, &j, row)) {
-                p->cand_row[k] = row;
-                p->cand_hist[k++] = p->cand_hist[i];
-            }
-        }
-        h->n_cand = k;
-        h->last_closed = (uint32_t)a->n_closed;
-    }
-    uint64_t i = 0, j = 0, n = 0;
-    while (i < a->m || j < h->n_prom)
-        merged[n++] = j == h->n_prom || (i < a->m && a->kept[i] < p->prom_row[j]) ? a->kept[i++]
-                                                                                  : p->prom_row[j++];
-    return n;
-}
-
-/* After the scan: every candidate's history moves one step and takes a bit when the step's
- * trigger fired on it (fired[0 .. nf), ascending; nf 0 on a step that attended every row); a
- * fired row not in the table joins it while there is room (the lowest positions first; a
- * candidate whose history empties leaves it). Then the promoted rows of the last step are
- * merged into the fetch buffer (fired, room for cap + prom_cap) unless the step is dense, and
- * the candidates with at least `hits` bits join the promoted set (ascending, while it holds
- * fewer than prom_room). tmp: 2·cand_cap + 2·prom_cap u32. */
-static void promo_after(const kvt__recall_step_args *x, const promo_view *p, uint32_t *fired,
-                        uint32_t *n_fired, uint32_t nf, bool dense, uint32_t *tmp) {
-    kvt__recall_promo *h = p->h;
-    const uint32_t cc = x->cand_cap;
-    uint32_t *tr = tmp, *th = tmp + cc, *nr = th + cc, *nh = nr + x->prom_cap;
-    /* survivors first: they decide how many new rows fit */
-    uint32_t keep = 0;
-    for (uint32_t i = 0, f = 0; i < h->n_cand; i++) {
-        while (f < nf && fired[f] < p->cand_row[i])
-            f++;
-        const uint32_t hit = f < nf && fired[f] == p->cand_row[i];
-        keep += ((p->cand_hist[i] << 1 | hit) & p->mask) != 0;
-    }
-    uint32_t room = cc - keep, n = 0;
-    for (uint32_t i = 0, f = 0; i < h->n_cand || f < nf;) {
-        if (i < h->n_cand && (f == nf || p->cand_row[i] <= fired[f])) {
-            const uint32_t hit = f < nf && fired[f] == p->cand_row[i];
-            const uint32_t hist = (p->cand_hist[i] << 1 | hit) & p->mask;
-            if (hist) {
-                tr[n] = p->cand_row[i];
-                th[n++] = hist;
-            }
-            f += hit;
-            i++;
-        } else {
-            if (room) {
-                tr[n] = fired[f];
-                th[n++] = 1u;
-                room--;
-            }
-            f++;
-        }
-    }
-    /* the fetch buffer: this step's fired rows ∪ the promoted rows it did not scan */
-    if (!dense && h->n_prom) {
-        uint64_t i = nf, j = h->n_prom, o = (uint64_t)nf + h->n_prom;
-        while (j > 0)
-            fired[--o] = i > 0 && fired[i - 1] > p->prom_row[j - 1] ? fired[--i]
-                                                                    : p->prom_row[--j];
-        *n_fired = nf + h->n_prom;
-    }
-    /* promotions */
-    uint32_t k = 0, np = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if ((uint32_t)__builtin_popcount(th[i]) >= x->hits && h->n_prom + np < x->prom_room) {
-            nr[np] = tr[i];
-            nh[np++] = th[i];
-        } else {
-            p->cand_row[k] = tr[i];
-            p->cand_hist[k++] = th[i];
-        }
-    }
-    h->n_cand = k;
-    if (np) {
-        uint64_t i = h->n_prom, j = np, o = (uint64_t)h->n_prom + np;
-        while (j > 0) {
-            const bool old = i > 0 && p->prom_row[i - 1] > nr[j - 1];
-            --o;
-            p->prom_row[o] = old ? p->prom_row[i - 1] : nr[j - 1];
-            p->prom_hist[o] = old ? p->prom_hist[i - 1] : nh[j - 1];
-            if (old)
-                i--;
-            else
-                j--;
-        }
-        h->n_prom += np;
-        h->promotions += np;
-    }
-}
-
 void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
     kvt__recall_scan_args a = x->scan;
     kvt__recall_state *st = x->st;
@@ -274,8 +123,8 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
     uint32_t *arg = (uint32_t *)(best_ar + H);
     float *q_sk = (float *)(arg + H);
     float *tmp = q_sk + rank;
-    uint32_t *merged = (uint32_t *)(tmp + D); /* promotion's part (promo_floats) */
-    promo_view pv = {0};
+    uint32_t *merged = (uint32_t *)(tmp + D); /* promotion's part (kvt__promo_scratch_u32) */
+    kvt__promo_view pv = {0};
     uint64_t n_merged = 0;
     /* The queries transposed in the exact score's order: branch first, then latent. */
     for (size_t h = 0; h < HP; h++)
@@ -309,10 +158,10 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
      * best of the other rows attended without recall (what firing in the sound mode needs). */
     uint64_t promoted = 0;
     if (x->promo) {
-        pv = promo_of(x);
-        n_merged = promo_before(x, &pv, S, merged);
+        pv = kvt__promo_of(x);
+        kvt__promo_settle(x, &pv, S);
+        n_merged = kvt__promo_merge(a.kept, a.m, pv.prom_row, pv.h->n_prom, merged);
         promoted = pv.h->n_prom;
-        pv.h->last_promoted = pv.h->n_prom;
         for (uint32_t h = 0; h < H; h++)
             best_ar[h] = best[h];
         for (uint32_t i = 0; i < pv.h->n_prom; i++) {
@@ -320,7 +169,7 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
             uint32_t hit = 0;
             for (uint32_t h = 0; h < H; h++)
                 hit |= sc[h] >= best_ar[h];
-            pv.prom_hist[i] = (pv.prom_hist[i] << 1 | hit) & pv.mask;
+            pv.prom_hist[i] = kvt__promo_hist_next(pv.prom_hist[i], hit, pv.mask);
             fold_max(best, sc, H);
         }
         a.kept = merged;
@@ -411,7 +260,7 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         *a.overflow = over;
     }
     if (x->promo)
-        promo_after(x, &pv, a.fired, a.n_fired, *a.n_fired, dense != 0,
-                    merged + a.m + (x->prom_cap - promoted));
+        kvt__promo_after(x, &pv, a.fired, a.n_fired, *a.n_fired, dense != 0,
+                         merged + a.m + (x->prom_cap - promoted));
     kvt__recall_state_record(st, x->dense, dense, over, archived, visited, fired, fetched);
 }

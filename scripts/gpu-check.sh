@@ -10,8 +10,9 @@
 #     differs, when the goldens do), the recall tier's sketch_rows, recall_scan, recall_step and
 #     the pack's recall merge included (cuda::sketch_rows_equal_the_cpu,
 #     cuda::recall_scan_equals_the_cpu, cuda::recall_step_equals_the_cpu,
-#     cuda::recall_step_full_scan_equals_the_cpu_pruned_one, cuda::pack_recall_equals_the_cpu:
-#     never run on a device before this script's first run with them).
+#     cuda::recall_step_full_scan_equals_the_cpu_pruned_one, cuda::pack_recall_equals_the_cpu,
+#     cuda::recall_step_promotion_equals_the_cpu: never run on a device before this script's
+#     first run with them).
 #   - test_recall_step's conformal decode with KVT_REQUIRE_GPU=1: 120 decode steps through the
 #     library (calibration, fetches, CSR-free TOKENS emission) on the CUDA backend emit the CPU's
 #     sets, slot for slot.

@@ -6,11 +6,12 @@
  * buffer copies, and the recall tier's sketch_rows (csk and ρ, undescribable rows included) and
  * recall_scan (sound and conformal, caps and overflow: fired sets, counts and flags),
  * recall_step (conformal, sound and margin items; calibration, calibrated, overflowing and
- * nothing-archived steps: state, samples, best scores, fired sets) and pack with recall (fetched
+ * nothing-archived steps: state, samples, best scores, fired sets; with promotion: its tables
+ * byte for byte through a close) and pack with recall (fetched
  * rows merged, dense flags, device CSR offsets), recall_rope_step and recall_rope_emit (GQA-RoPE
  * archives per KV head: conformal calibration then scanning, sound, margin, overflow, a capped
  * host archive; best scores, state, samples, fired lists, the lists and the fetched bytes); plus, host only, the positions the CUDA step's
- * parallel sample merge uses. Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
+ * parallel sample merge and promotion's merge use. Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
  * the skip into a failure: scripts/gpu-check.sh sets it; KVT_CUDA_TEST_SELFCHECK=1 runs the tests
  * with the guarded backend in CUDA's place, which checks the tests themselves). The golden suite
  * (test_golden) drives whole scenarios on the CUDA backend; this one says which op differs.
@@ -20,6 +21,7 @@
 #include "kernels/backend.h"
 #include "kernels/conformal.h"
 #include "kernels/evict.h"
+#include "kernels/recall_promo.h"
 #include "kernels/recall_rope.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
@@ -901,6 +903,188 @@ Test(cuda, recall_step_full_scan_equals_the_cpu_pruned_one) {
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * recall_step with promotion: the tables after the trigger state (kvt__recall_promo and its four
+ * arrays), compared byte for byte after every step, with everything step_pair compares. 16 steps
+ * over 384 closed rows, then a close (448 closed rows, a new kept set holding two of the rows
+ * promoted by then: absorbed; the others without a hit in the window demoted), then 8 more; an
+ * item without promotion in the same call.
+ * ---------------------------------------------------------------------------------------------- */
+enum { PR_CAP = 8, PR_CAND = 32, PR_HITS = 2, PR_WIN = 4 };
+
+typedef struct promo_side {
+    size_t bytes;
+    void *c, *g;              /* the tables: host, device */
+    uint32_t *fired, *kept;   /* the host's fetch buffer [cap + PR_CAP] and kept set */
+    void *dfired, *dkept;     /* their device copies */
+    const uint32_t *kept0;    /* the item's own kept set, restored before it is freed */
+    const void *dkept0;
+    uint32_t *fired0;
+    void *dfired0;
+    uint32_t m_all;           /* the item's kept rows below 448 */
+} promo_side;
+
+static void promo_side_make(rig *r, promo_side *ps, step_item *it) {
+    memset(ps, 0, sizeof *ps);
+    ps->bytes = sizeof(kvt__recall_promo) + sizeof(uint32_t) * 2u * (PR_CAND + PR_CAP);
+    ps->c = calloc(1, ps->bytes);
+    ps->g = dev(r, ps->c, ps->bytes);
+    const uint32_t cap = it->s.c.cap, n = it->s.n_closed;
+    ps->fired = calloc(cap + PR_CAP + 1, sizeof(uint32_t));
+    ps->dfired = dev(r, ps->fired, sizeof(uint32_t) * (cap + PR_CAP + 1));
+    ps->kept = malloc(sizeof(uint32_t) * n);
+    memcpy(ps->kept, it->s.kept, sizeof(uint32_t) * it->s.c.m);
+    ps->dkept = dev(r, ps->kept, sizeof(uint32_t) * n);
+    ps->m_all = it->s.c.m;
+    ps->kept0 = it->s.c.kept;
+    ps->dkept0 = it->s.g.kept;
+    ps->fired0 = it->s.c.fired;
+    ps->dfired0 = it->s.g.fired;
+    it->s.c.kept = ps->kept;
+    it->s.g.kept = ps->dkept;
+    it->s.c.fired = ps->fired;
+    it->s.g.fired = ps->dfired;
+    it->s.fired = ps->fired; /* step_pair's comparisons read it->s.fired */
+}
+
+static void promo_side_free(rig *r, promo_side *ps, step_item *it) {
+    undev(r, ps->g, ps->bytes);
+    undev(r, ps->dfired, sizeof(uint32_t) * (it->s.c.cap + PR_CAP + 1));
+    undev(r, ps->dkept, sizeof(uint32_t) * it->s.n_closed);
+    free(ps->c);
+    free(ps->fired);
+    free(ps->kept);
+    it->s.c.kept = ps->kept0;
+    it->s.g.kept = ps->dkept0;
+    it->s.c.fired = it->s.fired = ps->fired0;
+    it->s.g.fired = ps->dfired0;
+    it->s.c.m = it->s.g.m = ps->m_all;
+}
+
+/* The closed rows of the step (n_closed <= the item's sketched rows) with the kept rows below. */
+static void promo_closed(step_item *it, uint32_t n_closed, uint32_t m) {
+    it->s.c.n_closed = it->s.g.n_closed = n_closed;
+    it->s.c.m = it->s.g.m = m;
+}
+
+Test(cuda, recall_step_promotion_equals_the_cpu) {
+    rig r;
+    rig_open(&r);
+    tu_rng g = {.s = 0x9e07};
+    rpool p;
+    rpool_make(&r, &p, &g, KVT__DT_BF16, 512, 64);
+    enum { NI = 4 };
+    step_item it[NI];
+    /* conformal (calibrates, then scans), sound with a cap that overflows, margin; item 3 has
+     * no promotion */
+    step_item_make(&r, &it[0], &p, &g, 448, 40, 5, KVT__RECALL_CONFORMAL, 0.0f, 300, false);
+    step_item_make(&r, &it[1], &p, &g, 448, 10, 16, KVT__RECALL_SOUND, 0.0f, 40, false);
+    step_item_make(&r, &it[2], &p, &g, 448, 20, 4, KVT__RECALL_MARGIN, 0.5f, 300, false);
+    step_item_make(&r, &it[3], &p, &g, 448, 30, 3, KVT__RECALL_CONFORMAL, 0.0f, 300, false);
+    promo_side ps[NI - 1];
+    for (int i = 0; i < NI - 1; i++)
+        promo_side_make(&r, &ps[i], &it[i]);
+    uint32_t m384[NI];
+    for (int i = 0; i < NI; i++) {
+        m384[i] = 0;
+        while (m384[i] < it[i].s.c.m && it[i].s.c.kept[m384[i]] < 384)
+            m384[i]++;
+        promo_closed(&it[i], 384, m384[i]);
+    }
+    uint64_t merged_steps = 0, absorbed = 0, demoted = 0, promoted = 0;
+    for (uint32_t step = 0; step < 24; step++) {
+        if (step == 16) {
+            /* the close: 448 closed rows; each item's kept set gains two promoted rows */
+            for (int i = 0; i < NI; i++) {
+                uint32_t m = i < NI - 1 ? ps[i].m_all : it[i].s.c.m;
+                if (i < NI - 1) {
+                    const kvt__recall_promo *h = ps[i].c;
+                    const uint32_t *prow = (const uint32_t *)(h + 1) + 2u * PR_CAND;
+                    uint32_t *k = ps[i].kept;
+                    memcpy(k, ps[i].kept0, sizeof(uint32_t) * ps[i].m_all);
+                    for (uint32_t j = 0; j < h->n_prom && j < 2; j++) {
+                        uint32_t at = m++;
+                        while (at > 0 && k[at - 1] > prow[j]) {
+                            k[at] = k[at - 1];
+                            at--;
+                        }
+                        k[at] = prow[j];
+                    }
+                    cr_assert_eq(r.gpu.ops->write(&r.gpu, ps[i].dkept, k, sizeof(uint32_t) * m,
+                                                  NULL),
+                                 KVT_OK);
+                } else {
+                    m = 0;
+                    while (m < it[i].s.n_closed && it[i].s.kept[m] < 448)
+                        m++;
+                }
+                promo_closed(&it[i], 448, m);
+            }
+        }
+        kvt__recall_step_args ca[NI], ga[NI];
+        for (int i = 0; i < NI; i++) {
+            step_queries(&r, &it[i], &g, step ? 0.03 : 0.0);
+            ca[i] = step_args_of(&it[i], false);
+            ga[i] = step_args_of(&it[i], true);
+            if (i < NI - 1) {
+                const uint32_t room = step < 16 ? 6 : PR_CAP;
+                ca[i].promo = ps[i].c;
+                ga[i].promo = ps[i].g;
+                ca[i].cand_cap = ga[i].cand_cap = PR_CAND;
+                ca[i].prom_cap = ga[i].prom_cap = PR_CAP;
+                ca[i].prom_room = ga[i].prom_room = room;
+                ca[i].hits = ga[i].hits = PR_HITS;
+                ca[i].window = ga[i].window = PR_WIN;
+            }
+        }
+        cr_assert_eq(r.cpu.ops->recall_step(&r.cpu, ca, NI, NULL), KVT_OK);
+        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
+        for (int i = 0; i < NI; i++) {
+            step_item *x = &it[i];
+            kvt__recall_state gs;
+            cr_assert_eq(r.gpu.ops->read(&r.gpu, &gs, x->dst, sizeof gs, NULL), KVT_OK);
+            cr_assert(memcmp(&gs, &x->st, sizeof gs) == 0,
+                      "item %d step %u: state differs (fired %llu/%llu, archived %llu/%llu)", i,
+                      step, (unsigned long long)gs.last_fired,
+                      (unsigned long long)x->st.last_fired,
+                      (unsigned long long)gs.last_archived,
+                      (unsigned long long)x->st.last_archived);
+            same(&r, x->dsamples, x->samples, sizeof(float) * x->st.n_samples, "samples");
+            same(&r, x->s.g.best, x->s.best, sizeof(float) * x->s.H, "best scores");
+            same(&r, x->ddense, &x->dense, 1, "dense flag");
+            same(&r, x->s.g.n_fired, &x->s.n_fired, 4, "fired count");
+            same(&r, x->s.g.overflow, &x->s.overflow, 4, "overflow flag");
+            same(&r, x->s.g.fired, x->s.c.fired, sizeof(uint32_t) * x->s.n_fired,
+                 "fetched rows");
+            if (i == NI - 1)
+                continue;
+            same(&r, ps[i].g, ps[i].c, ps[i].bytes, "promotion tables");
+            const kvt__recall_promo *h = ps[i].c;
+            merged_steps += !x->dense && h->n_prom && x->s.n_fired >= h->n_prom;
+            if (step == 23) {
+                absorbed += h->absorbed;
+                demoted += h->demotions;
+                promoted += h->promotions;
+            }
+        }
+    }
+    /* the inputs were not degenerate: rows promoted, merged into fetch buffers, absorbed or
+     * demoted at the close */
+    cr_assert(promoted && merged_steps && absorbed, "promoted %llu, merged %llu, absorbed %llu",
+              (unsigned long long)promoted, (unsigned long long)merged_steps,
+              (unsigned long long)absorbed);
+    cr_log_info("promotion: %llu promoted, %llu absorbed, %llu demoted, %llu steps fetched "
+                "promoted rows",
+                (unsigned long long)promoted, (unsigned long long)absorbed,
+                (unsigned long long)demoted, (unsigned long long)merged_steps);
+    for (int i = 0; i < NI - 1; i++)
+        promo_side_free(&r, &ps[i], &it[i]);
+    for (int i = 0; i < NI; i++)
+        step_item_free(&r, &it[i]);
+    rpool_free(&r, &p);
+    rig_close(&r);
+}
+
+/* ------------------------------------------------------------------------------------------------
  * pack with recall: fetched rows merged into the list, the dense flag, every row by the host,
  * plain queries in the same call, TOKENS and CSR with device offsets, over two calls (the first
  * longer than a launch's 64 queries).
@@ -1000,6 +1184,32 @@ Test(cuda, pack_recall_equals_the_cpu) {
     undev(&r, ddense, sizeof dense);
     free(fetch);
     rig_close(&r);
+}
+
+/* The places the CUDA step's parallel merge of the kept set with the promoted rows writes to
+ * (kvt__promo_merged_at, one thread per element, any order) give kvt__promo_merge's serial
+ * union: empty sides, a side of one, promoted rows below, between and above the kept ones.
+ * Host only: runs everywhere. */
+Test(cuda, promo_merge_places_equal_the_serial_merge) {
+    uint32_t kept[300], prom[40], want[340], got[340];
+    for (int it = 0; it < 20000; it++) {
+        uint32_t m = 0, np = 0;
+        const uint32_t n = rnd32() % 320, pk = 1 + rnd32() % 4, pp = 1 + rnd32() % 16;
+        for (uint32_t row = 0; row < n; row++) { /* disjoint, ascending */
+            const uint32_t u = rnd32() % (pk + pp + 1);
+            if (u < pk && m < 300)
+                kept[m++] = row;
+            else if (u == pk && np < 40)
+                prom[np++] = row;
+        }
+        const uint64_t total = kvt__promo_merge(kept, m, prom, np, want);
+        cr_assert_eq(total, (uint64_t)m + np);
+        memset(got, 0xff, sizeof got);
+        for (uint64_t t = total; t-- > 0;) /* backwards: the order must not matter */
+            got[kvt__promo_merged_at(kept, m, prom, np, t)] = t < m ? kept[t] : prom[t - m];
+        cr_assert(memcmp(got, want, sizeof(uint32_t) * total) == 0, "case %d: m %u, np %u", it,
+                  m, np);
+    }
 }
 
 /* The positions the CUDA step's parallel sample merge writes to (kvt__conformal_merged_old /

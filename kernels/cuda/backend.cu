@@ -26,6 +26,7 @@ extern "C" {
 #include "kernels/philox.h"
 #include "kernels/recall_rope.h"
 #include "kernels/recall_scan.h"
+#include "kernels/recall_promo.h"
 #include "kernels/recall_step.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
@@ -562,6 +563,7 @@ bool scan_args_ok(const kvt__recall_scan_args &a) {
 struct ScanWs {
     uint8_t *base;
     size_t each, off_res, off_heads, off_flags, off_extra;
+    size_t off_promo; /* recall_step with promotion: PromoWs (0 elsewhere) */
 };
 
 /* The layout of k work items' scan workspace (item i's scan args at (char *)a0 + i * stride on
@@ -586,6 +588,7 @@ ScanWs scan_ws_of(const kvt__recall_scan_args *a0, size_t stride, uint32_t k, si
     w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
     w.off_extra = w.off_flags + align256(rows);
     w.each = w.off_extra + align256(extra);
+    w.off_promo = 0;
     *H_out = H;
     *rows_out = rows;
     return w;
@@ -632,25 +635,6 @@ __global__ void k_scan_heads(const ScanParams p, const ScanWs w) {
         scan_head(a, scan_item(w, blockIdx.y), blockIdx.x);
 }
 
-/* How many of kept[0 .. m) (ascending) lie below row. */
-__device__ uint64_t kept_below(const uint32_t *kept, uint32_t m, uint64_t row) {
-    uint32_t lo = 0, hi = m;
-    while (lo < hi) {
-        const uint32_t mid = lo + (hi - lo) / 2;
-        if (kept[mid] < row)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
-/* Is row in kept[0 .. m) (ascending)? */
-__device__ bool scan_kept(const uint32_t *kept, uint32_t m, uint64_t row) {
-    const uint64_t lo = kept_below(kept, m, row);
-    return lo < m && kept[lo] == row;
-}
-
 /* Does an archived row fire? Its heads in order until one does (the twin's OR). */
 __device__ bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it, uint32_t row) {
     const uint32_t D = a.latent_dim, bd = a.branch_dim, rank = a.rank;
@@ -685,7 +669,7 @@ __device__ bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it, u
 __device__ void scan_rows(const kvt__recall_scan_args &a, const ScanItem &it) {
     for (uint64_t r = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; r < a.n_closed;
          r += (uint64_t)gridDim.x * blockDim.x)
-        it.flags[r] = r >= a.sinks && !scan_kept(a.kept, a.m, r) &&
+        it.flags[r] = r >= a.sinks && !kvt__sorted_has(a.kept, a.m, r) &&
                       scan_fires(a, it, (uint32_t)r);
 }
 
@@ -779,9 +763,46 @@ StepParams step_params(const kvt__recall_step_args *host, uint32_t n) {
     const kvt__div32 x_div = (p).div[i];                                                           \
     x.scan.pdiv = &x_div
 
-/* The CPU ops' rules, and no promotion (no twin yet: the library refuses it on CUDA). */
+/* The CPU ops' rules (kvt__recall_step_args_ok: one definition). */
 bool step_args_ok(const kvt__recall_step_args &x) {
-    return kvt__recall_step_args_ok(&x) && !x.promo;
+    return kvt__recall_step_args_ok(&x);
+}
+
+/* Promotion's part of an item's workspace, after its step extra (ScanWs.off_promo): the merged
+ * list's length [1], then per promoted row its hit flag [prom_cap] (the heads' blocks OR into
+ * it), the kept set merged with the promoted rows [m + prom_cap], and kvt__promo_after's
+ * tables [2·cand_cap + 2·prom_cap], u32 each (kvt__promo_scratch_u32 + prom_cap + 1). */
+struct PromoWs {
+    uint32_t *n_merged, *hit, *merged, *tmp;
+};
+
+size_t promo_ws_u32(const kvt__recall_step_args &x) {
+    return x.promo ? 1u + x.prom_cap + kvt__promo_scratch_u32(&x) : 0;
+}
+
+__device__ PromoWs promo_ws(const ScanWs &w, uint32_t item, const kvt__recall_step_args &x) {
+    uint32_t *b = (uint32_t *)(w.base + w.each * item + w.off_promo);
+    PromoWs p;
+    p.n_merged = b;
+    p.hit = b + 1;
+    p.merged = p.hit + x.prom_cap;
+    p.tmp = p.merged + x.scan.m + x.prom_cap;
+    return p;
+}
+
+/* The item as the step's scan and calibration see it: with promotion, the rows attended
+ * without recall past the sinks are the kept set merged with the promoted rows (written by
+ * k_promo_before); without, the item itself. Launch 2's best attended score alone reads the
+ * policy's kept set (the promoted rows' scores come after it, as in the twin). */
+__device__ kvt__recall_step_args step_view(const kvt__recall_step_args &x, const ScanWs &w,
+                                           uint32_t item) {
+    kvt__recall_step_args v = x;
+    if (x.promo) {
+        const PromoWs pw = promo_ws(w, item, x);
+        v.scan.kept = pw.merged;
+        v.scan.m = *pw.n_merged;
+    }
+    return v;
 }
 
 
@@ -795,7 +816,7 @@ __device__ StepPlan step_plan(const kvt__recall_step_args &x, uint32_t phase) {
     const kvt__recall_scan_args &a = x.scan;
     StepPlan pl;
     pl.S = a.sinks < a.n_closed ? a.sinks : a.n_closed;
-    const uint64_t kept_past = a.m - kept_below(a.kept, a.m, pl.S);
+    const uint64_t kept_past = a.m - kvt__sorted_below(a.kept, a.m, pl.S);
     pl.archived = a.n_closed - pl.S - kept_past;
     pl.calib = pl.archived && x.mode == KVT__RECALL_CONFORMAL && phase == KVT__CONFORMAL_OPEN;
     pl.scan = pl.archived && !pl.calib;
@@ -871,6 +892,30 @@ __device__ StepExtra step_extra(const ScanWs &w, uint32_t item, uint32_t n_heads
     return x;
 }
 
+/* Launch 0, items with promotion (one block each): the tables settled after a close
+ * (kvt__promo_settle, one thread), the hit flags cleared, and the kept set merged with the
+ * promoted rows, an element per thread (kvt__promo_merged_at: the serial merge's places). */
+__global__ void k_promo_before(const StepParams p, const ScanWs w) {
+    STEP_ARGS(p, blockIdx.x);
+    if (!x.promo)
+        return;
+    const kvt__recall_scan_args &a = x.scan;
+    const PromoWs pw = promo_ws(w, blockIdx.x, x);
+    const kvt__promo_view pv = kvt__promo_of(&x);
+    if (threadIdx.x == 0)
+        kvt__promo_settle(&x, &pv, a.sinks < a.n_closed ? a.sinks : a.n_closed);
+    __syncthreads();
+    const uint32_t np = pv.h->n_prom;
+    for (uint32_t i = threadIdx.x; i < np; i += blockDim.x)
+        pw.hit[i] = 0;
+    const uint64_t total = (uint64_t)a.m + np;
+    for (uint64_t t = threadIdx.x; t < total; t += blockDim.x)
+        pw.merged[kvt__promo_merged_at(a.kept, a.m, pv.prom_row, np, t)] =
+            t < a.m ? a.kept[t] : pv.prom_row[t - a.m];
+    if (threadIdx.x == 0)
+        *pw.n_merged = (uint32_t)total;
+}
+
 __global__ void k_step_heads(const StepParams p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.y);
     if (blockIdx.x < x.scan.n_heads)
@@ -884,7 +929,7 @@ __global__ void k_step_best(const StepParams p, const ScanWs w) {
     const uint32_t h = blockIdx.x, D = a.latent_dim, bd = a.branch_dim;
     if (h >= a.n_heads)
         return;
-    const StepPlan pl = step_plan(x, x.st->phase);
+    const StepPlan pl = step_plan(step_view(x, w, blockIdx.y), x.st->phase);
     const float *q = a.q + (size_t)h * (D + bd);
     /* 1. rows [0, S), the kept rows past S, the tail [n_closed, n_rows): ascending rows */
     float bv = -INFINITY;
@@ -904,17 +949,38 @@ __global__ void k_step_best(const StepParams p, const ScanWs w) {
         best_take(step_exact(a, q, row), row, bv, br);
     }
     best_reduce(bv, br);
+    if (x.promo) {
+        /* the promoted rows: attended too; each hits when its score reaches, for some head,
+         * this best (the heads' blocks OR their verdicts), then the best takes them: the
+         * twin's fold of them after the others (a strictly higher one wins) */
+        const kvt__promo_view pv = kvt__promo_of(&x);
+        const PromoWs pw = promo_ws(w, blockIdx.y, x);
+        float pb = -INFINITY;
+        uint64_t prow = UINT64_MAX;
+        for (uint32_t i = threadIdx.x; i < pv.h->n_prom; i += blockDim.x) {
+            const uint32_t row = pv.prom_row[i];
+            const float sc = step_exact(a, q, row);
+            if (sc >= bv)
+                atomicOr(&pw.hit[i], 1u);
+            best_take(sc, row, pb, prow);
+        }
+        best_reduce(pb, prow);
+        if (pb > bv)
+            bv = pb;
+    }
     if (threadIdx.x == 0)
         ((float *)a.best)[h] = bv;
     if (!pl.calib)
         return;
-    /* 3. the calibration's sample of this head: its best archived row */
+    /* 3. the calibration's sample of this head: its best archived row (not kept, not
+     * promoted) */
+    const kvt__recall_scan_args av = step_view(x, w, blockIdx.y).scan;
     const ScanItem it = scan_item(w, blockIdx.y);
     float *e_out = step_extra(w, blockIdx.y, a.n_heads).e;
     bv = -INFINITY;
     br = UINT64_MAX;
     for (uint64_t row = pl.S + threadIdx.x; row < a.n_closed; row += blockDim.x)
-        if (!scan_kept(a.kept, a.m, row))
+        if (!kvt__sorted_has(av.kept, av.m, row))
             best_take(step_exact(a, q, row), row, bv, br);
     best_reduce(bv, br);
     if (threadIdx.x != 0)
@@ -939,10 +1005,11 @@ __global__ void k_step_best(const StepParams p, const ScanWs w) {
 /* Launch 3: the scan's fire flags, scanning steps only. */
 __global__ void k_step_rows(const StepParams p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.y);
-    const StepPlan pl = step_plan(x, x.st->phase);
+    const kvt__recall_step_args v = step_view(x, w, blockIdx.y);
+    const StepPlan pl = step_plan(v, x.st->phase);
     if (!pl.scan)
         return;
-    scan_rows(step_scan(x, pl, x.st->z), scan_item(w, blockIdx.y));
+    scan_rows(step_scan(v, pl, x.st->z), scan_item(w, blockIdx.y));
 }
 
 /* The heads' samples into the sorted array, as kvt__conformal_insert one by one in head order
@@ -988,7 +1055,8 @@ __global__ void k_step_finish(const StepParams p, const ScanWs w) {
         s_n = st->n_samples;
     }
     __syncthreads();
-    const StepPlan pl = step_plan(x, s_phase);
+    const kvt__recall_step_args v = step_view(x, w, blockIdx.x);
+    const StepPlan pl = step_plan(v, s_phase);
     uint32_t dense = 0, over = 0, n_fired = 0;
     uint64_t visited = 0, fired = 0, fetched = 0;
     if (pl.calib) {
@@ -1002,7 +1070,7 @@ __global__ void k_step_finish(const StepParams p, const ScanWs w) {
         dense = 1;
         visited = fetched = pl.archived;
     } else if (pl.scan) {
-        const kvt__recall_scan_args a = step_scan(x, pl, s_z);
+        const kvt__recall_scan_args a = step_scan(v, pl, s_z);
         const uint32_t total = scan_compact(a, scan_item(w, blockIdx.x).flags);
         n_fired = total < a.cap ? total : a.cap;
         over = total > a.cap ? 1u : 0u;
@@ -1011,10 +1079,21 @@ __global__ void k_step_finish(const StepParams p, const ScanWs w) {
         fired = (uint64_t)n_fired + over;
         fetched = over ? pl.archived : n_fired;
     }
+    __syncthreads(); /* the fired rows are in x.scan.fired for thread 0 */
     if (threadIdx.x != 0)
         return;
     *x.scan.n_fired = dense || pl.archived == 0 ? 0u : n_fired;
     *x.scan.overflow = over;
+    if (x.promo) {
+        /* the promoted rows' hits (launch 2's flags), then the candidates, the fetch buffer and
+         * the promotions: the twin's kvt__promo_after, on one thread */
+        const kvt__promo_view pv = kvt__promo_of(&x);
+        const PromoWs pw = promo_ws(w, blockIdx.x, x);
+        for (uint32_t i = 0; i < pv.h->n_prom; i++)
+            pv.prom_hist[i] = kvt__promo_hist_next(pv.prom_hist[i], pw.hit[i], pv.mask);
+        kvt__promo_after(&x, &pv, x.scan.fired, x.scan.n_fired, *x.scan.n_fired, dense != 0,
+                         pw.tmp);
+    }
     st->steps++;
     st->overflow_steps += over;
     kvt__recall_state_record(st, x.dense, dense, over, pl.archived, visited, fired, fetched);
@@ -1033,13 +1112,25 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
             H = a[i0 + i].scan.n_heads > H ? a[i0 + i].scan.n_heads : H;
             cap = a[i0 + i].sample_cap > cap ? a[i0 + i].sample_cap : cap;
         }
-        /* step_extra's layout (its offsets from each item's own head count fit in this) */
-        const size_t extra = 3 * align256(sizeof(float) * H) + sizeof(float) * cap;
+        /* step_extra's layout (its offsets from each item's own head count fit in this), then
+         * promotion's (PromoWs, sized for the largest item) */
+        const size_t extra = align256(3 * align256(sizeof(float) * H) + sizeof(float) * cap);
+        size_t promo = 0;
+        bool any_promo = false;
+        for (uint32_t i = 0; i < k; i++) {
+            const size_t u = promo_ws_u32(a[i0 + i]);
+            promo = u > promo ? u : promo;
+            any_promo |= a[i0 + i].promo != NULL;
+        }
         size_t rows;
-        ScanWs w = scan_ws_of(&a[i0].scan, sizeof *a, k, extra, &H, &rows);
+        ScanWs w = scan_ws_of(&a[i0].scan, sizeof *a, k, extra + sizeof(uint32_t) * promo, &H,
+                              &rows);
+        w.off_promo = w.off_extra + extra;
         if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
             break;
         const StepParams prm = step_params(a + i0, k);
+        if (any_promo)
+            k_promo_before<<<k, kThreads, 0, strm(stream)>>>(prm, w);
         if (H) {
             k_step_heads<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
             k_step_best<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
@@ -2008,6 +2099,7 @@ kvt__backend_ops make_ops() {
     o.sketch_rows = cu_sketch_rows;
     o.recall_scan = cu_recall_scan;
     o.recall_step = cu_recall_step;
+    o.recall_promote = true; /* k_promo_before, k_step_best, k_step_finish */
     o.recall_rope_step = cu_recall_rope_step;
     o.recall_rope_emit = cu_recall_rope_emit;
     o.pack = cu_pack;
