@@ -483,8 +483,9 @@ static void bench_fork(int reps, uint32_t P, uint32_t n, uint32_t D) {
  * closed row) forked into n children, vs n + 1 unshared requests fed the same rows. The
  * context's memory (kvt_ctx_memory_stats: a shared page or plane set counted once) right after
  * the forks and each child's first one-row step, then after every request has decoded B rows of
- * its own (its next close copies the set it shared first). The n forks' time vs feeding the
- * prompt n times (rows written, the block's σ and sketches computed). */
+ * its own (each writes its next close into planes of its own; the set stays shared). The n
+ * forks' time vs feeding the prompt n times (rows written, the block's σ and sketches
+ * computed). */
 static kvt_ctx_memory ctx_memory(const kvt_ctx *ctx) {
     kvt_ctx_memory mm = {.struct_size = sizeof mm};
     kvt_status s = kvt_ctx_memory_stats(ctx, &mm);

@@ -80,8 +80,14 @@ typedef struct kvt__recall_scan_args {
     uint32_t branch_offset; /* bytes */
     int branch_dtype;
     uint32_t branch_dim;
-    const uint16_t *csk;    /* [n_closed][csk_stride] */
-    const float *rho;       /* [n_closed] */
+    const uint16_t *csk;    /* [n_closed - n_head][csk_stride]: rows n_head on (csk[0] is row
+                             * n_head's; kvt__scan_csk) */
+    const float *rho;       /* [n_closed - n_head], likewise (kvt__scan_rho) */
+    /* Rows [0, n_head) of the sketch planes, when they lie in a set shared with other requests
+     * (prefix sharing, tiers/salience.c: read-only here); n_head 0: csk / rho hold every row. */
+    const uint16_t *csk_head; /* [n_head][csk_stride] */
+    const float *rho_head;    /* [n_head] */
+    uint64_t n_head;
     uint32_t csk_stride;
     const float *basis;     /* [rank][latent_dim]; NULL when rank is 0 */
     uint32_t rank;          /* <= csk_stride */
@@ -100,6 +106,15 @@ typedef struct kvt__recall_scan_args {
     uint32_t *n_fired;      /* [1] out */
     uint32_t *overflow;     /* [1] out */
 } kvt__recall_scan_args;
+
+/* Closed row `row`'s sketch and ρ, from whichever piece of the planes holds it. */
+KVT_HD const uint16_t *kvt__scan_csk(const kvt__recall_scan_args *a, uint64_t row) {
+    return row < a->n_head ? a->csk_head + (size_t)row * a->csk_stride
+                           : a->csk + (size_t)(row - a->n_head) * a->csk_stride;
+}
+KVT_HD const float *kvt__scan_rho(const kvt__recall_scan_args *a, uint64_t row) {
+    return row < a->n_head ? a->rho_head + row : a->rho + (row - a->n_head);
+}
 
 /* What the recall tier keeps of one (request, layer) between steps, in the backend's memory:
  * the conformal calibration (kernels/conformal.h) and the certificate of the last step with its
@@ -230,7 +245,13 @@ typedef struct kvt__pack_args {
  * step with a close runs eagerly; steps without one never call this). On failure (scratch) the
  * kept set is untouched. */
 typedef struct kvt__select_args {
-    float *score;            /* backend: [n_closed] */
+    float *score;            /* backend: [n_closed - n_head], rows n_head on (score[0] is row
+                              * n_head's) */
+    /* Rows [0, n_head) in a score plane shared with other requests (prefix sharing): read, never
+     * written (their scores are canonical since their own close; a non-finite one among the
+     * fresh rows is counted, not rewritten). n_head 0: score holds every row. */
+    const float *score_head; /* backend: [n_head] */
+    uint64_t n_head;
     uint64_t first_new;
     uint64_t n_closed;
     uint32_t m;
@@ -239,6 +260,11 @@ typedef struct kvt__select_args {
     uint64_t nonfinite;      /* out (host) */
     uint64_t kept_in_sinks;  /* out (host) */
 } kvt__select_args;
+
+/* Closed row u's score, from whichever piece of the plane holds it. */
+KVT_HD float kvt__select_score(const kvt__select_args *a, uint64_t u) {
+    return u < a->n_head ? a->score_head[u] : a->score[u - a->n_head];
+}
 
 typedef struct kvt__backend_ops {
     const char *name;

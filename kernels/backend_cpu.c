@@ -378,12 +378,13 @@ static void select_one(kvt__select_args *a, uint32_t *keys) {
     size_t sn = kvt__topm_scratch_u32(n);
     uint64_t nonfinite = 0;
     for (uint64_t u = a->first_new; u < n; u++)
-        if (!(a->score[u] <= FLT_MAX)) {
-            a->score[u] = INFINITY;
+        if (!(kvt__select_score(a, u) <= FLT_MAX)) {
+            if (u >= a->n_head) /* a shared row's is canonical already */
+                a->score[u - a->n_head] = INFINITY;
             nonfinite++;
         }
     for (uint32_t u = 0; u < n; u++)
-        keys[u] = kvt__score_key(a->score[u]);
+        keys[u] = kvt__score_key(kvt__select_score(a, u));
     kvt__topm_u32(keys, n, a->m, a->kept, sn ? keys + n : NULL);
     uint64_t below = 0;
     while (below < a->m && a->kept[below] < a->sinks)
@@ -401,6 +402,8 @@ static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *args, uin
     for (uint32_t i = 0; i < n_args; i++) {
         if (args[i].n_closed > UINT32_MAX)
             return KVT_ERR_UNSUPPORTED;
+        if (args[i].n_head > args[i].n_closed || (args[i].n_head && !args[i].score_head))
+            return KVT_ERR_INVALID_ARGUMENT;
         most = args[i].n_closed > most ? args[i].n_closed : most;
     }
     size_t need = (size_t)most + kvt__topm_scratch_u32((uint32_t)most);
@@ -807,8 +810,12 @@ static kvt_status g_scan_owns(const kvt__backend *be, const kvt__recall_scan_arg
         GUARD_OWNS(be, a->base, 1);
         GUARD_OWNS(be, a->pages, sizeof(int32_t));
     }
-    GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * a->n_closed);
-    GUARD_OWNS(be, a->rho, sizeof(float) * a->n_closed);
+    if (a->n_head > a->n_closed)
+        return KVT_ERR_INVALID_ARGUMENT;
+    GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * (a->n_closed - a->n_head));
+    GUARD_OWNS(be, a->rho, sizeof(float) * (a->n_closed - a->n_head));
+    GUARD_OWNS(be, a->csk_head, sizeof(uint16_t) * a->csk_stride * a->n_head);
+    GUARD_OWNS(be, a->rho_head, sizeof(float) * a->n_head);
     GUARD_OWNS(be, a->basis, sizeof(float) * a->rank * a->latent_dim);
     GUARD_OWNS(be, a->kept, sizeof(uint32_t) * a->m);
     GUARD_OWNS(be, a->q, sizeof(float) * qdim * a->n_heads);
@@ -1008,7 +1015,10 @@ static kvt_status g_find_pos(const kvt__backend *be, const int64_t *sorted, cons
 static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t n,
                            void *stream) {
     for (uint32_t i = 0; i < n; i++) {
-        GUARD_OWNS(be, a[i].score, sizeof(float) * a[i].n_closed);
+        if (a[i].n_head > a[i].n_closed)
+            return KVT_ERR_INVALID_ARGUMENT;
+        GUARD_OWNS(be, a[i].score, sizeof(float) * (a[i].n_closed - a[i].n_head));
+        GUARD_OWNS(be, a[i].score_head, sizeof(float) * a[i].n_head);
         GUARD_OWNS(be, a[i].kept, sizeof(uint32_t) * a[i].m);
     }
     guard_open(be);

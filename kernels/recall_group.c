@@ -244,8 +244,8 @@ void kvt__recall_group_build_cpu(const kvt__recall_scan_args *a, uint32_t B, uin
                                        .centre = planes->centre + k * G * dim,
                                        .stat = planes->stat + k * G * KVT__RG_STATS};
         kvt__recall_group_block_cpu(a->base, slots, B, a->slot_stride, a->branch_offset,
-                                    a->branch_dtype, a->branch_dim, a->csk + blk * B * a->csk_stride,
-                                    a->csk_stride, a->rho + blk * B, a->rank, dim, ws, &out);
+                                    a->branch_dtype, a->branch_dim, kvt__scan_csk(a, blk * B),
+                                    a->csk_stride, kvt__scan_rho(a, blk * B), a->rank, dim, ws, &out);
     }
 }
 

@@ -135,7 +135,7 @@ load_row(const kvt__recall_scan_args *a, uint64_t row, float *x) {
     const uint8_t *r =
         a->base +
         (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride;
-    const uint16_t *csk = a->csk + (size_t)row * a->csk_stride;
+    const uint16_t *csk = kvt__scan_csk(a, row);
     if (a->branch_dtype == KVT__DT_BF16) {
         const uint8_t *br = r + a->branch_offset;
         for (uint32_t j = 0; j < bd; j++) {
@@ -206,7 +206,7 @@ int kvt__recall_row_fires_cpu(const kvt__recall_scan_args *a, const kvt__recall_
      * sound margin reads it. */
     const float ncsk = load_row(a, row, p->rb);
     const float *rb = p->rb, *ck = p->rb + bd;
-    const float rho = a->rho[row];
+    const float rho = *kvt__scan_rho(a, row);
     /* Every column's chains advance together, j outer (each head keeps kvt__recall_idx's order:
      * branch j ascending, then k ascending, from +0, so the bits are the per-element function's);
      * the |·| chain only in sound mode. */
@@ -416,7 +416,7 @@ TILED_FN static float load_row_vec(const kvt__recall_scan_args *a, uint64_t row,
         a->base +
         (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride +
         a->branch_offset;
-    const uint16_t *csk = a->csk + (size_t)row * a->csk_stride;
+    const uint16_t *csk = kvt__scan_csk(a, row);
     for (uint32_t j = 0; j < bd; j += 8u) {
         const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(br + 2u * j)));
         _mm256_storeu_si256((__m256i *)(x + j), _mm256_slli_epi32(b, 16));
@@ -453,7 +453,7 @@ static inline void prefetch_row(const kvt__recall_scan_args *a, uint64_t row) {
         a->base +
         (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) * a->slot_stride +
         a->branch_offset;
-    const uint8_t *c = (const uint8_t *)(a->csk + (size_t)row * a->csk_stride);
+    const uint8_t *c = (const uint8_t *)kvt__scan_csk(a, row);
     const uint32_t bb = a->branch_dtype == KVT__DT_FP32 ? 4u : 2u;
     for (uint32_t o = 0; o < a->branch_dim * bb; o += 64u)
         __builtin_prefetch(r + o);
@@ -487,7 +487,7 @@ TILED_FN static void chunk_fire(const kvt__recall_scan_args *a, kvt__recall_scan
     tile_scores(p->X, J, qT, QP, nr, sound, p->tacc, p->tpa);
     for (size_t i = 0; i < n; i++) {
         const float *acc = p->tacc + i * QP;
-        const float rho = a->rho[rows[i]];
+        const float rho = *kvt__scan_rho(a, rows[i]);
         fire[i] = (uint8_t)(sound ? row_trigger(a, p, acc, p->tpa + i * QP, hmap, nc, rho, ncsk[i])
                                   : trigger_vec(a, p, acc, nc, rho, margin));
     }

@@ -207,9 +207,9 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
                 (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, arg[h]) * a.slot_stride;
             float P, ncsk, e;
             float idx = kvt__recall_idx(q, q_sk, p, D, a.branch_offset, a.branch_dtype, bd,
-                                        a.csk + (size_t)arg[h] * a.csk_stride, rank, a.scale, &P,
+                                        kvt__scan_csk(&a, arg[h]), rank, a.scale, &P,
                                         &ncsk);
-            float cert = kvt__recall_cert(&hd, a.rho[arg[h]], a.scale, D);
+            float cert = kvt__recall_cert(&hd, *kvt__scan_rho(&a, arg[h]), a.scale, D);
             if (kvt__conformal_sample(best_ar[h], idx, cert, &e))
                 kvt__conformal_insert(x->samples, &st->n_samples, x->sample_cap, e);
         }

@@ -68,7 +68,8 @@ KVT_HD int kvt__recall_scan_args_ok(const kvt__recall_scan_args *a) {
         a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) ||
         !kvt__sketch_dtype_ok(a->dtype, a->latent_dim) ||
         (a->branch_dim && br != KVT__DT_BF16 && br != KVT__DT_FP16 && br != KVT__DT_FP32) ||
-        a->n_closed > UINT32_MAX || a->m > a->n_closed || (a->cap && !a->fired) || !a->n_fired ||
+        a->n_closed > UINT32_MAX || a->m > a->n_closed || a->n_head > a->n_closed ||
+        (a->n_head && (!a->csk_head || !a->rho_head)) || (a->cap && !a->fired) || !a->n_fired ||
         !a->overflow || !(a->scale > 0.0f && a->scale <= FLT_MAX))
         return 0;
     if (a->mode == KVT__RECALL_SOUND)

@@ -837,9 +837,13 @@ KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, u
  * before a step writes into one (the partial last page at kvt_batch_reserve, the pages past the
  * protected prompt before an eviction round) the writer copies it into a page of its own, so
  * neither side ever sees the other's rows; a page goes back to the pool when its last holder
- * lets it go. Shared σ and sketch planes likewise: the kvt_batch_reserve of a step that closes
- * a block copies them first (KVT_ERR_OUT_OF_MEMORY there, nothing reserved, when it cannot; so
- * a request that shares them may allocate at that reserve even with max_rows_per_seq). Later random
+ * lets it go. The shared σ and sketch planes stay shared for as long as their holders live:
+ * each holder writes the blocks it closes later into planes of its own and reads the shared
+ * rows where they are (no copy). The request whose planes became the shared set takes new own
+ * planes at the kvt_batch_reserve of its next closing step (KVT_ERR_OUT_OF_MEMORY there, nothing
+ * reserved, when it cannot; so it may allocate at that reserve even with max_rows_per_seq);
+ * forking a request that already shares planes and closed blocks since copies its closed rows'
+ * planes once into one new shared set (at the fork). Later random
  * draws are keyed by the child's own request id. KVT_ERR_BAD_STATE when seq has a step in flight
  * (or is damaged), KVT_ERR_INVALID_ARGUMENT (NULL), KVT_ERR_CAPACITY (max_seqs reached),
  * KVT_ERR_OUT_OF_MEMORY; on failure nothing was forked. A later reserve that must copy a page
@@ -851,8 +855,8 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
  * have: salience layers keep the σ of the blocks closed within the prefix and select their
  * top-m anew, random-eviction layers start with no round, a sliding group holds the prefix's
  * last window. Its prompt length is min(src's, prefix_rows); src's parameters otherwise. Pages,
- * and the σ and sketch planes of the blocks closed within the prefix, are shared and copied on
- * write as with kvt_seq_fork. KVT_ERR_INVALID_ARGUMENT (prefix not a
+ * and the σ and sketch planes of the blocks closed within the prefix, are shared as with
+ * kvt_seq_fork (pages copied on write). KVT_ERR_INVALID_ARGUMENT (prefix not a
  * multiple of page_rows or past src's length, out NULL), KVT_ERR_UNSUPPORTED when src no longer
  * holds the prefix as it was (an eviction round moved rows past its protected prompt; a
  * sliding group returned rows the prefix's window needs), KVT_ERR_BAD_STATE (a step in flight),
@@ -1156,8 +1160,8 @@ typedef struct kvt_layer_stats {
      * archive_bytes) and the recall trigger's buffers (and group planes). */
     uint64_t side_bytes;
     /* Of side_bytes, the planes this request shares with others (kvt_seq_fork, kvt_seq_attach:
-     * the σ and sketch planes of the closed blocks they share, fixed once written; a holder
-     * that closes a block copies them first). kvt_ctx_memory counts them once. */
+     * the σ and sketch planes of the closed blocks they share, fixed once written, shared for
+     * as long as the holders live). kvt_ctx_memory counts them once. */
     uint64_t shared_side_bytes;
     /* Recall promotion (config.recall_promote_capacity > 0; zero otherwise): rows promoted now
      * (attended at every step without recall, part of the certificate), the room the last close

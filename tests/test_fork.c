@@ -399,11 +399,12 @@ static void same_snapshot(const kvt_seq *a, const kvt_seq *b, const char *what) 
 }
 
 /* Salience side planes of closed blocks (σ, sketches) are one set for the parent and its
- * children until a holder closes a block (it copies them first); the context's memory counts
+ * children for as long as they live: a holder's later closes go into planes of its own, covering
+ * only its rows past the shared ones (no copy of the set); the context's memory counts
  * shared pages and planes once and agrees with the requests' own statistics; every request
  * equals its unshared twin throughout (rows, σ, snapshot bytes); a child's snapshot written
  * after its parent is gone restores elsewhere and continues alike. */
-Test(fork, side_planes_are_shared_until_written_and_counted_once) {
+Test(fork, side_planes_stay_shared_past_later_closes_and_are_counted_once) {
     kvt_model *m = tu_mixed_model();
     const uint32_t NP = 512, K = 512, RANK = 8;
     kvt_ctx *ctx = tu_mixed_ctx_sketch(m, false, NP, K, RANK);
@@ -469,8 +470,8 @@ Test(fork, side_planes_are_shared_until_written_and_counted_once) {
         same(all[i], twin[i], "as forked", 0);
         same_scores(all[i], twin[i], "as forked", 0);
     }
-    /* One row a step, each request its own rows: the close at 256 rows makes each holder copy
-     * the set before writing into it; the last holder keeps the original. */
+    /* One row a step, each request its own rows: at the close at 256 rows each holder writes
+     * its fourth block into planes of its own; the three shared blocks stay one set. */
     tu_rng rng = {0x51de};
     for (int k = 0; k < 60; k++) {
         for (int i = 0; i <= N_CHILD; i++) {
@@ -481,11 +482,19 @@ Test(fork, side_planes_are_shared_until_written_and_counted_once) {
             same_scores(all[i], twin[i], "σ", k);
         }
         const kvt_ctx_memory mk = memory_of(ctx);
-        if (k < 55) /* 200 + 56 rows close the fourth block */
-            cr_assert_eq(mk.shared_side_bytes, p1.shared_side_bytes, "step %d", k);
-        else
-            cr_assert_eq(mk.shared_side_bytes, 0u, "step %d: every holder wrote", k);
+        cr_assert_eq(mk.shared_side_bytes, p1.shared_side_bytes, "step %d", k);
+        for (int i = 0; i <= N_CHILD; i++)
+            cr_assert_eq(sal_stats(all[i]).shared_side_bytes, p1.shared_side_bytes, "step %d", k);
     }
+    /* 256 closed rows each; 192 of them in the one shared set: the unshared twins hold nine
+     * copies of those rows' planes, the sharing requests one. */
+    cr_assert_eq(sal_stats(all[N_CHILD]).closed_rows, 256u);
+    const kvt_ctx_memory m2 = memory_of(ctx), mr2 = memory_of(ref);
+    cr_log_info("after the next close: side bytes %llu shared vs %llu unshared",
+                (unsigned long long)m2.side_bytes, (unsigned long long)mr2.side_bytes);
+    cr_assert_leq(m2.side_bytes + N_CHILD * p1.shared_side_bytes, mr2.side_bytes,
+                  "the shared rows' planes were copied (%llu vs %llu)",
+                  (unsigned long long)m2.side_bytes, (unsigned long long)mr2.side_bytes);
     for (int i = 0; i <= N_CHILD; i++)
         same_snapshot(all[i], twin[i], "fork vs unshared");
     /* The parent goes; a child's snapshot is self-contained. */
@@ -513,9 +522,10 @@ Test(fork, side_planes_are_shared_until_written_and_counted_once) {
     kvt_model_destroy(m);
 }
 
-/* Attached requests share the closed blocks' planes of their prefix with its holder; whoever
- * closes a block copies them, the others still share; the last holder owns them. */
-Test(fork, attached_requests_share_side_planes_until_written) {
+/* Attached requests share the closed blocks' planes of their prefix with its holder; one that
+ * closes a block still shares them (its new block goes into its own planes); the set is freed
+ * with its last holder and counted as that holder's own once it is alone. */
+Test(fork, attached_requests_share_side_planes_past_their_closes) {
     kvt_model *m = tu_mixed_model();
     kvt_ctx *ctx = tu_mixed_ctx_sketch(m, false, 512, 512, 8);
     cr_assert(m && ctx);
@@ -531,17 +541,25 @@ Test(fork, attached_requests_share_side_planes_until_written) {
     cr_assert_eq(sb.shared_side_bytes, h.shared_side_bytes);
     cr_assert_eq(memory_of(ctx).shared_side_bytes, h.shared_side_bytes);
     cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
-    /* b closes its third block first: it copies; a and the holder still share. */
+    /* b closes its third block first, then the holder: all three still share the two blocks. */
     for (int k = 0; k < 64; k++)
         step(b, m, 1, 9, k % 2);
+    for (int k = 0; k < 64; k++)
+        step(holder, m, 1, 0, k % 2);
     cr_assert_eq(sal_stats(b).closed_rows, 192u);
-    cr_assert_eq(sal_stats(b).shared_side_bytes, 0u);
+    cr_assert_eq(sal_stats(holder).closed_rows, 192u);
+    cr_assert_eq(sal_stats(b).shared_side_bytes, h.shared_side_bytes);
     cr_assert_eq(sal_stats(a).shared_side_bytes, h.shared_side_bytes);
+    cr_assert_eq(sal_stats(holder).shared_side_bytes, h.shared_side_bytes);
+    cr_assert_eq(memory_of(ctx).shared_side_bytes, h.shared_side_bytes);
     kvt_seq_destroy(a);
+    cr_assert_eq(sal_stats(holder).shared_side_bytes, h.shared_side_bytes, "b still holds it");
+    cr_assert_eq(kvt_seq_check(holder), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(b), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(b);
     cr_assert_eq(sal_stats(holder).shared_side_bytes, 0u, "the last holder owns the set");
     cr_assert_eq(memory_of(ctx).shared_side_bytes, 0u);
     cr_assert_eq(kvt_seq_check(holder), KVT_OK, "%s", kvt_last_error());
-    kvt_seq_destroy(b);
     kvt_seq_destroy(holder);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
@@ -549,8 +567,10 @@ Test(fork, attached_requests_share_side_planes_until_written) {
 
 /* Request slots (max_seqs, max_rows_per_seq): a forked child takes a slot and shares its
  * parent's side planes; destroyed, the slot is parked and gives its share back (the parent is
- * the set's only holder again); the slot serves a new request from scratch; and a fork's close
- * copies the set at the step's reserve, so that it fails there, for memory, never in the step. */
+ * the set's only holder again); the slot serves a new request from scratch; a second fork of the
+ * parent, which closed blocks since the first, shares one new set of all its closed rows; and
+ * the closes after it keep sharing it (each writes its own planes, sized at the slot's creation
+ * or taken at the step's reserve, never in the step). */
 Test(fork, parked_slots_give_their_share_back) {
     kvt_model *m = tu_mixed_model();
     kvt_ctx *ctx = tu_mixed_ctx_slots(m, false, 512, 512, 8, 4, 1024);
@@ -580,14 +600,25 @@ Test(fork, parked_slots_give_their_share_back) {
         step(p, m, 16, 0, k % 2);
     }
     cr_assert_eq(sal_stats(fresh).shared_side_bytes, 0u);
-    /* Fork again; the child's step that closes a block copies the set at its reserve. */
+    /* Fork again: p's closed rows (a shared piece, then its own) become one new set. */
+    const uint64_t p_closed = sal_stats(p).closed_rows;
     cr_assert_eq(kvt_seq_fork(p, 4, &c), KVT_OK, "%s", kvt_last_error());
-    const uint32_t to_close = (uint32_t)(64 - kvt_seq_length(c) % 64);
-    cr_assert_eq(tu_reserve(c, to_close), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(sal_stats(p).shared_side_bytes, 0u, "copied at the reserve");
-    write_rows(c, m, kvt_seq_length(c), to_close, 6);
-    cr_assert_eq(tu_commit_run(c, to_close), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
+    const kvt_layer_stats again = sal_stats(c);
+    cr_assert_eq(again.closed_rows, p_closed);
+    cr_assert_geq(again.shared_side_bytes, 24u * p_closed, "σ, 8 sketch values and ρ a row");
+    cr_assert_gt(p_closed, 128u);
+    cr_assert_eq(sal_stats(p).shared_side_bytes, again.shared_side_bytes);
+    cr_assert_eq(memory_of(ctx).shared_side_bytes, again.shared_side_bytes);
+    for (int w = 0; w < 2; w++) { /* the child closes a block, then the parent */
+        kvt_seq *q = w ? p : c;
+        const uint32_t to_close = (uint32_t)(64 - kvt_seq_length(q) % 64);
+        cr_assert_eq(tu_reserve(q, to_close), KVT_OK, "%s", kvt_last_error());
+        write_rows(q, m, kvt_seq_length(q), to_close, 6);
+        cr_assert_eq(tu_commit_run(q, to_close), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(sal_stats(q).closed_rows, p_closed + 64);
+        cr_assert_eq(sal_stats(q).shared_side_bytes, again.shared_side_bytes, "still shared");
+        cr_assert_eq(kvt_seq_check(q), KVT_OK, "%s", kvt_last_error());
+    }
     kvt_ctx_destroy(rctx);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);

@@ -309,8 +309,17 @@ static void feed(kvt_seq *seq, const uint8_t *rows, uint32_t n, uint32_t step) {
 static void read_planes(const kvt_seq *seq, uint64_t rows, uint16_t *csk, float *rho) {
     const kvt__sal *s = &seq->layers[0].sal;
     const kvt__backend *be = &seq->ctx->backend;
-    cr_assert_eq(be->ops->read(be, csk, s->csk, sizeof *csk * rows * s->sk_stride, NULL), KVT_OK);
-    cr_assert_eq(be->ops->read(be, rho, s->rho, sizeof *rho * rows, NULL), KVT_OK);
+    /* rows [0, n_head) in the set shared with other requests, the rest in the request's own */
+    const uint64_t nh = rows < s->n_head ? rows : s->n_head, w = s->sk_stride;
+    if (nh) {
+        cr_assert_eq(be->ops->read(be, csk, s->head->csk, sizeof *csk * nh * w, NULL), KVT_OK);
+        cr_assert_eq(be->ops->read(be, rho, s->head->rho, sizeof *rho * nh, NULL), KVT_OK);
+    }
+    if (rows > nh) {
+        cr_assert_eq(be->ops->read(be, csk + nh * w, s->csk, sizeof *csk * (rows - nh) * w, NULL),
+                     KVT_OK);
+        cr_assert_eq(be->ops->read(be, rho + nh, s->rho, sizeof *rho * (rows - nh), NULL), KVT_OK);
+    }
 }
 
 /* One context with sketch planes (rank R) over a one-layer bf16 MLA-NoPE model, rows near an

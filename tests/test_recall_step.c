@@ -110,12 +110,12 @@ static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t
     cr_assert_eq(kvt_ctx_create(&p, &r->ctx, err, sizeof err), KVT_OK, "%s", err);
     cr_assert(tu_orthonormal_rows(&r->g, RB, D, r->V));
     cr_assert_eq(kvt_ctx_set_recall_basis(r->ctx, 0, r->V, RB), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_batch_create(r->ctx, 2, &r->b), KVT_OK);
+    cr_assert_eq(kvt_batch_create(r->ctx, 3, &r->b), KVT_OK);
     cr_assert_eq(tu_seq_create(r->ctx, 7, &r->seq), KVT_OK, "%s", kvt_last_error());
     r->rows = calloc(NMAX, 1152);
     cr_assert(r->rows);
-    cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(float) * QD * H * 2, &r->qbuf), KVT_OK);
-    cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(int32_t) * NMAX * 2, &r->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(float) * QD * H * 3, &r->qbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(int32_t) * NMAX * 3, &r->ibuf), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(r->ctx, sizeof(int32_t) * 4, &r->lbuf), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(r->ctx, 4, &r->dbuf), KVT_OK);
     kvt__conformal_init(&r->conf, r->conf_samples, 64 * H);
@@ -765,38 +765,53 @@ static uint8_t *snapshot_of(const kvt_seq *seq, size_t *need) {
 
 /* One decode step of r's request and `copy` (same new row, same queries aimed at target):
  * both attend the same positions. */
-static void step_pair(rig *r, kvt_seq *copy, int64_t target, uint32_t step) {
-    float q[2 * H * QD];
+/* One decode step of r's request and n (<= 2) others with the same row and queries: every
+ * request attends the same positions. */
+static void step_all(rig *r, kvt_seq *const *others, uint32_t n_others, int64_t target,
+                     uint32_t step) {
+    const uint32_t n = 1 + n_others;
+    cr_assert_leq(n, 3u);
+    float q[3 * H * QD];
     make_queries(r, q, target);
-    memcpy(q + H * QD, q, sizeof(float) * H * QD);
+    for (uint32_t i = 1; i < n; i++)
+        memcpy(q + i * H * QD, q, sizeof(float) * H * QD);
     uint8_t row[1152];
     make_row(r, row);
     memcpy(r->rows + r->n * 1152, row, 1152);
-    kvt_seq *two[2] = {r->seq, copy};
-    uint32_t n[2] = {1, 1};
-    cr_assert_eq(kvt_batch_reserve(r->b, two, n, 2), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_write(r->seq, 0, 0, 0, 1, row, 1152), KVT_OK);
-    cr_assert_eq(kvt_seq_write(copy, 0, 0, 0, 1, row, 1152), KVT_OK);
+    kvt_seq *all[3] = {r->seq};
+    uint32_t ones[3] = {1, 1, 1};
+    for (uint32_t i = 1; i < n; i++)
+        all[i] = others[i - 1];
+    cr_assert_eq(kvt_batch_reserve(r->b, all, ones, n), KVT_OK, "%s", kvt_last_error());
+    for (uint32_t i = 0; i < n; i++)
+        cr_assert_eq(kvt_seq_write(all[i], 0, 0, 0, 1, row, 1152), KVT_OK);
     cr_assert_eq(kvt_batch_plan(r->b), KVT_OK);
-    cr_assert_eq(kvt_buffer_write(r->qbuf, 0, q, sizeof q), KVT_OK);
+    cr_assert_eq(kvt_buffer_write(r->qbuf, 0, q, sizeof(float) * n * H * QD), KVT_OK);
     kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
                   .indices = kvt_buffer_ptr(r->ibuf), .capacity = NMAX,
                   .lengths = kvt_buffer_ptr(r->lbuf), .dense = kvt_buffer_ptr(r->dbuf)};
     cr_assert_eq(kvt_batch_run(r->b, 0, kvt_buffer_ptr(r->qbuf), NULL, &e), KVT_OK, "%s",
                  kvt_last_error());
-    static int32_t idx[2 * NMAX];
+    static int32_t idx[3 * NMAX];
     static int64_t pa[NMAX], pb[NMAX];
-    int32_t lens[2];
-    cr_assert_eq(kvt_buffer_read(r->ibuf, 0, idx, sizeof idx), KVT_OK);
-    cr_assert_eq(kvt_buffer_read(r->lbuf, 0, lens, sizeof lens), KVT_OK);
-    cr_assert_eq(lens[0], lens[1], "step %u", step);
+    int32_t lens[3];
+    cr_assert_eq(kvt_buffer_read(r->ibuf, 0, idx, sizeof(int32_t) * n * NMAX), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(r->lbuf, 0, lens, sizeof(int32_t) * n), KVT_OK);
     slots_to_positions(r->seq, idx, (uint32_t)lens[0], r->n + 1, pa);
-    slots_to_positions(copy, idx + NMAX, (uint32_t)lens[1], r->n + 1, pb);
-    cr_assert_eq(memcmp(pa, pb, sizeof(int64_t) * (size_t)lens[0]), 0, "step %u", step);
+    for (uint32_t i = 1; i < n; i++) {
+        cr_assert_eq(lens[0], lens[i], "step %u, request %u", step, i);
+        slots_to_positions(all[i], idx + i * NMAX, (uint32_t)lens[i], r->n + 1, pb);
+        cr_assert_eq(memcmp(pa, pb, sizeof(int64_t) * (size_t)lens[0]), 0, "step %u, request %u",
+                     step, i);
+    }
     cr_assert_eq(kvt_batch_commit(r->b, NULL), KVT_OK);
     r->n++;
-    cr_assert_eq(kvt_seq_check(r->seq), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_seq_check(copy), KVT_OK, "%s", kvt_last_error());
+    for (uint32_t i = 0; i < n; i++)
+        cr_assert_eq(kvt_seq_check(all[i]), KVT_OK, "%s", kvt_last_error());
+}
+
+static void step_pair(rig *r, kvt_seq *copy, int64_t target, uint32_t step) {
+    step_all(r, &copy, 1, target, step);
 }
 
 /* A snapshot carries the trigger's state: the restored request continues with the same z, the
@@ -1448,4 +1463,76 @@ Test(recall_lag, snapshots_and_forks_carry_the_kept_queries, .timeout = 120) {
     free(snap);
     rig_close(&plain);
     rig_close(&r);
+}
+
+/* Prefix sharing keeps the closed rows' σ and sketch planes shared past later closes: a fork
+ * reads the rows closed before it from the set it shares with its parent, and both write their
+ * later closes into planes of their own. Forked requests must decide exactly as a request whose
+ * planes are one flat piece (a snapshot restored: it shares nothing): the parent, its child and
+ * the restored copy take the same rows and queries for 150 steps (two closes; queries aimed at
+ * archived rows every third step, promotion on) and attend the same positions at every step; a
+ * second fork after those closes (the parent's shared piece and its own rows become one new set)
+ * does the same for 70 more. CPU and guarded backends. */
+static void shared_planes_case(kvt_backend_kind be) {
+    g_promote[0] = 4;
+    rig r;
+    rig_open(&r, be, KVT_RECALL_CONFORMAL, 4096, 1.0f, 2468);
+    prefill(&r, 64 * 5 + 10);
+    static step_out o;
+    for (uint32_t step = 0; step < 12; step++) {
+        float q[H * QD];
+        make_queries(&r, q, step % 3 ? -1 : 40 + 7 * (int64_t)step);
+        decode(&r, q, &o);
+    }
+    size_t need;
+    uint8_t *snap = snapshot_of(r.seq, &need);
+    kvt_seq *flat, *child;
+    cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &flat), KVT_OK, "%s", kvt_last_error());
+    free(snap);
+    cr_assert_eq(kvt_seq_fork(r.seq, 21, &child), KVT_OK, "%s", kvt_last_error());
+    const uint64_t forked_closed = stats(&r).closed_rows;
+    uint64_t fetched0 = stats(&r).recall_fetched_rows;
+    for (int round = 0; round < 2; round++) {
+        kvt_seq *others[2] = {child, flat};
+        const uint32_t steps = round ? 70 : 150;
+        for (uint32_t step = 0; step < steps; step++) {
+            int64_t target = step % 3 == 0 ? (int64_t)((step * 37) % (64 * 5)) : -1;
+            step_all(&r, others, 2, target, step);
+            kvt_layer_stats a = {.struct_size = sizeof a}, b = a, c = a;
+            cr_assert_eq(kvt_seq_layer_stats(r.seq, 0, &a), KVT_OK);
+            cr_assert_eq(kvt_seq_layer_stats(child, 0, &b), KVT_OK);
+            cr_assert_eq(kvt_seq_layer_stats(flat, 0, &c), KVT_OK);
+            cr_assert_gt(a.shared_side_bytes, 0u, "round %d step %u", round, step);
+            cr_assert_eq(b.shared_side_bytes, a.shared_side_bytes);
+            cr_assert_eq(c.shared_side_bytes, 0u);
+            cr_assert_eq(b.recall_fetched_rows - c.recall_fetched_rows, 0u);
+            cr_assert_eq(b.recall_promoted, c.recall_promoted);
+            cr_assert_eq(b.closed_rows, c.closed_rows);
+        }
+        if (round == 0) {
+            cr_assert_geq(stats(&r).closed_rows, forked_closed + 128u, "two closes since");
+            kvt_seq_destroy(child);
+            cr_assert_eq(kvt_seq_fork(r.seq, 22, &child), KVT_OK, "%s", kvt_last_error());
+        }
+    }
+    kvt_layer_stats fs = {.struct_size = sizeof fs};
+    cr_assert_eq(kvt_seq_layer_stats(flat, 0, &fs), KVT_OK);
+    cr_log_info("shared planes (%s): %llu closed rows, %llu fetched, %llu promotions",
+                be == KVT_BACKEND_CPU ? "cpu" : "guarded", (unsigned long long)fs.closed_rows,
+                (unsigned long long)(stats(&r).recall_fetched_rows - fetched0),
+                (unsigned long long)fs.recall_promotions);
+    cr_assert_gt(stats(&r).recall_fetched_rows, fetched0, "no archived row was ever fetched");
+    kvt_seq_destroy(child);
+    kvt_seq_destroy(flat);
+    g_promote[0] = 0;
+    rig_close(&r);
+}
+
+Test(recall_step, forks_share_planes_past_closes_and_decide_as_flat_ones_cpu, .timeout = 240) {
+    shared_planes_case(KVT_BACKEND_CPU);
+}
+
+Test(recall_step, forks_share_planes_past_closes_and_decide_as_flat_ones_guarded,
+     .timeout = 240) {
+    shared_planes_case(KVT_BACKEND_GUARDED);
 }

@@ -63,8 +63,8 @@ void kvt__sal_init(kvt__sal *s, const kvt__backend *home, uint32_t sk_stride) {
     s->sk_stride = sk_stride;
 }
 
-/* The closed-row planes (score, csk, rho): where each is, its cap and its bytes per row (0: the
- * state has no such plane). */
+/* The state's own closed-row planes (score, csk, rho): where each is, its cap and its bytes per
+ * row (0: the state has no such plane). */
 typedef struct closed_planes {
     void **p[3];
     uint64_t *cap[3];
@@ -79,101 +79,150 @@ static closed_planes closed_planes_of(kvt__sal *s) {
     return c;
 }
 
-static bool sal_is_shared(const kvt__sal *s) {
-    return s->share && *s->share > 1;
+/* A shared set's planes, with the element sizes of the states that hold it. */
+static closed_planes head_planes_of(kvt__sal_head *h, const kvt__sal *s) {
+    closed_planes c = {{(void **)&h->score, (void **)&h->csk, (void **)&h->rho},
+                       {&h->cap[0], &h->cap[1], &h->cap[2]},
+                       {sizeof *s->score, sizeof *s->csk * s->sk_stride,
+                        s->sk_stride ? sizeof *s->rho : 0}};
+    return c;
 }
 
-/* Let go of the closed-row planes: freed unless other holders share them (the last one frees
- * the count too). The state then holds none. */
-static void closed_planes_drop(kvt__sal *s, const kvt__alloc *a) {
-    closed_planes c = closed_planes_of(s);
-    const bool others = s->share && --*s->share > 0;
+static uint64_t planes_bytes(closed_planes c) {
+    uint64_t n = 0;
+    for (int k = 0; k < 3; k++)
+        n += *c.cap[k] * c.elt[k];
+    return n;
+}
+
+static void planes_free(const kvt__backend *be, closed_planes c) {
     for (int k = 0; k < 3; k++) {
-        if (!others && s->be && *c.p[k])
-            s->be->ops->buf_free(s->be, *c.p[k], *c.cap[k] * c.elt[k]);
+        if (be && *c.p[k])
+            be->ops->buf_free(be, *c.p[k], *c.cap[k] * c.elt[k]);
         *c.p[k] = NULL;
         *c.cap[k] = 0;
     }
-    if (s->share && !others)
-        kvt__free(a, s->share, sizeof *s->share);
-    s->share = NULL;
 }
 
-/* Copy on write: a holder of a shared set that will write into it takes its own copy, planes of
- * at least `rows` rows (and the set's caps), its closed rows copied on `stream`; its reference
- * dropped. Nothing changes on failure. */
-static kvt_status closed_planes_own(kvt__sal *s, uint64_t rows, void *stream) {
-    if (!sal_is_shared(s))
+/* Let go of the shared set: freed by its last holder. The state then reads no shared rows. */
+static void head_drop(kvt__sal *s, const kvt__alloc *a) {
+    kvt__sal_head *h = s->head;
+    s->head = NULL;
+    s->n_head = 0;
+    if (!h || --h->holders > 0)
+        return;
+    planes_free(s->be, head_planes_of(h, s));
+    kvt__free(a, h, sizeof *h);
+}
+
+/* Make src's closed rows one shared set (src->n_head = closed_rows afterwards). Its own planes
+ * move into a new set when it has none (no copy: its later closes take own planes at their
+ * reserve); when it already reads a set and closed blocks since, that set and its own rows are
+ * copied into a new one, its own planes kept for the rows it closes next. Nothing changes on
+ * failure. */
+static kvt_status head_make(kvt__sal *s, const kvt__alloc *a) {
+    if (s->n_head == s->closed_rows)
         return KVT_OK;
-    const kvt__backend *be = s->be;
-    closed_planes c = closed_planes_of(s);
-    void *fresh[3] = {NULL, NULL, NULL};
-    uint64_t cap[3];
-    kvt_status rc = KVT_OK;
-    for (int k = 0; k < 3 && rc == KVT_OK; k++) {
-        cap[k] = rows > *c.cap[k] ? rows : *c.cap[k];
-        if (c.elt[k] && cap[k])
-            rc = be->ops->buf_alloc(be, cap[k] * c.elt[k], &fresh[k]);
+    kvt__sal_head *h = kvt__malloc(a, sizeof *h);
+    if (!h)
+        return KVT_ERR_OUT_OF_MEMORY;
+    memset(h, 0, sizeof *h);
+    h->rows = s->closed_rows;
+    h->holders = 1;
+    closed_planes own = closed_planes_of(s), hp = head_planes_of(h, s);
+    if (!s->head) { /* move */
+        for (int k = 0; k < 3; k++) {
+            *hp.p[k] = *own.p[k];
+            *hp.cap[k] = *own.cap[k];
+            *own.p[k] = NULL;
+            *own.cap[k] = 0;
+        }
+        s->head = h;
+        s->n_head = s->closed_rows;
+        return KVT_OK;
     }
+    /* copy: the old set's rows [0, n_head), then the own rows */
+    const kvt__backend *be = s->be;
+    closed_planes old = head_planes_of(s->head, s);
+    kvt_status rc = KVT_OK;
     for (int k = 0; k < 3 && rc == KVT_OK; k++)
-        if (fresh[k] && s->closed_rows)
-            rc = be->ops->copy(be, fresh[k], *c.p[k], s->closed_rows * c.elt[k], stream);
+        if (own.elt[k]) {
+            *hp.cap[k] = h->rows;
+            rc = be->ops->buf_alloc(be, h->rows * own.elt[k], hp.p[k]);
+        }
+    for (int k = 0; k < 3 && rc == KVT_OK; k++) {
+        if (!own.elt[k])
+            continue;
+        uint8_t *dst = *hp.p[k];
+        rc = be->ops->copy(be, dst, *old.p[k], s->n_head * own.elt[k], NULL);
+        if (rc == KVT_OK)
+            rc = be->ops->copy(be, dst + s->n_head * own.elt[k], *own.p[k],
+                               (s->closed_rows - s->n_head) * own.elt[k], NULL);
+    }
     if (rc != KVT_OK) {
-        for (int k = 0; k < 3; k++)
-            if (fresh[k])
-                be->ops->buf_free(be, fresh[k], cap[k] * c.elt[k]);
+        planes_free(be, hp);
+        kvt__free(a, h, sizeof *h);
         return rc;
     }
-    --*s->share; /* the other holders keep the set */
-    s->share = NULL;
-    for (int k = 0; k < 3; k++) {
-        *c.p[k] = fresh[k];
-        *c.cap[k] = fresh[k] ? cap[k] : 0;
-    }
+    head_drop(s, a);
+    s->head = h;
+    s->n_head = h->rows;
     return KVT_OK;
 }
 
-kvt_status kvt__sal_share(kvt__sal *dst, kvt__sal *src, const kvt__alloc *a) {
-    if (src->closed_rows == 0)
+kvt_status kvt__sal_share(kvt__sal *dst, kvt__sal *src, uint64_t rows, const kvt__alloc *a) {
+    if (rows == 0)
         return KVT_OK; /* nothing closed: nothing to share */
-    if (dst->sk_stride != src->sk_stride || dst->be != src->be || dst->closed_rows != 0)
+    if (dst->sk_stride != src->sk_stride || dst->be != src->be || dst->closed_rows != 0 ||
+        rows > src->closed_rows || dst == src)
         return KVT_ERR_INVARIANT;
-    if (!src->share) {
-        if (!(src->share = kvt__malloc(a, sizeof *src->share)))
-            return KVT_ERR_OUT_OF_MEMORY;
-        *src->share = 1;
+    if (rows > src->n_head) {
+        kvt_status rc = head_make(src, a);
+        if (rc != KVT_OK)
+            return rc;
     }
-    closed_planes_drop(dst, a);
-    closed_planes d = closed_planes_of(dst), s = closed_planes_of(src);
-    for (int k = 0; k < 3; k++) {
-        *d.p[k] = *s.p[k];
-        *d.cap[k] = *s.cap[k];
-    }
-    dst->share = src->share;
-    ++*dst->share;
+    kvt__sal_head *h = src->head;
+    h->holders++;
+    head_drop(dst, a); /* (a fresh state reads none) */
+    dst->head = h;
+    dst->n_head = rows;
     return KVT_OK;
 }
 
 void kvt__sal_unshare(kvt__sal *s, const kvt__alloc *a) {
-    if (sal_is_shared(s))
-        closed_planes_drop(s, a);
+    head_drop(s, a);
 }
 
 void kvt__sal_side_bytes(const kvt__sal *s, uint64_t *own, uint64_t *shared) {
-    closed_planes c = closed_planes_of((kvt__sal *)(uintptr_t)s);
-    uint64_t closed = 0;
-    for (int k = 0; k < 3; k++)
-        closed += *c.cap[k] * c.elt[k];
-    const bool sh = sal_is_shared(s);
-    *own = sizeof *s->kept * s->kept_cap + (sh ? 0 : closed);
-    *shared = sh ? closed : 0;
+    kvt__sal *w = (kvt__sal *)(uintptr_t)s;
+    const uint64_t head = s->head ? planes_bytes(head_planes_of(s->head, s)) : 0;
+    const bool sh = s->head && s->head->holders > 1;
+    *own = sizeof *s->kept * s->kept_cap + planes_bytes(closed_planes_of(w)) + (sh ? 0 : head);
+    *shared = sh ? head : 0;
 }
 
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a) {
-    closed_planes_drop(s, a);
+    head_drop(s, a);
+    planes_free(s->be, closed_planes_of(s));
     if (s->be)
         s->be->ops->buf_free(s->be, s->kept, sizeof *s->kept * s->kept_cap);
     memset(s, 0, sizeof *s);
+}
+
+/* Rows [0, rows) of closed-row plane k (0 score, 1 csk, 2 rho) into host memory: the shared
+ * set's, then the state's own (synchronising: inspection and snapshots). */
+static kvt_status planes_read(const kvt__sal *s, int k, void *dst, uint64_t rows) {
+    kvt__sal *w = (kvt__sal *)(uintptr_t)s;
+    closed_planes own = closed_planes_of(w);
+    const size_t elt = own.elt[k];
+    const uint64_t nh = rows < s->n_head ? rows : s->n_head;
+    kvt_status rc = KVT_OK;
+    if (nh && elt)
+        rc = s->be->ops->read(s->be, dst, *head_planes_of(s->head, s).p[k], nh * elt, NULL);
+    if (rc == KVT_OK && rows > nh && elt)
+        rc = s->be->ops->read(s->be, (uint8_t *)dst + nh * elt, *own.p[k], (rows - nh) * elt,
+                              NULL);
+    return rc;
 }
 
 /* Grow a side plane in the backend's memory to hold n elements of elt bytes (grow-only, 1.5x):
@@ -201,16 +250,16 @@ static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, ui
     return KVT_OK;
 }
 
-/* The close of new_closed rows: score and kept planes, close scratch. Capacity only. */
-static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint64_t new_closed,
-                              uint64_t m, void *stream) {
-    /* Rows past the closed ones will be written: a shared set is copied first (normally at the
-     * step's reserve already: sal_reserve_shared). */
-    kvt_status st = new_closed > s->closed_rows ? closed_planes_own(s, new_closed, stream) : KVT_OK;
-    if (st != KVT_OK)
-        return st;
+/* The close of new_closed rows: the own closed-row planes (rows n_head on; sized at least for
+ * the rows kvt__sal_prepare asked for, so that a state whose planes moved into a shared set
+ * takes them back in one allocation) and the kept plane. Capacity only. */
+static kvt_status sal_reserve(kvt__sal *s, uint64_t new_closed, uint64_t m, void *stream) {
+    KVT_ASSERT(new_closed >= s->n_head);
+    uint64_t own = new_closed - s->n_head;
+    if (own > s->score_cap && s->prep_rows > new_closed)
+        own = s->prep_rows - s->n_head;
     void *p = s->score;
-    st = plane_grow(s->be, &p, &s->score_cap, new_closed, sizeof *s->score, stream);
+    kvt_status st = plane_grow(s->be, &p, &s->score_cap, own, sizeof *s->score, stream);
     s->score = p;
     if (st != KVT_OK)
         return st;
@@ -221,24 +270,23 @@ static kvt_status sal_reserve(kvt__sal *s, const kvt__alloc *a, uint32_t B, uint
         return st;
     /* The recall sketches of the closed rows, grown with σ. */
     p = s->csk;
-    st = plane_grow(s->be, &p, &s->csk_cap, new_closed, sizeof *s->csk * s->sk_stride, stream);
+    st = plane_grow(s->be, &p, &s->csk_cap, own, sizeof *s->csk * s->sk_stride, stream);
     s->csk = p;
     if (st != KVT_OK)
         return st;
     p = s->rho;
-    st = plane_grow(s->be, &p, &s->rho_cap, new_closed, sizeof *s->rho, stream);
+    st = plane_grow(s->be, &p, &s->rho_cap, own, sizeof *s->rho, stream);
     s->rho = p;
-    if (st != KVT_OK)
-        return st;
-    (void)a;
-    (void)B;
-    return KVT_OK;
+    return st;
 }
 
 kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
                             uint64_t rows) {
+    (void)a;
     uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
-    return sal_reserve(s, a, cfg->block_rows, closed, kvt__sal_m(closed, cfg), NULL);
+    if (closed > s->prep_rows)
+        s->prep_rows = closed;
+    return sal_reserve(s, closed < s->n_head ? s->n_head : closed, kvt__sal_m(closed, cfg), NULL);
 }
 
 /* The top-m size before promotion's reserve (kvt__sal_m without it). */
@@ -349,8 +397,8 @@ static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, 
     a.basis = rb->rank ? rb->V : NULL;
     a.rank = rb->rank;
     a.csk_stride = j->s->sk_stride;
-    a.csk = j->s->csk + first * j->s->sk_stride;
-    a.rho = j->s->rho + first;
+    a.csk = j->s->csk + (first - j->s->n_head) * j->s->sk_stride; /* own rows */
+    a.rho = j->s->rho + (first - j->s->n_head);
     return a;
 }
 
@@ -386,7 +434,7 @@ static void block_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n, bool
             if (sketch)
                 args.sketch[k++] = sketch_args(env, j, first);
             else
-                args.score[k++] = score_args(env, j, first, j->s->score + first);
+                args.score[k++] = score_args(env, j, first, j->s->score + (first - j->s->n_head));
             if (k == KVT__SAL_CHUNK) {
                 block_call(env, jobs, first_job, i + 1, &args, k, sketch);
                 k = 0;
@@ -411,7 +459,7 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
         j->new_closed = s->closed_rows + j->n_close * B;
         j->m = kvt__sal_m(j->new_closed, j->cfg);
         /* growth on the run's stream: ordered with its earlier closes */
-        kvt_status st = sal_reserve(s, env->alloc, B, j->new_closed, j->m, env->stream);
+        kvt_status st = sal_reserve(s, j->new_closed, j->m, env->stream);
         if (st == KVT_OK && j->new_closed > UINT32_MAX)
             st = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
                            "salience: more than 2^32 closed rows");
@@ -439,6 +487,8 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
             kvt__sal_job *j = &jobs[i];
             uint64_t S = j->cfg->sink_rows;
             sel[k] = (kvt__select_args){.score = j->s->score,
+                                        .score_head = j->s->head ? j->s->head->score : NULL,
+                                        .n_head = j->s->n_head,
                                         .first_new = j->s->closed_rows,
                                         .n_closed = j->new_closed,
                                         .m = (uint32_t)j->m,
@@ -597,7 +647,7 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
     if ((s->closed_rows && !score) || (s->n_kept && !kept))
         rc = kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "salience check: host copies");
     if (rc == KVT_OK && s->closed_rows &&
-        (rc = be->ops->read(be, score, s->score, sizeof *score * s->closed_rows, NULL)) != KVT_OK)
+        (rc = planes_read(s, 0, score, s->closed_rows)) != KVT_OK)
         kvt__fail(err, len, rc, "salience check: reading the score plane");
     if (rc == KVT_OK && s->n_kept &&
         (rc = be->ops->read(be, kept, s->kept, sizeof *kept * s->n_kept, NULL)) != KVT_OK)
@@ -622,10 +672,8 @@ static kvt_status check_sketches(const kvt__sal *s, uint32_t rank, char *err, si
     kvt_status rc = KVT_OK;
     if (!csk || !rho)
         rc = kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "salience check: sketch copies");
-    if (rc == KVT_OK && ((rc = be->ops->read(be, csk, s->csk, sizeof *csk * n_csk, NULL)) !=
-                             KVT_OK ||
-                         (rc = be->ops->read(be, rho, s->rho, sizeof *rho * s->closed_rows,
-                                             NULL)) != KVT_OK))
+    if (rc == KVT_OK && ((rc = planes_read(s, 1, csk, s->closed_rows)) != KVT_OK ||
+                         (rc = planes_read(s, 2, rho, s->closed_rows)) != KVT_OK))
         kvt__fail(err, len, rc, "salience check: reading the sketch planes");
     for (uint64_t u = 0; rc == KVT_OK && u < s->closed_rows; u++) {
         const uint16_t *c = csk + u * s->sk_stride;
@@ -759,9 +807,9 @@ static kvt_status kept_reserve(kvt__sal *s, uint64_t m) {
     return rc;
 }
 
-/* The forked request shares its parent's closed-row planes (σ, sketches: fixed once written;
- * copied on write by whichever holder closes a block next); its kept set is copied on the
- * backend; the counts as they are. */
+/* The forked request shares its parent's closed-row planes (σ, sketches: fixed once written)
+ * for as long as both live, each writing its later closes into planes of its own; its kept set
+ * is copied on the backend; the counts as they are. */
 static kvt_status sal_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                  const kvt__env *env, const kvt__store *st, uint64_t rows) {
     (void)rows;
@@ -770,7 +818,7 @@ static kvt_status sal_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
     const kvt__backend *be = d->be;
     kvt_status rc = kept_reserve(d, s->n_kept);
     if (rc == KVT_OK)
-        rc = kvt__sal_share(d, s, env->alloc);
+        rc = kvt__sal_share(d, s, s->closed_rows, env->alloc);
     if (rc == KVT_OK && s->n_kept)
         rc = be->ops->copy(be, d->kept, s->kept, sizeof *s->kept * s->n_kept, NULL);
     if (rc != KVT_OK)
@@ -803,8 +851,9 @@ static kvt_status sal_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_
     uint64_t m = kvt__sal_m(closed, cfg);
     kvt_status rc = kept_reserve(d, m);
     if (rc == KVT_OK && closed)
-        rc = kvt__sal_share(d, s, env->alloc);
-    kvt__select_args sel = {.score = d->score, .first_new = 0, .n_closed = closed,
+        rc = kvt__sal_share(d, s, closed, env->alloc);
+    kvt__select_args sel = {.score = d->score, .score_head = d->head ? d->head->score : NULL,
+                            .n_head = d->n_head, .first_new = 0, .n_closed = closed,
                             .m = (uint32_t)m,
                             .sinks = cfg->sink_rows < closed ? cfg->sink_rows : closed,
                             .kept = d->kept};
@@ -823,17 +872,20 @@ static kvt_status sal_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_
     return KVT_OK;
 }
 
-/* A step that closes a block writes the closed-row planes: a shared set is copied here, at the
- * step's reserve, so that the step's run allocates nothing. */
+/* A step that closes a block writes its rows into the state's own planes: a state whose planes
+ * moved into a shared set (kvt__sal_share) takes new ones here, at the step's reserve, so that
+ * the step's run allocates nothing. */
 static kvt_status sal_reserve_shared(kvt__tier_state *s, const kvt__env *env,
                                      const kvt__store *st, uint64_t rows) {
     kvt__sal *sa = &s->sal;
     const uint64_t closed = rows / env->cfg->block_rows * env->cfg->block_rows;
-    kvt_status rc = closed > sa->closed_rows ? closed_planes_own(sa, closed, NULL) : KVT_OK;
+    kvt_status rc = sa->head && closed > sa->closed_rows
+                        ? sal_reserve(sa, closed, kvt__sal_m(closed, env->cfg), NULL)
+                        : KVT_OK;
     return rc == KVT_OK ? KVT_OK
                         : kvt__fail(env->err, env->err_len, rc,
-                                    "copying the shared salience planes of layer %u (copy on "
-                                    "write)",
+                                    "the salience planes of layer %u for its rows past the shared "
+                                    "ones",
                                     st->layer);
 }
 
@@ -844,8 +896,8 @@ static void sal_layer_unshare(kvt__tier_state *s, const kvt__alloc *a) {
 static void sal_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
                            const void **key, uint32_t *holders) {
     kvt__sal_side_bytes(&s->sal, own, shared);
-    *key = *shared ? (const void *)s->sal.share : NULL;
-    *holders = *shared ? *s->sal.share : 1;
+    *key = *shared ? (const void *)s->sal.head : NULL;
+    *holders = *shared ? s->sal.head->holders : 1;
 }
 
 static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
@@ -872,6 +924,9 @@ static bool sal_recall_view(const kvt__tier_layer *l, kvt__recall_scan_args *a) 
     a->branch_dim = sp->branch_dim;
     a->csk = sa->csk;
     a->rho = sa->rho;
+    a->csk_head = sa->head ? sa->head->csk : NULL;
+    a->rho_head = sa->head ? sa->head->rho : NULL;
+    a->n_head = sa->n_head;
     a->csk_stride = sa->sk_stride;
     a->basis = l->st->rbasis.rank ? l->st->rbasis.V : NULL;
     a->rank = l->st->rbasis.rank;
@@ -987,17 +1042,17 @@ static kvt_status sal_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *er
     /* The planes are in the backend's memory: read through it, straight into the snapshot. */
     kvt_status rc = KVT_OK;
     if (sa->closed_rows)
-        rc = sa->be->ops->read(sa->be, c.w, sa->score, sizeof *sa->score * sa->closed_rows, NULL);
+        rc = planes_read(sa, 0, c.w, sa->closed_rows);
     c.w += sizeof *sa->score * sa->closed_rows;
     if (rc == KVT_OK && sa->n_kept)
         rc = sa->be->ops->read(sa->be, c.w, sa->kept, sizeof *sa->kept * sa->n_kept, NULL);
     c.w += sizeof *sa->kept * sa->n_kept;
     const size_t n_csk = sizeof *sa->csk * sa->sk_stride * sa->closed_rows;
     if (rc == KVT_OK && n_csk)
-        rc = sa->be->ops->read(sa->be, c.w, sa->csk, n_csk, NULL);
+        rc = planes_read(sa, 1, c.w, sa->closed_rows);
     c.w += n_csk;
     if (rc == KVT_OK && sa->sk_stride && sa->closed_rows)
-        rc = sa->be->ops->read(sa->be, c.w, sa->rho, sizeof *sa->rho * sa->closed_rows, NULL);
+        rc = planes_read(sa, 2, c.w, sa->closed_rows);
     return rc == KVT_OK ? KVT_OK : kvt__fail(err, len, rc, "salience: reading the side planes");
 }
 
@@ -1074,7 +1129,10 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
         if (check_host(&t, cfg, score, kept, msg, sizeof msg) != KVT_OK)
             rc = kvt__fail(env->err, env->err_len, KVT_ERR_CORRUPT, "salience state: %s", msg);
     }
-    if (rc == KVT_OK && (rc = sal_reserve(sa, a, B, t.closed_rows, t.n_kept, NULL)) != KVT_OK)
+    if (rc == KVT_OK && sa->head) /* a restore fills a fresh request, which shares nothing */
+        rc = kvt__fail(env->err, env->err_len, KVT_ERR_INVARIANT,
+                       "salience state: restoring into a request that shares planes");
+    if (rc == KVT_OK && (rc = sal_reserve(sa, t.closed_rows, t.n_kept, NULL)) != KVT_OK)
         kvt__fail(env->err, env->err_len, rc, "salience state: side planes");
     if (rc == KVT_OK && t.closed_rows &&
         (rc = sa->be->ops->write(sa->be, sa->score, score, sizeof *score * t.closed_rows,
@@ -1109,6 +1167,6 @@ static kvt_status sal_scores(const kvt__tier_layer *l, float *out, char *err, si
     const kvt__sal *sa = &l->state->sal;
     kvt_status rc = KVT_OK;
     if (sa->closed_rows)
-        rc = sa->be->ops->read(sa->be, out, sa->score, sizeof *out * sa->closed_rows, NULL);
+        rc = planes_read(sa, 0, out, sa->closed_rows);
     return rc == KVT_OK ? KVT_OK : kvt__fail(err, len, rc, "salience: reading the score plane");
 }

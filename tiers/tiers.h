@@ -192,32 +192,45 @@ typedef struct kvt__env {
 /* ------------------------------------------------------------------------------------------- */
 /* Salience tier (MLA-NoPE): sigma at block close, global top-m, sinks, tail, archive by index. */
 /* ------------------------------------------------------------------------------------------- */
+/* A set of closed-row planes shared by requests (prefix sharing: kvt_seq_fork, kvt_seq_attach):
+ * σ and the sketches of rows [0, rows), fixed once written, in the backend's memory; freed by its
+ * last holder. The struct is host memory. */
+typedef struct kvt__sal_head {
+    float *score;
+    uint16_t *csk;
+    float *rho;
+    uint64_t cap[3];  /* rows each plane (score, csk, rho) was allocated for */
+    uint64_t rows;    /* rows written */
+    uint32_t holders; /* requests reading it */
+} kvt__sal_head;
+
 typedef struct kvt__sal {
     uint64_t n_rows;      /* committed rows (= positions) */
     uint64_t closed_rows; /* rows in closed blocks: a multiple of block_rows */
     /* Side planes in the backend's memory space (the host reaches them only through the backend:
-     * inspection calls read them; a close's selection op writes them). */
+     * inspection calls read them; a close's selection op writes them). The closed-row planes
+     * (score, csk, rho) come in two pieces: rows [0, n_head) in a shared set (head, read-only;
+     * NULL and 0 when the state shares none), rows n_head on in the state's own planes at index
+     * row − n_head — so requests sharing closed blocks hold one copy of their planes for as
+     * long as they live, and each writes its later closes into its own. */
     const kvt__backend *be; /* the context's backend, which allocated them */
-    float *score;         /* backend: [closed_rows] canonical score (NaN -> +Inf), fixed at close */
-    uint64_t score_cap;
+    float *score;         /* backend: own rows' canonical score (NaN -> +Inf), fixed at close */
+    uint64_t score_cap;   /* own rows */
     uint32_t *kept;       /* backend: [n_kept] ascending positions of the top-m closed rows */
     uint64_t n_kept, kept_cap;
     uint64_t kept_in_sinks; /* host: kept rows below the sinks' end (attended as sinks) */
     uint64_t closes, nonfinite, score_bytes_read;
     /* Recall sketches of the closed rows (kernels/sketch.h), written at each close next to σ
-     * when sk_stride > 0: csk [closed_rows][sk_stride] fp16 (entries past the layer's basis rank
-     * are 0) and ρ [closed_rows] fp32, in the backend's memory; caps in rows. */
+     * when sk_stride > 0: csk [rows][sk_stride] fp16 (entries past the layer's basis rank are 0)
+     * and ρ [rows] fp32, own rows as score; caps in rows. */
     uint32_t sk_stride;
     uint16_t *csk;
     uint64_t csk_cap;
     float *rho;
     uint64_t rho_cap;
-    /* Prefix sharing (kvt_seq_fork, kvt_seq_attach): the closed-row planes (score, csk, rho) are
-     * fixed once written, so requests sharing closed blocks hold one set of them. `share` counts
-     * the set's holders (host memory; NULL: never shared). While *share > 1 the set is
-     * read-only: a holder that will write into it (a close, a load) copies it first, and every
-     * holder's caps are the set's. */
-    uint32_t *share;
+    kvt__sal_head *head;  /* the shared piece, or NULL */
+    uint64_t n_head;      /* rows read from it: a multiple of block_rows, <= head->rows */
+    uint64_t prep_rows;   /* closed rows kvt__sal_prepare sized the planes for */
 } kvt__sal;
 
 /* Basis tables shared by all salience layers of a context: [n_basis][block_rows], in the
@@ -237,12 +250,15 @@ void kvt__sal_shared_fini(kvt__sal_shared *sh);
  * of sk_stride fp16 values a row (0: none). */
 void kvt__sal_init(kvt__sal *s, const kvt__backend *home, uint32_t sk_stride);
 void kvt__sal_fini(kvt__sal *s, const kvt__alloc *a);
-/* Prefix sharing: dst (no closed row yet) takes src's closed-row planes as a holder of the same
- * set (counted in *share, allocated on first share: KVT_ERR_OUT_OF_MEMORY with nothing changed);
- * dst's own closed-row planes are freed. */
-kvt_status kvt__sal_share(kvt__sal *dst, kvt__sal *src, const kvt__alloc *a);
-/* Give up a shared set (a request slot parked): the planes are forgotten (freed by their last
- * holder); the state then holds no closed-row plane. */
+/* Prefix sharing: dst (no closed row yet) reads src's first `rows` closed rows (a multiple of
+ * block_rows, at most src's closed rows) from a set it shares with src, and keeps its own planes
+ * for the rows it closes later. src's closed rows become one shared set first when they are not
+ * already: its own planes move into a new set (no copy), or, when src already shares a set and
+ * closed blocks since, the set and its own rows are copied into a new one (on the backend, once).
+ * KVT_ERR_OUT_OF_MEMORY with nothing changed. */
+kvt_status kvt__sal_share(kvt__sal *dst, kvt__sal *src, uint64_t rows, const kvt__alloc *a);
+/* Give up a shared set (a request slot parked): the set is forgotten (freed by its last
+ * holder); the state then reads no shared rows. */
 void kvt__sal_unshare(kvt__sal *s, const kvt__alloc *a);
 /* Backend bytes of the state's side planes (capacity): *own those only it holds, *shared those
  * of a set it shares with other requests (0 when none). */

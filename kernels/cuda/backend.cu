@@ -640,8 +640,8 @@ __device__ bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it, u
     const uint32_t D = a.latent_dim, bd = a.branch_dim, rank = a.rank;
     const uint8_t *p =
         a.base + (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, row) * a.slot_stride;
-    const uint16_t *csk = a.csk + (size_t)row * a.csk_stride;
-    const float rho = a.rho[row];
+    const uint16_t *csk = kvt__scan_csk(&a, row);
+    const float rho = *kvt__scan_rho(&a, row);
     for (uint32_t h = 0; h < a.n_heads; h++) {
         float P, ncsk;
         const float idx =
@@ -992,10 +992,10 @@ __global__ void k_step_best(const StepParams p, const ScanWs w) {
                                                              (uint32_t)br) * a.slot_stride;
         float P, ncsk, v;
         const float idx = kvt__recall_idx(q, it.q_sk + (size_t)h * rank, row, D, a.branch_offset,
-                                          a.branch_dtype, bd, a.csk + (size_t)br * a.csk_stride,
+                                          a.branch_dtype, bd, kvt__scan_csk(&a, br),
                                           rank, a.scale, &P, &ncsk);
         const kvt__recall_head hd = it.heads[h];
-        const float cert = kvt__recall_cert(&hd, a.rho[br], a.scale, D);
+        const float cert = kvt__recall_cert(&hd, *kvt__scan_rho(&a, br), a.scale, D);
         if (kvt__conformal_sample(bv, idx, cert, &v))
             e = v; /* finite: NaN marks no sample */
     }
@@ -1525,9 +1525,11 @@ __global__ void k_select(const SelectParams p, uint32_t *keys_all, size_t keys_e
         s_nonfinite = s_below = 0;
     __syncthreads();
     for (uint32_t u = threadIdx.x; u < n; u += blockDim.x) {
-        float f = a.score[u];
+        float f = kvt__select_score(&a, u);
         if (u >= a.first_new && !(f <= 3.402823466e+38f)) {
-            a.score[u] = f = INFINITY;
+            if (u >= a.n_head) /* a shared row's is canonical already */
+                a.score[u - a.n_head] = INFINITY;
+            f = INFINITY;
             atomicAdd(&s_nonfinite, 1ull);
         }
         keys[u] = kvt__score_key(f);
@@ -1555,6 +1557,9 @@ kvt_status cu_select(const kvt__backend *be, kvt__select_args *a, uint32_t n, vo
         for (uint32_t i = 0; i < k; i++) {
             if (a[i0 + i].n_closed > UINT32_MAX)
                 return KVT_ERR_UNSUPPORTED;
+            if (a[i0 + i].n_head > a[i0 + i].n_closed ||
+                (a[i0 + i].n_head && !a[i0 + i].score_head))
+                return KVT_ERR_INVALID_ARGUMENT;
             most = a[i0 + i].n_closed > most ? a[i0 + i].n_closed : most;
         }
         uint8_t *ws;
