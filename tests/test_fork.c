@@ -279,6 +279,12 @@ Test(fork, attached_requests_equal_unshared_requests) {
     kvt_model_destroy(m);
 }
 
+static kvt_layer_stats sal_stats(const kvt_seq *s) {
+    kvt_layer_stats st = {.struct_size = sizeof st};
+    cr_assert_eq(kvt_seq_layer_stats(s, TU_L_SAL, &st), KVT_OK, "%s", kvt_last_error());
+    return st;
+}
+
 /* Free pages of every layer's group, summed (a leak or a lost reference shows here). */
 static uint32_t free_sum(kvt_ctx *ctx) {
     uint32_t sum = 0;
@@ -292,7 +298,10 @@ static uint32_t free_sum(kvt_ctx *ctx) {
 
 /* Fork, attach and a copy-on-write reserve with the k-th host allocation failing, for every k
  * until the call needs fewer: every failure is KVT_ERR_OUT_OF_MEMORY (or, for the reserve, the
- * step simply fails) with the pool as before and every request checking; then the call works. */
+ * step simply fails) with the pool as before and every request checking; then the call works.
+ * Then the parent's own: the reserve of its next closing step (its planes moved into the shared
+ * set at the first fork, so it takes new ones there) and a fork after that close (its shared
+ * piece and its own rows copied into one new set). */
 Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
     kvt_model *m = tu_mixed_model();
     kvt_ctx *ctx = tu_mixed_ctx_sketch(m, true, 256, 256, 8); /* σ and sketch planes shared */
@@ -304,17 +313,35 @@ Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
         step(q, m, 16, 0, k % 2); /* a prefix holder of 96 rows (its window: the last 40) */
     /* 2: a reserve that copies the partial page; 3: one that also closes a block, so copies
      * the shared σ and sketch planes too. */
-    int faults[4] = {0, 0, 0, 0};
-    const uint32_t cow_rows[4] = {0, 0, 3, 38};
-    for (int what = 0; what < 4; what++) {
+    int faults[6] = {0, 0, 0, 0, 0, 0};
+    const uint32_t cow_rows[5] = {0, 0, 3, 38, 38};
+    for (int what = 0; what < 6; what++) {
         for (int k = 0;; k++) {
             const uint32_t free0 = free_sum(ctx);
             kvt_seq *c = NULL;
             kvt_status s;
             fault_hits = 0;
             fault_countdown = k;
-            if (what == 0)
-                s = kvt_seq_fork(p, 100 + (uint64_t)k, &c);
+            if (what == 4) { /* the parent's closing reserve */
+                const uint64_t closed = sal_stats(p).closed_rows;
+                s = tu_reserve(p, cow_rows[4]);
+                fault_countdown = -1;
+                if (fault_hits == 0) {
+                    cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
+                    cr_assert_eq(tu_commit(p, cow_rows[4]), KVT_OK, "%s", kvt_last_error());
+                    cr_assert_eq(sal_stats(p).closed_rows, closed + 64u);
+                    cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+                    break;
+                }
+                faults[4]++;
+                cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "k=%d: %s", k, kvt_last_error());
+                cr_assert_eq(kvt_seq_pending(p), 0u, "k=%d: nothing reserved", k);
+                cr_assert_eq(free_sum(ctx), free0, "k=%d: pages back", k);
+                cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+                continue;
+            }
+            if (what == 0 || what == 5)
+                s = kvt_seq_fork(p, 100 + (uint64_t)k + 1000u * (what == 5), &c);
             else if (what == 1)
                 s = kvt_seq_attach(q, 96, 200 + (uint64_t)k, &c);
             else { /* the copy-on-write reserve of a fresh fork */
@@ -327,7 +354,7 @@ Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
             fault_countdown = -1;
             if (fault_hits == 0) { /* the call needed fewer than k + 1 allocations */
                 cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
-                if (what >= 2)
+                if (what == 2 || what == 3)
                     cr_assert_eq(tu_commit(c, cow_rows[what]), KVT_OK, "%s", kvt_last_error());
                 cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
                 kvt_seq_destroy(c);
@@ -337,7 +364,7 @@ Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
             faults[what]++;
             cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "k=%d: %s (%s)", k, kvt_status_name(s),
                          kvt_last_error());
-            if (what < 2) {
+            if (what < 2 || what == 5) {
                 cr_assert_null(c);
                 cr_assert_eq(free_sum(ctx), free0, "k=%d: a failed %s kept pages", k,
                              what ? "attach" : "fork");
@@ -351,10 +378,12 @@ Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
         }
     }
     cr_log_info("faults injected: fork %d, attach %d, copy-on-write reserve %d (closing a "
-                "block: %d)",
-                faults[0], faults[1], faults[2], faults[3]);
+                "block: %d), the parent's closing reserve %d, a fork after it %d",
+                faults[0], faults[1], faults[2], faults[3], faults[4], faults[5]);
     cr_assert(faults[0] > 0 && faults[1] > 0 && faults[2] > 0 && faults[3] > faults[2],
-              "the close's copy of the σ and sketch planes can fail too");
+              "the close's own σ and sketch planes can fail too");
+    cr_assert(faults[4] > 0, "the parent takes own planes at its closing reserve");
+    cr_assert(faults[5] > faults[0], "the fork's copy into a new set can fail too");
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
@@ -364,12 +393,6 @@ static kvt_ctx_memory memory_of(const kvt_ctx *ctx) {
     kvt_ctx_memory mm = {.struct_size = sizeof mm};
     cr_assert_eq(kvt_ctx_memory_stats(ctx, &mm), KVT_OK, "%s", kvt_last_error());
     return mm;
-}
-
-static kvt_layer_stats sal_stats(const kvt_seq *s) {
-    kvt_layer_stats st = {.struct_size = sizeof st};
-    cr_assert_eq(kvt_seq_layer_stats(s, TU_L_SAL, &st), KVT_OK, "%s", kvt_last_error());
-    return st;
 }
 
 /* The same σ plane (bit for bit). */
