@@ -9,6 +9,7 @@
 
 #include "kvtier.h"
 #include "lib/base/alloc.h"
+#include "kernels/attn.h"
 #include "kernels/evict.h"
 #include "kernels/kvt_hd.h"
 
@@ -266,6 +267,41 @@ KVT_HD float kvt__select_score(const kvt__select_args *a, uint64_t u) {
     return u < a->n_head ? a->score_head[u] : a->score[u - a->n_head];
 }
 
+/* Reference MLA decode attention (kernels/attn.h: absorbed form, the key the row's first
+ * key_dim values, the value its first value_dim) for n_q queries over index sets in the
+ * backend's memory, as kvt_batch_run emits them in the TOKENS layout: query i attends the slots
+ * idx[i * topk + j], j < len[i] (a slot's row at base + slot · slot_stride + row_offset). The
+ * tests' and benchmarks' ruler on every backend: the CPU twin is kvt__attn_cpu in its fixed
+ * order, the CUDA one splits the rows of each (query, head) into chunks merged in order (double
+ * accumulation; agrees to a relative ~1e-12, not bit for bit). Out: out [n_q][n_heads]
+ * [value_dim], lse [n_q][n_heads] (NULL: not written). An empty set gives out 0, lse −Inf; a
+ * NaN in a row or query makes that head's outputs NaN. */
+typedef struct kvt__attend_args {
+    const uint8_t *base;
+    size_t slot_stride, row_offset;
+    int dtype;               /* bf16 / fp16 / fp32 */
+    uint32_t key_dim;        /* <= KVT__ATTN_MAX_DIM */
+    uint32_t value_dim;      /* <= key_dim */
+    const int32_t *idx;      /* [n_q][topk] */
+    const int32_t *len;      /* [n_q], each in [0, topk] */
+    uint32_t topk;
+    uint32_t n_q;
+    const float *q;          /* [n_q][n_heads][q_stride] */
+    uint32_t n_heads;
+    uint32_t q_stride;       /* floats between heads (>= key_dim) */
+    double scale;
+    float *out;
+    double *lse;
+} kvt__attend_args;
+
+/* The attention's argument rules every backend applies on the host. */
+KVT_HD int kvt__attend_args_ok(const kvt__attend_args *a) {
+    return a->key_dim > 0 && a->key_dim <= KVT__ATTN_MAX_DIM && a->value_dim <= a->key_dim &&
+           a->q_stride >= a->key_dim && (a->n_q == 0 || (a->q && a->idx && a->len && a->base)) &&
+           (a->dtype == KVT__DT_BF16 || a->dtype == KVT__DT_FP16 || a->dtype == KVT__DT_FP32) &&
+           a->slot_stride > 0 && a->n_heads > 0 && a->n_heads <= 1024u;
+}
+
 typedef struct kvt__backend_ops {
     const char *name;
     /* Buffers in the backend's memory space (ggml-backend's rule: host code reaches a buffer's
@@ -358,6 +394,12 @@ typedef struct kvt__backend_ops {
     kvt_status (*recall_rope_emit)(const kvt__backend *be,
                                    const struct kvt__recall_rope_emit_args *a, uint32_t n,
                                    void *stream);
+    /* (optional) The reference attention over emitted index sets (kvt__attend_args), for tests
+     * and benchmarks. KVT_ERR_INVALID_ARGUMENT (nothing written) when kvt__attend_args_ok is
+     * false, and on the CPU backends for a length outside [0, topk] or a negative listed slot
+     * (the CUDA backend cannot read device-resident lengths and slots on the host: such a
+     * query's outputs come out NaN); KVT_ERR_OUT_OF_MEMORY (scratch). */
+    kvt_status (*attend)(const kvt__backend *be, const kvt__attend_args *a, void *stream);
 } kvt__backend_ops;
 
 struct kvt__backend {

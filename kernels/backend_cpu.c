@@ -265,6 +265,44 @@ static kvt_status cpu_recall_rope_emit(const kvt__backend *be,
     return KVT_OK;
 }
 
+/* The reference attention: kvt__attn_cpu per query over its listed slots (scratch for the
+ * largest set, from the host allocator: a test and benchmark op, never on the decode path). */
+static kvt_status cpu_attend(const kvt__backend *be, const kvt__attend_args *a, void *stream) {
+    (void)stream;
+    if (!kvt__attend_args_ok(a))
+        return KVT_ERR_INVALID_ARGUMENT;
+    uint32_t most = 0;
+    for (uint32_t i = 0; i < a->n_q; i++) {
+        if (a->len[i] < 0 || (uint32_t)a->len[i] > a->topk)
+            return KVT_ERR_INVALID_ARGUMENT;
+        for (int32_t j = 0; j < a->len[i]; j++)
+            if (a->idx[(size_t)i * a->topk + (size_t)j] < 0)
+                return KVT_ERR_INVALID_ARGUMENT;
+        most = (uint32_t)a->len[i] > most ? (uint32_t)a->len[i] : most;
+    }
+    const size_t nd = kvt__attn_scratch_doubles(most, a->n_heads, a->value_dim, a->key_dim);
+    double *scratch = kvt__malloc(be->alloc, sizeof(double) * nd);
+    if (!scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < a->n_q; i++) {
+        const size_t qi = (size_t)i * a->n_heads;
+        kvt__attn_args x = {.base = a->base, .slots = a->idx + (size_t)i * a->topk,
+                            .n_rows = (uint32_t)a->len[i], .slot_stride = a->slot_stride,
+                            .row_offset = a->row_offset, .dtype = a->dtype,
+                            .key_dim = a->key_dim, .value_dim = a->value_dim,
+                            .q = a->q + qi * a->q_stride, .n_heads = a->n_heads,
+                            .q_stride = a->q_stride, .scale = a->scale,
+                            .out = a->out ? a->out + qi * a->value_dim : NULL,
+                            .lse = a->lse ? a->lse + qi : NULL, .scratch = scratch};
+        if (kvt__attn_cpu(&x) != 0) { /* (checked above: not reached) */
+            kvt__free(be->alloc, scratch, sizeof(double) * nd);
+            return KVT_ERR_INVALID_ARGUMENT;
+        }
+    }
+    kvt__free(be->alloc, scratch, sizeof(double) * nd);
+    return KVT_OK;
+}
+
 /* A round's selection for n layers: each layer's scratch from the workspace (one piece, reused
  * layer after layer), taken before any keep set is written. */
 static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
@@ -505,6 +543,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .recall_promote = true,
     .recall_rope_step = cpu_recall_rope_step,
     .recall_rope_emit = cpu_recall_rope_emit,
+    .attend = cpu_attend,
     .pack = cpu_pack,
     .copy = cpu_copy,
     .copy_rows = cpu_copy_rows,
@@ -885,6 +924,38 @@ static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_r
     return s;
 }
 
+/* The attention's buffers: the rows' plane, the index sets, queries and outputs. */
+static kvt_status g_attend(const kvt__backend *be, const kvt__attend_args *a, void *stream) {
+    if (!kvt__attend_args_ok(a))
+        return KVT_ERR_INVALID_ARGUMENT;
+    const size_t nq = a->n_q, H = a->n_heads;
+    if (nq) {
+        GUARD_OWNS(be, a->base, 1);
+        GUARD_OWNS(be, a->idx, sizeof(int32_t) * nq * a->topk);
+        GUARD_OWNS(be, a->len, sizeof(int32_t) * nq);
+        GUARD_OWNS(be, a->q, sizeof(float) * ((nq * H - 1) * a->q_stride + a->key_dim));
+    }
+    GUARD_OWNS(be, a->out, a->out ? sizeof(float) * nq * H * a->value_dim : 0);
+    GUARD_OWNS(be, a->lse, a->lse ? sizeof(double) * nq * H : 0);
+    guard_open(be);
+    /* every listed row inside one of the backend's buffers (lengths checked by cpu_attend) */
+    const size_t row = (size_t)a->key_dim * (a->dtype == KVT__DT_FP32 ? 4u : 2u);
+    kvt_status s = KVT_OK;
+    for (size_t i = 0; i < nq && s == KVT_OK; i++) {
+        const int32_t n = a->len[i] < 0 || (uint32_t)a->len[i] > a->topk ? 0 : a->len[i];
+        for (int32_t j = 0; j < n && s == KVT_OK; j++) {
+            const int32_t slot = a->idx[i * a->topk + (size_t)j];
+            if (slot >= 0 &&
+                !guard_owns(be->impl, a->base + (size_t)slot * a->slot_stride + a->row_offset, row))
+                s = KVT_ERR_INVARIANT;
+        }
+    }
+    if (s == KVT_OK)
+        s = cpu_attend(be, a, stream);
+    guard_close(be);
+    return s;
+}
+
 /* The emission's buffers, all the backend's (fetch slots, lists, planes, archive). */
 static kvt_status g_recall_rope_emit(const kvt__backend *be,
                                      const kvt__recall_rope_emit_args *args, uint32_t n,
@@ -1074,6 +1145,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .recall_promote = true,
     .recall_rope_step = g_recall_rope_step,
     .recall_rope_emit = g_recall_rope_emit,
+    .attend = g_attend,
     .pack = g_pack,
     .copy = g_write,
     .copy_rows = g_copy_rows,

@@ -11,8 +11,9 @@
 #     the pack's recall merge included (cuda::sketch_rows_equal_the_cpu,
 #     cuda::recall_scan_equals_the_cpu, cuda::recall_step_equals_the_cpu,
 #     cuda::recall_step_full_scan_equals_the_cpu_pruned_one, cuda::pack_recall_equals_the_cpu,
-#     cuda::recall_step_promotion_equals_the_cpu: never run on a device before this script's
-#     first run with them).
+#     cuda::recall_step_promotion_equals_the_cpu, cuda::attend_equals_the_cpu (the reference MLA
+#     attention over index sets, split over chunks in double): never run on a device before this
+#     script's first run with them).
 #   - test_recall_step's conformal decode with KVT_REQUIRE_GPU=1: 120 decode steps through the
 #     library (calibration, fetches, CSR-free TOKENS emission) on the CUDA backend emit the CPU's
 #     sets, slot for slot.
@@ -20,7 +21,7 @@
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #
 # Not yet covered on the device (the CUDA issue): a CUDA benchmark of the decode step, graph
-# capture, fp8 rows, the reference MLA attention over an index set.
+# capture, fp8 rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}

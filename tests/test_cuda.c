@@ -10,7 +10,8 @@
  * byte for byte through a close) and pack with recall (fetched
  * rows merged, dense flags, device CSR offsets), recall_rope_step and recall_rope_emit (GQA-RoPE
  * archives per KV head: conformal calibration then scanning, sound, margin, overflow, a capped
- * host archive; best scores, state, samples, fired lists, the lists and the fetched bytes); plus, host only, the positions the CUDA step's
+ * host archive; best scores, state, samples, fired lists, the lists and the fetched bytes), and
+ * attend (the reference attention over index sets: to a relative 1e-10, canaries); plus, host only, the positions the CUDA step's
  * parallel sample merge and promotion's merge use. Without a device every test skips with the reason (KVT_REQUIRE_GPU=1 turns
  * the skip into a failure: scripts/gpu-check.sh sets it; KVT_CUDA_TEST_SELFCHECK=1 runs the tests
  * with the guarded backend in CUDA's place, which checks the tests themselves). The golden suite
@@ -1492,5 +1493,121 @@ Test(cuda, recall_rope_step_and_emit_equal_the_cpu, .timeout = 240) {
     cr_log_info("RoPE recall on %s: %u overflowing steps, %llu fired (row, KV head) pairs",
                 r.guarded ? "the guarded backend (self-check)" : "CUDA", overflows,
                 (unsigned long long)fired);
+    rig_close(&r);
+}
+
+/* attend: the reference attention over index sets (a long set over three of the CUDA chunks, an
+ * empty one, one just past a chunk, one holding a NaN row), bf16 and fp32 rows. Double
+ * accumulation in another order: lse to a relative 1e-10, out (fp32) by normalised error 1e-6
+ * per head, NaN/Inf positions first; canary bytes around the outputs. The guarded stand-in runs
+ * the CPU twin itself: byte-equal. On the device a length past topk gives NaN (the host cannot
+ * refuse a device-resident set). */
+static void attend_pair(rig *r, int dt) {
+    enum { AK = 576, AV = 512, AH = 16, AQ = 5, ATOPK = 5000, ANS = 6001, CAN = 64 };
+    const size_t eb = dt == KVT__DT_FP32 ? 4 : 2, stride = AK * eb;
+    tu_rng g = {0xa11e + (uint64_t)dt};
+    uint8_t *pool = malloc(stride * ANS);
+    float *q = malloc(sizeof(float) * AQ * AH * AK);
+    int32_t *idx = malloc(sizeof(int32_t) * AQ * ATOPK);
+    for (size_t j = 0; j < (size_t)ANS * AK; j++)
+        kvt__store_elem(pool, dt, (uint32_t)j, (float)tu_normal(&g));
+    kvt__store_elem(pool + (ANS - 1) * stride, dt, 3, NAN);
+    for (size_t i = 0; i < (size_t)AQ * AH * AK; i++)
+        q[i] = (float)(tu_normal(&g) * 1.5);
+    int32_t len[AQ] = {ATOPK, 0, 2049, 10, 7};
+    for (uint32_t i = 0; i < AQ; i++)
+        for (uint32_t j = 0; j < ATOPK; j++)
+            idx[i * ATOPK + j] = (int32_t)j < len[i] ? (int32_t)(tu_next(&g) % (ANS - 1)) : -1;
+    idx[3 * ATOPK + 4] = ANS - 1;
+    const size_t n_out = (size_t)AQ * AH * AV, n_lse = (size_t)AQ * AH;
+    float *out = malloc(sizeof(float) * n_out), *gout = malloc(sizeof(float) * n_out);
+    double *lse = malloc(sizeof(double) * n_lse), *glse = malloc(sizeof(double) * n_lse);
+    kvt__attend_args c = {.base = pool, .slot_stride = stride, .dtype = dt, .key_dim = AK,
+                          .value_dim = AV, .idx = idx, .len = len, .topk = ATOPK, .n_q = 4,
+                          .q = q, .n_heads = AH, .q_stride = AK,
+                          .scale = KVT__ATTN_DEFAULT_SCALE, .out = out, .lse = lse};
+    cr_assert_eq(r->cpu.ops->attend(&r->cpu, &c, NULL), KVT_OK);
+    /* query 4: a length past topk on the device only */
+    const bool bad_len = !r->guarded;
+    if (bad_len)
+        len[4] = ATOPK + 1;
+    kvt__attend_args d = c;
+    d.n_q = bad_len ? 5 : 4;
+    d.base = dev(r, pool, stride * ANS);
+    d.q = dev(r, q, sizeof(float) * AQ * AH * AK);
+    d.idx = dev(r, idx, sizeof(int32_t) * AQ * ATOPK);
+    d.len = dev(r, len, sizeof len);
+    uint8_t *can_o = malloc(sizeof(float) * n_out + 2 * CAN), *can_l = malloc(sizeof(double) * n_lse + 2 * CAN);
+    memset(can_o, 0xa5, sizeof(float) * n_out + 2 * CAN);
+    memset(can_l, 0xa5, sizeof(double) * n_lse + 2 * CAN);
+    uint8_t *d_o = dev(r, can_o, sizeof(float) * n_out + 2 * CAN);
+    uint8_t *d_l = dev(r, can_l, sizeof(double) * n_lse + 2 * CAN);
+    d.out = (float *)(d_o + CAN);
+    d.lse = (double *)(d_l + CAN);
+    cr_assert_eq(r->gpu.ops->attend(&r->gpu, &d, NULL), KVT_OK);
+    cr_assert_eq(r->gpu.ops->read(&r->gpu, can_o, d_o, sizeof(float) * n_out + 2 * CAN, NULL),
+                 KVT_OK);
+    cr_assert_eq(r->gpu.ops->read(&r->gpu, can_l, d_l, sizeof(double) * n_lse + 2 * CAN, NULL),
+                 KVT_OK);
+    for (size_t i = 0; i < CAN; i++) {
+        cr_assert_eq(can_o[i], 0xa5, "out: canary byte %zu before written", i);
+        cr_assert_eq(can_o[CAN + sizeof(float) * n_out + i], 0xa5, "out: canary after");
+        cr_assert_eq(can_l[i], 0xa5, "lse: canary byte %zu before written", i);
+        cr_assert_eq(can_l[CAN + sizeof(double) * n_lse + i], 0xa5, "lse: canary after");
+    }
+    memcpy(gout, can_o + CAN, sizeof(float) * n_out);
+    memcpy(glse, can_l + CAN, sizeof(double) * n_lse);
+    const size_t checked = (size_t)4 * AH;
+    if (r->guarded) {
+        cr_assert_eq(memcmp(gout, out, sizeof(float) * checked * AV), 0);
+        cr_assert_eq(memcmp(glse, lse, sizeof(double) * checked), 0);
+    }
+    for (size_t k = 0; k < checked; k++) {
+        const double a = lse[k], b = glse[k];
+        cr_assert_eq(isnan(a), isnan(b), "lse %zu: %g vs %g", k, a, b);
+        cr_assert_eq(isinf(a), isinf(b), "lse %zu: %g vs %g", k, a, b);
+        if (isfinite(a))
+            cr_assert(fabs(a - b) <= 1e-10 * (1 + fabs(a)), "lse %zu: %.17g vs %.17g", k, a, b);
+        double e = 0, m = 0;
+        for (size_t v = 0; v < AV; v++) {
+            const float x = out[k * AV + v], y = gout[k * AV + v];
+            cr_assert_eq(isnan(x), isnan(y), "out %zu/%zu: %g vs %g", k, v, x, y);
+            cr_assert_eq(isinf(x), isinf(y), "out %zu/%zu: %g vs %g", k, v, x, y);
+            if (isfinite(x)) {
+                e += ((double)x - y) * ((double)x - y);
+                m += (double)x * x;
+            }
+        }
+        cr_assert(e <= 1e-12 * m, "out %zu: normalised error %g", k, m > 0 ? sqrt(e / m) : e);
+        if (k / AH == 1)
+            cr_assert(m == 0 && isinf(a) && a < 0, "an empty set gives 0 and -Inf");
+        if (k / AH == 3)
+            cr_assert(isnan(a), "a NaN row gives NaN");
+    }
+    if (bad_len)
+        for (size_t k = 4 * AH; k < 5 * AH; k++)
+            cr_assert(isnan(glse[k]) && isnan(gout[k * AV]), "a length past topk gives NaN");
+    undev(r, (void *)d.base, stride * ANS);
+    undev(r, (void *)d.q, sizeof(float) * AQ * AH * AK);
+    undev(r, (void *)d.idx, sizeof(int32_t) * AQ * ATOPK);
+    undev(r, (void *)d.len, sizeof len);
+    undev(r, d_o, sizeof(float) * n_out + 2 * CAN);
+    undev(r, d_l, sizeof(double) * n_lse + 2 * CAN);
+    free(pool);
+    free(q);
+    free(idx);
+    free(out);
+    free(gout);
+    free(lse);
+    free(glse);
+    free(can_o);
+    free(can_l);
+}
+
+Test(cuda, attend_equals_the_cpu, .timeout = 120) {
+    rig r;
+    rig_open(&r);
+    attend_pair(&r, KVT__DT_BF16);
+    attend_pair(&r, KVT__DT_FP32);
     rig_close(&r);
 }
