@@ -228,6 +228,14 @@ typedef struct kvt__pack_query {
 typedef struct kvt__pack_args {
     const kvt__pack_query *q;
     uint32_t n;
+    /* Planned (q_plan non-NULL; q and n then unused): the queries and their count are in the
+     * backend's memory (a batch's plan buffer, kvt_batch_plan_device), written before the op
+     * runs and read only when it runs, so that the op's arguments hold nothing of one step and
+     * a captured op replays over later steps. At most n_max queries (the launch's size); no
+     * recall fields (fetch, n_fetch, dense NULL) and no dev_offsets. */
+    const kvt__pack_query *q_plan;
+    const uint32_t *n_plan;  /* [1] */
+    uint32_t n_max;
     const kvt__div32 *pdiv; /* page_rows */
     bool csr;
     bool first_csr;         /* write indptr[0] = 0 */
@@ -400,12 +408,30 @@ typedef struct kvt__backend_ops {
      * (the CUDA backend cannot read device-resident lengths and slots on the host: such a
      * query's outputs come out NaN); KVT_ERR_OUT_OF_MEMORY (scratch). */
     kvt_status (*attend)(const kvt__backend *be, const kvt__attend_args *a, void *stream);
+    /* (optional) Stream capture, CUDA graphs' way: after capture_begin the ops enqueued on the
+     * stream are recorded, not run, until capture_end makes the record a graph that
+     * graph_launch runs on a stream as often as wanted (graph_free: NULL is a no-op). CUDA:
+     * cudaStreamBeginCapture (thread-local mode), cudaStreamEndCapture and cudaGraphInstantiate,
+     * cudaGraphLaunch. The CPU backends record only the planned pack (kvt__pack_args.q_plan),
+     * whose arguments hold nothing of one step; any other op during a capture, which would
+     * replay with its step's host-built arguments, answers KVT_ERR_BAD_STATE and so does
+     * capture_end after it (the record is dropped). One capture at a time per handle.
+     * KVT_ERR_BAD_STATE (capture_begin during a capture, capture_end outside one),
+     * KVT_ERR_OUT_OF_MEMORY, or the CUDA error. */
+    kvt_status (*capture_begin)(kvt__backend *be, void *stream);
+    kvt_status (*capture_end)(kvt__backend *be, void *stream, void **graph);
+    kvt_status (*graph_launch)(const kvt__backend *be, void *graph, void *stream);
+    void (*graph_free)(const kvt__backend *be, void *graph);
 } kvt__backend_ops;
+
+/* A capture in progress on a CPU backend handle (kernels/backend_cpu.c). */
+typedef struct kvt__capture kvt__capture;
 
 struct kvt__backend {
     const kvt__backend_ops *ops;
     const kvt__alloc *alloc; /* host scratch */
     void *impl;              /* backend's own state (CUDA: device buffers) */
+    kvt__capture *cap;       /* CPU backends: the capture in progress (NULL: ops run) */
 };
 
 /* CPU backend: always available. */

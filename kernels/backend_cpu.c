@@ -99,6 +99,102 @@ static void *scratch_get(const kvt__backend *be, bool sigma, size_t n, size_t el
 static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *pages,
                            uint64_t first_page, const kvt__div32 *pd);
 
+/* ---------------------------------------------------------------------------------------------
+ * Capture (kvt__backend_ops.capture_begin): on the CPU backends a record of planned packs, their
+ * arguments by value, as a CUDA graph's kernel nodes keep theirs; replayed through the handle's
+ * pack op (the guarded one checks every buffer again at each launch). Any other op during a
+ * capture is refused, and the capture with it: its host-built arguments are one step's.
+ * ------------------------------------------------------------------------------------------- */
+struct kvt__capture {
+    kvt__pack_args *packs;
+    uint64_t n, cap;
+    bool refused;
+};
+
+typedef struct cpu_graph {
+    kvt__pack_args *packs;
+    uint64_t n, cap;
+} cpu_graph;
+
+static bool capturing(const kvt__backend *be) {
+    if (!be->cap)
+        return false;
+    be->cap->refused = true;
+    return true;
+}
+
+#define NOT_CAPTURED(be)                                                                           \
+    do {                                                                                           \
+        if (capturing(be))                                                                         \
+            return KVT_ERR_BAD_STATE;                                                              \
+    } while (0)
+
+static kvt_status capture_pack(const kvt__backend *be, const kvt__pack_args *a) {
+    kvt__capture *c = be->cap;
+    if (!a->q_plan) {
+        c->refused = true;
+        return KVT_ERR_BAD_STATE;
+    }
+    void *arr = c->packs;
+    if (kvt__grow(be->alloc, &arr, &c->cap, c->n + 1, sizeof *c->packs) != KVT_OK)
+        return KVT_ERR_OUT_OF_MEMORY;
+    c->packs = arr;
+    c->packs[c->n++] = *a;
+    return KVT_OK;
+}
+
+static kvt_status cpu_capture_begin(kvt__backend *be, void *stream) {
+    (void)stream;
+    if (be->cap)
+        return KVT_ERR_BAD_STATE;
+    be->cap = kvt__calloc(be->alloc, sizeof *be->cap);
+    return be->cap ? KVT_OK : KVT_ERR_OUT_OF_MEMORY;
+}
+
+static kvt_status cpu_capture_end(kvt__backend *be, void *stream, void **graph) {
+    (void)stream;
+    *graph = NULL;
+    kvt__capture *c = be->cap;
+    if (!c)
+        return KVT_ERR_BAD_STATE;
+    be->cap = NULL;
+    cpu_graph *g = c->refused ? NULL : kvt__calloc(be->alloc, sizeof *g);
+    if (g) {
+        g->packs = c->packs;
+        g->n = c->n;
+        g->cap = c->cap;
+    } else {
+        kvt__free(be->alloc, c->packs, sizeof *c->packs * c->cap);
+    }
+    const bool refused = c->refused;
+    kvt__free(be->alloc, c, sizeof *c);
+    if (refused)
+        return KVT_ERR_BAD_STATE;
+    *graph = g;
+    return g ? KVT_OK : KVT_ERR_OUT_OF_MEMORY;
+}
+
+static kvt_status cpu_graph_launch(const kvt__backend *be, void *graph, void *stream) {
+    NOT_CAPTURED(be);
+    const cpu_graph *g = graph;
+    if (!g)
+        return KVT_ERR_INVALID_ARGUMENT;
+    for (uint64_t i = 0; i < g->n; i++) {
+        kvt_status s = be->ops->pack(be, &g->packs[i], stream);
+        if (s != KVT_OK)
+            return s;
+    }
+    return KVT_OK;
+}
+
+static void cpu_graph_free(const kvt__backend *be, void *graph) {
+    cpu_graph *g = graph;
+    if (!g)
+        return;
+    kvt__free(be->alloc, g->packs, sizeof *g->packs * g->cap);
+    kvt__free(be->alloc, g, sizeof *g);
+}
+
 static kvt_status cpu_score_one(const kvt__backend *be, const kvt__score_args *a) {
     if (a->selector == KVT_SELECT_RANDOM) {
         /* One fixed uniform score per row, drawn at its original position. */
@@ -139,6 +235,7 @@ static kvt_status cpu_score_one(const kvt__backend *be, const kvt__score_args *a
 
 static kvt_status cpu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
                                  void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     for (uint32_t i = 0; i < n; i++) {
         kvt_status s = cpu_score_one(be, &a[i]);
@@ -176,6 +273,7 @@ static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args 
 
 static kvt_status cpu_sketch_rows(const kvt__backend *be, const kvt__sketch_args *a, uint32_t n,
                                   void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     for (uint32_t i = 0; i < n; i++) {
         kvt_status s = cpu_sketch_one(be, &a[i]);
@@ -206,6 +304,7 @@ static void scan_item(const void *a, float *scratch) {
 
 static kvt_status cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a,
                                   uint32_t n, void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -224,6 +323,7 @@ static void step_item(const void *a, float *scratch) {
 
 static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a,
                                   uint32_t n, void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -241,6 +341,7 @@ static void rope_step_item(const void *a, float *scratch) {
 
 static kvt_status cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *a,
                                        uint32_t n, void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -255,6 +356,7 @@ static kvt_status cpu_recall_rope_step(const kvt__backend *be, const kvt__recall
 static kvt_status cpu_recall_rope_emit(const kvt__backend *be,
                                        const kvt__recall_rope_emit_args *a, uint32_t n,
                                        void *stream) {
+    NOT_CAPTURED(be);
     (void)be;
     (void)stream;
     for (uint32_t i = 0; i < n; i++)
@@ -268,6 +370,7 @@ static kvt_status cpu_recall_rope_emit(const kvt__backend *be,
 /* The reference attention: kvt__attn_cpu per query over its listed slots (scratch for the
  * largest set, from the host allocator: a test and benchmark op, never on the decode path). */
 static kvt_status cpu_attend(const kvt__backend *be, const kvt__attend_args *a, void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     if (!kvt__attend_args_ok(a))
         return KVT_ERR_INVALID_ARGUMENT;
@@ -307,6 +410,7 @@ static kvt_status cpu_attend(const kvt__backend *be, const kvt__attend_args *a, 
  * layer after layer), taken before any keep set is written. */
 static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                                 void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -327,6 +431,7 @@ static kvt_status cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, u
 
 static kvt_status cpu_ev_apply(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                                void *stream) {
+    NOT_CAPTURED(be);
     (void)be;
     (void)stream;
     for (uint32_t i = 0; i < n; i++)
@@ -336,6 +441,7 @@ static kvt_status cpu_ev_apply(const kvt__backend *be, const kvt__ev_args *a, ui
 
 static kvt_status cpu_ev_append(const kvt__backend *be, const kvt__ev_append_args *a, uint32_t n,
                                 void *stream) {
+    NOT_CAPTURED(be);
     (void)be;
     (void)stream;
     for (uint32_t i = 0; i < n; i++)
@@ -345,6 +451,7 @@ static kvt_status cpu_ev_append(const kvt__backend *be, const kvt__ev_append_arg
 
 static kvt_status cpu_find_pos(const kvt__backend *be, const int64_t *sorted,
                                const uint64_t *perm, uint64_t n, uint64_t key, int64_t *out) {
+    NOT_CAPTURED(be);
     (void)be;
     *out = kvt__find_pos(sorted, perm, n, key);
     return KVT_OK;
@@ -373,6 +480,7 @@ static void advise_huge(void *p, size_t bytes) {
 }
 
 static kvt_status cpu_buf_alloc(const kvt__backend *be, size_t bytes, void **out) {
+    NOT_CAPTURED(be);
     if (bytes < HUGE_ADVICE_BYTES) {
         *out = kvt__calloc(be->alloc, bytes);
         return *out ? KVT_OK : KVT_ERR_OUT_OF_MEMORY;
@@ -392,6 +500,7 @@ static void cpu_buf_free(const kvt__backend *be, void *p, size_t bytes) {
 
 static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, size_t bytes,
                            void *stream) {
+    NOT_CAPTURED(be);
     (void)be;
     (void)stream;
     if (bytes)
@@ -402,6 +511,7 @@ static kvt_status cpu_copy(const kvt__backend *be, void *dst, const void *src, s
 static kvt_status cpu_copy_rows(const kvt__backend *be, void *dst, size_t dst_stride,
                                 const void *src, size_t src_stride, size_t width, uint64_t n,
                                 void *stream) {
+    NOT_CAPTURED(be);
     (void)be;
     (void)stream;
     for (uint64_t i = 0; width && i < n; i++)
@@ -435,6 +545,7 @@ static void select_one(kvt__select_args *a, uint32_t *keys) {
  * before anything is written, so a failure leaves every kept set as it was. */
 static kvt_status cpu_select(const kvt__backend *be, kvt__select_args *args, uint32_t n_args,
                              void *stream) {
+    NOT_CAPTURED(be);
     (void)stream;
     uint64_t most = 0;
     for (uint32_t i = 0; i < n_args; i++) {
@@ -493,13 +604,19 @@ static int32_t *pack_merge(int32_t *out, const uint32_t *a, uint64_t na, const u
 }
 
 static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
-    (void)be;
     (void)stream;
+    if (be->cap)
+        return capture_pack(be, a);
+    /* planned: the queries as the plan buffer holds them when the op runs */
+    const kvt__pack_query *qs = a->q_plan ? a->q_plan : a->q;
+    const uint32_t n = a->q_plan ? *a->n_plan : a->n;
+    if (a->q_plan && (n > a->n_max || a->dev_offsets))
+        return KVT_ERR_INVALID_ARGUMENT;
     const kvt__div32 *pd = a->pdiv;
     if (a->csr && a->first_csr)
         a->indptr[0] = 0;
-    for (uint32_t i = 0; i < a->n; i++) {
-        const kvt__pack_query *q = &a->q[i];
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__pack_query *q = &qs[i];
         const kvt__attended_desc *d = &q->d;
         const bool all = q->all_rows || (q->dense && *q->dense);
         const uint64_t n_fetch = !all && q->n_fetch ? *q->n_fetch : 0;
@@ -552,6 +669,10 @@ static const kvt__backend_ops cpu_ops_table = {
     .ev_apply = cpu_ev_apply,
     .ev_append = cpu_ev_append,
     .find_pos = cpu_find_pos,
+    .capture_begin = cpu_capture_begin,
+    .capture_end = cpu_capture_end,
+    .graph_launch = cpu_graph_launch,
+    .graph_free = cpu_graph_free,
 };
 
 const kvt__backend_ops *kvt__backend_cpu_ops(void) {
@@ -647,6 +768,7 @@ static int64_t arena_place(const guard_impl *g, size_t len, size_t *off) {
 }
 
 static kvt_status g_buf_alloc(const kvt__backend *be, size_t bytes, void **out) {
+    NOT_CAPTURED(be);
     guard_impl *g = be->impl;
     *out = NULL;
     if (bytes == 0)
@@ -741,6 +863,7 @@ static bool guard_owns(const guard_impl *g, const void *p, size_t bytes) {
 /* Pinned host memory (host_alloc): mmap'd pages the host may touch, as a GPU's pinned host
  * memory is; the ops that take an archive accept them (GUARD_REACHES), no other op does. */
 static kvt_status g_host_alloc(const kvt__backend *be, size_t bytes, void **out) {
+    NOT_CAPTURED(be);
     guard_impl *g = be->impl;
     *out = NULL;
     if (bytes == 0)
@@ -1098,9 +1221,10 @@ static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t
     return s;
 }
 
-static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
-    for (uint32_t i = 0; i < a->n; i++) {
-        const kvt__pack_query *q = &a->q[i];
+/* What query q of a pack reads and writes, inside the backend's buffers. */
+static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
+                              const kvt__pack_query *q) {
+    {
         const bool recall = q->fetch || q->n_fetch || q->dense || q->all_rows;
         /* The most it can write: every row of the view with recall (the count is the backend's). */
         uint64_t count = recall ? q->d.hi_end : kvt__attended_desc_count(&q->d);
@@ -1122,6 +1246,41 @@ static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *
             GUARD_OWNS(be, a->indices + q->out, sizeof(int32_t) * w);
         }
         GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
+    }
+    return KVT_OK;
+}
+
+/* A planned pack: the plan buffer's, then (when it runs, not when it is captured) each query
+ * the plan holds then. */
+static kvt_status g_pack_planned(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    GUARD_OWNS(be, a->n_plan, sizeof(uint32_t));
+    GUARD_OWNS(be, a->q_plan, sizeof(kvt__pack_query) * (a->n_max ? a->n_max : 1u));
+    if (a->csr && a->first_csr)
+        GUARD_OWNS(be, a->indptr, sizeof(int32_t));
+    if (be->cap)
+        return cpu_pack(be, a, stream); /* recorded */
+    guard_open(be);
+    const uint32_t n = *a->n_plan;
+    kvt_status s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
+    for (uint32_t i = 0; i < n && s == KVT_OK; i++) {
+        const kvt__pack_query *q = &a->q_plan[i];
+        s = q->fetch || q->n_fetch || q->dense ? KVT_ERR_INVALID_ARGUMENT : g_pack_owns(be, a, q);
+    }
+    if (s == KVT_OK)
+        s = cpu_pack(be, a, stream);
+    guard_close(be);
+    return s;
+}
+
+static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    if (a->q_plan)
+        return g_pack_planned(be, a, stream);
+    if (be->cap)
+        return cpu_pack(be, a, stream); /* refused */
+    for (uint32_t i = 0; i < a->n; i++) {
+        kvt_status s = g_pack_owns(be, a, &a->q[i]);
+        if (s != KVT_OK)
+            return s;
     }
     guard_open(be);
     kvt_status s = cpu_pack(be, a, stream);
@@ -1154,6 +1313,10 @@ static const kvt__backend_ops guarded_ops_table = {
     .ev_apply = g_ev_apply,
     .ev_append = g_ev_append,
     .find_pos = g_find_pos,
+    .capture_begin = cpu_capture_begin,
+    .capture_end = cpu_capture_end,
+    .graph_launch = cpu_graph_launch,
+    .graph_free = cpu_graph_free,
 };
 
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {

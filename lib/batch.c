@@ -36,7 +36,18 @@ struct kvt_batch {
      * scratch (kvtier.h, "Threads"); on the guarded backend a copy of the context's handle. */
     kvt__backend be;
     bool own_be;
+    /* The plan buffer (kvt_batch_plan_device): per layer, at plan_stride bytes, a count
+     * (uint32) and max_seqs pack queries from byte PLAN_HEAD on, in the backend's memory
+     * (allocated at the first planned step, never moved: a captured run's launch points into
+     * it), and its host image. planned: this step's runs pack from it, for plan_emit[layer]. */
+    uint8_t *plan_dev, *plan_host;
+    size_t plan_stride;
+    kvt_emit *plan_emit; /* [n_layers] */
+    bool planned;
 };
+
+/* Bytes before a layer's queries in the plan buffer (its count, then alignment). */
+#define PLAN_HEAD 64u
 
 kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (!ctx || !out)
@@ -103,6 +114,7 @@ static void release_seqs(kvt_batch *b, bool unreserve) {
     b->n_seqs = 0;
     b->state = BATCH_IDLE;
     b->ran = false;
+    b->planned = false;
     b->stream = NULL;
 }
 
@@ -129,6 +141,12 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->recall_way, b->max_seqs);
     kvt__free(a, b->dense, b->max_seqs);
     kvt__free(a, b->rsteps, sizeof *b->rsteps * b->max_seqs);
+    if (b->plan_dev) {
+        const size_t bytes = b->plan_stride * b->ctx->n_layers;
+        b->be.ops->buf_free(&b->be, b->plan_dev, bytes);
+        kvt__free(a, b->plan_host, bytes);
+        kvt__free(a, b->plan_emit, sizeof *b->plan_emit * b->ctx->n_layers);
+    }
     if (b->own_be && b->be.ops == kvt__backend_cpu_ops())
         kvt__backend_cpu_close(&b->be);
     else if (b->own_be)
@@ -398,6 +416,27 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     return KVT_OK;
 }
 
+/* Query token t of request i on the layer (entry i * S + t of the emission): its set, and where
+ * it goes in the TOKENS or CSR layout (CSR: from *off on, which it advances). */
+static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer, uint32_t S,
+                      const kvt_emit *emit, uint64_t *off, kvt__pack_query *pq) {
+    const kvt_seq *sq = b->seqs[i];
+    const bool tokens = emit->layout == KVT_EMIT_TOKENS;
+    const uint64_t at = (uint64_t)i * S + t;
+    if (sq)
+        kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
+    else
+        *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
+    if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls(sq, layer))
+        kvt__recall_pack_query(&sq->recall[layer], pq);
+    pq->all_rows = b->recall_way[i] == RECALL_ALL;
+    pq->out = tokens ? at * emit->capacity : *off;
+    pq->pad = tokens ? emit->capacity : 0;
+    pq->len_at = tokens ? at : at + 1;
+    /* an every-row set's size is the host's too (a fetching one's is not: dev_offsets) */
+    *off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
+}
+
 /* Pack the *k queued queries of pa (then none are queued). */
 static kvt_status flush_pack(kvt_batch *b, uint32_t layer, void *stream, kvt__pack_args *pa,
                              uint32_t *k) {
@@ -489,6 +528,159 @@ static kvt_status emit_kv_heads(kvt_batch *b, uint32_t layer, uint32_t n_kv, voi
     return KVT_OK;
 }
 
+/* The emission a planned step may use: TOKENS or CSR, one query per request, arrays given. */
+static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
+    if (e->struct_size < KVT_EMIT_SIZE_MIN)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "emits[%u].struct_size is below KVT_EMIT_SIZE_MIN", l);
+    if (e->layout != KVT_EMIT_TOKENS && e->layout != KVT_EMIT_CSR)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "emits[%u].layout: a planned step emits TOKENS or CSR", l);
+    if (e->struct_size >= offsetof(kvt_emit, queries_per_seq) + sizeof e->queries_per_seq &&
+        e->queries_per_seq > 1)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "emits[%u].queries_per_seq: a planned step has one query per "
+                             "request", l);
+    const bool tokens = e->layout == KVT_EMIT_TOKENS;
+    if ((tokens && !e->lengths) || (!tokens && !e->indptr) || (!e->indices && e->capacity))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emits[%u]: %s is NULL", l,
+                             tokens ? "indices or lengths" : "indices or indptr");
+    return KVT_OK;
+}
+
+/* Does a planned step's run of this layer get the emission it was planned for? */
+static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
+    return a->layout == b->layout && a->indices == b->indices && a->capacity == b->capacity &&
+           a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense;
+}
+
+kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits,
+                                 void *stream, bool *planned) {
+    if (!b || !planned)
+        return KVT_ERR_INVALID_ARGUMENT;
+    *planned = false;
+    kvt_ctx *ctx = b->ctx;
+    kvt__ctx_clear_error(ctx);
+    const uint32_t L = ctx->n_layers;
+    if (b->state != BATCH_PLANNED || b->ran || b->planned)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "kvt_batch_plan_device: after kvt_batch_plan, before any run, once");
+    if (!emits || (n_emits != 1 && n_emits != L))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "emits: %u given, 1 (every layer) or n_layers = %u", n_emits, L);
+    for (uint32_t l = 0; l < n_emits; l++) {
+        kvt_status s = plan_emit_ok(ctx, &emits[l], l);
+        if (s != KVT_OK)
+            return s;
+    }
+    /* 1. Plannable: no drafts, and no layer with work its runs must do (close, round, recall). */
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        kvt_seq *sq = b->seqs[i];
+        if (!sq)
+            continue;
+        kvt_status s = kvt__seq_usable(sq);
+        if (s != KVT_OK)
+            return s;
+        if (b->n_drafts[i])
+            return KVT_OK;
+        for (uint32_t l = 0; l < L; l++)
+            if (ctx->stores[l].group >= 0 && !kvt__seq_step_quiet(sq, l))
+                return KVT_OK;
+    }
+    /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. */
+    const kvt__backend *be = &b->be;
+    if (!b->plan_dev) {
+        const size_t stride = PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
+        const size_t bytes = stride * L;
+        void *dev = NULL;
+        kvt_status s = be->ops->buf_alloc(be, bytes, &dev);
+        uint8_t *host = s == KVT_OK ? kvt__calloc(&ctx->alloc, bytes) : NULL;
+        kvt_emit *pe = host ? kvt__calloc(&ctx->alloc, sizeof *pe * L) : NULL;
+        if (!pe) {
+            kvt__free(&ctx->alloc, host, bytes);
+            if (dev)
+                be->ops->buf_free(be, dev, bytes);
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan buffer (%zu B)",
+                                 bytes);
+        }
+        b->plan_dev = dev;
+        b->plan_host = host;
+        b->plan_stride = stride;
+        b->plan_emit = pe;
+    }
+    /* 3. Each layer's sets, as its run would describe them (nothing of the step moves rows),
+     * with the capacity checks of kvt_batch_run; the page tables' new entries first. */
+    memset(b->recall_way, RECALL_NONE, b->n_seqs);
+    for (uint32_t l = 0; l < L; l++) {
+        const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
+        uint8_t *at = b->plan_host + b->plan_stride * l;
+        kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
+        uint32_t n = 0;
+        uint64_t off = 0;
+        for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
+            kvt_seq *sq = b->seqs[i];
+            kvt_status s = sq ? kvt__seq_mirror_sync(sq, l, be, stream) : KVT_OK;
+            if (s != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
+                                     l);
+            set_query(b, i, 0, l, 1, e, &off, &q[n]);
+            const uint64_t rows = kvt__attended_desc_count(&q[n].d);
+            if (e->layout == KVT_EMIT_TOKENS && rows > e->capacity)
+                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; "
+                                     "nothing planned (kvt_batch_capacity)",
+                                     i, (unsigned long long)rows, l, e->capacity);
+            n++;
+        }
+        if (e->layout == KVT_EMIT_CSR && (off > e->capacity || off > INT32_MAX))
+            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                 "the batch attends %llu rows on layer %u, capacity is %u; "
+                                 "nothing planned (kvt_batch_capacity)",
+                                 (unsigned long long)off, l, e->capacity);
+        memcpy(at, &n, sizeof n);
+        b->plan_emit[l] = *e;
+    }
+    /* 4. One copy of the image, and the emissions' dense flags (0: no recall this step). */
+    kvt_status s = be->ops->write(be, b->plan_dev, b->plan_host, b->plan_stride * L, stream);
+    for (uint32_t l = 0; s == KVT_OK && l < n_emits; l++)
+        if (emits[l].dense && b->n_seqs) {
+            memset(b->dense, 0, b->n_seqs);
+            s = be->ops->write(be, emits[l].dense, b->dense, b->n_seqs, stream);
+        }
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "the step's plan to the backend");
+    b->planned = true;
+    b->stream = stream;
+    *planned = true;
+    return KVT_OK;
+}
+
+/* A planned step's run: one pack from the plan buffer, whose arguments hold nothing of the step
+ * (a captured launch replays over later planned steps); the policy work is the commit's. */
+static kvt_status run_planned(kvt_batch *b, uint32_t layer, void *stream, const kvt_emit *emit) {
+    kvt_ctx *ctx = b->ctx;
+    if (!same_emit(emit, &b->plan_emit[layer]))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "layer %u: emit is not the one kvt_batch_plan_device planned for",
+                             layer);
+    const uint8_t *at = b->plan_dev + b->plan_stride * layer;
+    kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
+                         .n_plan = (const uint32_t *)at, .n_max = b->max_seqs,
+                         .pdiv = &ctx->pdiv, .csr = emit->layout == KVT_EMIT_CSR,
+                         .first_csr = true, .capacity = emit->capacity,
+                         .indices = emit->indices, .lengths = emit->lengths,
+                         .indptr = emit->indptr};
+    b->ran = true;
+    b->stream = stream;
+    kvt_status s = b->be.ops->pack(&b->be, &pa, stream);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(ctx, s, "packing the planned sets of layer %u", layer);
+}
+
+kvt__backend *kvt__batch_backend(kvt_batch *b) {
+    return &b->be;
+}
+
 kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *stream,
                          const kvt_emit *emit) {
     if (!b)
@@ -500,6 +692,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (!emit || emit->struct_size < KVT_EMIT_SIZE_MIN)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emit is NULL or its struct_size is below KVT_EMIT_SIZE_MIN");
+    if (b->planned)
+        return run_planned(b, layer, stream, emit);
     const bool tokens = emit->layout == KVT_EMIT_TOKENS;
     /* One list per (request, KV head) (docs/recall.md §9): CSR over n_seqs x n_kv entries. */
     const bool heads = emit->layout == KVT_EMIT_CSR_KV_HEADS;
@@ -624,20 +818,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
             continue;
         }
         for (uint32_t t = 0; t < S; t++) {
-            uint64_t at = (uint64_t)i * S + t;
-            kvt__pack_query *pq = &q[k];
-            if (sq)
-                kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
-            else
-                *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
-            if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls(sq, layer))
-                kvt__recall_pack_query(&sq->recall[layer], pq);
-            pq->all_rows = b->recall_way[i] == RECALL_ALL;
-            pq->out = tokens ? at * emit->capacity : off;
-            pq->pad = tokens ? emit->capacity : 0;
-            pq->len_at = tokens ? at : at + 1;
-            /* an every-row set's size is the host's too (a fetching one's is not: dev_offsets) */
-            off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
+            set_query(b, i, t, layer, S, emit, &off, &q[k]);
             if (++k == KVT__PACK_CHUNK && (s = flush_pack(b, layer, stream, &pa, &k)) != KVT_OK)
                 return s;
         }

@@ -105,6 +105,15 @@ enum { KVT__STEP_NONE = 0, KVT__STEP_NOTHING = 1, KVT__STEP_WORKED = 2, KVT__STE
 kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *defer, uint32_t n,
                           uint32_t layer, const kvt__backend *be, void *stream,
                           kvt__tier_step *t, kvt_seq **who);
+/* The backend handle a batch's runs and commit use (tests capture its ops). */
+kvt__backend *kvt__batch_backend(kvt_batch *b);
+/* Bring the backend's mirror of the request's page table of the layer's group (and, for a RoPE
+ * recall, its fetch area's) up to the host's, on stream. */
+kvt_status kvt__seq_mirror_sync(kvt_seq *seq, uint32_t layer, const kvt__backend *be,
+                                void *stream);
+/* The layer's run has no device work for the request this step: no recall on it and no close
+ * or round due (kvt__policy_ops.step_due); its commit then does the step's policy work. */
+bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer);
 /* The attended set of the layer during the step for a query token that sees the first `visible`
  * of the step's rows (>= the pending count: all of them), described in O(1) into q (its desc,
  * pages and first_page; the caller sets where it goes). A visible count below the pending count

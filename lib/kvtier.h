@@ -1009,6 +1009,31 @@ typedef struct kvt_emit {
 /* The smallest struct_size kvt_batch_run accepts (a struct without queries_per_seq: s_q = 1). */
 #define KVT_EMIT_SIZE_MIN (offsetof(kvt_emit, dense) + sizeof(uint8_t *))
 
+/* CUDA graphs: plan the step's emission on the device. After kvt_batch_plan and before any run,
+ * for a step in which no layer's run has work of its own — no request with drafts, none that
+ * recalls on a layer, no block close or eviction round due (the commit does the step's policy
+ * work then: the same decisions) — write every layer's attended-set descriptions (and the page
+ * tables' new entries, and 0 into the emissions' dense flags) into the batch's plan buffer in
+ * the backend's memory, on stream. Each kvt_batch_run of the step then enqueues one pack
+ * launch that reads its per-step values from that buffer when it runs, so the runs of one such
+ * step captured into a CUDA graph (cudaStreamBeginCapture on stream around the engine's forward)
+ * replay over later planned steps: every step, reserve, write rows, plan, plan_device, launch
+ * the graph, commit. A step that is not plannable (*planned = false, KVT_OK, nothing written)
+ * runs eagerly: kvt_batch_run as usual.
+ *
+ * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
+ * n_emits = n_layers), TOKENS or CSR with one query per request; a run of a planned step must
+ * pass exactly that emission (KVT_ERR_INVALID_ARGUMENT otherwise). The plan buffer, n_layers x
+ * (64 + 112 max_seqs) B on 64-bit hosts, is allocated at the batch's first planned step and
+ * never moves: a graph stays valid for the batch's life with the same emission buffers; every
+ * planned step copies all of it (one write). stream: that of the graph launch (stream-ordered
+ * after the previous step's device work). Errors:
+ * KVT_ERR_BAD_STATE (not planned, already run, planned twice, a damaged request),
+ * KVT_ERR_INVALID_ARGUMENT (emits), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
+ * KVT_ERR_OUT_OF_MEMORY (the buffer), a backend status. */
+KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits,
+                                         uint32_t n_emits, void *stream, bool *planned);
+
 /* Run `layer` for the step: its due close or eviction round for every request of the batch (at
  * most once per step and layer; a second run of the layer only emits), then write the attended
  * sets into emit. query: the absorbed queries for the recall tier, fp32 in the backend's memory,

@@ -1109,10 +1109,47 @@ static kvt__tier_layer step_layer(const kvt_seq *seq, uint32_t layer, uint32_t v
     return l;
 }
 
+/* The layer's step work of one request, as its policy's layer_step takes it. */
+static kvt__tier_step tier_step_of(kvt_ctx *ctx, kvt_seq *seq, uint32_t layer) {
+    const kvt__store *st = &ctx->stores[layer];
+    return (kvt__tier_step){.gr = &ctx->groups[st->group],
+                            .st = &ctx->stores[layer],
+                            .pt = &seq->pt[st->group],
+                            .state = &seq->layers[layer],
+                            .appended = seq->n_tokens,
+                            .step_rows = seq->n_pending,
+                            .prompt_rows = seq->prompt_rows,
+                            .cfg = &seq->cfg,
+                            .philox_key = seq->philox_key};
+}
+
+kvt_status kvt__seq_mirror_sync(kvt_seq *seq, uint32_t layer, const kvt__backend *be,
+                                void *stream) {
+    /* The layer's ops and its emission read the table's mirror (the step's pages too), and a
+     * RoPE recall's emission its fetch area's. */
+    const int32_t g = seq->ctx->stores[layer].group;
+    kvt_status s = kvt__ptable_mirror_sync(&seq->pt[g], be, stream);
+    if (s == KVT_OK && kvt__seq_recalls_rope(seq, layer))
+        s = kvt__ptable_mirror_sync(&seq->fetch[g], be, stream);
+    return s;
+}
+
+bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer) {
+    kvt_ctx *ctx = seq->ctx;
+    if (kvt__seq_recalls(seq, layer) || kvt__seq_recalls_rope(seq, layer))
+        return false;
+    const kvt__policy_ops *ops = ops_of(ctx, layer);
+    if (!ops->layer_step || seq->n_pending == 0)
+        return true;
+    if (!ops->step_due)
+        return false;
+    const kvt__tier_step t = tier_step_of(ctx, seq, layer);
+    return !ops->step_due(&t);
+}
+
 kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *defer, uint32_t n,
                           uint32_t layer, const kvt__backend *be, void *stream,
                           kvt__tier_step *t, kvt_seq **who) {
-    const kvt__store *st = &ctx->stores[layer];
     const kvt__policy_ops *ops = ops_of(ctx, layer);
     kvt_status first = KVT_OK;
     uint32_t k = 0;
@@ -1120,11 +1157,7 @@ kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *def
         kvt_seq *seq = seqs[i];
         if (!seq || seq->stepped[layer])
             continue;
-        /* The layer's ops and its emission read the table's mirror (the step's pages too), and
-         * a RoPE recall's emission its fetch area's. */
-        kvt_status s = kvt__ptable_mirror_sync(&seq->pt[st->group], be, stream);
-        if (s == KVT_OK && kvt__seq_recalls_rope(seq, layer))
-            s = kvt__ptable_mirror_sync(&seq->fetch[st->group], be, stream);
+        kvt_status s = kvt__seq_mirror_sync(seq, layer, be, stream);
         if (s != KVT_OK) {
             if (first == KVT_OK)
                 first = kvt__ctx_fail(ctx, s, "request %llu layer %u: page table to the backend",
@@ -1139,15 +1172,7 @@ kvt_status kvt__seqs_step(kvt_ctx *ctx, kvt_seq *const *seqs, const uint8_t *def
             seq->stepped[layer] = KVT__STEP_NOTHING;
             continue;
         }
-        t[k] = (kvt__tier_step){.gr = &ctx->groups[st->group],
-                                .st = &ctx->stores[layer],
-                                .pt = &seq->pt[st->group],
-                                .state = &seq->layers[layer],
-                                .appended = seq->n_tokens,
-                                .step_rows = seq->n_pending,
-                                .prompt_rows = seq->prompt_rows,
-                                .cfg = &seq->cfg,
-                                .philox_key = seq->philox_key};
+        t[k] = tier_step_of(ctx, seq, layer);
         who[k++] = seq;
     }
     if (k == 0)

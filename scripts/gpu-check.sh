@@ -17,11 +17,14 @@
 #   - test_recall_step's conformal decode with KVT_REQUIRE_GPU=1: 120 decode steps through the
 #     library (calibration, fetches, CSR-free TOKENS emission) on the CUDA backend emit the CPU's
 #     sets, slot for slot.
+#   - test_graph with KVT_REQUIRE_GPU=1: one CUDA graph captured over the runs of a planned
+#     step (kvt_batch_plan_device) replayed over the later planned steps of 170 gives the eager
+#     twin's sets on every layer (never run on a device before this script's first run with it).
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #
-# Not yet covered on the device (the CUDA issue): a CUDA benchmark of the decode step, graph
-# capture, fp8 rows.
+# Not yet covered on the device (the CUDA issue): a CUDA benchmark of the decode step, fp8 rows,
+# capture of steps with recall or with a close or round due (those run eagerly).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -48,6 +51,9 @@ echo "CUDA ops vs CPU twins: see cuda_ops.txt" | tee -a "$OUT/summary.txt"
   --filter 'recall_step/conformal_decode_matches_the_oracle' --verbose) \
   > "$OUT/recall_step_cuda.txt" 2>&1 || status=1
 echo "recall decode on CUDA vs CPU: see recall_step_cuda.txt" | tee -a "$OUT/summary.txt"
+(cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_graph --verbose) \
+  > "$OUT/graph_cuda.txt" 2>&1 || status=1
+echo "graph replay on CUDA vs eager: see graph_cuda.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && ctest -L fast -j"$JOBS" --output-on-failure) > "$OUT/fast_tests.txt" 2>&1 ||
   status=1
 echo "fast tests: see fast_tests.txt" | tee -a "$OUT/summary.txt"

@@ -984,6 +984,11 @@ static kvt_status ev_reserve(kvt__tier_state *s, const kvt__env *env, const kvt_
  * row index i maps to the same slot in all of them, and the slots the engine wrote this step's
  * rows to stay valid for the layers whose forward comes later (pages are only trimmed at
  * commit). On a selection failure nothing of this layer changed. */
+/* A round is due at the step's rows (the step's positions alone the commit records as well). */
+static bool ev_step_due(const kvt__tier_step *t) {
+    return kvt__ev_round_due(t->cfg, t->pt->n_rows + t->step_rows);
+}
+
 static kvt_status ev_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_t n) {
     ev_job jobs[KVT__EV_CHUNK];
     kvt__ev_append_args app[KVT__EV_CHUNK];
@@ -1400,6 +1405,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .reserve = ev_reserve,
     .group_commit = ev_group_commit,
     .layer_step = ev_layer_step,
+    .step_due = ev_step_due,
     .writes_from = ev_writes_from,
     .layer_fork = ev_layer_fork,
     .layer_attach = ev_layer_attach,

@@ -190,6 +190,12 @@ struct kvt__policy_ops {
      * (KVT_ERR_CORRUPT). env carries the batch's backend and stream; cfg and philox_key are
      * each request's (t[i]). Without it the layer's work all happens at commit. */
     kvt_status (*layer_step)(const kvt__env *env, kvt__tier_step *t, uint32_t n);
+    /* (optional) Whether the step's attention needs this layer's run to do t's work first (a
+     * block close, an eviction round): when false, the run may leave all of it to the commit
+     * (the decisions are the same), which a planned step (kvt_batch_plan_device: runs that only
+     * pack, capturable into a CUDA graph) does. From counts only. Without it (and with
+     * layer_step): always true. */
+    bool (*step_due)(const kvt__tier_step *t);
     /* (optional) Rows the layer holds per head when the table holds `rows` (a layer that
      * compacted in a step holds fewer until commit). Without it: rows. */
     uint64_t (*held_rows)(const kvt__tier_state *s, uint64_t rows);

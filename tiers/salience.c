@@ -799,6 +799,11 @@ static kvt_status sal_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_
     return first;
 }
 
+/* A block completes at the step's rows (kvt__sal_commit_many's rule). */
+static bool sal_step_due(const kvt__tier_step *t) {
+    return (t->pt->n_rows + t->step_rows - t->state->sal.closed_rows) / t->gr->sal.block_rows > 0;
+}
+
 /* Room for a kept set of m rows (grow-only). */
 static kvt_status kept_reserve(kvt__sal *s, uint64_t m) {
     void *p = s->kept;
@@ -993,6 +998,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .layer_fini = sal_layer_fini,
     .group_commit = sal_group_commit,
     .layer_step = sal_layer_step,
+    .step_due = sal_step_due,
     .layer_fork = sal_layer_fork,
     .layer_attach = sal_layer_attach,
     .reserve = sal_reserve_shared,

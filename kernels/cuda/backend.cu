@@ -68,10 +68,19 @@ cudaStream_t strm(void *s) {
 
 /* Every op: the handle's device; then order after the handle's last op when it ran on another
  * stream (op_end records where each op ended). */
+/* The stream is being captured into a graph (kvt__backend_ops.capture_begin): the ops then
+ * order with the handle's other streams only through the capturing stream (the engine's graph
+ * launch), not through the handle's event, which a capture may not wait on or record. */
+bool capturing(void *stream) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    return stream && cudaStreamIsCapturing(strm(stream), &cs) == cudaSuccess &&
+           cs == cudaStreamCaptureStatusActive;
+}
+
 kvt_status op_begin(const kvt__backend *be, void *stream) {
     cuda_impl *c = (cuda_impl *)be->impl;
     kvt_status s = st(cudaSetDevice(c->device));
-    if (s == KVT_OK && c->have_ev && c->last_stream != stream)
+    if (s == KVT_OK && c->have_ev && c->last_stream != stream && !capturing(stream))
         s = st(cudaStreamWaitEvent(strm(stream), c->ev, 0));
     return s;
 }
@@ -80,6 +89,8 @@ kvt_status op_end(const kvt__backend *be, void *stream, kvt_status s) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (s == KVT_OK)
         s = st(cudaGetLastError());
+    if (s == KVT_OK && capturing(stream))
+        return s;
     if (s == KVT_OK && (s = st(cudaEventRecord(c->ev, strm(stream)))) == KVT_OK) {
         c->last_stream = stream;
         c->have_ev = true;
@@ -1644,16 +1655,16 @@ __device__ uint64_t below(const uint32_t *v, uint64_t n, uint32_t x, bool or_equ
 }
 
 /* plan NULL: the host's plan, and this kernel writes lengths / indptr. */
-__global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_csr,
-                       const PackPlan *plan, int32_t *indices, int32_t *lengths,
-                       int32_t *indptr) {
-    const kvt__pack_query &q = p.a[blockIdx.x];
+/* Query q's set (block b of the launch): its slots, padding, and its length or offset. */
+__device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, bool csr,
+                          bool first_csr, const PackPlan *plan, int32_t *indices,
+                          int32_t *lengths, int32_t *indptr) {
     const kvt__attended_desc &d = q.d;
-    const PackPlan pl = plan ? plan[blockIdx.x] : pack_plan_host(q);
+    const PackPlan pl = plan ? plan[b] : pack_plan_host(q);
     if (!plan && threadIdx.x == 0) {
         if (csr) {
             indptr[q.len_at] = (int32_t)(pl.out + pl.count);
-            if (first_csr && blockIdx.x == 0)
+            if (first_csr && b == 0)
                 indptr[0] = 0;
         } else {
             lengths[q.len_at] = (int32_t)pl.count;
@@ -1690,7 +1701,36 @@ __global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_c
     }
 }
 
+__global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_csr,
+                       const PackPlan *plan, int32_t *indices, int32_t *lengths,
+                       int32_t *indptr) {
+    pack_body(p.a[blockIdx.x], blockIdx.x, pd, csr, first_csr, plan, indices, lengths, indptr);
+}
+
+/* The planned pack: queries and count from the plan buffer as it is when the kernel runs (one
+ * block per possible query; a count past n_max packs nothing). */
+__global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan, uint32_t n_max,
+                               kvt__div32 pd, bool csr, bool first_csr, int32_t *indices,
+                               int32_t *lengths, int32_t *indptr) {
+    const uint32_t n = *n_plan;
+    if (csr && first_csr && blockIdx.x == 0 && threadIdx.x == 0)
+        indptr[0] = 0;
+    if (n > n_max || blockIdx.x >= n)
+        return;
+    pack_body(qs[blockIdx.x], blockIdx.x, pd, csr, first_csr, NULL, indices, lengths, indptr);
+}
+
 kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    if (a->q_plan) { /* capturable: nothing of the step in the launch's arguments */
+        if (a->dev_offsets)
+            return KVT_ERR_INVALID_ARGUMENT;
+        kvt_status s = op_begin(be, stream);
+        if (s == KVT_OK)
+            k_pack_planned<<<a->n_max ? a->n_max : 1, kThreads, 0, strm(stream)>>>(
+                a->q_plan, a->n_plan, a->n_max, *a->pdiv, a->csr, a->first_csr, a->indices,
+                a->lengths, a->indptr);
+        return op_end(be, stream, s);
+    }
     kvt_status s = op_begin(be, stream);
     if (s == KVT_OK && a->n == 0 && a->csr && a->first_csr) /* the CPU twin writes indptr[0] */
         s = st(cudaMemsetAsync(a->indptr, 0, sizeof(int32_t), strm(stream)));
@@ -2249,6 +2289,53 @@ kvt_status cu_attend(const kvt__backend *be, const kvt__attend_args *a, void *st
     return op_end(be, stream, s);
 }
 
+/* ----------------------------------------------------------------------------------------------
+ * Capture: CUDA graphs over the caller's stream (thread-local mode: other threads' CUDA calls
+ * are not affected). The legacy default stream (NULL) cannot be captured.
+ * -------------------------------------------------------------------------------------------- */
+kvt_status cu_capture_begin(kvt__backend *be, void *stream) {
+    cuda_impl *c = (cuda_impl *)be->impl;
+    if (!stream)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = st(cudaSetDevice(c->device));
+    if (s == KVT_OK && capturing(stream))
+        return KVT_ERR_BAD_STATE;
+    return s == KVT_OK ? st(cudaStreamBeginCapture(strm(stream), cudaStreamCaptureModeThreadLocal))
+                       : s;
+}
+
+kvt_status cu_capture_end(kvt__backend *be, void *stream, void **graph) {
+    (void)be;
+    *graph = NULL;
+    if (!capturing(stream))
+        return KVT_ERR_BAD_STATE;
+    cudaGraph_t g = NULL;
+    kvt_status s = st(cudaStreamEndCapture(strm(stream), &g));
+    cudaGraphExec_t x = NULL;
+    if (s == KVT_OK)
+        s = st(cudaGraphInstantiate(&x, g, 0));
+    if (g)
+        (void)cudaGraphDestroy(g);
+    if (s == KVT_OK)
+        *graph = (void *)x;
+    return s;
+}
+
+kvt_status cu_graph_launch(const kvt__backend *be, void *graph, void *stream) {
+    if (!graph)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream);
+    if (s == KVT_OK)
+        s = st(cudaGraphLaunch((cudaGraphExec_t)graph, strm(stream)));
+    return op_end(be, stream, s);
+}
+
+void cu_graph_free(const kvt__backend *be, void *graph) {
+    (void)be;
+    if (graph)
+        (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
 /* The table, filled by field name (C++ has no C designated initialisers out of order). */
 kvt__backend_ops make_ops() {
     kvt__backend_ops o;
@@ -2277,6 +2364,10 @@ kvt__backend_ops make_ops() {
     o.ev_append = cu_ev_append;
     o.find_pos = cu_find_pos;
     o.attend = cu_attend;
+    o.capture_begin = cu_capture_begin;
+    o.capture_end = cu_capture_end;
+    o.graph_launch = cu_graph_launch;
+    o.graph_free = cu_graph_free;
     return o;
 }
 
