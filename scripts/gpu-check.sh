@@ -22,9 +22,10 @@
 #     twin's sets on every layer (never run on a device before this script's first run with it).
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
+#   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 32k and 128k rows.
 #
-# Not yet covered on the device (the CUDA issue): a CUDA benchmark of the decode step, fp8 rows,
-# capture of steps with recall or with a close or round due (those run eagerly).
+# Not yet covered on the device (the CUDA issue): fp8 rows, capture of steps with recall or with
+# a close or round due (those run eagerly), a dense-attention baseline on the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -60,5 +61,11 @@ echo "fast tests: see fast_tests.txt" | tee -a "$OUT/summary.txt"
 for b in bench_tiers bench_compact; do
   (cd build-gpu && timeout 120 ./bench/$b 5) > "$OUT/$b.txt" 2>&1 || true
 done
+# the decode step of a batch on the device: eager, planned and CUDA-graph steps at 32k rows
+# (16 requests) and 128k (4), and the CPU backend's at 32k beside them
+(cd build-gpu && timeout 90 ./bench/bench_step cuda 3 32768 16 &&
+  timeout 90 ./bench/bench_step cuda 3 131072 4 && timeout 60 ./bench/bench_step cpu 3 32768 16) \
+  > "$OUT/bench_step.txt" 2>&1 || true
+echo "decode step (eager / planned / graph): see bench_step.txt" | tee -a "$OUT/summary.txt"
 echo "total: $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
 exit $status
