@@ -418,6 +418,10 @@ typedef struct kvt__backend_ops {
      * capture_end after it (the record is dropped). One capture at a time per handle.
      * KVT_ERR_BAD_STATE (capture_begin during a capture, capture_end outside one),
      * KVT_ERR_OUT_OF_MEMORY, or the CUDA error. */
+    /* (optional) The calling thread's last error the device runtime reported to this backend
+     * since the previous call ("cudaErrorMemoryAllocation: out of memory"), then forgotten; NULL
+     * when there is none. The library appends it to the message of a failed call. */
+    const char *(*last_error)(const kvt__backend *be);
     kvt_status (*capture_begin)(kvt__backend *be, void *stream);
     kvt_status (*capture_end)(kvt__backend *be, void *stream, void **graph);
     kvt_status (*graph_launch)(const kvt__backend *be, void *graph, void *stream);

@@ -17,17 +17,26 @@
  * two contexts never share it. ctx names the call's context for future use (per-context
  * logging); it is not written. */
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) {
-    (void)ctx;
     va_list ap;
     va_start(ap, fmt);
     kvt__tls_vfail(s, fmt, ap);
     va_end(ap);
+    /* the device runtime's own words, when it had some (CUDA's error name and string) */
+    const char *dev = ctx && ctx->backend.ops && ctx->backend.ops->last_error
+                          ? ctx->backend.ops->last_error(&ctx->backend)
+                          : NULL;
+    if (dev) {
+        char *m = kvt__tls_error();
+        const size_t n = strlen(m);
+        snprintf(m + n, KVT__ERR_LEN - n, " [%s: %s]", ctx->backend.ops->name, dev);
+    }
     return s;
 }
 
 void kvt__ctx_clear_error(const kvt_ctx *ctx) {
-    (void)ctx;
     kvt__tls_clear();
+    if (ctx && ctx->backend.ops && ctx->backend.ops->last_error) /* an earlier call's, handled */
+        (void)ctx->backend.ops->last_error(&ctx->backend);
 }
 
 kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {

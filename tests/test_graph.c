@@ -236,6 +236,17 @@ Test(graph, replays_equal_eager_steps_cuda, .timeout = 240) {
     }
     graph_equals_eager(KVT_BACKEND_CUDA, s);
     cudaStreamDestroy(s);
+    /* a failure of the device runtime comes back with its own words */
+    kvt_model *m = model();
+    twin t;
+    char why[256] = "";
+    cr_assert(twin_open(&t, m, KVT_BACKEND_CUDA, why, sizeof why), "%s", why);
+    kvt_buffer *huge = NULL;
+    cr_assert_eq(kvt_buffer_alloc(t.ctx, (size_t)1 << 52, &huge), KVT_ERR_OUT_OF_MEMORY);
+    cr_assert(strstr(kvt_last_error(), "cudaErrorMemoryAllocation") != NULL, "%s",
+              kvt_last_error());
+    twin_close(&t);
+    kvt_model_destroy(m);
 #else
     if (getenv("KVT_REQUIRE_GPU"))
         cr_assert_fail("KVT_REQUIRE_GPU set in a build without CUDA");

@@ -55,9 +55,14 @@ struct cuda_impl {
 constexpr uint32_t kMaxSeg = 64; /* work items per call (score, select, pack) */
 constexpr uint32_t kMaxEv = 16;  /* layers per eviction call (KVT__EV_CHUNK) */
 
+/* The calling thread's last CUDA error, for kvt__backend_ops.last_error. */
+thread_local char t_err[192];
+thread_local char t_err_out[192];
+
 kvt_status st(cudaError_t e) {
     if (e == cudaSuccess)
         return KVT_OK;
+    snprintf(t_err, sizeof t_err, "%s: %s", cudaGetErrorName(e), cudaGetErrorString(e));
     (void)cudaGetLastError();
     return e == cudaErrorMemoryAllocation ? KVT_ERR_OUT_OF_MEMORY : KVT_ERR_NO_DEVICE;
 }
@@ -2336,6 +2341,15 @@ void cu_graph_free(const kvt__backend *be, void *graph) {
         (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
 }
 
+const char *cu_last_error(const kvt__backend *be) {
+    (void)be;
+    if (!t_err[0])
+        return NULL;
+    memcpy(t_err_out, t_err, sizeof t_err_out);
+    t_err[0] = '\0';
+    return t_err_out;
+}
+
 /* The table, filled by field name (C++ has no C designated initialisers out of order). */
 kvt__backend_ops make_ops() {
     kvt__backend_ops o;
@@ -2364,6 +2378,7 @@ kvt__backend_ops make_ops() {
     o.ev_append = cu_ev_append;
     o.find_pos = cu_find_pos;
     o.attend = cu_attend;
+    o.last_error = cu_last_error;
     o.capture_begin = cu_capture_begin;
     o.capture_end = cu_capture_end;
     o.graph_launch = cu_graph_launch;
