@@ -22,6 +22,7 @@
 #     twin's sets on every layer (never run on a device before this script's first run with it).
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
+#   - compute-sanitizer memcheck and racecheck on test_cuda's pack, attend and select tests.
 #   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 32k and 128k rows.
 #
 # Not yet covered on the device (the CUDA issue): fp8 rows, capture of steps with recall or with
@@ -55,6 +56,20 @@ echo "recall decode on CUDA vs CPU: see recall_step_cuda.txt" | tee -a "$OUT/sum
 (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_graph --verbose) \
   > "$OUT/graph_cuda.txt" 2>&1 || status=1
 echo "graph replay on CUDA vs eager: see graph_cuda.txt" | tee -a "$OUT/summary.txt"
+# compute-sanitizer (memcheck, racecheck) over the ops whose kernels are newest, where the
+# toolkit ships it; Criterion runs each test in a child process (--target-processes all)
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ -x "$CS" ]; then
+  for tool in memcheck racecheck; do
+    (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 90 "$CS" --tool "$tool" --target-processes all \
+      --error-exitcode 3 ./tests/test_cuda --jobs 1 \
+      --filter 'cuda/@(pack_equals_the_cpu|attend_equals_the_cpu|select_segments_equal_the_cpu)') \
+      > "$OUT/sanitizer_$tool.txt" 2>&1 || status=1
+    echo "compute-sanitizer $tool: see sanitizer_$tool.txt" | tee -a "$OUT/summary.txt"
+  done
+else
+  echo "compute-sanitizer: not found, skipped" | tee -a "$OUT/summary.txt"
+fi
 (cd build-gpu && ctest -L fast -j"$JOBS" --output-on-failure) > "$OUT/fast_tests.txt" 2>&1 ||
   status=1
 echo "fast tests: see fast_tests.txt" | tee -a "$OUT/summary.txt"
