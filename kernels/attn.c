@@ -27,7 +27,7 @@ int kvt__attn_cpu(const kvt__attn_args *a) {
     if (!a || !a->q || !a->scratch || (a->n_rows > 0 && !a->base) || a->key_dim == 0 ||
         a->key_dim > KVT__ATTN_MAX_DIM || a->value_dim > a->key_dim || a->q_stride < a->key_dim)
         return -1;
-    if (a->dtype != KVT__DT_BF16 && a->dtype != KVT__DT_FP16 && a->dtype != KVT__DT_FP32)
+    if (!kvt__attn_dtype_ok(a->dtype, a->key_dim))
         return -1;
     if (a->slots)
         for (uint32_t j = 0; j < a->n_rows; j++)

@@ -21,7 +21,8 @@
  * rows); with fp32 accumulation the output's rounding error grows with the row count and would
  * blur the very differences being measured (a mass ratio of 0.9, a cosine of 0.95 are far above
  * it, but a reference should not be the noisiest part of a measurement). Row values are read in
- * their storage dtype (bf16, fp16, fp32) and widened exactly; queries are fp32.
+ * their storage dtype (bf16, fp16, fp32, or fp8 ds_mla rows: kvt__attn_val) and widened exactly;
+ * queries are fp32.
  *
  * Summation order (fixed, so results are reproducible across runs and row orders are the only
  * input that matters):
@@ -53,9 +54,25 @@
 /* DeepSeek-V2/V3 and Kimi Linear: softmax scale 1/sqrt(qk_nope_head_dim + qk_rope_head_dim). */
 #define KVT__ATTN_DEFAULT_SCALE 0.07216878364870322 /* 192^-1/2 */
 
-/* Value i of a row of dtype dt, widened to double exactly. */
+/* fp8 rows (FlashMLA's 656-B ds_mla layout, kernels/kvt_hd.h): the key is the 512 scaled E4M3
+ * latent values, then the 64 bf16 branch values at byte 528; the value the latent. */
+#define KVT__FP8_BRANCH_AT 528u
+#define KVT__FP8_KEY_DIM 576u
+
+/* Value i of a row of dtype dt, widened to double exactly (fp8: latent i < 512, one fp32 rounding
+ * of e4m3 · scale as everywhere else; branch i - 512 from the bf16 part). */
 KVT_HD double kvt__attn_val(const uint8_t *row, int dt, uint32_t i) {
+    if (dt == KVT__DT_FP8 && i >= KVT__FP8_VALUES)
+        return (double)kvt__load_elem(row + KVT__FP8_BRANCH_AT, KVT__DT_BF16, i - KVT__FP8_VALUES);
     return (double)kvt__load_elem(row, dt, i);
+}
+
+/* A row dtype and shape the reference reads: bf16, fp16, fp32 of any key_dim, or fp8 ds_mla
+ * rows of key_dim <= 576 (and so value_dim <= 512 of latent, or more reaching into the branch
+ * only if the caller asks: value_dim <= key_dim). */
+KVT_HD int kvt__attn_dtype_ok(int dt, uint32_t key_dim) {
+    return dt == KVT__DT_BF16 || dt == KVT__DT_FP16 || dt == KVT__DT_FP32 ||
+           (dt == KVT__DT_FP8 && key_dim <= KVT__FP8_KEY_DIM);
 }
 
 /* Lane l's partial of q · k over d = l, l+8, .. < n: k as doubles (already widened), q fp32. */
@@ -106,7 +123,7 @@ typedef struct kvt__attn_args {
     uint32_t n_rows;
     size_t slot_stride;    /* bytes between consecutive slots (n_kv_heads * row_bytes) */
     size_t row_offset;     /* bytes from a slot's start to the row (kv head * row_bytes; 0) */
-    int dtype;             /* KVT__DT_BF16 / FP16 / FP32 (fp8 rows are not read here) */
+    int dtype;             /* KVT__DT_BF16 / FP16 / FP32, or FP8 (ds_mla rows, key_dim <= 576) */
     uint32_t key_dim;      /* values of a key: 576 (<= KVT__ATTN_MAX_DIM) */
     uint32_t value_dim;    /* leading values forming the value: 512 (<= key_dim) */
     const float *q;        /* [n_heads] absorbed queries at q + h * q_stride, key_dim floats */

@@ -287,7 +287,7 @@ KVT_HD float kvt__select_score(const kvt__select_args *a, uint64_t u) {
 typedef struct kvt__attend_args {
     const uint8_t *base;
     size_t slot_stride, row_offset;
-    int dtype;               /* bf16 / fp16 / fp32 */
+    int dtype;               /* bf16 / fp16 / fp32, or fp8 ds_mla rows (key_dim <= 576) */
     uint32_t key_dim;        /* <= KVT__ATTN_MAX_DIM */
     uint32_t value_dim;      /* <= key_dim */
     const int32_t *idx;      /* [n_q][topk] */
@@ -306,8 +306,7 @@ typedef struct kvt__attend_args {
 KVT_HD int kvt__attend_args_ok(const kvt__attend_args *a) {
     return a->key_dim > 0 && a->key_dim <= KVT__ATTN_MAX_DIM && a->value_dim <= a->key_dim &&
            a->q_stride >= a->key_dim && (a->n_q == 0 || (a->q && a->idx && a->len && a->base)) &&
-           (a->dtype == KVT__DT_BF16 || a->dtype == KVT__DT_FP16 || a->dtype == KVT__DT_FP32) &&
-           a->slot_stride > 0 && a->n_heads > 0 && a->n_heads <= 1024u;
+           kvt__attn_dtype_ok(a->dtype, a->key_dim) && a->slot_stride > 0 && a->n_heads > 0 && a->n_heads <= 1024u;
 }
 
 typedef struct kvt__backend_ops {

@@ -1062,7 +1062,10 @@ static kvt_status g_attend(const kvt__backend *be, const kvt__attend_args *a, vo
     GUARD_OWNS(be, a->lse, a->lse ? sizeof(double) * nq * H : 0);
     guard_open(be);
     /* every listed row inside one of the backend's buffers (lengths checked by cpu_attend) */
-    const size_t row = (size_t)a->key_dim * (a->dtype == KVT__DT_FP32 ? 4u : 2u);
+    const size_t row = a->dtype == KVT__DT_FP8 ? KVT__FP8_BRANCH_AT + 2u * (KVT__FP8_KEY_DIM -
+                                                                          KVT__FP8_VALUES)
+                                               : (size_t)a->key_dim *
+                                                     (a->dtype == KVT__DT_FP32 ? 4u : 2u);
     kvt_status s = KVT_OK;
     for (size_t i = 0; i < nq && s == KVT_OK; i++) {
         const int32_t n = a->len[i] < 0 || (uint32_t)a->len[i] > a->topk ? 0 : a->len[i];

@@ -3,7 +3,8 @@
  * in the TOKENS layout kvt_batch_run emits: on the CPU and guarded backends it equals
  * kvt__attn_cpu query by query, bit for bit (a long set, an empty one, one row, a set holding a
  * NaN row; entries past a query's length are never read); a length outside [0, topk], a negative
- * listed slot and bad shapes are refused with nothing written. The CUDA twin is held to this one
+ * listed slot and bad shapes are refused with nothing written; fp8 ds_mla rows (656 B) attend
+ * exactly as their fp32 decoding does. The CUDA twin is held to this one
  * in test_cuda (cuda::attend_equals_the_cpu).
  */
 #include <criterion/criterion.h>
@@ -198,7 +199,11 @@ Test(attend, bad_sets_and_shapes_are_refused_with_nothing_written) {
     a.q_stride = K - 1;
     cr_assert_eq(be.ops->attend(&be, &a, NULL), KVT_ERR_INVALID_ARGUMENT);
     a = good;
-    a.dtype = KVT__DT_FP8;
+    a.dtype = 7; /* no such dtype */
+    cr_assert_eq(be.ops->attend(&be, &a, NULL), KVT_ERR_INVALID_ARGUMENT);
+    a = good;
+    a.dtype = KVT__DT_FP8; /* an fp8 key has 576 values */
+    a.key_dim = K + 1;
     cr_assert_eq(be.ops->attend(&be, &a, NULL), KVT_ERR_INVALID_ARGUMENT);
     a = good;
     a.n_heads = 0;
@@ -277,5 +282,63 @@ Test(attend, guarded_backend_reads_only_its_buffers_and_equals_the_twin) {
         be.ops->buf_free(&be, *bufs[i].d, bufs[i].n);
     free(want);
     free(got);
+    fx_close(&f);
+}
+
+/* Key value i of a ds_mla row, decoded from the layout itself: E4M3 byte i times the fp32 scale
+ * of its group of 128 (latent), or bf16 value i - 512 of the branch at byte 528. */
+static float fp8_decoded(const uint8_t *row, uint32_t i) {
+    if (i >= 512) {
+        uint16_t h;
+        memcpy(&h, row + 528 + 2 * (i - 512), 2);
+        uint32_t bits = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    float sc;
+    memcpy(&sc, row + 512 + 4 * (i / 128), 4);
+    return kvt__e4m3_to_f32(row[i]) * sc;
+}
+
+/* fp8 rows attend as their exact fp32 decoding does, bit for bit (the same widened values in
+ * the same order); an E4M3 NaN byte in a listed row makes its query NaN. */
+Test(attend, fp8_rows_attend_as_their_fp32_decoding) {
+    fx f;
+    fx_open(&f, 0xf8f8, false);
+    cas c = f.c; /* its index sets, lengths and queries */
+    enum { R8 = 656 };
+    uint8_t *p8 = malloc((size_t)R8 * NS), *p32 = malloc((size_t)4 * K * NS);
+    tu_rng g = {0x88};
+    for (uint32_t j = 0; j < NS; j++) {
+        tu_fp8_row(&g, p8 + (size_t)j * R8);
+        for (uint32_t i = 0; i < K; i++)
+            kvt__store_elem(p32 + (size_t)j * 4 * K, KVT__DT_FP32, i,
+                            fp8_decoded(p8 + (size_t)j * R8, i));
+    }
+    p8[(size_t)(NS - 1) * R8 + 9] = 0x7f; /* the slot query 3 lists */
+    kvt__store_elem(p32 + (size_t)(NS - 1) * 4 * K, KVT__DT_FP32, 9,
+                    fp8_decoded(p8 + (size_t)(NS - 1) * R8, 9));
+    float *o8 = malloc(sizeof(float) * NQ * H * V), *o32 = malloc(sizeof(float) * NQ * H * V);
+    double l8[NQ * H], l32[NQ * H];
+    kvt__attend_args a = args_of(&c, o8, l8);
+    a.base = p8;
+    a.slot_stride = R8;
+    a.row_offset = 0;
+    a.dtype = KVT__DT_FP8;
+    cr_assert_eq(f.be.ops->attend(&f.be, &a, NULL), KVT_OK);
+    a = args_of(&c, o32, l32);
+    a.base = p32;
+    a.slot_stride = 4 * K;
+    a.row_offset = 0;
+    a.dtype = KVT__DT_FP32;
+    cr_assert_eq(f.be.ops->attend(&f.be, &a, NULL), KVT_OK);
+    cr_assert_eq(memcmp(o8, o32, sizeof(float) * NQ * H * V), 0);
+    cr_assert_eq(memcmp(l8, l32, sizeof l8), 0);
+    expected_shape(o8, l8);
+    free(p8);
+    free(p32);
+    free(o8);
+    free(o32);
     fx_close(&f);
 }

@@ -1497,21 +1497,27 @@ Test(cuda, recall_rope_step_and_emit_equal_the_cpu, .timeout = 240) {
 }
 
 /* attend: the reference attention over index sets (a long set over three of the CUDA chunks, an
- * empty one, one just past a chunk, one holding a NaN row), bf16 and fp32 rows. Double
+ * empty one, one just past a chunk, one holding a NaN row), bf16, fp32 and fp8 ds_mla rows. Double
  * accumulation in another order: lse to a relative 1e-10, out (fp32) by normalised error 1e-6
  * per head, NaN/Inf positions first; canary bytes around the outputs. The guarded stand-in runs
  * the CPU twin itself: byte-equal. On the device a length past topk gives NaN (the host cannot
  * refuse a device-resident set). */
 static void attend_pair(rig *r, int dt) {
     enum { AK = 576, AV = 512, AH = 16, AQ = 5, ATOPK = 5000, ANS = 6001, CAN = 64 };
-    const size_t eb = dt == KVT__DT_FP32 ? 4 : 2, stride = AK * eb;
+    const size_t eb = dt == KVT__DT_FP32 ? 4 : 2;
+    const size_t stride = dt == KVT__DT_FP8 ? 656 : AK * eb; /* fp8: ds_mla rows */
     tu_rng g = {0xa11e + (uint64_t)dt};
     uint8_t *pool = malloc(stride * ANS);
     float *q = malloc(sizeof(float) * AQ * AH * AK);
     int32_t *idx = malloc(sizeof(int32_t) * AQ * ATOPK);
-    for (size_t j = 0; j < (size_t)ANS * AK; j++)
+    for (size_t j = 0; dt == KVT__DT_FP8 && j < ANS; j++)
+        tu_fp8_row(&g, pool + j * stride);
+    for (size_t j = 0; dt != KVT__DT_FP8 && j < (size_t)ANS * AK; j++)
         kvt__store_elem(pool, dt, (uint32_t)j, (float)tu_normal(&g));
-    kvt__store_elem(pool + (ANS - 1) * stride, dt, 3, NAN);
+    if (dt == KVT__DT_FP8)
+        pool[(ANS - 1) * stride + 3] = 0x7f; /* an E4M3 NaN */
+    else
+        kvt__store_elem(pool + (ANS - 1) * stride, dt, 3, NAN);
     for (size_t i = 0; i < (size_t)AQ * AH * AK; i++)
         q[i] = (float)(tu_normal(&g) * 1.5);
     int32_t len[AQ] = {ATOPK, 0, 2049, 10, 7};
@@ -1609,5 +1615,6 @@ Test(cuda, attend_equals_the_cpu, .timeout = 120) {
     rig_open(&r);
     attend_pair(&r, KVT__DT_BF16);
     attend_pair(&r, KVT__DT_FP32);
+    attend_pair(&r, KVT__DT_FP8);
     rig_close(&r);
 }

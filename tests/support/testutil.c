@@ -376,3 +376,21 @@ kvt_status tu_same_rows(const kvt_seq *a, const kvt_seq *b, char *why, size_t wh
     free(rb);
     return s;
 }
+
+void tu_fp8_row(tu_rng *r, uint8_t *row) {
+    for (uint32_t i = 0; i < 512; i++) {
+        uint8_t b = (uint8_t)tu_next(r);
+        row[i] = (b & 0x7fu) == 0x7fu ? (uint8_t)(b ^ 1u) : b;
+    }
+    for (uint32_t k = 0; k < 4; k++) {
+        const float sc = (float)(0.002 + 0.01 * tu_uniform(r));
+        memcpy(row + 512 + 4 * k, &sc, 4);
+    }
+    for (uint32_t i = 0; i < 64; i++) {
+        const float v = (float)tu_normal(r);
+        uint32_t x;
+        memcpy(&x, &v, 4);
+        const uint16_t h = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+        memcpy(row + 528 + 2 * i, &h, 2);
+    }
+}

@@ -18,6 +18,10 @@ typedef struct tu_rng {
 uint64_t tu_next(tu_rng *r);
 double tu_uniform(tu_rng *r);  /* [0, 1) */
 double tu_normal(tu_rng *r);   /* standard normal (Box-Muller) */
+/* A random fp8 row in FlashMLA's 656-B ds_mla layout: 512 E4M3 latent bytes (never the NaN
+ * pattern), four fp32 scales in [0.002, 0.012) at byte 512, 64 bf16 branch values (normal draws,
+ * rounded to nearest even) at byte 528. */
+void tu_fp8_row(tu_rng *r, uint8_t *row);
 /* rank orthonormal rows of n values into out ([rank][n] fp32): Gram-Schmidt in double on
  * normal draws from r, twice for accuracy. false when out of memory. */
 bool tu_orthonormal_rows(tu_rng *r, uint32_t rank, uint32_t n, float *out);
