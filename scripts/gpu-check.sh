@@ -24,9 +24,10 @@
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #   - compute-sanitizer memcheck and racecheck on test_cuda's pack, attend and select tests.
 #   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 32k and 128k rows.
+#   - test_fp8's CUDA case: fp8 ds_mla rows recall on the device as their fp32 decoding does.
 #
-# Not yet covered on the device (the CUDA issue): fp8 rows, capture of steps with recall or with
-# a close or round due (those run eagerly), a dense-attention baseline on the device.
+# Not yet covered on the device (the CUDA issue): capture of steps with recall or with a close or
+# round due (those run eagerly), fp8 rows on eviction layers, a dense-attention baseline there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -53,6 +54,9 @@ echo "CUDA ops vs CPU twins: see cuda_ops.txt" | tee -a "$OUT/summary.txt"
   --filter 'recall_step/conformal_decode_matches_the_oracle' --verbose) \
   > "$OUT/recall_step_cuda.txt" 2>&1 || status=1
 echo "recall decode on CUDA vs CPU: see recall_step_cuda.txt" | tee -a "$OUT/summary.txt"
+(cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_fp8 \
+  --filter 'fp8/*_cuda' --verbose) > "$OUT/fp8_cuda.txt" 2>&1 || status=1
+echo "fp8 rows on CUDA vs their fp32 decoding: see fp8_cuda.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_graph --verbose) \
   > "$OUT/graph_cuda.txt" 2>&1 || status=1
 echo "graph replay on CUDA vs eager: see graph_cuda.txt" | tee -a "$OUT/summary.txt"
