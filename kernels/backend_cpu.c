@@ -136,8 +136,10 @@ static kvt_status capture_pack(const kvt__backend *be, const kvt__pack_args *a) 
         return KVT_ERR_BAD_STATE;
     }
     void *arr = c->packs;
-    if (kvt__grow(be->alloc, &arr, &c->cap, c->n + 1, sizeof *c->packs) != KVT_OK)
+    if (kvt__grow(be->alloc, &arr, &c->cap, c->n + 1, sizeof *c->packs) != KVT_OK) {
+        c->refused = true; /* a graph without this pack would replay a wrong step */
         return KVT_ERR_OUT_OF_MEMORY;
+    }
     c->packs = arr;
     c->packs[c->n++] = *a;
     return KVT_OK;

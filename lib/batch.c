@@ -141,6 +141,12 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->recall_way, b->max_seqs);
     kvt__free(a, b->dense, b->max_seqs);
     kvt__free(a, b->rsteps, sizeof *b->rsteps * b->max_seqs);
+    if (b->be.cap && b->be.ops->capture_end) { /* a capture never ended: its record goes */
+        void *g = NULL;
+        (void)b->be.ops->capture_end(&b->be, NULL, &g);
+        if (g)
+            b->be.ops->graph_free(&b->be, g);
+    }
     if (b->plan_dev) {
         const size_t bytes = b->plan_stride * b->ctx->n_layers;
         b->be.ops->buf_free(&b->be, b->plan_dev, bytes);

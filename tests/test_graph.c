@@ -307,6 +307,7 @@ Test(graph, plan_device_refusals) {
     cr_assert_eq(kvt_batch_plan(t.b), KVT_OK);
     cr_assert_eq(kvt_batch_plan_device(t.b, t.e, NL, NULL, &planned), KVT_OK);
     cr_assert(!planned);
+    cr_assert_eq(be->ops->capture_begin(be, NULL), KVT_OK); /* never ended: destroy frees it */
     kvt_batch_destroy(t.b); /* abandoned before any run */
     t.b = NULL;
     for (uint32_t i = 0; i < NQ; i++)

@@ -2312,10 +2312,15 @@ kvt_status cu_capture_begin(kvt__backend *be, void *stream) {
 kvt_status cu_capture_end(kvt__backend *be, void *stream, void **graph) {
     (void)be;
     *graph = NULL;
-    if (!capturing(stream))
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (!stream || cudaStreamIsCapturing(strm(stream), &cs) != cudaSuccess ||
+        cs == cudaStreamCaptureStatusNone)
         return KVT_ERR_BAD_STATE;
+    /* an invalidated capture is ended too (the stream leaves capture mode), then refused */
     cudaGraph_t g = NULL;
     kvt_status s = st(cudaStreamEndCapture(strm(stream), &g));
+    if (s == KVT_OK && cs != cudaStreamCaptureStatusActive)
+        s = KVT_ERR_BAD_STATE;
     cudaGraphExec_t x = NULL;
     if (s == KVT_OK)
         s = st(cudaGraphInstantiate(&x, g, 0));
