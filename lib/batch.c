@@ -160,13 +160,24 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b, sizeof *b);
 }
 
+static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
+                            bool sync);
+
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq) {
+    bool found = false;
     for (uint32_t i = 0; i < b->n_seqs; i++)
         if (b->seqs[i] == seq) {
             b->seqs[i] = NULL;
             b->n_tokens[i] = 0;
             b->n_drafts[i] = 0;
+            found = true;
         }
+    /* A planned step's plan names the request's pages and kept set, which go with it: the plan
+     * is rewritten (its set now empty, the later CSR offsets moved), ordered on the step's
+     * stream before the runs or the graph launch that read it. Counts only shrink, so no
+     * capacity check fails; a backend failure here leaves the context's error message. */
+    if (found && b->planned)
+        (void)plan_fill(b, b->plan_emit, b->ctx->n_layers, b->stream, false);
 }
 
 kvt_status kvt_batch_reserve(kvt_batch *b, kvt_seq *const *seqs, const uint32_t *n_tokens,
@@ -560,6 +571,48 @@ static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
            a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense;
 }
 
+/* Every layer's sets of the planned step into the plan image, as each run would describe them
+ * (nothing of the step moves rows), with kvt_batch_run's capacity checks (sync: the page tables'
+ * new entries to the backend first), then the image to the backend on stream. */
+static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
+                            bool sync) {
+    kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    const uint32_t L = ctx->n_layers;
+    memset(b->recall_way, RECALL_NONE, b->n_seqs);
+    for (uint32_t l = 0; l < L; l++) {
+        const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
+        uint8_t *at = b->plan_host + b->plan_stride * l;
+        kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
+        uint32_t n = 0;
+        uint64_t off = 0;
+        for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
+            kvt_seq *sq = b->seqs[i];
+            kvt_status s = sq && sync ? kvt__seq_mirror_sync(sq, l, be, stream) : KVT_OK;
+            if (s != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
+                                     l);
+            set_query(b, i, 0, l, 1, e, &off, &q[n]);
+            const uint64_t rows = kvt__attended_desc_count(&q[n].d);
+            if (e->layout == KVT_EMIT_TOKENS && rows > e->capacity)
+                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; "
+                                     "nothing planned (kvt_batch_capacity)",
+                                     i, (unsigned long long)rows, l, e->capacity);
+            n++;
+        }
+        if (e->layout == KVT_EMIT_CSR && (off > e->capacity || off > INT32_MAX))
+            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                 "the batch attends %llu rows on layer %u, capacity is %u; "
+                                 "nothing planned (kvt_batch_capacity)",
+                                 (unsigned long long)off, l, e->capacity);
+        memcpy(at, &n, sizeof n);
+        b->plan_emit[l] = *e;
+    }
+    kvt_status s = be->ops->write(be, b->plan_dev, b->plan_host, b->plan_stride * L, stream);
+    return s == KVT_OK ? KVT_OK : kvt__ctx_fail(ctx, s, "the step's plan to the backend");
+}
+
 kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits,
                                  void *stream, bool *planned) {
     if (!b || !planned)
@@ -614,40 +667,10 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         b->plan_stride = stride;
         b->plan_emit = pe;
     }
-    /* 3. Each layer's sets, as its run would describe them (nothing of the step moves rows),
-     * with the capacity checks of kvt_batch_run; the page tables' new entries first. */
-    memset(b->recall_way, RECALL_NONE, b->n_seqs);
-    for (uint32_t l = 0; l < L; l++) {
-        const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
-        uint8_t *at = b->plan_host + b->plan_stride * l;
-        kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
-        uint32_t n = 0;
-        uint64_t off = 0;
-        for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
-            kvt_seq *sq = b->seqs[i];
-            kvt_status s = sq ? kvt__seq_mirror_sync(sq, l, be, stream) : KVT_OK;
-            if (s != KVT_OK)
-                return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
-                                     l);
-            set_query(b, i, 0, l, 1, e, &off, &q[n]);
-            const uint64_t rows = kvt__attended_desc_count(&q[n].d);
-            if (e->layout == KVT_EMIT_TOKENS && rows > e->capacity)
-                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; "
-                                     "nothing planned (kvt_batch_capacity)",
-                                     i, (unsigned long long)rows, l, e->capacity);
-            n++;
-        }
-        if (e->layout == KVT_EMIT_CSR && (off > e->capacity || off > INT32_MAX))
-            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                 "the batch attends %llu rows on layer %u, capacity is %u; "
-                                 "nothing planned (kvt_batch_capacity)",
-                                 (unsigned long long)off, l, e->capacity);
-        memcpy(at, &n, sizeof n);
-        b->plan_emit[l] = *e;
-    }
-    /* 4. One copy of the image, and the emissions' dense flags (0: no recall this step). */
-    kvt_status s = be->ops->write(be, b->plan_dev, b->plan_host, b->plan_stride * L, stream);
+    /* 3. Each layer's sets and the image; 4. the emissions' dense flags (0: no recall). */
+    kvt_status s = plan_fill(b, emits, n_emits, stream, true);
+    if (s != KVT_OK)
+        return s;
     for (uint32_t l = 0; s == KVT_OK && l < n_emits; l++)
         if (emits[l].dense && b->n_seqs) {
             memset(b->dense, 0, b->n_seqs);

@@ -300,6 +300,27 @@ Test(graph, plan_device_refusals) {
     cr_assert_eq(kvt_batch_run(t.b, 0, NULL, NULL, &t.e[1]), KVT_ERR_INVALID_ARGUMENT);
     run_eager(&t, NULL);
     commit_checked(&t);
+    /* a request destroyed after plan_device: the plan is rewritten, its set empty, the others
+     * where an eager run puts them (its pages are back in the pool) */
+    for (uint32_t i = 0; i < NQ; i++)
+        n[i] = 1;
+    step_begin(&t, n);
+    cr_assert_eq(kvt_batch_plan_device(t.b, t.e, NL, NULL, &planned), KVT_OK);
+    cr_assert(planned);
+    kvt_seq_destroy(t.seq[1]);
+    t.seq[1] = NULL;
+    run_eager(&t, NULL);
+    static sets got;
+    read_sets(&t, 0, &got);
+    cr_assert_eq(got.len[1], 0, "the destroyed request attends nothing");
+    for (uint32_t j = 0; j < TOPK; j++)
+        cr_assert_eq(got.idx[TOPK + j], -1);
+    cr_assert_gt(got.len[0], 0);
+    cr_assert_gt(got.len[2], 0);
+    read_sets(&t, 1, &got);
+    cr_assert_eq(got.len[2] - got.len[1], 0, "CSR: the destroyed request's list is empty");
+    cr_assert_eq(kvt_batch_commit(t.b, NULL), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(tu_seq_create(t.ctx, 77, &t.seq[1]), KVT_OK);
     /* drafts: the commit may reject rows, so nothing is planned */
     const uint32_t drafts[NQ] = {0, 1, 0};
     n[1] = 2;
