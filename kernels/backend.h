@@ -306,7 +306,8 @@ typedef struct kvt__attend_args {
 KVT_HD int kvt__attend_args_ok(const kvt__attend_args *a) {
     return a->key_dim > 0 && a->key_dim <= KVT__ATTN_MAX_DIM && a->value_dim <= a->key_dim &&
            a->q_stride >= a->key_dim && (a->n_q == 0 || (a->q && a->idx && a->len && a->base)) &&
-           kvt__attn_dtype_ok(a->dtype, a->key_dim) && a->slot_stride > 0 && a->n_heads > 0 && a->n_heads <= 1024u;
+           kvt__attn_dtype_ok(a->dtype, a->key_dim) && a->slot_stride > 0 && a->n_heads > 0 &&
+           a->n_heads <= 1024u;
 }
 
 typedef struct kvt__backend_ops {
@@ -407,6 +408,10 @@ typedef struct kvt__backend_ops {
      * (the CUDA backend cannot read device-resident lengths and slots on the host: such a
      * query's outputs come out NaN); KVT_ERR_OUT_OF_MEMORY (scratch). */
     kvt_status (*attend)(const kvt__backend *be, const kvt__attend_args *a, void *stream);
+    /* (optional) The calling thread's last error the device runtime reported to this backend
+     * since the previous call ("cudaErrorMemoryAllocation: out of memory"), then forgotten; NULL
+     * when there is none. The library appends it to the message of a failed call. */
+    const char *(*last_error)(const kvt__backend *be);
     /* (optional) Stream capture, CUDA graphs' way: after capture_begin the ops enqueued on the
      * stream are recorded, not run, until capture_end makes the record a graph that
      * graph_launch runs on a stream as often as wanted (graph_free: NULL is a no-op). CUDA:
@@ -417,10 +422,6 @@ typedef struct kvt__backend_ops {
      * capture_end after it (the record is dropped). One capture at a time per handle.
      * KVT_ERR_BAD_STATE (capture_begin during a capture, capture_end outside one),
      * KVT_ERR_OUT_OF_MEMORY, or the CUDA error. */
-    /* (optional) The calling thread's last error the device runtime reported to this backend
-     * since the previous call ("cudaErrorMemoryAllocation: out of memory"), then forgotten; NULL
-     * when there is none. The library appends it to the message of a failed call. */
-    const char *(*last_error)(const kvt__backend *be);
     kvt_status (*capture_begin)(kvt__backend *be, void *stream);
     kvt_status (*capture_end)(kvt__backend *be, void *stream, void **graph);
     kvt_status (*graph_launch)(const kvt__backend *be, void *graph, void *stream);

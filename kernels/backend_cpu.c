@@ -105,16 +105,11 @@ static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *
  * pack op (the guarded one checks every buffer again at each launch). Any other op during a
  * capture is refused, and the capture with it: its host-built arguments are one step's.
  * ------------------------------------------------------------------------------------------- */
-struct kvt__capture {
+struct kvt__capture { /* also the graph capture_end hands out (never refused then) */
     kvt__pack_args *packs;
     uint64_t n, cap;
     bool refused;
 };
-
-typedef struct cpu_graph {
-    kvt__pack_args *packs;
-    uint64_t n, cap;
-} cpu_graph;
 
 static bool capturing(const kvt__backend *be) {
     if (!be->cap)
@@ -145,6 +140,14 @@ static kvt_status capture_pack(const kvt__backend *be, const kvt__pack_args *a) 
     return KVT_OK;
 }
 
+static void cpu_graph_free(const kvt__backend *be, void *graph) {
+    kvt__capture *g = graph;
+    if (!g)
+        return;
+    kvt__free(be->alloc, g->packs, sizeof *g->packs * g->cap);
+    kvt__free(be->alloc, g, sizeof *g);
+}
+
 static kvt_status cpu_capture_begin(kvt__backend *be, void *stream) {
     (void)stream;
     if (be->cap)
@@ -160,25 +163,17 @@ static kvt_status cpu_capture_end(kvt__backend *be, void *stream, void **graph) 
     if (!c)
         return KVT_ERR_BAD_STATE;
     be->cap = NULL;
-    cpu_graph *g = c->refused ? NULL : kvt__calloc(be->alloc, sizeof *g);
-    if (g) {
-        g->packs = c->packs;
-        g->n = c->n;
-        g->cap = c->cap;
-    } else {
-        kvt__free(be->alloc, c->packs, sizeof *c->packs * c->cap);
-    }
-    const bool refused = c->refused;
-    kvt__free(be->alloc, c, sizeof *c);
-    if (refused)
+    if (c->refused) {
+        cpu_graph_free(be, c);
         return KVT_ERR_BAD_STATE;
-    *graph = g;
-    return g ? KVT_OK : KVT_ERR_OUT_OF_MEMORY;
+    }
+    *graph = c;
+    return KVT_OK;
 }
 
 static kvt_status cpu_graph_launch(const kvt__backend *be, void *graph, void *stream) {
     NOT_CAPTURED(be);
-    const cpu_graph *g = graph;
+    const kvt__capture *g = graph;
     if (!g)
         return KVT_ERR_INVALID_ARGUMENT;
     for (uint64_t i = 0; i < g->n; i++) {
@@ -189,13 +184,6 @@ static kvt_status cpu_graph_launch(const kvt__backend *be, void *graph, void *st
     return KVT_OK;
 }
 
-static void cpu_graph_free(const kvt__backend *be, void *graph) {
-    cpu_graph *g = graph;
-    if (!g)
-        return;
-    kvt__free(be->alloc, g->packs, sizeof *g->packs * g->cap);
-    kvt__free(be->alloc, g, sizeof *g);
-}
 
 static kvt_status cpu_score_one(const kvt__backend *be, const kvt__score_args *a) {
     if (a->selector == KVT_SELECT_RANDOM) {
@@ -1229,29 +1217,27 @@ static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t
 /* What query q of a pack reads and writes, inside the backend's buffers. */
 static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
                               const kvt__pack_query *q) {
-    {
-        const bool recall = q->fetch || q->n_fetch || q->dense || q->all_rows;
-        /* The most it can write: every row of the view with recall (the count is the backend's). */
-        uint64_t count = recall ? q->d.hi_end : kvt__attended_desc_count(&q->d);
-        if (count)
-            GUARD_OWNS(be, q->pages, sizeof(int32_t));
-        if (q->d.n_list)
-            GUARD_OWNS(be, q->d.list, sizeof(uint32_t) * q->d.n_list);
-        if (q->n_fetch) {
-            GUARD_OWNS(be, q->n_fetch, sizeof(uint32_t));
-            GUARD_OWNS(be, q->fetch, sizeof(uint32_t) * (q->fetch_cap ? q->fetch_cap : 1u));
-        }
-        if (q->dense)
-            GUARD_OWNS(be, q->dense, sizeof(uint32_t));
-        uint64_t w = count > q->pad ? count : q->pad;
-        if (a->csr && a->dev_offsets) { /* where it starts is the backend's too */
-            GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
-            GUARD_OWNS(be, a->indptr + q->len_at - 1, sizeof(int32_t));
-        } else if (w) {
-            GUARD_OWNS(be, a->indices + q->out, sizeof(int32_t) * w);
-        }
-        GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
+    const bool recall = q->fetch || q->n_fetch || q->dense || q->all_rows;
+    /* The most it can write: every row of the view with recall (the count is the backend's). */
+    uint64_t count = recall ? q->d.hi_end : kvt__attended_desc_count(&q->d);
+    if (count)
+        GUARD_OWNS(be, q->pages, sizeof(int32_t));
+    if (q->d.n_list)
+        GUARD_OWNS(be, q->d.list, sizeof(uint32_t) * q->d.n_list);
+    if (q->n_fetch) {
+        GUARD_OWNS(be, q->n_fetch, sizeof(uint32_t));
+        GUARD_OWNS(be, q->fetch, sizeof(uint32_t) * (q->fetch_cap ? q->fetch_cap : 1u));
     }
+    if (q->dense)
+        GUARD_OWNS(be, q->dense, sizeof(uint32_t));
+    uint64_t w = count > q->pad ? count : q->pad;
+    if (a->csr && a->dev_offsets) { /* where it starts is the backend's too */
+        GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
+        GUARD_OWNS(be, a->indptr + q->len_at - 1, sizeof(int32_t));
+    } else if (w) {
+        GUARD_OWNS(be, a->indices + q->out, sizeof(int32_t) * w);
+    }
+    GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
     return KVT_OK;
 }
 

@@ -433,6 +433,21 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     return KVT_OK;
 }
 
+/* Query tokens per request an emission asks for (FlashMLA's s_q): 1 for a struct from before
+ * the field, and for 0. */
+static uint32_t emit_queries(const kvt_emit *e) {
+    return e->struct_size >= offsetof(kvt_emit, queries_per_seq) + sizeof e->queries_per_seq &&
+                   e->queries_per_seq > 1
+               ? e->queries_per_seq
+               : 1;
+}
+
+/* An emission's arrays its layout needs are missing (indices may be NULL at capacity 0). */
+static bool emit_arrays_missing(const kvt_emit *e) {
+    const bool tokens = e->layout == KVT_EMIT_TOKENS;
+    return (tokens ? !e->lengths : !e->indptr) || (!e->indices && e->capacity > 0);
+}
+
 /* Query token t of request i on the layer (entry i * S + t of the emission): its set, and where
  * it goes in the TOKENS or CSR layout (CSR: from *off on, which it advances). */
 static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer, uint32_t S,
@@ -553,15 +568,14 @@ static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
     if (e->layout != KVT_EMIT_TOKENS && e->layout != KVT_EMIT_CSR)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emits[%u].layout: a planned step emits TOKENS or CSR", l);
-    if (e->struct_size >= offsetof(kvt_emit, queries_per_seq) + sizeof e->queries_per_seq &&
-        e->queries_per_seq > 1)
+    if (emit_queries(e) > 1)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emits[%u].queries_per_seq: a planned step has one query per "
                              "request", l);
-    const bool tokens = e->layout == KVT_EMIT_TOKENS;
-    if ((tokens && !e->lengths) || (!tokens && !e->indptr) || (!e->indices && e->capacity))
+    if (emit_arrays_missing(e))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emits[%u]: %s is NULL", l,
-                             tokens ? "indices or lengths" : "indices or indptr");
+                             e->layout == KVT_EMIT_TOKENS ? "indices or lengths"
+                                                          : "indices or indptr");
     return KVT_OK;
 }
 
@@ -671,11 +685,10 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     kvt_status s = plan_fill(b, emits, n_emits, stream, true);
     if (s != KVT_OK)
         return s;
+    memset(b->dense, 0, b->n_seqs);
     for (uint32_t l = 0; s == KVT_OK && l < n_emits; l++)
-        if (emits[l].dense && b->n_seqs) {
-            memset(b->dense, 0, b->n_seqs);
+        if (emits[l].dense && b->n_seqs)
             s = be->ops->write(be, emits[l].dense, b->dense, b->n_seqs, stream);
-        }
     if (s != KVT_OK)
         return kvt__ctx_fail(ctx, s, "the step's plan to the backend");
     b->planned = true;
@@ -729,15 +742,10 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (!tokens && !heads && emit->layout != KVT_EMIT_CSR)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.layout: unknown value %d",
                              (int)emit->layout);
-    if ((tokens && (!emit->lengths || (!emit->indices && emit->capacity > 0))) ||
-        (!tokens && (!emit->indptr || (!emit->indices && emit->capacity > 0))))
+    if (emit_arrays_missing(emit))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit: %s is NULL",
                              tokens ? "indices or lengths" : "indices or indptr");
-    /* Query tokens per request (FlashMLA's s_q): 1 for a struct from before the field. */
-    uint32_t S = 1;
-    if (emit->struct_size >= offsetof(kvt_emit, queries_per_seq) + sizeof emit->queries_per_seq &&
-        emit->queries_per_seq > 1)
-        S = emit->queries_per_seq;
+    const uint32_t S = emit_queries(emit);
     if (S > KVT_MAX_QUERIES_PER_SEQ)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.queries_per_seq: %u above %u", S,
                              KVT_MAX_QUERIES_PER_SEQ);

@@ -76,10 +76,15 @@ cudaStream_t strm(void *s) {
 /* The stream is being captured into a graph (kvt__backend_ops.capture_begin): the ops then
  * order with the handle's other streams only through the capturing stream (the engine's graph
  * launch), not through the handle's event, which a capture may not wait on or record. */
-bool capturing(void *stream) {
+cudaStreamCaptureStatus capture_status(void *stream) {
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    return stream && cudaStreamIsCapturing(strm(stream), &cs) == cudaSuccess &&
-           cs == cudaStreamCaptureStatusActive;
+    if (!stream || cudaStreamIsCapturing(strm(stream), &cs) != cudaSuccess)
+        return cudaStreamCaptureStatusNone;
+    return cs;
+}
+
+bool capturing(void *stream) {
+    return capture_status(stream) == cudaStreamCaptureStatusActive;
 }
 
 kvt_status op_begin(const kvt__backend *be, void *stream) {
@@ -2312,9 +2317,8 @@ kvt_status cu_capture_begin(kvt__backend *be, void *stream) {
 kvt_status cu_capture_end(kvt__backend *be, void *stream, void **graph) {
     (void)be;
     *graph = NULL;
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (!stream || cudaStreamIsCapturing(strm(stream), &cs) != cudaSuccess ||
-        cs == cudaStreamCaptureStatusNone)
+    const cudaStreamCaptureStatus cs = capture_status(stream);
+    if (cs == cudaStreamCaptureStatusNone)
         return KVT_ERR_BAD_STATE;
     /* an invalidated capture is ended too (the stream leaves capture mode), then refused */
     cudaGraph_t g = NULL;
