@@ -846,8 +846,10 @@ static bool guard_owns(const guard_impl *g, const void *p, size_t bytes) {
 
 #define GUARD_OWNS(be, p, bytes)                                                                   \
     do {                                                                                           \
-        if (!guard_owns((be)->impl, (p), (bytes)))                                                 \
+        if (!guard_owns((be)->impl, (p), (bytes))) {                                               \
+            (void)capturing(be); /* a capture holding a refused op is refused */                 \
             return KVT_ERR_INVARIANT;                                                              \
+        }                                                                                          \
     } while (0)
 
 /* Pinned host memory (host_alloc): mmap'd pages the host may touch, as a GPU's pinned host
@@ -895,8 +897,10 @@ static bool pinned_holds(const guard_impl *g, const void *p, size_t bytes) {
 /* A buffer of the backend's or pinned host memory of its (the archive's two spaces). */
 #define GUARD_REACHES(be, p, bytes)                                                                \
     do {                                                                                           \
-        if (!guard_owns((be)->impl, (p), (bytes)) && !pinned_holds((be)->impl, (p), (bytes)))      \
+        if (!guard_owns((be)->impl, (p), (bytes)) && !pinned_holds((be)->impl, (p), (bytes))) {    \
+            (void)capturing(be);                                                                   \
             return KVT_ERR_INVARIANT;                                                              \
+        }                                                                                          \
     } while (0)
 
 static kvt_status g_write(const kvt__backend *be, void *dst, const void *src, size_t bytes,

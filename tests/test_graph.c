@@ -276,6 +276,15 @@ Test(graph, plan_device_refusals) {
     cr_assert_eq(be->ops->capture_end(be, NULL, &graph), KVT_ERR_BAD_STATE);
     cr_assert_null(graph);
     cr_assert_eq(be->ops->capture_end(be, NULL, &graph), KVT_ERR_BAD_STATE);
+    /* a planned pack the guard refuses (its plan in host memory) voids the capture too */
+    static kvt__pack_query host_plan[NQ];
+    static uint32_t host_n;
+    kvt__pack_args hp = {.q_plan = host_plan, .n_plan = &host_n, .n_max = NQ,
+                         .capacity = TOPK, .indices = t.e[0].indices, .lengths = t.e[0].lengths};
+    cr_assert_eq(be->ops->capture_begin(be, NULL), KVT_OK);
+    cr_assert_eq(be->ops->pack(be, &hp, NULL), KVT_ERR_INVARIANT);
+    cr_assert_eq(be->ops->capture_end(be, NULL, &graph), KVT_ERR_BAD_STATE);
+    cr_assert_null(graph);
     run_eager(&t, NULL); /* the failed run left the step runnable */
     commit_checked(&t);
     for (uint32_t i = 0; i < NQ; i++)
