@@ -178,7 +178,12 @@ Test(attn, empty_set_bad_arguments_and_nan) {
     b.q_stride = 500;
     cr_assert_eq(kvt__attn_cpu(&b), -1);
     b = a;
+    b.dtype = 7; /* no such dtype */
+    cr_assert_eq(kvt__attn_cpu(&b), -1);
+    b = a; /* fp8 ds_mla rows hold a 576-value key, no more (refused before anything is read) */
     b.dtype = KVT__DT_FP8;
+    b.key_dim = 577;
+    b.q_stride = 577;
     cr_assert_eq(kvt__attn_cpu(&b), -1);
     b = a;
     int32_t neg = -1;
