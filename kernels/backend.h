@@ -186,6 +186,31 @@ typedef struct kvt__recall_step_args {
     uint32_t cand_cap, prom_cap, prom_room, hits, window;
 } kvt__recall_step_args;
 
+/* A planned recall step's work item (kvt_batch_plan_device), in a batch's plan buffer: the
+ * step's arguments as the eager op takes them, except that the queries are an offset from the
+ * op's query base (the engine's buffer: the launch's argument, the same at every replay) and the
+ * page-row divider is held by value (a.scan.pdiv and a.scan.q are not read). */
+typedef struct kvt__recall_plan_item {
+    kvt__recall_step_args a;
+    kvt__div32 div;
+    uint64_t q_off; /* floats from kvt__recall_plan_args.query to this item's queries */
+} kvt__recall_plan_item;
+
+/* The planned recall step of one layer (kvt__backend_ops.recall_step_planned): its work items
+ * and their count are in the backend's memory, written before the op runs and read only when it
+ * runs, so the op's arguments hold nothing of one step and a captured op replays over later
+ * steps. bound: a shape every item lies within (kvt__recall_plan_fits: heads, rank, latent,
+ * closed and kept rows, samples, promotion tables), from the context's stated limits, by which
+ * a device sizes its launch and workspace once. */
+typedef struct kvt__recall_plan_args {
+    const kvt__recall_plan_item *items; /* [n_max] */
+    const uint32_t *n;                  /* [1]: items this step (<= n_max) */
+    uint32_t n_max;
+    const float *query;                 /* the queries' base (backend memory) */
+    size_t query_floats;                /* floats from query on that the items may read */
+    kvt__recall_step_args bound;        /* host value */
+} kvt__recall_plan_args;
+
 /* An attended set as a policy describes it, in row indices of the group's table, ascending:
  * rows [0, lo_end), then list[0 .. n_list) (ascending, each in [lo_end, hi_begin)), then rows
  * [hi_begin, hi_end). O(1) to build on the host whatever the set's size: the rows themselves are
@@ -231,8 +256,10 @@ typedef struct kvt__pack_args {
     /* Planned (q_plan non-NULL; q and n then unused): the queries and their count are in the
      * backend's memory (a batch's plan buffer, kvt_batch_plan_device), written before the op
      * runs and read only when it runs, so that the op's arguments hold nothing of one step and
-     * a captured op replays over later steps. At most n_max queries (the launch's size); no
-     * recall fields (fetch, n_fetch, dense NULL) and no dev_offsets. */
+     * a captured op replays over later steps. At most n_max queries (the launch's size). Recall
+     * fields are read when the op runs (the planned recall step's output); CSR offsets then
+     * always follow from the counts of the queries before (query i's at indptr[i]: len_at must
+     * be i + 1), so dev_offsets is not needed. */
     const kvt__pack_query *q_plan;
     const uint32_t *n_plan;  /* [1] */
     uint32_t n_max;
@@ -363,6 +390,16 @@ typedef struct kvt__backend_ops {
      * recall_scan. */
     kvt_status (*recall_step)(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
                               void *stream);
+    /* (optional) recall_step over a planned layer's items (kvt__recall_plan_args), capturable:
+     * each item as recall_step would run it with scan.q = query + q_off and scan.pdiv = &div.
+     * Items past *n, or *n above n_max, run nothing; the CPU backends answer
+     * KVT_ERR_INVALID_ARGUMENT when an item breaks the argument rules or its bound (nothing run),
+     * the CUDA backend, which cannot read them on the host, makes that item's step dense (every
+     * row attended: never a wrong set). recall_plan_reserve (optional): make room for the op
+     * outside a capture (the CUDA workspace), so that its capture allocates nothing. */
+    kvt_status (*recall_step_planned)(const kvt__backend *be, const kvt__recall_plan_args *a,
+                                      void *stream);
+    kvt_status (*recall_plan_reserve)(const kvt__backend *be, const kvt__recall_plan_args *a);
     /* Whether recall_step serves promotion (args.promo non-NULL): every backend's does (the
      * CPU, guarded and CUDA ones, over kernels/recall_promo.h); one without it has the library
      * refuse config.recall_promote_capacity > 0, naming it. */
@@ -416,8 +453,9 @@ typedef struct kvt__backend_ops {
      * stream are recorded, not run, until capture_end makes the record a graph that
      * graph_launch runs on a stream as often as wanted (graph_free: NULL is a no-op). CUDA:
      * cudaStreamBeginCapture (thread-local mode), cudaStreamEndCapture and cudaGraphInstantiate,
-     * cudaGraphLaunch. The CPU backends record only the planned pack (kvt__pack_args.q_plan),
-     * whose arguments hold nothing of one step; any other op during a capture, which would
+     * cudaGraphLaunch. The CPU backends record only the planned ops (the pack with
+     * kvt__pack_args.q_plan, recall_step_planned), whose arguments hold nothing of one step; any
+     * other op during a capture, which would
      * replay with its step's host-built arguments, answers KVT_ERR_BAD_STATE and so does
      * capture_end after it (the record is dropped). One capture at a time per handle.
      * KVT_ERR_BAD_STATE (capture_begin during a capture, capture_end outside one),

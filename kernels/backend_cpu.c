@@ -105,8 +105,16 @@ static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *
  * pack op (the guarded one checks every buffer again at each launch). Any other op during a
  * capture is refused, and the capture with it: its host-built arguments are one step's.
  * ------------------------------------------------------------------------------------------- */
+typedef struct captured_op {
+    bool recall; /* recall_step_planned (else the pack) */
+    union {
+        kvt__pack_args pack;
+        kvt__recall_plan_args recall;
+    } u;
+} captured_op;
+
 struct kvt__capture { /* also the graph capture_end hands out (never refused then) */
-    kvt__pack_args *packs;
+    captured_op *ops;
     uint64_t n, cap;
     bool refused;
 };
@@ -124,19 +132,26 @@ static bool capturing(const kvt__backend *be) {
             return KVT_ERR_BAD_STATE;                                                              \
     } while (0)
 
-static kvt_status capture_pack(const kvt__backend *be, const kvt__pack_args *a) {
+/* One planned op into the record (pack: a planned one, else refused). */
+static kvt_status capture_op(const kvt__backend *be, const kvt__pack_args *pack,
+                             const kvt__recall_plan_args *recall) {
     kvt__capture *c = be->cap;
-    if (!a->q_plan) {
+    if (pack && !pack->q_plan) {
         c->refused = true;
         return KVT_ERR_BAD_STATE;
     }
-    void *arr = c->packs;
-    if (kvt__grow(be->alloc, &arr, &c->cap, c->n + 1, sizeof *c->packs) != KVT_OK) {
-        c->refused = true; /* a graph without this pack would replay a wrong step */
+    void *arr = c->ops;
+    if (kvt__grow(be->alloc, &arr, &c->cap, c->n + 1, sizeof *c->ops) != KVT_OK) {
+        c->refused = true; /* a graph without this op would replay a wrong step */
         return KVT_ERR_OUT_OF_MEMORY;
     }
-    c->packs = arr;
-    c->packs[c->n++] = *a;
+    c->ops = arr;
+    captured_op *o = &c->ops[c->n++];
+    o->recall = recall != NULL;
+    if (recall)
+        o->u.recall = *recall;
+    else
+        o->u.pack = *pack;
     return KVT_OK;
 }
 
@@ -144,7 +159,7 @@ static void cpu_graph_free(const kvt__backend *be, void *graph) {
     kvt__capture *g = graph;
     if (!g)
         return;
-    kvt__free(be->alloc, g->packs, sizeof *g->packs * g->cap);
+    kvt__free(be->alloc, g->ops, sizeof *g->ops * g->cap);
     kvt__free(be->alloc, g, sizeof *g);
 }
 
@@ -177,7 +192,9 @@ static kvt_status cpu_graph_launch(const kvt__backend *be, void *graph, void *st
     if (!g)
         return KVT_ERR_INVALID_ARGUMENT;
     for (uint64_t i = 0; i < g->n; i++) {
-        kvt_status s = be->ops->pack(be, &g->packs[i], stream);
+        const captured_op *o = &g->ops[i];
+        kvt_status s = o->recall ? be->ops->recall_step_planned(be, &o->u.recall, stream)
+                                 : be->ops->pack(be, &o->u.pack, stream);
         if (s != KVT_OK)
             return s;
     }
@@ -323,6 +340,48 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
         need = f > need ? f : need;
     }
     return run_items(be, a, sizeof *a, n, need, step_item);
+}
+
+/* Planned item i as recall_step takes it (its query from the base, its divider in the plan):
+ * false when it breaks the argument rules or the plan's bound. */
+static bool plan_item(const kvt__recall_plan_args *a, uint32_t i, kvt__recall_step_args *x) {
+    const kvt__recall_plan_item *it = &a->items[i];
+    *x = it->a;
+    x->scan.pdiv = &it->div;
+    x->scan.q = a->query ? a->query + it->q_off : NULL;
+    const size_t q_floats = (size_t)x->scan.n_heads * (x->scan.latent_dim + x->scan.branch_dim);
+    return a->query && it->q_off <= a->query_floats && q_floats <= a->query_floats - it->q_off &&
+           kvt__recall_step_args_ok(x) && kvt__recall_plan_fits(&a->bound, x);
+}
+
+static kvt_status cpu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
+                                          void *stream) {
+    (void)stream;
+    if (be->cap)
+        return capture_op(be, NULL, a);
+    const uint32_t n = *a->n;
+    if (n > a->n_max)
+        return KVT_ERR_INVALID_ARGUMENT;
+    size_t need = 0;
+    for (uint32_t i = 0; i < n; i++) { /* every item first: nothing runs on a bad plan */
+        kvt__recall_step_args x;
+        if (!plan_item(a, i, &x))
+            return KVT_ERR_INVALID_ARGUMENT;
+        const size_t f = kvt__recall_step_scratch_floats(&x);
+        need = f > need ? f : need;
+    }
+    bool owned = false;
+    float *scratch = need ? scratch_get(be, true, need, sizeof(float), &owned) : NULL;
+    if (need && !scratch)
+        return KVT_ERR_OUT_OF_MEMORY;
+    for (uint32_t i = 0; i < n; i++) {
+        kvt__recall_step_args x;
+        (void)plan_item(a, i, &x);
+        kvt__recall_step_cpu(&x, scratch);
+    }
+    if (owned)
+        kvt__free(be->alloc, scratch, need * sizeof(float));
+    return KVT_OK;
 }
 
 static void rope_step_item(const void *a, float *scratch) {
@@ -596,12 +655,17 @@ static int32_t *pack_merge(int32_t *out, const uint32_t *a, uint64_t na, const u
 static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
     (void)stream;
     if (be->cap)
-        return capture_pack(be, a);
+        return capture_op(be, a, NULL);
     /* planned: the queries as the plan buffer holds them when the op runs */
     const kvt__pack_query *qs = a->q_plan ? a->q_plan : a->q;
     const uint32_t n = a->q_plan ? *a->n_plan : a->n;
-    if (a->q_plan && (n > a->n_max || a->dev_offsets))
+    if (a->q_plan && n > a->n_max)
         return KVT_ERR_INVALID_ARGUMENT;
+    for (uint32_t i = 0; a->q_plan && a->csr && i < n; i++)
+        if (qs[i].len_at != (uint64_t)i + 1)
+            return KVT_ERR_INVALID_ARGUMENT;
+    /* a planned CSR set starts where the one before ended (its count may be the device's) */
+    const bool dev_offsets = a->csr && (a->dev_offsets || a->q_plan);
     const kvt__div32 *pd = a->pdiv;
     if (a->csr && a->first_csr)
         a->indptr[0] = 0;
@@ -611,8 +675,7 @@ static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void
         const bool all = q->all_rows || (q->dense && *q->dense);
         const uint64_t n_fetch = !all && q->n_fetch ? *q->n_fetch : 0;
         const uint64_t count = all ? d->hi_end : kvt__attended_desc_count(d) + n_fetch;
-        const uint64_t out =
-            a->csr && a->dev_offsets ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
+        const uint64_t out = dev_offsets ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
         if (a->csr)
             a->indptr[q->len_at] = (int32_t)(out + count);
         else
@@ -647,6 +710,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .sketch_rows = cpu_sketch_rows,
     .recall_scan = cpu_recall_scan,
     .recall_step = cpu_recall_step,
+    .recall_step_planned = cpu_recall_step_planned,
     .recall_promote = true,
     .recall_rope_step = cpu_recall_rope_step,
     .recall_rope_emit = cpu_recall_rope_emit,
@@ -1107,34 +1171,61 @@ static kvt_status g_recall_rope_emit(const kvt__backend *be,
     return s;
 }
 
+/* Every buffer a recall step's work item reads or writes must be the backend's. */
+static kvt_status g_step_owns(const kvt__backend *be, const kvt__recall_step_args *a) {
+    kvt_status s = g_scan_owns(be, &a->scan, a->n_rows > 0);
+    if (s != KVT_OK)
+        return s;
+    GUARD_OWNS(be, a->st, sizeof *a->st);
+    GUARD_OWNS(be, a->samples, sizeof(float) * a->sample_cap);
+    GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+    if (a->promo) {
+        GUARD_OWNS(be, a->promo,
+                   sizeof *a->promo + 2u * sizeof(uint32_t) * ((size_t)a->cand_cap + a->prom_cap));
+        GUARD_OWNS(be, a->scan.fired, sizeof(uint32_t) * ((size_t)a->scan.cap + a->prom_cap));
+    }
+    if (a->g_perm) {
+        const uint64_t nb = a->g_blocks_cap, G = a->block_rows / 32u;
+        GUARD_OWNS(be, a->g_perm, sizeof(uint32_t) * nb * a->block_rows);
+        GUARD_OWNS(be, a->g_n, sizeof(uint32_t) * nb);
+        GUARD_OWNS(be, a->g_end, sizeof(uint32_t) * nb * G);
+        GUARD_OWNS(be, a->g_centre, sizeof(float) * nb * G * a->g_dim);
+        GUARD_OWNS(be, a->g_stat, sizeof(float) * nb * G * 5u);
+    }
+    return KVT_OK;
+}
+
 static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_args *args,
                                 uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++) {
-        const kvt__recall_step_args *a = &args[i];
-        kvt_status s = g_scan_owns(be, &a->scan, a->n_rows > 0);
+        kvt_status s = g_step_owns(be, &args[i]);
         if (s != KVT_OK)
             return s;
-        GUARD_OWNS(be, a->st, sizeof *a->st);
-        GUARD_OWNS(be, a->samples, sizeof(float) * a->sample_cap);
-        GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
-        if (a->promo) {
-            GUARD_OWNS(be, a->promo,
-                       sizeof *a->promo +
-                           2u * sizeof(uint32_t) * ((size_t)a->cand_cap + a->prom_cap));
-            GUARD_OWNS(be, a->scan.fired,
-                       sizeof(uint32_t) * ((size_t)a->scan.cap + a->prom_cap));
-        }
-        if (a->g_perm) {
-            const uint64_t nb = a->g_blocks_cap, G = a->block_rows / 32u;
-            GUARD_OWNS(be, a->g_perm, sizeof(uint32_t) * nb * a->block_rows);
-            GUARD_OWNS(be, a->g_n, sizeof(uint32_t) * nb);
-            GUARD_OWNS(be, a->g_end, sizeof(uint32_t) * nb * G);
-            GUARD_OWNS(be, a->g_centre, sizeof(float) * nb * G * a->g_dim);
-            GUARD_OWNS(be, a->g_stat, sizeof(float) * nb * G * 5u);
-        }
     }
     guard_open(be);
     kvt_status s = cpu_recall_step(be, args, n, stream);
+    guard_close(be);
+    return s;
+}
+
+/* A planned recall step: the plan buffer and the query base, then (when it runs, not when it is
+ * captured) every buffer of each item the plan holds then. */
+static kvt_status g_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
+                                        void *stream) {
+    GUARD_OWNS(be, a->n, sizeof(uint32_t));
+    GUARD_OWNS(be, a->items, sizeof(kvt__recall_plan_item) * (a->n_max ? a->n_max : 1u));
+    GUARD_OWNS(be, a->query, sizeof(float) * a->query_floats);
+    if (be->cap)
+        return cpu_recall_step_planned(be, a, stream); /* recorded */
+    guard_open(be);
+    const uint32_t n = *a->n;
+    kvt_status s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
+    for (uint32_t i = 0; i < n && s == KVT_OK; i++) {
+        kvt__recall_step_args x;
+        s = plan_item(a, i, &x) ? g_step_owns(be, &x) : KVT_ERR_INVALID_ARGUMENT;
+    }
+    if (s == KVT_OK)
+        s = cpu_recall_step_planned(be, a, stream);
     guard_close(be);
     return s;
 }
@@ -1235,7 +1326,7 @@ static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
     if (q->dense)
         GUARD_OWNS(be, q->dense, sizeof(uint32_t));
     uint64_t w = count > q->pad ? count : q->pad;
-    if (a->csr && a->dev_offsets) { /* where it starts is the backend's too */
+    if (a->csr && (a->dev_offsets || a->q_plan)) { /* where it starts is the backend's too */
         GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
         GUARD_OWNS(be, a->indptr + q->len_at - 1, sizeof(int32_t));
     } else if (w) {
@@ -1259,7 +1350,7 @@ static kvt_status g_pack_planned(const kvt__backend *be, const kvt__pack_args *a
     kvt_status s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
     for (uint32_t i = 0; i < n && s == KVT_OK; i++) {
         const kvt__pack_query *q = &a->q_plan[i];
-        s = q->fetch || q->n_fetch || q->dense ? KVT_ERR_INVALID_ARGUMENT : g_pack_owns(be, a, q);
+        s = g_pack_owns(be, a, q);
     }
     if (s == KVT_OK)
         s = cpu_pack(be, a, stream);
@@ -1296,6 +1387,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .sketch_rows = g_sketch_rows,
     .recall_scan = g_recall_scan,
     .recall_step = g_recall_step,
+    .recall_step_planned = g_recall_step_planned,
     .recall_promote = true,
     .recall_rope_step = g_recall_rope_step,
     .recall_rope_emit = g_recall_rope_emit,

@@ -100,6 +100,17 @@ KVT_HD int kvt__recall_step_args_ok(const kvt__recall_step_args *x) {
            (a.n_heads == 0 || a.q) && groups_ok && promo_ok;
 }
 
+/* A planned item within its plan's bound (kvt__recall_plan_args.bound): no more heads, rank,
+ * latent values, closed or kept rows, samples, promotion tables, so the launch and workspace the
+ * bound sized serve it. */
+KVT_HD int kvt__recall_plan_fits(const kvt__recall_step_args *b, const kvt__recall_step_args *x) {
+    const kvt__recall_scan_args *s = &x->scan, *t = &b->scan;
+    return s->n_heads <= t->n_heads && s->rank <= t->rank && s->latent_dim <= t->latent_dim &&
+           s->branch_dim <= t->branch_dim && s->n_closed <= t->n_closed && s->m <= t->m &&
+           x->sample_cap <= b->sample_cap &&
+           (!x->promo || (b->promo && x->prom_cap <= b->prom_cap && x->cand_cap <= b->cand_cap));
+}
+
 /* Floats of scratch kvt__recall_step_cpu takes for this work item. */
 size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x);
 /* One work item, arguments checked by the caller (the scan's rules, plus st, samples). */

@@ -36,18 +36,43 @@ struct kvt_batch {
      * scratch (kvtier.h, "Threads"); on the guarded backend a copy of the context's handle. */
     kvt__backend be;
     bool own_be;
-    /* The plan buffer (kvt_batch_plan_device): per layer, at plan_stride bytes, a count
-     * (uint32) and max_seqs pack queries from byte PLAN_HEAD on, in the backend's memory
+    /* The plan buffer (kvt_batch_plan_device): layer l's part from byte plan_at[l] on holds the
+     * count of its pack queries (uint32) and of its recall items (uint32, at byte 4), then from
+     * byte PLAN_HEAD on max_seqs pack queries and, on a layer that plans recall
+     * (plans_recall), max_seqs recall items after them (plan_recall_at). In the backend's memory
      * (allocated at the first planned step, never moved: a captured run's launch points into
-     * it), and its host image. planned: this step's runs pack from it, for plan_emit[layer]. */
+     * it), with its host image. planned: this step's runs pack from it, for plan_emit[layer]. */
     uint8_t *plan_dev, *plan_host;
-    size_t plan_stride;
+    size_t *plan_at; /* [n_layers + 1]: plan_at[n_layers] is the buffer's size */
     kvt_emit *plan_emit; /* [n_layers] */
+    uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
     bool planned;
 };
 
-/* Bytes before a layer's queries in the plan buffer (its count, then alignment). */
+/* Bytes before a layer's queries in the plan buffer (its counts, then alignment). */
 #define PLAN_HEAD 64u
+
+/* Does a planned step's run of this layer hold the layer's recall step (kvt_batch_plan_device)?
+ * A salience layer with sketch planes, in a context that states max_rows_per_seq (the bound of
+ * the op's launch and workspace), on a backend with the planned op: the same for every step, so
+ * a captured run has the op whether or not the capture's step recalled. */
+static bool plans_recall(const kvt_batch *b, uint32_t layer) {
+    const kvt_ctx *ctx = b->ctx;
+    return ctx->sketch_rank && ctx->max_rows && ctx->policies[layer] == KVT_POLICY_SALIENCE &&
+           b->be.ops->recall_step_planned;
+}
+
+/* Where layer l's recall items start in the plan (after its max_seqs queries). */
+static size_t plan_recall_at(const kvt_batch *b, uint32_t l) {
+    const size_t q = PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
+    return b->plan_at[l] + (q + 63u) / 64u * 64u;
+}
+
+/* Floats of one request's queries on a layer (kvt_batch_run's query). */
+static size_t query_floats(const kvt_ctx *ctx, uint32_t layer) {
+    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
+    return (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
+}
 
 kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (!ctx || !out)
@@ -72,6 +97,7 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->recall_way = kvt__calloc(a, max_seqs);
     b->dense = kvt__calloc(a, max_seqs);
     b->rsteps = kvt__calloc(a, sizeof *b->rsteps * max_seqs);
+    b->recall_ran = kvt__calloc(a, ctx->n_layers);
     b->be = ctx->backend;
     kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
                                                ctx->ws_topm_u32, &b->be);
@@ -81,7 +107,8 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
     if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->defer || !b->steps || !b->step_seqs ||
-        !b->recall_way || !b->dense || !b->rsteps || ws == KVT_ERR_OUT_OF_MEMORY) {
+        !b->recall_way || !b->dense || !b->rsteps || !b->recall_ran ||
+        ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
     }
@@ -112,6 +139,8 @@ static void release_seqs(kvt_batch *b, bool unreserve) {
         b->seqs[i] = NULL;
     }
     b->n_seqs = 0;
+    if (b->recall_ran)
+        memset(b->recall_ran, 0, b->ctx->n_layers);
     b->state = BATCH_IDLE;
     b->ran = false;
     b->planned = false;
@@ -141,6 +170,7 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->recall_way, b->max_seqs);
     kvt__free(a, b->dense, b->max_seqs);
     kvt__free(a, b->rsteps, sizeof *b->rsteps * b->max_seqs);
+    kvt__free(a, b->recall_ran, b->ctx->n_layers);
     if (b->be.cap && b->be.ops->capture_end) { /* a capture never ended: its record goes */
         void *g = NULL;
         (void)b->be.ops->capture_end(&b->be, NULL, &g);
@@ -148,10 +178,11 @@ void kvt_batch_destroy(kvt_batch *b) {
             b->be.ops->graph_free(&b->be, g);
     }
     if (b->plan_dev) {
-        const size_t bytes = b->plan_stride * b->ctx->n_layers;
+        const size_t bytes = b->plan_at[b->ctx->n_layers];
         b->be.ops->buf_free(&b->be, b->plan_dev, bytes);
         kvt__free(a, b->plan_host, bytes);
         kvt__free(a, b->plan_emit, sizeof *b->plan_emit * b->ctx->n_layers);
+        kvt__free(a, b->plan_at, sizeof *b->plan_at * (b->ctx->n_layers + 1u));
     }
     if (b->own_be && b->be.ops == kvt__backend_cpu_ops())
         kvt__backend_cpu_close(&b->be);
@@ -389,8 +420,7 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
                              const kvt_emit *emit) {
     kvt_ctx *ctx = b->ctx;
     const kvt__backend *be = &b->be;
-    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
-    const size_t per_seq = (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
+    const size_t per_seq = query_floats(ctx, layer);
     kvt_status s;
     /* several query tokens: every row, but a host archive's RoPE request attends its held rows
      * only (no step copies the whole archive over the bus) */
@@ -585,6 +615,48 @@ static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
            a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense;
 }
 
+/* The bound of layer l's planned recall items: the context's shapes and max_rows_per_seq. */
+static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *out) {
+    const kvt_ctx *ctx = b->ctx;
+    const kvt_layer_spec *sp = &ctx->stores[l].spec;
+    kvt__recall_plan_bound(sp->n_q_heads, ctx->sketch_rank, sp->value_dim, sp->branch_dim,
+                           ctx->max_rows, ctx->cfg.recall_promote_capacity, out);
+}
+
+/* Request i's recall step on layer l as the planned op takes it (kvt__seq_recall_item's, its
+ * queries at the request's place from the run's query base, its dense flag the emission's);
+ * *has false when the request has nothing to recall from there this step. */
+static kvt_status plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
+                                   kvt__recall_plan_item *it, bool *has) {
+    static const float no_query; /* a placeholder: the op reads the run's query + q_off */
+    *has = kvt__seq_recall_item(b->seqs[i], l, &no_query, e->dense ? e->dense + i : NULL, &it->a);
+    if (!*has)
+        return KVT_OK;
+    it->div = *it->a.scan.pdiv;
+    it->q_off = (uint64_t)i * query_floats(b->ctx, l);
+    kvt__recall_step_args bound;
+    plan_bound(b, l, &bound);
+    const bool ok = kvt__recall_plan_ok(&bound, &it->a);
+    it->a.scan.pdiv = NULL; /* host values, not read by the op */
+    it->a.scan.q = NULL;
+    return ok ? KVT_OK
+              : kvt__ctx_fail(b->ctx, KVT_ERR_INVARIANT,
+                              "seqs[%u] layer %u: its recall step is outside the plan's bound "
+                              "(max_rows_per_seq %u)",
+                              i, l, b->ctx->max_rows);
+}
+
+/* The planned recall op of layer l: its items in the plan buffer, the run's query base. */
+static void recall_plan_args(const kvt_batch *b, uint32_t l, const float *query,
+                             kvt__recall_plan_args *out) {
+    const uint8_t *at = b->plan_dev + b->plan_at[l];
+    *out = (kvt__recall_plan_args){
+        .items = (const kvt__recall_plan_item *)(b->plan_dev + plan_recall_at(b, l)),
+        .n = (const uint32_t *)(at + sizeof(uint32_t)), .n_max = b->max_seqs, .query = query,
+        .query_floats = query ? query_floats(b->ctx, l) * b->max_seqs : 0};
+    plan_bound(b, l, &out->bound);
+}
+
 /* Every layer's sets of the planned step into the plan image, as each run would describe them
  * (nothing of the step moves rows), with kvt_batch_run's capacity checks (sync: the page tables'
  * new entries to the backend first), then the image to the backend on stream. */
@@ -593,21 +665,37 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
     kvt_ctx *ctx = b->ctx;
     const kvt__backend *be = &b->be;
     const uint32_t L = ctx->n_layers;
-    memset(b->recall_way, RECALL_NONE, b->n_seqs);
+    memset(b->defer, 0, b->n_seqs); /* a planned step has no drafts and one query a request */
     for (uint32_t l = 0; l < L; l++) {
         const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
-        uint8_t *at = b->plan_host + b->plan_stride * l;
+        uint8_t *at = b->plan_host + b->plan_at[l];
         kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
-        uint32_t n = 0;
-        uint64_t off = 0;
+        kvt__recall_plan_item *items =
+            plans_recall(b, l) ? (kvt__recall_plan_item *)(b->plan_host + plan_recall_at(b, l))
+                               : NULL;
+        uint32_t n = 0, n_recall = 0;
+        uint64_t off = 0, total = 0;
         for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
             kvt_seq *sq = b->seqs[i];
             kvt_status s = sq && sync ? kvt__seq_mirror_sync(sq, l, be, stream) : KVT_OK;
             if (s != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
                                      l);
+            b->recall_way[i] = recall_way(b, i, l, 1);
+            if (b->recall_way[i] != RECALL_NONE && !items) /* kvt__seq_step_quiet's rule */
+                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                     "seqs[%u] recalls on layer %u, which plans no recall", i, l);
+            bool has = false;
+            if (b->recall_way[i] == RECALL_FETCH &&
+                (s = plan_recall_item(b, i, l, e, &items[n_recall], &has)) != KVT_OK)
+                return s;
+            n_recall += has;
             set_query(b, i, 0, l, 1, e, &off, &q[n]);
-            const uint64_t rows = kvt__attended_desc_count(&q[n].d);
+            /* with recall the set may be every row of the view (kvt_batch_run's bound) */
+            const uint64_t rows = b->recall_way[i] == RECALL_NONE
+                                      ? kvt__attended_desc_count(&q[n].d)
+                                      : q[n].d.hi_end;
+            total += rows;
             if (e->layout == KVT_EMIT_TOKENS && rows > e->capacity)
                 return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                      "seqs[%u] attends %llu rows on layer %u, topk is %u; "
@@ -615,15 +703,16 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
                                      i, (unsigned long long)rows, l, e->capacity);
             n++;
         }
-        if (e->layout == KVT_EMIT_CSR && (off > e->capacity || off > INT32_MAX))
+        if (e->layout == KVT_EMIT_CSR && (total > e->capacity || total > INT32_MAX))
             return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                  "the batch attends %llu rows on layer %u, capacity is %u; "
                                  "nothing planned (kvt_batch_capacity)",
-                                 (unsigned long long)off, l, e->capacity);
+                                 (unsigned long long)total, l, e->capacity);
         memcpy(at, &n, sizeof n);
+        memcpy(at + sizeof n, &n_recall, sizeof n_recall);
         b->plan_emit[l] = *e;
     }
-    kvt_status s = be->ops->write(be, b->plan_dev, b->plan_host, b->plan_stride * L, stream);
+    kvt_status s = be->ops->write(be, b->plan_dev, b->plan_host, b->plan_at[L], stream);
     return s == KVT_OK ? KVT_OK : kvt__ctx_fail(ctx, s, "the step's plan to the backend");
 }
 
@@ -657,14 +746,24 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         if (b->n_drafts[i])
             return KVT_OK;
         for (uint32_t l = 0; l < L; l++)
-            if (ctx->stores[l].group >= 0 && !kvt__seq_step_quiet(sq, l))
+            if (ctx->stores[l].group >= 0 && !kvt__seq_step_quiet(sq, l, plans_recall(b, l)))
                 return KVT_OK;
     }
     /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. */
     const kvt__backend *be = &b->be;
     if (!b->plan_dev) {
-        const size_t stride = PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
-        const size_t bytes = stride * L;
+        size_t *at = kvt__calloc(&ctx->alloc, sizeof *at * (L + 1u));
+        if (!at)
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan layout");
+        b->plan_at = at; /* plan_recall_at reads it */
+        for (uint32_t l = 0; l < L; l++) { /* 64-byte aligned parts */
+            const size_t end =
+                plans_recall(b, l)
+                    ? plan_recall_at(b, l) + sizeof(kvt__recall_plan_item) * b->max_seqs
+                    : at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
+            at[l + 1] = at[l] + (end - at[l] + 63u) / 64u * 64u;
+        }
+        const size_t bytes = at[L];
         void *dev = NULL;
         kvt_status s = be->ops->buf_alloc(be, bytes, &dev);
         uint8_t *host = s == KVT_OK ? kvt__calloc(&ctx->alloc, bytes) : NULL;
@@ -673,15 +772,27 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             kvt__free(&ctx->alloc, host, bytes);
             if (dev)
                 be->ops->buf_free(be, dev, bytes);
+            kvt__free(&ctx->alloc, at, sizeof *at * (L + 1u));
+            b->plan_at = NULL;
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan buffer (%zu B)",
                                  bytes);
         }
         b->plan_dev = dev;
         b->plan_host = host;
-        b->plan_stride = stride;
         b->plan_emit = pe;
     }
-    /* 3. Each layer's sets and the image; 4. the emissions' dense flags (0: no recall). */
+    /* 3. Room for the planned recall ops (a device's workspace: never grown in a capture). */
+    for (uint32_t l = 0; be->ops->recall_plan_reserve && l < L; l++) {
+        kvt__recall_plan_args ra;
+        if (!plans_recall(b, l))
+            continue;
+        recall_plan_args(b, l, NULL, &ra);
+        kvt_status s = be->ops->recall_plan_reserve(be, &ra);
+        if (s != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "layer %u: workspace of the planned recall step", l);
+    }
+    /* 4. Each layer's sets and the image; 5. the emissions' dense flags (0 where no request
+     * recalls: the recall step writes the others'). */
     kvt_status s = plan_fill(b, emits, n_emits, stream, true);
     if (s != KVT_OK)
         return s;
@@ -697,15 +808,33 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     return KVT_OK;
 }
 
-/* A planned step's run: one pack from the plan buffer, whose arguments hold nothing of the step
- * (a captured launch replays over later planned steps); the policy work is the commit's. */
-static kvt_status run_planned(kvt_batch *b, uint32_t layer, void *stream, const kvt_emit *emit) {
+/* A planned step's run: on a layer that plans recall the planned recall step, then one pack,
+ * both from the plan buffer, their arguments holding nothing of the step (a captured launch
+ * replays over later planned steps); the policy work is the commit's. */
+static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, void *stream,
+                              const kvt_emit *emit) {
     kvt_ctx *ctx = b->ctx;
     if (!same_emit(emit, &b->plan_emit[layer]))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "layer %u: emit is not the one kvt_batch_plan_device planned for",
                              layer);
-    const uint8_t *at = b->plan_dev + b->plan_stride * layer;
+    const uint8_t *at = b->plan_dev + b->plan_at[layer];
+    if (plans_recall(b, layer) && !query)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "query is NULL: a planned run of layer %u, where requests may "
+                             "recall, holds the recall step (a graph replays it over steps "
+                             "that recall)",
+                             layer);
+    kvt_status s;
+    if (plans_recall(b, layer)) {
+        if (b->recall_ran[layer] == 0) { /* once per step and layer, as kvt_batch_run */
+            kvt__recall_plan_args ra;
+            recall_plan_args(b, layer, query, &ra);
+            if ((s = b->be.ops->recall_step_planned(&b->be, &ra, stream)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "the planned recall step of layer %u", layer);
+            b->recall_ran[layer] = 1;
+        }
+    }
     kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
                          .n_plan = (const uint32_t *)at, .n_max = b->max_seqs,
                          .pdiv = &ctx->pdiv, .csr = emit->layout == KVT_EMIT_CSR,
@@ -714,7 +843,7 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, void *stream, const 
                          .indptr = emit->indptr};
     b->ran = true;
     b->stream = stream;
-    kvt_status s = b->be.ops->pack(&b->be, &pa, stream);
+    s = b->be.ops->pack(&b->be, &pa, stream);
     return s == KVT_OK ? KVT_OK
                        : kvt__ctx_fail(ctx, s, "packing the planned sets of layer %u", layer);
 }
@@ -735,7 +864,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emit is NULL or its struct_size is below KVT_EMIT_SIZE_MIN");
     if (b->planned)
-        return run_planned(b, layer, stream, emit);
+        return run_planned(b, layer, query, stream, emit);
     const bool tokens = emit->layout == KVT_EMIT_TOKENS;
     /* One list per (request, KV head) (docs/recall.md §9): CSR over n_seqs x n_kv entries. */
     const bool heads = emit->layout == KVT_EMIT_CSR_KV_HEADS;

@@ -111,9 +111,12 @@ kvt__backend *kvt__batch_backend(kvt_batch *b);
  * recall, its fetch area's) up to the host's, on stream. */
 kvt_status kvt__seq_mirror_sync(kvt_seq *seq, uint32_t layer, const kvt__backend *be,
                                 void *stream);
-/* The layer's run has no device work for the request this step: no recall on it and no close
- * or round due (kvt__policy_ops.step_due); its commit then does the step's policy work. */
-bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer);
+/* The layer's run has no device work for the request this step but what a planned step can
+ * do (kvt_batch_plan_device): no close or round due (kvt__policy_ops.step_due; its commit then
+ * does the step's policy work), no RoPE recall, and no NoPE recall unless recall_planned (the
+ * layer's planned recall op) and the request's trigger is one a plan can hold (one token, no
+ * lagged query). */
+bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer, bool recall_planned);
 /* The attended set of the layer during the step for a query token that sees the first `visible`
  * of the step's rows (>= the pending count: all of them), described in O(1) into q (its desc,
  * pages and first_page; the caller sets where it goes). A visible count below the pending count

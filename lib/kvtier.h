@@ -1010,24 +1010,37 @@ typedef struct kvt_emit {
 #define KVT_EMIT_SIZE_MIN (offsetof(kvt_emit, dense) + sizeof(uint8_t *))
 
 /* CUDA graphs: plan the step's emission on the device. After kvt_batch_plan and before any run,
- * for a step in which no layer's run has work of its own — no request with drafts, none that
- * recalls on a layer, no block close or eviction round due (the commit does the step's policy
- * work then: the same decisions) — write every layer's attended-set descriptions (and the page
- * tables' new entries, and 0 into the emissions' dense flags) into the batch's plan buffer in
- * the backend's memory, on stream. Each kvt_batch_run of the step then enqueues one pack
- * launch that reads its per-step values from that buffer when it runs, so the runs of one such
- * step captured into a CUDA graph (cudaStreamBeginCapture on stream around the engine's forward)
- * replay over later planned steps: every step, reserve, write rows, plan, plan_device, launch
- * the graph, commit. A step that is not plannable (*planned = false, KVT_OK, nothing written)
- * runs eagerly: kvt_batch_run as usual.
+ * for a step in which no layer's run has host-decided work of its own — no request with drafts,
+ * none with several tokens on a recalling layer, none that recalls on a RoPE layer or with
+ * config.recall_lagged_query, no block close or eviction round due (the commit does the step's
+ * policy work then: the same decisions) — write every layer's attended-set descriptions (and
+ * the page tables' new entries, the salience layers' recall steps, and 0 into the emissions'
+ * dense flags where no request recalls) into the batch's plan buffer in the backend's memory,
+ * on stream. Each kvt_batch_run of the step then enqueues, on a layer that plans recall, one
+ * planned recall step (the trigger of every recalling request: calibration, scan, fetched rows,
+ * promotion and dense flags, on the device), then one pack launch; both read their per-step
+ * values from that buffer when they run, so the runs of one such step captured into a CUDA
+ * graph (cudaStreamBeginCapture on stream around the engine's forward) replay over later
+ * planned steps, recall included: every step, reserve, write rows and queries, plan,
+ * plan_device, launch the graph, commit. A step that is not plannable (*planned = false,
+ * KVT_OK, nothing written) runs eagerly: kvt_batch_run as usual.
+ *
+ * A layer plans recall when it is a salience layer of a context with sketch planes
+ * (recall_sketch_rank) that states max_rows_per_seq (by which the planned step's launch and
+ * workspace are sized once, reserved here, outside any capture), whether or not a request of
+ * the step recalls: a planned run of such a layer takes the query (KVT_ERR_INVALID_ARGUMENT when
+ * NULL), a buffer that holds max_seqs requests' queries at their places in the batch (the graph
+ * replays over steps of any size). Without max_rows_per_seq, steps in which a request recalls
+ * are not plannable.
  *
  * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
  * n_emits = n_layers), TOKENS or CSR with one query per request; a run of a planned step must
  * pass exactly that emission (KVT_ERR_INVALID_ARGUMENT otherwise). The plan buffer, n_layers x
  * (64 + 112 max_seqs) B on 64-bit hosts, is allocated at the batch's first planned step and
  * never moves: a graph stays valid for the batch's life with the same emission buffers; every
- * planned step copies all of it (one write). stream: that of the graph launch (stream-ordered
- * after the previous step's device work). Errors:
+ * planned step copies all of it (one write). A layer that plans recall adds max_seqs recall items
+ * (384 B each on 64-bit hosts). stream: that of the graph launch
+ * (stream-ordered after the previous step's device work). Errors:
  * KVT_ERR_BAD_STATE (not planned, already run, planned twice, a damaged request),
  * KVT_ERR_INVALID_ARGUMENT (emits), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
  * KVT_ERR_OUT_OF_MEMORY (the buffer), a backend status. */

@@ -1134,9 +1134,12 @@ kvt_status kvt__seq_mirror_sync(kvt_seq *seq, uint32_t layer, const kvt__backend
     return s;
 }
 
-bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer) {
+bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer, bool recall_planned) {
     kvt_ctx *ctx = seq->ctx;
-    if (kvt__seq_recalls(seq, layer) || kvt__seq_recalls_rope(seq, layer))
+    if (kvt__seq_recalls_rope(seq, layer))
+        return false;
+    if (kvt__seq_recalls(seq, layer) &&
+        (!recall_planned || seq->recall[layer].lag_q || seq->n_pending > 1))
         return false;
     const kvt__policy_ops *ops = ops_of(ctx, layer);
     if (!ops->layer_step || seq->n_pending == 0)

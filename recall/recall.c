@@ -465,21 +465,32 @@ uint64_t kvt__recall_layer_bytes(const kvt__recall_layer *r) {
     return (r->buf ? r->bytes : 0) + g[0] + g[1] + g[2] + g[3] + g[4] + lag_bytes(r);
 }
 
+void kvt__recall_plan_bound(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim,
+                            uint64_t max_rows, uint32_t prom_cap, kvt__recall_step_args *out) {
+    static kvt__recall_promo on; /* only its address is read: promotion on */
+    *out = (kvt__recall_step_args){.promo = prom_cap ? &on : NULL,
+                                   .prom_cap = prom_cap,
+                                   .cand_cap = prom_cap * CAND_PER_PROMOTED,
+                                   .sample_cap = n_heads * KVT__RECALL_SAMPLES_PER_HEAD};
+    out->scan.n_heads = n_heads;
+    out->scan.rank = rank;
+    out->scan.latent_dim = D;
+    out->scan.branch_dim = branch_dim;
+    out->scan.n_closed = max_rows;
+    out->scan.m = (uint32_t)max_rows; /* the kept set holds at most every closed row */
+}
+
+bool kvt__recall_plan_ok(const kvt__recall_step_args *bound, const kvt__recall_step_args *x) {
+    return kvt__recall_step_args_ok(x) && kvt__recall_plan_fits(bound, x);
+}
+
 size_t kvt__recall_step_scratch_max(uint32_t n_heads, uint32_t rank, uint32_t D,
                                     uint32_t branch_dim, uint64_t max_rows, uint32_t block_rows,
                                     uint32_t prom_cap) {
-    static kvt__recall_promo on; /* only its address is read: promotion on */
-    static uint32_t perm_on;     /* likewise: group planes */
-    kvt__recall_step_args x = {.promo = prom_cap ? &on : NULL,
-                               .prom_cap = prom_cap,
-                               .cand_cap = prom_cap * CAND_PER_PROMOTED,
-                               .g_perm = block_rows ? &perm_on : NULL,
-                               .block_rows = block_rows};
-    x.scan.n_heads = n_heads;
-    x.scan.rank = rank;
-    x.scan.latent_dim = D;
-    x.scan.branch_dim = branch_dim;
-    x.scan.n_closed = max_rows;
-    x.scan.m = (uint32_t)max_rows; /* the kept set holds at most every closed row */
+    static uint32_t perm_on; /* only its address is read: group planes */
+    kvt__recall_step_args x;
+    kvt__recall_plan_bound(n_heads, rank, D, branch_dim, max_rows, prom_cap, &x);
+    x.g_perm = block_rows ? &perm_on : NULL;
+    x.block_rows = block_rows;
     return kvt__recall_step_scratch_floats(&x);
 }

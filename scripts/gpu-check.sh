@@ -19,15 +19,17 @@
 #     sets, slot for slot.
 #   - test_graph with KVT_REQUIRE_GPU=1: one CUDA graph captured over the runs of a planned
 #     step (kvt_batch_plan_device) replayed over the later planned steps of 170 gives the eager
-#     twin's sets on every layer (never run on a device before this script's first run with it).
+#     twin's sets on every layer, without recall and with the planned recall step (conformal
+#     TOKENS, margin + promotion CSR: the replays' sets, dense flags and recall counters equal
+#     the eager twin's); never run on a device before this script's first run with it.
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #   - compute-sanitizer memcheck and racecheck on test_cuda's pack, attend and select tests.
 #   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 32k and 128k rows.
 #   - test_fp8's CUDA case: fp8 ds_mla rows recall on the device as their fp32 decoding does.
 #
-# Not yet covered on the device (the CUDA issue): capture of steps with recall or with a close or
-# round due (those run eagerly), fp8 rows on eviction layers, a dense-attention baseline there.
+# Not yet covered on the device (the CUDA issue): capture of steps with a close or round due, a
+# RoPE recall or a lagged query (those run eagerly), fp8 rows on eviction layers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}

@@ -50,6 +50,9 @@ struct cuda_impl {
     cudaEvent_t ev;
     void *last_stream;
     bool have_ev;
+    /* An op that is not a planned one was refused on a capturing stream since capture_begin:
+     * capture_end refuses the graph (it would replay without that op). */
+    bool cap_refused;
 };
 
 constexpr uint32_t kMaxSeg = 64; /* work items per call (score, select, pack) */
@@ -59,12 +62,32 @@ constexpr uint32_t kMaxEv = 16;  /* layers per eviction call (KVT__EV_CHUNK) */
 thread_local char t_err[192];
 thread_local char t_err_out[192];
 
+/* A stream capture's own errors: a call out of order with a capture, not a device failure. */
+bool capture_error(cudaError_t e) {
+    switch (e) {
+    case cudaErrorStreamCaptureUnsupported:
+    case cudaErrorStreamCaptureInvalidated:
+    case cudaErrorStreamCaptureMerge:
+    case cudaErrorStreamCaptureUnmatched:
+    case cudaErrorStreamCaptureUnjoined:
+    case cudaErrorStreamCaptureIsolation:
+    case cudaErrorStreamCaptureImplicit:
+    case cudaErrorCapturedEvent:
+    case cudaErrorStreamCaptureWrongThread:
+        return true;
+    default:
+        return false;
+    }
+}
+
 kvt_status st(cudaError_t e) {
     if (e == cudaSuccess)
         return KVT_OK;
     snprintf(t_err, sizeof t_err, "%s: %s", cudaGetErrorName(e), cudaGetErrorString(e));
     (void)cudaGetLastError();
-    return e == cudaErrorMemoryAllocation ? KVT_ERR_OUT_OF_MEMORY : KVT_ERR_NO_DEVICE;
+    return e == cudaErrorMemoryAllocation ? KVT_ERR_OUT_OF_MEMORY
+           : capture_error(e)             ? KVT_ERR_BAD_STATE
+                                          : KVT_ERR_NO_DEVICE;
 }
 
 cudaStream_t strm(void *s) {
@@ -87,10 +110,22 @@ bool capturing(void *stream) {
     return capture_status(stream) == cudaStreamCaptureStatusActive;
 }
 
-kvt_status op_begin(const kvt__backend *be, void *stream) {
+/* On a capturing stream only the planned ops (planned: kvt__pack_args.q_plan,
+ * recall_step_planned), whose arguments hold nothing of one step, are enqueued; any other is
+ * refused with KVT_ERR_BAD_STATE (as on the CPU backends: its host-built arguments, and a
+ * workspace it may grow, are one step's), and so is the capture_end after it. */
+kvt_status op_begin(const kvt__backend *be, void *stream, bool planned = false) {
     cuda_impl *c = (cuda_impl *)be->impl;
     kvt_status s = st(cudaSetDevice(c->device));
-    if (s == KVT_OK && c->have_ev && c->last_stream != stream && !capturing(stream))
+    const bool cap = s == KVT_OK && capturing(stream);
+    if (cap && !planned) {
+        c->cap_refused = true;
+        snprintf(t_err, sizeof t_err,
+                 "a step's op on a capturing stream (only a planned step's runs, after "
+                 "kvt_batch_plan_device, can be captured): refused, and the capture with it");
+        return KVT_ERR_BAD_STATE;
+    }
+    if (s == KVT_OK && c->have_ev && c->last_stream != stream && !cap)
         s = st(cudaStreamWaitEvent(strm(stream), c->ev, 0));
     return s;
 }
@@ -163,8 +198,8 @@ Params<T, N> params_div(const T *host, uint32_t n) {
 }
 
 /* Workspace of at least `bytes` (grow-only; growing synchronises the device and allocates: only
- * when a larger step than any before arrives, never in a steady state; sizing it from stated
- * limits at creation is the CUDA issue's). */
+ * when a larger step than any before arrives, never in a steady state, and never in a capture:
+ * ws_in_capture). */
 kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (bytes > c->ws_bytes) {
@@ -182,6 +217,18 @@ kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     }
     *out = c->ws;
     return KVT_OK;
+}
+
+/* The workspace a planned op takes: on a capturing stream it must already hold `bytes` (a
+ * capture may not allocate or synchronise: kvt_batch_plan_device reserves it first). */
+kvt_status ws_in_capture(const kvt__backend *be, void *stream, size_t bytes, uint8_t **out) {
+    cuda_impl *c = (cuda_impl *)be->impl;
+    if (bytes > c->ws_bytes && capturing(stream)) {
+        snprintf(t_err, sizeof t_err,
+                 "a planned op's workspace (%zu B) was not reserved before the capture", bytes);
+        return KVT_ERR_BAD_STATE;
+    }
+    return ws_get(be, bytes, out);
 }
 
 __host__ __device__ size_t align256(size_t n) {
@@ -779,9 +826,50 @@ StepParams step_params(const kvt__recall_step_args *host, uint32_t n) {
     return p;
 }
 
-#define STEP_ARGS(p, i)                                                                            \
-    kvt__recall_step_args x = (p).a[i];                                                            \
-    const kvt__div32 x_div = (p).div[i];                                                           \
+/* Where a recall step launch's work items come from (the kernels are templates over it): the
+ * eager op's arguments by value, or a batch's plan buffer in device memory as it is when the
+ * kernel runs (recall_step_planned: a captured launch replays over later steps). get(): kItemOk
+ * with the item in x (its divider in d), kItemNone past the items, kItemBad for a planned item
+ * that breaks the argument rules or the plan's bound (k_step_finish makes its step dense). */
+enum { kItemNone = 0, kItemOk = 1, kItemBad = 2 };
+
+struct EagerItems {
+    StepParams p;
+    __device__ int get(uint32_t i, kvt__recall_step_args &x, kvt__div32 &d) const {
+        x = p.a[i];
+        d = p.div[i];
+        return kItemOk;
+    }
+};
+
+struct PlanItems {
+    const kvt__recall_plan_item *items;
+    const uint32_t *n;
+    uint32_t n_max;
+    const float *query;
+    size_t query_floats;
+    kvt__recall_step_args bound;
+    __device__ int get(uint32_t i, kvt__recall_step_args &x, kvt__div32 &d) const {
+        const uint32_t k = *n;
+        if (i >= k || k > n_max)
+            return kItemNone;
+        const kvt__recall_plan_item &it = items[i];
+        x = it.a;
+        d = it.div;
+        x.scan.pdiv = &d;
+        x.scan.q = query ? query + it.q_off : NULL;
+        const size_t qf = (size_t)x.scan.n_heads * (x.scan.latent_dim + x.scan.branch_dim);
+        const bool ok = query && it.q_off <= query_floats && qf <= query_floats - it.q_off &&
+                        kvt__recall_step_args_ok(&x) && kvt__recall_plan_fits(&bound, &x);
+        return ok ? kItemOk : kItemBad;
+    }
+};
+
+#define STEP_ARGS(src, i)                                                                          \
+    kvt__recall_step_args x;                                                                       \
+    kvt__div32 x_div;                                                                              \
+    if ((src).get(i, x, x_div) != kItemOk)                                                         \
+        return;                                                                                    \
     x.scan.pdiv = &x_div
 
 /* The CPU ops' rules (kvt__recall_step_args_ok: one definition). */
@@ -916,7 +1004,8 @@ __device__ StepExtra step_extra(const ScanWs &w, uint32_t item, uint32_t n_heads
 /* Launch 0, items with promotion (one block each): the tables settled after a close
  * (kvt__promo_settle, one thread), the hit flags cleared, and the kept set merged with the
  * promoted rows, an element per thread (kvt__promo_merged_at: the serial merge's places). */
-__global__ void k_promo_before(const StepParams p, const ScanWs w) {
+template <class Items>
+__global__ void k_promo_before(const Items p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.x);
     if (!x.promo)
         return;
@@ -937,14 +1026,16 @@ __global__ void k_promo_before(const StepParams p, const ScanWs w) {
         *pw.n_merged = (uint32_t)total;
 }
 
-__global__ void k_step_heads(const StepParams p, const ScanWs w) {
+template <class Items>
+__global__ void k_step_heads(const Items p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.y);
     if (blockIdx.x < x.scan.n_heads)
         scan_head(x.scan, scan_item(w, blockIdx.y), blockIdx.x);
 }
 
 /* Launch 2: head blockIdx.x of item blockIdx.y. */
-__global__ void k_step_best(const StepParams p, const ScanWs w) {
+template <class Items>
+__global__ void k_step_best(const Items p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.y);
     const kvt__recall_scan_args &a = x.scan;
     const uint32_t h = blockIdx.x, D = a.latent_dim, bd = a.branch_dim;
@@ -1024,7 +1115,8 @@ __global__ void k_step_best(const StepParams p, const ScanWs w) {
 }
 
 /* Launch 3: the scan's fire flags, scanning steps only. */
-__global__ void k_step_rows(const StepParams p, const ScanWs w) {
+template <class Items>
+__global__ void k_step_rows(const Items p, const ScanWs w) {
     STEP_ARGS(p, blockIdx.y);
     const kvt__recall_step_args v = step_view(x, w, blockIdx.y);
     const StepPlan pl = step_plan(v, x.st->phase);
@@ -1065,8 +1157,20 @@ __device__ void step_insert(const kvt__recall_step_args &x, const StepExtra &ex,
 }
 
 /* Launch 4: one block per item. */
-__global__ void k_step_finish(const StepParams p, const ScanWs w) {
-    STEP_ARGS(p, blockIdx.x);
+template <class Items>
+__global__ void k_step_finish(const Items p, const ScanWs w) {
+    kvt__recall_step_args x;
+    kvt__div32 x_div;
+    const int got = p.get(blockIdx.x, x, x_div);
+    if (got == kItemBad && threadIdx.x == 0 && x.st) {
+        /* a planned item the device cannot run: its step attends every row (never a wrong set) */
+        x.st->last_dense = 1;
+        if (x.dense)
+            *x.dense = 1;
+    }
+    if (got != kItemOk)
+        return;
+    x.scan.pdiv = &x_div;
     kvt__recall_state *st = x.st;
     __shared__ uint32_t s_phase, s_n;
     __shared__ float s_z;
@@ -1120,6 +1224,42 @@ __global__ void k_step_finish(const StepParams p, const ScanWs w) {
     kvt__recall_state_record(st, x.dense, dense, over, pl.archived, visited, fired, fetched);
 }
 
+/* The workspace layout of k items a[0 .. k) (each item `each` bytes apart): the scan's, then
+ * step_extra's (its offsets from each item's own head count fit in this), then promotion's
+ * (PromoWs, sized for the largest item); the most heads and closed rows, whether any promotes. */
+ScanWs step_ws_of(const kvt__recall_step_args *a, uint32_t k, uint32_t *H, size_t *rows,
+                  bool *any_promo) {
+    uint32_t h = 0, cap = 0;
+    size_t promo = 0;
+    *any_promo = false;
+    for (uint32_t i = 0; i < k; i++) {
+        h = a[i].scan.n_heads > h ? a[i].scan.n_heads : h;
+        cap = a[i].sample_cap > cap ? a[i].sample_cap : cap;
+        const size_t u = promo_ws_u32(a[i]);
+        promo = u > promo ? u : promo;
+        *any_promo |= a[i].promo != NULL;
+    }
+    const size_t extra = align256(3 * align256(sizeof(float) * h) + sizeof(float) * cap);
+    ScanWs w = scan_ws_of(&a[0].scan, sizeof *a, k, extra + sizeof(uint32_t) * promo, H, rows);
+    w.off_promo = w.off_extra + extra;
+    return w;
+}
+
+/* The four launches over k items from `items` (grid: heads x items, rows x items). */
+template <class Items>
+void step_launch(const Items &items, const ScanWs &w, uint32_t k, uint32_t H, dim3 rows_g,
+                 bool any_promo, void *stream) {
+    if (any_promo)
+        k_promo_before<<<k, kThreads, 0, strm(stream)>>>(items, w);
+    if (H) {
+        k_step_heads<<<dim3(H, k), kThreads, 0, strm(stream)>>>(items, w);
+        k_step_best<<<dim3(H, k), kThreads, 0, strm(stream)>>>(items, w);
+    }
+    if (rows_g.x)
+        k_step_rows<<<rows_g, kThreads, 0, strm(stream)>>>(items, w);
+    k_step_finish<<<k, kThreads, 0, strm(stream)>>>(items, w);
+}
+
 kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
                           void *stream) {
     for (uint32_t i = 0; i < n; i++)
@@ -1128,37 +1268,69 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
     kvt_status s = op_begin(be, stream);
     for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxStep) {
         const uint32_t k = n - i0 < kMaxStep ? n - i0 : kMaxStep;
-        uint32_t H = 0, cap = 0;
-        for (uint32_t i = 0; i < k; i++) {
-            H = a[i0 + i].scan.n_heads > H ? a[i0 + i].scan.n_heads : H;
-            cap = a[i0 + i].sample_cap > cap ? a[i0 + i].sample_cap : cap;
-        }
-        /* step_extra's layout (its offsets from each item's own head count fit in this), then
-         * promotion's (PromoWs, sized for the largest item) */
-        const size_t extra = align256(3 * align256(sizeof(float) * H) + sizeof(float) * cap);
-        size_t promo = 0;
-        bool any_promo = false;
-        for (uint32_t i = 0; i < k; i++) {
-            const size_t u = promo_ws_u32(a[i0 + i]);
-            promo = u > promo ? u : promo;
-            any_promo |= a[i0 + i].promo != NULL;
-        }
+        uint32_t H;
         size_t rows;
-        ScanWs w = scan_ws_of(&a[i0].scan, sizeof *a, k, extra + sizeof(uint32_t) * promo, &H,
-                              &rows);
-        w.off_promo = w.off_extra + extra;
+        bool any_promo;
+        ScanWs w = step_ws_of(a + i0, k, &H, &rows, &any_promo);
         if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
             break;
-        const StepParams prm = step_params(a + i0, k);
-        if (any_promo)
-            k_promo_before<<<k, kThreads, 0, strm(stream)>>>(prm, w);
-        if (H) {
-            k_step_heads<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
-            k_step_best<<<dim3(H, k), kThreads, 0, strm(stream)>>>(prm, w);
-        }
-        if (rows)
-            k_step_rows<<<rows_grid(rows, k), kThreads, 0, strm(stream)>>>(prm, w);
-        k_step_finish<<<k, kThreads, 0, strm(stream)>>>(prm, w);
+        const EagerItems items = {step_params(a + i0, k)};
+        step_launch(items, w, k, H, rows ? rows_grid(rows, k) : dim3(0, k), any_promo, stream);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+/* The planned op (kvt__recall_plan_args): the layout and grids of n_max items of the bound's
+ * shape, fixed for the batch's life, so a captured launch replays over any later step; items
+ * past the step's count return at once. Rows in strides of at most kPlanRowBlocks blocks an
+ * item (the bound's rows may be far more than a step's). */
+constexpr uint32_t kPlanRowBlocks = 64;
+
+size_t plan_ws_bytes(const kvt__recall_plan_args *a, ScanWs *w, uint32_t *H, size_t *rows,
+                     bool *any_promo) {
+    *w = step_ws_of(&a->bound, 1, H, rows, any_promo);
+    return w->each * a->n_max;
+}
+
+kvt_status cu_recall_plan_reserve(const kvt__backend *be, const kvt__recall_plan_args *a) {
+    ScanWs w;
+    uint32_t H;
+    size_t rows;
+    bool any_promo;
+    const size_t bytes = plan_ws_bytes(a, &w, &H, &rows, &any_promo);
+    uint8_t *base;
+    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
+    return s == KVT_OK && bytes ? ws_get(be, bytes, &base) : s;
+}
+
+kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
+                                  void *stream) {
+    if (a->n_max == 0)
+        return KVT_OK;
+    if (a->n_max > 65535u || !a->items || !a->n)
+        return KVT_ERR_INVALID_ARGUMENT;
+    ScanWs w;
+    uint32_t H;
+    size_t rows;
+    bool any_promo;
+    const size_t bytes = plan_ws_bytes(a, &w, &H, &rows, &any_promo);
+    kvt_status s = op_begin(be, stream, true);
+    if (s == KVT_OK)
+        s = ws_in_capture(be, stream, bytes, &w.base);
+    if (s == KVT_OK) {
+        PlanItems items;
+        memset(&items, 0, sizeof items);
+        items.items = a->items;
+        items.n = a->n;
+        items.n_max = a->n_max;
+        items.query = a->query;
+        items.query_floats = a->query_floats;
+        items.bound = a->bound;
+        dim3 g = rows_grid(rows, a->n_max);
+        if (g.x > kPlanRowBlocks)
+            g.x = kPlanRowBlocks;
+        step_launch(items, w, a->n_max, H, rows ? g : dim3(0, a->n_max), any_promo, stream);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -1630,6 +1802,17 @@ __device__ PackPlan pack_plan_host(const kvt__pack_query &q) {
     return pl;
 }
 
+/* A query's plan from the values as they are when the kernel runs (a recall set's fetch count
+ * and dense flag are the device's), its slots from `out` on. */
+__device__ PackPlan pack_plan_dev(const kvt__pack_query &q, uint64_t out) {
+    PackPlan pl;
+    pl.all = q.all_rows || (q.dense && *q.dense) ? 1u : 0u;
+    pl.n_fetch = !pl.all && q.n_fetch ? *q.n_fetch : 0;
+    pl.count = pl.all ? q.d.hi_end : kvt__attended_desc_count(&q.d) + pl.n_fetch;
+    pl.out = out;
+    return pl;
+}
+
 __global__ void k_pack_plan(const PackParams p, bool csr, bool first_csr, bool dev_offsets,
                             int32_t *lengths, int32_t *indptr, PackPlan *plan) {
     if (threadIdx.x != 0 || blockIdx.x != 0)
@@ -1638,11 +1821,8 @@ __global__ void k_pack_plan(const PackParams p, bool csr, bool first_csr, bool d
         indptr[0] = 0;
     for (uint32_t i = 0; i < p.n; i++) {
         const kvt__pack_query &q = p.a[i];
-        PackPlan pl;
-        pl.all = q.all_rows || (q.dense && *q.dense) ? 1u : 0u;
-        pl.n_fetch = !pl.all && q.n_fetch ? *q.n_fetch : 0;
-        pl.count = pl.all ? q.d.hi_end : kvt__attended_desc_count(&q.d) + pl.n_fetch;
-        pl.out = csr && dev_offsets ? (uint64_t)indptr[q.len_at - 1] : q.out;
+        const PackPlan pl =
+            pack_plan_dev(q, csr && dev_offsets ? (uint64_t)indptr[q.len_at - 1] : q.out);
         if (csr)
             indptr[q.len_at] = (int32_t)(pl.out + pl.count);
         else
@@ -1664,14 +1844,13 @@ __device__ uint64_t below(const uint32_t *v, uint64_t n, uint32_t x, bool or_equ
     return lo;
 }
 
-/* plan NULL: the host's plan, and this kernel writes lengths / indptr. */
-/* Query q's set (block b of the launch): its slots, padding, and its length or offset. */
+/* Query q's set (block b of the launch) as planned in pl: its slots, padding, and (write_len:
+ * k_pack_plan did not) its length or offset. */
 __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, bool csr,
-                          bool first_csr, const PackPlan *plan, int32_t *indices,
+                          bool first_csr, const PackPlan pl, bool write_len, int32_t *indices,
                           int32_t *lengths, int32_t *indptr) {
     const kvt__attended_desc &d = q.d;
-    const PackPlan pl = plan ? plan[b] : pack_plan_host(q);
-    if (!plan && threadIdx.x == 0) {
+    if (write_len && threadIdx.x == 0) {
         if (csr) {
             indptr[q.len_at] = (int32_t)(pl.out + pl.count);
             if (first_csr && b == 0)
@@ -1714,11 +1893,16 @@ __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, b
 __global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_csr,
                        const PackPlan *plan, int32_t *indices, int32_t *lengths,
                        int32_t *indptr) {
-    pack_body(p.a[blockIdx.x], blockIdx.x, pd, csr, first_csr, plan, indices, lengths, indptr);
+    const kvt__pack_query &q = p.a[blockIdx.x];
+    pack_body(q, blockIdx.x, pd, csr, first_csr, plan ? plan[blockIdx.x] : pack_plan_host(q),
+              !plan, indices, lengths, indptr);
 }
 
 /* The planned pack: queries and count from the plan buffer as it is when the kernel runs (one
- * block per possible query; a count past n_max packs nothing). */
+ * block per possible query; a count past n_max packs nothing), each query's count from its
+ * values then (a recall set's are the planned recall step's output). CSR: query i's slots start
+ * where the sets before it end, the block's sum of their counts in a fixed order (the CPU twin
+ * reads indptr[i], which its loop wrote: the same value). */
 __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan, uint32_t n_max,
                                kvt__div32 pd, bool csr, bool first_csr, int32_t *indices,
                                int32_t *lengths, int32_t *indptr) {
@@ -1727,14 +1911,29 @@ __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan
         indptr[0] = 0;
     if (n > n_max || blockIdx.x >= n)
         return;
-    pack_body(qs[blockIdx.x], blockIdx.x, pd, csr, first_csr, NULL, indices, lengths, indptr);
+    const kvt__pack_query &q = qs[blockIdx.x];
+    uint64_t out = q.out;
+    if (csr) {
+        __shared__ uint64_t s_sum[kThreads];
+        uint64_t sum = 0;
+        for (uint32_t i = threadIdx.x; i < blockIdx.x; i += blockDim.x)
+            sum += pack_plan_dev(qs[i], 0).count;
+        s_sum[threadIdx.x] = sum;
+        __syncthreads();
+        for (uint32_t half = kThreads / 2; half > 0; half /= 2) {
+            if (threadIdx.x < half)
+                s_sum[threadIdx.x] += s_sum[threadIdx.x + half];
+            __syncthreads();
+        }
+        out = s_sum[0];
+    }
+    pack_body(q, blockIdx.x, pd, csr, first_csr, pack_plan_dev(q, out), true, indices, lengths,
+              indptr);
 }
 
 kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
     if (a->q_plan) { /* capturable: nothing of the step in the launch's arguments */
-        if (a->dev_offsets)
-            return KVT_ERR_INVALID_ARGUMENT;
-        kvt_status s = op_begin(be, stream);
+        kvt_status s = op_begin(be, stream, true);
         if (s == KVT_OK)
             k_pack_planned<<<a->n_max ? a->n_max : 1, kThreads, 0, strm(stream)>>>(
                 a->q_plan, a->n_plan, a->n_max, *a->pdiv, a->csr, a->first_csr, a->indices,
@@ -2246,10 +2445,12 @@ __global__ void k_attend_merge(const kvt__attend_args a, uint32_t n_chunks, cons
                 m = q[0];
             any = true;
         }
+        /* a chunk whose scores are all -Inf weighs 0 beside a finite maximum (the twin's
+         * exp(-Inf - m)); its own sums are NaN (exp(-Inf + Inf)), so it is left out */
         double z = 0.0;
         for (uint32_t c = 0; c < n_chunks && !nan; c++) {
             const double *q = pp + (size_t)c * (V + 3);
-            if (q[2] != 0.0)
+            if (q[2] != 0.0 && !(q[0] == -INFINITY && m > -INFINITY))
                 z += q[1] * exp(q[0] - m);
         }
         s_m = nan ? NAN : m;
@@ -2270,7 +2471,8 @@ __global__ void k_attend_merge(const kvt__attend_args a, uint32_t n_chunks, cons
             if (q[2] == 0.0)
                 continue;
             any = true;
-            acc += q[3 + d] * exp(q[0] - m);
+            if (!(q[0] == -INFINITY && m > -INFINITY))
+                acc += q[3 + d] * exp(q[0] - m);
         }
         o[d] = !any ? 0.0f : (float)(m != m ? (double)NAN : acc / z);
     }
@@ -2310,21 +2512,24 @@ kvt_status cu_capture_begin(kvt__backend *be, void *stream) {
     kvt_status s = st(cudaSetDevice(c->device));
     if (s == KVT_OK && capturing(stream))
         return KVT_ERR_BAD_STATE;
+    c->cap_refused = false;
     return s == KVT_OK ? st(cudaStreamBeginCapture(strm(stream), cudaStreamCaptureModeThreadLocal))
                        : s;
 }
 
 kvt_status cu_capture_end(kvt__backend *be, void *stream, void **graph) {
-    (void)be;
+    cuda_impl *c = (cuda_impl *)be->impl;
     *graph = NULL;
     const cudaStreamCaptureStatus cs = capture_status(stream);
     if (cs == cudaStreamCaptureStatusNone)
         return KVT_ERR_BAD_STATE;
-    /* an invalidated capture is ended too (the stream leaves capture mode), then refused */
+    /* an invalidated capture, or one an op was refused in, is ended too (the stream leaves
+     * capture mode), then refused */
     cudaGraph_t g = NULL;
     kvt_status s = st(cudaStreamEndCapture(strm(stream), &g));
-    if (s == KVT_OK && cs != cudaStreamCaptureStatusActive)
+    if (s == KVT_OK && (cs != cudaStreamCaptureStatusActive || c->cap_refused))
         s = KVT_ERR_BAD_STATE;
+    c->cap_refused = false;
     cudaGraphExec_t x = NULL;
     if (s == KVT_OK)
         s = st(cudaGraphInstantiate(&x, g, 0));
@@ -2377,6 +2582,8 @@ kvt__backend_ops make_ops() {
     o.sketch_rows = cu_sketch_rows;
     o.recall_scan = cu_recall_scan;
     o.recall_step = cu_recall_step;
+    o.recall_step_planned = cu_recall_step_planned;
+    o.recall_plan_reserve = cu_recall_plan_reserve;
     o.recall_promote = true; /* k_promo_before, k_step_best, k_step_finish */
     o.recall_rope_step = cu_recall_rope_step;
     o.recall_rope_emit = cu_recall_rope_emit;
