@@ -8,8 +8,17 @@
  *            the first planned step, launched every step (the engine's way).
  * Untimed: the scheduler's reserve and the forward's row writes. Each way runs W steps per
  * window, the stream synchronised at the window's end (included); the figure is per step, the
- * range over R windows. The floor beside it: memcpy of the bytes the step emits (NL x NS x topk
- * int32), measured in the same run. Usage: bench_step [cpu|guarded|cuda] [R] [N] [NS]
+ * range over R windows. Beside it, measured in the same run: memcpy of the bytes the step emits
+ * (NL x NS x topk int32), and the floor of a dense decode attention over every row — reading
+ * each row's 1152 bytes once per layer and request, taken as half a copy of them (a copy reads
+ * and writes each byte; device-to-device on CUDA, memcpy on the host; no dense attention can
+ * read less), beside the same floor for the rows kvtier's set attends: the step's cost plus
+ * that, against the dense floor, is the most kvtier can save per step.
+ * `recall`: recall on every layer (margin mode, δ = 1, sketch planes of rank 16, QH = 8 query
+ * heads; queries written once, each head aimed at one of the prefill block's rows, which the
+ * context holds N / 4096 times): each step's planned runs hold the planned recall step (the
+ * graph way captures it too); the mean rows fired per step is printed.
+ * Usage: bench_step [cpu|guarded|cuda] [R] [N] [NS] [recall]
  */
 #include "kvtier.h"
 
@@ -23,7 +32,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-enum { NL = 8, W = 200, MAXL = NL };
+enum { NL = 8, W = 200, MAXL = NL, QH = 8, QD = 576 };
 
 static void die(kvt_status s, const char *what) {
     fprintf(stderr, "bench_step: %s: %s (%s)\n", what, kvt_status_name(s), kvt_last_error());
@@ -39,6 +48,7 @@ typedef struct rig {
     kvt_emit e[MAXL];
     uint8_t *row;
     uint32_t *ones;
+    kvt_buffer *query; /* recall: [NS][QH][QD] fp32 (NULL without recall) */
 } rig;
 
 static void step_begin(rig *r) {
@@ -52,8 +62,9 @@ static void step_begin(rig *r) {
 }
 
 static void runs(rig *r, void *stream) {
+    const void *q = r->query ? kvt_buffer_ptr(r->query) : NULL;
     for (uint32_t l = 0; l < NL; l++) {
-        kvt_status s = kvt_batch_run(r->b, l, NULL, stream, &r->e[l]);
+        kvt_status s = kvt_batch_run(r->b, l, q, stream, &r->e[l]);
         if (s)
             die(s, "run");
     }
@@ -68,6 +79,34 @@ static void sync_stream(void *stream) {
 #else
     (void)stream;
 #endif
+}
+
+/* Best of several reads of `bytes` (the rows of one request's layer): a device-to-device copy on
+ * the stream (CUDA), else memcpy. */
+static double read_floor(kvt_backend_kind kind, void *stream, size_t bytes) {
+#if KVT_HAVE_CUDA
+    if (kind == KVT_BACKEND_CUDA && stream) {
+        void *a = NULL, *b = NULL;
+        if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess)
+            die(KVT_ERR_OUT_OF_MEMORY, "device buffers of the dense floor");
+        cudaMemsetAsync(a, 1, bytes, (cudaStream_t)stream);
+        double best = 1e30;
+        for (int k = 0; k < 20; k++) {
+            sync_stream(stream);
+            double t = now_s();
+            cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)stream);
+            sync_stream(stream);
+            t = now_s() - t;
+            best = t < best ? t : best;
+        }
+        cudaFree(a);
+        cudaFree(b);
+        return best;
+    }
+#endif
+    (void)kind;
+    (void)stream;
+    return memcpy_best(bytes, 20);
 }
 
 /* One window of W steps the given way (0 eager, 1 planned, 2 graph); seconds per step. */
@@ -126,6 +165,7 @@ int main(int argc, char **argv) {
     const uint32_t N =
         argc > 3 && atoi(argv[3]) >= 4096 ? (uint32_t)atoi(argv[3]) / 4096 * 4096 : 32768;
     const uint32_t NS = argc > 4 && atoi(argv[4]) > 0 ? (uint32_t)atoi(argv[4]) : 16;
+    const bool recall = argc > 5 && strcmp(argv[5], "recall") == 0;
     kvt_backend_kind kind = strcmp(bk, "cuda") == 0      ? KVT_BACKEND_CUDA
                             : strcmp(bk, "guarded") == 0 ? KVT_BACKEND_GUARDED
                                                          : KVT_BACKEND_CPU;
@@ -141,8 +181,10 @@ int main(int argc, char **argv) {
     }
 #endif
     kvt_layer_spec specs[NL];
-    for (int l = 0; l < NL; l++)
+    for (int l = 0; l < NL; l++) {
         kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &specs[l]);
+        specs[l].n_q_heads = QH;
+    }
     kvt_model *m;
     char err[256];
     kvt_status s = kvt_model_create(specs, NL, "mla", &m, err, sizeof err);
@@ -154,6 +196,13 @@ int main(int argc, char **argv) {
     p.max_rows_per_seq = N + 4096;
     p.n_pages = NS * ((N + 4096) / 64 + 1);
     p.backend = kind;
+    kvt_config cfg = kvt_config_default();
+    if (recall) {
+        cfg.recall = KVT_RECALL_MARGIN;
+        cfg.recall_margin = 1.0f;
+        p.config = &cfg;
+        p.recall_sketch_rank = 16;
+    }
     rig r = {.ns = NS};
     if ((s = kvt_ctx_create(&p, &r.ctx, err, sizeof err))) {
         printf("bench_step: %s backend unavailable: %s: nothing measured\n", bk, err);
@@ -188,10 +237,27 @@ int main(int argc, char **argv) {
         if ((s = kvt_batch_commit(r.b, NULL)))
             die(s, "prefill commit");
     }
-    /* a topk that holds every attended set of the timed steps (sinks, kept, tail + steps) */
+    /* a topk that holds every attended set of the timed steps (sinks, kept, tail + steps; with
+     * recall every row: an overflowing step attends them all) */
     kvt_layer_stats ls = {.struct_size = sizeof ls};
     kvt_seq_layer_stats(r.seqs[0], 0, &ls);
-    r.topk = (uint32_t)ls.attended_rows + 3 * (uint32_t)R * W + 64;
+    r.topk = (recall ? N : (uint32_t)ls.attended_rows) + 3 * (uint32_t)R * W + 64;
+    if (recall) {
+        const size_t nq = (size_t)NS * QH * QD;
+        float *q = malloc(sizeof(float) * nq);
+        const uint16_t *bf = (const uint16_t *)rows;
+        for (size_t i = 0; i < nq; i++) { /* head i / QD: the latent and branch of a row */
+            const size_t row = (i / QD * 37 + 100) % 4096, d = i % QD;
+            uint32_t bits = (uint32_t)bf[row * 576 + d] << 16;
+            float v;
+            memcpy(&v, &bits, sizeof v);
+            q[i] = 20.0f * v + (float)(0.1 * ((double)(rnd() >> 11) * 0x1p-53 - 0.5));
+        }
+        if ((s = kvt_buffer_alloc(r.ctx, sizeof(float) * nq, &r.query)) ||
+            (s = kvt_buffer_write(r.query, 0, q, sizeof(float) * nq)))
+            die(s, "queries");
+        free(q);
+    }
     for (uint32_t l = 0; l < NL; l++) {
         if ((s = kvt_buffer_alloc(r.ctx, sizeof(int32_t) * NS * r.topk, &r.idx[l])) ||
             (s = kvt_buffer_alloc(r.ctx, sizeof(int32_t) * NS, &r.len[l])))
@@ -213,16 +279,40 @@ int main(int argc, char **argv) {
         }
     const size_t bytes = sizeof(int32_t) * NL * NS * (size_t)ls.attended_rows;
     const double floor = memcpy_best(bytes, 20);
+    /* the dense floor: one request's N rows read once (its layer's rows), x NS x NL */
+    const double row_read = read_floor(kind, stream, (size_t)N * 1152) / 2 / N;
+    const double dense = row_read * N * NS * NL, sparse = row_read * ls.attended_rows * NS * NL;
     printf("bench_step: kvtier %s, %s backend, %u requests x %u MLA NoPE layers at %u rows "
-           "(%llu attended), %d windows of %d steps\n",
+           "(%llu attended), %d windows of %d steps%s\n",
            kvt_version(0, 0, 0), kvt_ctx_backend_name(r.ctx), NS, NL, N,
-           (unsigned long long)ls.attended_rows, R, W);
+           (unsigned long long)ls.attended_rows, R, W,
+           recall ? ", recall on (margin, planned recall steps)" : "");
+    if (recall) {
+        uint64_t steps = 0, fired = 0, dense_steps = 0;
+        for (uint32_t i = 0; i < NS; i++)
+            for (uint32_t l = 0; l < NL; l++) {
+                kvt_layer_stats x = {.struct_size = sizeof x};
+                kvt_seq_layer_stats(r.seqs[i], l, &x);
+                steps += x.recall_steps;
+                fired += x.recall_fired_rows;
+                dense_steps += x.recall_overflow_steps + x.recall_calib_steps;
+            }
+        printf("recall   %.1f rows fired per request-layer step, %llu of %llu steps dense\n",
+               steps ? (double)fired / (double)steps : 0.0, (unsigned long long)dense_steps,
+               (unsigned long long)steps);
+    }
     const char *name[3] = {"eager", "planned", "graph"};
     for (int w = 0; w < ways; w++)
         printf("%-8s %8.1f - %8.1f us per step  (%.2f - %.2f x eager's best; %.1f - %.1f x "
                "memcpy of the %zu emitted bytes, %.1f us)\n",
                name[w], lo[w] * 1e6, hi[w] * 1e6, lo[w] / lo[0], hi[w] / lo[0], lo[w] / floor,
                hi[w] / floor, bytes, floor * 1e6);
+    printf("dense    reading every row once: %.1f us per step (half a %s); the attended rows: "
+           "%.1f us (%.3f x)\n",
+           dense * 1e6, stream ? "device copy" : "memcpy", sparse * 1e6, sparse / dense);
+    for (int w = 0; w < ways; w++)
+        printf("%-8s + attended-row read = %.3f - %.3f x the dense floor\n", name[w],
+               (lo[w] + sparse) / dense, (hi[w] + sparse) / dense);
 #if KVT_HAVE_CUDA
     if (graph)
         cudaGraphExecDestroy((cudaGraphExec_t)graph);
@@ -231,6 +321,7 @@ int main(int argc, char **argv) {
         kvt_buffer_free(r.idx[l]);
         kvt_buffer_free(r.len[l]);
     }
+    kvt_buffer_free(r.query);
     kvt_batch_destroy(r.b);
     for (uint32_t i = 0; i < NS; i++)
         kvt_seq_destroy(r.seqs[i]);

@@ -25,7 +25,12 @@
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
 #   - compute-sanitizer memcheck and racecheck on test_cuda's pack, attend and select tests.
-#   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 32k and 128k rows.
+#   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 4k rows (the per-step
+#     fixed overhead), 32k and 128k rows, beside the floor of a dense attention (every row read
+#     once: half a device-to-device copy), and at 32k with recall on every layer (the planned
+#     recall step inside the graph).
+#   - a needle cell (kvtier-needle --synthetic, 8k, ratios 8 and 32, salience / random / dense) on
+#     the CUDA backend: its CSV must be the CPU backend's, byte for byte.
 #   - test_fp8's CUDA case: fp8 ds_mla rows recall on the device as their fp32 decoding does.
 #
 # Not yet covered on the device (the CUDA issue): capture of steps with a close or round due, a
@@ -84,9 +89,24 @@ for b in bench_tiers bench_compact; do
 done
 # the decode step of a batch on the device: eager, planned and CUDA-graph steps at 32k rows
 # (16 requests) and 128k (4), and the CPU backend's at 32k beside them
-(cd build-gpu && timeout 90 ./bench/bench_step cuda 3 32768 16 &&
-  timeout 90 ./bench/bench_step cuda 3 131072 4 && timeout 60 ./bench/bench_step cpu 3 32768 16) \
+(cd build-gpu && timeout 60 ./bench/bench_step cuda 3 4096 16 &&
+  timeout 90 ./bench/bench_step cuda 3 32768 16 &&
+  timeout 90 ./bench/bench_step cuda 3 131072 4 &&
+  timeout 90 ./bench/bench_step cuda 3 32768 16 recall &&
+  timeout 60 ./bench/bench_step cpu 3 32768 16) \
   > "$OUT/bench_step.txt" 2>&1 || true
-echo "decode step (eager / planned / graph): see bench_step.txt" | tee -a "$OUT/summary.txt"
+echo "decode step (eager / planned / graph, dense floor, recall): see bench_step.txt" |
+  tee -a "$OUT/summary.txt"
+# a needle cell on the device: the CPU backend's CSV, byte for byte
+needle="--synthetic --context 8192 --ratio 8,32 --mode salience,random,dense --needles 2 --seed 3"
+if (cd build-gpu && timeout 120 ./tools/kvtier-needle $needle --csv "$OUT/needle_cpu.csv" \
+      --no-progress && timeout 120 ./tools/kvtier-needle $needle --backend cuda \
+      --csv "$OUT/needle_cuda.csv" --no-progress) > "$OUT/needle.txt" 2>&1 &&
+   cmp -s "$OUT/needle_cpu.csv" "$OUT/needle_cuda.csv"; then
+  echo "needle cell on CUDA: the CPU's CSV" | tee -a "$OUT/summary.txt"
+else
+  status=1
+  echo "needle cell on CUDA: FAILED or differs (needle.txt, needle_*.csv)" | tee -a "$OUT/summary.txt"
+fi
 echo "total: $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
 exit $status
