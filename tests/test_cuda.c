@@ -28,6 +28,7 @@
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "lib/base/alloc.h"
+#include "recall/recall.h"
 #include "support/testutil.h"
 
 #include <math.h>
@@ -805,9 +806,56 @@ static void step_queries(rig *r, step_item *it, tu_rng *g, double noise) {
                  KVT_OK);
 }
 
-static void step_pair(bool groups) {
+/* The planned op's device side (kvt__recall_plan_args): a plan of up to PLAN_MAX items, their
+ * count, and one query buffer the items' queries are copied into. */
+enum { PLAN_MAX = 8, PLAN_Q = PLAN_MAX * 16 * 576 };
+typedef struct plan_rig {
+    void *items, *n, *q;
+} plan_rig;
+
+/* Items ga[0 .. n) run as the planned op (its bound: 16 heads, rank 64, 512 rows): queries
+ * copied to item i's q_off, the items and count written, the workspace reserved, then the op.
+ * Returns its status. */
+static kvt_status planned_step(rig *r, plan_rig *pr, const step_item *it,
+                               const kvt__recall_step_args *ga, uint32_t n, uint64_t bound_rows) {
+    kvt__recall_plan_item items[PLAN_MAX];
+    memset(items, 0, sizeof items);
+    size_t off = 0;
+    cr_assert_leq(n, PLAN_MAX);
+    for (uint32_t i = 0; i < n; i++) {
+        const size_t qf = (size_t)(it[i].s.c.latent_dim + 64) * it[i].s.H;
+        cr_assert_leq(off + qf, PLAN_Q);
+        cr_assert_eq(r->gpu.ops->copy(&r->gpu, (float *)pr->q + off, ga[i].scan.q,
+                                      sizeof(float) * qf, NULL),
+                     KVT_OK);
+        items[i].a = ga[i];
+        items[i].div = *ga[i].scan.pdiv;
+        items[i].a.scan.pdiv = NULL;
+        items[i].a.scan.q = NULL;
+        items[i].q_off = off;
+        off += qf;
+    }
+    cr_assert_eq(r->gpu.ops->write(&r->gpu, pr->items, items, sizeof items, NULL), KVT_OK);
+    cr_assert_eq(r->gpu.ops->write(&r->gpu, pr->n, &n, sizeof n, NULL), KVT_OK);
+    kvt__recall_plan_args pa = {.items = pr->items, .n = pr->n, .n_max = PLAN_MAX,
+                                .query = pr->q, .query_floats = PLAN_Q};
+    kvt__recall_plan_bound(16, 64, 512, 64, bound_rows, 0, &pa.bound);
+    if (r->gpu.ops->recall_plan_reserve)
+        cr_assert_eq(r->gpu.ops->recall_plan_reserve(&r->gpu, &pa), KVT_OK);
+    return r->gpu.ops->recall_step_planned(&r->gpu, &pa, NULL);
+}
+
+/* planned: the device side runs the planned op (kvt__recall_plan_args) instead of recall_step,
+ * from a plan buffer holding more slots than items. */
+static void step_pair(bool groups, bool planned) {
     rig r;
     rig_open(&r);
+    plan_rig pr = {0};
+    if (planned) {
+        pr.items = dev(&r, NULL, sizeof(kvt__recall_plan_item) * PLAN_MAX);
+        pr.n = dev(&r, NULL, sizeof(uint32_t));
+        pr.q = dev(&r, NULL, sizeof(float) * PLAN_Q);
+    }
     tu_rng g = {.s = groups ? 0x57e9u : 0x57e8u};
     const struct {
         int dt;
@@ -835,7 +883,10 @@ static void step_pair(bool groups) {
                 ga[i] = step_args_of(&it[i], true);
             }
             cr_assert_eq(r.cpu.ops->recall_step(&r.cpu, ca, NI, NULL), KVT_OK);
-            cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
+            if (planned)
+                cr_assert_eq(planned_step(&r, &pr, it, ga, NI, 512), KVT_OK, "step %u", step);
+            else
+                cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
             for (int i = 0; i < NI; i++) {
                 step_item *x = &it[i];
                 kvt__recall_state gs;
@@ -882,6 +933,23 @@ static void step_pair(bool groups) {
         bad.margin = -1.0f;
         cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
         cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 0, NULL), KVT_OK);
+        if (planned) {
+            /* an item outside the plan's bound (400 closed rows, a bound of 256): the CPU
+             * backends refuse the op; the CUDA one, which cannot, makes the item's step dense */
+            kvt__recall_step_args one = step_args_of(&it[0], true);
+            const uint8_t zero = 0;
+            cr_assert_eq(r.gpu.ops->write(&r.gpu, it[0].ddense, &zero, 1, NULL), KVT_OK);
+            const kvt_status s = planned_step(&r, &pr, &it[0], &one, 1, 256);
+            uint8_t d = 0;
+            cr_assert_eq(r.gpu.ops->read(&r.gpu, &d, it[0].ddense, 1, NULL), KVT_OK);
+            if (r.guarded) {
+                cr_assert_eq(s, KVT_ERR_INVALID_ARGUMENT);
+                cr_assert_eq(d, 0, "a refused plan ran nothing");
+            } else {
+                cr_assert_eq(s, KVT_OK);
+                cr_assert_eq(d, 1, "the unservable item's step is dense");
+            }
+        }
         for (int i = 0; i < NI; i++)
             step_item_free(&r, &it[i]);
         rpool_free(&r, &p);
@@ -891,16 +959,27 @@ static void step_pair(bool groups) {
     cr_assert(calibrated && calib_dense && some_fired && some_over && quiet,
               "calibrated %u, calibration steps %u, fired %u, overflowed %u, quiet %u", calibrated,
               calib_dense, some_fired, some_over, quiet);
+    if (planned) {
+        undev(&r, pr.items, sizeof(kvt__recall_plan_item) * PLAN_MAX);
+        undev(&r, pr.n, sizeof(uint32_t));
+        undev(&r, pr.q, sizeof(float) * PLAN_Q);
+    }
     rig_close(&r);
 }
 
 Test(cuda, recall_step_equals_the_cpu) {
-    step_pair(false);
+    step_pair(false, false);
+}
+
+/* The planned op (a CUDA graph's recall step): items read from a plan buffer, queries from one
+ * base, launch and workspace sized by the bound. */
+Test(cuda, recall_step_planned_equals_the_cpu) {
+    step_pair(false, true);
 }
 
 /* The CPU's pruned scan over group planes and the device's full scan: the same decisions. */
 Test(cuda, recall_step_full_scan_equals_the_cpu_pruned_one) {
-    step_pair(true);
+    step_pair(true, false);
 }
 
 /* ------------------------------------------------------------------------------------------------
