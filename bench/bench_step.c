@@ -6,8 +6,9 @@
  *   planned  the same with kvt_batch_plan_device before the runs (each run one planned pack);
  *   graph    (CUDA only) kvt_batch_plan_device, then one CUDA graph captured over the runs of
  *            the first planned step, launched every step (the engine's way).
- * Untimed: the scheduler's reserve and the forward's row writes. Each way runs W steps per
- * window, the stream synchronised at the window's end (included); the figure is per step, the
+ * Untimed: the scheduler's reserve and the forward's row writes. A window runs W steps of each
+ * way, interleaved step by step (the tail grows with each step: every way sees the same
+ * lengths), the stream synchronised after each step (included); the figure is per step, the
  * range over R windows. Beside it, measured in the same run: memcpy of the bytes the step emits
  * (NL x NS x topk int32), and the floor of a dense decode attention over every row — reading
  * each row's 1152 bytes once per layer and request, taken as half a copy of them (a copy reads
@@ -109,10 +110,13 @@ static double read_floor(kvt_backend_kind kind, void *stream, size_t bytes) {
     return memcpy_best(bytes, 20);
 }
 
-/* One window of W steps the given way (0 eager, 1 planned, 2 graph); seconds per step. */
-static double window(rig *r, int way, void *stream, void **graph) {
-    double total = 0;
-    for (int k = 0; k < W; k++) {
+/* One window of W steps of each of the first `ways` ways (0 eager, 1 planned, 2 graph),
+ * interleaved step by step (each way's steps see the same context lengths: the tail grows with
+ * every step), the stream synchronised after each step (included); seconds per step into sec. */
+static void window(rig *r, int ways, void *stream, void **graph, double *sec) {
+    double total[3] = {0, 0, 0};
+    for (int k = 0; k < W * ways; k++) {
+        const int way = k % ways;
         step_begin(r);
         double t = now_s();
         kvt_status s = kvt_batch_plan(r->b);
@@ -150,11 +154,11 @@ static double window(rig *r, int way, void *stream, void **graph) {
         }
         if ((s = kvt_batch_commit(r->b, NULL)))
             die(s, "commit");
-        if (k == W - 1)
-            sync_stream(stream);
-        total += now_s() - t;
+        sync_stream(stream);
+        total[way] += now_s() - t;
     }
-    return total / W;
+    for (int w = 0; w < ways; w++)
+        sec[w] = total[w] / W;
 }
 
 int main(int argc, char **argv) {
@@ -271,12 +275,14 @@ int main(int argc, char **argv) {
     const int ways = kind == KVT_BACKEND_CUDA ? 3 : 2;
     double lo[3] = {1e30, 1e30, 1e30}, hi[3] = {0, 0, 0};
     void *graph = NULL;
-    for (int rep = 0; rep < R; rep++)
+    for (int rep = 0; rep < R; rep++) {
+        double t[3];
+        window(&r, ways, stream, &graph, t);
         for (int w = 0; w < ways; w++) {
-            double t = window(&r, w, stream, &graph);
-            lo[w] = t < lo[w] ? t : lo[w];
-            hi[w] = t > hi[w] ? t : hi[w];
+            lo[w] = t[w] < lo[w] ? t[w] : lo[w];
+            hi[w] = t[w] > hi[w] ? t[w] : hi[w];
         }
+    }
     const size_t bytes = sizeof(int32_t) * NL * NS * (size_t)ls.attended_rows;
     const double floor = memcpy_best(bytes, 20);
     /* the dense floor: one request's N rows read once (its layer's rows), x NS x NL */
