@@ -24,6 +24,10 @@
 #     the eager twin's); never run on a device before this script's first run with it.
 #   - the fast tests, which include the CUDA skip paths' neighbours (guarded, batch, steady).
 #   - bench_tiers and bench_compact (CPU figures, for the same-run ratios) and nvidia-smi.
+#   - bench_ops on the device: a salience close (σ of a 4096-row block + top-m of 32k closed rows;
+#     the goal is < 50 us) and an eviction round of 8 layers x 8 heads (ev_select + ev_apply; the
+#     goal is <= 1.1x the copy of the kept rows), wall and device (event) times beside a
+#     device-to-device copy floor measured in the same run; and the CPU backend's beside them.
 #   - compute-sanitizer memcheck and racecheck on test_cuda's pack, attend and select tests.
 #   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 4k rows (the per-step
 #     fixed overhead), 32k and 128k rows, beside the floor of a dense attention (every row read
@@ -87,6 +91,9 @@ echo "fast tests: see fast_tests.txt" | tee -a "$OUT/summary.txt"
 for b in bench_tiers bench_compact; do
   (cd build-gpu && timeout 120 ./bench/$b 5) > "$OUT/$b.txt" 2>&1 || true
 done
+(cd build-gpu && timeout 60 ./bench/bench_ops cuda 20 && timeout 60 ./bench/bench_ops cpu 3) \
+  > "$OUT/bench_ops.txt" 2>&1 || true
+echo "close and round on the device vs copy floors: see bench_ops.txt" | tee -a "$OUT/summary.txt"
 # the decode step of a batch on the device: eager, planned and CUDA-graph steps at 32k rows
 # (16 requests) and 128k (4), and the CPU backend's at 32k beside them
 (cd build-gpu && timeout 60 ./bench/bench_step cuda 3 4096 16 &&
