@@ -337,6 +337,20 @@ KVT_HD int kvt__attend_args_ok(const kvt__attend_args *a) {
            a->n_heads <= 1024u;
 }
 
+/* The largest work a batch's decode steps give the ops that take a backend workspace, from the
+ * context's stated limits (max_rows_per_seq): kvt__backend_ops.reserve sizes the workspace for it
+ * when the batch is created, so that no decode step grows it (a device workspace grows by
+ * synchronising and allocating). */
+typedef struct kvt__ws_bounds {
+    uint32_t max_items;            /* requests of a step */
+    kvt__recall_step_args recall;  /* the largest salience recall item (kvt__recall_plan_bound);
+                                    * scan.n_heads 0: none */
+    const struct kvt__recall_rope_args *rope; /* the largest RoPE recall item; NULL: none */
+    kvt__ev_args round;            /* the largest round layer (N, K, r, n_heads, n_planes,
+                                    * slot_bytes; no pointer read); n_heads 0: none */
+    uint32_t round_layers;         /* layers one round call takes at most */
+} kvt__ws_bounds;
+
 typedef struct kvt__backend_ops {
     const char *name;
     /* Buffers in the backend's memory space (ggml-backend's rule: host code reaches a buffer's
@@ -400,6 +414,11 @@ typedef struct kvt__backend_ops {
     kvt_status (*recall_step_planned)(const kvt__backend *be, const kvt__recall_plan_args *a,
                                       void *stream);
     kvt_status (*recall_plan_reserve)(const kvt__backend *be, const kvt__recall_plan_args *a);
+    /* (optional) Size the handle's workspace for every op of a step within b (grow only):
+     * KVT_ERR_OUT_OF_MEMORY. The CUDA backend has it (its workspace otherwise grows, with a
+     * device synchronisation, when a larger step than any before arrives); the CPU backends size
+     * theirs at context creation (lib/context.c). */
+    kvt_status (*reserve)(const kvt__backend *be, const kvt__ws_bounds *b);
     /* Whether recall_step serves promotion (args.promo non-NULL): every backend's does (the
      * CPU, guarded and CUDA ones, over kernels/recall_promo.h); one without it has the library
      * refuse config.recall_promote_capacity > 0, naming it. */

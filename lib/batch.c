@@ -74,6 +74,46 @@ static size_t query_floats(const kvt_ctx *ctx, uint32_t layer) {
     return (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
 }
 
+static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *out);
+
+/* A device workspace of the batch's own sized once for its decode steps (kvt__ws_bounds, from
+ * max_rows_per_seq): every salience recall layer's largest item, every RoPE recall layer's, the
+ * largest decode round (K + r + c rows and up to 64 tokens of a step, its group's layers at
+ * once). A longer prefill step may still grow it, outside any graph. */
+static kvt_status reserve_workspace(kvt_batch *b) {
+    const kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    if (!ctx->max_rows || !be->ops->reserve)
+        return KVT_OK;
+    kvt__ws_bounds w = {.max_items = b->max_seqs};
+    kvt_status s = be->ops->reserve(be, &w); /* the pack's own */
+    for (uint32_t l = 0; s == KVT_OK && l < ctx->n_layers; l++) {
+        kvt__recall_rope_args rope;
+        kvt__ws_bounds x = {.max_items = b->max_seqs};
+        if (ctx->sketch_rank && ctx->policies[l] == KVT_POLICY_SALIENCE)
+            plan_bound(b, l, &x.recall);
+        if (kvt__ctx_rope_bound(ctx, l, &rope))
+            x.rope = &rope;
+        if (ctx->policies[l] == KVT_POLICY_EVICT) {
+            const kvt__store *st = &ctx->stores[l];
+            const kvt_config *c = &ctx->cfg;
+            const uint64_t cad = c->cadence_rows ? c->cadence_rows : c->recent_rows;
+            x.round = (kvt__ev_args){.n_planes = st->spec.n_planes, .slot_bytes = st->slot_bytes,
+                                     .row_bytes = st->spec.row_bytes,
+                                     .n_heads = st->spec.n_kv_heads,
+                                     .N = (uint64_t)c->evict_budget_rows + c->recent_rows + cad +
+                                          64,
+                                     .K = c->evict_budget_rows, .r = c->recent_rows};
+            uint32_t n = 0; /* the layers one call takes: the group's evict layers */
+            for (uint32_t k = 0; k < ctx->n_layers; k++)
+                n += ctx->policies[k] == KVT_POLICY_EVICT && ctx->stores[k].group == st->group;
+            x.round_layers = n < 16u ? n : 16u;
+        }
+        s = be->ops->reserve(be, &x);
+    }
+    return s;
+}
+
 kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
@@ -106,6 +146,8 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->own_be = ws == KVT_OK;
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
+    if (ws == KVT_OK && b->own_be && reserve_workspace(b) != KVT_OK)
+        ws = KVT_ERR_OUT_OF_MEMORY;
     if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->defer || !b->steps || !b->step_seqs ||
         !b->recall_way || !b->dense || !b->rsteps || !b->recall_ran ||
         ws == KVT_ERR_OUT_OF_MEMORY) {

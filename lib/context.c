@@ -240,6 +240,32 @@ static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, s
     return kvt__fail(err, len, s, "backend: CUDA requested but unavailable: %s", why);
 }
 
+bool kvt__ctx_rope_bound(const kvt_ctx *ctx, uint32_t layer, kvt__recall_rope_args *out) {
+    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
+    const uint32_t stride = kvt__ev_sketch_stride(sp, ctx->sketch_rank);
+    if (!ctx->sketch_rank || ctx->policies[layer] != KVT_POLICY_EVICT || stride == 0 ||
+        sp->n_kv_heads == 0 || sp->n_kv_heads > KVT__RECALL_ROPE_MAX_KV)
+        return false;
+    kvt__recall_rope_args *a = out;
+    memset(a, 0, sizeof *a);
+    a->D = kvt__ev_key_dim(sp);
+    a->n_kv = sp->n_kv_heads;
+    a->group = sp->n_q_heads / sp->n_kv_heads;
+    a->sample_cap = sp->n_q_heads * KVT__RECALL_SAMPLES_PER_HEAD;
+    a->capped = ctx->archive_host; /* an overflow's choice over the whole archive */
+    a->ar_n = ctx->archive_rows ? ctx->archive_rows : ctx->max_rows;
+    for (uint32_t h = 0; h < a->n_kv; h++)
+        a->rank[h] = stride;
+    static uint32_t planes_on; /* the pruned scan's share: any non-NULL plane */
+    const uint32_t B = ctx->cfg.block_rows;
+    if (B >= 64u && (B & (B - 1u)) == 0) {
+        a->g_perm = &planes_on;
+        a->g_B = B;
+        a->branch_dim = sp->n_planes == 1 ? sp->branch_dim : 0;
+    }
+    return true;
+}
+
 /* With a stated max_rows_per_seq, the size of a backend workspace that serves the largest close
  * (σ of a block over the widest branch of a salience layer) and the largest top-m (all of a
  * request's rows). Each batch of the CPU backend sizes its own workspace to it
@@ -284,28 +310,10 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
      * the scan's scratch for one KV head's group and its own (kvt__recall_rope_scratch_floats),
      * whatever the archive's length: the largest over the evict layers, every head at the
      * context's sketch stride. */
-    for (uint32_t i = 0; ctx->sketch_rank && i < ctx->n_layers; i++) {
-        const kvt_layer_spec *sp = &ctx->stores[i].spec;
-        const uint32_t stride = kvt__ev_sketch_stride(sp, ctx->sketch_rank);
-        if (ctx->policies[i] != KVT_POLICY_EVICT || stride == 0 || sp->n_kv_heads == 0 ||
-            sp->n_kv_heads > KVT__RECALL_ROPE_MAX_KV)
-            continue;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
         kvt__recall_rope_args a;
-        memset(&a, 0, sizeof a);
-        a.D = kvt__ev_key_dim(sp);
-        a.n_kv = sp->n_kv_heads;
-        a.group = sp->n_q_heads / sp->n_kv_heads;
-        a.capped = ctx->archive_host; /* an overflow's choice over the whole archive */
-        a.ar_n = ctx->archive_rows ? ctx->archive_rows : ctx->max_rows;
-        for (uint32_t h = 0; h < a.n_kv; h++)
-            a.rank[h] = stride;
-        static uint32_t planes_on; /* the pruned scan's share: any non-NULL plane */
-        const uint32_t B = ctx->cfg.block_rows;
-        if (B >= 64u && (B & (B - 1u)) == 0) {
-            a.g_perm = &planes_on;
-            a.g_B = B;
-            a.branch_dim = sp->n_planes == 1 ? sp->branch_dim : 0;
-        }
+        if (!kvt__ctx_rope_bound(ctx, i, &a))
+            continue;
         const size_t f = kvt__recall_rope_scratch_floats(&a);
         if (f > ctx->ws_sigma_floats)
             ctx->ws_sigma_floats = f;

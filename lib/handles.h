@@ -162,6 +162,11 @@ void kvt__batches_destroy(kvt_ctx *ctx);
 
 /* Record a detail message in the calling thread's last-error buffer (kvt_last_error) and
  * return s; ctx is only there to name the call's context. */
+/* The largest RoPE recall step of `layer` (a random-eviction layer with sketch planes) in this
+ * context: shapes only, from its limits (max_rows_per_seq or archive_rows), no pointer set but
+ * g_perm's marker; false for a layer without one. Sizes the workspaces (lib/context.c, the
+ * CUDA batch's kvt__ws_bounds). */
+bool kvt__ctx_rope_bound(const kvt_ctx *ctx, uint32_t layer, kvt__recall_rope_args *out);
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) KVT__PRINTF(3, 4);
 void kvt__ctx_clear_error(const kvt_ctx *ctx);
 kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream);

@@ -197,9 +197,9 @@ Params<T, N> params_div(const T *host, uint32_t n) {
     return p;
 }
 
-/* Workspace of at least `bytes` (grow-only; growing synchronises the device and allocates: only
- * when a larger step than any before arrives, never in a steady state, and never in a capture:
- * ws_in_capture). */
+/* Workspace of at least `bytes` (grow-only; growing synchronises the device and allocates: at a
+ * batch's creation (cu_reserve, from the context's stated limits), then only when a larger step
+ * than those arrives (a long prefill), never in a capture: ws_in_capture). */
 kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (bytes > c->ws_bytes) {
@@ -1592,6 +1592,17 @@ __global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
                              dense ? archived : s_fetched);
 }
 
+/* A RoPE step's workspace (a.n_kv items, `each` bytes apart): the scan's over the KV heads'
+ * views v, then the step's own (its heads' values, the samples, a capped archive's keys). */
+ScanWs rope_ws_of(const kvt__recall_rope_args &a, const kvt__recall_scan_args *v, uint32_t *H,
+                  size_t *rows) {
+    const uint32_t nq = a.n_kv * a.group;
+    const size_t extra = 4 * align256(sizeof(float) * nq) +
+                         align256(sizeof(float) * a.sample_cap) +
+                         (a.capped ? sizeof(uint32_t) * a.n_kv * a.ar_n : 0);
+    return scan_ws_of(v, sizeof v[0], a.n_kv, extra, H, rows);
+}
+
 kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
                                uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++)
@@ -1606,13 +1617,9 @@ kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_ar
         p.div = *a.pdiv;
         for (uint32_t h = 0; h < a.n_kv; h++)
             kvt__recall_rope_view(&a, h, 0.0f, &p.v[h]);
-        const uint32_t nq = a.n_kv * a.group;
-        const size_t extra = 4 * align256(sizeof(float) * nq) +
-                             align256(sizeof(float) * a.sample_cap) +
-                             (a.capped ? sizeof(uint32_t) * a.n_kv * a.ar_n : 0);
         uint32_t H;
         size_t rows;
-        ScanWs w = scan_ws_of(p.v, sizeof p.v[0], a.n_kv, extra, &H, &rows);
+        ScanWs w = rope_ws_of(a, p.v, &H, &rows);
         if ((s = ws_get(be, w.each * a.n_kv, &w.base)) != KVT_OK)
             break;
         const dim3 grid(a.group, a.n_kv);
@@ -2564,6 +2571,46 @@ const char *cu_last_error(const kvt__backend *be) {
     return t_err_out;
 }
 
+/* The workspace for every op of a step within b (kvt__ws_bounds): the largest of a recall step's
+ * chunk of items, a RoPE step, a round call and the pack's plan, each by the layout its op
+ * uses. */
+kvt_status cu_reserve(const kvt__backend *be, const kvt__ws_bounds *b) {
+    size_t bytes = sizeof(PackPlan) * kMaxSeg;
+    uint32_t H;
+    size_t rows;
+    if (b->recall.scan.n_heads) {
+        bool any_promo;
+        const ScanWs w = step_ws_of(&b->recall, 1, &H, &rows, &any_promo);
+        const uint32_t k = b->max_items < kMaxStep ? b->max_items : kMaxStep;
+        bytes = w.each * (k ? k : 1) > bytes ? w.each * (k ? k : 1) : bytes;
+    }
+    if (b->rope && b->rope->n_kv <= KVT__RECALL_ROPE_MAX_KV) {
+        const kvt__recall_rope_args &a = *b->rope;
+        kvt__recall_scan_args v[KVT__RECALL_ROPE_MAX_KV]; /* the views' sizes only */
+        memset(v, 0, sizeof v);
+        for (uint32_t h = 0; h < a.n_kv; h++) {
+            v[h].n_heads = a.group;
+            v[h].rank = a.rank[h];
+            v[h].latent_dim = a.D;
+            v[h].n_closed = a.ar_n;
+        }
+        const size_t need = rope_ws_of(a, v, &H, &rows).each * a.n_kv;
+        bytes = need > bytes ? need : bytes;
+    }
+    if (b->round.n_heads && b->round_layers) {
+        kvt__ev_args l[kMaxEv];
+        const uint32_t n = b->round_layers < kMaxEv ? b->round_layers : kMaxEv;
+        for (uint32_t i = 0; i < n; i++)
+            l[i] = b->round;
+        const EvSizes z = ev_sizes(l, n);
+        const size_t need = z.sel_total > z.apply_total ? z.sel_total : z.apply_total;
+        bytes = need > bytes ? need : bytes;
+    }
+    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
+    uint8_t *base;
+    return s == KVT_OK ? ws_get(be, bytes, &base) : s;
+}
+
 /* The table, filled by field name (C++ has no C designated initialisers out of order). */
 kvt__backend_ops make_ops() {
     kvt__backend_ops o;
@@ -2584,6 +2631,7 @@ kvt__backend_ops make_ops() {
     o.recall_step = cu_recall_step;
     o.recall_step_planned = cu_recall_step_planned;
     o.recall_plan_reserve = cu_recall_plan_reserve;
+    o.reserve = cu_reserve;
     o.recall_promote = true; /* k_promo_before, k_step_best, k_step_finish */
     o.recall_rope_step = cu_recall_rope_step;
     o.recall_rope_emit = cu_recall_rope_emit;
