@@ -341,10 +341,7 @@ static kvt_status check_sketch_rank(const kvt_ctx *ctx, uint32_t r, char *err, s
         if (ctx->policies[i] != KVT_POLICY_SALIENCE)
             continue;
         /* fp8 rows are read in one layout only: FlashMLA's 656-B ds_mla row (kvt_hd.h). */
-        if (sp->dtype == KVT_DTYPE_FP8_E4M3 &&
-            (sp->value_dim != KVT__FP8_VALUES || sp->row_bytes != 656 ||
-             sp->branch_offset != KVT__FP8_VALUES + 4 * (KVT__FP8_VALUES / KVT__FP8_GROUP) ||
-             sp->branch_dtype != KVT_DTYPE_BF16 || sp->branch_dim != 64))
+        if (sp->dtype == KVT_DTYPE_FP8_E4M3 && !kvt__spec_ds_mla(sp))
             return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
                              "params.recall_sketch_rank: layer %u stores fp8 rows in a layout "
                              "other than the 656-B ds_mla row (512 fp8 values, 4 fp32 scales, "

@@ -5,7 +5,8 @@
  * values (decoded by the test, not the library) are driven in lockstep through a conformal decode
  * with needle queries: their sketch planes, emitted sets and trigger statistics must be equal bit
  * for bit, on the CPU and guarded backends (and CUDA where a device is), with kvt_seq_check after
- * every step.
+ * every step. The same for random eviction with VaSE on an MLA-RoPE layer: its value ranges read
+ * the fp8 rows' scales, so both layers keep, archive and emit the same rows.
  */
 #include <criterion/criterion.h>
 
@@ -172,16 +173,18 @@ static void reserve_write(side *s, uint32_t n, const uint8_t *rows) {
     cr_assert_eq(kvt_batch_plan(s->b), KVT_OK);
 }
 
-/* One decode step of a side: run with the queries, emitted set out, commit, check. */
+/* One decode step of a side: run with the queries (NULL: none), emitted set out, commit,
+ * check. */
 static uint32_t side_step(side *s, const float *q, int32_t *idx) {
     uint32_t topk;
     cr_assert_eq(kvt_batch_capacity(s->b, 0, &topk, NULL), KVT_OK);
-    cr_assert_eq(kvt_buffer_write(s->qbuf, 0, q, sizeof(float) * QD * H), KVT_OK);
+    if (q) /* NULL: no recall on the side's layer */
+        cr_assert_eq(kvt_buffer_write(s->qbuf, 0, q, sizeof(float) * QD * H), KVT_OK);
     kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
                   .indices = kvt_buffer_ptr(s->ibuf), .capacity = topk,
                   .lengths = kvt_buffer_ptr(s->lbuf)};
-    cr_assert_eq(kvt_batch_run(s->b, 0, kvt_buffer_ptr(s->qbuf), NULL, &e), KVT_OK, "%s",
-                 kvt_last_error());
+    cr_assert_eq(kvt_batch_run(s->b, 0, q ? kvt_buffer_ptr(s->qbuf) : NULL, NULL, &e), KVT_OK,
+                 "%s", kvt_last_error());
     int32_t len;
     cr_assert_eq(kvt_buffer_read(s->lbuf, 0, &len, sizeof len), KVT_OK);
     cr_assert_eq(kvt_buffer_read(s->ibuf, 0, idx, sizeof(int32_t) * (size_t)len), KVT_OK);
@@ -291,4 +294,104 @@ Test(fp8, ds_mla_rows_recall_as_their_decoded_fp32_values_guarded, .timeout = 24
 /* On a device: the CUDA kernels read the fp8 rows (sketches, scan, emission); skips without. */
 Test(fp8, ds_mla_rows_recall_as_their_decoded_fp32_values_cuda, .timeout = 240) {
     lockstep(KVT_BACKEND_CUDA);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Random eviction with VaSE on an MLA-RoPE layer: the value range (kernels/evict.h) of an fp8 row
+ * reads its 512 latent values through their scales, so an fp8 layer and an fp32 layer of the
+ * decoded values keep the same rows (the draws are positional), archive the same count and emit
+ * the same slots at every step, rounds included.
+ * ------------------------------------------------------------------------------------------- */
+static void evict_side_open(side *s, bool fp8, kvt_backend_kind be) {
+    memset(s, 0, sizeof *s);
+    kvt_layer_spec sp = {.kind = KVT_LAYER_MLA_ROPE, .dtype = fp8 ? KVT_DTYPE_FP8_E4M3 : KVT_DTYPE_FP32,
+                         .n_kv_heads = 1, .n_planes = 1, .head_dim = QD, .value_dim = D,
+                         .branch_dim = 64, .row_bytes = fp8 ? ROW8 : ROW32,
+                         .branch_offset = fp8 ? 528 : 2048, .branch_dtype = KVT_DTYPE_BF16,
+                         .n_q_heads = H};
+    s->row_bytes = sp.row_bytes;
+    char err[256];
+    cr_assert_eq(kvt_model_create(&sp, 1, fp8 ? "fp8" : "fp32", &s->m, err, sizeof err), KVT_OK,
+                 "%s", err);
+    kvt_config c = kvt_config_default();
+    c.evict_budget_rows = 64;
+    c.recent_rows = 8;
+    c.cadence_rows = 16;
+    c.evict_vase = true;
+    c.evict_archive = true;
+    kvt_ctx_params p = kvt_ctx_default_params();
+    p.model = s->m;
+    p.config = &c;
+    p.page_rows = PR;
+    p.n_pages = 2 * NMAX / PR;
+    p.backend = be;
+    kvt_status cs = kvt_ctx_create(&p, &s->ctx, err, sizeof err);
+    if (cs != KVT_OK && be == KVT_BACKEND_CUDA) {
+        kvt_model_destroy(s->m);
+        if (getenv("KVT_REQUIRE_GPU"))
+            cr_assert_fail("KVT_REQUIRE_GPU set but the CUDA context did not open: %s", err);
+        cr_skip_test("CUDA backend unavailable: %s", err);
+    }
+    cr_assert_eq(cs, KVT_OK, "%s", err);
+    cr_assert_eq(kvt_batch_create(s->ctx, 1, &s->b), KVT_OK);
+    cr_assert_eq(tu_seq_create(s->ctx, 5, &s->seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_buffer_alloc(s->ctx, sizeof(int32_t) * NMAX, &s->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(s->ctx, sizeof(int32_t), &s->lbuf), KVT_OK);
+}
+
+static void evict_lockstep(kvt_backend_kind be) {
+    tu_rng g = {.s = 1234};
+    float *V = malloc(sizeof(float) * RB * D), *lat = malloc(sizeof(float) * D);
+    uint8_t *r8 = malloc(ROW8), *r32 = malloc(ROW32);
+    cr_assert(V && lat && r8 && r32);
+    cr_assert(tu_orthonormal_rows(&g, RB, D, V));
+    side a, b;
+    evict_side_open(&a, true, be);
+    evict_side_open(&b, false, be);
+    static int32_t ia[NMAX], ib[NMAX];
+    static int64_t pa[NMAX], pb[NMAX];
+    for (uint32_t step = 0; step < 400; step++) {
+        make_rows(&g, V, r8, r32, lat);
+        reserve_write(&a, 1, r8);
+        reserve_write(&b, 1, r32);
+        uint32_t la = side_step(&a, NULL, ia), lb = side_step(&b, NULL, ib);
+        cr_assert_eq(la, lb, "step %u: %u vs %u rows", step, la, lb);
+        cr_assert(memcmp(ia, ib, sizeof(int32_t) * la) == 0, "step %u: emitted sets differ", step);
+        /* the rows behind the slots: the same original positions (a round compacts whichever
+         * rows it keeps into the same slots) */
+        uint64_t na = 0, nb = 0;
+        cr_assert_eq(kvt_seq_positions(a.seq, 0, 0, pa, NMAX, &na), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(kvt_seq_positions(b.seq, 0, 0, pb, NMAX, &nb), KVT_OK, "%s",
+                     kvt_last_error());
+        cr_assert_eq(na, nb);
+        cr_assert(memcmp(pa, pb, sizeof(int64_t) * na) == 0, "step %u: kept positions differ",
+                  step);
+    }
+    kvt_layer_stats sa = {.struct_size = sizeof sa}, sb = {.struct_size = sizeof sb};
+    cr_assert_eq(kvt_seq_layer_stats(a.seq, 0, &sa), KVT_OK);
+    cr_assert_eq(kvt_seq_layer_stats(b.seq, 0, &sb), KVT_OK);
+    cr_assert_gt(sa.rounds, 10, "rounds ran: %llu", (unsigned long long)sa.rounds);
+    cr_assert_eq(sa.rounds, sb.rounds);
+    cr_assert_eq(sa.archived_rows, sb.archived_rows);
+    cr_assert_eq(sa.attended_rows, sb.attended_rows);
+    side_close(&a);
+    side_close(&b);
+    free(V);
+    free(lat);
+    free(r8);
+    free(r32);
+}
+
+Test(fp8, ds_mla_rows_evict_with_vase_as_their_decoded_fp32_values_cpu, .timeout = 120) {
+    evict_lockstep(KVT_BACKEND_CPU);
+}
+
+Test(fp8, ds_mla_rows_evict_with_vase_as_their_decoded_fp32_values_guarded, .timeout = 120) {
+    evict_lockstep(KVT_BACKEND_GUARDED);
+}
+
+/* On a device: the CUDA round reads the fp8 rows' values for VaSE; skips without. */
+Test(fp8, ds_mla_rows_evict_with_vase_as_their_decoded_fp32_values_cuda, .timeout = 120) {
+    evict_lockstep(KVT_BACKEND_CUDA);
 }

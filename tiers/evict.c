@@ -334,6 +334,13 @@ static bool float_dtype(kvt_dtype t) {
     return t == KVT_DTYPE_BF16 || t == KVT_DTYPE_FP16 || t == KVT_DTYPE_FP32;
 }
 
+bool kvt__spec_ds_mla(const kvt_layer_spec *sp) {
+    return sp->dtype == KVT_DTYPE_FP8_E4M3 && sp->value_dim == KVT__FP8_VALUES &&
+           sp->row_bytes == 656 &&
+           sp->branch_offset == KVT__FP8_VALUES + 4 * (KVT__FP8_VALUES / KVT__FP8_GROUP) &&
+           sp->branch_dtype == KVT_DTYPE_BF16 && sp->branch_dim == 64;
+}
+
 uint32_t kvt__ev_key_dim(const kvt_layer_spec *sp) {
     if (sp->n_planes == 2)
         return sp->head_dim;
@@ -485,8 +492,8 @@ static kvt__ev_args round_args(const kvt__env *env, const ev_job *j) {
         .n_heads = e->n_heads,
         .dtype = (int)sp->dtype,
         /* VaSE's value range: plane 1 (V) for GQA, the first value_dim values (the latent part,
-         * which is the value) for MLA. fp8 rows are refused at context creation (their range
-         * needs the scales). */
+         * which is the value) for MLA; fp8 rows in the ds_mla layout only (kvt_hd.h decodes them
+         * with their scales; any other fp8 layout is refused at context creation). */
         .value_dim = sp->value_dim,
         .value_plane = sp->n_planes > 1 ? 1 : 0,
         .pages = j->pt->dpages, /* the mirror */
@@ -899,18 +906,19 @@ kvt_status kvt__ev_check(const kvt__ev *e, const kvt__ptable *pt, const kvt_conf
 /* ------------------------------------------------------------------------------------------- */
 /* The policy table (policy.h)                                                                  */
 /* ------------------------------------------------------------------------------------------- */
-/* Rounds need rows; VaSE's value range needs values it cannot decode in fp8 rows without their
- * scales. */
+/* Rounds need rows; VaSE's value range reads fp8 rows in the ds_mla layout only (its scales
+ * within the row: kvt__load_elem), the first value_dim = 512 latent values. */
 static kvt_status ev_supports_layer(const kvt_layer_spec *sp, uint32_t i, const kvt_config *cfg,
                                     char *err, size_t len) {
     if (sp->kind == KVT_LAYER_NO_KV)
         return kvt__fail(err, len, KVT_ERR_POLICY_MISMATCH,
                          "layer %u has no per-token KV (%s); only policy none applies", i,
                          kvt_layer_kind_name(sp->kind));
-    if (cfg->evict_vase && sp->dtype == KVT_DTYPE_FP8_E4M3)
+    if (cfg->evict_vase && sp->dtype == KVT_DTYPE_FP8_E4M3 && !kvt__spec_ds_mla(sp))
         return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                         "config.evict_vase: value range of fp8 rows (layer %u) needs their "
-                         "scales; not supported",
+                         "config.evict_vase: layer %u stores fp8 rows in a layout other than the "
+                         "656-B ds_mla row (512 fp8 values, 4 fp32 scales, 64 bf16 branch values "
+                         "at byte 528), the only one whose values kvtier decodes",
                          i);
     return KVT_OK;
 }

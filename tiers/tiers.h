@@ -405,6 +405,9 @@ kvt_status kvt__ev_sketch_pending(const kvt__env *env, const kvt__store *st, kvt
  * whole post-RoPE key), value_dim on an MLA-RoPE layer (one plane: the latent kv_lora_rank; its
  * rotated branch is scored exactly, as on NoPE layers); 0 for any other spec. */
 uint32_t kvt__ev_key_dim(const kvt_layer_spec *sp);
+/* Are the spec's rows FlashMLA's 656-B ds_mla rows (512 E4M3 latent values, 4 fp32 scales at byte
+ * 512, 64 bf16 branch values at byte 528: kernels/kvt_hd.h), the one fp8 layout kvtier decodes? */
+bool kvt__spec_ds_mla(const kvt_layer_spec *sp);
 /* Does this layer spec get archive sketches when the context builds sketch planes of `stride`?
  * Its stride (min(stride, kvt__ev_key_dim)), or 0: GQA/MHA layers (two planes) and MLA-RoPE
  * layers (one plane, branch of at most KVT__RECALL_MAX_BRANCH values) of bf16/fp16/fp32 rows
