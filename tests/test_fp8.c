@@ -78,9 +78,12 @@ typedef struct side {
     kvt_buffer *qbuf, *ibuf, *lbuf;
 } side;
 
+/* V non-NULL: an MLA-NoPE salience layer with conformal recall over basis V; NULL: an MLA-RoPE
+ * random-eviction layer with VaSE and an archive (no recall). */
 static void side_open(side *s, bool fp8, kvt_backend_kind be, const float *V) {
     memset(s, 0, sizeof *s);
-    kvt_layer_spec sp = {.kind = KVT_LAYER_MLA_NOPE, .dtype = fp8 ? KVT_DTYPE_FP8_E4M3 : KVT_DTYPE_FP32,
+    kvt_layer_spec sp = {.kind = V ? KVT_LAYER_MLA_NOPE : KVT_LAYER_MLA_ROPE,
+                         .dtype = fp8 ? KVT_DTYPE_FP8_E4M3 : KVT_DTYPE_FP32,
                          .n_kv_heads = 1, .n_planes = 1, .head_dim = QD, .value_dim = D,
                          .branch_dim = 64, .row_bytes = fp8 ? ROW8 : ROW32,
                          .branch_offset = fp8 ? 528 : 2048, .branch_dtype = KVT_DTYPE_BF16,
@@ -93,14 +96,19 @@ static void side_open(side *s, bool fp8, kvt_backend_kind be, const float *V) {
     c.block_rows = BLOCK;
     c.kappa = 4;
     c.ratio = 8;
-    c.recall = KVT_RECALL_CONFORMAL;
+    c.recall = V ? KVT_RECALL_CONFORMAL : KVT_RECALL_OFF;
+    c.evict_budget_rows = 64;
+    c.recent_rows = 8;
+    c.cadence_rows = 16;
+    c.evict_vase = true;
+    c.evict_archive = true;
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = s->m;
     p.config = &c;
     p.page_rows = PR;
     p.n_pages = 2 * NMAX / PR;
     p.backend = be;
-    p.recall_sketch_rank = RB;
+    p.recall_sketch_rank = V ? RB : 0;
     kvt_status cs = kvt_ctx_create(&p, &s->ctx, err, sizeof err);
     if (cs != KVT_OK && be == KVT_BACKEND_CUDA) {
         kvt_model_destroy(s->m);
@@ -109,7 +117,9 @@ static void side_open(side *s, bool fp8, kvt_backend_kind be, const float *V) {
         cr_skip_test("CUDA backend unavailable: %s", err);
     }
     cr_assert_eq(cs, KVT_OK, "%s", err);
-    cr_assert_eq(kvt_ctx_set_recall_basis(s->ctx, 0, V, RB), KVT_OK, "%s", kvt_last_error());
+    if (V)
+        cr_assert_eq(kvt_ctx_set_recall_basis(s->ctx, 0, V, RB), KVT_OK, "%s",
+                     kvt_last_error());
     cr_assert_eq(kvt_batch_create(s->ctx, 1, &s->b), KVT_OK);
     cr_assert_eq(tu_seq_create(s->ctx, 3, &s->seq), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(kvt_buffer_alloc(s->ctx, sizeof(float) * QD * H, &s->qbuf), KVT_OK);
@@ -302,43 +312,6 @@ Test(fp8, ds_mla_rows_recall_as_their_decoded_fp32_values_cuda, .timeout = 240) 
  * decoded values keep the same rows (the draws are positional), archive the same count and emit
  * the same slots at every step, rounds included.
  * ------------------------------------------------------------------------------------------- */
-static void evict_side_open(side *s, bool fp8, kvt_backend_kind be) {
-    memset(s, 0, sizeof *s);
-    kvt_layer_spec sp = {.kind = KVT_LAYER_MLA_ROPE, .dtype = fp8 ? KVT_DTYPE_FP8_E4M3 : KVT_DTYPE_FP32,
-                         .n_kv_heads = 1, .n_planes = 1, .head_dim = QD, .value_dim = D,
-                         .branch_dim = 64, .row_bytes = fp8 ? ROW8 : ROW32,
-                         .branch_offset = fp8 ? 528 : 2048, .branch_dtype = KVT_DTYPE_BF16,
-                         .n_q_heads = H};
-    s->row_bytes = sp.row_bytes;
-    char err[256];
-    cr_assert_eq(kvt_model_create(&sp, 1, fp8 ? "fp8" : "fp32", &s->m, err, sizeof err), KVT_OK,
-                 "%s", err);
-    kvt_config c = kvt_config_default();
-    c.evict_budget_rows = 64;
-    c.recent_rows = 8;
-    c.cadence_rows = 16;
-    c.evict_vase = true;
-    c.evict_archive = true;
-    kvt_ctx_params p = kvt_ctx_default_params();
-    p.model = s->m;
-    p.config = &c;
-    p.page_rows = PR;
-    p.n_pages = 2 * NMAX / PR;
-    p.backend = be;
-    kvt_status cs = kvt_ctx_create(&p, &s->ctx, err, sizeof err);
-    if (cs != KVT_OK && be == KVT_BACKEND_CUDA) {
-        kvt_model_destroy(s->m);
-        if (getenv("KVT_REQUIRE_GPU"))
-            cr_assert_fail("KVT_REQUIRE_GPU set but the CUDA context did not open: %s", err);
-        cr_skip_test("CUDA backend unavailable: %s", err);
-    }
-    cr_assert_eq(cs, KVT_OK, "%s", err);
-    cr_assert_eq(kvt_batch_create(s->ctx, 1, &s->b), KVT_OK);
-    cr_assert_eq(tu_seq_create(s->ctx, 5, &s->seq), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_buffer_alloc(s->ctx, sizeof(int32_t) * NMAX, &s->ibuf), KVT_OK);
-    cr_assert_eq(kvt_buffer_alloc(s->ctx, sizeof(int32_t), &s->lbuf), KVT_OK);
-}
-
 static void evict_lockstep(kvt_backend_kind be) {
     tu_rng g = {.s = 1234};
     float *V = malloc(sizeof(float) * RB * D), *lat = malloc(sizeof(float) * D);
@@ -346,8 +319,8 @@ static void evict_lockstep(kvt_backend_kind be) {
     cr_assert(V && lat && r8 && r32);
     cr_assert(tu_orthonormal_rows(&g, RB, D, V));
     side a, b;
-    evict_side_open(&a, true, be);
-    evict_side_open(&b, false, be);
+    side_open(&a, true, be, NULL);
+    side_open(&b, false, be, NULL);
     static int32_t ia[NMAX], ib[NMAX];
     static int64_t pa[NMAX], pb[NMAX];
     for (uint32_t step = 0; step < 400; step++) {
