@@ -263,6 +263,8 @@ typedef struct kvt__pack_args {
     const kvt__pack_query *q_plan;
     const uint32_t *n_plan;  /* [1] */
     uint32_t n_max;
+    uint8_t *dense_out;      /* planned: query i's dense flag (1: it attends every row) into
+                              * dense_out[i] (NULL: none), as an eager run writes the emission's */
     const kvt__div32 *pdiv; /* page_rows */
     bool csr;
     bool first_csr;         /* write indptr[0] = 0 */

@@ -675,6 +675,8 @@ static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void
         const bool all = q->all_rows || (q->dense && *q->dense);
         const uint64_t n_fetch = !all && q->n_fetch ? *q->n_fetch : 0;
         const uint64_t count = all ? d->hi_end : kvt__attended_desc_count(d) + n_fetch;
+        if (a->q_plan && a->dense_out)
+            a->dense_out[i] = all ? 1 : 0;
         const uint64_t out = dev_offsets ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
         if (a->csr)
             a->indptr[q->len_at] = (int32_t)(out + count);
@@ -1341,6 +1343,8 @@ static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
 static kvt_status g_pack_planned(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
     GUARD_OWNS(be, a->n_plan, sizeof(uint32_t));
     GUARD_OWNS(be, a->q_plan, sizeof(kvt__pack_query) * (a->n_max ? a->n_max : 1u));
+    if (a->dense_out)
+        GUARD_OWNS(be, a->dense_out, a->n_max);
     if (a->csr && a->first_csr)
         GUARD_OWNS(be, a->indptr, sizeof(int32_t));
     if (be->cap)

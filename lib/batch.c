@@ -44,6 +44,7 @@ struct kvt_batch {
      * it), with its host image. planned: this step's runs pack from it, for plan_emit[layer]. */
     uint8_t *plan_dev, *plan_host;
     size_t *plan_at; /* [n_layers + 1]: plan_at[n_layers] is the buffer's size */
+    uint8_t *plan_recall; /* [n_layers]: plans_recall, fixed with the buffer's layout */
     kvt_emit *plan_emit; /* [n_layers] */
     uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
     bool planned;
@@ -52,14 +53,24 @@ struct kvt_batch {
 /* Bytes before a layer's queries in the plan buffer (its counts, then alignment). */
 #define PLAN_HEAD 64u
 
+/* May requests recall on this layer: a salience layer with sketch planes in a context whose
+ * config recalls or that has had a request with recall on? */
+static bool layer_may_recall(const kvt_ctx *ctx, uint32_t layer) {
+    return ctx->sketch_rank && ctx->policies[layer] == KVT_POLICY_SALIENCE &&
+           (ctx->cfg.recall != KVT_RECALL_OFF || ctx->recall_seen);
+}
+
 /* Does a planned step's run of this layer hold the layer's recall step (kvt_batch_plan_device)?
- * A salience layer with sketch planes, in a context that states max_rows_per_seq (the bound of
- * the op's launch and workspace), on a backend with the planned op: the same for every step, so
- * a captured run has the op whether or not the capture's step recalled. */
+ * A layer where requests may recall, in a context that states max_rows_per_seq (the bound of the
+ * op's launch and workspace), on a backend with the planned op; fixed when the batch's plan
+ * buffer is laid out (its first planned step), so that a captured run has the op whether or not
+ * the capture's step recalled; a layer that did not plan it then never does (a step where a
+ * request recalls there is not plannable). */
 static bool plans_recall(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
-    return ctx->sketch_rank && ctx->max_rows && ctx->policies[layer] == KVT_POLICY_SALIENCE &&
-           b->be.ops->recall_step_planned;
+    if (b->plan_recall)
+        return b->plan_recall[layer];
+    return layer_may_recall(ctx, layer) && ctx->max_rows && b->be.ops->recall_step_planned;
 }
 
 /* Where layer l's recall items start in the plan (after its max_seqs queries). */
@@ -90,9 +101,10 @@ static kvt_status reserve_workspace(kvt_batch *b) {
     for (uint32_t l = 0; s == KVT_OK && l < ctx->n_layers; l++) {
         kvt__recall_rope_args rope;
         kvt__ws_bounds x = {.max_items = b->max_seqs};
-        if (ctx->sketch_rank && ctx->policies[l] == KVT_POLICY_SALIENCE)
+        if (layer_may_recall(ctx, l))
             plan_bound(b, l, &x.recall);
-        if (kvt__ctx_rope_bound(ctx, l, &rope))
+        if ((ctx->cfg.recall != KVT_RECALL_OFF || ctx->recall_seen) &&
+            kvt__ctx_rope_bound(ctx, l, &rope))
             x.rope = &rope;
         if (ctx->policies[l] == KVT_POLICY_EVICT) {
             const kvt__store *st = &ctx->stores[l];
@@ -225,6 +237,7 @@ void kvt_batch_destroy(kvt_batch *b) {
         kvt__free(a, b->plan_host, bytes);
         kvt__free(a, b->plan_emit, sizeof *b->plan_emit * b->ctx->n_layers);
         kvt__free(a, b->plan_at, sizeof *b->plan_at * (b->ctx->n_layers + 1u));
+        kvt__free(a, b->plan_recall, b->ctx->n_layers);
     }
     if (b->own_be && b->be.ops == kvt__backend_cpu_ops())
         kvt__backend_cpu_close(&b->be);
@@ -667,13 +680,14 @@ static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *ou
 
 /* Request i's recall step on layer l as the planned op takes it (kvt__seq_recall_item's, its
  * queries at the request's place from the run's query base, its dense flag the emission's);
- * *has false when the request has nothing to recall from there this step. */
-static kvt_status plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                                   kvt__recall_plan_item *it, bool *has) {
+ * *has false when the request has nothing to recall from there this step. false when the item
+ * breaks the argument rules or the plan's bound (the step is then not plannable). */
+static bool plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
+                             kvt__recall_plan_item *it, bool *has) {
     static const float no_query; /* a placeholder: the op reads the run's query + q_off */
     *has = kvt__seq_recall_item(b->seqs[i], l, &no_query, e->dense ? e->dense + i : NULL, &it->a);
     if (!*has)
-        return KVT_OK;
+        return true;
     it->div = *it->a.scan.pdiv;
     it->q_off = (uint64_t)i * query_floats(b->ctx, l);
     kvt__recall_step_args bound;
@@ -681,11 +695,7 @@ static kvt_status plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const k
     const bool ok = kvt__recall_plan_ok(&bound, &it->a);
     it->a.scan.pdiv = NULL; /* host values, not read by the op */
     it->a.scan.q = NULL;
-    return ok ? KVT_OK
-              : kvt__ctx_fail(b->ctx, KVT_ERR_INVARIANT,
-                              "seqs[%u] layer %u: its recall step is outside the plan's bound "
-                              "(max_rows_per_seq %u)",
-                              i, l, b->ctx->max_rows);
+    return ok;
 }
 
 /* The planned recall op of layer l: its items in the plan buffer, the run's query base. */
@@ -728,9 +738,11 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
                 return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
                                      "seqs[%u] recalls on layer %u, which plans no recall", i, l);
             bool has = false;
-            if (b->recall_way[i] == RECALL_FETCH &&
-                (s = plan_recall_item(b, i, l, e, &items[n_recall], &has)) != KVT_OK)
-                return s;
+            if (b->recall_way[i] == RECALL_FETCH && !plan_recall_item(b, i, l, e, &items[n_recall], &has))
+                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                     "seqs[%u] layer %u: its recall step left the plan's bound "
+                                     "since plan_device checked it",
+                                     i, l);
             n_recall += has;
             set_query(b, i, 0, l, 1, e, &off, &q[n]);
             /* with recall the set may be every row of the view (kvt_batch_run's bound) */
@@ -777,7 +789,9 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         if (s != KVT_OK)
             return s;
     }
-    /* 1. Plannable: no drafts, and no layer with work its runs must do (close, round, recall). */
+    /* 1. Plannable: no drafts, no layer with work its runs must do (close, round, a recall
+     * the plan cannot hold), every recall item within the plan's bound. */
+    memset(b->defer, 0, b->n_seqs);
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
         if (!sq)
@@ -787,16 +801,29 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             return s;
         if (b->n_drafts[i])
             return KVT_OK;
-        for (uint32_t l = 0; l < L; l++)
-            if (ctx->stores[l].group >= 0 && !kvt__seq_step_quiet(sq, l, plans_recall(b, l)))
+        for (uint32_t l = 0; l < L; l++) {
+            if (ctx->stores[l].group < 0)
+                continue;
+            if (!kvt__seq_step_quiet(sq, l, plans_recall(b, l)))
                 return KVT_OK;
+            kvt__recall_plan_item it;
+            bool has;
+            if (recall_way(b, i, l, 1) == RECALL_FETCH &&
+                !plan_recall_item(b, i, l, &emits[n_emits == 1 ? 0 : l], &it, &has))
+                return KVT_OK;
+        }
     }
     /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. */
     const kvt__backend *be = &b->be;
     if (!b->plan_dev) {
         size_t *at = kvt__calloc(&ctx->alloc, sizeof *at * (L + 1u));
-        if (!at)
+        uint8_t *pr = at ? kvt__calloc(&ctx->alloc, L) : NULL;
+        if (!pr) {
+            kvt__free(&ctx->alloc, at, sizeof *at * (L + 1u));
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan layout");
+        }
+        for (uint32_t l = 0; l < L; l++)
+            pr[l] = plans_recall(b, l);
         b->plan_at = at; /* plan_recall_at reads it */
         for (uint32_t l = 0; l < L; l++) { /* 64-byte aligned parts */
             const size_t end =
@@ -815,10 +842,12 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             if (dev)
                 be->ops->buf_free(be, dev, bytes);
             kvt__free(&ctx->alloc, at, sizeof *at * (L + 1u));
+            kvt__free(&ctx->alloc, pr, L);
             b->plan_at = NULL;
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan buffer (%zu B)",
                                  bytes);
         }
+        b->plan_recall = pr; /* from here on plans_recall reads it */
         b->plan_dev = dev;
         b->plan_host = host;
         b->plan_emit = pe;
@@ -879,6 +908,7 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
     }
     kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
                          .n_plan = (const uint32_t *)at, .n_max = b->max_seqs,
+                         .dense_out = emit->dense,
                          .pdiv = &ctx->pdiv, .csr = emit->layout == KVT_EMIT_CSR,
                          .first_csr = true, .capacity = emit->capacity,
                          .indices = emit->indices, .lengths = emit->lengths,

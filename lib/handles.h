@@ -38,6 +38,9 @@ struct kvt_ctx {
     uint32_t max_seqs;     /* max_seqs (0: none) */
     const struct kvt__io *io; /* snapshot file I/O (lib/snapshot.h); NULL: the system's */
     uint32_t sketch_rank;  /* recall_sketch_rank (0: no sketch planes) */
+    bool recall_seen;      /* a request with recall on was created here (never reset): with
+                            * config.recall, whether a salience layer may recall (planned steps,
+                            * batch workspaces) */
     uint32_t n_live;       /* live requests */
     kvt_seq *free_seqs;    /* request slots built at creation, not in use (linked by next) */
     bool destroying;       /* kvt_ctx_destroy: requests are freed, not parked */

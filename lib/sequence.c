@@ -415,6 +415,8 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **ou
         return kvt__ctx_fail(ctx, cs, "seq params: %s", msg);
     if ((cs = recall_supported(ctx, &cfg)) != KVT_OK)
         return cs;
+    if (cfg.recall != KVT_RECALL_OFF)
+        ctx->recall_seen = true;
     if (ctx->max_seqs && ctx->n_live >= ctx->max_seqs)
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                              "%u live requests: params.max_seqs is %u; destroy one first",

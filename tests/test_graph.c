@@ -32,19 +32,22 @@ enum { NQ = 3, NL = 2, TOPK = 512, STEPS = 170, SEED = 0x9a4f };
 enum { QH = 4, QD = 576, RB = 16 }; /* the salience layer's query heads, query floats, basis */
 static const uint32_t PROMPT[NQ] = {100, 131, 77};
 
-/* What a scenario turns on: recall on the salience layer (KVT_RECALL_OFF: none, no sketch
- * planes), its promotion capacity, layer 0's layout, a lagged query. */
+/* What a scenario turns on: recall on the salience layer (KVT_RECALL_OFF: none, and no sketch
+ * planes unless `sketch`), its promotion capacity, layer 0's layout, a lagged query, one
+ * emission shared by both layers (TOKENS; plan_device gets n_emits = 1). */
 typedef struct scenario {
     kvt_recall_mode recall;
     uint32_t promote;
     kvt_emit_layout layout0;
-    bool lagged;
+    bool lagged, shared, sketch;
 } scenario;
-static const scenario PLAIN = {KVT_RECALL_OFF, 0, KVT_EMIT_TOKENS, false};
+static const scenario PLAIN = {KVT_RECALL_OFF, 0, KVT_EMIT_TOKENS, false, false, false};
 /* Recall on the salience layer: conformal, TOKENS (calibration steps replayed dense, then
- * fetches); margin with promotion, CSR (offsets from the device's counts). */
-static const scenario CONFORMAL = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, false};
-static const scenario MARGIN_PROMOTE = {KVT_RECALL_MARGIN, 8, KVT_EMIT_CSR, false};
+ * fetches); margin with promotion, CSR (offsets from the device's counts); conformal with one
+ * emission for both layers (the eviction layer's run leaves its own dense flags, 0). */
+static const scenario CONFORMAL = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, false, false, false};
+static const scenario MARGIN_PROMOTE = {KVT_RECALL_MARGIN, 8, KVT_EMIT_CSR, false, false, false};
+static const scenario SHARED_EMIT = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, false, true, false};
 
 typedef struct twin {
     kvt_ctx *ctx;
@@ -54,7 +57,7 @@ typedef struct twin {
     kvt_buffer *dense, *query;     /* layer 0's dense flags [NQ]; queries [NQ][QH][QD] */
     kvt_emit e[NL];
     uint64_t pos[NQ]; /* rows written so far */
-    bool recall;
+    bool recall, shared;
     tu_rng g;         /* the rows' and queries' draws (the same in both twins) */
     uint8_t *rows;    /* salience rows written, [NQ][MAXR][1152] (recall scenarios) */
 } twin;
@@ -99,19 +102,20 @@ static bool twin_open_sc(twin *t, kvt_model *m, kvt_backend_kind k, const scenar
     p.page_rows = 16;
     p.n_pages = 256;
     p.backend = k;
-    if (t->recall) {
+    if (t->recall || sc->sketch) {
         p.recall_sketch_rank = RB;
         p.max_rows_per_seq = MAXR; /* what a planned recall step is sized by */
     }
     if (kvt_ctx_create(&p, &t->ctx, why, why_len) != KVT_OK)
         return false;
-    if (t->recall) {
+    if (t->recall || sc->sketch) {
         static float V[RB * 512];
         tu_rng g = {.s = 77};
         cr_assert(tu_orthonormal_rows(&g, RB, 512, V));
         cr_assert_eq(kvt_ctx_set_recall_basis(t->ctx, 0, V, RB), KVT_OK, "%s", kvt_last_error());
         t->rows = calloc((size_t)NQ * MAXR, 1152);
         cr_assert(t->rows);
+        t->recall = true; /* rows kept, queries written: a request may recall */
     }
     for (uint32_t i = 0; i < NQ; i++)
         cr_assert_eq(tu_seq_create(t->ctx, 10 + i, &t->seq[i]), KVT_OK, "%s", kvt_last_error());
@@ -134,6 +138,9 @@ static bool twin_open_sc(twin *t, kvt_model *m, kvt_backend_kind k, const scenar
     cr_assert_eq(kvt_buffer_alloc(t->ctx, NQ, &t->dense), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(t->ctx, sizeof(float) * NQ * QH * QD, &t->query), KVT_OK);
     t->e[0].dense = kvt_buffer_ptr(t->dense);
+    if (sc->shared) /* layer 1 writes layer 0's arrays, its dense flags too */
+        t->e[1] = t->e[0];
+    t->shared = sc->shared;
     return true;
 }
 
@@ -235,7 +242,7 @@ static void same_sets(twin *a, twin *g, uint32_t step) {
     cr_assert_eq(kvt_buffer_read(a->dense, 0, da, NQ), KVT_OK);
     cr_assert_eq(kvt_buffer_read(g->dense, 0, dg, NQ), KVT_OK);
     cr_assert_eq(memcmp(da, dg, NQ), 0, "step %u: dense flags", step);
-    for (uint32_t l = 0; l < NL; l++) {
+    for (uint32_t l = 0; l < (a->shared ? 1u : NL); l++) { /* shared: the last run's sets */
         read_sets(a, l, &x);
         read_sets(g, l, &y);
         if (a->e[l].layout == KVT_EMIT_TOKENS) { /* lengths, then each row up to topk (-1) */
@@ -287,8 +294,8 @@ static void graph_equals_eager_sc(kvt_backend_kind k, void *stream, const scenar
         }
         run_eager(&a, stream);
         bool planned = false;
-        cr_assert_eq(kvt_batch_plan_device(g.b, g.e, NL, stream, &planned), KVT_OK, "%s",
-                     kvt_last_error());
+        cr_assert_eq(kvt_batch_plan_device(g.b, g.e, g.shared ? 1 : NL, stream, &planned),
+                     KVT_OK, "%s", kvt_last_error());
         if (planned && !graph) { /* the recording: nothing runs until it is launched */
             cr_assert_eq(be->ops->capture_begin(be, stream), KVT_OK);
             run_eager(&g, stream);
@@ -375,6 +382,10 @@ Test(graph, recall_promotion_csr_replays_equal_eager_steps_cpu, .timeout = 240) 
     graph_equals_eager_sc(KVT_BACKEND_CPU, NULL, &MARGIN_PROMOTE);
 }
 
+Test(graph, recall_shared_emission_replays_equal_eager_steps_guarded, .timeout = 240) {
+    graph_equals_eager_sc(KVT_BACKEND_GUARDED, NULL, &SHARED_EMIT);
+}
+
 Test(graph, replays_equal_eager_steps_guarded, .timeout = 240) {
     graph_equals_eager(KVT_BACKEND_GUARDED, NULL);
 }
@@ -396,6 +407,7 @@ Test(graph, replays_equal_eager_steps_cuda, .timeout = 240) {
     graph_equals_eager(KVT_BACKEND_CUDA, s);
     graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &CONFORMAL);
     graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &MARGIN_PROMOTE);
+    graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &SHARED_EMIT);
     cudaStreamDestroy(s);
     /* a failure of the device runtime comes back with its own words */
     kvt_model *m = model();
@@ -540,12 +552,68 @@ Test(graph, recall_plan_refusals) {
     for (uint32_t i = 0; i < NQ; i++)
         cr_assert_eq(recall_stats(&t, i).recall_steps, 1);
     twin_close(&t);
-    const scenario lagged = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, true};
+    const scenario lagged = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, true, false, false};
     open_at_decode(&t, m, &lagged);
     cr_assert_eq(kvt_batch_plan_device(t.b, t.e, NL, NULL, &planned), KVT_OK);
     cr_assert_not(planned, "a lagged query is not plannable");
     run_eager(&t, NULL);
     commit_checked(&t);
+    twin_close(&t);
+    kvt_model_destroy(m);
+}
+
+/* Which layers plan recall follows the context and is fixed with a batch's plan: with sketch
+ * planes but recall off, a planned run needs no query; once a request with recall on exists, a
+ * batch planned before it does not plan its recalling steps (they run eagerly), and a new
+ * batch plans them (its runs then take the query). */
+Test(graph, recall_planning_follows_the_context) {
+    kvt_model *m = model();
+    twin t;
+    const scenario off = {KVT_RECALL_OFF, 0, KVT_EMIT_TOKENS, false, false, true};
+    open_at_decode(&t, m, &off);
+    bool planned = false;
+    cr_assert_eq(kvt_batch_plan_device(t.b, t.e, NL, NULL, &planned), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert(planned);
+    for (uint32_t l = 0; l < NL; l++) /* no request can recall: no query needed */
+        cr_assert_eq(kvt_batch_run(t.b, l, NULL, NULL, &t.e[l]), KVT_OK, "%s", kvt_last_error());
+    commit_checked(&t);
+    /* a request with recall on takes request 2's place */
+    kvt_seq_destroy(t.seq[2]);
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 99;
+    sp.recall = KVT_RECALL_MARGIN;
+    cr_assert_eq(kvt_seq_create(t.ctx, &sp, &t.seq[2]), KVT_OK, "%s", kvt_last_error());
+    uint32_t n[NQ] = {1, 1, PROMPT[2]};
+    t.pos[2] = 0;
+    step_begin(&t, n);
+    run_eager(&t, NULL);
+    commit_checked(&t);
+    for (uint32_t i = 0; i < NQ; i++)
+        n[i] = 1;
+    /* 8 steps on the old batch: none planned (its plan holds no recall step); then 8 on a new
+     * one, which lays its plan out with the recall step: the steps without a close or round
+     * planned, their runs taking the query */
+    uint32_t old_planned = 0, new_planned = 0;
+    for (uint32_t k = 0; k < 16; k++) {
+        if (k == 8) {
+            kvt_batch_destroy(t.b);
+            cr_assert_eq(kvt_batch_create(t.ctx, NQ, &t.b), KVT_OK);
+        }
+        step_begin(&t, n);
+        write_queries(&t, 2 + k);
+        cr_assert_eq(kvt_batch_plan_device(t.b, t.e, NL, NULL, &planned), KVT_OK, "%s",
+                     kvt_last_error());
+        if (planned)
+            cr_assert_eq(kvt_batch_run(t.b, 0, NULL, NULL, &t.e[0]), KVT_ERR_INVALID_ARGUMENT,
+                         "a planned recall run without its query");
+        *(k < 8 ? &old_planned : &new_planned) += planned;
+        run_eager(&t, NULL);
+        commit_checked(&t);
+    }
+    cr_assert_eq(old_planned, 0, "the old batch planned a recalling step");
+    cr_assert_geq(new_planned, 4, "the new batch planned %u of 8 steps", new_planned);
+    cr_assert_eq(recall_stats(&t, 2).recall_steps, 16);
     twin_close(&t);
     kvt_model_destroy(m);
 }

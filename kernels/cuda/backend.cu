@@ -50,6 +50,11 @@ struct cuda_impl {
     cudaEvent_t ev;
     void *last_stream;
     bool have_ev;
+    /* The planned ops' own workspace (recall_step_planned): sized once by recall_plan_reserve
+     * from the plan's bound, never moved after, since a captured graph holds its address (the
+     * workspace above may be freed and grown by a later eager op). */
+    uint8_t *plan_ws;
+    size_t plan_ws_bytes;
     /* An op that is not a planned one was refused on a capturing stream since capture_begin:
      * capture_end refuses the graph (it would replay without that op). */
     bool cap_refused;
@@ -134,8 +139,11 @@ kvt_status op_end(const kvt__backend *be, void *stream, kvt_status s) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (s == KVT_OK)
         s = st(cudaGetLastError());
-    if (s == KVT_OK && capturing(stream))
+    if (capturing(stream)) {
+        if (s != KVT_OK) /* a graph without this op would replay a wrong step */
+            c->cap_refused = true;
         return s;
+    }
     if (s == KVT_OK && (s = st(cudaEventRecord(c->ev, strm(stream)))) == KVT_OK) {
         c->last_stream = stream;
         c->have_ev = true;
@@ -199,7 +207,8 @@ Params<T, N> params_div(const T *host, uint32_t n) {
 
 /* Workspace of at least `bytes` (grow-only; growing synchronises the device and allocates: at a
  * batch's creation (cu_reserve, from the context's stated limits), then only when a larger step
- * than those arrives (a long prefill), never in a capture: ws_in_capture). */
+ * than those arrives (a long prefill); never in a capture, where op_begin refuses every op but
+ * the planned ones, which use plan_ws). */
 kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (bytes > c->ws_bytes) {
@@ -219,16 +228,31 @@ kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     return KVT_OK;
 }
 
-/* The workspace a planned op takes: on a capturing stream it must already hold `bytes` (a
- * capture may not allocate or synchronise: kvt_batch_plan_device reserves it first). */
-kvt_status ws_in_capture(const kvt__backend *be, void *stream, size_t bytes, uint8_t **out) {
+/* The planned ops' workspace of at least `bytes` (plan_ws): grown only outside a capture (a
+ * capture may not allocate or synchronise: kvt_batch_plan_device reserves it first), which a
+ * batch's fixed bound makes its first planned step alone. */
+kvt_status plan_ws_get(const kvt__backend *be, void *stream, size_t bytes, uint8_t **out) {
     cuda_impl *c = (cuda_impl *)be->impl;
-    if (bytes > c->ws_bytes && capturing(stream)) {
-        snprintf(t_err, sizeof t_err,
-                 "a planned op's workspace (%zu B) was not reserved before the capture", bytes);
-        return KVT_ERR_BAD_STATE;
+    if (bytes > c->plan_ws_bytes) {
+        if (capturing(stream)) {
+            snprintf(t_err, sizeof t_err,
+                     "a planned op's workspace (%zu B) was not reserved before the capture",
+                     bytes);
+            return KVT_ERR_BAD_STATE;
+        }
+        if (c->plan_ws) {
+            cudaDeviceSynchronize();
+            cudaFree(c->plan_ws);
+            c->plan_ws = NULL;
+            c->plan_ws_bytes = 0;
+        }
+        kvt_status s = st(cudaMalloc(&c->plan_ws, bytes));
+        if (s != KVT_OK)
+            return s;
+        c->plan_ws_bytes = bytes;
     }
-    return ws_get(be, bytes, out);
+    *out = c->plan_ws;
+    return KVT_OK;
 }
 
 __host__ __device__ size_t align256(size_t n) {
@@ -1301,7 +1325,7 @@ kvt_status cu_recall_plan_reserve(const kvt__backend *be, const kvt__recall_plan
     const size_t bytes = plan_ws_bytes(a, &w, &H, &rows, &any_promo);
     uint8_t *base;
     kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
-    return s == KVT_OK && bytes ? ws_get(be, bytes, &base) : s;
+    return s == KVT_OK && bytes ? plan_ws_get(be, NULL, bytes, &base) : s;
 }
 
 kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
@@ -1317,7 +1341,7 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
     const size_t bytes = plan_ws_bytes(a, &w, &H, &rows, &any_promo);
     kvt_status s = op_begin(be, stream, true);
     if (s == KVT_OK)
-        s = ws_in_capture(be, stream, bytes, &w.base);
+        s = plan_ws_get(be, stream, bytes, &w.base);
     if (s == KVT_OK) {
         PlanItems items;
         memset(&items, 0, sizeof items);
@@ -1912,7 +1936,7 @@ __global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_c
  * reads indptr[i], which its loop wrote: the same value). */
 __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan, uint32_t n_max,
                                kvt__div32 pd, bool csr, bool first_csr, int32_t *indices,
-                               int32_t *lengths, int32_t *indptr) {
+                               int32_t *lengths, int32_t *indptr, uint8_t *dense_out) {
     const uint32_t n = *n_plan;
     if (csr && first_csr && blockIdx.x == 0 && threadIdx.x == 0)
         indptr[0] = 0;
@@ -1934,8 +1958,10 @@ __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan
         }
         out = s_sum[0];
     }
-    pack_body(q, blockIdx.x, pd, csr, first_csr, pack_plan_dev(q, out), true, indices, lengths,
-              indptr);
+    const PackPlan pl = pack_plan_dev(q, out);
+    if (dense_out && threadIdx.x == 0)
+        dense_out[blockIdx.x] = pl.all ? 1 : 0;
+    pack_body(q, blockIdx.x, pd, csr, first_csr, pl, true, indices, lengths, indptr);
 }
 
 kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
@@ -1944,7 +1970,7 @@ kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream
         if (s == KVT_OK)
             k_pack_planned<<<a->n_max ? a->n_max : 1, kThreads, 0, strm(stream)>>>(
                 a->q_plan, a->n_plan, a->n_max, *a->pdiv, a->csr, a->first_csr, a->indices,
-                a->lengths, a->indptr);
+                a->lengths, a->indptr, a->dense_out);
         return op_end(be, stream, s);
     }
     kvt_status s = op_begin(be, stream);
@@ -2700,6 +2726,7 @@ extern "C" void kvt__backend_cuda_close(kvt__backend *be) {
     cudaSetDevice(c->device);
     cudaDeviceSynchronize();
     cudaFree(c->ws);
+    cudaFree(c->plan_ws);
     cudaFree(c->counters);
     cudaEventDestroy(c->ev);
     kvt__free(be->alloc, c, sizeof *c);
