@@ -1025,13 +1025,16 @@ typedef struct kvt_emit {
  * plan_device, launch the graph, commit. A step that is not plannable (*planned = false,
  * KVT_OK, nothing written) runs eagerly: kvt_batch_run as usual.
  *
- * A layer plans recall when it is a salience layer of a context with sketch planes
- * (recall_sketch_rank) that states max_rows_per_seq (by which the planned step's launch and
- * workspace are sized once, reserved here, outside any capture), whether or not a request of
- * the step recalls: a planned run of such a layer takes the query (KVT_ERR_INVALID_ARGUMENT when
- * NULL), a buffer that holds max_seqs requests' queries at their places in the batch (the graph
- * replays over steps of any size). Without max_rows_per_seq, steps in which a request recalls
- * are not plannable.
+ * A layer plans recall when it is a salience layer where requests may recall (sketch planes,
+ * and config.recall on or a request created with recall on) of a context that states
+ * max_rows_per_seq (by which the planned step's launch and workspace are sized once, reserved
+ * here, outside any capture), whether or not a request of the step recalls; which layers do is
+ * fixed at the batch's first planned step (a batch planned before the first recalling request
+ * runs that request's recalling steps eagerly: a new batch plans them). A planned run of such a
+ * layer takes the query (KVT_ERR_INVALID_ARGUMENT when NULL), a buffer that holds max_seqs
+ * requests' queries at their places in the batch (the graph replays over steps of any size);
+ * emit.dense, when given, holds max_seqs flags, each planned run writing them as an eager run
+ * does. Without max_rows_per_seq, steps in which a request recalls are not plannable.
  *
  * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
  * n_emits = n_layers), TOKENS or CSR with one query per request; a run of a planned step must
