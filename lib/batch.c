@@ -48,6 +48,7 @@ struct kvt_batch {
     kvt_emit *plan_emit; /* [n_layers] */
     uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
     bool planned;
+    bool planned_once; /* a step was planned: plan_emit holds its emissions, every later one's */
 };
 
 /* Bytes before a layer's queries in the plan buffer (its counts, then alignment). */
@@ -813,8 +814,17 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
                 return KVT_OK;
         }
     }
-    /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. */
+    /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. A
+     * later planned step must pass that step's emissions: a graph captured over planned runs
+     * holds their arrays and capacities, which the plan's offsets must fit. */
     const kvt__backend *be = &b->be;
+    for (uint32_t l = 0; b->planned_once && l < L; l++)
+        if (!same_emit(&emits[n_emits == 1 ? 0 : l], &b->plan_emit[l]))
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "emits[%u]: not the emission of the batch's first planned step "
+                                 "(a graph captured over planned runs writes those arrays; plan "
+                                 "other emissions on another batch)",
+                                 n_emits == 1 ? 0 : l);
     if (!b->plan_dev) {
         size_t *at = kvt__calloc(&ctx->alloc, sizeof *at * (L + 1u));
         uint8_t *pr = at ? kvt__calloc(&ctx->alloc, L) : NULL;
@@ -874,6 +884,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     if (s != KVT_OK)
         return kvt__ctx_fail(ctx, s, "the step's plan to the backend");
     b->planned = true;
+    b->planned_once = true;
     b->stream = stream;
     *planned = true;
     return KVT_OK;

@@ -1038,7 +1038,9 @@ typedef struct kvt_emit {
  *
  * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
  * n_emits = n_layers), TOKENS or CSR with one query per request; a run of a planned step must
- * pass exactly that emission (KVT_ERR_INVALID_ARGUMENT otherwise). The plan buffer, n_layers x
+ * pass exactly that emission, and every planned step of a batch the emissions of its first one
+ * (the arrays and capacities a captured graph writes; KVT_ERR_INVALID_ARGUMENT otherwise, nothing
+ * planned: plan other emissions on another batch). The plan buffer, n_layers x
  * (64 + 112 max_seqs) B on 64-bit hosts, is allocated at the batch's first planned step and
  * never moves: a graph stays valid for the batch's life with the same emission buffers; every
  * planned step copies all of it (one write). A layer that plans recall adds max_seqs recall items

@@ -487,6 +487,11 @@ Test(graph, plan_device_refusals) {
     for (uint32_t i = 0; i < NQ; i++)
         n[i] = 1;
     step_begin(&t, n);
+    /* later planned steps pass the first one's emissions (a graph writes those arrays) */
+    kvt_emit other[NL] = {t.e[0], t.e[1]};
+    other[0].capacity = TOPK - 1;
+    cr_assert_eq(kvt_batch_plan_device(t.b, other, NL, NULL, &planned), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(!planned);
     cr_assert_eq(kvt_batch_plan_device(t.b, t.e, NL, NULL, &planned), KVT_OK);
     cr_assert(planned);
     kvt_seq_destroy(t.seq[1]);
