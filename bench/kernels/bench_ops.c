@@ -7,10 +7,10 @@
  *      (select: 32,768 closed, m = 1,024, one segment) — the CUDA issue's goal is < 50 µs on an
  *      H200; floor: a copy of the block's branch bytes (what σ must read);
  *   2. a random-eviction round of 8 GQA layers x 8 KV heads x 128 dims bf16 (K = 1,024,
- *      r = c = 64: the round fires at 1,152 rows), per-head draws with VaSE, evicted rows
- *      dropped (ev_select then ev_apply, both over the 8 layers in one call each) — goal ≤ 1.1x
- *      the compaction floor; floor: a copy of the bytes the kept rows hold (K + r rows, both
- *      planes, every layer: what any compaction must move at most).
+ *      r = c = 64: the round fires at 1,152 rows), per-head draws, without VaSE (the default)
+ *      and with it, evicted rows dropped (ev_select then ev_apply, both over the 8 layers in one
+ *      call each) — goal ≤ 1.1x the compaction floor; floor: a copy of the bytes the kept rows
+ *      hold (K + r rows, both planes, every layer: what any compaction must move at most).
  * Each figure: the best and the worst of `reps` repetitions (wall time from the first op's
  * enqueue to the stream's completion; on CUDA also the device time between two events around
  * the ops), the inputs restored before each (untimed). Usage: bench_ops [cpu|guarded|cuda] [reps]
@@ -255,7 +255,7 @@ static void bench_close(rig *r, int reps) {
 }
 
 /* 2. A round of L layers, one ev_select and one ev_apply call over all of them. */
-static void bench_round(rig *r, int reps) {
+static void bench_round(rig *r, int reps, bool vase) {
     enum { L = 8, H = 8, D = 128, K = 1024, R = 64, C = 64, N = K + R + C, PR = 64,
            NP = N / PR + 1 };
     const uint32_t row_bytes = D * 2;
@@ -273,7 +273,7 @@ static void bench_round(rig *r, int reps) {
                               .n_heads = H, .dtype = KVT__DT_BF16, .value_dim = D,
                               .value_plane = 1, .pages = d_pages, .first_page = 0,
                               .pdiv = &pdiv, .pos_cap = pos_cap, .N = N, .K = K, .r = R,
-                              .L = 4, .vase = true, .philox_key = 0x5eed, .round = 0,
+                              .L = 4, .vase = vase, .philox_key = 0x5eed, .round = 0,
                               .layer = l, .head_offset = l * H, .shared_draw = false};
         for (int p = 0; p < 2; p++) {
             uint8_t *host = random_bf16(plane);
@@ -307,9 +307,9 @@ static void bench_round(rig *r, int reps) {
     }
     const size_t kept = (size_t)(K + R) * slot * 2 * L;
     const range floor = copy_floor(r, kept, reps);
-    printf("round: %u layers x %u heads x %u bf16, K %u, r = c = %u, per-head draws + VaSE, "
+    printf("round: %u layers x %u heads x %u bf16, K %u, r = c = %u, per-head draws%s, "
            "dropped, %d reps; floor: a copy of the kept rows (%.1f MB)\n",
-           L, H, D, K, R, reps, kept / 1e6);
+           L, H, D, K, R, vase ? " + VaSE" : "", reps, kept / 1e6);
     print("  ev_select + ev_apply", g, floor, r->cuda);
     for (uint32_t l = 0; l < L; l++) {
         for (int p = 0; p < 2; p++) {
@@ -331,7 +331,8 @@ int main(int argc, char **argv) {
         return 0;
     printf("bench_ops: %s backend\n", r.be.ops->name);
     bench_close(&r, reps);
-    bench_round(&r, reps);
+    bench_round(&r, reps, false);
+    bench_round(&r, reps, true);
     rig_close(&r);
     return 0;
 }
