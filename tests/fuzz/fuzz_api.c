@@ -6,7 +6,9 @@
  * queries per request and capacities that sometimes fall short, commit with partial acceptance
  * (and acceptances the contract refuses), prompt changes, batches destroyed before their run,
  * the inspection calls, and snapshots: taken (refused inside a step), restored into a free
- * request slot (as they are, with a byte flipped, or cut short), replacing the original.
+ * request slot (as they are, with a byte flipped, or cut short), replacing the original; steps
+ * planned on the device (kvt_batch_plan_device, one fixed TOKENS emission per batch) whose runs
+ * pass that emission or another one (refused).
  *
  * After every call: its status is in the set kvtier.h documents for it (KVT_ERR_INVARIANT never
  * is), and kvt_seq_check of every live request is KVT_OK (KVT_ERR_BAD_STATE allowed only for a
@@ -19,7 +21,7 @@
 #include <string.h>
 
 enum { L_SAL, L_MLAR, L_GQA, L_SLIDE, L_NOKV, N_LAYERS };
-enum { MAX_SEQS = 4, MAX_BATCHES = 2, MAX_OPS = 256 };
+enum { MAX_SEQS = 4, MAX_BATCHES = 2, MAX_OPS = 256, PLAN_TOPK = 512 };
 
 typedef struct fseq {
     kvt_seq *h;  /* NULL: slot free */
@@ -33,6 +35,10 @@ typedef struct fbatch {
     int idx[MAX_SEQS]; /* fseq index per entry; -1 once destroyed mid-step */
     uint32_t tok[MAX_SEQS], drafts[MAX_SEQS];
     bool ran[N_LAYERS];
+    bool planned; /* the step was planned on the device, for pe */
+    kvt_emit pe;  /* the batch's planned emission (TOKENS, PLAN_TOPK a request) */
+    int32_t pidx[MAX_SEQS * PLAN_TOPK], plen[MAX_SEQS];
+    uint8_t pdense[MAX_SEQS];
 } fbatch;
 
 typedef struct fuzz_state {
@@ -153,6 +159,7 @@ static void step_done(fuzz_state *f, fbatch *b) {
     memset(b->ran, 0, sizeof b->ran);
     b->n = 0;
     b->phase = 0;
+    b->planned = false;
 }
 
 static void op_seq_create(fuzz_state *f) {
@@ -349,8 +356,18 @@ static void op_plan(fuzz_state *f) {
         FUZZ_REQUIRE(s == KVT_OK, "plan after reserve: %s", kvt_status_name(s));
     if (b->phase == 0)
         FUZZ_REQUIRE(s == KVT_ERR_BAD_STATE, "plan without a reservation accepted");
-    if (s == KVT_OK && b->phase == 1)
+    if (s == KVT_OK && b->phase == 1) {
         b->phase = 2;
+        if (fuzz_u8(&f->in) & 1) { /* and on the device */
+            b->pe = (kvt_emit){.struct_size = sizeof b->pe, .layout = KVT_EMIT_TOKENS,
+                               .indices = b->pidx, .capacity = PLAN_TOPK, .lengths = b->plen,
+                               .dense = b->pdense};
+            bool planned = false;
+            s = kvt_batch_plan_device(b->h, &b->pe, 1, NULL, &planned);
+            FUZZ_STATUS("kvt_batch_plan_device", s, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY);
+            b->planned = s == KVT_OK && planned;
+        }
+    }
 }
 
 static void check_emission(fuzz_state *f, const kvt_emit *e, uint32_t n_q) {
@@ -406,7 +423,8 @@ static void op_run(fuzz_state *f) {
     uint8_t dense[MAX_SEQS];
     e.dense = (mode & 2) ? dense : NULL;
     FUZZ_REQUIRE(e.indices && e.lengths && e.indptr, "oom");
-    s = kvt_batch_run(b->h, l, NULL, NULL, &e);
+    const bool planned_run = b->planned && (mode & 0x80); /* the emission it was planned for */
+    s = kvt_batch_run(b->h, l, NULL, NULL, planned_run ? &b->pe : &e);
     if (f->verbose)
         fprintf(stderr, "  run layer %u (%s, s_q %u, capacity %u): %s\n", l, csr ? "csr" : "tokens",
                 sq, cap, kvt_status_name(s));
@@ -414,14 +432,18 @@ static void op_run(fuzz_state *f) {
                 KVT_ERR_OUT_OF_RANGE, KVT_ERR_POLICY_MISMATCH, KVT_ERR_INVALID_ARGUMENT);
     if (b->phase < 2)
         FUZZ_REQUIRE(s != KVT_OK, "run before plan accepted");
-    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1)
+    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1 && !b->planned)
         FUZZ_REQUIRE(s == KVT_OK, "run of layer %u with kvt_batch_capacity's capacity: %s", l,
                      kvt_status_name(s));
+    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && planned_run)
+        FUZZ_REQUIRE(s == KVT_OK, "planned run of layer %u: %s", l, kvt_status_name(s));
     if (b->phase >= 2 && l < N_LAYERS && (s == KVT_OK || s == KVT_ERR_CAPACITY)) {
         b->phase = 3;
         b->ran[l] = true;
     }
-    if (s == KVT_OK && b->phase >= 2)
+    if (s == KVT_OK && b->phase >= 2 && planned_run && has_kv(l))
+        check_emission(f, &b->pe, b->n);
+    else if (s == KVT_OK && b->phase >= 2 && !planned_run)
         check_emission(f, &e, b->n ? n_q : 0);
     free(e.indices);
     free(e.lengths);
