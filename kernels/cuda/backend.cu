@@ -859,6 +859,9 @@ enum { kItemNone = 0, kItemOk = 1, kItemBad = 2 };
 
 struct EagerItems {
     StepParams p;
+    __device__ uint32_t count() const {
+        return p.n;
+    }
     __device__ int get(uint32_t i, kvt__recall_step_args &x, kvt__div32 &d) const {
         x = p.a[i];
         d = p.div[i];
@@ -873,6 +876,12 @@ struct PlanItems {
     const float *query;
     size_t query_floats;
     kvt__recall_step_args bound;
+    /* the items the kernel walks: the plan's count, or every slot when it is out of range
+     * (get() then says none, and the finish leaves the bad ones alone) */
+    __device__ uint32_t count() const {
+        const uint32_t k = *n;
+        return k < n_max ? k : n_max;
+    }
     __device__ int get(uint32_t i, kvt__recall_step_args &x, kvt__div32 &d) const {
         const uint32_t k = *n;
         if (i >= k || k > n_max)
@@ -1029,12 +1038,12 @@ __device__ StepExtra step_extra(const ScanWs &w, uint32_t item, uint32_t n_heads
  * (kvt__promo_settle, one thread), the hit flags cleared, and the kept set merged with the
  * promoted rows, an element per thread (kvt__promo_merged_at: the serial merge's places). */
 template <class Items>
-__global__ void k_promo_before(const Items p, const ScanWs w) {
-    STEP_ARGS(p, blockIdx.x);
+__device__ void promo_before_item(const Items &p, const ScanWs &w, uint32_t item) {
+    STEP_ARGS(p, item);
     if (!x.promo)
         return;
     const kvt__recall_scan_args &a = x.scan;
-    const PromoWs pw = promo_ws(w, blockIdx.x, x);
+    const PromoWs pw = promo_ws(w, item, x);
     const kvt__promo_view pv = kvt__promo_of(&x);
     if (threadIdx.x == 0)
         kvt__promo_settle(&x, &pv, a.sinks < a.n_closed ? a.sinks : a.n_closed);
@@ -1051,21 +1060,21 @@ __global__ void k_promo_before(const Items p, const ScanWs w) {
 }
 
 template <class Items>
-__global__ void k_step_heads(const Items p, const ScanWs w) {
-    STEP_ARGS(p, blockIdx.y);
+__device__ void step_heads_item(const Items &p, const ScanWs &w, uint32_t item) {
+    STEP_ARGS(p, item);
     if (blockIdx.x < x.scan.n_heads)
-        scan_head(x.scan, scan_item(w, blockIdx.y), blockIdx.x);
+        scan_head(x.scan, scan_item(w, item), blockIdx.x);
 }
 
-/* Launch 2: head blockIdx.x of item blockIdx.y. */
+/* Launch 2: head blockIdx.x of the item. */
 template <class Items>
-__global__ void k_step_best(const Items p, const ScanWs w) {
-    STEP_ARGS(p, blockIdx.y);
+__device__ void step_best_item(const Items &p, const ScanWs &w, uint32_t item) {
+    STEP_ARGS(p, item);
     const kvt__recall_scan_args &a = x.scan;
     const uint32_t h = blockIdx.x, D = a.latent_dim, bd = a.branch_dim;
     if (h >= a.n_heads)
         return;
-    const StepPlan pl = step_plan(step_view(x, w, blockIdx.y), x.st->phase);
+    const StepPlan pl = step_plan(step_view(x, w, item), x.st->phase);
     const float *q = a.q + (size_t)h * (D + bd);
     /* 1. rows [0, S), the kept rows past S, the tail [n_closed, n_rows): ascending rows */
     float bv = -INFINITY;
@@ -1090,7 +1099,7 @@ __global__ void k_step_best(const Items p, const ScanWs w) {
          * this best (the heads' blocks OR their verdicts), then the best takes them: the
          * twin's fold of them after the others (a strictly higher one wins) */
         const kvt__promo_view pv = kvt__promo_of(&x);
-        const PromoWs pw = promo_ws(w, blockIdx.y, x);
+        const PromoWs pw = promo_ws(w, item, x);
         float pb = -INFINITY;
         uint64_t prow = UINT64_MAX;
         for (uint32_t i = threadIdx.x; i < pv.h->n_prom; i += blockDim.x) {
@@ -1110,9 +1119,9 @@ __global__ void k_step_best(const Items p, const ScanWs w) {
         return;
     /* 3. the calibration's sample of this head: its best archived row (not kept, not
      * promoted) */
-    const kvt__recall_scan_args av = step_view(x, w, blockIdx.y).scan;
-    const ScanItem it = scan_item(w, blockIdx.y);
-    float *e_out = step_extra(w, blockIdx.y, a.n_heads).e;
+    const kvt__recall_scan_args av = step_view(x, w, item).scan;
+    const ScanItem it = scan_item(w, item);
+    float *e_out = step_extra(w, item, a.n_heads).e;
     bv = -INFINITY;
     br = UINT64_MAX;
     for (uint64_t row = pl.S + threadIdx.x; row < a.n_closed; row += blockDim.x)
@@ -1140,13 +1149,13 @@ __global__ void k_step_best(const Items p, const ScanWs w) {
 
 /* Launch 3: the scan's fire flags, scanning steps only. */
 template <class Items>
-__global__ void k_step_rows(const Items p, const ScanWs w) {
-    STEP_ARGS(p, blockIdx.y);
-    const kvt__recall_step_args v = step_view(x, w, blockIdx.y);
+__device__ void step_rows_item(const Items &p, const ScanWs &w, uint32_t item) {
+    STEP_ARGS(p, item);
+    const kvt__recall_step_args v = step_view(x, w, item);
     const StepPlan pl = step_plan(v, x.st->phase);
     if (!pl.scan)
         return;
-    scan_rows(step_scan(v, pl, x.st->z), scan_item(w, blockIdx.y));
+    scan_rows(step_scan(v, pl, x.st->z), scan_item(w, item));
 }
 
 /* The heads' samples into the sorted array, as kvt__conformal_insert one by one in head order
@@ -1180,12 +1189,12 @@ __device__ void step_insert(const kvt__recall_step_args &x, const StepExtra &ex,
                   &x.st->n_samples);
 }
 
-/* Launch 4: one block per item. */
+/* Launch 4: one block per item (a row of blocks walks several). */
 template <class Items>
-__global__ void k_step_finish(const Items p, const ScanWs w) {
+__device__ void step_finish_item(const Items &p, const ScanWs &w, uint32_t item) {
     kvt__recall_step_args x;
     kvt__div32 x_div;
-    const int got = p.get(blockIdx.x, x, x_div);
+    const int got = p.get(item, x, x_div);
     if (got == kItemBad && threadIdx.x == 0 && x.st) {
         /* a planned item the device cannot run: its step attends every row (never a wrong set) */
         x.st->last_dense = 1;
@@ -1204,12 +1213,12 @@ __global__ void k_step_finish(const Items p, const ScanWs w) {
         s_n = st->n_samples;
     }
     __syncthreads();
-    const kvt__recall_step_args v = step_view(x, w, blockIdx.x);
+    const kvt__recall_step_args v = step_view(x, w, item);
     const StepPlan pl = step_plan(v, s_phase);
     uint32_t dense = 0, over = 0, n_fired = 0;
     uint64_t visited = 0, fired = 0, fetched = 0;
     if (pl.calib) {
-        step_insert(x, step_extra(w, blockIdx.x, x.scan.n_heads), s_n);
+        step_insert(x, step_extra(w, item, x.scan.n_heads), s_n);
         if (threadIdx.x == 0) {
             st->cal_steps++;
             st->phase = kvt__conformal_close(x.samples, st->n_samples, st->cal_steps, &st->z,
@@ -1220,7 +1229,7 @@ __global__ void k_step_finish(const Items p, const ScanWs w) {
         visited = fetched = pl.archived;
     } else if (pl.scan) {
         const kvt__recall_scan_args a = step_scan(v, pl, s_z);
-        const uint32_t total = scan_compact(a, scan_item(w, blockIdx.x).flags);
+        const uint32_t total = scan_compact(a, scan_item(w, item).flags);
         n_fired = total < a.cap ? total : a.cap;
         over = total > a.cap ? 1u : 0u;
         dense = over;
@@ -1237,7 +1246,7 @@ __global__ void k_step_finish(const Items p, const ScanWs w) {
         /* the promoted rows' hits (launch 2's flags), then the candidates, the fetch buffer and
          * the promotions: the twin's kvt__promo_after, on one thread */
         const kvt__promo_view pv = kvt__promo_of(&x);
-        const PromoWs pw = promo_ws(w, blockIdx.x, x);
+        const PromoWs pw = promo_ws(w, item, x);
         for (uint32_t i = 0; i < pv.h->n_prom; i++)
             pv.prom_hist[i] = kvt__promo_hist_next(pv.prom_hist[i], pw.hit[i], pv.mask);
         kvt__promo_after(&x, &pv, x.scan.fired, x.scan.n_fired, *x.scan.n_fired, dense != 0,
@@ -1246,6 +1255,41 @@ __global__ void k_step_finish(const Items p, const ScanWs w) {
     st->steps++;
     st->overflow_steps += over;
     kvt__recall_state_record(st, x.dense, dense, over, pl.archived, visited, fired, fetched);
+}
+
+/* The launches: each walks the items in strides of its grid's item dimension (eager: a block
+ * row an item; planned: at most kPlanItems rows over n_max items, most of them past the step's
+ * count), so an item's blocks call the item's function together. */
+template <class Items>
+__global__ void k_promo_before(const Items p, const ScanWs w) {
+    for (uint32_t i = blockIdx.x; i < p.count(); i += gridDim.x)
+        promo_before_item(p, w, i);
+}
+
+template <class Items>
+__global__ void k_step_heads(const Items p, const ScanWs w) {
+    for (uint32_t i = blockIdx.y; i < p.count(); i += gridDim.y)
+        step_heads_item(p, w, i);
+}
+
+template <class Items>
+__global__ void k_step_best(const Items p, const ScanWs w) {
+    for (uint32_t i = blockIdx.y; i < p.count(); i += gridDim.y)
+        step_best_item(p, w, i);
+}
+
+template <class Items>
+__global__ void k_step_rows(const Items p, const ScanWs w) {
+    for (uint32_t i = blockIdx.y; i < p.count(); i += gridDim.y)
+        step_rows_item(p, w, i);
+}
+
+template <class Items>
+__global__ void k_step_finish(const Items p, const ScanWs w) {
+    for (uint32_t i = blockIdx.x; i < p.count(); i += gridDim.x) {
+        __syncthreads(); /* the last item's shared values read by every thread */
+        step_finish_item(p, w, i);
+    }
 }
 
 /* The workspace layout of k items a[0 .. k) (each item `each` bytes apart): the scan's, then
@@ -1269,7 +1313,8 @@ ScanWs step_ws_of(const kvt__recall_step_args *a, uint32_t k, uint32_t *H, size_
     return w;
 }
 
-/* The four launches over k items from `items` (grid: heads x items, rows x items). */
+/* The four launches over the items of `items`, k rows of blocks for them (grid: heads x k,
+ * rows x k; each row walks the items in strides of k). */
 template <class Items>
 void step_launch(const Items &items, const ScanWs &w, uint32_t k, uint32_t H, dim3 rows_g,
                  bool any_promo, void *stream) {
@@ -1305,11 +1350,13 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
     return op_end(be, stream, s);
 }
 
-/* The planned op (kvt__recall_plan_args): the layout and grids of n_max items of the bound's
- * shape, fixed for the batch's life, so a captured launch replays over any later step; items
- * past the step's count return at once. Rows in strides of at most kPlanRowBlocks blocks an
- * item (the bound's rows may be far more than a step's). */
+/* The planned op (kvt__recall_plan_args): the layout of n_max items of the bound's shape and
+ * the grids, fixed for the batch's life, so a captured launch replays over any later step: at
+ * most kPlanItems rows of blocks walk the step's items (a step with few recalling requests
+ * launches few idle blocks), rows in strides of at most kPlanRowBlocks blocks an item (the
+ * bound's rows may be far more than a step's). */
 constexpr uint32_t kPlanRowBlocks = 64;
+constexpr uint32_t kPlanItems = 16;
 
 size_t plan_ws_bytes(const kvt__recall_plan_args *a, ScanWs *w, uint32_t *H, size_t *rows,
                      bool *any_promo) {
@@ -1351,10 +1398,11 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
         items.query = a->query;
         items.query_floats = a->query_floats;
         items.bound = a->bound;
-        dim3 g = rows_grid(rows, a->n_max);
+        const uint32_t k = a->n_max < kPlanItems ? a->n_max : kPlanItems;
+        dim3 g = rows_grid(rows, k);
         if (g.x > kPlanRowBlocks)
             g.x = kPlanRowBlocks;
-        step_launch(items, w, a->n_max, H, rows ? g : dim3(0, a->n_max), any_promo, stream);
+        step_launch(items, w, k, H, rows ? g : dim3(0, k), any_promo, stream);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
