@@ -1305,7 +1305,9 @@ KVT_API kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq 
  * policies and parallelism, on the given backend, with just enough pages in each pool to restore
  * it (the snapshot's checksums and sizes are checked first); the recall settings META does not
  * hold (recall_cap_rows, recall_margin, recall_promote_*) come from its RECALL sections. Restore the snapshot into it to
- * verify or inspect it. Errors: those of kvt_seq_restore's parsing, and of kvt_ctx_create. */
+ * verify or inspect it. Errors: those of kvt_seq_restore's parsing, and of kvt_ctx_create;
+ * KVT_ERR_OUT_OF_MEMORY, nothing allocated, when its pools would take more than 8 x len + 256
+ * MiB (a page of the snapshot's page size far larger than its rows: a damaged file). */
 KVT_API kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind backend,
                                         kvt_ctx **out);
 

@@ -1009,7 +1009,27 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
                     p.recall_sketch_rank = (uint32_t)stride;
             }
         }
-        s = kvt_ctx_create(&p, out, err, sizeof err);
+        /* Pools out of proportion to the snapshot (at least one page of the snapshot's page size
+         * per group: a page far larger than the rows it holds, rows far wider than a model's)
+         * are refused before any allocation: a tool inspecting a damaged file must not take
+         * gigabytes for it. */
+        uint64_t pool = 0;
+        for (uint32_t i = 0; i < m->n_layers; i++) {
+            const kvt_layer_spec *sp_i = kvt_model_layer(model, i);
+            if (sp_i->kind != KVT_LAYER_NO_KV)
+                pool += (uint64_t)sp_i->n_planes * sp_i->n_kv_heads * sp_i->row_bytes *
+                        p.page_rows * p.n_pages;
+        }
+        const uint64_t cap = 8ull * len + (256ull << 20);
+        if (pool > cap) {
+            s = KVT_ERR_OUT_OF_MEMORY;
+            snprintf(err, sizeof err,
+                     "its context's pools would take %llu bytes, more than 8 x its %zu bytes + "
+                     "256 MiB (%u pages of %u rows)",
+                     (unsigned long long)pool, len, p.n_pages, p.page_rows);
+        } else {
+            s = kvt_ctx_create(&p, out, err, sizeof err);
+        }
     }
     if (s != KVT_OK)
         kvt__fail(kvt__tls_error(), KVT__ERR_LEN, s, "snapshot: %s", err);
