@@ -342,18 +342,6 @@ static kvt_status cpu_recall_step(const kvt__backend *be, const kvt__recall_step
     return run_items(be, a, sizeof *a, n, need, step_item);
 }
 
-/* Planned item i as recall_step takes it (its query from the base, its divider in the plan):
- * false when it breaks the argument rules or the plan's bound. */
-static bool plan_item(const kvt__recall_plan_args *a, uint32_t i, kvt__recall_step_args *x) {
-    const kvt__recall_plan_item *it = &a->items[i];
-    *x = it->a;
-    x->scan.pdiv = &it->div;
-    x->scan.q = a->query ? a->query + it->q_off : NULL;
-    const size_t q_floats = (size_t)x->scan.n_heads * (x->scan.latent_dim + x->scan.branch_dim);
-    return a->query && it->q_off <= a->query_floats && q_floats <= a->query_floats - it->q_off &&
-           kvt__recall_step_args_ok(x) && kvt__recall_plan_fits(&a->bound, x);
-}
-
 static kvt_status cpu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
                                           void *stream) {
     (void)stream;
@@ -365,7 +353,8 @@ static kvt_status cpu_recall_step_planned(const kvt__backend *be, const kvt__rec
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) { /* every item first: nothing runs on a bad plan */
         kvt__recall_step_args x;
-        if (!plan_item(a, i, &x))
+        kvt__div32 d;
+        if (!kvt__recall_plan_item_args(a, i, &x, &d))
             return KVT_ERR_INVALID_ARGUMENT;
         const size_t f = kvt__recall_step_scratch_floats(&x);
         need = f > need ? f : need;
@@ -376,7 +365,8 @@ static kvt_status cpu_recall_step_planned(const kvt__backend *be, const kvt__rec
         return KVT_ERR_OUT_OF_MEMORY;
     for (uint32_t i = 0; i < n; i++) {
         kvt__recall_step_args x;
-        (void)plan_item(a, i, &x);
+        kvt__div32 d;
+        (void)kvt__recall_plan_item_args(a, i, &x, &d);
         kvt__recall_step_cpu(&x, scratch);
     }
     if (owned)
@@ -1224,7 +1214,9 @@ static kvt_status g_recall_step_planned(const kvt__backend *be, const kvt__recal
     kvt_status s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
     for (uint32_t i = 0; i < n && s == KVT_OK; i++) {
         kvt__recall_step_args x;
-        s = plan_item(a, i, &x) ? g_step_owns(be, &x) : KVT_ERR_INVALID_ARGUMENT;
+        kvt__div32 d;
+        s = kvt__recall_plan_item_args(a, i, &x, &d) ? g_step_owns(be, &x)
+                                                    : KVT_ERR_INVALID_ARGUMENT;
     }
     if (s == KVT_OK)
         s = cpu_recall_step_planned(be, a, stream);

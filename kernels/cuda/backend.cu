@@ -870,31 +870,18 @@ struct EagerItems {
 };
 
 struct PlanItems {
-    const kvt__recall_plan_item *items;
-    const uint32_t *n;
-    uint32_t n_max;
-    const float *query;
-    size_t query_floats;
-    kvt__recall_step_args bound;
+    kvt__recall_plan_args a;
     /* the items the kernel walks: the plan's count, or every slot when it is out of range
      * (get() then says none, and the finish leaves the bad ones alone) */
     __device__ uint32_t count() const {
-        const uint32_t k = *n;
-        return k < n_max ? k : n_max;
+        const uint32_t k = *a.n;
+        return k < a.n_max ? k : a.n_max;
     }
     __device__ int get(uint32_t i, kvt__recall_step_args &x, kvt__div32 &d) const {
-        const uint32_t k = *n;
-        if (i >= k || k > n_max)
+        const uint32_t k = *a.n;
+        if (i >= k || k > a.n_max)
             return kItemNone;
-        const kvt__recall_plan_item &it = items[i];
-        x = it.a;
-        d = it.div;
-        x.scan.pdiv = &d;
-        x.scan.q = query ? query + it.q_off : NULL;
-        const size_t qf = (size_t)x.scan.n_heads * (x.scan.latent_dim + x.scan.branch_dim);
-        const bool ok = query && it.q_off <= query_floats && qf <= query_floats - it.q_off &&
-                        kvt__recall_step_args_ok(&x) && kvt__recall_plan_fits(&bound, &x);
-        return ok ? kItemOk : kItemBad;
+        return kvt__recall_plan_item_args(&a, i, &x, &d) ? kItemOk : kItemBad;
     }
 };
 
@@ -1390,14 +1377,7 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
     if (s == KVT_OK)
         s = plan_ws_get(be, stream, bytes, &w.base);
     if (s == KVT_OK) {
-        PlanItems items;
-        memset(&items, 0, sizeof items);
-        items.items = a->items;
-        items.n = a->n;
-        items.n_max = a->n_max;
-        items.query = a->query;
-        items.query_floats = a->query_floats;
-        items.bound = a->bound;
+        const PlanItems items = {*a};
         const uint32_t k = a->n_max < kPlanItems ? a->n_max : kPlanItems;
         dim3 g = rows_grid(rows, k);
         if (g.x > kPlanRowBlocks)
