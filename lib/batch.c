@@ -47,6 +47,7 @@ struct kvt_batch {
     uint8_t *plan_recall; /* [n_layers]: plans_recall, fixed with the buffer's layout */
     kvt_emit *plan_emit; /* [n_layers] */
     uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
+    bool plan_reserved;  /* the planned recall ops' room was made (recall_plan_reserve) */
     bool planned;
     bool planned_once; /* a step was planned: plan_emit holds its emissions, every later one's */
 };
@@ -54,11 +55,16 @@ struct kvt_batch {
 /* Bytes before a layer's queries in the plan buffer (its counts, then alignment). */
 #define PLAN_HEAD 64u
 
-/* May requests recall on this layer: a salience layer with sketch planes in a context whose
- * config recalls or that has had a request with recall on? */
+/* May requests of this context recall: its config does, or a request with recall on was
+ * created? */
+static bool ctx_may_recall(const kvt_ctx *ctx) {
+    return ctx->cfg.recall != KVT_RECALL_OFF || ctx->recall_seen;
+}
+
+/* May requests recall on this layer: a salience layer with sketch planes, ctx_may_recall? */
 static bool layer_may_recall(const kvt_ctx *ctx, uint32_t layer) {
     return ctx->sketch_rank && ctx->policies[layer] == KVT_POLICY_SALIENCE &&
-           (ctx->cfg.recall != KVT_RECALL_OFF || ctx->recall_seen);
+           ctx_may_recall(ctx);
 }
 
 /* Does a planned step's run of this layer hold the layer's recall step (kvt_batch_plan_device)?
@@ -104,8 +110,7 @@ static kvt_status reserve_workspace(kvt_batch *b) {
         kvt__ws_bounds x = {.max_items = b->max_seqs};
         if (layer_may_recall(ctx, l))
             plan_bound(b, l, &x.recall);
-        if ((ctx->cfg.recall != KVT_RECALL_OFF || ctx->recall_seen) &&
-            kvt__ctx_rope_bound(ctx, l, &rope))
+        if (ctx_may_recall(ctx) && kvt__ctx_rope_bound(ctx, l, &rope))
             x.rope = &rope;
         if (ctx->policies[l] == KVT_POLICY_EVICT) {
             const kvt__store *st = &ctx->stores[l];
@@ -248,7 +253,7 @@ void kvt_batch_destroy(kvt_batch *b) {
 }
 
 static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
-                            bool sync);
+                            bool sync, bool *fits);
 
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq) {
     bool found = false;
@@ -264,7 +269,7 @@ void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq) {
      * stream before the runs or the graph launch that read it. Counts only shrink, so no
      * capacity check fails; a backend failure here leaves the context's error message. */
     if (found && b->planned)
-        (void)plan_fill(b, b->plan_emit, b->ctx->n_layers, b->stream, false);
+        (void)plan_fill(b, b->plan_emit, b->ctx->n_layers, b->stream, false, NULL);
 }
 
 kvt_status kvt_batch_reserve(kvt_batch *b, kvt_seq *const *seqs, const uint32_t *n_tokens,
@@ -682,18 +687,17 @@ static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *ou
 /* Request i's recall step on layer l as the planned op takes it (kvt__seq_recall_item's, its
  * queries at the request's place from the run's query base, its dense flag the emission's);
  * *has false when the request has nothing to recall from there this step. false when the item
- * breaks the argument rules or the plan's bound (the step is then not plannable). */
+ * breaks the argument rules or the layer's bound (plan_bound; the step is then not plannable). */
 static bool plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                             kvt__recall_plan_item *it, bool *has) {
+                             const kvt__recall_step_args *bound, kvt__recall_plan_item *it,
+                             bool *has) {
     static const float no_query; /* a placeholder: the op reads the run's query + q_off */
     *has = kvt__seq_recall_item(b->seqs[i], l, &no_query, e->dense ? e->dense + i : NULL, &it->a);
     if (!*has)
         return true;
     it->div = *it->a.scan.pdiv;
     it->q_off = (uint64_t)i * query_floats(b->ctx, l);
-    kvt__recall_step_args bound;
-    plan_bound(b, l, &bound);
-    const bool ok = kvt__recall_plan_ok(&bound, &it->a);
+    const bool ok = kvt__recall_plan_ok(bound, &it->a);
     it->a.scan.pdiv = NULL; /* host values, not read by the op */
     it->a.scan.q = NULL;
     return ok;
@@ -712,9 +716,11 @@ static void recall_plan_args(const kvt_batch *b, uint32_t l, const float *query,
 
 /* Every layer's sets of the planned step into the plan image, as each run would describe them
  * (nothing of the step moves rows), with kvt_batch_run's capacity checks (sync: the page tables'
- * new entries to the backend first), then the image to the backend on stream. */
+ * new entries to the backend first), then the image to the backend on stream. A recall item
+ * outside its layer's bound: *fits false, KVT_OK, nothing written to the backend (the step is not
+ * plannable); fits NULL (a plan rewritten for the same step): KVT_ERR_INVARIANT. */
 static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
-                            bool sync) {
+                            bool sync, bool *fits) {
     kvt_ctx *ctx = b->ctx;
     const kvt__backend *be = &b->be;
     const uint32_t L = ctx->n_layers;
@@ -726,6 +732,9 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
         kvt__recall_plan_item *items =
             plans_recall(b, l) ? (kvt__recall_plan_item *)(b->plan_host + plan_recall_at(b, l))
                                : NULL;
+        kvt__recall_step_args bound;
+        if (items)
+            plan_bound(b, l, &bound);
         uint32_t n = 0, n_recall = 0;
         uint64_t off = 0, total = 0;
         for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
@@ -739,11 +748,17 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
                 return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
                                      "seqs[%u] recalls on layer %u, which plans no recall", i, l);
             bool has = false;
-            if (b->recall_way[i] == RECALL_FETCH && !plan_recall_item(b, i, l, e, &items[n_recall], &has))
+            if (b->recall_way[i] == RECALL_FETCH &&
+                !plan_recall_item(b, i, l, e, &bound, &items[n_recall], &has)) {
+                if (fits) {
+                    *fits = false;
+                    return KVT_OK;
+                }
                 return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
                                      "seqs[%u] layer %u: its recall step left the plan's bound "
                                      "since plan_device checked it",
                                      i, l);
+            }
             n_recall += has;
             set_query(b, i, 0, l, 1, e, &off, &q[n]);
             /* with recall the set may be every row of the view (kvt_batch_run's bound) */
@@ -791,8 +806,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             return s;
     }
     /* 1. Plannable: no drafts, no layer with work its runs must do (close, round, a recall
-     * the plan cannot hold), every recall item within the plan's bound. */
-    memset(b->defer, 0, b->n_seqs);
+     * the plan cannot hold); plan_fill checks the recall items against the plan's bound. */
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
         if (!sq)
@@ -802,17 +816,9 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             return s;
         if (b->n_drafts[i])
             return KVT_OK;
-        for (uint32_t l = 0; l < L; l++) {
-            if (ctx->stores[l].group < 0)
-                continue;
-            if (!kvt__seq_step_quiet(sq, l, plans_recall(b, l)))
+        for (uint32_t l = 0; l < L; l++)
+            if (ctx->stores[l].group >= 0 && !kvt__seq_step_quiet(sq, l, plans_recall(b, l)))
                 return KVT_OK;
-            kvt__recall_plan_item it;
-            bool has;
-            if (recall_way(b, i, l, 1) == RECALL_FETCH &&
-                !plan_recall_item(b, i, l, &emits[n_emits == 1 ? 0 : l], &it, &has))
-                return KVT_OK;
-        }
     }
     /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. A
      * later planned step must pass that step's emissions: a graph captured over planned runs
@@ -862,8 +868,9 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         b->plan_host = host;
         b->plan_emit = pe;
     }
-    /* 3. Room for the planned recall ops (a device's workspace: never grown in a capture). */
-    for (uint32_t l = 0; be->ops->recall_plan_reserve && l < L; l++) {
+    /* 3. Room for the planned recall ops (a device's workspace: never grown in a capture), once:
+     * the layers' bounds are the batch's for its life. */
+    for (uint32_t l = 0; !b->plan_reserved && be->ops->recall_plan_reserve && l < L; l++) {
         kvt__recall_plan_args ra;
         if (!plans_recall(b, l))
             continue;
@@ -872,10 +879,12 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "layer %u: workspace of the planned recall step", l);
     }
+    b->plan_reserved = true;
     /* 4. Each layer's sets and the image; 5. the emissions' dense flags (0 where no request
      * recalls: the recall step writes the others'). */
-    kvt_status s = plan_fill(b, emits, n_emits, stream, true);
-    if (s != KVT_OK)
+    bool fits = true;
+    kvt_status s = plan_fill(b, emits, n_emits, stream, true, &fits);
+    if (s != KVT_OK || !fits)
         return s;
     memset(b->dense, 0, b->n_seqs);
     for (uint32_t l = 0; s == KVT_OK && l < n_emits; l++)
