@@ -95,36 +95,6 @@ static int cmp_u64(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
-/* The cut k of a sorted segment of cnt values t (header comment: 1-D 2-means in double over k in
- * [max(32, cnt/4), cnt − max(32, cnt/4)], ties to the k nearest cnt/2, then the smaller). */
-static uint32_t seg_cut(const float *t, uint32_t cnt) {
-    const uint32_t q = cnt / 4 > KVT__RECALL_GROUP_MIN ? cnt / 4 : KVT__RECALL_GROUP_MIN;
-    const uint32_t klo = q, khi = cnt - q, mid = cnt / 2;
-    const double tm = t[mid];
-    double s1 = 0.0, s2 = 0.0;
-    for (uint32_t i = 0; i < cnt; i++) {
-        double d = (double)t[i] - tm;
-        s1 += d;
-        s2 += d * d;
-    }
-    double a1 = 0.0, a2 = 0.0, bc = INFINITY;
-    uint32_t bk = 0;
-    for (uint32_t k = 1; k <= khi; k++) {
-        double d = (double)t[k - 1] - tm;
-        a1 += d;
-        a2 += d * d;
-        if (k < klo)
-            continue;
-        double c = (a2 - a1 * a1 / k) + ((s2 - a2) - (s1 - a1) * (s1 - a1) / (cnt - k));
-        uint32_t dk = k > mid ? k - mid : mid - k, db = bk > mid ? bk - mid : mid - bk;
-        if (c < bc || (c == bc && dk < db)) {
-            bc = c;
-            bk = k;
-        }
-    }
-    return bk ? bk : mid; /* every cost NaN (non-finite t): the middle */
-}
-
 KVT__FMA_CLONES
 void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
                                  size_t slot_stride, uint32_t branch_offset, int branch_dtype,
@@ -170,7 +140,7 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
             perm[i] = (uint32_t)key[i];
             ts[i] = tv[perm[i]];
         }
-        const uint32_t k = seg_cut(ts + lo, cnt);
+        const uint32_t k = kvt__recall_group_cut(ts + lo, cnt);
         stack[sp++] = lo + k;
         stack[sp++] = hi;
         stack[sp++] = lo;
@@ -197,28 +167,13 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
         seg_mean(X, n, perm, start, e, c);
         for (uint32_t j = n; j < dim; j++)
             c[j] = 0.0f;
-        float R = 0.0f, rmax = 0.0f, rmin = INFINITY, nck = 0.0f;
-        int bad = 0;
+        kvt__recall_group_acc acc = kvt__recall_group_acc_new();
         for (uint32_t i = start; i < e; i++) {
             const uint32_t u = perm[i];
-            float r = kvt__recall_radius_up(kvt__recall_dist2(X + (size_t)u * n, c, n), n);
-            R = r > R ? r : R;
-            bad |= !(r <= 3.40282347e38f);
-            const float p = rho[u]; /* never NaN (sketch.h); a NaN would make the group live */
-            if (!(p >= 0.0f && p <= 3.40282347e38f))
-                rmax = INFINITY;
-            else {
-                rmax = p > rmax ? p : rmax;
-                rmin = p < rmin ? p : rmin;
-            }
-            const float nc = kvt__recall_csk_norm(csk + (size_t)u * csk_stride, rank);
-            nck = nc > nck || !(nc == nc) ? nc : nck;
+            kvt__recall_group_acc_take(&acc, kvt__recall_dist2(X + (size_t)u * n, c, n), n, rho[u],
+                                       kvt__recall_csk_norm(csk + (size_t)u * csk_stride, rank));
         }
-        st[KVT__RG_RADIUS] = bad ? INFINITY : R;
-        st[KVT__RG_NCENTRE] = kvt__recall_radius_up(kvt__recall_norm2(c, n), n);
-        st[KVT__RG_RHO_MAX] = rmax;
-        st[KVT__RG_RHO_MIN] = rmin <= rmax ? rmin : 0.0f;
-        st[KVT__RG_NCSK_MAX] = nck == nck ? nck : INFINITY;
+        kvt__recall_group_acc_stat(&acc, kvt__recall_norm2(c, n), n, st);
         start = e;
     }
 }

@@ -177,6 +177,79 @@ KVT_HD double kvt__recall_group_ynorm(const float *q_br, const float *q_sk, uint
     return sqrt(s2) * (1.0 + 9.094947017729282e-13); /* 2^-40 */
 }
 
+/* The cut k of a sorted segment of cnt > 64 values t (the build's 1-D 2-means in double over k in
+ * [q, cnt − q], q = max(32, ⌊cnt/4⌋), each sum in order; on equal costs the k nearest cnt/2, then
+ * the smaller; every cost NaN: cnt/2). One thread, the same bits on every backend. */
+KVT_HD uint32_t kvt__recall_group_cut(const float *t, uint32_t cnt) {
+    const uint32_t q = cnt / 4 > KVT__RECALL_GROUP_MIN ? cnt / 4 : KVT__RECALL_GROUP_MIN;
+    const uint32_t klo = q, khi = cnt - q, mid = cnt / 2;
+    const double tm = t[mid];
+    double s1 = 0.0, s2 = 0.0;
+    for (uint32_t i = 0; i < cnt; i++) {
+        double d = (double)t[i] - tm;
+        s1 += d;
+        s2 += d * d;
+    }
+    double a1 = 0.0, a2 = 0.0, bc = INFINITY;
+    uint32_t bk = 0;
+    for (uint32_t k = 1; k <= khi; k++) {
+        double d = (double)t[k - 1] - tm;
+        a1 += d;
+        a2 += d * d;
+        if (k < klo)
+            continue;
+        double c = (a2 - a1 * a1 / k) + ((s2 - a2) - (s1 - a1) * (s1 - a1) / (cnt - k));
+        uint32_t dk = k > mid ? k - mid : mid - k, db = bk > mid ? bk - mid : mid - bk;
+        if (c < bc || (c == bc && dk < db)) {
+            bc = c;
+            bk = k;
+        }
+    }
+    return bk ? bk : mid;
+}
+
+/* A group's statistics as its members are taken (any order: every fold is order-free). */
+typedef struct kvt__recall_group_acc {
+    float R, rmax, rmin, nck;
+    int bad;
+} kvt__recall_group_acc;
+
+KVT_HD kvt__recall_group_acc kvt__recall_group_acc_new(void) {
+    kvt__recall_group_acc g;
+    g.R = 0.0f;
+    g.rmax = 0.0f;
+    g.rmin = INFINITY;
+    g.nck = 0.0f;
+    g.bad = 0;
+    return g;
+}
+
+/* A member: d2 its squared distance to the centre (kvt__recall_dist2), p its ρ, nc its ‖csk‖
+ * (kvt__recall_csk_norm); n = branch_dim + rank. */
+KVT_HD void kvt__recall_group_acc_take(kvt__recall_group_acc *g, float d2, uint32_t n, float p,
+                                       float nc) {
+    const float r = kvt__recall_radius_up(d2, n);
+    g->R = r > g->R ? r : g->R;
+    g->bad |= !(r <= 3.40282347e38f);
+    if (!(p >= 0.0f && p <= 3.40282347e38f)) /* never NaN (sketch.h); a NaN makes the group live */
+        g->rmax = INFINITY;
+    else {
+        g->rmax = p > g->rmax ? p : g->rmax;
+        g->rmin = p < g->rmin ? p : g->rmin;
+    }
+    g->nck = nc > g->nck || !(nc == nc) ? nc : g->nck;
+}
+
+/* The group's stat fields (KVT__RG_*), nc2 the centre's squared norm (kvt__recall_norm2). */
+KVT_HD void kvt__recall_group_acc_stat(const kvt__recall_group_acc *g, float nc2, uint32_t n,
+                                       float *st) {
+    st[KVT__RG_RADIUS] = g->bad ? INFINITY : g->R;
+    st[KVT__RG_NCENTRE] = kvt__recall_radius_up(nc2, n);
+    st[KVT__RG_RHO_MAX] = g->rmax;
+    st[KVT__RG_RHO_MIN] = g->rmin <= g->rmax ? g->rmin : 0.0f;
+    st[KVT__RG_NCSK_MAX] = g->nck == g->nck ? g->nck : INFINITY;
+}
+
 /* May a member of the group fire for this head? (the header comment's bound; 1 = evaluate) */
 KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, double Y, float yc, const float *st,
                                   int mode, float s, float z, float best, uint32_t D,

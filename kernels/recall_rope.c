@@ -355,13 +355,11 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
             fetched = archived;
     } else {
         /* 4. Per KV head, the scan of its archive with its group's queries: the pruned scan
-         * where it pays, as on NoPE layers (kernels/recall_step.c) — after a dense step, while
-         * the last scan visited at most 7/8 of the archive, and every 16th step to look again —
-         * for heads with a basis; otherwise the full scan. The same fired rows either way. */
+         * where it pays, as on NoPE layers (kvt__recall_prune_pays), for heads with a basis;
+         * otherwise the full scan. The same fired rows either way. */
         const float z = kvt__recall_mode_z(a->mode, D, a->margin, st->z);
         const bool prune = a->g_perm && a->mode != KVT__RECALL_MARGIN &&
-                           (st->last_dense || st->last_visited * 8u <= st->last_archived * 7u ||
-                            st->steps % 16u == 0);
+                           kvt__recall_prune_pays(st, st->steps);
         uint64_t want = prune ? a->ar_n / a->g_B : 0;
         if (want > a->g_blocks_cap)
             want = a->g_blocks_cap;

@@ -225,13 +225,8 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         a.mode = x->mode;
         a.sinks = S;
         visited = archived;
-        /* The pruned scan where it pays: after a dense step (nothing known), while the last
-         * scan visited at most 7/8 of the archive, and every 16th step to look again; otherwise
-         * the full scan, whose tiled form is cheaper than bounds that skip nothing. Both give
-         * the same fired rows (docs/recall.md §3.2): only `visited` tells them apart. */
-        const bool prune_pays = st->last_dense ||
-                                st->last_visited * 8u <= st->last_archived * 7u ||
-                                st->steps % 16u == 0;
+        /* The pruned scan where it pays (kvt__recall_prune_pays) */
+        const bool prune_pays = kvt__recall_prune_pays(st, st->steps);
         if (Bg && x->mode != KVT__RECALL_MARGIN && prune_pays) {
             build_groups(x, &a, st, scan_scratch);
             kvt__recall_groups g = {.block_rows = Bg,

@@ -56,6 +56,15 @@ KVT_HD void kvt__recall_state_record(kvt__recall_state *st, uint8_t *dense_out, 
         *dense_out = (uint8_t)dense;
 }
 
+/* Does the step `step` (the state's steps counting this one) run the pruned scan where it has
+ * group planes (conformal and sound modes)? After a dense step (nothing known), while the last
+ * scan visited at most 7/8 of the archive, and every 16th step to look again; otherwise the full
+ * scan, whose tiled form is cheaper than bounds that skip nothing. Both give the same fired rows
+ * (docs/recall.md §3.2): only `visited` and the planes built tell them apart. */
+KVT_HD int kvt__recall_prune_pays(const kvt__recall_state *st, uint64_t step) {
+    return st->last_dense || st->last_visited * 8u <= st->last_archived * 7u || step % 16u == 0;
+}
+
 /* The recall ops' argument rules, one definition for every backend (the CPU and guarded ops in
  * backend_cpu.c, the CUDA ops in cuda/backend.cu answer KVT_ERR_INVALID_ARGUMENT when false).
  * The latent's row dtype by kvt__sketch_dtype_ok (fp8 ds_mla included), the branch's bf16 / fp16 /
