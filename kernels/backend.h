@@ -399,10 +399,10 @@ typedef struct kvt__backend_ops {
     /* The recall steps of n (request, layer) work items (kvt__recall_step_args): each head's best
      * attended score, then a calibration step (exact scores of the archived rows, samples, z at a
      * window end; the step is dense) or the scan with the request's z, its fired rows, overflow
-     * and the step's certificate in the state. Optional: NULL where the backend has none (the
-     * CPU, guarded and CUDA backends have it; CUDA runs the full scan where the CPU prunes over
-     * group planes: the same fired rows, the planes left unbuilt, n_grouped 0 and visited = every
-     * archived row); the library then refuses recall modes. KVT_ERR_INVALID_ARGUMENT as
+     * and the step's certificate in the state; with group planes the groups of newly closed
+     * blocks built and the pruned scan where kvt__recall_prune_pays says (every backend: the same
+     * planes and state). Optional: NULL where the backend has none (the CPU, guarded and CUDA
+     * backends have it); the library then refuses recall modes. KVT_ERR_INVALID_ARGUMENT as
      * recall_scan. */
     kvt_status (*recall_step)(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
                               void *stream);

@@ -110,14 +110,15 @@ KVT_HD int kvt__recall_step_args_ok(const kvt__recall_step_args *x) {
 }
 
 /* A planned item within its plan's bound (kvt__recall_plan_args.bound): no more heads, rank,
- * latent values, closed or kept rows, samples, promotion tables, so the launch and workspace the
- * bound sized serve it. */
+ * latent values, closed or kept rows, samples, promotion tables, group blocks' rows or centre
+ * values, so the launch and workspace the bound sized serve it. */
 KVT_HD int kvt__recall_plan_fits(const kvt__recall_step_args *b, const kvt__recall_step_args *x) {
     const kvt__recall_scan_args *s = &x->scan, *t = &b->scan;
     return s->n_heads <= t->n_heads && s->rank <= t->rank && s->latent_dim <= t->latent_dim &&
            s->branch_dim <= t->branch_dim && s->n_closed <= t->n_closed && s->m <= t->m &&
            x->sample_cap <= b->sample_cap &&
-           (!x->promo || (b->promo && x->prom_cap <= b->prom_cap && x->cand_cap <= b->cand_cap));
+           (!x->promo || (b->promo && x->prom_cap <= b->prom_cap && x->cand_cap <= b->cand_cap)) &&
+           (!x->g_perm || (b->g_perm && x->block_rows <= b->block_rows && x->g_dim <= b->g_dim));
 }
 
 /* Planned item i of a (kvt__recall_plan_args) as recall_step takes it, on every backend: its

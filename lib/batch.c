@@ -676,12 +676,14 @@ static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
            a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense;
 }
 
-/* The bound of layer l's planned recall items: the context's shapes and max_rows_per_seq. */
+/* The bound of layer l's planned recall items: the context's shapes, max_rows_per_seq and
+ * block_rows (every request's group planes are over the context's blocks). */
 static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *out) {
     const kvt_ctx *ctx = b->ctx;
     const kvt_layer_spec *sp = &ctx->stores[l].spec;
     kvt__recall_plan_bound(sp->n_q_heads, ctx->sketch_rank, sp->value_dim, sp->branch_dim,
-                           ctx->max_rows, ctx->cfg.recall_promote_capacity, out);
+                           ctx->max_rows, ctx->cfg.recall_promote_capacity, ctx->cfg.block_rows,
+                           out);
 }
 
 /* Request i's recall step on layer l as the planned op takes it (kvt__seq_recall_item's, its

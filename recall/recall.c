@@ -466,8 +466,10 @@ uint64_t kvt__recall_layer_bytes(const kvt__recall_layer *r) {
 }
 
 void kvt__recall_plan_bound(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim,
-                            uint64_t max_rows, uint32_t prom_cap, kvt__recall_step_args *out) {
+                            uint64_t max_rows, uint32_t prom_cap, uint32_t block_rows,
+                            kvt__recall_step_args *out) {
     static kvt__recall_promo on; /* only its address is read: promotion on */
+    static uint32_t perm_on;     /* likewise: group planes */
     *out = (kvt__recall_step_args){.promo = prom_cap ? &on : NULL,
                                    .prom_cap = prom_cap,
                                    .cand_cap = prom_cap * CAND_PER_PROMOTED,
@@ -478,6 +480,12 @@ void kvt__recall_plan_bound(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_
     out->scan.branch_dim = branch_dim;
     out->scan.n_closed = max_rows;
     out->scan.m = (uint32_t)max_rows; /* the kept set holds at most every closed row */
+    if (block_rows) {
+        out->g_perm = &perm_on;
+        out->block_rows = block_rows;
+        out->g_dim = branch_dim + rank;
+        out->g_blocks_cap = max_rows / block_rows;
+    }
 }
 
 bool kvt__recall_plan_ok(const kvt__recall_step_args *bound, const kvt__recall_step_args *x) {
@@ -487,10 +495,7 @@ bool kvt__recall_plan_ok(const kvt__recall_step_args *bound, const kvt__recall_s
 size_t kvt__recall_step_scratch_max(uint32_t n_heads, uint32_t rank, uint32_t D,
                                     uint32_t branch_dim, uint64_t max_rows, uint32_t block_rows,
                                     uint32_t prom_cap) {
-    static uint32_t perm_on; /* only its address is read: group planes */
     kvt__recall_step_args x;
-    kvt__recall_plan_bound(n_heads, rank, D, branch_dim, max_rows, prom_cap, &x);
-    x.g_perm = block_rows ? &perm_on : NULL;
-    x.block_rows = block_rows;
+    kvt__recall_plan_bound(n_heads, rank, D, branch_dim, max_rows, prom_cap, block_rows, &x);
     return kvt__recall_step_scratch_floats(&x);
 }

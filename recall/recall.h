@@ -141,9 +141,12 @@ size_t kvt__recall_step_scratch_max(uint32_t n_heads, uint32_t rank, uint32_t D,
 
 /* The bound of a planned layer's recall items (kvt__recall_plan_args.bound): n_heads query heads,
  * sketch rank, latent D, branch_dim, at most max_rows closed (and kept) rows, a promoted set of
- * prom_cap rows (0: off), as kvt__recall_layer_prepare shapes a request's buffer. */
+ * prom_cap rows (0: off), group planes over blocks of at most block_rows rows (0: none) with
+ * centres of branch_dim + rank floats, as kvt__recall_layer_prepare and the group planes shape a
+ * request's buffers. */
 void kvt__recall_plan_bound(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim,
-                            uint64_t max_rows, uint32_t prom_cap, kvt__recall_step_args *out);
+                            uint64_t max_rows, uint32_t prom_cap, uint32_t block_rows,
+                            kvt__recall_step_args *out);
 /* A work item a planned op can run: the recall step's argument rules, within the bound. */
 bool kvt__recall_plan_ok(const kvt__recall_step_args *bound, const kvt__recall_step_args *x);
 

@@ -10,7 +10,9 @@
 #     differs, when the goldens do), the recall tier's sketch_rows, recall_scan, recall_step and
 #     the pack's recall merge included (cuda::sketch_rows_equal_the_cpu,
 #     cuda::recall_scan_equals_the_cpu, cuda::recall_step_equals_the_cpu,
-#     cuda::recall_step_full_scan_equals_the_cpu_pruned_one, cuda::pack_recall_equals_the_cpu,
+#     cuda::recall_step_pruned_equals_the_cpu (the group build and pruned scan on the device:
+#     planes byte for byte, visited counts), cuda::recall_step_planned_pruned_equals_the_cpu,
+#     cuda::pack_recall_equals_the_cpu,
 #     cuda::recall_step_promotion_equals_the_cpu, cuda::attend_equals_the_cpu (the reference MLA
 #     attention over index sets, split over chunks in double): never run on a device before this
 #     script's first run with them).
@@ -28,7 +30,8 @@
 #     the goal is < 50 us) and an eviction round of 8 layers x 8 heads (ev_select + ev_apply; the
 #     goal is <= 1.1x the copy of the kept rows), wall and device (event) times beside a
 #     device-to-device copy floor measured in the same run; and the CPU backend's beside them.
-#   - compute-sanitizer memcheck and racecheck on test_cuda's pack, attend and select tests.
+#   - compute-sanitizer memcheck and racecheck on test_cuda's pack, attend, select and pruned
+#     recall step tests.
 #   - bench_step: the decode step of a batch (eager, planned, CUDA graph) at 4k rows (the per-step
 #     fixed overhead), 32k and 128k rows, beside the floor of a dense attention (every row read
 #     once: half a device-to-device copy), and at 32k with recall on every layer (the planned
@@ -78,7 +81,7 @@ if [ -x "$CS" ]; then
   for tool in memcheck racecheck; do
     (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 90 "$CS" --tool "$tool" --target-processes all \
       --error-exitcode 3 ./tests/test_cuda --jobs 1 \
-      --filter 'cuda/@(pack_equals_the_cpu|attend_equals_the_cpu|select_segments_equal_the_cpu)') \
+      --filter 'cuda/@(pack_equals_the_cpu|attend_equals_the_cpu|select_segments_equal_the_cpu|recall_step_pruned_equals_the_cpu)') \
       > "$OUT/sanitizer_$tool.txt" 2>&1 || status=1
     echo "compute-sanitizer $tool: see sanitizer_$tool.txt" | tee -a "$OUT/summary.txt"
   done

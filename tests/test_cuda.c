@@ -435,6 +435,36 @@ static void rpool_make(rig *r, rpool *p, tu_rng *g, int dt, uint32_t D, uint32_t
     p->dV = rank ? dev(r, p->V, sizeof(float) * rank * D) : NULL;
 }
 
+/* A pool where the pruned scan skips groups (test_recall_prune's clustered rows): runs of 64
+ * rows around one of 4 centres (latent 3·N(0,1) coefficients on V plus 0.02·N(0,1) off it, a
+ * N(0,1) branch), each member the centre plus 0.03·N(0,1), so a block's groups are tight and
+ * whole clusters score below the heads' best. Re-uploads the pool. */
+static void rpool_cluster(rig *r, rpool *p, tu_rng *g) {
+    const uint32_t D = p->D, QD = D + 64, K = 4;
+    cr_assert(p->rank);
+    float *cen = malloc(sizeof(float) * K * QD);
+    for (uint32_t k = 0; k < K; k++) {
+        float *c = cen + (size_t)k * QD;
+        for (uint32_t d = 0; d < QD; d++)
+            c[d] = (float)(tu_normal(g) * (d < D ? 0.02 : 1.0));
+        for (uint32_t j = 0; j < p->rank; j++) {
+            const float a = (float)(3.0 * tu_normal(g));
+            for (uint32_t d = 0; d < D; d++)
+                c[d] += a * p->V[(size_t)j * D + d];
+        }
+    }
+    for (uint32_t row = 0; row < p->NP * p->PR; row++) {
+        uint8_t *x = p->pool + (size_t)kvt__page_slot(p->pages, 0, &p->pdiv, row) * p->slot;
+        const float *c = cen + (size_t)(row / 64u % K) * QD;
+        for (uint32_t i = 0; i < QD; i++)
+            kvt__store_elem(x, p->dt, i, c[i] + (float)(0.03 * tu_normal(g)));
+    }
+    free(cen);
+    cr_assert_eq(r->gpu.ops->write(&r->gpu, p->dpool, p->pool, (size_t)p->NP * p->PR * p->slot,
+                                   NULL),
+                 KVT_OK);
+}
+
 static void rpool_free(rig *r, rpool *p) {
     undev(r, p->dpool, (size_t)p->NP * p->PR * p->slot);
     undev(r, p->dpages, sizeof(int32_t) * p->NP);
@@ -698,10 +728,10 @@ Test(cuda, recall_scan_equals_the_cpu) {
 
 /* ------------------------------------------------------------------------------------------------
  * recall_step: a sequence of steps of several (request, layer) items in one call per step, both
- * backends from the same inputs, every output compared after each step: the state (bit for bit,
- * or, where the CPU runs its pruned scan over group planes, every field but the pruned scan's
- * own: n_grouped, last_visited, visited), the samples, each head's best, the fired rows, their
- * count, the overflow and dense flags.
+ * backends from the same inputs, every output compared after each step: the state bit for bit
+ * (with group planes: the pruned scan's n_grouped and visited counts too), the samples, each
+ * head's best, the fired rows, their count, the overflow and dense flags, and the group planes
+ * of the blocks built.
  * ---------------------------------------------------------------------------------------------- */
 typedef struct step_item {
     scan_item s;
@@ -713,9 +743,11 @@ typedef struct step_item {
     uint32_t sample_cap;
     uint8_t dense;
     void *dst, *dsamples, *ddense;
-    /* the CPU's group planes (groups) */
+    /* the group planes (groups): the CPU's, and the device's (dg) */
     uint32_t *g_perm, *g_n, *g_end;
     float *g_centre, *g_stat;
+    void *dg[5];
+    size_t g_bytes[5];
     uint64_t g_cap;
     uint32_t B, g_dim;
     float *q0; /* the item's base queries; each step perturbs them */
@@ -746,15 +778,20 @@ static void step_item_make(rig *r, step_item *it, const rpool *p, tu_rng *g, uin
     it->q0 = malloc(sizeof(float) * QD);
     memcpy(it->q0, it->s.q, sizeof(float) * QD);
     if (groups) {
-        it->B = 64;
+        /* blocks of 128 rows: segments split before they are groups */
+        it->B = 128;
         it->g_cap = n_closed / it->B + 1;
         it->g_dim = 64 + p->rank;
         const uint64_t G = it->B / 32u;
-        it->g_perm = calloc(it->g_cap * it->B, 4);
-        it->g_n = calloc(it->g_cap, 4);
-        it->g_end = calloc(it->g_cap * G, 4);
-        it->g_centre = calloc(it->g_cap * G * it->g_dim, 4);
-        it->g_stat = calloc(it->g_cap * G * 5u, 4);
+        const size_t b[5] = {it->g_cap * it->B * 4, it->g_cap * 4, it->g_cap * G * 4,
+                             it->g_cap * G * it->g_dim * 4, it->g_cap * G * 5u * 4};
+        void **c[5] = {(void **)&it->g_perm, (void **)&it->g_n, (void **)&it->g_end,
+                       (void **)&it->g_centre, (void **)&it->g_stat};
+        for (int k = 0; k < 5; k++) {
+            it->g_bytes[k] = b[k];
+            *c[k] = calloc(1, b[k]);
+            it->dg[k] = dev(r, *c[k], b[k]);
+        }
     }
 }
 
@@ -763,6 +800,9 @@ static void step_item_free(rig *r, step_item *it) {
     undev(r, it->dsamples, sizeof(float) * it->sample_cap);
     undev(r, it->ddense, 1);
     scan_item_free(r, &it->s);
+    for (int k = 0; k < 5; k++)
+        if (it->dg[k])
+            undev(r, it->dg[k], it->g_bytes[k]);
     free(it->samples);
     free(it->q0);
     free(it->g_perm);
@@ -772,7 +812,7 @@ static void step_item_free(rig *r, step_item *it) {
     free(it->g_stat);
 }
 
-/* The step's args on one backend's memory (gpu: the device copies, no group planes). */
+/* The step's args on one backend's memory (gpu: the device copies). */
 static kvt__recall_step_args step_args_of(step_item *it, bool gpu) {
     kvt__recall_step_args x;
     memset(&x, 0, sizeof x);
@@ -784,12 +824,12 @@ static kvt__recall_step_args step_args_of(step_item *it, bool gpu) {
     x.samples = gpu ? it->dsamples : it->samples;
     x.sample_cap = it->sample_cap;
     x.dense = gpu ? it->ddense : &it->dense;
-    if (!gpu && it->g_perm) {
-        x.g_perm = it->g_perm;
-        x.g_n = it->g_n;
-        x.g_end = it->g_end;
-        x.g_centre = it->g_centre;
-        x.g_stat = it->g_stat;
+    if (it->g_perm) {
+        x.g_perm = gpu ? it->dg[0] : it->g_perm;
+        x.g_n = gpu ? it->dg[1] : it->g_n;
+        x.g_end = gpu ? it->dg[2] : it->g_end;
+        x.g_centre = gpu ? it->dg[3] : it->g_centre;
+        x.g_stat = gpu ? it->dg[4] : it->g_stat;
         x.g_blocks_cap = it->g_cap;
         x.block_rows = it->B;
         x.g_dim = it->g_dim;
@@ -839,7 +879,7 @@ static kvt_status planned_step(rig *r, plan_rig *pr, const step_item *it,
     cr_assert_eq(r->gpu.ops->write(&r->gpu, pr->n, &n, sizeof n, NULL), KVT_OK);
     kvt__recall_plan_args pa = {.items = pr->items, .n = pr->n, .n_max = PLAN_MAX,
                                 .query = pr->q, .query_floats = PLAN_Q};
-    kvt__recall_plan_bound(16, 64, 512, 64, bound_rows, 0, &pa.bound);
+    kvt__recall_plan_bound(16, 64, 512, 64, bound_rows, 0, it[0].B, &pa.bound);
     if (r->gpu.ops->recall_plan_reserve)
         cr_assert_eq(r->gpu.ops->recall_plan_reserve(&r->gpu, &pa), KVT_OK);
     return r->gpu.ops->recall_step_planned(&r->gpu, &pa, NULL);
@@ -862,21 +902,31 @@ static void step_pair(bool groups, bool planned) {
         uint32_t rank;
     } pcfg[] = {{KVT__DT_BF16, 64}, {KVT__DT_FP16, 17}, {KVT__DT_FP32, 0}};
     uint32_t calibrated = 0, calib_dense = 0, some_fired = 0, some_over = 0, quiet = 0;
+    uint32_t pruned = 0, grouped = 0;
     for (size_t c = 0; c < sizeof pcfg / sizeof pcfg[0]; c++) {
-        rpool p;
+        rpool p, pc;
         rpool_make(&r, &p, &g, pcfg[c].dt, 512, pcfg[c].rank);
         /* conformal (calibrating, then calibrated; a wide and a narrow cap), sound with a cap
-         * that overflows, margin, and an item with nothing archived (every row a sink) */
-        enum { NI = 5 };
-        step_item it[NI];
+         * that overflows, margin, and an item with nothing archived (every row a sink); with
+         * groups and a basis, a sound and a conformal item over clustered rows (groups skipped) */
+        const bool clustered = groups && pcfg[c].rank;
+        const int NI = clustered ? 7 : 5;
+        step_item it[7];
         step_item_make(&r, &it[0], &p, &g, 400, 50, 5, KVT__RECALL_CONFORMAL, 0.0f, 400, groups);
         step_item_make(&r, &it[1], &p, &g, 333, 100, 3, KVT__RECALL_CONFORMAL, 0.0f, 6, groups);
         step_item_make(&r, &it[2], &p, &g, 256, 0, 16, KVT__RECALL_SOUND, 0.0f, 20, groups);
         step_item_make(&r, &it[3], &p, &g, 300, 12, 4, KVT__RECALL_MARGIN, 0.5f, 300, groups);
         step_item_make(&r, &it[4], &p, &g, 40, 30, 2, KVT__RECALL_CONFORMAL, 0.0f, 16, groups);
         it[4].s.c.sinks = it[4].s.g.sinks = 1000; /* S clamps to n_closed: nothing archived */
+        if (clustered) {
+            rpool_make(&r, &pc, &g, pcfg[c].dt, 512, pcfg[c].rank);
+            rpool_cluster(&r, &pc, &g);
+            step_item_make(&r, &it[5], &pc, &g, 448, 20, 2, KVT__RECALL_SOUND, 0.0f, 448, true);
+            step_item_make(&r, &it[6], &pc, &g, 384, 40, 2, KVT__RECALL_CONFORMAL, 0.0f, 384,
+                           true);
+        }
         for (uint32_t step = 0; step < 12; step++) {
-            kvt__recall_step_args ca[NI], ga[NI];
+            kvt__recall_step_args ca[7], ga[7];
             for (int i = 0; i < NI; i++) {
                 step_queries(&r, &it[i], &g, step ? 0.05 : 0.0);
                 ca[i] = step_args_of(&it[i], false);
@@ -891,19 +941,26 @@ static void step_pair(bool groups, bool planned) {
                 step_item *x = &it[i];
                 kvt__recall_state gs;
                 cr_assert_eq(r.gpu.ops->read(&r.gpu, &gs, x->dst, sizeof gs, NULL), KVT_OK);
-                kvt__recall_state cs = x->st;
-                if (groups) { /* the pruned scan's own fields */
-                    cr_assert_leq(cs.last_visited, gs.last_visited);
-                    cs.n_grouped = gs.n_grouped;
-                    cs.last_visited = gs.last_visited;
-                    cs.visited = gs.visited;
-                }
+                const kvt__recall_state cs = x->st;
                 cr_assert(memcmp(&gs, &cs, sizeof gs) == 0,
                           "config %zu item %d step %u: state differs (phase %u/%u, samples "
-                          "%u/%u, z %a/%a, fired %llu/%llu, dense %u/%u)",
+                          "%u/%u, z %a/%a, fired %llu/%llu, dense %u/%u, grouped %u/%u, "
+                          "visited %llu/%llu)",
                           c, i, step, gs.phase, cs.phase, gs.n_samples, cs.n_samples,
                           (double)gs.z, (double)cs.z, (unsigned long long)gs.last_fired,
-                          (unsigned long long)cs.last_fired, gs.last_dense, cs.last_dense);
+                          (unsigned long long)cs.last_fired, gs.last_dense, cs.last_dense,
+                          gs.n_grouped, cs.n_grouped, (unsigned long long)gs.last_visited,
+                          (unsigned long long)cs.last_visited);
+                if (groups) { /* the planes of the blocks built, byte for byte */
+                    const uint64_t nb = cs.n_grouped, G = x->B / 32u;
+                    same(&r, x->dg[0], x->g_perm, nb * x->B * 4, "group members");
+                    same(&r, x->dg[1], x->g_n, nb * 4, "group counts");
+                    same(&r, x->dg[2], x->g_end, nb * G * 4, "group ends");
+                    same(&r, x->dg[3], x->g_centre, nb * G * x->g_dim * 4, "group centres");
+                    same(&r, x->dg[4], x->g_stat, nb * G * 5u * 4, "group statistics");
+                    grouped += nb > 0;
+                    pruned += cs.last_visited < cs.last_archived && !cs.last_dense;
+                }
                 same(&r, x->dsamples, x->samples, sizeof(float) * cs.n_samples, "samples");
                 same(&r, x->s.g.best, x->s.best, sizeof(float) * x->s.H, "best scores");
                 same(&r, x->ddense, &x->dense, 1, "dense flag");
@@ -953,9 +1010,12 @@ static void step_pair(bool groups, bool planned) {
         for (int i = 0; i < NI; i++)
             step_item_free(&r, &it[i]);
         rpool_free(&r, &p);
+        if (clustered)
+            rpool_free(&r, &pc);
     }
     /* the inputs were not degenerate: calibration steps, calibrated requests, fired rows, quiet
-     * scans and overflows */
+     * scans and overflows; with groups, built blocks and scans that skipped a group */
+    cr_assert(!groups || (grouped && pruned), "grouped %u, pruned %u", grouped, pruned);
     cr_assert(calibrated && calib_dense && some_fired && some_over && quiet,
               "calibrated %u, calibration steps %u, fired %u, overflowed %u, quiet %u", calibrated,
               calib_dense, some_fired, some_over, quiet);
@@ -977,9 +1037,15 @@ Test(cuda, recall_step_planned_equals_the_cpu) {
     step_pair(false, true);
 }
 
-/* The CPU's pruned scan over group planes and the device's full scan: the same decisions. */
-Test(cuda, recall_step_full_scan_equals_the_cpu_pruned_one) {
+/* The pruned scan over group planes (the blocks' groups built on the device, then the groups
+ * no head can fire on skipped): the CPU's decisions, counts and planes. */
+Test(cuda, recall_step_pruned_equals_the_cpu) {
     step_pair(true, false);
+}
+
+/* The same through the planned op (its bound with the group blocks' size). */
+Test(cuda, recall_step_planned_pruned_equals_the_cpu) {
+    step_pair(true, true);
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ extern "C" {
 #include "kernels/backend.h"
 #include "kernels/conformal.h"
 #include "kernels/philox.h"
+#include "kernels/recall_group.h"
 #include "kernels/recall_rope.h"
 #include "kernels/recall_scan.h"
 #include "kernels/recall_promo.h"
@@ -656,6 +657,7 @@ struct ScanWs {
     uint8_t *base;
     size_t each, off_res, off_heads, off_flags, off_extra;
     size_t off_promo; /* recall_step with promotion: PromoWs (0 elsewhere) */
+    size_t off_groups, group_each, off_live, off_visit; /* recall_step's pruned scan: GroupWs */
 };
 
 /* The layout of k work items' scan workspace (item i's scan args at (char *)a0 + i * stride on
@@ -680,7 +682,7 @@ ScanWs scan_ws_of(const kvt__recall_scan_args *a0, size_t stride, uint32_t k, si
     w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
     w.off_extra = w.off_flags + align256(rows);
     w.each = w.off_extra + align256(extra);
-    w.off_promo = 0;
+    w.off_promo = w.off_groups = w.group_each = w.off_live = w.off_visit = 0;
     *H_out = H;
     *rows_out = rows;
     return w;
@@ -832,11 +834,13 @@ kvt_status cu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a
  *      (kvt__conformal_close, one thread), or the fired rows compacted; the certificate into the
  *      state, the dense flag.
  * Which kind of step it is, the device decides from the state (its phase as launch 2 and 3 find
- * it: launch 4 alone writes the state). The pruned scan is not built here: its group planes are
- * left untouched and the full scan gives the fired set the pruned one does (bit for bit, the
- * pruned scan's contract), so every decision is the twin's; the state differs from the CPU's
- * only in n_grouped (stays 0: no group is built) and in last_visited / visited (the rows the
- * full scan evaluated, all archived rows), which no later step reads.
+ * it: launch 4 alone writes the state). With group planes (conformal and sound modes, on the
+ * steps kvt__recall_prune_pays picks) two launches come before launch 3, as the twin's pruned
+ * scan (kernels/recall_group.h): the groups of the blocks closed since the state's n_grouped
+ * built (one block of threads per closed block, k_step_groups), then each group's liveness over
+ * the heads (kvt__recall_group_live, a thread per group, k_step_live); launch 3 then evaluates
+ * the archived members of live groups (and the rows past the grouped blocks) and counts them, so
+ * the state's visited and n_grouped, and the planes, are the twin's too.
  * -------------------------------------------------------------------------------------------- */
 constexpr uint32_t kMaxStep = 32;
 typedef Params<kvt__recall_step_args, kMaxStep> StepParams;
@@ -1134,6 +1138,342 @@ __device__ void step_best_item(const Items &p, const ScanWs &w, uint32_t item) {
     e_out[h] = e;
 }
 
+/* ----------------------------------------------------------------------------------------------
+ * The pruned scan's groups (kernels/recall_group.h; the twin: kvt__recall_group_block_cpu and
+ * kvt__recall_scan_pruned_cpu). An item's part of the workspace (ScanWs.off_groups): a build
+ * scratch for each of the kGroupBlocks blocks of threads that build its closed blocks (sort keys
+ * [B] u64, t by row and t sorted [B] floats each, a centre and a direction [dim] floats each),
+ * one liveness byte per group slot of its blocks, and the count of rows the scan evaluated.
+ * -------------------------------------------------------------------------------------------- */
+constexpr uint32_t kGroupBlocks = 4;
+
+size_t group_build_bytes(uint32_t B, uint32_t dim) {
+    return align256(sizeof(uint64_t) * B) + align256(2 * sizeof(float) * B) +
+           align256(2 * sizeof(float) * dim);
+}
+
+struct GroupWs {
+    uint8_t *build; /* kGroupBlocks scratches, `each` bytes apart */
+    size_t each;
+    uint8_t *live;  /* [blocks][B/32] */
+    unsigned long long *visit;
+};
+
+__device__ GroupWs group_ws(const ScanWs &w, uint32_t item) {
+    uint8_t *b = w.base + w.each * item;
+    GroupWs g;
+    g.build = b + w.off_groups;
+    g.each = w.group_each;
+    g.live = b + w.off_live;
+    g.visit = (unsigned long long *)(b + w.off_visit);
+    return g;
+}
+
+/* Does this step run the pruned scan (the twin's choice: planes, not the margin mode, a scanning
+ * step the state says pays; launch 4 counts the step, so this one is steps + 1)? */
+__device__ bool step_prunes(const kvt__recall_step_args &x, const StepPlan &pl) {
+    return x.g_perm && x.mode != KVT__RECALL_MARGIN && pl.scan &&
+           kvt__recall_prune_pays(x.st, x.st->steps + 1u);
+}
+
+/* The closed blocks whose groups the step wants built (the twin's min(n_closed / B, cap)), and
+ * the grouped blocks after its build: max(n_grouped, that), within the closed rows. */
+__device__ uint64_t groups_want(const kvt__recall_step_args &x) {
+    const uint64_t w = x.scan.n_closed / x.block_rows;
+    return w < x.g_blocks_cap ? w : x.g_blocks_cap;
+}
+
+__device__ uint64_t groups_after(const kvt__recall_step_args &x) {
+    const uint64_t w = groups_want(x), o = x.st->n_grouped, lim = x.scan.n_closed / x.block_rows;
+    const uint64_t n = o > w ? o : w;
+    return n < lim ? n : lim;
+}
+
+/* One closed block's rows as the build reads them: row u's embedding element j
+ * (kvt__recall_embed of the row through its page, its sketch), its ρ. */
+struct BlockRows {
+    const kvt__recall_scan_args *a;
+    uint64_t r0;
+    const uint16_t *csk;
+    const float *rho;
+    __device__ const uint8_t *row(uint32_t u) const {
+        return a->base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv,
+                                                (uint32_t)(r0 + u)) * a->slot_stride;
+    }
+    __device__ float x(const uint8_t *p, uint32_t u, uint32_t j) const {
+        return kvt__recall_embed(p, a->branch_offset, a->branch_dtype, a->branch_dim,
+                                 csk + (size_t)u * a->csk_stride, j);
+    }
+    /* the fmaf chain over j ascending of (x_j − c_j)² (dot 0: kvt__recall_dist2) or c_j·x_j
+     * (dot 1: the twin's projection), from +0 */
+    __device__ float chain(uint32_t u, const float *c, uint32_t n, bool dot) const {
+        const uint8_t *p = row(u);
+        float acc = 0.0f;
+        for (uint32_t j = 0; j < n; j++) {
+            const float v = x(p, u, j);
+            if (dot) {
+                acc = fmaf(c[j], v, acc);
+            } else {
+                const float d = v - c[j];
+                acc = fmaf(d, d, acc);
+            }
+        }
+        return acc;
+    }
+};
+
+/* The member of perm[lo .. lo + cnt) farthest from c: the first in segment order on a tie, a NaN
+ * distance never (all NaN: the first). The whole block calls it. */
+__device__ uint32_t seg_farthest(const BlockRows &br, const uint32_t *perm, uint32_t lo,
+                                 uint32_t cnt, const float *c, uint32_t n) {
+    float bv = -INFINITY;
+    uint64_t bi = UINT64_MAX;
+    for (uint32_t i = threadIdx.x; i < cnt; i += blockDim.x)
+        best_take(br.chain(perm[lo + i], c, n, false), i, bv, bi);
+    best_reduce(bv, bi);
+    return perm[lo + (bi == UINT64_MAX ? 0u : (uint32_t)bi)];
+}
+
+/* key[0 .. P) ascending (P a power of two), by the whole block: a bitonic network (the keys
+ * are distinct, so any correct sort gives the twin's order). */
+__device__ void block_sort_u64(uint64_t *key, uint32_t P) {
+    for (uint32_t k = 2; k <= P; k <<= 1)
+        for (uint32_t j = k >> 1; j > 0; j >>= 1) {
+            for (uint32_t i = threadIdx.x; i < P; i += blockDim.x) {
+                const uint32_t l = i ^ j;
+                if (l > i) {
+                    const uint64_t u = key[i], v = key[l];
+                    if ((u > v) == ((i & k) == 0)) {
+                        key[i] = v;
+                        key[l] = u;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+}
+
+/* The twin's kvt__recall_group_block_cpu for closed block blk of the item, by the whole block
+ * of threads: the same segments split at the same cuts (means summed in perm order by a thread
+ * per element, the farthest rows by a reduction that keeps the twin's tie rule, the sort of
+ * distinct keys, the cut by one thread), the members sorted, the centres and statistics. */
+__device__ void group_build_block(const kvt__recall_step_args &x, uint64_t blk, uint8_t *scr) {
+    const kvt__recall_scan_args &a = x.scan;
+    const uint32_t B = x.block_rows, dim = x.g_dim, G = kvt__recall_group_slots(B);
+    const uint32_t n = a.branch_dim + a.rank;
+    uint64_t *key = (uint64_t *)scr;
+    float *tv = (float *)(scr + align256(sizeof(uint64_t) * B)), *ts = tv + B;
+    float *c = (float *)((uint8_t *)tv + align256(2 * sizeof(float) * B)), *v = c + dim;
+    uint32_t *perm = x.g_perm + blk * B, *end = x.g_end + blk * G;
+    float *centre = x.g_centre + blk * G * dim, *stat = x.g_stat + blk * G * KVT__RG_STATS;
+    BlockRows br;
+    br.a = &a;
+    br.r0 = blk * B;
+    br.csk = kvt__scan_csk(&a, br.r0);
+    br.rho = kvt__scan_rho(&a, br.r0);
+    __shared__ uint32_t s_stack[2 * 64], s_sp, s_ng, s_lo, s_hi;
+    for (uint32_t u = threadIdx.x; u < B; u += blockDim.x)
+        perm[u] = u;
+    if (threadIdx.x == 0) {
+        s_stack[0] = 0;
+        s_stack[1] = B;
+        s_sp = 2;
+        s_ng = 0;
+    }
+    for (;;) {
+        __syncthreads();
+        if (s_sp == 0)
+            break;
+        __syncthreads(); /* every thread has read s_sp */
+        if (threadIdx.x == 0) {
+            s_hi = s_stack[--s_sp];
+            s_lo = s_stack[--s_sp];
+        }
+        __syncthreads();
+        const uint32_t lo = s_lo, hi = s_hi, cnt = hi - lo;
+        if (cnt <= KVT__RECALL_GROUP_MAX) {
+            if (threadIdx.x == 0)
+                end[s_ng++] = hi;
+            continue;
+        }
+        for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) { /* the twin's seg_mean */
+            float m = 0.0f;
+            for (uint32_t i = lo; i < hi; i++)
+                m += br.x(br.row(perm[i]), perm[i], j);
+            c[j] = m / (float)cnt;
+        }
+        __syncthreads();
+        const uint32_t p1 = seg_farthest(br, perm, lo, cnt, c, n);
+        const uint8_t *r1 = br.row(p1);
+        for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
+            c[j] = br.x(r1, p1, j);
+        __syncthreads();
+        const uint32_t p2 = seg_farthest(br, perm, lo, cnt, c, n);
+        const uint8_t *r2 = br.row(p2);
+        for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
+            v[j] = br.x(r2, p2, j) - c[j];
+        __syncthreads();
+        uint32_t P = 1;
+        while (P < cnt)
+            P <<= 1;
+        for (uint32_t i = threadIdx.x; i < P; i += blockDim.x) {
+            if (i < cnt) {
+                const uint32_t u = perm[lo + i];
+                const float t = br.chain(u, v, n, true);
+                tv[u] = t;
+                key[i] = (uint64_t)kvt__recall_order_key(t) << 32 | u;
+            } else {
+                key[i] = UINT64_MAX; /* padding: after every key of the segment */
+            }
+        }
+        __syncthreads();
+        block_sort_u64(key, P);
+        for (uint32_t i = threadIdx.x; i < cnt; i += blockDim.x) {
+            const uint32_t u = (uint32_t)key[i];
+            perm[lo + i] = u;
+            ts[lo + i] = tv[u];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const uint32_t k = kvt__recall_group_cut(ts + lo, cnt);
+            s_stack[s_sp++] = lo + k;
+            s_stack[s_sp++] = hi;
+            s_stack[s_sp++] = lo;
+            s_stack[s_sp++] = lo + k;
+        }
+    }
+    const uint32_t ng = s_ng;
+    /* members ascending within each group, a thread per group */
+    for (uint32_t g = threadIdx.x; g < ng; g += blockDim.x) {
+        const uint32_t glo = g ? end[g - 1] : 0u;
+        for (uint32_t i = glo + 1; i < end[g]; i++)
+            for (uint32_t j = i, u = perm[i]; j > glo && perm[j - 1] > u; j--) {
+                perm[j] = perm[j - 1];
+                perm[j - 1] = u;
+            }
+    }
+    if (threadIdx.x == 0)
+        x.g_n[blk] = ng;
+    __syncthreads();
+    /* centres: a thread per (group, element), the sum in perm order; unused slots zero */
+    for (uint32_t t = threadIdx.x; t < G * dim; t += blockDim.x) {
+        const uint32_t g = t / dim, j = t % dim;
+        float m = 0.0f;
+        if (g < ng && j < n) {
+            const uint32_t glo = g ? end[g - 1] : 0u, ge = end[g];
+            for (uint32_t i = glo; i < ge; i++)
+                m += br.x(br.row(perm[i]), perm[i], j);
+            m /= (float)(ge - glo);
+        }
+        centre[t] = m;
+    }
+    __syncthreads();
+    /* statistics: a thread per group slot */
+    for (uint32_t g = threadIdx.x; g < G; g += blockDim.x) {
+        float *st = stat + (size_t)g * KVT__RG_STATS;
+        if (g >= ng) {
+            end[g] = B;
+            for (uint32_t f = 0; f < KVT__RG_STATS; f++)
+                st[f] = 0.0f;
+            continue;
+        }
+        const float *cg = centre + (size_t)g * dim;
+        kvt__recall_group_acc acc = kvt__recall_group_acc_new();
+        for (uint32_t i = g ? end[g - 1] : 0u; i < end[g]; i++) {
+            const uint32_t u = perm[i];
+            kvt__recall_group_acc_take(&acc, br.chain(u, cg, n, false), n, br.rho[u],
+                                       kvt__recall_csk_norm(br.csk + (size_t)u * a.csk_stride,
+                                                            a.rank));
+        }
+        kvt__recall_group_acc_stat(&acc, kvt__recall_norm2(cg, n), n, st);
+    }
+}
+
+/* Launch 2b, pruning steps: the groups of closed blocks [n_grouped, want), the item's
+ * kGroupBlocks blocks of threads taking them in strides. */
+template <class Items>
+__device__ void step_groups_item(const Items &p, const ScanWs &w, uint32_t item) {
+    STEP_ARGS(p, item);
+    if (!step_prunes(x, step_plan(step_view(x, w, item), x.st->phase)))
+        return;
+    const GroupWs gw = group_ws(w, item);
+    const uint64_t want = groups_want(x);
+    for (uint64_t blk = x.st->n_grouped + blockIdx.x; blk < want; blk += gridDim.x) {
+        group_build_block(x, blk, gw.build + gw.each * blockIdx.x);
+        __syncthreads(); /* the scratch is reused by the next block */
+    }
+}
+
+/* Launch 2c, pruning steps: one byte per group slot of the grouped blocks, 1 where some head may
+ * fire on a member (kvt__recall_group_live with the twin's y·c chain and Y), a thread per slot;
+ * the visited count zeroed. */
+template <class Items>
+__device__ void step_live_item(const Items &p, const ScanWs &w, uint32_t item) {
+    STEP_ARGS(p, item);
+    const kvt__recall_step_args v = step_view(x, w, item);
+    const StepPlan pl = step_plan(v, x.st->phase);
+    if (!step_prunes(x, pl))
+        return;
+    const kvt__recall_scan_args a = step_scan(v, pl, x.st->z);
+    const GroupWs gw = group_ws(w, item);
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        *gw.visit = 0;
+    const ScanItem it = scan_item(w, item);
+    const uint32_t G = kvt__recall_group_slots(x.block_rows), D = a.latent_dim;
+    const uint32_t bd = a.branch_dim, rank = a.rank;
+    const uint64_t slots = groups_after(x) * G;
+    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < slots;
+         t += (uint64_t)gridDim.x * blockDim.x) {
+        int on = 0;
+        if (t % G < x.g_n[t / G]) {
+            const float *c = x.g_centre + t * x.g_dim, *stt = x.g_stat + t * KVT__RG_STATS;
+            for (uint32_t h = 0; h < a.n_heads && !on; h++) {
+                const float *qb = a.q + (size_t)h * (D + bd) + D, *qs = it.q_sk + (size_t)h * rank;
+                const kvt__recall_head hd = it.heads[h];
+                on = kvt__recall_group_live(&hd, kvt__recall_group_ynorm(qb, qs, bd, rank),
+                                            kvt__recall_group_ydot(qb, qs, c, bd, rank), stt,
+                                            a.mode, a.scale, a.z, a.best[h], D, bd, rank);
+            }
+        }
+        gw.live[t] = (uint8_t)on;
+    }
+}
+
+/* Launch 3 of a pruning step: the flags of the grouped blocks' rows in perm order (those of a
+ * group no head can fire on cleared, the others' archived rows evaluated), then the rows past
+ * them; the archived rows evaluated counted into the visited count. */
+__device__ void scan_rows_pruned(const kvt__recall_scan_args &a, const ScanItem &it,
+                                 const kvt__recall_step_args &x, const GroupWs &gw) {
+    const uint32_t B = x.block_rows, G = kvt__recall_group_slots(B);
+    const uint64_t grouped = groups_after(x) * B;
+    unsigned long long cnt = 0;
+    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_closed;
+         t += (uint64_t)gridDim.x * blockDim.x) {
+        uint64_t row = t;
+        bool on = true;
+        if (t < grouped) {
+            const uint64_t b = t / B;
+            const uint32_t i = (uint32_t)(t % B), ng = x.g_n[b];
+            const uint32_t *end = x.g_end + b * G;
+            uint32_t lo = 0, hi = ng; /* the first group whose end is past i */
+            while (lo < hi) {
+                const uint32_t mid = (lo + hi) / 2;
+                if (end[mid] > i)
+                    hi = mid;
+                else
+                    lo = mid + 1;
+            }
+            row = b * B + x.g_perm[b * B + i];
+            on = lo < ng && gw.live[b * G + lo];
+        }
+        const bool arch = row >= a.sinks && !kvt__sorted_has(a.kept, a.m, row);
+        cnt += on && arch;
+        it.flags[row] = on && arch && scan_fires(a, it, (uint32_t)row);
+    }
+    if (cnt)
+        atomicAdd(gw.visit, cnt);
+}
+
 /* Launch 3: the scan's fire flags, scanning steps only. */
 template <class Items>
 __device__ void step_rows_item(const Items &p, const ScanWs &w, uint32_t item) {
@@ -1142,7 +1482,10 @@ __device__ void step_rows_item(const Items &p, const ScanWs &w, uint32_t item) {
     const StepPlan pl = step_plan(v, x.st->phase);
     if (!pl.scan)
         return;
-    scan_rows(step_scan(v, pl, x.st->z), scan_item(w, item));
+    if (step_prunes(x, pl))
+        scan_rows_pruned(step_scan(v, pl, x.st->z), scan_item(w, item), x, group_ws(w, item));
+    else
+        scan_rows(step_scan(v, pl, x.st->z), scan_item(w, item));
 }
 
 /* The heads' samples into the sorted array, as kvt__conformal_insert one by one in head order
@@ -1192,15 +1535,16 @@ __device__ void step_finish_item(const Items &p, const ScanWs &w, uint32_t item)
         return;
     x.scan.pdiv = &x_div;
     kvt__recall_state *st = x.st;
-    __shared__ uint32_t s_phase, s_n;
+    __shared__ uint32_t s_phase, s_n, s_prune;
     __shared__ float s_z;
+    const kvt__recall_step_args v = step_view(x, w, item);
     if (threadIdx.x == 0) {
         s_phase = st->phase;
         s_z = st->z;
         s_n = st->n_samples;
+        s_prune = step_prunes(x, step_plan(v, s_phase));
     }
     __syncthreads();
-    const kvt__recall_step_args v = step_view(x, w, item);
     const StepPlan pl = step_plan(v, s_phase);
     uint32_t dense = 0, over = 0, n_fired = 0;
     uint64_t visited = 0, fired = 0, fetched = 0;
@@ -1221,6 +1565,8 @@ __device__ void step_finish_item(const Items &p, const ScanWs &w, uint32_t item)
         over = total > a.cap ? 1u : 0u;
         dense = over;
         visited = pl.archived; /* the full scan's: every archived row */
+        if (s_prune)
+            visited = *group_ws(w, item).visit;
         fired = (uint64_t)n_fired + over;
         fetched = over ? pl.archived : n_fired;
     }
@@ -1239,6 +1585,9 @@ __device__ void step_finish_item(const Items &p, const ScanWs &w, uint32_t item)
         kvt__promo_after(&x, &pv, x.scan.fired, x.scan.n_fired, *x.scan.n_fired, dense != 0,
                          pw.tmp);
     }
+    const uint64_t want = s_prune ? groups_want(x) : 0; /* the twin's build_groups */
+    if (want > st->n_grouped)
+        st->n_grouped = (uint32_t)want;
     st->steps++;
     st->overflow_steps += over;
     kvt__recall_state_record(st, x.dense, dense, over, pl.archived, visited, fired, fetched);
@@ -1253,23 +1602,17 @@ __global__ void k_promo_before(const Items p, const ScanWs w) {
         promo_before_item(p, w, i);
 }
 
-template <class Items>
-__global__ void k_step_heads(const Items p, const ScanWs w) {
-    for (uint32_t i = blockIdx.y; i < p.count(); i += gridDim.y)
-        step_heads_item(p, w, i);
-}
-
-template <class Items>
-__global__ void k_step_best(const Items p, const ScanWs w) {
-    for (uint32_t i = blockIdx.y; i < p.count(); i += gridDim.y)
-        step_best_item(p, w, i);
-}
-
-template <class Items>
-__global__ void k_step_rows(const Items p, const ScanWs w) {
-    for (uint32_t i = blockIdx.y; i < p.count(); i += gridDim.y)
-        step_rows_item(p, w, i);
-}
+/* A launch whose grid's y walks the items, each item's function called by its row of blocks. */
+#define STEP_KERNEL_Y(name, item_fn)                                                               \
+    template <class Items> __global__ void name(const Items p, const ScanWs w) {                   \
+        for (uint32_t i = blockIdx.y; i < p.count(); i += gridDim.y)                               \
+            item_fn(p, w, i);                                                                      \
+    }
+STEP_KERNEL_Y(k_step_heads, step_heads_item)
+STEP_KERNEL_Y(k_step_best, step_best_item)
+STEP_KERNEL_Y(k_step_groups, step_groups_item)
+STEP_KERNEL_Y(k_step_live, step_live_item)
+STEP_KERNEL_Y(k_step_rows, step_rows_item)
 
 template <class Items>
 __global__ void k_step_finish(const Items p, const ScanWs w) {
@@ -1279,40 +1622,70 @@ __global__ void k_step_finish(const Items p, const ScanWs w) {
     }
 }
 
+/* What a step launch needs to know of its items beyond the workspace: the most heads, closed
+ * rows and group slots of grouped blocks among them, whether any promotes or has group planes. */
+struct StepShape {
+    uint32_t H;
+    size_t rows, group_slots;
+    bool promo, groups;
+};
+
 /* The workspace layout of k items a[0 .. k) (each item `each` bytes apart): the scan's, then
  * step_extra's (its offsets from each item's own head count fit in this), then promotion's
- * (PromoWs, sized for the largest item); the most heads and closed rows, whether any promotes. */
-ScanWs step_ws_of(const kvt__recall_step_args *a, uint32_t k, uint32_t *H, size_t *rows,
-                  bool *any_promo) {
+ * (PromoWs, sized for the largest item), then the pruned scan's (GroupWs: the largest block and
+ * centre, the most group slots). */
+ScanWs step_ws_of(const kvt__recall_step_args *a, uint32_t k, StepShape *sh) {
     uint32_t h = 0, cap = 0;
-    size_t promo = 0;
-    *any_promo = false;
+    size_t promo = 0, gbuild = 0, gslots = 0;
+    sh->promo = sh->groups = false;
     for (uint32_t i = 0; i < k; i++) {
         h = a[i].scan.n_heads > h ? a[i].scan.n_heads : h;
         cap = a[i].sample_cap > cap ? a[i].sample_cap : cap;
         const size_t u = promo_ws_u32(a[i]);
         promo = u > promo ? u : promo;
-        *any_promo |= a[i].promo != NULL;
+        sh->promo |= a[i].promo != NULL;
+        if (a[i].g_perm && a[i].block_rows) {
+            const size_t gb = group_build_bytes(a[i].block_rows, a[i].g_dim);
+            const size_t gs = a[i].scan.n_closed / KVT__RECALL_GROUP_MIN; /* any B's slots */
+            gbuild = gb > gbuild ? gb : gbuild;
+            gslots = gs > gslots ? gs : gslots;
+            sh->groups = true;
+        }
     }
     const size_t extra = align256(3 * align256(sizeof(float) * h) + sizeof(float) * cap);
-    ScanWs w = scan_ws_of(&a[0].scan, sizeof *a, k, extra + sizeof(uint32_t) * promo, H, rows);
+    const size_t promo_b = align256(sizeof(uint32_t) * promo);
+    const size_t groups_b = sh->groups ? kGroupBlocks * gbuild + align256(gslots) + 256 : 0;
+    ScanWs w = scan_ws_of(&a[0].scan, sizeof *a, k, extra + promo_b + groups_b, &sh->H, &sh->rows);
     w.off_promo = w.off_extra + extra;
+    if (sh->groups) {
+        w.off_groups = w.off_promo + promo_b;
+        w.group_each = gbuild;
+        w.off_live = w.off_groups + kGroupBlocks * gbuild;
+        w.off_visit = w.off_live + align256(gslots);
+    }
+    sh->group_slots = gslots;
     return w;
 }
 
-/* The four launches over the items of `items`, k rows of blocks for them (grid: heads x k,
- * rows x k; each row walks the items in strides of k). */
+/* The launches over the items of `items`, k rows of blocks for them (grid: heads x k, rows x k;
+ * each row walks the items in strides of k; rows_x: the per-row launches' blocks an item). */
 template <class Items>
-void step_launch(const Items &items, const ScanWs &w, uint32_t k, uint32_t H, dim3 rows_g,
-                 bool any_promo, void *stream) {
-    if (any_promo)
+void step_launch(const Items &items, const ScanWs &w, uint32_t k, const StepShape &sh,
+                 uint32_t rows_x, void *stream) {
+    if (sh.promo)
         k_promo_before<<<k, kThreads, 0, strm(stream)>>>(items, w);
-    if (H) {
-        k_step_heads<<<dim3(H, k), kThreads, 0, strm(stream)>>>(items, w);
-        k_step_best<<<dim3(H, k), kThreads, 0, strm(stream)>>>(items, w);
+    if (sh.H) {
+        k_step_heads<<<dim3(sh.H, k), kThreads, 0, strm(stream)>>>(items, w);
+        k_step_best<<<dim3(sh.H, k), kThreads, 0, strm(stream)>>>(items, w);
     }
-    if (rows_g.x)
-        k_step_rows<<<rows_g, kThreads, 0, strm(stream)>>>(items, w);
+    if (sh.groups) {
+        k_step_groups<<<dim3(kGroupBlocks, k), kThreads, 0, strm(stream)>>>(items, w);
+        size_t lb = (sh.group_slots + kThreads - 1) / kThreads; /* a thread a group slot */
+        lb = lb < 1 ? 1 : rows_x && lb > rows_x ? rows_x : lb;  /* at most the rows' blocks */
+        k_step_live<<<dim3((unsigned)lb, k), kThreads, 0, strm(stream)>>>(items, w);
+    }
+    if (rows_x)
+        k_step_rows<<<dim3(rows_x, k), kThreads, 0, strm(stream)>>>(items, w);
     k_step_finish<<<k, kThreads, 0, strm(stream)>>>(items, w);
 }
 
@@ -1324,14 +1697,12 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
     kvt_status s = op_begin(be, stream);
     for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxStep) {
         const uint32_t k = n - i0 < kMaxStep ? n - i0 : kMaxStep;
-        uint32_t H;
-        size_t rows;
-        bool any_promo;
-        ScanWs w = step_ws_of(a + i0, k, &H, &rows, &any_promo);
+        StepShape sh;
+        ScanWs w = step_ws_of(a + i0, k, &sh);
         if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
             break;
         const EagerItems items = {step_params(a + i0, k)};
-        step_launch(items, w, k, H, rows ? rows_grid(rows, k) : dim3(0, k), any_promo, stream);
+        step_launch(items, w, k, sh, sh.rows ? rows_grid(sh.rows, k).x : 0u, stream);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -1345,18 +1716,15 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
 constexpr uint32_t kPlanRowBlocks = 64;
 constexpr uint32_t kPlanItems = 16;
 
-size_t plan_ws_bytes(const kvt__recall_plan_args *a, ScanWs *w, uint32_t *H, size_t *rows,
-                     bool *any_promo) {
-    *w = step_ws_of(&a->bound, 1, H, rows, any_promo);
+size_t plan_ws_bytes(const kvt__recall_plan_args *a, ScanWs *w, StepShape *sh) {
+    *w = step_ws_of(&a->bound, 1, sh);
     return w->each * a->n_max;
 }
 
 kvt_status cu_recall_plan_reserve(const kvt__backend *be, const kvt__recall_plan_args *a) {
     ScanWs w;
-    uint32_t H;
-    size_t rows;
-    bool any_promo;
-    const size_t bytes = plan_ws_bytes(a, &w, &H, &rows, &any_promo);
+    StepShape sh;
+    const size_t bytes = plan_ws_bytes(a, &w, &sh);
     uint8_t *base;
     kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
     return s == KVT_OK && bytes ? plan_ws_get(be, NULL, bytes, &base) : s;
@@ -1369,20 +1737,16 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
     if (a->n_max > 65535u || !a->items || !a->n)
         return KVT_ERR_INVALID_ARGUMENT;
     ScanWs w;
-    uint32_t H;
-    size_t rows;
-    bool any_promo;
-    const size_t bytes = plan_ws_bytes(a, &w, &H, &rows, &any_promo);
+    StepShape sh;
+    const size_t bytes = plan_ws_bytes(a, &w, &sh);
     kvt_status s = op_begin(be, stream, true);
     if (s == KVT_OK)
         s = plan_ws_get(be, stream, bytes, &w.base);
     if (s == KVT_OK) {
         const PlanItems items = {*a};
         const uint32_t k = a->n_max < kPlanItems ? a->n_max : kPlanItems;
-        dim3 g = rows_grid(rows, k);
-        if (g.x > kPlanRowBlocks)
-            g.x = kPlanRowBlocks;
-        step_launch(items, w, k, H, rows ? g : dim3(0, k), any_promo, stream);
+        uint32_t rx = sh.rows ? rows_grid(sh.rows, k).x : 0u;
+        step_launch(items, w, k, sh, rx < kPlanRowBlocks ? rx : kPlanRowBlocks, stream);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -2633,8 +2997,8 @@ kvt_status cu_reserve(const kvt__backend *be, const kvt__ws_bounds *b) {
     uint32_t H;
     size_t rows;
     if (b->recall.scan.n_heads) {
-        bool any_promo;
-        const ScanWs w = step_ws_of(&b->recall, 1, &H, &rows, &any_promo);
+        StepShape sh;
+        const ScanWs w = step_ws_of(&b->recall, 1, &sh);
         const uint32_t k = b->max_items < kMaxStep ? b->max_items : kMaxStep;
         bytes = w.each * (k ? k : 1) > bytes ? w.each * (k ? k : 1) : bytes;
     }
