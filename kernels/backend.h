@@ -504,6 +504,15 @@ const kvt__backend_ops *kvt__backend_cpu_ops(void);
  * serialised mprotect, which always works). KVT_ERR_OUT_OF_MEMORY with the reason in err. */
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len);
 bool kvt__backend_is_guarded(const kvt__backend *be);
+/* The guarded backend's count of calls of its batched ops (each a launch, or a launch sequence,
+ * on a device backend) and of the work items they took: the host-side proof that the library
+ * makes one call per layer for all requests of a batch (DESIGN §3). */
+typedef struct kvt__guarded_calls {
+    uint64_t pack, recall_step, rope_step, rope_emit;          /* calls */
+    uint64_t recall_step_items, rope_step_items, rope_emit_items; /* work items they took */
+} kvt__guarded_calls;
+/* false for any other backend. */
+bool kvt__backend_guarded_calls(const kvt__backend *be, kvt__guarded_calls *out);
 /* Open the CPU backend with a workspace (be->alloc set by the caller): ops, and impl = the
  * workspace. KVT_ERR_OUT_OF_MEMORY. Close frees it (NULL impl: nothing). */
 kvt_status kvt__backend_cpu_open(kvt__backend *be);

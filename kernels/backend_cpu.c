@@ -755,6 +755,7 @@ typedef struct guard_impl {
     size_t arena_hi;        /* the end of its last live buffer: a toggle covers [arena, +hi) */
     guard_region *pinned;   /* host_alloc's pages: open to the host, accepted by the ops */
     uint64_t n_pinned, pinned_cap;
+    kvt__guarded_calls calls; /* kvt__backend_guarded_calls */
 } guard_impl;
 
 /* The mprotect-mode arena's reservation: address space only (PROT_NONE, MAP_NORESERVE: no
@@ -767,6 +768,31 @@ static const kvt__backend_ops guarded_ops_table;
 bool kvt__backend_is_guarded(const kvt__backend *be) {
     return be->ops == &guarded_ops_table;
 }
+
+/* Count a call of n items (relaxed atomics: a TSan run may share a context's handle). */
+static void g_count(const kvt__backend *be, uint64_t *calls, uint64_t *items, uint64_t n) {
+    (void)be;
+    __atomic_fetch_add(calls, 1, __ATOMIC_RELAXED);
+    if (items)
+        __atomic_fetch_add(items, n, __ATOMIC_RELAXED);
+}
+
+bool kvt__backend_guarded_calls(const kvt__backend *be, kvt__guarded_calls *out) {
+    if (!kvt__backend_is_guarded(be))
+        return false;
+    const kvt__guarded_calls *c = &((const guard_impl *)be->impl)->calls;
+    out->pack = __atomic_load_n(&c->pack, __ATOMIC_RELAXED);
+    out->recall_step = __atomic_load_n(&c->recall_step, __ATOMIC_RELAXED);
+    out->rope_step = __atomic_load_n(&c->rope_step, __ATOMIC_RELAXED);
+    out->rope_emit = __atomic_load_n(&c->rope_emit, __ATOMIC_RELAXED);
+    out->recall_step_items = __atomic_load_n(&c->recall_step_items, __ATOMIC_RELAXED);
+    out->rope_step_items = __atomic_load_n(&c->rope_step_items, __ATOMIC_RELAXED);
+    out->rope_emit_items = __atomic_load_n(&c->rope_emit_items, __ATOMIC_RELAXED);
+    return true;
+}
+
+#define G_COUNT(be, op, n)                                                                         \
+    g_count(be, &((guard_impl *)(be)->impl)->calls.op, &((guard_impl *)(be)->impl)->calls.op##_items, n)
 
 static size_t page_round(size_t bytes) {
     size_t pg = (size_t)sysconf(_SC_PAGESIZE);
@@ -1055,6 +1081,7 @@ static kvt_status g_recall_scan(const kvt__backend *be, const kvt__recall_scan_a
  * values). */
 static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
                                      uint32_t n, void *stream) {
+    G_COUNT(be, rope_step, n);
     for (uint32_t i = 0; i < n; i++) {
         const kvt__recall_rope_args *a = &args[i];
         if (!kvt__recall_rope_args_ok(a))
@@ -1136,6 +1163,7 @@ static kvt_status g_attend(const kvt__backend *be, const kvt__attend_args *a, vo
 static kvt_status g_recall_rope_emit(const kvt__backend *be,
                                      const kvt__recall_rope_emit_args *args, uint32_t n,
                                      void *stream) {
+    G_COUNT(be, rope_emit, n);
     for (uint32_t i = 0; i < n; i++) {
         const kvt__recall_rope_emit_args *a = &args[i];
         if (!kvt__recall_rope_emit_ok(a))
@@ -1189,6 +1217,7 @@ static kvt_status g_step_owns(const kvt__backend *be, const kvt__recall_step_arg
 
 static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_args *args,
                                 uint32_t n, void *stream) {
+    G_COUNT(be, recall_step, n);
     for (uint32_t i = 0; i < n; i++) {
         kvt_status s = g_step_owns(be, &args[i]);
         if (s != KVT_OK)
@@ -1355,6 +1384,7 @@ static kvt_status g_pack_planned(const kvt__backend *be, const kvt__pack_args *a
 }
 
 static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    g_count(be, &((guard_impl *)be->impl)->calls.pack, NULL, 0);
     if (a->q_plan)
         return g_pack_planned(be, a, stream);
     if (be->cap)

@@ -80,43 +80,6 @@ size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a) {
 }
 
 
-void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
-                           kvt__recall_scan_args *v) {
-    const size_t G = a->group;
-    memset(v, 0, sizeof *v);
-    const bool plane = a->ar_branch && a->branch_dim; /* the scan reads only the branch */
-    v->base = plane ? a->ar_branch + (size_t)h * a->ar_cap * a->ar_branch_bytes
-                    : a->ar_bytes + (size_t)h * a->ar_cap * a->ar_row_bytes;
-    v->pages = a->ar_ident;
-    v->first_page = 0;
-    v->pdiv = a->pdiv;
-    v->slot_stride = plane ? a->ar_branch_bytes : a->ar_row_bytes;
-    v->dtype = a->dtype;
-    v->latent_dim = a->D;
-    v->branch_offset = plane ? 0u : a->branch_offset;
-    v->branch_dtype = a->branch_dim ? a->branch_dtype : a->dtype;
-    v->branch_dim = a->branch_dim;
-    v->csk = a->csk + (size_t)h * a->ar_cap * a->csk_stride;
-    v->rho = a->rho + (size_t)h * a->ar_cap;
-    v->csk_stride = a->csk_stride;
-    v->rank = a->rank[h];
-    v->basis = a->rank[h] ? a->basis + (size_t)h * a->basis_stride * a->D : NULL;
-    v->n_closed = a->ar_n;
-    v->sinks = 0;
-    v->kept = NULL;
-    v->m = 0;
-    v->q = a->q + (size_t)h * G * (a->D + a->branch_dim);
-    v->best = a->best + (size_t)h * G;
-    v->n_heads = a->group;
-    v->scale = 1.0f; /* the engine's queries carry the softmax scale */
-    v->z = z;
-    v->mode = a->mode;
-    v->cap = a->cap;
-    v->fired = a->fired + (size_t)h * a->cap;
-    v->n_fired = a->n_fired + h;
-    v->overflow = a->overflow + h;
-}
-
 /* The key of head h at row `row` of the table. */
 static inline const uint8_t *table_key(const kvt__recall_rope_args *a, uint32_t h, uint64_t row) {
     return a->keys +

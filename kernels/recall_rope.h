@@ -49,6 +49,8 @@
 #include "kernels/recall_scan.h"
 #include "kernels/topm.h"
 
+#include <string.h>
+
 /* Most KV heads a RoPE recall step takes (the per-head ranks are passed by value). */
 #define KVT__RECALL_ROPE_MAX_KV 64u
 
@@ -137,9 +139,45 @@ KVT_HD uint32_t kvt__recall_rope_capped_key(int fires, float score) {
 bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a);
 /* Floats of scratch one step takes. */
 size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a);
-/* The scan view of KV head h's archive (its group's queries and outputs, z and mode as given). */
-void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
-                           kvt__recall_scan_args *v);
+/* The scan view of KV head h's archive (its group's queries and outputs, z and mode as given);
+ * every backend's (the CUDA kernels build each head's on the device). */
+KVT_HD void kvt__recall_rope_view(const kvt__recall_rope_args *a, uint32_t h, float z,
+                                  kvt__recall_scan_args *v) {
+    const size_t G = a->group;
+    memset(v, 0, sizeof *v);
+    const int plane = a->ar_branch && a->branch_dim; /* the scan reads only the branch */
+    v->base = plane ? a->ar_branch + (size_t)h * a->ar_cap * a->ar_branch_bytes
+                    : a->ar_bytes + (size_t)h * a->ar_cap * a->ar_row_bytes;
+    v->pages = a->ar_ident;
+    v->first_page = 0;
+    v->pdiv = a->pdiv;
+    v->slot_stride = plane ? a->ar_branch_bytes : a->ar_row_bytes;
+    v->dtype = a->dtype;
+    v->latent_dim = a->D;
+    v->branch_offset = plane ? 0u : a->branch_offset;
+    v->branch_dtype = a->branch_dim ? a->branch_dtype : a->dtype;
+    v->branch_dim = a->branch_dim;
+    v->csk = a->csk + (size_t)h * a->ar_cap * a->csk_stride;
+    v->rho = a->rho + (size_t)h * a->ar_cap;
+    v->csk_stride = a->csk_stride;
+    v->rank = a->rank[h];
+    v->basis = a->rank[h] ? a->basis + (size_t)h * a->basis_stride * a->D : NULL;
+    v->n_closed = a->ar_n;
+    v->sinks = 0;
+    v->kept = NULL;
+    v->m = 0;
+    v->q = a->q + (size_t)h * G * (a->D + a->branch_dim);
+    v->best = a->best + (size_t)h * G;
+    v->n_heads = a->group;
+    v->scale = 1.0f; /* the engine's queries carry the softmax scale */
+    v->z = z;
+    v->mode = a->mode;
+    v->cap = a->cap;
+    v->fired = a->fired + (size_t)h * a->cap;
+    v->n_fired = a->n_fired + h;
+    v->overflow = a->overflow + h;
+}
+
 /* One step (arguments checked). */
 void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch);
 

@@ -27,6 +27,10 @@ struct kvt_batch {
     uint8_t *recall_way;     /* [max_seqs] */
     uint8_t *dense;          /* [max_seqs] */
     kvt__recall_step_args *rsteps; /* [max_seqs] */
+    /* The RoPE trigger's work items and emissions of a layer, one backend call each for the
+     * batch (allocated where a layer may recall on RoPE: kvt__ctx_rope_bound). */
+    kvt__recall_rope_args *rrsteps;      /* [max_seqs] or NULL */
+    kvt__recall_rope_emit_args *remits;  /* [max_seqs] or NULL */
     enum batch_state state;
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
     void *stream;        /* the stream of the step's last run: the commit's device work goes on
@@ -155,6 +159,15 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->recall_way = kvt__calloc(a, max_seqs);
     b->dense = kvt__calloc(a, max_seqs);
     b->rsteps = kvt__calloc(a, sizeof *b->rsteps * max_seqs);
+    bool rope = false;
+    for (uint32_t l = 0; l < ctx->n_layers && !rope; l++) {
+        kvt__recall_rope_args bound;
+        rope = kvt__ctx_rope_bound(ctx, l, &bound);
+    }
+    if (rope) {
+        b->rrsteps = kvt__calloc(a, sizeof *b->rrsteps * max_seqs);
+        b->remits = kvt__calloc(a, sizeof *b->remits * max_seqs);
+    }
     b->recall_ran = kvt__calloc(a, ctx->n_layers);
     b->be = ctx->backend;
     kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
@@ -168,6 +181,7 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
         ws = KVT_ERR_OUT_OF_MEMORY;
     if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->defer || !b->steps || !b->step_seqs ||
         !b->recall_way || !b->dense || !b->rsteps || !b->recall_ran ||
+        (rope && (!b->rrsteps || !b->remits)) ||
         ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
@@ -230,6 +244,10 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->recall_way, b->max_seqs);
     kvt__free(a, b->dense, b->max_seqs);
     kvt__free(a, b->rsteps, sizeof *b->rsteps * b->max_seqs);
+    if (b->rrsteps)
+        kvt__free(a, b->rrsteps, sizeof *b->rrsteps * b->max_seqs);
+    if (b->remits)
+        kvt__free(a, b->remits, sizeof *b->remits * b->max_seqs);
     kvt__free(a, b->recall_ran, b->ctx->n_layers);
     if (b->be.cap && b->be.ops->capture_end) { /* a capture never ended: its record goes */
         void *g = NULL;
@@ -444,10 +462,11 @@ static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32
                                                                                  : RECALL_ALL;
 }
 
-/* The RoPE trigger of request i on this layer (docs/recall.md §9), once per step: one backend
- * call per request (not batched yet); a second run of the layer emits what the first fetched. */
-static kvt_status run_rope_recall(kvt_batch *b, uint32_t i, uint32_t layer, const float *query,
-                                  void *stream, const kvt_emit *emit) {
+/* The RoPE trigger of request i on this layer (docs/recall.md §9), once per step: its work item
+ * into b->rrsteps[*n] (one backend call takes the layer's items: run_recall); a second run of
+ * the layer emits what the first fetched, its dense flag from the state. */
+static kvt_status rope_recall_item(kvt_batch *b, uint32_t i, uint32_t layer, const float *query,
+                                   void *stream, const kvt_emit *emit, uint32_t *n) {
     kvt_ctx *ctx = b->ctx;
     const kvt__backend *be = &b->be;
     kvt_seq *sq = b->seqs[i];
@@ -460,18 +479,16 @@ static kvt_status run_rope_recall(kvt_batch *b, uint32_t i, uint32_t layer, cons
             return kvt__ctx_fail(ctx, s, "emission's dense flags");
         return KVT_OK;
     }
-    if (!be->ops->recall_rope_step || !be->ops->recall_rope_emit)
+    if (!be->ops->recall_rope_step || !be->ops->recall_rope_emit || !b->rrsteps)
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "layer %u: the %s backend has no RoPE recall ops", layer,
                              be->ops->name);
-    kvt__recall_rope_args a;
     const size_t per_seq = (size_t)sp->n_q_heads * sp->head_dim;
     if ((s = kvt__seq_rope_recall_item(sq, layer, query + i * per_seq,
-                                       emit->dense ? emit->dense + i : NULL, &a)) != KVT_OK)
+                                       emit->dense ? emit->dense + i : NULL,
+                                       &b->rrsteps[*n])) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer, kvt__tls_error());
-    if ((s = be->ops->recall_rope_step(be, &a, 1, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "the RoPE recall trigger of seqs[%u] on layer %u", i, layer);
-    sq->recalled[layer] = 1;
+    ++*n;
     return KVT_OK;
 }
 
@@ -493,12 +510,12 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
         return kvt__ctx_fail(ctx, s, "emission's dense flags");
     /* Once per step and layer: a second run of the layer emits what the first fetched (the fetch
      * buffer and the state's dense flag are unchanged), it does not scan or calibrate again. */
-    uint32_t n = 0;
+    uint32_t n = 0, nr = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
         /* a second run: the flag the first one's trigger wrote, from the state (low byte) */
         if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls_rope(sq, layer)) {
-            if ((s = run_rope_recall(b, i, layer, query, stream, emit)) != KVT_OK)
+            if ((s = rope_recall_item(b, i, layer, query, stream, emit, &nr)) != KVT_OK)
                 return s;
             continue;
         }
@@ -513,6 +530,12 @@ static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, v
     }
     if (n && (s = be->ops->recall_step(be, b->rsteps, n, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "the recall trigger of layer %u (%u requests)", layer, n);
+    if (nr && (s = be->ops->recall_rope_step(be, b->rrsteps, nr, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "the RoPE recall trigger of layer %u (%u requests)", layer,
+                             nr);
+    for (uint32_t i = 0; nr && i < b->n_seqs; i++)
+        if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls_rope(b->seqs[i], layer))
+            b->seqs[i]->recalled[layer] = 1;
     for (uint32_t k = 0; k < n; k++) {
         b->step_seqs[k]->recalled[layer] = 1;
         /* config.recall_lagged_query: this step's queries are the next step's (after the op) */
@@ -571,27 +594,41 @@ static kvt_status flush_pack(kvt_batch *b, uint32_t layer, void *stream, kvt__pa
                        : kvt__ctx_fail(b->ctx, s, "packing the attended sets of layer %u", layer);
 }
 
-/* KVT_EMIT_TOKENS on a layer with one KV head: RoPE-recalling request i's row of the indices
- * (FlashMLA's layout: topk_length, then -1 up to topk) from the recall_rope_emit op, after the
- * queued queries are packed. */
-static kvt_status emit_rope_tokens(kvt_batch *b, uint32_t i, uint32_t layer, void *stream,
-                                   const kvt_emit *emit, kvt__pack_args *pa, uint32_t *k) {
-    kvt_ctx *ctx = b->ctx;
+/* The queued RoPE emissions b->remits[0 .. *ne) in one backend call (then none are queued). */
+static kvt_status flush_rope_emits(kvt_batch *b, uint32_t layer, void *stream, uint32_t *ne) {
     const kvt__backend *be = &b->be;
-    kvt_status s;
-    if (*k && (s = flush_pack(b, layer, stream, pa, k)) != KVT_OK)
-        return s;
+    const uint32_t n = *ne;
+    *ne = 0;
+    if (!n)
+        return KVT_OK;
+    if (!be->ops->recall_rope_emit) /* refused at request creation; never reached */
+        return kvt__ctx_fail(b->ctx, KVT_ERR_UNSUPPORTED,
+                             "layer %u: the %s backend has no RoPE recall ops", layer,
+                             be->ops->name);
+    kvt_status s = be->ops->recall_rope_emit(be, b->remits, n, stream);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(b->ctx, s, "emitting the RoPE recall lists of layer %u "
+                                                  "(%u requests)", layer, n);
+}
+
+/* KVT_EMIT_TOKENS on a layer with one KV head: RoPE-recalling request i's row of the indices
+ * (FlashMLA's layout: topk_length, then -1 up to topk) queued for the recall_rope_emit op (rows
+ * of distinct requests are disjoint: the layer's are emitted in one call after its packs). */
+static kvt_status emit_rope_tokens(kvt_batch *b, uint32_t i, uint32_t layer,
+                                   const kvt_emit *emit, uint32_t *ne) {
+    if (!b->remits) /* no layer of the context recalls on RoPE: never reached */
+        return kvt__ctx_fail(b->ctx, KVT_ERR_INVARIANT, "seqs[%u] recalls on RoPE layer %u", i,
+                             layer);
     const uint64_t at = (uint64_t)i * emit->capacity;
-    kvt__recall_rope_emit_args ea;
-    if ((s = kvt__seq_rope_emit_item(b->seqs[i], layer, b->recall_way[i] == RECALL_ALL,
-                                     emit->indices, at + emit->capacity, NULL, &ea)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer, kvt__tls_error());
-    ea.chain = false;
-    ea.out = at;
-    ea.pad = emit->capacity;
-    ea.length = emit->lengths + i;
-    if ((s = be->ops->recall_rope_emit(be, &ea, 1, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "emitting seqs[%u]'s set on layer %u", i, layer);
+    kvt__recall_rope_emit_args *ea = &b->remits[(*ne)++];
+    kvt_status s = kvt__seq_rope_emit_item(b->seqs[i], layer, b->recall_way[i] == RECALL_ALL,
+                                           emit->indices, at + emit->capacity, NULL, ea);
+    if (s != KVT_OK)
+        return kvt__ctx_fail(b->ctx, s, "seqs[%u] layer %u: %s", i, layer, kvt__tls_error());
+    ea->chain = false;
+    ea->out = at;
+    ea->pad = emit->capacity;
+    ea->length = emit->lengths + i;
     return KVT_OK;
 }
 
@@ -608,28 +645,29 @@ static kvt_status emit_kv_heads(kvt_batch *b, uint32_t layer, uint32_t n_kv, voi
         return kvt__ctx_fail(ctx, s, "emission's first offset");
     pa->dev_offsets = true;
     pa->first_csr = false;
-    uint32_t k = 0;
+    uint32_t k = 0, ne = 0;
     for (uint32_t i = 0; i <= b->n_seqs; i++) {
         const kvt_seq *sq = i < b->n_seqs ? b->seqs[i] : NULL;
         const bool rope = sq && kvt__seq_recalls_rope(sq, layer);
-        /* the queued lists first: a RoPE request's chain reads where they end */
+        /* the queued lists first: a RoPE request's chain reads where they end; a run of
+         * consecutive RoPE requests is one chained call, before the next packed list */
         if (k && (rope || i == b->n_seqs) && (s = flush_pack(b, layer, stream, pa, &k)) != KVT_OK)
+            return s;
+        if (ne && !rope && (s = flush_rope_emits(b, layer, stream, &ne)) != KVT_OK)
             return s;
         if (i == b->n_seqs)
             break;
+        if (rope && !b->remits) /* no layer of the context recalls on RoPE: never reached */
+            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "seqs[%u] recalls on RoPE layer %u", i,
+                                 layer);
         if (rope) {
-            kvt__recall_rope_emit_args ea;
             if ((s = kvt__seq_rope_emit_item(sq, layer, b->recall_way[i] == RECALL_ALL,
                                              emit->indices, emit->capacity,
-                                             emit->indptr + (size_t)i * n_kv, &ea)) != KVT_OK)
+                                             emit->indptr + (size_t)i * n_kv,
+                                             &b->remits[ne])) != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer,
                                      kvt__tls_error());
-            if (!be->ops->recall_rope_emit) /* refused at request creation; never reached */
-                return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                                     "layer %u: the %s backend has no RoPE recall ops", layer,
-                                     be->ops->name);
-            if ((s = be->ops->recall_rope_emit(be, &ea, 1, stream)) != KVT_OK)
-                return kvt__ctx_fail(ctx, s, "emitting seqs[%u]'s lists on layer %u", i, layer);
+            ne++;
             continue;
         }
         for (uint32_t h = 0; h < n_kv; h++) {
@@ -1069,11 +1107,11 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (heads || (rope && !tokens)) /* the lists are chained on the backend from indptr[0] */
         return emit_kv_heads(b, layer, n_kv, stream, emit, q, &pa);
     uint64_t off = 0;
-    uint32_t k = 0;
+    uint32_t k = 0, ne = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
         if (sq && kvt__seq_recalls_rope(sq, layer)) { /* TOKENS, one KV head, S = 1 */
-            if ((s = emit_rope_tokens(b, i, layer, stream, emit, &pa, &k)) != KVT_OK)
+            if ((s = emit_rope_tokens(b, i, layer, emit, &ne)) != KVT_OK)
                 return s;
             continue;
         }
@@ -1084,6 +1122,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         }
     }
     if (k && (s = flush_pack(b, layer, stream, &pa, &k)) != KVT_OK)
+        return s;
+    if ((s = flush_rope_emits(b, layer, stream, &ne)) != KVT_OK)
         return s;
     if (!tokens && b->n_seqs == 0 && (s = be->ops->write(be, emit->indptr, &(int32_t){0},
                                                          sizeof(int32_t), stream)) != KVT_OK)
