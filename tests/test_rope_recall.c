@@ -2449,3 +2449,184 @@ Test(rope_host, placement_statuses) {
     cr_assert_eq(mem.archive_host_bytes, 0u);
     rr_fini(&x);
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * One backend call per layer for a batch (DESIGN §3): three RoPE-recalling requests run together
+ * against the same three each alone in a context of its own (the same bases, rows, queries and
+ * request id, so the same eviction draws). After every step each request's recall state (its
+ * certificate counters, z, the pruned scan's counts), fired rows and list lengths per KV head
+ * are the lone run's, and the batch's layer took one recall_rope_step call and one
+ * recall_rope_emit call for the three (the guarded backend's counts). GQA with CSR_KV_HEADS (one
+ * chained emission call), MLA-RoPE with TOKENS (FlashMLA's rows, one call after the packs).
+ * ---------------------------------------------------------------------------------------------- */
+enum { BT_K = 3 };
+
+/* Per context: a batch and its query, index, offset (or length) buffers. */
+typedef struct bt_side {
+    kvt_batch *b;
+    kvt_buffer *qbuf, *ibuf, *pbuf;
+} bt_side;
+
+static void bt_side_init(bt_side *s, kvt_ctx *ctx, uint32_t n, size_t qfloats, uint32_t cap,
+                         uint32_t H) {
+    cr_assert_eq(kvt_batch_create(ctx, n, &s->b), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(float) * n * qfloats, &s->qbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(int32_t) * n * cap, &s->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(int32_t) * (n * H + 1), &s->pbuf), KVT_OK);
+}
+
+static void bt_side_fini(bt_side *s) {
+    kvt_batch_destroy(s->b);
+    kvt_buffer_free(s->qbuf);
+    kvt_buffer_free(s->ibuf);
+    kvt_buffer_free(s->pbuf);
+}
+
+/* Plan and run side s's batch of n requests (queries q) on layer 0 with `layout`, commit; the
+ * list lengths into len[n][H] (TOKENS: topk_length). */
+static void bt_run(bt_side *s, uint32_t n, uint32_t H, const float *q, size_t qfloats,
+                   kvt_emit_layout layout, uint32_t cap, int32_t *len) {
+    cr_assert_eq(kvt_buffer_write(s->qbuf, 0, q, sizeof(float) * n * qfloats), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(s->b), KVT_OK, "%s", kvt_last_error());
+    uint32_t topk, total;
+    cr_assert_eq(kvt_batch_capacity(s->b, 0, &topk, &total), KVT_OK);
+    const bool tokens = layout == KVT_EMIT_TOKENS;
+    cr_assert_leq(tokens ? topk : H * total, tokens ? cap : n * cap);
+    kvt_emit em = {.struct_size = sizeof em, .layout = layout, .indices = kvt_buffer_ptr(s->ibuf),
+                   .capacity = tokens ? topk : n * cap, .queries_per_seq = 1};
+    if (tokens)
+        em.lengths = kvt_buffer_ptr(s->pbuf);
+    else
+        em.indptr = kvt_buffer_ptr(s->pbuf);
+    cr_assert_eq(kvt_batch_run(s->b, 0, kvt_buffer_ptr(s->qbuf), NULL, &em), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(s->b, NULL), KVT_OK, "%s", kvt_last_error());
+    int32_t p[BT_K * RR_MAXH + 1];
+    const uint32_t np = tokens ? n : n * H + 1;
+    cr_assert_eq(kvt_buffer_read(s->pbuf, 0, p, sizeof(int32_t) * np), KVT_OK);
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t h = 0; h < H; h++)
+            len[i * H + h] = tokens ? p[i] : p[i * H + h + 1] - p[i * H + h];
+}
+
+/* A request's trigger outputs: state, per-head fired counts, overflow flags and fired rows. */
+typedef struct bt_out {
+    kvt__recall_state st;
+    uint32_t n_fired[RR_MAXH], overflow[RR_MAXH], fired[RR_MAXH * 64];
+} bt_out;
+
+static void bt_read(const rr *x, const kvt_seq *s, bt_out *o) {
+    const kvt__recall_rope_layer *r = &s->rrope[0];
+    memset(o, 0, sizeof *o);
+    cr_assert_leq(r->n_kv * r->cap, RR_MAXH * 64u);
+    dev_read(x, &o->st, r->base.st, sizeof o->st);
+    dev_read(x, o->n_fired, r->n_fired, sizeof(uint32_t) * r->n_kv);
+    dev_read(x, o->overflow, r->overflow, sizeof(uint32_t) * r->n_kv);
+    dev_read(x, o->fired, r->fired, sizeof(uint32_t) * r->n_kv * r->cap);
+    for (uint32_t h = 0; h < r->n_kv; h++) /* rows past the count are scratch */
+        for (uint32_t j = o->n_fired[h]; j < r->cap; j++)
+            o->fired[h * r->cap + j] = 0;
+}
+
+static void batch_equals_alone(bool mla, uint64_t seed) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = 64;
+    const uint32_t H = mla ? 1 : 2, rank[2] = {32, 16};
+    const kvt_emit_layout layout = mla ? KVT_EMIT_TOKENS : KVT_EMIT_CSR_KV_HEADS;
+    rr al[BT_K], bx;
+    for (uint32_t k = 0; k <= BT_K; k++) {
+        rr *x = k < BT_K ? &al[k] : &bx;
+        g_mla = mla;
+        rr_init(x, H, 128, cfg, 32, rank, KVT_BACKEND_GUARDED, seed); /* the same bases */
+        g_mla = false;
+        for (uint32_t j = 0; j < 1000u * k; j++) /* each lone request's own rows */
+            tu_next(&x->rng);
+    }
+    kvt_seq *bs[BT_K] = {bx.seq};
+    for (uint32_t k = 1; k < BT_K; k++)
+        cr_assert_eq(tu_seq_create(bx.ctx, 7, &bs[k]), KVT_OK);
+    for (uint32_t k = 0; k < BT_K; k++)
+        cr_assert(kvt__seq_recalls_rope(bs[k], 0) && kvt__seq_recalls_rope(al[k].seq, 0));
+    const uint32_t nq = bx.sp.n_q_heads, cap = mla ? 512 : H * 256;
+    const size_t qf = (size_t)nq * bx.QW, slot = (size_t)H * bx.sp.row_bytes;
+    bt_side sa[BT_K], sb;
+    for (uint32_t k = 0; k < BT_K; k++)
+        bt_side_init(&sa[k], al[k].ctx, 1, qf, cap, H);
+    bt_side_init(&sb, bx.ctx, BT_K, qf, cap, H);
+    float *q = malloc(sizeof(float) * BT_K * qf);
+    uint64_t fetched = 0, fired_steps = 0;
+    for (int step = 0; step < 90; step++) {
+        uint32_t ones[BT_K] = {1, 1, 1};
+        cr_assert_eq(kvt_batch_reserve(sb.b, bs, ones, BT_K), KVT_OK, "%s", kvt_last_error());
+        for (uint32_t k = 0; k < BT_K; k++) {
+            rr *x = &al[k];
+            aimed_queries(x, q + k * qf); /* on the committed state, before the step's row */
+            cr_assert_eq(kvt_batch_reserve(sa[k].b, &x->seq, ones, 1), KVT_OK, "%s",
+                         kvt_last_error());
+            rr_write(x, 1);
+            for (uint32_t p = 0; p < x->P; p++)
+                cr_assert_eq(kvt_seq_write(bs[k], 0, p, 0, 1, rr_row(x, p, x->n_tok, 0), slot),
+                             KVT_OK, "%s", kvt_last_error());
+        }
+        int32_t la[BT_K * RR_MAXH], lb[BT_K * RR_MAXH];
+        for (uint32_t k = 0; k < BT_K; k++) {
+            bt_run(&sa[k], 1, H, q + k * qf, qf, layout, cap, la + k * H);
+            al[k].n_tok++;
+        }
+        kvt__guarded_calls c0, c1;
+        cr_assert(kvt__backend_guarded_calls(&bx.ctx->backend, &c0));
+        bt_run(&sb, BT_K, H, q, qf, layout, cap, lb);
+        cr_assert(kvt__backend_guarded_calls(&bx.ctx->backend, &c1));
+        cr_assert_eq(c1.rope_step - c0.rope_step, 1u, "step %d: one trigger call", step);
+        cr_assert_eq(c1.rope_step_items - c0.rope_step_items, BT_K);
+        cr_assert_eq(c1.rope_emit - c0.rope_emit, 1u, "step %d: one emission call", step);
+        cr_assert_eq(c1.rope_emit_items - c0.rope_emit_items, BT_K);
+        for (uint32_t k = 0; k < BT_K; k++) {
+            cr_assert_eq(kvt_seq_check(bs[k]), KVT_OK, "%s", kvt_last_error());
+            cr_assert_eq(kvt_seq_check(al[k].seq), KVT_OK, "%s", kvt_last_error());
+            bt_out oa, ob;
+            bt_read(&al[k], al[k].seq, &oa);
+            bt_read(&bx, bs[k], &ob);
+            cr_assert(memcmp(&oa.st, &ob.st, sizeof oa.st) == 0,
+                      "step %d request %u: state differs (fired %llu/%llu, visited %llu/%llu)",
+                      step, k, (unsigned long long)oa.st.last_fired,
+                      (unsigned long long)ob.st.last_fired,
+                      (unsigned long long)oa.st.last_visited,
+                      (unsigned long long)ob.st.last_visited);
+            cr_assert(memcmp(&oa, &ob, sizeof oa) == 0, "step %d request %u: fired rows differ",
+                      step, k);
+            for (uint32_t h = 0; h < H; h++)
+                cr_assert_eq(la[k * H + h], lb[k * H + h], "step %d request %u head %u", step, k,
+                             h);
+            fetched += oa.st.last_fetched;
+            fired_steps += !oa.st.last_dense && oa.st.last_fired > 0;
+        }
+    }
+    for (uint32_t k = 0; k < BT_K; k++) {
+        bt_out o;
+        bt_read(&bx, bs[k], &o);
+        cr_assert_neq(o.st.phase, KVT__CONFORMAL_OPEN, "request %u calibrated", k);
+    }
+    cr_assert_gt(fired_steps, 0u, "steps fetched fired rows");
+    cr_log_info("batch of %u vs alone (%s): %llu rows fetched, %llu steps with fired rows", BT_K,
+                mla ? "MLA-RoPE, TOKENS" : "GQA, CSR_KV_HEADS", (unsigned long long)fetched,
+                (unsigned long long)fired_steps);
+    free(q);
+    for (uint32_t k = 0; k < BT_K; k++)
+        bt_side_fini(&sa[k]);
+    bt_side_fini(&sb);
+    for (uint32_t k = 1; k < BT_K; k++)
+        kvt_seq_destroy(bs[k]);
+    for (uint32_t k = 0; k < BT_K; k++)
+        rr_fini(&al[k]);
+    rr_fini(&bx);
+}
+
+Test(rope_batch, three_requests_one_call_equal_each_alone_gqa, .timeout = 240) {
+    batch_equals_alone(false, 5151);
+}
+
+Test(rope_batch, three_requests_one_call_equal_each_alone_mla_tokens, .timeout = 240) {
+    batch_equals_alone(true, 5252);
+}
