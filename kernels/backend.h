@@ -449,8 +449,10 @@ typedef struct kvt__backend_ops {
     kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
     /* (optional) The recall steps of n (request, GQA/MHA-RoPE layer) work items
      * (kernels/recall_rope.h): per KV head the scan of its archive with its query heads, or a
-     * calibration step. NULL where the backend has none (CUDA today): the library then refuses
-     * recall on RoPE layers. KVT_ERR_INVALID_ARGUMENT as recall_step. */
+     * calibration step. The library calls it once per layer with every RoPE-recalling request
+     * of the batch (the CUDA op: one launch sequence per 32 of them). NULL where the backend has
+     * none: the library then refuses recall on RoPE layers. KVT_ERR_INVALID_ARGUMENT as
+     * recall_step. */
     kvt_status (*recall_rope_step)(const kvt__backend *be, const struct kvt__recall_rope_args *a,
                                    uint32_t n, void *stream);
     /* (optional, with recall_rope_step) The emission of n requests' RoPE recall steps

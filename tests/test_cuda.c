@@ -1422,13 +1422,13 @@ typedef struct rope_case {
         *d_samples, *d_best, *d_fired, *d_nf, *d_ov, *d_dense, *d_q;
 } rope_case;
 
-static void rope_case_make(rig *r, rope_case *c, tu_rng *g, uint32_t cap) {
+static void rope_case_make(rig *r, rope_case *c, tu_rng *g, uint32_t cap, uint32_t ar_n) {
     memset(c, 0, sizeof *c);
     c->rb = RDIM * 2;
     c->slot = RK * c->rb;
     c->ar_row = 2 * c->rb;
     c->n_rows = RTP * RPR - 5;
-    c->ar_n = 300;
+    c->ar_n = ar_n;
     c->ar_cap = 320;
     c->stride = 32;
     c->cap = cap;
@@ -1545,82 +1545,106 @@ static kvt__recall_rope_args rope_args(rope_case *c, bool gpu, const float *q, i
     return a;
 }
 
-/* Steps of one mode on both backends from the same state: after each, every output equal. Then
- * the emission of the step's lists (CSR per KV head, chained after 7 entries), both backends:
- * the lists and the pool planes (the fetched rows copied in) equal. Returns the steps that
- * overflowed and the fired (row, head) pairs. */
+/* Two requests' steps of one mode in one call on both backends from the same state (one capped
+ * as asked, the other not, with fewer archived rows): after each, every output equal. Then the
+ * emission of the step's lists (CSR per KV head) of both in one call, both backends: chained
+ * after 7 entries another list wrote (the second request's lists after the first's) on even
+ * steps, at fixed offsets on odd ones (one block a request on the device): the lists and the
+ * pool planes (the fetched rows copied in) equal. Returns the steps that overflowed and the
+ * fired (row, head) pairs. */
+enum { RN = 2 };
 static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, uint32_t *overflows,
                       uint64_t *fired) {
     tu_rng g = {(uint64_t)mode * 131 + capped * 7 + cap};
-    rope_case c;
-    rope_case_make(r, &c, &g, cap);
-    float q[RQ * RDIM];
-    const uint64_t cap_idx = 7 + (uint64_t)RK * (c.n_rows + c.ar_n);
+    rope_case cs[RN];
+    for (int i = 0; i < RN; i++)
+        rope_case_make(r, &cs[i], &g, cap, i ? 200 : 300);
+    float q[RN][RQ * RDIM];
+    const uint64_t per = (uint64_t)RK * (cs[0].n_rows + cs[0].ar_n);
+    const uint64_t cap_idx = 7 + RN * per;
     int32_t *idx = malloc(sizeof(int32_t) * cap_idx);
-    int32_t indptr[RK + 1];
+    int32_t indptr[RN * RK + 1];
     void *d_idx = dev(r, NULL, sizeof(int32_t) * cap_idx), *d_ptr = dev(r, NULL, sizeof indptr);
     for (int step = 0; step < 14; step++) {
-        for (uint32_t t = 0; t < RQ; t++) { /* half the heads aimed at an archived key */
-            const uint32_t h = t / RG, k = (uint32_t)(tu_next(&g) % c.ar_n);
-            const uint8_t *key = c.ar + ((size_t)h * c.ar_cap + k) * c.ar_row;
-            for (uint32_t d = 0; d < RDIM; d++) {
-                float kd = kvt__load_elem(key, KVT__DT_BF16, d);
-                q[t * RDIM + d] = (float)(0.3 * tu_normal(&g)) +
-                                  (t % 2 && isfinite(kd) ? 0.5f * kd : 0.0f);
+        kvt__recall_rope_args ac[RN], ag[RN];
+        for (int i = 0; i < RN; i++) {
+            rope_case *c = &cs[i];
+            for (uint32_t t = 0; t < RQ; t++) { /* half the heads aimed at an archived key */
+                const uint32_t h = t / RG, k = (uint32_t)(tu_next(&g) % c->ar_n);
+                const uint8_t *key = c->ar + ((size_t)h * c->ar_cap + k) * c->ar_row;
+                for (uint32_t d = 0; d < RDIM; d++) {
+                    float kd = kvt__load_elem(key, KVT__DT_BF16, d);
+                    q[i][t * RDIM + d] = (float)(0.3 * tu_normal(&g)) +
+                                         (t % 2 && isfinite(kd) ? 0.5f * kd : 0.0f);
+                }
             }
+            cr_assert_eq(r->gpu.ops->write(&r->gpu, c->d_q, q[i], sizeof q[i], NULL), KVT_OK);
+            const bool cp = i ? !capped : capped;
+            ac[i] = rope_args(c, false, q[i], mode, cp);
+            ag[i] = rope_args(c, true, c->d_q, mode, cp);
         }
-        cr_assert_eq(r->gpu.ops->write(&r->gpu, c.d_q, q, sizeof q, NULL), KVT_OK);
-        kvt__recall_rope_args ac = rope_args(&c, false, q, mode, capped),
-                              ag = rope_args(&c, true, c.d_q, mode, capped);
-        cr_assert_eq(r->cpu.ops->recall_rope_step(&r->cpu, &ac, 1, NULL), KVT_OK);
-        cr_assert_eq(r->gpu.ops->recall_rope_step(&r->gpu, &ag, 1, NULL), KVT_OK);
-        same(r, c.d_best, c.best, sizeof c.best, "best");
-        same(r, c.d_st, &c.st, sizeof c.st, "state");
-        same(r, c.d_samples, c.samples, sizeof(float) * c.st.n_samples, "samples");
-        same(r, c.d_nf, c.n_fired, sizeof c.n_fired, "n_fired");
-        same(r, c.d_ov, c.overflow, sizeof c.overflow, "overflow");
-        same(r, c.d_dense, &c.dense, 1, "dense");
-        for (uint32_t h = 0; h < RK; h++)
-            if (c.n_fired[h])
-                same(r, (uint32_t *)c.d_fired + (size_t)h * cap, c.fired + (size_t)h * cap,
-                     sizeof(uint32_t) * c.n_fired[h], "fired");
-        *overflows += c.st.last_overflow;
-        *fired += c.st.last_fired;
-        /* the emission, chained after 7 entries another list wrote */
-        kvt__recall_rope_emit_args ec = {
-            .plane = {c.plane[0], c.plane[1]}, .n_planes = 2, .slot_stride = c.slot,
-            .row_bytes = (uint32_t)c.rb, .n_kv = RK, .pages = c.pages, .pdiv = &c.pdiv,
-            .n_rows = c.n_rows, .ar_bytes = c.ar, .ar_cap = c.ar_cap, .ar_n = c.ar_n,
-            .fired = c.fired, .n_fired = c.n_fired, .cap = cap, .st = &c.st,
-            .fetch_pages = c.fpages, .fetch_cap = RFP * RPR, .indices = idx,
-            .capacity = cap_idx, .indptr = indptr, .chain = true, .all = step == 13,
-            .capped = capped};
-        kvt__recall_rope_emit_args eg = ec;
-        eg.plane[0] = c.d_plane[0];
-        eg.plane[1] = c.d_plane[1];
-        eg.pages = c.d_pages;
-        eg.ar_bytes = c.d_ar;
-        eg.fired = c.d_fired;
-        eg.n_fired = c.d_nf;
-        eg.st = c.d_st;
-        eg.fetch_pages = c.d_fpages;
-        eg.indices = d_idx;
-        eg.indptr = d_ptr;
-        indptr[0] = 7;
-        cr_assert_eq(r->gpu.ops->write(&r->gpu, d_ptr, indptr, sizeof(int32_t), NULL), KVT_OK);
-        cr_assert_eq(r->cpu.ops->recall_rope_emit(&r->cpu, &ec, 1, NULL), KVT_OK);
-        cr_assert_eq(r->gpu.ops->recall_rope_emit(&r->gpu, &eg, 1, NULL), KVT_OK);
+        cr_assert_eq(r->cpu.ops->recall_rope_step(&r->cpu, ac, RN, NULL), KVT_OK);
+        cr_assert_eq(r->gpu.ops->recall_rope_step(&r->gpu, ag, RN, NULL), KVT_OK);
+        kvt__recall_rope_emit_args ec[RN], eg[RN];
+        const bool chain = step % 2 == 0;
+        for (int i = 0; i < RN; i++) {
+            rope_case *c = &cs[i];
+            same(r, c->d_best, c->best, sizeof c->best, "best");
+            same(r, c->d_st, &c->st, sizeof c->st, "state");
+            same(r, c->d_samples, c->samples, sizeof(float) * c->st.n_samples, "samples");
+            same(r, c->d_nf, c->n_fired, sizeof c->n_fired, "n_fired");
+            same(r, c->d_ov, c->overflow, sizeof c->overflow, "overflow");
+            same(r, c->d_dense, &c->dense, 1, "dense");
+            for (uint32_t h = 0; h < RK; h++)
+                if (c->n_fired[h])
+                    same(r, (uint32_t *)c->d_fired + (size_t)h * cap, c->fired + (size_t)h * cap,
+                         sizeof(uint32_t) * c->n_fired[h], "fired");
+            *overflows += c->st.last_overflow;
+            *fired += c->st.last_fired;
+            ec[i] = (kvt__recall_rope_emit_args){
+                .plane = {c->plane[0], c->plane[1]}, .n_planes = 2, .slot_stride = c->slot,
+                .row_bytes = (uint32_t)c->rb, .n_kv = RK, .pages = c->pages, .pdiv = &c->pdiv,
+                .n_rows = c->n_rows, .ar_bytes = c->ar, .ar_cap = c->ar_cap, .ar_n = c->ar_n,
+                .fired = c->fired, .n_fired = c->n_fired, .cap = cap, .st = &c->st,
+                .fetch_pages = c->fpages, .fetch_cap = RFP * RPR, .indices = idx,
+                .capacity = cap_idx, .indptr = indptr + i * RK, .chain = chain,
+                .out = 7 + (uint64_t)i * per, .all = step == 13,
+                .capped = i ? !capped : capped};
+            eg[i] = ec[i];
+            eg[i].plane[0] = c->d_plane[0];
+            eg[i].plane[1] = c->d_plane[1];
+            eg[i].pages = c->d_pages;
+            eg[i].ar_bytes = c->d_ar;
+            eg[i].fired = c->d_fired;
+            eg[i].n_fired = c->d_nf;
+            eg[i].st = c->d_st;
+            eg[i].fetch_pages = c->d_fpages;
+            eg[i].indices = d_idx;
+            eg[i].indptr = (int32_t *)d_ptr + i * RK;
+        }
+        /* fresh lists: -2 where nothing is written, so every entry compares */
+        for (uint64_t j = 0; j < cap_idx; j++)
+            idx[j] = -2;
+        for (uint32_t j = 0; j <= RN * RK; j++)
+            indptr[j] = 7;
+        cr_assert_eq(r->gpu.ops->write(&r->gpu, d_idx, idx, sizeof(int32_t) * cap_idx, NULL),
+                     KVT_OK);
+        cr_assert_eq(r->gpu.ops->write(&r->gpu, d_ptr, indptr, sizeof indptr, NULL), KVT_OK);
+        cr_assert_eq(r->cpu.ops->recall_rope_emit(&r->cpu, ec, RN, NULL), KVT_OK);
+        cr_assert_eq(r->gpu.ops->recall_rope_emit(&r->gpu, eg, RN, NULL), KVT_OK);
         same(r, d_ptr, indptr, sizeof indptr, "indptr");
-        same(r, (int32_t *)d_idx + 7, idx + 7, sizeof(int32_t) * (size_t)(indptr[RK] - 7),
-             "indices");
-        const size_t pool_bytes = (size_t)(RTP + RFP) * RPR * c.slot;
-        same(r, c.d_plane[0], c.plane[0], pool_bytes, "plane 0 (fetched keys)");
-        same(r, c.d_plane[1], c.plane[1], pool_bytes, "plane 1 (fetched values)");
+        same(r, d_idx, idx, sizeof(int32_t) * cap_idx, "indices");
+        for (int i = 0; i < RN; i++) {
+            const size_t pool_bytes = (size_t)(RTP + RFP) * RPR * cs[i].slot;
+            same(r, cs[i].d_plane[0], cs[i].plane[0], pool_bytes, "plane 0 (fetched keys)");
+            same(r, cs[i].d_plane[1], cs[i].plane[1], pool_bytes, "plane 1 (fetched values)");
+        }
     }
     free(idx);
     undev(r, d_idx, sizeof(int32_t) * cap_idx);
     undev(r, d_ptr, sizeof indptr);
-    rope_case_free(r, &c);
+    for (int i = 0; i < RN; i++)
+        rope_case_free(r, &cs[i]);
 }
 
 Test(cuda, recall_rope_step_and_emit_equal_the_cpu, .timeout = 240) {

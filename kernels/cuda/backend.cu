@@ -662,6 +662,20 @@ struct ScanWs {
 
 /* The layout of k work items' scan workspace (item i's scan args at (char *)a0 + i * stride on
  * the host), `extra` more bytes each at off_extra; the most heads and closed rows among them. */
+/* The layout of scan items of at most qsk q̃_sk floats, res residual floats, H heads and rows
+ * closed rows each, `extra` more bytes at off_extra. */
+ScanWs scan_ws_make(size_t qsk, size_t res, uint32_t H, size_t rows, size_t extra) {
+    ScanWs w;
+    w.base = NULL;
+    w.off_res = align256(sizeof(float) * qsk);
+    w.off_heads = w.off_res + align256(sizeof(float) * res);
+    w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
+    w.off_extra = w.off_flags + align256(rows);
+    w.each = w.off_extra + align256(extra);
+    w.off_promo = w.off_groups = w.group_each = w.off_live = w.off_visit = 0;
+    return w;
+}
+
 ScanWs scan_ws_of(const kvt__recall_scan_args *a0, size_t stride, uint32_t k, size_t extra,
                   uint32_t *H_out, size_t *rows_out) {
     size_t qsk = 0, res = 0, rows = 0;
@@ -675,17 +689,9 @@ ScanWs scan_ws_of(const kvt__recall_scan_args *a0, size_t stride, uint32_t k, si
         rows = x.n_closed > rows ? x.n_closed : rows;
         H = x.n_heads > H ? x.n_heads : H;
     }
-    ScanWs w;
-    w.base = NULL;
-    w.off_res = align256(sizeof(float) * qsk);
-    w.off_heads = w.off_res + align256(sizeof(float) * res);
-    w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
-    w.off_extra = w.off_flags + align256(rows);
-    w.each = w.off_extra + align256(extra);
-    w.off_promo = w.off_groups = w.group_each = w.off_live = w.off_visit = 0;
     *H_out = H;
     *rows_out = rows;
-    return w;
+    return scan_ws_make(qsk, res, H, rows, extra);
 }
 
 struct ScanItem {
@@ -1754,38 +1760,41 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
 
 /* ----------------------------------------------------------------------------------------------
  * RoPE recall (recall_rope_step, recall_rope_emit): the CPU twin kvt__recall_rope_step_cpu
- * (kernels/recall_rope.c) per KV head h = grid y, its G query heads = grid x, one work item per
- * call of the kernels below (the library calls the op once per request):
+ * (kernels/recall_rope.c) per request = grid z (up to kMaxRope a launch: the library calls the
+ * op once per layer for the batch), KV head h = grid y, its G query heads = grid x; each
+ * (request, KV head) a scan item of the workspace (request r's head h: item r·KV + h, KV the
+ * most KV heads of the launch), each KV head's scan view built on the device
+ * (kvt__recall_rope_view):
  *   1. the query heads prepared against their KV head's basis (scan_head on the head's view,
  *      kvt__recall_rope_view: its archive as a scan over slots 0 .. ar_n);
  *   2. one block per query head: its best exact score over the table's rows (kvt__recall_exact:
  *      each row's chain is the twin's, the max is order-free), and on a calibration step its
  *      best archived row (ties to the lower index: the twin's first-seen) with its sample;
  *   3. the scan's fire flags of each KV head's archive, with the state's z, on scanning steps;
- *   4. one block: the samples merged in query-head order (as kvt__conformal_insert one by one)
- *      and z fixed at a window end, or each head's fired rows compacted, the first W of them;
- *      capped (a host archive): the calibration's rows, no dense step; the certificate.
- * The emission (k_rope_emit) is one block: per KV head its list (the table's slots, then its
- * fetched rows copied into the fetch area), chained from where the previous list ended.
+ *   4. one block per request: the samples merged in query-head order (as kvt__conformal_insert
+ *      one by one) and z fixed at a window end, or each head's fired rows compacted, the first W
+ *      of them; capped (a host archive): the calibration's rows, no dense step; the certificate.
+ * The emission (k_rope_emit) is one launch for the call's requests: per request and KV head its
+ * list (the table's slots, then its fetched rows copied into the fetch area); one block a
+ * request, or, when lists are chained (each starts where the previous request's ended, a device
+ * value), one block taking the requests in order.
  * -------------------------------------------------------------------------------------------- */
-struct RopeParams {
-    kvt__recall_rope_args a;
-    kvt__div32 div;
-    kvt__recall_scan_args v[KVT__RECALL_ROPE_MAX_KV]; /* the KV heads' scan views (z: device's) */
-};
+constexpr uint32_t kMaxRope = 32;
+typedef Params<kvt__recall_rope_args, kMaxRope> RopeParams;
 static_assert(sizeof(RopeParams) <= 32000, "kernel parameters above CUDA's 32 KB");
 
-#define ROPE_ARGS(p)                                                                               \
-    kvt__recall_rope_args a = (p).a;                                                               \
-    const kvt__div32 a_div = (p).div;                                                              \
-    a.pdiv = &a_div
+/* Request r of a launch as `a` (its divider local), or return when r, or this block's KV head
+ * (grid y) or query head (grid x) when `heads`, is past it. */
+#define ROPE_ARGS(p, r)                                                                            \
+    if ((r) >= (p).n)                                                                              \
+        return;                                                                                    \
+    JOB_ARGS(kvt__recall_rope_args, p, r)
 
 /* KV head h's scan view with the step's z (the state's in conformal mode). */
-__device__ kvt__recall_scan_args rope_view(const RopeParams &p, const kvt__div32 *div,
-                                           uint32_t h, float state_z) {
-    kvt__recall_scan_args v = p.v[h];
-    v.pdiv = div;
-    v.z = kvt__recall_mode_z(p.a.mode, p.a.D, p.a.margin, state_z);
+__device__ kvt__recall_scan_args rope_view(const kvt__recall_rope_args &a, uint32_t h,
+                                           float state_z) {
+    kvt__recall_scan_args v;
+    kvt__recall_rope_view(&a, h, kvt__recall_mode_z(a.mode, a.D, a.margin, state_z), &v);
     return v;
 }
 
@@ -1803,8 +1812,9 @@ struct RopeExtra {
     uint32_t *keys; /* capped: [n_kv][ar_n] the overflow's priorities */
 };
 
-__device__ RopeExtra rope_extra(const ScanWs &w, uint32_t nq, uint32_t sample_cap) {
-    uint8_t *b = w.base + w.off_extra; /* item 0's extra: the step's */
+__device__ RopeExtra rope_extra(const ScanWs &w, uint32_t item0, uint32_t nq,
+                                uint32_t sample_cap) {
+    uint8_t *b = w.base + w.each * item0 + w.off_extra; /* the request's first item's extra */
     const size_t hb = align256(sizeof(float) * nq);
     RopeExtra x;
     x.e = (float *)b;
@@ -1816,11 +1826,11 @@ __device__ RopeExtra rope_extra(const ScanWs &w, uint32_t nq, uint32_t sample_ca
     return x;
 }
 
-__global__ void k_rope_heads(const RopeParams p, const ScanWs w) {
-    const kvt__div32 div = p.div;
+__global__ void k_rope_heads(const RopeParams p, const ScanWs w, uint32_t KV) {
+    ROPE_ARGS(p, blockIdx.z);
     const uint32_t h = blockIdx.y;
-    if (blockIdx.x < p.a.group && p.a.ar_n)
-        scan_head(rope_view(p, &div, h, 0.0f), scan_item(w, h), blockIdx.x);
+    if (h < a.n_kv && blockIdx.x < a.group && a.ar_n)
+        scan_head(rope_view(a, h, 0.0f), scan_item(w, blockIdx.z * KV + h), blockIdx.x);
 }
 
 __device__ const uint8_t *rope_table_key(const kvt__recall_rope_args &a, uint32_t h,
@@ -1830,9 +1840,12 @@ __device__ const uint8_t *rope_table_key(const kvt__recall_rope_args &a, uint32_
            (size_t)h * a.row_bytes;
 }
 
-__global__ void k_rope_best(const RopeParams p, const ScanWs w) {
-    ROPE_ARGS(p);
+__global__ void k_rope_best(const RopeParams p, const ScanWs w, uint32_t KV) {
+    ROPE_ARGS(p, blockIdx.z);
     const uint32_t h = blockIdx.y, g = blockIdx.x, G = a.group, t = h * G + g;
+    const uint32_t item0 = blockIdx.z * KV;
+    if (h >= a.n_kv || g >= G)
+        return;
     const uint32_t D = a.D, bd = a.branch_dim;
     const int bt = bd ? a.branch_dtype : a.dtype;
     const float *q = a.q + (size_t)t * (D + bd);
@@ -1847,7 +1860,7 @@ __global__ void k_rope_best(const RopeParams p, const ScanWs w) {
         a.best[t] = bv;
     if (!rope_calibrating(a, a.st->phase))
         return;
-    const RopeExtra ex = rope_extra(w, a.n_kv * G, a.sample_cap);
+    const RopeExtra ex = rope_extra(w, item0, a.n_kv * G, a.sample_cap);
     bv = -INFINITY;
     br = UINT64_MAX;
     for (uint64_t k = threadIdx.x; k < a.ar_n; k += blockDim.x)
@@ -1860,8 +1873,8 @@ __global__ void k_rope_best(const RopeParams p, const ScanWs w) {
     float e = NAN;
     ex.arg[t] = br == UINT64_MAX ? UINT32_MAX : (uint32_t)br;
     if (br != UINT64_MAX) {
-        const kvt__recall_scan_args v = rope_view(p, &a_div, h, 0.0f);
-        const ScanItem it = scan_item(w, h);
+        const kvt__recall_scan_args v = rope_view(a, h, 0.0f);
+        const ScanItem it = scan_item(w, item0 + h);
         float P, ncsk, sv;
         const float idx = kvt__recall_idx(q, it.q_sk + (size_t)g * v.rank,
                                           a.ar_bytes + ((size_t)h * a.ar_cap + br) * a.ar_row_bytes,
@@ -1877,25 +1890,24 @@ __global__ void k_rope_best(const RopeParams p, const ScanWs w) {
 }
 
 /* Launch 3: each KV head's fire flags (grid y), scanning steps only. */
-__global__ void k_rope_rows(const RopeParams p, const ScanWs w) {
-    const kvt__div32 div = p.div;
-    const kvt__recall_rope_args &a = p.a;
-    if (!a.ar_n || rope_calibrating(a, a.st->phase))
+__global__ void k_rope_rows(const RopeParams p, const ScanWs w, uint32_t KV) {
+    ROPE_ARGS(p, blockIdx.z);
+    if (blockIdx.y >= a.n_kv || !a.ar_n || rope_calibrating(a, a.st->phase))
         return;
-    scan_rows(rope_view(p, &div, blockIdx.y, a.st->z), scan_item(w, blockIdx.y));
+    scan_rows(rope_view(a, blockIdx.y, a.st->z), scan_item(w, blockIdx.z * KV + blockIdx.y));
 }
 
 /* Launch 3b (capped): each archived row's overflow priority per KV head (grid y), the CPU
  * twin's capped_choice keys: the scan's fire test and max_g (idx_g − best_g). */
-__global__ void k_rope_keys(const RopeParams p, const ScanWs w) {
-    const kvt__div32 div = p.div;
-    const kvt__recall_rope_args &a = p.a;
-    if (!a.ar_n || rope_calibrating(a, a.st->phase))
-        return;
+__global__ void k_rope_keys(const RopeParams p, const ScanWs w, uint32_t KV) {
+    ROPE_ARGS(p, blockIdx.z);
     const uint32_t h = blockIdx.y;
-    const kvt__recall_scan_args v = rope_view(p, &div, h, a.st->z);
-    const ScanItem it = scan_item(w, h);
-    uint32_t *keys = rope_extra(w, a.n_kv * a.group, a.sample_cap).keys + (size_t)h * a.ar_n;
+    if (h >= a.n_kv || !a.capped || !a.ar_n || rope_calibrating(a, a.st->phase))
+        return;
+    const kvt__recall_scan_args v = rope_view(a, h, a.st->z);
+    const ScanItem it = scan_item(w, blockIdx.z * KV + h);
+    uint32_t *keys =
+        rope_extra(w, blockIdx.z * KV, a.n_kv * a.group, a.sample_cap).keys + (size_t)h * a.ar_n;
     const size_t qw = (size_t)v.latent_dim + v.branch_dim;
     for (uint64_t k = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; k < a.ar_n;
          k += (uint64_t)gridDim.x * blockDim.x) {
@@ -1918,9 +1930,10 @@ __global__ void k_rope_keys(const RopeParams p, const ScanWs w) {
     }
 }
 
-/* Launch 4: one block. */
-__global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
-    ROPE_ARGS(p);
+/* Launch 4: one block per request. */
+__global__ void k_rope_finish(const RopeParams p, const ScanWs w, uint32_t KV) {
+    ROPE_ARGS(p, blockIdx.x);
+    const uint32_t item0 = blockIdx.x * KV;
     kvt__recall_state *st = a.st;
     const uint32_t H = a.n_kv, G = a.group, nq = H * G;
     __shared__ uint32_t s_phase, s_n;
@@ -1941,7 +1954,7 @@ __global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
     if (a.ar_n == 0) {
         /* nothing to recall */
     } else if (calib) {
-        const RopeExtra ex = rope_extra(w, nq, a.sample_cap);
+        const RopeExtra ex = rope_extra(w, item0, nq, a.sample_cap);
         samples_merge(ex.e, nq, ex.valid, ex.nw, ex.old, a.samples, a.sample_cap, s_n,
                       &st->n_samples);
         if (threadIdx.x == 0) {
@@ -1973,11 +1986,11 @@ __global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
         dense = !a.capped;
     } else {
         for (uint32_t h = 0; h < H; h++) {
-            const kvt__recall_scan_args v = rope_view(p, &a_div, h, s_z);
-            const uint32_t total = scan_compact(v, scan_item(w, h).flags);
+            const kvt__recall_scan_args v = rope_view(a, h, s_z);
+            const uint32_t total = scan_compact(v, scan_item(w, item0 + h).flags);
             if (a.capped && total > a.cap) { /* the cap best fired rows, not the first */
                 __syncthreads();
-                block_topm(rope_extra(w, nq, a.sample_cap).keys + (size_t)h * a.ar_n,
+                block_topm(rope_extra(w, item0, nq, a.sample_cap).keys + (size_t)h * a.ar_n,
                            (uint32_t)a.ar_n, a.cap, a.fired + (size_t)h * a.cap);
                 __syncthreads();
             }
@@ -2008,15 +2021,34 @@ __global__ void k_rope_finish(const RopeParams p, const ScanWs w) {
                              dense ? archived : s_fetched);
 }
 
-/* A RoPE step's workspace (a.n_kv items, `each` bytes apart): the scan's over the KV heads'
- * views v, then the step's own (its heads' values, the samples, a capped archive's keys). */
-ScanWs rope_ws_of(const kvt__recall_rope_args &a, const kvt__recall_scan_args *v, uint32_t *H,
+/* The workspace of k RoPE steps a[0 .. k): KV items a request (its KV heads' scans, the most
+ * KV heads among them), sized for the largest view and the largest step extra (each query
+ * head's values, the samples, a capped archive's keys); the most query heads a KV head (Gmax)
+ * and archived rows (rows) among them. */
+ScanWs rope_ws_of(const kvt__recall_rope_args *a, uint32_t k, uint32_t *KV, uint32_t *Gmax,
                   size_t *rows) {
-    const uint32_t nq = a.n_kv * a.group;
-    const size_t extra = 4 * align256(sizeof(float) * nq) +
-                         align256(sizeof(float) * a.sample_cap) +
-                         (a.capped ? sizeof(uint32_t) * a.n_kv * a.ar_n : 0);
-    return scan_ws_of(v, sizeof v[0], a.n_kv, extra, H, rows);
+    size_t qsk = 0, res = 0, extra = 0;
+    uint32_t kv = 1, G = 0;
+    *rows = 0;
+    for (uint32_t i = 0; i < k; i++) {
+        const kvt__recall_rope_args &x = a[i];
+        uint32_t rmax = 0;
+        for (uint32_t h = 0; h < x.n_kv; h++)
+            rmax = x.rank[h] > rmax ? x.rank[h] : rmax;
+        const size_t q1 = (size_t)x.group * rmax, r1 = (size_t)x.group * x.D;
+        const uint32_t nq = x.n_kv * x.group;
+        const size_t e1 = 4 * align256(sizeof(float) * nq) + align256(sizeof(float) * x.sample_cap) +
+                          (x.capped ? sizeof(uint32_t) * x.n_kv * x.ar_n : 0);
+        qsk = q1 > qsk ? q1 : qsk;
+        res = r1 > res ? r1 : res;
+        extra = e1 > extra ? e1 : extra;
+        *rows = x.ar_n > *rows ? x.ar_n : *rows;
+        kv = x.n_kv > kv ? x.n_kv : kv;
+        G = x.group > G ? x.group : G;
+    }
+    *KV = kv;
+    *Gmax = G;
+    return scan_ws_make(qsk, res, G, *rows, extra);
 }
 
 kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
@@ -2025,43 +2057,40 @@ kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_ar
         if (!kvt__recall_rope_args_ok(&args[i]) || args[i].group > 4096u)
             return KVT_ERR_INVALID_ARGUMENT;
     kvt_status s = op_begin(be, stream);
-    for (uint32_t i = 0; s == KVT_OK && i < n; i++) {
-        const kvt__recall_rope_args &a = args[i];
-        RopeParams p;
-        memset(&p, 0, sizeof p);
-        p.a = a;
-        p.div = *a.pdiv;
-        for (uint32_t h = 0; h < a.n_kv; h++)
-            kvt__recall_rope_view(&a, h, 0.0f, &p.v[h]);
-        uint32_t H;
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxRope) {
+        const uint32_t k = n - i0 < kMaxRope ? n - i0 : kMaxRope;
+        uint32_t KV, G;
         size_t rows;
-        ScanWs w = rope_ws_of(a, p.v, &H, &rows);
-        if ((s = ws_get(be, w.each * a.n_kv, &w.base)) != KVT_OK)
+        ScanWs w = rope_ws_of(args + i0, k, &KV, &G, &rows);
+        if ((s = ws_get(be, w.each * KV * k, &w.base)) != KVT_OK)
             break;
-        const dim3 grid(a.group, a.n_kv);
-        k_rope_heads<<<grid, kThreads, 0, strm(stream)>>>(p, w);
-        k_rope_best<<<grid, kThreads, 0, strm(stream)>>>(p, w);
-        if (a.ar_n)
-            k_rope_rows<<<rows_grid(a.ar_n, a.n_kv), kThreads, 0, strm(stream)>>>(p, w);
-        if (a.ar_n && a.capped)
-            k_rope_keys<<<rows_grid(a.ar_n, a.n_kv), kThreads, 0, strm(stream)>>>(p, w);
-        k_rope_finish<<<1, kThreads, 0, strm(stream)>>>(p, w);
+        const RopeParams p = params_div<kvt__recall_rope_args, kMaxRope>(args + i0, k);
+        const dim3 grid(G ? G : 1, KV, k);
+        k_rope_heads<<<grid, kThreads, 0, strm(stream)>>>(p, w, KV);
+        k_rope_best<<<grid, kThreads, 0, strm(stream)>>>(p, w, KV);
+        bool capped = false;
+        for (uint32_t i = 0; i < k; i++)
+            capped |= args[i0 + i].capped;
+        if (rows) {
+            const dim3 rg(rows_grid(rows, KV).x, KV, k);
+            k_rope_rows<<<rg, kThreads, 0, strm(stream)>>>(p, w, KV);
+            if (capped) /* the capped requests' overflow keys */
+                k_rope_keys<<<rg, kThreads, 0, strm(stream)>>>(p, w, KV);
+        }
+        k_rope_finish<<<k, kThreads, 0, strm(stream)>>>(p, w, KV);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
 }
 
-struct RopeEmitParams {
-    kvt__recall_rope_emit_args a;
-    kvt__div32 div;
-};
+constexpr uint32_t kMaxRopeEmit = 64;
+typedef Params<kvt__recall_rope_emit_args, kMaxRopeEmit> RopeEmitParams;
+static_assert(sizeof(RopeEmitParams) <= 32000, "kernel parameters above CUDA's 32 KB");
 
-/* One block: kvt__recall_rope_emit_cpu's lists, in its order. Every thread walks the heads
- * alike (the counts are device values every thread reads), each writes its share. */
-__global__ void k_rope_emit(const RopeEmitParams p) {
-    kvt__recall_rope_emit_args a = p.a;
-    const kvt__div32 div = p.div;
-    a.pdiv = &div;
+/* One request's lists: kvt__recall_rope_emit_cpu's, in its order, by the whole block. Every
+ * thread walks the heads alike (the counts are device values every thread reads), each writes
+ * its share. */
+__device__ void rope_emit_one(kvt__recall_rope_emit_args a) {
     const bool dense = !a.capped && (a.all || a.st->last_dense != 0);
     const size_t rb = a.row_bytes;
     uint64_t o = a.chain ? (uint64_t)a.indptr[0] : a.out;
@@ -2109,18 +2138,31 @@ __global__ void k_rope_emit(const RopeEmitParams p) {
     a.indptr[a.n_kv] = (int32_t)o;
 }
 
+/* The call's requests: one block each, or (serial: chained lists) one block taking them in
+ * order, each list's start the previous one's end as the block wrote it. */
+__global__ void k_rope_emit(const RopeEmitParams p, bool serial) {
+    for (uint32_t i = serial ? 0u : blockIdx.x; i < (serial ? p.n : blockIdx.x + 1u); i++) {
+        JOB_ARGS(kvt__recall_rope_emit_args, p, i);
+        rope_emit_one(a);
+        __syncthreads(); /* the next request reads what thread 0 wrote */
+    }
+}
+
 kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_emit_args *args,
                                uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++)
         if (!kvt__recall_rope_emit_ok(&args[i]))
             return KVT_ERR_INVALID_ARGUMENT;
     kvt_status s = op_begin(be, stream);
-    /* in order: a chained list starts where the previous call's ended (stream order) */
-    for (uint32_t i = 0; s == KVT_OK && i < n; i++) {
-        RopeEmitParams p;
-        p.a = args[i];
-        p.div = *args[i].pdiv;
-        k_rope_emit<<<1, kThreads, 0, strm(stream)>>>(p);
+    /* a launch per kMaxRopeEmit requests, in order: a chained list starts where the previous
+     * one ended (in the launch, or the previous launch: stream order) */
+    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxRopeEmit) {
+        const uint32_t k = n - i0 < kMaxRopeEmit ? n - i0 : kMaxRopeEmit;
+        const RopeEmitParams p = params_div<kvt__recall_rope_emit_args, kMaxRopeEmit>(args + i0, k);
+        bool serial = false;
+        for (uint32_t i = 0; i < k; i++)
+            serial |= args[i0 + i].chain;
+        k_rope_emit<<<serial ? 1u : k, kThreads, 0, strm(stream)>>>(p, serial);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -2994,8 +3036,6 @@ const char *cu_last_error(const kvt__backend *be) {
  * uses. */
 kvt_status cu_reserve(const kvt__backend *be, const kvt__ws_bounds *b) {
     size_t bytes = sizeof(PackPlan) * kMaxSeg;
-    uint32_t H;
-    size_t rows;
     if (b->recall.scan.n_heads) {
         StepShape sh;
         const ScanWs w = step_ws_of(&b->recall, 1, &sh);
@@ -3003,16 +3043,10 @@ kvt_status cu_reserve(const kvt__backend *be, const kvt__ws_bounds *b) {
         bytes = w.each * (k ? k : 1) > bytes ? w.each * (k ? k : 1) : bytes;
     }
     if (b->rope && b->rope->n_kv <= KVT__RECALL_ROPE_MAX_KV) {
-        const kvt__recall_rope_args &a = *b->rope;
-        kvt__recall_scan_args v[KVT__RECALL_ROPE_MAX_KV]; /* the views' sizes only */
-        memset(v, 0, sizeof v);
-        for (uint32_t h = 0; h < a.n_kv; h++) {
-            v[h].n_heads = a.group;
-            v[h].rank = a.rank[h];
-            v[h].latent_dim = a.D;
-            v[h].n_closed = a.ar_n;
-        }
-        const size_t need = rope_ws_of(a, v, &H, &rows).each * a.n_kv;
+        uint32_t KV, G;
+        size_t rows;
+        const uint32_t k = b->max_items < kMaxRope ? b->max_items : kMaxRope;
+        const size_t need = rope_ws_of(b->rope, 1, &KV, &G, &rows).each * KV * (k ? k : 1);
         bytes = need > bytes ? need : bytes;
     }
     if (b->round.n_heads && b->round_layers) {
