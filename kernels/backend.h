@@ -16,6 +16,7 @@
 typedef struct kvt__backend kvt__backend;
 struct kvt__recall_rope_args;      /* kernels/recall_rope.h */
 struct kvt__recall_rope_emit_args; /* kernels/recall_rope.h */
+struct kvt__recall_rope_plan_args; /* kernels/recall_rope.h */
 
 /* Score n rows of one closed block for the salience selector. Row u lives at
  * base + slot(first_row + u) * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
@@ -462,6 +463,22 @@ typedef struct kvt__backend_ops {
     kvt_status (*recall_rope_emit)(const kvt__backend *be,
                                    const struct kvt__recall_rope_emit_args *a, uint32_t n,
                                    void *stream);
+    /* (optional, with recall_rope_step) A planned layer's RoPE trigger and emission
+     * (kvt__recall_rope_plan_args, kernels/recall_rope.h), capturable: items i < *n as the eager
+     * ops run them (the trigger's queries at query + q_off), read when the op runs. *n above
+     * n_max runs nothing; the CPU backends answer KVT_ERR_INVALID_ARGUMENT (nothing run) when an
+     * item breaks the rules or the bound; the CUDA ones make such a trigger item's step dense
+     * and skip such an emission item. The library plans RoPE recall only where both exist. */
+    kvt_status (*recall_rope_step_planned)(const kvt__backend *be,
+                                           const struct kvt__recall_rope_plan_args *a,
+                                           void *stream);
+    kvt_status (*recall_rope_emit_planned)(const kvt__backend *be,
+                                           const struct kvt__recall_rope_plan_args *a,
+                                           void *stream);
+    /* (optional) Room for recall_rope_step_planned over a (its bound and n_max), made outside a
+     * capture (the CUDA op's workspace may not grow in one). */
+    kvt_status (*recall_rope_plan_reserve)(const kvt__backend *be,
+                                           const struct kvt__recall_rope_plan_args *a);
     /* (optional) The reference attention over emitted index sets (kvt__attend_args), for tests
      * and benchmarks. KVT_ERR_INVALID_ARGUMENT (nothing written) when kvt__attend_args_ok is
      * false, and on the CPU backends for a length outside [0, topk] or a negative listed slot

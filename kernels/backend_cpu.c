@@ -105,11 +105,13 @@ static int32_t *pack_range(int32_t *out, uint64_t a, uint64_t b, const int32_t *
  * pack op (the guarded one checks every buffer again at each launch). Any other op during a
  * capture is refused, and the capture with it: its host-built arguments are one step's.
  * ------------------------------------------------------------------------------------------- */
+enum { CAP_PACK, CAP_RECALL, CAP_ROPE_STEP, CAP_ROPE_EMIT };
 typedef struct captured_op {
-    bool recall; /* recall_step_planned (else the pack) */
+    int kind; /* the planned op: pack, recall_step_planned, recall_rope_{step,emit}_planned */
     union {
         kvt__pack_args pack;
         kvt__recall_plan_args recall;
+        kvt__recall_rope_plan_args rope;
     } u;
 } captured_op;
 
@@ -132,10 +134,11 @@ static bool capturing(const kvt__backend *be) {
             return KVT_ERR_BAD_STATE;                                                              \
     } while (0)
 
-/* One planned op into the record (pack: a planned one, else refused). */
-static kvt_status capture_op(const kvt__backend *be, const kvt__pack_args *pack,
-                             const kvt__recall_plan_args *recall) {
+/* One planned op into the record (kind CAP_*, its arguments; a pack: a planned one, else
+ * refused). */
+static kvt_status capture_op(const kvt__backend *be, int kind, const void *args) {
     kvt__capture *c = be->cap;
+    const kvt__pack_args *pack = kind == CAP_PACK ? args : NULL;
     if (pack && !pack->q_plan) {
         c->refused = true;
         return KVT_ERR_BAD_STATE;
@@ -147,11 +150,13 @@ static kvt_status capture_op(const kvt__backend *be, const kvt__pack_args *pack,
     }
     c->ops = arr;
     captured_op *o = &c->ops[c->n++];
-    o->recall = recall != NULL;
-    if (recall)
-        o->u.recall = *recall;
-    else
+    o->kind = kind;
+    if (kind == CAP_PACK)
         o->u.pack = *pack;
+    else if (kind == CAP_RECALL)
+        o->u.recall = *(const kvt__recall_plan_args *)args;
+    else
+        o->u.rope = *(const kvt__recall_rope_plan_args *)args;
     return KVT_OK;
 }
 
@@ -193,8 +198,12 @@ static kvt_status cpu_graph_launch(const kvt__backend *be, void *graph, void *st
         return KVT_ERR_INVALID_ARGUMENT;
     for (uint64_t i = 0; i < g->n; i++) {
         const captured_op *o = &g->ops[i];
-        kvt_status s = o->recall ? be->ops->recall_step_planned(be, &o->u.recall, stream)
-                                 : be->ops->pack(be, &o->u.pack, stream);
+        kvt_status s = o->kind == CAP_RECALL ? be->ops->recall_step_planned(be, &o->u.recall, stream)
+                       : o->kind == CAP_ROPE_STEP
+                           ? be->ops->recall_rope_step_planned(be, &o->u.rope, stream)
+                       : o->kind == CAP_ROPE_EMIT
+                           ? be->ops->recall_rope_emit_planned(be, &o->u.rope, stream)
+                           : be->ops->pack(be, &o->u.pack, stream);
         if (s != KVT_OK)
             return s;
     }
@@ -346,7 +355,7 @@ static kvt_status cpu_recall_step_planned(const kvt__backend *be, const kvt__rec
                                           void *stream) {
     (void)stream;
     if (be->cap)
-        return capture_op(be, NULL, a);
+        return capture_op(be, CAP_RECALL, a);
     const uint32_t n = *a->n;
     if (n > a->n_max)
         return KVT_ERR_INVALID_ARGUMENT;
@@ -404,6 +413,46 @@ static kvt_status cpu_recall_rope_emit(const kvt__backend *be,
     for (uint32_t i = 0; i < n; i++)
         kvt__recall_rope_emit_cpu(&a[i]);
     return KVT_OK;
+}
+
+/* The planned RoPE trigger (emit false) or emission of a layer: every item checked first
+ * (nothing runs on a bad plan), then each as the eager op runs it. */
+static kvt_status cpu_rope_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                   void *stream, bool emit) {
+    if (be->cap)
+        return capture_op(be, emit ? CAP_ROPE_EMIT : CAP_ROPE_STEP, a);
+    const uint32_t n = *a->n;
+    if (n > a->n_max)
+        return KVT_ERR_INVALID_ARGUMENT;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < n; i++) {
+            kvt__div32 d;
+            kvt__recall_rope_args x;
+            kvt__recall_rope_emit_args e;
+            const int ok = emit ? kvt__recall_rope_emit_plan_item_args(a, i, &e, &d)
+                                : kvt__recall_rope_plan_item_args(a, i, &x, &d);
+            if (!ok)
+                return KVT_ERR_INVALID_ARGUMENT; /* pass 0 only: the items do not change */
+            if (pass == 0)
+                continue;
+            kvt_status s = emit ? cpu_recall_rope_emit(be, &e, 1, stream)
+                                : cpu_recall_rope_step(be, &x, 1, stream);
+            if (s != KVT_OK)
+                return s;
+        }
+    return KVT_OK;
+}
+
+static kvt_status cpu_recall_rope_step_planned(const kvt__backend *be,
+                                               const kvt__recall_rope_plan_args *a,
+                                               void *stream) {
+    return cpu_rope_planned(be, a, stream, false);
+}
+
+static kvt_status cpu_recall_rope_emit_planned(const kvt__backend *be,
+                                               const kvt__recall_rope_plan_args *a,
+                                               void *stream) {
+    return cpu_rope_planned(be, a, stream, true);
 }
 
 /* The reference attention: kvt__attn_cpu per query over its listed slots (scratch for the
@@ -645,7 +694,7 @@ static int32_t *pack_merge(int32_t *out, const uint32_t *a, uint64_t na, const u
 static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
     (void)stream;
     if (be->cap)
-        return capture_op(be, a, NULL);
+        return capture_op(be, CAP_PACK, a);
     /* planned: the queries as the plan buffer holds them when the op runs */
     const kvt__pack_query *qs = a->q_plan ? a->q_plan : a->q;
     const uint32_t n = a->q_plan ? *a->n_plan : a->n;
@@ -706,6 +755,8 @@ static const kvt__backend_ops cpu_ops_table = {
     .recall_promote = true,
     .recall_rope_step = cpu_recall_rope_step,
     .recall_rope_emit = cpu_recall_rope_emit,
+    .recall_rope_step_planned = cpu_recall_rope_step_planned,
+    .recall_rope_emit_planned = cpu_recall_rope_emit_planned,
     .attend = cpu_attend,
     .pack = cpu_pack,
     .copy = cpu_copy,
@@ -1079,44 +1130,50 @@ static kvt_status g_recall_scan(const kvt__backend *be, const kvt__recall_scan_a
 
 /* Every buffer a RoPE recall step reads or writes is the backend's (pdiv and the ranks are host
  * values). */
+static kvt_status g_rope_owns(const kvt__backend *be, const kvt__recall_rope_args *a) {
+    if (!kvt__recall_rope_args_ok(a))
+        return KVT_ERR_INVALID_ARGUMENT;
+    const size_t H = a->n_kv, nq = H * a->group;
+    if (a->n_rows) {
+        GUARD_OWNS(be, a->keys, 1);
+        GUARD_OWNS(be, a->pages, sizeof(int32_t));
+    }
+    if (a->ar_n) {
+        GUARD_REACHES(be, a->ar_bytes, a->ar_row_bytes * H * a->ar_cap);
+        GUARD_OWNS(be, a->ar_ident, sizeof(int32_t));
+        GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * H * a->ar_cap);
+        GUARD_OWNS(be, a->rho, sizeof(float) * H * a->ar_cap);
+    }
+    if (a->basis)
+        GUARD_OWNS(be, a->basis, sizeof(float) * H * a->basis_stride * a->D);
+    if (a->ar_n && a->ar_branch)
+        GUARD_OWNS(be, a->ar_branch, (size_t)a->ar_branch_bytes * H * a->ar_cap);
+    if (a->g_perm && a->g_blocks_cap) { /* the pruned scan's group planes, every head's */
+        const size_t slots = H * a->g_blocks_cap, Gs = kvt__recall_group_slots(a->g_B);
+        GUARD_OWNS(be, a->g_perm, sizeof(uint32_t) * slots * a->g_B);
+        GUARD_OWNS(be, a->g_n, sizeof(uint32_t) * slots);
+        GUARD_OWNS(be, a->g_end, sizeof(uint32_t) * slots * Gs);
+        GUARD_OWNS(be, a->g_centre, sizeof(float) * slots * Gs * a->g_dim);
+        GUARD_OWNS(be, a->g_stat, sizeof(float) * slots * Gs * KVT__RG_STATS);
+    }
+    GUARD_OWNS(be, a->q, sizeof(float) * nq * (a->D + a->branch_dim));
+    GUARD_OWNS(be, a->best, sizeof(float) * nq);
+    GUARD_OWNS(be, a->st, sizeof *a->st);
+    GUARD_OWNS(be, a->samples, a->samples ? sizeof(float) * a->sample_cap : 0);
+    GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
+    GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
+    GUARD_OWNS(be, a->overflow, sizeof(uint32_t) * H);
+    GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+    return KVT_OK;
+}
+
 static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
                                      uint32_t n, void *stream) {
     G_COUNT(be, rope_step, n);
     for (uint32_t i = 0; i < n; i++) {
-        const kvt__recall_rope_args *a = &args[i];
-        if (!kvt__recall_rope_args_ok(a))
-            return KVT_ERR_INVALID_ARGUMENT;
-        const size_t H = a->n_kv, nq = H * a->group;
-        if (a->n_rows) {
-            GUARD_OWNS(be, a->keys, 1);
-            GUARD_OWNS(be, a->pages, sizeof(int32_t));
-        }
-        if (a->ar_n) {
-            GUARD_REACHES(be, a->ar_bytes, a->ar_row_bytes * H * a->ar_cap);
-            GUARD_OWNS(be, a->ar_ident, sizeof(int32_t));
-            GUARD_OWNS(be, a->csk, sizeof(uint16_t) * a->csk_stride * H * a->ar_cap);
-            GUARD_OWNS(be, a->rho, sizeof(float) * H * a->ar_cap);
-        }
-        if (a->basis)
-            GUARD_OWNS(be, a->basis, sizeof(float) * H * a->basis_stride * a->D);
-        if (a->ar_n && a->ar_branch)
-            GUARD_OWNS(be, a->ar_branch, (size_t)a->ar_branch_bytes * H * a->ar_cap);
-        if (a->g_perm && a->g_blocks_cap) { /* the pruned scan's group planes, every head's */
-            const size_t slots = H * a->g_blocks_cap, Gs = kvt__recall_group_slots(a->g_B);
-            GUARD_OWNS(be, a->g_perm, sizeof(uint32_t) * slots * a->g_B);
-            GUARD_OWNS(be, a->g_n, sizeof(uint32_t) * slots);
-            GUARD_OWNS(be, a->g_end, sizeof(uint32_t) * slots * Gs);
-            GUARD_OWNS(be, a->g_centre, sizeof(float) * slots * Gs * a->g_dim);
-            GUARD_OWNS(be, a->g_stat, sizeof(float) * slots * Gs * KVT__RG_STATS);
-        }
-        GUARD_OWNS(be, a->q, sizeof(float) * nq * (a->D + a->branch_dim));
-        GUARD_OWNS(be, a->best, sizeof(float) * nq);
-        GUARD_OWNS(be, a->st, sizeof *a->st);
-        GUARD_OWNS(be, a->samples, a->samples ? sizeof(float) * a->sample_cap : 0);
-        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
-        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
-        GUARD_OWNS(be, a->overflow, sizeof(uint32_t) * H);
-        GUARD_OWNS(be, a->dense, a->dense ? 1 : 0);
+        kvt_status s = g_rope_owns(be, &args[i]);
+        if (s != KVT_OK)
+            return s;
     }
     guard_open(be);
     kvt_status s = cpu_recall_rope_step(be, args, n, stream);
@@ -1160,35 +1217,102 @@ static kvt_status g_attend(const kvt__backend *be, const kvt__attend_args *a, vo
 }
 
 /* The emission's buffers, all the backend's (fetch slots, lists, planes, archive). */
+static kvt_status g_rope_emit_owns(const kvt__backend *be, const kvt__recall_rope_emit_args *a) {
+    if (!kvt__recall_rope_emit_ok(a))
+        return KVT_ERR_INVALID_ARGUMENT;
+    const size_t H = a->n_kv;
+    for (uint32_t p = 0; p < a->n_planes; p++)
+        GUARD_OWNS(be, a->plane[p], 1);
+    if (a->n_rows)
+        GUARD_OWNS(be, a->pages, sizeof(int32_t));
+    if (a->ar_n)
+        GUARD_REACHES(be, a->ar_bytes, (size_t)a->n_planes * a->row_bytes * H * a->ar_cap);
+    GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
+    GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
+    GUARD_OWNS(be, a->st, sizeof *a->st);
+    GUARD_OWNS(be, a->fetch_pages,
+               sizeof(int32_t) * ((a->fetch_cap + a->pdiv->d - 1) / a->pdiv->d));
+    GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
+    if (a->length)
+        GUARD_OWNS(be, a->length, sizeof(int32_t));
+    else
+        GUARD_OWNS(be, a->indptr, sizeof(int32_t) * (H + 1));
+    return KVT_OK;
+}
+
 static kvt_status g_recall_rope_emit(const kvt__backend *be,
                                      const kvt__recall_rope_emit_args *args, uint32_t n,
                                      void *stream) {
     G_COUNT(be, rope_emit, n);
     for (uint32_t i = 0; i < n; i++) {
-        const kvt__recall_rope_emit_args *a = &args[i];
-        if (!kvt__recall_rope_emit_ok(a))
-            return KVT_ERR_INVALID_ARGUMENT;
-        const size_t H = a->n_kv;
-        for (uint32_t p = 0; p < a->n_planes; p++)
-            GUARD_OWNS(be, a->plane[p], 1);
-        if (a->n_rows)
-            GUARD_OWNS(be, a->pages, sizeof(int32_t));
-        if (a->ar_n)
-            GUARD_REACHES(be, a->ar_bytes, (size_t)a->n_planes * a->row_bytes * H * a->ar_cap);
-        GUARD_OWNS(be, a->fired, sizeof(uint32_t) * H * a->cap);
-        GUARD_OWNS(be, a->n_fired, sizeof(uint32_t) * H);
-        GUARD_OWNS(be, a->st, sizeof *a->st);
-        GUARD_OWNS(be, a->fetch_pages, sizeof(int32_t) * ((a->fetch_cap + a->pdiv->d - 1) / a->pdiv->d));
-        GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
-        if (a->length)
-            GUARD_OWNS(be, a->length, sizeof(int32_t));
-        else
-            GUARD_OWNS(be, a->indptr, sizeof(int32_t) * (H + 1));
+        kvt_status s = g_rope_emit_owns(be, &args[i]);
+        if (s != KVT_OK)
+            return s;
     }
     guard_open(be);
     kvt_status s = cpu_recall_rope_emit(be, args, n, stream);
     guard_close(be);
     return s;
+}
+
+/* The planned RoPE trigger and emission: the plan buffer, its items and the query base, then
+ * (when they run, not when they are captured) every buffer of each item the plan holds then. */
+static kvt_status g_rope_plan_owns(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                   bool emit) {
+    const size_t n_max = a->n_max ? a->n_max : 1u;
+    GUARD_OWNS(be, a->n, sizeof(uint32_t));
+    if (emit)
+        GUARD_OWNS(be, a->emits, sizeof(kvt__recall_rope_emit_plan_item) * n_max);
+    else
+        GUARD_OWNS(be, a->items, sizeof(kvt__recall_rope_plan_item) * n_max);
+    if (!emit)
+        GUARD_OWNS(be, a->query, sizeof(float) * a->query_floats);
+    return KVT_OK;
+}
+
+static kvt_status g_rope_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                 void *stream, bool emit) {
+    kvt_status s = g_rope_plan_owns(be, a, emit);
+    if (s != KVT_OK)
+        return s;
+    if (be->cap) /* recorded */
+        return emit ? cpu_recall_rope_emit_planned(be, a, stream)
+                    : cpu_recall_rope_step_planned(be, a, stream);
+    guard_open(be);
+    const uint32_t n = *a->n;
+    s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
+    for (uint32_t i = 0; i < n && s == KVT_OK; i++) {
+        kvt__div32 d;
+        if (emit) {
+            kvt__recall_rope_emit_args x;
+            s = kvt__recall_rope_emit_plan_item_args(a, i, &x, &d) ? g_rope_emit_owns(be, &x)
+                                                                   : KVT_ERR_INVALID_ARGUMENT;
+        } else {
+            kvt__recall_rope_args x;
+            s = kvt__recall_rope_plan_item_args(a, i, &x, &d) ? g_rope_owns(be, &x)
+                                                              : KVT_ERR_INVALID_ARGUMENT;
+        }
+    }
+    if (s == KVT_OK) {
+        if (emit)
+            G_COUNT(be, rope_emit, n);
+        else
+            G_COUNT(be, rope_step, n);
+        s = emit ? cpu_recall_rope_emit_planned(be, a, stream)
+                 : cpu_recall_rope_step_planned(be, a, stream);
+    }
+    guard_close(be);
+    return s;
+}
+
+static kvt_status g_recall_rope_step_planned(const kvt__backend *be,
+                                             const kvt__recall_rope_plan_args *a, void *stream) {
+    return g_rope_planned(be, a, stream, false);
+}
+
+static kvt_status g_recall_rope_emit_planned(const kvt__backend *be,
+                                             const kvt__recall_rope_plan_args *a, void *stream) {
+    return g_rope_planned(be, a, stream, true);
 }
 
 /* Every buffer a recall step's work item reads or writes must be the backend's. */
@@ -1417,6 +1541,8 @@ static const kvt__backend_ops guarded_ops_table = {
     .recall_promote = true,
     .recall_rope_step = g_recall_rope_step,
     .recall_rope_emit = g_recall_rope_emit,
+    .recall_rope_step_planned = g_recall_rope_step_planned,
+    .recall_rope_emit_planned = g_recall_rope_emit_planned,
     .attend = g_attend,
     .pack = g_pack,
     .copy = g_write,

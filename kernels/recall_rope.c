@@ -17,36 +17,6 @@
 #include <float.h>
 #include <string.h>
 
-bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a) {
-    if (a->D <= 64u || a->D > KVT__SKETCH_MAX_DIM || a->n_kv == 0 ||
-        a->n_kv > KVT__RECALL_ROPE_MAX_KV || a->group == 0 || a->group > 4096u ||
-        (a->dtype != KVT__DT_BF16 && a->dtype != KVT__DT_FP16 && a->dtype != KVT__DT_FP32) ||
-        a->csk_stride > KVT__SKETCH_MAX_RANK || a->cap == 0 || a->n_rows > UINT32_MAX ||
-        a->branch_dim > KVT__RECALL_MAX_BRANCH ||
-        (a->branch_dim && a->branch_dtype != KVT__DT_BF16 && a->branch_dtype != KVT__DT_FP16 &&
-         a->branch_dtype != KVT__DT_FP32) ||
-        a->ar_n > a->ar_cap || a->ar_n > UINT32_MAX || !a->q || !a->best || !a->st ||
-        !a->fired || !a->n_fired || !a->overflow || !a->pdiv ||
-        (a->n_rows && (!a->keys || !a->pages)) ||
-        (a->ar_n && (!a->ar_bytes || !a->ar_ident || !a->csk || !a->rho)) ||
-        (a->mode == KVT__RECALL_CONFORMAL && !a->samples))
-        return false;
-    if (a->mode == KVT__RECALL_MARGIN && !(a->margin >= 0.0f && a->margin <= FLT_MAX))
-        return false;
-    if (a->mode != KVT__RECALL_CONFORMAL && a->mode != KVT__RECALL_SOUND &&
-        a->mode != KVT__RECALL_MARGIN)
-        return false;
-    for (uint32_t h = 0; h < a->n_kv; h++)
-        if (a->rank[h] > a->csk_stride || a->rank[h] > a->basis_stride ||
-            (a->rank[h] && !a->basis))
-            return false;
-    const uint32_t B = a->g_B;
-    if (a->g_perm && !(B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && a->g_n &&
-                       a->g_end && a->g_centre && a->g_stat &&
-                       a->g_dim >= a->branch_dim + a->csk_stride))
-        return false;
-    return true;
-}
 
 /* The scan's region of the scratch: one KV head's full scan, or its pruned scan and the group
  * build (one at a time), even so that what follows stays 8-byte aligned. */
@@ -377,21 +347,6 @@ void kvt__recall_rope_step_cpu(const kvt__recall_rope_args *a, float *scratch) {
                              fetched);
 }
 
-bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
-    /* a head lists at most every archived row once (its fired rows are distinct archive rows) */
-    const uint64_t m = a->capped && a->ar_n > a->cap ? a->cap : a->ar_n;
-    const bool tokens = a->length != NULL; /* one list, its length instead of an indptr */
-    return a->n_kv && a->n_kv <= KVT__RECALL_ROPE_MAX_KV && a->row_bytes &&
-           a->slot_stride >= (size_t)a->n_kv * a->row_bytes && a->plane[0] &&
-           (a->n_planes == 1 || (a->n_planes == 2 && a->plane[1])) && a->pdiv && a->st &&
-           a->fired && a->n_fired && a->cap && a->indices &&
-           (tokens ? a->n_kv == 1 && !a->chain && a->out + a->pad <= a->capacity
-                   : a->indptr != NULL) &&
-           a->ar_n <= a->ar_cap && (a->ar_n == 0 || a->ar_bytes) && (a->n_rows == 0 || a->pages) &&
-           a->fetch_pages && a->fetch_cap >= m && a->n_rows <= INT32_MAX &&
-           (a->chain || a->capacity >= a->out + (uint64_t)a->n_kv * (a->n_rows + m)) &&
-           a->capacity <= (uint64_t)INT32_MAX;
-}
 
 void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a) {
     const bool dense = !a->capped && (a->all || a->st->last_dense != 0);

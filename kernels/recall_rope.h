@@ -49,6 +49,7 @@
 #include "kernels/recall_scan.h"
 #include "kernels/topm.h"
 
+#include <float.h>
 #include <string.h>
 
 /* Most KV heads a RoPE recall step takes (the per-head ranks are passed by value). */
@@ -135,8 +136,39 @@ KVT_HD uint32_t kvt__recall_rope_capped_key(int fires, float score) {
     return fires ? kvt__score_key(score != score ? INFINITY : score) : 0u;
 }
 
-/* Are the arguments in the ranges the twin takes? (The op answers KVT_ERR_INVALID_ARGUMENT.) */
-bool kvt__recall_rope_args_ok(const kvt__recall_rope_args *a);
+/* Are the arguments in the ranges the twin takes? (The op answers KVT_ERR_INVALID_ARGUMENT.)
+ * Every backend's rule (the CUDA planned op checks its items with it on the device). */
+KVT_HD int kvt__recall_rope_args_ok(const kvt__recall_rope_args *a) {
+    if (a->D <= 64u || a->D > KVT__SKETCH_MAX_DIM || a->n_kv == 0 ||
+        a->n_kv > KVT__RECALL_ROPE_MAX_KV || a->group == 0 || a->group > 4096u ||
+        (a->dtype != KVT__DT_BF16 && a->dtype != KVT__DT_FP16 && a->dtype != KVT__DT_FP32) ||
+        a->csk_stride > KVT__SKETCH_MAX_RANK || a->cap == 0 || a->n_rows > UINT32_MAX ||
+        a->branch_dim > KVT__RECALL_MAX_BRANCH ||
+        (a->branch_dim && a->branch_dtype != KVT__DT_BF16 && a->branch_dtype != KVT__DT_FP16 &&
+         a->branch_dtype != KVT__DT_FP32) ||
+        a->ar_n > a->ar_cap || a->ar_n > UINT32_MAX || !a->q || !a->best || !a->st ||
+        !a->fired || !a->n_fired || !a->overflow || !a->pdiv ||
+        (a->n_rows && (!a->keys || !a->pages)) ||
+        (a->ar_n && (!a->ar_bytes || !a->ar_ident || !a->csk || !a->rho)) ||
+        (a->mode == KVT__RECALL_CONFORMAL && !a->samples))
+        return 0;
+    if (a->mode == KVT__RECALL_MARGIN && !(a->margin >= 0.0f && a->margin <= FLT_MAX))
+        return 0;
+    if (a->mode != KVT__RECALL_CONFORMAL && a->mode != KVT__RECALL_SOUND &&
+        a->mode != KVT__RECALL_MARGIN)
+        return 0;
+    for (uint32_t h = 0; h < a->n_kv; h++)
+        if (a->rank[h] > a->csk_stride || a->rank[h] > a->basis_stride ||
+            (a->rank[h] && !a->basis))
+            return 0;
+    const uint32_t B = a->g_B;
+    if (a->g_perm && !(B >= 64u && (B & (B - 1u)) == 0 && B <= (1u << 20) && a->g_n &&
+                       a->g_end && a->g_centre && a->g_stat &&
+                       a->g_dim >= a->branch_dim + a->csk_stride))
+        return 0;
+    return 1;
+}
+
 /* Floats of scratch one step takes. */
 size_t kvt__recall_rope_scratch_floats(const kvt__recall_rope_args *a);
 /* The scan view of KV head h's archive (its group's queries and outputs, z and mode as given);
@@ -232,12 +264,97 @@ typedef struct kvt__recall_rope_emit_args {
                                  * its lists at cap), and the fetch area holds cap rows */
 } kvt__recall_rope_emit_args;
 
-bool kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a);
+/* The emission's argument rules, every backend's. */
+KVT_HD int kvt__recall_rope_emit_ok(const kvt__recall_rope_emit_args *a) {
+    /* a head lists at most every archived row once (its fired rows are distinct archive rows) */
+    const uint64_t m = a->capped && a->ar_n > a->cap ? a->cap : a->ar_n;
+    const int tokens = a->length != NULL; /* one list, its length instead of an indptr */
+    return a->n_kv && a->n_kv <= KVT__RECALL_ROPE_MAX_KV && a->row_bytes &&
+           a->slot_stride >= (size_t)a->n_kv * a->row_bytes && a->plane[0] &&
+           (a->n_planes == 1 || (a->n_planes == 2 && a->plane[1])) && a->pdiv && a->st &&
+           a->fired && a->n_fired && a->cap && a->indices &&
+           (tokens ? a->n_kv == 1 && !a->chain && a->out + a->pad <= a->capacity
+                   : a->indptr != NULL) &&
+           a->ar_n <= a->ar_cap && (a->ar_n == 0 || a->ar_bytes) && (a->n_rows == 0 || a->pages) &&
+           a->fetch_pages && a->fetch_cap >= m && a->n_rows <= INT32_MAX &&
+           (a->chain || a->capacity >= a->out + (uint64_t)a->n_kv * (a->n_rows + m)) &&
+           a->capacity <= (uint64_t)INT32_MAX;
+}
+
 /* The slot of fetch row j. */
 KVT_HD int32_t kvt__recall_rope_fetch_slot(const kvt__recall_rope_emit_args *a, uint32_t j) {
     return kvt__page_slot(a->fetch_pages, 0, a->pdiv, j);
 }
 /* One request's emission (arguments checked). */
 void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a);
+
+/* ---------------------------------------------------------------------------------------------
+ * Planned RoPE recall (kvt_batch_plan_device; docs/recall.md §9.4): a layer's trigger items and
+ * emissions in a batch's plan buffer, read by the ops when they run (recall_rope_step_planned,
+ * recall_rope_emit_planned), so one captured launch replays over many steps. An item is the
+ * eager op's arguments with the queries an offset from the op's query base and the page-row
+ * divider by value (a.q and a.pdiv are not read).
+ * ------------------------------------------------------------------------------------------- */
+typedef struct kvt__recall_rope_plan_item {
+    kvt__recall_rope_args a;
+    kvt__div32 div;
+    uint64_t q_off; /* floats from kvt__recall_rope_plan_args.query to the item's queries */
+} kvt__recall_rope_plan_item;
+
+typedef struct kvt__recall_rope_emit_plan_item {
+    kvt__recall_rope_emit_args a;
+    kvt__div32 div;
+} kvt__recall_rope_emit_plan_item;
+
+typedef struct kvt__recall_rope_plan_args {
+    const kvt__recall_rope_plan_item *items;      /* [n_max], the backend's memory */
+    const kvt__recall_rope_emit_plan_item *emits; /* [n_max], the backend's memory */
+    const uint32_t *n;   /* [1], the backend's memory: the step's items (trigger and emission) */
+    uint32_t n_max;
+    const float *query;  /* the run's query base (the trigger) */
+    uint64_t query_floats;
+    kvt__recall_rope_args bound; /* the layer's largest item (kvt__ctx_rope_bound): the launch
+                                  * and workspace it sizes serve every item within it */
+} kvt__recall_rope_plan_args;
+
+/* An item within the plan's bound: no more KV heads, query heads a KV head, key values, branch
+ * values, archived rows a head, samples or rank per head; capped only where the bound is. */
+KVT_HD int kvt__recall_rope_plan_fits(const kvt__recall_rope_args *b,
+                                      const kvt__recall_rope_args *x) {
+    if (x->n_kv > b->n_kv || x->group > b->group || x->D > b->D ||
+        x->branch_dim > b->branch_dim || x->ar_n > b->ar_n || x->sample_cap > b->sample_cap ||
+        (x->capped && !b->capped))
+        return 0;
+    for (uint32_t h = 0; h < x->n_kv; h++)
+        if (x->rank[h] > b->rank[h])
+            return 0;
+    return 1;
+}
+
+/* Planned trigger item i as recall_rope_step takes it (queries at a->query + q_off, the divider
+ * copied into *div); false when the queries lie past the query buffer, or the item breaks the
+ * argument rules or the plan's bound. */
+KVT_HD int kvt__recall_rope_plan_item_args(const kvt__recall_rope_plan_args *a, uint32_t i,
+                                           kvt__recall_rope_args *x, kvt__div32 *div) {
+    const kvt__recall_rope_plan_item *it = &a->items[i];
+    *x = it->a;
+    *div = it->div;
+    x->pdiv = div;
+    x->q = a->query ? a->query + it->q_off : NULL;
+    const size_t qf = (size_t)x->n_kv * x->group * (x->D + x->branch_dim);
+    return a->query && it->q_off <= a->query_floats && qf <= a->query_floats - it->q_off &&
+           kvt__recall_rope_args_ok(x) && kvt__recall_rope_plan_fits(&a->bound, x);
+}
+
+/* Planned emission item i as recall_rope_emit takes it; false when it breaks the rules or is
+ * chained (a planned step's emissions are at fixed places: KVT_EMIT_TOKENS). */
+KVT_HD int kvt__recall_rope_emit_plan_item_args(const kvt__recall_rope_plan_args *a, uint32_t i,
+                                                kvt__recall_rope_emit_args *x, kvt__div32 *div) {
+    const kvt__recall_rope_emit_plan_item *it = &a->emits[i];
+    *x = it->a;
+    *div = it->div;
+    x->pdiv = div;
+    return !x->chain && x->ar_n <= a->bound.ar_n && kvt__recall_rope_emit_ok(x);
+}
 
 #endif /* KVT_KERNELS_RECALL_ROPE_H */

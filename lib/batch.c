@@ -43,12 +43,15 @@ struct kvt_batch {
     /* The plan buffer (kvt_batch_plan_device): layer l's part from byte plan_at[l] on holds the
      * count of its pack queries (uint32) and of its recall items (uint32, at byte 4), then from
      * byte PLAN_HEAD on max_seqs pack queries and, on a layer that plans recall
-     * (plans_recall), max_seqs recall items after them (plan_recall_at). In the backend's memory
+     * (plans_recall), max_seqs recall items after them (plan_recall_at); on a layer that plans
+     * RoPE recall (plans_rope) there max_seqs RoPE trigger items, then max_seqs emission items
+     * (plan_rope_emits_at). In the backend's memory
      * (allocated at the first planned step, never moved: a captured run's launch points into
      * it), with its host image. planned: this step's runs pack from it, for plan_emit[layer]. */
     uint8_t *plan_dev, *plan_host;
     size_t *plan_at; /* [n_layers + 1]: plan_at[n_layers] is the buffer's size */
-    uint8_t *plan_recall; /* [n_layers]: plans_recall, fixed with the buffer's layout */
+    uint8_t *plan_recall; /* [n_layers]: PLAN_NOPE / PLAN_ROPE / 0, fixed with the buffer's
+                           * layout */
     kvt_emit *plan_emit; /* [n_layers] */
     uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
     bool plan_reserved;  /* the planned recall ops' room was made (recall_plan_reserve) */
@@ -77,17 +80,39 @@ static bool layer_may_recall(const kvt_ctx *ctx, uint32_t layer) {
  * buffer is laid out (its first planned step), so that a captured run has the op whether or not
  * the capture's step recalled; a layer that did not plan it then never does (a step where a
  * request recalls there is not plannable). */
+enum { PLAN_NOPE = 1, PLAN_ROPE = 2 };
+
 static bool plans_recall(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
     if (b->plan_recall)
-        return b->plan_recall[layer];
+        return b->plan_recall[layer] == PLAN_NOPE;
     return layer_may_recall(ctx, layer) && ctx->max_rows && b->be.ops->recall_step_planned;
 }
 
-/* Where layer l's recall items start in the plan (after its max_seqs queries). */
+/* The same for a RoPE layer's trigger and emission (docs/recall.md §9.4): a layer where requests
+ * may recall on RoPE (kvt__ctx_rope_bound), max_rows_per_seq stated, both planned ops present;
+ * fixed with the buffer's layout. Its steps are plannable with KVT_EMIT_TOKENS (each request's
+ * row at a fixed place); a step where a request recalls there with another layout is not. */
+static bool plans_rope(const kvt_batch *b, uint32_t layer) {
+    const kvt_ctx *ctx = b->ctx;
+    if (b->plan_recall)
+        return b->plan_recall[layer] == PLAN_ROPE;
+    kvt__recall_rope_args bound;
+    return ctx_may_recall(ctx) && ctx->max_rows && kvt__ctx_rope_bound(ctx, layer, &bound) &&
+           b->be.ops->recall_rope_step_planned && b->be.ops->recall_rope_emit_planned;
+}
+
+/* Where layer l's recall items (NoPE or RoPE trigger items) start in the plan (after its
+ * max_seqs queries). */
 static size_t plan_recall_at(const kvt_batch *b, uint32_t l) {
     const size_t q = PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
     return b->plan_at[l] + (q + 63u) / 64u * 64u;
+}
+
+/* Where a RoPE layer's emission items start (after its max_seqs trigger items). */
+static size_t plan_rope_emits_at(const kvt_batch *b, uint32_t l) {
+    const size_t t = sizeof(kvt__recall_rope_plan_item) * b->max_seqs;
+    return plan_recall_at(b, l) + (t + 63u) / 64u * 64u;
 }
 
 /* Floats of one request's queries on a layer (kvt_batch_run's query). */
@@ -754,6 +779,52 @@ static void recall_plan_args(const kvt_batch *b, uint32_t l, const float *query,
     plan_bound(b, l, &out->bound);
 }
 
+/* The planned RoPE ops of layer l: their items in the plan buffer, the run's query base, the
+ * layer's bound (kvt__ctx_rope_bound). */
+static void rope_plan_args(const kvt_batch *b, uint32_t l, const float *query,
+                           kvt__recall_rope_plan_args *out) {
+    const uint8_t *at = b->plan_dev + b->plan_at[l];
+    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
+    *out = (kvt__recall_rope_plan_args){
+        .items = (const kvt__recall_rope_plan_item *)(b->plan_dev + plan_recall_at(b, l)),
+        .emits = (const kvt__recall_rope_emit_plan_item *)(b->plan_dev + plan_rope_emits_at(b, l)),
+        .n = (const uint32_t *)(at + sizeof(uint32_t)), .n_max = b->max_seqs, .query = query,
+        .query_floats = query ? (uint64_t)sp->n_q_heads * sp->head_dim * b->max_seqs : 0};
+    (void)kvt__ctx_rope_bound(b->ctx, l, &out->bound);
+}
+
+/* Request i's RoPE trigger and emission on layer l as the planned ops take them (the eager
+ * run's: its queries at the request's place from the run's query base, its dense flag the
+ * emission's, its row of a KVT_EMIT_TOKENS emission); false when either breaks the rules or the
+ * layer's bound (the step is then not plannable). */
+static bool plan_rope_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
+                           const kvt__recall_rope_args *bound, kvt__recall_rope_plan_item *it,
+                           kvt__recall_rope_emit_plan_item *em) {
+    static const float no_query; /* a placeholder: the op reads the run's query + q_off */
+    kvt_seq *sq = b->seqs[i];
+    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
+    if (kvt__seq_rope_recall_item(sq, l, &no_query, e->dense ? e->dense + i : NULL, &it->a) !=
+        KVT_OK)
+        return false;
+    it->div = *it->a.pdiv;
+    it->q_off = (uint64_t)i * sp->n_q_heads * sp->head_dim;
+    bool ok = kvt__recall_rope_args_ok(&it->a) && kvt__recall_rope_plan_fits(bound, &it->a);
+    it->a.pdiv = NULL; /* host values, not read by the op */
+    it->a.q = NULL;
+    const uint64_t at = (uint64_t)i * e->capacity;
+    if (kvt__seq_rope_emit_item(sq, l, false, e->indices, at + e->capacity, NULL, &em->a) !=
+        KVT_OK)
+        return false;
+    em->a.chain = false;
+    em->a.out = at;
+    em->a.pad = e->capacity;
+    em->a.length = e->lengths + i;
+    em->div = *em->a.pdiv;
+    ok = ok && kvt__recall_rope_emit_ok(&em->a) && em->a.ar_n <= bound->ar_n;
+    em->a.pdiv = NULL;
+    return ok;
+}
+
 /* Every layer's sets of the planned step into the plan image, as each run would describe them
  * (nothing of the step moves rows), with kvt_batch_run's capacity checks (sync: the page tables'
  * new entries to the backend first), then the image to the backend on stream. A recall item
@@ -775,6 +846,15 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
         kvt__recall_step_args bound;
         if (items)
             plan_bound(b, l, &bound);
+        const bool rope_l = plans_rope(b, l);
+        kvt__recall_rope_plan_item *ritems =
+            rope_l ? (kvt__recall_rope_plan_item *)(b->plan_host + plan_recall_at(b, l)) : NULL;
+        kvt__recall_rope_emit_plan_item *remits =
+            rope_l ? (kvt__recall_rope_emit_plan_item *)(b->plan_host + plan_rope_emits_at(b, l))
+                   : NULL;
+        kvt__recall_rope_args rbound;
+        if (rope_l)
+            (void)kvt__ctx_rope_bound(ctx, l, &rbound);
         uint32_t n = 0, n_recall = 0;
         uint64_t off = 0, total = 0;
         for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
@@ -784,9 +864,36 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
                 return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
                                      l);
             b->recall_way[i] = recall_way(b, i, l, 1);
-            if (b->recall_way[i] != RECALL_NONE && !items) /* kvt__seq_step_quiet's rule */
-                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+            const bool rope = b->recall_way[i] != RECALL_NONE && kvt__seq_recalls_rope(sq, l);
+            if (b->recall_way[i] != RECALL_NONE && !(rope ? rope_l : items != NULL))
+                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
                                      "seqs[%u] recalls on layer %u, which plans no recall", i, l);
+            if (rope) {
+                /* its trigger and emission items; in the pack a query that writes only its dense
+                 * flag (the state's, which the trigger wrote), the emission then its row */
+                if (e->layout != KVT_EMIT_TOKENS || b->recall_way[i] != RECALL_FETCH ||
+                    !plan_rope_item(b, i, l, e, &rbound, &ritems[n_recall], &remits[n_recall])) {
+                    if (fits) {
+                        *fits = false;
+                        return KVT_OK;
+                    }
+                    return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                         "seqs[%u] layer %u: its RoPE recall left the plan's "
+                                         "bound since plan_device checked it",
+                                         i, l);
+                }
+                n_recall++;
+                const uint64_t rows = sq->n_tokens + sq->n_pending; /* held and archived */
+                if (rows > e->capacity)
+                    return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                         "seqs[%u] attends %llu rows on layer %u, topk is %u; "
+                                         "nothing planned (kvt_batch_capacity)",
+                                         i, (unsigned long long)rows, l, e->capacity);
+                q[n] = (kvt__pack_query){.dense = &sq->rrope[l].base.st->last_dense,
+                                         .out = (uint64_t)i * e->capacity, .len_at = i};
+                n++;
+                continue;
+            }
             bool has = false;
             if (b->recall_way[i] == RECALL_FETCH &&
                 !plan_recall_item(b, i, l, e, &bound, &items[n_recall], &has)) {
@@ -857,7 +964,8 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         if (b->n_drafts[i])
             return KVT_OK;
         for (uint32_t l = 0; l < L; l++)
-            if (ctx->stores[l].group >= 0 && !kvt__seq_step_quiet(sq, l, plans_recall(b, l)))
+            if (ctx->stores[l].group >= 0 &&
+                !kvt__seq_step_quiet(sq, l, plans_recall(b, l) || plans_rope(b, l)))
                 return KVT_OK;
     }
     /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. A
@@ -879,12 +987,15 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan layout");
         }
         for (uint32_t l = 0; l < L; l++)
-            pr[l] = plans_recall(b, l);
+            pr[l] = plans_recall(b, l) ? PLAN_NOPE : plans_rope(b, l) ? PLAN_ROPE : 0;
         b->plan_at = at; /* plan_recall_at reads it */
         for (uint32_t l = 0; l < L; l++) { /* 64-byte aligned parts */
             const size_t end =
-                plans_recall(b, l)
+                pr[l] == PLAN_NOPE
                     ? plan_recall_at(b, l) + sizeof(kvt__recall_plan_item) * b->max_seqs
+                : pr[l] == PLAN_ROPE
+                    ? plan_rope_emits_at(b, l) +
+                          sizeof(kvt__recall_rope_emit_plan_item) * b->max_seqs
                     : at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
             at[l + 1] = at[l] + (end - at[l] + 63u) / 64u * 64u;
         }
@@ -910,12 +1021,17 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     }
     /* 3. Room for the planned recall ops (a device's workspace: never grown in a capture), once:
      * the layers' bounds are the batch's for its life. */
-    for (uint32_t l = 0; !b->plan_reserved && be->ops->recall_plan_reserve && l < L; l++) {
-        kvt__recall_plan_args ra;
-        if (!plans_recall(b, l))
-            continue;
-        recall_plan_args(b, l, NULL, &ra);
-        kvt_status s = be->ops->recall_plan_reserve(be, &ra);
+    for (uint32_t l = 0; !b->plan_reserved && l < L; l++) {
+        kvt_status s = KVT_OK;
+        if (plans_recall(b, l) && be->ops->recall_plan_reserve) {
+            kvt__recall_plan_args ra;
+            recall_plan_args(b, l, NULL, &ra);
+            s = be->ops->recall_plan_reserve(be, &ra);
+        } else if (plans_rope(b, l) && be->ops->recall_rope_plan_reserve) {
+            kvt__recall_rope_plan_args ra;
+            rope_plan_args(b, l, NULL, &ra);
+            s = be->ops->recall_rope_plan_reserve(be, &ra);
+        }
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "layer %u: workspace of the planned recall step", l);
     }
@@ -939,8 +1055,8 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     return KVT_OK;
 }
 
-/* A planned step's run: on a layer that plans recall the planned recall step, then one pack,
- * both from the plan buffer, their arguments holding nothing of the step (a captured launch
+/* A planned step's run: on a layer that plans recall the planned recall step, then one pack
+ * (on a RoPE layer: the trigger, the pack, the emission), all from the plan buffer, their arguments holding nothing of the step (a captured launch
  * replays over later planned steps); the policy work is the commit's. */
 static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, void *stream,
                               const kvt_emit *emit) {
@@ -950,7 +1066,8 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
                              "layer %u: emit is not the one kvt_batch_plan_device planned for",
                              layer);
     const uint8_t *at = b->plan_dev + b->plan_at[layer];
-    if (plans_recall(b, layer) && !query)
+    const bool rope = plans_rope(b, layer);
+    if ((plans_recall(b, layer) || rope) && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: a planned run of layer %u, where requests may "
                              "recall, holds the recall step (a graph replays it over steps "
@@ -966,6 +1083,15 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
             b->recall_ran[layer] = 1;
         }
     }
+    kvt__recall_rope_plan_args rp;
+    if (rope) {
+        rope_plan_args(b, layer, query, &rp);
+        if (b->recall_ran[layer] == 0) { /* the trigger once per step and layer */
+            if ((s = b->be.ops->recall_rope_step_planned(&b->be, &rp, stream)) != KVT_OK)
+                return kvt__ctx_fail(ctx, s, "the planned RoPE recall step of layer %u", layer);
+            b->recall_ran[layer] = 1;
+        }
+    }
     kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
                          .n_plan = (const uint32_t *)at, .n_max = b->max_seqs,
                          .dense_out = emit->dense,
@@ -976,8 +1102,12 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
     b->ran = true;
     b->stream = stream;
     s = b->be.ops->pack(&b->be, &pa, stream);
-    return s == KVT_OK ? KVT_OK
-                       : kvt__ctx_fail(ctx, s, "packing the planned sets of layer %u", layer);
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "packing the planned sets of layer %u", layer);
+    /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags) */
+    if (rope && (s = b->be.ops->recall_rope_emit_planned(&b->be, &rp, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "the planned RoPE recall lists of layer %u", layer);
+    return KVT_OK;
 }
 
 kvt__backend *kvt__batch_backend(kvt_batch *b) {

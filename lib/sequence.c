@@ -1138,7 +1138,7 @@ kvt_status kvt__seq_mirror_sync(kvt_seq *seq, uint32_t layer, const kvt__backend
 
 bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer, bool recall_planned) {
     kvt_ctx *ctx = seq->ctx;
-    if (kvt__seq_recalls_rope(seq, layer))
+    if (kvt__seq_recalls_rope(seq, layer) && (!recall_planned || seq->n_pending > 1))
         return false;
     if (kvt__seq_recalls(seq, layer) &&
         (!recall_planned || seq->recall[layer].lag_q || seq->n_pending > 1))

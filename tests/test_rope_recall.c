@@ -2630,3 +2630,177 @@ Test(rope_batch, three_requests_one_call_equal_each_alone_gqa, .timeout = 240) {
 Test(rope_batch, three_requests_one_call_equal_each_alone_mla_tokens, .timeout = 240) {
     batch_equals_alone(true, 5252);
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * RoPE recall inside a CUDA graph (kvt_batch_plan_device; docs/recall.md §9.4): two twins of an
+ * MLA-RoPE context, each a batch of a recalling request and one without recall, KVT_EMIT_TOKENS
+ * with a fixed topk. The eager twin runs every step; the graph twin, on each step plan_device
+ * finds plannable, replays one recording of its first planned step's run (the planned trigger,
+ * the pack, the planned emission), and runs the others (eviction rounds) eagerly. Every step's
+ * rows, lengths and dense flags, and the recalling request's trigger state, are the eager
+ * twin's; most steps replay, some fetch rows.
+ * ---------------------------------------------------------------------------------------------- */
+typedef struct gt_twin {
+    rr x;
+    kvt_seq *other;
+    kvt_batch *b;
+    kvt_buffer *qbuf, *ibuf, *lbuf, *dbuf;
+} gt_twin;
+
+enum { GT_TOPK = 512 };
+
+static void gt_open(gt_twin *t, kvt_backend_kind backend, uint64_t seed) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    cfg.recall_cap_rows = 64;
+    const uint32_t rank[1] = {32};
+    g_mla = true;
+    g_max_seqs = 2;
+    g_max_rows = GT_TOPK; /* max_rows_per_seq: what sizes a planned step's ops */
+    rr_init(&t->x, 1, 128, cfg, 32, rank, backend, seed);
+    g_mla = false;
+    g_max_seqs = g_max_rows = 0;
+    cr_assert_eq(kvt_seq_set_prompt_rows(t->x.seq, 4), KVT_OK);
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 77;
+    sp.recall = KVT_RECALL_OFF;
+    cr_assert_eq(kvt_seq_create(t->x.ctx, &sp, &t->other), KVT_OK, "%s", kvt_last_error());
+    cr_assert(kvt__seq_recalls_rope(t->x.seq, 0) && !kvt__seq_recalls_rope(t->other, 0));
+    cr_assert_eq(kvt_batch_create(t->x.ctx, 2, &t->b), KVT_OK);
+    const size_t qf = (size_t)t->x.sp.n_q_heads * t->x.QW;
+    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(float) * 2 * qf, &t->qbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(int32_t) * 2 * GT_TOPK, &t->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(int32_t) * 2, &t->lbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, 2, &t->dbuf), KVT_OK);
+}
+
+static void gt_close(gt_twin *t) {
+    kvt_batch_destroy(t->b);
+    kvt_buffer_free(t->qbuf);
+    kvt_buffer_free(t->ibuf);
+    kvt_buffer_free(t->lbuf);
+    kvt_buffer_free(t->dbuf);
+    kvt_seq_destroy(t->other);
+    rr_fini(&t->x);
+}
+
+static kvt_emit gt_emit(const gt_twin *t) {
+    return (kvt_emit){.struct_size = sizeof(kvt_emit), .layout = KVT_EMIT_TOKENS,
+                      .indices = kvt_buffer_ptr(t->ibuf), .capacity = GT_TOPK,
+                      .lengths = kvt_buffer_ptr(t->lbuf), .dense = kvt_buffer_ptr(t->dbuf),
+                      .queries_per_seq = 1};
+}
+
+/* Reserve a token for both requests, write their rows (the other's from `rows`) and queries. */
+static void gt_begin(gt_twin *t, const uint8_t *rows, const float *q) {
+    kvt_seq *seqs[2] = {t->x.seq, t->other};
+    uint32_t ones[2] = {1, 1};
+    cr_assert_eq(kvt_batch_reserve(t->b, seqs, ones, 2), KVT_OK, "%s", kvt_last_error());
+    rr_write(&t->x, 1);
+    const size_t slot = (size_t)t->x.H * t->x.sp.row_bytes;
+    for (uint32_t p = 0; p < t->x.P; p++)
+        cr_assert_eq(kvt_seq_write(t->other, 0, p, 0, 1, rows + p * slot, slot), KVT_OK);
+    const size_t qf = (size_t)t->x.sp.n_q_heads * t->x.QW;
+    cr_assert_eq(kvt_buffer_write(t->qbuf, 0, q, sizeof(float) * 2 * qf), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(t->b), KVT_OK, "%s", kvt_last_error());
+}
+
+static void gt_run(gt_twin *t) {
+    const kvt_emit em = gt_emit(t);
+    cr_assert_eq(kvt_batch_run(t->b, 0, kvt_buffer_ptr(t->qbuf), NULL, &em), KVT_OK, "%s",
+                 kvt_last_error());
+}
+
+static void gt_commit(gt_twin *t) {
+    cr_assert_eq(kvt_batch_commit(t->b, NULL), KVT_OK, "%s", kvt_last_error());
+    t->x.n_tok++;
+    cr_assert_eq(kvt_seq_check(t->x.seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(t->other), KVT_OK, "%s", kvt_last_error());
+}
+
+static void rope_graph_run(kvt_backend_kind backend, uint64_t seed) {
+    gt_twin a, g;
+    gt_open(&a, backend, seed);
+    gt_open(&g, backend, seed);
+    kvt__backend *be = kvt__batch_backend(g.b);
+    cr_assert(be->ops->capture_begin && be->ops->capture_end && be->ops->graph_launch);
+    const size_t qf = (size_t)a.x.sp.n_q_heads * a.x.QW, slot = (size_t)a.x.sp.row_bytes;
+    float *q = calloc(2 * qf, sizeof(float));
+    uint8_t *rows = malloc(2 * slot);
+    int32_t *ia = malloc(sizeof(int32_t) * 2 * GT_TOPK), *ig = malloc(sizeof(int32_t) * 2 * GT_TOPK);
+    void *graph = NULL;
+    uint32_t replays = 0, eager = 0, replay_fetch = 0;
+    tu_rng rg = {seed ^ 0x5eed};
+    for (int step = 0; step < 160; step++) {
+        aimed_queries(&a.x, q); /* both twins' generators in step */
+        aimed_queries(&g.x, q);
+        for (uint32_t p = 0; p < 2; p++)
+            for (size_t k = 0; k < slot / 2; k++) {
+                const uint16_t v = kvt__f32_to_bf16((float)tu_normal(&rg));
+                memcpy(rows + p * slot + 2 * k, &v, 2);
+            }
+        gt_begin(&a, rows, q);
+        gt_begin(&g, rows, q);
+        gt_run(&a);
+        const kvt_emit em = gt_emit(&g);
+        bool planned = false;
+        cr_assert_eq(kvt_batch_plan_device(g.b, &em, 1, NULL, &planned), KVT_OK, "%s",
+                     kvt_last_error());
+        if (planned && !graph) { /* the recording: nothing runs until it is launched */
+            cr_assert_eq(be->ops->capture_begin(be, NULL), KVT_OK);
+            gt_run(&g);
+            cr_assert_eq(be->ops->capture_end(be, NULL, &graph), KVT_OK);
+        }
+        if (planned) {
+            cr_assert_eq(be->ops->graph_launch(be, graph, NULL), KVT_OK, "%s", kvt_last_error());
+            replays++;
+        } else {
+            gt_run(&g);
+            eager++;
+        }
+        int32_t la[2], lg[2];
+        uint8_t da[2], dg[2];
+        cr_assert_eq(kvt_buffer_read(a.lbuf, 0, la, sizeof la), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(g.lbuf, 0, lg, sizeof lg), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(a.dbuf, 0, da, 2), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(g.dbuf, 0, dg, 2), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(a.ibuf, 0, ia, sizeof(int32_t) * 2 * GT_TOPK), KVT_OK);
+        cr_assert_eq(kvt_buffer_read(g.ibuf, 0, ig, sizeof(int32_t) * 2 * GT_TOPK), KVT_OK);
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(la[i], lg[i], "step %d request %d (%s): length %d eager, %d graph", step,
+                         i, planned ? "replay" : "eager", la[i], lg[i]);
+            cr_assert_eq(da[i], dg[i], "step %d request %d: dense flag", step, i);
+            cr_assert(memcmp(ia + i * GT_TOPK, ig + i * GT_TOPK, sizeof(int32_t) * GT_TOPK) == 0,
+                      "step %d request %d (%s): rows differ", step, i,
+                      planned ? "replay" : "eager");
+        }
+        gt_commit(&a);
+        gt_commit(&g);
+        kvt__recall_state sa, sg;
+        dev_read(&a.x, &sa, a.x.seq->rrope[0].base.st, sizeof sa);
+        dev_read(&g.x, &sg, g.x.seq->rrope[0].base.st, sizeof sg);
+        cr_assert(memcmp(&sa, &sg, sizeof sa) == 0, "step %d: trigger state differs", step);
+        replay_fetch += planned && !sg.last_dense && sg.last_fired > 0;
+    }
+    cr_log_info("RoPE graph twin (%s): %u replays, %u eager steps, %u replays fetched rows",
+                kvt_ctx_backend_name(g.x.ctx), replays, eager, replay_fetch);
+    cr_assert_geq(replays, 100u, "%u replays, %u eager steps", replays, eager);
+    cr_assert_geq(eager, 5u, "rounds ran eagerly: %u", eager);
+    cr_assert_geq(replay_fetch, 10u, "replayed steps that fetched rows: %u", replay_fetch);
+    if (graph)
+        be->ops->graph_free(be, graph);
+    free(q);
+    free(rows);
+    free(ia);
+    free(ig);
+    gt_close(&a);
+    gt_close(&g);
+}
+
+Test(rope_graph, replays_equal_the_eager_twin_cpu, .timeout = 240) {
+    rope_graph_run(KVT_BACKEND_CPU, 6060);
+}
+
+Test(rope_graph, replays_equal_the_eager_twin_guarded, .timeout = 240) {
+    rope_graph_run(KVT_BACKEND_GUARDED, 6161);
+}
