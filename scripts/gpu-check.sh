@@ -39,9 +39,13 @@
 #   - a needle cell (kvtier-needle --synthetic, 8k, ratios 8 and 32, salience / random / dense) on
 #     the CUDA backend: its CSV must be the CPU backend's, byte for byte.
 #   - test_fp8's CUDA case: fp8 ds_mla rows recall on the device as their fp32 decoding does.
+#   - test_rope_recall's CUDA graph case: an MLA-RoPE batch with RoPE recall (TOKENS), one
+#     recording of a planned step's runs (planned trigger, pack, planned emission) replayed over
+#     the later planned steps equals the eager twin: rows, lengths, dense flags, trigger state.
 #
 # Not yet covered on the device (the CUDA issue): capture of steps with a close or round due, a
-# RoPE recall or a lagged query (those run eagerly), fp8 rows on eviction layers.
+# lagged query, or RoPE recall emitted as CSR / CSR_KV_HEADS (those run eagerly); fp8 rows on
+# eviction layers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -74,6 +78,9 @@ echo "fp8 rows on CUDA vs their fp32 decoding: see fp8_cuda.txt" | tee -a "$OUT/
 (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_graph --verbose) \
   > "$OUT/graph_cuda.txt" 2>&1 || status=1
 echo "graph replay on CUDA vs eager: see graph_cuda.txt" | tee -a "$OUT/summary.txt"
+(cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_rope_recall \
+  --filter 'rope_graph/*_cuda' --verbose) > "$OUT/rope_graph_cuda.txt" 2>&1 || status=1
+echo "RoPE recall graph replay on CUDA vs eager: see rope_graph_cuda.txt" | tee -a "$OUT/summary.txt"
 # compute-sanitizer (memcheck, racecheck) over the ops whose kernels are newest, where the
 # toolkit ships it; Criterion runs each test in a child process (--target-processes all)
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -1553,9 +1553,73 @@ static kvt__recall_rope_args rope_args(rope_case *c, bool gpu, const float *q, i
  * pool planes (the fetched rows copied in) equal. Returns the steps that overflowed and the
  * fired (row, head) pairs. */
 enum { RN = 2 };
-static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, uint32_t *overflows,
-                      uint64_t *fired) {
+
+/* The planned ops' side of rope_pair (kvt__recall_rope_plan_args): RN trigger and emission
+ * items in device memory, their count, one query buffer the items' queries are copied into. */
+typedef struct rope_plan_rig {
+    void *items, *emits, *n, *q;
+} rope_plan_rig;
+
+/* The device's trigger of items ga[0 .. RN) (emit false), or their emission (ge, emit true),
+ * through the planned op: queries copied to item i's q_off, the items and count written, the
+ * workspace reserved; the bound: the cases' shape with 320 archived rows and a capped
+ * archive. */
+static void rope_planned(rig *r, rope_plan_rig *pr, const rope_case *cs,
+                         const kvt__recall_rope_args *ga, const kvt__recall_rope_emit_args *ge,
+                         bool emit) {
+    kvt__recall_rope_plan_args pa = {.items = pr->items, .emits = pr->emits, .n = pr->n,
+                                     .n_max = RN + 2, .query = pr->q,
+                                     .query_floats = (RN + 2) * RQ * RDIM};
+    pa.bound = ga[0];
+    pa.bound.ar_n = 320;
+    pa.bound.capped = true;
+    for (uint32_t h = 0; h < RK; h++)
+        pa.bound.rank[h] = 32;
+    const uint32_t n = RN;
+    if (emit) {
+        kvt__recall_rope_emit_plan_item it[RN];
+        memset(it, 0, sizeof it);
+        for (int i = 0; i < RN; i++) {
+            it[i].a = ge[i];
+            it[i].div = *ge[i].pdiv;
+            it[i].a.pdiv = NULL;
+        }
+        cr_assert_eq(r->gpu.ops->write(&r->gpu, pr->emits, it, sizeof it, NULL), KVT_OK);
+    } else {
+        kvt__recall_rope_plan_item it[RN];
+        memset(it, 0, sizeof it);
+        for (int i = 0; i < RN; i++) {
+            cr_assert_eq(r->gpu.ops->copy(&r->gpu, (float *)pr->q + (size_t)i * RQ * RDIM,
+                                          cs[i].d_q, sizeof(float) * RQ * RDIM, NULL),
+                         KVT_OK);
+            it[i].a = ga[i];
+            it[i].div = *ga[i].pdiv;
+            it[i].a.pdiv = NULL;
+            it[i].a.q = NULL;
+            it[i].q_off = (uint64_t)i * RQ * RDIM;
+        }
+        cr_assert_eq(r->gpu.ops->write(&r->gpu, pr->items, it, sizeof it, NULL), KVT_OK);
+        if (r->gpu.ops->recall_rope_plan_reserve)
+            cr_assert_eq(r->gpu.ops->recall_rope_plan_reserve(&r->gpu, &pa), KVT_OK);
+    }
+    cr_assert_eq(r->gpu.ops->write(&r->gpu, pr->n, &n, sizeof n, NULL), KVT_OK);
+    cr_assert_eq(emit ? r->gpu.ops->recall_rope_emit_planned(&r->gpu, &pa, NULL)
+                      : r->gpu.ops->recall_rope_step_planned(&r->gpu, &pa, NULL),
+                 KVT_OK);
+}
+
+/* planned: the device side's trigger through the planned op, and its emission too on the steps
+ * whose lists are at fixed places. */
+static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
+                      uint32_t *overflows, uint64_t *fired) {
     tu_rng g = {(uint64_t)mode * 131 + capped * 7 + cap};
+    rope_plan_rig pr = {0};
+    if (planned) {
+        pr.items = dev(r, NULL, sizeof(kvt__recall_rope_plan_item) * (RN + 2));
+        pr.emits = dev(r, NULL, sizeof(kvt__recall_rope_emit_plan_item) * (RN + 2));
+        pr.n = dev(r, NULL, sizeof(uint32_t));
+        pr.q = dev(r, NULL, sizeof(float) * (RN + 2) * RQ * RDIM);
+    }
     rope_case cs[RN];
     for (int i = 0; i < RN; i++)
         rope_case_make(r, &cs[i], &g, cap, i ? 200 : 300);
@@ -1584,7 +1648,10 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, uint32_t *ove
             ag[i] = rope_args(c, true, c->d_q, mode, cp);
         }
         cr_assert_eq(r->cpu.ops->recall_rope_step(&r->cpu, ac, RN, NULL), KVT_OK);
-        cr_assert_eq(r->gpu.ops->recall_rope_step(&r->gpu, ag, RN, NULL), KVT_OK);
+        if (planned)
+            rope_planned(r, &pr, cs, ag, NULL, false);
+        else
+            cr_assert_eq(r->gpu.ops->recall_rope_step(&r->gpu, ag, RN, NULL), KVT_OK);
         kvt__recall_rope_emit_args ec[RN], eg[RN];
         const bool chain = step % 2 == 0;
         for (int i = 0; i < RN; i++) {
@@ -1631,7 +1698,10 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, uint32_t *ove
                      KVT_OK);
         cr_assert_eq(r->gpu.ops->write(&r->gpu, d_ptr, indptr, sizeof indptr, NULL), KVT_OK);
         cr_assert_eq(r->cpu.ops->recall_rope_emit(&r->cpu, ec, RN, NULL), KVT_OK);
-        cr_assert_eq(r->gpu.ops->recall_rope_emit(&r->gpu, eg, RN, NULL), KVT_OK);
+        if (planned && !chain)
+            rope_planned(r, &pr, cs, ag, eg, true);
+        else
+            cr_assert_eq(r->gpu.ops->recall_rope_emit(&r->gpu, eg, RN, NULL), KVT_OK);
         same(r, d_ptr, indptr, sizeof indptr, "indptr");
         same(r, d_idx, idx, sizeof(int32_t) * cap_idx, "indices");
         for (int i = 0; i < RN; i++) {
@@ -1645,9 +1715,15 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, uint32_t *ove
     undev(r, d_ptr, sizeof indptr);
     for (int i = 0; i < RN; i++)
         rope_case_free(r, &cs[i]);
+    if (planned) {
+        undev(r, pr.items, sizeof(kvt__recall_rope_plan_item) * (RN + 2));
+        undev(r, pr.emits, sizeof(kvt__recall_rope_emit_plan_item) * (RN + 2));
+        undev(r, pr.n, sizeof(uint32_t));
+        undev(r, pr.q, sizeof(float) * (RN + 2) * RQ * RDIM);
+    }
 }
 
-Test(cuda, recall_rope_step_and_emit_equal_the_cpu, .timeout = 240) {
+static void rope_pairs(bool planned) {
     rig r;
     rig_open(&r);
     uint32_t overflows = 0;
@@ -1656,13 +1732,24 @@ Test(cuda, recall_rope_step_and_emit_equal_the_cpu, .timeout = 240) {
     for (int m = 0; m < 3; m++)
         for (int capped = 0; capped < 2; capped++)
             for (uint32_t cap = 3; cap <= 64; cap += 61)
-                rope_pair(&r, modes[m], capped != 0, cap, &overflows, &fired);
+                rope_pair(&r, modes[m], capped != 0, cap, planned, &overflows, &fired);
     cr_assert_gt(overflows, 10u, "the small cap overflows");
     cr_assert_gt(fired, 100u, "rows fire");
-    cr_log_info("RoPE recall on %s: %u overflowing steps, %llu fired (row, KV head) pairs",
+    cr_log_info("RoPE recall%s on %s: %u overflowing steps, %llu fired (row, KV head) pairs",
+                planned ? " (planned ops)" : "",
                 r.guarded ? "the guarded backend (self-check)" : "CUDA", overflows,
                 (unsigned long long)fired);
     rig_close(&r);
+}
+
+Test(cuda, recall_rope_step_and_emit_equal_the_cpu, .timeout = 240) {
+    rope_pairs(false);
+}
+
+/* The planned ops (a CUDA graph's RoPE trigger and emission): items from a plan buffer with
+ * more slots than items, the launch and workspace sized by the bound. */
+Test(cuda, recall_rope_planned_equals_the_cpu, .timeout = 240) {
+    rope_pairs(true);
 }
 
 /* attend: the reference attention over index sets (a long set over three of the CUDA chunks, an

@@ -24,9 +24,7 @@
 #include "lib/handles.h"
 #include "support/testutil.h"
 
-#if KVT_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "support/tu_cuda.h"
 
 enum { NQ = 3, NL = 2, TOPK = 512, STEPS = 170, SEED = 0x9a4f };
 enum { QH = 4, QD = 576, RB = 16 }; /* the salience layer's query heads, query floats, basis */
@@ -397,13 +395,7 @@ Test(graph, replays_equal_eager_steps_cpu, .timeout = 240) {
 /* On a device: a real CUDA graph over a non-blocking stream (skips without one). */
 Test(graph, replays_equal_eager_steps_cuda, .timeout = 240) {
 #if KVT_HAVE_CUDA
-    cudaStream_t s = NULL;
-    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
-        (void)cudaGetLastError();
-        if (getenv("KVT_REQUIRE_GPU"))
-            cr_assert_fail("KVT_REQUIRE_GPU set but no CUDA stream could be made");
-        cr_skip_test("no CUDA device: no stream to capture");
-    }
+    cudaStream_t s = tu_cuda_stream();
     graph_equals_eager(KVT_BACKEND_CUDA, s);
     graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &CONFORMAL);
     graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &MARGIN_PROMOTE);

@@ -27,6 +27,8 @@
 #include "recall/recall_rope.h"
 #include "support/testutil.h"
 
+#include "support/tu_cuda.h"
+
 enum { RR_MAXH = 4 };
 
 /* Context overrides for the next rr_init (0: the defaults). g_mla: an MLA-RoPE layer instead (one
@@ -2705,10 +2707,20 @@ static void gt_begin(gt_twin *t, const uint8_t *rows, const float *q) {
     cr_assert_eq(kvt_batch_plan(t->b), KVT_OK, "%s", kvt_last_error());
 }
 
-static void gt_run(gt_twin *t) {
+static void gt_run(gt_twin *t, void *stream) {
     const kvt_emit em = gt_emit(t);
-    cr_assert_eq(kvt_batch_run(t->b, 0, kvt_buffer_ptr(t->qbuf), NULL, &em), KVT_OK, "%s",
+    cr_assert_eq(kvt_batch_run(t->b, 0, kvt_buffer_ptr(t->qbuf), stream, &em), KVT_OK, "%s",
                  kvt_last_error());
+}
+
+/* The stream's work done (a CUDA stream: the buffers are read on another). */
+static void gt_sync(void *stream) {
+#if KVT_HAVE_CUDA
+    if (stream)
+        cr_assert_eq(cudaStreamSynchronize((cudaStream_t)stream), cudaSuccess);
+#else
+    (void)stream;
+#endif
 }
 
 static void gt_commit(gt_twin *t) {
@@ -2718,7 +2730,7 @@ static void gt_commit(gt_twin *t) {
     cr_assert_eq(kvt_seq_check(t->other), KVT_OK, "%s", kvt_last_error());
 }
 
-static void rope_graph_run(kvt_backend_kind backend, uint64_t seed) {
+static void rope_graph_run(kvt_backend_kind backend, uint64_t seed, void *stream) {
     gt_twin a, g;
     gt_open(&a, backend, seed);
     gt_open(&g, backend, seed);
@@ -2741,23 +2753,25 @@ static void rope_graph_run(kvt_backend_kind backend, uint64_t seed) {
             }
         gt_begin(&a, rows, q);
         gt_begin(&g, rows, q);
-        gt_run(&a);
+        gt_run(&a, stream);
         const kvt_emit em = gt_emit(&g);
         bool planned = false;
-        cr_assert_eq(kvt_batch_plan_device(g.b, &em, 1, NULL, &planned), KVT_OK, "%s",
+        cr_assert_eq(kvt_batch_plan_device(g.b, &em, 1, stream, &planned), KVT_OK, "%s",
                      kvt_last_error());
         if (planned && !graph) { /* the recording: nothing runs until it is launched */
-            cr_assert_eq(be->ops->capture_begin(be, NULL), KVT_OK);
-            gt_run(&g);
-            cr_assert_eq(be->ops->capture_end(be, NULL, &graph), KVT_OK);
+            cr_assert_eq(be->ops->capture_begin(be, stream), KVT_OK);
+            gt_run(&g, stream);
+            cr_assert_eq(be->ops->capture_end(be, stream, &graph), KVT_OK);
         }
         if (planned) {
-            cr_assert_eq(be->ops->graph_launch(be, graph, NULL), KVT_OK, "%s", kvt_last_error());
+            cr_assert_eq(be->ops->graph_launch(be, graph, stream), KVT_OK, "%s",
+                         kvt_last_error());
             replays++;
         } else {
-            gt_run(&g);
+            gt_run(&g, stream);
             eager++;
         }
+        gt_sync(stream);
         int32_t la[2], lg[2];
         uint8_t da[2], dg[2];
         cr_assert_eq(kvt_buffer_read(a.lbuf, 0, la, sizeof la), KVT_OK);
@@ -2798,9 +2812,22 @@ static void rope_graph_run(kvt_backend_kind backend, uint64_t seed) {
 }
 
 Test(rope_graph, replays_equal_the_eager_twin_cpu, .timeout = 240) {
-    rope_graph_run(KVT_BACKEND_CPU, 6060);
+    rope_graph_run(KVT_BACKEND_CPU, 6060, NULL);
 }
 
 Test(rope_graph, replays_equal_the_eager_twin_guarded, .timeout = 240) {
-    rope_graph_run(KVT_BACKEND_GUARDED, 6161);
+    rope_graph_run(KVT_BACKEND_GUARDED, 6161, NULL);
+}
+
+/* On a device: a real CUDA graph over a non-blocking stream (skips without one). */
+Test(rope_graph, replays_equal_the_eager_twin_cuda, .timeout = 240) {
+#if KVT_HAVE_CUDA
+    cudaStream_t s = tu_cuda_stream();
+    rope_graph_run(KVT_BACKEND_CUDA, 6262, s);
+    cudaStreamDestroy(s);
+#else
+    if (getenv("KVT_REQUIRE_GPU"))
+        cr_assert_fail("KVT_REQUIRE_GPU set but the build has no CUDA");
+    cr_skip_test("built without CUDA");
+#endif
 }

@@ -867,33 +867,41 @@ StepParams step_params(const kvt__recall_step_args *host, uint32_t n) {
  * that breaks the argument rules or the plan's bound (k_step_finish makes its step dense). */
 enum { kItemNone = 0, kItemOk = 1, kItemBad = 2 };
 
-struct EagerItems {
-    StepParams p;
+template <class T, uint32_t N>
+struct EagerOf {
+    Params<T, N> p;
     __device__ uint32_t count() const {
         return p.n;
     }
-    __device__ int get(uint32_t i, kvt__recall_step_args &x, kvt__div32 &d) const {
+    __device__ int get(uint32_t i, T &x, kvt__div32 &d) const {
         x = p.a[i];
         d = p.div[i];
         return kItemOk;
     }
 };
 
-struct PlanItems {
-    kvt__recall_plan_args a;
+/* A plan's items (PA: its op's arguments, with n, n_max; Item: the KVT_HD check that builds
+ * item i as the eager op takes it). */
+template <class PA, class T, int (*Item)(const PA *, uint32_t, T *, kvt__div32 *)>
+struct PlanOf {
+    PA a;
     /* the items the kernel walks: the plan's count, or every slot when it is out of range
      * (get() then says none, and the finish leaves the bad ones alone) */
     __device__ uint32_t count() const {
         const uint32_t k = *a.n;
         return k < a.n_max ? k : a.n_max;
     }
-    __device__ int get(uint32_t i, kvt__recall_step_args &x, kvt__div32 &d) const {
+    __device__ int get(uint32_t i, T &x, kvt__div32 &d) const {
         const uint32_t k = *a.n;
         if (i >= k || k > a.n_max)
             return kItemNone;
-        return kvt__recall_plan_item_args(&a, i, &x, &d) ? kItemOk : kItemBad;
+        return Item(&a, i, &x, &d) ? kItemOk : kItemBad;
     }
 };
+
+typedef EagerOf<kvt__recall_step_args, kMaxStep> EagerItems;
+typedef PlanOf<kvt__recall_plan_args, kvt__recall_step_args, kvt__recall_plan_item_args>
+    PlanItems;
 
 #define STEP_ARGS(src, i)                                                                          \
     kvt__recall_step_args x;                                                                       \
@@ -1783,12 +1791,29 @@ constexpr uint32_t kMaxRope = 32;
 typedef Params<kvt__recall_rope_args, kMaxRope> RopeParams;
 static_assert(sizeof(RopeParams) <= 32000, "kernel parameters above CUDA's 32 KB");
 
-/* Request r of a launch as `a` (its divider local), or return when r, or this block's KV head
- * (grid y) or query head (grid x) when `heads`, is past it. */
-#define ROPE_ARGS(p, r)                                                                            \
-    if ((r) >= (p).n)                                                                              \
+/* Where a RoPE launch's requests come from (the kernels are templates over it, as the NoPE
+ * step's: EagerItems / PlanItems): the eager op's arguments by value, or a batch's plan buffer
+ * as it is when the kernel runs (recall_rope_step_planned). get(): kItemOk with the request in
+ * x (its divider in d), kItemNone past them, kItemBad for a planned item that breaks the rules
+ * or the plan's bound. */
+typedef EagerOf<kvt__recall_rope_args, kMaxRope> RopeEager;
+typedef PlanOf<kvt__recall_rope_plan_args, kvt__recall_rope_args, kvt__recall_rope_plan_item_args>
+    RopePlan;
+
+/* Request r as `a` (its divider local), or return when it is none or bad. */
+#define ROPE_ITEM(src, r)                                                                          \
+    kvt__recall_rope_args a;                                                                       \
+    kvt__div32 a_div;                                                                              \
+    if ((src).get(r, a, a_div) != kItemOk)                                                         \
         return;                                                                                    \
-    JOB_ARGS(kvt__recall_rope_args, p, r)
+    a.pdiv = &a_div
+
+/* A launch whose grid's z walks the requests (each request's function by its blocks). */
+#define ROPE_KERNEL_Z(name, item_fn)                                                               \
+    template <class Items> __global__ void name(const Items p, const ScanWs w, uint32_t KV) {      \
+        for (uint32_t r = blockIdx.z; r < p.count(); r += gridDim.z)                               \
+            item_fn(p, w, KV, r);                                                                  \
+    }
 
 /* KV head h's scan view with the step's z (the state's in conformal mode). */
 __device__ kvt__recall_scan_args rope_view(const kvt__recall_rope_args &a, uint32_t h,
@@ -1826,12 +1851,14 @@ __device__ RopeExtra rope_extra(const ScanWs &w, uint32_t item0, uint32_t nq,
     return x;
 }
 
-__global__ void k_rope_heads(const RopeParams p, const ScanWs w, uint32_t KV) {
-    ROPE_ARGS(p, blockIdx.z);
+template <class Items>
+__device__ void rope_heads_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
+    ROPE_ITEM(p, r);
     const uint32_t h = blockIdx.y;
     if (h < a.n_kv && blockIdx.x < a.group && a.ar_n)
-        scan_head(rope_view(a, h, 0.0f), scan_item(w, blockIdx.z * KV + h), blockIdx.x);
+        scan_head(rope_view(a, h, 0.0f), scan_item(w, r * KV + h), blockIdx.x);
 }
+ROPE_KERNEL_Z(k_rope_heads, rope_heads_item)
 
 __device__ const uint8_t *rope_table_key(const kvt__recall_rope_args &a, uint32_t h,
                                          uint64_t row) {
@@ -1840,10 +1867,11 @@ __device__ const uint8_t *rope_table_key(const kvt__recall_rope_args &a, uint32_
            (size_t)h * a.row_bytes;
 }
 
-__global__ void k_rope_best(const RopeParams p, const ScanWs w, uint32_t KV) {
-    ROPE_ARGS(p, blockIdx.z);
+template <class Items>
+__device__ void rope_best_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
+    ROPE_ITEM(p, r);
     const uint32_t h = blockIdx.y, g = blockIdx.x, G = a.group, t = h * G + g;
-    const uint32_t item0 = blockIdx.z * KV;
+    const uint32_t item0 = r * KV;
     if (h >= a.n_kv || g >= G)
         return;
     const uint32_t D = a.D, bd = a.branch_dim;
@@ -1888,26 +1916,30 @@ __global__ void k_rope_best(const RopeParams p, const ScanWs w, uint32_t KV) {
     }
     ex.e[t] = e;
 }
+ROPE_KERNEL_Z(k_rope_best, rope_best_item)
 
 /* Launch 3: each KV head's fire flags (grid y), scanning steps only. */
-__global__ void k_rope_rows(const RopeParams p, const ScanWs w, uint32_t KV) {
-    ROPE_ARGS(p, blockIdx.z);
+template <class Items>
+__device__ void rope_rows_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
+    ROPE_ITEM(p, r);
     if (blockIdx.y >= a.n_kv || !a.ar_n || rope_calibrating(a, a.st->phase))
         return;
-    scan_rows(rope_view(a, blockIdx.y, a.st->z), scan_item(w, blockIdx.z * KV + blockIdx.y));
+    scan_rows(rope_view(a, blockIdx.y, a.st->z), scan_item(w, r * KV + blockIdx.y));
 }
+ROPE_KERNEL_Z(k_rope_rows, rope_rows_item)
 
 /* Launch 3b (capped): each archived row's overflow priority per KV head (grid y), the CPU
  * twin's capped_choice keys: the scan's fire test and max_g (idx_g − best_g). */
-__global__ void k_rope_keys(const RopeParams p, const ScanWs w, uint32_t KV) {
-    ROPE_ARGS(p, blockIdx.z);
+template <class Items>
+__device__ void rope_keys_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
+    ROPE_ITEM(p, r);
     const uint32_t h = blockIdx.y;
     if (h >= a.n_kv || !a.capped || !a.ar_n || rope_calibrating(a, a.st->phase))
         return;
     const kvt__recall_scan_args v = rope_view(a, h, a.st->z);
-    const ScanItem it = scan_item(w, blockIdx.z * KV + h);
+    const ScanItem it = scan_item(w, r * KV + h);
     uint32_t *keys =
-        rope_extra(w, blockIdx.z * KV, a.n_kv * a.group, a.sample_cap).keys + (size_t)h * a.ar_n;
+        rope_extra(w, r * KV, a.n_kv * a.group, a.sample_cap).keys + (size_t)h * a.ar_n;
     const size_t qw = (size_t)v.latent_dim + v.branch_dim;
     for (uint64_t k = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; k < a.ar_n;
          k += (uint64_t)gridDim.x * blockDim.x) {
@@ -1930,10 +1962,24 @@ __global__ void k_rope_keys(const RopeParams p, const ScanWs w, uint32_t KV) {
     }
 }
 
-/* Launch 4: one block per request. */
-__global__ void k_rope_finish(const RopeParams p, const ScanWs w, uint32_t KV) {
-    ROPE_ARGS(p, blockIdx.x);
-    const uint32_t item0 = blockIdx.x * KV;
+ROPE_KERNEL_Z(k_rope_keys, rope_keys_item)
+
+/* Launch 4: one block per request (a row of blocks walks several). */
+template <class Items>
+__device__ void rope_finish_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
+    kvt__recall_rope_args a;
+    kvt__div32 a_div;
+    const int got = p.get(r, a, a_div);
+    if (got == kItemBad && threadIdx.x == 0 && a.st) {
+        /* a planned item the device cannot run: its step attends every row (never a wrong set) */
+        a.st->last_dense = 1;
+        if (a.dense)
+            *a.dense = 1;
+    }
+    if (got != kItemOk)
+        return;
+    a.pdiv = &a_div;
+    const uint32_t item0 = r * KV;
     kvt__recall_state *st = a.st;
     const uint32_t H = a.n_kv, G = a.group, nq = H * G;
     __shared__ uint32_t s_phase, s_n;
@@ -2021,6 +2067,14 @@ __global__ void k_rope_finish(const RopeParams p, const ScanWs w, uint32_t KV) {
                              dense ? archived : s_fetched);
 }
 
+template <class Items>
+__global__ void k_rope_finish(const Items p, const ScanWs w, uint32_t KV) {
+    for (uint32_t r = blockIdx.x; r < p.count(); r += gridDim.x) {
+        __syncthreads(); /* the last request's shared values read by every thread */
+        rope_finish_item(p, w, KV, r);
+    }
+}
+
 /* The workspace of k RoPE steps a[0 .. k): KV items a request (its KV heads' scans, the most
  * KV heads among them), sized for the largest view and the largest step extra (each query
  * head's values, the samples, a capped archive's keys); the most query heads a KV head (Gmax)
@@ -2051,6 +2105,23 @@ ScanWs rope_ws_of(const kvt__recall_rope_args *a, uint32_t k, uint32_t *KV, uint
     return scan_ws_make(qsk, res, G, *rows, extra);
 }
 
+/* The launches over `items`: grid (query heads, KV heads, k rows of requests; each row walks
+ * the requests in strides of k), rows_x blocks a (request, KV head) for the per-row launches. */
+template <class Items>
+void rope_launch(const Items &items, const ScanWs &w, uint32_t KV, uint32_t G, uint32_t k,
+                 uint32_t rows_x, bool capped, void *stream) {
+    const dim3 grid(G ? G : 1, KV, k);
+    k_rope_heads<<<grid, kThreads, 0, strm(stream)>>>(items, w, KV);
+    k_rope_best<<<grid, kThreads, 0, strm(stream)>>>(items, w, KV);
+    if (rows_x) {
+        const dim3 rg(rows_x, KV, k);
+        k_rope_rows<<<rg, kThreads, 0, strm(stream)>>>(items, w, KV);
+        if (capped) /* the capped requests' overflow keys */
+            k_rope_keys<<<rg, kThreads, 0, strm(stream)>>>(items, w, KV);
+    }
+    k_rope_finish<<<k, kThreads, 0, strm(stream)>>>(items, w, KV);
+}
+
 kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
                                uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; i++)
@@ -2064,20 +2135,57 @@ kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_ar
         ScanWs w = rope_ws_of(args + i0, k, &KV, &G, &rows);
         if ((s = ws_get(be, w.each * KV * k, &w.base)) != KVT_OK)
             break;
-        const RopeParams p = params_div<kvt__recall_rope_args, kMaxRope>(args + i0, k);
-        const dim3 grid(G ? G : 1, KV, k);
-        k_rope_heads<<<grid, kThreads, 0, strm(stream)>>>(p, w, KV);
-        k_rope_best<<<grid, kThreads, 0, strm(stream)>>>(p, w, KV);
+        const RopeEager items = {params_div<kvt__recall_rope_args, kMaxRope>(args + i0, k)};
         bool capped = false;
         for (uint32_t i = 0; i < k; i++)
             capped |= args[i0 + i].capped;
-        if (rows) {
-            const dim3 rg(rows_grid(rows, KV).x, KV, k);
-            k_rope_rows<<<rg, kThreads, 0, strm(stream)>>>(p, w, KV);
-            if (capped) /* the capped requests' overflow keys */
-                k_rope_keys<<<rg, kThreads, 0, strm(stream)>>>(p, w, KV);
-        }
-        k_rope_finish<<<k, kThreads, 0, strm(stream)>>>(p, w, KV);
+        rope_launch(items, w, KV, G, k, rows ? rows_grid(rows, KV).x : 0u, capped, stream);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+/* The planned trigger (kvt__recall_rope_plan_args): the layout of n_max requests of the bound's
+ * shape and the grids, fixed for the batch's life, so a captured launch replays over any later
+ * step: at most kPlanItems rows of blocks walk the step's requests, the per-row launches in
+ * strides of at most kPlanRowBlocks blocks a (request, KV head). Its workspace is the planned
+ * ops' own (plan_ws, shared with the NoPE planned step: stream order keeps them apart). */
+size_t rope_plan_ws_bytes(const kvt__recall_rope_plan_args *a, ScanWs *w, uint32_t *KV,
+                          uint32_t *G, size_t *rows) {
+    *w = rope_ws_of(&a->bound, 1, KV, G, rows);
+    return w->each * *KV * a->n_max;
+}
+
+kvt_status cu_recall_rope_plan_reserve(const kvt__backend *be, const kvt__recall_rope_plan_args *a) {
+    ScanWs w;
+    uint32_t KV, G;
+    size_t rows;
+    const size_t bytes = rope_plan_ws_bytes(a, &w, &KV, &G, &rows);
+    uint8_t *base;
+    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
+    return s == KVT_OK && bytes ? plan_ws_get(be, NULL, bytes, &base) : s;
+}
+
+kvt_status cu_recall_rope_step_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                       void *stream) {
+    if (a->n_max == 0)
+        return KVT_OK;
+    if (a->n_max > 65535u || !a->items || !a->n || a->bound.group > 4096u ||
+        a->bound.n_kv == 0 || a->bound.n_kv > KVT__RECALL_ROPE_MAX_KV)
+        return KVT_ERR_INVALID_ARGUMENT;
+    ScanWs w;
+    uint32_t KV, G;
+    size_t rows;
+    const size_t bytes = rope_plan_ws_bytes(a, &w, &KV, &G, &rows);
+    kvt_status s = op_begin(be, stream, true);
+    if (s == KVT_OK)
+        s = plan_ws_get(be, stream, bytes, &w.base);
+    if (s == KVT_OK) {
+        const RopePlan items = {*a};
+        const uint32_t k = a->n_max < kPlanItems ? a->n_max : kPlanItems;
+        const uint32_t rx = rows ? rows_grid(rows, KV).x : 0u;
+        rope_launch(items, w, KV, G, k, rx < kPlanRowBlocks ? rx : kPlanRowBlocks,
+                    a->bound.capped, stream);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -2163,6 +2271,37 @@ kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_em
         for (uint32_t i = 0; i < k; i++)
             serial |= args[i0 + i].chain;
         k_rope_emit<<<serial ? 1u : k, kThreads, 0, strm(stream)>>>(p, serial);
+        s = st(cudaGetLastError());
+    }
+    return op_end(be, stream, s);
+}
+
+/* The planned emission: the plan's items as they are when the kernel runs, one block a request
+ * (a row of blocks walks them; a planned step's lists are at fixed places, never chained); an
+ * item that breaks the rules is skipped (the library never writes one). */
+__global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
+    const uint32_t k = *a.n;
+    if (k > a.n_max)
+        return;
+    for (uint32_t i = blockIdx.x; i < k; i += gridDim.x) {
+        kvt__recall_rope_emit_args x;
+        kvt__div32 d;
+        if (kvt__recall_rope_emit_plan_item_args(&a, i, &x, &d))
+            rope_emit_one(x);
+        __syncthreads();
+    }
+}
+
+kvt_status cu_recall_rope_emit_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                       void *stream) {
+    if (a->n_max == 0)
+        return KVT_OK;
+    if (a->n_max > 65535u || !a->emits || !a->n)
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream, true);
+    if (s == KVT_OK) {
+        const uint32_t k = a->n_max < kMaxRopeEmit ? a->n_max : kMaxRopeEmit;
+        k_rope_emit_planned<<<k, kThreads, 0, strm(stream)>>>(*a);
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
@@ -3087,6 +3226,9 @@ kvt__backend_ops make_ops() {
     o.recall_promote = true; /* k_promo_before, k_step_best, k_step_finish */
     o.recall_rope_step = cu_recall_rope_step;
     o.recall_rope_emit = cu_recall_rope_emit;
+    o.recall_rope_step_planned = cu_recall_rope_step_planned;
+    o.recall_rope_emit_planned = cu_recall_rope_emit_planned;
+    o.recall_rope_plan_reserve = cu_recall_rope_plan_reserve;
     o.pack = cu_pack;
     o.select = cu_select;
     o.ev_select = cu_ev_select;
