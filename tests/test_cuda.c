@@ -1420,7 +1420,13 @@ typedef struct rope_case {
     uint8_t dense;
     void *d_plane[2], *d_ar, *d_pages, *d_fpages, *d_ident, *d_csk, *d_rho, *d_basis, *d_st,
         *d_samples, *d_best, *d_fired, *d_nf, *d_ov, *d_dense, *d_q;
+    /* the pruned scan's group planes (RGB-row archive blocks, every KV head's: slot b·RK + h),
+     * host and device */
+    void *gp[5], *d_gp[5];
+    size_t gp_bytes[5];
 } rope_case;
+
+enum { RGB = 64, RGCAP = 5 }; /* archive blocks of 64 rows, room for 5 a head */
 
 static void rope_case_make(rig *r, rope_case *c, tu_rng *g, uint32_t cap, uint32_t ar_n) {
     memset(c, 0, sizeof *c);
@@ -1495,6 +1501,14 @@ static void rope_case_make(rig *r, rope_case *c, tu_rng *g, uint32_t cap, uint32
     c->d_ov = dev(r, c->overflow, sizeof c->overflow);
     c->d_dense = dev(r, &c->dense, 1);
     c->d_q = dev(r, NULL, sizeof(float) * RQ * RDIM);
+    const size_t slots = (size_t)RK * RGCAP, G = RGB / 32;
+    const size_t gb[5] = {4 * slots * RGB, 4 * slots, 4 * slots * G, 4 * slots * G * c->stride,
+                          4 * slots * G * 5};
+    for (int k = 0; k < 5; k++) {
+        c->gp_bytes[k] = gb[k];
+        c->gp[k] = calloc(1, gb[k]);
+        c->d_gp[k] = dev(r, c->gp[k], gb[k]);
+    }
 }
 
 static void rope_case_free(rig *r, rope_case *c) {
@@ -1515,6 +1529,10 @@ static void rope_case_free(rig *r, rope_case *c) {
     undev(r, c->d_ov, sizeof c->overflow);
     undev(r, c->d_dense, 1);
     undev(r, c->d_q, sizeof(float) * RQ * RDIM);
+    for (int k = 0; k < 5; k++) {
+        undev(r, c->d_gp[k], c->gp_bytes[k]);
+        free(c->gp[k]);
+    }
     free(c->plane[0]);
     free(c->plane[1]);
     free(c->ar);
@@ -1539,7 +1557,11 @@ static kvt__recall_rope_args rope_args(rope_case *c, bool gpu, const float *q, i
         .margin = 0.5f, .cap = c->cap, .st = gpu ? c->d_st : &c->st,
         .samples = gpu ? c->d_samples : c->samples, .sample_cap = RSC,
         .fired = gpu ? c->d_fired : c->fired, .n_fired = gpu ? c->d_nf : c->n_fired,
-        .overflow = gpu ? c->d_ov : c->overflow, .dense = gpu ? c->d_dense : &c->dense};
+        .overflow = gpu ? c->d_ov : c->overflow, .dense = gpu ? c->d_dense : &c->dense,
+        .g_B = RGB, .g_dim = c->stride, .g_blocks_cap = RGCAP,
+        .g_perm = gpu ? c->d_gp[0] : c->gp[0], .g_n = gpu ? c->d_gp[1] : c->gp[1],
+        .g_end = gpu ? c->d_gp[2] : c->gp[2], .g_centre = gpu ? c->d_gp[3] : c->gp[3],
+        .g_stat = gpu ? c->d_gp[4] : c->gp[4]};
     for (uint32_t h = 0; h < RK; h++)
         a.rank[h] = c->rank[h];
     return a;
@@ -1608,10 +1630,44 @@ static void rope_planned(rig *r, rope_plan_rig *pr, const rope_case *cs,
                  KVT_OK);
 }
 
+/* Make case c's attended rows outscore its archive for queries along u_h: per KV head a unit
+ * direction orthogonal to the head's basis (its archived keys lie near that span), table rows
+ * 0..3 set to 4·u_h (the other table rows stay tiny), both copies of the table. The pruned scan
+ * then skips the archive's groups (its clusters score near 0, far below 8). */
+static void rope_case_aim(rig *r, rope_case *c, tu_rng *g, float u[RK][RDIM]) {
+    for (uint32_t h = 0; h < RK; h++) {
+        double n2 = 0.0;
+        for (uint32_t d = 0; d < RDIM; d++)
+            u[h][d] = (float)tu_normal(g);
+        const float *V = c->basis + (size_t)h * c->stride * RDIM;
+        for (uint32_t k = 0; k < c->rank[h]; k++) {
+            double dot = 0.0;
+            for (uint32_t d = 0; d < RDIM; d++)
+                dot += (double)u[h][d] * V[(size_t)k * RDIM + d];
+            for (uint32_t d = 0; d < RDIM; d++)
+                u[h][d] -= (float)(dot * V[(size_t)k * RDIM + d]);
+        }
+        for (uint32_t d = 0; d < RDIM; d++)
+            n2 += (double)u[h][d] * u[h][d];
+        for (uint32_t d = 0; d < RDIM; d++)
+            u[h][d] = (float)(u[h][d] / sqrt(n2));
+        for (uint32_t row = 0; row < 4; row++) {
+            uint8_t *key = c->plane[0] + (size_t)kvt__page_slot(c->pages, 0, &c->pdiv, row) *
+                                             c->slot + (size_t)h * c->rb;
+            for (uint32_t d = 0; d < RDIM; d++)
+                kvt__store_elem(key, KVT__DT_BF16, d, 4.0f * u[h][d]);
+        }
+    }
+    cr_assert_eq(r->gpu.ops->write(&r->gpu, c->d_plane[0], c->plane[0],
+                                   (size_t)(RTP + RFP) * RPR * c->slot, NULL),
+                 KVT_OK);
+}
+
 /* planned: the device side's trigger through the planned op, and its emission too on the steps
- * whose lists are at fixed places. */
+ * whose lists are at fixed places. The second request's queries point along rope_case_aim's
+ * directions (its groups are skipped); the first's at its archived keys. */
 static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
-                      uint32_t *overflows, uint64_t *fired) {
+                      uint32_t *overflows, uint64_t *fired, uint32_t *grouped, uint32_t *pruned) {
     tu_rng g = {(uint64_t)mode * 131 + capped * 7 + cap};
     rope_plan_rig pr = {0};
     if (planned) {
@@ -1623,6 +1679,8 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
     rope_case cs[RN];
     for (int i = 0; i < RN; i++)
         rope_case_make(r, &cs[i], &g, cap, i ? 200 : 300);
+    float u[RK][RDIM];
+    rope_case_aim(r, &cs[1], &g, u);
     float q[RN][RQ * RDIM];
     const uint64_t per = (uint64_t)RK * (cs[0].n_rows + cs[0].ar_n);
     const uint64_t cap_idx = 7 + RN * per;
@@ -1638,8 +1696,10 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
                 const uint8_t *key = c->ar + ((size_t)h * c->ar_cap + k) * c->ar_row;
                 for (uint32_t d = 0; d < RDIM; d++) {
                     float kd = kvt__load_elem(key, KVT__DT_BF16, d);
-                    q[i][t * RDIM + d] = (float)(0.3 * tu_normal(&g)) +
-                                         (t % 2 && isfinite(kd) ? 0.5f * kd : 0.0f);
+                    q[i][t * RDIM + d] =
+                        i ? 2.0f * u[h][d] + (float)(0.05 * tu_normal(&g))
+                          : (float)(0.3 * tu_normal(&g)) +
+                                (t % 2 && isfinite(kd) ? 0.5f * kd : 0.0f);
                 }
             }
             cr_assert_eq(r->gpu.ops->write(&r->gpu, c->d_q, q[i], sizeof q[i], NULL), KVT_OK);
@@ -1662,6 +1722,17 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
             same(r, c->d_nf, c->n_fired, sizeof c->n_fired, "n_fired");
             same(r, c->d_ov, c->overflow, sizeof c->overflow, "overflow");
             same(r, c->d_dense, &c->dense, 1, "dense");
+            { /* the group planes of the blocks built (every head's), byte for byte */
+                const size_t nb = c->st.n_grouped, sl = nb * RK, G = RGB / 32;
+                const size_t used[5] = {4 * sl * RGB, 4 * sl, 4 * sl * G, 4 * sl * G * c->stride,
+                                        4 * sl * G * 5};
+                static const char *what[5] = {"group members", "group counts", "group ends",
+                                              "group centres", "group statistics"};
+                for (int k = 0; k < 5; k++)
+                    same(r, c->d_gp[k], c->gp[k], used[k], what[k]);
+                *grouped += nb > 0;
+                *pruned += !c->st.last_dense && c->st.last_visited < c->st.last_archived;
+            }
             for (uint32_t h = 0; h < RK; h++)
                 if (c->n_fired[h])
                     same(r, (uint32_t *)c->d_fired + (size_t)h * cap, c->fired + (size_t)h * cap,
@@ -1726,19 +1797,23 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
 static void rope_pairs(bool planned) {
     rig r;
     rig_open(&r);
-    uint32_t overflows = 0;
+    uint32_t overflows = 0, grouped = 0, pruned = 0;
     uint64_t fired = 0;
     const int modes[3] = {KVT__RECALL_CONFORMAL, KVT__RECALL_SOUND, KVT__RECALL_MARGIN};
     for (int m = 0; m < 3; m++)
         for (int capped = 0; capped < 2; capped++)
             for (uint32_t cap = 3; cap <= 64; cap += 61)
-                rope_pair(&r, modes[m], capped != 0, cap, planned, &overflows, &fired);
+                rope_pair(&r, modes[m], capped != 0, cap, planned, &overflows, &fired, &grouped,
+                          &pruned);
     cr_assert_gt(overflows, 10u, "the small cap overflows");
     cr_assert_gt(fired, 100u, "rows fire");
-    cr_log_info("RoPE recall%s on %s: %u overflowing steps, %llu fired (row, KV head) pairs",
+    cr_assert_gt(grouped, 0u, "groups were built");
+    cr_assert_gt(pruned, 0u, "pruned scans skipped groups");
+    cr_log_info("RoPE recall%s on %s: %u overflowing steps, %llu fired (row, KV head) pairs, "
+                "%u checks with groups built, %u pruned scans that skipped rows",
                 planned ? " (planned ops)" : "",
                 r.guarded ? "the guarded backend (self-check)" : "CUDA", overflows,
-                (unsigned long long)fired);
+                (unsigned long long)fired, grouped, pruned);
     rig_close(&r);
 }
 

@@ -1203,6 +1203,27 @@ __device__ uint64_t groups_after(const kvt__recall_step_args &x) {
     return n < lim ? n : lim;
 }
 
+/* The item's group planes as the pruned scan reads them (kvt__recall_groups: block b at slot b),
+ * its grouped blocks after this step's build. */
+__device__ kvt__recall_groups step_groups(const kvt__recall_step_args &x) {
+    kvt__recall_groups g;
+    g.block_rows = x.block_rows;
+    g.n_blocks = groups_after(x);
+    g.dim = x.g_dim;
+    g.stride = 1;
+    g.perm = x.g_perm;
+    g.n_groups = x.g_n;
+    g.end = x.g_end;
+    g.centre = x.g_centre;
+    g.stat = x.g_stat;
+    return g;
+}
+
+/* Block b's slot in a kvt__recall_groups (stride 0 reads as 1). */
+__device__ uint64_t groups_slot(const kvt__recall_groups &g, uint64_t b) {
+    return b * (g.stride ? g.stride : 1u);
+}
+
 /* One closed block's rows as the build reads them: row u's embedding element j
  * (kvt__recall_embed of the row through its page, its sketch), its ρ. */
 struct BlockRows {
@@ -1267,19 +1288,23 @@ __device__ void block_sort_u64(uint64_t *key, uint32_t P) {
         }
 }
 
-/* The twin's kvt__recall_group_block_cpu for closed block blk of the item, by the whole block
- * of threads: the same segments split at the same cuts (means summed in perm order by a thread
- * per element, the farthest rows by a reduction that keeps the twin's tie rule, the sort of
- * distinct keys, the cut by one thread), the members sorted, the centres and statistics. */
-__device__ void group_build_block(const kvt__recall_step_args &x, uint64_t blk, uint8_t *scr) {
-    const kvt__recall_scan_args &a = x.scan;
-    const uint32_t B = x.block_rows, dim = x.g_dim, G = kvt__recall_group_slots(B);
+/* The twin's kvt__recall_group_block_cpu (as kvt__recall_group_build_cpu calls it) for closed
+ * block blk of the rows of scan view a into the planes of gp (written through its const
+ * pointers: the build's own planes), by the whole block of threads: the same segments split at
+ * the same cuts (means summed in perm order by a thread per element, the farthest rows by a
+ * reduction that keeps the twin's tie rule, the sort of distinct keys, the cut by one thread),
+ * the members sorted, the centres and statistics. */
+__device__ void group_build_block(const kvt__recall_scan_args &a, const kvt__recall_groups &gp,
+                                  uint64_t blk, uint8_t *scr) {
+    const uint32_t B = gp.block_rows, dim = gp.dim, G = kvt__recall_group_slots(B);
     const uint32_t n = a.branch_dim + a.rank;
+    const uint64_t k = groups_slot(gp, blk);
     uint64_t *key = (uint64_t *)scr;
     float *tv = (float *)(scr + align256(sizeof(uint64_t) * B)), *ts = tv + B;
     float *c = (float *)((uint8_t *)tv + align256(2 * sizeof(float) * B)), *v = c + dim;
-    uint32_t *perm = x.g_perm + blk * B, *end = x.g_end + blk * G;
-    float *centre = x.g_centre + blk * G * dim, *stat = x.g_stat + blk * G * KVT__RG_STATS;
+    uint32_t *perm = (uint32_t *)gp.perm + k * B, *end = (uint32_t *)gp.end + k * G;
+    float *centre = (float *)gp.centre + k * G * dim;
+    float *stat = (float *)gp.stat + k * G * KVT__RG_STATS;
     BlockRows br;
     br.a = &a;
     br.r0 = blk * B;
@@ -1367,7 +1392,7 @@ __device__ void group_build_block(const kvt__recall_step_args &x, uint64_t blk, 
             }
     }
     if (threadIdx.x == 0)
-        x.g_n[blk] = ng;
+        ((uint32_t *)gp.n_groups)[k] = ng;
     __syncthreads();
     /* centres: a thread per (group, element), the sum in perm order; unused slots zero */
     for (uint32_t t = threadIdx.x; t < G * dim; t += blockDim.x) {
@@ -1403,6 +1428,42 @@ __device__ void group_build_block(const kvt__recall_step_args &x, uint64_t blk, 
     }
 }
 
+/* The groups of blocks [from, to) of view a into g's planes, this row of kGroupBlocks blocks of
+ * threads taking them in strides (grid x), each with its own scratch of gw. */
+__device__ void groups_build(const kvt__recall_scan_args &a, const kvt__recall_groups &g,
+                             uint64_t from, uint64_t to, const GroupWs &gw) {
+    for (uint64_t blk = from + blockIdx.x; blk < to; blk += gridDim.x) {
+        group_build_block(a, g, blk, gw.build + gw.each * blockIdx.x);
+        __syncthreads(); /* the scratch is reused by the next block */
+    }
+}
+
+/* One byte per group slot of g's blocks (live[b·G + j]), 1 where some head of view a (its
+ * prepared heads in it) may fire on a member (kvt__recall_group_live with the twin's y·c chain
+ * and Y), a thread per slot over the grid's x. */
+__device__ void groups_live(const kvt__recall_scan_args &a, const ScanItem &it,
+                            const kvt__recall_groups &g, uint8_t *live) {
+    const uint32_t G = kvt__recall_group_slots(g.block_rows), D = a.latent_dim;
+    const uint32_t bd = a.branch_dim, rank = a.rank;
+    const uint64_t slots = g.n_blocks * G;
+    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < slots;
+         t += (uint64_t)gridDim.x * blockDim.x) {
+        const uint64_t k = groups_slot(g, t / G) * G + t % G; /* the group's plane slot */
+        int on = 0;
+        if (t % G < g.n_groups[groups_slot(g, t / G)]) {
+            const float *c = g.centre + k * g.dim, *stt = g.stat + k * KVT__RG_STATS;
+            for (uint32_t h = 0; h < a.n_heads && !on; h++) {
+                const float *qb = a.q + (size_t)h * (D + bd) + D, *qs = it.q_sk + (size_t)h * rank;
+                const kvt__recall_head hd = it.heads[h];
+                on = kvt__recall_group_live(&hd, kvt__recall_group_ynorm(qb, qs, bd, rank),
+                                            kvt__recall_group_ydot(qb, qs, c, bd, rank), stt,
+                                            a.mode, a.scale, a.z, a.best[h], D, bd, rank);
+            }
+        }
+        live[t] = (uint8_t)on;
+    }
+}
+
 /* Launch 2b, pruning steps: the groups of closed blocks [n_grouped, want), the item's
  * kGroupBlocks blocks of threads taking them in strides. */
 template <class Items>
@@ -1410,12 +1471,7 @@ __device__ void step_groups_item(const Items &p, const ScanWs &w, uint32_t item)
     STEP_ARGS(p, item);
     if (!step_prunes(x, step_plan(step_view(x, w, item), x.st->phase)))
         return;
-    const GroupWs gw = group_ws(w, item);
-    const uint64_t want = groups_want(x);
-    for (uint64_t blk = x.st->n_grouped + blockIdx.x; blk < want; blk += gridDim.x) {
-        group_build_block(x, blk, gw.build + gw.each * blockIdx.x);
-        __syncthreads(); /* the scratch is reused by the next block */
-    }
+    groups_build(x.scan, step_groups(x), x.st->n_grouped, groups_want(x), group_ws(w, item));
 }
 
 /* Launch 2c, pruning steps: one byte per group slot of the grouped blocks, 1 where some head may
@@ -1428,47 +1484,28 @@ __device__ void step_live_item(const Items &p, const ScanWs &w, uint32_t item) {
     const StepPlan pl = step_plan(v, x.st->phase);
     if (!step_prunes(x, pl))
         return;
-    const kvt__recall_scan_args a = step_scan(v, pl, x.st->z);
     const GroupWs gw = group_ws(w, item);
     if (blockIdx.x == 0 && threadIdx.x == 0)
         *gw.visit = 0;
-    const ScanItem it = scan_item(w, item);
-    const uint32_t G = kvt__recall_group_slots(x.block_rows), D = a.latent_dim;
-    const uint32_t bd = a.branch_dim, rank = a.rank;
-    const uint64_t slots = groups_after(x) * G;
-    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < slots;
-         t += (uint64_t)gridDim.x * blockDim.x) {
-        int on = 0;
-        if (t % G < x.g_n[t / G]) {
-            const float *c = x.g_centre + t * x.g_dim, *stt = x.g_stat + t * KVT__RG_STATS;
-            for (uint32_t h = 0; h < a.n_heads && !on; h++) {
-                const float *qb = a.q + (size_t)h * (D + bd) + D, *qs = it.q_sk + (size_t)h * rank;
-                const kvt__recall_head hd = it.heads[h];
-                on = kvt__recall_group_live(&hd, kvt__recall_group_ynorm(qb, qs, bd, rank),
-                                            kvt__recall_group_ydot(qb, qs, c, bd, rank), stt,
-                                            a.mode, a.scale, a.z, a.best[h], D, bd, rank);
-            }
-        }
-        gw.live[t] = (uint8_t)on;
-    }
+    groups_live(step_scan(v, pl, x.st->z), scan_item(w, item), step_groups(x), gw.live);
 }
 
 /* Launch 3 of a pruning step: the flags of the grouped blocks' rows in perm order (those of a
  * group no head can fire on cleared, the others' archived rows evaluated), then the rows past
  * them; the archived rows evaluated counted into the visited count. */
 __device__ void scan_rows_pruned(const kvt__recall_scan_args &a, const ScanItem &it,
-                                 const kvt__recall_step_args &x, const GroupWs &gw) {
-    const uint32_t B = x.block_rows, G = kvt__recall_group_slots(B);
-    const uint64_t grouped = groups_after(x) * B;
+                                 const kvt__recall_groups &g, const GroupWs &gw) {
+    const uint32_t B = g.block_rows, G = kvt__recall_group_slots(B);
+    const uint64_t grouped = g.n_blocks * B;
     unsigned long long cnt = 0;
     for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_closed;
          t += (uint64_t)gridDim.x * blockDim.x) {
         uint64_t row = t;
         bool on = true;
         if (t < grouped) {
-            const uint64_t b = t / B;
-            const uint32_t i = (uint32_t)(t % B), ng = x.g_n[b];
-            const uint32_t *end = x.g_end + b * G;
+            const uint64_t b = t / B, k = groups_slot(g, b);
+            const uint32_t i = (uint32_t)(t % B), ng = g.n_groups[k];
+            const uint32_t *end = g.end + k * G;
             uint32_t lo = 0, hi = ng; /* the first group whose end is past i */
             while (lo < hi) {
                 const uint32_t mid = (lo + hi) / 2;
@@ -1477,7 +1514,7 @@ __device__ void scan_rows_pruned(const kvt__recall_scan_args &a, const ScanItem 
                 else
                     lo = mid + 1;
             }
-            row = b * B + x.g_perm[b * B + i];
+            row = b * B + g.perm[k * B + i];
             on = lo < ng && gw.live[b * G + lo];
         }
         const bool arch = row >= a.sinks && !kvt__sorted_has(a.kept, a.m, row);
@@ -1497,7 +1534,8 @@ __device__ void step_rows_item(const Items &p, const ScanWs &w, uint32_t item) {
     if (!pl.scan)
         return;
     if (step_prunes(x, pl))
-        scan_rows_pruned(step_scan(v, pl, x.st->z), scan_item(w, item), x, group_ws(w, item));
+        scan_rows_pruned(step_scan(v, pl, x.st->z), scan_item(w, item), step_groups(x),
+                         group_ws(w, item));
     else
         scan_rows(step_scan(v, pl, x.st->z), scan_item(w, item));
 }
@@ -1827,6 +1865,39 @@ __device__ bool rope_calibrating(const kvt__recall_rope_args &a, uint32_t phase)
     return a.ar_n && a.mode == KVT__RECALL_CONFORMAL && phase == KVT__CONFORMAL_OPEN;
 }
 
+/* Does this RoPE step run the pruned scan on its KV heads with a basis (the twin's choice:
+ * group planes, not the margin mode, a scanning step the state says pays; launch 4 counts the
+ * step, so this one is steps + 1)? */
+__device__ bool rope_prunes(const kvt__recall_rope_args &a, uint32_t phase) {
+    return a.g_perm && a.mode != KVT__RECALL_MARGIN && a.ar_n && !rope_calibrating(a, phase) &&
+           kvt__recall_prune_pays(a.st, a.st->steps + 1u);
+}
+
+/* The archive blocks whose groups the step wants built (the twin's min(ar_n / g_B, cap)). */
+__device__ uint64_t rope_groups_want(const kvt__recall_rope_args &a) {
+    const uint64_t w = a.ar_n / a.g_B;
+    return w < a.g_blocks_cap ? w : a.g_blocks_cap;
+}
+
+/* KV head h's group planes (block b at slot b·n_kv + h, kernels/recall_rope.h), its grouped
+ * blocks after this step's build: max(n_grouped, want), within the archive. */
+__device__ kvt__recall_groups rope_groups(const kvt__recall_rope_args &a, uint32_t h) {
+    const uint32_t B = a.g_B, G = kvt__recall_group_slots(B);
+    const uint64_t w = rope_groups_want(a), o = a.st->n_grouped, lim = a.ar_n / B;
+    const uint64_t nb = o > w ? o : w;
+    kvt__recall_groups g;
+    g.block_rows = B;
+    g.n_blocks = nb < lim ? nb : lim;
+    g.dim = a.g_dim;
+    g.stride = a.n_kv;
+    g.perm = a.g_perm + (size_t)h * B;
+    g.n_groups = a.g_n + h;
+    g.end = a.g_end + (size_t)h * G;
+    g.centre = a.g_centre + (size_t)h * G * a.g_dim;
+    g.stat = a.g_stat + (size_t)h * G * KVT__RG_STATS;
+    return g;
+}
+
 /* The step's own workspace after the scan items': each query head's sample e [nq] (NaN: none)
  * and best archived row [nq] (UINT32_MAX: none), the valid samples' heads [nq] and values [nq],
  * the samples as the step found them [sample_cap]. */
@@ -1922,11 +1993,44 @@ ROPE_KERNEL_Z(k_rope_best, rope_best_item)
 template <class Items>
 __device__ void rope_rows_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
     ROPE_ITEM(p, r);
-    if (blockIdx.y >= a.n_kv || !a.ar_n || rope_calibrating(a, a.st->phase))
+    const uint32_t h = blockIdx.y;
+    if (h >= a.n_kv || !a.ar_n || rope_calibrating(a, a.st->phase))
         return;
-    scan_rows(rope_view(a, blockIdx.y, a.st->z), scan_item(w, r * KV + blockIdx.y));
+    const kvt__recall_scan_args v = rope_view(a, h, a.st->z);
+    if (rope_prunes(a, a.st->phase) && a.rank[h])
+        scan_rows_pruned(v, scan_item(w, r * KV + h), rope_groups(a, h), group_ws(w, r * KV + h));
+    else
+        scan_rows(v, scan_item(w, r * KV + h));
 }
 ROPE_KERNEL_Z(k_rope_rows, rope_rows_item)
+
+/* Launch 2b, pruning steps: each KV head with a basis (grid y) builds the groups of its
+ * archive blocks [n_grouped, want), kGroupBlocks blocks of threads (grid x) in strides. */
+template <class Items>
+__device__ void rope_groups_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
+    ROPE_ITEM(p, r);
+    const uint32_t h = blockIdx.y;
+    if (h >= a.n_kv || !a.rank[h] || !rope_prunes(a, a.st->phase))
+        return;
+    groups_build(rope_view(a, h, 0.0f), rope_groups(a, h), a.st->n_grouped, rope_groups_want(a),
+                 group_ws(w, r * KV + h));
+}
+ROPE_KERNEL_Z(k_rope_groups, rope_groups_item)
+
+/* Launch 2c, pruning steps: each KV head's group liveness over its query heads, its visited
+ * count zeroed. */
+template <class Items>
+__device__ void rope_live_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
+    ROPE_ITEM(p, r);
+    const uint32_t h = blockIdx.y;
+    if (h >= a.n_kv || !a.rank[h] || !rope_prunes(a, a.st->phase))
+        return;
+    const GroupWs gw = group_ws(w, r * KV + h);
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        *gw.visit = 0;
+    groups_live(rope_view(a, h, a.st->z), scan_item(w, r * KV + h), rope_groups(a, h), gw.live);
+}
+ROPE_KERNEL_Z(k_rope_live, rope_live_item)
 
 /* Launch 3b (capped): each archived row's overflow priority per KV head (grid y), the CPU
  * twin's capped_choice keys: the scan's fire test and max_g (idx_g − best_g). */
@@ -1982,7 +2086,7 @@ __device__ void rope_finish_item(const Items &p, const ScanWs &w, uint32_t KV, u
     const uint32_t item0 = r * KV;
     kvt__recall_state *st = a.st;
     const uint32_t H = a.n_kv, G = a.group, nq = H * G;
-    __shared__ uint32_t s_phase, s_n;
+    __shared__ uint32_t s_phase, s_n, s_prune;
     __shared__ float s_z;
     __shared__ uint32_t s_over;
     __shared__ unsigned long long s_fired, s_fetched;
@@ -1990,6 +2094,7 @@ __device__ void rope_finish_item(const Items &p, const ScanWs &w, uint32_t KV, u
         s_phase = st->phase;
         s_z = st->z;
         s_n = st->n_samples;
+        s_prune = rope_prunes(a, s_phase);
         s_over = 0;
         s_fired = s_fetched = 0;
     }
@@ -2061,9 +2166,16 @@ __device__ void rope_finish_item(const Items &p, const ScanWs &w, uint32_t KV, u
     if (dense)
         for (uint32_t h = 0; h < H; h++)
             a.n_fired[h] = 0;
+    /* visited: every archived row, but a pruned head's the rows its scan evaluated */
+    uint64_t visited = archived;
+    for (uint32_t h = 0; s_prune && h < H; h++)
+        visited += a.rank[h] ? (uint64_t)*group_ws(w, item0 + h).visit - a.ar_n : 0;
+    const uint64_t want = s_prune ? rope_groups_want(a) : 0; /* the twin's n_grouped */
+    if (want > st->n_grouped)
+        st->n_grouped = (uint32_t)want;
     st->steps++;
     st->overflow_steps += over;
-    kvt__recall_state_record(st, a.dense, dense, over, archived, a.ar_n ? archived : 0, s_fired,
+    kvt__recall_state_record(st, a.dense, dense, over, archived, a.ar_n ? visited : 0, s_fired,
                              dense ? archived : s_fetched);
 }
 
@@ -2081,7 +2193,8 @@ __global__ void k_rope_finish(const Items p, const ScanWs w, uint32_t KV) {
  * and archived rows (rows) among them. */
 ScanWs rope_ws_of(const kvt__recall_rope_args *a, uint32_t k, uint32_t *KV, uint32_t *Gmax,
                   size_t *rows) {
-    size_t qsk = 0, res = 0, extra = 0;
+    size_t qsk = 0, res = 0, extra = 0, gbuild = 0, gslots = 0;
+    bool groups = false;
     uint32_t kv = 1, G = 0;
     *rows = 0;
     for (uint32_t i = 0; i < k; i++) {
@@ -2093,6 +2206,12 @@ ScanWs rope_ws_of(const kvt__recall_rope_args *a, uint32_t k, uint32_t *KV, uint
         const uint32_t nq = x.n_kv * x.group;
         const size_t e1 = 4 * align256(sizeof(float) * nq) + align256(sizeof(float) * x.sample_cap) +
                           (x.capped ? sizeof(uint32_t) * x.n_kv * x.ar_n : 0);
+        if (x.g_perm && x.g_B) { /* each KV head's pruned scan: GroupWs */
+            const size_t gb = group_build_bytes(x.g_B, x.g_dim), gs = x.ar_n / KVT__RECALL_GROUP_MIN;
+            gbuild = gb > gbuild ? gb : gbuild;
+            gslots = gs > gslots ? gs : gslots;
+            groups = true;
+        }
         qsk = q1 > qsk ? q1 : qsk;
         res = r1 > res ? r1 : res;
         extra = e1 > extra ? e1 : extra;
@@ -2102,7 +2221,15 @@ ScanWs rope_ws_of(const kvt__recall_rope_args *a, uint32_t k, uint32_t *KV, uint
     }
     *KV = kv;
     *Gmax = G;
-    return scan_ws_make(qsk, res, G, *rows, extra);
+    const size_t groups_b = groups ? kGroupBlocks * gbuild + align256(gslots) + 256 : 0;
+    ScanWs w = scan_ws_make(qsk, res, G, *rows, align256(extra) + groups_b);
+    if (groups) {
+        w.off_groups = w.off_extra + align256(extra);
+        w.group_each = gbuild;
+        w.off_live = w.off_groups + kGroupBlocks * gbuild;
+        w.off_visit = w.off_live + align256(gslots);
+    }
+    return w;
 }
 
 /* The launches over `items`: grid (query heads, KV heads, k rows of requests; each row walks
@@ -2113,6 +2240,10 @@ void rope_launch(const Items &items, const ScanWs &w, uint32_t KV, uint32_t G, u
     const dim3 grid(G ? G : 1, KV, k);
     k_rope_heads<<<grid, kThreads, 0, strm(stream)>>>(items, w, KV);
     k_rope_best<<<grid, kThreads, 0, strm(stream)>>>(items, w, KV);
+    if (rows_x && w.off_groups) { /* some request has group planes: its pruning steps */
+        k_rope_groups<<<dim3(kGroupBlocks, KV, k), kThreads, 0, strm(stream)>>>(items, w, KV);
+        k_rope_live<<<dim3(rows_x, KV, k), kThreads, 0, strm(stream)>>>(items, w, KV);
+    }
     if (rows_x) {
         const dim3 rg(rows_x, KV, k);
         k_rope_rows<<<rg, kThreads, 0, strm(stream)>>>(items, w, KV);
