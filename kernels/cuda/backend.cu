@@ -1873,6 +1873,11 @@ __device__ bool rope_prunes(const kvt__recall_rope_args &a, uint32_t phase) {
            kvt__recall_prune_pays(a.st, a.st->steps + 1u);
 }
 
+/* Does KV head h (a head of a, with a basis) run the pruned scan this step? */
+__device__ bool rope_head_prunes(const kvt__recall_rope_args &a, uint32_t h) {
+    return h < a.n_kv && a.rank[h] && rope_prunes(a, a.st->phase);
+}
+
 /* The archive blocks whose groups the step wants built (the twin's min(ar_n / g_B, cap)). */
 __device__ uint64_t rope_groups_want(const kvt__recall_rope_args &a) {
     const uint64_t w = a.ar_n / a.g_B;
@@ -1997,7 +2002,7 @@ __device__ void rope_rows_item(const Items &p, const ScanWs &w, uint32_t KV, uin
     if (h >= a.n_kv || !a.ar_n || rope_calibrating(a, a.st->phase))
         return;
     const kvt__recall_scan_args v = rope_view(a, h, a.st->z);
-    if (rope_prunes(a, a.st->phase) && a.rank[h])
+    if (rope_head_prunes(a, h))
         scan_rows_pruned(v, scan_item(w, r * KV + h), rope_groups(a, h), group_ws(w, r * KV + h));
     else
         scan_rows(v, scan_item(w, r * KV + h));
@@ -2010,7 +2015,7 @@ template <class Items>
 __device__ void rope_groups_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
     ROPE_ITEM(p, r);
     const uint32_t h = blockIdx.y;
-    if (h >= a.n_kv || !a.rank[h] || !rope_prunes(a, a.st->phase))
+    if (!rope_head_prunes(a, h))
         return;
     groups_build(rope_view(a, h, 0.0f), rope_groups(a, h), a.st->n_grouped, rope_groups_want(a),
                  group_ws(w, r * KV + h));
@@ -2023,7 +2028,7 @@ template <class Items>
 __device__ void rope_live_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
     ROPE_ITEM(p, r);
     const uint32_t h = blockIdx.y;
-    if (h >= a.n_kv || !a.rank[h] || !rope_prunes(a, a.st->phase))
+    if (!rope_head_prunes(a, h))
         return;
     const GroupWs gw = group_ws(w, r * KV + h);
     if (blockIdx.x == 0 && threadIdx.x == 0)
