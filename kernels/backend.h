@@ -243,6 +243,9 @@ typedef struct kvt__pack_query {
     const uint32_t *dense;
     uint32_t fetch_cap;     /* fetch's length (W): what the guarded backend checks */
     bool all_rows;          /* attend every row [0, d.hi_end) (decided on the host) */
+    bool count_only;        /* a list another op writes (a planned RoPE recall's): its count
+                             * goes to lengths / indptr, so the lists after it start after it,
+                             * and no index is written */
     const int32_t *pages;   /* the host's page table today: a device pack needs it mirrored in
                              * device memory (the CUDA issue) */
     uint64_t first_page;
@@ -265,7 +268,9 @@ typedef struct kvt__pack_args {
     const uint32_t *n_plan;  /* [1] */
     uint32_t n_max;
     uint8_t *dense_out;      /* planned: query i's dense flag (1: it attends every row) into
-                              * dense_out[i] (NULL: none), as an eager run writes the emission's */
+                              * dense_out[i / dense_stride] (NULL: none), as an eager run writes
+                              * the emission's */
+    uint32_t dense_stride;   /* planned: queries a request (CSR_KV_HEADS: its KV heads'); 0: 1 */
     const kvt__div32 *pdiv; /* page_rows */
     bool csr;
     bool first_csr;         /* write indptr[0] = 0 */

@@ -715,13 +715,13 @@ static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void
         const uint64_t n_fetch = !all && q->n_fetch ? *q->n_fetch : 0;
         const uint64_t count = all ? d->hi_end : kvt__attended_desc_count(d) + n_fetch;
         if (a->q_plan && a->dense_out)
-            a->dense_out[i] = all ? 1 : 0;
+            a->dense_out[i / (a->dense_stride ? a->dense_stride : 1u)] = all ? 1 : 0;
         const uint64_t out = dev_offsets ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
         if (a->csr)
             a->indptr[q->len_at] = (int32_t)(out + count);
         else
             a->lengths[q->len_at] = (int32_t)count;
-        if (count == 0 && q->pad == 0)
+        if ((count == 0 && q->pad == 0) || q->count_only)
             continue; /* nothing to write (indices may be NULL at capacity 0) */
         int32_t *o = a->indices + out;
         if (all) {
@@ -1489,7 +1489,9 @@ static kvt_status g_pack_planned(const kvt__backend *be, const kvt__pack_args *a
     GUARD_OWNS(be, a->n_plan, sizeof(uint32_t));
     GUARD_OWNS(be, a->q_plan, sizeof(kvt__pack_query) * (a->n_max ? a->n_max : 1u));
     if (a->dense_out)
-        GUARD_OWNS(be, a->dense_out, a->n_max);
+        GUARD_OWNS(be, a->dense_out,
+                   (a->n_max + (a->dense_stride ? a->dense_stride : 1u) - 1) /
+                       (a->dense_stride ? a->dense_stride : 1u));
     if (a->csr && a->first_csr)
         GUARD_OWNS(be, a->indptr, sizeof(int32_t));
     if (be->cap)

@@ -346,15 +346,17 @@ KVT_HD int kvt__recall_rope_plan_item_args(const kvt__recall_rope_plan_args *a, 
            kvt__recall_rope_args_ok(x) && kvt__recall_rope_plan_fits(&a->bound, x);
 }
 
-/* Planned emission item i as recall_rope_emit takes it; false when it breaks the rules or is
- * chained (a planned step's emissions are at fixed places: KVT_EMIT_TOKENS). */
+/* Planned emission item i as recall_rope_emit takes it; false when it breaks the rules. A
+ * chained item (CSR_KV_HEADS) starts at its indptr[0], which the planned pack wrote before the
+ * op runs (the pack's count-only queries hold its lists' counts): items do not depend on each
+ * other. */
 KVT_HD int kvt__recall_rope_emit_plan_item_args(const kvt__recall_rope_plan_args *a, uint32_t i,
                                                 kvt__recall_rope_emit_args *x, kvt__div32 *div) {
     const kvt__recall_rope_emit_plan_item *it = &a->emits[i];
     *x = it->a;
     *div = it->div;
     x->pdiv = div;
-    return !x->chain && x->ar_n <= a->bound.ar_n && kvt__recall_rope_emit_ok(x);
+    return x->ar_n <= a->bound.ar_n && kvt__recall_rope_emit_ok(x);
 }
 
 #endif /* KVT_KERNELS_RECALL_ROPE_H */

@@ -53,6 +53,8 @@ struct kvt_batch {
     uint8_t *plan_recall; /* [n_layers]: PLAN_NOPE / PLAN_ROPE / 0, fixed with the buffer's
                            * layout */
     kvt_emit *plan_emit; /* [n_layers] */
+    uint32_t *plan_qpr;  /* [n_layers]: pack queries a request (CSR_KV_HEADS: the layer's KV
+                          * heads, one list each; else 1), fixed with the layout */
     uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
     bool plan_reserved;  /* the planned recall ops' room was made (recall_plan_reserve) */
     bool planned;
@@ -105,7 +107,7 @@ static bool plans_rope(const kvt_batch *b, uint32_t layer) {
 /* Where layer l's recall items (NoPE or RoPE trigger items) start in the plan (after its
  * max_seqs queries). */
 static size_t plan_recall_at(const kvt_batch *b, uint32_t l) {
-    const size_t q = PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
+    const size_t q = PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs * b->plan_qpr[l];
     return b->plan_at[l] + (q + 63u) / 64u * 64u;
 }
 
@@ -287,6 +289,7 @@ void kvt_batch_destroy(kvt_batch *b) {
         kvt__free(a, b->plan_emit, sizeof *b->plan_emit * b->ctx->n_layers);
         kvt__free(a, b->plan_at, sizeof *b->plan_at * (b->ctx->n_layers + 1u));
         kvt__free(a, b->plan_recall, b->ctx->n_layers);
+        kvt__free(a, b->plan_qpr, sizeof *b->plan_qpr * b->ctx->n_layers);
     }
     if (b->own_be && b->be.ops == kvt__backend_cpu_ops())
         kvt__backend_cpu_close(&b->be);
@@ -719,9 +722,10 @@ static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
     if (e->struct_size < KVT_EMIT_SIZE_MIN)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emits[%u].struct_size is below KVT_EMIT_SIZE_MIN", l);
-    if (e->layout != KVT_EMIT_TOKENS && e->layout != KVT_EMIT_CSR)
-        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "emits[%u].layout: a planned step emits TOKENS or CSR", l);
+    if (e->layout != KVT_EMIT_TOKENS && e->layout != KVT_EMIT_CSR &&
+        e->layout != KVT_EMIT_CSR_KV_HEADS)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emits[%u].layout: unknown value %d",
+                             l, (int)e->layout);
     if (emit_queries(e) > 1)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emits[%u].queries_per_seq: a planned step has one query per "
@@ -798,8 +802,8 @@ static void rope_plan_args(const kvt_batch *b, uint32_t l, const float *query,
  * emission's, its row of a KVT_EMIT_TOKENS emission); false when either breaks the rules or the
  * layer's bound (the step is then not plannable). */
 static bool plan_rope_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                           const kvt__recall_rope_args *bound, kvt__recall_rope_plan_item *it,
-                           kvt__recall_rope_emit_plan_item *em) {
+                           uint32_t qpr, const kvt__recall_rope_args *bound,
+                           kvt__recall_rope_plan_item *it, kvt__recall_rope_emit_plan_item *em) {
     static const float no_query; /* a placeholder: the op reads the run's query + q_off */
     kvt_seq *sq = b->seqs[i];
     const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
@@ -811,14 +815,20 @@ static bool plan_rope_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit 
     bool ok = kvt__recall_rope_args_ok(&it->a) && kvt__recall_rope_plan_fits(bound, &it->a);
     it->a.pdiv = NULL; /* host values, not read by the op */
     it->a.q = NULL;
-    const uint64_t at = (uint64_t)i * e->capacity;
-    if (kvt__seq_rope_emit_item(sq, l, false, e->indices, at + e->capacity, NULL, &em->a) !=
-        KVT_OK)
-        return false;
-    em->a.chain = false;
-    em->a.out = at;
-    em->a.pad = e->capacity;
-    em->a.length = e->lengths + i;
+    if (e->layout == KVT_EMIT_TOKENS) {
+        const uint64_t at = (uint64_t)i * e->capacity;
+        if (kvt__seq_rope_emit_item(sq, l, false, e->indices, at + e->capacity, NULL, &em->a) !=
+            KVT_OK)
+            return false;
+        em->a.chain = false;
+        em->a.out = at;
+        em->a.pad = e->capacity;
+        em->a.length = e->lengths + i;
+    } else if (kvt__seq_rope_emit_item(sq, l, false, e->indices, e->capacity,
+                                       e->indptr + (size_t)i * qpr, &em->a) != KVT_OK ||
+               em->a.n_kv != qpr) {
+        return false; /* (CSR over several KV heads: the eager run refuses it) */
+    }
     em->div = *em->a.pdiv;
     ok = ok && kvt__recall_rope_emit_ok(&em->a) && em->a.ar_n <= bound->ar_n;
     em->a.pdiv = NULL;
@@ -855,6 +865,8 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
         kvt__recall_rope_args rbound;
         if (rope_l)
             (void)kvt__ctx_rope_bound(ctx, l, &rbound);
+        const uint32_t qpr = b->plan_qpr[l];
+        const bool tokens = e->layout == KVT_EMIT_TOKENS;
         uint32_t n = 0, n_recall = 0;
         uint64_t off = 0, total = 0;
         for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
@@ -869,10 +881,13 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
                 return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
                                      "seqs[%u] recalls on layer %u, which plans no recall", i, l);
             if (rope) {
-                /* its trigger and emission items; in the pack a query that writes only its dense
-                 * flag (the state's, which the trigger wrote), the emission then its row */
-                if (e->layout != KVT_EMIT_TOKENS || b->recall_way[i] != RECALL_FETCH ||
-                    !plan_rope_item(b, i, l, e, &rbound, &ritems[n_recall], &remits[n_recall])) {
+                /* its trigger and emission items; in the pack, TOKENS: a query that writes only
+                 * its dense flag (the state's, which the trigger wrote), the emission then its
+                 * row; CSR / CSR_KV_HEADS: per KV head a query that writes only the list's count
+                 * (so the lists after it start after it), the emission then the lists */
+                if (b->recall_way[i] != RECALL_FETCH ||
+                    !plan_rope_item(b, i, l, e, qpr, &rbound, &ritems[n_recall],
+                                    &remits[n_recall])) {
                     if (fits) {
                         *fits = false;
                         return KVT_OK;
@@ -882,16 +897,36 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
                                          "bound since plan_device checked it",
                                          i, l);
                 }
+                const kvt__recall_rope_emit_args *ea = &remits[n_recall].a;
                 n_recall++;
                 const uint64_t rows = sq->n_tokens + sq->n_pending; /* held and archived */
-                if (rows > e->capacity)
+                if (tokens && rows > e->capacity)
                     return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                          "seqs[%u] attends %llu rows on layer %u, topk is %u; "
                                          "nothing planned (kvt_batch_capacity)",
                                          i, (unsigned long long)rows, l, e->capacity);
-                q[n] = (kvt__pack_query){.dense = &sq->rrope[l].base.st->last_dense,
-                                         .out = (uint64_t)i * e->capacity, .len_at = i};
-                n++;
+                if (tokens) {
+                    q[n++] = (kvt__pack_query){.dense = &sq->rrope[l].base.st->last_dense,
+                                               .out = (uint64_t)i * e->capacity, .len_at = i};
+                    continue;
+                }
+                total += (uint64_t)qpr * rows;
+                const kvt__recall_rope_layer *rr = &sq->rrope[l];
+                for (uint32_t h = 0; h < qpr; h++, n++) {
+                    kvt__seq_step_query(sq, l, b->n_tokens[i], &q[n]); /* its table's pages */
+                    q[n].d = (kvt__attended_desc){.lo_end = ea->n_rows,
+                                                  .hi_begin = ea->n_rows + ea->ar_n,
+                                                  .hi_end = ea->n_rows + ea->ar_n};
+                    q[n].fetch = rr->fired + (size_t)h * rr->cap;
+                    q[n].n_fetch = rr->n_fired + h;
+                    q[n].fetch_cap = rr->cap;
+                    q[n].dense = ea->capped ? NULL : &rr->base.st->last_dense;
+                    q[n].all_rows = false;
+                    q[n].count_only = true;
+                    q[n].out = 0;
+                    q[n].pad = 0;
+                    q[n].len_at = (uint64_t)i * qpr + h + 1;
+                }
                 continue;
             }
             bool has = false;
@@ -912,15 +947,21 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
             const uint64_t rows = b->recall_way[i] == RECALL_NONE
                                       ? kvt__attended_desc_count(&q[n].d)
                                       : q[n].d.hi_end;
-            total += rows;
-            if (e->layout == KVT_EMIT_TOKENS && rows > e->capacity)
+            total += (uint64_t)qpr * rows;
+            if (tokens && rows > e->capacity)
                 return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                      "seqs[%u] attends %llu rows on layer %u, topk is %u; "
                                      "nothing planned (kvt_batch_capacity)",
                                      i, (unsigned long long)rows, l, e->capacity);
-            n++;
+            /* CSR_KV_HEADS: the set once per KV head, each its own list */
+            for (uint32_t h = 0; !tokens && h < qpr; h++) {
+                if (h)
+                    q[n + h] = q[n];
+                q[n + h].len_at = (uint64_t)i * qpr + h + 1;
+            }
+            n += qpr;
         }
-        if (e->layout == KVT_EMIT_CSR && (total > e->capacity || total > INT32_MAX))
+        if (!tokens && (total > e->capacity || total > INT32_MAX))
             return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
                                  "the batch attends %llu rows on layer %u, capacity is %u; "
                                  "nothing planned (kvt_batch_capacity)",
@@ -982,13 +1023,20 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     if (!b->plan_dev) {
         size_t *at = kvt__calloc(&ctx->alloc, sizeof *at * (L + 1u));
         uint8_t *pr = at ? kvt__calloc(&ctx->alloc, L) : NULL;
-        if (!pr) {
+        uint32_t *qpr = pr ? kvt__calloc(&ctx->alloc, sizeof *qpr * L) : NULL;
+        if (!qpr) {
             kvt__free(&ctx->alloc, at, sizeof *at * (L + 1u));
+            kvt__free(&ctx->alloc, pr, L);
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan layout");
         }
-        for (uint32_t l = 0; l < L; l++)
+        for (uint32_t l = 0; l < L; l++) {
             pr[l] = plans_recall(b, l) ? PLAN_NOPE : plans_rope(b, l) ? PLAN_ROPE : 0;
-        b->plan_at = at; /* plan_recall_at reads it */
+            qpr[l] = emits[n_emits == 1 ? 0 : l].layout == KVT_EMIT_CSR_KV_HEADS
+                         ? ctx->stores[l].spec.n_kv_heads
+                         : 1u;
+        }
+        b->plan_at = at; /* plan_recall_at reads them */
+        b->plan_qpr = qpr;
         for (uint32_t l = 0; l < L; l++) { /* 64-byte aligned parts */
             const size_t end =
                 pr[l] == PLAN_NOPE
@@ -996,7 +1044,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
                 : pr[l] == PLAN_ROPE
                     ? plan_rope_emits_at(b, l) +
                           sizeof(kvt__recall_rope_emit_plan_item) * b->max_seqs
-                    : at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs;
+                    : at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs * qpr[l];
             at[l + 1] = at[l] + (end - at[l] + 63u) / 64u * 64u;
         }
         const size_t bytes = at[L];
@@ -1010,7 +1058,9 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
                 be->ops->buf_free(be, dev, bytes);
             kvt__free(&ctx->alloc, at, sizeof *at * (L + 1u));
             kvt__free(&ctx->alloc, pr, L);
+            kvt__free(&ctx->alloc, qpr, sizeof *qpr * L);
             b->plan_at = NULL;
+            b->plan_qpr = NULL;
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan buffer (%zu B)",
                                  bytes);
         }
@@ -1093,9 +1143,10 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
         }
     }
     kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
-                         .n_plan = (const uint32_t *)at, .n_max = b->max_seqs,
-                         .dense_out = emit->dense,
-                         .pdiv = &ctx->pdiv, .csr = emit->layout == KVT_EMIT_CSR,
+                         .n_plan = (const uint32_t *)at,
+                         .n_max = b->max_seqs * b->plan_qpr[layer],
+                         .dense_out = emit->dense, .dense_stride = b->plan_qpr[layer],
+                         .pdiv = &ctx->pdiv, .csr = emit->layout != KVT_EMIT_TOKENS,
                          .first_csr = true, .capacity = emit->capacity,
                          .indices = emit->indices, .lengths = emit->lengths,
                          .indptr = emit->indptr};

@@ -1034,17 +1034,23 @@ typedef struct kvt_emit {
  * layer takes the query (KVT_ERR_INVALID_ARGUMENT when NULL), a buffer that holds max_seqs
  * requests' queries at their places in the batch (the graph replays over steps of any size);
  * emit.dense, when given, holds max_seqs flags, each planned run writing them as an eager run
- * does. Without max_rows_per_seq, steps in which a request recalls are not plannable.
+ * does. Without max_rows_per_seq, steps in which a request recalls are not plannable. A RoPE
+ * layer where requests may recall (random eviction's archive with recall_sketch_rank) plans its
+ * RoPE recall the same way: the planned trigger, the pack, then the planned emission of the
+ * recalling requests' lists (TOKENS on an MLA-RoPE layer, CSR, or CSR_KV_HEADS, their lists
+ * placed by the device's counts).
  *
  * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
- * n_emits = n_layers), TOKENS or CSR with one query per request; a run of a planned step must
+ * n_emits = n_layers), TOKENS, CSR or CSR_KV_HEADS with one query per request; a run of a
+ * planned step must
  * pass exactly that emission, and every planned step of a batch the emissions of its first one
  * (the arrays and capacities a captured graph writes; KVT_ERR_INVALID_ARGUMENT otherwise, nothing
  * planned: plan other emissions on another batch). The plan buffer, n_layers x
- * (64 + 112 max_seqs) B on 64-bit hosts, is allocated at the batch's first planned step and
- * never moves: a graph stays valid for the batch's life with the same emission buffers; every
- * planned step copies all of it (one write). A layer that plans recall adds max_seqs recall items
- * (384 B each on 64-bit hosts). stream: that of the graph launch
+ * (64 + 112 max_seqs) B on 64-bit hosts (CSR_KV_HEADS: 112 B a request and KV head), is
+ * allocated at the batch's first planned step and never moves: a graph stays valid for the
+ * batch's life with the same emission buffers; every planned step copies all of it (one write).
+ * A layer that plans recall adds max_seqs recall items (384 B each on 64-bit hosts; on a RoPE
+ * layer 616 + 216 B). stream: that of the graph launch
  * (stream-ordered after the previous step's device work). Errors:
  * KVT_ERR_BAD_STATE (not planned, already run, planned twice, a damaged request),
  * KVT_ERR_INVALID_ARGUMENT (emits), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),

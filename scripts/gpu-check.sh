@@ -39,13 +39,13 @@
 #   - a needle cell (kvtier-needle --synthetic, 8k, ratios 8 and 32, salience / random / dense) on
 #     the CUDA backend: its CSV must be the CPU backend's, byte for byte.
 #   - test_fp8's CUDA case: fp8 ds_mla rows recall on the device as their fp32 decoding does.
-#   - test_rope_recall's CUDA graph case: an MLA-RoPE batch with RoPE recall (TOKENS), one
-#     recording of a planned step's runs (planned trigger, pack, planned emission) replayed over
-#     the later planned steps equals the eager twin: rows, lengths, dense flags, trigger state.
+#   - test_rope_recall's CUDA graph case: batches with RoPE recall (MLA-RoPE TOKENS and CSR,
+#     GQA-RoPE CSR_KV_HEADS), one recording of a planned step's runs (planned trigger, pack with
+#     count-only lists, planned emission) replayed over the later planned steps equals the eager
+#     twin: lists, offsets, dense flags, trigger state.
 #
-# Not yet covered on the device (the CUDA issue): capture of steps with a close or round due, a
-# lagged query, or RoPE recall emitted as CSR / CSR_KV_HEADS (those run eagerly); fp8 rows on
-# eviction layers.
+# Not yet covered on the device (the CUDA issue): capture of steps with a close or round due or
+# a lagged query (those run eagerly); fp8 rows on eviction layers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}

@@ -2634,32 +2634,37 @@ Test(rope_batch, three_requests_one_call_equal_each_alone_mla_tokens, .timeout =
 }
 
 /* ------------------------------------------------------------------------------------------------
- * RoPE recall inside a CUDA graph (kvt_batch_plan_device; docs/recall.md §9.4): two twins of an
- * MLA-RoPE context, each a batch of a recalling request and one without recall, KVT_EMIT_TOKENS
- * with a fixed topk. The eager twin runs every step; the graph twin, on each step plan_device
- * finds plannable, replays one recording of its first planned step's run (the planned trigger,
- * the pack, the planned emission), and runs the others (eviction rounds) eagerly. Every step's
- * rows, lengths and dense flags, and the recalling request's trigger state, are the eager
- * twin's; most steps replay, some fetch rows.
+ * RoPE recall inside a CUDA graph (kvt_batch_plan_device; docs/recall.md §9.4): two twins of a
+ * context, each a batch of a recalling request and one without recall, emitting with a fixed
+ * capacity: an MLA-RoPE layer with KVT_EMIT_TOKENS (FlashMLA's rows) or CSR, a GQA-RoPE layer of
+ * two KV heads with KVT_EMIT_CSR_KV_HEADS (a list per (request, KV head), chained by device
+ * counts). The eager twin runs every step; the graph twin, on each step plan_device finds
+ * plannable, replays one recording of its first planned step's run (the planned trigger, the
+ * pack, the planned emission), and runs the others (eviction rounds) eagerly. Every step's
+ * lists, lengths or offsets and dense flags, and the recalling request's trigger state, are the
+ * eager twin's; most steps replay, some fetch rows.
  * ---------------------------------------------------------------------------------------------- */
 typedef struct gt_twin {
     rr x;
     kvt_seq *other;
     kvt_batch *b;
     kvt_buffer *qbuf, *ibuf, *lbuf, *dbuf;
+    kvt_emit_layout layout;
+    uint32_t cap, n_len; /* entries of indices; of lengths (TOKENS) or indptr */
 } gt_twin;
 
 enum { GT_TOPK = 512 };
 
-static void gt_open(gt_twin *t, kvt_backend_kind backend, uint64_t seed) {
+static void gt_open(gt_twin *t, bool mla, kvt_emit_layout layout, kvt_backend_kind backend,
+                    uint64_t seed) {
     kvt_config cfg = rr_cfg(32, 8, 16);
     cfg.recall = KVT_RECALL_CONFORMAL;
     cfg.recall_cap_rows = 64;
-    const uint32_t rank[1] = {32};
-    g_mla = true;
+    const uint32_t rank[2] = {32, 16}, H = mla ? 1 : 2;
+    g_mla = mla;
     g_max_seqs = 2;
     g_max_rows = GT_TOPK; /* max_rows_per_seq: what sizes a planned step's ops */
-    rr_init(&t->x, 1, 128, cfg, 32, rank, backend, seed);
+    rr_init(&t->x, H, 128, cfg, 32, rank, backend, seed);
     g_mla = false;
     g_max_seqs = g_max_rows = 0;
     cr_assert_eq(kvt_seq_set_prompt_rows(t->x.seq, 4), KVT_OK);
@@ -2669,10 +2674,13 @@ static void gt_open(gt_twin *t, kvt_backend_kind backend, uint64_t seed) {
     cr_assert_eq(kvt_seq_create(t->x.ctx, &sp, &t->other), KVT_OK, "%s", kvt_last_error());
     cr_assert(kvt__seq_recalls_rope(t->x.seq, 0) && !kvt__seq_recalls_rope(t->other, 0));
     cr_assert_eq(kvt_batch_create(t->x.ctx, 2, &t->b), KVT_OK);
+    t->layout = layout;
+    t->cap = 2 * H * GT_TOPK;
+    t->n_len = layout == KVT_EMIT_TOKENS ? 2 : 2 * H + 1;
     const size_t qf = (size_t)t->x.sp.n_q_heads * t->x.QW;
     cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(float) * 2 * qf, &t->qbuf), KVT_OK);
-    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(int32_t) * 2 * GT_TOPK, &t->ibuf), KVT_OK);
-    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(int32_t) * 2, &t->lbuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(int32_t) * t->cap, &t->ibuf), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(t->x.ctx, sizeof(int32_t) * t->n_len, &t->lbuf), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(t->x.ctx, 2, &t->dbuf), KVT_OK);
 }
 
@@ -2687,10 +2695,17 @@ static void gt_close(gt_twin *t) {
 }
 
 static kvt_emit gt_emit(const gt_twin *t) {
-    return (kvt_emit){.struct_size = sizeof(kvt_emit), .layout = KVT_EMIT_TOKENS,
-                      .indices = kvt_buffer_ptr(t->ibuf), .capacity = GT_TOPK,
-                      .lengths = kvt_buffer_ptr(t->lbuf), .dense = kvt_buffer_ptr(t->dbuf),
-                      .queries_per_seq = 1};
+    kvt_emit e = {.struct_size = sizeof(kvt_emit), .layout = t->layout,
+                  .indices = kvt_buffer_ptr(t->ibuf), .dense = kvt_buffer_ptr(t->dbuf),
+                  .queries_per_seq = 1};
+    if (t->layout == KVT_EMIT_TOKENS) {
+        e.capacity = GT_TOPK;
+        e.lengths = kvt_buffer_ptr(t->lbuf);
+    } else {
+        e.capacity = t->cap;
+        e.indptr = kvt_buffer_ptr(t->lbuf);
+    }
+    return e;
 }
 
 /* Reserve a token for both requests, write their rows (the other's from `rows`) and queries. */
@@ -2730,16 +2745,42 @@ static void gt_commit(gt_twin *t) {
     cr_assert_eq(kvt_seq_check(t->other), KVT_OK, "%s", kvt_last_error());
 }
 
-static void rope_graph_run(kvt_backend_kind backend, uint64_t seed, void *stream) {
+/* The emitted lists of both twins are the same (TOKENS: every row and length; CSR: the offsets
+ * and the entries they cover), and the dense flags. */
+static void gt_same(const gt_twin *a, const gt_twin *g, int step, bool planned) {
+    int32_t la[2 * RR_MAXH + 1], lg[2 * RR_MAXH + 1];
+    uint8_t da[2], dg[2];
+    cr_assert_eq(kvt_buffer_read(a->lbuf, 0, la, sizeof(int32_t) * a->n_len), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(g->lbuf, 0, lg, sizeof(int32_t) * g->n_len), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(a->dbuf, 0, da, 2), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(g->dbuf, 0, dg, 2), KVT_OK);
+    for (uint32_t j = 0; j < a->n_len; j++)
+        cr_assert_eq(la[j], lg[j], "step %d (%s): %s[%u] %d eager, %d graph", step,
+                     planned ? "replay" : "eager",
+                     a->layout == KVT_EMIT_TOKENS ? "length" : "indptr", j, la[j], lg[j]);
+    cr_assert(da[0] == dg[0] && da[1] == dg[1], "step %d: dense flags", step);
+    const uint32_t used = a->layout == KVT_EMIT_TOKENS ? 2 * GT_TOPK : (uint32_t)la[a->n_len - 1];
+    cr_assert_leq(used, a->cap);
+    int32_t *ia = malloc(sizeof(int32_t) * a->cap), *ig = malloc(sizeof(int32_t) * a->cap);
+    cr_assert_eq(kvt_buffer_read(a->ibuf, 0, ia, sizeof(int32_t) * used), KVT_OK);
+    cr_assert_eq(kvt_buffer_read(g->ibuf, 0, ig, sizeof(int32_t) * used), KVT_OK);
+    cr_assert(memcmp(ia, ig, sizeof(int32_t) * used) == 0, "step %d (%s): lists differ", step,
+              planned ? "replay" : "eager");
+    free(ia);
+    free(ig);
+}
+
+static void rope_graph_run(bool mla, kvt_emit_layout layout, kvt_backend_kind backend,
+                           uint64_t seed, void *stream) {
     gt_twin a, g;
-    gt_open(&a, backend, seed);
-    gt_open(&g, backend, seed);
+    gt_open(&a, mla, layout, backend, seed);
+    gt_open(&g, mla, layout, backend, seed);
     kvt__backend *be = kvt__batch_backend(g.b);
     cr_assert(be->ops->capture_begin && be->ops->capture_end && be->ops->graph_launch);
-    const size_t qf = (size_t)a.x.sp.n_q_heads * a.x.QW, slot = (size_t)a.x.sp.row_bytes;
+    const size_t qf = (size_t)a.x.sp.n_q_heads * a.x.QW;
+    const size_t slot = (size_t)a.x.H * a.x.sp.row_bytes;
     float *q = calloc(2 * qf, sizeof(float));
     uint8_t *rows = malloc(2 * slot);
-    int32_t *ia = malloc(sizeof(int32_t) * 2 * GT_TOPK), *ig = malloc(sizeof(int32_t) * 2 * GT_TOPK);
     void *graph = NULL;
     uint32_t replays = 0, eager = 0, replay_fetch = 0;
     tu_rng rg = {seed ^ 0x5eed};
@@ -2772,22 +2813,7 @@ static void rope_graph_run(kvt_backend_kind backend, uint64_t seed, void *stream
             eager++;
         }
         gt_sync(stream);
-        int32_t la[2], lg[2];
-        uint8_t da[2], dg[2];
-        cr_assert_eq(kvt_buffer_read(a.lbuf, 0, la, sizeof la), KVT_OK);
-        cr_assert_eq(kvt_buffer_read(g.lbuf, 0, lg, sizeof lg), KVT_OK);
-        cr_assert_eq(kvt_buffer_read(a.dbuf, 0, da, 2), KVT_OK);
-        cr_assert_eq(kvt_buffer_read(g.dbuf, 0, dg, 2), KVT_OK);
-        cr_assert_eq(kvt_buffer_read(a.ibuf, 0, ia, sizeof(int32_t) * 2 * GT_TOPK), KVT_OK);
-        cr_assert_eq(kvt_buffer_read(g.ibuf, 0, ig, sizeof(int32_t) * 2 * GT_TOPK), KVT_OK);
-        for (int i = 0; i < 2; i++) {
-            cr_assert_eq(la[i], lg[i], "step %d request %d (%s): length %d eager, %d graph", step,
-                         i, planned ? "replay" : "eager", la[i], lg[i]);
-            cr_assert_eq(da[i], dg[i], "step %d request %d: dense flag", step, i);
-            cr_assert(memcmp(ia + i * GT_TOPK, ig + i * GT_TOPK, sizeof(int32_t) * GT_TOPK) == 0,
-                      "step %d request %d (%s): rows differ", step, i,
-                      planned ? "replay" : "eager");
-        }
+        gt_same(&a, &g, step, planned);
         gt_commit(&a);
         gt_commit(&g);
         kvt__recall_state sa, sg;
@@ -2796,8 +2822,10 @@ static void rope_graph_run(kvt_backend_kind backend, uint64_t seed, void *stream
         cr_assert(memcmp(&sa, &sg, sizeof sa) == 0, "step %d: trigger state differs", step);
         replay_fetch += planned && !sg.last_dense && sg.last_fired > 0;
     }
-    cr_log_info("RoPE graph twin (%s): %u replays, %u eager steps, %u replays fetched rows",
-                kvt_ctx_backend_name(g.x.ctx), replays, eager, replay_fetch);
+    cr_log_info("RoPE graph twin (%s, %s, layout %d): %u replays, %u eager steps, %u replays "
+                "fetched rows",
+                kvt_ctx_backend_name(g.x.ctx), mla ? "MLA-RoPE" : "GQA-RoPE", (int)layout,
+                replays, eager, replay_fetch);
     cr_assert_geq(replays, 100u, "%u replays, %u eager steps", replays, eager);
     cr_assert_geq(eager, 5u, "rounds ran eagerly: %u", eager);
     cr_assert_geq(replay_fetch, 10u, "replayed steps that fetched rows: %u", replay_fetch);
@@ -2805,25 +2833,30 @@ static void rope_graph_run(kvt_backend_kind backend, uint64_t seed, void *stream
         be->ops->graph_free(be, graph);
     free(q);
     free(rows);
-    free(ia);
-    free(ig);
     gt_close(&a);
     gt_close(&g);
 }
 
+/* Every layout a RoPE recall plans with. */
+static void rope_graph_all(kvt_backend_kind backend, uint64_t seed, void *stream) {
+    rope_graph_run(true, KVT_EMIT_TOKENS, backend, seed, stream);
+    rope_graph_run(true, KVT_EMIT_CSR, backend, seed + 1, stream);
+    rope_graph_run(false, KVT_EMIT_CSR_KV_HEADS, backend, seed + 2, stream);
+}
+
 Test(rope_graph, replays_equal_the_eager_twin_cpu, .timeout = 240) {
-    rope_graph_run(KVT_BACKEND_CPU, 6060, NULL);
+    rope_graph_all(KVT_BACKEND_CPU, 6060, NULL);
 }
 
 Test(rope_graph, replays_equal_the_eager_twin_guarded, .timeout = 240) {
-    rope_graph_run(KVT_BACKEND_GUARDED, 6161, NULL);
+    rope_graph_all(KVT_BACKEND_GUARDED, 6161, NULL);
 }
 
 /* On a device: a real CUDA graph over a non-blocking stream (skips without one). */
 Test(rope_graph, replays_equal_the_eager_twin_cuda, .timeout = 240) {
 #if KVT_HAVE_CUDA
     cudaStream_t s = tu_cuda_stream();
-    rope_graph_run(KVT_BACKEND_CUDA, 6262, s);
+    rope_graph_all(KVT_BACKEND_CUDA, 6262, s);
     cudaStreamDestroy(s);
 #else
     if (getenv("KVT_REQUIRE_GPU"))

@@ -2599,6 +2599,8 @@ __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, b
             lengths[q.len_at] = (int32_t)pl.count;
         }
     }
+    if (q.count_only) /* another op writes this list */
+        return;
     int32_t *o = indices + pl.out;
     const uint64_t count = pl.count;
     /* padding, and every row when the set is dense */
@@ -2645,7 +2647,8 @@ __global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_c
  * reads indptr[i], which its loop wrote: the same value). */
 __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan, uint32_t n_max,
                                kvt__div32 pd, bool csr, bool first_csr, int32_t *indices,
-                               int32_t *lengths, int32_t *indptr, uint8_t *dense_out) {
+                               int32_t *lengths, int32_t *indptr, uint8_t *dense_out,
+                               uint32_t dense_stride) {
     const uint32_t n = *n_plan;
     if (csr && first_csr && blockIdx.x == 0 && threadIdx.x == 0)
         indptr[0] = 0;
@@ -2668,8 +2671,8 @@ __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan
         out = s_sum[0];
     }
     const PackPlan pl = pack_plan_dev(q, out);
-    if (dense_out && threadIdx.x == 0)
-        dense_out[blockIdx.x] = pl.all ? 1 : 0;
+    if (dense_out && threadIdx.x == 0) /* a request's queries all write its same flag */
+        dense_out[blockIdx.x / dense_stride] = pl.all ? 1 : 0;
     pack_body(q, blockIdx.x, pd, csr, first_csr, pl, true, indices, lengths, indptr);
 }
 
@@ -2679,7 +2682,7 @@ kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream
         if (s == KVT_OK)
             k_pack_planned<<<a->n_max ? a->n_max : 1, kThreads, 0, strm(stream)>>>(
                 a->q_plan, a->n_plan, a->n_max, *a->pdiv, a->csr, a->first_csr, a->indices,
-                a->lengths, a->indptr, a->dense_out);
+                a->lengths, a->indptr, a->dense_out, a->dense_stride ? a->dense_stride : 1u);
         return op_end(be, stream, s);
     }
     kvt_status s = op_begin(be, stream);
