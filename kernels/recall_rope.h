@@ -318,12 +318,14 @@ typedef struct kvt__recall_rope_plan_args {
 } kvt__recall_rope_plan_args;
 
 /* An item within the plan's bound: no more KV heads, query heads a KV head, key values, branch
- * values, archived rows a head, samples or rank per head; capped only where the bound is. */
+ * values, archived rows a head, samples or rank per head, group blocks' rows or centre values;
+ * capped only where the bound is. */
 KVT_HD int kvt__recall_rope_plan_fits(const kvt__recall_rope_args *b,
                                       const kvt__recall_rope_args *x) {
     if (x->n_kv > b->n_kv || x->group > b->group || x->D > b->D ||
         x->branch_dim > b->branch_dim || x->ar_n > b->ar_n || x->sample_cap > b->sample_cap ||
-        (x->capped && !b->capped))
+        (x->capped && !b->capped) ||
+        (x->g_perm && !(b->g_perm && x->g_B <= b->g_B && x->g_dim <= b->g_dim)))
         return 0;
     for (uint32_t h = 0; h < x->n_kv; h++)
         if (x->rank[h] > b->rank[h])

@@ -258,10 +258,12 @@ bool kvt__ctx_rope_bound(const kvt_ctx *ctx, uint32_t layer, kvt__recall_rope_ar
         a->rank[h] = stride;
     static uint32_t planes_on; /* the pruned scan's share: any non-NULL plane */
     const uint32_t B = ctx->cfg.block_rows;
+    a->branch_dim = sp->n_planes == 1 ? sp->branch_dim : 0; /* MLA-RoPE's rotated branch */
     if (B >= 64u && (B & (B - 1u)) == 0) {
         a->g_perm = &planes_on;
         a->g_B = B;
-        a->branch_dim = sp->n_planes == 1 ? sp->branch_dim : 0;
+        a->g_dim = a->branch_dim + stride; /* rope_groups_reserve's centres */
+        a->g_blocks_cap = a->ar_n / B;
     }
     return true;
 }

@@ -2864,3 +2864,38 @@ Test(rope_graph, replays_equal_the_eager_twin_cuda, .timeout = 240) {
     cr_skip_test("built without CUDA");
 #endif
 }
+
+/* The bound a planned RoPE step's launch and workspace are sized by (kvt__ctx_rope_bound) holds
+ * the group planes' shape — blocks of config.block_rows rows, centres of branch + stride values,
+ * max_rows / block_rows blocks — so a request's item fits it, and an item with larger blocks or
+ * centres does not (the CUDA op would otherwise build groups in too small a scratch). */
+Test(rope_graph, bound_holds_the_group_planes) {
+    kvt_config cfg = rr_cfg(32, 8, 16);
+    cfg.recall = KVT_RECALL_CONFORMAL;
+    const uint32_t rank[2] = {32, 16};
+    rr x;
+    g_max_seqs = 2;
+    g_max_rows = GT_TOPK;
+    rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_CPU, 77);
+    g_max_seqs = g_max_rows = 0;
+    kvt__recall_rope_args b, it;
+    cr_assert(kvt__ctx_rope_bound(x.ctx, 0, &b));
+    cr_assert_not_null(b.g_perm);
+    cr_assert_eq(b.g_B, cfg.block_rows);
+    cr_assert_eq(b.g_dim, b.branch_dim + x.stride);
+    cr_assert_eq(b.g_blocks_cap, (uint64_t)GT_TOPK / cfg.block_rows);
+    for (int s = 0; s < 40; s++)
+        rr_step(&x, 1, true);
+    static const float q;
+    cr_assert_eq(kvt__seq_rope_recall_item(x.seq, 0, &q, NULL, &it), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_not_null(it.g_perm);
+    cr_assert(kvt__recall_rope_plan_fits(&b, &it));
+    kvt__recall_rope_args big = it;
+    big.g_dim = b.g_dim + 1;
+    cr_assert(!kvt__recall_rope_plan_fits(&b, &big), "wider centres than the bound's");
+    big = it;
+    big.g_B = 2 * b.g_B;
+    cr_assert(!kvt__recall_rope_plan_fits(&b, &big), "larger blocks than the bound's");
+    rr_fini(&x);
+}

@@ -2080,10 +2080,13 @@ __device__ void rope_finish_item(const Items &p, const ScanWs &w, uint32_t KV, u
     kvt__div32 a_div;
     const int got = p.get(r, a, a_div);
     if (got == kItemBad && threadIdx.x == 0 && a.st) {
-        /* a planned item the device cannot run: its step attends every row (never a wrong set) */
-        a.st->last_dense = 1;
+        /* a planned item the device cannot run: its step attends every row (never a wrong set);
+         * a host archive's, whose lists ignore the dense flag, only its held rows (no fetch) */
+        a.st->last_dense = a.capped ? 0u : 1u;
+        for (uint32_t h = 0; a.n_fired && h < a.n_kv && h < KVT__RECALL_ROPE_MAX_KV; h++)
+            a.n_fired[h] = 0;
         if (a.dense)
-            *a.dense = 1;
+            *a.dense = a.capped ? 0 : 1;
     }
     if (got != kItemOk)
         return;
@@ -2333,8 +2336,10 @@ static_assert(sizeof(RopeEmitParams) <= 32000, "kernel parameters above CUDA's 3
 
 /* One request's lists: kvt__recall_rope_emit_cpu's, in its order, by the whole block. Every
  * thread walks the heads alike (the counts are device values every thread reads), each writes
- * its share. */
-__device__ void rope_emit_one(kvt__recall_rope_emit_args a) {
+ * its share. offsets false (a planned step's chained lists): the indptr entries are the planned
+ * pack's (the same values), left as they are, since the next request's block reads its start
+ * from them concurrently. */
+__device__ void rope_emit_one(kvt__recall_rope_emit_args a, bool offsets) {
     const bool dense = !a.capped && (a.all || a.st->last_dense != 0);
     const size_t rb = a.row_bytes;
     uint64_t o = a.chain ? (uint64_t)a.indptr[0] : a.out;
@@ -2342,7 +2347,7 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a) {
     __syncthreads(); /* every thread read indptr[0] before thread 0 rewrites it */
     if (o + (uint64_t)a.n_kv * (a.n_rows + a.ar_n) > a.capacity) {
         if (threadIdx.x == 0) {
-            for (uint32_t h = 0; !a.length && h <= a.n_kv; h++)
+            for (uint32_t h = 0; offsets && !a.length && h <= a.n_kv; h++)
                 a.indptr[h] = (int32_t)o;
             if (a.length)
                 *a.length = 0;
@@ -2350,7 +2355,7 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a) {
         return;
     }
     for (uint32_t h = 0; h < a.n_kv; h++) {
-        if (!a.length && threadIdx.x == 0)
+        if (offsets && !a.length && threadIdx.x == 0)
             a.indptr[h] = (int32_t)o;
         for (uint64_t r = threadIdx.x; r < a.n_rows; r += blockDim.x)
             a.indices[o + r] = kvt__page_slot(a.pages, a.first_page, a.pdiv, (uint32_t)r);
@@ -2379,7 +2384,8 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a) {
             a.indices[o] = -1;
         return;
     }
-    a.indptr[a.n_kv] = (int32_t)o;
+    if (offsets)
+        a.indptr[a.n_kv] = (int32_t)o;
 }
 
 /* The call's requests: one block each, or (serial: chained lists) one block taking them in
@@ -2387,7 +2393,7 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a) {
 __global__ void k_rope_emit(const RopeEmitParams p, bool serial) {
     for (uint32_t i = serial ? 0u : blockIdx.x; i < (serial ? p.n : blockIdx.x + 1u); i++) {
         JOB_ARGS(kvt__recall_rope_emit_args, p, i);
-        rope_emit_one(a);
+        rope_emit_one(a, true);
         __syncthreads(); /* the next request reads what thread 0 wrote */
     }
 }
@@ -2423,7 +2429,7 @@ __global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
         kvt__recall_rope_emit_args x;
         kvt__div32 d;
         if (kvt__recall_rope_emit_plan_item_args(&a, i, &x, &d))
-            rope_emit_one(x);
+            rope_emit_one(x, false);
         __syncthreads();
     }
 }
