@@ -7,8 +7,8 @@
  * (and acceptances the contract refuses), prompt changes, batches destroyed before their run,
  * the inspection calls, and snapshots: taken (refused inside a step), restored into a free
  * request slot (as they are, with a byte flipped, or cut short), replacing the original; steps
- * planned on the device (kvt_batch_plan_device, one fixed TOKENS emission per batch) whose runs
- * pass that emission or another one (refused).
+ * planned on the device (kvt_batch_plan_device, one fixed emission per batch: TOKENS, CSR or
+ * CSR_KV_HEADS) whose runs pass that emission or another one (refused).
  *
  * After every call: its status is in the set kvtier.h documents for it (KVT_ERR_INVARIANT never
  * is), and kvt_seq_check of every live request is KVT_OK (KVT_ERR_BAD_STATE allowed only for a
@@ -36,8 +36,10 @@ typedef struct fbatch {
     uint32_t tok[MAX_SEQS], drafts[MAX_SEQS];
     bool ran[N_LAYERS];
     bool planned; /* the step was planned on the device, for pe */
-    kvt_emit pe;  /* the batch's planned emission (TOKENS, PLAN_TOPK a request) */
-    int32_t pidx[MAX_SEQS * PLAN_TOPK], plen[MAX_SEQS];
+    bool pe_set;  /* pe chosen (at the batch's first plan on the device: fixed for its life) */
+    kvt_emit pe;  /* the batch's planned emission (TOKENS: PLAN_TOPK a request; CSR and
+                   * CSR_KV_HEADS: PLAN_TOPK a request and KV head, at most 2 heads) */
+    int32_t pidx[MAX_SEQS * PLAN_TOPK * 2], plen[MAX_SEQS], pptr[MAX_SEQS * 2 + 1];
     uint8_t pdense[MAX_SEQS];
 } fbatch;
 
@@ -358,10 +360,23 @@ static void op_plan(fuzz_state *f) {
         FUZZ_REQUIRE(s == KVT_ERR_BAD_STATE, "plan without a reservation accepted");
     if (s == KVT_OK && b->phase == 1) {
         b->phase = 2;
-        if (fuzz_u8(&f->in) & 1) { /* and on the device */
-            b->pe = (kvt_emit){.struct_size = sizeof b->pe, .layout = KVT_EMIT_TOKENS,
-                               .indices = b->pidx, .capacity = PLAN_TOPK, .lengths = b->plen,
-                               .dense = b->pdense};
+        const uint8_t how = fuzz_u8(&f->in);
+        if ((how & 1) && !b->pe_set) { /* the batch's emission, in one of the layouts */
+            static const kvt_emit_layout lay[3] = {KVT_EMIT_TOKENS, KVT_EMIT_CSR,
+                                                   KVT_EMIT_CSR_KV_HEADS};
+            const kvt_emit_layout layout = lay[(how >> 1) % 3];
+            b->pe = (kvt_emit){.struct_size = sizeof b->pe, .layout = layout,
+                               .indices = b->pidx, .dense = b->pdense};
+            if (layout == KVT_EMIT_TOKENS) {
+                b->pe.capacity = PLAN_TOPK;
+                b->pe.lengths = b->plen;
+            } else {
+                b->pe.capacity = MAX_SEQS * PLAN_TOPK * 2;
+                b->pe.indptr = b->pptr;
+            }
+            b->pe_set = true;
+        }
+        if (how & 1) { /* and on the device */
             bool planned = false;
             s = kvt_batch_plan_device(b->h, &b->pe, 1, NULL, &planned);
             FUZZ_STATUS("kvt_batch_plan_device", s, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY);
@@ -442,7 +457,9 @@ static void op_run(fuzz_state *f) {
         b->ran[l] = true;
     }
     if (s == KVT_OK && b->phase >= 2 && planned_run && has_kv(l))
-        check_emission(f, &b->pe, b->n);
+        check_emission(f, &b->pe, b->pe.layout == KVT_EMIT_CSR_KV_HEADS
+                                      ? b->n * kvt_model_layer(f->model, l)->n_kv_heads
+                                      : b->n);
     else if (s == KVT_OK && b->phase >= 2 && !planned_run)
         check_emission(f, &e, b->n ? n_q : 0);
     free(e.indices);
@@ -487,6 +504,7 @@ static void op_batch_recreate(fuzz_state *f) {
     kvt_batch_destroy(b->h);
     step_done(f, b);
     kvt_status s = kvt_batch_create(f->ctx, max_seqs, &b->h);
+    b->pe_set = false; /* a new batch plans its own emission */
     FUZZ_STATUS("kvt_batch_create", s, KVT_ERR_OUT_OF_MEMORY);
     FUZZ_REQUIRE(s == KVT_OK, "batch create");
 }
