@@ -195,6 +195,11 @@ typedef struct kvt__recall_plan_item {
     kvt__recall_step_args a;
     kvt__div32 div;
     uint64_t q_off; /* floats from kvt__recall_plan_args.query to this item's queries */
+    /* The lagged query (config.recall_lagged_query): lag, the request's buffer of the previous
+     * step's queries (NULL: none); lag_use 1: the step scans with lag's queries instead of its
+     * own. After the step the op copies the step's own queries into lag (the next step's). */
+    float *lag;
+    uint32_t lag_use;
 } kvt__recall_plan_item;
 
 /* The planned recall step of one layer (kvt__backend_ops.recall_step_planned): its work items

@@ -378,6 +378,15 @@ static kvt_status cpu_recall_step_planned(const kvt__backend *be, const kvt__rec
         (void)kvt__recall_plan_item_args(a, i, &x, &d);
         kvt__recall_step_cpu(&x, scratch);
     }
+    /* lagged queries: each step's own queries become its request's next ones (after every
+     * step: an item's lag buffer is its own) */
+    for (uint32_t i = 0; i < n; i++) {
+        const kvt__recall_plan_item *it = &a->items[i];
+        const kvt__recall_scan_args *s = &it->a.scan;
+        if (it->lag)
+            memcpy(it->lag, a->query + it->q_off,
+                   sizeof(float) * s->n_heads * (s->latent_dim + s->branch_dim));
+    }
     if (owned)
         kvt__free(be->alloc, scratch, need * sizeof(float));
     return KVT_OK;
@@ -1370,6 +1379,10 @@ static kvt_status g_recall_step_planned(const kvt__backend *be, const kvt__recal
         kvt__div32 d;
         s = kvt__recall_plan_item_args(a, i, &x, &d) ? g_step_owns(be, &x)
                                                     : KVT_ERR_INVALID_ARGUMENT;
+        const size_t qf = (size_t)x.scan.n_heads * (x.scan.latent_dim + x.scan.branch_dim);
+        if (s == KVT_OK && a->items[i].lag && !guard_owns(be->impl, a->items[i].lag,
+                                                            sizeof(float) * qf))
+            s = KVT_ERR_INVARIANT; /* the lagged query's buffer is the backend's too */
     }
     if (s == KVT_OK)
         s = cpu_recall_step_planned(be, a, stream);

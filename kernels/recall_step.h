@@ -122,19 +122,20 @@ KVT_HD int kvt__recall_plan_fits(const kvt__recall_step_args *b, const kvt__reca
 }
 
 /* Planned item i of a (kvt__recall_plan_args) as recall_step takes it, on every backend: its
- * arguments with the queries at a->query + q_off and its divider copied into *div
- * (x->scan.pdiv = div); false when the queries lie past the query buffer, or the item breaks
- * the argument rules or the plan's bound. */
+ * arguments with the queries at a->query + q_off (its lagged ones at lag when lag_use) and its
+ * divider copied into *div (x->scan.pdiv = div); false when the queries lie past the query
+ * buffer, or the item breaks the argument rules or the plan's bound. */
 KVT_HD int kvt__recall_plan_item_args(const kvt__recall_plan_args *a, uint32_t i,
                                       kvt__recall_step_args *x, kvt__div32 *div) {
     const kvt__recall_plan_item *it = &a->items[i];
     *x = it->a;
     *div = it->div;
     x->scan.pdiv = div;
-    x->scan.q = a->query ? a->query + it->q_off : NULL;
+    x->scan.q = it->lag_use ? it->lag : a->query ? a->query + it->q_off : NULL;
     const size_t qf = (size_t)x->scan.n_heads * (x->scan.latent_dim + x->scan.branch_dim);
     return a->query && it->q_off <= a->query_floats && qf <= a->query_floats - it->q_off &&
-           kvt__recall_step_args_ok(x) && kvt__recall_plan_fits(&a->bound, x);
+           (!it->lag_use || it->lag) && kvt__recall_step_args_ok(x) &&
+           kvt__recall_plan_fits(&a->bound, x);
 }
 
 /* Floats of scratch kvt__recall_step_cpu takes for this work item. */

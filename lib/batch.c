@@ -758,12 +758,25 @@ static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *ou
  * *has false when the request has nothing to recall from there this step. false when the item
  * breaks the argument rules or the layer's bound (plan_bound; the step is then not plannable). */
 static bool plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                             const kvt__recall_step_args *bound, kvt__recall_plan_item *it,
-                             bool *has) {
+                             const kvt__recall_step_args *bound, bool first,
+                             kvt__recall_plan_item *it, bool *has) {
     static const float no_query; /* a placeholder: the op reads the run's query + q_off */
     *has = kvt__seq_recall_item(b->seqs[i], l, &no_query, e->dense ? e->dense + i : NULL, &it->a);
     if (!*has)
         return true;
+    /* config.recall_lagged_query: the op scans with the lagged buffer once it holds a query
+     * (lag_has when the step was first planned), then copies the step's queries into it */
+    kvt__recall_layer *r = &b->seqs[i]->recall[l];
+    it->lag = r->lag_q;
+    if (r->lag_q) {
+        if (first) {
+            r->lag_plan_use = r->lag_has;
+            r->lag_plan_item = 1;
+        }
+        r->last_lagged = r->lag_plan_use;
+        r->lag_next = NULL; /* no eager copy: the planned op's */
+    }
+    it->lag_use = r->lag_q ? r->lag_plan_use : 0;
     it->div = *it->a.scan.pdiv;
     it->q_off = (uint64_t)i * query_floats(b->ctx, l);
     const bool ok = kvt__recall_plan_ok(bound, &it->a);
@@ -931,7 +944,7 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
             }
             bool has = false;
             if (b->recall_way[i] == RECALL_FETCH &&
-                !plan_recall_item(b, i, l, e, &bound, &items[n_recall], &has)) {
+                !plan_recall_item(b, i, l, e, &bound, fits != NULL, &items[n_recall], &has)) {
                 if (fits) {
                     *fits = false;
                     return KVT_OK;
@@ -1090,6 +1103,14 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
      * recalls: the recall step writes the others'). */
     bool fits = true;
     kvt_status s = plan_fill(b, emits, n_emits, stream, true, &fits);
+    /* lagged queries: a planned step's op fills the buffers of the requests it planned */
+    for (uint32_t i = 0; i < b->n_seqs; i++)
+        for (uint32_t l = 0; b->seqs[i] && b->seqs[i]->recall && l < L; l++) {
+            kvt__recall_layer *r = &b->seqs[i]->recall[l];
+            if (r->lag_plan_item && s == KVT_OK && fits)
+                r->lag_has = 1;
+            r->lag_plan_item = 0;
+        }
     if (s != KVT_OK || !fits)
         return s;
     memset(b->dense, 0, b->n_seqs);

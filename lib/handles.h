@@ -117,8 +117,7 @@ kvt_status kvt__seq_mirror_sync(kvt_seq *seq, uint32_t layer, const kvt__backend
 /* The layer's run has no device work for the request this step but what a planned step can
  * do (kvt_batch_plan_device): no close or round due (kvt__policy_ops.step_due; its commit then
  * does the step's policy work), and no recall unless recall_planned (the layer's planned recall
- * ops, NoPE or RoPE) and the request's trigger is one a plan can hold (one token; NoPE: no
- * lagged query). */
+ * ops, NoPE or RoPE) and the request's trigger is one a plan can hold (one token). */
 bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer, bool recall_planned);
 /* The attended set of the layer during the step for a query token that sees the first `visible`
  * of the step's rows (>= the pending count: all of them), described in O(1) into q (its desc,

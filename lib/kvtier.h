@@ -1011,9 +1011,9 @@ typedef struct kvt_emit {
 
 /* CUDA graphs: plan the step's emission on the device. After kvt_batch_plan and before any run,
  * for a step in which no layer's run has host-decided work of its own — no request with drafts,
- * none with several tokens on a recalling layer, none that recalls on a RoPE layer or with
- * config.recall_lagged_query, no block close or eviction round due (the commit does the step's
- * policy work then: the same decisions) — write every layer's attended-set descriptions (and
+ * none with several tokens on a recalling layer, no block close or eviction round due (the
+ * commit does the step's policy work then: the same decisions) — write every layer's
+ * attended-set descriptions (and
  * the page tables' new entries, the salience layers' recall steps, and 0 into the emissions'
  * dense flags where no request recalls) into the batch's plan buffer in the backend's memory,
  * on stream. Each kvt_batch_run of the step then enqueues, on a layer that plans recall, one
@@ -1038,7 +1038,8 @@ typedef struct kvt_emit {
  * layer where requests may recall (random eviction's archive with recall_sketch_rank) plans its
  * RoPE recall the same way: the planned trigger, the pack, then the planned emission of the
  * recalling requests' lists (TOKENS on an MLA-RoPE layer, CSR, or CSR_KV_HEADS, their lists
- * placed by the device's counts).
+ * placed by the device's counts). With config.recall_lagged_query the planned recall step scans
+ * with the kept queries and then keeps the step's own, as an eager run does.
  *
  * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
  * n_emits = n_layers), TOKENS, CSR or CSR_KV_HEADS with one query per request; a run of a

@@ -1140,8 +1140,7 @@ bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer, bool recall_planned) {
     kvt_ctx *ctx = seq->ctx;
     if (kvt__seq_recalls_rope(seq, layer) && (!recall_planned || seq->n_pending > 1))
         return false;
-    if (kvt__seq_recalls(seq, layer) &&
-        (!recall_planned || seq->recall[layer].lag_q || seq->n_pending > 1))
+    if (kvt__seq_recalls(seq, layer) && (!recall_planned || seq->n_pending > 1))
         return false;
     const kvt__policy_ops *ops = ops_of(ctx, layer);
     if (!ops->layer_step || seq->n_pending == 0)

@@ -53,6 +53,11 @@ typedef struct kvt__recall_layer {
     uint32_t lag_floats;
     uint8_t lag_has, last_lagged;
     const float *lag_next;
+    /* A planned step (kvt_batch_plan_device): lag_plan_use, whether its item scans with lag_q
+     * (lag_has when the step was planned, kept for a rewrite of the same plan); lag_plan_item,
+     * the item was written (lag_has is set once the whole step is planned: the planned op copies
+     * the step's queries into lag_q itself). */
+    uint8_t lag_plan_use, lag_plan_item;
 } kvt__recall_layer;
 
 /* Allocate the buffer for n_heads query heads, a fetch cap of `cap` rows and a promoted set of

@@ -44,8 +44,8 @@
 #     count-only lists, planned emission) replayed over the later planned steps equals the eager
 #     twin: lists, offsets, dense flags, trigger state.
 #
-# Not yet covered on the device (the CUDA issue): capture of steps with a close or round due or
-# a lagged query (those run eagerly); fp8 rows on eviction layers.
+# Not yet covered on the device (the CUDA issue): capture of steps with a close or round due
+# (those run eagerly, as the issue allows); fp8 rows on eviction layers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}

@@ -12,7 +12,8 @@
  * promotion (CSR, whose offsets follow the device's counts) replay the eager twin's sets, dense
  * flags and recall counters with the same queries. Refusals: an unplanned run inside a capture,
  * plan_device at the wrong time or with a bad emission, a run with another emission, drafts, a
- * planned recall run without its query, a lagged query (not plannable).
+ * planned recall run without its query; a lagged query plans (its replays equal the eager
+ * twin's, queries aimed every step).
  */
 #include <criterion/criterion.h>
 
@@ -46,6 +47,9 @@ static const scenario PLAIN = {KVT_RECALL_OFF, 0, KVT_EMIT_TOKENS, false, false,
 static const scenario CONFORMAL = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, false, false, false};
 static const scenario MARGIN_PROMOTE = {KVT_RECALL_MARGIN, 8, KVT_EMIT_CSR, false, false, false};
 static const scenario SHARED_EMIT = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, false, true, false};
+/* Conformal recall with config.recall_lagged_query: each replayed step scans with the previous
+ * step's queries, which the planned op copied into the request's buffer after its step. */
+static const scenario LAGGED = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, true, false, false};
 
 typedef struct twin {
     kvt_ctx *ctx;
@@ -55,7 +59,7 @@ typedef struct twin {
     kvt_buffer *dense, *query;     /* layer 0's dense flags [NQ]; queries [NQ][QH][QD] */
     kvt_emit e[NL];
     uint64_t pos[NQ]; /* rows written so far */
-    bool recall, shared;
+    bool recall, shared, lagged;
     tu_rng g;         /* the rows' and queries' draws (the same in both twins) */
     uint8_t *rows;    /* salience rows written, [NQ][MAXR][1152] (recall scenarios) */
 } twin;
@@ -77,6 +81,7 @@ static bool twin_open_sc(twin *t, kvt_model *m, kvt_backend_kind k, const scenar
                          size_t why_len) {
     memset(t, 0, sizeof *t);
     t->recall = sc->recall != KVT_RECALL_OFF;
+    t->lagged = sc->lagged;
     t->g.s = SEED;
     kvt_config c = kvt_config_default();
     c.block_rows = 64;
@@ -177,7 +182,10 @@ static void write_queries(twin *t, uint32_t step) {
             float *qh = q + ((size_t)i * QH + h) * QD;
             for (uint32_t d = 0; d < QD; d++)
                 qh[d] = (float)(0.05 * tu_normal(&t->g));
-            if (step % 4 == 0 && t->pos[i] > 80) {
+            /* aimed at a random early row every 4th step (a lagged query: every step, so a step
+             * that scanned with its own queries instead of the previous step's would fire
+             * other rows) */
+            if ((t->lagged || step % 4 == 0) && t->pos[i] > 80) {
                 const uint64_t u = 8 + tu_next(&t->g) % (t->pos[i] - 72);
                 const uint8_t *row = t->rows + ((size_t)i * MAXR + u) * 1152;
                 for (uint32_t d = 0; d < 512; d++)
@@ -336,6 +344,9 @@ static void graph_equals_eager_sc(kvt_backend_kind k, void *stream, const scenar
             cr_assert_eq(x.recall_fired_rows, y.recall_fired_rows);
             cr_assert_eq(x.recall_fetched_rows, y.recall_fetched_rows);
             cr_assert_eq(x.recall_z, y.recall_z);
+            cr_assert_eq(x.recall_last_lagged, sc->lagged, "request %u: lagged %d", i,
+                         (int)x.recall_last_lagged);
+            cr_assert_eq(y.recall_last_lagged, sc->lagged);
             cr_assert_eq(x.recall_promotions, y.recall_promotions);
             cr_assert_eq(x.recall_demotions, y.recall_demotions);
             cr_assert_gt(y.recall_steps, STEPS / 2);
@@ -384,6 +395,14 @@ Test(graph, recall_shared_emission_replays_equal_eager_steps_guarded, .timeout =
     graph_equals_eager_sc(KVT_BACKEND_GUARDED, NULL, &SHARED_EMIT);
 }
 
+Test(graph, recall_lagged_query_replays_equal_eager_steps_guarded, .timeout = 240) {
+    graph_equals_eager_sc(KVT_BACKEND_GUARDED, NULL, &LAGGED);
+}
+
+Test(graph, recall_lagged_query_replays_equal_eager_steps_cpu, .timeout = 240) {
+    graph_equals_eager_sc(KVT_BACKEND_CPU, NULL, &LAGGED);
+}
+
 Test(graph, replays_equal_eager_steps_guarded, .timeout = 240) {
     graph_equals_eager(KVT_BACKEND_GUARDED, NULL);
 }
@@ -398,6 +417,7 @@ Test(graph, replays_equal_eager_steps_cuda, .timeout = 240) {
     cudaStream_t s = tu_cuda_stream();
     graph_equals_eager(KVT_BACKEND_CUDA, s);
     graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &CONFORMAL);
+    graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &LAGGED);
     graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &MARGIN_PROMOTE);
     graph_equals_eager_sc(KVT_BACKEND_CUDA, s, &SHARED_EMIT);
     cudaStreamDestroy(s);
@@ -517,8 +537,8 @@ Test(graph, plan_device_refusals) {
 }
 
 /* A planned step on a layer that plans recall: its run needs the query (a graph replays the
- * recall step over steps that recall); a lagged query is not plannable (its copy into the next
- * step's buffer is a step's own op). */
+ * recall step over steps that recall); a lagged query plans too (the planned op copies the
+ * step's queries into the request's buffer). */
 /* Twin t on the guarded backend for sc, its prompt step committed and a decode step begun
  * (rows and queries written, planned on the host). */
 static void open_at_decode(twin *t, kvt_model *m, const scenario *sc) {
@@ -552,7 +572,7 @@ Test(graph, recall_plan_refusals) {
     const scenario lagged = {KVT_RECALL_CONFORMAL, 0, KVT_EMIT_TOKENS, true, false, false};
     open_at_decode(&t, m, &lagged);
     cr_assert_eq(kvt_batch_plan_device(t.b, t.e, NL, NULL, &planned), KVT_OK);
-    cr_assert_not(planned, "a lagged query is not plannable");
+    cr_assert(planned, "a lagged query is plannable");
     run_eager(&t, NULL);
     commit_checked(&t);
     twin_close(&t);

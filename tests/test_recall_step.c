@@ -39,6 +39,10 @@ static bool g_clustered = false;
 static uint32_t g_promote[3] = {0, 3, 8};
 /* config.recall_lagged_query of the next rig. */
 static bool g_lagged;
+/* The next rig's decode steps planned on the device (kvt_batch_plan_device) where plannable,
+ * with a fixed emission (topk NMAX); its context states max_rows_per_seq. */
+static bool g_planned;
+static uint32_t g_planned_steps; /* decode steps the planned rigs ran planned */
 
 typedef struct rig {
     kvt_model *m;
@@ -48,6 +52,7 @@ typedef struct rig {
     kvt_seq *seq;
     float V[RB * D];
     uint8_t *rows;       /* host copy of every row written, by position */
+    uint32_t max_rows;   /* max_rows_per_seq stated (g_planned): its decode steps are planned */
     uint64_t n;          /* rows committed */
     kvt_buffer *qbuf, *ibuf, *lbuf, *dbuf;
     kvt__conformal conf; /* the oracle's calibration */
@@ -99,6 +104,7 @@ static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t
     r->c.recall_promote_hits = g_promote[1];
     r->c.recall_promote_window = g_promote[2];
     r->c.recall_lagged_query = g_lagged;
+    r->max_rows = g_planned ? NMAX : 0;
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = r->m;
     p.config = &r->c;
@@ -106,6 +112,8 @@ static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t
     p.n_pages = 2 * NMAX / PR;
     p.backend = be;
     p.recall_sketch_rank = RB;
+    if (g_planned)
+        p.max_rows_per_seq = NMAX;
     char err[256];
     cr_assert_eq(kvt_ctx_create(&p, &r->ctx, err, sizeof err), KVT_OK, "%s", err);
     cr_assert(tu_orthonormal_rows(&r->g, RB, D, r->V));
@@ -178,9 +186,17 @@ static void decode(rig *r, const float *q, step_out *o) {
     cr_assert_eq(kvt_batch_capacity(r->b, 0, &topk, NULL), KVT_OK);
     cr_assert_eq(topk, r->n + 1);
     cr_assert_eq(kvt_buffer_write(r->qbuf, 0, q, sizeof(float) * QD * H), KVT_OK);
+    const bool planning = r->c.recall_lagged_query && r->max_rows; /* a planned rig */
+    if (planning)
+        topk = NMAX; /* one emission for every planned step */
     kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
                   .indices = kvt_buffer_ptr(r->ibuf), .capacity = topk,
                   .lengths = kvt_buffer_ptr(r->lbuf), .dense = kvt_buffer_ptr(r->dbuf)};
+    bool planned = false;
+    if (planning)
+        cr_assert_eq(kvt_batch_plan_device(r->b, &e, 1, NULL, &planned), KVT_OK, "%s",
+                     kvt_last_error());
+    g_planned_steps += planned;
     cr_assert_eq(kvt_batch_run(r->b, 0, kvt_buffer_ptr(r->qbuf), NULL, &e), KVT_OK, "%s",
                  kvt_last_error());
     int32_t len;
@@ -1364,13 +1380,15 @@ static void expect_same_step(const lag_out *a, const lag_out *b, uint32_t step) 
  * without it fed q_1, q_1, q_2, ..., q_{T-1}: the same rows, the same queries one step late. Both
  * CPU-side backends; queries aimed at archived rows every third step, so fetches happen (and a
  * row aimed at by q_t only is fetched at t + 1). */
-static void lagged_equals_shifted(kvt_backend_kind be, uint64_t seed) {
+static void lagged_equals_shifted(kvt_backend_kind be, uint64_t seed, bool planned) {
     static float q[3][H * QD]; /* q_{t-1}, q_t */
     rig a, b;
     g_lagged = true;
+    g_planned = planned;
     rig_open(&a, be, KVT_RECALL_CONFORMAL, 4096, 1.0f, seed);
-    g_lagged = false;
+    g_lagged = g_planned = false;
     rig_open(&b, be, KVT_RECALL_CONFORMAL, 4096, 1.0f, seed);
+    g_planned_steps = 0;
     prefill(&a, 64 * 4 + 9);
     prefill(&b, 64 * 4 + 9);
     static lag_out oa, ob;
@@ -1394,18 +1412,28 @@ static void lagged_equals_shifted(kvt_backend_kind be, uint64_t seed) {
     cr_assert_eq(sa.recall_steps, 40u);
     cr_assert_eq(sa.recall_phase, 1, "calibrated");
     cr_assert_gt(fetched_aimed, 0u, "some calibrated step fetched rows");
+    if (planned) /* the lagged request's steps ran as planned ones (closes: eagerly) */
+        cr_assert_geq(g_planned_steps, 30u, "%u of 40 steps planned", g_planned_steps);
     rig_close(&a);
     rig_close(&b);
 }
 
 Test(recall_lag, lagged_request_equals_a_plain_one_fed_the_previous_query_cpu,
      .timeout = 120) {
-    lagged_equals_shifted(KVT_BACKEND_CPU, 808);
+    lagged_equals_shifted(KVT_BACKEND_CPU, 808, false);
+}
+
+/* The same with the lagged request's steps planned on the device (kvt_batch_plan_device: the
+ * planned recall op scans with the kept queries, then keeps the step's own), CPU and guarded. */
+Test(recall_lag, planned_lagged_request_equals_a_plain_one_fed_the_previous_query,
+     .timeout = 240) {
+    lagged_equals_shifted(KVT_BACKEND_CPU, 818, true);
+    lagged_equals_shifted(KVT_BACKEND_GUARDED, 819, true);
 }
 
 Test(recall_lag, lagged_request_equals_a_plain_one_fed_the_previous_query_guarded,
      .timeout = 240) {
-    lagged_equals_shifted(KVT_BACKEND_GUARDED, 809);
+    lagged_equals_shifted(KVT_BACKEND_GUARDED, 809, false);
 }
 
 /* The kept queries travel: a snapshot restored, and a fork, continue the lagged request step for

@@ -1782,6 +1782,22 @@ kvt_status cu_recall_plan_reserve(const kvt__backend *be, const kvt__recall_plan
     return s == KVT_OK && bytes ? plan_ws_get(be, NULL, bytes, &base) : s;
 }
 
+/* After a planned step's finish: each item's own queries into its lagged-query buffer (the
+ * next step's), a row of blocks walking the items. */
+__global__ void k_plan_lag(const PlanItems p) {
+    for (uint32_t i = blockIdx.x; i < p.count(); i += gridDim.x) {
+        kvt__recall_step_args x;
+        kvt__div32 d;
+        const kvt__recall_plan_item &it = p.a.items[i];
+        if (p.get(i, x, d) != kItemOk || !it.lag)
+            continue;
+        const float *src = p.a.query + it.q_off;
+        const size_t qf = (size_t)x.scan.n_heads * (x.scan.latent_dim + x.scan.branch_dim);
+        for (size_t j = threadIdx.x; j < qf; j += blockDim.x)
+            it.lag[j] = src[j];
+    }
+}
+
 kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
                                   void *stream) {
     if (a->n_max == 0)
@@ -1799,6 +1815,7 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
         const uint32_t k = a->n_max < kPlanItems ? a->n_max : kPlanItems;
         uint32_t rx = sh.rows ? rows_grid(sh.rows, k).x : 0u;
         step_launch(items, w, k, sh, rx < kPlanRowBlocks ? rx : kPlanRowBlocks, stream);
+        k_plan_lag<<<k, kThreads, 0, strm(stream)>>>(items); /* items without one: nothing */
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
