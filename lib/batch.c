@@ -15,7 +15,10 @@ struct kvt_batch {
     kvt_batch *prev, *next; /* the context's live batches */
     uint32_t max_seqs, n_seqs;
     kvt_seq **seqs;      /* [max_seqs]; an entry is NULL once its request was destroyed */
-    uint32_t *n_tokens;  /* [max_seqs] */
+    uint32_t *n_tokens;  /* [max_seqs]; 0 once the request was destroyed */
+    uint32_t *n_slots;   /* [max_seqs]: the tokens reserved, kept when the request is destroyed
+                          * mid-step, so that the step's slot_mapping keeps every later token's
+                          * index (its own entries -1) */
     uint32_t *n_drafts;  /* [max_seqs]: the last n_drafts tokens may be rejected at commit */
     /* A run's scratch (allocated with the batch: a run allocates nothing): each request's
      * defer flag and the policy work handed to the layer's table in one call. */
@@ -164,9 +167,10 @@ static kvt_status reserve_workspace(kvt_batch *b) {
 }
 
 kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
+    if (out)
+        *out = NULL;
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
-    *out = NULL;
     kvt__ctx_clear_error(ctx);
     if (max_seqs == 0 || max_seqs > (1u << 20))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "max_seqs: %u not in 1..2^20",
@@ -180,6 +184,7 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->seqs = kvt__calloc(a, sizeof *b->seqs * max_seqs);
     b->n_tokens = kvt__calloc(a, sizeof *b->n_tokens * max_seqs);
     b->n_drafts = kvt__calloc(a, sizeof *b->n_drafts * max_seqs);
+    b->n_slots = kvt__calloc(a, sizeof *b->n_slots * max_seqs);
     b->defer = kvt__calloc(a, max_seqs);
     b->steps = kvt__calloc(a, sizeof *b->steps * max_seqs);
     b->step_seqs = kvt__calloc(a, sizeof *b->step_seqs * max_seqs);
@@ -206,7 +211,7 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
     if (ws == KVT_OK && b->own_be && reserve_workspace(b) != KVT_OK)
         ws = KVT_ERR_OUT_OF_MEMORY;
-    if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->defer || !b->steps || !b->step_seqs ||
+    if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->n_slots || !b->defer || !b->steps || !b->step_seqs ||
         !b->recall_way || !b->dense || !b->rsteps || !b->recall_ran ||
         (rope && (!b->rrsteps || !b->remits)) ||
         ws == KVT_ERR_OUT_OF_MEMORY) {
@@ -265,6 +270,7 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->seqs, sizeof *b->seqs * b->max_seqs);
     kvt__free(a, b->n_tokens, sizeof *b->n_tokens * b->max_seqs);
     kvt__free(a, b->n_drafts, sizeof *b->n_drafts * b->max_seqs);
+    kvt__free(a, b->n_slots, sizeof *b->n_slots * b->max_seqs);
     kvt__free(a, b->defer, b->max_seqs);
     kvt__free(a, b->steps, sizeof *b->steps * b->max_seqs);
     kvt__free(a, b->step_seqs, sizeof *b->step_seqs * b->max_seqs);
@@ -366,15 +372,17 @@ kvt_status kvt_batch_reserve_drafts(kvt_batch *b, kvt_seq *const *seqs, const ui
              * failing request's. */
             char tmp[KVT__ERR_LEN];
             memcpy(tmp, kvt__tls_error(), sizeof tmp);
-            for (uint32_t k = 0; k < i; k++)
-                kvt__seq_unreserve(seqs[k]);
+            for (uint32_t k = i; k-- > 0;) /* last first: the pools' free stacks as before */
+                kvt__seq_unreserve_cow(seqs[k]);
             return kvt__ctx_fail(ctx, s, "seqs[%u]: %s; nothing was reserved for the batch", i,
                                  tmp);
         }
     }
     for (uint32_t i = 0; i < n_seqs; i++) {
+        kvt__seq_reserve_done(seqs[i]);
         b->seqs[i] = seqs[i];
         b->n_tokens[i] = n_tokens[i];
+        b->n_slots[i] = n_tokens[i];
         b->n_drafts[i] = n_drafts ? n_drafts[i] : 0;
         seqs[i]->batch = b;
     }
@@ -411,7 +419,7 @@ kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *s
         return s;
     uint64_t total = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++)
-        total += b->n_tokens[i];
+        total += b->n_slots[i];
     *n = (uint32_t)total;
     if (total > capacity)
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY, "%llu new tokens, capacity %u",
@@ -421,7 +429,7 @@ kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *s
     uint64_t t = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
-        for (uint32_t j = 0; j < b->n_tokens[i]; j++) {
+        for (uint32_t j = 0; j < b->n_slots[i]; j++) {
             int32_t slot = -1;
             if (sq)
                 kvt_seq_reserved_slot(sq, layer, j, &slot);

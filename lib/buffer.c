@@ -13,9 +13,10 @@ struct kvt_buffer {
 };
 
 kvt_status kvt_buffer_alloc(kvt_ctx *ctx, size_t bytes, kvt_buffer **out) {
+    if (out)
+        *out = NULL;
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
-    *out = NULL;
     kvt__ctx_clear_error(ctx);
     if (bytes == 0)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "kvt_buffer_alloc: 0 bytes");

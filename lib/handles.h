@@ -75,6 +75,15 @@ struct kvt_seq {
      * archive). */
     kvt__recall_rope_layer *rrope;
     kvt__ptable fetch[KVT__MAX_GROUPS];
+    /* The copies on write of the reservation being made (kvt__seq_reserve through the end of
+     * kvt_batch_reserve): each page a table made its own, with the shared page it left, so that
+     * a refused reservation gives the copies back and shares again (kvt__seq_unreserve_cow):
+     * every request and pool as they were. Empty outside a batch reserve. */
+    struct kvt__cow {
+        uint32_t g, k, old; /* group, table index, the page shared before */
+    } *cow;
+    uint64_t cow_cap;
+    uint32_t n_cow;
 };
 
 /* Free a layer's recall basis (lib/recall_basis.c; kvt_ctx_destroy). */
@@ -95,6 +104,13 @@ kvt_status kvt__seq_usable(const kvt_seq *seq);
 kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n);
 /* Give a reservation back (no run happened): pages beyond the committed rows return. */
 void kvt__seq_unreserve(kvt_seq *seq);
+/* The same within the kvt_batch_reserve that made the reservation (nothing ran since): its
+ * copies on write are given back too, newest first, so the pools' free stacks are as before. */
+void kvt__seq_unreserve_cow(kvt_seq *seq);
+/* A batch reserve succeeded: its copies on write stay (the log is emptied). */
+static inline void kvt__seq_reserve_done(kvt_seq *seq) {
+    seq->n_cow = 0;
+}
 /* Commit the first n of the pending rows (the rest are rejected drafts: their pages return), run
  * the policies' commit work through backend be (the batch's: its own workspace), check counts. */
 kvt_status kvt__seq_commit(kvt_seq *seq, uint32_t n, const kvt__backend *be, void *stream);

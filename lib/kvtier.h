@@ -1242,7 +1242,9 @@ KVT_API kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_l
 
 /* Full invariant check of a sequence (every layer, every head): counters add up, membership sets
  * are disjoint and cover every appended row, page tables are valid, slot maps are bijections.
- * KVT_OK, or KVT_ERR_INVARIANT with the first violation in kvt_last_error(). O(rows). */
+ * KVT_OK, or KVT_ERR_INVARIANT with the first violation in kvt_last_error(). O(rows).
+ * KVT_ERR_BAD_STATE (not a check) for a request with a step in flight, or one whose batch was
+ * destroyed after a run of its step (kvt_batch_destroy: it can only be destroyed). */
 KVT_API kvt_status kvt_seq_check(const kvt_seq *seq);
 
 /* ---------------------------------------------------------------------------------------------

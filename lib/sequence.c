@@ -394,9 +394,10 @@ static kvt_status seq_recall_prepare(kvt_seq *seq) {
 }
 
 kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **out) {
+    if (out)
+        *out = NULL;
     if (!ctx || !out)
         return KVT_ERR_INVALID_ARGUMENT;
-    *out = NULL;
     kvt__ctx_clear_error(ctx);
     kvt_seq_params p = kvt_seq_default_params();
     if (user) {
@@ -453,6 +454,7 @@ void kvt__seq_free(kvt_seq *seq) {
             ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
     kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
     kvt__free(a, seq->stepped, 2u * ctx->n_layers);
+    kvt__free(a, seq->cow, sizeof *seq->cow * seq->cow_cap);
     for (uint32_t i = 0; seq->recall && i < ctx->n_layers; i++)
         kvt__recall_layer_fini(&seq->recall[i], &ctx->backend);
     kvt__free(a, seq->recall, seq->recall ? sizeof *seq->recall * ctx->n_layers : 0);
@@ -530,6 +532,17 @@ static kvt_status own_pages(kvt_seq *seq, uint32_t g, uint64_t from_row) {
     kvt__pool *pool = &ctx->groups[g].pool;
     const kvt__group *gr = &ctx->groups[g];
     const uint32_t PR = ctx->page_rows;
+    uint32_t n_copies = 0;
+    for (uint32_t k = 0; k < t->n_pages; k++)
+        n_copies += (t->first_page + k + 1) * PR > from_row && pool->refs[t->pages[k]] > 1;
+    if (n_copies == 0)
+        return KVT_OK;
+    void *log = seq->cow;
+    if (kvt__grow(&ctx->alloc, &log, &seq->cow_cap, (uint64_t)seq->n_cow + n_copies,
+                  sizeof *seq->cow) != KVT_OK)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "request %llu: copy-on-write log",
+                             (unsigned long long)seq->request_id);
+    seq->cow = log;
     for (uint32_t k = 0; k < t->n_pages; k++) {
         uint32_t old = (uint32_t)t->pages[k];
         if ((t->first_page + k + 1) * PR <= from_row || pool->refs[old] <= 1)
@@ -557,8 +570,28 @@ static kvt_status own_pages(kvt_seq *seq, uint32_t g, uint64_t from_row) {
         t->pages[k] = (int32_t)nw;
         if (t->dsynced > k)
             t->dsynced = k; /* the mirror rewrites from here */
+        seq->cow[seq->n_cow++] = (struct kvt__cow){.g = g, .k = k, .old = old};
     }
     return KVT_OK;
+}
+
+/* Undo group g's copies on write of the reservation being made, newest first: the table holds
+ * the shared page again and the copy goes back on top of the free stack, where it was taken
+ * from. Valid only within the reserve that made them (the page left is still held by the
+ * other tables, nothing ran). */
+static void cow_undo(kvt_seq *seq, uint32_t g) {
+    kvt__pool *pool = &seq->ctx->groups[g].pool;
+    kvt__ptable *t = &seq->pt[g];
+    while (seq->n_cow && seq->cow[seq->n_cow - 1].g == g) {
+        const struct kvt__cow *c = &seq->cow[--seq->n_cow];
+        KVT_ASSERT(pool->refs[c->old] > 0 && c->k < t->n_pages);
+        uint32_t copy = (uint32_t)t->pages[c->k];
+        kvt__pool_share(pool, c->old);
+        t->pages[c->k] = (int32_t)c->old;
+        kvt__pool_put(pool, copy);
+        if (t->dsynced > c->k)
+            t->dsynced = c->k;
+    }
 }
 
 /* The first row a step growing group g's table to rows_after may write: the new rows, or
@@ -662,6 +695,8 @@ static kvt_status source_ready(kvt_seq *src, kvt_seq **out) {
 }
 
 kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {
+    if (out)
+        *out = NULL;
     CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
     kvt_seq *c;
@@ -684,6 +719,8 @@ kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out) {
 
 kvt_status kvt_seq_attach(kvt_seq *src, uint64_t prefix_rows, uint64_t request_id,
                           kvt_seq **out) {
+    if (out)
+        *out = NULL;
     CHECK_LIVE_SEQ(src);
     kvt_ctx *ctx = src->ctx;
     const uint64_t P = prefix_rows, PR = ctx->page_rows;
@@ -699,15 +736,37 @@ kvt_status kvt_seq_attach(kvt_seq *src, uint64_t prefix_rows, uint64_t request_i
     /* Each group: the pages an unshared request of P rows would hold (a sliding group has
      * returned those before its widest window), all of them still src's. */
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
-        uint64_t W = ctx->groups[g].window_rows;
+        const kvt__group *gr = &ctx->groups[g];
+        const kvt__ptable *t = &src->pt[g];
+        uint64_t W = gr->window_rows;
         uint64_t first = W && P > W ? (P - W) / PR : 0;
-        if (src->pt[g].first_page > first)
+        if (t->first_page > first)
             return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                                  "group %u: request %llu returned rows before %llu, which a "
                                  "request of %llu rows still holds",
                                  g, (unsigned long long)src->request_id,
-                                 (unsigned long long)(src->pt[g].first_page * PR),
+                                 (unsigned long long)(t->first_page * PR),
                                  (unsigned long long)P);
+        /* Asked before any page is shared: a round may have moved the rows (and compacted the
+         * table below the prefix's pages). */
+        for (uint32_t k = 0; gr->ops->attach_rows && k < gr->n_layers; k++) {
+            uint64_t n = gr->ops->attach_rows(&src->layers[gr->layers[k]], &src->cfg,
+                                              src->prompt_rows);
+            if (P > n)
+                return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                     "layer %u: request %llu's rows past its first %llu have "
+                                     "moved (its policy's rounds keep only those in place); "
+                                     "attach at most that prefix (asked %llu)",
+                                     gr->layers[k], (unsigned long long)src->request_id,
+                                     (unsigned long long)n, (unsigned long long)P);
+        }
+        if (t->first_page + t->n_pages < P / PR)
+            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
+                                 "group %u: request %llu's table holds pages up to %llu, short "
+                                 "of the %llu a prefix of %llu rows spans",
+                                 g, (unsigned long long)src->request_id,
+                                 (unsigned long long)(t->first_page + t->n_pages),
+                                 (unsigned long long)(P / PR), (unsigned long long)P);
     }
     kvt_seq *c;
     if ((s = seq_like(src, request_id, src->prompt_rows < P ? src->prompt_rows : P, &c)) !=
@@ -821,6 +880,20 @@ void kvt__seq_unreserve(kvt_seq *seq) {
     seq->n_pending = 0;
 }
 
+/* Groups last to first, each its copies then its new pages: the reverse of kvt__seq_reserve's
+ * order, so each page returns to the free stack where it was taken from. */
+void kvt__seq_unreserve_cow(kvt_seq *seq) {
+    kvt_ctx *ctx = seq->ctx;
+    for (uint32_t g = ctx->n_groups; g-- > 0;) {
+        cow_undo(seq, g);
+        seq->pt[g].n_pending = 0;
+        kvt__ptable_trim(&seq->pt[g], &ctx->groups[g].pool);
+    }
+    KVT_ASSERT(seq->n_cow == 0);
+    seq->n_cow = 0;
+    seq->n_pending = 0;
+}
+
 kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     CHECK_LIVE_SEQ(seq);
     kvt_ctx *ctx = seq->ctx;
@@ -845,6 +918,7 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     const kvt__alloc *a = &ctx->alloc;
     uint32_t g;
     kvt_status s = KVT_OK;
+    seq->n_cow = 0;
     for (g = 0; g < ctx->n_groups; g++) {
         s = kvt__ptable_reserve(&seq->pt[g], &ctx->groups[g].pool, a, n_tokens);
         /* Copy on write: pages the step will write that a fork shares become this request's. */
@@ -904,8 +978,10 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     if (s != KVT_OK) {
         for (uint32_t h = 0; h < ctx->n_groups; h++) /* all or nothing: fetch areas as they were */
             kvt__ptable_trim(&seq->fetch[h], &ctx->groups[h].pool);
-        for (uint32_t h = 0; h < ctx->n_groups && h <= g; h++)
+        for (uint32_t h = g < ctx->n_groups ? g + 1 : ctx->n_groups; h-- > 0;) {
+            cow_undo(seq, h); /* copies on write given back: the request as it was */
             kvt__ptable_trim(&seq->pt[h], &ctx->groups[h].pool);
+        }
         if (s == KVT_ERR_POOL_EXHAUSTED)
             return kvt__ctx_fail(ctx, s,
                                  "request %llu reserving %u tokens: group %u (%s) has %u free "
@@ -1828,6 +1904,13 @@ static kvt_status check_side_share(const kvt_seq *seq, uint32_t i) {
 kvt_status kvt_seq_check(const kvt_seq *seq) {
     CHECK_BETWEEN_STEPS(seq);
     const kvt_ctx *ctx = seq->ctx;
+    /* Orphaned: a run did the step's policy work over rows no commit will count, so counters
+     * disagree by design; that is the caller's state, not a library bug. */
+    if (seq->n_pending && !seq->batch)
+        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
+                             "request %llu: its step's batch was destroyed after a run, so the "
+                             "step can be neither committed nor undone: destroy it",
+                             (unsigned long long)seq->request_id);
     kvt_status s = check_pages(seq);
     if (s != KVT_OK)
         return s;

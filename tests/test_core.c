@@ -771,3 +771,56 @@ Test(context, row_pool_advised_onto_huge_pages) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
+
+/* Every creating call that refuses sets *out to NULL (the contract an engine's cleanup path
+ * relies on), also when the refusal is about the first argument: kvt_seq_fork(NULL, ...) and
+ * kvt_seq_attach(NULL, ...) left *out untouched while other refusals set it (issue 32). */
+#include "kvtier_trace.h"
+Test(abi, every_refused_creation_sets_out_to_null) {
+    void *const junk = (void *)&junk;
+    kvt_model *m = junk;
+    cr_assert_neq(kvt_model_create(NULL, 1, "x", &m, NULL, 0), KVT_OK);
+    cr_assert_null(m, "kvt_model_create");
+    m = junk;
+    cr_assert_neq(kvt_model_from_file(NULL, KVT_DTYPE_BF16, &m, NULL, 0), KVT_OK);
+    cr_assert_null(m, "kvt_model_from_file");
+    m = junk;
+    cr_assert_neq(kvt_model_from_json(NULL, 0, KVT_DTYPE_BF16, &m, NULL, 0), KVT_OK);
+    cr_assert_null(m, "kvt_model_from_json");
+    kvt_ctx *c = junk;
+    cr_assert_neq(kvt_ctx_create(NULL, &c, NULL, 0), KVT_OK);
+    cr_assert_null(c, "kvt_ctx_create");
+    c = junk;
+    cr_assert_neq(kvt_ctx_create_default(NULL, &c, NULL, 0), KVT_OK);
+    cr_assert_null(c, "kvt_ctx_create_default");
+    c = junk;
+    cr_assert_neq(kvt_snapshot_context(NULL, 0, KVT_BACKEND_CPU, &c), KVT_OK);
+    cr_assert_null(c, "kvt_snapshot_context");
+    kvt_seq *s = junk;
+    cr_assert_neq(kvt_seq_create(NULL, NULL, &s), KVT_OK);
+    cr_assert_null(s, "kvt_seq_create");
+    s = junk;
+    cr_assert_neq(kvt_seq_fork(NULL, 1, &s), KVT_OK);
+    cr_assert_null(s, "kvt_seq_fork");
+    s = junk;
+    cr_assert_neq(kvt_seq_attach(NULL, 0, 1, &s), KVT_OK);
+    cr_assert_null(s, "kvt_seq_attach");
+    s = junk;
+    cr_assert_neq(kvt_seq_restore(NULL, NULL, 0, &s), KVT_OK);
+    cr_assert_null(s, "kvt_seq_restore");
+    s = junk;
+    cr_assert_neq(kvt_seq_restore_file(NULL, NULL, &s), KVT_OK);
+    cr_assert_null(s, "kvt_seq_restore_file");
+    kvt_batch *b = junk;
+    cr_assert_neq(kvt_batch_create(NULL, 1, &b), KVT_OK);
+    cr_assert_null(b, "kvt_batch_create");
+    kvt_buffer *buf = junk;
+    cr_assert_neq(kvt_buffer_alloc(NULL, 16, &buf), KVT_OK);
+    cr_assert_null(buf, "kvt_buffer_alloc");
+    kvt_trace *t = junk;
+    cr_assert_neq(kvt_trace_open(NULL, &t, NULL, 0), KVT_OK);
+    cr_assert_null(t, "kvt_trace_open");
+    kvt_trace_writer *w = junk;
+    cr_assert_neq(kvt_trace_writer_open(NULL, NULL, &w, NULL, 0), KVT_OK);
+    cr_assert_null(w, "kvt_trace_writer_open");
+}

@@ -370,6 +370,7 @@ Test(fork, every_allocation_of_fork_attach_and_copy_on_write_may_fail) {
                              what ? "attach" : "fork");
             } else {
                 cr_assert_eq(kvt_seq_pending(c), 0u, "k=%d: nothing reserved", k);
+                cr_assert_eq(free_sum(ctx), free0, "k=%d: the refused reserve kept copies", k);
                 cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
                 kvt_seq_destroy(c);
                 cr_assert_eq(free_sum(ctx), free0, "k=%d: pages back", k);
@@ -644,5 +645,165 @@ Test(fork, parked_slots_give_their_share_back) {
     }
     kvt_ctx_destroy(rctx);
     kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
+/* F0 (issue 32): an attach to a request whose eviction rounds have compacted its table. The
+ * rows past the prefix its rounds protect have moved, and the compacted table may hold fewer
+ * pages than the prefix asks for: every such attach is KVT_ERR_UNSUPPORTED with nothing
+ * changed (no page shared, no reference count touched, *out NULL); an attach within the
+ * protected prefix (or before any round) succeeds and its child checks. Page sizes 16 to 96
+ * rows, rows committed in steps of 1 to 200, every prefix length that is a page multiple. The
+ * fuzzer's reproducer: one step past a round, prefix 64 on 64-row pages (also 40/40, 96/96);
+ * it read the table past its pages and pushed a free page twice (ASan: heap-buffer-overflow in
+ * kvt__pool_put). */
+Test(fork, attach_after_rounds_is_refused_with_nothing_changed) {
+    kvt_model *m = tu_mixed_model();
+    cr_assert_not_null(m);
+    const uint32_t page_rows[] = {16, 24, 40, 64, 96};
+    const uint32_t steps[][3] = {{200, 0, 0}, {64, 1, 0}, {40, 1, 1}, {100, 0, 0}, {7, 9, 60}};
+    uint32_t refused = 0, attached = 0;
+    for (size_t a = 0; a < 2; a++)
+        for (size_t pi = 0; pi < sizeof page_rows / sizeof *page_rows; pi++)
+            for (size_t si = 0; si < sizeof steps / sizeof *steps; si++) {
+                const uint32_t PR = page_rows[pi], NP = 256;
+                kvt_ctx *ctx = tu_mixed_ctx_pages(m, a == 1, NP, PR);
+                cr_assert_not_null(ctx, "%s", kvt_last_error());
+                kvt_seq *src = new_seq(ctx, 1, 4);
+                for (int k = 0; k < 3 && steps[si][k]; k++)
+                    step(src, m, steps[si][k], 0, k % 2);
+                for (int rep = 0; rep < 2; rep++) {
+                    const uint64_t n = kvt_seq_length(src);
+                    for (uint64_t P = PR; P <= n; P += PR) {
+                        const uint32_t free0 = free_sum(ctx);
+                        kvt_seq *c = (kvt_seq *)&c; /* must become NULL on refusal */
+                        kvt_status s = kvt_seq_attach(src, P, 50 + P, &c);
+                        cr_assert(s == KVT_OK || s == KVT_ERR_UNSUPPORTED,
+                                  "page %u steps %zu prefix %llu: %s (%s)", PR, si,
+                                  (unsigned long long)P, kvt_strerror(s), kvt_last_error());
+                        cr_assert_eq(kvt_seq_check(src), KVT_OK, "%s", kvt_last_error());
+                        if (s != KVT_OK) {
+                            refused++;
+                            cr_assert_null(c);
+                            cr_assert_eq(free_sum(ctx), free0, "page %u prefix %llu", PR,
+                                         (unsigned long long)P);
+                            continue;
+                        }
+                        attached++;
+                        cr_assert_eq(kvt_seq_length(c), P);
+                        cr_assert_eq(kvt_seq_check(c), KVT_OK, "%s", kvt_last_error());
+                        step(c, m, 3, 7, false);
+                        cr_assert_eq(kvt_seq_check(src), KVT_OK, "%s", kvt_last_error());
+                        kvt_seq_destroy(c);
+                        cr_assert_eq(free_sum(ctx), free0, "page %u prefix %llu", PR,
+                                     (unsigned long long)P);
+                    }
+                    step(src, m, 30, 1, rep); /* past another round */
+                }
+                cr_assert_eq(kvt_seq_check(src), KVT_OK, "%s", kvt_last_error());
+                kvt_ctx_destroy(ctx);
+            }
+    cr_log_info("attach after rounds: %u refused, %u attached", refused, attached);
+    cr_assert(refused > 0 && attached > 0);
+    kvt_model_destroy(m);
+}
+
+/* F2 (issue 32): a batch reserve refused (the pool exhausted by a later request, or the k-th
+ * host allocation failing) after an earlier request of the batch copied shared pages on write
+ * leaves every request and pool as they were: free pages, the fork's shared pages, and the
+ * pools' free stacks (the next reserve's slot_mapping equals that of a twin context where the
+ * refused reserve never happened). The reproducer: free pages 86/92/92 -> 85/88/91 and the
+ * fork's shared pages 10 -> 9 after a refused reserve. */
+static void shared_of(kvt_seq *s, uint32_t *out) {
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++) {
+        kvt_layer_stats st = {.struct_size = sizeof st};
+        cr_assert_eq(kvt_seq_layer_stats(s, l, &st), KVT_OK, "%s", kvt_last_error());
+        out[l] = (uint32_t)st.shared_pages;
+    }
+}
+
+static void slots_of(kvt_ctx *ctx, kvt_seq **seqs, const uint32_t *n, uint32_t n_seqs,
+                     int32_t *slots, uint32_t cap) {
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, n_seqs, &b), KVT_OK);
+    cr_assert_eq(kvt_batch_reserve(b, seqs, n, n_seqs), KVT_OK, "%s", kvt_last_error());
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++) {
+        uint32_t got;
+        cr_assert_eq(kvt_batch_slot_mapping(b, l, slots + l * cap, cap, &got), KVT_OK);
+    }
+    kvt_batch_destroy(b); /* before any run: given back */
+}
+
+Test(fork, refused_reserve_gives_copies_on_write_back) {
+    kvt_model *m = tu_mixed_model();
+    cr_assert_not_null(m);
+    const uint32_t NP = 40, CAP = 64;
+    kvt_ctx *ctx[2] = {tu_mixed_ctx(m, true, NP), tu_mixed_ctx(m, true, NP)};
+    kvt_seq *p[2], *c[2], *r[2];
+    for (int x = 0; x < 2; x++) {
+        cr_assert_not_null(ctx[x]);
+        p[x] = new_seq(ctx[x], 1, 20);
+        r[x] = new_seq(ctx[x], 2, 20);
+        for (int k = 0; k < 5; k++)
+            step(p[x], m, 9 + (uint32_t)k, 0, k % 2); /* 55 rows: a partial page */
+        step(r[x], m, 16, 1, false);
+        cr_assert_eq(kvt_seq_fork(p[x], 3, &c[x]), KVT_OK, "%s", kvt_last_error());
+    }
+    uint32_t shared0[TU_N_LAYERS], shared1[TU_N_LAYERS];
+    int refusals = 0;
+    for (int how = 0; how < 2; how++)
+        for (int k = 0; k < (how ? 40 : 1); k++) {
+            /* a fresh fork each time: its allocations (the copy-on-write log among them) are
+             * all made by the reserve under test */
+            kvt_seq *f;
+            cr_assert_eq(kvt_seq_fork(p[0], 10 + (uint64_t)k, &f), KVT_OK, "%s",
+                         kvt_last_error());
+            const uint32_t free0 = free_sum(ctx[0]);
+            shared_of(f, shared0);
+            kvt_batch *b;
+            cr_assert_eq(kvt_batch_create(ctx[0], 2, &b), KVT_OK);
+            kvt_seq *seqs[2] = {f, r[0]};
+            /* the fork writes into its shared partial page (a copy on write); then r asks
+             * for more pages than are free (how 0), or the k-th allocation fails (how 1) */
+            uint32_t n[2] = {3, how ? 320 : 16u * NP}; /* 320: r's table grows */
+            fault_hits = 0;
+            fault_countdown = how ? k : -1;
+            kvt_status s = kvt_batch_reserve(b, seqs, n, 2);
+            fault_countdown = -1;
+            if (how && fault_hits == 0) {
+                cr_assert_eq(s, KVT_OK, "%s", kvt_last_error());
+                kvt_batch_destroy(b);
+                kvt_seq_destroy(f);
+                break;
+            }
+            refusals++;
+            cr_assert_eq(s, how ? KVT_ERR_OUT_OF_MEMORY : KVT_ERR_POOL_EXHAUSTED, "k=%d: %s", k,
+                         kvt_last_error());
+            cr_assert_eq(free_sum(ctx[0]), free0, "how %d k=%d: free pages changed", how, k);
+            shared_of(f, shared1);
+            for (uint32_t l = 0; l < TU_N_LAYERS; l++)
+                cr_assert_eq(shared1[l], shared0[l], "how %d k=%d layer %u: shared pages %u -> %u",
+                             how, k, l, shared0[l], shared1[l]);
+            cr_assert_eq(kvt_seq_pending(f) + kvt_seq_pending(r[0]), 0u);
+            cr_assert_eq(kvt_seq_check(f), KVT_OK, "%s", kvt_last_error());
+            cr_assert_eq(kvt_seq_check(r[0]), KVT_OK, "%s", kvt_last_error());
+            cr_assert_eq(kvt_seq_check(p[0]), KVT_OK, "%s", kvt_last_error());
+            kvt_batch_destroy(b);
+            kvt_seq_destroy(f);
+        }
+    cr_log_info("refused batch reserves with a copy on write: %d", refusals);
+    cr_assert(refusals > 2, "the copy-on-write log's own allocation and r's can fail");
+    /* The free stacks as in the twin that never saw the refusals: the same slots. */
+    int32_t s0[TU_N_LAYERS * 64], s1[TU_N_LAYERS * 64];
+    kvt_seq *q0[2] = {c[0], r[0]}, *q1[2] = {c[1], r[1]};
+    const uint32_t n[2] = {3, 20};
+    slots_of(ctx[0], q0, n, 2, s0, CAP);
+    slots_of(ctx[1], q1, n, 2, s1, CAP);
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++)
+        for (uint32_t t = 0; t < 23; t++)
+            cr_assert_eq(s0[l * CAP + t], s1[l * CAP + t], "layer %u token %u", l, t);
+    for (int x = 0; x < 2; x++) {
+        kvt_ctx_destroy(ctx[x]);
+    }
     kvt_model_destroy(m);
 }

@@ -1127,14 +1127,19 @@ static kvt_status ev_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
 
 /* Rows [0, rows) of src are positions [0, rows) in every head while no round ran, or inside the
  * protected prefix, which no round moves. */
+/* The prompt length cannot change after a round, so the protected prefix is what every round
+ * kept in place; before the first round every row is where it was written. */
+static uint64_t ev_attach_rows(const kvt__tier_state *src_s, const kvt_config *cfg,
+                               uint64_t src_prompt_rows) {
+    return src_s->ev.rounds > 0 ? kvt__ev_protected_rows(cfg, src_prompt_rows) : UINT64_MAX;
+}
+
 static kvt_status ev_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                                   const kvt__env *env, const kvt__store *st, uint64_t rows,
                                   uint64_t src_prompt_rows) {
     kvt__ev *d = &dst_s->ev;
-    const kvt__ev *e = &src_s->ev;
-    /* the prompt length cannot change after a round, so this is the prefix every round kept */
-    const uint64_t L = kvt__ev_protected_rows(env->cfg, src_prompt_rows);
-    if (e->rounds > 0 && rows > L)
+    const uint64_t L = ev_attach_rows(src_s, env->cfg, src_prompt_rows);
+    if (rows > L)
         return kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
                          "layer %u: rows past the %llu its eviction rounds protect have moved; "
                          "attach at most that prefix (asked %llu)",
@@ -1417,6 +1422,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .writes_from = ev_writes_from,
     .layer_fork = ev_layer_fork,
     .layer_attach = ev_layer_attach,
+    .attach_rows = ev_attach_rows,
     .side_bytes = ev_side_bytes,
     .supports_layer = ev_supports_layer,
     .held_rows = ev_held_rows,

@@ -158,6 +158,13 @@ struct kvt__policy_ops {
     kvt_status (*layer_attach)(kvt__tier_state *dst, kvt__tier_state *src,
                                const kvt__env *env, const kvt__store *st, uint64_t rows,
                                uint64_t src_prompt_rows);
+    /* (optional) The longest prefix of src's rows an attached request may take: positions
+     * [0, n) still at rows [0, n) of the group's table (a round moves every row past the prefix
+     * it protects, and compaction may leave fewer pages than a longer prefix covers).
+     * kvt_seq_attach asks it before it shares a page, and layer_attach refuses past it.
+     * Without it: every row. */
+    uint64_t (*attach_rows)(const kvt__tier_state *src, const kvt_config *cfg,
+                            uint64_t src_prompt_rows);
     /* (optional) A request slot is parked (kvt_seq_destroy keeps its allocations): give up what
      * the state shares with other requests (layer_fork, layer_attach), so that it holds no
      * other request's memory. Without it the policy shares nothing. */

@@ -8,7 +8,9 @@
  * the inspection calls, and snapshots: taken (refused inside a step), restored into a free
  * request slot (as they are, with a byte flipped, or cut short), replacing the original; steps
  * planned on the device (kvt_batch_plan_device, one fixed emission per batch: TOKENS, CSR or
- * CSR_KV_HEADS) whose runs pass that emission or another one (refused).
+ * CSR_KV_HEADS) whose runs pass that emission or another one (refused); prefix sharing: forks
+ * and attaches (at any prefix length, also past rounds and closes, also of a request inside a
+ * step), with the context's max_seqs request slots stated or not.
  *
  * After every call: its status is in the set kvtier.h documents for it (KVT_ERR_INVARIANT never
  * is), and kvt_seq_check of every live request is KVT_OK (KVT_ERR_BAD_STATE allowed only for a
@@ -142,6 +144,8 @@ static bool make_ctx(fuzz_state *f) {
                                              KVT_POLICY_NONE, KVT_POLICY_NONE, KVT_POLICY_NONE};
     if (more & 4)
         p.layer_policies = pol;
+    if (more & 8) /* request slots: built at creation with max_rows_per_seq, else a cap */
+        p.max_seqs = fuzz_range(&f->in, 1, MAX_SEQS);
     char err[256];
     kvt_status s = kvt_ctx_create(&p, &f->ctx, err, sizeof err);
     if (f->verbose)
@@ -173,7 +177,7 @@ static void op_seq_create(fuzz_state *f) {
     sp.prompt_rows = fuzz_range(&f->in, 0, 100);
     sp.ratio = fuzz_range(&f->in, 0, 8);
     kvt_status s = kvt_seq_create(f->ctx, &sp, &f->seq[i].h);
-    FUZZ_STATUS("kvt_seq_create", s, KVT_ERR_OUT_OF_MEMORY);
+    FUZZ_STATUS("kvt_seq_create", s, KVT_ERR_OUT_OF_MEMORY, KVT_ERR_CAPACITY);
     if (s != KVT_OK)
         f->seq[i].h = NULL;
     f->seq[i].batch = -1;
@@ -655,6 +659,53 @@ static void op_snapshot(fuzz_state *f) {
     free(again);
 }
 
+/* kvt_seq_fork or kvt_seq_attach of request i into free slot j: its documented statuses, *out
+ * NULL on refusal with every pool as it was; on success the child checks (check_all) and,
+ * for an attach, holds the prefix. The prefix: any page multiple up to the length (the
+ * library refuses those a round or a window changed: KVT_ERR_UNSUPPORTED), or a bad one. */
+static void op_share(fuzz_state *f, bool attach) {
+    int i = fuzz_range(&f->in, 0, MAX_SEQS - 1), j = fuzz_range(&f->in, 0, MAX_SEQS - 1);
+    uint8_t mode = fuzz_u8(&f->in);
+    if (!f->seq[i].h || f->seq[j].h)
+        return;
+    kvt_seq *src = f->seq[i].h;
+    const uint64_t n = kvt_seq_length(src);
+    uint64_t prefix = (uint64_t)f->page_rows * fuzz_range(&f->in, 0, (uint32_t)(n / f->page_rows));
+    if ((mode & 3) == 3) /* not a page multiple, or past the length */
+        prefix = mode & 4 ? n + f->page_rows : prefix + 1;
+    uint32_t before[N_LAYERS], after[N_LAYERS];
+    free_pages(f, before);
+    kvt_seq *c = (kvt_seq *)&c;
+    uint64_t id = mode & 8 ? fuzz_u8(&f->in) : 1000u + (uint64_t)j;
+    kvt_status s = attach ? kvt_seq_attach(src, prefix, id, &c) : kvt_seq_fork(src, id, &c);
+    if (f->verbose)
+        fprintf(stderr, "  %s of %d (length %llu, prefix %llu) into %d: %s %s\n",
+                attach ? "attach" : "fork", i, (unsigned long long)n,
+                (unsigned long long)prefix, j, kvt_status_name(s), s ? kvt_last_error() : "");
+    FUZZ_STATUS(attach ? "kvt_seq_attach" : "kvt_seq_fork", s, KVT_ERR_BAD_STATE,
+                KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY, KVT_ERR_UNSUPPORTED,
+                KVT_ERR_INVALID_ARGUMENT);
+    free_pages(f, after);
+    if (s != KVT_OK) {
+        FUZZ_REQUIRE(c == NULL, "a refused %s left *out set", attach ? "attach" : "fork");
+        for (uint32_t l = 0; l < N_LAYERS; l++)
+            FUZZ_REQUIRE(before[l] == after[l], "refused %s (%s) moved layer %u's pages %u -> %u",
+                         attach ? "attach" : "fork", kvt_status_name(s), l, before[l], after[l]);
+        if (f->seq[i].batch < 0)
+            FUZZ_REQUIRE(s != KVT_ERR_BAD_STATE, "a request between steps refused: %s",
+                         kvt_last_error());
+        return;
+    }
+    FUZZ_REQUIRE(f->seq[i].batch < 0, "shared a request inside a step");
+    FUZZ_REQUIRE(kvt_seq_length(c) == (attach ? prefix : n), "child of length %llu",
+                 (unsigned long long)kvt_seq_length(c));
+    for (uint32_t l = 0; l < N_LAYERS; l++)
+        FUZZ_REQUIRE(before[l] == after[l], "%s took pages of layer %u: %u -> %u",
+                     attach ? "attach" : "fork", l, before[l], after[l]);
+    f->seq[j].h = c;
+    f->seq[j].batch = -1;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fuzz_state f = {.in = {data, size}};
     f.rng = size;
@@ -674,9 +725,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static const char *const names[] = {"create",  "destroy", "reserve", "write",
                                         "plan",    "run",     "commit",  "batch recreate",
                                         "prompt",  "inspect", "write",   "run",
-                                        "raw io",  "snapshot"};
+                                        "raw io",  "snapshot", "fork",    "attach"};
     for (int op = 0; op < MAX_OPS && f.in.n > 0; op++) {
-        uint8_t code = fuzz_u8(&f.in) % 14;
+        /* bytes 252..255 (fork, attach) came later: every other byte keeps the op it had, so
+         * the corpus and the regression inputs still drive what they were found with */
+        uint8_t byte = fuzz_u8(&f.in), code = byte >= 252 ? 14 + (byte & 1) : byte % 14;
         if (f.verbose)
             fprintf(stderr, "op %d: %s\n", op, names[code]);
         switch (code) {
@@ -692,6 +745,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         case 9: op_inspect(&f); break;
         case 12: op_raw_io(&f); break;
         case 13: op_snapshot(&f); break;
+        case 14: op_share(&f, false); break;
+        case 15: op_share(&f, true); break;
         }
         check_all(&f, names[code]);
     }

@@ -98,8 +98,9 @@ kvt_ctx *tu_mixed_ctx_sketch(kvt_model *m, bool archive, uint32_t n_pages, uint3
     return tu_mixed_ctx_slots(m, archive, n_pages, K, sketch_rank, 0, 0);
 }
 
-kvt_ctx *tu_mixed_ctx_slots(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
-                            uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows) {
+static kvt_ctx *mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
+                          uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows,
+                          uint32_t page_rows) {
     kvt_config c = kvt_config_default();
     c.block_rows = TU_BLOCK;
     c.kappa = 4;
@@ -111,7 +112,7 @@ kvt_ctx *tu_mixed_ctx_slots(kvt_model *m, bool archive, uint32_t n_pages, uint32
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = m;
     p.config = &c;
-    p.page_rows = 16;
+    p.page_rows = page_rows;
     p.n_pages = n_pages;
     p.allocator = KVT_ALLOC_LIBC;
     p.recall_sketch_rank = sketch_rank;
@@ -119,6 +120,15 @@ kvt_ctx *tu_mixed_ctx_slots(kvt_model *m, bool archive, uint32_t n_pages, uint32
     p.max_rows_per_seq = max_rows;
     kvt_ctx *ctx;
     return kvt_ctx_create(&p, &ctx, NULL, 0) == KVT_OK ? ctx : NULL;
+}
+
+kvt_ctx *tu_mixed_ctx_slots(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
+                            uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows) {
+    return mixed_ctx(m, archive, n_pages, K, sketch_rank, max_seqs, max_rows, 16);
+}
+
+kvt_ctx *tu_mixed_ctx_pages(kvt_model *m, bool archive, uint32_t n_pages, uint32_t page_rows) {
+    return mixed_ctx(m, archive, n_pages, TU_K, 0, 0, 0, page_rows);
 }
 
 void tu_row_bytes(uint8_t *buf, size_t n, uint32_t l, uint32_t pl, uint64_t pos, uint64_t seed) {

@@ -50,6 +50,8 @@ kvt_ctx *tu_mixed_ctx_sketch(kvt_model *m, bool archive, uint32_t n_pages, uint3
 /* The same with max_seqs request slots of max_rows rows each (0, 0: none). */
 kvt_ctx *tu_mixed_ctx_slots(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
                             uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows);
+/* The same (K TU_K, no sketch, no slots) with pages of page_rows rows. */
+kvt_ctx *tu_mixed_ctx_pages(kvt_model *m, bool archive, uint32_t n_pages, uint32_t page_rows);
 /* The bytes of a row: a function of (layer, plane, position, seed); every byte <= 0x3f, so every
  * element is finite. */
 void tu_row_bytes(uint8_t *buf, size_t n, uint32_t l, uint32_t pl, uint64_t pos, uint64_t seed);
