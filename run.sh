@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 JOBS=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j"$JOBS"
-MODELS=${KVT_MODELS_DIR:-../shared/models}
+MODELS=${KVT_MODELS_DIR:-tests/data/models}
 echo
 echo "== kvtier-inspect census: Kimi-Linear-48B-A3B (NoPE MLA -> salience tiering) =="
 ./build/tools/kvtier-inspect census "$MODELS/kimi-linear-48b-a3b-instruct.json" --context 32768 --concurrency 32 --ratio 32

@@ -20,7 +20,6 @@ JOBS=$(nproc 2>/dev/null || echo 2)
 if [ -e /usr/local/cuda/lib64/libcurand.so ] || ldconfig -p 2>/dev/null | grep -q libcurand.so; then
   export KVT_REQUIRE_CURAND=1
 fi
-export KVT_MODELS_DIR=${KVT_MODELS_DIR:-$(cd .. && pwd)/shared/models}
 run_config() {
   local dir=$1; shift
   local t0=$SECONDS

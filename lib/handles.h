@@ -168,8 +168,9 @@ kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
 /* The RoPE recall trigger's archive view (kernels/recall_rope.h: the fields up to rank) of a
  * request's layer between steps, its page table mirrored: the evict policy's recall_rope_view.
  * KVT_ERR_POLICY_MISMATCH (a layer without one), the view's statuses (UNSUPPORTED, BAD_STATE),
- * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. Not yet called by
- * kvt_batch_run: the emission of fetched rows is docs/recall.md §9.3's next piece. */
+ * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. For inspection between steps
+ * (the tests' oracles read the archive through it); a step takes the view of its own table through
+ * kvt__seq_rope_recall_item and kvt__seq_rope_emit_item instead. */
 kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out);
 /* The batch forgets a destroyed request. */
 void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);

@@ -51,7 +51,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 JOBS=$(nproc 2>/dev/null || echo 8)
-export KVT_MODELS_DIR=${KVT_MODELS_DIR:-$(cd .. && pwd)/shared/models}
+export KVT_MODELS_DIR=${KVT_MODELS_DIR:-$PWD/tests/data/models}
 {
   date -u
   git rev-parse HEAD 2>/dev/null || true

@@ -1,5 +1,5 @@
 /* test_census.c — the model census: real Hugging Face configs read into layer specs with the
- * exact byte counts of DESIGN.md section 1, census totals, and every malformed input answered
+ * exact byte counts of docs/design.md §1, census totals, and every malformed input answered
  * with its status and a message naming the key. */
 #include "support/testutil.h"
 

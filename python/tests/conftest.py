@@ -1,5 +1,5 @@
-"""Shared fixtures: the real model configs (KVT_MODELS_DIR, default ../shared/models relative to
-the repository root) and small geometries that make closes and rounds happen in a few steps."""
+"""Shared fixtures: the real model configs (KVT_MODELS_DIR, default tests/data/models of the
+repository) and small geometries that make closes and rounds happen in a few steps."""
 
 import os
 from pathlib import Path
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("KVT_MODELS_DIR", REPO.parent / "shared" / "models"))
+    return Path(os.environ.get("KVT_MODELS_DIR", REPO / "tests" / "data" / "models"))
 
 
 @pytest.fixture(scope="session")

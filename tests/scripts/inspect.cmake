@@ -1,7 +1,7 @@
-# kvtier-inspect census on the real configs in ../shared/models: byte counts of DESIGN.md
-# section 1 in the text and --json forms, and a non-zero exit for a missing file and a bad flag.
+# kvtier-inspect census on the real configs in tests/data/models: byte counts of docs/design.md
+# §1 in the text and --json forms, and a non-zero exit for a missing file and a bad flag.
 if(TARGET kvtier-inspect)
-  set(KVT_MODELS ${PROJECT_SOURCE_DIR}/../shared/models)
+  set(KVT_MODELS ${KVT_MODELS_DIR})
   set(KVT_KIMI ${KVT_MODELS}/kimi-linear-48b-a3b-instruct.json)
   set(KVT_DSV3 ${KVT_MODELS}/deepseek-v3.json)
 

@@ -1,6 +1,6 @@
 # Packaging tests: the installed tree works from an outside CMake project, and the shared
 # library loads from python3 through ctypes (with and without jemalloc preloaded).
-set(KVT_KIMI_CONFIG ${PROJECT_SOURCE_DIR}/../shared/models/kimi-linear-48b-a3b-instruct.json)
+set(KVT_KIMI_CONFIG ${KVT_MODELS_DIR}/kimi-linear-48b-a3b-instruct.json)
 # Not under the sanitizers: an outside program would link the instrumented library without the
 # ASan runtime first. The two other test configurations run it.
 if(NOT KVT_SANITIZE)

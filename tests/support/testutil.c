@@ -8,7 +8,7 @@ const char *tu_models_dir(void) {
     const char *env = getenv("KVT_MODELS_DIR");
     if (env && *env)
         return env;
-    return KVT_SOURCE_DIR "/../shared/models";
+    return KVT_SOURCE_DIR "/tests/data/models";
 }
 
 const char *tu_model_path(const char *file) {

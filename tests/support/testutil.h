@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Directory holding the real model configs (../shared/models, or $KVT_MODELS_DIR). */
+/* Directory holding the real model configs (tests/data/models, or $KVT_MODELS_DIR). */
 const char *tu_models_dir(void);
 /* Path of a model config inside tu_models_dir() (static buffer, valid until the next call). */
 const char *tu_model_path(const char *file);

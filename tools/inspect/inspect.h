@@ -36,7 +36,7 @@ bool inspect_parse_count(const char *s, uint64_t max, uint64_t *out);
 bool inspect_parse_real(const char *s, double min, double *out);
 /* 8064 -> "8,064". */
 void inspect_grouped(uint64_t v, char *buf, size_t n);
-/* Decimal units as in DESIGN.md: 264241152 -> "264.2 MB" (B, KB, MB, GB, TB, PB, EB). */
+/* Decimal units as in docs/design.md: 264241152 -> "264.2 MB" (B, KB, MB, GB, TB, PB, EB). */
 void inspect_human(uint64_t bytes, char *buf, size_t n);
 
 #endif
