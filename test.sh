@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Run the whole test suite: install dependencies, then build and run ctest in five
-# configurations — default (CUDA sources compiled when nvcc is present), CPU-only
-# (-DKVT_CUDA=OFF), CPU-only under ASan + UBSan twice, with gcc and with clang (halting on
-# the first error; Debug so KVT_ASSERT is live, at -O1 so the long-context needle tests stay
-# within the CI budget), and CPU-only under clang's ThreadSanitizer (KVT_TSAN: only the plain
+# configurations — default (CUDA sources compiled when nvcc is present; every test), CPU-only
+# (-DKVT_CUDA=OFF; every test but the heavy fidelity grids, which run the same CPU code in the
+# default build), CPU-only under ASan + UBSan twice, with clang (every test, the heavy grids at
+# their sanitizer sizes) and with gcc (all but the heavy ones), halting on the first error,
+# Debug so KVT_ASSERT is live, at -O1 with -mfma where the CPU has FMA (CMakeLists.txt,
+# KVT_SANITIZE_FMA), and CPU-only under clang's ThreadSanitizer (KVT_TSAN: only the plain
 # test executables, i.e. test_threads and kvtier.h's "Threads" model; Criterion aborts under
 # TSan). clang's UBSan has checks gcc's lacks (a zero offset applied to a NULL pointer was found
 # that way). Three blocks at the end: python installs the Python package in a fresh venv and
@@ -20,25 +22,31 @@ JOBS=$(nproc 2>/dev/null || echo 2)
 if [ -e /usr/local/cuda/lib64/libcurand.so ] || ldconfig -p 2>/dev/null | grep -q libcurand.so; then
   export KVT_REQUIRE_CURAND=1
 fi
+# run_config DIR "CTEST ARGS" CMAKE ARGS...: configure, build, run ctest (with the extra args).
 run_config() {
-  local dir=$1; shift
+  local dir=$1 ctest_args=$2; shift 2
   local t0=$SECONDS
-  echo "== test configuration: $dir ($*) =="
+  echo "== test configuration: $dir ($* ${ctest_args:+; ctest $ctest_args}) =="
   cmake -S . -B "$dir" "$@" >/dev/null
   cmake --build "$dir" -j"$JOBS"
-  (cd "$dir" && ctest --output-on-failure -j"$JOBS" --timeout 900)
+  # shellcheck disable=SC2086
+  (cd "$dir" && ctest --output-on-failure -j"$JOBS" --timeout 900 $ctest_args)
   echo "== $dir: passed in $((SECONDS - t0)) s (build + tests) =="
 }
-run_config build-test -DCMAKE_BUILD_TYPE=RelWithDebInfo
-run_config build-test-cpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA=OFF
+# The default build runs every test, the heavy fidelity grids (ctest label "heavy") at full size;
+# the CPU-only build proves the library and every test build without nvcc and runs the rest (the
+# heavy tests run the same CPU code there as here); clang's ASan + UBSan runs every test, the
+# heavy ones at their sanitizer sizes; gcc's ASan + UBSan runs the rest.
+run_config build-test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+run_config build-test-cpu "-LE heavy" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA=OFF
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
-  run_config build-test-asan -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
+  run_config build-test-asan "-LE heavy" -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
-  run_config build-test-clang-asan -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
+  run_config build-test-clang-asan "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
 TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
-  run_config build-test-tsan -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_TSAN=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF
+  run_config build-test-tsan "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_TSAN=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF
 # ---------------------------------------------------------------------------------------------
 # python: the Python package (python/). A fresh venv, `pip install ./python` (scikit-build-core
 # builds libkvtier.so CPU-only with this CMake project into the wheel), then its pytest suite,
