@@ -11,7 +11,10 @@
  * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
  * library error, an attended set that disagrees with the library), 2 on a bad command line (a
  * bad or empty list item, a flag of the synthetic haystack given with --trace), 3 for a mode
- * that is not implemented yet (promote; recall on a trace without a decode phase). A query
+ * that is not implemented yet (promote: nothing is measured) or that a case cannot run (recall
+ * on a trace without a decode phase: said on stderr, every other mode still measured and
+ * reported). A trace's decode phase is what its sections say: two or more query steps of the
+ * layer, step k at position rows - steps + k + 1 (docs/trace-format.md). A query
  * whose full-cache reference is non-finite (NaN / Inf rows in a trace) is reported as
  * "invalid", not an error.
  */
@@ -852,6 +855,7 @@ int main(int argc, char **argv) {
     size_t n_recs = 0, cap_recs = 0;
     char err[1024];
     int rc = 0;
+    bool skipped = false; /* a mode a case could not run (said on stderr; the others measured) */
     char what[64];
     uint64_t nonfinite_total = 0; /* rows holding NaN / Inf, over every case */
     const char *source = o.trace ? o.trace : "synthetic";
@@ -990,10 +994,19 @@ int main(int argc, char **argv) {
                     }
                     t_run += now_s() - t;
                     progress_end_step(&pg);
+                    if (e == ND_ENOTIMPL) {
+                        /* a mode this case cannot run (recall without a decode phase): said,
+                         * and the other modes are still measured; the exit status says 3 */
+                        progress_clear(&pg);
+                        fprintf(stderr, "kvtier-needle: %s; the other modes are measured\n",
+                                err);
+                        skipped = true;
+                        break;
+                    }
                     if (e) {
                         progress_clear(&pg);
                         fprintf(stderr, "kvtier-needle: %s\n", err);
-                        rc = e == ND_ENOTIMPL ? EXIT_NOTIMPL : e == ND_EARG ? EXIT_USAGE : EXIT_ERR;
+                        rc = e == ND_EARG ? EXIT_USAGE : EXIT_ERR;
                         break;
                     }
                     if (append_results(&recs, &n_recs, &cap_recs, &c, res, pct,
@@ -1073,5 +1086,5 @@ int main(int argc, char **argv) {
                (unsigned long long)nonfinite_total, (unsigned long long)invalid);
     printf("pass %llu/%llu\n", (unsigned long long)pass, (unsigned long long)counted);
     free(recs);
-    return 0;
+    return skipped ? EXIT_NOTIMPL : 0;
 }

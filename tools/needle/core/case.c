@@ -375,17 +375,17 @@ int nd_case_load(const char *path, uint32_t layer, nd_case *out, char *err, size
         goto fail;
     }
     qsort(out->targets, out->n_targets, sizeof *out->targets, cmp_target_pos);
-    /* A decode phase (the generator's, saved by nd_case_save: text line "decode_calib=" and
-     * "context=" = its start): every query step of the layer is a decode step, step k at
-     * position decode_start + k + 1. Anything else: no decode phase. */
+    /* A decode phase is what the sections say, never provenance text: the layer's query steps
+     * (two or more) are the decode steps of the trace's last rows, step k at position
+     * decode_start + k + 1 (its query sees the rows before it and its own), the last one at
+     * the last row. decode_start is then the first step's position - 1, the haystack's rows;
+     * any writer of the format gives it so (docs/trace-format.md, "Decode phase"). A trace
+     * whose query steps are anything else (one per needle target, as the generator writes
+     * without a decode phase) has none. */
     {
-        char buf[64];
-        uint64_t ds = 0;
-        if (!gqa && text_value(out->text, "decode_calib", buf, sizeof buf) &&
-            text_value(out->text, "context", buf, sizeof buf))
-            ds = strtoull(buf, NULL, 10);
-        bool ok = ds > 0 && info.n_steps > 0 && ds + info.n_steps == out->n_rows &&
-                  info.n_steps <= UINT32_MAX;
+        /* the positions tell: the last step at the last row, so the first at rows - steps + 1 */
+        const uint64_t ds = info.n_steps < out->n_rows ? out->n_rows - info.n_steps : 0;
+        bool ok = !gqa && info.n_steps >= 2 && info.n_steps <= UINT32_MAX && ds > 0;
         if (ok) {
             out->decode_q = malloc(sizeof(float) * qfloats * info.n_steps);
             out->decode_target = malloc(sizeof(int32_t) * info.n_steps);

@@ -522,9 +522,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     const bool recall = p->mode == ND_MODE_RECALL;
     if (recall && !c->decode_start)
         return nd_fail(err, err_len, ND_ENOTIMPL,
-                       "mode 'recall' needs a decode phase with per-step queries (the synthetic "
-                       "generator's, or a trace it wrote; other traces carry only needle "
-                       "queries); nothing was measured");
+                       "mode 'recall' needs a decode phase: a query step for each of the "
+                       "trace's last rows (two or more, step k at position rows - steps + k + "
+                       "1); this case has none, so recall was not measured on it");
     if (recall && nd_case_gqa(c))
         return nd_fail(err, err_len, ND_EARG,
                        "mode 'recall' needs an MLA layer (NoPE: salience; RoPE: random eviction "
@@ -635,8 +635,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         goto done;
     }
     if (recall && p->recall_basis && !p->recall_basis_file && !c->qbasis) {
-        rc = nd_fail(err, err_len, ND_EARG, "recall: the case has no query subspace to use as "
-                     "the basis (a trace): give a basis file or run without one");
+        rc = nd_fail(err, err_len, ND_ENOTIMPL, "recall: the case has no query subspace to use "
+                     "as the basis (a trace): give a basis file (kvtier-inspect calibrate) or "
+                     "--recall-basis none; recall was not measured on it");
         goto done;
     }
     const uint32_t qrank = c->qbasis_rank < p->recall_rank ? c->qbasis_rank : p->recall_rank;
