@@ -1304,8 +1304,11 @@ KVT_API kvt_status kvt_seq_restore(kvt_ctx *ctx, const void *buf, size_t len, kv
  * written, fsync'ed, renamed over path, then the directory fsync'ed. On any failure the
  * temporary file is removed and a file already at path is left as it was (a failing directory
  * fsync is reported after the rename: the new file is then in place). The file is created with
- * mode 0600 (mkstemp). KVT_ERR_IO (with the failing step and errno's text) besides
- * kvt_seq_snapshot's errors. */
+ * mode 0600 (mkstemp). A writer killed before its rename leaves its temporary
+ * ("path.tmp.XXXXXX"); each successful write of path removes those of writers that are gone:
+ * every temporary of that name that no process holds locked (a writer flocks its own until it
+ * closes it) and that is at least 60 s old. KVT_ERR_IO (with the failing step and errno's text)
+ * besides kvt_seq_snapshot's errors. */
 KVT_API kvt_status kvt_seq_snapshot_file(const kvt_seq *seq, const char *path);
 /* kvt_seq_restore of the file at path. KVT_ERR_IO when it cannot be read. */
 KVT_API kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq **out);

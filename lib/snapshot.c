@@ -20,7 +20,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------------------------------- */
@@ -1068,6 +1071,38 @@ static int write_all(const kvt__io *io, int fd, const uint8_t *buf, size_t n) {
     return 0;
 }
 
+/* A writer that dies between mkstemp and rename (killed, crashed, power lost) leaves its
+ * temporary "NAME.tmp.XXXXXX" behind. The next successful write of NAME removes every such file
+ * that is a dead writer's: a writer holds an exclusive flock on its temporary from just after
+ * mkstemp until it closes it, and the kernel drops that lock when the writer dies, so a
+ * temporary nobody locks is abandoned — unless it is younger than KVT__SNAP_STALE_S, the
+ * window in which a live writer may not have taken its lock yet. Returns the files removed
+ * (best effort: a file that cannot be opened, locked or removed is left). */
+#define KVT__SNAP_STALE_S 60
+static unsigned remove_stale_temporaries(const char *dir, const char *name) {
+    const size_t nlen = strlen(name);
+    DIR *d = opendir(dir);
+    if (!d)
+        return 0;
+    unsigned removed = 0;
+    const time_t now = time(NULL);
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (strlen(e->d_name) != nlen + 11 || strncmp(e->d_name, name, nlen) != 0 ||
+            strncmp(e->d_name + nlen, ".tmp.", 5) != 0)
+            continue;
+        int fd = openat(dirfd(d), e->d_name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        struct stat st;
+        if (fd < 0)
+            continue;
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && now - st.st_mtime >= KVT__SNAP_STALE_S &&
+            flock(fd, LOCK_EX | LOCK_NB) == 0 && unlinkat(dirfd(d), e->d_name, 0) == 0)
+            removed++;
+        close(fd); /* and its lock */
+    }
+    closedir(d);
+    return removed;
+}
+
 /* The snapshot is built in memory first (kvt_seq_snapshot), then written to a temporary file
  * next to path, fsync'ed, renamed over path and the directory fsync'ed: a crash at any point
  * leaves either the old file or the new one, never a torn one. */
@@ -1105,6 +1140,7 @@ kvt_status kvt_seq_snapshot_file(const kvt_seq *seq, const char *path) {
                           strerror(errno));
         goto out;
     }
+    (void)flock(fd, LOCK_EX | LOCK_NB); /* ours until close: not a dead writer's (above) */
     const char *step = NULL;
     if (write_all(io, fd, buf, n) != 0)
         step = "write";
@@ -1136,6 +1172,8 @@ kvt_status kvt_seq_snapshot_file(const kvt_seq *seq, const char *path) {
     }
     if (dfd >= 0)
         close(dfd);
+    if (s == KVT_OK)
+        (void)remove_stale_temporaries(dir, slash ? slash + 1 : path);
 out:
     kvt__free(&ctx->alloc, tmp, plen + 16);
     kvt__free(&ctx->alloc, dir, dlen + 2);

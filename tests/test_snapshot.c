@@ -1017,3 +1017,64 @@ Test(snapshot, zero_token_step_after_restore) {
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
+
+/* Stale temporaries (issue 32): a writer killed before its rename leaves PATH.tmp.XXXXXX; the
+ * next successful write of PATH removes those no process holds locked that are at least 60 s
+ * old, and leaves a live writer's (locked), a recent one, another name's and a look-alike. */
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+static void make_tmp(const char *p, bool old, int *lock_fd) {
+    int fd = open(p, O_CREAT | O_WRONLY | O_TRUNC, 0600);
+    cr_assert_geq(fd, 0, "%s", p);
+    cr_assert_eq(write(fd, "torn", 4), 4);
+    if (old) {
+        struct timespec ts[2] = {{.tv_sec = time(NULL) - 3600}, {.tv_sec = time(NULL) - 3600}};
+        cr_assert_eq(futimens(fd, ts), 0);
+    }
+    if (lock_fd) {
+        cr_assert_eq(flock(fd, LOCK_EX | LOCK_NB), 0);
+        *lock_fd = fd;
+    } else {
+        close(fd);
+    }
+}
+
+Test(snapshot, dead_writers_temporaries_removed_on_the_next_write) {
+    fixture x = fixture_make(true);
+    char dir[] = "/tmp/kvt-stale-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    char path[128], p[160];
+    snprintf(path, sizeof path, "%s/s.kvts", dir);
+    static const char *const dead[] = {"s.kvts.tmp.aB3xYz", "s.kvts.tmp.000000"};
+    static const char *const kept[] = {"s.kvts.tmp.recent", "s.kvts.tmp.locked",
+                                       "t.kvts.tmp.aB3xYz", "s.kvts.tmp.toolong1", "s.kvts.tmpXaB3xYz"};
+    int lock_fd = -1;
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, dead[i]);
+        make_tmp(p, true, NULL);
+    }
+    for (size_t i = 0; i < 5; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, kept[i]);
+        make_tmp(p, i != 0, i == 1 ? &lock_fd : NULL);
+    }
+    cr_assert_eq(kvt_seq_snapshot_file(x.seq, path), KVT_OK, "%s", kvt_last_error());
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, dead[i]);
+        cr_assert_neq(access(p, F_OK), 0, "a dead writer's %s is still there", dead[i]);
+    }
+    for (size_t i = 0; i < 5; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, kept[i]);
+        cr_assert_eq(access(p, F_OK), 0, "%s was removed", kept[i]);
+        unlink(p);
+    }
+    close(lock_fd);
+    kvt_seq *r;
+    cr_assert_eq(kvt_seq_restore_file(x.ctx, path, &r), KVT_OK, "%s", kvt_last_error());
+    assert_same(x.seq, r, "after the clean-up");
+    kvt_seq_destroy(r);
+    unlink(path);
+    cr_assert_eq(rmdir(dir), 0, "only the snapshot was left");
+    fixture_free(&x);
+}
