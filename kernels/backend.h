@@ -366,6 +366,23 @@ typedef struct kvt__ws_bounds {
 
 typedef struct kvt__backend_ops {
     const char *name;
+    /* Release the handle: its workspace and, for a handle that opened the backend, the
+     * backend's own state (protection keys, device buffers); the buffers the library allocated
+     * through it are freed before. Safe on a handle whose open failed (impl NULL). */
+    void (*close)(kvt__backend *be);
+    /* (optional) A second handle on parent with a workspace of its own into *out (σ scratch of
+     * sigma_floats and top-m scratch of topm_u32 where the backend sizes them up front; a
+     * device workspace grows through reserve): each batch runs its ops and commits through one,
+     * so that two batches never share scratch (kvtier.h, "Threads"). Closed with close.
+     * KVT_ERR_OUT_OF_MEMORY. NULL where the batches share the context's handle (the guarded
+     * backend keeps its protection state there): one thread at a time on such a context. */
+    kvt_status (*workspace)(const kvt__backend *parent, size_t sigma_floats, size_t topm_u32,
+                            kvt__backend *out);
+    /* (optional) Size this handle's host scratch for σ of sigma_floats and top-m of topm_u32
+     * (grow only): the CPU backends, whose handles lib/context.c sizes from max_rows_per_seq
+     * so that no step allocates. KVT_ERR_OUT_OF_MEMORY. NULL: the backend's scratch is its
+     * device workspace (reserve). */
+    kvt_status (*scratch_reserve)(kvt__backend *be, size_t sigma_floats, size_t topm_u32);
     /* Buffers in the backend's memory space (ggml-backend's rule: host code reaches a buffer's
      * bytes only through write/read). The row pool's planes live in them. alloc: zeroed bytes;
      * KVT_ERR_OUT_OF_MEMORY. free: bytes as allocated; NULL is a no-op. */

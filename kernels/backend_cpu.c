@@ -749,6 +749,9 @@ static kvt_status cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void
 
 static const kvt__backend_ops cpu_ops_table = {
     .name = "cpu",
+    .close = kvt__backend_cpu_close,
+    .workspace = kvt__backend_cpu_workspace,
+    .scratch_reserve = kvt__backend_cpu_reserve,
     .buf_alloc = cpu_buf_alloc,
     .buf_free = cpu_buf_free,
     .host_alloc = cpu_buf_alloc, /* host memory is what the CPU backend's buffers are */
@@ -1541,6 +1544,8 @@ static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *
 
 static const kvt__backend_ops guarded_ops_table = {
     .name = "guarded",
+    .close = kvt__backend_cpu_close, /* which closes the guard too */
+    .scratch_reserve = kvt__backend_cpu_reserve,
     .buf_alloc = g_buf_alloc,
     .buf_free = g_buf_free,
     .host_alloc = g_host_alloc,

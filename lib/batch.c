@@ -75,7 +75,7 @@ static bool ctx_may_recall(const kvt_ctx *ctx) {
 
 /* May requests recall on this layer: a salience layer with sketch planes, ctx_may_recall? */
 static bool layer_may_recall(const kvt_ctx *ctx, uint32_t layer) {
-    return ctx->sketch_rank && ctx->policies[layer] == KVT_POLICY_SALIENCE &&
+    return ctx->sketch_rank && kvt__layer_policy(ctx, layer)->recall_view &&
            ctx_may_recall(ctx);
 }
 
@@ -146,21 +146,9 @@ static kvt_status reserve_workspace(kvt_batch *b) {
             plan_bound(b, l, &x.recall);
         if (ctx_may_recall(ctx) && kvt__ctx_rope_bound(ctx, l, &rope))
             x.rope = &rope;
-        if (ctx->policies[l] == KVT_POLICY_EVICT) {
-            const kvt__store *st = &ctx->stores[l];
-            const kvt_config *c = &ctx->cfg;
-            const uint64_t cad = c->cadence_rows ? c->cadence_rows : c->recent_rows;
-            x.round = (kvt__ev_args){.n_planes = st->spec.n_planes, .slot_bytes = st->slot_bytes,
-                                     .row_bytes = st->spec.row_bytes,
-                                     .n_heads = st->spec.n_kv_heads,
-                                     .N = (uint64_t)c->evict_budget_rows + c->recent_rows + cad +
-                                          64,
-                                     .K = c->evict_budget_rows, .r = c->recent_rows};
-            uint32_t n = 0; /* the layers one call takes: the group's evict layers */
-            for (uint32_t k = 0; k < ctx->n_layers; k++)
-                n += ctx->policies[k] == KVT_POLICY_EVICT && ctx->stores[k].group == st->group;
-            x.round_layers = n < 16u ? n : 16u;
-        }
+        const kvt__store *st = &ctx->stores[l];
+        if (st->group >= 0 && ctx->groups[st->group].ops->step_bounds) /* random eviction's round */
+            ctx->groups[st->group].ops->step_bounds(&ctx->groups[st->group], st, &ctx->cfg, &x);
         s = be->ops->reserve(be, &x);
     }
     return s;
@@ -202,10 +190,10 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     }
     b->recall_ran = kvt__calloc(a, ctx->n_layers);
     b->be = ctx->backend;
-    kvt_status ws = kvt__backend_cpu_workspace(&ctx->backend, ctx->ws_sigma_floats,
-                                               ctx->ws_topm_u32, &b->be);
-    if (ws == KVT_ERR_UNSUPPORTED) /* CUDA: a device workspace of the batch's own */
-        ws = kvt__backend_cuda_workspace(&ctx->backend, &b->be);
+    kvt_status ws = ctx->backend.ops->workspace
+                        ? ctx->backend.ops->workspace(&ctx->backend, ctx->ws_sigma_floats,
+                                                      ctx->ws_topm_u32, &b->be)
+                        : KVT_ERR_UNSUPPORTED;
     b->own_be = ws == KVT_OK;
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
@@ -297,10 +285,8 @@ void kvt_batch_destroy(kvt_batch *b) {
         kvt__free(a, b->plan_recall, b->ctx->n_layers);
         kvt__free(a, b->plan_qpr, sizeof *b->plan_qpr * b->ctx->n_layers);
     }
-    if (b->own_be && b->be.ops == kvt__backend_cpu_ops())
-        kvt__backend_cpu_close(&b->be);
-    else if (b->own_be)
-        kvt__backend_cuda_close(&b->be);
+    if (b->own_be)
+        b->be.ops->close(&b->be);
     kvt__free(a, b, sizeof *b);
 }
 

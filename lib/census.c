@@ -26,6 +26,7 @@
  * real model approaches, so that no size computed from it can overflow.
  */
 #include "base/base.h"
+#include "tiers/policy.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -695,14 +696,16 @@ kvt_status kvt_model_census_shared(const kvt_model *m, uint64_t context, uint64_
     if (!m || !out || !isfinite(ratio) || !(ratio >= 1.0) || shared_rows > context)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt_census_totals t = {0};
+    /* Layers counted by their policy (kvt_policy_for_kind: one of the three). */
+    uint64_t *const layers_under[] = {[KVT_POLICY_NONE] = &t.none_layers,
+                                      [KVT_POLICY_SALIENCE] = &t.salience_layers,
+                                      [KVT_POLICY_EVICT] = &t.evict_layers};
     t.kv_bytes_per_token = kvt_model_kv_bytes_per_token(m);
     uint64_t k_rows = rows_at_ratio(context, ratio);
     for (uint32_t i = 0; i < kvt_model_n_layers(m); i++) {
         const kvt_layer_spec *l = kvt_model_layer(m, i);
         kvt_policy pol = kvt_policy_for_kind(l->kind);
-        t.salience_layers += pol == KVT_POLICY_SALIENCE;
-        t.evict_layers += pol == KVT_POLICY_EVICT;
-        t.none_layers += pol == KVT_POLICY_NONE;
+        (*layers_under[pol])++;
         if (l->kind == KVT_LAYER_NO_KV) {
             t.no_kv_layers++;
             continue;
@@ -710,25 +713,19 @@ kvt_status kvt_model_census_shared(const kvt_model *m, uint64_t context, uint64_
         uint64_t stored = context, attended, freed = 0;
         if (l->kind == KVT_LAYER_SLIDING && l->sliding_window < stored)
             stored = l->sliding_window;
-        switch (pol) {
-        case KVT_POLICY_SALIENCE:
-            attended = k_rows; /* the archive stays in the same pool: nothing is freed */
-            break;
-        case KVT_POLICY_EVICT:
-            attended = k_rows;
-            freed = stored - k_rows;
-            break;
-        case KVT_POLICY_NONE:
-        default:
+        /* The policy's model of the layer (policy.h census): salience attends the budget and
+         * keeps its archive in the pool; random eviction frees what is past the budget. */
+        const kvt__policy_ops *ops = kvt__policy_table(pol);
+        if (ops->census)
+            ops->census(stored, k_rows, &attended, &freed);
+        else
             attended = stored;
-            break;
-        }
         /* The shared prefix's rows the layer still holds (a sliding layer holds the last
          * `stored` rows), and of them those a random-evicting layer keeps: the protected prompt,
          * at most its budget. Every request reads its own attended rows. */
         const uint64_t start = context - stored;
         const uint64_t overlap = shared_rows > start ? shared_rows - start : 0;
-        const uint64_t kept = pol == KVT_POLICY_EVICT ? stored - freed : stored;
+        const uint64_t kept = stored - freed;
         uint64_t per_req, rows_held, rows_kept, dense, att, fr;
         uint64_t bpt = kvt_layer_bytes_per_token(l);
         if (!mul_u64(bpt, concurrency, &per_req) ||

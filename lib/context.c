@@ -1,64 +1,18 @@
 /* context.c — context lifecycle: model copy, per-layer policies, groups and their policy tables,
- * row pools, backend. */
+ * row pools, backend. Its destroy calls down into batch.c, sequence.c, buffer.c and
+ * recall_basis.c to tear their handles down; what those ask of a context (its error reporting,
+ * a policy call's environment, a layer's RoPE recall bound) is ctx_env.c's, so that none of
+ * them calls back up into this file. */
 #include "handles.h"
 
 #include "kernels/recall_rope.h"
 #include "kernels/recall_step.h"
-#include "kernels/sigma.h"
-#include "kernels/sketch.h"
 #include "kernels/topm.h"
 #include "recall/recall.h"
 
 
 #include <stdio.h>
 #include <string.h>
-
-/* Details go to the calling thread's buffer (kvt_last_error), not to the context: two threads on
- * two contexts never share it. ctx names the call's context for future use (per-context
- * logging); it is not written. */
-kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    kvt__tls_vfail(s, fmt, ap);
-    va_end(ap);
-    /* the device runtime's own words, when it had some (CUDA's error name and string) */
-    const char *dev = ctx && ctx->backend.ops && ctx->backend.ops->last_error
-                          ? ctx->backend.ops->last_error(&ctx->backend)
-                          : NULL;
-    if (dev) {
-        char *m = kvt__tls_error();
-        const size_t n = strlen(m);
-        snprintf(m + n, KVT__ERR_LEN - n, " [%s: %s]", ctx->backend.ops->name, dev);
-    }
-    return s;
-}
-
-void kvt__ctx_clear_error(const kvt_ctx *ctx) {
-    kvt__tls_clear();
-    if (ctx && ctx->backend.ops && ctx->backend.ops->last_error) /* an earlier call's, handled */
-        (void)ctx->backend.ops->last_error(&ctx->backend);
-}
-
-kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
-    kvt__env e;
-    e.alloc = &ctx->alloc;
-    e.backend = &ctx->backend;
-    e.home = &ctx->backend;
-    e.cfg = seq ? &seq->cfg : &ctx->cfg; /* a request's own ratio */
-    e.page_rows = ctx->page_rows;
-    e.pdiv = &ctx->pdiv;
-    e.philox_key = seq ? seq->philox_key : 0;
-    e.layer_offset = ctx->layer_offset;
-    e.head_offset = ctx->kv_head_offset;
-    e.max_rows = ctx->max_rows;
-    e.archive_rows = ctx->archive_rows;
-    e.archive_host = ctx->archive_host;
-    e.sketch_stride = ctx->sketch_rank;
-    e.stream = stream;
-    e.err = kvt__tls_error();
-    e.err_len = KVT__ERR_LEN;
-    return e;
-}
 
 kvt_ctx_params kvt_ctx_default_params(void) {
     kvt_ctx_params p;
@@ -106,10 +60,7 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
     kvt__free(a, ctx->stores, sizeof *ctx->stores * ctx->n_layers);
     kvt__free(a, ctx->policies, sizeof *ctx->policies * ctx->n_layers);
     kvt_model_destroy(ctx->model);
-    if (ctx->backend.ops == kvt__backend_cpu_ops() || kvt__backend_is_guarded(&ctx->backend))
-        kvt__backend_cpu_close(&ctx->backend);
-    else
-        kvt__backend_cuda_close(&ctx->backend);
+    ctx->backend.ops->close(&ctx->backend); /* set before any failure that comes here */
     kvt__alloc alloc = ctx->alloc;
     kvt__free(&alloc, ctx, sizeof *ctx);
     kvt__alloc_fini(&alloc);
@@ -240,63 +191,32 @@ static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, s
     return kvt__fail(err, len, s, "backend: CUDA requested but unavailable: %s", why);
 }
 
-bool kvt__ctx_rope_bound(const kvt_ctx *ctx, uint32_t layer, kvt__recall_rope_args *out) {
-    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
-    const uint32_t stride = kvt__ev_sketch_stride(sp, ctx->sketch_rank);
-    if (!ctx->sketch_rank || ctx->policies[layer] != KVT_POLICY_EVICT || stride == 0 ||
-        sp->n_kv_heads == 0 || sp->n_kv_heads > KVT__RECALL_ROPE_MAX_KV)
-        return false;
-    kvt__recall_rope_args *a = out;
-    memset(a, 0, sizeof *a);
-    a->D = kvt__ev_key_dim(sp);
-    a->n_kv = sp->n_kv_heads;
-    a->group = sp->n_q_heads / sp->n_kv_heads;
-    a->sample_cap = sp->n_q_heads * KVT__RECALL_SAMPLES_PER_HEAD;
-    a->capped = ctx->archive_host; /* an overflow's choice over the whole archive */
-    a->ar_n = ctx->archive_rows ? ctx->archive_rows : ctx->max_rows;
-    for (uint32_t h = 0; h < a->n_kv; h++)
-        a->rank[h] = stride;
-    static uint32_t planes_on; /* the pruned scan's share: any non-NULL plane */
-    const uint32_t B = ctx->cfg.block_rows;
-    a->branch_dim = sp->n_planes == 1 ? sp->branch_dim : 0; /* MLA-RoPE's rotated branch */
-    if (B >= 64u && (B & (B - 1u)) == 0) {
-        a->g_perm = &planes_on;
-        a->g_B = B;
-        a->g_dim = a->branch_dim + stride; /* rope_groups_reserve's centres */
-        a->g_blocks_cap = a->ar_n / B;
-    }
-    return true;
-}
-
-/* With a stated max_rows_per_seq, the size of a backend workspace that serves the largest close
- * (σ of a block over the widest branch of a salience layer) and the largest top-m (all of a
- * request's rows). Each batch of the CPU backend sizes its own workspace to it
- * (kvt_batch_create); the guarded backend's batches share the context's, sized here. */
+/* With a stated max_rows_per_seq, the size of a backend workspace that serves the largest
+ * commit's work (a salience close: σ of a block over the widest branch, its sketches) and the
+ * largest top-m (all of a request's rows), on a backend whose scratch is host memory sized up
+ * front (scratch_reserve: the CPU backends). A backend that gives each batch a handle of its own
+ * (workspace) sizes it there (kvt_batch_create); one whose batches share the context's handle
+ * (the guarded backend) has it sized here. */
 static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
-    if (ctx->max_rows == 0 ||
-        (ctx->backend.ops != kvt__backend_cpu_ops() && !kvt__backend_is_guarded(&ctx->backend)))
+    if (ctx->max_rows == 0 || !ctx->backend.ops->scratch_reserve)
         return KVT_OK;
-    uint32_t branch = 0;
-    for (uint32_t i = 0; i < ctx->n_layers; i++)
-        if (ctx->policies[i] == KVT_POLICY_SALIENCE && ctx->stores[i].spec.branch_dim > branch)
-            branch = ctx->stores[i].spec.branch_dim;
-    /* A close's scoring takes σ's scratch and the block's slots in one piece; its sketches, when
-     * the context builds them, the same piece (after σ) for their scratch and the slots. */
-    ctx->ws_sigma_floats = branch ? kvt__sigma_scratch_floats(ctx->cfg.block_rows,
-                                                              2 * ctx->cfg.kappa - 1, branch) +
-                                        ctx->cfg.block_rows
-                                  : 0;
-    for (uint32_t i = 0; ctx->sketch_rank && i < ctx->n_layers; i++) {
-        size_t f = kvt__backend_sketch_floats(ctx->cfg.block_rows, ctx->stores[i].spec.value_dim);
-        if (ctx->policies[i] == KVT_POLICY_SALIENCE && f > ctx->ws_sigma_floats)
+    ctx->ws_sigma_floats = 0;
+    for (uint32_t i = 0; i < ctx->n_layers; i++) {
+        const kvt__policy_ops *t = kvt__layer_policy(ctx, i);
+        const size_t f = t->close_scratch_floats
+                             ? t->close_scratch_floats(&ctx->stores[i].spec, &ctx->cfg,
+                                                       ctx->sketch_rank)
+                             : 0;
+        if (f > ctx->ws_sigma_floats)
             ctx->ws_sigma_floats = f;
     }
     /* A recall step (a request with recall on, its own or the context's mode) takes the scan's
      * scratch and the step's own from the same piece, sized by the request's closed rows (the
      * pruned scan's) and its query heads: at most max_rows closed rows, with or without group
-     * planes. Sized here so that no step grows it (steady-state decode allocates nothing). */
+     * planes, on every layer whose archive the NoPE trigger reads (the policy's recall_view).
+     * Sized here so that no step grows it (steady-state decode allocates nothing). */
     for (uint32_t i = 0; ctx->sketch_rank && i < ctx->n_layers; i++) {
-        if (ctx->policies[i] != KVT_POLICY_SALIENCE)
+        if (!kvt__layer_policy(ctx, i)->recall_view)
             continue;
         const kvt_layer_spec *sp = &ctx->stores[i].spec;
         for (uint32_t g = 0; g < 2; g++) {
@@ -322,15 +242,15 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
     }
     /* A salience close's selection takes its keys and the top-m scratch in one piece. */
     ctx->ws_topm_u32 = (size_t)ctx->max_rows + kvt__topm_scratch_u32(ctx->max_rows);
-    if (!kvt__backend_is_guarded(&ctx->backend))
+    if (ctx->backend.ops->workspace)
         return KVT_OK;
-    kvt_status s = kvt__backend_cpu_reserve(&ctx->backend, ctx->ws_sigma_floats, ctx->ws_topm_u32);
+    kvt_status s = ctx->backend.ops->scratch_reserve(&ctx->backend, ctx->ws_sigma_floats,
+                                                     ctx->ws_topm_u32);
     return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "backend workspace for %u rows",
                                             ctx->max_rows);
 }
 
-/* params.recall_sketch_rank against the salience layers (docs/recall.md): the sketch reads a
- * row's latent, which kvtier can decode in bf16, fp16 and fp32 rows only. */
+/* params.recall_sketch_rank against every layer's policy (supports_sketch; docs/recall.md). */
 static kvt_status check_sketch_rank(const kvt_ctx *ctx, uint32_t r, char *err, size_t len) {
     if (r == 0)
         return KVT_OK;
@@ -339,21 +259,12 @@ static kvt_status check_sketch_rank(const kvt_ctx *ctx, uint32_t r, char *err, s
                          "params.recall_sketch_rank: %u above KVT_RECALL_MAX_RANK (%u)", r,
                          KVT_RECALL_MAX_RANK);
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
-        const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
-        if (ctx->policies[i] != KVT_POLICY_SALIENCE)
-            continue;
-        /* fp8 rows are read in one layout only: FlashMLA's 656-B ds_mla row (kvt_hd.h). */
-        if (sp->dtype == KVT_DTYPE_FP8_E4M3 && !kvt__spec_ds_mla(sp))
-            return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                             "params.recall_sketch_rank: layer %u stores fp8 rows in a layout "
-                             "other than the 656-B ds_mla row (512 fp8 values, 4 fp32 scales, "
-                             "64 bf16 branch values at byte 528), the only one kvtier decodes",
-                             i);
-        if (sp->value_dim > KVT__SKETCH_MAX_DIM || r > sp->value_dim)
-            return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
-                             "params.recall_sketch_rank: %u with layer %u's value_dim %u (the "
-                             "sketch takes 1..%u latent values and a rank up to them)",
-                             r, i, sp->value_dim, KVT__SKETCH_MAX_DIM);
+        const kvt__policy_ops *t = kvt__layer_policy(ctx, i);
+        kvt_status s = t->supports_sketch
+                           ? t->supports_sketch(kvt_model_layer(ctx->model, i), i, r, err, len)
+                           : KVT_OK;
+        if (s != KVT_OK)
+            return s;
     }
     return KVT_OK;
 }

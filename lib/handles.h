@@ -186,6 +186,13 @@ void kvt__batches_destroy(kvt_ctx *ctx);
  * g_perm's marker; false for a layer without one. Sizes the workspaces (lib/context.c, the
  * CUDA batch's kvt__ws_bounds). */
 bool kvt__ctx_rope_bound(const kvt_ctx *ctx, uint32_t layer, kvt__recall_rope_args *out);
+/* The policy table that answers for layer `layer`'s policy (tiers/policy.h kvt__policy_table: the
+ * one resolve_policies checked the layer with; never NULL in a created context, a layer without
+ * KV included). lib/ asks a layer's policy questions of its table's entries, never of the
+ * policy's value (DESIGN §3). */
+static inline const kvt__policy_ops *kvt__layer_policy(const kvt_ctx *ctx, uint32_t layer) {
+    return kvt__policy_table(ctx->policies[layer]);
+}
 kvt_status kvt__ctx_fail(const kvt_ctx *ctx, kvt_status s, const char *fmt, ...) KVT__PRINTF(3, 4);
 void kvt__ctx_clear_error(const kvt_ctx *ctx);
 kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream);

@@ -91,7 +91,8 @@
  *    kvt_layer_spec_*, kvt_policy_for_kind, kvt_layer_bytes_per_token, kvt_ctx_model,
  *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
  *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context,
- *    kvt_recall_basis_read / kvt_recall_basis_write (files only; distinct paths), and
+ *    kvt_recall_basis_read / kvt_recall_basis_write (files only; distinct paths),
+ *    kvt_orthonormalise_rows (on distinct arrays), and
  *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
  *    are joined). A kvt_model is only read after kvt_model_create: the const kvt_model_* calls
  *    and kvt_ctx_create may use one model from many threads at once (a context copies it);
@@ -691,6 +692,18 @@ KVT_API kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, u
  * be NULL. KVT_ERR_INVALID_ARGUMENT (NULL ctx), KVT_ERR_OUT_OF_RANGE (layer or kv_head). */
 KVT_API kvt_status kvt_ctx_recall_head_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
                                              uint32_t *rank, uint32_t *id);
+
+/* Make the rows of V ([rank][n] doubles, row k at V + k * n) orthonormal in place, by modified
+ * Gram-Schmidt in double: row k, in order, has its projection on each earlier row subtracted,
+ * `passes` times over (re-orthogonalisation: 2 passes give rows orthonormal to double precision,
+ * "twice is enough"), then is divided by its norm. Directions and signs are kept (row k spans
+ * what rows 0..k did). How a basis for kvt_ctx_set_recall_basis / _head_basis is made
+ * orthonormal before its rounding to fp32 (kvtier-inspect calibrate runs it twice with one pass,
+ * kvtier-needle's query subspace once with two). Pure (any thread). Errors:
+ * KVT_ERR_INVALID_ARGUMENT for NULL V with rank > 0, rank > n or passes 0 (nothing changed), or
+ * a row whose norm once orthogonalised is below 1e-10 of its norm before, or not finite (rows
+ * linearly dependent to double precision, or a NaN or Inf in V; V is then partly rewritten). */
+KVT_API kvt_status kvt_orthonormalise_rows(double *V, uint32_t rank, uint32_t n, uint32_t passes);
 
 /* A basis file (kvtier-inspect calibrate writes it: one for an MLA-NoPE layer, one per KV head,
  * PREFIX.h<H>, for a RoPE layer; format in docs/recall.md §5): little-endian,

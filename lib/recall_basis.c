@@ -17,6 +17,13 @@ _Static_assert(KVT_RECALL_MAX_RANK == KVT__SKETCH_MAX_RANK, "one rank limit");
 #define RB_HEADER_BYTES 40u
 #define RB_MAX_DIM 65536u
 
+/* The values of an archived key layer `layer`'s key bases span (its policy's archive_key_dim);
+ * 0 for a layer whose policy keeps no archive sketches. */
+static uint32_t key_dim_of(const kvt_ctx *ctx, uint32_t layer) {
+    const kvt__policy_ops *t = kvt__layer_policy(ctx, layer);
+    return t->archive_key_dim ? t->archive_key_dim(&ctx->stores[layer].spec) : 0;
+}
+
 void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st) {
     if (st->rbasis.V)
         ctx->backend.ops->buf_free(&ctx->backend, st->rbasis.V,
@@ -25,7 +32,7 @@ void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st) {
     const size_t H = st->spec.n_kv_heads;
     if (st->kb_V)
         ctx->backend.ops->buf_free(&ctx->backend, st->kb_V,
-                                   sizeof(float) * H * st->kb_stride * kvt__ev_key_dim(&st->spec));
+                                   sizeof(float) * H * st->kb_stride * key_dim_of(ctx, st->layer));
     kvt__free(&ctx->alloc, st->kb_rank, sizeof *st->kb_rank * H);
     kvt__free(&ctx->alloc, st->kb_id, sizeof *st->kb_id * H);
     kvt__free(&ctx->alloc, st->kb_omega, sizeof *st->kb_omega * H);
@@ -105,7 +112,7 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "kvt_ctx_set_recall_basis: layer %u of %u",
                              layer, ctx->n_layers);
     kvt__store *st = &ctx->stores[layer];
-    if (ctx->policies[layer] != KVT_POLICY_SALIENCE)
+    if (!kvt__layer_policy(ctx, layer)->recall_view) /* the NoPE trigger's archive */
         return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH,
                              "kvt_ctx_set_recall_basis: layer %u is under policy %s; recall "
                              "sketches are built on salience (MLA-NoPE) layers",
@@ -148,13 +155,14 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
 
 /* ---- Per-KV-head key bases of evict layers (recall on RoPE layers, docs/recall.md §9) ---- */
 
-/* The layer's [H][stride][D] buffer (D = kvt__ev_key_dim) and host arrays, allocated on the first head's basis
+/* The layer's [H][stride][D] buffer (D = key_dim_of) and host arrays, allocated on the first
+ * head's basis
  * (zeroed: every other head has none). */
 static kvt_status head_bases_alloc(kvt_ctx *ctx, kvt__store *st, uint32_t stride) {
     if (st->kb_V)
         return KVT_OK;
     const size_t H = st->spec.n_kv_heads;
-    const size_t bytes = sizeof(float) * H * stride * kvt__ev_key_dim(&st->spec);
+    const size_t bytes = sizeof(float) * H * stride * key_dim_of(ctx, st->layer);
     void *dev = NULL;
     kvt_status s = ctx->backend.ops->buf_alloc(&ctx->backend, bytes, &dev);
     if (s != KVT_OK)
@@ -186,7 +194,8 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "%s: layer %u of %u", fn, layer,
                              ctx->n_layers);
     kvt__store *st = &ctx->stores[layer];
-    if (ctx->policies[layer] != KVT_POLICY_EVICT)
+    const kvt__policy_ops *t = kvt__layer_policy(ctx, layer);
+    if (!t->archive_sketch_stride) /* an archive with key sketches: random eviction's */
         return kvt__ctx_fail(ctx, KVT_ERR_POLICY_MISMATCH,
                              "%s: layer %u is under policy %s; key bases are for the archive of "
                              "evict (RoPE) layers",
@@ -196,7 +205,7 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
                              "%s: the context builds no recall sketches (params.recall_sketch_rank "
                              "0)",
                              fn);
-    const uint32_t stride = kvt__ev_sketch_stride(&st->spec, ctx->sketch_rank);
+    const uint32_t stride = t->archive_sketch_stride(&st->spec, ctx->sketch_rank);
     if (stride == 0)
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "%s: layer %u's rows (%u planes of %s) get no archive sketches "
@@ -214,7 +223,7 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
                              "%s: a request already reserved rows (sketches of a head must all "
                              "come from one basis)",
                              fn);
-    const uint32_t D = kvt__ev_key_dim(&st->spec);
+    const uint32_t D = t->archive_key_dim(&st->spec);
     float omega = 0.0f;
     kvt_status s = check_basis_of(ctx, fn, V, rank, D, &omega);
     if (s != KVT_OK)
@@ -359,7 +368,8 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
  * kvt_recall_basis_read, KVT_ERR_OUT_OF_RANGE (layer), KVT_ERR_INVALID_ARGUMENT (a dim other than
  * want_dim), KVT_ERR_OUT_OF_MEMORY. */
 static kvt_status read_for_layer(kvt_ctx *ctx, const char *fn, uint32_t layer, const char *path,
-                                 uint32_t (*want_dim)(const kvt_layer_spec *), const char *what_dim,
+                                 uint32_t (*want_dim)(const kvt_ctx *, uint32_t),
+                                 const char *what_dim,
                                  kvt_recall_basis_info *info, float **V, size_t *V_floats) {
     *V = NULL;
     if (!ctx || !path)
@@ -370,7 +380,7 @@ static kvt_status read_for_layer(kvt_ctx *ctx, const char *fn, uint32_t layer, c
     kvt_status s = kvt_recall_basis_read(path, info, NULL, 0);
     if (s != KVT_OK)
         return s;
-    const uint32_t dim = want_dim(&ctx->stores[layer].spec);
+    const uint32_t dim = want_dim(ctx, layer);
     if (dim && info->dim != dim)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "%s: %s holds dim %u, layer %u (%s) has %s %u", fn, path, info->dim,
@@ -387,8 +397,8 @@ static kvt_status read_for_layer(kvt_ctx *ctx, const char *fn, uint32_t layer, c
     return s;
 }
 
-static uint32_t value_dim_of(const kvt_layer_spec *sp) {
-    return sp->value_dim;
+static uint32_t value_dim_of(const kvt_ctx *ctx, uint32_t layer) {
+    return ctx->stores[layer].spec.value_dim;
 }
 
 kvt_status kvt_ctx_load_recall_basis(kvt_ctx *ctx, uint32_t layer, const char *path) {
@@ -410,7 +420,7 @@ kvt_status kvt_ctx_load_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t
     float *V;
     size_t n = 0;
     kvt_status s = read_for_layer(ctx, "kvt_ctx_load_recall_head_basis", layer, path,
-                                  kvt__ev_key_dim, "key dim", &info, &V, &n);
+                                  key_dim_of, "key dim", &info, &V, &n);
     if (s != KVT_OK)
         return s;
     s = kvt_ctx_set_recall_head_basis(ctx, layer, kv_head, V, info.rank);

@@ -88,6 +88,13 @@ static const kvt__policy_ops *ops_of(const kvt_ctx *ctx, uint32_t layer) {
     return ctx->groups[ctx->stores[layer].group].ops;
 }
 
+/* The rows of a close's budget reserved for recall's promoted set (the table's promote_room;
+ * 0 without one). */
+static uint64_t promote_room(const kvt__policy_ops *ops, uint64_t closed_rows,
+                             const kvt_config *cfg) {
+    return ops->promote_room ? ops->promote_room(closed_rows, cfg) : 0;
+}
+
 kvt_seq_params kvt_seq_default_params(void) {
     kvt_seq_params p;
     memset(&p, 0, sizeof p);
@@ -284,9 +291,11 @@ static kvt_status rope_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t row
     if (ctx->archive_rows && rows > ctx->archive_rows)
         rows = ctx->archive_rows;
     const uint32_t branch = sp->n_planes == 1 ? sp->branch_dim : 0; /* MLA-RoPE's rotated branch */
+    /* a layer with the RoPE trigger's buffers: its policy keeps archive sketches */
+    const uint32_t stride =
+        kvt__layer_policy(ctx, layer)->archive_sketch_stride(sp, ctx->sketch_rank);
     return kvt__recall_rope_groups_reserve(&seq->rrope[layer], &ctx->backend, rows,
-                                           seq->cfg.block_rows,
-                                           branch + kvt__ev_sketch_stride(sp, ctx->sketch_rank));
+                                           seq->cfg.block_rows, branch + stride);
 }
 
 /* The RoPE trigger's buffers (docs/recall.md §9) for every layer whose policy has an archive view
@@ -1295,7 +1304,7 @@ bool kvt__seq_recall_item(kvt_seq *seq, uint32_t layer, const float *q, uint8_t 
     kvt__recall_step_make(&seq->recall[layer], &v,
                           kvt__recall_layer_lag_query(&seq->recall[layer], q), view.n_rows,
                           seq->cfg.recall, seq->cfg.recall_margin, dense, out);
-    kvt__recall_step_promote(&seq->recall[layer], kvt__sal_promote_room(v.n_closed, &seq->cfg),
+    kvt__recall_step_promote(&seq->recall[layer], promote_room(l.gr->ops, v.n_closed, &seq->cfg),
                              seq->cfg.recall_promote_hits, seq->cfg.recall_promote_window, out);
     return true;
 }
@@ -1615,7 +1624,8 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
             return kvt__ctx_fail(ctx, s, "reading the recall promotion of layer %u", layer);
         if (seq->recall[layer].promo) {
             out->recall_promoted = pr.n_prom;
-            out->recall_promote_room = kvt__sal_promote_room(out->closed_rows, &seq->cfg);
+            out->recall_promote_room =
+                promote_room(kvt__layer_policy(ctx, layer), out->closed_rows, &seq->cfg);
             out->recall_promotions = pr.promotions;
             out->recall_demotions = pr.demotions;
             out->recall_absorbed = pr.absorbed;
@@ -1838,7 +1848,7 @@ static kvt_status check_promo(const kvt_seq *seq, uint32_t layer, char *msg, siz
         s = ctx->backend.ops->read(&ctx->backend, kept, v.kept, kb, NULL);
     if (s == KVT_OK)
         s = kvt__recall_promo_check(r, buf, v.n_closed, v.sinks, kept, v.m,
-                                    kvt__sal_promote_room(v.n_closed, &seq->cfg),
+                                    promote_room(l.gr->ops, v.n_closed, &seq->cfg),
                                     seq->cfg.recall_promote_window, msg, len);
     kvt__free(&ctx->alloc, buf, pb + kb + 1);
     return s;

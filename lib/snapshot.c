@@ -935,19 +935,23 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
                                     .n_q_heads = w[11]};
         pol[i] = (kvt_policy)meta_policy(m, i);
         int32_t g = meta_group(m, i);
+        const kvt__policy_ops *t = kvt__policy_table(pol[i]); /* NULL: refused at creation */
+        uint32_t win;
         if (g >= 0 && (uint32_t)g < KVT__MAX_GROUPS) {
-            /* The window a sliding group keeps: its widest (tiers/sliding.c); salience and
-             * evict groups never return leading pages. */
-            if (pol[i] == KVT_POLICY_NONE && w[0] == KVT_LAYER_SLIDING && w[10] > W[g])
-                W[g] = w[10];
-            positional[g] = pol[i] != KVT_POLICY_EVICT;
+            /* The window a group keeps: its widest (tiers/sliding.c), where its layers read
+             * windows (policy.h layer_window); other groups never return leading pages. */
+            if (t && t->layer_window && t->layer_window(&specs[i], &win) && win > W[g])
+                W[g] = win;
+            positional[g] = !t || t->rows_are_positions;
         }
     }
-    /* A none group with a full-attention layer keeps every row (no window). */
+    /* A group with a layer that reads every row keeps every row (no window). */
     for (uint32_t i = 0; s == KVT_OK && i < m->n_layers; i++) {
         int32_t g = meta_group(m, i);
-        if (g >= 0 && (uint32_t)g < KVT__MAX_GROUPS && pol[i] == KVT_POLICY_NONE &&
-            specs[i].kind != KVT_LAYER_SLIDING)
+        const kvt__policy_ops *t = kvt__policy_table(pol[i]);
+        uint32_t win;
+        if (g >= 0 && (uint32_t)g < KVT__MAX_GROUPS && t && t->layer_window &&
+            !t->layer_window(&specs[i], &win))
             W[g] = 0;
     }
     if (s == KVT_OK)
@@ -1001,13 +1005,16 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
         p.kv_head_offset = m->kv_head_offset;
         p.n_kv_heads_global = m->n_kv_heads_global;
         p.layer_offset = m->layer_offset;
-        /* Sketch planes: a salience STATE's eighth u64 is its sketch stride (docs/snapshot-
-         * format.md); a context for the snapshot needs the widest (a layer basis, if any, is
-         * the engine's to set before restoring: restore names it when it differs). */
+        /* Sketch planes: a policy's STATE may name the sketch stride it was saved with (the
+         * table's snap_sketch_stride; salience: docs/snapshot-format.md); a context for the
+         * snapshot needs the widest (a layer basis, if any, is the engine's to set before
+         * restoring: restore names it when it differs). */
         for (uint32_t i = 0; i < m->n_layers; i++) {
             const kvt__ctr_section *ss = &sp.state[i];
-            if (pol[i] == KVT_POLICY_SALIENCE && ss->length >= STATE_HEAD + 64) {
-                uint64_t stride = kvt__get_u64(sp.buf + ss->offset + STATE_HEAD + 56);
+            const kvt__policy_ops *t = kvt__policy_table(pol[i]);
+            if (t && t->snap_sketch_stride && ss->length >= STATE_HEAD) {
+                uint64_t stride = t->snap_sketch_stride(sp.buf + ss->offset + STATE_HEAD,
+                                                        ss->length - STATE_HEAD);
                 if (stride <= KVT_RECALL_MAX_RANK && stride > p.recall_sketch_rank)
                     p.recall_sketch_rank = (uint32_t)stride;
             }

@@ -32,6 +32,67 @@ Test(status, names_and_messages) {
     cr_assert(strchr(v, '.') != NULL);
 }
 
+/* The largest |V Vᵀ − I| entry of rank rows of n doubles. */
+static double ortho_error(const double *V, uint32_t rank, uint32_t n) {
+    double worst = 0;
+    for (uint32_t a = 0; a < rank; a++)
+        for (uint32_t b = 0; b < rank; b++) {
+            double dot = 0;
+            for (uint32_t d = 0; d < n; d++)
+                dot += V[(size_t)a * n + d] * V[(size_t)b * n + d];
+            worst = fmax(worst, fabs(dot - (a == b ? 1.0 : 0.0)));
+        }
+    return worst;
+}
+
+/* kvt_orthonormalise_rows, the one Gram-Schmidt of the tree (calibrate, the needle generator,
+ * the tests' bases): orthonormal to double precision in either form its callers use (two passes
+ * per row; two sweeps of one pass), directions and signs kept, bad input refused by status. */
+Test(orthonormalise, rows_come_out_orthonormal_and_bad_input_is_refused) {
+    enum { R = 16, N = 64 };
+    static double x[R * N], v[R * N], w[R * N];
+    tu_rng g = {7};
+    for (size_t i = 0; i < R * N; i++)
+        x[i] = tu_normal(&g);
+    memcpy(v, x, sizeof x);
+    cr_assert_eq(kvt_orthonormalise_rows(v, R, N, 2), KVT_OK);
+    cr_assert_lt(ortho_error(v, R, N), 1e-14);
+    memcpy(w, x, sizeof x);
+    cr_assert_eq(kvt_orthonormalise_rows(w, R, N, 1), KVT_OK);
+    cr_assert_eq(kvt_orthonormalise_rows(w, R, N, 1), KVT_OK);
+    cr_assert_lt(ortho_error(w, R, N), 1e-14);
+    /* row k spans what rows 0..k did: row 0 is x's row 0 scaled, and each row keeps its sign
+     * against the input row it came from */
+    double n0 = 0;
+    for (uint32_t d = 0; d < N; d++)
+        n0 += x[d] * x[d];
+    for (uint32_t d = 0; d < N; d++)
+        cr_assert_lt(fabs(v[d] - x[d] / sqrt(n0)), 1e-15);
+    for (uint32_t k = 0; k < R; k++) {
+        double dot = 0;
+        for (uint32_t d = 0; d < N; d++)
+            dot += v[(size_t)k * N + d] * x[(size_t)k * N + d];
+        cr_assert_gt(dot, 0, "row %u flipped", k);
+    }
+    /* refused before anything changes */
+    memcpy(v, x, sizeof x);
+    cr_assert_eq(kvt_orthonormalise_rows(NULL, 2, N, 2), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_orthonormalise_rows(v, N + 1, N, 2), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "rank") != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_orthonormalise_rows(v, R, N, 0), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(memcmp(v, x, sizeof x), 0);
+    cr_assert_eq(kvt_orthonormalise_rows(NULL, 0, N, 2), KVT_OK); /* nothing to do */
+    /* a row in the span of the earlier ones, or not finite: named, never a NaN basis */
+    for (uint32_t d = 0; d < N; d++)
+        v[N + d] = 2 * v[d];
+    cr_assert_eq(kvt_orthonormalise_rows(v, R, N, 2), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "row 1 ") != NULL, "%s", kvt_last_error());
+    memcpy(v, x, sizeof x);
+    v[3 * N + 5] = NAN;
+    cr_assert_eq(kvt_orthonormalise_rows(v, R, N, 2), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "row 3 ") != NULL, "%s", kvt_last_error());
+}
+
 Test(spec, mla_and_gqa_geometry) {
     kvt_layer_spec s;
     cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s), KVT_OK);

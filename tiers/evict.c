@@ -923,6 +923,25 @@ static kvt_status ev_supports_layer(const kvt_layer_spec *sp, uint32_t i, const 
     return KVT_OK;
 }
 
+/* Rows past the budget leave the pool (dropped, or copied to the archive); the budget is
+ * attended. */
+static void ev_census(uint64_t stored, uint64_t budget, uint64_t *attended, uint64_t *freed) {
+    *attended = budget;
+    *freed = stored - budget;
+}
+
+/* A decode step's largest round: K + r + c rows and up to 64 tokens of the step, the group's
+ * layers in one call (at most 16). */
+static void ev_step_bounds(const kvt__group *gr, const kvt__store *st, const kvt_config *c,
+                           kvt__ws_bounds *x) {
+    const uint64_t cad = c->cadence_rows ? c->cadence_rows : c->recent_rows;
+    x->round = (kvt__ev_args){.n_planes = st->spec.n_planes, .slot_bytes = st->slot_bytes,
+                              .row_bytes = st->spec.row_bytes, .n_heads = st->spec.n_kv_heads,
+                              .N = (uint64_t)c->evict_budget_rows + c->recent_rows + cad + 64,
+                              .K = c->evict_budget_rows, .r = c->recent_rows};
+    x->round_layers = gr->n_layers < 16u ? gr->n_layers : 16u;
+}
+
 static kvt_status ev_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
     /* Buffers from the context's backend: they outlive every call. */
     kvt_status rc = kvt__ev_init(&s->ev, env->home, &st->spec, env->cfg->evict_archive);
@@ -1425,6 +1444,10 @@ const kvt__policy_ops kvt__policy_evict = {
     .attach_rows = ev_attach_rows,
     .side_bytes = ev_side_bytes,
     .supports_layer = ev_supports_layer,
+    .census = ev_census,
+    .step_bounds = ev_step_bounds,
+    .archive_key_dim = kvt__ev_key_dim,
+    .archive_sketch_stride = kvt__ev_sketch_stride,
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,
     .recall_rope_view = ev_recall_rope_view,

@@ -39,8 +39,11 @@ kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t le
     return KVT_OK;
 }
 
+/* layer_window: the table that checks a policy-none layer (kvt__policy_table) answers for the
+ * sliding layers a group of it may hold, as the sliding table it then gets does. */
 const kvt__policy_ops kvt__policy_none = {
     .rows_are_positions = true,
+    .layer_window = kvt__sliding_layer_window,
     .attended = kvt__none_attended,
     .row_state = none_row_state,
     .positions = kvt__none_positions,

@@ -110,6 +110,47 @@ struct kvt__policy_ops {
      * Without it every layer with KV is served. */
     kvt_status (*supports_layer)(const kvt_layer_spec *sp, uint32_t layer, const kvt_config *cfg,
                                  char *err, size_t len);
+    /* (optional) Can this policy's side planes of layer `layer` hold recall sketches of `rank`
+     * coefficients (params.recall_sketch_rank > 0)? KVT_OK, or a status with a message naming
+     * the layer and params.recall_sketch_rank in err. Without it the policy builds no sketches
+     * of its own and any rank is accepted. */
+    kvt_status (*supports_sketch)(const kvt_layer_spec *sp, uint32_t layer, uint32_t rank,
+                                  char *err, size_t len);
+    /* (optional) Does layer sp, under this policy, read only a window of its group's newest
+     * rows (a sliding-window layer under policy none)? true with the window's rows in *rows
+     * (0 in a spec kvt_model_create would refuse). A group whose layers all do, each with
+     * rows > 0, keeps only the widest window's pages (the sliding table's group_init); lib/
+     * checks a snapshot's page tables against the same rule before any context exists.
+     * Without it: false (the layer reads every row, and its group returns no leading page). */
+    bool (*layer_window)(const kvt_layer_spec *sp, uint32_t *rows);
+    /* (optional) A census's model of one layer (kvt_model_census): of the `stored` rows a
+     * request holds, how many it attends and how many leave the pool at a budget of `budget`
+     * rows. Without it: every stored row stays and is attended (*attended = stored,
+     * *freed = 0). */
+    void (*census)(uint64_t stored, uint64_t budget, uint64_t *attended, uint64_t *freed);
+
+    /* ---- Sizing ---------------------------------------------------------------------------- */
+    /* (optional) Floats of backend scratch one commit's work on layer sp takes (a salience close:
+     * σ's scratch and the block's slots, the sketches' when rank > 0), for a context that sizes
+     * its workspaces once (max_rows_per_seq). Without it: none. */
+    size_t (*close_scratch_floats)(const kvt_layer_spec *sp, const kvt_config *cfg,
+                                   uint32_t rank);
+    /* (optional) The largest work a decode step of one request gives the backend's workspace
+     * ops for the group's layer st (random eviction: a round of K + r + c rows and up to 64
+     * tokens, the group's layers in one call, into x->round and x->round_layers), for
+     * kvt__backend_ops.reserve. Without it: nothing of the policy's. */
+    void (*step_bounds)(const kvt__group *gr, const kvt__store *st, const kvt_config *cfg,
+                        kvt__ws_bounds *x);
+    /* (optional) The values of an archived key the layer's archive sketches take (GQA/MHA: the
+     * whole post-RoPE key; MLA-RoPE: the latent), and the sketch planes' stride at a context's
+     * rank: min(rank, key dim), or 0 when the layer's rows get no archive sketches (the RoPE
+     * trigger's archive, docs/recall.md §9). Both or neither. Without them the layer has no
+     * archive sketches (key bases are refused, the RoPE trigger is never sized for it). */
+    uint32_t (*archive_key_dim)(const kvt_layer_spec *sp);
+    uint32_t (*archive_sketch_stride)(const kvt_layer_spec *sp, uint32_t rank);
+    /* (optional) The rows of the attended budget a close reserves for recall's promoted set
+     * when the layer holds closed_rows closed rows (docs/recall.md §4.2). Without it: 0. */
+    uint64_t (*promote_room)(uint64_t closed_rows, const kvt_config *cfg);
     /* (optional) Set up the group's shared state (window, basis tables) once its layers are
      * known; stores[gr->layers[k]] are its layers. KVT_OK or a status with a message in err.
      * Without it the group has none. Called once; group_fini runs even after a failure. */
@@ -290,6 +331,11 @@ struct kvt__policy_ops {
      * env->err; on failure *s may hold allocations that layer_fini frees. */
     kvt_status (*snap_load)(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
                             const uint8_t *src, uint64_t n);
+    /* (optional) The sketch stride (params.recall_sketch_rank) a context needs to restore the
+     * state src[0..n) that snap_save wrote (kvt_snapshot_context reads it before any context
+     * exists): its value, unchecked, or 0 when src is too short to hold one. Without it the
+     * state asks for none. */
+    uint64_t (*snap_sketch_stride)(const uint8_t *src, uint64_t n);
     /* (optional) Copy the layer's per-row scores (σ of the closed rows, by position; out holds
      * as many as stats' closed_rows) to host memory. Without it the layer has no scores. */
     kvt_status (*scores)(const kvt__tier_layer *l, float *out, char *err, size_t len);
@@ -347,6 +393,9 @@ const kvt__policy_ops *kvt__policy_table(kvt_policy policy);
  * be honoured; whether pages can go back is the table's group_init), else the none table. NULL
  * for a policy no table implements. */
 const kvt__policy_ops *kvt__policy_ops_for(const kvt__group *gr, const kvt__store *stores);
+
+/* The none and sliding tables' layer_window: a sliding-window layer reads its window. */
+bool kvt__sliding_layer_window(const kvt_layer_spec *sp, uint32_t *rows);
 
 /* Entries shared by tables whose layers attend every row they hold (none, evict) and whose row
  * indices are positions (none, salience). */

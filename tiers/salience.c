@@ -718,6 +718,43 @@ static kvt_status sal_supports_layer(const kvt_layer_spec *sp, uint32_t i, const
     return KVT_OK;
 }
 
+/* params.recall_sketch_rank against a salience layer (docs/recall.md): the sketch reads a row's
+ * latent, which kvtier can decode in bf16, fp16 and fp32 rows, and in fp8 rows of one layout. */
+static kvt_status sal_supports_sketch(const kvt_layer_spec *sp, uint32_t i, uint32_t r, char *err,
+                                      size_t len) {
+    /* fp8 rows are read in one layout only: FlashMLA's 656-B ds_mla row (kvt_hd.h). */
+    if (sp->dtype == KVT_DTYPE_FP8_E4M3 && !kvt__spec_ds_mla(sp))
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "params.recall_sketch_rank: layer %u stores fp8 rows in a layout "
+                         "other than the 656-B ds_mla row (512 fp8 values, 4 fp32 scales, "
+                         "64 bf16 branch values at byte 528), the only one kvtier decodes",
+                         i);
+    if (sp->value_dim > KVT__SKETCH_MAX_DIM || r > sp->value_dim)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.recall_sketch_rank: %u with layer %u's value_dim %u (the "
+                         "sketch takes 1..%u latent values and a rank up to them)",
+                         r, i, sp->value_dim, KVT__SKETCH_MAX_DIM);
+    return KVT_OK;
+}
+
+/* A close's scoring takes σ's scratch and the block's slots in one piece; its sketches, when
+ * the context builds them, the same piece (after σ) for their scratch and the slots. */
+static size_t sal_close_scratch_floats(const kvt_layer_spec *sp, const kvt_config *cfg,
+                                       uint32_t rank) {
+    size_t f = sp->branch_dim ? kvt__sigma_scratch_floats(cfg->block_rows, 2 * cfg->kappa - 1,
+                                                          sp->branch_dim) +
+                                    cfg->block_rows
+                              : 0;
+    const size_t sk = rank ? kvt__backend_sketch_floats(cfg->block_rows, sp->value_dim) : 0;
+    return sk > f ? sk : f;
+}
+
+/* The archive stays in the pool, in place: nothing is freed; the budget is attended. */
+static void sal_census(uint64_t stored, uint64_t budget, uint64_t *attended, uint64_t *freed) {
+    *attended = budget;
+    *freed = 0;
+}
+
 static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
     kvt__sal_init(&s->sal, env->home, env->sketch_stride);
     if (env->max_rows == 0)
@@ -984,6 +1021,7 @@ static kvt_status sal_check(const kvt__tier_layer *l, char *err, size_t len) {
 }
 
 static uint64_t sal_snap_size(const kvt__tier_layer *l);
+static uint64_t sal_snap_sketch_stride(const uint8_t *src, uint64_t n);
 static kvt_status sal_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
 static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
                                 const uint8_t *src, uint64_t n);
@@ -1005,6 +1043,10 @@ const kvt__policy_ops kvt__policy_salience = {
     .layer_unshare = sal_layer_unshare,
     .side_bytes = sal_side_bytes,
     .supports_layer = sal_supports_layer,
+    .supports_sketch = sal_supports_sketch,
+    .census = sal_census,
+    .close_scratch_floats = sal_close_scratch_floats,
+    .promote_room = kvt__sal_promote_room,
     .attended = sal_attended,
     .recall_view = sal_recall_view,
     .row_state = sal_row_state,
@@ -1015,6 +1057,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .snap_size = sal_snap_size,
     .snap_save = sal_snap_save,
     .snap_load = sal_snap_load,
+    .snap_sketch_stride = sal_snap_sketch_stride,
     .scores = sal_scores,
 };
 
@@ -1029,6 +1072,14 @@ enum { SAL_SNAP_COUNTS = 10 };
 
 static uint64_t sketch_bytes(const kvt__sal *sa, uint64_t closed) {
     return sa->sk_stride ? (sizeof(uint16_t) * sa->sk_stride + sizeof(float)) * closed : 0;
+}
+
+/* The eighth u64 of the layout is the sketch stride. */
+static uint64_t sal_snap_sketch_stride(const uint8_t *src, uint64_t n) {
+    uint64_t v = 0;
+    if (n >= 8 * 8)
+        memcpy(&v, src + 7 * 8, sizeof v);
+    return v;
 }
 
 static uint64_t sal_snap_size(const kvt__tier_layer *l) {

@@ -15,16 +15,21 @@
  */
 #include "policy.h"
 
+bool kvt__sliding_layer_window(const kvt_layer_spec *sp, uint32_t *rows) {
+    *rows = sp->kind == KVT_LAYER_SLIDING ? sp->sliding_window : 0;
+    return sp->kind == KVT_LAYER_SLIDING;
+}
+
 static kvt_status sliding_group_init(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
                                      const kvt_config *cfg, char *err, size_t len) {
     gr->window_rows = 0;
     bool all_sliding = gr->n_layers > 0;
     for (uint32_t k = 0; all_sliding && k < gr->n_layers; k++) {
-        const kvt_layer_spec *sp = &stores[gr->layers[k]].spec;
-        if (sp->kind != KVT_LAYER_SLIDING || sp->sliding_window == 0)
+        uint32_t w;
+        if (!kvt__sliding_layer_window(&stores[gr->layers[k]].spec, &w) || w == 0)
             all_sliding = false;
-        else if (sp->sliding_window > gr->window_rows)
-            gr->window_rows = sp->sliding_window;
+        else if (w > gr->window_rows)
+            gr->window_rows = w;
     }
     if (!all_sliding)
         gr->window_rows = 0;
@@ -84,6 +89,7 @@ static void sliding_stats(const kvt__tier_layer *l, kvt_layer_stats *out) {
 const kvt__policy_ops kvt__policy_sliding = {
     .rows_are_positions = true,
     .dropped_how = "with its page (outside every sliding window of its group)",
+    .layer_window = kvt__sliding_layer_window,
     .group_init = sliding_group_init,
     .group_commit = sliding_group_commit,
     .attended = sliding_attended,

@@ -84,31 +84,18 @@ static float gauss(void) { /* a sum of 4 uniforms, centred and scaled to unit va
     return (s - 2.0f) * 1.7320508f;
 }
 
-/* rank orthonormal rows of n values (Gram-Schmidt in double, twice), stored fp32. */
+/* rank orthonormal rows of n values (Gram-Schmidt in double, two passes: the library's
+ * kvt_orthonormalise_rows), stored fp32. */
 static void orthonormal(uint32_t rank, uint32_t n, float *out) {
     double *v = malloc(sizeof(double) * rank * n);
-    for (uint32_t k = 0; k < rank; k++) {
-        double *r = v + (size_t)k * n;
-        for (uint32_t d = 0; d < n; d++)
-            r[d] = gauss();
-        for (int pass = 0; pass < 2; pass++)
-            for (uint32_t j = 0; j < k; j++) {
-                const double *p = v + (size_t)j * n;
-                double dot = 0;
-                for (uint32_t d = 0; d < n; d++)
-                    dot += r[d] * p[d];
-                for (uint32_t d = 0; d < n; d++)
-                    r[d] -= dot * p[d];
-            }
-        double nn = 0;
-        for (uint32_t d = 0; d < n; d++)
-            nn += r[d] * r[d];
-        nn = sqrt(nn);
-        for (uint32_t d = 0; d < n; d++) {
-            r[d] /= nn;
-            out[(size_t)k * n + d] = (float)r[d];
-        }
+    for (size_t i = 0; i < (size_t)rank * n; i++)
+        v[i] = gauss();
+    if (kvt_orthonormalise_rows(v, rank, n, 2) != KVT_OK) {
+        fprintf(stderr, "bench_decode: %s\n", kvt_last_error());
+        exit(1);
     }
+    for (size_t i = 0; i < (size_t)rank * n; i++)
+        out[i] = (float)v[i];
     free(v);
 }
 

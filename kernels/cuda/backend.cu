@@ -3365,10 +3365,21 @@ kvt_status cu_reserve(const kvt__backend *be, const kvt__ws_bounds *b) {
 }
 
 /* The table, filled by field name (C++ has no C designated initialisers out of order). */
+/* Each batch's handle: a device workspace of its own, grown through reserve (the host-scratch
+ * sizes are the CPU backends'). */
+kvt_status cu_workspace(const kvt__backend *parent, size_t sigma_floats, size_t topm_u32,
+                        kvt__backend *out) {
+    (void)sigma_floats;
+    (void)topm_u32;
+    return kvt__backend_cuda_workspace(parent, out);
+}
+
 kvt__backend_ops make_ops() {
     kvt__backend_ops o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
+    o.close = kvt__backend_cuda_close;
+    o.workspace = cu_workspace;
     o.buf_alloc = cu_buf_alloc;
     o.buf_free = cu_buf_free;
     o.host_alloc = cu_host_alloc;

@@ -1,15 +1,27 @@
 #!/usr/bin/env python3
-"""Check that #include "..." lines point down the layers of kvtier (DESIGN §3):
+"""Check that #include "..." lines and calls point down the layers of kvtier (DESIGN §3):
 
     base (lib/base) <- kernels <- tiers <- recall <- lib <- tools, bench
 
-A file may include its own layer and any layer below it. tools/ and bench/ may include only the
-public headers (lib/kvtier*.h) and files of their own folder; bench/kernels/ (microbenchmarks of a
-kernel's CPU twin) may also include kernels/ and lib/base. The public headers are declarations
-every layer may read. tests/ is white-box and not checked. Usage: check_layers.py ROOT; exit 1 and
-one line per violation when any include crosses a layer the wrong way."""
+Includes: a file may include its own layer and any layer below it. tools/ and bench/ may include
+only the public headers (lib/kvtier*.h) and files of their own folder; bench/kernels/
+(microbenchmarks of a kernel's CPU twin) may also include kernels/ and lib/base. The public headers
+are declarations every layer may read. tests/ is white-box and not checked.
+
+Calls (with --objects): a public header declares functions of every layer, so the include rule
+cannot see a tier calling a function defined in lib/ (kvt_dtype_bytes was, in lib/model.c). The
+object files of the library are read with nm: a symbol an object of one layer references (U) and
+an object of a higher layer defines fails, whatever header declared it. Each object is mapped to
+its source by the longest suffix of its path (CMakeFiles/<target>.dir/lib/batch.c.o ->
+lib/batch.c) that is a source file under ROOT. The cycles among lib/'s files (a file calling
+another that calls it back, directly or not) are printed as notes, not failures.
+
+Usage: check_layers.py ROOT [--objects LIST --nm NM]; LIST names the object files, one a line.
+Exit 1 and one line per violation when any include or call crosses a layer the wrong way."""
+import argparse
 import os
 import re
+import subprocess
 import sys
 
 RANK = {"base": 0, "kernels": 1, "tiers": 2, "recall": 3, "lib": 4}
@@ -46,9 +58,8 @@ def resolve(root, src_rel, target):
     return None
 
 
-def main():
-    root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
-    bad, n_files, n_inc = [], 0, 0
+def check_includes(root, bad):
+    n_files, n_inc = 0, 0
     for top in ("lib", "kernels", "tiers", "recall", "tools", "bench"):
         for dirpath, _, files in os.walk(os.path.join(root, top)):
             for f in sorted(files):
@@ -80,9 +91,130 @@ def main():
                         if tl not in RANK or RANK[tl] > RANK[sl]:
                             bad.append(f"{src}:{ln}: {sl} includes {tgt} ({tl}): imports point "
                                        f"down only (base <- kernels <- tiers <- recall <- lib)")
+    return n_files, n_inc
+
+
+def source_of(root, obj):
+    """The source under root an object file was compiled from: the longest suffix of its path,
+    less the object extension, that names a file there."""
+    path = obj.replace(os.sep, "/")
+    for ext in (".o", ".obj"):
+        if path.endswith(ext):
+            path = path[: -len(ext)]
+            break
+    parts = path.split("/")
+    for k in range(len(parts)):
+        rel = "/".join(parts[k:])
+        if rel and os.path.isfile(os.path.join(root, rel)):
+            return rel
+    return None
+
+
+def lib_cycles(edges):
+    """Strongly connected components of more than one file (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def check_calls(root, list_file, nm, bad, notes):
+    with open(list_file, encoding="utf-8") as fh:
+        objs = [l.strip() for l in fh.read().replace(";", "\n").splitlines() if l.strip()]
+    if not objs:
+        bad.append(f"{list_file}: no object files listed")
+        return 0, 0
+    missing = [o for o in objs if not os.path.isfile(o)]
+    if missing:
+        bad.append(f"{missing[0]}: object file missing (build the library before this check)")
+        return 0, 0
+    src = {}
+    for o in objs:
+        rel = source_of(root, o)
+        if rel is None or layer_of(rel) not in RANK:
+            bad.append(f"{o}: no source of a library layer under {root} matches this object")
+            return 0, 0
+        src[o] = rel
+    # One nm for every object: -A prefixes each line with the object's path, -P is POSIX's
+    # "name type [value size]" format.
+    res = subprocess.run([nm, "-A", "-P"] + objs, capture_output=True, text=True)
+    if res.returncode != 0:
+        bad.append(f"{nm}: {res.stderr.strip()}")
+        return 0, 0
+    defined, refs = {}, []
+    for line in res.stdout.splitlines():
+        head, _, rest = line.rpartition(": ")
+        fields = rest.split()
+        if len(fields) < 2:
+            continue
+        name, kind = fields[0], fields[1]
+        obj = head[:-1] if head.endswith(":") else head
+        # An archive member would read "lib.a[x.o]"; the list names object files only.
+        if obj not in src:
+            continue
+        if kind == "U":
+            refs.append((src[obj], name))
+        elif kind.isupper() and kind not in ("U", "N"):  # a global definition
+            defined.setdefault(name, src[obj])
+    edges = {}
+    for user, name in refs:
+        owner = defined.get(name)
+        if owner is None or owner == user:
+            continue
+        ul, ol = layer_of(user), layer_of(owner)
+        if RANK[ol] > RANK[ul]:
+            bad.append(f"{user}: {ul} calls {name}, defined in {owner} ({ol}): calls point down "
+                       f"only (base <- kernels <- tiers <- recall <- lib)")
+        if ul == "lib" and ol == "lib":
+            edges.setdefault(user, set()).add(owner)
+    for comp in lib_cycles(edges):
+        notes.append("note: lib/ call cycle among " + ", ".join(comp))
+    return len(objs), len(refs)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("root", nargs="?", default=".")
+    ap.add_argument("--objects", help="file listing the library's object files, one a line")
+    ap.add_argument("--nm", default="nm")
+    args = ap.parse_args()
+    root = os.path.abspath(args.root)
+    bad, notes = [], []
+    n_files, n_inc = check_includes(root, bad)
+    n_inc_bad = len(bad)
+    summary = f"check_layers: {n_files} files, {n_inc} includes, {n_inc_bad} crossing the wrong way"
+    if args.objects:
+        n_obj, n_ref = check_calls(root, args.objects, args.nm, bad, notes)
+        summary += (f"; {n_obj} objects, {n_ref} references, {len(bad) - n_inc_bad} calls "
+                    f"crossing the wrong way")
     for b in bad:
         print(b)
-    print(f"check_layers: {n_files} files, {n_inc} includes, {len(bad)} crossing the wrong way")
+    for n in notes:
+        print(n)
+    print(summary)
     return 1 if bad else 0
 
 

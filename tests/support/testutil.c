@@ -39,29 +39,13 @@ bool tu_orthonormal_rows(tu_rng *g, uint32_t rank, uint32_t n, float *out) {
     double *v = malloc(sizeof(double) * rank * n + 1);
     if (!v)
         return false;
-    for (uint32_t k = 0; k < rank; k++) {
-        double *vk = v + (size_t)k * n;
-        for (uint32_t d = 0; d < n; d++)
-            vk[d] = tu_normal(g);
-        for (int pass = 0; pass < 2; pass++)
-            for (uint32_t j = 0; j < k; j++) {
-                const double *vj = v + (size_t)j * n;
-                double dot = 0;
-                for (uint32_t d = 0; d < n; d++)
-                    dot += vk[d] * vj[d];
-                for (uint32_t d = 0; d < n; d++)
-                    vk[d] -= dot * vj[d];
-            }
-        double nn = 0;
-        for (uint32_t d = 0; d < n; d++)
-            nn += vk[d] * vk[d];
-        for (uint32_t d = 0; d < n; d++)
-            vk[d] /= sqrt(nn);
-    }
     for (size_t i = 0; i < (size_t)rank * n; i++)
+        v[i] = tu_normal(g);
+    const bool ok = kvt_orthonormalise_rows(v, rank, n, 2) == KVT_OK;
+    for (size_t i = 0; ok && i < (size_t)rank * n; i++)
         out[i] = (float)v[i];
     free(v);
-    return true;
+    return ok;
 }
 
 /* ---- single-request drivers over the batch API ---- */

@@ -23,7 +23,8 @@ double tu_normal(tu_rng *r);   /* standard normal (Box-Muller) */
  * rounded to nearest even) at byte 528. */
 void tu_fp8_row(tu_rng *r, uint8_t *row);
 /* rank orthonormal rows of n values into out ([rank][n] fp32): Gram-Schmidt in double on
- * normal draws from r, twice for accuracy. false when out of memory. */
+ * normal draws from r, two passes for accuracy (kvt_orthonormalise_rows). false when out of
+ * memory or the rows come out dependent (rank > n). */
 bool tu_orthonormal_rows(tu_rng *r, uint32_t rank, uint32_t n, float *out);
 
 /* ---------------------------------------------------------------------------------------------

@@ -22,10 +22,10 @@
  * Either way LAPACKE_dsyevr gives the top-R eigenpairs; V's row k is the eigenvector of the k-th
  * largest eigenvalue, its sign fixed so that its largest component is positive (the file is a
  * pure function of the samples), then the rows are re-orthonormalised in double (modified
- * Gram-Schmidt, twice) before the fp32 rounding, and ‖V Vᵀ − I‖_F of the fp32 rows is measured
- * and printed (the sound mode needs <= 2^-20; the tool refuses to write a looser basis). The
- * captured share — the R eigenvalues' sum over the matrix's trace — is printed and stored in
- * the file. Each trace is verified whole (kvt_trace_verify: every CRC) before a sample is taken.
+ * Gram-Schmidt, twice: kvt_orthonormalise_rows) before the fp32 rounding, and ‖V Vᵀ − I‖_F of
+ * the fp32 rows is measured and printed (the sound mode needs <= 2^-20; the tool refuses to
+ * write a looser basis). The captured share — the R eigenvalues' sum over the matrix's trace —
+ * is printed and stored in the file. Each trace is verified whole (kvt_trace_verify: every CRC) before a sample is taken.
  *
  * Built without LAPACKE (Debian liblapacke-dev absent at configure time), the subcommand says so
  * and exits 1.
@@ -345,29 +345,6 @@ static int add_trace(const char *path, cal_opts *o, cal_state *c) {
     return rc;
 }
 
-/* Modified Gram-Schmidt, twice ("twice is enough"), on the rows of V [rank][n] in double: a basis
- * orthonormal to double precision, the directions and signs kept. */
-static void orthonormalise(double *V, uint32_t rank, uint32_t n) {
-    for (int pass = 0; pass < 2; pass++)
-        for (uint32_t k = 0; k < rank; k++) {
-            double *v = V + (size_t)k * n;
-            for (uint32_t j = 0; j < k; j++) {
-                const double *u = V + (size_t)j * n;
-                double dot = 0;
-                for (uint32_t d = 0; d < n; d++)
-                    dot += u[d] * v[d];
-                for (uint32_t d = 0; d < n; d++)
-                    v[d] -= dot * u[d];
-            }
-            double nn = 0;
-            for (uint32_t d = 0; d < n; d++)
-                nn += v[d] * v[d];
-            nn = sqrt(nn);
-            for (uint32_t d = 0; d < n; d++)
-                v[d] /= nn;
-        }
-}
-
 /* ‖V Vᵀ − I‖_F of fp32 rows, in double (what kvt_ctx_set_recall_basis measures). */
 static double omega_of(const float *V, uint32_t rank, uint32_t n) {
     double frob = 0;
@@ -429,11 +406,15 @@ static int top_eigen(const cal_acc *c, uint32_t rank, float *V, double *w_top, d
         for (uint32_t d = 0; d < n; d++)
             Vd[(size_t)k * n + d] = sign * Z[(size_t)d * rank + j];
     }
-    if (rc == INSPECT_EXIT_OK) {
-        orthonormalise(Vd, rank, n);
+    /* Modified Gram-Schmidt in double, twice over the whole basis ("twice is enough": two sweeps
+     * of one pass each, every row normalised in each), directions and signs kept: rows
+     * orthonormal to double precision before the fp32 rounding. */
+    if (rc == INSPECT_EXIT_OK && (kvt_orthonormalise_rows(Vd, rank, n, 1) != KVT_OK ||
+                                  kvt_orthonormalise_rows(Vd, rank, n, 1) != KVT_OK))
+        rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "%s", kvt_last_error());
+    if (rc == INSPECT_EXIT_OK)
         for (size_t i = 0; i < (size_t)rank * n; i++)
             V[i] = (float)Vd[i];
-    }
     free(A), free(w), free(Z), free(Vd), free(supp);
     return rc;
 }

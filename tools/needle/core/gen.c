@@ -99,35 +99,21 @@ static void rms_normalise(float *v, uint32_t n, double rms) {
 }
 
 /* An orthonormal basis of a random rank-r subspace of R^L: Gaussian rows, Gram-Schmidt in double
- * (twice, so the rows are orthonormal to fp32 precision). U: [r][L]. */
+ * (kvt_orthonormalise_rows, two passes, so the rows are orthonormal to fp32 precision). U: [r][L].
+ * Coordinate axes when that cannot be had (out of memory, or r > L). */
 static void subspace_init(float *U, uint32_t r, uint32_t L, uint64_t seed) {
     nd_rng g = nd_rng_for(seed, ND_STREAM_DECOY, 0);
     double *u = malloc(sizeof(double) * (size_t)r * L);
-    if (!u) { /* callers check U; fall back to coordinate axes */
-        memset(U, 0, sizeof(float) * (size_t)r * L);
-        for (uint32_t k = 0; k < r; k++)
-            U[(size_t)k * L + k] = 1.0f;
-        return;
+    if (u) {
+        for (size_t i = 0; i < (size_t)r * L; i++)
+            u[i] = nd_normal(&g);
     }
-    for (size_t i = 0; i < (size_t)r * L; i++)
-        u[i] = nd_normal(&g);
-    for (uint32_t k = 0; k < r; k++) {
-        double *a = u + (size_t)k * L;
-        for (int pass = 0; pass < 2; pass++)
-            for (uint32_t j = 0; j < k; j++) {
-                const double *b = u + (size_t)j * L;
-                double d = 0;
-                for (uint32_t i = 0; i < L; i++)
-                    d += a[i] * b[i];
-                for (uint32_t i = 0; i < L; i++)
-                    a[i] -= d * b[i];
-            }
-        double n = 0;
-        for (uint32_t i = 0; i < L; i++)
-            n += a[i] * a[i];
-        n = sqrt(n);
-        for (uint32_t i = 0; i < L; i++)
-            a[i] /= n;
+    if (!u || kvt_orthonormalise_rows(u, r, L, 2) != KVT_OK) { /* callers check U */
+        memset(U, 0, sizeof(float) * (size_t)r * L);
+        for (uint32_t k = 0; k < r && k < L; k++)
+            U[(size_t)k * L + k] = 1.0f;
+        free(u);
+        return;
     }
     for (size_t i = 0; i < (size_t)r * L; i++)
         U[i] = (float)u[i];

@@ -1,1 +1,2 @@
 /* fixture */
+int kvt__fixture_kernel(void);

@@ -1,1 +1,3 @@
 /* fixture */
+int kvt__fixture_tier(void);
+int kvt__fixture_tier_calls_down(void);

@@ -1,0 +1,11 @@
+/* A tier calling down into kernels/: allowed, include and call (the checker must not report it). */
+#include "tiers/t.h"
+#include "kernels/k.h"
+
+int kvt__fixture_tier(void) {
+    return 1;
+}
+
+int kvt__fixture_tier_calls_down(void) {
+    return kvt__fixture_kernel();
+}
