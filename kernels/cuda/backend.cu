@@ -2436,8 +2436,11 @@ kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_em
 }
 
 /* The planned emission: the plan's items as they are when the kernel runs, one block a request
- * (a row of blocks walks them; a planned step's lists are at fixed places, never chained); an
- * item that breaks the rules is skipped (the library never writes one). */
+ * (a row of blocks walks them); an item that breaks the rules is skipped (the library never
+ * writes one). A list at a fixed place writes its indptr entries, as the CPU twin does; a chained
+ * one leaves them to the planned pack (the same values), since the next request's block reads its
+ * start from them concurrently. (Found by the CUDA emulation: every item had been emitted without
+ * its entries, cuda::recall_rope_planned_equals_the_cpu.) */
 __global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
     const uint32_t k = *a.n;
     if (k > a.n_max)
@@ -2446,7 +2449,7 @@ __global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
         kvt__recall_rope_emit_args x;
         kvt__div32 d;
         if (kvt__recall_rope_emit_plan_item_args(&a, i, &x, &d))
-            rope_emit_one(x, false);
+            rope_emit_one(x, !x.chain);
         __syncthreads();
     }
 }
