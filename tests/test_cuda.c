@@ -560,6 +560,7 @@ typedef struct scan_item {
     uint16_t *csk;
     float *rho, *q, *best;
     uint32_t *kept, *fired, n_fired, overflow;
+    uint32_t n_kept; /* entries of kept written (it holds n_closed) */
 } scan_item;
 
 /* Item i over pool p: its sketches (the CPU op), a kept set, H heads' queries and thresholds at
@@ -585,6 +586,7 @@ static void scan_item_make(rig *r, scan_item *it, const rpool *p, tu_rng *g, uin
     for (uint32_t row = 0; row < n_closed; row++)
         if (row % 5 == 2 || row == 3)
             it->kept[m++] = row;
+    it->n_kept = m;
     it->q = malloc(sizeof(float) * QD * H);
     it->best = malloc(sizeof(float) * H);
     float *sc = malloc(sizeof(float) * n_closed);
@@ -1159,8 +1161,12 @@ Test(cuda, recall_step_promotion_equals_the_cpu) {
                                                   NULL),
                                  KVT_OK);
                 } else {
+                    /* the kept rows below 448: within the n_kept entries written (the
+                     * array's tail past them is unwritten; walking into it handed both twins
+                     * an unsorted list and the device a count past its copy, which the CUDA
+                     * emulation's bounds check caught) */
                     m = 0;
-                    while (m < it[i].s.n_closed && it[i].s.kept[m] < 448)
+                    while (m < it[i].s.n_kept && it[i].s.kept[m] < 448)
                         m++;
                 }
                 promo_closed(&it[i], 448, m);
