@@ -43,6 +43,10 @@ inline cudaError_t cudaMalloc(T **p, size_t bytes) {
     return ::cudaMalloc((void **)(void *)p, bytes);
 }
 template <class T>
+inline cudaError_t cudaMallocAsync(T **p, size_t bytes, cudaStream_t stream) {
+    return ::cudaMallocAsync((void **)(void *)p, bytes, stream);
+}
+template <class T>
 inline cudaError_t cudaHostAlloc(T **p, size_t bytes, unsigned int flags) {
     return ::cudaHostAlloc((void **)(void *)p, bytes, flags);
 }
@@ -84,7 +88,14 @@ struct Thread {
     uint3 thread_idx, block_idx;
     dim3 block_dim, grid_dim;
 };
-Thread *current();
+extern Thread *g_thread; /* emu.cpp sets it before it switches to a thread */
+[[noreturn]] void outside_kernel();
+inline Thread *current() {
+    Thread *t = __atomic_load_n(&g_thread, __ATOMIC_RELAXED);
+    if (__builtin_expect(!t, 0))
+        outside_kernel();
+    return t;
+}
 
 /* Barriers and warp exchanges (emu.cpp). `line` names the call in a report. */
 void syncthreads(const char *file, int line);

@@ -50,6 +50,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -85,6 +86,45 @@ extern "C" {
 extern char __start_kvt_emu_shared[] __attribute__((weak));
 extern char __stop_kvt_emu_shared[] __attribute__((weak));
 }
+
+/* The fibers' stack switch. On x86-64 a plain one (the callee-saved registers, MXCSR and the x87
+ * control word, then the stack pointer): glibc's swapcontext also saves the signal mask, a
+ * system call on every switch, which was half of the emulation's time. Elsewhere swapcontext. */
+#if defined(__x86_64__) && defined(__ELF__)
+#define KVT_EMU_ASM_SWITCH 1
+extern "C" void kvt_emu_switch(void **save_sp, void *new_sp);
+asm(R"(
+    .text
+    .globl kvt_emu_switch
+    .hidden kvt_emu_switch
+    .type kvt_emu_switch, @function
+kvt_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size kvt_emu_switch, .-kvt_emu_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+#endif
 
 namespace kvt_emu {
 
@@ -326,7 +366,11 @@ enum State { kIdle, kReady, kWaitBlock, kWaitWarp, kDone };
 
 struct Fiber {
     Thread t;
+#if KVT_EMU_ASM_SWITCH
+    void *sp = nullptr;
+#else
     ucontext_t ctx;
+#endif
     void *stack_map = nullptr;
     size_t stack_map_bytes = 0;
     uint8_t *stack = nullptr; /* lowest usable byte */
@@ -367,7 +411,11 @@ Fiber *g_cur; /* read by the kernels through current(); relaxed atomics (TSan) *
 
 /* A host thread's fibers and its own context. */
 struct Pool {
+#if KVT_EMU_ASM_SWITCH
+    void *sched_sp = nullptr;
+#else
     ucontext_t sched;
+#endif
     std::vector<Fiber *> fibers;
     const void *asan_bottom = nullptr;
     size_t asan_size = 0;
@@ -386,6 +434,7 @@ thread_local Pool t_pool;
 
 void set_cur(Fiber *f) {
     __atomic_store_n(&g_cur, f, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_thread, f ? &f->t : nullptr, __ATOMIC_RELAXED);
 }
 
 void sync_release(void *addr) {
@@ -413,7 +462,11 @@ void yield_to_sched(Fiber *f) {
 #if KVT_EMU_TSAN
     __tsan_switch_to_fiber(p.tsan_sched, __tsan_switch_to_fiber_no_sync);
 #endif
+#if KVT_EMU_ASM_SWITCH
+    kvt_emu_switch(&f->sp, p.sched_sp);
+#else
     swapcontext(&f->ctx, &p.sched);
+#endif
 #if KVT_EMU_ASAN
     __sanitizer_finish_switch_fiber(f->asan_fake, &p.asan_bottom, &p.asan_size);
 #endif
@@ -454,11 +507,23 @@ Fiber *new_fiber() {
         fatal("cannot map a fiber stack: %s", strerror(errno));
     mprotect(f->stack_map, ps, PROT_NONE); /* overflow guard below the stack */
     f->stack = (uint8_t *)f->stack_map + ps;
+#if KVT_EMU_ASM_SWITCH
+    /* the frame kvt_emu_switch pops: MXCSR and x87 control word (the defaults), six registers,
+     * then fiber_entry as the return address, entered with rsp = 8 (mod 16) as after a call */
+    uint64_t *top = (uint64_t *)(f->stack + kStackBytes);
+    *--top = 0; /* fiber_entry's return address: it never returns */
+    *--top = (uint64_t)(uintptr_t)&fiber_entry;
+    for (int i = 0; i < 6; i++)
+        *--top = 0;
+    *--top = 0x1f80ull | (uint64_t)0x037f << 32;
+    f->sp = top;
+#else
     getcontext(&f->ctx);
     f->ctx.uc_stack.ss_sp = f->stack;
     f->ctx.uc_stack.ss_size = kStackBytes;
     f->ctx.uc_link = nullptr;
     makecontext(&f->ctx, fiber_entry, 0);
+#endif
 #if KVT_EMU_TSAN
     f->tsan = __tsan_create_fiber(0);
 #endif
@@ -476,7 +541,11 @@ void run_fiber(Fiber *f) {
 #if KVT_EMU_TSAN
     __tsan_switch_to_fiber(f->tsan, __tsan_switch_to_fiber_no_sync);
 #endif
+#if KVT_EMU_ASM_SWITCH
+    kvt_emu_switch(&p.sched_sp, f->sp);
+#else
     swapcontext(&p.sched, &f->ctx);
+#endif
 #if KVT_EMU_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -658,7 +727,14 @@ void run_block(Kernel *k, dim3 grid, dim3 block, uint3 bid) {
     b.live = n;
     b.arrived = 0;
     b.bar_file = nullptr;
-    b.warps.assign((n + 31) / 32, Warp());
+    const unsigned nw = (n + 31) / 32;
+    if (b.warps.size() < nw)
+        b.warps.resize(nw);
+    for (unsigned i = 0; i < nw; i++) {
+        Warp &w = b.warps[i];
+        w.exists = w.exited = w.arrived = w.mask = 0;
+        w.kind = 0;
+    }
     for (unsigned i = 0; i < n; i++) {
         Fiber *f = p.fibers[i];
         f->linear = i;
@@ -673,12 +749,14 @@ void run_block(Kernel *k, dim3 grid, dim3 block, uint3 bid) {
     if (sh0 && sh1 > sh0)
         memset(sh0, poison_byte(), (size_t)(sh1 - sh0));
     sync_release(&b.tsan_start);
-    std::vector<unsigned> order;
+    static thread_local std::vector<unsigned> order;
+    const bool forward = order_cfg().order == kForward;
     while (b.live) {
-        permute(order, n);
+        if (!forward)
+            permute(order, n);
         bool ran = false;
-        for (unsigned i : order) {
-            Fiber *f = p.fibers[i];
+        for (unsigned j = 0; j < n; j++) {
+            Fiber *f = p.fibers[forward ? j : order[j]];
             if (f->state == kReady) {
                 run_fiber(f);
                 ran = true;
@@ -691,8 +769,25 @@ void run_block(Kernel *k, dim3 grid, dim3 block, uint3 bid) {
     b.k = nullptr;
 }
 
+/* KVT_EMU_STATS=1: launches, blocks and threads run per kernel, printed at exit. */
+struct Stat {
+    uint64_t launches = 0, blocks = 0, threads = 0;
+    double seconds = 0;
+};
+std::map<std::string, Stat> *g_stats;
+
+void print_stats() {
+    fprintf(stderr, "kvt_emu stats: kernel, launches, blocks, threads, seconds\n");
+    for (auto &kv : *g_stats)
+        fprintf(stderr, "  %-24s %8llu %10llu %12llu %8.3f\n", kv.first.c_str(),
+                (unsigned long long)kv.second.launches, (unsigned long long)kv.second.blocks,
+                (unsigned long long)kv.second.threads, kv.second.seconds);
+}
+
 void run_grid(Kernel *k, dim3 grid, dim3 block) {
     std::lock_guard<std::mutex> g(g_exec_mu);
+    static const bool stats = getenv("KVT_EMU_STATS") != nullptr;
+    const auto t0 = std::chrono::steady_clock::now();
     t_in_kernel = true;
     const uint64_t nb = (uint64_t)grid.x * grid.y * grid.z;
     std::vector<unsigned> order;
@@ -701,6 +796,17 @@ void run_grid(Kernel *k, dim3 grid, dim3 block) {
         run_block(k, grid, block,
                   uint3{i % grid.x, i / grid.x % grid.y, (unsigned)(i / ((uint64_t)grid.x * grid.y))});
     t_in_kernel = false;
+    if (stats) {
+        if (!g_stats) {
+            g_stats = new std::map<std::string, Stat>();
+            atexit(print_stats);
+        }
+        Stat &st = (*g_stats)[k->name];
+        st.launches++;
+        st.blocks += nb;
+        st.threads += nb * block.x * block.y * block.z;
+        st.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
 }
 
 cudaError_t check_config(dim3 grid, dim3 block, size_t shmem) {
@@ -777,11 +883,10 @@ Node copy_node(void *dst, const void *src, size_t bytes) {
 
 } // namespace
 
-Thread *current() {
-    Fiber *f = __atomic_load_n(&g_cur, __ATOMIC_RELAXED);
-    if (!f)
-        fatal("threadIdx, blockIdx, blockDim or gridDim read outside a kernel");
-    return &f->t;
+Thread *g_thread;
+
+void outside_kernel() {
+    fatal("threadIdx, blockIdx, blockDim or gridDim read outside a kernel");
 }
 
 void syncthreads(const char *file, int line) {
@@ -793,7 +898,7 @@ void syncthreads(const char *file, int line) {
         b.bar_file = file;
         b.bar_line = line;
         b.bar_first = (int)f->linear;
-    } else if (b.bar_line != line || strcmp(b.bar_file, file) != 0) {
+    } else if (b.bar_line != line || (b.bar_file != file && strcmp(b.bar_file, file) != 0)) {
         fatal("%s:%d: __syncthreads in divergent code in %s: thread %u arrives here while "
               "thread %d waits at %s:%d (block (%u, %u, %u))",
               file, line, b.k->name, f->linear, b.bar_first, b.bar_file, b.bar_line,
@@ -975,6 +1080,33 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
 cudaError_t cudaFree(void *p) {
     if (kvt_emu::unsafe_call())
         return ret(cudaErrorStreamCaptureUnsupported);
+    return ret(kvt_emu::drop_alloc(p, false));
+}
+
+/* The stream-ordered allocator: the stream's earlier work is done when this runs (streams run
+ * when enqueued), so it allocates or frees at once. Not an unsafe call for a capture on another
+ * stream; inside a capture (a graph's allocation node) not modelled. */
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t stream) {
+    kvt_emu::Capture *cap;
+    cudaError_t e = kvt_emu::route(stream, &cap);
+    if (e != cudaSuccess)
+        return ret(e);
+    if (cap) {
+        cap->status = cudaStreamCaptureStatusInvalidated;
+        return ret(cudaErrorNotSupported);
+    }
+    return ret(kvt_emu::new_alloc(p, bytes, false));
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t stream) {
+    kvt_emu::Capture *cap;
+    cudaError_t e = kvt_emu::route(stream, &cap);
+    if (e != cudaSuccess)
+        return ret(e);
+    if (cap) {
+        cap->status = cudaStreamCaptureStatusInvalidated;
+        return ret(cudaErrorNotSupported);
+    }
     return ret(kvt_emu::drop_alloc(p, false));
 }
 
