@@ -11,7 +11,12 @@
 if(NOT KVT_CUDA_EMU)
   return()
 endif()
-set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${PROJECT_SOURCE_DIR}/../shared/models")
+if(DEFINED ENV{KVT_MODELS_DIR})
+  set(KVT_EMU_MODELS $ENV{KVT_MODELS_DIR})
+else()
+  set(KVT_EMU_MODELS ${PROJECT_SOURCE_DIR}/../shared/models)
+endif()
+set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${KVT_EMU_MODELS}")
 
 if(KVT_TSAN)
   # The block-cooperative kernels (barriers, BlockScan, shuffles, shared memory): select, pack,

@@ -7,9 +7,11 @@
  * KVT_EMU_ORDER says), under one process-wide lock: the emulated device runs one block at a time,
  * so `__shared__` variables (static storage in the section kvt_emu_shared) are the running
  * block's own; the section is filled with the poison byte before each block. A block's threads
- * are fibers of the launching thread (a pool kept per host thread, 256 KiB stacks with a guard
- * page), run one at a time: each runs until it reaches a barrier or returns, then the next ready
- * one in the order's permutation (a new permutation every pass under shuffle).
+ * run on fibers of the launching thread (a pool kept per host thread, 256 KiB stacks with a
+ * guard page), one at a time: each runs until it reaches a barrier or returns, then the next
+ * ready or unstarted one in the order's permutation (a new permutation every pass under
+ * shuffle). A thread that waits keeps its fiber; one that returns hands its fiber to the next
+ * unstarted thread of the pass without a switch (under TSan: a fiber of its own per thread).
  *   - __syncthreads: a counting barrier over the block's threads that have not returned (sm_70+:
  *     exited threads drop out); every thread must arrive at the same call (file and line), else
  *     the emulation stops, naming both (a barrier in divergent code).
@@ -362,10 +364,26 @@ cudaError_t route(cudaStream_t s, Capture **cap) {
  * ------------------------------------------------------------------------------------------- */
 constexpr size_t kStackBytes = (size_t)256 << 10;
 
-enum State { kIdle, kReady, kWaitBlock, kWaitWarp, kDone };
+enum State { kNotStarted, kReady, kWaitBlock, kWaitWarp, kDone };
 
-struct Fiber {
+struct Fiber;
+
+/* A CUDA thread of the running block. */
+struct TRec {
     Thread t;
+    State state = kNotStarted;
+    unsigned linear = 0;
+    Fiber *fiber = nullptr; /* the fiber it runs on, once started and until it returns */
+    const char *wait_file = "";
+    int wait_line = 0;
+};
+
+/* A stack the block's threads run on. Outside ThreadSanitizer a fiber whose thread returns goes
+ * on with the next thread of the pass that has not started, without a switch, so a block whose
+ * threads never wait takes one fiber and two switches; a thread that waits keeps its fiber.
+ * Under ThreadSanitizer thread i always runs on fiber i of the pool, alone (one TSan fiber per
+ * CUDA thread of the block, so that every pair of them is concurrent unless a barrier orders it). */
+struct Fiber {
 #if KVT_EMU_ASM_SWITCH
     void *sp = nullptr;
 #else
@@ -374,10 +392,7 @@ struct Fiber {
     void *stack_map = nullptr;
     size_t stack_map_bytes = 0;
     uint8_t *stack = nullptr; /* lowest usable byte */
-    State state = kIdle;
-    unsigned linear = 0;
-    const char *wait_file = "";
-    int wait_line = 0;
+    TRec *rec = nullptr;      /* the thread it runs */
     void *asan_fake = nullptr;
     void *tsan = nullptr;
 };
@@ -400,14 +415,19 @@ struct Block {
     unsigned n = 0, live = 0, arrived = 0;
     const char *bar_file = nullptr;
     int bar_line = 0, bar_first = 0;
+    std::vector<TRec> recs;
     std::vector<Warp> warps;
+    std::vector<unsigned> order; /* this pass's order */
+    unsigned cursor = 0;         /* the pass's position in order */
+    bool forward = true;
     char tsan_start, tsan_end, tsan_bar;
 };
 
 std::mutex g_exec_mu;
 Block g_block;
 thread_local bool t_in_kernel; /* this host thread is executing a launch */
-Fiber *g_cur; /* read by the kernels through current(); relaxed atomics (TSan) */
+TRec *g_cur;                   /* the running CUDA thread (relaxed atomics: TSan) */
+Fiber *g_fiber;                /* the fiber it runs on */
 
 /* A host thread's fibers and its own context. */
 struct Pool {
@@ -416,7 +436,8 @@ struct Pool {
 #else
     ucontext_t sched;
 #endif
-    std::vector<Fiber *> fibers;
+    std::vector<Fiber *> fibers; /* all of them */
+    std::vector<Fiber *> free;   /* those without a thread */
     const void *asan_bottom = nullptr;
     size_t asan_size = 0;
     void *tsan_sched = nullptr;
@@ -432,9 +453,13 @@ struct Pool {
 };
 thread_local Pool t_pool;
 
-void set_cur(Fiber *f) {
-    __atomic_store_n(&g_cur, f, __ATOMIC_RELAXED);
-    __atomic_store_n(&g_thread, f ? &f->t : nullptr, __ATOMIC_RELAXED);
+void set_cur(TRec *r) {
+    __atomic_store_n(&g_cur, r, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_thread, r ? &r->t : nullptr, __ATOMIC_RELAXED);
+}
+
+TRec *cur_rec() {
+    return __atomic_load_n(&g_cur, __ATOMIC_RELAXED);
 }
 
 void sync_release(void *addr) {
@@ -453,9 +478,10 @@ void sync_acquire(void *addr) {
 #endif
 }
 
-/* Fiber -> scheduler. */
-void yield_to_sched(Fiber *f) {
+/* The running fiber -> the scheduler. */
+void yield_to_sched() {
     Pool &p = t_pool;
+    Fiber *f = __atomic_load_n(&g_fiber, __ATOMIC_RELAXED);
 #if KVT_EMU_ASAN
     __sanitizer_start_switch_fiber(&f->asan_fake, p.asan_bottom, p.asan_size);
 #endif
@@ -472,20 +498,43 @@ void yield_to_sched(Fiber *f) {
 #endif
 }
 
-void thread_exited(Fiber *f);
+void thread_exited(TRec *r);
 
-/* A fiber's life: each time it is switched to with a fresh assignment, run the kernel for its
- * thread, then say so and go back. */
+/* The next thread of the pass if it has not started (the fiber that ran the one before it goes
+ * on with it), else NULL. */
+TRec *next_unstarted() {
+#if KVT_EMU_TSAN
+    return nullptr;
+#else
+    Block &b = g_block;
+    if (b.cursor + 1 >= b.n)
+        return nullptr;
+    TRec *r = &b.recs[b.forward ? b.cursor + 1 : b.order[b.cursor + 1]];
+    if (r->state != kNotStarted)
+        return nullptr;
+    b.cursor++;
+    return r;
+#endif
+}
+
+/* A fiber's life: run its thread; when it returns, the next unstarted one of the pass, if the
+ * next is; then back to the scheduler, free, until it is given another thread. */
 void fiber_main() {
-    Pool &p = t_pool;
     for (;;) {
-        Fiber *f = __atomic_load_n(&g_cur, __ATOMIC_RELAXED);
-        sync_acquire(&g_block.tsan_start);
-        g_block.k->run();
-        sync_release(&g_block.tsan_end);
-        thread_exited(f);
-        yield_to_sched(f);
-        (void)p;
+        Fiber *f = __atomic_load_n(&g_fiber, __ATOMIC_RELAXED);
+        for (TRec *r = f->rec; r; r = next_unstarted()) {
+            f->rec = r;
+            r->fiber = f;
+            r->state = kReady;
+            set_cur(r);
+            sync_acquire(&g_block.tsan_start);
+            g_block.k->run();
+            sync_release(&g_block.tsan_end);
+            thread_exited(r);
+            r->fiber = nullptr;
+        }
+        f->rec = nullptr;
+        yield_to_sched();
     }
 }
 
@@ -527,13 +576,15 @@ Fiber *new_fiber() {
 #if KVT_EMU_TSAN
     f->tsan = __tsan_create_fiber(0);
 #endif
+    t_pool.fibers.push_back(f);
     return f;
 }
 
-/* Scheduler -> fiber f. */
+/* Scheduler -> fiber f (resuming its thread, or starting the thread it was given). */
 void run_fiber(Fiber *f) {
     Pool &p = t_pool;
-    set_cur(f);
+    __atomic_store_n(&g_fiber, f, __ATOMIC_RELAXED);
+    set_cur(f->rec);
     void *fake = nullptr;
 #if KVT_EMU_ASAN
     __sanitizer_start_switch_fiber(&fake, f->stack, kStackBytes);
@@ -551,6 +602,26 @@ void run_fiber(Fiber *f) {
 #endif
     (void)fake;
     set_cur(nullptr);
+    __atomic_store_n(&g_fiber, (Fiber *)nullptr, __ATOMIC_RELAXED);
+    if (!f->rec)
+        p.free.push_back(f);
+}
+
+/* A fiber for thread r: under TSan fiber r.linear, else a free one. */
+Fiber *fiber_for(TRec *r) {
+    Pool &p = t_pool;
+#if KVT_EMU_TSAN
+    while (p.fibers.size() <= r->linear)
+        new_fiber();
+    return p.fibers[r->linear];
+#else
+    (void)r;
+    if (p.free.empty())
+        return new_fiber();
+    Fiber *f = p.free.back();
+    p.free.pop_back();
+    return f;
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -609,8 +680,8 @@ void permute(std::vector<unsigned> &v, unsigned n) {
 void release_block() {
     Block &b = g_block;
     for (unsigned i = 0; i < b.n; i++)
-        if (t_pool.fibers[i]->state == kWaitBlock)
-            t_pool.fibers[i]->state = kReady;
+        if (b.recs[i].state == kWaitBlock)
+            b.recs[i].state = kReady;
     b.arrived = 0;
     b.bar_file = nullptr;
 }
@@ -618,7 +689,7 @@ void release_block() {
 void release_warp(Warp &w, unsigned warp) {
     for (unsigned l = 0; l < 32; l++)
         if (w.arrived >> l & 1u)
-            t_pool.fibers[warp * 32 + l]->state = kReady;
+            g_block.recs[warp * 32 + l].state = kReady;
     w.arrived = 0;
     w.gen++;
 }
@@ -626,14 +697,14 @@ void release_warp(Warp &w, unsigned warp) {
 /* The lanes a warp barrier of mask waits for, checked against the lanes that exist and have
  * not returned (kind 0, __syncwarp: those drop out). */
 unsigned warp_need(const Warp &w, unsigned mask, int kind, unsigned lane, const char *file,
-                   int line, const Fiber *f) {
+                   int line, const TRec *r) {
     static const char *names[] = {"__syncwarp", "__shfl_down_sync", "__any_sync"};
     if (!(mask >> lane & 1u))
         fatal("%s:%d: %s in %s: lane %u calls it with mask 0x%08x, which does not name it "
               "(thread (%u, %u, %u) of block (%u, %u, %u))",
-              file, line, names[kind], g_block.k->name, lane, mask, f->t.thread_idx.x,
-              f->t.thread_idx.y, f->t.thread_idx.z, f->t.block_idx.x, f->t.block_idx.y,
-              f->t.block_idx.z);
+              file, line, names[kind], g_block.k->name, lane, mask, r->t.thread_idx.x,
+              r->t.thread_idx.y, r->t.thread_idx.z, r->t.block_idx.x, r->t.block_idx.y,
+              r->t.block_idx.z);
     if (mask & ~w.exists)
         fatal("%s:%d: %s in %s: mask 0x%08x names lanes the block does not have (0x%08x)", file,
               line, names[kind], g_block.k->name, mask, w.exists);
@@ -647,12 +718,12 @@ unsigned warp_need(const Warp &w, unsigned mask, int kind, unsigned lane, const 
 /* Arrive at the warp barrier with a value; back once every lane needed has. Returns the
  * buffer's index the values are in. */
 unsigned warp_arrive(int kind, unsigned mask, uint64_t value, const char *file, int line) {
-    Fiber *f = __atomic_load_n(&g_cur, __ATOMIC_RELAXED);
-    if (!f)
+    TRec *r = cur_rec();
+    if (!r)
         fatal("%s:%d: a warp intrinsic outside a kernel", file, line);
-    const unsigned warp = f->linear / 32, lane = f->linear % 32;
+    const unsigned warp = r->linear / 32, lane = r->linear % 32;
     Warp &w = g_block.warps[warp];
-    const unsigned need = warp_need(w, mask, kind, lane, file, line, f);
+    const unsigned need = warp_need(w, mask, kind, lane, file, line, r);
     if (w.arrived) {
         if (w.kind != kind || w.mask != mask)
             fatal("%s:%d: warp %u of %s: lane %u arrives with kind %d mask 0x%08x where the "
@@ -666,31 +737,31 @@ unsigned warp_arrive(int kind, unsigned mask, uint64_t value, const char *file, 
     w.val[buf][lane] = value;
     w.arrived |= 1u << lane;
     sync_release(&w.tsan_sync);
-    f->state = kWaitWarp;
-    f->wait_file = file;
-    f->wait_line = line;
+    r->state = kWaitWarp;
+    r->wait_file = file;
+    r->wait_line = line;
     if ((w.arrived & need) == need)
         release_warp(w, warp);
-    yield_to_sched(f);
+    yield_to_sched();
     sync_acquire(&w.tsan_sync);
     return buf;
 }
 
-void thread_exited(Fiber *f) {
+void thread_exited(TRec *r) {
     Block &b = g_block;
-    f->state = kDone;
+    r->state = kDone;
     b.live--;
-    Warp &w = b.warps[f->linear / 32];
-    const unsigned lane = f->linear % 32;
+    Warp &w = b.warps[r->linear / 32];
+    const unsigned lane = r->linear % 32;
     w.exited |= 1u << lane;
     if (w.arrived) {
         if (w.kind != 0 && (w.mask >> lane & 1u))
             fatal("%s: lane %u of warp %u returned while lanes 0x%08x wait for it in a %s",
-                  b.k->name, lane, f->linear / 32, w.arrived,
+                  b.k->name, lane, r->linear / 32, w.arrived,
                   w.kind == kShflDown ? "__shfl_down_sync" : "__any_sync");
         const unsigned need = w.mask & ~w.exited;
         if ((w.arrived & need) == need)
-            release_warp(w, f->linear / 32);
+            release_warp(w, r->linear / 32);
     }
     if (b.arrived && b.arrived == b.live)
         release_block();
@@ -702,31 +773,33 @@ void thread_exited(Fiber *f) {
     fprintf(stderr, "kvt_emu: %s (%s:%d): block deadlocked, its threads wait forever:\n",
             b.k->name, b.k->file, b.k->line);
     for (unsigned i = 0; i < b.n; i++) {
-        const Fiber *f = t_pool.fibers[i];
-        if (f->state == kWaitBlock || f->state == kWaitWarp)
+        const TRec &r = b.recs[i];
+        if (r.state == kWaitBlock || r.state == kWaitWarp)
             fprintf(stderr, "  thread %u: %s at %s:%d\n", i,
-                    f->state == kWaitBlock ? "__syncthreads" : "a warp barrier", f->wait_file,
-                    f->wait_line);
+                    r.state == kWaitBlock ? "__syncthreads" : "a warp barrier", r.wait_file,
+                    r.wait_line);
     }
     fatal("deadlock in %s", b.k->name);
 }
 
-/* Run one block of k to its end. */
+/* Run one block of k to its end: passes over its threads in the order's permutation (a new one
+ * each pass under shuffle), each ready thread resumed, each unstarted one started, until all
+ * have returned. */
 void run_block(Kernel *k, dim3 grid, dim3 block, uint3 bid) {
-    Pool &p = t_pool;
     Block &b = g_block;
     const unsigned n = block.x * block.y * block.z;
-    while (p.fibers.size() < n)
-        p.fibers.push_back(new_fiber());
 #if KVT_EMU_TSAN
-    if (!p.tsan_sched)
-        p.tsan_sched = __tsan_get_current_fiber();
+    if (!t_pool.tsan_sched)
+        t_pool.tsan_sched = __tsan_get_current_fiber();
 #endif
     b.k = k;
     b.n = n;
     b.live = n;
     b.arrived = 0;
     b.bar_file = nullptr;
+    b.forward = order_cfg().order == kForward;
+    if (b.recs.size() < n)
+        b.recs.resize(n);
     const unsigned nw = (n + 31) / 32;
     if (b.warps.size() < nw)
         b.warps.resize(nw);
@@ -736,28 +809,32 @@ void run_block(Kernel *k, dim3 grid, dim3 block, uint3 bid) {
         w.kind = 0;
     }
     for (unsigned i = 0; i < n; i++) {
-        Fiber *f = p.fibers[i];
-        f->linear = i;
-        f->t.thread_idx = uint3{i % block.x, i / block.x % block.y, i / (block.x * block.y)};
-        f->t.block_idx = bid;
-        f->t.block_dim = block;
-        f->t.grid_dim = grid;
-        f->state = kReady;
+        TRec &r = b.recs[i];
+        r.linear = i;
+        r.t.thread_idx = uint3{i % block.x, i / block.x % block.y, i / (block.x * block.y)};
+        r.t.block_idx = bid;
+        r.t.block_dim = block;
+        r.t.grid_dim = grid;
+        r.state = kNotStarted;
+        r.fiber = nullptr;
         b.warps[i / 32].exists |= 1u << (i % 32);
     }
     char *sh0 = __start_kvt_emu_shared, *sh1 = __stop_kvt_emu_shared;
     if (sh0 && sh1 > sh0)
         memset(sh0, poison_byte(), (size_t)(sh1 - sh0));
     sync_release(&b.tsan_start);
-    static thread_local std::vector<unsigned> order;
-    const bool forward = order_cfg().order == kForward;
     while (b.live) {
-        if (!forward)
-            permute(order, n);
+        if (!b.forward)
+            permute(b.order, n);
         bool ran = false;
-        for (unsigned j = 0; j < n; j++) {
-            Fiber *f = p.fibers[forward ? j : order[j]];
-            if (f->state == kReady) {
+        for (b.cursor = 0; b.cursor < n; b.cursor++) {
+            TRec *r = &b.recs[b.forward ? b.cursor : b.order[b.cursor]];
+            if (r->state == kReady && r->fiber) {
+                run_fiber(r->fiber);
+                ran = true;
+            } else if (r->state == kNotStarted) {
+                Fiber *f = fiber_for(r);
+                f->rec = r;
                 run_fiber(f);
                 ran = true;
             }
@@ -890,28 +967,28 @@ void outside_kernel() {
 }
 
 void syncthreads(const char *file, int line) {
-    Fiber *f = __atomic_load_n(&g_cur, __ATOMIC_RELAXED);
-    if (!f)
+    TRec *r = cur_rec();
+    if (!r)
         fatal("%s:%d: __syncthreads outside a kernel", file, line);
     Block &b = g_block;
     if (b.arrived == 0) {
         b.bar_file = file;
         b.bar_line = line;
-        b.bar_first = (int)f->linear;
+        b.bar_first = (int)r->linear;
     } else if (b.bar_line != line || (b.bar_file != file && strcmp(b.bar_file, file) != 0)) {
         fatal("%s:%d: __syncthreads in divergent code in %s: thread %u arrives here while "
               "thread %d waits at %s:%d (block (%u, %u, %u))",
-              file, line, b.k->name, f->linear, b.bar_first, b.bar_file, b.bar_line,
-              f->t.block_idx.x, f->t.block_idx.y, f->t.block_idx.z);
+              file, line, b.k->name, r->linear, b.bar_first, b.bar_file, b.bar_line,
+              r->t.block_idx.x, r->t.block_idx.y, r->t.block_idx.z);
     }
     b.arrived++;
     sync_release(&b.tsan_bar);
-    f->state = kWaitBlock;
-    f->wait_file = file;
-    f->wait_line = line;
+    r->state = kWaitBlock;
+    r->wait_file = file;
+    r->wait_line = line;
     if (b.arrived == b.live)
         release_block();
-    yield_to_sched(f);
+    yield_to_sched();
     sync_acquire(&b.tsan_bar);
 }
 
@@ -921,20 +998,19 @@ void syncwarp(const char *file, int line, unsigned mask) {
 
 uint64_t warp_exchange(int kind, unsigned mask, uint64_t value, unsigned src_lane,
                        const char *file, int line) {
-    Fiber *f = __atomic_load_n(&g_cur, __ATOMIC_RELAXED);
     const unsigned buf = warp_arrive(kind, mask, value, file, line);
-    const Warp &w = g_block.warps[f->linear / 32];
+    TRec *r = cur_rec();
+    const Warp &w = g_block.warps[r->linear / 32];
     if (!(mask >> src_lane & 1u))
         fatal("%s:%d: __shfl_down_sync in %s: lane %u reads lane %u, which the mask 0x%08x does "
               "not name (undefined on a device)",
-              file, line, g_block.k->name, f->linear % 32, src_lane, mask);
+              file, line, g_block.k->name, r->linear % 32, src_lane, mask);
     return w.val[buf][src_lane];
 }
 
 bool any_sync(unsigned mask, int pred, const char *file, int line) {
-    Fiber *f = __atomic_load_n(&g_cur, __ATOMIC_RELAXED);
     const unsigned buf = warp_arrive(2, mask, pred != 0, file, line);
-    const Warp &w = g_block.warps[f->linear / 32];
+    const Warp &w = g_block.warps[cur_rec()->linear / 32];
     for (unsigned l = 0; l < 32; l++)
         if ((mask >> l & 1u) && w.val[buf][l])
             return true;
