@@ -445,8 +445,8 @@ typedef struct kvt__backend_ops {
                                       void *stream);
     kvt_status (*recall_plan_reserve)(const kvt__backend *be, const kvt__recall_plan_args *a);
     /* (optional) Size the handle's workspace for every op of a step within b (grow only):
-     * KVT_ERR_OUT_OF_MEMORY. The CUDA backend has it (its workspace otherwise grows, with a
-     * device synchronisation, when a larger step than any before arrives); the CPU backends size
+     * KVT_ERR_OUT_OF_MEMORY. The CUDA backend has it (its workspace otherwise grows inside an
+     * op, stream-ordered, when a larger step than any before arrives); the CPU backends size
      * theirs at context creation (lib/context.c). */
     kvt_status (*reserve)(const kvt__backend *be, const kvt__ws_bounds *b);
     /* Whether recall_step serves promotion (args.promo non-NULL): every backend's does (the

@@ -32,8 +32,13 @@
 #include "support/testutil.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if KVT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 typedef struct rig {
     kvt__alloc a;
@@ -560,6 +565,7 @@ typedef struct scan_item {
     uint16_t *csk;
     float *rho, *q, *best;
     uint32_t *kept, *fired, n_fired, overflow;
+    uint32_t n_kept; /* entries of kept written (it holds n_closed) */
 } scan_item;
 
 /* Item i over pool p: its sketches (the CPU op), a kept set, H heads' queries and thresholds at
@@ -585,6 +591,7 @@ static void scan_item_make(rig *r, scan_item *it, const rpool *p, tu_rng *g, uin
     for (uint32_t row = 0; row < n_closed; row++)
         if (row % 5 == 2 || row == 3)
             it->kept[m++] = row;
+    it->n_kept = m;
     it->q = malloc(sizeof(float) * QD * H);
     it->best = malloc(sizeof(float) * H);
     float *sc = malloc(sizeof(float) * n_closed);
@@ -1159,8 +1166,12 @@ Test(cuda, recall_step_promotion_equals_the_cpu) {
                                                   NULL),
                                  KVT_OK);
                 } else {
+                    /* the kept rows below 448: within the n_kept entries written (the
+                     * array's tail past them is unwritten; walking into it handed both twins
+                     * an unsorted list and the device a count past its copy, which the CUDA
+                     * emulation's bounds check caught) */
                     m = 0;
-                    while (m < it[i].s.n_closed && it[i].s.kept[m] < 448)
+                    while (m < it[i].s.n_kept && it[i].s.kept[m] < 448)
                         m++;
                 }
                 promo_closed(&it[i], 448, m);
@@ -1947,5 +1958,237 @@ Test(cuda, attend_equals_the_cpu, .timeout = 120) {
     attend_pair(&r, KVT__DT_BF16);
     attend_pair(&r, KVT__DT_FP32);
     attend_pair(&r, KVT__DT_FP8);
+    rig_close(&r);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The backend's own discipline around its ops (each found by the CUDA emulation,
+ * docs/cuda-emulation.md): a refused op enqueues nothing; growing the workspace inside an op,
+ * and find_pos, leave another thread's capture alone; a planned op never grows its workspace.
+ * ---------------------------------------------------------------------------------------------- */
+
+/* score_rows and select refuse a bad item of their second chunk (item 64) before enqueuing
+ * anything: the first chunk's outputs stay as they were (both returned from inside their chunk
+ * loop, after op_begin and the first chunk's launch, without op_end). */
+Test(cuda, refused_score_rows_and_select_enqueue_nothing) {
+    rig r;
+    rig_open(&r);
+    if (r.guarded) { /* the CPU ops score the items before a bad one */
+        rig_close(&r);
+        cr_skip_test("the CUDA backend's refusal: a device (or the CUDA emulation) only");
+    }
+    enum { N = 65, ROWS = 64 };
+    int32_t pages[1] = {0};
+    uint8_t *dpool = dev(&r, NULL, (size_t)ROWS * 1152);
+    int32_t *dpages = dev(&r, pages, sizeof pages);
+    kvt__div32 pdiv = kvt__div32_make(ROWS);
+    float sentinel[ROWS];
+    for (uint32_t u = 0; u < ROWS; u++)
+        sentinel[u] = -7.0f;
+    kvt__score_args sa[N];
+    float *dout[N];
+    for (uint32_t i = 0; i < N; i++) {
+        dout[i] = dev(&r, sentinel, sizeof sentinel);
+        sa[i] = (kvt__score_args){.selector = KVT_SELECT_RANDOM, .base = dpool, .pages = dpages,
+                                  .pdiv = &pdiv, .n_rows = ROWS, .slot_stride = 1152,
+                                  .branch_offset = 1024, .branch_dtype = KVT__DT_BF16,
+                                  .branch_dim = 64, .dtype = KVT__DT_BF16, .n_values = 576,
+                                  .key = 77, .subseq = i, .out = dout[i]};
+    }
+    sa[N - 1].selector = KVT_SELECT_SIGMA; /* fewer rows than a σ leaf: unsupported */
+    sa[N - 1].n_rows = KVT__SIGMA_LEAF_ROWS - 1;
+    cr_assert_eq(r.gpu.ops->score_rows(&r.gpu, sa, N, NULL), KVT_ERR_UNSUPPORTED);
+    same(&r, dout[0], sentinel, sizeof sentinel, "a refused score_rows' first item");
+    /* select: segment 64 has more shared head rows than closed rows */
+    kvt__select_args ga[N];
+    uint32_t kept0[4] = {9, 9, 9, 9};
+    float sc[ROWS];
+    for (uint32_t u = 0; u < ROWS; u++)
+        sc[u] = (float)u;
+    float *dsc = dev(&r, sc, sizeof sc);
+    uint32_t *dkept[N];
+    for (uint32_t i = 0; i < N; i++) {
+        dkept[i] = dev(&r, kept0, sizeof kept0);
+        ga[i] = (kvt__select_args){.score = dsc, .first_new = ROWS, .n_closed = ROWS, .m = 4,
+                                   .sinks = 0, .kept = dkept[i]};
+    }
+    ga[N - 1].n_head = ROWS + 1;
+    ga[N - 1].score_head = dsc;
+    cr_assert_eq(r.gpu.ops->select(&r.gpu, ga, N, NULL), KVT_ERR_INVALID_ARGUMENT);
+    same(&r, dkept[0], kept0, sizeof kept0, "a refused select's first segment");
+    for (uint32_t i = 0; i < N; i++) {
+        undev(&r, dout[i], sizeof sentinel);
+        undev(&r, dkept[i], sizeof kept0);
+    }
+    undev(&r, dsc, sizeof sc);
+    undev(&r, dpool, (size_t)ROWS * 1152);
+    undev(&r, dpages, sizeof pages);
+    rig_close(&r);
+}
+
+#if KVT_HAVE_CUDA
+/* A capture of `mode` on a stream of the test's own, begun and ended by another thread (a
+ * capture's mode says whose unsafe calls break it) while the main thread works. */
+typedef struct side_capture {
+    cudaStream_t s;
+    cudaStreamCaptureMode mode;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int stage; /* 1 begun, 2 end it */
+    cudaError_t begin, end;
+} side_capture;
+
+static void *side_capture_run(void *p) {
+    side_capture *c = p;
+    c->begin = cudaStreamBeginCapture(c->s, c->mode);
+    pthread_mutex_lock(&c->mu);
+    c->stage = 1;
+    pthread_cond_broadcast(&c->cv);
+    while (c->stage != 2)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    cudaGraph_t g = NULL;
+    c->end = cudaStreamEndCapture(c->s, &g);
+    if (g)
+        cudaGraphDestroy(g);
+    (void)cudaGetLastError();
+    return NULL;
+}
+
+/* fn(arg) while a capture of `mode` runs on a stream of `flags` in another thread: whether that
+ * capture survived. */
+static bool capture_survives(cudaStreamCaptureMode mode, unsigned flags, void (*fn)(void *),
+                             void *arg) {
+    side_capture c = {.mode = mode};
+    pthread_mutex_init(&c.mu, NULL);
+    pthread_cond_init(&c.cv, NULL);
+    cr_assert_eq(cudaStreamCreateWithFlags(&c.s, flags), cudaSuccess);
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, side_capture_run, &c), 0);
+    pthread_mutex_lock(&c.mu);
+    while (c.stage != 1)
+        pthread_cond_wait(&c.cv, &c.mu);
+    pthread_mutex_unlock(&c.mu);
+    cr_assert_eq(c.begin, cudaSuccess);
+    fn(arg);
+    pthread_mutex_lock(&c.mu);
+    c.stage = 2;
+    pthread_cond_broadcast(&c.cv);
+    pthread_mutex_unlock(&c.mu);
+    pthread_join(t, NULL);
+    cudaStreamDestroy(c.s);
+    pthread_mutex_destroy(&c.mu);
+    pthread_cond_destroy(&c.cv);
+    return c.end == cudaSuccess;
+}
+
+typedef struct grow_ctx {
+    rig *r;
+    kvt__score_args *a;
+    cudaStream_t s;
+    kvt_status st;
+} grow_ctx;
+
+static void grow_score(void *p) {
+    grow_ctx *g = p;
+    g->st = g->r->gpu.ops->score_rows(&g->r->gpu, g->a, 1, g->s);
+}
+
+typedef struct find_ctx {
+    rig *r;
+    const int64_t *sorted;
+    const uint64_t *perm;
+    int64_t got;
+    kvt_status st;
+} find_ctx;
+
+static void find_one(void *p) {
+    find_ctx *f = p;
+    f->st = f->r->gpu.ops->find_pos(&f->r->gpu, f->sorted, f->perm, 3, 20, &f->got);
+}
+#endif
+
+/* A handle's first σ grows its workspace inside the op while another thread captures a stream in
+ * global mode: that capture survives (the growth was cudaDeviceSynchronize + cudaFree +
+ * cudaMalloc, unsafe calls that invalidate it, their status ignored). find_pos while another
+ * thread captures a blocking stream in thread-local mode: likewise (its k_find ran on the legacy
+ * stream, which would depend on every blocking stream). */
+Test(cuda, workspace_growth_and_find_pos_leave_a_capture_alone) {
+#if KVT_HAVE_CUDA
+    rig r;
+    rig_open(&r);
+    if (r.guarded) { /* the guarded stand-in has no CUDA streams */
+        rig_close(&r);
+        cr_skip_test("the CUDA runtime's captures: a device (or the CUDA emulation) only");
+    }
+    const uint32_t B = 64, NB = 7;
+    uint8_t *pool = random_pool((size_t)B * 1152);
+    int32_t pages[1] = {0};
+    float *basis = malloc(sizeof(float) * NB * B);
+    cr_assert_eq(kvt__fourier_basis(B, 4, basis), 0);
+    kvt__div32 pdiv = kvt__div32_make(B);
+    kvt__score_args a = {.selector = KVT_SELECT_SIGMA, .base = dev(&r, pool, (size_t)B * 1152),
+                         .pages = dev(&r, pages, sizeof pages), .pdiv = &pdiv, .n_rows = B,
+                         .slot_stride = 1152, .branch_offset = 1024,
+                         .branch_dtype = KVT__DT_BF16, .branch_dim = 64, .dtype = KVT__DT_BF16,
+                         .n_values = 576, .basis = dev(&r, basis, sizeof(float) * NB * B),
+                         .n_basis = NB, .out = dev(&r, NULL, sizeof(float) * B)};
+    grow_ctx g = {.r = &r, .a = &a};
+    cr_assert_eq(cudaStreamCreateWithFlags(&g.s, cudaStreamNonBlocking), cudaSuccess);
+    cr_assert(capture_survives(cudaStreamCaptureModeGlobal, cudaStreamNonBlocking, grow_score, &g),
+              "a global capture on another stream was invalidated by the workspace's growth");
+    cr_assert_eq(g.st, KVT_OK, "%s", r.gpu.ops->last_error(&r.gpu));
+    cr_assert_eq(cudaStreamSynchronize(g.s), cudaSuccess);
+    cudaStreamDestroy(g.s);
+    const int64_t sorted[3] = {10, 20, 30};
+    const uint64_t perm[3] = {0, 1, 2};
+    find_ctx f = {.r = &r, .sorted = dev(&r, sorted, sizeof sorted),
+                  .perm = dev(&r, perm, sizeof perm)};
+    cr_assert(capture_survives(cudaStreamCaptureModeThreadLocal, cudaStreamDefault, find_one, &f),
+              "a capture of a blocking stream by another thread was invalidated by find_pos");
+    cr_assert_eq(f.st, KVT_OK);
+    cr_assert_eq(f.got, kvt__find_pos(sorted, perm, 3, 20));
+    undev(&r, (void *)f.sorted, sizeof sorted);
+    undev(&r, (void *)f.perm, sizeof perm);
+    undev(&r, (void *)a.base, (size_t)B * 1152);
+    undev(&r, (void *)a.pages, sizeof pages);
+    undev(&r, (void *)a.basis, sizeof(float) * NB * B);
+    undev(&r, a.out, sizeof(float) * B);
+    free(pool);
+    free(basis);
+    rig_close(&r);
+#else
+    if (getenv("KVT_REQUIRE_GPU"))
+        cr_assert_fail("KVT_REQUIRE_GPU set in a build without CUDA");
+    cr_skip_test("built without CUDA");
+#endif
+}
+
+/* A planned op whose workspace is larger than its reservation is refused (BAD_STATE, saying so)
+ * and grows nothing (it grew with a device synchronisation: a captured graph holds the planned
+ * workspace's address). */
+Test(cuda, planned_step_past_its_reservation_is_refused) {
+    rig r;
+    rig_open(&r);
+    if (r.guarded) {
+        rig_close(&r);
+        cr_skip_test("the CUDA backend's planned workspace: a device (or the CUDA emulation) only");
+    }
+    uint32_t zero = 0;
+    kvt__recall_plan_args pa = {.items = dev(&r, NULL, sizeof(kvt__recall_plan_item)),
+                                .n = dev(&r, &zero, sizeof zero), .n_max = 1,
+                                .query = dev(&r, NULL, sizeof(float) * 16 * 576),
+                                .query_floats = 16 * 576};
+    kvt__recall_plan_bound(16, 64, 512, 64, 4096, 0, 128, &pa.bound);
+    cr_assert_eq(r.gpu.ops->recall_plan_reserve(&r.gpu, &pa), KVT_OK);
+    cr_assert_eq(r.gpu.ops->recall_step_planned(&r.gpu, &pa, NULL), KVT_OK);
+    kvt__recall_plan_args big = pa;
+    kvt__recall_plan_bound(16, 64, 512, 64, 8192, 0, 128, &big.bound);
+    cr_assert_eq(r.gpu.ops->recall_step_planned(&r.gpu, &big, NULL), KVT_ERR_BAD_STATE);
+    const char *e = r.gpu.ops->last_error(&r.gpu);
+    cr_assert(e && strstr(e, "larger than its reservation"), "%s", e ? e : "(none)");
+    undev(&r, (void *)pa.items, sizeof(kvt__recall_plan_item));
+    undev(&r, (void *)pa.n, sizeof zero);
+    undev(&r, (void *)pa.query, sizeof(float) * 16 * 576);
     rig_close(&r);
 }

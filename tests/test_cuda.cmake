@@ -3,3 +3,8 @@
 # tests themselves are checked on every machine.
 add_test(NAME test_cuda_selfcheck COMMAND ${t} --jobs 1)
 set_tests_properties(test_cuda_selfcheck PROPERTIES ENVIRONMENT "KVT_CUDA_TEST_SELFCHECK=1")
+# Its capture cases make streams and captures with the CUDA runtime (the library's own, or the
+# emulation's headers).
+if(KVT_HAVE_CUDA)
+  target_link_libraries(${t} PRIVATE ${KVT_CUDART})
+endif()

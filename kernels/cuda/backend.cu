@@ -59,6 +59,10 @@ struct cuda_impl {
     /* An op that is not a planned one was refused on a capturing stream since capture_begin:
      * capture_end refuses the graph (it would replay without that op). */
     bool cap_refused;
+    /* The handle's own non-blocking stream, for the work that has no caller's stream: the
+     * reservations (workspace growth outside an op) and find_pos. Never the legacy stream, which
+     * orders with every blocking stream and breaks a capture running on one. */
+    cudaStream_t aux;
 };
 
 constexpr uint32_t kMaxSeg = 64; /* work items per call (score, select, pack) */
@@ -206,54 +210,76 @@ Params<T, N> params_div(const T *host, uint32_t n) {
     return p;
 }
 
-/* Workspace of at least `bytes` (grow-only; growing synchronises the device and allocates: at a
- * batch's creation (cu_reserve, from the context's stated limits), then only when a larger step
- * than those arrives (a long prefill); never in a capture, where op_begin refuses every op but
- * the planned ones, which use plan_ws). */
-kvt_status ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
+/* Replace *p (of *have bytes) by `want` bytes, ordered on stream s: the old block freed and the
+ * new one allocated by the stream-ordered allocator (cudaFreeAsync, cudaMallocAsync), so nothing
+ * synchronises the host or the device, and a capture running on another stream is left alone
+ * (a cudaDeviceSynchronize + cudaFree + cudaMalloc there was an unsafe call, whose error was
+ * ignored). s is ordered after the handle's last op (op_begin's event wait, or reserve_on). */
+kvt_status regrow(cudaStream_t s, uint8_t **p, size_t *have, size_t want) {
+    if (*p) {
+        kvt_status r = st(cudaFreeAsync(*p, s));
+        if (r != KVT_OK)
+            return r;
+        *p = NULL;
+        *have = 0;
+    }
+    kvt_status r = st(cudaMallocAsync((void **)p, want, s));
+    if (r != KVT_OK) {
+        *p = NULL;
+        return r;
+    }
+    *have = want;
+    return KVT_OK;
+}
+
+/* Workspace of at least `bytes` for an op on `stream` (grow-only, by half again; at a batch's
+ * creation from the context's stated limits, cu_reserve, then only when a larger step than those
+ * arrives: a long prefill). Never in a capture: op_begin refuses every op there but the planned
+ * ones, which use plan_ws. */
+kvt_status ws_get(const kvt__backend *be, void *stream, size_t bytes, uint8_t **out) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (bytes > c->ws_bytes) {
-        size_t want = bytes + bytes / 2;
-        if (c->ws) {
-            cudaDeviceSynchronize();
-            cudaFree(c->ws);
-            c->ws = NULL;
-            c->ws_bytes = 0;
-        }
-        kvt_status s = st(cudaMalloc(&c->ws, want));
+        kvt_status s = regrow(strm(stream), &c->ws, &c->ws_bytes, bytes + bytes / 2);
         if (s != KVT_OK)
             return s;
-        c->ws_bytes = want;
     }
     *out = c->ws;
     return KVT_OK;
 }
 
-/* The planned ops' workspace of at least `bytes` (plan_ws): grown only outside a capture (a
- * capture may not allocate or synchronise: kvt_batch_plan_device reserves it first), which a
- * batch's fixed bound makes its first planned step alone. */
-kvt_status plan_ws_get(const kvt__backend *be, void *stream, size_t bytes, uint8_t **out) {
+/* The planned ops' workspace (plan_ws) of at least `bytes`: reserved beforehand
+ * (recall_plan_reserve, recall_rope_plan_reserve: kvt_batch_plan_device, from the batch's fixed
+ * bound), never grown by the op itself, since a captured graph holds its address and the op may
+ * be running in a capture: a planned op larger than its reservation is refused. */
+kvt_status plan_ws_get(const kvt__backend *be, size_t bytes, uint8_t **out) {
     cuda_impl *c = (cuda_impl *)be->impl;
     if (bytes > c->plan_ws_bytes) {
-        if (capturing(stream)) {
-            snprintf(t_err, sizeof t_err,
-                     "a planned op's workspace (%zu B) was not reserved before the capture",
-                     bytes);
-            return KVT_ERR_BAD_STATE;
-        }
-        if (c->plan_ws) {
-            cudaDeviceSynchronize();
-            cudaFree(c->plan_ws);
-            c->plan_ws = NULL;
-            c->plan_ws_bytes = 0;
-        }
-        kvt_status s = st(cudaMalloc(&c->plan_ws, bytes));
-        if (s != KVT_OK)
-            return s;
-        c->plan_ws_bytes = bytes;
+        snprintf(t_err, sizeof t_err,
+                 "a planned op's workspace (%zu B) is larger than its reservation (%zu B): "
+                 "refused (recall_plan_reserve first, outside any capture)",
+                 bytes, c->plan_ws_bytes);
+        return KVT_ERR_BAD_STATE;
     }
     *out = c->plan_ws;
     return KVT_OK;
+}
+
+/* Growth outside an op (the reservations): on the handle's own stream, after its last op, and
+ * recorded as its last op, so the next op on any stream orders after the new allocation. */
+kvt_status reserve_on(const kvt__backend *be, uint8_t **p, size_t *have, size_t want) {
+    cuda_impl *c = (cuda_impl *)be->impl;
+    if (want <= *have)
+        return KVT_OK;
+    kvt_status s = st(cudaSetDevice(c->device));
+    if (s == KVT_OK && c->have_ev)
+        s = st(cudaStreamWaitEvent(c->aux, c->ev, 0));
+    if (s == KVT_OK)
+        s = regrow(c->aux, p, have, want);
+    if (s == KVT_OK && (s = st(cudaEventRecord(c->ev, c->aux))) == KVT_OK) {
+        c->last_stream = (void *)c->aux;
+        c->have_ev = true;
+    }
+    return s;
 }
 
 __host__ __device__ size_t align256(size_t n) {
@@ -520,6 +546,13 @@ __global__ void k_score(const ScoreParams p, float *scratch_all, size_t scratch_
 
 kvt_status cu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint32_t n,
                          void *stream) {
+    /* every item checked before anything is enqueued (a refusal from inside the chunk loop
+     * returned after op_begin without op_end: the handle's event never recorded, so another
+     * stream could reuse the workspace while this one's earlier chunks ran) */
+    for (uint32_t i = 0; i < n; i++)
+        if (a[i].selector == KVT_SELECT_SIGMA &&
+            (a[i].branch_dim > KVT__SIGMA_MAX_BRANCH_DIM || a[i].n_rows < KVT__SIGMA_LEAF_ROWS))
+            return KVT_ERR_UNSUPPORTED;
     kvt_status s = op_begin(be, stream);
     for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxSeg) {
         uint32_t k = n - i0 < kMaxSeg ? n - i0 : kMaxSeg;
@@ -527,15 +560,13 @@ kvt_status cu_score_rows(const kvt__backend *be, const kvt__score_args *a, uint3
         for (uint32_t i = 0; i < k; i++) {
             const kvt__score_args &x = a[i0 + i];
             if (x.selector == KVT_SELECT_SIGMA) {
-                if (x.branch_dim > KVT__SIGMA_MAX_BRANCH_DIM || x.n_rows < KVT__SIGMA_LEAF_ROWS)
-                    return KVT_ERR_UNSUPPORTED;
                 size_t f = kvt__sigma_scratch_floats(x.n_rows, x.n_basis, x.branch_dim) +
                            (x.n_rows + 3) / 4; /* + the finiteness flags */
                 each = f > each ? f : each;
             }
         }
         uint8_t *ws = NULL;
-        if (each && (s = ws_get(be, sizeof(float) * each * k, &ws)) != KVT_OK)
+        if (each && (s = ws_get(be, stream, sizeof(float) * each * k, &ws)) != KVT_OK)
             break;
         k_score<<<k, kThreads, 0, strm(stream)>>>(params_div<kvt__score_args, kMaxSeg>(a + i0, k),
                                                   (float *)ws, each);
@@ -813,7 +844,7 @@ kvt_status cu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a
         uint32_t H;
         size_t rows;
         ScanWs w = scan_ws_of(a + i0, sizeof *a, k, 0, &H, &rows);
-        if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
+        if ((s = ws_get(be, stream, w.each * k, &w.base)) != KVT_OK)
             break;
         const ScanParams prm = params_div<kvt__recall_scan_args, kMaxSeg>(a + i0, k);
         if (H)
@@ -1751,7 +1782,7 @@ kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a
         const uint32_t k = n - i0 < kMaxStep ? n - i0 : kMaxStep;
         StepShape sh;
         ScanWs w = step_ws_of(a + i0, k, &sh);
-        if ((s = ws_get(be, w.each * k, &w.base)) != KVT_OK)
+        if ((s = ws_get(be, stream, w.each * k, &w.base)) != KVT_OK)
             break;
         const EagerItems items = {step_params(a + i0, k)};
         step_launch(items, w, k, sh, sh.rows ? rows_grid(sh.rows, k).x : 0u, stream);
@@ -1777,9 +1808,8 @@ kvt_status cu_recall_plan_reserve(const kvt__backend *be, const kvt__recall_plan
     ScanWs w;
     StepShape sh;
     const size_t bytes = plan_ws_bytes(a, &w, &sh);
-    uint8_t *base;
-    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
-    return s == KVT_OK && bytes ? plan_ws_get(be, NULL, bytes, &base) : s;
+    cuda_impl *c = (cuda_impl *)be->impl;
+    return reserve_on(be, &c->plan_ws, &c->plan_ws_bytes, bytes);
 }
 
 /* After a planned step's finish: each item's own queries into its lagged-query buffer (the
@@ -1809,7 +1839,7 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
     const size_t bytes = plan_ws_bytes(a, &w, &sh);
     kvt_status s = op_begin(be, stream, true);
     if (s == KVT_OK)
-        s = plan_ws_get(be, stream, bytes, &w.base);
+        s = plan_ws_get(be, bytes, &w.base);
     if (s == KVT_OK) {
         const PlanItems items = {*a};
         const uint32_t k = a->n_max < kPlanItems ? a->n_max : kPlanItems;
@@ -2289,7 +2319,7 @@ kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_ar
         uint32_t KV, G;
         size_t rows;
         ScanWs w = rope_ws_of(args + i0, k, &KV, &G, &rows);
-        if ((s = ws_get(be, w.each * KV * k, &w.base)) != KVT_OK)
+        if ((s = ws_get(be, stream, w.each * KV * k, &w.base)) != KVT_OK)
             break;
         const RopeEager items = {params_div<kvt__recall_rope_args, kMaxRope>(args + i0, k)};
         bool capped = false;
@@ -2317,9 +2347,8 @@ kvt_status cu_recall_rope_plan_reserve(const kvt__backend *be, const kvt__recall
     uint32_t KV, G;
     size_t rows;
     const size_t bytes = rope_plan_ws_bytes(a, &w, &KV, &G, &rows);
-    uint8_t *base;
-    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
-    return s == KVT_OK && bytes ? plan_ws_get(be, NULL, bytes, &base) : s;
+    cuda_impl *c = (cuda_impl *)be->impl;
+    return reserve_on(be, &c->plan_ws, &c->plan_ws_bytes, bytes);
 }
 
 kvt_status cu_recall_rope_step_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
@@ -2335,7 +2364,7 @@ kvt_status cu_recall_rope_step_planned(const kvt__backend *be, const kvt__recall
     const size_t bytes = rope_plan_ws_bytes(a, &w, &KV, &G, &rows);
     kvt_status s = op_begin(be, stream, true);
     if (s == KVT_OK)
-        s = plan_ws_get(be, stream, bytes, &w.base);
+        s = plan_ws_get(be, bytes, &w.base);
     if (s == KVT_OK) {
         const RopePlan items = {*a};
         const uint32_t k = a->n_max < kPlanItems ? a->n_max : kPlanItems;
@@ -2436,8 +2465,11 @@ kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_em
 }
 
 /* The planned emission: the plan's items as they are when the kernel runs, one block a request
- * (a row of blocks walks them; a planned step's lists are at fixed places, never chained); an
- * item that breaks the rules is skipped (the library never writes one). */
+ * (a row of blocks walks them); an item that breaks the rules is skipped (the library never
+ * writes one). A list at a fixed place writes its indptr entries, as the CPU twin does; a chained
+ * one leaves them to the planned pack (the same values), since the next request's block reads its
+ * start from them concurrently. (Found by the CUDA emulation: every item had been emitted without
+ * its entries, cuda::recall_rope_planned_equals_the_cpu.) */
 __global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
     const uint32_t k = *a.n;
     if (k > a.n_max)
@@ -2446,7 +2478,7 @@ __global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
         kvt__recall_rope_emit_args x;
         kvt__div32 d;
         if (kvt__recall_rope_emit_plan_item_args(&a, i, &x, &d))
-            rope_emit_one(x, false);
+            rope_emit_one(x, !x.chain);
         __syncthreads();
     }
 }
@@ -2506,20 +2538,21 @@ __global__ void k_select(const SelectParams p, uint32_t *keys_all, size_t keys_e
 
 kvt_status cu_select(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream) {
     cuda_impl *c = (cuda_impl *)be->impl;
+    /* every segment checked before anything is enqueued (as cu_score_rows) */
+    for (uint32_t i = 0; i < n; i++)
+        if (a[i].n_closed > UINT32_MAX)
+            return KVT_ERR_UNSUPPORTED;
+    for (uint32_t i = 0; i < n; i++)
+        if (a[i].n_head > a[i].n_closed || (a[i].n_head && !a[i].score_head))
+            return KVT_ERR_INVALID_ARGUMENT;
     kvt_status s = op_begin(be, stream);
     for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxSeg) {
         uint32_t k = n - i0 < kMaxSeg ? n - i0 : kMaxSeg;
         size_t most = 0;
-        for (uint32_t i = 0; i < k; i++) {
-            if (a[i0 + i].n_closed > UINT32_MAX)
-                return KVT_ERR_UNSUPPORTED;
-            if (a[i0 + i].n_head > a[i0 + i].n_closed ||
-                (a[i0 + i].n_head && !a[i0 + i].score_head))
-                return KVT_ERR_INVALID_ARGUMENT;
+        for (uint32_t i = 0; i < k; i++)
             most = a[i0 + i].n_closed > most ? a[i0 + i].n_closed : most;
-        }
         uint8_t *ws;
-        if ((s = ws_get(be, sizeof(uint32_t) * most * k, &ws)) != KVT_OK)
+        if ((s = ws_get(be, stream, sizeof(uint32_t) * most * k, &ws)) != KVT_OK)
             break;
         k_select<<<k, kThreads, 0, strm(stream)>>>(params_of<kvt__select_args, kMaxSeg>(a + i0, k),
                                                    (uint32_t *)ws, most, c->counters);
@@ -2722,7 +2755,7 @@ kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream
         PackPlan *plan = NULL;
         if (dev) {
             uint8_t *ws;
-            if ((s = ws_get(be, sizeof(PackPlan) * kMaxSeg, &ws)) != KVT_OK)
+            if ((s = ws_get(be, stream, sizeof(PackPlan) * kMaxSeg, &ws)) != KVT_OK)
                 break;
             plan = (PackPlan *)ws;
             k_pack_plan<<<1, 32, 0, strm(stream)>>>(prm, a->csr, first, a->dev_offsets,
@@ -2994,7 +3027,7 @@ kvt_status ev_begin(const kvt__backend *be, const kvt__ev_args *a, uint32_t n, v
     *z = ev_sizes(a, n);
     kvt_status s = op_begin(be, stream);
     size_t bytes = for_select && z->sel_total > z->apply_total ? z->sel_total : z->apply_total;
-    return s == KVT_OK ? ws_get(be, bytes, ws) : s;
+    return s == KVT_OK ? ws_get(be, stream, bytes, ws) : s;
 }
 
 kvt_status cu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
@@ -3066,20 +3099,24 @@ __global__ void k_find(const int64_t *sorted, const uint64_t *perm, uint64_t n, 
 
 kvt_status cu_find_pos(const kvt__backend *be, const int64_t *sorted, const uint64_t *perm,
                        uint64_t n, uint64_t key, int64_t *out) {
-    /* inspection: after everything enqueued on any stream */
-    kvt_status s = op_begin(be, NULL);
+    /* inspection: after everything enqueued on any stream, then on the handle's own stream (the
+     * op has none of the caller's; k_find ran on the legacy stream, which orders with every
+     * blocking stream and invalidates a capture running on one) */
+    cuda_impl *c = (cuda_impl *)be->impl;
+    void *aux = (void *)c->aux;
+    kvt_status s = op_begin(be, aux);
     uint8_t *ws = NULL;
     if (s == KVT_OK)
         s = st(cudaDeviceSynchronize());
     if (s == KVT_OK)
-        s = ws_get(be, sizeof(int64_t), &ws);
+        s = ws_get(be, aux, sizeof(int64_t), &ws);
     if (s == KVT_OK) {
-        k_find<<<1, 1>>>(sorted, perm, n, key, (int64_t *)ws);
+        k_find<<<1, 1, 0, c->aux>>>(sorted, perm, n, key, (int64_t *)ws);
         s = st(cudaGetLastError());
     }
     if (s == KVT_OK)
-        s = copy_on(out, ws, sizeof(int64_t), cudaMemcpyDeviceToHost, NULL);
-    return op_end(be, NULL, s);
+        s = copy_on(out, ws, sizeof(int64_t), cudaMemcpyDeviceToHost, aux);
+    return op_end(be, aux, s);
 }
 
 /* A handle's state on `device`: the select counters and the ordering event, made now so that
@@ -3094,7 +3131,11 @@ kvt_status impl_new(const kvt__alloc *a, int device, cuda_impl **out) {
         s = st(cudaMalloc(&c->counters, sizeof(uint64_t) * 2 * kMaxSeg));
     if (s == KVT_OK)
         s = st(cudaEventCreateWithFlags(&c->ev, cudaEventDisableTiming));
+    if (s == KVT_OK)
+        s = st(cudaStreamCreateWithFlags(&c->aux, cudaStreamNonBlocking));
     if (s != KVT_OK) {
+        if (c->ev)
+            cudaEventDestroy(c->ev);
         cudaFree(c->counters);
         kvt__free(a, c, sizeof *c);
         return s;
@@ -3259,7 +3300,7 @@ kvt_status cu_attend(const kvt__backend *be, const kvt__attend_args *a, void *st
     if (s == KVT_OK && a->n_q > 65535u)
         s = KVT_ERR_INVALID_ARGUMENT;
     if (s == KVT_OK)
-        s = ws_get(be, bytes, &ws);
+        s = ws_get(be, stream, bytes, &ws);
     if (s == KVT_OK) {
         const dim3 g1(n_chunks, a->n_heads, a->n_q), g2(a->n_heads, a->n_q);
         k_attend_chunk<<<g1, kAttnThreads, 0, strm(stream)>>>(*a, n_chunks, (double *)ws);
@@ -3359,9 +3400,8 @@ kvt_status cu_reserve(const kvt__backend *be, const kvt__ws_bounds *b) {
         const size_t need = z.sel_total > z.apply_total ? z.sel_total : z.apply_total;
         bytes = need > bytes ? need : bytes;
     }
-    kvt_status s = st(cudaSetDevice(((cuda_impl *)be->impl)->device));
-    uint8_t *base;
-    return s == KVT_OK ? ws_get(be, bytes, &base) : s;
+    cuda_impl *c = (cuda_impl *)be->impl;
+    return reserve_on(be, &c->ws, &c->ws_bytes, bytes + bytes / 2);
 }
 
 /* The table, filled by field name (C++ has no C designated initialisers out of order). */
@@ -3470,6 +3510,7 @@ extern "C" void kvt__backend_cuda_close(kvt__backend *be) {
     cudaFree(c->plan_ws);
     cudaFree(c->counters);
     cudaEventDestroy(c->ev);
+    cudaStreamDestroy(c->aux);
     kvt__free(be->alloc, c, sizeof *c);
     be->impl = NULL;
 }

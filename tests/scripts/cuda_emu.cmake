@@ -1,0 +1,80 @@
+# The CUDA emulation's test entries (-DKVT_CUDA_EMU=ON, docs/cuda-emulation.md; test.sh's
+# build-test-cuda-emu): every CUDA case of the suite with KVT_REQUIRE_GPU=1 (a skip is a failure),
+# labelled cuda_emu, so `ctest -L cuda_emu` runs them and nothing else:
+#   test_cuda (every op against its CPU twin), test_graph's CUDA replays (forward thread order,
+#   and again under reverse and shuffled orders: label cuda_emu_orders, so that a race inside a
+#   block changes a result), test_golden (every golden case on the CUDA backend too), test_fp8's
+#   and test_rope_recall's CUDA cases, test_recall_step's CUDA decode, and the needle cell of
+#   scripts/gpu-check.sh, whose CSV must be the CPU backend's byte for byte.
+# Under KVT_TSAN (Criterion cannot start there) test_cuda and test_graph are built with the plain
+# runner of tests/support/plain instead and run a subset (label cuda_emu).
+if(NOT KVT_CUDA_EMU)
+  return()
+endif()
+if(DEFINED ENV{KVT_MODELS_DIR})
+  set(KVT_EMU_MODELS $ENV{KVT_MODELS_DIR})
+else()
+  set(KVT_EMU_MODELS ${PROJECT_SOURCE_DIR}/../shared/models)
+endif()
+set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${KVT_EMU_MODELS}")
+
+if(KVT_TSAN)
+  # The block-cooperative kernels (barriers, BlockScan, shuffles, shared memory): select, pack,
+  # the evictions' rounds, σ, sketches, scans and a recall step, the attention, a planned RoPE
+  # step; and the first graph scenario's replays.
+  foreach(t test_cuda test_graph)
+    add_executable(${t}_tsan ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c
+      ${CMAKE_CURRENT_SOURCE_DIR}/support/testutil.c ${CMAKE_CURRENT_SOURCE_DIR}/support/plain/plain_main.c)
+    target_include_directories(${t}_tsan BEFORE PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/support/plain)
+    target_include_directories(${t}_tsan PRIVATE ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
+    target_link_libraries(${t}_tsan PRIVATE kvtier_static ${KVT_CUDART} PkgConfig::JANSSON
+      ZLIB::ZLIB Threads::Threads ${KVT_LIBM})
+    target_compile_definitions(${t}_tsan PRIVATE KVT_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
+      KVT_BINARY_DIR="${PROJECT_BINARY_DIR}" KVT_HAVE_CUDA=1)
+  endforeach()
+  add_test(NAME cuda_emu_tsan_cuda COMMAND test_cuda_tsan
+    "--filter=cuda/@(select_segments_equal_the_cpu|pack_equals_the_cpu|pack_recall_equals_the_cpu|eviction_rounds_equal_the_cpu|score_rows_equal_the_cpu|sketch_rows_equal_the_cpu|recall_scan_equals_the_cpu|recall_step_promotion_equals_the_cpu|attend_equals_the_cpu|workspace_growth_and_find_pos_leave_a_capture_alone)")
+  add_test(NAME cuda_emu_tsan_rope COMMAND test_cuda_tsan "--filter=cuda/recall_rope_planned_equals_the_cpu")
+  set_tests_properties(cuda_emu_tsan_cuda cuda_emu_tsan_rope PROPERTIES LABELS cuda_emu
+    ENVIRONMENT "${KVT_EMU_ENV}" TIMEOUT 900)
+  return()
+endif()
+
+function(kvt_cuda_emu_test name label)
+  add_test(NAME ${name} COMMAND ${ARGN})
+  set_tests_properties(${name} PROPERTIES LABELS "${label}" ENVIRONMENT "${KVT_EMU_ENV};${KVT_EMU_EXTRA}"
+    TIMEOUT 900)
+endfunction()
+set(KVT_EMU_EXTRA "")
+kvt_cuda_emu_test(cuda_emu_cuda cuda_emu $<TARGET_FILE:test_cuda> --jobs 1)
+kvt_cuda_emu_test(cuda_emu_graph cuda_emu $<TARGET_FILE:test_graph> --jobs 1 "--filter=graph/*_cuda")
+kvt_cuda_emu_test(cuda_emu_golden cuda_emu $<TARGET_FILE:test_golden> --jobs 1)
+kvt_cuda_emu_test(cuda_emu_fp8 cuda_emu $<TARGET_FILE:test_fp8> --jobs 1 "--filter=fp8/*_cuda")
+kvt_cuda_emu_test(cuda_emu_rope cuda_emu $<TARGET_FILE:test_rope_recall> --jobs 1 "--filter=*/*_cuda")
+kvt_cuda_emu_test(cuda_emu_recall_step cuda_emu $<TARGET_FILE:test_recall_step> --jobs 1
+  "--filter=recall_step/conformal_decode_matches_the_oracle")
+set(KVT_EMU_EXTRA KVT_EMU_ORDER=reverse)
+kvt_cuda_emu_test(cuda_emu_graph_reverse cuda_emu_orders $<TARGET_FILE:test_graph> --jobs 1 "--filter=graph/*_cuda")
+set(KVT_EMU_EXTRA KVT_EMU_ORDER=shuffle:20261205)
+kvt_cuda_emu_test(cuda_emu_graph_shuffle cuda_emu_orders $<TARGET_FILE:test_graph> --jobs 1 "--filter=graph/*_cuda")
+set(KVT_EMU_EXTRA "")
+if(TARGET kvtier-needle)
+  set(KVT_EMU_NEEDLE ${CMAKE_CURRENT_BINARY_DIR}/cuda_emu_needle.cmake)
+  file(WRITE ${KVT_EMU_NEEDLE} [=[
+set(cell --synthetic --context 8192 --ratio 8,32 --mode salience,random,dense --needles 2 --seed 3 --no-progress)
+foreach(b cpu cuda)
+  execute_process(COMMAND ${BIN} ${cell} --backend ${b} --csv ${DIR}/cuda_emu_needle_${b}.csv
+    RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "kvtier-needle --backend ${b}: exit status ${rc}: ${err}")
+  endif()
+endforeach()
+file(READ ${DIR}/cuda_emu_needle_cpu.csv a)
+file(READ ${DIR}/cuda_emu_needle_cuda.csv b)
+if(NOT a STREQUAL b OR a STREQUAL "")
+  message(FATAL_ERROR "the needle cell's CSV on the CUDA backend differs from the CPU's (${DIR}/cuda_emu_needle_*.csv)")
+endif()
+]=])
+  kvt_cuda_emu_test(cuda_emu_needle cuda_emu ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle>
+    -DDIR=${CMAKE_CURRENT_BINARY_DIR} -P ${KVT_EMU_NEEDLE})
+endif()
