@@ -2031,7 +2031,7 @@ Test(cuda, refused_score_rows_and_select_enqueue_nothing) {
  * capture's mode says whose unsafe calls break it) while the main thread works. */
 typedef struct side_capture {
     cudaStream_t s;
-    cudaStreamCaptureMode mode;
+    enum cudaStreamCaptureMode mode;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int stage; /* 1 begun, 2 end it */
@@ -2057,7 +2057,7 @@ static void *side_capture_run(void *p) {
 
 /* fn(arg) while a capture of `mode` runs on a stream of `flags` in another thread: whether that
  * capture survived. */
-static bool capture_survives(cudaStreamCaptureMode mode, unsigned flags, void (*fn)(void *),
+static bool capture_survives(enum cudaStreamCaptureMode mode, unsigned flags, void (*fn)(void *),
                              void *arg) {
     side_capture c = {.mode = mode};
     pthread_mutex_init(&c.mu, NULL);
