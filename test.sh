@@ -8,7 +8,9 @@
 # KVT_SANITIZE_FMA), and CPU-only under clang's ThreadSanitizer (KVT_TSAN: only the plain
 # test executables, i.e. test_threads and kvtier.h's "Threads" model; Criterion aborts under
 # TSan). clang's UBSan has checks gcc's lacks (a zero offset applied to a NULL pointer was found
-# that way). Three blocks at the end: python installs the Python package in a fresh venv and
+# that way). Four blocks at the end: cuda-emu runs every CUDA case with the CUDA backend
+# executed on the CPU (-DKVT_CUDA_EMU=ON: plain, under ASan and under TSan; docs/cuda-emulation.md);
+# python installs the Python package in a fresh venv and
 # runs its pytest suite and the reference engine's checks (with the real model when it can be
 # had); valgrind runs the fast tests (ctest label "fast") under memcheck; fuzz
 # builds the libFuzzer targets of tests/fuzz with clang and runs each for 60 s. Each
@@ -47,6 +49,37 @@ UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
   run_config build-test-clang-asan "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
 TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
   run_config build-test-tsan "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_TSAN=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF
+# ---------------------------------------------------------------------------------------------
+# cuda-emu: the CUDA backend executed on the CPU (-DKVT_CUDA_EMU=ON, docs/cuda-emulation.md):
+# backend.cu compiled unmodified against kernels/cuda/emu, every CUDA case of the suite with
+# KVT_REQUIRE_GPU=1 (ctest -L cuda_emu: test_cuda, test_graph's CUDA replays, also under reverse
+# and shuffled thread orders, test_golden, test_fp8's and test_rope_recall's CUDA cases,
+# test_recall_step's CUDA decode, the needle cell whose CSV must be the CPU's); then test_cuda's
+# block-cooperative ops (tests/scripts/cuda_emu.cmake) under AddressSanitizer + UBSan (a device
+# read or write out of bounds is a host one) and under ThreadSanitizer through a plain runner (a
+# missing __syncthreads is a race report). Only the targets the legs run are built.
+# ---------------------------------------------------------------------------------------------
+t0=$SECONDS
+echo "== test configuration: build-test-cuda-emu (CUDA emulation: plain, ASan, TSan) =="
+cmake -S . -B build-test-cuda-emu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA_EMU=ON \
+  -DKVT_BUILD_BENCH=OFF >/dev/null
+cmake --build build-test-cuda-emu -j"$JOBS" --target test_cuda test_graph test_golden test_fp8 \
+  test_rope_recall test_recall_step kvtier-needle
+(cd build-test-cuda-emu && ctest -L cuda_emu --output-on-failure -j"$JOBS" --timeout 900)
+cmake -S . -B build-test-cuda-emu-asan -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" \
+  "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA_EMU=ON -DKVT_SANITIZE=ON -DKVT_BUILD_TOOLS=OFF \
+  -DKVT_BUILD_BENCH=OFF >/dev/null
+cmake --build build-test-cuda-emu-asan -j"$JOBS" --target test_cuda
+(cd build-test-cuda-emu-asan && ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
+  UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
+  ctest -L cuda_emu_asan --output-on-failure --timeout 900)
+cmake -S . -B build-test-cuda-emu-tsan -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g" \
+  -DKVT_CUDA_EMU=ON -DKVT_TSAN=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF >/dev/null
+cmake --build build-test-cuda-emu-tsan -j"$JOBS" --target test_cuda_tsan
+(cd build-test-cuda-emu-tsan && TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
+  ctest -L cuda_emu --output-on-failure -j"$JOBS" --timeout 900)
+echo "== build-test-cuda-emu: passed in $((SECONDS - t0)) s (3 builds + tests) =="
 # ---------------------------------------------------------------------------------------------
 # python: the Python package (python/). A fresh venv, `pip install ./python` (scikit-build-core
 # builds libkvtier.so CPU-only with this CMake project into the wheel), then its pytest suite,

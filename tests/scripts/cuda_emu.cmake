@@ -6,8 +6,9 @@
 #   block changes a result), test_golden (every golden case on the CUDA backend too), test_fp8's
 #   and test_rope_recall's CUDA cases, test_recall_step's CUDA decode, and the needle cell of
 #   scripts/gpu-check.sh, whose CSV must be the CPU backend's byte for byte.
-# Under KVT_TSAN (Criterion cannot start there) test_cuda and test_graph are built with the plain
-# runner of tests/support/plain instead and run a subset (label cuda_emu).
+# Under KVT_SANITIZE a subset of test_cuda is also labelled cuda_emu_asan; under KVT_TSAN
+# (Criterion cannot start there) test_cuda is built with the plain runner of tests/support/plain
+# instead (test_cuda_tsan) and runs the same subset (label cuda_emu).
 if(NOT KVT_CUDA_EMU)
   return()
 endif()
@@ -18,11 +19,15 @@ else()
 endif()
 set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${KVT_EMU_MODELS}")
 
+# The sanitizer legs' cases of test_cuda: the block-cooperative kernels (barriers, BlockScan,
+# warp shuffles and votes, shared memory) at small sizes: select (radix top-m), pack with and
+# without recall, the eviction rounds, σ, sketches (warps), the recall scan (compaction), the
+# attention (shuffles in double), and the backend's discipline tests. The recall steps' cases are
+# left to the plain leg: under a sanitizer their CPU twins (the oracle, -O1, no FMA clones) take
+# minutes.
+set(KVT_EMU_SAN_CASES "select_segments_equal_the_cpu|score_rows_equal_the_cpu|pack_equals_the_cpu|pack_recall_equals_the_cpu|eviction_rounds_equal_the_cpu|sketch_rows_equal_the_cpu|recall_scan_equals_the_cpu|attend_equals_the_cpu|refused_score_rows_and_select_enqueue_nothing|workspace_growth_and_find_pos_leave_a_capture_alone|planned_step_past_its_reservation_is_refused")
 if(KVT_TSAN)
-  # The block-cooperative kernels (barriers, BlockScan, shuffles, shared memory): select, pack,
-  # the evictions' rounds, σ, sketches, scans and a recall step, the attention, a planned RoPE
-  # step; and the first graph scenario's replays.
-  foreach(t test_cuda test_graph)
+  foreach(t test_cuda)
     add_executable(${t}_tsan ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c
       ${CMAKE_CURRENT_SOURCE_DIR}/support/testutil.c ${CMAKE_CURRENT_SOURCE_DIR}/support/plain/plain_main.c)
     target_include_directories(${t}_tsan BEFORE PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/support/plain)
@@ -32,11 +37,9 @@ if(KVT_TSAN)
     target_compile_definitions(${t}_tsan PRIVATE KVT_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
       KVT_BINARY_DIR="${PROJECT_BINARY_DIR}" KVT_HAVE_CUDA=1)
   endforeach()
-  add_test(NAME cuda_emu_tsan_cuda COMMAND test_cuda_tsan
-    "--filter=cuda/@(select_segments_equal_the_cpu|pack_equals_the_cpu|pack_recall_equals_the_cpu|eviction_rounds_equal_the_cpu|score_rows_equal_the_cpu|sketch_rows_equal_the_cpu|recall_scan_equals_the_cpu|recall_step_promotion_equals_the_cpu|attend_equals_the_cpu|workspace_growth_and_find_pos_leave_a_capture_alone)")
-  add_test(NAME cuda_emu_tsan_rope COMMAND test_cuda_tsan "--filter=cuda/recall_rope_planned_equals_the_cpu")
-  set_tests_properties(cuda_emu_tsan_cuda cuda_emu_tsan_rope PROPERTIES LABELS cuda_emu
-    ENVIRONMENT "${KVT_EMU_ENV}" TIMEOUT 900)
+  add_test(NAME cuda_emu_tsan_cuda COMMAND test_cuda_tsan "--filter=cuda/@(${KVT_EMU_SAN_CASES})")
+  set_tests_properties(cuda_emu_tsan_cuda PROPERTIES LABELS cuda_emu ENVIRONMENT "${KVT_EMU_ENV}"
+    TIMEOUT 900)
   return()
 endif()
 
@@ -46,6 +49,10 @@ function(kvt_cuda_emu_test name label)
     TIMEOUT 900)
 endfunction()
 set(KVT_EMU_EXTRA "")
+if(KVT_SANITIZE) # ASan + UBSan: test_cuda's sanitizer cases (label cuda_emu_asan)
+  kvt_cuda_emu_test(cuda_emu_asan_cuda cuda_emu_asan $<TARGET_FILE:test_cuda> --jobs 1
+    "--filter=cuda/@(${KVT_EMU_SAN_CASES})")
+endif()
 kvt_cuda_emu_test(cuda_emu_cuda cuda_emu $<TARGET_FILE:test_cuda> --jobs 1)
 kvt_cuda_emu_test(cuda_emu_graph cuda_emu $<TARGET_FILE:test_graph> --jobs 1 "--filter=graph/*_cuda")
 kvt_cuda_emu_test(cuda_emu_golden cuda_emu $<TARGET_FILE:test_golden> --jobs 1)

@@ -406,7 +406,7 @@ struct Warp {
     int kind = 0;         /* 0 syncwarp, kShflDown, 2 any */
     uint64_t gen = 0;
     uint64_t val[2][32];
-    char tsan_sync;
+    char tsan_sync[2]; /* TSan's objects of the barrier, by generation parity (below) */
 };
 
 /* The block being executed (one at a time, process-wide, under g_exec_mu). */
@@ -420,7 +420,13 @@ struct Block {
     std::vector<unsigned> order; /* this pass's order */
     unsigned cursor = 0;         /* the pass's position in order */
     bool forward = true;
-    char tsan_start, tsan_end, tsan_bar;
+    uint64_t gen = 0; /* __syncthreads barriers completed */
+    /* TSan's sync objects: the block's start and end, and its barrier by generation parity. A
+     * thread released from generation g acquires only g's object: one object for all of them
+     * would hand a late waker the releases of threads already past the next barrier (and hide
+     * the race a missing barrier leaves); two suffice, since no thread passes g + 1 before every
+     * thread has left g. */
+    char tsan_start, tsan_end, tsan_bar[2];
 };
 
 std::mutex g_exec_mu;
@@ -684,6 +690,7 @@ void release_block() {
             b.recs[i].state = kReady;
     b.arrived = 0;
     b.bar_file = nullptr;
+    b.gen++;
 }
 
 void release_warp(Warp &w, unsigned warp) {
@@ -736,14 +743,14 @@ unsigned warp_arrive(int kind, unsigned mask, uint64_t value, const char *file, 
     const unsigned buf = (unsigned)(w.gen & 1u);
     w.val[buf][lane] = value;
     w.arrived |= 1u << lane;
-    sync_release(&w.tsan_sync);
+    sync_release(&w.tsan_sync[buf]);
     r->state = kWaitWarp;
     r->wait_file = file;
     r->wait_line = line;
     if ((w.arrived & need) == need)
         release_warp(w, warp);
     yield_to_sched();
-    sync_acquire(&w.tsan_sync);
+    sync_acquire(&w.tsan_sync[buf]);
     return buf;
 }
 
@@ -797,6 +804,7 @@ void run_block(Kernel *k, dim3 grid, dim3 block, uint3 bid) {
     b.live = n;
     b.arrived = 0;
     b.bar_file = nullptr;
+    b.gen = 0;
     b.forward = order_cfg().order == kForward;
     if (b.recs.size() < n)
         b.recs.resize(n);
@@ -982,14 +990,15 @@ void syncthreads(const char *file, int line) {
               r->t.block_idx.x, r->t.block_idx.y, r->t.block_idx.z);
     }
     b.arrived++;
-    sync_release(&b.tsan_bar);
+    const unsigned slot = (unsigned)(b.gen & 1u);
+    sync_release(&b.tsan_bar[slot]);
     r->state = kWaitBlock;
     r->wait_file = file;
     r->wait_line = line;
     if (b.arrived == b.live)
         release_block();
     yield_to_sched();
-    sync_acquire(&b.tsan_bar);
+    sync_acquire(&b.tsan_bar[slot]);
 }
 
 void syncwarp(const char *file, int line, unsigned mask) {

@@ -1,7 +1,7 @@
 /*
- * criterion.h — a plain stand-in for the part of Criterion 2.4 that test_cuda and test_graph
- * use, for the ThreadSanitizer build of the CUDA emulation (tests/scripts/cuda_emu.cmake), where
- * Criterion itself aborts at start ("Could not initialize inheritable arena": boxfort's shared
+ * criterion.h — a plain stand-in for the part of Criterion 2.4 that test_cuda uses, for the
+ * ThreadSanitizer build of the CUDA emulation (tests/scripts/cuda_emu.cmake), where Criterion
+ * itself aborts at start ("Could not initialize inheritable arena": boxfort's shared
  * arena cannot be mapped beside TSan's shadow). Included instead of <criterion/criterion.h> by
  * putting tests/support/plain first on the include path; the test sources are unchanged.
  *
