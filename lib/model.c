@@ -1,5 +1,6 @@
 /* model.c — layer specs, the kind -> policy table, and the model (an ordered list of specs). */
 #include "base/base.h"
+#include "base/alloc.h"
 
 #include "kernels/kvt_hd.h"
 
@@ -218,12 +219,12 @@ kvt_status kvt_model_create(const kvt_layer_spec *layers, uint32_t n_layers,
         if (s != KVT_OK)
             return kvt__fail(err, len, s, "layer %u: %s", i, sub);
     }
-    kvt_model *m = calloc(1, sizeof *m);
+    kvt_model *m = kvt__mem_calloc(1, sizeof *m);
     if (!m)
         return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "model");
-    m->layers = malloc(sizeof *m->layers * n_layers);
+    m->layers = kvt__mem_malloc(sizeof *m->layers * n_layers);
     if (!m->layers) {
-        free(m);
+        kvt__mem_free(m);
         return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "model layers");
     }
     memcpy(m->layers, layers, sizeof *layers * n_layers);
@@ -236,8 +237,8 @@ kvt_status kvt_model_create(const kvt_layer_spec *layers, uint32_t n_layers,
 void kvt_model_destroy(kvt_model *m) {
     if (!m)
         return;
-    free(m->layers);
-    free(m);
+    kvt__mem_free(m->layers);
+    kvt__mem_free(m);
 }
 
 uint32_t kvt_model_n_layers(const kvt_model *m) {
