@@ -561,10 +561,15 @@ static kvt_status from_buffer(const char *json, size_t n, const char *source, kv
                               kvt_model **out, char *err, size_t len) {
     json_error_t je;
     kvt__mem_json_install();
+    (void)kvt__mem_json_failed();
     json_t *root = json_loadb(json, n, JSON_REJECT_DUPLICATES, &je);
-    if (!root && json_error_code(&je) == json_error_out_of_memory)
-        return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "%s: parsing the JSON: %s", source,
-                         je.text);
+    /* jansson reports some allocation failures as syntax errors, or with no message at all:
+     * whether one of its allocations failed is the seam's to say. */
+    if (kvt__mem_json_failed() || (!root && json_error_code(&je) == json_error_out_of_memory)) {
+        json_decref(root);
+        return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "%s: out of memory parsing the JSON",
+                         source);
+    }
     if (!root)
         return kvt__fail(err, len, KVT_ERR_PARSE, "%s: invalid JSON at line %d, column %d: %s",
                          source, je.line, je.column, je.text);

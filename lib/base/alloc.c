@@ -266,10 +266,22 @@ void kvt__mem_unmap(void *p, size_t len) {
 
 /* jansson's functions: malloc and free behind the seam (see alloc.h for why they must stay
  * exactly those underneath). */
+/* Whether one of jansson's allocations failed on this thread since the last kvt__mem_json_failed
+ * call: jansson's lexer reports a failed allocation as a syntax error ("string or '}' expected"),
+ * so the census asks here to answer KVT_ERR_OUT_OF_MEMORY instead. */
+static _Thread_local bool json_alloc_failed;
+
+bool kvt__mem_json_failed(void) {
+    bool f = json_alloc_failed;
+    json_alloc_failed = false;
+    return f;
+}
+
 static void *json_malloc(size_t bytes) {
-    if (!seam_alloc("jansson", bytes, "jansson", "json_malloc"))
-        return NULL;
-    return counted(malloc(bytes));
+    void *p = seam_alloc("jansson", bytes, "jansson", "json_malloc") ? malloc(bytes) : NULL;
+    if (!p)
+        json_alloc_failed = true;
+    return counted(p);
 }
 
 static void json_free(void *p) {

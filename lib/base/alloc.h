@@ -108,5 +108,8 @@ void kvt__mem_unmap(void *p, size_t len);
  * that gave jansson its own allocator keeps it; kvtier's JSON then bypasses the seam (no fault
  * reaches it). Thread-safe (pthread_once). */
 void kvt__mem_json_install(void);
+/* Did one of jansson's allocations fail on this thread since the last call? (Resets the flag.)
+ * jansson reports some failed allocations as syntax errors. */
+bool kvt__mem_json_failed(void);
 
 #endif
