@@ -588,3 +588,239 @@ Test(seams, snapshots) {
     cr_assert_gt(sweep(&c, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, sc, NULL), 10);
     snap_teardown(&st);
 }
+
+/* ------------------------------------------------------------------------------------------- */
+/* Traces                                                                                      */
+/* ------------------------------------------------------------------------------------------- */
+enum { TR_TOKENS = 600, TR_STEPS = 6, TR_HEADS = 2, TR_DIM = 64 };
+static char g_trace[128];
+
+/* Write a small trace (one GQA layer: rows of both planes in two chunks, each larger than the
+ * container writer's 64-KiB buffer, so both of its write paths run; queries, a needle, a
+ * target, a user section); a failing call aborts the writer. */
+static kvt_status write_trace(const char *path) {
+    kvt_layer_spec spec;
+    kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_BF16, 2, 64, &spec);
+    kvt_trace_meta meta = {.prompt_rows = 4, .n_model_layers = 2, .text = "generator=seams\n"};
+    kvt_trace_writer *w = (kvt_trace_writer *)&w;
+    char err[256] = "";
+    kvt_status s = kvt_trace_writer_open(path, &meta, &w, err, sizeof err);
+    if (s != KVT_OK) {
+        cr_assert_null(w);
+        cr_assert_neq(err[0], '\0');
+        return s;
+    }
+    static uint8_t rows[TR_TOKENS * 2 * 128];
+    static float q[TR_STEPS * TR_HEADS * TR_DIM];
+    for (size_t i = 0; i < sizeof rows; i++)
+        rows[i] = (uint8_t)(i * 7) & 0x3f;
+    for (size_t i = 0; i < sizeof q / sizeof *q; i++)
+        q[i] = (float)(i % 13) / 13.0f;
+    uint64_t pos[TR_STEPS];
+    for (int i = 0; i < TR_STEPS; i++)
+        pos[i] = TR_TOKENS - TR_STEPS + (uint64_t)i;
+    const uint32_t heads[1] = {1};
+    const kvt_trace_needle needle = {.layer = 1, .first_row = 10, .n_rows = 2};
+    const kvt_trace_target target = {.step = 3, .needle = 0, .n_heads = 1, .heads = heads};
+    const size_t half = sizeof rows / 2;
+    s = kvt_trace_write_layer(w, 1, &spec);
+    for (uint32_t pl = 0; pl < 2 && s == KVT_OK; pl++)
+        for (int c = 0; c < 2 && s == KVT_OK; c++)
+            s = kvt_trace_write_rows(w, 1, pl, rows + c * half, TR_TOKENS / 2, half);
+    if (s == KVT_OK)
+        s = kvt_trace_write_queries(w, 1, KVT_DTYPE_FP32, TR_HEADS, TR_DIM, pos, q, TR_STEPS,
+                                    sizeof q);
+    if (s == KVT_OK)
+        s = kvt_trace_write_needles(w, &needle, 1);
+    if (s == KVT_OK)
+        s = kvt_trace_write_targets(w, &target, 1);
+    if (s == KVT_OK)
+        s = kvt_trace_write_section(w, KVT_TRACE_SECTION_USER, false, "user", 4);
+    if (s != KVT_OK) {
+        cr_assert_neq(kvt_trace_writer_last_error(w)[0], '\0');
+        kvt_trace_writer_abort(w);
+        return s;
+    }
+    return kvt_trace_writer_close(w, err, sizeof err);
+}
+
+static kvt_status run_trace_write(void *v) {
+    (void)v;
+    kvt_status s = write_trace(g_trace);
+    if (s == KVT_OK)
+        unlink(g_trace);
+    return s;
+}
+
+/* A writer that failed leaves no file (aborted), or one that readers refuse (its close failed
+ * to write the END section, as after a crash). A failed close(2) comes after every byte was
+ * written: the file may read then (on a local file system it does), and close reported the
+ * error all the same. */
+static void trace_write_unchanged(void *v, const char *site) {
+    (void)v;
+    struct stat st;
+    if (stat(g_trace, &st) != 0)
+        return;
+    if (strstr(site, ":close")) {
+        unlink(g_trace);
+        return;
+    }
+    kvt_trace *t;
+    cr_assert_neq(kvt_trace_open(g_trace, &t, NULL, 0), KVT_OK, "%s: a failed writer's file reads",
+                  site);
+    unlink(g_trace);
+}
+
+/* Read everything a needle run reads: open, the layer, rows, queries, needles, verify. */
+static kvt_status run_trace_read(void *v) {
+    (void)v;
+    kvt_trace *t = (kvt_trace *)&t;
+    char err[256] = "";
+    kvt_status s = kvt_trace_open(g_trace, &t, err, sizeof err);
+    if (s != KVT_OK) {
+        cr_assert_null(t);
+        cr_assert_neq(err[0], '\0');
+        return s;
+    }
+    kvt_trace_layer li;
+    static uint8_t rows[TR_TOKENS * 2 * 128];
+    float q[TR_HEADS * TR_DIM];
+    uint32_t n;
+    s = kvt_trace_find_layer(t, 1, &li);
+    cr_assert_eq(s, KVT_OK);
+    cr_assert_eq(li.n_tokens, TR_TOKENS);
+    cr_assert_eq(kvt_trace_needles(t, &n)[0].first_row, 10);
+    cr_assert_eq(kvt_trace_targets(t, &n)[0].heads[0], 1);
+    for (uint32_t pl = 0; pl < 2 && s == KVT_OK; pl++)
+        s = kvt_trace_read_rows(t, 1, pl, 0, TR_TOKENS, rows, sizeof rows);
+    for (uint64_t k = 0; k < TR_STEPS && s == KVT_OK; k++)
+        s = kvt_trace_read_query(t, 1, k, KVT_DTYPE_FP32, q, sizeof q, NULL);
+    if (s == KVT_OK)
+        s = kvt_trace_verify(t);
+    kvt_trace_close(t);
+    return s;
+}
+
+Test(seams, traces) {
+    make_dir();
+    snprintf(g_trace, sizeof g_trace, "%s/t.kvtt", g_dir);
+    entry w = {"trace writer", run_trace_write, trace_write_unchanged, NULL};
+    static const char *const w_alloc[] = {"trace.c:kvt_trace_writer_open", "trace.c:grow",
+                                          "trace.c:kvt_trace_write_queries",
+                                          "trace.c:kvt_trace_write_needles",
+                                          "trace.c:kvt_trace_write_targets", NULL};
+    cr_assert_gt(sweep(&w, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, w_alloc, NULL), 4);
+    static const char *const w_io[] = {"container.c:kvt__ctr_writer_open:open",
+                                       "container.c:w_flush:write", "container.c:w_put:write",
+                                       "container.c:kvt__ctr_writer_finish:close", NULL};
+    cr_assert_gt(sweep(&w, KVT__SEAM_IO, KVT_ERR_IO, w_io, NULL), 3);
+
+    cr_assert_eq(write_trace(g_trace), KVT_OK);
+    entry r = {"trace reader", run_trace_read, NULL, NULL};
+    static const char *const r_alloc[] = {
+        "container.c:kvt__ctr_crc_range", "container.c:kvt__ctr_open", "trace.c:grow",
+        "trace.c:kvt_trace_open",          "trace.c:parse_all",         "trace.c:parse_needles",
+        "trace.c:parse_queries",           "trace.c:parse_targets",     "trace.c:read_small",
+        NULL};
+    cr_assert_gt(sweep(&r, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, r_alloc, NULL), 4);
+    static const char *const r_io[] = {"container.c:kvt__ctr_open:open",
+                                       "container.c:kvt__ctr_open:stat",
+                                       "container.c:kvt__ctr_pread:read",
+                                       "container.c:kvt__ctr_close:close", NULL};
+    static const char *const r_absorbed[] = {"container.c:kvt__ctr_close:close", NULL};
+    cr_assert_gt(sweep(&r, KVT__SEAM_IO, KVT_ERR_IO, r_io, r_absorbed), 10);
+    remove_dir();
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Recall bases, reference handles                                                             */
+/* ------------------------------------------------------------------------------------------- */
+enum { RB_RANK = 4, RB_DIM = 16 };
+static float g_V[RB_RANK * RB_DIM], g_V2[RB_RANK * RB_DIM];
+static char g_basis[128];
+static uint8_t *g_basis_old;
+static size_t g_basis_n_old;
+
+static kvt_status run_basis_write(void *v) {
+    (void)v;
+    kvt_recall_basis_info in = {.layer = 3, .rank = RB_RANK, .dim = RB_DIM, .samples = 9};
+    kvt_status s = kvt_recall_basis_write(g_basis, &in, g_V2);
+    if (s == KVT_OK)
+        put_file(g_basis, g_basis_old, g_basis_n_old);
+    return s;
+}
+
+static void basis_unchanged(void *v, const char *site) {
+    (void)v;
+    bool renamed = strstr(kvt_last_error(), "of its directory") != NULL;
+    size_t n;
+    uint8_t *now = slurp(g_basis, &n);
+    cr_assert_not_null(now, "%s", site);
+    if (!renamed) {
+        cr_assert_eq(n, g_basis_n_old, "%s", site);
+        cr_assert_eq(memcmp(now, g_basis_old, n), 0, "%s: the old basis file changed", site);
+    } else {
+        put_file(g_basis, g_basis_old, g_basis_n_old);
+    }
+    free(now);
+    cr_assert_eq(n_files(g_dir), 1, "%s: a temporary left behind", site);
+}
+
+static kvt_status run_basis_read(void *v) {
+    (void)v;
+    kvt_recall_basis_info out;
+    float back[RB_RANK * RB_DIM];
+    kvt_status s = kvt_recall_basis_read(g_basis, &out, back, RB_RANK * RB_DIM);
+    if (s == KVT_OK)
+        cr_assert_eq(memcmp(back, g_V, sizeof back), 0);
+    return s;
+}
+
+static kvt_status run_ref_sigma(void *v) {
+    (void)v;
+    kvt_ref_sigma *h = (kvt_ref_sigma *)&h;
+    kvt_status s = kvt_ref_sigma_create(64, 4, 64, &h);
+    if (s != KVT_OK)
+        cr_assert_null(h);
+    kvt_ref_sigma_destroy(s == KVT_OK ? h : NULL);
+    return s;
+}
+
+Test(seams, recall_bases_and_reference) {
+    make_dir();
+    snprintf(g_basis, sizeof g_basis, "%s/b.kvtb", g_dir);
+    for (int i = 0; i < RB_RANK * RB_DIM; i++) {
+        g_V[i] = (float)i / 64.0f;
+        g_V2[i] = -(float)i / 64.0f;
+    }
+    kvt_recall_basis_info in = {.layer = 3, .rank = RB_RANK, .dim = RB_DIM, .samples = 9};
+    cr_assert_eq(kvt_recall_basis_write(g_basis, &in, g_V), KVT_OK, "%s", kvt_last_error());
+    g_basis_old = slurp(g_basis, &g_basis_n_old);
+    entry w = {"kvt_recall_basis_write", run_basis_write, basis_unchanged, NULL};
+    static const char *const w_alloc[] = {"recall_basis.c:kvt_recall_basis_write",
+                                          "replace.c:kvt__replace_file", NULL};
+    cr_assert_eq(sweep(&w, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, w_alloc, NULL), 3);
+    static const char *const w_io[] = {
+        "replace.c:kvt__clean_stale:opendir", "replace.c:kvt__replace_file:open",
+        "replace.c:kvt__replace_file:lock",   "replace.c:kvt__replace_file:write",
+        "replace.c:kvt__replace_file:fsync",  "replace.c:kvt__replace_file:close",
+        "replace.c:kvt__replace_file:rename", NULL};
+    static const char *const w_absorbed[] = {"replace.c:kvt__clean_stale:opendir",
+                                             "replace.c:kvt__replace_file:close", NULL};
+    cr_assert_geq(sweep(&w, KVT__SEAM_IO, KVT_ERR_IO, w_io, w_absorbed), 8);
+    entry r = {"kvt_recall_basis_read", run_basis_read, NULL, NULL};
+    static const char *const r_alloc[] = {"recall_basis.c:kvt_recall_basis_read", NULL};
+    cr_assert_eq(sweep(&r, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, r_alloc, NULL), 1);
+    static const char *const r_io[] = {"recall_basis.c:kvt_recall_basis_read:open",
+                                       "recall_basis.c:kvt_recall_basis_read:stat",
+                                       "recall_basis.c:kvt_recall_basis_read:read",
+                                       "recall_basis.c:kvt_recall_basis_read:close", NULL};
+    static const char *const r_absorbed[] = {"recall_basis.c:kvt_recall_basis_read:close", NULL};
+    cr_assert_eq(sweep(&r, KVT__SEAM_IO, KVT_ERR_IO, r_io, r_absorbed), 5);
+    free(g_basis_old);
+    remove_dir();
+
+    entry ref = {"kvt_ref_sigma_create", run_ref_sigma, NULL, NULL};
+    static const char *const ref_alloc[] = {"ref.c:kvt_ref_sigma_create_basis", NULL};
+    cr_assert_eq(sweep(&ref, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, ref_alloc, NULL), 4);
+}
