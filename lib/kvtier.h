@@ -262,7 +262,12 @@ KVT_API kvt_status kvt_model_create(const kvt_layer_spec *layers, uint32_t n_lay
 /* Census: read a config.json. Families: deepseek_v2, deepseek_v3, kimi_linear, qwen3, qwen2,
  * llama, mistral, qwen3_next, gemma3_text (also gemma3 with a nested text_config). dtype is the
  * cache element type. Errors: KVT_ERR_IO (cannot read), KVT_ERR_PARSE (bad JSON, missing key,
- * wrong type, out-of-range value, unknown model_type), with the key named in err. */
+ * wrong type, out-of-range value, unknown model_type), with the key named in err;
+ * KVT_ERR_OUT_OF_MEMORY. The JSON is parsed by libjansson, whose allocator is one per process:
+ * the first census call sets it (json_set_alloc_funcs) to malloc and free behind kvtier's
+ * allocation seam, only while jansson still has its default malloc and free, so objects another
+ * user of jansson in the process made before or after are freed correctly either way; a process
+ * that gave jansson its own allocator keeps it. */
 KVT_API kvt_status kvt_model_from_file(const char *path, kvt_dtype dtype, kvt_model **out,
                                        char *err, size_t err_len);
 KVT_API kvt_status kvt_model_from_json(const char *json, size_t len, kvt_dtype dtype,

@@ -824,3 +824,161 @@ Test(seams, recall_bases_and_reference) {
     static const char *const ref_alloc[] = {"ref.c:kvt_ref_sigma_create_basis", NULL};
     cr_assert_eq(sweep(&ref, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, ref_alloc, NULL), 4);
 }
+
+/* ------------------------------------------------------------------------------------------- */
+/* Stale temporaries of killed writers (lib/replace.c), on real files                          */
+/* ------------------------------------------------------------------------------------------- */
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+
+static void make_file(const char *name, const void *p, size_t n, long age_s) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", g_dir, name);
+    put_file(path, p, n);
+    struct timespec t[2];
+    clock_gettime(CLOCK_REALTIME, &t[0]);
+    t[0].tv_sec -= age_s;
+    t[1] = t[0];
+    cr_assert_eq(utimensat(AT_FDCWD, path, t, 0), 0);
+}
+
+static bool exists(const char *name) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", g_dir, name);
+    struct stat st;
+    return lstat(path, &st) == 0;
+}
+
+/* The temporaries in g_dir ("*.tmp.*"). */
+static int n_temps(char *first, size_t n) {
+    DIR *d = opendir(g_dir);
+    int k = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        if (strstr(e->d_name, ".tmp.") && k++ == 0 && first)
+            snprintf(first, n, "%s", e->d_name);
+    closedir(d);
+    return k;
+}
+
+/* A writer process that stops at its first write: killed there (SIGKILL, as a crash), or left
+ * waiting (a live writer holding its temporary) until the parent kills it. */
+static int g_sync[2];
+
+static int stop_at_write(void *user, kvt__seam_call *c) {
+    if (c->kind == KVT__SEAM_IO && strcmp(c->op, "write") == 0) {
+        if (user)
+            raise(SIGKILL);
+        char b = 1;
+        cr_assert_eq(write(g_sync[1], &b, 1), 1);
+        pause();
+    }
+    return 0;
+}
+
+static pid_t writer_stopped(kvt_seq *seq, const char *path, bool die) {
+    cr_assert_eq(pipe(g_sync), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        /* A parked writer must not outlive a test that failed before killing it. */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        alarm(60);
+        kvt__seam_set_hook(stop_at_write, die ? (void *)1 : NULL);
+        kvt_seq_snapshot_file(seq, path);
+        _exit(3); /* not reached: the hook kills or parks the writer */
+    }
+    close(g_sync[1]);
+    if (!die) {
+        char b;
+        cr_assert_eq(read(g_sync[0], &b, 1), 1); /* the writer holds its temporary */
+    } else {
+        int st;
+        cr_assert_eq(waitpid(pid, &st, 0), pid);
+        cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+    }
+    close(g_sync[0]);
+    return pid;
+}
+
+Test(seams, stale_temporaries_removed_by_the_next_write) {
+    snap_st st;
+    snap_setup(&st, KVT_BACKEND_CPU);
+    const long old = 2 * KVT_SNAPSHOT_STALE_SECONDS;
+    /* A writer killed mid-write leaves its temporary. */
+    writer_stopped(st.seq, st.path, true);
+    char killed[256];
+    cr_assert_eq(n_temps(killed, sizeof killed), 1, "the killed writer left no temporary");
+    char kpath[512];
+    snprintf(kpath, sizeof kpath, "%s/%s", g_dir, killed);
+    struct timespec t[2];
+    clock_gettime(CLOCK_REALTIME, &t[0]);
+    t[0].tv_sec -= old;
+    t[1] = t[0];
+    cr_assert_eq(utimensat(AT_FDCWD, kpath, t, 0), 0);
+    /* Stale: empty, or a prefix of the container magic (a writer killed after 5 bytes). */
+    make_file("s.kvts.tmp.AAAAAA", "", 0, old);
+    make_file("s.kvts.tmp.BBBBBB", "\x89KVT\r", 5, old);
+    /* Kept: too young; another name; not kvtier's content; not mkstemp's name; a directory. */
+    make_file("s.kvts.tmp.CCCCCC", "", 0, 0);
+    make_file("t.kvts.tmp.EEEEEE", "", 0, old);
+    make_file("s.kvts.tmp.FFFFFF", "hello", 5, old);
+    make_file("s.kvts.tmp.GG", "", 0, old);
+    char hdir[512];
+    snprintf(hdir, sizeof hdir, "%s/s.kvts.tmp.HHHHHH", g_dir);
+    cr_assert_eq(mkdir(hdir, 0700), 0);
+    /* Kept: old, but its writer is alive and holds it (the one name new after it started). */
+    char before[16][256];
+    int n_before = 0;
+    DIR *d = opendir(g_dir);
+    for (struct dirent *e; (e = readdir(d)) && n_before < 16;)
+        snprintf(before[n_before++], sizeof before[0], "%s", e->d_name);
+    closedir(d);
+    pid_t live = writer_stopped(st.seq, st.path, false);
+    char lname[256] = "";
+    d = opendir(g_dir);
+    for (struct dirent *e; (e = readdir(d));) {
+        bool old_name = false;
+        for (int i = 0; i < n_before && !old_name; i++)
+            old_name = strcmp(before[i], e->d_name) == 0;
+        if (!old_name)
+            snprintf(lname, sizeof lname, "%s", e->d_name);
+    }
+    closedir(d);
+    cr_assert_neq(lname[0], '\0', "the live writer's temporary");
+    char lpath[512];
+    snprintf(lpath, sizeof lpath, "%s/%s", g_dir, lname);
+    cr_assert_eq(utimensat(AT_FDCWD, lpath, t, 0), 0);
+
+    cr_assert_eq(kvt_seq_snapshot_file(st.seq, st.path), KVT_OK, "%s", kvt_last_error());
+    cr_assert(!exists(killed), "the killed writer's temporary is still there");
+    cr_assert(!exists("s.kvts.tmp.AAAAAA") && !exists("s.kvts.tmp.BBBBBB"));
+    cr_assert(exists("s.kvts.tmp.CCCCCC") && exists("t.kvts.tmp.EEEEEE") &&
+              exists("s.kvts.tmp.FFFFFF") && exists("s.kvts.tmp.GG") &&
+              exists("s.kvts.tmp.HHHHHH"));
+    cr_assert(exists(lname), "a live writer's temporary was removed");
+    kvt_seq *r;
+    cr_assert_eq(kvt_seq_restore_file(st.ctx, st.path, &r), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(r);
+
+    /* kvt_snapshot_clean: the whole directory, any name, the same rule. */
+    uint32_t n = 99;
+    cr_assert_eq(kvt_snapshot_clean(g_dir, KVT_SNAPSHOT_STALE_SECONDS, &n), KVT_OK);
+    cr_assert_eq(n, 1); /* t.kvts's; the live writer's is held */
+    cr_assert(!exists("t.kvts.tmp.EEEEEE") && exists(lname));
+    kill(live, SIGKILL);
+    cr_assert_eq(waitpid(live, NULL, 0), live);
+    cr_assert_eq(kvt_snapshot_clean(g_dir, KVT_SNAPSHOT_STALE_SECONDS, &n), KVT_OK);
+    cr_assert_eq(n, 1); /* its writer died: stale now */
+    cr_assert(!exists(lname));
+    cr_assert_eq(kvt_snapshot_clean(g_dir, 0, &n), KVT_OK);
+    cr_assert_eq(n, 1); /* the young one, with no age asked */
+    cr_assert(!exists("s.kvts.tmp.CCCCCC") && exists("s.kvts.tmp.FFFFFF") &&
+              exists("s.kvts.tmp.GG") && exists("s.kvts.tmp.HHHHHH"));
+    cr_assert_eq(kvt_snapshot_clean(g_dir, 0, &n), KVT_OK);
+    cr_assert_eq(n, 0);
+    cr_assert_eq(kvt_snapshot_clean("/nonexistent-kvt-dir", 0, &n), KVT_ERR_IO);
+    cr_assert_eq(kvt_snapshot_clean(NULL, 0, &n), KVT_ERR_INVALID_ARGUMENT);
+    rmdir(hdir);
+    snap_teardown(&st);
+}
