@@ -53,8 +53,7 @@ static bool remove_if_stale(const char *path, uint32_t min_age_s, time_t now) {
     struct stat st;
     uint8_t head[8];
     if (kvt__io_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-        (double)now - (double)st.st_mtime >= (double)min_age_s &&
-        kvt__io_lock(fd, false) == 0) {
+        (double)now - (double)st.st_mtime >= (double)min_age_s && kvt__io_lock(fd, false) == 0) {
         /* Locked by this cleaner now: no writer holds it. Its first bytes, if any, must be a
          * kvtier file's. */
         size_t k = st.st_size < 8 ? (size_t)st.st_size : 8;
@@ -116,8 +115,8 @@ kvt_status kvt__replace_file(const char *path, const void *buf, size_t n, char *
         strcpy(dir, ".");
     }
     /* Best effort: a directory that cannot be listed is the write's to report, if it fails. */
-    kvt_status cs = kvt__clean_stale(dir, slash ? slash + 1 : path, KVT_SNAPSHOT_STALE_SECONDS,
-                                     NULL, NULL, 0);
+    kvt_status cs =
+        kvt__clean_stale(dir, slash ? slash + 1 : path, KVT_SNAPSHOT_STALE_SECONDS, NULL, NULL, 0);
     if (cs == KVT_ERR_OUT_OF_MEMORY) {
         s = kvt__fail(err, len, cs, "the names of %s's stale temporaries", path);
         goto out;

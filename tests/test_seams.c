@@ -115,8 +115,8 @@ static int cmp_str(const void *a, const void *b) {
 /* Sweep one seam over one entry point. expected: the sites a successful run reaches (NULL-
  * terminated, any order); absorbed: the sites whose failure the entry point may survive with
  * KVT_OK. Returns the number of failures injected. */
-static int sweep(const entry *e, kvt__seam_kind kind, kvt_status want,
-                 const char *const *expected, const char *const *absorbed) {
+static int sweep(const entry *e, kvt__seam_kind kind, kvt_status want, const char *const *expected,
+                 const char *const *absorbed) {
     const char *what = kind == KVT__SEAM_ALLOC ? "allocation" : "I/O";
     /* The recording run. */
     int64_t live0 = kvt__seam_live();
@@ -125,8 +125,8 @@ static int sweep(const entry *e, kvt__seam_kind kind, kvt_status want,
     disarm();
     cr_assert_eq(s, KVT_OK, "%s: the run without faults: %s (%s)", e->name, kvt_status_name(s),
                  kvt_last_error());
-    cr_assert_eq(kvt__seam_live(), live0, "%s: %lld allocations kept by a successful run",
-                 e->name, (long long)(kvt__seam_live() - live0));
+    cr_assert_eq(kvt__seam_live(), live0, "%s: %lld allocations kept by a successful run", e->name,
+                 (long long)(kvt__seam_live() - live0));
     long n_calls = rec.calls;
     int n_sites = rec.n_sites;
     const char *got[MAX_SITES];
@@ -308,9 +308,8 @@ static kvt_status run_model_from_json(void *st) {
 
 static const char *const model_create_sites[] = {"model.c:kvt_model_create", NULL};
 /* The census of Kimi Linear: its JSON parsed by jansson, the roles of its layers, its specs. */
-static const char *const census_sites[] = {
-    "jansson:json_malloc", "census.c:read_kimi", "census.c:build_mla",
-    "model.c:kvt_model_create", NULL};
+static const char *const census_sites[] = {"jansson:json_malloc", "census.c:read_kimi",
+                                           "census.c:build_mla", "model.c:kvt_model_create", NULL};
 
 Test(seams, models_and_census) {
     entry e = {"kvt_model_create", run_model_create, NULL, NULL};
@@ -318,14 +317,14 @@ Test(seams, models_and_census) {
     g_config = tu_model_path("kimi-linear-48b-a3b-instruct.json");
     entry j = {"kvt_model_from_json", run_model_from_json, NULL, NULL};
     cr_assert_gt(sweep(&j, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, census_sites, NULL), 50);
-    static const char *const file_sites[] = {
-        "census.c:kvt_model_from_file", "jansson:json_malloc", "census.c:read_kimi",
-        "census.c:build_mla", "model.c:kvt_model_create", NULL};
+    static const char *const file_sites[] = {"census.c:kvt_model_from_file", "jansson:json_malloc",
+                                             "census.c:read_kimi",           "census.c:build_mla",
+                                             "model.c:kvt_model_create",     NULL};
     entry f = {"kvt_model_from_file", run_model_from_file, NULL, NULL};
     cr_assert_gt(sweep(&f, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, file_sites, NULL), 50);
-    static const char *const file_io[] = {
-        "census.c:kvt_model_from_file:open", "census.c:kvt_model_from_file:read",
-        "census.c:kvt_model_from_file:close", NULL};
+    static const char *const file_io[] = {"census.c:kvt_model_from_file:open",
+                                          "census.c:kvt_model_from_file:read",
+                                          "census.c:kvt_model_from_file:close", NULL};
     static const char *const file_io_absorbed[] = {"census.c:kvt_model_from_file:close", NULL};
     cr_assert_eq(sweep(&f, KVT__SEAM_IO, KVT_ERR_IO, file_io, file_io_absorbed), 3);
 }
@@ -386,9 +385,9 @@ Test(seams, context_creation) {
         static const char *const guarded[] = {
 #include "support/seams_ctx_sites.h"
             "backend_cpu.c:kvt__backend_guarded_open", "backend_cpu.c:g_buf_alloc", NULL};
-        cr_assert_gt(sweep(&e, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY,
-                           variant == 2 ? guarded : cpu, NULL),
-                     10);
+        cr_assert_gt(
+            sweep(&e, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, variant == 2 ? guarded : cpu, NULL),
+            10);
         kvt_model_destroy(st.m);
     }
 }
@@ -400,7 +399,7 @@ typedef struct snap_st {
     kvt_model *m;
     kvt_ctx *ctx;
     kvt_seq *seq;
-    uint8_t *snap;  /* the request's snapshot */
+    uint8_t *snap; /* the request's snapshot */
     size_t n;
     uint32_t free0; /* the context's free pages */
     char path[128]; /* a snapshot file (holding an older snapshot: `old`) */
@@ -559,8 +558,8 @@ Test(seams, snapshots) {
     cr_assert_gt(sweep(&f, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, file_alloc, NULL), 2);
     static const char *const file_io[] = {
         "replace.c:kvt__clean_stale:opendir", "replace.c:kvt__replace_file:open",
-        "replace.c:kvt__replace_file:lock", "replace.c:kvt__replace_file:write",
-        "replace.c:kvt__replace_file:fsync", "replace.c:kvt__replace_file:close",
+        "replace.c:kvt__replace_file:lock",   "replace.c:kvt__replace_file:write",
+        "replace.c:kvt__replace_file:fsync",  "replace.c:kvt__replace_file:close",
         "replace.c:kvt__replace_file:rename", NULL};
     /* Absorbed: the listing of stale temporaries (best effort), the directory's close after
      * its fsync. */
@@ -705,10 +704,10 @@ Test(seams, traces) {
     make_dir();
     snprintf(g_trace, sizeof g_trace, "%s/t.kvtt", g_dir);
     entry w = {"trace writer", run_trace_write, trace_write_unchanged, NULL};
-    static const char *const w_alloc[] = {"trace.c:kvt_trace_writer_open", "trace.c:grow",
-                                          "trace.c:kvt_trace_write_queries",
-                                          "trace.c:kvt_trace_write_needles",
-                                          "trace.c:kvt_trace_write_targets", NULL};
+    static const char *const w_alloc[] = {
+        "trace.c:kvt_trace_writer_open",   "trace.c:grow",
+        "trace.c:kvt_trace_write_queries", "trace.c:kvt_trace_write_needles",
+        "trace.c:kvt_trace_write_targets", NULL};
     cr_assert_gt(sweep(&w, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, w_alloc, NULL), 4);
     static const char *const w_io[] = {"container.c:kvt__ctr_writer_open:open",
                                        "container.c:w_flush:write", "container.c:w_put:write",
@@ -717,16 +716,20 @@ Test(seams, traces) {
 
     cr_assert_eq(write_trace(g_trace), KVT_OK);
     entry r = {"trace reader", run_trace_read, NULL, NULL};
-    static const char *const r_alloc[] = {
-        "container.c:kvt__ctr_crc_range", "container.c:kvt__ctr_open", "trace.c:grow",
-        "trace.c:kvt_trace_open",          "trace.c:parse_all",         "trace.c:parse_needles",
-        "trace.c:parse_queries",           "trace.c:parse_targets",     "trace.c:read_small",
-        NULL};
+    static const char *const r_alloc[] = {"container.c:kvt__ctr_crc_range",
+                                          "container.c:kvt__ctr_open",
+                                          "trace.c:grow",
+                                          "trace.c:kvt_trace_open",
+                                          "trace.c:parse_all",
+                                          "trace.c:parse_needles",
+                                          "trace.c:parse_queries",
+                                          "trace.c:parse_targets",
+                                          "trace.c:read_small",
+                                          NULL};
     cr_assert_gt(sweep(&r, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, r_alloc, NULL), 4);
-    static const char *const r_io[] = {"container.c:kvt__ctr_open:open",
-                                       "container.c:kvt__ctr_open:stat",
-                                       "container.c:kvt__ctr_pread:read",
-                                       "container.c:kvt__ctr_close:close", NULL};
+    static const char *const r_io[] = {
+        "container.c:kvt__ctr_open:open", "container.c:kvt__ctr_open:stat",
+        "container.c:kvt__ctr_pread:read", "container.c:kvt__ctr_close:close", NULL};
     static const char *const r_absorbed[] = {"container.c:kvt__ctr_close:close", NULL};
     cr_assert_gt(sweep(&r, KVT__SEAM_IO, KVT_ERR_IO, r_io, r_absorbed), 10);
     remove_dir();

@@ -45,8 +45,7 @@ typedef struct kvt__io_dir kvt__io_dir;
 const char *kvt__io_dir_next(kvt__io_dir *d);
 void kvt__io_dir_close(kvt__io_dir *d);
 
-int kvt__io_open_at(const char *path, int flags, unsigned mode, const char *file,
-                    const char *func);
+int kvt__io_open_at(const char *path, int flags, unsigned mode, const char *file, const char *func);
 int kvt__io_mkstemp_at(char *tmpl, const char *file, const char *func);
 ssize_t kvt__io_read_at(int fd, void *buf, size_t n, const char *file, const char *func);
 ssize_t kvt__io_pread_at(int fd, void *buf, size_t n, uint64_t off, const char *file,

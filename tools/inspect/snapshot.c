@@ -147,7 +147,8 @@ int inspect_snapshot(int argc, char **argv) {
     }
     if (clean) {
         if (path || verify || json || n_bases)
-            return inspect_error(INSPECT_EXIT_USAGE, CMD, "--clean DIR takes no FILE or other flag");
+            return inspect_error(INSPECT_EXIT_USAGE, CMD,
+                                 "--clean DIR takes no FILE or other flag");
         uint32_t removed = 0;
         kvt_status cs = kvt_snapshot_clean(clean, (uint32_t)min_age, &removed);
         if (cs != KVT_OK)
