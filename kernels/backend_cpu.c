@@ -932,11 +932,11 @@ static kvt_status g_buf_alloc(const kvt__backend *be, size_t bytes, void **out) 
         *out = p;
         return KVT_OK;
     }
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
+    void *p = kvt__mem_map(len, PROT_READ | PROT_WRITE, 0);
+    if (!p)
         return KVT_ERR_OUT_OF_MEMORY;
     if (pkey_mprotect(p, len, PROT_READ | PROT_WRITE, g->pkey) != 0) {
-        munmap(p, len);
+        kvt__mem_unmap(p, len);
         return KVT_ERR_OUT_OF_MEMORY;
     }
     g->regions[g->n_regions].p = p;
@@ -957,7 +957,7 @@ static void g_buf_free(const kvt__backend *be, void *p, size_t bytes) {
         const guard_region r = g->regions[i];
         if (g->pkey >= 0) {
             g->regions[i] = g->regions[--g->n_regions];
-            munmap(r.p, r.len);
+            kvt__mem_unmap(r.p, r.len);
             return;
         }
         /* release the pages (they read as zero if the range is reused) and close them */
@@ -1010,8 +1010,8 @@ static kvt_status g_host_alloc(const kvt__backend *be, size_t bytes, void **out)
         return KVT_ERR_OUT_OF_MEMORY;
     g->pinned = arr;
     const size_t len = page_round(bytes);
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
+    void *p = kvt__mem_map(len, PROT_READ | PROT_WRITE, 0);
+    if (!p)
         return KVT_ERR_OUT_OF_MEMORY;
     g->pinned[g->n_pinned++] = (guard_region){p, len};
     *out = p; /* zero */
@@ -1023,7 +1023,7 @@ static void g_host_free(const kvt__backend *be, void *p, size_t bytes) {
     (void)bytes;
     for (uint64_t i = 0; p && i < g->n_pinned; i++)
         if (g->pinned[i].p == p) {
-            munmap(p, g->pinned[i].len);
+            kvt__mem_unmap(p, g->pinned[i].len);
             g->pinned[i] = g->pinned[--g->n_pinned];
             return;
         }
@@ -1587,8 +1587,8 @@ kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len
     g->pkey = pkey_alloc(0, PKEY_DISABLE_ACCESS);
     if (g->pkey < 0) {
         for (size_t len = GUARD_ARENA_MAX; len >= GUARD_ARENA_MIN && !g->arena; len /= 2) {
-            void *a = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-            if (a != MAP_FAILED) {
+            void *a = kvt__mem_map(len, PROT_NONE, MAP_NORESERVE);
+            if (a) {
                 g->arena = a;
                 g->arena_len = len;
             }
@@ -1613,13 +1613,13 @@ kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len
 static void guarded_close(kvt__backend *be) {
     guard_impl *g = be->impl;
     if (g->arena)
-        munmap(g->arena, g->arena_len);
+        kvt__mem_unmap(g->arena, g->arena_len);
     else
         for (uint64_t i = 0; i < g->n_regions; i++)
-            munmap(g->regions[i].p, g->regions[i].len);
+            kvt__mem_unmap(g->regions[i].p, g->regions[i].len);
     kvt__free(be->alloc, g->regions, sizeof *g->regions * g->regions_cap);
     for (uint64_t i = 0; i < g->n_pinned; i++)
-        munmap(g->pinned[i].p, g->pinned[i].len);
+        kvt__mem_unmap(g->pinned[i].p, g->pinned[i].len);
     kvt__free(be->alloc, g->pinned, sizeof *g->pinned * g->pinned_cap);
     if (g->pkey >= 0)
         pkey_free(g->pkey);

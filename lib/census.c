@@ -25,10 +25,13 @@
  * Every number read is checked: a positive JSON integer (not 4.5, "8" or true) under a cap no
  * real model approaches, so that no size computed from it can overflow.
  */
+#include "base/alloc.h"
 #include "base/base.h"
+#include "base/io.h"
 #include "tiers/policy.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -67,7 +70,9 @@ static void describe(const json_t *v, char *buf, size_t n) {
         snprintf(buf, n, "%.37s...", s);
     else
         snprintf(buf, n, "%s", s);
-    free(s);
+    json_free_t jfree; /* jansson's own free: whichever allocator jansson has (alloc.h) */
+    json_get_alloc_funcs(NULL, &jfree);
+    jfree(s);
 }
 
 /* Check that v (the value of `name`) is an integer in 1..max. */
@@ -182,7 +187,7 @@ static kvt_status finish_model(const parse *p, kvt_layer_spec *specs, uint32_t n
         s = kvt__fail(p->err, p->len, s, "cannot build %s layer spec", what);
     else
         s = kvt_model_create(specs, n, model_type, out, p->err, p->len);
-    free(specs);
+    kvt__mem_free(specs);
     return s;
 }
 
@@ -190,7 +195,7 @@ static kvt_status build_gqa(const parse *p, const char *model_type, kvt_dtype dt
                             const enum role *roles, uint32_t n, kvt_layer_kind full,
                             uint32_t kv_heads, uint32_t head_dim, uint32_t q_heads, uint32_t window,
                             kvt_model **out) {
-    kvt_layer_spec *specs = calloc(n, sizeof *specs);
+    kvt_layer_spec *specs = kvt__mem_calloc(n, sizeof *specs);
     if (!specs)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer specs");
     kvt_status s = KVT_OK;
@@ -260,7 +265,7 @@ static kvt_status read_mla_dims(const parse *p, const json_t *cfg, uint32_t *n_l
 static kvt_status build_mla(const parse *p, const char *model_type, kvt_dtype dtype,
                             const enum role *roles, uint32_t n, kvt_layer_kind kind, uint32_t rank,
                             uint32_t rope, uint32_t q_heads, kvt_model **out) {
-    kvt_layer_spec *specs = calloc(n, sizeof *specs);
+    kvt_layer_spec *specs = kvt__mem_calloc(n, sizeof *specs);
     if (!specs)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer specs");
     kvt_status s = KVT_OK;
@@ -356,7 +361,7 @@ static kvt_status read_kimi(const parse *p, const json_t *cfg, const char *model
         return kvt__fail(p->err, p->len, KVT_ERR_PARSE,
                          "linear_attn_config: expected an object, got %s", got);
     }
-    enum role *roles = calloc(n, sizeof *roles);
+    enum role *roles = kvt__mem_calloc(n, sizeof *roles);
     if (!roles)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer roles");
     s = kimi_list(p, lac, "full_attn_layers", n, ROLE_FULL, "kda_layers", roles);
@@ -371,7 +376,7 @@ static kvt_status read_kimi(const parse *p, const json_t *cfg, const char *model
     if (s == KVT_OK)
         s = build_mla(p, model_type, dtype, roles, n,
                       nope ? KVT_LAYER_MLA_NOPE : KVT_LAYER_MLA_ROPE, rank, rope, q_heads, out);
-    free(roles);
+    kvt__mem_free(roles);
     return s;
 }
 
@@ -397,7 +402,7 @@ static kvt_status read_gqa_family(const parse *p, const json_t *cfg, const char 
         (s = check_groups(p, q_heads, kv_heads)) != KVT_OK ||
         (s = read_head_dim(p, cfg, q_heads, &head_dim)) != KVT_OK)
         return s;
-    enum role *roles = calloc(n, sizeof *roles);
+    enum role *roles = kvt__mem_calloc(n, sizeof *roles);
     if (!roles)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer roles");
     bool listed = false, any_sliding = false;
@@ -430,7 +435,7 @@ static kvt_status read_gqa_family(const parse *p, const json_t *cfg, const char 
     if (s == KVT_OK)
         s = build_gqa(p, model_type, dtype, roles, n, KVT_LAYER_GQA_ROPE, kv_heads, head_dim,
                       q_heads, window, out);
-    free(roles);
+    kvt__mem_free(roles);
     return s;
 }
 
@@ -448,7 +453,7 @@ static kvt_status read_qwen3_next(const parse *p, const json_t *cfg, const char 
         (s = check_groups(p, q_heads, kv_heads)) != KVT_OK ||
         (s = read_head_dim(p, cfg, q_heads, &head_dim)) != KVT_OK)
         return s;
-    enum role *roles = calloc(n, sizeof *roles);
+    enum role *roles = kvt__mem_calloc(n, sizeof *roles);
     if (!roles)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer roles");
     bool listed = false;
@@ -461,7 +466,7 @@ static kvt_status read_qwen3_next(const parse *p, const json_t *cfg, const char 
     if (s == KVT_OK)
         s = build_gqa(p, model_type, dtype, roles, n, KVT_LAYER_GQA_ROPE, kv_heads, head_dim,
                       q_heads, 0, out);
-    free(roles);
+    kvt__mem_free(roles);
     return s;
 }
 
@@ -482,7 +487,7 @@ static kvt_status read_gemma3(const parse *p, const json_t *cfg, const char *mod
         (s = get_dim_or(p, cfg, "head_dim", CENSUS_MAX_HEAD_DIM, 256, &head_dim)) != KVT_OK ||
         (s = get_dim_or(p, cfg, "sliding_window", CENSUS_MAX_WINDOW, 4096, &window)) != KVT_OK)
         return s;
-    enum role *roles = calloc(n, sizeof *roles);
+    enum role *roles = kvt__mem_calloc(n, sizeof *roles);
     if (!roles)
         return kvt__fail(p->err, p->len, KVT_ERR_OUT_OF_MEMORY, "layer roles");
     bool listed = false;
@@ -495,7 +500,7 @@ static kvt_status read_gemma3(const parse *p, const json_t *cfg, const char *mod
     if (s == KVT_OK)
         s = build_gqa(p, model_type, dtype, roles, n, KVT_LAYER_GQA_ROPE, kv_heads, head_dim,
                       q_heads, window, out);
-    free(roles);
+    kvt__mem_free(roles);
     return s;
 }
 
@@ -556,7 +561,16 @@ static kvt_status from_root(const json_t *root, kvt_dtype dtype, kvt_model **out
 static kvt_status from_buffer(const char *json, size_t n, const char *source, kvt_dtype dtype,
                               kvt_model **out, char *err, size_t len) {
     json_error_t je;
+    kvt__mem_json_install();
+    (void)kvt__mem_json_failed();
     json_t *root = json_loadb(json, n, JSON_REJECT_DUPLICATES, &je);
+    /* jansson reports some allocation failures as syntax errors, or with no message at all:
+     * whether one of its allocations failed is the seam's to say. */
+    if (kvt__mem_json_failed() || (!root && json_error_code(&je) == json_error_out_of_memory)) {
+        json_decref(root);
+        return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "%s: out of memory parsing the JSON",
+                         source);
+    }
     if (!root)
         return kvt__fail(err, len, KVT_ERR_PARSE, "%s: invalid JSON at line %d, column %d: %s",
                          source, je.line, je.column, je.text);
@@ -592,45 +606,51 @@ kvt_status kvt_model_from_file(const char *path, kvt_dtype dtype, kvt_model **ou
         return s;
     if (!path)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "path is NULL");
-    FILE *f = fopen(path, "rb");
-    if (!f)
+    int fd = kvt__io_open(path, O_RDONLY, 0);
+    if (fd < 0)
         return kvt__fail(err, len, KVT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     /* Read at most the cap + 1 bytes: a config is a few KB; anything larger is not one. */
     size_t cap = CENSUS_MAX_FILE_BYTES, used = 0, size = 4096;
-    char *buf = malloc(size);
+    char *buf = kvt__mem_malloc(size);
+    int read_error = 0;
     while (buf) {
         if (used == size) {
             if (size > cap)
                 break;
-            char *nb = realloc(buf, size * 2);
+            char *nb = kvt__mem_realloc(buf, size * 2);
             if (!nb) {
-                free(buf);
+                kvt__mem_free(buf);
                 buf = NULL;
                 break;
             }
             buf = nb;
             size *= 2;
         }
-        size_t got = fread(buf + used, 1, size - used, f);
-        used += got;
+        ssize_t got = kvt__io_read(fd, buf + used, size - used);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0) {
+            read_error = errno;
+            break;
+        }
         if (got == 0)
             break;
+        used += (size_t)got;
     }
-    int read_error = ferror(f), saved = errno;
-    fclose(f);
+    kvt__io_close(fd); /* read-only: a failed close loses nothing */
     if (!buf)
         return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "%s: read buffer", path);
     if (read_error) {
-        free(buf);
-        return kvt__fail(err, len, KVT_ERR_IO, "%s: read error: %s", path, strerror(saved));
+        kvt__mem_free(buf);
+        return kvt__fail(err, len, KVT_ERR_IO, "%s: read error: %s", path, strerror(read_error));
     }
     if (used > cap) {
-        free(buf);
+        kvt__mem_free(buf);
         return kvt__fail(err, len, KVT_ERR_IO, "%s: larger than the %u-byte limit for a config",
                          path, CENSUS_MAX_FILE_BYTES);
     }
     s = from_buffer(buf, used, path, dtype, out, err, len);
-    free(buf);
+    kvt__mem_free(buf);
     return s;
 }
 

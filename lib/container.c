@@ -2,7 +2,11 @@
  * Byte layout in docs/trace-format.md section 1. */
 #include "container.h"
 
+#include "base/alloc.h"
+#include "base/io.h"
+
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,10 +36,32 @@ uint32_t kvt__crc32(uint32_t crc, const void *p, uint64_t n) {
 /* Writer                                                                                       */
 /* ------------------------------------------------------------------------------------------ */
 
+/* Write buf's bytes out (the sticky error on failure). */
+static kvt_status w_flush(kvt__ctr_writer *w) {
+    if (w->error != KVT_OK || w->n_buf == 0)
+        return w->error;
+    if (kvt__io_write_all(w->fd, w->buf, w->n_buf) != 0)
+        w->error = kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "write failed at offset %llu: %s",
+                             (unsigned long long)(w->offset - w->n_buf), strerror(errno));
+    w->n_buf = 0;
+    return w->error;
+}
+
 static kvt_status w_put(kvt__ctr_writer *w, const void *p, uint64_t n) {
     if (w->error != KVT_OK)
         return w->error;
-    if (n > 0 && fwrite(p, 1, (size_t)n, w->f) != (size_t)n) {
+    if (n <= sizeof w->buf - w->n_buf) {
+        memcpy(w->buf + w->n_buf, p, (size_t)n);
+        w->n_buf += (uint32_t)n;
+        w->offset += n;
+        return KVT_OK;
+    }
+    if (w_flush(w) != KVT_OK)
+        return w->error;
+    if (n <= sizeof w->buf) {
+        memcpy(w->buf, p, (size_t)n);
+        w->n_buf = (uint32_t)n;
+    } else if (kvt__io_write_all(w->fd, p, (size_t)n) != 0) {
         w->error = kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "write failed at offset %llu: %s",
                              (unsigned long long)w->offset, strerror(errno));
         return w->error;
@@ -65,9 +91,12 @@ static void put_section_header(uint8_t *h, uint32_t type, uint32_t flags, uint64
 }
 
 kvt_status kvt__ctr_writer_open(kvt__ctr_writer *w, const char *path, uint32_t kind) {
-    memset(w, 0, sizeof *w);
-    w->f = fopen(path, "wb");
-    if (!w->f) {
+    memset(w, 0, offsetof(kvt__ctr_writer, buf));
+    w->offset = 0;
+    w->error = KVT_OK;
+    w->msg[0] = '\0';
+    w->fd = kvt__io_open(path, O_WRONLY | O_CREAT | O_TRUNC, 0666);
+    if (w->fd < 0) {
         w->error = kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "cannot create %s: %s", path,
                              strerror(errno));
         return w->error;
@@ -112,20 +141,19 @@ uint64_t kvt__ctr_mem_seal(uint8_t *dst, uint32_t type, uint32_t flags, uint64_t
 
 kvt_status kvt__ctr_writer_finish(kvt__ctr_writer *w) {
     kvt_status s = kvt__ctr_write_section(w, KVT__CTR_SEC_END, 0, NULL, 0);
-    if (s == KVT_OK && fflush(w->f) != 0)
-        s = w->error =
-            kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "flush failed: %s", strerror(errno));
-    if (w->f && fclose(w->f) != 0 && s == KVT_OK)
+    if (s == KVT_OK)
+        s = w_flush(w);
+    if (w->fd >= 0 && kvt__io_close(w->fd) != 0 && s == KVT_OK)
         s = w->error =
             kvt__fail(w->msg, sizeof w->msg, KVT_ERR_IO, "close failed: %s", strerror(errno));
-    w->f = NULL;
+    w->fd = -1;
     return s;
 }
 
 void kvt__ctr_writer_abandon(kvt__ctr_writer *w) {
-    if (w->f)
-        fclose(w->f);
-    w->f = NULL;
+    if (w->fd >= 0)
+        kvt__io_close(w->fd);
+    w->fd = -1;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -134,30 +162,21 @@ void kvt__ctr_writer_abandon(kvt__ctr_writer *w) {
 
 kvt_status kvt__ctr_pread(const kvt__ctr_reader *r, uint64_t off, void *dst, uint64_t n, char *err,
                           size_t len) {
-    uint8_t *d = dst;
-    while (n > 0) {
-        size_t k = n > (1u << 30) ? (1u << 30) : (size_t)n;
-        ssize_t got = pread(r->fd, d, k, (off_t)off);
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got < 0)
-            return kvt__fail(err, len, KVT_ERR_IO, "read at offset %llu failed: %s",
-                             (unsigned long long)off, strerror(errno));
-        if (got == 0)
-            return kvt__fail(err, len, KVT_ERR_IO,
-                             "unexpected end of file at offset %llu (file changed while open?)",
-                             (unsigned long long)off);
-        d += got;
-        off += (uint64_t)got;
-        n -= (uint64_t)got;
-    }
+    int rc = kvt__io_pread_all(r->fd, dst, (size_t)n, off);
+    if (rc < 0)
+        return kvt__fail(err, len, KVT_ERR_IO, "read at offset %llu failed: %s",
+                         (unsigned long long)off, strerror(errno));
+    if (rc > 0)
+        return kvt__fail(err, len, KVT_ERR_IO,
+                         "unexpected end of file at offset %llu (file changed while open?)",
+                         (unsigned long long)off);
     return KVT_OK;
 }
 
 kvt_status kvt__ctr_crc_range(const kvt__ctr_reader *r, uint64_t off, uint64_t n, uint32_t *crc,
                               char *err, size_t len) {
     enum { BUF = 1 << 20 };
-    uint8_t *buf = malloc(n < BUF ? (n ? (size_t)n : 1) : BUF);
+    uint8_t *buf = kvt__mem_malloc(n < BUF ? (n ? (size_t)n : 1) : BUF);
     if (!buf)
         return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "CRC buffer");
     kvt_status s = KVT_OK;
@@ -169,7 +188,7 @@ kvt_status kvt__ctr_crc_range(const kvt__ctr_reader *r, uint64_t off, uint64_t n
         off += k;
         n -= k;
     }
-    free(buf);
+    kvt__mem_free(buf);
     return s;
 }
 
@@ -189,9 +208,9 @@ kvt_status kvt__ctr_read_payload(const kvt__ctr_reader *r, const kvt__ctr_sectio
 
 void kvt__ctr_close(kvt__ctr_reader *r) {
     if (r->fd >= 0)
-        close(r->fd);
+        kvt__io_close(r->fd);
     r->fd = -1;
-    free(r->sections);
+    kvt__mem_free(r->sections);
     r->sections = NULL;
     r->n_sections = r->cap_sections = 0;
 }
@@ -300,11 +319,11 @@ static kvt_status section_room(uint64_t off, uint64_t size, size_t idx, char *er
 kvt_status kvt__ctr_open(kvt__ctr_reader *r, const char *path, uint32_t kind, char *err,
                          size_t len) {
     memset(r, 0, sizeof *r);
-    r->fd = open(path, O_RDONLY);
+    r->fd = kvt__io_open(path, O_RDONLY, 0);
     if (r->fd < 0)
         return ctr_fail(r, err, len, KVT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(r->fd, &st) != 0)
+    if (kvt__io_fstat(r->fd, &st) != 0)
         return ctr_fail(r, err, len, KVT_ERR_IO, "cannot stat %s: %s", path, strerror(errno));
     if (!S_ISREG(st.st_mode))
         return ctr_fail(r, err, len, KVT_ERR_IO, "%s is not a regular file", path);
@@ -340,7 +359,7 @@ kvt_status kvt__ctr_open(kvt__ctr_reader *r, const char *path, uint32_t kind, ch
         if (r->n_sections == r->cap_sections) {
             /* Grows with sections actually present: bounded by file size / 24. */
             size_t cap = r->cap_sections ? 2 * r->cap_sections : 16;
-            kvt__ctr_section *p = realloc(r->sections, cap * sizeof *p);
+            kvt__ctr_section *p = kvt__mem_realloc(r->sections, cap * sizeof *p);
             if (!p)
                 return ctr_fail(r, err, len, KVT_ERR_OUT_OF_MEMORY, "section directory");
             r->sections = p;

@@ -50,7 +50,10 @@ uint32_t kvt__crc32(uint32_t crc, const void *p, uint64_t n);
 
 /* ---- writer ---- */
 typedef struct kvt__ctr_writer {
-    FILE *f;
+    int fd;           /* -1: closed */
+    uint32_t n_buf;   /* bytes waiting in buf */
+    uint8_t buf[1u << 16]; /* small writes (headers, padding) gather here: a section header is
+                            * not a system call of its own */
     uint64_t offset;  /* bytes written so far */
     kvt_status error; /* sticky I/O error (KVT_OK while healthy) */
     char msg[256];
@@ -67,7 +70,7 @@ kvt_status kvt__ctr_writer_open(kvt__ctr_writer *w, const char *path, uint32_t k
 /* Append a section whose payload is the concatenation of parts (CRC computed over them). */
 kvt_status kvt__ctr_write_section(kvt__ctr_writer *w, uint32_t type, uint32_t flags,
                                   const kvt__ctr_part *parts, size_t n_parts);
-/* Append END, flush and close. The FILE is closed even on error. */
+/* Append END, flush and close. The file is closed even on error. */
 kvt_status kvt__ctr_writer_finish(kvt__ctr_writer *w);
 /* Close without END. */
 void kvt__ctr_writer_abandon(kvt__ctr_writer *w);

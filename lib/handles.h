@@ -36,7 +36,6 @@ struct kvt_ctx {
     bool archive_host;     /* archive_space == KVT_SPACE_HOST: the archive's rows in pinned host
                             * memory (the backend's host_alloc) */
     uint32_t max_seqs;     /* max_seqs (0: none) */
-    const struct kvt__io *io; /* snapshot file I/O (lib/snapshot.h); NULL: the system's */
     uint32_t sketch_rank;  /* recall_sketch_rank (0: no sketch planes) */
     bool recall_seen;      /* a request with recall on was created here (never reset): with
                             * config.recall, whether a salience layer may recall (planned steps,

@@ -263,7 +263,12 @@ KVT_API kvt_status kvt_model_create(const kvt_layer_spec *layers, uint32_t n_lay
 /* Census: read a config.json. Families: deepseek_v2, deepseek_v3, kimi_linear, qwen3, qwen2,
  * llama, mistral, qwen3_next, gemma3_text (also gemma3 with a nested text_config). dtype is the
  * cache element type. Errors: KVT_ERR_IO (cannot read), KVT_ERR_PARSE (bad JSON, missing key,
- * wrong type, out-of-range value, unknown model_type), with the key named in err. */
+ * wrong type, out-of-range value, unknown model_type), with the key named in err;
+ * KVT_ERR_OUT_OF_MEMORY. The JSON is parsed by libjansson, whose allocator is one per process:
+ * the first census call sets it (json_set_alloc_funcs) to malloc and free behind kvtier's
+ * allocation seam, only while jansson still has its default malloc and free, so objects another
+ * user of jansson in the process made before or after are freed correctly either way; a process
+ * that gave jansson its own allocator keeps it. */
 KVT_API kvt_status kvt_model_from_file(const char *path, kvt_dtype dtype, kvt_model **out,
                                        char *err, size_t err_len);
 KVT_API kvt_status kvt_model_from_json(const char *json, size_t len, kvt_dtype dtype,
@@ -728,9 +733,11 @@ typedef struct kvt_recall_basis_info {
     uint32_t id;       /* read: CRC-32 of V's bytes (the basis id); ignored by write */
 } kvt_recall_basis_info;
 
-/* Write a basis file (created or truncated). V: info->rank x info->dim fp32. Errors:
- * KVT_ERR_INVALID_ARGUMENT (NULL, rank 0 or above KVT_RECALL_MAX_RANK, dim 0 or above 65536),
- * KVT_ERR_IO. */
+/* Write a basis file, replacing any file at path atomically as kvt_seq_snapshot_file does (a
+ * locked temporary next to it, fsync'ed and renamed; on failure a file already at path is left
+ * as it was; stale temporaries of the same path are removed first). V: info->rank x info->dim
+ * fp32. Errors: KVT_ERR_INVALID_ARGUMENT (NULL, rank 0 or above KVT_RECALL_MAX_RANK, dim 0 or
+ * above 65536), KVT_ERR_IO, KVT_ERR_OUT_OF_MEMORY. */
 KVT_API kvt_status kvt_recall_basis_write(const char *path, const kvt_recall_basis_info *info,
                                           const float *V);
 /* Read a basis file: *info always, and V into v (v_floats >= rank x dim) when v is not NULL.
@@ -1313,16 +1320,31 @@ KVT_API kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capaci
  * small), KVT_ERR_POOL_EXHAUSTED (not enough free pages), KVT_ERR_BAD_STATE (external storage
  * not bound yet), KVT_ERR_OUT_OF_MEMORY. */
 KVT_API kvt_status kvt_seq_restore(kvt_ctx *ctx, const void *buf, size_t len, kvt_seq **out);
-/* kvt_seq_snapshot into the file at path, atomically: a temporary file in the same directory,
- * written, fsync'ed, renamed over path, then the directory fsync'ed. On any failure the
- * temporary file is removed and a file already at path is left as it was (a failing directory
- * fsync is reported after the rename: the new file is then in place). The file is created with
- * mode 0600 (mkstemp). A writer killed before its rename leaves its temporary
- * ("path.tmp.XXXXXX"); each successful write of path removes those of writers that are gone:
- * every temporary of that name that no process holds locked (a writer flocks its own until it
- * closes it) and that is at least 60 s old. KVT_ERR_IO (with the failing step and errno's text)
- * besides kvt_seq_snapshot's errors. */
+/* kvt_seq_snapshot into the file at path, atomically: a temporary file "<path>.tmp.XXXXXX" in
+ * the same directory, locked (flock) by the writer while it exists, written, fsync'ed, renamed
+ * over path, then the directory fsync'ed. On any failure the temporary file is removed and a
+ * file already at path is left as it was (a failing directory fsync is reported after the
+ * rename: the new file is then in place). The file is created with mode 0600 (mkstemp). A writer
+ * killed mid-write leaves its temporary behind: each call first removes the stale temporaries of
+ * the same path (the rule of kvt_snapshot_clean with min_age_s = KVT_SNAPSHOT_STALE_SECONDS; a
+ * temporary that cannot be removed is skipped). KVT_ERR_IO (with the failing step and errno's
+ * text) besides kvt_seq_snapshot's errors. */
 KVT_API kvt_status kvt_seq_snapshot_file(const kvt_seq *seq, const char *path);
+/* The age below which a temporary is never stale (seconds of modification time): it covers the
+ * moment between a writer creating its temporary and locking it, and writers that take no lock
+ * (kvtier builds older than this rule) while they write. */
+#define KVT_SNAPSHOT_STALE_SECONDS 60
+/* Remove the stale temporaries that killed snapshot (and recall basis) writers left in dir: files
+ * named "<name>.tmp.XXXXXX" (XXXXXX six letters or digits) that are regular, empty or beginning
+ * with a prefix of a kvtier file's magic (a writer may be killed after any byte), last modified
+ * at least min_age_s seconds ago, and not locked by a live writer. A live writer of this library
+ * holds its temporary's lock until the rename, and a dead one holds none, so no temporary in use
+ * is removed; with min_age_s = 0 a writer caught between creating and locking its temporary can
+ * lose it, and then reports KVT_ERR_IO (nothing is silently lost). Other files are never
+ * touched. *n_removed (may be NULL) receives the count. KVT_ERR_INVALID_ARGUMENT (NULL or empty
+ * dir), KVT_ERR_IO (dir cannot be listed), KVT_ERR_OUT_OF_MEMORY. Files that cannot be removed
+ * are skipped. */
+KVT_API kvt_status kvt_snapshot_clean(const char *dir, uint32_t min_age_s, uint32_t *n_removed);
 /* kvt_seq_restore of the file at path. KVT_ERR_IO when it cannot be read. */
 KVT_API kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq **out);
 

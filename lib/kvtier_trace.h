@@ -102,7 +102,7 @@ typedef struct kvt_trace_layer {
 } kvt_trace_layer;
 
 /* ---------------------------------------------------------------------------------------------
- * Writer. Sections are appended in call order; nothing is buffered beyond stdio's buffer, so a
+ * Writer. Sections are appended in call order; nothing is buffered beyond a 64-KiB buffer, so a
  * layer of any size can be streamed in chunks. The file is valid only after
  * kvt_trace_writer_close succeeds (it appends the END section); a crashed or aborted writer
  * leaves a file that readers refuse as truncated.

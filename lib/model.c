@@ -2,6 +2,7 @@
  * enums (kvt_dtype_bytes, kvt_layer_kind_name, kvt_policy_for_kind, ...) are lib/base/names.c's:
  * tiers/ uses them too, and nothing below lib/ may call into it. */
 #include "base/base.h"
+#include "base/alloc.h"
 
 #include "kernels/kvt_hd.h"
 
@@ -148,12 +149,12 @@ kvt_status kvt_model_create(const kvt_layer_spec *layers, uint32_t n_layers,
         if (s != KVT_OK)
             return kvt__fail(err, len, s, "layer %u: %s", i, sub);
     }
-    kvt_model *m = calloc(1, sizeof *m);
+    kvt_model *m = kvt__mem_calloc(1, sizeof *m);
     if (!m)
         return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "model");
-    m->layers = malloc(sizeof *m->layers * n_layers);
+    m->layers = kvt__mem_malloc(sizeof *m->layers * n_layers);
     if (!m->layers) {
-        free(m);
+        kvt__mem_free(m);
         return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "model layers");
     }
     memcpy(m->layers, layers, sizeof *layers * n_layers);
@@ -166,8 +167,8 @@ kvt_status kvt_model_create(const kvt_layer_spec *layers, uint32_t n_layers,
 void kvt_model_destroy(kvt_model *m) {
     if (!m)
         return;
-    free(m->layers);
-    free(m);
+    kvt__mem_free(m->layers);
+    kvt__mem_free(m);
 }
 
 uint32_t kvt_model_n_layers(const kvt_model *m) {

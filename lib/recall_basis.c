@@ -2,9 +2,13 @@
  * (kvt_recall_basis_read / _write; layout in kvtier.h and docs/recall.md §5). */
 #include "container.h"
 #include "handles.h"
+#include "replace.h"
+#include "base/io.h"
 
 #include "kernels/sketch.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -293,16 +297,20 @@ kvt_status kvt_recall_basis_write(const char *path, const kvt_recall_basis_info 
     uint32_t crc = kvt__crc32(kvt__crc32(0, h, sizeof h), V, vb);
     uint8_t tail[4];
     kvt__put_u32(tail, crc);
-    FILE *f = fopen(path, "wb");
-    if (!f)
-        return kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_write: cannot create %s", path);
-    bool ok = fwrite(h, 1, sizeof h, f) == sizeof h && fwrite(V, 1, vb, f) == vb &&
-              fwrite(tail, 1, 4, f) == 4;
-    ok = (fclose(f) == 0) && ok;
-    if (!ok) {
-        remove(path);
-        return kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_write: writing %s", path);
-    }
+    /* One buffer, replaced atomically (lib/replace.c): a file already at path is left as it was
+     * on any failure. */
+    size_t total = sizeof h + vb + 4;
+    uint8_t *all = kvt__mem_malloc(total);
+    if (!all)
+        return kvt__tls_fail(KVT_ERR_OUT_OF_MEMORY, "kvt_recall_basis_write: %zu bytes", total);
+    memcpy(all, h, sizeof h);
+    memcpy(all + sizeof h, V, vb);
+    memcpy(all + sizeof h + vb, tail, 4);
+    char err[KVT__ERR_LEN];
+    kvt_status s = kvt__replace_file(path, all, total, err, sizeof err);
+    kvt__mem_free(all);
+    if (s != KVT_OK)
+        return kvt__tls_fail(s, "kvt_recall_basis_write: %s", err);
     return KVT_OK;
 }
 
@@ -310,14 +318,23 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
                                  size_t v_floats) {
     if (!path || !info)
         return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_recall_basis_read: NULL argument");
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: cannot open %s", path);
+    int fd = kvt__io_open(path, O_RDONLY, 0);
+    if (fd < 0)
+        return kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: cannot open %s: %s", path,
+                             strerror(errno));
     uint8_t h[RB_HEADER_BYTES] = {0};
     kvt_status s = KVT_OK;
     long size = -1;
-    if (fread(h, 1, sizeof h, f) != sizeof h || fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0)
+    struct stat st;
+    int rc = 0;
+    if (kvt__io_fstat(fd, &st) != 0)
+        s = kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: cannot stat %s: %s", path,
+                          strerror(errno));
+    else if ((size = (long)st.st_size) < (long)sizeof h)
         s = kvt__tls_fail(KVT_ERR_PARSE, "kvt_recall_basis_read: %s: truncated header", path);
+    else if ((rc = kvt__io_pread_all(fd, h, sizeof h, 0)) != 0)
+        s = kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: reading %s: %s", path,
+                          rc > 0 ? "file shrank while read" : strerror(errno));
     else if (memcmp(h, RB_MAGIC, 8) != 0)
         s = kvt__tls_fail(KVT_ERR_PARSE, "kvt_recall_basis_read: %s is not a basis file", path);
     else if (kvt__get_u32(h + 8) != RB_VERSION)
@@ -337,13 +354,14 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
         s = kvt__tls_fail(KVT_ERR_PARSE,
                           "kvt_recall_basis_read: %s: rank %u, dim %u and %ld bytes disagree", path,
                           in.rank, in.dim, size);
-    float *buf = s == KVT_OK ? malloc(vb) : NULL;
+    float *buf = s == KVT_OK ? kvt__mem_malloc(vb) : NULL;
     uint8_t tail[4];
     if (s == KVT_OK && !buf)
         s = kvt__tls_fail(KVT_ERR_OUT_OF_MEMORY, "kvt_recall_basis_read: %zu bytes", vb);
-    if (s == KVT_OK && (fseek(f, RB_HEADER_BYTES, SEEK_SET) != 0 || fread(buf, 1, vb, f) != vb ||
-                        fread(tail, 1, 4, f) != 4))
-        s = kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: reading %s", path);
+    if (s == KVT_OK && ((rc = kvt__io_pread_all(fd, buf, vb, RB_HEADER_BYTES)) != 0 ||
+                        (rc = kvt__io_pread_all(fd, tail, 4, RB_HEADER_BYTES + vb)) != 0))
+        s = kvt__tls_fail(KVT_ERR_IO, "kvt_recall_basis_read: reading %s: %s", path,
+                          rc > 0 ? "file shrank while read" : strerror(errno));
     if (s == KVT_OK && kvt__crc32(kvt__crc32(0, h, sizeof h), buf, vb) != kvt__get_u32(tail))
         s = kvt__tls_fail(KVT_ERR_CORRUPT, "kvt_recall_basis_read: %s: CRC mismatch", path);
     if (s == KVT_OK && v && v_floats < n)
@@ -357,8 +375,8 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
         if (v)
             memcpy(v, buf, vb);
     }
-    free(buf);
-    fclose(f);
+    kvt__mem_free(buf);
+    kvt__io_close(fd); /* read-only: a failed close loses nothing */
     return s;
 }
 

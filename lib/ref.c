@@ -2,6 +2,7 @@
  * in kernels/, so tools and benchmarks compute with exactly the library's functions while
  * including only public headers. */
 #include "kvtier_ref.h"
+#include "base/alloc.h"
 
 #include "base/base.h"
 #include "kernels/attn.h"
@@ -50,16 +51,16 @@ kvt_status kvt_ref_sigma_create_basis(uint32_t block_rows, uint32_t kappa, uint3
     if (block_rows < 64 || (block_rows & (block_rows - 1)) != 0 || kappa < 1 ||
         kappa > block_rows / 2 || branch_dim < 1 || branch_dim > KVT__SIGMA_MAX_BRANCH_DIM)
         return KVT_ERR_INVALID_ARGUMENT;
-    kvt_ref_sigma *h = calloc(1, sizeof *h);
+    kvt_ref_sigma *h = kvt__mem_calloc(1, sizeof *h);
     if (!h)
         return KVT_ERR_OUT_OF_MEMORY;
     h->B = block_rows;
     h->n_basis = 2 * kappa - 1;
     h->branch_dim = branch_dim;
-    h->basis = malloc(sizeof(float) * (size_t)h->n_basis * block_rows);
-    h->scratch = malloc(sizeof(float) * kvt__sigma_scratch_floats(block_rows, h->n_basis,
+    h->basis = kvt__mem_malloc(sizeof(float) * (size_t)h->n_basis * block_rows);
+    h->scratch = kvt__mem_malloc(sizeof(float) * kvt__sigma_scratch_floats(block_rows, h->n_basis,
                                                                   branch_dim));
-    h->slots = malloc(sizeof(int32_t) * block_rows);
+    h->slots = kvt__mem_malloc(sizeof(int32_t) * block_rows);
     if (!h->basis || !h->scratch || !h->slots) {
         kvt_ref_sigma_destroy(h);
         return KVT_ERR_OUT_OF_MEMORY;
@@ -77,10 +78,10 @@ kvt_status kvt_ref_sigma_create_basis(uint32_t block_rows, uint32_t kappa, uint3
 void kvt_ref_sigma_destroy(kvt_ref_sigma *h) {
     if (!h)
         return;
-    free(h->basis);
-    free(h->scratch);
-    free(h->slots);
-    free(h);
+    kvt__mem_free(h->basis);
+    kvt__mem_free(h->scratch);
+    kvt__mem_free(h->slots);
+    kvt__mem_free(h);
 }
 
 const float *kvt_ref_sigma_basis(const kvt_ref_sigma *h, uint32_t *n_basis) {

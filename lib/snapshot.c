@@ -14,6 +14,8 @@
 #include "snapshot.h"
 
 #include "container.h"
+#include "replace.h"
+#include "base/io.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -910,9 +912,9 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
         return kvt__fail(kvt__tls_error(), KVT__ERR_LEN, s, "snapshot: %s", err);
     }
     const snap_meta *m = &sp.meta;
-    kvt_layer_spec *specs = calloc(m->n_layers ? m->n_layers : 1, sizeof *specs);
-    kvt_policy *pol = calloc(m->n_layers ? m->n_layers : 1, sizeof *pol);
-    char *type = calloc(1, (size_t)m->model_type_len + 1);
+    kvt_layer_spec *specs = kvt__mem_calloc(m->n_layers ? m->n_layers : 1, sizeof *specs);
+    kvt_policy *pol = kvt__mem_calloc(m->n_layers ? m->n_layers : 1, sizeof *pol);
+    char *type = kvt__mem_calloc(1, (size_t)m->model_type_len + 1);
     kvt_model *model = NULL;
     uint32_t W[KVT__MAX_GROUPS] = {0}, pages[KVT__MAX_GROUPS] = {0};
     bool positional[KVT__MAX_GROUPS] = {0};
@@ -1044,9 +1046,9 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
     if (s != KVT_OK)
         kvt__fail(kvt__tls_error(), KVT__ERR_LEN, s, "snapshot: %s", err);
     kvt_model_destroy(model);
-    free(specs);
-    free(pol);
-    free(type);
+    kvt__mem_free(specs);
+    kvt__mem_free(pol);
+    kvt__mem_free(type);
     parsed_free(&sp, &a);
     kvt__alloc_fini(&a);
     return s;
@@ -1055,136 +1057,41 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
 /* ------------------------------------------------------------------------------------------- */
 /* Files                                                                                        */
 /* ------------------------------------------------------------------------------------------- */
-static const kvt__io sys_io = {.write = write, .fsync = fsync, .rename = rename};
-
-void kvt__ctx_set_io(kvt_ctx *ctx, const kvt__io *io) {
-    ctx->io = io;
-}
-
-/* Write all of buf to fd through io (short writes continue, EINTR retries). */
-static int write_all(const kvt__io *io, int fd, const uint8_t *buf, size_t n) {
-    while (n > 0) {
-        ssize_t k = io->write(fd, buf, n);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0) {
-            if (k == 0)
-                errno = EIO;
-            return -1;
-        }
-        buf += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
-/* A writer that dies between mkstemp and rename (killed, crashed, power lost) leaves its
- * temporary "NAME.tmp.XXXXXX" behind. The next successful write of NAME removes every such file
- * that is a dead writer's: a writer holds an exclusive flock on its temporary from just after
- * mkstemp until it closes it, and the kernel drops that lock when the writer dies, so a
- * temporary nobody locks is abandoned — unless it is younger than KVT__SNAP_STALE_S, the
- * window in which a live writer may not have taken its lock yet. Returns the files removed
- * (best effort: a file that cannot be opened, locked or removed is left). */
-#define KVT__SNAP_STALE_S 60
-static unsigned remove_stale_temporaries(const char *dir, const char *name) {
-    const size_t nlen = strlen(name);
-    DIR *d = opendir(dir);
-    if (!d)
-        return 0;
-    unsigned removed = 0;
-    const time_t now = time(NULL);
-    for (struct dirent *e; (e = readdir(d)) != NULL;) {
-        if (strlen(e->d_name) != nlen + 11 || strncmp(e->d_name, name, nlen) != 0 ||
-            strncmp(e->d_name + nlen, ".tmp.", 5) != 0)
-            continue;
-        int fd = openat(dirfd(d), e->d_name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-        struct stat st;
-        if (fd < 0)
-            continue;
-        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && now - st.st_mtime >= KVT__SNAP_STALE_S &&
-            flock(fd, LOCK_EX | LOCK_NB) == 0 && unlinkat(dirfd(d), e->d_name, 0) == 0)
-            removed++;
-        close(fd); /* and its lock */
-    }
-    closedir(d);
-    return removed;
-}
-
-/* The snapshot is built in memory first (kvt_seq_snapshot), then written to a temporary file
- * next to path, fsync'ed, renamed over path and the directory fsync'ed: a crash at any point
- * leaves either the old file or the new one, never a torn one. */
+/* The snapshot is built in memory first (kvt_seq_snapshot), then replaces the file atomically
+ * (lib/replace.c: a locked temporary next to path, fsync'ed, renamed over path, the directory
+ * fsync'ed; the stale temporaries of the same name removed first): a crash at any point leaves
+ * either the old file or the new one, never a torn one. */
 kvt_status kvt_seq_snapshot_file(const kvt_seq *seq, const char *path) {
     if (!seq || !path || !*path)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt_ctx *ctx = seq->ctx;
-    const kvt__io *io = ctx->io ? ctx->io : &sys_io;
     size_t n;
     kvt_status s = kvt_seq_snapshot_size(seq, &n);
     if (s != KVT_OK)
         return s;
-    size_t plen = strlen(path);
-    const char *slash = strrchr(path, '/');
-    size_t dlen = slash ? (size_t)(slash - path) : 0;
-    char *tmp = kvt__malloc(&ctx->alloc, plen + 16);
-    char *dir = kvt__malloc(&ctx->alloc, dlen + 2);
     uint8_t *buf = kvt__malloc(&ctx->alloc, n ? n : 1);
-    if (!tmp || !dir || !buf) {
-        s = kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "snapshot of %zu bytes", n);
-        goto out;
+    if (!buf)
+        return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "snapshot of %zu bytes", n);
+    if ((s = kvt_seq_snapshot(seq, buf, n, &n)) == KVT_OK) {
+        char err[KVT__ERR_LEN];
+        s = kvt__replace_file(path, buf, n, err, sizeof err);
+        if (s != KVT_OK)
+            kvt__ctx_fail(ctx, s, "snapshot: %s", err);
     }
-    if (slash) {
-        memcpy(dir, path, dlen ? dlen : 1); /* "/name": the root */
-        dir[dlen ? dlen : 1] = '\0';
-    } else {
-        strcpy(dir, ".");
-    }
-    snprintf(tmp, plen + 16, "%s.tmp.XXXXXX", path);
-    if ((s = kvt_seq_snapshot(seq, buf, n, &n)) != KVT_OK)
-        goto out;
-    int fd = mkstemp(tmp);
-    if (fd < 0) {
-        s = kvt__ctx_fail(ctx, KVT_ERR_IO, "snapshot: cannot create %s: %s", tmp,
-                          strerror(errno));
-        goto out;
-    }
-    (void)flock(fd, LOCK_EX | LOCK_NB); /* ours until close: not a dead writer's (above) */
-    const char *step = NULL;
-    if (write_all(io, fd, buf, n) != 0)
-        step = "write";
-    else if (io->fsync(fd) != 0)
-        step = "fsync";
-    int e = errno;
-    if (close(fd) != 0 && !step) {
-        step = "close";
-        e = errno;
-    }
-    if (!step && io->rename(tmp, path) != 0) {
-        step = "rename";
-        e = errno;
-    }
-    if (step) {
-        unlink(tmp);
-        s = kvt__ctx_fail(ctx, KVT_ERR_IO, "snapshot: %s of %s failed: %s (%s left as it was)",
-                          step, tmp, strerror(e), path);
-        goto out;
-    }
-    /* The rename is durable once the directory is. */
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
-    if (dfd < 0 || io->fsync(dfd) != 0) {
-        e = errno;
-        s = kvt__ctx_fail(ctx, KVT_ERR_IO,
-                          "snapshot: %s written and renamed, but fsync of its directory %s "
-                          "failed: %s (the new name may not survive a crash)",
-                          path, dir, strerror(e));
-    }
-    if (dfd >= 0)
-        close(dfd);
-    if (s == KVT_OK)
-        (void)remove_stale_temporaries(dir, slash ? slash + 1 : path);
-out:
-    kvt__free(&ctx->alloc, tmp, plen + 16);
-    kvt__free(&ctx->alloc, dir, dlen + 2);
     kvt__free(&ctx->alloc, buf, n ? n : 1);
+    return s;
+}
+
+kvt_status kvt_snapshot_clean(const char *dir, uint32_t min_age_s, uint32_t *n_removed) {
+    if (n_removed)
+        *n_removed = 0;
+    if (!dir || !*dir)
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "kvt_snapshot_clean: no directory");
+    kvt__tls_clear();
+    char err[KVT__ERR_LEN];
+    kvt_status s = kvt__clean_stale(dir, NULL, min_age_s, n_removed, err, sizeof err);
+    if (s != KVT_OK)
+        kvt__tls_fail(s, "kvt_snapshot_clean: %s", err);
     return s;
 }
 
@@ -1194,31 +1101,29 @@ kvt_status kvt_seq_restore_file(kvt_ctx *ctx, const char *path, kvt_seq **out) {
     if (!ctx || !path || !out)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt__ctx_clear_error(ctx);
-    int fd = open(path, O_RDONLY);
+    int fd = kvt__io_open(path, O_RDONLY, 0);
     struct stat st;
-    if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        kvt_status s = kvt__ctx_fail(ctx, KVT_ERR_IO, "snapshot: cannot read %s: %s", path,
-                                     fd < 0 ? strerror(errno) : "not a regular file");
+    const char *why = NULL;
+    if (fd < 0 || kvt__io_fstat(fd, &st) != 0)
+        why = strerror(errno);
+    else if (!S_ISREG(st.st_mode))
+        why = "not a regular file";
+    if (why) {
+        kvt_status s = kvt__ctx_fail(ctx, KVT_ERR_IO, "snapshot: cannot read %s: %s", path, why);
         if (fd >= 0)
-            close(fd);
+            kvt__io_close(fd);
         return s;
     }
     size_t n = (size_t)st.st_size;
     uint8_t *buf = kvt__malloc(&ctx->alloc, n ? n : 1);
     kvt_status s = KVT_OK;
+    int rc = 0;
     if (!buf)
         s = kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "snapshot: %zu bytes for %s", n, path);
-    for (size_t got = 0; s == KVT_OK && got < n;) {
-        ssize_t k = read(fd, buf + got, n - got);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            s = kvt__ctx_fail(ctx, KVT_ERR_IO, "snapshot: reading %s: %s", path,
-                              k == 0 ? "file shrank while read" : strerror(errno));
-        else
-            got += (size_t)k;
-    }
-    close(fd);
+    else if ((rc = kvt__io_pread_all(fd, buf, n, 0)) != 0)
+        s = kvt__ctx_fail(ctx, KVT_ERR_IO, "snapshot: reading %s: %s", path,
+                          rc > 0 ? "file shrank while read" : strerror(errno));
+    kvt__io_close(fd); /* read-only: a failed close loses nothing */
     if (s == KVT_OK)
         s = kvt_seq_restore(ctx, buf, n, out);
     kvt__free(&ctx->alloc, buf, n ? n : 1);

@@ -16,6 +16,8 @@
  * serves ranges with pread.
  */
 #include "kvtier_trace.h"
+#include "base/alloc.h"
+#include "base/io.h"
 
 #include "container.h"
 
@@ -73,7 +75,7 @@ static bool grow(void **p, size_t *cap, size_t need, size_t elt) {
     size_t c = *cap ? *cap : 8;
     while (c < need)
         c *= 2;
-    void *q = realloc(*p, c * elt);
+    void *q = kvt__mem_realloc(*p, c * elt);
     if (!q)
         return false;
     *p = q;
@@ -161,11 +163,11 @@ kvt_status kvt_trace_writer_open(const char *path, const kvt_trace_meta *meta,
     if (text_len > KVT_TRACE_MAX_TEXT_BYTES)
         return kvt__fail(err, err_len, KVT_ERR_INVALID_ARGUMENT, "text: %zu bytes (limit %u)",
                          text_len, KVT_TRACE_MAX_TEXT_BYTES);
-    kvt_trace_writer *w = calloc(1, sizeof *w);
-    char *p = malloc(strlen(path) + 1);
+    kvt_trace_writer *w = kvt__mem_calloc(1, sizeof *w);
+    char *p = kvt__mem_malloc(strlen(path) + 1);
     if (!w || !p) {
-        free(w);
-        free(p);
+        kvt__mem_free(w);
+        kvt__mem_free(p);
         return kvt__fail(err, err_len, KVT_ERR_OUT_OF_MEMORY, "trace writer");
     }
     strcpy(p, path);
@@ -315,7 +317,7 @@ kvt_status kvt_trace_write_queries(kvt_trace_writer *w, uint32_t layer, kvt_dtyp
     kvt__put_u64(h + 16, l->n_steps);
     kvt__put_u64(h + 24, n_steps);
     /* Positions go to the file in little-endian order: serialise them in bounded pieces. */
-    uint8_t *pos = malloc((size_t)n_steps * 8);
+    uint8_t *pos = kvt__mem_malloc((size_t)n_steps * 8);
     if (!pos)
         return wfail(w, KVT_ERR_OUT_OF_MEMORY, "positions");
     for (uint64_t i = 0; i < n_steps; i++)
@@ -323,7 +325,7 @@ kvt_status kvt_trace_write_queries(kvt_trace_writer *w, uint32_t layer, kvt_dtyp
     kvt__ctr_part parts[3] = {{h, sizeof h}, {pos, n_steps * 8}, {q, q_bytes}};
     kvt_status s =
         wio(w, kvt__ctr_write_section(&w->c, SEC_QUERIES, KVT__CTR_FLAG_CRITICAL, parts, 3));
-    free(pos);
+    kvt__mem_free(pos);
     if (s != KVT_OK)
         return s;
     l->has_q = true;
@@ -354,7 +356,7 @@ kvt_status kvt_trace_write_needles(kvt_trace_writer *w, const kvt_trace_needle *
             return wfail(w, KVT_ERR_INVALID_ARGUMENT, "needle %u: n_rows is 0", i);
     }
     size_t bytes = 8 + (size_t)n * NEEDLE_BYTES;
-    uint8_t *p = calloc(1, bytes);
+    uint8_t *p = kvt__mem_calloc(1, bytes);
     if (!p)
         return wfail(w, KVT_ERR_OUT_OF_MEMORY, "needles");
     kvt__put_u32(p, n);
@@ -367,7 +369,7 @@ kvt_status kvt_trace_write_needles(kvt_trace_writer *w, const kvt_trace_needle *
     kvt__ctr_part part = {p, bytes};
     kvt_status s =
         wio(w, kvt__ctr_write_section(&w->c, SEC_NEEDLES, KVT__CTR_FLAG_CRITICAL, &part, 1));
-    free(p);
+    kvt__mem_free(p);
     if (s == KVT_OK)
         w->wrote_needles = true;
     return s;
@@ -394,7 +396,7 @@ kvt_status kvt_trace_write_targets(kvt_trace_writer *w, const kvt_trace_target *
         return wfail(w, KVT_ERR_INVALID_ARGUMENT, "targets: %llu heads in all (limit %u)",
                      (unsigned long long)total, MAX_TARGET_HEADS);
     size_t bytes = 8 + (size_t)n * TARGET_BYTES + (size_t)total * 4;
-    uint8_t *p = calloc(1, bytes);
+    uint8_t *p = kvt__mem_calloc(1, bytes);
     if (!p)
         return wfail(w, KVT_ERR_OUT_OF_MEMORY, "targets");
     kvt__put_u32(p, n);
@@ -414,7 +416,7 @@ kvt_status kvt_trace_write_targets(kvt_trace_writer *w, const kvt_trace_target *
     kvt__ctr_part part = {p, bytes};
     kvt_status s =
         wio(w, kvt__ctr_write_section(&w->c, SEC_TARGETS, KVT__CTR_FLAG_CRITICAL, &part, 1));
-    free(p);
+    kvt__mem_free(p);
     if (s == KVT_OK)
         w->wrote_targets = true;
     return s;
@@ -440,9 +442,9 @@ const char *kvt_trace_writer_last_error(const kvt_trace_writer *w) {
 }
 
 static void writer_free(kvt_trace_writer *w) {
-    free(w->layers);
-    free(w->path);
-    free(w);
+    kvt__mem_free(w->layers);
+    kvt__mem_free(w->path);
+    kvt__mem_free(w);
 }
 
 kvt_status kvt_trace_writer_close(kvt_trace_writer *w, char *err, size_t err_len) {
@@ -458,9 +460,12 @@ kvt_status kvt_trace_writer_close(kvt_trace_writer *w, char *err, size_t err_len
 void kvt_trace_writer_abort(kvt_trace_writer *w) {
     if (!w)
         return;
+    /* The file is this writer's only when its open succeeded: a failed open leaves whatever
+     * was at path alone. */
+    bool created = w->c.fd >= 0;
     kvt__ctr_writer_abandon(&w->c);
-    if (w->path)
-        unlink(w->path);
+    if (created && w->path)
+        kvt__io_unlink(w->path);
     writer_free(w);
 }
 
@@ -668,19 +673,19 @@ static kvt_status parse_queries(kvt_trace *t, const kvt__ctr_section *sec, size_
     if (!grow((void **)&l->pos, &l->cap_pos, (size_t)(first + n), sizeof *l->pos) ||
         !grow((void **)&l->q, &l->cap_q, l->n_q + 1, sizeof *l->q))
         return tfail(t, KVT_ERR_OUT_OF_MEMORY, "query index");
-    uint8_t *raw = malloc((size_t)n * 8);
+    uint8_t *raw = kvt__mem_malloc((size_t)n * 8);
     if (!raw)
         return tfail(t, KVT_ERR_OUT_OF_MEMORY, "query positions");
     s = kvt__ctr_pread(&t->c, sec->offset + sizeof h, raw, n * 8, t->msg, sizeof t->msg);
     if (s != KVT_OK) {
-        free(raw);
+        kvt__mem_free(raw);
         return s;
     }
     uint64_t prev = first > 0 ? l->pos[first - 1] : 0;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t p = kvt__get_u64(raw + 8 * i);
         if (p < prev) {
-            free(raw);
+            kvt__mem_free(raw);
             return tfail(t, KVT_ERR_PARSE,
                          "QUERIES (section %zu) layer %u: position %llu of step %llu is below the "
                          "previous step's %llu",
@@ -690,7 +695,7 @@ static kvt_status parse_queries(kvt_trace *t, const kvt__ctr_section *sec, size_
         l->pos[first + i] = prev = p;
     }
     uint32_t pc = kvt__crc32(kvt__crc32(0, h, sizeof h), raw, n * 8);
-    free(raw);
+    kvt__mem_free(raw);
     l->q[l->n_q++] = (chunk){.first = first,
                              .n = n,
                              .data_off = sec->offset + sizeof h + n * 8,
@@ -713,13 +718,13 @@ static kvt_status read_small(kvt_trace *t, const kvt__ctr_section *sec, uint64_t
         return tfail(t, KVT_ERR_PARSE, "%s (section %zu): length %llu exceeds the limit %llu",
                      section_name(sec->type), idx, (unsigned long long)sec->length,
                      (unsigned long long)max_len);
-    uint8_t *p = malloc(sec->length ? (size_t)sec->length : 1);
+    uint8_t *p = kvt__mem_malloc(sec->length ? (size_t)sec->length : 1);
     if (!p)
         return tfail(t, KVT_ERR_OUT_OF_MEMORY, "%s payload", section_name(sec->type));
     char sub[200];
     kvt_status s = kvt__ctr_read_payload(&t->c, sec, p, sub, sizeof sub);
     if (s != KVT_OK) {
-        free(p);
+        kvt__mem_free(p);
         return tfail(t, s, "%s (section %zu): %s", section_name(sec->type), idx, sub);
     }
     *out = p;
@@ -734,7 +739,7 @@ static kvt_status parse_needles(kvt_trace *t, const uint8_t *p, uint64_t len, si
     if (n > KVT_TRACE_MAX_NEEDLES || len != 8 + (uint64_t)n * NEEDLE_BYTES)
         return tfail(t, KVT_ERR_PARSE, "NEEDLES (section %zu): length %llu != 8 + %u x 24", idx,
                      (unsigned long long)len, n);
-    t->needles = calloc(n ? n : 1, sizeof *t->needles);
+    t->needles = kvt__mem_calloc(n ? n : 1, sizeof *t->needles);
     if (!t->needles)
         return tfail(t, KVT_ERR_OUT_OF_MEMORY, "needles");
     for (uint32_t i = 0; i < n; i++) {
@@ -757,8 +762,8 @@ static kvt_status parse_targets(kvt_trace *t, const uint8_t *p, uint64_t len, si
         return tfail(t, KVT_ERR_PARSE,
                      "TARGETS (section %zu): length %llu != 8 + %u x 24 + %u heads x 4", idx,
                      (unsigned long long)len, n, total);
-    t->targets = calloc(n ? n : 1, sizeof *t->targets);
-    t->heads = calloc(total ? total : 1, sizeof *t->heads);
+    t->targets = kvt__mem_calloc(n ? n : 1, sizeof *t->targets);
+    t->heads = kvt__mem_calloc(total ? total : 1, sizeof *t->heads);
     if (!t->targets || !t->heads)
         return tfail(t, KVT_ERR_OUT_OF_MEMORY, "targets");
     const uint8_t *pool = p + 8 + (size_t)n * TARGET_BYTES;
@@ -879,7 +884,7 @@ static kvt_status parse_all(kvt_trace *t) {
             have_text = true;
             s = read_small(t, sec, KVT_TRACE_MAX_TEXT_BYTES, i, &p);
             if (s == KVT_OK) {
-                t->text = malloc((size_t)sec->length + 1);
+                t->text = kvt__mem_malloc((size_t)sec->length + 1);
                 if (!t->text)
                     s = tfail(t, KVT_ERR_OUT_OF_MEMORY, "text");
                 else {
@@ -930,7 +935,7 @@ static kvt_status parse_all(kvt_trace *t) {
                              (unsigned long long)sec->header_offset, sec->type);
             break;
         }
-        free(p);
+        kvt__mem_free(p);
         if (s != KVT_OK)
             return s;
     }
@@ -942,7 +947,7 @@ kvt_status kvt_trace_open(const char *path, kvt_trace **out, char *err, size_t e
         *out = NULL;
     if (!path || !out)
         return kvt__fail(err, err_len, KVT_ERR_INVALID_ARGUMENT, "path and out are required");
-    kvt_trace *t = calloc(1, sizeof *t);
+    kvt_trace *t = kvt__mem_calloc(1, sizeof *t);
     if (!t)
         return kvt__fail(err, err_len, KVT_ERR_OUT_OF_MEMORY, "trace");
     t->c.fd = -1;
@@ -964,17 +969,17 @@ void kvt_trace_close(kvt_trace *t) {
         return;
     kvt__ctr_close(&t->c);
     for (size_t i = 0; i < t->n_layers; i++) {
-        free(t->layers[i].rows[0]);
-        free(t->layers[i].rows[1]);
-        free(t->layers[i].q);
-        free(t->layers[i].pos);
+        kvt__mem_free(t->layers[i].rows[0]);
+        kvt__mem_free(t->layers[i].rows[1]);
+        kvt__mem_free(t->layers[i].q);
+        kvt__mem_free(t->layers[i].pos);
     }
-    free(t->layers);
-    free(t->text);
-    free(t->needles);
-    free(t->targets);
-    free(t->heads);
-    free(t);
+    kvt__mem_free(t->layers);
+    kvt__mem_free(t->text);
+    kvt__mem_free(t->needles);
+    kvt__mem_free(t->targets);
+    kvt__mem_free(t->heads);
+    kvt__mem_free(t);
 }
 
 const char *kvt_trace_last_error(const kvt_trace *t) {

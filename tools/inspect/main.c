@@ -5,6 +5,7 @@
  *                         [--dtype bf16|fp16|fp32] [--json]
  *   kvtier-inspect trace FILE.kvtt [--verify] [--json] [--rows LAYER:FIRST:N]...
  *   kvtier-inspect snapshot FILE [--verify] [--json]
+ *   kvtier-inspect snapshot --clean DIR [--min-age SECONDS]
  *   kvtier-inspect calibrate TRACE... -o OUT [--layer L] [--rank R]   (RoPE layers: OUT.h<H>)
  *
  * Subcommands live in their own files of tools/inspect/ and are listed in k_commands below

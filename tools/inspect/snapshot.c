@@ -1,6 +1,7 @@
 /*
  * kvtier-inspect snapshot FILE [--verify] [--json] [--basis BASIS]... — what a request snapshot
- * holds (kvtier.h,
+ * holds; kvtier-inspect snapshot --clean DIR [--min-age SECONDS] removes the temporaries that
+ * killed snapshot writers left in DIR (kvt_snapshot_clean) and says how many (kvtier.h,
  * "Snapshots"): occupancy per tier and layer, the σ histogram of each salience layer, the recall
  * state, memory by tier.
  *
@@ -17,6 +18,7 @@
 #include <kvtier.h>
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,13 +28,18 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvtier-inspect snapshot FILE [--verify] [--json] [--basis BASIS]...\n"
+               "       kvtier-inspect snapshot --clean DIR [--min-age SECONDS]\n"
                "  occupancy per tier and layer, sigma histogram of salience layers, recall state,\n"
                "  memory by tier of a request snapshot (kvt_seq_snapshot_file).\n"
                "  --verify  check every checksum and invariant; exit 1 with the reason if bad\n"
                "  --json    one JSON object on stdout\n"
                "  --basis   a recall basis file (kvtier-inspect calibrate), loaded on its layer\n"
                "            before the restore: a snapshot of a recalling request needs the basis\n"
-               "            of each such layer (the snapshot holds its id, not its values)\n");
+               "            of each such layer (the snapshot holds its id, not its values)\n"
+               "  --clean   remove the stale temporaries (NAME.tmp.XXXXXX) that killed snapshot\n"
+               "            writers left in DIR: unlocked by any writer, kvtier content, and last\n"
+               "            modified at least --min-age seconds ago (default %d)\n",
+            KVT_SNAPSHOT_STALE_SECONDS);
 }
 
 static uint8_t *read_all(const char *path, size_t *n) {
@@ -100,6 +107,8 @@ int inspect_snapshot(int argc, char **argv) {
     const char *bases[MAX_BASES];
     int n_bases = 0;
     bool verify = false, json = false;
+    const char *clean = NULL;
+    long min_age = KVT_SNAPSHOT_STALE_SECONDS;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             usage(stdout);
@@ -115,6 +124,17 @@ int inspect_snapshot(int argc, char **argv) {
                 return inspect_error(INSPECT_EXIT_USAGE, CMD, "more than %d --basis files",
                                      MAX_BASES);
             bases[n_bases++] = argv[++i];
+        } else if (strcmp(argv[i], "--clean") == 0) {
+            if (i + 1 >= argc)
+                return inspect_error(INSPECT_EXIT_USAGE, CMD, "--clean needs a DIR");
+            clean = argv[++i];
+        } else if (strcmp(argv[i], "--min-age") == 0) {
+            char *end = NULL;
+            if (i + 1 >= argc || (min_age = strtol(argv[i + 1], &end, 10)) < 0 || !*argv[i + 1] ||
+                *end || min_age > UINT32_MAX)
+                return inspect_error(INSPECT_EXIT_USAGE, CMD,
+                                     "--min-age needs a number of seconds (0 to 2^32 - 1)");
+            i++;
         } else if (strncmp(argv[i], "--", 2) == 0) {
             return inspect_error(INSPECT_EXIT_USAGE, CMD, "unknown flag '%s' (see --help)",
                                  argv[i]);
@@ -124,6 +144,17 @@ int inspect_snapshot(int argc, char **argv) {
         } else {
             path = argv[i];
         }
+    }
+    if (clean) {
+        if (path || verify || json || n_bases)
+            return inspect_error(INSPECT_EXIT_USAGE, CMD,
+                                 "--clean DIR takes no FILE or other flag");
+        uint32_t removed = 0;
+        kvt_status cs = kvt_snapshot_clean(clean, (uint32_t)min_age, &removed);
+        if (cs != KVT_OK)
+            return inspect_error(INSPECT_EXIT_FAIL, CMD, "%s", kvt_last_error());
+        printf("%s: %u stale temporar%s removed\n", clean, removed, removed == 1 ? "y" : "ies");
+        return INSPECT_EXIT_OK;
     }
     if (!path)
         return inspect_error(INSPECT_EXIT_USAGE, CMD, "missing FILE (see --help)");

@@ -1,0 +1,1 @@
+/* kvt_seq_snapshot allocates nothing (tests/test_seams.c). */
