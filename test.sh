@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Run the whole test suite: install dependencies, then build and run ctest in five
+# Run the whole test suite: install dependencies, then build and run ctest in four
 # configurations — default (CUDA sources compiled when nvcc is present; every test), CPU-only
-# (-DKVT_CUDA=OFF; every test but the heavy fidelity grids, which run the same CPU code in the
-# default build), CPU-only under ASan + UBSan twice, with clang (every test, the heavy grids at
-# their sanitizer sizes) and with gcc (all but the heavy ones), halting on the first error,
+# (-DKVT_CUDA=OFF: the library, tools, benchmarks and every test built without nvcc) under ASan +
+# UBSan twice, with gcc (every test but the heavy fidelity grids, which run the same CPU code in
+# the default build) and with clang (every test, the heavy grids at their sanitizer sizes),
+# halting on the first error,
 # Debug so KVT_ASSERT is live, at -O1 with -mfma where the CPU has FMA (CMakeLists.txt,
 # KVT_SANITIZE_FMA), and CPU-only under clang's ThreadSanitizer (KVT_TSAN: only the plain
 # test executables, i.e. test_threads and kvtier.h's "Threads" model; Criterion aborts under
@@ -36,11 +37,11 @@ run_config() {
   echo "== $dir: passed in $((SECONDS - t0)) s (build + tests) =="
 }
 # The default build runs every test, the heavy fidelity grids (ctest label "heavy") at full size;
-# the CPU-only build proves the library and every test build without nvcc and runs the rest (the
-# heavy tests run the same CPU code there as here); clang's ASan + UBSan runs every test, the
-# heavy ones at their sanitizer sizes; gcc's ASan + UBSan runs the rest.
+# gcc's ASan + UBSan build is the CPU-only one (-DKVT_CUDA=OFF: it proves that the library and
+# every test, tool and benchmark build without nvcc) and runs all but the heavy tests (the same
+# CPU code as in the default build); clang's ASan + UBSan (also CPU-only) runs every test, the
+# heavy ones at their sanitizer sizes.
 run_config build-test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
-run_config build-test-cpu "-LE heavy" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA=OFF
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
   run_config build-test-asan "-LE heavy" -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_SANITIZE=ON
