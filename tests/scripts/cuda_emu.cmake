@@ -12,12 +12,8 @@
 if(NOT KVT_CUDA_EMU)
   return()
 endif()
-if(DEFINED ENV{KVT_MODELS_DIR})
-  set(KVT_EMU_MODELS $ENV{KVT_MODELS_DIR})
-else()
-  set(KVT_EMU_MODELS ${PROJECT_SOURCE_DIR}/../shared/models)
-endif()
-set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${KVT_EMU_MODELS}")
+# the model configs: tests/CMakeLists.txt's KVT_MODELS_DIR (tests/data/models unless overridden)
+set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${KVT_MODELS_DIR}")
 
 # The sanitizer legs' cases of test_cuda: the block-cooperative kernels (barriers, BlockScan,
 # warp shuffles and votes, shared memory) at small sizes: select (radix top-m), pack with and
