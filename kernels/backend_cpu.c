@@ -430,7 +430,7 @@ static kvt_status cpu_rope_planned(const kvt__backend *be, const kvt__recall_rop
                                    void *stream, bool emit) {
     if (be->cap)
         return capture_op(be, emit ? CAP_ROPE_EMIT : CAP_ROPE_STEP, a);
-    const uint32_t n = *a->n;
+    const uint32_t n = emit ? *a->n_emit : *a->n;
     if (n > a->n_max)
         return KVT_ERR_INVALID_ARGUMENT;
     for (int pass = 0; pass < 2; pass++)
@@ -1272,7 +1272,7 @@ static kvt_status g_recall_rope_emit(const kvt__backend *be,
 static kvt_status g_rope_plan_owns(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
                                    bool emit) {
     const size_t n_max = a->n_max ? a->n_max : 1u;
-    GUARD_OWNS(be, a->n, sizeof(uint32_t));
+    GUARD_OWNS(be, emit ? a->n_emit : a->n, sizeof(uint32_t));
     if (emit)
         GUARD_OWNS(be, a->emits, sizeof(kvt__recall_rope_emit_plan_item) * n_max);
     else
@@ -1291,7 +1291,7 @@ static kvt_status g_rope_planned(const kvt__backend *be, const kvt__recall_rope_
         return emit ? cpu_recall_rope_emit_planned(be, a, stream)
                     : cpu_recall_rope_step_planned(be, a, stream);
     guard_open(be);
-    const uint32_t n = *a->n;
+    const uint32_t n = emit ? *a->n_emit : *a->n;
     s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
     for (uint32_t i = 0; i < n && s == KVT_OK; i++) {
         kvt__div32 d;

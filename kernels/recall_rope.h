@@ -309,7 +309,8 @@ typedef struct kvt__recall_rope_emit_plan_item {
 typedef struct kvt__recall_rope_plan_args {
     const kvt__recall_rope_plan_item *items;      /* [n_max], the backend's memory */
     const kvt__recall_rope_emit_plan_item *emits; /* [n_max], the backend's memory */
-    const uint32_t *n;   /* [1], the backend's memory: the step's items (trigger and emission) */
+    const uint32_t *n;      /* [1], the backend's memory: the step's trigger items */
+    const uint32_t *n_emit; /* [1], the backend's memory: the step's emission items */
     uint32_t n_max;
     const float *query;  /* the run's query base (the trigger) */
     uint64_t query_floats;

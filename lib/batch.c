@@ -4,11 +4,26 @@
  * sequence.c's, the policy work tiers/' (through the policy tables). */
 #include "handles.h"
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
 enum batch_state { BATCH_IDLE = 0, BATCH_RESERVED, BATCH_PLANNED };
+
+/* A plan image: what every run of a layer does, in the backend's memory (dev) with its host image
+ * (host). Layer l's part, from byte at[l] on: three counts (uint32: the pack queries at byte 0,
+ * the recall or RoPE trigger items at 4, the RoPE emission items at 8), from byte PLAN_HEAD on
+ * qcap[l] pack queries, then on a layer of kind PLAN_NOPE max_seqs recall items, of kind
+ * PLAN_ROPE max_seqs trigger items and max_seqs emission items (64-byte aligned pieces). */
+typedef struct plan_buf {
+    uint8_t *dev, *host;
+    size_t *at;     /* [n_layers + 1]: at[n_layers] is the image's size; NULL: not laid out */
+    uint8_t *kind;  /* [n_layers]: PLAN_NOPE / PLAN_ROPE / 0 */
+    uint32_t *qcap; /* [n_layers] */
+    uint32_t *qpr;  /* [n_layers]: pack queries a request (the planned image's; the eager image
+                     * holds max_seqs x qpr queries of any shape) */
+} plan_buf;
 
 struct kvt_batch {
     kvt_ctx *ctx;
@@ -25,15 +40,10 @@ struct kvt_batch {
     uint8_t *defer;          /* [max_seqs] */
     kvt__tier_step *steps;   /* [max_seqs] */
     kvt_seq **step_seqs;     /* [max_seqs] */
-    /* Recall: each request's way on the layer being run (RECALL_*), the dense flags the host
-     * writes, and the trigger's work items. */
+    /* Recall: each request's way on the layer being run (RECALL_*), and which requests an eager
+     * run's image gave a trigger item (their recall ran once the run succeeds). */
     uint8_t *recall_way;     /* [max_seqs] */
-    uint8_t *dense;          /* [max_seqs] */
-    kvt__recall_step_args *rsteps; /* [max_seqs] */
-    /* The RoPE trigger's work items and emissions of a layer, one backend call each for the
-     * batch (allocated where a layer may recall on RoPE: kvt__ctx_rope_bound). */
-    kvt__recall_rope_args *rrsteps;      /* [max_seqs] or NULL */
-    kvt__recall_rope_emit_args *remits;  /* [max_seqs] or NULL */
+    uint8_t *itemized;       /* [max_seqs] */
     enum batch_state state;
     bool ran;            /* a run happened this step (the reservation can no longer be undone) */
     void *stream;        /* the stream of the step's last run: the commit's device work goes on
@@ -43,21 +53,12 @@ struct kvt_batch {
      * scratch (kvtier.h, "Threads"); on the guarded backend a copy of the context's handle. */
     kvt__backend be;
     bool own_be;
-    /* The plan buffer (kvt_batch_plan_device): layer l's part from byte plan_at[l] on holds the
-     * count of its pack queries (uint32) and of its recall items (uint32, at byte 4), then from
-     * byte PLAN_HEAD on max_seqs pack queries and, on a layer that plans recall
-     * (plans_recall), max_seqs recall items after them (plan_recall_at); on a layer that plans
-     * RoPE recall (plans_rope) there max_seqs RoPE trigger items, then max_seqs emission items
-     * (plan_rope_emits_at). In the backend's memory
-     * (allocated at the first planned step, never moved: a captured run's launch points into
-     * it), with its host image. planned: this step's runs pack from it, for plan_emit[layer]. */
-    uint8_t *plan_dev, *plan_host;
-    size_t *plan_at; /* [n_layers + 1]: plan_at[n_layers] is the buffer's size */
-    uint8_t *plan_recall; /* [n_layers]: PLAN_NOPE / PLAN_ROPE / 0, fixed with the buffer's
-                           * layout */
+    /* The step's description (plan_layer writes it, exec_layer runs it): the planned step's
+     * image (kvt_batch_plan_device; laid out at the first planned step, never moved: a captured
+     * run's launch points into it) and the eager runs' (laid out at the first run, grown when a
+     * run needs more room). plan_emit[layer]: the emission a planned step's runs must pass. */
+    plan_buf plan, eager;
     kvt_emit *plan_emit; /* [n_layers] */
-    uint32_t *plan_qpr;  /* [n_layers]: pack queries a request (CSR_KV_HEADS: the layer's KV
-                          * heads, one list each; else 1), fixed with the layout */
     uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
     bool plan_reserved;  /* the planned recall ops' room was made (recall_plan_reserve) */
     bool planned;
@@ -89,8 +90,8 @@ enum { PLAN_NOPE = 1, PLAN_ROPE = 2 };
 
 static bool plans_recall(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
-    if (b->plan_recall)
-        return b->plan_recall[layer] == PLAN_NOPE;
+    if (b->plan.kind)
+        return b->plan.kind[layer] == PLAN_NOPE;
     return layer_may_recall(ctx, layer) && ctx->max_rows && b->be.ops->recall_step_planned;
 }
 
@@ -100,24 +101,76 @@ static bool plans_recall(const kvt_batch *b, uint32_t layer) {
  * row at a fixed place); a step where a request recalls there with another layout is not. */
 static bool plans_rope(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
-    if (b->plan_recall)
-        return b->plan_recall[layer] == PLAN_ROPE;
+    if (b->plan.kind)
+        return b->plan.kind[layer] == PLAN_ROPE;
     kvt__recall_rope_args bound;
     return ctx_may_recall(ctx) && ctx->max_rows && kvt__ctx_rope_bound(ctx, layer, &bound) &&
            b->be.ops->recall_rope_step_planned && b->be.ops->recall_rope_emit_planned;
 }
 
-/* Where layer l's recall items (NoPE or RoPE trigger items) start in the plan (after its
- * max_seqs queries). */
-static size_t plan_recall_at(const kvt_batch *b, uint32_t l) {
-    const size_t q = PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs * b->plan_qpr[l];
-    return b->plan_at[l] + (q + 63u) / 64u * 64u;
+static size_t align64(size_t x) {
+    return (x + 63u) / 64u * 64u;
+}
+
+/* Where layer l's recall items (NoPE or RoPE trigger items) start in an image (after its pack
+ * queries). */
+static size_t items_at(const plan_buf *p, uint32_t l) {
+    return p->at[l] + align64(PLAN_HEAD + sizeof(kvt__pack_query) * p->qcap[l]);
 }
 
 /* Where a RoPE layer's emission items start (after its max_seqs trigger items). */
-static size_t plan_rope_emits_at(const kvt_batch *b, uint32_t l) {
-    const size_t t = sizeof(kvt__recall_rope_plan_item) * b->max_seqs;
-    return plan_recall_at(b, l) + (t + 63u) / 64u * 64u;
+static size_t emits_at(const kvt_batch *b, const plan_buf *p, uint32_t l) {
+    return items_at(p, l) + align64(sizeof(kvt__recall_rope_plan_item) * b->max_seqs);
+}
+
+static void plan_buf_free(kvt_batch *b, plan_buf *p) {
+    const kvt__alloc *a = &b->ctx->alloc;
+    const uint32_t L = b->ctx->n_layers;
+    if (p->at) {
+        const size_t bytes = p->at[L];
+        if (p->dev)
+            b->be.ops->buf_free(&b->be, p->dev, bytes);
+        kvt__free(a, p->host, bytes);
+    }
+    kvt__free(a, p->at, sizeof *p->at * (L + 1u));
+    kvt__free(a, p->kind, L);
+    kvt__free(a, p->qcap, sizeof *p->qcap * L);
+    kvt__free(a, p->qpr, sizeof *p->qpr * L);
+    memset(p, 0, sizeof *p);
+}
+
+/* Lay out an image of the given kinds and pack queries a request (every layer's part 64-byte
+ * aligned) and allocate it: *p is replaced only on success (KVT_ERR_OUT_OF_MEMORY: unchanged). */
+static kvt_status plan_buf_layout(kvt_batch *b, plan_buf *p, const uint8_t *kind,
+                                  const uint32_t *qpr) {
+    kvt_ctx *ctx = b->ctx;
+    const kvt__alloc *a = &ctx->alloc;
+    const uint32_t L = ctx->n_layers;
+    plan_buf n = {.at = kvt__calloc(a, sizeof *n.at * (L + 1u)), .kind = kvt__calloc(a, L),
+                  .qcap = kvt__calloc(a, sizeof *n.qcap * L),
+                  .qpr = kvt__calloc(a, sizeof *n.qpr * L)};
+    if (n.at && n.kind && n.qcap && n.qpr) {
+        for (uint32_t l = 0; l < L; l++) {
+            n.kind[l] = kind[l];
+            n.qpr[l] = qpr[l];
+            n.qcap[l] = b->max_seqs * qpr[l];
+            const size_t end =
+                kind[l] == PLAN_NOPE ? items_at(&n, l) + sizeof(kvt__recall_plan_item) * b->max_seqs
+                : kind[l] == PLAN_ROPE
+                    ? emits_at(b, &n, l) + sizeof(kvt__recall_rope_emit_plan_item) * b->max_seqs
+                    : n.at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * n.qcap[l];
+            n.at[l + 1] = align64(end);
+        }
+        if (b->be.ops->buf_alloc(&b->be, n.at[L], (void **)&n.dev) == KVT_OK)
+            n.host = kvt__calloc(a, n.at[L]);
+    }
+    if (!n.host) {
+        plan_buf_free(b, &n);
+        return KVT_ERR_OUT_OF_MEMORY;
+    }
+    plan_buf_free(b, p);
+    *p = n;
+    return KVT_OK;
 }
 
 /* Floats of one request's queries on a layer (kvt_batch_run's query). */
@@ -126,7 +179,15 @@ static size_t query_floats(const kvt_ctx *ctx, uint32_t layer) {
     return (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
 }
 
-static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *out);
+static void plan_bound(const kvt_batch *b, uint32_t l, uint64_t rows, uint32_t prom_cap,
+                       kvt__recall_step_args *out);
+
+static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kind);
+
+/* The backend's RoPE recall ops (a request that recalls on RoPE is refused without them). */
+static bool be_has_rope(const kvt__backend *be) {
+    return be->ops->recall_rope_step_planned && be->ops->recall_rope_emit_planned;
+}
 
 /* A device workspace of the batch's own sized once for its decode steps (kvt__ws_bounds, from
  * max_rows_per_seq): every salience recall layer's largest item, every RoPE recall layer's, the
@@ -143,7 +204,7 @@ static kvt_status reserve_workspace(kvt_batch *b) {
         kvt__recall_rope_args rope;
         kvt__ws_bounds x = {.max_items = b->max_seqs};
         if (layer_may_recall(ctx, l))
-            plan_bound(b, l, &x.recall);
+            plan_bound(b, l, ctx->max_rows, ctx->cfg.recall_promote_capacity, &x.recall);
         if (ctx_may_recall(ctx) && kvt__ctx_rope_bound(ctx, l, &rope))
             x.rope = &rope;
         const kvt__store *st = &ctx->stores[l];
@@ -177,17 +238,7 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->steps = kvt__calloc(a, sizeof *b->steps * max_seqs);
     b->step_seqs = kvt__calloc(a, sizeof *b->step_seqs * max_seqs);
     b->recall_way = kvt__calloc(a, max_seqs);
-    b->dense = kvt__calloc(a, max_seqs);
-    b->rsteps = kvt__calloc(a, sizeof *b->rsteps * max_seqs);
-    bool rope = false;
-    for (uint32_t l = 0; l < ctx->n_layers && !rope; l++) {
-        kvt__recall_rope_args bound;
-        rope = kvt__ctx_rope_bound(ctx, l, &bound);
-    }
-    if (rope) {
-        b->rrsteps = kvt__calloc(a, sizeof *b->rrsteps * max_seqs);
-        b->remits = kvt__calloc(a, sizeof *b->remits * max_seqs);
-    }
+    b->itemized = kvt__calloc(a, max_seqs);
     b->recall_ran = kvt__calloc(a, ctx->n_layers);
     b->be = ctx->backend;
     kvt_status ws = ctx->backend.ops->workspace
@@ -199,9 +250,10 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
     if (ws == KVT_OK && b->own_be && reserve_workspace(b) != KVT_OK)
         ws = KVT_ERR_OUT_OF_MEMORY;
+    if (ws != KVT_ERR_OUT_OF_MEMORY && b->recall_ran && eager_room(b, UINT32_MAX, 0, 0) != KVT_OK)
+        ws = KVT_ERR_OUT_OF_MEMORY;
     if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->n_slots || !b->defer || !b->steps || !b->step_seqs ||
-        !b->recall_way || !b->dense || !b->rsteps || !b->recall_ran ||
-        (rope && (!b->rrsteps || !b->remits)) ||
+        !b->recall_way || !b->itemized || !b->recall_ran ||
         ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
@@ -263,12 +315,7 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->steps, sizeof *b->steps * b->max_seqs);
     kvt__free(a, b->step_seqs, sizeof *b->step_seqs * b->max_seqs);
     kvt__free(a, b->recall_way, b->max_seqs);
-    kvt__free(a, b->dense, b->max_seqs);
-    kvt__free(a, b->rsteps, sizeof *b->rsteps * b->max_seqs);
-    if (b->rrsteps)
-        kvt__free(a, b->rrsteps, sizeof *b->rrsteps * b->max_seqs);
-    if (b->remits)
-        kvt__free(a, b->remits, sizeof *b->remits * b->max_seqs);
+    kvt__free(a, b->itemized, b->max_seqs);
     kvt__free(a, b->recall_ran, b->ctx->n_layers);
     if (b->be.cap && b->be.ops->capture_end) { /* a capture never ended: its record goes */
         void *g = NULL;
@@ -276,15 +323,9 @@ void kvt_batch_destroy(kvt_batch *b) {
         if (g)
             b->be.ops->graph_free(&b->be, g);
     }
-    if (b->plan_dev) {
-        const size_t bytes = b->plan_at[b->ctx->n_layers];
-        b->be.ops->buf_free(&b->be, b->plan_dev, bytes);
-        kvt__free(a, b->plan_host, bytes);
-        kvt__free(a, b->plan_emit, sizeof *b->plan_emit * b->ctx->n_layers);
-        kvt__free(a, b->plan_at, sizeof *b->plan_at * (b->ctx->n_layers + 1u));
-        kvt__free(a, b->plan_recall, b->ctx->n_layers);
-        kvt__free(a, b->plan_qpr, sizeof *b->plan_qpr * b->ctx->n_layers);
-    }
+    plan_buf_free(b, &b->plan);
+    plan_buf_free(b, &b->eager);
+    kvt__free(a, b->plan_emit, sizeof *b->plan_emit * b->ctx->n_layers);
     if (b->own_be)
         b->be.ops->close(&b->be);
     kvt__free(a, b, sizeof *b);
@@ -465,8 +506,6 @@ kvt_status kvt_batch_capacity(const kvt_batch *b, uint32_t layer, uint32_t *topk
 
 /* Rows of request i's step that query token t of S sees: all of them with one query per request;
  * else its own and the earlier ones (a padded token t >= n_tokens sees what the last one does). */
-/* Queries described per call of the backend's pack (a stack array: a run allocates nothing). */
-#define KVT__PACK_CHUNK 64u
 
 static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_t t) {
     return S == 1 || t >= b->n_tokens[i] ? b->n_tokens[i] : t + 1;
@@ -482,91 +521,6 @@ static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32
         return RECALL_NONE;
     return b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
                                                                                  : RECALL_ALL;
-}
-
-/* The RoPE trigger of request i on this layer (docs/recall.md §9), once per step: its work item
- * into b->rrsteps[*n] (one backend call takes the layer's items: run_recall); a second run of
- * the layer emits what the first fetched, its dense flag from the state. */
-static kvt_status rope_recall_item(kvt_batch *b, uint32_t i, uint32_t layer, const float *query,
-                                   void *stream, const kvt_emit *emit, uint32_t *n) {
-    kvt_ctx *ctx = b->ctx;
-    const kvt__backend *be = &b->be;
-    kvt_seq *sq = b->seqs[i];
-    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
-    kvt_status s;
-    if (sq->recalled[layer]) {
-        if (emit->dense &&
-            (s = be->ops->copy(be, emit->dense + i, &sq->rrope[layer].base.st->last_dense, 1,
-                               stream)) != KVT_OK)
-            return kvt__ctx_fail(ctx, s, "emission's dense flags");
-        return KVT_OK;
-    }
-    if (!be->ops->recall_rope_step || !be->ops->recall_rope_emit || !b->rrsteps)
-        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                             "layer %u: the %s backend has no RoPE recall ops", layer,
-                             be->ops->name);
-    const size_t per_seq = (size_t)sp->n_q_heads * sp->head_dim;
-    if ((s = kvt__seq_rope_recall_item(sq, layer, query + i * per_seq,
-                                       emit->dense ? emit->dense + i : NULL,
-                                       &b->rrsteps[*n])) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer, kvt__tls_error());
-    ++*n;
-    return KVT_OK;
-}
-
-/* The trigger for every request that fetches on this layer (one backend call), after the
- * emission's dense flags are written (the call overwrites the fetching requests' flags). */
-static kvt_status run_recall(kvt_batch *b, uint32_t layer, const float *query, void *stream,
-                             const kvt_emit *emit) {
-    kvt_ctx *ctx = b->ctx;
-    const kvt__backend *be = &b->be;
-    const size_t per_seq = query_floats(ctx, layer);
-    kvt_status s;
-    /* several query tokens: every row, but a host archive's RoPE request attends its held rows
-     * only (no step copies the whole archive over the bus) */
-    for (uint32_t i = 0; emit->dense && i < b->n_seqs; i++)
-        b->dense[i] = b->recall_way[i] == RECALL_ALL &&
-                      !(ctx->archive_host && kvt__seq_recalls_rope(b->seqs[i], layer));
-    if (emit->dense && b->n_seqs &&
-        (s = be->ops->write(be, emit->dense, b->dense, b->n_seqs, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "emission's dense flags");
-    /* Once per step and layer: a second run of the layer emits what the first fetched (the fetch
-     * buffer and the state's dense flag are unchanged), it does not scan or calibrate again. */
-    uint32_t n = 0, nr = 0;
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        kvt_seq *sq = b->seqs[i];
-        /* a second run: the flag the first one's trigger wrote, from the state (low byte) */
-        if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls_rope(sq, layer)) {
-            if ((s = rope_recall_item(b, i, layer, query, stream, emit, &nr)) != KVT_OK)
-                return s;
-            continue;
-        }
-        if (b->recall_way[i] == RECALL_FETCH && sq->recalled[layer] && emit->dense &&
-            (s = be->ops->copy(be, emit->dense + i, &sq->recall[layer].st->last_dense, 1,
-                               stream)) != KVT_OK)
-            return kvt__ctx_fail(ctx, s, "emission's dense flags");
-        if (b->recall_way[i] == RECALL_FETCH && !sq->recalled[layer] &&
-            kvt__seq_recall_item(sq, layer, query + i * per_seq,
-                                 emit->dense ? emit->dense + i : NULL, &b->rsteps[n]))
-            b->step_seqs[n++] = sq;
-    }
-    if (n && (s = be->ops->recall_step(be, b->rsteps, n, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "the recall trigger of layer %u (%u requests)", layer, n);
-    if (nr && (s = be->ops->recall_rope_step(be, b->rrsteps, nr, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "the RoPE recall trigger of layer %u (%u requests)", layer,
-                             nr);
-    for (uint32_t i = 0; nr && i < b->n_seqs; i++)
-        if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls_rope(b->seqs[i], layer))
-            b->seqs[i]->recalled[layer] = 1;
-    for (uint32_t k = 0; k < n; k++) {
-        b->step_seqs[k]->recalled[layer] = 1;
-        /* config.recall_lagged_query: this step's queries are the next step's (after the op) */
-        if ((s = kvt__recall_layer_lag_advance(&b->step_seqs[k]->recall[layer], be, stream)) !=
-            KVT_OK)
-            return kvt__ctx_fail(ctx, s, "layer %u: keeping the queries for the next step",
-                                 layer);
-    }
-    return KVT_OK;
 }
 
 /* Query tokens per request an emission asks for (FlashMLA's s_q): 1 for a struct from before
@@ -601,114 +555,8 @@ static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer
     pq->out = tokens ? at * emit->capacity : *off;
     pq->pad = tokens ? emit->capacity : 0;
     pq->len_at = tokens ? at : at + 1;
-    /* an every-row set's size is the host's too (a fetching one's is not: dev_offsets) */
+    /* an every-row set's size is the host's too (a fetching one's is not) */
     *off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
-}
-
-/* Pack the *k queued queries of pa (then none are queued). */
-static kvt_status flush_pack(kvt_batch *b, uint32_t layer, void *stream, kvt__pack_args *pa,
-                             uint32_t *k) {
-    pa->n = *k;
-    *k = 0;
-    kvt_status s = b->be.ops->pack(&b->be, pa, stream);
-    pa->first_csr = false;
-    return s == KVT_OK ? KVT_OK
-                       : kvt__ctx_fail(b->ctx, s, "packing the attended sets of layer %u", layer);
-}
-
-/* The queued RoPE emissions b->remits[0 .. *ne) in one backend call (then none are queued). */
-static kvt_status flush_rope_emits(kvt_batch *b, uint32_t layer, void *stream, uint32_t *ne) {
-    const kvt__backend *be = &b->be;
-    const uint32_t n = *ne;
-    *ne = 0;
-    if (!n)
-        return KVT_OK;
-    if (!be->ops->recall_rope_emit) /* refused at request creation; never reached */
-        return kvt__ctx_fail(b->ctx, KVT_ERR_UNSUPPORTED,
-                             "layer %u: the %s backend has no RoPE recall ops", layer,
-                             be->ops->name);
-    kvt_status s = be->ops->recall_rope_emit(be, b->remits, n, stream);
-    return s == KVT_OK ? KVT_OK
-                       : kvt__ctx_fail(b->ctx, s, "emitting the RoPE recall lists of layer %u "
-                                                  "(%u requests)", layer, n);
-}
-
-/* KVT_EMIT_TOKENS on a layer with one KV head: RoPE-recalling request i's row of the indices
- * (FlashMLA's layout: topk_length, then -1 up to topk) queued for the recall_rope_emit op (rows
- * of distinct requests are disjoint: the layer's are emitted in one call after its packs). */
-static kvt_status emit_rope_tokens(kvt_batch *b, uint32_t i, uint32_t layer,
-                                   const kvt_emit *emit, uint32_t *ne) {
-    if (!b->remits) /* no layer of the context recalls on RoPE: never reached */
-        return kvt__ctx_fail(b->ctx, KVT_ERR_INVARIANT, "seqs[%u] recalls on RoPE layer %u", i,
-                             layer);
-    const uint64_t at = (uint64_t)i * emit->capacity;
-    kvt__recall_rope_emit_args *ea = &b->remits[(*ne)++];
-    kvt_status s = kvt__seq_rope_emit_item(b->seqs[i], layer, b->recall_way[i] == RECALL_ALL,
-                                           emit->indices, at + emit->capacity, NULL, ea);
-    if (s != KVT_OK)
-        return kvt__ctx_fail(b->ctx, s, "seqs[%u] layer %u: %s", i, layer, kvt__tls_error());
-    ea->chain = false;
-    ea->out = at;
-    ea->pad = emit->capacity;
-    ea->length = emit->lengths + i;
-    return KVT_OK;
-}
-
-/* KVT_EMIT_CSR_KV_HEADS: per request, n_kv lists — a RoPE-recalling request's from the
- * recall_rope_emit op (fetched rows copied into its fetch area), any other's the shared set
- * once per head through the pack op. Every list starts where the backend ended the previous one
- * (indptr[0] = 0 written first): fetch counts are the backend's. */
-static kvt_status emit_kv_heads(kvt_batch *b, uint32_t layer, uint32_t n_kv, void *stream,
-                                const kvt_emit *emit, kvt__pack_query *q, kvt__pack_args *pa) {
-    kvt_ctx *ctx = b->ctx;
-    const kvt__backend *be = &b->be;
-    kvt_status s = be->ops->write(be, emit->indptr, &(int32_t){0}, sizeof(int32_t), stream);
-    if (s != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "emission's first offset");
-    pa->dev_offsets = true;
-    pa->first_csr = false;
-    uint32_t k = 0, ne = 0;
-    for (uint32_t i = 0; i <= b->n_seqs; i++) {
-        const kvt_seq *sq = i < b->n_seqs ? b->seqs[i] : NULL;
-        const bool rope = sq && kvt__seq_recalls_rope(sq, layer);
-        /* the queued lists first: a RoPE request's chain reads where they end; a run of
-         * consecutive RoPE requests is one chained call, before the next packed list */
-        if (k && (rope || i == b->n_seqs) && (s = flush_pack(b, layer, stream, pa, &k)) != KVT_OK)
-            return s;
-        if (ne && !rope && (s = flush_rope_emits(b, layer, stream, &ne)) != KVT_OK)
-            return s;
-        if (i == b->n_seqs)
-            break;
-        if (rope && !b->remits) /* no layer of the context recalls on RoPE: never reached */
-            return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "seqs[%u] recalls on RoPE layer %u", i,
-                                 layer);
-        if (rope) {
-            if ((s = kvt__seq_rope_emit_item(sq, layer, b->recall_way[i] == RECALL_ALL,
-                                             emit->indices, emit->capacity,
-                                             emit->indptr + (size_t)i * n_kv,
-                                             &b->remits[ne])) != KVT_OK)
-                return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: %s", i, layer,
-                                     kvt__tls_error());
-            ne++;
-            continue;
-        }
-        for (uint32_t h = 0; h < n_kv; h++) {
-            if (k == KVT__PACK_CHUNK && (s = flush_pack(b, layer, stream, pa, &k)) != KVT_OK)
-                return s;
-            kvt__pack_query *pq = &q[k++];
-            if (sq)
-                kvt__seq_step_query(sq, layer, b->n_tokens[i], pq);
-            else
-                *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
-            if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls(sq, layer))
-                kvt__recall_pack_query(&sq->recall[layer], pq);
-            pq->all_rows = b->recall_way[i] == RECALL_ALL;
-            pq->out = 0; /* dev_offsets */
-            pq->pad = 0;
-            pq->len_at = (uint64_t)i * n_kv + h + 1;
-        }
-    }
-    return KVT_OK;
 }
 
 /* The emission a planned step may use: TOKENS or CSR, one query per request, arrays given. */
@@ -737,23 +585,66 @@ static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
            a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense;
 }
 
-/* The bound of layer l's planned recall items: the context's shapes, max_rows_per_seq and
- * block_rows (every request's group planes are over the context's blocks). */
-static void plan_bound(const kvt_batch *b, uint32_t l, kvt__recall_step_args *out) {
+/* The bound of layer l's recall items for closed rows up to `rows` and promotion tables up to
+ * prom_cap: the context's shapes and block_rows (every request's group planes are over the
+ * context's blocks). A planned step's: rows max_rows_per_seq, prom_cap the context's. */
+static void plan_bound(const kvt_batch *b, uint32_t l, uint64_t rows, uint32_t prom_cap,
+                       kvt__recall_step_args *out) {
     const kvt_ctx *ctx = b->ctx;
     const kvt_layer_spec *sp = &ctx->stores[l].spec;
-    kvt__recall_plan_bound(sp->n_q_heads, ctx->sketch_rank, sp->value_dim, sp->branch_dim,
-                           ctx->max_rows, ctx->cfg.recall_promote_capacity, ctx->cfg.block_rows,
-                           out);
+    kvt__recall_plan_bound(sp->n_q_heads, ctx->sketch_rank, sp->value_dim, sp->branch_dim, rows,
+                           prom_cap, ctx->cfg.block_rows, out);
 }
 
-/* Request i's recall step on layer l as the planned op takes it (kvt__seq_recall_item's, its
+/* ------------------------------------------------------------------------------------------
+ * One description of a step. plan_layer writes what a run of layer l does into a plan image
+ * (its pack queries, the NoPE recall items or the RoPE trigger and emission items) and
+ * exec_layer runs the image through the backend's buffer-fed ops: the recall step, the pack,
+ * the RoPE emission. An eager run (kvt_batch_run without kvt_batch_plan_device) does the
+ * layer's policy work, then plans the layer into the eager image and executes it;
+ * kvt_batch_plan_device plans every layer into the planned image once, and each planned run
+ * executes its layer's part (the arguments of its ops hold nothing of one step, so a captured
+ * run replays over later planned steps).
+ * ------------------------------------------------------------------------------------------ */
+
+/* One run's shape (plan_layer's arguments beside the emission) and what it planned. */
+typedef struct layer_run {
+    uint32_t S;            /* query tokens a request (a planned step: 1) */
+    uint32_t qpr;          /* lists a query token: KVT_EMIT_CSR_KV_HEADS's KV heads, else 1 */
+    bool planned;          /* the planned image: every fetching request has its items (the op
+                            * runs once per step), the bounds are the context's; an item outside
+                            * them makes the step not plannable */
+    bool first;            /* planned: the step's first image (a lagged query is fixed then) */
+    uint64_t query_floats; /* floats of the run's query buffer the items may read */
+    uint32_t n_q;          /* out: pack queries */
+    uint32_t n_recall;     /* out: recall or RoPE trigger items */
+    uint32_t n_emit;       /* out: RoPE emission items */
+    kvt__recall_step_args bound;  /* the NoPE items' bound */
+    kvt__recall_rope_args rbound; /* the RoPE items' bound */
+} layer_run;
+
+/* Refuse the image: a planned one that breaks its bound is not plannable (*fits false, KVT_OK;
+ * fits NULL, a plan rewritten for the same step: KVT_ERR_INVARIANT); an eager one fails with s. */
+static kvt_status plan_refuse(const kvt_batch *b, const layer_run *lr, bool *fits, kvt_status s,
+                              const char *fmt, ...) {
+    if (lr->planned && fits) {
+        *fits = false;
+        return KVT_OK;
+    }
+    char msg[KVT__ERR_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return kvt__ctx_fail(b->ctx, lr->planned ? KVT_ERR_INVARIANT : s, "%s", msg);
+}
+
+/* Request i's recall step on layer l as the buffer-fed op takes it (kvt__seq_recall_item's, its
  * queries at the request's place from the run's query base, its dense flag the emission's);
  * *has false when the request has nothing to recall from there this step. false when the item
- * breaks the argument rules or the layer's bound (plan_bound; the step is then not plannable). */
+ * breaks the argument rules or the run's bound. */
 static bool plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                             const kvt__recall_step_args *bound, bool first,
-                             kvt__recall_plan_item *it, bool *has) {
+                             const layer_run *lr, kvt__recall_plan_item *it, bool *has) {
     static const float no_query; /* a placeholder: the op reads the run's query + q_off */
     *has = kvt__seq_recall_item(b->seqs[i], l, &no_query, e->dense ? e->dense + i : NULL, &it->a);
     if (!*has)
@@ -763,90 +654,334 @@ static bool plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emi
     kvt__recall_layer *r = &b->seqs[i]->recall[l];
     it->lag = r->lag_q;
     if (r->lag_q) {
-        if (first) {
+        if (!lr->planned || lr->first) {
             r->lag_plan_use = r->lag_has;
             r->lag_plan_item = 1;
         }
         r->last_lagged = r->lag_plan_use;
-        r->lag_next = NULL; /* no eager copy: the planned op's */
+        r->lag_next = NULL; /* the op copies */
     }
     it->lag_use = r->lag_q ? r->lag_plan_use : 0;
     it->div = *it->a.scan.pdiv;
     it->q_off = (uint64_t)i * query_floats(b->ctx, l);
-    const bool ok = kvt__recall_plan_ok(bound, &it->a);
+    const bool ok = kvt__recall_plan_ok(&lr->bound, &it->a);
     it->a.scan.pdiv = NULL; /* host values, not read by the op */
     it->a.scan.q = NULL;
     return ok;
 }
 
-/* The planned recall op of layer l: its items in the plan buffer, the run's query base. */
-static void recall_plan_args(const kvt_batch *b, uint32_t l, const float *query,
-                             kvt__recall_plan_args *out) {
-    const uint8_t *at = b->plan_dev + b->plan_at[l];
-    *out = (kvt__recall_plan_args){
-        .items = (const kvt__recall_plan_item *)(b->plan_dev + plan_recall_at(b, l)),
-        .n = (const uint32_t *)(at + sizeof(uint32_t)), .n_max = b->max_seqs, .query = query,
-        .query_floats = query ? query_floats(b->ctx, l) * b->max_seqs : 0};
-    plan_bound(b, l, &out->bound);
-}
-
-/* The planned RoPE ops of layer l: their items in the plan buffer, the run's query base, the
- * layer's bound (kvt__ctx_rope_bound). */
-static void rope_plan_args(const kvt_batch *b, uint32_t l, const float *query,
-                           kvt__recall_rope_plan_args *out) {
-    const uint8_t *at = b->plan_dev + b->plan_at[l];
-    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
-    *out = (kvt__recall_rope_plan_args){
-        .items = (const kvt__recall_rope_plan_item *)(b->plan_dev + plan_recall_at(b, l)),
-        .emits = (const kvt__recall_rope_emit_plan_item *)(b->plan_dev + plan_rope_emits_at(b, l)),
-        .n = (const uint32_t *)(at + sizeof(uint32_t)), .n_max = b->max_seqs, .query = query,
-        .query_floats = query ? (uint64_t)sp->n_q_heads * sp->head_dim * b->max_seqs : 0};
-    (void)kvt__ctx_rope_bound(b->ctx, l, &out->bound);
-}
-
-/* Request i's RoPE trigger and emission on layer l as the planned ops take them (the eager
- * run's: its queries at the request's place from the run's query base, its dense flag the
- * emission's, its row of a KVT_EMIT_TOKENS emission); false when either breaks the rules or the
- * layer's bound (the step is then not plannable). */
-static bool plan_rope_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                           uint32_t qpr, const kvt__recall_rope_args *bound,
-                           kvt__recall_rope_plan_item *it, kvt__recall_rope_emit_plan_item *em) {
+/* Request i's RoPE trigger (trigger: its first run of the layer this step) and emission on layer
+ * l as the buffer-fed ops take them (its queries at the request's place from the run's query
+ * base, its dense flag the emission's, its row of a KVT_EMIT_TOKENS emission, every archived
+ * row when `all`); KVT_ERR_INVALID_ARGUMENT when either breaks the rules or the run's bound. */
+static kvt_status plan_rope_items(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
+                                  const layer_run *lr, bool trigger, bool all,
+                                  kvt__recall_rope_plan_item *it,
+                                  kvt__recall_rope_emit_plan_item *em) {
     static const float no_query; /* a placeholder: the op reads the run's query + q_off */
     kvt_seq *sq = b->seqs[i];
     const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
-    if (kvt__seq_rope_recall_item(sq, l, &no_query, e->dense ? e->dense + i : NULL, &it->a) !=
-        KVT_OK)
-        return false;
-    it->div = *it->a.pdiv;
-    it->q_off = (uint64_t)i * sp->n_q_heads * sp->head_dim;
-    bool ok = kvt__recall_rope_args_ok(&it->a) && kvt__recall_rope_plan_fits(bound, &it->a);
-    it->a.pdiv = NULL; /* host values, not read by the op */
-    it->a.q = NULL;
+    kvt_status s;
+    bool ok = true;
+    if (trigger) {
+        if ((s = kvt__seq_rope_recall_item(sq, l, &no_query, e->dense ? e->dense + i : NULL,
+                                           &it->a)) != KVT_OK)
+            return s;
+        it->div = *it->a.pdiv;
+        it->q_off = (uint64_t)i * sp->n_q_heads * sp->head_dim;
+        ok = kvt__recall_rope_args_ok(&it->a) && kvt__recall_rope_plan_fits(&lr->rbound, &it->a);
+        it->a.pdiv = NULL; /* host values, not read by the op */
+        it->a.q = NULL;
+    }
     if (e->layout == KVT_EMIT_TOKENS) {
         const uint64_t at = (uint64_t)i * e->capacity;
-        if (kvt__seq_rope_emit_item(sq, l, false, e->indices, at + e->capacity, NULL, &em->a) !=
-            KVT_OK)
-            return false;
+        if ((s = kvt__seq_rope_emit_item(sq, l, all, e->indices, at + e->capacity, NULL,
+                                         &em->a)) != KVT_OK)
+            return s;
         em->a.chain = false;
         em->a.out = at;
         em->a.pad = e->capacity;
         em->a.length = e->lengths + i;
-    } else if (kvt__seq_rope_emit_item(sq, l, false, e->indices, e->capacity,
-                                       e->indptr + (size_t)i * qpr, &em->a) != KVT_OK ||
-               em->a.n_kv != qpr) {
-        return false; /* (CSR over several KV heads: the eager run refuses it) */
+    } else if ((s = kvt__seq_rope_emit_item(sq, l, all, e->indices, e->capacity,
+                                            e->indptr + (size_t)i * lr->qpr, &em->a)) != KVT_OK) {
+        return s;
+    } else if (em->a.n_kv != lr->qpr) {
+        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "%u KV heads, %u lists a request",
+                             em->a.n_kv, lr->qpr);
     }
     em->div = *em->a.pdiv;
-    ok = ok && kvt__recall_rope_emit_ok(&em->a) && em->a.ar_n <= bound->ar_n;
+    ok = ok && kvt__recall_rope_emit_ok(&em->a) && em->a.ar_n <= lr->rbound.ar_n;
     em->a.pdiv = NULL;
-    return ok;
+    return ok ? KVT_OK
+              : kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "its RoPE recall items break the rules "
+                                                        "or the run's bound");
 }
 
-/* Every layer's sets of the planned step into the plan image, as each run would describe them
- * (nothing of the step moves rows), with kvt_batch_run's capacity checks (sync: the page tables'
- * new entries to the backend first), then the image to the backend on stream. A recall item
- * outside its layer's bound: *fits false, KVT_OK, nothing written to the backend (the step is not
- * plannable); fits NULL (a plan rewritten for the same step): KVT_ERR_INVARIANT. */
+/* The run's bounds of the recall items of layer l: a planned image's from the context's stated
+ * limits (max_rows_per_seq; the launch and workspace a device sizes once), an eager one's from
+ * the batch's longest request this step and the largest promotion table among its requests. */
+static void plan_bounds(const kvt_batch *b, uint32_t l, layer_run *lr) {
+    const kvt_ctx *ctx = b->ctx;
+    uint64_t rows = ctx->max_rows;
+    uint32_t prom = ctx->cfg.recall_promote_capacity;
+    for (uint32_t i = 0; !lr->planned && i < b->n_seqs; i++) {
+        const kvt_seq *sq = b->seqs[i];
+        if (!sq)
+            continue;
+        const uint64_t r = sq->n_tokens + sq->n_pending;
+        rows = r > rows ? r : rows;
+        prom = sq->cfg.recall_promote_capacity > prom ? sq->cfg.recall_promote_capacity : prom;
+    }
+    plan_bound(b, l, rows, prom, &lr->bound);
+    if (kvt__ctx_rope_bound(ctx, l, &lr->rbound) && !lr->planned && lr->rbound.ar_n < rows) {
+        lr->rbound.ar_n = rows; /* a head archives at most every row of its request */
+        if (lr->rbound.g_perm)
+            lr->rbound.g_blocks_cap = rows / lr->rbound.g_B;
+    }
+}
+
+/* Layer l's run into image pb: every request's recall items and sets as the run describes them
+ * (b->recall_way set; nothing of the step moves rows), after the capacity checks. The image's
+ * host copy only: nothing goes to the backend. Lagged queries: see plan_recall_item. */
+static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const kvt_emit *e,
+                             layer_run *lr, bool *fits) {
+    kvt_ctx *ctx = b->ctx;
+    const bool tokens = e->layout == KVT_EMIT_TOKENS;
+    const uint32_t S = lr->S, qpr = lr->qpr;
+    const char *nothing = lr->planned ? "nothing planned" : "nothing written";
+    /* 1. Capacity: with recall the set may be every row of the view, what the host can promise
+     * (on a RoPE layer: the held rows and the whole archive, the request's rows). */
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        const kvt_seq *sq = b->seqs[i];
+        for (uint32_t t = 0; sq && t < S; t++) {
+            kvt__pack_query pq;
+            kvt__seq_step_query(sq, l, visible_rows(b, i, S, t), &pq);
+            uint64_t n = b->recall_way[i] == RECALL_NONE ? kvt__attended_desc_count(&pq.d)
+                         : kvt__seq_recalls_rope(sq, l)  ? sq->n_tokens + sq->n_pending
+                                                         : pq.d.hi_end;
+            if (tokens && n > e->capacity)
+                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; %s "
+                                     "(kvt_batch_capacity)",
+                                     i, (unsigned long long)n, l, e->capacity, nothing);
+            total += n * qpr;
+        }
+    }
+    if (!tokens && (total > e->capacity || total > INT32_MAX))
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                             "the batch attends %llu rows on layer %u, capacity is %u; %s "
+                             "(kvt_batch_capacity)",
+                             (unsigned long long)total, l, e->capacity, nothing);
+    if ((uint64_t)b->n_seqs * S * qpr > pb->qcap[l])
+        return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %u queries, the image holds %u",
+                             l, b->n_seqs * S * qpr, pb->qcap[l]);
+    /* 2. The items and the sets. */
+    uint8_t *at = pb->host + pb->at[l];
+    kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
+    void *items = pb->host + items_at(pb, l);
+    kvt__recall_rope_emit_plan_item *emits =
+        pb->kind[l] == PLAN_ROPE
+            ? (kvt__recall_rope_emit_plan_item *)(pb->host + emits_at(b, pb, l))
+            : NULL;
+    uint32_t n = 0, nr = 0, ne = 0;
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        kvt_seq *sq = b->seqs[i];
+        const uint8_t way = b->recall_way[i];
+        const bool rope = way != RECALL_NONE && kvt__seq_recalls_rope(sq, l);
+        /* items once per step and layer: a second run of the layer emits what the first fetched
+         * (the fetch buffer and the state's dense flag are unchanged) */
+        const bool trigger = way == RECALL_FETCH && (lr->planned || !sq->recalled[l]);
+        b->itemized[i] = 0;
+        if (way != RECALL_NONE && pb->kind[l] != (rope ? PLAN_ROPE : PLAN_NOPE))
+            return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
+                               "seqs[%u] recalls on layer %u, which plans no recall", i, l);
+        if (rope) {
+            if (lr->planned && way != RECALL_FETCH)
+                return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
+                                   "seqs[%u] layer %u: a RoPE recall with several tokens", i, l);
+            kvt__recall_rope_plan_item *it = (kvt__recall_rope_plan_item *)items + nr;
+            kvt__recall_rope_emit_plan_item *em = &emits[ne];
+            kvt_status s = plan_rope_items(b, i, l, e, lr, trigger, way == RECALL_ALL, it, em);
+            if (s != KVT_OK)
+                return plan_refuse(b, lr, fits, s, "seqs[%u] layer %u: %s", i, l,
+                                   kvt__tls_error());
+            nr += trigger;
+            b->itemized[i] = trigger;
+            ne++;
+            /* in the pack, TOKENS: a query that writes only the request's dense flag (the
+             * state's, which the trigger wrote), the emission then its row; CSR /
+             * CSR_KV_HEADS: per KV head a query that writes only the list's count (so the
+             * lists after it start after it), the emission then the lists */
+            const kvt__recall_rope_emit_args *ea = &em->a;
+            const kvt__recall_rope_layer *rr = &sq->rrope[l];
+            const bool all = way == RECALL_ALL && !ea->capped;
+            if (tokens) {
+                q[n++] = (kvt__pack_query){.dense = all ? NULL : &rr->base.st->last_dense,
+                                           .all_rows = all, .out = (uint64_t)i * e->capacity,
+                                           .len_at = i};
+                continue;
+            }
+            for (uint32_t h = 0; h < qpr; h++, n++) {
+                kvt__seq_step_query(sq, l, b->n_tokens[i], &q[n]); /* its table's pages */
+                q[n].d = (kvt__attended_desc){.lo_end = ea->n_rows,
+                                              .hi_begin = ea->n_rows + ea->ar_n,
+                                              .hi_end = ea->n_rows + ea->ar_n};
+                q[n].fetch = rr->fired + (size_t)h * rr->cap;
+                q[n].n_fetch = rr->n_fired + h;
+                q[n].fetch_cap = rr->cap;
+                q[n].dense = ea->capped || all ? NULL : &rr->base.st->last_dense;
+                q[n].all_rows = all;
+                q[n].count_only = true;
+                q[n].out = 0;
+                q[n].pad = 0;
+                q[n].len_at = (uint64_t)i * qpr + h + 1;
+            }
+            continue;
+        }
+        bool has = false;
+        if (trigger &&
+            !plan_recall_item(b, i, l, e, lr, (kvt__recall_plan_item *)items + nr, &has))
+            return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
+                               "seqs[%u] layer %u: its recall step breaks the rules or the "
+                               "run's bound",
+                               i, l);
+        nr += has;
+        b->itemized[i] = has;
+        for (uint32_t t = 0; t < S; t++) {
+            set_query(b, i, t, l, S, e, &off, &q[n]);
+            /* CSR_KV_HEADS: the set once per KV head, each its own list */
+            for (uint32_t h = 0; !tokens && h < qpr; h++) {
+                if (h)
+                    q[n + h] = q[n];
+                q[n + h].len_at = ((uint64_t)i * S + t) * qpr + h + 1;
+            }
+            n += qpr;
+        }
+    }
+    const uint32_t counts[3] = {n, nr, ne};
+    memcpy(at, counts, sizeof counts);
+    lr->n_q = n;
+    lr->n_recall = nr;
+    lr->n_emit = ne;
+    return KVT_OK;
+}
+
+/* Layer l's part of image pb to the backend, on stream (the host image as plan_layer left it:
+ * its counts, queries and items). */
+static kvt_status plan_write_layer(kvt_batch *b, const plan_buf *pb, uint32_t l,
+                                   const layer_run *lr, void *stream) {
+    const kvt__backend *be = &b->be;
+    const size_t at = pb->at[l], it = items_at(pb, l);
+    kvt_status s = be->ops->write(be, pb->dev + at, pb->host + at,
+                                  PLAN_HEAD + sizeof(kvt__pack_query) * lr->n_q, stream);
+    const size_t item_bytes = pb->kind[l] == PLAN_NOPE ? sizeof(kvt__recall_plan_item)
+                                                       : sizeof(kvt__recall_rope_plan_item);
+    if (s == KVT_OK && lr->n_recall)
+        s = be->ops->write(be, pb->dev + it, pb->host + it, item_bytes * lr->n_recall, stream);
+    const size_t em = pb->kind[l] == PLAN_ROPE ? emits_at(b, pb, l) : 0;
+    if (s == KVT_OK && lr->n_emit)
+        s = be->ops->write(be, pb->dev + em, pb->host + em,
+                           sizeof(kvt__recall_rope_emit_plan_item) * lr->n_emit, stream);
+    return s == KVT_OK ? KVT_OK
+                       : kvt__ctx_fail(b->ctx, s, "layer %u: the run's plan to the backend", l);
+}
+
+/* Run layer l's part of image pb: the recall step (NoPE) or the RoPE trigger when `trigger`, the
+ * pack, the RoPE emission. A planned image's ops run whatever its counts (the device's then);
+ * an eager one's skip what has no item, and make room for the recall ops first (a device's
+ * workspace: an eager run is never captured). */
+static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const float *query,
+                             void *stream, const kvt_emit *emit, const layer_run *lr,
+                             bool trigger) {
+    kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    const uint8_t *at = pb->dev + pb->at[l];
+    const uint32_t *counts = (const uint32_t *)at;
+    kvt_status s = KVT_OK;
+    if (pb->kind[l] == PLAN_NOPE && trigger) {
+        const kvt__recall_plan_args ra = {
+            .items = (const kvt__recall_plan_item *)(pb->dev + items_at(pb, l)),
+            .n = counts + 1, .n_max = b->max_seqs, .query = query,
+            .query_floats = lr->query_floats, .bound = lr->bound};
+        if (!lr->planned && be->ops->recall_plan_reserve)
+            s = be->ops->recall_plan_reserve(be, &ra);
+        if (s != KVT_OK || (s = be->ops->recall_step_planned(be, &ra, stream)) != KVT_OK)
+            return kvt__ctx_fail(ctx, s, "the recall step of layer %u", l);
+    }
+    kvt__recall_rope_plan_args rp = {0};
+    if (pb->kind[l] == PLAN_ROPE) {
+        rp = (kvt__recall_rope_plan_args){
+            .items = (const kvt__recall_rope_plan_item *)(pb->dev + items_at(pb, l)),
+            .emits = (const kvt__recall_rope_emit_plan_item *)(pb->dev + emits_at(b, pb, l)),
+            .n = counts + 1, .n_emit = counts + 2, .n_max = b->max_seqs, .query = query,
+            .query_floats = lr->query_floats, .bound = lr->rbound};
+        if (trigger && !lr->planned && be->ops->recall_rope_plan_reserve)
+            s = be->ops->recall_rope_plan_reserve(be, &rp);
+        if (trigger && (s != KVT_OK ||
+                        (s = be->ops->recall_rope_step_planned(be, &rp, stream)) != KVT_OK))
+            return kvt__ctx_fail(ctx, s, "the RoPE recall step of layer %u", l);
+    }
+    const kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
+                               .n_plan = counts, .n_max = lr->planned ? pb->qcap[l] : lr->n_q,
+                               .dense_out = emit->dense, .dense_stride = lr->S * lr->qpr,
+                               .pdiv = &ctx->pdiv, .csr = emit->layout != KVT_EMIT_TOKENS,
+                               .first_csr = true, .capacity = emit->capacity,
+                               .indices = emit->indices, .lengths = emit->lengths,
+                               .indptr = emit->indptr};
+    if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", l);
+    /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags and, in
+     * CSR, their lists' offsets) */
+    if (pb->kind[l] == PLAN_ROPE && (lr->planned || lr->n_emit) &&
+        (s = be->ops->recall_rope_emit_planned(be, &rp, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "the RoPE recall lists of layer %u", l);
+    return KVT_OK;
+}
+
+/* Floats of one request's queries on layer l as its recall reads them (RoPE: its query heads'
+ * keys). */
+static size_t run_query_floats(const kvt_batch *b, uint32_t l, bool rope) {
+    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
+    return rope ? (size_t)sp->n_q_heads * sp->head_dim : query_floats(b->ctx, l);
+}
+
+/* The eager image with room for layer l's run of n_q queries a request and, where requests
+ * recall there, its kind of items (l = UINT32_MAX: none, the first layout). Laid out when the
+ * batch is created, every layer with its KV heads' lists a request and the items of the recall
+ * its requests may do (sketch planes: kvt__ctx_rope_bound on a RoPE layer); grown when a run
+ * needs more (several query tokens a request: KVT_ERR_OUT_OF_MEMORY leaves it unchanged). */
+static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kind) {
+    kvt_ctx *ctx = b->ctx;
+    const uint32_t L = ctx->n_layers;
+    plan_buf *p = &b->eager;
+    if (p->at && l < L && p->qpr[l] >= n_q && (kind == 0 || p->kind[l] == kind))
+        return KVT_OK;
+    uint8_t kinds[L ? L : 1];
+    uint32_t qpr[L ? L : 1];
+    for (uint32_t k = 0; k < L; k++) {
+        kvt__recall_rope_args rb;
+        const uint32_t kv = ctx->stores[k].spec.n_kv_heads;
+        kinds[k] = p->at ? p->kind[k]
+                   : ctx->sketch_rank && kvt__layer_policy(ctx, k)->recall_view ? PLAN_NOPE
+                   : kvt__ctx_rope_bound(ctx, k, &rb)                           ? PLAN_ROPE
+                                                                               : 0;
+        qpr[k] = p->at ? p->qpr[k] : kv > 1 ? kv : 1;
+    }
+    if (l < L && kind)
+        kinds[l] = kind;
+    if (l < L && n_q > qpr[l])
+        qpr[l] = n_q;
+    kvt_status s = plan_buf_layout(b, p, kinds, qpr);
+    return s == KVT_OK ? KVT_OK : kvt__ctx_fail(ctx, s, "the batch's plan image for its runs");
+}
+
+/* Every layer's sets of the planned step into the planned image, as each run would describe
+ * them (nothing of the step moves rows), with kvt_batch_run's capacity checks (sync: the page
+ * tables' new entries to the backend first), then the image to the backend on stream. A recall
+ * item outside its layer's bound: *fits false, KVT_OK, nothing written to the backend (the step
+ * is not plannable); fits NULL (a plan rewritten for the same step): KVT_ERR_INVARIANT. */
 static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
                             bool sync, bool *fits) {
     kvt_ctx *ctx = b->ctx;
@@ -855,129 +990,26 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
     memset(b->defer, 0, b->n_seqs); /* a planned step has no drafts and one query a request */
     for (uint32_t l = 0; l < L; l++) {
         const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
-        uint8_t *at = b->plan_host + b->plan_at[l];
-        kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
-        kvt__recall_plan_item *items =
-            plans_recall(b, l) ? (kvt__recall_plan_item *)(b->plan_host + plan_recall_at(b, l))
-                               : NULL;
-        kvt__recall_step_args bound;
-        if (items)
-            plan_bound(b, l, &bound);
-        const bool rope_l = plans_rope(b, l);
-        kvt__recall_rope_plan_item *ritems =
-            rope_l ? (kvt__recall_rope_plan_item *)(b->plan_host + plan_recall_at(b, l)) : NULL;
-        kvt__recall_rope_emit_plan_item *remits =
-            rope_l ? (kvt__recall_rope_emit_plan_item *)(b->plan_host + plan_rope_emits_at(b, l))
-                   : NULL;
-        kvt__recall_rope_args rbound;
-        if (rope_l)
-            (void)kvt__ctx_rope_bound(ctx, l, &rbound);
-        const uint32_t qpr = b->plan_qpr[l];
-        const bool tokens = e->layout == KVT_EMIT_TOKENS;
-        uint32_t n = 0, n_recall = 0;
-        uint64_t off = 0, total = 0;
-        for (uint32_t i = 0; ctx->stores[l].group >= 0 && i < b->n_seqs; i++) {
+        b->plan_emit[l] = *e;
+        if (ctx->stores[l].group < 0) { /* no run: nothing to plan */
+            memset(b->plan.host + b->plan.at[l], 0, 3 * sizeof(uint32_t));
+            continue;
+        }
+        for (uint32_t i = 0; i < b->n_seqs; i++) {
             kvt_seq *sq = b->seqs[i];
             kvt_status s = sq && sync ? kvt__seq_mirror_sync(sq, l, be, stream) : KVT_OK;
             if (s != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
                                      l);
             b->recall_way[i] = recall_way(b, i, l, 1);
-            const bool rope = b->recall_way[i] != RECALL_NONE && kvt__seq_recalls_rope(sq, l);
-            if (b->recall_way[i] != RECALL_NONE && !(rope ? rope_l : items != NULL))
-                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
-                                     "seqs[%u] recalls on layer %u, which plans no recall", i, l);
-            if (rope) {
-                /* its trigger and emission items; in the pack, TOKENS: a query that writes only
-                 * its dense flag (the state's, which the trigger wrote), the emission then its
-                 * row; CSR / CSR_KV_HEADS: per KV head a query that writes only the list's count
-                 * (so the lists after it start after it), the emission then the lists */
-                if (b->recall_way[i] != RECALL_FETCH ||
-                    !plan_rope_item(b, i, l, e, qpr, &rbound, &ritems[n_recall],
-                                    &remits[n_recall])) {
-                    if (fits) {
-                        *fits = false;
-                        return KVT_OK;
-                    }
-                    return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
-                                         "seqs[%u] layer %u: its RoPE recall left the plan's "
-                                         "bound since plan_device checked it",
-                                         i, l);
-                }
-                const kvt__recall_rope_emit_args *ea = &remits[n_recall].a;
-                n_recall++;
-                const uint64_t rows = sq->n_tokens + sq->n_pending; /* held and archived */
-                if (tokens && rows > e->capacity)
-                    return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                         "seqs[%u] attends %llu rows on layer %u, topk is %u; "
-                                         "nothing planned (kvt_batch_capacity)",
-                                         i, (unsigned long long)rows, l, e->capacity);
-                if (tokens) {
-                    q[n++] = (kvt__pack_query){.dense = &sq->rrope[l].base.st->last_dense,
-                                               .out = (uint64_t)i * e->capacity, .len_at = i};
-                    continue;
-                }
-                total += (uint64_t)qpr * rows;
-                const kvt__recall_rope_layer *rr = &sq->rrope[l];
-                for (uint32_t h = 0; h < qpr; h++, n++) {
-                    kvt__seq_step_query(sq, l, b->n_tokens[i], &q[n]); /* its table's pages */
-                    q[n].d = (kvt__attended_desc){.lo_end = ea->n_rows,
-                                                  .hi_begin = ea->n_rows + ea->ar_n,
-                                                  .hi_end = ea->n_rows + ea->ar_n};
-                    q[n].fetch = rr->fired + (size_t)h * rr->cap;
-                    q[n].n_fetch = rr->n_fired + h;
-                    q[n].fetch_cap = rr->cap;
-                    q[n].dense = ea->capped ? NULL : &rr->base.st->last_dense;
-                    q[n].all_rows = false;
-                    q[n].count_only = true;
-                    q[n].out = 0;
-                    q[n].pad = 0;
-                    q[n].len_at = (uint64_t)i * qpr + h + 1;
-                }
-                continue;
-            }
-            bool has = false;
-            if (b->recall_way[i] == RECALL_FETCH &&
-                !plan_recall_item(b, i, l, e, &bound, fits != NULL, &items[n_recall], &has)) {
-                if (fits) {
-                    *fits = false;
-                    return KVT_OK;
-                }
-                return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT,
-                                     "seqs[%u] layer %u: its recall step left the plan's bound "
-                                     "since plan_device checked it",
-                                     i, l);
-            }
-            n_recall += has;
-            set_query(b, i, 0, l, 1, e, &off, &q[n]);
-            /* with recall the set may be every row of the view (kvt_batch_run's bound) */
-            const uint64_t rows = b->recall_way[i] == RECALL_NONE
-                                      ? kvt__attended_desc_count(&q[n].d)
-                                      : q[n].d.hi_end;
-            total += (uint64_t)qpr * rows;
-            if (tokens && rows > e->capacity)
-                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; "
-                                     "nothing planned (kvt_batch_capacity)",
-                                     i, (unsigned long long)rows, l, e->capacity);
-            /* CSR_KV_HEADS: the set once per KV head, each its own list */
-            for (uint32_t h = 0; !tokens && h < qpr; h++) {
-                if (h)
-                    q[n + h] = q[n];
-                q[n + h].len_at = (uint64_t)i * qpr + h + 1;
-            }
-            n += qpr;
         }
-        if (!tokens && (total > e->capacity || total > INT32_MAX))
-            return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                 "the batch attends %llu rows on layer %u, capacity is %u; "
-                                 "nothing planned (kvt_batch_capacity)",
-                                 (unsigned long long)total, l, e->capacity);
-        memcpy(at, &n, sizeof n);
-        memcpy(at + sizeof n, &n_recall, sizeof n_recall);
-        b->plan_emit[l] = *e;
+        layer_run lr = {.S = 1, .qpr = b->plan.qpr[l], .planned = true, .first = fits != NULL};
+        plan_bounds(b, l, &lr);
+        kvt_status s = plan_layer(b, &b->plan, l, e, &lr, fits);
+        if (s != KVT_OK || (fits && !*fits))
+            return s;
     }
-    kvt_status s = be->ops->write(be, b->plan_dev, b->plan_host, b->plan_at[L], stream);
+    kvt_status s = be->ops->write(be, b->plan.dev, b->plan.host, b->plan.at[L], stream);
     return s == KVT_OK ? KVT_OK : kvt__ctx_fail(ctx, s, "the step's plan to the backend");
 }
 
@@ -1016,9 +1048,10 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
                 !kvt__seq_step_quiet(sq, l, plans_recall(b, l) || plans_rope(b, l)))
                 return KVT_OK;
     }
-    /* 2. The buffer, at the first planned step: every layer's count and max_seqs queries. A
-     * later planned step must pass that step's emissions: a graph captured over planned runs
-     * holds their arrays and capacities, which the plan's offsets must fit. */
+    /* 2. The image, at the first planned step: every layer's counts, max_seqs queries a list
+     * and the recall items. A later planned step must pass that step's emissions: a graph
+     * captured over planned runs holds their arrays and capacities, which the plan's offsets
+     * must fit. */
     const kvt__backend *be = &b->be;
     for (uint32_t l = 0; b->planned_once && l < L; l++)
         if (!same_emit(&emits[n_emits == 1 ? 0 : l], &b->plan_emit[l]))
@@ -1027,66 +1060,34 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
                                  "(a graph captured over planned runs writes those arrays; plan "
                                  "other emissions on another batch)",
                                  n_emits == 1 ? 0 : l);
-    if (!b->plan_dev) {
-        size_t *at = kvt__calloc(&ctx->alloc, sizeof *at * (L + 1u));
-        uint8_t *pr = at ? kvt__calloc(&ctx->alloc, L) : NULL;
-        uint32_t *qpr = pr ? kvt__calloc(&ctx->alloc, sizeof *qpr * L) : NULL;
-        if (!qpr) {
-            kvt__free(&ctx->alloc, at, sizeof *at * (L + 1u));
-            kvt__free(&ctx->alloc, pr, L);
-            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan layout");
-        }
+    if (!b->plan.at) {
+        uint8_t kinds[L ? L : 1];
+        uint32_t qpr[L ? L : 1];
         for (uint32_t l = 0; l < L; l++) {
-            pr[l] = plans_recall(b, l) ? PLAN_NOPE : plans_rope(b, l) ? PLAN_ROPE : 0;
+            kinds[l] = plans_recall(b, l) ? PLAN_NOPE : plans_rope(b, l) ? PLAN_ROPE : 0;
             qpr[l] = emits[n_emits == 1 ? 0 : l].layout == KVT_EMIT_CSR_KV_HEADS
                          ? ctx->stores[l].spec.n_kv_heads
                          : 1u;
         }
-        b->plan_at = at; /* plan_recall_at reads them */
-        b->plan_qpr = qpr;
-        for (uint32_t l = 0; l < L; l++) { /* 64-byte aligned parts */
-            const size_t end =
-                pr[l] == PLAN_NOPE
-                    ? plan_recall_at(b, l) + sizeof(kvt__recall_plan_item) * b->max_seqs
-                : pr[l] == PLAN_ROPE
-                    ? plan_rope_emits_at(b, l) +
-                          sizeof(kvt__recall_rope_emit_plan_item) * b->max_seqs
-                    : at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * b->max_seqs * qpr[l];
-            at[l + 1] = at[l] + (end - at[l] + 63u) / 64u * 64u;
+        kvt_emit *pe = b->plan_emit ? b->plan_emit : kvt__calloc(&ctx->alloc, sizeof *pe * L);
+        if (!pe || plan_buf_layout(b, &b->plan, kinds, qpr) != KVT_OK) {
+            if (pe != b->plan_emit)
+                kvt__free(&ctx->alloc, pe, sizeof *pe * L);
+            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan image");
         }
-        const size_t bytes = at[L];
-        void *dev = NULL;
-        kvt_status s = be->ops->buf_alloc(be, bytes, &dev);
-        uint8_t *host = s == KVT_OK ? kvt__calloc(&ctx->alloc, bytes) : NULL;
-        kvt_emit *pe = host ? kvt__calloc(&ctx->alloc, sizeof *pe * L) : NULL;
-        if (!pe) {
-            kvt__free(&ctx->alloc, host, bytes);
-            if (dev)
-                be->ops->buf_free(be, dev, bytes);
-            kvt__free(&ctx->alloc, at, sizeof *at * (L + 1u));
-            kvt__free(&ctx->alloc, pr, L);
-            kvt__free(&ctx->alloc, qpr, sizeof *qpr * L);
-            b->plan_at = NULL;
-            b->plan_qpr = NULL;
-            return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan buffer (%zu B)",
-                                 bytes);
-        }
-        b->plan_recall = pr; /* from here on plans_recall reads it */
-        b->plan_dev = dev;
-        b->plan_host = host;
         b->plan_emit = pe;
     }
     /* 3. Room for the planned recall ops (a device's workspace: never grown in a capture), once:
      * the layers' bounds are the batch's for its life. */
     for (uint32_t l = 0; !b->plan_reserved && l < L; l++) {
+        layer_run lr = {.planned = true};
+        plan_bounds(b, l, &lr);
         kvt_status s = KVT_OK;
         if (plans_recall(b, l) && be->ops->recall_plan_reserve) {
-            kvt__recall_plan_args ra;
-            recall_plan_args(b, l, NULL, &ra);
+            const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr.bound};
             s = be->ops->recall_plan_reserve(be, &ra);
         } else if (plans_rope(b, l) && be->ops->recall_rope_plan_reserve) {
-            kvt__recall_rope_plan_args ra;
-            rope_plan_args(b, l, NULL, &ra);
+            const kvt__recall_rope_plan_args ra = {.n_max = b->max_seqs, .bound = lr.rbound};
             s = be->ops->recall_rope_plan_reserve(be, &ra);
         }
         if (s != KVT_OK)
@@ -1107,10 +1108,11 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         }
     if (s != KVT_OK || !fits)
         return s;
-    memset(b->dense, 0, b->n_seqs);
+    uint8_t *zeros = b->itemized; /* max_seqs bytes of host scratch */
+    memset(zeros, 0, b->n_seqs);
     for (uint32_t l = 0; s == KVT_OK && l < n_emits; l++)
         if (emits[l].dense && b->n_seqs)
-            s = be->ops->write(be, emits[l].dense, b->dense, b->n_seqs, stream);
+            s = be->ops->write(be, emits[l].dense, zeros, b->n_seqs, stream);
     if (s != KVT_OK)
         return kvt__ctx_fail(ctx, s, "the step's plan to the backend");
     b->planned = true;
@@ -1120,9 +1122,8 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     return KVT_OK;
 }
 
-/* A planned step's run: on a layer that plans recall the planned recall step, then one pack
- * (on a RoPE layer: the trigger, the pack, the emission), all from the plan buffer, their arguments holding nothing of the step (a captured launch
- * replays over later planned steps); the policy work is the commit's. */
+/* A planned step's run: layer l's part of the planned image (its recall step once per step and
+ * layer, the pack, a RoPE layer's emission); the policy work is the commit's. */
 static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, void *stream,
                               const kvt_emit *emit) {
     kvt_ctx *ctx = b->ctx;
@@ -1130,7 +1131,6 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "layer %u: emit is not the one kvt_batch_plan_device planned for",
                              layer);
-    const uint8_t *at = b->plan_dev + b->plan_at[layer];
     const bool rope = plans_rope(b, layer);
     if ((plans_recall(b, layer) || rope) && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
@@ -1138,42 +1138,16 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
                              "recall, holds the recall step (a graph replays it over steps "
                              "that recall)",
                              layer);
-    kvt_status s;
-    if (plans_recall(b, layer)) {
-        if (b->recall_ran[layer] == 0) { /* once per step and layer, as kvt_batch_run */
-            kvt__recall_plan_args ra;
-            recall_plan_args(b, layer, query, &ra);
-            if ((s = b->be.ops->recall_step_planned(&b->be, &ra, stream)) != KVT_OK)
-                return kvt__ctx_fail(ctx, s, "the planned recall step of layer %u", layer);
-            b->recall_ran[layer] = 1;
-        }
-    }
-    kvt__recall_rope_plan_args rp;
-    if (rope) {
-        rope_plan_args(b, layer, query, &rp);
-        if (b->recall_ran[layer] == 0) { /* the trigger once per step and layer */
-            if ((s = b->be.ops->recall_rope_step_planned(&b->be, &rp, stream)) != KVT_OK)
-                return kvt__ctx_fail(ctx, s, "the planned RoPE recall step of layer %u", layer);
-            b->recall_ran[layer] = 1;
-        }
-    }
-    kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
-                         .n_plan = (const uint32_t *)at,
-                         .n_max = b->max_seqs * b->plan_qpr[layer],
-                         .dense_out = emit->dense, .dense_stride = b->plan_qpr[layer],
-                         .pdiv = &ctx->pdiv, .csr = emit->layout != KVT_EMIT_TOKENS,
-                         .first_csr = true, .capacity = emit->capacity,
-                         .indices = emit->indices, .lengths = emit->lengths,
-                         .indptr = emit->indptr};
+    layer_run lr = {.S = 1, .qpr = b->plan.qpr[layer], .planned = true,
+                    .query_floats = run_query_floats(b, layer, rope) * b->max_seqs};
+    plan_bounds(b, layer, &lr);
     b->ran = true;
     b->stream = stream;
-    s = b->be.ops->pack(&b->be, &pa, stream);
-    if (s != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "packing the planned sets of layer %u", layer);
-    /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags) */
-    if (rope && (s = b->be.ops->recall_rope_emit_planned(&b->be, &rp, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "the planned RoPE recall lists of layer %u", layer);
-    return KVT_OK;
+    kvt_status s = exec_layer(b, &b->plan, layer, query, stream, emit, &lr,
+                              b->recall_ran[layer] == 0);
+    if (s == KVT_OK)
+        b->recall_ran[layer] = 1; /* the recall step once per step and layer */
+    return s;
 }
 
 kvt__backend *kvt__batch_backend(kvt_batch *b) {
@@ -1236,11 +1210,12 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * several query tokens emitted one by one, leaves it to the commit: its decisions then see
      * only the accepted rows, and each query token's view is the committed state plus the
      * step's rows up to its own. */
-    bool fetches = false, rope = false;
+    bool fetches = false, rope = false, recalls = false;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
         b->recall_way[i] = recall_way(b, i, layer, S);
         fetches |= b->recall_way[i] == RECALL_FETCH;
+        recalls |= b->recall_way[i] != RECALL_NONE;
         rope |= b->seqs[i] && kvt__seq_recalls_rope(b->seqs[i], layer);
     }
     if (fetches && !query)
@@ -1256,6 +1231,13 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                              layer,
                              one_kv ? "TOKENS and CSR take one query per request here"
                                     : "its KV heads attend different rows");
+    if (rope && !be_has_rope(&b->be))
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "layer %u: the %s backend has no RoPE recall ops", layer,
+                             b->be.ops->name);
+    if ((s = eager_room(b, layer, S * n_kv, recalls ? (rope ? PLAN_ROPE : PLAN_NOPE) : 0)) !=
+        KVT_OK)
+        return s;
     b->ran = true;
     b->stream = stream;
     s = kvt__seqs_step(ctx, b->seqs, b->defer, b->n_seqs, layer, &b->be, stream, b->steps,
@@ -1263,68 +1245,33 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (s != KVT_OK)
         return s;
 
-    /* 2. Capacity, then the attended sets: entry q = i * S + t is query token t of request i,
-     * which sees the step's first min(t + 1, n_tokens[i]) rows (one query per request: all).
-     * The host describes each set in O(1) (kvt__seq_step_query); the backend's pack writes the
-     * slots into the emission arrays, which live in its memory space, in chunks of queries. */
-    uint64_t total = 0;
-    kvt__pack_query q[KVT__PACK_CHUNK];
+    /* 2. The run's description (capacity first: nothing written when it fails), then its
+     * execution: entry q = i * S + t is query token t of request i, which sees the step's first
+     * min(t + 1, n_tokens[i]) rows (one query per request: all). */
+    layer_run lr = {.S = S, .qpr = n_kv,
+                    .query_floats = run_query_floats(b, layer, rope) * b->n_seqs};
+    plan_bounds(b, layer, &lr);
+    s = plan_layer(b, &b->eager, layer, emit, &lr, NULL);
+    if (s == KVT_OK)
+        s = plan_write_layer(b, &b->eager, layer, &lr, stream);
+    if (s == KVT_OK)
+        s = exec_layer(b, &b->eager, layer, query, stream, emit, &lr, lr.n_recall > 0);
+    /* the requests whose recall ran: once per step and layer; config.recall_lagged_query: the
+     * op copied this step's queries, the next step's */
     for (uint32_t i = 0; i < b->n_seqs; i++) {
-        const kvt_seq *sq = b->seqs[i];
-        for (uint32_t t = 0; sq && t < S; t++) {
-            kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), &q[0]);
-            /* With recall the set may be every row of the view: what the host can promise (on a
-             * RoPE layer: the held rows and the whole archive, the request's rows). */
-            uint64_t n = b->recall_way[i] == RECALL_NONE ? kvt__attended_desc_count(&q[0].d)
-                         : kvt__seq_recalls_rope(sq, layer) ? sq->n_tokens + sq->n_pending
-                                                            : q[0].d.hi_end;
-            n *= n_kv;
-            if (tokens && n > emit->capacity)
-                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; nothing "
-                                     "written (kvt_batch_capacity)",
-                                     i, (unsigned long long)n, layer, emit->capacity);
-            total += n;
-        }
-    }
-    if (!tokens && (total > emit->capacity || total > INT32_MAX))
-        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                             "the batch attends %llu rows on layer %u, capacity is %u; nothing "
-                             "written (kvt_batch_capacity)",
-                             (unsigned long long)total, layer, emit->capacity);
-    const kvt__backend *be = &b->be;
-    /* 3. The trigger (recall on): fetched rows and dense flags, in the backend's memory. */
-    if ((s = run_recall(b, layer, query, stream, emit)) != KVT_OK)
-        return s;
-    kvt__pack_args pa = {.q = q, .pdiv = &ctx->pdiv, .csr = !tokens, .first_csr = !heads,
-                         .dev_offsets = !tokens && fetches, .capacity = emit->capacity,
-                         .indices = emit->indices, .lengths = emit->lengths,
-                         .indptr = emit->indptr};
-    if (heads || (rope && !tokens)) /* the lists are chained on the backend from indptr[0] */
-        return emit_kv_heads(b, layer, n_kv, stream, emit, q, &pa);
-    uint64_t off = 0;
-    uint32_t k = 0, ne = 0;
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        const kvt_seq *sq = b->seqs[i];
-        if (sq && kvt__seq_recalls_rope(sq, layer)) { /* TOKENS, one KV head, S = 1 */
-            if ((s = emit_rope_tokens(b, i, layer, emit, &ne)) != KVT_OK)
-                return s;
+        kvt_seq *sq = b->seqs[i];
+        if (!sq || !b->itemized[i])
             continue;
-        }
-        for (uint32_t t = 0; t < S; t++) {
-            set_query(b, i, t, layer, S, emit, &off, &q[k]);
-            if (++k == KVT__PACK_CHUNK && (s = flush_pack(b, layer, stream, &pa, &k)) != KVT_OK)
-                return s;
-        }
+        if (s == KVT_OK)
+            sq->recalled[layer] = 1;
+        if (!kvt__seq_recalls(sq, layer))
+            continue;
+        kvt__recall_layer *r = &sq->recall[layer];
+        if (r->lag_plan_item && s == KVT_OK)
+            r->lag_has = 1;
+        r->lag_plan_item = 0;
     }
-    if (k && (s = flush_pack(b, layer, stream, &pa, &k)) != KVT_OK)
-        return s;
-    if ((s = flush_rope_emits(b, layer, stream, &ne)) != KVT_OK)
-        return s;
-    if (!tokens && b->n_seqs == 0 && (s = be->ops->write(be, emit->indptr, &(int32_t){0},
-                                                         sizeof(int32_t), stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "emission of an empty batch");
-    return KVT_OK;
+    return s;
 }
 
 kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {

@@ -960,7 +960,11 @@ KVT_API kvt_status kvt_batch_reserve(kvt_batch *batch, kvt_seq *const *seqs,
  * total new tokens. KVT_ERR_CAPACITY (nothing written) when capacity < *n. */
 KVT_API kvt_status kvt_batch_slot_mapping(const kvt_batch *batch, uint32_t layer, int32_t *slots,
                                           uint32_t capacity, uint32_t *n);
-/* Plan the step (host only; touches no row). KVT_ERR_BAD_STATE without a reservation. */
+/* Fix the step: from here to commit its requests are read-only by position (the by-position and
+ * statistics calls answer KVT_ERR_BAD_STATE) and its runs may start. Host only; it touches no
+ * row, allocates nothing and decides nothing: which closes and rounds the step makes due follows
+ * from counts, and each layer's first kvt_batch_run does them (or kvt_batch_commit, for a planned
+ * step: kvt_batch_plan_device). KVT_ERR_BAD_STATE without a reservation. */
 KVT_API kvt_status kvt_batch_plan(kvt_batch *batch);
 /* After plan: the per-request row capacity (topk) that always suffices for kvt_batch_run on
  * `layer` this step — the longest request's rows, this step's included, which a step that must

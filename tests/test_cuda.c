@@ -1601,6 +1601,7 @@ static void rope_planned(rig *r, rope_plan_rig *pr, const rope_case *cs,
                          const kvt__recall_rope_args *ga, const kvt__recall_rope_emit_args *ge,
                          bool emit) {
     kvt__recall_rope_plan_args pa = {.items = pr->items, .emits = pr->emits, .n = pr->n,
+                                     .n_emit = pr->n,
                                      .n_max = RN + 2, .query = pr->q,
                                      .query_floats = (RN + 2) * RQ * RDIM};
     pa.bound = ga[0];

@@ -2471,7 +2471,7 @@ kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_em
  * start from them concurrently. (Found by the CUDA emulation: every item had been emitted without
  * its entries, cuda::recall_rope_planned_equals_the_cpu.) */
 __global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
-    const uint32_t k = *a.n;
+    const uint32_t k = *a.n_emit;
     if (k > a.n_max)
         return;
     for (uint32_t i = blockIdx.x; i < k; i += gridDim.x) {
@@ -2487,7 +2487,7 @@ kvt_status cu_recall_rope_emit_planned(const kvt__backend *be, const kvt__recall
                                        void *stream) {
     if (a->n_max == 0)
         return KVT_OK;
-    if (a->n_max > 65535u || !a->emits || !a->n)
+    if (a->n_max > 65535u || !a->emits || !a->n_emit)
         return KVT_ERR_INVALID_ARGUMENT;
     kvt_status s = op_begin(be, stream, true);
     if (s == KVT_OK) {

@@ -695,7 +695,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     if (strcmp(kvt_ctx_backend_name(ctx), "cpu") != 0) {
         if ((s = kvt_buffer_alloc(ctx, sizeof(int32_t) * (c->n_rows + 1) * NB, &em_idx)) !=
                 KVT_OK ||
-            (s = kvt_buffer_alloc(ctx, sizeof(int32_t) * NB, &em_len)) != KVT_OK) {
+            (s = kvt_buffer_alloc(ctx, sizeof(int32_t) * NB, &em_len)) != KVT_OK ||
+            (s = kvt_buffer_alloc(ctx, NB, &d_buf)) != KVT_OK) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_buffer_alloc (emission)");
             goto done;
         }
@@ -703,8 +704,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     if (recall) {
         qhost = malloc(sizeof(float) * qn * NB);
         archived = malloc(n_slots + 1);
-        if (em_idx && ((s = kvt_buffer_alloc(ctx, sizeof(float) * qn * NB, &q_buf)) != KVT_OK ||
-                       (s = kvt_buffer_alloc(ctx, NB, &d_buf)) != KVT_OK)) {
+        if (em_idx && (s = kvt_buffer_alloc(ctx, sizeof(float) * qn * NB, &q_buf)) != KVT_OK) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_buffer_alloc (recall queries)");
             goto done;
         }
