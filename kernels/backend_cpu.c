@@ -7,7 +7,7 @@
 #include "kernels/recall_scan.h"
 #include "kernels/recall_step.h"
 #include "kernels/recall_group.h"
-#include "kernels/recall_rope.h"
+#include "kernels/rope_trigger.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"

@@ -1,7 +1,7 @@
 /*
  * recall_step.h — one decode step of the recall tier for one (request, layer), CPU twin
  * (docs/recall.md §4). Arranges the KVT_HD functions of recall_scan.h (exact score, idx, cert,
- * the triggers) and conformal.h (samples, z); a CUDA kernel over the same functions gives the
+ * the triggers) and conformal_math.h (samples, z); a CUDA kernel over the same functions gives the
  * same bits. The step, given the request's absorbed queries (one per query head):
  *
  *   1. best_h = the head's highest exact score (kvt__recall_exact) over the rows attended without
@@ -33,7 +33,7 @@
 #define KVT_KERNELS_RECALL_STEP_H
 
 #include "kernels/backend.h"
-#include "kernels/conformal.h"
+#include "kernels/conformal_math.h"
 #include "kernels/recall_scan.h"
 
 #include <float.h>

@@ -51,7 +51,7 @@
 
 #include "kernels/kvt_hd.h"
 #include "kernels/philox.h"
-#include "kernels/recall_rope.h"
+#include "kernels/rope_trigger.h"
 #include "kernels/sketch.h"
 #include "kernels/topm.h"
 

@@ -22,10 +22,10 @@
 
 extern "C" {
 #include "kernels/backend.h"
-#include "kernels/conformal.h"
+#include "kernels/conformal_math.h"
 #include "kernels/philox.h"
 #include "kernels/recall_group.h"
-#include "kernels/recall_rope.h"
+#include "kernels/rope_trigger.h"
 #include "kernels/recall_scan.h"
 #include "kernels/recall_promo.h"
 #include "kernels/recall_step.h"
@@ -1853,7 +1853,7 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
 
 /* ----------------------------------------------------------------------------------------------
  * RoPE recall (recall_rope_step, recall_rope_emit): the CPU twin kvt__recall_rope_step_cpu
- * (kernels/recall_rope.c) per request = grid z (up to kMaxRope a launch: the library calls the
+ * (kernels/rope_trigger.c) per request = grid z (up to kMaxRope a launch: the library calls the
  * op once per layer for the batch), KV head h = grid y, its G query heads = grid x; each
  * (request, KV head) a scan item of the workspace (request r's head h: item r·KV + h, KV the
  * most KV heads of the launch), each KV head's scan view built on the device
@@ -1931,7 +1931,7 @@ __device__ uint64_t rope_groups_want(const kvt__recall_rope_args &a) {
     return w < a.g_blocks_cap ? w : a.g_blocks_cap;
 }
 
-/* KV head h's group planes (block b at slot b·n_kv + h, kernels/recall_rope.h), its grouped
+/* KV head h's group planes (block b at slot b·n_kv + h, kernels/rope_trigger.h), its grouped
  * blocks after this step's build: max(n_grouped, want), within the archive. */
 __device__ kvt__recall_groups rope_groups(const kvt__recall_rope_args &a, uint32_t h) {
     const uint32_t B = a.g_B, G = kvt__recall_group_slots(B);
