@@ -533,7 +533,7 @@ typedef struct kvt__backend_ops {
     void (*graph_free)(const kvt__backend *be, void *graph);
 } kvt__backend_ops;
 
-/* A capture in progress on a CPU backend handle (kernels/backend_cpu.c). */
+/* A capture in progress on a CPU backend handle (kernels/capture_cpu.c). */
 typedef struct kvt__capture kvt__capture;
 
 struct kvt__backend {
