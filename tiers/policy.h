@@ -406,4 +406,10 @@ uint64_t kvt__attended_count(const kvt__tier_layer *l);
 kvt_status kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
 kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
 
+/* The evict table's snapshot entries (tiers/evict_state.c; policy_ops.snap_*). */
+uint64_t kvt__ev_snap_size(const kvt__tier_layer *l);
+kvt_status kvt__ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
+kvt_status kvt__ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                            const uint8_t *src, uint64_t n);
+
 #endif
