@@ -66,7 +66,8 @@ KVT_HD int kvt__recall_prune_pays(const kvt__recall_state *st, uint64_t step) {
 }
 
 /* The recall ops' argument rules, one definition for every backend (the CPU and guarded ops in
- * backend_cpu.c and backend_guarded.c, the CUDA ops in cuda/backend.cu answer KVT_ERR_INVALID_ARGUMENT when false).
+ * backend_cpu.c and backend_guarded.c, the CUDA ops in cuda/cu_recall.cu and cu_rope.cu answer
+ * KVT_ERR_INVALID_ARGUMENT when false).
  * The latent's row dtype by kvt__sketch_dtype_ok (fp8 ds_mla included), the branch's bf16 / fp16 /
  * fp32, and z as the mode takes it: sound >= √(D − 64) (false for NaN; +Inf fires every row),
  * margin a finite δ >= 0, conformal any finite z. */
