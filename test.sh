@@ -52,7 +52,7 @@ TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
   run_config build-test-tsan "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA=OFF -DKVT_TSAN=ON -DKVT_BUILD_TOOLS=OFF -DKVT_BUILD_BENCH=OFF
 # ---------------------------------------------------------------------------------------------
 # cuda-emu: the CUDA backend executed on the CPU (-DKVT_CUDA_EMU=ON, docs/cuda-emulation.md):
-# backend.cu compiled unmodified against kernels/cuda/emu, every CUDA case of the suite with
+# kernels/cuda/*.cu compiled unmodified against kernels/cuda/emu, every CUDA case of the suite with
 # KVT_REQUIRE_GPU=1 (ctest -L cuda_emu: test_cuda, test_graph's CUDA replays, also under reverse
 # and shuffled thread orders, test_golden, test_fp8's and test_rope_recall's CUDA cases,
 # test_recall_step's CUDA decode, the needle cell whose CSV must be the CPU's); then test_cuda's

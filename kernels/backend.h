@@ -14,9 +14,9 @@
 #include "kernels/kvt_hd.h"
 
 typedef struct kvt__backend kvt__backend;
-struct kvt__recall_rope_args;      /* kernels/recall_rope.h */
-struct kvt__recall_rope_emit_args; /* kernels/recall_rope.h */
-struct kvt__recall_rope_plan_args; /* kernels/recall_rope.h */
+struct kvt__recall_rope_args;      /* kernels/rope_trigger.h */
+struct kvt__recall_rope_emit_args; /* kernels/rope_trigger.h */
+struct kvt__recall_rope_plan_args; /* kernels/rope_trigger.h */
 
 /* Score n rows of one closed block for the salience selector. Row u lives at
  * base + slot(first_row + u) * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
@@ -119,7 +119,7 @@ KVT_HD const float *kvt__scan_rho(const kvt__recall_scan_args *a, uint64_t row) 
 }
 
 /* What the recall tier keeps of one (request, layer) between steps, in the backend's memory:
- * the conformal calibration (kernels/conformal.h) and the certificate of the last step with its
+ * the conformal calibration (kernels/conformal_math.h) and the certificate of the last step with its
  * running totals (kvt_layer_stats' recall fields). Only the recall step op writes it; the host
  * zeroes it (z = Z_MAX) at creation and reads it for statistics and snapshots. */
 typedef struct kvt__recall_state {
@@ -476,7 +476,7 @@ typedef struct kvt__backend_ops {
      * request). A failure (scratch) leaves every kept set untouched. */
     kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
     /* (optional) The recall steps of n (request, GQA/MHA-RoPE layer) work items
-     * (kernels/recall_rope.h): per KV head the scan of its archive with its query heads, or a
+     * (kernels/rope_trigger.h): per KV head the scan of its archive with its query heads, or a
      * calibration step. The library calls it once per layer with every RoPE-recalling request
      * of the batch (the CUDA op: one launch sequence per 32 of them). NULL where the backend has
      * none: the library then refuses recall on RoPE layers. KVT_ERR_INVALID_ARGUMENT as
@@ -484,14 +484,14 @@ typedef struct kvt__backend_ops {
     kvt_status (*recall_rope_step)(const kvt__backend *be, const struct kvt__recall_rope_args *a,
                                    uint32_t n, void *stream);
     /* (optional, with recall_rope_step) The emission of n requests' RoPE recall steps
-     * (kernels/recall_rope.h): fetched archive rows copied into each request's fetch slots, and
+     * (kernels/rope_trigger.h): fetched archive rows copied into each request's fetch slots, and
      * per KV head a CSR list of the table's rows then the fetched ones. KVT_ERR_INVALID_ARGUMENT
      * (nothing written) for arguments out of range. */
     kvt_status (*recall_rope_emit)(const kvt__backend *be,
                                    const struct kvt__recall_rope_emit_args *a, uint32_t n,
                                    void *stream);
     /* (optional, with recall_rope_step) A planned layer's RoPE trigger and emission
-     * (kvt__recall_rope_plan_args, kernels/recall_rope.h), capturable: items i < *n as the eager
+     * (kvt__recall_rope_plan_args, kernels/rope_trigger.h), capturable: items i < *n as the eager
      * ops run them (the trigger's queries at query + q_off), read when the op runs. *n above
      * n_max runs nothing; the CPU backends answer KVT_ERR_INVALID_ARGUMENT (nothing run) when an
      * item breaks the rules or the bound; the CUDA ones make such a trigger item's step dense
@@ -533,7 +533,7 @@ typedef struct kvt__backend_ops {
     void (*graph_free)(const kvt__backend *be, void *graph);
 } kvt__backend_ops;
 
-/* A capture in progress on a CPU backend handle (kernels/backend_cpu.c). */
+/* A capture in progress on a CPU backend handle (kernels/capture_cpu.c). */
 typedef struct kvt__capture kvt__capture;
 
 struct kvt__backend {

@@ -1,5 +1,5 @@
 /* backend_cuda_absent.c — the CUDA slot of a build without nvcc: a clear NO_DEVICE answer.
- * Builds with CUDA define these in kernels/cuda/backend.cu instead. */
+ * Builds with CUDA define these in kernels/cuda/cu_backend.cu instead. */
 #include "backend.h"
 
 #include "lib/base/base.h"

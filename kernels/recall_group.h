@@ -315,7 +315,7 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
  * (rows [0, n_blocks·block_rows), every one closed), block b's planes at slot k = b·stride
  * (stride 0 reads as 1): perm + k·B, n_groups + k, end + k·B/32, centre + k·(B/32)·dim, stat +
  * k·(B/32)·KVT__RG_STATS. A RoPE layer's planes interleave its KV heads (stride n_kv, each head's
- * pointers offset by its slot; kernels/recall_rope.h). Closed rows past the grouped blocks are
+ * pointers offset by its slot; kernels/rope_trigger.h). Closed rows past the grouped blocks are
  * scanned one by one. */
 typedef struct kvt__recall_groups {
     uint32_t block_rows;

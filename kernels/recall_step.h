@@ -1,7 +1,7 @@
 /*
  * recall_step.h — one decode step of the recall tier for one (request, layer), CPU twin
  * (docs/recall.md §4). Arranges the KVT_HD functions of recall_scan.h (exact score, idx, cert,
- * the triggers) and conformal.h (samples, z); a CUDA kernel over the same functions gives the
+ * the triggers) and conformal_math.h (samples, z); a CUDA kernel over the same functions gives the
  * same bits. The step, given the request's absorbed queries (one per query head):
  *
  *   1. best_h = the head's highest exact score (kvt__recall_exact) over the rows attended without
@@ -33,7 +33,7 @@
 #define KVT_KERNELS_RECALL_STEP_H
 
 #include "kernels/backend.h"
-#include "kernels/conformal.h"
+#include "kernels/conformal_math.h"
 #include "kernels/recall_scan.h"
 
 #include <float.h>
@@ -66,7 +66,8 @@ KVT_HD int kvt__recall_prune_pays(const kvt__recall_state *st, uint64_t step) {
 }
 
 /* The recall ops' argument rules, one definition for every backend (the CPU and guarded ops in
- * backend_cpu.c, the CUDA ops in cuda/backend.cu answer KVT_ERR_INVALID_ARGUMENT when false).
+ * backend_cpu.c and backend_guarded.c, the CUDA ops in cuda/cu_recall.cu and cu_rope.cu answer
+ * KVT_ERR_INVALID_ARGUMENT when false).
  * The latent's row dtype by kvt__sketch_dtype_ok (fp8 ds_mla included), the branch's bf16 / fp16 /
  * fp32, and z as the mode takes it: sound >= √(D − 64) (false for NaN; +Inf fires every row),
  * margin a finite δ >= 0, conformal any finite z. */

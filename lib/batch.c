@@ -1,7 +1,7 @@
 /* batch.c — one step of many requests: reserve (all or nothing, vLLM's slot_mapping), plan,
  * run per layer (the layer's due close or round, then the attended set into the caller's
  * fixed-capacity buffers), commit. The timeline is stated in kvtier.h; the per-request work is
- * sequence.c's, the policy work tiers/' (through the policy tables). */
+ * seq_step.c's, the policy work tiers/' (through the policy tables). */
 #include "handles.h"
 
 #include <stdarg.h>

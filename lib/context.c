@@ -5,7 +5,7 @@
  * them calls back up into this file. */
 #include "handles.h"
 
-#include "kernels/recall_rope.h"
+#include "kernels/rope_trigger.h"
 #include "kernels/recall_step.h"
 #include "kernels/topm.h"
 #include "recall/recall.h"

@@ -337,7 +337,8 @@ static uint64_t rows_bytes(const kvt_ctx *ctx, const kvt__store *st, const kvt__
     return ROWS_HEAD + (t->n_rows - first) * st->slot_bytes * st->spec.n_planes;
 }
 
-/* Layer i as its policy table's entries see it (sequence.c builds the same view). */
+/* Layer i as its policy table's entries see it (seq_internal.h's kvt__seq_tier_layer builds the
+ * same view). */
 static kvt__tier_layer tier_layer(const kvt_seq *seq, uint32_t i) {
     const kvt_ctx *ctx = seq->ctx;
     const kvt__store *st = &ctx->stores[i];

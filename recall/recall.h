@@ -16,7 +16,7 @@
 #define KVT_RECALL_RECALL_H
 
 #include "kernels/backend.h"
-#include "kernels/conformal.h"
+#include "kernels/conformal_math.h"
 
 /* Samples a calibration can hold per query head: one per calibration step, 64 steps. */
 #define KVT__RECALL_SAMPLES_PER_HEAD KVT__CONFORMAL_LAST_WINDOW

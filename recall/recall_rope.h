@@ -1,6 +1,6 @@
 /*
  * recall_rope.h — the recall trigger's state of one (request, GQA/MHA-RoPE layer) (docs/recall.md
- * §8, kernels/recall_rope.h). The archive is the evict policy's (its recall_rope_view); what the
+ * §8, kernels/rope_trigger.h). The archive is the evict policy's (its recall_rope_view); what the
  * recall tier owns is, in the backend's memory:
  *
  *   base: the NoPE layout for n_q query heads and no fetch list (kvt__recall_layer with cap 0):
@@ -15,7 +15,7 @@
 #ifndef KVT_RECALL_RECALL_ROPE_H
 #define KVT_RECALL_RECALL_ROPE_H
 
-#include "kernels/recall_rope.h"
+#include "kernels/rope_trigger.h"
 #include "recall/recall.h"
 
 typedef struct kvt__recall_rope_layer {

@@ -20,10 +20,10 @@
 #include <criterion/criterion.h>
 
 #include "kernels/backend.h"
-#include "kernels/conformal.h"
+#include "kernels/conformal_math.h"
 #include "kernels/evict.h"
 #include "kernels/recall_promo.h"
-#include "kernels/recall_rope.h"
+#include "kernels/rope_trigger.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sigma.h"
 #include "kernels/sketch.h"

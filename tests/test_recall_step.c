@@ -1,7 +1,7 @@
 /*
  * test_recall_step.c — the recall trigger inside a decode step (kvt_batch_run with recall on,
  * docs/recall.md §4): every emitted set is checked against a host oracle built from the
- * per-element functions (kernels/recall_scan.h, kernels/conformal.h) on the rows as the test
+ * per-element functions (kernels/recall_scan.h, kernels/conformal_math.h) on the rows as the test
  * wrote them — calibration steps attend every row and fix z exactly as recall/conformal.c does
  * on the same samples; later steps attend sinks ∪ kept ∪ tail ∪ the rows the trigger fires;
  * overflow attends every row; the CPU and guarded backends (and CUDA, where a device is

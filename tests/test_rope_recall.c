@@ -18,7 +18,7 @@
 
 #include "kernels/attn.h"
 #include "kernels/kvt_hd.h"
-#include "kernels/recall_rope.h"
+#include "kernels/rope_trigger.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sketch.h"
 #include "kvtier.h"

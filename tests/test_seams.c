@@ -384,7 +384,7 @@ Test(seams, context_creation) {
             "backend_cpu.c:cpu_buf_alloc", "backend_cpu.c:kvt__backend_cpu_open", NULL};
         static const char *const guarded[] = {
 #include "support/seams_ctx_sites.h"
-            "backend_cpu.c:kvt__backend_guarded_open", "backend_cpu.c:g_buf_alloc", NULL};
+            "backend_guarded.c:kvt__backend_guarded_open", "backend_guarded.c:g_buf_alloc", NULL};
         cr_assert_gt(
             sweep(&e, KVT__SEAM_ALLOC, KVT_ERR_OUT_OF_MEMORY, variant == 2 ? guarded : cpu, NULL),
             10);

@@ -261,7 +261,7 @@ struct kvt__policy_ops {
      * layer has nothing to recall from (no sketch planes). Without it the layer never recalls. */
     bool (*recall_view)(const kvt__tier_layer *l, kvt__recall_scan_args *a);
     /* (optional) The archive of a GQA/MHA-RoPE layer as the RoPE recall trigger reads it
-     * (kernels/recall_rope.h), for the view l: the attended rows' keys (the table's mirror,
+     * (kernels/rope_trigger.h), for the view l: the attended rows' keys (the table's mirror,
      * l->pt->n_rows rows), every KV head's archive, its sketches, bases and ranks (the fields up
      * to `rank`; every pointer in the backend's memory); the query side is the recall tier's.
      * KVT_OK; KVT_ERR_UNSUPPORTED when the layer has nothing to recall from (no archive, no
@@ -405,5 +405,11 @@ void kvt__none_attended(const kvt__tier_layer *l, kvt__attended_desc *d);
 uint64_t kvt__attended_count(const kvt__tier_layer *l);
 kvt_status kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
 kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
+
+/* The evict table's snapshot entries (tiers/evict_state.c; policy_ops.snap_*). */
+uint64_t kvt__ev_snap_size(const kvt__tier_layer *l);
+kvt_status kvt__ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
+kvt_status kvt__ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                            const uint8_t *src, uint64_t n);
 
 #endif

@@ -386,6 +386,14 @@ bool kvt__ev_round_due(const kvt_config *cfg, uint64_t n_rows);
  * first K - 1 rows when the prompt alone reaches K), and with cfg->evict_vase at least the first
  * 4 rows; never more than K. */
 uint64_t kvt__ev_protected_rows(const kvt_config *cfg, uint64_t prompt_rows);
+/* Does the prompt alone reach the budget K (cfg->protect_prompt)? Then a round keeps only its
+ * first K - 1 rows. */
+bool kvt__ev_prompt_over_budget(const kvt_config *cfg, uint64_t prompt_rows);
+/* Capacity for a round over N rows per head keeping K (slot map, keep sets; evict.c), and for
+ * `add` more archived rows per head (on the stream; NULL: synchronously). A failure changes
+ * nothing. Used by the rounds and by a snapshot's load (evict_state.c). */
+kvt_status kvt__ev_round_reserve(kvt__ev *e, uint64_t N, uint64_t K);
+kvt_status kvt__ev_archive_reserve(kvt__ev *e, uint64_t add, void *stream);
 /* Run one round on every layer of an evict group of one sequence: per layer and head choose the
  * K kept rows among candidates (all but the newest r), archive or drop the others, compact each
  * head's survivors to the front in chronological order, then shrink the page table to K + r rows
@@ -415,6 +423,8 @@ bool kvt__spec_ds_mla(const kvt_layer_spec *sp);
 uint32_t kvt__ev_sketch_stride(const kvt_layer_spec *sp, uint32_t stride);
 /* Row index of a position for head h, or -1 when not attended. O(log rows), synchronising. */
 int64_t kvt__ev_find(const kvt__ev *e, const kvt__ptable *pt, uint32_t head, uint64_t pos);
+/* Index into head's archive of a position, or -1. Synchronising. */
+int64_t kvt__ev_archive_find(const kvt__ev *e, uint32_t head, uint64_t pos);
 /* Copy the archived row of (head, pos), plane `plane` (row_bytes), into dst: KVT_OK, or
  * KVT_ERR_INVARIANT when it is not archived, or the backend read's status. Synchronising. */
 kvt_status kvt__ev_read_archived(const kvt__ev *e, const kvt_layer_spec *spec, uint32_t head,

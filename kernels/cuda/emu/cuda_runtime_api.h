@@ -2,7 +2,7 @@
  * cuda_runtime_api.h — the CUDA emulation's runtime API (-DKVT_CUDA_EMU=ON; docs/cuda-emulation.md):
  * the host functions kvtier's CUDA backend, its tests and benchmarks call, and nothing else, so a
  * call to anything this file does not declare fails to compile, naming it. Readable by C (the
- * tests include it) and C++ (kernels/cuda/emu/cuda_runtime.h, which backend.cu includes). The
+ * tests include it) and C++ (kernels/cuda/emu/cuda_runtime.h, which the backend's .cu files include). The
  * names, values and signatures are the CUDA 12 runtime's, so the same sources build against the
  * real toolkit unchanged.
  *

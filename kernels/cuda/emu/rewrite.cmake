@@ -4,7 +4,7 @@
 # with kernels/cuda/emu/cuda_runtime.h. Nothing else changes. A launch of another shape (a
 # template-id before `<<<`, a `>>>` not followed by the arguments) leaves the counts unequal and
 # stops the build, naming the file.
-#   cmake -DIN=backend.cu -DOUT=backend.emu.cpp -P rewrite.cmake
+#   cmake -DIN=cu_backend.cu -DOUT=cu_backend.emu.cpp -P rewrite.cmake
 file(READ "${IN}" src)
 string(REGEX MATCHALL "<<<" opens "${src}")
 string(REGEX MATCHALL ">>>" closes "${src}")

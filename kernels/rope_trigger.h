@@ -1,8 +1,8 @@
 /*
- * recall_rope.h — one decode step of the recall trigger on a GQA/MHA-RoPE layer under random
+ * rope_trigger.h — one decode step of the recall trigger on a GQA/MHA-RoPE layer under random
  * eviction with the archive (docs/recall.md §9), CPU twin. The NoPE step (kernels/recall_step.h)
  * per KV head: the archive of head h is the scanned set, its query heads (the group of h) the
- * scan's heads. Arranges the KVT_HD functions of recall_scan.h and conformal.h, and calls the
+ * scan's heads. Arranges the KVT_HD functions of recall_scan.h and conformal_math.h, and calls the
  * full scan (kvt__recall_scan_cpu) once per KV head; a CUDA kernel over the same functions gives
  * the same bits.
  *
@@ -41,11 +41,11 @@
  * attended scores), ties to the lower index, ascending — with overflow[h] set, and counts as an
  * overflow step.
  */
-#ifndef KVT_KERNELS_RECALL_ROPE_H
-#define KVT_KERNELS_RECALL_ROPE_H
+#ifndef KVT_KERNELS_ROPE_TRIGGER_H
+#define KVT_KERNELS_ROPE_TRIGGER_H
 
 #include "kernels/backend.h"
-#include "kernels/conformal.h"
+#include "kernels/conformal_math.h"
 #include "kernels/recall_scan.h"
 #include "kernels/topm.h"
 
@@ -362,4 +362,4 @@ KVT_HD int kvt__recall_rope_emit_plan_item_args(const kvt__recall_rope_plan_args
     return x->ar_n <= a->bound.ar_n && kvt__recall_rope_emit_ok(x);
 }
 
-#endif /* KVT_KERNELS_RECALL_ROPE_H */
+#endif /* KVT_KERNELS_ROPE_TRIGGER_H */

@@ -1,12 +1,12 @@
 /*
- * conformal.h — the per-element math of the recall trigger's conformal multiplier z (definition
+ * conformal_math.h — the per-element math of the recall trigger's conformal multiplier z (definition
  * and guarantee: recall/conformal.h, docs/recall.md §4). KVT_HD so the recall step's CPU twin and
  * a CUDA kernel fix z from the same samples with the same integer rank and the same order: the
  * samples are kept sorted ascending as they arrive (insertion keeps a NaN-free array sorted), so
  * the k-th smallest is one read. recall/conformal.c wraps the same functions for host callers.
  */
-#ifndef KVT_KERNELS_CONFORMAL_H
-#define KVT_KERNELS_CONFORMAL_H
+#ifndef KVT_KERNELS_CONFORMAL_MATH_H
+#define KVT_KERNELS_CONFORMAL_MATH_H
 
 #include <math.h>
 #include <stdint.h>
@@ -104,4 +104,4 @@ KVT_HD uint32_t kvt__conformal_close(const float *sorted, uint32_t n, uint32_t s
     return steps >= KVT__CONFORMAL_LAST_WINDOW ? KVT__CONFORMAL_PROVISIONAL : KVT__CONFORMAL_OPEN;
 }
 
-#endif /* KVT_KERNELS_CONFORMAL_H */
+#endif /* KVT_KERNELS_CONFORMAL_MATH_H */
