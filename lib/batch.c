@@ -511,16 +511,20 @@ static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_
     return S == 1 || t >= b->n_tokens[i] ? b->n_tokens[i] : t + 1;
 }
 
-/* How a request's set is made on a layer: without recall; with the trigger's fetched rows (one
- * query token); every row (a request with recall whose step has several query tokens). */
-enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2 };
+/* How a request's set is made on a layer (RECALL_WAY bits): without recall; with the trigger's
+ * fetched rows (one query token); every row (a request with recall whose step has several query
+ * tokens); RECALL_ROPE: its recall is a RoPE layer's (docs/recall.md §9). */
+enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2, RECALL_WAY = 3, RECALL_ROPE = 4 };
 
 static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32_t S) {
     const kvt_seq *sq = b->seqs[i];
-    if (!sq || !(kvt__seq_recalls(sq, layer) || kvt__seq_recalls_rope(sq, layer)))
+    const bool nope = sq && kvt__seq_recalls(sq, layer);
+    const bool rope = sq && !nope && kvt__seq_recalls_rope(sq, layer);
+    if (!nope && !rope)
         return RECALL_NONE;
-    return b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
-                                                                                 : RECALL_ALL;
+    return (b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
+                                                                                  : RECALL_ALL) |
+           (rope ? RECALL_ROPE : 0);
 }
 
 /* Query tokens per request an emission asks for (FlashMLA's s_q): 1 for a struct from before
@@ -549,9 +553,9 @@ static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer
         kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
     else
         *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
-    if (b->recall_way[i] == RECALL_FETCH && kvt__seq_recalls(sq, layer))
+    if (b->recall_way[i] == RECALL_FETCH) /* (a NoPE layer's: RECALL_ROPE clear) */
         kvt__recall_pack_query(&sq->recall[layer], pq);
-    pq->all_rows = b->recall_way[i] == RECALL_ALL;
+    pq->all_rows = (b->recall_way[i] & RECALL_WAY) == RECALL_ALL;
     pq->out = tokens ? at * emit->capacity : *off;
     pq->pad = tokens ? emit->capacity : 0;
     pq->len_at = tokens ? at : at + 1;
@@ -717,11 +721,14 @@ static kvt_status plan_rope_items(kvt_batch *b, uint32_t i, uint32_t l, const kv
                                                         "or the run's bound");
 }
 
-/* The run's bounds of the recall items of layer l: a planned image's from the context's stated
- * limits (max_rows_per_seq; the launch and workspace a device sizes once), an eager one's from
- * the batch's longest request this step and the largest promotion table among its requests. */
-static void plan_bounds(const kvt_batch *b, uint32_t l, layer_run *lr) {
+/* The run's bound of layer l's recall items of `kind` (PLAN_NOPE: lr->bound; PLAN_ROPE:
+ * lr->rbound; 0: none): a planned image's from the context's stated limits (max_rows_per_seq; the
+ * launch and workspace a device sizes once), an eager one's from the batch's longest request
+ * this step and the largest promotion table among its requests. */
+static void plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, layer_run *lr) {
     const kvt_ctx *ctx = b->ctx;
+    if (kind == 0)
+        return;
     uint64_t rows = ctx->max_rows;
     uint32_t prom = ctx->cfg.recall_promote_capacity;
     for (uint32_t i = 0; !lr->planned && i < b->n_seqs; i++) {
@@ -732,12 +739,22 @@ static void plan_bounds(const kvt_batch *b, uint32_t l, layer_run *lr) {
         rows = r > rows ? r : rows;
         prom = sq->cfg.recall_promote_capacity > prom ? sq->cfg.recall_promote_capacity : prom;
     }
-    plan_bound(b, l, rows, prom, &lr->bound);
-    if (kvt__ctx_rope_bound(ctx, l, &lr->rbound) && !lr->planned && lr->rbound.ar_n < rows) {
+    if (kind == PLAN_NOPE)
+        plan_bound(b, l, rows, prom, &lr->bound);
+    else if (kvt__ctx_rope_bound(ctx, l, &lr->rbound) && !lr->planned && lr->rbound.ar_n < rows) {
         lr->rbound.ar_n = rows; /* a head archives at most every row of its request */
         if (lr->rbound.g_perm)
             lr->rbound.g_blocks_cap = rows / lr->rbound.g_B;
     }
+}
+
+/* KVT_ERR_CAPACITY: request i's set of `rows` rows on layer l past the emission's topk. */
+static kvt_status over_topk(const kvt_ctx *ctx, uint32_t i, uint64_t rows, uint32_t l,
+                            uint32_t topk, const char *nothing) {
+    return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                         "seqs[%u] attends %llu rows on layer %u, topk is %u; %s "
+                         "(kvt_batch_capacity)",
+                         i, (unsigned long long)rows, l, topk, nothing);
 }
 
 /* Layer l's run into image pb: every request's recall items and sets as the run describes them
@@ -749,34 +766,9 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
     const bool tokens = e->layout == KVT_EMIT_TOKENS;
     const uint32_t S = lr->S, qpr = lr->qpr;
     const char *nothing = lr->planned ? "nothing planned" : "nothing written";
-    /* 1. Capacity: with recall the set may be every row of the view, what the host can promise
-     * (on a RoPE layer: the held rows and the whole archive, the request's rows). */
-    uint64_t total = 0;
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        const kvt_seq *sq = b->seqs[i];
-        for (uint32_t t = 0; sq && t < S; t++) {
-            kvt__pack_query pq;
-            kvt__seq_step_query(sq, l, visible_rows(b, i, S, t), &pq);
-            uint64_t n = b->recall_way[i] == RECALL_NONE ? kvt__attended_desc_count(&pq.d)
-                         : kvt__seq_recalls_rope(sq, l)  ? sq->n_tokens + sq->n_pending
-                                                         : pq.d.hi_end;
-            if (tokens && n > e->capacity)
-                return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                                     "seqs[%u] attends %llu rows on layer %u, topk is %u; %s "
-                                     "(kvt_batch_capacity)",
-                                     i, (unsigned long long)n, l, e->capacity, nothing);
-            total += n * qpr;
-        }
-    }
-    if (!tokens && (total > e->capacity || total > INT32_MAX))
-        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                             "the batch attends %llu rows on layer %u, capacity is %u; %s "
-                             "(kvt_batch_capacity)",
-                             (unsigned long long)total, l, e->capacity, nothing);
     if ((uint64_t)b->n_seqs * S * qpr > pb->qcap[l])
         return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %u queries, the image holds %u",
                              l, b->n_seqs * S * qpr, pb->qcap[l]);
-    /* 2. The items and the sets. */
     uint8_t *at = pb->host + pb->at[l];
     kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
     void *items = pb->host + items_at(pb, l);
@@ -785,11 +777,15 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             ? (kvt__recall_rope_emit_plan_item *)(pb->host + emits_at(b, pb, l))
             : NULL;
     uint32_t n = 0, nr = 0, ne = 0;
-    uint64_t off = 0;
+    uint64_t off = 0, total = 0;
+    /* 1. The sets (and a RoPE request's items, which its sets are made from), with the capacity
+     * checks: with recall a set may be every row of the view, what the host can promise (on a
+     * RoPE layer: the held rows and the whole archive, the request's rows). Nothing but the
+     * host image is written before every check passed. */
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
-        const uint8_t way = b->recall_way[i];
-        const bool rope = way != RECALL_NONE && kvt__seq_recalls_rope(sq, l);
+        const uint8_t way = b->recall_way[i] & RECALL_WAY;
+        const bool rope = (b->recall_way[i] & RECALL_ROPE) != 0;
         /* items once per step and layer: a second run of the layer emits what the first fetched
          * (the fetch buffer and the state's dense flag are unchanged) */
         const bool trigger = way == RECALL_FETCH && (lr->planned || !sq->recalled[l]);
@@ -801,6 +797,10 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             if (lr->planned && way != RECALL_FETCH)
                 return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
                                    "seqs[%u] layer %u: a RoPE recall with several tokens", i, l);
+            const uint64_t rows = sq->n_tokens + sq->n_pending;
+            if (tokens && rows > e->capacity)
+                return over_topk(ctx, i, rows, l, e->capacity, nothing);
+            total += rows * qpr;
             kvt__recall_rope_plan_item *it = (kvt__recall_rope_plan_item *)items + nr;
             kvt__recall_rope_emit_plan_item *em = &emits[ne];
             kvt_status s = plan_rope_items(b, i, l, e, lr, trigger, way == RECALL_ALL, it, em);
@@ -840,17 +840,13 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             }
             continue;
         }
-        bool has = false;
-        if (trigger &&
-            !plan_recall_item(b, i, l, e, lr, (kvt__recall_plan_item *)items + nr, &has))
-            return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
-                               "seqs[%u] layer %u: its recall step breaks the rules or the "
-                               "run's bound",
-                               i, l);
-        nr += has;
-        b->itemized[i] = has;
         for (uint32_t t = 0; t < S; t++) {
             set_query(b, i, t, l, S, e, &off, &q[n]);
+            const uint64_t rows = way == RECALL_NONE ? kvt__attended_desc_count(&q[n].d)
+                                                     : q[n].d.hi_end;
+            if (tokens && rows > e->capacity)
+                return over_topk(ctx, i, rows, l, e->capacity, nothing);
+            total += rows * qpr;
             /* CSR_KV_HEADS: the set once per KV head, each its own list */
             for (uint32_t h = 0; !tokens && h < qpr; h++) {
                 if (h)
@@ -859,6 +855,24 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             }
             n += qpr;
         }
+    }
+    if (!tokens && (total > e->capacity || total > INT32_MAX))
+        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
+                             "the batch attends %llu rows on layer %u, capacity is %u; %s "
+                             "(kvt_batch_capacity)",
+                             (unsigned long long)total, l, e->capacity, nothing);
+    /* 2. The NoPE recall items, after every check (an item fixes its request's lagged query). */
+    for (uint32_t i = 0; pb->kind[l] == PLAN_NOPE && i < b->n_seqs; i++) {
+        bool has = false;
+        if (b->recall_way[i] != RECALL_FETCH || !(lr->planned || !b->seqs[i]->recalled[l]))
+            continue;
+        if (!plan_recall_item(b, i, l, e, lr, (kvt__recall_plan_item *)items + nr, &has))
+            return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
+                               "seqs[%u] layer %u: its recall step breaks the rules or the "
+                               "run's bound",
+                               i, l);
+        nr += has;
+        b->itemized[i] = has;
     }
     const uint32_t counts[3] = {n, nr, ne};
     memcpy(at, counts, sizeof counts);
@@ -1004,7 +1018,7 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
             b->recall_way[i] = recall_way(b, i, l, 1);
         }
         layer_run lr = {.S = 1, .qpr = b->plan.qpr[l], .planned = true, .first = fits != NULL};
-        plan_bounds(b, l, &lr);
+        plan_bounds(b, l, b->plan.kind[l], &lr);
         kvt_status s = plan_layer(b, &b->plan, l, e, &lr, fits);
         if (s != KVT_OK || (fits && !*fits))
             return s;
@@ -1081,7 +1095,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
      * the layers' bounds are the batch's for its life. */
     for (uint32_t l = 0; !b->plan_reserved && l < L; l++) {
         layer_run lr = {.planned = true};
-        plan_bounds(b, l, &lr);
+        plan_bounds(b, l, b->plan.kind[l], &lr);
         kvt_status s = KVT_OK;
         if (plans_recall(b, l) && be->ops->recall_plan_reserve) {
             const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr.bound};
@@ -1140,7 +1154,7 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
                              layer);
     layer_run lr = {.S = 1, .qpr = b->plan.qpr[layer], .planned = true,
                     .query_floats = run_query_floats(b, layer, rope) * b->max_seqs};
-    plan_bounds(b, layer, &lr);
+    plan_bounds(b, layer, b->plan.kind[layer], &lr);
     b->ran = true;
     b->stream = stream;
     kvt_status s = exec_layer(b, &b->plan, layer, query, stream, emit, &lr,
@@ -1214,9 +1228,9 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
         b->recall_way[i] = recall_way(b, i, layer, S);
-        fetches |= b->recall_way[i] == RECALL_FETCH;
+        fetches |= (b->recall_way[i] & RECALL_WAY) == RECALL_FETCH;
         recalls |= b->recall_way[i] != RECALL_NONE;
-        rope |= b->seqs[i] && kvt__seq_recalls_rope(b->seqs[i], layer);
+        rope |= (b->recall_way[i] & RECALL_ROPE) != 0;
     }
     if (fetches && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
@@ -1250,7 +1264,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * min(t + 1, n_tokens[i]) rows (one query per request: all). */
     layer_run lr = {.S = S, .qpr = n_kv,
                     .query_floats = run_query_floats(b, layer, rope) * b->n_seqs};
-    plan_bounds(b, layer, &lr);
+    plan_bounds(b, layer, recalls ? b->eager.kind[layer] : 0, &lr);
     s = plan_layer(b, &b->eager, layer, emit, &lr, NULL);
     if (s == KVT_OK)
         s = plan_write_layer(b, &b->eager, layer, &lr, stream);
@@ -1264,7 +1278,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
             continue;
         if (s == KVT_OK)
             sq->recalled[layer] = 1;
-        if (!kvt__seq_recalls(sq, layer))
+        if (b->recall_way[i] & RECALL_ROPE)
             continue;
         kvt__recall_layer *r = &sq->recall[layer];
         if (r->lag_plan_item && s == KVT_OK)
