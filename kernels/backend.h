@@ -187,10 +187,10 @@ typedef struct kvt__recall_step_args {
     uint32_t cand_cap, prom_cap, prom_room, hits, window;
 } kvt__recall_step_args;
 
-/* A planned recall step's work item (kvt_batch_plan_device), in a batch's plan buffer: the
- * step's arguments as the eager op takes them, except that the queries are an offset from the
- * op's query base (the engine's buffer: the launch's argument, the same at every replay) and the
- * page-row divider is held by value (a.scan.pdiv and a.scan.q are not read). */
+/* A recall step's work item, in a batch's plan image (lib/batch.c): the step's arguments, except
+ * that the queries are an offset from the op's query base (the engine's buffer: the launch's
+ * argument, the same at every replay of a captured step) and the page-row divider is held by
+ * value (a.scan.pdiv and a.scan.q are not read). */
 typedef struct kvt__recall_plan_item {
     kvt__recall_step_args a;
     kvt__div32 div;
@@ -202,7 +202,7 @@ typedef struct kvt__recall_plan_item {
     uint32_t lag_use;
 } kvt__recall_plan_item;
 
-/* The planned recall step of one layer (kvt__backend_ops.recall_step_planned): its work items
+/* The recall step of one layer (kvt__backend_ops.recall_step): its work items
  * and their count are in the backend's memory, written before the op runs and read only when it
  * runs, so the op's arguments hold nothing of one step and a captured op replays over later
  * steps. bound: a shape every item lies within (kvt__recall_plan_fits: heads, rank, latent,
@@ -241,8 +241,8 @@ typedef struct kvt__pack_query {
     kvt__attended_desc d;
     /* Recall (all NULL without): rows fetched this step, ascending, in (lo_end, hi_begin) and
      * not in d.list: fetch[0 .. *n_fetch), merged into the list; *dense != 0: the query attends
-     * every row [0, d.hi_end) instead. In the backend's memory: the host knows neither count, so
-     * CSR offsets then follow from indptr on the backend (kvt__pack_args.dev_offsets). */
+     * every row [0, d.hi_end) instead. In the backend's memory: the host knows neither count
+     * (CSR offsets follow from the counts on the backend). */
     const uint32_t *fetch;
     const uint32_t *n_fetch;
     const uint32_t *dense;
@@ -260,27 +260,21 @@ typedef struct kvt__pack_query {
 } kvt__pack_query;
 
 typedef struct kvt__pack_args {
-    const kvt__pack_query *q;
-    uint32_t n;
-    /* Planned (q_plan non-NULL; q and n then unused): the queries and their count are in the
-     * backend's memory (a batch's plan buffer, kvt_batch_plan_device), written before the op
-     * runs and read only when it runs, so that the op's arguments hold nothing of one step and
-     * a captured op replays over later steps. At most n_max queries (the launch's size). Recall
-     * fields are read when the op runs (the planned recall step's output); CSR offsets then
-     * always follow from the counts of the queries before (query i's at indptr[i]: len_at must
-     * be i + 1), so dev_offsets is not needed. */
+    /* The queries and their count, in the backend's memory (a batch's plan image, lib/batch.c),
+     * written before the op runs and read only when it runs, so that the op's arguments hold
+     * nothing of one step and a captured op replays over later steps. At most n_max queries
+     * (the launch's size). Recall fields are read when the op runs (the recall step's output);
+     * CSR offsets follow from the counts of the queries before (query i's at indptr[i]: len_at
+     * must be i + 1). */
     const kvt__pack_query *q_plan;
     const uint32_t *n_plan;  /* [1] */
     uint32_t n_max;
-    uint8_t *dense_out;      /* planned: query i's dense flag (1: it attends every row) into
-                              * dense_out[i / dense_stride] (NULL: none), as an eager run writes
-                              * the emission's */
-    uint32_t dense_stride;   /* planned: queries a request (CSR_KV_HEADS: its KV heads'); 0: 1 */
+    uint8_t *dense_out;      /* query i's dense flag (1: it attends every row) into
+                              * dense_out[i / dense_stride] (NULL: none) */
+    uint32_t dense_stride;   /* queries a request (CSR_KV_HEADS: its KV heads'); 0: 1 */
     const kvt__div32 *pdiv; /* page_rows */
     bool csr;
     bool first_csr;         /* write indptr[0] = 0 */
-    bool dev_offsets;       /* CSR: query q's slots start at indptr[len_at − 1] as the backend
-                             * wrote it (q.out ignored): sets whose size the host does not know */
     uint64_t capacity;      /* entries of indices (the guarded backend checks writes against it) */
     int32_t *indices;       /* emission arrays: in the backend's memory space */
     int32_t *lengths;       /* TOKENS */
@@ -350,15 +344,13 @@ KVT_HD int kvt__attend_args_ok(const kvt__attend_args *a) {
            a->n_heads <= 1024u;
 }
 
-/* The largest work a batch's decode steps give the ops that take a backend workspace, from the
- * context's stated limits (max_rows_per_seq): kvt__backend_ops.reserve sizes the workspace for it
- * when the batch is created, so that no decode step grows it (a device workspace grows by
- * synchronising and allocating). */
+/* The largest work a batch's decode steps give the ops that take a backend workspace (a round;
+ * the recall steps' is recall_plan_reserve's), from the context's stated limits
+ * (max_rows_per_seq): kvt__backend_ops.reserve sizes the workspace for it when the batch is
+ * created, so that no decode step grows it (a device workspace grows by synchronising and
+ * allocating). */
 typedef struct kvt__ws_bounds {
     uint32_t max_items;            /* requests of a step */
-    kvt__recall_step_args recall;  /* the largest salience recall item (kvt__recall_plan_bound);
-                                    * scan.n_heads 0: none */
-    const struct kvt__recall_rope_args *rope; /* the largest RoPE recall item; NULL: none */
     kvt__ev_args round;            /* the largest round layer (N, K, r, n_heads, n_planes,
                                     * slot_bytes; no pointer read); n_heads 0: none */
     uint32_t round_layers;         /* layers one round call takes at most */
@@ -424,25 +416,23 @@ typedef struct kvt__backend_ops {
      * KVT_ERR_INVALID_ARGUMENT for arguments out of their ranges. */
     kvt_status (*recall_scan)(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
                               void *stream);
-    /* The recall steps of n (request, layer) work items (kvt__recall_step_args): each head's best
-     * attended score, then a calibration step (exact scores of the archived rows, samples, z at a
-     * window end; the step is dense) or the scan with the request's z, its fired rows, overflow
-     * and the step's certificate in the state; with group planes the groups of newly closed
-     * blocks built and the pruned scan where kvt__recall_prune_pays says (every backend: the same
-     * planes and state). Optional: NULL where the backend has none (the CPU, guarded and CUDA
-     * backends have it); the library then refuses recall modes. KVT_ERR_INVALID_ARGUMENT as
-     * recall_scan. */
-    kvt_status (*recall_step)(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
+    /* The recall steps of a layer's work items (kvt__recall_plan_args: the items and their
+     * count in the backend's memory, read when the op runs, so a captured op replays over later
+     * steps; each item a kvt__recall_step_args with scan.q = query + q_off and scan.pdiv = &div):
+     * each head's best attended score, then a calibration step (exact scores of the archived
+     * rows, samples, z at a window end; the step is dense) or the scan with the request's z, its
+     * fired rows, overflow and the step's certificate in the state; with group planes the groups
+     * of newly closed blocks built and the pruned scan where kvt__recall_prune_pays says (every
+     * backend: the same planes and state); a lagged query's buffer then holds the step's own
+     * queries. Items past *n, or *n above n_max, run nothing; the CPU backends answer
+     * KVT_ERR_INVALID_ARGUMENT when an item breaks the argument rules or its bound (nothing
+     * run), the CUDA backend, which cannot read them on the host, makes that item's step dense
+     * (every row attended: never a wrong set). Optional: NULL where the backend has none (the
+     * CPU, guarded and CUDA backends have it); the library then refuses recall modes.
+     * recall_plan_reserve (optional): make room for the op outside a capture (the CUDA
+     * workspace), so that its capture allocates nothing. */
+    kvt_status (*recall_step)(const kvt__backend *be, const kvt__recall_plan_args *a,
                               void *stream);
-    /* (optional) recall_step over a planned layer's items (kvt__recall_plan_args), capturable:
-     * each item as recall_step would run it with scan.q = query + q_off and scan.pdiv = &div.
-     * Items past *n, or *n above n_max, run nothing; the CPU backends answer
-     * KVT_ERR_INVALID_ARGUMENT when an item breaks the argument rules or its bound (nothing run),
-     * the CUDA backend, which cannot read them on the host, makes that item's step dense (every
-     * row attended: never a wrong set). recall_plan_reserve (optional): make room for the op
-     * outside a capture (the CUDA workspace), so that its capture allocates nothing. */
-    kvt_status (*recall_step_planned)(const kvt__backend *be, const kvt__recall_plan_args *a,
-                                      void *stream);
     kvt_status (*recall_plan_reserve)(const kvt__backend *be, const kvt__recall_plan_args *a);
     /* (optional) Size the handle's workspace for every op of a step within b (grow only):
      * KVT_ERR_OUT_OF_MEMORY. The CUDA backend has it (its workspace otherwise grows inside an
@@ -475,34 +465,21 @@ typedef struct kvt__backend_ops {
     /* The selections of n salience closes (kvt__select_args; a segmented top-m: one segment per
      * request). A failure (scratch) leaves every kept set untouched. */
     kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
-    /* (optional) The recall steps of n (request, GQA/MHA-RoPE layer) work items
-     * (kernels/rope_trigger.h): per KV head the scan of its archive with its query heads, or a
-     * calibration step. The library calls it once per layer with every RoPE-recalling request
-     * of the batch (the CUDA op: one launch sequence per 32 of them). NULL where the backend has
-     * none: the library then refuses recall on RoPE layers. KVT_ERR_INVALID_ARGUMENT as
-     * recall_step. */
-    kvt_status (*recall_rope_step)(const kvt__backend *be, const struct kvt__recall_rope_args *a,
-                                   uint32_t n, void *stream);
-    /* (optional, with recall_rope_step) The emission of n requests' RoPE recall steps
-     * (kernels/rope_trigger.h): fetched archive rows copied into each request's fetch slots, and
-     * per KV head a CSR list of the table's rows then the fetched ones. KVT_ERR_INVALID_ARGUMENT
-     * (nothing written) for arguments out of range. */
+    /* (optional) A RoPE layer's trigger (recall_rope_step) and emission (recall_rope_emit) of
+     * its recalling requests (kvt__recall_rope_plan_args, kernels/rope_trigger.h: the items and
+     * their counts in the backend's memory, read when the op runs): per KV head the scan of its
+     * archive with its query heads, or a calibration step (the trigger's queries at query +
+     * q_off); then fetched archive rows copied into each request's fetch slots, and per KV head
+     * a list of the table's rows then the fetched ones. *n (*n_emit) above n_max runs nothing;
+     * the CPU backends answer KVT_ERR_INVALID_ARGUMENT (nothing run) when an item breaks the
+     * rules or the bound; the CUDA ones make such a trigger item's step dense and skip such an
+     * emission item. NULL where the backend has none: the library then refuses recall on RoPE
+     * layers. */
+    kvt_status (*recall_rope_step)(const kvt__backend *be,
+                                   const struct kvt__recall_rope_plan_args *a, void *stream);
     kvt_status (*recall_rope_emit)(const kvt__backend *be,
-                                   const struct kvt__recall_rope_emit_args *a, uint32_t n,
-                                   void *stream);
-    /* (optional, with recall_rope_step) A planned layer's RoPE trigger and emission
-     * (kvt__recall_rope_plan_args, kernels/rope_trigger.h), capturable: items i < *n as the eager
-     * ops run them (the trigger's queries at query + q_off), read when the op runs. *n above
-     * n_max runs nothing; the CPU backends answer KVT_ERR_INVALID_ARGUMENT (nothing run) when an
-     * item breaks the rules or the bound; the CUDA ones make such a trigger item's step dense
-     * and skip such an emission item. The library plans RoPE recall only where both exist. */
-    kvt_status (*recall_rope_step_planned)(const kvt__backend *be,
-                                           const struct kvt__recall_rope_plan_args *a,
-                                           void *stream);
-    kvt_status (*recall_rope_emit_planned)(const kvt__backend *be,
-                                           const struct kvt__recall_rope_plan_args *a,
-                                           void *stream);
-    /* (optional) Room for recall_rope_step_planned over a (its bound and n_max), made outside a
+                                   const struct kvt__recall_rope_plan_args *a, void *stream);
+    /* (optional) Room for recall_rope_step over a (its bound and n_max), made outside a
      * capture (the CUDA op's workspace may not grow in one). */
     kvt_status (*recall_rope_plan_reserve)(const kvt__backend *be,
                                            const struct kvt__recall_rope_plan_args *a);
@@ -521,7 +498,7 @@ typedef struct kvt__backend_ops {
      * graph_launch runs on a stream as often as wanted (graph_free: NULL is a no-op). CUDA:
      * cudaStreamBeginCapture (thread-local mode), cudaStreamEndCapture and cudaGraphInstantiate,
      * cudaGraphLaunch. The CPU backends record only the planned ops (the pack with
-     * kvt__pack_args.q_plan, recall_step_planned), whose arguments hold nothing of one step; any
+     * pack, recall_step and the RoPE ones), whose arguments hold nothing of one step; any
      * other op during a capture, which would
      * replay with its step's host-built arguments, answers KVT_ERR_BAD_STATE and so does
      * capture_end after it (the record is dropped). One capture at a time per handle.

@@ -211,26 +211,8 @@ kvt_status kvt__cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan_a
     return run_items(be, a, sizeof *a, n, need, scan_item);
 }
 
-static void step_item(const void *a, float *scratch) {
-    kvt__recall_step_cpu(a, scratch);
-}
-
-kvt_status kvt__cpu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
+kvt_status kvt__cpu_recall_step(const kvt__backend *be, const kvt__recall_plan_args *a,
                                 void *stream) {
-    NOT_CAPTURED(be);
-    (void)stream;
-    size_t need = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (!kvt__recall_step_args_ok(&a[i]))
-            return KVT_ERR_INVALID_ARGUMENT;
-        size_t f = kvt__recall_step_scratch_floats(&a[i]);
-        need = f > need ? f : need;
-    }
-    return run_items(be, a, sizeof *a, n, need, step_item);
-}
-
-kvt_status kvt__cpu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
-                                        void *stream) {
     (void)stream;
     if (be->cap)
         return kvt__cpu_capture_op(be, CAP_RECALL, a);
@@ -274,10 +256,8 @@ static void rope_step_item(const void *a, float *scratch) {
     kvt__recall_rope_step_cpu(a, scratch);
 }
 
-kvt_status kvt__cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *a,
-                                     uint32_t n, void *stream) {
-    NOT_CAPTURED(be);
-    (void)stream;
+/* n RoPE trigger items as they are (arguments checked here). */
+static kvt_status rope_steps(const kvt__backend *be, const kvt__recall_rope_args *a, uint32_t n) {
     size_t need = 0;
     for (uint32_t i = 0; i < n; i++) {
         if (!kvt__recall_rope_args_ok(&a[i]))
@@ -288,11 +268,8 @@ kvt_status kvt__cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_r
     return run_items(be, a, sizeof *a, n, need, rope_step_item);
 }
 
-kvt_status kvt__cpu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_emit_args *a,
-                                     uint32_t n, void *stream) {
-    NOT_CAPTURED(be);
-    (void)be;
-    (void)stream;
+/* n RoPE emission items as they are (arguments checked here). */
+static kvt_status rope_emits(const kvt__recall_rope_emit_args *a, uint32_t n) {
     for (uint32_t i = 0; i < n; i++)
         if (!kvt__recall_rope_emit_ok(&a[i]))
             return KVT_ERR_INVALID_ARGUMENT;
@@ -301,9 +278,9 @@ kvt_status kvt__cpu_recall_rope_emit(const kvt__backend *be, const kvt__recall_r
     return KVT_OK;
 }
 
-/* The planned RoPE trigger (emit false) or emission of a layer: every item checked first
- * (nothing runs on a bad plan), then each as the eager op runs it. */
-static kvt_status cpu_rope_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+/* A layer's RoPE trigger (emit false) or emission from its items in the backend's memory: every
+ * item checked first (nothing runs on a bad plan), then each one. */
+static kvt_status cpu_rope_items(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
                                    void *stream, bool emit) {
     if (be->cap)
         return kvt__cpu_capture_op(be, emit ? CAP_ROPE_EMIT : CAP_ROPE_STEP, a);
@@ -321,22 +298,21 @@ static kvt_status cpu_rope_planned(const kvt__backend *be, const kvt__recall_rop
                 return KVT_ERR_INVALID_ARGUMENT; /* pass 0 only: the items do not change */
             if (pass == 0)
                 continue;
-            kvt_status s = emit ? kvt__cpu_recall_rope_emit(be, &e, 1, stream)
-                                : kvt__cpu_recall_rope_step(be, &x, 1, stream);
+            kvt_status s = emit ? rope_emits(&e, 1) : rope_steps(be, &x, 1);
             if (s != KVT_OK)
                 return s;
         }
     return KVT_OK;
 }
 
-kvt_status kvt__cpu_recall_rope_step_planned(const kvt__backend *be,
-                                             const kvt__recall_rope_plan_args *a, void *stream) {
-    return cpu_rope_planned(be, a, stream, false);
+kvt_status kvt__cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                     void *stream) {
+    return cpu_rope_items(be, a, stream, false);
 }
 
-kvt_status kvt__cpu_recall_rope_emit_planned(const kvt__backend *be,
-                                             const kvt__recall_rope_plan_args *a, void *stream) {
-    return cpu_rope_planned(be, a, stream, true);
+kvt_status kvt__cpu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                     void *stream) {
+    return cpu_rope_items(be, a, stream, true);
 }
 
 /* The reference attention: kvt__attn_cpu per query over its listed slots (scratch for the
@@ -578,16 +554,15 @@ kvt_status kvt__cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *
     (void)stream;
     if (be->cap)
         return kvt__cpu_capture_op(be, CAP_PACK, a);
-    /* planned: the queries as the plan buffer holds them when the op runs */
-    const kvt__pack_query *qs = a->q_plan ? a->q_plan : a->q;
-    const uint32_t n = a->q_plan ? *a->n_plan : a->n;
-    if (a->q_plan && n > a->n_max)
+    /* the queries as the plan image holds them when the op runs */
+    const kvt__pack_query *qs = a->q_plan;
+    const uint32_t n = *a->n_plan;
+    if (n > a->n_max)
         return KVT_ERR_INVALID_ARGUMENT;
-    for (uint32_t i = 0; a->q_plan && a->csr && i < n; i++)
+    for (uint32_t i = 0; a->csr && i < n; i++)
         if (qs[i].len_at != (uint64_t)i + 1)
             return KVT_ERR_INVALID_ARGUMENT;
     /* a planned CSR set starts where the one before ended (its count may be the device's) */
-    const bool dev_offsets = a->csr && (a->dev_offsets || a->q_plan);
     const kvt__div32 *pd = a->pdiv;
     if (a->csr && a->first_csr)
         a->indptr[0] = 0;
@@ -597,9 +572,9 @@ kvt_status kvt__cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *
         const bool all = q->all_rows || (q->dense && *q->dense);
         const uint64_t n_fetch = !all && q->n_fetch ? *q->n_fetch : 0;
         const uint64_t count = all ? d->hi_end : kvt__attended_desc_count(d) + n_fetch;
-        if (a->q_plan && a->dense_out)
+        if (a->dense_out)
             a->dense_out[i / (a->dense_stride ? a->dense_stride : 1u)] = all ? 1 : 0;
-        const uint64_t out = dev_offsets ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
+        const uint64_t out = a->csr ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
         if (a->csr)
             a->indptr[q->len_at] = (int32_t)(out + count);
         else
@@ -637,12 +612,9 @@ static const kvt__backend_ops cpu_ops_table = {
     .sketch_rows = kvt__cpu_sketch_rows,
     .recall_scan = kvt__cpu_recall_scan,
     .recall_step = kvt__cpu_recall_step,
-    .recall_step_planned = kvt__cpu_recall_step_planned,
     .recall_promote = true,
     .recall_rope_step = kvt__cpu_recall_rope_step,
     .recall_rope_emit = kvt__cpu_recall_rope_emit,
-    .recall_rope_step_planned = kvt__cpu_recall_rope_step_planned,
-    .recall_rope_emit_planned = kvt__cpu_recall_rope_emit_planned,
     .attend = kvt__cpu_attend,
     .pack = kvt__cpu_pack,
     .copy = kvt__cpu_copy,

@@ -398,20 +398,6 @@ static kvt_status g_rope_owns(const kvt__backend *be, const kvt__recall_rope_arg
     return KVT_OK;
 }
 
-static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
-                                     uint32_t n, void *stream) {
-    G_COUNT(be, rope_step, n);
-    for (uint32_t i = 0; i < n; i++) {
-        kvt_status s = g_rope_owns(be, &args[i]);
-        if (s != KVT_OK)
-            return s;
-    }
-    guard_open(be);
-    kvt_status s = kvt__cpu_recall_rope_step(be, args, n, stream);
-    guard_close(be);
-    return s;
-}
-
 /* The attention's buffers: the rows' plane, the index sets, queries and outputs. */
 static kvt_status g_attend(const kvt__backend *be, const kvt__attend_args *a, void *stream) {
     if (!kvt__attend_args_ok(a))
@@ -471,22 +457,7 @@ static kvt_status g_rope_emit_owns(const kvt__backend *be, const kvt__recall_rop
     return KVT_OK;
 }
 
-static kvt_status g_recall_rope_emit(const kvt__backend *be,
-                                     const kvt__recall_rope_emit_args *args, uint32_t n,
-                                     void *stream) {
-    G_COUNT(be, rope_emit, n);
-    for (uint32_t i = 0; i < n; i++) {
-        kvt_status s = g_rope_emit_owns(be, &args[i]);
-        if (s != KVT_OK)
-            return s;
-    }
-    guard_open(be);
-    kvt_status s = kvt__cpu_recall_rope_emit(be, args, n, stream);
-    guard_close(be);
-    return s;
-}
-
-/* The planned RoPE trigger and emission: the plan buffer, its items and the query base, then
+/* A layer's RoPE trigger and emission: the plan image, its items and the query base, then
  * (when they run, not when they are captured) every buffer of each item the plan holds then. */
 static kvt_status g_rope_plan_owns(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
                                    bool emit) {
@@ -501,14 +472,14 @@ static kvt_status g_rope_plan_owns(const kvt__backend *be, const kvt__recall_rop
     return KVT_OK;
 }
 
-static kvt_status g_rope_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+static kvt_status g_rope_items(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
                                  void *stream, bool emit) {
     kvt_status s = g_rope_plan_owns(be, a, emit);
     if (s != KVT_OK)
         return s;
     if (be->cap) /* recorded */
-        return emit ? kvt__cpu_recall_rope_emit_planned(be, a, stream)
-                    : kvt__cpu_recall_rope_step_planned(be, a, stream);
+        return emit ? kvt__cpu_recall_rope_emit(be, a, stream)
+                    : kvt__cpu_recall_rope_step(be, a, stream);
     guard_open(be);
     const uint32_t n = emit ? *a->n_emit : *a->n;
     s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
@@ -529,21 +500,21 @@ static kvt_status g_rope_planned(const kvt__backend *be, const kvt__recall_rope_
             G_COUNT(be, rope_emit, n);
         else
             G_COUNT(be, rope_step, n);
-        s = emit ? kvt__cpu_recall_rope_emit_planned(be, a, stream)
-                 : kvt__cpu_recall_rope_step_planned(be, a, stream);
+        s = emit ? kvt__cpu_recall_rope_emit(be, a, stream)
+                 : kvt__cpu_recall_rope_step(be, a, stream);
     }
     guard_close(be);
     return s;
 }
 
-static kvt_status g_recall_rope_step_planned(const kvt__backend *be,
-                                             const kvt__recall_rope_plan_args *a, void *stream) {
-    return g_rope_planned(be, a, stream, false);
+static kvt_status g_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                     void *stream) {
+    return g_rope_items(be, a, stream, false);
 }
 
-static kvt_status g_recall_rope_emit_planned(const kvt__backend *be,
-                                             const kvt__recall_rope_plan_args *a, void *stream) {
-    return g_rope_planned(be, a, stream, true);
+static kvt_status g_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                     void *stream) {
+    return g_rope_items(be, a, stream, true);
 }
 
 /* Every buffer a recall step's work item reads or writes must be the backend's. */
@@ -570,32 +541,20 @@ static kvt_status g_step_owns(const kvt__backend *be, const kvt__recall_step_arg
     return KVT_OK;
 }
 
-static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_step_args *args,
-                                uint32_t n, void *stream) {
-    G_COUNT(be, recall_step, n);
-    for (uint32_t i = 0; i < n; i++) {
-        kvt_status s = g_step_owns(be, &args[i]);
-        if (s != KVT_OK)
-            return s;
-    }
-    guard_open(be);
-    kvt_status s = kvt__cpu_recall_step(be, args, n, stream);
-    guard_close(be);
-    return s;
-}
-
-/* A planned recall step: the plan buffer and the query base, then (when it runs, not when it is
+/* A layer's recall step: the plan image and the query base, then (when it runs, not when it is
  * captured) every buffer of each item the plan holds then. */
-static kvt_status g_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
-                                        void *stream) {
+static kvt_status g_recall_step(const kvt__backend *be, const kvt__recall_plan_args *a,
+                                void *stream) {
     GUARD_OWNS(be, a->n, sizeof(uint32_t));
     GUARD_OWNS(be, a->items, sizeof(kvt__recall_plan_item) * (a->n_max ? a->n_max : 1u));
     GUARD_OWNS(be, a->query, sizeof(float) * a->query_floats);
     if (be->cap)
-        return kvt__cpu_recall_step_planned(be, a, stream); /* recorded */
+        return kvt__cpu_recall_step(be, a, stream); /* recorded */
     guard_open(be);
     const uint32_t n = *a->n;
     kvt_status s = n > a->n_max ? KVT_ERR_INVALID_ARGUMENT : KVT_OK;
+    if (s == KVT_OK)
+        G_COUNT(be, recall_step, n);
     for (uint32_t i = 0; i < n && s == KVT_OK; i++) {
         kvt__recall_step_args x;
         kvt__div32 d;
@@ -607,7 +566,7 @@ static kvt_status g_recall_step_planned(const kvt__backend *be, const kvt__recal
             s = KVT_ERR_INVARIANT; /* the lagged query's buffer is the backend's too */
     }
     if (s == KVT_OK)
-        s = kvt__cpu_recall_step_planned(be, a, stream);
+        s = kvt__cpu_recall_step(be, a, stream);
     guard_close(be);
     return s;
 }
@@ -708,7 +667,7 @@ static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
     if (q->dense)
         GUARD_OWNS(be, q->dense, sizeof(uint32_t));
     uint64_t w = count > q->pad ? count : q->pad;
-    if (a->csr && (a->dev_offsets || a->q_plan)) { /* where it starts is the backend's too */
+    if (a->csr) { /* where it starts is the backend's too */
         GUARD_OWNS(be, a->indices, sizeof(int32_t) * a->capacity);
         GUARD_OWNS(be, a->indptr + q->len_at - 1, sizeof(int32_t));
     } else if (w) {
@@ -718,9 +677,10 @@ static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
     return KVT_OK;
 }
 
-/* A planned pack: the plan buffer's, then (when it runs, not when it is captured) each query
- * the plan holds then. */
-static kvt_status g_pack_planned(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+/* A pack: the plan image's, then (when it runs, not when it is captured) each query the image
+ * holds then. */
+static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
+    g_count(be, &((guard_impl *)be->impl)->calls.pack, NULL, 0);
     GUARD_OWNS(be, a->n_plan, sizeof(uint32_t));
     GUARD_OWNS(be, a->q_plan, sizeof(kvt__pack_query) * (a->n_max ? a->n_max : 1u));
     if (a->dense_out)
@@ -744,23 +704,6 @@ static kvt_status g_pack_planned(const kvt__backend *be, const kvt__pack_args *a
     return s;
 }
 
-static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
-    g_count(be, &((guard_impl *)be->impl)->calls.pack, NULL, 0);
-    if (a->q_plan)
-        return g_pack_planned(be, a, stream);
-    if (be->cap)
-        return kvt__cpu_pack(be, a, stream); /* refused */
-    for (uint32_t i = 0; i < a->n; i++) {
-        kvt_status s = g_pack_owns(be, a, &a->q[i]);
-        if (s != KVT_OK)
-            return s;
-    }
-    guard_open(be);
-    kvt_status s = kvt__cpu_pack(be, a, stream);
-    guard_close(be);
-    return s;
-}
-
 static const kvt__backend_ops guarded_ops_table = {
     .name = "guarded",
     .close = kvt__backend_cpu_close, /* which closes the guard too */
@@ -776,12 +719,9 @@ static const kvt__backend_ops guarded_ops_table = {
     .sketch_rows = g_sketch_rows,
     .recall_scan = g_recall_scan,
     .recall_step = g_recall_step,
-    .recall_step_planned = g_recall_step_planned,
     .recall_promote = true,
     .recall_rope_step = g_recall_rope_step,
     .recall_rope_emit = g_recall_rope_emit,
-    .recall_rope_step_planned = g_recall_rope_step_planned,
-    .recall_rope_emit_planned = g_recall_rope_emit_planned,
     .attend = g_attend,
     .pack = g_pack,
     .copy = g_write,

@@ -9,7 +9,7 @@
 #include "lib/base/base.h"
 
 typedef struct captured_op {
-    int kind; /* the planned op: pack, recall_step_planned, recall_rope_{step,emit}_planned */
+    int kind; /* the op: pack, recall_step, recall_rope_{step,emit} */
     union {
         kvt__pack_args pack;
         kvt__recall_plan_args recall;
@@ -30,15 +30,10 @@ bool kvt__cpu_capturing(const kvt__backend *be) {
     return true;
 }
 
-/* One planned op into the record (kind CAP_*, its arguments; a pack: a planned one, else
- * refused). */
+/* One op into the record (kind CAP_*, its arguments, which hold nothing of one step). */
 kvt_status kvt__cpu_capture_op(const kvt__backend *be, int kind, const void *args) {
     kvt__capture *c = be->cap;
     const kvt__pack_args *pack = kind == CAP_PACK ? args : NULL;
-    if (pack && !pack->q_plan) {
-        c->refused = true;
-        return KVT_ERR_BAD_STATE;
-    }
     void *arr = c->ops;
     if (kvt__grow(be->alloc, &arr, &c->cap, c->n + 1, sizeof *c->ops) != KVT_OK) {
         c->refused = true; /* a graph without this op would replay a wrong step */
@@ -94,11 +89,11 @@ kvt_status kvt__cpu_graph_launch(const kvt__backend *be, void *graph, void *stre
         return KVT_ERR_INVALID_ARGUMENT;
     for (uint64_t i = 0; i < g->n; i++) {
         const captured_op *o = &g->ops[i];
-        kvt_status s = o->kind == CAP_RECALL ? be->ops->recall_step_planned(be, &o->u.recall, stream)
+        kvt_status s = o->kind == CAP_RECALL ? be->ops->recall_step(be, &o->u.recall, stream)
                        : o->kind == CAP_ROPE_STEP
-                           ? be->ops->recall_rope_step_planned(be, &o->u.rope, stream)
+                           ? be->ops->recall_rope_step(be, &o->u.rope, stream)
                        : o->kind == CAP_ROPE_EMIT
-                           ? be->ops->recall_rope_emit_planned(be, &o->u.rope, stream)
+                           ? be->ops->recall_rope_emit(be, &o->u.rope, stream)
                            : be->ops->pack(be, &o->u.pack, stream);
         if (s != KVT_OK)
             return s;

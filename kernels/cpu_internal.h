@@ -55,18 +55,12 @@ kvt_status kvt__cpu_sketch_rows(const kvt__backend *be, const kvt__sketch_args *
                                 void *stream);
 kvt_status kvt__cpu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
                                 void *stream);
-kvt_status kvt__cpu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
+kvt_status kvt__cpu_recall_step(const kvt__backend *be, const kvt__recall_plan_args *a,
                                 void *stream);
-kvt_status kvt__cpu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
-                                        void *stream);
-kvt_status kvt__cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *a,
-                                     uint32_t n, void *stream);
-kvt_status kvt__cpu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_emit_args *a,
-                                     uint32_t n, void *stream);
-kvt_status kvt__cpu_recall_rope_step_planned(const kvt__backend *be,
-                                             const kvt__recall_rope_plan_args *a, void *stream);
-kvt_status kvt__cpu_recall_rope_emit_planned(const kvt__backend *be,
-                                             const kvt__recall_rope_plan_args *a, void *stream);
+kvt_status kvt__cpu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                     void *stream);
+kvt_status kvt__cpu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                                     void *stream);
 kvt_status kvt__cpu_attend(const kvt__backend *be, const kvt__attend_args *a, void *stream);
 kvt_status kvt__cpu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
                               void *stream);

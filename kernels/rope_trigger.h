@@ -290,9 +290,9 @@ void kvt__recall_rope_emit_cpu(const kvt__recall_rope_emit_args *a);
 
 /* ---------------------------------------------------------------------------------------------
  * Planned RoPE recall (kvt_batch_plan_device; docs/recall.md §9.4): a layer's trigger items and
- * emissions in a batch's plan buffer, read by the ops when they run (recall_rope_step_planned,
- * recall_rope_emit_planned), so one captured launch replays over many steps. An item is the
- * eager op's arguments with the queries an offset from the op's query base and the page-row
+ * emissions in a batch's plan image, read by the ops when they run (recall_rope_step,
+ * recall_rope_emit), so one captured launch replays over many steps. An item is the request's
+ * arguments with the queries an offset from the op's query base and the page-row
  * divider by value (a.q and a.pdiv are not read).
  * ------------------------------------------------------------------------------------------- */
 typedef struct kvt__recall_rope_plan_item {

@@ -92,7 +92,7 @@ static bool plans_recall(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
     if (b->plan.kind)
         return b->plan.kind[layer] == PLAN_NOPE;
-    return layer_may_recall(ctx, layer) && ctx->max_rows && b->be.ops->recall_step_planned;
+    return layer_may_recall(ctx, layer) && ctx->max_rows && b->be.ops->recall_step;
 }
 
 /* The same for a RoPE layer's trigger and emission (docs/recall.md §9.4): a layer where requests
@@ -105,7 +105,7 @@ static bool plans_rope(const kvt_batch *b, uint32_t layer) {
         return b->plan.kind[layer] == PLAN_ROPE;
     kvt__recall_rope_args bound;
     return ctx_may_recall(ctx) && ctx->max_rows && kvt__ctx_rope_bound(ctx, layer, &bound) &&
-           b->be.ops->recall_rope_step_planned && b->be.ops->recall_rope_emit_planned;
+           b->be.ops->recall_rope_step && b->be.ops->recall_rope_emit;
 }
 
 static size_t align64(size_t x) {
@@ -186,34 +186,10 @@ static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kin
 
 /* The backend's RoPE recall ops (a request that recalls on RoPE is refused without them). */
 static bool be_has_rope(const kvt__backend *be) {
-    return be->ops->recall_rope_step_planned && be->ops->recall_rope_emit_planned;
+    return be->ops->recall_rope_step && be->ops->recall_rope_emit;
 }
 
-/* A device workspace of the batch's own sized once for its decode steps (kvt__ws_bounds, from
- * max_rows_per_seq): every salience recall layer's largest item, every RoPE recall layer's, the
- * largest decode round (K + r + c rows and up to 64 tokens of a step, its group's layers at
- * once). A longer prefill step may still grow it, outside any graph. */
-static kvt_status reserve_workspace(kvt_batch *b) {
-    const kvt_ctx *ctx = b->ctx;
-    const kvt__backend *be = &b->be;
-    if (!ctx->max_rows || !be->ops->reserve)
-        return KVT_OK;
-    kvt__ws_bounds w = {.max_items = b->max_seqs};
-    kvt_status s = be->ops->reserve(be, &w); /* the pack's own */
-    for (uint32_t l = 0; s == KVT_OK && l < ctx->n_layers; l++) {
-        kvt__recall_rope_args rope;
-        kvt__ws_bounds x = {.max_items = b->max_seqs};
-        if (layer_may_recall(ctx, l))
-            plan_bound(b, l, ctx->max_rows, ctx->cfg.recall_promote_capacity, &x.recall);
-        if (ctx_may_recall(ctx) && kvt__ctx_rope_bound(ctx, l, &rope))
-            x.rope = &rope;
-        const kvt__store *st = &ctx->stores[l];
-        if (st->group >= 0 && ctx->groups[st->group].ops->step_bounds) /* random eviction's round */
-            ctx->groups[st->group].ops->step_bounds(&ctx->groups[st->group], st, &ctx->cfg, &x);
-        s = be->ops->reserve(be, &x);
-    }
-    return s;
-}
+static kvt_status reserve_workspace(kvt_batch *b);
 
 kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (out)
@@ -748,6 +724,38 @@ static void plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, layer_run 
     }
 }
 
+/* A device workspace of the batch's own sized once for its decode steps (from max_rows_per_seq):
+ * the largest decode round (K + r + c rows and up to 64 tokens of a step, its group's layers at
+ * once, kvt__ws_bounds), and the recall steps' room (recall_plan_reserve,
+ * recall_rope_plan_reserve) for max_seqs items of every recall layer's largest shape, which an
+ * eager run's own bound never passes. A longer prefill step may still grow them, outside any
+ * graph. */
+static kvt_status reserve_workspace(kvt_batch *b) {
+    const kvt_ctx *ctx = b->ctx;
+    const kvt__backend *be = &b->be;
+    if (!ctx->max_rows || !be->ops->reserve)
+        return KVT_OK;
+    kvt_status s = KVT_OK;
+    for (uint32_t l = 0; s == KVT_OK && l < ctx->n_layers; l++) {
+        kvt__ws_bounds x = {.max_items = b->max_seqs};
+        const kvt__store *st = &ctx->stores[l];
+        if (st->group >= 0 && ctx->groups[st->group].ops->step_bounds) /* random eviction's round */
+            ctx->groups[st->group].ops->step_bounds(&ctx->groups[st->group], st, &ctx->cfg, &x);
+        s = be->ops->reserve(be, &x);
+        layer_run lr = {.planned = true};
+        if (s == KVT_OK && layer_may_recall(ctx, l) && be->ops->recall_plan_reserve) {
+            plan_bounds(b, l, PLAN_NOPE, &lr);
+            const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr.bound};
+            s = be->ops->recall_plan_reserve(be, &ra);
+        } else if (s == KVT_OK && ctx_may_recall(ctx) && be->ops->recall_rope_plan_reserve &&
+                   kvt__ctx_rope_bound(ctx, l, &lr.rbound)) {
+            const kvt__recall_rope_plan_args ra = {.n_max = b->max_seqs, .bound = lr.rbound};
+            s = be->ops->recall_rope_plan_reserve(be, &ra);
+        }
+    }
+    return s;
+}
+
 /* KVT_ERR_CAPACITY: request i's set of `rows` rows on layer l past the emission's topk. */
 static kvt_status over_topk(const kvt_ctx *ctx, uint32_t i, uint64_t rows, uint32_t l,
                             uint32_t topk, const char *nothing) {
@@ -921,7 +929,7 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             .query_floats = lr->query_floats, .bound = lr->bound};
         if (!lr->planned && be->ops->recall_plan_reserve)
             s = be->ops->recall_plan_reserve(be, &ra);
-        if (s != KVT_OK || (s = be->ops->recall_step_planned(be, &ra, stream)) != KVT_OK)
+        if (s != KVT_OK || (s = be->ops->recall_step(be, &ra, stream)) != KVT_OK)
             return kvt__ctx_fail(ctx, s, "the recall step of layer %u", l);
     }
     kvt__recall_rope_plan_args rp = {0};
@@ -934,7 +942,7 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
         if (trigger && !lr->planned && be->ops->recall_rope_plan_reserve)
             s = be->ops->recall_rope_plan_reserve(be, &rp);
         if (trigger && (s != KVT_OK ||
-                        (s = be->ops->recall_rope_step_planned(be, &rp, stream)) != KVT_OK))
+                        (s = be->ops->recall_rope_step(be, &rp, stream)) != KVT_OK))
             return kvt__ctx_fail(ctx, s, "the RoPE recall step of layer %u", l);
     }
     const kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
@@ -949,7 +957,7 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
     /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags and, in
      * CSR, their lists' offsets) */
     if (pb->kind[l] == PLAN_ROPE && (lr->planned || lr->n_emit) &&
-        (s = be->ops->recall_rope_emit_planned(be, &rp, stream)) != KVT_OK)
+        (s = be->ops->recall_rope_emit(be, &rp, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "the RoPE recall lists of layer %u", l);
     return KVT_OK;
 }

@@ -29,6 +29,7 @@
 #include "kernels/sketch.h"
 #include "lib/base/alloc.h"
 #include "recall/recall.h"
+#include "support/oneshot.h"
 #include "support/testutil.h"
 
 #include <math.h>
@@ -100,6 +101,31 @@ static void same(rig *r, const void *d, const void *host, size_t bytes, const ch
 
 static void undev(rig *r, void *p, size_t bytes) {
     r->gpu.ops->buf_free(&r->gpu, p, bytes ? bytes : 1);
+}
+
+/* The pack of n queries on both sides, compared: the CPU's from host memory (its backend
+ * memory) into idx / len, the device's queries and count copied into device buffers (a plan
+ * image's, as the library runs it) into didx / dlen (CSR: len and dlen are the indptr). */
+static void pack_both(rig *r, const kvt__div32 *pdiv, bool csr, const kvt__pack_query *qc,
+                      const kvt__pack_query *qg, uint32_t n, int32_t *idx, int32_t *len,
+                      int32_t *didx, int32_t *dlen, size_t n_idx) {
+    kvt__pack_query *dq = dev(r, qg, sizeof *qg * n);
+    uint32_t *dn = dev(r, &n, sizeof n);
+    const kvt__pack_args pc = {.q_plan = qc, .n_plan = &n, .n_max = n, .pdiv = pdiv, .csr = csr,
+                               .first_csr = true, .capacity = n_idx, .indices = idx,
+                               .lengths = csr ? NULL : len, .indptr = csr ? len : NULL};
+    kvt__pack_args pg = pc;
+    pg.q_plan = dq;
+    pg.n_plan = dn;
+    pg.indices = didx;
+    pg.lengths = csr ? NULL : dlen;
+    pg.indptr = csr ? dlen : NULL;
+    cr_assert_eq(r->cpu.ops->pack(&r->cpu, &pc, NULL), KVT_OK);
+    cr_assert_eq(r->gpu.ops->pack(&r->gpu, &pg, NULL), KVT_OK);
+    same(r, didx, idx, 4 * n_idx, "indices");
+    same(r, dlen, len, 4 * (csr ? n + 1 : n), csr ? "indptr" : "lengths");
+    undev(r, dq, sizeof *qg * n);
+    undev(r, dn, sizeof n);
 }
 
 static uint64_t rs = 0xc0da;
@@ -256,18 +282,7 @@ Test(cuda, pack_equals_the_cpu) {
         size_t n_idx = csr ? off : (size_t)NQ * cap;
         int32_t *idx = calloc(n_idx, 4), *len = calloc(NQ + 1, 4);
         int32_t *didx = dev(&r, idx, 4 * n_idx), *dlen = dev(&r, len, 4 * (NQ + 1));
-        kvt__pack_args pc = {.q = qc, .n = NQ, .pdiv = &pdiv, .csr = csr, .first_csr = true,
-                             .indices = idx, .lengths = csr ? NULL : len,
-                             .indptr = csr ? len : NULL};
-        kvt__pack_args pg = pc;
-        pg.q = qg;
-        pg.indices = didx;
-        pg.lengths = csr ? NULL : dlen;
-        pg.indptr = csr ? dlen : NULL;
-        cr_assert_eq(r.cpu.ops->pack(&r.cpu, &pc, NULL), KVT_OK);
-        cr_assert_eq(r.gpu.ops->pack(&r.gpu, &pg, NULL), KVT_OK);
-        same(&r, didx, idx, 4 * n_idx, "indices");
-        same(&r, dlen, len, 4 * (csr ? NQ + 1 : NQ), csr ? "indptr" : "lengths");
+        pack_both(&r, &pdiv, csr, qc, qg, NQ, idx, len, didx, dlen, n_idx);
         undev(&r, didx, 4 * n_idx);
         undev(&r, dlen, 4 * (NQ + 1));
         free(idx);
@@ -889,7 +904,7 @@ static kvt_status planned_step(rig *r, plan_rig *pr, const step_item *it,
     kvt__recall_plan_bound(16, 64, 512, 64, bound_rows, 0, it[0].B, &pa.bound);
     if (r->gpu.ops->recall_plan_reserve)
         cr_assert_eq(r->gpu.ops->recall_plan_reserve(&r->gpu, &pa), KVT_OK);
-    return r->gpu.ops->recall_step_planned(&r->gpu, &pa, NULL);
+    return r->gpu.ops->recall_step(&r->gpu, &pa, NULL);
 }
 
 /* planned: the device side runs the planned op (kvt__recall_plan_args) instead of recall_step,
@@ -939,11 +954,11 @@ static void step_pair(bool groups, bool planned) {
                 ca[i] = step_args_of(&it[i], false);
                 ga[i] = step_args_of(&it[i], true);
             }
-            cr_assert_eq(r.cpu.ops->recall_step(&r.cpu, ca, NI, NULL), KVT_OK);
+            cr_assert_eq(os_recall_step(&r.cpu, ca, NI, NULL), KVT_OK);
             if (planned)
                 cr_assert_eq(planned_step(&r, &pr, it, ga, NI, 512), KVT_OK, "step %u", step);
             else
-                cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
+                cr_assert_eq(os_recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
             for (int i = 0; i < NI; i++) {
                 step_item *x = &it[i];
                 kvt__recall_state gs;
@@ -985,18 +1000,21 @@ static void step_pair(bool groups, bool planned) {
         }
         calibrated += it[0].st.phase == KVT__CONFORMAL_CALIBRATED;
         calibrated += it[1].st.phase == KVT__CONFORMAL_CALIBRATED;
-        /* out of range: the CPU's statuses */
-        kvt__recall_step_args bad = step_args_of(&it[0], true);
-        bad.n_rows = bad.scan.n_closed - 1;
-        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
-        bad = step_args_of(&it[0], true);
-        bad.samples = NULL; /* conformal mode without a sample array */
-        bad.sample_cap = 0;
-        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
-        bad = step_args_of(&it[3], true);
-        bad.margin = -1.0f;
-        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
-        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &bad, 0, NULL), KVT_OK);
+        /* out of range: the argument rules every backend applies (the library checks each item
+         * when it plans it); the CPU backends' op refuses such an item, the CUDA one, which
+         * cannot read items on the host, makes its step dense */
+        kvt__recall_step_args bad[3] = {step_args_of(&it[0], true), step_args_of(&it[0], true),
+                                        step_args_of(&it[3], true)};
+        bad[0].n_rows = bad[0].scan.n_closed - 1;
+        bad[1].samples = NULL; /* conformal mode without a sample array */
+        bad[1].sample_cap = 0;
+        bad[2].margin = -1.0f;
+        for (int k = 0; k < 3; k++) {
+            cr_assert(!kvt__recall_step_args_ok(&bad[k]), "bad item %d", k);
+            if (r.guarded)
+                cr_assert_eq(os_recall_step(&r.gpu, &bad[k], 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        }
+        cr_assert_eq(os_recall_step(&r.gpu, bad, 0, NULL), KVT_OK);
         if (planned) {
             /* an item outside the plan's bound (400 closed rows, a bound of 256): the CPU
              * backends refuse the op; the CUDA one, which cannot, makes the item's step dense */
@@ -1193,8 +1211,8 @@ Test(cuda, recall_step_promotion_equals_the_cpu) {
                 ca[i].window = ga[i].window = PR_WIN;
             }
         }
-        cr_assert_eq(r.cpu.ops->recall_step(&r.cpu, ca, NI, NULL), KVT_OK);
-        cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
+        cr_assert_eq(os_recall_step(&r.cpu, ca, NI, NULL), KVT_OK);
+        cr_assert_eq(os_recall_step(&r.gpu, ga, NI, NULL), KVT_OK);
         for (int i = 0; i < NI; i++) {
             step_item *x = &it[i];
             kvt__recall_state gs;
@@ -1243,13 +1261,13 @@ Test(cuda, recall_step_promotion_equals_the_cpu) {
 
 /* ------------------------------------------------------------------------------------------------
  * pack with recall: fetched rows merged into the list, the dense flag, every row by the host,
- * plain queries in the same call, TOKENS and CSR with device offsets, over two calls (the first
- * longer than a launch's 64 queries).
+ * plain queries in the same call, TOKENS and CSR with device offsets, in one call of more
+ * queries than the host-described launches of a former form of the op took (64).
  * ---------------------------------------------------------------------------------------------- */
 Test(cuda, pack_recall_equals_the_cpu) {
     rig r;
     rig_open(&r);
-    enum { PR = 16, NP = 64, NQ = 70, FC = 48, CALL0 = 66 };
+    enum { PR = 16, NP = 64, NQ = 70, FC = 48 };
     int32_t pages[NP];
     shuffled(pages, NP);
     int32_t *dpages = dev(&r, pages, sizeof pages);
@@ -1306,22 +1324,7 @@ Test(cuda, pack_recall_equals_the_cpu) {
         memset(idx, 0x5a, 4 * n_idx); /* stale values: what the op leaves must agree too */
         memset(len, 0x5a, 4 * (NQ + 1));
         int32_t *didx = dev(&r, idx, 4 * n_idx), *dlen = dev(&r, len, 4 * (NQ + 1));
-        for (int call = 0; call < 2; call++) {
-            const uint32_t q0 = call ? CALL0 : 0, n = call ? NQ - CALL0 : CALL0;
-            kvt__pack_args pc = {.q = qc + q0, .n = n, .pdiv = &pdiv, .csr = csr,
-                                 .first_csr = call == 0, .dev_offsets = csr,
-                                 .capacity = n_idx, .indices = idx,
-                                 .lengths = csr ? NULL : len, .indptr = csr ? len : NULL};
-            kvt__pack_args pg = pc;
-            pg.q = qg + q0;
-            pg.indices = didx;
-            pg.lengths = csr ? NULL : dlen;
-            pg.indptr = csr ? dlen : NULL;
-            cr_assert_eq(r.cpu.ops->pack(&r.cpu, &pc, NULL), KVT_OK);
-            cr_assert_eq(r.gpu.ops->pack(&r.gpu, &pg, NULL), KVT_OK);
-        }
-        same(&r, didx, idx, 4 * n_idx, "indices");
-        same(&r, dlen, len, 4 * (csr ? NQ + 1 : NQ), csr ? "indptr" : "lengths");
+        pack_both(&r, &pdiv, csr, qc, qg, NQ, idx, len, didx, dlen, n_idx);
         /* the merge was exercised: a set holds a fetched row between two list rows */
         if (!csr) {
             const uint32_t i = 1; /* kind 1 */
@@ -1637,8 +1640,8 @@ static void rope_planned(rig *r, rope_plan_rig *pr, const rope_case *cs,
             cr_assert_eq(r->gpu.ops->recall_rope_plan_reserve(&r->gpu, &pa), KVT_OK);
     }
     cr_assert_eq(r->gpu.ops->write(&r->gpu, pr->n, &n, sizeof n, NULL), KVT_OK);
-    cr_assert_eq(emit ? r->gpu.ops->recall_rope_emit_planned(&r->gpu, &pa, NULL)
-                      : r->gpu.ops->recall_rope_step_planned(&r->gpu, &pa, NULL),
+    cr_assert_eq(emit ? r->gpu.ops->recall_rope_emit(&r->gpu, &pa, NULL)
+                      : r->gpu.ops->recall_rope_step(&r->gpu, &pa, NULL),
                  KVT_OK);
 }
 
@@ -1719,11 +1722,11 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
             ac[i] = rope_args(c, false, q[i], mode, cp);
             ag[i] = rope_args(c, true, c->d_q, mode, cp);
         }
-        cr_assert_eq(r->cpu.ops->recall_rope_step(&r->cpu, ac, RN, NULL), KVT_OK);
+        cr_assert_eq(os_rope_step(&r->cpu, ac, RN, NULL), KVT_OK);
         if (planned)
             rope_planned(r, &pr, cs, ag, NULL, false);
         else
-            cr_assert_eq(r->gpu.ops->recall_rope_step(&r->gpu, ag, RN, NULL), KVT_OK);
+            cr_assert_eq(os_rope_step(&r->gpu, ag, RN, NULL), KVT_OK);
         kvt__recall_rope_emit_args ec[RN], eg[RN];
         const bool chain = step % 2 == 0;
         for (int i = 0; i < RN; i++) {
@@ -1780,11 +1783,15 @@ static void rope_pair(rig *r, int mode, bool capped, uint32_t cap, bool planned,
         cr_assert_eq(r->gpu.ops->write(&r->gpu, d_idx, idx, sizeof(int32_t) * cap_idx, NULL),
                      KVT_OK);
         cr_assert_eq(r->gpu.ops->write(&r->gpu, d_ptr, indptr, sizeof indptr, NULL), KVT_OK);
-        cr_assert_eq(r->cpu.ops->recall_rope_emit(&r->cpu, ec, RN, NULL), KVT_OK);
+        cr_assert_eq(os_rope_emit(&r->cpu, ec, RN, NULL), KVT_OK);
+        /* chained lists start where the previous request's ended: in the library the pack
+         * writes those offsets first (the lists' counts), here the CPU's are copied over */
+        if (chain)
+            cr_assert_eq(r->gpu.ops->write(&r->gpu, d_ptr, indptr, sizeof indptr, NULL), KVT_OK);
         if (planned && !chain)
             rope_planned(r, &pr, cs, ag, eg, true);
         else
-            cr_assert_eq(r->gpu.ops->recall_rope_emit(&r->gpu, eg, RN, NULL), KVT_OK);
+            cr_assert_eq(os_rope_emit(&r->gpu, eg, RN, NULL), KVT_OK);
         same(r, d_ptr, indptr, sizeof indptr, "indptr");
         same(r, d_idx, idx, sizeof(int32_t) * cap_idx, "indices");
         for (int i = 0; i < RN; i++) {
@@ -2182,10 +2189,10 @@ Test(cuda, planned_step_past_its_reservation_is_refused) {
                                 .query_floats = 16 * 576};
     kvt__recall_plan_bound(16, 64, 512, 64, 4096, 0, 128, &pa.bound);
     cr_assert_eq(r.gpu.ops->recall_plan_reserve(&r.gpu, &pa), KVT_OK);
-    cr_assert_eq(r.gpu.ops->recall_step_planned(&r.gpu, &pa, NULL), KVT_OK);
+    cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &pa, NULL), KVT_OK);
     kvt__recall_plan_args big = pa;
     kvt__recall_plan_bound(16, 64, 512, 64, 8192, 0, 128, &big.bound);
-    cr_assert_eq(r.gpu.ops->recall_step_planned(&r.gpu, &big, NULL), KVT_ERR_BAD_STATE);
+    cr_assert_eq(r.gpu.ops->recall_step(&r.gpu, &big, NULL), KVT_ERR_BAD_STATE);
     const char *e = r.gpu.ops->last_error(&r.gpu);
     cr_assert(e && strstr(e, "larger than its reservation"), "%s", e ? e : "(none)");
     undev(&r, (void *)pa.items, sizeof(kvt__recall_plan_item));

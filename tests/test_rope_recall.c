@@ -25,6 +25,7 @@
 #include "lib/handles.h"
 #include "recall/conformal.h"
 #include "recall/recall_rope.h"
+#include "support/oneshot.h"
 #include "support/testutil.h"
 
 #include "support/tu_cuda.h"
@@ -507,7 +508,7 @@ static void trig_run(trig *t, rr *x, const float *q, kvt_recall_mode mode, float
     cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(be->ops->write(be, t->qdev, q, sizeof(float) * t->nq * x->QW, NULL), KVT_OK);
     kvt__recall_rope_make(&t->rl, &view, t->qdev, mode, margin, t->ddev, &a);
-    cr_assert_eq(be->ops->recall_rope_step(be, &a, 1, NULL), KVT_OK);
+    cr_assert_eq(os_rope_step(be, &a, 1, NULL), KVT_OK);
     dev_read(x, &o->st, t->rl.base.st, sizeof o->st);
     dev_read(x, o->n_fired, t->rl.n_fired, sizeof(uint32_t) * x->H);
     dev_read(x, o->overflow, t->rl.overflow, sizeof(uint32_t) * x->H);
@@ -1089,17 +1090,17 @@ Test(rope_trigger, statuses) {
     const kvt__backend *be = be_of(&x);
     kvt__recall_rope_args bad = a;
     bad.D = 64;
-    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(os_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
     bad = a;
     bad.rank[0] = bad.csk_stride + 1;
-    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(os_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
     bad = a;
     bad.mode = 9;
-    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(os_rope_step(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
     bad = a;
     float host_q[8 * 128];
     bad.q = host_q; /* a host pointer: the guarded backend refuses it */
-    cr_assert_eq(be->ops->recall_rope_step(be, &bad, 1, NULL), KVT_ERR_INVARIANT);
+    cr_assert_eq(os_rope_step(be, &bad, 1, NULL), KVT_ERR_INVARIANT);
     trig_fini(&t, &x);
     rr_fini(&x);
     /* salience on a RoPE layer: the paper's control, refused */
@@ -1331,8 +1332,8 @@ static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, co
         .capacity = cap_idx, .indptr = ptr, .out = 0};
     kvt__recall_rope_emit_args bad = ea;
     bad.capacity = cap_idx - 1;
-    cr_assert_eq(be->ops->recall_rope_emit(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
-    cr_assert_eq(be->ops->recall_rope_emit(be, &ea, 1, NULL), KVT_OK);
+    cr_assert_eq(os_rope_emit(be, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(os_rope_emit(be, &ea, 1, NULL), KVT_OK);
     int32_t *indptr = malloc(sizeof(int32_t) * (H + 1));
     int32_t *indices = malloc(sizeof(int32_t) * (cap_idx + 1));
     dev_read(x, indptr, ptr, sizeof(int32_t) * (H + 1));

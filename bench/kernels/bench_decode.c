@@ -372,7 +372,9 @@ int main(int argc, char **argv) {
              .pages = pages, .out = 0, .pad = na, .len_at = 0},
             {.d = {.lo_end = 0, .list = fired, .n_list = 0, .hi_begin = 0, .hi_end = 0},
              .pages = pages, .out = na, .len_at = 1}};
-        kvt__pack_args pk = {.q = pq, .n = 2, .pdiv = &pd, .indices = idx_out, .lengths = lens};
+        const uint32_t n_pq = 2; /* the CPU backend's memory is host memory: the image here */
+        kvt__pack_args pk = {.q_plan = pq, .n_plan = &n_pq, .n_max = 2, .pdiv = &pd,
+                             .indices = idx_out, .lengths = lens};
         kvt__attn_f32_args fa = dense;
         fa.slots = fired_slots;
         fa.out = out;

@@ -234,15 +234,10 @@ const char *cu_last_error(const kvt__backend *be) {
     return t_err_out;
 }
 
-/* The workspace for every op of a step within b (kvt__ws_bounds): the largest of a recall step's
- * chunk of items, a RoPE step, a round call and the pack's plan, each by the layout its op
- * uses. */
+/* The workspace for every op of a step within b (kvt__ws_bounds) that takes it: a round call
+ * (the recall steps have their own, recall_plan_reserve; the pack takes none). */
 kvt_status cu_reserve(const kvt__backend *be, const kvt__ws_bounds *b) {
-    size_t bytes = pack_ws_need();
-    const size_t step = step_ws_need(b), rope = rope_ws_need(b), round = ev_ws_need(b);
-    bytes = step > bytes ? step : bytes;
-    bytes = rope > bytes ? rope : bytes;
-    bytes = round > bytes ? round : bytes;
+    const size_t bytes = ev_ws_need(b);
     cuda_impl *c = (cuda_impl *)be->impl;
     return reserve_on(be, &c->ws, &c->ws_bytes, bytes + bytes / 2);
 }
@@ -278,14 +273,11 @@ kvt__backend_ops make_ops() {
     o.sketch_rows = cu_sketch_rows;
     o.recall_scan = cu_recall_scan;
     o.recall_step = cu_recall_step;
-    o.recall_step_planned = cu_recall_step_planned;
     o.recall_plan_reserve = cu_recall_plan_reserve;
     o.reserve = cu_reserve;
     o.recall_promote = true; /* k_promo_before, k_step_best, k_step_finish */
     o.recall_rope_step = cu_recall_rope_step;
     o.recall_rope_emit = cu_recall_rope_emit;
-    o.recall_rope_step_planned = cu_recall_rope_step_planned;
-    o.recall_rope_emit_planned = cu_recall_rope_emit_planned;
     o.recall_rope_plan_reserve = cu_recall_rope_plan_reserve;
     o.pack = cu_pack;
     o.select = cu_select;

@@ -47,9 +47,10 @@ struct cuda_impl {
     cudaEvent_t ev;
     void *last_stream;
     bool have_ev;
-    /* The planned ops' own workspace (recall_step_planned): sized once by recall_plan_reserve
-     * from the plan's bound, never moved after, since a captured graph holds its address (the
-     * workspace above may be freed and grown by a later eager op). */
+    /* The recall steps' own workspace (recall_step, recall_rope_step): sized by
+     * recall_plan_reserve from the plan's bound (a batch's planned steps: once, never moved
+     * after, since a captured graph holds its address; the workspace above may be freed and
+     * grown by a later round). */
     uint8_t *plan_ws;
     size_t plan_ws_bytes;
     /* An op that is not a planned one was refused on a capturing stream since capture_begin:
@@ -76,20 +77,13 @@ kvt_status cu_sketch_rows(const kvt__backend *be, const kvt__sketch_args *a, uin
                           void *stream);
 kvt_status cu_recall_scan(const kvt__backend *be, const kvt__recall_scan_args *a, uint32_t n,
                           void *stream);
-kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
-                          void *stream);
+kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_plan_args *a, void *stream);
 kvt_status cu_recall_plan_reserve(const kvt__backend *be, const kvt__recall_plan_args *a);
-kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
-                                  void *stream);
-kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
-                               uint32_t n, void *stream);
+kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                               void *stream);
 kvt_status cu_recall_rope_plan_reserve(const kvt__backend *be, const kvt__recall_rope_plan_args *a);
-kvt_status cu_recall_rope_step_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
-                                       void *stream);
-kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_emit_args *args,
-                               uint32_t n, void *stream);
-kvt_status cu_recall_rope_emit_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
-                                       void *stream);
+kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                               void *stream);
 kvt_status cu_select(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
 kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream);
 kvt_status cu_ev_select(const kvt__backend *be, const kvt__ev_args *a, uint32_t n,
@@ -100,12 +94,8 @@ kvt_status cu_ev_append(const kvt__backend *be, const kvt__ev_append_args *a, ui
                         void *stream);
 kvt_status cu_attend(const kvt__backend *be, const kvt__attend_args *a, void *stream);
 
-/* The workspace each family's ops need for a batch's bounds (cu_backend.cu's cu_reserve takes
- * the largest): the pack's plan, a recall step's chunk of items, a RoPE step, a round call; 0
- * where the bounds have none. */
-size_t pack_ws_need();
-size_t step_ws_need(const kvt__ws_bounds *b);
-size_t rope_ws_need(const kvt__ws_bounds *b);
+/* The workspace a round call needs for a batch's bounds (cu_backend.cu's cu_reserve); 0 where
+ * the bounds have none. */
 size_t ev_ws_need(const kvt__ws_bounds *b);
 
 } // namespace kvt_cu
@@ -161,8 +151,8 @@ inline bool capturing(void *stream) {
     return capture_status(stream) == cudaStreamCaptureStatusActive;
 }
 
-/* On a capturing stream only the planned ops (planned: kvt__pack_args.q_plan,
- * recall_step_planned), whose arguments hold nothing of one step, are enqueued; any other is
+/* On a capturing stream only the ops fed from a plan image (planned: pack, recall_step, the RoPE
+ * ones), whose arguments hold nothing of one step, are enqueued; any other is
  * refused with KVT_ERR_BAD_STATE (as on the CPU backends: its host-built arguments, and a
  * workspace it may grow, are one step's), and so is the capture_end after it. */
 inline kvt_status op_begin(const kvt__backend *be, void *stream, bool planned = false) {

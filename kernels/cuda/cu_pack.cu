@@ -1,5 +1,5 @@
 /*
- * cu_pack.cu — emission on the CUDA backend (pack, eager and planned), following the CPU twin
+ * cu_pack.cu — emission on the CUDA backend (pack), following the CPU twin
  * (kernels/backend_cpu.c's pack).
  */
 #include "kernels/cuda/cu_common.cuh"
@@ -9,31 +9,17 @@ namespace kvt_cu {
 namespace {
 
 /* ----------------------------------------------------------------------------------------------
- * pack: one block per query, the CPU twin's cpu_pack. A query's count and where its slots start
- * are the host's (q.out, the description's count) unless the set is a recall one: then its fetch
- * count and dense flag are device values, and with dev_offsets (CSR) its start is the indptr entry
- * the previous query wrote. Such a chunk first runs k_pack_plan, one thread walking the queries
- * in order (the twin's loop: a query's indptr entry is read after the previous one wrote it),
- * which writes lengths / indptr and each query's (out, count, every row?, fetched) for k_pack.
- * The fetched rows merge into the list by position: a list row's output index is its own index
- * plus the fetched rows below it, and the other way round (the two are disjoint, both ascending).
+ * pack: one block per query of the plan image, the CPU twin's cpu_pack. A query's count comes
+ * from its values as they are when the kernel runs (a recall set's fetch count and dense flag
+ * are device values), and in CSR its start is the sum of the counts before it. The fetched rows
+ * merge into the list by position: a list row's output index is its own index plus the fetched
+ * rows below it, and the other way round (the two are disjoint, both ascending).
  * -------------------------------------------------------------------------------------------- */
-typedef Params<kvt__pack_query, kMaxSeg> PackParams;
 
 struct PackPlan {
     uint64_t out, count, n_fetch;
     uint32_t all;
 };
-
-/* The host's plan of a query without device values (no fetch, no dense flag, host offsets). */
-__device__ PackPlan pack_plan_host(const kvt__pack_query &q) {
-    PackPlan pl;
-    pl.all = q.all_rows ? 1u : 0u;
-    pl.n_fetch = 0;
-    pl.count = pl.all ? q.d.hi_end : kvt__attended_desc_count(&q.d);
-    pl.out = q.out;
-    return pl;
-}
 
 /* A query's plan from the values as they are when the kernel runs (a recall set's fetch count
  * and dense flag are the device's), its slots from `out` on. */
@@ -44,24 +30,6 @@ __device__ PackPlan pack_plan_dev(const kvt__pack_query &q, uint64_t out) {
     pl.count = pl.all ? q.d.hi_end : kvt__attended_desc_count(&q.d) + pl.n_fetch;
     pl.out = out;
     return pl;
-}
-
-__global__ void k_pack_plan(const PackParams p, bool csr, bool first_csr, bool dev_offsets,
-                            int32_t *lengths, int32_t *indptr, PackPlan *plan) {
-    if (threadIdx.x != 0 || blockIdx.x != 0)
-        return;
-    if (csr && first_csr)
-        indptr[0] = 0;
-    for (uint32_t i = 0; i < p.n; i++) {
-        const kvt__pack_query &q = p.a[i];
-        const PackPlan pl =
-            pack_plan_dev(q, csr && dev_offsets ? (uint64_t)indptr[q.len_at - 1] : q.out);
-        if (csr)
-            indptr[q.len_at] = (int32_t)(pl.out + pl.count);
-        else
-            lengths[q.len_at] = (int32_t)pl.count;
-        plan[i] = pl;
-    }
 }
 
 /* How many of v[0 .. n) (ascending) lie below x (or_equal: at or below it). */
@@ -77,8 +45,8 @@ __device__ uint64_t below(const uint32_t *v, uint64_t n, uint32_t x, bool or_equ
     return lo;
 }
 
-/* Query q's set (block b of the launch) as planned in pl: its slots, padding, and (write_len:
- * k_pack_plan did not) its length or offset. */
+/* Query q's set (block b of the launch) as planned in pl: its slots, padding, and (write_len)
+ * its length or offset. */
 __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, bool csr,
                           bool first_csr, const PackPlan pl, bool write_len, int32_t *indices,
                           int32_t *lengths, int32_t *indptr) {
@@ -125,17 +93,9 @@ __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, b
     }
 }
 
-__global__ void k_pack(const PackParams p, kvt__div32 pd, bool csr, bool first_csr,
-                       const PackPlan *plan, int32_t *indices, int32_t *lengths,
-                       int32_t *indptr) {
-    const kvt__pack_query &q = p.a[blockIdx.x];
-    pack_body(q, blockIdx.x, pd, csr, first_csr, plan ? plan[blockIdx.x] : pack_plan_host(q),
-              !plan, indices, lengths, indptr);
-}
-
-/* The planned pack: queries and count from the plan buffer as it is when the kernel runs (one
- * block per possible query; a count past n_max packs nothing), each query's count from its
- * values then (a recall set's are the planned recall step's output). CSR: query i's slots start
+/* The pack: queries and count from the plan image as it is when the kernel runs (one block per
+ * possible query; a count past n_max packs nothing), each query's count from its values then (a
+ * recall set's are the recall step's output). CSR: query i's slots start
  * where the sets before it end, the block's sum of their counts in a fixed order (the CPU twin
  * reads indptr[i], which its loop wrote: the same value). */
 __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan, uint32_t n_max,
@@ -172,44 +132,14 @@ __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan
 } // namespace
 
 kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream) {
-    if (a->q_plan) { /* capturable: nothing of the step in the launch's arguments */
-        kvt_status s = op_begin(be, stream, true);
-        if (s == KVT_OK)
-            k_pack_planned<<<a->n_max ? a->n_max : 1, kThreads, 0, strm(stream)>>>(
-                a->q_plan, a->n_plan, a->n_max, *a->pdiv, a->csr, a->first_csr, a->indices,
-                a->lengths, a->indptr, a->dense_out, a->dense_stride ? a->dense_stride : 1u);
-        return op_end(be, stream, s);
-    }
-    kvt_status s = op_begin(be, stream);
-    if (s == KVT_OK && a->n == 0 && a->csr && a->first_csr) /* the CPU twin writes indptr[0] */
-        s = st(cudaMemsetAsync(a->indptr, 0, sizeof(int32_t), strm(stream)));
-    for (uint32_t i0 = 0; s == KVT_OK && i0 < a->n; i0 += kMaxSeg) {
-        uint32_t k = a->n - i0 < kMaxSeg ? a->n - i0 : kMaxSeg;
-        const PackParams prm = params_of<kvt__pack_query, kMaxSeg>(a->q + i0, k);
-        const bool first = a->first_csr && i0 == 0;
-        /* device values in the chunk: plan on the device */
-        bool dev = a->csr && a->dev_offsets;
-        for (uint32_t i = 0; i < k && !dev; i++)
-            dev = a->q[i0 + i].n_fetch || a->q[i0 + i].dense;
-        PackPlan *plan = NULL;
-        if (dev) {
-            uint8_t *ws;
-            if ((s = ws_get(be, stream, sizeof(PackPlan) * kMaxSeg, &ws)) != KVT_OK)
-                break;
-            plan = (PackPlan *)ws;
-            k_pack_plan<<<1, 32, 0, strm(stream)>>>(prm, a->csr, first, a->dev_offsets,
-                                                     a->lengths, a->indptr, plan);
-        }
-        k_pack<<<k, kThreads, 0, strm(stream)>>>(prm, *a->pdiv, a->csr, first, plan, a->indices,
-                                                 a->lengths, a->indptr);
-        s = st(cudaGetLastError());
-    }
+    if (!a->q_plan || !a->n_plan) /* capturable: nothing of the step in the launch's arguments */
+        return KVT_ERR_INVALID_ARGUMENT;
+    kvt_status s = op_begin(be, stream, true);
+    if (s == KVT_OK)
+        k_pack_planned<<<a->n_max ? a->n_max : 1, kThreads, 0, strm(stream)>>>(
+            a->q_plan, a->n_plan, a->n_max, *a->pdiv, a->csr, a->first_csr, a->indices,
+            a->lengths, a->indptr, a->dense_out, a->dense_stride ? a->dense_stride : 1u);
     return op_end(be, stream, s);
-}
-
-/* The pack's plan in the workspace (cu_reserve). */
-size_t pack_ws_need() {
-    return sizeof(PackPlan) * kMaxSeg;
 }
 
 } // namespace kvt_cu

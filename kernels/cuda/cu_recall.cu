@@ -111,25 +111,6 @@ void step_launch(const Items &items, const ScanWs &w, uint32_t k, const StepShap
 
 } // namespace
 
-kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_step_args *a, uint32_t n,
-                          void *stream) {
-    for (uint32_t i = 0; i < n; i++)
-        if (!step_args_ok(a[i]))
-            return KVT_ERR_INVALID_ARGUMENT;
-    kvt_status s = op_begin(be, stream);
-    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxStep) {
-        const uint32_t k = n - i0 < kMaxStep ? n - i0 : kMaxStep;
-        StepShape sh;
-        ScanWs w = step_ws_of(a + i0, k, &sh);
-        if ((s = ws_get(be, stream, w.each * k, &w.base)) != KVT_OK)
-            break;
-        const EagerItems items = {step_params(a + i0, k)};
-        step_launch(items, w, k, sh, sh.rows ? rows_grid(sh.rows, k).x : 0u, stream);
-        s = st(cudaGetLastError());
-    }
-    return op_end(be, stream, s);
-}
-
 namespace {
 
 size_t plan_ws_bytes(const kvt__recall_plan_args *a, ScanWs *w, StepShape *sh) {
@@ -167,8 +148,7 @@ __global__ void k_plan_lag(const PlanItems p) {
 
 } // namespace
 
-kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan_args *a,
-                                  void *stream) {
+kvt_status cu_recall_step(const kvt__backend *be, const kvt__recall_plan_args *a, void *stream) {
     if (a->n_max == 0)
         return KVT_OK;
     if (a->n_max > 65535u || !a->items || !a->n)
@@ -188,16 +168,6 @@ kvt_status cu_recall_step_planned(const kvt__backend *be, const kvt__recall_plan
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
-}
-
-/* A recall step's chunk of items at the batch's bounds (cu_reserve). */
-size_t step_ws_need(const kvt__ws_bounds *b) {
-    if (!b->recall.scan.n_heads)
-        return 0;
-    StepShape sh;
-    const ScanWs w = step_ws_of(&b->recall, 1, &sh);
-    const uint32_t k = b->max_items < kMaxStep ? b->max_items : kMaxStep;
-    return w.each * (k ? k : 1);
 }
 
 } // namespace kvt_cu

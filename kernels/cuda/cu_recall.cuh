@@ -192,28 +192,15 @@ inline StepParams step_params(const kvt__recall_step_args *host, uint32_t n) {
     return p;
 }
 
-/* Where a recall step launch's work items come from (the kernels are templates over it): the
- * eager op's arguments by value, or a batch's plan buffer in device memory as it is when the
- * kernel runs (recall_step_planned: a captured launch replays over later steps). get(): kItemOk
- * with the item in x (its divider in d), kItemNone past the items, kItemBad for a planned item
- * that breaks the argument rules or the plan's bound (k_step_finish makes its step dense). */
+/* Where a recall step launch's work items come from (the kernels are templates over it): a
+ * batch's plan image in device memory as it is when the kernel runs (a captured launch replays
+ * over later steps). get(): kItemOk with the item in x (its divider in d), kItemNone past the
+ * items, kItemBad for an item that breaks the argument rules or the plan's bound (k_step_finish
+ * makes its step dense). */
 enum { kItemNone = 0, kItemOk = 1, kItemBad = 2 };
 
-template <class T, uint32_t N>
-struct EagerOf {
-    Params<T, N> p;
-    __device__ uint32_t count() const {
-        return p.n;
-    }
-    __device__ int get(uint32_t i, T &x, kvt__div32 &d) const {
-        x = p.a[i];
-        d = p.div[i];
-        return kItemOk;
-    }
-};
-
 /* A plan's items (PA: its op's arguments, with n, n_max; Item: the KVT_HD check that builds
- * item i as the eager op takes it). */
+ * item i as the op runs it). */
 template <class PA, class T, int (*Item)(const PA *, uint32_t, T *, kvt__div32 *)>
 struct PlanOf {
     PA a;
@@ -231,7 +218,6 @@ struct PlanOf {
     }
 };
 
-typedef EagerOf<kvt__recall_step_args, kMaxStep> EagerItems;
 typedef PlanOf<kvt__recall_plan_args, kvt__recall_step_args, kvt__recall_plan_item_args>
     PlanItems;
 
@@ -241,11 +227,6 @@ typedef PlanOf<kvt__recall_plan_args, kvt__recall_step_args, kvt__recall_plan_it
     if ((src).get(i, x, x_div) != kItemOk)                                                         \
         return;                                                                                    \
     x.scan.pdiv = &x_div
-
-/* The CPU ops' rules (kvt__recall_step_args_ok: one definition). */
-inline bool step_args_ok(const kvt__recall_step_args &x) {
-    return kvt__recall_step_args_ok(&x);
-}
 
 /* Promotion's part of an item's workspace, after its step extra (ScanWs.off_promo): the merged
  * list's length [1], then per promoted row its hit flag [prom_cap] (the heads' blocks OR into

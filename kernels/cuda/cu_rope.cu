@@ -25,21 +25,18 @@ namespace {
  *   4. one block per request: the samples merged in query-head order (as kvt__conformal_insert
  *      one by one) and z fixed at a window end, or each head's fired rows compacted, the first W
  *      of them; capped (a host archive): the calibration's rows, no dense step; the certificate.
- * The emission (k_rope_emit) is one launch for the call's requests: per request and KV head its
- * list (the table's slots, then its fetched rows copied into the fetch area); one block a
- * request, or, when lists are chained (each starts where the previous request's ended, a device
- * value), one block taking the requests in order.
+ * The emission (k_rope_emit_planned) is one launch for the layer's requests: per request and KV
+ * head its list (the table's slots, then its fetched rows copied into the fetch area), one block
+ * a request; a chained list (CSR) starts at the offset the pack wrote from the lists' counts.
  * -------------------------------------------------------------------------------------------- */
 constexpr uint32_t kMaxRope = 32;
 typedef Params<kvt__recall_rope_args, kMaxRope> RopeParams;
 static_assert(sizeof(RopeParams) <= 32000, "kernel parameters above CUDA's 32 KB");
 
 /* Where a RoPE launch's requests come from (the kernels are templates over it, as the NoPE
- * step's: EagerItems / PlanItems): the eager op's arguments by value, or a batch's plan buffer
- * as it is when the kernel runs (recall_rope_step_planned). get(): kItemOk with the request in
- * x (its divider in d), kItemNone past them, kItemBad for a planned item that breaks the rules
- * or the plan's bound. */
-typedef EagerOf<kvt__recall_rope_args, kMaxRope> RopeEager;
+ * step's: PlanItems): a batch's plan image as it is when the kernel runs (recall_rope_step).
+ * get(): kItemOk with the request in x (its divider in d), kItemNone past them, kItemBad for an
+ * item that breaks the rules or the plan's bound. */
 typedef PlanOf<kvt__recall_rope_plan_args, kvt__recall_rope_args, kvt__recall_rope_plan_item_args>
     RopePlan;
 
@@ -470,29 +467,6 @@ void rope_launch(const Items &items, const ScanWs &w, uint32_t KV, uint32_t G, u
 
 } // namespace
 
-kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_args *args,
-                               uint32_t n, void *stream) {
-    for (uint32_t i = 0; i < n; i++)
-        if (!kvt__recall_rope_args_ok(&args[i]) || args[i].group > 4096u)
-            return KVT_ERR_INVALID_ARGUMENT;
-    kvt_status s = op_begin(be, stream);
-    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxRope) {
-        const uint32_t k = n - i0 < kMaxRope ? n - i0 : kMaxRope;
-        uint32_t KV, G;
-        size_t rows;
-        ScanWs w = rope_ws_of(args + i0, k, &KV, &G, &rows);
-        if ((s = ws_get(be, stream, w.each * KV * k, &w.base)) != KVT_OK)
-            break;
-        const RopeEager items = {params_div<kvt__recall_rope_args, kMaxRope>(args + i0, k)};
-        bool capped = false;
-        for (uint32_t i = 0; i < k; i++)
-            capped |= args[i0 + i].capped;
-        rope_launch(items, w, KV, G, k, rows ? rows_grid(rows, KV).x : 0u, capped, stream);
-        s = st(cudaGetLastError());
-    }
-    return op_end(be, stream, s);
-}
-
 namespace {
 
 /* The planned trigger (kvt__recall_rope_plan_args): the layout of n_max requests of the bound's
@@ -518,8 +492,8 @@ kvt_status cu_recall_rope_plan_reserve(const kvt__backend *be,
     return reserve_on(be, &c->plan_ws, &c->plan_ws_bytes, bytes);
 }
 
-kvt_status cu_recall_rope_step_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
-                                       void *stream) {
+kvt_status cu_recall_rope_step(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                               void *stream) {
     if (a->n_max == 0)
         return KVT_OK;
     if (a->n_max > 65535u || !a->items || !a->n || a->bound.group > 4096u ||
@@ -546,8 +520,6 @@ kvt_status cu_recall_rope_step_planned(const kvt__backend *be, const kvt__recall
 namespace {
 
 constexpr uint32_t kMaxRopeEmit = 64;
-typedef Params<kvt__recall_rope_emit_args, kMaxRopeEmit> RopeEmitParams;
-static_assert(sizeof(RopeEmitParams) <= 32000, "kernel parameters above CUDA's 32 KB");
 
 /* One request's lists: kvt__recall_rope_emit_cpu's, in its order, by the whole block. Every
  * thread walks the heads alike (the counts are device values every thread reads), each writes
@@ -603,37 +575,7 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a, bool offsets) {
         a.indptr[a.n_kv] = (int32_t)o;
 }
 
-/* The call's requests: one block each, or (serial: chained lists) one block taking them in
- * order, each list's start the previous one's end as the block wrote it. */
-__global__ void k_rope_emit(const RopeEmitParams p, bool serial) {
-    for (uint32_t i = serial ? 0u : blockIdx.x; i < (serial ? p.n : blockIdx.x + 1u); i++) {
-        JOB_ARGS(kvt__recall_rope_emit_args, p, i);
-        rope_emit_one(a, true);
-        __syncthreads(); /* the next request reads what thread 0 wrote */
-    }
-}
-
 } // namespace
-
-kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_emit_args *args,
-                               uint32_t n, void *stream) {
-    for (uint32_t i = 0; i < n; i++)
-        if (!kvt__recall_rope_emit_ok(&args[i]))
-            return KVT_ERR_INVALID_ARGUMENT;
-    kvt_status s = op_begin(be, stream);
-    /* a launch per kMaxRopeEmit requests, in order: a chained list starts where the previous
-     * one ended (in the launch, or the previous launch: stream order) */
-    for (uint32_t i0 = 0; s == KVT_OK && i0 < n; i0 += kMaxRopeEmit) {
-        const uint32_t k = n - i0 < kMaxRopeEmit ? n - i0 : kMaxRopeEmit;
-        const RopeEmitParams p = params_div<kvt__recall_rope_emit_args, kMaxRopeEmit>(args + i0, k);
-        bool serial = false;
-        for (uint32_t i = 0; i < k; i++)
-            serial |= args[i0 + i].chain;
-        k_rope_emit<<<serial ? 1u : k, kThreads, 0, strm(stream)>>>(p, serial);
-        s = st(cudaGetLastError());
-    }
-    return op_end(be, stream, s);
-}
 
 namespace {
 
@@ -658,8 +600,8 @@ __global__ void k_rope_emit_planned(const kvt__recall_rope_plan_args a) {
 
 } // namespace
 
-kvt_status cu_recall_rope_emit_planned(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
-                                       void *stream) {
+kvt_status cu_recall_rope_emit(const kvt__backend *be, const kvt__recall_rope_plan_args *a,
+                               void *stream) {
     if (a->n_max == 0)
         return KVT_OK;
     if (a->n_max > 65535u || !a->emits || !a->n_emit)
@@ -671,16 +613,6 @@ kvt_status cu_recall_rope_emit_planned(const kvt__backend *be, const kvt__recall
         s = st(cudaGetLastError());
     }
     return op_end(be, stream, s);
-}
-
-/* A RoPE step's chunk of requests at the batch's bounds (cu_reserve). */
-size_t rope_ws_need(const kvt__ws_bounds *b) {
-    if (!(b->rope && b->rope->n_kv <= KVT__RECALL_ROPE_MAX_KV))
-        return 0;
-    uint32_t KV, G;
-    size_t rows;
-    const uint32_t k = b->max_items < kMaxRope ? b->max_items : kMaxRope;
-    return rope_ws_of(b->rope, 1, &KV, &G, &rows).each * KV * (k ? k : 1);
 }
 
 } // namespace kvt_cu
