@@ -402,8 +402,9 @@ typedef struct kvt_config {
     uint32_t block_rows;      /* B: close block, power of two >= 64 (4096) */
     uint32_t kappa;           /* low-frequency bins, 1 <= kappa <= B/2, (2 kappa - 1) B <= 2^24 (16) */
     uint32_t sink_rows;       /* first rows always attended on salience layers (4) */
-    uint32_t evict_budget_rows; /* K: rows kept per head by a random-eviction round (1024) */
-    uint32_t recent_rows;     /* r: newest rows never scored (64) */
+    uint32_t evict_budget_rows; /* K: rows kept per head by a random-eviction round, 1..2^28 and
+                                 * >= recent_rows (1024) */
+    uint32_t recent_rows;     /* r: newest rows never scored, at most evict_budget_rows (64) */
     uint32_t cadence_rows;    /* c: a round runs at K + r + c rows; 0 means c = r */
     bool protect_prompt;      /* prompt rows score +inf in eviction rounds (true) */
     bool evict_archive;       /* evicted rows are copied to the archive pool, not dropped (false) */
@@ -459,8 +460,10 @@ KVT_API kvt_config kvt_config_default(void);
  * becomes out->struct_size). KVT_ERR_INVALID_ARGUMENT for NULL or a size below
  * KVT_CONFIG_SIZE_MIN. */
 KVT_API kvt_status kvt_config_init(kvt_config *out, size_t struct_size);
-/* Check every field (struct_size by the ABI rule at the top); on error names it in err.
- * KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
+/* Check every field (struct_size by the ABI rule at the top), the ranges in the comments above
+ * and the rules between fields (sink_rows <= block_rows, evict_budget_rows >= recent_rows,
+ * cadence_rows and recent_rows not both 0, recall_promote_hits <= recall_promote_window); on
+ * error names the field in err. KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
 KVT_API kvt_status kvt_config_check(const kvt_config *cfg, char *err, size_t err_len);
 
 /* ---------------------------------------------------------------------------------------------

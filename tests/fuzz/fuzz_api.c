@@ -119,7 +119,8 @@ static bool make_ctx(fuzz_state *f) {
     c.ratio = fuzz_range(&f->in, 1, 16);
     c.sink_rows = fuzz_range(&f->in, 0, 8);
     c.evict_budget_rows = fuzz_range(&f->in, 1, 48);
-    c.recent_rows = fuzz_range(&f->in, 0, 16);
+    /* r <= K (kvt_config_check) */
+    c.recent_rows = fuzz_range(&f->in, 0, c.evict_budget_rows < 16 ? c.evict_budget_rows : 16);
     c.cadence_rows = fuzz_range(&f->in, 0, 16);
     uint8_t flags = fuzz_u8(&f->in);
     c.protect_prompt = !(flags & 1);
