@@ -154,3 +154,30 @@ def test_census_with_a_shared_prefix(mixed_model):
     assert u.attended_bytes == t.attended_bytes
     with pytest.raises(kvtier.InvalidArgumentError):
         mixed_model.census(100, 2, 10.0, shared_prefix=101)
+
+
+def test_scores_are_the_sigma_of_the_closed_rows(mixed_ctx):
+    """Sequence.scores (kvt_seq_scores): σ of the salience layer's closed rows by position, the
+    very numbers kvtier.ref.Sigma gives for the rows written; empty before a close; refused on
+    an evict layer and mid-step."""
+    ctx = mixed_ctx
+    rng = np.random.default_rng(8)
+    s = ctx.sequence(1)
+    assert s.scores(0).shape == (0,)
+    with pytest.raises(kvtier.PolicyMismatchError):
+        s.scores(1)
+    rows = kvtier.bf16_from_float32(rng.standard_normal((70, 576)).astype(np.float32))
+    b = ctx.batch(1)
+    b.reserve([s], 70)
+    fill(s, ctx, 70, seed=1)
+    s.write(0, 0, 0, rows)
+    b.plan()
+    with pytest.raises(kvtier.BadStateError):
+        s.scores(0)
+    b.commit()
+    got = s.scores(0)
+    assert got.dtype == np.float32 and got.shape == (64,)
+    with kvtier.ref.Sigma(64, 4, 64) as sigma:
+        want = sigma.block(rows[:64].view(np.uint8), 1024, kvtier.DType.BF16)
+    assert np.array_equal(got, np.where(np.isfinite(want), want, np.inf))
+
