@@ -97,6 +97,13 @@ static kvt_status check_fields(const kvt_config *c, char *err, size_t len) {
     if (c->recent_rows > KVT__MAX_BUDGET)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.recent_rows: %u too large",
                          c->recent_rows);
+    /* A round keeps K scored rows next to the r newest, unscored: a budget below the window
+     * would leave the scored part, the only one the policy chooses, smaller than the part it
+     * never looks at (issue 35; the round's arithmetic, K + r kept, would run). */
+    if (c->evict_budget_rows < c->recent_rows)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "config.evict_budget_rows: %u is below recent_rows %u (want K >= r)",
+                         c->evict_budget_rows, c->recent_rows);
     if (c->cadence_rows > KVT__MAX_BUDGET)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "config.cadence_rows: %u too large",
                          c->cadence_rows);

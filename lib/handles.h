@@ -90,6 +90,11 @@ void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st);
 /* Sound recall on `layer` with a basis of ‖V Vᵀ − I‖_F = omega: KVT_OK when the sound margin
  * covers it (omega <= KVT__SOUND_MAX_OMEGA), else KVT_ERR_INVALID_ARGUMENT naming both. */
 kvt_status kvt__sound_basis_check(const kvt_ctx *ctx, uint32_t layer, float omega);
+/* The live request of ctx with this id, or NULL. Ids are unique among a context's live requests
+ * (kvt_seq_create, fork, attach and restore refuse one in use): an id keys the request's random
+ * draws with the config seed (kernels/philox.h), so two live requests of one id would draw alike
+ * (the same eviction choices, correlated where they must be independent). */
+const kvt_seq *kvt__ctx_live_request(const kvt_ctx *ctx, uint64_t request_id);
 /* Free a request and everything it holds, whether or not it is a slot (kvt_ctx_destroy). */
 void kvt__seq_free(kvt_seq *seq);
 /* Build ctx->max_seqs request slots, parked (kvt_ctx_create with max_seqs and max_rows). */

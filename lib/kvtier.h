@@ -90,7 +90,7 @@
  *    kvt_status_name, kvt_version, kvt_version_number, the *_default* and *_name functions,
  *    kvt_layer_spec_*, kvt_policy_for_kind, kvt_layer_bytes_per_token, kvt_ctx_model,
  *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
- *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context,
+ *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context, kvt_seq_request_id,
  *    kvt_recall_basis_read / kvt_recall_basis_write (files only; distinct paths),
  *    kvt_orthonormalise_rows (on distinct arrays), and
  *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
@@ -402,8 +402,9 @@ typedef struct kvt_config {
     uint32_t block_rows;      /* B: close block, power of two >= 64 (4096) */
     uint32_t kappa;           /* low-frequency bins, 1 <= kappa <= B/2, (2 kappa - 1) B <= 2^24 (16) */
     uint32_t sink_rows;       /* first rows always attended on salience layers (4) */
-    uint32_t evict_budget_rows; /* K: rows kept per head by a random-eviction round (1024) */
-    uint32_t recent_rows;     /* r: newest rows never scored (64) */
+    uint32_t evict_budget_rows; /* K: rows kept per head by a random-eviction round, 1..2^28 and
+                                 * >= recent_rows (1024) */
+    uint32_t recent_rows;     /* r: newest rows never scored, at most evict_budget_rows (64) */
     uint32_t cadence_rows;    /* c: a round runs at K + r + c rows; 0 means c = r */
     bool protect_prompt;      /* prompt rows score +inf in eviction rounds (true) */
     bool evict_archive;       /* evicted rows are copied to the archive pool, not dropped (false) */
@@ -459,8 +460,10 @@ KVT_API kvt_config kvt_config_default(void);
  * becomes out->struct_size). KVT_ERR_INVALID_ARGUMENT for NULL or a size below
  * KVT_CONFIG_SIZE_MIN. */
 KVT_API kvt_status kvt_config_init(kvt_config *out, size_t struct_size);
-/* Check every field (struct_size by the ABI rule at the top); on error names it in err.
- * KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
+/* Check every field (struct_size by the ABI rule at the top), the ranges in the comments above
+ * and the rules between fields (sink_rows <= block_rows, evict_budget_rows >= recent_rows,
+ * cadence_rows and recent_rows not both 0, recall_promote_hits <= recall_promote_window); on
+ * error names the field in err. KVT_ERR_INVALID_ARGUMENT or KVT_ERR_UNSUPPORTED. */
 KVT_API kvt_status kvt_config_check(const kvt_config *cfg, char *err, size_t err_len);
 
 /* ---------------------------------------------------------------------------------------------
@@ -816,8 +819,12 @@ typedef struct kvt_seq_params {
 KVT_API kvt_seq_params kvt_seq_default_params(void);
 /* As kvt_ctx_params_init (KVT_SEQ_PARAMS_SIZE_MIN). */
 KVT_API kvt_status kvt_seq_params_init(kvt_seq_params *out, size_t struct_size);
-/* Create a request. params NULL: kvt_seq_default_params(). Errors: KVT_ERR_INVALID_ARGUMENT (NULL
- * ctx/out, a bad field: ratio above 2^20, an unknown recall), KVT_ERR_UNSUPPORTED (recall on in
+/* Create a request. params NULL: kvt_seq_default_params(). A request id is unique among the
+ * context's live requests (it keys the request's random draws with config.seed: two live
+ * requests of one id would make the same eviction choices); once its request is destroyed the
+ * id may be used again. Errors (nothing created, nothing changed): KVT_ERR_INVALID_ARGUMENT (NULL
+ * ctx/out, a bad field: ratio above 2^20, an unknown recall; a request id already live in ctx,
+ * named in the message), KVT_ERR_UNSUPPORTED (recall on in
  * a context without sketch planes or on a backend without the recall step; a struct from a newer
  * kvtier), KVT_ERR_OUT_OF_MEMORY (host, or the trigger's state in the backend's memory). */
 KVT_API kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *params, kvt_seq **out);
@@ -833,6 +840,9 @@ KVT_API kvt_status kvt_seq_set_prompt_rows(kvt_seq *seq, uint64_t n_rows);
 KVT_API uint64_t kvt_seq_length(const kvt_seq *seq);
 /* The context the request belongs to (NULL for NULL). */
 KVT_API kvt_ctx *kvt_seq_context(const kvt_seq *seq);
+/* The request's id (kvt_seq_params.request_id; a fork's or attach's request_id; a restored
+ * request's, from its snapshot); 0 for NULL. */
+KVT_API uint64_t kvt_seq_request_id(const kvt_seq *seq);
 /* Rows reserved for the step in flight (0 between steps). */
 KVT_API uint32_t kvt_seq_pending(const kvt_seq *seq);
 
@@ -864,8 +874,10 @@ KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, u
  * reserved, when it cannot; so it may allocate at that reserve even with max_rows_per_seq);
  * forking a request that already shares planes and closed blocks since copies its closed rows'
  * planes once into one new shared set (at the fork). Later random
- * draws are keyed by the child's own request id. KVT_ERR_BAD_STATE when seq has a step in flight
- * (or is damaged), KVT_ERR_INVALID_ARGUMENT (NULL), KVT_ERR_CAPACITY (max_seqs reached),
+ * draws are keyed by the child's own request id, which must not be live in the context (as for
+ * kvt_seq_create). KVT_ERR_BAD_STATE when seq has a step in flight
+ * (or is damaged), KVT_ERR_INVALID_ARGUMENT (NULL; request_id already live, seq's own
+ * included), KVT_ERR_CAPACITY (max_seqs reached),
  * KVT_ERR_OUT_OF_MEMORY; on failure nothing was forked. A later reserve that must copy a page
  * the pool cannot give answers KVT_ERR_POOL_EXHAUSTED with nothing reserved. */
 KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out);
@@ -877,7 +889,8 @@ KVT_API kvt_status kvt_seq_fork(kvt_seq *seq, uint64_t request_id, kvt_seq **out
  * last window. Its prompt length is min(src's, prefix_rows); src's parameters otherwise. Pages,
  * and the σ and sketch planes of the blocks closed within the prefix, are shared as with
  * kvt_seq_fork (pages copied on write). KVT_ERR_INVALID_ARGUMENT (prefix not a
- * multiple of page_rows or past src's length, out NULL), KVT_ERR_UNSUPPORTED when src no longer
+ * multiple of page_rows or past src's length, out NULL, request_id already live in the context
+ * as for kvt_seq_create), KVT_ERR_UNSUPPORTED when src no longer
  * holds the prefix as it was (an eviction round moved rows past its protected prompt; a
  * sliding group returned rows the prefix's window needs), KVT_ERR_BAD_STATE (a step in flight),
  * KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY; on failure nothing was created. */
@@ -1293,7 +1306,8 @@ KVT_API kvt_status kvt_seq_check(const kvt_seq *seq);
  * supported: every byte goes through the backend's read and write ops, so a snapshot taken on
  * one backend restores on any other (CPU <-> guarded tested; CPU <-> CUDA uses the CUDA
  * backend's same ops, tested where a device is present), as is restore into the context that
- * took it or into another one.
+ * took it (once the original is destroyed: request ids are unique among live requests) or into
+ * another one.
  *
  * Format: a kvtier container (docs/snapshot-format.md): file header, sections each with a CRC-32
  * (zlib's) over its payload and one over its header, END. Versioned: a newer major version is
@@ -1315,8 +1329,11 @@ KVT_API kvt_status kvt_seq_snapshot_size(const kvt_seq *seq, size_t *bytes);
  * KVT_ERR_OUT_OF_MEMORY (host scratch); a backend error reading rows. */
 KVT_API kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capacity,
                                     size_t *written);
-/* A new request of ctx holding the state of the snapshot buf[0..len) (the caller keeps buf).
- * *out is NULL on failure, and then nothing changed. Errors: KVT_ERR_INVALID_ARGUMENT (NULL),
+/* A new request of ctx holding the state of the snapshot buf[0..len) (the caller keeps buf), of
+ * the snapshot's request id: a request of that id must not be live in ctx (as for
+ * kvt_seq_create; a preempted request is destroyed before its restore, or restored into another
+ * context). *out is NULL on failure, and then nothing changed. Errors: KVT_ERR_INVALID_ARGUMENT
+ * (NULL; the request id already live in ctx),
  * KVT_ERR_PARSE (truncated, malformed, sizes or counts that do not fit), KVT_ERR_CORRUPT (a
  * checksum, or a state that fails its invariants), KVT_ERR_UNSUPPORTED (a newer format),
  * KVT_ERR_MISMATCH (another model, configuration, page size, policy or parallelism: the message

@@ -74,6 +74,15 @@ static void unlink_live(kvt_ctx *ctx, kvt_seq *seq) {
     ctx->n_live--;
 }
 
+const kvt_seq *kvt__ctx_live_request(const kvt_ctx *ctx, uint64_t request_id) {
+    /* A walk of the live list: creates are scheduler calls, rare next to steps, and a context
+     * holds at most a few thousand requests. */
+    for (const kvt_seq *q = ctx->seqs; q; q = q->next)
+        if (q->request_id == request_id)
+            return q;
+    return NULL;
+}
+
 /* The request's own fields from its parameters (a new request or a reused slot). */
 static void bind_params(kvt_seq *seq, const kvt_seq_params *p, const kvt_config *cfg) {
     seq->cfg = *cfg;
@@ -365,6 +374,12 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **ou
         return kvt__ctx_fail(ctx, cs, "seq params: %s", msg);
     if ((cs = recall_supported(ctx, &cfg)) != KVT_OK)
         return cs;
+    if (kvt__ctx_live_request(ctx, p.request_id))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "request id %llu is already live in this context (an id keys the "
+                             "request's random draws): destroy that request first or use "
+                             "another id",
+                             (unsigned long long)p.request_id);
     if (cfg.recall != KVT_RECALL_OFF)
         ctx->recall_seen = true;
     if (ctx->max_seqs && ctx->n_live >= ctx->max_seqs)
@@ -551,6 +566,10 @@ kvt_status kvt__seq_usable(const kvt_seq *seq) {
 
 kvt_ctx *kvt_seq_context(const kvt_seq *seq) {
     return seq ? seq->ctx : NULL;
+}
+
+uint64_t kvt_seq_request_id(const kvt_seq *seq) {
+    return seq ? seq->request_id : 0;
 }
 
 uint32_t kvt_seq_pending(const kvt_seq *seq) {

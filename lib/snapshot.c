@@ -771,6 +771,12 @@ static kvt_status recall_load(kvt_ctx *ctx, kvt_seq *seq, uint32_t i, const kvt_
 
 static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
     const snap_meta *m = &sp->meta;
+    /* Before kvt_seq_create, whose KVT_ERR_INVALID_ARGUMENT reads as a damaged snapshot below. */
+    if (kvt__ctx_live_request(ctx, m->request_id))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "snapshot: request %llu is already live in this context: destroy "
+                             "it first (preemption) or restore into another context",
+                             (unsigned long long)m->request_id);
     kvt_seq_params p = kvt_seq_default_params();
     p.request_id = m->request_id;
     p.prompt_rows = m->prompt_rows;

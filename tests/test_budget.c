@@ -122,6 +122,7 @@ Test(budget, snapshots_name_the_mode) {
     kvt_seq *r;
     cr_assert_eq(kvt_seq_restore(b, buf, n, &r), KVT_ERR_MISMATCH);
     cr_assert(strstr(kvt_last_error(), "salience_budget"), "%s", kvt_last_error());
+    kvt_seq_destroy(seq); /* its id is free for the restore */
     cr_assert_eq(kvt_seq_restore(a, buf, n, &r), KVT_OK, "%s", kvt_last_error());
     kvt_seq_destroy(r);
     free(buf);

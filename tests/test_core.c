@@ -168,6 +168,14 @@ Test(config, each_bad_field_is_named) {
     c.evict_budget_rows = 0;
     cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(err, "evict_budget_rows") != NULL, "%s", err);
+    /* K below r: refused, both named; K == r is fine (and every K >= r). */
+    c = kvt_config_default();
+    c.evict_budget_rows = 8;
+    c.recent_rows = 9;
+    cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(err, "evict_budget_rows") && strstr(err, "recent_rows"), "%s", err);
+    c.recent_rows = 8;
+    cr_assert_eq(kvt_config_check(&c, err, sizeof err), KVT_OK, "%s", err);
     c = kvt_config_default();
     c.recent_rows = 0;
     c.cadence_rows = 0;

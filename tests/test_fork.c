@@ -24,6 +24,7 @@
  */
 #include <criterion/criterion.h>
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -192,6 +193,66 @@ Test(fork, parent_is_isolated_from_its_children) {
     cr_assert_eq(kvt_seq_check(c[1]), KVT_OK, "%s", kvt_last_error());
     kvt_ctx_destroy(ctx);
     kvt_ctx_destroy(ref);
+    kvt_model_destroy(m);
+}
+
+/* Request ids are unique among a context's live requests (an id keys the request's random
+ * draws): kvt_seq_create, kvt_seq_fork and kvt_seq_attach refuse one in use with
+ * KVT_ERR_INVALID_ARGUMENT naming it, *out NULL, nothing taken; a destroyed request's id (a
+ * parked slot's included) is free again; another context is independent. kvt_seq_request_id
+ * reads each request's id. */
+static void ids_refused(kvt_ctx *ctx, kvt_seq *p, uint64_t id) {
+    kvt_ctx_memory before = {.struct_size = sizeof before}, after = before;
+    cr_assert_eq(kvt_ctx_memory_stats(ctx, &before), KVT_OK);
+    kvt_seq *c = (kvt_seq *)&c;
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = id;
+    cr_assert_eq(kvt_seq_create(ctx, &sp, &c), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_null(c);
+    char want[64];
+    snprintf(want, sizeof want, "request id %llu is already live", (unsigned long long)id);
+    cr_assert(strstr(kvt_last_error(), want) != NULL, "%s", kvt_last_error());
+    c = (kvt_seq *)&c;
+    cr_assert_eq(kvt_seq_fork(p, id, &c), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_null(c);
+    cr_assert(strstr(kvt_last_error(), want) != NULL, "%s", kvt_last_error());
+    c = (kvt_seq *)&c;
+    cr_assert_eq(kvt_seq_attach(p, 16, id, &c), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_null(c);
+    cr_assert(strstr(kvt_last_error(), want) != NULL, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_memory_stats(ctx, &after), KVT_OK);
+    cr_assert_eq(after.requests, before.requests);
+    cr_assert_eq(after.pages_in_use, before.pages_in_use);
+    cr_assert_eq(after.shared_pages, before.shared_pages);
+    cr_assert_eq(kvt_seq_check(p), KVT_OK, "%s", kvt_last_error());
+}
+
+Test(fork, live_request_ids_are_unique) {
+    kvt_model *m = tu_mixed_model();
+    for (int slots = 0; slots < 2; slots++) { /* requests built on demand, or parked slots */
+        kvt_ctx *ctx = slots ? tu_mixed_ctx_slots(m, false, 64, TU_K, 0, 4, 256)
+                             : tu_mixed_ctx(m, false, 64);
+        kvt_ctx *other = tu_mixed_ctx(m, false, 8);
+        cr_assert(ctx && other);
+        kvt_seq *p = new_seq(ctx, 1, 4), *q = new_seq(ctx, 2, 0), *c, *x;
+        cr_assert_eq(kvt_seq_request_id(p), 1u);
+        cr_assert_eq(kvt_seq_request_id(NULL), 0u);
+        step(p, m, 32, 0, false);
+        ids_refused(ctx, p, 1); /* its own id */
+        ids_refused(ctx, p, 2); /* another live request's */
+        kvt_seq_destroy(q);     /* free again */
+        cr_assert_eq(kvt_seq_fork(p, 2, &c), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_request_id(c), 2u);
+        cr_assert_eq(kvt_seq_attach(p, 16, 3, &x), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_request_id(x), 3u);
+        ids_refused(ctx, p, 3);
+        cr_assert_eq(tu_seq_create(other, 1, &q), KVT_OK, "%s", kvt_last_error());
+        kvt_seq_destroy(x);
+        cr_assert_eq(tu_seq_create(ctx, 3, &x), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_request_id(x), 3u);
+        kvt_ctx_destroy(other);
+        kvt_ctx_destroy(ctx);
+    }
     kvt_model_destroy(m);
 }
 

@@ -18,6 +18,7 @@
 #include "kernels/backend.h"
 #include "kernels/recall_scan.h"
 #include "kernels/sketch.h"
+#include "fuzz/fuzz.h" /* fuzz_fix_crcs */
 #include "kvtier.h"
 #include "lib/base/alloc.h"
 #include "lib/handles.h"
@@ -779,6 +780,25 @@ static uint8_t *snapshot_of(const kvt_seq *seq, size_t *need) {
     return snap;
 }
 
+/* The same under request id `id`, for a copy restored beside seq in its own context (request
+ * ids are unique among a context's live requests): META's request_id (docs/snapshot-format.md:
+ * payload byte 80, after the 24-byte file header and the section's 24-byte header) rewritten,
+ * every CRC made right again. The copy's random draws are keyed by its new id: these requests
+ * draw nothing (σ selection on an MLA-NoPE layer; the recall trigger keys nothing by request). */
+static uint8_t *snapshot_as(const kvt_seq *seq, uint64_t id, size_t *need) {
+    enum { AT = 24 + 24 + 80 };
+    uint8_t *snap = snapshot_of(seq, need);
+    cr_assert_gt(*need, AT + 8);
+    uint64_t was = 0;
+    for (int i = 0; i < 8; i++)
+        was |= (uint64_t)snap[AT + i] << (8 * i);
+    cr_assert_eq(was, kvt_seq_request_id(seq), "META's request_id is not at byte %d", AT);
+    for (int i = 0; i < 8; i++)
+        snap[AT + i] = (uint8_t)(id >> (8 * i));
+    fuzz_fix_crcs(snap, *need);
+    return snap;
+}
+
 /* One decode step of r's request and `copy` (same new row, same queries aimed at target):
  * both attend the same positions. */
 /* One decode step of r's request and n (<= 2) others with the same row and queries: every
@@ -844,7 +864,7 @@ Test(recall_step, snapshots_carry_the_trigger_state, .timeout = 120) {
         decode(&r, q, &o);
     }
     size_t need;
-    uint8_t *snap = snapshot_of(r.seq, &need);
+    uint8_t *snap = snapshot_as(r.seq, 70, &need); /* restored beside r.seq */
     kvt_seq *copy;
     cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
     kvt_layer_stats a = stats(&r), b = {.struct_size = sizeof b};
@@ -1290,7 +1310,7 @@ Test(recall_step, promotion_forks_attaches_and_snapshots, .timeout = 120) {
     kvt_seq_destroy(child);
     /* snapshot and restore */
     size_t need;
-    uint8_t *snap = snapshot_of(r.seq, &need);
+    uint8_t *snap = snapshot_as(r.seq, 70, &need); /* restored beside r.seq */
     kvt_seq *copy;
     cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(promo_blob(&r, copy, pb), nb);
@@ -1331,7 +1351,7 @@ Test(recall_step, promotion_forks_attaches_and_snapshots, .timeout = 120) {
     rig plain;
     rig_open(&plain, KVT_BACKEND_CPU, KVT_RECALL_SOUND, 4096, 1.0f, 8080);
     prefill(&plain, 64 * 3 + 5);
-    snap = snapshot_of(plain.seq, &need);
+    snap = snapshot_as(plain.seq, 71, &need); /* restored beside plain.seq */
     cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
                  kvt_last_error());
     cr_assert(strstr(kvt_last_error(), "recall_promote_capacity"), "%s", kvt_last_error());
@@ -1452,7 +1472,7 @@ Test(recall_lag, snapshots_and_forks_carry_the_kept_queries, .timeout = 120) {
         decode(&r, q, &o);
     }
     size_t need;
-    uint8_t *snap = snapshot_of(r.seq, &need);
+    uint8_t *snap = snapshot_as(r.seq, 70, &need); /* restored beside r.seq */
     kvt_seq *copy, *child;
     cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_OK, "%s", kvt_last_error());
     kvt_layer_stats b = {.struct_size = sizeof b};
@@ -1484,7 +1504,7 @@ Test(recall_lag, snapshots_and_forks_carry_the_kept_queries, .timeout = 120) {
     cr_assert(strstr(kvt_last_error(), "recall_lagged_query"), "%s", kvt_last_error());
     free(snap);
     prefill(&plain, 64 * 4 + 9);
-    snap = snapshot_of(plain.seq, &need);
+    snap = snapshot_as(plain.seq, 71, &need); /* r.seq has plain.seq's id */
     cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
                  kvt_last_error());
     cr_assert(strstr(kvt_last_error(), "recall_lagged_query"), "%s", kvt_last_error());
@@ -1513,7 +1533,7 @@ static void shared_planes_case(kvt_backend_kind be) {
         decode(&r, q, &o);
     }
     size_t need;
-    uint8_t *snap = snapshot_of(r.seq, &need);
+    uint8_t *snap = snapshot_as(r.seq, 70, &need); /* restored beside r.seq */
     kvt_seq *flat, *child;
     cr_assert_eq(kvt_seq_restore(r.ctx, snap, need, &flat), KVT_OK, "%s", kvt_last_error());
     free(snap);

@@ -398,10 +398,12 @@ Test(seams, context_creation) {
 typedef struct snap_st {
     kvt_model *m;
     kvt_ctx *ctx;
+    kvt_ctx *into; /* where the snapshot is restored: ids are unique among a context's live
+                    * requests, and seq lives in ctx */
     kvt_seq *seq;
     uint8_t *snap; /* the request's snapshot */
     size_t n;
-    uint32_t free0; /* the context's free pages */
+    uint32_t free0, free_into; /* the contexts' free pages */
     char path[128]; /* a snapshot file (holding an older snapshot: `old`) */
     uint8_t *old;
     size_t n_old;
@@ -416,6 +418,7 @@ static void snap_setup(snap_st *st, kvt_backend_kind be) {
     cs.p.model = st->m;
     cs.p.n_pages = 96;
     cr_assert_eq(kvt_ctx_create(&cs.p, &st->ctx, NULL, 0), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_create(&cs.p, &st->into, NULL, 0), KVT_OK, "%s", kvt_last_error());
     st->seq = driven(st->ctx);
     cr_assert_eq(kvt_seq_snapshot_size(st->seq, &st->n), KVT_OK);
     st->snap = malloc(st->n);
@@ -425,13 +428,14 @@ static void snap_setup(snap_st *st, kvt_backend_kind be) {
     snprintf(st->path, sizeof st->path, "%s/s.kvts", g_dir);
     /* An older snapshot of the request (a step behind) at the destination. */
     kvt_seq *r;
-    cr_assert_eq(kvt_seq_restore(st->ctx, st->snap, st->n, &r), KVT_OK);
+    cr_assert_eq(kvt_seq_restore(st->into, st->snap, st->n, &r), KVT_OK);
     cr_assert_eq(tu_reserve(r, 3), KVT_OK);
     cr_assert_eq(tu_commit(r, 3), KVT_OK);
     cr_assert_eq(kvt_seq_snapshot_file(r, st->path), KVT_OK, "%s", kvt_last_error());
     kvt_seq_destroy(r);
     st->old = slurp(st->path, &st->n_old);
     cr_assert_neq(st->n_old, st->n);
+    st->free_into = free_pages(st->into);
 }
 
 static void snap_teardown(snap_st *st) {
@@ -439,6 +443,7 @@ static void snap_teardown(snap_st *st) {
     free(st->snap);
     free(st->old);
     kvt_seq_destroy(st->seq);
+    kvt_ctx_destroy(st->into);
     kvt_ctx_destroy(st->ctx);
     kvt_model_destroy(st->m);
 }
@@ -446,6 +451,7 @@ static void snap_teardown(snap_st *st) {
 /* The request and the pools as they were. */
 static void request_unchanged(snap_st *st) {
     cr_assert_eq(free_pages(st->ctx), st->free0, "pages");
+    cr_assert_eq(free_pages(st->into), st->free_into, "pages of the restores' context");
     cr_assert_eq(kvt_seq_check(st->seq), KVT_OK, "%s", kvt_last_error());
     size_t n;
     cr_assert_eq(kvt_seq_snapshot_size(st->seq, &n), KVT_OK);
@@ -471,7 +477,7 @@ static kvt_status run_snapshot_mem(void *v) {
 static kvt_status run_restore(void *v) {
     snap_st *st = v;
     kvt_seq *r = (kvt_seq *)&r;
-    kvt_status s = kvt_seq_restore(st->ctx, st->snap, st->n, &r);
+    kvt_status s = kvt_seq_restore(st->into, st->snap, st->n, &r);
     if (s != KVT_OK)
         cr_assert_null(r);
     kvt_seq_destroy(s == KVT_OK ? r : NULL);
@@ -520,7 +526,7 @@ static void file_unchanged(void *v, const char *site) {
 static kvt_status run_restore_file(void *v) {
     snap_st *st = v;
     kvt_seq *r = (kvt_seq *)&r;
-    kvt_status s = kvt_seq_restore_file(st->ctx, st->path, &r);
+    kvt_status s = kvt_seq_restore_file(st->into, st->path, &r);
     if (s != KVT_OK)
         cr_assert_null(r);
     kvt_seq_destroy(s == KVT_OK ? r : NULL);
@@ -961,7 +967,7 @@ Test(seams, stale_temporaries_removed_by_the_next_write) {
               exists("s.kvts.tmp.HHHHHH"));
     cr_assert(exists(lname), "a live writer's temporary was removed");
     kvt_seq *r;
-    cr_assert_eq(kvt_seq_restore_file(st.ctx, st.path, &r), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_restore_file(st.into, st.path, &r), KVT_OK, "%s", kvt_last_error());
     kvt_seq_destroy(r);
 
     /* kvt_snapshot_clean: the whole directory, any name, the same rule. */

@@ -192,19 +192,24 @@ static void round_trips(bool archive) {
     kvt_model *m = mixed_model(2);
     kvt_config c = small_config(archive);
     kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
+    kvt_ctx *aside = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
     kvt_seq *seq;
     cr_assert_eq(tu_seq_create(ctx, 42, &seq), KVT_OK);
     kvt_seq_set_prompt_rows(seq, 10);
     int trips = 0;
     for (int i = 0; i < 220; i++) {
         cr_assert_eq(step(seq, step_size(i)), KVT_OK, "step %d: %s", i, kvt_last_error());
-        /* Restore into the same context, compare, and continue from the restored copy. */
+        /* Restore aside and compare; then, as a preemption does, destroy the request, restore it
+         * into the same context (its id is free again) and continue from the restored copy. */
         size_t n;
         uint8_t *b = snap(seq, &n);
-        kvt_seq *r;
-        cr_assert_eq(kvt_seq_restore(ctx, b, n, &r), KVT_OK, "step %d: %s", i, kvt_last_error());
-        assert_same(seq, r, "round trip");
+        kvt_seq *a, *r;
+        cr_assert_eq(kvt_seq_restore(aside, b, n, &a), KVT_OK, "step %d: %s", i, kvt_last_error());
+        assert_same(seq, a, "round trip");
         kvt_seq_destroy(seq);
+        cr_assert_eq(kvt_seq_restore(ctx, b, n, &r), KVT_OK, "step %d: %s", i, kvt_last_error());
+        assert_same(a, r, "round trip in place");
+        kvt_seq_destroy(a);
         seq = r;
         free(b);
         trips++;
@@ -215,6 +220,7 @@ static void round_trips(bool archive) {
     cr_assert_eq(kvt_seq_layer_stats(seq, 0, &ls), KVT_OK);
     cr_assert_gt(ls.closes, 3, "closes %llu", (unsigned long long)ls.closes);
     cr_assert_eq(trips, 220);
+    kvt_ctx_destroy(aside);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
@@ -229,14 +235,17 @@ Test(snapshot, round_trip_every_step_archiving) {
 
 /* A request snapshotted, destroyed and restored at step s (into the same context, another CPU
  * context with a different pool, a guarded context) continues exactly as a twin never
- * snapshotted: equal snapshots and rows after every later step. */
+ * snapshotted: equal snapshots and rows after every later step. The twin has the same request
+ * id, so the same draws, in a context of its own (ids are unique among a context's live
+ * requests). */
 static void continuation(kvt_backend_kind be, bool other_ctx, bool archive, int at) {
     kvt_model *m = mixed_model(2);
     kvt_config c = small_config(archive);
     kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
     kvt_ctx *ctx2 = other_ctx ? make_ctx(m, &c, be, 97) : ctx;
+    kvt_ctx *twin = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
     kvt_seq *a, *b;
-    cr_assert_eq(tu_seq_create(ctx, 9, &a), KVT_OK);
+    cr_assert_eq(tu_seq_create(twin, 9, &a), KVT_OK);
     cr_assert_eq(tu_seq_create(ctx, 9, &b), KVT_OK);
     kvt_seq_set_prompt_rows(a, 6);
     kvt_seq_set_prompt_rows(b, 6);
@@ -255,6 +264,7 @@ static void continuation(kvt_backend_kind be, bool other_ctx, bool archive, int 
     }
     if (ctx2 != ctx)
         kvt_ctx_destroy(ctx2);
+    kvt_ctx_destroy(twin);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
@@ -324,8 +334,9 @@ static void real_model(const char *file, uint32_t tokens) {
     c.recent_rows = 32;
     kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 64);
     kvt_ctx *ctx2 = make_ctx(m, &c, guarded(), 64);
+    kvt_ctx *twin = make_ctx(m, &c, KVT_BACKEND_CPU, 64); /* a's: the same id, the same draws */
     kvt_seq *a, *b;
-    cr_assert_eq(tu_seq_create(ctx, 1, &a), KVT_OK);
+    cr_assert_eq(tu_seq_create(twin, 1, &a), KVT_OK);
     cr_assert_eq(tu_seq_create(ctx, 1, &b), KVT_OK);
     uint32_t done = 0;
     for (int i = 0; done < tokens; i++) {
@@ -344,6 +355,7 @@ static void real_model(const char *file, uint32_t tokens) {
             assert_same(a, b, file);
     }
     assert_same(a, b, file);
+    kvt_ctx_destroy(twin);
     kvt_ctx_destroy(ctx);
     kvt_ctx_destroy(ctx2);
     kvt_model_destroy(m);
@@ -475,15 +487,19 @@ Test(snapshot, mismatch_refused) {
 /* Corruption and truncation                                                                     */
 /* ------------------------------------------------------------------------------------------- */
 /* A small snapshot that has been through a round and a close (archive on). */
-static kvt_seq *small_seq(kvt_ctx *ctx) {
+static kvt_seq *small_seq_id(kvt_ctx *ctx, uint64_t id) {
     kvt_seq *seq;
-    cr_assert_eq(tu_seq_create(ctx, 5, &seq), KVT_OK);
+    cr_assert_eq(tu_seq_create(ctx, id, &seq), KVT_OK);
     kvt_seq_set_prompt_rows(seq, 4);
     cr_assert_eq(step(seq, 70), KVT_OK);
     cr_assert_eq(step(seq, 14), KVT_OK);
     for (int i = 0; i < 3; i++)
         cr_assert_eq(step(seq, 1), KVT_OK);
     return seq;
+}
+
+static kvt_seq *small_seq(kvt_ctx *ctx) {
+    return small_seq_id(ctx, 5);
 }
 
 static kvt_model *tiny_model(void) {
@@ -514,10 +530,14 @@ static void refused(kvt_ctx *ctx, const kvt_seq *orig, const uint8_t *b, size_t 
 }
 
 /* The tiny model's context, small_seq's request in it, its snapshot and the free pages. */
+/* seq (request 5) lives in home, where its snapshot b was taken; restores go into ctx, whose
+ * own request `other` (request 6, the same steps) must come through every refusal unchanged.
+ * (Request ids are unique among a context's live requests: b cannot be restored into home
+ * while seq lives.) */
 typedef struct fixture {
     kvt_model *m;
-    kvt_ctx *ctx;
-    kvt_seq *seq;
+    kvt_ctx *home, *ctx;
+    kvt_seq *seq, *other;
     uint8_t *b;
     size_t n;
     uint32_t free0;
@@ -527,9 +547,11 @@ static fixture fixture_make(bool archive) {
     fixture x;
     x.m = tiny_model();
     kvt_config c = small_config(archive);
-    x.ctx = make_ctx(x.m, &c, KVT_BACKEND_CPU, 64);
-    x.seq = small_seq(x.ctx);
+    x.home = make_ctx(x.m, &c, KVT_BACKEND_CPU, 64);
+    x.seq = small_seq(x.home);
     x.b = snap(x.seq, &x.n);
+    x.ctx = make_ctx(x.m, &c, KVT_BACKEND_CPU, 64);
+    x.other = small_seq_id(x.ctx, 6);
     x.free0 = free_pages_sum(x.ctx);
     return x;
 }
@@ -537,7 +559,39 @@ static fixture fixture_make(bool archive) {
 static void fixture_free(fixture *x) {
     free(x->b);
     kvt_ctx_destroy(x->ctx);
+    kvt_ctx_destroy(x->home);
     kvt_model_destroy(x->m);
+}
+
+/* A snapshot is refused beside its live original (the same request id), with nothing changed,
+ * from a buffer and from a file; once the original is destroyed (a preemption) it comes back
+ * into the context that took it. */
+Test(snapshot, restore_beside_the_live_original_refused) {
+    fixture x = fixture_make(true);
+    const uint32_t free0 = free_pages_sum(x.home);
+    char path[] = "/tmp/kvt-dup-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    cr_assert_eq(kvt_seq_snapshot_file(x.seq, path), KVT_OK, "%s", kvt_last_error());
+    for (int file = 0; file < 2; file++) {
+        kvt_seq *r = (kvt_seq *)&r;
+        kvt_status s = file ? kvt_seq_restore_file(x.home, path, &r)
+                            : kvt_seq_restore(x.home, x.b, x.n, &r);
+        cr_assert_eq(s, KVT_ERR_INVALID_ARGUMENT, "%s", kvt_status_name(s));
+        cr_assert_null(r);
+        cr_assert(strstr(kvt_last_error(), "request 5 is already live"), "%s", kvt_last_error());
+        cr_assert_eq(free_pages_sum(x.home), free0);
+        cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+    }
+    kvt_seq *r, *back;
+    cr_assert_eq(kvt_seq_restore(x.ctx, x.b, x.n, &r), KVT_OK, "%s", kvt_last_error());
+    kvt_seq_destroy(x.seq);
+    cr_assert_eq(kvt_seq_restore_file(x.home, path, &back), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_request_id(back), 5u);
+    assert_same(r, back, "restored after its original was destroyed");
+    unlink(path);
+    fixture_free(&x);
 }
 
 Test(snapshot, every_byte_corrupted) {
@@ -551,7 +605,7 @@ Test(snapshot, every_byte_corrupted) {
         for (int k = 0; k < 2; k++) {
             uint8_t old = b[i];
             b[i] ^= k ? 0x01 : 0xa5;
-            refused(ctx, seq, b, n, free0, "corrupt byte", i);
+            refused(ctx, x.other, b, n, free0, "corrupt byte", i);
             b[i] = old;
         }
     }
@@ -594,7 +648,7 @@ Test(snapshot, every_byte_corrupted_behind_fixed_checksums) {
             kvt_seq_destroy(r);
             cr_assert_eq(free_pages_sum(x.ctx), x.free0, "byte %zu: pages after destroy", i);
         }
-    cr_assert_eq(kvt_seq_check(x.seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(x.other), KVT_OK, "%s", kvt_last_error());
     cr_assert_gt(refused_n, 0);
     cr_log_info("checksums fixed: %d corruptions refused, %d accepted as valid states",
                 refused_n, accepted);
@@ -605,21 +659,20 @@ Test(snapshot, every_byte_corrupted_behind_fixed_checksums) {
 Test(snapshot, every_length_truncated) {
     fixture x = fixture_make(false);
     kvt_ctx *ctx = x.ctx;
-    kvt_seq *seq = x.seq;
     uint8_t *b = x.b;
     size_t n = x.n;
     uint32_t free0 = x.free0;
     for (size_t len = 0; len < n; len += sweep_step()) {
         uint8_t *t = malloc(len ? len : 1); /* exactly len bytes: ASan sees any overread */
         memcpy(t, b, len);
-        refused(ctx, seq, t, len, free0, "truncated to", len);
+        refused(ctx, x.other, t, len, free0, "truncated to", len);
         free(t);
     }
     /* Extra bytes after END are refused too. */
     uint8_t *ext = malloc(n + 8);
     memcpy(ext, b, n);
     memset(ext + n, 0, 8);
-    refused(ctx, seq, ext, n + 8, free0, "extended to", n + 8);
+    refused(ctx, x.other, ext, n + 8, free0, "extended to", n + 8);
     free(ext);
     fixture_free(&x);
 }
@@ -749,25 +802,26 @@ static void faults_at_every_allocation(kvt_backend_kind be, bool slots) {
         p.max_rows_per_seq = 512;
         p.archive_rows_per_seq = 256;
     }
-    kvt_ctx *ctx;
+    kvt_ctx *ctx, *into; /* the request's, and the one its snapshot is restored into */
     cr_assert_eq(kvt_ctx_create(&p, &ctx, NULL, 0), KVT_OK);
-    kvt_seq *seq = driven(ctx, 5, 40);
+    cr_assert_eq(kvt_ctx_create(&p, &into, NULL, 0), KVT_OK);
+    kvt_seq *seq = driven(ctx, 5, 40), *bystander = driven(into, 6, 10);
     size_t n;
     uint8_t *b = snap(seq, &n);
-    uint32_t free0 = free_pages_sum(ctx);
+    uint32_t free0 = free_pages_sum(into);
     int faults = 0;
     for (int k = 0;; k++) {
         kvt_seq *r = NULL;
         fault_countdown = k;
         fault_hits = 0;
-        kvt_status s = kvt_seq_restore(ctx, b, n, &r);
+        kvt_status s = kvt_seq_restore(into, b, n, &r);
         fault_countdown = -1;
         if (s != KVT_OK) {
             cr_assert_eq(s, KVT_ERR_OUT_OF_MEMORY, "k %d: %s: %s", k, kvt_status_name(s),
                          kvt_last_error());
             cr_assert_null(r);
-            cr_assert_eq(free_pages_sum(ctx), free0, "k %d", k);
-            cr_assert_eq(kvt_seq_check(seq), KVT_OK, "k %d: %s", k, kvt_last_error());
+            cr_assert_eq(free_pages_sum(into), free0, "k %d", k);
+            cr_assert_eq(kvt_seq_check(bystander), KVT_OK, "k %d: %s", k, kvt_last_error());
             faults++;
             continue;
         }
@@ -797,11 +851,12 @@ static void faults_at_every_allocation(kvt_backend_kind be, bool slots) {
         }
     }
     kvt_seq *r;
-    cr_assert_eq(kvt_seq_restore_file(ctx, path, &r), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_restore_file(into, path, &r), KVT_OK, "%s", kvt_last_error());
     assert_same(seq, r, "file after allocation faults");
     unlink(path);
     cr_log_info("restore: %d allocation faults, file writer: %d", faults, ffaults);
     free(b);
+    kvt_ctx_destroy(into);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }
@@ -924,9 +979,9 @@ static uint8_t *scenario(const kvt_model *m, const char *path, int *ooms, size_t
         RETRY(kvt_seq_check(seq)); /* its scratch may fail too */
         if (i == 7) {
             RETRY(kvt_seq_snapshot_file(seq, path));
+            kvt_seq_destroy(seq); /* preempted: its id is free for the restore */
             kvt_seq *r = NULL;
             RETRY(kvt_seq_restore_file(ctx, path, &r));
-            kvt_seq_destroy(seq);
             seq = r;
         }
     }
@@ -984,12 +1039,13 @@ Test(snapshot, zero_token_step_after_restore) {
     kvt_model *m = mixed_model(2);
     kvt_config c = small_config(true);
     kvt_ctx *ctx = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
+    kvt_ctx *into = make_ctx(m, &c, KVT_BACKEND_CPU, 128);
     kvt_seq *seq = driven(ctx, 4, 30), *r;
     size_t n;
     uint8_t *b = snap(seq, &n);
-    cr_assert_eq(kvt_seq_restore(ctx, b, n, &r), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_restore(into, b, n, &r), KVT_OK, "%s", kvt_last_error());
     kvt_batch *bt;
-    cr_assert_eq(kvt_batch_create(ctx, 1, &bt), KVT_OK);
+    cr_assert_eq(kvt_batch_create(into, 1, &bt), KVT_OK);
     uint32_t zero = 0;
     cr_assert_eq(kvt_batch_reserve(bt, &r, &zero, 1), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(kvt_batch_plan(bt), KVT_OK);
@@ -1001,6 +1057,7 @@ Test(snapshot, zero_token_step_after_restore) {
     kvt_batch_destroy(bt);
     assert_same(seq, r, "after a zero-token step");
     free(b);
+    kvt_ctx_destroy(into);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(m);
 }

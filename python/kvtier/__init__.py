@@ -13,9 +13,11 @@ loaded library's own version string (kvt_version()).
 
 from . import _lib
 from ._api import (Batch, Buffer, CensusTotals, Config, Context, Emission, LayerSpec, LayerStats, Model,
-                   Sequence, config_default, dtype_bytes, dtype_name, last_error,
-                   layer_kind_name, policy_for_kind, policy_name, rows_as_elements, version,
-                   version_info, version_number)
+                   RecallBasis, Sequence, config_default, dtype_bytes, dtype_name, last_error,
+                   layer_kind_name, orthonormalise_rows, policy_for_kind, policy_name,
+                   recall_mode_name,
+                   recall_basis_read, recall_basis_write, rows_as_elements, snapshot_clean,
+                   version, version_info, version_number)
 from ._errors import *  # noqa: F401,F403  Status, KvtError and one subclass per error status
 from ._errors import ERROR_CLASSES, KvtError, Status, status_name, strerror
 from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
@@ -31,8 +33,11 @@ __all__ = [
     "LayerKind", "DType", "Policy", "RecallMode", "Selector", "SigmaBasis", "Backend", "Allocator",
     "Space",
     "EmitLayout", "RowState",
-    "policy_for_kind", "layer_kind_name", "policy_name", "dtype_name", "dtype_bytes",
+    "policy_for_kind", "layer_kind_name", "policy_name", "recall_mode_name", "dtype_name",
+    "dtype_bytes",
     "LayerSpec", "Model", "CensusTotals", "Config", "config_default", "Context", "Sequence",
     "Batch", "Buffer", "Emission", "LayerStats", "rows_as_elements", "numpy_dtype",
+    "snapshot_clean", "RecallBasis", "recall_basis_read", "recall_basis_write",
+    "orthonormalise_rows",
     "bf16_from_float32", "bf16_to_float32", "ref", "trace",
 ] + [c.__name__ for c in ERROR_CLASSES.values()]

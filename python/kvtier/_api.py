@@ -26,7 +26,7 @@ from ._errors import check
 from ._lib import lib
 from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
                      RowState, Selector, SigmaBasis, as_array, as_output, element_dtype_ok, maybe_enum, ptr,
-                     to_enum, u32, u64, integer)
+                     to_enum, typed_input, u32, u64, integer, contiguous)
 
 _ERR_LEN = 512
 
@@ -145,6 +145,11 @@ def layer_kind_name(kind) -> str:
 
 def policy_name(policy) -> str:
     return _str(lib.kvt_policy_name(integer(policy, "policy", "i32")))
+
+
+def recall_mode_name(mode) -> str:
+    """kvt_recall_mode_name: "off", "conformal", "sound", "margin" ("unknown" otherwise)."""
+    return _str(lib.kvt_recall_mode_name(integer(mode, "mode", "i32")))
 
 
 def dtype_name(dtype) -> str:
@@ -362,10 +367,12 @@ class Model(_Closable):
         shared_prefix > 0, kvt_model_census_shared (the requests' first shared_prefix tokens
         held once)."""
         out = _lib.CensusTotalsC()
-        check(lib.kvt_model_census_shared(self._ptr, u64(context, "context"),
-                                          u64(concurrency, "concurrency"), float(ratio),
-                                          u64(shared_prefix, "shared_prefix"),
-                                          ctypes.byref(out)), "kvt_model_census_shared")
+        args = (self._ptr, u64(context, "context"), u64(concurrency, "concurrency"), float(ratio))
+        if u64(shared_prefix, "shared_prefix") == 0:
+            check(lib.kvt_model_census(*args, ctypes.byref(out)), "kvt_model_census")
+        else:
+            check(lib.kvt_model_census_shared(*args, shared_prefix, ctypes.byref(out)),
+                  "kvt_model_census_shared")
         return CensusTotals(out)
 
     def __repr__(self):
@@ -501,6 +508,92 @@ def rows_as_elements(raw: np.ndarray, spec: LayerSpec) -> np.ndarray:
     return np.ascontiguousarray(raw).view(numpy_dtype(spec.dtype))
 
 
+def _snapshot_bytes(data) -> np.ndarray:
+    """A snapshot's bytes as a contiguous uint8 array (bytes, bytearray, memoryview or an
+    array; no copy where numpy can view it)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        buf = np.frombuffer(data, dtype=np.uint8)
+    else:
+        buf = as_array(data, "data")
+        if buf.dtype != np.uint8:
+            raise TypeError(f"data: expected bytes or a uint8 array, got {buf.dtype}")
+    if buf.ndim != 1:
+        buf = buf.reshape(-1)
+    return np.ascontiguousarray(buf)
+
+
+def snapshot_clean(directory, min_age_s: int = _lib.SNAPSHOT_STALE_SECONDS) -> int:
+    """kvt_snapshot_clean: remove the stale temporaries ("<name>.tmp.XXXXXX") that killed
+    snapshot and recall-basis writers left in ``directory`` — regular, empty or starting like a
+    kvtier file, unmodified for min_age_s seconds and not locked by a live writer; other files
+    are never touched. Returns how many were removed. InvalidArgumentError for an empty path,
+    IoError when the folder cannot be listed."""
+    n = ctypes.c_uint32()
+    check(lib.kvt_snapshot_clean(os.fsencode(directory), u32(min_age_s, "min_age_s"),
+                                 ctypes.byref(n)), "kvt_snapshot_clean")
+    return int(n.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recall bases (files of kvtier-inspect calibrate; docs/recall.md §5)
+# ---------------------------------------------------------------------------------------------
+def orthonormalise_rows(v, passes: int = 2) -> np.ndarray:
+    """kvt_orthonormalise_rows: a copy of v (float64 [rank, n], rank <= n) whose rows are made
+    orthonormal by modified Gram-Schmidt in double, ``passes`` times over (2: orthonormal to
+    double precision), directions and signs kept. InvalidArgumentError for rows linearly
+    dependent to double precision, NaN or Inf, rank > n or passes 0."""
+    a = as_array(v, "v")
+    if a.ndim != 2:
+        raise ValueError(f"v: expected [rank, n], got shape {a.shape}")
+    out = np.array(a, dtype=np.float64, order="C", copy=True)
+    check(lib.kvt_orthonormalise_rows(ptr(out, ctypes.c_double), u32(out.shape[0], "rank"),
+                                      u32(out.shape[1], "n"), u32(passes, "passes")),
+          "kvt_orthonormalise_rows")
+    return out
+
+
+class RecallBasis:
+    """A recall basis file's contents (kvt_recall_basis_info and V): ``layer`` it was
+    calibrated for (informational), ``rank``, ``dim``, ``captured`` (share of the samples'
+    energy the rank directions hold; NaN when unknown), ``samples``, ``id`` (CRC-32 of V's
+    bytes, the basis id a context reports) and ``v`` (float32 [rank, dim])."""
+
+    __slots__ = ("layer", "rank", "dim", "captured", "samples", "id", "v")
+
+    def __init__(self, layer, rank, dim, captured, samples, id, v):
+        self.layer, self.rank, self.dim = layer, rank, dim
+        self.captured, self.samples, self.id, self.v = captured, samples, id, v
+
+    def __repr__(self):
+        return (f"RecallBasis(layer={self.layer}, rank={self.rank}, dim={self.dim}, "
+                f"captured={self.captured}, samples={self.samples}, id={self.id:#010x})")
+
+
+def recall_basis_write(path, v, layer: int = 0, captured: float = float("nan"),
+                       samples: int = 0) -> None:
+    """kvt_recall_basis_write: a basis file of v (float32 [rank, dim], rank 1..256), replacing
+    any file at path atomically (as Sequence.snapshot_file). InvalidArgumentError (rank or dim
+    out of range), IoError."""
+    a = typed_input(v, "v", np.float32, ndim=2)
+    info = _lib.RecallBasisInfoC(layer=u32(layer, "layer"), rank=u32(a.shape[0], "rank"),
+                                 dim=u32(a.shape[1], "dim"), captured=float(captured),
+                                 samples=u64(samples, "samples"))
+    check(lib.kvt_recall_basis_write(os.fsencode(path), ctypes.byref(info),
+                                     ptr(a, ctypes.c_float)), "kvt_recall_basis_write")
+
+
+def recall_basis_read(path) -> RecallBasis:
+    """kvt_recall_basis_read: a basis file with its V. IoError, ParseError, CorruptError (CRC)."""
+    info = _lib.RecallBasisInfoC()
+    p = os.fsencode(path)
+    check(lib.kvt_recall_basis_read(p, ctypes.byref(info), None, 0), "kvt_recall_basis_read")
+    v = np.empty((info.rank, info.dim), dtype=np.float32)
+    check(lib.kvt_recall_basis_read(p, ctypes.byref(info), ptr(v, ctypes.c_float), v.size),
+          "kvt_recall_basis_read")
+    return RecallBasis(int(info.layer), int(info.rank), int(info.dim), float(info.captured),
+                       int(info.samples), int(info.id), v)
+
+
 class _PlaneBuffer:
     """Exports a context plane to numpy and pins the context while the view lives."""
 
@@ -583,6 +676,31 @@ class Context(_Closable):
                        for i in range(lib.kvt_model_n_layers(lib.kvt_ctx_model(out.value)))]
 
     @classmethod
+    def _adopt(cls, p: int, page_rows, n_pages) -> "Context":
+        """A Context object for a context the library just created (None: a size not known)."""
+        ctx = cls.__new__(cls)
+        ctx._h = _Handle(p, lib.kvt_ctx_destroy)
+        ctx._page_rows, ctx._n_pages = page_rows, n_pages
+        m = lib.kvt_ctx_model(p)
+        ctx._specs = [LayerSpec._from_c(lib.kvt_model_layer(m, i).contents)
+                      for i in range(lib.kvt_model_n_layers(m))]
+        return ctx
+
+    @classmethod
+    def from_snapshot(cls, data, backend="cpu") -> "Context":
+        """kvt_snapshot_context (for tools): a context of the snapshot's own model,
+        configuration, page size, policies and parallelism on ``backend``, with just enough pages
+        in each pool to restore it (``ctx.restore(data)``: to verify or inspect it). Raises as
+        restore's parsing does (ParseError, CorruptError, UnsupportedError) and as
+        kvt_ctx_create does. Its ``page_rows`` and ``n_pages`` are None (not known here)."""
+        buf = _snapshot_bytes(data)
+        out = ctypes.c_void_p()
+        check(lib.kvt_snapshot_context(ptr(buf), buf.nbytes,
+                                       int(to_enum(Backend, backend, "backend")),
+                                       ctypes.byref(out)), "kvt_snapshot_context")
+        return cls._adopt(out.value, None, None)
+
+    @classmethod
     def create_default(cls, model: Model) -> "Context":
         """kvt_ctx_create_default: every parameter at its default."""
         if not isinstance(model, Model):
@@ -591,12 +709,8 @@ class Context(_Closable):
         err = _errbuf()
         check(lib.kvt_ctx_create_default(model._ptr, ctypes.byref(out), err, _ERR_LEN),
               "kvt_ctx_create_default", err)
-        ctx = cls.__new__(cls)
-        ctx._h = _Handle(out.value, lib.kvt_ctx_destroy)
         d = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
-        ctx._page_rows, ctx._n_pages = d.page_rows, d.n_pages
-        ctx._specs = model.layers
-        return ctx
+        return cls._adopt(out.value, d.page_rows, d.n_pages)
 
     # --- description ---------------------------------------------------------------------
     @property
@@ -615,11 +729,13 @@ class Context(_Closable):
         return len(self._specs)
 
     @property
-    def page_rows(self) -> int:
+    def page_rows(self) -> int | None:
         return self._page_rows
 
     @property
-    def n_pages(self) -> int:
+    def n_pages(self) -> int | None:
+        """Pages of each pool as created (None for a context made by from_snapshot, whose
+        pools are sized per group)."""
         return self._n_pages
 
     def layer_spec(self, layer: int) -> LayerSpec:
@@ -698,6 +814,13 @@ class Context(_Closable):
                                                  u32(kv_head, "kv_head"), os.fsencode(path)),
               "kvt_ctx_load_recall_head_basis")
 
+    def recall_basis(self, layer: int) -> tuple[int, int]:
+        """kvt_ctx_recall_basis: (rank, id) of a layer's recall basis ((0, 0): none)."""
+        r, i = ctypes.c_uint32(), ctypes.c_uint32()
+        check(lib.kvt_ctx_recall_basis(self._ptr, u32(layer, "layer"), ctypes.byref(r),
+                                       ctypes.byref(i)), "kvt_ctx_recall_basis")
+        return int(r.value), int(i.value)
+
     def recall_head_basis(self, layer: int, kv_head: int) -> tuple[int, int]:
         """kvt_ctx_recall_head_basis: (rank, id) of a KV head's key basis ((0, 0): none)."""
         r, i = ctypes.c_uint32(), ctypes.c_uint32()
@@ -725,7 +848,9 @@ class Context(_Closable):
                              "memory; use layer_read / layer_write")
         address, size = self.layer_data(layer, plane)
         spec = self._specs[layer]
-        shape = (self._n_pages * self._page_rows, int(spec.n_kv_heads), int(spec.row_bytes))
+        slots = self._n_pages * self._page_rows if self._n_pages is not None else \
+            size // max(1, spec.slot_bytes)
+        shape = (slots, int(spec.n_kv_heads), int(spec.row_bytes))
         if int(np.prod(shape)) != size:
             raise RuntimeError(f"plane(): {size} bytes, expected {shape}")
         return np.asarray(_PlaneBuffer(address, shape, self._h))
@@ -778,6 +903,26 @@ class Context(_Closable):
     def batch(self, max_seqs: int) -> "Batch":
         return Batch(self, max_seqs)
 
+    def restore(self, data) -> "Sequence":
+        """kvt_seq_restore: a new request of this context holding the state of a snapshot
+        (bytes, bytearray, memoryview or a uint8 array, as Sequence.snapshot() gives). Its request
+        id is the snapshot's. On failure nothing changed: ParseError, CorruptError,
+        UnsupportedError (a newer format), MismatchError (another model, configuration, page
+        size, policy or parallelism: the message names it), CapacityError, PoolExhaustedError,
+        InvalidArgumentError (its request id is live in this context), BadStateError."""
+        buf = _snapshot_bytes(data)
+        out = ctypes.c_void_p()
+        check(lib.kvt_seq_restore(self._ptr, ptr(buf), buf.nbytes, ctypes.byref(out)),
+              "kvt_seq_restore")
+        return Sequence._adopt_new(self, out.value)
+
+    def restore_file(self, path) -> "Sequence":
+        """kvt_seq_restore_file: restore() of the file at path (IoError when unreadable)."""
+        out = ctypes.c_void_p()
+        check(lib.kvt_seq_restore_file(self._ptr, os.fsencode(path), ctypes.byref(out)),
+              "kvt_seq_restore_file")
+        return Sequence._adopt_new(self, out.value)
+
     def buffer(self, nbytes: int) -> "Buffer":
         return Buffer(self, nbytes)
 
@@ -819,7 +964,9 @@ class LayerStats:
 
 
 class Sequence(_Closable):
-    """kvt_seq: one request of a context (kvt_seq_create with kvt_seq_params)."""
+    """kvt_seq: one request of a context (kvt_seq_create with kvt_seq_params). A request id
+    is unique among the context's live requests (it keys the random draws): InvalidArgumentError
+    for one in use; it is free again once its request is closed."""
 
     _kind = "sequence"
 
@@ -835,9 +982,21 @@ class Sequence(_Closable):
         out = ctypes.c_void_p()
         check(lib.kvt_seq_create(ctx._ptr, ctypes.byref(sp), ctypes.byref(out)),
               "kvt_seq_create")
+        self._bind(ctx, out.value)
+
+    def _bind(self, ctx: Context, p: int) -> None:
+        """Own a request of ctx: freed by kvt_seq_destroy unless its context went first."""
         self._ctx = ctx
-        self._h = _Handle(out.value, lib.kvt_seq_destroy, ctx._h)
-        self.request_id = sp.request_id
+        self._h = _Handle(p, lib.kvt_seq_destroy, ctx._h)
+        self.request_id = lib.kvt_seq_request_id(p)  # kept: readable after close()
+
+    @classmethod
+    def _adopt_new(cls, ctx: Context, p: int) -> "Sequence":
+        """A Sequence object for a request the library just created in ctx (fork, attach,
+        restore)."""
+        s = cls.__new__(cls)
+        s._bind(ctx, p)
+        return s
 
     @property
     def context(self) -> Context:
@@ -884,26 +1043,21 @@ class Sequence(_Closable):
               "kvt_seq_write")
 
     def fork(self, request_id: int) -> "Sequence":
-        """kvt_seq_fork: a new request sharing every committed row of this one (copy on write)."""
+        """kvt_seq_fork: a new request sharing every committed row of this one (copy on write).
+        InvalidArgumentError when request_id is live in the context (this request's included)."""
         out = ctypes.c_void_p()
         check(lib.kvt_seq_fork(self._ptr, u64(request_id, "request_id"), ctypes.byref(out)),
               "kvt_seq_fork")
-        return self._adopt(out, request_id)
+        return Sequence._adopt_new(self._ctx, out.value)
 
     def attach(self, prefix_rows: int, request_id: int) -> "Sequence":
-        """kvt_seq_attach: a new request holding this one's first prefix_rows rows (shared)."""
+        """kvt_seq_attach: a new request holding this one's first prefix_rows rows (shared).
+        InvalidArgumentError when request_id is live in the context."""
         out = ctypes.c_void_p()
         check(lib.kvt_seq_attach(self._ptr, u64(prefix_rows, "prefix_rows"),
                                  u64(request_id, "request_id"), ctypes.byref(out)),
               "kvt_seq_attach")
-        return self._adopt(out, request_id)
-
-    def _adopt(self, out, request_id: int) -> "Sequence":
-        """A Sequence object for a request the library just created from this one."""
-        s = Sequence.__new__(Sequence)
-        s._ctx, s.request_id = self._ctx, request_id
-        s._h = _Handle(out.value, lib.kvt_seq_destroy, self._ctx._h)
-        return s
+        return Sequence._adopt_new(self._ctx, out.value)
 
     def block_table(self, layer: int) -> tuple[np.ndarray, int]:
         """kvt_seq_block_table: (pages int32, n_rows committed) of the layer's group."""
@@ -971,6 +1125,41 @@ class Sequence(_Closable):
     def check(self) -> None:
         """kvt_seq_check: InvariantError with the first violation; BadStateError mid-step."""
         check(lib.kvt_seq_check(self._ptr), "kvt_seq_check")
+
+    def scores(self, layer: int) -> np.ndarray:
+        """kvt_seq_scores: σ of a salience layer's closed rows by position (float32; a
+        non-finite σ reads +inf). Between steps only. PolicyMismatchError for a layer without
+        scores."""
+        n = ctypes.c_uint64()
+        check(lib.kvt_seq_scores(self._ptr, u32(layer, "layer"), None, 0, ctypes.byref(n)),
+              "kvt_seq_scores")
+        out = np.empty(n.value, dtype=np.float32)
+        check(lib.kvt_seq_scores(self._ptr, layer, ptr(out, ctypes.c_float), len(out),
+                                 ctypes.byref(n)), "kvt_seq_scores")
+        return out[:n.value]
+
+    # --- snapshots ---------------------------------------------------------------------------
+    def snapshot_size(self) -> int:
+        """kvt_seq_snapshot_size: bytes snapshot() writes now. BadStateError mid-step."""
+        n = ctypes.c_size_t()
+        check(lib.kvt_seq_snapshot_size(self._ptr, ctypes.byref(n)), "kvt_seq_snapshot_size")
+        return n.value
+
+    def snapshot(self) -> bytes:
+        """kvt_seq_snapshot: the request's whole state between steps (docs/snapshot-format.md),
+        for Context.restore() here or in another context of the same model and configuration.
+        The request is not changed. BadStateError mid-step."""
+        buf = np.empty(max(1, self.snapshot_size()), dtype=np.uint8)
+        n = ctypes.c_size_t()
+        check(lib.kvt_seq_snapshot(self._ptr, ptr(buf), buf.nbytes, ctypes.byref(n)),
+              "kvt_seq_snapshot")
+        return buf[:n.value].tobytes()
+
+    def snapshot_file(self, path) -> None:
+        """kvt_seq_snapshot_file: snapshot() into the file at path, atomically (a locked
+        temporary next to it, fsync'ed and renamed; a file already there is left as it was on
+        failure; mode 0600). IoError with the failing step."""
+        check(lib.kvt_seq_snapshot_file(self._ptr, os.fsencode(path)), "kvt_seq_snapshot_file")
 
     def __repr__(self):
         if self.closed:
@@ -1059,9 +1248,60 @@ class Buffer(_Closable):
         check(lib.kvt_buffer_read(self._ptr, off, ptr(out), out.nbytes), "kvt_buffer_read")
         return out
 
+    def write_async(self, data, stream, offset: int = 0) -> None:
+        """kvt_buffer_write_async: enqueue a copy of ``data`` (a C-contiguous array, read in
+        place: not copied here) into the buffer at offset on ``stream`` (a cudaStream_t as int,
+        or an object with ``cuda_stream``; the CPU backends copy at once). ``data`` must stay
+        alive and unchanged until the stream reaches the copy: the caller keeps it."""
+        a = contiguous(as_array(data, "data"), "data")
+        check(lib.kvt_buffer_write_async(self._ptr, u64(offset, "offset"), ptr(a), a.nbytes,
+                                         _stream(stream)), "kvt_buffer_write_async")
+
+    def read_async(self, out, stream, offset: int = 0) -> np.ndarray:
+        """kvt_buffer_read_async: enqueue a copy of out.nbytes bytes from offset into ``out``
+        (writable, C-contiguous) on ``stream``; ``out`` holds them once the stream reaches the
+        copy (at once on the CPU backends) and must stay alive until then. Returns out."""
+        if not isinstance(out, np.ndarray) and not hasattr(out, "__array_interface__"):
+            raise TypeError("out: expected a numpy array")
+        o = contiguous(np.asarray(out), "out")
+        if not o.flags.writeable:
+            raise ValueError("out: must be writable")
+        check(lib.kvt_buffer_read_async(self._ptr, u64(offset, "offset"), ptr(o), o.nbytes,
+                                        _stream(stream)), "kvt_buffer_read_async")
+        return o
+
     def close(self) -> None:
         """kvt_buffer_free (a no-op once its context was closed: the context freed it)."""
         super().close()
+
+
+def _emit_c(layout, sq: int, indices, lengths, indptr, dense) -> _lib.EmitC:
+    """The kvt_emit over checked arrays: run() and plan_device() build it alike, so a planned
+    run over the same arrays passes exactly the emission it was planned for (same pointers and
+    capacity)."""
+    e = _lib.EmitC()
+    e.struct_size = ctypes.sizeof(_lib.EmitC)
+    e.layout = int(layout)
+    e.queries_per_seq = sq
+    e.indices = ptr(indices, ctypes.c_int32)
+    if layout == EmitLayout.TOKENS:
+        e.capacity = u32(indices.shape[1], "topk")
+        e.lengths = ptr(lengths, ctypes.c_int32)
+    else:
+        e.capacity = u32(indices.shape[0], "capacity")
+        e.indptr = ptr(indptr, ctypes.c_int32)
+    if dense is not None:
+        e.dense = ptr(dense, ctypes.c_uint8)
+    return e
+
+
+def _stream(stream):
+    """A cudaStream_t as int, or an object with ``cuda_stream``; None passes NULL."""
+    if stream is None:
+        return None
+    if hasattr(stream, "cuda_stream"):
+        return int(stream.cuda_stream)
+    return u64(stream, "stream")
 
 
 def _per_request(values, n: int, name: str) -> list[int]:
@@ -1094,6 +1334,7 @@ class Batch(_Closable):
         self.max_seqs = max_seqs
         self._step: list[Sequence] = []
         self._tokens = 0
+        self._planned_emits = None  # the arrays planned steps write (kept for the batch's life)
 
     @property
     def context(self) -> Context:
@@ -1146,6 +1387,77 @@ class Batch(_Closable):
         """kvt_batch_plan (host only). BadStateError without a reservation."""
         check(lib.kvt_batch_plan(self._ptr), "kvt_batch_plan")
 
+    def emission(self, layout="tokens", capacity: int = 0, *, layer: int | None = None,
+                 want_dense: bool = False) -> Emission:
+        """Zeroed emission buffers for every step of this batch, sized for max_seqs requests
+        (what plan_device needs: a planned step's runs write the arrays of the batch's first
+        planned step). TOKENS: ``indices`` int32 [max_seqs, capacity] (capacity: rows per
+        request) and ``lengths`` [max_seqs]; CSR: ``indices`` [capacity] (all requests' rows)
+        and ``indptr`` [max_seqs + 1]; CSR_KV_HEADS (``layer`` names the layer whose KV heads
+        count the lists): ``indptr`` [max_seqs * n_kv_heads + 1]. ``want_dense``: ``dense``
+        uint8 [max_seqs]. Pass it to run(layer, emission=...) and plan_device()."""
+        layout = to_enum(EmitLayout, layout, "layout")
+        n, cap = self.max_seqs, u32(capacity, "capacity")
+        lists = n
+        if layout == EmitLayout.CSR_KV_HEADS:
+            if layer is None:
+                raise ValueError("layer: CSR_KV_HEADS counts a list per KV head of a layer")
+            lists = n * int(self._ctx.layer_spec(u32(layer, "layer")).n_kv_heads)
+        dense = np.zeros(n, dtype=np.uint8) if want_dense else None
+        if layout == EmitLayout.TOKENS:
+            return Emission(layout, n, np.zeros((n, cap), np.int32), np.zeros(n, np.int32),
+                            dense=dense)
+        return Emission(layout, n, np.zeros(cap, np.int32), indptr=np.zeros(lists + 1, np.int32),
+                        dense=dense, queries_per_seq=lists // n if n else 1)
+
+    def plan_device(self, emits, stream=None) -> bool:
+        """kvt_batch_plan_device, after plan() and before any run: plan every layer's run of a
+        quiet step (no close, round, drafts or unplannable recall) into the batch's plan image,
+        so that its runs only execute it (a CUDA graph can capture them). ``emits``: one
+        Emission (every layer writes its arrays) or one per layer, from ``emission()``: each
+        planned run must pass exactly that one (``run(layer, emission=e)``), and every planned
+        step of the batch those of its first. Returns True when the step was planned, False when
+        it is not plannable (run it as usual). BadStateError (not planned, already run, planned
+        twice), InvalidArgumentError (emissions other than the first planned step's),
+        CapacityError (nothing planned)."""
+        lst = [emits] if isinstance(emits, Emission) else list(emits)
+        n_layers = self._ctx.n_layers
+        if len(lst) not in (1, n_layers):
+            raise ValueError(f"emits: {len(lst)} given, 1 (every layer) or n_layers = {n_layers}")
+        arr = (_lib.EmitC * len(lst))()
+        n = self.max_seqs
+        for i, e in enumerate(lst):
+            if not isinstance(e, Emission):
+                raise TypeError(f"emits[{i}]: expected a kvtier.Emission, got "
+                                f"{type(e).__name__}")
+            what = f"emits[{i}]"
+            layout = to_enum(EmitLayout, e.layout, f"{what}.layout")
+            lists = n
+            if layout == EmitLayout.CSR_KV_HEADS:
+                layers = range(n_layers) if len(lst) == 1 else (i,)
+                lists = n * max([int(self._ctx.layer_spec(l).n_kv_heads) for l in layers] or [1])
+            if layout == EmitLayout.TOKENS:
+                if e.indices.ndim != 2 or e.indices.shape[0] < n or e.lengths is None or \
+                        e.lengths.shape[0] < n:
+                    raise ValueError(f"{what}: TOKENS needs indices (>= {n}, topk) and lengths "
+                                     f"(>= {n},) for max_seqs requests")
+            elif e.indices.ndim != 1 or e.indptr is None or e.indptr.shape[0] < lists + 1:
+                raise ValueError(f"{what}: CSR needs one-dimensional indices and indptr "
+                                 f"(>= {lists + 1},)")
+            if e.dense is not None and e.dense.shape[0] < n:
+                raise ValueError(f"{what}: dense needs (>= {n},) for max_seqs requests")
+            for name, dt in (("indices", np.int32), ("lengths", np.int32),
+                             ("indptr", np.int32), ("dense", np.uint8)):
+                if getattr(e, name) is not None:  # writable, C-contiguous, of the C type
+                    as_output(getattr(e, name), f"{what}.{name}", dt)
+            arr[i] = _emit_c(layout, 1, e.indices, e.lengths, e.indptr, e.dense)
+        planned = ctypes.c_bool()
+        check(lib.kvt_batch_plan_device(self._ptr, arr, len(lst), _stream(stream),
+                                        ctypes.byref(planned)), "kvt_batch_plan_device")
+        if planned.value and self._planned_emits is None:
+            self._planned_emits = lst  # a captured graph writes these: they live with the batch
+        return bool(planned.value)
+
     def capacity(self, layer: int) -> tuple[int, int]:
         """kvt_batch_capacity after plan: (topk, total) that always suffice for run(layer)."""
         topk, total = ctypes.c_uint32(), ctypes.c_uint32()
@@ -1155,7 +1467,7 @@ class Batch(_Closable):
 
     def run(self, layer: int, layout="tokens", *, indices=None, lengths=None, indptr=None,
             dense=None, want_dense: bool = False, queries_per_seq: int = 1, query=None,
-            stream=None) -> Emission:
+            stream=None, emission: Emission | None = None) -> Emission:
         """kvt_batch_run: the layer's due close or round for every request, then its attended
         sets, one per request or, with ``queries_per_seq`` = s_q > 1, one per query token
         (causal: token t sees the step's rows up to its own). Buffers: pass fixed-capacity
@@ -1168,7 +1480,14 @@ class Batch(_Closable):
         ``query`` (the recall trigger's queries: float32 [n_seqs, n_q_heads, value_dim +
         branch_dim], softmax-scaled; needed when a request recalls on the layer) and ``stream`` (a
         cudaStream_t as int, or an object with ``cuda_stream``; ignored on the CPU) pass
-        through. CapacityError when a request's rows exceed the capacity."""
+        through. ``emission``: an Emission (from ``emission()``; a planned step's runs pass the
+        one plan_device planned) whose layout and arrays are used instead of the arguments
+        above. CapacityError when a request's rows exceed the capacity."""
+        if emission is not None:
+            if any(x is not None for x in (indices, lengths, indptr, dense)):
+                raise TypeError("run: pass emission or the buffers, not both")
+            layout, indices, lengths = emission.layout, emission.indices, emission.lengths
+            indptr, dense = emission.indptr, emission.dense
         layout = to_enum(EmitLayout, layout, "layout")
         n = len(self._step)
         sq = u32(queries_per_seq, "queries_per_seq") or 1
@@ -1179,10 +1498,6 @@ class Batch(_Closable):
                 raise ValueError("queries_per_seq: CSR_KV_HEADS takes one query per request")
             n_kv = int(self._ctx.model.layer(u32(layer, "layer")).n_kv_heads)
             lists = n * n_kv
-        e = _lib.EmitC()
-        e.struct_size = ctypes.sizeof(_lib.EmitC)
-        e.layout = int(layout)
-        e.queries_per_seq = sq
         if indices is None:
             topk, total = self.capacity(layer)
             if layout == EmitLayout.TOKENS:
@@ -1195,28 +1510,24 @@ class Batch(_Closable):
             if indices.ndim != 2 or indices.shape[0] < nq:
                 raise ValueError(f"indices: TOKENS needs shape (>= {nq}, topk), got "
                                  f"{indices.shape}")
-            e.capacity = u32(indices.shape[1], "topk")
             lengths = np.empty(nq, dtype=np.int32) if lengths is None else \
                 as_output(lengths, "lengths", np.int32)
             if lengths.ndim != 1 or lengths.shape[0] < nq:
                 raise ValueError(f"lengths: needs shape (>= {nq},), got {lengths.shape}")
-            e.lengths = ptr(lengths, ctypes.c_int32)
         else:
             if indices.ndim != 1:
                 raise ValueError(f"indices: CSR needs one dimension, got {indices.shape}")
-            e.capacity = u32(indices.shape[0], "capacity")
             indptr = np.empty(lists + 1, dtype=np.int32) if indptr is None else \
                 as_output(indptr, "indptr", np.int32)
             if indptr.ndim != 1 or indptr.shape[0] < lists + 1:
                 raise ValueError(f"indptr: needs shape (>= {lists + 1},), got {indptr.shape}")
-            e.indptr = ptr(indptr, ctypes.c_int32)
-        e.indices = ptr(indices, ctypes.c_int32)
         if dense is not None or want_dense:
             dense = np.zeros(n, dtype=np.uint8) if dense is None else \
                 as_output(dense, "dense", np.uint8)
             if dense.ndim != 1 or dense.shape[0] < n:
                 raise ValueError(f"dense: needs shape (>= {n},), got {dense.shape}")
-            e.dense = ptr(dense, ctypes.c_uint8)
+        e = _emit_c(layout, sq, indices, lengths if layout == EmitLayout.TOKENS else None,
+                    indptr if layout != EmitLayout.TOKENS else None, dense)
         q = None
         if query is not None:
             q = as_array(query, "query")
@@ -1224,14 +1535,9 @@ class Batch(_Closable):
                 raise ValueError("query: must be C-contiguous")
             if q.dtype != np.float32:
                 raise TypeError(f"query: expected float32, got {q.dtype}")
-        if stream is None:
-            s = None
-        elif hasattr(stream, "cuda_stream"):
-            s = int(stream.cuda_stream)
-        else:
-            s = u64(stream, "stream")
         check(lib.kvt_batch_run(self._ptr, u32(layer, "layer"),
-                                ptr(q) if q is not None else None, s, ctypes.byref(e)),
+                                ptr(q) if q is not None else None, _stream(stream),
+                                ctypes.byref(e)),
               "kvt_batch_run")
         return Emission(layout, n, indices, lengths if layout == EmitLayout.TOKENS else None,
                         indptr if layout != EmitLayout.TOKENS else None, dense,

@@ -251,6 +251,17 @@ class CtxMemoryC(ctypes.Structure):
     ]
 
 
+class RecallBasisInfoC(ctypes.Structure):
+    _fields_ = [
+        ("layer", c_u32),
+        ("rank", c_u32),
+        ("dim", c_u32),
+        ("captured", ctypes.c_double),
+        ("samples", c_u64),
+        ("id", c_u32),
+    ]
+
+
 class RefAttnArgsC(ctypes.Structure):
     _fields_ = [
         ("base", c_vp),
@@ -343,6 +354,10 @@ _SIGNATURES = {
     "kvt_ctx_load_recall_basis": (c_status, [c_vp, c_u32, ctypes.c_char_p]),
     "kvt_ctx_load_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, ctypes.c_char_p]),
     "kvt_ctx_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, P(c_u32), P(c_u32)]),
+    "kvt_ctx_recall_basis": (c_status, [c_vp, c_u32, P(c_u32), P(c_u32)]),
+    "kvt_orthonormalise_rows": (c_status, [P(ctypes.c_double), c_u32, c_u32, c_u32]),
+    "kvt_recall_basis_write": (c_status, [c_cp, P(RecallBasisInfoC), P(ctypes.c_float)]),
+    "kvt_recall_basis_read": (c_status, [c_cp, P(RecallBasisInfoC), P(ctypes.c_float), c_size]),
     "kvt_layer_data": (c_status, [c_vp, c_u32, c_u32, P(c_vp), P(c_size)]),
     "kvt_layer_read": (c_status, [c_vp, c_u32, c_u32, c_u64, c_u64, c_vp, c_size]),
     "kvt_layer_write": (c_status, [c_vp, c_u32, c_u32, c_u64, c_u64, c_vp, c_size]),
@@ -355,6 +370,7 @@ _SIGNATURES = {
     "kvt_seq_set_prompt_rows": (c_status, [c_vp, c_u64]),
     "kvt_seq_length": (c_u64, [c_vp]),
     "kvt_seq_context": (c_vp, [c_vp]),
+    "kvt_seq_request_id": (c_u64, [c_vp]),
     "kvt_seq_pending": (c_u32, [c_vp]),
     "kvt_seq_pages_needed": (c_status, [c_vp, c_u32, P(c_u32)]),
     "kvt_seq_reserved_slot": (c_status, [c_vp, c_u32, c_u32, P(c_i32)]),
@@ -376,6 +392,7 @@ _SIGNATURES = {
     "kvt_buffer_read_async": (c_status, [c_vp, c_size, c_vp, c_size, c_vp]),
     "kvt_batch_slot_mapping": (c_status, [c_vp, c_u32, P(c_i32), c_u32, P(c_u32)]),
     "kvt_batch_plan": (c_status, [c_vp]),
+    "kvt_batch_plan_device": (c_status, [c_vp, P(EmitC), c_u32, c_vp, P(ctypes.c_bool)]),
     "kvt_batch_capacity": (c_status, [c_vp, c_u32, P(c_u32), P(c_u32)]),
     "kvt_batch_run": (c_status, [c_vp, c_u32, c_vp, c_vp, P(EmitC)]),
     "kvt_batch_commit": (c_status, [c_vp, P(c_u32)]),
@@ -388,10 +405,20 @@ _SIGNATURES = {
     "kvt_seq_last_slot_map": (c_status, [c_vp, c_u32, c_u32, P(c_i32), c_u64, P(c_u64)]),
     "kvt_seq_layer_stats": (c_status, [c_vp, c_u32, P(LayerStatsC)]),
     "kvt_seq_check": (c_status, [c_vp]),
+    "kvt_seq_scores": (c_status, [c_vp, c_u32, P(ctypes.c_float), c_u64, P(c_u64)]),
+    # snapshots
+    "kvt_seq_snapshot_size": (c_status, [c_vp, P(c_size)]),
+    "kvt_seq_snapshot": (c_status, [c_vp, c_vp, c_size, P(c_size)]),
+    "kvt_seq_restore": (c_status, [c_vp, c_vp, c_size, P(c_vp)]),
+    "kvt_seq_snapshot_file": (c_status, [c_vp, c_cp]),
+    "kvt_seq_restore_file": (c_status, [c_vp, c_cp, P(c_vp)]),
+    "kvt_snapshot_clean": (c_status, [c_cp, c_u32, P(c_u32)]),
+    "kvt_snapshot_context": (c_status, [c_vp, c_size, c_enum, P(c_vp)]),
     # kvtier_ref.h
     "kvt_ref_load": (ctypes.c_float, [c_vp, c_enum, c_u32]),
     "kvt_ref_store": (None, [c_vp, c_enum, c_u32, ctypes.c_float]),
     "kvt_ref_sigma_create": (c_status, [c_u32, c_u32, c_u32, P(c_vp)]),
+    "kvt_ref_sigma_create_basis": (c_status, [c_u32, c_u32, c_u32, c_enum, P(c_vp)]),
     "kvt_ref_sigma_destroy": (None, [c_vp]),
     "kvt_ref_sigma_basis": (P(ctypes.c_float), [c_vp, P(c_u32)]),
     "kvt_ref_sigma_block": (c_status, [c_vp, c_vp, c_size, c_u32, c_enum, P(ctypes.c_float)]),
@@ -406,6 +433,8 @@ for _name, (_res, _args) in _SIGNATURES.items():
 
 REF_ATTN_DEFAULT_SCALE = 0.07216878364870322  # KVT_REF_ATTN_DEFAULT_SCALE, 192^-1/2
 REF_ATTN_MAX_DIM = 4096  # KVT_REF_ATTN_MAX_DIM
+RECALL_MAX_RANK = 256  # KVT_RECALL_MAX_RANK
+SNAPSHOT_STALE_SECONDS = 60  # KVT_SNAPSHOT_STALE_SECONDS
 
 
 def last_error() -> str:

@@ -12,7 +12,7 @@ from . import _lib
 from ._api import _Closable, _Handle, dtype_bytes
 from ._errors import check
 from ._lib import lib
-from ._types import DType, as_array, contiguous, ptr, to_enum, typed_input, u32
+from ._types import DType, SigmaBasis, as_array, contiguous, ptr, to_enum, typed_input, u32
 
 DEFAULT_SCALE = _lib.REF_ATTN_DEFAULT_SCALE
 MAX_DIM = _lib.REF_ATTN_MAX_DIM
@@ -49,19 +49,25 @@ def store(row, dtype, i: int, value: float) -> None:
 
 
 class Sigma(_Closable):
-    """kvt_ref_sigma: the Fourier basis of a block and scratch, reused for many blocks.
-    block_rows a power of two >= 64, kappa in 1..block_rows/2, branch_dim in 1..256
-    (InvalidArgumentError otherwise)."""
+    """kvt_ref_sigma: the basis of a block (Fourier, or ``basis`` = the kvt_config.sigma_basis
+    to score as: "fourier", "dct") and scratch, reused for many blocks. block_rows a power of two
+    >= 64, kappa in 1..block_rows/2, branch_dim in 1..256 (InvalidArgumentError otherwise)."""
 
     _kind = "sigma handle"
 
-    def __init__(self, block_rows: int = 4096, kappa: int = 16, branch_dim: int = 64):
+    def __init__(self, block_rows: int = 4096, kappa: int = 16, branch_dim: int = 64,
+                 basis=SigmaBasis.FOURIER):
         out = ctypes.c_void_p()
-        check(lib.kvt_ref_sigma_create(u32(block_rows, "block_rows"), u32(kappa, "kappa"),
-                                       u32(branch_dim, "branch_dim"), ctypes.byref(out)),
-              "kvt_ref_sigma_create")
+        b = to_enum(SigmaBasis, basis, "basis")
+        args = (u32(block_rows, "block_rows"), u32(kappa, "kappa"), u32(branch_dim, "branch_dim"))
+        if b == SigmaBasis.FOURIER:  # kvt_ref_sigma_create is kvt_ref_sigma_create_basis(FOURIER)
+            check(lib.kvt_ref_sigma_create(*args, ctypes.byref(out)), "kvt_ref_sigma_create")
+        else:
+            check(lib.kvt_ref_sigma_create_basis(*args, int(b), ctypes.byref(out)),
+                  "kvt_ref_sigma_create_basis")
         self._h = _Handle(out.value, lib.kvt_ref_sigma_destroy)
         self.block_rows, self.kappa, self.branch_dim = block_rows, kappa, branch_dim
+        self.sigma_basis = b
 
     @property
     def basis(self) -> np.ndarray:

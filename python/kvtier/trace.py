@@ -19,12 +19,13 @@ import numpy as np
 
 from . import _lib
 from ._api import LayerSpec, _Closable, _Handle, _errbuf
-from ._errors import check
+from ._errors import ERROR_CLASSES, Status, check
 from ._lib import P, c_cp, c_enum, c_size, c_status, c_u32, c_u64, c_vp, lib
 from ._types import DType, as_array, contiguous, ptr, to_enum, u32, u64
 
 FORMAT_MAJOR = 1  # KVT_TRACE_FORMAT_MAJOR
 FORMAT_MINOR = 0  # KVT_TRACE_FORMAT_MINOR
+SECTION_USER = 0x10000  # KVT_TRACE_SECTION_USER: the first section type a user may write
 
 
 class MetaC(ctypes.Structure):
@@ -44,7 +45,7 @@ class LayerInfoC(ctypes.Structure):
                 ("n_steps", c_u64), ("q_dtype", c_enum), ("n_q_heads", c_u32), ("q_dim", c_u32)]
 
 
-for _name, (_res, _args) in {
+_SIGNATURES = {
     "kvt_trace_writer_open": (c_status, [c_cp, P(MetaC), P(c_vp), c_cp, c_size]),
     "kvt_trace_write_layer": (c_status, [c_vp, c_u32, P(_lib.LayerSpecC)]),
     "kvt_trace_write_rows": (c_status, [c_vp, c_u32, c_u32, c_vp, c_u64, c_size]),
@@ -52,6 +53,7 @@ for _name, (_res, _args) in {
                                            c_u64, c_size]),
     "kvt_trace_write_needles": (c_status, [c_vp, P(NeedleC), c_u32]),
     "kvt_trace_write_targets": (c_status, [c_vp, P(TargetC), c_u32]),
+    "kvt_trace_write_section": (c_status, [c_vp, c_u32, ctypes.c_bool, c_vp, c_size]),
     "kvt_trace_writer_last_error": (c_cp, [c_vp]),
     "kvt_trace_writer_close": (c_status, [c_vp, c_cp, c_size]),
     "kvt_trace_writer_abort": (None, [c_vp]),
@@ -62,13 +64,17 @@ for _name, (_res, _args) in {
     "kvt_trace_n_model_layers": (c_u32, [c_vp]),
     "kvt_trace_text": (c_cp, [c_vp, P(c_size)]),
     "kvt_trace_n_layers": (c_u32, [c_vp]),
+    "kvt_trace_format_version": (None, [c_vp, P(c_u32), P(c_u32)]),
     "kvt_trace_layer_info": (c_status, [c_vp, c_u32, P(LayerInfoC)]),
+    "kvt_trace_find_layer": (c_status, [c_vp, c_u32, P(LayerInfoC)]),
+    "kvt_trace_query_position": (c_status, [c_vp, c_u32, c_u64, P(c_u64)]),
     "kvt_trace_read_rows": (c_status, [c_vp, c_u32, c_u32, c_u64, c_u64, c_vp, c_size]),
     "kvt_trace_read_query": (c_status, [c_vp, c_u32, c_u64, c_enum, c_vp, c_size, P(c_u64)]),
     "kvt_trace_needles": (P(NeedleC), [c_vp, P(c_u32)]),
     "kvt_trace_targets": (P(TargetC), [c_vp, P(c_u32)]),
     "kvt_trace_verify": (c_status, [c_vp]),
-}.items():
+}
+for _name, (_res, _args) in _SIGNATURES.items():
     _f = getattr(lib, _name)
     _f.restype = _res
     _f.argtypes = _args
@@ -157,6 +163,18 @@ class TraceWriter(_Closable):
         self._check(lib.kvt_trace_write_targets(self._ptr, arr, len(targets)),
                     "kvt_trace_write_targets")
 
+    def section(self, type: int, payload=b"", critical: bool = False) -> None:
+        """kvt_trace_write_section: a section of the writer's own type (>= SECTION_USER) holding
+        payload (bytes or a C-contiguous array's bytes). Readers that do not know the type skip
+        it, unless ``critical``: then they refuse the file (UnsupportedError)."""
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            data = np.frombuffer(payload, dtype=np.uint8)
+        else:
+            data = contiguous(as_array(payload, "payload"), "payload")
+        self._check(lib.kvt_trace_write_section(self._ptr, u32(type, "type"), bool(critical),
+                                                ptr(data) if data.nbytes else None, data.nbytes),
+                    "kvt_trace_write_section")
+
     def close(self) -> None:
         """kvt_trace_writer_close: END section, flush; raises on a (sticky) I/O error."""
         h, self._h = self._h, None
@@ -193,6 +211,13 @@ class Trace(_Closable):
         _check(status, fn, lib.kvt_trace_last_error, self._ptr)
 
     @property
+    def format_version(self) -> tuple[int, int]:
+        """kvt_trace_format_version: (major, minor) of the file."""
+        a, b = c_u32(), c_u32()
+        lib.kvt_trace_format_version(self._ptr, ctypes.byref(a), ctypes.byref(b))
+        return int(a.value), int(b.value)
+
+    @property
     def prompt_rows(self) -> int:
         return int(lib.kvt_trace_prompt_rows(self._ptr))
 
@@ -204,23 +229,43 @@ class Trace(_Closable):
     def text(self) -> str:
         return _s(lib.kvt_trace_text(self._ptr, None))
 
+    @staticmethod
+    def _layer_dict(c: LayerInfoC) -> dict:
+        return {"layer": c.layer, "spec": LayerSpec._from_c(c.spec), "n_tokens": c.n_tokens,
+                "n_steps": c.n_steps, "q_dtype": DType(c.q_dtype) if c.n_steps else None,
+                "n_q_heads": c.n_q_heads, "q_dim": c.q_dim}
+
     def layers(self) -> list[dict]:
         out = []
         for i in range(lib.kvt_trace_n_layers(self._ptr)):
             c = LayerInfoC()
             self._check(lib.kvt_trace_layer_info(self._ptr, i, ctypes.byref(c)),
                         "kvt_trace_layer_info")
-            out.append({"layer": c.layer, "spec": LayerSpec._from_c(c.spec),
-                        "n_tokens": c.n_tokens, "n_steps": c.n_steps,
-                        "q_dtype": DType(c.q_dtype) if c.n_steps else None,
-                        "n_q_heads": c.n_q_heads, "q_dim": c.q_dim})
+            out.append(self._layer_dict(c))
         return out
 
+    def find_layer(self, layer: int) -> dict:
+        """kvt_trace_find_layer: the entry of layers() for model layer ``layer``;
+        OutOfRangeError when the trace does not carry it."""
+        c = LayerInfoC()
+        self._check(lib.kvt_trace_find_layer(self._ptr, u32(layer, "layer"), ctypes.byref(c)),
+                    "kvt_trace_find_layer")
+        return self._layer_dict(c)
+
+    def query_position(self, layer: int, step: int) -> int:
+        """kvt_trace_query_position: rows existing when query step ``step`` of a layer was
+        issued. OutOfRangeError for an untraced layer or a step past its steps."""
+        pos = c_u64()
+        self._check(lib.kvt_trace_query_position(self._ptr, u32(layer, "layer"),
+                                                 u64(step, "step"), ctypes.byref(pos)),
+                    "kvt_trace_query_position")
+        return int(pos.value)
+
     def _info(self, layer):
-        for x in self.layers():
-            if x["layer"] == layer:
-                return x
-        raise KeyError(f"layer {layer} is not in the trace")
+        try:
+            return self.find_layer(layer)
+        except ERROR_CLASSES[Status.ERR_OUT_OF_RANGE]:
+            raise KeyError(f"layer {layer} is not in the trace") from None
 
     def read_rows(self, layer: int, plane: int, first: int, n: int) -> np.ndarray:
         """Rows [first, first + n) of a plane as raw bytes [n, n_kv_heads, row_bytes]."""

@@ -18,7 +18,7 @@ STRUCTS = {
     "kvt_config": _lib.ConfigC, "kvt_ctx_params": _lib.CtxParamsC,
     "kvt_seq_params": _lib.SeqParamsC, "kvt_emit": _lib.EmitC,
     "kvt_layer_stats": _lib.LayerStatsC, "kvt_ref_attn_args": _lib.RefAttnArgsC,
-    "kvt_ctx_memory": _lib.CtxMemoryC,
+    "kvt_ctx_memory": _lib.CtxMemoryC, "kvt_recall_basis_info": _lib.RecallBasisInfoC,
     "kvt_trace_meta": trace.MetaC, "kvt_trace_needle": trace.NeedleC,
     "kvt_trace_target": trace.TargetC, "kvt_trace_layer": trace.LayerInfoC,
 }
@@ -30,7 +30,10 @@ MINS = {"KVT_CONFIG_SIZE_MIN": _lib.CONFIG_SIZE_MIN,
         "KVT_EMIT_SIZE_MIN": _lib.EMIT_SIZE_MIN,
         "KVT_MAX_QUERIES_PER_SEQ": _lib.MAX_QUERIES_PER_SEQ,
         "KVT_TRACE_FORMAT_MAJOR": trace.FORMAT_MAJOR,
-        "KVT_TRACE_FORMAT_MINOR": trace.FORMAT_MINOR}
+        "KVT_TRACE_FORMAT_MINOR": trace.FORMAT_MINOR,
+        "KVT_TRACE_SECTION_USER": trace.SECTION_USER,
+        "KVT_RECALL_MAX_RANK": _lib.RECALL_MAX_RANK,
+        "KVT_SNAPSHOT_STALE_SECONDS": _lib.SNAPSHOT_STALE_SECONDS}
 
 
 def test_struct_layouts_match_the_c_compiler(tmp_path):

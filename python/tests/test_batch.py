@@ -254,6 +254,10 @@ def test_buffers_hold_the_emission_on_the_guarded_backend(mixed_model):
                 ctx.buffer(0)
             lens.write(np.array([7], np.int32), offset=8)
             assert lens.read(np.int32).tolist()[2] == 7
+            lens.write_async(np.array([9, 8], np.int32), stream=0)  # the CPU backends: at once
+            assert lens.read_async(np.zeros(3, np.int32), stream=0).tolist() == [9, 8, 7]
+            with pytest.raises(kvtier.OutOfRangeError):
+                lens.read_async(np.zeros(4, np.int32), stream=None)
             lens.close()
             assert lens.closed
     assert np.array_equal(out["cpu"][0], out["guarded"][0])
@@ -275,3 +279,76 @@ def _lib_emit(b, layer, idx, lens, topk, sq):
     rc = _lib.lib.kvt_batch_run(b._ptr, layer, None, None, ctypes.byref(e))
     assert rc == 0, kvtier.status_name(rc)
     return rc
+
+
+def test_plan_device_decode_steps(mixed_ctx):
+    """Batch.plan_device (kvt_batch_plan_device) with buffers from Batch.emission: a quiet
+    decode step (no close, round or drafts) is planned, its runs write the attended sets into
+    the planned buffers (every row of the block tables: no close yet), and it commits; a step
+    with work (a round, drafts) is not plannable and runs eagerly; later planned steps must
+    pass the same buffers."""
+    ctx = mixed_ctx
+    s = [ctx.sequence(1), ctx.sequence(2)]
+    b = ctx.batch(3)
+    tok = b.emission("tokens", 64, want_dense=True)
+    csr = b.emission("csr", 3 * 64)
+    assert tok.indices.shape == (3, 64) and tok.lengths.shape == (3,) and tok.dense.shape == (3,)
+    assert csr.indices.shape == (192,) and csr.indptr.shape == (4,)
+    emits = [tok, csr, csr]  # one per layer (the evict layers share theirs)
+    with pytest.raises(kvtier.BadStateError):
+        b.plan_device(emits)  # no step
+    b.reserve(s, [40, 20], n_drafts=[0, 2])
+    fill(s[0], ctx, 40, 1)
+    fill(s[1], ctx, 20, 2)
+    b.plan()
+    assert b.plan_device(emits) is False  # drafts: not plannable
+    for layer in range(3):
+        b.run(layer, emission=emits[layer])
+    b.commit([40, 19])
+    saw_planned = 0
+    for step in range(12):  # one token each: 41..52 and 20..31 rows, a round at 48 rows
+        due = s[0].length + 1 >= 48 and s[0].layer_stats(1).rounds == 0  # a round this step
+        b.reserve(s, 1)
+        fill(s[0], ctx, 1, 10 + step)
+        fill(s[1], ctx, 1, 20 + step)
+        b.plan()
+        planned = b.plan_device(emits)
+        assert planned is (not due), f"step {step}"
+        if planned:
+            with pytest.raises(kvtier.BadStateError):
+                b.plan_device(emits)  # once a step
+        sets = [b.run(layer, emission=emits[layer]) for layer in range(3)]
+        assert sets[0].dense[:2].tolist() == [0, 0]
+        b.commit()
+        for i, x in enumerate(s):
+            x.check()
+            for layer in range(3):  # no close yet: every row of the table attended
+                pages, n = x.block_table(layer)
+                idx = np.arange(n)
+                table = pages[idx // 16] * 16 + idx % 16
+                got = sets[layer].slots(i)
+                if layer == 0:
+                    assert sorted(got.tolist()) == sorted(table.tolist()), (step, layer, i)
+                else:
+                    assert np.array_equal(got, table), (step, layer, i)
+        saw_planned += planned
+    assert 0 < saw_planned < 12 and s[0].layer_stats(1).rounds == 1
+    # a planned step must pass its first planned step's buffers
+    b.reserve(s, 1)
+    fill(s[0], ctx, 1, 50)
+    fill(s[1], ctx, 1, 51)
+    b.plan()
+    with pytest.raises(kvtier.InvalidArgumentError):
+        b.plan_device(b.emission("tokens", 64))
+    assert b.plan_device(emits) is True
+    for layer in range(3):
+        b.run(layer, emission=emits[layer])
+    b.commit()
+    with pytest.raises(ValueError):
+        b.plan_device([tok, csr])  # 1 or n_layers
+    with pytest.raises(TypeError):
+        b.run(0, emission=tok, indices=tok.indices)
+    small = kvtier.Emission(kvtier.EmitLayout.TOKENS, 2, np.zeros((2, 8), np.int32),
+                            np.zeros(2, np.int32))
+    with pytest.raises(ValueError):
+        b.plan_device(small)  # sized for 2 requests, the batch takes 3

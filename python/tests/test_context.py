@@ -43,6 +43,18 @@ def test_config_defaults_and_fields():
         kvtier.Config(recall_margin=float("nan")).check()
     with pytest.raises(TypeError):
         kvtier.Config(recall_margin="wide")
+    # a random-eviction budget below the recent window: refused, both named, at the check and
+    # at context creation
+    with pytest.raises(kvtier.InvalidArgumentError) as ei:
+        kvtier.Config(evict_budget_rows=8, recent_rows=9).check()
+    assert "evict_budget_rows" in ei.value.message and "recent_rows" in ei.value.message
+    kvtier.Config(evict_budget_rows=8, recent_rows=8).check()
+
+
+def test_context_refuses_a_budget_below_the_recent_window(mixed_model):
+    with pytest.raises(kvtier.InvalidArgumentError) as ei:
+        kvtier.Context(mixed_model, {"evict_budget_rows": 16, "recent_rows": 32}, n_pages=8)
+    assert "evict_budget_rows" in ei.value.message
 
 
 def test_context_description(mixed_model):

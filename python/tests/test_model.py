@@ -26,6 +26,8 @@ def test_names_and_policies():
     assert kvtier.dtype_bytes(DType.FP8_E4M3) == 1 and kvtier.dtype_bytes(99) == 0
     assert kvtier.dtype_name(DType.FP16) and kvtier.layer_kind_name(LayerKind.NO_KV)
     assert kvtier.policy_name(Policy.EVICT)
+    assert kvtier.recall_mode_name(kvtier.RecallMode.SOUND) == "sound"
+    assert kvtier.recall_mode_name(9) == "unknown"
     with pytest.raises(ValueError):
         kvtier.policy_for_kind("nonsense")
     with pytest.raises(ValueError):
@@ -87,6 +89,9 @@ def test_kimi_census_numbers(kimi):
         kimi.census(1024, 1, float("nan"))
     with pytest.raises(kvtier.OutOfRangeError):
         kimi.census(2**62, 2**20, 1.0)
+    # shared_prefix 0 is kvt_model_census; a prefix kvt_model_census_shared, held once
+    s = kimi.census(32768, 32, 32.0, shared_prefix=4096)
+    assert s.dense_bytes == t.dense_bytes - 31 * 4096 * 8064
 
 
 def test_gemma_has_sliding_layers(models):

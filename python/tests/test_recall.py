@@ -322,3 +322,48 @@ def test_gqa_rope_recall_csr_kv_heads_host_archive():
             assert ctx.memory()["archive_host_bytes"] == st.archive_bytes
             with pytest.raises(IndexError):
                 em.slots(0, 2)
+
+
+def test_recall_basis_write_read_round_trip(tmp_path):
+    """recall_basis_write / recall_basis_read (the C writer and reader): the same header and V
+    back, the file equal to the one written independently above, the id the CRC-32 of V's
+    bytes; Context.recall_basis reports (rank, id) once loaded; orthonormalise_rows makes the
+    rows orthonormal keeping their span; bad input refused."""
+    rng = np.random.default_rng(11)
+    raw = rng.standard_normal((8, 512))
+    v64 = kvtier.orthonormalise_rows(raw)
+    assert v64.dtype == np.float64 and v64.shape == (8, 512)
+    assert np.allclose(v64 @ v64.T, np.eye(8), atol=1e-12)
+    assert np.allclose(raw, (raw @ v64.T) @ v64, atol=1e-9)  # the same row space
+    assert np.dot(v64[0], raw[0]) > 0  # directions and signs kept
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.orthonormalise_rows(np.ones((2, 4)))  # linearly dependent rows
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.orthonormalise_rows(raw, passes=0)
+    v = v64.astype(np.float32)
+    path = tmp_path / "basis.kvtb"
+    kvtier.recall_basis_write(path, v, layer=3, captured=0.75, samples=1234)
+    _basis_file(tmp_path / "ref.kvtb", v, layer=3, captured=0.75, samples=1234)
+    assert path.read_bytes() == (tmp_path / "ref.kvtb").read_bytes()
+    b = kvtier.recall_basis_read(path)
+    assert (b.layer, b.rank, b.dim, b.captured, b.samples) == (3, 8, 512, 0.75, 1234)
+    assert b.id == zlib.crc32(v.astype("<f4").tobytes())
+    assert np.array_equal(b.v, v) and "rank=8" in repr(b)
+    with pytest.raises(TypeError):
+        kvtier.recall_basis_write(path, v64)  # float32 only: no silent rounding
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.recall_basis_write(path, np.zeros((0, 512), np.float32))
+    with pytest.raises(kvtier.IoError):
+        kvtier.recall_basis_read(tmp_path / "missing.kvtb")
+    bad = bytearray(path.read_bytes())
+    bad[60] ^= 1
+    (tmp_path / "bad.kvtb").write_bytes(bytes(bad))
+    with pytest.raises(kvtier.CorruptError):
+        kvtier.recall_basis_read(tmp_path / "bad.kvtb")
+    with _model() as m, kvtier.Context(m, kvtier.Config(recall="conformal"), page_rows=64,
+                                       n_pages=64, recall_sketch_rank=64) as ctx:
+        assert ctx.recall_basis(0) == (0, 0)
+        ctx.load_recall_basis(0, path)
+        assert ctx.recall_basis(0) == (8, b.id)
+        with pytest.raises(kvtier.OutOfRangeError):
+            ctx.recall_basis(1)

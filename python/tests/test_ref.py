@@ -127,3 +127,23 @@ def test_reference_attention():
     with pytest.raises(ValueError):
         ref.attn(rows, q, dtype="bf16", key_dim=kd, value_dim=vd, mark=np.ones(3, bool))
     assert ref.scratch_doubles(10, 4, 512, 576) > 0
+
+
+def test_sigma_with_the_dct_basis():
+    """Sigma(basis=...) is kvt_ref_sigma_create_basis: the DCT's columns are orthonormal and
+    not the Fourier ones; σ of one block differs between the two; bad values are refused."""
+    rng = np.random.default_rng(4)
+    with ref.Sigma(64, 4, 8) as f, ref.Sigma(64, 4, 8, basis="dct") as d:
+        assert f.sigma_basis == kvtier.SigmaBasis.FOURIER and d.sigma_basis == kvtier.SigmaBasis.DCT
+        bf, bd = f.basis, d.basis
+        assert bd.shape == bf.shape == (7, 64)
+        assert np.allclose(bd @ bd.T, np.eye(7), atol=1e-5)
+        assert not np.allclose(bd, bf)
+        rows = rng.standard_normal((64, 8)).astype(np.float32)
+        sf, sd = f.block(rows, 0, DType.FP32), d.block(rows, 0, DType.FP32)
+        assert np.all(np.isfinite(sd)) and not np.array_equal(sf, sd)
+    for bad in ("wavelet", 7):  # not a SigmaBasis: refused before the call
+        with pytest.raises(ValueError):
+            ref.Sigma(64, 4, 8, basis=bad)
+    with pytest.raises(kvtier.InvalidArgumentError):
+        ref.Sigma(64, 33, 8, basis="dct")  # kappa above block_rows / 2

@@ -7,7 +7,7 @@ import pytest
 import kvtier
 from kvtier import RowState
 
-from conftest import fill
+from conftest import fill, small_config
 
 
 def test_params_and_bad_params(mixed_ctx):
@@ -154,3 +154,60 @@ def test_census_with_a_shared_prefix(mixed_model):
     assert u.attended_bytes == t.attended_bytes
     with pytest.raises(kvtier.InvalidArgumentError):
         mixed_model.census(100, 2, 10.0, shared_prefix=101)
+
+
+def test_scores_are_the_sigma_of_the_closed_rows(mixed_ctx):
+    """Sequence.scores (kvt_seq_scores): σ of the salience layer's closed rows by position, the
+    very numbers kvtier.ref.Sigma gives for the rows written; empty before a close; refused on
+    an evict layer and mid-step."""
+    ctx = mixed_ctx
+    rng = np.random.default_rng(8)
+    s = ctx.sequence(1)
+    assert s.scores(0).shape == (0,)
+    with pytest.raises(kvtier.PolicyMismatchError):
+        s.scores(1)
+    rows = kvtier.bf16_from_float32(rng.standard_normal((70, 576)).astype(np.float32))
+    b = ctx.batch(1)
+    b.reserve([s], 70)
+    fill(s, ctx, 70, seed=1)
+    s.write(0, 0, 0, rows)
+    b.plan()
+    with pytest.raises(kvtier.BadStateError):
+        s.scores(0)
+    b.commit()
+    got = s.scores(0)
+    assert got.dtype == np.float32 and got.shape == (64,)
+    with kvtier.ref.Sigma(64, 4, 64) as sigma:
+        want = sigma.block(rows[:64].view(np.uint8), 1024, kvtier.DType.BF16)
+    assert np.array_equal(got, np.where(np.isfinite(want), want, np.inf))
+
+
+def test_request_ids_are_unique_among_live_requests(mixed_ctx):
+    """kvt_seq_create, kvt_seq_fork and kvt_seq_attach refuse an id a live request of the
+    context holds (it keys the random draws), with nothing created; the id is free again once
+    its request is destroyed, and other contexts are independent."""
+    ctx = mixed_ctx
+    a = ctx.sequence(5)
+    b = ctx.batch(1)
+    b.reserve([a], 32)
+    fill(a, ctx, 32)
+    b.plan()
+    b.commit()
+    free = [ctx.free_pages(l) for l in range(3)]
+    with pytest.raises(kvtier.InvalidArgumentError) as ei:
+        ctx.sequence(5)
+    assert "request id 5 is already live" in ei.value.message
+    c = ctx.sequence(6)
+    for make in (lambda: a.fork(6), lambda: a.fork(5), lambda: a.attach(16, 6),
+                 lambda: c.attach(0, 5)):
+        with pytest.raises(kvtier.InvalidArgumentError) as ei:
+            make()
+        assert "already live" in ei.value.message
+    assert [ctx.free_pages(l) for l in range(3)] == free
+    assert ctx.memory()["requests"] == 2
+    c.close()
+    f = a.fork(6)  # free again
+    assert f.request_id == 6 and f.length == 32
+    assert a.attach(16, 7).request_id == 7
+    with kvtier.Context(ctx.model, small_config(), page_rows=16, n_pages=16) as other:
+        assert other.sequence(5).request_id == 5

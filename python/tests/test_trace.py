@@ -91,3 +91,37 @@ def test_corruption_is_found_by_verify(tmp_path):
     with pytest.raises(kvtier.KvtError):
         with Trace(p) as t:
             t.verify()
+
+
+def test_find_layer_query_position_version_and_user_sections(tmp_path):
+    """Trace.find_layer / query_position / format_version and TraceWriter.section: a user
+    section a reader skips, and a critical one it refuses."""
+    rng = np.random.default_rng(3)
+    p = tmp_path / "u.kvtt"
+    with TraceWriter(p, n_model_layers=6) as w:
+        w.layer(3, gqa_spec())
+        w.rows(3, 0, rng.standard_normal((10, 2, 8)).astype(np.float32))
+        w.rows(3, 1, rng.standard_normal((10, 2, 8)).astype(np.float32))
+        w.queries(3, [4, 9], rng.standard_normal((2, 4, 8)).astype(np.float32))
+        w.section(kvtier.trace.SECTION_USER + 7, b"engine notes")
+        w.section(kvtier.trace.SECTION_USER, np.arange(4, dtype=np.uint32))
+        w.section(kvtier.trace.SECTION_USER + 1)  # empty payload
+        with pytest.raises(kvtier.InvalidArgumentError):
+            w.section(2, b"x")  # a type kvtier defines
+    with Trace(p) as t:
+        t.verify()
+        assert t.format_version == (kvtier.trace.FORMAT_MAJOR, kvtier.trace.FORMAT_MINOR)
+        info = t.find_layer(3)
+        assert info == t.layers()[0] and info["n_tokens"] == 10
+        with pytest.raises(kvtier.OutOfRangeError):
+            t.find_layer(2)
+        assert [t.query_position(3, s) for s in range(2)] == [4, 9]
+        with pytest.raises(kvtier.OutOfRangeError):
+            t.query_position(3, 2)
+        with pytest.raises(KeyError):
+            t.read_rows(2, 0, 0, 1)
+    c = tmp_path / "crit.kvtt"
+    with TraceWriter(c, n_model_layers=1) as w:
+        w.section(kvtier.trace.SECTION_USER + 2, b"must understand", critical=True)
+    with pytest.raises(kvtier.UnsupportedError):
+        Trace(c)

@@ -119,7 +119,8 @@ static bool make_ctx(fuzz_state *f) {
     c.ratio = fuzz_range(&f->in, 1, 16);
     c.sink_rows = fuzz_range(&f->in, 0, 8);
     c.evict_budget_rows = fuzz_range(&f->in, 1, 48);
-    c.recent_rows = fuzz_range(&f->in, 0, 16);
+    /* r <= K (kvt_config_check) */
+    c.recent_rows = fuzz_range(&f->in, 0, c.evict_budget_rows < 16 ? c.evict_budget_rows : 16);
     c.cadence_rows = fuzz_range(&f->in, 0, 16);
     uint8_t flags = fuzz_u8(&f->in);
     c.protect_prompt = !(flags & 1);
@@ -168,6 +169,14 @@ static void step_done(fuzz_state *f, fbatch *b) {
     b->planned = false;
 }
 
+/* Is a live request of the context of this id? (Ids are unique among live requests.) */
+static bool id_live(const fuzz_state *f, uint64_t id) {
+    for (int k = 0; k < MAX_SEQS; k++)
+        if (f->seq[k].h && kvt_seq_request_id(f->seq[k].h) == id)
+            return true;
+    return false;
+}
+
 static void op_seq_create(fuzz_state *f) {
     int i = fuzz_range(&f->in, 0, MAX_SEQS - 1);
     if (f->seq[i].h)
@@ -176,8 +185,15 @@ static void op_seq_create(fuzz_state *f) {
     sp.request_id = fuzz_u8(&f->in);
     sp.prompt_rows = fuzz_range(&f->in, 0, 100);
     sp.ratio = fuzz_range(&f->in, 0, 8);
+    const bool dup = id_live(f, sp.request_id);
     kvt_status s = kvt_seq_create(f->ctx, &sp, &f->seq[i].h);
-    FUZZ_STATUS("kvt_seq_create", s, KVT_ERR_OUT_OF_MEMORY, KVT_ERR_CAPACITY);
+    FUZZ_STATUS("kvt_seq_create", s, KVT_ERR_OUT_OF_MEMORY, KVT_ERR_CAPACITY,
+                KVT_ERR_INVALID_ARGUMENT);
+    FUZZ_REQUIRE((s == KVT_ERR_INVALID_ARGUMENT) == dup, "request id %llu %s live: %s",
+                 (unsigned long long)sp.request_id, dup ? "already" : "not",
+                 kvt_status_name(s));
+    FUZZ_REQUIRE(s != KVT_OK || kvt_seq_request_id(f->seq[i].h) == sp.request_id,
+                 "kvt_seq_request_id of a new request");
     if (s != KVT_OK)
         f->seq[i].h = NULL;
     f->seq[i].batch = -1;
@@ -590,8 +606,9 @@ static void op_inspect(fuzz_state *f) {
 }
 
 /* Snapshot request i; restore it (mode bit 0: one byte flipped, bit 1: cut short, both refused
- * with the pools unchanged) into a free request slot, or in place of the original (bit 2). A
- * restored request snapshots to the same bytes. */
+ * with the pools unchanged) in place of the original (bit 2: the original destroyed first, as a
+ * preemption does), or into a free request slot while the original lives: refused, its request
+ * id being live. A restored request snapshots to the same bytes. */
 static void op_snapshot(fuzz_state *f) {
     int i = fuzz_range(&f->in, 0, MAX_SEQS - 1);
     uint8_t mode = fuzz_u8(&f->in);
@@ -616,6 +633,10 @@ static void op_snapshot(fuzz_state *f) {
     for (int k = 0; j < 0 && k < MAX_SEQS; k++)
         if (!f->seq[k].h)
             j = k;
+    if (j == i) { /* preempted: the original goes, its snapshot comes back */
+        kvt_seq_destroy(f->seq[i].h);
+        f->seq[i].h = NULL;
+    }
     uint32_t before[N_LAYERS], after[N_LAYERS];
     free_pages(f, before);
     size_t len = n;
@@ -630,8 +651,13 @@ static void op_snapshot(fuzz_state *f) {
                 kvt_status_name(s));
     if (mode & 3) {
         FUZZ_STATUS("kvt_seq_restore (damaged)", s, KVT_ERR_PARSE, KVT_ERR_CORRUPT,
-                    KVT_ERR_UNSUPPORTED, KVT_ERR_MISMATCH, KVT_ERR_CAPACITY);
+                    KVT_ERR_UNSUPPORTED, KVT_ERR_MISMATCH, KVT_ERR_CAPACITY,
+                    KVT_ERR_INVALID_ARGUMENT);
         FUZZ_REQUIRE(s != KVT_OK, "a damaged snapshot was restored");
+    } else if (j >= 0 && j != i) {
+        FUZZ_REQUIRE(s == KVT_ERR_INVALID_ARGUMENT,
+                     "restore beside the live original (same request id): %s",
+                     kvt_status_name(s));
     } else {
         FUZZ_STATUS("kvt_seq_restore", s, KVT_ERR_POOL_EXHAUSTED, KVT_ERR_CAPACITY);
     }
@@ -651,8 +677,6 @@ static void op_snapshot(fuzz_state *f) {
     FUZZ_REQUIRE(again && kvt_seq_snapshot(r, again, n, NULL) == KVT_OK &&
                      memcmp(buf, again, n) == 0,
                  "a restored request snapshots to other bytes");
-    if (j == i)
-        kvt_seq_destroy(f->seq[i].h);
     f->seq[j].h = r;
     f->seq[j].batch = -1;
     free(buf);

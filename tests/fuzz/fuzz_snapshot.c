@@ -5,7 +5,8 @@
  *
  * Checked: the status is in kvt_seq_restore's documented set; a refused input leaves every pool
  * with all its pages; an accepted one passes kvt_seq_check, snapshots again to a snapshot that
- * restores to the same state (the second snapshot equals the third byte for byte), runs a few
+ * is refused beside it (its request id is live) and, once it is destroyed, restores to the same
+ * state (the second snapshot equals the third byte for byte), runs a few
  * steps (closes, rounds) with checks after each, and gives every page back when destroyed.
  * kvt_snapshot_context must also accept or refuse it without harm. */
 #include "fuzz.h"
@@ -53,14 +54,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t n1, n2;
         uint8_t *b1 = snap(seq, &n1);
         kvt_seq *again = NULL;
+        /* Beside the live request: its id is taken, refused with nothing changed. */
+        uint32_t before[3] = {0}, after[3] = {0};
+        for (uint32_t l = 0; l < 3; l++)
+            kvt_ctx_free_pages(ctx, l, &before[l]);
         s = kvt_seq_restore(ctx, b1, n1, &again);
-        FUZZ_STATUS("kvt_seq_restore (again)", s, KVT_ERR_POOL_EXHAUSTED);
-        if (s == KVT_OK) {
-            uint8_t *b2 = snap(again, &n2);
-            FUZZ_REQUIRE(n1 == n2 && memcmp(b1, b2, n1) == 0, "second round trip differs");
-            free(b2);
-            kvt_seq_destroy(again);
+        FUZZ_REQUIRE(s == KVT_ERR_INVALID_ARGUMENT && !again,
+                     "restore beside the live request: %s", kvt_status_name(s));
+        for (uint32_t l = 0; l < 3; l++) {
+            kvt_ctx_free_pages(ctx, l, &after[l]);
+            FUZZ_REQUIRE(before[l] == after[l], "layer %u: %u free pages before a refused "
+                         "restore, %u after", l, before[l], after[l]);
         }
+        /* In its place (a preemption): the second round trip gives the same bytes. */
+        kvt_seq_destroy(seq);
+        s = kvt_seq_restore(ctx, b1, n1, &seq);
+        FUZZ_REQUIRE(s == KVT_OK, "restore of a restored request's snapshot: %s",
+                     kvt_status_name(s));
+        uint8_t *b2 = snap(seq, &n2);
+        FUZZ_REQUIRE(n1 == n2 && memcmp(b1, b2, n1) == 0, "second round trip differs");
+        free(b2);
         free(b1);
         /* The restored request works: a few steps through closes and rounds. */
         kvt_batch *b = NULL;

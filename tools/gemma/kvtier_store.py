@@ -54,8 +54,9 @@ except ImportError:  # a build tree: python/ next to tools/
 
 class KvtierStore(KVStore):
     """mode: "evict" (global layers under random eviction, kvtier's default for GQA-RoPE) or
-    "dense" (every row of a global layer attended). ratio: K = max_tokens / ratio rows kept per
-    head by a round on the global layers (or budget_rows); recent_rows r and the cadence c = r.
+    "dense" (every row of a global layer attended). ratio: K = max_tokens / ratio rows (at least
+    recent_rows) kept per head by a round on the global layers (or budget_rows); recent_rows r
+    and the cadence c = r.
     max_tokens sizes the pool (every request may reach it); at most 256 new tokens per request
     per step (kvtier's per-token emission limit)."""
 
@@ -81,7 +82,8 @@ class KvtierStore(KVStore):
             s.n_q_heads = sp.n_q_heads
             specs.append(s)
         self.model = kvtier.Model(specs, "gemma3-engine")
-        K = budget_rows if budget_rows is not None else max(1, max_tokens // ratio)
+        # K from the ratio: at least the recent window (kvt_config_check wants K >= r)
+        K = budget_rows if budget_rows is not None else max(recent_rows, max_tokens // ratio, 1)
         cfg = kvtier.Config(evict_budget_rows=K, recent_rows=recent_rows,
                             cadence_rows=recent_rows, evict_archive=archive or mode == "recall",
                             seed=seed)

@@ -613,8 +613,12 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         cp.recall_sketch_rank = p->recall_rank;
         cfg->evict_archive = rope; /* what a RoPE layer's recall brings back */
     }
-    /* Eviction budget at this ratio: K = context / ratio rows (kvt_model_census's convention). */
+    /* Eviction budget at this ratio: K = context / ratio rows (kvt_model_census's convention),
+     * at least the recent window (kvt_config_check wants K >= r: a short context at a high
+     * ratio keeps r + r rows). */
     uint64_t K = (c->n_rows + p->ratio / 2) / p->ratio;
+    if (K < cfg->recent_rows)
+        K = cfg->recent_rows;
     cfg->evict_budget_rows = (uint32_t)(K < 1 ? 1 : K);
     kvt_policy pol = KVT_POLICY_NONE;
     if (dense && rope)
