@@ -358,16 +358,19 @@ Test(rope_sketch, fork_and_snapshot_keep_the_sketches) {
     size_t written = 0;
     cr_assert_eq(kvt_seq_snapshot(parent, buf, bytes, &written), KVT_OK, "%s",
                  kvt_last_error());
+    /* preemption: the request goes, then comes back under its id (ids are unique among a
+     * context's live requests) */
     kvt_seq *back = NULL;
+    cr_assert_eq(kvt_seq_restore(x.ctx, buf, written, &back), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_null(back);
+    kvt_seq_destroy(parent);
     cr_assert_eq(kvt_seq_restore(x.ctx, buf, written, &back), KVT_OK, "%s",
                  kvt_last_error());
     x.seq = back;
     rr_check_sketches(&x);
     cr_assert_eq(kvt_seq_check(back), KVT_OK, "%s", kvt_last_error());
     free(buf);
-    kvt_seq_destroy(back);
     kvt_seq_destroy(child);
-    x.seq = parent;
     rr_fini(&x);
 }
 
@@ -2546,9 +2549,14 @@ static void batch_equals_alone(bool mla, uint64_t seed) {
         for (uint32_t j = 0; j < 1000u * k; j++) /* each lone request's own rows */
             tu_next(&x->rng);
     }
+    /* request k has id 7 + k in the batch and alone (its draws' key; ids are unique among a
+     * context's live requests) */
     kvt_seq *bs[BT_K] = {bx.seq};
-    for (uint32_t k = 1; k < BT_K; k++)
-        cr_assert_eq(tu_seq_create(bx.ctx, 7, &bs[k]), KVT_OK);
+    for (uint32_t k = 1; k < BT_K; k++) {
+        cr_assert_eq(tu_seq_create(bx.ctx, 7 + k, &bs[k]), KVT_OK);
+        kvt_seq_destroy(al[k].seq);
+        cr_assert_eq(tu_seq_create(al[k].ctx, 7 + k, &al[k].seq), KVT_OK);
+    }
     for (uint32_t k = 0; k < BT_K; k++)
         cr_assert(kvt__seq_recalls_rope(bs[k], 0) && kvt__seq_recalls_rope(al[k].seq, 0));
     const uint32_t nq = bx.sp.n_q_heads, cap = mla ? 512 : H * 256;
