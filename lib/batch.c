@@ -724,6 +724,30 @@ static void plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, layer_run 
     }
 }
 
+/* Room for layer l's recall op of `kind` (PLAN_NOPE: recall_plan_reserve; PLAN_ROPE:
+ * recall_rope_plan_reserve; 0: none) for max_seqs items within lr's bound: a device's workspace,
+ * made outside any capture. */
+static kvt_status reserve_recall(const kvt_batch *b, uint8_t kind, const layer_run *lr) {
+    const kvt__backend *be = &b->be;
+    if (kind == PLAN_NOPE && be->ops->recall_plan_reserve) {
+        const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr->bound};
+        return be->ops->recall_plan_reserve(be, &ra);
+    }
+    if (kind == PLAN_ROPE && be->ops->recall_rope_plan_reserve) {
+        const kvt__recall_rope_plan_args ra = {.n_max = b->max_seqs, .bound = lr->rbound};
+        return be->ops->recall_rope_plan_reserve(be, &ra);
+    }
+    return KVT_OK;
+}
+
+/* After the recall items of a run or a plan: a request whose item copies its queries into its
+ * lagged buffer holds a query from then on when they ran (ok), and the item is settled. */
+static void lag_settle(kvt__recall_layer *r, bool ok) {
+    if (r->lag_plan_item && ok)
+        r->lag_has = 1;
+    r->lag_plan_item = 0;
+}
+
 /* A device workspace of the batch's own sized once for its decode steps (from max_rows_per_seq):
  * the largest decode round (K + r + c rows and up to 64 tokens of a step, its group's layers at
  * once, kvt__ws_bounds), and the recall steps' room (recall_plan_reserve,
@@ -742,16 +766,15 @@ static kvt_status reserve_workspace(kvt_batch *b) {
         if (st->group >= 0 && ctx->groups[st->group].ops->step_bounds) /* random eviction's round */
             ctx->groups[st->group].ops->step_bounds(&ctx->groups[st->group], st, &ctx->cfg, &x);
         s = be->ops->reserve(be, &x);
+        kvt__recall_rope_args rope;
+        const uint8_t kind = layer_may_recall(ctx, l) ? PLAN_NOPE
+                             : ctx_may_recall(ctx) && kvt__ctx_rope_bound(ctx, l, &rope)
+                                 ? PLAN_ROPE
+                                 : 0;
         layer_run lr = {.planned = true};
-        if (s == KVT_OK && layer_may_recall(ctx, l) && be->ops->recall_plan_reserve) {
-            plan_bounds(b, l, PLAN_NOPE, &lr);
-            const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr.bound};
-            s = be->ops->recall_plan_reserve(be, &ra);
-        } else if (s == KVT_OK && ctx_may_recall(ctx) && be->ops->recall_rope_plan_reserve &&
-                   kvt__ctx_rope_bound(ctx, l, &lr.rbound)) {
-            const kvt__recall_rope_plan_args ra = {.n_max = b->max_seqs, .bound = lr.rbound};
-            s = be->ops->recall_rope_plan_reserve(be, &ra);
-        }
+        plan_bounds(b, l, kind, &lr);
+        if (s == KVT_OK)
+            s = reserve_recall(b, kind, &lr);
     }
     return s;
 }
@@ -927,8 +950,8 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             .items = (const kvt__recall_plan_item *)(pb->dev + items_at(pb, l)),
             .n = counts + 1, .n_max = b->max_seqs, .query = query,
             .query_floats = lr->query_floats, .bound = lr->bound};
-        if (!lr->planned && be->ops->recall_plan_reserve)
-            s = be->ops->recall_plan_reserve(be, &ra);
+        if (!lr->planned)
+            s = reserve_recall(b, PLAN_NOPE, lr);
         if (s != KVT_OK || (s = be->ops->recall_step(be, &ra, stream)) != KVT_OK)
             return kvt__ctx_fail(ctx, s, "the recall step of layer %u", l);
     }
@@ -939,8 +962,8 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             .emits = (const kvt__recall_rope_emit_plan_item *)(pb->dev + emits_at(b, pb, l)),
             .n = counts + 1, .n_emit = counts + 2, .n_max = b->max_seqs, .query = query,
             .query_floats = lr->query_floats, .bound = lr->rbound};
-        if (trigger && !lr->planned && be->ops->recall_rope_plan_reserve)
-            s = be->ops->recall_rope_plan_reserve(be, &rp);
+        if (trigger && !lr->planned)
+            s = reserve_recall(b, PLAN_ROPE, lr);
         if (trigger && (s != KVT_OK ||
                         (s = be->ops->recall_rope_step(be, &rp, stream)) != KVT_OK))
             return kvt__ctx_fail(ctx, s, "the RoPE recall step of layer %u", l);
@@ -1104,14 +1127,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     for (uint32_t l = 0; !b->plan_reserved && l < L; l++) {
         layer_run lr = {.planned = true};
         plan_bounds(b, l, b->plan.kind[l], &lr);
-        kvt_status s = KVT_OK;
-        if (plans_recall(b, l) && be->ops->recall_plan_reserve) {
-            const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr.bound};
-            s = be->ops->recall_plan_reserve(be, &ra);
-        } else if (plans_rope(b, l) && be->ops->recall_rope_plan_reserve) {
-            const kvt__recall_rope_plan_args ra = {.n_max = b->max_seqs, .bound = lr.rbound};
-            s = be->ops->recall_rope_plan_reserve(be, &ra);
-        }
+        const kvt_status s = reserve_recall(b, b->plan.kind[l], &lr);
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "layer %u: workspace of the planned recall step", l);
     }
@@ -1122,12 +1138,8 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     kvt_status s = plan_fill(b, emits, n_emits, stream, true, &fits);
     /* lagged queries: a planned step's op fills the buffers of the requests it planned */
     for (uint32_t i = 0; i < b->n_seqs; i++)
-        for (uint32_t l = 0; b->seqs[i] && b->seqs[i]->recall && l < L; l++) {
-            kvt__recall_layer *r = &b->seqs[i]->recall[l];
-            if (r->lag_plan_item && s == KVT_OK && fits)
-                r->lag_has = 1;
-            r->lag_plan_item = 0;
-        }
+        for (uint32_t l = 0; b->seqs[i] && b->seqs[i]->recall && l < L; l++)
+            lag_settle(&b->seqs[i]->recall[l], s == KVT_OK && fits);
     if (s != KVT_OK || !fits)
         return s;
     uint8_t *zeros = b->itemized; /* max_seqs bytes of host scratch */
@@ -1288,10 +1300,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
             sq->recalled[layer] = 1;
         if (b->recall_way[i] & RECALL_ROPE)
             continue;
-        kvt__recall_layer *r = &sq->recall[layer];
-        if (r->lag_plan_item && s == KVT_OK)
-            r->lag_has = 1;
-        r->lag_plan_item = 0;
+        lag_settle(&sq->recall[layer], s == KVT_OK);
     }
     return s;
 }

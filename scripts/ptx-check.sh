@@ -52,7 +52,6 @@ for line in open(ptxas):
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
     if m and entry:
         stack, st, ld = (int(x) for x in m.groups())
-        regs = "?"
         entry_stack = (stack, st, ld)
         continue
     m = re.search(r"Used (\d+) registers", line)
