@@ -60,7 +60,7 @@ class ArrayRef:
 
     @property
     def where(self) -> str:
-        return device_name(*self.device)
+        return "host" if self.device[0] == DL_CPU else device_name(*self.device)
 
     @property
     def ndim(self) -> int:
