@@ -1724,10 +1724,9 @@ class Batch(_Closable):
         if emission is not None and queries_per_seq == 1 and indices is None and \
                 lengths is None and indptr is None and dense is None:
             e = emission
+            if type(e) is not Emission and not isinstance(e, Emission):
+                raise TypeError(f"emission: expected a kvtier.Emission, got {type(e).__name__}")
             if e._c is None or e._for is not self._ctx._h:
-                if not isinstance(e, Emission):
-                    raise TypeError(f"emission: expected a kvtier.Emission, got "
-                                    f"{type(e).__name__}")
                 e._prepare(self._ctx)
             n = self._n
             if type(layer) is not int or not 0 <= layer < len(self._ctx._kv_heads):

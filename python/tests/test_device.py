@@ -204,6 +204,11 @@ def test_guarded_emission_lives_in_its_buffers(mixed_model):
                     b.run(1, "csr", indices=np.zeros(64, np.int32), indptr=np.zeros(3, np.int32))
                 with pytest.raises(ValueError, match="not host memory"):
                     ctx.plane(0)
+                d = b.run(1, "csr")  # no buffers given: made in its buffers, not on the host
+                assert isinstance(d.indices, kvtier.DeviceArray) and \
+                    d.counts().tolist() == [3, 3]
+            with pytest.raises(TypeError, match="kvtier.Emission"):
+                b.run(1, emission=np.zeros(4, np.int32))
             out[backend] = [b.run(layer, emission=e).host() for layer in (1, 2)]
             out[backend] = [(x.indices.copy(), x.indptr.copy()) for x in out[backend]]
             b.commit()
