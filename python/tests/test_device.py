@@ -317,3 +317,21 @@ def test_planned_steps_replay_a_graph_captured_from_python(mixed_model):
         assert replays >= 15 and eager >= 2, (replays, eager)  # rounds run eagerly
         assert sg[0].layer_stats(1).rounds == sa[0].layer_stats(1).rounds >= 1
         graph.close()
+
+
+def test_buffer_views_and_the_cuda_module(mixed_ctx):
+    buf = mixed_ctx.buffer(64)
+    v = buf.view(np.int32, (4, 4))  # the CPU backend's buffers are host memory: numpy
+    assert isinstance(v, np.ndarray) and v.shape == (4, 4) and not v.any()
+    buf.write(np.arange(16, dtype=np.int32))
+    assert v[3, 3] == 15
+    with pytest.raises(ValueError, match="passes the buffer"):
+        buf.view(np.int64, 9)
+    buf.close()
+    assert v[3, 3] == 15  # the view keeps the buffer until it goes
+    if kvtier.cuda.emulated():  # the emulation models one device, device 0
+        assert kvtier.cuda.device_count() == 1 and kvtier.cuda.current_device() == 0
+    elif not kvtier.cuda.available():
+        with pytest.raises(kvtier.cuda.CudaError, match="no CUDA runtime"):
+            kvtier.cuda.Stream()
+        assert kvtier.cuda.device_count() == 0 and kvtier.cuda.current_device() is None
