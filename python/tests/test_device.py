@@ -135,6 +135,11 @@ def test_emission_is_checked_once_and_reused(mixed_ctx):
     r1 = b.run(1, emission=e)
     assert e._c is not None and r1.n_seqs == 2 and r1.counts().tolist() == [3, 3]
     assert b.run(2, emission=e) is r1  # the same view of the same arrays: nothing rebuilt
+    q = np.zeros((2, 4, 16), np.float32)  # no request recalls: read by no one, still checked
+    b.run(2, emission=e, query=q)
+    assert b._qcache[0] is q and b._qcache[1] == q.ctypes.data  # kept for the next run
+    with pytest.raises(TypeError, match="float32"):
+        b.run(2, emission=e, query=q.astype(np.float64))
     e.indptr = np.zeros(4, np.int32)   # a new array: checked and built again at the next run
     assert e._c is None
     b.run(1, emission=e)
@@ -335,3 +340,27 @@ def test_buffer_views_and_the_cuda_module(mixed_ctx):
         with pytest.raises(kvtier.cuda.CudaError, match="no CUDA runtime"):
             kvtier.cuda.Stream()
         assert kvtier.cuda.device_count() == 0 and kvtier.cuda.current_device() is None
+
+
+def test_cached_step_arguments_follow_their_objects(mixed_ctx):
+    """reserve / slot_mapping keep their C arguments for the same objects, never past them."""
+    s = [mixed_ctx.sequence(1), mixed_ctx.sequence(2)]
+    b = mixed_ctx.batch(2)
+    out = np.full(8, -1, np.int32)
+    for _ in range(2):
+        b.reserve(s, 1)
+        first = b.slot_mapping(0, out=out)
+        b.plan()
+        b.commit()
+    assert b._rcache[0] == tuple(s) and b._scache[0] is out and first.tolist() == out[:2].tolist()
+    b.reserve(s, 2)  # another count: built again
+    assert b.slot_mapping(0, out=out).shape == (4,) and b._rcache[1] == 2
+    b.plan()
+    b.commit()
+    s[1].close()
+    with pytest.raises(ValueError, match="closed"):
+        b.reserve(s, 2)
+    b.reserve(s[:1], 2)
+    assert b.n_seqs == 1 and b.slot_mapping(0, out=out).shape == (2,)
+    b.plan()
+    b.commit()
