@@ -84,7 +84,8 @@ echo "== build-test-cuda-emu: passed in $((SECONDS - t0)) s (3 builds + tests) =
 # ---------------------------------------------------------------------------------------------
 # python: the Python package (python/). A fresh venv, `pip install ./python` (scikit-build-core
 # builds libkvtier.so CPU-only with this CMake project into the wheel), then its pytest suite,
-# run from outside the source tree so that the installed package is the one tested.
+# run from outside the source tree so that the installed package is the one tested, and again
+# with the cuda-emu block's library (KVTIER_LIBRARY): the CUDA cases of test_device.py.
 # ---------------------------------------------------------------------------------------------
 t0=$SECONDS
 echo "== test configuration: build-python (venv, pip install ./python, pytest) =="
@@ -92,6 +93,12 @@ rm -rf build-python
 python3 -m venv build-python/venv
 build-python/venv/bin/pip install -q ./python pytest numpy
 (cd build-python && venv/bin/python -m pytest -q -p no:cacheprovider ../python/tests)
+# The same suite against the CUDA emulation's library (the cuda-emu block's build folder): the
+# CUDA backend from Python, device arrays, a graph step captured from Python (test_device.py's
+# CUDA cases, which the wheel's CPU-only library skips).
+cmake --build build-test-cuda-emu -j"$JOBS" --target kvtier
+(cd build-python && KVTIER_LIBRARY=../build-test-cuda-emu/libkvtier.so \
+  venv/bin/python -m pytest -q -p no:cacheprovider ../python/tests)
 # The reference engine's KV stores, model-free: DenseStore and KvtierStore (kvtier's pool through
 # the installed package) against brute-force attention, and random eviction's rows exact.
 (cd build-python && venv/bin/python ../tools/gemma/test_kvstore.py)

@@ -50,6 +50,8 @@ static kvt_status w_flush(kvt__ctr_writer *w) {
 static kvt_status w_put(kvt__ctr_writer *w, const void *p, uint64_t n) {
     if (w->error != KVT_OK)
         return w->error;
+    if (n == 0) /* an empty section may pass p = NULL: memcpy's source must not be NULL */
+        return KVT_OK;
     if (n <= sizeof w->buf - w->n_buf) {
         memcpy(w->buf + w->n_buf, p, (size_t)n);
         w->n_buf += (uint32_t)n;

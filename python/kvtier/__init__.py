@@ -18,11 +18,12 @@ from ._api import (Batch, Buffer, CensusTotals, Config, Context, Emission, Layer
                    recall_mode_name,
                    recall_basis_read, recall_basis_write, rows_as_elements, snapshot_clean,
                    version, version_info, version_number)
+from ._arrays import DeviceArray, MemorySpaceError, PlaneView
 from ._errors import *  # noqa: F401,F403  Status, KvtError and one subclass per error status
 from ._errors import ERROR_CLASSES, KvtError, Status, status_name, strerror
 from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
                      RowState, Selector, SigmaBasis, bf16_from_float32, bf16_to_float32, numpy_dtype)
-from . import ref, trace
+from . import cuda, ref, trace
 
 __version__ = version()
 library_path = str(_lib.library_path)
@@ -39,5 +40,6 @@ __all__ = [
     "Batch", "Buffer", "Emission", "LayerStats", "rows_as_elements", "numpy_dtype",
     "snapshot_clean", "RecallBasis", "recall_basis_read", "recall_basis_write",
     "orthonormalise_rows",
-    "bf16_from_float32", "bf16_to_float32", "ref", "trace",
+    "bf16_from_float32", "bf16_to_float32", "ref", "trace", "cuda",
+    "DeviceArray", "MemorySpaceError", "PlaneView",
 ] + [c.__name__ for c in ERROR_CLASSES.values()]

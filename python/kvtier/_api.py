@@ -24,9 +24,11 @@ import numpy as np
 from . import _lib
 from ._errors import check
 from ._lib import lib
+from ._arrays import (DL_CPU, DL_CUDA, BF16, DeviceArray, MemorySpaceError, PlaneView,
+                      array_ref, device_name)
 from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
                      RowState, Selector, SigmaBasis, as_array, as_output, element_dtype_ok, maybe_enum, ptr,
-                     to_enum, typed_input, u32, u64, integer, contiguous)
+                     numpy_dtype, to_enum, typed_input, u32, u64, integer, contiguous)
 
 _ERR_LEN = 512
 
@@ -671,9 +673,24 @@ class Context(_Closable):
         self._h = _Handle(out.value, lib.kvt_ctx_destroy)
         self._page_rows = p.page_rows
         self._n_pages = p.n_pages
-        self._specs = [LayerSpec._from_c(lib.kvt_model_layer(lib.kvt_ctx_model(out.value),
-                                                             i).contents)
-                       for i in range(lib.kvt_model_n_layers(lib.kvt_ctx_model(out.value)))]
+        self._describe(out.value)
+
+    def _describe(self, p: int) -> None:
+        m = lib.kvt_ctx_model(p)
+        self._specs = [LayerSpec._from_c(lib.kvt_model_layer(m, i).contents)
+                       for i in range(lib.kvt_model_n_layers(m))]
+        self._kv_heads = [int(sp.n_kv_heads) for sp in self._specs]
+        # Where the backend keeps its memory: "host" (cpu), "device" (cuda: the arrays of a
+        # step are device arrays of self._device) or "guarded" (its own buffers only).
+        name = _str(lib.kvt_ctx_backend_name(p))
+        self._space = {"cpu": "host", "cuda": "device"}.get(name, "guarded")
+        self._device = (DL_CPU, 0)
+        if self._space == "device":
+            from . import cuda
+            dev = cuda.current_device()
+            self._device = (DL_CUDA, 0 if dev is None else dev)
+        elif self._space == "guarded":
+            self._device = (0, 0)  # no DLPack device: the host must not touch it
 
     @classmethod
     def _adopt(cls, p: int, page_rows, n_pages) -> "Context":
@@ -681,9 +698,7 @@ class Context(_Closable):
         ctx = cls.__new__(cls)
         ctx._h = _Handle(p, lib.kvt_ctx_destroy)
         ctx._page_rows, ctx._n_pages = page_rows, n_pages
-        m = lib.kvt_ctx_model(p)
-        ctx._specs = [LayerSpec._from_c(lib.kvt_model_layer(m, i).contents)
-                      for i in range(lib.kvt_model_n_layers(m))]
+        ctx._describe(p)
         return ctx
 
     @classmethod
@@ -838,22 +853,43 @@ class Context(_Closable):
                                  ctypes.byref(base), ctypes.byref(size)), "kvt_layer_data")
         return base.value or 0, size.value
 
-    def plane(self, layer: int, plane: int = 0) -> np.ndarray:
-        """A zero-copy uint8 view [n_pages * page_rows, n_kv_heads, row_bytes] of a plane on the
-        CPU backend (an engine writes rows at slot_mapping and gathers them for attention).
-        The view pins the context's memory. ValueError on backends whose memory is not the
-        host's (guarded, cuda): use layer_read / layer_write there."""
-        if self.backend_name != "cpu":
+    def plane(self, layer: int, plane: int = 0):
+        """A zero-copy view [n_pages * page_rows, n_kv_heads, elements] of a plane, typed by the
+        layer's dtype: float32, float16, bf16 as uint16 bit patterns (numpy has no bf16),
+        fp8 rows and rows that mix types (e.g. fp8 ds_mla) as bytes (uint8, row_bytes). On the
+        CPU backend a :class:`PlaneView` (numpy; an engine writes rows at slot_mapping and
+        gathers them for attention) that refuses assignments of another dtype instead of
+        casting them; on CUDA a :class:`DeviceArray` (``__cuda_array_interface__``, DLPack with
+        bf16 as bfloat16: a torch / CuPy tensor of the cache, zero-copy). The view pins the
+        context's memory. ValueError on the guarded backend, whose memory the host must not
+        touch: use layer_read / layer_write there."""
+        if self._space == "guarded":
             raise ValueError(f"plane(): the {self.backend_name} backend's memory is not host "
                              "memory; use layer_read / layer_write")
         address, size = self.layer_data(layer, plane)
         spec = self._specs[layer]
         slots = self._n_pages * self._page_rows if self._n_pages is not None else \
             size // max(1, spec.slot_bytes)
-        shape = (slots, int(spec.n_kv_heads), int(spec.row_bytes))
-        if int(np.prod(shape)) != size:
-            raise RuntimeError(f"plane(): {size} bytes, expected {shape}")
-        return np.asarray(_PlaneBuffer(address, shape, self._h))
+        if slots * spec.slot_bytes != size:
+            raise RuntimeError(f"plane(): {size} bytes, expected {slots} slots of "
+                               f"{spec.slot_bytes}")
+        elem = dtype_bytes(spec.dtype)
+        typed = spec.dtype in (DType.BF16, DType.FP16, DType.FP32) and \
+            int(spec.row_bytes) == int(spec.head_dim) * elem
+        dt = numpy_dtype(spec.dtype) if typed else np.dtype(np.uint8)
+        shape = (slots, int(spec.n_kv_heads), int(spec.row_bytes) // dt.itemsize)
+        name = BF16 if typed and spec.dtype == DType.BF16 else dt.name
+        if self._space == "device":
+            def read(out, layer=layer, plane=plane, slots=slots):
+                self.layer_read(layer, plane, 0, slots, out=out.view(np.uint8))
+
+            def write(a, layer=layer, plane=plane):
+                self.layer_write(layer, plane, 0, a.view(np.uint8).reshape(slots, -1))
+            return DeviceArray(address, shape, dt, self._device, self._h, read, write, name)
+        raw = np.asarray(_PlaneBuffer(address, (size,), self._h))
+        view = raw.view(dt).reshape(shape).view(PlaneView)
+        view.kvt_dtype = maybe_enum(DType, int(spec.dtype))
+        return view
 
     def layer_read(self, layer: int, plane: int, first_slot: int, n_slots: int,
                    out=None) -> np.ndarray:
@@ -887,12 +923,43 @@ class Context(_Closable):
         """kvt_layer_bind (external_storage): the context uses ``buffer`` (a writable,
         C-contiguous host array of at least the plane's bytes) as the plane. The context keeps
         a reference to it until it is closed."""
-        arr = as_array(buffer, "buffer")
-        if not arr.flags.c_contiguous or not arr.flags.writeable:
-            raise ValueError("buffer: must be writable and C-contiguous")
-        check(lib.kvt_layer_bind(self._ptr, u32(layer, "layer"), u32(plane, "plane"), ptr(arr),
-                                 arr.nbytes), "kvt_layer_bind")
-        self._h.pins.append(arr)  # the memory must outlive the C context
+        ref = self._backend_array(buffer, "buffer", None, writable=True)
+        nbytes = int(np.prod(ref.shape, dtype=np.int64)) * ref.dtype.itemsize
+        check(lib.kvt_layer_bind(self._ptr, u32(layer, "layer"), u32(plane, "plane"), ref.ptr,
+                                 nbytes), "kvt_layer_bind")
+        self._h.pins.append(ref.keep)  # the memory must outlive the C context
+
+    def _backend_array(self, obj, what: str, dtype, writable: bool = False):
+        """An ArrayRef of obj in this backend's memory space: host memory on the CPU backend,
+        device memory of the context's device on CUDA (``__cuda_array_interface__``, DLPack,
+        DeviceArray), a DeviceArray of this context's buffers on the guarded backend. Exactly
+        dtype (None: any), C-contiguous, writable when asked. MemorySpaceError names both
+        spaces."""
+        ref = array_ref(obj, what)
+        if self._space == "host":
+            if not ref.on_host:
+                raise MemorySpaceError(f"{what}: {ref.where} memory, but the cpu backend reads "
+                                       "and writes host memory")
+        elif self._space == "device":
+            if ref.device[0] != DL_CUDA:
+                raise MemorySpaceError(
+                    f"{what}: {ref.where} memory, but the cuda backend reads and writes device "
+                    "memory: pass a CUDA array (__cuda_array_interface__ or DLPack: torch, CuPy) "
+                    "or one of Batch.emission() / Context.buffer().view()")
+            if ref.device[1] is not None and ref.device[1] != self._device[1]:
+                raise MemorySpaceError(f"{what}: {ref.where} memory, but the context uses "
+                                       f"{device_name(*self._device)}")
+        elif not (isinstance(obj, DeviceArray) and obj.device == self._device):
+            raise MemorySpaceError(f"{what}: the guarded backend reads and writes only its own "
+                                   "buffers (Batch.emission(), Context.buffer().view()), got "
+                                   f"{ref.where} memory")
+        if dtype is not None and ref.dtype != np.dtype(dtype):
+            raise TypeError(f"{what}: dtype must be {np.dtype(dtype)}, got {ref.dtype_name}")
+        if not ref.contiguous:
+            raise ValueError(f"{what}: must be C-contiguous")
+        if writable and not ref.writable:
+            raise ValueError(f"{what}: must be writable")
+        return ref
 
     # --- children ------------------------------------------------------------------------
     def sequence(self, request_id: int = 0, prompt_rows: int = 0, ratio: int = 0,
@@ -1176,15 +1243,99 @@ class Emission:
     [n_seqs * s_q]; CSR: ``indices`` [capacity] and ``indptr`` [n_seqs * s_q + 1];
     CSR_KV_HEADS: ``indptr`` [n_seqs * n_kv_heads + 1], one list per (request, KV head), and
     ``slots(i, h)`` takes the KV head h in place of the query token. ``dense`` [n_seqs] (uint8)
-    when asked for. ``slots(i, t)`` gives request i's attended slots for its query token t."""
+    when asked for. ``slots(i, t)`` gives request i's attended slots for its query token t.
+    The arrays are numpy arrays on the CPU backend and :class:`DeviceArray` s (or the caller's
+    device arrays) on CUDA and guarded: ``slots`` and ``counts`` then read a host copy
+    (``host()``), off the decode path.
 
-    __slots__ = ("layout", "n_seqs", "queries_per_seq", "indices", "lengths", "indptr", "dense")
+    An emission passed to ``Batch.run(layer, emission=e)`` is checked once: its kvt_emit is
+    built at the first run and reused by every later one (the step's cost in Python: no array
+    conversion per call); assigning an array attribute drops it."""
+
+    __slots__ = ("layout", "n_seqs", "queries_per_seq", "_indices", "_lengths", "_indptr",
+                 "_dense", "_c", "_cp", "_for", "_lists", "_dense_n", "_views")
 
     def __init__(self, layout, n_seqs, indices, lengths=None, indptr=None, dense=None,
                  queries_per_seq=1):
         # CSR_KV_HEADS: queries_per_seq is the layer's KV heads (the lists per request)
         self.layout, self.n_seqs, self.queries_per_seq = layout, n_seqs, queries_per_seq
-        self.indices, self.lengths, self.indptr, self.dense = indices, lengths, indptr, dense
+        self._indices, self._lengths, self._indptr, self._dense = indices, lengths, indptr, dense
+        self._c = self._cp = self._for = None
+        self._views = {}
+
+    def _set(name):  # noqa: N805  (a property factory, used in the class body only)
+        def get(self):
+            return getattr(self, name)
+
+        def put(self, value):
+            setattr(self, name, value)
+            self._c = self._cp = self._for = None  # re-checked at the next run
+            self._views = {}
+        return property(get, put)
+
+    indices, lengths, indptr, dense = _set("_indices"), _set("_lengths"), _set("_indptr"), \
+        _set("_dense")
+    del _set
+
+    def _prepare(self, ctx: "Context") -> None:
+        """Check the arrays once for ctx's memory space and build the kvt_emit (s_q = 1)."""
+        layout = to_enum(EmitLayout, self.layout, "layout")
+        refs = {}
+        for name, dt in (("indices", np.int32), ("lengths", np.int32), ("indptr", np.int32),
+                         ("dense", np.uint8)):
+            v = getattr(self, name)
+            if v is not None and (name != "lengths" or layout == EmitLayout.TOKENS) and \
+                    (name != "indptr" or layout != EmitLayout.TOKENS):
+                refs[name] = ctx._backend_array(v, f"emission.{name}", dt, writable=True)
+        ind = refs["indices"]
+        if layout == EmitLayout.TOKENS:
+            if "lengths" not in refs or len(ind.shape) != 2:
+                raise ValueError("emission: TOKENS needs indices (n, topk) and lengths (n,)")
+            lists = min(ind.shape[0], refs["lengths"].shape[0])
+        else:
+            if "indptr" not in refs or len(ind.shape) != 1:
+                raise ValueError("emission: CSR needs one-dimensional indices and an indptr")
+            lists = refs["indptr"].shape[0] - 1
+        e = _lib.EmitC()
+        e.struct_size = ctypes.sizeof(_lib.EmitC)
+        e.layout = int(layout)
+        e.queries_per_seq = 1
+        P32 = ctypes.POINTER(ctypes.c_int32)
+        e.indices = ctypes.cast(ind.ptr, P32)
+        if layout == EmitLayout.TOKENS:
+            e.capacity = u32(ind.shape[1], "topk")
+            e.lengths = ctypes.cast(refs["lengths"].ptr, P32)
+        else:
+            e.capacity = u32(ind.shape[0], "capacity")
+            e.indptr = ctypes.cast(refs["indptr"].ptr, P32)
+        if "dense" in refs:
+            e.dense = ctypes.cast(refs["dense"].ptr, ctypes.POINTER(ctypes.c_uint8))
+        self._dense_n = refs["dense"].shape[0] if "dense" in refs else None
+        self._lists = lists
+        self.layout = layout
+        self._c, self._cp, self._for = e, ctypes.pointer(e), ctx._h
+        self._views = {}
+
+    def _view(self, n: int, qps: int) -> "Emission":
+        """The emission of a step of n requests over these arrays (cached per shape)."""
+        v = self._views.get((n, qps))
+        if v is None:
+            v = Emission(self.layout, n, self._indices, self._lengths, self._indptr, self._dense,
+                         qps)
+            v._c, v._cp, v._for, v._lists, v._dense_n = self._c, self._cp, self._for, \
+                self._lists, self._dense_n
+            self._views[(n, qps)] = v
+        return v
+
+    def host(self) -> "Emission":
+        """This emission with host (numpy) arrays: itself when they are, else a copy."""
+        arrays = [getattr(self, n) for n in ("indices", "lengths", "indptr", "dense")]
+        if all(a is None or isinstance(a, np.ndarray) for a in arrays):
+            return self
+        return Emission(self.layout, self.n_seqs, *[
+            None if a is None else a if isinstance(a, np.ndarray) else
+            a.numpy() if isinstance(a, DeviceArray) else as_array(a, "emission")
+            for a in arrays], queries_per_seq=self.queries_per_seq)
 
     def slots(self, i: int, t: int = 0) -> np.ndarray:
         if not 0 <= i < self.n_seqs:
@@ -1192,17 +1343,19 @@ class Emission:
         if not 0 <= t < self.queries_per_seq:
             what = "KV head" if self.layout == EmitLayout.CSR_KV_HEADS else "query token"
             raise IndexError(f"{what} {t} out of range ({self.queries_per_seq} per request)")
+        h = self.host()
         q = i * self.queries_per_seq + t
         if self.layout == EmitLayout.TOKENS:
-            return self.indices[q, :self.lengths[q]]
-        return self.indices[self.indptr[q]:self.indptr[q + 1]]
+            return h.indices[q, :h.lengths[q]]
+        return h.indices[h.indptr[q]:h.indptr[q + 1]]
 
     def counts(self) -> np.ndarray:
         """Rows per query (one per request when queries_per_seq is 1)."""
+        h = self.host()
         nq = self.n_seqs * self.queries_per_seq
         if self.layout == EmitLayout.TOKENS:
-            return self.lengths[:nq].copy()
-        return np.diff(self.indptr[:nq + 1])
+            return h.lengths[:nq].copy()
+        return np.diff(h.indptr[:nq + 1])
 
 
 class Buffer(_Closable):
@@ -1270,28 +1423,55 @@ class Buffer(_Closable):
                                         _stream(stream)), "kvt_buffer_read_async")
         return o
 
+    def view(self, dtype=np.uint8, shape=None, offset: int = 0):
+        """A typed zero-copy view of the buffer's bytes from offset (shape None: as many
+        elements as fit): a numpy array on the CPU backend, a :class:`DeviceArray` on CUDA
+        (exported by ``__cuda_array_interface__`` and DLPack) and on the guarded backend (passed
+        to the library only). The view keeps the buffer alive."""
+        dt = np.dtype(dtype)
+        off = u64(offset, "offset")
+        if shape is None:
+            shape = (max(0, (self.nbytes - off) // dt.itemsize),)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        count = int(np.prod(shape, dtype=np.int64))
+        if off + count * dt.itemsize > self.nbytes:
+            raise ValueError(f"view: {count} x {dt} from byte {off} passes the buffer's "
+                             f"{self.nbytes} bytes")
+        base = self.ptr + off
+        if self._ctx._space == "host":
+            raw = np.asarray(_PlaneBuffer(base, (count * dt.itemsize,), self._h))
+            return raw.view(dt).reshape(shape)
+
+        def read(out):
+            check(lib.kvt_buffer_read(self._ptr, off, ptr(out), out.nbytes), "kvt_buffer_read")
+
+        def write(a):
+            check(lib.kvt_buffer_write(self._ptr, off, ptr(a), a.nbytes), "kvt_buffer_write")
+        return DeviceArray(base, shape, dt, self._ctx._device, self._h, read, write)
+
     def close(self) -> None:
-        """kvt_buffer_free (a no-op once its context was closed: the context freed it)."""
-        super().close()
+        """kvt_buffer_free (a no-op once its context was closed: the context freed it);
+        deferred while a view of it still lives."""
+        h, self._h = self._h, None
+        del h  # the last reference frees it (_Handle.__del__), now or when the last view goes
 
 
-def _emit_c(layout, sq: int, indices, lengths, indptr, dense) -> _lib.EmitC:
-    """The kvt_emit over checked arrays: run() and plan_device() build it alike, so a planned
-    run over the same arrays passes exactly the emission it was planned for (same pointers and
-    capacity)."""
+def _emit_c(layout, sq: int, refs) -> _lib.EmitC:
+    """The kvt_emit over checked arrays (ArrayRefs by name)."""
+    P32 = ctypes.POINTER(ctypes.c_int32)
     e = _lib.EmitC()
     e.struct_size = ctypes.sizeof(_lib.EmitC)
     e.layout = int(layout)
     e.queries_per_seq = sq
-    e.indices = ptr(indices, ctypes.c_int32)
+    e.indices = ctypes.cast(refs["indices"].ptr, P32)
     if layout == EmitLayout.TOKENS:
-        e.capacity = u32(indices.shape[1], "topk")
-        e.lengths = ptr(lengths, ctypes.c_int32)
+        e.capacity = u32(refs["indices"].shape[1], "topk")
+        e.lengths = ctypes.cast(refs["lengths"].ptr, P32)
     else:
-        e.capacity = u32(indices.shape[0], "capacity")
-        e.indptr = ptr(indptr, ctypes.c_int32)
-    if dense is not None:
-        e.dense = ptr(dense, ctypes.c_uint8)
+        e.capacity = u32(refs["indices"].shape[0], "capacity")
+        e.indptr = ctypes.cast(refs["indptr"].ptr, P32)
+    if "dense" in refs:
+        e.dense = ctypes.cast(refs["dense"].ptr, ctypes.POINTER(ctypes.c_uint8))
     return e
 
 
@@ -1316,10 +1496,23 @@ def _per_request(values, n: int, name: str) -> list[int]:
     return [u32(c, f"{name}[{i}]") for i, c in enumerate(values)]
 
 
+_run = lib.kvt_batch_run
+_reserve = lib.kvt_batch_reserve
+_slot_mapping = lib.kvt_batch_slot_mapping
+_commit = lib.kvt_batch_commit
+_plan = lib.kvt_batch_plan
+_U64 = 2**64
+
+
 class Batch(_Closable):
     """kvt_batch: one step of many requests — reserve, slot_mapping, plan, run per layer,
     commit (the timeline and order rules of kvtier.h, "Batches"). A step's requests are kept
-    alive by the batch until the commit."""
+    alive by the batch until the commit.
+
+    The decode loop's calls are cheap in Python when their arguments repeat: ``reserve`` with
+    the same requests (and an int count), ``slot_mapping`` and ``run`` with the same ``out`` /
+    ``emission`` / ``query`` objects (numpy arrays and DeviceArrays are checked once and their
+    pointers kept; other array objects are read again at every call)."""
 
     _kind = "batch"
 
@@ -1333,8 +1526,20 @@ class Batch(_Closable):
         self._h = _Handle(out.value, lib.kvt_batch_destroy, ctx._h)
         self.max_seqs = max_seqs
         self._step: list[Sequence] = []
+        self._n = 0
         self._tokens = 0
         self._planned_emits = None  # the arrays planned steps write (kept for the batch's life)
+        self._rcache = None  # (seqs, n_tokens, C array of handles, C array of counts)
+        self._scache = None  # (out, pointer, capacity) of slot_mapping
+        self._qcache = None  # (query, pointer) of run
+        self._n_out = ctypes.c_uint32()
+        self._n_out_ref = ctypes.byref(self._n_out)
+
+    def _bp(self) -> int:
+        h = self._h
+        if h is None or not h.ptr or not h.token[0]:
+            raise ValueError("this batch is closed")
+        return h.ptr
 
     @property
     def context(self) -> Context:
@@ -1343,14 +1548,24 @@ class Batch(_Closable):
     @property
     def n_seqs(self) -> int:
         """Requests of the step in flight (0 between steps)."""
-        return len(self._step)
+        return self._n
 
     def reserve(self, seqs: _Seq[Sequence], n_tokens, n_drafts=None) -> None:
         """kvt_batch_reserve: n_tokens[i] new tokens for seqs[i] (an int: the same for all) in
         every layer, all or nothing. PoolExhaustedError leaves everything unchanged. With
         ``n_drafts`` (kvt_batch_reserve_drafts; an int or one count per request) the last
         n_drafts[i] tokens are speculative drafts that commit may reject."""
-        seqs = list(seqs)
+        seqs = tuple(seqs)
+        c = self._rcache
+        if n_drafts is None and c is not None and c[1] == n_tokens and \
+                type(n_tokens) is int and c[0] == seqs:
+            for s in seqs:  # the same requests as the last reserve: still open?
+                h = s._h
+                if h is None or not h.ptr or not h.token[0]:
+                    raise ValueError("this sequence is closed")
+            check(_reserve(self._bp(), c[2], c[3], len(seqs)), "kvt_batch_reserve")
+            self._step, self._n, self._tokens = seqs, len(seqs), c[4]
+            return
         for i, s in enumerate(seqs):
             if not isinstance(s, Sequence):
                 raise TypeError(f"seqs[{i}]: expected a kvtier.Sequence, got {type(s).__name__}")
@@ -1359,43 +1574,51 @@ class Batch(_Closable):
         counts = _per_request(n_tokens, n, "n_tokens")
         arr_n = (ctypes.c_uint32 * max(1, n))(*counts)
         if n_drafts is None:
-            check(lib.kvt_batch_reserve(self._ptr, arr_s, arr_n, n), "kvt_batch_reserve")
+            check(_reserve(self._bp(), arr_s, arr_n, n), "kvt_batch_reserve")
+            if type(n_tokens) is int:
+                self._rcache = (seqs, n_tokens, arr_s, arr_n, sum(counts))
         else:
             arr_d = (ctypes.c_uint32 * max(1, n))(*_per_request(n_drafts, n, "n_drafts"))
-            check(lib.kvt_batch_reserve_drafts(self._ptr, arr_s, arr_n, arr_d, n),
+            check(lib.kvt_batch_reserve_drafts(self._bp(), arr_s, arr_n, arr_d, n),
                   "kvt_batch_reserve_drafts")
-        self._step = seqs
+        self._step, self._n = seqs, n
         self._tokens = sum(counts)
 
     def slot_mapping(self, layer: int, out=None) -> np.ndarray:
         """kvt_batch_slot_mapping: int32 slot of every new token of the step (request order,
-        then token order) in the layer's group. ``out``: a caller buffer (CapacityError when
-        shorter than the step's tokens)."""
-        n = ctypes.c_uint32()
-        if out is None:
-            out = np.empty(self._tokens, dtype=np.int32)
+        then token order) in the layer's group, host memory. ``out``: a caller buffer
+        (CapacityError when shorter than the step's tokens), reused cheaply step after step."""
+        c = self._scache
+        if out is not None and c is not None and out is c[0]:
+            p, cap = c[1], c[2]
         else:
-            out = as_output(out, "out", np.int32)
-            if out.ndim != 1:
-                raise ValueError(f"out: expected one dimension, got shape {out.shape}")
-        check(lib.kvt_batch_slot_mapping(self._ptr, u32(layer, "layer"),
-                                         ptr(out, ctypes.c_int32), len(out), ctypes.byref(n)),
+            if out is None:
+                out = np.empty(self._tokens, dtype=np.int32)
+            else:
+                out = as_output(out, "out", np.int32)
+                if out.ndim != 1:
+                    raise ValueError(f"out: expected one dimension, got shape {out.shape}")
+            p, cap = ptr(out, ctypes.c_int32), len(out)
+            self._scache = (out, p, cap)
+        check(_slot_mapping(self._bp(), u32(layer, "layer"), p, cap, self._n_out_ref),
               "kvt_batch_slot_mapping")
-        return out[:n.value]
+        return out[:self._n_out.value]
 
     def plan(self) -> None:
         """kvt_batch_plan (host only). BadStateError without a reservation."""
-        check(lib.kvt_batch_plan(self._ptr), "kvt_batch_plan")
+        check(_plan(self._bp()), "kvt_batch_plan")
 
     def emission(self, layout="tokens", capacity: int = 0, *, layer: int | None = None,
                  want_dense: bool = False) -> Emission:
         """Zeroed emission buffers for every step of this batch, sized for max_seqs requests
         (what plan_device needs: a planned step's runs write the arrays of the batch's first
-        planned step). TOKENS: ``indices`` int32 [max_seqs, capacity] (capacity: rows per
-        request) and ``lengths`` [max_seqs]; CSR: ``indices`` [capacity] (all requests' rows)
-        and ``indptr`` [max_seqs + 1]; CSR_KV_HEADS (``layer`` names the layer whose KV heads
-        count the lists): ``indptr`` [max_seqs * n_kv_heads + 1]. ``want_dense``: ``dense``
-        uint8 [max_seqs]. Pass it to run(layer, emission=...) and plan_device()."""
+        planned step), in the backend's memory: numpy arrays on the CPU backend, DeviceArrays
+        over kvt_buffers on CUDA (exported to torch / CuPy by DLPack and
+        ``__cuda_array_interface__``) and guarded. TOKENS: ``indices`` int32 [max_seqs, capacity]
+        (capacity: rows per request) and ``lengths`` [max_seqs]; CSR: ``indices`` [capacity] (all
+        requests' rows) and ``indptr`` [max_seqs + 1]; CSR_KV_HEADS (``layer`` names the layer
+        whose KV heads count the lists): ``indptr`` [max_seqs * n_kv_heads + 1]. ``want_dense``:
+        ``dense`` uint8 [max_seqs]. Pass it to run(layer, emission=...) and plan_device()."""
         layout = to_enum(EmitLayout, layout, "layout")
         n, cap = self.max_seqs, u32(capacity, "capacity")
         lists = n
@@ -1403,23 +1626,31 @@ class Batch(_Closable):
             if layer is None:
                 raise ValueError("layer: CSR_KV_HEADS counts a list per KV head of a layer")
             lists = n * int(self._ctx.layer_spec(u32(layer, "layer")).n_kv_heads)
-        dense = np.zeros(n, dtype=np.uint8) if want_dense else None
+        if self._ctx._space == "host":
+            zeros = np.zeros
+        else:
+            def zeros(shape, dt):
+                dt = np.dtype(dt)
+                count = int(np.prod(shape, dtype=np.int64))
+                return Buffer(self._ctx, max(1, count * dt.itemsize)).view(dt, shape)
+        dense = zeros(n, np.uint8) if want_dense else None
         if layout == EmitLayout.TOKENS:
-            return Emission(layout, n, np.zeros((n, cap), np.int32), np.zeros(n, np.int32),
+            return Emission(layout, n, zeros((n, cap), np.int32), zeros(n, np.int32),
                             dense=dense)
-        return Emission(layout, n, np.zeros(cap, np.int32), indptr=np.zeros(lists + 1, np.int32),
-                        dense=dense, queries_per_seq=lists // n if n else 1)
+        return Emission(layout, n, zeros(max(1, cap), np.int32),
+                        indptr=zeros(lists + 1, np.int32), dense=dense,
+                        queries_per_seq=lists // n if n else 1)
 
     def plan_device(self, emits, stream=None) -> bool:
         """kvt_batch_plan_device, after plan() and before any run: plan every layer's run of a
         quiet step (no close, round, drafts or unplannable recall) into the batch's plan image,
-        so that its runs only execute it (a CUDA graph can capture them). ``emits``: one
-        Emission (every layer writes its arrays) or one per layer, from ``emission()``: each
-        planned run must pass exactly that one (``run(layer, emission=e)``), and every planned
-        step of the batch those of its first. Returns True when the step was planned, False when
-        it is not plannable (run it as usual). BadStateError (not planned, already run, planned
-        twice), InvalidArgumentError (emissions other than the first planned step's),
-        CapacityError (nothing planned)."""
+        so that its runs only execute it (a CUDA graph can capture them: kvtier.cuda). ``emits``:
+        one Emission (every layer writes its arrays) or one per layer, from ``emission()`` or
+        over arrays of the backend's memory: each planned run must pass exactly that one
+        (``run(layer, emission=e)``), and every planned step of the batch those of its first.
+        Returns True when the step was planned, False when it is not plannable (run it as
+        usual). BadStateError (not planned, already run, planned twice), InvalidArgumentError
+        (emissions other than the first planned step's), CapacityError (nothing planned)."""
         lst = [emits] if isinstance(emits, Emission) else list(emits)
         n_layers = self._ctx.n_layers
         if len(lst) not in (1, n_layers):
@@ -1431,28 +1662,20 @@ class Batch(_Closable):
                 raise TypeError(f"emits[{i}]: expected a kvtier.Emission, got "
                                 f"{type(e).__name__}")
             what = f"emits[{i}]"
-            layout = to_enum(EmitLayout, e.layout, f"{what}.layout")
+            if e._c is None or e._for is not self._ctx._h:
+                e._prepare(self._ctx)
             lists = n
-            if layout == EmitLayout.CSR_KV_HEADS:
+            if e.layout == EmitLayout.CSR_KV_HEADS:
                 layers = range(n_layers) if len(lst) == 1 else (i,)
-                lists = n * max([int(self._ctx.layer_spec(l).n_kv_heads) for l in layers] or [1])
-            if layout == EmitLayout.TOKENS:
-                if e.indices.ndim != 2 or e.indices.shape[0] < n or e.lengths is None or \
-                        e.lengths.shape[0] < n:
-                    raise ValueError(f"{what}: TOKENS needs indices (>= {n}, topk) and lengths "
-                                     f"(>= {n},) for max_seqs requests")
-            elif e.indices.ndim != 1 or e.indptr is None or e.indptr.shape[0] < lists + 1:
-                raise ValueError(f"{what}: CSR needs one-dimensional indices and indptr "
-                                 f"(>= {lists + 1},)")
-            if e.dense is not None and e.dense.shape[0] < n:
+                lists = n * max([self._ctx._kv_heads[l] for l in layers] or [1])
+            if e._lists < lists:
+                raise ValueError(f"{what}: holds {e._lists} lists, plan_device needs {lists} "
+                                 f"(max_seqs = {n})")
+            if e._dense_n is not None and e._dense_n < n:
                 raise ValueError(f"{what}: dense needs (>= {n},) for max_seqs requests")
-            for name, dt in (("indices", np.int32), ("lengths", np.int32),
-                             ("indptr", np.int32), ("dense", np.uint8)):
-                if getattr(e, name) is not None:  # writable, C-contiguous, of the C type
-                    as_output(getattr(e, name), f"{what}.{name}", dt)
-            arr[i] = _emit_c(layout, 1, e.indices, e.lengths, e.indptr, e.dense)
+            arr[i] = e._c
         planned = ctypes.c_bool()
-        check(lib.kvt_batch_plan_device(self._ptr, arr, len(lst), _stream(stream),
+        check(lib.kvt_batch_plan_device(self._bp(), arr, len(lst), _stream(stream),
                                         ctypes.byref(planned)), "kvt_batch_plan_device")
         if planned.value and self._planned_emits is None:
             self._planned_emits = lst  # a captured graph writes these: they live with the batch
@@ -1461,16 +1684,29 @@ class Batch(_Closable):
     def capacity(self, layer: int) -> tuple[int, int]:
         """kvt_batch_capacity after plan: (topk, total) that always suffice for run(layer)."""
         topk, total = ctypes.c_uint32(), ctypes.c_uint32()
-        check(lib.kvt_batch_capacity(self._ptr, u32(layer, "layer"), ctypes.byref(topk),
+        check(lib.kvt_batch_capacity(self._bp(), u32(layer, "layer"), ctypes.byref(topk),
                                      ctypes.byref(total)), "kvt_batch_capacity")
         return topk.value, total.value
+
+    def _query(self, query):
+        """The query's pointer: float32, C-contiguous, in the backend's memory (cached for
+        the same ndarray or DeviceArray)."""
+        c = self._qcache
+        if c is not None and query is c[0]:
+            return c[1]
+        ref = self._ctx._backend_array(query, "query", np.float32)
+        if isinstance(query, (np.ndarray, DeviceArray)):
+            self._qcache = (query, ref.ptr, ref)
+        return ref.ptr
 
     def run(self, layer: int, layout="tokens", *, indices=None, lengths=None, indptr=None,
             dense=None, want_dense: bool = False, queries_per_seq: int = 1, query=None,
             stream=None, emission: Emission | None = None) -> Emission:
         """kvt_batch_run: the layer's due close or round for every request, then its attended
         sets, one per request or, with ``queries_per_seq`` = s_q > 1, one per query token
-        (causal: token t sees the step's rows up to its own). Buffers: pass fixed-capacity
+        (causal: token t sees the step's rows up to its own). Buffers, in the backend's memory
+        (numpy on the CPU backend; CUDA arrays by ``__cuda_array_interface__`` / DLPack, or
+        DeviceArrays, on CUDA; MemorySpaceError otherwise): pass fixed-capacity
         ``indices`` (TOKENS: int32 [>= n_seqs * s_q, topk]; CSR: int32 [capacity]) and
         ``lengths`` / ``indptr`` (int32 [>= n_seqs * s_q] / [>= n_seqs * s_q + 1]), optional
         ``dense`` (uint8 [>= n_seqs]); or none, and buffers sized by capacity() are made.
@@ -1478,18 +1714,45 @@ class Batch(_Closable):
         request recalls on a GQA/MHA-RoPE layer), indptr [>= n_seqs * n_kv_heads + 1], capacity
         n_kv_heads x capacity()'s total; one query per request.
         ``query`` (the recall trigger's queries: float32 [n_seqs, n_q_heads, value_dim +
-        branch_dim], softmax-scaled; needed when a request recalls on the layer) and ``stream`` (a
-        cudaStream_t as int, or an object with ``cuda_stream``; ignored on the CPU) pass
-        through. ``emission``: an Emission (from ``emission()``; a planned step's runs pass the
-        one plan_device planned) whose layout and arrays are used instead of the arguments
-        above. CapacityError when a request's rows exceed the capacity."""
+        branch_dim], softmax-scaled, in the backend's memory; needed when a request recalls on
+        the layer) and ``stream`` (a cudaStream_t as int, or an object with ``cuda_stream``:
+        kvtier.cuda.Stream, torch.cuda.Stream; ignored on the CPU) pass through.
+        ``emission``: an Emission (from ``emission()``; a planned step's runs pass the one
+        plan_device planned) whose layout and arrays are used instead of the arguments above:
+        the decode path (checked once, then one C call). CapacityError when a request's rows
+        exceed the capacity."""
+        if emission is not None and queries_per_seq == 1 and indices is None and \
+                lengths is None and indptr is None and dense is None:
+            e = emission
+            if type(e) is not Emission and not isinstance(e, Emission):
+                raise TypeError(f"emission: expected a kvtier.Emission, got {type(e).__name__}")
+            if e._c is None or e._for is not self._ctx._h:
+                e._prepare(self._ctx)
+            n = self._n
+            if type(layer) is not int or not 0 <= layer < len(self._ctx._kv_heads):
+                u32(layer, "layer")  # a TypeError / ValueError naming it; else the C range check
+                kv = 1
+            else:
+                kv = self._ctx._kv_heads[layer]
+            qps = kv if e.layout == EmitLayout.CSR_KV_HEADS else 1
+            if n * qps > e._lists or (e._dense_n is not None and n > e._dense_n):
+                raise ValueError(f"emission: holds {e._lists} lists"
+                                 f"{'' if e._dense_n is None else f' and {e._dense_n} dense flags'}"
+                                 f", the step needs {n * qps} (n_seqs = {n})")
+            q = None if query is None else self._query(query)
+            if stream is not None and not (type(stream) is int and 0 <= stream < _U64):
+                stream = _stream(stream)
+            rc = _run(self._bp(), layer, q, stream, e._cp)
+            if rc:
+                check(rc, "kvt_batch_run")
+            return e._view(n, qps)
         if emission is not None:
             if any(x is not None for x in (indices, lengths, indptr, dense)):
                 raise TypeError("run: pass emission or the buffers, not both")
             layout, indices, lengths = emission.layout, emission.indices, emission.lengths
             indptr, dense = emission.indptr, emission.dense
         layout = to_enum(EmitLayout, layout, "layout")
-        n = len(self._step)
+        n = self._n
         sq = u32(queries_per_seq, "queries_per_seq") or 1
         nq = n * sq
         lists = nq  # the emission's lists
@@ -1498,45 +1761,55 @@ class Batch(_Closable):
                 raise ValueError("queries_per_seq: CSR_KV_HEADS takes one query per request")
             n_kv = int(self._ctx.model.layer(u32(layer, "layer")).n_kv_heads)
             lists = n * n_kv
+        host = self._ctx._space == "host"
+        if host:
+            alloc = np.empty
+        else:  # the backend's memory: kvt_buffers (made per call: emission() is the fast way)
+            def alloc(shape, dt):
+                dt = np.dtype(dt)
+                count = int(np.prod(shape, dtype=np.int64))
+                return Buffer(self._ctx, max(1, count * dt.itemsize)).view(dt, shape)
         if indices is None:
             topk, total = self.capacity(layer)
             if layout == EmitLayout.TOKENS:
-                indices = np.empty((nq, topk), dtype=np.int32)
+                indices = alloc((nq, topk), np.int32)
             else:
-                indices = np.empty(total * (lists // n if n else sq), dtype=np.int32)
-        else:
-            indices = as_output(indices, "indices", np.int32)
+                indices = alloc(max(1, total * (lists // n if n else sq)), np.int32)
+        refs = {"indices": self._ctx._backend_array(indices, "indices", np.int32, True)}
+        if host:
+            indices = refs["indices"].host
+        shape = refs["indices"].shape
         if layout == EmitLayout.TOKENS:
-            if indices.ndim != 2 or indices.shape[0] < nq:
-                raise ValueError(f"indices: TOKENS needs shape (>= {nq}, topk), got "
-                                 f"{indices.shape}")
-            lengths = np.empty(nq, dtype=np.int32) if lengths is None else \
-                as_output(lengths, "lengths", np.int32)
-            if lengths.ndim != 1 or lengths.shape[0] < nq:
-                raise ValueError(f"lengths: needs shape (>= {nq},), got {lengths.shape}")
+            if len(shape) != 2 or shape[0] < nq:
+                raise ValueError(f"indices: TOKENS needs shape (>= {nq}, topk), got {shape}")
+            lengths = alloc(max(1, nq), np.int32) if lengths is None else lengths
+            refs["lengths"] = self._ctx._backend_array(lengths, "lengths", np.int32, True)
+            if len(refs["lengths"].shape) != 1 or refs["lengths"].shape[0] < nq:
+                raise ValueError(f"lengths: needs shape (>= {nq},), got "
+                                 f"{refs['lengths'].shape}")
         else:
-            if indices.ndim != 1:
-                raise ValueError(f"indices: CSR needs one dimension, got {indices.shape}")
-            indptr = np.empty(lists + 1, dtype=np.int32) if indptr is None else \
-                as_output(indptr, "indptr", np.int32)
-            if indptr.ndim != 1 or indptr.shape[0] < lists + 1:
-                raise ValueError(f"indptr: needs shape (>= {lists + 1},), got {indptr.shape}")
+            if len(shape) != 1:
+                raise ValueError(f"indices: CSR needs one dimension, got {shape}")
+            indptr = alloc(lists + 1, np.int32) if indptr is None else indptr
+            refs["indptr"] = self._ctx._backend_array(indptr, "indptr", np.int32, True)
+            if len(refs["indptr"].shape) != 1 or refs["indptr"].shape[0] < lists + 1:
+                raise ValueError(f"indptr: needs shape (>= {lists + 1},), got "
+                                 f"{refs['indptr'].shape}")
         if dense is not None or want_dense:
-            dense = np.zeros(n, dtype=np.uint8) if dense is None else \
-                as_output(dense, "dense", np.uint8)
-            if dense.ndim != 1 or dense.shape[0] < n:
-                raise ValueError(f"dense: needs shape (>= {n},), got {dense.shape}")
-        e = _emit_c(layout, sq, indices, lengths if layout == EmitLayout.TOKENS else None,
-                    indptr if layout != EmitLayout.TOKENS else None, dense)
+            if dense is None:
+                dense = np.zeros(n, dtype=np.uint8) if host else alloc(max(1, n), np.uint8)
+            refs["dense"] = self._ctx._backend_array(dense, "dense", np.uint8, True)
+            if len(refs["dense"].shape) != 1 or refs["dense"].shape[0] < n:
+                raise ValueError(f"dense: needs shape (>= {n},), got {refs['dense'].shape}")
+        if host:  # the caller's own objects become numpy views in the result
+            lengths = refs["lengths"].host if "lengths" in refs else None
+            indptr = refs["indptr"].host if "indptr" in refs else None
+            dense = refs["dense"].host if "dense" in refs else None
+        e = _emit_c(layout, sq, refs)
         q = None
         if query is not None:
-            q = as_array(query, "query")
-            if not q.flags.c_contiguous:
-                raise ValueError("query: must be C-contiguous")
-            if q.dtype != np.float32:
-                raise TypeError(f"query: expected float32, got {q.dtype}")
-        check(lib.kvt_batch_run(self._ptr, u32(layer, "layer"),
-                                ptr(q) if q is not None else None, _stream(stream),
+            q = self._ctx._backend_array(query, "query", np.float32).ptr
+        check(lib.kvt_batch_run(self._bp(), u32(layer, "layer"), q, _stream(stream),
                                 ctypes.byref(e)),
               "kvt_batch_run")
         return Emission(layout, n, indices, lengths if layout == EmitLayout.TOKENS else None,
@@ -1550,20 +1823,23 @@ class Batch(_Closable):
         if n_accepted is not None:
             counts = list(n_accepted)
             # kvt_batch_commit reads one count per request of the step.
-            if len(counts) != len(self._step):
+            if len(counts) != self._n:
                 raise ValueError(f"n_accepted: {len(counts)} counts for the step's "
-                                 f"{len(self._step)} requests")
+                                 f"{self._n} requests")
             acc = (ctypes.c_uint32 * max(1, len(counts)))(
                 *[u32(c, f"n_accepted[{i}]") for i, c in enumerate(counts)])
-        check(lib.kvt_batch_commit(self._ptr, acc), "kvt_batch_commit")
-        self._step = []
+        check(_commit(self._bp(), acc), "kvt_batch_commit")
+        self._step = ()
+        self._n = 0
         self._tokens = 0
 
     def close(self) -> None:
         """kvt_batch_destroy. A step in flight before any run is abandoned (its reservations
         released); after a run, commit first (the requests otherwise stay reserved)."""
         super().close()
-        self._step = []
+        self._step = ()
+        self._n = 0
+        self._rcache = self._scache = self._qcache = None
 
     def __repr__(self):
         if self.closed:

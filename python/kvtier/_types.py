@@ -9,6 +9,7 @@ import operator
 import numpy as np
 
 from . import _lib
+from ._arrays import DeviceArray, MemorySpaceError, array_ref
 
 
 class LayerKind(enum.IntEnum):
@@ -141,20 +142,34 @@ def u64(value, what: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # Arrays
 # ---------------------------------------------------------------------------------------------
+def _host_or_refuse(obj, what: str):
+    """An ndarray view of obj when it is host memory; None when obj is no array protocol this
+    module reads (the caller tries numpy's own conversions); MemorySpaceError for device
+    memory."""
+    if not (isinstance(obj, DeviceArray) or hasattr(obj, "__cuda_array_interface__") or
+            (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"))):
+        return None
+    ref = array_ref(obj, what)
+    if ref.host is not None:
+        return ref.host
+    raise MemorySpaceError(f"{what}: {ref.where} memory, and this call reads and writes host "
+                           "memory (copy it to the host first: DeviceArray.numpy(), "
+                           "tensor.cpu())")
+
+
 def as_array(obj, what: str) -> np.ndarray:
-    """A numpy view of an input: ndarray, anything with __array_interface__ / __array__, or a
-    DLPack producer (host memory) through numpy.from_dlpack."""
+    """A numpy view of a host input: ndarray, anything with __array_interface__ / __array__, or a
+    DLPack producer of host memory. Device memory (__cuda_array_interface__, a DLPack
+    producer on a device, a DeviceArray) raises MemorySpaceError."""
     if isinstance(obj, np.ndarray):
         return obj
     if obj is None:
         raise TypeError(f"{what}: expected an array, got None")
+    arr = _host_or_refuse(obj, what)
+    if arr is not None:
+        return arr
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
         return np.asarray(obj)
-    if hasattr(obj, "__dlpack__") and hasattr(np, "from_dlpack"):
-        try:
-            return np.from_dlpack(obj)
-        except (RuntimeError, TypeError, BufferError, ValueError) as e:
-            raise TypeError(f"{what}: DLPack object not readable as host memory: {e}") from e
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return np.frombuffer(obj, dtype=np.uint8)
     raise TypeError(f"{what}: expected an array (numpy, __array_interface__, __array__ or DLPack),"
@@ -162,16 +177,18 @@ def as_array(obj, what: str) -> np.ndarray:
 
 
 def as_output(obj, what: str, dtype, shape_check=None) -> np.ndarray:
-    """A caller-owned output buffer: must be writable, C-contiguous, of exactly dtype, and written
-    in place (so only ndarrays and __array_interface__ exporters, which numpy views without a
-    copy)."""
+    """A caller-owned host output buffer: must be writable, C-contiguous, of exactly dtype, and
+    written in place (so only ndarrays, __array_interface__ exporters and host DLPack producers,
+    which numpy views without a copy). Device memory raises MemorySpaceError."""
     if isinstance(obj, np.ndarray):
         arr = obj
-    elif hasattr(obj, "__array_interface__"):
-        arr = np.asarray(obj)
     else:
-        raise TypeError(f"{what}: an output buffer must be a numpy array or expose "
-                        f"__array_interface__, got {type(obj).__name__}")
+        arr = _host_or_refuse(obj, what)
+        if arr is None:
+            if not hasattr(obj, "__array_interface__"):
+                raise TypeError(f"{what}: an output buffer must be a numpy array or expose "
+                                f"__array_interface__ or DLPack, got {type(obj).__name__}")
+            arr = np.asarray(obj)
     if arr.dtype != np.dtype(dtype):
         raise TypeError(f"{what}: dtype must be {np.dtype(dtype)}, got {arr.dtype}")
     if not arr.flags.c_contiguous:

@@ -266,7 +266,8 @@ def test_buffers_hold_the_emission_on_the_guarded_backend(mixed_model):
 
 
 def _lib_emit(b, layer, idx, lens, topk, sq):
-    """kvt_batch_run into two kvt_buffers through the raw struct (Batch.run takes numpy)."""
+    """kvt_batch_run into two kvt_buffers through the raw struct (Batch.run takes their views
+    too, Buffer.view: test_device.py)."""
     import ctypes
     from kvtier import _lib
     e = _lib.EmitC()

@@ -72,7 +72,7 @@ def test_decode_loop_salience_and_random_eviction(decode_setup):
     sal_slot = [dict() for _ in seqs]  # salience slots never move: slot -> position
     evi_n = [0, 0]                     # rows the evict layer must hold after each step
     rounds = [0, 0]
-    plane_sal = ctx.plane(SAL, 0)      # zero-copy view: the engine's cache-write path
+    plane_sal = ctx.plane(SAL, 0)      # zero-copy bf16 view (uint16 bits): the cache-write path
     steps = [prompts] + [[1, 1]] * 290
     saw_close = saw_round_in_run = False
     for step, n_new in enumerate(steps):
@@ -92,7 +92,7 @@ def test_decode_loop_salience_and_random_eviction(decode_setup):
         t = 0
         for i, s in enumerate(seqs):
             new = mla_rows(rng, n_new[i])
-            plane_sal[maps[SAL][t:t + n_new[i]], 0] = new
+            plane_sal[maps[SAL][t:t + n_new[i]], 0] = new.view(np.uint16)
             sal_rows[i] = np.concatenate([sal_rows[i], new])
             for plane in range(2):
                 rows = rng.integers(0, 256, size=(n_new[i], evi.n_kv_heads, evi.row_bytes),

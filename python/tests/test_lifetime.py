@@ -81,7 +81,7 @@ SCENARIOS = {
         ctx.close()
         assert s.closed and b.closed
         assert v.sum() > 0       # still readable memory
-        v[:] = 3                 # and writable: nothing freed under it
+        v[:] = np.float16(3)     # and writable: nothing freed under it
         m = None
         del v; gc.collect()
     """,

@@ -152,7 +152,7 @@ def test_snapshot_context(mixed_ctx):
         r = ctx.restore(data)
         r.check()
         assert state(r) == state(s)
-        assert ctx.plane(SAL).shape[1:] == (1, 1152)
+        assert ctx.plane(SAL).shape[1:] == (1, 576)  # bf16 (uint16 bits)
     with pytest.raises(kvtier.ParseError):
         kvtier.Context.from_snapshot(data[:100])
 

@@ -19,6 +19,11 @@
 
 #define KVT_CUDA_EMU 1
 
+/* Exported from libkvtier.so (the library is built with hidden visibility): a process that
+ * loads the emulation build reaches its runtime through it, as Python's kvtier.cuda does for
+ * streams and graph capture. */
+#pragma GCC visibility push(default)
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -132,5 +137,7 @@ cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 #ifdef __cplusplus
 }
 #endif
+
+#pragma GCC visibility pop
 
 #endif /* KVT_CUDA_EMU_RUNTIME_API_H */
