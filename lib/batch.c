@@ -310,7 +310,8 @@ void kvt_batch_destroy(kvt_batch *b) {
 static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
                             bool sync, bool *fits);
 
-void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq) {
+/* The batch forgets a destroyed request. */
+static void batch_forget(kvt_batch *b, const kvt_seq *seq) {
     bool found = false;
     for (uint32_t i = 0; i < b->n_seqs; i++)
         if (b->seqs[i] == seq) {
@@ -325,6 +326,19 @@ void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq) {
      * capacity check fails; a backend failure here leaves the context's error message. */
     if (found && b->planned)
         (void)plan_fill(b, b->plan_emit, b->ctx->n_layers, b->stream, false, NULL);
+}
+
+/* kvt_seq_destroy lives here, with the batch membership it ends first: sequence.c's part
+ * (kvt__seq_end) then parks or frees a request no batch names, so that the request's files never
+ * call up into the batch's. */
+void kvt_seq_destroy(kvt_seq *seq) {
+    if (!seq)
+        return;
+    if (seq->batch) {
+        batch_forget(seq->batch, seq);
+        seq->batch = NULL;
+    }
+    kvt__seq_end(seq);
 }
 
 kvt_status kvt_batch_reserve(kvt_batch *b, kvt_seq *const *seqs, const uint32_t *n_tokens,

@@ -730,12 +730,14 @@ kvt_status kvt_model_census_shared(const kvt_model *m, uint64_t context, uint64_
             t.no_kv_layers++;
             continue;
         }
-        uint64_t stored = context, attended, freed = 0;
-        if (l->kind == KVT_LAYER_SLIDING && l->sliding_window < stored)
-            stored = l->sliding_window;
-        /* The policy's model of the layer (policy.h census): salience attends the budget and
-         * keeps its archive in the pool; random eviction frees what is past the budget. */
+        /* The policy's model of the layer (policy.h layer_window, census): a sliding-window
+         * layer stores its window; salience attends the budget and keeps its archive in the
+         * pool; random eviction frees what is past the budget. */
         const kvt__policy_ops *ops = kvt__policy_table(pol);
+        uint64_t stored = context, attended, freed = 0;
+        uint32_t window;
+        if (ops->layer_window && ops->layer_window(l, &window) && window < stored)
+            stored = window;
         if (ops->census)
             ops->census(stored, k_rows, &attended, &freed);
         else

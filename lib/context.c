@@ -39,7 +39,7 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
     kvt__buffers_free(ctx);
     ctx->destroying = true; /* requests are freed, slots too */
     while (ctx->seqs)
-        kvt_seq_destroy(ctx->seqs);
+        kvt__seq_end(ctx->seqs); /* the batches have let them go */
     kvt__seq_slots_free(ctx);
     const kvt__alloc *a = &ctx->alloc;
     for (uint32_t i = 0; ctx->stores && i < ctx->n_layers; i++) {
@@ -56,6 +56,7 @@ void kvt_ctx_destroy(kvt_ctx *ctx) {
         kvt__pool_fini(&gr->pool, a);
         kvt__free(a, gr->layers, sizeof(uint32_t) * gr->n_layers);
         kvt__free(a, gr->ptrs, sizeof(void *) * 2 * gr->n_layers);
+        kvt__free(a, gr->state, kvt__group_state_bytes);
     }
     kvt__free(a, ctx->stores, sizeof *ctx->stores * ctx->n_layers);
     kvt__free(a, ctx->policies, sizeof *ctx->policies * ctx->n_layers);
@@ -119,7 +120,8 @@ static kvt_status build_groups(kvt_ctx *ctx, char *err, size_t len) {
             gr->n_layers += ctx->stores[i].group == (int32_t)g;
         gr->layers = kvt__malloc(a, sizeof(uint32_t) * gr->n_layers);
         gr->ptrs = kvt__calloc(a, sizeof(void *) * 2 * gr->n_layers);
-        if (!gr->layers || !gr->ptrs)
+        gr->state = kvt__calloc(a, kvt__group_state_bytes); /* the policy's, opaque here */
+        if (!gr->layers || !gr->ptrs || !gr->state)
             return kvt__fail(err, len, KVT_ERR_OUT_OF_MEMORY, "group layer list");
         uint32_t k = 0;
         for (uint32_t i = 0; i < ctx->n_layers; i++)

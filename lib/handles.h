@@ -85,6 +85,11 @@ struct kvt_seq {
     uint32_t n_cow;
 };
 
+/* The policy state of layer `layer` of a request (opaque: only the layer's table reads it). */
+static inline kvt__tier_state *kvt__seq_state(const kvt_seq *seq, uint32_t layer) {
+    return kvt__tier_state_at(seq->layers, layer);
+}
+
 /* Free a layer's recall basis (lib/recall_basis.c; kvt_ctx_destroy). */
 void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st);
 /* Sound recall on `layer` with a basis of ‖V Vᵀ − I‖_F = omega: KVT_OK when the sound margin
@@ -95,8 +100,13 @@ kvt_status kvt__sound_basis_check(const kvt_ctx *ctx, uint32_t layer, float omeg
  * draws with the config seed (kernels/philox.h), so two live requests of one id would draw alike
  * (the same eviction choices, correlated where they must be independent). */
 const kvt_seq *kvt__ctx_live_request(const kvt_ctx *ctx, uint64_t request_id);
-/* Free a request and everything it holds, whether or not it is a slot (kvt_ctx_destroy). */
+/* Free a request and everything it holds, whether or not it is a slot (kvt_ctx_destroy). The
+ * request is in no batch. */
 void kvt__seq_free(kvt_seq *seq);
+/* kvt_seq_destroy of a request in no batch (kvt_seq_destroy, in batch.c, first takes it out of
+ * its batch's step): a slot is parked (its pages back, its allocations kept), any other request
+ * freed (kvt__seq_free); during kvt_ctx_destroy every request is freed. */
+void kvt__seq_end(kvt_seq *seq);
 /* Build ctx->max_seqs request slots, parked (kvt_ctx_create with max_seqs and max_rows). */
 kvt_status kvt__seq_slots_build(kvt_ctx *ctx);
 /* Free the parked slots. */
@@ -176,8 +186,6 @@ kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
  * (the tests' oracles read the archive through it); a step takes the view of its own table through
  * kvt__seq_rope_recall_item and kvt__seq_rope_emit_item instead. */
 kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out);
-/* The batch forgets a destroyed request. */
-void kvt__batch_forget(kvt_batch *b, const kvt_seq *seq);
 /* Free every live kvt_buffer of the context (kvt_ctx_destroy). */
 void kvt__buffers_free(kvt_ctx *ctx);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */

@@ -90,7 +90,7 @@ uint64_t kvt__seq_group_writes_from(const kvt_seq *seq, uint32_t g, uint64_t row
     const kvt__group *gr = &ctx->groups[g];
     uint64_t from = seq->pt[g].n_rows;
     for (uint32_t k = 0; gr->ops->writes_from && k < gr->n_layers; k++) {
-        uint64_t f = gr->ops->writes_from(&seq->layers[gr->layers[k]], &seq->cfg,
+        uint64_t f = gr->ops->writes_from(kvt__seq_state(seq, gr->layers[k]), &seq->cfg,
                                           seq->pt[g].n_rows, rows_after, seq->prompt_rows);
         from = f < from ? f : from;
     }
@@ -147,10 +147,10 @@ static kvt_status states_from(kvt_seq *c, kvt_seq *src, uint64_t rows, bool atta
         const kvt__store *st = &ctx->stores[i];
         const kvt__policy_ops *ops = st->group >= 0 ? kvt__seq_ops_of(ctx, i) : NULL;
         if (ops && attach && ops->layer_attach)
-            s = ops->layer_attach(&c->layers[i], &src->layers[i], &env, st, rows,
+            s = ops->layer_attach(kvt__seq_state(c, i), kvt__seq_state(src, i), &env, st, rows,
                                   src->prompt_rows);
         else if (ops && !attach && ops->layer_fork)
-            s = ops->layer_fork(&c->layers[i], &src->layers[i], &env, st,
+            s = ops->layer_fork(kvt__seq_state(c, i), kvt__seq_state(src, i), &env, st,
                                 src->pt[st->group].n_rows);
         /* A fork continues its parent's calibration; an attached request calibrates anew. */
         if (s == KVT_OK && !attach && kvt__seq_recalls(c, i) && kvt__seq_recalls(src, i) &&
@@ -165,7 +165,7 @@ static kvt_status states_from(kvt_seq *c, kvt_seq *src, uint64_t rows, bool atta
         return KVT_OK;
     char tmp[KVT__ERR_LEN];
     memcpy(tmp, kvt__tls_error(), sizeof tmp);
-    kvt_seq_destroy(c); /* its shared pages back to their other holders */
+    kvt__seq_end(c); /* in no batch yet; its shared pages back to their other holders */
     return kvt__ctx_fail(ctx, s, "%s request %llu: %s; nothing was created",
                          attach ? "attaching to" : "forking", (unsigned long long)src->request_id,
                          tmp);
@@ -239,7 +239,7 @@ kvt_status kvt_seq_attach(kvt_seq *src, uint64_t prefix_rows, uint64_t request_i
         /* Asked before any page is shared: a round may have moved the rows (and compacted the
          * table below the prefix's pages). */
         for (uint32_t k = 0; gr->ops->attach_rows && k < gr->n_layers; k++) {
-            uint64_t n = gr->ops->attach_rows(&src->layers[gr->layers[k]], &src->cfg,
+            uint64_t n = gr->ops->attach_rows(kvt__seq_state(src, gr->layers[k]), &src->cfg,
                                               src->prompt_rows);
             if (P > n)
                 return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,

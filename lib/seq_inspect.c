@@ -157,7 +157,7 @@ static void layer_side_bytes(const kvt_seq *seq, uint32_t i, uint64_t *own, uint
     *key = NULL;
     *holders = 1;
     if (ops->side_bytes)
-        ops->side_bytes(&seq->layers[i], own, shared, key, holders);
+        ops->side_bytes(kvt__seq_state(seq, i), own, shared, key, holders);
     if (seq->recall)
         *own += kvt__recall_layer_bytes(&seq->recall[i]);
     if (seq->rrope) /* the RoPE trigger's state and fetch lists */

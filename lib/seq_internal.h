@@ -54,7 +54,7 @@ static inline kvt__tier_layer kvt__seq_tier_layer(const kvt_seq *seq, uint32_t l
     l.gr = &ctx->groups[st->group];
     l.st = st;
     l.pt = &seq->pt[st->group];
-    l.state = &seq->layers[layer];
+    l.state = kvt__seq_state(seq, layer);
     l.appended = seq->n_tokens;
     l.prompt_rows = seq->prompt_rows;
     return l;

@@ -81,7 +81,7 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
         if (ctx->stores[i].group < 0 || !kvt__seq_ops_of(ctx, i)->reserve)
             continue;
         const kvt__ptable *t = &seq->pt[ctx->stores[i].group];
-        s = kvt__seq_ops_of(ctx, i)->reserve(&seq->layers[i], &env, &ctx->stores[i],
+        s = kvt__seq_ops_of(ctx, i)->reserve(kvt__seq_state(seq, i), &env, &ctx->stores[i],
                                              t->n_rows + n_tokens);
     }
     /* The recall trigger's group planes for the blocks the step can close (a step's run builds
@@ -336,7 +336,7 @@ static kvt__tier_step tier_step_of(kvt_ctx *ctx, kvt_seq *seq, uint32_t layer) {
     return (kvt__tier_step){.gr = &ctx->groups[st->group],
                             .st = &ctx->stores[layer],
                             .pt = &seq->pt[st->group],
-                            .state = &seq->layers[layer],
+                            .state = kvt__seq_state(seq, layer),
                             .appended = seq->n_tokens,
                             .step_rows = seq->n_pending,
                             .prompt_rows = seq->prompt_rows,

@@ -101,11 +101,11 @@ static kvt_status seq_build(kvt_ctx *ctx, const kvt_seq_params *p, const kvt_con
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence");
     seq->ctx = ctx;
     bind_params(seq, p, cfg);
-    seq->layers = kvt__calloc(a, sizeof *seq->layers * ctx->n_layers);
+    seq->layers = kvt__calloc(a, kvt__tier_state_bytes * ctx->n_layers);
     seq->stepped = kvt__calloc(a, 2u * ctx->n_layers);
     seq->recalled = seq->stepped ? seq->stepped + ctx->n_layers : NULL;
     if (!seq->layers || !seq->stepped) {
-        kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
+        kvt__free(a, seq->layers, kvt__tier_state_bytes * ctx->n_layers);
         kvt__free(a, seq->stepped, 2u * ctx->n_layers);
         kvt__free(a, seq, sizeof *seq);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "sequence layers");
@@ -132,7 +132,8 @@ static kvt_status seq_build(kvt_ctx *ctx, const kvt_seq_params *p, const kvt_con
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
         if (ctx->stores[i].group < 0 || !kvt__seq_ops_of(ctx, i)->layer_init)
             continue;
-        kvt_status s = kvt__seq_ops_of(ctx, i)->layer_init(&seq->layers[i], &env, &ctx->stores[i]);
+        kvt_status s =
+            kvt__seq_ops_of(ctx, i)->layer_init(kvt__seq_state(seq, i), &env, &ctx->stores[i]);
         if (s != KVT_OK) {
             kvt__seq_free(seq); /* leaves the message layer_init wrote */
             return s;
@@ -167,9 +168,9 @@ static kvt_status seq_reuse(kvt_ctx *ctx, kvt_seq *seq, const kvt_seq_params *p,
         const kvt__policy_ops *ops = kvt__seq_ops_of(ctx, i);
         kvt_status s = KVT_OK;
         if (ops->layer_reset)
-            s = ops->layer_reset(&seq->layers[i], &env, &ctx->stores[i]);
+            s = ops->layer_reset(kvt__seq_state(seq, i), &env, &ctx->stores[i]);
         else if (!ops->layer_init)
-            memset(&seq->layers[i], 0, sizeof seq->layers[i]);
+            memset(kvt__seq_state(seq, i), 0, kvt__tier_state_bytes);
         else
             s = kvt__fail(env.err, env.err_len, KVT_ERR_INVARIANT,
                           "layer %u: a policy with state but no reset cannot reuse a slot", i);
@@ -401,7 +402,7 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **ou
         }
     }
     if ((s = seq_recall_prepare(slot)) != KVT_OK) {
-        kvt_seq_destroy(slot);
+        kvt__seq_end(slot); /* parked again (a slot) or freed: in no batch yet */
         return s;
     }
     *out = slot;
@@ -409,14 +410,15 @@ kvt_status kvt_seq_create(kvt_ctx *ctx, const kvt_seq_params *user, kvt_seq **ou
 }
 
 void kvt__seq_free(kvt_seq *seq) {
+    KVT_ASSERT(!seq->batch);
     kvt_ctx *ctx = seq->ctx;
     const kvt__alloc *a = &ctx->alloc;
     for (uint32_t g = 0; g < ctx->n_groups; g++)
         kvt__ptable_fini(&seq->pt[g], &ctx->groups[g].pool, a, &ctx->backend);
     for (uint32_t i = 0; seq->layers && i < ctx->n_layers; i++)
         if (ctx->stores[i].group >= 0 && kvt__seq_ops_of(ctx, i)->layer_fini)
-            kvt__seq_ops_of(ctx, i)->layer_fini(&seq->layers[i], a);
-    kvt__free(a, seq->layers, sizeof *seq->layers * ctx->n_layers);
+            kvt__seq_ops_of(ctx, i)->layer_fini(kvt__seq_state(seq, i), a);
+    kvt__free(a, seq->layers, kvt__tier_state_bytes * ctx->n_layers);
     kvt__free(a, seq->stepped, 2u * ctx->n_layers);
     kvt__free(a, seq->cow, sizeof *seq->cow * seq->cow_cap);
     for (uint32_t i = 0; seq->recall && i < ctx->n_layers; i++)
@@ -427,8 +429,6 @@ void kvt__seq_free(kvt_seq *seq) {
     kvt__free(a, seq->rrope, seq->rrope ? sizeof *seq->rrope * ctx->n_layers : 0);
     for (uint32_t g = 0; g < ctx->n_groups; g++)
         kvt__ptable_fini(&seq->fetch[g], &ctx->groups[g].pool, a, &ctx->backend);
-    if (seq->batch)
-        kvt__batch_forget(seq->batch, seq);
     unlink_live(ctx, seq);
     kvt__free(a, seq, sizeof *seq);
 }
@@ -441,7 +441,7 @@ kvt_status kvt__seq_slots_build(kvt_ctx *ctx) {
         if (s != KVT_OK)
             return s;
         seq->slot = true;
-        kvt_seq_destroy(seq); /* parks it */
+        kvt__seq_end(seq); /* parks it */
     }
     return KVT_OK;
 }
@@ -456,9 +456,8 @@ void kvt__seq_slots_free(kvt_ctx *ctx) {
     }
 }
 
-void kvt_seq_destroy(kvt_seq *seq) {
-    if (!seq)
-        return;
+void kvt__seq_end(kvt_seq *seq) {
+    KVT_ASSERT(!seq->batch);
     kvt_ctx *ctx = seq->ctx;
     if (!seq->slot || ctx->destroying) {
         kvt__seq_free(seq);
@@ -468,7 +467,7 @@ void kvt_seq_destroy(kvt_seq *seq) {
      * what its policies share with other requests (prefix sharing) goes back to them. */
     for (uint32_t i = 0; i < ctx->n_layers; i++)
         if (ctx->stores[i].group >= 0 && kvt__seq_ops_of(ctx, i)->layer_unshare)
-            kvt__seq_ops_of(ctx, i)->layer_unshare(&seq->layers[i], &ctx->alloc);
+            kvt__seq_ops_of(ctx, i)->layer_unshare(kvt__seq_state(seq, i), &ctx->alloc);
     for (uint32_t g = 0; g < ctx->n_groups; g++) {
         kvt__ptable *t = &seq->pt[g];
         t->n_rows = 0;
@@ -478,9 +477,6 @@ void kvt_seq_destroy(kvt_seq *seq) {
         seq->fetch[g].n_pending = 0; /* RoPE recall's fetch area: every page back */
         kvt__ptable_trim(&seq->fetch[g], &ctx->groups[g].pool);
     }
-    if (seq->batch)
-        kvt__batch_forget(seq->batch, seq);
-    seq->batch = NULL;
     unlink_live(ctx, seq);
     seq->next = ctx->free_seqs;
     ctx->free_seqs = seq;
@@ -495,7 +491,7 @@ static uint32_t first_layer_with(const kvt_seq *seq, bool damaged) {
             continue;
         const kvt__policy_ops *ops = kvt__seq_ops_of(ctx, i);
         bool (*holds)(const kvt__tier_state *) = damaged ? ops->damaged : ops->prompt_used;
-        if (holds && holds(&seq->layers[i]))
+        if (holds && holds(kvt__seq_state(seq, i)))
             return i;
     }
     return ctx->n_layers;

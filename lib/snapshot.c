@@ -348,7 +348,7 @@ static kvt__tier_layer tier_layer(const kvt_seq *seq, uint32_t i) {
                              .gr = &ctx->groups[st->group],
                              .st = st,
                              .pt = &seq->pt[st->group],
-                             .state = &seq->layers[i],
+                             .state = kvt__seq_state(seq, i),
                              .appended = seq->n_tokens,
                              .prompt_rows = seq->prompt_rows};
 }
@@ -824,7 +824,7 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
             break;
         }
         if (ops->snap_load &&
-            (s = ops->snap_load(&seq->layers[i], &env, &l, sp->buf + ss->offset + STATE_HEAD,
+            (s = ops->snap_load(kvt__seq_state(seq, i), &env, &l, sp->buf + ss->offset + STATE_HEAD,
                                 ss->length - STATE_HEAD)) != KVT_OK)
             s = kvt__ctx_fail(ctx, s, "layer %u: %s", i, why);
         if (s == KVT_OK)
@@ -846,7 +846,7 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
     if (s != KVT_OK) {
         char msg[KVT__ERR_LEN];
         snprintf(msg, sizeof msg, "%s", kvt_last_error());
-        kvt_seq_destroy(seq);
+        kvt__seq_end(seq); /* in no batch yet */
         kvt__ctx_fail(ctx, s, "%s", msg);
         return s;
     }

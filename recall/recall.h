@@ -130,7 +130,7 @@ void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_ar
                            const float *q, uint64_t n_rows, kvt_recall_mode mode, float margin,
                            uint8_t *dense, kvt__recall_step_args *out);
 /* Promotion's part of the work item (r with promotion; nothing otherwise): a reserve of room
- * rows (kvt__sal_promote_room), hits of window. */
+ * rows (the salience table's promote_room), hits of window. */
 void kvt__recall_step_promote(const kvt__recall_layer *r, uint64_t room, uint32_t hits,
                               uint32_t window, kvt__recall_step_args *out);
 /* The emission's view of the step's outcome: fetched rows and the dense flag, in pq. */

@@ -11,6 +11,7 @@
 #include "kvtier.h"
 #include "lib/handles.h"
 #include "support/testutil.h"
+#include "tiers/tiers_internal.h" /* white-box: the policies' states */
 
 Test(budget, m_by_hand) {
     kvt_config c = kvt_config_default(); /* B 4096, ratio 32, sinks 4 */
@@ -78,7 +79,7 @@ Test(budget, effective_ratio_holds_the_ratio) {
             cr_assert_eq(kvt_seq_layer_stats(seq, 0, &st), KVT_OK);
             const kvt_config *cfg = &seq->cfg;
             uint64_t want_m = kvt__sal_m(st.closed_rows, cfg);
-            cr_assert_eq(seq->layers[0].sal.n_kept, want_m, "rows %u", t + 16);
+            cr_assert_eq(kvt__seq_state(seq, 0)->sal.n_kept, want_m, "rows %u", t + 16);
             cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
             cr_assert_float_eq(st.effective_ratio,
                                (double)(t + 16) / (double)st.attended_rows, 1e-12);

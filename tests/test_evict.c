@@ -21,7 +21,7 @@
 #include "kernels/philox.h"
 #include "kvtier.h"
 #include "support/testutil.h"
-#include "tiers/tiers.h"
+#include "tiers/tiers_internal.h" /* white-box: kvt__ev */
 
 #define MAXL 4
 #define MAXH 8

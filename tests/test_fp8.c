@@ -18,6 +18,7 @@
 #include "kvtier.h"
 #include "lib/handles.h"
 #include "support/testutil.h"
+#include "tiers/tiers_internal.h" /* white-box: the policies' states */
 
 #define D 512u
 #define QD 576u
@@ -204,7 +205,7 @@ static uint32_t side_step(side *s, const float *q, int32_t *idx) {
 }
 
 static void planes_equal(const side *a, const side *b) {
-    const kvt__sal *sa = &a->seq->layers[0].sal, *sb = &b->seq->layers[0].sal;
+    const kvt__sal *sa = &kvt__seq_state(a->seq, 0)->sal, *sb = &kvt__seq_state(b->seq, 0)->sal;
     cr_assert_eq(sa->closed_rows, sb->closed_rows);
     size_t n = sa->closed_rows;
     if (!n)

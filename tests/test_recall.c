@@ -23,6 +23,7 @@
 #include "lib/handles.h"
 #include "recall/conformal.h"
 #include "support/testutil.h"
+#include "tiers/tiers_internal.h" /* white-box: the policies' states */
 
 #define D 512u
 #define R 64u
@@ -307,7 +308,7 @@ static void feed(kvt_seq *seq, const uint8_t *rows, uint32_t n, uint32_t step) {
 
 /* The planes of a request's layer 0, read through the backend. */
 static void read_planes(const kvt_seq *seq, uint64_t rows, uint16_t *csk, float *rho) {
-    const kvt__sal *s = &seq->layers[0].sal;
+    const kvt__sal *s = &kvt__seq_state(seq, 0)->sal;
     const kvt__backend *be = &seq->ctx->backend;
     /* rows [0, n_head) in the set shared with other requests, the rest in the request's own */
     const uint64_t nh = rows < s->n_head ? rows : s->n_head, w = s->sk_stride;
@@ -408,7 +409,7 @@ Test(sketch_planes, closes_write_the_twins_bits_on_every_backend) {
         mean += rho[0][u] / (64.0 * 5);
     cr_assert(mean > 0.9 && mean < 1.3, "mean rho %g", mean);
     /* The checker reads the planes: a NaN ρ and a coefficient past the rank are violations. */
-    const kvt__sal *s = &seq[0]->layers[0].sal;
+    const kvt__sal *s = &kvt__seq_state(seq[0], 0)->sal;
     const kvt__backend *be = &ctx[0]->backend;
     float nan = NAN;
     cr_assert_eq(be->ops->write(be, s->rho + 10, &nan, sizeof nan, NULL), KVT_OK);
@@ -436,7 +437,7 @@ Test(sketch_planes, guarded_op_refuses_host_planes) {
     fixture f;
     setup(&f, KVT_BACKEND_GUARDED, 0, 11011, 64, false);
     feed(f.seq, f.rows, 64, 64);
-    const kvt__sal *s = &f.seq->layers[0].sal;
+    const kvt__sal *s = &kvt__seq_state(f.seq, 0)->sal;
     kvt__sketch_args a = {.base = f.ctx->stores[0].plane[0],
                           .pages = f.seq->pt[0].dpages,
                           .pdiv = &f.ctx->pdiv,
@@ -468,7 +469,7 @@ Test(sketch_planes, sound_scan_over_a_requests_planes) {
         fixture f;
         setup(&f, b ? KVT_BACKEND_GUARDED : KVT_BACKEND_CPU, 0, 31031, N, true);
         feed(f.seq, f.rows, N, 64);
-        const kvt__sal *s = &f.seq->layers[0].sal;
+        const kvt__sal *s = &kvt__seq_state(f.seq, 0)->sal;
         const kvt__backend *be = &f.ctx->backend;
         const uint64_t closed = s->closed_rows;
         uint32_t *kept = malloc(sizeof(uint32_t) * s->n_kept + 4);
@@ -624,7 +625,7 @@ Test(sketch_planes, off_by_default_and_changes_no_decision) {
     cr_assert_eq(tu_seq_create(off, 1, &a), KVT_OK);
     feed(a, f.rows, N, 64);
     feed(f.seq, f.rows, N, 64);
-    cr_assert_null(a->layers[0].sal.csk);
+    cr_assert_null(kvt__seq_state(a, 0)->sal.csk);
     kvt_layer_stats st = {.struct_size = sizeof st};
     cr_assert_eq(kvt_seq_layer_stats(a, 0, &st), KVT_OK);
     cr_assert_eq(st.sketched_rows, 0);

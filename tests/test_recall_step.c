@@ -24,6 +24,7 @@
 #include "lib/handles.h"
 #include "recall/conformal.h"
 #include "support/testutil.h"
+#include "tiers/tiers_internal.h" /* white-box: the policies' states */
 
 #define D 512u
 #define QD 576u  /* latent + branch */
@@ -205,7 +206,7 @@ static void decode(rig *r, const float *q, step_out *o) {
     o->len = (uint32_t)len;
     cr_assert_eq(kvt_buffer_read(r->ibuf, 0, o->idx, sizeof(int32_t) * topk), KVT_OK);
     cr_assert_eq(kvt_buffer_read(r->dbuf, 0, &o->dense, 1), KVT_OK);
-    const kvt__sal *s = &r->seq->layers[0].sal;
+    const kvt__sal *s = &kvt__seq_state(r->seq, 0)->sal;
     const kvt__backend *be = &r->ctx->backend;
     o->closed = s->closed_rows;
     o->n_kept = s->n_kept;

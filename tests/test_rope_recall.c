@@ -27,6 +27,7 @@
 #include "recall/recall_rope.h"
 #include "support/oneshot.h"
 #include "support/testutil.h"
+#include "tiers/tiers_internal.h" /* white-box: the policies' states */
 
 #include "support/tu_cuda.h"
 
@@ -211,7 +212,7 @@ static void dev_read(const rr *x, void *dst, const void *src, size_t bytes) {
 /* The archive's sketches equal the host oracle's, bit for bit, for every head and row. Returns
  * the rows checked per head. */
 static uint64_t rr_check_sketches(const rr *x) {
-    const kvt__ev *e = &x->seq->layers[0].ev;
+    const kvt__ev *e = &kvt__seq_state(x->seq, 0)->ev;
     cr_assert_eq(e->sk_n, e->ar_n, "every archived row is sketched after a commit");
     cr_assert_eq(e->sk_stride, x->stride);
     const uint64_t n = e->ar_n;
@@ -278,7 +279,7 @@ static void sketch_run(kvt_backend_kind backend, uint64_t seed) {
             checked += rr_check_sketches(&x);
     }
     checked += rr_check_sketches(&x);
-    cr_assert_gt(x.seq->layers[0].ev.rounds, 5u);
+    cr_assert_gt(kvt__seq_state(x.seq, 0)->ev.rounds, 5u);
     cr_assert_gt(checked, 100u);
     kvt_layer_stats st = rr_stats(&x);
     cr_assert_eq(st.sketched_rows, st.archived_rows);
@@ -309,7 +310,7 @@ Test(rope_sketch, no_basis_rho_is_the_key_norm) {
     for (int i = 0; i < 120; i++)
         rr_step(&x, 1, false);
     rr_check_sketches(&x);
-    const kvt__ev *e = &x.seq->layers[0].ev;
+    const kvt__ev *e = &kvt__seq_state(x.seq, 0)->ev;
     uint64_t n = e->ar_n, inf = 0;
     int64_t *pos = malloc(sizeof *pos * n);
     float *rho = malloc(sizeof *rho * n);
@@ -381,7 +382,7 @@ Test(rope_sketch, off_without_sketch_planes) {
     rr_init(&x, 2, 128, rr_cfg(16, 4, 8), 0, NULL, KVT_BACKEND_CPU, 5);
     for (int i = 0; i < 60; i++)
         rr_step(&x, 1, i % 2 == 0);
-    const kvt__ev *e = &x.seq->layers[0].ev;
+    const kvt__ev *e = &kvt__seq_state(x.seq, 0)->ev;
     cr_assert_eq(e->sk_stride, 0u);
     cr_assert_null(e->ar_csk);
     cr_assert_gt(e->ar_n, 0u);
@@ -552,7 +553,7 @@ typedef struct oview {
 
 static void oview_read(const rr *x, oview *v) {
     memset(v, 0, sizeof *v);
-    const kvt__ev *e = &x->seq->layers[0].ev;
+    const kvt__ev *e = &kvt__seq_state(x->seq, 0)->ev;
     v->ar_n = e->ar_n;
     for (uint32_t h = 0; h < x->H; h++) {
         v->pos[h] = malloc(sizeof(int64_t) * (x->n_tok + 1));

@@ -47,7 +47,7 @@
  * returns with nothing observable changed and the next commit retries the round. Only a device
  * error in ev_apply can leave rows half moved: the group is then marked damaged.
  */
-#include "policy.h"
+#include "tiers_internal.h"
 
 #include "kernels/kvt_hd.h"
 #include "kernels/philox.h"

@@ -5,7 +5,7 @@
  * snap_load). Everything here reads or writes the backend arrays through the backend's ops and
  * synchronises: inspection and persistence, off the decode path.
  */
-#include "policy.h"
+#include "tiers_internal.h"
 
 #include "kernels/kvt_hd.h"
 #include "kernels/philox.h"

@@ -1,5 +1,5 @@
 /* policy.c — which table a policy group gets (policy.h). */
-#include "policy.h"
+#include "tiers_internal.h"
 
 const kvt__policy_ops *kvt__policy_ops_for(const kvt__group *gr, const kvt__store *stores) {
     switch (gr->policy) {
@@ -33,3 +33,6 @@ uint64_t kvt__attended_count(const kvt__tier_layer *l) {
     l->gr->ops->attended(l, &d);
     return kvt__attended_desc_count(&d);
 }
+
+const size_t kvt__tier_state_bytes = sizeof(kvt__tier_state);
+const size_t kvt__group_state_bytes = sizeof(kvt__group_state);

@@ -25,6 +25,11 @@
 #include <string.h>
 
 typedef struct kvt__policy_ops kvt__policy_ops;
+/* The policies' own state, per (sequence, layer) and per group: defined in tiers/ only. */
+typedef union kvt__tier_state kvt__tier_state;
+typedef union kvt__group_state kvt__group_state;
+/* Bytes of a group's policy state (kvt__group.state). */
+extern const size_t kvt__group_state_bytes;
 
 /* A policy group: the layers of a context under one policy, which share one page table per
  * sequence and one page allocator. */
@@ -40,18 +45,23 @@ typedef struct kvt__group {
      * the sliding table: rows before n_rows - window_rows are read by no layer of the group and
      * their pages go back to the pool; 0 keeps every row (lib/ checks page tables against it). */
     uint32_t window_rows;
-    kvt__sal_shared sal; /* salience: the basis tables of σ */
+    /* The policy's own group-wide state (salience: σ's basis tables): kvt__group_state_bytes
+     * zeroed bytes lib/ allocates with the group, laid out and set by the table's group_init
+     * (tiers/tiers_internal.h); lib/ never reads them. */
+    kvt__group_state *state;
     /* [2 * n_layers] pointers a group_commit may use as scratch (the layers' stores and states
      * of a round), allocated with the layer list so that no commit allocates. */
     void **ptrs;
 } kvt__group;
 
-/* Policy state of one (sequence, layer): the member of the layer's policy. lib/ zeroes it
- * before layer_init and hands it to the entries of the layer's table only. */
-typedef union kvt__tier_state {
-    kvt__sal sal;
-    kvt__ev ev;
-} kvt__tier_state;
+/* Policy state of one (sequence, layer), laid out by its policy (tiers/tiers_internal.h):
+ * opaque to lib/, which holds a request's states as one zeroed array of kvt__tier_state_bytes a
+ * layer, zeroes a state before layer_init and hands it to the entries of the layer's table only. */
+extern const size_t kvt__tier_state_bytes;
+/* The state of layer i in such an array. */
+static inline kvt__tier_state *kvt__tier_state_at(kvt__tier_state *states, uint32_t i) {
+    return (kvt__tier_state *)(void *)((char *)states + (size_t)i * kvt__tier_state_bytes);
+}
 
 /* One layer of one sequence, as the per-layer queries see it. Built by lib/ for each call. */
 typedef struct kvt__tier_layer {
@@ -405,11 +415,5 @@ void kvt__none_attended(const kvt__tier_layer *l, kvt__attended_desc *d);
 uint64_t kvt__attended_count(const kvt__tier_layer *l);
 kvt_status kvt__none_positions(const kvt__tier_layer *l, uint32_t head, int64_t *out);
 kvt_status kvt__none_check_counts(const kvt__tier_layer *l, char *err, size_t len);
-
-/* The evict table's snapshot entries (tiers/evict_state.c; policy_ops.snap_*). */
-uint64_t kvt__ev_snap_size(const kvt__tier_layer *l);
-kvt_status kvt__ev_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *err, size_t len);
-kvt_status kvt__ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
-                            const uint8_t *src, uint64_t n);
 
 #endif

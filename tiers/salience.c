@@ -14,7 +14,7 @@
  * construction. Ties in the score go to the lower position, so replicas on several GPUs choose
  * the same rows with no communication.
  */
-#include "policy.h"
+#include "tiers_internal.h"
 
 #include "kernels/philox.h"
 #include "kernels/sigma.h"
@@ -768,7 +768,7 @@ static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const 
 
 static kvt_status sal_group_init(kvt__group *gr, const kvt__store *stores, const kvt__alloc *a,
                                  const kvt_config *cfg, char *err, size_t len) {
-    kvt_status s = kvt__sal_shared_init(&gr->sal, a, gr->home, cfg);
+    kvt_status s = kvt__sal_shared_init(&gr->state->sal, a, gr->home, cfg);
     if (s != KVT_OK)
         return kvt__fail(err, len, s, "salience basis table (B %u, kappa %u)", cfg->block_rows,
                          cfg->kappa);
@@ -793,7 +793,7 @@ static kvt_status sal_layer_reset(kvt__tier_state *s, const kvt__env *env,
 
 static void sal_group_fini(kvt__group *gr, const kvt__alloc *a) {
     (void)a;
-    kvt__sal_shared_fini(&gr->sal);
+    kvt__sal_shared_fini(&gr->state->sal);
 }
 
 static void sal_layer_fini(kvt__tier_state *s, const kvt__alloc *a) {
@@ -806,8 +806,8 @@ static kvt_status sal_group_commit(const kvt__env *env, const kvt__tier_group *g
     kvt_status first_err = KVT_OK;
     for (uint32_t k = 0; k < g->gr->n_layers; k++) {
         uint32_t i = g->gr->layers[k];
-        kvt_status s = kvt__sal_commit(&g->states[i].sal, env, &g->gr->sal, &g->stores[i], g->pt,
-                                       g->pt->n_rows);
+        kvt_status s = kvt__sal_commit(&g->states[i].sal, env, &g->gr->state->sal, &g->stores[i],
+                                       g->pt, g->pt->n_rows);
         if (s != KVT_OK && first_err == KVT_OK)
             first_err = s;
     }
@@ -823,8 +823,12 @@ static kvt_status sal_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_
         uint32_t k = n - i0 < KVT__SAL_CHUNK ? n - i0 : KVT__SAL_CHUNK;
         for (uint32_t x = 0; x < k; x++) {
             kvt__tier_step *q = &t[i0 + x];
-            jobs[x] = (kvt__sal_job){.s = &q->state->sal, .sh = &q->gr->sal, .st = q->st,
-                                     .pt = q->pt, .cfg = q->cfg, .philox_key = q->philox_key,
+            jobs[x] = (kvt__sal_job){.s = &q->state->sal,
+                                     .sh = &q->gr->state->sal,
+                                     .st = q->st,
+                                     .pt = q->pt,
+                                     .cfg = q->cfg,
+                                     .philox_key = q->philox_key,
                                      .new_n_rows = q->pt->n_rows + q->step_rows};
         }
         kvt_status s = kvt__sal_commit_many(env, jobs, k);
@@ -838,7 +842,9 @@ static kvt_status sal_layer_step(const kvt__env *env, kvt__tier_step *t, uint32_
 
 /* A block completes at the step's rows (kvt__sal_commit_many's rule). */
 static bool sal_step_due(const kvt__tier_step *t) {
-    return (t->pt->n_rows + t->step_rows - t->state->sal.closed_rows) / t->gr->sal.block_rows > 0;
+    return (t->pt->n_rows + t->step_rows - t->state->sal.closed_rows) /
+               t->gr->state->sal.block_rows >
+           0;
 }
 
 /* Room for a kept set of m rows (grow-only). */

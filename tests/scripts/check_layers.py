@@ -6,18 +6,23 @@
 Includes: a file may include its own layer and any layer below it. tools/ and bench/ may include
 only the public headers (lib/kvtier*.h) and files of their own folder; bench/kernels/
 (microbenchmarks of a kernel's CPU twin) may also include kernels/ and lib/base. The public headers
-are declarations every layer may read. tests/ is white-box and not checked.
+are declarations every layer may read. A header named *_internal.h is private to its folder: only
+files in that folder (or below it) include it (tiers/tiers_internal.h, the policies' states,
+which lib/ holds as opaque storage). tests/ is white-box and not checked.
 
 Calls (with --objects): a public header declares functions of every layer, so the include rule
 cannot see a tier calling a function defined in lib/ (kvt_dtype_bytes was, in lib/model.c). The
 object files of the library are read with nm: a symbol an object of one layer references (U) and
 an object of a higher layer defines fails, whatever header declared it. Each object is mapped to
 its source by the longest suffix of its path (CMakeFiles/<target>.dir/lib/batch.c.o ->
-lib/batch.c) that is a source file under ROOT. The cycles among lib/'s files (a file calling
-another that calls it back, directly or not) are printed as notes, not failures.
+lib/batch.c) that is a source file under ROOT. lib/'s files call one another without a cycle: a
+file calling another that calls it back, directly or not, fails (each cycle one line, its files
+and the calls of each edge).
 
-Usage: check_layers.py ROOT [--objects LIST --nm NM]; LIST names the object files, one a line.
-Exit 1 and one line per violation when any include or call crosses a layer the wrong way."""
+Usage: check_layers.py ROOT [--objects LIST --nm NM] [--graph]; LIST names the object files, one
+a line; --graph also prints lib/'s file-level call graph (one line per edge, with the functions
+called). Exit 1 and one line per violation when any include or call crosses a layer the wrong
+way, a private header is included from outside its folder, or lib/'s files call in a cycle."""
 import argparse
 import os
 import re
@@ -78,6 +83,12 @@ def check_includes(root, bad):
                         if tgt is None:
                             bad.append(f"{src}:{ln}: cannot resolve \"{m.group(1)}\"")
                             continue
+                        if tgt.endswith("_internal.h"):
+                            home = os.path.dirname(tgt)
+                            if not (src.startswith(home + "/") or src == tgt):
+                                bad.append(f"{src}:{ln}: includes {tgt}, private to {home}/ "
+                                           f"(a *_internal.h header is its folder's own)")
+                                continue
                         tl = layer_of(tgt)
                         if tl == "public":
                             continue
@@ -141,7 +152,7 @@ def lib_cycles(edges):
     return out
 
 
-def check_calls(root, list_file, nm, bad, notes):
+def check_calls(root, list_file, nm, bad, graph):
     with open(list_file, encoding="utf-8") as fh:
         objs = [l.strip() for l in fh.read().replace(";", "\n").splitlines() if l.strip()]
     if not objs:
@@ -179,7 +190,7 @@ def check_calls(root, list_file, nm, bad, notes):
             refs.append((src[obj], name))
         elif kind.isupper() and kind not in ("U", "N"):  # a global definition
             defined.setdefault(name, src[obj])
-    edges = {}
+    edges, calls = {}, {}
     for user, name in refs:
         owner = defined.get(name)
         if owner is None or owner == user:
@@ -190,8 +201,15 @@ def check_calls(root, list_file, nm, bad, notes):
                        f"only (base <- kernels <- tiers <- recall <- lib)")
         if ul == "lib" and ol == "lib":
             edges.setdefault(user, set()).add(owner)
+            calls.setdefault((user, owner), set()).add(name)
     for comp in lib_cycles(edges):
-        notes.append("note: lib/ call cycle among " + ", ".join(comp))
+        inside = [f"{u} -> {o} ({', '.join(sorted(calls[(u, o)]))})"
+                  for u in comp for o in sorted(edges.get(u, ())) if o in comp]
+        bad.append("lib/ call cycle among " + ", ".join(comp) + ": " + "; ".join(inside) +
+                   ": lib/'s files call one another in one direction (move the function that "
+                   "closes the cycle to the file above both)")
+    for (u, o) in sorted(calls):
+        graph.append(f"{u} -> {o}: {', '.join(sorted(calls[(u, o)]))}")
     return len(objs), len(refs)
 
 
@@ -200,20 +218,24 @@ def main():
     ap.add_argument("root", nargs="?", default=".")
     ap.add_argument("--objects", help="file listing the library's object files, one a line")
     ap.add_argument("--nm", default="nm")
+    ap.add_argument("--graph", action="store_true",
+                    help="print lib/'s file-level call graph (with --objects)")
     args = ap.parse_args()
     root = os.path.abspath(args.root)
-    bad, notes = [], []
+    bad, graph = [], []
     n_files, n_inc = check_includes(root, bad)
     n_inc_bad = len(bad)
     summary = f"check_layers: {n_files} files, {n_inc} includes, {n_inc_bad} crossing the wrong way"
     if args.objects:
-        n_obj, n_ref = check_calls(root, args.objects, args.nm, bad, notes)
-        summary += (f"; {n_obj} objects, {n_ref} references, {len(bad) - n_inc_bad} calls "
-                    f"crossing the wrong way")
+        n_obj, n_ref = check_calls(root, args.objects, args.nm, bad, graph)
+        n_cyc = sum(b.startswith("lib/ call cycle") for b in bad)
+        summary += (f"; {n_obj} objects, {n_ref} references, {len(bad) - n_inc_bad - n_cyc} "
+                    f"calls crossing the wrong way, {n_cyc} lib/ call cycles")
     for b in bad:
         print(b)
-    for n in notes:
-        print(n)
+    if args.graph:
+        for g in graph:
+            print("graph: " + g)
     print(summary)
     return 1 if bad else 0
 
