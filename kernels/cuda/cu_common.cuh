@@ -359,6 +359,26 @@ __host__ __device__ inline uint32_t copy_unit_of(uint64_t bits) {
     return (uint32_t)(bits & (~bits + 1u));
 }
 
+/* A block's walk over rows of `per` units each, thread t taking units t, t + blockDim.x, ..:
+ * its row and unit carried forward (two divisions a thread, none a step). */
+struct UnitWalk {
+    uint64_t row, unit, per, sr, su;
+    __device__ explicit UnitWalk(uint64_t units_per_row) : per(units_per_row) {
+        row = threadIdx.x / per;
+        unit = threadIdx.x % per;
+        sr = blockDim.x / per;
+        su = blockDim.x % per;
+    }
+    __device__ void next() {
+        unit += su;
+        row += sr;
+        if (unit >= per) {
+            unit -= per;
+            row++;
+        }
+    }
+};
+
 /* ----------------------------------------------------------------------------------------------
  * Block-wide pieces
  * -------------------------------------------------------------------------------------------- */

@@ -138,31 +138,22 @@ __global__ void k_ev_archive(const EvParams p, uint32_t n_heads_max, uint8_t *sc
     int64_t *apos = a.ar_pos + (size_t)h * a.ar_cap;
     uint64_t *by_pos = a.ar_by_pos + (size_t)h * a.ar_cap;
     const int64_t *P = a.pos + (size_t)h * a.pos_cap;
-    /* the rows, all planes, in units of U bytes (16 for every layout in practice): thread t
-     * starts at unit t, its row k and unit b within the row carried forward by the block's
-     * stride (a per-thread memcpy of a row before) */
+    /* the rows, all planes, in units of U bytes (16 for every layout in practice), a UnitWalk
+     * (a per-thread memcpy of a row before) */
     const uint32_t U = copy_unit_of((uint64_t)(uintptr_t)a.plane[0] |
                                     (a.n_planes == 2 ? (uint64_t)(uintptr_t)a.plane[1] : 0u) |
                                     (uint64_t)(uintptr_t)a.ar_bytes | (uint64_t)a.slot_bytes |
                                     a.row_bytes);
-    const uint64_t ur = a.row_bytes / U, upr = (uint64_t)a.n_planes * ur;
-    if (threadIdx.x < n_ev * upr) {
-        const uint64_t sk = blockDim.x / upr, sb = blockDim.x % upr;
-        uint64_t k = threadIdx.x / upr, b = threadIdx.x % upr;
-        for (; k < n_ev; k += sk) {
-            const uint64_t pl = b >= ur ? 1u : 0u, off = (b - pl * ur) * U;
+    const uint64_t ur = a.row_bytes / U;
+    if (n_ev)
+        for (UnitWalk u((uint64_t)a.n_planes * ur); u.row < n_ev; u.next()) {
+            const uint64_t k = u.row, pl = u.unit >= ur ? 1u : 0u, off = (u.unit - pl * ur) * U;
             const size_t src = (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, ev[k]) *
                                    a.slot_bytes +
                                (size_t)h * a.row_bytes;
             copy_unit(bytes + (size_t)(a.ar_n + k) * row_all + pl * a.row_bytes + off,
                       (pl ? a.plane[1] : a.plane[0]) + src + off, U);
-            b += sb;
-            if (b >= upr) {
-                b -= upr;
-                k++;
-            }
         }
-    }
     for (uint32_t k = threadIdx.x; k < n_ev; k += blockDim.x)
         apos[a.ar_n + k] = P[ev[k]];
     __syncthreads();

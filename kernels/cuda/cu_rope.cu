@@ -573,26 +573,18 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a, bool offsets) {
         uint64_t m = dense ? a.ar_n : a.capped && a.all ? 0 : a.n_fired[h];
         m = m > a.cap && !dense ? a.cap : m;
         m = m > a.ar_n ? a.ar_n : m;
-        /* the rows' bytes in units of U bytes (16 for every layout in practice): thread t
-         * starts at unit t, its row j and unit b within the row carried forward by the block's
-         * stride (two divisions a thread a head, none a unit) */
-        const uint64_t ur = rb / U, upr = (uint64_t)a.n_planes * ur, n_units = m * upr;
-        if (threadIdx.x < n_units) {
-            const uint64_t sj = blockDim.x / upr, sb = blockDim.x % upr;
-            uint64_t j = threadIdx.x / upr, b = threadIdx.x % upr;
-            for (; j < m; j += sj) {
-                const uint64_t pl = b >= ur ? 1u : 0u, off = (b - pl * ur) * U;
+        /* the rows' bytes in units of U bytes (16 for every layout in practice), a UnitWalk */
+        const uint64_t ur = rb / U, upr = (uint64_t)a.n_planes * ur;
+        if (m)
+            for (UnitWalk u(upr); u.row < m; u.next()) {
+                const uint64_t j = u.row, pl = u.unit >= ur ? 1u : 0u,
+                               off = (u.unit - pl * ur) * U;
                 const uint64_t k = dense ? j : a.fired[(size_t)h * a.cap + j];
                 const int32_t slot = kvt__recall_rope_fetch_slot(&a, (uint32_t)j);
-                copy_unit((pl ? a.plane[1] : a.plane[0]) + (size_t)slot * a.slot_stride + (size_t)h * rb + off,
+                copy_unit((pl ? a.plane[1] : a.plane[0]) + (size_t)slot * a.slot_stride +
+                              (size_t)h * rb + off,
                           a.ar_bytes + ((size_t)h * a.ar_cap + k) * per + pl * rb + off, U);
-                b += sb;
-                if (b >= upr) {
-                    b -= upr;
-                    j++;
-                }
             }
-        }
         for (uint64_t j = threadIdx.x; j < m; j += blockDim.x)
             a.indices[o + j] = kvt__recall_rope_fetch_slot(&a, (uint32_t)j);
         o += m;
