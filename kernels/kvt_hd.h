@@ -177,9 +177,70 @@ KVT_HD float kvt__e4m3_to_f32(uint8_t b) {
 #define KVT__FP8_VALUES 512u
 #define KVT__FP8_GROUP 128u
 
+#if defined(__CUDACC__)
+/* The device's element loads (device code under nvcc; the CPU twins never see this branch). memcpy
+ * from a uint8_t * is what the host wants, but nvcc cannot assume the alignment and reads a bf16
+ * as two byte loads (issue 33: 21 of k_scan_rows' loads, 42 of k_step_rows'). Here every load is
+ * naturally aligned and at least 2 bytes wide: a 2-byte element one u16 load (at an odd address
+ * the two u16 units its bytes lie in), a 4-byte value one u32 load (two aligned words when
+ * misaligned), an fp8 code the aligned u32 word holding it. The extra bytes read never leave the
+ * aligned units the value's own bytes lie in, so no load touches a page or a sector the value does
+ * not. kvtier's row layouts in practice are aligned (bf16 1152/1024, ds_mla 656/528): there the
+ * misaligned branches never run. scripts/ptx-check.sh (ctest ptxas_no_spills) fails when a scan,
+ * step, RoPE or pack kernel's PTX loads a byte of an element again. The CUDA emulation compiles
+ * this branch too, each load a memcpy of the value's own bytes (the same value; ASan sees no
+ * byte outside it), so the aligned-unit assembly below is nvcc's alone, unexercised there. */
+#if defined(KVT_CUDA_EMU_RUNTIME_H)
+__device__ __forceinline__ uint16_t kvt__dev_ld_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+__device__ __forceinline__ uint32_t kvt__dev_ld_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+__device__ __forceinline__ uint8_t kvt__dev_ld_u8(const uint8_t *p) {
+    return *p;
+}
+#else
+__device__ __forceinline__ uint16_t kvt__dev_ld_u16(const uint8_t *p) {
+    const uintptr_t a = (uintptr_t)p;
+    if (!(a & 1u))
+        return *(const uint16_t *)p;
+    /* the u16 units at p - 1 and p + 1, whole (plain loads would be narrowed by the compiler to
+     * the one byte of each that is used: a byte load again) */
+    uint16_t lo, hi;
+    asm("ld.u16 %0, [%2];\n\tld.u16 %1, [%2+2];" : "=h"(lo), "=h"(hi) : "l"(p - 1));
+    return (uint16_t)((lo >> 8) | (hi << 8));
+}
+__device__ __forceinline__ uint32_t kvt__dev_ld_u32(const uint8_t *p) {
+    const uintptr_t a = (uintptr_t)p;
+    const uint32_t sh = 8u * (uint32_t)(a & 3u);
+    if (!sh)
+        return *(const uint32_t *)p;
+    const uint32_t *w = (const uint32_t *)(p - (a & 3u));
+    return (w[0] >> sh) | (w[1] << (32u - sh));
+}
+__device__ __forceinline__ uint8_t kvt__dev_ld_u8(const uint8_t *p) {
+    const uintptr_t a = (uintptr_t)p;
+    return (uint8_t)(*(const uint32_t *)(p - (a & 3u)) >> (8u * (uint32_t)(a & 3u)));
+}
+#endif
+#endif
+
 /* Load element i of a row of dtype dt (bf16, fp16, fp32; fp8: latent i < KVT__FP8_VALUES of the
  * layout above, p the row's first byte) as fp32. */
 KVT_HD float kvt__load_elem(const uint8_t *p, int dt, uint32_t i) {
+#if defined(__CUDA_ARCH__)
+    if (dt == KVT__DT_FP8)
+        return kvt__e4m3_to_f32(kvt__dev_ld_u8(p + i)) *
+               kvt__f32_from_bits(kvt__dev_ld_u32(p + KVT__FP8_VALUES + 4u * (i / KVT__FP8_GROUP)));
+    if (dt == KVT__DT_FP32)
+        return kvt__f32_from_bits(kvt__dev_ld_u32(p + 4u * i));
+    const uint16_t h = kvt__dev_ld_u16(p + 2u * i);
+#else
     if (dt == KVT__DT_FP8) {
         float scale;
         memcpy(&scale, p + KVT__FP8_VALUES + 4u * (i / KVT__FP8_GROUP), 4);
@@ -192,6 +253,7 @@ KVT_HD float kvt__load_elem(const uint8_t *p, int dt, uint32_t i) {
     }
     uint16_t h;
     memcpy(&h, p + 2u * i, 2);
+#endif
     return dt == KVT__DT_BF16 ? kvt__bf16_to_f32(h) : kvt__f16_to_f32(h);
 }
 

@@ -293,12 +293,16 @@ Test(cuda, pack_equals_the_cpu) {
     rig_close(&r);
 }
 
-/* One layer's round on both backends: append, select, apply; every array compared. */
-static void round_pair(rig *r, uint32_t H, bool shared, bool vase, bool archive) {
+/* One layer's round on both backends: append, select, apply; every array compared. A prior
+ * archive of n_old rows a head at odd positions: beyond the table's (0, 2, .., 2N - 2), or from 1
+ * up (interleaved: the new entries merge between old ones, and with n_old above a block's 256
+ * threads the device merge moves the old entries in several blocks from the back). */
+static void round_pair(rig *r, uint32_t H, bool shared, bool vase, bool archive, uint32_t n_old,
+                       bool interleave) {
     const uint32_t PR = 16, K = 96, R = 16, C = 16, N = K + R + C, NP = 16;
     const uint32_t row_bytes = 64, n_planes = 2;
     const size_t slot = (size_t)H * row_bytes, plane = (size_t)NP * PR * slot;
-    const uint64_t AR_CAP = 64, pos_cap = 256;
+    const uint64_t AR_CAP = n_old + 56, pos_cap = 256;
     int32_t pages[16];
     shuffled(pages, NP);
     kvt__div32 pdiv = kvt__div32_make(PR);
@@ -310,11 +314,10 @@ static void round_pair(rig *r, uint32_t H, bool shared, bool vase, bool archive)
     uint8_t *arb = calloc(H * AR_CAP, row_all);
     int64_t *arp = calloc(H * AR_CAP, 8);
     uint64_t *arq = calloc(H * AR_CAP, 8);
-    /* a prior archive of 8 rows per head at odd positions beyond the table's */
     for (uint32_t h = 0; h < H; h++)
-        for (uint32_t k = 0; k < 8; k++) {
-            arp[h * AR_CAP + k] = 1001 + 2 * (7 - k);
-            arq[h * AR_CAP + k] = 7 - k;
+        for (uint32_t k = 0; k < n_old; k++) {
+            arp[h * AR_CAP + k] = (interleave ? 1 : 1001) + 2 * (int64_t)(n_old - 1 - k);
+            arq[h * AR_CAP + k] = n_old - 1 - k;
         }
     void *d_pl[2] = {dev(r, pl[0], plane), dev(r, pl[1], plane)};
     int32_t *d_pages = dev(r, pages, sizeof pages);
@@ -337,7 +340,7 @@ static void round_pair(rig *r, uint32_t H, bool shared, bool vase, bool archive)
                       .value_dim = 32, .value_plane = 1, .pages = pages, .first_page = 0,
                       .pdiv = &pdiv, .pos = pos, .pos_cap = pos_cap, .keep = keep, .map = map,
                       .ar_bytes = archive ? arb : NULL, .ar_pos = arp, .ar_by_pos = arq,
-                      .ar_n = 8, .ar_cap = AR_CAP, .N = N, .K = K, .r = R, .L = 6, .vase = vase,
+                      .ar_n = n_old, .ar_cap = AR_CAP, .N = N, .K = K, .r = R, .L = 6, .vase = vase,
                       .philox_key = 0x1234, .round = 3, .layer = 2, .head_offset = 0,
                       .shared_draw = shared};
     kvt__ev_args g = c;
@@ -364,10 +367,10 @@ static void round_pair(rig *r, uint32_t H, bool shared, bool vase, bool archive)
         same(r, d_arp, arp, 8 * H * AR_CAP, "archive positions");
         same(r, d_arq, arq, 8 * H * AR_CAP, "archive index");
         for (uint32_t h = 0; h < H; h++) {
-            int64_t kc = kvt__find_pos(arp + h * AR_CAP, arq + h * AR_CAP, 8 + N - R - K, 1003),
+            int64_t kc = kvt__find_pos(arp + h * AR_CAP, arq + h * AR_CAP, n_old + N - R - K, 1003),
                     kg = -2;
             cr_assert_eq(r->gpu.ops->find_pos(&r->gpu, d_arp + h * AR_CAP, d_arq + h * AR_CAP,
-                                              8 + N - R - K, 1003, &kg),
+                                              n_old + N - R - K, 1003, &kg),
                          KVT_OK);
             cr_assert_eq(kg, kc);
         }
@@ -395,7 +398,18 @@ Test(cuda, eviction_rounds_equal_the_cpu) {
     rig r;
     rig_open(&r);
     for (int v = 0; v < 8; v++)
-        round_pair(&r, v & 1 ? 8 : 1, v & 2, v & 4, v % 3 != 0);
+        round_pair(&r, v & 1 ? 8 : 1, v & 2, v & 4, v % 3 != 0, 8, false);
+    rig_close(&r);
+}
+
+/* The archive index merged on the device (k_ev_archive: ranks, old entries moved in blocks from
+ * the back) as the CPU twin's serial merge leaves it, new entries between old ones and more old
+ * entries than a block has threads. */
+Test(cuda, eviction_archive_merge_equals_the_cpu) {
+    rig r;
+    rig_open(&r);
+    for (int v = 0; v < 4; v++)
+        round_pair(&r, v & 1 ? 8 : 1, v & 2, false, true, v < 2 ? 300 : 40, true);
     rig_close(&r);
 }
 

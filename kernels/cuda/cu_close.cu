@@ -31,12 +31,21 @@ __global__ void k_score(const ScoreParams p, float *scratch_all, size_t scratch_
                 kvt__philox_uniform(kvt__philox_draw_at(a.key, a.subseq, a.first_position + u));
         return;
     }
+    /* a warp per row for the norms: lane l's partial in kvt__sumsq_lane's order, then the
+     * lanes' stride-halving tree by __shfl_down_sync (kvt__tree32's order: p[i] + p[i + s]); no
+     * per-row array (they lived in local memory: 1,152 B of stack) */
+    const uint32_t lane = threadIdx.x % KVT__SIGMA_LANES, warp = threadIdx.x / KVT__SIGMA_LANES,
+                   n_warps = blockDim.x / KVT__SIGMA_LANES;
     if (a.selector == KVT_SELECT_BRANCH_NORM || a.selector == KVT_SELECT_ROW_NORM) {
-        for (uint32_t u = threadIdx.x; u < B; u += blockDim.x) {
+        const bool br = a.selector == KVT_SELECT_BRANCH_NORM;
+        for (uint32_t u = warp; u < B; u += n_warps) {
             const uint8_t *row = row_of(a, u);
-            a.out[u] = a.selector == KVT_SELECT_BRANCH_NORM
-                           ? kvt__elem_norm_fixed(row + a.branch_offset, a.branch_dtype, D)
-                           : kvt__elem_norm_fixed(row, a.dtype, a.n_values);
+            float acc = br ? kvt__elem_sumsq_lane(row + a.branch_offset, a.branch_dtype, D, lane)
+                           : kvt__elem_sumsq_lane(row, a.dtype, a.n_values, lane);
+            for (uint32_t sh = KVT__SIGMA_LANES / 2; sh >= 1; sh >>= 1)
+                acc = acc + __shfl_down_sync(0xffffffffu, acc, sh);
+            if (lane == 0)
+                a.out[u] = sqrtf(acc);
         }
         return;
     }
@@ -69,19 +78,26 @@ __global__ void k_score(const ScoreParams p, float *scratch_all, size_t scratch_
         }
         __syncthreads();
     }
-    /* 2-3: per row, the residual and its fixed-order norm. */
-    for (uint32_t u = threadIdx.x; u < B; u += blockDim.x) {
-        const uint8_t *row = row_of(a, u);
+    /* 2-3: a warp per row: lane l the residual's elements l, l + 32, .. < D and their squares
+     * summed in that order (kvt__sumsq_lane's chain), then the tree as above. */
+    for (uint32_t u = warp; u < B; u += n_warps) {
         if (!fin[u]) {
-            a.out[u] = INFINITY;
+            if (lane == 0)
+                a.out[u] = INFINITY;
             continue;
         }
-        float r[KVT__SIGMA_MAX_BRANCH_DIM];
-        for (uint32_t d = 0; d < D; d++)
-            r[d] = kvt__sigma_residual(kvt__sigma_branch_val(row, a.branch_offset,
-                                                             a.branch_dtype, d),
-                                       kvt__sigma_recon(a.basis, B, J, u, scratch, D, d));
-        a.out[u] = kvt__norm_fixed(r, D);
+        const uint8_t *row = row_of(a, u);
+        float acc = 0.0f;
+        for (uint32_t d = lane; d < D; d += KVT__SIGMA_LANES) {
+            const float r = kvt__sigma_residual(
+                kvt__sigma_branch_val(row, a.branch_offset, a.branch_dtype, d),
+                kvt__sigma_recon(a.basis, B, J, u, scratch, D, d));
+            acc = fmaf(r, r, acc);
+        }
+        for (uint32_t sh = KVT__SIGMA_LANES / 2; sh >= 1; sh >>= 1)
+            acc = acc + __shfl_down_sync(0xffffffffu, acc, sh);
+        if (lane == 0)
+            a.out[u] = sqrtf(acc);
     }
 }
 

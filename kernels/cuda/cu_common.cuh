@@ -317,6 +317,68 @@ __host__ __device__ inline size_t align256(size_t n) {
     return (n + 255) / 256 * 256;
 }
 
+/* Row copies (the RoPE emission's fetched rows, the eviction's archived rows). Copy one unit of
+ * u bytes (16, 8, 4, 2 or 1; both addresses aligned to it) as one load and one
+ * store (the emulation: a memcpy of the same bytes). A byte is read as the aligned word holding
+ * it (kvt__dev_ld_u8): no byte load in the kernel's PTX (scripts/ptx-check.sh). */
+struct alignas(16) Unit16 {
+    uint64_t lo, hi;
+};
+template <class T>
+__device__ inline void copy_as(uint8_t *d, const uint8_t *s) {
+#if defined(KVT_CUDA_EMU_RUNTIME_H)
+    memcpy(d, s, sizeof(T));
+#else
+    *(T *)d = *(const T *)s;
+#endif
+}
+__device__ inline void copy_unit(uint8_t *d, const uint8_t *s, uint32_t u) {
+    switch (u) {
+    case 16:
+        copy_as<Unit16>(d, s);
+        break;
+    case 8:
+        copy_as<uint64_t>(d, s);
+        break;
+    case 4:
+        copy_as<uint32_t>(d, s);
+        break;
+    case 2:
+        copy_as<uint16_t>(d, s);
+        break;
+    default:
+        *d = kvt__dev_ld_u8(s);
+    }
+}
+
+/* The widest copy unit (16, 8, 4, 2 or 1 bytes) that `bits` (the OR of every base address,
+ * stride and row size a copy adds up) is a multiple of: every unit's source and destination is
+ * then aligned to it. 16 for every layout in practice. */
+__host__ __device__ inline uint32_t copy_unit_of(uint64_t bits) {
+    bits |= 16u;
+    return (uint32_t)(bits & (~bits + 1u));
+}
+
+/* A block's walk over rows of `per` units each, thread t taking units t, t + blockDim.x, ..:
+ * its row and unit carried forward (two divisions a thread, none a step). */
+struct UnitWalk {
+    uint64_t row, unit, per, sr, su;
+    __device__ explicit UnitWalk(uint64_t units_per_row) : per(units_per_row) {
+        row = threadIdx.x / per;
+        unit = threadIdx.x % per;
+        sr = blockDim.x / per;
+        su = blockDim.x % per;
+    }
+    __device__ void next() {
+        unit += su;
+        row += sr;
+        if (unit >= per) {
+            unit -= per;
+            row++;
+        }
+    }
+};
+
 /* ----------------------------------------------------------------------------------------------
  * Block-wide pieces
  * -------------------------------------------------------------------------------------------- */

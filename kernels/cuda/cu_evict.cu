@@ -138,25 +138,74 @@ __global__ void k_ev_archive(const EvParams p, uint32_t n_heads_max, uint8_t *sc
     int64_t *apos = a.ar_pos + (size_t)h * a.ar_cap;
     uint64_t *by_pos = a.ar_by_pos + (size_t)h * a.ar_cap;
     const int64_t *P = a.pos + (size_t)h * a.pos_cap;
+    /* the rows, all planes, in units of U bytes (16 for every layout in practice), a UnitWalk
+     * (a per-thread memcpy of a row before) */
+    const uint32_t U = copy_unit_of((uint64_t)(uintptr_t)a.plane[0] |
+                                    (a.n_planes == 2 ? (uint64_t)(uintptr_t)a.plane[1] : 0u) |
+                                    (uint64_t)(uintptr_t)a.ar_bytes | (uint64_t)a.slot_bytes |
+                                    a.row_bytes);
+    const uint64_t ur = a.row_bytes / U;
+    if (n_ev)
+        for (UnitWalk u((uint64_t)a.n_planes * ur); u.row < n_ev; u.next()) {
+            const uint64_t k = u.row, pl = u.unit >= ur ? 1u : 0u, off = (u.unit - pl * ur) * U;
+            const size_t src = (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, ev[k]) *
+                                   a.slot_bytes +
+                               (size_t)h * a.row_bytes;
+            copy_unit(bytes + (size_t)(a.ar_n + k) * row_all + pl * a.row_bytes + off,
+                      (pl ? a.plane[1] : a.plane[0]) + src + off, U);
+        }
+    for (uint32_t k = threadIdx.x; k < n_ev; k += blockDim.x)
+        apos[a.ar_n + k] = P[ev[k]];
+    __syncthreads();
+    /* by_pos merged with the new entries n_old .. n - 1 (ascending by position, as the old ones
+     * through by_pos): the CPU twin's serial merge from the back (old before new on equal
+     * positions) as ranks, every entry's place at once (thread 0 walked the whole archive
+     * before: ~10^5 dependent loads a head at 128k rows). New entry k goes to k + #{old <= its
+     * position}, old entry i to i + #{new < its position}. In place: the new entries' places
+     * first (into ev, free after the copy; archive indices fit 32 bits, as rows do), then the
+     * old entries that move, in blocks of blockDim.x from the back (a block's places are at or
+     * after its own entries, so no entry is overwritten before it is read), then the new. */
+    const uint64_t n_old = a.ar_n;
     for (uint32_t k = threadIdx.x; k < n_ev; k += blockDim.x) {
-        uint32_t i = ev[k];
-        size_t off = (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, i) * a.slot_bytes +
-                     (size_t)h * a.row_bytes;
-        uint8_t *d = bytes + (size_t)(a.ar_n + k) * row_all;
-        for (uint32_t p = 0; p < a.n_planes; p++)
-            memcpy(d + (size_t)p * a.row_bytes, a.plane[p] + off, a.row_bytes);
-        apos[a.ar_n + k] = P[i];
+        const int64_t v = apos[n_old + k];
+        uint64_t lo = 0, hi = n_old; /* old entries at or below v */
+        while (lo < hi) {
+            const uint64_t mid = lo + (hi - lo) / 2;
+            if (apos[by_pos[mid]] <= v)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        ev[k] = (uint32_t)(k + lo);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        uint64_t n_old = a.ar_n, n = n_old + n_ev, i = n_old, j = n - n_old, w = n;
-        while (j > 0) {
-            if (i > 0 && apos[by_pos[i - 1]] > apos[n_old + j - 1])
-                by_pos[--w] = by_pos[--i];
-            else
-                by_pos[--w] = n_old + --j;
+    /* old entries below new entry 0's place stay where they are */
+    const uint64_t first = n_ev ? ev[0] : n_old;
+    for (uint64_t top = n_old; top > first;) {
+        const uint64_t base = top - first > blockDim.x ? top - blockDim.x : first;
+        const uint64_t i = base + threadIdx.x;
+        uint64_t v = 0, at = 0;
+        if (i < top) {
+            v = by_pos[i];
+            const int64_t pv = apos[v];
+            uint64_t lo = 0, hi = n_ev; /* new entries below pv */
+            while (lo < hi) {
+                const uint64_t mid = lo + (hi - lo) / 2;
+                if (apos[n_old + mid] < pv)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            at = i + lo;
         }
+        __syncthreads();
+        if (i < top)
+            by_pos[at] = v;
+        __syncthreads();
+        top = base;
     }
+    for (uint32_t k = threadIdx.x; k < n_ev; k += blockDim.x)
+        by_pos[ev[k]] = n_old + k;
 }
 
 /* Compaction, staged: survivors of every head gathered into the workspace (one block per

@@ -14,9 +14,9 @@ namespace {
 
 /* ----------------------------------------------------------------------------------------------
  * Recall scans (recall_scan): three launches for up to kMaxSeg work items (grid y = the item):
- * the heads prepared (one block per head), the archived rows' fire flags (one thread per row,
- * its heads in order until one fires: the OR), then the fired rows compacted ascending (one
- * block per item), the first cap written. Every value through recall_scan.h's KVT_HD functions
+ * the heads prepared (one block per head), the archived rows' fire flags (scan_rows: tiles of
+ * rows staged in shared memory, the heads split over a row's threads, the flag their OR), then
+ * the fired rows compacted ascending (one block per item), the first cap written. Every value through recall_scan.h's KVT_HD functions
  * (kvt__recall_idx's chains are the twin's tiled ones), so fired sets are the CPU twin's.
  * -------------------------------------------------------------------------------------------- */
 typedef Params<kvt__recall_scan_args, kMaxSeg> ScanParams;
@@ -105,43 +105,113 @@ __device__ inline void scan_head(const kvt__recall_scan_args &a, const ScanItem 
         kvt__recall_head_finish(q, D, rank, q_sk, res, &it.heads[h]);
 }
 
+/* Does head h fire on a row whose branch is at `br` (branch_dtype, branch_dim values) and whose
+ * sketch is csk (rank fp16 values), ρ rho? kvt__recall_idx and the mode's predicate. */
+__device__ inline bool scan_head_fires(const kvt__recall_scan_args &a, const ScanItem &it,
+                                       uint32_t h, const uint8_t *br, const uint16_t *csk,
+                                       float rho) {
+    const uint32_t D = a.latent_dim, bd = a.branch_dim, rank = a.rank;
+    float P, ncsk;
+    const float idx = kvt__recall_idx(a.q + (size_t)h * (D + bd), it.q_sk + (size_t)h * rank, br,
+                                      D, 0u, a.branch_dtype, bd, csk, rank, a.scale, &P, &ncsk);
+    const kvt__recall_head hd = it.heads[h];
+    /* margin mode: the twin's !(s·acc + δ < best), idx being s·acc */
+    return a.mode == KVT__RECALL_MARGIN ? !(idx + a.z < a.best[h])
+           : a.mode == KVT__RECALL_SOUND
+               ? kvt__recall_sound_fires(idx,
+                                         kvt__recall_sound_margin(&hd, idx, P, ncsk, rho, a.scale,
+                                                                  a.z, D, bd, rank),
+                                         a.best[h]) != 0
+               : kvt__recall_conformal_fires(idx, kvt__recall_cert(&hd, rho, a.scale, D), a.z,
+                                             a.best[h]) != 0;
+}
+
+/* The first byte of a row's branch in the pool. */
+__device__ inline const uint8_t *scan_branch(const kvt__recall_scan_args &a, uint32_t row) {
+    return a.base + (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, row) * a.slot_stride +
+           a.branch_offset;
+}
+
 /* Does an archived row fire? Its heads in order until one does (the twin's OR). */
 __device__ inline bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it,
                                   uint32_t row) {
-    const uint32_t D = a.latent_dim, bd = a.branch_dim, rank = a.rank;
-    const uint8_t *p =
-        a.base + (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, row) * a.slot_stride;
+    const uint8_t *br = scan_branch(a, row);
     const uint16_t *csk = kvt__scan_csk(&a, row);
     const float rho = *kvt__scan_rho(&a, row);
-    for (uint32_t h = 0; h < a.n_heads; h++) {
-        float P, ncsk;
-        const float idx =
-            kvt__recall_idx(a.q + (size_t)h * (D + bd), it.q_sk + (size_t)h * rank, p, D,
-                            a.branch_offset, a.branch_dtype, bd, csk, rank, a.scale, &P, &ncsk);
-        const kvt__recall_head hd = it.heads[h];
-        /* margin mode: the twin's !(s·acc + δ < best), idx being s·acc */
-        const int fire =
-            a.mode == KVT__RECALL_MARGIN ? !(idx + a.z < a.best[h])
-            : a.mode == KVT__RECALL_SOUND
-                ? kvt__recall_sound_fires(idx,
-                                          kvt__recall_sound_margin(&hd, idx, P, ncsk, rho,
-                                                                   a.scale, a.z, D, bd, rank),
-                                          a.best[h])
-                : kvt__recall_conformal_fires(idx, kvt__recall_cert(&hd, rho, a.scale, D), a.z,
-                                              a.best[h]);
-        if (fire)
+    for (uint32_t h = 0; h < a.n_heads; h++)
+        if (scan_head_fires(a, it, h, br, csk, rho))
             return true;
-    }
     return false;
 }
 
-/* One flag per closed row: archived (>= sinks, not kept) and fired; rows split over the grid's x
- * (every block of an item calls it). */
+/* Is closed row r archived (past the sinks, not kept)? */
+__device__ inline bool scan_archived(const kvt__recall_scan_args &a, uint64_t r) {
+    return r >= a.sinks && !kvt__sorted_has(a.kept, a.m, r);
+}
+
+/* One flag per closed row: archived and fired. The rows go in tiles of T (a power of two, 8 ..
+ * kThreads) a block, the grid's x striding over the tiles (every block of an item calls it):
+ * the tile's archived rows' branches and sketches copied to shared memory first, a warp reading
+ * one row's bytes at a time (consecutive u16 units, so its loads coalesce: a thread a row read
+ * 32 rows' lines a load), then kThreads / T threads a row, each its share of the heads (h, h + L,
+ * ..) from the shared copy, the row's flag their OR. Each head's chain is kvt__recall_idx's on
+ * the same values, so the flags are the thread-a-row scan's. A row too wide for 8 in the tile
+ * (branch and sketch over 3,072 bytes) takes the thread-a-row scan. */
+constexpr uint32_t kScanTileU16 = 12288; /* 24 KB */
+struct alignas(16) ScanTile {
+    uint16_t u[kScanTileU16];
+};
 __device__ inline void scan_rows(const kvt__recall_scan_args &a, const ScanItem &it) {
-    for (uint64_t r = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; r < a.n_closed;
-         r += (uint64_t)gridDim.x * blockDim.x)
-        it.flags[r] = r >= a.sinks && !kvt__sorted_has(a.kept, a.m, r) &&
-                      scan_fires(a, it, (uint32_t)r);
+    const uint32_t elt = a.branch_dtype == KVT__DT_FP32 ? 4u : 2u;
+    const uint32_t bw = a.branch_dim * elt / 2u;        /* the branch's u16 units */
+    const uint32_t W = (bw + a.rank + 1u) & ~1u;         /* a row's units, even: 4-byte rows */
+    uint32_t T = kThreads;
+    while (T >= 8 && (uint64_t)T * W > kScanTileU16)
+        T /= 2;
+    if (T < 8) {
+        for (uint64_t r = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; r < a.n_closed;
+             r += (uint64_t)gridDim.x * blockDim.x)
+            it.flags[r] = scan_archived(a, r) && scan_fires(a, it, (uint32_t)r);
+        return;
+    }
+    __shared__ ScanTile s_tile;
+    uint16_t *s_u = s_tile.u;
+    __shared__ const uint8_t *s_br[kThreads];
+    __shared__ const uint16_t *s_csk[kThreads];
+    __shared__ float s_rho[kThreads];
+    __shared__ uint32_t s_fire[kThreads];
+    const uint32_t L = kThreads / T, slot = threadIdx.x / L, lane = threadIdx.x % L;
+    for (uint64_t t0 = (uint64_t)blockIdx.x * T; t0 < a.n_closed; t0 += (uint64_t)gridDim.x * T) {
+        __syncthreads(); /* the last tile's copy read by every thread */
+        if (threadIdx.x < T) {
+            const uint64_t r = t0 + threadIdx.x;
+            const bool arch = r < a.n_closed && scan_archived(a, r);
+            s_br[threadIdx.x] = arch ? scan_branch(a, (uint32_t)r) : NULL;
+            s_csk[threadIdx.x] = arch ? kvt__scan_csk(&a, r) : NULL;
+            s_rho[threadIdx.x] = arch ? *kvt__scan_rho(&a, r) : 0.0f;
+            s_fire[threadIdx.x] = 0;
+        }
+        __syncthreads();
+        for (UnitWalk u(W ? W : 1u); W && u.row < T; u.next()) {
+            const uint8_t *br = s_br[u.row];
+            if (br && u.unit < bw + a.rank)
+                s_u[u.row * W + u.unit] = u.unit < bw ? kvt__dev_ld_u16(br + 2u * u.unit)
+                                                      : s_csk[u.row][u.unit - bw];
+        }
+        __syncthreads();
+        if (s_br[slot]) {
+            const uint8_t *br = (const uint8_t *)(s_u + slot * W);
+            const uint16_t *csk = s_u + slot * W + bw;
+            for (uint32_t h = lane; h < a.n_heads; h += L)
+                if (scan_head_fires(a, it, h, br, csk, s_rho[slot])) {
+                    atomicOr(&s_fire[slot], 1u);
+                    break;
+                }
+        }
+        __syncthreads();
+        if (threadIdx.x < T && t0 + threadIdx.x < a.n_closed)
+            it.flags[t0 + threadIdx.x] = s_fire[threadIdx.x] ? 1 : 0;
+    }
 }
 
 /* The fired rows ascending, the first cap of them into a.fired; returns how many fired (all
@@ -151,8 +221,8 @@ __device__ inline uint32_t scan_compact(const kvt__recall_scan_args &a, const ui
         (uint32_t)a.n_closed, [&](uint32_t i) { return flags[i] != 0; }, a.fired, a.cap);
 }
 
-/* The grid of a per-row launch over k items of at most `rows` rows (a thread per row, at most
- * 4096 blocks an item: the rest in strides). */
+/* The grid of a per-row launch over k items of at most `rows` rows (a block per kThreads rows,
+ * at most 4096 blocks an item: the rest in strides). */
 inline dim3 rows_grid(size_t rows, uint32_t k) {
     const size_t blocks = (rows + kThreads - 1) / kThreads;
     return dim3((unsigned)(blocks < 4096 ? blocks : 4096), k);

@@ -40,13 +40,31 @@ static_assert(sizeof(RopeParams) <= 32000, "kernel parameters above CUDA's 32 KB
 typedef PlanOf<kvt__recall_rope_plan_args, kvt__recall_rope_args, kvt__recall_rope_plan_item_args>
     RopePlan;
 
-/* Request r as `a` (its divider local), or return when it is none or bad. */
+/* Request r of a launch's items in the block's one shared copy (thread 0 builds it from the plan
+ * image; every thread of the block calls this, and gets the item's kItem* status in `got`). A
+ * copy per thread sat in local memory (608 B of stack in every k_rope_* kernel: the struct's
+ * rank[] is indexed by the KV head at run time, so it could not live in registers). */
+template <class Items>
+__device__ const kvt__recall_rope_args &rope_item(const Items &src, uint32_t r, int &got) {
+    __shared__ kvt__recall_rope_args s_a;
+    __shared__ kvt__div32 s_div;
+    __shared__ int s_got;
+    __syncthreads(); /* every thread is done with the block's last request */
+    if (threadIdx.x == 0) {
+        s_got = src.get(r, s_a, s_div);
+        s_a.pdiv = &s_div;
+    }
+    __syncthreads();
+    got = s_got;
+    return s_a;
+}
+
+/* Request r as `a`, or return when it is none or bad. */
 #define ROPE_ITEM(src, r)                                                                          \
-    kvt__recall_rope_args a;                                                                       \
-    kvt__div32 a_div;                                                                              \
-    if ((src).get(r, a, a_div) != kItemOk)                                                         \
-        return;                                                                                    \
-    a.pdiv = &a_div
+    int a_got;                                                                                     \
+    const kvt__recall_rope_args &a = rope_item(src, r, a_got);                                     \
+    if (a_got != kItemOk)                                                                          \
+    return
 
 /* A launch whose grid's z walks the requests (each request's function by its blocks). */
 #define ROPE_KERNEL_Z(name, item_fn)                                                               \
@@ -278,9 +296,8 @@ ROPE_KERNEL_Z(k_rope_keys, rope_keys_item)
 /* Launch 4: one block per request (a row of blocks walks several). */
 template <class Items>
 __device__ void rope_finish_item(const Items &p, const ScanWs &w, uint32_t KV, uint32_t r) {
-    kvt__recall_rope_args a;
-    kvt__div32 a_div;
-    const int got = p.get(r, a, a_div);
+    int got;
+    const kvt__recall_rope_args &a = rope_item(p, r, got);
     if (got == kItemBad && threadIdx.x == 0 && a.st) {
         /* a planned item the device cannot run: its step attends every row (never a wrong set);
          * a host archive's, whose lists ignore the dense flag, only its held rows (no fetch) */
@@ -292,7 +309,6 @@ __device__ void rope_finish_item(const Items &p, const ScanWs &w, uint32_t KV, u
     }
     if (got != kItemOk)
         return;
-    a.pdiv = &a_div;
     const uint32_t item0 = r * KV;
     kvt__recall_state *st = a.st;
     const uint32_t H = a.n_kv, G = a.group, nq = H * G;
@@ -541,6 +557,13 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a, bool offsets) {
         }
         return;
     }
+    /* the fetched rows' copy unit: the widest power of two up to 16 that the planes, the archive,
+     * the slot stride and the row size are all multiples of (every source and destination of a
+     * unit is then aligned to it) */
+    const uint32_t U = copy_unit_of((uint64_t)(uintptr_t)a.plane[0] |
+                                    (a.n_planes == 2 ? (uint64_t)(uintptr_t)a.plane[1] : 0u) |
+                                    (uint64_t)(uintptr_t)a.ar_bytes | (uint64_t)a.slot_stride | rb);
+    const uint64_t per = (uint64_t)a.n_planes * rb;
     for (uint32_t h = 0; h < a.n_kv; h++) {
         if (offsets && !a.length && threadIdx.x == 0)
             a.indptr[h] = (int32_t)o;
@@ -550,15 +573,18 @@ __device__ void rope_emit_one(kvt__recall_rope_emit_args a, bool offsets) {
         uint64_t m = dense ? a.ar_n : a.capped && a.all ? 0 : a.n_fired[h];
         m = m > a.cap && !dense ? a.cap : m;
         m = m > a.ar_n ? a.ar_n : m;
-        /* the rows' bytes, 4 at a time (row_bytes is a multiple of 2; copy by bytes past it) */
-        const uint64_t per = (uint64_t)a.n_planes * rb;
-        for (uint64_t x = threadIdx.x; x < m * per; x += blockDim.x) {
-            const uint64_t j = x / per, b = x % per, pl = b / rb, off = b % rb;
-            const uint64_t k = dense ? j : a.fired[(size_t)h * a.cap + j];
-            const int32_t slot = kvt__recall_rope_fetch_slot(&a, (uint32_t)j);
-            a.plane[pl][(size_t)slot * a.slot_stride + (size_t)h * rb + off] =
-                a.ar_bytes[((size_t)h * a.ar_cap + k) * per + pl * rb + off];
-        }
+        /* the rows' bytes in units of U bytes (16 for every layout in practice), a UnitWalk */
+        const uint64_t ur = rb / U, upr = (uint64_t)a.n_planes * ur;
+        if (m)
+            for (UnitWalk u(upr); u.row < m; u.next()) {
+                const uint64_t j = u.row, pl = u.unit >= ur ? 1u : 0u,
+                               off = (u.unit - pl * ur) * U;
+                const uint64_t k = dense ? j : a.fired[(size_t)h * a.cap + j];
+                const int32_t slot = kvt__recall_rope_fetch_slot(&a, (uint32_t)j);
+                copy_unit((pl ? a.plane[1] : a.plane[0]) + (size_t)slot * a.slot_stride +
+                              (size_t)h * rb + off,
+                          a.ar_bytes + ((size_t)h * a.ar_cap + k) * per + pl * rb + off, U);
+            }
         for (uint64_t j = threadIdx.x; j < m; j += blockDim.x)
             a.indices[o + j] = kvt__recall_rope_fetch_slot(&a, (uint32_t)j);
         o += m;

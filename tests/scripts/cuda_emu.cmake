@@ -21,7 +21,7 @@ set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${KVT_MODELS_DIR}")
 # attention (shuffles in double), and the backend's discipline tests. The recall steps' cases are
 # left to the plain leg: under a sanitizer their CPU twins (the oracle, -O1, no FMA clones) take
 # minutes.
-set(KVT_EMU_SAN_CASES "select_segments_equal_the_cpu|score_rows_equal_the_cpu|pack_equals_the_cpu|pack_recall_equals_the_cpu|eviction_rounds_equal_the_cpu|sketch_rows_equal_the_cpu|recall_scan_equals_the_cpu|attend_equals_the_cpu|refused_score_rows_and_select_enqueue_nothing|workspace_growth_and_find_pos_leave_a_capture_alone|planned_step_past_its_reservation_is_refused")
+set(KVT_EMU_SAN_CASES "select_segments_equal_the_cpu|score_rows_equal_the_cpu|pack_equals_the_cpu|pack_recall_equals_the_cpu|eviction_rounds_equal_the_cpu|eviction_archive_merge_equals_the_cpu|sketch_rows_equal_the_cpu|recall_scan_equals_the_cpu|attend_equals_the_cpu|refused_score_rows_and_select_enqueue_nothing|workspace_growth_and_find_pos_leave_a_capture_alone|planned_step_past_its_reservation_is_refused")
 if(KVT_TSAN)
   foreach(t test_cuda)
     add_executable(${t}_tsan ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c
