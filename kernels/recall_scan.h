@@ -232,6 +232,17 @@ void kvt__recall_scan_rowwise_cpu(const struct kvt__recall_scan_args *a, float *
 /* Whether kvt__recall_scan_cpu runs the tiled scan; enable 0 or 1 switches it (tests only, not
  * thread-safe), -1 only asks. 0 where it is not built or the CPU lacks AVX2/FMA. */
 int kvt__recall_scan_tiled(int enable);
+/* Whether the tiled chains take 32 heads an instruction group on AVX-512 (conformal and margin
+ * modes; the same bits as the AVX2 tiles); enable 0 or 1 switches it (tests only), -1 asks. */
+int kvt__recall_scan_wide(int enable);
+
+/* The register-tiled chains on their own (the recall step's exact scores use them): acc[r][h] =
+ * the chain of fmaf(qT[j][h], X[r][j], ·) over j = 0 .. J ascending from +0, for rows r < nr of X
+ * (stride J) and columns h < HP of qT ([J][HP]) — bit for bit the scalar chain. Returns 0, with
+ * nothing written, where the tiled scan does not run (kvt__recall_scan_tiled) or nr is not a
+ * multiple of 6 or HP of 8: the caller computes the chains itself. */
+int kvt__recall_chains_tiled(const float *X, size_t J, const float *qT, size_t HP, size_t nr,
+                             float *acc);
 
 /* Tests: the tiled scan's idx chains (acc) and, in sound mode, |·| chains (pa) of rows[0 .. n)
  * (archived or not; any n), [n][kvt__recall_scan_heads_padded(n_heads)] each; scratch as for

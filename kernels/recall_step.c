@@ -17,12 +17,15 @@ static size_t heads_padded(uint32_t n_heads) {
     return ((size_t)n_heads + TILE - 1) / TILE * TILE;
 }
 
+/* Rows whose exact scores are computed together (a multiple of the tiled chains' 6 rows). */
+#define SB 24u
+
 /* Floats of the step's own part of the scratch (after the scan's). */
 static size_t own_floats(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim) {
     const size_t HP = heads_padded(n_heads), qdim = (size_t)D + branch_dim;
-    /* qT [qdim][HP]; the row [qdim]; scores [HP]; best archived and its row [2H]; one head's
-     * prep: q̃_sk [rank], tmp [D] */
-    return qdim * HP + qdim + HP + 2u * (size_t)n_heads + rank + D;
+    /* qT [qdim][HP]; SB rows [SB][qdim]; their chains [SB][HP]; scores [HP]; best archived and
+     * its row [2H]; one head's prep: q̃_sk [rank], tmp [D] */
+    return qdim * HP + SB * qdim + SB * HP + HP + 2u * (size_t)n_heads + rank + D;
 }
 
 /* The scan's part: the full scan's, or the pruned scan's (which holds it) and, while groups are
@@ -61,39 +64,139 @@ static void build_groups(const kvt__recall_step_args *x, const kvt__recall_scan_
         st->n_grouped = (uint32_t)want;
 }
 
-/* Exact scores of one row for every head into sc[0 .. HP). */
-KVT__FMA_CLONES
-static void row_scores(const kvt__recall_scan_args *a, const float *qT, size_t HP, uint64_t row,
-                       float *rb, float *sc) {
-    const uint32_t D = a->latent_dim, bd = a->branch_dim;
-    const uint8_t *p =
-        a->base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) *
-                      a->slot_stride;
-    for (uint32_t j = 0; j < bd; j++)
-        rb[j] = kvt__sigma_branch_val(p, a->branch_offset, a->branch_dtype, j);
-    for (uint32_t d = 0; d < D; d++)
-        rb[bd + d] = kvt__sketch_latent(p, a->dtype, d);
-    for (size_t h0 = 0; h0 < HP; h0 += TILE) {
-        float acc[TILE];
-        for (uint32_t t = 0; t < TILE; t++)
-            acc[t] = 0.0f;
-        for (uint32_t j = 0; j < bd + D; j++) {
-            const float x = rb[j];
-            const float *qj = qT + (size_t)j * HP + h0;
-#pragma GCC unroll 8
-            for (uint32_t t = 0; t < TILE; t++)
-                acc[t] = fmaf(qj[t], x, acc[t]);
-        }
-        for (uint32_t t = 0; t < TILE; t++)
-            sc[h0 + t] = a->scale * acc[t];
-    }
-}
-
 /* best[h] = max(best[h], sc[h]) skipping NaN. */
 static void fold_max(float *best, const float *sc, uint32_t H) {
     for (uint32_t h = 0; h < H; h++)
         if (sc[h] > best[h])
             best[h] = sc[h];
+}
+
+/* n values of a row part of dtype dt into out as floats (the per-element loads' values; bf16,
+ * the rows' usual dtype, by the shift alone, which the compiler vectorises). */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <immintrin.h>
+#define STEP_AVX2 1
+/* bf16 to fp32, eight at a time (n a multiple of 8): the shift, lane for lane. */
+__attribute__((target("avx2"))) static void bf16_avx2(const uint8_t *src, uint32_t n,
+                                                      float *out) {
+    for (uint32_t i = 0; i < n; i += 8u) {
+        const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2u * i)));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_slli_epi32(b, 16));
+    }
+}
+#endif
+
+static void load_vals(const uint8_t *src, int dt, uint32_t n, float *out) {
+#ifdef STEP_AVX2
+    if (dt == KVT__DT_BF16 && n % 8u == 0 && kvt__recall_scan_tiled(-1)) {
+        bf16_avx2(src, n, out);
+        return;
+    }
+#endif
+    if (dt == KVT__DT_BF16) {
+        for (uint32_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2u * i, sizeof h);
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(out + i, &bits, sizeof bits);
+        }
+        return;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = kvt__load_elem(src, dt, i);
+}
+
+/* What the scores of a scored row are for. */
+typedef enum { USE_BEST, USE_PROMO, USE_CAL } score_use;
+
+/* Rows scored SB at a time, in the order they are pushed, each row's scores then used in that
+ * order as if scored alone: a row's chains are kvt__recall_exact's (branch j ascending, then
+ * latent d ascending, from +0, then · s), on the tiled chains where the CPU runs them
+ * (kvt__recall_chains_tiled) or eight heads at a time here — the same bits either way. */
+typedef struct scorer {
+    const kvt__recall_scan_args *a;
+    const float *qT;
+    size_t HP, qdim;
+    float *X, *acc, *sc;
+    uint64_t row[SB];
+    uint32_t tag[SB], n;
+    score_use use;
+    float *best, *best_ar;
+    uint32_t *arg;
+    kvt__promo_view *pv;
+} scorer;
+
+/* The chains of rows 0 .. n of X, eight heads at a time over a row (no tiled chains here). */
+KVT__FMA_CLONES
+static void chains_rows(const float *X, size_t qdim, const float *qT, size_t HP, uint32_t n,
+                        float *acc) {
+    for (uint32_t r = 0; r < n; r++) {
+        const float *x = X + r * qdim;
+        for (size_t h0 = 0; h0 < HP; h0 += TILE) {
+            float c[TILE];
+            for (uint32_t t = 0; t < TILE; t++)
+                c[t] = 0.0f;
+            for (size_t j = 0; j < qdim; j++) {
+                const float xj = x[j];
+                const float *qj = qT + j * HP + h0;
+#pragma GCC unroll 8
+                for (uint32_t t = 0; t < TILE; t++)
+                    c[t] = fmaf(qj[t], xj, c[t]);
+            }
+            for (uint32_t t = 0; t < TILE; t++)
+                acc[r * HP + h0 + t] = c[t];
+        }
+    }
+}
+
+static void sc_flush(scorer *s) {
+    const kvt__recall_scan_args *a = s->a;
+    const uint32_t H = a->n_heads, n = s->n;
+    if (n == 0)
+        return;
+    const uint32_t nr = (n + 5u) / 6u * 6u;
+    if (nr > n) /* padding rows: zero, their chains unread */
+        memset(s->X + n * s->qdim, 0, sizeof(float) * (nr - n) * s->qdim);
+    if (!kvt__recall_chains_tiled(s->X, s->qdim, s->qT, s->HP, nr, s->acc))
+        chains_rows(s->X, s->qdim, s->qT, s->HP, n, s->acc);
+    for (uint32_t i = 0; i < n; i++) {
+        float *sc = s->sc;
+        for (uint32_t h = 0; h < H; h++)
+            sc[h] = a->scale * s->acc[i * s->HP + h];
+        if (s->use == USE_BEST) {
+            fold_max(s->best, sc, H);
+        } else if (s->use == USE_PROMO) {
+            uint32_t hit = 0;
+            for (uint32_t h = 0; h < H; h++)
+                hit |= sc[h] >= s->best_ar[h];
+            s->pv->prom_hist[s->tag[i]] =
+                kvt__promo_hist_next(s->pv->prom_hist[s->tag[i]], hit, s->pv->mask);
+            fold_max(s->best, sc, H);
+        } else {
+            for (uint32_t h = 0; h < H; h++)
+                if (sc[h] > s->best_ar[h]) {
+                    s->best_ar[h] = sc[h];
+                    s->arg[h] = (uint32_t)s->row[i];
+                }
+        }
+    }
+    s->n = 0;
+}
+
+/* Queue row (tag: its place in the promoted list) for scoring. */
+static void sc_push(scorer *s, uint64_t row, uint32_t tag) {
+    const kvt__recall_scan_args *a = s->a;
+    const uint32_t bd = a->branch_dim;
+    const uint8_t *p =
+        a->base + (size_t)kvt__page_slot(a->pages, a->first_page, a->pdiv, (uint32_t)row) *
+                      a->slot_stride;
+    float *x = s->X + s->n * s->qdim;
+    load_vals(p + a->branch_offset, a->branch_dtype, bd, x); /* kvt__sigma_branch_val's */
+    load_vals(p, a->dtype, a->latent_dim, x + bd);            /* kvt__sketch_latent's */
+    s->row[s->n] = row;
+    s->tag[s->n] = tag;
+    if (++s->n == SB)
+        sc_flush(s);
 }
 
 /* Calls f(row) for the archived rows ascending: [S, n_closed) not in kept. */
@@ -117,8 +220,9 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
     const uint32_t Bg = x->g_perm ? x->block_rows : 0;
     float *scan_scratch = scratch;
     float *qT = scratch + scan_floats(H, rank, D, bd, a.n_closed, Bg);
-    float *rb = qT + qdim * HP;
-    float *sc = rb + qdim;
+    float *X = qT + qdim * HP;
+    float *acc = X + SB * qdim;
+    float *sc = acc + SB * HP;
     float *best_ar = sc + HP;
     uint32_t *arg = (uint32_t *)(best_ar + H);
     float *q_sk = (float *)(arg + H);
@@ -139,21 +243,19 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
     for (uint32_t h = 0; h < H; h++)
         best[h] = -INFINITY;
     uint64_t kept_past = 0;
-    for (uint64_t r = 0; r < S; r++) {
-        row_scores(&a, qT, HP, r, rb, sc);
-        fold_max(best, sc, H);
-    }
+    scorer sr = {.a = &a, .qT = qT, .HP = HP, .qdim = qdim, .X = X, .acc = acc, .sc = sc,
+                 .use = USE_BEST, .best = best, .best_ar = best_ar, .arg = arg};
+    for (uint64_t r = 0; r < S; r++)
+        sc_push(&sr, r, 0);
     for (uint64_t i = 0; i < a.m; i++) {
         if (a.kept[i] < S)
             continue;
         kept_past++;
-        row_scores(&a, qT, HP, a.kept[i], rb, sc);
-        fold_max(best, sc, H);
+        sc_push(&sr, a.kept[i], 0);
     }
-    for (uint64_t r = a.n_closed; r < x->n_rows; r++) {
-        row_scores(&a, qT, HP, r, rb, sc);
-        fold_max(best, sc, H);
-    }
+    for (uint64_t r = a.n_closed; r < x->n_rows; r++)
+        sc_push(&sr, r, 0);
+    sc_flush(&sr);
     /* Promoted rows: attended too; one hits when its exact score reaches, for some head, the
      * best of the other rows attended without recall (what firing in the sound mode needs). */
     uint64_t promoted = 0;
@@ -164,14 +266,11 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         promoted = pv.h->n_prom;
         for (uint32_t h = 0; h < H; h++)
             best_ar[h] = best[h];
-        for (uint32_t i = 0; i < pv.h->n_prom; i++) {
-            row_scores(&a, qT, HP, pv.prom_row[i], rb, sc);
-            uint32_t hit = 0;
-            for (uint32_t h = 0; h < H; h++)
-                hit |= sc[h] >= best_ar[h];
-            pv.prom_hist[i] = kvt__promo_hist_next(pv.prom_hist[i], hit, pv.mask);
-            fold_max(best, sc, H);
-        }
+        sr.use = USE_PROMO;
+        sr.pv = &pv;
+        for (uint32_t i = 0; i < pv.h->n_prom; i++)
+            sc_push(&sr, pv.prom_row[i], i);
+        sc_flush(&sr);
         a.kept = merged;
         a.m = (uint32_t)n_merged;
     }
@@ -188,14 +287,9 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
             best_ar[h] = -INFINITY;
             arg[h] = UINT32_MAX;
         }
-        FOR_ARCHIVED(&a, S, row, {
-            row_scores(&a, qT, HP, row, rb, sc);
-            for (uint32_t h = 0; h < H; h++)
-                if (sc[h] > best_ar[h]) {
-                    best_ar[h] = sc[h];
-                    arg[h] = (uint32_t)row;
-                }
-        });
+        sr.use = USE_CAL;
+        FOR_ARCHIVED(&a, S, row, sc_push(&sr, row, 0));
+        sc_flush(&sr);
         for (uint32_t h = 0; h < H; h++) {
             if (arg[h] == UINT32_MAX)
                 continue;

@@ -59,6 +59,7 @@
 #include <sys/mman.h>
 
 #include "../bench_util.h"
+#include "bench_cpu.h"
 
 enum { H = 32, KD = 576, D = 512, BD = 64, RANK = 64, BLK = 4096, SINKS = 4, RATIO = 32,
        PR = 64, ROW = KD * 2, TAIL = BLK / 2 };
@@ -69,44 +70,6 @@ enum { H = 32, KD = 576, D = 512, BD = 64, RANK = 64, BLK = 4096, SINKS = 4, RAT
  * attention, and a head fires on an archived row when its idx is ~4σ high. */
 #define Q_SHARED 10.0f
 #define SINK_LEN 16.6f
-
-/* BLAS (Fortran interface: every BLAS has it) and OpenBLAS's thread control (weak: absent
- * elsewhere). */
-void sgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k,
-            const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
-            const float *beta, float *c, const int *ldc);
-void openblas_set_num_threads(int n) __attribute__((weak));
-
-static float gauss(void) { /* a sum of 4 uniforms, centred and scaled to unit variance */
-    float s = 0;
-    for (int i = 0; i < 4; i++)
-        s += (float)((rnd() >> 11) * 0x1p-53);
-    return (s - 2.0f) * 1.7320508f;
-}
-
-/* rank orthonormal rows of n values (Gram-Schmidt in double, two passes: the library's
- * kvt_orthonormalise_rows), stored fp32. */
-static void orthonormal(uint32_t rank, uint32_t n, float *out) {
-    double *v = malloc(sizeof(double) * rank * n);
-    for (size_t i = 0; i < (size_t)rank * n; i++)
-        v[i] = gauss();
-    if (kvt_orthonormalise_rows(v, rank, n, 2) != KVT_OK) {
-        fprintf(stderr, "bench_decode: %s\n", kvt_last_error());
-        exit(1);
-    }
-    for (size_t i = 0; i < (size_t)rank * n; i++)
-        out[i] = (float)v[i];
-    free(v);
-}
-
-/* This thread's CPU time: the machine is shared (load averages of 8–10 on 2 cores), and a
- * single-threaded step's CPU time does not count the slices other processes take from it
- * (their cache pressure still counts). */
-static double cpu_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 typedef struct stats {
     double best, worst;
@@ -119,29 +82,6 @@ static void note(stats *s, double t) {
         s->worst = t;
 }
 
-static double sgemm_gflops(int m, int n, int k, const char *ta, int reps) {
-    float *A = malloc(sizeof(float) * (size_t)m * k), *B = malloc(sizeof(float) * (size_t)k * n);
-    float *C = malloc(sizeof(float) * (size_t)m * n);
-    for (size_t i = 0; i < (size_t)m * k; i++)
-        A[i] = gauss();
-    for (size_t i = 0; i < (size_t)k * n; i++)
-        B[i] = gauss();
-    const float one = 1.0f, zero = 0.0f;
-    int lda = ta[0] == 'T' ? k : m;
-    double best = 1e30;
-    for (int r = 0; r < reps + 1; r++) { /* the first call warms up */
-        double t = cpu_s();
-        sgemm_(ta, "N", &m, &n, &k, &one, A, &lda, B, &k, &zero, C, &m);
-        t = cpu_s() - t;
-        if (r > 0 && t < best)
-            best = t;
-    }
-    free(A);
-    free(B);
-    free(C);
-    return 2.0 * m * n * k / best * 1e-9;
-}
-
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 3;
     uint32_t max_k = argc > 2 ? (uint32_t)atoi(argv[2]) : 128;
@@ -150,8 +90,7 @@ int main(int argc, char **argv) {
         reps = 1;
     if (max_k < 3) /* the tail alone is 2k rows */
         max_k = 3;
-    if (openblas_set_num_threads)
-        openblas_set_num_threads(1);
+    blas_setup(argv);
     const uint32_t NMAX = max_k * 1024u;
 
     /* sgemm rates: square, and the decode step's score shape (rows × 576 by 576 × heads) */
@@ -161,12 +100,14 @@ int main(int argc, char **argv) {
     printf("decode step, CPU, single thread: H = %d heads, bf16 MLA rows (%d B), B = %d, sinks %d, "
            "%d×, tail %d rows, rank %d, conformal z = %.0f, %d repeats\n",
            H, ROW, BLK, SINKS, RATIO, TAIL, RANK, Z, reps);
-    printf("sgemm (OpenBLAS, 1 thread): 1024³ %.1f GFLOP/s, 4096×%d×%d (decode score shape) "
-           "%.1f GFLOP/s\n", g_sq, H, KD, g_dec);
+    printf("sgemm (OpenBLAS, %s kernels, 1 thread): 1024³ %.1f GFLOP/s, 4096×%d×%d (decode score shape) "
+           "%.1f GFLOP/s\n", blas_core(), g_sq, H, KD, g_dec);
     printf("pool: %s\n", huge ? "2-MiB aligned, madvise(MADV_HUGEPAGE) (transparent huge pages)"
                              : "2-MiB aligned, 4-KiB pages");
     printf("recall scan (c): %s\n", kvt__recall_scan_tiled(-1)
-                                       ? "the tiled scan (AVX2/FMA)"
+                                       ? kvt__recall_scan_wide(-1)
+                                             ? "the tiled scan (AVX-512 tiles, AVX2/FMA edges)"
+                                             : "the tiled scan (AVX2/FMA)"
                                        : "the row-wise scan (no AVX2/FMA on this CPU)");
 
     /* the pool: NMAX rows, identity page table of PR-row pages */
@@ -178,8 +119,8 @@ int main(int argc, char **argv) {
     if (huge && pool && madvise(pool, pool_bytes, MADV_HUGEPAGE) != 0)
         printf("madvise(MADV_HUGEPAGE) refused: 4-KiB pages\n");
     float *basis = malloc(sizeof(float) * RANK * D), *q = malloc(sizeof(float) * H * KD);
-    float u[KD], lat[D];
-    orthonormal(RANK, D, basis);
+    float u[KD];
+    orthonormal_f32(RANK, D, basis);
     double un = 0;
     for (uint32_t i = 0; i < KD; i++) {
         u[i] = gauss();
@@ -187,27 +128,8 @@ int main(int argc, char **argv) {
     }
     for (uint32_t i = 0; i < KD; i++)
         u[i] /= (float)sqrt(un); /* the sinks' direction, a unit vector */
-    for (uint32_t r = 0; r < NMAX; r++) {
-        uint8_t *row = pool + (size_t)r * ROW;
-        if (r < SINKS) { /* a sink: SINK_LEN·u plus a little noise */
-            for (uint32_t i = 0; i < KD; i++)
-                kvt__store_elem(row, KVT__DT_BF16, i, SINK_LEN * u[i] + 0.3f * gauss());
-            continue;
-        }
-        float a[RANK];
-        for (uint32_t k = 0; k < RANK; k++)
-            a[k] = gauss() * sqrtf(0.9f * D / RANK);
-        for (uint32_t d = 0; d < D; d++) {
-            float c = sqrtf(0.1f) * gauss();
-            for (uint32_t k = 0; k < RANK; k++)
-                c += a[k] * basis[(size_t)k * D + d];
-            lat[d] = c;
-        }
-        for (uint32_t d = 0; d < D; d++)
-            kvt__store_elem(row, KVT__DT_BF16, d, lat[d]);
-        for (uint32_t j = 0; j < BD; j++)
-            kvt__store_elem(row, KVT__DT_BF16, D + j, gauss());
-    }
+    for (uint32_t r = 0; r < NMAX; r++)
+        structured_row(pool + (size_t)r * ROW, r, SINKS, u, SINK_LEN, basis, RANK, D, BD);
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t i = 0; i < KD; i++)
             q[h * KD + i] = gauss() + Q_SHARED * u[i];

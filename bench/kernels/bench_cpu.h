@@ -1,0 +1,132 @@
+/* bench_cpu.h — what the single-threaded CPU step benches (bench_decode, bench_decode_step) time
+ * and compare with: the thread's CPU time, Gaussian draws, an orthonormal basis, and this
+ * machine's single-thread sgemm rate (OpenBLAS, through the Fortran interface every BLAS has),
+ * measured in the same run as the figures it is the ruler of. */
+#ifndef KVT_BENCH_CPU_H
+#define KVT_BENCH_CPU_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../bench_util.h"
+#include "kernels/kvt_hd.h"
+#include "kvtier.h"
+
+void sgemm_(const char *ta, const char *tb, const int *m, const int *n, const int *k,
+            const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+            const float *beta, float *c, const int *ldc);
+void openblas_set_num_threads(int n) __attribute__((weak));
+char *openblas_get_corename(void) __attribute__((weak));
+
+/* OpenBLAS pinned to one thread (the steps measured beside it are single-threaded), on the
+ * kernels this CPU runs best. OpenBLAS picks its kernels from the CPU model when it loads; a model
+ * it does not know gets its oldest x86-64 kernels (Debian 12's 0.3.21 on this Sapphire Rapids-class
+ * machine: "Prescott", SSE3, 26–30 GFLOP/s against 145–152 with its SkylakeX kernels), which would
+ * make every baseline measured against it look fast. Without OPENBLAS_CORETYPE in the environment
+ * the program runs itself again with it set from the CPU's features (AVX-512: SkylakeX; AVX2 and
+ * FMA: Haswell); a user's OPENBLAS_CORETYPE is kept. Call first in main. */
+static inline void blas_setup(char **argv) {
+    if (!getenv("OPENBLAS_CORETYPE")) {
+        __builtin_cpu_init();
+        const char *core = __builtin_cpu_supports("avx512f")  ? "SkylakeX"
+                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                               ? "Haswell"
+                               : NULL;
+        if (core && setenv("OPENBLAS_CORETYPE", core, 1) == 0) {
+            execv("/proc/self/exe", argv);
+            unsetenv("OPENBLAS_CORETYPE"); /* exec failed: go on with what OpenBLAS chose */
+        }
+    }
+    if (openblas_set_num_threads)
+        openblas_set_num_threads(1);
+}
+
+/* The kernels OpenBLAS runs ("?" when the BLAS is not OpenBLAS). */
+static inline const char *blas_core(void) {
+    return openblas_get_corename ? openblas_get_corename() : "?";
+}
+
+/* A sum of 4 uniforms, centred and scaled to unit variance. */
+static inline float gauss(void) {
+    float s = 0;
+    for (int i = 0; i < 4; i++)
+        s += (float)((rnd() >> 11) * 0x1p-53);
+    return (s - 2.0f) * 1.7320508f;
+}
+
+/* rank orthonormal rows of n values (Gram-Schmidt in double, two passes: the library's
+ * kvt_orthonormalise_rows), stored fp32. */
+static inline void orthonormal_f32(uint32_t rank, uint32_t n, float *out) {
+    double *v = malloc(sizeof(double) * rank * n);
+    for (size_t i = 0; i < (size_t)rank * n; i++)
+        v[i] = gauss();
+    if (kvt_orthonormalise_rows(v, rank, n, 2) != KVT_OK) {
+        fprintf(stderr, "orthonormal basis: %s\n", kvt_last_error());
+        exit(1);
+    }
+    for (size_t i = 0; i < (size_t)rank * n; i++)
+        out[i] = (float)v[i];
+    free(v);
+}
+
+/* Row r of the decode benches' structured data, bf16 [D latent | bd branch]: rows r < sinks are
+ * sinks (sink_len·u plus a little noise, over all D + bd values); the others have latents with
+ * 90% of their energy in the span of basis ([rank][D], orthonormal) and 10% isotropic, and an
+ * isotropic branch. */
+static inline void structured_row(uint8_t *row, uint32_t r, uint32_t sinks, const float *u,
+                                  float sink_len, const float *basis, uint32_t rank, uint32_t D,
+                                  uint32_t bd) {
+    if (r < sinks) {
+        for (uint32_t i = 0; i < D + bd; i++)
+            kvt__store_elem(row, KVT__DT_BF16, i, sink_len * u[i] + 0.3f * gauss());
+        return;
+    }
+    float a[256];
+    for (uint32_t k = 0; k < rank && k < 256u; k++)
+        a[k] = gauss() * sqrtf(0.9f * (float)D / (float)rank);
+    for (uint32_t d = 0; d < D; d++) {
+        float c = sqrtf(0.1f) * gauss();
+        for (uint32_t k = 0; k < rank && k < 256u; k++)
+            c += a[k] * basis[(size_t)k * D + d];
+        kvt__store_elem(row, KVT__DT_BF16, d, c);
+    }
+    for (uint32_t j = 0; j < bd; j++)
+        kvt__store_elem(row, KVT__DT_BF16, D + j, gauss());
+}
+
+/* This thread's CPU time: the machine is shared, and a single-threaded step's CPU time does not
+ * count the slices other processes take from it (their cache pressure still counts). */
+static inline double cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* GFLOP/s of the best of `reps` sgemm calls of shape m x n x k (the first call warms up). */
+static inline double sgemm_gflops(int m, int n, int k, const char *ta, int reps) {
+    float *A = malloc(sizeof(float) * (size_t)m * k), *B = malloc(sizeof(float) * (size_t)k * n);
+    float *C = malloc(sizeof(float) * (size_t)m * n);
+    for (size_t i = 0; i < (size_t)m * k; i++)
+        A[i] = gauss();
+    for (size_t i = 0; i < (size_t)k * n; i++)
+        B[i] = gauss();
+    const float one = 1.0f, zero = 0.0f;
+    int lda = ta[0] == 'T' ? k : m;
+    double best = 1e30;
+    for (int r = 0; r < reps + 1; r++) {
+        double t = cpu_s();
+        sgemm_(ta, "N", &m, &n, &k, &one, A, &lda, B, &k, &zero, C, &m);
+        t = cpu_s() - t;
+        if (r > 0 && t < best)
+            best = t;
+    }
+    free(A);
+    free(B);
+    free(C);
+    return 2.0 * m * n * k / best * 1e-9;
+}
+
+#endif /* KVT_BENCH_CPU_H */
