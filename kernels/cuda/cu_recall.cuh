@@ -149,46 +149,77 @@ __device__ inline bool scan_archived(const kvt__recall_scan_args &a, uint64_t r)
     return r >= a.sinks && !kvt__sorted_has(a.kept, a.m, r);
 }
 
-/* One flag per closed row: archived and fired. The rows go in tiles of T (a power of two, 8 ..
- * kThreads) a block, the grid's x striding over the tiles (every block of an item calls it):
- * the tile's archived rows' branches and sketches copied to shared memory first, a warp reading
- * one row's bytes at a time (consecutive u16 units, so its loads coalesce: a thread a row read
- * 32 rows' lines a load), then kThreads / T threads a row, each its share of the heads (h, h + L,
- * ..) from the shared copy, the row's flag their OR. Each head's chain is kvt__recall_idx's on
- * the same values, so the flags are the thread-a-row scan's. A row too wide for 8 in the tile
- * (branch and sketch over 3,072 bytes) takes the thread-a-row scan. */
+/* One flag per scanned row: evaluated and fired. Positions t < n map to rows (map(t, &row) sets
+ * the row and returns whether it is evaluated: archived, and in the pruned scan in a live
+ * group); flags[row] = evaluated && fires for every position, and *visit (when given) gains the
+ * positions evaluated. The positions go in tiles of T (a power of two, 8 .. kThreads) a block,
+ * the grid's x striding over the tiles (every block of an item calls it): the tile's evaluated
+ * rows' branches and sketches copied to shared memory first, a warp reading one row's bytes at a
+ * time (consecutive u16 units, so its loads coalesce: a thread a row read 32 rows' lines a load),
+ * then kThreads / T threads a row, each its share of the heads (h, h + L, ..) from the shared
+ * copy, the row's flag their OR. Each head's chain is kvt__recall_idx's on the same values, so
+ * the flags are the thread-a-row scan's. A row too wide for 8 in the tile (branch and sketch
+ * over 3,072 bytes) takes the thread-a-row scan. */
 constexpr uint32_t kScanTileU16 = 12288; /* 24 KB */
 struct alignas(16) ScanTile {
     uint16_t u[kScanTileU16];
 };
-__device__ inline void scan_rows(const kvt__recall_scan_args &a, const ScanItem &it) {
+/* The tile's shared memory, one per kernel whatever the row maps (a __shared__ variable in the
+ * template would be one per instantiation: the full and the pruned scan in one kernel would hold
+ * two tiles, over the 48 KB of static shared memory). */
+struct ScanShared {
+    ScanTile tile;
+    const uint8_t *br[kThreads];
+    const uint16_t *csk[kThreads];
+    float rho[kThreads];
+    uint32_t fire[kThreads];
+    uint64_t row[kThreads];
+};
+__device__ inline ScanShared &scan_shared() {
+    __shared__ ScanShared s;
+    return s;
+}
+template <class Map>
+__device__ inline void scan_tiles(const kvt__recall_scan_args &a, const ScanItem &it, uint64_t n,
+                                  Map map, unsigned long long *visit) {
     const uint32_t elt = a.branch_dtype == KVT__DT_FP32 ? 4u : 2u;
     const uint32_t bw = a.branch_dim * elt / 2u;        /* the branch's u16 units */
     const uint32_t W = (bw + a.rank + 1u) & ~1u;         /* a row's units, even: 4-byte rows */
     uint32_t T = kThreads;
     while (T >= 8 && (uint64_t)T * W > kScanTileU16)
         T /= 2;
+    unsigned long long cnt = 0;
     if (T < 8) {
-        for (uint64_t r = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; r < a.n_closed;
-             r += (uint64_t)gridDim.x * blockDim.x)
-            it.flags[r] = scan_archived(a, r) && scan_fires(a, it, (uint32_t)r);
+        for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+             t += (uint64_t)gridDim.x * blockDim.x) {
+            uint64_t r = t;
+            const bool ev = map(t, &r);
+            cnt += ev;
+            it.flags[r] = ev && scan_fires(a, it, (uint32_t)r);
+        }
+        if (visit && cnt)
+            atomicAdd(visit, cnt);
         return;
     }
-    __shared__ ScanTile s_tile;
-    uint16_t *s_u = s_tile.u;
-    __shared__ const uint8_t *s_br[kThreads];
-    __shared__ const uint16_t *s_csk[kThreads];
-    __shared__ float s_rho[kThreads];
-    __shared__ uint32_t s_fire[kThreads];
+    ScanShared &sh = scan_shared();
+    uint16_t *s_u = sh.tile.u;
+    const uint8_t **s_br = sh.br;
+    const uint16_t **s_csk = sh.csk;
+    float *s_rho = sh.rho;
+    uint32_t *s_fire = sh.fire;
+    uint64_t *s_row = sh.row;
     const uint32_t L = kThreads / T, slot = threadIdx.x / L, lane = threadIdx.x % L;
-    for (uint64_t t0 = (uint64_t)blockIdx.x * T; t0 < a.n_closed; t0 += (uint64_t)gridDim.x * T) {
+    for (uint64_t t0 = (uint64_t)blockIdx.x * T; t0 < n; t0 += (uint64_t)gridDim.x * T) {
         __syncthreads(); /* the last tile's copy read by every thread */
         if (threadIdx.x < T) {
-            const uint64_t r = t0 + threadIdx.x;
-            const bool arch = r < a.n_closed && scan_archived(a, r);
-            s_br[threadIdx.x] = arch ? scan_branch(a, (uint32_t)r) : NULL;
-            s_csk[threadIdx.x] = arch ? kvt__scan_csk(&a, r) : NULL;
-            s_rho[threadIdx.x] = arch ? *kvt__scan_rho(&a, r) : 0.0f;
+            const uint64_t t = t0 + threadIdx.x;
+            uint64_t r = t;
+            const bool ev = t < n && map(t, &r);
+            cnt += ev;
+            s_row[threadIdx.x] = r;
+            s_br[threadIdx.x] = ev ? scan_branch(a, (uint32_t)r) : NULL;
+            s_csk[threadIdx.x] = ev ? kvt__scan_csk(&a, r) : NULL;
+            s_rho[threadIdx.x] = ev ? *kvt__scan_rho(&a, r) : 0.0f;
             s_fire[threadIdx.x] = 0;
         }
         __syncthreads();
@@ -209,9 +240,17 @@ __device__ inline void scan_rows(const kvt__recall_scan_args &a, const ScanItem 
                 }
         }
         __syncthreads();
-        if (threadIdx.x < T && t0 + threadIdx.x < a.n_closed)
-            it.flags[t0 + threadIdx.x] = s_fire[threadIdx.x] ? 1 : 0;
+        if (threadIdx.x < T && t0 + threadIdx.x < n)
+            it.flags[s_row[threadIdx.x]] = s_fire[threadIdx.x] ? 1 : 0;
     }
+    if (visit && cnt)
+        atomicAdd(visit, cnt);
+}
+
+/* One flag per closed row: archived and fired (the full scan). */
+__device__ inline void scan_rows(const kvt__recall_scan_args &a, const ScanItem &it) {
+    scan_tiles(
+        a, it, a.n_closed, [&](uint64_t t, uint64_t *) { return scan_archived(a, t); }, NULL);
 }
 
 /* The fired rows ascending, the first cap of them into a.fired; returns how many fired (all
@@ -874,37 +913,34 @@ __device__ inline void step_live_item(const Items &p, const ScanWs &w, uint32_t 
 
 /* Launch 3 of a pruning step: the flags of the grouped blocks' rows in perm order (those of a
  * group no head can fire on cleared, the others' archived rows evaluated), then the rows past
- * them; the archived rows evaluated counted into the visited count. */
+ * them; the archived rows evaluated counted into the visited count. In scan_tiles' tiles: the
+ * rows of a tile are scattered (perm order), each still read by a warp and split over heads. */
 __device__ inline void scan_rows_pruned(const kvt__recall_scan_args &a, const ScanItem &it,
                                         const kvt__recall_groups &g, const GroupWs &gw) {
     const uint32_t B = g.block_rows, G = kvt__recall_group_slots(B);
     const uint64_t grouped = g.n_blocks * B;
-    unsigned long long cnt = 0;
-    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_closed;
-         t += (uint64_t)gridDim.x * blockDim.x) {
-        uint64_t row = t;
-        bool on = true;
-        if (t < grouped) {
-            const uint64_t b = t / B, k = groups_slot(g, b);
-            const uint32_t i = (uint32_t)(t % B), ng = g.n_groups[k];
-            const uint32_t *end = g.end + k * G;
-            uint32_t lo = 0, hi = ng; /* the first group whose end is past i */
-            while (lo < hi) {
-                const uint32_t mid = (lo + hi) / 2;
-                if (end[mid] > i)
-                    hi = mid;
-                else
-                    lo = mid + 1;
+    scan_tiles(
+        a, it, a.n_closed,
+        [&](uint64_t t, uint64_t *row) {
+            bool on = true;
+            if (t < grouped) {
+                const uint64_t b = t / B, k = groups_slot(g, b);
+                const uint32_t i = (uint32_t)(t % B), ng = g.n_groups[k];
+                const uint32_t *end = g.end + k * G;
+                uint32_t lo = 0, hi = ng; /* the first group whose end is past i */
+                while (lo < hi) {
+                    const uint32_t mid = (lo + hi) / 2;
+                    if (end[mid] > i)
+                        hi = mid;
+                    else
+                        lo = mid + 1;
+                }
+                *row = b * B + g.perm[k * B + i];
+                on = lo < ng && gw.live[b * G + lo];
             }
-            row = b * B + g.perm[k * B + i];
-            on = lo < ng && gw.live[b * G + lo];
-        }
-        const bool arch = row >= a.sinks && !kvt__sorted_has(a.kept, a.m, row);
-        cnt += on && arch;
-        it.flags[row] = on && arch && scan_fires(a, it, (uint32_t)row);
-    }
-    if (cnt)
-        atomicAdd(gw.visit, cnt);
+            return on && *row >= a.sinks && !kvt__sorted_has(a.kept, a.m, *row);
+        },
+        gw.visit);
 }
 
 /* Launch 3: the scan's fire flags, scanning steps only. */
