@@ -264,10 +264,8 @@ class Cache(_HFCache):
         want, held = self._step[2][layer_idx]
         lists = []
         for i in range(B):
-            L = e.slots(i, 0)
-            if self.sliding[layer_idx] and T > 1:
-                # the first query's window (ending at n0), then the step's later rows
-                L = np.concatenate([L, e.slots(i, T - 1)[-(T - 1):]])
+            L = self._window_union(e, i, T, n0) if self.sliding[layer_idx] and T > 1 \
+                else e.slots(i, 0)
             if self.sliding[layer_idx]:
                 # contiguous positions ending at n0 + T - 1: keep the announced window
                 if len(L) < want:
@@ -294,6 +292,21 @@ class Cache(_HFCache):
             self.batch.commit()
             self._step = None
         return k, v
+
+    def _window_union(self, e, i: int, T: int, n0: int) -> np.ndarray:
+        """The slots of the rows some query of request i's step sees on a sliding layer: query t's
+        set is a run of positions ending at its own (n0 + t); the union runs from the first
+        query's start to the step's end (queries window apart cover it)."""
+        first = e.slots(i, 0)
+        start = n0 + 1 - len(first)
+        out = np.full(n0 + T - start, -1, dtype=np.int64)
+        for t in sorted(set(range(T - 1, -1, -max(1, self.window))) | {0}):
+            st = e.slots(i, t)
+            end = n0 + t + 1 - start
+            out[end - len(st):end] = st
+        if (out < 0).any():
+            raise RuntimeError("a sliding layer's sets do not cover the step's window")
+        return out
 
     def _begin(self, B: int, T: int) -> None:
         if self._step is not None:

@@ -128,6 +128,13 @@ def run_kvtier(torch, khf, model, seq, n_p, n_ans, mode, ratio, max_tokens, prot
         cache.close()
 
 
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="1024")
@@ -135,8 +142,8 @@ def main():
     ap.add_argument("--keys", type=int, default=3)
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--ratios", default="4,8")
-    ap.add_argument("--methods", default="dense,kvtier-dense,kvtier-evict,kvtier-recall,"
-                    "streaming,snapkv,knorm,expected")
+    ap.add_argument("--methods", default="dense,kvtier-evict,kvtier-recall,streaming,snapkv,"
+                    "knorm,expected,kvtier-dense")
     ap.add_argument("--out", default=str(HERE / "results" / "hf_fact"))
     a = ap.parse_args()
 
@@ -203,14 +210,9 @@ def main():
                 print(f"{L} {label:18s} retrieved {hits}/{len(cases)}  ({dt:.0f} s)", flush=True)
                 table.append({"length": L, "method": m, "ratio": r or 1, "retrieved": hits,
                               "cases": len(cases), "seconds": round(dt, 1)})
-        with open(f"{a.out}_{L}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    with open(f"{a.out}_table.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+                # written after every method, so that a partial run keeps what it measured
+                write_csv(f"{a.out}_{L}.csv", rows)
+                write_csv(f"{a.out}_table.csv", table)
     print(f"done in {time.time() - t0:.0f} s")
 
 
