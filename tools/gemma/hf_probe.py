@@ -159,8 +159,9 @@ def main():
     t0 = time.time()
     model = hf_model.load()
     _, tok = gguf_model.load()
-    print(f"model loaded in {time.time() - t0:.0f} s; kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}",
-          flush=True)
+    from importlib.metadata import version
+    print(f"model loaded in {time.time() - t0:.0f} s; kvpress {version('kvpress')}, "
+          f"transformers {version('transformers')}, torch {version('torch')}", flush=True)
     methods = a.methods.split(",")
     ratios = [int(r) for r in a.ratios.split(",")]
     protect = len(tok.encode(probe.FACT_INTRO.rstrip()))
