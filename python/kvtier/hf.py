@@ -102,13 +102,14 @@ class Cache(_HFCache):
     model: the transformers model (its text config gives the layers; mode "recall" hooks its
     attention modules) or a config. mode: "dense", "evict" or "recall" (above). max_tokens: the
     longest request (sizes the pool; with ratio gives K); ratio / budget_rows: K =
-    budget_rows or max(recent_rows, max_tokens // ratio); recent_rows: kvtier's recent window and
-    round cadence; prompt_rows: the protected prompt rows of each request; max_seqs: the largest
+    budget_rows or max(recent_rows, max_tokens // ratio); recent_rows: kvtier's recent window r
+    (and the cadence c unless cadence_rows: a round runs at K + r + c rows); prompt_rows: the protected prompt rows of each request; max_seqs: the largest
     batch; request_ids: one id per batch row (default 0, 1, ...); recall, recall_margin,
     sketch_rank, bases ({layer: [n_kv, rank, head_dim]}): the recall trigger's settings."""
 
     def __init__(self, model, mode: str = "dense", *, max_tokens: int = 4096, ratio: int = 8,
-                 budget_rows: int | None = None, recent_rows: int = 64, prompt_rows: int = 0,
+                 budget_rows: int | None = None, recent_rows: int = 64,
+                 cadence_rows: int | None = None, prompt_rows: int = 0,
                  max_seqs: int = 1, request_ids=None, seed: int = 0, page_rows: int = 64,
                  recall: str = "conformal", recall_margin: float = 1.0, sketch_rank: int = 32,
                  bases: dict | None = None):
@@ -146,7 +147,8 @@ class Cache(_HFCache):
         self.mode = mode
         self.model_kv = _api.Model(specs, str(getattr(c, "model_type", "hf")))
         K = budget_rows if budget_rows is not None else max(recent_rows, max_tokens // ratio, 1)
-        cfg = _api.Config(evict_budget_rows=K, recent_rows=recent_rows, cadence_rows=recent_rows,
+        cfg = _api.Config(evict_budget_rows=K, recent_rows=recent_rows,
+                          cadence_rows=recent_rows if cadence_rows is None else cadence_rows,
                           evict_archive=mode == "recall", seed=seed)
         if mode == "recall":
             cfg.recall = recall

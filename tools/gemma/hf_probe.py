@@ -14,6 +14,9 @@ a time (batch 1). Methods:
   request ids are the case's index, so the draws are probe.py's); recall: the archive and
   conformal recall, key bases of rank 128 fitted on other text (probe.calibrate_bases' text), the
   last 24 tokens (question and answer) one per step.
+- kvtier-evict-once:R: kvpress's protocol with kvtier's random eviction: the context fed in
+  chunks of 64 with no round (cadence c = context - K - r), one round at its end, then the
+  question and answer in one forward.
 - streaming / snapkv / knorm / expected (kvpress's StreamingLLMPress, SnapKVPress, KnormPress,
   ExpectedAttentionPress, default settings) at compression_ratio 1 - 1/R: kvpress's protocol —
   the context (everything before the question) prefilled in one forward under the press, which
@@ -104,14 +107,20 @@ def run_press(torch, model, seq, n_ctx, n_p, n_ans, press):
 
 
 def run_kvtier(torch, khf, model, seq, n_p, n_ans, mode, ratio, max_tokens, protect, case_id,
-               bases, chunk=64, tail=probe.DECODE_TAIL):
+               bases, chunk=64, tail=probe.DECODE_TAIL, once_at=None):
+    """once_at: kvpress's protocol with kvtier's random eviction — no round before the context's
+    end (cadence c = once_at - K - r, the context fed in chunks ending at once_at), one round
+    at its commit, then the question and answer in one forward."""
+    K = max(64, max_tokens // ratio)
     cache = khf.Cache(model, mode, max_tokens=max_tokens, ratio=ratio, prompt_rows=protect,
                       request_ids=[case_id], recall="conformal", sketch_rank=RECALL_RANK,
-                      bases=bases)
+                      bases=bases, cadence_rows=None if once_at is None else once_at - K - 64)
     try:
         first = n_p - 1  # the first position whose logits are scored
         split = len(seq) - tail if mode == "recall" else len(seq)
         edges = sorted(set(range(0, split, chunk)) | set(range(split, len(seq)))) + [len(seq)]
+        if once_at is not None:
+            edges = sorted(set(range(0, once_at, chunk)) | {once_at, len(seq)})
         rows = []
         with torch.no_grad():
             for a, b in zip(edges[:-1], edges[1:]):
@@ -189,8 +198,10 @@ def main():
                     n_p, ans = len(c["prompt"]), np.asarray(c["answer"])
                     if m.startswith("kvtier"):
                         mode = m.split("-")[1]
+                        once = question_start(tok, c) if m == "kvtier-evict-once" else None
                         z, kept = run_kvtier(torch, khf, model, seq, n_p, len(ans), mode,
-                                             r or 8, max_tokens, protect, i, bases)
+                                             r or 8, max_tokens, protect, i, bases,
+                                             once_at=once)
                     else:
                         press = None if m == "dense" else getattr(kvpress, PRESSES[m])(
                             compression_ratio=1 - 1 / r)
