@@ -132,6 +132,58 @@ WIDE_FN static void wide_resid(const float *ct, uint32_t D, const float *V, uint
     }
 }
 
+/* A full tile's bf16 latents, transposed into ct [D][16] (D even): one 4-byte gather per lane
+ * and pair of values (latent d in the low half, d + 1 in the high one), widened exactly (bf16 is
+ * fp32's top half). Returns the lanes whose latent holds a non-finite value. */
+WIDE_FN static uint32_t wide_load_bf16(const uint8_t *base, const int32_t *sl, size_t stride,
+                                       uint32_t D, float *ct) {
+    int64_t off[WIDE_ROWS];
+    for (uint32_t r = 0; r < WIDE_ROWS; r++)
+        off[r] = (int64_t)sl[r] * (int64_t)stride;
+    const __m512i o0 = _mm512_loadu_si512(off), o1 = _mm512_loadu_si512(off + 8);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), ex = _mm512_set1_epi32(0x7f800000);
+    __mmask16 bad = 0;
+    for (uint32_t d = 0; d < D; d += 2u) {
+        const __m256i g0 = _mm512_i64gather_epi32(o0, base + 2u * d, 1);
+        const __m256i g1 = _mm512_i64gather_epi32(o1, base + 2u * d, 1);
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1);
+        const __m512i a = _mm512_slli_epi32(x, 16), b = _mm512_and_si512(x, hi);
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(a, ex), ex);
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, ex), ex);
+        _mm512_storeu_si512(ct + (size_t)d * WIDE_ROWS, a);
+        _mm512_storeu_si512(ct + (size_t)(d + 1u) * WIDE_ROWS, b);
+    }
+    return bad;
+}
+
+/* n rows of 16 coefficients (f [n][16]) to fp16, rounded to nearest even (kvt__f32_to_f16's
+ * rounding: IEEE binary16, overflow to Inf; a NaN's payload may differ, and a non-finite
+ * coefficient zeroes its row's sketch either way). */
+WIDE_FN static void wide_to_f16(const float *f, uint32_t n, uint16_t *h) {
+    for (uint32_t j = 0; j < n; j++)
+        _mm256_storeu_si256((__m256i *)(h + (size_t)j * WIDE_ROWS),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(f + (size_t)j * WIDE_ROWS),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* The stored sketch as fp32 (exact), ck [rank][16]: the lanes of `ok` whose coefficients are all
+ * finite keep theirs, every other lane is zero. Returns those lanes. */
+WIDE_FN static uint32_t wide_from_f16(const uint16_t *h, uint32_t rank, uint32_t ok, float *ck) {
+    const __m512i ex = _mm512_set1_epi32(0x7f800000);
+    __mmask16 bad = 0;
+    for (uint32_t k = 0; k < rank; k++) {
+        const __m512 v =
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + (size_t)k * WIDE_ROWS)));
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), ex), ex);
+        _mm512_storeu_ps(ck + (size_t)k * WIDE_ROWS, v);
+    }
+    const __mmask16 keep = (__mmask16)(ok & ~(uint32_t)bad);
+    for (uint32_t k = 0; keep != 0xffffu && k < rank; k++)
+        _mm512_storeu_ps(ck + (size_t)k * WIDE_ROWS,
+                         _mm512_maskz_mov_ps(keep, _mm512_loadu_ps(ck + (size_t)k * WIDE_ROWS)));
+    return keep;
+}
+
 /* Whether the wide path runs: the CPU has AVX-512F and kvt__sketch_wide has not turned it off. */
 static int wide_enabled = 1;
 
@@ -146,69 +198,56 @@ static void sketch_rows_wide(const uint8_t *base, const int32_t *slots, uint32_t
                              size_t slot_stride_bytes, int dtype, uint32_t D, const float *V,
                              uint32_t rank, uint32_t csk_stride, float *scratch, uint16_t *csk,
                              float *rho) {
-    float *ct = scratch;                                    /* [D][16] */
-    float *ck = ct + (size_t)WIDE_ROWS * D;                 /* [rank][16]; step 1's [8][16] */
+    float *ct = scratch;                                      /* [D][16] */
+    float *ck = ct + (size_t)WIDE_ROWS * D;                   /* [rank][16]; step 1's [8][16] */
     float *p = ck + (size_t)WIDE_ROWS * KVT__SKETCH_MAX_RANK; /* [32][16] */
+    uint16_t h16[KVT__SKETCH_MAX_RANK * WIDE_ROWS];           /* the tile's sketch, [rank][16] */
     for (uint32_t u0 = 0; u0 < n_rows; u0 += WIDE_ROWS) {
         const uint32_t T = n_rows - u0 < WIDE_ROWS ? n_rows - u0 : WIDE_ROWS;
-        int fin[WIDE_ROWS];
         /* the tile's latents as fp32, transposed; a non-finite row and unused lanes as zeros */
-        for (uint32_t r = 0; r < WIDE_ROWS; r++) {
-            const uint8_t *row = r < T ? base + (size_t)slots[u0 + r] * slot_stride_bytes : NULL;
-            uint32_t bad = row ? 0 : 1;
-            if (row && dtype == KVT__DT_BF16) {
-                for (uint32_t d = 0; d < D; d++) {
-                    uint16_t h;
-                    memcpy(&h, row + 2u * d, 2);
-                    bad |= (h & 0x7f80u) == 0x7f80u; /* the fp32 exponent's bits, all ones */
-                    ct[(size_t)d * WIDE_ROWS + r] = kvt__bf16_to_f32(h);
-                }
-            } else {
+        uint32_t fin = 0;
+        if (T == WIDE_ROWS && dtype == KVT__DT_BF16) {
+            fin = ~wide_load_bf16(base, slots + u0, slot_stride_bytes, D, ct) & 0xffffu;
+        } else {
+            for (uint32_t r = 0; r < WIDE_ROWS; r++) {
+                const uint8_t *row =
+                    r < T ? base + (size_t)slots[u0 + r] * slot_stride_bytes : NULL;
+                uint32_t bad = row ? 0 : 1;
                 for (uint32_t d = 0; row && d < D; d++) {
                     float x = kvt__sketch_latent(row, dtype, d);
                     bad |= (kvt__bits_from_f32(x) & 0x7f800000u) == 0x7f800000u;
                     ct[(size_t)d * WIDE_ROWS + r] = x;
                 }
+                fin |= (uint32_t)!bad << r;
             }
-            fin[r] = !bad;
-            for (uint32_t d = 0; bad && d < D; d++)
-                ct[(size_t)d * WIDE_ROWS + r] = 0.0f;
         }
+        for (uint32_t r = 0; r < WIDE_ROWS; r++)
+            for (uint32_t d = 0; !(fin >> r & 1u) && d < D; d++)
+                ct[(size_t)d * WIDE_ROWS + r] = 0.0f;
         /* step 1, rounded to fp16 as it is stored */
         uint32_t k0 = 0;
         for (; k0 + 8u <= rank; k0 += 8u) {
             wide_coef8(ct, D, V, k0, ck);
-            for (uint32_t j = 0; j < 8u; j++)
-                for (uint32_t r = 0; r < T; r++)
-                    csk[(size_t)(u0 + r) * csk_stride + k0 + j] =
-                        kvt__f32_to_f16(ck[(size_t)j * WIDE_ROWS + r]);
+            wide_to_f16(ck, 8u, h16 + (size_t)k0 * WIDE_ROWS);
         }
         for (; k0 < rank; k0++) {
             wide_coef1(ct, D, V, k0, ck);
-            for (uint32_t r = 0; r < T; r++)
-                csk[(size_t)(u0 + r) * csk_stride + k0] = kvt__f32_to_f16(ck[r]);
+            wide_to_f16(ck, 1u, h16 + (size_t)k0 * WIDE_ROWS);
         }
-        /* the stored sketch: stride padding zeroed, undescribable rows zeroed (their lanes then
-         * compute a residual that is never stored); its fp32 values transposed for step 2 */
-        for (uint32_t r = 0; r < WIDE_ROWS; r++) {
-            uint16_t *cs = r < T ? csk + (size_t)(u0 + r) * csk_stride : NULL;
-            int ok = r < T && fin[r];
-            if (cs) {
-                for (uint32_t k = rank; k < csk_stride; k++)
-                    cs[k] = 0;
-                for (uint32_t k = 0; ok && k < rank; k++)
-                    ok = kvt__f16_finite(cs[k]);
-                if (!ok)
-                    for (uint32_t k = 0; k < rank; k++)
-                        cs[k] = 0;
-                fin[r] = ok;
-            }
+        /* the stored sketch (stride padding zero; an undescribable row's all zero, its lane then
+         * computes a residual that is never stored), as fp32 for step 2 */
+        fin = wide_from_f16(h16, rank, fin, ck);
+        for (uint32_t r = 0; r < T; r++) {
+            uint16_t *cs = csk + (size_t)(u0 + r) * csk_stride;
+            const int ok = (int)(fin >> r & 1u);
             for (uint32_t k = 0; k < rank; k++)
-                ck[(size_t)k * WIDE_ROWS + r] = ok ? kvt__f16_to_f32(cs[k]) : 0.0f;
+                cs[k] = ok ? h16[(size_t)k * WIDE_ROWS + r] : 0;
+            for (uint32_t k = rank; k < csk_stride; k++)
+                cs[k] = 0;
         }
         wide_resid(ct, D, V, rank, ck, p);
         for (uint32_t r = 0; r < T; r++) {
-            if (!fin[r]) {
+            if (!(fin >> r & 1u)) {
                 rho[u0 + r] = INFINITY; /* undescribable: every certificate on it is infinite */
                 continue;
             }
