@@ -3,7 +3,7 @@
  * bf16 MLA-NoPE rows (512 latent + 64 branch, 1152 B, behind a shuffled slot table): σ
  * (kvt__sigma_block_cpu, κ = 16: 31 basis columns), the rank-64 sketch (kvt__sketch_rows_cpu, its
  * AVX-512 path and its narrow path where the CPU has AVX-512F) and the pruned scan's group build
- * (kvt__recall_group_block_cpu). Latents: 90% of their energy in a rank-64 subspace (the basis),
+ * (kvt__recall_group_block_cpu, its AVX-512 chains and its narrow ones). Latents: 90% of their energy in a rank-64 subspace (the basis),
  * as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max over `reps`
  * repeats. Usage: bench_close [reps] (default 5).
  */
@@ -108,7 +108,11 @@ int main(int argc, char **argv) {
         }
     }
     const int wide = kvt__sketch_wide(-1);
-    range rs = {1e30, 0}, rk = {1e30, 0}, rn = {1e30, 0}, rg = {1e30, 0};
+    const int gwide = kvt__recall_group_wide(-1);
+    uint32_t *perm2 = malloc(sizeof(uint32_t) * B), ng2 = 0;
+    if (!perm2)
+        return 1;
+    range rs = {1e30, 0}, rk = {1e30, 0}, rn = {1e30, 0}, rg = {1e30, 0}, rgn = {1e30, 0};
     int same = 1;
     for (int r = 0; r < reps; r++) {
         double t = cpu_s();
@@ -129,20 +133,35 @@ int main(int argc, char **argv) {
                     !memcmp(rho, rho2, sizeof(float) * B);
         kvt__recall_group_block out = {.perm = perm, .n_groups = &ng, .end = end,
                                        .centre = centre, .stat = stat};
+        if (gwide) { /* the narrow build, for scale: the same planes (perm compared here) */
+            kvt__recall_group_wide(0);
+            t = cpu_s();
+            kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK,
+                                        rho, RANK, DIM, gs, &out);
+            take(&rgn, cpu_s() - t);
+            kvt__recall_group_wide(1);
+            memcpy(perm2, perm, sizeof(uint32_t) * B);
+            ng2 = ng;
+        }
         t = cpu_s();
         kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK, rho,
                                     RANK, DIM, gs, &out);
         take(&rg, cpu_s() - t);
+        if (gwide)
+            same &= ng == ng2 && !memcmp(perm, perm2, sizeof(uint32_t) * B);
     }
     const double ns = 1e9 / B;
     printf("bench_close: one block of %u bf16 rows (512 + 64), %d repeats, thread CPU time per row "
-           "(min-max)\n", B, reps);
+           "(min-max); exit status 1 if a wide path's output differs from the narrow one's\n", B, reps);
     printf("  sigma (kappa %u)        %6.0f - %6.0f ns\n", KAPPA, rs.lo * ns, rs.hi * ns);
-    printf("  sketch rank %u (%s) %6.0f - %6.0f ns\n", RANK, wide ? "AVX-512" : "narrow ",
+    printf("  sketch rank %u (%s)  %6.0f - %6.0f ns\n", RANK, wide ? "AVX-512" : "narrow ",
            rk.lo * ns, rk.hi * ns);
     if (wide)
         printf("  sketch rank %u (narrow)  %6.0f - %6.0f ns; wide == narrow bit for bit: %s\n",
                RANK, rn.lo * ns, rn.hi * ns, same ? "yes" : "NO");
-    printf("  group build (%u groups)  %6.0f - %6.0f ns\n", ng, rg.lo * ns, rg.hi * ns);
+    printf("  group build (%u groups, %s) %6.0f - %6.0f ns\n", ng, gwide ? "AVX-512" : "narrow",
+           rg.lo * ns, rg.hi * ns);
+    if (gwide)
+        printf("  group build (narrow)     %6.0f - %6.0f ns\n", rgn.lo * ns, rgn.hi * ns);
     return same ? 0 : 1;
 }
