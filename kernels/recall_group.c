@@ -238,10 +238,12 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
         seg_mean(X, n, perm, start, e, c);
         for (uint32_t j = n; j < dim; j++)
             c[j] = 0.0f;
+        /* the members' kvt__recall_dist2 to the centre, their chains side by side */
+        seg_chains(X, n, perm, start, e, c, 0, wide, ts);
         kvt__recall_group_acc acc = kvt__recall_group_acc_new();
         for (uint32_t i = start; i < e; i++) {
             const uint32_t u = perm[i];
-            kvt__recall_group_acc_take(&acc, kvt__recall_dist2(X + (size_t)u * n, c, n), n, rho[u],
+            kvt__recall_group_acc_take(&acc, ts[i - start], n, rho[u],
                                        kvt__recall_csk_norm(csk + (size_t)u * csk_stride, rank));
         }
         kvt__recall_group_acc_stat(&acc, kvt__recall_norm2(c, n), n, st);
