@@ -47,11 +47,75 @@ static void seg_mean(const float *X, size_t n, const uint32_t *perm, uint32_t lo
 /* Rows whose chains advance together in the build (each keeps its own: bits unchanged). */
 #define ROW_TILE 8u
 
+/* The AVX-512 chains (x86-64): 32 rows at a time, one per lane of two 512-bit accumulators,
+ * element j of the 16 rows of a register gathered (the rows are scattered by perm). Each lane
+ * runs its row's chain in its order from +0 with the same operations (d = x − c, then
+ * fmaf(d, d, acc); or fmaf(c, x, acc)): the bits of the loop below. The narrow loop kept its
+ * accumulators in memory (a store and a load on every step of every chain). */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <immintrin.h>
+#define GROUP_WIDE 1
+
+__attribute__((target("avx512f"))) static void seg_chains_wide(const float *X, uint32_t n,
+                                                               const uint32_t *perm, uint32_t lo,
+                                                               uint32_t hi, const float *c,
+                                                               int dot, float *out) {
+    for (uint32_t i0 = lo; i0 < hi; i0 += 32u) {
+        const uint32_t nt = hi - i0 < 32u ? hi - i0 : 32u;
+        int32_t idx[32];
+        for (uint32_t t = 0; t < 32u; t++)
+            idx[t] = (int32_t)(perm[t < nt ? i0 + t : i0] * n);
+        const __m512i v0 = _mm512_loadu_si512(idx), v1 = _mm512_loadu_si512(idx + 16);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        if (dot)
+            for (uint32_t j = 0; j < n; j++) {
+                const __m512 cj = _mm512_set1_ps(c[j]);
+                a0 = _mm512_fmadd_ps(cj, _mm512_i32gather_ps(v0, X + j, 4), a0);
+                a1 = _mm512_fmadd_ps(cj, _mm512_i32gather_ps(v1, X + j, 4), a1);
+            }
+        else
+            for (uint32_t j = 0; j < n; j++) {
+                const __m512 cj = _mm512_set1_ps(c[j]);
+                const __m512 d0 = _mm512_sub_ps(_mm512_i32gather_ps(v0, X + j, 4), cj);
+                const __m512 d1 = _mm512_sub_ps(_mm512_i32gather_ps(v1, X + j, 4), cj);
+                a0 = _mm512_fmadd_ps(d0, d0, a0);
+                a1 = _mm512_fmadd_ps(d1, d1, a1);
+            }
+        float acc[32];
+        _mm512_storeu_ps(acc, a0);
+        _mm512_storeu_ps(acc + 16, a1);
+        for (uint32_t t = 0; t < nt; t++)
+            out[i0 - lo + t] = acc[t];
+    }
+}
+
+static int group_wide_enabled = 1;
+
+int kvt__recall_group_wide(int enable) {
+    if (enable >= 0)
+        group_wide_enabled = enable;
+    return group_wide_enabled && __builtin_cpu_supports("avx512f");
+}
+#else
+int kvt__recall_group_wide(int enable) {
+    (void)enable;
+    return 0;
+}
+#endif
+
 /* out[i − lo] = kvt__recall_dist2(x_perm[i], c) (dot = 0) or the fmaf chain of c·x_perm[i]
- * (dot = 1) for i in [lo, hi), ROW_TILE rows' chains interleaved. */
+ * (dot = 1) for i in [lo, hi), ROW_TILE rows' chains interleaved (32 on the wide path; X's
+ * offsets must fit an int32: B·n < 2^31, which B <= 2^20 and n <= 512 keep). */
 KVT__FMA_CLONES
 static void seg_chains(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo, uint32_t hi,
-                       const float *c, int dot, float *out) {
+                       const float *c, int dot, int wide, float *out) {
+#if defined(GROUP_WIDE)
+    if (wide) {
+        seg_chains_wide(X, n, perm, lo, hi, c, dot, out);
+        return;
+    }
+#endif
+    (void)wide;
     for (uint32_t i0 = lo; i0 < hi; i0 += ROW_TILE) {
         const float *x[ROW_TILE];
         float acc[ROW_TILE];
@@ -75,11 +139,16 @@ static void seg_chains(const float *X, uint32_t n, const uint32_t *perm, uint32_
     }
 }
 
+void kvt__recall_group_chains(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo,
+                              uint32_t hi, const float *c, int dot, int wide, float *out) {
+    seg_chains(X, n, perm, lo, hi, c, dot, wide && kvt__recall_group_wide(-1), out);
+}
+
 /* The member of perm[lo .. hi) farthest from c (the first on a tie; a NaN distance never wins).
  * d: hi − lo floats of scratch. */
 static uint32_t seg_farthest(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo,
-                             uint32_t hi, const float *c, float *d) {
-    seg_chains(X, n, perm, lo, hi, c, 0, d);
+                             uint32_t hi, const float *c, int wide, float *d) {
+    seg_chains(X, n, perm, lo, hi, c, 0, wide, d);
     uint32_t best = perm[lo];
     float bd = -1.0f;
     for (uint32_t i = lo; i < hi; i++)
@@ -107,6 +176,8 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
         (uint64_t *)((uint8_t *)scratch + align8(sizeof(float) * ((size_t)B * n + 2 * B)));
     float *m = (float *)(key + B), *v = m + n;
     uint32_t *perm = out->perm;
+    /* the wide chains gather X at int32 offsets */
+    const int wide = kvt__recall_group_wide(-1) && (uint64_t)B * n < ((uint64_t)1 << 31);
     for (uint32_t u = 0; u < B; u++) {
         const uint8_t *row = base + (size_t)slots[u] * slot_stride;
         for (uint32_t j = 0; j < n; j++)
@@ -126,11 +197,11 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
             continue;
         }
         seg_mean(X, n, perm, lo, hi, m);
-        const uint32_t p1 = seg_farthest(X, n, perm, lo, hi, m, ts);
-        const uint32_t p2 = seg_farthest(X, n, perm, lo, hi, X + (size_t)p1 * n, ts);
+        const uint32_t p1 = seg_farthest(X, n, perm, lo, hi, m, wide, ts);
+        const uint32_t p2 = seg_farthest(X, n, perm, lo, hi, X + (size_t)p1 * n, wide, ts);
         for (uint32_t j = 0; j < n; j++)
             v[j] = X[(size_t)p2 * n + j] - X[(size_t)p1 * n + j];
-        seg_chains(X, n, perm, lo, hi, v, 1, ts); /* t_a = v·x_a */
+        seg_chains(X, n, perm, lo, hi, v, 1, wide, ts); /* t_a = v·x_a */
         for (uint32_t i = lo; i < hi; i++) {
             tv[perm[i]] = ts[i - lo];
             key[i] = (uint64_t)kvt__recall_order_key(ts[i - lo]) << 32 | perm[i];
@@ -167,10 +238,12 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
         seg_mean(X, n, perm, start, e, c);
         for (uint32_t j = n; j < dim; j++)
             c[j] = 0.0f;
+        /* the members' kvt__recall_dist2 to the centre, their chains side by side */
+        seg_chains(X, n, perm, start, e, c, 0, wide, ts);
         kvt__recall_group_acc acc = kvt__recall_group_acc_new();
         for (uint32_t i = start; i < e; i++) {
             const uint32_t u = perm[i];
-            kvt__recall_group_acc_take(&acc, kvt__recall_dist2(X + (size_t)u * n, c, n), n, rho[u],
+            kvt__recall_group_acc_take(&acc, ts[i - start], n, rho[u],
                                        kvt__recall_csk_norm(csk + (size_t)u * csk_stride, rank));
         }
         kvt__recall_group_acc_stat(&acc, kvt__recall_norm2(c, n), n, st);

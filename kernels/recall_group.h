@@ -305,6 +305,16 @@ size_t kvt__recall_group_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t
  * branch_offset; its sketch csk + u * csk_stride (rank fp16 values used), its ρ rho[u]. dim >=
  * branch_dim + rank is the centre stride. Arguments trusted (kvt__recall_group_args_ok); scratch
  * 8-byte aligned, kvt__recall_group_scratch_bytes. */
+/* Whether the build's distance and projection chains run their AVX-512 path (32 rows at a time;
+ * the same bits): the CPU has AVX-512F and it is enabled. enable 0 / 1 turns it off / on (tests
+ * run both), -1 only asks. */
+int kvt__recall_group_wide(int enable);
+/* The build's chains, for tests: out[i − lo] = kvt__recall_dist2(X[perm[i]], c, n) (dot = 0) or
+ * the fmaf chain of c·X[perm[i]] over j ascending from +0 (dot = 1), X [rows][n]; wide = 1 runs
+ * the AVX-512 path where kvt__recall_group_wide allows it. */
+void kvt__recall_group_chains(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo,
+                              uint32_t hi, const float *c, int dot, int wide, float *out);
+
 void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
                                  size_t slot_stride, uint32_t branch_offset, int branch_dtype,
                                  uint32_t branch_dim, const uint16_t *csk, uint32_t csk_stride,

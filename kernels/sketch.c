@@ -17,8 +17,15 @@
 /* Coefficients computed together per pass over a tile's latents. */
 #define SKETCH_KB 4u
 
+/* The AVX-512 path's tile: 16 rows, one lane each (below). */
+#define WIDE_ROWS 16u
+
 size_t kvt__sketch_scratch_floats(uint32_t D) {
-    return (size_t)SKETCH_TILE * D + 2u * (size_t)D;
+    const size_t narrow = (size_t)SKETCH_TILE * D + 2u * (size_t)D;
+    /* wide: the tile's latents [D][16], its rounded coefficients [MAX_RANK][16], the 32 norm
+     * lanes [32][16] */
+    const size_t wide = (size_t)WIDE_ROWS * (D + KVT__SKETCH_MAX_RANK + KVT__SIGMA_LANES);
+    return narrow > wide ? narrow : wide;
 }
 
 /* kvt__norm_fixed with its 32 lane chains advanced together: lane l still accumulates
@@ -38,6 +45,226 @@ static inline float norm_interleaved(const float *v, uint32_t n) {
     return sqrtf(kvt__tree32(p));
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The wide path (x86-64 CPUs with AVX-512F): 16 rows a tile, one row per lane of a 512-bit
+ * register, so every instruction advances 16 independent chains, and each chain is the
+ * per-element function's, in its order, from +0:
+ *   step 1: coefficient k of row r is fmaf(c_r[d], V[k][d], acc) for d ascending (8
+ *           coefficients' chains at a time: 8 accumulators hide the fused multiply-add's latency);
+ *   step 2: rec_r[d] is fmaf(f32(csk_r[k]), V[k][d], rec) for k ascending (8 d's at a time),
+ *           then e = c_r[d] − rec_r[d];
+ *   step 3: lane l = d mod 32 of row r's norm takes fmaf(e, e, p) for d ascending (norm_interleaved
+ *           and kvt__norm_fixed's lanes), then the same tree32 and sqrtf.
+ * _mm512_fmadd_ps is the correctly rounded a·b + c of fmaf in every lane, so the bits are the
+ * narrow path's (tests/test_recall.c runs both against the per-element functions).
+ * ------------------------------------------------------------------------------------------- */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <immintrin.h>
+#define SKETCH_WIDE 1
+#define WIDE_FN __attribute__((target("avx512f")))
+
+/* Step 1 for coefficients k0 .. k0 + 8 of the tile: ct [D][16] latents, out [8][16]. */
+WIDE_FN static void wide_coef8(const float *ct, uint32_t D, const float *V, uint32_t k0,
+                               float *out) {
+    const float *v0 = V + (size_t)k0 * D, *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D, *v4 = v3 + D,
+                *v5 = v4 + D, *v6 = v5 + D, *v7 = v6 + D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (uint32_t d = 0; d < D; d++) {
+        const __m512 x = _mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS);
+        a0 = _mm512_fmadd_ps(x, _mm512_set1_ps(v0[d]), a0);
+        a1 = _mm512_fmadd_ps(x, _mm512_set1_ps(v1[d]), a1);
+        a2 = _mm512_fmadd_ps(x, _mm512_set1_ps(v2[d]), a2);
+        a3 = _mm512_fmadd_ps(x, _mm512_set1_ps(v3[d]), a3);
+        a4 = _mm512_fmadd_ps(x, _mm512_set1_ps(v4[d]), a4);
+        a5 = _mm512_fmadd_ps(x, _mm512_set1_ps(v5[d]), a5);
+        a6 = _mm512_fmadd_ps(x, _mm512_set1_ps(v6[d]), a6);
+        a7 = _mm512_fmadd_ps(x, _mm512_set1_ps(v7[d]), a7);
+    }
+    _mm512_storeu_ps(out + 0 * WIDE_ROWS, a0);
+    _mm512_storeu_ps(out + 1 * WIDE_ROWS, a1);
+    _mm512_storeu_ps(out + 2 * WIDE_ROWS, a2);
+    _mm512_storeu_ps(out + 3 * WIDE_ROWS, a3);
+    _mm512_storeu_ps(out + 4 * WIDE_ROWS, a4);
+    _mm512_storeu_ps(out + 5 * WIDE_ROWS, a5);
+    _mm512_storeu_ps(out + 6 * WIDE_ROWS, a6);
+    _mm512_storeu_ps(out + 7 * WIDE_ROWS, a7);
+}
+
+/* Step 1 for one coefficient k (the rank's tail past a multiple of 8). */
+WIDE_FN static void wide_coef1(const float *ct, uint32_t D, const float *V, uint32_t k,
+                               float *out) {
+    const float *v = V + (size_t)k * D;
+    __m512 a = _mm512_setzero_ps();
+    for (uint32_t d = 0; d < D; d++)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS), _mm512_set1_ps(v[d]), a);
+    _mm512_storeu_ps(out, a);
+}
+
+/* Steps 2 and 3 for the tile (D a multiple of 8): ck [rank][16] the rounded coefficients as
+ * fp32, p [32][16] the norm lanes (written). */
+WIDE_FN static void wide_resid(const float *ct, uint32_t D, const float *V, uint32_t rank,
+                               const float *ck, float *p) {
+    for (uint32_t l = 0; l < KVT__SIGMA_LANES; l++)
+        _mm512_storeu_ps(p + (size_t)l * WIDE_ROWS, _mm512_setzero_ps());
+    for (uint32_t d0 = 0; d0 < D; d0 += 8u) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+               a7 = a0;
+        for (uint32_t k = 0; k < rank; k++) {
+            const __m512 c = _mm512_loadu_ps(ck + (size_t)k * WIDE_ROWS);
+            const float *v = V + (size_t)k * D + d0;
+            a0 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[0]), a0);
+            a1 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[1]), a1);
+            a2 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[2]), a2);
+            a3 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[3]), a3);
+            a4 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[4]), a4);
+            a5 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[5]), a5);
+            a6 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[6]), a6);
+            a7 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[7]), a7);
+        }
+        const __m512 rec[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+        for (uint32_t j = 0; j < 8u; j++) {
+            const uint32_t d = d0 + j;
+            const __m512 e = _mm512_sub_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS), rec[j]);
+            float *pl = p + (size_t)(d % KVT__SIGMA_LANES) * WIDE_ROWS;
+            _mm512_storeu_ps(pl, _mm512_fmadd_ps(e, e, _mm512_loadu_ps(pl)));
+        }
+    }
+}
+
+/* A full tile's bf16 latents, transposed into ct [D][16] (D even): one 4-byte gather per lane
+ * and pair of values (latent d in the low half, d + 1 in the high one), widened exactly (bf16 is
+ * fp32's top half). Returns the lanes whose latent holds a non-finite value. */
+WIDE_FN static uint32_t wide_load_bf16(const uint8_t *base, const int32_t *sl, size_t stride,
+                                       uint32_t D, float *ct) {
+    int64_t off[WIDE_ROWS];
+    for (uint32_t r = 0; r < WIDE_ROWS; r++)
+        off[r] = (int64_t)sl[r] * (int64_t)stride;
+    const __m512i o0 = _mm512_loadu_si512(off), o1 = _mm512_loadu_si512(off + 8);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), ex = _mm512_set1_epi32(0x7f800000);
+    __mmask16 bad = 0;
+    for (uint32_t d = 0; d < D; d += 2u) {
+        const __m256i g0 = _mm512_i64gather_epi32(o0, base + 2u * d, 1);
+        const __m256i g1 = _mm512_i64gather_epi32(o1, base + 2u * d, 1);
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1);
+        const __m512i a = _mm512_slli_epi32(x, 16), b = _mm512_and_si512(x, hi);
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(a, ex), ex);
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, ex), ex);
+        _mm512_storeu_si512(ct + (size_t)d * WIDE_ROWS, a);
+        _mm512_storeu_si512(ct + (size_t)(d + 1u) * WIDE_ROWS, b);
+    }
+    return bad;
+}
+
+/* n rows of 16 coefficients (f [n][16]) to fp16, rounded to nearest even (kvt__f32_to_f16's
+ * rounding: IEEE binary16, overflow to Inf; a NaN's payload may differ, and a non-finite
+ * coefficient zeroes its row's sketch either way). */
+WIDE_FN static void wide_to_f16(const float *f, uint32_t n, uint16_t *h) {
+    for (uint32_t j = 0; j < n; j++)
+        _mm256_storeu_si256((__m256i *)(h + (size_t)j * WIDE_ROWS),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(f + (size_t)j * WIDE_ROWS),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* The stored sketch as fp32 (exact), ck [rank][16]: the lanes of `ok` whose coefficients are all
+ * finite keep theirs, every other lane is zero. Returns those lanes. */
+WIDE_FN static uint32_t wide_from_f16(const uint16_t *h, uint32_t rank, uint32_t ok, float *ck) {
+    const __m512i ex = _mm512_set1_epi32(0x7f800000);
+    __mmask16 bad = 0;
+    for (uint32_t k = 0; k < rank; k++) {
+        const __m512 v =
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + (size_t)k * WIDE_ROWS)));
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), ex), ex);
+        _mm512_storeu_ps(ck + (size_t)k * WIDE_ROWS, v);
+    }
+    const __mmask16 keep = (__mmask16)(ok & ~(uint32_t)bad);
+    for (uint32_t k = 0; keep != 0xffffu && k < rank; k++)
+        _mm512_storeu_ps(ck + (size_t)k * WIDE_ROWS,
+                         _mm512_maskz_mov_ps(keep, _mm512_loadu_ps(ck + (size_t)k * WIDE_ROWS)));
+    return keep;
+}
+
+/* Whether the wide path runs: the CPU has AVX-512F and kvt__sketch_wide has not turned it off. */
+static int wide_enabled = 1;
+
+int kvt__sketch_wide(int enable) {
+    if (enable >= 0)
+        wide_enabled = enable;
+    return wide_enabled && __builtin_cpu_supports("avx512f");
+}
+
+/* The wide path over every row (D a multiple of 8). */
+static void sketch_rows_wide(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
+                             size_t slot_stride_bytes, int dtype, uint32_t D, const float *V,
+                             uint32_t rank, uint32_t csk_stride, float *scratch, uint16_t *csk,
+                             float *rho) {
+    float *ct = scratch;                                      /* [D][16] */
+    float *ck = ct + (size_t)WIDE_ROWS * D;                   /* [rank][16]; step 1's [8][16] */
+    float *p = ck + (size_t)WIDE_ROWS * KVT__SKETCH_MAX_RANK; /* [32][16] */
+    uint16_t h16[KVT__SKETCH_MAX_RANK * WIDE_ROWS];           /* the tile's sketch, [rank][16] */
+    for (uint32_t u0 = 0; u0 < n_rows; u0 += WIDE_ROWS) {
+        const uint32_t T = n_rows - u0 < WIDE_ROWS ? n_rows - u0 : WIDE_ROWS;
+        /* the tile's latents as fp32, transposed; a non-finite row and unused lanes as zeros */
+        uint32_t fin = 0;
+        if (T == WIDE_ROWS && dtype == KVT__DT_BF16) {
+            fin = ~wide_load_bf16(base, slots + u0, slot_stride_bytes, D, ct) & 0xffffu;
+        } else {
+            for (uint32_t r = 0; r < WIDE_ROWS; r++) {
+                const uint8_t *row =
+                    r < T ? base + (size_t)slots[u0 + r] * slot_stride_bytes : NULL;
+                uint32_t bad = row ? 0 : 1;
+                for (uint32_t d = 0; row && d < D; d++) {
+                    float x = kvt__sketch_latent(row, dtype, d);
+                    bad |= (kvt__bits_from_f32(x) & 0x7f800000u) == 0x7f800000u;
+                    ct[(size_t)d * WIDE_ROWS + r] = x;
+                }
+                fin |= (uint32_t)!bad << r;
+            }
+        }
+        for (uint32_t r = 0; r < WIDE_ROWS; r++)
+            for (uint32_t d = 0; !(fin >> r & 1u) && d < D; d++)
+                ct[(size_t)d * WIDE_ROWS + r] = 0.0f;
+        /* step 1, rounded to fp16 as it is stored */
+        uint32_t k0 = 0;
+        for (; k0 + 8u <= rank; k0 += 8u) {
+            wide_coef8(ct, D, V, k0, ck);
+            wide_to_f16(ck, 8u, h16 + (size_t)k0 * WIDE_ROWS);
+        }
+        for (; k0 < rank; k0++) {
+            wide_coef1(ct, D, V, k0, ck);
+            wide_to_f16(ck, 1u, h16 + (size_t)k0 * WIDE_ROWS);
+        }
+        /* the stored sketch (stride padding zero; an undescribable row's all zero, its lane then
+         * computes a residual that is never stored), as fp32 for step 2 */
+        fin = wide_from_f16(h16, rank, fin, ck);
+        for (uint32_t r = 0; r < T; r++) {
+            uint16_t *cs = csk + (size_t)(u0 + r) * csk_stride;
+            const int ok = (int)(fin >> r & 1u);
+            for (uint32_t k = 0; k < rank; k++)
+                cs[k] = ok ? h16[(size_t)k * WIDE_ROWS + r] : 0;
+            for (uint32_t k = rank; k < csk_stride; k++)
+                cs[k] = 0;
+        }
+        wide_resid(ct, D, V, rank, ck, p);
+        for (uint32_t r = 0; r < T; r++) {
+            if (!(fin >> r & 1u)) {
+                rho[u0 + r] = INFINITY; /* undescribable: every certificate on it is infinite */
+                continue;
+            }
+            float lanes[KVT__SIGMA_LANES];
+            for (uint32_t l = 0; l < KVT__SIGMA_LANES; l++)
+                lanes[l] = p[(size_t)l * WIDE_ROWS + r];
+            rho[u0 + r] = kvt__sketch_rho_canon(sqrtf(kvt__tree32(lanes)));
+        }
+    }
+}
+#else
+int kvt__sketch_wide(int enable) {
+    (void)enable;
+    return 0;
+}
+#endif
+
 KVT__FMA_CLONES
 void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
                           size_t slot_stride_bytes, int dtype, uint32_t D, const float *V,
@@ -45,6 +272,13 @@ void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_
                           float *rho) {
     KVT_ASSERT(D >= 1 && D <= KVT__SKETCH_MAX_DIM);
     KVT_ASSERT(rank <= csk_stride && csk_stride <= KVT__SKETCH_MAX_RANK);
+#if defined(SKETCH_WIDE)
+    if (D % 8u == 0 && kvt__sketch_wide(-1)) {
+        sketch_rows_wide(base, slots, n_rows, slot_stride_bytes, dtype, D, V, rank, csk_stride,
+                         scratch, csk, rho);
+        return;
+    }
+#endif
     float *ct = scratch;                            /* [D][SKETCH_TILE]: the tile's latents */
     float *rec = scratch + (size_t)SKETCH_TILE * D; /* [D] */
     float *e = rec + D;                             /* [D] */

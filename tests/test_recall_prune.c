@@ -654,6 +654,78 @@ Test(recall_prune, build_deterministic) {
     lay_free(&l);
 }
 
+/* The build's AVX-512 chains (32 rows a gather) against the narrow loop: the same planes, byte for
+ * byte, over clustered and random blocks, bf16 and fp32, ranks 0, 16 and 64, with ties (identical
+ * rows). Where the CPU has no AVX-512 both builds run the narrow loop. */
+Test(recall_prune, wide_build_equals_narrow_build) {
+    const int had = kvt__recall_group_wide(-1);
+    for (uint32_t c = 0; c < 6; c++) {
+        tu_rng g = {0x31deu + c};
+        lay l;
+        lay_make(&l, &g, c % 2 ? 512 : 256, 1, 0, c % 3 == 0 ? 0 : (c % 3 == 1 ? 16 : 64),
+                 c < 3 ? KVT__DT_BF16 : KVT__DT_FP32, c < 2 ? 1 : 6, c == 0 ? 0.0 : 0.05, 0.0);
+        if (c == 5) /* ties: a run of identical rows */
+            for (uint32_t r = 1; r < 100; r++) {
+                memcpy(row_of(&l, r), row_of(&l, 0), l.stride);
+                memcpy(l.csk + (size_t)r * l.cs, l.csk, 2 * l.cs);
+                l.rho[r] = l.rho[0];
+            }
+        const uint32_t G = kvt__recall_group_slots(l.B);
+        size_t pb = sizeof(uint32_t) * l.B, eb = sizeof(uint32_t) * G,
+               cb = sizeof(float) * G * l.dim, sb = sizeof(float) * G * 5;
+        kvt__recall_group_wide(0);
+        build_block(&l, 0, 0);
+        uint32_t *perm = xmalloc(pb), *end = xmalloc(eb), ng = l.ng[0];
+        float *cen = xmalloc(cb), *st = xmalloc(sb);
+        memcpy(perm, l.perm, pb);
+        memcpy(end, l.end, eb);
+        memcpy(cen, l.centre, cb);
+        memcpy(st, l.stat, sb);
+        kvt__recall_group_wide(1);
+        build_block(&l, 0, 0xff);
+        cr_assert(l.ng[0] == ng && !memcmp(perm, l.perm, pb) && !memcmp(end, l.end, eb) &&
+                      !memcmp(cen, l.centre, cb) && !memcmp(st, l.stat, sb),
+                  "case %u: the wide build differs", c);
+        free(perm);
+        free(end);
+        free(cen);
+        free(st);
+        lay_free(&l);
+    }
+    /* the chains themselves, both paths, against the per-element functions: 77 rows of a
+     * shuffled order (two full 32-row tiles and a tail), n = 128 and 37 */
+    tu_rng g = {0x31ffu};
+    const uint32_t rows = 77;
+    for (uint32_t n = 37; n <= 128; n += 91) {
+        float *X = xmalloc(sizeof(float) * rows * n), c[128], out[77];
+        uint32_t perm[77];
+        for (uint32_t i = 0; i < rows * n; i++)
+            X[i] = (float)(tu_normal(&g) * (i % 3 ? 1.0 : 1e-3));
+        for (uint32_t j = 0; j < n; j++)
+            c[j] = (float)tu_normal(&g);
+        for (uint32_t i = 0; i < rows; i++)
+            perm[i] = (i * 31u + 5u) % rows;
+        for (int wide = 0; wide < 2; wide++)
+            for (int dot = 0; dot < 2; dot++) {
+                kvt__recall_group_chains(X, n, perm, 3, rows, c, dot, wide, out);
+                for (uint32_t i = 3; i < rows; i++) {
+                    const float *x = X + (size_t)perm[i] * n;
+                    float want = 0.0f;
+                    if (dot)
+                        for (uint32_t j = 0; j < n; j++)
+                            want = fmaf(c[j], x[j], want);
+                    else
+                        want = kvt__recall_dist2(x, c, n);
+                    cr_assert_eq(kvt__bits_from_f32(out[i - 3]), kvt__bits_from_f32(want),
+                                 "n %u wide %d dot %d row %u: %a vs %a", n, wide, dot, i,
+                                 (double)out[i - 3], (double)want);
+                }
+            }
+        free(X);
+    }
+    kvt__recall_group_wide(had);
+}
+
 /* Rows the bound cannot describe: a NaN branch value, an undescribable row (ρ = +Inf), a NaN
  * query: the groups holding them are evaluated, and the outputs stay identical. */
 Test(recall_prune, non_finite_rows_and_queries) {

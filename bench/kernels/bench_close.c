@@ -1,0 +1,167 @@
+/*
+ * bench_close.c — what a salience close runs per row, each CPU twin alone on one block of B = 4096
+ * bf16 MLA-NoPE rows (512 latent + 64 branch, 1152 B, behind a shuffled slot table): σ
+ * (kvt__sigma_block_cpu, κ = 16: 31 basis columns), the rank-64 sketch (kvt__sketch_rows_cpu, its
+ * AVX-512 path and its narrow path where the CPU has AVX-512F) and the pruned scan's group build
+ * (kvt__recall_group_block_cpu, its AVX-512 chains and its narrow ones). Latents: 90% of their energy in a rank-64 subspace (the basis),
+ * as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max over `reps`
+ * repeats. Usage: bench_close [reps] (default 5).
+ */
+#include "kernels/recall_group.h"
+#include "kernels/sigma.h"
+#include "kernels/sketch.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../bench_util.h"
+
+enum { B = 4096, D = 512, BD = 64, RANK = 64, KD = D + BD, ROW = 2 * KD, KAPPA = 16,
+       NBASIS = 2 * KAPPA - 1, DIM = BD + RANK };
+
+static double cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static float gauss(void) { /* Box-Muller */
+    double u = ((rnd() >> 11) + 1) * 0x1p-53, v = (rnd() >> 11) * 0x1p-53;
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
+typedef struct range {
+    double lo, hi;
+} range;
+
+static void take(range *r, double t) {
+    r->lo = t < r->lo ? t : r->lo;
+    r->hi = t > r->hi ? t : r->hi;
+}
+
+int main(int argc, char **argv) {
+    int reps = argc > 1 ? atoi(argv[1]) : 5;
+    if (reps < 1)
+        reps = 1;
+    uint8_t *pool = malloc((size_t)B * ROW);
+    int32_t *slots = malloc(sizeof(int32_t) * B);
+    float *V = malloc(sizeof(float) * RANK * D), *rho = malloc(sizeof(float) * B);
+    float *sig = malloc(sizeof(float) * B), *basis = malloc(sizeof(float) * NBASIS * B);
+    uint16_t *csk = malloc(sizeof(uint16_t) * B * RANK), *csk2 = malloc(sizeof(uint16_t) * B * RANK);
+    float *rho2 = malloc(sizeof(float) * B);
+    float *sk = malloc(sizeof(float) * kvt__sketch_scratch_floats(D));
+    float *ss = malloc(sizeof(float) * kvt__sigma_scratch_floats(B, NBASIS, BD));
+    void *gs = malloc(kvt__recall_group_scratch_bytes(B, BD, RANK));
+    const uint32_t G = kvt__recall_group_slots(B);
+    uint32_t *perm = malloc(sizeof(uint32_t) * B), *end = malloc(sizeof(uint32_t) * G), ng = 0;
+    float *centre = malloc(sizeof(float) * G * DIM), *stat = malloc(sizeof(float) * G * KVT__RG_STATS);
+    if (!pool || !slots || !V || !rho || !sig || !basis || !csk || !csk2 || !rho2 || !sk || !ss ||
+        !gs || !perm || !end || !centre || !stat || kvt__sigma_basis(0, B, KAPPA, basis) != 0) {
+        fprintf(stderr, "bench_close: out of memory\n");
+        return 1;
+    }
+    /* an orthonormal basis (Gram-Schmidt of Gaussian rows, in double) */
+    for (uint32_t k = 0; k < RANK; k++) {
+        double w[D];
+        for (uint32_t d = 0; d < D; d++)
+            w[d] = gauss();
+        for (uint32_t j = 0; j < k; j++) {
+            double dot = 0;
+            for (uint32_t d = 0; d < D; d++)
+                dot += w[d] * V[(size_t)j * D + d];
+            for (uint32_t d = 0; d < D; d++)
+                w[d] -= dot * V[(size_t)j * D + d];
+        }
+        double n2 = 0;
+        for (uint32_t d = 0; d < D; d++)
+            n2 += w[d] * w[d];
+        for (uint32_t d = 0; d < D; d++)
+            V[(size_t)k * D + d] = (float)(w[d] / sqrt(n2));
+    }
+    for (uint32_t u = 0; u < B; u++)
+        slots[u] = (int32_t)u;
+    for (uint32_t u = B - 1; u > 0; u--) { /* shuffled slots, as a page table leaves them */
+        uint32_t j = (uint32_t)(rnd() % (u + 1));
+        int32_t t = slots[u];
+        slots[u] = slots[j];
+        slots[j] = t;
+    }
+    for (uint32_t u = 0; u < B; u++) {
+        uint16_t *row = (uint16_t *)(pool + (size_t)u * ROW);
+        float c[RANK], x[D];
+        for (uint32_t k = 0; k < RANK; k++)
+            c[k] = 3.0f * gauss();
+        for (uint32_t d = 0; d < D; d++) {
+            float v = 0.33f * gauss() * sqrtf((float)RANK / D) * 3.0f;
+            for (uint32_t k = 0; k < RANK; k++)
+                v += c[k] * V[(size_t)k * D + d];
+            x[d] = v;
+        }
+        for (uint32_t d = 0; d < KD; d++) {
+            float f = d < D ? x[d] : gauss();
+            uint32_t bits;
+            memcpy(&bits, &f, 4);
+            row[d] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        }
+    }
+    const int wide = kvt__sketch_wide(-1);
+    const int gwide = kvt__recall_group_wide(-1);
+    uint32_t *perm2 = malloc(sizeof(uint32_t) * B), ng2 = 0;
+    if (!perm2)
+        return 1;
+    range rs = {1e30, 0}, rk = {1e30, 0}, rn = {1e30, 0}, rg = {1e30, 0}, rgn = {1e30, 0};
+    int same = 1;
+    for (int r = 0; r < reps; r++) {
+        double t = cpu_s();
+        kvt__sigma_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, basis, NBASIS, ss, sig);
+        take(&rs, cpu_s() - t);
+        if (wide) { /* the narrow path, for scale, then the wide one: the same bits */
+            kvt__sketch_wide(0);
+            t = cpu_s();
+            kvt__sketch_rows_cpu(pool, slots, B, ROW, KVT__DT_BF16, D, V, RANK, RANK, sk, csk2, rho2);
+            take(&rn, cpu_s() - t);
+            kvt__sketch_wide(1);
+        }
+        t = cpu_s();
+        kvt__sketch_rows_cpu(pool, slots, B, ROW, KVT__DT_BF16, D, V, RANK, RANK, sk, csk, rho);
+        take(&rk, cpu_s() - t);
+        if (wide)
+            same &= !memcmp(csk, csk2, sizeof(uint16_t) * B * RANK) &&
+                    !memcmp(rho, rho2, sizeof(float) * B);
+        kvt__recall_group_block out = {.perm = perm, .n_groups = &ng, .end = end,
+                                       .centre = centre, .stat = stat};
+        if (gwide) { /* the narrow build, for scale: the same planes (perm compared here) */
+            kvt__recall_group_wide(0);
+            t = cpu_s();
+            kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK,
+                                        rho, RANK, DIM, gs, &out);
+            take(&rgn, cpu_s() - t);
+            kvt__recall_group_wide(1);
+            memcpy(perm2, perm, sizeof(uint32_t) * B);
+            ng2 = ng;
+        }
+        t = cpu_s();
+        kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK, rho,
+                                    RANK, DIM, gs, &out);
+        take(&rg, cpu_s() - t);
+        if (gwide)
+            same &= ng == ng2 && !memcmp(perm, perm2, sizeof(uint32_t) * B);
+    }
+    const double ns = 1e9 / B;
+    printf("bench_close: one block of %u bf16 rows (512 + 64), %d repeats, thread CPU time per row "
+           "(min-max); exit status 1 if a wide path's output differs from the narrow one's\n", B, reps);
+    printf("  sigma (kappa %u)        %6.0f - %6.0f ns\n", KAPPA, rs.lo * ns, rs.hi * ns);
+    printf("  sketch rank %u (%s)  %6.0f - %6.0f ns\n", RANK, wide ? "AVX-512" : "narrow ",
+           rk.lo * ns, rk.hi * ns);
+    if (wide)
+        printf("  sketch rank %u (narrow)  %6.0f - %6.0f ns; wide == narrow bit for bit: %s\n",
+               RANK, rn.lo * ns, rn.hi * ns, same ? "yes" : "NO");
+    printf("  group build (%u groups, %s) %6.0f - %6.0f ns\n", ng, gwide ? "AVX-512" : "narrow",
+           rg.lo * ns, rg.hi * ns);
+    if (gwide)
+        printf("  group build (narrow)     %6.0f - %6.0f ns\n", rgn.lo * ns, rgn.hi * ns);
+    return same ? 0 : 1;
+}
