@@ -498,7 +498,7 @@ typedef struct kvt_ctx_params {
     const kvt_model *model;    /* required; copied */
     const kvt_config *config;  /* NULL: kvt_config_default(); copied (its own struct_size) */
     uint32_t page_rows;        /* rows per page (64) */
-    uint32_t n_pages;          /* pages in each policy group's pool (4096) */
+    uint32_t n_pages;          /* pages in each policy group's pool (1024) */
     kvt_backend_kind backend;  /* KVT_BACKEND_CPU */
     kvt_allocator allocator;   /* KVT_ALLOC_DEFAULT */
     bool external_storage;     /* rows live in memory bound with kvt_layer_bind before use */
@@ -628,6 +628,61 @@ typedef struct kvt_ctx_memory {
  * below KVT_CTX_MEMORY_SIZE_MIN), KVT_ERR_BAD_STATE (a step in flight: call between steps),
  * KVT_ERR_OUT_OF_MEMORY (host scratch). O(requests x layers). */
 KVT_API kvt_status kvt_ctx_memory_stats(const kvt_ctx *ctx, kvt_ctx_memory *out);
+
+/* A context's memory before it is created (kvt_ctx_estimate), per policy group (layers under one
+ * policy share a page table and a page allocator of params.n_pages pages). */
+typedef struct kvt_ctx_estimate_group {
+    kvt_policy policy;
+    uint32_t n_layers;         /* the group's layers (no-KV layers are in no group) */
+    uint64_t row_bytes;        /* one token over the group's layers: sum of n_planes x n_kv_heads
+                                * x row_bytes */
+    uint64_t page_bytes;       /* page_rows x row_bytes: what one page of the group costs */
+    uint64_t pool_bytes;       /* params.n_pages x page_bytes: the group's row pool, allocated by
+                                * kvt_ctx_create in the backend's memory (the engine's with
+                                * external_storage) */
+    uint64_t pages_needed;     /* pages max_seqs requests hold at their peak, each with
+                                * max_rows_per_seq rows reserved: max_seqs x ceil(max_rows_per_seq
+                                * / page_rows). Excludes RoPE recall's fetch area (recall on an
+                                * evict layer with an archive: up to recall_cap_rows rows more a
+                                * request) */
+    uint64_t side_bytes_per_seq; /* kvt_layer_stats.side_bytes of a request of max_rows_per_seq
+                                * rows over the group's layers: salience σ, kept set and recall
+                                * sketches, eviction positions, slot map and keep sets, the recall
+                                * trigger's state (the backend's memory) */
+    uint64_t archive_bytes_per_seq; /* random eviction's archive rows of a request (config.
+                                * evict_archive with params.archive_rows_per_seq stated: allocated
+                                * whole at kvt_seq_create, archive_rows_per_seq x n_kv_heads x
+                                * n_planes x row_bytes per evict layer; 0 when it grows with what
+                                * is evicted), in params.archive_space; its position indices and
+                                * sketches are in side_bytes_per_seq */
+} kvt_ctx_estimate_group;
+
+typedef struct kvt_ctx_estimate_out {
+    size_t struct_size;        /* in: sizeof(kvt_ctx_estimate_out) (output written up to it) */
+    uint32_t n_groups;
+    kvt_ctx_estimate_group groups[3]; /* [0, n_groups), in kvt_ctx_layer_group's order */
+    uint32_t n_pages_needed;   /* the largest pages_needed: the params.n_pages that admits
+                                * max_seqs requests of max_rows_per_seq rows each (0 when it
+                                * exceeds 2^32 - 1 or 2^31 - 1 rows: no context holds them) */
+    uint64_t pool_bytes;       /* sum of the groups' pool_bytes at params.n_pages */
+    uint64_t pool_bytes_needed; /* the same at n_pages_needed */
+    uint64_t side_bytes;       /* max_seqs x the groups' side_bytes_per_seq */
+    uint64_t archive_bytes;    /* max_seqs x the groups' archive_bytes_per_seq */
+} kvt_ctx_estimate_out;
+#define KVT_CTX_ESTIMATE_OUT_SIZE_MIN sizeof(kvt_ctx_estimate_out)
+/* The memory kvt_ctx_create(params) would allocate and the pages its requests would need, before
+ * creating it: for each policy group the bytes of a row, a page and the pool (params.n_pages), the
+ * pages that params.max_seqs requests of params.max_rows_per_seq rows each hold (both must be
+ * stated), and the side planes and archive of one such request. The sizes of the side planes
+ * come from the library's own sizing: a probe context of one page per group on the CPU backend
+ * (a few bytes of pool, libc allocator) creates one request of max_rows_per_seq rows and reads
+ * its kvt_layer_stats; the probe is destroyed before the call returns. Not counted: the backend's
+ * workspace (σ and top-m scratch, sized by max_rows_per_seq) and host bookkeeping. err may be
+ * NULL. KVT_ERR_INVALID_ARGUMENT (NULL, out->struct_size below KVT_CTX_ESTIMATE_OUT_SIZE_MIN,
+ * max_seqs or max_rows_per_seq 0, or what kvt_ctx_create refuses; err names it), the statuses of
+ * kvt_ctx_create and kvt_seq_create otherwise. */
+KVT_API kvt_status kvt_ctx_estimate(const kvt_ctx_params *params, kvt_ctx_estimate_out *out,
+                                    char *err, size_t err_len);
 
 /* Base address and size of a layer's plane (0 = K or the MLA row, 1 = V): the array
  * [n_pages][page_rows][n_kv_heads][row_bytes]. KVT_ERR_OUT_OF_RANGE for a bad layer/plane,
