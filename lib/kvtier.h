@@ -448,6 +448,19 @@ typedef struct kvt_config {
      * (KVT_ERR_UNSUPPORTED at request creation). Snapshots and forks carry the kept queries.
      * A struct that ends before it gets false. */
     bool recall_lagged_query;
+    /* Random eviction's budget from the request's ratio (false by default: every request keeps
+     * evict_budget_rows, K, per KV head, whatever its length and ratio, so a request shorter
+     * than K + r + c is never evicted). true: at each reservation a request's K is recomputed
+     * from its length T after the step's tokens, its ratio (kvt_seq_params.ratio, else
+     * config.ratio) and its protected prompt P (protect_prompt: min(prompt_rows, T); else 0):
+     * K = max(recent_rows, P + ceil((T − P) / ratio)), at most 2^28, so the prompt is never over
+     * budget and the rest is kept at 1 / ratio (a round runs at K + r + c rows and keeps K + r:
+     * attended rows stay within r + c of P + (T − P) / ratio). evict_budget_rows is then unused
+     * (kvt_seq_layer_stats shows K through attended_rows). Rounds grow with the request: with
+     * max_rows_per_seq stated the keep sets are sized for max_rows_per_seq rows at creation, and
+     * a device workspace sized for K + r + c grows at a larger round (outside any graph). A
+     * struct that ends before it gets false; snapshots carry it in the config flags. */
+    bool evict_ratio_budget;
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
@@ -864,8 +877,10 @@ typedef struct kvt_seq_params {
     uint64_t request_id;   /* keys the random draws of this request, with the config seed (0) */
     uint64_t prompt_rows;  /* rows [0, prompt_rows) are the prompt, protected from random
                             * eviction (0); kvt_seq_set_prompt_rows may change it until a round */
-    uint32_t ratio;        /* salience ratio of this request (m = closed / ratio); 0: the
-                            * context's config.ratio. Random eviction keeps config's K. */
+    uint32_t ratio;        /* ratio of this request (salience: m = closed / ratio; random
+                            * eviction with config.evict_ratio_budget: K from it); 0: the
+                            * context's config.ratio. Without evict_ratio_budget random
+                            * eviction keeps config's K. */
     int32_t recall;        /* a kvt_recall_mode, or -1: the context's config.recall */
 } kvt_seq_params;
 #define KVT_SEQ_PARAMS_SIZE_MIN (offsetof(kvt_seq_params, recall) + sizeof(int32_t))
