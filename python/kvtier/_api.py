@@ -388,7 +388,7 @@ class Model(_Closable):
 # ---------------------------------------------------------------------------------------------
 _CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector, "sigma_basis": SigmaBasis}
 _CONFIG_BOOLS = ("protect_prompt", "evict_archive", "evict_shared_draw", "evict_vase",
-                 "salience_budget", "recall_lagged_query")
+                 "salience_budget", "recall_lagged_query", "evict_ratio_budget")
 _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows": "u32",
                  "evict_budget_rows": "u32", "recent_rows": "u32", "cadence_rows": "u32",
                  "seed": "u64", "recall_cap_rows": "u32", "budget_min_kept": "u32",

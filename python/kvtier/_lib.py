@@ -130,6 +130,7 @@ class ConfigC(ctypes.Structure):
         ("recall_promote_hits", c_u32),
         ("recall_promote_window", c_u32),
         ("recall_lagged_query", ctypes.c_bool),
+        ("evict_ratio_budget", ctypes.c_bool),
     ]
 
 
