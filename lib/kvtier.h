@@ -92,7 +92,8 @@
  *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
  *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context, kvt_seq_request_id,
  *    kvt_recall_basis_read / kvt_recall_basis_write (files only; distinct paths),
- *    kvt_orthonormalise_rows (on distinct arrays), and
+ *    kvt_orthonormalise_rows (on distinct arrays), kvt_ctx_estimate (its probe context is its
+ *    own), and
  *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
  *    are joined). A kvt_model is only read after kvt_model_create: the const kvt_model_* calls
  *    and kvt_ctx_create may use one model from many threads at once (a context copies it);
