@@ -1162,7 +1162,8 @@ typedef struct kvt_emit {
  * layer 616 + 216 B). stream: that of the graph launch
  * (stream-ordered after the previous step's device work). Errors:
  * KVT_ERR_BAD_STATE (not planned, already run, planned twice, a damaged request),
- * KVT_ERR_INVALID_ARGUMENT (emits), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
+ * KVT_ERR_INVALID_ARGUMENT (emits; on the guarded backend an array outside its buffers, as for
+ * kvt_batch_run), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
  * KVT_ERR_OUT_OF_MEMORY (the buffer), a backend status. */
 KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits,
                                          uint32_t n_emits, void *stream, bool *planned);
@@ -1179,7 +1180,9 @@ KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits
  * CPU backends run each op as it is enqueued); the commit reuses the last run's.
  * Checked before any work (nothing done, nothing emitted): KVT_ERR_INVALID_ARGUMENT (emit NULL,
  * its struct_size below KVT_EMIT_SIZE_MIN, an unknown layout, a NULL array, queries_per_seq
- * above KVT_MAX_QUERIES_PER_SEQ), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a
+ * above KVT_MAX_QUERIES_PER_SEQ; on the guarded backend an emission array, at the extent the
+ * step writes, or the query where the run reads it, outside the backend's buffers: host memory
+ * is the caller's error, named in the message), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a
  * request's n_tokens, KVT_ERR_BAD_STATE before plan, on a damaged request, or for per-token
  * emission of a multi-token request whose earlier run of this layer already did its policy work.
  * After the work: KVT_ERR_CAPACITY (the layer's work is done, nothing emitted) when a set
