@@ -56,14 +56,12 @@ static kvt_status estimate(const kvt_ctx_params *params, kvt_ctx_estimate_out *o
                          "params or out is NULL, or out->struct_size is below "
                          "KVT_CTX_ESTIMATE_OUT_SIZE_MIN (%zu)",
                          (size_t)KVT_CTX_ESTIMATE_OUT_SIZE_MIN);
+    /* The ABI rule (kvtier.h): fields past the caller's struct take their defaults, a newer
+     * caller's extra bytes must be zero. */
     kvt_ctx_params p = kvt_ctx_default_params();
-    if (params->struct_size < KVT_CTX_PARAMS_SIZE_MIN)
-        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
-                         "params.struct_size is below KVT_CTX_PARAMS_SIZE_MIN");
-    /* Fields past the caller's struct take their defaults (a newer caller's extra bytes are
-     * kvt_ctx_create's to check, on the probe). */
-    memcpy(&p, params, params->struct_size < sizeof p ? params->struct_size : sizeof p);
-    p.struct_size = sizeof p;
+    kvt_status s = kvt__struct_in(&p, sizeof p, params, KVT_CTX_PARAMS_SIZE_MIN, "params");
+    if (s != KVT_OK)
+        return kvt__fail(err, len, s, "%s", kvt__tls_error());
     if (!p.model)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.model is NULL");
     if (p.max_seqs == 0 || p.max_rows_per_seq == 0)
@@ -74,7 +72,7 @@ static kvt_status estimate(const kvt_ctx_params *params, kvt_ctx_estimate_out *o
     kvt_ctx_estimate_out o;
     memset(&o, 0, sizeof o);
     o.struct_size = out->struct_size < sizeof o ? out->struct_size : sizeof o;
-    kvt_status s = probe(&p, &o, err, len);
+    s = probe(&p, &o, err, len);
     if (s != KVT_OK)
         return s;
     const bool archive = (p.config ? p.config->evict_archive : kvt_config_default().evict_archive);

@@ -182,6 +182,9 @@ Test(estimate, refuses_what_it_cannot_estimate) {
     e.struct_size = 8;
     cr_assert_eq(kvt_ctx_estimate(&p, &e, NULL, 0), KVT_ERR_INVALID_ARGUMENT);
     e.struct_size = sizeof e;
+    p.struct_size = 8; /* the ABI rule: below KVT_CTX_PARAMS_SIZE_MIN */
+    cr_assert_eq(kvt_ctx_estimate(&p, &e, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    p.struct_size = sizeof p;
     p.page_rows = 0; /* kvt_ctx_create's own checks, on the probe */
     cr_assert_eq(kvt_ctx_estimate(&p, &e, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(err, "page_rows"), "%s", err);
