@@ -508,6 +508,13 @@ typedef struct kvt__backend_ops {
     kvt_status (*capture_end)(kvt__backend *be, void *stream, void **graph);
     kvt_status (*graph_launch)(const kvt__backend *be, void *graph, void *stream);
     void (*graph_free)(const kvt__backend *be, void *graph);
+    /* (optional) Whether [p, p + bytes) lies inside one of the backend's buffers, the only
+     * memory its ops take as theirs: the guarded backend, which knows its buffers. NULL where
+     * the backend does not tell (the CPU backend's memory is the host's). lib/batch.c asks it of
+     * the arrays an engine hands kvt_batch_run and kvt_batch_plan_device before any work, so that
+     * a host array there is the caller's error (KVT_ERR_INVALID_ARGUMENT naming the argument),
+     * not an op's refusal (KVT_ERR_INVARIANT, kept for the library's own pointers). */
+    bool (*holds)(const kvt__backend *be, const void *p, size_t bytes);
 } kvt__backend_ops;
 
 /* A capture in progress on a CPU backend handle (kernels/capture_cpu.c). */

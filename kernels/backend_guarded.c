@@ -704,6 +704,10 @@ static kvt_status g_pack(const kvt__backend *be, const kvt__pack_args *a, void *
     return s;
 }
 
+static bool g_holds(const kvt__backend *be, const void *p, size_t bytes) {
+    return guard_owns(be->impl, p, bytes);
+}
+
 static const kvt__backend_ops guarded_ops_table = {
     .name = "guarded",
     .close = kvt__backend_cpu_close, /* which closes the guard too */
@@ -735,6 +739,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .capture_end = kvt__cpu_capture_end,
     .graph_launch = kvt__cpu_graph_launch,
     .graph_free = kvt__cpu_graph_free,
+    .holds = g_holds,
 };
 
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {

@@ -532,6 +532,41 @@ static bool emit_arrays_missing(const kvt_emit *e) {
     return (tokens ? !e->lengths : !e->indptr) || (!e->indices && e->capacity > 0);
 }
 
+/* An array the engine hands a run (what names it), of bytes the run may read or write: in the
+ * backend's memory where the backend tells (ops->holds: the guarded backend), else the
+ * caller's error, found before any work rather than by the op that would touch it. */
+static kvt_status user_array(kvt_batch *b, const void *p, size_t bytes, const char *what) {
+    const kvt__backend *be = &b->be;
+    if (!p || !be->ops->holds || be->ops->holds(be, p, bytes))
+        return KVT_OK;
+    return kvt__ctx_fail(b->ctx, KVT_ERR_INVALID_ARGUMENT,
+                         "%s: %zu bytes at %p are not in the %s backend's memory (pass "
+                         "kvt_buffer memory: kvt_buffer_alloc, kvt_buffer_ptr)",
+                         what, bytes, p, be->ops->name);
+}
+
+/* The emission's arrays (name: "emit" or "emits[l]"), as user_array, at what this step writes:
+ * entries sets (requests x query tokens x KV heads' lists). */
+static kvt_status emit_reachable(kvt_batch *b, const kvt_emit *e, const char *name,
+                                 uint64_t entries) {
+    char what[48];
+    const bool tokens = e->layout == KVT_EMIT_TOKENS;
+    kvt_status s = KVT_OK;
+    snprintf(what, sizeof what, "%s.indices", name);
+    s = user_array(b, e->indices, sizeof(int32_t) * (tokens ? entries * e->capacity : e->capacity),
+                   what);
+    if (s == KVT_OK) {
+        snprintf(what, sizeof what, "%s.%s", name, tokens ? "lengths" : "indptr");
+        s = user_array(b, tokens ? e->lengths : e->indptr,
+                       sizeof(int32_t) * (tokens ? entries : entries + 1), what);
+    }
+    if (s == KVT_OK) {
+        snprintf(what, sizeof what, "%s.dense", name);
+        s = user_array(b, e->dense, b->n_seqs, what);
+    }
+    return s;
+}
+
 /* Query token t of request i on the layer (entry i * S + t of the emission): its set, and where
  * it goes in the TOKENS or CSR layout (CSR: from *off on, which it advances). */
 static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer, uint32_t S,
@@ -1087,7 +1122,15 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emits: %u given, 1 (every layer) or n_layers = %u", n_emits, L);
     for (uint32_t l = 0; l < n_emits; l++) {
+        char name[24];
+        snprintf(name, sizeof name, "emits[%u]", l);
         kvt_status s = plan_emit_ok(ctx, &emits[l], l);
+        if (s == KVT_OK)
+            s = emit_reachable(b, &emits[l], name,
+                               (uint64_t)b->n_seqs *
+                                   (emits[l].layout == KVT_EMIT_CSR_KV_HEADS && n_emits == L
+                                        ? ctx->stores[l].spec.n_kv_heads
+                                        : 1)); /* one for all: the least any layer writes */
         if (s != KVT_OK)
             return s;
     }
@@ -1188,6 +1231,11 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
                              layer);
     layer_run lr = {.S = 1, .qpr = b->plan.qpr[layer], .planned = true,
                     .query_floats = run_query_floats(b, layer, rope) * b->max_seqs};
+    if (plans_recall(b, layer) || rope) {
+        kvt_status s = user_array(b, query, sizeof(float) * lr.query_floats, "query");
+        if (s != KVT_OK)
+            return s;
+    }
     plan_bounds(b, layer, b->plan.kind[layer], &lr);
     b->ran = true;
     b->stream = stream;
@@ -1234,6 +1282,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                              "(queries_per_seq %u)",
                              S);
     const uint32_t n_kv = heads ? ctx->stores[layer].spec.n_kv_heads : 1;
+    if ((s = emit_reachable(b, emit, "emit", (uint64_t)b->n_seqs * S * n_kv)) != KVT_OK)
+        return s;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
         if (!sq)
@@ -1269,6 +1319,10 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (fetches && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: requests of the batch recall on layer %u", layer);
+    if (recalls && (s = user_array(b, query,
+                                   sizeof(float) * run_query_floats(b, layer, rope) * b->n_seqs,
+                                   "query")) != KVT_OK)
+        return s;
     /* One KV head (MLA-RoPE, MQA): the per-head list is the request's list, so CSR is the
      * per-head layout and TOKENS takes it at the request's row (one query token per request). */
     const bool one_kv = ctx->stores[layer].spec.n_kv_heads == 1;

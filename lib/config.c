@@ -30,6 +30,7 @@ kvt_config kvt_config_default(void) {
     c.recall_promote_hits = 3;
     c.recall_promote_window = 8;
     c.recall_lagged_query = false;
+    c.evict_ratio_budget = false;
     return c;
 }
 

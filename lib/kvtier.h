@@ -92,7 +92,8 @@
  *    kvt_ctx_config, kvt_ctx_layer_policy, kvt_ctx_layer_group, kvt_ctx_backend_name,
  *    kvt_ctx_allocator_name, kvt_layer_data (once bound), kvt_seq_context, kvt_seq_request_id,
  *    kvt_recall_basis_read / kvt_recall_basis_write (files only; distinct paths),
- *    kvt_orthonormalise_rows (on distinct arrays), and
+ *    kvt_orthonormalise_rows (on distinct arrays), kvt_ctx_estimate (its probe context is its
+ *    own), and
  *    kvt_ctx_host_allocations (a relaxed atomic count; exact once the threads that allocate
  *    are joined). A kvt_model is only read after kvt_model_create: the const kvt_model_* calls
  *    and kvt_ctx_create may use one model from many threads at once (a context copies it);
@@ -448,6 +449,19 @@ typedef struct kvt_config {
      * (KVT_ERR_UNSUPPORTED at request creation). Snapshots and forks carry the kept queries.
      * A struct that ends before it gets false. */
     bool recall_lagged_query;
+    /* Random eviction's budget from the request's ratio (false by default: every request keeps
+     * evict_budget_rows, K, per KV head, whatever its length and ratio, so a request shorter
+     * than K + r + c is never evicted). true: at each reservation a request's K is recomputed
+     * from its length T after the step's tokens, its ratio (kvt_seq_params.ratio, else
+     * config.ratio) and its protected prompt P (protect_prompt: min(prompt_rows, T); else 0):
+     * K = max(recent_rows, P + ceil((T − P) / ratio)), at most 2^28, so the prompt is never over
+     * budget and the rest is kept at 1 / ratio (a round runs at K + r + c rows and keeps K + r:
+     * attended rows stay within r + c of P + (T − P) / ratio). evict_budget_rows is then unused
+     * (kvt_seq_layer_stats shows K through attended_rows). Rounds grow with the request: with
+     * max_rows_per_seq stated the keep sets are sized for max_rows_per_seq rows at creation, and
+     * a device workspace sized for K + r + c grows at a larger round (outside any graph). A
+     * struct that ends before it gets false; snapshots carry it in the config flags. */
+    bool evict_ratio_budget;
 } kvt_config;
 /* Oldest kvt_config layout this library reads (ABI rule at the top). */
 #define KVT_CONFIG_SIZE_MIN (offsetof(kvt_config, selector) + sizeof(kvt_selector))
@@ -498,7 +512,7 @@ typedef struct kvt_ctx_params {
     const kvt_model *model;    /* required; copied */
     const kvt_config *config;  /* NULL: kvt_config_default(); copied (its own struct_size) */
     uint32_t page_rows;        /* rows per page (64) */
-    uint32_t n_pages;          /* pages in each policy group's pool (4096) */
+    uint32_t n_pages;          /* pages in each policy group's pool (1024) */
     kvt_backend_kind backend;  /* KVT_BACKEND_CPU */
     kvt_allocator allocator;   /* KVT_ALLOC_DEFAULT */
     bool external_storage;     /* rows live in memory bound with kvt_layer_bind before use */
@@ -628,6 +642,61 @@ typedef struct kvt_ctx_memory {
  * below KVT_CTX_MEMORY_SIZE_MIN), KVT_ERR_BAD_STATE (a step in flight: call between steps),
  * KVT_ERR_OUT_OF_MEMORY (host scratch). O(requests x layers). */
 KVT_API kvt_status kvt_ctx_memory_stats(const kvt_ctx *ctx, kvt_ctx_memory *out);
+
+/* A context's memory before it is created (kvt_ctx_estimate), per policy group (layers under one
+ * policy share a page table and a page allocator of params.n_pages pages). */
+typedef struct kvt_ctx_estimate_group {
+    kvt_policy policy;
+    uint32_t n_layers;         /* the group's layers (no-KV layers are in no group) */
+    uint64_t row_bytes;        /* one token over the group's layers: sum of n_planes x n_kv_heads
+                                * x row_bytes */
+    uint64_t page_bytes;       /* page_rows x row_bytes: what one page of the group costs */
+    uint64_t pool_bytes;       /* params.n_pages x page_bytes: the group's row pool, allocated by
+                                * kvt_ctx_create in the backend's memory (the engine's with
+                                * external_storage) */
+    uint64_t pages_needed;     /* pages max_seqs requests hold at their peak, each with
+                                * max_rows_per_seq rows reserved: max_seqs x ceil(max_rows_per_seq
+                                * / page_rows). Excludes RoPE recall's fetch area (recall on an
+                                * evict layer with an archive: up to recall_cap_rows rows more a
+                                * request) */
+    uint64_t side_bytes_per_seq; /* kvt_layer_stats.side_bytes of a request of max_rows_per_seq
+                                * rows over the group's layers: salience σ, kept set and recall
+                                * sketches, eviction positions, slot map and keep sets, the recall
+                                * trigger's state (the backend's memory) */
+    uint64_t archive_bytes_per_seq; /* random eviction's archive rows of a request (config.
+                                * evict_archive with params.archive_rows_per_seq stated: allocated
+                                * whole at kvt_seq_create, archive_rows_per_seq x n_kv_heads x
+                                * n_planes x row_bytes per evict layer; 0 when it grows with what
+                                * is evicted), in params.archive_space; its position indices and
+                                * sketches are in side_bytes_per_seq */
+} kvt_ctx_estimate_group;
+
+typedef struct kvt_ctx_estimate_out {
+    size_t struct_size;        /* in: sizeof(kvt_ctx_estimate_out) (output written up to it) */
+    uint32_t n_groups;
+    kvt_ctx_estimate_group groups[3]; /* [0, n_groups), in kvt_ctx_layer_group's order */
+    uint32_t n_pages_needed;   /* the largest pages_needed: the params.n_pages that admits
+                                * max_seqs requests of max_rows_per_seq rows each (0 when it
+                                * exceeds 2^32 - 1 or 2^31 - 1 rows: no context holds them) */
+    uint64_t pool_bytes;       /* sum of the groups' pool_bytes at params.n_pages */
+    uint64_t pool_bytes_needed; /* the same at n_pages_needed */
+    uint64_t side_bytes;       /* max_seqs x the groups' side_bytes_per_seq */
+    uint64_t archive_bytes;    /* max_seqs x the groups' archive_bytes_per_seq */
+} kvt_ctx_estimate_out;
+#define KVT_CTX_ESTIMATE_OUT_SIZE_MIN sizeof(kvt_ctx_estimate_out)
+/* The memory kvt_ctx_create(params) would allocate and the pages its requests would need, before
+ * creating it: for each policy group the bytes of a row, a page and the pool (params.n_pages), the
+ * pages that params.max_seqs requests of params.max_rows_per_seq rows each hold (both must be
+ * stated), and the side planes and archive of one such request. The sizes of the side planes
+ * come from the library's own sizing: a probe context of one page per group on the CPU backend
+ * (a few bytes of pool, libc allocator) creates one request of max_rows_per_seq rows and reads
+ * its kvt_layer_stats; the probe is destroyed before the call returns. Not counted: the backend's
+ * workspace (σ and top-m scratch, sized by max_rows_per_seq) and host bookkeeping. err may be
+ * NULL. KVT_ERR_INVALID_ARGUMENT (NULL, out->struct_size below KVT_CTX_ESTIMATE_OUT_SIZE_MIN,
+ * max_seqs or max_rows_per_seq 0, or what kvt_ctx_create refuses; err names it), the statuses of
+ * kvt_ctx_create and kvt_seq_create otherwise. */
+KVT_API kvt_status kvt_ctx_estimate(const kvt_ctx_params *params, kvt_ctx_estimate_out *out,
+                                    char *err, size_t err_len);
 
 /* Base address and size of a layer's plane (0 = K or the MLA row, 1 = V): the array
  * [n_pages][page_rows][n_kv_heads][row_bytes]. KVT_ERR_OUT_OF_RANGE for a bad layer/plane,
@@ -809,8 +878,10 @@ typedef struct kvt_seq_params {
     uint64_t request_id;   /* keys the random draws of this request, with the config seed (0) */
     uint64_t prompt_rows;  /* rows [0, prompt_rows) are the prompt, protected from random
                             * eviction (0); kvt_seq_set_prompt_rows may change it until a round */
-    uint32_t ratio;        /* salience ratio of this request (m = closed / ratio); 0: the
-                            * context's config.ratio. Random eviction keeps config's K. */
+    uint32_t ratio;        /* ratio of this request (salience: m = closed / ratio; random
+                            * eviction with config.evict_ratio_budget: K from it); 0: the
+                            * context's config.ratio. Without evict_ratio_budget random
+                            * eviction keeps config's K. */
     int32_t recall;        /* a kvt_recall_mode, or -1: the context's config.recall */
 } kvt_seq_params;
 #define KVT_SEQ_PARAMS_SIZE_MIN (offsetof(kvt_seq_params, recall) + sizeof(int32_t))
@@ -1091,7 +1162,8 @@ typedef struct kvt_emit {
  * layer 616 + 216 B). stream: that of the graph launch
  * (stream-ordered after the previous step's device work). Errors:
  * KVT_ERR_BAD_STATE (not planned, already run, planned twice, a damaged request),
- * KVT_ERR_INVALID_ARGUMENT (emits), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
+ * KVT_ERR_INVALID_ARGUMENT (emits; on the guarded backend an array outside its buffers, as for
+ * kvt_batch_run), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
  * KVT_ERR_OUT_OF_MEMORY (the buffer), a backend status. */
 KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits,
                                          uint32_t n_emits, void *stream, bool *planned);
@@ -1108,7 +1180,9 @@ KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits
  * CPU backends run each op as it is enqueued); the commit reuses the last run's.
  * Checked before any work (nothing done, nothing emitted): KVT_ERR_INVALID_ARGUMENT (emit NULL,
  * its struct_size below KVT_EMIT_SIZE_MIN, an unknown layout, a NULL array, queries_per_seq
- * above KVT_MAX_QUERIES_PER_SEQ), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a
+ * above KVT_MAX_QUERIES_PER_SEQ; on the guarded backend an emission array, at the extent the
+ * step writes, or the query where the run reads it, outside the backend's buffers: host memory
+ * is the caller's error, named in the message), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a
  * request's n_tokens, KVT_ERR_BAD_STATE before plan, on a damaged request, or for per-token
  * emission of a multi-token request whose earlier run of this layer already did its policy work.
  * After the work: KVT_ERR_CAPACITY (the layer's work is done, nothing emitted) when a set

@@ -60,6 +60,12 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     uint32_t g;
     kvt_status s = KVT_OK;
     seq->n_cow = 0;
+    /* config.evict_ratio_budget: the step's K from the request's length after it (every call
+     * of the step, reserve to commit, reads it from the request's config); put back on failure */
+    const uint32_t K_before = seq->cfg.evict_budget_rows;
+    if (seq->cfg.evict_ratio_budget)
+        seq->cfg.evict_budget_rows =
+            kvt__ev_ratio_budget(&seq->cfg, seq->n_tokens + n_tokens, seq->prompt_rows);
     for (g = 0; g < ctx->n_groups; g++) {
         s = kvt__ptable_reserve(&seq->pt[g], &ctx->groups[g].pool, a, n_tokens);
         /* Copy on write: pages the step will write that a fork shares become this request's. */
@@ -119,6 +125,7 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
                      i, (unsigned long long)need, fg);
     }
     if (s != KVT_OK) {
+        seq->cfg.evict_budget_rows = K_before;
         for (uint32_t h = 0; h < ctx->n_groups; h++) /* all or nothing: fetch areas as they were */
             kvt__ptable_trim(&seq->fetch[h], &ctx->groups[h].pool);
         for (uint32_t h = g < ctx->n_groups ? g + 1 : ctx->n_groups; h-- > 0;) {

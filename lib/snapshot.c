@@ -35,7 +35,7 @@
  * layer_offset, budget_min_kept (0 without budget mode: the word was a reserved 0 before);
  * config: u32 ratio, block_rows, kappa, sink_rows, evict_budget_rows,
  * recent_rows, cadence_rows, flags (1 protect_prompt, 2 evict_archive, 4 evict_shared_draw,
- * 8 evict_vase), u64 seed, u32 recall, selector; request: u64 request_id, n_tokens, prompt_rows,
+ * 8 evict_vase, 16 salience_budget, 32 sigma_basis DCT, 64 evict_ratio_budget), u64 seed, u32 recall, selector; request: u64 request_id, n_tokens, prompt_rows,
  * u32 ratio, recall. Then per layer 14 u32 (the spec's 12 fields, policy, group as i32), per
  * group 3 u64 (n_rows, first_page, dropped_rows), u32 model type length and its bytes. */
 #define META_FIXED (8 * 4 + 8 * 4 + 8 + 8 + 3 * 8 + 8)
@@ -84,7 +84,8 @@ static const char *const spec_names[12] = {
 static uint32_t cfg_flags(const kvt_config *c) {
     return (c->protect_prompt ? 1u : 0u) | (c->evict_archive ? 2u : 0u) |
            (c->evict_shared_draw ? 4u : 0u) | (c->evict_vase ? 8u : 0u) |
-           (c->salience_budget ? 16u : 0u) | (c->sigma_basis == KVT_SIGMA_DCT ? 32u : 0u);
+           (c->salience_budget ? 16u : 0u) | (c->sigma_basis == KVT_SIGMA_DCT ? 32u : 0u) |
+           (c->evict_ratio_budget ? 64u : 0u);
 }
 
 static void meta_write(const kvt_seq *seq, uint8_t *p) {
@@ -167,6 +168,7 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     c->evict_vase = (fl & 8u) != 0;
     c->salience_budget = (fl & 16u) != 0;
     c->sigma_basis = (fl & 32u) ? KVT_SIGMA_DCT : KVT_SIGMA_FOURIER;
+    c->evict_ratio_budget = (fl & 64u) != 0;
     if (c->salience_budget)
         c->budget_min_kept = min_kept;
     c->seed = G64();
@@ -179,7 +181,7 @@ static kvt_status meta_read(const uint8_t *p, uint64_t n, snap_meta *m, char *er
     m->seq_recall = G32();
 #undef G32
 #undef G64
-    if (fl & ~63u || (!(fl & 16u) && min_kept != 0))
+    if (fl & ~127u || (!(fl & 16u) && min_kept != 0))
         return kvt__fail(err, len, KVT_ERR_PARSE, "META: unknown configuration flags 0x%x", fl);
     if (m->n_groups > KVT__MAX_GROUPS)
         return kvt__fail(err, len, KVT_ERR_PARSE, "META: %u policy groups (at most %d)",
@@ -253,6 +255,7 @@ static kvt_status meta_compare(const kvt_ctx *ctx, const snap_meta *m) {
     DIFF("config.recall", s->recall, c->recall);
     DIFF("config.selector", s->selector, c->selector);
     DIFF("config.sigma_basis", s->sigma_basis, c->sigma_basis);
+    DIFF("config.evict_ratio_budget", s->evict_ratio_budget, c->evict_ratio_budget);
     DIFF("number of policy groups", m->n_groups, ctx->n_groups);
     if (what)
         return kvt__ctx_fail(ctx, KVT_ERR_MISMATCH,
@@ -792,6 +795,11 @@ static kvt_status build(kvt_ctx *ctx, const snap_parsed *sp, kvt_seq **out) {
     if (s != KVT_OK)
         return s;
     seq->n_tokens = m->n_tokens;
+    /* config.evict_ratio_budget: K as the request's next reservation would see it before its
+     * tokens (the last round's K is its state's last_kept - r; the next reserve recomputes) */
+    if (seq->cfg.evict_ratio_budget)
+        seq->cfg.evict_budget_rows =
+            kvt__ev_ratio_budget(&seq->cfg, seq->n_tokens, seq->prompt_rows);
     for (uint32_t g = 0; g < ctx->n_groups && s == KVT_OK; g++) {
         kvt__ptable *t = &seq->pt[g];
         meta_table(m, g, &t->n_rows, &t->first_page, &t->dropped_rows);

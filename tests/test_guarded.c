@@ -301,3 +301,74 @@ Test(guarded, emission_into_protected_buffers_equals_the_cpu_backends) {
     kvt_ctx_destroy(h);
     kvt_model_destroy(m);
 }
+
+/* Host arrays handed to a run where the backend's memory is asked for are the caller's error:
+ * kvt_batch_run and kvt_batch_plan_device answer KVT_ERR_INVALID_ARGUMENT naming the argument,
+ * before any work (the same step then runs with kvt_buffer memory), not KVT_ERR_INVARIANT from
+ * the op that would have touched them (a library bug by the header). An array of the backend's
+ * that is too small for what the step writes is refused the same way. */
+Test(guarded, host_arrays_handed_to_a_run_are_the_callers_error) {
+    kvt_model *m;
+    kvt_ctx *ctx = guarded_ctx(&m);
+    kvt_seq *seq;
+    kvt_batch *b;
+    cr_assert_eq(tu_seq_create(ctx, 1, &seq), KVT_OK);
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    enum { TOPK = 1025 }; /* the backend's buffers are whole 4096-B pages: one int past one */
+    kvt_buffer *bi, *bl, *bp, *bd, *small;
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(int32_t) * TOPK, &bi), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(int32_t), &bl), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, sizeof(int32_t) * 2, &bp), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, 1, &bd), KVT_OK);
+    cr_assert_eq(kvt_buffer_alloc(ctx, 4096, &small), KVT_OK);
+    static int32_t hi[TOPK];
+    int32_t hl[1], hp[2];
+    uint8_t hd[1];
+    const kvt_emit good = {.struct_size = sizeof good, .layout = KVT_EMIT_TOKENS,
+                           .indices = kvt_buffer_ptr(bi), .capacity = TOPK,
+                           .lengths = kvt_buffer_ptr(bl), .indptr = kvt_buffer_ptr(bp),
+                           .dense = kvt_buffer_ptr(bd)};
+    struct {
+        kvt_emit e;
+        const char *named;
+    } bad[6];
+    for (int i = 0; i < 6; i++)
+        bad[i].e = good;
+    bad[0].e.indices = hi, bad[0].named = "emit.indices";
+    bad[1].e.lengths = hl, bad[1].named = "emit.lengths";
+    bad[2].e.dense = hd, bad[2].named = "emit.dense";
+    bad[3].e.indices = kvt_buffer_ptr(small), bad[3].named = "emit.indices"; /* a page: one int short */
+    bad[4].e.layout = KVT_EMIT_CSR, bad[4].e.indptr = hp, bad[4].named = "emit.indptr";
+    bad[5].e.layout = KVT_EMIT_CSR, bad[5].e.capacity = 2049, bad[5].named = "emit.indices"; /* 2 pages + 1 */
+    for (uint32_t step = 0; step < 3; step++) {
+        uint32_t n = step == 0 ? 20 : 1;
+        cr_assert_eq(kvt_batch_reserve(b, &seq, &n, 1), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_batch_plan(b), KVT_OK, "%s", kvt_last_error());
+        for (uint32_t l = 0; l < 2; l++) {
+            for (int i = 0; i < 6; i++) {
+                cr_assert_eq(kvt_batch_run(b, l, NULL, NULL, &bad[i].e), KVT_ERR_INVALID_ARGUMENT,
+                             "case %d", i);
+                cr_assert(strstr(kvt_last_error(), bad[i].named), "case %d: %s", i,
+                          kvt_last_error());
+                cr_assert(strstr(kvt_last_error(), "guarded backend's memory"), "%s",
+                          kvt_last_error());
+            }
+            if (step == 1 && l == 0) { /* before any run: the planned path checks them too */
+                bool planned = true;
+                kvt_emit pe = bad[0].e;
+                cr_assert_eq(kvt_batch_plan_device(b, &pe, 1, NULL, &planned),
+                             KVT_ERR_INVALID_ARGUMENT);
+                cr_assert(!planned);
+                cr_assert(strstr(kvt_last_error(), "emits[0].indices"), "%s", kvt_last_error());
+            }
+            cr_assert_eq(kvt_batch_run(b, l, NULL, NULL, &good), KVT_OK, "%s", kvt_last_error());
+            int32_t len = -1;
+            cr_assert_eq(kvt_buffer_read(bl, 0, &len, sizeof len), KVT_OK);
+            cr_assert_eq(len, step == 0 ? 20 : 20 + (int32_t)step, "layer %u", l);
+        }
+        cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
+    }
+    cr_assert_eq(kvt_seq_check(seq), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}

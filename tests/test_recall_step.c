@@ -1585,3 +1585,34 @@ Test(recall_step, forks_share_planes_past_closes_and_decide_as_flat_ones_guarded
      .timeout = 240) {
     shared_planes_case(KVT_BACKEND_GUARDED);
 }
+
+/* On the guarded backend a host array as the query of a step that recalls is the caller's error
+ * (KVT_ERR_INVALID_ARGUMENT naming it, before any work), not the op's KVT_ERR_INVARIANT; the same
+ * step then runs with the query in a kvt_buffer. */
+Test(recall_step, a_host_query_on_the_guarded_backend_is_the_callers_error) {
+    rig r;
+    rig_open(&r, KVT_BACKEND_GUARDED, KVT_RECALL_MARGIN, 3, 1e30f, 79);
+    prefill(&r, 64 * 3);
+    float q[H * QD];
+    make_queries(&r, q, -1);
+    uint32_t one = 1, topk;
+    make_row(&r, r.rows + r.n * 1152);
+    cr_assert_eq(kvt_batch_reserve(r.b, &r.seq, &one, 1), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 1, r.rows + r.n * 1152, 1152), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+    cr_assert_eq(kvt_batch_capacity(r.b, 0, &topk, NULL), KVT_OK);
+    kvt_emit e = {.struct_size = sizeof e, .layout = KVT_EMIT_TOKENS,
+                  .indices = kvt_buffer_ptr(r.ibuf), .capacity = topk,
+                  .lengths = kvt_buffer_ptr(r.lbuf), .dense = kvt_buffer_ptr(r.dbuf)};
+    cr_assert_eq(kvt_batch_run(r.b, 0, q, NULL, &e), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "query: ") &&
+                  strstr(kvt_last_error(), "guarded backend's memory"),
+              "%s", kvt_last_error());
+    cr_assert_eq(kvt_buffer_write(r.qbuf, 0, q, sizeof q), KVT_OK);
+    cr_assert_eq(kvt_batch_run(r.b, 0, kvt_buffer_ptr(r.qbuf), NULL, &e), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK, "%s", kvt_last_error());
+    kvt_layer_stats st = stats(&r);
+    cr_assert_eq(st.recall_steps, 1, "%llu", (unsigned long long)st.recall_steps); /* one run */
+    rig_close(&r);
+}

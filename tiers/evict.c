@@ -65,6 +65,17 @@ static uint64_t cadence_rows(const kvt_config *cfg) {
     return cfg->cadence_rows ? cfg->cadence_rows : cfg->recent_rows;
 }
 
+uint32_t kvt__ev_ratio_budget(const kvt_config *cfg, uint64_t rows, uint64_t prompt_rows) {
+    const uint64_t P = cfg->protect_prompt ? (prompt_rows < rows ? prompt_rows : rows) : 0;
+    const uint64_t ratio = cfg->ratio ? cfg->ratio : 1;
+    uint64_t K = P + (rows - P + ratio - 1) / ratio;
+    if (K < cfg->recent_rows)
+        K = cfg->recent_rows;
+    if (K < 1)
+        K = 1;
+    return K > (1u << 28) ? (1u << 28) : (uint32_t)K;
+}
+
 bool kvt__ev_round_due(const kvt_config *cfg, uint64_t n_rows) {
     return n_rows >= (uint64_t)cfg->evict_budget_rows + cfg->recent_rows + cadence_rows(cfg);
 }
@@ -309,7 +320,9 @@ kvt_status kvt__ev_archive_reserve(kvt__ev *e, uint64_t add, void *stream) {
 
 kvt_status kvt__ev_prepare(kvt__ev *e, const kvt_config *cfg, uint64_t rows) {
     kvt_status rc = kvt__ev_reserve(e, rows);
-    return rc == KVT_OK ? kvt__ev_round_reserve(e, rows, cfg->evict_budget_rows) : rc;
+    /* evict_ratio_budget: K grows with the request, up to its rows */
+    const uint64_t K = cfg->evict_ratio_budget ? rows : cfg->evict_budget_rows;
+    return rc == KVT_OK ? kvt__ev_round_reserve(e, rows, K) : rc;
 }
 
 static kvt__ev_append_args append_args(kvt__ev *e, uint64_t first_row, uint64_t first_pos,

@@ -373,7 +373,9 @@ kvt_status kvt__ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt_
     else if (rows != l->pt->n_rows)
         bad = "rows differ from the page table's";
     else if (rounds == 0 ? (last_n != 0 || last_kept != 0)
-                         : (last_kept != (uint64_t)cfg->evict_budget_rows + cfg->recent_rows ||
+                         : ((cfg->evict_ratio_budget
+                                 ? last_kept <= cfg->recent_rows || last_kept > rows
+                                 : last_kept != (uint64_t)cfg->evict_budget_rows + cfg->recent_rows) ||
                             last_n > l->appended))
         bad = "last round's counts out of range";
     if (bad)
@@ -401,7 +403,9 @@ kvt_status kvt__ev_snap_load(kvt__tier_state *s, const kvt__env *env, const kvt_
                          (unsigned long long)ar_n, (unsigned long long)env->archive_rows);
     kvt_status rc = kvt__ev_reserve(e, rows);
     if (rc == KVT_OK && last_n)
-        rc = kvt__ev_round_reserve(e, last_n, cfg->evict_budget_rows);
+        rc = kvt__ev_round_reserve(e, last_n, cfg->evict_ratio_budget
+                                                  ? last_kept - cfg->recent_rows /* its round's K */
+                                                  : cfg->evict_budget_rows);
     if (rc == KVT_OK && ar_n)
         rc = kvt__ev_archive_reserve(e, ar_n, NULL);
     if (rc != KVT_OK)

@@ -60,6 +60,10 @@ static inline void kvt__pool_share(kvt__pool *p, uint32_t page) {
         p->shared++;
 }
 
+/* Random eviction's K for a request of `rows` tokens (after its step) with prompt_rows, under
+ * config.evict_ratio_budget (kvtier.h): max(recent_rows, P + ceil((rows - P) / cfg->ratio)),
+ * P = min(prompt_rows, rows) when protect_prompt (else 0), at most 2^28. */
+uint32_t kvt__ev_ratio_budget(const kvt_config *cfg, uint64_t rows, uint64_t prompt_rows);
 kvt_status kvt__pool_init(kvt__pool *p, const kvt__alloc *a, uint32_t n_pages, uint32_t page_rows);
 void kvt__pool_fini(kvt__pool *p, const kvt__alloc *a);
 

@@ -388,7 +388,7 @@ class Model(_Closable):
 # ---------------------------------------------------------------------------------------------
 _CONFIG_ENUMS = {"recall": RecallMode, "selector": Selector, "sigma_basis": SigmaBasis}
 _CONFIG_BOOLS = ("protect_prompt", "evict_archive", "evict_shared_draw", "evict_vase",
-                 "salience_budget", "recall_lagged_query")
+                 "salience_budget", "recall_lagged_query", "evict_ratio_budget")
 _CONFIG_KINDS = {"ratio": "u32", "block_rows": "u32", "kappa": "u32", "sink_rows": "u32",
                  "evict_budget_rows": "u32", "recent_rows": "u32", "cadence_rows": "u32",
                  "seed": "u64", "recall_cap_rows": "u32", "budget_min_kept": "u32",
@@ -608,6 +608,52 @@ class _PlaneBuffer:
 # ---------------------------------------------------------------------------------------------
 # Context
 # ---------------------------------------------------------------------------------------------
+def _ctx_params(model, config=None, page_rows=None, n_pages=None, backend=None,
+                allocator=None, external_storage=None, layer_policies=None, kv_head_offset=None,
+                n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
+                archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None,
+                archive_space=None):
+    """kvt_ctx_params from Context's keyword arguments: (the struct, what must outlive it)."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
+    p = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
+    p.model = model._ptr
+    if isinstance(config, dict):
+        config = Config(**config)
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config: expected a Config, a dict or None, got "
+                        f"{type(config).__name__}")
+    cfg_c = config._c if config is not None else None
+    p.config = ctypes.pointer(cfg_c) if cfg_c is not None else None
+    for name, value in (("page_rows", page_rows), ("n_pages", n_pages),
+                        ("kv_head_offset", kv_head_offset),
+                        ("n_kv_heads_global", n_kv_heads_global),
+                        ("layer_offset", layer_offset), ("max_rows_per_seq", max_rows_per_seq),
+                        ("archive_rows_per_seq", archive_rows_per_seq),
+                        ("max_seqs", max_seqs), ("recall_sketch_rank", recall_sketch_rank)):
+        if value is not None:
+            setattr(p, name, u32(value, name))
+    if backend is not None:
+        p.backend = int(to_enum(Backend, backend, "backend"))
+    if allocator is not None:
+        p.allocator = int(to_enum(Allocator, allocator, "allocator"))
+    if archive_space is not None:
+        p.archive_space = int(to_enum(Space, archive_space, "archive_space"))
+    if external_storage is not None:
+        p.external_storage = bool(external_storage)
+    policies = None
+    if layer_policies is not None:
+        lp = list(layer_policies)
+        # kvt_ctx_create reads exactly n_layers entries: a shorter list would be read past.
+        if len(lp) != model.n_layers:
+            raise ValueError(f"layer_policies: {len(lp)} entries for a model of "
+                             f"{model.n_layers} layers")
+        policies = (_lib.c_enum * max(1, len(lp)))(
+            *[int(to_enum(Policy, x, f"layer_policies[{i}]")) for i, x in enumerate(lp)])
+        p.layer_policies = ctypes.cast(policies, ctypes.POINTER(_lib.c_enum))
+    return p, (config, cfg_c, policies)
+
+
 class Context(_Closable):
     """kvt_ctx: one model, one configuration, one row pool.
 
@@ -629,43 +675,10 @@ class Context(_Closable):
                  n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
                  archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None,
                  archive_space=None):
-        if not isinstance(model, Model):
-            raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
-        p = _defaults(_lib.CtxParamsC, lib.kvt_ctx_params_init)
-        p.model = model._ptr
-        if isinstance(config, dict):
-            config = Config(**config)
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config: expected a Config, a dict or None, got "
-                            f"{type(config).__name__}")
-        cfg_c = config._c if config is not None else None
-        p.config = ctypes.pointer(cfg_c) if cfg_c is not None else None
-        for name, value in (("page_rows", page_rows), ("n_pages", n_pages),
-                            ("kv_head_offset", kv_head_offset),
-                            ("n_kv_heads_global", n_kv_heads_global),
-                            ("layer_offset", layer_offset), ("max_rows_per_seq", max_rows_per_seq),
-                            ("archive_rows_per_seq", archive_rows_per_seq),
-                            ("max_seqs", max_seqs), ("recall_sketch_rank", recall_sketch_rank)):
-            if value is not None:
-                setattr(p, name, u32(value, name))
-        if backend is not None:
-            p.backend = int(to_enum(Backend, backend, "backend"))
-        if allocator is not None:
-            p.allocator = int(to_enum(Allocator, allocator, "allocator"))
-        if archive_space is not None:
-            p.archive_space = int(to_enum(Space, archive_space, "archive_space"))
-        if external_storage is not None:
-            p.external_storage = bool(external_storage)
-        policies = None
-        if layer_policies is not None:
-            lp = list(layer_policies)
-            # kvt_ctx_create reads exactly n_layers entries: a shorter list would be read past.
-            if len(lp) != model.n_layers:
-                raise ValueError(f"layer_policies: {len(lp)} entries for a model of "
-                                 f"{model.n_layers} layers")
-            policies = (_lib.c_enum * max(1, len(lp)))(
-                *[int(to_enum(Policy, x, f"layer_policies[{i}]")) for i, x in enumerate(lp)])
-            p.layer_policies = ctypes.cast(policies, ctypes.POINTER(_lib.c_enum))
+        p, _keep = _ctx_params(model, config, page_rows, n_pages, backend, allocator,
+                               external_storage, layer_policies, kv_head_offset,
+                               n_kv_heads_global, layer_offset, max_rows_per_seq,
+                               archive_rows_per_seq, max_seqs, recall_sketch_rank, archive_space)
         out = ctypes.c_void_p()
         err = _errbuf()
         check(lib.kvt_ctx_create(ctypes.byref(p), ctypes.byref(out), err, _ERR_LEN),
@@ -674,6 +687,30 @@ class Context(_Closable):
         self._page_rows = p.page_rows
         self._n_pages = p.n_pages
         self._describe(out.value)
+
+    @staticmethod
+    def estimate(model: Model, config=None, **params) -> dict:
+        """kvt_ctx_estimate: the memory Context(model, config, **params) would allocate and the
+        pages its requests need, without creating it. ``max_seqs`` and ``max_rows_per_seq`` must
+        be given (the requests x rows the pages are for). A dict of kvt_ctx_estimate_out's fields,
+        ``groups`` a list of one dict per policy group (``policy`` a Policy, ``n_layers``,
+        ``row_bytes``, ``page_bytes``, ``pool_bytes`` at ``n_pages``, ``pages_needed``,
+        ``side_bytes_per_seq``, ``archive_bytes_per_seq``). InvalidArgumentError names what is
+        missing or what kvt_ctx_create would refuse."""
+        p, _keep = _ctx_params(model, config, **params)
+        out = _lib.CtxEstimateOutC(struct_size=ctypes.sizeof(_lib.CtxEstimateOutC))
+        err = _errbuf()
+        check(lib.kvt_ctx_estimate(ctypes.byref(p), ctypes.byref(out), err, _ERR_LEN),
+              "kvt_ctx_estimate", err)
+        groups = []
+        for g in out.groups[:out.n_groups]:
+            d = {n: int(getattr(g, n)) for n, _ in _lib.CtxEstimateGroupC._fields_}
+            d["policy"] = Policy(d["policy"])
+            groups.append(d)
+        res = {n: int(getattr(out, n)) for n, _ in _lib.CtxEstimateOutC._fields_
+               if n not in ("struct_size", "groups")}
+        res["groups"] = groups
+        return res
 
     def _describe(self, p: int) -> None:
         m = lib.kvt_ctx_model(p)

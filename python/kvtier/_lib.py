@@ -130,6 +130,7 @@ class ConfigC(ctypes.Structure):
         ("recall_promote_hits", c_u32),
         ("recall_promote_window", c_u32),
         ("recall_lagged_query", ctypes.c_bool),
+        ("evict_ratio_budget", ctypes.c_bool),
     ]
 
 
@@ -251,6 +252,32 @@ class CtxMemoryC(ctypes.Structure):
     ]
 
 
+class CtxEstimateGroupC(ctypes.Structure):
+    _fields_ = [
+        ("policy", c_enum),
+        ("n_layers", c_u32),
+        ("row_bytes", c_u64),
+        ("page_bytes", c_u64),
+        ("pool_bytes", c_u64),
+        ("pages_needed", c_u64),
+        ("side_bytes_per_seq", c_u64),
+        ("archive_bytes_per_seq", c_u64),
+    ]
+
+
+class CtxEstimateOutC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size),
+        ("n_groups", c_u32),
+        ("groups", CtxEstimateGroupC * 3),
+        ("n_pages_needed", c_u32),
+        ("pool_bytes", c_u64),
+        ("pool_bytes_needed", c_u64),
+        ("side_bytes", c_u64),
+        ("archive_bytes", c_u64),
+    ]
+
+
 class RecallBasisInfoC(ctypes.Structure):
     _fields_ = [
         ("layer", c_u32),
@@ -349,6 +376,7 @@ _SIGNATURES = {
     "kvt_ctx_host_allocations": (c_u64, [c_vp]),
     "kvt_ctx_free_pages": (c_status, [c_vp, c_u32, P(c_u32)]),
     "kvt_ctx_memory_stats": (c_status, [c_vp, P(CtxMemoryC)]),
+    "kvt_ctx_estimate": (c_status, [P(CtxParamsC), P(CtxEstimateOutC), c_cp, c_size]),
     "kvt_ctx_set_recall_basis": (c_status, [c_vp, c_u32, P(ctypes.c_float), c_u32]),
     "kvt_ctx_set_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, P(ctypes.c_float), c_u32]),
     "kvt_ctx_load_recall_basis": (c_status, [c_vp, c_u32, ctypes.c_char_p]),

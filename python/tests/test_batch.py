@@ -265,6 +265,44 @@ def test_buffers_hold_the_emission_on_the_guarded_backend(mixed_model):
     assert out["cpu"][1].tolist()[1] == out["cpu"][1].tolist()[0] + 1  # causal per token
 
 
+def test_host_arrays_on_the_guarded_backend_are_the_callers_error(mixed_model):
+    """kvt_batch_run on the guarded backend with host (numpy) arrays as the emission, through the
+    raw struct (Batch.run refuses them itself: MemorySpaceError): the C library answers
+    InvalidArgumentError naming the array, not InvariantError, and nothing ran (the same step
+    then runs into kvt_buffer memory)."""
+    import ctypes
+    from kvtier import _lib
+    from kvtier._errors import check
+    with kvtier.Context(mixed_model, small_config(), page_rows=16, n_pages=64,
+                        allocator="libc", backend="guarded") as ctx:
+        s = ctx.sequence(5)
+        b = ctx.batch(1)
+        b.reserve([s], 20)
+        fill(s, ctx, 20, 9)
+        b.plan()
+        topk, _ = b.capacity(0)
+        host_idx = np.zeros(topk, np.int32)
+        host_len = np.zeros(1, np.int32)
+        idx = ctx.buffer(4 * topk)
+        lens = ctx.buffer(4)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        for ip, lp, named in ((host_idx.ctypes.data, lens.ptr, "emit.indices"),
+                              (idx.ptr, host_len.ctypes.data, "emit.lengths")):
+            e = _lib.EmitC()
+            e.struct_size = ctypes.sizeof(_lib.EmitC)
+            e.layout = int(kvtier.EmitLayout.TOKENS)
+            e.indices = ctypes.cast(ip, i32)
+            e.capacity = topk
+            e.lengths = ctypes.cast(lp, i32)
+            rc = _lib.lib.kvt_batch_run(b._ptr, 0, None, None, ctypes.byref(e))
+            with pytest.raises(kvtier.InvalidArgumentError, match=named.replace(".", r"\.")):
+                check(rc, "kvt_batch_run")
+            assert "guarded backend's memory" in kvtier.last_error()
+        _lib_emit(b, 0, idx, lens, topk, 1)
+        assert lens.read(np.int32).tolist() == [20]
+        b.commit()
+
+
 def _lib_emit(b, layer, idx, lens, topk, sq):
     """kvt_batch_run into two kvt_buffers through the raw struct (Batch.run takes their views
     too, Buffer.view: test_device.py)."""
