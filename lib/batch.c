@@ -426,8 +426,9 @@ static kvt_status enter_layer(const kvt_batch *b, uint32_t layer, enum batch_sta
     return KVT_OK;
 }
 
-kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *slots,
-                                  uint32_t capacity, uint32_t *n) {
+/* slot_mapping in either width: slots32 or slots64 (exactly one is used). */
+static kvt_status slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *slots32,
+                               int64_t *slots64, uint32_t capacity, uint32_t *n) {
     if (!b || !n)
         return KVT_ERR_INVALID_ARGUMENT;
     const kvt_ctx *ctx = b->ctx;
@@ -441,19 +442,32 @@ kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *s
     if (total > capacity)
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY, "%llu new tokens, capacity %u",
                              (unsigned long long)total, capacity);
-    if (total > 0 && !slots)
+    if (total > 0 && !slots32 && !slots64)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "slots is NULL");
     uint64_t t = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
-        for (uint32_t j = 0; j < b->n_slots[i]; j++) {
+        for (uint32_t j = 0; j < b->n_slots[i]; j++, t++) {
             int32_t slot = -1;
             if (sq)
                 kvt_seq_reserved_slot(sq, layer, j, &slot);
-            slots[t++] = slot;
+            if (slots64)
+                slots64[t] = slot;
+            else
+                slots32[t] = slot;
         }
     }
     return KVT_OK;
+}
+
+kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *slots,
+                                  uint32_t capacity, uint32_t *n) {
+    return slot_mapping(b, layer, slots, NULL, capacity, n);
+}
+
+kvt_status kvt_batch_slot_mapping64(const kvt_batch *b, uint32_t layer, int64_t *slots,
+                                    uint32_t capacity, uint32_t *n) {
+    return slot_mapping(b, layer, NULL, slots, capacity, n);
 }
 
 kvt_status kvt_batch_plan(kvt_batch *b) {

@@ -1044,6 +1044,11 @@ KVT_API kvt_status kvt_batch_reserve(kvt_batch *batch, kvt_seq *const *seqs,
  * total new tokens. KVT_ERR_CAPACITY (nothing written) when capacity < *n. */
 KVT_API kvt_status kvt_batch_slot_mapping(const kvt_batch *batch, uint32_t layer, int32_t *slots,
                                           uint32_t capacity, uint32_t *n);
+/* The same in int64, the dtype of vLLM's slot_mapping (reshape_and_cache,
+ * reshape_and_cache_flash: `slot_mapping: torch.Tensor  # [num_tokens]`, int64; -1 skips a
+ * token): slots[t] as above, widened. Same statuses. */
+KVT_API kvt_status kvt_batch_slot_mapping64(const kvt_batch *batch, uint32_t layer,
+                                            int64_t *slots, uint32_t capacity, uint32_t *n);
 /* Fix the step: from here to commit its requests are read-only by position (the by-position and
  * statistics calls answer KVT_ERR_BAD_STATE) and its runs may start. Host only; it touches no
  * row, allocates nothing and decides nothing: which closes and rounds the step makes due follows
