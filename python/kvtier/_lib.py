@@ -176,6 +176,7 @@ class EmitC(ctypes.Structure):
         ("indptr", P(c_i32)),
         ("dense", P(ctypes.c_uint8)),
         ("queries_per_seq", c_u32),
+        ("flags", c_u64),
     ]
 
 
