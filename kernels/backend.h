@@ -256,8 +256,10 @@ typedef struct kvt__pack_query {
     uint64_t first_page;
     uint64_t out;
     uint64_t pad;
-    uint64_t len_at;
+    uint64_t len_at;        /* KVT__NO_LENGTH: a TOKENS query whose count goes nowhere (an
+                             * earlier token of a request whose lengths are per request) */
 } kvt__pack_query;
+#define KVT__NO_LENGTH UINT64_MAX
 
 typedef struct kvt__pack_args {
     /* The queries and their count, in the backend's memory (a batch's plan image, lib/batch.c),

@@ -577,7 +577,7 @@ kvt_status kvt__cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *
         const uint64_t out = a->csr ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
         if (a->csr)
             a->indptr[q->len_at] = (int32_t)(out + count);
-        else
+        else if (q->len_at != KVT__NO_LENGTH)
             a->lengths[q->len_at] = (int32_t)count;
         if ((count == 0 && q->pad == 0) || q->count_only)
             continue; /* nothing to write (indices may be NULL at capacity 0) */

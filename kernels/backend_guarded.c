@@ -673,7 +673,8 @@ static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
     } else if (w) {
         GUARD_OWNS(be, a->indices + q->out, sizeof(int32_t) * w);
     }
-    GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
+    if (a->csr || q->len_at != KVT__NO_LENGTH)
+        GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
     return KVT_OK;
 }
 

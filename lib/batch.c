@@ -426,8 +426,9 @@ static kvt_status enter_layer(const kvt_batch *b, uint32_t layer, enum batch_sta
     return KVT_OK;
 }
 
-kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *slots,
-                                  uint32_t capacity, uint32_t *n) {
+/* slot_mapping in either width: slots32 or slots64 (exactly one is used). */
+static kvt_status slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *slots32,
+                               int64_t *slots64, uint32_t capacity, uint32_t *n) {
     if (!b || !n)
         return KVT_ERR_INVALID_ARGUMENT;
     const kvt_ctx *ctx = b->ctx;
@@ -441,19 +442,32 @@ kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *s
     if (total > capacity)
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY, "%llu new tokens, capacity %u",
                              (unsigned long long)total, capacity);
-    if (total > 0 && !slots)
+    if (total > 0 && !slots32 && !slots64)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "slots is NULL");
     uint64_t t = 0;
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         const kvt_seq *sq = b->seqs[i];
-        for (uint32_t j = 0; j < b->n_slots[i]; j++) {
+        for (uint32_t j = 0; j < b->n_slots[i]; j++, t++) {
             int32_t slot = -1;
             if (sq)
                 kvt_seq_reserved_slot(sq, layer, j, &slot);
-            slots[t++] = slot;
+            if (slots64)
+                slots64[t] = slot;
+            else
+                slots32[t] = slot;
         }
     }
     return KVT_OK;
+}
+
+kvt_status kvt_batch_slot_mapping(const kvt_batch *b, uint32_t layer, int32_t *slots,
+                                  uint32_t capacity, uint32_t *n) {
+    return slot_mapping(b, layer, slots, NULL, capacity, n);
+}
+
+kvt_status kvt_batch_slot_mapping64(const kvt_batch *b, uint32_t layer, int64_t *slots,
+                                    uint32_t capacity, uint32_t *n) {
+    return slot_mapping(b, layer, NULL, slots, capacity, n);
 }
 
 kvt_status kvt_batch_plan(kvt_batch *b) {
@@ -526,6 +540,25 @@ static uint32_t emit_queries(const kvt_emit *e) {
                : 1;
 }
 
+/* An emission's options (KVT_EMIT_*): 0 for a struct from before the field. */
+static uint64_t emit_flags(const kvt_emit *e) {
+    return e->struct_size >= offsetof(kvt_emit, flags) + sizeof e->flags ? e->flags : 0;
+}
+
+/* The options an emission may take: known bits, per-request lengths with TOKENS only. */
+static kvt_status emit_flags_ok(kvt_ctx *ctx, const kvt_emit *e, const char *name) {
+    const uint64_t f = emit_flags(e);
+    if (f & ~KVT_EMIT_FLAGS_KNOWN)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "%s.flags: unknown bits 0x%llx", name,
+                             (unsigned long long)(f & ~(uint64_t)KVT_EMIT_FLAGS_KNOWN));
+    if ((f & KVT_EMIT_LENGTHS_PER_SEQ) && e->layout != KVT_EMIT_TOKENS)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "%s.flags: KVT_EMIT_LENGTHS_PER_SEQ needs the KVT_EMIT_TOKENS layout "
+                             "(CSR has no lengths)",
+                             name);
+    return KVT_OK;
+}
+
 /* An emission's arrays its layout needs are missing (indices may be NULL at capacity 0). */
 static bool emit_arrays_missing(const kvt_emit *e) {
     const bool tokens = e->layout == KVT_EMIT_TOKENS;
@@ -557,8 +590,10 @@ static kvt_status emit_reachable(kvt_batch *b, const kvt_emit *e, const char *na
                    what);
     if (s == KVT_OK) {
         snprintf(what, sizeof what, "%s.%s", name, tokens ? "lengths" : "indptr");
-        s = user_array(b, tokens ? e->lengths : e->indptr,
-                       sizeof(int32_t) * (tokens ? entries : entries + 1), what);
+        const uint64_t n_len = !tokens ? entries + 1
+                               : emit_flags(e) & KVT_EMIT_LENGTHS_PER_SEQ ? b->n_seqs
+                                                                          : entries;
+        s = user_array(b, tokens ? e->lengths : e->indptr, sizeof(int32_t) * n_len, what);
     }
     if (s == KVT_OK) {
         snprintf(what, sizeof what, "%s.dense", name);
@@ -583,7 +618,12 @@ static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer
     pq->all_rows = (b->recall_way[i] & RECALL_WAY) == RECALL_ALL;
     pq->out = tokens ? at * emit->capacity : *off;
     pq->pad = tokens ? emit->capacity : 0;
-    pq->len_at = tokens ? at : at + 1;
+    if (!tokens)
+        pq->len_at = at + 1;
+    else if (emit_flags(emit) & KVT_EMIT_LENGTHS_PER_SEQ) /* the last token's: the most rows */
+        pq->len_at = t + 1 == S ? i : KVT__NO_LENGTH;
+    else
+        pq->len_at = at;
     /* an every-row set's size is the host's too (a fetching one's is not) */
     *off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
 }
@@ -605,13 +645,16 @@ static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emits[%u]: %s is NULL", l,
                              e->layout == KVT_EMIT_TOKENS ? "indices or lengths"
                                                           : "indices or indptr");
-    return KVT_OK;
+    char name[24];
+    snprintf(name, sizeof name, "emits[%u]", l);
+    return emit_flags_ok(ctx, e, name);
 }
 
 /* Does a planned step's run of this layer get the emission it was planned for? */
 static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
     return a->layout == b->layout && a->indices == b->indices && a->capacity == b->capacity &&
-           a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense;
+           a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense &&
+           emit_flags(a) == emit_flags(b);
 }
 
 /* The bound of layer l's recall items for closed rows up to `rows` and promotion tables up to
@@ -1272,6 +1315,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (emit_arrays_missing(emit))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit: %s is NULL",
                              tokens ? "indices or lengths" : "indices or indptr");
+    if ((s = emit_flags_ok(ctx, emit, "emit")) != KVT_OK)
+        return s;
     const uint32_t S = emit_queries(emit);
     if (S > KVT_MAX_QUERIES_PER_SEQ)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.queries_per_seq: %u above %u", S,

@@ -1044,6 +1044,11 @@ KVT_API kvt_status kvt_batch_reserve(kvt_batch *batch, kvt_seq *const *seqs,
  * total new tokens. KVT_ERR_CAPACITY (nothing written) when capacity < *n. */
 KVT_API kvt_status kvt_batch_slot_mapping(const kvt_batch *batch, uint32_t layer, int32_t *slots,
                                           uint32_t capacity, uint32_t *n);
+/* The same in int64, the dtype of vLLM's slot_mapping (reshape_and_cache,
+ * reshape_and_cache_flash: `slot_mapping: torch.Tensor  # [num_tokens]`, int64; -1 skips a
+ * token): slots[t] as above, widened. Same statuses. */
+KVT_API kvt_status kvt_batch_slot_mapping64(const kvt_batch *batch, uint32_t layer,
+                                            int64_t *slots, uint32_t capacity, uint32_t *n);
 /* Fix the step: from here to commit its requests are read-only by position (the by-position and
  * statistics calls answer KVT_ERR_BAD_STATE) and its runs may start. Host only; it touches no
  * row, allocates nothing and decides nothing: which closes and rounds the step makes due follows
@@ -1097,7 +1102,8 @@ typedef struct kvt_emit {
     kvt_emit_layout layout;
     int32_t *indices;       /* TOKENS: [n_seqs * s_q][topk]; CSR: [capacity] */
     uint32_t capacity;      /* TOKENS: topk, the row capacity per request; CSR: total rows */
-    int32_t *lengths;       /* TOKENS: [n_seqs * s_q] (topk_length); unused by CSR */
+    int32_t *lengths;       /* TOKENS: [n_seqs * s_q] (topk_length per query), or [n_seqs]
+                             * with KVT_EMIT_LENGTHS_PER_SEQ; unused by CSR */
     int32_t *indptr;        /* CSR: [n_seqs * s_q + 1]; unused by TOKENS */
     uint8_t *dense;         /* optional [n_seqs]: 1 where the step attends every row of the
                              * request (recall overflow or calibration, or a multi-token step of
@@ -1113,7 +1119,21 @@ typedef struct kvt_emit {
                                * (KVT_ERR_CAPACITY). A request with several tokens then runs its
                                * policy work at commit, as a request with drafts does. CSR then
                                * needs at most s_q x kvt_batch_capacity's total. */
+    uint64_t flags;         /* KVT_EMIT_* options below (0: none; an unknown bit is
+                             * KVT_ERR_INVALID_ARGUMENT). A struct from before the field (its
+                             * struct_size ends before it) has none. */
 } kvt_emit;
+/* TOKENS only (another layout: KVT_ERR_INVALID_ARGUMENT): lengths holds one count per request,
+ * lengths[n_seqs] — FlashMLA's sparse decode topk_length, (batch_size,) int32, with indices
+ * (batch_size, seq_len_q, topk) — instead of one per query. lengths[i] = the rows of request i's
+ * last query token (t = s_q - 1), the most any of its tokens attends: token t sees the same
+ * committed set plus the step's rows up to its own (on a sliding layer the window ending at
+ * it), so the counts never decrease with t, and a request with fewer tokens repeats its last
+ * one's set. Each token's row of indices is unchanged: its own count of slots, then -1 to topk,
+ * so a token with fewer rows than lengths[i] has -1 at [its count, lengths[i]), which FlashMLA
+ * reads as invalid indices and skips. With s_q <= 1 the same values as without the option. */
+#define KVT_EMIT_LENGTHS_PER_SEQ 0x1u
+#define KVT_EMIT_FLAGS_KNOWN KVT_EMIT_LENGTHS_PER_SEQ
 /* The smallest struct_size kvt_batch_run accepts (a struct without queries_per_seq: s_q = 1). */
 #define KVT_EMIT_SIZE_MIN (offsetof(kvt_emit, dense) + sizeof(uint8_t *))
 

@@ -111,6 +111,15 @@ Test(batch, slot_mapping_is_vllms_layout) {
         cr_assert_eq(kvt_batch_slot_mapping(b, l, map, 24, &total), KVT_ERR_CAPACITY);
         cr_assert_eq(total, 25);
         cr_assert_eq(kvt_batch_slot_mapping(b, l, map, 25, &total), KVT_OK);
+        /* int64 (vLLM's dtype): the same slots, widened; the same capacity rule. */
+        int64_t map64[26];
+        map64[25] = -7;
+        cr_assert_eq(kvt_batch_slot_mapping64(b, l, map64, 24, &total), KVT_ERR_CAPACITY);
+        cr_assert_eq(kvt_batch_slot_mapping64(b, l, map64, 26, &total), KVT_OK);
+        cr_assert_eq(total, 25);
+        cr_assert_eq(map64[25], -7, "nothing written past the step's tokens");
+        for (uint32_t t = 0; t < 25; t++)
+            cr_assert_eq(map64[t], (int64_t)map[t], "layer %u token %u", l, t);
         uint32_t t = 0;
         for (int i = 0; i < 2; i++)
             for (uint32_t j = 0; j < n[i]; j++, t++) {
@@ -124,6 +133,8 @@ Test(batch, slot_mapping_is_vllms_layout) {
                 cr_assert_neq(map[a], map[c]);
     }
     cr_assert_eq(kvt_batch_slot_mapping(b, 7, NULL, 0, &n[0]), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_batch_slot_mapping64(b, 7, NULL, 0, &n[0]), KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_batch_slot_mapping64(b, 0, NULL, 25, &n[0]), KVT_ERR_INVALID_ARGUMENT);
     fill_rows(s[0], m, 5, 0);
     fill_rows(s[1], m, 20, 1);
     cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK);

@@ -194,6 +194,24 @@ static void drafts_decode(bool archive, bool csr) {
                         for (uint32_t j = len; j < TOPK; j++)
                             cr_assert_eq(got[j], -1);
                 }
+            if (csr)
+                continue;
+            /* FlashMLA's topk_length per request (KVT_EMIT_LENGTHS_PER_SEQ), a second run of
+             * the layer (it only emits): the same rows, lengths[r] = its last token's count,
+             * the most any of its tokens attends. */
+            static int32_t idx2[2 * S_Q * TOPK];
+            int32_t per_seq[2] = {-5, -5};
+            kvt_emit e2 = e;
+            e2.indices = idx2;
+            e2.lengths = per_seq;
+            e2.flags = KVT_EMIT_LENGTHS_PER_SEQ;
+            cr_assert_eq(kvt_batch_run(ba, l, NULL, NULL, &e2), KVT_OK, "%s", kvt_last_error());
+            cr_assert_eq(memcmp(idx2, idx, sizeof idx2), 0, "step %d layer %u", step, l);
+            for (uint32_t r = 0; r < 2; r++) {
+                cr_assert_eq(per_seq[r], lengths[r * S_Q + S_Q - 1]);
+                for (uint32_t t = 0; t < S_Q; t++)
+                    cr_assert_leq(lengths[r * S_Q + t], per_seq[r], "step %d layer %u", step, l);
+            }
         }
         uint32_t acc[2] = {k, 1};
         if (n > drafts) { /* rejecting the sampled token, which is not a draft */
@@ -266,6 +284,25 @@ Test(spec, misuse) {
     cr_assert_eq(kvt_batch_run(b, L_SLIDE, NULL, NULL, &e), KVT_OK, "%s", kvt_last_error());
     for (uint32_t t = 0; t < 70; t++)
         cr_assert_eq(len[t], t + 1 < WINDOW ? (int32_t)t + 1 : WINDOW);
+    /* Per-request lengths (FlashMLA's topk_length): the last token's, only lengths[0] written;
+     * TOKENS only, known bits only. */
+    int32_t one[2] = {-5, -5};
+    kvt_emit ps = e;
+    ps.lengths = one;
+    ps.flags = KVT_EMIT_LENGTHS_PER_SEQ;
+    cr_assert_eq(kvt_batch_run(b, L_SLIDE, NULL, NULL, &ps), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(one[0], len[69]);
+    cr_assert_eq(one[1], -5, "one length per request");
+    ps.flags = 0x2;
+    cr_assert_eq(kvt_batch_run(b, L_SLIDE, NULL, NULL, &ps), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "unknown bits"), "%s", kvt_last_error());
+    int32_t ptr[3];
+    ps.flags = KVT_EMIT_LENGTHS_PER_SEQ;
+    ps.layout = KVT_EMIT_CSR;
+    ps.indptr = ptr;
+    ps.capacity = 70 * 80;
+    cr_assert_eq(kvt_batch_run(b, L_SLIDE, NULL, NULL, &ps), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(kvt_last_error(), "KVT_EMIT_TOKENS"), "%s", kvt_last_error());
     /* A struct from before queries_per_seq: one set per request. */
     kvt_emit old = {.struct_size = KVT_EMIT_SIZE_MIN, .layout = KVT_EMIT_TOKENS, .indices = idx,
                     .capacity = TOPK, .lengths = len};

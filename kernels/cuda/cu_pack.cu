@@ -56,7 +56,7 @@ __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, b
             indptr[q.len_at] = (int32_t)(pl.out + pl.count);
             if (first_csr && b == 0)
                 indptr[0] = 0;
-        } else {
+        } else if (q.len_at != KVT__NO_LENGTH) {
             lengths[q.len_at] = (int32_t)pl.count;
         }
     }

@@ -1536,6 +1536,7 @@ def _per_request(values, n: int, name: str) -> list[int]:
 _run = lib.kvt_batch_run
 _reserve = lib.kvt_batch_reserve
 _slot_mapping = lib.kvt_batch_slot_mapping
+_slot_mapping64 = lib.kvt_batch_slot_mapping64
 _commit = lib.kvt_batch_commit
 _plan = lib.kvt_batch_plan
 _U64 = 2**64
@@ -1621,24 +1622,33 @@ class Batch(_Closable):
         self._step, self._n = seqs, n
         self._tokens = sum(counts)
 
-    def slot_mapping(self, layer: int, out=None) -> np.ndarray:
-        """kvt_batch_slot_mapping: int32 slot of every new token of the step (request order,
-        then token order) in the layer's group, host memory. ``out``: a caller buffer
-        (CapacityError when shorter than the step's tokens), reused cheaply step after step."""
+    def slot_mapping(self, layer: int, out=None, dtype=np.int32) -> np.ndarray:
+        """kvt_batch_slot_mapping: the slot of every new token of the step (request order,
+        then token order) in the layer's group, host memory, int32 — or int64 (``dtype=np.int64``
+        or an int64 ``out``: kvt_batch_slot_mapping64, the dtype of vLLM's slot_mapping).
+        ``out``: a caller buffer (CapacityError when shorter than the step's tokens), reused
+        cheaply step after step."""
         c = self._scache
         if out is not None and c is not None and out is c[0]:
-            p, cap = c[1], c[2]
+            p, cap, fn = c[1], c[2], c[3]
         else:
             if out is None:
-                out = np.empty(self._tokens, dtype=np.int32)
+                dt = np.dtype(dtype)
+                if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
+                    raise TypeError(f"dtype: int32 or int64, got {dt}")
+                out = np.empty(self._tokens, dtype=dt)
             else:
-                out = as_output(out, "out", np.int32)
+                dt = getattr(out, "dtype", None)
+                dt = np.dtype(np.int64) if dt == np.dtype(np.int64) else np.dtype(np.int32)
+                out = as_output(out, "out", dt)
                 if out.ndim != 1:
                     raise ValueError(f"out: expected one dimension, got shape {out.shape}")
-            p, cap = ptr(out, ctypes.c_int32), len(out)
-            self._scache = (out, p, cap)
-        check(_slot_mapping(self._bp(), u32(layer, "layer"), p, cap, self._n_out_ref),
-              "kvt_batch_slot_mapping")
+            wide = out.dtype == np.dtype(np.int64)
+            p = ptr(out, ctypes.c_int64 if wide else ctypes.c_int32)
+            cap, fn = len(out), (_slot_mapping64 if wide else _slot_mapping)
+            self._scache = (out, p, cap, fn)
+        check(fn(self._bp(), u32(layer, "layer"), p, cap, self._n_out_ref),
+              "kvt_batch_slot_mapping64" if fn is _slot_mapping64 else "kvt_batch_slot_mapping")
         return out[:self._n_out.value]
 
     def plan(self) -> None:

@@ -176,6 +176,7 @@ class EmitC(ctypes.Structure):
         ("indptr", P(c_i32)),
         ("dense", P(ctypes.c_uint8)),
         ("queries_per_seq", c_u32),
+        ("flags", c_u64),
     ]
 
 
@@ -419,6 +420,7 @@ _SIGNATURES = {
     "kvt_buffer_write_async": (c_status, [c_vp, c_size, c_vp, c_size, c_vp]),
     "kvt_buffer_read_async": (c_status, [c_vp, c_size, c_vp, c_size, c_vp]),
     "kvt_batch_slot_mapping": (c_status, [c_vp, c_u32, P(c_i32), c_u32, P(c_u32)]),
+    "kvt_batch_slot_mapping64": (c_status, [c_vp, c_u32, P(ctypes.c_int64), c_u32, P(c_u32)]),
     "kvt_batch_plan": (c_status, [c_vp]),
     "kvt_batch_plan_device": (c_status, [c_vp, P(EmitC), c_u32, c_vp, P(ctypes.c_bool)]),
     "kvt_batch_capacity": (c_status, [c_vp, c_u32, P(c_u32), P(c_u32)]),

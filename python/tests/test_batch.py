@@ -105,8 +105,17 @@ def test_slot_mapping_and_buffers(mixed_ctx):
     assert np.array_equal(b.slot_mapping(0, out=out), m) and out[25] == -7
     with pytest.raises(kvtier.CapacityError):
         b.slot_mapping(0, out=np.zeros(24, np.int32))
+    # int64, vLLM's dtype (kvt_batch_slot_mapping64): the same slots, widened.
+    m64 = b.slot_mapping(0, dtype=np.int64)
+    assert m64.dtype == np.int64 and np.array_equal(m64, m)
+    out64 = np.full(26, -7, np.int64)
+    assert np.array_equal(b.slot_mapping(0, out=out64), m) and out64[25] == -7
+    with pytest.raises(kvtier.CapacityError):
+        b.slot_mapping(0, out=np.zeros(24, np.int64))
     with pytest.raises(TypeError):
-        b.slot_mapping(0, out=np.zeros(25, np.int64))
+        b.slot_mapping(0, out=np.zeros(25, np.int16))
+    with pytest.raises(TypeError):
+        b.slot_mapping(0, dtype=np.float64)
     with pytest.raises(ValueError):
         b.slot_mapping(0, out=np.zeros((5, 5), np.int32))
     with pytest.raises(kvtier.OutOfRangeError):
