@@ -1127,7 +1127,14 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
     memset(b->defer, 0, b->n_seqs); /* a planned step has no drafts and one query a request */
     for (uint32_t l = 0; l < L; l++) {
         const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
-        b->plan_emit[l] = *e;
+        /* the caller's struct_size bytes only (checked >= KVT_EMIT_SIZE_MIN): an older caller's
+         * struct ends there; the fields past it read as zero */
+        if (e != &b->plan_emit[l]) { /* (a re-plan passes the kept copies themselves) */
+            const size_t n =
+                e->struct_size < sizeof(kvt_emit) ? e->struct_size : sizeof(kvt_emit);
+            memset(&b->plan_emit[l], 0, sizeof(kvt_emit));
+            memcpy(&b->plan_emit[l], e, n);
+        }
         if (ctx->stores[l].group < 0) { /* no run: nothing to plan */
             memset(b->plan.host + b->plan.at[l], 0, 3 * sizeof(uint32_t));
             continue;
