@@ -424,13 +424,7 @@ kvt_status kvt_ctx_create(const kvt_ctx_params *params, kvt_ctx **out, char *err
     *out = NULL;
     /* The detail goes to err (there is no context yet to ask) and to the thread's buffer. */
     char msg[KVT__ERR_LEN] = "";
-    kvt_status s = ctx_create(params, out, msg, sizeof msg);
-    if (s == KVT_OK) {
-        kvt__tls_clear();
-        return KVT_OK;
-    }
-    kvt__tls_fail(s, "%s", msg);
-    return kvt__fail(err, len, s, "%s", msg);
+    return kvt__tls_finish(ctx_create(params, out, msg, sizeof msg), msg, err, len);
 }
 
 kvt_status kvt_ctx_create_default(const kvt_model *model, kvt_ctx **out, char *err,

@@ -124,11 +124,5 @@ kvt_status kvt_ctx_estimate(const kvt_ctx_params *params, kvt_ctx_estimate_out *
                             size_t len) {
     /* The detail goes to err and to the thread's buffer, as kvt_ctx_create's. */
     char msg[KVT__ERR_LEN] = "";
-    kvt_status s = estimate(params, out, msg, sizeof msg);
-    if (s == KVT_OK) {
-        kvt__tls_clear();
-        return KVT_OK;
-    }
-    kvt__tls_fail(s, "%s", msg);
-    return kvt__fail(err, len, s, "%s", msg);
+    return kvt__tls_finish(estimate(params, out, msg, sizeof msg), msg, err, len);
 }

@@ -18,20 +18,10 @@
 #include <time.h>
 
 #include "../bench_util.h"
+#include "bench_cpu.h"
 
 enum { B = 4096, D = 512, BD = 64, RANK = 64, KD = D + BD, ROW = 2 * KD, KAPPA = 16,
        NBASIS = 2 * KAPPA - 1, DIM = BD + RANK };
-
-static double cpu_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static float gauss(void) { /* Box-Muller */
-    double u = ((rnd() >> 11) + 1) * 0x1p-53, v = (rnd() >> 11) * 0x1p-53;
-    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
-}
 
 typedef struct range {
     double lo, hi;
@@ -63,24 +53,17 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_close: out of memory\n");
         return 1;
     }
-    /* an orthonormal basis (Gram-Schmidt of Gaussian rows, in double) */
-    for (uint32_t k = 0; k < RANK; k++) {
-        double w[D];
-        for (uint32_t d = 0; d < D; d++)
-            w[d] = gauss();
-        for (uint32_t j = 0; j < k; j++) {
-            double dot = 0;
-            for (uint32_t d = 0; d < D; d++)
-                dot += w[d] * V[(size_t)j * D + d];
-            for (uint32_t d = 0; d < D; d++)
-                w[d] -= dot * V[(size_t)j * D + d];
-        }
-        double n2 = 0;
-        for (uint32_t d = 0; d < D; d++)
-            n2 += w[d] * w[d];
-        for (uint32_t d = 0; d < D; d++)
-            V[(size_t)k * D + d] = (float)(w[d] / sqrt(n2));
+    /* an orthonormal basis (the library's Gram-Schmidt of Gaussian rows, in double) */
+    double *w = malloc(sizeof(double) * RANK * D);
+    for (uint32_t i = 0; w && i < RANK * D; i++)
+        w[i] = gauss_bm();
+    if (!w || kvt_orthonormalise_rows(w, RANK, D, 2) != KVT_OK) {
+        fprintf(stderr, "bench_close: basis: %s\n", kvt_last_error());
+        return 1;
     }
+    for (uint32_t i = 0; i < RANK * D; i++)
+        V[i] = (float)w[i];
+    free(w);
     for (uint32_t u = 0; u < B; u++)
         slots[u] = (int32_t)u;
     for (uint32_t u = B - 1; u > 0; u--) { /* shuffled slots, as a page table leaves them */
@@ -93,15 +76,15 @@ int main(int argc, char **argv) {
         uint16_t *row = (uint16_t *)(pool + (size_t)u * ROW);
         float c[RANK], x[D];
         for (uint32_t k = 0; k < RANK; k++)
-            c[k] = 3.0f * gauss();
+            c[k] = 3.0f * gauss_bm();
         for (uint32_t d = 0; d < D; d++) {
-            float v = 0.33f * gauss() * sqrtf((float)RANK / D) * 3.0f;
+            float v = 0.33f * gauss_bm() * sqrtf((float)RANK / D) * 3.0f;
             for (uint32_t k = 0; k < RANK; k++)
                 v += c[k] * V[(size_t)k * D + d];
             x[d] = v;
         }
         for (uint32_t d = 0; d < KD; d++) {
-            float f = d < D ? x[d] : gauss();
+            float f = d < D ? x[d] : gauss_bm();
             uint32_t bits;
             memcpy(&bits, &f, 4);
             row[d] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);

@@ -57,6 +57,12 @@ static inline float gauss(void) {
     return (s - 2.0f) * 1.7320508f;
 }
 
+/* A standard normal draw by Box-Muller (the kernel benches' other data generator). */
+static inline float gauss_bm(void) {
+    double u = ((rnd() >> 11) + 1) * 0x1p-53, v = (rnd() >> 11) * 0x1p-53;
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
 /* rank orthonormal rows of n values (Gram-Schmidt in double, two passes: the library's
  * kvt_orthonormalise_rows), stored fp32. */
 static inline void orthonormal_f32(uint32_t rank, uint32_t n, float *out) {

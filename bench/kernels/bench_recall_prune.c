@@ -11,7 +11,7 @@
  * Per data set and mode (conformal z = 2, sound z = √448): archived rows visited per step (the
  * full scan visits all), groups visited, fired rows (both scans: identical, checked), and the
  * thread CPU time of each scan over `reps` alternating repeats (min–max), with the per-repeat
- * ratio's range (CPU time, not wall: see cpu_s).
+ * ratio's range (CPU time, not wall: see bench_cpu.h's cpu_s).
  * Also the group build's time per block, beside the block's rank-64 sketch. Usage: bench_recall_prune [reps] (default 3).
  */
 #include "kernels/backend.h"
@@ -25,22 +25,10 @@
 #include <string.h>
 
 #include "../bench_util.h"
+#include "bench_cpu.h"
 
 enum { B = 4096, NB = 2, NR = B * NB, D = 512, BD = 64, RANK = 64, PR = 64, M = 512, SINKS = 4,
        ROW = 1152, H = 16, QD = D + BD, DIM = BD + RANK, KC = 32, NEEDLES = 8 };
-
-/* Thread CPU time: the twins are single-threaded, and on a shared machine wall time mostly
- * measures the other processes (preemption); CPU time still carries cache contention. */
-static double cpu_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static float gauss(void) { /* Box-Muller */
-    double u = ((rnd() >> 11) + 1) * 0x1p-53, v = (rnd() >> 11) * 0x1p-53;
-    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
-}
 
 typedef struct data {
     uint8_t *pool;
@@ -76,21 +64,21 @@ static void make(data *d, int clustered) {
     for (uint32_t h = 0; h < H; h++) { /* in span: N(0,1) per direction, 0.3 off span */
         float *q = d->q + (size_t)h * QD;
         for (uint32_t i = 0; i < QD; i++)
-            q[i] = i < D ? 0.3f * gauss() : gauss();
+            q[i] = i < D ? 0.3f * gauss_bm() : gauss_bm();
         for (int k = 0; k < RANK; k++)
-            q[k * 7] = gauss();
+            q[k * 7] = gauss_bm();
     }
     static float cen[KC][QD];
     for (int c = 0; c < KC; c++)
         for (uint32_t i = 0; i < QD; i++)
-            cen[c][i] = i >= D ? gauss() : i % 7 == 0 && i / 7 < RANK ? 3.0f * gauss()
-                                                                       : 0.02f * gauss();
+            cen[c][i] = i >= D ? gauss_bm() : i % 7 == 0 && i / 7 < RANK ? 3.0f * gauss_bm()
+                                                                       : 0.02f * gauss_bm();
     for (uint32_t r = 0; r < NR; r++) {
         d->slots[r] = kvt__page_slot(d->pages, 0, &d->pd, r);
         uint8_t *p = d->pool + (size_t)d->slots[r] * ROW;
         const float *c = cen[rnd() % KC];
         for (uint32_t i = 0; i < QD; i++)
-            kvt__store_elem(p, KVT__DT_BF16, i, clustered ? c[i] + 0.05f * gauss() : gauss());
+            kvt__store_elem(p, KVT__DT_BF16, i, clustered ? c[i] + 0.05f * gauss_bm() : gauss_bm());
     }
     memset(d->is_kept, 0, sizeof d->is_kept);
     for (uint32_t b = 0; b < NB; b++)

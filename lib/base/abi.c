@@ -28,6 +28,15 @@ void kvt__tls_clear(void) {
     tls_err[0] = '\0';
 }
 
+kvt_status kvt__tls_finish(kvt_status s, const char *msg, char *err, size_t len) {
+    if (s == KVT_OK) {
+        kvt__tls_clear();
+        return KVT_OK;
+    }
+    kvt__tls_fail(s, "%s", msg);
+    return kvt__fail(err, len, s, "%s", msg);
+}
+
 const char *kvt_last_error(void) {
     return tls_err;
 }

@@ -30,6 +30,10 @@ char *kvt__tls_error(void);
 kvt_status kvt__tls_fail(kvt_status s, const char *fmt, ...) KVT__PRINTF(2, 3);
 kvt_status kvt__tls_vfail(kvt_status s, const char *fmt, va_list ap);
 void kvt__tls_clear(void);
+/* The end of a call that has no context to hold its error (kvt_ctx_create, kvt_ctx_estimate):
+ * KVT_OK clears the thread's buffer; any other status puts msg in it and in err[0..len). Returns
+ * s. */
+kvt_status kvt__tls_finish(kvt_status s, const char *msg, char *err, size_t len);
 
 /* Versioned parameter structs (ABI rule of kvtier.h): copy a caller's struct whose first field is
  * its struct_size into dst, which holds this build's defaults (dst_size = sizeof). Accepted sizes
