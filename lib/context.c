@@ -5,8 +5,8 @@
  * them calls back up into this file. */
 #include "handles.h"
 
-#include "kernels/rope_trigger.h"
-#include "kernels/recall_step.h"
+#include "recall/kernels/rope_trigger.h"
+#include "recall/kernels/recall_step.h"
 #include "kernels/topm.h"
 #include "recall/recall.h"
 

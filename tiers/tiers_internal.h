@@ -43,7 +43,7 @@ typedef struct kvt__sal {
     uint64_t n_kept, kept_cap;
     uint64_t kept_in_sinks; /* host: kept rows below the sinks' end (attended as sinks) */
     uint64_t closes, nonfinite, score_bytes_read;
-    /* Recall sketches of the closed rows (kernels/sketch.h), written at each close next to σ
+    /* Recall sketches of the closed rows (recall/kernels/sketch.h), written at each close next to σ
      * when sk_stride > 0: csk [rows][sk_stride] fp16 (entries past the layer's basis rank are 0)
      * and ρ [rows] fp32, own rows as score; caps in rows. */
     uint32_t sk_stride;

@@ -7,7 +7,7 @@
  * performs one (row, head) chain's fused multiply-adds, and the triggers' operations, in the
  * per-element functions' order, so the bits are theirs — tests/test_recall_scan.c).
  */
-#include "kernels/recall_scan.h"
+#include "recall/kernels/recall_scan.h"
 
 #include "kernels/backend.h"
 #include "lib/base/base.h"
