@@ -179,13 +179,13 @@ kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const f
 kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
                                    int32_t *indices, uint64_t capacity, int32_t *indptr,
                                    kvt__recall_rope_emit_args *out);
-/* The RoPE recall trigger's archive view (recall/kernels/rope_trigger.h: the fields up to rank) of
- * a request's layer between steps, its page table mirrored: the evict policy's recall_rope_view.
+/* The RoPE recall trigger's archive view (tiers/policy.h kvt__rope_view) of a request's layer
+ * between steps, its page table mirrored: the evict policy's recall_rope_view.
  * KVT_ERR_POLICY_MISMATCH (a layer without one), the view's statuses (UNSUPPORTED, BAD_STATE),
  * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. For inspection between steps
  * (the tests' oracles read the archive through it); a step takes the view of its own table through
  * kvt__seq_rope_recall_item and kvt__seq_rope_emit_item instead. */
-kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out);
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__rope_view *out);
 /* Free every live kvt_buffer of the context (kvt_ctx_destroy). */
 void kvt__buffers_free(kvt_ctx *ctx);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */

@@ -448,7 +448,7 @@ static kvt_status check_promo(const kvt_seq *seq, uint32_t layer, char *msg, siz
     const kvt_ctx *ctx = seq->ctx;
     const kvt__recall_layer *r = &seq->recall[layer];
     kvt__tier_layer l = kvt__seq_tier_layer(seq, layer);
-    kvt__recall_scan_args v;
+    kvt__nope_view v;
     if (!l.gr->ops->recall_view || !l.gr->ops->recall_view(&l, &v))
         return KVT_OK;
     size_t pb = kvt__recall_promo_bytes(r), kb = sizeof(uint32_t) * v.m;

@@ -438,7 +438,7 @@ bool kvt__seq_recall_item(kvt_seq *seq, uint32_t layer, const float *q, uint8_t 
                           kvt__recall_step_args *out) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__recall_scan_args v;
+    kvt__nope_view v;
     if (!kvt__seq_recalls(seq, layer) || !l.gr->ops->recall_view ||
         !l.gr->ops->recall_view(&l, &v))
         return false;
@@ -455,7 +455,7 @@ kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const f
                                      uint8_t *dense, kvt__recall_rope_args *out) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__recall_rope_args v;
+    kvt__rope_view v;
     kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
     if (s != KVT_OK)
         return s;
@@ -471,26 +471,18 @@ kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
     const kvt__store *st = &ctx->stores[layer];
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__recall_rope_args v; /* the archive as the policy describes it */
+    kvt__rope_view v; /* the archive as the policy describes it */
     kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
     if (s != KVT_OK)
         return s;
-    const kvt__recall_rope_layer *r = &seq->rrope[layer];
     const kvt__ptable *f = &seq->fetch[st->group];
-    *out = (kvt__recall_rope_emit_args){
-        .plane = {st->plane[0], st->plane[1]}, .n_planes = st->spec.n_planes,
-        .slot_stride = st->slot_bytes,
-        .row_bytes = st->spec.row_bytes, .n_kv = v.n_kv, .pages = v.pages,
-        .first_page = v.first_page, .pdiv = v.pdiv, .n_rows = v.n_rows, .ar_bytes = v.ar_bytes,
-        .ar_cap = v.ar_cap, .ar_n = v.ar_n, .fired = r->fired, .n_fired = r->n_fired,
-        .cap = r->cap, .st = r->base.st, .fetch_pages = f->dpages,
-        .fetch_cap = (uint32_t)((uint64_t)f->n_pages * ctx->page_rows), .indices = indices,
-        .capacity = capacity, .indptr = indptr, .out = 0, .chain = true, .all = all,
-        .capped = v.capped};
+    kvt__recall_rope_emit_make(&seq->rrope[layer], &v, f->dpages,
+                               (uint32_t)((uint64_t)f->n_pages * ctx->page_rows), all, indices,
+                               capacity, indptr, out);
     return KVT_OK;
 }
 
-kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out) {
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__rope_view *out) {
     CHECK_BETWEEN_STEPS(seq);
     const kvt__store *st;
     kvt_status s = kvt__seq_layer_of(seq, layer, &st);

@@ -259,7 +259,7 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
         if (st->group < 0 || !kvt__seq_ops_of(ctx, i)->recall_rope_view)
             continue;
         kvt__tier_layer l = kvt__seq_tier_layer(seq, i);
-        kvt__recall_rope_args v;
+        kvt__rope_view v;
         char msg[KVT__ERR_LEN];
         kvt_status s = kvt__seq_ops_of(ctx, i)->recall_rope_view(&l, &v, msg, sizeof msg);
         if (s == KVT_ERR_UNSUPPORTED) {
