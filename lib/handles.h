@@ -6,6 +6,7 @@
 #include "base/alloc.h"
 #include "recall/recall.h"
 #include "recall/recall_rope.h"
+#include "recall/recall_table.h"
 #include "tiers/policy.h"
 
 #define KVT__MAX_GROUPS 3
@@ -161,6 +162,13 @@ bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
 /* The trigger state of a layer the request recalls on — the salience layer's, or the common part
  * of a RoPE layer's (kvt__recall_rope_layer.base) — or NULL. */
 kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer);
+/* The recall table of a layer the request recalls on (kvt__recall_nope, kvt__recall_rope) with
+ * its state in *r, or NULL (recall off, or nothing to recall from there). The one place lib/
+ * asks which kind a layer's recall is. */
+const kvt__recall_ops *kvt__seq_recall_of(const kvt_seq *seq, uint32_t layer, void **r);
+/* Does the request's recall on this layer copy fetched rows into its fetch area (the table's
+ * fetch_area)? */
+bool kvt__seq_recall_fetches(const kvt_seq *seq, uint32_t layer);
 /* The recall step's work item of the request on `layer` during the step (the view as the
  * step's run left it), its queries q and the emission's dense flag; false when the layer has
  * nothing to recall from. */
