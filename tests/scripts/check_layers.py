@@ -18,7 +18,8 @@ cannot see a tier calling a function defined in lib/ (kvt_dtype_bytes was, in li
 object files of the library are read with nm: a symbol an object of one layer references (U) and
 an object of a higher layer defines fails, whatever header declared it. Each object is mapped to
 its source by the longest suffix of its path (CMakeFiles/<target>.dir/lib/batch.c.o ->
-lib/batch.c) that is a source file under ROOT. lib/'s files call one another without a cycle: a
+lib/batch.c) that is a source file under ROOT; the CUDA emulation's rewritten emu/<name>.cu.cpp
+to the <name>.cu of kernels/cuda/ or recall/kernels/cuda/. lib/'s files call one another without a cycle: a
 file calling another that calls it back, directly or not, fails (each cycle one line, its files
 and the calls of each edge).
 
@@ -129,6 +130,14 @@ def source_of(root, obj):
         rel = "/".join(parts[k:])
         if rel and os.path.isfile(os.path.join(root, rel)):
             return rel
+    # The CUDA emulation compiles each .cu rewritten into the build tree (emu/<name>.cu.cpp,
+    # CMakeLists.txt): its source is the .cu of that name in a CUDA folder of the library.
+    name = parts[-1]
+    if len(parts) > 1 and parts[-2] == "emu" and name.endswith(".cu.cpp"):
+        for cuda_dir in ("kernels/cuda", "recall/kernels/cuda"):
+            rel = cuda_dir + "/" + name[: -len(".cpp")]
+            if os.path.isfile(os.path.join(root, rel)):
+                return rel
     return None
 
 
