@@ -8,7 +8,8 @@
 # issue 33 item 4), so a byte load is allowed only where the source line reads a 1-byte datum,
 # listed in ONE_BYTE below (a flag, a bool field); any other, or one the PTX does not place,
 # fails. Prints a table (bytes: the kernel's byte loads, all of them 1-byte data when it passes);
-# exits 1 when a kernel spills or (without --spills-only) a scan/step/RoPE/pack kernel loads a byte that is not a 1-byte datum.
+# exits 1 when a kernel spills or (without --spills-only) a scan/step/RoPE/pack kernel loads a
+# byte that is not a 1-byte datum.
 # No device needed.
 set -euo pipefail
 spills_only=0
