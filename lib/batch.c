@@ -517,18 +517,19 @@ static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_
 
 /* How a request's set is made on a layer (RECALL_WAY bits): without recall; with the trigger's
  * fetched rows (one query token); every row (a request with recall whose step has several query
- * tokens); RECALL_ROPE: its recall is a RoPE layer's (docs/recall.md §9). */
+ * tokens); RECALL_ROPE: its recall is a RoPE layer's, whose emission copies the fetched rows into
+ * the fetch area (the recall table's fetch_area; docs/recall.md §9). */
 enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2, RECALL_WAY = 3, RECALL_ROPE = 4 };
 
 static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32_t S) {
     const kvt_seq *sq = b->seqs[i];
-    const bool nope = sq && kvt__seq_recalls(sq, layer);
-    const bool rope = sq && !nope && kvt__seq_recalls_rope(sq, layer);
-    if (!nope && !rope)
+    void *r;
+    const kvt__recall_ops *ro = sq ? kvt__seq_recall_of(sq, layer, &r) : NULL;
+    if (!ro)
         return RECALL_NONE;
     return (b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
                                                                                   : RECALL_ALL) |
-           (rope ? RECALL_ROPE : 0);
+           (ro->fetch_area ? RECALL_ROPE : 0);
 }
 
 /* Query tokens per request an emission asks for (FlashMLA's s_q): 1 for a struct from before

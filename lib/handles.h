@@ -6,6 +6,7 @@
 #include "base/alloc.h"
 #include "recall/recall.h"
 #include "recall/recall_rope.h"
+#include "recall/recall_table.h"
 #include "tiers/policy.h"
 
 #define KVT__MAX_GROUPS 3
@@ -161,6 +162,13 @@ bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
 /* The trigger state of a layer the request recalls on — the salience layer's, or the common part
  * of a RoPE layer's (kvt__recall_rope_layer.base) — or NULL. */
 kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer);
+/* The recall table of a layer the request recalls on (kvt__recall_nope, kvt__recall_rope) with
+ * its state in *r, or NULL (recall off, or nothing to recall from there). The one place lib/
+ * asks which kind a layer's recall is. */
+const kvt__recall_ops *kvt__seq_recall_of(const kvt_seq *seq, uint32_t layer, void **r);
+/* Does the request's recall on this layer copy fetched rows into its fetch area (the table's
+ * fetch_area)? */
+bool kvt__seq_recall_fetches(const kvt_seq *seq, uint32_t layer);
 /* The recall step's work item of the request on `layer` during the step (the view as the
  * step's run left it), its queries q and the emission's dense flag; false when the layer has
  * nothing to recall from. */
@@ -179,13 +187,13 @@ kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const f
 kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
                                    int32_t *indices, uint64_t capacity, int32_t *indptr,
                                    kvt__recall_rope_emit_args *out);
-/* The RoPE recall trigger's archive view (recall/kernels/rope_trigger.h: the fields up to rank) of
- * a request's layer between steps, its page table mirrored: the evict policy's recall_rope_view.
+/* The RoPE recall trigger's archive view (tiers/policy.h kvt__rope_view) of a request's layer
+ * between steps, its page table mirrored: the evict policy's recall_rope_view.
  * KVT_ERR_POLICY_MISMATCH (a layer without one), the view's statuses (UNSUPPORTED, BAD_STATE),
  * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. For inspection between steps
  * (the tests' oracles read the archive through it); a step takes the view of its own table through
  * kvt__seq_rope_recall_item and kvt__seq_rope_emit_item instead. */
-kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out);
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__rope_view *out);
 /* Free every live kvt_buffer of the context (kvt_ctx_destroy). */
 void kvt__buffers_free(kvt_ctx *ctx);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */

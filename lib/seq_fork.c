@@ -153,13 +153,11 @@ static kvt_status states_from(kvt_seq *c, kvt_seq *src, uint64_t rows, bool atta
             s = ops->layer_fork(kvt__seq_state(c, i), kvt__seq_state(src, i), &env, st,
                                 src->pt[st->group].n_rows);
         /* A fork continues its parent's calibration; an attached request calibrates anew. */
-        if (s == KVT_OK && !attach && kvt__seq_recalls(c, i) && kvt__seq_recalls(src, i) &&
-            (s = kvt__recall_layer_copy(&c->recall[i], &src->recall[i], &ctx->backend)) != KVT_OK)
-            kvt__fail(env.err, env.err_len, s, "the recall state of layer %u", i);
-        if (s == KVT_OK && !attach && kvt__seq_recalls_rope(c, i) &&
-            kvt__seq_recalls_rope(src, i) &&
-            (s = kvt__recall_rope_copy(&c->rrope[i], &src->rrope[i], &ctx->backend)) != KVT_OK)
-            kvt__fail(env.err, env.err_len, s, "the recall state of RoPE layer %u", i);
+        void *cr, *sr;
+        const kvt__recall_ops *ro = kvt__seq_recall_of(c, i, &cr);
+        if (s == KVT_OK && !attach && ro && kvt__seq_recall_of(src, i, &sr) == ro &&
+            (s = ro->copy(cr, sr, &ctx->backend)) != KVT_OK)
+            kvt__fail(env.err, env.err_len, s, "the recall state of %s %u", ro->layer_noun, i);
     }
     if (s == KVT_OK)
         return KVT_OK;

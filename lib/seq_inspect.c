@@ -159,10 +159,9 @@ static void layer_side_bytes(const kvt_seq *seq, uint32_t i, uint64_t *own, uint
     if (ops->side_bytes)
         ops->side_bytes(kvt__seq_state(seq, i), own, shared, key, holders);
     if (seq->recall)
-        *own += kvt__recall_layer_bytes(&seq->recall[i]);
+        *own += kvt__recall_nope.bytes(&seq->recall[i]);
     if (seq->rrope) /* the RoPE trigger's state and fetch lists */
-        *own += kvt__recall_layer_bytes(&seq->rrope[i].base) +
-                (seq->rrope[i].fbuf ? seq->rrope[i].fbytes : 0);
+        *own += kvt__recall_rope.bytes(&seq->rrope[i]);
 }
 
 kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_stats *out) {
@@ -225,7 +224,7 @@ kvt_status kvt_seq_layer_stats(const kvt_seq *seq, uint32_t layer, kvt_layer_sta
         out->recall_last_dense = rs.last_dense != 0;
         out->recall_last_overflow = rs.last_overflow != 0;
         out->recall_last_lagged = recall_base(seq, layer)->last_lagged != 0;
-        if (kvt__seq_recalls_rope(seq, layer)) { /* fetched rows copied out of the archive */
+        if (kvt__seq_recall_fetches(seq, layer)) { /* fetched rows copied out of the archive */
             const uint64_t rb = (uint64_t)st->spec.n_planes * st->spec.row_bytes;
             out->recall_moved_bytes = rs.fetched * rb;
             out->recall_last_moved_bytes = rs.last_fetched * rb;
@@ -448,7 +447,7 @@ static kvt_status check_promo(const kvt_seq *seq, uint32_t layer, char *msg, siz
     const kvt_ctx *ctx = seq->ctx;
     const kvt__recall_layer *r = &seq->recall[layer];
     kvt__tier_layer l = kvt__seq_tier_layer(seq, layer);
-    kvt__recall_scan_args v;
+    kvt__nope_view v;
     if (!l.gr->ops->recall_view || !l.gr->ops->recall_view(&l, &v))
         return KVT_OK;
     size_t pb = kvt__recall_promo_bytes(r), kb = sizeof(uint32_t) * v.m;

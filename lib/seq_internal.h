@@ -72,10 +72,11 @@ static inline uint64_t kvt__seq_promote_room(const kvt__policy_ops *ops, uint64_
     return ops->promote_room ? ops->promote_room(closed_rows, cfg) : 0;
 }
 
-/* The group planes of the pruned scan on `layer` for a request holding `rows` rows; the RoPE
- * trigger's for an archive of at most `rows` rows a KV head (sequence.c). */
-kvt_status kvt__seq_recall_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t rows);
-kvt_status kvt__seq_rope_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t rows);
+/* The group planes of the pruned scan of `layer`'s trigger (table ro, state r) for a request
+ * holding `rows` rows (a RoPE trigger's: an archive of at most that many rows a KV head), through
+ * the table's groups_reserve (sequence.c). */
+kvt_status kvt__seq_recall_groups_reserve(kvt_seq *seq, uint32_t layer,
+                                          const kvt__recall_ops *ro, void *r, uint64_t rows);
 
 /* Copy on write (seq_fork.c): group g's shared pages holding rows at or past from_row become the
  * request's own; kvt__seq_cow_undo undoes group g's copies of the reservation being made;

@@ -92,21 +92,20 @@ kvt_status kvt__seq_reserve(kvt_seq *seq, uint32_t n_tokens) {
     }
     /* The recall trigger's group planes for the blocks the step can close (a step's run builds
      * them, and a run allocates nothing). */
-    for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++)
-        if (kvt__seq_recalls(seq, i) &&
-            (s = kvt__seq_recall_groups_reserve(seq, i, seq->n_tokens + n_tokens)) != KVT_OK)
-            snprintf(why, sizeof why, "layer %u: the recall scan's group planes", i);
-    for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++)
-        if (kvt__seq_recalls_rope(seq, i) &&
-            (s = kvt__seq_rope_groups_reserve(seq, i, seq->n_tokens + n_tokens)) != KVT_OK)
-            snprintf(why, sizeof why, "layer %u: the RoPE recall scan's group planes", i);
+    for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
+        void *r;
+        const kvt__recall_ops *ro = kvt__seq_recall_of(seq, i, &r);
+        if (ro && (s = kvt__seq_recall_groups_reserve(seq, i, ro, r,
+                                                      seq->n_tokens + n_tokens)) != KVT_OK)
+            snprintf(why, sizeof why, "layer %u: the %s scan's group planes", i, ro->name);
+    }
     /* RoPE recall: the fetch area holds the whole archive after the step (a dense step lists
      * it): held + archived rows are at most the request's rows; with a host archive no step is
      * dense and it holds at most recall_cap_rows rows. Its size is set only once the whole
      * reservation succeeded (a failure trims it back to what it held). */
     uint32_t f_grown[KVT__MAX_GROUPS] = {0};
     for (uint32_t i = 0; s == KVT_OK && i < ctx->n_layers; i++) {
-        if (!kvt__seq_recalls_rope(seq, i))
+        if (!kvt__seq_recall_fetches(seq, i))
             continue;
         const uint32_t fg = (uint32_t)ctx->stores[i].group;
         kvt__ptable *f = &seq->fetch[fg]; /* its n_pending: the rows it holds (n_rows 0) */
@@ -357,16 +356,15 @@ kvt_status kvt__seq_mirror_sync(kvt_seq *seq, uint32_t layer, const kvt__backend
      * RoPE recall's emission its fetch area's. */
     const int32_t g = seq->ctx->stores[layer].group;
     kvt_status s = kvt__ptable_mirror_sync(&seq->pt[g], be, stream);
-    if (s == KVT_OK && kvt__seq_recalls_rope(seq, layer))
+    if (s == KVT_OK && kvt__seq_recall_fetches(seq, layer))
         s = kvt__ptable_mirror_sync(&seq->fetch[g], be, stream);
     return s;
 }
 
 bool kvt__seq_step_quiet(kvt_seq *seq, uint32_t layer, bool recall_planned) {
     kvt_ctx *ctx = seq->ctx;
-    if (kvt__seq_recalls_rope(seq, layer) && (!recall_planned || seq->n_pending > 1))
-        return false;
-    if (kvt__seq_recalls(seq, layer) && (!recall_planned || seq->n_pending > 1))
+    void *r;
+    if (kvt__seq_recall_of(seq, layer, &r) && (!recall_planned || seq->n_pending > 1))
         return false;
     const kvt__policy_ops *ops = kvt__seq_ops_of(ctx, layer);
     if (!ops->layer_step || seq->n_pending == 0)
@@ -438,7 +436,7 @@ bool kvt__seq_recall_item(kvt_seq *seq, uint32_t layer, const float *q, uint8_t 
                           kvt__recall_step_args *out) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__recall_scan_args v;
+    kvt__nope_view v;
     if (!kvt__seq_recalls(seq, layer) || !l.gr->ops->recall_view ||
         !l.gr->ops->recall_view(&l, &v))
         return false;
@@ -455,7 +453,7 @@ kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const f
                                      uint8_t *dense, kvt__recall_rope_args *out) {
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__recall_rope_args v;
+    kvt__rope_view v;
     kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
     if (s != KVT_OK)
         return s;
@@ -471,26 +469,18 @@ kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
     const kvt__store *st = &ctx->stores[layer];
     kvt__ptable view;
     kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__recall_rope_args v; /* the archive as the policy describes it */
+    kvt__rope_view v; /* the archive as the policy describes it */
     kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
     if (s != KVT_OK)
         return s;
-    const kvt__recall_rope_layer *r = &seq->rrope[layer];
     const kvt__ptable *f = &seq->fetch[st->group];
-    *out = (kvt__recall_rope_emit_args){
-        .plane = {st->plane[0], st->plane[1]}, .n_planes = st->spec.n_planes,
-        .slot_stride = st->slot_bytes,
-        .row_bytes = st->spec.row_bytes, .n_kv = v.n_kv, .pages = v.pages,
-        .first_page = v.first_page, .pdiv = v.pdiv, .n_rows = v.n_rows, .ar_bytes = v.ar_bytes,
-        .ar_cap = v.ar_cap, .ar_n = v.ar_n, .fired = r->fired, .n_fired = r->n_fired,
-        .cap = r->cap, .st = r->base.st, .fetch_pages = f->dpages,
-        .fetch_cap = (uint32_t)((uint64_t)f->n_pages * ctx->page_rows), .indices = indices,
-        .capacity = capacity, .indptr = indptr, .out = 0, .chain = true, .all = all,
-        .capped = v.capped};
+    kvt__recall_rope_emit_make(&seq->rrope[layer], &v, f->dpages,
+                               (uint32_t)((uint64_t)f->n_pages * ctx->page_rows), all, indices,
+                               capacity, indptr, out);
     return KVT_OK;
 }
 
-kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__recall_rope_args *out) {
+kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__rope_view *out) {
     CHECK_BETWEEN_STEPS(seq);
     const kvt__store *st;
     kvt_status s = kvt__seq_layer_of(seq, layer, &st);

@@ -189,10 +189,25 @@ bool kvt__seq_recalls_rope(const kvt_seq *seq, uint32_t layer) {
     return seq->cfg.recall != KVT_RECALL_OFF && seq->rrope && seq->rrope[layer].fbuf;
 }
 
-kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer) {
+const kvt__recall_ops *kvt__seq_recall_of(const kvt_seq *seq, uint32_t layer, void **r) {
     if (kvt__seq_recalls(seq, layer))
-        return &seq->recall[layer];
-    return kvt__seq_recalls_rope(seq, layer) ? &seq->rrope[layer].base : NULL;
+        return *r = &seq->recall[layer], &kvt__recall_nope;
+    if (kvt__seq_recalls_rope(seq, layer))
+        return *r = &seq->rrope[layer], &kvt__recall_rope;
+    *r = NULL;
+    return NULL;
+}
+
+bool kvt__seq_recall_fetches(const kvt_seq *seq, uint32_t layer) {
+    void *r;
+    const kvt__recall_ops *ro = kvt__seq_recall_of(seq, layer, &r);
+    return ro && ro->fetch_area;
+}
+
+kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer) {
+    void *r;
+    const kvt__recall_ops *ro = kvt__seq_recall_of(seq, layer, &r);
+    return ro ? ro->base(r) : NULL;
 }
 
 /* Can this context recall with the request's config? KVT_ERR_UNSUPPORTED with the reason. */
@@ -224,28 +239,21 @@ static kvt_status recall_supported(const kvt_ctx *ctx, const kvt_config *cfg) {
     return KVT_OK;
 }
 
-/* The group planes of the pruned scan on `layer` for a request holding `rows` rows. */
-kvt_status kvt__seq_recall_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t rows) {
-    const kvt_ctx *ctx = seq->ctx;
-    const kvt__store *st = &ctx->stores[layer];
-    const uint32_t B = seq->cfg.block_rows;
-    return kvt__recall_layer_groups_reserve(&seq->recall[layer], &ctx->backend, rows / B, B,
-                                            st->spec.branch_dim + ctx->sketch_rank);
-}
-
-/* The RoPE trigger's group planes on `layer` for an archive of at most `rows` rows a KV head
- * (the pruned scan over archive blocks of config.block_rows rows; docs/recall.md §9.8). */
-kvt_status kvt__seq_rope_groups_reserve(kvt_seq *seq, uint32_t layer, uint64_t rows) {
+kvt_status kvt__seq_recall_groups_reserve(kvt_seq *seq, uint32_t layer,
+                                          const kvt__recall_ops *ro, void *r, uint64_t rows) {
     const kvt_ctx *ctx = seq->ctx;
     const kvt_layer_spec *sp = &ctx->stores[layer].spec;
-    if (ctx->archive_rows && rows > ctx->archive_rows)
-        rows = ctx->archive_rows;
-    const uint32_t branch = sp->n_planes == 1 ? sp->branch_dim : 0; /* MLA-RoPE's rotated branch */
-    /* a layer with the RoPE trigger's buffers: its policy keeps archive sketches */
-    const uint32_t stride =
-        kvt__layer_policy(ctx, layer)->archive_sketch_stride(sp, ctx->sketch_rank);
-    return kvt__recall_rope_groups_reserve(&seq->rrope[layer], &ctx->backend, rows,
-                                           seq->cfg.block_rows, branch + stride);
+    const kvt__policy_ops *ops = kvt__layer_policy(ctx, layer);
+    const kvt__recall_shape sh = {
+        .rows = rows,
+        .block_rows = seq->cfg.block_rows,
+        .branch_dim = sp->branch_dim,
+        .n_planes = sp->n_planes,
+        .sketch_rank = ctx->sketch_rank,
+        .archive_stride =
+            ops->archive_sketch_stride ? ops->archive_sketch_stride(sp, ctx->sketch_rank) : 0,
+        .archive_rows = ctx->archive_rows};
+    return ro->groups_reserve(r, &ctx->backend, &sh);
 }
 
 /* The RoPE trigger's buffers (docs/recall.md §9) for every layer whose policy has an archive view
@@ -259,7 +267,7 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
         if (st->group < 0 || !kvt__seq_ops_of(ctx, i)->recall_rope_view)
             continue;
         kvt__tier_layer l = kvt__seq_tier_layer(seq, i);
-        kvt__recall_rope_args v;
+        kvt__rope_view v;
         char msg[KVT__ERR_LEN];
         kvt_status s = kvt__seq_ops_of(ctx, i)->recall_rope_view(&l, &v, msg, sizeof msg);
         if (s == KVT_ERR_UNSUPPORTED) {
@@ -288,7 +296,9 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
             return kvt__ctx_fail(ctx, s, "recall state of RoPE layer %u (%u query heads, %u KV "
                                  "heads, W %u)",
                                  i, st->spec.n_q_heads, v.n_kv, seq->cfg.recall_cap_rows);
-        if (ctx->max_rows && (s = kvt__seq_rope_groups_reserve(seq, i, ctx->max_rows)) != KVT_OK)
+        if (ctx->max_rows && (s = kvt__seq_recall_groups_reserve(seq, i, &kvt__recall_rope,
+                                                                 &seq->rrope[i], ctx->max_rows)) !=
+                                 KVT_OK)
             return kvt__ctx_fail(ctx, s, "the recall scan's group planes of RoPE layer %u", i);
         /* A stated limit: the fetch area's page array and mirror sized now for the most it
          * holds (the request's rows; with a host archive W), so that no reserve allocates. */
@@ -344,7 +354,8 @@ static kvt_status seq_recall_prepare(kvt_seq *seq) {
                     ? st->spec.n_q_heads * (st->spec.value_dim + st->spec.branch_dim)
                     : 0);
         if (s == KVT_OK && ctx->max_rows) /* a stated limit: every block's planes now */
-            s = kvt__seq_recall_groups_reserve(seq, i, ctx->max_rows);
+            s = kvt__seq_recall_groups_reserve(seq, i, &kvt__recall_nope, &seq->recall[i],
+                                               ctx->max_rows);
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "recall state of layer %u (%u heads, W %u)", i,
                                  st->spec.n_q_heads, seq->cfg.recall_cap_rows);
@@ -422,10 +433,10 @@ void kvt__seq_free(kvt_seq *seq) {
     kvt__free(a, seq->stepped, 2u * ctx->n_layers);
     kvt__free(a, seq->cow, sizeof *seq->cow * seq->cow_cap);
     for (uint32_t i = 0; seq->recall && i < ctx->n_layers; i++)
-        kvt__recall_layer_fini(&seq->recall[i], &ctx->backend);
+        kvt__recall_nope.fini(&seq->recall[i], &ctx->backend);
     kvt__free(a, seq->recall, seq->recall ? sizeof *seq->recall * ctx->n_layers : 0);
     for (uint32_t i = 0; seq->rrope && i < ctx->n_layers; i++)
-        kvt__recall_rope_fini(&seq->rrope[i], &ctx->backend);
+        kvt__recall_rope.fini(&seq->rrope[i], &ctx->backend);
     kvt__free(a, seq->rrope, seq->rrope ? sizeof *seq->rrope * ctx->n_layers : 0);
     for (uint32_t g = 0; g < ctx->n_groups; g++)
         kvt__ptable_fini(&seq->fetch[g], &ctx->groups[g].pool, a, &ctx->backend);
@@ -527,7 +538,7 @@ kvt_status kvt_seq_pages_needed(const kvt_seq *seq, uint32_t n_tokens, uint32_t 
      * archive at most recall_cap_rows, as kvt__seq_reserve does), from the same pool. */
     bool fetch_counted[KVT__MAX_GROUPS] = {false};
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
-        if (!kvt__seq_recalls_rope(seq, i))
+        if (!kvt__seq_recall_fetches(seq, i))
             continue;
         const uint32_t fg = (uint32_t)ctx->stores[i].group;
         if (fetch_counted[fg])

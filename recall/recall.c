@@ -407,11 +407,38 @@ kvt_status kvt__recall_state_check(const kvt__recall_layer *r, const kvt__recall
     return KVT_OK;
 }
 
-void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_args *view,
+/* The scan's archive side, field by field from the policy's view (the rest zero). */
+static void scan_of_view(const kvt__nope_view *v, kvt__recall_scan_args *a) {
+    memset(a, 0, sizeof *a);
+    a->base = v->base;
+    a->pages = v->pages;
+    a->first_page = v->first_page;
+    a->pdiv = v->pdiv;
+    a->slot_stride = v->slot_stride;
+    a->dtype = v->dtype;
+    a->latent_dim = v->latent_dim;
+    a->branch_offset = v->branch_offset;
+    a->branch_dtype = v->branch_dtype;
+    a->branch_dim = v->branch_dim;
+    a->csk = v->csk;
+    a->rho = v->rho;
+    a->csk_head = v->csk_head;
+    a->rho_head = v->rho_head;
+    a->n_head = v->n_head;
+    a->csk_stride = v->csk_stride;
+    a->basis = v->basis;
+    a->rank = v->rank;
+    a->n_closed = v->n_closed;
+    a->sinks = v->sinks;
+    a->kept = v->kept;
+    a->m = v->m;
+}
+
+void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__nope_view *view,
                            const float *q, uint64_t n_rows, kvt_recall_mode mode, float margin,
                            uint8_t *dense, kvt__recall_step_args *out) {
     memset(out, 0, sizeof *out);
-    out->scan = *view;
+    scan_of_view(view, &out->scan);
     out->scan.q = q;
     out->scan.best = r->best;
     out->scan.n_heads = r->n_heads;

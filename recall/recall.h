@@ -17,6 +17,7 @@
 
 #include "kernels/backend.h"
 #include "recall/kernels/conformal_math.h"
+#include "tiers/policy.h"
 
 /* Samples a calibration can hold per query head: one per calibration step, 64 steps. */
 #define KVT__RECALL_SAMPLES_PER_HEAD KVT__CONFORMAL_LAST_WINDOW
@@ -123,10 +124,10 @@ kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
 kvt_status kvt__recall_state_check(const kvt__recall_layer *r, const kvt__recall_state *st,
                                    const float *samples, char *err, size_t len);
 
-/* The step's work item of this request: the archive view the policy filled (view: everything up
- * to m), its queries q ([n_heads][latent_dim + branch_dim], backend memory), the table's rows
- * n_rows, the public mode and margin, the emission's dense flag (backend memory, or NULL). */
-void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__recall_scan_args *view,
+/* The step's work item of this request: the archive view the policy filled (its recall_view),
+ * its queries q ([n_heads][latent_dim + branch_dim], backend memory), the table's rows n_rows,
+ * the public mode and margin, the emission's dense flag (backend memory, or NULL). */
+void kvt__recall_step_make(const kvt__recall_layer *r, const kvt__nope_view *view,
                            const float *q, uint64_t n_rows, kvt_recall_mode mode, float margin,
                            uint8_t *dense, kvt__recall_step_args *out);
 /* Promotion's part of the work item (r with promotion; nothing otherwise): a reserve of room

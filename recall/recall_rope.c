@@ -45,10 +45,44 @@ kvt_status kvt__recall_rope_copy(kvt__recall_rope_layer *dst, const kvt__recall_
     return s == KVT_OK ? be->ops->copy(be, dst->fbuf, src->fbuf, src->fbytes, NULL) : s;
 }
 
-void kvt__recall_rope_make(const kvt__recall_rope_layer *r, const kvt__recall_rope_args *view,
+/* The step's archive side, field by field from the policy's view (the rest zero). */
+static void rope_of_view(const kvt__rope_view *v, kvt__recall_rope_args *a) {
+    memset(a, 0, sizeof *a);
+    a->keys = v->plane[0];
+    a->pages = v->pages;
+    a->first_page = v->first_page;
+    a->pdiv = v->pdiv;
+    a->slot_stride = v->slot_stride;
+    a->row_bytes = v->row_bytes;
+    a->n_rows = v->n_rows;
+    a->dtype = v->dtype;
+    a->D = v->D;
+    a->branch_dim = v->branch_dim;
+    a->branch_offset = v->branch_offset;
+    a->branch_dtype = v->branch_dtype;
+    a->n_kv = v->n_kv;
+    a->group = v->group;
+    a->ar_bytes = v->ar_bytes;
+    a->ar_row_bytes = v->ar_row_bytes;
+    a->ar_cap = v->ar_cap;
+    a->ar_n = v->ar_n;
+    a->ar_ident = v->ar_ident;
+    a->capped = v->capped;
+    a->ar_branch = v->ar_branch;
+    a->ar_branch_bytes = v->ar_branch_bytes;
+    a->csk = v->csk;
+    a->rho = v->rho;
+    a->csk_stride = v->csk_stride;
+    a->basis = v->basis;
+    a->basis_stride = v->basis_stride;
+    for (uint32_t h = 0; h < v->n_kv && h < KVT__RECALL_ROPE_MAX_KV; h++)
+        a->rank[h] = v->rank ? v->rank[h] : 0;
+}
+
+void kvt__recall_rope_make(const kvt__recall_rope_layer *r, const kvt__rope_view *view,
                            const float *q, kvt_recall_mode mode, float margin, uint8_t *dense,
                            kvt__recall_rope_args *out) {
-    *out = *view;
+    rope_of_view(view, out);
     out->q = q;
     out->best = r->base.best;
     out->mode = (int)mode;
@@ -79,4 +113,19 @@ kvt_status kvt__recall_rope_groups_reserve(kvt__recall_rope_layer *r, const kvt_
     if (B < 64u || (B & (B - 1u)) != 0 || r->n_kv == 0)
         return KVT_OK; /* no block the group build takes: the full scan only */
     return kvt__recall_layer_groups_reserve(&r->base, be, rows / B * r->n_kv, B, dim);
+}
+
+void kvt__recall_rope_emit_make(const kvt__recall_rope_layer *r, const kvt__rope_view *view,
+                                const int32_t *fetch_pages, uint32_t fetch_cap, bool all,
+                                int32_t *indices, uint64_t capacity, int32_t *indptr,
+                                kvt__recall_rope_emit_args *out) {
+    *out = (kvt__recall_rope_emit_args){
+        .plane = {view->plane[0], view->plane[1]}, .n_planes = view->n_planes,
+        .slot_stride = view->slot_stride, .row_bytes = view->row_bytes, .n_kv = view->n_kv,
+        .pages = view->pages, .first_page = view->first_page, .pdiv = view->pdiv,
+        .n_rows = view->n_rows, .ar_bytes = view->ar_bytes, .ar_cap = view->ar_cap,
+        .ar_n = view->ar_n, .fired = r->fired, .n_fired = r->n_fired, .cap = r->cap,
+        .st = r->base.st, .fetch_pages = fetch_pages, .fetch_cap = fetch_cap,
+        .indices = indices, .capacity = capacity, .indptr = indptr, .out = 0, .chain = true,
+        .all = all, .capped = view->capped};
 }

@@ -43,11 +43,19 @@ kvt_status kvt__recall_rope_copy(kvt__recall_rope_layer *dst, const kvt__recall_
  * keep every built group. KVT_ERR_OUT_OF_MEMORY with nothing changed. */
 kvt_status kvt__recall_rope_groups_reserve(kvt__recall_rope_layer *r, const kvt__backend *be,
                                            uint64_t rows, uint32_t B, uint32_t dim);
-/* The step's work item: the archive view the policy filled (every field up to rank), the
+/* The step's work item: the archive view the policy filled (its recall_rope_view), the
  * queries q ([n_q][D], backend memory), the public mode and margin, the dense flag (backend
  * memory, or NULL). */
-void kvt__recall_rope_make(const kvt__recall_rope_layer *r, const kvt__recall_rope_args *view,
+void kvt__recall_rope_make(const kvt__recall_rope_layer *r, const kvt__rope_view *view,
                            const float *q, kvt_recall_mode mode, float margin, uint8_t *dense,
                            kvt__recall_rope_args *out);
+
+/* The emission's work item (recall_rope_emit): per KV head the view's attended rows, then its
+ * fetched rows copied from the archive into the fetch area (fetch_pages, the area's mirror, of
+ * fetch_cap rows); every row when `all`; into indices (capacity) with indptr, chained. */
+void kvt__recall_rope_emit_make(const kvt__recall_rope_layer *r, const kvt__rope_view *view,
+                                const int32_t *fetch_pages, uint32_t fetch_cap, bool all,
+                                int32_t *indices, uint64_t capacity, int32_t *indptr,
+                                kvt__recall_rope_emit_args *out);
 
 #endif /* KVT_RECALL_RECALL_ROPE_H */

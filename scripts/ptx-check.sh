@@ -3,12 +3,13 @@
 # (kernels/cuda/cu_*.cu and recall/kernels/cuda/cu_*.cu, sm_90, the build's floating-point
 # flags). For every kernel: registers, stack frame, spill stores and loads (ptxas -v); for the
 # files of the scan, step, RoPE and pack kernels, the byte loads (ld.*.u8/s8/b8) in each kernel's
-# PTX, each traced to its source line (-lineinfo). An element of a row (bf16, fp16, fp32, an fp8 code or scale) is read with aligned
-# loads of 2 bytes or more (kernels/kvt_hd.h's device loads, issue 33 item 4), so a byte load is
-# allowed only where the source line reads a 1-byte datum, listed in ONE_BYTE below (a flag, a
-# bool field); any other, or one the PTX does not place, fails. Prints a table (bytes: the
-# kernel's byte loads, all of them 1-byte data when it passes); exits 1 when a kernel spills or
-# (without --spills-only) a scan/step/RoPE/pack kernel loads a byte that is not a 1-byte datum.
+# PTX, each traced to its source line (-lineinfo). An element of a row (bf16, fp16, fp32, an fp8
+# code or scale) is read with aligned loads of 2 bytes or more (kernels/kvt_hd.h's device loads,
+# issue 33 item 4), so a byte load is allowed only where the source line reads a 1-byte datum,
+# listed in ONE_BYTE below (a flag, a bool field); any other, or one the PTX does not place,
+# fails. Prints a table (bytes: the kernel's byte loads, all of them 1-byte data when it passes);
+# exits 1 when a kernel spills or (without --spills-only) a scan/step/RoPE/pack kernel loads a
+# byte that is not a 1-byte datum.
 # No device needed.
 set -euo pipefail
 spills_only=0

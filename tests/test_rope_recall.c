@@ -508,7 +508,8 @@ static void trig_fini(trig *t, rr *x) {
 static void trig_run(trig *t, rr *x, const float *q, kvt_recall_mode mode, float margin,
                      trig_out *o) {
     const kvt__backend *be = be_of(x);
-    kvt__recall_rope_args view, a;
+    kvt__rope_view view;
+    kvt__recall_rope_args a;
     cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(be->ops->write(be, t->qdev, q, sizeof(float) * t->nq * x->QW, NULL), KVT_OK);
     kvt__recall_rope_make(&t->rl, &view, t->qdev, mode, margin, t->ddev, &a);
@@ -1073,7 +1074,7 @@ Test(rope_trigger, statuses) {
     rr x;
     rr_init(&x, 2, 128, cfg, 16, NULL, KVT_BACKEND_CPU, 3);
     rr_step(&x, 1, false);
-    kvt__recall_rope_args v;
+    kvt__rope_view v;
     cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &v), KVT_ERR_UNSUPPORTED);
     cr_assert(strstr(kvt_last_error(), "no archive") != NULL, "%s", kvt_last_error());
     cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 3, &v), KVT_ERR_OUT_OF_RANGE);
@@ -1088,7 +1089,8 @@ Test(rope_trigger, statuses) {
     trig_model(&x, KVT_BACKEND_GUARDED, 3);
     trig t;
     trig_init(&t, &x, 16);
-    kvt__recall_rope_args view, a;
+    kvt__rope_view view;
+    kvt__recall_rope_args a;
     cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &view), KVT_OK, "%s", kvt_last_error());
     kvt__recall_rope_make(&t.rl, &view, t.qdev, KVT_RECALL_CONFORMAL, 0.0f, t.ddev, &a);
     const kvt__backend *be = be_of(&x);
@@ -1318,7 +1320,7 @@ static void emit_and_check(rr *x, trig *t, const trig_out *o, const oview *v, co
     const uint64_t m = v->ar_n ? v->ar_n : 1;
     fetch_area f;
     fetch_take(x, (uint32_t)m, &f);
-    kvt__recall_rope_args view;
+    kvt__rope_view view;
     cr_assert_eq(kvt__seq_rope_recall_view(x->seq, 0, &view), KVT_OK, "%s", kvt_last_error());
     const uint64_t cap_idx = (uint64_t)H * (view.n_rows + view.ar_n);
     cr_assert_leq(view.n_rows + view.ar_n, x->n_tok, "within what kvt_batch_capacity promises");

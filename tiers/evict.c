@@ -1012,8 +1012,8 @@ static kvt_status ev_group_commit(const kvt__env *env, const kvt__tier_group *g)
 }
 
 /* The archive as the RoPE recall trigger reads it (policy.h recall_rope_view). */
-static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope_args *a,
-                                      char *err, size_t len) {
+static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__rope_view *a, char *err,
+                                      size_t len) {
     const kvt__ev *e = &l->state->ev;
     const kvt__store *st = l->st;
     const kvt_layer_spec *sp = &st->spec;
@@ -1037,7 +1037,9 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope
                          "RoPE recall step takes",
                          st->layer, e->n_heads, KVT__RECALL_ROPE_MAX_KV, sp->n_q_heads, D);
     memset(a, 0, sizeof *a);
-    a->keys = st->plane[0];
+    a->plane[0] = st->plane[0];
+    a->plane[1] = st->plane[1];
+    a->n_planes = sp->n_planes;
     a->pages = l->pt->dpages;
     a->first_page = l->pt->first_page;
     a->pdiv = l->pdiv;
@@ -1066,8 +1068,7 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__recall_rope
     a->csk_stride = e->sk_stride;
     a->basis = st->kb_V;
     a->basis_stride = st->kb_stride;
-    for (uint32_t h = 0; h < e->n_heads; h++)
-        a->rank[h] = st->kb_rank ? st->kb_rank[h] : 0;
+    a->rank = st->kb_rank;
     return KVT_OK;
 }
 

@@ -31,6 +31,79 @@ typedef union kvt__group_state kvt__group_state;
 /* Bytes of a group's policy state (kvt__group.state). */
 extern const size_t kvt__group_state_bytes;
 
+/* ---- The archive as the recall tier reads it ---------------------------------------------------
+ * A policy describes its archive (rows, sketches, positions) in one of these views; recall/
+ * builds its kernels' argument structs from them (recall/recall.h kvt__recall_step_make,
+ * recall/recall_rope.h kvt__recall_rope_make). Every pointer is in the backend's memory unless
+ * said otherwise. */
+
+/* A salience (MLA-NoPE) layer's archive: its closed rows past the sinks outside the kept set,
+ * in place in the pool (the policy's recall_view). */
+typedef struct kvt__nope_view {
+    /* the rows: pool plane 0 through the table's mirror */
+    const uint8_t *base;
+    const int32_t *pages;
+    uint64_t first_page;
+    const kvt__div32 *pdiv; /* page_rows (a host value) */
+    size_t slot_stride;     /* bytes */
+    int dtype;              /* the latent's */
+    uint32_t latent_dim;    /* D: value_dim */
+    uint32_t branch_offset; /* bytes */
+    int branch_dtype;
+    uint32_t branch_dim;
+    /* the sketch planes of the closed rows: rows n_head on in csk / rho, rows [0, n_head) in a
+     * set shared with other requests (csk_head / rho_head; n_head 0: none), and the basis */
+    const uint16_t *csk;
+    const float *rho;
+    const uint16_t *csk_head;
+    const float *rho_head;
+    uint64_t n_head;
+    uint32_t csk_stride;
+    const float *basis; /* [rank][latent_dim]; NULL when rank is 0 */
+    uint32_t rank;
+    /* the positions: closed rows, sinks among them, the kept set (ascending, m rows) */
+    uint64_t n_closed;
+    uint64_t sinks;
+    const uint32_t *kept;
+    uint32_t m;
+} kvt__nope_view;
+
+/* A GQA/MHA/MLA-RoPE layer's archive of evicted rows, per KV head (the policy's
+ * recall_rope_view), and the attended rows' keys. */
+typedef struct kvt__rope_view {
+    /* the attended rows: the pool's planes through the table's mirror */
+    uint8_t *plane[2]; /* plane[0] the keys (MLA-RoPE: the rows); the emission writes them */
+    uint32_t n_planes;
+    const int32_t *pages;
+    uint64_t first_page;
+    const kvt__div32 *pdiv; /* page_rows (a host value) */
+    size_t slot_stride;     /* bytes of one slot of a plane (n_kv · row_bytes) */
+    uint32_t row_bytes;     /* head h's row at + h · row_bytes */
+    uint64_t n_rows;        /* rows every head attends (the step's included) */
+    int dtype;
+    uint32_t D;             /* the sketched part of a key: head_dim (GQA), kv_lora_rank (MLA) */
+    uint32_t branch_dim;    /* MLA-RoPE: the rotated branch; GQA: 0 */
+    uint32_t branch_offset;
+    int branch_dtype;
+    uint32_t n_kv;          /* KV heads */
+    uint32_t group;         /* query heads per KV head */
+    /* the archive: [n_kv][ar_cap][ar_row_bytes], ar_n rows a head; capped: in host memory */
+    const uint8_t *ar_bytes;
+    size_t ar_row_bytes;
+    uint64_t ar_cap, ar_n;
+    const int32_t *ar_ident; /* identity page mirror of at least ar_n rows */
+    bool capped;
+    const uint8_t *ar_branch; /* a host archive's rotated branches (NULL: in the rows) */
+    uint32_t ar_branch_bytes;
+    /* its sketches and the KV heads' key bases */
+    const uint16_t *csk; /* [n_kv][ar_cap][csk_stride] */
+    const float *rho;    /* [n_kv][ar_cap] */
+    uint32_t csk_stride;
+    const float *basis; /* [n_kv][basis_stride][D]; NULL when no head has one */
+    uint32_t basis_stride;
+    const uint32_t *rank; /* [n_kv] host array (NULL: no head has a basis) */
+} kvt__rope_view;
+
 /* A policy group: the layers of a context under one policy, which share one page table per
  * sequence and one page allocator. */
 typedef struct kvt__group {
@@ -264,22 +337,20 @@ struct kvt__policy_ops {
      * slots (the list may be in the backend's memory: the host never reads it). */
     void (*attended)(const kvt__tier_layer *l, kvt__attended_desc *d);
 
-    /* (optional) The layer's archive as the recall trigger reads it, for the view l (l->pt->n_rows
-     * rows, the step's included): the archive-side fields of kernels/backend.h's
-     * kvt__recall_scan_args (rows, sketch planes, basis, closed rows, sinks, kept set; every
-     * pointer in the backend's memory); the query side is the recall tier's. false when the
-     * layer has nothing to recall from (no sketch planes). Without it the layer never recalls. */
-    bool (*recall_view)(const kvt__tier_layer *l, kvt__recall_scan_args *a);
-    /* (optional) The archive of a GQA/MHA-RoPE layer as the RoPE recall trigger reads it
-     * (recall/kernels/rope_trigger.h), for the view l: the attended rows' keys (the table's mirror,
-     * l->pt->n_rows rows), every KV head's archive, its sketches, bases and ranks (the fields up
-     * to `rank`; every pointer in the backend's memory); the query side is the recall tier's.
-     * KVT_OK; KVT_ERR_UNSUPPORTED when the layer has nothing to recall from (no archive, no
+    /* (optional) The layer's archive as the NoPE recall trigger reads it, for the view l
+     * (l->pt->n_rows rows, the step's included): rows, sketch planes, basis, closed rows, sinks,
+     * kept set (kvt__nope_view); the query side is the recall tier's. false when the layer has
+     * nothing to recall from (no sketch planes). Without it the layer never recalls. */
+    bool (*recall_view)(const kvt__tier_layer *l, kvt__nope_view *v);
+    /* (optional) The archive of a GQA/MHA-RoPE layer as the RoPE recall trigger reads it, for
+     * the view l: the attended rows (the table's mirror, l->pt->n_rows rows), every KV head's
+     * archive, its sketches, bases and ranks (kvt__rope_view); the query side is the recall
+     * tier's. KVT_OK; KVT_ERR_UNSUPPORTED when the layer has nothing to recall from (no archive, no
      * sketches: the message says which) or KVT_ERR_BAD_STATE when rows archived are not sketched
      * yet (a failed sketch, retried at commit), each with a message in err. Without it the layer
      * never recalls this way. */
-    kvt_status (*recall_rope_view)(const kvt__tier_layer *l, struct kvt__recall_rope_args *a,
-                                   char *err, size_t len);
+    kvt_status (*recall_rope_view)(const kvt__tier_layer *l, kvt__rope_view *v, char *err,
+                                   size_t len);
 
     /* ---- Rows by position ------------------------------------------------------------------ */
     /* State of (head, pos), pos < l->appended (lib/ answers for pending rows). *slot: the row's

@@ -954,7 +954,7 @@ static void sal_attended(const kvt__tier_layer *l, kvt__attended_desc *d) {
 
 /* The archive is every closed row past the sinks outside the kept set, in place in the pool; the
  * sketches are the planes the closes wrote. */
-static bool sal_recall_view(const kvt__tier_layer *l, kvt__recall_scan_args *a) {
+static bool sal_recall_view(const kvt__tier_layer *l, kvt__nope_view *a) {
     const kvt__sal *sa = &l->state->sal;
     const kvt_layer_spec *sp = &l->st->spec;
     if (sa->sk_stride == 0)

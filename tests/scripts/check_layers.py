@@ -3,24 +3,27 @@
 
     base (lib/base) <- kernels (and recall/kernels) <- tiers <- recall <- lib <- tools, bench
 
-recall/kernels/ (with recall/kernels/cuda/) is a sub-layer of recall/ at the kernels rank, as lib/base/
-is a sub-layer of lib/ at rank 0: recall's per-element math, CPU twins and CUDA bodies, which the
-backend tables of kernels/ call, so it may include kernels/ and base only, never recall/ itself.
+recall/kernels/ (with recall/kernels/cuda/) is a sub-layer of recall/ at the kernels rank, as
+lib/base/ is a sub-layer of lib/ at rank 0: recall's per-element math, CPU twins and CUDA bodies,
+which the backend tables of kernels/ call, so it may include kernels/ and base only, never recall/
+itself.
+
 Includes: a file may include its own layer and any layer below it. tools/ and bench/ may include
 only the public headers (lib/kvtier*.h) and files of their own folder; bench/kernels/
 (microbenchmarks of a kernel's CPU twin) may also include kernels/ and lib/base. The public headers
 are declarations every layer may read. A header named *_internal.h is private to its folder: only
-files in that folder (or below it) include it (tiers/tiers_internal.h, the policies' states,
-which lib/ holds as opaque storage). tests/ is white-box and not checked.
+files in that folder (or below it) include it (tiers/tiers_internal.h, the policies' states, which
+lib/ holds as opaque storage). tests/ is white-box and not checked.
 
 Calls (with --objects): a public header declares functions of every layer, so the include rule
 cannot see a tier calling a function defined in lib/ (kvt_dtype_bytes was, in lib/model.c). The
-object files of the library are read with nm: a symbol an object of one layer references (U) and
-an object of a higher layer defines fails, whatever header declared it. Each object is mapped to
-its source by the longest suffix of its path (CMakeFiles/<target>.dir/lib/batch.c.o ->
-lib/batch.c) that is a source file under ROOT. lib/'s files call one another without a cycle: a
-file calling another that calls it back, directly or not, fails (each cycle one line, its files
-and the calls of each edge).
+object files of the library are read with nm: a symbol an object of one layer references (U) and an
+object of a higher layer defines fails, whatever header declared it. Each object is mapped to its
+source by the longest suffix of its path (CMakeFiles/<target>.dir/lib/batch.c.o -> lib/batch.c) that
+is a source file under ROOT; the CUDA emulation's rewritten emu/<name>.cu.cpp to the <name>.cu of
+kernels/cuda/ or recall/kernels/cuda/. lib/'s files call one another without a cycle: a file calling
+another that calls it back, directly or not, fails (each cycle one line, its files and the calls of
+each edge).
 
 Usage: check_layers.py ROOT [--objects LIST --nm NM] [--graph]; LIST names the object files, one
 a line; --graph also prints lib/'s file-level call graph (one line per edge, with the functions
@@ -129,6 +132,14 @@ def source_of(root, obj):
         rel = "/".join(parts[k:])
         if rel and os.path.isfile(os.path.join(root, rel)):
             return rel
+    # The CUDA emulation compiles each .cu rewritten into the build tree (emu/<name>.cu.cpp,
+    # CMakeLists.txt): its source is the .cu of that name in a CUDA folder of the library.
+    name = parts[-1]
+    if len(parts) > 1 and parts[-2] == "emu" and name.endswith(".cu.cpp"):
+        for cuda_dir in ("kernels/cuda", "recall/kernels/cuda"):
+            rel = cuda_dir + "/" + name[: -len(".cpp")]
+            if os.path.isfile(os.path.join(root, rel)):
+                return rel
     return None
 
 
@@ -209,7 +220,8 @@ def check_calls(root, list_file, nm, bad, graph):
         ul, ol = layer_of(user), layer_of(owner)
         if RANK[ol] > RANK[ul]:
             bad.append(f"{user}: {label(user, ul)} calls {name}, defined in {owner} ({ol}): calls "
-                       f"point down only (base <- kernels, recall/kernels <- tiers <- recall <- lib)")
+                       f"point down only (base <- kernels, recall/kernels <- tiers <- recall "
+                       f"<- lib)")
         if ul == "lib" and ol == "lib":
             edges.setdefault(user, set()).add(owner)
             calls.setdefault((user, owner), set()).add(name)
