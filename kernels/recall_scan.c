@@ -22,11 +22,12 @@
 #define CHUNK_ROWS 48u
 
 /* The 8-bit scan's scratch (kvt__recall_scan_prep's q8 fields): the heads' values [10][HP]
- * (tb ts Qb Qs Eb Es Nb Ns, then sb ss as int32), their vectors [HP][len] and the VNNI packing
- * [len / 4][HQ][4] (HQ: HP rounded up to 16; len <= KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK bytes each), and the
+ * (tb ts Qb Qs Eb Es Nb Ns, then sb ss as int32), their vectors [HP][len] and the packing of the
+ * SIMD dots (VNNI: s8 [len / 4][HQ][4]; AVX2: s16 [len / 2][HQ][2]; HQ: HP rounded up to 16; len <= KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK bytes each), and the
  * quantiser's tmp. */
 #define Q8_MAX_LEN (KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK)
-#define Q8_FLOATS(HP) (10u * (HP) + (2u * (HP) + 16u) * (Q8_MAX_LEN / 4u) + Q8_MAX_LEN)
+#define Q8_FLOATS(HP)                                                                              \
+    (10u * (HP) + (3u * (HP) + 32u) * (Q8_MAX_LEN / 4u) + Q8_MAX_LEN + CHUNK_ROWS * Q8_MAX_LEN / 2u)
 /* Heads of the VNNI packing: whole zmm vectors of 16. */
 #define Q8_HQ(HP) (((HP) + 15u) / 16u * 16u)
 
@@ -106,12 +107,14 @@ size_t kvt__recall_scan_heads_padded(uint32_t n_heads) {
 }
 
 /* The 8-bit scan's heads (kvt__recall_q8_head): values into p->q8f (SoA), vectors into p->q8v
- * (padding heads all 128: zero), and the VNNI packing p->q8p[j4][h][4] = the s8 values. */
+ * (padding heads all 128: zero), and the packing of the level's dots: VNNI p->q8p[j4][h][4] =
+ * the s8 values, AVX2 p->q8p as int16 [j2][h][2]. */
 static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, float *tmp) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, H = a->n_heads, W = a->q8_off;
     const size_t HP = p->HP, qdim = (size_t)D + bd;
     const uint32_t len = kvt__recall_q8_len(bd, W);
     p->q8len = len;
+    memset(p->q8p, 0, 2u * Q8_HQ(HP) * len); /* the packing's padding heads: zero */
     for (size_t h = 0; h < HP; h++) {
         kvt__recall_q8h q;
         uint8_t *v = p->q8v + h * len;
@@ -127,8 +130,14 @@ static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, fl
             p->q8f[i * HP + h] = f[i];
         memcpy(p->q8f + 8u * HP + h, &q.sb, 4);
         memcpy(p->q8f + 9u * HP + h, &q.ss, 4);
-        for (uint32_t j = 0; j < len; j++)
-            p->q8p[((size_t)(j / 4u) * Q8_HQ(HP) + h) * 4u + j % 4u] = (uint8_t)(v[j] - 128u);
+        if (kvt__recall_scan_q8_level(-1) == 2)
+            for (uint32_t j = 0; j < len; j++)
+                p->q8p[((size_t)(j / 4u) * Q8_HQ(HP) + h) * 4u + j % 4u] = (uint8_t)(v[j] - 128u);
+        else
+            for (uint32_t j = 0; j < len; j++) {
+                const int16_t w = (int16_t)((int32_t)v[j] - 128);
+                memcpy(p->q8p + (((size_t)(j / 2u) * Q8_HQ(HP) + h) * 2u + j % 2u) * 2u, &w, 2);
+            }
     }
 }
 
@@ -196,13 +205,13 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
     p->q8f = p->tbest + HP;
     p->q8v = (uint8_t *)(p->q8f + 10u * HP);
     p->q8p = p->q8v + HP * Q8_MAX_LEN;
-    memset(p->q8p, 0, Q8_HQ(HP) * Q8_MAX_LEN);
     p->q8len = 0;
     for (uint32_t h = 0; h < H; h++)
         head_prep(a->q + h * qdim, D, a->basis, rank, p->q_sk + (size_t)h * rank, tmp,
                   &p->heads[h]);
     if (a->q8_off)
-        q8_prep(a, p, (float *)(p->q8p + Q8_HQ(HP) * Q8_MAX_LEN));
+        q8_prep(a, p, (float *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN));
+    p->q8x = (int16_t *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN + 4u * Q8_MAX_LEN);
     for (size_t h = 0; h < HP; h++) {
         for (uint32_t j = 0; j < bd; j++)
             p->qT[j * HP + h] = h < H ? a->q[h * qdim + D + j] : 0.0f;
@@ -663,13 +672,17 @@ TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan
  * ------------------------------------------------------------------------------------------- */
 #define VNNI_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
 
-static int vnni_enabled = 1;
+static int q8_max_level = 2;
 
-int kvt__recall_scan_vnni(int enable) {
+int kvt__recall_scan_q8_level(int enable) {
     if (enable >= 0)
-        vnni_enabled = enable;
-    return vnni_enabled && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+        q8_max_level = enable;
+    const int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vnni")
+                        ? 2
+                    : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
+                                                                                       : 0;
+    return cpu < q8_max_level ? cpu : q8_max_level;
 }
 
 static inline int32_t ld4(const uint8_t *b) {
@@ -769,12 +782,95 @@ VNNI_FN static int q8_conformal_vec(const kvt__recall_scan_args *a, const kvt__r
     return fire != 0;
 }
 
-/* The full 8-bit scan: chunks of CHUNK_ROWS archived rows ascending, their dots by q8_tile, the
- * trigger per row; fired rows in row order, at most cap, stopping at the (cap + 1)-th. */
-VNNI_FN static void scan_q8_vnni(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p) {
+/* The AVX2 dots (CPUs without VNNI): the chunk's row vectors widened to int16 (x16, [rows][len]),
+ * a tile of 6 rows × 8 heads: per 2 values one vpmaddwd per (row, part) adds u8·s16 pairs into
+ * int32 lanes (exact: |sum| <= 2·255·127), accumulated as q8_tile's. */
+TILED_FN static void q8_tile_avx2(const int16_t *x16, size_t len, const uint8_t *qp, size_t HQ,
+                                  size_t HP, uint32_t bd2, uint32_t n2, size_t r0, size_t h0,
+                                  int32_t *ib, int32_t *is) {
+    __m256i b0 = _mm256_setzero_si256(), b1 = b0, b2 = b0, b3 = b0, b4 = b0, b5 = b0;
+    __m256i c0 = b0, c1 = b0, c2 = b0, c3 = b0, c4 = b0, c5 = b0;
+    const int16_t *x = x16 + r0 * len;
+#define Q8_X2(r) _mm256_set1_epi32(ld4((const uint8_t *)(x + (r) * len + 2u * j)))
+#define Q8_MADD(acc, r) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(Q8_X2(r), q))
+    for (uint32_t j = 0; j < bd2; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qp + ((size_t)j * HQ + h0) * 4u));
+        Q8_MADD(b0, 0); Q8_MADD(b1, 1); Q8_MADD(b2, 2); Q8_MADD(b3, 3); Q8_MADD(b4, 4);
+        Q8_MADD(b5, 5);
+    }
+    for (uint32_t j = bd2; j < n2; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qp + ((size_t)j * HQ + h0) * 4u));
+        Q8_MADD(c0, 0); Q8_MADD(c1, 1); Q8_MADD(c2, 2); Q8_MADD(c3, 3); Q8_MADD(c4, 4);
+        Q8_MADD(c5, 5);
+    }
+#undef Q8_MADD
+#undef Q8_X2
+    int32_t o[8];
+    const size_t w = HP - h0 >= 8u ? 8u : HP - h0;
+#define Q8_ST(v, r, out)                                                                           \
+    _mm256_storeu_si256((__m256i *)o, v);                                                          \
+    memcpy(out + (r0 + (r)) * HP + h0, o, 4u * w)
+    Q8_ST(b0, 0, ib); Q8_ST(b1, 1, ib); Q8_ST(b2, 2, ib); Q8_ST(b3, 3, ib); Q8_ST(b4, 4, ib);
+    Q8_ST(b5, 5, ib); Q8_ST(c0, 0, is); Q8_ST(c1, 1, is); Q8_ST(c2, 2, is); Q8_ST(c3, 3, is);
+    Q8_ST(c4, 4, is); Q8_ST(c5, 5, is);
+#undef Q8_ST
+}
+
+/* q8_conformal_vec eight heads a vector (AVX2): the same lanes' operations. */
+TILED_FN static int q8_conformal_avx2(const kvt__recall_scan_args *a,
+                                      const kvt__recall_scan_prep *p, const uint8_t *pl,
+                                      const int32_t *ib, const int32_t *is, float rho, uint32_t H) {
+    const size_t HP = p->HP;
+    const __m256 s = _mm256_set1_ps(a->scale), z = _mm256_set1_ps(a->z);
+    const __m256 sr = _mm256_set1_ps(kvt__recall_q8_f(pl, 0)), sc = _mm256_set1_ps(kvt__recall_q8_f(pl, 1));
+    const __m256 er = _mm256_set1_ps(kvt__recall_q8_f(pl, 2)), nr = _mm256_set1_ps(kvt__recall_q8_f(pl, 3));
+    const __m256 ec = _mm256_set1_ps(kvt__recall_q8_f(pl, 4)), nc = _mm256_set1_ps(kvt__recall_q8_f(pl, 5));
+    const __m256 nre = _mm256_add_ps(nr, er), nce = _mm256_add_ps(nc, ec);
+    const __m256 vr = _mm256_set1_ps(rho), sq = _mm256_set1_ps(sqrtf((float)(a->latent_dim - 64u)));
+    const __m256 k15 = _mm256_set1_ps(3.0517578e-5f), k8 = _mm256_set1_ps(1.0f + 0.00390625f);
+    const __m256 k22 = _mm256_set1_ps(2.3841858e-7f);
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int bits = 0;
+    for (uint32_t h0 = 0; h0 < H; h0 += 8u) { /* HP >= H rounded to 8: loads stay in the tables */
+#define LD(i) _mm256_loadu_ps(p->q8f + (i) * HP + h0)
+        const __m256 tb = LD(0), ts = LD(1), Qb = LD(2), Qs = LD(3), Eb = LD(4), Es = LD(5);
+        const __m256 Nb = LD(6), Ns = LD(7);
+#undef LD
+        const __m256 fib = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(ib + h0)));
+        const __m256 fis = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(is + h0)));
+        const __m256 va = _mm256_mul_ps(_mm256_mul_ps(tb, sr), fib);
+        const __m256 vb = _mm256_mul_ps(_mm256_mul_ps(ts, sc), fis);
+        const __m256 idx = _mm256_mul_ps(s, _mm256_add_ps(va, vb));
+        __m256 mn = _mm256_add_ps(_mm256_mul_ps(Qb, er), _mm256_mul_ps(Eb, nr));
+        mn = _mm256_add_ps(mn, _mm256_mul_ps(Qs, ec));
+        mn = _mm256_add_ps(mn, _mm256_mul_ps(Es, nc));
+        __m256 rd = _mm256_add_ps(_mm256_mul_ps(Qb, nre), _mm256_mul_ps(Qs, nce));
+        rd = _mm256_add_ps(rd, _mm256_mul_ps(Nb, nr));
+        rd = _mm256_add_ps(rd, _mm256_mul_ps(Ns, nc));
+        const __m256 B =
+            _mm256_mul_ps(_mm256_mul_ps(s, _mm256_add_ps(mn, _mm256_mul_ps(k15, rd))), k8);
+        const __m256 sn = _mm256_loadu_ps(p->snres + h0);
+        const __m256 zc = _mm256_mul_ps(z, _mm256_div_ps(_mm256_mul_ps(sn, vr), sq));
+        const __m256 ai = _mm256_and_ps(idx, absm), az = _mm256_and_ps(zc, absm);
+        const __m256 Bp = _mm256_add_ps(
+            B, _mm256_mul_ps(k22, _mm256_add_ps(_mm256_add_ps(ai, B), az)));
+        const __m256 lhs = _mm256_add_ps(_mm256_add_ps(idx, Bp), zc);
+        const __m256 f = _mm256_cmp_ps(lhs, _mm256_loadu_ps(p->tbest + h0), _CMP_NLE_UQ);
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(H - h0)), lane);
+        bits |= _mm256_movemask_ps(_mm256_and_ps(f, _mm256_castsi256_ps(live)));
+    }
+    return bits != 0;
+}
+
+/* The full 8-bit scan at SIMD level lv (2 VNNI, 1 AVX2): chunks of CHUNK_ROWS archived rows
+ * ascending, their dots by the level's tiles, the trigger per row; fired rows in row order, at
+ * most cap, stopping at the (cap + 1)-th. */
+TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, int lv) {
     const size_t HP = p->HP, HQ = Q8_HQ(HP);
     const uint32_t H = a->n_heads, len = p->q8len, bd = a->branch_dim;
     const uint32_t bd4 = bd / 4u, n4 = len / 4u;
+    int16_t *x16 = p->q8x; /* AVX2: the chunk's rows widened [CHUNK_ROWS][len] */
     column_tables(a, p, NULL, H, HP);
     int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
     const uint8_t *x[CHUNK_ROWS];
@@ -801,9 +897,20 @@ VNNI_FN static void scan_q8_vnni(const kvt__recall_scan_args *a, kvt__recall_sca
         const size_t nr = (n + 5u) / 6u * 6u;
         for (size_t i = n; i < nr; i++) /* padding rows: row 0's vector again, results unread */
             x[i] = x[0];
-        for (size_t r0 = 0; r0 < nr; r0 += 6u)
-            for (size_t h0 = 0; h0 < HP; h0 += 16u)
-                q8_tile(x + r0, p->q8p, HQ, HP, bd4, n4, r0, h0, ib, is);
+        if (lv == 2) {
+            for (size_t r0 = 0; r0 < nr; r0 += 6u)
+                for (size_t h0 = 0; h0 < HP; h0 += 16u)
+                    q8_tile(x + r0, p->q8p, HQ, HP, bd4, n4, r0, h0, ib, is);
+        } else {
+            for (size_t i = 0; i < nr; i++)
+                for (uint32_t j = 0; j < len; j += 16u)
+                    _mm256_storeu_si256((__m256i *)(x16 + i * len + j),
+                                        _mm256_cvtepu8_epi16(
+                                            _mm_loadu_si128((const __m128i *)(x[i] + j))));
+            for (size_t r0 = 0; r0 < nr; r0 += 6u)
+                for (size_t h0 = 0; h0 < HP; h0 += 8u)
+                    q8_tile_avx2(x16, len, p->q8p, HQ, HP, bd / 2u, len / 2u, r0, h0, ib, is);
+        }
         for (size_t i = 0; i < n; i++) {
             int32_t *bi = ib + i * HP, *si = is + i * HP;
             for (uint32_t h = 0; h < H; h++) { /* the u8 offset: Σ (q_r + 128)·q_h − 128·Σ q_h */
@@ -815,8 +922,9 @@ VNNI_FN static void scan_q8_vnni(const kvt__recall_scan_args *a, kvt__recall_sca
             }
             const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
             const float rho = *kvt__scan_rho(a, rows[i]);
-            const int f = conformal ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
-                                    : q8_row_trigger(a, p, pl, bi, si, rho);
+            const int f = !conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
+                          : lv == 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
+                                     : q8_conformal_avx2(a, p, pl, bi, si, rho, H);
             if (!f)
                 continue;
             if (count == a->cap) {
@@ -852,7 +960,7 @@ TILED_FN static void rows_fire_tiled(const kvt__recall_scan_args *a, kvt__recall
 #endif
 
 #ifndef SCAN_TILED
-int kvt__recall_scan_vnni(int enable) {
+int kvt__recall_scan_q8_level(int enable) {
     (void)enable;
     return 0;
 }
@@ -923,10 +1031,11 @@ void kvt__recall_scan_rowwise_cpu(const kvt__recall_scan_args *a, float *scratch
 
 void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
 #ifdef SCAN_TILED
-    if (a->q8_off && a->branch_dim % 4u == 0 && kvt__recall_scan_vnni(-1)) {
+    const int lv = a->q8_off && a->branch_dim % 4u == 0 ? kvt__recall_scan_q8_level(-1) : 0;
+    if (lv) {
         kvt__recall_scan_prep p;
         kvt__recall_scan_prep_cpu(a, scratch, &p);
-        scan_q8_vnni(a, &p);
+        scan_q8(a, &p, lv);
         return;
     }
     if (kvt__recall_scan_tiled(-1) && !a->q8_off) {

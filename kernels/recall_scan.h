@@ -439,10 +439,11 @@ int kvt__recall_scan_tiled(int enable);
  * modes; the same bits as the AVX2 tiles); enable 0 or 1 switches it (tests only), -1 asks. */
 int kvt__recall_scan_wide(int enable);
 
-/* Whether an 8-bit scan (args.q8_off) runs the AVX-512 VNNI kernel (vpdpbusd: the same integer
- * dots, so the same bits as the per-element functions): the CPU has AVX-512F/BW/VNNI; enable 0 or
- * 1 switches it (tests only), -1 asks. Elsewhere the 8-bit scan runs row by row. */
-int kvt__recall_scan_vnni(int enable);
+/* The SIMD level of the 8-bit scan (args.q8_off; branch_dim a multiple of 4): 2 the AVX-512
+ * VNNI dots (vpdpbusd), 1 the AVX2 ones (vpmaddwd), 0 the per-element functions row by row —
+ * the same integer dots, so the same bits. The CPU's best level, capped by enable (0..2: tests
+ * only, not thread-safe); -1 only asks. */
+int kvt__recall_scan_q8_level(int enable);
 
 /* The register-tiled chains on their own (the recall step's exact scores use them): acc[r][h] =
  * the chain of fmaf(qT[j][h], X[r][j], ·) over j = 0 .. J ascending from +0, for rows r < nr of X
@@ -471,7 +472,8 @@ typedef struct kvt__recall_scan_prep {
     float *tacc, *tpa;       /* [rows][HP] each: their idx and |·| chains */
     float *snres, *tbest;    /* [HP] each: s·‖q̃_res‖ and best per head (tiled conformal) */
     float *q8f;              /* 8-bit scan: the heads' kvt__recall_q8h values, [10][HP] */
-    uint8_t *q8v, *q8p;      /* their vectors [HP][q8len], the VNNI packing [q8len/4][HP][4] */
+    uint8_t *q8v, *q8p;      /* their vectors [HP][q8len], the SIMD dots' packing */
+    int16_t *q8x;            /* the AVX2 dots' rows widened, [CHUNK_ROWS][q8len] */
     uint32_t q8len;          /* kvt__recall_q8_len (0: a 16-bit scan) */
 } kvt__recall_scan_prep;
 

@@ -990,6 +990,8 @@ static void scen_q8(scen *s) {
 /* The 8-bit reference: the per-element functions, row by row, head by head (fired[row] = 0/1).
  * With worst, every archived (row, head) also checks |idx16 − idx8| <= B (the bound the
  * triggers widen by), and *worst keeps the largest share of B the real gap took. */
+static float *g_lhs8; /* when set: reference8's conformal left-hand sides [row][H] */
+
 static uint32_t reference8(const scen *s, const float *q, const float *best, uint32_t H, float sc,
                            float z, int mode, uint8_t *fired, double *worst) {
     const uint32_t elt = s->dtype == KVT__DT_FP32 ? 4 : 2, W = s->q8;
@@ -1033,6 +1035,13 @@ static uint32_t reference8(const scen *s, const float *q, const float *best, uin
             }
             fired[row] |= (uint8_t)kvt__recall_q8_fires(&hd[h], &h8[h], pl, ib, is, s->rho[row],
                                                         sc, z, best[h], mode, D, BD, s->rank);
+            if (g_lhs8) { /* kvt__recall_q8_fires' conformal left-hand side, in its order */
+                const float i8 = kvt__recall_q8_idx(&h8[h], pl, ib, is, sc);
+                const float B = kvt__recall_q8_bound(&h8[h], pl, sc);
+                const float zc = z * kvt__recall_cert(&hd[h], s->rho[row], sc, D);
+                const float Bp = B + 2.3841858e-7f * (fabsf(i8) + B + fabsf(zc));
+                g_lhs8[(size_t)row * H + h] = (i8 + Bp) + zc;
+            }
         }
         n += fired[row];
     }
@@ -1043,7 +1052,7 @@ static uint32_t reference8(const scen *s, const float *q, const float *best, uin
     return n;
 }
 
-/* The 8-bit op (VNNI where the CPU has it, row by row with it off, and the guarded backend)
+/* The 8-bit op (VNNI where the CPU has it, AVX2, row by row, and the guarded backend)
  * gives the per-element functions' fired set bit for bit in the three modes, over ranks, dtypes,
  * z from negative to large, heads not a multiple of 16 and rows at the quantisation's edges;
  * every row the 16-bit per-element reference fires, the 8-bit one fires too (z keeps its
@@ -1057,7 +1066,7 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
     cr_assert(q);
     uint64_t compared = 0, fired8 = 0, fired16 = 0;
     double worst = 0;
-    const int vnni = kvt__recall_scan_vnni(-1);
+    const int level = kvt__recall_scan_q8_level(-1);
     for (uint32_t c = 0; c < 12; c++) {
         uint64_t seed = 0x9a48000u + c;
         tu_rng g = {seed};
@@ -1073,11 +1082,34 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
             for (uint32_t h = 0; h < H; h++)
                 best[h] = (float)(tu_normal(&g) * 2.0);
             static const float zs[] = {-1.0f, 0.0f, 0.5f, 2.0f, 8.0f};
-            for (uint32_t m = 0; m < 7; m++) {
+            for (uint32_t m = 0; m < 8; m++) {
                 const int mode = m == 5   ? KVT__RECALL_SOUND
                                  : m == 6 ? KVT__RECALL_MARGIN
                                           : KVT__RECALL_CONFORMAL;
-                const float z = m == 5 ? sqrtf((float)(D - 64u)) : m == 6 ? 0.25f : zs[m];
+                const float z = m == 5 ? sqrtf((float)(D - 64u)) : m == 6 ? 0.25f : m == 7 ? 1.0f : zs[m];
+                if (m == 7) { /* thresholds at the edge: each head's best is the trigger value of
+                               * its second-highest archived row (that row sits exactly on it and
+                               * does not fire; one above does): a wrong dot or epilogue moves it */
+                    static float lhs[192 * 43];
+                    g_lhs8 = lhs;
+                    reference8(&s, q, best, H, SMAX, z, mode, ref8, NULL);
+                    g_lhs8 = NULL;
+                    for (uint32_t h = 0; h < H; h++) {
+                        float t1 = -INFINITY, t2 = -INFINITY;
+                        for (uint32_t row = 0; row < N; row++) {
+                            const float v = lhs[(size_t)row * H + h];
+                            if (!archived(&s, row) || !(v == v))
+                                continue;
+                            if (v > t1) {
+                                t2 = t1;
+                                t1 = v;
+                            } else if (v > t2 && v < t1) {
+                                t2 = v;
+                            }
+                        }
+                        best[h] = t2;
+                    }
+                }
                 const uint32_t k8 = reference8(&s, q, best, H, SMAX, z, mode, ref8,
                                                m == 0 ? &worst : NULL);
                 if (mode != KVT__RECALL_MARGIN) {
@@ -1089,14 +1121,14 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
                     fired16 += k16;
                     fired8 += k8;
                 }
-                for (int b = 0; b < 3; b++) {
-                    const uint32_t cap = b == 2 ? (uint32_t)(tu_next(&g) % N) : N;
-                    kvt__recall_scan_vnni(b == 1 ? 0 : 1);
+                for (int b = 0; b < 4; b++) { /* VNNI, AVX2, per element; guarded, capped */
+                    const uint32_t cap = b == 3 ? (uint32_t)(tu_next(&g) % N) : N;
+                    kvt__recall_scan_q8_level(b == 3 ? 2 : 2 - b);
                     scan_out o;
-                    cr_assert_eq(run_scan(b == 2 ? &r.guarded : &r.cpu, &s, q, best, H, SMAX, z,
+                    cr_assert_eq(run_scan(b == 3 ? &r.guarded : &r.cpu, &s, q, best, H, SMAX, z,
                                           mode, cap, &o),
                                  KVT_OK);
-                    kvt__recall_scan_vnni(1);
+                    kvt__recall_scan_q8_level(2);
                     cr_assert_eq(o.overflow, k8 > cap ? 1u : 0u, "seed %llx",
                                  (unsigned long long)seed);
                     cr_assert_eq(o.n_fired, k8 < cap ? k8 : cap, "seed %llx mode %d path %d",
@@ -1113,10 +1145,11 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
         }
         scen_free(&s);
     }
-    cr_log_info("recall_scan q8: %llu scans equal to the per-element functions (VNNI %s); the "
+    cr_log_info("recall_scan q8: %llu scans equal to the per-element functions (SIMD levels "
+                "2..0 from the CPU's %d); the "
                 "16-bit set inside the 8-bit one (%llu rows fired at 16 bits, %llu at 8); "
                 "|idx16 - idx8| took at most %.3g of B",
-                (unsigned long long)compared, vnni ? "on and off" : "absent",
+                (unsigned long long)compared, level,
                 (unsigned long long)fired16, (unsigned long long)fired8, worst);
     free(q);
     rig_close(&r);
