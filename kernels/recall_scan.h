@@ -281,7 +281,9 @@ KVT_HD float kvt__recall_q8_quant(const float *x, uint32_t n, uint8_t *out, floa
     float e2 = 0.0f;
     int32_t q2 = 0;
     for (uint32_t i = 0; i < n; i++) {
-        float r = rintf(x[i] * inv);
+        /* round to nearest even by the 1.5·2^23 trick (|x·inv| <= 127·(1 + 2^-23): exact, and
+         * rintf's value; no libm call where the target lacks a rounding instruction) */
+        float r = (x[i] * inv + 12582912.0f) - 12582912.0f;
         r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
         const int32_t q = (int32_t)r;
         const float d = fmaf(-t, r, x[i]); /* x − t·q, one rounding */
