@@ -144,6 +144,21 @@ size_t kvt__backend_sketch_floats(uint32_t n_rows, uint32_t latent_dim) {
     return kvt__sketch_scratch_floats(latent_dim) + n_rows;
 }
 
+/* The 8-bit planes of rows [0, n) (kvt__recall_q8_row) from their fp16 sketches t16 ([n][q8_off])
+ * into the sketch rows (stride csk_stride), each row's fp16 values copied first. An FMA clone:
+ * the quantiser's fmaf is one instruction there (the same bits). */
+KVT__FMA_CLONES
+static void q8_rows(const kvt__sketch_args *a, const int32_t *slots, const uint16_t *t16,
+                    float *tq) {
+    for (uint32_t u = 0; u < a->n_rows; u++) {
+        uint16_t *c = a->csk + (size_t)u * a->csk_stride;
+        memcpy(c, t16 + (size_t)u * a->q8_off, sizeof *c * a->q8_off);
+        kvt__recall_q8_row(a->base + (size_t)slots[u] * a->slot_stride, a->branch_offset,
+                           a->branch_dtype, a->branch_dim, c, a->q8_off, tq,
+                           (uint8_t *)(c + a->q8_off));
+    }
+}
+
 /* One block's sketches: its slots expanded into the workspace, the twin's scratch after them (one
  * reservation, the σ scratch's: a close runs σ, then the sketches, never both at once). */
 static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args *a) {
@@ -177,13 +192,7 @@ static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args 
         float *tq = scratch + n - a->branch_dim - a->q8_off;
         kvt__sketch_rows_cpu(a->base, slots, a->n_rows, a->slot_stride, a->dtype, a->latent_dim,
                              a->basis, a->rank, a->q8_off, scratch, t16, a->rho);
-        for (uint32_t u = 0; u < a->n_rows; u++) {
-            uint16_t *c = a->csk + (size_t)u * a->csk_stride;
-            memcpy(c, t16 + (size_t)u * a->q8_off, sizeof *c * a->q8_off);
-            kvt__recall_q8_row(a->base + (size_t)slots[u] * a->slot_stride, a->branch_offset,
-                               a->branch_dtype, a->branch_dim, c, a->q8_off, tq,
-                               (uint8_t *)(c + a->q8_off));
-        }
+        q8_rows(a, slots, t16, tq);
     }
     if (owned)
         kvt__free(be->alloc, scratch, n * sizeof(float));

@@ -22,9 +22,10 @@
 #define CHUNK_ROWS 48u
 
 /* The 8-bit scan's scratch (kvt__recall_scan_prep's q8 fields): the heads' values [10][HP]
- * (tb ts Qb Qs Eb Es Nb Ns, then sb ss as int32), their vectors [HP][len] and the packing of the
- * SIMD dots (VNNI: s8 [len / 4][HQ][4]; AVX2: s16 [len / 2][HQ][2]; HQ: HP rounded up to 16; len <= KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK bytes each), and the
- * quantiser's tmp. */
+ * (tb ts Qb Qs Eb Es Nb Ns, then −128·sb and −128·ss as int32: the SIMD dots' correction), their
+ * vectors [HP][len] and the packing of the SIMD dots (VNNI: s8 [len / 4][HQ][4]; AVX2: s16
+ * [len / 2][HQ][2]; HQ: HP rounded up to 16; len <= KVT__RECALL_MAX_BRANCH +
+ * KVT__SKETCH_MAX_RANK bytes each), the quantiser's tmp and the AVX2 dots' widened rows. */
 #define Q8_MAX_LEN (KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK)
 #define Q8_FLOATS(HP)                                                                              \
     (10u * (HP) + (3u * (HP) + 32u) * (Q8_MAX_LEN / 4u) + Q8_MAX_LEN + CHUNK_ROWS * Q8_MAX_LEN / 2u)
@@ -109,6 +110,7 @@ size_t kvt__recall_scan_heads_padded(uint32_t n_heads) {
 /* The 8-bit scan's heads (kvt__recall_q8_head): values into p->q8f (SoA), vectors into p->q8v
  * (padding heads all 128: zero), and the packing of the level's dots: VNNI p->q8p[j4][h][4] =
  * the s8 values, AVX2 p->q8p as int16 [j2][h][2]. */
+KVT__FMA_CLONES
 static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, float *tmp) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, H = a->n_heads, W = a->q8_off;
     const size_t HP = p->HP, qdim = (size_t)D + bd;
@@ -128,8 +130,9 @@ static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, fl
         const float f[8] = {q.tb, q.ts, q.Qb, q.Qs, q.Eb, q.Es, q.Nb, q.Ns};
         for (uint32_t i = 0; i < 8u; i++)
             p->q8f[i * HP + h] = f[i];
-        memcpy(p->q8f + 8u * HP + h, &q.sb, 4);
-        memcpy(p->q8f + 9u * HP + h, &q.ss, 4);
+        const int32_t cb = -128 * q.sb, cs = -128 * q.ss; /* the u8 offset's correction */
+        memcpy(p->q8f + 8u * HP + h, &cb, 4);
+        memcpy(p->q8f + 9u * HP + h, &cs, 4);
         if (kvt__recall_scan_q8_level(-1) == 2)
             for (uint32_t j = 0; j < len; j++)
                 p->q8p[((size_t)(j / 4u) * Q8_HQ(HP) + h) * 4u + j % 4u] = (uint8_t)(v[j] - 128u);
@@ -147,8 +150,11 @@ static inline kvt__recall_q8h q8_head(const kvt__recall_scan_prep *p, size_t h) 
     kvt__recall_q8h q = {p->q8f[h], p->q8f[HP + h], p->q8f[2 * HP + h], p->q8f[3 * HP + h],
                          p->q8f[4 * HP + h], p->q8f[5 * HP + h], p->q8f[6 * HP + h],
                          p->q8f[7 * HP + h], 0, 0};
-    memcpy(&q.sb, p->q8f + 8 * HP + h, 4);
-    memcpy(&q.ss, p->q8f + 9 * HP + h, 4);
+    int32_t cb, cs; /* rows 8, 9 hold −128·Σ q (the SIMD dots' correction) */
+    memcpy(&cb, p->q8f + 8 * HP + h, 4);
+    memcpy(&cs, p->q8f + 9 * HP + h, 4);
+    q.sb = cb / -128;
+    q.ss = cs / -128;
     return q;
 }
 
@@ -692,13 +698,18 @@ static inline int32_t ld4(const uint8_t *b) {
 }
 
 /* Dots of rows x[0 .. 6) (vectors of len bytes; the branch's bd4 = branch_dim / 4 groups first)
- * against heads h0 .. h0 + 16 of the packing qp ([len / 4][HQ][4]) into ib, is ([rows][HP],
- * uncorrected: Σ u8·s8). */
-VNNI_FN static void q8_tile(const uint8_t *const *x, const uint8_t *qp, size_t HQ, size_t HP,
-                            uint32_t bd4, uint32_t n4, size_t r0, size_t h0, int32_t *ib,
-                            int32_t *is) {
-    __m512i b0 = _mm512_setzero_si512(), b1 = b0, b2 = b0, b3 = b0, b4 = b0, b5 = b0;
-    __m512i c0 = b0, c1 = b0, c2 = b0, c3 = b0, c4 = b0, c5 = b0;
+ * against heads h0 .. h0 + 16 of the packing qp ([len / 4][HQ][4]) into ib, is ([rows][HP]):
+ * Σ u8·s8 from the correction corr ([2][HP]: −128·Σ q of each head's branch, then sketch). */
+VNNI_FN static void q8_tile(const uint8_t *const *x, const uint8_t *qp, const int32_t *corr,
+                            size_t HQ, size_t HP, uint32_t bd4, uint32_t n4, size_t r0, size_t h0,
+                            int32_t *ib, int32_t *is) {
+    /* lanes past HP (the packing's padding heads) are not stored */
+    const __mmask16 m = (__mmask16)(HP - h0 >= 16u ? 0xffffu : (1u << (HP - h0)) - 1u);
+    /* the accumulators start at the u8 offset's correction −128·Σ q_head */
+    __m512i b0 = _mm512_maskz_loadu_epi32(m, corr + h0), b1 = b0, b2 = b0, b3 = b0, b4 = b0,
+            b5 = b0;
+    __m512i c0 = _mm512_maskz_loadu_epi32(m, corr + HP + h0), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
+            c5 = c0;
 #define Q8_X(r) _mm512_set1_epi32(ld4(x[r] + 4u * j))
     for (uint32_t j = 0; j < bd4; j++) {
         const __m512i q = _mm512_loadu_si512(qp + ((size_t)j * HQ + h0) * 4u);
@@ -719,8 +730,6 @@ VNNI_FN static void q8_tile(const uint8_t *const *x, const uint8_t *qp, size_t H
         c5 = _mm512_dpbusd_epi32(c5, Q8_X(5), q);
     }
 #undef Q8_X
-    /* lanes past HP (the packing's padding heads) are not stored */
-    const __mmask16 m = (__mmask16)(HP - h0 >= 16u ? 0xffffu : (1u << (HP - h0)) - 1u);
     int32_t *o = ib + r0 * HP + h0, *t = is + r0 * HP + h0;
     _mm512_mask_storeu_epi32(o, m, b0);
     _mm512_mask_storeu_epi32(o + HP, m, b1);
@@ -785,11 +794,14 @@ VNNI_FN static int q8_conformal_vec(const kvt__recall_scan_args *a, const kvt__r
 /* The AVX2 dots (CPUs without VNNI): the chunk's row vectors widened to int16 (x16, [rows][len]),
  * a tile of 6 rows × 8 heads: per 2 values one vpmaddwd per (row, part) adds u8·s16 pairs into
  * int32 lanes (exact: |sum| <= 2·255·127), accumulated as q8_tile's. */
-TILED_FN static void q8_tile_avx2(const int16_t *x16, size_t len, const uint8_t *qp, size_t HQ,
-                                  size_t HP, uint32_t bd2, uint32_t n2, size_t r0, size_t h0,
-                                  int32_t *ib, int32_t *is) {
-    __m256i b0 = _mm256_setzero_si256(), b1 = b0, b2 = b0, b3 = b0, b4 = b0, b5 = b0;
-    __m256i c0 = b0, c1 = b0, c2 = b0, c3 = b0, c4 = b0, c5 = b0;
+TILED_FN static void q8_tile_avx2(const int16_t *x16, size_t len, const uint8_t *qp,
+                                  const int32_t *corr, size_t HQ, size_t HP, uint32_t bd2,
+                                  uint32_t n2, size_t r0, size_t h0, int32_t *ib, int32_t *is) {
+    /* from the correction, as q8_tile (HP is a multiple of 8: whole loads) */
+    __m256i b0 = _mm256_loadu_si256((const __m256i *)(corr + h0)), b1 = b0, b2 = b0, b3 = b0,
+            b4 = b0, b5 = b0;
+    __m256i c0 = _mm256_loadu_si256((const __m256i *)(corr + HP + h0)), c1 = c0, c2 = c0,
+            c3 = c0, c4 = c0, c5 = c0;
     const int16_t *x = x16 + r0 * len;
 #define Q8_X2(r) _mm256_set1_epi32(ld4((const uint8_t *)(x + (r) * len + 2u * j)))
 #define Q8_MADD(acc, r) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(Q8_X2(r), q))
@@ -871,6 +883,7 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
     const uint32_t H = a->n_heads, len = p->q8len, bd = a->branch_dim;
     const uint32_t bd4 = bd / 4u, n4 = len / 4u;
     int16_t *x16 = p->q8x; /* AVX2: the chunk's rows widened [CHUNK_ROWS][len] */
+    const int32_t *corr = (const int32_t *)(p->q8f + 8u * HP); /* [2][HP] */
     column_tables(a, p, NULL, H, HP);
     int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
     const uint8_t *x[CHUNK_ROWS];
@@ -900,7 +913,7 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
         if (lv == 2) {
             for (size_t r0 = 0; r0 < nr; r0 += 6u)
                 for (size_t h0 = 0; h0 < HP; h0 += 16u)
-                    q8_tile(x + r0, p->q8p, HQ, HP, bd4, n4, r0, h0, ib, is);
+                    q8_tile(x + r0, p->q8p, corr, HQ, HP, bd4, n4, r0, h0, ib, is);
         } else {
             for (size_t i = 0; i < nr; i++)
                 for (uint32_t j = 0; j < len; j += 16u)
@@ -909,17 +922,11 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
                                             _mm_loadu_si128((const __m128i *)(x[i] + j))));
             for (size_t r0 = 0; r0 < nr; r0 += 6u)
                 for (size_t h0 = 0; h0 < HP; h0 += 8u)
-                    q8_tile_avx2(x16, len, p->q8p, HQ, HP, bd / 2u, len / 2u, r0, h0, ib, is);
+                    q8_tile_avx2(x16, len, p->q8p, corr, HQ, HP, bd / 2u, len / 2u, r0, h0, ib,
+                                 is);
         }
         for (size_t i = 0; i < n; i++) {
-            int32_t *bi = ib + i * HP, *si = is + i * HP;
-            for (uint32_t h = 0; h < H; h++) { /* the u8 offset: Σ (q_r + 128)·q_h − 128·Σ q_h */
-                int32_t sb, ss;
-                memcpy(&sb, p->q8f + 8u * HP + h, 4);
-                memcpy(&ss, p->q8f + 9u * HP + h, 4);
-                bi[h] -= 128 * sb;
-                si[h] -= 128 * ss;
-            }
+            const int32_t *bi = ib + i * HP, *si = is + i * HP;
             const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
             const float rho = *kvt__scan_rho(a, rows[i]);
             const int f = !conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
