@@ -145,9 +145,7 @@ size_t kvt__backend_sketch_floats(uint32_t n_rows, uint32_t latent_dim) {
 }
 
 /* The 8-bit planes of rows [0, n) (kvt__recall_q8_row) from their fp16 sketches t16 ([n][q8_off])
- * into the sketch rows (stride csk_stride), each row's fp16 values copied first. An FMA clone:
- * the quantiser's fmaf is one instruction there (the same bits). */
-KVT__FMA_CLONES
+ * into the sketch rows (stride csk_stride), each row's fp16 values copied first. */
 static void q8_rows(const kvt__sketch_args *a, const int32_t *slots, const uint16_t *t16,
                     float *tq) {
     for (uint32_t u = 0; u < a->n_rows; u++) {

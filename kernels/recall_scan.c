@@ -915,11 +915,15 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
                 for (size_t h0 = 0; h0 < HP; h0 += 16u)
                     q8_tile(x + r0, p->q8p, corr, HQ, HP, bd4, n4, r0, h0, ib, is);
         } else {
-            for (size_t i = 0; i < nr; i++)
-                for (uint32_t j = 0; j < len; j += 16u)
+            for (size_t i = 0; i < nr; i++) {
+                uint32_t j = 0;
+                for (; j + 16u <= len; j += 16u)
                     _mm256_storeu_si256((__m256i *)(x16 + i * len + j),
                                         _mm256_cvtepu8_epi16(
                                             _mm_loadu_si128((const __m128i *)(x[i] + j))));
+                for (; j < len; j++) /* the tail (len is a multiple of 4 only) */
+                    x16[i * len + j] = x[i][j];
+            }
             for (size_t r0 = 0; r0 < nr; r0 += 6u)
                 for (size_t h0 = 0; h0 < HP; h0 += 8u)
                     q8_tile_avx2(x16, len, p->q8p, corr, HQ, HP, bd / 2u, len / 2u, r0, h0, ib,

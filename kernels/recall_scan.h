@@ -257,7 +257,8 @@ KVT_HD uint32_t kvt__recall_q8_words(uint32_t branch_dim, uint32_t sk_width) {
 
 /* Quantise x[0 .. n) with one scale: out[i] = q_i + 128, q_i = round(x_i · 127/max|x|) clamped
  * to ±127 (n values; the caller pads). Returns the scale t = max|x|/127 (0 for all-zero x) and
- * sets *e >= ‖x − t·q‖, *nq >= ‖t·q‖, *sum = Σ q_i. Non-finite x: t = NaN, *e = +Inf, every q 0. */
+ * sets *e >= ‖x − t·q‖ (the errors and their squares summed in double: x − t·q is exact there
+ * before one rounding), *nq >= ‖t·q‖, *sum = Σ q_i. Non-finite x: t = NaN, *e = +Inf, every q 0. */
 KVT_HD float kvt__recall_q8_quant(const float *x, uint32_t n, uint8_t *out, float *e, float *nq,
                                   int32_t *sum) {
     const float slack = 1.0f + 0.00390625f;
@@ -278,21 +279,23 @@ KVT_HD float kvt__recall_q8_quant(const float *x, uint32_t n, uint8_t *out, floa
         return NAN;
     }
     const float t = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
-    float e2 = 0.0f;
+    double e2 = 0.0; /* in double: x − t·q exact before one rounding, no fmaf (a libm call on a
+                      * target without FMA) */
     int32_t q2 = 0;
     for (uint32_t i = 0; i < n; i++) {
         /* round to nearest even by the 1.5·2^23 trick (|x·inv| <= 127·(1 + 2^-23): exact, and
          * rintf's value; no libm call where the target lacks a rounding instruction) */
         float r = (x[i] * inv + 12582912.0f) - 12582912.0f;
-        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        /* a subnormal max overflows inv: 0·Inf is NaN (q 0; the error below is then x itself) */
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r == r ? r : 0.0f;
         const int32_t q = (int32_t)r;
-        const float d = fmaf(-t, r, x[i]); /* x − t·q, one rounding */
-        e2 = fmaf(d, d, e2);
+        const double d = (double)x[i] - (double)t * (double)r; /* t·q exact in double */
+        e2 += d * d;
         q2 += q * q;
         s += q;
         out[i] = (uint8_t)(q + 128);
     }
-    *e = sqrtf(e2) * slack;
+    *e = (float)sqrt(e2) * slack; /* the rounding to float is within the slack */
     *nq = t * sqrtf((float)q2) * slack;
     *sum = s;
     return t;
