@@ -7,7 +7,9 @@
  * and sound modes; the op as dispatched (the tiled scan on AVX2/FMA CPUs) and the row-wise scan
  * side by side; then the 8-bit scan (params.recall_scan_bits 8: the rows' 8-bit planes,
  * kernels/recall_scan.h) on its VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
- * time. Per step, and ns per (archived row, head).
+ * time. Per step, and ns per (archived row, head); "net": less the heads' preparation
+ * (kvt__recall_scan_prep_cpu, timed alone: the q̃_sk projections every step pays once, whatever
+ * its rows), what a step over many more rows pays per row.
  * Usage: bench_recall_scan [reps]
  */
 #include "kernels/backend.h"
@@ -116,11 +118,30 @@ int main(int argc, char **argv) {
                     t_best[w] = t < t_best[w] ? t : t_best[w];
                 }
             kvt__recall_scan_tiled(1);
+            /* the heads' preparation alone, 16-bit then 8-bit (the 8-bit one also quantises) */
+            float *pscr = malloc(sizeof(float) * kvt__recall_scan_scratch_floats(H, RANK, D));
+            double t_prep[2] = {1e30, 1e30};
+            for (int r = 0; r < reps; r++)
+                for (int w = 0; w < 2; w++) {
+                    kvt__recall_scan_args sp = s;
+                    if (w) {
+                        sp.csk = csk8;
+                        sp.csk_stride = RANK + kvt__recall_q8_words(BD, RANK);
+                        sp.q8_off = RANK;
+                    }
+                    kvt__recall_scan_prep pp;
+                    double t = cpu_now();
+                    kvt__recall_scan_prep_cpu(&sp, pscr, &pp);
+                    t = cpu_now() - t;
+                    t_prep[w] = t < t_prep[w] ? t : t_prep[w];
+                }
+            free(pscr);
+            const double pairs = (double)(NR - SINKS - M) * H;
             for (int w = 0; w < 2; w++)
-                printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head)  "
-                       "fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
+                printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head), net "
+                       "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
                        w ? "row-wise" : tiled ? "tiled" : "(none)", t_best[w] * 1e6,
-                       t_best[w] * 1e9 / ((double)(NR - SINKS - M) * H), nf);
+                       t_best[w] * 1e9 / pairs, (t_best[w] - t_prep[0]) * 1e9 / pairs, nf);
             /* the 8-bit scan: VNNI, then AVX2, alternating within each repeat */
             s.csk = csk8;
             s.csk_stride = S8;
@@ -138,10 +159,13 @@ int main(int argc, char **argv) {
                 }
             kvt__recall_scan_q8_level(2);
             for (int w = 0; w < 2 && w < lv; w++)
-                printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head)  "
-                       "fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
-                       lv - w == 2 ? "8b VNNI" : "8b AVX2", t8[w] * 1e6,
-                       t8[w] * 1e9 / ((double)(NR - SINKS - M) * H), nf);
+                printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head), net "
+                       "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
+                       lv - w == 2 ? "8b VNNI" : "8b AVX2", t8[w] * 1e6, t8[w] * 1e9 / pairs,
+                       (t8[w] - t_prep[1]) * 1e9 / pairs, nf);
+            if (mode == KVT__RECALL_CONFORMAL)
+                printf("  %2u heads, the heads' preparation alone: %.1f us (16-bit), %.1f us "
+                       "(8-bit)\n", H, t_prep[0] * 1e6, t_prep[1] * 1e6);
         }
         free(q);
         free(best);
