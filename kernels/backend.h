@@ -14,9 +14,9 @@
 #include "kernels/kvt_hd.h"
 
 typedef struct kvt__backend kvt__backend;
-struct kvt__recall_rope_args;      /* kernels/rope_trigger.h */
-struct kvt__recall_rope_emit_args; /* kernels/rope_trigger.h */
-struct kvt__recall_rope_plan_args; /* kernels/rope_trigger.h */
+struct kvt__recall_rope_args;      /* recall/kernels/rope_trigger.h */
+struct kvt__recall_rope_emit_args; /* recall/kernels/rope_trigger.h */
+struct kvt__recall_rope_plan_args; /* recall/kernels/rope_trigger.h */
 
 /* Score n rows of one closed block for the salience selector. Row u lives at
  * base + slot(first_row + u) * slot_stride (one plane, one head). Output: one fp32 score per row (raw: NaN and
@@ -45,7 +45,7 @@ typedef struct kvt__score_args {
     float *out;             /* [n_rows] */
 } kvt__score_args;
 
-/* Sketch n rows of one closed block for the recall tier (kernels/sketch.h): the rows as in
+/* Sketch n rows of one closed block for the recall tier (recall/kernels/sketch.h): the rows as in
  * kvt__score_args (page-table mirror + first_row + n_rows, all in the backend's memory), the
  * layer's basis V and the output planes in the backend's memory too. */
 typedef struct kvt__sketch_args {
@@ -71,9 +71,9 @@ typedef struct kvt__sketch_args {
     uint32_t branch_dim;
 } kvt__sketch_args;
 
-/* One recall scan (kernels/recall_scan.h): one request × layer of a step. Every pointer but pdiv
- * is in the backend's memory. The archived rows are the closed rows [sinks, n_closed) not in kept
- * (ascending, m entries, as the salience close writes it), scanned ascending; a row fires when
+/* One recall scan (recall/kernels/recall_scan.h): one request × layer of a step. Every pointer but
+ * pdiv is in the backend's memory. The archived rows are the closed rows [sinks, n_closed) not in
+ * kept (ascending, m entries, as the salience close writes it), scanned ascending; a row fires when
  * any head's trigger fires on it (mode: KVT__RECALL_CONFORMAL or KVT__RECALL_SOUND, which takes
  * z >= √(latent_dim − 64)). Out: fired[0 .. *n_fired) the first min(cap, fired) of them,
  * ascending; *overflow = 1 when more than cap fired (else 0). */
@@ -113,7 +113,7 @@ typedef struct kvt__recall_scan_args {
     uint32_t *fired;        /* [cap] out */
     uint32_t *n_fired;      /* [1] out */
     uint32_t *overflow;     /* [1] out */
-    /* The 8-bit scan (params.recall_scan_bits 8; kernels/recall_scan.h): the fp16 word of each
+    /* The 8-bit scan (params.recall_scan_bits 8; recall/kernels/recall_scan.h): the fp16 word of each
      * sketch row where its 8-bit plane starts (the fp16 part's width, >= rank); 0: the 16-bit
      * scan. */
     uint32_t q8_off;
@@ -129,9 +129,9 @@ KVT_HD const float *kvt__scan_rho(const kvt__recall_scan_args *a, uint64_t row) 
 }
 
 /* What the recall tier keeps of one (request, layer) between steps, in the backend's memory:
- * the conformal calibration (kernels/conformal_math.h) and the certificate of the last step with its
- * running totals (kvt_layer_stats' recall fields). Only the recall step op writes it; the host
- * zeroes it (z = Z_MAX) at creation and reads it for statistics and snapshots. */
+ * the conformal calibration (recall/kernels/conformal_math.h) and the certificate of the last step
+ * with its running totals (kvt_layer_stats' recall fields). Only the recall step op writes it; the
+ * host zeroes it (z = Z_MAX) at creation and reads it for statistics and snapshots. */
 typedef struct kvt__recall_state {
     float z;                 /* the conformal multiplier (Z_MAX until calibrated) */
     uint32_t phase;          /* KVT__CONFORMAL_OPEN / _CALIBRATED / _PROVISIONAL */
@@ -168,7 +168,7 @@ typedef struct kvt__recall_promo {
     uint64_t promotions, demotions, absorbed; /* totals */
 } kvt__recall_promo;
 
-/* One recall step of one (request, layer) (kernels/recall_step.h): the archive view and the
+/* One recall step of one (request, layer) (recall/kernels/recall_step.h): the archive view and the
  * queries in scan (scan.best, scan.z and the outputs point into the request's recall buffer; the
  * op sets best and z), the attended tail [scan.n_closed, n_rows), the state, and the step's
  * dense flag for the emission. Every pointer but scan.pdiv is in the backend's memory. */
@@ -181,10 +181,10 @@ typedef struct kvt__recall_step_args {
     float *samples;          /* [sample_cap]: the calibration's samples, sorted */
     uint32_t sample_cap;
     uint8_t *dense;          /* [1] out, or NULL: 1 when the step attends every row */
-    /* The pruned scan's group planes (kernels/recall_group.h), for g_blocks_cap closed blocks of
-     * block_rows rows, centres of g_dim floats; g_perm NULL: the full scan. The op builds the
-     * groups of the blocks closed since the state's n_grouped, then scans pruned (the same fired
-     * rows as the full scan); the margin mode always scans in full. */
+    /* The pruned scan's group planes (recall/kernels/recall_group.h), for g_blocks_cap closed
+     * blocks of block_rows rows, centres of g_dim floats; g_perm NULL: the full scan. The op builds
+     * the groups of the blocks closed since the state's n_grouped, then scans pruned (the same
+     * fired rows as the full scan); the margin mode always scans in full. */
     uint32_t *g_perm, *g_n, *g_end;
     float *g_centre, *g_stat;
     uint64_t g_blocks_cap;
@@ -452,8 +452,8 @@ typedef struct kvt__backend_ops {
      * theirs at context creation (lib/context.c). */
     kvt_status (*reserve)(const kvt__backend *be, const kvt__ws_bounds *b);
     /* Whether recall_step serves promotion (args.promo non-NULL): every backend's does (the
-     * CPU, guarded and CUDA ones, over kernels/recall_promo.h); one without it has the library
-     * refuse config.recall_promote_capacity > 0, naming it. */
+     * CPU, guarded and CUDA ones, over recall/kernels/recall_promo.h); one without it has the
+     * library refuse config.recall_promote_capacity > 0, naming it. */
     bool recall_promote;
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per
@@ -478,8 +478,8 @@ typedef struct kvt__backend_ops {
      * request). A failure (scratch) leaves every kept set untouched. */
     kvt_status (*select)(const kvt__backend *be, kvt__select_args *a, uint32_t n, void *stream);
     /* (optional) A RoPE layer's trigger (recall_rope_step) and emission (recall_rope_emit) of
-     * its recalling requests (kvt__recall_rope_plan_args, kernels/rope_trigger.h: the items and
-     * their counts in the backend's memory, read when the op runs): per KV head the scan of its
+     * its recalling requests (kvt__recall_rope_plan_args, recall/kernels/rope_trigger.h: the items
+     * and their counts in the backend's memory, read when the op runs): per KV head the scan of its
      * archive with its query heads, or a calibration step (the trigger's queries at query +
      * q_off); then fetched archive rows copied into each request's fetch slots, and per KV head
      * a list of the table's rows then the fetched ones. *n (*n_emit) above n_max runs nothing;

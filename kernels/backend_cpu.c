@@ -6,12 +6,12 @@
 #include "kernels/cpu_internal.h"
 
 #include "kernels/philox.h"
-#include "kernels/recall_scan.h"
-#include "kernels/recall_step.h"
-#include "kernels/recall_group.h"
-#include "kernels/rope_trigger.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/recall_step.h"
+#include "recall/kernels/recall_group.h"
+#include "recall/kernels/rope_trigger.h"
 #include "kernels/sigma.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/sketch.h"
 #include "kernels/topm.h"
 #include "lib/base/base.h"
 

@@ -12,9 +12,9 @@
  */
 #define _GNU_SOURCE /* pkey_alloc, pkey_mprotect, pkey_set (glibc >= 2.27) */
 #include "kernels/cpu_internal.h"
-#include "kernels/recall_group.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_group.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 #include "lib/base/base.h"
 
 #include <string.h>

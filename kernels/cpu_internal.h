@@ -7,8 +7,8 @@
 #define KVT_KERNELS_CPU_INTERNAL_H
 
 #include "kernels/backend.h"
-#include "kernels/recall_step.h"
-#include "kernels/rope_trigger.h"
+#include "recall/kernels/recall_step.h"
+#include "recall/kernels/rope_trigger.h"
 
 /* The CPU backend's workspace (be->impl when opened with kvt__backend_cpu_open): grow-only
  * scratch of σ and top-m, sized once from the context's stated limits so that no op allocates in

@@ -5,9 +5,9 @@
  * them calls back up into this file. */
 #include "handles.h"
 
-#include "kernels/recall_scan.h"
-#include "kernels/rope_trigger.h"
-#include "kernels/recall_step.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/rope_trigger.h"
+#include "recall/kernels/recall_step.h"
 #include "kernels/topm.h"
 #include "recall/recall.h"
 

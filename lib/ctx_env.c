@@ -5,7 +5,7 @@
  * lib/ call graph: tests/scripts/check_layers.py prints its cycles). */
 #include "handles.h"
 
-#include "kernels/rope_trigger.h"
+#include "recall/kernels/rope_trigger.h"
 
 #include <stdio.h>
 #include <string.h>

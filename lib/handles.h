@@ -180,8 +180,8 @@ kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const f
 kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
                                    int32_t *indices, uint64_t capacity, int32_t *indptr,
                                    kvt__recall_rope_emit_args *out);
-/* The RoPE recall trigger's archive view (kernels/rope_trigger.h: the fields up to rank) of a
- * request's layer between steps, its page table mirrored: the evict policy's recall_rope_view.
+/* The RoPE recall trigger's archive view (recall/kernels/rope_trigger.h: the fields up to rank) of
+ * a request's layer between steps, its page table mirrored: the evict policy's recall_rope_view.
  * KVT_ERR_POLICY_MISMATCH (a layer without one), the view's statuses (UNSUPPORTED, BAD_STATE),
  * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. For inspection between steps
  * (the tests' oracles read the archive through it); a step takes the view of its own table through

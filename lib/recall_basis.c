@@ -5,7 +5,7 @@
 #include "replace.h"
 #include "base/io.h"
 
-#include "kernels/sketch.h"
+#include "recall/kernels/sketch.h"
 
 #include <errno.h>
 #include <fcntl.h>

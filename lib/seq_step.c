@@ -5,7 +5,7 @@
 #include "lib/seq_internal.h"
 
 #include "kernels/philox.h"
-#include "kernels/recall_scan.h"
+#include "recall/kernels/recall_scan.h"
 
 #include <math.h>
 #include <stdio.h>

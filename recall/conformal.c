@@ -1,5 +1,5 @@
 /* conformal.c — the per-request conformal z (definition and guarantee in conformal.h; the math
- * in kernels/conformal_math.h, shared with the recall step's backend op). */
+ * in recall/kernels/conformal_math.h, shared with the recall step's backend op). */
 #include "recall/conformal.h"
 
 #include <string.h>

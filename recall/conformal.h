@@ -39,9 +39,9 @@
 #include <stdint.h>
 
 /* The constants and the per-element math (rank, sample, sorted insertion, window close) are
- * kernels/conformal_math.h's: the recall step's backend op fixes z on the device with the same
- * functions (kvt__recall_step_cpu), this host form serves tests and tools. */
-#include "kernels/conformal_math.h"
+ * recall/kernels/conformal_math.h's: the recall step's backend op fixes z on the device with the
+ * same functions (kvt__recall_step_cpu), this host form serves tests and tools. */
+#include "recall/kernels/conformal_math.h"
 
 /* One (request, layer)'s calibration. samples (kept sorted ascending) has room for cap floats (64 steps x the layer's
  * query heads suffices): owned by the caller (the request's state), so a step allocates nothing. */

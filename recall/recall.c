@@ -5,8 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "kernels/recall_scan.h"
-#include "kernels/recall_step.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/recall_step.h"
 #include "lib/base/base.h"
 
 /* The public modes are the scan's (one number space). */

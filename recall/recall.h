@@ -16,7 +16,7 @@
 #define KVT_RECALL_RECALL_H
 
 #include "kernels/backend.h"
-#include "kernels/conformal_math.h"
+#include "recall/kernels/conformal_math.h"
 
 /* Samples a calibration can hold per query head: one per calibration step, 64 steps. */
 #define KVT__RECALL_SAMPLES_PER_HEAD KVT__CONFORMAL_LAST_WINDOW
@@ -37,7 +37,7 @@ typedef struct kvt__recall_layer {
      * cap + prom_cap rows. */
     kvt__recall_promo *promo;
     uint32_t prom_cap, cand_cap;
-    /* The pruned scan's group planes (kernels/recall_group.h) for g_cap closed blocks of g_B
+    /* The pruned scan's group planes (recall/kernels/recall_group.h) for g_cap closed blocks of g_B
      * rows, centres of g_dim floats, in the backend's memory; grown at reserve (never in a
      * step), filled by the recall step as blocks close. g_cap 0: none (the full scan). */
     uint32_t *g_perm, *g_n, *g_end;

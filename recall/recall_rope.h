@@ -1,7 +1,7 @@
 /*
  * recall_rope.h — the recall trigger's state of one (request, GQA/MHA-RoPE layer) (docs/recall.md
- * §8, kernels/rope_trigger.h). The archive is the evict policy's (its recall_rope_view); what the
- * recall tier owns is, in the backend's memory:
+ * §8, recall/kernels/rope_trigger.h). The archive is the evict policy's (its recall_rope_view);
+ * what the recall tier owns is, in the backend's memory:
  *
  *   base: the NoPE layout for n_q query heads and no fetch list (kvt__recall_layer with cap 0):
  *         [kvt__recall_state | samples [64 · n_q] | best [n_q]] — one conformal calibration per
@@ -15,7 +15,7 @@
 #ifndef KVT_RECALL_RECALL_ROPE_H
 #define KVT_RECALL_RECALL_ROPE_H
 
-#include "kernels/rope_trigger.h"
+#include "recall/kernels/rope_trigger.h"
 #include "recall/recall.h"
 
 typedef struct kvt__recall_rope_layer {
@@ -36,8 +36,8 @@ void kvt__recall_rope_fini(kvt__recall_rope_layer *r, const kvt__backend *be);
  * calibration). */
 kvt_status kvt__recall_rope_copy(kvt__recall_rope_layer *dst, const kvt__recall_rope_layer *src,
                                  const kvt__backend *be);
-/* Room for the pruned scan's group planes (kernels/recall_group.h) of an archive of up to `rows`
- * rows a KV head, in blocks of B rows (a power of two >= 64; otherwise none: the full scan),
+/* Room for the pruned scan's group planes (recall/kernels/recall_group.h) of an archive of up to
+ * `rows` rows a KV head, in blocks of B rows (a power of two >= 64; otherwise none: the full scan),
  * centres of dim floats: the base layer's planes, head h's block b at slot b·n_kv + h, so that
  * growing them (recall.h, which keeps what was built) and forking them (kvt__recall_rope_copy)
  * keep every built group. KVT_ERR_OUT_OF_MEMORY with nothing changed. */

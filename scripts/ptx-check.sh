@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # ptx-check.sh [--spills-only] [NVCC]: what ptxas makes of the CUDA backend's kernels
-# (kernels/cuda/cu_*.cu, sm_90, the build's floating-point flags). For every kernel: registers,
-# stack frame, spill stores and loads (ptxas -v); for the files of the scan, step, RoPE and pack
-# kernels, the byte loads (ld.*.u8/s8/b8) in each kernel's PTX, each traced to its source line
-# (-lineinfo). An element of a row (bf16, fp16, fp32, an fp8 code or scale) is read with aligned
+# (kernels/cuda/cu_*.cu and recall/kernels/cuda/cu_*.cu, sm_90, the build's floating-point
+# flags). For every kernel: registers, stack frame, spill stores and loads (ptxas -v); for the
+# files of the scan, step, RoPE and pack kernels, the byte loads (ld.*.u8/s8/b8) in each kernel's
+# PTX, each traced to its source line (-lineinfo). An element of a row (bf16, fp16, fp32, an fp8 code or scale) is read with aligned
 # loads of 2 bytes or more (kernels/kvt_hd.h's device loads, issue 33 item 4), so a byte load is
 # allowed only where the source line reads a 1-byte datum, listed in ONE_BYTE below (a flag, a
 # bool field); any other, or one the PTX does not place, fails. Prints a table (bytes: the
@@ -25,7 +25,7 @@ flags=(-arch=sm_90 -std=c++17 -O3 -I"$root" -I"$root/lib" --fmad=false --prec-sq
        --prec-div=true --ftz=false)
 bad=0
 printf '%-8s %-6s %-6s %-6s %-6s %s\n' regs stack spillS spillL bytes kernel
-for f in "$root"/kernels/cuda/cu_*.cu; do
+for f in "$root"/kernels/cuda/cu_*.cu "$root"/recall/kernels/cuda/cu_*.cu; do
   name=$(basename "$f" .cu)
   "$nvcc" "${flags[@]}" -Xptxas -v -c "$f" -o "$out/$name.o" 2> "$out/$name.ptxas"
   bytes_check=0

@@ -20,13 +20,13 @@
 #include <criterion/criterion.h>
 
 #include "kernels/backend.h"
-#include "kernels/conformal_math.h"
+#include "recall/kernels/conformal_math.h"
 #include "kernels/evict.h"
-#include "kernels/recall_promo.h"
-#include "kernels/rope_trigger.h"
-#include "kernels/recall_scan.h"
+#include "recall/kernels/recall_promo.h"
+#include "recall/kernels/rope_trigger.h"
+#include "recall/kernels/recall_scan.h"
 #include "kernels/sigma.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/sketch.h"
 #include "lib/base/alloc.h"
 #include "recall/recall.h"
 #include "support/oneshot.h"

@@ -1,7 +1,7 @@
 /*
  * test_recall.c — the recall tier's foundations (docs/recall.md): the per-row sketch (csk, ρ) of
- * kernels/sketch.h against known low-rank data and against its own per-element functions, the
- * sketch_rows op on the CPU and guarded backends, the sketch planes a salience close writes
+ * recall/kernels/sketch.h against known low-rank data and against its own per-element functions,
+ * the sketch_rows op on the CPU and guarded backends, the sketch planes a salience close writes
  * (bit-equal across backends, covered by kvt_seq_check, allocated up front), the basis API and
  * the basis file. Seeds are fixed and printed on failure.
  */
@@ -16,8 +16,8 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 #include "kvtier.h"
 #include "kvtier_trace.h"
 #include "lib/handles.h"

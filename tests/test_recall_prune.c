@@ -1,6 +1,6 @@
 /*
- * test_recall_prune.c — the pruned recall scan (kernels/recall_group.h): its fired rows, count
- * and overflow flag are IDENTICAL to the full scan's (kvt__recall_scan_cpu) over thousands of
+ * test_recall_prune.c — the pruned recall scan (recall/kernels/recall_group.h): its fired rows,
+ * count and overflow flag are IDENTICAL to the full scan's (kvt__recall_scan_cpu) over thousands of
  * randomized steps (no basis and ranks 1..128, clustered, near-identical, in/near/far from span
  * V and needle rows, heads in span V or aimed at a needle, both modes, thresholds from attended
  * rows and adversarial thresholds exactly at a row's trigger value, caps below the fired count);
@@ -18,9 +18,9 @@
 #include <string.h>
 
 #include "kernels/backend.h"
-#include "kernels/recall_group.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_group.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 #include "support/testutil.h"
 
 #define D 512u

@@ -1,6 +1,6 @@
 /*
- * test_recall_scan.c — the recall scan (kernels/recall_scan.h, the recall_scan op): the sound
- * mode never misses an archived row whose exact score reaches its head's threshold, over
+ * test_recall_scan.c — the recall scan (recall/kernels/recall_scan.h, the recall_scan op): the
+ * sound mode never misses an archived row whose exact score reaches its head's threshold, over
  * randomized rows (near and far from span V, no basis, adversarial near-identical rows) and
  * queries; the op's fired set equals a per-element reference and is bit-equal on the CPU and
  * guarded backends; cap W and the overflow flag are exact; the guarded op refuses host pointers.
@@ -14,8 +14,8 @@
 #include <string.h>
 
 #include "kernels/backend.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 #include "support/testutil.h"
 
 #define D 512u
@@ -832,7 +832,8 @@ Test(recall_scan, tiled_scan_bit_equal_to_rowwise_and_per_element) {
             free(pa);
         }
         /* the pruned scan's evaluation of listed rows against a subset of the heads (its live
-         * heads' columns, as kernels/recall_group.c lays them out) equals the row-wise one's */
+         * heads' columns, as recall/kernels/recall_group.c lays them out) equals the row-wise
+         * one's */
         {
             kvt__recall_scan_prep p;
             kvt__recall_scan_prep_cpu(&a, scratch, &p);
@@ -941,7 +942,7 @@ Test(recall_scan, tiled_scan_bit_equal_to_rowwise_and_per_element) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The 8-bit scan (params.recall_scan_bits 8; kernels/recall_scan.h "The 8-bit scan").
+ * The 8-bit scan (params.recall_scan_bits 8; recall/kernels/recall_scan.h "The 8-bit scan").
  * ------------------------------------------------------------------------------------------- */
 
 /* Rows at the quantisation's edges, before the planes are built: branches whose values sit on

@@ -1,12 +1,12 @@
 /*
  * test_recall_step.c — the recall trigger inside a decode step (kvt_batch_run with recall on,
  * docs/recall.md §4): every emitted set is checked against a host oracle built from the
- * per-element functions (kernels/recall_scan.h, kernels/conformal_math.h) on the rows as the test
- * wrote them — calibration steps attend every row and fix z exactly as recall/conformal.c does
- * on the same samples; later steps attend sinks ∪ kept ∪ tail ∪ the rows the trigger fires;
- * overflow attends every row; the CPU and guarded backends (and CUDA, where a device is
- * usable: skipped with a note without one, a failure with KVT_REQUIRE_GPU=1) emit the same sets;
- * kvt_seq_check passes after every step. Seeds are fixed.
+ * per-element functions (recall/kernels/recall_scan.h, recall/kernels/conformal_math.h) on the rows
+ * as the test wrote them — calibration steps attend every row and fix z exactly as
+ * recall/conformal.c does on the same samples; later steps attend sinks ∪ kept ∪ tail ∪ the rows
+ * the trigger fires; overflow attends every row; the CPU and guarded backends (and CUDA, where a
+ * device is usable: skipped with a note without one, a failure with KVT_REQUIRE_GPU=1) emit the
+ * same sets; kvt_seq_check passes after every step. Seeds are fixed.
  */
 #include <criterion/criterion.h>
 
@@ -16,8 +16,8 @@
 #include <string.h>
 
 #include "kernels/backend.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 #include "fuzz/fuzz.h" /* fuzz_fix_crcs */
 #include "kvtier.h"
 #include "lib/base/alloc.h"

@@ -1,8 +1,8 @@
 /*
  * test_rope_recall.c — recall on RoPE layers (issue 12, docs/recall.md §9): the sketches of the
- * random-eviction archive (tiers/evict.c kvt__ev_sketch_pending, built with kernels/sketch.h's
- * per-element functions), the per-KV-head key bases (kvt_ctx_set_recall_head_basis), and that
- * without recall sketch planes nothing changes.
+ * random-eviction archive (tiers/evict.c kvt__ev_sketch_pending, built with
+ * recall/kernels/sketch.h's per-element functions), the per-KV-head key bases
+ * (kvt_ctx_set_recall_head_basis), and that without recall sketch planes nothing changes.
  *
  * The harness drives one request of a GQA-RoPE model through the public step API, keeps a
  * shadow of every key it wrote, runs kvt_seq_check after every step, and compares the
@@ -18,9 +18,9 @@
 
 #include "kernels/attn.h"
 #include "kernels/kvt_hd.h"
-#include "kernels/rope_trigger.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/rope_trigger.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 #include "kvtier.h"
 #include "lib/handles.h"
 #include "recall/conformal.h"

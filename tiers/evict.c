@@ -51,8 +51,8 @@
 
 #include "kernels/kvt_hd.h"
 #include "kernels/philox.h"
-#include "kernels/rope_trigger.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/rope_trigger.h"
+#include "recall/kernels/sketch.h"
 #include "kernels/topm.h"
 
 #include <math.h>

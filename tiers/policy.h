@@ -271,7 +271,7 @@ struct kvt__policy_ops {
      * layer has nothing to recall from (no sketch planes). Without it the layer never recalls. */
     bool (*recall_view)(const kvt__tier_layer *l, kvt__recall_scan_args *a);
     /* (optional) The archive of a GQA/MHA-RoPE layer as the RoPE recall trigger reads it
-     * (kernels/rope_trigger.h), for the view l: the attended rows' keys (the table's mirror,
+     * (recall/kernels/rope_trigger.h), for the view l: the attended rows' keys (the table's mirror,
      * l->pt->n_rows rows), every KV head's archive, its sketches, bases and ranks (the fields up
      * to `rank`; every pointer in the backend's memory); the query side is the recall tier's.
      * KVT_OK; KVT_ERR_UNSUPPORTED when the layer has nothing to recall from (no archive, no

@@ -17,9 +17,9 @@
 #include "tiers_internal.h"
 
 #include "kernels/philox.h"
-#include "kernels/recall_scan.h"
+#include "recall/kernels/recall_scan.h"
 #include "kernels/sigma.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/sketch.h"
 #include "kernels/topm.h"
 
 #include <float.h>
@@ -379,8 +379,8 @@ static void fail_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t lo, uint
         }
 }
 
-/* The sketching of the block starting at position `first` of a job's layer (kernels/sketch.h)
- * into its rows of the sketch planes. */
+/* The sketching of the block starting at position `first` of a job's layer
+ * (recall/kernels/sketch.h) into its rows of the sketch planes. */
 static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first) {
     const kvt_layer_spec *sp = &j->st->spec;
     const kvt__rbasis *rb = &j->st->rbasis;
@@ -665,8 +665,8 @@ kvt_status kvt__sal_check(const kvt__sal *s, const kvt_config *cfg, char *err, s
 }
 
 /* The recall sketches of the closed rows (read through the backend): ρ is never NaN nor
- * negative; a row with ρ = +Inf (undescribable, kernels/sketch.h) has an all-zero sketch; every
- * other coefficient is finite, and the entries past the layer's basis rank are 0. */
+ * negative; a row with ρ = +Inf (undescribable, recall/kernels/sketch.h) has an all-zero sketch;
+ * every other coefficient is finite, and the entries past the layer's basis rank are 0. */
 static kvt_status check_sketches(const kvt__sal *s, uint32_t rank, char *err, size_t len) {
     if (s->sk_stride == 0 || s->closed_rows == 0)
         return KVT_OK;

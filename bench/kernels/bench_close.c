@@ -7,9 +7,9 @@
  * as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max over `reps`
  * repeats. Usage: bench_close [reps] (default 5).
  */
-#include "kernels/recall_group.h"
+#include "recall/kernels/recall_group.h"
 #include "kernels/sigma.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/sketch.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -23,10 +23,10 @@
  *       threshold, no separate prologue,
  *   (c) the recall scan (the backend's recall_scan op: kvt__recall_scan_cpu — the tiled scan
  *       on AVX2/FMA CPUs), visiting every archived row,
- *   (c2) the pruned scan (kernels/recall_group.h: kvt__recall_scan_pruned_cpu over the groups of
- *       every closed 4096-row block, built at setup as a block close builds them, not timed;
- *       the closed rows past the last whole block are scanned one by one), the scan the recall
- *       step runs in conformal and sound modes; its fired set is checked equal to (c)'s, and
+ *   (c2) the pruned scan (recall/kernels/recall_group.h: kvt__recall_scan_pruned_cpu over the
+ *       groups of every closed 4096-row block, built at setup as a block close builds them, not
+ *       timed; the closed rows past the last whole block are scanned one by one), the scan the
+ *       recall step runs in conformal and sound modes; its fired set is checked equal to (c)'s, and
  *       "visit" is the fraction of archived rows it evaluated,
  *   (d) emission: the backend's pack op writes the attended slots (TOKENS layout),
  *   (e) attention over the rows the scan fired (they join the attended set).
@@ -48,9 +48,9 @@
 #define _DEFAULT_SOURCE /* madvise's MADV_HUGEPAGE */
 #include "kernels/attn.h"
 #include "kernels/backend.h"
-#include "kernels/recall_group.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_group.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -1,8 +1,8 @@
 /*
- * bench_recall_prune.c — the pruned recall scan (kernels/recall_group.h) against the full scan
- * (kernels/recall_scan.c), side by side in one run, on one (request, layer): NB blocks of B =
- * 4096 closed bf16 MLA-NoPE rows (512 + 64) behind a shuffled page table, a rank-64 sketch, sinks
- * 4, m = 512 kept per block, H = 16 heads; thresholds = each head's best attended exact score
+ * bench_recall_prune.c — the pruned recall scan (recall/kernels/recall_group.h) against the full
+ * scan (recall/kernels/recall_scan.c), side by side in one run, on one (request, layer): NB blocks
+ * of B = 4096 closed bf16 MLA-NoPE rows (512 + 64) behind a shuffled page table, a rank-64 sketch,
+ * sinks 4, m = 512 kept per block, H = 16 heads; thresholds = each head's best attended exact score
  * (sinks and kept rows), the thresholds a step would use. Two data sets:
  *   random     every value N(0,1) (shape of bench_recall_scan);
  *   clustered  32 clusters (branch N(0,1), latent 3·N(0,1) per basis direction + 0.02 off span)
@@ -15,9 +15,9 @@
  * Also the group build's time per block, beside the block's rank-64 sketch. Usage: bench_recall_prune [reps] (default 3).
  */
 #include "kernels/backend.h"
-#include "kernels/recall_group.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_group.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -1,20 +1,20 @@
 /*
  * bench_recall_scan.c — the recall scan's CPU twin (the recall_scan op of the CPU backend,
- * kernels/recall_scan.c) on one (request, layer): B = 4096 closed bf16 MLA-NoPE rows (512 + 64)
- * behind a shuffled page table, a rank-64 sketch, sinks 4, m = 512 kept, so 3580 archived rows;
+ * recall/kernels/recall_scan.c) on one (request, layer): B = 4096 closed bf16 MLA-NoPE rows (512 +
+ * 64) behind a shuffled page table, a rank-64 sketch, sinks 4, m = 512 kept, so 3580 archived rows;
  * H query heads; thresholds +FLT_MAX so that no row fires and every (row, head) pair is
  * evaluated (the scan's worst case: a row that fires stops at its first firing head). Conformal
  * and sound modes; the op as dispatched (the tiled scan on AVX2/FMA CPUs) and the row-wise scan
  * side by side; then the 8-bit scan (params.recall_scan_bits 8: the rows' 8-bit planes,
- * kernels/recall_scan.h) on its VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
+ * recall/kernels/recall_scan.h) on its VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
  * time. Per step, and ns per (archived row, head); "net": less the heads' preparation
  * (kvt__recall_scan_prep_cpu, timed alone: the q̃_sk projections every step pays once, whatever
  * its rows), what a step over many more rows pays per row.
  * Usage: bench_recall_scan [reps]
  */
 #include "kernels/backend.h"
-#include "kernels/recall_scan.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_scan.h"
+#include "recall/kernels/sketch.h"
 
 #include <float.h>
 #include <stdio.h>

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Check that #include "..." lines and calls point down the layers of kvtier (DESIGN §3):
 
-    base (lib/base) <- kernels <- tiers <- recall <- lib <- tools, bench
+    base (lib/base) <- kernels (and recall/kernels) <- tiers <- recall <- lib <- tools, bench
 
+recall/kernels/ (with recall/kernels/cuda/) is a sub-layer of recall/ at the kernels rank, as lib/base/
+is a sub-layer of lib/ at rank 0: recall's per-element math, CPU twins and CUDA bodies, which the
+backend tables of kernels/ call, so it may include kernels/ and base only, never recall/ itself.
 Includes: a file may include its own layer and any layer below it. tools/ and bench/ may include
 only the public headers (lib/kvtier*.h) and files of their own folder; bench/kernels/
 (microbenchmarks of a kernel's CPU twin) may also include kernels/ and lib/base. The public headers
@@ -42,7 +45,14 @@ def layer_of(rel):
         if len(parts) == 2 and re.fullmatch(r"kvtier(_[a-z0-9]+)?\.h", parts[1]):
             return "public"
         return "lib"
+    if parts[0] == "recall" and len(parts) > 2 and parts[1] == "kernels":
+        return "kernels"
     return parts[0] if parts[0] in ("kernels", "tiers", "recall", "tools", "bench") else None
+
+
+def label(rel, layer):
+    """How a message names a file's layer: a sub-layer by its folder."""
+    return "recall/kernels" if rel.startswith("recall/kernels/") else layer
 
 
 def resolve(root, src_rel, target):
@@ -100,8 +110,9 @@ def check_includes(root, bad):
                             continue
                         sl = "lib" if src_layer == "public" else src_layer
                         if tl not in RANK or RANK[tl] > RANK[sl]:
-                            bad.append(f"{src}:{ln}: {sl} includes {tgt} ({tl}): imports point "
-                                       f"down only (base <- kernels <- tiers <- recall <- lib)")
+                            bad.append(f"{src}:{ln}: {label(src, sl)} includes {tgt} ({tl}): "
+                                       f"imports point down only (base <- kernels, "
+                                       f"recall/kernels <- tiers <- recall <- lib)")
     return n_files, n_inc
 
 
@@ -197,8 +208,8 @@ def check_calls(root, list_file, nm, bad, graph):
             continue
         ul, ol = layer_of(user), layer_of(owner)
         if RANK[ol] > RANK[ul]:
-            bad.append(f"{user}: {ul} calls {name}, defined in {owner} ({ol}): calls point down "
-                       f"only (base <- kernels <- tiers <- recall <- lib)")
+            bad.append(f"{user}: {label(user, ul)} calls {name}, defined in {owner} ({ol}): calls "
+                       f"point down only (base <- kernels, recall/kernels <- tiers <- recall <- lib)")
         if ul == "lib" and ol == "lib":
             edges.setdefault(user, set()).add(owner)
             calls.setdefault((user, owner), set()).add(name)

@@ -8,8 +8,8 @@
 #define KVT_TESTS_ONESHOT_H
 
 #include "kernels/backend.h"
-#include "kernels/rope_trigger.h"
-#include "kernels/recall_step.h"
+#include "recall/kernels/rope_trigger.h"
+#include "recall/kernels/recall_step.h"
 
 #include <stdbool.h>
 #include <stdlib.h>

@@ -4,7 +4,7 @@
  * sees exactly the fmaf chain of kvt__sketch_coef / kvt__sketch_resid, so a CUDA kernel over the
  * same functions gives the same bits.
  */
-#include "kernels/sketch.h"
+#include "recall/kernels/sketch.h"
 
 #include "lib/base/base.h"
 

@@ -45,8 +45,8 @@
 #define KVT_KERNELS_ROPE_TRIGGER_H
 
 #include "kernels/backend.h"
-#include "kernels/conformal_math.h"
-#include "kernels/recall_scan.h"
+#include "recall/kernels/conformal_math.h"
+#include "recall/kernels/recall_scan.h"
 #include "kernels/topm.h"
 
 #include <float.h>

@@ -6,11 +6,11 @@
  * scan's — every value is the per-element function's, so a host oracle over the same functions
  * gives the same bits. Not tiled yet (the NoPE step's 8-head tiles are the model for that).
  */
-#include "kernels/rope_trigger.h"
-#include "kernels/recall_group.h"
+#include "recall/kernels/rope_trigger.h"
+#include "recall/kernels/recall_group.h"
 
-#include "kernels/recall_step.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_step.h"
+#include "recall/kernels/sketch.h"
 #include "kernels/topm.h"
 #include "lib/base/base.h"
 

@@ -83,7 +83,7 @@
 #include <stdint.h>
 
 #include "kernels/kvt_hd.h"
-#include "kernels/recall_scan.h"
+#include "recall/kernels/recall_scan.h"
 #include "kernels/sigma.h"
 
 #define KVT__RECALL_GROUP_MIN 32u

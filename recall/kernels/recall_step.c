@@ -4,11 +4,11 @@
  * kvt__recall_exact's chain (branch j ascending, then latent d ascending, from +0, then · s), so
  * the bits are the per-element function's.
  */
-#include "kernels/recall_step.h"
+#include "recall/kernels/recall_step.h"
 
-#include "kernels/recall_group.h"
-#include "kernels/recall_promo.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/recall_group.h"
+#include "recall/kernels/recall_promo.h"
+#include "recall/kernels/sketch.h"
 #include "lib/base/base.h"
 
 #define TILE 8u

@@ -3,7 +3,7 @@
  * (recall_rope_emit) of the CUDA backend, following the CPU twin (kernels/rope_trigger.c) over
  * cu_recall.cuh's pieces.
  */
-#include "kernels/cuda/cu_recall.cuh"
+#include "recall/kernels/cuda/cu_recall.cuh"
 
 namespace kvt_cu {
 

@@ -33,8 +33,8 @@
 #define KVT_KERNELS_RECALL_STEP_H
 
 #include "kernels/backend.h"
-#include "kernels/conformal_math.h"
-#include "kernels/recall_scan.h"
+#include "recall/kernels/conformal_math.h"
+#include "recall/kernels/recall_scan.h"
 
 #include <float.h>
 

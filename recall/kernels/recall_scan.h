@@ -60,7 +60,7 @@
 
 #include "kernels/kvt_hd.h"
 #include "kernels/sigma.h"
-#include "kernels/sketch.h"
+#include "recall/kernels/sketch.h"
 
 /* Trigger modes of the scan (docs/recall.md §4). */
 #define KVT__RECALL_CONFORMAL 1

@@ -7,7 +7,7 @@
  * performs one (row, head) chain's fused multiply-adds, and the triggers' operations, in the
  * per-element functions' order, so the bits are theirs — tests/test_recall_scan.c).
  */
-#include "kernels/recall_scan.h"
+#include "recall/kernels/recall_scan.h"
 
 #include "kernels/backend.h"
 #include "lib/base/base.h"
@@ -752,9 +752,12 @@ VNNI_FN static int q8_conformal_vec(const kvt__recall_scan_args *a, const kvt__r
                                     float rho, uint32_t H) {
     const size_t HP = p->HP;
     const __m512 s = _mm512_set1_ps(a->scale), z = _mm512_set1_ps(a->z);
-    const __m512 sr = _mm512_set1_ps(kvt__recall_q8_f(pl, 0)), sc = _mm512_set1_ps(kvt__recall_q8_f(pl, 1));
-    const __m512 er = _mm512_set1_ps(kvt__recall_q8_f(pl, 2)), nr = _mm512_set1_ps(kvt__recall_q8_f(pl, 3));
-    const __m512 ec = _mm512_set1_ps(kvt__recall_q8_f(pl, 4)), nc = _mm512_set1_ps(kvt__recall_q8_f(pl, 5));
+    const __m512 sr = _mm512_set1_ps(kvt__recall_q8_f(pl, 0)),
+                 sc = _mm512_set1_ps(kvt__recall_q8_f(pl, 1));
+    const __m512 er = _mm512_set1_ps(kvt__recall_q8_f(pl, 2)),
+                 nr = _mm512_set1_ps(kvt__recall_q8_f(pl, 3));
+    const __m512 ec = _mm512_set1_ps(kvt__recall_q8_f(pl, 4)),
+                 nc = _mm512_set1_ps(kvt__recall_q8_f(pl, 5));
     const __m512 nre = _mm512_add_ps(nr, er), nce = _mm512_add_ps(nc, ec);
     const __m512 vr = _mm512_set1_ps(rho), sq = _mm512_set1_ps(sqrtf((float)(a->latent_dim - 64u)));
     const __m512 k15 = _mm512_set1_ps(3.0517578e-5f), k8 = _mm512_set1_ps(1.0f + 0.00390625f);
@@ -834,9 +837,12 @@ TILED_FN static int q8_conformal_avx2(const kvt__recall_scan_args *a,
                                       const int32_t *ib, const int32_t *is, float rho, uint32_t H) {
     const size_t HP = p->HP;
     const __m256 s = _mm256_set1_ps(a->scale), z = _mm256_set1_ps(a->z);
-    const __m256 sr = _mm256_set1_ps(kvt__recall_q8_f(pl, 0)), sc = _mm256_set1_ps(kvt__recall_q8_f(pl, 1));
-    const __m256 er = _mm256_set1_ps(kvt__recall_q8_f(pl, 2)), nr = _mm256_set1_ps(kvt__recall_q8_f(pl, 3));
-    const __m256 ec = _mm256_set1_ps(kvt__recall_q8_f(pl, 4)), nc = _mm256_set1_ps(kvt__recall_q8_f(pl, 5));
+    const __m256 sr = _mm256_set1_ps(kvt__recall_q8_f(pl, 0)),
+                 sc = _mm256_set1_ps(kvt__recall_q8_f(pl, 1));
+    const __m256 er = _mm256_set1_ps(kvt__recall_q8_f(pl, 2)),
+                 nr = _mm256_set1_ps(kvt__recall_q8_f(pl, 3));
+    const __m256 ec = _mm256_set1_ps(kvt__recall_q8_f(pl, 4)),
+                 nc = _mm256_set1_ps(kvt__recall_q8_f(pl, 5));
     const __m256 nre = _mm256_add_ps(nr, er), nce = _mm256_add_ps(nc, ec);
     const __m256 vr = _mm256_set1_ps(rho), sq = _mm256_set1_ps(sqrtf((float)(a->latent_dim - 64u)));
     const __m256 k15 = _mm256_set1_ps(3.0517578e-5f), k8 = _mm256_set1_ps(1.0f + 0.00390625f);

@@ -6,7 +6,7 @@
  * CPUs, kvt__recall_row_fires_cpu row by row elsewhere), so every fire decision is the full
  * scan's.
  */
-#include "kernels/recall_group.h"
+#include "recall/kernels/recall_group.h"
 
 #include "kernels/backend.h"
 #include "lib/base/base.h"

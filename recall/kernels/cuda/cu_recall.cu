@@ -3,7 +3,7 @@
  * planned) of the CUDA backend: their kernels and launches over cu_recall.cuh's pieces, each
  * following the CPU twins (kernels/recall_scan.c, recall_step.c, recall_group.c).
  */
-#include "kernels/cuda/cu_recall.cuh"
+#include "recall/kernels/cuda/cu_recall.cuh"
 
 namespace kvt_cu {
 
