@@ -63,6 +63,12 @@ typedef struct kvt__sketch_args {
     uint32_t csk_stride;    /* fp16 values per row in the plane (>= rank; the rest written 0) */
     uint16_t *csk;          /* [n_rows][csk_stride] out */
     float *rho;             /* [n_rows] out */
+    /* q8_off > 0: also write each row's 8-bit plane (kvt__recall_q8_row) from fp16 word q8_off
+     * of its sketch row (the fp16 values are csk[0 .. q8_off)), which reads the row's branch. */
+    uint32_t q8_off;
+    uint32_t branch_offset; /* bytes */
+    int branch_dtype;
+    uint32_t branch_dim;
 } kvt__sketch_args;
 
 /* One recall scan (recall/kernels/recall_scan.h): one request × layer of a step. Every pointer but
@@ -107,6 +113,10 @@ typedef struct kvt__recall_scan_args {
     uint32_t *fired;        /* [cap] out */
     uint32_t *n_fired;      /* [1] out */
     uint32_t *overflow;     /* [1] out */
+    /* The 8-bit scan (params.recall_scan_bits 8; recall/kernels/recall_scan.h): the fp16 word of each
+     * sketch row where its 8-bit plane starts (the fp16 part's width, >= rank); 0: the 16-bit
+     * scan. */
+    uint32_t q8_off;
 } kvt__recall_scan_args;
 
 /* Closed row `row`'s sketch and ρ, from whichever piece of the planes holds it. */

@@ -5,6 +5,7 @@
  * them calls back up into this file. */
 #include "handles.h"
 
+#include "recall/kernels/recall_scan.h"
 #include "recall/kernels/rope_trigger.h"
 #include "recall/kernels/recall_step.h"
 #include "kernels/topm.h"
@@ -23,6 +24,7 @@ kvt_ctx_params kvt_ctx_default_params(void) {
     p.n_pages = 1024;
     p.backend = KVT_BACKEND_CPU;
     p.allocator = KVT_ALLOC_DEFAULT;
+    p.recall_scan_bits = 16;
     return p;
 }
 
@@ -326,6 +328,13 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     if ((unsigned)p->archive_space > KVT_SPACE_HOST)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
                          "params.archive_space: unknown value %d", (int)p->archive_space);
+    if (p->recall_scan_bits != 0 && p->recall_scan_bits != 8 && p->recall_scan_bits != 16)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.recall_scan_bits: %u not 8 or 16", p->recall_scan_bits);
+    if (p->recall_scan_bits == 8 && p->recall_sketch_rank == 0)
+        return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                         "params.recall_scan_bits 8: the 8-bit planes need recall sketches "
+                         "(params.recall_sketch_rank > 0)");
     if ((unsigned)p->allocator > KVT_ALLOC_LIBC)
         return kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT, "params.allocator: unknown value %d",
                          (int)p->allocator);
@@ -349,6 +358,7 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
     ctx->archive_host = p->archive_space == KVT_SPACE_HOST;
     ctx->max_seqs = p->max_seqs;
     ctx->sketch_rank = p->recall_sketch_rank;
+    ctx->scan_bits = p->recall_scan_bits == 8 ? 8u : 16u;
     ctx->page_rows = p->page_rows;
     ctx->pdiv = kvt__div32_make(p->page_rows);
     ctx->n_pages = p->n_pages;
@@ -383,6 +393,22 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
                       "recall_scan)",
                       ctx->backend.ops->name);
         goto fail;
+    }
+    if (ctx->scan_bits == 8 && strcmp(ctx->backend.ops->name, "cpu") != 0 &&
+        strcmp(ctx->backend.ops->name, "guarded") != 0) {
+        s = kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                      "params.recall_scan_bits 8: the %s backend's recall scan is 16-bit only",
+                      ctx->backend.ops->name);
+        goto fail;
+    }
+    for (uint32_t i = 0; ctx->scan_bits == 8 && i < ctx->n_layers; i++) {
+        const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
+        if (kvt__layer_policy(ctx, i)->recall_view && sp->branch_dim > KVT__RECALL_MAX_BRANCH) {
+            s = kvt__fail(err, len, KVT_ERR_INVALID_ARGUMENT,
+                          "params.recall_scan_bits 8: layer %u's branch_dim %u above %u", i,
+                          sp->branch_dim, KVT__RECALL_MAX_BRANCH);
+            goto fail;
+        }
     }
     if (ctx->cfg.recall != KVT_RECALL_OFF &&
         (ctx->sketch_rank == 0 || !ctx->backend.ops->recall_step)) {

@@ -51,6 +51,7 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     e.archive_rows = ctx->archive_rows;
     e.archive_host = ctx->archive_host;
     e.sketch_stride = ctx->sketch_rank;
+    e.scan_bits = ctx->scan_bits;
     e.stream = stream;
     e.err = kvt__tls_error();
     e.err_len = KVT__ERR_LEN;

@@ -38,6 +38,7 @@ struct kvt_ctx {
                             * memory (the backend's host_alloc) */
     uint32_t max_seqs;     /* max_seqs (0: none) */
     uint32_t sketch_rank;  /* recall_sketch_rank (0: no sketch planes) */
+    uint32_t scan_bits;    /* recall_scan_bits: 8 or 16 */
     bool recall_seen;      /* a request with recall on was created here (never reset): with
                             * config.recall, whether a salience layer may recall (planned steps,
                             * batch workspaces) */

@@ -577,6 +577,18 @@ typedef struct kvt_ctx_params {
      * rows' rotated branches (what its scan reads every step) are also kept in the backend's
      * memory (branch_dim values a row). A struct that ends before it gets DEVICE. */
     kvt_space archive_space;
+    /* Precision of the recall scan on salience layers (docs/recall.md §3.3): 16 (the default;
+     * 0 is read as 16) scans each archived row's fp16 sketch and its branch from the pool; 8 also
+     * writes, at each close, an 8-bit plane per row (the branch and the fp16 sketch quantised
+     * with per-row scales, their rounding-error norms: 24 + branch_dim + r bytes, rounded up to
+     * 4) after the fp16 sketch, and the scan reads only that plane and ρ, on integer dot products
+     * (AVX-512 VNNI where the CPU has it), widening each trigger by a proven bound on the
+     * rounding — the sound mode stays sound, and the scan fires every row the 16-bit scan fires
+     * (z calibrated as in the 16-bit mode). Needs recall_sketch_rank > 0 and every salience
+     * layer's branch_dim <= 256; the CPU and guarded backends only (CUDA:
+     * KVT_ERR_UNSUPPORTED); other values KVT_ERR_INVALID_ARGUMENT. A struct that ends before it
+     * gets 16. */
+    uint32_t recall_scan_bits;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the
  * parallelism fields then take their defaults: one unsharded rank). */

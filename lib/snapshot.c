@@ -1032,6 +1032,11 @@ kvt_status kvt_snapshot_context(const void *buf, size_t len, kvt_backend_kind ba
             if (t && t->snap_sketch_stride && ss->length >= STATE_HEAD) {
                 uint64_t stride = t->snap_sketch_stride(sp.buf + ss->offset + STATE_HEAD,
                                                         ss->length - STATE_HEAD);
+                /* 2^32 + r: fp16 width r with the 8-bit scan's planes after it */
+                if (stride >> 32 == 1u) {
+                    stride &= 0xffffffffu;
+                    p.recall_scan_bits = 8;
+                }
                 if (stride <= KVT_RECALL_MAX_RANK && stride > p.recall_sketch_rank)
                     p.recall_sketch_rank = (uint32_t)stride;
             }

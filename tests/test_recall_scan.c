@@ -32,6 +32,7 @@ static void orthonormal_rows(tu_rng *g, uint32_t rank, uint32_t n, float *out) {
 /* One scenario: a pool of N rows behind a permuted page table, their sketches, a kept set. */
 typedef struct scen {
     uint32_t N, rank, csk_stride, sinks, m;
+    uint32_t q8; /* 8-bit planes (scen_q8): the fp16 width, the plane after it; 0: none */
     int dtype;
     size_t stride;
     uint8_t *pool;   /* [N slots][stride] */
@@ -208,6 +209,7 @@ static kvt_status run_scan(const kvt__backend *be, const scen *s, const float *q
         .csk = dev(be, s->csk, sizeof(uint16_t) * s->N * s->csk_stride),
         .rho = dev(be, s->rho, sizeof(float) * s->N),
         .csk_stride = s->csk_stride,
+        .q8_off = s->q8,
         .basis = s->rank ? dev(be, s->V, sizeof(float) * s->rank * D) : NULL,
         .rank = s->rank,
         .n_closed = s->N,
@@ -937,4 +939,351 @@ Test(recall_scan, tiled_scan_bit_equal_to_rowwise_and_per_element) {
                 "overflowing scans (AVX-512 tiles on odd seeds: %s)", shapes, chains, fired_total,
                 overflowed, kvt__recall_scan_wide(-1) ? "yes" : "no AVX-512 here");
     cr_assert(fired_total > 0 && overflowed > 0 && (!tiled || chains > 100000));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The 8-bit scan (params.recall_scan_bits 8; recall/kernels/recall_scan.h "The 8-bit scan").
+ * ------------------------------------------------------------------------------------------- */
+
+/* Rows at the quantisation's edges, before the planes are built: branches whose values sit on
+ * the half-steps of their scale (x·127/max = k + 1/2: the rounding's worst case), one spike and
+ * tiny rest (the error of the small values is all of them), all zero, subnormal, and huge. */
+static void scen_edges(scen *s, tu_rng *g) {
+    for (uint32_t row = 0; row < s->N; row++) {
+        uint8_t *p = (uint8_t *)row_at(s, row);
+        const uint32_t kind = (uint32_t)(tu_next(g) % 8);
+        const float m = (float)(0.5 + tu_uniform(g) * 4.0);
+        for (uint32_t j = 0; j < BD && kind < 5; j++) {
+            float v;
+            if (kind == 0) /* half-steps */
+                v = j == 0 ? m : m * ((float)(tu_next(g) % 127) + 0.5f) / 127.0f;
+            else if (kind == 1) /* a spike */
+                v = j == 3 ? m * 1000.0f : m * 1e-3f * (float)tu_normal(g);
+            else if (kind == 2)
+                v = 0.0f;
+            else if (kind == 3) /* subnormal */
+                v = 1e-39f * (float)(tu_next(g) % 100);
+            else /* huge */
+                v = m * 1e30f * (float)tu_normal(g);
+            put(p, s->dtype, D + j, (tu_next(g) % 2 ? -1.0f : 1.0f) * v);
+        }
+    }
+}
+
+/* Widen the scenario's sketch rows by the 8-bit plane (kvt__recall_q8_row per row). */
+static void scen_q8(scen *s) {
+    const uint32_t W = s->csk_stride, S = W + kvt__recall_q8_words(BD, W);
+    const uint32_t elt = s->dtype == KVT__DT_FP32 ? 4 : 2;
+    uint16_t *c = calloc((size_t)s->N * S, 2);
+    float tmp[BD + KVT__SKETCH_MAX_RANK];
+    cr_assert(c);
+    for (uint32_t row = 0; row < s->N; row++) {
+        uint16_t *r = c + (size_t)row * S;
+        memcpy(r, s->csk + (size_t)row * W, 2u * W);
+        kvt__recall_q8_row(row_at(s, row), D * elt, s->dtype, BD, r, W, tmp, (uint8_t *)(r + W));
+    }
+    free(s->csk);
+    s->csk = c;
+    s->q8 = W;
+    s->csk_stride = S;
+}
+
+/* The 8-bit reference: the per-element functions, row by row, head by head (fired[row] = 0/1).
+ * With worst, every archived (row, head) also checks |idx16 − idx8| <= B (the bound the
+ * triggers widen by), and *worst keeps the largest share of B the real gap took. */
+static float *g_lhs8; /* when set: reference8's conformal left-hand sides [row][H] */
+
+static uint32_t reference8(const scen *s, const float *q, const float *best, uint32_t H, float sc,
+                           float z, int mode, uint8_t *fired, double *worst) {
+    const uint32_t elt = s->dtype == KVT__DT_FP32 ? 4 : 2, W = s->q8;
+    const uint32_t len = kvt__recall_q8_len(BD, W);
+    uint32_t n = 0;
+    float *qsk = malloc(sizeof(float) * (s->rank + 1) * H);
+    float tmp[D], tq[BD + KVT__SKETCH_MAX_RANK];
+    kvt__recall_head *hd = malloc(sizeof *hd * H);
+    kvt__recall_q8h *h8 = malloc(sizeof *h8 * H);
+    uint8_t *v = malloc((size_t)len * H);
+    cr_assert(qsk && hd && h8 && v);
+    for (uint32_t h = 0; h < H; h++) {
+        kvt__recall_head_prep(q + (size_t)h * QD, D, s->V, s->rank, qsk + (size_t)h * s->rank,
+                              tmp, &hd[h]);
+        kvt__recall_q8_head(q + (size_t)h * QD, D, BD, qsk + (size_t)h * s->rank, s->rank, W, tq,
+                            v + (size_t)h * len, &h8[h]);
+    }
+    for (uint32_t row = 0; row < s->N; row++) {
+        fired[row] = 0;
+        if (!archived(s, row))
+            continue;
+        const uint16_t *c = s->csk + (size_t)row * s->csk_stride;
+        const uint8_t *pl = (const uint8_t *)(c + W);
+        for (uint32_t h = 0; h < H; h++) {
+            int32_t ib, is;
+            kvt__recall_q8_dots(pl + 4u * KVT__Q8_FLOATS, v + (size_t)h * len, BD, len, &ib, &is);
+            if (worst) {
+                float P, nc;
+                const float i16 = kvt__recall_idx(q + (size_t)h * QD, qsk + (size_t)h * s->rank,
+                                                  row_at(s, row), D, D * elt, s->dtype, BD, c,
+                                                  s->rank, sc, &P, &nc);
+                const float i8 = kvt__recall_q8_idx(&h8[h], pl, ib, is, sc);
+                const float B = kvt__recall_q8_bound(&h8[h], pl, sc);
+                const double gap = fabs((double)i16 - (double)i8);
+                if (isfinite(i16) && isfinite(B)) {
+                    cr_assert(gap <= B, "row %u head %u: |idx16 - idx8| = %g above B = %g", row,
+                              h, gap, (double)B);
+                    if (B > 0)
+                        *worst = gap / B > *worst ? gap / B : *worst;
+                }
+            }
+            fired[row] |= (uint8_t)kvt__recall_q8_fires(&hd[h], &h8[h], pl, ib, is, s->rho[row],
+                                                        sc, z, best[h], mode, D, BD, s->rank);
+            if (g_lhs8) { /* kvt__recall_q8_fires' conformal left-hand side, in its order */
+                const float i8 = kvt__recall_q8_idx(&h8[h], pl, ib, is, sc);
+                const float B = kvt__recall_q8_bound(&h8[h], pl, sc);
+                const float zc = z * kvt__recall_cert(&hd[h], s->rho[row], sc, D);
+                const float Bp = B + 2.3841858e-7f * (fabsf(i8) + B + fabsf(zc));
+                g_lhs8[(size_t)row * H + h] = (i8 + Bp) + zc;
+            }
+        }
+        n += fired[row];
+    }
+    free(qsk);
+    free(hd);
+    free(h8);
+    free(v);
+    return n;
+}
+
+/* The 8-bit op (VNNI where the CPU has it, AVX2, row by row, and the guarded backend)
+ * gives the per-element functions' fired set bit for bit in the three modes, over ranks, dtypes,
+ * z from negative to large, heads not a multiple of 16 and rows at the quantisation's edges;
+ * every row the 16-bit per-element reference fires, the 8-bit one fires too (z keeps its
+ * meaning); and |idx16 − idx8| <= B on every (row, head). */
+Test(recall_scan, q8_bit_equal_superset_and_bound) {
+    rig r;
+    rig_open(&r);
+    const uint32_t H = 43, N = 192;
+    float *q = malloc(sizeof(float) * QD * H);
+    uint8_t ref8[192], ref16[192];
+    cr_assert(q);
+    uint64_t compared = 0, fired8 = 0, fired16 = 0;
+    double worst = 0;
+    const int level = kvt__recall_scan_q8_level(-1);
+    for (uint32_t c = 0; c < 12; c++) {
+        uint64_t seed = 0x9a48000u + c;
+        tu_rng g = {seed};
+        static const uint32_t ranks[] = {0, 1, 8, 64, 64, 128};
+        scen s;
+        scen_make(&s, &g, N, ranks[c % 6], c % 2 ? KVT__DT_FP32 : KVT__DT_BF16);
+        if (c % 3 == 2)
+            scen_edges(&s, &g);
+        scen_q8(&s);
+        for (uint32_t st = 0; st < 4; st++) {
+            make_queries(&g, &s, H, q);
+            float best[43];
+            for (uint32_t h = 0; h < H; h++)
+                best[h] = (float)(tu_normal(&g) * 2.0);
+            static const float zs[] = {-1.0f, 0.0f, 0.5f, 2.0f, 8.0f};
+            for (uint32_t m = 0; m < 8; m++) {
+                const int mode = m == 5   ? KVT__RECALL_SOUND
+                                 : m == 6 ? KVT__RECALL_MARGIN
+                                          : KVT__RECALL_CONFORMAL;
+                const float z = m == 5 ? sqrtf((float)(D - 64u)) : m == 6 ? 0.25f : m == 7 ? 1.0f : zs[m];
+                if (m == 7) { /* thresholds at the edge: each head's best is the trigger value of
+                               * its second-highest archived row (that row sits exactly on it and
+                               * does not fire; one above does): a wrong dot or epilogue moves it */
+                    static float lhs[192 * 43];
+                    g_lhs8 = lhs;
+                    reference8(&s, q, best, H, SMAX, z, mode, ref8, NULL);
+                    g_lhs8 = NULL;
+                    for (uint32_t h = 0; h < H; h++) {
+                        float t1 = -INFINITY, t2 = -INFINITY;
+                        for (uint32_t row = 0; row < N; row++) {
+                            const float v = lhs[(size_t)row * H + h];
+                            if (!archived(&s, row) || !(v == v))
+                                continue;
+                            if (v > t1) {
+                                t2 = t1;
+                                t1 = v;
+                            } else if (v > t2 && v < t1) {
+                                t2 = v;
+                            }
+                        }
+                        best[h] = t2;
+                    }
+                }
+                const uint32_t k8 = reference8(&s, q, best, H, SMAX, z, mode, ref8,
+                                               m == 0 ? &worst : NULL);
+                if (mode != KVT__RECALL_MARGIN) {
+                    const uint32_t k16 = reference(&s, q, best, H, SMAX, z, mode, ref16, NULL);
+                    for (uint32_t row = 0; row < N; row++)
+                        cr_assert(!ref16[row] || ref8[row],
+                                  "seed %llx mode %d: row %u fires at 16 bits, not at 8",
+                                  (unsigned long long)seed, mode, row);
+                    fired16 += k16;
+                    fired8 += k8;
+                }
+                for (int b = 0; b < 4; b++) { /* VNNI, AVX2, per element; guarded, capped */
+                    const uint32_t cap = b == 3 ? (uint32_t)(tu_next(&g) % N) : N;
+                    kvt__recall_scan_q8_level(b == 3 ? 2 : 2 - b);
+                    scan_out o;
+                    cr_assert_eq(run_scan(b == 3 ? &r.guarded : &r.cpu, &s, q, best, H, SMAX, z,
+                                          mode, cap, &o),
+                                 KVT_OK);
+                    kvt__recall_scan_q8_level(2);
+                    cr_assert_eq(o.overflow, k8 > cap ? 1u : 0u, "seed %llx",
+                                 (unsigned long long)seed);
+                    cr_assert_eq(o.n_fired, k8 < cap ? k8 : cap, "seed %llx mode %d path %d",
+                                 (unsigned long long)seed, mode, b);
+                    uint32_t j = 0;
+                    for (uint32_t row = 0; row < N && j < o.n_fired; row++)
+                        if (ref8[row])
+                            cr_assert_eq(o.fired[j++], row, "seed %llx",
+                                         (unsigned long long)seed);
+                    free(o.fired);
+                    compared++;
+                }
+            }
+        }
+        scen_free(&s);
+    }
+    cr_log_info("recall_scan q8: %llu scans equal to the per-element functions (SIMD levels "
+                "2..0 from the CPU's %d); the "
+                "16-bit set inside the 8-bit one (%llu rows fired at 16 bits, %llu at 8); "
+                "|idx16 - idx8| took at most %.3g of B",
+                (unsigned long long)compared, level,
+                (unsigned long long)fired16, (unsigned long long)fired8, worst);
+    free(q);
+    rig_close(&r);
+}
+
+/* The sound mode stays sound at 8 bits: every archived row whose exact score reaches its head's
+ * threshold (the best attended score, and the best archived score itself) fires, with rows at the
+ * quantisation's edges in every other scenario. */
+Test(recall_scan, q8_sound_never_misses) {
+    rig r;
+    rig_open(&r);
+    const uint32_t H = 8, N = 256, CONFIGS = 24, STEPS = 12;
+    const float z = sqrtf((float)(D - 64u));
+    uint64_t must_fire = 0, fired = 0, arch = 0;
+    float *q = malloc(sizeof(float) * QD * H);
+    float best[8], top[8];
+    float *ex = malloc(sizeof(float) * H * N);
+    cr_assert(q && ex);
+    for (uint32_t c = 0; c < CONFIGS; c++) {
+        uint64_t seed = 0x5ca8000u + c;
+        tu_rng g = {seed};
+        static const uint32_t ranks[] = {0, 1, 8, 64, 64, 128};
+        scen s;
+        scen_make(&s, &g, N, ranks[c % 6], c % 2 ? KVT__DT_BF16 : KVT__DT_FP32);
+        if (c % 2)
+            scen_edges(&s, &g);
+        scen_q8(&s);
+        for (uint32_t st = 0; st < STEPS; st++) {
+            make_queries(&g, &s, H, q);
+            for (uint32_t h = 0; h < H; h++) {
+                best[h] = top[h] = -INFINITY;
+                for (uint32_t row = 0; row < N; row++) {
+                    float e = ex[(size_t)h * N + row] = exact(&s, q + (size_t)h * QD, row, SMAX);
+                    if (!isfinite(e))
+                        continue;
+                    if (archived(&s, row))
+                        top[h] = e > top[h] ? e : top[h];
+                    else
+                        best[h] = e > best[h] ? e : best[h];
+                }
+            }
+            for (int pass = 0; pass < 2; pass++) {
+                const float *thr = pass ? top : best;
+                scan_out o;
+                cr_assert_eq(run_scan(&r.cpu, &s, q, thr, H, SMAX, z, KVT__RECALL_SOUND, N, &o),
+                             KVT_OK);
+                uint8_t got[256] = {0};
+                for (uint32_t i = 0; i < o.n_fired; i++)
+                    got[o.fired[i]] = 1;
+                for (uint32_t row = 0; row < N; row++) {
+                    if (!archived(&s, row))
+                        continue;
+                    arch++;
+                    for (uint32_t h = 0; h < H; h++)
+                        if (ex[(size_t)h * N + row] >= thr[h]) {
+                            must_fire++;
+                            cr_assert(got[row],
+                                      "seed %llx step %u head %u: row %u scores %g >= %g but "
+                                      "did not fire (8-bit)",
+                                      (unsigned long long)seed, st, h, row,
+                                      ex[(size_t)h * N + row], thr[h]);
+                        }
+                }
+                fired += o.n_fired;
+                free(o.fired);
+            }
+        }
+        scen_free(&s);
+    }
+    cr_assert(must_fire > 0);
+    cr_log_info("recall_scan q8 sound: %llu (row, head) pairs at or above threshold, all fired; "
+                "firing rate %.4f",
+                (unsigned long long)must_fire, (double)fired / (double)arch);
+    free(q);
+    free(ex);
+    rig_close(&r);
+}
+
+/* The close's op (sketch_rows with q8_off) writes the fp16 sketch and ρ as without it, and the
+ * 8-bit plane kvt__recall_q8_row computes from them. */
+Test(recall_scan, q8_planes_from_the_close) {
+    rig r;
+    rig_open(&r);
+    tu_rng g = {0x9c10u};
+    scen s;
+    scen_make(&s, &g, 64, 64, KVT__DT_BF16);
+    scen_edges(&s, &g);
+    scen q;
+    memcpy(&q, &s, sizeof q);
+    q.csk = malloc(2u * s.N * s.csk_stride);
+    cr_assert(q.csk);
+    memcpy(q.csk, s.csk, 2u * s.N * s.csk_stride);
+    scen_q8(&q);
+    const uint32_t S = q.csk_stride, W = q.q8;
+    for (int b = 0; b < 2; b++) {
+        const kvt__backend *be = b ? &r.guarded : &r.cpu;
+        kvt__sketch_args a = {.base = dev(be, s.pool, s.stride * s.N),
+                              .pages = dev(be, s.pages, sizeof(int32_t) * (s.N / PR)),
+                              .pdiv = &s.pdiv,
+                              .first_row = 0,
+                              .n_rows = s.N,
+                              .slot_stride = s.stride,
+                              .dtype = s.dtype,
+                              .latent_dim = D,
+                              .basis = dev(be, s.V, sizeof(float) * s.rank * D),
+                              .rank = s.rank,
+                              .csk_stride = S,
+                              .csk = dev(be, NULL, 2u * s.N * S),
+                              .rho = dev(be, NULL, sizeof(float) * s.N),
+                              .q8_off = W,
+                              .branch_offset = D * 2u,
+                              .branch_dtype = s.dtype,
+                              .branch_dim = BD};
+        cr_assert_eq(be->ops->sketch_rows(be, &a, 1, NULL), KVT_OK);
+        uint16_t *c = malloc(2u * s.N * S);
+        float *rho = malloc(sizeof(float) * s.N);
+        cr_assert(c && rho);
+        cr_assert_eq(be->ops->read(be, c, a.csk, 2u * s.N * S, NULL), KVT_OK);
+        cr_assert_eq(be->ops->read(be, rho, a.rho, sizeof(float) * s.N, NULL), KVT_OK);
+        cr_assert_eq(memcmp(c, q.csk, 2u * s.N * S), 0);
+        cr_assert_eq(memcmp(rho, s.rho, sizeof(float) * s.N), 0);
+        /* a stride that does not fit the plane is refused */
+        a.csk_stride = S - 1;
+        cr_assert_eq(be->ops->sketch_rows(be, &a, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        be->ops->buf_free(be, (void *)a.base, s.stride * s.N);
+        be->ops->buf_free(be, (void *)a.pages, sizeof(int32_t) * (s.N / PR));
+        be->ops->buf_free(be, (void *)a.basis, sizeof(float) * s.rank * D);
+        be->ops->buf_free(be, a.csk, 2u * s.N * S);
+        be->ops->buf_free(be, a.rho, sizeof(float) * s.N);
+        free(c);
+        free(rho);
+    }
+    free(q.csk);
+    scen_free(&s);
+    rig_close(&r);
 }

@@ -44,6 +44,7 @@ static bool g_lagged;
 /* The next rig's decode steps planned on the device (kvt_batch_plan_device) where plannable,
  * with a fixed emission (topk NMAX); its context states max_rows_per_seq. */
 static bool g_planned;
+static uint32_t g_scan_bits; /* params.recall_scan_bits of the next rig (0: the default) */
 static uint32_t g_planned_steps; /* decode steps the planned rigs ran planned */
 
 typedef struct rig {
@@ -114,6 +115,8 @@ static void rig_open(rig *r, kvt_backend_kind be, kvt_recall_mode mode, uint32_t
     p.n_pages = 2 * NMAX / PR;
     p.backend = be;
     p.recall_sketch_rank = RB;
+    if (g_scan_bits)
+        p.recall_scan_bits = g_scan_bits;
     if (g_planned)
         p.max_rows_per_seq = NMAX;
     char err[256];
@@ -1615,4 +1618,114 @@ Test(recall_step, a_host_query_on_the_guarded_backend_is_the_callers_error) {
     kvt_layer_stats st = stats(&r);
     cr_assert_eq(st.recall_steps, 1, "%llu", (unsigned long long)st.recall_steps); /* one run */
     rig_close(&r);
+}
+
+/* The 8-bit scan (params.recall_scan_bits 8) inside the step: two rigs over the same rows and
+ * queries, at 16 and at 8 bits, conformal and sound: every step the 8-bit step emits every row
+ * the 16-bit one emits (the scan fires a superset; a dense step emits all), calibration gives the
+ * same z, snapshots restore into a context with the same precision only, and bad values of the
+ * knob are refused with a message naming it. */
+Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
+    static step_out a, b;
+    uint64_t steps = 0, equal = 0, extra = 0;
+    for (int m = 0; m < 2; m++) {
+        const kvt_recall_mode mode = m ? KVT_RECALL_SOUND : KVT_RECALL_CONFORMAL;
+        rig r16, r8;
+        g_scan_bits = 16;
+        rig_open(&r16, KVT_BACKEND_CPU, mode, 4096, 1.0f, 4242 + (uint64_t)m);
+        g_scan_bits = 8;
+        rig_open(&r8, KVT_BACKEND_GUARDED, mode, 4096, 1.0f, 4242 + (uint64_t)m);
+        g_scan_bits = 0;
+        prefill(&r16, 64 * 5 + 7);
+        prefill(&r8, 64 * 5 + 7);
+        for (uint32_t step = 0; step < 48; step++) {
+            float q[H * QD], q8[H * QD];
+            int64_t target = -1;
+            if (step >= 16 && step % 4 == 0) { /* aim at an archived row */
+                uint8_t base[NMAX];
+                base_set(&r16, &a, r16.n + 1, base);
+                for (uint64_t u = 11 + step; u < a.closed; u++)
+                    if (!base[u]) {
+                        target = (int64_t)u;
+                        break;
+                    }
+            }
+            make_queries(&r16, q, target);
+            make_queries(&r8, q8, target);
+            cr_assert_eq(memcmp(q, q8, sizeof q), 0);
+            decode(&r16, q, &a);
+            decode(&r8, q8, &b);
+            cr_assert_eq(stats(&r16).recall_z, stats(&r8).recall_z, "step %u", step);
+            if (b.dense)
+                continue;
+            cr_assert_not(a.dense, "mode %d step %u: dense at 16 bits only", (int)mode, step);
+            uint8_t in8[NMAX] = {0};
+            for (uint32_t j = 0; j < b.len; j++)
+                in8[b.idx[j]] = 1;
+            for (uint32_t j = 0; j < a.len; j++)
+                cr_assert(in8[a.idx[j]], "mode %d step %u: slot %d emitted at 16 bits, not at 8",
+                          (int)mode, step, a.idx[j]);
+            steps++;
+            equal += a.len == b.len;
+            extra += b.len - a.len;
+        }
+        if (mode == KVT_RECALL_CONFORMAL) {
+            size_t need;
+            uint8_t *snap = snapshot_as(r8.seq, 70, &need);
+            kvt_seq *copy;
+            cr_assert_eq(kvt_seq_restore(r8.ctx, snap, need, &copy), KVT_OK, "%s",
+                         kvt_last_error());
+            cr_assert_eq(kvt_seq_check(copy), KVT_OK, "%s", kvt_last_error());
+            size_t need2;
+            cr_assert_eq(kvt_seq_snapshot_size(copy, &need2), KVT_OK);
+            cr_assert_eq(need2, need);
+            uint8_t *snap2 = malloc(need);
+            cr_assert(snap2);
+            cr_assert_eq(kvt_seq_snapshot(copy, snap2, need, NULL), KVT_OK, "%s",
+                         kvt_last_error());
+            cr_assert_eq(memcmp(snap, snap2, need), 0, "a restored 8-bit request's snapshot");
+            kvt_seq_destroy(copy);
+            cr_assert_eq(kvt_seq_restore(r16.ctx, snap, need, &copy), KVT_ERR_MISMATCH, "%s",
+                         kvt_last_error());
+            cr_assert(strstr(kvt_last_error(), "recall sketches"), "%s", kvt_last_error());
+            free(snap);
+            free(snap2);
+        }
+        rig_close(&r16);
+        rig_close(&r8);
+    }
+    cr_assert_gt(steps, 40);
+    cr_log_info("recall_scan_bits 8: %llu non-dense steps, the 16-bit set inside the 8-bit one "
+                "every step, equal on %llu, %llu rows more in all",
+                (unsigned long long)steps, (unsigned long long)equal,
+                (unsigned long long)extra);
+    /* the knob's refusals */
+    kvt_layer_spec s;
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &s), KVT_OK);
+    kvt_model *mdl;
+    cr_assert_eq(kvt_model_create(&s, 1, "bits", &mdl, NULL, 0), KVT_OK);
+    kvt_ctx_params p = kvt_ctx_default_params();
+    cr_assert_eq(p.recall_scan_bits, 16);
+    p.model = mdl;
+    p.recall_sketch_rank = RB;
+    kvt_ctx *ctx = NULL;
+    char err[256];
+    p.recall_scan_bits = 7;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(err, "recall_scan_bits: 7 not 8 or 16"), "%s", err);
+    p.recall_scan_bits = 8;
+    p.recall_sketch_rank = 0;
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(err, "recall_sketch_rank"), "%s", err);
+    p.recall_sketch_rank = RB;
+    if (cuda_usable()) {
+        p.backend = KVT_BACKEND_CUDA;
+        cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_UNSUPPORTED);
+        cr_assert(strstr(err, "16-bit only"), "%s", err);
+        p.backend = KVT_BACKEND_CPU;
+    }
+    p.recall_scan_bits = 0; /* read as 16 */
+    cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(mdl);
 }

@@ -17,6 +17,7 @@
 #include "tiers_internal.h"
 
 #include "kernels/philox.h"
+#include "recall/kernels/recall_scan.h"
 #include "kernels/sigma.h"
 #include "recall/kernels/sketch.h"
 #include "kernels/topm.h"
@@ -398,6 +399,10 @@ static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, 
     a.rank = rb->rank;
     a.csk_stride = j->s->sk_stride;
     a.csk = j->s->csk + (first - j->s->n_head) * j->s->sk_stride; /* own rows */
+    a.q8_off = j->s->sk_q8;
+    a.branch_offset = sp->branch_offset;
+    a.branch_dtype = (int)sp->branch_dtype;
+    a.branch_dim = sp->branch_dim;
     a.rho = j->s->rho + (first - j->s->n_head);
     return a;
 }
@@ -680,7 +685,7 @@ static kvt_status check_sketches(const kvt__sal *s, uint32_t rank, char *err, si
         if (!(rho[u] >= 0.0f))
             rc = kvt__fail(err, len, KVT_ERR_INVARIANT, "salience: ρ of row %llu is %g",
                            (unsigned long long)u, (double)rho[u]);
-        for (uint32_t k = 0; rc == KVT_OK && k < s->sk_stride; k++)
+        for (uint32_t k = 0; rc == KVT_OK && k < (s->sk_q8 ? s->sk_q8 : s->sk_stride); k++)
             if ((k >= rank || isinf(rho[u])) ? (c[k] & 0x7fffu) != 0 : !kvt__f16_finite(c[k]))
                 rc = kvt__fail(err, len, KVT_ERR_INVARIANT,
                                "salience: sketch of row %llu, coefficient %u (rank %u, ρ %g): "
@@ -756,7 +761,10 @@ static void sal_census(uint64_t stored, uint64_t budget, uint64_t *attended, uin
 }
 
 static kvt_status sal_layer_init(kvt__tier_state *s, const kvt__env *env, const kvt__store *st) {
-    kvt__sal_init(&s->sal, env->home, env->sketch_stride);
+    const uint32_t q8 = env->sketch_stride && env->scan_bits == 8 ? env->sketch_stride : 0;
+    kvt__sal_init(&s->sal, env->home,
+                  env->sketch_stride + (q8 ? kvt__recall_q8_words(st->spec.branch_dim, q8) : 0));
+    s->sal.sk_q8 = q8;
     if (env->max_rows == 0)
         return KVT_OK;
     kvt_status rc = kvt__sal_prepare(&s->sal, env->alloc, env->cfg, env->max_rows);
@@ -976,6 +984,7 @@ static bool sal_recall_view(const kvt__tier_layer *l, kvt__nope_view *a) {
     a->rho_head = sa->head ? sa->head->rho : NULL;
     a->n_head = sa->n_head;
     a->csk_stride = sa->sk_stride;
+    a->q8_off = sa->sk_q8;
     a->basis = l->st->rbasis.rank ? l->st->rbasis.V : NULL;
     a->rank = l->st->rbasis.rank;
     a->n_closed = sa->closed_rows;
@@ -1080,7 +1089,13 @@ static uint64_t sketch_bytes(const kvt__sal *sa, uint64_t closed) {
     return sa->sk_stride ? (sizeof(uint16_t) * sa->sk_stride + sizeof(float)) * closed : 0;
 }
 
-/* The eighth u64 of the layout is the sketch stride. */
+/* The layout's eighth u64: the sketch stride, or with the 8-bit scan's planes 2^32 + the fp16
+ * width (sk_q8; the rows then hold the 8-bit plane after it: docs/snapshot-format.md). */
+static uint64_t sal_snap_stride_word(const kvt__sal *sa) {
+    return sa->sk_q8 ? (1ull << 32) + sa->sk_q8 : sa->sk_stride;
+}
+
+/* The eighth u64 of the layout is the sketch stride (sal_snap_stride_word). */
 static uint64_t sal_snap_sketch_stride(const uint8_t *src, uint64_t n) {
     uint64_t v = 0;
     if (n >= 8 * 8)
@@ -1098,7 +1113,7 @@ static kvt_status sal_snap_save(const kvt__tier_layer *l, uint8_t *dst, char *er
     const kvt__sal *sa = &l->state->sal;
     uint64_t v[SAL_SNAP_COUNTS] = {sa->n_rows,        sa->closed_rows,     sa->n_kept,
                                    sa->kept_in_sinks, sa->closes,          sa->nonfinite,
-                                   sa->score_bytes_read, sa->sk_stride,    l->st->rbasis.rank,
+                                   sa->score_bytes_read, sal_snap_stride_word(sa), l->st->rbasis.rank,
                                    l->st->rbasis.id};
     kvt__snap_cur c = {.w = dst};
     kvt__snap_put(&c, v, sizeof v);
@@ -1132,12 +1147,14 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
     kvt__sal t = {.n_rows = v[0], .closed_rows = v[1], .n_kept = v[2], .kept_in_sinks = v[3],
                   .closes = v[4], .nonfinite = v[5], .score_bytes_read = v[6]};
     kvt__sal *sa = &s->sal;
-    if (v[7] != sa->sk_stride || v[8] != l->st->rbasis.rank || v[9] != l->st->rbasis.id)
+    if (v[7] != sal_snap_stride_word(sa) || v[8] != l->st->rbasis.rank ||
+        v[9] != l->st->rbasis.id)
         return kvt__fail(env->err, env->err_len, KVT_ERR_MISMATCH,
                          "salience state of layer %u: recall sketches of %llu values with basis "
-                         "rank %llu id %08llx; this context: %u values, rank %u id %08x",
+                         "rank %llu id %08llx; this context: %llu values, rank %u id %08x",
                          l->st->layer, (unsigned long long)v[7], (unsigned long long)v[8],
-                         (unsigned long long)v[9], sa->sk_stride, l->st->rbasis.rank,
+                         (unsigned long long)v[9], (unsigned long long)sal_snap_stride_word(sa),
+                         l->st->rbasis.rank,
                          (unsigned)l->st->rbasis.id);
     const uint64_t room = kvt__sal_promote_room(t.closed_rows, cfg);
     if (t.closed_rows <= t.n_rows && t.closed_rows % B == 0 &&

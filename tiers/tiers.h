@@ -190,6 +190,8 @@ typedef struct kvt__env {
     /* fp16 values per row of the recall sketch planes (kvt_ctx_params.recall_sketch_rank; 0: no
      * sketches are built). */
     uint32_t sketch_stride;
+    /* params.recall_scan_bits: 8 adds an 8-bit plane to each salience sketch row (16: none). */
+    uint32_t scan_bits;
     void *stream;
     char *err;           /* detail message buffer (the calling thread's, kvt_last_error) */
     size_t err_len;

@@ -47,6 +47,10 @@ typedef struct kvt__sal {
      * when sk_stride > 0: csk [rows][sk_stride] fp16 (entries past the layer's basis rank are 0)
      * and ρ [rows] fp32, own rows as score; caps in rows. */
     uint32_t sk_stride;
+    /* The 8-bit scan's planes (params.recall_scan_bits 8): each sketch row is sk_q8 fp16 values
+     * then the row's 8-bit plane (recall/kernels/recall_scan.h), sk_stride = sk_q8 + its words; 0: the
+     * rows are fp16 values only. */
+    uint32_t sk_q8;
     uint16_t *csk;
     uint64_t csk_cap;
     float *rho;

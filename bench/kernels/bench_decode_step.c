@@ -38,7 +38,13 @@
  * and ρ (4 B), 4 B per emitted slot; visited: archived rows the scans evaluated / archived rows
  * over the timed steps; a dense recall step — calibration or overflow — counts every row.)
  *
+ * With params.recall_scan_bits 8 (the 8-bit scan, each recall case run at 16 bits, then at 8
+ * bits, in the same binary) the line carries "scan=int8" after recall= and the scan's bytes are
+ * what it reads then: the row's 8-bit plane (24 B of scales and error norms, branch and sketch
+ * one byte a value) and ρ.
+ *
  * Usage: bench_decode_step [R windows (3)] [largest context in k rows (128)] [T steps (5)]
+ *        [scan bits: 16, 8 or both (both)]
  */
 #define _DEFAULT_SOURCE /* setenv, execv (bench_cpu.h) */
 #include "kernels/attn.h"
@@ -168,7 +174,8 @@ static double median(double *v, int n) {
     return v[n / 2];
 }
 
-static void one_case(uint32_t N, int structured, int recall, int R, int T, double g_sgemm) {
+static void one_case(uint32_t N, int structured, int recall, int bits, int R, int T,
+                     double g_sgemm) {
     data g = {.structured = structured, .basis = malloc(sizeof(float) * RANK * D)};
     orthonormal_f32(RANK, D, g.basis);
     double un = 0;
@@ -200,6 +207,7 @@ static void one_case(uint32_t N, int structured, int recall, int R, int T, doubl
     if (recall) {
         cfg.recall = KVT_RECALL_CONFORMAL;
         p.recall_sketch_rank = RANK;
+        p.recall_scan_bits = (uint32_t)bits;
     }
     p.config = &cfg;
     rig r = {0};
@@ -245,6 +253,10 @@ static void one_case(uint32_t N, int structured, int recall, int R, int T, doubl
     const uint64_t v0 = ls.recall_visited_rows, f0 = ls.recall_fetched_rows,
                    o0 = ls.recall_overflow_steps, st0 = ls.recall_steps;
     double ratio_w[MAXW], kvt_w[MAXW], dense_w[MAXW], bytes = 0, arch = 0;
+    /* what the scan reads of a visited row: the fp16 sketch, the bf16 branch and ρ; at 8 bits
+     * the row's 8-bit plane (six fp32 values, the branch and sketch bytes padded to 4) and ρ */
+    const double scan_row = bits == 8 ? 24.0 + (double)((BD + RANK + 3) / 4 * 4) + 4.0
+                                      : 2.0 * RANK + 2.0 * BD + 4.0;
     for (int w = 0; w < R; w++) {
         double kt[MAXT], dt[MAXT];
         for (int t = 0; t < T; t++) {
@@ -256,8 +268,7 @@ static void one_case(uint32_t N, int structured, int recall, int R, int T, doubl
             const double fet = (double)(ls.recall_fetched_rows - b4.recall_fetched_rows);
             /* attended without recall = emitted − fetched (a dense step fetched every archived) */
             const double att = (double)em - fet;
-            bytes += ((double)em * ROW + (recall ? att * ROW : 0.0) +
-                      vis * (2.0 * RANK + 2.0 * BD + 4.0) + 4.0 * em) /
+            bytes += ((double)em * ROW + (recall ? att * ROW : 0.0) + vis * scan_row + 4.0 * em) /
                      (double)(n);
             arch += recall ? (double)ls.recall_last_archived : 0.0;
         }
@@ -300,9 +311,10 @@ static void one_case(uint32_t N, int structured, int recall, int R, int T, doubl
         exit(1);
     }
     const double fl = 2.0 * H * (KD + D) * (double)N;
-    printf("decode_step context=%u data=%s recall=%s dense_over_kvtier=%.1f bytes_per_token=%.0f "
+    printf("decode_step context=%u data=%s recall=%s%s dense_over_kvtier=%.1f bytes_per_token=%.0f "
            "close_over_median=%.1f visited=%.2f\n",
-           N, structured ? "structured" : "random", recall ? "conformal" : "off", ratio,
+           N, structured ? "structured" : "random", recall ? "conformal" : "off",
+           recall && bits == 8 ? " scan=int8" : "", ratio,
            bytes / (R * T), tc / kvt_med, visited);
     printf("  detail: dense_over_kvtier %.2f–%.2f over %d windows of %d steps; kvtier %.2f ms, "
            "dense %.2f ms (median window; dense attention %.1f GFLOP/s = %.2f of sgemm); "
@@ -329,6 +341,9 @@ int main(int argc, char **argv) {
     int R = argc > 1 ? atoi(argv[1]) : 3;
     const uint32_t max_k = argc > 2 ? (uint32_t)atoi(argv[2]) : 128;
     int T = argc > 3 ? atoi(argv[3]) : 5;
+    /* the recall scan's precision: 16, 8, or both (each recall case at 16 bits, then at 8) */
+    const char *scan = argc > 4 ? argv[4] : "both";
+    const int s16 = strcmp(scan, "8") != 0, s8 = strcmp(scan, "16") != 0;
     R = R < 1 ? 1 : R > MAXW ? MAXW : R;
     T = T < 1 ? 1 : T > MAXT ? MAXT : T;
     blas_setup(argv);
@@ -343,9 +358,12 @@ int main(int argc, char **argv) {
         if (ctxs[c] > max_k * 1024u)
             break;
         for (int structured = 1; structured >= 0; structured--) {
-            one_case(ctxs[c], structured, 1, R, T, g);
+            if (s16)
+                one_case(ctxs[c], structured, 1, 16, R, T, g);
+            if (s8)
+                one_case(ctxs[c], structured, 1, 8, R, T, g);
             if (structured)
-                one_case(ctxs[c], structured, 0, R, T, g);
+                one_case(ctxs[c], structured, 0, 16, R, T, g);
         }
     }
     return 0;

@@ -5,8 +5,11 @@
  * H query heads; thresholds +FLT_MAX so that no row fires and every (row, head) pair is
  * evaluated (the scan's worst case: a row that fires stops at its first firing head). Conformal
  * and sound modes; the op as dispatched (the tiled scan on AVX2/FMA CPUs) and the row-wise scan
- * side by side; best of `reps` (default 5) in thread CPU time. Per step, and ns per (archived
- * row, head).
+ * side by side; then the 8-bit scan (params.recall_scan_bits 8: the rows' 8-bit planes,
+ * recall/kernels/recall_scan.h) on its VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
+ * time. Per step, and ns per (archived row, head); "net": less the heads' preparation
+ * (kvt__recall_scan_prep_cpu, timed alone: the q̃_sk projections every step pays once, whatever
+ * its rows), what a step over many more rows pays per row.
  * Usage: bench_recall_scan [reps]
  */
 #include "kernels/backend.h"
@@ -62,6 +65,15 @@ int main(int argc, char **argv) {
             kvt__store_elem(pool + (size_t)slots[r] * ROW, KVT__DT_BF16, i, gauss());
     }
     kvt__sketch_rows_cpu(pool, slots, NR, ROW, KVT__DT_BF16, D, V, RANK, RANK, scratch, csk, rho);
+    /* the 8-bit planes: each sketch row widened by its plane (as a close writes them) */
+    const uint32_t S8 = RANK + kvt__recall_q8_words(BD, RANK);
+    uint16_t *csk8 = malloc(sizeof(uint16_t) * NR * S8);
+    float tq[BD + RANK];
+    for (uint32_t r = 0; r < NR; r++) {
+        memcpy(csk8 + (size_t)r * S8, csk + (size_t)r * RANK, sizeof(uint16_t) * RANK);
+        kvt__recall_q8_row(pool + (size_t)slots[r] * ROW, 2 * D, KVT__DT_BF16, BD,
+                           csk8 + (size_t)r * S8, RANK, tq, (uint8_t *)(csk8 + (size_t)r * S8 + RANK));
+    }
     for (uint32_t i = 0; i < M; i++)
         kept[i] = SINKS + i * 7; /* ascending, spread */
     kvt__alloc a;
@@ -72,8 +84,8 @@ int main(int argc, char **argv) {
         return 1;
     printf("recall scan, CPU twin: %u closed rows, %u archived, rank %u, best of %d\n", NR,
            NR - SINKS - M, RANK, reps);
-    static const uint32_t heads[] = {16, 64};
-    for (int hi = 0; hi < 2; hi++) {
+    static const uint32_t heads[] = {16, 32, 64};
+    for (int hi = 0; hi < 3; hi++) {
         uint32_t H = heads[hi];
         float *q = malloc(sizeof(float) * H * (D + BD)), *best = malloc(sizeof(float) * H);
         for (size_t i = 0; i < (size_t)H * (D + BD); i++)
@@ -106,11 +118,54 @@ int main(int argc, char **argv) {
                     t_best[w] = t < t_best[w] ? t : t_best[w];
                 }
             kvt__recall_scan_tiled(1);
+            /* the heads' preparation alone, 16-bit then 8-bit (the 8-bit one also quantises) */
+            float *pscr = malloc(sizeof(float) * kvt__recall_scan_scratch_floats(H, RANK, D));
+            double t_prep[2] = {1e30, 1e30};
+            for (int r = 0; r < reps; r++)
+                for (int w = 0; w < 2; w++) {
+                    kvt__recall_scan_args sp = s;
+                    if (w) {
+                        sp.csk = csk8;
+                        sp.csk_stride = RANK + kvt__recall_q8_words(BD, RANK);
+                        sp.q8_off = RANK;
+                    }
+                    kvt__recall_scan_prep pp;
+                    double t = cpu_now();
+                    kvt__recall_scan_prep_cpu(&sp, pscr, &pp);
+                    t = cpu_now() - t;
+                    t_prep[w] = t < t_prep[w] ? t : t_prep[w];
+                }
+            free(pscr);
+            const double pairs = (double)(NR - SINKS - M) * H;
             for (int w = 0; w < 2; w++)
-                printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head)  "
-                       "fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
+                printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head), net "
+                       "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
                        w ? "row-wise" : tiled ? "tiled" : "(none)", t_best[w] * 1e6,
-                       t_best[w] * 1e9 / ((double)(NR - SINKS - M) * H), nf);
+                       t_best[w] * 1e9 / pairs, (t_best[w] - t_prep[0]) * 1e9 / pairs, nf);
+            /* the 8-bit scan: VNNI, then AVX2, alternating within each repeat */
+            s.csk = csk8;
+            s.csk_stride = S8;
+            s.q8_off = RANK;
+            const int lv = kvt__recall_scan_q8_level(-1);
+            double t8[2] = {1e30, 1e30};
+            for (int r = 0; r < reps; r++)
+                for (int w = 0; w < 2 && w < lv; w++) {
+                    kvt__recall_scan_q8_level(lv - w);
+                    double t = cpu_now();
+                    if (be.ops->recall_scan(&be, &s, 1, NULL) != KVT_OK)
+                        return 1;
+                    t = cpu_now() - t;
+                    t8[w] = t < t8[w] ? t : t8[w];
+                }
+            kvt__recall_scan_q8_level(2);
+            for (int w = 0; w < 2 && w < lv; w++)
+                printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head), net "
+                       "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
+                       lv - w == 2 ? "8b VNNI" : "8b AVX2", t8[w] * 1e6, t8[w] * 1e9 / pairs,
+                       (t8[w] - t_prep[1]) * 1e9 / pairs, nf);
+            if (mode == KVT__RECALL_CONFORMAL)
+                printf("  %2u heads, the heads' preparation alone: %.1f us (16-bit), %.1f us "
+                       "(8-bit)\n", H, t_prep[0] * 1e6, t_prep[1] * 1e6);
         }
         free(q);
         free(best);
@@ -122,6 +177,7 @@ int main(int argc, char **argv) {
     free(V);
     free(rho);
     free(csk);
+    free(csk8);
     free(fired);
     free(scratch);
     return 0;

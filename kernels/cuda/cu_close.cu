@@ -150,7 +150,8 @@ constexpr uint32_t kWarps = kThreads / 32;
 bool sketch_args_ok(const kvt__sketch_args &a) {
     return a.latent_dim >= 1 && a.latent_dim <= KVT__SKETCH_MAX_DIM && a.rank <= a.csk_stride &&
            a.csk_stride <= KVT__SKETCH_MAX_RANK && (!a.rank || a.basis) &&
-           kvt__sketch_dtype_ok(a.dtype, a.latent_dim);
+           kvt__sketch_dtype_ok(a.dtype, a.latent_dim) &&
+           a.q8_off == 0; /* no 8-bit planes on this backend yet (context.c refuses it) */
 }
 
 __global__ void k_sketch(const SketchParams p) {

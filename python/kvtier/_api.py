@@ -612,7 +612,7 @@ def _ctx_params(model, config=None, page_rows=None, n_pages=None, backend=None,
                 allocator=None, external_storage=None, layer_policies=None, kv_head_offset=None,
                 n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
                 archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None,
-                archive_space=None):
+                archive_space=None, recall_scan_bits=None):
     """kvt_ctx_params from Context's keyword arguments: (the struct, what must outlive it)."""
     if not isinstance(model, Model):
         raise TypeError(f"model: expected a kvtier.Model, got {type(model).__name__}")
@@ -630,7 +630,8 @@ def _ctx_params(model, config=None, page_rows=None, n_pages=None, backend=None,
                         ("n_kv_heads_global", n_kv_heads_global),
                         ("layer_offset", layer_offset), ("max_rows_per_seq", max_rows_per_seq),
                         ("archive_rows_per_seq", archive_rows_per_seq),
-                        ("max_seqs", max_seqs), ("recall_sketch_rank", recall_sketch_rank)):
+                        ("max_seqs", max_seqs), ("recall_sketch_rank", recall_sketch_rank),
+                        ("recall_scan_bits", recall_scan_bits)):
         if value is not None:
             setattr(p, name, u32(value, name))
     if backend is not None:
@@ -664,7 +665,8 @@ class Context(_Closable):
     ``n_kv_heads_global``, ``layer_offset``, ``max_rows_per_seq``, ``archive_rows_per_seq``,
     ``max_seqs`` (with max_rows_per_seq: request slots built at creation, reused),
     ``recall_sketch_rank``, ``archive_space`` ("device", "host" or a Space: where random
-    eviction's archive keeps its rows).
+    eviction's archive keeps its rows), ``recall_scan_bits`` (16, the default, or 8: the recall
+    scan reads an 8-bit plane per archived row; docs/recall.md §3.3).
     Asking for "cuda" where it is absent raises NoDeviceError with the library's reason.
     """
 
@@ -674,11 +676,12 @@ class Context(_Closable):
                  allocator=None, external_storage=None, layer_policies=None, kv_head_offset=None,
                  n_kv_heads_global=None, layer_offset=None, max_rows_per_seq=None,
                  archive_rows_per_seq=None, max_seqs=None, recall_sketch_rank=None,
-                 archive_space=None):
+                 archive_space=None, recall_scan_bits=None):
         p, _keep = _ctx_params(model, config, page_rows, n_pages, backend, allocator,
                                external_storage, layer_policies, kv_head_offset,
                                n_kv_heads_global, layer_offset, max_rows_per_seq,
-                               archive_rows_per_seq, max_seqs, recall_sketch_rank, archive_space)
+                               archive_rows_per_seq, max_seqs, recall_sketch_rank, archive_space,
+                               recall_scan_bits)
         out = ctypes.c_void_p()
         err = _errbuf()
         check(lib.kvt_ctx_create(ctypes.byref(p), ctypes.byref(out), err, _ERR_LEN),

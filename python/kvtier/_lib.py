@@ -153,6 +153,7 @@ class CtxParamsC(ctypes.Structure):
         ("max_seqs", c_u32),
         ("recall_sketch_rank", c_u32),
         ("archive_space", c_enum),
+        ("recall_scan_bits", c_u32),
     ]
 
 

@@ -367,3 +367,36 @@ def test_recall_basis_write_read_round_trip(tmp_path):
         assert ctx.recall_basis(0) == (8, b.id)
         with pytest.raises(kvtier.OutOfRangeError):
             ctx.recall_basis(1)
+
+
+def test_recall_scan_bits():
+    """recall_scan_bits=8: the 8-bit scan (docs/recall.md §3.3) runs decode steps with the same z
+    as the 16-bit scan and fetches at least its rows; a value other than 8 or 16 is refused."""
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="conformal")
+    with _model() as m:
+        with pytest.raises(kvtier.InvalidArgumentError) as ei:
+            kvtier.Context(m, cfg, page_rows=16, n_pages=64, recall_sketch_rank=16,
+                           recall_scan_bits=12)
+        assert "recall_scan_bits" in ei.value.message
+    stats = {}
+    for bits in (16, 8):
+        with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
+                                          recall_sketch_rank=16, recall_scan_bits=bits) as ctx:
+            rng = np.random.default_rng(11)
+            v, _ = np.linalg.qr(rng.standard_normal((512, 16)))
+            ctx.set_recall_basis(0, np.ascontiguousarray(v.T, dtype=np.float32))
+            with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
+                b.reserve([seq], [300])
+                seq.write(0, 0, 0, _bf16(rng.standard_normal((300, 576))))
+                b.plan()
+                b.commit()
+                for _ in range(12):
+                    b.reserve([seq], [1])
+                    seq.write(0, 0, 0, _bf16(rng.standard_normal((1, 576))))
+                    b.plan()
+                    b.run(0, query=rng.standard_normal((1, 4, 576)).astype(np.float32))
+                    b.commit()
+                stats[bits] = seq.layer_stats(0)
+    assert stats[8].recall_z == stats[16].recall_z
+    assert stats[8].recall_steps == stats[16].recall_steps == 12
+    assert stats[8].recall_fetched_rows >= stats[16].recall_fetched_rows

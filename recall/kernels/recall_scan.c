@@ -21,6 +21,17 @@
 /* Archived rows the tiled scan evaluates together (a multiple of its row tiles, 6 and 2). */
 #define CHUNK_ROWS 48u
 
+/* The 8-bit scan's scratch (kvt__recall_scan_prep's q8 fields): the heads' values [10][HP]
+ * (tb ts Qb Qs Eb Es Nb Ns, then −128·sb and −128·ss as int32: the SIMD dots' correction), their
+ * vectors [HP][len] and the packing of the SIMD dots (VNNI: s8 [len / 4][HQ][4]; AVX2: s16
+ * [len / 2][HQ][2]; HQ: HP rounded up to 16; len <= KVT__RECALL_MAX_BRANCH +
+ * KVT__SKETCH_MAX_RANK bytes each), the quantiser's tmp and the AVX2 dots' widened rows. */
+#define Q8_MAX_LEN (KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK)
+#define Q8_FLOATS(HP)                                                                              \
+    (10u * (HP) + (3u * (HP) + 32u) * (Q8_MAX_LEN / 4u) + Q8_MAX_LEN + CHUNK_ROWS * Q8_MAX_LEN / 2u)
+/* Heads of the VNNI packing: whole zmm vectors of 16. */
+#define Q8_HQ(HP) (((HP) + 15u) / 16u * 16u)
+
 /* Heads rounded up to whole tiles. */
 static size_t heads_padded(uint32_t n_heads) {
     return ((size_t)n_heads + SCAN_TILE - 1) / SCAN_TILE * SCAN_TILE;
@@ -34,7 +45,8 @@ size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t
     const size_t HP = heads_padded(n_heads);
     return (size_t)n_heads * HEAD_FLOATS(rank) + KVT__RECALL_PREP_FLOATS(D) +
            HP * (KVT__RECALL_MAX_BRANCH + rank) + KVT__RECALL_MAX_BRANCH + rank + 2u * HP +
-           (size_t)CHUNK_ROWS * (KVT__RECALL_MAX_BRANCH + rank) + 2u * CHUNK_ROWS * HP + 2u * HP;
+           (size_t)CHUNK_ROWS * (KVT__RECALL_MAX_BRANCH + rank) + 2u * CHUNK_ROWS * HP + 2u * HP +
+           Q8_FLOATS(HP);
 }
 
 /* kvt__f16_to_f32 without branches (so a loop of it vectorises), exact for every input: the
@@ -95,6 +107,86 @@ size_t kvt__recall_scan_heads_padded(uint32_t n_heads) {
     return heads_padded(n_heads);
 }
 
+/* The 8-bit scan's heads (kvt__recall_q8_head): values into p->q8f (SoA), vectors into p->q8v
+ * (padding heads all 128: zero), and the packing of the level's dots: VNNI p->q8p[j4][h][4] =
+ * the s8 values, AVX2 p->q8p as int16 [j2][h][2]. */
+KVT__FMA_CLONES
+static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, float *tmp) {
+    const uint32_t D = a->latent_dim, bd = a->branch_dim, H = a->n_heads, W = a->q8_off;
+    const size_t HP = p->HP, qdim = (size_t)D + bd;
+    const uint32_t len = kvt__recall_q8_len(bd, W);
+    p->q8len = len;
+    memset(p->q8p, 0, 2u * Q8_HQ(HP) * len); /* the packing's padding heads: zero */
+    for (size_t h = 0; h < HP; h++) {
+        kvt__recall_q8h q;
+        uint8_t *v = p->q8v + h * len;
+        if (h < H) {
+            kvt__recall_q8_head(a->q + h * qdim, D, bd, p->q_sk + h * a->rank, a->rank, W, tmp, v,
+                                &q);
+        } else {
+            memset(&q, 0, sizeof q);
+            memset(v, 128, len);
+        }
+        const float f[8] = {q.tb, q.ts, q.Qb, q.Qs, q.Eb, q.Es, q.Nb, q.Ns};
+        for (uint32_t i = 0; i < 8u; i++)
+            p->q8f[i * HP + h] = f[i];
+        const int32_t cb = -128 * q.sb, cs = -128 * q.ss; /* the u8 offset's correction */
+        memcpy(p->q8f + 8u * HP + h, &cb, 4);
+        memcpy(p->q8f + 9u * HP + h, &cs, 4);
+        if (kvt__recall_scan_q8_level(-1) == 2)
+            for (uint32_t j = 0; j < len; j++)
+                p->q8p[((size_t)(j / 4u) * Q8_HQ(HP) + h) * 4u + j % 4u] = (uint8_t)(v[j] - 128u);
+        else
+            for (uint32_t j = 0; j < len; j++) {
+                const int16_t w = (int16_t)((int32_t)v[j] - 128);
+                memcpy(p->q8p + (((size_t)(j / 2u) * Q8_HQ(HP) + h) * 2u + j % 2u) * 2u, &w, 2);
+            }
+    }
+}
+
+/* Head h's values back as the struct the per-element functions take. */
+static inline kvt__recall_q8h q8_head(const kvt__recall_scan_prep *p, size_t h) {
+    const size_t HP = p->HP;
+    kvt__recall_q8h q = {p->q8f[h], p->q8f[HP + h], p->q8f[2 * HP + h], p->q8f[3 * HP + h],
+                         p->q8f[4 * HP + h], p->q8f[5 * HP + h], p->q8f[6 * HP + h],
+                         p->q8f[7 * HP + h], 0, 0};
+    int32_t cb, cs; /* rows 8, 9 hold −128·Σ q (the SIMD dots' correction) */
+    memcpy(&cb, p->q8f + 8 * HP + h, 4);
+    memcpy(&cs, p->q8f + 9 * HP + h, 4);
+    q.sb = cb / -128;
+    q.ss = cs / -128;
+    return q;
+}
+
+/* A closed row's 8-bit plane. */
+static inline const uint8_t *q8_plane(const kvt__recall_scan_args *a, uint64_t row) {
+    return (const uint8_t *)(kvt__scan_csk(a, row) + a->q8_off);
+}
+
+/* The 8-bit trigger of one row over heads 0 .. H, from its dots ib[h], is[h] (the
+ * per-element functions, head by head until one fires). */
+static int q8_row_trigger(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
+                          const uint8_t *pl, const int32_t *ib, const int32_t *is, float rho) {
+    for (uint32_t h = 0; h < a->n_heads; h++) {
+        const kvt__recall_q8h q = q8_head(p, h);
+        if (kvt__recall_q8_fires(&p->heads[h], &q, pl, ib[h], is[h], rho, a->scale, a->z,
+                                 a->best[h], a->mode, a->latent_dim, a->branch_dim, a->rank))
+            return 1;
+    }
+    return 0;
+}
+
+/* Does row fire in the 8-bit scan? (kvt__recall_q8_dots per head, then q8_row_trigger.) */
+static int q8_row_fires(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
+                        uint64_t row) {
+    const uint8_t *pl = q8_plane(a, row);
+    int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
+    for (uint32_t h = 0; h < a->n_heads; h++)
+        kvt__recall_q8_dots(pl + 4u * KVT__Q8_FLOATS, p->q8v + (size_t)h * p->q8len,
+                            a->branch_dim, p->q8len, &ib[h], &is[h]);
+    return q8_row_trigger(a, p, pl, ib, is, *kvt__scan_rho(a, row));
+}
+
 void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
                                kvt__recall_scan_prep *p) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank, H = a->n_heads;
@@ -116,9 +208,16 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
     p->tpa = p->tacc + (size_t)CHUNK_ROWS * HP;
     p->snres = p->tpa + (size_t)CHUNK_ROWS * HP;
     p->tbest = p->snres + HP;
+    p->q8f = p->tbest + HP;
+    p->q8v = (uint8_t *)(p->q8f + 10u * HP);
+    p->q8p = p->q8v + HP * Q8_MAX_LEN;
+    p->q8len = 0;
     for (uint32_t h = 0; h < H; h++)
         head_prep(a->q + h * qdim, D, a->basis, rank, p->q_sk + (size_t)h * rank, tmp,
                   &p->heads[h]);
+    if (a->q8_off)
+        q8_prep(a, p, (float *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN));
+    p->q8x = (int16_t *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN + 4u * Q8_MAX_LEN);
     for (size_t h = 0; h < HP; h++) {
         for (uint32_t j = 0; j < bd; j++)
             p->qT[j * HP + h] = h < H ? a->q[h * qdim + D + j] : 0.0f;
@@ -570,6 +669,292 @@ TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan
     *a->overflow = over;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The 8-bit scan on AVX-512 VNNI. A tile of 6 rows × 16 heads: per 4 bytes of the rows' vectors
+ * one vpdpbusd per (row, part) adds u8(row)·s8(head) products into int32 lanes — exact, so the
+ * dots equal kvt__recall_q8_dots' after the u8 offset's correction (−128·Σ q_head); the branch
+ * and sketch parts in separate accumulators. The conformal trigger runs 16 heads a vector, each
+ * lane kvt__recall_q8_fires' operations in its order; the other modes per head, scalar.
+ * ------------------------------------------------------------------------------------------- */
+#define VNNI_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+
+static int q8_max_level = 2;
+
+int kvt__recall_scan_q8_level(int enable) {
+    if (enable >= 0)
+        q8_max_level = enable;
+    const int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vnni")
+                        ? 2
+                    : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
+                                                                                       : 0;
+    return cpu < q8_max_level ? cpu : q8_max_level;
+}
+
+static inline int32_t ld4(const uint8_t *b) {
+    int32_t v;
+    memcpy(&v, b, 4);
+    return v;
+}
+
+/* Dots of rows x[0 .. 6) (vectors of len bytes; the branch's bd4 = branch_dim / 4 groups first)
+ * against heads h0 .. h0 + 16 of the packing qp ([len / 4][HQ][4]) into ib, is ([rows][HP]):
+ * Σ u8·s8 from the correction corr ([2][HP]: −128·Σ q of each head's branch, then sketch). */
+VNNI_FN static void q8_tile(const uint8_t *const *x, const uint8_t *qp, const int32_t *corr,
+                            size_t HQ, size_t HP, uint32_t bd4, uint32_t n4, size_t r0, size_t h0,
+                            int32_t *ib, int32_t *is) {
+    /* lanes past HP (the packing's padding heads) are not stored */
+    const __mmask16 m = (__mmask16)(HP - h0 >= 16u ? 0xffffu : (1u << (HP - h0)) - 1u);
+    /* the accumulators start at the u8 offset's correction −128·Σ q_head */
+    __m512i b0 = _mm512_maskz_loadu_epi32(m, corr + h0), b1 = b0, b2 = b0, b3 = b0, b4 = b0,
+            b5 = b0;
+    __m512i c0 = _mm512_maskz_loadu_epi32(m, corr + HP + h0), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
+            c5 = c0;
+#define Q8_X(r) _mm512_set1_epi32(ld4(x[r] + 4u * j))
+    for (uint32_t j = 0; j < bd4; j++) {
+        const __m512i q = _mm512_loadu_si512(qp + ((size_t)j * HQ + h0) * 4u);
+        b0 = _mm512_dpbusd_epi32(b0, Q8_X(0), q);
+        b1 = _mm512_dpbusd_epi32(b1, Q8_X(1), q);
+        b2 = _mm512_dpbusd_epi32(b2, Q8_X(2), q);
+        b3 = _mm512_dpbusd_epi32(b3, Q8_X(3), q);
+        b4 = _mm512_dpbusd_epi32(b4, Q8_X(4), q);
+        b5 = _mm512_dpbusd_epi32(b5, Q8_X(5), q);
+    }
+    for (uint32_t j = bd4; j < n4; j++) {
+        const __m512i q = _mm512_loadu_si512(qp + ((size_t)j * HQ + h0) * 4u);
+        c0 = _mm512_dpbusd_epi32(c0, Q8_X(0), q);
+        c1 = _mm512_dpbusd_epi32(c1, Q8_X(1), q);
+        c2 = _mm512_dpbusd_epi32(c2, Q8_X(2), q);
+        c3 = _mm512_dpbusd_epi32(c3, Q8_X(3), q);
+        c4 = _mm512_dpbusd_epi32(c4, Q8_X(4), q);
+        c5 = _mm512_dpbusd_epi32(c5, Q8_X(5), q);
+    }
+#undef Q8_X
+    int32_t *o = ib + r0 * HP + h0, *t = is + r0 * HP + h0;
+    _mm512_mask_storeu_epi32(o, m, b0);
+    _mm512_mask_storeu_epi32(o + HP, m, b1);
+    _mm512_mask_storeu_epi32(o + 2 * HP, m, b2);
+    _mm512_mask_storeu_epi32(o + 3 * HP, m, b3);
+    _mm512_mask_storeu_epi32(o + 4 * HP, m, b4);
+    _mm512_mask_storeu_epi32(o + 5 * HP, m, b5);
+    _mm512_mask_storeu_epi32(t, m, c0);
+    _mm512_mask_storeu_epi32(t + HP, m, c1);
+    _mm512_mask_storeu_epi32(t + 2 * HP, m, c2);
+    _mm512_mask_storeu_epi32(t + 3 * HP, m, c3);
+    _mm512_mask_storeu_epi32(t + 4 * HP, m, c4);
+    _mm512_mask_storeu_epi32(t + 5 * HP, m, c5);
+}
+
+/* The conformal trigger of one row (plane pl) over heads 0 .. H from its corrected dots: the
+ * lanes of kvt__recall_q8_fires' conformal branch, 16 heads a vector. */
+VNNI_FN static int q8_conformal_vec(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
+                                    const uint8_t *pl, const int32_t *ib, const int32_t *is,
+                                    float rho, uint32_t H) {
+    const size_t HP = p->HP;
+    const __m512 s = _mm512_set1_ps(a->scale), z = _mm512_set1_ps(a->z);
+    const __m512 sr = _mm512_set1_ps(kvt__recall_q8_f(pl, 0)),
+                 sc = _mm512_set1_ps(kvt__recall_q8_f(pl, 1));
+    const __m512 er = _mm512_set1_ps(kvt__recall_q8_f(pl, 2)),
+                 nr = _mm512_set1_ps(kvt__recall_q8_f(pl, 3));
+    const __m512 ec = _mm512_set1_ps(kvt__recall_q8_f(pl, 4)),
+                 nc = _mm512_set1_ps(kvt__recall_q8_f(pl, 5));
+    const __m512 nre = _mm512_add_ps(nr, er), nce = _mm512_add_ps(nc, ec);
+    const __m512 vr = _mm512_set1_ps(rho), sq = _mm512_set1_ps(sqrtf((float)(a->latent_dim - 64u)));
+    const __m512 k15 = _mm512_set1_ps(3.0517578e-5f), k8 = _mm512_set1_ps(1.0f + 0.00390625f);
+    const __m512 k22 = _mm512_set1_ps(2.3841858e-7f);
+    __mmask16 fire = 0;
+    for (uint32_t h0 = 0; h0 < H; h0 += 16u) {
+        const __mmask16 live = (__mmask16)(H - h0 >= 16u ? 0xffffu : (1u << (H - h0)) - 1u);
+#define LD(i) _mm512_maskz_loadu_ps(live, p->q8f + (i) * HP + h0)
+        const __m512 tb = LD(0), ts = LD(1), Qb = LD(2), Qs = LD(3), Eb = LD(4), Es = LD(5);
+        const __m512 Nb = LD(6), Ns = LD(7);
+#undef LD
+        const __m512 fib = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(live, ib + h0));
+        const __m512 fis = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(live, is + h0));
+        const __m512 va = _mm512_mul_ps(_mm512_mul_ps(tb, sr), fib);
+        const __m512 vb = _mm512_mul_ps(_mm512_mul_ps(ts, sc), fis);
+        const __m512 idx = _mm512_mul_ps(s, _mm512_add_ps(va, vb));
+        __m512 mn = _mm512_add_ps(_mm512_mul_ps(Qb, er), _mm512_mul_ps(Eb, nr));
+        mn = _mm512_add_ps(mn, _mm512_mul_ps(Qs, ec));
+        mn = _mm512_add_ps(mn, _mm512_mul_ps(Es, nc));
+        __m512 rd = _mm512_add_ps(_mm512_mul_ps(Qb, nre), _mm512_mul_ps(Qs, nce));
+        rd = _mm512_add_ps(rd, _mm512_mul_ps(Nb, nr));
+        rd = _mm512_add_ps(rd, _mm512_mul_ps(Ns, nc));
+        const __m512 B =
+            _mm512_mul_ps(_mm512_mul_ps(s, _mm512_add_ps(mn, _mm512_mul_ps(k15, rd))), k8);
+        const __m512 sn = _mm512_maskz_loadu_ps(live, p->snres + h0);
+        const __m512 zc = _mm512_mul_ps(z, _mm512_div_ps(_mm512_mul_ps(sn, vr), sq));
+        const __m512 ai = _mm512_abs_ps(idx), az = _mm512_abs_ps(zc);
+        const __m512 Bp = _mm512_add_ps(
+            B, _mm512_mul_ps(k22, _mm512_add_ps(_mm512_add_ps(ai, B), az)));
+        const __m512 lhs = _mm512_add_ps(_mm512_add_ps(idx, Bp), zc);
+        const __m512 best = _mm512_maskz_loadu_ps(live, p->tbest + h0);
+        fire |= _mm512_mask_cmp_ps_mask(live, lhs, best, _CMP_NLE_UQ);
+    }
+    return fire != 0;
+}
+
+/* The AVX2 dots (CPUs without VNNI): the chunk's row vectors widened to int16 (x16, [rows][len]),
+ * a tile of 6 rows × 8 heads: per 2 values one vpmaddwd per (row, part) adds u8·s16 pairs into
+ * int32 lanes (exact: |sum| <= 2·255·127), accumulated as q8_tile's. */
+TILED_FN static void q8_tile_avx2(const int16_t *x16, size_t len, const uint8_t *qp,
+                                  const int32_t *corr, size_t HQ, size_t HP, uint32_t bd2,
+                                  uint32_t n2, size_t r0, size_t h0, int32_t *ib, int32_t *is) {
+    /* from the correction, as q8_tile (HP is a multiple of 8: whole loads) */
+    __m256i b0 = _mm256_loadu_si256((const __m256i *)(corr + h0)), b1 = b0, b2 = b0, b3 = b0,
+            b4 = b0, b5 = b0;
+    __m256i c0 = _mm256_loadu_si256((const __m256i *)(corr + HP + h0)), c1 = c0, c2 = c0,
+            c3 = c0, c4 = c0, c5 = c0;
+    const int16_t *x = x16 + r0 * len;
+#define Q8_X2(r) _mm256_set1_epi32(ld4((const uint8_t *)(x + (r) * len + 2u * j)))
+#define Q8_MADD(acc, r) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(Q8_X2(r), q))
+    for (uint32_t j = 0; j < bd2; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qp + ((size_t)j * HQ + h0) * 4u));
+        Q8_MADD(b0, 0); Q8_MADD(b1, 1); Q8_MADD(b2, 2); Q8_MADD(b3, 3); Q8_MADD(b4, 4);
+        Q8_MADD(b5, 5);
+    }
+    for (uint32_t j = bd2; j < n2; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qp + ((size_t)j * HQ + h0) * 4u));
+        Q8_MADD(c0, 0); Q8_MADD(c1, 1); Q8_MADD(c2, 2); Q8_MADD(c3, 3); Q8_MADD(c4, 4);
+        Q8_MADD(c5, 5);
+    }
+#undef Q8_MADD
+#undef Q8_X2
+    int32_t o[8];
+    const size_t w = HP - h0 >= 8u ? 8u : HP - h0;
+#define Q8_ST(v, r, out)                                                                           \
+    _mm256_storeu_si256((__m256i *)o, v);                                                          \
+    memcpy(out + (r0 + (r)) * HP + h0, o, 4u * w)
+    Q8_ST(b0, 0, ib); Q8_ST(b1, 1, ib); Q8_ST(b2, 2, ib); Q8_ST(b3, 3, ib); Q8_ST(b4, 4, ib);
+    Q8_ST(b5, 5, ib); Q8_ST(c0, 0, is); Q8_ST(c1, 1, is); Q8_ST(c2, 2, is); Q8_ST(c3, 3, is);
+    Q8_ST(c4, 4, is); Q8_ST(c5, 5, is);
+#undef Q8_ST
+}
+
+/* q8_conformal_vec eight heads a vector (AVX2): the same lanes' operations. */
+TILED_FN static int q8_conformal_avx2(const kvt__recall_scan_args *a,
+                                      const kvt__recall_scan_prep *p, const uint8_t *pl,
+                                      const int32_t *ib, const int32_t *is, float rho, uint32_t H) {
+    const size_t HP = p->HP;
+    const __m256 s = _mm256_set1_ps(a->scale), z = _mm256_set1_ps(a->z);
+    const __m256 sr = _mm256_set1_ps(kvt__recall_q8_f(pl, 0)),
+                 sc = _mm256_set1_ps(kvt__recall_q8_f(pl, 1));
+    const __m256 er = _mm256_set1_ps(kvt__recall_q8_f(pl, 2)),
+                 nr = _mm256_set1_ps(kvt__recall_q8_f(pl, 3));
+    const __m256 ec = _mm256_set1_ps(kvt__recall_q8_f(pl, 4)),
+                 nc = _mm256_set1_ps(kvt__recall_q8_f(pl, 5));
+    const __m256 nre = _mm256_add_ps(nr, er), nce = _mm256_add_ps(nc, ec);
+    const __m256 vr = _mm256_set1_ps(rho), sq = _mm256_set1_ps(sqrtf((float)(a->latent_dim - 64u)));
+    const __m256 k15 = _mm256_set1_ps(3.0517578e-5f), k8 = _mm256_set1_ps(1.0f + 0.00390625f);
+    const __m256 k22 = _mm256_set1_ps(2.3841858e-7f);
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int bits = 0;
+    for (uint32_t h0 = 0; h0 < H; h0 += 8u) { /* HP >= H rounded to 8: loads stay in the tables */
+#define LD(i) _mm256_loadu_ps(p->q8f + (i) * HP + h0)
+        const __m256 tb = LD(0), ts = LD(1), Qb = LD(2), Qs = LD(3), Eb = LD(4), Es = LD(5);
+        const __m256 Nb = LD(6), Ns = LD(7);
+#undef LD
+        const __m256 fib = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(ib + h0)));
+        const __m256 fis = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(is + h0)));
+        const __m256 va = _mm256_mul_ps(_mm256_mul_ps(tb, sr), fib);
+        const __m256 vb = _mm256_mul_ps(_mm256_mul_ps(ts, sc), fis);
+        const __m256 idx = _mm256_mul_ps(s, _mm256_add_ps(va, vb));
+        __m256 mn = _mm256_add_ps(_mm256_mul_ps(Qb, er), _mm256_mul_ps(Eb, nr));
+        mn = _mm256_add_ps(mn, _mm256_mul_ps(Qs, ec));
+        mn = _mm256_add_ps(mn, _mm256_mul_ps(Es, nc));
+        __m256 rd = _mm256_add_ps(_mm256_mul_ps(Qb, nre), _mm256_mul_ps(Qs, nce));
+        rd = _mm256_add_ps(rd, _mm256_mul_ps(Nb, nr));
+        rd = _mm256_add_ps(rd, _mm256_mul_ps(Ns, nc));
+        const __m256 B =
+            _mm256_mul_ps(_mm256_mul_ps(s, _mm256_add_ps(mn, _mm256_mul_ps(k15, rd))), k8);
+        const __m256 sn = _mm256_loadu_ps(p->snres + h0);
+        const __m256 zc = _mm256_mul_ps(z, _mm256_div_ps(_mm256_mul_ps(sn, vr), sq));
+        const __m256 ai = _mm256_and_ps(idx, absm), az = _mm256_and_ps(zc, absm);
+        const __m256 Bp = _mm256_add_ps(
+            B, _mm256_mul_ps(k22, _mm256_add_ps(_mm256_add_ps(ai, B), az)));
+        const __m256 lhs = _mm256_add_ps(_mm256_add_ps(idx, Bp), zc);
+        const __m256 f = _mm256_cmp_ps(lhs, _mm256_loadu_ps(p->tbest + h0), _CMP_NLE_UQ);
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(H - h0)), lane);
+        bits |= _mm256_movemask_ps(_mm256_and_ps(f, _mm256_castsi256_ps(live)));
+    }
+    return bits != 0;
+}
+
+/* The full 8-bit scan at SIMD level lv (2 VNNI, 1 AVX2): chunks of CHUNK_ROWS archived rows
+ * ascending, their dots by the level's tiles, the trigger per row; fired rows in row order, at
+ * most cap, stopping at the (cap + 1)-th. */
+TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, int lv) {
+    const size_t HP = p->HP, HQ = Q8_HQ(HP);
+    const uint32_t H = a->n_heads, len = p->q8len, bd = a->branch_dim;
+    const uint32_t bd4 = bd / 4u, n4 = len / 4u;
+    int16_t *x16 = p->q8x; /* AVX2: the chunk's rows widened [CHUNK_ROWS][len] */
+    const int32_t *corr = (const int32_t *)(p->q8f + 8u * HP); /* [2][HP] */
+    column_tables(a, p, NULL, H, HP);
+    int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
+    const uint8_t *x[CHUNK_ROWS];
+    uint64_t rows[CHUNK_ROWS];
+    uint32_t count = 0, over = 0;
+    uint64_t jk = 0, row = a->sinks;
+    const int conformal = a->mode == KVT__RECALL_CONFORMAL;
+    while (row < a->n_closed && !over) {
+        size_t n = 0;
+        for (; row < a->n_closed && n < CHUNK_ROWS; row++) {
+            while (jk < a->m && a->kept[jk] < row)
+                jk++;
+            if (jk < a->m && a->kept[jk] == row)
+                continue;
+            if (row + PREFETCH_ROWS < a->n_closed) {
+                const uint8_t *f = q8_plane(a, row + PREFETCH_ROWS);
+                for (uint32_t o = 0; o < 4u * KVT__Q8_FLOATS + len; o += 64u)
+                    __builtin_prefetch(f + o);
+            }
+            rows[n] = row;
+            x[n] = q8_plane(a, row) + 4u * KVT__Q8_FLOATS;
+            n++;
+        }
+        const size_t nr = (n + 5u) / 6u * 6u;
+        for (size_t i = n; i < nr; i++) /* padding rows: row 0's vector again, results unread */
+            x[i] = x[0];
+        if (lv == 2) {
+            for (size_t r0 = 0; r0 < nr; r0 += 6u)
+                for (size_t h0 = 0; h0 < HP; h0 += 16u)
+                    q8_tile(x + r0, p->q8p, corr, HQ, HP, bd4, n4, r0, h0, ib, is);
+        } else {
+            for (size_t i = 0; i < nr; i++) {
+                uint32_t j = 0;
+                for (; j + 16u <= len; j += 16u)
+                    _mm256_storeu_si256((__m256i *)(x16 + i * len + j),
+                                        _mm256_cvtepu8_epi16(
+                                            _mm_loadu_si128((const __m128i *)(x[i] + j))));
+                for (; j < len; j++) /* the tail (len is a multiple of 4 only) */
+                    x16[i * len + j] = x[i][j];
+            }
+            for (size_t r0 = 0; r0 < nr; r0 += 6u)
+                for (size_t h0 = 0; h0 < HP; h0 += 8u)
+                    q8_tile_avx2(x16, len, p->q8p, corr, HQ, HP, bd / 2u, len / 2u, r0, h0, ib,
+                                 is);
+        }
+        for (size_t i = 0; i < n; i++) {
+            const int32_t *bi = ib + i * HP, *si = is + i * HP;
+            const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
+            const float rho = *kvt__scan_rho(a, rows[i]);
+            const int f = !conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
+                          : lv == 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
+                                     : q8_conformal_avx2(a, p, pl, bi, si, rho, H);
+            if (!f)
+                continue;
+            if (count == a->cap) {
+                over = 1;
+                break;
+            }
+            a->fired[count++] = (uint32_t)rows[i];
+        }
+    }
+    *a->n_fired = count;
+    *a->overflow = over;
+}
+
 /* kvt__recall_rows_fire_cpu, tiled: chunks of the listed rows, each prefetched a few ahead. */
 TILED_FN static void rows_fire_tiled(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
                                      const float *qT, size_t QP, const uint32_t *hmap,
@@ -588,6 +973,13 @@ TILED_FN static void rows_fire_tiled(const kvt__recall_scan_args *a, kvt__recall
         }
         chunk_fire(a, p, qT, QP, hmap, nc, rows + c0, ncsk, c, fire + c0);
     }
+}
+#endif
+
+#ifndef SCAN_TILED
+int kvt__recall_scan_q8_level(int enable) {
+    (void)enable;
+    return 0;
 }
 #endif
 
@@ -641,7 +1033,8 @@ void kvt__recall_scan_rowwise_cpu(const kvt__recall_scan_args *a, float *scratch
             jk++;
         if (jk < a->m && a->kept[jk] == row)
             continue;
-        if (!kvt__recall_row_fires_cpu(a, &p, p.qT, p.HP, NULL, a->n_heads, row))
+        if (a->q8_off ? !q8_row_fires(a, &p, row)
+                      : !kvt__recall_row_fires_cpu(a, &p, p.qT, p.HP, NULL, a->n_heads, row))
             continue;
         if (count == a->cap) {
             over = 1;
@@ -655,7 +1048,14 @@ void kvt__recall_scan_rowwise_cpu(const kvt__recall_scan_args *a, float *scratch
 
 void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
 #ifdef SCAN_TILED
-    if (kvt__recall_scan_tiled(-1)) {
+    const int lv = a->q8_off && a->branch_dim % 4u == 0 ? kvt__recall_scan_q8_level(-1) : 0;
+    if (lv) {
+        kvt__recall_scan_prep p;
+        kvt__recall_scan_prep_cpu(a, scratch, &p);
+        scan_q8(a, &p, lv);
+        return;
+    }
+    if (kvt__recall_scan_tiled(-1) && !a->q8_off) {
         kvt__recall_scan_prep p;
         kvt__recall_scan_prep_cpu(a, scratch, &p);
         scan_tiled(a, &p);

@@ -208,6 +208,214 @@ KVT_HD int kvt__recall_conformal_fires(float idx, float cert, float z, float bes
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * The 8-bit scan (params.recall_scan_bits = 8; docs/recall.md §3.3). Each closed row's sketch
+ * row (csk_stride fp16 words) carries, from fp16 word q8_off (the fp16 part's width) on, an 8-bit
+ * plane written at the close (kvt__recall_q8_row): six fp32 values {s_r, s_c, e_r, n_r, e_c, n_c}
+ * then J4 = kvt__recall_q8_len(branch_dim, q8_off) bytes u8 = q + 128 (q in [-127, 127]): the
+ * branch r quantised as s_r·q (branch_dim values), then the fp16 sketch csk as s_c·q (q8_off
+ * values; entries past the basis rank 0), padded with 128 (zero) to a multiple of 4. e_r >=
+ * ‖r − s_r·q_r‖ and e_c >= ‖csk − s_c·q_c‖ (the rounding errors), n_r >= ‖s_r·q_r‖, n_c >=
+ * ‖s_c·q_c‖. A head's q_br and q̃_sk are quantised the same way at the step (kvt__recall_q8_head,
+ * per-head scales t_b, t_s), so its integer dots I_b = Σ q_b·q_r and I_s = Σ q_s·q_c are exact in
+ * int32 in any order (|I| <= 512·127² < 2^24: exact in fp32 too). Then
+ *
+ *     idx8 = s·((t_b·s_r)·I_b + (t_s·s_c)·I_s)                          (kvt__recall_q8_idx)
+ *
+ * and, in real arithmetic, q·r − q̂·r̂ = q·e_r + e_q·r̂ for each part, so the 16-bit scan's idx (the
+ * fp32 value kvt__recall_idx returns) is within
+ *
+ *     B = s·(Qb·e_r + Eb·n_r + Qs·e_c + Es·n_c + 2^-15·(Qb·(n_r + e_r) + Qs·(n_c + e_c) + Qb̂·n_r
+ *           + Qŝ·n_c))·(1 + 2^-8)                                       (kvt__recall_q8_bound)
+ *
+ * of idx8 (Qb, Qs >= ‖q_br‖, ‖q̃_sk‖; Eb, Es >= the query's rounding errors; Qb̂, Qŝ >= the
+ * quantised queries' norms; the 2^-15 term covers the fp32 evaluation of kvt__recall_idx, γ_512 <
+ * 2^-15, and of idx8). The triggers widen by B, so the 8-bit scan fires every row the 16-bit scan
+ * fires (a superset: tests/test_recall_scan.c):
+ *   conformal: !((idx8 + B') + z·cert <= best), B' = B + 2^-22·(|idx8| + B + |z·cert|) (the
+ *              roundings of the two additions); cert and the calibrated z are the 16-bit mode's
+ *              (the calibration scores the 16-bit idx of the best archived row), so z still means
+ *              what it did: |score − idx16| <= z·cert on the calibrated quantile, and idx8 + B >=
+ *              idx16 always.
+ *   sound:     !(idx8 + m8 < best), m8 = (kvt__recall_sound_margin(h, |idx8| + B, P', ‖csk‖', ρ)
+ *              + B)·(1 + 2^-8) with P' = Qb·(n_r + e_r) + Qs·(n_c + e_c) >= Σ|products| and ‖csk‖'
+ *              = n_c + e_c (the margin is nondecreasing in all three).
+ *   margin:    !((idx8 + B) + z < best).
+ * A non-finite row gets e_r = e_c = +Inf (fires); a non-finite query a NaN scale (fires).
+ * ------------------------------------------------------------------------------------------- */
+/* fp32 values ahead of the plane's bytes. */
+#define KVT__Q8_FLOATS 6u
+
+/* Bytes of a row's (or a head's) 8-bit vector: branch then sketch, padded to a multiple of 4. */
+KVT_HD uint32_t kvt__recall_q8_len(uint32_t branch_dim, uint32_t sk_width) {
+    return (branch_dim + sk_width + 3u) / 4u * 4u;
+}
+
+/* fp16 words of a sketch row the 8-bit plane adds (after the sk_width fp16 values). */
+KVT_HD uint32_t kvt__recall_q8_words(uint32_t branch_dim, uint32_t sk_width) {
+    return (4u * KVT__Q8_FLOATS + kvt__recall_q8_len(branch_dim, sk_width)) / 2u;
+}
+
+/* Quantise x[0 .. n) with one scale: out[i] = q_i + 128, q_i = round(x_i · 127/max|x|) clamped
+ * to ±127 (n values; the caller pads). Returns the scale t = max|x|/127 (0 for all-zero x) and
+ * sets *e >= ‖x − t·q‖ (the errors and their squares summed in double: x − t·q is exact there
+ * before one rounding), *nq >= ‖t·q‖, *sum = Σ q_i. Non-finite x: t = NaN, *e = +Inf, every q 0. */
+KVT_HD float kvt__recall_q8_quant(const float *x, uint32_t n, uint8_t *out, float *e, float *nq,
+                                  int32_t *sum) {
+    const float slack = 1.0f + 0.00390625f;
+    float m = 0.0f;
+    int fin = 1;
+    for (uint32_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        fin &= a <= 3.4028235e38f;
+        m = a > m ? a : m;
+    }
+    int32_t s = 0;
+    if (!fin) {
+        for (uint32_t i = 0; i < n; i++)
+            out[i] = 128u;
+        *e = INFINITY;
+        *nq = 0.0f;
+        *sum = 0;
+        return NAN;
+    }
+    const float t = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
+    double e2 = 0.0; /* in double: x − t·q exact before one rounding, no fmaf (a libm call on a
+                      * target without FMA) */
+    int32_t q2 = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        /* round to nearest even by the 1.5·2^23 trick (|x·inv| <= 127·(1 + 2^-23): exact, and
+         * rintf's value; no libm call where the target lacks a rounding instruction) */
+        float r = (x[i] * inv + 12582912.0f) - 12582912.0f;
+        /* a subnormal max overflows inv: 0·Inf is NaN (q 0; the error below is then x itself) */
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r == r ? r : 0.0f;
+        const int32_t q = (int32_t)r;
+        const double d = (double)x[i] - (double)t * (double)r; /* t·q exact in double */
+        e2 += d * d;
+        q2 += q * q;
+        s += q;
+        out[i] = (uint8_t)(q + 128);
+    }
+    *e = (float)sqrt(e2) * slack; /* the rounding to float is within the slack */
+    *nq = t * sqrtf((float)q2) * slack;
+    *sum = s;
+    return t;
+}
+
+/* The 8-bit plane of one row (kvt__recall_q8_words(branch_dim, sk_width) fp16 words at out):
+ * its branch (row, branch_offset/dtype/dim) and its fp16 sketch csk[0 .. sk_width). tmp: room for
+ * branch_dim + sk_width floats. */
+KVT_HD void kvt__recall_q8_row(const uint8_t *row, uint32_t branch_offset, int branch_dtype,
+                               uint32_t branch_dim, const uint16_t *csk, uint32_t sk_width,
+                               float *tmp, uint8_t *out) {
+    float f[KVT__Q8_FLOATS];
+    uint8_t *v = out + 4u * KVT__Q8_FLOATS;
+    int32_t sum;
+    for (uint32_t j = 0; j < branch_dim; j++)
+        tmp[j] = kvt__sigma_branch_val(row, branch_offset, branch_dtype, j);
+    for (uint32_t k = 0; k < sk_width; k++)
+        tmp[branch_dim + k] = kvt__f16_to_f32(csk[k]);
+    f[0] = kvt__recall_q8_quant(tmp, branch_dim, v, &f[2], &f[3], &sum);
+    f[1] = kvt__recall_q8_quant(tmp + branch_dim, sk_width, v + branch_dim, &f[4], &f[5], &sum);
+    if (!(f[0] == f[0]) || !(f[1] == f[1])) { /* a non-finite row fires wherever it is read */
+        f[0] = f[1] = 0.0f;
+        f[2] = f[4] = INFINITY;
+    }
+    for (uint32_t i = branch_dim + sk_width; i < kvt__recall_q8_len(branch_dim, sk_width); i++)
+        v[i] = 128u;
+    for (uint32_t i = 0; i < KVT__Q8_FLOATS; i++) { /* bytes: the plane's alignment is 2 */
+        const uint32_t b = kvt__bits_from_f32(f[i]);
+        for (uint32_t k = 0; k < 4u; k++)
+            out[4u * i + k] = (uint8_t)(b >> (8u * k));
+    }
+}
+
+/* The plane's fp32 values of a row (little-endian bytes). */
+KVT_HD float kvt__recall_q8_f(const uint8_t *pl, uint32_t i) {
+    const uint8_t *b = pl + 4u * i;
+    return kvt__f32_from_bits((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
+                              (uint32_t)b[3] << 24);
+}
+
+/* What the 8-bit scan keeps of one query head (besides its quantised vector). */
+typedef struct kvt__recall_q8h {
+    float tb, ts;   /* scales of q_br and q̃_sk */
+    float Qb, Qs;   /* >= ‖q_br‖, ‖q̃_sk‖ */
+    float Eb, Es;   /* >= the quantisation errors */
+    float Nb, Ns;   /* >= the quantised vectors' norms */
+    int32_t sb, ss; /* Σ of the quantised values (the u8 offset's correction) */
+} kvt__recall_q8h;
+
+/* Quantise head q's q_br (q + D, branch_dim) and q̃_sk (q_sk[0 .. rank), zeros to sk_width) into
+ * out (kvt__recall_q8_len bytes, as a row's: q + 128) and h. tmp: branch_dim + sk_width floats. */
+KVT_HD void kvt__recall_q8_head(const float *q, uint32_t D, uint32_t branch_dim,
+                                const float *q_sk, uint32_t rank, uint32_t sk_width, float *tmp,
+                                uint8_t *out, kvt__recall_q8h *h) {
+    const float slack = 1.0f + 0.00390625f;
+    for (uint32_t j = 0; j < branch_dim; j++)
+        tmp[j] = q[D + j];
+    for (uint32_t k = 0; k < sk_width; k++)
+        tmp[branch_dim + k] = k < rank ? q_sk[k] : 0.0f;
+    h->tb = kvt__recall_q8_quant(tmp, branch_dim, out, &h->Eb, &h->Nb, &h->sb);
+    h->ts = kvt__recall_q8_quant(tmp + branch_dim, sk_width, out + branch_dim, &h->Es, &h->Ns,
+                                 &h->ss);
+    h->Qb = branch_dim ? kvt__norm_fixed(tmp, branch_dim) * slack : 0.0f;
+    h->Qs = sk_width ? kvt__norm_fixed(tmp + branch_dim, sk_width) * slack : 0.0f;
+    for (uint32_t i = branch_dim + sk_width; i < kvt__recall_q8_len(branch_dim, sk_width); i++)
+        out[i] = 128u;
+}
+
+/* The integer dots of a row's and a head's vectors (u8 = q + 128 both): *ib over the branch
+ * (branch_dim values), *is over the sketch (the rest of len). */
+KVT_HD void kvt__recall_q8_dots(const uint8_t *x, const uint8_t *qv, uint32_t branch_dim,
+                                uint32_t len, int32_t *ib, int32_t *is) {
+    int32_t b = 0, c = 0;
+    for (uint32_t j = 0; j < branch_dim; j++)
+        b += ((int32_t)x[j] - 128) * ((int32_t)qv[j] - 128);
+    for (uint32_t j = branch_dim; j < len; j++)
+        c += ((int32_t)x[j] - 128) * ((int32_t)qv[j] - 128);
+    *ib = b;
+    *is = c;
+}
+
+/* idx8 of a (row, head) from its integer dots; pl: the row's plane. */
+KVT_HD float kvt__recall_q8_idx(const kvt__recall_q8h *h, const uint8_t *pl, int32_t ib,
+                                int32_t is, float s) {
+    const float a = (h->tb * kvt__recall_q8_f(pl, 0)) * (float)ib;
+    const float b = (h->ts * kvt__recall_q8_f(pl, 1)) * (float)is;
+    return s * (a + b);
+}
+
+/* B: the bound on |idx16 − idx8| (score units) of the block comment above. */
+KVT_HD float kvt__recall_q8_bound(const kvt__recall_q8h *h, const uint8_t *pl, float s) {
+    const float er = kvt__recall_q8_f(pl, 2), nr = kvt__recall_q8_f(pl, 3);
+    const float ec = kvt__recall_q8_f(pl, 4), nc = kvt__recall_q8_f(pl, 5);
+    const float main = h->Qb * er + h->Eb * nr + h->Qs * ec + h->Es * nc;
+    const float rnd = h->Qb * (nr + er) + h->Qs * (nc + ec) + h->Nb * nr + h->Ns * nc;
+    return s * (main + 3.0517578e-5f * rnd) * (1.0f + 0.00390625f);
+}
+
+/* Does a (row, head) fire in the 8-bit scan? The block comment's triggers, in this order. */
+KVT_HD int kvt__recall_q8_fires(const kvt__recall_head *hd, const kvt__recall_q8h *h,
+                                const uint8_t *pl, int32_t ib, int32_t is, float rho, float s,
+                                float z, float best, int mode, uint32_t D, uint32_t branch_dim,
+                                uint32_t rank) {
+    const float idx = kvt__recall_q8_idx(h, pl, ib, is, s);
+    const float B = kvt__recall_q8_bound(h, pl, s);
+    if (mode == KVT__RECALL_SOUND) {
+        const float nc = kvt__recall_q8_f(pl, 5) + kvt__recall_q8_f(pl, 4);
+        const float P = h->Qb * (kvt__recall_q8_f(pl, 3) + kvt__recall_q8_f(pl, 2)) + h->Qs * nc;
+        const float m = kvt__recall_sound_margin(hd, fabsf(idx) + B, P, nc, rho, s, z, D,
+                                                 branch_dim, rank);
+        return kvt__recall_sound_fires(idx, (m + B) * (1.0f + 0.00390625f), best);
+    }
+    if (mode == KVT__RECALL_MARGIN)
+        return !((idx + B) + z < best);
+    const float zc = z * kvt__recall_cert(hd, rho, s, D);
+    const float Bp = B + 2.3841858e-7f * (fabsf(idx) + B + fabsf(zc));
+    return !((idx + Bp) + zc <= best);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * CPU twin (kernels/recall_scan.c)
  * ------------------------------------------------------------------------------------------- */
 struct kvt__recall_scan_args;
@@ -236,6 +444,12 @@ int kvt__recall_scan_tiled(int enable);
  * modes; the same bits as the AVX2 tiles); enable 0 or 1 switches it (tests only), -1 asks. */
 int kvt__recall_scan_wide(int enable);
 
+/* The SIMD level of the 8-bit scan (args.q8_off; branch_dim a multiple of 4): 2 the AVX-512
+ * VNNI dots (vpdpbusd), 1 the AVX2 ones (vpmaddwd), 0 the per-element functions row by row —
+ * the same integer dots, so the same bits. The CPU's best level, capped by enable (0..2: tests
+ * only, not thread-safe); -1 only asks. */
+int kvt__recall_scan_q8_level(int enable);
+
 /* The register-tiled chains on their own (the recall step's exact scores use them): acc[r][h] =
  * the chain of fmaf(qT[j][h], X[r][j], ·) over j = 0 .. J ascending from +0, for rows r < nr of X
  * (stride J) and columns h < HP of qT ([J][HP]) — bit for bit the scalar chain. Returns 0, with
@@ -262,6 +476,10 @@ typedef struct kvt__recall_scan_prep {
     float *X;                /* the tiled scan's chunk of rows' embeddings [rows][bd + rank] */
     float *tacc, *tpa;       /* [rows][HP] each: their idx and |·| chains */
     float *snres, *tbest;    /* [HP] each: s·‖q̃_res‖ and best per head (tiled conformal) */
+    float *q8f;              /* 8-bit scan: the heads' kvt__recall_q8h values, [10][HP] */
+    uint8_t *q8v, *q8p;      /* their vectors [HP][q8len], the SIMD dots' packing */
+    int16_t *q8x;            /* the AVX2 dots' rows widened, [CHUNK_ROWS][q8len] */
+    uint32_t q8len;          /* kvt__recall_q8_len (0: a 16-bit scan) */
 } kvt__recall_scan_prep;
 
 /* Heads rounded up to whole tiles of the twin (the columns of a transposed query block). */

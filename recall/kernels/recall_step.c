@@ -321,7 +321,8 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         visited = archived;
         /* The pruned scan where it pays (kvt__recall_prune_pays) */
         const bool prune_pays = kvt__recall_prune_pays(st, st->steps);
-        if (Bg && x->mode != KVT__RECALL_MARGIN && prune_pays) {
+        /* (the 8-bit scan runs in full: the groups bound the 16-bit idx) */
+        if (Bg && x->mode != KVT__RECALL_MARGIN && prune_pays && !a.q8_off) {
             build_groups(x, &a, st, scan_scratch);
             kvt__recall_groups g = {.block_rows = Bg,
                                     .n_blocks = st->n_grouped,

@@ -74,8 +74,11 @@ KVT_HD int kvt__recall_prune_pays(const kvt__recall_state *st, uint64_t step) {
 KVT_HD int kvt__recall_scan_args_ok(const kvt__recall_scan_args *a) {
     const int br = a->branch_dtype;
     if (a->latent_dim <= 64u || a->latent_dim > KVT__SKETCH_MAX_DIM ||
-        a->branch_dim > KVT__RECALL_MAX_BRANCH || a->rank > a->csk_stride ||
-        a->csk_stride > KVT__SKETCH_MAX_RANK || (a->rank && !a->basis) ||
+        a->branch_dim > KVT__RECALL_MAX_BRANCH ||
+        (a->q8_off ? a->rank > a->q8_off || a->q8_off > KVT__SKETCH_MAX_RANK ||
+                         a->csk_stride != a->q8_off + kvt__recall_q8_words(a->branch_dim, a->q8_off)
+                   : a->rank > a->csk_stride || a->csk_stride > KVT__SKETCH_MAX_RANK) ||
+        (a->rank && !a->basis) ||
         !kvt__sketch_dtype_ok(a->dtype, a->latent_dim) ||
         (a->branch_dim && br != KVT__DT_BF16 && br != KVT__DT_FP16 && br != KVT__DT_FP32) ||
         a->n_closed > UINT32_MAX || a->m > a->n_closed || a->n_head > a->n_closed ||

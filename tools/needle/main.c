@@ -87,6 +87,8 @@ static void usage(FILE *f) {
 "                         (a basis file, kvtier-inspect calibrate's format)\n"
 "  --write-basis FILE     write the generator's query subspace as a basis file\n"
 "  --recall-cap W         rows a recall step may fetch (default: the library's, 4096)\n"
+"  --recall-scan-bits N   16 (default) | 8: the recall scan's precision\n"
+"                         (kvt_ctx_params.recall_scan_bits)\n"
 "  --archive-space S      device (default) | host: random eviction's archive in pinned host\n"
 "                         memory (with --rope --mode recall: no step attends the whole archive)\n"
 "  --decode-calib N       filler decode steps before the first needle query (16 with recall)\n"
@@ -472,6 +474,11 @@ static int parse_args(int argc, char **argv, opts *o) {
                 o->run.archive_space = KVT_SPACE_HOST;
             else
                 return usage_err("bad --archive-space '%s' (device, host)", v);
+        } else if (!strcmp(a, "--recall-scan-bits")) {
+            NEED_VALUE();
+            if (parse_u64(v, &u) || (u != 8 && u != 16))
+                return usage_err("bad --recall-scan-bits '%s' (8, 16)", v);
+            o->run.recall_scan_bits = (uint32_t)u;
         } else if (!strcmp(a, "--recall-cap")) {
             NEED_VALUE();
             if (parse_u64(v, &u) || u < 1 || u > (1u << 24))

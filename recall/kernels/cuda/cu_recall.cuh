@@ -22,9 +22,10 @@ namespace {
 typedef Params<kvt__recall_scan_args, kMaxSeg> ScanParams;
 
 /* The argument rules: kvt__recall_scan_args_ok / kvt__recall_step_args_ok
- * (kernels/recall_step.h), one definition with the CPU ops'. */
+ * (kernels/recall_step.h), one definition with the CPU ops'; the 8-bit scan (q8_off) has no CUDA
+ * twin yet (a context with params.recall_scan_bits 8 refuses this backend). */
 inline bool scan_args_ok(const kvt__recall_scan_args &a) {
-    return kvt__recall_scan_args_ok(&a);
+    return kvt__recall_scan_args_ok(&a) && a.q8_off == 0;
 }
 
 /* Workspace of each item (`each` bytes apart): q̃_sk [heads][rank] floats, the residuals

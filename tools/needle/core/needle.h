@@ -260,6 +260,7 @@ typedef struct nd_run_params {
     kvt_recall_mode recall;
     uint32_t recall_cap_rows;
     uint32_t recall_rank;
+    uint32_t recall_scan_bits; /* kvt_ctx_params.recall_scan_bits (0: the library's, 16) */
     bool recall_basis;
     const char *recall_basis_file; /* a basis file instead of the case's subspace (NULL: none):
                                     * kvt_ctx_load_recall_basis, or on a RoPE layer

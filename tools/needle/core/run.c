@@ -611,6 +611,8 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         if (p->recall_cap_rows)
             cfg->recall_cap_rows = p->recall_cap_rows;
         cp.recall_sketch_rank = p->recall_rank;
+        if (p->recall_scan_bits)
+            cp.recall_scan_bits = p->recall_scan_bits;
         cfg->evict_archive = rope; /* what a RoPE layer's recall brings back */
     }
     /* Eviction budget at this ratio: K = context / ratio rows (kvt_model_census's convention),
