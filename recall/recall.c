@@ -426,6 +426,7 @@ static void scan_of_view(const kvt__nope_view *v, kvt__recall_scan_args *a) {
     a->rho_head = v->rho_head;
     a->n_head = v->n_head;
     a->csk_stride = v->csk_stride;
+    a->q8_off = v->q8_off;
     a->basis = v->basis;
     a->rank = v->rank;
     a->n_closed = v->n_closed;

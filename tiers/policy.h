@@ -59,6 +59,7 @@ typedef struct kvt__nope_view {
     const float *rho_head;
     uint64_t n_head;
     uint32_t csk_stride;
+    uint32_t q8_off;    /* the 8-bit plane's first fp16 word in a sketch row (0: none) */
     const float *basis; /* [rank][latent_dim]; NULL when rank is 0 */
     uint32_t rank;
     /* the positions: closed rows, sinks among them, the kept set (ascending, m rows) */
