@@ -1088,6 +1088,24 @@ typedef enum kvt_emit_layout {
                           * copied into fetch slots of the request's, listed after the table's
                           * rows); any layer may use it (every head then lists the same set).
                           * Capacity: n_kv_heads x kvt_batch_capacity's total. */
+    KVT_EMIT_PAGED = 3,  /* FlashInfer's paged KV cache (BatchDecodeWithPagedKVCacheWrapper
+                          * .plan(indptr, indices, last_page_len, ..., page_size)), for sets of
+                          * whole pages: indptr[n_seqs * s_q + 1] over page ids,
+                          * indices[indptr[q] .. indptr[q+1]) = the page ids (slot / page_rows)
+                          * of query q's set, ascending by position, every one attended whole
+                          * but the last, whose first last_page_len[q] rows are (1..page_rows;
+                          * 0 for an empty set). Fits a set that is whole pages from row 0 of
+                          * its first page — every row of a full-attention or random-eviction
+                          * layer, a salience layer's set while it is contiguous or its sinks
+                          * and tail start on page boundaries — and a sliding layer's window,
+                          * listed from the start of the page holding its first row: the engine
+                          * masks the rows before the window with FlashInfer's window_left =
+                          * window - 1. A set of single rows (salience's kept list, a recall
+                          * fetch: TOKENS or CSR list those) is KVT_ERR_UNSUPPORTED;
+                          * kvt_batch_emit_fits says before the run. Capacity: pages, at most
+                          * kvt_batch_capacity's total. CSR and CSR_KV_HEADS are its page-size-1
+                          * view (one slot a page, last_page_len 1): they fit FlashInfer only
+                          * with page_size 1; TOKENS (FlashMLA) lists slots of any page size. */
 } kvt_emit_layout;
 
 #define KVT_MAX_QUERIES_PER_SEQ 256u
@@ -1122,6 +1140,9 @@ typedef struct kvt_emit {
     uint64_t flags;         /* KVT_EMIT_* options below (0: none; an unknown bit is
                              * KVT_ERR_INVALID_ARGUMENT). A struct from before the field (its
                              * struct_size ends before it) has none. */
+    int32_t *last_page_len; /* PAGED: [n_seqs * s_q], FlashInfer's kv_last_page_len; unused by
+                             * the other layouts (a struct from before the field cannot ask for
+                             * PAGED: KVT_ERR_INVALID_ARGUMENT) */
 } kvt_emit;
 /* TOKENS only (another layout: KVT_ERR_INVALID_ARGUMENT): lengths holds one count per request,
  * lengths[n_seqs] — FlashMLA's sparse decode topk_length, (batch_size,) int32, with indices
@@ -1134,6 +1155,17 @@ typedef struct kvt_emit {
  * reads as invalid indices and skips. With s_q <= 1 the same values as without the option. */
 #define KVT_EMIT_LENGTHS_PER_SEQ 0x1u
 #define KVT_EMIT_FLAGS_KNOWN KVT_EMIT_LENGTHS_PER_SEQ
+/* After kvt_batch_plan, before the layer's first run of the step: *fits = whether kvt_batch_run
+ * of `layer` can emit this step in `layout` — for KVT_EMIT_PAGED, every request's set is whole
+ * pages as the layout states (false also where a request's close or eviction round is due on
+ * the layer this step, which that run does first: its set is known only after it; a
+ * full-attention, sliding-window or random-eviction layer, whose sets are whole pages after any
+ * round, still answers true unless a request recalls there); true for the other layouts.
+ * Host only, no side effect. KVT_ERR_BAD_STATE before plan; KVT_ERR_INVALID_ARGUMENT (NULL,
+ * layer out of range, an unknown layout). */
+KVT_API kvt_status kvt_batch_emit_fits(const kvt_batch *batch, uint32_t layer,
+                                       kvt_emit_layout layout, bool *fits);
+
 /* The smallest struct_size kvt_batch_run accepts (a struct without queries_per_seq: s_q = 1). */
 #define KVT_EMIT_SIZE_MIN (offsetof(kvt_emit, dense) + sizeof(uint8_t *))
 
