@@ -2,7 +2,8 @@
  * MLA-NoPE layer, random eviction on an MLA-RoPE and a GQA layer, a sliding-window layer, a
  * no-KV layer), tiny pages and pools so that exhaustion happens, and a program of calls read
  * from the input bytes: requests created and destroyed (also mid-step), reserve and
- * kvt_batch_reserve_drafts, row writes, plan, run in both emission layouts with one or several
+ * kvt_batch_reserve_drafts, row writes, plan, run in the emission layouts (TOKENS, CSR, PAGED
+ * where kvt_batch_emit_fits answers first: refused only where it said no) with one or several
  * queries per request and capacities that sometimes fall short, commit with partial acceptance
  * (and acceptances the contract refuses), prompt changes, batches destroyed before their run,
  * the inspection calls, and snapshots: taken (refused inside a step), restored into a free
@@ -420,6 +421,19 @@ static void check_emission(fuzz_state *f, const kvt_emit *e, uint32_t n_q) {
                     FUZZ_REQUIRE(v == -1, "query %u entry %u: padding %d", q, j, v);
             }
         }
+    } else if (e->layout == KVT_EMIT_PAGED) { /* page ids; the last page's rows */
+        FUZZ_REQUIRE(e->indptr[0] == 0, "indptr[0] = %d", e->indptr[0]);
+        for (uint32_t q = 0; q < n_q; q++) {
+            const int32_t n = e->indptr[q + 1] - e->indptr[q], last = e->last_page_len[q];
+            FUZZ_REQUIRE(n >= 0, "indptr falls at %u", q);
+            FUZZ_REQUIRE(n ? last >= 1 && (uint32_t)last <= f->page_rows : last == 0,
+                         "query %u: %d pages, last_page_len %d", q, n, last);
+        }
+        FUZZ_REQUIRE((uint32_t)e->indptr[n_q] <= e->capacity, "indptr end %d past %u",
+                     e->indptr[n_q], e->capacity);
+        for (int32_t j = 0; j < e->indptr[n_q]; j++)
+            FUZZ_REQUIRE(e->indices[j] >= 0 && (uint32_t)e->indices[j] < f->n_pages,
+                         "paged entry %d: page %d outside the pool", j, e->indices[j]);
     } else {
         FUZZ_REQUIRE(e->indptr[0] == 0, "indptr[0] = %d", e->indptr[0]);
         for (uint32_t q = 0; q < n_q; q++)
@@ -446,28 +460,46 @@ static void op_run(fuzz_state *f) {
     uint32_t sq = (mode & 12) == 0 ? 0 : (mode & 12) == 4 ? 1 : max_tok + (mode >> 6);
     uint32_t n_q = (b->n ? b->n : 1) * (sq > 1 ? sq : 1);
     bool csr = mode & 1, short_cap = (mode & 0x30) == 0x30;
+    /* CSR with bits 0x30 = 0x20: FlashInfer's paged layout (refused only where
+     * kvt_batch_emit_fits said no) */
+    const bool paged = csr && (mode & 0x30) == 0x20;
     uint32_t cap = csr ? total * (sq > 1 ? sq : 1) : topk;
     if (short_cap && cap > 0)
         cap--;
-    kvt_emit e = {.struct_size = sizeof e, .layout = csr ? KVT_EMIT_CSR : KVT_EMIT_TOKENS,
+    kvt_emit e = {.struct_size = sizeof e,
+                  .layout = paged ? KVT_EMIT_PAGED : csr ? KVT_EMIT_CSR : KVT_EMIT_TOKENS,
                   .capacity = cap, .queries_per_seq = sq};
     size_t n_idx = csr ? cap : (size_t)n_q * cap;
     e.indices = malloc(sizeof(int32_t) * (n_idx + 1));
     e.lengths = malloc(sizeof(int32_t) * n_q);
     e.indptr = malloc(sizeof(int32_t) * (n_q + 1));
+    e.last_page_len = malloc(sizeof(int32_t) * n_q);
     uint8_t dense[MAX_SEQS];
     e.dense = (mode & 2) ? dense : NULL;
-    FUZZ_REQUIRE(e.indices && e.lengths && e.indptr, "oom");
+    FUZZ_REQUIRE(e.indices && e.lengths && e.indptr && e.last_page_len, "oom");
     const bool planned_run = b->planned && (mode & 0x80); /* the emission it was planned for */
+    bool fits = true;
+    if (paged && !planned_run) {
+        s = kvt_batch_emit_fits(b->h, l, KVT_EMIT_PAGED, &fits);
+        FUZZ_STATUS("kvt_batch_emit_fits", s, KVT_ERR_BAD_STATE, KVT_ERR_INVALID_ARGUMENT);
+        FUZZ_REQUIRE(s == KVT_OK || !fits, "emit_fits failed with fits set");
+        if (b->phase >= 2 && l < N_LAYERS)
+            FUZZ_REQUIRE(s == KVT_OK, "kvt_batch_emit_fits after plan: %s", kvt_status_name(s));
+    }
     s = kvt_batch_run(b->h, l, NULL, NULL, planned_run ? &b->pe : &e);
     if (f->verbose)
-        fprintf(stderr, "  run layer %u (%s, s_q %u, capacity %u): %s\n", l, csr ? "csr" : "tokens",
-                sq, cap, kvt_status_name(s));
-    FUZZ_STATUS("kvt_batch_run", s, KVT_ERR_BAD_STATE, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY,
-                KVT_ERR_OUT_OF_RANGE, KVT_ERR_POLICY_MISMATCH, KVT_ERR_INVALID_ARGUMENT);
+        fprintf(stderr, "  run layer %u (%s, s_q %u, capacity %u): %s\n", l,
+                paged ? "paged" : csr ? "csr" : "tokens", sq, cap, kvt_status_name(s));
+    if (paged && !planned_run && s == KVT_ERR_UNSUPPORTED) /* a set of single rows */
+        FUZZ_REQUIRE(!fits, "layer %u: PAGED refused where kvt_batch_emit_fits said it fits", l);
+    else
+        FUZZ_STATUS("kvt_batch_run", s, KVT_ERR_BAD_STATE, KVT_ERR_CAPACITY,
+                    KVT_ERR_OUT_OF_MEMORY, KVT_ERR_OUT_OF_RANGE, KVT_ERR_POLICY_MISMATCH,
+                    KVT_ERR_INVALID_ARGUMENT);
     if (b->phase < 2)
         FUZZ_REQUIRE(s != KVT_OK, "run before plan accepted");
-    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1 && !b->planned)
+    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1 && !b->planned &&
+        fits)
         FUZZ_REQUIRE(s == KVT_OK, "run of layer %u with kvt_batch_capacity's capacity: %s", l,
                      kvt_status_name(s));
     if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && planned_run)
@@ -485,6 +517,7 @@ static void op_run(fuzz_state *f) {
     free(e.indices);
     free(e.lengths);
     free(e.indptr);
+    free(e.last_page_len);
 }
 
 static void op_commit(fuzz_state *f) {
