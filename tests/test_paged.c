@@ -342,6 +342,62 @@ Test(paged, a_close_that_kept_every_row_is_one_range) {
     kvt_model_destroy(m);
 }
 
+/* A request that recalls on the salience layer (its fetched rows are single rows): PAGED is
+ * refused before the layer's work, emit_fits said so; the other layers fit; TOKENS runs. */
+Test(paged, a_recalling_request_is_refused_before_the_work) {
+    kvt_layer_spec sp4[TU_N_LAYERS]; /* the mixed model, its salience layer with 4 query heads */
+    cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &sp4[0]), KVT_OK);
+    sp4[0].n_q_heads = 4;
+    for (uint32_t l = 1; l < 3; l++)
+        cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, 2, 16, &sp4[l]), KVT_OK);
+    cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_SLIDING, KVT_DTYPE_BF16, 2, 8, &sp4[3]), KVT_OK);
+    sp4[3].sliding_window = W;
+    kvt_model *m;
+    cr_assert_eq(kvt_model_create(sp4, TU_N_LAYERS, "recall", &m, NULL, 0), KVT_OK);
+    kvt_ctx *ctx = tu_mixed_ctx_sketch(m, false, 256, TU_K, 16);
+    cr_assert(ctx);
+    kvt_seq_params sp = kvt_seq_default_params();
+    sp.request_id = 3;
+    sp.recall = KVT_RECALL_CONFORMAL;
+    kvt_seq *s;
+    cr_assert_eq(kvt_seq_create(ctx, &sp, &s), KVT_OK, "%s", kvt_last_error());
+    kvt_batch *b;
+    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
+    static em pg, tk;
+    em_open(ctx, &pg, KVT_EMIT_PAGED);
+    em_open(ctx, &tk, KVT_EMIT_TOKENS);
+    static float query[4096];
+    uint32_t n = 70;
+    cr_assert_eq(kvt_batch_reserve(b, &s, &n, 1), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+    for (uint32_t l = 0; l < TU_N_LAYERS; l++) /* a prefill step: every row, no fetch */
+        cr_assert_eq(kvt_batch_run(b, l, query, NULL, &tk.e), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
+    n = 1;
+    cr_assert_eq(kvt_batch_reserve(b, &s, &n, 1), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(b), KVT_OK);
+    bool fits = true;
+    cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_PAGED, &fits), KVT_OK);
+    cr_assert_not(fits);
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &pg.e), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "recalls") && strstr(kvt_last_error(), "nothing done"),
+              "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &tk.e), KVT_OK, "%s", kvt_last_error());
+    for (uint32_t l = TU_L_EV1; l < TU_N_LAYERS; l++) {
+        cr_assert_eq(kvt_batch_emit_fits(b, l, KVT_EMIT_PAGED, &fits), KVT_OK);
+        cr_assert(fits, "layer %u", l);
+        cr_assert_eq(kvt_batch_run(b, l, query, NULL, &pg.e), KVT_OK, "%s", kvt_last_error());
+    }
+    cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(s), KVT_OK, "%s", kvt_last_error());
+    em_close(&pg);
+    em_close(&tk);
+    kvt_batch_destroy(b);
+    kvt_seq_destroy(s);
+    kvt_ctx_destroy(ctx);
+    kvt_model_destroy(m);
+}
+
 /* ------------------------------------------------------------------------------------------
  * The planned path equals the eager one: twins of the same requests and rows; a's runs eager,
  * g's planned (plan_device, a captured run replayed) where the step is plannable. The salience
