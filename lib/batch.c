@@ -1388,15 +1388,14 @@ kvt_status kvt_batch_emit_fits(const kvt_batch *b, uint32_t layer, kvt_emit_layo
         return KVT_ERR_INVALID_ARGUMENT;
     *fits = false;
     kvt_ctx *ctx = b->ctx;
-    kvt__ctx_clear_error(ctx);
-    if (layer >= ctx->n_layers || !emit_layout_known(layout))
-        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "kvt_batch_emit_fits: layer %u (of %u) or layout %d out of range",
-                             layer, ctx->n_layers, (int)layout);
-    if (b->state != BATCH_PLANNED)
-        return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE, "kvt_batch_emit_fits: after kvt_batch_plan");
+    kvt_status s = enter_layer(b, layer, BATCH_PLANNED); /* kvt_batch_run's statuses */
+    if (s != KVT_OK)
+        return s;
+    if (!emit_layout_known(layout))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "layout: unknown value %d",
+                             (int)layout);
     *fits = true;
-    if (layout != KVT_EMIT_PAGED || ctx->stores[layer].group < 0)
+    if (layout != KVT_EMIT_PAGED)
         return KVT_OK;
     /* full attention and random eviction attend every row of their table, after any round */
     const bool whole = kvt__layer_policy(ctx, layer)->attended == kvt__none_attended;

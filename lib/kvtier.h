@@ -1161,8 +1161,9 @@ typedef struct kvt_emit {
  * the layer this step, which that run does first: its set is known only after it; a
  * full-attention, sliding-window or random-eviction layer, whose sets are whole pages after any
  * round, still answers true unless a request recalls there); true for the other layouts.
- * Host only, no side effect. KVT_ERR_BAD_STATE before plan; KVT_ERR_INVALID_ARGUMENT (NULL,
- * layer out of range, an unknown layout). */
+ * Host only, no side effect. kvt_batch_run's layer statuses (KVT_ERR_OUT_OF_RANGE,
+ * KVT_ERR_POLICY_MISMATCH for a layer without per-token KV, KVT_ERR_BAD_STATE before plan);
+ * KVT_ERR_INVALID_ARGUMENT (NULL, an unknown layout). */
 KVT_API kvt_status kvt_batch_emit_fits(const kvt_batch *batch, uint32_t layer,
                                        kvt_emit_layout layout, bool *fits);
 

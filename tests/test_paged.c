@@ -257,7 +257,7 @@ Test(paged, kept_single_rows_are_refused) {
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_TOKENS, &fits), KVT_OK);
     cr_assert(fits);
     cr_assert_eq(kvt_batch_emit_fits(b, TU_N_LAYERS, KVT_EMIT_PAGED, &fits),
-                 KVT_ERR_INVALID_ARGUMENT);
+                 KVT_ERR_OUT_OF_RANGE);
     cr_assert_eq(kvt_batch_emit_fits(b, 0, (kvt_emit_layout)9, &fits), KVT_ERR_INVALID_ARGUMENT);
     pg.h_ptr[1] = -7;
     cr_assert_eq(kvt_buffer_write(pg.ptr, 0, pg.h_ptr, sizeof pg.h_ptr), KVT_OK);
