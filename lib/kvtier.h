@@ -1203,8 +1203,9 @@ KVT_API kvt_status kvt_batch_emit_fits(const kvt_batch *batch, uint32_t layer,
  * with the kept queries and then keeps the step's own, as an eager run does.
  *
  * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
- * n_emits = n_layers), TOKENS, CSR or CSR_KV_HEADS with one query per request; a run of a
- * planned step must
+ * n_emits = n_layers), TOKENS, CSR, CSR_KV_HEADS or PAGED with one query per request — an array
+ * of n_emits elements of the caller's struct_size each (an older caller's smaller kvt_emit: read
+ * at that stride, every element stating the same size); a run of a planned step must
  * pass exactly that emission, and every planned step of a batch the emissions of its first one
  * (the arrays and capacities a captured graph writes; KVT_ERR_INVALID_ARGUMENT otherwise, nothing
  * planned: plan other emissions on another batch). The plan buffer, n_layers x
@@ -1216,7 +1217,8 @@ KVT_API kvt_status kvt_batch_emit_fits(const kvt_batch *batch, uint32_t layer,
  * (stream-ordered after the previous step's device work). Errors:
  * KVT_ERR_BAD_STATE (not planned, already run, planned twice, a damaged request),
  * KVT_ERR_INVALID_ARGUMENT (emits; on the guarded backend an array outside its buffers, as for
- * kvt_batch_run), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
+ * kvt_batch_run), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned), KVT_ERR_UNSUPPORTED
+ * (PAGED on a layer where a request's set is not whole pages: nothing planned),
  * KVT_ERR_OUT_OF_MEMORY (the buffer), a backend status. */
 KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits,
                                          uint32_t n_emits, void *stream, bool *planned);
@@ -1238,9 +1240,12 @@ KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits
  * is the caller's error, named in the message), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a
  * request's n_tokens, KVT_ERR_BAD_STATE before plan, on a damaged request, or for per-token
  * emission of a multi-token request whose earlier run of this layer already did its policy work.
+ * KVT_ERR_UNSUPPORTED (PAGED where a request of the batch recalls on the layer).
  * After the work: KVT_ERR_CAPACITY (the layer's work is done, nothing emitted) when a set
- * exceeds the capacity — kvt_batch_capacity says what suffices; KVT_ERR_OUT_OF_MEMORY (host)
- * from a close or round: nothing of that request's layer changed and the commit retries it;
+ * exceeds the capacity — kvt_batch_capacity says what suffices; KVT_ERR_UNSUPPORTED (the
+ * same) when PAGED meets a set that is not whole pages (kvt_batch_emit_fits says beforehand);
+ * KVT_ERR_OUT_OF_MEMORY (host) from a close or round: nothing of that request's layer changed
+ * and the commit retries it;
  * KVT_ERR_CORRUPT: a device error mid-compaction damaged a request (destroy it after commit). */
 KVT_API kvt_status kvt_batch_run(kvt_batch *batch, uint32_t layer, const void *query,
                                  void *stream, const kvt_emit *emit);
