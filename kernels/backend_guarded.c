@@ -654,7 +654,8 @@ static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t
 static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
                               const kvt__pack_query *q) {
     const bool recall = q->fetch || q->n_fetch || q->dense || q->all_rows;
-    if (q->paged && (recall || q->d.n_list || !a->csr || !a->last_page_len))
+    if (q->paged &&
+        (q->fetch || q->n_fetch || q->dense || q->d.n_list || !a->csr || !a->last_page_len))
         return KVT_ERR_INVALID_ARGUMENT; /* a paged set is whole pages, in a CSR */
     /* The most it can write: every row of the view with recall (the count is the backend's). */
     uint64_t count = q->paged ? kvt__paged_count(&q->d, a->pdiv)

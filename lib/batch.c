@@ -676,8 +676,7 @@ static bool paged_query(const kvt_ctx *ctx, uint32_t layer, kvt__pack_query *pq)
         d.hi_begin -= d.hi_begin % P;
     if (d.lo_end % P || d.hi_begin % P)
         return false;
-    pq->d = d;
-    pq->all_rows = false;
+    pq->d = d; /* (all_rows kept: the request's dense flag says it attends every row) */
     pq->paged = true;
     return true;
 }
@@ -1032,7 +1031,7 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
                                      : q[n].d.n_list     ? "kept single rows"
                                                          : "a range starts inside a page",
                                      nothing);
-            const uint64_t rows = q[n].paged                ? kvt__paged_count(&q[n].d, &ctx->pdiv)
+            const uint64_t rows = q[n].paged           ? kvt__paged_count(&q[n].d, &ctx->pdiv)
                                   : way == RECALL_NONE ? kvt__attended_desc_count(&q[n].d)
                                                        : q[n].d.hi_end;
             if (tokens && rows > e->capacity)
@@ -1136,8 +1135,7 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
                                .pdiv = &ctx->pdiv, .csr = emit->layout != KVT_EMIT_TOKENS,
                                .first_csr = true, .capacity = emit->capacity,
                                .indices = emit->indices, .lengths = emit->lengths,
-                               .indptr = emit->indptr,
-                               .last_page_len = emit_last_page_len(emit)};
+                               .indptr = emit->indptr, .last_page_len = emit_last_page_len(emit)};
     if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", l);
     /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags and, in

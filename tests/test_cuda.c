@@ -331,9 +331,16 @@ Test(cuda, pack_paged_equals_the_cpu) {
     kvt__pack_query *dq = dev(&r, qg, sizeof qg);
     uint32_t n = NQ;
     uint32_t *dn = dev(&r, &n, sizeof n);
-    const kvt__pack_args pc = {.q_plan = qc, .n_plan = &n, .n_max = n, .pdiv = &pdiv,
-                               .csr = true, .first_csr = true, .capacity = off, .indices = idx,
-                               .indptr = ptr, .last_page_len = last};
+    const kvt__pack_args pc = {.q_plan = qc,
+                               .n_plan = &n,
+                               .n_max = n,
+                               .pdiv = &pdiv,
+                               .csr = true,
+                               .first_csr = true,
+                               .capacity = off,
+                               .indices = idx,
+                               .indptr = ptr,
+                               .last_page_len = last};
     kvt__pack_args pg = pc;
     pg.q_plan = dq;
     pg.n_plan = dn;

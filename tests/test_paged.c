@@ -65,8 +65,8 @@ static void em_open(kvt_ctx *ctx, em *x, kvt_emit_layout layout) {
     cr_assert_eq(kvt_buffer_alloc(ctx, sizeof x->h_idx, &x->idx), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(ctx, sizeof x->h_ptr, &x->ptr), KVT_OK);
     cr_assert_eq(kvt_buffer_alloc(ctx, sizeof x->h_last, &x->last), KVT_OK);
-    x->e = (kvt_emit){.struct_size = sizeof(kvt_emit), .layout = layout,
-                      .indices = kvt_buffer_ptr(x->idx)};
+    x->e = (kvt_emit){
+        .struct_size = sizeof(kvt_emit), .layout = layout, .indices = kvt_buffer_ptr(x->idx)};
     if (layout == KVT_EMIT_TOKENS) { /* [NQ][CAP / NQ], lengths in ptr */
         x->e.capacity = CAP / NQ;
         x->e.lengths = kvt_buffer_ptr(x->ptr);
@@ -144,9 +144,9 @@ static void same_as_tokens(const em *pg, const em *tk, uint32_t i, uint32_t laye
     cr_assert(layer == TU_L_SLIDE || n == len, "request %u layer %u: %u rows paged, %u listed", i,
               layer, n, len);
     cr_assert_lt(n - len, P, "the window's first page holds its masked rows only");
-    cr_assert_eq(memcmp(slots + (n - len), tk->h_idx + (size_t)i * (CAP / NQ),
-                        sizeof(int32_t) * len),
-                 0, "request %u layer %u: pages expanded are not the TOKENS slots", i, layer);
+    cr_assert_eq(
+        memcmp(slots + (n - len), tk->h_idx + (size_t)i * (CAP / NQ), sizeof(int32_t) * len), 0,
+        "request %u layer %u: pages expanded are not the TOKENS slots", i, layer);
 }
 
 /* Whole pages on every layer: requests under the salience budget (no close before 64 rows),
@@ -256,8 +256,7 @@ Test(paged, kept_single_rows_are_refused) {
     cr_assert_not(fits, "a close is due: its set is known only after it");
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_TOKENS, &fits), KVT_OK);
     cr_assert(fits);
-    cr_assert_eq(kvt_batch_emit_fits(b, TU_N_LAYERS, KVT_EMIT_PAGED, &fits),
-                 KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_batch_emit_fits(b, TU_N_LAYERS, KVT_EMIT_PAGED, &fits), KVT_ERR_OUT_OF_RANGE);
     cr_assert_eq(kvt_batch_emit_fits(b, 0, (kvt_emit_layout)9, &fits), KVT_ERR_INVALID_ARGUMENT);
     pg.h_ptr[1] = -7;
     cr_assert_eq(kvt_buffer_write(pg.ptr, 0, pg.h_ptr, sizeof pg.h_ptr), KVT_OK);
@@ -349,7 +348,8 @@ Test(paged, a_recalling_request_is_refused_before_the_work) {
     cr_assert_eq(kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &sp4[0]), KVT_OK);
     sp4[0].n_q_heads = 4;
     for (uint32_t l = 1; l < 3; l++)
-        cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, 2, 16, &sp4[l]), KVT_OK);
+        cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_GQA_ROPE, KVT_DTYPE_FP16, 2, 16, &sp4[l]),
+                     KVT_OK);
     cr_assert_eq(kvt_layer_spec_gqa(KVT_LAYER_SLIDING, KVT_DTYPE_BF16, 2, 8, &sp4[3]), KVT_OK);
     sp4[3].sliding_window = W;
     kvt_model *m;
@@ -380,8 +380,8 @@ Test(paged, a_recalling_request_is_refused_before_the_work) {
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_PAGED, &fits), KVT_OK);
     cr_assert_not(fits);
     cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &pg.e), KVT_ERR_UNSUPPORTED);
-    cr_assert(strstr(kvt_last_error(), "recalls") && strstr(kvt_last_error(), "nothing done"),
-              "%s", kvt_last_error());
+    cr_assert(strstr(kvt_last_error(), "recalls") && strstr(kvt_last_error(), "nothing done"), "%s",
+              kvt_last_error());
     cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &tk.e), KVT_OK, "%s", kvt_last_error());
     for (uint32_t l = TU_L_EV1; l < TU_N_LAYERS; l++) {
         cr_assert_eq(kvt_batch_emit_fits(b, l, KVT_EMIT_PAGED, &fits), KVT_OK);
@@ -441,9 +441,12 @@ static bool twin_open(twin *t, kvt_model *m, kvt_backend_kind k, bool old, char 
                                                   : KVT_EMIT_PAGED;
         em_open(t->ctx, &t->x[l], lay);
         t->e[l] = t->x[l].e;
-        t->old[l] = (old_emit){.struct_size = sizeof(old_emit), .layout = lay,
-                               .indices = t->e[l].indices, .capacity = t->e[l].capacity,
-                               .lengths = t->e[l].lengths, .indptr = t->e[l].indptr};
+        t->old[l] = (old_emit){.struct_size = sizeof(old_emit),
+                               .layout = lay,
+                               .indices = t->e[l].indices,
+                               .capacity = t->e[l].capacity,
+                               .lengths = t->e[l].lengths,
+                               .indptr = t->e[l].indptr};
     }
     return true;
 }

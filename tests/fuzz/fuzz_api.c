@@ -467,8 +467,11 @@ static void op_run(fuzz_state *f) {
     if (short_cap && cap > 0)
         cap--;
     kvt_emit e = {.struct_size = sizeof e,
-                  .layout = paged ? KVT_EMIT_PAGED : csr ? KVT_EMIT_CSR : KVT_EMIT_TOKENS,
-                  .capacity = cap, .queries_per_seq = sq};
+                  .layout = paged ? KVT_EMIT_PAGED
+                            : csr ? KVT_EMIT_CSR
+                                  : KVT_EMIT_TOKENS,
+                  .capacity = cap,
+                  .queries_per_seq = sq};
     size_t n_idx = csr ? cap : (size_t)n_q * cap;
     e.indices = malloc(sizeof(int32_t) * (n_idx + 1));
     e.lengths = malloc(sizeof(int32_t) * n_q);
@@ -490,17 +493,18 @@ static void op_run(fuzz_state *f) {
     s = kvt_batch_run(b->h, l, NULL, NULL, planned_run ? &b->pe : &e);
     if (f->verbose)
         fprintf(stderr, "  run layer %u (%s, s_q %u, capacity %u): %s\n", l,
-                paged ? "paged" : csr ? "csr" : "tokens", sq, cap, kvt_status_name(s));
+                paged ? "paged"
+                : csr ? "csr"
+                      : "tokens",
+                sq, cap, kvt_status_name(s));
     if (paged && !planned_run && s == KVT_ERR_UNSUPPORTED) /* a set of single rows */
         FUZZ_REQUIRE(!fits, "layer %u: PAGED refused where kvt_batch_emit_fits said it fits", l);
     else
-        FUZZ_STATUS("kvt_batch_run", s, KVT_ERR_BAD_STATE, KVT_ERR_CAPACITY,
-                    KVT_ERR_OUT_OF_MEMORY, KVT_ERR_OUT_OF_RANGE, KVT_ERR_POLICY_MISMATCH,
-                    KVT_ERR_INVALID_ARGUMENT);
+        FUZZ_STATUS("kvt_batch_run", s, KVT_ERR_BAD_STATE, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY,
+                    KVT_ERR_OUT_OF_RANGE, KVT_ERR_POLICY_MISMATCH, KVT_ERR_INVALID_ARGUMENT);
     if (b->phase < 2)
         FUZZ_REQUIRE(s != KVT_OK, "run before plan accepted");
-    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1 && !b->planned &&
-        fits)
+    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1 && !b->planned && fits)
         FUZZ_REQUIRE(s == KVT_OK, "run of layer %u with kvt_batch_capacity's capacity: %s", l,
                      kvt_status_name(s));
     if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && planned_run)
