@@ -35,14 +35,9 @@ enum { NQ = 3, P = 16, W = TU_WINDOW, CAP = 4096 };
  * unavailable (why says so). */
 static kvt_ctx *open_ctx(kvt_model *m, kvt_backend_kind k, uint32_t ratio, uint32_t sinks,
                          char *why, size_t why_len) {
-    kvt_config c = kvt_config_default();
-    c.block_rows = TU_BLOCK;
-    c.kappa = 4;
+    kvt_config c = tu_mixed_config(false, TU_K);
     c.ratio = ratio;
     c.sink_rows = sinks;
-    c.evict_budget_rows = TU_K;
-    c.recent_rows = TU_R;
-    c.cadence_rows = TU_R;
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = m;
     p.config = &c;
@@ -234,68 +229,87 @@ static void grow(kvt_batch *b, kvt_seq *s, uint32_t prompt, uint32_t steps, em *
     }
 }
 
+/* One request in a batch of one on ctx (of model m; both closed with it), with a PAGED and a
+ * TOKENS emission; sp NULL: default parameters, request id 1. */
+typedef struct solo {
+    kvt_model *m;
+    kvt_ctx *ctx;
+    kvt_seq *s;
+    kvt_batch *b;
+    em pg, tk;
+} solo;
+
+static void solo_open(solo *o, kvt_model *m, kvt_ctx *ctx, const kvt_seq_params *sp) {
+    cr_assert(ctx);
+    o->m = m;
+    o->ctx = ctx;
+    cr_assert_eq(sp ? kvt_seq_create(ctx, sp, &o->s) : tu_seq_create(ctx, 1, &o->s), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(kvt_batch_create(ctx, 1, &o->b), KVT_OK);
+    em_open(ctx, &o->pg, KVT_EMIT_PAGED);
+    em_open(ctx, &o->tk, KVT_EMIT_TOKENS);
+}
+
+static void solo_close(solo *o) {
+    em_close(&o->pg);
+    em_close(&o->tk);
+    kvt_batch_destroy(o->b);
+    kvt_seq_destroy(o->s);
+    kvt_ctx_destroy(o->ctx);
+    kvt_model_destroy(o->m);
+}
+
 /* After a close (ratio 8: 8 kept rows of 64, single rows) the salience set is not whole pages:
  * emit_fits says so, the run refuses it after its work (nothing emitted) and a TOKENS run of
  * the same step emits; the other layers still fit. */
 Test(paged, kept_single_rows_are_refused) {
+    static solo o;
     kvt_model *m = tu_mixed_model();
-    char why[256] = "";
-    kvt_ctx *ctx = open_ctx(m, KVT_BACKEND_CPU, 8, 4, why, sizeof why);
-    cr_assert(ctx, "%s", why);
-    kvt_seq *s;
-    cr_assert_eq(tu_seq_create(ctx, 1, &s), KVT_OK);
-    kvt_batch *b;
-    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
-    static em pg, tk;
-    em_open(ctx, &pg, KVT_EMIT_PAGED);
-    em_open(ctx, &tk, KVT_EMIT_TOKENS);
+    solo_open(&o, m, open_ctx(m, KVT_BACKEND_CPU, 8, 4, NULL, 0), NULL);
+    kvt_batch *b = o.b;
+    em *pg = &o.pg, *tk = &o.tk;
     bool fits = true;
     cr_assert_eq(kvt_batch_emit_fits(b, 0, KVT_EMIT_PAGED, &fits), KVT_ERR_BAD_STATE);
-    grow(b, s, 60, 4, &tk); /* the step of row 64 is due to close: planned, not run */
+    grow(b, o.s, 60, 4, tk); /* the step of row 64 is due to close: planned, not run */
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_PAGED, &fits), KVT_OK);
     cr_assert_not(fits, "a close is due: its set is known only after it");
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_TOKENS, &fits), KVT_OK);
     cr_assert(fits);
     cr_assert_eq(kvt_batch_emit_fits(b, TU_N_LAYERS, KVT_EMIT_PAGED, &fits), KVT_ERR_OUT_OF_RANGE);
     cr_assert_eq(kvt_batch_emit_fits(b, 0, (kvt_emit_layout)9, &fits), KVT_ERR_INVALID_ARGUMENT);
-    pg.h_ptr[1] = -7;
-    cr_assert_eq(kvt_buffer_write(pg.ptr, 0, pg.h_ptr, sizeof pg.h_ptr), KVT_OK);
-    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &pg.e), KVT_ERR_UNSUPPORTED);
+    pg->h_ptr[1] = -7;
+    cr_assert_eq(kvt_buffer_write(pg->ptr, 0, pg->h_ptr, sizeof pg->h_ptr), KVT_OK);
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &pg->e), KVT_ERR_UNSUPPORTED);
     cr_assert(strstr(kvt_last_error(), "not whole pages") != NULL, "%s", kvt_last_error());
-    em_read(&pg);
-    cr_assert_eq(pg.h_ptr[1], -7, "nothing emitted");
+    em_read(pg);
+    cr_assert_eq(pg->h_ptr[1], -7, "nothing emitted");
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_PAGED, &fits), KVT_OK);
     cr_assert_not(fits, "after the close: kept single rows");
-    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &tk.e), KVT_OK, "%s", kvt_last_error());
-    em_read(&tk);
-    cr_assert_eq(tk.h_ptr[0], 4 + 8, "sinks and 8 kept rows (the tail empty at 64 rows)");
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &tk->e), KVT_OK, "%s", kvt_last_error());
+    em_read(tk);
+    cr_assert_eq(tk->h_ptr[0], 4 + 8, "sinks and 8 kept rows (the tail empty at 64 rows)");
     for (uint32_t l = TU_L_EV1; l < TU_N_LAYERS; l++) {
         cr_assert_eq(kvt_batch_emit_fits(b, l, KVT_EMIT_PAGED, &fits), KVT_OK);
         cr_assert(fits, "layer %u", l);
-        cr_assert_eq(kvt_batch_run(b, l, NULL, NULL, &pg.e), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_batch_run(b, l, NULL, NULL, &pg->e), KVT_OK, "%s", kvt_last_error());
     }
     /* wrong emissions: before any work */
-    kvt_emit e = pg.e;
+    kvt_emit e = pg->e;
     e.struct_size = offsetof(kvt_emit, last_page_len); /* an older struct: no last_page_len */
     cr_assert_eq(kvt_batch_run(b, TU_L_EV1, NULL, NULL, &e), KVT_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(kvt_last_error(), "last_page_len") != NULL, "%s", kvt_last_error());
-    e = pg.e;
+    e = pg->e;
     e.last_page_len = NULL;
     cr_assert_eq(kvt_batch_run(b, TU_L_EV1, NULL, NULL, &e), KVT_ERR_INVALID_ARGUMENT);
-    e = pg.e;
+    e = pg->e;
     e.flags = KVT_EMIT_LENGTHS_PER_SEQ;
     cr_assert_eq(kvt_batch_run(b, TU_L_EV1, NULL, NULL, &e), KVT_ERR_INVALID_ARGUMENT);
-    e = pg.e;
+    e = pg->e;
     e.capacity = 2; /* 40 to 48 rows held: 3 pages */
     cr_assert_eq(kvt_batch_run(b, TU_L_EV1, NULL, NULL, &e), KVT_ERR_CAPACITY);
     cr_assert(strstr(kvt_last_error(), "3 pages on layer") != NULL, "%s", kvt_last_error());
     cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
-    em_close(&pg);
-    em_close(&tk);
-    kvt_batch_destroy(b);
-    kvt_seq_destroy(s);
-    kvt_ctx_destroy(ctx);
-    kvt_model_destroy(m);
+    solo_close(&o);
 }
 
 /* A salience set that stays whole pages across a close: with ratio 1 the close at 64 rows
@@ -304,41 +318,31 @@ Test(paged, kept_single_rows_are_refused) {
  * keeps at least one row, so the two-range form, sinks and tail with no kept row between, is
  * the pack's case in test_cuda.) */
 Test(paged, a_close_that_kept_every_row_is_one_range) {
+    static solo o;
     kvt_model *m = tu_mixed_model();
-    char why[256] = "";
-    kvt_ctx *ctx = open_ctx(m, KVT_BACKEND_CPU, 1, 4, why, sizeof why);
-    cr_assert(ctx, "%s", why);
-    kvt_seq *s;
-    cr_assert_eq(tu_seq_create(ctx, 1, &s), KVT_OK);
-    kvt_batch *b;
-    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
-    static em pg, tk;
-    em_open(ctx, &pg, KVT_EMIT_PAGED);
-    em_open(ctx, &tk, KVT_EMIT_TOKENS);
-    grow(b, s, 60, 10, &tk); /* closed at 64, now 70 rows */
+    solo_open(&o, m, open_ctx(m, KVT_BACKEND_CPU, 1, 4, NULL, 0), NULL);
+    kvt_batch *b = o.b;
+    kvt_seq *s = o.s;
+    em *pg = &o.pg, *tk = &o.tk;
+    grow(b, s, 60, 10, tk); /* closed at 64, now 70 rows */
     bool fits = false;
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_PAGED, &fits), KVT_OK);
     cr_assert(fits);
-    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &pg.e), KVT_OK, "%s", kvt_last_error());
-    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &tk.e), KVT_OK, "%s", kvt_last_error());
-    em_read(&pg);
-    em_read(&tk);
-    cr_assert_eq(pg.h_ptr[1], 5);
-    cr_assert_eq(pg.h_last[0], 70 - 64);
-    same_as_tokens(&pg, &tk, 0, TU_L_SAL);
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &pg->e), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, NULL, NULL, &tk->e), KVT_OK, "%s", kvt_last_error());
+    em_read(pg);
+    em_read(tk);
+    cr_assert_eq(pg->h_ptr[1], 5);
+    cr_assert_eq(pg->h_last[0], 70 - 64);
+    same_as_tokens(pg, tk, 0, TU_L_SAL);
     cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
     int32_t pages[16];
     uint32_t n_pages = 0;
     uint64_t n_rows = 0;
     cr_assert_eq(kvt_seq_block_table(s, TU_L_SAL, pages, 16, &n_pages, &n_rows), KVT_OK);
     cr_assert_eq(n_rows, 70);
-    cr_assert_eq(memcmp(pg.h_idx, pages, sizeof(int32_t) * 5), 0);
-    em_close(&pg);
-    em_close(&tk);
-    kvt_batch_destroy(b);
-    kvt_seq_destroy(s);
-    kvt_ctx_destroy(ctx);
-    kvt_model_destroy(m);
+    cr_assert_eq(memcmp(pg->h_idx, pages, sizeof(int32_t) * 5), 0);
+    solo_close(&o);
 }
 
 /* A request that recalls on the salience layer (its fetched rows are single rows): PAGED is
@@ -354,24 +358,20 @@ Test(paged, a_recalling_request_is_refused_before_the_work) {
     sp4[3].sliding_window = W;
     kvt_model *m;
     cr_assert_eq(kvt_model_create(sp4, TU_N_LAYERS, "recall", &m, NULL, 0), KVT_OK);
-    kvt_ctx *ctx = tu_mixed_ctx_sketch(m, false, 256, TU_K, 16);
-    cr_assert(ctx);
     kvt_seq_params sp = kvt_seq_default_params();
     sp.request_id = 3;
     sp.recall = KVT_RECALL_CONFORMAL;
-    kvt_seq *s;
-    cr_assert_eq(kvt_seq_create(ctx, &sp, &s), KVT_OK, "%s", kvt_last_error());
-    kvt_batch *b;
-    cr_assert_eq(kvt_batch_create(ctx, 1, &b), KVT_OK);
-    static em pg, tk;
-    em_open(ctx, &pg, KVT_EMIT_PAGED);
-    em_open(ctx, &tk, KVT_EMIT_TOKENS);
+    static solo o;
+    solo_open(&o, m, tu_mixed_ctx_sketch(m, false, 256, TU_K, 16), &sp);
+    kvt_seq *s = o.s;
+    kvt_batch *b = o.b;
+    em *pg = &o.pg, *tk = &o.tk;
     static float query[4096];
     uint32_t n = 70;
     cr_assert_eq(kvt_batch_reserve(b, &s, &n, 1), KVT_OK);
     cr_assert_eq(kvt_batch_plan(b), KVT_OK);
     for (uint32_t l = 0; l < TU_N_LAYERS; l++) /* a prefill step: every row, no fetch */
-        cr_assert_eq(kvt_batch_run(b, l, query, NULL, &tk.e), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_batch_run(b, l, query, NULL, &tk->e), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
     n = 1;
     cr_assert_eq(kvt_batch_reserve(b, &s, &n, 1), KVT_OK);
@@ -379,23 +379,18 @@ Test(paged, a_recalling_request_is_refused_before_the_work) {
     bool fits = true;
     cr_assert_eq(kvt_batch_emit_fits(b, TU_L_SAL, KVT_EMIT_PAGED, &fits), KVT_OK);
     cr_assert_not(fits);
-    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &pg.e), KVT_ERR_UNSUPPORTED);
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &pg->e), KVT_ERR_UNSUPPORTED);
     cr_assert(strstr(kvt_last_error(), "recalls") && strstr(kvt_last_error(), "nothing done"), "%s",
               kvt_last_error());
-    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &tk.e), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_batch_run(b, TU_L_SAL, query, NULL, &tk->e), KVT_OK, "%s", kvt_last_error());
     for (uint32_t l = TU_L_EV1; l < TU_N_LAYERS; l++) {
         cr_assert_eq(kvt_batch_emit_fits(b, l, KVT_EMIT_PAGED, &fits), KVT_OK);
         cr_assert(fits, "layer %u", l);
-        cr_assert_eq(kvt_batch_run(b, l, query, NULL, &pg.e), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_batch_run(b, l, query, NULL, &pg->e), KVT_OK, "%s", kvt_last_error());
     }
     cr_assert_eq(kvt_batch_commit(b, NULL), KVT_OK, "%s", kvt_last_error());
     cr_assert_eq(kvt_seq_check(s), KVT_OK, "%s", kvt_last_error());
-    em_close(&pg);
-    em_close(&tk);
-    kvt_batch_destroy(b);
-    kvt_seq_destroy(s);
-    kvt_ctx_destroy(ctx);
-    kvt_model_destroy(m);
+    solo_close(&o);
 }
 
 /* ------------------------------------------------------------------------------------------
