@@ -8,9 +8,9 @@
  * (and acceptances the contract refuses), prompt changes, batches destroyed before their run,
  * the inspection calls, and snapshots: taken (refused inside a step), restored into a free
  * request slot (as they are, with a byte flipped, or cut short), replacing the original; steps
- * planned on the device (kvt_batch_plan_device, one fixed emission per batch: TOKENS, CSR or
- * CSR_KV_HEADS) whose runs pass that emission or another one (refused); prefix sharing: forks
- * and attaches (at any prefix length, also past rounds and closes, also of a request inside a
+ * planned on the device (kvt_batch_plan_device, one fixed emission per batch: TOKENS, CSR,
+ * CSR_KV_HEADS or PAGED) whose runs pass that emission or another one (refused); prefix
+ * sharing: forks and attaches (at any prefix length, also past rounds and closes, also of a request inside a
  * step), with the context's max_seqs request slots stated or not.
  *
  * After every call: its status is in the set kvtier.h documents for it (KVT_ERR_INVARIANT never
@@ -43,6 +43,7 @@ typedef struct fbatch {
     kvt_emit pe;  /* the batch's planned emission (TOKENS: PLAN_TOPK a request; CSR and
                    * CSR_KV_HEADS: PLAN_TOPK a request and KV head, at most 2 heads) */
     int32_t pidx[MAX_SEQS * PLAN_TOPK * 2], plen[MAX_SEQS], pptr[MAX_SEQS * 2 + 1];
+    int32_t plast[MAX_SEQS];
     uint8_t pdense[MAX_SEQS];
 } fbatch;
 
@@ -385,7 +386,8 @@ static void op_plan(fuzz_state *f) {
         if ((how & 1) && !b->pe_set) { /* the batch's emission, in one of the layouts */
             static const kvt_emit_layout lay[3] = {KVT_EMIT_TOKENS, KVT_EMIT_CSR,
                                                    KVT_EMIT_CSR_KV_HEADS};
-            const kvt_emit_layout layout = lay[(how >> 1) % 3];
+            /* (bit 7: FlashInfer's paged layout, refused where a set is not whole pages) */
+            const kvt_emit_layout layout = (how & 0x80) ? KVT_EMIT_PAGED : lay[(how >> 1) % 3];
             b->pe = (kvt_emit){.struct_size = sizeof b->pe, .layout = layout,
                                .indices = b->pidx, .dense = b->pdense};
             if (layout == KVT_EMIT_TOKENS) {
@@ -394,13 +396,19 @@ static void op_plan(fuzz_state *f) {
             } else {
                 b->pe.capacity = MAX_SEQS * PLAN_TOPK * 2;
                 b->pe.indptr = b->pptr;
+                if (layout == KVT_EMIT_PAGED)
+                    b->pe.last_page_len = b->plast;
             }
             b->pe_set = true;
         }
         if (how & 1) { /* and on the device */
             bool planned = false;
             s = kvt_batch_plan_device(b->h, &b->pe, 1, NULL, &planned);
-            FUZZ_STATUS("kvt_batch_plan_device", s, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY);
+            if (s == KVT_ERR_UNSUPPORTED) /* a set that is not whole pages */
+                FUZZ_REQUIRE(b->pe.layout == KVT_EMIT_PAGED, "plan_device: %s",
+                             kvt_status_name(s));
+            else
+                FUZZ_STATUS("kvt_batch_plan_device", s, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY);
             b->planned = s == KVT_OK && planned;
         }
     }
