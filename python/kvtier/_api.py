@@ -1328,16 +1328,13 @@ class Emission:
         layout = to_enum(EmitLayout, self.layout, "layout")
         tokens, paged = layout == EmitLayout.TOKENS, layout == EmitLayout.PAGED
         refs = {}
-        for name, attr, dt in (("indices", "indices", np.int32),
-                               ("lengths", "lengths", np.int32), ("indptr", "indptr", np.int32),
-                               ("dense", "dense", np.uint8),
-                               ("last_page_len", "last_page_len", np.int32)):
-            v = getattr(self, attr)
+        for name, dt in (("indices", np.int32), ("lengths", np.int32), ("indptr", np.int32),
+                         ("dense", np.uint8), ("last_page_len", np.int32)):
+            v = getattr(self, name)
             if v is not None and (name != "lengths" or tokens) and \
                     (name != "indptr" or not tokens) and (name != "last_page_len" or paged):
                 refs[name] = ctx._backend_array(v, f"emission.{name}", dt, writable=True)
         ind = refs["indices"]
-        per_seq = bool(self.flags & EmitFlag.LENGTHS_PER_SEQ)
         if tokens:
             if "lengths" not in refs or len(ind.shape) != 2:
                 raise ValueError("emission: TOKENS needs indices (n, topk) and lengths (n,)")
