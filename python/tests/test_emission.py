@@ -1,7 +1,8 @@
 """Emission options from Python: FlashInfer's paged layout (EmitLayout.PAGED: page ids over
 kv_indptr, kv_last_page_len) where sets are whole pages, refused where they are not (and
 Batch.emit_fits says so before the run), and EmitFlag.LENGTHS_PER_SEQ (FlashMLA's per-request
-topk_length), eager and on a planned step."""
+topk_length), eager and on a planned step, and PAGED on the CUDA backend (a device or the
+emulation build) equal to the CPU's."""
 
 import numpy as np
 import pytest
@@ -146,3 +147,42 @@ def test_paged_planned_equals_eager(mixed_model):
             ba.commit()
             bg.commit()
         assert planned >= 30
+
+
+@pytest.mark.skipif(not kvtier.cuda.emulated() and kvtier.cuda.device_count() == 0,
+                    reason="the CUDA backend needs a device or the CUDA emulation build "
+                           "(-DKVT_CUDA_EMU=ON, docs/cuda-emulation.md): this library has neither")
+def test_paged_on_the_cuda_backend_equals_the_cpu(mixed_model):
+    """PAGED emissions in device memory (Batch.emission on the CUDA backend), eager and planned
+    (plan_device), equal the CPU backend's lists of the same steps."""
+    kw = dict(page_rows=P, n_pages=64)
+    with kvtier.Context(mixed_model, small_config(), backend="cpu", **kw) as a, \
+            kvtier.Context(mixed_model, small_config(), backend="cuda", **kw) as g:
+        sa, sg = [a.sequence(1), a.sequence(2)], [g.sequence(1), g.sequence(2)]
+        ba, bg = a.batch(2), g.batch(2)
+        ea = [ba.emission("tokens", 256)] + [ba.emission("paged", 64) for _ in range(2)]
+        eg = [bg.emission("tokens", 256)] + [bg.emission("paged", 64) for _ in range(2)]
+        assert isinstance(eg[1].last_page_len, kvtier.DeviceArray)
+        planned = 0
+        for step in range(30):
+            n = [37, 18] if step == 0 else [1, 1]
+            for ctx, b, s in ((a, ba, sa), (g, bg, sg)):
+                b.reserve(s, n)
+                for i in range(2):
+                    fill(s[i], ctx, n[i], 10 * step + i)
+                b.plan()
+            for layer in range(3):
+                ba.run(layer, emission=ea[layer])
+            planned += bg.plan_device(eg)
+            for layer in range(3):
+                bg.run(layer, emission=eg[layer])
+            for layer in (1, 2):
+                x, y = ea[layer], eg[layer].host()
+                assert np.array_equal(x.indptr[:3], y.indptr[:3])
+                assert np.array_equal(x.indices[:x.indptr[2]], y.indices[:y.indptr[2]])
+                assert np.array_equal(x.last_page_len[:2], y.last_page_len[:2])
+                for i in range(2):
+                    assert np.array_equal(x.slots(i, page_rows=P), y.slots(i, page_rows=P))
+            ba.commit()
+            bg.commit()
+        assert planned >= 20
