@@ -114,6 +114,39 @@ def test_lengths_per_seq(mixed_ctx):
     b.commit()
 
 
+def paged_twins(a, g, prompt, steps):
+    """Two requests on contexts a (eager runs) and g (plan_device where the step is plannable,
+    else eager): TOKENS on the salience layer, PAGED on the eviction layers; every step's paged
+    lists of g equal a's. Returns g's planned steps."""
+    sa, sg = [a.sequence(1), a.sequence(2)], [g.sequence(1), g.sequence(2)]
+    ba, bg = a.batch(2), g.batch(2)
+    ea = [ba.emission("tokens", 256)] + [ba.emission("paged", 64) for _ in range(2)]
+    eg = [bg.emission("tokens", 256)] + [bg.emission("paged", 64) for _ in range(2)]
+    planned = 0
+    for step in range(steps):
+        n = prompt if step == 0 else [1, 1]
+        for ctx, b, s in ((a, ba, sa), (g, bg, sg)):
+            b.reserve(s, n)
+            for i in range(2):
+                fill(s[i], ctx, n[i], 10 * step + i)
+            b.plan()
+        for layer in range(3):
+            ba.run(layer, emission=ea[layer])
+        planned += bg.plan_device(eg)
+        for layer in range(3):
+            bg.run(layer, emission=eg[layer])
+        for layer in (1, 2):
+            x, y = ea[layer], eg[layer].host()  # (g's device arrays copied on CUDA)
+            assert np.array_equal(x.indptr[:3], y.indptr[:3])
+            assert np.array_equal(x.indices[:x.indptr[2]], y.indices[:y.indptr[2]])
+            assert np.array_equal(x.last_page_len[:2], y.last_page_len[:2])
+            for i in range(2):
+                assert np.array_equal(x.slots(i, page_rows=P), y.slots(i, page_rows=P))
+        ba.commit()
+        bg.commit()
+    return planned
+
+
 def test_paged_planned_equals_eager(mixed_model):
     """plan_device with a PAGED emission on the eviction layers (TOKENS on the salience
     layer): each planned step's lists equal an eager twin's."""
@@ -121,32 +154,7 @@ def test_paged_planned_equals_eager(mixed_model):
         return kvtier.Context(mixed_model, small_config(), page_rows=P, n_pages=64,
                               allocator="libc")
     with open_ctx() as ca, open_ctx() as cg:
-        sa, sg = [ca.sequence(i) for i in (1, 2)], [cg.sequence(i) for i in (1, 2)]
-        ba, bg = ca.batch(2), cg.batch(2)
-        ea = [ba.emission("tokens", 256)] + [ba.emission("paged", 64) for _ in range(2)]
-        eg = [bg.emission("tokens", 256)] + [bg.emission("paged", 64) for _ in range(2)]
-        planned = 0
-        for step in range(40):
-            n = [30, 20] if step == 0 else [1, 1]
-            for b, s, c in ((ba, sa, ca), (bg, sg, cg)):
-                b.reserve(s, n)
-                for i in range(2):
-                    fill(s[i], c, n[i], 10 * step + i)
-                b.plan()
-            for layer in range(3):
-                ba.run(layer, emission=ea[layer])
-            ok = bg.plan_device(eg)
-            planned += ok
-            for layer in range(3):
-                bg.run(layer, emission=eg[layer])
-            for layer in (1, 2):
-                x, y = ea[layer], eg[layer]
-                assert np.array_equal(x.indptr[:3], y.indptr[:3])
-                assert np.array_equal(x.indices[:x.indptr[2]], y.indices[:y.indptr[2]])
-                assert np.array_equal(x.last_page_len[:2], y.last_page_len[:2])
-            ba.commit()
-            bg.commit()
-        assert planned >= 30
+        assert paged_twins(ca, cg, [30, 20], 40) >= 30
 
 
 @pytest.mark.skipif(not kvtier.cuda.emulated() and kvtier.cuda.device_count() == 0,
@@ -158,31 +166,5 @@ def test_paged_on_the_cuda_backend_equals_the_cpu(mixed_model):
     kw = dict(page_rows=P, n_pages=64)
     with kvtier.Context(mixed_model, small_config(), backend="cpu", **kw) as a, \
             kvtier.Context(mixed_model, small_config(), backend="cuda", **kw) as g:
-        sa, sg = [a.sequence(1), a.sequence(2)], [g.sequence(1), g.sequence(2)]
-        ba, bg = a.batch(2), g.batch(2)
-        ea = [ba.emission("tokens", 256)] + [ba.emission("paged", 64) for _ in range(2)]
-        eg = [bg.emission("tokens", 256)] + [bg.emission("paged", 64) for _ in range(2)]
-        assert isinstance(eg[1].last_page_len, kvtier.DeviceArray)
-        planned = 0
-        for step in range(30):
-            n = [37, 18] if step == 0 else [1, 1]
-            for ctx, b, s in ((a, ba, sa), (g, bg, sg)):
-                b.reserve(s, n)
-                for i in range(2):
-                    fill(s[i], ctx, n[i], 10 * step + i)
-                b.plan()
-            for layer in range(3):
-                ba.run(layer, emission=ea[layer])
-            planned += bg.plan_device(eg)
-            for layer in range(3):
-                bg.run(layer, emission=eg[layer])
-            for layer in (1, 2):
-                x, y = ea[layer], eg[layer].host()
-                assert np.array_equal(x.indptr[:3], y.indptr[:3])
-                assert np.array_equal(x.indices[:x.indptr[2]], y.indices[:y.indptr[2]])
-                assert np.array_equal(x.last_page_len[:2], y.last_page_len[:2])
-                for i in range(2):
-                    assert np.array_equal(x.slots(i, page_rows=P), y.slots(i, page_rows=P))
-            ba.commit()
-            bg.commit()
-        assert planned >= 20
+        assert isinstance(g.batch(1).emission("paged", 8).last_page_len, kvtier.DeviceArray)
+        assert paged_twins(a, g, [37, 18], 30) >= 20
