@@ -242,6 +242,27 @@ KVT_HD uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
     return d->lo_end + d->n_list + (d->hi_end - d->hi_begin);
 }
 
+/* A set of whole pages of pd->d rows (KVT_EMIT_PAGED; lib/batch.c puts a set in this form or
+ * refuses it): rows [0, lo_end) and [hi_begin, hi_end), lo_end and hi_begin multiples of the
+ * page size, lo_end <= hi_begin, no list. Its pages, in order: table pages [0, lo_end / d), then
+ * [hi_begin / d, ceil(hi_end / d)); kvt__paged_page gives the table page of the j-th. */
+KVT_HD uint64_t kvt__paged_count(const kvt__attended_desc *d, const kvt__div32 *pd) {
+    const uint64_t lo = kvt__div32_q(pd, (uint32_t)d->lo_end);
+    return d->hi_end > d->hi_begin ? lo + kvt__div32_q(pd, (uint32_t)(d->hi_end - 1u)) + 1u -
+                                         kvt__div32_q(pd, (uint32_t)d->hi_begin)
+                                   : lo;
+}
+KVT_HD uint64_t kvt__paged_page(const kvt__attended_desc *d, const kvt__div32 *pd, uint64_t j) {
+    const uint64_t lo = kvt__div32_q(pd, (uint32_t)d->lo_end);
+    return j < lo ? j : kvt__div32_q(pd, (uint32_t)d->hi_begin) + (j - lo);
+}
+/* The rows of its last page (FlashInfer's last_page_len): 1 .. d, 0 for an empty set. */
+KVT_HD int32_t kvt__paged_last_len(const kvt__attended_desc *d, const kvt__div32 *pd) {
+    if (d->hi_end > d->hi_begin)
+        return (int32_t)kvt__div32_r(pd, (uint32_t)(d->hi_end - 1u)) + 1;
+    return d->lo_end ? (int32_t)pd->d : 0;
+}
+
 /* One query's attended set to pack into an emission: its description, the request's page table
  * of the layer's group (pages[k] holds row indices (first_page + k) * page_rows onwards), and
  * where its slots go: indices[out + j], j < count; then -1 up to pad (TOKENS' topk; CSR: none),
@@ -261,6 +282,9 @@ typedef struct kvt__pack_query {
     bool count_only;        /* a list another op writes (a planned RoPE recall's): its count
                              * goes to lengths / indptr, so the lists after it start after it,
                              * and no index is written */
+    bool paged;             /* KVT_EMIT_PAGED: d is whole pages (kvt__paged_count's form; no
+                             * recall fields): page ids go to indices, their count to indptr,
+                             * the last page's rows to last_page_len[len_at - 1] */
     const int32_t *pages;   /* the host's page table today: a device pack needs it mirrored in
                              * device memory (the CUDA issue) */
     uint64_t first_page;
@@ -290,7 +314,8 @@ typedef struct kvt__pack_args {
     uint64_t capacity;      /* entries of indices (the guarded backend checks writes against it) */
     int32_t *indices;       /* emission arrays: in the backend's memory space */
     int32_t *lengths;       /* TOKENS */
-    int32_t *indptr;        /* CSR */
+    int32_t *indptr;        /* CSR (and PAGED) */
+    int32_t *last_page_len; /* PAGED: one a query (its paged queries write it) */
 } kvt__pack_args;
 
 /* The selection of a salience close, on the backend's memory: σ of the fresh rows

@@ -602,7 +602,9 @@ kvt_status kvt__cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *
         const kvt__attended_desc *d = &q->d;
         const bool all = q->all_rows || (q->dense && *q->dense);
         const uint64_t n_fetch = !all && q->n_fetch ? *q->n_fetch : 0;
-        const uint64_t count = all ? d->hi_end : kvt__attended_desc_count(d) + n_fetch;
+        const uint64_t count = q->paged ? kvt__paged_count(d, pd)
+                               : all    ? d->hi_end
+                                        : kvt__attended_desc_count(d) + n_fetch;
         if (a->dense_out)
             a->dense_out[i / (a->dense_stride ? a->dense_stride : 1u)] = all ? 1 : 0;
         const uint64_t out = a->csr ? (uint64_t)a->indptr[q->len_at - 1] : q->out;
@@ -610,10 +612,16 @@ kvt_status kvt__cpu_pack(const kvt__backend *be, const kvt__pack_args *a, void *
             a->indptr[q->len_at] = (int32_t)(out + count);
         else if (q->len_at != KVT__NO_LENGTH)
             a->lengths[q->len_at] = (int32_t)count;
+        if (q->paged && count == 0)
+            a->last_page_len[q->len_at - 1] = 0;
         if ((count == 0 && q->pad == 0) || q->count_only)
             continue; /* nothing to write (indices may be NULL at capacity 0) */
         int32_t *o = a->indices + out;
-        if (all) {
+        if (q->paged) { /* page ids (a slot's page: slot / page_rows) */
+            a->last_page_len[q->len_at - 1] = kvt__paged_last_len(d, pd);
+            for (uint64_t j = 0; j < count; j++)
+                *o++ = q->pages[kvt__paged_page(d, pd, j) - q->first_page];
+        } else if (all) {
             o = pack_range(o, 0, d->hi_end, q->pages, q->first_page, pd);
         } else {
             o = pack_range(o, 0, d->lo_end, q->pages, q->first_page, pd);

@@ -654,8 +654,13 @@ static kvt_status g_select(const kvt__backend *be, kvt__select_args *a, uint32_t
 static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
                               const kvt__pack_query *q) {
     const bool recall = q->fetch || q->n_fetch || q->dense || q->all_rows;
+    if (q->paged &&
+        (q->fetch || q->n_fetch || q->dense || q->d.n_list || !a->csr || !a->last_page_len))
+        return KVT_ERR_INVALID_ARGUMENT; /* a paged set is whole pages, in a CSR */
     /* The most it can write: every row of the view with recall (the count is the backend's). */
-    uint64_t count = recall ? q->d.hi_end : kvt__attended_desc_count(&q->d);
+    uint64_t count = q->paged ? kvt__paged_count(&q->d, a->pdiv)
+                     : recall ? q->d.hi_end
+                              : kvt__attended_desc_count(&q->d);
     if (count)
         GUARD_OWNS(be, q->pages, sizeof(int32_t));
     if (q->d.n_list)
@@ -675,6 +680,8 @@ static kvt_status g_pack_owns(const kvt__backend *be, const kvt__pack_args *a,
     }
     if (a->csr || q->len_at != KVT__NO_LENGTH)
         GUARD_OWNS(be, a->csr ? a->indptr + q->len_at : a->lengths + q->len_at, sizeof(int32_t));
+    if (q->paged)
+        GUARD_OWNS(be, a->last_page_len + q->len_at - 1, sizeof(int32_t));
     return KVT_OK;
 }
 

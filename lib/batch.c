@@ -546,6 +546,19 @@ static uint64_t emit_flags(const kvt_emit *e) {
     return e->struct_size >= offsetof(kvt_emit, flags) + sizeof e->flags ? e->flags : 0;
 }
 
+/* An emission's last_page_len (KVT_EMIT_PAGED): NULL for a struct from before the field. */
+static int32_t *emit_last_page_len(const kvt_emit *e) {
+    return e->struct_size >= offsetof(kvt_emit, last_page_len) + sizeof e->last_page_len
+               ? e->last_page_len
+               : NULL;
+}
+
+/* A layout value kvt_batch_run knows. */
+static bool emit_layout_known(kvt_emit_layout l) {
+    return l == KVT_EMIT_TOKENS || l == KVT_EMIT_CSR || l == KVT_EMIT_CSR_KV_HEADS ||
+           l == KVT_EMIT_PAGED;
+}
+
 /* The options an emission may take: known bits, per-request lengths with TOKENS only. */
 static kvt_status emit_flags_ok(kvt_ctx *ctx, const kvt_emit *e, const char *name) {
     const uint64_t f = emit_flags(e);
@@ -563,7 +576,16 @@ static kvt_status emit_flags_ok(kvt_ctx *ctx, const kvt_emit *e, const char *nam
 /* An emission's arrays its layout needs are missing (indices may be NULL at capacity 0). */
 static bool emit_arrays_missing(const kvt_emit *e) {
     const bool tokens = e->layout == KVT_EMIT_TOKENS;
-    return (tokens ? !e->lengths : !e->indptr) || (!e->indices && e->capacity > 0);
+    return (tokens ? !e->lengths : !e->indptr) || (!e->indices && e->capacity > 0) ||
+           (e->layout == KVT_EMIT_PAGED && !emit_last_page_len(e));
+}
+
+/* What emit_arrays_missing found missing, for the message. */
+static const char *emit_arrays_named(const kvt_emit *e) {
+    return e->layout == KVT_EMIT_TOKENS  ? "indices or lengths"
+           : e->layout == KVT_EMIT_PAGED ? "indices, indptr or last_page_len (or a struct_size "
+                                           "that ends before last_page_len)"
+                                         : "indices or indptr";
 }
 
 /* An array the engine hands a run (what names it), of bytes the run may read or write: in the
@@ -595,6 +617,10 @@ static kvt_status emit_reachable(kvt_batch *b, const kvt_emit *e, const char *na
                                : emit_flags(e) & KVT_EMIT_LENGTHS_PER_SEQ ? b->n_seqs
                                                                           : entries;
         s = user_array(b, tokens ? e->lengths : e->indptr, sizeof(int32_t) * n_len, what);
+    }
+    if (s == KVT_OK && e->layout == KVT_EMIT_PAGED) {
+        snprintf(what, sizeof what, "%s.last_page_len", name);
+        s = user_array(b, emit_last_page_len(e), sizeof(int32_t) * entries, what);
     }
     if (s == KVT_OK) {
         snprintf(what, sizeof what, "%s.dense", name);
@@ -629,13 +655,39 @@ static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer
     *off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
 }
 
+/* KVT_EMIT_PAGED: pq's set as whole pages of P rows (kvt__paged_count's form: rows [0, lo_end)
+ * and [hi_begin, hi_end), lo_end and hi_begin multiples of P, no list), or false when it is not
+ * (a recall's fetched rows; kept rows that do not fill the gap between sinks and tail, which
+ * are single rows; a range that starts inside a page). A list as long as the gap it lies in is
+ * the whole gap (ascending, distinct: a salience close that kept every row), one range with
+ * the sinks and tail. A sliding layer's window [n - W, n) starts at its first page's row 0: the
+ * rows before it are FlashInfer's to mask (window_left = W - 1; kvtier.h, KVT_EMIT_PAGED). */
+static bool paged_query(const kvt_ctx *ctx, uint32_t layer, kvt__pack_query *pq) {
+    const uint64_t P = ctx->pdiv.d;
+    kvt__attended_desc d = pq->d;
+    if (pq->fetch || pq->n_fetch || pq->dense || pq->count_only)
+        return false;
+    if (pq->all_rows || d.n_list == d.hi_begin - d.lo_end)
+        d = (kvt__attended_desc){.hi_end = d.hi_end}; /* one range from row 0 */
+    else if (d.n_list)
+        return false;
+    else if (d.hi_end == d.hi_begin) /* the sinks alone */
+        d = (kvt__attended_desc){.hi_end = d.lo_end};
+    else if (d.lo_end == 0 && ctx->stores[layer].spec.kind == KVT_LAYER_SLIDING)
+        d.hi_begin -= d.hi_begin % P;
+    if (d.lo_end % P || d.hi_begin % P)
+        return false;
+    pq->d = d; /* (all_rows kept: the request's dense flag says it attends every row) */
+    pq->paged = true;
+    return true;
+}
+
 /* The emission a planned step may use: TOKENS or CSR, one query per request, arrays given. */
 static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
     if (e->struct_size < KVT_EMIT_SIZE_MIN)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emits[%u].struct_size is below KVT_EMIT_SIZE_MIN", l);
-    if (e->layout != KVT_EMIT_TOKENS && e->layout != KVT_EMIT_CSR &&
-        e->layout != KVT_EMIT_CSR_KV_HEADS)
+    if (!emit_layout_known(e->layout))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emits[%u].layout: unknown value %d",
                              l, (int)e->layout);
     if (emit_queries(e) > 1)
@@ -644,8 +696,7 @@ static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
                              "request", l);
     if (emit_arrays_missing(e))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emits[%u]: %s is NULL", l,
-                             e->layout == KVT_EMIT_TOKENS ? "indices or lengths"
-                                                          : "indices or indptr");
+                             emit_arrays_named(e));
     char name[24];
     snprintf(name, sizeof name, "emits[%u]", l);
     return emit_flags_ok(ctx, e, name);
@@ -655,7 +706,7 @@ static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
 static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
     return a->layout == b->layout && a->indices == b->indices && a->capacity == b->capacity &&
            a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense &&
-           emit_flags(a) == emit_flags(b);
+           emit_flags(a) == emit_flags(b) && emit_last_page_len(a) == emit_last_page_len(b);
 }
 
 /* The bound of layer l's recall items for closed rows up to `rows` and promotion tables up to
@@ -918,6 +969,11 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
             return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
                                "seqs[%u] recalls on layer %u, which plans no recall", i, l);
         if (rope) {
+            if (e->layout == KVT_EMIT_PAGED) /* (an eager run refused it before its work) */
+                return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                     "seqs[%u] recalls on layer %u: KVT_EMIT_PAGED cannot list "
+                                     "its fetched rows (kvt_batch_emit_fits); %s",
+                                     i, l, nothing);
             if (lr->planned && way != RECALL_FETCH)
                 return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
                                    "seqs[%u] layer %u: a RoPE recall with several tokens", i, l);
@@ -966,8 +1022,19 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
         }
         for (uint32_t t = 0; t < S; t++) {
             set_query(b, i, t, l, S, e, &off, &q[n]);
-            const uint64_t rows = way == RECALL_NONE ? kvt__attended_desc_count(&q[n].d)
-                                                     : q[n].d.hi_end;
+            if (e->layout == KVT_EMIT_PAGED && !paged_query(ctx, l, &q[n]))
+                return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                                     "seqs[%u] layer %u: its attended set is not whole pages "
+                                     "(%s), which KVT_EMIT_PAGED needs (TOKENS or CSR list "
+                                     "rows; kvt_batch_emit_fits says before the run); %s",
+                                     i, l,
+                                     way == RECALL_FETCH ? "a recall fetches single rows"
+                                     : q[n].d.n_list     ? "kept single rows"
+                                                         : "a range starts inside a page",
+                                     nothing);
+            const uint64_t rows = q[n].paged           ? kvt__paged_count(&q[n].d, &ctx->pdiv)
+                                  : way == RECALL_NONE ? kvt__attended_desc_count(&q[n].d)
+                                                       : q[n].d.hi_end;
             if (tokens && rows > e->capacity)
                 return over_topk(ctx, i, rows, l, e->capacity, nothing);
             total += rows * qpr;
@@ -982,9 +1049,11 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
     }
     if (!tokens && (total > e->capacity || total > INT32_MAX))
         return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                             "the batch attends %llu rows on layer %u, capacity is %u; %s "
+                             "the batch attends %llu %s on layer %u, capacity is %u; %s "
                              "(kvt_batch_capacity)",
-                             (unsigned long long)total, l, e->capacity, nothing);
+                             (unsigned long long)total,
+                             e->layout == KVT_EMIT_PAGED ? "pages" : "rows", l, e->capacity,
+                             nothing);
     /* 2. The NoPE recall items, after every check (an item fixes its request's lagged query). */
     for (uint32_t i = 0; pb->kind[l] == PLAN_NOPE && i < b->n_seqs; i++) {
         bool has = false;
@@ -1067,7 +1136,7 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
                                .pdiv = &ctx->pdiv, .csr = emit->layout != KVT_EMIT_TOKENS,
                                .first_csr = true, .capacity = emit->capacity,
                                .indices = emit->indices, .lengths = emit->lengths,
-                               .indptr = emit->indptr};
+                               .indptr = emit->indptr, .last_page_len = emit_last_page_len(emit)};
     if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", l);
     /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags and, in
@@ -1128,14 +1197,10 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
     memset(b->defer, 0, b->n_seqs); /* a planned step has no drafts and one query a request */
     for (uint32_t l = 0; l < L; l++) {
         const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
-        /* the caller's struct_size bytes only (checked >= KVT_EMIT_SIZE_MIN): an older caller's
-         * struct ends there; the fields past it read as zero */
-        if (e != &b->plan_emit[l]) { /* (a re-plan passes the kept copies themselves) */
-            const size_t n =
-                e->struct_size < sizeof(kvt_emit) ? e->struct_size : sizeof(kvt_emit);
-            memset(&b->plan_emit[l], 0, sizeof(kvt_emit));
-            memcpy(&b->plan_emit[l], e, n);
-        }
+        /* kvt_batch_plan_device's copies (an older caller's struct_size bytes, the fields past
+         * them zero); a re-plan passes the kept copies themselves */
+        if (e != &b->plan_emit[l])
+            b->plan_emit[l] = *e;
         if (ctx->stores[l].group < 0) { /* no run: nothing to plan */
             memset(b->plan.host + b->plan.at[l], 0, 3 * sizeof(uint32_t));
             continue;
@@ -1172,6 +1237,25 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     if (!emits || (n_emits != 1 && n_emits != L))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "emits: %u given, 1 (every layer) or n_layers = %u", n_emits, L);
+    /* The array's stride is the caller's struct_size (an older caller's elements are smaller
+     * than this kvt_emit): each element is read at that stride, its struct_size bytes only, into
+     * a copy whose later fields are zero; every element must state the same size. */
+    const size_t stride = emits->struct_size;
+    if (stride < KVT_EMIT_SIZE_MIN)
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                             "emits[0].struct_size is below KVT_EMIT_SIZE_MIN");
+    kvt_emit norm[n_emits];
+    for (uint32_t l = 0; l < n_emits; l++) {
+        const kvt_emit *src = (const kvt_emit *)((const uint8_t *)emits + stride * l);
+        if (src->struct_size != stride)
+            return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
+                                 "emits[%u].struct_size is %zu, emits[0]'s %zu (the array's "
+                                 "stride: every element the same struct)",
+                                 l, src->struct_size, stride);
+        memset(&norm[l], 0, sizeof norm[l]);
+        memcpy(&norm[l], src, stride < sizeof norm[l] ? stride : sizeof norm[l]);
+    }
+    emits = norm;
     for (uint32_t l = 0; l < n_emits; l++) {
         char name[24];
         snprintf(name, sizeof name, "emits[%u]", l);
@@ -1297,6 +1381,39 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
     return s;
 }
 
+kvt_status kvt_batch_emit_fits(const kvt_batch *b, uint32_t layer, kvt_emit_layout layout,
+                               bool *fits) {
+    if (!b || !fits)
+        return KVT_ERR_INVALID_ARGUMENT;
+    *fits = false;
+    kvt_ctx *ctx = b->ctx;
+    kvt_status s = enter_layer(b, layer, BATCH_PLANNED); /* kvt_batch_run's statuses */
+    if (s != KVT_OK)
+        return s;
+    if (!emit_layout_known(layout))
+        return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "layout: unknown value %d",
+                             (int)layout);
+    *fits = true;
+    if (layout != KVT_EMIT_PAGED)
+        return KVT_OK;
+    /* full attention and random eviction attend every row of their table, after any round */
+    const bool whole = kvt__layer_policy(ctx, layer)->attended == kvt__none_attended;
+    for (uint32_t i = 0; i < b->n_seqs && *fits; i++) {
+        kvt_seq *sq = b->seqs[i];
+        if (!sq)
+            continue;
+        if (kvt__seq_recalls(sq, layer) || kvt__seq_recalls_rope(sq, layer) ||
+            (!whole && !sq->stepped[layer] && !kvt__seq_step_quiet(sq, layer, false))) {
+            *fits = false; /* fetched rows; a close due, after which the set is known */
+            break;
+        }
+        kvt__pack_query q;
+        kvt__seq_step_query(sq, layer, b->n_tokens[i], &q);
+        *fits = paged_query(ctx, layer, &q);
+    }
+    return KVT_OK;
+}
+
 kvt__backend *kvt__batch_backend(kvt_batch *b) {
     return &b->be;
 }
@@ -1314,15 +1431,14 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
                              "emit is NULL or its struct_size is below KVT_EMIT_SIZE_MIN");
     if (b->planned)
         return run_planned(b, layer, query, stream, emit);
-    const bool tokens = emit->layout == KVT_EMIT_TOKENS;
     /* One list per (request, KV head) (docs/recall.md §9): CSR over n_seqs x n_kv entries. */
     const bool heads = emit->layout == KVT_EMIT_CSR_KV_HEADS;
-    if (!tokens && !heads && emit->layout != KVT_EMIT_CSR)
+    if (!emit_layout_known(emit->layout))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit.layout: unknown value %d",
                              (int)emit->layout);
     if (emit_arrays_missing(emit))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "emit: %s is NULL",
-                             tokens ? "indices or lengths" : "indices or indptr");
+                             emit_arrays_named(emit));
     if ((s = emit_flags_ok(ctx, emit, "emit")) != KVT_OK)
         return s;
     const uint32_t S = emit_queries(emit);
@@ -1369,6 +1485,12 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         recalls |= b->recall_way[i] != RECALL_NONE;
         rope |= (b->recall_way[i] & RECALL_ROPE) != 0;
     }
+    if (emit->layout == KVT_EMIT_PAGED && (fetches || rope))
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "layer %u: a request of the batch recalls there (single rows "
+                             "fetched), which KVT_EMIT_PAGED cannot list (TOKENS or CSR can; "
+                             "kvt_batch_emit_fits); nothing done",
+                             layer);
     if (fetches && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: requests of the batch recall on layer %u", layer);

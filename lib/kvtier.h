@@ -1100,6 +1100,24 @@ typedef enum kvt_emit_layout {
                           * copied into fetch slots of the request's, listed after the table's
                           * rows); any layer may use it (every head then lists the same set).
                           * Capacity: n_kv_heads x kvt_batch_capacity's total. */
+    KVT_EMIT_PAGED = 3,  /* FlashInfer's paged KV cache (BatchDecodeWithPagedKVCacheWrapper
+                          * .plan(indptr, indices, last_page_len, ..., page_size)), for sets of
+                          * whole pages: indptr[n_seqs * s_q + 1] over page ids,
+                          * indices[indptr[q] .. indptr[q+1]) = the page ids (slot / page_rows)
+                          * of query q's set, ascending by position, every one attended whole
+                          * but the last, whose first last_page_len[q] rows are (1..page_rows;
+                          * 0 for an empty set). Fits a set that is whole pages from row 0 of
+                          * its first page — every row of a full-attention or random-eviction
+                          * layer, a salience layer's set while it is contiguous or its sinks
+                          * and tail start on page boundaries — and a sliding layer's window,
+                          * listed from the start of the page holding its first row: the engine
+                          * masks the rows before the window with FlashInfer's window_left =
+                          * window - 1. A set of single rows (salience's kept list, a recall
+                          * fetch: TOKENS or CSR list those) is KVT_ERR_UNSUPPORTED;
+                          * kvt_batch_emit_fits says before the run. Capacity: pages, at most
+                          * kvt_batch_capacity's total. CSR and CSR_KV_HEADS are its page-size-1
+                          * view (one slot a page, last_page_len 1): they fit FlashInfer only
+                          * with page_size 1; TOKENS (FlashMLA) lists slots of any page size. */
 } kvt_emit_layout;
 
 #define KVT_MAX_QUERIES_PER_SEQ 256u
@@ -1134,6 +1152,9 @@ typedef struct kvt_emit {
     uint64_t flags;         /* KVT_EMIT_* options below (0: none; an unknown bit is
                              * KVT_ERR_INVALID_ARGUMENT). A struct from before the field (its
                              * struct_size ends before it) has none. */
+    int32_t *last_page_len; /* PAGED: [n_seqs * s_q], FlashInfer's kv_last_page_len; unused by
+                             * the other layouts (a struct from before the field cannot ask for
+                             * PAGED: KVT_ERR_INVALID_ARGUMENT) */
 } kvt_emit;
 /* TOKENS only (another layout: KVT_ERR_INVALID_ARGUMENT): lengths holds one count per request,
  * lengths[n_seqs] — FlashMLA's sparse decode topk_length, (batch_size,) int32, with indices
@@ -1146,6 +1167,18 @@ typedef struct kvt_emit {
  * reads as invalid indices and skips. With s_q <= 1 the same values as without the option. */
 #define KVT_EMIT_LENGTHS_PER_SEQ 0x1u
 #define KVT_EMIT_FLAGS_KNOWN KVT_EMIT_LENGTHS_PER_SEQ
+/* After kvt_batch_plan, before the layer's first run of the step: *fits = whether kvt_batch_run
+ * of `layer` can emit this step in `layout` — for KVT_EMIT_PAGED, every request's set is whole
+ * pages as the layout states (false also where a request's close or eviction round is due on
+ * the layer this step, which that run does first: its set is known only after it; a
+ * full-attention, sliding-window or random-eviction layer, whose sets are whole pages after any
+ * round, still answers true unless a request recalls there); true for the other layouts.
+ * Host only, no side effect. kvt_batch_run's layer statuses (KVT_ERR_OUT_OF_RANGE,
+ * KVT_ERR_POLICY_MISMATCH for a layer without per-token KV, KVT_ERR_BAD_STATE before plan);
+ * KVT_ERR_INVALID_ARGUMENT (NULL, an unknown layout). */
+KVT_API kvt_status kvt_batch_emit_fits(const kvt_batch *batch, uint32_t layer,
+                                       kvt_emit_layout layout, bool *fits);
+
 /* The smallest struct_size kvt_batch_run accepts (a struct without queries_per_seq: s_q = 1). */
 #define KVT_EMIT_SIZE_MIN (offsetof(kvt_emit, dense) + sizeof(uint8_t *))
 
@@ -1182,8 +1215,9 @@ typedef struct kvt_emit {
  * with the kept queries and then keeps the step's own, as an eager run does.
  *
  * emits: the emission each layer's run will pass (n_emits = 1: the same for every layer, or
- * n_emits = n_layers), TOKENS, CSR or CSR_KV_HEADS with one query per request; a run of a
- * planned step must
+ * n_emits = n_layers), TOKENS, CSR, CSR_KV_HEADS or PAGED with one query per request — an array
+ * of n_emits elements of the caller's struct_size each (an older caller's smaller kvt_emit: read
+ * at that stride, every element stating the same size); a run of a planned step must
  * pass exactly that emission, and every planned step of a batch the emissions of its first one
  * (the arrays and capacities a captured graph writes; KVT_ERR_INVALID_ARGUMENT otherwise, nothing
  * planned: plan other emissions on another batch). The plan buffer, n_layers x
@@ -1195,7 +1229,8 @@ typedef struct kvt_emit {
  * (stream-ordered after the previous step's device work). Errors:
  * KVT_ERR_BAD_STATE (not planned, already run, planned twice, a damaged request),
  * KVT_ERR_INVALID_ARGUMENT (emits; on the guarded backend an array outside its buffers, as for
- * kvt_batch_run), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned),
+ * kvt_batch_run), KVT_ERR_CAPACITY (as kvt_batch_run's, nothing planned), KVT_ERR_UNSUPPORTED
+ * (PAGED on a layer where a request's set is not whole pages: nothing planned),
  * KVT_ERR_OUT_OF_MEMORY (the buffer), a backend status. */
 KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits,
                                          uint32_t n_emits, void *stream, bool *planned);
@@ -1217,9 +1252,12 @@ KVT_API kvt_status kvt_batch_plan_device(kvt_batch *batch, const kvt_emit *emits
  * is the caller's error, named in the message), KVT_ERR_CAPACITY when queries_per_seq > 1 is below a
  * request's n_tokens, KVT_ERR_BAD_STATE before plan, on a damaged request, or for per-token
  * emission of a multi-token request whose earlier run of this layer already did its policy work.
+ * KVT_ERR_UNSUPPORTED (PAGED where a request of the batch recalls on the layer).
  * After the work: KVT_ERR_CAPACITY (the layer's work is done, nothing emitted) when a set
- * exceeds the capacity — kvt_batch_capacity says what suffices; KVT_ERR_OUT_OF_MEMORY (host)
- * from a close or round: nothing of that request's layer changed and the commit retries it;
+ * exceeds the capacity — kvt_batch_capacity says what suffices; KVT_ERR_UNSUPPORTED (the
+ * same) when PAGED meets a set that is not whole pages (kvt_batch_emit_fits says beforehand);
+ * KVT_ERR_OUT_OF_MEMORY (host) from a close or round: nothing of that request's layer changed
+ * and the commit retries it;
  * KVT_ERR_CORRUPT: a device error mid-compaction damaged a request (destroy it after commit). */
 KVT_API kvt_status kvt_batch_run(kvt_batch *batch, uint32_t layer, const void *query,
                                  void *stream, const kvt_emit *emit);

@@ -46,6 +46,7 @@ ONE_BYTE = [
     ("cu_rope.cu", "a.capped"),            # the same field in the RoPE kernels
     ("cu_pack.cu", "q.all_rows"),          # kvt__pack_query.all_rows (bool), *q.dense (a byte)
     ("cu_pack.cu", "q.count_only"),        # kvt__pack_query.count_only (bool)
+    ("cu_pack.cu", "q.paged"),             # kvt__pack_query.paged (bool, KVT_EMIT_PAGED)
 ]
 # byte loads per entry in the PTX, each with the innermost source line it was compiled from
 loads, bad_loads = {}, {}

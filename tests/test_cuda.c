@@ -293,6 +293,84 @@ Test(cuda, pack_equals_the_cpu) {
     rig_close(&r);
 }
 
+/* KVT_EMIT_PAGED's pack: sets of whole pages (sinks of whole pages and a tail from a page
+ * boundary, one range from row 0, the sinks alone, empty), from a table with leading pages
+ * returned (first_page 3), mixed with row queries; page ids, indptr and last_page_len equal. */
+Test(cuda, pack_paged_equals_the_cpu) {
+    rig r;
+    rig_open(&r);
+    const uint32_t PR = 16, NP = 64, NQ = 90, FP = 3;
+    int32_t pages[64];
+    shuffled(pages, NP);
+    int32_t *dpages = dev(&r, pages, sizeof pages);
+    kvt__div32 pdiv = kvt__div32_make(PR);
+    kvt__pack_query qc[NQ], qg[NQ];
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < NQ; i++) {
+        const uint64_t lo = (rnd32() % 4) * PR, hb = lo + (rnd32() % 8) * PR;
+        const uint64_t he = hb + (i % 5 == 0 ? 0 : rnd32() % (20 * PR));
+        kvt__attended_desc d = {.lo_end = lo, .hi_begin = hb, .hi_end = he};
+        if (i % 7 == 1)
+            d = (kvt__attended_desc){.hi_end = he}; /* one range */
+        if (i % 11 == 2)
+            d = (kvt__attended_desc){0}; /* empty */
+        if (i == 3) /* by hand below: 16 sinks, a tail [64, 70): pages 0 and 4, 6 rows */
+            d = (kvt__attended_desc){.lo_end = 16, .hi_begin = 64, .hi_end = 70};
+        qc[i] = (kvt__pack_query){.d = d, .pages = pages, .paged = true, .len_at = i + 1};
+        if (i % 9 == 4) { /* a table from page FP on: a window's pages */
+            qc[i].d = (kvt__attended_desc){.hi_begin = FP * PR, .hi_end = FP * PR + he + 1};
+            qc[i].first_page = FP;
+        }
+        off += kvt__paged_count(&qc[i].d, &pdiv);
+        qg[i] = qc[i];
+        qg[i].pages = dpages;
+    }
+    int32_t *idx = calloc(off, 4), *ptr = calloc(NQ + 1, 4), *last = calloc(NQ, 4);
+    int32_t *didx = dev(&r, idx, 4 * off), *dptr = dev(&r, ptr, 4 * (NQ + 1));
+    int32_t *dlast = dev(&r, last, 4 * NQ);
+    kvt__pack_query *dq = dev(&r, qg, sizeof qg);
+    uint32_t n = NQ;
+    uint32_t *dn = dev(&r, &n, sizeof n);
+    const kvt__pack_args pc = {.q_plan = qc,
+                               .n_plan = &n,
+                               .n_max = n,
+                               .pdiv = &pdiv,
+                               .csr = true,
+                               .first_csr = true,
+                               .capacity = off,
+                               .indices = idx,
+                               .indptr = ptr,
+                               .last_page_len = last};
+    kvt__pack_args pg = pc;
+    pg.q_plan = dq;
+    pg.n_plan = dn;
+    pg.indices = didx;
+    pg.indptr = dptr;
+    pg.last_page_len = dlast;
+    cr_assert_eq(r.cpu.ops->pack(&r.cpu, &pc, NULL), KVT_OK);
+    cr_assert_eq(r.gpu.ops->pack(&r.gpu, &pg, NULL), KVT_OK);
+    cr_assert_eq((uint64_t)ptr[NQ], off);
+    /* by hand: query 0 (he = hb: the sinks alone), 2 (empty), 3 (two ranges) */
+    cr_assert_eq(last[0], qc[0].d.lo_end ? (int32_t)PR : 0);
+    cr_assert_eq(ptr[3] - ptr[2], 0);
+    cr_assert_eq(last[2], 0);
+    cr_assert_eq(ptr[4] - ptr[3], 2);
+    cr_assert(idx[ptr[3]] == pages[0] && idx[ptr[3] + 1] == pages[4] && last[3] == 6);
+    same(&r, didx, idx, 4 * off, "page ids");
+    same(&r, dptr, ptr, 4 * (NQ + 1), "indptr");
+    same(&r, dlast, last, 4 * NQ, "last_page_len");
+    undev(&r, didx, 4 * off);
+    undev(&r, dptr, 4 * (NQ + 1));
+    undev(&r, dlast, 4 * NQ);
+    undev(&r, dq, sizeof qg);
+    undev(&r, dn, sizeof n);
+    undev(&r, dpages, sizeof pages);
+    free(idx);
+    free(ptr);
+    free(last);
+    rig_close(&r);
+}
+
 /* One layer's round on both backends: append, select, apply; every array compared. A prior
  * archive of n_old rows a head at odd positions: beyond the table's (0, 2, .., 2N - 2), or from 1
  * up (interleaved: the new entries merge between old ones, and with n_old above a block's 256

@@ -23,11 +23,13 @@ struct PackPlan {
 
 /* A query's plan from the values as they are when the kernel runs (a recall set's fetch count
  * and dense flag are the device's), its slots from `out` on. */
-__device__ PackPlan pack_plan_dev(const kvt__pack_query &q, uint64_t out) {
+__device__ PackPlan pack_plan_dev(const kvt__pack_query &q, const kvt__div32 *pd, uint64_t out) {
     PackPlan pl;
     pl.all = q.all_rows || (q.dense && *q.dense) ? 1u : 0u;
     pl.n_fetch = !pl.all && q.n_fetch ? *q.n_fetch : 0;
-    pl.count = pl.all ? q.d.hi_end : kvt__attended_desc_count(&q.d) + pl.n_fetch;
+    pl.count = q.paged ? kvt__paged_count(&q.d, pd)
+               : pl.all ? q.d.hi_end
+                        : kvt__attended_desc_count(&q.d) + pl.n_fetch;
     pl.out = out;
     return pl;
 }
@@ -49,7 +51,7 @@ __device__ uint64_t below(const uint32_t *v, uint64_t n, uint32_t x, bool or_equ
  * its length or offset. */
 __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, bool csr,
                           bool first_csr, const PackPlan pl, bool write_len, int32_t *indices,
-                          int32_t *lengths, int32_t *indptr) {
+                          int32_t *lengths, int32_t *indptr, int32_t *last_page_len) {
     const kvt__attended_desc &d = q.d;
     if (write_len && threadIdx.x == 0) {
         if (csr) {
@@ -59,10 +61,17 @@ __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, b
         } else if (q.len_at != KVT__NO_LENGTH) {
             lengths[q.len_at] = (int32_t)pl.count;
         }
+        if (q.paged)
+            last_page_len[q.len_at - 1] = kvt__paged_last_len(&d, &pd);
     }
     if (q.count_only) /* another op writes this list */
         return;
     int32_t *o = indices + pl.out;
+    if (q.paged) { /* page ids (a slot's page: slot / page_rows) */
+        for (uint64_t j = threadIdx.x; j < pl.count; j += blockDim.x)
+            o[j] = q.pages[kvt__paged_page(&d, &pd, j) - q.first_page];
+        return;
+    }
     const uint64_t count = pl.count;
     /* padding, and every row when the set is dense */
     for (uint64_t j = threadIdx.x; j < q.pad || (pl.all && j < count); j += blockDim.x) {
@@ -100,8 +109,8 @@ __device__ void pack_body(const kvt__pack_query &q, uint32_t b, kvt__div32 pd, b
  * reads indptr[i], which its loop wrote: the same value). */
 __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan, uint32_t n_max,
                                kvt__div32 pd, bool csr, bool first_csr, int32_t *indices,
-                               int32_t *lengths, int32_t *indptr, uint8_t *dense_out,
-                               uint32_t dense_stride) {
+                               int32_t *lengths, int32_t *indptr, int32_t *last_page_len,
+                               uint8_t *dense_out, uint32_t dense_stride) {
     const uint32_t n = *n_plan;
     if (csr && first_csr && blockIdx.x == 0 && threadIdx.x == 0)
         indptr[0] = 0;
@@ -113,7 +122,7 @@ __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan
         __shared__ uint64_t s_sum[kThreads];
         uint64_t sum = 0;
         for (uint32_t i = threadIdx.x; i < blockIdx.x; i += blockDim.x)
-            sum += pack_plan_dev(qs[i], 0).count;
+            sum += pack_plan_dev(qs[i], &pd, 0).count;
         s_sum[threadIdx.x] = sum;
         __syncthreads();
         for (uint32_t half = kThreads / 2; half > 0; half /= 2) {
@@ -123,10 +132,11 @@ __global__ void k_pack_planned(const kvt__pack_query *qs, const uint32_t *n_plan
         }
         out = s_sum[0];
     }
-    const PackPlan pl = pack_plan_dev(q, out);
+    const PackPlan pl = pack_plan_dev(q, &pd, out);
     if (dense_out && threadIdx.x == 0) /* a request's queries all write its same flag */
         dense_out[blockIdx.x / dense_stride] = pl.all ? 1 : 0;
-    pack_body(q, blockIdx.x, pd, csr, first_csr, pl, true, indices, lengths, indptr);
+    pack_body(q, blockIdx.x, pd, csr, first_csr, pl, true, indices, lengths, indptr,
+              last_page_len);
 }
 
 } // namespace
@@ -138,7 +148,8 @@ kvt_status cu_pack(const kvt__backend *be, const kvt__pack_args *a, void *stream
     if (s == KVT_OK)
         k_pack_planned<<<a->n_max ? a->n_max : 1, kThreads, 0, strm(stream)>>>(
             a->q_plan, a->n_plan, a->n_max, *a->pdiv, a->csr, a->first_csr, a->indices,
-            a->lengths, a->indptr, a->dense_out, a->dense_stride ? a->dense_stride : 1u);
+            a->lengths, a->indptr, a->last_page_len, a->dense_out,
+            a->dense_stride ? a->dense_stride : 1u);
     return op_end(be, stream, s);
 }
 

@@ -21,8 +21,9 @@ from ._api import (Batch, Buffer, CensusTotals, Config, Context, Emission, Layer
 from ._arrays import DeviceArray, MemorySpaceError, PlaneView
 from ._errors import *  # noqa: F401,F403  Status, KvtError and one subclass per error status
 from ._errors import ERROR_CLASSES, KvtError, Status, status_name, strerror
-from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
-                     RowState, Selector, SigmaBasis, bf16_from_float32, bf16_to_float32, numpy_dtype)
+from ._types import (Allocator, Space, Backend, DType, EmitFlag, EmitLayout, LayerKind, Policy,
+                     RecallMode, RowState, Selector, SigmaBasis, bf16_from_float32,
+                     bf16_to_float32, numpy_dtype)
 from . import cuda, ref, trace
 
 __version__ = version()
@@ -33,7 +34,7 @@ __all__ = [
     "Status", "KvtError", "ERROR_CLASSES", "strerror", "status_name",
     "LayerKind", "DType", "Policy", "RecallMode", "Selector", "SigmaBasis", "Backend", "Allocator",
     "Space",
-    "EmitLayout", "RowState",
+    "EmitFlag", "EmitLayout", "RowState",
     "policy_for_kind", "layer_kind_name", "policy_name", "recall_mode_name", "dtype_name",
     "dtype_bytes",
     "LayerSpec", "Model", "CensusTotals", "Config", "config_default", "Context", "Sequence",

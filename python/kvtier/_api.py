@@ -26,9 +26,10 @@ from ._errors import check
 from ._lib import lib
 from ._arrays import (DL_CPU, DL_CUDA, BF16, DeviceArray, MemorySpaceError, PlaneView,
                       array_ref, device_name)
-from ._types import (Allocator, Space, Backend, DType, EmitLayout, LayerKind, Policy, RecallMode,
-                     RowState, Selector, SigmaBasis, as_array, as_output, element_dtype_ok, maybe_enum, ptr,
-                     numpy_dtype, to_enum, typed_input, u32, u64, integer, contiguous)
+from ._types import (Allocator, Space, Backend, DType, EmitFlag, EmitLayout, LayerKind, Policy,
+                     RecallMode, RowState, Selector, SigmaBasis, as_array, as_output,
+                     element_dtype_ok, maybe_enum, ptr, numpy_dtype, to_enum, typed_input, u32,
+                     u64, integer, contiguous)
 
 _ERR_LEN = 512
 
@@ -1280,10 +1281,14 @@ class Sequence(_Closable):
 class Emission:
     """What kvt_batch_run wrote, with s_q = ``queries_per_seq`` sets per request (query q = i *
     s_q + t). TOKENS: ``indices`` [n_seqs * s_q, topk] (-1 padded) and ``lengths``
-    [n_seqs * s_q]; CSR: ``indices`` [capacity] and ``indptr`` [n_seqs * s_q + 1];
+    [n_seqs * s_q], or [n_seqs] with ``flags`` EmitFlag.LENGTHS_PER_SEQ (FlashMLA's
+    topk_length); CSR: ``indices`` [capacity] and ``indptr`` [n_seqs * s_q + 1];
     CSR_KV_HEADS: ``indptr`` [n_seqs * n_kv_heads + 1], one list per (request, KV head), and
-    ``slots(i, h)`` takes the KV head h in place of the query token. ``dense`` [n_seqs] (uint8)
-    when asked for. ``slots(i, t)`` gives request i's attended slots for its query token t.
+    ``slots(i, h)`` takes the KV head h in place of the query token; PAGED (FlashInfer's paged
+    KV cache, sets of whole pages): ``indices`` [capacity] page ids, ``indptr``
+    [n_seqs * s_q + 1] over them and ``last_page_len`` [n_seqs * s_q] (``pages(i, t)``).
+    ``dense`` [n_seqs] (uint8) when asked for. ``slots(i, t)`` gives request i's attended
+    slots for its query token t (PAGED: every row of its pages, ``page_rows`` given).
     The arrays are numpy arrays on the CPU backend and :class:`DeviceArray` s (or the caller's
     device arrays) on CUDA and guarded: ``slots`` and ``counts`` then read a host copy
     (``host()``), off the decode path.
@@ -1292,14 +1297,17 @@ class Emission:
     built at the first run and reused by every later one (the step's cost in Python: no array
     conversion per call); assigning an array attribute drops it."""
 
-    __slots__ = ("layout", "n_seqs", "queries_per_seq", "_indices", "_lengths", "_indptr",
-                 "_dense", "_c", "_cp", "_for", "_lists", "_dense_n", "_views")
+    __slots__ = ("layout", "n_seqs", "queries_per_seq", "flags", "_indices", "_lengths",
+                 "_indptr", "_dense", "_last", "_c", "_cp", "_for", "_lists", "_dense_n",
+                 "_views")
 
     def __init__(self, layout, n_seqs, indices, lengths=None, indptr=None, dense=None,
-                 queries_per_seq=1):
+                 queries_per_seq=1, *, last_page_len=None, flags=0):
         # CSR_KV_HEADS: queries_per_seq is the layer's KV heads (the lists per request)
         self.layout, self.n_seqs, self.queries_per_seq = layout, n_seqs, queries_per_seq
+        self.flags = EmitFlag(int(flags))
         self._indices, self._lengths, self._indptr, self._dense = indices, lengths, indptr, dense
+        self._last = last_page_len
         self._c = self._cp = self._for = None
         self._views = {}
 
@@ -1315,20 +1323,22 @@ class Emission:
 
     indices, lengths, indptr, dense = _set("_indices"), _set("_lengths"), _set("_indptr"), \
         _set("_dense")
+    last_page_len = _set("_last")
     del _set
 
     def _prepare(self, ctx: "Context") -> None:
         """Check the arrays once for ctx's memory space and build the kvt_emit (s_q = 1)."""
         layout = to_enum(EmitLayout, self.layout, "layout")
+        tokens, paged = layout == EmitLayout.TOKENS, layout == EmitLayout.PAGED
         refs = {}
         for name, dt in (("indices", np.int32), ("lengths", np.int32), ("indptr", np.int32),
-                         ("dense", np.uint8)):
+                         ("dense", np.uint8), ("last_page_len", np.int32)):
             v = getattr(self, name)
-            if v is not None and (name != "lengths" or layout == EmitLayout.TOKENS) and \
-                    (name != "indptr" or layout != EmitLayout.TOKENS):
+            if v is not None and (name != "lengths" or tokens) and \
+                    (name != "indptr" or not tokens) and (name != "last_page_len" or paged):
                 refs[name] = ctx._backend_array(v, f"emission.{name}", dt, writable=True)
         ind = refs["indices"]
-        if layout == EmitLayout.TOKENS:
+        if tokens:
             if "lengths" not in refs or len(ind.shape) != 2:
                 raise ValueError("emission: TOKENS needs indices (n, topk) and lengths (n,)")
             lists = min(ind.shape[0], refs["lengths"].shape[0])
@@ -1336,20 +1346,11 @@ class Emission:
             if "indptr" not in refs or len(ind.shape) != 1:
                 raise ValueError("emission: CSR needs one-dimensional indices and an indptr")
             lists = refs["indptr"].shape[0] - 1
-        e = _lib.EmitC()
-        e.struct_size = ctypes.sizeof(_lib.EmitC)
-        e.layout = int(layout)
-        e.queries_per_seq = 1
-        P32 = ctypes.POINTER(ctypes.c_int32)
-        e.indices = ctypes.cast(ind.ptr, P32)
-        if layout == EmitLayout.TOKENS:
-            e.capacity = u32(ind.shape[1], "topk")
-            e.lengths = ctypes.cast(refs["lengths"].ptr, P32)
-        else:
-            e.capacity = u32(ind.shape[0], "capacity")
-            e.indptr = ctypes.cast(refs["indptr"].ptr, P32)
-        if "dense" in refs:
-            e.dense = ctypes.cast(refs["dense"].ptr, ctypes.POINTER(ctypes.c_uint8))
+            if paged:
+                if "last_page_len" not in refs:
+                    raise ValueError("emission: PAGED needs last_page_len (one per list)")
+                lists = min(lists, refs["last_page_len"].shape[0])
+        e = _emit_c(layout, 1, refs, self.flags)
         self._dense_n = refs["dense"].shape[0] if "dense" in refs else None
         self._lists = lists
         self.layout = layout
@@ -1361,7 +1362,7 @@ class Emission:
         v = self._views.get((n, qps))
         if v is None:
             v = Emission(self.layout, n, self._indices, self._lengths, self._indptr, self._dense,
-                         qps)
+                         qps, last_page_len=self._last, flags=self.flags)
             v._c, v._cp, v._for, v._lists, v._dense_n = self._c, self._cp, self._for, \
                 self._lists, self._dense_n
             self._views[(n, qps)] = v
@@ -1369,31 +1370,66 @@ class Emission:
 
     def host(self) -> "Emission":
         """This emission with host (numpy) arrays: itself when they are, else a copy."""
-        arrays = [getattr(self, n) for n in ("indices", "lengths", "indptr", "dense")]
+        arrays = [getattr(self, n) for n in ("indices", "lengths", "indptr", "dense",
+                                             "last_page_len")]
         if all(a is None or isinstance(a, np.ndarray) for a in arrays):
             return self
-        return Emission(self.layout, self.n_seqs, *[
+        ind, lengths, indptr, dense, last = [
             None if a is None else a if isinstance(a, np.ndarray) else
             a.numpy() if isinstance(a, DeviceArray) else as_array(a, "emission")
-            for a in arrays], queries_per_seq=self.queries_per_seq)
+            for a in arrays]
+        return Emission(self.layout, self.n_seqs, ind, lengths, indptr, dense,
+                        queries_per_seq=self.queries_per_seq, last_page_len=last,
+                        flags=self.flags)
 
-    def slots(self, i: int, t: int = 0) -> np.ndarray:
+    def _query_index(self, i: int, t: int) -> int:
         if not 0 <= i < self.n_seqs:
             raise IndexError(f"request {i} out of range ({self.n_seqs} in the step)")
         if not 0 <= t < self.queries_per_seq:
             what = "KV head" if self.layout == EmitLayout.CSR_KV_HEADS else "query token"
             raise IndexError(f"{what} {t} out of range ({self.queries_per_seq} per request)")
+        return i * self.queries_per_seq + t
+
+    def slots(self, i: int, t: int = 0, page_rows: int | None = None) -> np.ndarray:
+        """Request i's attended slots for its query token t. PAGED lists pages: their rows
+        (page id x page_rows + row; the last page's first last_page_len), page_rows needed;
+        on a sliding-window layer the first page may hold rows before the window (FlashInfer
+        masks them: window_left = window - 1)."""
+        q = self._query_index(i, t)
         h = self.host()
-        q = i * self.queries_per_seq + t
         if self.layout == EmitLayout.TOKENS:
+            if self.flags & EmitFlag.LENGTHS_PER_SEQ:  # the request's count; -1 past the token's
+                row = h.indices[q, :h.lengths[i]]
+                return row[row >= 0]
             return h.indices[q, :h.lengths[q]]
+        if self.layout == EmitLayout.PAGED:
+            if page_rows is None:
+                raise ValueError("slots: a PAGED emission lists pages; pass page_rows")
+            pages, last = self.pages(i, t)
+            rows = np.arange(page_rows, dtype=np.int32)
+            out = (pages.astype(np.int32)[:, None] * page_rows + rows[None, :]).reshape(-1)
+            return out[:len(out) - (page_rows - last)] if len(pages) else out
         return h.indices[h.indptr[q]:h.indptr[q + 1]]
 
+    def pages(self, i: int, t: int = 0) -> tuple[np.ndarray, int]:
+        """PAGED: request i's page ids for its query token t and its last page's rows (0 for
+        an empty list) — FlashInfer's kv_indices[kv_indptr[q]:kv_indptr[q + 1]] and
+        kv_last_page_len[q]."""
+        if self.layout != EmitLayout.PAGED:
+            raise ValueError(f"pages: the emission's layout is {EmitLayout(self.layout).name}, "
+                             "not PAGED")
+        q = self._query_index(i, t)
+        h = self.host()
+        return h.indices[h.indptr[q]:h.indptr[q + 1]], int(h.last_page_len[q])
+
     def counts(self) -> np.ndarray:
-        """Rows per query (one per request when queries_per_seq is 1)."""
+        """Rows per query (one per request when queries_per_seq is 1, or with
+        LENGTHS_PER_SEQ); PAGED: pages per query."""
         h = self.host()
         nq = self.n_seqs * self.queries_per_seq
         if self.layout == EmitLayout.TOKENS:
+            if self.flags & EmitFlag.LENGTHS_PER_SEQ:
+                return h.lengths[:self.n_seqs].copy()
             return h.lengths[:nq].copy()
         return np.diff(h.indptr[:nq + 1])
 
@@ -1496,14 +1532,17 @@ class Buffer(_Closable):
         del h  # the last reference frees it (_Handle.__del__), now or when the last view goes
 
 
-def _emit_c(layout, sq: int, refs) -> _lib.EmitC:
-    """The kvt_emit over checked arrays (ArrayRefs by name)."""
+def _emit_c(layout, sq: int, refs, flags=0) -> _lib.EmitC:
+    """The kvt_emit over checked arrays (ArrayRefs by name), with its KVT_EMIT_* flags."""
     P32 = ctypes.POINTER(ctypes.c_int32)
     e = _lib.EmitC()
     e.struct_size = ctypes.sizeof(_lib.EmitC)
     e.layout = int(layout)
     e.queries_per_seq = sq
+    e.flags = u64(int(flags), "flags")
     e.indices = ctypes.cast(refs["indices"].ptr, P32)
+    if "last_page_len" in refs:
+        e.last_page_len = ctypes.cast(refs["last_page_len"].ptr, P32)
     if layout == EmitLayout.TOKENS:
         e.capacity = u32(refs["indices"].shape[1], "topk")
         e.lengths = ctypes.cast(refs["lengths"].ptr, P32)
@@ -1659,7 +1698,7 @@ class Batch(_Closable):
         check(_plan(self._bp()), "kvt_batch_plan")
 
     def emission(self, layout="tokens", capacity: int = 0, *, layer: int | None = None,
-                 want_dense: bool = False) -> Emission:
+                 want_dense: bool = False, flags=0) -> Emission:
         """Zeroed emission buffers for every step of this batch, sized for max_seqs requests
         (what plan_device needs: a planned step's runs write the arrays of the batch's first
         planned step), in the backend's memory: numpy arrays on the CPU backend, DeviceArrays
@@ -1667,9 +1706,13 @@ class Batch(_Closable):
         ``__cuda_array_interface__``) and guarded. TOKENS: ``indices`` int32 [max_seqs, capacity]
         (capacity: rows per request) and ``lengths`` [max_seqs]; CSR: ``indices`` [capacity] (all
         requests' rows) and ``indptr`` [max_seqs + 1]; CSR_KV_HEADS (``layer`` names the layer
-        whose KV heads count the lists): ``indptr`` [max_seqs * n_kv_heads + 1]. ``want_dense``:
-        ``dense`` uint8 [max_seqs]. Pass it to run(layer, emission=...) and plan_device()."""
+        whose KV heads count the lists): ``indptr`` [max_seqs * n_kv_heads + 1]; PAGED:
+        ``indices`` [capacity] (page ids), ``indptr`` [max_seqs + 1] and ``last_page_len``
+        [max_seqs]. ``want_dense``: ``dense`` uint8 [max_seqs]. ``flags``: EmitFlag
+        (LENGTHS_PER_SEQ: TOKENS' lengths one per request). Pass it to run(layer,
+        emission=...) and plan_device()."""
         layout = to_enum(EmitLayout, layout, "layout")
+        flags = EmitFlag(int(flags))
         n, cap = self.max_seqs, u32(capacity, "capacity")
         lists = n
         if layout == EmitLayout.CSR_KV_HEADS:
@@ -1686,10 +1729,11 @@ class Batch(_Closable):
         dense = zeros(n, np.uint8) if want_dense else None
         if layout == EmitLayout.TOKENS:
             return Emission(layout, n, zeros((n, cap), np.int32), zeros(n, np.int32),
-                            dense=dense)
+                            dense=dense, flags=flags)
+        last = zeros(max(1, lists), np.int32) if layout == EmitLayout.PAGED else None
         return Emission(layout, n, zeros(max(1, cap), np.int32),
                         indptr=zeros(lists + 1, np.int32), dense=dense,
-                        queries_per_seq=lists // n if n else 1)
+                        queries_per_seq=lists // n if n else 1, last_page_len=last, flags=flags)
 
     def plan_device(self, emits, stream=None) -> bool:
         """kvt_batch_plan_device, after plan() and before any run: plan every layer's run of a
@@ -1731,6 +1775,17 @@ class Batch(_Closable):
             self._planned_emits = lst  # a captured graph writes these: they live with the batch
         return bool(planned.value)
 
+    def emit_fits(self, layer: int, layout="paged") -> bool:
+        """kvt_batch_emit_fits, after plan() and before the layer's first run: whether
+        run(layer) can emit this step in ``layout`` — PAGED: every request's set is whole pages
+        (False too where a salience close is due on the layer or a request recalls there: then
+        use TOKENS or CSR); True for the other layouts."""
+        fits = ctypes.c_bool()
+        check(lib.kvt_batch_emit_fits(self._bp(), u32(layer, "layer"),
+                                      int(to_enum(EmitLayout, layout, "layout")),
+                                      ctypes.byref(fits)), "kvt_batch_emit_fits")
+        return bool(fits.value)
+
     def capacity(self, layer: int) -> tuple[int, int]:
         """kvt_batch_capacity after plan: (topk, total) that always suffice for run(layer)."""
         topk, total = ctypes.c_uint32(), ctypes.c_uint32()
@@ -1751,7 +1806,8 @@ class Batch(_Closable):
 
     def run(self, layer: int, layout="tokens", *, indices=None, lengths=None, indptr=None,
             dense=None, want_dense: bool = False, queries_per_seq: int = 1, query=None,
-            stream=None, emission: Emission | None = None) -> Emission:
+            stream=None, emission: Emission | None = None, last_page_len=None,
+            flags=0) -> Emission:
         """kvt_batch_run: the layer's due close or round for every request, then its attended
         sets, one per request or, with ``queries_per_seq`` = s_q > 1, one per query token
         (causal: token t sees the step's rows up to its own). Buffers, in the backend's memory
@@ -1763,6 +1819,11 @@ class Batch(_Closable):
         ``layout="csr_kv_heads"``: one list per (request, KV head) of the layer (needed where a
         request recalls on a GQA/MHA-RoPE layer), indptr [>= n_seqs * n_kv_heads + 1], capacity
         n_kv_heads x capacity()'s total; one query per request.
+        ``layout="paged"``: FlashInfer's paged KV cache where every set is whole pages
+        (emit_fits() says beforehand; UnsupportedError otherwise): ``indices`` [capacity] page
+        ids, ``indptr`` [>= n_seqs * s_q + 1], ``last_page_len`` int32 [>= n_seqs * s_q].
+        ``flags``: EmitFlag.LENGTHS_PER_SEQ (TOKENS: ``lengths`` [>= n_seqs], FlashMLA's
+        topk_length).
         ``query`` (the recall trigger's queries: float32 [n_seqs, n_q_heads, value_dim +
         branch_dim], softmax-scaled, in the backend's memory; needed when a request recalls on
         the layer) and ``stream`` (a cudaStream_t as int, or an object with ``cuda_stream``:
@@ -1772,7 +1833,8 @@ class Batch(_Closable):
         the decode path (checked once, then one C call). CapacityError when a request's rows
         exceed the capacity."""
         if emission is not None and queries_per_seq == 1 and indices is None and \
-                lengths is None and indptr is None and dense is None:
+                lengths is None and indptr is None and dense is None and \
+                last_page_len is None and not flags:
             e = emission
             if type(e) is not Emission and not isinstance(e, Emission):
                 raise TypeError(f"emission: expected a kvtier.Emission, got {type(e).__name__}")
@@ -1797,11 +1859,14 @@ class Batch(_Closable):
                 check(rc, "kvt_batch_run")
             return e._view(n, qps)
         if emission is not None:
-            if any(x is not None for x in (indices, lengths, indptr, dense)):
+            if any(x is not None for x in (indices, lengths, indptr, dense, last_page_len)):
                 raise TypeError("run: pass emission or the buffers, not both")
             layout, indices, lengths = emission.layout, emission.indices, emission.lengths
             indptr, dense = emission.indptr, emission.dense
+            last_page_len, flags = emission.last_page_len, flags or emission.flags
         layout = to_enum(EmitLayout, layout, "layout")
+        flags = EmitFlag(int(flags))
+        paged = layout == EmitLayout.PAGED
         n = self._n
         sq = u32(queries_per_seq, "queries_per_seq") or 1
         nq = n * sq
@@ -1832,10 +1897,11 @@ class Batch(_Closable):
         if layout == EmitLayout.TOKENS:
             if len(shape) != 2 or shape[0] < nq:
                 raise ValueError(f"indices: TOKENS needs shape (>= {nq}, topk), got {shape}")
-            lengths = alloc(max(1, nq), np.int32) if lengths is None else lengths
+            n_len = n if flags & EmitFlag.LENGTHS_PER_SEQ else nq
+            lengths = alloc(max(1, n_len), np.int32) if lengths is None else lengths
             refs["lengths"] = self._ctx._backend_array(lengths, "lengths", np.int32, True)
-            if len(refs["lengths"].shape) != 1 or refs["lengths"].shape[0] < nq:
-                raise ValueError(f"lengths: needs shape (>= {nq},), got "
+            if len(refs["lengths"].shape) != 1 or refs["lengths"].shape[0] < n_len:
+                raise ValueError(f"lengths: needs shape (>= {n_len},), got "
                                  f"{refs['lengths'].shape}")
         else:
             if len(shape) != 1:
@@ -1845,6 +1911,15 @@ class Batch(_Closable):
             if len(refs["indptr"].shape) != 1 or refs["indptr"].shape[0] < lists + 1:
                 raise ValueError(f"indptr: needs shape (>= {lists + 1},), got "
                                  f"{refs['indptr'].shape}")
+            if paged:
+                last_page_len = alloc(max(1, lists), np.int32) if last_page_len is None \
+                    else last_page_len
+                refs["last_page_len"] = self._ctx._backend_array(last_page_len, "last_page_len",
+                                                                 np.int32, True)
+                if len(refs["last_page_len"].shape) != 1 or \
+                        refs["last_page_len"].shape[0] < lists:
+                    raise ValueError(f"last_page_len: needs shape (>= {lists},), got "
+                                     f"{refs['last_page_len'].shape}")
         if dense is not None or want_dense:
             if dense is None:
                 dense = np.zeros(n, dtype=np.uint8) if host else alloc(max(1, n), np.uint8)
@@ -1855,7 +1930,8 @@ class Batch(_Closable):
             lengths = refs["lengths"].host if "lengths" in refs else None
             indptr = refs["indptr"].host if "indptr" in refs else None
             dense = refs["dense"].host if "dense" in refs else None
-        e = _emit_c(layout, sq, refs)
+            last_page_len = refs["last_page_len"].host if "last_page_len" in refs else None
+        e = _emit_c(layout, sq, refs, flags)
         q = None
         if query is not None:
             q = self._ctx._backend_array(query, "query", np.float32).ptr
@@ -1864,7 +1940,8 @@ class Batch(_Closable):
               "kvt_batch_run")
         return Emission(layout, n, indices, lengths if layout == EmitLayout.TOKENS else None,
                         indptr if layout != EmitLayout.TOKENS else None, dense,
-                        lists // n if n else sq)
+                        lists // n if n else sq,
+                        last_page_len=last_page_len if paged else None, flags=flags)
 
     def commit(self, n_accepted=None) -> None:
         """kvt_batch_commit: the first n_accepted[i] tokens of seqs[i] (None: all reserved);

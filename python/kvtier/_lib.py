@@ -178,6 +178,7 @@ class EmitC(ctypes.Structure):
         ("dense", P(ctypes.c_uint8)),
         ("queries_per_seq", c_u32),
         ("flags", c_u64),
+        ("last_page_len", P(c_i32)),
     ]
 
 
@@ -425,6 +426,7 @@ _SIGNATURES = {
     "kvt_batch_plan": (c_status, [c_vp]),
     "kvt_batch_plan_device": (c_status, [c_vp, P(EmitC), c_u32, c_vp, P(ctypes.c_bool)]),
     "kvt_batch_capacity": (c_status, [c_vp, c_u32, P(c_u32), P(c_u32)]),
+    "kvt_batch_emit_fits": (c_status, [c_vp, c_u32, c_enum, P(ctypes.c_bool)]),
     "kvt_batch_run": (c_status, [c_vp, c_u32, c_vp, c_vp, P(EmitC)]),
     "kvt_batch_commit": (c_status, [c_vp, P(c_u32)]),
     "kvt_seq_block_table": (c_status, [c_vp, c_u32, P(c_i32), c_u32, P(c_u32), P(c_u64)]),

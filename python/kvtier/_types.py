@@ -73,9 +73,16 @@ class Space(enum.IntEnum):
 
 
 class EmitLayout(enum.IntEnum):
-    TOKENS = 0
-    CSR = 1
+    TOKENS = 0  # FlashMLA's sparse decode: slots [n, s_q, topk], topk_length
+    CSR = 1  # FlashInfer with page_size 1: indptr over slots
     CSR_KV_HEADS = 2  # one list per (request, KV head): GQA/MHA-RoPE recall
+    PAGED = 3  # FlashInfer's paged KV: indptr over page ids, indices, last_page_len
+
+
+class EmitFlag(enum.IntFlag):
+    """kvt_emit.flags (KVT_EMIT_*)."""
+    NONE = 0
+    LENGTHS_PER_SEQ = 1  # TOKENS: one length per request (FlashMLA's topk_length, (batch,))
 
 
 class RowState(enum.IntEnum):

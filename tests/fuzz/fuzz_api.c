@@ -2,14 +2,15 @@
  * MLA-NoPE layer, random eviction on an MLA-RoPE and a GQA layer, a sliding-window layer, a
  * no-KV layer), tiny pages and pools so that exhaustion happens, and a program of calls read
  * from the input bytes: requests created and destroyed (also mid-step), reserve and
- * kvt_batch_reserve_drafts, row writes, plan, run in both emission layouts with one or several
+ * kvt_batch_reserve_drafts, row writes, plan, run in the emission layouts (TOKENS, CSR, PAGED
+ * where kvt_batch_emit_fits answers first: refused only where it said no) with one or several
  * queries per request and capacities that sometimes fall short, commit with partial acceptance
  * (and acceptances the contract refuses), prompt changes, batches destroyed before their run,
  * the inspection calls, and snapshots: taken (refused inside a step), restored into a free
  * request slot (as they are, with a byte flipped, or cut short), replacing the original; steps
- * planned on the device (kvt_batch_plan_device, one fixed emission per batch: TOKENS, CSR or
- * CSR_KV_HEADS) whose runs pass that emission or another one (refused); prefix sharing: forks
- * and attaches (at any prefix length, also past rounds and closes, also of a request inside a
+ * planned on the device (kvt_batch_plan_device, one fixed emission per batch: TOKENS, CSR,
+ * CSR_KV_HEADS or PAGED) whose runs pass that emission or another one (refused); prefix
+ * sharing: forks and attaches (at any prefix length, also past rounds and closes, also of a request inside a
  * step), with the context's max_seqs request slots stated or not.
  *
  * After every call: its status is in the set kvtier.h documents for it (KVT_ERR_INVARIANT never
@@ -42,6 +43,7 @@ typedef struct fbatch {
     kvt_emit pe;  /* the batch's planned emission (TOKENS: PLAN_TOPK a request; CSR and
                    * CSR_KV_HEADS: PLAN_TOPK a request and KV head, at most 2 heads) */
     int32_t pidx[MAX_SEQS * PLAN_TOPK * 2], plen[MAX_SEQS], pptr[MAX_SEQS * 2 + 1];
+    int32_t plast[MAX_SEQS];
     uint8_t pdense[MAX_SEQS];
 } fbatch;
 
@@ -384,7 +386,8 @@ static void op_plan(fuzz_state *f) {
         if ((how & 1) && !b->pe_set) { /* the batch's emission, in one of the layouts */
             static const kvt_emit_layout lay[3] = {KVT_EMIT_TOKENS, KVT_EMIT_CSR,
                                                    KVT_EMIT_CSR_KV_HEADS};
-            const kvt_emit_layout layout = lay[(how >> 1) % 3];
+            /* (bit 7: FlashInfer's paged layout, refused where a set is not whole pages) */
+            const kvt_emit_layout layout = (how & 0x80) ? KVT_EMIT_PAGED : lay[(how >> 1) % 3];
             b->pe = (kvt_emit){.struct_size = sizeof b->pe, .layout = layout,
                                .indices = b->pidx, .dense = b->pdense};
             if (layout == KVT_EMIT_TOKENS) {
@@ -393,13 +396,19 @@ static void op_plan(fuzz_state *f) {
             } else {
                 b->pe.capacity = MAX_SEQS * PLAN_TOPK * 2;
                 b->pe.indptr = b->pptr;
+                if (layout == KVT_EMIT_PAGED)
+                    b->pe.last_page_len = b->plast;
             }
             b->pe_set = true;
         }
         if (how & 1) { /* and on the device */
             bool planned = false;
             s = kvt_batch_plan_device(b->h, &b->pe, 1, NULL, &planned);
-            FUZZ_STATUS("kvt_batch_plan_device", s, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY);
+            if (s == KVT_ERR_UNSUPPORTED) /* a set that is not whole pages */
+                FUZZ_REQUIRE(b->pe.layout == KVT_EMIT_PAGED, "plan_device: %s",
+                             kvt_status_name(s));
+            else
+                FUZZ_STATUS("kvt_batch_plan_device", s, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY);
             b->planned = s == KVT_OK && planned;
         }
     }
@@ -420,6 +429,19 @@ static void check_emission(fuzz_state *f, const kvt_emit *e, uint32_t n_q) {
                     FUZZ_REQUIRE(v == -1, "query %u entry %u: padding %d", q, j, v);
             }
         }
+    } else if (e->layout == KVT_EMIT_PAGED) { /* page ids; the last page's rows */
+        FUZZ_REQUIRE(e->indptr[0] == 0, "indptr[0] = %d", e->indptr[0]);
+        for (uint32_t q = 0; q < n_q; q++) {
+            const int32_t n = e->indptr[q + 1] - e->indptr[q], last = e->last_page_len[q];
+            FUZZ_REQUIRE(n >= 0, "indptr falls at %u", q);
+            FUZZ_REQUIRE(n ? last >= 1 && (uint32_t)last <= f->page_rows : last == 0,
+                         "query %u: %d pages, last_page_len %d", q, n, last);
+        }
+        FUZZ_REQUIRE((uint32_t)e->indptr[n_q] <= e->capacity, "indptr end %d past %u",
+                     e->indptr[n_q], e->capacity);
+        for (int32_t j = 0; j < e->indptr[n_q]; j++)
+            FUZZ_REQUIRE(e->indices[j] >= 0 && (uint32_t)e->indices[j] < f->n_pages,
+                         "paged entry %d: page %d outside the pool", j, e->indices[j]);
     } else {
         FUZZ_REQUIRE(e->indptr[0] == 0, "indptr[0] = %d", e->indptr[0]);
         for (uint32_t q = 0; q < n_q; q++)
@@ -446,28 +468,51 @@ static void op_run(fuzz_state *f) {
     uint32_t sq = (mode & 12) == 0 ? 0 : (mode & 12) == 4 ? 1 : max_tok + (mode >> 6);
     uint32_t n_q = (b->n ? b->n : 1) * (sq > 1 ? sq : 1);
     bool csr = mode & 1, short_cap = (mode & 0x30) == 0x30;
+    /* CSR with bits 0x30 = 0x20: FlashInfer's paged layout (refused only where
+     * kvt_batch_emit_fits said no) */
+    const bool paged = csr && (mode & 0x30) == 0x20;
     uint32_t cap = csr ? total * (sq > 1 ? sq : 1) : topk;
     if (short_cap && cap > 0)
         cap--;
-    kvt_emit e = {.struct_size = sizeof e, .layout = csr ? KVT_EMIT_CSR : KVT_EMIT_TOKENS,
-                  .capacity = cap, .queries_per_seq = sq};
+    kvt_emit e = {.struct_size = sizeof e,
+                  .layout = paged ? KVT_EMIT_PAGED
+                            : csr ? KVT_EMIT_CSR
+                                  : KVT_EMIT_TOKENS,
+                  .capacity = cap,
+                  .queries_per_seq = sq};
     size_t n_idx = csr ? cap : (size_t)n_q * cap;
     e.indices = malloc(sizeof(int32_t) * (n_idx + 1));
     e.lengths = malloc(sizeof(int32_t) * n_q);
     e.indptr = malloc(sizeof(int32_t) * (n_q + 1));
+    e.last_page_len = malloc(sizeof(int32_t) * n_q);
     uint8_t dense[MAX_SEQS];
     e.dense = (mode & 2) ? dense : NULL;
-    FUZZ_REQUIRE(e.indices && e.lengths && e.indptr, "oom");
+    FUZZ_REQUIRE(e.indices && e.lengths && e.indptr && e.last_page_len, "oom");
     const bool planned_run = b->planned && (mode & 0x80); /* the emission it was planned for */
+    bool fits = true;
+    if (paged && !planned_run) {
+        s = kvt_batch_emit_fits(b->h, l, KVT_EMIT_PAGED, &fits);
+        FUZZ_STATUS("kvt_batch_emit_fits", s, KVT_ERR_BAD_STATE, KVT_ERR_OUT_OF_RANGE,
+                    KVT_ERR_POLICY_MISMATCH);
+        FUZZ_REQUIRE(s == KVT_OK || !fits, "emit_fits failed with fits set");
+        if (b->phase >= 2 && l < N_LAYERS && has_kv(l))
+            FUZZ_REQUIRE(s == KVT_OK, "kvt_batch_emit_fits after plan: %s", kvt_status_name(s));
+    }
     s = kvt_batch_run(b->h, l, NULL, NULL, planned_run ? &b->pe : &e);
     if (f->verbose)
-        fprintf(stderr, "  run layer %u (%s, s_q %u, capacity %u): %s\n", l, csr ? "csr" : "tokens",
+        fprintf(stderr, "  run layer %u (%s, s_q %u, capacity %u): %s\n", l,
+                paged ? "paged"
+                : csr ? "csr"
+                      : "tokens",
                 sq, cap, kvt_status_name(s));
-    FUZZ_STATUS("kvt_batch_run", s, KVT_ERR_BAD_STATE, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY,
-                KVT_ERR_OUT_OF_RANGE, KVT_ERR_POLICY_MISMATCH, KVT_ERR_INVALID_ARGUMENT);
+    if (paged && !planned_run && s == KVT_ERR_UNSUPPORTED) /* a set of single rows */
+        FUZZ_REQUIRE(!fits, "layer %u: PAGED refused where kvt_batch_emit_fits said it fits", l);
+    else
+        FUZZ_STATUS("kvt_batch_run", s, KVT_ERR_BAD_STATE, KVT_ERR_CAPACITY, KVT_ERR_OUT_OF_MEMORY,
+                    KVT_ERR_OUT_OF_RANGE, KVT_ERR_POLICY_MISMATCH, KVT_ERR_INVALID_ARGUMENT);
     if (b->phase < 2)
         FUZZ_REQUIRE(s != KVT_OK, "run before plan accepted");
-    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1 && !b->planned)
+    if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && !short_cap && sq <= 1 && !b->planned && fits)
         FUZZ_REQUIRE(s == KVT_OK, "run of layer %u with kvt_batch_capacity's capacity: %s", l,
                      kvt_status_name(s));
     if (b->phase >= 2 && l < N_LAYERS && has_kv(l) && planned_run)
@@ -485,6 +530,7 @@ static void op_run(fuzz_state *f) {
     free(e.indices);
     free(e.lengths);
     free(e.indptr);
+    free(e.last_page_len);
 }
 
 static void op_commit(fuzz_state *f) {

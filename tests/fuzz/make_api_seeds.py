@@ -2,7 +2,8 @@
 """make_api_seeds.py — writes the fuzz_api seed corpus: byte programs in fuzz_api.c's encoding
 (a context header, then one opcode byte per call with its argument bytes) for a prefill and a
 decode loop that reaches block closes and eviction rounds, speculative steps with drafts and
-per-token emission, pool exhaustion, archived eviction with limits, and snapshots.
+per-token emission, pool exhaustion, archived eviction with limits, snapshots, and the paged
+emission.
 Usage: make_api_seeds.py DIR"""
 import sys
 
@@ -21,14 +22,17 @@ def header(window=20, block128=0, kappa=4, ratio=4, sink=2, K=16, recent=4, cade
     return b
 
 
-def step(toks, batch=0, drafts=None, runs=((0, 0), (1, 1), (2, 0), (3, 1)), acc=None, wmode=2):
+def step(toks, batch=0, drafts=None, runs=((0, 0), (1, 1), (2, 0), (3, 1)), acc=None, wmode=2,
+         how=None, big=False):
     mask = sum(1 << i for i in range(len(toks)))
-    b = [RESERVE, batch, mask, 1 if drafts else 0]
+    b = [RESERVE, batch, mask, (1 if drafts else 0) | (6 if big else 0)]  # big: up to 160
     for i, t in enumerate(toks):
         b.append(t)
         if drafts:
             b.append(drafts[i])
     b += [WRITE, batch, wmode, PLAN, batch]
+    if how is not None:  # plan's own byte (else the first RUN byte serves as it)
+        b.append(how)
     for layer, mode in runs:
         b += [RUN, batch, layer, mode]
     if acc is None:
@@ -77,6 +81,18 @@ def seeds():
         s += [DESTROY, 2, DESTROY, 3]
     s += [RESERVE, 0, 1, 0, 2, SNAPSHOT, 0, 0, 0, 0, COMMIT, 0, 1]
     yield "snapshot", s
+    # FlashInfer's paged layout (run mode 0x21) on every layer, after kvt_batch_emit_fits: a
+    # prefill with per-token lists (0x29), then decode steps past closes and rounds, each layer
+    # also emitting TOKENS from a second run; then steps planned on the device with a PAGED
+    # emission (plan byte 0x81), their runs passing it (0xa1) where the step was plannable
+    paged = tuple((layer, m) for layer in range(5) for m in (0x21, 0))
+    s = header(K=8) + two + step([61, 40], runs=tuple((layer, 0x29) for layer in range(5)),
+                                 how=0, big=True)
+    for _ in range(6):  # request 0 closes its first block at 64 rows
+        s += step([1, 1], runs=paged, how=0)
+    for _ in range(12):
+        s += step([1, 1], runs=tuple((layer, 0xa1) for layer in range(4)), how=0x81)
+    yield "paged", s
 
 
 if __name__ == "__main__":

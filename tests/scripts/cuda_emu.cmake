@@ -1,7 +1,8 @@
 # The CUDA emulation's test entries (-DKVT_CUDA_EMU=ON, docs/cuda-emulation.md; test.sh's
 # build-test-cuda-emu): every CUDA case of the suite with KVT_REQUIRE_GPU=1 (a skip is a failure),
 # labelled cuda_emu, so `ctest -L cuda_emu` runs them and nothing else:
-#   test_cuda (every op against its CPU twin), test_graph's CUDA replays (forward thread order,
+#   test_cuda (every op against its CPU twin), test_paged's CUDA case (KVT_EMIT_PAGED planned and
+#   eager, an older caller's emission array), test_graph's CUDA replays (forward thread order,
 #   and again under reverse and shuffled orders: label cuda_emu_orders, so that a race inside a
 #   block changes a result), test_golden (every golden case on the CUDA backend too), test_fp8's
 #   and test_rope_recall's CUDA cases, test_recall_step's CUDA decode, and the needle cell of
@@ -17,11 +18,12 @@ set(KVT_EMU_ENV KVT_REQUIRE_GPU=1 "KVT_MODELS_DIR=${KVT_MODELS_DIR}")
 
 # The sanitizer legs' cases of test_cuda: the block-cooperative kernels (barriers, BlockScan,
 # warp shuffles and votes, shared memory) at small sizes: select (radix top-m), pack with and
-# without recall, the eviction rounds, σ, sketches (warps), the recall scan (compaction), the
-# attention (shuffles in double), and the backend's discipline tests. The recall steps' cases are
+# without recall and paged (KVT_EMIT_PAGED), the eviction rounds, σ, sketches (warps), the
+# recall scan (compaction), the attention (shuffles in double), and the backend's discipline
+# tests. The recall steps' cases are
 # left to the plain leg: under a sanitizer their CPU twins (the oracle, -O1, no FMA clones) take
 # minutes.
-set(KVT_EMU_SAN_CASES "select_segments_equal_the_cpu|score_rows_equal_the_cpu|pack_equals_the_cpu|pack_recall_equals_the_cpu|eviction_rounds_equal_the_cpu|eviction_archive_merge_equals_the_cpu|sketch_rows_equal_the_cpu|recall_scan_equals_the_cpu|attend_equals_the_cpu|refused_score_rows_and_select_enqueue_nothing|workspace_growth_and_find_pos_leave_a_capture_alone|planned_step_past_its_reservation_is_refused")
+set(KVT_EMU_SAN_CASES "select_segments_equal_the_cpu|score_rows_equal_the_cpu|pack_equals_the_cpu|pack_paged_equals_the_cpu|pack_recall_equals_the_cpu|eviction_rounds_equal_the_cpu|eviction_archive_merge_equals_the_cpu|sketch_rows_equal_the_cpu|recall_scan_equals_the_cpu|attend_equals_the_cpu|refused_score_rows_and_select_enqueue_nothing|workspace_growth_and_find_pos_leave_a_capture_alone|planned_step_past_its_reservation_is_refused")
 if(KVT_TSAN)
   foreach(t test_cuda)
     add_executable(${t}_tsan ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c
@@ -51,6 +53,7 @@ if(KVT_SANITIZE) # ASan + UBSan: test_cuda's sanitizer cases (label cuda_emu_asa
 endif()
 kvt_cuda_emu_test(cuda_emu_cuda cuda_emu $<TARGET_FILE:test_cuda> --jobs 1)
 kvt_cuda_emu_test(cuda_emu_graph cuda_emu $<TARGET_FILE:test_graph> --jobs 1 "--filter=graph/*_cuda")
+kvt_cuda_emu_test(cuda_emu_paged cuda_emu $<TARGET_FILE:test_paged> --jobs 1 "--filter=paged/*_cuda")
 kvt_cuda_emu_test(cuda_emu_golden cuda_emu $<TARGET_FILE:test_golden> --jobs 1)
 kvt_cuda_emu_test(cuda_emu_fp8 cuda_emu $<TARGET_FILE:test_fp8> --jobs 1 "--filter=fp8/*_cuda")
 kvt_cuda_emu_test(cuda_emu_rope cuda_emu $<TARGET_FILE:test_rope_recall> --jobs 1 "--filter=*/*_cuda")

@@ -82,9 +82,7 @@ kvt_ctx *tu_mixed_ctx_sketch(kvt_model *m, bool archive, uint32_t n_pages, uint3
     return tu_mixed_ctx_slots(m, archive, n_pages, K, sketch_rank, 0, 0);
 }
 
-static kvt_ctx *mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
-                          uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows,
-                          uint32_t page_rows) {
+kvt_config tu_mixed_config(bool archive, uint32_t K) {
     kvt_config c = kvt_config_default();
     c.block_rows = TU_BLOCK;
     c.kappa = 4;
@@ -93,6 +91,13 @@ static kvt_ctx *mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages, uint32_t
     c.recent_rows = TU_R;
     c.cadence_rows = TU_R;
     c.evict_archive = archive;
+    return c;
+}
+
+static kvt_ctx *mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K,
+                          uint32_t sketch_rank, uint32_t max_seqs, uint32_t max_rows,
+                          uint32_t page_rows) {
+    kvt_config c = tu_mixed_config(archive, K);
     kvt_ctx_params p = kvt_ctx_default_params();
     p.model = m;
     p.config = &c;

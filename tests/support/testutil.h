@@ -42,6 +42,8 @@ enum { TU_L_SAL = 0, TU_L_EV1 = 1, TU_L_EV2 = 2, TU_L_SLIDE = 3, TU_N_LAYERS = 4
 enum { TU_BLOCK = 64, TU_K = 32, TU_R = 8, TU_WINDOW = 40 };
 kvt_model *tu_mixed_model(void);
 kvt_ctx *tu_mixed_ctx(kvt_model *m, bool archive, uint32_t n_pages);
+/* That context's config (the archive as asked, the random-eviction budget K). */
+kvt_config tu_mixed_config(bool archive, uint32_t K);
 /* The same with the random-eviction budget K given. */
 kvt_ctx *tu_mixed_ctx_k(kvt_model *m, bool archive, uint32_t n_pages, uint32_t K);
 /* The same with recall sketch planes of sketch_rank values a row on the salience layer (no
