@@ -1,6 +1,6 @@
 /*
  * recall_group.c — CPU twins of the recall tier's groups and the pruned scan
- * (kernels/recall_group.h for the layout, the build's rules and the bound). The loops only
+ * (recall_group.h for the layout, the build's rules and the bound). The loops only
  * arrange the KVT_HD functions; the rows of a group that is not skipped go through the full
  * scan's own row evaluation (kvt__recall_rows_fire_cpu: the tiled scan's chunks on AVX2/FMA
  * CPUs, kvt__recall_row_fires_cpu row by row elsewhere), so every fire decision is the full

@@ -3,7 +3,7 @@
  * the rows of the block are partitioned into groups of 32..64 similar rows, each with a centre, a
  * radius and the extremes of ρ and ‖csk‖; a step skips a whole group when no head can fire on any
  * member, and evaluates the members of the others exactly as the full scan does
- * (kernels/recall_scan.h), so its output is the full scan's, bit for bit. Read by gcc and nvcc
+ * (recall_scan.h), so its output is the full scan's, bit for bit. Read by gcc and nvcc
  * (no restrict, _Generic or compound literals).
  *
  * The space. idx is linear in a row's embedding x = [r | f32(csk)] (branch_dim + rank values):
@@ -282,7 +282,7 @@ KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, double Y, float yc,
 }
 
 /* ---------------------------------------------------------------------------------------------
- * CPU twins (kernels/recall_group.c)
+ * CPU twins (recall_group.c)
  * ------------------------------------------------------------------------------------------- */
 struct kvt__recall_scan_args;
 
@@ -325,7 +325,7 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
  * (rows [0, n_blocks·block_rows), every one closed), block b's planes at slot k = b·stride
  * (stride 0 reads as 1): perm + k·B, n_groups + k, end + k·B/32, centre + k·(B/32)·dim, stat +
  * k·(B/32)·KVT__RG_STATS. A RoPE layer's planes interleave its KV heads (stride n_kv, each head's
- * pointers offset by its slot; kernels/rope_trigger.h). Closed rows past the grouped blocks are
+ * pointers offset by its slot; rope_trigger.h). Closed rows past the grouped blocks are
  * scanned one by one. */
 typedef struct kvt__recall_groups {
     uint32_t block_rows;

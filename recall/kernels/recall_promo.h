@@ -1,6 +1,6 @@
 /*
  * recall_promo.h — the bookkeeping of recall promotion (docs/recall.md §4.2), shared by the CPU
- * twin of the recall step (kernels/recall_step.c) and its CUDA kernels (kernels/cuda/cu_recall.cu),
+ * twin of the recall step (recall_step.c) and its CUDA kernels (cuda/cu_recall.cu),
  * so both move the same rows between the same tables. All of it is integer work on short sorted
  * lists (the promoted rows, the candidates, the step's fired rows); only the merge of the kept
  * set with the promoted rows is as long as the kept set, and it has a serial form (the CPU's) and

@@ -1,5 +1,5 @@
 /*
- * recall_scan.c — CPU twin of the recall scan (kernels/recall_scan.h for the math and its fixed
+ * recall_scan.c — CPU twin of the recall scan (recall_scan.h for the math and its fixed
  * orders). The loops only arrange the KVT_HD functions: a CUDA kernel over the same functions
  * (one thread per (row, head), an OR over heads, a compaction of fired rows in row order) gives
  * the same fired set. Two arrangements: the row-wise scan (one row against every head) and, on

@@ -3,7 +3,7 @@
  * the exact score, the approximate score idx from the row's sketch, the conformal certificate
  * unit and the sound bound. Pure math: no policy, no state. Read by gcc and nvcc (no restrict,
  * _Generic or compound literals): the KVT_HD functions are the per-element math the CPU twin
- * (kernels/recall_scan.c) and a CUDA kernel share, each with a fixed accumulation order and
+ * (recall_scan.c) and a CUDA kernel share, each with a fixed accumulation order and
  * explicit fmaf, so fired sets are bit-equal across backends.
  *
  * A stored row is [c | r]: latent c (its first D values) and branch r (branch_dim values at
@@ -416,7 +416,7 @@ KVT_HD int kvt__recall_q8_fires(const kvt__recall_head *hd, const kvt__recall_q8
 }
 
 /* ---------------------------------------------------------------------------------------------
- * CPU twin (kernels/recall_scan.c)
+ * CPU twin (recall_scan.c)
  * ------------------------------------------------------------------------------------------- */
 struct kvt__recall_scan_args;
 
@@ -428,7 +428,7 @@ float kvt__recall_f16_fast(uint16_t h);
 
 /* One work item (kernels/backend.h), arguments checked by the caller: the heads prepared, then
  * the archived rows ascending, each against the heads in order until one fires. On x86-64 with
- * AVX2 and FMA it runs the tiled scan (kernels/recall_scan.c: a GEMM over chunks of rows × all
+ * AVX2 and FMA it runs the tiled scan (recall_scan.c: a GEMM over chunks of rows × all
  * heads, every (row, head) chain still kvt__recall_idx's fmaf sequence), else the row-wise one;
  * the outputs are the same bits either way. */
 void kvt__recall_scan_cpu(const struct kvt__recall_scan_args *a, float *scratch);
@@ -464,7 +464,7 @@ int kvt__recall_chains_tiled(const float *X, size_t J, const float *qT, size_t H
 int kvt__recall_scan_tile_chains_cpu(const struct kvt__recall_scan_args *a, float *scratch,
                                      const uint64_t *rows, uint32_t n, float *acc, float *pa);
 
-/* The pieces kvt__recall_scan_cpu is made of, for the pruned scan (kernels/recall_group.h),
+/* The pieces kvt__recall_scan_cpu is made of, for the pruned scan (recall_group.h),
  * which evaluates the rows of the groups it cannot skip exactly as the full scan does. */
 typedef struct kvt__recall_scan_prep {
     float *q_sk;             /* [n_heads][rank] */

@@ -1,5 +1,5 @@
 /*
- * recall_step.c — CPU twin of one recall step (kernels/recall_step.h for what it computes). The
+ * recall_step.c — CPU twin of one recall step (recall_step.h for what it computes). The
  * exact scores go 8 heads at a time over a row loaded once, each head keeping
  * kvt__recall_exact's chain (branch j ascending, then latent d ascending, from +0, then · s), so
  * the bits are the per-element function's.

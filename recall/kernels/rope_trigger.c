@@ -1,8 +1,8 @@
 /*
- * rope_trigger.c — CPU twin of the RoPE recall step (kernels/rope_trigger.h for what it computes).
+ * rope_trigger.c — CPU twin of the RoPE recall step (rope_trigger.h for what it computes).
  * Straight loops over the per-element functions (kvt__recall_exact, kvt__recall_idx,
  * kvt__recall_cert, the conformal functions) and one call of the full scan per KV head — or of
- * the pruned scan over the archive's groups (kernels/recall_group.h), whose outputs are the full
+ * the pruned scan over the archive's groups (recall_group.h), whose outputs are the full
  * scan's — every value is the per-element function's, so a host oracle over the same functions
  * gives the same bits. Not tiled yet (the NoPE step's 8-head tiles are the model for that).
  */

@@ -1,6 +1,6 @@
 /*
  * rope_trigger.h — one decode step of the recall trigger on a GQA/MHA-RoPE layer under random
- * eviction with the archive (docs/recall.md §9), CPU twin. The NoPE step (kernels/recall_step.h)
+ * eviction with the archive (docs/recall.md §9), CPU twin. The NoPE step (recall_step.h)
  * per KV head: the archive of head h is the scanned set, its query heads (the group of h) the
  * scan's heads. Arranges the KVT_HD functions of recall_scan.h and conformal_math.h, and calls the
  * full scan (kvt__recall_scan_cpu) once per KV head; a CUDA kernel over the same functions gives
@@ -85,7 +85,7 @@ typedef struct kvt__recall_rope_args {
     const uint16_t *csk;      /* [n_kv][ar_cap][csk_stride] */
     const float *rho;         /* [n_kv][ar_cap] */
     uint32_t csk_stride;
-    /* The pruned scan's group planes (kernels/recall_group.h) over each head's archive in blocks
+    /* The pruned scan's group planes (recall_group.h) over each head's archive in blocks
      * of g_B archive rows (archive indices [b·g_B, (b + 1)·g_B)): head h's block b at plane slot
      * b·n_kv + h (kvt__recall_groups.stride n_kv), room for g_blocks_cap blocks a head, centres of
      * g_dim >= branch_dim + csk_stride floats; st->n_grouped blocks of every head built. g_perm
@@ -114,7 +114,7 @@ typedef struct kvt__recall_rope_args {
 } kvt__recall_rope_args;
 
 /* Does query head g of a scan view fire on an archived row (its idx, P, ‖csk‖ and ρ)? The scan's
- * predicate (kernels/recall_scan.h): margin !(idx + z < best), sound, conformal. */
+ * predicate (recall_scan.h): margin !(idx + z < best), sound, conformal. */
 KVT_HD int kvt__recall_rope_fires(const kvt__recall_scan_args *v, const kvt__recall_head *hd,
                                   uint32_t g, float idx, float P, float ncsk, float rho) {
     if (v->mode == KVT__RECALL_MARGIN)

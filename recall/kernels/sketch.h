@@ -99,7 +99,7 @@ KVT_HD float kvt__sketch_rho_canon(float rho) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * CPU twin (kernels/sketch.c)
+ * CPU twin (sketch.c)
  * ------------------------------------------------------------------------------------------- */
 
 /* Floats of scratch kvt__sketch_rows_cpu needs for a latent of D values. */

@@ -1,7 +1,7 @@
 /*
  * cu_recall.cu — the recall scan (recall_scan) and the NoPE recall step (recall_step, eager and
  * planned) of the CUDA backend: their kernels and launches over cu_recall.cuh's pieces, each
- * following the CPU twins (kernels/recall_scan.c, recall_step.c, recall_group.c).
+ * following the CPU twins (recall_scan.c, recall_step.c, recall_group.c).
  */
 #include "recall/kernels/cuda/cu_recall.cuh"
 

@@ -22,7 +22,7 @@ namespace {
 typedef Params<kvt__recall_scan_args, kMaxSeg> ScanParams;
 
 /* The argument rules: kvt__recall_scan_args_ok / kvt__recall_step_args_ok
- * (kernels/recall_step.h), one definition with the CPU ops'; the 8-bit scan (q8_off) has no CUDA
+ * (recall_step.h), one definition with the CPU ops'; the 8-bit scan (q8_off) has no CUDA
  * twin yet (a context with params.recall_scan_bits 8 refuses this backend). */
 inline bool scan_args_ok(const kvt__recall_scan_args &a) {
     return kvt__recall_scan_args_ok(&a) && a.q8_off == 0;
@@ -269,7 +269,7 @@ inline dim3 rows_grid(size_t rows, uint32_t k) {
 }
 
 /* ----------------------------------------------------------------------------------------------
- * Recall steps (recall_step): the CPU twin's kvt__recall_step_cpu (kernels/recall_step.c) in four
+ * Recall steps (recall_step): the CPU twin's kvt__recall_step_cpu (recall_step.c) in four
  * launches for up to kMaxStep work items (grid y = the item), nothing read back by the host:
  *   1. the heads prepared (scan_head, as the scan's first launch);
  *   2. one block per head: the best attended exact score (kvt__recall_exact; a max over rows,
@@ -284,7 +284,7 @@ inline dim3 rows_grid(size_t rows, uint32_t k) {
  * Which kind of step it is, the device decides from the state (its phase as launch 2 and 3 find
  * it: launch 4 alone writes the state). With group planes (conformal and sound modes, on the
  * steps kvt__recall_prune_pays picks) two launches come before launch 3, as the twin's pruned
- * scan (kernels/recall_group.h): the groups of the blocks closed since the state's n_grouped
+ * scan (recall_group.h): the groups of the blocks closed since the state's n_grouped
  * built (one block of threads per closed block, k_step_groups), then each group's liveness over
  * the heads (kvt__recall_group_live, a thread per group, k_step_live); launch 3 then evaluates
  * the archived members of live groups (and the rows past the grouped blocks) and counts them, so
@@ -575,7 +575,7 @@ __device__ inline void step_best_item(const Items &p, const ScanWs &w, uint32_t 
 }
 
 /* ----------------------------------------------------------------------------------------------
- * The pruned scan's groups (kernels/recall_group.h; the twin: kvt__recall_group_block_cpu and
+ * The pruned scan's groups (recall_group.h; the twin: kvt__recall_group_block_cpu and
  * kvt__recall_scan_pruned_cpu). An item's part of the workspace (ScanWs.off_groups): a build
  * scratch for each of the kGroupBlocks blocks of threads that build its closed blocks (sort keys
  * [B] u64, t by row and t sorted [B] floats each, a centre and a direction [dim] floats each),

@@ -1,6 +1,6 @@
 /*
  * cu_rope.cu — the RoPE recall trigger (recall_rope_step, eager and planned) and its emission
- * (recall_rope_emit) of the CUDA backend, following the CPU twin (kernels/rope_trigger.c) over
+ * (recall_rope_emit) of the CUDA backend, following the CPU twin (rope_trigger.c) over
  * cu_recall.cuh's pieces.
  */
 #include "recall/kernels/cuda/cu_recall.cuh"
@@ -11,7 +11,7 @@ namespace {
 
 /* ----------------------------------------------------------------------------------------------
  * RoPE recall (recall_rope_step, recall_rope_emit): the CPU twin kvt__recall_rope_step_cpu
- * (kernels/rope_trigger.c) per request = grid z (up to kMaxRope a launch: the library calls the
+ * (rope_trigger.c) per request = grid z (up to kMaxRope a launch: the library calls the
  * op once per layer for the batch), KV head h = grid y, its G query heads = grid x; each
  * (request, KV head) a scan item of the workspace (request r's head h: item r·KV + h, KV the
  * most KV heads of the launch), each KV head's scan view built on the device
@@ -104,7 +104,7 @@ __device__ uint64_t rope_groups_want(const kvt__recall_rope_args &a) {
     return w < a.g_blocks_cap ? w : a.g_blocks_cap;
 }
 
-/* KV head h's group planes (block b at slot b·n_kv + h, kernels/rope_trigger.h), its grouped
+/* KV head h's group planes (block b at slot b·n_kv + h, rope_trigger.h), its grouped
  * blocks after this step's build: max(n_grouped, want), within the archive. */
 __device__ kvt__recall_groups rope_groups(const kvt__recall_rope_args &a, uint32_t h) {
     const uint32_t B = a.g_B, G = kvt__recall_group_slots(B);
