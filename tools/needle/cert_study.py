@@ -366,9 +366,8 @@ def make_candidate(name, C, V, tr, D, subspace_file):
     if name in ("cs", "ds"):
         # Streaming: fitted on the first 8 steps' 64 queries, z on the next 8 (as c64 / d), then
         # refitted at the window ends 16, 32 and 64 on every query before them and the archive
-        # re-sketched; z is kept (a better basis leaves smaller residuals, so the old z fires
-        # at least as much as a recalibrated one would: conservative for the fetch count,
-        # optimistic for nothing).
+        # re-sketched; z is kept, not recalibrated for the refitted basis (the fixed-z table
+        # says how much z matters).
         sched = []
         for k0 in (0, 16, 32, 64):
             fit = max(8, k0)
