@@ -363,7 +363,7 @@ def make_candidate(name, C, V, tr, D, subspace_file):
         first_block = np.arange(4, min(4096, decode_start))  # sinks left out
         Eperp = C[first_block] - (C[first_block] @ V.T) @ V
         return Sketch(C, V, top_right_singular(Eperp, int(name[1:]))), (0, 8)
-    if name in ("cs", "ds"):
+    if name in ("cs", "ds") or name.startswith("cs"):
         # Streaming: fitted on the first 8 steps' 64 queries, z on the next 8 (as c64 / d), then
         # refitted at the window ends 16, 32 and 64 on every query before them and the archive
         # re-sketched; z is kept, not recalibrated for the refitted basis (the fixed-z table
@@ -374,10 +374,12 @@ def make_candidate(name, C, V, tr, D, subspace_file):
             if fit > len(tr["q"]):
                 break
             Q = tr["q"][:fit, :, :D].reshape(-1, D).astype(np.float64)
-            own = top_eigvecs_centred(Q, 64)
-            basis = own if name == "cs" else np.vstack([V, orth_against(own, V)])
+            if name.startswith("cs"):
+                basis = top_eigvecs_centred(Q, int(name[2:] or 64))
+            else:
+                basis = np.vstack([V, orth_against(top_eigvecs_centred(Q, 64), V)])
             sched.append((0 if k0 == 0 else k0, Sketch(C, basis)))
-        return sched, (8, 8)
+        return sched, (8, 8)  # (fit 0-7 for every rank: rank > 63 keeps noise directions)
     insample = name.endswith("in")
     core = name[:-2] if insample else name
     nq = 64
