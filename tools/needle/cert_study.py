@@ -98,15 +98,22 @@ def load_trace(path):
     u16 = np.ascontiguousarray(raw).view(np.uint16).reshape(n, -1)
     rows = bf16_to_f32(u16)
     steps = layer["n_steps"]
+    if steps == 0 or layer["q_dim"] != spec.value_dim + spec.branch_dim:
+        sys.exit(f"{path}: layer {L} has no decode phase of absorbed queries (QUERIES steps of "
+                 f"{spec.value_dim + spec.branch_dim} values)")
     qs, pos = [], []
     for k in range(steps):
         q, p = t.read_query(L, k)
         qs.append(q)
         pos.append(p)
+    pos = np.array(pos, dtype=np.int64)
+    if np.any(np.diff(pos) != 1):
+        sys.exit(f"{path}: the query steps are not a decode phase (one step a row, "
+                 "docs/trace-format.md)")
     needles = t.needles()
     targets = t.targets()
     return dict(path=path, layer=L, spec=spec, rows_bf16=u16, rows=rows,
-                q=np.stack(qs).astype(np.float32), pos=np.array(pos, dtype=np.int64),
+                q=np.stack(qs).astype(np.float32), pos=pos,
                 n_q_heads=layer["n_q_heads"], needles=needles, targets=targets,
                 prompt_rows=t.prompt_rows)
 
@@ -114,14 +121,14 @@ def load_trace(path):
 # ---------------------------------------------------------------------------------------------
 # the library's own run
 
-def library_run(tr, basis_path, ratio, cap):
+def library_run(tr, basis_path, ratio, cap, block=4096, kappa=16):
     """The attended/archived split after the prefill and the library's per-step certificate."""
     spec = tr["spec"]
     spec.n_q_heads = tr["n_q_heads"]
     n = len(tr["rows"])
     decode_start = int(tr["pos"][0]) - 1
     cfg = kvtier.Config(ratio=ratio, recall="conformal", cadence_rows=0, protect_prompt=True,
-                        recall_cap_rows=cap)
+                        recall_cap_rows=cap, block_rows=block, kappa=kappa)
     per = []
     with kvtier.Model([spec], "cert-study") as m, \
             kvtier.Context(m, cfg, page_rows=64, n_pages=(n + 63) // 64 + 4,
@@ -320,7 +327,7 @@ def simulate(tr, archived, sk, cal_steps, cap):
     return out, z
 
 
-def summarise(steps, z):
+def summarise(steps, z, cap):
     scan = [s for s in steps if s["phase"] == "scan"]
     nd = [s for s in scan if s["needle"] >= 0]
     fl = [s for s in scan if s["needle"] < 0]
@@ -346,10 +353,10 @@ def summarise(steps, z):
         calib_steps=sum(s["phase"] != "scan" for s in steps),
         z_need_min_med_max=(min(zn), float(np.median(zn)), max(zn)) if zn else None,
         rows_at_need_med_max=med_max([s["rows_at_need"] for s in arch]),
-        fetchable_at_need=sum(s["rows_at_need"] <= W_DEFAULT for s in arch))
+        fetchable_at_need=sum(s["rows_at_need"] <= cap for s in arch))
 
 
-def make_candidate(name, C, V, tr, D, subspace_file):
+def make_candidate(name, C, V, tr, D, subspace_file, block=4096):
     """(Sketch over every row, (first calibration step, calibration steps)) of a candidate:
     a | u | b<k> | c<r>[q<n>][in] | d[q<n>][in]  (q<n>: the fit's query count, 64 by default;
     in: z calibrated on the fit's own steps, else on the 8 steps after them)."""
@@ -360,7 +367,7 @@ def make_candidate(name, C, V, tr, D, subspace_file):
     if name == "u":
         return Sketch(C, read_basis(subspace_file)), (0, 8)
     if name.startswith("b"):
-        first_block = np.arange(4, min(4096, decode_start))  # sinks left out
+        first_block = np.arange(4, min(block, decode_start))  # sinks left out
         Eperp = C[first_block] - (C[first_block] @ V.T) @ V
         return Sketch(C, V, top_right_singular(Eperp, int(name[1:]))), (0, 8)
     if name in ("cs", "ds") or name.startswith("cs"):
@@ -447,9 +454,10 @@ def table(result):
             f"**{tot('pass_fetch')}** ({', '.join(str(x['pass_fetch']) for x in sm)}) / "
             f"{tot('pass_overflow')} / {tot('missed')} | {mm([x['fired'] for x in nd])} | "
             f"{mm([x['fired'] for x in fl])} | {tot('needle_overflow')} of {len(nd)} / "
-            f"{tot('filler_overflow')} of {len(fl)} | {min(zs):.2f}–{max(zs):.2f} | "
-            f"{np.median(zn):.2f} ({min(zn):.2f}–{max(zn):.2f}) | "
-            f"{np.median(ra):g}, {max(ra)}; {sum(r <= result['cap'] for r in ra)}/{len(ra)} |")
+            f"{tot('filler_overflow')} of {len(fl)} | {min(zs):.2f}–{max(zs):.2f} | " +
+            (f"{np.median(zn):.2f} ({min(zn):.2f}–{max(zn):.2f}) | "
+             f"{np.median(ra):g}, {max(ra)}; {sum(r <= result['cap'] for r in ra)}/{len(ra)} |"
+             if zn else "— | — |"))
     return "\n".join(lines)
 
 
@@ -472,7 +480,7 @@ def ztable(result, names):
         for i, zg in enumerate(ZGRID):
             fetch = sum(x["z_need"] < zg and x["zgrid"][i] <= cap for x in nd)
             ovf = sum(x["zgrid"][i] > cap for x in nd)
-            ff = [x["zgrid"][i] for x in fl]
+            ff = [x["zgrid"][i] for x in fl] or [0]
             fo = sum(v > cap for v in ff)
             cells.append(f"{fetch}/{len(nd)}, ovf {ovf}; filler {np.median(ff):g}, {max(ff)}"
                          f"{'' if not fo else f', ovf {fo}'}")
@@ -488,6 +496,8 @@ def main():
     ap.add_argument("--basis", help="the held-out basis (kvtier-inspect calibrate)")
     ap.add_argument("--ratio", type=int, default=32)
     ap.add_argument("--cap", type=int, default=W_DEFAULT)
+    ap.add_argument("--block", type=int, default=4096, help="block_rows (kvtier-needle --block)")
+    ap.add_argument("--kappa", type=int, default=16, help="κ (kvtier-needle --kappa)")
     ap.add_argument("--json", help="write every per-step record here")
     ap.add_argument("--candidates",
                     default="a,u,b8,b16,b32,c64,c64in,c32,c64q128in,cs,d,dq128in,ds")
@@ -501,9 +511,12 @@ def main():
             r = json.load(open(f))
             if res is None:
                 res = r
-            else:
-                for path, t in r["traces"].items():
-                    res["traces"][path]["candidates"].update(t["candidates"])
+            else:  # the same traces in the same order (paths may differ)
+                mine, theirs = list(res["traces"].values()), list(r["traces"].values())
+                if len(mine) != len(theirs):
+                    sys.exit(f"--table: {f} holds {len(theirs)} traces, not {len(mine)}")
+                for a, b in zip(mine, theirs):
+                    a["candidates"].update(b["candidates"])
         print(table(res))
         print()
         print(ztable(res, list(next(iter(res["traces"].values()))["candidates"])))
@@ -527,7 +540,12 @@ def main():
         D = tr["spec"].value_dim
         tr["C"] = tr["rows"][:, :D].astype(np.float64)
         tr["R"] = tr["rows"][:, D:].astype(np.float64)
-        archived, lib = library_run(tr, args.basis, args.ratio, args.cap)
+        if V.shape[1] != D:
+            sys.exit(f"{args.basis}: dim {V.shape[1]}, the trace's latent has {D}")
+        archived, lib = library_run(tr, args.basis, args.ratio, args.cap, args.block,
+                                    args.kappa)
+        if not archived.any():
+            sys.exit(f"{path}: nothing is archived at ratio {args.ratio}: no trigger to study")
         decode_start = int(tr["pos"][0]) - 1
         print(f"# {path}: {len(tr['rows'])} rows, decode from {decode_start}, "
               f"{len(tr['q'])} decode steps, {int(archived.sum())} archived, "
@@ -535,13 +553,14 @@ def main():
         C = tr["C"]
         per_trace = {"library": lib, "candidates": {}}
         for name in cands:
-            sk, cal = make_candidate(name, C, V, tr, D, subspace.get(path))
+            sk, cal = make_candidate(name, C, V, tr, D, subspace.get(path), args.block)
             steps, z = simulate(tr, archived, sk, cal, args.cap)
-            per_trace["candidates"][name] = {"steps": steps, "summary": summarise(steps, z)}
+            per_trace["candidates"][name] = {"steps": steps, "summary": summarise(steps, z, args.cap)}
             if name == "a":  # step-by-step against the library
                 per_trace["compare_a_library"] = compare(steps, lib, z)
             if name == "u":
-                _, lib_u = library_run(tr, subspace[path], args.ratio, args.cap)
+                _, lib_u = library_run(tr, subspace[path], args.ratio, args.cap, args.block,
+                                       args.kappa)
                 per_trace["library_u"] = lib_u
                 per_trace["compare_u_library"] = compare(steps, lib_u, z)
             print(f"{os.path.basename(path)} {name}: {per_trace['candidates'][name]['summary']}",
@@ -560,4 +579,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ValueError, json.JSONDecodeError, kvtier.KvtError) as e:
+        sys.exit(f"cert_study: {type(e).__name__}: {e}")
