@@ -10,7 +10,8 @@ MLA-NoPE layer, docs/trace-format.md), read through the library (python/kvtier/t
 each trace:
 
 1. The library's own run (`--ratio`, default 32; everything else kvtier-needle's settings:
-   block 4096, κ 16, 4 sinks, the trace's prompt rows protected, cadence 0, sketch rank 64,
+   block 4096 and κ 16 unless `--block` / `--kappa`, 4 sinks, the trace's prompt rows
+   protected, cadence 0, sketch rank 64,
    conformal recall with the basis file): the prefill in block chunks, then one step per decode
    query exactly as `tools/needle/core/run.c` drives it. From it the study takes the
    attended/archived split (kvt_seq_row_state over every position after the prefill; the
@@ -18,13 +19,17 @@ each trace:
    library's own certificate (recall_last_fired, _overflow, _dense, z) to compare with.
 2. An offline simulation of the trigger of docs/recall.md §3–§4 on the same rows and queries:
    best_h = max exact score over the attended rows (sinks, kept, tail with the step's row),
-   conformal calibration over windows of 8/16/32/64 steps (n >= 18 samples, k = ceil((n+1) ·
-   0.947), Z_MAX 8), then fire when idx + z·cert > best_h, union over heads; more than W (4096)
+   conformal calibration on the library's first window (8 dense steps; n >= 18 samples, z =
+   the k-th smallest e, k = ceil((n+1) · 0.947), at most Z_MAX 8; candidates fitted on the
+   request's queries calibrate on the 8 steps after the fit), then fire when idx + z·cert >
+   best_h, union over heads; more than W (4096)
    fired rows is an overflow (the step goes dense). Every fired row is counted (the library's
    scan stops at W + 1).
 
 Candidates (each simulated with its own idx, cert and z):
   a      today's: idx = s(q_br·r + q_sk·csk), cert = s‖q_res‖ρ/√(D−64), V = the basis file.
+  u      the same with the trace's own query subspace as V (`--subspace`, one file per trace:
+         kvtier-needle --write-basis), the library run again with it for the comparison.
   b<k>   a per-request KEY basis U (k rows): the top-k right singular vectors of the first closed
          block's latent residuals e⊥ = c − (cVᵀ)V (sinks left out); each row stores
          coef = fp16(e Uᵀ) (e = c − csk V, what the sketch misses) and ρ₂ = ‖e − coef U‖;
@@ -34,13 +39,20 @@ Candidates (each simulated with its own idx, cert and z):
          calibration window), every archived row re-sketched with it; z calibrated on the NEXT
          8 steps (a second window: the fit's own queries would give an in-sample z).
   c<r>in the same basis with z calibrated on the fit's own 8 steps (in-sample, shown to say why
-         the second window is needed).
+         the second window is needed). c<r>q<n>[in]: fitted on the first n query latents.
   d      the held-out basis and the request's own query directions together: [V ; top-64 own
          directions orthogonalised against V] (rank 128), z on the second window as c.
+         d q<n>[in] as c.
+  cs, cs<r>, ds  streaming: c64 (cs<r>: rank r) or d, refitted at steps 16, 32 and 64 on every
+         query latent before them, the archive re-sketched each time, z kept from steps 8–15.
 
 Output: per candidate, per trace, counts of fired rows on needle steps and on filler steps after
 calibration (median, max), overflows, needle rows fired, passes by fetch / by overflow / missed,
-z; and, for `a`, the step-by-step comparison with the library. `--json` writes everything.
+z, the smallest z that fires each needle and what fires with it; for `a` and `u`, the
+step-by-step comparison with the library; then two markdown tables (as calibrated, and what each
+fixed z of ZGRID would fire). `--json` writes every per-step record; `--table A.json[,B.json]`
+prints the tables again (candidates of several runs over the same traces side by side).
+tools/needle/cert_study.sh makes the data and runs the study as bench/RESULTS.md reports it.
 """
 from __future__ import annotations
 
@@ -60,7 +72,7 @@ import kvtier.trace as kt
 W_DEFAULT = 4096
 Z_MAX = 8.0
 TAU_PERMILLE = 947
-MIN_SAMPLES, MIN_STEPS, LAST_WINDOW = 18, 8, 64
+MIN_SAMPLES = 18  # the library's n >= 18 before z is fixed
 ZGRID = (4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0, math.sqrt(448.0))  # fixed z to report
 
 
