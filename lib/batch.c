@@ -13,13 +13,13 @@ enum batch_state { BATCH_IDLE = 0, BATCH_RESERVED, BATCH_PLANNED };
 
 /* A plan image: what every run of a layer does, in the backend's memory (dev) with its host image
  * (host). Layer l's part, from byte at[l] on: three counts (uint32: the pack queries at byte 0,
- * the recall or RoPE trigger items at 4, the RoPE emission items at 8), from byte PLAN_HEAD on
- * qcap[l] pack queries, then on a layer of kind PLAN_NOPE max_seqs recall items, of kind
- * PLAN_ROPE max_seqs trigger items and max_seqs emission items (64-byte aligned pieces). */
+ * the trigger items at 4, the emission items at 8), from byte PLAN_HEAD on qcap[l] pack queries,
+ * then on a layer of a recall kind max_seqs of the kind's trigger items and max_seqs of its
+ * emission items (the recall table's item_bytes, emit_bytes; 64-byte aligned pieces). */
 typedef struct plan_buf {
     uint8_t *dev, *host;
     size_t *at;     /* [n_layers + 1]: at[n_layers] is the image's size; NULL: not laid out */
-    uint8_t *kind;  /* [n_layers]: PLAN_NOPE / PLAN_ROPE / 0 */
+    uint8_t *kind;  /* [n_layers]: the layer's recall kind (kvt__recall_kinds; 0: none) */
     uint32_t *qcap; /* [n_layers] */
     uint32_t *qpr;  /* [n_layers]: pack queries a request (the planned image's; the eager image
                      * holds max_seqs x qpr queries of any shape) */
@@ -74,53 +74,43 @@ static bool ctx_may_recall(const kvt_ctx *ctx) {
     return ctx->cfg.recall != KVT_RECALL_OFF || ctx->recall_seen;
 }
 
-/* May requests recall on this layer: a salience layer with sketch planes, ctx_may_recall? */
-static bool layer_may_recall(const kvt_ctx *ctx, uint32_t layer) {
-    return ctx->sketch_rank && kvt__layer_policy(ctx, layer)->recall_view &&
-           ctx_may_recall(ctx);
-}
-
-/* Does a planned step's run of this layer hold the layer's recall step (kvt_batch_plan_device)?
- * A layer where requests may recall, in a context that states max_rows_per_seq (the bound of the
- * op's launch and workspace), on a backend with the planned op; fixed when the batch's plan
- * buffer is laid out (its first planned step), so that a captured run has the op whether or not
- * the capture's step recalled; a layer that did not plan it then never does (a step where a
- * request recalls there is not plannable). */
-enum { PLAN_NOPE = 1, PLAN_ROPE = 2 };
-
-static bool plans_recall(const kvt_batch *b, uint32_t layer) {
+/* The recall kind a planned step's runs of this layer hold (kvt_batch_plan_device; 0: none): the
+ * layer's (kvt__ctx_recall_of) where requests may recall (ctx_may_recall), in a context that
+ * states max_rows_per_seq (the bound of the ops' launch and workspace), on a backend with the
+ * kind's ops; fixed when the batch's plan buffer is laid out (its first planned step), so that a
+ * captured run has the ops whether or not the capture's step recalled; a layer that did not plan
+ * them then never does (a step where a request recalls there is not plannable). A kind whose
+ * emission lists the fetched rows (fetch_area: RoPE, docs/recall.md §9.4) is plannable with
+ * KVT_EMIT_TOKENS (each request's row at a fixed place) or CSR_KV_HEADS. */
+static uint8_t plan_kind(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
     if (b->plan.kind)
-        return b->plan.kind[layer] == PLAN_NOPE;
-    return layer_may_recall(ctx, layer) && ctx->max_rows && b->be.ops->recall_step;
+        return b->plan.kind[layer];
+    kvt__recall_site site;
+    const kvt__recall_ops *ro = kvt__ctx_recall_of(ctx, layer, &site);
+    return ro && ctx_may_recall(ctx) && ctx->max_rows && ro->be_has(&b->be) ? ro->kind : 0;
 }
 
-/* The same for a RoPE layer's trigger and emission (docs/recall.md §9.4): a layer where requests
- * may recall on RoPE (kvt__ctx_rope_bound), max_rows_per_seq stated, both planned ops present;
- * fixed with the buffer's layout. Its steps are plannable with KVT_EMIT_TOKENS (each request's
- * row at a fixed place); a step where a request recalls there with another layout is not. */
-static bool plans_rope(const kvt_batch *b, uint32_t layer) {
-    const kvt_ctx *ctx = b->ctx;
-    if (b->plan.kind)
-        return b->plan.kind[layer] == PLAN_ROPE;
-    kvt__recall_rope_args bound;
-    return ctx_may_recall(ctx) && ctx->max_rows && kvt__ctx_rope_bound(ctx, layer, &bound) &&
-           b->be.ops->recall_rope_step && b->be.ops->recall_rope_emit;
+/* The recall kind requests may recall with on layer l of this context (0: none). */
+static uint8_t layer_kind(const kvt_ctx *ctx, uint32_t l) {
+    kvt__recall_site site;
+    const kvt__recall_ops *ro = kvt__ctx_recall_of(ctx, l, &site);
+    return ro ? ro->kind : 0;
 }
 
 static size_t align64(size_t x) {
     return (x + 63u) / 64u * 64u;
 }
 
-/* Where layer l's recall items (NoPE or RoPE trigger items) start in an image (after its pack
- * queries). */
+/* Where layer l's trigger items start in an image (after its pack queries). */
 static size_t items_at(const plan_buf *p, uint32_t l) {
     return p->at[l] + align64(PLAN_HEAD + sizeof(kvt__pack_query) * p->qcap[l]);
 }
 
-/* Where a RoPE layer's emission items start (after its max_seqs trigger items). */
+/* Where a layer's emission items start (after its max_seqs trigger items; a layer of a recall
+ * kind). */
 static size_t emits_at(const kvt_batch *b, const plan_buf *p, uint32_t l) {
-    return items_at(p, l) + align64(sizeof(kvt__recall_rope_plan_item) * b->max_seqs);
+    return items_at(p, l) + align64(kvt__recall_kinds[p->kind[l]]->item_bytes * b->max_seqs);
 }
 
 static void plan_buf_free(kvt_batch *b, plan_buf *p) {
@@ -154,11 +144,9 @@ static kvt_status plan_buf_layout(kvt_batch *b, plan_buf *p, const uint8_t *kind
             n.kind[l] = kind[l];
             n.qpr[l] = qpr[l];
             n.qcap[l] = b->max_seqs * qpr[l];
-            const size_t end =
-                kind[l] == PLAN_NOPE ? items_at(&n, l) + sizeof(kvt__recall_plan_item) * b->max_seqs
-                : kind[l] == PLAN_ROPE
-                    ? emits_at(b, &n, l) + sizeof(kvt__recall_rope_emit_plan_item) * b->max_seqs
-                    : n.at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * n.qcap[l];
+            const kvt__recall_ops *ro = kvt__recall_kinds[kind[l]];
+            const size_t end = ro ? emits_at(b, &n, l) + ro->emit_bytes * b->max_seqs
+                                  : n.at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * n.qcap[l];
             n.at[l + 1] = align64(end);
         }
         if (b->be.ops->buf_alloc(&b->be, n.at[L], (void **)&n.dev) == KVT_OK)
@@ -179,15 +167,7 @@ static size_t query_floats(const kvt_ctx *ctx, uint32_t layer) {
     return (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
 }
 
-static void plan_bound(const kvt_batch *b, uint32_t l, uint64_t rows, uint32_t prom_cap,
-                       kvt__recall_step_args *out);
-
 static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kind);
-
-/* The backend's RoPE recall ops (a request that recalls on RoPE is refused without them). */
-static bool be_has_rope(const kvt__backend *be) {
-    return be->ops->recall_rope_step && be->ops->recall_rope_emit;
-}
 
 static kvt_status reserve_workspace(kvt_batch *b);
 
@@ -515,21 +495,20 @@ static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_
     return S == 1 || t >= b->n_tokens[i] ? b->n_tokens[i] : t + 1;
 }
 
-/* How a request's set is made on a layer (RECALL_WAY bits): without recall; with the trigger's
- * fetched rows (one query token); every row (a request with recall whose step has several query
- * tokens); RECALL_ROPE: its recall is a RoPE layer's, whose emission copies the fetched rows into
- * the fetch area (the recall table's fetch_area; docs/recall.md §9). */
-enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2, RECALL_WAY = 3, RECALL_ROPE = 4 };
+/* How a request's set is made on a layer: without recall; with the trigger's fetched rows (one
+ * query token); every row (a request with recall whose step has several query tokens). *ro: the
+ * request's recall table on the layer (NULL: none). */
+enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2 };
 
-static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32_t S) {
+static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32_t S,
+                          const kvt__recall_ops **ro) {
     const kvt_seq *sq = b->seqs[i];
     void *r;
-    const kvt__recall_ops *ro = sq ? kvt__seq_recall_of(sq, layer, &r) : NULL;
-    if (!ro)
+    *ro = sq ? kvt__seq_recall_of(sq, layer, &r) : NULL;
+    if (!*ro)
         return RECALL_NONE;
-    return (b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
-                                                                                  : RECALL_ALL) |
-           (ro->fetch_area ? RECALL_ROPE : 0);
+    return b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
+                                                                                 : RECALL_ALL;
 }
 
 /* Query tokens per request an emission asks for (FlashMLA's s_q): 1 for a struct from before
@@ -629,10 +608,12 @@ static kvt_status emit_reachable(kvt_batch *b, const kvt_emit *e, const char *na
     return s;
 }
 
-/* Query token t of request i on the layer (entry i * S + t of the emission): its set, and where
- * it goes in the TOKENS or CSR layout (CSR: from *off on, which it advances). */
+/* Query token t of request i on the layer (entry i * S + t of the emission): its set (with a
+ * fetching request's fetched rows: its recall table's pack_query, rq), and where it goes in the
+ * TOKENS or CSR layout (CSR: from *off on, which it advances). */
 static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer, uint32_t S,
-                      const kvt_emit *emit, uint64_t *off, kvt__pack_query *pq) {
+                      const kvt_emit *emit, const kvt__recall_ops *ro,
+                      const kvt__recall_req *rq, uint64_t *off, kvt__pack_query *pq) {
     const kvt_seq *sq = b->seqs[i];
     const bool tokens = emit->layout == KVT_EMIT_TOKENS;
     const uint64_t at = (uint64_t)i * S + t;
@@ -640,9 +621,9 @@ static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer
         kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
     else
         *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
-    if (b->recall_way[i] == RECALL_FETCH) /* (a NoPE layer's: RECALL_ROPE clear) */
-        kvt__recall_pack_query(&sq->recall[layer], pq);
-    pq->all_rows = (b->recall_way[i] & RECALL_WAY) == RECALL_ALL;
+    if (b->recall_way[i] == RECALL_FETCH)
+        (void)ro->pack_query(rq, NULL, pq);
+    pq->all_rows = b->recall_way[i] == RECALL_ALL;
     pq->out = tokens ? at * emit->capacity : *off;
     pq->pad = tokens ? emit->capacity : 0;
     if (!tokens)
@@ -709,17 +690,6 @@ static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
            emit_flags(a) == emit_flags(b) && emit_last_page_len(a) == emit_last_page_len(b);
 }
 
-/* The bound of layer l's recall items for closed rows up to `rows` and promotion tables up to
- * prom_cap: the context's shapes and block_rows (every request's group planes are over the
- * context's blocks). A planned step's: rows max_rows_per_seq, prom_cap the context's. */
-static void plan_bound(const kvt_batch *b, uint32_t l, uint64_t rows, uint32_t prom_cap,
-                       kvt__recall_step_args *out) {
-    const kvt_ctx *ctx = b->ctx;
-    const kvt_layer_spec *sp = &ctx->stores[l].spec;
-    kvt__recall_plan_bound(sp->n_q_heads, ctx->sketch_rank, sp->value_dim, sp->branch_dim, rows,
-                           prom_cap, ctx->cfg.block_rows, out);
-}
-
 /* ------------------------------------------------------------------------------------------
  * One description of a step. plan_layer writes what a run of layer l does into a plan image
  * (its pack queries, the NoPE recall items or the RoPE trigger and emission items) and
@@ -741,10 +711,9 @@ typedef struct layer_run {
     bool first;            /* planned: the step's first image (a lagged query is fixed then) */
     uint64_t query_floats; /* floats of the run's query buffer the items may read */
     uint32_t n_q;          /* out: pack queries */
-    uint32_t n_recall;     /* out: recall or RoPE trigger items */
-    uint32_t n_emit;       /* out: RoPE emission items */
-    kvt__recall_step_args bound;  /* the NoPE items' bound */
-    kvt__recall_rope_args rbound; /* the RoPE items' bound */
+    uint32_t n_recall;     /* out: trigger items */
+    uint32_t n_emit;       /* out: emission items */
+    kvt__recall_bound bound; /* the items' bound (the layer's recall kind's) */
 } layer_run;
 
 /* Refuse the image: a planned one that breaks its bound is not plannable (*fits false, KVT_OK;
@@ -763,91 +732,14 @@ static kvt_status plan_refuse(const kvt_batch *b, const layer_run *lr, bool *fit
     return kvt__ctx_fail(b->ctx, lr->planned ? KVT_ERR_INVARIANT : s, "%s", msg);
 }
 
-/* Request i's recall step on layer l as the buffer-fed op takes it (kvt__seq_recall_item's, its
- * queries at the request's place from the run's query base, its dense flag the emission's);
- * *has false when the request has nothing to recall from there this step. false when the item
- * breaks the argument rules or the run's bound. */
-static bool plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                             const layer_run *lr, kvt__recall_plan_item *it, bool *has) {
-    static const float no_query; /* a placeholder: the op reads the run's query + q_off */
-    *has = kvt__seq_recall_item(b->seqs[i], l, &no_query, e->dense ? e->dense + i : NULL, &it->a);
-    if (!*has)
-        return true;
-    /* config.recall_lagged_query: the op scans with the lagged buffer once it holds a query
-     * (lag_has when the step was first planned), then copies the step's queries into it */
-    kvt__recall_layer *r = &b->seqs[i]->recall[l];
-    it->lag = r->lag_q;
-    if (r->lag_q) {
-        if (!lr->planned || lr->first) {
-            r->lag_plan_use = r->lag_has;
-            r->lag_plan_item = 1;
-        }
-        r->last_lagged = r->lag_plan_use;
-        r->lag_next = NULL; /* the op copies */
-    }
-    it->lag_use = r->lag_q ? r->lag_plan_use : 0;
-    it->div = *it->a.scan.pdiv;
-    it->q_off = (uint64_t)i * query_floats(b->ctx, l);
-    const bool ok = kvt__recall_plan_ok(&lr->bound, &it->a);
-    it->a.scan.pdiv = NULL; /* host values, not read by the op */
-    it->a.scan.q = NULL;
-    return ok;
-}
-
-/* Request i's RoPE trigger (trigger: its first run of the layer this step) and emission on layer
- * l as the buffer-fed ops take them (its queries at the request's place from the run's query
- * base, its dense flag the emission's, its row of a KVT_EMIT_TOKENS emission, every archived
- * row when `all`); KVT_ERR_INVALID_ARGUMENT when either breaks the rules or the run's bound. */
-static kvt_status plan_rope_items(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                                  const layer_run *lr, bool trigger, bool all,
-                                  kvt__recall_rope_plan_item *it,
-                                  kvt__recall_rope_emit_plan_item *em) {
-    static const float no_query; /* a placeholder: the op reads the run's query + q_off */
-    kvt_seq *sq = b->seqs[i];
-    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
-    kvt_status s;
-    bool ok = true;
-    if (trigger) {
-        if ((s = kvt__seq_rope_recall_item(sq, l, &no_query, e->dense ? e->dense + i : NULL,
-                                           &it->a)) != KVT_OK)
-            return s;
-        it->div = *it->a.pdiv;
-        it->q_off = (uint64_t)i * sp->n_q_heads * sp->head_dim;
-        ok = kvt__recall_rope_args_ok(&it->a) && kvt__recall_rope_plan_fits(&lr->rbound, &it->a);
-        it->a.pdiv = NULL; /* host values, not read by the op */
-        it->a.q = NULL;
-    }
-    if (e->layout == KVT_EMIT_TOKENS) {
-        const uint64_t at = (uint64_t)i * e->capacity;
-        if ((s = kvt__seq_rope_emit_item(sq, l, all, e->indices, at + e->capacity, NULL,
-                                         &em->a)) != KVT_OK)
-            return s;
-        em->a.chain = false;
-        em->a.out = at;
-        em->a.pad = e->capacity;
-        em->a.length = e->lengths + i;
-    } else if ((s = kvt__seq_rope_emit_item(sq, l, all, e->indices, e->capacity,
-                                            e->indptr + (size_t)i * lr->qpr, &em->a)) != KVT_OK) {
-        return s;
-    } else if (em->a.n_kv != lr->qpr) {
-        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "%u KV heads, %u lists a request",
-                             em->a.n_kv, lr->qpr);
-    }
-    em->div = *em->a.pdiv;
-    ok = ok && kvt__recall_rope_emit_ok(&em->a) && em->a.ar_n <= lr->rbound.ar_n;
-    em->a.pdiv = NULL;
-    return ok ? KVT_OK
-              : kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "its RoPE recall items break the rules "
-                                                        "or the run's bound");
-}
-
-/* The run's bound of layer l's recall items of `kind` (PLAN_NOPE: lr->bound; PLAN_ROPE:
- * lr->rbound; 0: none): a planned image's from the context's stated limits (max_rows_per_seq; the
- * launch and workspace a device sizes once), an eager one's from the batch's longest request
- * this step and the largest promotion table among its requests. */
+/* The run's bound of layer l's items of recall kind `kind` (0: none) in lr->bound (the kind's
+ * table): a planned image's from the context's stated limits (max_rows_per_seq; the launch and
+ * workspace a device sizes once), an eager one's from the batch's longest request this step and
+ * the largest promotion table among its requests. */
 static void plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, layer_run *lr) {
     const kvt_ctx *ctx = b->ctx;
-    if (kind == 0)
+    const kvt__recall_ops *ro = kvt__recall_kinds[kind];
+    if (!ro)
         return;
     uint64_t rows = ctx->max_rows;
     uint32_t prom = ctx->cfg.recall_promote_capacity;
@@ -859,29 +751,16 @@ static void plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, layer_run 
         rows = r > rows ? r : rows;
         prom = sq->cfg.recall_promote_capacity > prom ? sq->cfg.recall_promote_capacity : prom;
     }
-    if (kind == PLAN_NOPE)
-        plan_bound(b, l, rows, prom, &lr->bound);
-    else if (kvt__ctx_rope_bound(ctx, l, &lr->rbound) && !lr->planned && lr->rbound.ar_n < rows) {
-        lr->rbound.ar_n = rows; /* a head archives at most every row of its request */
-        if (lr->rbound.g_perm)
-            lr->rbound.g_blocks_cap = rows / lr->rbound.g_B;
-    }
+    kvt__recall_site site;
+    kvt__ctx_recall_site(ctx, l, &site);
+    (void)ro->bound(&site, rows, prom, lr->planned, &lr->bound);
 }
 
-/* Room for layer l's recall op of `kind` (PLAN_NOPE: recall_plan_reserve; PLAN_ROPE:
- * recall_rope_plan_reserve; 0: none) for max_seqs items within lr's bound: a device's workspace,
- * made outside any capture. */
+/* Room for layer l's recall ops of `kind` (0: none; the kind's reserve) for max_seqs items
+ * within lr's bound: a device's workspace, made outside any capture. */
 static kvt_status reserve_recall(const kvt_batch *b, uint8_t kind, const layer_run *lr) {
-    const kvt__backend *be = &b->be;
-    if (kind == PLAN_NOPE && be->ops->recall_plan_reserve) {
-        const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr->bound};
-        return be->ops->recall_plan_reserve(be, &ra);
-    }
-    if (kind == PLAN_ROPE && be->ops->recall_rope_plan_reserve) {
-        const kvt__recall_rope_plan_args ra = {.n_max = b->max_seqs, .bound = lr->rbound};
-        return be->ops->recall_rope_plan_reserve(be, &ra);
-    }
-    return KVT_OK;
+    const kvt__recall_ops *ro = kvt__recall_kinds[kind];
+    return ro ? ro->reserve(&b->be, b->max_seqs, &lr->bound) : KVT_OK;
 }
 
 /* After the recall items of a run or a plan: a request whose item copies its queries into its
@@ -910,11 +789,7 @@ static kvt_status reserve_workspace(kvt_batch *b) {
         if (st->group >= 0 && ctx->groups[st->group].ops->step_bounds) /* random eviction's round */
             ctx->groups[st->group].ops->step_bounds(&ctx->groups[st->group], st, &ctx->cfg, &x);
         s = be->ops->reserve(be, &x);
-        kvt__recall_rope_args rope;
-        const uint8_t kind = layer_may_recall(ctx, l) ? PLAN_NOPE
-                             : ctx_may_recall(ctx) && kvt__ctx_rope_bound(ctx, l, &rope)
-                                 ? PLAN_ROPE
-                                 : 0;
+        const uint8_t kind = ctx_may_recall(ctx) ? layer_kind(ctx, l) : 0;
         layer_run lr = {.planned = true};
         plan_bounds(b, l, kind, &lr);
         if (s == KVT_OK)
@@ -932,9 +807,29 @@ static kvt_status over_topk(const kvt_ctx *ctx, uint32_t i, uint64_t rows, uint3
                          i, (unsigned long long)rows, l, topk, nothing);
 }
 
+/* Request i's recall on layer l (table ro, state r) as its table's item and pack-query entries
+ * read it, over the step's view of its table (*tl, *view). */
+static kvt__recall_req recall_req(const kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
+                                  const layer_run *lr, const kvt__recall_ops *ro, void *r,
+                                  kvt__tier_layer *tl, kvt__ptable *view) {
+    const kvt_seq *sq = b->seqs[i];
+    *tl = kvt__seq_step_layer(sq, l, view);
+    kvt__recall_req rq = {.r = r, .l = tl, .i = i, .e = e, .lists = lr->qpr,
+                          .planned = lr->planned, .first = lr->first,
+                          .all = b->recall_way[i] == RECALL_ALL, .bound = &lr->bound};
+    if (ro->fetch_area) {
+        const kvt_ctx *ctx = b->ctx;
+        const kvt__ptable *f = &sq->fetch[ctx->stores[l].group];
+        rq.fetch_pages = f->dpages;
+        rq.fetch_rows = (uint32_t)((uint64_t)f->n_pages * ctx->page_rows);
+    }
+    return rq;
+}
+
 /* Layer l's run into image pb: every request's recall items and sets as the run describes them
  * (b->recall_way set; nothing of the step moves rows), after the capacity checks. The image's
- * host copy only: nothing goes to the backend. Lagged queries: see plan_recall_item. */
+ * host copy only: nothing goes to the backend. The items and pack queries are the recall table's
+ * of the layer's kind (pb->kind[l]). */
 static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const kvt_emit *e,
                              layer_run *lr, bool *fits) {
     kvt_ctx *ctx = b->ctx;
@@ -946,29 +841,32 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
                              l, b->n_seqs * S * qpr, pb->qcap[l]);
     uint8_t *at = pb->host + pb->at[l];
     kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
-    void *items = pb->host + items_at(pb, l);
-    kvt__recall_rope_emit_plan_item *emits =
-        pb->kind[l] == PLAN_ROPE
-            ? (kvt__recall_rope_emit_plan_item *)(pb->host + emits_at(b, pb, l))
-            : NULL;
+    const kvt__recall_ops *lo = kvt__recall_kinds[pb->kind[l]]; /* the layer's kind */
+    uint8_t *items = lo ? pb->host + items_at(pb, l) : NULL;
+    uint8_t *emits = lo && lo->emit_bytes ? pb->host + emits_at(b, pb, l) : NULL;
     uint32_t n = 0, nr = 0, ne = 0;
     uint64_t off = 0, total = 0;
-    /* 1. The sets (and a RoPE request's items, which its sets are made from), with the capacity
-     * checks: with recall a set may be every row of the view, what the host can promise (on a
-     * RoPE layer: the held rows and the whole archive, the request's rows). Nothing but the
-     * host image is written before every check passed. */
+    /* 1. The sets (and a fetch-area request's items, which its sets are made from), with the
+     * capacity checks: with recall a set may be every row of the view, what the host can
+     * promise (with a fetch area: the held rows and the whole archive, the request's rows).
+     * Nothing but the host image is written before every check passed. */
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
-        const uint8_t way = b->recall_way[i] & RECALL_WAY;
-        const bool rope = (b->recall_way[i] & RECALL_ROPE) != 0;
+        const uint8_t way = b->recall_way[i];
+        void *r = NULL;
+        const kvt__recall_ops *ro = way != RECALL_NONE ? kvt__seq_recall_of(sq, l, &r) : NULL;
         /* items once per step and layer: a second run of the layer emits what the first fetched
          * (the fetch buffer and the state's dense flag are unchanged) */
         const bool trigger = way == RECALL_FETCH && (lr->planned || !sq->recalled[l]);
         b->itemized[i] = 0;
-        if (way != RECALL_NONE && pb->kind[l] != (rope ? PLAN_ROPE : PLAN_NOPE))
+        if (ro && ro != lo)
             return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
                                "seqs[%u] recalls on layer %u, which plans no recall", i, l);
-        if (rope) {
+        /* A kind with a fetch area (RoPE) makes the request's set itself: its emission lists
+         * the held rows and the fetched ones per KV head, the pack only places the lists. This
+         * is the step's fork, not recall's: the pack's queries (the policy's sets) or the
+         * emission's, of a request whose rows the run cannot know before the trigger ran. */
+        if (ro && ro->fetch_area) {
             if (e->layout == KVT_EMIT_PAGED) /* (an eager run refused it before its work) */
                 return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                                      "seqs[%u] recalls on layer %u: KVT_EMIT_PAGED cannot list "
@@ -976,52 +874,31 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
                                      i, l, nothing);
             if (lr->planned && way != RECALL_FETCH)
                 return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
-                                   "seqs[%u] layer %u: a RoPE recall with several tokens", i, l);
+                                   "seqs[%u] layer %u: a %s with several tokens", i, l, ro->name);
             const uint64_t rows = sq->n_tokens + sq->n_pending;
             if (tokens && rows > e->capacity)
                 return over_topk(ctx, i, rows, l, e->capacity, nothing);
             total += rows * qpr;
-            kvt__recall_rope_plan_item *it = (kvt__recall_rope_plan_item *)items + nr;
-            kvt__recall_rope_emit_plan_item *em = &emits[ne];
-            kvt_status s = plan_rope_items(b, i, l, e, lr, trigger, way == RECALL_ALL, it, em);
+            kvt__tier_layer tl;
+            kvt__ptable view;
+            const kvt__recall_req rq = recall_req(b, i, l, e, lr, ro, r, &tl, &view);
+            void *em = emits + (size_t)ne * ro->emit_bytes;
+            bool has = false;
+            kvt_status s = ro->items(&rq, trigger, items + (size_t)nr * ro->item_bytes, em, &has);
             if (s != KVT_OK)
                 return plan_refuse(b, lr, fits, s, "seqs[%u] layer %u: %s", i, l,
                                    kvt__tls_error());
-            nr += trigger;
-            b->itemized[i] = trigger;
+            nr += has;
+            b->itemized[i] = has;
             ne++;
-            /* in the pack, TOKENS: a query that writes only the request's dense flag (the
-             * state's, which the trigger wrote), the emission then its row; CSR /
-             * CSR_KV_HEADS: per KV head a query that writes only the list's count (so the
-             * lists after it start after it), the emission then the lists */
-            const kvt__recall_rope_emit_args *ea = &em->a;
-            const kvt__recall_rope_layer *rr = &sq->rrope[l];
-            const bool all = way == RECALL_ALL && !ea->capped;
-            if (tokens) {
-                q[n++] = (kvt__pack_query){.dense = all ? NULL : &rr->base.st->last_dense,
-                                           .all_rows = all, .out = (uint64_t)i * e->capacity,
-                                           .len_at = i};
-                continue;
-            }
-            for (uint32_t h = 0; h < qpr; h++, n++) {
-                kvt__seq_step_query(sq, l, b->n_tokens[i], &q[n]); /* its table's pages */
-                q[n].d = (kvt__attended_desc){.lo_end = ea->n_rows,
-                                              .hi_begin = ea->n_rows + ea->ar_n,
-                                              .hi_end = ea->n_rows + ea->ar_n};
-                q[n].fetch = rr->fired + (size_t)h * rr->cap;
-                q[n].n_fetch = rr->n_fired + h;
-                q[n].fetch_cap = rr->cap;
-                q[n].dense = ea->capped || all ? NULL : &rr->base.st->last_dense;
-                q[n].all_rows = all;
-                q[n].count_only = true;
-                q[n].out = 0;
-                q[n].pad = 0;
-                q[n].len_at = (uint64_t)i * qpr + h + 1;
-            }
+            kvt__seq_step_query(sq, l, b->n_tokens[i], &q[n]); /* its table's pages */
+            n += ro->pack_query(&rq, em, &q[n]);
             continue;
         }
+        /* (a kind without a fetch area merges its fetched rows by its state alone) */
+        const kvt__recall_req rq = {.r = r, .i = i, .e = e, .lists = qpr};
         for (uint32_t t = 0; t < S; t++) {
-            set_query(b, i, t, l, S, e, &off, &q[n]);
+            set_query(b, i, t, l, S, e, ro, &rq, &off, &q[n]);
             if (e->layout == KVT_EMIT_PAGED && !paged_query(ctx, l, &q[n]))
                 return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                                      "seqs[%u] layer %u: its attended set is not whole pages "
@@ -1054,16 +931,21 @@ static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
                              (unsigned long long)total,
                              e->layout == KVT_EMIT_PAGED ? "pages" : "rows", l, e->capacity,
                              nothing);
-    /* 2. The NoPE recall items, after every check (an item fixes its request's lagged query). */
-    for (uint32_t i = 0; pb->kind[l] == PLAN_NOPE && i < b->n_seqs; i++) {
+    /* 2. The other kinds' (NoPE's) trigger items, after every check (an item fixes its
+     * request's lagged query). */
+    for (uint32_t i = 0; lo && !lo->fetch_area && i < b->n_seqs; i++) {
+        kvt_seq *sq = b->seqs[i];
         bool has = false;
-        if (b->recall_way[i] != RECALL_FETCH || !(lr->planned || !b->seqs[i]->recalled[l]))
+        void *r;
+        if (b->recall_way[i] != RECALL_FETCH || !(lr->planned || !sq->recalled[l]) ||
+            kvt__seq_recall_of(sq, l, &r) != lo)
             continue;
-        if (!plan_recall_item(b, i, l, e, lr, (kvt__recall_plan_item *)items + nr, &has))
-            return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
-                               "seqs[%u] layer %u: its recall step breaks the rules or the "
-                               "run's bound",
-                               i, l);
+        kvt__tier_layer tl;
+        kvt__ptable view;
+        const kvt__recall_req rq = recall_req(b, i, l, e, lr, lo, r, &tl, &view);
+        kvt_status s = lo->items(&rq, true, items + (size_t)nr * lo->item_bytes, NULL, &has);
+        if (s != KVT_OK)
+            return plan_refuse(b, lr, fits, s, "seqs[%u] layer %u: %s", i, l, kvt__tls_error());
         nr += has;
         b->itemized[i] = has;
     }
@@ -1083,22 +965,21 @@ static kvt_status plan_write_layer(kvt_batch *b, const plan_buf *pb, uint32_t l,
     const size_t at = pb->at[l], it = items_at(pb, l);
     kvt_status s = be->ops->write(be, pb->dev + at, pb->host + at,
                                   PLAN_HEAD + sizeof(kvt__pack_query) * lr->n_q, stream);
-    const size_t item_bytes = pb->kind[l] == PLAN_NOPE ? sizeof(kvt__recall_plan_item)
-                                                       : sizeof(kvt__recall_rope_plan_item);
+    const kvt__recall_ops *ro = kvt__recall_kinds[pb->kind[l]];
     if (s == KVT_OK && lr->n_recall)
-        s = be->ops->write(be, pb->dev + it, pb->host + it, item_bytes * lr->n_recall, stream);
-    const size_t em = pb->kind[l] == PLAN_ROPE ? emits_at(b, pb, l) : 0;
+        s = be->ops->write(be, pb->dev + it, pb->host + it, ro->item_bytes * lr->n_recall,
+                           stream);
+    const size_t em = lr->n_emit ? emits_at(b, pb, l) : 0;
     if (s == KVT_OK && lr->n_emit)
-        s = be->ops->write(be, pb->dev + em, pb->host + em,
-                           sizeof(kvt__recall_rope_emit_plan_item) * lr->n_emit, stream);
+        s = be->ops->write(be, pb->dev + em, pb->host + em, ro->emit_bytes * lr->n_emit, stream);
     return s == KVT_OK ? KVT_OK
                        : kvt__ctx_fail(b->ctx, s, "layer %u: the run's plan to the backend", l);
 }
 
-/* Run layer l's part of image pb: the recall step (NoPE) or the RoPE trigger when `trigger`, the
- * pack, the RoPE emission. A planned image's ops run whatever its counts (the device's then);
- * an eager one's skip what has no item, and make room for the recall ops first (a device's
- * workspace: an eager run is never captured). */
+/* Run layer l's part of image pb: its recall kind's step when `trigger`, the pack, the kind's
+ * emission (a fetch area's lists). A planned image's ops run whatever its counts (the device's
+ * then); an eager one's skip what has no item, and make room for the recall ops first (a
+ * device's workspace: an eager run is never captured). */
 static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const float *query,
                              void *stream, const kvt_emit *emit, const layer_run *lr,
                              bool trigger) {
@@ -1106,29 +987,19 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
     const kvt__backend *be = &b->be;
     const uint8_t *at = pb->dev + pb->at[l];
     const uint32_t *counts = (const uint32_t *)at;
+    const kvt__recall_ops *ro = kvt__recall_kinds[pb->kind[l]];
     kvt_status s = KVT_OK;
-    if (pb->kind[l] == PLAN_NOPE && trigger) {
-        const kvt__recall_plan_args ra = {
-            .items = (const kvt__recall_plan_item *)(pb->dev + items_at(pb, l)),
-            .n = counts + 1, .n_max = b->max_seqs, .query = query,
-            .query_floats = lr->query_floats, .bound = lr->bound};
-        if (!lr->planned)
-            s = reserve_recall(b, PLAN_NOPE, lr);
-        if (s != KVT_OK || (s = be->ops->recall_step(be, &ra, stream)) != KVT_OK)
-            return kvt__ctx_fail(ctx, s, "the recall step of layer %u", l);
-    }
-    kvt__recall_rope_plan_args rp = {0};
-    if (pb->kind[l] == PLAN_ROPE) {
-        rp = (kvt__recall_rope_plan_args){
-            .items = (const kvt__recall_rope_plan_item *)(pb->dev + items_at(pb, l)),
-            .emits = (const kvt__recall_rope_emit_plan_item *)(pb->dev + emits_at(b, pb, l)),
-            .n = counts + 1, .n_emit = counts + 2, .n_max = b->max_seqs, .query = query,
-            .query_floats = lr->query_floats, .bound = lr->rbound};
+    kvt__recall_run run = {0};
+    if (ro) {
+        run = (kvt__recall_run){.items = pb->dev + items_at(pb, l),
+                                .emits = ro->emit_bytes ? pb->dev + emits_at(b, pb, l) : NULL,
+                                .n = counts + 1, .n_emit = counts + 2, .n_max = b->max_seqs,
+                                .query = query, .query_floats = lr->query_floats,
+                                .bound = &lr->bound};
         if (trigger && !lr->planned)
-            s = reserve_recall(b, PLAN_ROPE, lr);
-        if (trigger && (s != KVT_OK ||
-                        (s = be->ops->recall_rope_step(be, &rp, stream)) != KVT_OK))
-            return kvt__ctx_fail(ctx, s, "the RoPE recall step of layer %u", l);
+            s = reserve_recall(b, pb->kind[l], lr);
+        if (trigger && (s != KVT_OK || (s = ro->step(be, &run, stream)) != KVT_OK))
+            return kvt__ctx_fail(ctx, s, "the %s step of layer %u", ro->name, l);
     }
     const kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
                                .n_plan = counts, .n_max = lr->planned ? pb->qcap[l] : lr->n_q,
@@ -1139,26 +1010,26 @@ static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const
                                .indptr = emit->indptr, .last_page_len = emit_last_page_len(emit)};
     if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", l);
-    /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags and, in
-     * CSR, their lists' offsets) */
-    if (pb->kind[l] == PLAN_ROPE && (lr->planned || lr->n_emit) &&
-        (s = be->ops->recall_rope_emit(be, &rp, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "the RoPE recall lists of layer %u", l);
+    /* the fetch-area requests' rows, after the pack (which wrote their dense flags and, in CSR,
+     * their lists' offsets) */
+    if (ro && ro->emit && (lr->planned || lr->n_emit) &&
+        (s = ro->emit(be, &run, stream)) != KVT_OK)
+        return kvt__ctx_fail(ctx, s, "the %s lists of layer %u", ro->name, l);
     return KVT_OK;
 }
 
-/* Floats of one request's queries on layer l as its recall reads them (RoPE: its query heads'
- * keys). */
-static size_t run_query_floats(const kvt_batch *b, uint32_t l, bool rope) {
+/* Floats of one request's queries on layer l as its recall (of table ro; NULL: the pack's
+ * shape) reads them. */
+static size_t run_query_floats(const kvt_batch *b, uint32_t l, const kvt__recall_ops *ro) {
     const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
-    return rope ? (size_t)sp->n_q_heads * sp->head_dim : query_floats(b->ctx, l);
+    return ro ? (size_t)ro->query_floats(sp) : query_floats(b->ctx, l);
 }
 
 /* The eager image with room for layer l's run of n_q queries a request and, where requests
  * recall there, its kind of items (l = UINT32_MAX: none, the first layout). Laid out when the
  * batch is created, every layer with its KV heads' lists a request and the items of the recall
- * its requests may do (sketch planes: kvt__ctx_rope_bound on a RoPE layer); grown when a run
- * needs more (several query tokens a request: KVT_ERR_OUT_OF_MEMORY leaves it unchanged). */
+ * its requests may do (kvt__ctx_recall_of); grown when a run needs more (several query tokens a
+ * request: KVT_ERR_OUT_OF_MEMORY leaves it unchanged). */
 static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kind) {
     kvt_ctx *ctx = b->ctx;
     const uint32_t L = ctx->n_layers;
@@ -1168,12 +1039,8 @@ static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kin
     uint8_t kinds[L ? L : 1];
     uint32_t qpr[L ? L : 1];
     for (uint32_t k = 0; k < L; k++) {
-        kvt__recall_rope_args rb;
         const uint32_t kv = ctx->stores[k].spec.n_kv_heads;
-        kinds[k] = p->at ? p->kind[k]
-                   : ctx->sketch_rank && kvt__layer_policy(ctx, k)->recall_view ? PLAN_NOPE
-                   : kvt__ctx_rope_bound(ctx, k, &rb)                           ? PLAN_ROPE
-                                                                               : 0;
+        kinds[k] = p->at ? p->kind[k] : layer_kind(ctx, k);
         qpr[k] = p->at ? p->qpr[k] : kv > 1 ? kv : 1;
     }
     if (l < L && kind)
@@ -1211,7 +1078,8 @@ static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emit
             if (s != KVT_OK)
                 return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
                                      l);
-            b->recall_way[i] = recall_way(b, i, l, 1);
+            const kvt__recall_ops *ro;
+            b->recall_way[i] = recall_way(b, i, l, 1, &ro);
         }
         layer_run lr = {.S = 1, .qpr = b->plan.qpr[l], .planned = true, .first = fits != NULL};
         plan_bounds(b, l, b->plan.kind[l], &lr);
@@ -1281,8 +1149,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         if (b->n_drafts[i])
             return KVT_OK;
         for (uint32_t l = 0; l < L; l++)
-            if (ctx->stores[l].group >= 0 &&
-                !kvt__seq_step_quiet(sq, l, plans_recall(b, l) || plans_rope(b, l)))
+            if (ctx->stores[l].group >= 0 && !kvt__seq_step_quiet(sq, l, plan_kind(b, l) != 0))
                 return KVT_OK;
     }
     /* 2. The image, at the first planned step: every layer's counts, max_seqs queries a list
@@ -1301,7 +1168,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         uint8_t kinds[L ? L : 1];
         uint32_t qpr[L ? L : 1];
         for (uint32_t l = 0; l < L; l++) {
-            kinds[l] = plans_recall(b, l) ? PLAN_NOPE : plans_rope(b, l) ? PLAN_ROPE : 0;
+            kinds[l] = plan_kind(b, l);
             qpr[l] = emits[n_emits == 1 ? 0 : l].layout == KVT_EMIT_CSR_KV_HEADS
                          ? ctx->stores[l].spec.n_kv_heads
                          : 1u;
@@ -1357,16 +1224,16 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "layer %u: emit is not the one kvt_batch_plan_device planned for",
                              layer);
-    const bool rope = plans_rope(b, layer);
-    if ((plans_recall(b, layer) || rope) && !query)
+    const kvt__recall_ops *ro = kvt__recall_kinds[plan_kind(b, layer)];
+    if (ro && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: a planned run of layer %u, where requests may "
                              "recall, holds the recall step (a graph replays it over steps "
                              "that recall)",
                              layer);
     layer_run lr = {.S = 1, .qpr = b->plan.qpr[layer], .planned = true,
-                    .query_floats = run_query_floats(b, layer, rope) * b->max_seqs};
-    if (plans_recall(b, layer) || rope) {
+                    .query_floats = run_query_floats(b, layer, ro) * b->max_seqs};
+    if (ro) {
         kvt_status s = user_array(b, query, sizeof(float) * lr.query_floats, "query");
         if (s != KVT_OK)
             return s;
@@ -1402,7 +1269,8 @@ kvt_status kvt_batch_emit_fits(const kvt_batch *b, uint32_t layer, kvt_emit_layo
         kvt_seq *sq = b->seqs[i];
         if (!sq)
             continue;
-        if (kvt__seq_recalls(sq, layer) || kvt__seq_recalls_rope(sq, layer) ||
+        void *r;
+        if (kvt__seq_recall_of(sq, layer, &r) ||
             (!whole && !sq->stepped[layer] && !kvt__seq_step_quiet(sq, layer, false))) {
             *fits = false; /* fetched rows; a close due, after which the set is known */
             break;
@@ -1477,15 +1345,17 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * several query tokens emitted one by one, leaves it to the commit: its decisions then see
      * only the accepted rows, and each query token's view is the committed state plus the
      * step's rows up to its own. */
-    bool fetches = false, rope = false, recalls = false;
+    bool fetches = false;
+    const kvt__recall_ops *ro = NULL; /* the layer's recall table, where a request recalls */
     for (uint32_t i = 0; i < b->n_seqs; i++) {
+        const kvt__recall_ops *rt;
         b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
-        b->recall_way[i] = recall_way(b, i, layer, S);
-        fetches |= (b->recall_way[i] & RECALL_WAY) == RECALL_FETCH;
-        recalls |= b->recall_way[i] != RECALL_NONE;
-        rope |= (b->recall_way[i] & RECALL_ROPE) != 0;
+        b->recall_way[i] = recall_way(b, i, layer, S, &rt);
+        fetches |= b->recall_way[i] == RECALL_FETCH;
+        ro = rt ? rt : ro;
     }
-    if (emit->layout == KVT_EMIT_PAGED && (fetches || rope))
+    const bool recalls = ro != NULL, area = ro && ro->fetch_area;
+    if (emit->layout == KVT_EMIT_PAGED && (fetches || area))
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "layer %u: a request of the batch recalls there (single rows "
                              "fetched), which KVT_EMIT_PAGED cannot list (TOKENS or CSR can; "
@@ -1495,25 +1365,24 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: requests of the batch recall on layer %u", layer);
     if (recalls && (s = user_array(b, query,
-                                   sizeof(float) * run_query_floats(b, layer, rope) * b->n_seqs,
+                                   sizeof(float) * run_query_floats(b, layer, ro) * b->n_seqs,
                                    "query")) != KVT_OK)
         return s;
-    /* One KV head (MLA-RoPE, MQA): the per-head list is the request's list, so CSR is the
-     * per-head layout and TOKENS takes it at the request's row (one query token per request). */
+    /* A fetch area's lists are per KV head (RoPE). One KV head (MLA-RoPE, MQA): the per-head
+     * list is the request's list, so CSR is the per-head layout and TOKENS takes it at the
+     * request's row (one query token per request). */
     const bool one_kv = ctx->stores[layer].spec.n_kv_heads == 1;
-    if (rope && !heads && (!one_kv || S > 1))
+    if (area && !heads && (!one_kv || S > 1))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "layer %u: requests of the batch recall on this RoPE layer: "
+                             "layer %u: requests of the batch recall on this %s: "
                              "emit.layout must be KVT_EMIT_CSR_KV_HEADS (%s)",
-                             layer,
+                             layer, ro->layer_noun,
                              one_kv ? "TOKENS and CSR take one query per request here"
                                     : "its KV heads attend different rows");
-    if (rope && !be_has_rope(&b->be))
-        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                             "layer %u: the %s backend has no RoPE recall ops", layer,
-                             b->be.ops->name);
-    if ((s = eager_room(b, layer, S * n_kv, recalls ? (rope ? PLAN_ROPE : PLAN_NOPE) : 0)) !=
-        KVT_OK)
+    if (recalls && !ro->be_has(&b->be))
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED, "layer %u: the %s backend has no %s ops",
+                             layer, b->be.ops->name, ro->name);
+    if ((s = eager_room(b, layer, S * n_kv, recalls ? ro->kind : 0)) != KVT_OK)
         return s;
     b->ran = true;
     b->stream = stream;
@@ -1526,7 +1395,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * execution: entry q = i * S + t is query token t of request i, which sees the step's first
      * min(t + 1, n_tokens[i]) rows (one query per request: all). */
     layer_run lr = {.S = S, .qpr = n_kv,
-                    .query_floats = run_query_floats(b, layer, rope) * b->n_seqs};
+                    .query_floats = run_query_floats(b, layer, ro) * b->n_seqs};
     plan_bounds(b, layer, recalls ? b->eager.kind[layer] : 0, &lr);
     s = plan_layer(b, &b->eager, layer, emit, &lr, NULL);
     if (s == KVT_OK)
@@ -1541,9 +1410,7 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
             continue;
         if (s == KVT_OK)
             sq->recalled[layer] = 1;
-        if (b->recall_way[i] & RECALL_ROPE)
-            continue;
-        lag_settle(&sq->recall[layer], s == KVT_OK);
+        lag_settle(kvt__seq_recall_base(sq, layer), s == KVT_OK); /* (no lagged query: no-op) */
     }
     return s;
 }

@@ -1028,14 +1028,8 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__rope_view *
                          "layer %u: %llu of %llu archived rows sketched (a failed sketch, "
                          "retried at the next commit)",
                          st->layer, (unsigned long long)e->sk_n, (unsigned long long)e->ar_n);
+    /* (the RoPE step's own limits are recall's to check: kvt__recall_rope_view_of) */
     const uint32_t D = kvt__ev_key_dim(sp);
-    if (e->n_heads > KVT__RECALL_ROPE_MAX_KV || sp->n_q_heads == 0 ||
-        sp->n_q_heads % e->n_heads != 0 || D <= 64)
-        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                         "layer %u: %u KV heads (at most %u), %u query heads (a multiple of "
-                         "them), sketched key part %u values (must exceed 64): outside what the "
-                         "RoPE recall step takes",
-                         st->layer, e->n_heads, KVT__RECALL_ROPE_MAX_KV, sp->n_q_heads, D);
     memset(a, 0, sizeof *a);
     a->plane[0] = st->plane[0];
     a->plane[1] = st->plane[1];
