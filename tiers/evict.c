@@ -1153,6 +1153,13 @@ static kvt_status ev_check(const kvt__tier_layer *l, char *err, size_t len) {
 /* Positions, slot map, keep sets, the archive's position indices and, when it is sketched, its
  * sketch planes (csk, ρ) and identity mirror (its rows count in archive_bytes); nothing is shared
  * (a fork copies them). */
+/* A stated archive (policy.h archive_bytes_at_create): every plane's row of every KV head, for
+ * archive_rows rows, allocated whole at kvt_seq_create. */
+static uint64_t ev_archive_bytes_at_create(const kvt_layer_spec *sp, uint64_t archive_rows,
+                                           bool archive) {
+    return archive ? (uint64_t)sp->n_planes * sp->n_kv_heads * sp->row_bytes * archive_rows : 0;
+}
+
 static void ev_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
                           const void **key, uint32_t *holders) {
     const kvt__ev *e = &s->ev;
@@ -1184,6 +1191,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .layer_attach = ev_layer_attach,
     .attach_rows = ev_attach_rows,
     .side_bytes = ev_side_bytes,
+    .archive_bytes_at_create = ev_archive_bytes_at_create,
     .supports_layer = ev_supports_layer,
     .census = ev_census,
     .step_bounds = ev_step_bounds,
