@@ -34,6 +34,12 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->recall_way = kvt__calloc(a, max_seqs);
     b->itemized = kvt__calloc(a, max_seqs);
     b->recall_ran = kvt__calloc(a, ctx->n_layers);
+    b->sites = kvt__calloc(a, sizeof *b->sites * ctx->n_layers);
+    b->kinds = kvt__calloc(a, ctx->n_layers);
+    for (uint32_t l = 0; b->sites && b->kinds && l < ctx->n_layers; l++) {
+        const kvt__recall_ops *ro = kvt__ctx_recall_of(ctx, l, &b->sites[l]);
+        b->kinds[l] = ro ? ro->kind : 0;
+    }
     b->be = ctx->backend;
     kvt_status ws = ctx->backend.ops->workspace
                         ? ctx->backend.ops->workspace(&ctx->backend, ctx->ws_sigma_floats,
@@ -42,13 +48,15 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->own_be = ws == KVT_OK;
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
-    if (ws == KVT_OK && b->own_be && kvt__batch_reserve_workspace(b) != KVT_OK)
+    const bool sized = b->sites && b->kinds; /* what the image's layout reads */
+    if (ws == KVT_OK && b->own_be && sized && kvt__batch_reserve_workspace(b) != KVT_OK)
         ws = KVT_ERR_OUT_OF_MEMORY;
-    if (ws != KVT_ERR_OUT_OF_MEMORY && b->recall_ran &&
+    if (ws != KVT_ERR_OUT_OF_MEMORY && b->recall_ran && sized &&
         kvt__batch_eager_room(b, UINT32_MAX, 0, 0) != KVT_OK)
         ws = KVT_ERR_OUT_OF_MEMORY;
     if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->n_slots || !b->defer || !b->steps ||
-        !b->step_seqs || !b->recall_way || !b->itemized || !b->recall_ran ||
+        !b->step_seqs || !b->recall_way || !b->itemized || !b->recall_ran || !b->sites ||
+        !b->kinds ||
         ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
@@ -112,6 +120,8 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->recall_way, b->max_seqs);
     kvt__free(a, b->itemized, b->max_seqs);
     kvt__free(a, b->recall_ran, b->ctx->n_layers);
+    kvt__free(a, b->sites, sizeof *b->sites * b->ctx->n_layers);
+    kvt__free(a, b->kinds, b->ctx->n_layers);
     if (b->be.cap && b->be.ops->capture_end) { /* a capture never ended: its record goes */
         void *g = NULL;
         (void)b->be.ops->capture_end(&b->be, NULL, &g);
@@ -582,7 +592,9 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
     kvt__layer_run lr = {.S = 1,
                          .qpr = b->plan.qpr[layer],
                          .planned = true,
-                         .query_floats = kvt__batch_query_floats(b, layer, ro) * b->max_seqs};
+                         .query_floats = ro ? ro->query_floats(&ctx->stores[layer].spec) *
+                                                  b->max_seqs
+                                            : 0};
     if (ro) {
         kvt_status s = user_array(b, query, sizeof(float) * lr.query_floats, "query");
         if (s != KVT_OK)
@@ -714,9 +726,9 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (fetches && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: requests of the batch recall on layer %u", layer);
-    if (recalls &&
-        (s = user_array(b, query, sizeof(float) * kvt__batch_query_floats(b, layer, ro) * b->n_seqs,
-                        "query")) != KVT_OK)
+    /* floats of the run's query the trigger items may read */
+    const uint64_t qf = recalls ? ro->query_floats(&ctx->stores[layer].spec) * b->n_seqs : 0;
+    if (recalls && (s = user_array(b, query, sizeof(float) * qf, "query")) != KVT_OK)
         return s;
     /* A fetch area's lists are per KV head (RoPE). One KV head (MLA-RoPE, MQA): the per-head
      * list is the request's list, so CSR is the per-head layout and TOKENS takes it at the
@@ -744,26 +756,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     /* 2. The run's description (capacity first: nothing written when it fails), then its
      * execution: entry q = i * S + t is query token t of request i, which sees the step's first
      * min(t + 1, n_tokens[i]) rows (one query per request: all). */
-    kvt__layer_run lr = {
-        .S = S, .qpr = n_kv, .query_floats = kvt__batch_query_floats(b, layer, ro) * b->n_seqs};
-    kvt__batch_plan_bounds(b, layer, recalls ? b->eager.kind[layer] : 0, &lr);
-    s = kvt__batch_plan_layer(b, &b->eager, layer, emit, &lr, NULL);
-    if (s == KVT_OK)
-        s = kvt__batch_plan_write_layer(b, &b->eager, layer, &lr, stream);
-    if (s == KVT_OK)
-        s = kvt__batch_exec_layer(b, &b->eager, layer, query, stream, emit, &lr, lr.n_recall > 0);
-    /* the requests whose recall ran: once per step and layer; config.recall_lagged_query: the
-     * op copied this step's queries, the next step's */
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        kvt_seq *sq = b->seqs[i];
-        if (!sq || !b->itemized[i])
-            continue;
-        if (s == KVT_OK)
-            sq->recalled[layer] = 1;
-        /* (every kind's base; a kind without a lagged query: nothing to settle) */
-        kvt__batch_lag_settle(kvt__seq_recall_base(sq, layer), s == KVT_OK);
-    }
-    return s;
+    kvt__layer_run lr = {.S = S, .qpr = n_kv, .query_floats = qf};
+    return kvt__batch_run_eager(b, layer, query, stream, emit, recalls, &lr);
 }
 
 kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {

@@ -63,6 +63,10 @@ struct kvt_batch {
     kvt__plan_buf plan, eager;
     kvt_emit *plan_emit; /* [n_layers] */
     uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
+    /* [n_layers]: each layer as the recall tables size it and the kind requests recall with
+     * there (kvt__ctx_recall_of, 0: none), fixed with the context. */
+    kvt__recall_site *sites;
+    uint8_t *kinds;
     bool plan_reserved;  /* the planned recall ops' room was made (the tables' reserve) */
     bool planned;
     bool planned_once; /* a step was planned: plan_emit holds its emissions, every later one's */
@@ -126,6 +130,12 @@ void kvt__batch_plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, kvt__l
 kvt_status kvt__batch_reserve_recall(const kvt_batch *b, uint8_t kind, const kvt__layer_run *lr);
 /* A request's lagged query settled after the items of a run or a plan ran (ok) or not. */
 void kvt__batch_lag_settle(kvt__recall_layer *r, bool ok);
+/* An eager run of layer l after its policy work (lr: its shape, the query's floats): the bound
+ * of the step's requests (of the layer's recall kind when `recalls`), the layer's description
+ * into the eager image, that part to the backend, its execution; then the requests whose
+ * trigger ran are marked (once per step and layer) and their lagged queries settled. */
+kvt_status kvt__batch_run_eager(kvt_batch *b, uint32_t layer, const float *query, void *stream,
+                                const kvt_emit *emit, bool recalls, kvt__layer_run *lr);
 /* One description of a step: layer l's run written into image pb (host copy), that part to the
  * backend, and executed (the recall step when `trigger`, the pack, the emission). */
 kvt_status kvt__batch_plan_layer(kvt_batch *b, const kvt__plan_buf *pb, uint32_t l,
@@ -135,8 +145,6 @@ kvt_status kvt__batch_plan_write_layer(kvt_batch *b, const kvt__plan_buf *pb, ui
 kvt_status kvt__batch_exec_layer(kvt_batch *b, const kvt__plan_buf *pb, uint32_t l,
                                  const float *query, void *stream, const kvt_emit *emit,
                                  const kvt__layer_run *lr, bool trigger);
-/* Floats of one request's queries on layer l as recall table ro (NULL: the pack) reads them. */
-size_t kvt__batch_query_floats(const kvt_batch *b, uint32_t l, const kvt__recall_ops *ro);
 /* Every layer's sets of the planned step into the planned image, then to the backend. */
 kvt_status kvt__batch_plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits,
                                 void *stream, bool sync, bool *fits);

@@ -19,7 +19,7 @@ static bool ctx_may_recall(const kvt_ctx *ctx) {
 }
 
 /* The recall kind a planned step's runs of this layer hold (kvt_batch_plan_device; 0: none): the
- * layer's (kvt__ctx_recall_of) where requests may recall (ctx_may_recall), in a context that
+ * layer's (b->kinds: kvt__ctx_recall_of) where requests may recall (ctx_may_recall), in a context that
  * states max_rows_per_seq (the bound of the ops' launch and workspace), on a backend with the
  * kind's ops; fixed when the batch's plan buffer is laid out (its first planned step), so that a
  * captured run has the ops whether or not the capture's step recalled; a layer that did not plan
@@ -30,16 +30,8 @@ uint8_t kvt__batch_plan_kind(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
     if (b->plan.kind)
         return b->plan.kind[layer];
-    kvt__recall_site site;
-    const kvt__recall_ops *ro = kvt__ctx_recall_of(ctx, layer, &site);
+    const kvt__recall_ops *ro = kvt__recall_kinds[b->kinds[layer]];
     return ro && ctx_may_recall(ctx) && ctx->max_rows && ro->be_has(&b->be) ? ro->kind : 0;
-}
-
-/* The recall kind requests may recall with on layer l of this context (0: none). */
-static uint8_t layer_kind(const kvt_ctx *ctx, uint32_t l) {
-    kvt__recall_site site;
-    const kvt__recall_ops *ro = kvt__ctx_recall_of(ctx, l, &site);
-    return ro ? ro->kind : 0;
 }
 
 static size_t align64(size_t x) {
@@ -104,13 +96,6 @@ kvt_status kvt__batch_plan_layout(kvt_batch *b, kvt__plan_buf *p, const uint8_t 
     *p = n;
     return KVT_OK;
 }
-
-/* Floats of one request's queries on a layer (kvt_batch_run's query). */
-static size_t query_floats(const kvt_ctx *ctx, uint32_t layer) {
-    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
-    return (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
-}
-
 
 /* Rows of request i's step that query token t of S sees: all of them with one query per request;
  * else its own and the earlier ones (a padded token t >= n_tokens sees what the last one does). */
@@ -224,9 +209,7 @@ void kvt__batch_plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, kvt__l
         rows = r > rows ? r : rows;
         prom = sq->cfg.recall_promote_capacity > prom ? sq->cfg.recall_promote_capacity : prom;
     }
-    kvt__recall_site site;
-    kvt__ctx_recall_site(ctx, l, &site);
-    (void)ro->bound(&site, rows, prom, lr->planned, &lr->bound);
+    (void)ro->bound(&b->sites[l], rows, prom, lr->planned, &lr->bound);
 }
 
 /* Room for layer l's recall ops of `kind` (0: none; the kind's reserve) for max_seqs items
@@ -262,7 +245,7 @@ kvt_status kvt__batch_reserve_workspace(kvt_batch *b) {
         if (st->group >= 0 && ctx->groups[st->group].ops->step_bounds) /* random eviction's round */
             ctx->groups[st->group].ops->step_bounds(&ctx->groups[st->group], st, &ctx->cfg, &x);
         s = be->ops->reserve(be, &x);
-        const uint8_t kind = ctx_may_recall(ctx) ? layer_kind(ctx, l) : 0;
+        const uint8_t kind = ctx_may_recall(ctx) ? b->kinds[l] : 0;
         kvt__layer_run lr = {.planned = true};
         kvt__batch_plan_bounds(b, l, kind, &lr);
         if (s == KVT_OK)
@@ -497,13 +480,6 @@ kvt_status kvt__batch_exec_layer(kvt_batch *b, const kvt__plan_buf *pb, uint32_t
     return KVT_OK;
 }
 
-/* Floats of one request's queries on layer l as its recall (of table ro; NULL: the pack's
- * shape) reads them. */
-size_t kvt__batch_query_floats(const kvt_batch *b, uint32_t l, const kvt__recall_ops *ro) {
-    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
-    return ro ? (size_t)ro->query_floats(sp) : query_floats(b->ctx, l);
-}
-
 /* The eager image with room for layer l's run of n_q queries a request and, where requests
  * recall there, its kind of items (l = UINT32_MAX: none, the first layout). Laid out when the
  * batch is created, every layer with its KV heads' lists a request and the items of the recall
@@ -519,7 +495,7 @@ kvt_status kvt__batch_eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t
     uint32_t qpr[L ? L : 1];
     for (uint32_t k = 0; k < L; k++) {
         const uint32_t kv = ctx->stores[k].spec.n_kv_heads;
-        kinds[k] = p->at ? p->kind[k] : layer_kind(ctx, k);
+        kinds[k] = p->at ? p->kind[k] : b->kinds[k];
         qpr[k] = p->at ? p->qpr[k] : kv > 1 ? kv : 1;
     }
     if (l < L && kind)
@@ -568,4 +544,26 @@ kvt_status kvt__batch_plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_
     }
     kvt_status s = be->ops->write(be, b->plan.dev, b->plan.host, b->plan.at[L], stream);
     return s == KVT_OK ? KVT_OK : kvt__ctx_fail(ctx, s, "the step's plan to the backend");
+}
+
+kvt_status kvt__batch_run_eager(kvt_batch *b, uint32_t layer, const float *query, void *stream,
+                                const kvt_emit *emit, bool recalls, kvt__layer_run *lr) {
+    kvt__batch_plan_bounds(b, layer, recalls ? b->eager.kind[layer] : 0, lr);
+    kvt_status s = kvt__batch_plan_layer(b, &b->eager, layer, emit, lr, NULL);
+    if (s == KVT_OK)
+        s = kvt__batch_plan_write_layer(b, &b->eager, layer, lr, stream);
+    if (s == KVT_OK)
+        s = kvt__batch_exec_layer(b, &b->eager, layer, query, stream, emit, lr, lr->n_recall > 0);
+    /* the requests whose recall ran: once per step and layer; config.recall_lagged_query: the
+     * op copied this step's queries, the next step's (every kind's base state: a kind without
+     * a lagged query has nothing to settle) */
+    for (uint32_t i = 0; i < b->n_seqs; i++) {
+        kvt_seq *sq = b->seqs[i];
+        if (!sq || !b->itemized[i])
+            continue;
+        if (s == KVT_OK)
+            sq->recalled[layer] = 1;
+        kvt__batch_lag_settle(kvt__seq_recall_base(sq, layer), s == KVT_OK);
+    }
+    return s;
 }

@@ -58,19 +58,15 @@ kvt__env kvt__ctx_env(const kvt_ctx *ctx, const kvt_seq *seq, void *stream) {
     return e;
 }
 
-void kvt__ctx_recall_site(const kvt_ctx *ctx, uint32_t layer, kvt__recall_site *out) {
-    *out = (kvt__recall_site){.sp = &ctx->stores[layer].spec,
-                              .policy = kvt__layer_policy(ctx, layer),
-                              .sketch_rank = ctx->sketch_rank,
-                              .block_rows = ctx->cfg.block_rows,
-                              .archive_host = ctx->archive_host,
-                              .archive_rows = ctx->archive_rows,
-                              .max_rows = ctx->max_rows};
-}
-
 const kvt__recall_ops *kvt__ctx_recall_of(const kvt_ctx *ctx, uint32_t layer,
                                           kvt__recall_site *site) {
-    kvt__ctx_recall_site(ctx, layer, site);
+    *site = (kvt__recall_site){.sp = &ctx->stores[layer].spec,
+                               .policy = kvt__layer_policy(ctx, layer),
+                               .sketch_rank = ctx->sketch_rank,
+                               .block_rows = ctx->cfg.block_rows,
+                               .archive_host = ctx->archive_host,
+                               .archive_rows = ctx->archive_rows,
+                               .max_rows = ctx->max_rows};
     for (uint32_t k = 1; k < KVT__RECALL_KINDS; k++)
         if (kvt__recall_kinds[k]->recalls(site))
             return kvt__recall_kinds[k];

@@ -187,12 +187,10 @@ void kvt__buffers_free(kvt_ctx *ctx);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */
 void kvt__batches_destroy(kvt_ctx *ctx);
 
-/* Layer `layer` as the recall tables' plan entries size it (its spec and policy table, the
- * context's sketch rank, block_rows and limits). */
-void kvt__ctx_recall_site(const kvt_ctx *ctx, uint32_t layer, kvt__recall_site *out);
 /* The recall table of the kind requests recall with on `layer` (the first of kvt__recall_kinds
  * whose `recalls` holds: a salience layer's NoPE view, random eviction's sketched archive), with
- * *site filled; NULL where no request recalls there. The context's one place that asks which
+ * *site filled (the layer's spec and policy table, the context's sketch rank, block_rows and
+ * limits); NULL where no request recalls there. The context's one place that asks which
  * kind a layer's recall is (a request's: kvt__seq_recall_of). */
 const kvt__recall_ops *kvt__ctx_recall_of(const kvt_ctx *ctx, uint32_t layer,
                                           kvt__recall_site *site);
