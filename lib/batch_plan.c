@@ -19,13 +19,12 @@ static bool ctx_may_recall(const kvt_ctx *ctx) {
 }
 
 /* The recall kind a planned step's runs of this layer hold (kvt_batch_plan_device; 0: none): the
- * layer's (b->kinds: kvt__ctx_recall_of) where requests may recall (ctx_may_recall), in a context that
- * states max_rows_per_seq (the bound of the ops' launch and workspace), on a backend with the
- * kind's ops; fixed when the batch's plan buffer is laid out (its first planned step), so that a
- * captured run has the ops whether or not the capture's step recalled; a layer that did not plan
- * them then never does (a step where a request recalls there is not plannable). A kind whose
- * emission lists the fetched rows (fetch_area: RoPE, docs/recall.md §9.4) is plannable with
- * KVT_EMIT_TOKENS (each request's row at a fixed place) or CSR_KV_HEADS. */
+ * layer's (b->kinds, from kvt__ctx_recall_of) where requests may recall (ctx_may_recall), in a
+ * context that states max_rows_per_seq (the bound of the ops' launch and workspace), on a backend
+ * with the kind's ops; fixed when the batch's plan buffer is laid out (its first planned step), so
+ * that a captured run has the ops whether or not the capture's step recalled; a layer that did
+ * not plan them then never does (a step where a request recalls there is not plannable). Which
+ * emissions a fetch-area kind's planned step takes: docs/recall.md §9.4. */
 uint8_t kvt__batch_plan_kind(const kvt_batch *b, uint32_t layer) {
     const kvt_ctx *ctx = b->ctx;
     if (b->plan.kind)

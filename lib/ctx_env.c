@@ -1,11 +1,11 @@
 /* ctx_env.c — what every lib/ file asks of a context, apart from context.c's lifecycle: the
  * calling thread's error reporting for a call on it, the environment of a policy call, a layer's
- * RoPE recall bound. context.c's destroy calls down into batch.c, sequence.c, buffer.c and
- * recall_basis.c; they call these, so that no call of theirs goes back up into context.c (the
- * lib/ call graph: tests/scripts/check_layers.py prints its cycles). */
+ * recall table (the kind requests recall with there). context.c's destroy calls down into
+ * batch.c, sequence.c, buffer.c and recall_basis.c; they call these, so that no call of theirs
+ * goes back up into context.c (the lib/ call graph: tests/scripts/check_layers.py prints its
+ * cycles). */
 #include "handles.h"
 
-#include "recall/kernels/rope_trigger.h"
 
 #include <stdio.h>
 #include <string.h>

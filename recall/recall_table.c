@@ -316,7 +316,8 @@ static kvt_status rope_items(const kvt__recall_req *rq, bool trigger, void *item
                               e->dense ? e->dense + i : NULL, &it->a);
         it->div = *it->a.pdiv;
         it->q_off = (uint64_t)i * rope_query_floats(&l->st->spec);
-        ok = kvt__recall_rope_args_ok(&it->a) && kvt__recall_rope_plan_fits(&rq->bound->rope, &it->a);
+        ok = kvt__recall_rope_args_ok(&it->a) &&
+             kvt__recall_rope_plan_fits(&rq->bound->rope, &it->a);
         it->a.pdiv = NULL; /* host values, not read by the op */
         it->a.q = NULL;
         *has = true;
