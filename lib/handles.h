@@ -165,7 +165,7 @@ bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
 kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer);
 /* The recall table of a layer the request recalls on (kvt__recall_nope, kvt__recall_rope) with
  * its state in *r, or NULL (recall off, or nothing to recall from there). The one place lib/
- * asks which kind a layer's recall is. */
+ * asks which kind a request's recall on a layer is (a context's layer: kvt__ctx_recall_of). */
 const kvt__recall_ops *kvt__seq_recall_of(const kvt_seq *seq, uint32_t layer, void **r);
 /* Does the request's recall on this layer copy fetched rows into its fetch area (the table's
  * fetch_area)? */
