@@ -197,10 +197,10 @@ typedef struct kvt__recall_step_args {
     uint32_t cand_cap, prom_cap, prom_room, hits, window;
 } kvt__recall_step_args;
 
-/* A recall step's work item, in a batch's plan image (lib/batch.c): the step's arguments, except
- * that the queries are an offset from the op's query base (the engine's buffer: the launch's
- * argument, the same at every replay of a captured step) and the page-row divider is held by
- * value (a.scan.pdiv and a.scan.q are not read). */
+/* A recall step's work item, in a batch's plan image (lib/batch_plan.c): the step's arguments,
+ * except that the queries are an offset from the op's query base (the engine's buffer: the
+ * launch's argument, the same at every replay of a captured step) and the page-row divider is held
+ * by value (a.scan.pdiv and a.scan.q are not read). */
 typedef struct kvt__recall_plan_item {
     kvt__recall_step_args a;
     kvt__div32 div;
@@ -242,8 +242,8 @@ KVT_HD uint64_t kvt__attended_desc_count(const kvt__attended_desc *d) {
     return d->lo_end + d->n_list + (d->hi_end - d->hi_begin);
 }
 
-/* A set of whole pages of pd->d rows (KVT_EMIT_PAGED; lib/batch.c puts a set in this form or
- * refuses it): rows [0, lo_end) and [hi_begin, hi_end), lo_end and hi_begin multiples of the
+/* A set of whole pages of pd->d rows (KVT_EMIT_PAGED; lib/batch_plan.c puts a set in this form
+ * or refuses it): rows [0, lo_end) and [hi_begin, hi_end), lo_end and hi_begin multiples of the
  * page size, lo_end <= hi_begin, no list. Its pages, in order: table pages [0, lo_end / d), then
  * [hi_begin / d, ceil(hi_end / d)); kvt__paged_page gives the table page of the j-th. */
 KVT_HD uint64_t kvt__paged_count(const kvt__attended_desc *d, const kvt__div32 *pd) {
@@ -296,12 +296,12 @@ typedef struct kvt__pack_query {
 #define KVT__NO_LENGTH UINT64_MAX
 
 typedef struct kvt__pack_args {
-    /* The queries and their count, in the backend's memory (a batch's plan image, lib/batch.c),
-     * written before the op runs and read only when it runs, so that the op's arguments hold
-     * nothing of one step and a captured op replays over later steps. At most n_max queries
-     * (the launch's size). Recall fields are read when the op runs (the recall step's output);
-     * CSR offsets follow from the counts of the queries before (query i's at indptr[i]: len_at
-     * must be i + 1). */
+    /* The queries and their count, in the backend's memory (a batch's plan image,
+     * lib/batch_plan.c), written before the op runs and read only when it runs, so that the op's
+     * arguments hold nothing of one step and a captured op replays over later steps. At most
+     * n_max queries (the launch's size). Recall fields are read when the op runs (the recall
+     * step's output); CSR offsets follow from the counts of the queries before (query i's at
+     * indptr[i]: len_at must be i + 1). */
     const kvt__pack_query *q_plan;
     const uint32_t *n_plan;  /* [1] */
     uint32_t n_max;

@@ -2,194 +2,12 @@
  * run per layer (the layer's due close or round, then the attended set into the caller's
  * fixed-capacity buffers), commit. The timeline is stated in kvtier.h; the per-request work is
  * seq_step.c's, the policy work tiers/' (through the policy tables). */
-#include "handles.h"
+#include "batch_internal.h"
 
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
-
-enum batch_state { BATCH_IDLE = 0, BATCH_RESERVED, BATCH_PLANNED };
-
-/* A plan image: what every run of a layer does, in the backend's memory (dev) with its host image
- * (host). Layer l's part, from byte at[l] on: three counts (uint32: the pack queries at byte 0,
- * the recall or RoPE trigger items at 4, the RoPE emission items at 8), from byte PLAN_HEAD on
- * qcap[l] pack queries, then on a layer of kind PLAN_NOPE max_seqs recall items, of kind
- * PLAN_ROPE max_seqs trigger items and max_seqs emission items (64-byte aligned pieces). */
-typedef struct plan_buf {
-    uint8_t *dev, *host;
-    size_t *at;     /* [n_layers + 1]: at[n_layers] is the image's size; NULL: not laid out */
-    uint8_t *kind;  /* [n_layers]: PLAN_NOPE / PLAN_ROPE / 0 */
-    uint32_t *qcap; /* [n_layers] */
-    uint32_t *qpr;  /* [n_layers]: pack queries a request (the planned image's; the eager image
-                     * holds max_seqs x qpr queries of any shape) */
-} plan_buf;
-
-struct kvt_batch {
-    kvt_ctx *ctx;
-    kvt_batch *prev, *next; /* the context's live batches */
-    uint32_t max_seqs, n_seqs;
-    kvt_seq **seqs;      /* [max_seqs]; an entry is NULL once its request was destroyed */
-    uint32_t *n_tokens;  /* [max_seqs]; 0 once the request was destroyed */
-    uint32_t *n_slots;   /* [max_seqs]: the tokens reserved, kept when the request is destroyed
-                          * mid-step, so that the step's slot_mapping keeps every later token's
-                          * index (its own entries -1) */
-    uint32_t *n_drafts;  /* [max_seqs]: the last n_drafts tokens may be rejected at commit */
-    /* A run's scratch (allocated with the batch: a run allocates nothing): each request's
-     * defer flag and the policy work handed to the layer's table in one call. */
-    uint8_t *defer;          /* [max_seqs] */
-    kvt__tier_step *steps;   /* [max_seqs] */
-    kvt_seq **step_seqs;     /* [max_seqs] */
-    /* Recall: each request's way on the layer being run (RECALL_*), and which requests an eager
-     * run's image gave a trigger item (their recall ran once the run succeeds). */
-    uint8_t *recall_way;     /* [max_seqs] */
-    uint8_t *itemized;       /* [max_seqs] */
-    enum batch_state state;
-    bool ran;            /* a run happened this step (the reservation can no longer be undone) */
-    void *stream;        /* the stream of the step's last run: the commit's device work goes on
-                          * it (NULL, the default stream, for a step without a run) */
-    /* The backend the batch's runs and commit use: on the CPU and CUDA backends a handle with a
-     * workspace of its own (own_be), so that runs and commits of distinct batches share no
-     * scratch (kvtier.h, "Threads"); on the guarded backend a copy of the context's handle. */
-    kvt__backend be;
-    bool own_be;
-    /* The step's description (plan_layer writes it, exec_layer runs it): the planned step's
-     * image (kvt_batch_plan_device; laid out at the first planned step, never moved: a captured
-     * run's launch points into it) and the eager runs' (laid out at the first run, grown when a
-     * run needs more room). plan_emit[layer]: the emission a planned step's runs must pass. */
-    plan_buf plan, eager;
-    kvt_emit *plan_emit; /* [n_layers] */
-    uint8_t *recall_ran; /* [n_layers]: a planned run of the layer enqueued its recall step */
-    bool plan_reserved;  /* the planned recall ops' room was made (recall_plan_reserve) */
-    bool planned;
-    bool planned_once; /* a step was planned: plan_emit holds its emissions, every later one's */
-};
-
-/* Bytes before a layer's queries in the plan buffer (its counts, then alignment). */
-#define PLAN_HEAD 64u
-
-/* May requests of this context recall: its config does, or a request with recall on was
- * created? */
-static bool ctx_may_recall(const kvt_ctx *ctx) {
-    return ctx->cfg.recall != KVT_RECALL_OFF || ctx->recall_seen;
-}
-
-/* May requests recall on this layer: a salience layer with sketch planes, ctx_may_recall? */
-static bool layer_may_recall(const kvt_ctx *ctx, uint32_t layer) {
-    return ctx->sketch_rank && kvt__layer_policy(ctx, layer)->recall_view &&
-           ctx_may_recall(ctx);
-}
-
-/* Does a planned step's run of this layer hold the layer's recall step (kvt_batch_plan_device)?
- * A layer where requests may recall, in a context that states max_rows_per_seq (the bound of the
- * op's launch and workspace), on a backend with the planned op; fixed when the batch's plan
- * buffer is laid out (its first planned step), so that a captured run has the op whether or not
- * the capture's step recalled; a layer that did not plan it then never does (a step where a
- * request recalls there is not plannable). */
-enum { PLAN_NOPE = 1, PLAN_ROPE = 2 };
-
-static bool plans_recall(const kvt_batch *b, uint32_t layer) {
-    const kvt_ctx *ctx = b->ctx;
-    if (b->plan.kind)
-        return b->plan.kind[layer] == PLAN_NOPE;
-    return layer_may_recall(ctx, layer) && ctx->max_rows && b->be.ops->recall_step;
-}
-
-/* The same for a RoPE layer's trigger and emission (docs/recall.md §9.4): a layer where requests
- * may recall on RoPE (kvt__ctx_rope_bound), max_rows_per_seq stated, both planned ops present;
- * fixed with the buffer's layout. Its steps are plannable with KVT_EMIT_TOKENS (each request's
- * row at a fixed place); a step where a request recalls there with another layout is not. */
-static bool plans_rope(const kvt_batch *b, uint32_t layer) {
-    const kvt_ctx *ctx = b->ctx;
-    if (b->plan.kind)
-        return b->plan.kind[layer] == PLAN_ROPE;
-    kvt__recall_rope_args bound;
-    return ctx_may_recall(ctx) && ctx->max_rows && kvt__ctx_rope_bound(ctx, layer, &bound) &&
-           b->be.ops->recall_rope_step && b->be.ops->recall_rope_emit;
-}
-
-static size_t align64(size_t x) {
-    return (x + 63u) / 64u * 64u;
-}
-
-/* Where layer l's recall items (NoPE or RoPE trigger items) start in an image (after its pack
- * queries). */
-static size_t items_at(const plan_buf *p, uint32_t l) {
-    return p->at[l] + align64(PLAN_HEAD + sizeof(kvt__pack_query) * p->qcap[l]);
-}
-
-/* Where a RoPE layer's emission items start (after its max_seqs trigger items). */
-static size_t emits_at(const kvt_batch *b, const plan_buf *p, uint32_t l) {
-    return items_at(p, l) + align64(sizeof(kvt__recall_rope_plan_item) * b->max_seqs);
-}
-
-static void plan_buf_free(kvt_batch *b, plan_buf *p) {
-    const kvt__alloc *a = &b->ctx->alloc;
-    const uint32_t L = b->ctx->n_layers;
-    if (p->at) {
-        const size_t bytes = p->at[L];
-        if (p->dev)
-            b->be.ops->buf_free(&b->be, p->dev, bytes);
-        kvt__free(a, p->host, bytes);
-    }
-    kvt__free(a, p->at, sizeof *p->at * (L + 1u));
-    kvt__free(a, p->kind, L);
-    kvt__free(a, p->qcap, sizeof *p->qcap * L);
-    kvt__free(a, p->qpr, sizeof *p->qpr * L);
-    memset(p, 0, sizeof *p);
-}
-
-/* Lay out an image of the given kinds and pack queries a request (every layer's part 64-byte
- * aligned) and allocate it: *p is replaced only on success (KVT_ERR_OUT_OF_MEMORY: unchanged). */
-static kvt_status plan_buf_layout(kvt_batch *b, plan_buf *p, const uint8_t *kind,
-                                  const uint32_t *qpr) {
-    kvt_ctx *ctx = b->ctx;
-    const kvt__alloc *a = &ctx->alloc;
-    const uint32_t L = ctx->n_layers;
-    plan_buf n = {.at = kvt__calloc(a, sizeof *n.at * (L + 1u)), .kind = kvt__calloc(a, L),
-                  .qcap = kvt__calloc(a, sizeof *n.qcap * L),
-                  .qpr = kvt__calloc(a, sizeof *n.qpr * L)};
-    if (n.at && n.kind && n.qcap && n.qpr) {
-        for (uint32_t l = 0; l < L; l++) {
-            n.kind[l] = kind[l];
-            n.qpr[l] = qpr[l];
-            n.qcap[l] = b->max_seqs * qpr[l];
-            const size_t end =
-                kind[l] == PLAN_NOPE ? items_at(&n, l) + sizeof(kvt__recall_plan_item) * b->max_seqs
-                : kind[l] == PLAN_ROPE
-                    ? emits_at(b, &n, l) + sizeof(kvt__recall_rope_emit_plan_item) * b->max_seqs
-                    : n.at[l] + PLAN_HEAD + sizeof(kvt__pack_query) * n.qcap[l];
-            n.at[l + 1] = align64(end);
-        }
-        if (b->be.ops->buf_alloc(&b->be, n.at[L], (void **)&n.dev) == KVT_OK)
-            n.host = kvt__calloc(a, n.at[L]);
-    }
-    if (!n.host) {
-        plan_buf_free(b, &n);
-        return KVT_ERR_OUT_OF_MEMORY;
-    }
-    plan_buf_free(b, p);
-    *p = n;
-    return KVT_OK;
-}
-
-/* Floats of one request's queries on a layer (kvt_batch_run's query). */
-static size_t query_floats(const kvt_ctx *ctx, uint32_t layer) {
-    const kvt_layer_spec *sp = &ctx->stores[layer].spec;
-    return (size_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
-}
-
-static void plan_bound(const kvt_batch *b, uint32_t l, uint64_t rows, uint32_t prom_cap,
-                       kvt__recall_step_args *out);
-
-static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kind);
-
-/* The backend's RoPE recall ops (a request that recalls on RoPE is refused without them). */
-static bool be_has_rope(const kvt__backend *be) {
-    return be->ops->recall_rope_step && be->ops->recall_rope_emit;
-}
-
-static kvt_status reserve_workspace(kvt_batch *b);
 
 kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     if (out)
@@ -216,6 +34,12 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->recall_way = kvt__calloc(a, max_seqs);
     b->itemized = kvt__calloc(a, max_seqs);
     b->recall_ran = kvt__calloc(a, ctx->n_layers);
+    b->sites = kvt__calloc(a, sizeof *b->sites * ctx->n_layers);
+    b->kinds = kvt__calloc(a, ctx->n_layers);
+    for (uint32_t l = 0; b->sites && b->kinds && l < ctx->n_layers; l++) {
+        const kvt__recall_ops *ro = kvt__ctx_recall_of(ctx, l, &b->sites[l]);
+        b->kinds[l] = ro ? ro->kind : 0;
+    }
     b->be = ctx->backend;
     kvt_status ws = ctx->backend.ops->workspace
                         ? ctx->backend.ops->workspace(&ctx->backend, ctx->ws_sigma_floats,
@@ -224,12 +48,15 @@ kvt_status kvt_batch_create(kvt_ctx *ctx, uint32_t max_seqs, kvt_batch **out) {
     b->own_be = ws == KVT_OK;
     if (ws == KVT_ERR_UNSUPPORTED)
         b->be = ctx->backend; /* shared: one thread at a time on such a context */
-    if (ws == KVT_OK && b->own_be && reserve_workspace(b) != KVT_OK)
+    const bool sized = b->sites && b->kinds; /* what the image's layout reads */
+    if (ws == KVT_OK && b->own_be && sized && kvt__batch_reserve_workspace(b) != KVT_OK)
         ws = KVT_ERR_OUT_OF_MEMORY;
-    if (ws != KVT_ERR_OUT_OF_MEMORY && b->recall_ran && eager_room(b, UINT32_MAX, 0, 0) != KVT_OK)
+    if (ws != KVT_ERR_OUT_OF_MEMORY && b->recall_ran && sized &&
+        kvt__batch_eager_room(b, UINT32_MAX, 0, 0) != KVT_OK)
         ws = KVT_ERR_OUT_OF_MEMORY;
-    if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->n_slots || !b->defer || !b->steps || !b->step_seqs ||
-        !b->recall_way || !b->itemized || !b->recall_ran ||
+    if (!b->seqs || !b->n_tokens || !b->n_drafts || !b->n_slots || !b->defer || !b->steps ||
+        !b->step_seqs || !b->recall_way || !b->itemized || !b->recall_ran || !b->sites ||
+        !b->kinds ||
         ws == KVT_ERR_OUT_OF_MEMORY) {
         kvt_batch_destroy(b);
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "batch of %u requests", max_seqs);
@@ -293,22 +120,21 @@ void kvt_batch_destroy(kvt_batch *b) {
     kvt__free(a, b->recall_way, b->max_seqs);
     kvt__free(a, b->itemized, b->max_seqs);
     kvt__free(a, b->recall_ran, b->ctx->n_layers);
+    kvt__free(a, b->sites, sizeof *b->sites * b->ctx->n_layers);
+    kvt__free(a, b->kinds, b->ctx->n_layers);
     if (b->be.cap && b->be.ops->capture_end) { /* a capture never ended: its record goes */
         void *g = NULL;
         (void)b->be.ops->capture_end(&b->be, NULL, &g);
         if (g)
             b->be.ops->graph_free(&b->be, g);
     }
-    plan_buf_free(b, &b->plan);
-    plan_buf_free(b, &b->eager);
+    kvt__batch_plan_free(b, &b->plan);
+    kvt__batch_plan_free(b, &b->eager);
     kvt__free(a, b->plan_emit, sizeof *b->plan_emit * b->ctx->n_layers);
     if (b->own_be)
         b->be.ops->close(&b->be);
     kvt__free(a, b, sizeof *b);
 }
-
-static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
-                            bool sync, bool *fits);
 
 /* The batch forgets a destroyed request. */
 static void batch_forget(kvt_batch *b, const kvt_seq *seq) {
@@ -325,7 +151,7 @@ static void batch_forget(kvt_batch *b, const kvt_seq *seq) {
      * stream before the runs or the graph launch that read it. Counts only shrink, so no
      * capacity check fails; a backend failure here leaves the context's error message. */
     if (found && b->planned)
-        (void)plan_fill(b, b->plan_emit, b->ctx->n_layers, b->stream, false, NULL);
+        (void)kvt__batch_plan_fill(b, b->plan_emit, b->ctx->n_layers, b->stream, false, NULL);
 }
 
 /* kvt_seq_destroy lives here, with the batch membership it ends first: sequence.c's part
@@ -508,30 +334,6 @@ kvt_status kvt_batch_capacity(const kvt_batch *b, uint32_t layer, uint32_t *topk
     return KVT_OK;
 }
 
-/* Rows of request i's step that query token t of S sees: all of them with one query per request;
- * else its own and the earlier ones (a padded token t >= n_tokens sees what the last one does). */
-
-static uint32_t visible_rows(const kvt_batch *b, uint32_t i, uint32_t S, uint32_t t) {
-    return S == 1 || t >= b->n_tokens[i] ? b->n_tokens[i] : t + 1;
-}
-
-/* How a request's set is made on a layer (RECALL_WAY bits): without recall; with the trigger's
- * fetched rows (one query token); every row (a request with recall whose step has several query
- * tokens); RECALL_ROPE: its recall is a RoPE layer's, whose emission copies the fetched rows into
- * the fetch area (the recall table's fetch_area; docs/recall.md §9). */
-enum { RECALL_NONE = 0, RECALL_FETCH = 1, RECALL_ALL = 2, RECALL_WAY = 3, RECALL_ROPE = 4 };
-
-static uint8_t recall_way(const kvt_batch *b, uint32_t i, uint32_t layer, uint32_t S) {
-    const kvt_seq *sq = b->seqs[i];
-    void *r;
-    const kvt__recall_ops *ro = sq ? kvt__seq_recall_of(sq, layer, &r) : NULL;
-    if (!ro)
-        return RECALL_NONE;
-    return (b->n_tokens[i] <= 1 && !b->defer[i] && (S == 1 || b->n_tokens[i] == 1) ? RECALL_FETCH
-                                                                                  : RECALL_ALL) |
-           (ro->fetch_area ? RECALL_ROPE : 0);
-}
-
 /* Query tokens per request an emission asks for (FlashMLA's s_q): 1 for a struct from before
  * the field, and for 0. */
 static uint32_t emit_queries(const kvt_emit *e) {
@@ -539,18 +341,6 @@ static uint32_t emit_queries(const kvt_emit *e) {
                    e->queries_per_seq > 1
                ? e->queries_per_seq
                : 1;
-}
-
-/* An emission's options (KVT_EMIT_*): 0 for a struct from before the field. */
-static uint64_t emit_flags(const kvt_emit *e) {
-    return e->struct_size >= offsetof(kvt_emit, flags) + sizeof e->flags ? e->flags : 0;
-}
-
-/* An emission's last_page_len (KVT_EMIT_PAGED): NULL for a struct from before the field. */
-static int32_t *emit_last_page_len(const kvt_emit *e) {
-    return e->struct_size >= offsetof(kvt_emit, last_page_len) + sizeof e->last_page_len
-               ? e->last_page_len
-               : NULL;
 }
 
 /* A layout value kvt_batch_run knows. */
@@ -561,7 +351,7 @@ static bool emit_layout_known(kvt_emit_layout l) {
 
 /* The options an emission may take: known bits, per-request lengths with TOKENS only. */
 static kvt_status emit_flags_ok(kvt_ctx *ctx, const kvt_emit *e, const char *name) {
-    const uint64_t f = emit_flags(e);
+    const uint64_t f = kvt__emit_flags(e);
     if (f & ~KVT_EMIT_FLAGS_KNOWN)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "%s.flags: unknown bits 0x%llx", name,
                              (unsigned long long)(f & ~(uint64_t)KVT_EMIT_FLAGS_KNOWN));
@@ -577,7 +367,7 @@ static kvt_status emit_flags_ok(kvt_ctx *ctx, const kvt_emit *e, const char *nam
 static bool emit_arrays_missing(const kvt_emit *e) {
     const bool tokens = e->layout == KVT_EMIT_TOKENS;
     return (tokens ? !e->lengths : !e->indptr) || (!e->indices && e->capacity > 0) ||
-           (e->layout == KVT_EMIT_PAGED && !emit_last_page_len(e));
+           (e->layout == KVT_EMIT_PAGED && !kvt__emit_last_page_len(e));
 }
 
 /* What emit_arrays_missing found missing, for the message. */
@@ -614,72 +404,19 @@ static kvt_status emit_reachable(kvt_batch *b, const kvt_emit *e, const char *na
     if (s == KVT_OK) {
         snprintf(what, sizeof what, "%s.%s", name, tokens ? "lengths" : "indptr");
         const uint64_t n_len = !tokens ? entries + 1
-                               : emit_flags(e) & KVT_EMIT_LENGTHS_PER_SEQ ? b->n_seqs
+                               : kvt__emit_flags(e) & KVT_EMIT_LENGTHS_PER_SEQ ? b->n_seqs
                                                                           : entries;
         s = user_array(b, tokens ? e->lengths : e->indptr, sizeof(int32_t) * n_len, what);
     }
     if (s == KVT_OK && e->layout == KVT_EMIT_PAGED) {
         snprintf(what, sizeof what, "%s.last_page_len", name);
-        s = user_array(b, emit_last_page_len(e), sizeof(int32_t) * entries, what);
+        s = user_array(b, kvt__emit_last_page_len(e), sizeof(int32_t) * entries, what);
     }
     if (s == KVT_OK) {
         snprintf(what, sizeof what, "%s.dense", name);
         s = user_array(b, e->dense, b->n_seqs, what);
     }
     return s;
-}
-
-/* Query token t of request i on the layer (entry i * S + t of the emission): its set, and where
- * it goes in the TOKENS or CSR layout (CSR: from *off on, which it advances). */
-static void set_query(const kvt_batch *b, uint32_t i, uint32_t t, uint32_t layer, uint32_t S,
-                      const kvt_emit *emit, uint64_t *off, kvt__pack_query *pq) {
-    const kvt_seq *sq = b->seqs[i];
-    const bool tokens = emit->layout == KVT_EMIT_TOKENS;
-    const uint64_t at = (uint64_t)i * S + t;
-    if (sq)
-        kvt__seq_step_query(sq, layer, visible_rows(b, i, S, t), pq);
-    else
-        *pq = (kvt__pack_query){0}; /* destroyed mid-step: attends nothing */
-    if (b->recall_way[i] == RECALL_FETCH) /* (a NoPE layer's: RECALL_ROPE clear) */
-        kvt__recall_pack_query(&sq->recall[layer], pq);
-    pq->all_rows = (b->recall_way[i] & RECALL_WAY) == RECALL_ALL;
-    pq->out = tokens ? at * emit->capacity : *off;
-    pq->pad = tokens ? emit->capacity : 0;
-    if (!tokens)
-        pq->len_at = at + 1;
-    else if (emit_flags(emit) & KVT_EMIT_LENGTHS_PER_SEQ) /* the last token's: the most rows */
-        pq->len_at = t + 1 == S ? i : KVT__NO_LENGTH;
-    else
-        pq->len_at = at;
-    /* an every-row set's size is the host's too (a fetching one's is not) */
-    *off += pq->all_rows ? pq->d.hi_end : kvt__attended_desc_count(&pq->d);
-}
-
-/* KVT_EMIT_PAGED: pq's set as whole pages of P rows (kvt__paged_count's form: rows [0, lo_end)
- * and [hi_begin, hi_end), lo_end and hi_begin multiples of P, no list), or false when it is not
- * (a recall's fetched rows; kept rows that do not fill the gap between sinks and tail, which
- * are single rows; a range that starts inside a page). A list as long as the gap it lies in is
- * the whole gap (ascending, distinct: a salience close that kept every row), one range with
- * the sinks and tail. A sliding layer's window [n - W, n) starts at its first page's row 0: the
- * rows before it are FlashInfer's to mask (window_left = W - 1; kvtier.h, KVT_EMIT_PAGED). */
-static bool paged_query(const kvt_ctx *ctx, uint32_t layer, kvt__pack_query *pq) {
-    const uint64_t P = ctx->pdiv.d;
-    kvt__attended_desc d = pq->d;
-    if (pq->fetch || pq->n_fetch || pq->dense || pq->count_only)
-        return false;
-    if (pq->all_rows || d.n_list == d.hi_begin - d.lo_end)
-        d = (kvt__attended_desc){.hi_end = d.hi_end}; /* one range from row 0 */
-    else if (d.n_list)
-        return false;
-    else if (d.hi_end == d.hi_begin) /* the sinks alone */
-        d = (kvt__attended_desc){.hi_end = d.lo_end};
-    else if (d.lo_end == 0 && ctx->stores[layer].spec.kind == KVT_LAYER_SLIDING)
-        d.hi_begin -= d.hi_begin % P;
-    if (d.lo_end % P || d.hi_begin % P)
-        return false;
-    pq->d = d; /* (all_rows kept: the request's dense flag says it attends every row) */
-    pq->paged = true;
-    return true;
 }
 
 /* The emission a planned step may use: TOKENS or CSR, one query per request, arrays given. */
@@ -706,521 +443,8 @@ static kvt_status plan_emit_ok(kvt_ctx *ctx, const kvt_emit *e, uint32_t l) {
 static bool same_emit(const kvt_emit *a, const kvt_emit *b) {
     return a->layout == b->layout && a->indices == b->indices && a->capacity == b->capacity &&
            a->lengths == b->lengths && a->indptr == b->indptr && a->dense == b->dense &&
-           emit_flags(a) == emit_flags(b) && emit_last_page_len(a) == emit_last_page_len(b);
-}
-
-/* The bound of layer l's recall items for closed rows up to `rows` and promotion tables up to
- * prom_cap: the context's shapes and block_rows (every request's group planes are over the
- * context's blocks). A planned step's: rows max_rows_per_seq, prom_cap the context's. */
-static void plan_bound(const kvt_batch *b, uint32_t l, uint64_t rows, uint32_t prom_cap,
-                       kvt__recall_step_args *out) {
-    const kvt_ctx *ctx = b->ctx;
-    const kvt_layer_spec *sp = &ctx->stores[l].spec;
-    kvt__recall_plan_bound(sp->n_q_heads, ctx->sketch_rank, sp->value_dim, sp->branch_dim, rows,
-                           prom_cap, ctx->cfg.block_rows, out);
-}
-
-/* ------------------------------------------------------------------------------------------
- * One description of a step. plan_layer writes what a run of layer l does into a plan image
- * (its pack queries, the NoPE recall items or the RoPE trigger and emission items) and
- * exec_layer runs the image through the backend's buffer-fed ops: the recall step, the pack,
- * the RoPE emission. An eager run (kvt_batch_run without kvt_batch_plan_device) does the
- * layer's policy work, then plans the layer into the eager image and executes it;
- * kvt_batch_plan_device plans every layer into the planned image once, and each planned run
- * executes its layer's part (the arguments of its ops hold nothing of one step, so a captured
- * run replays over later planned steps).
- * ------------------------------------------------------------------------------------------ */
-
-/* One run's shape (plan_layer's arguments beside the emission) and what it planned. */
-typedef struct layer_run {
-    uint32_t S;            /* query tokens a request (a planned step: 1) */
-    uint32_t qpr;          /* lists a query token: KVT_EMIT_CSR_KV_HEADS's KV heads, else 1 */
-    bool planned;          /* the planned image: every fetching request has its items (the op
-                            * runs once per step), the bounds are the context's; an item outside
-                            * them makes the step not plannable */
-    bool first;            /* planned: the step's first image (a lagged query is fixed then) */
-    uint64_t query_floats; /* floats of the run's query buffer the items may read */
-    uint32_t n_q;          /* out: pack queries */
-    uint32_t n_recall;     /* out: recall or RoPE trigger items */
-    uint32_t n_emit;       /* out: RoPE emission items */
-    kvt__recall_step_args bound;  /* the NoPE items' bound */
-    kvt__recall_rope_args rbound; /* the RoPE items' bound */
-} layer_run;
-
-/* Refuse the image: a planned one that breaks its bound is not plannable (*fits false, KVT_OK;
- * fits NULL, a plan rewritten for the same step: KVT_ERR_INVARIANT); an eager one fails with s. */
-static kvt_status plan_refuse(const kvt_batch *b, const layer_run *lr, bool *fits, kvt_status s,
-                              const char *fmt, ...) {
-    if (lr->planned && fits) {
-        *fits = false;
-        return KVT_OK;
-    }
-    char msg[KVT__ERR_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    return kvt__ctx_fail(b->ctx, lr->planned ? KVT_ERR_INVARIANT : s, "%s", msg);
-}
-
-/* Request i's recall step on layer l as the buffer-fed op takes it (kvt__seq_recall_item's, its
- * queries at the request's place from the run's query base, its dense flag the emission's);
- * *has false when the request has nothing to recall from there this step. false when the item
- * breaks the argument rules or the run's bound. */
-static bool plan_recall_item(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                             const layer_run *lr, kvt__recall_plan_item *it, bool *has) {
-    static const float no_query; /* a placeholder: the op reads the run's query + q_off */
-    *has = kvt__seq_recall_item(b->seqs[i], l, &no_query, e->dense ? e->dense + i : NULL, &it->a);
-    if (!*has)
-        return true;
-    /* config.recall_lagged_query: the op scans with the lagged buffer once it holds a query
-     * (lag_has when the step was first planned), then copies the step's queries into it */
-    kvt__recall_layer *r = &b->seqs[i]->recall[l];
-    it->lag = r->lag_q;
-    if (r->lag_q) {
-        if (!lr->planned || lr->first) {
-            r->lag_plan_use = r->lag_has;
-            r->lag_plan_item = 1;
-        }
-        r->last_lagged = r->lag_plan_use;
-        r->lag_next = NULL; /* the op copies */
-    }
-    it->lag_use = r->lag_q ? r->lag_plan_use : 0;
-    it->div = *it->a.scan.pdiv;
-    it->q_off = (uint64_t)i * query_floats(b->ctx, l);
-    const bool ok = kvt__recall_plan_ok(&lr->bound, &it->a);
-    it->a.scan.pdiv = NULL; /* host values, not read by the op */
-    it->a.scan.q = NULL;
-    return ok;
-}
-
-/* Request i's RoPE trigger (trigger: its first run of the layer this step) and emission on layer
- * l as the buffer-fed ops take them (its queries at the request's place from the run's query
- * base, its dense flag the emission's, its row of a KVT_EMIT_TOKENS emission, every archived
- * row when `all`); KVT_ERR_INVALID_ARGUMENT when either breaks the rules or the run's bound. */
-static kvt_status plan_rope_items(kvt_batch *b, uint32_t i, uint32_t l, const kvt_emit *e,
-                                  const layer_run *lr, bool trigger, bool all,
-                                  kvt__recall_rope_plan_item *it,
-                                  kvt__recall_rope_emit_plan_item *em) {
-    static const float no_query; /* a placeholder: the op reads the run's query + q_off */
-    kvt_seq *sq = b->seqs[i];
-    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
-    kvt_status s;
-    bool ok = true;
-    if (trigger) {
-        if ((s = kvt__seq_rope_recall_item(sq, l, &no_query, e->dense ? e->dense + i : NULL,
-                                           &it->a)) != KVT_OK)
-            return s;
-        it->div = *it->a.pdiv;
-        it->q_off = (uint64_t)i * sp->n_q_heads * sp->head_dim;
-        ok = kvt__recall_rope_args_ok(&it->a) && kvt__recall_rope_plan_fits(&lr->rbound, &it->a);
-        it->a.pdiv = NULL; /* host values, not read by the op */
-        it->a.q = NULL;
-    }
-    if (e->layout == KVT_EMIT_TOKENS) {
-        const uint64_t at = (uint64_t)i * e->capacity;
-        if ((s = kvt__seq_rope_emit_item(sq, l, all, e->indices, at + e->capacity, NULL,
-                                         &em->a)) != KVT_OK)
-            return s;
-        em->a.chain = false;
-        em->a.out = at;
-        em->a.pad = e->capacity;
-        em->a.length = e->lengths + i;
-    } else if ((s = kvt__seq_rope_emit_item(sq, l, all, e->indices, e->capacity,
-                                            e->indptr + (size_t)i * lr->qpr, &em->a)) != KVT_OK) {
-        return s;
-    } else if (em->a.n_kv != lr->qpr) {
-        return kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "%u KV heads, %u lists a request",
-                             em->a.n_kv, lr->qpr);
-    }
-    em->div = *em->a.pdiv;
-    ok = ok && kvt__recall_rope_emit_ok(&em->a) && em->a.ar_n <= lr->rbound.ar_n;
-    em->a.pdiv = NULL;
-    return ok ? KVT_OK
-              : kvt__tls_fail(KVT_ERR_INVALID_ARGUMENT, "its RoPE recall items break the rules "
-                                                        "or the run's bound");
-}
-
-/* The run's bound of layer l's recall items of `kind` (PLAN_NOPE: lr->bound; PLAN_ROPE:
- * lr->rbound; 0: none): a planned image's from the context's stated limits (max_rows_per_seq; the
- * launch and workspace a device sizes once), an eager one's from the batch's longest request
- * this step and the largest promotion table among its requests. */
-static void plan_bounds(const kvt_batch *b, uint32_t l, uint8_t kind, layer_run *lr) {
-    const kvt_ctx *ctx = b->ctx;
-    if (kind == 0)
-        return;
-    uint64_t rows = ctx->max_rows;
-    uint32_t prom = ctx->cfg.recall_promote_capacity;
-    for (uint32_t i = 0; !lr->planned && i < b->n_seqs; i++) {
-        const kvt_seq *sq = b->seqs[i];
-        if (!sq)
-            continue;
-        const uint64_t r = sq->n_tokens + sq->n_pending;
-        rows = r > rows ? r : rows;
-        prom = sq->cfg.recall_promote_capacity > prom ? sq->cfg.recall_promote_capacity : prom;
-    }
-    if (kind == PLAN_NOPE)
-        plan_bound(b, l, rows, prom, &lr->bound);
-    else if (kvt__ctx_rope_bound(ctx, l, &lr->rbound) && !lr->planned && lr->rbound.ar_n < rows) {
-        lr->rbound.ar_n = rows; /* a head archives at most every row of its request */
-        if (lr->rbound.g_perm)
-            lr->rbound.g_blocks_cap = rows / lr->rbound.g_B;
-    }
-}
-
-/* Room for layer l's recall op of `kind` (PLAN_NOPE: recall_plan_reserve; PLAN_ROPE:
- * recall_rope_plan_reserve; 0: none) for max_seqs items within lr's bound: a device's workspace,
- * made outside any capture. */
-static kvt_status reserve_recall(const kvt_batch *b, uint8_t kind, const layer_run *lr) {
-    const kvt__backend *be = &b->be;
-    if (kind == PLAN_NOPE && be->ops->recall_plan_reserve) {
-        const kvt__recall_plan_args ra = {.n_max = b->max_seqs, .bound = lr->bound};
-        return be->ops->recall_plan_reserve(be, &ra);
-    }
-    if (kind == PLAN_ROPE && be->ops->recall_rope_plan_reserve) {
-        const kvt__recall_rope_plan_args ra = {.n_max = b->max_seqs, .bound = lr->rbound};
-        return be->ops->recall_rope_plan_reserve(be, &ra);
-    }
-    return KVT_OK;
-}
-
-/* After the recall items of a run or a plan: a request whose item copies its queries into its
- * lagged buffer holds a query from then on when they ran (ok), and the item is settled. */
-static void lag_settle(kvt__recall_layer *r, bool ok) {
-    if (r->lag_plan_item && ok)
-        r->lag_has = 1;
-    r->lag_plan_item = 0;
-}
-
-/* A device workspace of the batch's own sized once for its decode steps (from max_rows_per_seq):
- * the largest decode round (K + r + c rows and up to 64 tokens of a step, its group's layers at
- * once, kvt__ws_bounds), and the recall steps' room (recall_plan_reserve,
- * recall_rope_plan_reserve) for max_seqs items of every recall layer's largest shape, which an
- * eager run's own bound never passes. A longer prefill step may still grow them, outside any
- * graph. */
-static kvt_status reserve_workspace(kvt_batch *b) {
-    const kvt_ctx *ctx = b->ctx;
-    const kvt__backend *be = &b->be;
-    if (!ctx->max_rows || !be->ops->reserve)
-        return KVT_OK;
-    kvt_status s = KVT_OK;
-    for (uint32_t l = 0; s == KVT_OK && l < ctx->n_layers; l++) {
-        kvt__ws_bounds x = {.max_items = b->max_seqs};
-        const kvt__store *st = &ctx->stores[l];
-        if (st->group >= 0 && ctx->groups[st->group].ops->step_bounds) /* random eviction's round */
-            ctx->groups[st->group].ops->step_bounds(&ctx->groups[st->group], st, &ctx->cfg, &x);
-        s = be->ops->reserve(be, &x);
-        kvt__recall_rope_args rope;
-        const uint8_t kind = layer_may_recall(ctx, l) ? PLAN_NOPE
-                             : ctx_may_recall(ctx) && kvt__ctx_rope_bound(ctx, l, &rope)
-                                 ? PLAN_ROPE
-                                 : 0;
-        layer_run lr = {.planned = true};
-        plan_bounds(b, l, kind, &lr);
-        if (s == KVT_OK)
-            s = reserve_recall(b, kind, &lr);
-    }
-    return s;
-}
-
-/* KVT_ERR_CAPACITY: request i's set of `rows` rows on layer l past the emission's topk. */
-static kvt_status over_topk(const kvt_ctx *ctx, uint32_t i, uint64_t rows, uint32_t l,
-                            uint32_t topk, const char *nothing) {
-    return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                         "seqs[%u] attends %llu rows on layer %u, topk is %u; %s "
-                         "(kvt_batch_capacity)",
-                         i, (unsigned long long)rows, l, topk, nothing);
-}
-
-/* Layer l's run into image pb: every request's recall items and sets as the run describes them
- * (b->recall_way set; nothing of the step moves rows), after the capacity checks. The image's
- * host copy only: nothing goes to the backend. Lagged queries: see plan_recall_item. */
-static kvt_status plan_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const kvt_emit *e,
-                             layer_run *lr, bool *fits) {
-    kvt_ctx *ctx = b->ctx;
-    const bool tokens = e->layout == KVT_EMIT_TOKENS;
-    const uint32_t S = lr->S, qpr = lr->qpr;
-    const char *nothing = lr->planned ? "nothing planned" : "nothing written";
-    if ((uint64_t)b->n_seqs * S * qpr > pb->qcap[l])
-        return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %u queries, the image holds %u",
-                             l, b->n_seqs * S * qpr, pb->qcap[l]);
-    uint8_t *at = pb->host + pb->at[l];
-    kvt__pack_query *q = (kvt__pack_query *)(at + PLAN_HEAD);
-    void *items = pb->host + items_at(pb, l);
-    kvt__recall_rope_emit_plan_item *emits =
-        pb->kind[l] == PLAN_ROPE
-            ? (kvt__recall_rope_emit_plan_item *)(pb->host + emits_at(b, pb, l))
-            : NULL;
-    uint32_t n = 0, nr = 0, ne = 0;
-    uint64_t off = 0, total = 0;
-    /* 1. The sets (and a RoPE request's items, which its sets are made from), with the capacity
-     * checks: with recall a set may be every row of the view, what the host can promise (on a
-     * RoPE layer: the held rows and the whole archive, the request's rows). Nothing but the
-     * host image is written before every check passed. */
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        kvt_seq *sq = b->seqs[i];
-        const uint8_t way = b->recall_way[i] & RECALL_WAY;
-        const bool rope = (b->recall_way[i] & RECALL_ROPE) != 0;
-        /* items once per step and layer: a second run of the layer emits what the first fetched
-         * (the fetch buffer and the state's dense flag are unchanged) */
-        const bool trigger = way == RECALL_FETCH && (lr->planned || !sq->recalled[l]);
-        b->itemized[i] = 0;
-        if (way != RECALL_NONE && pb->kind[l] != (rope ? PLAN_ROPE : PLAN_NOPE))
-            return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
-                               "seqs[%u] recalls on layer %u, which plans no recall", i, l);
-        if (rope) {
-            if (e->layout == KVT_EMIT_PAGED) /* (an eager run refused it before its work) */
-                return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                                     "seqs[%u] recalls on layer %u: KVT_EMIT_PAGED cannot list "
-                                     "its fetched rows (kvt_batch_emit_fits); %s",
-                                     i, l, nothing);
-            if (lr->planned && way != RECALL_FETCH)
-                return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
-                                   "seqs[%u] layer %u: a RoPE recall with several tokens", i, l);
-            const uint64_t rows = sq->n_tokens + sq->n_pending;
-            if (tokens && rows > e->capacity)
-                return over_topk(ctx, i, rows, l, e->capacity, nothing);
-            total += rows * qpr;
-            kvt__recall_rope_plan_item *it = (kvt__recall_rope_plan_item *)items + nr;
-            kvt__recall_rope_emit_plan_item *em = &emits[ne];
-            kvt_status s = plan_rope_items(b, i, l, e, lr, trigger, way == RECALL_ALL, it, em);
-            if (s != KVT_OK)
-                return plan_refuse(b, lr, fits, s, "seqs[%u] layer %u: %s", i, l,
-                                   kvt__tls_error());
-            nr += trigger;
-            b->itemized[i] = trigger;
-            ne++;
-            /* in the pack, TOKENS: a query that writes only the request's dense flag (the
-             * state's, which the trigger wrote), the emission then its row; CSR /
-             * CSR_KV_HEADS: per KV head a query that writes only the list's count (so the
-             * lists after it start after it), the emission then the lists */
-            const kvt__recall_rope_emit_args *ea = &em->a;
-            const kvt__recall_rope_layer *rr = &sq->rrope[l];
-            const bool all = way == RECALL_ALL && !ea->capped;
-            if (tokens) {
-                q[n++] = (kvt__pack_query){.dense = all ? NULL : &rr->base.st->last_dense,
-                                           .all_rows = all, .out = (uint64_t)i * e->capacity,
-                                           .len_at = i};
-                continue;
-            }
-            for (uint32_t h = 0; h < qpr; h++, n++) {
-                kvt__seq_step_query(sq, l, b->n_tokens[i], &q[n]); /* its table's pages */
-                q[n].d = (kvt__attended_desc){.lo_end = ea->n_rows,
-                                              .hi_begin = ea->n_rows + ea->ar_n,
-                                              .hi_end = ea->n_rows + ea->ar_n};
-                q[n].fetch = rr->fired + (size_t)h * rr->cap;
-                q[n].n_fetch = rr->n_fired + h;
-                q[n].fetch_cap = rr->cap;
-                q[n].dense = ea->capped || all ? NULL : &rr->base.st->last_dense;
-                q[n].all_rows = all;
-                q[n].count_only = true;
-                q[n].out = 0;
-                q[n].pad = 0;
-                q[n].len_at = (uint64_t)i * qpr + h + 1;
-            }
-            continue;
-        }
-        for (uint32_t t = 0; t < S; t++) {
-            set_query(b, i, t, l, S, e, &off, &q[n]);
-            if (e->layout == KVT_EMIT_PAGED && !paged_query(ctx, l, &q[n]))
-                return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                                     "seqs[%u] layer %u: its attended set is not whole pages "
-                                     "(%s), which KVT_EMIT_PAGED needs (TOKENS or CSR list "
-                                     "rows; kvt_batch_emit_fits says before the run); %s",
-                                     i, l,
-                                     way == RECALL_FETCH ? "a recall fetches single rows"
-                                     : q[n].d.n_list     ? "kept single rows"
-                                                         : "a range starts inside a page",
-                                     nothing);
-            const uint64_t rows = q[n].paged           ? kvt__paged_count(&q[n].d, &ctx->pdiv)
-                                  : way == RECALL_NONE ? kvt__attended_desc_count(&q[n].d)
-                                                       : q[n].d.hi_end;
-            if (tokens && rows > e->capacity)
-                return over_topk(ctx, i, rows, l, e->capacity, nothing);
-            total += rows * qpr;
-            /* CSR_KV_HEADS: the set once per KV head, each its own list */
-            for (uint32_t h = 0; !tokens && h < qpr; h++) {
-                if (h)
-                    q[n + h] = q[n];
-                q[n + h].len_at = ((uint64_t)i * S + t) * qpr + h + 1;
-            }
-            n += qpr;
-        }
-    }
-    if (!tokens && (total > e->capacity || total > INT32_MAX))
-        return kvt__ctx_fail(ctx, KVT_ERR_CAPACITY,
-                             "the batch attends %llu %s on layer %u, capacity is %u; %s "
-                             "(kvt_batch_capacity)",
-                             (unsigned long long)total,
-                             e->layout == KVT_EMIT_PAGED ? "pages" : "rows", l, e->capacity,
-                             nothing);
-    /* 2. The NoPE recall items, after every check (an item fixes its request's lagged query). */
-    for (uint32_t i = 0; pb->kind[l] == PLAN_NOPE && i < b->n_seqs; i++) {
-        bool has = false;
-        if (b->recall_way[i] != RECALL_FETCH || !(lr->planned || !b->seqs[i]->recalled[l]))
-            continue;
-        if (!plan_recall_item(b, i, l, e, lr, (kvt__recall_plan_item *)items + nr, &has))
-            return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT,
-                               "seqs[%u] layer %u: its recall step breaks the rules or the "
-                               "run's bound",
-                               i, l);
-        nr += has;
-        b->itemized[i] = has;
-    }
-    const uint32_t counts[3] = {n, nr, ne};
-    memcpy(at, counts, sizeof counts);
-    lr->n_q = n;
-    lr->n_recall = nr;
-    lr->n_emit = ne;
-    return KVT_OK;
-}
-
-/* Layer l's part of image pb to the backend, on stream (the host image as plan_layer left it:
- * its counts, queries and items). */
-static kvt_status plan_write_layer(kvt_batch *b, const plan_buf *pb, uint32_t l,
-                                   const layer_run *lr, void *stream) {
-    const kvt__backend *be = &b->be;
-    const size_t at = pb->at[l], it = items_at(pb, l);
-    kvt_status s = be->ops->write(be, pb->dev + at, pb->host + at,
-                                  PLAN_HEAD + sizeof(kvt__pack_query) * lr->n_q, stream);
-    const size_t item_bytes = pb->kind[l] == PLAN_NOPE ? sizeof(kvt__recall_plan_item)
-                                                       : sizeof(kvt__recall_rope_plan_item);
-    if (s == KVT_OK && lr->n_recall)
-        s = be->ops->write(be, pb->dev + it, pb->host + it, item_bytes * lr->n_recall, stream);
-    const size_t em = pb->kind[l] == PLAN_ROPE ? emits_at(b, pb, l) : 0;
-    if (s == KVT_OK && lr->n_emit)
-        s = be->ops->write(be, pb->dev + em, pb->host + em,
-                           sizeof(kvt__recall_rope_emit_plan_item) * lr->n_emit, stream);
-    return s == KVT_OK ? KVT_OK
-                       : kvt__ctx_fail(b->ctx, s, "layer %u: the run's plan to the backend", l);
-}
-
-/* Run layer l's part of image pb: the recall step (NoPE) or the RoPE trigger when `trigger`, the
- * pack, the RoPE emission. A planned image's ops run whatever its counts (the device's then);
- * an eager one's skip what has no item, and make room for the recall ops first (a device's
- * workspace: an eager run is never captured). */
-static kvt_status exec_layer(kvt_batch *b, const plan_buf *pb, uint32_t l, const float *query,
-                             void *stream, const kvt_emit *emit, const layer_run *lr,
-                             bool trigger) {
-    kvt_ctx *ctx = b->ctx;
-    const kvt__backend *be = &b->be;
-    const uint8_t *at = pb->dev + pb->at[l];
-    const uint32_t *counts = (const uint32_t *)at;
-    kvt_status s = KVT_OK;
-    if (pb->kind[l] == PLAN_NOPE && trigger) {
-        const kvt__recall_plan_args ra = {
-            .items = (const kvt__recall_plan_item *)(pb->dev + items_at(pb, l)),
-            .n = counts + 1, .n_max = b->max_seqs, .query = query,
-            .query_floats = lr->query_floats, .bound = lr->bound};
-        if (!lr->planned)
-            s = reserve_recall(b, PLAN_NOPE, lr);
-        if (s != KVT_OK || (s = be->ops->recall_step(be, &ra, stream)) != KVT_OK)
-            return kvt__ctx_fail(ctx, s, "the recall step of layer %u", l);
-    }
-    kvt__recall_rope_plan_args rp = {0};
-    if (pb->kind[l] == PLAN_ROPE) {
-        rp = (kvt__recall_rope_plan_args){
-            .items = (const kvt__recall_rope_plan_item *)(pb->dev + items_at(pb, l)),
-            .emits = (const kvt__recall_rope_emit_plan_item *)(pb->dev + emits_at(b, pb, l)),
-            .n = counts + 1, .n_emit = counts + 2, .n_max = b->max_seqs, .query = query,
-            .query_floats = lr->query_floats, .bound = lr->rbound};
-        if (trigger && !lr->planned)
-            s = reserve_recall(b, PLAN_ROPE, lr);
-        if (trigger && (s != KVT_OK ||
-                        (s = be->ops->recall_rope_step(be, &rp, stream)) != KVT_OK))
-            return kvt__ctx_fail(ctx, s, "the RoPE recall step of layer %u", l);
-    }
-    const kvt__pack_args pa = {.q_plan = (const kvt__pack_query *)(at + PLAN_HEAD),
-                               .n_plan = counts, .n_max = lr->planned ? pb->qcap[l] : lr->n_q,
-                               .dense_out = emit->dense, .dense_stride = lr->S * lr->qpr,
-                               .pdiv = &ctx->pdiv, .csr = emit->layout != KVT_EMIT_TOKENS,
-                               .first_csr = true, .capacity = emit->capacity,
-                               .indices = emit->indices, .lengths = emit->lengths,
-                               .indptr = emit->indptr, .last_page_len = emit_last_page_len(emit)};
-    if ((s = be->ops->pack(be, &pa, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "packing the attended sets of layer %u", l);
-    /* the RoPE-recalling requests' rows, after the pack (which wrote their dense flags and, in
-     * CSR, their lists' offsets) */
-    if (pb->kind[l] == PLAN_ROPE && (lr->planned || lr->n_emit) &&
-        (s = be->ops->recall_rope_emit(be, &rp, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, s, "the RoPE recall lists of layer %u", l);
-    return KVT_OK;
-}
-
-/* Floats of one request's queries on layer l as its recall reads them (RoPE: its query heads'
- * keys). */
-static size_t run_query_floats(const kvt_batch *b, uint32_t l, bool rope) {
-    const kvt_layer_spec *sp = &b->ctx->stores[l].spec;
-    return rope ? (size_t)sp->n_q_heads * sp->head_dim : query_floats(b->ctx, l);
-}
-
-/* The eager image with room for layer l's run of n_q queries a request and, where requests
- * recall there, its kind of items (l = UINT32_MAX: none, the first layout). Laid out when the
- * batch is created, every layer with its KV heads' lists a request and the items of the recall
- * its requests may do (sketch planes: kvt__ctx_rope_bound on a RoPE layer); grown when a run
- * needs more (several query tokens a request: KVT_ERR_OUT_OF_MEMORY leaves it unchanged). */
-static kvt_status eager_room(kvt_batch *b, uint32_t l, uint32_t n_q, uint8_t kind) {
-    kvt_ctx *ctx = b->ctx;
-    const uint32_t L = ctx->n_layers;
-    plan_buf *p = &b->eager;
-    if (p->at && l < L && p->qpr[l] >= n_q && (kind == 0 || p->kind[l] == kind))
-        return KVT_OK;
-    uint8_t kinds[L ? L : 1];
-    uint32_t qpr[L ? L : 1];
-    for (uint32_t k = 0; k < L; k++) {
-        kvt__recall_rope_args rb;
-        const uint32_t kv = ctx->stores[k].spec.n_kv_heads;
-        kinds[k] = p->at ? p->kind[k]
-                   : ctx->sketch_rank && kvt__layer_policy(ctx, k)->recall_view ? PLAN_NOPE
-                   : kvt__ctx_rope_bound(ctx, k, &rb)                           ? PLAN_ROPE
-                                                                               : 0;
-        qpr[k] = p->at ? p->qpr[k] : kv > 1 ? kv : 1;
-    }
-    if (l < L && kind)
-        kinds[l] = kind;
-    if (l < L && n_q > qpr[l])
-        qpr[l] = n_q;
-    kvt_status s = plan_buf_layout(b, p, kinds, qpr);
-    return s == KVT_OK ? KVT_OK : kvt__ctx_fail(ctx, s, "the batch's plan image for its runs");
-}
-
-/* Every layer's sets of the planned step into the planned image, as each run would describe
- * them (nothing of the step moves rows), with kvt_batch_run's capacity checks (sync: the page
- * tables' new entries to the backend first), then the image to the backend on stream. A recall
- * item outside its layer's bound: *fits false, KVT_OK, nothing written to the backend (the step
- * is not plannable); fits NULL (a plan rewritten for the same step): KVT_ERR_INVARIANT. */
-static kvt_status plan_fill(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits, void *stream,
-                            bool sync, bool *fits) {
-    kvt_ctx *ctx = b->ctx;
-    const kvt__backend *be = &b->be;
-    const uint32_t L = ctx->n_layers;
-    memset(b->defer, 0, b->n_seqs); /* a planned step has no drafts and one query a request */
-    for (uint32_t l = 0; l < L; l++) {
-        const kvt_emit *e = &emits[n_emits == 1 ? 0 : l];
-        /* kvt_batch_plan_device's copies (an older caller's struct_size bytes, the fields past
-         * them zero); a re-plan passes the kept copies themselves */
-        if (e != &b->plan_emit[l])
-            b->plan_emit[l] = *e;
-        if (ctx->stores[l].group < 0) { /* no run: nothing to plan */
-            memset(b->plan.host + b->plan.at[l], 0, 3 * sizeof(uint32_t));
-            continue;
-        }
-        for (uint32_t i = 0; i < b->n_seqs; i++) {
-            kvt_seq *sq = b->seqs[i];
-            kvt_status s = sq && sync ? kvt__seq_mirror_sync(sq, l, be, stream) : KVT_OK;
-            if (s != KVT_OK)
-                return kvt__ctx_fail(ctx, s, "seqs[%u] layer %u: page table to the backend", i,
-                                     l);
-            b->recall_way[i] = recall_way(b, i, l, 1);
-        }
-        layer_run lr = {.S = 1, .qpr = b->plan.qpr[l], .planned = true, .first = fits != NULL};
-        plan_bounds(b, l, b->plan.kind[l], &lr);
-        kvt_status s = plan_layer(b, &b->plan, l, e, &lr, fits);
-        if (s != KVT_OK || (fits && !*fits))
-            return s;
-    }
-    kvt_status s = be->ops->write(be, b->plan.dev, b->plan.host, b->plan.at[L], stream);
-    return s == KVT_OK ? KVT_OK : kvt__ctx_fail(ctx, s, "the step's plan to the backend");
+           kvt__emit_flags(a) == kvt__emit_flags(b) &&
+           kvt__emit_last_page_len(a) == kvt__emit_last_page_len(b);
 }
 
 kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n_emits,
@@ -1270,7 +494,8 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             return s;
     }
     /* 1. Plannable: no drafts, no layer with work its runs must do (close, round, a recall
-     * the plan cannot hold); plan_fill checks the recall items against the plan's bound. */
+     * the plan cannot hold); kvt__batch_plan_fill checks the recall items against the plan's bound.
+     */
     for (uint32_t i = 0; i < b->n_seqs; i++) {
         kvt_seq *sq = b->seqs[i];
         if (!sq)
@@ -1282,7 +507,7 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
             return KVT_OK;
         for (uint32_t l = 0; l < L; l++)
             if (ctx->stores[l].group >= 0 &&
-                !kvt__seq_step_quiet(sq, l, plans_recall(b, l) || plans_rope(b, l)))
+                !kvt__seq_step_quiet(sq, l, kvt__batch_plan_kind(b, l) != 0))
                 return KVT_OK;
     }
     /* 2. The image, at the first planned step: every layer's counts, max_seqs queries a list
@@ -1301,13 +526,13 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
         uint8_t kinds[L ? L : 1];
         uint32_t qpr[L ? L : 1];
         for (uint32_t l = 0; l < L; l++) {
-            kinds[l] = plans_recall(b, l) ? PLAN_NOPE : plans_rope(b, l) ? PLAN_ROPE : 0;
+            kinds[l] = kvt__batch_plan_kind(b, l);
             qpr[l] = emits[n_emits == 1 ? 0 : l].layout == KVT_EMIT_CSR_KV_HEADS
                          ? ctx->stores[l].spec.n_kv_heads
                          : 1u;
         }
         kvt_emit *pe = b->plan_emit ? b->plan_emit : kvt__calloc(&ctx->alloc, sizeof *pe * L);
-        if (!pe || plan_buf_layout(b, &b->plan, kinds, qpr) != KVT_OK) {
+        if (!pe || kvt__batch_plan_layout(b, &b->plan, kinds, qpr) != KVT_OK) {
             if (pe != b->plan_emit)
                 kvt__free(&ctx->alloc, pe, sizeof *pe * L);
             return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_MEMORY, "the batch's plan image");
@@ -1317,9 +542,9 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     /* 3. Room for the planned recall ops (a device's workspace: never grown in a capture), once:
      * the layers' bounds are the batch's for its life. */
     for (uint32_t l = 0; !b->plan_reserved && l < L; l++) {
-        layer_run lr = {.planned = true};
-        plan_bounds(b, l, b->plan.kind[l], &lr);
-        const kvt_status s = reserve_recall(b, b->plan.kind[l], &lr);
+        kvt__layer_run lr = {.planned = true};
+        kvt__batch_plan_bounds(b, l, b->plan.kind[l], &lr);
+        const kvt_status s = kvt__batch_reserve_recall(b, b->plan.kind[l], &lr);
         if (s != KVT_OK)
             return kvt__ctx_fail(ctx, s, "layer %u: workspace of the planned recall step", l);
     }
@@ -1327,11 +552,11 @@ kvt_status kvt_batch_plan_device(kvt_batch *b, const kvt_emit *emits, uint32_t n
     /* 4. Each layer's sets and the image; 5. the emissions' dense flags (0 where no request
      * recalls: the recall step writes the others'). */
     bool fits = true;
-    kvt_status s = plan_fill(b, emits, n_emits, stream, true, &fits);
+    kvt_status s = kvt__batch_plan_fill(b, emits, n_emits, stream, true, &fits);
     /* lagged queries: a planned step's op fills the buffers of the requests it planned */
     for (uint32_t i = 0; i < b->n_seqs; i++)
         for (uint32_t l = 0; b->seqs[i] && b->seqs[i]->recall && l < L; l++)
-            lag_settle(&b->seqs[i]->recall[l], s == KVT_OK && fits);
+            kvt__batch_lag_settle(&b->seqs[i]->recall[l], s == KVT_OK && fits);
     if (s != KVT_OK || !fits)
         return s;
     uint8_t *zeros = b->itemized; /* max_seqs bytes of host scratch */
@@ -1357,24 +582,28 @@ static kvt_status run_planned(kvt_batch *b, uint32_t layer, const float *query, 
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "layer %u: emit is not the one kvt_batch_plan_device planned for",
                              layer);
-    const bool rope = plans_rope(b, layer);
-    if ((plans_recall(b, layer) || rope) && !query)
+    const kvt__recall_ops *ro = kvt__recall_kinds[kvt__batch_plan_kind(b, layer)];
+    if (ro && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: a planned run of layer %u, where requests may "
                              "recall, holds the recall step (a graph replays it over steps "
                              "that recall)",
                              layer);
-    layer_run lr = {.S = 1, .qpr = b->plan.qpr[layer], .planned = true,
-                    .query_floats = run_query_floats(b, layer, rope) * b->max_seqs};
-    if (plans_recall(b, layer) || rope) {
+    kvt__layer_run lr = {.S = 1,
+                         .qpr = b->plan.qpr[layer],
+                         .planned = true,
+                         .query_floats = ro ? ro->query_floats(&ctx->stores[layer].spec) *
+                                                  b->max_seqs
+                                            : 0};
+    if (ro) {
         kvt_status s = user_array(b, query, sizeof(float) * lr.query_floats, "query");
         if (s != KVT_OK)
             return s;
     }
-    plan_bounds(b, layer, b->plan.kind[layer], &lr);
+    kvt__batch_plan_bounds(b, layer, b->plan.kind[layer], &lr);
     b->ran = true;
     b->stream = stream;
-    kvt_status s = exec_layer(b, &b->plan, layer, query, stream, emit, &lr,
+    kvt_status s = kvt__batch_exec_layer(b, &b->plan, layer, query, stream, emit, &lr,
                               b->recall_ran[layer] == 0);
     if (s == KVT_OK)
         b->recall_ran[layer] = 1; /* the recall step once per step and layer */
@@ -1402,14 +631,15 @@ kvt_status kvt_batch_emit_fits(const kvt_batch *b, uint32_t layer, kvt_emit_layo
         kvt_seq *sq = b->seqs[i];
         if (!sq)
             continue;
-        if (kvt__seq_recalls(sq, layer) || kvt__seq_recalls_rope(sq, layer) ||
+        void *r;
+        if (kvt__seq_recall_of(sq, layer, &r) ||
             (!whole && !sq->stepped[layer] && !kvt__seq_step_quiet(sq, layer, false))) {
             *fits = false; /* fetched rows; a close due, after which the set is known */
             break;
         }
         kvt__pack_query q;
         kvt__seq_step_query(sq, layer, b->n_tokens[i], &q);
-        *fits = paged_query(ctx, layer, &q);
+        *fits = kvt__batch_paged_query(ctx, layer, &q);
     }
     return KVT_OK;
 }
@@ -1477,15 +707,17 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
      * several query tokens emitted one by one, leaves it to the commit: its decisions then see
      * only the accepted rows, and each query token's view is the committed state plus the
      * step's rows up to its own. */
-    bool fetches = false, rope = false, recalls = false;
+    bool fetches = false;
+    const kvt__recall_ops *ro = NULL; /* the layer's recall table, where a request recalls */
     for (uint32_t i = 0; i < b->n_seqs; i++) {
+        const kvt__recall_ops *rt;
         b->defer[i] = b->n_drafts[i] > 0 || (S > 1 && b->n_tokens[i] > 1);
-        b->recall_way[i] = recall_way(b, i, layer, S);
-        fetches |= (b->recall_way[i] & RECALL_WAY) == RECALL_FETCH;
-        recalls |= b->recall_way[i] != RECALL_NONE;
-        rope |= (b->recall_way[i] & RECALL_ROPE) != 0;
+        b->recall_way[i] = kvt__batch_recall_way(b, i, layer, S, &rt);
+        fetches |= b->recall_way[i] == RECALL_FETCH;
+        ro = rt ? rt : ro;
     }
-    if (emit->layout == KVT_EMIT_PAGED && (fetches || rope))
+    const bool recalls = ro != NULL, area = ro && ro->fetch_area;
+    if (emit->layout == KVT_EMIT_PAGED && (fetches || area))
         return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
                              "layer %u: a request of the batch recalls there (single rows "
                              "fetched), which KVT_EMIT_PAGED cannot list (TOKENS or CSR can; "
@@ -1494,26 +726,25 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     if (fetches && !query)
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
                              "query is NULL: requests of the batch recall on layer %u", layer);
-    if (recalls && (s = user_array(b, query,
-                                   sizeof(float) * run_query_floats(b, layer, rope) * b->n_seqs,
-                                   "query")) != KVT_OK)
+    /* floats of the run's query the trigger items may read */
+    const uint64_t qf = recalls ? ro->query_floats(&ctx->stores[layer].spec) * b->n_seqs : 0;
+    if (recalls && (s = user_array(b, query, sizeof(float) * qf, "query")) != KVT_OK)
         return s;
-    /* One KV head (MLA-RoPE, MQA): the per-head list is the request's list, so CSR is the
-     * per-head layout and TOKENS takes it at the request's row (one query token per request). */
+    /* A fetch area's lists are per KV head (RoPE). One KV head (MLA-RoPE, MQA): the per-head
+     * list is the request's list, so CSR is the per-head layout and TOKENS takes it at the
+     * request's row (one query token per request). */
     const bool one_kv = ctx->stores[layer].spec.n_kv_heads == 1;
-    if (rope && !heads && (!one_kv || S > 1))
+    if (area && !heads && (!one_kv || S > 1))
         return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT,
-                             "layer %u: requests of the batch recall on this RoPE layer: "
+                             "layer %u: requests of the batch recall on this %s: "
                              "emit.layout must be KVT_EMIT_CSR_KV_HEADS (%s)",
-                             layer,
+                             layer, ro->layer_noun,
                              one_kv ? "TOKENS and CSR take one query per request here"
                                     : "its KV heads attend different rows");
-    if (rope && !be_has_rope(&b->be))
-        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
-                             "layer %u: the %s backend has no RoPE recall ops", layer,
-                             b->be.ops->name);
-    if ((s = eager_room(b, layer, S * n_kv, recalls ? (rope ? PLAN_ROPE : PLAN_NOPE) : 0)) !=
-        KVT_OK)
+    if (recalls && !ro->be_has(&b->be))
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED, "layer %u: the %s backend has no %s ops",
+                             layer, b->be.ops->name, ro->name);
+    if ((s = kvt__batch_eager_room(b, layer, S * n_kv, recalls ? ro->kind : 0)) != KVT_OK)
         return s;
     b->ran = true;
     b->stream = stream;
@@ -1525,27 +756,8 @@ kvt_status kvt_batch_run(kvt_batch *b, uint32_t layer, const void *query, void *
     /* 2. The run's description (capacity first: nothing written when it fails), then its
      * execution: entry q = i * S + t is query token t of request i, which sees the step's first
      * min(t + 1, n_tokens[i]) rows (one query per request: all). */
-    layer_run lr = {.S = S, .qpr = n_kv,
-                    .query_floats = run_query_floats(b, layer, rope) * b->n_seqs};
-    plan_bounds(b, layer, recalls ? b->eager.kind[layer] : 0, &lr);
-    s = plan_layer(b, &b->eager, layer, emit, &lr, NULL);
-    if (s == KVT_OK)
-        s = plan_write_layer(b, &b->eager, layer, &lr, stream);
-    if (s == KVT_OK)
-        s = exec_layer(b, &b->eager, layer, query, stream, emit, &lr, lr.n_recall > 0);
-    /* the requests whose recall ran: once per step and layer; config.recall_lagged_query: the
-     * op copied this step's queries, the next step's */
-    for (uint32_t i = 0; i < b->n_seqs; i++) {
-        kvt_seq *sq = b->seqs[i];
-        if (!sq || !b->itemized[i])
-            continue;
-        if (s == KVT_OK)
-            sq->recalled[layer] = 1;
-        if (b->recall_way[i] & RECALL_ROPE)
-            continue;
-        lag_settle(&sq->recall[layer], s == KVT_OK);
-    }
-    return s;
+    kvt__layer_run lr = {.S = S, .qpr = n_kv, .query_floats = qf};
+    return kvt__batch_run_eager(b, layer, query, stream, emit, recalls, &lr);
 }
 
 kvt_status kvt_batch_commit(kvt_batch *b, const uint32_t *n_accepted) {

@@ -214,33 +214,16 @@ static kvt_status size_workspace(kvt_ctx *ctx, char *err, size_t len) {
         if (f > ctx->ws_sigma_floats)
             ctx->ws_sigma_floats = f;
     }
-    /* A recall step (a request with recall on, its own or the context's mode) takes the scan's
-     * scratch and the step's own from the same piece, sized by the request's closed rows (the
-     * pruned scan's) and its query heads: at most max_rows closed rows, with or without group
-     * planes, on every layer whose archive the NoPE trigger reads (the policy's recall_view).
-     * Sized here so that no step grows it (steady-state decode allocates nothing). */
-    for (uint32_t i = 0; ctx->sketch_rank && i < ctx->n_layers; i++) {
-        if (!kvt__layer_policy(ctx, i)->recall_view)
-            continue;
-        const kvt_layer_spec *sp = &ctx->stores[i].spec;
-        for (uint32_t g = 0; g < 2; g++) {
-            size_t f = kvt__recall_step_scratch_max(sp->n_q_heads, ctx->sketch_rank,
-                                                    sp->value_dim, sp->branch_dim, ctx->max_rows,
-                                                    g ? ctx->cfg.block_rows : 0,
-                                                    ctx->cfg.recall_promote_capacity);
-            if (f > ctx->ws_sigma_floats)
-                ctx->ws_sigma_floats = f;
-        }
-    }
-    /* A RoPE recall step (random eviction's archive with sketch planes, docs/recall.md §9) takes
-     * the scan's scratch for one KV head's group and its own (kvt__recall_rope_scratch_floats),
-     * whatever the archive's length: the largest over the evict layers, every head at the
-     * context's sketch stride. */
+    /* A recall step (a request with recall on, its own or the context's mode) takes its scratch
+     * from the same piece, sized here at the context's limits by the recall table of each layer
+     * where requests may recall (its scratch_floats: a NoPE step's scan and own scratch at up to
+     * max_rows closed rows, with or without group planes; a RoPE step's for one KV head's group,
+     * whatever the archive's length), so that no step grows it (steady-state decode allocates
+     * nothing). */
     for (uint32_t i = 0; i < ctx->n_layers; i++) {
-        kvt__recall_rope_args a;
-        if (!kvt__ctx_rope_bound(ctx, i, &a))
-            continue;
-        const size_t f = kvt__recall_rope_scratch_floats(&a);
+        kvt__recall_site site;
+        const kvt__recall_ops *ro = kvt__ctx_recall_of(ctx, i, &site);
+        const size_t f = ro ? ro->scratch_floats(&site, ctx->cfg.recall_promote_capacity) : 0;
         if (f > ctx->ws_sigma_floats)
             ctx->ws_sigma_floats = f;
     }

@@ -5,6 +5,7 @@
 #include "kvtier.h"
 
 #include "lib/base/base.h"
+#include "tiers/policy.h"
 
 #include <string.h>
 
@@ -98,9 +99,12 @@ static kvt_status estimate(const kvt_ctx_params *params, kvt_ctx_estimate_out *o
         o.groups[g].n_layers++;
         const uint64_t row = (uint64_t)sp->n_planes * sp->n_kv_heads * sp->row_bytes;
         o.groups[g].row_bytes += row;
-        /* random eviction's archive: a stated limit is allocated whole at kvt_seq_create */
-        if (pol == KVT_POLICY_EVICT && archive)
-            o.groups[g].archive_bytes_per_seq += row * p.archive_rows_per_seq;
+        /* an archive the policy allocates whole at kvt_seq_create (random eviction's, of a
+         * stated limit) */
+        const kvt__policy_ops *t = kvt__policy_table(pol);
+        if (t && t->archive_bytes_at_create)
+            o.groups[g].archive_bytes_per_seq +=
+                t->archive_bytes_at_create(sp, p.archive_rows_per_seq, archive);
     }
     const uint64_t per_seq = ceil_div(p.max_rows_per_seq, p.page_rows);
     const uint64_t needed = per_seq * p.max_seqs;

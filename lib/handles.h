@@ -165,48 +165,37 @@ bool kvt__seq_recalls(const kvt_seq *seq, uint32_t layer);
 kvt__recall_layer *kvt__seq_recall_base(const kvt_seq *seq, uint32_t layer);
 /* The recall table of a layer the request recalls on (kvt__recall_nope, kvt__recall_rope) with
  * its state in *r, or NULL (recall off, or nothing to recall from there). The one place lib/
- * asks which kind a layer's recall is. */
+ * asks which kind a request's recall on a layer is (a context's layer: kvt__ctx_recall_of). */
 const kvt__recall_ops *kvt__seq_recall_of(const kvt_seq *seq, uint32_t layer, void **r);
 /* Does the request's recall on this layer copy fetched rows into its fetch area (the table's
  * fetch_area)? */
 bool kvt__seq_recall_fetches(const kvt_seq *seq, uint32_t layer);
-/* The recall step's work item of the request on `layer` during the step (the view as the
- * step's run left it), its queries q and the emission's dense flag; false when the layer has
- * nothing to recall from. */
-bool kvt__seq_recall_item(kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
-                          kvt__recall_step_args *out);
 /* Does the request recall on this RoPE layer (its trigger state prepared)? */
 bool kvt__seq_recalls_rope(const kvt_seq *seq, uint32_t layer);
-/* The RoPE recall step's work item of the request on `layer` during the step (the view as the
- * step's run left it; the table's mirror synced), its queries q ([n_q][head_dim], backend) and
- * the emission's dense flag. KVT_OK, or the view's status with its message. */
-kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const float *q,
-                                     uint8_t *dense, kvt__recall_rope_args *out);
-/* The emission work item of the request on `layer` (after its trigger ran, or with all: every
- * archived row), chained after what the batch emitted before (indptr points at the request's
- * first list). The fetch area's mirror must be synced (kvt__seq_step does it). */
-kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
-                                   int32_t *indices, uint64_t capacity, int32_t *indptr,
-                                   kvt__recall_rope_emit_args *out);
+/* Layer `layer` of the request during the step as its policy's entries see it: the rows its
+ * table holds, the step's included (the policy's held_rows), in *view. */
+kvt__tier_layer kvt__seq_step_layer(const kvt_seq *seq, uint32_t layer, kvt__ptable *view);
 /* The RoPE recall trigger's archive view (tiers/policy.h kvt__rope_view) of a request's layer
  * between steps, its page table mirrored: the evict policy's recall_rope_view.
  * KVT_ERR_POLICY_MISMATCH (a layer without one), the view's statuses (UNSUPPORTED, BAD_STATE),
  * KVT_ERR_BAD_STATE (a step in flight), a mirror sync's status. For inspection between steps
- * (the tests' oracles read the archive through it); a step takes the view of its own table through
- * kvt__seq_rope_recall_item and kvt__seq_rope_emit_item instead. */
+ * (the tests' oracles read the archive through it); a step's items take the view of its own
+ * table (kvt__recall_rope.items). Refused as the step refuses (kvt__recall_rope_view_of). */
 kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__rope_view *out);
 /* Free every live kvt_buffer of the context (kvt_ctx_destroy). */
 void kvt__buffers_free(kvt_ctx *ctx);
 /* Destroy every live batch of the context (kvt_ctx_destroy). */
 void kvt__batches_destroy(kvt_ctx *ctx);
 
+/* The recall table of the kind requests recall with on `layer` (the first of kvt__recall_kinds
+ * whose `recalls` holds: a salience layer's NoPE view, random eviction's sketched archive), with
+ * *site filled (the layer's spec and policy table, the context's sketch rank, block_rows and
+ * limits); NULL where no request recalls there. The context's one place that asks which
+ * kind a layer's recall is (a request's: kvt__seq_recall_of). */
+const kvt__recall_ops *kvt__ctx_recall_of(const kvt_ctx *ctx, uint32_t layer,
+                                          kvt__recall_site *site);
 /* Record a detail message in the calling thread's last-error buffer (kvt_last_error) and
  * return s; ctx is only there to name the call's context. */
-/* The largest RoPE recall step of `layer` (a random-eviction layer with sketch planes) in this
- * context: shapes only, from its limits (max_rows_per_seq or archive_rows), no pointer set but
- * g_perm's marker; false for a layer without one. Sizes the workspaces (lib/context.c, the
- * CUDA batch's kvt__ws_bounds). */
-bool kvt__ctx_rope_bound(const kvt_ctx *ctx, uint32_t layer, kvt__recall_rope_args *out);
 /* The policy table that answers for layer `layer`'s policy (tiers/policy.h kvt__policy_table: the
  * one resolve_policies checked the layer with; never NULL in a created context, a layer without
  * KV included). lib/ asks a layer's policy questions of its table's entries, never of the

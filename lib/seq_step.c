@@ -432,52 +432,8 @@ void kvt__seq_step_query(const kvt_seq *seq, uint32_t layer, uint32_t visible,
     q->first_page = view.first_page;
 }
 
-bool kvt__seq_recall_item(kvt_seq *seq, uint32_t layer, const float *q, uint8_t *dense,
-                          kvt__recall_step_args *out) {
-    kvt__ptable view;
-    kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__nope_view v;
-    if (!kvt__seq_recalls(seq, layer) || !l.gr->ops->recall_view ||
-        !l.gr->ops->recall_view(&l, &v))
-        return false;
-    kvt__recall_step_make(&seq->recall[layer], &v,
-                          kvt__recall_layer_lag_query(&seq->recall[layer], q), view.n_rows,
-                          seq->cfg.recall, seq->cfg.recall_margin, dense, out);
-    kvt__recall_step_promote(&seq->recall[layer],
-                             kvt__seq_promote_room(l.gr->ops, v.n_closed, &seq->cfg),
-                             seq->cfg.recall_promote_hits, seq->cfg.recall_promote_window, out);
-    return true;
-}
-
-kvt_status kvt__seq_rope_recall_item(const kvt_seq *seq, uint32_t layer, const float *q,
-                                     uint8_t *dense, kvt__recall_rope_args *out) {
-    kvt__ptable view;
-    kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__rope_view v;
-    kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
-    if (s != KVT_OK)
-        return s;
-    kvt__recall_rope_make(&seq->rrope[layer], &v, q, seq->cfg.recall, seq->cfg.recall_margin,
-                          dense, out);
-    return KVT_OK;
-}
-
-kvt_status kvt__seq_rope_emit_item(const kvt_seq *seq, uint32_t layer, bool all,
-                                   int32_t *indices, uint64_t capacity, int32_t *indptr,
-                                   kvt__recall_rope_emit_args *out) {
-    const kvt_ctx *ctx = seq->ctx;
-    const kvt__store *st = &ctx->stores[layer];
-    kvt__ptable view;
-    kvt__tier_layer l = step_layer(seq, layer, seq->n_pending, &view);
-    kvt__rope_view v; /* the archive as the policy describes it */
-    kvt_status s = l.gr->ops->recall_rope_view(&l, &v, kvt__tls_error(), KVT__ERR_LEN);
-    if (s != KVT_OK)
-        return s;
-    const kvt__ptable *f = &seq->fetch[st->group];
-    kvt__recall_rope_emit_make(&seq->rrope[layer], &v, f->dpages,
-                               (uint32_t)((uint64_t)f->n_pages * ctx->page_rows), all, indices,
-                               capacity, indptr, out);
-    return KVT_OK;
+kvt__tier_layer kvt__seq_step_layer(const kvt_seq *seq, uint32_t layer, kvt__ptable *view) {
+    return step_layer(seq, layer, seq->n_pending, view);
 }
 
 kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__rope_view *out) {
@@ -494,9 +450,7 @@ kvt_status kvt__seq_rope_recall_view(kvt_seq *seq, uint32_t layer, kvt__rope_vie
         return kvt__ctx_fail(ctx, s, "layer %u: page table to the backend", layer);
     kvt__tier_layer l = kvt__seq_tier_layer(seq, layer);
     char *err = kvt__tls_error();
-    if ((s = kvt__seq_ops_of(ctx, layer)->recall_rope_view(&l, out, err, KVT__ERR_LEN)) != KVT_OK)
-        return s;
-    return KVT_OK;
+    return kvt__recall_rope_view_of(&l, out, err, KVT__ERR_LEN);
 }
 
 kvt_status kvt_seq_first_row(const kvt_seq *seq, uint32_t layer, uint64_t *first_row) {

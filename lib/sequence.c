@@ -269,7 +269,7 @@ static kvt_status seq_rope_recall_prepare(kvt_seq *seq) {
         kvt__tier_layer l = kvt__seq_tier_layer(seq, i);
         kvt__rope_view v;
         char msg[KVT__ERR_LEN];
-        kvt_status s = kvt__seq_ops_of(ctx, i)->recall_rope_view(&l, &v, msg, sizeof msg);
+        kvt_status s = kvt__recall_rope_view_of(&l, &v, msg, sizeof msg);
         if (s == KVT_ERR_UNSUPPORTED) {
             if (seq->rrope) /* a reused slot's, from a request that recalled here */
                 kvt__recall_rope_fini(&seq->rrope[i], &ctx->backend);

@@ -2877,7 +2877,7 @@ Test(rope_graph, replays_equal_the_eager_twin_cuda, .timeout = 240) {
 #endif
 }
 
-/* The bound a planned RoPE step's launch and workspace are sized by (kvt__ctx_rope_bound) holds
+/* The bound a planned RoPE step's launch and workspace are sized by (the RoPE table's bound) holds
  * the group planes' shape — blocks of config.block_rows rows, centres of branch + stride values,
  * max_rows / block_rows blocks — so a request's item fits it, and an item with larger blocks or
  * centres does not (the CUDA op would otherwise build groups in too small a scratch). */
@@ -2891,7 +2891,11 @@ Test(rope_graph, bound_holds_the_group_planes) {
     rr_init(&x, 2, 128, cfg, 32, rank, KVT_BACKEND_CPU, 77);
     g_max_seqs = g_max_rows = 0;
     kvt__recall_rope_args b, it;
-    cr_assert(kvt__ctx_rope_bound(x.ctx, 0, &b));
+    kvt__recall_site site;
+    kvt__recall_bound bound;
+    cr_assert_eq(kvt__ctx_recall_of(x.ctx, 0, &site), &kvt__recall_rope);
+    cr_assert(kvt__recall_rope.bound(&site, 0, 0, true, &bound));
+    b = bound.rope;
     cr_assert_not_null(b.g_perm);
     cr_assert_eq(b.g_B, cfg.block_rows);
     cr_assert_eq(b.g_dim, b.branch_dim + x.stride);
@@ -2899,8 +2903,9 @@ Test(rope_graph, bound_holds_the_group_planes) {
     for (int s = 0; s < 40; s++)
         rr_step(&x, 1, true);
     static const float q;
-    cr_assert_eq(kvt__seq_rope_recall_item(x.seq, 0, &q, NULL, &it), KVT_OK, "%s",
-                 kvt_last_error());
+    kvt__rope_view view;
+    cr_assert_eq(kvt__seq_rope_recall_view(x.seq, 0, &view), KVT_OK, "%s", kvt_last_error());
+    kvt__recall_rope_make(&x.seq->rrope[0], &view, &q, cfg.recall, 0.0f, NULL, &it);
     cr_assert_not_null(it.g_perm);
     cr_assert(kvt__recall_rope_plan_fits(&b, &it));
     kvt__recall_rope_args big = it;

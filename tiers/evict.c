@@ -1028,14 +1028,8 @@ static kvt_status ev_recall_rope_view(const kvt__tier_layer *l, kvt__rope_view *
                          "layer %u: %llu of %llu archived rows sketched (a failed sketch, "
                          "retried at the next commit)",
                          st->layer, (unsigned long long)e->sk_n, (unsigned long long)e->ar_n);
+    /* (the RoPE step's own limits are recall's to check: kvt__recall_rope_view_of) */
     const uint32_t D = kvt__ev_key_dim(sp);
-    if (e->n_heads > KVT__RECALL_ROPE_MAX_KV || sp->n_q_heads == 0 ||
-        sp->n_q_heads % e->n_heads != 0 || D <= 64)
-        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                         "layer %u: %u KV heads (at most %u), %u query heads (a multiple of "
-                         "them), sketched key part %u values (must exceed 64): outside what the "
-                         "RoPE recall step takes",
-                         st->layer, e->n_heads, KVT__RECALL_ROPE_MAX_KV, sp->n_q_heads, D);
     memset(a, 0, sizeof *a);
     a->plane[0] = st->plane[0];
     a->plane[1] = st->plane[1];
@@ -1159,6 +1153,13 @@ static kvt_status ev_check(const kvt__tier_layer *l, char *err, size_t len) {
 /* Positions, slot map, keep sets, the archive's position indices and, when it is sketched, its
  * sketch planes (csk, ρ) and identity mirror (its rows count in archive_bytes); nothing is shared
  * (a fork copies them). */
+/* A stated archive (policy.h archive_bytes_at_create): every plane's row of every KV head, for
+ * archive_rows rows, allocated whole at kvt_seq_create. */
+static uint64_t ev_archive_bytes_at_create(const kvt_layer_spec *sp, uint64_t archive_rows,
+                                           bool archive) {
+    return archive ? (uint64_t)sp->n_planes * sp->n_kv_heads * sp->row_bytes * archive_rows : 0;
+}
+
 static void ev_side_bytes(const kvt__tier_state *s, uint64_t *own, uint64_t *shared,
                           const void **key, uint32_t *holders) {
     const kvt__ev *e = &s->ev;
@@ -1190,6 +1191,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .layer_attach = ev_layer_attach,
     .attach_rows = ev_attach_rows,
     .side_bytes = ev_side_bytes,
+    .archive_bytes_at_create = ev_archive_bytes_at_create,
     .supports_layer = ev_supports_layer,
     .census = ev_census,
     .step_bounds = ev_step_bounds,

@@ -219,6 +219,12 @@ struct kvt__policy_ops {
      * its workspaces once (max_rows_per_seq). Without it: none. */
     size_t (*close_scratch_floats)(const kvt_layer_spec *sp, const kvt_config *cfg,
                                    uint32_t rank);
+    /* (optional) Bytes a request's layer sp allocates whole at kvt_seq_create for an archive of
+     * a stated archive_rows rows a KV head (params.archive_rows_per_seq; 0: none stated), with
+     * the config's archive on (`archive`: config.evict_archive): kvt_ctx_estimate's
+     * archive_bytes. Without it: none (the policy allocates no archive up front). */
+    uint64_t (*archive_bytes_at_create)(const kvt_layer_spec *sp, uint64_t archive_rows,
+                                        bool archive);
     /* (optional) The largest work a decode step of one request gives the backend's workspace
      * ops for the group's layer st (random eviction: a round of K + r + c rows and up to 64
      * tokens, the group's layers in one call, into x->round and x->round_layers), for

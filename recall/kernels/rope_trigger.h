@@ -314,7 +314,7 @@ typedef struct kvt__recall_rope_plan_args {
     uint32_t n_max;
     const float *query;  /* the run's query base (the trigger) */
     uint64_t query_floats;
-    kvt__recall_rope_args bound; /* the layer's largest item (kvt__ctx_rope_bound): the launch
+    kvt__recall_rope_args bound; /* the layer's largest item (the RoPE table's bound): the launch
                                   * and workspace it sizes serve every item within it */
 } kvt__recall_rope_plan_args;
 
