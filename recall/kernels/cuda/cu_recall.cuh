@@ -135,19 +135,28 @@ __device__ inline void scan_head(const kvt__recall_scan_args &a, const ScanItem 
     }
 }
 
-/* Does head h fire in the 8-bit scan on a row whose plane is pl (kvt__recall_q8_words fp16
+/* Does a head fire in the 8-bit scan on a row whose plane is pl (kvt__recall_q8_words fp16
  * words: its six values, then its vector), ρ rho? kvt__recall_q8_dots (exact integers) and
- * kvt__recall_q8_fires: the CPU twin's per-element functions. */
+ * kvt__recall_q8_fires: the CPU twin's per-element functions. Not inlined, its arguments scalars
+ * and global pointers: the 16-bit scan's kernels keep their registers (56 for k_scan_rows, not
+ * 142 with this inlined) and no stack frame. */
+__device__ __noinline__ bool q8_fires(const kvt__recall_head *hd, const kvt__recall_q8h *qh,
+                                      const uint8_t *qv, const uint8_t *pl, uint32_t len,
+                                      float rho, float s, float z, float best, int mode,
+                                      uint32_t D, uint32_t bd, uint32_t rank) {
+    int32_t ib, is;
+    kvt__recall_q8_dots(pl + 4u * KVT__Q8_FLOATS, qv, bd, len, &ib, &is);
+    const kvt__recall_head h = *hd;
+    const kvt__recall_q8h q = *qh;
+    return kvt__recall_q8_fires(&h, &q, pl, ib, is, rho, s, z, best, mode, D, bd, rank) != 0;
+}
+
+/* Head h of the item in the 8-bit scan (q8_fires on its prepared values). */
 __device__ inline bool scan_q8_fires(const kvt__recall_scan_args &a, const ScanItem &it,
                                      uint32_t h, const uint8_t *pl, float rho) {
     const uint32_t len = kvt__recall_q8_len(a.branch_dim, a.q8_off);
-    int32_t ib, is;
-    kvt__recall_q8_dots(pl + 4u * KVT__Q8_FLOATS, it.q8v + (size_t)h * len, a.branch_dim, len,
-                        &ib, &is);
-    const kvt__recall_head hd = it.heads[h];
-    const kvt__recall_q8h q = it.q8h[h];
-    return kvt__recall_q8_fires(&hd, &q, pl, ib, is, rho, a.scale, a.z, a.best[h], a.mode,
-                                a.latent_dim, a.branch_dim, a.rank) != 0;
+    return q8_fires(it.heads + h, it.q8h + h, it.q8v + (size_t)h * len, pl, len, rho, a.scale,
+                    a.z, a.best[h], a.mode, a.latent_dim, a.branch_dim, a.rank);
 }
 
 /* Does head h fire on a row whose branch is at `br` (branch_dtype, branch_dim values) and whose
