@@ -665,11 +665,14 @@ Test(cuda, sketch_rows_equal_the_cpu) {
             cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL),
                          KVT_ERR_INVALID_ARGUMENT);
         }
-        if (q8) { /* the CPU op's 8-bit rules: a stride not the plane's, a branch too wide */
+        if (q8) { /* the CPU op's 8-bit rules: a stride not the plane's, a branch too wide (one
+                   * row: within the buffers, which the guarded backend checks first) */
             bad = ga[0];
+            bad.n_rows = 1;
             bad.csk_stride++;
             cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
             bad = ga[0];
+            bad.n_rows = 1;
             bad.branch_dim = KVT__RECALL_MAX_BRANCH + 4;
             bad.csk_stride = q8 + kvt__recall_q8_words(bad.branch_dim, q8);
             cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
