@@ -56,7 +56,8 @@ TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
 # kernels/cuda/*.cu compiled unmodified against kernels/cuda/emu, every CUDA case of the suite with
 # KVT_REQUIRE_GPU=1 (ctest -L cuda_emu: test_cuda, test_paged's CUDA case, test_graph's CUDA replays, also under reverse
 # and shuffled thread orders, test_golden, test_fp8's and test_rope_recall's CUDA cases,
-# test_recall_step's CUDA decode, the needle cell whose CSV must be the CPU's); then test_cuda's
+# test_recall_step's CUDA decodes at 16 and 8 bits, the needle cell whose CSV must be the CPU's,
+# bench_step's decode mode at a tiny context: its decode_step line); then test_cuda's
 # block-cooperative ops (tests/scripts/cuda_emu.cmake) under AddressSanitizer + UBSan (a device
 # read or write out of bounds is a host one) and under ThreadSanitizer through a plain runner (a
 # missing __syncthreads is a race report). Only the targets the legs run are built.
@@ -64,9 +65,9 @@ TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
 t0=$SECONDS
 echo "== test configuration: build-test-cuda-emu (CUDA emulation: plain, ASan, TSan) =="
 cmake -S . -B build-test-cuda-emu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVT_CUDA_EMU=ON \
-  -DKVT_BUILD_BENCH=OFF >/dev/null
+  -DKVT_BUILD_BENCH=ON >/dev/null
 cmake --build build-test-cuda-emu -j"$JOBS" --target test_cuda test_graph test_golden test_fp8 \
-  test_rope_recall test_recall_step test_paged kvtier-needle
+  test_rope_recall test_recall_step test_paged kvtier-needle bench_step
 (cd build-test-cuda-emu && ctest -L cuda_emu --output-on-failure -j"$JOBS" --timeout 900)
 cmake -S . -B build-test-cuda-emu-asan -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_C_FLAGS_DEBUG=-O1 -g" \
   "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g" -DKVT_CUDA_EMU=ON -DKVT_SANITIZE=ON -DKVT_BUILD_TOOLS=OFF \

@@ -20,6 +20,9 @@
  * context holds N / 4096 times): each step's planned runs hold the planned recall step (the
  * graph way captures it too); the mean rows fired per step is printed.
  * Usage: bench_step [cpu|guarded|cuda] [R] [N] [NS] [recall]
+ *        bench_step [cpu|guarded|cuda] decode [R] [largest k rows] [T] [16|8|both] [data]
+ * The second form is issue 34's decode step of one absorbed-MLA layer with recall, against a
+ * dense attention on the same device (bench_step_decode.h).
  */
 #include "kvtier.h"
 
@@ -110,6 +113,8 @@ static double read_floor(kvt_backend_kind kind, void *stream, size_t bytes) {
     return memcpy_best(bytes, 20);
 }
 
+#include "bench_step_decode.h"
+
 /* One window of W steps of each of the first `ways` ways (0 eager, 1 planned, 2 graph),
  * interleaved step by step (each way's steps see the same context lengths: the tail grows with
  * every step), the stream synchronised after each step (included); seconds per step into sec. */
@@ -163,6 +168,7 @@ static void window(rig *r, int ways, void *stream, void **graph, double *sec) {
 
 int main(int argc, char **argv) {
     const char *bk = argc > 1 ? argv[1] : "cpu";
+    const bool decode = argc > 2 && strcmp(argv[2], "decode") == 0;
     /* at most 6 windows of each way: the timed steps stay inside one block (no close) */
     int R = argc > 2 && atoi(argv[2]) > 0 ? atoi(argv[2]) : 3;
     R = R > 6 ? 6 : R;
@@ -184,6 +190,14 @@ int main(int argc, char **argv) {
         stream = cs;
     }
 #endif
+    if (decode) {
+        const int rc = decode_main(kind, stream, argc, argv);
+#if KVT_HAVE_CUDA
+        if (stream)
+            cudaStreamDestroy((cudaStream_t)stream);
+#endif
+        return rc;
+    }
     kvt_layer_spec specs[NL];
     for (int l = 0; l < NL; l++) {
         kvt_layer_spec_mla(KVT_LAYER_MLA_NOPE, KVT_DTYPE_BF16, 512, 64, &specs[l]);

@@ -480,6 +480,10 @@ typedef struct kvt__backend_ops {
      * CPU, guarded and CUDA ones, over recall/kernels/recall_promo.h); one without it has the
      * library refuse config.recall_promote_capacity > 0, naming it. */
     bool recall_promote;
+    /* Whether sketch_rows writes and recall_scan / recall_step read the 8-bit planes (args.q8_off
+     * > 0; recall/kernels/recall_scan.h): the CPU, guarded and CUDA backends' do; one without
+     * has the library refuse params.recall_scan_bits 8 (KVT_ERR_UNSUPPORTED, naming it). */
+    bool recall_scan_q8;
     /* Write the slots of a.n attended sets into the emission arrays (kvt__pack_args): the host
      * describes each set in O(1); the rows are expanded here, page by page (one division per
      * range, not per row). The arrays live in the backend's memory space. */

@@ -652,6 +652,7 @@ static const kvt__backend_ops cpu_ops_table = {
     .recall_scan = kvt__cpu_recall_scan,
     .recall_step = kvt__cpu_recall_step,
     .recall_promote = true,
+    .recall_scan_q8 = true,
     .recall_rope_step = kvt__cpu_recall_rope_step,
     .recall_rope_emit = kvt__cpu_recall_rope_emit,
     .attend = kvt__cpu_attend,

@@ -732,6 +732,7 @@ static const kvt__backend_ops guarded_ops_table = {
     .recall_scan = g_recall_scan,
     .recall_step = g_recall_step,
     .recall_promote = true,
+    .recall_scan_q8 = true,
     .recall_rope_step = g_recall_rope_step,
     .recall_rope_emit = g_recall_rope_emit,
     .attend = g_attend,

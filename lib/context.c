@@ -171,6 +171,16 @@ static kvt_status open_cpu(kvt_ctx *ctx, char *err, size_t len) {
     return s == KVT_OK ? KVT_OK : kvt__fail(err, len, s, "CPU backend workspace");
 }
 
+kvt_status kvt__backend_scan_bits_check(const kvt__backend_ops *ops, uint32_t bits, char *err,
+                                        size_t len) {
+    if (bits == 8 && !ops->recall_scan_q8)
+        return kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
+                         "params.recall_scan_bits 8: the %s backend's recall scan is 16-bit only "
+                         "(its table has no 8-bit planes: recall_scan_q8)",
+                         ops->name);
+    return KVT_OK;
+}
+
 static kvt_status open_backend(kvt_ctx *ctx, kvt_backend_kind kind, char *err, size_t len) {
     ctx->backend.alloc = &ctx->alloc;
     if (kind == KVT_BACKEND_CPU)
@@ -377,13 +387,8 @@ static kvt_status ctx_create(const kvt_ctx_params *user, kvt_ctx **out, char *er
                       ctx->backend.ops->name);
         goto fail;
     }
-    if (ctx->scan_bits == 8 && strcmp(ctx->backend.ops->name, "cpu") != 0 &&
-        strcmp(ctx->backend.ops->name, "guarded") != 0) {
-        s = kvt__fail(err, len, KVT_ERR_UNSUPPORTED,
-                      "params.recall_scan_bits 8: the %s backend's recall scan is 16-bit only",
-                      ctx->backend.ops->name);
+    if ((s = kvt__backend_scan_bits_check(ctx->backend.ops, ctx->scan_bits, err, len)) != KVT_OK)
         goto fail;
-    }
     for (uint32_t i = 0; ctx->scan_bits == 8 && i < ctx->n_layers; i++) {
         const kvt_layer_spec *sp = kvt_model_layer(ctx->model, i);
         if (kvt__layer_policy(ctx, i)->recall_view && sp->branch_dim > KVT__RECALL_MAX_BRANCH) {

@@ -97,6 +97,11 @@ void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st);
 /* Sound recall on `layer` with a basis of ‖V Vᵀ − I‖_F = omega: KVT_OK when the sound margin
  * covers it (omega <= KVT__SOUND_MAX_OMEGA), else KVT_ERR_INVALID_ARGUMENT naming both. */
 kvt_status kvt__sound_basis_check(const kvt_ctx *ctx, uint32_t layer, float omega);
+/* params.recall_scan_bits against a backend's table (lib/context.c, kvt_ctx_create): KVT_OK for
+ * 16 bits, or for 8 where the table has the 8-bit planes (kvt__backend_ops.recall_scan_q8); else
+ * KVT_ERR_UNSUPPORTED naming the backend. A capability, never the backend's name. */
+kvt_status kvt__backend_scan_bits_check(const kvt__backend_ops *ops, uint32_t bits, char *err,
+                                        size_t len);
 /* The live request of ctx with this id, or NULL. Ids are unique among a context's live requests
  * (kvt_seq_create, fork, attach and restore refuse one in use): an id keys the request's random
  * draws with the config seed (kernels/philox.h), so two live requests of one id would draw alike

@@ -585,9 +585,9 @@ typedef struct kvt_ctx_params {
      * (AVX-512 VNNI where the CPU has it), widening each trigger by a proven bound on the
      * rounding — the sound mode stays sound, and the scan fires every row the 16-bit scan fires
      * (z calibrated as in the 16-bit mode). Needs recall_sketch_rank > 0 and every salience
-     * layer's branch_dim <= 256; the CPU and guarded backends only (CUDA:
-     * KVT_ERR_UNSUPPORTED); other values KVT_ERR_INVALID_ARGUMENT. A struct that ends before it
-     * gets 16. */
+     * layer's branch_dim <= 256; the CPU, guarded and CUDA backends (the same planes and fired
+     * rows on each; a backend without the 8-bit planes: KVT_ERR_UNSUPPORTED); other values
+     * KVT_ERR_INVALID_ARGUMENT. A struct that ends before it gets 16. */
     uint32_t recall_scan_bits;
 } kvt_ctx_params;
 /* Oldest kvt_ctx_params layout this library reads: the fields up to layer_policies (the

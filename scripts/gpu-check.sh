@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The device check, for a machine with an NVIDIA GPU (H100/H200: sm_90). One script, under 8
 # minutes: build with CUDA, run the CUDA paths against their CPU twins, run the benchmarks, and
-# leave everything it printed under OUT (default ./gpu-results).
+# leave everything it printed under OUT (default ./gpu-results). (An estimate: it has never run on
+# a device. From the same tests' CPU times on this project's 2-core machine — golden 12 s, the
+# CUDA ops' twins 12 s, recall_step 22 s, fp8 7 s, graph 5 s, the fast tests 37 CPU-s — the
+# tests take ~1.5 min and the build ~2 min on 16 cores; compute-sanitizer is capped at 2 × 90 s,
+# the older benchmarks at their timeouts; issue 34's two decode benchmarks add ~1.5 min.)
 #
 #   - test_golden with KVT_REQUIRE_GPU=1: every golden case driven in the engine's order on the
 #     CUDA backend must give the CPU's keep-set file byte for byte (decisions bit-equal: σ, top-m,
@@ -18,7 +22,10 @@
 #     script's first run with them).
 #   - test_recall_step's conformal decode with KVT_REQUIRE_GPU=1: 120 decode steps through the
 #     library (calibration, fetches, CSR-free TOKENS emission) on the CUDA backend emit the CPU's
-#     sets, slot for slot.
+#     sets, slot for slot; and at 8 bits (params.recall_scan_bits 8, docs/recall.md §3.3: the
+#     close's 8-bit planes and the 8-bit scan on the device), 96 decode steps whose planes equal
+#     the guarded backend's byte for byte and whose sets equal its, slot for slot (test_cuda's
+#     sketch, scan and step cases run at 8 bits too).
 #   - test_graph with KVT_REQUIRE_GPU=1: one CUDA graph captured over the runs of a planned
 #     step (kvt_batch_plan_device) replayed over the later planned steps of 170 gives the eager
 #     twin's sets on every layer, without recall and with the planned recall step (conformal
@@ -38,6 +45,14 @@
 #     recall step inside the graph).
 #   - a needle cell (kvtier-needle --synthetic, 8k, ratios 8 and 32, salience / random / dense) on
 #     the CUDA backend: its CSV must be the CPU backend's, byte for byte.
+#   - the decode step's ratio on the device (issue 34): bench_step cuda decode — one absorbed-MLA
+#     NoPE layer (32 heads, ratio 32, B = 4096), 32k and 128k rows, structured and random data,
+#     recall conformal with a rank-64 basis at 16 and at 8 bits, and recall off; each case one
+#     line `decode_step context=... data=... recall=... dense_over_kvtier=... bytes_per_token=...
+#     close_over_median=... visited=...`, dense being a cuBLAS attention (GEMM, softmax, GEMM on
+#     the bf16 rows) over every row in the same run (bench/bench_step_decode.h); beside it the CPU
+#     backend's bench_decode_step (one thread, the 8-bit scan and recall off), the same case and
+#     line. The lines go to summary.txt.
 #   - test_fp8's CUDA case: fp8 ds_mla rows recall on the device as their fp32 decoding does.
 #   - test_rope_recall's CUDA graph case: batches with RoPE recall (MLA-RoPE TOKENS and CSR,
 #     GQA-RoPE CSR_KV_HEADS), one recording of a planned step's runs (planned trigger, pack with
@@ -69,7 +84,8 @@ echo "golden on CUDA: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a
 (cd build-gpu && KVT_REQUIRE_GPU=1 ./tests/test_cuda --verbose) > "$OUT/cuda_ops.txt" 2>&1 || status=1
 echo "CUDA ops vs CPU twins: see cuda_ops.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 300 ./tests/test_recall_step \
-  --filter 'recall_step/conformal_decode_matches_the_oracle' --verbose) \
+  --filter 'recall_step/@(conformal_decode_matches_the_oracle|scan_bits_8_emits_a_superset_and_snapshots)' \
+  --verbose) \
   > "$OUT/recall_step_cuda.txt" 2>&1 || status=1
 echo "recall decode on CUDA vs CPU: see recall_step_cuda.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_fp8 \
@@ -114,6 +130,24 @@ echo "close and round on the device vs copy floors: see bench_ops.txt" | tee -a 
   > "$OUT/bench_step.txt" 2>&1 || true
 echo "decode step (eager / planned / graph, dense floor, recall): see bench_step.txt" |
   tee -a "$OUT/summary.txt"
+# issue 34's decode step with recall on the device against a cuBLAS dense attention, and the CPU
+# backend's (bench_decode_step, one thread) beside it: their decode_step lines into the summary
+# (time: ~40 s and ~45 s, estimated from this project's 2-core machine: bench_step's decode mode
+# is host-bound there — generating and writing the rows, ~2 s a 32k case on the CPU backend — and
+# bench_decode_step 1 32 5 8 took 7.8 s for its three 32k cases, so 3 128 5 8's six cases ~45 s;
+# the CPU run takes the 8-bit scan only, the 16-bit CPU figures are in bench/RESULTS.md)
+(cd build-gpu && timeout 150 ./bench/bench_step cuda decode 3 128 5 both both) \
+  > "$OUT/bench_decode_step_cuda.txt" 2>&1 || true
+if [ -x build-gpu/bench/bench_decode_step ]; then
+  (cd build-gpu && timeout 120 ./bench/bench_decode_step 3 128 5 8) \
+    > "$OUT/bench_decode_step_cpu.txt" 2>&1 || true
+fi
+{
+  echo "decode step, CUDA backend (bench_decode_step_cuda.txt):"
+  grep '^decode_step' "$OUT/bench_decode_step_cuda.txt" || echo "  (no line: see the file)"
+  echo "decode step, CPU backend, one thread (bench_decode_step_cpu.txt):"
+  grep '^decode_step' "$OUT/bench_decode_step_cpu.txt" 2>/dev/null || echo "  (no line)"
+} | tee -a "$OUT/summary.txt"
 # a needle cell on the device: the CPU backend's CSV, byte for byte
 needle="--synthetic --context 8192 --ratio 8,32 --mode salience,random,dense --needles 2 --seed 3"
 if (cd build-gpu && timeout 120 ./tools/kvtier-needle $needle --csv "$OUT/needle_cpu.csv" \

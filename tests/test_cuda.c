@@ -591,31 +591,50 @@ Test(cuda, sketch_rows_equal_the_cpu) {
     rig r;
     rig_open(&r);
     tu_rng g = {.s = 0x5e7c4};
-    /* dtype, D, rank, csk_stride: MLA's shape, odd ranks, a D off the warp width, no basis */
+    /* dtype, D, rank, csk_stride: MLA's shape, odd ranks, a D off the warp width, no basis;
+     * q8 > 0: the 8-bit planes too (params.recall_scan_bits 8: the fp16 part q8 wide, then the
+     * plane of the row's branch and sketch, kvt__recall_q8_row), compared byte for byte */
     const struct {
         int dt;
-        uint32_t D, rank, stride;
-    } cfg[] = {{KVT__DT_BF16, 512, 64, 64},
-               {KVT__DT_FP16, 512, 33, 40},
-               {KVT__DT_FP32, 200, 7, 8},
-               {KVT__DT_BF16, 512, 0, 1},
-               {KVT__DT_FP32, 1024, 96, 96}};
+        uint32_t D, rank, stride, q8;
+    } cfg[] = {{KVT__DT_BF16, 512, 64, 64, 0},
+               {KVT__DT_FP16, 512, 33, 40, 0},
+               {KVT__DT_FP32, 200, 7, 8, 0},
+               {KVT__DT_BF16, 512, 0, 1, 0},
+               {KVT__DT_FP32, 1024, 96, 96, 0},
+               {KVT__DT_BF16, 512, 64, 0, 64},
+               {KVT__DT_FP16, 512, 33, 0, 40},
+               {KVT__DT_FP32, 200, 7, 0, 7},
+               {KVT__DT_BF16, 512, 0, 0, 1}};
+    uint32_t q8_inf = 0, q8_rows = 0;
     for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
         rpool p;
         rpool_make(&r, &p, &g, cfg[c].dt, cfg[c].D, cfg[c].rank);
+        const uint32_t q8 = cfg[c].q8, elt = cfg[c].dt == KVT__DT_FP32 ? 4 : 2;
+        const uint32_t stride = q8 ? q8 + kvt__recall_q8_words(64, q8) : cfg[c].stride;
+        if (q8) { /* rows 20 and 270: a non-finite branch value (their planes fire everywhere) */
+            for (uint32_t row = 20; row < 300; row += 250)
+                kvt__store_elem(p.pool + (size_t)kvt__page_slot(p.pages, 0, &p.pdiv, row) * p.slot,
+                                p.dt, p.D + row % 64, row == 20 ? INFINITY : NAN);
+            cr_assert_eq(r.gpu.ops->write(&r.gpu, p.dpool, p.pool, (size_t)p.NP * p.PR * p.slot,
+                                          NULL),
+                         KVT_OK);
+        }
         /* two blocks in one call: rows [0, 200) and [256, 333) (a count off the warps) */
         enum { NB = 2 };
         const uint64_t first[NB] = {0, 256};
         const uint32_t nr[NB] = {200, 77};
         kvt__sketch_args ca[NB], ga[NB];
         for (int b = 0; b < NB; b++) {
-            const size_t cb = sizeof(uint16_t) * nr[b] * cfg[c].stride;
+            const size_t cb = sizeof(uint16_t) * nr[b] * stride;
             ca[b] = (kvt__sketch_args){.base = p.pool, .pages = p.pages, .first_page = 0,
                                        .pdiv = &p.pdiv, .first_row = first[b], .n_rows = nr[b],
                                        .slot_stride = p.slot, .dtype = p.dt, .latent_dim = p.D,
                                        .basis = p.V, .rank = p.rank,
-                                       .csk_stride = cfg[c].stride, .csk = malloc(cb),
-                                       .rho = malloc(sizeof(float) * nr[b])};
+                                       .csk_stride = stride, .csk = malloc(cb),
+                                       .rho = malloc(sizeof(float) * nr[b]), .q8_off = q8,
+                                       .branch_offset = p.D * elt, .branch_dtype = p.dt,
+                                       .branch_dim = 64};
             /* stale values where the op must write */
             memset(ca[b].csk, 0x5a, cb);
             memset(ca[b].rho, 0x5a, sizeof(float) * nr[b]);
@@ -646,10 +665,28 @@ Test(cuda, sketch_rows_equal_the_cpu) {
             cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL),
                          KVT_ERR_INVALID_ARGUMENT);
         }
+        if (q8) { /* the CPU op's 8-bit rules: a stride not the plane's, a branch too wide (one
+                   * row: within the buffers, which the guarded backend checks first) */
+            bad = ga[0];
+            bad.n_rows = 1;
+            bad.csk_stride++;
+            cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+            bad = ga[0];
+            bad.n_rows = 1;
+            bad.branch_dim = KVT__RECALL_MAX_BRANCH + 4;
+            bad.csk_stride = q8 + kvt__recall_q8_words(bad.branch_dim, q8);
+            cr_assert_eq(r.gpu.ops->sketch_rows(&r.gpu, &bad, 1, NULL), KVT_ERR_INVALID_ARGUMENT);
+        }
         uint32_t inf = 0;
         for (int b = 0; b < NB; b++) {
-            const size_t cb = sizeof(uint16_t) * nr[b] * cfg[c].stride;
-            same(&r, ga[b].csk, ca[b].csk, cb, "sketch coefficients");
+            const size_t cb = sizeof(uint16_t) * nr[b] * stride;
+            same(&r, ga[b].csk, ca[b].csk, cb,
+                 q8 ? "sketch coefficients and 8-bit planes" : "sketch coefficients");
+            for (uint32_t u = 0; q8 && u < nr[b]; u++) { /* rows whose plane fires everywhere */
+                const uint8_t *pl = (const uint8_t *)(ca[b].csk + (size_t)u * stride + q8);
+                q8_inf += isinf(kvt__recall_q8_f(pl, 2)) ? 1u : 0u;
+                q8_rows++;
+            }
             same(&r, ga[b].rho, ca[b].rho, sizeof(float) * nr[b], "rho");
             for (uint32_t u = 0; u < nr[b]; u++)
                 inf += isinf(ca[b].rho[u]) ? 1u : 0u;
@@ -662,6 +699,8 @@ Test(cuda, sketch_rows_equal_the_cpu) {
         cr_assert_eq(inf, p.rank ? 3u : 2u, "config %zu: %u rows with rho = +Inf", c, inf);
         rpool_free(&r, &p);
     }
+    /* the planes held finite rows and non-finite ones (a NaN or Inf branch: e_r = +Inf) */
+    cr_assert(q8_inf > 0 && q8_inf < q8_rows, "%u of %u planes non-finite", q8_inf, q8_rows);
     rig_close(&r);
 }
 
@@ -675,12 +714,18 @@ typedef struct scan_item {
     uint32_t n_kept; /* entries of kept written (it holds n_closed) */
 } scan_item;
 
+/* The 8-bit scan for the items scan_item_make makes next (params.recall_scan_bits 8): sketch rows
+ * of the fp16 part (g_q8 0: rank + 1 wide; else max(rank, 1)) then the 8-bit plane. */
+static bool g_q8;
+
 /* Item i over pool p: its sketches (the CPU op), a kept set, H heads' queries and thresholds at
  * the q-th quantile of the archived rows' exact scores (so that some rows fire and some not). */
 static void scan_item_make(rig *r, scan_item *it, const rpool *p, tu_rng *g, uint32_t n_closed,
                            uint32_t H, int mode, float z, double quant, uint32_t cap) {
     memset(it, 0, sizeof *it);
-    const uint32_t D = p->D, QD = D + 64, S = p->rank ? p->rank + 1 : 1;
+    const uint32_t q8 = g_q8 ? (p->rank ? p->rank : 1u) : 0u;
+    const uint32_t D = p->D, QD = D + 64;
+    const uint32_t S = q8 ? q8 + kvt__recall_q8_words(64, q8) : p->rank ? p->rank + 1 : 1;
     const uint32_t elt = p->dt == KVT__DT_FP32 ? 4 : 2;
     it->n_closed = n_closed;
     it->H = H;
@@ -690,7 +735,8 @@ static void scan_item_make(rig *r, scan_item *it, const rpool *p, tu_rng *g, uin
     kvt__sketch_args sa = {.base = p->pool, .pages = p->pages, .first_page = 0, .pdiv = &p->pdiv,
                            .first_row = 0, .n_rows = n_closed, .slot_stride = p->slot,
                            .dtype = p->dt, .latent_dim = D, .basis = p->V, .rank = p->rank,
-                           .csk_stride = S, .csk = it->csk, .rho = it->rho};
+                           .csk_stride = S, .csk = it->csk, .rho = it->rho, .q8_off = q8,
+                           .branch_offset = D * elt, .branch_dtype = p->dt, .branch_dim = 64};
     cr_assert_eq(r->cpu.ops->sketch_rows(&r->cpu, &sa, 1, NULL), KVT_OK);
     /* kept: every 5th row and row 3 (inside the sinks), ascending */
     uint32_t m = 0;
@@ -740,7 +786,7 @@ static void scan_item_make(rig *r, scan_item *it, const rpool *p, tu_rng *g, uin
         .csk_stride = S, .basis = p->V, .rank = p->rank, .n_closed = n_closed, .sinks = 6,
         .kept = it->kept, .m = m, .q = it->q, .best = it->best, .n_heads = H, .scale = 0.07f,
         .z = z, .mode = mode, .cap = cap, .fired = it->fired, .n_fired = &it->n_fired,
-        .overflow = &it->overflow};
+        .overflow = &it->overflow, .q8_off = q8};
     it->g = it->c;
     it->g.base = p->dpool;
     it->g.pages = p->dpages;
@@ -784,10 +830,12 @@ Test(cuda, recall_scan_equals_the_cpu) {
         uint32_t rank;
     } pcfg[] = {{KVT__DT_BF16, 64}, {KVT__DT_FP16, 17}, {KVT__DT_FP32, 0}};
     const float zs = sqrtf(512.0f - 64.0f);
-    uint32_t some_fired = 0, some_quiet = 0, some_over = 0;
-    for (size_t c = 0; c < sizeof pcfg / sizeof pcfg[0]; c++) {
+    uint32_t some_fired = 0, some_quiet = 0, some_over = 0, q8_fired = 0, q8_quiet = 0;
+    /* each pool at 16 bits, then at 8 (the 8-bit planes, heads and integer dots on the device) */
+    for (size_t c = 0; c < 2 * (sizeof pcfg / sizeof pcfg[0]); c++) {
+        g_q8 = c >= sizeof pcfg / sizeof pcfg[0];
         rpool p;
-        rpool_make(&r, &p, &g, pcfg[c].dt, 512, pcfg[c].rank);
+        rpool_make(&r, &p, &g, pcfg[c % 3].dt, 512, pcfg[c % 3].rank);
         /* four items in one call: sound and conformal (z > 0, z < 0), heads 1 .. 16, caps that
          * hold every fired row and one that overflows, a head whose best is NaN (all fire) */
         enum { NI = 4 };
@@ -818,6 +866,8 @@ Test(cuda, recall_scan_equals_the_cpu) {
             some_fired += it[i].n_fired > 0;
             some_quiet += it[i].n_fired < it[i].n_closed - 6 - it[i].c.m && !it[i].overflow;
             some_over += it[i].overflow;
+            q8_fired += g_q8 && it[i].n_fired > 0;
+            q8_quiet += g_q8 && it[i].n_fired < it[i].n_closed - 6 - it[i].c.m && !it[i].overflow;
         }
         /* out of range: the CPU's statuses */
         kvt__recall_scan_args bad = ga[0];
@@ -834,9 +884,12 @@ Test(cuda, recall_scan_equals_the_cpu) {
             scan_item_free(&r, &it[i]);
         rpool_free(&r, &p);
     }
-    /* the inputs were not degenerate: rows fired, rows did not, a cap overflowed */
-    cr_assert(some_fired && some_quiet && some_over, "fired %u, quiet %u, overflowed %u",
-              some_fired, some_quiet, some_over);
+    g_q8 = false;
+    /* the inputs were not degenerate: rows fired, rows did not, a cap overflowed (and at 8 bits
+     * rows fired and rows did not) */
+    cr_assert(some_fired && some_quiet && some_over && q8_fired && q8_quiet,
+              "fired %u, quiet %u, overflowed %u; 8-bit: fired %u, quiet %u", some_fired,
+              some_quiet, some_over, q8_fired, q8_quiet);
     rig_close(&r);
 }
 
@@ -1000,8 +1053,9 @@ static kvt_status planned_step(rig *r, plan_rig *pr, const step_item *it,
 }
 
 /* planned: the device side runs the planned op (kvt__recall_plan_args) instead of recall_step,
- * from a plan buffer holding more slots than items. */
-static void step_pair(bool groups, bool planned) {
+ * from a plan buffer holding more slots than items. q8: the items scan at 8 bits (their planes,
+ * the 8-bit scan; with group planes neither twin prunes nor builds a group: the same state). */
+static void step_pair(bool groups, bool planned, bool q8) {
     rig r;
     rig_open(&r);
     plan_rig pr = {0};
@@ -1011,6 +1065,7 @@ static void step_pair(bool groups, bool planned) {
         pr.q = dev(&r, NULL, sizeof(float) * PLAN_Q);
     }
     tu_rng g = {.s = groups ? 0x57e9u : 0x57e8u};
+    g_q8 = q8;
     const struct {
         int dt;
         uint32_t rank;
@@ -1130,9 +1185,12 @@ static void step_pair(bool groups, bool planned) {
         if (clustered)
             rpool_free(&r, &pc);
     }
+    g_q8 = false;
     /* the inputs were not degenerate: calibration steps, calibrated requests, fired rows, quiet
-     * scans and overflows; with groups, built blocks and scans that skipped a group */
-    cr_assert(!groups || (grouped && pruned), "grouped %u, pruned %u", grouped, pruned);
+     * scans and overflows; with groups, built blocks and scans that skipped a group (none at 8
+     * bits: the 8-bit step scans in full) */
+    cr_assert(!groups || q8 || (grouped && pruned), "grouped %u, pruned %u", grouped, pruned);
+    cr_assert(!q8 || (!grouped && !pruned), "8 bits: grouped %u, pruned %u", grouped, pruned);
     cr_assert(calibrated && calib_dense && some_fired && some_over && quiet,
               "calibrated %u, calibration steps %u, fired %u, overflowed %u, quiet %u", calibrated,
               calib_dense, some_fired, some_over, quiet);
@@ -1145,24 +1203,36 @@ static void step_pair(bool groups, bool planned) {
 }
 
 Test(cuda, recall_step_equals_the_cpu) {
-    step_pair(false, false);
+    step_pair(false, false, false);
 }
 
 /* The planned op (a CUDA graph's recall step): items read from a plan buffer, queries from one
  * base, launch and workspace sized by the bound. */
 Test(cuda, recall_step_planned_equals_the_cpu) {
-    step_pair(false, true);
+    step_pair(false, true, false);
 }
 
 /* The pruned scan over group planes (the blocks' groups built on the device, then the groups
  * no head can fire on skipped): the CPU's decisions, counts and planes. */
 Test(cuda, recall_step_pruned_equals_the_cpu) {
-    step_pair(true, false);
+    step_pair(true, false, false);
 }
 
 /* The same through the planned op (its bound with the group blocks' size). */
 Test(cuda, recall_step_planned_pruned_equals_the_cpu) {
-    step_pair(true, true);
+    step_pair(true, true, false);
+}
+
+/* The 8-bit scan (params.recall_scan_bits 8) in the step, eager and with group planes (which
+ * neither twin then uses), and planned (the bound's workspace sized for any plane width): the
+ * CPU's state, fired sets, counts and flags. */
+Test(cuda, recall_step_q8_equals_the_cpu, .timeout = 120) {
+    step_pair(false, false, true);
+    step_pair(true, false, true);
+}
+
+Test(cuda, recall_step_planned_q8_equals_the_cpu) {
+    step_pair(false, true, true);
 }
 
 /* ------------------------------------------------------------------------------------------------

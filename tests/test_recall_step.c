@@ -1620,24 +1620,42 @@ Test(recall_step, a_host_query_on_the_guarded_backend_is_the_callers_error) {
     rig_close(&r);
 }
 
+/* A rig's sketch planes (fp16 sketches and, at 8 bits, the 8-bit planes) of its closed rows,
+ * read from its backend into out (NMAX rows of 2 · sk_stride bytes at most); their bytes. */
+static size_t sketch_planes(rig *r, uint8_t *out) {
+    const kvt__sal *s = &kvt__seq_state(r->seq, 0)->sal;
+    const kvt__backend *be = &r->ctx->backend;
+    const size_t bytes = sizeof(uint16_t) * s->sk_stride * s->closed_rows;
+    cr_assert_eq(be->ops->read(be, out, s->csk, bytes, NULL), KVT_OK);
+    return bytes;
+}
+
 /* The 8-bit scan (params.recall_scan_bits 8) inside the step: two rigs over the same rows and
  * queries, at 16 and at 8 bits, conformal and sound: every step the 8-bit step emits every row
  * the 16-bit one emits (the scan fires a superset; a dense step emits all), calibration gives the
  * same z, snapshots restore into a context with the same precision only, and bad values of the
- * knob are refused with a message naming it. */
+ * knob are refused with a message naming it. Where the CUDA backend opens (the emulation, a
+ * device), a third rig at 8 bits on it: its planes (written by its close) are the guarded rig's
+ * byte for byte after every step, and it emits the guarded rig's sets, slot for slot. */
 Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
-    static step_out a, b;
-    uint64_t steps = 0, equal = 0, extra = 0;
+    static step_out a, b, cu;
+    static uint8_t pl8[NMAX * 2 * 256], plc[NMAX * 2 * 256];
+    uint64_t steps = 0, equal = 0, extra = 0, cuda_steps = 0;
+    const bool with_cuda = cuda_usable();
     for (int m = 0; m < 2; m++) {
         const kvt_recall_mode mode = m ? KVT_RECALL_SOUND : KVT_RECALL_CONFORMAL;
-        rig r16, r8;
+        rig r16, r8, rc;
         g_scan_bits = 16;
         rig_open(&r16, KVT_BACKEND_CPU, mode, 4096, 1.0f, 4242 + (uint64_t)m);
         g_scan_bits = 8;
         rig_open(&r8, KVT_BACKEND_GUARDED, mode, 4096, 1.0f, 4242 + (uint64_t)m);
+        if (with_cuda)
+            rig_open(&rc, KVT_BACKEND_CUDA, mode, 4096, 1.0f, 4242 + (uint64_t)m);
         g_scan_bits = 0;
         prefill(&r16, 64 * 5 + 7);
         prefill(&r8, 64 * 5 + 7);
+        if (with_cuda)
+            prefill(&rc, 64 * 5 + 7);
         for (uint32_t step = 0; step < 48; step++) {
             float q[H * QD], q8[H * QD];
             int64_t target = -1;
@@ -1656,6 +1674,26 @@ Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
             decode(&r16, q, &a);
             decode(&r8, q8, &b);
             cr_assert_eq(stats(&r16).recall_z, stats(&r8).recall_z, "step %u", step);
+            if (with_cuda) {
+                float qc[H * QD];
+                make_queries(&rc, qc, target);
+                cr_assert_eq(memcmp(q, qc, sizeof q), 0);
+                decode(&rc, qc, &cu);
+                const size_t nb = sketch_planes(&r8, pl8);
+                cr_assert_eq(sketch_planes(&rc, plc), nb);
+                cr_assert_eq(memcmp(pl8, plc, nb), 0, "mode %d step %u: CUDA's 8-bit planes "
+                             "differ from the guarded backend's", (int)mode, step);
+                cr_assert_eq(cu.dense, b.dense, "mode %d step %u: dense", (int)mode, step);
+                cr_assert_eq(cu.len, b.len, "mode %d step %u: CUDA emits %u slots, the CPU %u",
+                             (int)mode, step, cu.len, b.len);
+                cr_assert_eq(memcmp(cu.idx, b.idx, sizeof(int32_t) * b.len), 0,
+                             "mode %d step %u: CUDA's 8-bit set differs", (int)mode, step);
+                const kvt_layer_stats sc = stats(&rc), s8 = stats(&r8);
+                cr_assert_eq(sc.recall_z, s8.recall_z);
+                cr_assert_eq(sc.recall_last_fired, s8.recall_last_fired);
+                cr_assert_eq(sc.recall_last_visited, s8.recall_last_visited);
+                cuda_steps += !b.dense;
+            }
             if (b.dense)
                 continue;
             cr_assert_not(a.dense, "mode %d step %u: dense at 16 bits only", (int)mode, step);
@@ -1693,8 +1731,15 @@ Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
         }
         rig_close(&r16);
         rig_close(&r8);
+        if (with_cuda)
+            rig_close(&rc);
     }
     cr_assert_gt(steps, 40);
+    cr_assert(!with_cuda || cuda_steps > 40, "%llu non-dense CUDA steps",
+              (unsigned long long)cuda_steps);
+    if (with_cuda)
+        cr_log_info("recall_scan_bits 8 on CUDA: the guarded backend's planes and sets on %llu "
+                    "non-dense steps", (unsigned long long)cuda_steps);
     cr_log_info("recall_scan_bits 8: %llu non-dense steps, the 16-bit set inside the 8-bit one "
                 "every step, equal on %llu, %llu rows more in all",
                 (unsigned long long)steps, (unsigned long long)equal,
@@ -1718,12 +1763,21 @@ Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(err, "recall_sketch_rank"), "%s", err);
     p.recall_sketch_rank = RB;
-    if (cuda_usable()) {
+    if (with_cuda) { /* the CUDA backend's table has the 8-bit planes (recall_scan_q8) */
         p.backend = KVT_BACKEND_CUDA;
-        cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_ERR_UNSUPPORTED);
-        cr_assert(strstr(err, "16-bit only"), "%s", err);
+        cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
+        kvt_ctx_destroy(ctx);
         p.backend = KVT_BACKEND_CPU;
     }
+    /* a backend whose table lacks the 8-bit planes is refused by that capability, named */
+    kvt__backend_ops no8 = *kvt__backend_cpu_ops();
+    no8.recall_scan_q8 = false;
+    no8.name = "sixteen";
+    cr_assert_eq(kvt__backend_scan_bits_check(&no8, 16, err, sizeof err), KVT_OK);
+    cr_assert_eq(kvt__backend_scan_bits_check(&no8, 8, err, sizeof err), KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(err, "recall_scan_bits 8: the sixteen backend") && strstr(err, "16-bit only"),
+              "%s", err);
+    cr_assert_eq(kvt__backend_scan_bits_check(kvt__backend_cpu_ops(), 8, err, sizeof err), KVT_OK);
     p.recall_scan_bits = 0; /* read as 16 */
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
     kvt_ctx_destroy(ctx);

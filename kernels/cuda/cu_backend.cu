@@ -276,6 +276,7 @@ kvt__backend_ops make_ops() {
     o.recall_plan_reserve = cu_recall_plan_reserve;
     o.reserve = cu_reserve;
     o.recall_promote = true; /* k_promo_before, k_step_best, k_step_finish */
+    o.recall_scan_q8 = true; /* k_sketch's planes, scan_head's and scan_tiles' 8-bit paths */
     o.recall_rope_step = cu_recall_rope_step;
     o.recall_rope_emit = cu_recall_rope_emit;
     o.recall_rope_plan_reserve = cu_recall_rope_plan_reserve;

@@ -149,9 +149,11 @@ constexpr uint32_t kWarps = kThreads / 32;
 /* The CPU op's argument check (backend_cpu.c, cpu_sketch_one). */
 bool sketch_args_ok(const kvt__sketch_args &a) {
     return a.latent_dim >= 1 && a.latent_dim <= KVT__SKETCH_MAX_DIM && a.rank <= a.csk_stride &&
-           a.csk_stride <= KVT__SKETCH_MAX_RANK && (!a.rank || a.basis) &&
-           kvt__sketch_dtype_ok(a.dtype, a.latent_dim) &&
-           a.q8_off == 0; /* no 8-bit planes on this backend yet (context.c refuses it) */
+           (a.q8_off ? a.q8_off <= KVT__SKETCH_MAX_RANK && a.rank <= a.q8_off &&
+                           a.branch_dim <= KVT__RECALL_MAX_BRANCH &&
+                           a.csk_stride == a.q8_off + kvt__recall_q8_words(a.branch_dim, a.q8_off)
+                     : a.csk_stride <= KVT__SKETCH_MAX_RANK) &&
+           (!a.rank || a.basis) && kvt__sketch_dtype_ok(a.dtype, a.latent_dim);
 }
 
 __global__ void k_sketch(const SketchParams p) {
@@ -188,24 +190,35 @@ __global__ void k_sketch(const SketchParams p) {
         __syncwarp();
         bad = __any_sync(full, bad | inf);
         uint16_t *out = a.csk + (size_t)u * a.csk_stride;
-        for (uint32_t k = lane; k < a.csk_stride; k += 32)
+        const uint32_t w16 = a.q8_off ? a.q8_off : a.csk_stride; /* the fp16 part */
+        for (uint32_t k = lane; k < w16; k += 32)
             out[k] = bad || k >= R ? (uint16_t)0 : cs[k];
         if (bad) { /* undescribable: every certificate on it is infinite */
             if (lane == 0)
                 a.rho[u] = INFINITY;
-            continue;
+        } else {
+            /* steps 2-3: residual against the stored sketch, lane l's chain of squares */
+            float acc = 0.0f;
+            for (uint32_t d = lane; d < D; d += 32) {
+                const float e = kvt__sketch_resid(c[d], cs, R, a.basis, D, d);
+                acc = fmaf(e, e, acc);
+            }
+            /* kvt__tree32: p[i] = p[i] + p[i + s], s = 16 .. 1 (lane i < s holds p[i]) */
+            for (uint32_t s = KVT__SIGMA_LANES / 2; s >= 1; s >>= 1)
+                acc = acc + __shfl_down_sync(full, acc, s);
+            if (lane == 0)
+                a.rho[u] = kvt__sketch_rho_canon(sqrtf(acc));
         }
-        /* steps 2-3: residual against the stored sketch, lane l's chain of squares */
-        float acc = 0.0f;
-        for (uint32_t d = lane; d < D; d += 32) {
-            const float e = kvt__sketch_resid(c[d], cs, R, a.basis, D, d);
-            acc = fmaf(e, e, acc);
+        if (a.q8_off) {
+            /* the row's 8-bit plane from its branch and the fp16 sketch just written (the
+             * warp's writes ordered by the barrier), by lane 0 through kvt__recall_q8_row: the
+             * CPU twin's function (q8_rows in backend_cpu.c), so its scales, rounding norms and
+             * bytes are the twin's; the latent in c is read no more (its scratch) */
+            __syncwarp();
+            if (lane == 0)
+                kvt__recall_q8_row(row, a.branch_offset, a.branch_dtype, a.branch_dim, out,
+                                   a.q8_off, c, (uint8_t *)(out + a.q8_off));
         }
-        /* kvt__tree32: p[i] = p[i] + p[i + s], s = 16 .. 1 (lane i < s holds p[i]) */
-        for (uint32_t s = KVT__SIGMA_LANES / 2; s >= 1; s >>= 1)
-            acc = acc + __shfl_down_sync(full, acc, s);
-        if (lane == 0)
-            a.rho[u] = kvt__sketch_rho_canon(sqrtf(acc));
     }
 }
 

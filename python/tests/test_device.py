@@ -324,6 +324,49 @@ def test_planned_steps_replay_a_graph_captured_from_python(mixed_model):
         graph.close()
 
 
+@emu
+def test_cuda_recall_scan_bits_8_emits_the_cpu_sets():
+    """recall_scan_bits=8 on the CUDA backend (its close writes the 8-bit planes, its step scans
+    them: docs/recall.md §3.3) emits the CPU backend's attended sets, step for step, with the
+    same z and fetch counts; the queries in device memory on CUDA."""
+    spec = kvtier.LayerSpec.mla("mla_nope", "bf16", 512, 64)
+    spec.n_q_heads = 4
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="conformal")
+    rng = np.random.default_rng(12)
+    v, _ = np.linalg.qr(rng.standard_normal((512, 16)))
+    basis = np.ascontiguousarray(v.T, dtype=np.float32)
+    rows = rng.standard_normal((316, 576)).astype(np.float32)
+    rows = (rows.view(np.uint32) >> 16).astype(np.uint16)  # bf16 (truncated)
+    queries = rng.standard_normal((16, 1, 4, 576)).astype(np.float32)
+    got = {}
+    for backend in ("cpu", "cuda"):
+        with kvtier.Model([spec], "recall8") as m, \
+                kvtier.Context(m, cfg, page_rows=16, n_pages=256, recall_sketch_rank=16,
+                               recall_scan_bits=8, backend=backend) as ctx:
+            ctx.set_recall_basis(0, basis)
+            qb = ctx.buffer(queries[0].nbytes)
+            with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
+                b.reserve([seq], [300])
+                seq.write(0, 0, 0, rows[:300])
+                b.plan()
+                b.commit()
+                em = b.emission("tokens", 320, want_dense=True)
+                sets = []
+                for t in range(16):
+                    b.reserve([seq], [1])
+                    seq.write(0, 0, 0, rows[300 + t:301 + t])
+                    b.plan()
+                    qb.write(queries[t])
+                    out = b.run(0, emission=em, query=qb.view(np.float32, (1, 4, 576))).host()
+                    sets.append((out.slots(0).tolist(), int(out.dense[0])))
+                    b.commit()
+                st = seq.layer_stats(0)
+                got[backend] = (sets, st.recall_z, st.recall_fetched_rows, st.recall_steps)
+    assert got["cuda"] == got["cpu"]
+    sets, _, fetched, steps = got["cpu"]
+    assert steps == 16 and fetched > 0 and any(d == 0 for _, d in sets)
+
+
 def test_buffer_views_and_the_cuda_module(mixed_ctx):
     buf = mixed_ctx.buffer(64)
     v = buf.view(np.int32, (4, 4))  # the CPU backend's buffers are host memory: numpy

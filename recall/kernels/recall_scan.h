@@ -329,11 +329,16 @@ KVT_HD void kvt__recall_q8_row(const uint8_t *row, uint32_t branch_offset, int b
     }
 }
 
-/* The plane's fp32 values of a row (little-endian bytes). */
+/* The plane's fp32 values of a row (little-endian bytes; on the device one kvt__dev_ld_u32, no
+ * byte loads: kernels/kvt_hd.h, scripts/ptx-check.sh). */
 KVT_HD float kvt__recall_q8_f(const uint8_t *pl, uint32_t i) {
     const uint8_t *b = pl + 4u * i;
+#if defined(__CUDA_ARCH__)
+    return kvt__f32_from_bits(kvt__dev_ld_u32(b));
+#else
     return kvt__f32_from_bits((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
                               (uint32_t)b[3] << 24);
+#endif
 }
 
 /* What the 8-bit scan keeps of one query head (besides its quantised vector). */
@@ -365,14 +370,29 @@ KVT_HD void kvt__recall_q8_head(const float *q, uint32_t D, uint32_t branch_dim,
 }
 
 /* The integer dots of a row's and a head's vectors (u8 = q + 128 both): *ib over the branch
- * (branch_dim values), *is over the sketch (the rest of len). */
+ * (branch_dim values), *is over the sketch (the rest of len, a multiple of 4). Exact in int32 in
+ * any order: on the device four values a load (kvt__dev_ld_u32: no byte loads), the same sums. */
 KVT_HD void kvt__recall_q8_dots(const uint8_t *x, const uint8_t *qv, uint32_t branch_dim,
                                 uint32_t len, int32_t *ib, int32_t *is) {
     int32_t b = 0, c = 0;
+#if defined(__CUDA_ARCH__)
+    for (uint32_t j = 0; j < len; j += 4u) {
+        const uint32_t xw = kvt__dev_ld_u32(x + j), qw = kvt__dev_ld_u32(qv + j);
+        for (uint32_t k = 0; k < 4u; k++) {
+            const int32_t p = ((int32_t)(xw >> (8u * k) & 255u) - 128) *
+                              ((int32_t)(qw >> (8u * k) & 255u) - 128);
+            if (j + k < branch_dim)
+                b += p;
+            else
+                c += p;
+        }
+    }
+#else
     for (uint32_t j = 0; j < branch_dim; j++)
         b += ((int32_t)x[j] - 128) * ((int32_t)qv[j] - 128);
     for (uint32_t j = branch_dim; j < len; j++)
         c += ((int32_t)x[j] - 128) * ((int32_t)qv[j] - 128);
+#endif
     *ib = b;
     *is = c;
 }

@@ -59,6 +59,9 @@ inline cudaError_t cudaHostAlloc(T **p, size_t bytes, unsigned int flags) {
 #define __device__
 #define __host__
 #define __forceinline__ inline
+/* __noinline__: a device function nvcc keeps out of line (its registers apart from the callers'
+ * inlined code); the host compiler's attribute, no other meaning here. */
+#define __noinline__ __attribute__((noinline))
 /* __shared__: static storage in the section kvt_emu_shared, which the emulation fills with the
  * poison byte before each block (blocks run one at a time, so a static is the block's own). */
 #define __shared__ __attribute__((section("kvt_emu_shared"))) static

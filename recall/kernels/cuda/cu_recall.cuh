@@ -22,17 +22,25 @@ namespace {
 typedef Params<kvt__recall_scan_args, kMaxSeg> ScanParams;
 
 /* The argument rules: kvt__recall_scan_args_ok / kvt__recall_step_args_ok
- * (recall_step.h), one definition with the CPU ops'; the 8-bit scan (q8_off) has no CUDA
- * twin yet (a context with params.recall_scan_bits 8 refuses this backend). */
+ * (recall_step.h), one definition with the CPU ops' (the 8-bit scan's, q8_off > 0, included). */
 inline bool scan_args_ok(const kvt__recall_scan_args &a) {
-    return kvt__recall_scan_args_ok(&a) && a.q8_off == 0;
+    return kvt__recall_scan_args_ok(&a) != 0;
+}
+
+/* Bytes of one head's 8-bit vector (kvt__recall_q8_len) in a workspace sized for any 8-bit
+ * item of branch_dim bd: the widest sketch a plane may hold (a planned step's bound does not
+ * say the width). */
+inline size_t q8_head_bytes_max(uint32_t bd) {
+    return kvt__recall_q8_len(bd, KVT__SKETCH_MAX_RANK);
 }
 
 /* Workspace of each item (`each` bytes apart): q̃_sk [heads][rank] floats, the residuals
- * [heads][D] floats, the heads' fields [heads], one fire flag per closed row. */
+ * [heads][D] floats, the heads' fields [heads], the 8-bit scan's heads (kvt__recall_q8h [heads],
+ * then their vectors [heads][kvt__recall_q8_len], both 0 bytes for 16-bit items), one fire flag
+ * per closed row. */
 struct ScanWs {
     uint8_t *base;
-    size_t each, off_res, off_heads, off_flags, off_extra;
+    size_t each, off_res, off_heads, off_q8h, off_q8v, off_flags, off_extra;
     size_t off_promo; /* recall_step with promotion: PromoWs (0 elsewhere) */
     size_t off_groups, group_each, off_live, off_visit; /* recall_step's pruned scan: GroupWs */
 };
@@ -40,22 +48,28 @@ struct ScanWs {
 /* The layout of k work items' scan workspace (item i's scan args at (char *)a0 + i * stride on
  * the host), `extra` more bytes each at off_extra; the most heads and closed rows among them. */
 /* The layout of scan items of at most qsk q̃_sk floats, res residual floats, H heads and rows
- * closed rows each, `extra` more bytes at off_extra. */
-inline ScanWs scan_ws_make(size_t qsk, size_t res, uint32_t H, size_t rows, size_t extra) {
+ * closed rows each, `extra` more bytes at off_extra; q8: the most bytes of a head's 8-bit
+ * vector (0: 16-bit items only). */
+inline ScanWs scan_ws_make(size_t qsk, size_t res, uint32_t H, size_t rows, size_t extra,
+                           size_t q8 = 0) {
     ScanWs w;
     w.base = NULL;
     w.off_res = align256(sizeof(float) * qsk);
     w.off_heads = w.off_res + align256(sizeof(float) * res);
-    w.off_flags = w.off_heads + align256(sizeof(kvt__recall_head) * H);
+    w.off_q8h = w.off_heads + align256(sizeof(kvt__recall_head) * H);
+    w.off_q8v = w.off_q8h + (q8 ? align256(sizeof(kvt__recall_q8h) * H) : 0);
+    w.off_flags = w.off_q8v + align256(q8 * H);
     w.off_extra = w.off_flags + align256(rows);
     w.each = w.off_extra + align256(extra);
     w.off_promo = w.off_groups = w.group_each = w.off_live = w.off_visit = 0;
     return w;
 }
 
+/* q8_any: size every item's 8-bit heads for the widest plane (a planned step's bound, whose
+ * q8_off is not stated); else by each item's own q8_off. */
 inline ScanWs scan_ws_of(const kvt__recall_scan_args *a0, size_t stride, uint32_t k, size_t extra,
-                         uint32_t *H_out, size_t *rows_out) {
-    size_t qsk = 0, res = 0, rows = 0;
+                         uint32_t *H_out, size_t *rows_out, bool q8_any = false) {
+    size_t qsk = 0, res = 0, rows = 0, q8 = 0;
     uint32_t H = 0;
     for (uint32_t i = 0; i < k; i++) {
         const kvt__recall_scan_args &x =
@@ -65,15 +79,21 @@ inline ScanWs scan_ws_of(const kvt__recall_scan_args *a0, size_t stride, uint32_
         res = r1 > res ? r1 : res;
         rows = x.n_closed > rows ? x.n_closed : rows;
         H = x.n_heads > H ? x.n_heads : H;
+        const size_t v = q8_any      ? q8_head_bytes_max(x.branch_dim)
+                         : x.q8_off ? kvt__recall_q8_len(x.branch_dim, x.q8_off)
+                                    : 0;
+        q8 = v > q8 ? v : q8;
     }
     *H_out = H;
     *rows_out = rows;
-    return scan_ws_make(qsk, res, H, rows, extra);
+    return scan_ws_make(qsk, res, H, rows, extra, q8);
 }
 
 struct ScanItem {
     float *q_sk, *res;
     kvt__recall_head *heads;
+    kvt__recall_q8h *q8h; /* the 8-bit scan's heads (q8_off > 0) */
+    uint8_t *q8v;         /* their vectors, kvt__recall_q8_len bytes a head */
     uint8_t *flags;
 };
 
@@ -83,6 +103,8 @@ __device__ inline ScanItem scan_item(const ScanWs &w, uint32_t i) {
     it.q_sk = (float *)b;
     it.res = (float *)(b + w.off_res);
     it.heads = (kvt__recall_head *)(b + w.off_heads);
+    it.q8h = (kvt__recall_q8h *)(b + w.off_q8h);
+    it.q8v = b + w.off_q8v;
     it.flags = b + w.off_flags;
     return it;
 }
@@ -90,9 +112,11 @@ __device__ inline ScanItem scan_item(const ScanWs &w, uint32_t i) {
 #define SCAN_ARGS(p, i) JOB_ARGS(kvt__recall_scan_args, p, i)
 
 /* Head prep (kvt__recall_head_prep, parallel over k then d): q̃_sk[k] by kvt__sketch_coef's
- * chain, q̃_res[d] by kvt__recall_resid's, then the norms and bounds by thread 0. The whole
- * block calls it for head h < a.n_heads. */
+ * chain, q̃_res[d] by kvt__recall_resid's, then the norms and bounds by thread 0, and for the
+ * 8-bit scan its quantised head (kvt__recall_q8_head: the CPU twin's q8_prep, one thread, so the
+ * scales and rounding norms are its bits). The whole block calls it for head h < a.n_heads. */
 __device__ inline void scan_head(const kvt__recall_scan_args &a, const ScanItem &it, uint32_t h) {
+    __shared__ float s_q8tmp[KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK];
     const uint32_t D = a.latent_dim, rank = a.rank;
     const float *q = a.q + (size_t)h * (D + a.branch_dim);
     float *q_sk = it.q_sk + (size_t)h * rank, *res = it.res + (size_t)h * D;
@@ -102,8 +126,37 @@ __device__ inline void scan_head(const kvt__recall_scan_args &a, const ScanItem 
     for (uint32_t d = threadIdx.x; d < D; d += blockDim.x)
         res[d] = kvt__recall_resid(q, q_sk, a.basis, rank, D, d);
     __syncthreads();
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         kvt__recall_head_finish(q, D, rank, q_sk, res, &it.heads[h]);
+        if (a.q8_off)
+            kvt__recall_q8_head(q, D, a.branch_dim, q_sk, rank, a.q8_off, s_q8tmp,
+                                it.q8v + (size_t)h * kvt__recall_q8_len(a.branch_dim, a.q8_off),
+                                &it.q8h[h]);
+    }
+}
+
+/* Does a head fire in the 8-bit scan on a row whose plane is pl (kvt__recall_q8_words fp16
+ * words: its six values, then its vector), ρ rho? kvt__recall_q8_dots (exact integers) and
+ * kvt__recall_q8_fires: the CPU twin's per-element functions. Not inlined, its arguments scalars
+ * and global pointers: the 16-bit scan's kernels keep their registers (56 for k_scan_rows, not
+ * 142 with this inlined) and no stack frame. */
+__device__ __noinline__ bool q8_fires(const kvt__recall_head *hd, const kvt__recall_q8h *qh,
+                                      const uint8_t *qv, const uint8_t *pl, uint32_t len,
+                                      float rho, float s, float z, float best, int mode,
+                                      uint32_t D, uint32_t bd, uint32_t rank) {
+    int32_t ib, is;
+    kvt__recall_q8_dots(pl + 4u * KVT__Q8_FLOATS, qv, bd, len, &ib, &is);
+    const kvt__recall_head h = *hd;
+    const kvt__recall_q8h q = *qh;
+    return kvt__recall_q8_fires(&h, &q, pl, ib, is, rho, s, z, best, mode, D, bd, rank) != 0;
+}
+
+/* Head h of the item in the 8-bit scan (q8_fires on its prepared values). */
+__device__ inline bool scan_q8_fires(const kvt__recall_scan_args &a, const ScanItem &it,
+                                     uint32_t h, const uint8_t *pl, float rho) {
+    const uint32_t len = kvt__recall_q8_len(a.branch_dim, a.q8_off);
+    return q8_fires(it.heads + h, it.q8h + h, it.q8v + (size_t)h * len, pl, len, rho, a.scale,
+                    a.z, a.best[h], a.mode, a.latent_dim, a.branch_dim, a.rank);
 }
 
 /* Does head h fire on a row whose branch is at `br` (branch_dtype, branch_dim values) and whose
@@ -136,9 +189,15 @@ __device__ inline const uint8_t *scan_branch(const kvt__recall_scan_args &a, uin
 /* Does an archived row fire? Its heads in order until one does (the twin's OR). */
 __device__ inline bool scan_fires(const kvt__recall_scan_args &a, const ScanItem &it,
                                   uint32_t row) {
-    const uint8_t *br = scan_branch(a, row);
     const uint16_t *csk = kvt__scan_csk(&a, row);
     const float rho = *kvt__scan_rho(&a, row);
+    if (a.q8_off) {
+        for (uint32_t h = 0; h < a.n_heads; h++)
+            if (scan_q8_fires(a, it, h, (const uint8_t *)(csk + a.q8_off), rho))
+                return true;
+        return false;
+    }
+    const uint8_t *br = scan_branch(a, row);
     for (uint32_t h = 0; h < a.n_heads; h++)
         if (scan_head_fires(a, it, h, br, csk, rho))
             return true;
@@ -184,8 +243,12 @@ template <class Map>
 __device__ inline void scan_tiles(const kvt__recall_scan_args &a, const ScanItem &it, uint64_t n,
                                   Map map, unsigned long long *visit) {
     const uint32_t elt = a.branch_dtype == KVT__DT_FP32 ? 4u : 2u;
-    const uint32_t bw = a.branch_dim * elt / 2u;        /* the branch's u16 units */
-    const uint32_t W = (bw + a.rank + 1u) & ~1u;         /* a row's units, even: 4-byte rows */
+    /* 16-bit: the branch's u16 units then the sketch; 8-bit: the plane's words alone (at
+     * q8_off of the sketch row; an even count: 24 bytes and a multiple of 4) */
+    const uint32_t q8w = a.q8_off ? kvt__recall_q8_words(a.branch_dim, a.q8_off) : 0u;
+    const uint32_t bw = a.q8_off ? 0u : a.branch_dim * elt / 2u;
+    const uint32_t nu = a.q8_off ? q8w : bw + a.rank;   /* a row's units */
+    const uint32_t W = (nu + 1u) & ~1u;                  /* even: 4-byte rows */
     uint32_t T = kThreads;
     while (T >= 8 && (uint64_t)T * W > kScanTileU16)
         T /= 2;
@@ -218,24 +281,29 @@ __device__ inline void scan_tiles(const kvt__recall_scan_args &a, const ScanItem
             const bool ev = t < n && map(t, &r);
             cnt += ev;
             s_row[threadIdx.x] = r;
-            s_br[threadIdx.x] = ev ? scan_branch(a, (uint32_t)r) : NULL;
+            /* s_br marks an evaluated row (8-bit: the plane's first word) */
             s_csk[threadIdx.x] = ev ? kvt__scan_csk(&a, r) : NULL;
+            s_br[threadIdx.x] = !ev        ? NULL
+                                : a.q8_off ? (const uint8_t *)(s_csk[threadIdx.x] + a.q8_off)
+                                           : scan_branch(a, (uint32_t)r);
             s_rho[threadIdx.x] = ev ? *kvt__scan_rho(&a, r) : 0.0f;
             s_fire[threadIdx.x] = 0;
         }
         __syncthreads();
         for (UnitWalk u(W ? W : 1u); W && u.row < T; u.next()) {
             const uint8_t *br = s_br[u.row];
-            if (br && u.unit < bw + a.rank)
-                s_u[u.row * W + u.unit] = u.unit < bw ? kvt__dev_ld_u16(br + 2u * u.unit)
-                                                      : s_csk[u.row][u.unit - bw];
+            if (br && u.unit < nu)
+                s_u[u.row * W + u.unit] = a.q8_off || u.unit >= bw
+                                              ? s_csk[u.row][u.unit - bw + a.q8_off]
+                                              : kvt__dev_ld_u16(br + 2u * u.unit);
         }
         __syncthreads();
         if (s_br[slot]) {
             const uint8_t *br = (const uint8_t *)(s_u + slot * W);
             const uint16_t *csk = s_u + slot * W + bw;
             for (uint32_t h = lane; h < a.n_heads; h += L)
-                if (scan_head_fires(a, it, h, br, csk, s_rho[slot])) {
+                if (a.q8_off ? scan_q8_fires(a, it, h, br, s_rho[slot])
+                             : scan_head_fires(a, it, h, br, csk, s_rho[slot])) {
                     atomicOr(&s_fire[slot], 1u);
                     break;
                 }
@@ -605,10 +673,11 @@ __device__ inline GroupWs group_ws(const ScanWs &w, uint32_t item) {
     return g;
 }
 
-/* Does this step run the pruned scan (the twin's choice: planes, not the margin mode, a scanning
- * step the state says pays; launch 4 counts the step, so this one is steps + 1)? */
+/* Does this step run the pruned scan (the twin's choice: planes, not the margin mode, not the
+ * 8-bit scan — the groups bound the 16-bit idx —, a scanning step the state says pays; launch 4
+ * counts the step, so this one is steps + 1)? */
 __device__ inline bool step_prunes(const kvt__recall_step_args &x, const StepPlan &pl) {
-    return x.g_perm && x.mode != KVT__RECALL_MARGIN && pl.scan &&
+    return x.g_perm && x.mode != KVT__RECALL_MARGIN && pl.scan && !x.scan.q8_off &&
            kvt__recall_prune_pays(x.st, x.st->steps + 1u);
 }
 
@@ -1099,7 +1168,8 @@ inline ScanWs step_ws_of(const kvt__recall_step_args *a, uint32_t k, StepShape *
     const size_t extra = align256(3 * align256(sizeof(float) * h) + sizeof(float) * cap);
     const size_t promo_b = align256(sizeof(uint32_t) * promo);
     const size_t groups_b = sh->groups ? kGroupBlocks * gbuild + align256(gslots) + 256 : 0;
-    ScanWs w = scan_ws_of(&a[0].scan, sizeof *a, k, extra + promo_b + groups_b, &sh->H, &sh->rows);
+    ScanWs w = scan_ws_of(&a[0].scan, sizeof *a, k, extra + promo_b + groups_b, &sh->H, &sh->rows,
+                          true);
     w.off_promo = w.off_extra + extra;
     if (sh->groups) {
         w.off_groups = w.off_promo + promo_b;
