@@ -1,7 +1,7 @@
 /*
  * bench_close.c — what a salience close runs per row, each CPU twin alone on one block of B = 4096
  * bf16 MLA-NoPE rows (512 latent + 64 branch, 1152 B, behind a shuffled slot table): σ
- * (kvt__sigma_block_cpu, κ = 16: 31 basis columns), the rank-64 sketch (kvt__sketch_rows_cpu, its
+ * (kvt__sigma_block_cpu, κ = 16: 31 basis columns; its AVX2 twin and its scalar loops), the rank-64 sketch (kvt__sketch_rows_cpu, its
  * AVX-512 path and its narrow path where the CPU has AVX-512F) and the pruned scan's group build
  * (kvt__recall_group_block_cpu, its AVX-512 chains and its narrow ones) and the 8-bit planes
  * (kvt__recall_q8_rows_cpu at params.recall_scan_bits 8: per row, kvt__recall_q8_row, then its
@@ -99,7 +99,11 @@ int main(int argc, char **argv) {
     if (!perm2)
         return 1;
     range rs = {1e30, 0}, rk = {1e30, 0}, rn = {1e30, 0}, rg = {1e30, 0}, rgn = {1e30, 0};
-    range rq[3] = {{1e30, 0}, {1e30, 0}, {1e30, 0}};
+    range rq[3] = {{1e30, 0}, {1e30, 0}, {1e30, 0}}, rsn = {1e30, 0};
+    const int swide = kvt__sigma_simd(-1);
+    float *sig2 = malloc(sizeof(float) * B);
+    if (!sig2)
+        return 1;
     /* the 8-bit planes: sketch rows of S fp16 words (the rank-64 sketch, then the plane) */
     const uint32_t S = RANK + kvt__recall_q8_words(BD, RANK);
     const int qlevel = kvt__recall_q8_rows_level(-1);
@@ -109,9 +113,20 @@ int main(int argc, char **argv) {
         return 1;
     int same = 1, qsame = 1;
     for (int r = 0; r < reps; r++) {
-        double t = cpu_s();
+        double t;
+        if (swide) { /* the scalar loops, for scale, then the AVX2 twin: the same bits */
+            kvt__sigma_simd(0);
+            t = cpu_s();
+            kvt__sigma_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, basis, NBASIS, ss,
+                                 sig2);
+            take(&rsn, cpu_s() - t);
+            kvt__sigma_simd(1);
+        }
+        t = cpu_s();
         kvt__sigma_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, basis, NBASIS, ss, sig);
         take(&rs, cpu_s() - t);
+        if (swide)
+            same &= !memcmp(sig, sig2, sizeof(float) * B);
         if (wide) { /* the narrow path, for scale, then the wide one: the same bits */
             kvt__sketch_wide(0);
             t = cpu_s();
@@ -159,7 +174,11 @@ int main(int argc, char **argv) {
     const double ns = 1e9 / B;
     printf("bench_close: one block of %u bf16 rows (512 + 64), %d repeats, thread CPU time per row "
            "(min-max); exit status 1 if a wide path's output differs from the narrow one's\n", B, reps);
-    printf("  sigma (kappa %u)        %6.0f - %6.0f ns\n", KAPPA, rs.lo * ns, rs.hi * ns);
+    printf("  sigma (kappa %u, %s)  %6.0f - %6.0f ns\n", KAPPA, swide ? "AVX2  " : "scalar",
+           rs.lo * ns, rs.hi * ns);
+    if (swide)
+        printf("  sigma (kappa %u, scalar)  %6.0f - %6.0f ns; AVX2 == scalar bit for bit: %s\n",
+               KAPPA, rsn.lo * ns, rsn.hi * ns, same ? "yes" : "NO");
     printf("  sketch rank %u (%s)  %6.0f - %6.0f ns\n", RANK, wide ? "AVX-512" : "narrow ",
            rk.lo * ns, rk.hi * ns);
     if (wide)
@@ -175,6 +194,7 @@ int main(int argc, char **argv) {
                rq[lv].hi * ns, lv == qlevel && lv ? (qsame ? "; SIMD == per row byte for byte: yes"
                                                             : "; SIMD == per row byte for byte: NO")
                                                   : "");
+    free(sig2);
     free(q8);
     free(q8ref);
     free(qs);
