@@ -85,12 +85,12 @@ static inline const uint8_t *row_at(const uint8_t *base, const int32_t *slots, u
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The AVX2 + FMA twin (x86-64, branch_dim a multiple of 64, the CPU's choice at run time): the
- * loops below with each chain in a vector lane — step 1a's part[j][d] and step 2's rec[d] one
- * fused multiply-add per (u, j) in the same order (vfmadd is fmaf: one rounding), the residual
- * one subtraction, step 3's 32 lane partials of kvt__sumsq_lane in four vectors (d = l, l + 32,
- * .. ascending) and kvt__tree32's additions in its order (s = 16, 8, 4, 2, 1). The scalar loops
- * spend most of σ's ~0.8 µs a row on the compiler's scalar chains; here it is a few hundred ns.
+ * The AVX2 + FMA and AVX-512 twins (x86-64, branch_dim a multiple of 64, the CPU's choice at run
+ * time, kvt__sigma_simd): the scalar loops with each chain in a vector lane — step 1a's part[j][d]
+ * and step 2's rec[d] one fused multiply-add per (u, j) in the same order (vfmadd is fmaf: one
+ * rounding), the residual one subtraction, step 3's 32 lane partials of kvt__sumsq_lane in four
+ * (two) vectors (d = l, l + 32, .. ascending) and kvt__tree32's additions in its order (s = 16, 8,
+ * 4, 2, 1). The scalar loops spend most of σ's ~0.8 µs a row on the compiler's scalar chains.
  * ------------------------------------------------------------------------------------------- */
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
@@ -191,15 +191,92 @@ SIGMA_FN static void sigma_avx2(const uint8_t *base, const int32_t *slots, uint3
         sigma_out[u] = sqrtf(_mm_cvtss_f32(t1));
     }
 }
+
+/* The same loops with 16 lanes (AVX-512F): a 64-channel chunk is four vectors; the 32 norm lanes
+ * two (d = c0 + 16k: lanes 0–15 for even k, 16–31 for odd k), kvt__tree32's s = 16 between them. */
+#define SIGMA_FN512 __attribute__((target("avx2,fma,avx512f")))
+SIGMA_FN512 static void sigma_avx512(const uint8_t *base, const int32_t *slots, uint32_t B,
+                                     size_t slot_stride_bytes, uint32_t branch_offset,
+                                     int branch_dtype, uint32_t D, const float *basis,
+                                     uint32_t n_basis, float *scratch, float *sigma_out) {
+    const uint32_t P = B / KVT__SIGMA_LEAF_ROWS;
+    const size_t part_floats = (size_t)n_basis * D;
+    float r[KVT__SIGMA_MAX_BRANCH_DIM];
+    for (uint32_t p = 0; p < P; p++) {
+        float *part = scratch + (size_t)p * part_floats;
+        memset(part, 0, sizeof *part * part_floats);
+        for (uint32_t u = p * KVT__SIGMA_LEAF_ROWS; u < (p + 1) * KVT__SIGMA_LEAF_ROWS; u++) {
+            if (!branch_avx2(base + (size_t)slots[u] * slot_stride_bytes, branch_offset,
+                             branch_dtype, D, r))
+                memset(r, 0, sizeof *r * D);
+            for (uint32_t c0 = 0; c0 < D; c0 += 64u) {
+                __m512 x[4];
+                for (int k = 0; k < 4; k++)
+                    x[k] = _mm512_loadu_ps(r + c0 + 16u * k);
+                for (uint32_t j = 0; j < n_basis; j++) {
+                    const __m512 c = _mm512_set1_ps(basis[(size_t)j * B + u]);
+                    float *pj = part + (size_t)j * D + c0;
+                    for (int k = 0; k < 4; k++)
+                        _mm512_storeu_ps(pj + 16 * k,
+                                         _mm512_fmadd_ps(c, x[k], _mm512_loadu_ps(pj + 16 * k)));
+                }
+            }
+        }
+    }
+    for (uint32_t s = P / 2; s >= 1; s >>= 1) {
+        for (uint32_t i = 0; i < s; i++) {
+            float *a = scratch + (size_t)i * part_floats;
+            const float *b = scratch + (size_t)(i + s) * part_floats;
+            for (size_t e = 0; e < part_floats; e += 16u)
+                _mm512_storeu_ps(a + e, _mm512_add_ps(_mm512_loadu_ps(a + e),
+                                                      _mm512_loadu_ps(b + e)));
+        }
+    }
+    const float *Y = scratch;
+    for (uint32_t u = 0; u < B; u++) {
+        if (!branch_avx2(base + (size_t)slots[u] * slot_stride_bytes, branch_offset, branch_dtype,
+                         D, r)) {
+            sigma_out[u] = INFINITY;
+            continue;
+        }
+        __m512 lane[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (uint32_t c0 = 0; c0 < D; c0 += 64u) {
+            __m512 rec[4];
+            for (int k = 0; k < 4; k++)
+                rec[k] = _mm512_setzero_ps();
+            for (uint32_t j = 0; j < n_basis; j++) {
+                const __m512 c = _mm512_set1_ps(basis[(size_t)j * B + u]);
+                const float *yj = Y + (size_t)j * D + c0;
+                for (int k = 0; k < 4; k++)
+                    rec[k] = _mm512_fmadd_ps(c, _mm512_loadu_ps(yj + 16 * k), rec[k]);
+            }
+            for (int k = 0; k < 4; k++) {
+                const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(r + c0 + 16u * k), rec[k]);
+                lane[k % 2] = _mm512_fmadd_ps(v, v, lane[k % 2]);
+            }
+        }
+        const __m512 t16 = _mm512_add_ps(lane[0], lane[1]);
+        const __m256 t8 = _mm256_add_ps(
+            _mm512_castps512_ps256(t16),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t16), 1)));
+        const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+        const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+        const __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
+        sigma_out[u] = sqrtf(_mm_cvtss_f32(t1));
+    }
+}
 #endif
 
-static int simd_enabled = 1;
+static int simd_max_level = 2;
 
 int kvt__sigma_simd(int enable) {
     if (enable >= 0)
-        simd_enabled = enable;
+        simd_max_level = enable;
 #ifdef SIGMA_AVX2
-    return simd_enabled && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int cpu = !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ? 0
+                    : __builtin_cpu_supports("avx512f")                               ? 2
+                                                                                      : 1;
+    return cpu < simd_max_level ? cpu : simd_max_level;
 #else
     return 0;
 #endif
@@ -214,9 +291,11 @@ void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
     KVT_ASSERT(branch_dim >= 1 && branch_dim <= KVT__SIGMA_MAX_BRANCH_DIM);
     KVT_ASSERT(n_basis >= 1 && n_basis < B);
 #ifdef SIGMA_AVX2
-    if (branch_dim % 64u == 0 && kvt__sigma_simd(-1)) {
-        sigma_avx2(base, slots, B, slot_stride_bytes, branch_offset, branch_dtype, branch_dim,
-                   basis, n_basis, scratch, sigma_out);
+    const int level = branch_dim % 64u == 0 ? kvt__sigma_simd(-1) : 0;
+    if (level) {
+        (level == 2 ? sigma_avx512 : sigma_avx2)(base, slots, B, slot_stride_bytes, branch_offset,
+                                                 branch_dtype, branch_dim, basis, n_basis,
+                                                 scratch, sigma_out);
         return;
     }
 #endif

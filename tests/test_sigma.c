@@ -503,7 +503,7 @@ Test(sigma, twin_equals_per_element_functions) {
     }
 }
 
-/* The AVX2 + FMA twin (kvt__sigma_simd) gives the scalar twin's bits: σ of every row and the
+/* The AVX2 + FMA and AVX-512 twins (kvt__sigma_simd) give the scalar twin's bits: σ of every row and the
  * fit Y (scratch leaf 0), on every layout, Fourier and DCT bases, several B and κ, branches of 64
  * and 128 values (and 96, which takes the scalar loops), with rows at the edges: non-finite (left
  * out of the fit), all zero, subnormal, huge, and a near-exact low-pass fit (cancellation). */
@@ -512,7 +512,7 @@ Test(sigma, simd_twin_equals_scalar_twin) {
     static const uint32_t kappas[] = {1, 4, 16, 8};
     static const uint32_t dims[] = {64, 128, 96};
     const int simd = kvt__sigma_simd(-1);
-    uint64_t rows = 0, simd_rows = 0;
+    uint64_t rows = 0, rows_at[3] = {0, 0, 0};
     for (uint32_t c = 0; c < 24; c++) {
         const uint64_t seed = 0x51600u + c;
         tu_rng rng = {seed};
@@ -545,8 +545,8 @@ Test(sigma, simd_twin_equals_scalar_twin) {
         float *basis = malloc((size_t)nb * B * sizeof *basis);
         cr_assert_eq(kvt__sigma_basis((int)(c % 2), B, kappa, basis), 0);
         const size_t ns = kvt__sigma_scratch_floats(B, nb, bd);
-        float *sc[2], *out[2];
-        for (int v = 0; v < 2; v++) {
+        float *sc[3], *out[3];
+        for (int v = 0; v < 3; v++) { /* levels 0 (scalar), 1 (AVX2), 2 (AVX-512) */
             sc[v] = malloc((ns + N_GUARD) * sizeof(float));
             out[v] = malloc((B + N_GUARD) * sizeof(float));
             cr_assert(sc[v] && out[v]);
@@ -555,32 +555,37 @@ Test(sigma, simd_twin_equals_scalar_twin) {
             kvt__sigma_simd(v);
             kvt__sigma_block_cpu(b.pool, b.slots, B, L->stride_bytes, off, L->dt, bd, basis, nb,
                                  sc[v], out[v]);
-            kvt__sigma_simd(1);
+            kvt__sigma_simd(2);
             for (int g = 0; g < N_GUARD; g++)
                 cr_assert(sc[v][ns + g] == GUARD_F && out[v][B + g] == GUARD_F,
                           "seed %llx: write past the scratch or σ", (unsigned long long)seed);
         }
-        cr_assert(!memcmp(sc[0], sc[1], sizeof(float) * nb * bd),
-                  "seed %llx (%s, B %u, kappa %u, branch %u): the fit Y differs",
-                  (unsigned long long)seed, L->name, B, kappa, bd);
-        for (uint32_t u = 0; u < B; u++)
-            cr_assert(!memcmp(&out[0][u], &out[1][u], sizeof(float)),
-                      "seed %llx (%s, B %u, kappa %u, branch %u): row %u: SIMD %.9g, scalar %.9g",
-                      (unsigned long long)seed, L->name, B, kappa, bd, u, (double)out[1][u],
-                      (double)out[0][u]);
+        for (int v = 1; v < 3; v++) {
+            cr_assert(!memcmp(sc[0], sc[v], sizeof(float) * nb * bd),
+                      "seed %llx (%s, B %u, kappa %u, branch %u): level %d: the fit Y differs",
+                      (unsigned long long)seed, L->name, B, kappa, bd, v);
+            for (uint32_t u = 0; u < B; u++)
+                cr_assert(!memcmp(&out[0][u], &out[v][u], sizeof(float)),
+                          "seed %llx (%s, B %u, kappa %u, branch %u): level %d, row %u: SIMD "
+                          "%.9g, scalar %.9g",
+                          (unsigned long long)seed, L->name, B, kappa, bd, v, u,
+                          (double)out[v][u], (double)out[0][u]);
+            rows_at[v] += simd >= v && bd % 64u == 0 ? B : 0;
+        }
         rows += B;
-        simd_rows += simd && bd % 64u == 0 ? B : 0;
-        for (int v = 0; v < 2; v++) {
+        for (int v = 0; v < 3; v++) {
             free(sc[v]);
             free(out[v]);
         }
         free(basis);
         block_free(&b);
     }
-    cr_log_info("sigma: %llu rows equal, %llu of them through the AVX2 twin (%s)",
-                (unsigned long long)rows, (unsigned long long)simd_rows,
-                simd ? "AVX2 + FMA here" : "no AVX2 + FMA here");
-    cr_assert(!simd || simd_rows > 0);
+    cr_log_info("sigma: %llu rows equal at every level, %llu through the AVX2 twin, %llu through "
+                "the AVX-512 one (CPU level %d)",
+                (unsigned long long)rows, (unsigned long long)rows_at[1],
+                (unsigned long long)rows_at[2], simd);
+    cr_assert(simd < 1 || rows_at[1] > 0);
+    cr_assert(simd < 2 || rows_at[2] > 0);
 }
 
 /* ---------------------------------------------------------------------------------------------

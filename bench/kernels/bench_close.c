@@ -99,7 +99,7 @@ int main(int argc, char **argv) {
     if (!perm2)
         return 1;
     range rs = {1e30, 0}, rk = {1e30, 0}, rn = {1e30, 0}, rg = {1e30, 0}, rgn = {1e30, 0};
-    range rq[3] = {{1e30, 0}, {1e30, 0}, {1e30, 0}}, rsn = {1e30, 0};
+    range rq[3] = {{1e30, 0}, {1e30, 0}, {1e30, 0}}, rsn[2] = {{1e30, 0}, {1e30, 0}};
     const int swide = kvt__sigma_simd(-1);
     float *sig2 = malloc(sizeof(float) * B);
     if (!sig2)
@@ -114,18 +114,20 @@ int main(int argc, char **argv) {
     int same = 1, qsame = 1;
     for (int r = 0; r < reps; r++) {
         double t;
-        if (swide) { /* the scalar loops, for scale, then the AVX2 twin: the same bits */
-            kvt__sigma_simd(0);
+        for (int lv = 0; lv < swide; lv++) { /* the lower levels, for scale: the same bits */
+            kvt__sigma_simd(lv);
             t = cpu_s();
             kvt__sigma_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, basis, NBASIS, ss,
-                                 sig2);
-            take(&rsn, cpu_s() - t);
-            kvt__sigma_simd(1);
+                                 lv ? sig : sig2);
+            take(&rsn[lv], cpu_s() - t);
+            kvt__sigma_simd(2);
+            if (lv)
+                same &= !memcmp(sig, sig2, sizeof(float) * B);
         }
         t = cpu_s();
         kvt__sigma_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, basis, NBASIS, ss, sig);
         take(&rs, cpu_s() - t);
-        if (swide)
+        if (swide) /* against the scalar loops' */
             same &= !memcmp(sig, sig2, sizeof(float) * B);
         if (wide) { /* the narrow path, for scale, then the wide one: the same bits */
             kvt__sketch_wide(0);
@@ -174,11 +176,13 @@ int main(int argc, char **argv) {
     const double ns = 1e9 / B;
     printf("bench_close: one block of %u bf16 rows (512 + 64), %d repeats, thread CPU time per row "
            "(min-max); exit status 1 if a wide path's output differs from the narrow one's\n", B, reps);
-    printf("  sigma (kappa %u, %s)  %6.0f - %6.0f ns\n", KAPPA, swide ? "AVX2  " : "scalar",
-           rs.lo * ns, rs.hi * ns);
-    if (swide)
-        printf("  sigma (kappa %u, scalar)  %6.0f - %6.0f ns; AVX2 == scalar bit for bit: %s\n",
-               KAPPA, rsn.lo * ns, rsn.hi * ns, same ? "yes" : "NO");
+    static const char *const sname[3] = {"scalar", "AVX2", "AVX-512"};
+    printf("  sigma (kappa %u, %-7s) %6.0f - %6.0f ns\n", KAPPA, sname[swide], rs.lo * ns,
+           rs.hi * ns);
+    for (int lv = swide - 1; lv >= 0; lv--)
+        printf("  sigma (kappa %u, %-7s) %6.0f - %6.0f ns%s\n", KAPPA, sname[lv], rsn[lv].lo * ns,
+               rsn[lv].hi * ns, lv ? "" : (same ? "; SIMD == scalar bit for bit: yes"
+                                                : "; SIMD == scalar bit for bit: NO"));
     printf("  sketch rank %u (%s)  %6.0f - %6.0f ns\n", RANK, wide ? "AVX-512" : "narrow ",
            rk.lo * ns, rk.hi * ns);
     if (wide)
