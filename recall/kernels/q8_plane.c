@@ -276,18 +276,27 @@ AVX2_FN static void rows_simd(int level, const uint8_t *base, const int32_t *slo
 }
 #endif
 
+#ifdef Q8_SIMD
+#include <cpuid.h>
+/* F16C (CPUID.1:ECX bit 29; clang's __builtin_cpu_supports does not know the name). */
+static int has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1u);
+}
+#endif
+
 static int q8_rows_max_level = 2;
 
 int kvt__recall_q8_rows_level(int enable) {
     if (enable >= 0)
         q8_rows_max_level = enable;
 #ifdef Q8_SIMD
-    const int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl") &&
-                            __builtin_cpu_supports("f16c")
+    const int f16c = has_f16c();
+    const int cpu = f16c && __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
                         ? 2
-                    : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1
-                                                                                        : 0;
+                    : f16c && __builtin_cpu_supports("avx2") ? 1
+                                                             : 0;
     return cpu < q8_rows_max_level ? cpu : q8_rows_max_level;
 #else
     return 0;
