@@ -170,8 +170,8 @@ static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args 
     size_t n = kvt__backend_sketch_floats(a->n_rows, a->latent_dim);
     /* 8-bit: the fp16 sketches at their own width first ([n_rows][q8_off]), and the planes'
      * writer's scratch */
-    const size_t n_q8_rows = a->q8_off ? kvt__recall_q8_rows_scratch_floats(a->branch_dim, a->q8_off)
-                                       : 0;
+    const size_t n_q8_rows =
+        a->q8_off ? kvt__recall_q8_rows_scratch_floats(a->branch_dim, a->q8_off) : 0;
     const size_t n_q8 = a->q8_off ? ((size_t)a->n_rows * a->q8_off + 1u) / 2u + n_q8_rows : 0;
     n += n_q8;
     bool owned;

@@ -211,9 +211,9 @@ SIGMA_FN512 static float row_avx512(const float *r, const float *basis, uint32_t
 
 /* The scalar twin's steps with the rows' work in vectors (level 2: AVX-512, 1: AVX2). */
 SIGMA_FN static void sigma_simd(int level, const uint8_t *base, const int32_t *slots, uint32_t B,
-                                size_t slot_stride_bytes, uint32_t branch_offset,
-                                int branch_dtype, uint32_t D, const float *basis,
-                                uint32_t n_basis, float *scratch, float *sigma_out) {
+                                size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,
+                                uint32_t D, const float *basis, uint32_t n_basis, float *scratch,
+                                float *sigma_out) {
     const uint32_t P = B / KVT__SIGMA_LEAF_ROWS;
     const size_t part_floats = (size_t)n_basis * D;
     float r[KVT__SIGMA_MAX_BRANCH_DIM];
@@ -234,17 +234,17 @@ SIGMA_FN static void sigma_simd(int level, const uint8_t *base, const int32_t *s
             float *a = scratch + (size_t)i * part_floats;
             const float *b = scratch + (size_t)(i + s) * part_floats;
             for (size_t e = 0; e < part_floats; e += 8u)
-                _mm256_storeu_ps(a + e, _mm256_add_ps(_mm256_loadu_ps(a + e),
-                                                      _mm256_loadu_ps(b + e)));
+                _mm256_storeu_ps(a + e,
+                                 _mm256_add_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e)));
         }
     }
     /* Steps 2 and 3 (a bad row: +Inf) */
     for (uint32_t u = 0; u < B; u++)
-        sigma_out[u] = branch_avx2(base + (size_t)slots[u] * slot_stride_bytes, branch_offset,
-                                   branch_dtype, D, r)
-                           ? (level == 2 ? row_avx512 : row_avx2)(r, basis, B, u, n_basis, D,
-                                                                   scratch)
-                           : INFINITY;
+        sigma_out[u] =
+            branch_avx2(base + (size_t)slots[u] * slot_stride_bytes, branch_offset, branch_dtype, D,
+                        r)
+                ? (level == 2 ? row_avx512 : row_avx2)(r, basis, B, u, n_basis, D, scratch)
+                : INFINITY;
 }
 #endif
 

@@ -1244,9 +1244,9 @@ static void edge_sketch(tu_rng *g, uint16_t *c, uint32_t W) {
         else if (kind == 2)
             c[k] = (uint16_t)(sg | (k == 0 ? 0x7bffu : (uint16_t)(tu_next(g) % 0x7c00u)));
         else if (kind == 3)
-            c[k] = (uint16_t)(sg | kvt__f32_to_f16(k == 0 ? m
-                                                          : m * ((float)(tu_next(g) % 127) + 0.5f) /
-                                                                127.0f));
+            c[k] =
+                (uint16_t)(sg | kvt__f32_to_f16(
+                                    k == 0 ? m : m * ((float)(tu_next(g) % 127) + 0.5f) / 127.0f));
         else if (k == 0)
             c[k] = kind == 4 ? 0x7c00u : 0x7e01u;
     }
@@ -1296,8 +1296,7 @@ Test(recall_scan, q8_rows_simd_equal_per_row) {
             cr_assert(o);
             memcpy(o, got, (size_t)N * S * 2);
             kvt__recall_q8_rows_level(lv);
-            kvt__recall_q8_rows_cpu(s.pool, slots, N, s.stride, D * elt, s.dtype, BD, o, S, W,
-                                    tmp);
+            kvt__recall_q8_rows_cpu(s.pool, slots, N, s.stride, D * elt, s.dtype, BD, o, S, W, tmp);
             kvt__recall_q8_rows_level(2);
             for (uint32_t row = 0; row < N; row++)
                 cr_assert(!memcmp(o + (size_t)row * S, ref + (size_t)row * S, 2u * S),

@@ -503,10 +503,11 @@ Test(sigma, twin_equals_per_element_functions) {
     }
 }
 
-/* The AVX2 + FMA and AVX-512 twins (kvt__sigma_simd) give the scalar twin's bits: σ of every row and the
- * fit Y (scratch leaf 0), on every layout, Fourier and DCT bases, several B and κ, branches of 64
- * and 128 values (and 96, which takes the scalar loops), with rows at the edges: non-finite (left
- * out of the fit), all zero, subnormal, huge, and a near-exact low-pass fit (cancellation). */
+/* The AVX2 + FMA and AVX-512 twins (kvt__sigma_simd) give the scalar twin's bits: σ of every row
+ * and the fit Y (scratch leaf 0), on every layout, Fourier and DCT bases, several B and κ, branches
+ * of 64 and 128 values (and 96, which takes the scalar loops), with rows at the edges: non-finite
+ * (left out of the fit), all zero, subnormal, huge, and a near-exact low-pass fit (cancellation).
+ */
 Test(sigma, simd_twin_equals_scalar_twin) {
     static const uint32_t Bs[] = {64, 256, 1024, 4096};
     static const uint32_t kappas[] = {1, 4, 16, 8};
@@ -519,8 +520,9 @@ Test(sigma, simd_twin_equals_scalar_twin) {
         const layout *L = &LAYOUTS[c % 4];
         const uint32_t B = Bs[(c / 4) % 4], kappa = kappas[c % 4], nb = 2 * kappa - 1;
         const uint32_t bd = L->stride_bytes >= 1152 ? dims[c % 3] : 64u;
-        const uint32_t off = L->branch_offset + 64u * (L->dt == KVT__DT_FP32 ? 4u : 2u) -
-                             bd * (L->dt == KVT__DT_FP32 ? 4u : 2u); /* the branch ends where D's does */
+        const uint32_t off =
+            L->branch_offset + 64u * (L->dt == KVT__DT_FP32 ? 4u : 2u) -
+            bd * (L->dt == KVT__DT_FP32 ? 4u : 2u); /* the branch ends where D's does */
         block b;
         block_init(&b, L, B, &rng);
         fill_drift(&b, kappa, &rng, c % 2 ? 1e-3 : 0.1, 5.0, 2.0, (int)(c % 3 == 0));
@@ -568,8 +570,8 @@ Test(sigma, simd_twin_equals_scalar_twin) {
                 cr_assert(!memcmp(&out[0][u], &out[v][u], sizeof(float)),
                           "seed %llx (%s, B %u, kappa %u, branch %u): level %d, row %u: SIMD "
                           "%.9g, scalar %.9g",
-                          (unsigned long long)seed, L->name, B, kappa, bd, v, u,
-                          (double)out[v][u], (double)out[0][u]);
+                          (unsigned long long)seed, L->name, B, kappa, bd, v, u, (double)out[v][u],
+                          (double)out[0][u]);
             rows_at[v] += simd >= v && bd % 64u == 0 ? B : 0;
         }
         rows += B;

@@ -1,17 +1,18 @@
 /*
  * bench_close.c — what a salience close runs per row, each CPU twin alone on one block of B = 4096
  * bf16 MLA-NoPE rows (512 latent + 64 branch, 1152 B, behind a shuffled slot table): σ
- * (kvt__sigma_block_cpu, κ = 16: 31 basis columns; its AVX2 twin and its scalar loops), the rank-64 sketch (kvt__sketch_rows_cpu, its
- * AVX-512 path and its narrow path where the CPU has AVX-512F) and the pruned scan's group build
- * (kvt__recall_group_block_cpu, its AVX-512 chains and its narrow ones) and the 8-bit planes
- * (kvt__recall_q8_rows_cpu at params.recall_scan_bits 8: per row, kvt__recall_q8_row, then its
- * AVX2 and AVX-512 paths where the CPU has them, each compared byte for byte). Latents: 90% of their energy in a rank-64 subspace (the basis),
- * as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max over `reps`
- * repeats. Usage: bench_close [reps] (default 5).
+ * (kvt__sigma_block_cpu, κ = 16: 31 basis columns; its AVX-512 and AVX2 twins and its scalar
+ * loops), the rank-64 sketch (kvt__sketch_rows_cpu, its AVX-512 path and its narrow path where the
+ * CPU has AVX-512F) and the pruned scan's group build (kvt__recall_group_block_cpu, its AVX-512
+ * chains and its narrow ones) and the 8-bit planes (kvt__recall_q8_rows_cpu at
+ * params.recall_scan_bits 8: per row, kvt__recall_q8_row, then its AVX2 and AVX-512 paths where the
+ * CPU has them, each compared byte for byte). Latents: 90% of their energy in a rank-64 subspace
+ * (the basis), as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max
+ * over `reps` repeats. Usage: bench_close [reps] (default 5).
  */
+#include "kernels/sigma.h"
 #include "recall/kernels/recall_group.h"
 #include "recall/kernels/recall_scan.h"
-#include "kernels/sigma.h"
 #include "recall/kernels/sketch.h"
 
 #include <math.h>
@@ -180,9 +181,11 @@ int main(int argc, char **argv) {
     printf("  sigma (kappa %u, %-7s) %6.0f - %6.0f ns\n", KAPPA, sname[swide], rs.lo * ns,
            rs.hi * ns);
     for (int lv = swide - 1; lv >= 0; lv--)
-        printf("  sigma (kappa %u, %-7s) %6.0f - %6.0f ns%s\n", KAPPA, sname[lv], rsn[lv].lo * ns,
-               rsn[lv].hi * ns, lv ? "" : (same ? "; SIMD == scalar bit for bit: yes"
-                                                : "; SIMD == scalar bit for bit: NO"));
+        printf(
+            "  sigma (kappa %u, %-7s) %6.0f - %6.0f ns%s\n", KAPPA, sname[lv], rsn[lv].lo * ns,
+            rsn[lv].hi * ns,
+            lv ? ""
+               : (same ? "; SIMD == scalar bit for bit: yes" : "; SIMD == scalar bit for bit: NO"));
     printf("  sketch rank %u (%s)  %6.0f - %6.0f ns\n", RANK, wide ? "AVX-512" : "narrow ",
            rk.lo * ns, rk.hi * ns);
     if (wide)
@@ -195,9 +198,10 @@ int main(int argc, char **argv) {
     static const char *const qname[3] = {"per row", "AVX2", "AVX-512"};
     for (int lv = 0; lv <= qlevel; lv++)
         printf("  8-bit planes (%-7s)   %6.0f - %6.0f ns%s\n", qname[lv], rq[lv].lo * ns,
-               rq[lv].hi * ns, lv == qlevel && lv ? (qsame ? "; SIMD == per row byte for byte: yes"
-                                                            : "; SIMD == per row byte for byte: NO")
-                                                  : "");
+               rq[lv].hi * ns,
+               lv == qlevel && lv ? (qsame ? "; SIMD == per row byte for byte: yes"
+                                           : "; SIMD == per row byte for byte: NO")
+                                  : "");
     free(sig2);
     free(q8);
     free(q8ref);

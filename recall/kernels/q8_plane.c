@@ -3,15 +3,16 @@
  * scan"; docs/recall.md §3.3): kvt__recall_q8_row for every row of the block, the close's last
  * piece of work at params.recall_scan_bits 8.
  *
- * Row by row, kvt__recall_q8_row spends ~490 ns on 152 B of output: two loops per part (the max,
+ * Row by row, kvt__recall_q8_row spends 0.5–0.9 µs on 152 B of output: two loops per part (the max,
  * then the rounding), fp16 values widened one at a time, and above all the rounding-error sum
  * e2 += d·d in double, one dependent addition per value (4 cycles each, 128 a row). The SIMD
  * paths compute the same operations in the same order, laid out differently:
  *   1. per row, along its values (8 or 16 lanes): the widening (the bf16 shift, F16C for the
  *      sketch — both exact), max|x| and the finiteness test (order-free: a max of non-NaN values;
  *      any non-finite value takes the part's non-finite branch whatever the lanes hold), then
- *      r = (x·inv + 1.5·2^23) − 1.5·2^23 clamped, q, the bytes q + 128, Σq² and Σq (integers:
- *      exact in any order), and each value's d² = (x − t·r)² in double (element-wise: no order);
+ *      r = (x·inv + 1.5·2^23) − 1.5·2^23 clamped, q, the bytes q + 128, Σq² (an integer: exact
+ *      in any order; Σq, which the row's plane does not keep, is not formed), and each value's
+ *      d² = (x − t·r)² in double (element-wise: no order);
  *   2. across the rows of a tile of 8 (one lane a row, gathers from the d² rows), the sum e2 of
  *      each part, value after value from 0 in ascending order: kvt__recall_q8_quant's additions
  *      exactly, in every lane;
@@ -71,8 +72,7 @@ static inline void scale_of(float m, float *t, float *inv) {
 /* Row u's values of the tile: the branch (bf16 by the shift, other dtypes by the per-element
  * loads), then the fp16 sketch widened by F16C (exact, as kvt__f16_to_f32). */
 AVX2_FN static void load_row(const uint8_t *row, uint32_t branch_offset, int branch_dtype,
-                             uint32_t branch_dim, const uint16_t *c, uint32_t sk_width,
-                             float *x) {
+                             uint32_t branch_dim, const uint16_t *c, uint32_t sk_width, float *x) {
     if (branch_dtype == KVT__DT_BF16) {
         for (uint32_t j = 0; j < branch_dim; j += 8u) {
             const __m256i b = _mm256_cvtepu16_epi32(
@@ -121,8 +121,8 @@ AVX2_FN static part_out part_avx2(const float *x, uint32_t n, uint8_t *out, doub
         const __m256i q = _mm256_cvttps_epi32(r);
         q2 = _mm256_add_epi32(q2, _mm256_mullo_epi32(q, q));
         const __m256i b = _mm256_add_epi32(q, off);
-        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(b),
-                                           _mm256_extracti128_si256(b, 1));
+        const __m128i w =
+            _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
         _mm_storel_epi64((__m128i *)(out + i), _mm_packus_epi16(w, w));
         for (int h = 0; h < 2; h++) {
             const __m128 xs = h ? _mm256_extractf128_ps(xv, 1) : _mm256_castps256_ps128(xv);
@@ -203,8 +203,7 @@ AVX2_FN static void sums_avx2(const double *dd, size_t L, uint32_t n, uint32_t n
     _mm256_storeu_pd(e2 + 4, s1);
 }
 
-AVX512_FN static void sums_avx512(const double *dd, size_t L, uint32_t n, uint32_t nr,
-                                  double *e2) {
+AVX512_FN static void sums_avx512(const double *dd, size_t L, uint32_t n, uint32_t nr, double *e2) {
     int32_t ix[Q8_TILE];
     for (uint32_t u = 0; u < Q8_TILE; u++)
         ix[u] = (int32_t)((u < nr ? u : nr - 1u) * L);
@@ -312,11 +311,11 @@ void kvt__recall_q8_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t
     if (level == 2 && (branch_dim % 16u || sk_width % 16u))
         level = 1;
     if (level >= 1 && branch_dim % 8u == 0 && sk_width % 8u == 0) {
-        rows_simd(level, base, slots, n, slot_stride, branch_offset, branch_dtype, branch_dim,
-                  csk, csk_stride, sk_width, scratch);
+        rows_simd(level, base, slots, n, slot_stride, branch_offset, branch_dtype, branch_dim, csk,
+                  csk_stride, sk_width, scratch);
         return;
     }
 #endif
-    rows_ref(base, slots, n, slot_stride, branch_offset, branch_dtype, branch_dim, csk,
-             csk_stride, sk_width, scratch);
+    rows_ref(base, slots, n, slot_stride, branch_offset, branch_dtype, branch_dim, csk, csk_stride,
+             sk_width, scratch);
 }
