@@ -144,17 +144,15 @@ size_t kvt__backend_sketch_floats(uint32_t n_rows, uint32_t latent_dim) {
     return kvt__sketch_scratch_floats(latent_dim) + n_rows;
 }
 
-/* The 8-bit planes of rows [0, n) (kvt__recall_q8_row) from their fp16 sketches t16 ([n][q8_off])
- * into the sketch rows (stride csk_stride), each row's fp16 values copied first. */
+/* The 8-bit planes of rows [0, n) (kvt__recall_q8_rows_cpu) from their fp16 sketches t16
+ * ([n][q8_off]) into the sketch rows (stride csk_stride), each row's fp16 values copied first. */
 static void q8_rows(const kvt__sketch_args *a, const int32_t *slots, const uint16_t *t16,
                     float *tq) {
-    for (uint32_t u = 0; u < a->n_rows; u++) {
-        uint16_t *c = a->csk + (size_t)u * a->csk_stride;
-        memcpy(c, t16 + (size_t)u * a->q8_off, sizeof *c * a->q8_off);
-        kvt__recall_q8_row(a->base + (size_t)slots[u] * a->slot_stride, a->branch_offset,
-                           a->branch_dtype, a->branch_dim, c, a->q8_off, tq,
-                           (uint8_t *)(c + a->q8_off));
-    }
+    for (uint32_t u = 0; u < a->n_rows; u++)
+        memcpy(a->csk + (size_t)u * a->csk_stride, t16 + (size_t)u * a->q8_off,
+               sizeof *a->csk * a->q8_off);
+    kvt__recall_q8_rows_cpu(a->base, slots, a->n_rows, a->slot_stride, a->branch_offset,
+                            a->branch_dtype, a->branch_dim, a->csk, a->csk_stride, a->q8_off, tq);
 }
 
 /* One block's sketches: its slots expanded into the workspace, the twin's scratch after them (one
@@ -170,11 +168,11 @@ static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args 
         return KVT_ERR_INVALID_ARGUMENT;
     size_t n_sk = kvt__sketch_scratch_floats(a->latent_dim);
     size_t n = kvt__backend_sketch_floats(a->n_rows, a->latent_dim);
-    /* 8-bit: the fp16 sketches at their own width first ([n_rows][q8_off]), and the quantiser's
-     * floats */
-    const size_t n_q8 = a->q8_off ? ((size_t)a->n_rows * a->q8_off + 1u) / 2u + a->branch_dim +
-                                        a->q8_off
-                                  : 0;
+    /* 8-bit: the fp16 sketches at their own width first ([n_rows][q8_off]), and the planes'
+     * writer's scratch */
+    const size_t n_q8_rows =
+        a->q8_off ? kvt__recall_q8_rows_scratch_floats(a->branch_dim, a->q8_off) : 0;
+    const size_t n_q8 = a->q8_off ? ((size_t)a->n_rows * a->q8_off + 1u) / 2u + n_q8_rows : 0;
     n += n_q8;
     bool owned;
     float *scratch = scratch_get(be, true, n, sizeof(float), &owned);
@@ -187,7 +185,7 @@ static kvt_status cpu_sketch_one(const kvt__backend *be, const kvt__sketch_args 
                              a->basis, a->rank, a->csk_stride, scratch, a->csk, a->rho);
     } else { /* each row's fp16 sketch, then its 8-bit plane from its branch and that sketch */
         uint16_t *t16 = (uint16_t *)(slots + a->n_rows);
-        float *tq = scratch + n - a->branch_dim - a->q8_off;
+        float *tq = scratch + n - n_q8_rows;
         kvt__sketch_rows_cpu(a->base, slots, a->n_rows, a->slot_stride, a->dtype, a->latent_dim,
                              a->basis, a->rank, a->q8_off, scratch, t16, a->rho);
         q8_rows(a, slots, t16, tq);

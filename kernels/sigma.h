@@ -199,6 +199,12 @@ void kvt__sigma_block_cpu(const uint8_t *base, const int32_t *slots, uint32_t B,
                           uint32_t branch_dim, const float *basis, uint32_t n_basis, float *scratch,
                           float *sigma_out);
 
+/* The SIMD level kvt__sigma_block_cpu runs (sigma.c; branch_dim a multiple of 64; the same bits as
+ * the scalar loops): 2 AVX-512F (16 lanes), 1 AVX2 + FMA (8 lanes), 0 the scalar loops. The
+ * CPU's best level, capped by enable (0..2: tests and benches only, not thread-safe); -1 only
+ * asks. */
+int kvt__sigma_simd(int enable);
+
 /* Ablation: out[u] = L2 norm of the branch of row u (same gather as σ), fp32, fixed order. */
 void kvt__branch_norm_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_rows,
                           size_t slot_stride_bytes, uint32_t branch_offset, int branch_dtype,

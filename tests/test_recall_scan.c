@@ -1229,6 +1229,98 @@ Test(recall_scan, q8_sound_never_misses) {
     rig_close(&r);
 }
 
+/* Sketch values at the quantisation's edges (fp16 bits), per row kind: all zero, subnormal only
+ * (a subnormal max: 127/max overflows, 0·Inf is NaN), the largest finite fp16, half-steps of the
+ * scale, one Inf, one NaN; kinds 6 and 7 leave the sketch as it is. */
+static void edge_sketch(tu_rng *g, uint16_t *c, uint32_t W) {
+    const uint32_t kind = (uint32_t)(tu_next(g) % 8);
+    const float m = (float)(0.25 + tu_uniform(g) * 8.0);
+    for (uint32_t k = 0; k < W && kind < 6; k++) {
+        const uint16_t sg = tu_next(g) % 2 ? 0x8000u : 0u;
+        if (kind == 0)
+            c[k] = sg;
+        else if (kind == 1)
+            c[k] = (uint16_t)(sg | (tu_next(g) % 0x400u));
+        else if (kind == 2)
+            c[k] = (uint16_t)(sg | (k == 0 ? 0x7bffu : (uint16_t)(tu_next(g) % 0x7c00u)));
+        else if (kind == 3)
+            c[k] =
+                (uint16_t)(sg | kvt__f32_to_f16(
+                                    k == 0 ? m : m * ((float)(tu_next(g) % 127) + 0.5f) / 127.0f));
+        else if (k == 0)
+            c[k] = kind == 4 ? 0x7c00u : 0x7e01u;
+    }
+}
+
+/* kvt__recall_q8_rows_cpu at every SIMD level writes kvt__recall_q8_row's bytes: on the edge rows
+ * of the q8 tests (half-steps, a spike, zero, subnormal and huge branches; zero, subnormal,
+ * largest, Inf and NaN sketches), for bf16, fp16 and fp32 rows and sketch widths that take the
+ * AVX-512 path, the AVX2 one and the per-row one; nothing written past a row's plane. */
+Test(recall_scan, q8_rows_simd_equal_per_row) {
+    static const uint32_t widths[] = {64, 48, 128, 40, 8, 66, 16, 32};
+    static const int dts[] = {KVT__DT_BF16, KVT__DT_FP16, KVT__DT_FP32};
+    const uint32_t N = 160, G = 8; /* G guard words after each row */
+    const int cpu = kvt__recall_q8_rows_level(-1);
+    uint64_t rows_at[3] = {0, 0, 0};
+    for (uint32_t c = 0; c < 24; c++) {
+        const uint64_t seed = 0x9d70000u + c;
+        tu_rng g = {seed};
+        scen s;
+        scen_make(&s, &g, N, 64, dts[c % 3]);
+        if (c % 4 != 3)
+            scen_edges(&s, &g);
+        const uint32_t W = widths[c % 8], S = W + kvt__recall_q8_words(BD, W) + G;
+        const uint32_t elt = s.dtype == KVT__DT_FP32 ? 4 : 2;
+        uint16_t *ref = calloc((size_t)N * S, 2), *got = malloc((size_t)N * S * 2);
+        int32_t *slots = malloc(sizeof(int32_t) * N);
+        float *tmp = malloc(sizeof(float) * kvt__recall_q8_rows_scratch_floats(BD, W));
+        cr_assert(ref && got && slots && tmp);
+        for (uint32_t row = 0; row < N; row++) {
+            uint16_t *r = ref + (size_t)row * S;
+            for (uint32_t k = 0; k < W; k++)
+                r[k] = k < s.csk_stride ? s.csk[(size_t)row * s.csk_stride + k] : 0u;
+            if (c % 4 != 3)
+                edge_sketch(&g, r, W);
+            for (uint32_t k = S - G; k < S; k++)
+                r[k] = 0xa5a5u;
+            slots[row] = kvt__page_slot(s.pages, 0, &s.pdiv, row);
+        }
+        memcpy(got, ref, (size_t)N * S * 2);
+        for (uint32_t row = 0; row < N; row++) {
+            uint16_t *r = ref + (size_t)row * S;
+            kvt__recall_q8_row(row_at(&s, row), D * elt, s.dtype, BD, r, W, tmp,
+                               (uint8_t *)(r + W));
+        }
+        for (int lv = 2; lv >= 0; lv--) {
+            uint16_t *o = malloc((size_t)N * S * 2);
+            cr_assert(o);
+            memcpy(o, got, (size_t)N * S * 2);
+            kvt__recall_q8_rows_level(lv);
+            kvt__recall_q8_rows_cpu(s.pool, slots, N, s.stride, D * elt, s.dtype, BD, o, S, W, tmp);
+            kvt__recall_q8_rows_level(2);
+            for (uint32_t row = 0; row < N; row++)
+                cr_assert(!memcmp(o + (size_t)row * S, ref + (size_t)row * S, 2u * S),
+                          "seed %llx: level %d (CPU %d), width %u, dtype %d: row %u's plane "
+                          "differs from kvt__recall_q8_row's (or a guard word was written)",
+                          (unsigned long long)seed, lv, cpu, W, s.dtype, row);
+            const int eff = lv < cpu ? lv : cpu;
+            rows_at[eff == 2 && W % 16u ? 1 : W % 8u ? 0 : eff] += N;
+            free(o);
+        }
+        free(ref);
+        free(got);
+        free(slots);
+        free(tmp);
+        scen_free(&s);
+    }
+    cr_log_info("q8 rows: planes equal to kvt__recall_q8_row's: %llu rows per row, %llu by AVX2, "
+                "%llu by AVX-512 (CPU level %d)",
+                (unsigned long long)rows_at[0], (unsigned long long)rows_at[1],
+                (unsigned long long)rows_at[2], cpu);
+    cr_assert(cpu < 1 || rows_at[1] > 0);
+    cr_assert(cpu < 2 || rows_at[2] > 0);
+}
+
 /* The close's op (sketch_rows with q8_off) writes the fp16 sketch and ρ as without it, and the
  * 8-bit plane kvt__recall_q8_row computes from them. */
 Test(recall_scan, q8_planes_from_the_close) {

@@ -503,6 +503,93 @@ Test(sigma, twin_equals_per_element_functions) {
     }
 }
 
+/* The AVX2 + FMA and AVX-512 twins (kvt__sigma_simd) give the scalar twin's bits: σ of every row
+ * and the fit Y (scratch leaf 0), on every layout, Fourier and DCT bases, several B and κ, branches
+ * of 64 and 128 values (and 96, which takes the scalar loops), with rows at the edges: non-finite
+ * (left out of the fit), all zero, subnormal, huge, and a near-exact low-pass fit (cancellation).
+ */
+Test(sigma, simd_twin_equals_scalar_twin) {
+    static const uint32_t Bs[] = {64, 256, 1024, 4096};
+    static const uint32_t kappas[] = {1, 4, 16, 8};
+    static const uint32_t dims[] = {64, 128, 96};
+    const int simd = kvt__sigma_simd(-1);
+    uint64_t rows = 0, rows_at[3] = {0, 0, 0};
+    for (uint32_t c = 0; c < 24; c++) {
+        const uint64_t seed = 0x51600u + c;
+        tu_rng rng = {seed};
+        const layout *L = &LAYOUTS[c % 4];
+        const uint32_t B = Bs[(c / 4) % 4], kappa = kappas[c % 4], nb = 2 * kappa - 1;
+        const uint32_t bd = L->stride_bytes >= 1152 ? dims[c % 3] : 64u;
+        const uint32_t off =
+            L->branch_offset + 64u * (L->dt == KVT__DT_FP32 ? 4u : 2u) -
+            bd * (L->dt == KVT__DT_FP32 ? 4u : 2u); /* the branch ends where D's does */
+        block b;
+        block_init(&b, L, B, &rng);
+        fill_drift(&b, kappa, &rng, c % 2 ? 1e-3 : 0.1, 5.0, 2.0, (int)(c % 3 == 0));
+        for (uint32_t u = 0; u < B; u++) { /* the channels past 64 and the edge rows */
+            uint8_t *br = row_ptr(&b, u) + off;
+            const uint32_t kind = (uint32_t)(tu_next(&rng) % 16);
+            for (uint32_t d = 0; d < bd; d++) {
+                float v = kvt__load_elem(br, L->dt, d);
+                if (bd != 64u && d < bd - 64u)
+                    v = (float)tu_normal(&rng);
+                if (kind == 0)
+                    v = 0.0f;
+                else if (kind == 1)
+                    v = 1e-40f * (float)(tu_next(&rng) % 1000);
+                else if (kind == 2)
+                    v = v * 1e30f;
+                else if (kind == 3 && d == (uint32_t)(tu_next(&rng) % bd))
+                    v = tu_next(&rng) % 2 ? NAN : -INFINITY;
+                kvt__store_elem(br, L->dt, d, v);
+            }
+        }
+        float *basis = malloc((size_t)nb * B * sizeof *basis);
+        cr_assert_eq(kvt__sigma_basis((int)(c % 2), B, kappa, basis), 0);
+        const size_t ns = kvt__sigma_scratch_floats(B, nb, bd);
+        float *sc[3], *out[3];
+        for (int v = 0; v < 3; v++) { /* levels 0 (scalar), 1 (AVX2), 2 (AVX-512) */
+            sc[v] = malloc((ns + N_GUARD) * sizeof(float));
+            out[v] = malloc((B + N_GUARD) * sizeof(float));
+            cr_assert(sc[v] && out[v]);
+            for (int g = 0; g < N_GUARD; g++)
+                sc[v][ns + g] = out[v][B + g] = GUARD_F;
+            kvt__sigma_simd(v);
+            kvt__sigma_block_cpu(b.pool, b.slots, B, L->stride_bytes, off, L->dt, bd, basis, nb,
+                                 sc[v], out[v]);
+            kvt__sigma_simd(2);
+            for (int g = 0; g < N_GUARD; g++)
+                cr_assert(sc[v][ns + g] == GUARD_F && out[v][B + g] == GUARD_F,
+                          "seed %llx: write past the scratch or σ", (unsigned long long)seed);
+        }
+        for (int v = 1; v < 3; v++) {
+            cr_assert(!memcmp(sc[0], sc[v], sizeof(float) * nb * bd),
+                      "seed %llx (%s, B %u, kappa %u, branch %u): level %d: the fit Y differs",
+                      (unsigned long long)seed, L->name, B, kappa, bd, v);
+            for (uint32_t u = 0; u < B; u++)
+                cr_assert(!memcmp(&out[0][u], &out[v][u], sizeof(float)),
+                          "seed %llx (%s, B %u, kappa %u, branch %u): level %d, row %u: SIMD "
+                          "%.9g, scalar %.9g",
+                          (unsigned long long)seed, L->name, B, kappa, bd, v, u, (double)out[v][u],
+                          (double)out[0][u]);
+            rows_at[v] += simd >= v && bd % 64u == 0 ? B : 0;
+        }
+        rows += B;
+        for (int v = 0; v < 3; v++) {
+            free(sc[v]);
+            free(out[v]);
+        }
+        free(basis);
+        block_free(&b);
+    }
+    cr_log_info("sigma: %llu rows equal at every level, %llu through the AVX2 twin, %llu through "
+                "the AVX-512 one (CPU level %d)",
+                (unsigned long long)rows, (unsigned long long)rows_at[1],
+                (unsigned long long)rows_at[2], simd);
+    cr_assert(simd < 1 || rows_at[1] > 0);
+    cr_assert(simd < 2 || rows_at[2] > 0);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The σ basis option (kvt_config.sigma_basis): DCT-II columns instead of the periodic Fourier ones
  * ------------------------------------------------------------------------------------------- */

@@ -1,14 +1,18 @@
 /*
  * bench_close.c — what a salience close runs per row, each CPU twin alone on one block of B = 4096
  * bf16 MLA-NoPE rows (512 latent + 64 branch, 1152 B, behind a shuffled slot table): σ
- * (kvt__sigma_block_cpu, κ = 16: 31 basis columns), the rank-64 sketch (kvt__sketch_rows_cpu, its
- * AVX-512 path and its narrow path where the CPU has AVX-512F) and the pruned scan's group build
- * (kvt__recall_group_block_cpu, its AVX-512 chains and its narrow ones). Latents: 90% of their energy in a rank-64 subspace (the basis),
- * as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max over `reps`
- * repeats. Usage: bench_close [reps] (default 5).
+ * (kvt__sigma_block_cpu, κ = 16: 31 basis columns; its AVX-512 and AVX2 twins and its scalar
+ * loops), the rank-64 sketch (kvt__sketch_rows_cpu, its AVX-512 path and its narrow path where the
+ * CPU has AVX-512F) and the pruned scan's group build (kvt__recall_group_block_cpu, its AVX-512
+ * chains and its narrow ones) and the 8-bit planes (kvt__recall_q8_rows_cpu at
+ * params.recall_scan_bits 8: per row, kvt__recall_q8_row, then its AVX2 and AVX-512 paths where the
+ * CPU has them, each compared byte for byte). Latents: 90% of their energy in a rank-64 subspace
+ * (the basis), as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max
+ * over `reps` repeats. Usage: bench_close [reps] (default 5).
  */
-#include "recall/kernels/recall_group.h"
 #include "kernels/sigma.h"
+#include "recall/kernels/recall_group.h"
+#include "recall/kernels/recall_scan.h"
 #include "recall/kernels/sketch.h"
 
 #include <math.h>
@@ -96,11 +100,36 @@ int main(int argc, char **argv) {
     if (!perm2)
         return 1;
     range rs = {1e30, 0}, rk = {1e30, 0}, rn = {1e30, 0}, rg = {1e30, 0}, rgn = {1e30, 0};
-    int same = 1;
+    range rq[3] = {{1e30, 0}, {1e30, 0}, {1e30, 0}}, rsn[2] = {{1e30, 0}, {1e30, 0}};
+    const int swide = kvt__sigma_simd(-1);
+    float *sig2 = malloc(sizeof(float) * B);
+    if (!sig2)
+        return 1;
+    /* the 8-bit planes: sketch rows of S fp16 words (the rank-64 sketch, then the plane) */
+    const uint32_t S = RANK + kvt__recall_q8_words(BD, RANK);
+    const int qlevel = kvt__recall_q8_rows_level(-1);
+    uint16_t *q8 = malloc(sizeof(uint16_t) * B * S), *q8ref = malloc(sizeof(uint16_t) * B * S);
+    float *qs = malloc(sizeof(float) * kvt__recall_q8_rows_scratch_floats(BD, RANK));
+    if (!q8 || !q8ref || !qs)
+        return 1;
+    int same = 1, qsame = 1;
     for (int r = 0; r < reps; r++) {
-        double t = cpu_s();
+        double t;
+        for (int lv = 0; lv < swide; lv++) { /* the lower levels, for scale: the same bits */
+            kvt__sigma_simd(lv);
+            t = cpu_s();
+            kvt__sigma_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, basis, NBASIS, ss,
+                                 lv ? sig : sig2);
+            take(&rsn[lv], cpu_s() - t);
+            kvt__sigma_simd(2);
+            if (lv)
+                same &= !memcmp(sig, sig2, sizeof(float) * B);
+        }
+        t = cpu_s();
         kvt__sigma_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, basis, NBASIS, ss, sig);
         take(&rs, cpu_s() - t);
+        if (swide) /* against the scalar loops' */
+            same &= !memcmp(sig, sig2, sizeof(float) * B);
         if (wide) { /* the narrow path, for scale, then the wide one: the same bits */
             kvt__sketch_wide(0);
             t = cpu_s();
@@ -132,11 +161,31 @@ int main(int argc, char **argv) {
         take(&rg, cpu_s() - t);
         if (gwide)
             same &= ng == ng2 && !memcmp(perm, perm2, sizeof(uint32_t) * B);
+        for (int lv = 0; lv <= qlevel; lv++) { /* per row first: the reference */
+            uint16_t *dst = lv ? q8 : q8ref;
+            for (uint32_t u = 0; u < B; u++)
+                memcpy(dst + (size_t)u * S, csk + (size_t)u * RANK, sizeof(uint16_t) * RANK);
+            kvt__recall_q8_rows_level(lv);
+            t = cpu_s();
+            kvt__recall_q8_rows_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, dst, S, RANK, qs);
+            take(&rq[lv], cpu_s() - t);
+            if (lv)
+                qsame &= !memcmp(q8, q8ref, sizeof(uint16_t) * B * S);
+        }
+        kvt__recall_q8_rows_level(2);
     }
     const double ns = 1e9 / B;
     printf("bench_close: one block of %u bf16 rows (512 + 64), %d repeats, thread CPU time per row "
            "(min-max); exit status 1 if a wide path's output differs from the narrow one's\n", B, reps);
-    printf("  sigma (kappa %u)        %6.0f - %6.0f ns\n", KAPPA, rs.lo * ns, rs.hi * ns);
+    static const char *const sname[3] = {"scalar", "AVX2", "AVX-512"};
+    printf("  sigma (kappa %u, %-7s) %6.0f - %6.0f ns\n", KAPPA, sname[swide], rs.lo * ns,
+           rs.hi * ns);
+    for (int lv = swide - 1; lv >= 0; lv--)
+        printf(
+            "  sigma (kappa %u, %-7s) %6.0f - %6.0f ns%s\n", KAPPA, sname[lv], rsn[lv].lo * ns,
+            rsn[lv].hi * ns,
+            lv ? ""
+               : (same ? "; SIMD == scalar bit for bit: yes" : "; SIMD == scalar bit for bit: NO"));
     printf("  sketch rank %u (%s)  %6.0f - %6.0f ns\n", RANK, wide ? "AVX-512" : "narrow ",
            rk.lo * ns, rk.hi * ns);
     if (wide)
@@ -146,5 +195,16 @@ int main(int argc, char **argv) {
            rg.lo * ns, rg.hi * ns);
     if (gwide)
         printf("  group build (narrow)     %6.0f - %6.0f ns\n", rgn.lo * ns, rgn.hi * ns);
-    return same ? 0 : 1;
+    static const char *const qname[3] = {"per row", "AVX2", "AVX-512"};
+    for (int lv = 0; lv <= qlevel; lv++)
+        printf("  8-bit planes (%-7s)   %6.0f - %6.0f ns%s\n", qname[lv], rq[lv].lo * ns,
+               rq[lv].hi * ns,
+               lv == qlevel && lv ? (qsame ? "; SIMD == per row byte for byte: yes"
+                                           : "; SIMD == per row byte for byte: NO")
+                                  : "");
+    free(sig2);
+    free(q8);
+    free(q8ref);
+    free(qs);
+    return same && qsame ? 0 : 1;
 }

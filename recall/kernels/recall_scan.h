@@ -470,6 +470,24 @@ int kvt__recall_scan_wide(int enable);
  * only, not thread-safe); -1 only asks. */
 int kvt__recall_scan_q8_level(int enable);
 
+/* Floats of scratch kvt__recall_q8_rows_cpu takes. */
+size_t kvt__recall_q8_rows_scratch_floats(uint32_t branch_dim, uint32_t sk_width);
+
+/* The 8-bit planes of a block's rows (q8_plane.c): for u < n, the row at base + slots[u]·
+ * slot_stride (its branch: branch_offset bytes, branch_dtype, branch_dim values) and its fp16
+ * sketch csk + u·csk_stride (sk_width values) give the plane at fp16 word sk_width of that sketch
+ * row — kvt__recall_q8_row's bytes, computed with AVX-512 or AVX2 where the CPU has them and the
+ * parts are whole vectors (kvt__recall_q8_rows_level), the same bits either way. */
+void kvt__recall_q8_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n,
+                             size_t slot_stride, uint32_t branch_offset, int branch_dtype,
+                             uint32_t branch_dim, uint16_t *csk, size_t csk_stride,
+                             uint32_t sk_width, float *scratch);
+
+/* The SIMD level of kvt__recall_q8_rows_cpu: 2 AVX-512 (F, BW, VL; 16 lanes, parts multiples of
+ * 16), 1 AVX2 + F16C (8 lanes, multiples of 8), 0 kvt__recall_q8_row row by row. The CPU's best
+ * level, capped by enable (0..2: tests and benches only, not thread-safe); -1 only asks. */
+int kvt__recall_q8_rows_level(int enable);
+
 /* The register-tiled chains on their own (the recall step's exact scores use them): acc[r][h] =
  * the chain of fmaf(qT[j][h], X[r][j], ·) over j = 0 .. J ascending from +0, for rows r < nr of X
  * (stride J) and columns h < HP of qT ([J][HP]) — bit for bit the scalar chain. Returns 0, with
