@@ -175,18 +175,64 @@ static inline double dec_median(double *v, int n) {
     return v[n / 2];
 }
 
-/* A bench's side of the measurement: its rig, its prefill and its step. */
+/* Append n rows to c's request in chunks of B (a prefill's: no run): rows[at ..] where rows is
+ * given (generated beforehand), else g's from the generator. */
+static inline kvt_status dec_fill(const dec_case *c, const dec_data *g, uint32_t n,
+                                  const uint8_t *rows) {
+    uint8_t *buf = rows ? NULL : malloc((size_t)DEC_ROW * DEC_BLK);
+    if (!rows && !buf)
+        return KVT_ERR_OUT_OF_MEMORY;
+    kvt_seq *seq = c->seq;
+    kvt_status s = KVT_OK;
+    while (n && !s) {
+        const uint32_t k = n < DEC_BLK ? n : DEC_BLK;
+        const uint64_t at = dec_rows(seq);
+        for (uint32_t i = 0; !rows && i < k; i++)
+            dec_row(g, (uint32_t)(at + i), buf + (size_t)i * DEC_ROW);
+        const uint8_t *src = rows ? rows + at * DEC_ROW : buf;
+        if (!(s = kvt_batch_reserve(c->b, &seq, &k, 1)) &&
+            !(s = kvt_seq_write(seq, 0, 0, 0, k, src, (size_t)k * DEC_ROW)))
+            s = kvt_batch_commit(c->b, NULL);
+        n -= k;
+    }
+    free(buf);
+    return s;
+}
+
+/* A decode step's untimed start (the forward's work): row n_rows and the step's queries drawn
+ * (into row, q, qs), the row reserved and written. */
+static inline kvt_status dec_step_begin(const dec_case *c, const dec_data *g, uint64_t n_rows,
+                                        uint8_t *row, float *q, float *qs) {
+    const uint32_t one = 1;
+    kvt_seq *seq = c->seq;
+    dec_row(g, (uint32_t)n_rows, row);
+    dec_query(g, q, qs);
+    kvt_status s = kvt_batch_reserve(c->b, &seq, &one, 1);
+    return s ? s : kvt_seq_write(seq, 0, 0, 0, 1, row, DEC_ROW);
+}
+
+/* A bench's side of the measurement: its case, its data, its step. */
 typedef struct dec_bench {
     const char *prog; /* the bench's name, in its error messages */
+    const dec_case *c;
+    const dec_data *g;
+    const uint8_t *rows; /* the prefill's rows, generated beforehand (NULL: the generator) */
     void *rig;
-    /* append n rows (a prefill's chunks: no run); prefill: the first fill (to N − B/2 rows) */
-    void (*fill)(void *rig, uint32_t n, int prefill);
     /* one decode step at n_rows rows before it: kvtier's part and the dense attention, each
      * timed; *emitted: the slots the run emitted */
     void (*step)(void *rig, uint64_t n_rows, double *t_kvt, double *t_dense, uint32_t *emitted);
     double *acc; /* the step's own sums (n_acc of them): zeroed after the calibration */
     int n_acc;
 } dec_bench;
+
+/* dec_fill or exit with a message. */
+static inline void dec_fill_or_die(const dec_bench *b, uint32_t n, const uint8_t *rows) {
+    kvt_status s = dec_fill(b->c, b->g, n, rows);
+    if (s) {
+        fprintf(stderr, "%s: prefill: %s (%s)\n", b->prog, kvt_status_name(s), kvt_last_error());
+        exit(1);
+    }
+}
 
 enum { DEC_MAXACC = 8 };
 
@@ -199,12 +245,13 @@ typedef struct dec_result {
 } dec_result;
 
 /* Run the case at N rows through b (R windows of T steps; recall and bits as the context's). */
-static inline void dec_measure(const dec_bench *b, kvt_seq *seq, uint32_t N, int recall, int bits,
-                               int R, int T, dec_result *out) {
+static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int bits, int R, int T,
+                               dec_result *out) {
     memset(out, 0, sizeof *out);
+    kvt_seq *seq = b->c->seq;
     /* prefill to mid-block: N − B closed rows and an open block of B/2 (the timed steps see
      * N − B/2 rows, dense attention alike) */
-    b->fill(b->rig, N - DEC_BLK / 2, 1);
+    dec_fill_or_die(b, N - DEC_BLK / 2, b->rows);
     kvt_layer_stats ls = {.struct_size = sizeof ls};
     double tk, td;
     uint32_t em;
@@ -271,7 +318,7 @@ static inline void dec_measure(const dec_bench *b, kvt_seq *seq, uint32_t N, int
     kvt_seq_layer_stats(seq, 0, &ls);
     const uint64_t open = ls.appended_rows - ls.closed_rows;
     if (open + 1 < DEC_BLK)
-        b->fill(b->rig, (uint32_t)(DEC_BLK - 1 - open), 0);
+        dec_fill_or_die(b, (uint32_t)(DEC_BLK - 1 - open), NULL);
     n = dec_rows(seq);
     const uint64_t closes = (kvt_seq_layer_stats(seq, 0, &ls), ls.closes);
     double tcd;

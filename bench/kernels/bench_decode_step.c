@@ -73,34 +73,12 @@ typedef struct rig {
     double part[3]; /* seconds in plan + run, the sparse attention, commit (summed) */
 } rig;
 
-/* Append n rows in chunks of B (no run: a prefill chunk's rows). */
-static void fill(void *rv, uint32_t n, int prefill) {
-    rig *r = rv;
-    (void)prefill;
-    uint8_t *rows = malloc((size_t)DEC_BLK * DEC_ROW);
-    while (n) {
-        const uint32_t c = n < DEC_BLK ? n : DEC_BLK;
-        const uint64_t at = dec_rows(r->c.seq);
-        for (uint32_t i = 0; i < c; i++)
-            dec_row(r->g, (uint32_t)(at + i), rows + (size_t)i * DEC_ROW);
-        kvt_status s = kvt_batch_reserve(r->c.b, &r->c.seq, &c, 1);
-        if (s || (s = kvt_seq_write(r->c.seq, 0, 0, 0, c, rows, (size_t)c * DEC_ROW)) ||
-            (s = kvt_batch_commit(r->c.b, NULL)))
-            die(s, "prefill");
-        n -= c;
-    }
-    free(rows);
-}
-
 /* One decode step at n_rows rows before it: kvtier's part and the dense attention, each timed
  * in the thread's CPU time; *emitted: the slots the run emitted. */
 static void step(void *rv, uint64_t n_rows, double *t_kvt, double *t_dense, uint32_t *emitted) {
     rig *r = rv;
-    const uint32_t one = 1;
-    dec_row(r->g, (uint32_t)n_rows, r->row);
-    dec_query(r->g, r->q, r->qs);
-    kvt_status s = kvt_batch_reserve(r->c.b, &r->c.seq, &one, 1);
-    if (s || (s = kvt_seq_write(r->c.seq, 0, 0, 0, 1, r->row, DEC_ROW)))
+    kvt_status s = dec_step_begin(&r->c, r->g, n_rows, r->row, r->q, r->qs);
+    if (s)
         die(s, "reserve");
     kvt__attn_f32_args a = {.base = r->c.plane, .slot_stride = DEC_ROW, .dtype = KVT__DT_BF16,
                             .key_dim = DEC_KD, .value_dim = DEC_D, .q = r->q, .n_heads = DEC_H,
@@ -146,10 +124,10 @@ static void one_case(uint32_t N, int structured, int recall, int bits, int R, in
     r.out = malloc(sizeof(float) * DEC_H * DEC_D);
     r.scr = malloc(sizeof(float) * kvt__attn_f32_scratch_floats(DEC_H, DEC_KD, DEC_D));
     r.row = malloc(DEC_ROW);
-    const dec_bench b = {.prog = "bench_decode_step", .rig = &r, .fill = fill, .step = step,
-                         .acc = r.part, .n_acc = 3};
+    const dec_bench b = {.prog = "bench_decode_step", .c = &r.c, .g = &g, .rig = &r,
+                         .step = step, .acc = r.part, .n_acc = 3};
     dec_result res;
-    dec_measure(&b, r.c.seq, N, recall, bits, R, T, &res);
+    dec_measure(&b, N, recall, bits, R, T, &res);
     const double fl = 2.0 * DEC_H * (DEC_KD + DEC_D) * (double)N;
     dec_print_line(N, structured, recall, bits, "dense_over_kvtier", &res);
     printf("  detail: dense_over_kvtier %.2f–%.2f over %d windows of %d steps; kvtier %.2f ms, "
