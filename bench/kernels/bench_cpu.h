@@ -1,7 +1,8 @@
 /* bench_cpu.h — what the single-threaded CPU step benches (bench_decode, bench_decode_step) time
- * and compare with: the thread's CPU time, Gaussian draws, an orthonormal basis, and this
- * machine's single-thread sgemm rate (OpenBLAS, through the Fortran interface every BLAS has),
- * measured in the same run as the figures it is the ruler of. */
+ * and compare with: the thread's CPU time, Box-Muller draws, and this machine's single-thread
+ * sgemm rate (OpenBLAS, through the Fortran interface every BLAS has), measured in the same run as
+ * the figures it is the ruler of; the data generator (Gaussian draws, the orthonormal basis, the
+ * structured row) is ../bench_data.h's, included here. */
 #ifndef KVT_BENCH_CPU_H
 #define KVT_BENCH_CPU_H
 

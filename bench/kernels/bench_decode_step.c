@@ -43,6 +43,9 @@
  * what it reads then: the row's 8-bit plane (24 B of scales and error norms, branch and sketch
  * one byte a value) and ρ.
  *
+ * The case (sizes, data, context, measurement, line) is ../bench_decode_case.h's, shared with
+ * bench_step's decode mode (the same case on a device).
+ *
  * Usage: bench_decode_step [R windows (3)] [largest context in k rows (128)] [T steps (5)]
  *        [scan bits: 16, 8 or both (both)]
  */
