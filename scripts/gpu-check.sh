@@ -52,7 +52,7 @@
 #     close_over_median=... visited=...`, dense being a cuBLAS attention (GEMM, softmax, GEMM on
 #     the bf16 rows) over every row in the same run (bench/bench_step_decode.h); beside it the CPU
 #     backend's bench_decode_step (one thread, the 8-bit scan and recall off), the same case and
-#     line. The lines go to summary.txt.
+#     line (both from bench/bench_decode_case.h). The lines go to summary.txt.
 #   - test_fp8's CUDA case: fp8 ds_mla rows recall on the device as their fp32 decoding does.
 #   - test_rope_recall's CUDA graph case: batches with RoPE recall (MLA-RoPE TOKENS and CSR,
 #     GQA-RoPE CSR_KV_HEADS), one recording of a planned step's runs (planned trigger, pack with

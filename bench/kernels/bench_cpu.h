@@ -1,7 +1,8 @@
 /* bench_cpu.h — what the single-threaded CPU step benches (bench_decode, bench_decode_step) time
- * and compare with: the thread's CPU time, Gaussian draws, an orthonormal basis, and this
- * machine's single-thread sgemm rate (OpenBLAS, through the Fortran interface every BLAS has),
- * measured in the same run as the figures it is the ruler of. */
+ * and compare with: the thread's CPU time, Box-Muller draws, and this machine's single-thread
+ * sgemm rate (OpenBLAS, through the Fortran interface every BLAS has), measured in the same run as
+ * the figures it is the ruler of; the data generator (Gaussian draws, the orthonormal basis, the
+ * structured row) is ../bench_data.h's, included here. */
 #ifndef KVT_BENCH_CPU_H
 #define KVT_BENCH_CPU_H
 
@@ -11,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bench_data.h"
 #include "../bench_util.h"
 #include "kernels/kvt_hd.h"
 #include "kvtier.h"
@@ -49,58 +51,10 @@ static inline const char *blas_core(void) {
     return openblas_get_corename ? openblas_get_corename() : "?";
 }
 
-/* A sum of 4 uniforms, centred and scaled to unit variance. */
-static inline float gauss(void) {
-    float s = 0;
-    for (int i = 0; i < 4; i++)
-        s += (float)((rnd() >> 11) * 0x1p-53);
-    return (s - 2.0f) * 1.7320508f;
-}
-
 /* A standard normal draw by Box-Muller (the kernel benches' other data generator). */
 static inline float gauss_bm(void) {
     double u = ((rnd() >> 11) + 1) * 0x1p-53, v = (rnd() >> 11) * 0x1p-53;
     return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
-}
-
-/* rank orthonormal rows of n values (Gram-Schmidt in double, two passes: the library's
- * kvt_orthonormalise_rows), stored fp32. */
-static inline void orthonormal_f32(uint32_t rank, uint32_t n, float *out) {
-    double *v = malloc(sizeof(double) * rank * n);
-    for (size_t i = 0; i < (size_t)rank * n; i++)
-        v[i] = gauss();
-    if (kvt_orthonormalise_rows(v, rank, n, 2) != KVT_OK) {
-        fprintf(stderr, "orthonormal basis: %s\n", kvt_last_error());
-        exit(1);
-    }
-    for (size_t i = 0; i < (size_t)rank * n; i++)
-        out[i] = (float)v[i];
-    free(v);
-}
-
-/* Row r of the decode benches' structured data, bf16 [D latent | bd branch]: rows r < sinks are
- * sinks (sink_len·u plus a little noise, over all D + bd values); the others have latents with
- * 90% of their energy in the span of basis ([rank][D], orthonormal) and 10% isotropic, and an
- * isotropic branch. */
-static inline void structured_row(uint8_t *row, uint32_t r, uint32_t sinks, const float *u,
-                                  float sink_len, const float *basis, uint32_t rank, uint32_t D,
-                                  uint32_t bd) {
-    if (r < sinks) {
-        for (uint32_t i = 0; i < D + bd; i++)
-            kvt__store_elem(row, KVT__DT_BF16, i, sink_len * u[i] + 0.3f * gauss());
-        return;
-    }
-    float a[256];
-    for (uint32_t k = 0; k < rank && k < 256u; k++)
-        a[k] = gauss() * sqrtf(0.9f * (float)D / (float)rank);
-    for (uint32_t d = 0; d < D; d++) {
-        float c = sqrtf(0.1f) * gauss();
-        for (uint32_t k = 0; k < rank && k < 256u; k++)
-            c += a[k] * basis[(size_t)k * D + d];
-        kvt__store_elem(row, KVT__DT_BF16, d, c);
-    }
-    for (uint32_t j = 0; j < bd; j++)
-        kvt__store_elem(row, KVT__DT_BF16, D + j, gauss());
 }
 
 /* This thread's CPU time: the machine is shared, and a single-threaded step's CPU time does not
