@@ -281,6 +281,13 @@ static kvt__recall_req recall_req(const kvt_batch *b, uint32_t i, uint32_t l, co
     return rq;
 }
 
+/* Does request i's run of layer l make its trigger item? A fetching request's, once per step and
+ * layer: a second run of the layer emits what the first fetched (the fetch buffer and the
+ * state's dense flag are unchanged); a planned image always holds it. */
+static bool makes_trigger(const kvt_batch *b, const kvt__layer_run *lr, uint32_t i, uint32_t l) {
+    return b->recall_way[i] == RECALL_FETCH && (lr->planned || !b->seqs[i]->recalled[l]);
+}
+
 /* Layer l's run into image pb: every request's recall items and sets as the run describes them
  * (b->recall_way set; nothing of the step moves rows), after the capacity checks. The image's
  * host copy only: nothing goes to the backend. The items and pack queries are the recall table's
@@ -310,9 +317,6 @@ kvt_status kvt__batch_plan_layer(kvt_batch *b, const kvt__plan_buf *pb, uint32_t
         const uint8_t way = b->recall_way[i];
         void *r = NULL;
         const kvt__recall_ops *ro = way != RECALL_NONE ? kvt__seq_recall_of(sq, l, &r) : NULL;
-        /* items once per step and layer: a second run of the layer emits what the first fetched
-         * (the fetch buffer and the state's dense flag are unchanged) */
-        const bool trigger = way == RECALL_FETCH && (lr->planned || !sq->recalled[l]);
         b->itemized[i] = 0;
         if (ro && ro != lo)
             return plan_refuse(b, lr, fits, KVT_ERR_INVARIANT, /* kvt__seq_step_quiet's rule */
@@ -339,7 +343,8 @@ kvt_status kvt__batch_plan_layer(kvt_batch *b, const kvt__plan_buf *pb, uint32_t
             const kvt__recall_req rq = recall_req(b, i, l, e, lr, ro, r, &tl, &view);
             void *em = emits + (size_t)ne * ro->emit_bytes;
             bool has = false;
-            kvt_status s = ro->items(&rq, trigger, items + (size_t)nr * ro->item_bytes, em, &has);
+            kvt_status s = ro->items(&rq, makes_trigger(b, lr, i, l),
+                                     items + (size_t)nr * ro->item_bytes, em, &has);
             if (s != KVT_OK)
                 return plan_refuse(b, lr, fits, s, "seqs[%u] layer %u: %s", i, l,
                                    kvt__tls_error());
@@ -392,8 +397,7 @@ kvt_status kvt__batch_plan_layer(kvt_batch *b, const kvt__plan_buf *pb, uint32_t
         kvt_seq *sq = b->seqs[i];
         bool has = false;
         void *r;
-        if (b->recall_way[i] != RECALL_FETCH || !(lr->planned || !sq->recalled[l]) ||
-            kvt__seq_recall_of(sq, l, &r) != lo)
+        if (!makes_trigger(b, lr, i, l) || kvt__seq_recall_of(sq, l, &r) != lo)
             continue;
         kvt__tier_layer tl;
         kvt__ptable view;
