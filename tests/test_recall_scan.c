@@ -648,6 +648,120 @@ Test(recall_scan, fast_f16_conversion_is_exact) {
     }
 }
 
+/* An fp32 value of the heads-preparation test: mostly normal, some 0, −0, subnormal, huge
+ * (1e30: its squares overflow the norms), ±Inf and NaN. */
+static float prep_val(tu_rng *g, uint32_t kind) {
+    static const float sp[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 1e30f, -1e30f, INFINITY, -INFINITY,
+                               NAN};
+    switch (kind) {
+    case 0: /* normal, a special value now and then */
+        return tu_next(g) % 97 == 0 ? sp[tu_next(g) % 9] : (float)tu_normal(g);
+    case 1: /* huge */
+        return (float)(1e30 * tu_normal(g));
+    case 2: /* subnormal */
+        return (float)(1e-41 * tu_normal(g));
+    case 3: /* zero */
+        return 0.0f;
+    default: /* tiny and huge together */
+        return (float)(tu_next(g) % 2 ? 1e25 * tu_normal(g) : 1e-30 * tu_normal(g));
+    }
+}
+
+/* Two floats that must be the same bits; NaN against any NaN (the payload a NaN operand leaves
+ * is the instruction's operand order's, not the chain's). */
+static bool same_bits(float a, float b) {
+    return isnan(a) ? isnan(b) : kvt__bits_from_f32(a) == kvt__bits_from_f32(b);
+}
+
+/* kvt__recall_heads_prep_cpu (the scan's and the calibration step's preparation) against
+ * kvt__recall_head_prep head by head, bit for bit, at every SIMD level this CPU has (head by
+ * head, 8 heads a vector on AVX2 + FMA, 16 on AVX-512): latent dims 65..1024 (multiples of 16
+ * and not), ranks 0..130 (multiples of 8 and odd), 1..53 heads (whole vectors and partial ones),
+ * strided queries; heads of random, zero, huge, subnormal and mixed values with NaN/±Inf
+ * sprinkled, bases random or with special values. Every q̃_sk value and the five fields of every
+ * head; the outputs past the last head stay untouched (guards), the scratch is the macro's. */
+Test(recall_scan, heads_prep_bit_equal_at_every_level) {
+    const int top = kvt__recall_prep_level(-1);
+    if (top < 2)
+        cr_log_warn("heads' preparation: this CPU runs level %d at most (2 AVX-512, 1 AVX2 + "
+                    "FMA): the levels above it are not compared",
+                    top);
+    static const uint32_t Ds[] = {65, 96, 100, 128, 511, 512, 1024};
+    static const uint32_t ranks[] = {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 130};
+    const float guard = -1234.5f;
+    uint64_t compared = 0;
+    for (uint64_t seed = 1; seed <= 120; seed++) {
+        tu_rng g = {0x9e3779b1u * seed};
+        const uint32_t Dl = Ds[tu_next(&g) % 7], rank = ranks[tu_next(&g) % 12];
+        const uint32_t H = 1 + (uint32_t)(tu_next(&g) % 53);
+        const size_t stride = Dl + (size_t)(tu_next(&g) % 80);
+        float *q = malloc(sizeof(float) * (H * stride + 1));
+        float *V = rank ? malloc(sizeof(float) * rank * Dl) : NULL;
+        float *ref_sk = malloc(sizeof(float) * (H * rank + 1)), *tmp = malloc(sizeof(float) * Dl);
+        float *sk = malloc(sizeof(float) * (H * rank + 16));
+        float *scratch = malloc(sizeof(float) * KVT__RECALL_HEADS_PREP_FLOATS(Dl, rank));
+        kvt__recall_head *ref = malloc(sizeof *ref * H), *hd = malloc(sizeof *hd * (H + 1));
+        cr_assert(q && (V || !rank) && ref_sk && tmp && sk && scratch && ref && hd);
+        for (uint32_t h = 0; h < H; h++) {
+            const uint32_t kind = seed % 5 == 0 ? 0 : (uint32_t)(tu_next(&g) % 8);
+            for (size_t d = 0; d < stride; d++)
+                q[h * stride + d] = d < Dl ? prep_val(&g, kind > 4 ? 0 : kind) : NAN;
+        }
+        const double vs = 1.0 / sqrt((double)Dl);
+        for (uint32_t i = 0; i < rank * Dl; i++)
+            V[i] = seed % 7 == 0 ? prep_val(&g, 0) : (float)(vs * tu_normal(&g));
+        for (uint32_t h = 0; h < H; h++)
+            kvt__recall_head_prep(q + h * stride, Dl, V, rank, ref_sk + (size_t)h * rank, tmp,
+                                  &ref[h]);
+        for (int lv = 0; lv <= top; lv++) {
+            cr_assert_eq(kvt__recall_prep_level(lv), lv);
+            for (uint32_t i = 0; i < H * rank + 16; i++)
+                sk[i] = guard;
+            memset(&hd[H], 0x5a, sizeof hd[H]);
+            kvt__recall_heads_prep_cpu(q, stride, H, Dl, V, rank, sk, hd, scratch);
+            for (uint32_t h = 0; h < H; h++) {
+                for (uint32_t k = 0; k < rank; k++) {
+                    const size_t e = (size_t)h * rank + k;
+                    cr_assert(same_bits(sk[e], ref_sk[e]),
+                              "seed %llu level %d (D %u, rank %u, %u heads): head %u q_sk[%u] "
+                              "%a, want %a",
+                              (unsigned long long)seed, lv, Dl, rank, H, h, k, (double)sk[e],
+                              (double)ref_sk[e]);
+                }
+                const float got[5] = {hd[h].nlat, hd[h].nres, hd[h].Qres, hd[h].Qsk, hd[h].eta};
+                const float want[5] = {ref[h].nlat, ref[h].nres, ref[h].Qres, ref[h].Qsk,
+                                       ref[h].eta};
+                for (int f = 0; f < 5; f++)
+                    cr_assert(same_bits(got[f], want[f]),
+                              "seed %llu level %d (D %u, rank %u, %u heads): head %u field %d "
+                              "(nlat nres Qres Qsk eta) %a, want %a",
+                              (unsigned long long)seed, lv, Dl, rank, H, h, f, (double)got[f],
+                              (double)want[f]);
+                compared++;
+            }
+            for (uint32_t i = H * rank; i < H * rank + 16; i++)
+                cr_assert(kvt__bits_from_f32(sk[i]) == kvt__bits_from_f32(guard),
+                          "seed %llu level %d: q_sk[%u] past the last head written",
+                          (unsigned long long)seed, lv, i);
+            const unsigned char *gb = (const unsigned char *)&hd[H];
+            for (size_t i = 0; i < sizeof hd[H]; i++)
+                cr_assert_eq(gb[i], 0x5a, "seed %llu level %d: heads[%u] written",
+                             (unsigned long long)seed, lv, H);
+        }
+        kvt__recall_prep_level(2);
+        free(q);
+        free(V);
+        free(ref_sk);
+        free(tmp);
+        free(sk);
+        free(scratch);
+        free(ref);
+        free(hd);
+    }
+    cr_log_info("heads' preparation: %llu heads compared over levels 0..%d",
+                (unsigned long long)compared, top);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The tiled scan (kvt__recall_scan_cpu on AVX2/FMA CPUs) against the row-wise scan and the
  * per-element functions, over random shapes: latent dims 65..512, branches of 0..100 values

@@ -38,12 +38,12 @@ static size_t heads_padded(uint32_t n_heads) {
 }
 
 size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D) {
-    /* heads' q̃_sk and fields; tmp [D]; the transposed queries [branch + rank][padded heads];
+    /* heads' q̃_sk and fields; their preparation's scratch; the transposed queries [branch + rank][padded heads];
      * the row's branch and sketch as fp32; the row-wise scan's chains [2][padded heads]; the
      * tiled scan's chunk: its rows' embeddings [CHUNK_ROWS][branch + rank], their chains
      * [2][CHUNK_ROWS][padded heads], and per head s·‖q̃_res‖ and the threshold [2][padded] */
     const size_t HP = heads_padded(n_heads);
-    return (size_t)n_heads * HEAD_FLOATS(rank) + KVT__RECALL_PREP_FLOATS(D) +
+    return (size_t)n_heads * HEAD_FLOATS(rank) + KVT__RECALL_HEADS_PREP_FLOATS(D, rank) +
            HP * (KVT__RECALL_MAX_BRANCH + rank) + KVT__RECALL_MAX_BRANCH + rank + 2u * HP +
            (size_t)CHUNK_ROWS * (KVT__RECALL_MAX_BRANCH + rank) + 2u * CHUNK_ROWS * HP + 2u * HP +
            Q8_FLOATS(HP);
@@ -101,6 +101,221 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
     for (uint32_t d = 0; d < D; d++)
         tmp[d] = q[d] - tmp[d];
     kvt__recall_head_finish(q, D, rank, q_sk, tmp, h);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The heads' preparation across heads (kvt__recall_heads_prep_cpu). W heads share a vector, one
+ * head a lane (W = 16 on AVX-512, 8 on AVX2 + FMA), from their latents transposed: qT[d][w] =
+ * q_lat[d] of head w (padding lanes zero). Per lane, so per head, every operation is the scalar
+ * function's, in its order:
+ *   projection  q̃_sk[k] = the chain fmaf(q[d], V[k][d], ·) over d ascending from +0
+ *               (kvt__sketch_coef's); eight k's advance together, one vector instruction each a
+ *               step, into skT[k][w];
+ *   residual    q̃_res[d] = q[d] − the chain fmaf(q̃_sk[k], V[k][d], ·) over k ascending from +0
+ *               (kvt__recall_resid's); eight d's advance together;
+ *   norms       kvt__norm_fixed's: partial l = the chain fmaf(x[i], x[i], ·) over i = l, l + 32,
+ *               .. ascending from +0 (each residual element goes into its partial as soon as it is
+ *               made, in ascending d), then the stride-halving tree (s = 16 .. 1: p[i] + p[i + s])
+ *               and sqrtf (vector or scalar: both correctly rounded);
+ * and kvt__recall_head_bounds on the three norms. Lanes never mix, so which heads share a vector
+ * changes no bit (tests/test_recall_scan.c, at every level).
+ * ------------------------------------------------------------------------------------------- */
+/* The widest level's heads a vector (KVT__RECALL_HEADS_PREP_FLOATS: qT, skT and the partials). */
+#define PREP_LANES 16u
+
+/* The vector kernels of one level (VEC, W lanes, and ZERO, LD, ST, FMA, SET1, SUB defined around
+ * it): proj (the projection into skT [rank][W]), resid (the residual, each element straight into
+ * its norm partial: part [32][W]) and sumsq (x [n][W] into the partials). Eight named
+ * accumulators: the chains must stay in registers. */
+#define PREP_KERNELS(SUF, ATTR)                                                                    \
+    ATTR static void proj_##SUF(const float *qT, uint32_t D, const float *V, uint32_t rank,       \
+                                float *skT) {                                                      \
+        uint32_t k0 = 0;                                                                           \
+        for (; k0 + 8u <= rank; k0 += 8u) {                                                        \
+            const float *v = V + (size_t)k0 * D;                                                   \
+            VEC c0 = ZERO(), c1 = ZERO(), c2 = ZERO(), c3 = ZERO(), c4 = ZERO(), c5 = ZERO(),      \
+                c6 = ZERO(), c7 = ZERO();                                                          \
+            for (uint32_t d = 0; d < D; d++) {                                                     \
+                const VEC x = LD(qT + (size_t)d * W);                                              \
+                c0 = FMA(x, SET1(v[d]), c0);                                                       \
+                c1 = FMA(x, SET1(v[D + d]), c1);                                                   \
+                c2 = FMA(x, SET1(v[2u * D + d]), c2);                                              \
+                c3 = FMA(x, SET1(v[3u * D + d]), c3);                                              \
+                c4 = FMA(x, SET1(v[4u * D + d]), c4);                                              \
+                c5 = FMA(x, SET1(v[5u * D + d]), c5);                                              \
+                c6 = FMA(x, SET1(v[6u * D + d]), c6);                                              \
+                c7 = FMA(x, SET1(v[7u * D + d]), c7);                                              \
+            }                                                                                      \
+            float *o = skT + (size_t)k0 * W;                                                       \
+            ST(o, c0), ST(o + W, c1), ST(o + 2u * W, c2), ST(o + 3u * W, c3);                      \
+            ST(o + 4u * W, c4), ST(o + 5u * W, c5), ST(o + 6u * W, c6), ST(o + 7u * W, c7);        \
+        }                                                                                          \
+        for (; k0 < rank; k0++) {                                                                  \
+            VEC c = ZERO();                                                                        \
+            for (uint32_t d = 0; d < D; d++)                                                       \
+                c = FMA(LD(qT + (size_t)d * W), SET1(V[(size_t)k0 * D + d]), c);                   \
+            ST(skT + (size_t)k0 * W, c);                                                           \
+        }                                                                                          \
+    }                                                                                              \
+    ATTR static void resid_##SUF(const float *qT, uint32_t D, const float *V, uint32_t rank,      \
+                                 const float *skT, float *part) {                                  \
+        uint32_t d0 = 0;                                                                           \
+        for (; d0 < D; d0 += 8u) {                                                                 \
+            const uint32_t nd = D - d0 < 8u ? D - d0 : 8u;                                         \
+            VEC r[8];                                                                              \
+            if (nd == 8u) {                                                                        \
+                VEC r0 = ZERO(), r1 = ZERO(), r2 = ZERO(), r3 = ZERO(), r4 = ZERO(), r5 = ZERO(),  \
+                    r6 = ZERO(), r7 = ZERO();                                                      \
+                for (uint32_t k = 0; k < rank; k++) {                                              \
+                    const VEC sk = LD(skT + (size_t)k * W);                                        \
+                    const float *v = V + (size_t)k * D + d0;                                       \
+                    r0 = FMA(sk, SET1(v[0]), r0);                                                  \
+                    r1 = FMA(sk, SET1(v[1]), r1);                                                  \
+                    r2 = FMA(sk, SET1(v[2]), r2);                                                  \
+                    r3 = FMA(sk, SET1(v[3]), r3);                                                  \
+                    r4 = FMA(sk, SET1(v[4]), r4);                                                  \
+                    r5 = FMA(sk, SET1(v[5]), r5);                                                  \
+                    r6 = FMA(sk, SET1(v[6]), r6);                                                  \
+                    r7 = FMA(sk, SET1(v[7]), r7);                                                  \
+                }                                                                                  \
+                r[0] = r0, r[1] = r1, r[2] = r2, r[3] = r3;                                        \
+                r[4] = r4, r[5] = r5, r[6] = r6, r[7] = r7;                                        \
+            } else {                                                                               \
+                for (uint32_t i = 0; i < nd; i++) {                                                \
+                    VEC c = ZERO();                                                                \
+                    for (uint32_t k = 0; k < rank; k++)                                            \
+                        c = FMA(LD(skT + (size_t)k * W), SET1(V[(size_t)k * D + d0 + i]), c);      \
+                    r[i] = c;                                                                      \
+                }                                                                                  \
+            }                                                                                      \
+            for (uint32_t i = 0; i < nd; i++) {                                                    \
+                const VEC e = SUB(LD(qT + (size_t)(d0 + i) * W), r[i]);                            \
+                float *p = part + ((d0 + i) % 32u) * W;                                            \
+                ST(p, FMA(e, e, LD(p)));                                                           \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    ATTR static void sumsq_##SUF(const float *x, uint32_t n, float *part) {                        \
+        for (uint32_t i = 0; i < n; i++) {                                                         \
+            const VEC e = LD(x + (size_t)i * W);                                                   \
+            float *p = part + (i % 32u) * W;                                                       \
+            ST(p, FMA(e, e, LD(p)));                                                               \
+        }                                                                                          \
+    }
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <immintrin.h>
+#define PREP_SIMD 1
+#define ZERO _mm512_setzero_ps
+#define LD _mm512_loadu_ps
+#define ST _mm512_storeu_ps
+#define FMA _mm512_fmadd_ps
+#define SET1 _mm512_set1_ps
+#define SUB _mm512_sub_ps
+#define VEC __m512
+#define W 16u
+PREP_KERNELS(512, __attribute__((target("avx512f"))))
+#undef ZERO
+#undef LD
+#undef ST
+#undef FMA
+#undef SET1
+#undef SUB
+#undef VEC
+#undef W
+#define ZERO _mm256_setzero_ps
+#define LD _mm256_loadu_ps
+#define ST _mm256_storeu_ps
+#define FMA _mm256_fmadd_ps
+#define SET1 _mm256_set1_ps
+#define SUB _mm256_sub_ps
+#define VEC __m256
+#define W 8u
+PREP_KERNELS(256, __attribute__((target("avx2,fma"))))
+#undef ZERO
+#undef LD
+#undef ST
+#undef FMA
+#undef SET1
+#undef SUB
+#undef VEC
+#undef W
+#endif
+
+#ifdef PREP_SIMD
+/* The tree and sqrtf of partials [32][W] per lane (destroys part; kvt__tree32's adds). */
+static void prep_tree(float *part, uint32_t W, float *out) {
+    for (uint32_t s = 16u; s >= 1u; s >>= 1)
+        for (uint32_t i = 0; i < s; i++)
+            for (uint32_t w = 0; w < W; w++)
+                part[i * W + w] = part[i * W + w] + part[(i + s) * W + w];
+    for (uint32_t w = 0; w < W; w++)
+        out[w] = sqrtf(part[w]);
+}
+
+/* Heads h0 .. h0 + W (those below n_heads) at level lv (1 or 2). */
+static void prep_group(int lv, const float *q, size_t q_stride, uint32_t n_heads, uint32_t h0,
+                       uint32_t D, const float *V, uint32_t rank, float *q_sk,
+                       kvt__recall_head *heads, float *scratch) {
+    const uint32_t W = lv == 2 ? 16u : 8u, nh = n_heads - h0 < W ? n_heads - h0 : W;
+    float *qT = scratch, *skT = qT + (size_t)D * W, *part = skT + (size_t)rank * W;
+    float nlat[PREP_LANES], nres[PREP_LANES], nsk[PREP_LANES];
+    for (uint32_t d = 0; d < D; d++)
+        for (uint32_t w = 0; w < W; w++)
+            qT[(size_t)d * W + w] = w < nh ? q[(h0 + w) * q_stride + d] : 0.0f;
+    void (*proj)(const float *, uint32_t, const float *, uint32_t, float *) =
+        lv == 2 ? proj_512 : proj_256;
+    void (*resid)(const float *, uint32_t, const float *, uint32_t, const float *, float *) =
+        lv == 2 ? resid_512 : resid_256;
+    void (*sumsq)(const float *, uint32_t, float *) = lv == 2 ? sumsq_512 : sumsq_256;
+    proj(qT, D, V, rank, skT);
+    memset(part, 0, sizeof(float) * 32u * W);
+    sumsq(skT, rank, part);
+    prep_tree(part, W, nsk);
+    memset(part, 0, sizeof(float) * 32u * W);
+    sumsq(qT, D, part);
+    prep_tree(part, W, nlat);
+    memset(part, 0, sizeof(float) * 32u * W);
+    resid(qT, D, V, rank, skT, part);
+    prep_tree(part, W, nres);
+    for (uint32_t w = 0; w < nh; w++) {
+        for (uint32_t k = 0; k < rank; k++)
+            q_sk[(size_t)(h0 + w) * rank + k] = skT[(size_t)k * W + w];
+        kvt__recall_head_bounds(nlat[w], nres[w], rank ? nsk[w] : 0.0f, D, rank, &heads[h0 + w]);
+    }
+}
+#endif
+
+static int prep_cap = 2;
+
+int kvt__recall_prep_level(int enable) {
+    if (enable >= 0)
+        prep_cap = enable;
+#ifdef PREP_SIMD
+    const int cpu = !__builtin_cpu_supports("fma")      ? 0
+                    : __builtin_cpu_supports("avx512f") ? 2
+                    : __builtin_cpu_supports("avx2")    ? 1
+                                                        : 0;
+#else
+    const int cpu = 0;
+#endif
+    return cpu < prep_cap ? cpu : prep_cap;
+}
+
+void kvt__recall_heads_prep_cpu(const float *q, size_t q_stride, uint32_t n_heads, uint32_t D,
+                                const float *V, uint32_t rank, float *q_sk,
+                                kvt__recall_head *heads, float *scratch) {
+    const int lv = kvt__recall_prep_level(-1);
+#ifdef PREP_SIMD
+    if (lv) {
+        for (uint32_t h0 = 0; h0 < n_heads; h0 += lv == 2 ? 16u : 8u)
+            prep_group(lv, q, q_stride, n_heads, h0, D, V, rank, q_sk, heads, scratch);
+        return;
+    }
+#endif
+    (void)lv;
+    for (uint32_t h = 0; h < n_heads; h++)
+        head_prep(q + h * q_stride, D, V, rank, q_sk + (size_t)h * rank, scratch, &heads[h]);
 }
 
 size_t kvt__recall_scan_heads_padded(uint32_t n_heads) {
@@ -191,13 +406,14 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
                                kvt__recall_scan_prep *p) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, rank = a->rank, H = a->n_heads;
     const size_t qdim = (size_t)D + bd, HP = heads_padded(H);
-    /* scratch: q̃_sk of every head [H][rank], the heads [H] (5 floats each), tmp [D], then the
+    /* scratch: q̃_sk of every head [H][rank], the heads [H] (5 floats each), tmp (the heads'
+     * preparation's, KVT__RECALL_HEADS_PREP_FLOATS; the 8-bit quantiser has its own), then the
      * heads' branch queries and projections transposed, [bd + rank][HP] (padding heads zero),
      * then the row's branch [bd] and sketch [rank] as fp32 */
     p->q_sk = scratch;
     p->heads = (kvt__recall_head *)(scratch + (size_t)H * rank);
     float *tmp = scratch + (size_t)H * HEAD_FLOATS(rank);
-    p->qT = tmp + KVT__RECALL_PREP_FLOATS(D);
+    p->qT = tmp + KVT__RECALL_HEADS_PREP_FLOATS(D, rank);
     p->HP = HP;
     p->rb = p->qT + HP * (bd + rank);
     p->ck = p->rb + bd;
@@ -212,9 +428,7 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
     p->q8v = (uint8_t *)(p->q8f + 10u * HP);
     p->q8p = p->q8v + HP * Q8_MAX_LEN;
     p->q8len = 0;
-    for (uint32_t h = 0; h < H; h++)
-        head_prep(a->q + h * qdim, D, a->basis, rank, p->q_sk + (size_t)h * rank, tmp,
-                  &p->heads[h]);
+    kvt__recall_heads_prep_cpu(a->q, qdim, H, D, a->basis, rank, p->q_sk, p->heads, tmp);
     if (a->q8_off)
         q8_prep(a, p, (float *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN));
     p->q8x = (int16_t *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN + 4u * Q8_MAX_LEN);

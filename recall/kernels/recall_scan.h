@@ -117,21 +117,27 @@ KVT_HD float kvt__recall_resid(const float *q, const float *q_sk, const float *V
     return q[d] - rec;
 }
 
-/* A head's norms and bounds from its projection q_sk and residual res[0 .. D). */
-KVT_HD void kvt__recall_head_finish(const float *q, uint32_t D, uint32_t rank, const float *q_sk,
-                                    const float *res, kvt__recall_head *h) {
+/* A head's fields from its three norms as computed: ‖q_lat‖, ‖q̃_res‖ and ‖q̃_sk‖ (0 at rank 0). */
+KVT_HD void kvt__recall_head_bounds(float nlat, float nres, float nsk, uint32_t D, uint32_t rank,
+                                    kvt__recall_head *h) {
     const float slack = 1.0f + 0.00390625f; /* 2^-8 */
     const float sqrt_r = sqrtf((float)rank);
     const float gD = kvt__recall_gamma(D + 2u);
     const float gr = kvt__recall_gamma(rank + 2u);
-    float nres = kvt__norm_fixed(res, D);
-    float nlat = kvt__norm_fixed(q, D);
-    float nsk = rank ? kvt__norm_fixed(q_sk, rank) : 0.0f;
     h->nlat = nlat;
     h->nres = nres;
     h->eta = gD * sqrt_r * nlat * slack;
     h->Qsk = (nsk * (1.0f + gr) + h->eta) * slack;
     h->Qres = (nres * (1.0f + gD) + gr * sqrt_r * nsk + h->eta) * slack;
+}
+
+/* A head's norms and bounds from its projection q_sk and residual res[0 .. D). */
+KVT_HD void kvt__recall_head_finish(const float *q, uint32_t D, uint32_t rank, const float *q_sk,
+                                    const float *res, kvt__recall_head *h) {
+    float nres = kvt__norm_fixed(res, D);
+    float nlat = kvt__norm_fixed(q, D);
+    float nsk = rank ? kvt__norm_fixed(q_sk, rank) : 0.0f;
+    kvt__recall_head_bounds(nlat, nres, nsk, D, rank, h);
 }
 
 /* A head's projection q̃_sk[0 .. rank) (out) and norms. V: [rank][D] (NULL when rank is 0);
@@ -445,6 +451,24 @@ size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t
 
 /* kvt__f16_to_f32 as the CPU twin computes it (branch-free; the same value for every input). */
 float kvt__recall_f16_fast(uint16_t h);
+
+/* Floats of scratch kvt__recall_heads_prep_cpu takes: 16 heads' latents, projections and norm
+ * partials transposed ([D], [rank] and [32] rows of 16 lanes; more than D, head by head's tmp). */
+#define KVT__RECALL_HEADS_PREP_FLOATS(D, rank) (16u * ((size_t)(D) + (size_t)(rank) + 32u))
+
+/* The heads' preparation: for h < n_heads, head h's query at q + h·q_stride (its q_lat, D values)
+ * gives q̃_sk at q_sk + h·rank and its fields in heads[h], bit for bit what kvt__recall_head_prep
+ * gives (every chain the same fmaf sequence; tests/test_recall_scan.c). The heads go 16 (AVX-512)
+ * or 8 (AVX2 + FMA) a vector, one head a lane, where the CPU has them (kvt__recall_prep_level);
+ * else head by head. V: [rank][D] (NULL when rank is 0); scratch: KVT__RECALL_HEADS_PREP_FLOATS. */
+void kvt__recall_heads_prep_cpu(const float *q, size_t q_stride, uint32_t n_heads, uint32_t D,
+                                const float *V, uint32_t rank, float *q_sk,
+                                kvt__recall_head *heads, float *scratch);
+
+/* The SIMD level of kvt__recall_heads_prep_cpu: 2 AVX-512 (16 heads a vector), 1 AVX2 + FMA (8),
+ * 0 head by head. The CPU's best level, capped by enable (0..2: tests and benches only, not
+ * thread-safe); -1 only asks. */
+int kvt__recall_prep_level(int enable);
 
 /* One work item (kernels/backend.h), arguments checked by the caller: the heads prepared, then
  * the archived rows ascending, each against the heads in order until one fires. On x86-64 with

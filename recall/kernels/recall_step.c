@@ -24,8 +24,8 @@ static size_t heads_padded(uint32_t n_heads) {
 static size_t own_floats(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim) {
     const size_t HP = heads_padded(n_heads), qdim = (size_t)D + branch_dim;
     /* qT [qdim][HP]; SB rows [SB][qdim]; their chains [SB][HP]; scores [HP]; best archived and
-     * its row [2H]; one head's prep: q̃_sk [rank], tmp [D] */
-    return qdim * HP + SB * qdim + SB * HP + HP + 2u * (size_t)n_heads + rank + D;
+     * its row [2H] (a calibration step prepares its heads in the scan's part, unused there) */
+    return qdim * HP + SB * qdim + SB * HP + HP + 2u * (size_t)n_heads;
 }
 
 /* The scan's part: the full scan's, or the pruned scan's (which holds it) and, while groups are
@@ -225,9 +225,7 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
     float *sc = acc + SB * HP;
     float *best_ar = sc + HP;
     uint32_t *arg = (uint32_t *)(best_ar + H);
-    float *q_sk = (float *)(arg + H);
-    float *tmp = q_sk + rank;
-    uint32_t *merged = (uint32_t *)(tmp + D); /* promotion's part (kvt__promo_scratch_u32) */
+    uint32_t *merged = arg + H; /* promotion's part (kvt__promo_scratch_u32) */
     kvt__promo_view pv = {0};
     uint64_t n_merged = 0;
     /* The queries transposed in the exact score's order: branch first, then latent. */
@@ -290,20 +288,25 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         sr.use = USE_CAL;
         FOR_ARCHIVED(&a, S, row, sc_push(&sr, row, 0));
         sc_flush(&sr);
+        /* the heads prepared together (kvt__recall_heads_prep_cpu: kvt__recall_head_prep's bits)
+         * in the scan's part of the scratch, laid out as the scan's: q̃_sk [H][rank], the heads
+         * [H], then the preparation's own */
+        float *q_sk = scan_scratch;
+        kvt__recall_head *heads = (kvt__recall_head *)(q_sk + (size_t)H * rank);
+        kvt__recall_heads_prep_cpu(a.q, qdim, H, D, a.basis, rank, q_sk, heads,
+                                   (float *)(heads + H));
         for (uint32_t h = 0; h < H; h++) {
             if (arg[h] == UINT32_MAX)
                 continue;
             const float *q = a.q + h * qdim;
-            kvt__recall_head hd;
-            kvt__recall_head_prep(q, D, a.basis, rank, q_sk, tmp, &hd);
             const uint8_t *p =
                 a.base +
                 (size_t)kvt__page_slot(a.pages, a.first_page, a.pdiv, arg[h]) * a.slot_stride;
             float P, ncsk, e;
-            float idx = kvt__recall_idx(q, q_sk, p, D, a.branch_offset, a.branch_dtype, bd,
-                                        kvt__scan_csk(&a, arg[h]), rank, a.scale, &P,
-                                        &ncsk);
-            float cert = kvt__recall_cert(&hd, *kvt__scan_rho(&a, arg[h]), a.scale, D);
+            float idx = kvt__recall_idx(q, q_sk + (size_t)h * rank, p, D, a.branch_offset,
+                                        a.branch_dtype, bd, kvt__scan_csk(&a, arg[h]), rank,
+                                        a.scale, &P, &ncsk);
+            float cert = kvt__recall_cert(&heads[h], *kvt__scan_rho(&a, arg[h]), a.scale, D);
             if (kvt__conformal_sample(best_ar[h], idx, cert, &e))
                 kvt__conformal_insert(x->samples, &st->n_samples, x->sample_cap, e);
         }
