@@ -105,14 +105,14 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
 
 /* ---------------------------------------------------------------------------------------------
  * The heads' preparation across heads (kvt__recall_heads_prep_cpu). W heads share a vector, one
- * head a lane (W = 16 on AVX-512, 8 on AVX2 + FMA), from their latents transposed: qT[d][w] =
- * q_lat[d] of head w (padding lanes zero). Per lane, so per head, every operation is the scalar
- * function's, in its order:
+ * head a lane (W = 16 on AVX-512, 8 on AVX2 + FMA), from their latents transposed (a gather a d):
+ * qT[d][w] = q_lat[d] of head w (padding lanes zero). Per lane, so per head, every operation is
+ * the scalar function's, in its order:
  *   projection  q̃_sk[k] = the chain fmaf(q[d], V[k][d], ·) over d ascending from +0
  *               (kvt__sketch_coef's); eight k's advance together, one vector instruction each a
  *               step, into skT[k][w];
  *   residual    q̃_res[d] = q[d] − the chain fmaf(q̃_sk[k], V[k][d], ·) over k ascending from +0
- *               (kvt__recall_resid's); eight d's advance together;
+ *               (kvt__recall_resid's); W d's advance together (a cache line of each V row);
  *   norms       kvt__norm_fixed's: partial l = the chain fmaf(x[i], x[i], ·) over i = l, l + 32,
  *               .. ascending from +0 (each residual element goes into its partial as soon as it is
  *               made, in ascending d), then the stride-halving tree (s = 16 .. 1: p[i] + p[i + s])
@@ -124,31 +124,29 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
 #define PREP_LANES 16u
 
 /* The vector kernels of one level (VEC, W lanes, and ZERO, LD, ST, FMA, SET1, SUB defined around
- * it): proj (the projection into skT [rank][W]), resid (the residual, each element straight into
- * its norm partial: part [32][W]) and sumsq (x [n][W] into the partials). Eight named
- * accumulators: the chains must stay in registers. */
-#define PREP_KERNELS(SUF, ATTR)                                                                    \
+ * it): proj (the projection into skT [rank][W], eight k's a pass over d), resid (the residual, DB
+ * d's a pass over k, each element then straight into its norm partial: part [32][W]; XD lists
+ * the DB accumulators) and sumsq (x [n][W] into the partials). Named accumulators: the chains
+ * must stay in registers. */
+#define PREP_X8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#define PREP_X16(M) PREP_X8(M) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+#define PREP_DECL(i) VEC c##i = ZERO();
+#define PREP_PROJ(i) c##i = FMA(x, SET1(v[(size_t)(i) * D + d]), c##i);
+#define PREP_PUT(i) ST(skT + (size_t)(k0 + (i)) * W, c##i);
+#define PREP_RESID(i) c##i = FMA(sk, SET1(v[i]), c##i);
+#define PREP_KEEP(i) r[i] = c##i;
+#define PREP_KERNELS(SUF, ATTR, DB, XD)                                                            \
     ATTR static void proj_##SUF(const float *qT, uint32_t D, const float *V, uint32_t rank,       \
                                 float *skT) {                                                      \
         uint32_t k0 = 0;                                                                           \
         for (; k0 + 8u <= rank; k0 += 8u) {                                                        \
             const float *v = V + (size_t)k0 * D;                                                   \
-            VEC c0 = ZERO(), c1 = ZERO(), c2 = ZERO(), c3 = ZERO(), c4 = ZERO(), c5 = ZERO(),      \
-                c6 = ZERO(), c7 = ZERO();                                                          \
+            PREP_X8(PREP_DECL)                                                                     \
             for (uint32_t d = 0; d < D; d++) {                                                     \
                 const VEC x = LD(qT + (size_t)d * W);                                              \
-                c0 = FMA(x, SET1(v[d]), c0);                                                       \
-                c1 = FMA(x, SET1(v[D + d]), c1);                                                   \
-                c2 = FMA(x, SET1(v[2u * D + d]), c2);                                              \
-                c3 = FMA(x, SET1(v[3u * D + d]), c3);                                              \
-                c4 = FMA(x, SET1(v[4u * D + d]), c4);                                              \
-                c5 = FMA(x, SET1(v[5u * D + d]), c5);                                              \
-                c6 = FMA(x, SET1(v[6u * D + d]), c6);                                              \
-                c7 = FMA(x, SET1(v[7u * D + d]), c7);                                              \
+                PREP_X8(PREP_PROJ)                                                                 \
             }                                                                                      \
-            float *o = skT + (size_t)k0 * W;                                                       \
-            ST(o, c0), ST(o + W, c1), ST(o + 2u * W, c2), ST(o + 3u * W, c3);                      \
-            ST(o + 4u * W, c4), ST(o + 5u * W, c5), ST(o + 6u * W, c6), ST(o + 7u * W, c7);        \
+            PREP_X8(PREP_PUT)                                                                      \
         }                                                                                          \
         for (; k0 < rank; k0++) {                                                                  \
             VEC c = ZERO();                                                                        \
@@ -159,27 +157,17 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
     }                                                                                              \
     ATTR static void resid_##SUF(const float *qT, uint32_t D, const float *V, uint32_t rank,      \
                                  const float *skT, float *part) {                                  \
-        uint32_t d0 = 0;                                                                           \
-        for (; d0 < D; d0 += 8u) {                                                                 \
-            const uint32_t nd = D - d0 < 8u ? D - d0 : 8u;                                         \
-            VEC r[8];                                                                              \
-            if (nd == 8u) {                                                                        \
-                VEC r0 = ZERO(), r1 = ZERO(), r2 = ZERO(), r3 = ZERO(), r4 = ZERO(), r5 = ZERO(),  \
-                    r6 = ZERO(), r7 = ZERO();                                                      \
+        for (uint32_t d0 = 0; d0 < D; d0 += DB) {                                                  \
+            const uint32_t nd = D - d0 < DB ? D - d0 : DB;                                         \
+            VEC r[DB];                                                                             \
+            if (nd == DB) {                                                                        \
+                XD(PREP_DECL)                                                                      \
                 for (uint32_t k = 0; k < rank; k++) {                                              \
                     const VEC sk = LD(skT + (size_t)k * W);                                        \
                     const float *v = V + (size_t)k * D + d0;                                       \
-                    r0 = FMA(sk, SET1(v[0]), r0);                                                  \
-                    r1 = FMA(sk, SET1(v[1]), r1);                                                  \
-                    r2 = FMA(sk, SET1(v[2]), r2);                                                  \
-                    r3 = FMA(sk, SET1(v[3]), r3);                                                  \
-                    r4 = FMA(sk, SET1(v[4]), r4);                                                  \
-                    r5 = FMA(sk, SET1(v[5]), r5);                                                  \
-                    r6 = FMA(sk, SET1(v[6]), r6);                                                  \
-                    r7 = FMA(sk, SET1(v[7]), r7);                                                  \
+                    XD(PREP_RESID)                                                                 \
                 }                                                                                  \
-                r[0] = r0, r[1] = r1, r[2] = r2, r[3] = r3;                                        \
-                r[4] = r4, r[5] = r5, r[6] = r6, r[7] = r7;                                        \
+                XD(PREP_KEEP)                                                                      \
             } else {                                                                               \
                 for (uint32_t i = 0; i < nd; i++) {                                                \
                     VEC c = ZERO();                                                                \
@@ -214,7 +202,7 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
 #define SUB _mm512_sub_ps
 #define VEC __m512
 #define W 16u
-PREP_KERNELS(512, __attribute__((target("avx512f"))))
+PREP_KERNELS(512, __attribute__((target("avx512f"))), 16u, PREP_X16)
 #undef ZERO
 #undef LD
 #undef ST
@@ -231,7 +219,7 @@ PREP_KERNELS(512, __attribute__((target("avx512f"))))
 #define SUB _mm256_sub_ps
 #define VEC __m256
 #define W 8u
-PREP_KERNELS(256, __attribute__((target("avx2,fma"))))
+PREP_KERNELS(256, __attribute__((target("avx2,fma"))), 8u, PREP_X8)
 #undef ZERO
 #undef LD
 #undef ST
@@ -240,6 +228,29 @@ PREP_KERNELS(256, __attribute__((target("avx2,fma"))))
 #undef SUB
 #undef VEC
 #undef W
+
+/* qT[d][w] = q[w·q_stride + d] for w < nh (a head's latent down its lane), padding lanes zero:
+ * one masked gather a d (lanes past nh read nothing; q_stride < 2^27: the indices are int32). */
+__attribute__((target("avx512f"))) static void lanes_512(const float *q, size_t q_stride,
+                                                         uint32_t nh, uint32_t D, float *qT) {
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)q_stride));
+    const __mmask16 m = (__mmask16)((1u << nh) - 1u);
+    for (uint32_t d = 0; d < D; d++)
+        _mm512_storeu_ps(qT + (size_t)d * 16u,
+                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, q + d, 4));
+}
+
+__attribute__((target("avx2,fma"))) static void lanes_256(const float *q, size_t q_stride,
+                                                          uint32_t nh, uint32_t D, float *qT) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i idx = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)q_stride));
+    const __m256 m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)nh), lane));
+    for (uint32_t d = 0; d < D; d++)
+        _mm256_storeu_ps(qT + (size_t)d * 8u,
+                         _mm256_mask_i32gather_ps(_mm256_setzero_ps(), q + d, idx, m, 4));
+}
 #endif
 
 #ifdef PREP_SIMD
@@ -260,9 +271,7 @@ static void prep_group(int lv, const float *q, size_t q_stride, uint32_t n_heads
     const uint32_t W = lv == 2 ? 16u : 8u, nh = n_heads - h0 < W ? n_heads - h0 : W;
     float *qT = scratch, *skT = qT + (size_t)D * W, *part = skT + (size_t)rank * W;
     float nlat[PREP_LANES], nres[PREP_LANES], nsk[PREP_LANES];
-    for (uint32_t d = 0; d < D; d++)
-        for (uint32_t w = 0; w < W; w++)
-            qT[(size_t)d * W + w] = w < nh ? q[(h0 + w) * q_stride + d] : 0.0f;
+    (lv == 2 ? lanes_512 : lanes_256)(q + h0 * q_stride, q_stride, nh, D, qT);
     void (*proj)(const float *, uint32_t, const float *, uint32_t, float *) =
         lv == 2 ? proj_512 : proj_256;
     void (*resid)(const float *, uint32_t, const float *, uint32_t, const float *, float *) =
@@ -306,6 +315,7 @@ void kvt__recall_heads_prep_cpu(const float *q, size_t q_stride, uint32_t n_head
                                 const float *V, uint32_t rank, float *q_sk,
                                 kvt__recall_head *heads, float *scratch) {
     const int lv = kvt__recall_prep_level(-1);
+    KVT_ASSERT(q_stride < ((size_t)1 << 27)); /* the gathers' int32 indices */
 #ifdef PREP_SIMD
     if (lv) {
         for (uint32_t h0 = 0; h0 < n_heads; h0 += lv == 2 ? 16u : 8u)

@@ -460,7 +460,8 @@ float kvt__recall_f16_fast(uint16_t h);
  * gives q̃_sk at q_sk + h·rank and its fields in heads[h], bit for bit what kvt__recall_head_prep
  * gives (every chain the same fmaf sequence; tests/test_recall_scan.c). The heads go 16 (AVX-512)
  * or 8 (AVX2 + FMA) a vector, one head a lane, where the CPU has them (kvt__recall_prep_level);
- * else head by head. V: [rank][D] (NULL when rank is 0); scratch: KVT__RECALL_HEADS_PREP_FLOATS. */
+ * else head by head. V: [rank][D] (NULL when rank is 0); q_stride < 2^27 (a query's D +
+ * branch_dim floats: at most 1280); scratch: KVT__RECALL_HEADS_PREP_FLOATS(D, rank) floats. */
 void kvt__recall_heads_prep_cpu(const float *q, size_t q_stride, uint32_t n_heads, uint32_t D,
                                 const float *V, uint32_t rank, float *q_sk,
                                 kvt__recall_head *heads, float *scratch);
