@@ -194,40 +194,35 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
 #define PREP_SIMD 1
-#define ZERO _mm512_setzero_ps
-#define LD _mm512_loadu_ps
-#define ST _mm512_storeu_ps
-#define FMA _mm512_fmadd_ps
-#define SET1 _mm512_set1_ps
-#define SUB _mm512_sub_ps
-#define VEC __m512
+/* The operations of a level of PREP_BITS (512 or 256): _mm512_loadu_ps or _mm256_loadu_ps, .. */
+#define PREP_OP__(b, op) _mm##b##_##op
+#define PREP_OP_(b, op) PREP_OP__(b, op)
+#define PREP_VEC_(b) __m##b
+#define PREP_VEC(b) PREP_VEC_(b)
+#define VEC PREP_VEC(PREP_BITS)
+#define ZERO PREP_OP_(PREP_BITS, setzero_ps)
+#define LD PREP_OP_(PREP_BITS, loadu_ps)
+#define ST PREP_OP_(PREP_BITS, storeu_ps)
+#define FMA PREP_OP_(PREP_BITS, fmadd_ps)
+#define SET1 PREP_OP_(PREP_BITS, set1_ps)
+#define SUB PREP_OP_(PREP_BITS, sub_ps)
+#define PREP_BITS 512
 #define W 16u
 PREP_KERNELS(512, __attribute__((target("avx512f"))), 16u, PREP_X16)
-#undef ZERO
-#undef LD
-#undef ST
-#undef FMA
-#undef SET1
-#undef SUB
-#undef VEC
+#undef PREP_BITS
 #undef W
-#define ZERO _mm256_setzero_ps
-#define LD _mm256_loadu_ps
-#define ST _mm256_storeu_ps
-#define FMA _mm256_fmadd_ps
-#define SET1 _mm256_set1_ps
-#define SUB _mm256_sub_ps
-#define VEC __m256
+#define PREP_BITS 256
 #define W 8u
 PREP_KERNELS(256, __attribute__((target("avx2,fma"))), 8u, PREP_X8)
+#undef PREP_BITS
+#undef W
+#undef VEC
 #undef ZERO
 #undef LD
 #undef ST
 #undef FMA
 #undef SET1
 #undef SUB
-#undef VEC
-#undef W
 
 /* qT[d][w] = q[w·q_stride + d] for w < nh (a head's latent down its lane), padding lanes zero:
  * one masked gather a d (lanes past nh read nothing; q_stride < 2^27: the indices are int32). */
