@@ -21,7 +21,7 @@ static size_t heads_padded(uint32_t n_heads) {
 #define SB 24u
 
 /* Floats of the step's own part of the scratch (after the scan's). */
-static size_t own_floats(uint32_t n_heads, uint32_t rank, uint32_t D, uint32_t branch_dim) {
+static size_t own_floats(uint32_t n_heads, uint32_t D, uint32_t branch_dim) {
     const size_t HP = heads_padded(n_heads), qdim = (size_t)D + branch_dim;
     /* qT [qdim][HP]; SB rows [SB][qdim]; their chains [SB][HP]; scores [HP]; best archived and
      * its row [2H] (a calibration step prepares its heads in the scan's part, unused there) */
@@ -46,7 +46,7 @@ size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x) {
     const kvt__recall_scan_args *s = &x->scan;
     return scan_floats(s->n_heads, s->rank, s->latent_dim, s->branch_dim, s->n_closed,
                        x->g_perm ? x->block_rows : 0) +
-           own_floats(s->n_heads, s->rank, s->latent_dim, s->branch_dim) + kvt__promo_scratch_u32(x);
+           own_floats(s->n_heads, s->latent_dim, s->branch_dim) + kvt__promo_scratch_u32(x);
 }
 
 /* Build the groups of closed blocks [st->n_grouped, n_closed / B) into the planes. */
