@@ -9,7 +9,8 @@
  * recall/kernels/recall_scan.h) on its VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
  * time. Per step, and ns per (archived row, head); "net": less the heads' preparation
  * (kvt__recall_scan_prep_cpu, timed alone: the q̃_sk projections every step pays once, whatever
- * its rows), what a step over many more rows pays per row.
+ * its rows), what a step over many more rows pays per row; and that preparation's core
+ * (kvt__recall_heads_prep_cpu) at each SIMD level the CPU has (kvt__recall_prep_level).
  * Usage: bench_recall_scan [reps]
  */
 #include "kernels/backend.h"
@@ -135,6 +136,21 @@ int main(int argc, char **argv) {
                     t = cpu_now() - t;
                     t_prep[w] = t < t_prep[w] ? t : t_prep[w];
                 }
+            /* the heads' preparation itself (kvt__recall_heads_prep_cpu) at each SIMD level the
+             * CPU has, the levels alternating within each repeat */
+            const int top = kvt__recall_prep_level(-1);
+            double t_lv[3] = {1e30, 1e30, 1e30};
+            for (int r = 0; r < reps; r++)
+                for (int l = top; l >= 0; l--) {
+                    kvt__recall_prep_level(l);
+                    kvt__recall_head *hd = (kvt__recall_head *)(pscr + (size_t)H * RANK);
+                    double t = cpu_now();
+                    kvt__recall_heads_prep_cpu(s.q, D + BD, H, D, s.basis, RANK, pscr, hd,
+                                               (float *)(hd + H));
+                    t = cpu_now() - t;
+                    t_lv[l] = t < t_lv[l] ? t : t_lv[l];
+                }
+            kvt__recall_prep_level(2);
             free(pscr);
             const double pairs = (double)(NR - SINKS - M) * H;
             for (int w = 0; w < 2; w++)
@@ -163,9 +179,14 @@ int main(int argc, char **argv) {
                        "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
                        lv - w == 2 ? "8b VNNI" : "8b AVX2", t8[w] * 1e6, t8[w] * 1e9 / pairs,
                        (t8[w] - t_prep[1]) * 1e9 / pairs, nf);
-            if (mode == KVT__RECALL_CONFORMAL)
+            if (mode == KVT__RECALL_CONFORMAL) {
                 printf("  %2u heads, the heads' preparation alone: %.1f us (16-bit), %.1f us "
                        "(8-bit)\n", H, t_prep[0] * 1e6, t_prep[1] * 1e6);
+                printf("  %2u heads, kvt__recall_heads_prep_cpu by level:", H);
+                for (int l = top; l >= 0; l--)
+                    printf(" %s %.1f us%s", l == 2 ? "AVX-512" : l == 1 ? "AVX2" : "head by head",
+                           t_lv[l] * 1e6, l ? "," : "\n");
+            }
         }
         free(q);
         free(best);
