@@ -38,10 +38,11 @@ static size_t heads_padded(uint32_t n_heads) {
 }
 
 size_t kvt__recall_scan_scratch_floats(uint32_t n_heads, uint32_t rank, uint32_t D) {
-    /* heads' q̃_sk and fields; their preparation's scratch; the transposed queries [branch + rank][padded heads];
-     * the row's branch and sketch as fp32; the row-wise scan's chains [2][padded heads]; the
-     * tiled scan's chunk: its rows' embeddings [CHUNK_ROWS][branch + rank], their chains
-     * [2][CHUNK_ROWS][padded heads], and per head s·‖q̃_res‖ and the threshold [2][padded] */
+    /* heads' q̃_sk and fields; their preparation's scratch; the transposed queries [branch +
+     * rank][padded heads]; the row's branch and sketch as fp32; the row-wise scan's chains
+     * [2][padded heads]; the tiled scan's chunk: its rows' embeddings [CHUNK_ROWS][branch +
+     * rank], their chains [2][CHUNK_ROWS][padded heads], and per head s·‖q̃_res‖ and the
+     * threshold [2][padded] */
     const size_t HP = heads_padded(n_heads);
     return (size_t)n_heads * HEAD_FLOATS(rank) + KVT__RECALL_HEADS_PREP_FLOATS(D, rank) +
            HP * (KVT__RECALL_MAX_BRANCH + rank) + KVT__RECALL_MAX_BRANCH + rank + 2u * HP +
@@ -124,9 +125,9 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
 #define PREP_LANES 16u
 
 /* The vector kernels of one level (VEC, W lanes, and ZERO, LD, ST, FMA, SET1, SUB defined around
- * it): proj (the projection into skT [rank][W], eight k's a pass over d), resid (the residual, DB
+ * it): proj (the projection into skT [rank][W], eight k's a pass over d), resid (the residual, W
  * d's a pass over k, each element then straight into its norm partial: part [32][W]; XD lists
- * the DB accumulators) and sumsq (x [n][W] into the partials). Named accumulators: the chains
+ * the W accumulators) and sumsq (x [n][W] into the partials). Named accumulators: the chains
  * must stay in registers. */
 #define PREP_X8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
 #define PREP_X16(M) PREP_X8(M) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
@@ -135,7 +136,7 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
 #define PREP_PUT(i) ST(skT + (size_t)(k0 + (i)) * W, c##i);
 #define PREP_RESID(i) c##i = FMA(sk, SET1(v[i]), c##i);
 #define PREP_KEEP(i) r[i] = c##i;
-#define PREP_KERNELS(SUF, ATTR, DB, XD)                                                            \
+#define PREP_KERNELS(SUF, ATTR, XD)                                                                \
     ATTR static void proj_##SUF(const float *qT, uint32_t D, const float *V, uint32_t rank,       \
                                 float *skT) {                                                      \
         uint32_t k0 = 0;                                                                           \
@@ -157,10 +158,10 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
     }                                                                                              \
     ATTR static void resid_##SUF(const float *qT, uint32_t D, const float *V, uint32_t rank,      \
                                  const float *skT, float *part) {                                  \
-        for (uint32_t d0 = 0; d0 < D; d0 += DB) {                                                  \
-            const uint32_t nd = D - d0 < DB ? D - d0 : DB;                                         \
-            VEC r[DB];                                                                             \
-            if (nd == DB) {                                                                        \
+        for (uint32_t d0 = 0; d0 < D; d0 += W) {                                                   \
+            const uint32_t nd = D - d0 < W ? D - d0 : W;                                           \
+            VEC r[W];                                                                              \
+            if (nd == W) {                                                                         \
                 XD(PREP_DECL)                                                                      \
                 for (uint32_t k = 0; k < rank; k++) {                                              \
                     const VEC sk = LD(skT + (size_t)k * W);                                        \
@@ -208,12 +209,12 @@ static void head_prep(const float *q, uint32_t D, const float *V, uint32_t rank,
 #define SUB PREP_OP_(PREP_BITS, sub_ps)
 #define PREP_BITS 512
 #define W 16u
-PREP_KERNELS(512, __attribute__((target("avx512f"))), 16u, PREP_X16)
+PREP_KERNELS(512, __attribute__((target("avx512f"))), PREP_X16)
 #undef PREP_BITS
 #undef W
 #define PREP_BITS 256
 #define W 8u
-PREP_KERNELS(256, __attribute__((target("avx2,fma"))), 8u, PREP_X8)
+PREP_KERNELS(256, __attribute__((target("avx2,fma"))), PREP_X8)
 #undef PREP_BITS
 #undef W
 #undef VEC
