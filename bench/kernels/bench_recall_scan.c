@@ -6,7 +6,7 @@
  * evaluated (the scan's worst case: a row that fires stops at its first firing head). Conformal
  * and sound modes; the op as dispatched (the tiled scan on AVX2/FMA CPUs) and the row-wise scan
  * side by side; then the 8-bit scan (params.recall_scan_bits 8: the rows' 8-bit planes,
- * recall/kernels/recall_scan.h) on its VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
+ * recall/kernels/recall_scan.h) on its AMX, VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
  * time. Per step, and ns per (archived row, head); "net": less the heads' preparation
  * (kvt__recall_scan_prep_cpu, timed alone: the q̃_sk projections every step pays once, whatever
  * its rows), what a step over many more rows pays per row.
@@ -142,14 +142,15 @@ int main(int argc, char **argv) {
                        "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
                        w ? "row-wise" : tiled ? "tiled" : "(none)", t_best[w] * 1e6,
                        t_best[w] * 1e9 / pairs, (t_best[w] - t_prep[0]) * 1e9 / pairs, nf);
-            /* the 8-bit scan: VNNI, then AVX2, alternating within each repeat */
+            /* the 8-bit scan: AMX, VNNI, then AVX2 (those the CPU has), alternating within each
+             * repeat */
             s.csk = csk8;
             s.csk_stride = S8;
             s.q8_off = RANK;
             const int lv = kvt__recall_scan_q8_level(-1);
-            double t8[2] = {1e30, 1e30};
+            double t8[3] = {1e30, 1e30, 1e30};
             for (int r = 0; r < reps; r++)
-                for (int w = 0; w < 2 && w < lv; w++) {
+                for (int w = 0; w < 3 && w < lv; w++) {
                     kvt__recall_scan_q8_level(lv - w);
                     double t = cpu_now();
                     if (be.ops->recall_scan(&be, &s, 1, NULL) != KVT_OK)
@@ -157,11 +158,12 @@ int main(int argc, char **argv) {
                     t = cpu_now() - t;
                     t8[w] = t < t8[w] ? t : t8[w];
                 }
-            kvt__recall_scan_q8_level(2);
-            for (int w = 0; w < 2 && w < lv; w++)
+            kvt__recall_scan_q8_level(lv);
+            static const char *const q8_name[] = {"", "8b AVX2", "8b VNNI", "8b AMX"};
+            for (int w = 0; w < 3 && w < lv; w++)
                 printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head), net "
                        "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
-                       lv - w == 2 ? "8b VNNI" : "8b AVX2", t8[w] * 1e6, t8[w] * 1e9 / pairs,
+                       q8_name[lv - w], t8[w] * 1e6, t8[w] * 1e9 / pairs,
                        (t8[w] - t_prep[1]) * 1e9 / pairs, nf);
             if (mode == KVT__RECALL_CONFORMAL)
                 printf("  %2u heads, the heads' preparation alone: %.1f us (16-bit), %.1f us "
