@@ -24,7 +24,7 @@
 
 /* The 8-bit scan's scratch (kvt__recall_scan_prep's q8 fields): the heads' values [10][HP]
  * (tb ts Qb Qs Eb Es Nb Ns, then −128·sb and −128·ss as int32: the SIMD dots' correction), their
- * vectors [HP][len] and the packing of the SIMD dots (VNNI: s8 [len / 4][HQ][4]; AVX2: s16
+ * vectors [HP][len] and the packing of the SIMD dots (VNNI, AMX: s8 [len / 4][HQ][4]; AVX2: s16
  * [len / 2][HQ][2]; HQ: HP rounded up to 16; len <= KVT__RECALL_MAX_BRANCH +
  * KVT__SKETCH_MAX_RANK bytes each), the quantiser's tmp and the AVX2 dots' widened rows. */
 #define Q8_MAX_LEN (KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK)
@@ -109,8 +109,8 @@ size_t kvt__recall_scan_heads_padded(uint32_t n_heads) {
 }
 
 /* The 8-bit scan's heads (kvt__recall_q8_head): values into p->q8f (SoA), vectors into p->q8v
- * (padding heads all 128: zero), and the packing of the level's dots: VNNI p->q8p[j4][h][4] =
- * the s8 values, AVX2 p->q8p as int16 [j2][h][2]. */
+ * (padding heads all 128: zero), and the packing of the level's dots: VNNI and AMX
+ * p->q8p[j4][h][4] = the s8 values, AVX2 p->q8p as int16 [j2][h][2]. */
 KVT__FMA_CLONES
 static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, float *tmp) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, H = a->n_heads, W = a->q8_off;
