@@ -833,27 +833,12 @@ AMX_FN static void q8_amx16(const uint8_t *x, size_t xs, const uint8_t *qp, cons
             _tile_loadd(1, cz[1], 0);
         }
         const uint8_t *q = qp + 4u * h0;
-        uint32_t k = 0;
-        for (; k + 64u <= bd; k += 64u) {
-            _tile_loadd(2, x + k, xs);
-            _tile_loadd(3, q + k / 4u * qs, qs);
-            _tile_dpbusd(0, 2, 3);
-        }
-        if (k < bd) {
-            _tile_loadd(4, x + k, xs);
-            _tile_loadd(5, q + k / 4u * qs, qs);
-            _tile_dpbusd(0, 4, 5);
-        }
-        for (k = bd; k + 64u <= len; k += 64u) {
-            _tile_loadd(2, x + k, xs);
-            _tile_loadd(3, q + k / 4u * qs, qs);
-            _tile_dpbusd(1, 2, 3);
-        }
-        if (k < len) {
-            _tile_loadd(6, x + k, xs);
-            _tile_loadd(7, q + k / 4u * qs, qs);
-            _tile_dpbusd(1, 6, 7);
-        }
+/* C tile c += bytes [k0, k1) of the rows × the heads: whole 64-byte chunks in tiles 2, 3, a
+ * shorter last one in tiles ta, tb (tile numbers are immediates: a macro, not a function) */
+#define Q8_AMX_PART(c, ta, tb, k0, k1)                                                                 for (uint32_t k = (k0); k < (k1); k += 64u) {                                                          if (k + 64u <= (k1)) {                                                                                 _tile_loadd(2, x + k, xs);                                                                         _tile_loadd(3, q + k / 4u * qs, qs);                                                               _tile_dpbusd(c, 2, 3);                                                                         } else {                                                                                               _tile_loadd(ta, x + k, xs);                                                                        _tile_loadd(tb, q + k / 4u * qs, qs);                                                              _tile_dpbusd(c, ta, tb);                                                                       }                                                                                              }
+        Q8_AMX_PART(0, 4, 5, 0u, bd)
+        Q8_AMX_PART(1, 6, 7, bd, len)
+#undef Q8_AMX_PART
         if (w == 16u) {
             _tile_stored(0, ib + h0, 4u * HP);
             _tile_stored(1, is + h0, 4u * HP);
