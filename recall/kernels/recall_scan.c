@@ -1071,6 +1071,8 @@ TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan
         }
         return n;
     }
+#else
+    (void)xa; /* level 3 is not built here */
 #endif
     const size_t nr = (n + 5u) / 6u * 6u;
     for (size_t i = n; i < nr; i++) /* padding rows: row 0's vector again, results unread */
