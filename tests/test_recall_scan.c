@@ -33,6 +33,7 @@ static void orthonormal_rows(tu_rng *g, uint32_t rank, uint32_t n, float *out) {
 typedef struct scen {
     uint32_t N, rank, csk_stride, sinks, m;
     uint32_t q8; /* 8-bit planes (scen_q8): the fp16 width, the plane after it; 0: none */
+    uint32_t n_head; /* run_scan: rows [0, n_head) of csk / rho in arrays of their own */
     int dtype;
     size_t stride;
     uint8_t *pool;   /* [N slots][stride] */
@@ -196,6 +197,7 @@ static kvt_status run_scan(const kvt__backend *be, const scen *s, const float *q
                            uint32_t cap, scan_out *out) {
     uint32_t elt = s->dtype == KVT__DT_FP32 ? 4 : 2;
     size_t qb = sizeof(float) * QD * H;
+    const size_t nh = s->n_head, ck = sizeof(uint16_t) * s->csk_stride;
     kvt__recall_scan_args a = {
         .base = dev(be, s->pool, s->stride * s->N),
         .pages = dev(be, s->pages, sizeof(int32_t) * (s->N / PR)),
@@ -206,8 +208,11 @@ static kvt_status run_scan(const kvt__backend *be, const scen *s, const float *q
         .branch_offset = D * elt,
         .branch_dtype = s->dtype,
         .branch_dim = BD,
-        .csk = dev(be, s->csk, sizeof(uint16_t) * s->N * s->csk_stride),
-        .rho = dev(be, s->rho, sizeof(float) * s->N),
+        .csk = dev(be, s->csk + nh * s->csk_stride, ck * (s->N - nh)),
+        .rho = dev(be, s->rho + nh, sizeof(float) * (s->N - nh)),
+        .csk_head = nh ? dev(be, s->csk, ck * nh) : NULL,
+        .rho_head = nh ? dev(be, s->rho, sizeof(float) * nh) : NULL,
+        .n_head = nh,
         .csk_stride = s->csk_stride,
         .q8_off = s->q8,
         .basis = s->rank ? dev(be, s->V, sizeof(float) * s->rank * D) : NULL,
@@ -238,8 +243,12 @@ static kvt_status run_scan(const kvt__backend *be, const scen *s, const float *q
     }
     be->ops->buf_free(be, (void *)a.base, s->stride * s->N);
     be->ops->buf_free(be, (void *)a.pages, sizeof(int32_t) * (s->N / PR));
-    be->ops->buf_free(be, (void *)a.csk, sizeof(uint16_t) * s->N * s->csk_stride);
-    be->ops->buf_free(be, (void *)a.rho, sizeof(float) * s->N);
+    be->ops->buf_free(be, (void *)a.csk, ck * (s->N - nh));
+    be->ops->buf_free(be, (void *)a.rho, sizeof(float) * (s->N - nh));
+    if (nh) {
+        be->ops->buf_free(be, (void *)a.csk_head, ck * nh);
+        be->ops->buf_free(be, (void *)a.rho_head, sizeof(float) * nh);
+    }
     if (a.basis)
         be->ops->buf_free(be, (void *)a.basis, sizeof(float) * s->rank * D);
     be->ops->buf_free(be, (void *)a.kept, sizeof(uint32_t) * s->m);
@@ -1167,9 +1176,10 @@ static uint32_t reference8(const scen *s, const float *q, const float *best, uin
     return n;
 }
 
-/* The 8-bit op (VNNI where the CPU has it, AVX2, row by row, and the guarded backend)
+/* The 8-bit op (AMX and VNNI where the CPU has them, AVX2, row by row, and the guarded backend)
  * gives the per-element functions' fired set bit for bit in the three modes, over ranks, dtypes,
- * z from negative to large, heads not a multiple of 16 and rows at the quantisation's edges;
+ * z from negative to large, heads not a multiple of 16, rows at the quantisation's edges, the
+ * planes split in two arrays at n_head and caps the scan stops at mid-tile;
  * every row the 16-bit per-element reference fires, the 8-bit one fires too (z keeps its
  * meaning); and |idx16 − idx8| <= B on every (row, head). */
 Test(recall_scan, q8_bit_equal_superset_and_bound) {
@@ -1191,6 +1201,8 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
         if (c % 3 == 2)
             scen_edges(&s, &g);
         scen_q8(&s);
+        if (c % 2) /* rows [0, n_head) in arrays of their own (a shared prefix) */
+            s.n_head = 1 + (uint32_t)(tu_next(&g) % (N - 1));
         for (uint32_t st = 0; st < 4; st++) {
             make_queries(&g, &s, H, q);
             float best[43];
@@ -1236,14 +1248,19 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
                     fired16 += k16;
                     fired8 += k8;
                 }
-                for (int b = 0; b < 4; b++) { /* VNNI, AVX2, per element; guarded, capped */
-                    const uint32_t cap = b == 3 ? (uint32_t)(tu_next(&g) % N) : N;
-                    kvt__recall_scan_q8_level(b == 3 ? 2 : 2 - b);
+                /* AMX, VNNI, AVX2, per element; then the CPU's best level with a cap below the
+                 * fired count (the (cap + 1)-th fired row stops the scan, mid-tile), and on the
+                 * guarded backend with any cap */
+                for (int b = 0; b < 6; b++) {
+                    const uint32_t cap = b == 4   ? (k8 ? (uint32_t)(tu_next(&g) % k8) : 0)
+                                         : b == 5 ? (uint32_t)(tu_next(&g) % N)
+                                                  : N;
+                    kvt__recall_scan_q8_level(b >= 4 ? 3 : 3 - b);
                     scan_out o;
-                    cr_assert_eq(run_scan(b == 3 ? &r.guarded : &r.cpu, &s, q, best, H, SMAX, z,
+                    cr_assert_eq(run_scan(b == 5 ? &r.guarded : &r.cpu, &s, q, best, H, SMAX, z,
                                           mode, cap, &o),
                                  KVT_OK);
-                    kvt__recall_scan_q8_level(2);
+                    kvt__recall_scan_q8_level(3);
                     cr_assert_eq(o.overflow, k8 > cap ? 1u : 0u, "seed %llx",
                                  (unsigned long long)seed);
                     cr_assert_eq(o.n_fired, k8 < cap ? k8 : cap, "seed %llx mode %d path %d",
@@ -1260,14 +1277,120 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
         }
         scen_free(&s);
     }
+    if (level < 3)
+        cr_log_warn("recall_scan q8: level 3 (AMX) is not available here (the CPU's best is %d): "
+                    "its runs ran level %d",
+                    level, level);
     cr_log_info("recall_scan q8: %llu scans equal to the per-element functions (SIMD levels "
-                "2..0 from the CPU's %d); the "
+                "3..0 from the CPU's %d); the "
                 "16-bit set inside the 8-bit one (%llu rows fired at 16 bits, %llu at 8); "
                 "|idx16 - idx8| took at most %.3g of B",
                 (unsigned long long)compared, level,
                 (unsigned long long)fired16, (unsigned long long)fired8, worst);
     free(q);
     rig_close(&r);
+}
+
+/* The 8-bit scan's integer dots at every SIMD level the CPU has (3 AMX, 2 VNNI, 1 AVX2) are
+ * kvt__recall_q8_dots' for every archived row and head: planes of random bytes (all 256 values),
+ * branch widths and sketch widths below, at and past 64 bytes (whole and short K chunks), heads
+ * not a multiple of 16 (a last tile of 8), rows split at n_head into two arrays (16-row blocks
+ * and the rest on either side), kept rows inside blocks and whole kept blocks, rows of any stride. */
+Test(recall_scan, q8_dots_every_level) {
+    static const uint32_t bds[] = {4, 60, 64, 68, 128, 132, 200, 256};
+    static const uint32_t ranks[] = {1, 8, 60, 64, 66, 128, 190, 256};
+    static const uint32_t heads[] = {1, 7, 8, 16, 17, 24, 32, 43, 64};
+    const int cpu = kvt__recall_scan_q8_level(-1);
+    uint64_t dots = 0, runs[4] = {0, 0, 0, 0};
+    for (uint32_t c = 0; c < 24; c++) {
+        const uint64_t seed = 0x9d07000u + c;
+        tu_rng g = {seed};
+        const uint32_t bd = bds[c % 8], rank = ranks[(c / 2 + c) % 8], H = heads[c % 9];
+        const uint32_t W = rank + (rank < KVT__SKETCH_MAX_RANK ? (uint32_t)(tu_next(&g) % 3) : 0);
+        const uint32_t Wc = W < KVT__SKETCH_MAX_RANK ? W : KVT__SKETCH_MAX_RANK;
+        const uint32_t len = kvt__recall_q8_len(bd, Wc);
+        const uint32_t S = Wc + kvt__recall_q8_words(bd, Wc) + (uint32_t)(tu_next(&g) % 3);
+        const uint32_t N = 40 + (uint32_t)(tu_next(&g) % 200), qd = D + bd;
+        const uint32_t nh = c % 3 == 0 ? 0 : (uint32_t)(tu_next(&g) % N);
+        const uint32_t sinks = (uint32_t)(tu_next(&g) % 9);
+        uint16_t *hd = malloc(sizeof(uint16_t) * S * (nh ? nh : 1));
+        uint16_t *tl = malloc(sizeof(uint16_t) * S * (N - nh));
+        float *rho = calloc(N, sizeof(float)), *V = malloc(sizeof(float) * rank * D);
+        float *q = malloc(sizeof(float) * qd * H), *best = calloc(H, sizeof(float));
+        uint8_t *is_kept = calloc(N, 1), *v = malloc((size_t)len * H);
+        uint32_t *kept = malloc(sizeof(uint32_t) * N), m = 0;
+        int32_t *ib = malloc(sizeof(int32_t) * N * H), *is = malloc(sizeof(int32_t) * N * H);
+        float *scratch = malloc(sizeof(float) * kvt__recall_scan_scratch_floats(H, rank, D));
+        float *qsk = malloc(sizeof(float) * rank * H), tmp[D], tq[KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK];
+        cr_assert(hd && tl && rho && V && q && best && is_kept && v && kept && ib && is &&
+                  scratch && qsk);
+        orthonormal_rows(&g, rank, D, V);
+        for (size_t i = 0; i < (size_t)qd * H; i++)
+            q[i] = (float)tu_normal(&g) * (i % qd < D ? 0.3f : 1.0f);
+        for (size_t i = 0; i < (size_t)S * (nh ? nh : 1); i++)
+            hd[i] = (uint16_t)tu_next(&g);
+        for (size_t i = 0; i < (size_t)S * (N - nh); i++)
+            tl[i] = (uint16_t)tu_next(&g);
+        /* kept: single rows (a sixth of them), and in every other scenario a run of 20 */
+        const uint32_t run0 = c % 2 ? (uint32_t)(tu_next(&g) % N) : N;
+        for (uint32_t row = 0; row < N; row++)
+            if (tu_next(&g) % 6 == 0 || (row >= run0 && row < run0 + 20u)) {
+                is_kept[row] = 1;
+                kept[m++] = row;
+            }
+        kvt__recall_head hh;
+        for (uint32_t h = 0; h < H; h++) {
+            kvt__recall_q8h h8;
+            kvt__recall_head_prep(q + (size_t)h * qd, D, V, rank, qsk + (size_t)h * rank, tmp,
+                                  &hh);
+            kvt__recall_q8_head(q + (size_t)h * qd, D, bd, qsk + (size_t)h * rank, rank, Wc, tq,
+                                v + (size_t)h * len, &h8);
+        }
+        kvt__recall_scan_args a = {.latent_dim = D, .branch_dim = bd, .csk = tl, .rho = rho,
+                                   .csk_head = nh ? hd : NULL, .rho_head = nh ? rho : NULL,
+                                   .n_head = nh, .csk_stride = S, .basis = V, .rank = rank,
+                                   .n_closed = N, .sinks = sinks, .kept = kept, .m = m, .q = q,
+                                   .best = best, .n_heads = H, .scale = SMAX, .z = 1.0f,
+                                   .mode = KVT__RECALL_CONFORMAL, .q8_off = Wc};
+        for (int lv = cpu; lv >= 1; lv--) {
+            kvt__recall_scan_q8_level(lv);
+            memset(ib, 0x55, sizeof(int32_t) * N * H);
+            memset(is, 0x55, sizeof(int32_t) * N * H);
+            const int got = kvt__recall_scan_q8_dots_cpu(&a, scratch, ib, is);
+            kvt__recall_scan_q8_level(3);
+            cr_assert_eq(got, bd % 4u == 0 ? lv : 0, "seed %llx: level %d ran as %d",
+                         (unsigned long long)seed, lv, got);
+            uint32_t k = 0;
+            for (uint32_t row = sinks; row < N; row++) {
+                if (is_kept[row])
+                    continue;
+                const uint8_t *pl =
+                    (const uint8_t *)(row < nh ? hd + (size_t)row * S : tl + (size_t)(row - nh) * S) +
+                    2u * Wc + 4u * KVT__Q8_FLOATS;
+                for (uint32_t h = 0; h < H; h++) {
+                    int32_t eb, es;
+                    kvt__recall_q8_dots(pl, v + (size_t)h * len, bd, len, &eb, &es);
+                    cr_assert(ib[(size_t)k * H + h] == eb && is[(size_t)k * H + h] == es,
+                              "seed %llx level %d (bd %u, width %u, %u heads, n_head %u): row %u "
+                              "head %u dots %d %d, kvt__recall_q8_dots %d %d",
+                              (unsigned long long)seed, lv, bd, Wc, H, nh, row, h,
+                              ib[(size_t)k * H + h], is[(size_t)k * H + h], eb, es);
+                    dots++;
+                }
+                k++;
+            }
+            runs[lv]++;
+        }
+        free(hd), free(tl), free(rho), free(V), free(q), free(best), free(is_kept), free(v);
+        free(kept), free(ib), free(is), free(scratch), free(qsk);
+    }
+    if (cpu < 3)
+        cr_log_warn("q8 dots: level 3 (AMX) is not available here (the CPU's best is %d): not run",
+                    cpu);
+    cr_log_info("q8 dots: %llu (row, head) dots equal to kvt__recall_q8_dots' (scans by level: "
+                "AMX %llu, VNNI %llu, AVX2 %llu)",
+                (unsigned long long)dots, (unsigned long long)runs[3], (unsigned long long)runs[2],
+                (unsigned long long)runs[1]);
 }
 
 /* The sound mode stays sound at 8 bits: every archived row whose exact score reaches its head's

@@ -1,17 +1,19 @@
 /*
  * bench_recall_scan.c — the recall scan's CPU twin (the recall_scan op of the CPU backend,
  * recall/kernels/recall_scan.c) on one (request, layer): B = 4096 closed bf16 MLA-NoPE rows (512 +
- * 64) behind a shuffled page table, a rank-64 sketch, sinks 4, m = 512 kept, so 3580 archived rows;
- * H query heads; thresholds +FLT_MAX so that no row fires and every (row, head) pair is
+ * 64; or the count given) behind a shuffled page table, a rank-64 sketch, sinks 4, m = B / 8 kept
+ * (512: 3580 archived rows); H query heads; thresholds +FLT_MAX so that no row fires and every (row, head) pair is
  * evaluated (the scan's worst case: a row that fires stops at its first firing head). Conformal
  * and sound modes; the op as dispatched (the tiled scan on AVX2/FMA CPUs) and the row-wise scan
  * side by side; then the 8-bit scan (params.recall_scan_bits 8: the rows' 8-bit planes,
- * recall/kernels/recall_scan.h) on its VNNI and AVX2 paths; best of `reps` (default 5) in thread CPU
- * time. Per step, and ns per (archived row, head); "net": less the heads' preparation
+ * recall/kernels/recall_scan.h) on its AMX, VNNI and AVX2 paths (those the CPU has); best of
+ * `reps` (default 5) in thread CPU time. Per step, and ns per (archived row, head); "net": less
+ * the heads' preparation
  * (kvt__recall_scan_prep_cpu, timed alone: the q̃_sk projections every step pays once, whatever
  * its rows), what a step over many more rows pays per row; and that preparation's core
  * (kvt__recall_heads_prep_cpu) at each SIMD level the CPU has (kvt__recall_prep_level).
- * Usage: bench_recall_scan [reps]
+ * Usage: bench_recall_scan [reps] [closed rows (4096; a multiple of 64: e.g. 131072, the decode
+ * step's 128k context, whose planes no cache holds)]
  */
 #include "kernels/backend.h"
 #include "recall/kernels/recall_scan.h"
@@ -24,7 +26,7 @@
 
 #include "../bench_util.h"
 
-enum { NR = 4096, D = 512, BD = 64, RANK = 64, PR = 64, M = 512, SINKS = 4, ROW = 1152 };
+enum { D = 512, BD = 64, RANK = 64, PR = 64, SINKS = 4, ROW = 1152 };
 
 /* This thread's CPU time (the machine is shared: other processes' slices are not counted). */
 static double cpu_now(void) {
@@ -42,19 +44,26 @@ static float gauss(void) { /* a sum of 4 uniforms, centred: shape enough for a b
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 5;
+    /* closed rows (a multiple of the page, >= 4096), an eighth of them kept */
+    const uint32_t NR = argc > 2 ? (uint32_t)atoi(argv[2]) : 4096u, M = NR / 8u;
+    if (NR < 4096u || NR % PR) {
+        fprintf(stderr, "bench_recall_scan: rows must be a multiple of %d, at least 4096\n", PR);
+        return 1;
+    }
     uint8_t *pool = malloc((size_t)NR * ROW);
-    int32_t pages[NR / PR], *slots = malloc(sizeof(int32_t) * NR);
+    int32_t *pages = malloc(sizeof(int32_t) * (NR / PR)), *slots = malloc(sizeof(int32_t) * NR);
     float *V = malloc(sizeof(float) * RANK * D), *rho = malloc(sizeof(float) * NR);
     uint16_t *csk = malloc(sizeof(uint16_t) * NR * RANK);
-    uint32_t kept[M], *fired = malloc(sizeof(uint32_t) * NR), nf = 0, ov = 0;
+    uint32_t *kept = malloc(sizeof(uint32_t) * M), *fired = malloc(sizeof(uint32_t) * NR);
+    uint32_t nf = 0, ov = 0;
     float *scratch = malloc(sizeof(float) * kvt__sketch_scratch_floats(D));
     /* V: coordinate directions scaled — orthonormal, enough for timing (the math is the same). */
     memset(V, 0, sizeof(float) * RANK * D);
     for (int k = 0; k < RANK; k++)
         V[(size_t)k * D + (size_t)k * 7] = 1.0f;
-    for (int p = 0; p < NR / PR; p++)
+    for (int p = 0; p < (int)(NR / PR); p++)
         pages[p] = p;
-    for (int p = NR / PR - 1; p > 0; p--) {
+    for (int p = (int)(NR / PR) - 1; p > 0; p--) {
         int j = (int)(rnd() % (uint64_t)(p + 1)), t = pages[p];
         pages[p] = pages[j];
         pages[j] = t;
@@ -158,14 +167,15 @@ int main(int argc, char **argv) {
                        "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
                        w ? "row-wise" : tiled ? "tiled" : "(none)", t_best[w] * 1e6,
                        t_best[w] * 1e9 / pairs, (t_best[w] - t_prep[0]) * 1e9 / pairs, nf);
-            /* the 8-bit scan: VNNI, then AVX2, alternating within each repeat */
+            /* the 8-bit scan: AMX, VNNI, then AVX2 (those the CPU has), alternating within each
+             * repeat */
             s.csk = csk8;
             s.csk_stride = S8;
             s.q8_off = RANK;
             const int lv = kvt__recall_scan_q8_level(-1);
-            double t8[2] = {1e30, 1e30};
+            double t8[3] = {1e30, 1e30, 1e30};
             for (int r = 0; r < reps; r++)
-                for (int w = 0; w < 2 && w < lv; w++) {
+                for (int w = 0; w < 3 && w < lv; w++) {
                     kvt__recall_scan_q8_level(lv - w);
                     double t = cpu_now();
                     if (be.ops->recall_scan(&be, &s, 1, NULL) != KVT_OK)
@@ -173,11 +183,12 @@ int main(int argc, char **argv) {
                     t = cpu_now() - t;
                     t8[w] = t < t8[w] ? t : t8[w];
                 }
-            kvt__recall_scan_q8_level(2);
-            for (int w = 0; w < 2 && w < lv; w++)
+            kvt__recall_scan_q8_level(lv);
+            static const char *const q8_name[] = {"", "8b AVX2", "8b VNNI", "8b AMX"};
+            for (int w = 0; w < 3 && w < lv; w++)
                 printf("  %2u heads, %-9s %-8s %9.1f us a step  %6.2f ns per (row, head), net "
                        "%5.2f  fired %u\n", H, mode == KVT__RECALL_SOUND ? "sound" : "conformal",
-                       lv - w == 2 ? "8b VNNI" : "8b AVX2", t8[w] * 1e6, t8[w] * 1e9 / pairs,
+                       q8_name[lv - w], t8[w] * 1e6, t8[w] * 1e9 / pairs,
                        (t8[w] - t_prep[1]) * 1e9 / pairs, nf);
             if (mode == KVT__RECALL_CONFORMAL) {
                 printf("  %2u heads, the heads' preparation alone: %.1f us (16-bit), %.1f us "
@@ -194,6 +205,8 @@ int main(int argc, char **argv) {
     kvt__backend_cpu_close(&be);
     kvt__alloc_fini(&a);
     free(pool);
+    free(pages);
+    free(kept);
     free(slots);
     free(V);
     free(rho);

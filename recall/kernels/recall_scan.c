@@ -7,6 +7,7 @@
  * performs one (row, head) chain's fused multiply-adds, and the triggers' operations, in the
  * per-element functions' order, so the bits are theirs — tests/test_recall_scan.c).
  */
+#define _DEFAULT_SOURCE /* syscall (the AMX permission, level 3 of the 8-bit scan) */
 #include "recall/kernels/recall_scan.h"
 
 #include "kernels/backend.h"
@@ -23,7 +24,7 @@
 
 /* The 8-bit scan's scratch (kvt__recall_scan_prep's q8 fields): the heads' values [10][HP]
  * (tb ts Qb Qs Eb Es Nb Ns, then −128·sb and −128·ss as int32: the SIMD dots' correction), their
- * vectors [HP][len] and the packing of the SIMD dots (VNNI: s8 [len / 4][HQ][4]; AVX2: s16
+ * vectors [HP][len] and the packing of the SIMD dots (VNNI, AMX: s8 [len / 4][HQ][4]; AVX2: s16
  * [len / 2][HQ][2]; HQ: HP rounded up to 16; len <= KVT__RECALL_MAX_BRANCH +
  * KVT__SKETCH_MAX_RANK bytes each), the quantiser's tmp and the AVX2 dots' widened rows. */
 #define Q8_MAX_LEN (KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK)
@@ -329,8 +330,8 @@ size_t kvt__recall_scan_heads_padded(uint32_t n_heads) {
 }
 
 /* The 8-bit scan's heads (kvt__recall_q8_head): values into p->q8f (SoA), vectors into p->q8v
- * (padding heads all 128: zero), and the packing of the level's dots: VNNI p->q8p[j4][h][4] =
- * the s8 values, AVX2 p->q8p as int16 [j2][h][2]. */
+ * (padding heads all 128: zero), and the packing of the level's dots: VNNI and AMX
+ * p->q8p[j4][h][4] = the s8 values, AVX2 p->q8p as int16 [j2][h][2]. */
 KVT__FMA_CLONES
 static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, float *tmp) {
     const uint32_t D = a->latent_dim, bd = a->branch_dim, H = a->n_heads, W = a->q8_off;
@@ -354,7 +355,7 @@ static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, fl
         const int32_t cb = -128 * q.sb, cs = -128 * q.ss; /* the u8 offset's correction */
         memcpy(p->q8f + 8u * HP + h, &cb, 4);
         memcpy(p->q8f + 9u * HP + h, &cs, 4);
-        if (kvt__recall_scan_q8_level(-1) == 2)
+        if (kvt__recall_scan_q8_level(-1) >= 2)
             for (uint32_t j = 0; j < len; j++)
                 p->q8p[((size_t)(j / 4u) * Q8_HQ(HP) + h) * 4u + j % 4u] = (uint8_t)(v[j] - 128u);
         else
@@ -898,19 +899,6 @@ TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan
  * ------------------------------------------------------------------------------------------- */
 #define VNNI_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
 
-static int q8_max_level = 2;
-
-int kvt__recall_scan_q8_level(int enable) {
-    if (enable >= 0)
-        q8_max_level = enable;
-    const int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vnni")
-                        ? 2
-                    : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
-                                                                                       : 0;
-    return cpu < q8_max_level ? cpu : q8_max_level;
-}
-
 static inline int32_t ld4(const uint8_t *b) {
     int32_t v;
     memcpy(&v, b, 4);
@@ -963,6 +951,145 @@ VNNI_FN static void q8_tile(const uint8_t *const *x, const uint8_t *qp, const in
     _mm512_mask_storeu_epi32(t + 3 * HP, m, c3);
     _mm512_mask_storeu_epi32(t + 4 * HP, m, c4);
     _mm512_mask_storeu_epi32(t + 5 * HP, m, c5);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Level 3: the same dots on AMX (amx-tile, amx-int8; Linux grants the tile data per process,
+ * arch_prctl ARCH_REQ_XCOMP_PERM, asked once). A block of 16 consecutive closed rows in one piece
+ * of the planes is one A tile a K chunk, loaded straight from the rows (csk_stride fp16 words
+ * apart); the packing p->q8p ([len / 4][HQ][4]) is AMX's B layout for 16 heads a tile (rows
+ * HQ·4 bytes apart). C tiles (16 rows × 16 heads, int32) start from the correction −128·Σ q_head
+ * (tileloadd with stride 0: one row for all 16), then tdpbusd adds u8(row)·s8(head) products —
+ * exact integer sums, so the same int32 dots as q8_tile's. K runs in chunks of 64 bytes (the
+ * tile's width), the branch's and the sketch's separately; each part's last chunk, when shorter,
+ * has tiles of its own shape (the configuration holds both). Tiles: 0, 1 the branch and sketch
+ * C; 2, 3 A and B of a 64-byte chunk; 4, 5 of the branch's short chunk; 6, 7 of the sketch's.
+ * ------------------------------------------------------------------------------------------- */
+#if defined(__linux__)
+#include <cpuid.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define Q8_AMX 1
+#define AMX_FN                                                                                     \
+    __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
+/* gcc's tileloadd and ldtilecfg intrinsics do not tell the compiler what memory they read: every
+ * store before them must be done first (a compiler barrier, no instruction) */
+#define AMX_FENCE(ptr) __asm__ __volatile__("" : : "r"(ptr) : "memory")
+
+static int amx_granted_v;
+
+static void amx_ask(void) {
+    unsigned eax, ebx, ecx, edx;
+    /* CPUID.(7, 0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8; then the kernel's permission
+     * (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18; refused by kernels before 5.16,
+     * or while a too small sigaltstack is installed) */
+    amx_granted_v = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 24 & 1u) &&
+                    (edx >> 25 & 1u) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+/* Whether this process may use the AMX tiles (asked once, whichever thread asks first). */
+static int amx_granted(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, amx_ask);
+    return amx_granted_v;
+}
+
+/* ldtilecfg's 64 bytes (palette 1). */
+typedef struct amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+/* The tiles of a scan whose vectors are len bytes, the branch's bd first (both multiples of 4). */
+AMX_FN static void q8_amx_begin(uint32_t bd, uint32_t len) {
+    amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const uint32_t tb = bd % 64u, ts = (len - bd) % 64u;
+    for (int t = 0; t < 4; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    c.rows[4] = c.rows[6] = 16;
+    c.colsb[4] = (uint16_t)tb;
+    c.rows[5] = (uint8_t)(tb / 4u);
+    c.colsb[6] = (uint16_t)ts;
+    c.rows[7] = (uint8_t)(ts / 4u);
+    c.colsb[5] = c.colsb[7] = 64;
+    if (!tb) /* an unused tile: zero rows and width */
+        c.rows[4] = c.colsb[5] = 0;
+    if (!ts)
+        c.rows[6] = c.colsb[7] = 0;
+    AMX_FENCE(&c);
+    _tile_loadconfig(&c);
+}
+
+AMX_FN static void q8_amx_end(void) {
+    _tile_release();
+}
+
+/* Dots of 16 rows whose vectors (len bytes, the branch's bd first) lie xs bytes apart from x,
+ * against every head (HP) of the packing qp, into rows 0 .. 16 of ib and is ([rows][HP]), from
+ * the correction corr ([2][HP]); q8_amx_begin's tiles. */
+AMX_FN static void q8_amx16(const uint8_t *x, size_t xs, const uint8_t *qp, const int32_t *corr,
+                            size_t HQ, size_t HP, uint32_t bd, uint32_t len, int32_t *ib,
+                            int32_t *is) {
+    const size_t qs = HQ * 4u; /* bytes from one K group of the packing to the next */
+    int32_t cz[2][16], out[2][16][16];
+    AMX_FENCE(x);
+    for (size_t h0 = 0; h0 < HP; h0 += 16u) {
+        const size_t w = HP - h0 >= 16u ? 16u : HP - h0; /* HP is a multiple of 8 */
+        if (w == 16u) {
+            _tile_loadd(0, corr + h0, 0);
+            _tile_loadd(1, corr + HP + h0, 0);
+        } else { /* the last 8 heads: the correction's padding lanes zero */
+            memset(cz, 0, sizeof cz);
+            memcpy(cz[0], corr + h0, 4u * w);
+            memcpy(cz[1], corr + HP + h0, 4u * w);
+            AMX_FENCE(cz);
+            _tile_loadd(0, cz[0], 0);
+            _tile_loadd(1, cz[1], 0);
+        }
+        const uint8_t *q = qp + 4u * h0;
+/* C tile c += bytes [k0, k1) of the rows × the heads: whole 64-byte chunks in tiles 2, 3, a
+ * shorter last one in tiles ta, tb (tile numbers are immediates: a macro, not a function) */
+#define Q8_AMX_PART(c, ta, tb, k0, k1)                                                                 for (uint32_t k = (k0); k < (k1); k += 64u) {                                                          if (k + 64u <= (k1)) {                                                                                 _tile_loadd(2, x + k, xs);                                                                         _tile_loadd(3, q + k / 4u * qs, qs);                                                               _tile_dpbusd(c, 2, 3);                                                                         } else {                                                                                               _tile_loadd(ta, x + k, xs);                                                                        _tile_loadd(tb, q + k / 4u * qs, qs);                                                              _tile_dpbusd(c, ta, tb);                                                                       }                                                                                              }
+        Q8_AMX_PART(0, 4, 5, 0u, bd)
+        Q8_AMX_PART(1, 6, 7, bd, len)
+#undef Q8_AMX_PART
+        if (w == 16u) {
+            _tile_stored(0, ib + h0, 4u * HP);
+            _tile_stored(1, is + h0, 4u * HP);
+        } else { /* the padding lanes must not reach the next row's heads */
+            _tile_stored(0, out[0], 64);
+            _tile_stored(1, out[1], 64);
+            for (size_t r = 0; r < 16u; r++) {
+                memcpy(ib + r * HP + h0, out[0][r], 4u * w);
+                memcpy(is + r * HP + h0, out[1][r], 4u * w);
+            }
+        }
+    }
+}
+#endif
+
+static int q8_max_level = 3;
+
+int kvt__recall_scan_q8_level(int enable) {
+    if (enable >= 0)
+        q8_max_level = enable;
+    int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vnni")
+                  ? 2
+              : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
+                                                                                 : 0;
+#ifdef Q8_AMX
+    /* the permission is asked only where level 3 could run */
+    if (cpu == 2 && q8_max_level >= 3 && amx_granted())
+        cpu = 3;
+#endif
+    return cpu < q8_max_level ? cpu : q8_max_level;
 }
 
 /* The conformal trigger of one row (plane pl) over heads 0 .. H from its corrected dots: the
@@ -1101,66 +1228,123 @@ TILED_FN static int q8_conformal_avx2(const kvt__recall_scan_args *a,
     return bits != 0;
 }
 
-/* The full 8-bit scan at SIMD level lv (2 VNNI, 1 AVX2): chunks of CHUNK_ROWS archived rows
- * ascending, their dots by the level's tiles, the trigger per row; fired rows in row order, at
- * most cap, stopping at the (cap + 1)-th. */
-TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, int lv) {
+/* The next chunk of the 8-bit scan at SIMD level lv (3 AMX, 2 VNNI, 1 AVX2), from row *row_io on
+ * (*jk_io: the kept cursor, as the row-wise scan keeps it): its archived rows ascending (rows,
+ * their vectors x) and their dots, row i's in rows at[i] of p->tacc, p->tpa (int32 [CHUNK_ROWS]
+ * [HP]: branch, sketch); returns how many. Levels 2 and 1 take CHUNK_ROWS archived rows and tile
+ * them 6 at a time (at[i] = i); level 3 takes the window of CHUNK_ROWS consecutive closed rows
+ * (fewer where the rows end or the planes change piece at n_head), dots its 16-row blocks on AMX
+ * straight from the strided planes (kept rows inside included, their dots unread; at[i]: the
+ * row's place in the window) and the rest with q8_tile. */
+TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, int lv,
+                                uint64_t *row_io, uint64_t *jk_io, uint64_t *rows,
+                                const uint8_t **x, uint8_t *at) {
     const size_t HP = p->HP, HQ = Q8_HQ(HP);
-    const uint32_t H = a->n_heads, len = p->q8len, bd = a->branch_dim;
-    const uint32_t bd4 = bd / 4u, n4 = len / 4u;
-    int16_t *x16 = p->q8x; /* AVX2: the chunk's rows widened [CHUNK_ROWS][len] */
+    const uint32_t len = p->q8len, bd = a->branch_dim, bd4 = bd / 4u, n4 = len / 4u;
     const int32_t *corr = (const int32_t *)(p->q8f + 8u * HP); /* [2][HP] */
-    column_tables(a, p, NULL, H, HP);
     int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
+    uint64_t row = *row_io, jk = *jk_io, end = a->n_closed, live = 0;
+    const uint64_t r0 = row;
+    const uint8_t *xa[CHUNK_ROWS]; /* level 3: the window's vectors, kept rows too */
+    if (lv == 3) {
+        end = r0 + CHUNK_ROWS < end ? r0 + CHUNK_ROWS : end;
+        if (r0 < a->n_head && end > a->n_head)
+            end = a->n_head;
+    }
+    size_t n = 0;
+    for (; row < end && n < CHUNK_ROWS; row++) {
+        const uint8_t *v = q8_plane(a, row) + 4u * KVT__Q8_FLOATS;
+        if (lv == 3)
+            xa[row - r0] = v;
+        while (jk < a->m && a->kept[jk] < row)
+            jk++;
+        if (jk < a->m && a->kept[jk] == row)
+            continue;
+        if (row + PREFETCH_ROWS < a->n_closed) {
+            const uint8_t *f = q8_plane(a, row + PREFETCH_ROWS);
+            for (uint32_t o = 0; o < 4u * KVT__Q8_FLOATS + len; o += 64u)
+                __builtin_prefetch(f + o);
+        }
+        rows[n] = row;
+        x[n] = v;
+        at[n] = (uint8_t)(lv == 3 ? row - r0 : n);
+        live |= 1ull << at[n];
+        n++;
+    }
+    *row_io = row;
+    *jk_io = jk;
+#ifdef Q8_AMX
+    if (lv == 3) {
+        const size_t w = (size_t)(row - r0);
+        size_t o = 0;
+        for (; o + 16u <= w; o += 16u)
+            if (live >> o & 0xffffu)
+                q8_amx16(xa[o], 2u * (size_t)a->csk_stride, p->q8p, corr, HQ, HP, bd, len,
+                         ib + o * HP, is + o * HP);
+        for (size_t i = w; i < CHUNK_ROWS; i++) /* padding rows: results unread */
+            xa[i] = xa[0];
+        for (; o < w; o += 6u) { /* the rest: 6-row tiles, the last one kept inside the window */
+            const size_t g = o + 6u <= CHUNK_ROWS ? o : CHUNK_ROWS - 6u;
+            if (live >> g & 0x3fu)
+                for (size_t h0 = 0; h0 < HP; h0 += 16u)
+                    q8_tile(xa + g, p->q8p, corr, HQ, HP, bd4, n4, g, h0, ib, is);
+        }
+        return n;
+    }
+#else
+    (void)xa; /* level 3 is not built here */
+#endif
+    const size_t nr = (n + 5u) / 6u * 6u;
+    for (size_t i = n; i < nr; i++) /* padding rows: row 0's vector again, results unread */
+        x[i] = x[0];
+    if (lv == 2) {
+        for (size_t t0 = 0; t0 < nr; t0 += 6u)
+            for (size_t h0 = 0; h0 < HP; h0 += 16u)
+                q8_tile(x + t0, p->q8p, corr, HQ, HP, bd4, n4, t0, h0, ib, is);
+    } else {
+        int16_t *x16 = p->q8x; /* the chunk's rows widened [CHUNK_ROWS][len] */
+        for (size_t i = 0; i < nr; i++) {
+            uint32_t j = 0;
+            for (; j + 16u <= len; j += 16u)
+                _mm256_storeu_si256(
+                    (__m256i *)(x16 + i * len + j),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(x[i] + j))));
+            for (; j < len; j++) /* the tail (len is a multiple of 4 only) */
+                x16[i * len + j] = x[i][j];
+        }
+        for (size_t t0 = 0; t0 < nr; t0 += 6u)
+            for (size_t h0 = 0; h0 < HP; h0 += 8u)
+                q8_tile_avx2(x16, len, p->q8p, corr, HQ, HP, bd / 2u, len / 2u, t0, h0, ib, is);
+    }
+    return n;
+}
+
+/* The full 8-bit scan at SIMD level lv (3 AMX, 2 VNNI, 1 AVX2): q8_chunk after q8_chunk over the
+ * archived rows ascending, the trigger per row; fired rows in row order, at most cap, stopping
+ * at the (cap + 1)-th. */
+TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, int lv) {
+    const size_t HP = p->HP;
+    const uint32_t H = a->n_heads;
+    column_tables(a, p, NULL, H, HP);
+    const int32_t *ib = (const int32_t *)p->tacc, *is = (const int32_t *)p->tpa;
     const uint8_t *x[CHUNK_ROWS];
     uint64_t rows[CHUNK_ROWS];
+    uint8_t at[CHUNK_ROWS];
     uint32_t count = 0, over = 0;
     uint64_t jk = 0, row = a->sinks;
     const int conformal = a->mode == KVT__RECALL_CONFORMAL;
+#ifdef Q8_AMX
+    if (lv == 3)
+        q8_amx_begin(a->branch_dim, p->q8len);
+#endif
     while (row < a->n_closed && !over) {
-        size_t n = 0;
-        for (; row < a->n_closed && n < CHUNK_ROWS; row++) {
-            while (jk < a->m && a->kept[jk] < row)
-                jk++;
-            if (jk < a->m && a->kept[jk] == row)
-                continue;
-            if (row + PREFETCH_ROWS < a->n_closed) {
-                const uint8_t *f = q8_plane(a, row + PREFETCH_ROWS);
-                for (uint32_t o = 0; o < 4u * KVT__Q8_FLOATS + len; o += 64u)
-                    __builtin_prefetch(f + o);
-            }
-            rows[n] = row;
-            x[n] = q8_plane(a, row) + 4u * KVT__Q8_FLOATS;
-            n++;
-        }
-        const size_t nr = (n + 5u) / 6u * 6u;
-        for (size_t i = n; i < nr; i++) /* padding rows: row 0's vector again, results unread */
-            x[i] = x[0];
-        if (lv == 2) {
-            for (size_t r0 = 0; r0 < nr; r0 += 6u)
-                for (size_t h0 = 0; h0 < HP; h0 += 16u)
-                    q8_tile(x + r0, p->q8p, corr, HQ, HP, bd4, n4, r0, h0, ib, is);
-        } else {
-            for (size_t i = 0; i < nr; i++) {
-                uint32_t j = 0;
-                for (; j + 16u <= len; j += 16u)
-                    _mm256_storeu_si256((__m256i *)(x16 + i * len + j),
-                                        _mm256_cvtepu8_epi16(
-                                            _mm_loadu_si128((const __m128i *)(x[i] + j))));
-                for (; j < len; j++) /* the tail (len is a multiple of 4 only) */
-                    x16[i * len + j] = x[i][j];
-            }
-            for (size_t r0 = 0; r0 < nr; r0 += 6u)
-                for (size_t h0 = 0; h0 < HP; h0 += 8u)
-                    q8_tile_avx2(x16, len, p->q8p, corr, HQ, HP, bd / 2u, len / 2u, r0, h0, ib,
-                                 is);
-        }
+        const size_t n = q8_chunk(a, p, lv, &row, &jk, rows, x, at);
         for (size_t i = 0; i < n; i++) {
-            const int32_t *bi = ib + i * HP, *si = is + i * HP;
+            const int32_t *bi = ib + at[i] * HP, *si = is + at[i] * HP;
             const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
             const float rho = *kvt__scan_rho(a, rows[i]);
             const int f = !conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
-                          : lv == 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
+                          : lv >= 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
                                      : q8_conformal_avx2(a, p, pl, bi, si, rho, H);
             if (!f)
                 continue;
@@ -1171,6 +1355,10 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
             a->fired[count++] = (uint32_t)rows[i];
         }
     }
+#ifdef Q8_AMX
+    if (lv == 3)
+        q8_amx_end();
+#endif
     *a->n_fired = count;
     *a->overflow = over;
 }
@@ -1283,6 +1471,42 @@ void kvt__recall_scan_cpu(const kvt__recall_scan_args *a, float *scratch) {
     }
 #endif
     kvt__recall_scan_rowwise_cpu(a, scratch);
+}
+
+int kvt__recall_scan_q8_dots_cpu(const kvt__recall_scan_args *a, float *scratch, int32_t *ib,
+                                 int32_t *is) {
+#ifndef SCAN_TILED
+    (void)a, (void)scratch, (void)ib, (void)is;
+    return 0;
+#else
+    const int lv = a->q8_off && a->branch_dim % 4u == 0 ? kvt__recall_scan_q8_level(-1) : 0;
+    if (!lv)
+        return 0;
+    kvt__recall_scan_prep p;
+    kvt__recall_scan_prep_cpu(a, scratch, &p);
+    const int32_t *cb = (const int32_t *)p.tacc, *cs = (const int32_t *)p.tpa;
+    const uint8_t *x[CHUNK_ROWS];
+    uint64_t rows[CHUNK_ROWS], jk = 0, row = a->sinks;
+    uint8_t at[CHUNK_ROWS];
+    size_t k = 0;
+    const size_t H = a->n_heads;
+#ifdef Q8_AMX
+    if (lv == 3)
+        q8_amx_begin(a->branch_dim, p.q8len);
+#endif
+    while (row < a->n_closed) { /* scan_q8's chunks, every row's dots copied out */
+        const size_t n = q8_chunk(a, &p, lv, &row, &jk, rows, x, at);
+        for (size_t i = 0; i < n; i++, k++) {
+            memcpy(ib + k * H, cb + at[i] * p.HP, 4u * H);
+            memcpy(is + k * H, cs + at[i] * p.HP, 4u * H);
+        }
+    }
+#ifdef Q8_AMX
+    if (lv == 3)
+        q8_amx_end();
+#endif
+    return lv;
+#endif
 }
 
 int kvt__recall_scan_tile_chains_cpu(const kvt__recall_scan_args *a, float *scratch,

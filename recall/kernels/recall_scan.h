@@ -489,10 +489,12 @@ int kvt__recall_scan_tiled(int enable);
  * modes; the same bits as the AVX2 tiles); enable 0 or 1 switches it (tests only), -1 asks. */
 int kvt__recall_scan_wide(int enable);
 
-/* The SIMD level of the 8-bit scan (args.q8_off; branch_dim a multiple of 4): 2 the AVX-512
- * VNNI dots (vpdpbusd), 1 the AVX2 ones (vpmaddwd), 0 the per-element functions row by row —
- * the same integer dots, so the same bits. The CPU's best level, capped by enable (0..2: tests
- * only, not thread-safe); -1 only asks. */
+/* The SIMD level of the 8-bit scan (args.q8_off; branch_dim a multiple of 4): 3 the AMX dots
+ * (tdpbusd tiles of 16 rows × 16 heads; x86-64 Linux with amx-tile and amx-int8, where the
+ * process is granted the tile data: asked once, arch_prctl ARCH_REQ_XCOMP_PERM), 2 the AVX-512
+ * VNNI dots (vpdpbusd), 1 the AVX2 ones (vpmaddwd), 0 the per-element functions row by row — the
+ * same integer dots, so the same bits. The CPU's best level, capped by enable (0..3: tests only,
+ * not thread-safe); -1 only asks. */
 int kvt__recall_scan_q8_level(int enable);
 
 /* Floats of scratch kvt__recall_q8_rows_cpu takes. */
@@ -526,6 +528,14 @@ int kvt__recall_chains_tiled(const float *X, size_t J, const float *qT, size_t H
  * kvt__recall_scan_cpu. Returns 0 (nothing written) where the tiled scan does not run. */
 int kvt__recall_scan_tile_chains_cpu(const struct kvt__recall_scan_args *a, float *scratch,
                                      const uint64_t *rows, uint32_t n, float *acc, float *pa);
+
+/* Tests: the 8-bit scan's dots (args.q8_off) of every archived row, ascending, against every
+ * head, [archived rows][n_heads] int32 each (ib the branch's, is the sketch's, as
+ * kvt__recall_q8_dots gives them), computed as kvt__recall_scan_cpu does at the current level;
+ * scratch as for kvt__recall_scan_cpu. Returns the level, or 0 (nothing written) where the scan
+ * runs the per-element functions. */
+int kvt__recall_scan_q8_dots_cpu(const struct kvt__recall_scan_args *a, float *scratch,
+                                 int32_t *ib, int32_t *is);
 
 /* The pieces kvt__recall_scan_cpu is made of, for the pruned scan (recall_group.h),
  * which evaluates the rows of the groups it cannot skip exactly as the full scan does. */
