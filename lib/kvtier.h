@@ -331,6 +331,12 @@ KVT_API kvt_status kvt_model_census_shared(const kvt_model *model, uint64_t cont
  * certificate reaches best_h. At most config.recall_cap_rows rows (W) a step: past W the step
  * attends every row and says so (kvt_emit.dense, statistics). Steps of several query tokens
  * (prefill chunks, drafts, per-token emission) attend every row.
+ * best_h is computed by the library inside kvt_batch_run, from the queries passed to it: exact
+ * fp32 scores of the rows attended without recall, in a kernel that runs at the attention's
+ * rate (CPU, 128k rows, 32 heads: 70–79 GFLOP/s against 72–75 for the fp32 attention in the same
+ * runs; bench/RESULTS.md). It is not taken from the engine's attention, so an engine that runs
+ * its own (FlashMLA, which returns the log-sum-exp and not the max) passes nothing more than the
+ * step's queries, and one step reads the attended rows twice: here and in its attention.
  *
  *   CONFORMAL  certificate z·cert_a, cert_a = ‖q_res‖·ρ_a/√(D − 64) (q_res: the query's latent
  *              outside the basis, ρ_a: the row's sketch residual). z is calibrated per request

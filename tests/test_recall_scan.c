@@ -9,6 +9,7 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1192,6 +1193,7 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
     uint64_t compared = 0, fired8 = 0, fired16 = 0;
     double worst = 0;
     const int level = kvt__recall_scan_q8_level(-1);
+    const uint64_t screened0 = kvt__recall_scan_q8_screened();
     for (uint32_t c = 0; c < 12; c++) {
         uint64_t seed = 0x9a48000u + c;
         tu_rng g = {seed};
@@ -1209,14 +1211,16 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
             for (uint32_t h = 0; h < H; h++)
                 best[h] = (float)(tu_normal(&g) * 2.0);
             static const float zs[] = {-1.0f, 0.0f, 0.5f, 2.0f, 8.0f};
-            for (uint32_t m = 0; m < 8; m++) {
+            for (uint32_t m = 0; m < 9; m++) {
                 const int mode = m == 5   ? KVT__RECALL_SOUND
                                  : m == 6 ? KVT__RECALL_MARGIN
                                           : KVT__RECALL_CONFORMAL;
-                const float z = m == 5 ? sqrtf((float)(D - 64u)) : m == 6 ? 0.25f : m == 7 ? 1.0f : zs[m];
-                if (m == 7) { /* thresholds at the edge: each head's best is the trigger value of
+                const float z = m == 5 ? sqrtf((float)(D - 64u)) : m == 6 ? 0.25f : m >= 7 ? 1.0f : zs[m];
+                if (m >= 7) { /* thresholds at the edge: each head's best is the trigger value of
                                * its second-highest archived row (that row sits exactly on it and
-                               * does not fire; one above does): a wrong dot or epilogue moves it */
+                               * does not fire; one above does): a wrong dot or epilogue moves it.
+                               * m 8: one ulp below the highest (it fires by one ulp: the
+                               * conformal screen must not rule it out) */
                     static float lhs[192 * 43];
                     g_lhs8 = lhs;
                     reference8(&s, q, best, H, SMAX, z, mode, ref8, NULL);
@@ -1234,7 +1238,7 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
                                 t2 = v;
                             }
                         }
-                        best[h] = t2;
+                        best[h] = m == 8 ? nextafterf(t1, -INFINITY) : t2;
                     }
                 }
                 const uint32_t k8 = reference8(&s, q, best, H, SMAX, z, mode, ref8,
@@ -1281,11 +1285,14 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
         cr_log_warn("recall_scan q8: level 3 (AMX) is not available here (the CPU's best is %d): "
                     "its runs ran level %d",
                     level, level);
+    const uint64_t screened = kvt__recall_scan_q8_screened();
+    if (level >= 2) /* the screen ran and ruled rows out: its equality above is not vacuous */
+        cr_assert_gt(screened - screened0, 0u, "the conformal 8-bit screen never ruled a row out");
     cr_log_info("recall_scan q8: %llu scans equal to the per-element functions (SIMD levels "
-                "3..0 from the CPU's %d); the "
+                "3..0 from the CPU's %d; the screen of levels 3 and 2 ruled out %llu rows); the "
                 "16-bit set inside the 8-bit one (%llu rows fired at 16 bits, %llu at 8); "
                 "|idx16 - idx8| took at most %.3g of B",
-                (unsigned long long)compared, level,
+                (unsigned long long)compared, level, (unsigned long long)(screened - screened0),
                 (unsigned long long)fired16, (unsigned long long)fired8, worst);
     free(q);
     rig_close(&r);
@@ -1391,6 +1398,61 @@ Test(recall_scan, q8_dots_every_level) {
                 "AMX %llu, VNNI %llu, AVX2 %llu)",
                 (unsigned long long)dots, (unsigned long long)runs[3], (unsigned long long)runs[2],
                 (unsigned long long)runs[1]);
+}
+
+/* The conformal 8-bit screen never rules out a row the trigger fires on where the trigger's own
+ * fp32 evaluation overflows: rows whose plane values are finite but huge (an e_r, n_c, s_r or ρ
+ * past 2^30 — the trigger's products overflow to +Inf and fire, the screen's would not), under
+ * thresholds at FLT_MAX; and with the screen off the scan is the same. */
+Test(recall_scan, q8_screen_keeps_overflowing_rows) {
+    rig r;
+    rig_open(&r);
+    const uint32_t H = 20, N = 128;
+    float *q = malloc(sizeof(float) * QD * H), best[20];
+    uint8_t ref8[128];
+    cr_assert(q);
+    tu_rng g = {0x5c4ee7u};
+    scen s;
+    scen_make(&s, &g, N, 64, KVT__DT_BF16);
+    scen_q8(&s);
+    make_queries(&g, &s, H, q);
+    for (uint32_t h = 0; h < H; h++)
+        best[h] = FLT_MAX;
+    static const float huge[] = {3e38f, 1e38f, 2e37f, 3e38f};
+    uint32_t poked = 0;
+    for (uint32_t row = s.sinks; row < N; row += 9) {
+        if (!archived(&s, row))
+            continue;
+        uint8_t *pl = (uint8_t *)(s.csk + (size_t)row * s.csk_stride + s.q8);
+        const uint32_t which = poked % 4;
+        const uint32_t field = which == 0 ? 2u : which == 1 ? 5u : which == 2 ? 0u : 6u;
+        if (field == 6u)
+            s.rho[row] = huge[which];
+        else
+            memcpy(pl + 4u * field, &huge[which], 4);
+        poked++;
+    }
+    const uint32_t k8 = reference8(&s, q, best, H, SMAX, 1.0f, KVT__RECALL_CONFORMAL, ref8, NULL);
+    cr_assert_gt(k8, 0u, "no poked row fires at FLT_MAX: the test is vacuous");
+    for (int screen = 1; screen >= 0; screen--) {
+        kvt__recall_scan_q8_screen(screen);
+        scan_out o;
+        cr_assert_eq(run_scan(&r.cpu, &s, q, best, H, SMAX, 1.0f, KVT__RECALL_CONFORMAL, N, &o),
+                     KVT_OK);
+        kvt__recall_scan_q8_screen(1);
+        cr_assert_eq(o.n_fired, k8, "screen %d: %u fired, the per-element functions %u", screen,
+                     o.n_fired, k8);
+        uint32_t j = 0;
+        for (uint32_t row = 0; row < N; row++)
+            if (ref8[row])
+                cr_assert_eq(o.fired[j++], row);
+        free(o.fired);
+    }
+    cr_log_info("q8 screen: %u of %u poked rows fire at thresholds FLT_MAX, the scan agrees "
+                "with the screen on and off", k8, poked);
+    scen_free(&s);
+    free(q);
+    rig_close(&r);
 }
 
 /* The sound mode stays sound at 8 bits: every archived row whose exact score reaches its head's

@@ -29,7 +29,10 @@
  * KVT__SKETCH_MAX_RANK bytes each), the quantiser's tmp and the AVX2 dots' widened rows. */
 #define Q8_MAX_LEN (KVT__RECALL_MAX_BRANCH + KVT__SKETCH_MAX_RANK)
 #define Q8_FLOATS(HP)                                                                              \
-    (10u * (HP) + (3u * (HP) + 32u) * (Q8_MAX_LEN / 4u) + Q8_MAX_LEN + CHUNK_ROWS * Q8_MAX_LEN / 2u)
+    (10u * (HP) + (3u * (HP) + 32u) * (Q8_MAX_LEN / 4u) + Q8_MAX_LEN +                             \
+     CHUNK_ROWS * Q8_MAX_LEN / 2u + Q8_PF_N * (HP))
+/* The conformal 8-bit trigger's screen (q8_screen_tables): per head ca, cc, α, β, γ, δ, w. */
+#define Q8_PF_N 7u
 /* Heads of the VNNI packing: whole zmm vectors of 16. */
 #define Q8_HQ(HP) (((HP) + 15u) / 16u * 16u)
 
@@ -439,6 +442,8 @@ void kvt__recall_scan_prep_cpu(const kvt__recall_scan_args *a, float *scratch,
     if (a->q8_off)
         q8_prep(a, p, (float *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN));
     p->q8x = (int16_t *)(p->q8p + 2u * Q8_HQ(HP) * Q8_MAX_LEN + 4u * Q8_MAX_LEN);
+    p->q8pf = (float *)(p->q8x + (size_t)CHUNK_ROWS * Q8_MAX_LEN);
+    p->q8pf_on = 0;
     for (size_t h = 0; h < HP; h++) {
         for (uint32_t j = 0; j < bd; j++)
             p->qT[j * HP + h] = h < H ? a->q[h * qdim + D + j] : 0.0f;
@@ -897,7 +902,7 @@ TILED_FN static void scan_tiled(const kvt__recall_scan_args *a, kvt__recall_scan
  * and sketch parts in separate accumulators. The conformal trigger runs 16 heads a vector, each
  * lane kvt__recall_q8_fires' operations in its order; the other modes per head, scalar.
  * ------------------------------------------------------------------------------------------- */
-#define VNNI_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+#define VNNI_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 static inline int32_t ld4(const uint8_t *b) {
     int32_t v;
@@ -1075,12 +1080,27 @@ AMX_FN static void q8_amx16(const uint8_t *x, size_t xs, const uint8_t *qp, cons
 #endif
 
 static int q8_max_level = 3;
+/* Tests: 1 turns the conformal 8-bit screen off (kvt__recall_scan_q8_screen). */
+static int q8_screen_off = 0;
+
+int kvt__recall_scan_q8_screen(int enable) {
+    if (enable >= 0)
+        q8_screen_off = !enable;
+    return !q8_screen_off;
+}
+
+/* Rows the screen ruled out, over the process (tests: the screen is not vacuous). */
+static _Atomic uint64_t q8_screened;
+
+uint64_t kvt__recall_scan_q8_screened(void) {
+    return q8_screened;
+}
 
 int kvt__recall_scan_q8_level(int enable) {
     if (enable >= 0)
         q8_max_level = enable;
     int cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vnni")
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")
                   ? 2
               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
                                                                                  : 0;
@@ -1090,6 +1110,114 @@ int kvt__recall_scan_q8_level(int enable) {
         cpu = 3;
 #endif
     return cpu < q8_max_level ? cpu : q8_max_level;
+}
+
+/* The screen of the conformal 8-bit trigger. Per (row, head) the trigger computes, in fp32 and
+ * in kvt__recall_q8_fires' order, lhs = (idx8 + B') + z·cert and fires on !(lhs <= best): about
+ * forty operations and a division. The screen bounds lhs from above with a few multiply-adds of
+ * per-head constants (q8_screen_tables), so a row whose bound is below best for every head is
+ * known not to fire and skips the trigger; any other row runs the trigger itself. So the fired
+ * set, the count and the overflow are the trigger's, bit for bit.
+ *
+ * The bound. In real arithmetic, with the head's tb, ts, Qb, Qs, Eb, Es, Nb, Ns and the row's
+ * s_r, s_c, e_r, n_r, e_c, n_c, ρ (all >= 0), k8 = 1 + 2^-8, k15 = 2^-15:
+ *   idx8 = ca·s_r·I_b + cc·s_c·I_s                 ca = s·tb, cc = s·ts
+ *   B    = α·e_r + β·n_r + γ·e_c + δ·n_c           α = s·k8·(1 + k15)·Qb, β = s·k8·(Eb + k15·(Qb
+ *                                                  + Nb)), γ, δ alike with Qs, Es, Ns
+ *   z·cert = w·ρ                                   w = z·s·‖q̃_res‖/√(D − 64)
+ * (kvt__recall_q8_bound expanded: the same sum). Computed as the trigger computes them, idx8 is
+ * within γ_4·M of the real value (M = |ca·s_r·I_b| + |cc·s_c·I_s|), B within γ_10·B, z·cert within
+ * γ_3, B' = B + 2^-22·(|idx8| + B + |z·cert|), and lhs's two additions add γ_2 of the magnitudes.
+ * The screen computes ia, M, Ba and zw by the formulas above (multiply-adds; each within γ_5 of
+ * its real value) and T = M + Ba + |zw|; then lhs <= ia + Ba + zw + (2^-22 + 50u)·T (u = 2^-24),
+ * and the screen's U = ((ia + Ba) + zw) + (2^-16·T + 2^-64) exceeds that with room for its own
+ * roundings. Subnormal intermediates lose at most 2^-150 each, times the factors that follow them
+ * (below 2^60 in range): the 2^-64. The screen skips a (row, head) only on U < best, so a NaN
+ * anywhere runs the trigger.
+ * In range: s > 0, √(D − 64) >= 1, and every per-head constant and row value at most 2^30 in
+ * magnitude (finite), so neither evaluation overflows (the largest product, s·tb·s_r·I_b, stays
+ * below 2^114). A scan whose heads are out of range does not screen (q8pf_on 0); a row whose
+ * values are out of range, or not finite, runs the trigger. */
+#define Q8_PF_RANGE 1073741824.0f /* 2^30 */
+
+/* The screen's per-head constants into p->q8pf [Q8_PF_N][HP] (padding heads 0); p->q8pf_on says
+ * whether every live head's inputs are in range. After column_tables (snres). */
+static void q8_screen_tables(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p) {
+    const size_t HP = p->HP;
+    const float s = a->scale, z = a->z, k8 = 1.0f + 0.00390625f, k15 = 3.0517578e-5f;
+    const float sq = sqrtf((float)(a->latent_dim - 64u));
+    int on = s > 0.0f && s <= Q8_PF_RANGE && fabsf(z) <= Q8_PF_RANGE && sq >= 1.0f;
+    for (size_t h = 0; h < HP; h++) {
+        const float *f = p->q8f; /* tb ts Qb Qs Eb Es Nb Ns */
+        float v[8];
+        for (uint32_t i = 0; i < 8u; i++) {
+            v[i] = f[i * HP + h];
+            on &= fabsf(v[i]) <= Q8_PF_RANGE; /* false for a NaN */
+        }
+        on &= fabsf(p->snres[h]) <= Q8_PF_RANGE;
+        const float sk = s * k8;
+        const float c[Q8_PF_N] = {s * v[0],
+                                  s * v[1],
+                                  sk * (v[2] + k15 * v[2]),
+                                  sk * (v[4] + k15 * (v[2] + v[6])),
+                                  sk * (v[3] + k15 * v[3]),
+                                  sk * (v[5] + k15 * (v[3] + v[7])),
+                                  z * p->snres[h] / sq};
+        for (uint32_t i = 0; i < Q8_PF_N; i++)
+            p->q8pf[i * HP + h] = h < a->n_heads ? c[i] : 0.0f;
+    }
+    p->q8pf_on = on;
+}
+
+/* The screen over a chunk's rows i < n (planes x[i] − 24 bytes, dots ib, is [at[i]][HP], ρ
+ * rho[i]): maybe[i] = 0 where the row cannot fire for any of heads 0 .. H, 1 where the trigger
+ * must run (a bound at or above some head's best, a NaN, a value out of range). Head vectors
+ * outer (their constants stay in registers), rows inner. */
+VNNI_FN static void q8_screen_chunk(const kvt__recall_scan_prep *p, const uint8_t *const *x,
+                                    const uint8_t *at, const int32_t *ib, const int32_t *is,
+                                    const float *rho, size_t n, uint32_t H, uint8_t *maybe) {
+    const size_t HP = p->HP;
+    const __m256 lim = _mm256_set1_ps(Q8_PF_RANGE), sgn = _mm256_set1_ps(-0.0f);
+    for (size_t i = 0; i < n; i++) { /* every value in range (a NaN fails the compare): the
+                                      * plane's s_r s_c e_r n_r e_c n_c, then ρ twice */
+        const __m256 v = _mm256_mask_loadu_ps(_mm256_set1_ps(rho[i]), 0x3f,
+                                              x[i] - 4u * KVT__Q8_FLOATS);
+        maybe[i] = _mm256_cmp_ps_mask(_mm256_andnot_ps(sgn, v), lim, _CMP_LE_OQ) != 0xff;
+    }
+    const __m512 k16 = _mm512_set1_ps(1.52587890625e-5f), tiny = _mm512_set1_ps(5.421011e-20f);
+    for (uint32_t h0 = 0; h0 < H; h0 += 16u) {
+        const __mmask16 live = (__mmask16)(H - h0 >= 16u ? 0xffffu : (1u << (H - h0)) - 1u);
+#define LD(i) _mm512_maskz_loadu_ps(live, p->q8pf + (i) * HP + h0)
+        const __m512 ca = LD(0), cc = LD(1), al = LD(2), be = LD(3), ga = LD(4), de = LD(5);
+        const __m512 w = LD(6);
+#undef LD
+        const __m512 best = _mm512_maskz_loadu_ps(live, p->tbest + h0);
+        for (size_t i = 0; i < n; i++) {
+            if (maybe[i])
+                continue;
+            const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
+            const __m512 sr = _mm512_set1_ps(kvt__recall_q8_f(pl, 0));
+            const __m512 sc = _mm512_set1_ps(kvt__recall_q8_f(pl, 1));
+            const __m512 x0 = _mm512_mul_ps(ca, sr), y0 = _mm512_mul_ps(cc, sc);
+            const __m512i jb = _mm512_maskz_loadu_epi32(live, ib + (size_t)at[i] * HP + h0);
+            const __m512i js = _mm512_maskz_loadu_epi32(live, is + (size_t)at[i] * HP + h0);
+            const __m512 fib = _mm512_cvtepi32_ps(jb), fis = _mm512_cvtepi32_ps(js);
+            const __m512 ia = _mm512_fmadd_ps(x0, fib, _mm512_mul_ps(y0, fis));
+            const __m512 M = _mm512_fmadd_ps(x0, _mm512_abs_ps(fib),
+                                             _mm512_mul_ps(y0, _mm512_abs_ps(fis)));
+            const __m512 Ba = _mm512_fmadd_ps(
+                al, _mm512_set1_ps(kvt__recall_q8_f(pl, 2)),
+                _mm512_fmadd_ps(be, _mm512_set1_ps(kvt__recall_q8_f(pl, 3)),
+                                _mm512_fmadd_ps(ga, _mm512_set1_ps(kvt__recall_q8_f(pl, 4)),
+                                                _mm512_mul_ps(de, _mm512_set1_ps(
+                                                                      kvt__recall_q8_f(pl, 5))))));
+            const __m512 zw = _mm512_mul_ps(w, _mm512_set1_ps(rho[i]));
+            const __m512 T = _mm512_add_ps(_mm512_add_ps(M, Ba), _mm512_abs_ps(zw));
+            const __m512 U = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(ia, Ba), zw),
+                                           _mm512_fmadd_ps(k16, T, tiny));
+            maybe[i] = _mm512_mask_cmp_ps_mask(live, U, best, _CMP_NLT_UQ) != 0;
+        }
+    }
 }
 
 /* The conformal trigger of one row (plane pl) over heads 0 .. H from its corrected dots: the
@@ -1260,10 +1388,11 @@ TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan
             jk++;
         if (jk < a->m && a->kept[jk] == row)
             continue;
-        if (row + PREFETCH_ROWS < a->n_closed) {
+        if (row + PREFETCH_ROWS < a->n_closed) { /* every line of the plane, its last too */
             const uint8_t *f = q8_plane(a, row + PREFETCH_ROWS);
             for (uint32_t o = 0; o < 4u * KVT__Q8_FLOATS + len; o += 64u)
                 __builtin_prefetch(f + o);
+            __builtin_prefetch(f + 4u * KVT__Q8_FLOATS + len - 1u);
         }
         rows[n] = row;
         x[n] = v;
@@ -1329,20 +1458,33 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
     const int32_t *ib = (const int32_t *)p->tacc, *is = (const int32_t *)p->tpa;
     const uint8_t *x[CHUNK_ROWS];
     uint64_t rows[CHUNK_ROWS];
-    uint8_t at[CHUNK_ROWS];
+    uint8_t at[CHUNK_ROWS], maybe[CHUNK_ROWS];
+    float rho_c[CHUNK_ROWS];
     uint32_t count = 0, over = 0;
-    uint64_t jk = 0, row = a->sinks;
+    uint64_t jk = 0, row = a->sinks, ruled = 0;
     const int conformal = a->mode == KVT__RECALL_CONFORMAL;
+    if (conformal)
+        q8_screen_tables(a, p);
+    /* the screen on the VNNI and AMX levels (their trigger is q8_conformal_vec) */
+    const int screen = conformal && lv >= 2 && p->q8pf_on && !q8_screen_off;
 #ifdef Q8_AMX
     if (lv == 3)
         q8_amx_begin(a->branch_dim, p->q8len);
 #endif
     while (row < a->n_closed && !over) {
         const size_t n = q8_chunk(a, p, lv, &row, &jk, rows, x, at);
+        for (size_t i = 0; i < n; i++)
+            rho_c[i] = *kvt__scan_rho(a, rows[i]);
+        if (screen)
+            q8_screen_chunk(p, x, at, ib, is, rho_c, n, H, maybe);
         for (size_t i = 0; i < n; i++) {
+            if (screen && !maybe[i]) {
+                ruled++;
+                continue;
+            }
             const int32_t *bi = ib + at[i] * HP, *si = is + at[i] * HP;
             const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
-            const float rho = *kvt__scan_rho(a, rows[i]);
+            const float rho = rho_c[i];
             const int f = !conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
                           : lv >= 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
                                      : q8_conformal_avx2(a, p, pl, bi, si, rho, H);
@@ -1361,6 +1503,8 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
 #endif
     *a->n_fired = count;
     *a->overflow = over;
+    if (ruled)
+        q8_screened += ruled;
 }
 
 /* kvt__recall_rows_fire_cpu, tiled: chunks of the listed rows, each prefetched a few ahead. */
@@ -1387,6 +1531,15 @@ TILED_FN static void rows_fire_tiled(const kvt__recall_scan_args *a, kvt__recall
 #ifndef SCAN_TILED
 int kvt__recall_scan_q8_level(int enable) {
     (void)enable;
+    return 0;
+}
+
+int kvt__recall_scan_q8_screen(int enable) {
+    (void)enable;
+    return 0;
+}
+
+uint64_t kvt__recall_scan_q8_screened(void) {
     return 0;
 }
 #endif

@@ -497,6 +497,14 @@ int kvt__recall_scan_wide(int enable);
  * not thread-safe); -1 only asks. */
 int kvt__recall_scan_q8_level(int enable);
 
+/* Whether the VNNI level's conformal 8-bit scan screens rows (recall_scan.c: a bound on the
+ * trigger's value from a few multiply-adds; a row it cannot rule out runs the trigger, so the
+ * fired set is the same either way); enable 0 or 1 switches it (tests only, not thread-safe), -1
+ * only asks. 0 where the tiled scan is not built. */
+int kvt__recall_scan_q8_screen(int enable);
+/* Rows the screen has ruled out in this process (tests). */
+uint64_t kvt__recall_scan_q8_screened(void);
+
 /* Floats of scratch kvt__recall_q8_rows_cpu takes. */
 size_t kvt__recall_q8_rows_scratch_floats(uint32_t branch_dim, uint32_t sk_width);
 
@@ -553,6 +561,8 @@ typedef struct kvt__recall_scan_prep {
     uint8_t *q8v, *q8p;      /* their vectors [HP][q8len], the SIMD dots' packing */
     int16_t *q8x;            /* the AVX2 dots' rows widened, [CHUNK_ROWS][q8len] */
     uint32_t q8len;          /* kvt__recall_q8_len (0: a 16-bit scan) */
+    float *q8pf;             /* the conformal 8-bit trigger's screen, [7][HP] (recall_scan.c) */
+    int q8pf_on;             /* whether the screen runs (its inputs are in range) */
 } kvt__recall_scan_prep;
 
 /* Heads rounded up to whole tiles of the twin (the columns of a transposed query block). */
