@@ -11,6 +11,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1453,6 +1454,87 @@ Test(recall_scan, q8_screen_keeps_overflowing_rows) {
     scen_free(&s);
     free(q);
     rig_close(&r);
+}
+
+/* One thread's 8-bit scans (q8_scans_in_threads). */
+typedef struct q8_job {
+    const kvt__recall_scan_args *a;
+    uint32_t *fired, n_fired, overflow;
+    int level;
+} q8_job;
+
+static void *q8_job_main(void *arg) {
+    q8_job *j = arg;
+    j->level = kvt__recall_scan_q8_level(-1); /* the first asks (the tile permission, once) */
+    kvt__recall_scan_args a = *j->a;
+    a.fired = j->fired;
+    a.n_fired = &j->n_fired;
+    a.overflow = &j->overflow;
+    float *scratch = malloc(sizeof(float) * kvt__recall_scan_scratch_floats(a.n_heads, a.rank,
+                                                                            a.latent_dim));
+    if (!scratch)
+        return NULL;
+    for (int rep = 0; rep < 6; rep++) /* each scan loads and releases this thread's tiles */
+        kvt__recall_scan_cpu(&a, scratch);
+    free(scratch);
+    return j;
+}
+
+/* The 8-bit scan from 4 threads at once (at level 3 where the CPU has it: each thread its own
+ * tile configuration, the threads racing to ask for the permission first) fires the per-element
+ * functions' rows in every thread, with a cap that overflows and without. */
+Test(recall_scan, q8_scans_in_threads) {
+    enum { T = 4 };
+    const uint32_t H = 43, N = 384;
+    tu_rng g = {0x9e3a000u};
+    scen s;
+    scen_make(&s, &g, N, 64, KVT__DT_BF16);
+    scen_q8(&s);
+    s.n_head = 100;
+    float *q = malloc(sizeof(float) * QD * H), best[43];
+    uint8_t ref[384];
+    cr_assert(q);
+    make_queries(&g, &s, H, q);
+    for (uint32_t h = 0; h < H; h++)
+        best[h] = (float)(tu_normal(&g) * 2.0);
+    const uint32_t k8 = reference8(&s, q, best, H, SMAX, 1.0f, KVT__RECALL_CONFORMAL, ref, NULL);
+    cr_assert(k8 > 2, "the scenario fires %u rows", k8);
+    const size_t nh = s.n_head;
+    for (int capped = 0; capped < 2; capped++) {
+        const uint32_t cap = capped ? k8 / 2u : N;
+        kvt__recall_scan_args a = {.latent_dim = D, .branch_dim = BD,
+                                   .csk = s.csk + nh * s.csk_stride, .rho = s.rho + nh,
+                                   .csk_head = s.csk, .rho_head = s.rho, .n_head = nh,
+                                   .csk_stride = s.csk_stride, .basis = s.V, .rank = s.rank,
+                                   .n_closed = N, .sinks = s.sinks, .kept = s.kept, .m = s.m,
+                                   .q = q, .best = best, .n_heads = H, .scale = SMAX, .z = 1.0f,
+                                   .mode = KVT__RECALL_CONFORMAL, .cap = cap, .q8_off = s.q8};
+        q8_job jobs[T];
+        pthread_t th[T];
+        for (int t = 0; t < T; t++) {
+            jobs[t] = (q8_job){.a = &a, .fired = calloc(N, sizeof(uint32_t))};
+            cr_assert(jobs[t].fired);
+            cr_assert_eq(pthread_create(&th[t], NULL, q8_job_main, &jobs[t]), 0);
+        }
+        for (int t = 0; t < T; t++) {
+            void *r = NULL;
+            cr_assert_eq(pthread_join(th[t], &r), 0);
+            cr_assert(r == &jobs[t], "thread %d had no scratch", t);
+            const q8_job *j = &jobs[t];
+            cr_assert_eq(j->overflow, k8 > cap ? 1u : 0u, "thread %d (level %d)", t, j->level);
+            cr_assert_eq(j->n_fired, k8 < cap ? k8 : cap, "thread %d (level %d)", t, j->level);
+            uint32_t i = 0;
+            for (uint32_t row = 0; row < N && i < j->n_fired; row++)
+                if (ref[row])
+                    cr_assert_eq(j->fired[i++], row, "thread %d (level %d)", t, j->level);
+            free(jobs[t].fired);
+        }
+        if (jobs[0].level < 3)
+            cr_log_warn("q8 threads: level 3 (AMX) is not available here: the threads ran level %d",
+                        jobs[0].level);
+    }
+    free(q);
+    scen_free(&s);
 }
 
 /* The sound mode stays sound at 8 bits: every archived row whose exact score reaches its head's
