@@ -17,13 +17,14 @@
 /* Coefficients computed together per pass over a tile's latents. */
 #define SKETCH_KB 4u
 
-/* The AVX-512 path's tile: 16 rows, one lane each (below). */
-#define WIDE_ROWS 16u
+/* The AVX-512 path's tile: 32 rows, one lane each of two 16-lane vectors (below). */
+#define WIDE_LANES 16u
+#define WIDE_ROWS 32u
 
 size_t kvt__sketch_scratch_floats(uint32_t D) {
     const size_t narrow = (size_t)SKETCH_TILE * D + 2u * (size_t)D;
-    /* wide: the tile's latents [D][16], its rounded coefficients [MAX_RANK][16], the 32 norm
-     * lanes [32][16] */
+    /* wide: the tile's latents [D][32], its rounded coefficients [MAX_RANK][32], the 32 norm
+     * lanes [32][32] */
     const size_t wide = (size_t)WIDE_ROWS * (D + KVT__SKETCH_MAX_RANK + KVT__SIGMA_LANES);
     return narrow > wide ? narrow : wide;
 }
@@ -63,82 +64,89 @@ static inline float norm_interleaved(const float *v, uint32_t n) {
 #define SKETCH_WIDE 1
 #define WIDE_FN __attribute__((target("avx512f")))
 
-/* Step 1 for coefficients k0 .. k0 + 8 of the tile: ct [D][16] latents, out [8][16]. */
+/* Step 1 for coefficients k0 .. k0 + 8 of the tile: ct [D][32] latents, out [8][32]. Each d's
+ * two row vectors feed 16 chains and each broadcast two. */
 WIDE_FN static void wide_coef8(const float *ct, uint32_t D, const float *V, uint32_t k0,
                                float *out) {
-    const float *v0 = V + (size_t)k0 * D, *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D, *v4 = v3 + D,
-                *v5 = v4 + D, *v6 = v5 + D, *v7 = v6 + D;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-           a7 = a0;
+    const float *v = V + (size_t)k0 * D;
+    __m512 a[8][2];
+#pragma GCC unroll 8
+    for (uint32_t j = 0; j < 8u; j++)
+        a[j][0] = a[j][1] = _mm512_setzero_ps();
     for (uint32_t d = 0; d < D; d++) {
-        const __m512 x = _mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS);
-        a0 = _mm512_fmadd_ps(x, _mm512_set1_ps(v0[d]), a0);
-        a1 = _mm512_fmadd_ps(x, _mm512_set1_ps(v1[d]), a1);
-        a2 = _mm512_fmadd_ps(x, _mm512_set1_ps(v2[d]), a2);
-        a3 = _mm512_fmadd_ps(x, _mm512_set1_ps(v3[d]), a3);
-        a4 = _mm512_fmadd_ps(x, _mm512_set1_ps(v4[d]), a4);
-        a5 = _mm512_fmadd_ps(x, _mm512_set1_ps(v5[d]), a5);
-        a6 = _mm512_fmadd_ps(x, _mm512_set1_ps(v6[d]), a6);
-        a7 = _mm512_fmadd_ps(x, _mm512_set1_ps(v7[d]), a7);
+        const __m512 x0 = _mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS);
+        const __m512 x1 = _mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS + WIDE_LANES);
+#pragma GCC unroll 8
+        for (uint32_t j = 0; j < 8u; j++) {
+            const __m512 b = _mm512_set1_ps(v[(size_t)j * D + d]);
+            a[j][0] = _mm512_fmadd_ps(x0, b, a[j][0]);
+            a[j][1] = _mm512_fmadd_ps(x1, b, a[j][1]);
+        }
     }
-    _mm512_storeu_ps(out + 0 * WIDE_ROWS, a0);
-    _mm512_storeu_ps(out + 1 * WIDE_ROWS, a1);
-    _mm512_storeu_ps(out + 2 * WIDE_ROWS, a2);
-    _mm512_storeu_ps(out + 3 * WIDE_ROWS, a3);
-    _mm512_storeu_ps(out + 4 * WIDE_ROWS, a4);
-    _mm512_storeu_ps(out + 5 * WIDE_ROWS, a5);
-    _mm512_storeu_ps(out + 6 * WIDE_ROWS, a6);
-    _mm512_storeu_ps(out + 7 * WIDE_ROWS, a7);
+#pragma GCC unroll 8
+    for (uint32_t j = 0; j < 8u; j++) {
+        _mm512_storeu_ps(out + (size_t)j * WIDE_ROWS, a[j][0]);
+        _mm512_storeu_ps(out + (size_t)j * WIDE_ROWS + WIDE_LANES, a[j][1]);
+    }
 }
 
 /* Step 1 for one coefficient k (the rank's tail past a multiple of 8). */
 WIDE_FN static void wide_coef1(const float *ct, uint32_t D, const float *V, uint32_t k,
                                float *out) {
     const float *v = V + (size_t)k * D;
-    __m512 a = _mm512_setzero_ps();
-    for (uint32_t d = 0; d < D; d++)
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS), _mm512_set1_ps(v[d]), a);
-    _mm512_storeu_ps(out, a);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (uint32_t d = 0; d < D; d++) {
+        const __m512 b = _mm512_set1_ps(v[d]);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS), b, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS + WIDE_LANES), b, a1);
+    }
+    _mm512_storeu_ps(out, a0);
+    _mm512_storeu_ps(out + WIDE_LANES, a1);
 }
 
-/* Steps 2 and 3 for the tile (D a multiple of 8): ck [rank][16] the rounded coefficients as
- * fp32, p [32][16] the norm lanes (written). */
+/* Steps 2 and 3 for the tile (D a multiple of 8): ck [rank][32] the rounded coefficients as
+ * fp32, p [32][32] the norm lanes (written). Each k's two coefficient vectors feed 16 chains. */
 WIDE_FN static void wide_resid(const float *ct, uint32_t D, const float *V, uint32_t rank,
                                const float *ck, float *p) {
-    for (uint32_t l = 0; l < KVT__SIGMA_LANES; l++)
-        _mm512_storeu_ps(p + (size_t)l * WIDE_ROWS, _mm512_setzero_ps());
+    for (uint32_t l = 0; l < KVT__SIGMA_LANES * 2u; l++)
+        _mm512_storeu_ps(p + (size_t)l * WIDE_LANES, _mm512_setzero_ps());
     for (uint32_t d0 = 0; d0 < D; d0 += 8u) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-               a7 = a0;
+        __m512 a[8][2];
+#pragma GCC unroll 8
+        for (uint32_t j = 0; j < 8u; j++)
+            a[j][0] = a[j][1] = _mm512_setzero_ps();
         for (uint32_t k = 0; k < rank; k++) {
-            const __m512 c = _mm512_loadu_ps(ck + (size_t)k * WIDE_ROWS);
+            const __m512 c0 = _mm512_loadu_ps(ck + (size_t)k * WIDE_ROWS);
+            const __m512 c1 = _mm512_loadu_ps(ck + (size_t)k * WIDE_ROWS + WIDE_LANES);
             const float *v = V + (size_t)k * D + d0;
-            a0 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[0]), a0);
-            a1 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[1]), a1);
-            a2 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[2]), a2);
-            a3 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[3]), a3);
-            a4 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[4]), a4);
-            a5 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[5]), a5);
-            a6 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[6]), a6);
-            a7 = _mm512_fmadd_ps(c, _mm512_set1_ps(v[7]), a7);
+#pragma GCC unroll 8
+            for (uint32_t j = 0; j < 8u; j++) {
+                const __m512 b = _mm512_set1_ps(v[j]);
+                a[j][0] = _mm512_fmadd_ps(c0, b, a[j][0]);
+                a[j][1] = _mm512_fmadd_ps(c1, b, a[j][1]);
+            }
         }
-        const __m512 rec[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+#pragma GCC unroll 8
         for (uint32_t j = 0; j < 8u; j++) {
             const uint32_t d = d0 + j;
-            const __m512 e = _mm512_sub_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS), rec[j]);
             float *pl = p + (size_t)(d % KVT__SIGMA_LANES) * WIDE_ROWS;
-            _mm512_storeu_ps(pl, _mm512_fmadd_ps(e, e, _mm512_loadu_ps(pl)));
+            const __m512 e0 = _mm512_sub_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS), a[j][0]);
+            const __m512 e1 =
+                _mm512_sub_ps(_mm512_loadu_ps(ct + (size_t)d * WIDE_ROWS + WIDE_LANES), a[j][1]);
+            _mm512_storeu_ps(pl, _mm512_fmadd_ps(e0, e0, _mm512_loadu_ps(pl)));
+            _mm512_storeu_ps(pl + WIDE_LANES,
+                             _mm512_fmadd_ps(e1, e1, _mm512_loadu_ps(pl + WIDE_LANES)));
         }
     }
 }
 
-/* A full tile's bf16 latents, transposed into ct [D][16] (D even): one 4-byte gather per lane
+/* 16 rows' bf16 latents, transposed into ct [D][32]'s 16 lanes from ct (D even): one 4-byte gather per lane
  * and pair of values (latent d in the low half, d + 1 in the high one), widened exactly (bf16 is
  * fp32's top half). Returns the lanes whose latent holds a non-finite value. */
 WIDE_FN static uint32_t wide_load_bf16(const uint8_t *base, const int32_t *sl, size_t stride,
                                        uint32_t D, float *ct) {
-    int64_t off[WIDE_ROWS];
-    for (uint32_t r = 0; r < WIDE_ROWS; r++)
+    int64_t off[WIDE_LANES];
+    for (uint32_t r = 0; r < WIDE_LANES; r++)
         off[r] = (int64_t)sl[r] * (int64_t)stride;
     const __m512i o0 = _mm512_loadu_si512(off), o1 = _mm512_loadu_si512(off + 8);
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u), ex = _mm512_set1_epi32(0x7f800000);
@@ -156,31 +164,37 @@ WIDE_FN static uint32_t wide_load_bf16(const uint8_t *base, const int32_t *sl, s
     return bad;
 }
 
-/* n rows of 16 coefficients (f [n][16]) to fp16, rounded to nearest even (kvt__f32_to_f16's
+/* n vectors of 16 coefficients (f [n][16]) to fp16, rounded to nearest even (kvt__f32_to_f16's
  * rounding: IEEE binary16, overflow to Inf; a NaN's payload may differ, and a non-finite
  * coefficient zeroes its row's sketch either way). */
 WIDE_FN static void wide_to_f16(const float *f, uint32_t n, uint16_t *h) {
     for (uint32_t j = 0; j < n; j++)
-        _mm256_storeu_si256((__m256i *)(h + (size_t)j * WIDE_ROWS),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(f + (size_t)j * WIDE_ROWS),
+        _mm256_storeu_si256((__m256i *)(h + (size_t)j * WIDE_LANES),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(f + (size_t)j * WIDE_LANES),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* The stored sketch as fp32 (exact), ck [rank][16]: the lanes of `ok` whose coefficients are all
+/* The stored sketch as fp32 (exact), ck [rank][32]: the lanes of `ok` whose coefficients are all
  * finite keep theirs, every other lane is zero. Returns those lanes. */
 WIDE_FN static uint32_t wide_from_f16(const uint16_t *h, uint32_t rank, uint32_t ok, float *ck) {
     const __m512i ex = _mm512_set1_epi32(0x7f800000);
-    __mmask16 bad = 0;
-    for (uint32_t k = 0; k < rank; k++) {
-        const __m512 v =
-            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + (size_t)k * WIDE_ROWS)));
-        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), ex), ex);
-        _mm512_storeu_ps(ck + (size_t)k * WIDE_ROWS, v);
-    }
-    const __mmask16 keep = (__mmask16)(ok & ~(uint32_t)bad);
-    for (uint32_t k = 0; keep != 0xffffu && k < rank; k++)
-        _mm512_storeu_ps(ck + (size_t)k * WIDE_ROWS,
-                         _mm512_maskz_mov_ps(keep, _mm512_loadu_ps(ck + (size_t)k * WIDE_ROWS)));
+    uint32_t bad = 0;
+    for (uint32_t k = 0; k < rank; k++)
+        for (uint32_t g = 0; g < 2u; g++) {
+            const size_t at = (size_t)k * WIDE_ROWS + g * WIDE_LANES;
+            const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + at)));
+            bad |= (uint32_t)_mm512_cmpeq_epi32_mask(
+                       _mm512_and_si512(_mm512_castps_si512(v), ex), ex)
+                   << (g * WIDE_LANES);
+            _mm512_storeu_ps(ck + at, v);
+        }
+    const uint32_t keep = ok & ~bad;
+    for (uint32_t k = 0; keep != 0xffffffffu && k < rank; k++)
+        for (uint32_t g = 0; g < 2u; g++) {
+            const size_t at = (size_t)k * WIDE_ROWS + g * WIDE_LANES;
+            _mm512_storeu_ps(ck + at, _mm512_maskz_mov_ps((__mmask16)(keep >> (g * WIDE_LANES)),
+                                                          _mm512_loadu_ps(ck + at)));
+        }
     return keep;
 }
 
@@ -198,16 +212,19 @@ static void sketch_rows_wide(const uint8_t *base, const int32_t *slots, uint32_t
                              size_t slot_stride_bytes, int dtype, uint32_t D, const float *V,
                              uint32_t rank, uint32_t csk_stride, float *scratch, uint16_t *csk,
                              float *rho) {
-    float *ct = scratch;                                      /* [D][16] */
-    float *ck = ct + (size_t)WIDE_ROWS * D;                   /* [rank][16]; step 1's [8][16] */
-    float *p = ck + (size_t)WIDE_ROWS * KVT__SKETCH_MAX_RANK; /* [32][16] */
-    uint16_t h16[KVT__SKETCH_MAX_RANK * WIDE_ROWS];           /* the tile's sketch, [rank][16] */
+    float *ct = scratch;                                      /* [D][32] */
+    float *ck = ct + (size_t)WIDE_ROWS * D;                   /* [rank][32]; step 1's [8][32] */
+    float *p = ck + (size_t)WIDE_ROWS * KVT__SKETCH_MAX_RANK; /* [32][32] */
+    uint16_t h16[KVT__SKETCH_MAX_RANK * WIDE_ROWS];           /* the tile's sketch, [rank][32] */
     for (uint32_t u0 = 0; u0 < n_rows; u0 += WIDE_ROWS) {
         const uint32_t T = n_rows - u0 < WIDE_ROWS ? n_rows - u0 : WIDE_ROWS;
         /* the tile's latents as fp32, transposed; a non-finite row and unused lanes as zeros */
         uint32_t fin = 0;
         if (T == WIDE_ROWS && dtype == KVT__DT_BF16) {
-            fin = ~wide_load_bf16(base, slots + u0, slot_stride_bytes, D, ct) & 0xffffu;
+            const uint32_t bad0 = wide_load_bf16(base, slots + u0, slot_stride_bytes, D, ct);
+            const uint32_t bad1 = wide_load_bf16(base, slots + u0 + WIDE_LANES, slot_stride_bytes,
+                                                 D, ct + WIDE_LANES);
+            fin = ~(bad0 | bad1 << WIDE_LANES);
         } else {
             for (uint32_t r = 0; r < WIDE_ROWS; r++) {
                 const uint8_t *row =
@@ -228,11 +245,11 @@ static void sketch_rows_wide(const uint8_t *base, const int32_t *slots, uint32_t
         uint32_t k0 = 0;
         for (; k0 + 8u <= rank; k0 += 8u) {
             wide_coef8(ct, D, V, k0, ck);
-            wide_to_f16(ck, 8u, h16 + (size_t)k0 * WIDE_ROWS);
+            wide_to_f16(ck, 16u, h16 + (size_t)k0 * WIDE_ROWS);
         }
         for (; k0 < rank; k0++) {
             wide_coef1(ct, D, V, k0, ck);
-            wide_to_f16(ck, 1u, h16 + (size_t)k0 * WIDE_ROWS);
+            wide_to_f16(ck, 2u, h16 + (size_t)k0 * WIDE_ROWS);
         }
         /* the stored sketch (stride padding zero; an undescribable row's all zero, its lane then
          * computes a residual that is never stored), as fp32 for step 2 */
