@@ -239,37 +239,40 @@ Test(sketch, undescribable_rows_cost_only_themselves) {
     free(V);
 }
 
-/* The AVX-512 path (16 rows a tile: bf16 tiles gathered, coefficients rounded to fp16 by the
- * vector conversion) against the narrow path, bit for bit: bf16, fp16 and fp32 rows behind a
- * shuffled slot table, 37 rows (two full tiles and a tail), ranks 0, 13 (a tail past a multiple of
- * 8) and 64, a stride past the rank; in the full tiles a row with a NaN, one with an Inf, one whose
- * coefficient overflows fp16, one whose coefficients are fp16 subnormals. The narrow path is the
- * one twin_equals_per_element_functions_bit_for_bit checks where the CPU has no AVX-512. */
+/* The AVX-512 path (32 rows a tile, two 16-lane vectors: bf16 tiles gathered, coefficients rounded
+ * to fp16 by the vector conversion) against the narrow path, bit for bit: bf16, fp16 and fp32 rows
+ * behind the identity and a shuffled slot table, 77 rows (two full tiles and a 13-row tail), ranks
+ * 0, 13 (a tail past a multiple of 8), 40 (a multiple of 8, not of 16) and 64, a stride past the
+ * rank; with the identity table, in both halves of the first tile a row with a NaN or an Inf and
+ * one whose coefficient overflows fp16 or whose coefficients are fp16 subnormals, a NaN row and an
+ * Inf row in the second tile's halves and a NaN row in the tail. The narrow path is the one
+ * twin_equals_per_element_functions_bit_for_bit checks where the CPU has no AVX-512. */
 Test(sketch, wide_path_equals_narrow_path_bit_for_bit) {
-    const uint32_t n = 37, stride = 72;
+    const uint32_t n = 77, stride = 72;
     const int dts[3] = {KVT__DT_BF16, KVT__DT_FP16, KVT__DT_FP32};
-    const uint32_t ranks[3] = {0, 13, 64};
+    const uint32_t ranks[4] = {0, 13, 40, 64};
     const int had = kvt__sketch_wide(-1);
     if (!had)
         cr_log_info("no AVX-512 here: the wide path is not run");
     float *V = malloc(sizeof(float) * 64 * D), *scratch = malloc(sizeof(float) * kvt__sketch_scratch_floats(D));
     uint8_t *rows = malloc(576 * 4 * n);
     uint16_t *c1 = malloc(2 * n * stride), *c2 = malloc(2 * n * stride);
-    float rho1[37], rho2[37];
-    int32_t slots[37];
+    float rho1[77], rho2[77];
+    int32_t slots[77];
     cr_assert(V && scratch && rows && c1 && c2);
     orthonormal_rows(5005, 64, D, V);
     tu_rng g = {5006};
     for (uint32_t u = 0; u < n; u++)
         slots[u] = (int32_t)u;
-    for (uint32_t u = n - 1; u > 0; u--) {
-        uint32_t j = (uint32_t)(tu_next(&g) % (u + 1));
-        int32_t t = slots[u];
-        slots[u] = slots[j];
-        slots[j] = t;
-    }
-    for (int t = 0; t < 3; t++) {
-        const int dt = dts[t];
+    for (int t = 0; t < 6; t++) {
+        const int dt = dts[t % 3];
+        if (t == 3) /* the second round behind a shuffled slot table */
+            for (uint32_t u = n - 1; u > 0; u--) {
+                uint32_t j = (uint32_t)(tu_next(&g) % (u + 1));
+                int32_t x = slots[u];
+                slots[u] = slots[j];
+                slots[j] = x;
+            }
         const size_t row_bytes = 576 * (dt == KVT__DT_FP32 ? 4 : 2);
         for (uint32_t u = 0; u < n; u++)
             for (uint32_t d = 0; d < 576; d++) {
@@ -282,9 +285,15 @@ Test(sketch, wide_path_equals_narrow_path_bit_for_bit) {
                     x = d < D ? V[d] * 1e6f : x; /* coefficient 0 past 65504 */
                 if (u == 25)
                     x *= 1e-7f; /* coefficients below fp16's smallest normal */
+                if (u == 40)
+                    x = d == D - 1 ? NAN : x;
+                if (u == 60)
+                    x = d == 0 ? INFINITY : x;
+                if (u == 70)
+                    x = d == 301 ? NAN : x;
                 kvt__store_elem(rows + (size_t)u * row_bytes, dt, d, x);
             }
-        for (int ri = 0; ri < 3; ri++) {
+        for (int ri = 0; ri < 4; ri++) {
             const uint32_t rk = ranks[ri];
             memset(c1, 0xff, 2 * n * stride);
             memset(c2, 0xee, 2 * n * stride);
@@ -301,10 +310,11 @@ Test(sketch, wide_path_equals_narrow_path_bit_for_bit) {
                              (double)rho2[u]);
             }
             /* the planted rows: undescribable ones infinite, the subnormal one finite */
-            uint32_t at[37]; /* position of slot s */
+            uint32_t at[77]; /* position of slot s */
             for (uint32_t u = 0; u < n; u++)
                 at[slots[u]] = u;
             cr_assert(isinf(rho2[at[7]]) && isinf(rho2[at[9]]));
+            cr_assert(isinf(rho2[at[40]]) && isinf(rho2[at[60]]) && isinf(rho2[at[70]]));
             cr_assert(rk == 0 || isinf(rho2[at[20]]));
             cr_assert(isfinite(rho2[at[25]]));
         }

@@ -47,13 +47,14 @@ static inline float norm_interleaved(const float *v, uint32_t n) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The wide path (x86-64 CPUs with AVX-512F): 16 rows a tile, one row per lane of a 512-bit
- * register, so every instruction advances 16 independent chains, and each chain is the
+ * The wide path (x86-64 CPUs with AVX-512F): 32 rows a tile, one row per lane of two 512-bit
+ * registers, so every instruction advances 16 independent chains, and each chain is the
  * per-element function's, in its order, from +0:
  *   step 1: coefficient k of row r is fmaf(c_r[d], V[k][d], acc) for d ascending (8
- *           coefficients' chains at a time: 8 accumulators hide the fused multiply-add's latency);
- *   step 2: rec_r[d] is fmaf(f32(csk_r[k]), V[k][d], rec) for k ascending (8 d's at a time),
- *           then e = c_r[d] − rec_r[d];
+ *           coefficients' chains at a time for both halves of the tile: 16 accumulators, so each
+ *           loaded row vector feeds 8 fused multiply-adds and each broadcast V[k][d] two);
+ *   step 2: rec_r[d] is fmaf(f32(csk_r[k]), V[k][d], rec) for k ascending (8 d's at a time for
+ *           both halves: 16 accumulators again), then e = c_r[d] − rec_r[d];
  *   step 3: lane l = d mod 32 of row r's norm takes fmaf(e, e, p) for d ascending (norm_interleaved
  *           and kvt__norm_fixed's lanes), then the same tree32 and sqrtf.
  * _mm512_fmadd_ps is the correctly rounded a·b + c of fmaf in every lane, so the bits are the

@@ -116,7 +116,7 @@ void kvt__sketch_rows_cpu(const uint8_t *base, const int32_t *slots, uint32_t n_
                           uint32_t rank, uint32_t csk_stride, float *scratch, uint16_t *csk,
                           float *rho);
 
-/* Whether kvt__sketch_rows_cpu runs its AVX-512 path (16 rows a tile; the same bits): the CPU has
+/* Whether kvt__sketch_rows_cpu runs its AVX-512 path (32 rows a tile; the same bits): the CPU has
  * AVX-512F and it is enabled. enable 0 / 1 turns it off / on (tests run both), -1 only asks. */
 int kvt__sketch_wide(int enable);
 
