@@ -1537,6 +1537,15 @@ Test(recall_scan, q8_scans_in_threads) {
     scen_free(&s);
 }
 
+/* KVT_NO_AMX=1 keeps the process off the AMX tiles: the 8-bit scan's level is at most 2 (each
+ * Criterion test runs in its own process, so this one asks first). */
+Test(recall_scan, q8_no_amx_env) {
+    cr_assert_eq(setenv("KVT_NO_AMX", "1", 1), 0);
+    const int level = kvt__recall_scan_q8_level(-1);
+    cr_assert_leq(level, 2, "KVT_NO_AMX=1, yet the 8-bit scan runs level %d", level);
+    cr_log_info("q8: with KVT_NO_AMX=1 the 8-bit scan runs level %d", level);
+}
+
 /* The sound mode stays sound at 8 bits: every archived row whose exact score reaches its head's
  * threshold (the best attended score, and the best archived score itself) fires, with rows at the
  * quantisation's edges in every other scenario. */

@@ -13,6 +13,7 @@
 #include "kernels/backend.h"
 #include "lib/base/base.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 /* Per head: rank projection values, then the kvt__recall_head fields. */
@@ -986,6 +987,13 @@ static int amx_granted_v;
 
 static void amx_ask(void) {
     unsigned eax, ebx, ecx, edx;
+    /* KVT_NO_AMX set (and not "0"): never ask, so the process keeps its signal frames as they
+     * are (level 2 then) */
+    const char *no = getenv("KVT_NO_AMX");
+    if (no && *no && strcmp(no, "0") != 0) {
+        amx_granted_v = 0;
+        return;
+    }
     /* CPUID.(7, 0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8; then the kernel's permission
      * (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18; refused by kernels before 5.16,
      * or while a too small sigaltstack is installed) */
