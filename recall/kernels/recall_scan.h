@@ -497,7 +497,7 @@ int kvt__recall_scan_wide(int enable);
  * not thread-safe); -1 only asks. */
 int kvt__recall_scan_q8_level(int enable);
 
-/* Whether the VNNI level's conformal 8-bit scan screens rows (recall_scan.c: a bound on the
+/* Whether the conformal 8-bit scan of levels 2 and 3 screens rows (recall_scan.c: a bound on the
  * trigger's value from a few multiply-adds; a row it cannot rule out runs the trigger, so the
  * fired set is the same either way); enable 0 or 1 switches it (tests only, not thread-safe), -1
  * only asks. 0 where the tiled scan is not built. */
