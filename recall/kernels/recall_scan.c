@@ -343,6 +343,7 @@ static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, fl
     const uint32_t len = kvt__recall_q8_len(bd, W);
     p->q8len = len;
     memset(p->q8p, 0, 2u * Q8_HQ(HP) * len); /* the packing's padding heads: zero */
+    const int vnni = kvt__recall_scan_q8_level(-1) >= 2; /* the s8 packing (levels 2 and 3) */
     for (size_t h = 0; h < HP; h++) {
         kvt__recall_q8h q;
         uint8_t *v = p->q8v + h * len;
@@ -359,7 +360,7 @@ static void q8_prep(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, fl
         const int32_t cb = -128 * q.sb, cs = -128 * q.ss; /* the u8 offset's correction */
         memcpy(p->q8f + 8u * HP + h, &cb, 4);
         memcpy(p->q8f + 9u * HP + h, &cs, 4);
-        if (kvt__recall_scan_q8_level(-1) >= 2)
+        if (vnni)
             for (uint32_t j = 0; j < len; j++)
                 p->q8p[((size_t)(j / 4u) * Q8_HQ(HP) + h) * 4u + j % 4u] = (uint8_t)(v[j] - 128u);
         else

@@ -141,9 +141,10 @@ WIDE_FN static void wide_resid(const float *ct, uint32_t D, const float *V, uint
     }
 }
 
-/* 16 rows' bf16 latents, transposed into ct [D][32]'s 16 lanes from ct (D even): one 4-byte gather per lane
- * and pair of values (latent d in the low half, d + 1 in the high one), widened exactly (bf16 is
- * fp32's top half). Returns the lanes whose latent holds a non-finite value. */
+/* 16 rows' bf16 latents, transposed into the 16 lanes of ct [D][32] that ct points at (D even):
+ * one 4-byte gather per lane and pair of values (latent d in the low half, d + 1 in the high
+ * one), widened exactly (bf16 is fp32's top half). Returns the lanes whose latent holds a
+ * non-finite value. */
 WIDE_FN static uint32_t wide_load_bf16(const uint8_t *base, const int32_t *sl, size_t stride,
                                        uint32_t D, float *ct) {
     int64_t off[WIDE_LANES];
