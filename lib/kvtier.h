@@ -765,6 +765,31 @@ KVT_API kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const 
 KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t *rank,
                                         uint32_t *id);
 
+/* Flag of kvt_ctx_refit_recall_basis: requests keep their calibrated z (no new calibration). */
+#define KVT_REFIT_KEEP_Z 1u
+/* Replace salience layer `layer`'s basis while requests live (docs/recall.md §5.1; a basis that
+ * follows the requests' own queries: the fit is the caller's, e.g. the top eigenvectors of the
+ * centred covariance of the query latents seen so far). V, rank: as for
+ * kvt_ctx_set_recall_basis, with the rank of the layer's basis. Before any request reserved rows
+ * it is kvt_ctx_set_recall_basis (any rank, flags ignored). Between steps only: every closed row
+ * of every live request on the layer is sketched again with V (its fp16 sketch and ρ, and its
+ * 8-bit plane at recall_scan_bits 8; a prefix shared by several requests once), the pruned
+ * scan's groups are built again at each request's next step, and each request recalling on the
+ * layer starts its conformal calibration again (its next steps with archived rows attend every
+ * row, as its first did, until z is fixed) unless flags has KVT_REFIT_KEEP_Z. The basis stays in
+ * the same backend buffer, so a recorded planned step (kvt_batch_plan_device) stays valid.
+ * stream: where the sketches run (a cudaStream_t on the CUDA backend; NULL: the default one);
+ * the call returns once they are done. Cost: the close's sketch of every closed row (CPU, one
+ * thread: ~0.9 µs a row of 512 latent values at rank 64). The basis is the layer's: every
+ * request on it gets the new one (snapshots name it by id, kvt_layer_stats.recall_basis_id).
+ * Errors: those of kvt_ctx_set_recall_basis but KVT_ERR_BAD_STATE, nothing changed; then
+ * KVT_ERR_BAD_STATE (nothing changed) while a request is in a step (reserved, not committed),
+ * KVT_ERR_OUT_OF_RANGE (nothing changed) for a rank other than the layer's basis's, or when the
+ * layer has no basis yet and a request reserved rows, KVT_ERR_INVALID_ARGUMENT for flags other
+ * than 0 and KVT_REFIT_KEEP_Z; a backend failure while sketching is KVT_ERR_CORRUPT naming the
+ * request (its sketches on the layer are mixed: destroy it; every stored row is intact). */
+KVT_API kvt_status kvt_ctx_refit_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V,
+                                              uint32_t rank, uint32_t flags, void *stream);
 /* Give KV head `kv_head` of an evict (GQA/MHA-RoPE or MLA-RoPE) layer its key basis
  * (docs/recall.md §9): V is host memory of rank x D fp32 values (D = head_dim on GQA/MHA layers,
  * kv_lora_rank = value_dim on MLA-RoPE layers, whose one head is 0 and whose rotated branch is
