@@ -7,7 +7,6 @@
 #include <kvtier.h> /* kvt_orthonormalise_rows, kvt_last_error */
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,16 +14,6 @@
 #if KVT_HAVE_LAPACKE
 #include <lapacke.h>
 #endif
-
-static int eig_fail(char *err, size_t len, int code, const char *fmt, ...) {
-    if (err && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, len, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
 
 int eig_acc_init(eig_acc *a, uint32_t dim, bool centred) {
     memset(a, 0, sizeof *a);
@@ -78,16 +67,18 @@ bool eig_have_lapacke(void) {
 
 int eig_top(const eig_acc *a, uint32_t rank, float *V, double *w_top, double *total, char *err,
             size_t err_len) {
-    if (!a || !a->s2 || !V || rank < 1 || rank > a->dim || a->n < 2)
-        return eig_fail(err, err_len, EIG_EARG,
-                        "eigenvectors: %llu samples of dim %u cannot give a rank-%u basis "
-                        "(two or more samples and a rank of at most the dim are needed)",
-                        a ? (unsigned long long)a->n : 0ull, a ? a->dim : 0u, rank);
+    if (!a || !a->s2 || !V || rank < 1 || rank > a->dim || a->n < 2) {
+        snprintf(err, err_len,
+                 "eigenvectors: %llu samples of dim %u cannot give a rank-%u basis (two or more "
+                 "samples and a rank of at most the dim are needed)",
+                 a ? (unsigned long long)a->n : 0ull, a ? a->dim : 0u, rank);
+        return EIG_EARG;
+    }
 #if !KVT_HAVE_LAPACKE
     (void)w_top, (void)total;
-    return eig_fail(err, err_len, EIG_ENOLAPACKE,
-                    "built without LAPACKE: the eigenvectors need it (install Debian's "
-                    "liblapacke-dev, scripts/deps.sh, and reconfigure)");
+    snprintf(err, err_len, "built without LAPACKE: the eigenvectors need it (install Debian's "
+                           "liblapacke-dev, scripts/deps.sh, and reconfigure)");
+    return EIG_ENOLAPACKE;
 #else
     const uint32_t n = a->dim;
     const double N = (double)a->n;
@@ -98,7 +89,8 @@ int eig_top(const eig_acc *a, uint32_t rank, float *V, double *w_top, double *to
     lapack_int *supp = malloc(sizeof(lapack_int) * 2 * rank);
     if (!A || !w || !Z || !Vd || !supp) {
         free(A), free(w), free(Z), free(Vd), free(supp);
-        return eig_fail(err, err_len, EIG_ENOMEM, "eigenvectors: out of memory");
+        snprintf(err, err_len, "eigenvectors: out of memory");
+        return EIG_ENOMEM;
     }
     double tr = 0;
     for (uint32_t i = 0; i < n; i++) /* upper triangle only */
@@ -116,10 +108,11 @@ int eig_top(const eig_acc *a, uint32_t rank, float *V, double *w_top, double *to
                                      (lapack_int)n, 0.0, 0.0, (lapack_int)(n - rank + 1),
                                      (lapack_int)n, 0.0, &m, w, Z, (lapack_int)rank, supp);
     int rc = EIG_OK;
-    if (info != 0 || m != (lapack_int)rank)
-        rc = eig_fail(err, err_len, EIG_EFAIL,
-                      "LAPACKE_dsyevr failed (info %d, %d of %u eigenpairs)", (int)info, (int)m,
-                      rank);
+    if (info != 0 || m != (lapack_int)rank) {
+        snprintf(err, err_len, "LAPACKE_dsyevr failed (info %d, %d of %u eigenpairs)", (int)info,
+                 (int)m, rank);
+        rc = EIG_EFAIL;
+    }
     /* dsyevr returns ascending eigenvalues; column j of Z (row-major [n][rank]) is eigenvector
      * j. */
     for (uint32_t k = 0; rc == EIG_OK && k < rank; k++) {
@@ -138,8 +131,10 @@ int eig_top(const eig_acc *a, uint32_t rank, float *V, double *w_top, double *to
      * of one pass each, every row normalised in each), directions and signs kept: rows
      * orthonormal to double precision before the fp32 rounding. */
     if (rc == EIG_OK && (kvt_orthonormalise_rows(Vd, rank, n, 1) != KVT_OK ||
-                         kvt_orthonormalise_rows(Vd, rank, n, 1) != KVT_OK))
-        rc = eig_fail(err, err_len, EIG_EFAIL, "%s", kvt_last_error());
+                         kvt_orthonormalise_rows(Vd, rank, n, 1) != KVT_OK)) {
+        snprintf(err, err_len, "%s", kvt_last_error());
+        rc = EIG_EFAIL;
+    }
     if (rc == EIG_OK)
         for (size_t i = 0; i < (size_t)rank * n; i++)
             V[i] = (float)Vd[i];

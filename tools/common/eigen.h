@@ -9,7 +9,8 @@
  * accumulator works and eig_top returns EIG_ENOLAPACKE with a message naming the package;
  * eig_have_lapacke() says so beforehand.
  *
- * Functions return EIG_OK (0) or a nonzero EIG_E* code with a message in err.
+ * Functions return EIG_OK (0) or a nonzero EIG_E* code with a message in err (err_len bytes;
+ * err may be NULL with err_len 0).
  */
 #ifndef KVT_TOOLS_EIGEN_H
 #define KVT_TOOLS_EIGEN_H

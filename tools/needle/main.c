@@ -9,8 +9,10 @@
  * CSV / SVG on request, and ends with one line "pass N/M".
  *
  * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
- * library error, an attended set that disagrees with the library), 2 on a bad command line (a
- * bad or empty list item, a flag of the synthetic haystack given with --trace), 3 for a mode
+ * library error, an attended set that disagrees with the library, --recall-adapt in a build
+ * without LAPACKE), 2 on a bad command line (a bad or empty list item, a flag of the synthetic
+ * haystack given with --trace, --recall-adapt without --mode recall, with --rope or without a
+ * basis), 3 for a mode
  * that is not implemented yet (promote: nothing is measured) or that a case cannot run (recall
  * on a trace without a decode phase: said on stderr, every other mode still measured and
  * reported). A trace's decode phase is what its sections say: two or more query steps of the
