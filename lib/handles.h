@@ -45,6 +45,8 @@ struct kvt_ctx {
     uint32_t n_live;       /* live requests */
     kvt_seq *free_seqs;    /* request slots built at creation, not in use (linked by next) */
     bool destroying;       /* kvt_ctx_destroy: requests are freed, not parked */
+    uint64_t refits;       /* kvt_ctx_refit_recall_basis calls that re-sketched (the epochs of
+                            * the policies' resketch) */
 };
 
 struct kvt_seq {
@@ -92,6 +94,13 @@ static inline kvt__tier_state *kvt__seq_state(const kvt_seq *seq, uint32_t layer
     return kvt__tier_state_at(seq->layers, layer);
 }
 
+/* A basis's rows checked as kvt_ctx_set_recall_basis checks them (finite, orthonormal within 1e-3
+ * per entry; *omega = ‖V Vᵀ − I‖_F rounded up), errors named with fn; its id (CRC-32 of the
+ * bytes); whether the context or a live request recalls in sound mode (lib/recall_basis.c). */
+kvt_status kvt__basis_check(const kvt_ctx *ctx, const char *fn, const float *V, uint32_t rank,
+                            uint32_t D, float *omega);
+uint32_t kvt__basis_id(const float *V, size_t n);
+bool kvt__sound_live(const kvt_ctx *ctx);
 /* Free a layer's recall basis (lib/recall_basis.c; kvt_ctx_destroy). */
 void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st);
 /* Sound recall on `layer` with a basis of ‖V Vᵀ − I‖_F = omega: KVT_OK when the sound margin

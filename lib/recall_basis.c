@@ -48,7 +48,7 @@ void kvt__rbasis_free(kvt_ctx *ctx, kvt__store *st) {
 
 /* The basis id: CRC-32 of V's bytes as stored (little-endian fp32, the only layout kvtier
  * builds for). */
-static uint32_t basis_id(const float *V, size_t n) {
+uint32_t kvt__basis_id(const float *V, size_t n) {
     return kvt__crc32(0, V, sizeof(float) * n);
 }
 
@@ -56,8 +56,8 @@ static uint32_t basis_id(const float *V, size_t n) {
  * finite. The certificates of docs/recall.md §3 (ρ bounds what the scan misses through
  * ‖q_res‖) assume an orthonormal basis. *omega (when not NULL) = ‖V Vᵀ − I‖_F (double sums,
  * rounded up to fp32), which bounds ‖V Vᵀ − I‖₂: sound mode needs it <= KVT__SOUND_MAX_OMEGA. */
-static kvt_status check_basis_of(const kvt_ctx *ctx, const char *fn, const float *V,
-                                 uint32_t rank, uint32_t D, float *omega) {
+kvt_status kvt__basis_check(const kvt_ctx *ctx, const char *fn, const float *V, uint32_t rank,
+                            uint32_t D, float *omega) {
     for (size_t i = 0; i < (size_t)rank * D; i++)
         if (!isfinite(V[i]))
             return kvt__ctx_fail(ctx, KVT_ERR_INVALID_ARGUMENT, "%s: V[%zu][%zu] is not finite",
@@ -85,11 +85,11 @@ static kvt_status check_basis_of(const kvt_ctx *ctx, const char *fn, const float
 
 static kvt_status check_basis(const kvt_ctx *ctx, const float *V, uint32_t rank, uint32_t D,
                               float *omega) {
-    return check_basis_of(ctx, "kvt_ctx_set_recall_basis", V, rank, D, omega);
+    return kvt__basis_check(ctx, "kvt_ctx_set_recall_basis", V, rank, D, omega);
 }
 
 /* Sound mode (the context's, or a live request's) needs bases its margin covers. */
-static bool sound_live(const kvt_ctx *ctx) {
+bool kvt__sound_live(const kvt_ctx *ctx) {
     bool sound = ctx->cfg.recall == KVT_RECALL_SOUND;
     for (const kvt_seq *q = ctx->seqs; q && !sound; q = q->next)
         sound = q->cfg.recall == KVT_RECALL_SOUND;
@@ -139,7 +139,7 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
     kvt_status s = check_basis(ctx, V, rank, D, &omega);
     if (s != KVT_OK)
         return s;
-    if (sound_live(ctx) && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
+    if (kvt__sound_live(ctx) && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
         return s;
     size_t bytes = sizeof(float) * (size_t)rank * D;
     void *dev = NULL;
@@ -153,7 +153,7 @@ kvt_status kvt_ctx_set_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V
     }
     kvt__rbasis_free(ctx, st);
     st->rbasis = (kvt__rbasis){
-        .V = dev, .rank = rank, .id = basis_id(V, (size_t)rank * D), .omega = omega};
+        .V = dev, .rank = rank, .id = kvt__basis_id(V, (size_t)rank * D), .omega = omega};
     return KVT_OK;
 }
 
@@ -229,10 +229,10 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
                              fn);
     const uint32_t D = t->archive_key_dim(&st->spec);
     float omega = 0.0f;
-    kvt_status s = check_basis_of(ctx, fn, V, rank, D, &omega);
+    kvt_status s = kvt__basis_check(ctx, fn, V, rank, D, &omega);
     if (s != KVT_OK)
         return s;
-    if (sound_live(ctx) && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
+    if (kvt__sound_live(ctx) && (s = kvt__sound_basis_check(ctx, layer, omega)) != KVT_OK)
         return s;
     if ((s = head_bases_alloc(ctx, st, stride)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "%s: the key bases of layer %u", fn, layer);
@@ -241,7 +241,7 @@ kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t 
     if ((s = ctx->backend.ops->write(&ctx->backend, dst, V, bytes, NULL)) != KVT_OK)
         return kvt__ctx_fail(ctx, s, "%s: writing V", fn);
     st->kb_rank[kv_head] = rank;
-    st->kb_id[kv_head] = basis_id(V, (size_t)rank * D);
+    st->kb_id[kv_head] = kvt__basis_id(V, (size_t)rank * D);
     st->kb_omega[kv_head] = omega;
     return KVT_OK;
 }
@@ -370,7 +370,7 @@ kvt_status kvt_recall_basis_read(const char *path, kvt_recall_basis_info *info, 
                           "basis",
                           v_floats, in.rank, in.dim);
     if (s == KVT_OK) {
-        in.id = basis_id(buf, n);
+        in.id = kvt__basis_id(buf, n);
         *info = in;
         if (v)
             memcpy(v, buf, vb);

@@ -275,6 +275,24 @@ kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
     return s;
 }
 
+kvt_status kvt__recall_layer_rebase(kvt__recall_layer *r, const kvt__backend *be,
+                                    bool recalibrate) {
+    if (!r->buf)
+        return KVT_OK;
+    kvt__recall_state st;
+    kvt_status s = be->ops->read(be, &st, r->st, sizeof st, NULL);
+    if (s != KVT_OK)
+        return s;
+    if (recalibrate) {
+        const kvt__recall_state fresh = initial_state();
+        st.z = fresh.z;
+        st.phase = fresh.phase;
+        st.cal_steps = st.n_samples = st.k = st.clamped = 0;
+    }
+    st.n_grouped = 0; /* the groups are derived from the sketches */
+    return be->ops->write(be, r->st, &st, sizeof st, NULL);
+}
+
 size_t kvt__recall_promo_bytes_for(uint32_t prom_cap) {
     return prom_cap ? sizeof(kvt__recall_promo) +
                           2u * sizeof(uint32_t) * ((size_t)prom_cap * CAND_PER_PROMOTED + prom_cap)

@@ -116,6 +116,12 @@ kvt_status kvt__recall_layer_read(const kvt__recall_layer *r, const kvt__backend
 /* The sorted samples [0 .. n) to the host (snapshots); n <= sample_cap. */
 kvt_status kvt__recall_layer_read_samples(const kvt__recall_layer *r, const kvt__backend *be,
                                           float *out, uint32_t n);
+/* The layer's basis was replaced and its archive sketched again (kvt_ctx_refit_recall_basis): the
+ * pruned scan's groups are built anew at the next step, and with `recalibrate` the conformal
+ * calibration starts again (no sample, z = Z_MAX, calibration open; the counters and the
+ * promoted set as they are). A layer without a buffer: nothing to do. */
+kvt_status kvt__recall_layer_rebase(kvt__recall_layer *r, const kvt__backend *be,
+                                    bool recalibrate);
 /* Load a state and its samples (a snapshot's, checked by kvt__recall_state_check first). */
 kvt_status kvt__recall_layer_load(kvt__recall_layer *r, const kvt__backend *be,
                                   const kvt__recall_state *st, const float *samples);

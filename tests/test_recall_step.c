@@ -214,9 +214,11 @@ static void decode(rig *r, const float *q, step_out *o) {
     o->closed = s->closed_rows;
     o->n_kept = s->n_kept;
     cr_assert_eq(be->ops->read(be, o->kept, s->kept, sizeof(uint32_t) * s->n_kept, NULL), KVT_OK);
-    cr_assert_eq(be->ops->read(be, o->csk, s->csk, sizeof(uint16_t) * RB * o->closed, NULL),
-                 KVT_OK);
-    cr_assert_eq(be->ops->read(be, o->rho, s->rho, sizeof(float) * o->closed, NULL), KVT_OK);
+    if (!s->head) { /* flat planes (a request that shares closed rows: planes_of reads them) */
+        cr_assert_eq(be->ops->read(be, o->csk, s->csk, sizeof(uint16_t) * RB * o->closed, NULL),
+                     KVT_OK);
+        cr_assert_eq(be->ops->read(be, o->rho, s->rho, sizeof(float) * o->closed, NULL), KVT_OK);
+    }
     /* padding past the set */
     for (uint32_t j = o->len; j < topk; j++)
         cr_assert_eq(o->idx[j], -1);
@@ -1782,4 +1784,240 @@ Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
     cr_assert_eq(kvt_ctx_create(&p, &ctx, err, sizeof err), KVT_OK, "%s", err);
     kvt_ctx_destroy(ctx);
     kvt_model_destroy(mdl);
+}
+
+/* A request's sketch planes of its closed rows, the shared set's rows first (fp16 sketches and,
+ * at 8 bits, the 8-bit planes), then its ρ: into csk / rho, their bytes in *n_csk. */
+static void planes_of(const rig *r, const kvt_seq *seq, uint8_t *csk, float *rho, size_t *n_csk) {
+    const kvt__sal *s = &kvt__seq_state(seq, 0)->sal;
+    const kvt__backend *be = &r->ctx->backend;
+    const size_t row = sizeof(uint16_t) * s->sk_stride;
+    if (s->n_head) {
+        cr_assert_eq(be->ops->read(be, csk, s->head->csk, row * s->n_head, NULL), KVT_OK);
+        cr_assert_eq(be->ops->read(be, rho, s->head->rho, sizeof *rho * s->n_head, NULL), KVT_OK);
+    }
+    const uint64_t own = s->closed_rows - s->n_head;
+    if (own) {
+        cr_assert_eq(be->ops->read(be, csk + row * s->n_head, s->csk, row * own, NULL), KVT_OK);
+        cr_assert_eq(be->ops->read(be, rho + s->n_head, s->rho, sizeof *rho * own, NULL), KVT_OK);
+    }
+    *n_csk = row * s->closed_rows;
+}
+
+static void expect_same_planes(const rig *a, const kvt_seq *sa, const rig *b, const kvt_seq *sb,
+                               const char *what) {
+    static uint8_t ca[NMAX * 2 * 256], cb[NMAX * 2 * 256];
+    static float ra[NMAX], rb[NMAX];
+    size_t na, nb;
+    planes_of(a, sa, ca, ra, &na);
+    planes_of(b, sb, cb, rb, &nb);
+    cr_assert_eq(na, nb, "%s", what);
+    cr_assert_gt(na, 0u, "%s", what);
+    cr_assert_eq(memcmp(ca, cb, na), 0, "%s: sketch planes differ", what);
+    const uint64_t closed = kvt__seq_state(sa, 0)->sal.closed_rows;
+    cr_assert_eq(memcmp(ra, rb, sizeof(float) * closed), 0, "%s: rho differs", what);
+}
+
+/* The step's emission of a rig's request (TOKENS) after decode: slots, count and dense flag. */
+static void expect_same_step_out(const step_out *a, const step_out *b, const char *what,
+                                 uint32_t step) {
+    cr_assert_eq(a->len, b->len, "%s step %u: %u rows against %u", what, step, a->len, b->len);
+    cr_assert_eq(memcmp(a->idx, b->idx, sizeof(int32_t) * a->len), 0, "%s step %u", what, step);
+    cr_assert_eq(a->dense, b->dense, "%s step %u", what, step);
+}
+
+/* kvt_ctx_refit_recall_basis: a request whose layer basis is replaced mid-life decides from then
+ * on exactly as one whose context had the new basis from the start. Two rigs over the same rows
+ * and queries: A starts with basis V1, B with V2; each forks a child (its closed rows become a
+ * shared set); then both layers are refitted to V2 at the same step (B's is a refit to the basis
+ * it has: its planes must not change; both calibrate again, so conformal z comes from the same
+ * samples). A's and its child's planes (shared rows and own: fp16 sketches, ρ, 8-bit planes)
+ * equal B's byte for byte, and for 70 more steps A emits B's sets slot for slot, fetches and
+ * visits as many rows; the pruned scan's groups are to be built anew (white-box). Sound mode
+ * with 64-row blocks (a close after the refit), and conformal with 256-row blocks. CPU and guarded backends at 16 and 8 bits, and the CUDA backend
+ * where it opens (the emulation, a device). */
+static void refit_case(kvt_backend_kind be, uint32_t bits, kvt_recall_mode mode) {
+    static step_out oa, ob;
+    static uint8_t before[NMAX * 2 * 256], after[NMAX * 2 * 256];
+    static float rho_before[NMAX], rho_after[NMAX];
+    const bool sound = mode == KVT_RECALL_SOUND;
+    g_block = sound ? 64 : 256;
+    g_clustered = true;
+    g_scan_bits = bits;
+    rig a, b;
+    rig_open(&a, be, mode, 4096, 1.0f, 9090);
+    rig_open(&b, be, mode, 4096, 1.0f, 9090);
+    g_scan_bits = 0;
+    g_clustered = false;
+    /* V2: V1 turned a little (its rows plus noise, orthonormalised), so that the clustered rows
+     * stay near its span and the pruned scan still has groups to skip */
+    static float V2[RB * D];
+    static double Vd[RB * D];
+    tu_rng g2 = {.s = 777};
+    for (uint32_t i = 0; i < RB * D; i++)
+        Vd[i] = (double)a.V[i] + 0.02 * tu_normal(&g2);
+    cr_assert_eq(kvt_orthonormalise_rows(Vd, RB, D, 2), KVT_OK);
+    for (uint32_t i = 0; i < RB * D; i++)
+        V2[i] = (float)Vd[i];
+    cr_assert_eq(kvt_ctx_set_recall_basis(b.ctx, 0, V2, RB), KVT_OK, "%s", kvt_last_error());
+    prefill(&a, g_block * 3 + 7);
+    prefill(&b, g_block * 3 + 7);
+    float q[H * QD];
+    for (uint32_t step = 0; step < 10; step++) { /* A and B read different sketches here */
+        int64_t t = sound && step % 2 ? 64 + 9 * (int64_t)step : -1;
+        make_queries(&a, q, t);
+        make_queries(&b, q, t);
+        decode(&a, q, &oa);
+        decode(&b, q, &ob);
+    }
+    kvt_seq *ca, *cb;
+    cr_assert_eq(kvt_seq_fork(a.seq, 31, &ca), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_fork(b.seq, 31, &cb), KVT_OK, "%s", kvt_last_error());
+    cr_assert_gt(kvt__seq_state(ca, 0)->sal.n_head, 0u, "the child shares its closed rows");
+    size_t nb0, nb1;
+    planes_of(&b, b.seq, before, rho_before, &nb0);
+    cr_assert_eq(kvt_ctx_refit_recall_basis(a.ctx, 0, V2, RB, 0, NULL), KVT_OK, "%s",
+                 kvt_last_error());
+    cr_assert_eq(kvt_ctx_refit_recall_basis(b.ctx, 0, V2, RB, 0, NULL), KVT_OK, "%s",
+                 kvt_last_error());
+    planes_of(&b, b.seq, after, rho_after, &nb1);
+    kvt__recall_state rs; /* the groups (of the old sketches) are built anew at the next step */
+    cr_assert_eq(kvt__recall_layer_read(kvt__seq_recall_base(a.seq, 0), &a.ctx->backend, &rs),
+                 KVT_OK);
+    cr_assert_eq(rs.n_grouped, 0u);
+    cr_assert_eq(rs.phase, (uint32_t)KVT__CONFORMAL_OPEN);
+    cr_assert_eq(nb0, nb1);
+    cr_assert_eq(memcmp(before, after, nb0), 0, "a refit to the same basis changed its planes");
+    uint32_t id_a, id_b;
+    cr_assert_eq(kvt_ctx_recall_basis(a.ctx, 0, NULL, &id_a), KVT_OK);
+    cr_assert_eq(kvt_ctx_recall_basis(b.ctx, 0, NULL, &id_b), KVT_OK);
+    cr_assert_eq(id_a, id_b);
+    expect_same_planes(&a, a.seq, &b, b.seq, "parent after the refit");
+    expect_same_planes(&a, ca, &b, cb, "child after the refit");
+    cr_assert_eq(kvt_seq_check(a.seq), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(ca), KVT_OK, "%s", kvt_last_error());
+    const uint64_t closed0 = oa.closed;
+    const kvt_layer_stats a0 = stats(&a), b0 = stats(&b);
+    uint64_t archived = 0;
+    for (uint32_t step = 0; step < 70; step++) {
+        int64_t t = sound && step % 3 == 0 ? (int64_t)((step * 41) % (64 * 3)) : -1;
+        make_queries(&a, q, t);
+        make_queries(&b, q, t);
+        decode(&a, q, &oa);
+        decode(&b, q, &ob);
+        expect_same_step_out(&oa, &ob, "refitted against fresh", step);
+        archived += stats(&a).recall_last_archived;
+    }
+    if (sound)
+        cr_assert_gt(oa.closed, closed0, "a block closed after the refit");
+    expect_same_planes(&a, a.seq, &b, b.seq, "parent at the end");
+    kvt_layer_stats sa = stats(&a), sb = stats(&b);
+    const uint64_t fetched = sa.recall_fetched_rows - a0.recall_fetched_rows;
+    const uint64_t visited = sa.recall_visited_rows - a0.recall_visited_rows;
+    cr_assert_eq(fetched, sb.recall_fetched_rows - b0.recall_fetched_rows);
+    cr_assert_eq(visited, sb.recall_visited_rows - b0.recall_visited_rows,
+                 "the scans visited alike");
+    cr_assert_eq(sa.recall_z, sb.recall_z);
+    cr_assert_gt(fetched, 0u, "fetches after the refit");
+    cr_log_info("refit (%s, %s, %u bits): after it %llu rows fetched, %llu of %llu visited",
+                be == KVT_BACKEND_CPU ? "cpu" : be == KVT_BACKEND_GUARDED ? "guarded" : "cuda",
+                sound ? "sound" : "conformal", bits, (unsigned long long)fetched,
+                (unsigned long long)visited, (unsigned long long)archived);
+    kvt_seq_destroy(ca);
+    kvt_seq_destroy(cb);
+    rig_close(&a);
+    rig_close(&b);
+    g_block = 64;
+}
+
+Test(recall_refit, refitted_request_decides_as_a_fresh_basis, .timeout = 300) {
+    const kvt_backend_kind kinds[3] = {KVT_BACKEND_CPU, KVT_BACKEND_GUARDED, KVT_BACKEND_CUDA};
+    const bool with_cuda = cuda_usable();
+    for (int k = 0; k < (with_cuda ? 3 : 2); k++)
+        for (uint32_t bits = 16; bits >= 8; bits -= 8)
+            for (int m = 0; m < 2; m++)
+                refit_case(kinds[k], bits, m ? KVT_RECALL_CONFORMAL : KVT_RECALL_SOUND);
+}
+
+/* Conformal: a refit starts the calibration again (phase open, z = Z_MAX, the next 8 steps with
+ * archived rows attend every row, then z is fixed anew); KVT_REFIT_KEEP_Z keeps z and the phase.
+ * And what is refused, with nothing changed: a request in a step, a rank other than the basis's,
+ * unknown flags, rows not orthonormal, a NULL V, a layer out of range. Before any reserve the
+ * call is kvt_ctx_set_recall_basis (any rank). */
+Test(recall_refit, recalibration_keep_z_and_refusals, .timeout = 120) {
+    static step_out o;
+    rig r;
+    rig_open(&r, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 5150);
+    static float V2[RB * D], bad[RB * D];
+    tu_rng g2 = {.s = 4711};
+    cr_assert(tu_orthonormal_rows(&g2, RB, D, V2));
+    /* not started: a set, of any rank */
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, V2, RB - 4, 0, NULL), KVT_OK, "%s",
+                 kvt_last_error());
+    uint32_t rank, id0, id;
+    cr_assert_eq(kvt_ctx_recall_basis(r.ctx, 0, &rank, NULL), KVT_OK);
+    cr_assert_eq(rank, RB - 4);
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, r.V, RB, 0, NULL), KVT_OK);
+    cr_assert_eq(kvt_ctx_recall_basis(r.ctx, 0, NULL, &id0), KVT_OK);
+    prefill(&r, 64 * 5 + 7);
+    float q[H * QD];
+    for (uint32_t step = 0; step < 10; step++) {
+        make_queries(&r, q, -1);
+        decode(&r, q, &o);
+    }
+    kvt_layer_stats s0 = stats(&r);
+    cr_assert_eq(s0.recall_phase, 1, "calibrated after 8 steps");
+    /* KEEP_Z: the phase and z stay, the next step is not a calibration step */
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, V2, RB, KVT_REFIT_KEEP_Z, NULL), KVT_OK,
+                 "%s", kvt_last_error());
+    kvt_layer_stats s1 = stats(&r);
+    cr_assert_eq(s1.recall_phase, 1);
+    cr_assert_eq(s1.recall_z, s0.recall_z);
+    cr_assert_neq(s1.recall_basis_id, s0.recall_basis_id);
+    make_queries(&r, q, -1);
+    decode(&r, q, &o);
+    cr_assert_eq(stats(&r).recall_calib_steps, s0.recall_calib_steps);
+    /* flags 0: calibration again, 8 dense steps, then z fixed */
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, r.V, RB, 0, NULL), KVT_OK, "%s",
+                 kvt_last_error());
+    kvt_layer_stats s2 = stats(&r);
+    cr_assert_eq(s2.recall_phase, 0);
+    cr_assert_eq(s2.recall_z, 8.0f);
+    cr_assert_eq(s2.recall_basis_id, id0);
+    for (uint32_t step = 0; step < 8; step++) {
+        make_queries(&r, q, -1);
+        decode(&r, q, &o);
+        cr_assert(o.dense, "calibration step %u attends every row", step);
+    }
+    kvt_layer_stats s3 = stats(&r);
+    cr_assert_eq(s3.recall_calib_steps, s2.recall_calib_steps + 8);
+    cr_assert_eq(s3.recall_phase, 1);
+    /* refusals: nothing changed */
+    memcpy(bad, V2, sizeof bad);
+    bad[0] *= 2.0f;
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, V2, RB - 1, 0, NULL), KVT_ERR_OUT_OF_RANGE);
+    cr_assert(strstr(kvt_last_error(), "keeps the rank"), "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, V2, RB, 2u, NULL),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, bad, RB, 0, NULL),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, NULL, RB, 0, NULL),
+                 KVT_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 1, V2, RB, 0, NULL), KVT_ERR_OUT_OF_RANGE);
+    uint32_t one = 1;
+    make_row(&r, r.rows + r.n * 1152);
+    cr_assert_eq(kvt_batch_reserve(r.b, &r.seq, &one, 1), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, V2, RB, 0, NULL), KVT_ERR_BAD_STATE);
+    cr_assert(strstr(kvt_last_error(), "between steps"), "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_write(r.seq, 0, 0, 0, 1, r.rows + r.n * 1152, 1152), KVT_OK);
+    cr_assert_eq(kvt_batch_plan(r.b), KVT_OK);
+    cr_assert_eq(kvt_batch_commit(r.b, NULL), KVT_OK, "%s", kvt_last_error());
+    r.n++;
+    cr_assert_eq(kvt_ctx_recall_basis(r.ctx, 0, NULL, &id), KVT_OK);
+    cr_assert_eq(id, id0, "a refused refit changed nothing");
+    kvt_layer_stats s4 = stats(&r);
+    cr_assert_eq(s4.recall_phase, 1);
+    cr_assert_eq(s4.recall_z, s3.recall_z);
+    cr_assert_eq(kvt_seq_check(r.seq), KVT_OK, "%s", kvt_last_error());
+    rig_close(&r);
 }

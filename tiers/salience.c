@@ -379,32 +379,42 @@ static void fail_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t lo, uint
         }
 }
 
-/* The sketching of the block starting at position `first` of a job's layer
- * (recall/kernels/sketch.h) into its rows of the sketch planes. */
-static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first) {
-    const kvt_layer_spec *sp = &j->st->spec;
-    const kvt__rbasis *rb = &j->st->rbasis;
+/* The sketching of the `B` rows from position `first` of a state's layer (recall/kernels/sketch.h)
+ * into the planes' rows at csk and rho, the rows read through the request's table pt. */
+static kvt__sketch_args sketch_args_at(const kvt__env *env, const kvt__store *st,
+                                       const kvt__ptable *pt, const kvt__sal *s, uint32_t B,
+                                       uint64_t first, uint16_t *csk, float *rho) {
+    const kvt_layer_spec *sp = &st->spec;
+    const kvt__rbasis *rb = &st->rbasis;
     kvt__sketch_args a;
     memset(&a, 0, sizeof a);
-    a.base = j->st->plane[0];
-    a.pages = j->pt->dpages;
-    a.first_page = j->pt->first_page;
+    a.base = st->plane[0];
+    a.pages = pt->dpages;
+    a.first_page = pt->first_page;
     a.pdiv = env->pdiv;
     a.first_row = first;
-    a.n_rows = j->sh->block_rows;
-    a.slot_stride = j->st->slot_bytes;
+    a.n_rows = B;
+    a.slot_stride = st->slot_bytes;
     a.dtype = (int)sp->dtype;
     a.latent_dim = sp->value_dim;
     a.basis = rb->rank ? rb->V : NULL;
     a.rank = rb->rank;
-    a.csk_stride = j->s->sk_stride;
-    a.csk = j->s->csk + (first - j->s->n_head) * j->s->sk_stride; /* own rows */
-    a.q8_off = j->s->sk_q8;
+    a.csk_stride = s->sk_stride;
+    a.csk = csk;
+    a.q8_off = s->sk_q8;
     a.branch_offset = sp->branch_offset;
     a.branch_dtype = (int)sp->branch_dtype;
     a.branch_dim = sp->branch_dim;
-    a.rho = j->s->rho + (first - j->s->n_head);
+    a.rho = rho;
     return a;
+}
+
+/* The sketching of the block starting at position `first` of a job's layer into its own rows of
+ * the sketch planes. */
+static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first) {
+    const kvt__sal *s = j->s;
+    return sketch_args_at(env, j->st, j->pt, s, j->sh->block_rows, first,
+                          s->csk + (first - s->n_head) * s->sk_stride, s->rho + (first - s->n_head));
 }
 
 /* Arguments of one batched call: σ of blocks, or their sketches. */
@@ -994,6 +1004,50 @@ static bool sal_recall_view(const kvt__tier_layer *l, kvt__nope_view *a) {
     return true;
 }
 
+/* The rows [lo, hi) of the state's closed rows (whole blocks), sketched again with the store's
+ * basis into the planes at csk / rho (their row lo), KVT__SAL_CHUNK blocks a backend call. */
+static kvt_status resketch_rows(const kvt__env *env, const kvt__tier_layer *l, const kvt__sal *s,
+                                uint64_t lo, uint64_t hi, uint16_t *csk, float *rho) {
+    const uint32_t B = l->cfg->block_rows;
+    kvt__sketch_args a[KVT__SAL_CHUNK];
+    uint32_t k = 0;
+    for (uint64_t first = lo; first < hi; first += B) {
+        a[k++] = sketch_args_at(env, l->st, l->pt, s, B, first, csk + (first - lo) * s->sk_stride,
+                                rho + (first - lo));
+        if (k == KVT__SAL_CHUNK || first + B >= hi) {
+            kvt_status rc = env->backend->ops->sketch_rows(env->backend, a, k, env->stream);
+            if (rc != KVT_OK)
+                return kvt__fail(env->err, env->err_len, rc,
+                                 "salience: sketching the closed rows of layer %u again",
+                                 l->st->layer);
+            k = 0;
+        }
+    }
+    return KVT_OK;
+}
+
+static kvt_status sal_resketch(kvt__tier_state *st, const kvt__env *env, const kvt__tier_layer *l,
+                               uint64_t epoch) {
+    kvt__sal *s = &st->sal;
+    if (s->sk_stride == 0 || s->closed_rows == 0)
+        return KVT_OK;
+    kvt__sal_head *h = s->head;
+    if (h && h->resketch_epoch != epoch) {
+        h->resketch_epoch = epoch;
+        h->resketched = 0;
+    }
+    kvt_status rc = KVT_OK;
+    if (h && s->n_head > h->resketched) { /* the rows past what another holder sketched */
+        const uint64_t lo = h->resketched;
+        rc = resketch_rows(env, l, s, lo, s->n_head, h->csk + lo * s->sk_stride, h->rho + lo);
+        if (rc == KVT_OK)
+            h->resketched = s->n_head;
+    }
+    if (rc == KVT_OK && s->closed_rows > s->n_head)
+        rc = resketch_rows(env, l, s, s->n_head, s->closed_rows, s->csk, s->rho);
+    return rc;
+}
+
 /* Archive = index partition: an archived row keeps its slot, it is only not attended. */
 static kvt_row_state sal_row_state(const kvt__tier_layer *l, uint32_t head, uint64_t pos,
                                    int32_t *slot) {
@@ -1064,6 +1118,7 @@ const kvt__policy_ops kvt__policy_salience = {
     .promote_room = kvt__sal_promote_room,
     .attended = sal_attended,
     .recall_view = sal_recall_view,
+    .resketch = sal_resketch,
     .row_state = sal_row_state,
     .positions = kvt__none_positions,
     .stats = sal_stats,

@@ -25,6 +25,9 @@ typedef struct kvt__sal_head {
     uint64_t cap[3];  /* rows each plane (score, csk, rho) was allocated for */
     uint64_t rows;    /* rows written */
     uint32_t holders; /* requests reading it */
+    /* A basis replacement (the policy's resketch): its epoch, and the rows [0, resketched) of
+     * the set sketched again in it. */
+    uint64_t resketch_epoch, resketched;
 } kvt__sal_head;
 
 typedef struct kvt__sal {

@@ -843,6 +843,19 @@ class Context(_Closable):
                                            ptr(v, ctypes.c_float), u32(v.shape[0], "rank")),
               "kvt_ctx_set_recall_basis")
 
+    def refit_recall_basis(self, layer: int, basis, keep_z: bool = False) -> None:
+        """kvt_ctx_refit_recall_basis: replace the layer's recall basis between steps while
+        requests live (float32 [rank, value_dim], orthonormal rows, the basis's rank): every
+        closed row is sketched again, and each recalling request calibrates z again unless
+        ``keep_z`` (KVT_REFIT_KEEP_Z); on the backend's default stream."""
+        v = as_array(basis, "basis")
+        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
+            raise TypeError("basis: expected a C-contiguous float32 array [rank, value_dim]")
+        check(lib.kvt_ctx_refit_recall_basis(self._ptr, u32(layer, "layer"),
+                                             ptr(v, ctypes.c_float), u32(v.shape[0], "rank"),
+                                             1 if keep_z else 0, None),
+              "kvt_ctx_refit_recall_basis")
+
     def set_recall_head_basis(self, layer: int, kv_head: int, basis) -> None:
         """kvt_ctx_set_recall_head_basis: the key basis of KV head ``kv_head`` of an evict
         (GQA/MHA-RoPE or MLA-RoPE) layer, float32 [rank, D] with orthonormal rows (D = head_dim;
