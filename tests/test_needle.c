@@ -1624,9 +1624,10 @@ Test(recall, adapt_refusals) {
         rp.mode = ND_MODE_RECALL;
         rp.block_rows = 1024;
         rp.recall_adapt = true;
-        rp.recall_basis = !rope;
+        rp.recall_basis = rope; /* NoPE: no basis to start from; RoPE: refused with one */
         nd_result res[1];
-        cr_assert_eq(nd_run(&h.c, &h.refs, &rp, res, NULL, NULL, err, sizeof err), ND_EARG);
+        cr_assert_eq(nd_run(&h.c, &h.refs, &rp, res, NULL, NULL, err, sizeof err), ND_EARG,
+                     "rope %d: %s", rope, err);
         cr_assert(strstr(err, rope ? "MLA-NoPE layer's recall only" : "basis to start from"),
                   "%s", err);
         hay_free(&h);
