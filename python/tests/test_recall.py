@@ -438,6 +438,8 @@ def test_refit_recall_basis_recalibrates_or_keeps_z():
             assert st1.recall_phase == 1 and st1.recall_z == st0.recall_z
             ctx.refit_recall_basis(0, bases[0])
             assert seq.layer_stats(0).recall_basis_id == st0.recall_basis_id
+            with pytest.raises(kvtier.PolicyMismatchError):  # key bases: evict layers only
+                ctx.refit_recall_head_basis(0, 0, bases[1])
             assert seq.layer_stats(0).recall_phase == 0
             assert sum(step() for _ in range(8)) == 8  # every calibration step is dense
             assert seq.layer_stats(0).recall_phase == 1
@@ -450,3 +452,5 @@ def test_refit_recall_basis_recalibrates_or_keeps_z():
             b.plan()
             b.commit()
             assert seq.layer_stats(0).recall_basis_id == st0.recall_basis_id
+            with pytest.raises(kvtier.PolicyMismatchError):  # key bases: evict layers only
+                ctx.refit_recall_head_basis(0, 0, bases[1])
