@@ -780,7 +780,8 @@ KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint
  * the same backend buffer, so a recorded planned step (kvt_batch_plan_device) stays valid.
  * stream: where the sketches run (a cudaStream_t on the CUDA backend; NULL: the default one);
  * the call returns once they are done. Cost: the close's sketch of every closed row (CPU, one
- * thread: ~0.9 µs a row of 512 latent values at rank 64). The basis is the layer's: every
+ * thread, rank 64, 512 latent values: 0.9–1.1 µs a row at 16 bits, 1.35–1.5 µs at 8; 1.0–1.6
+ * dense decode steps of bench_decode_step at 32k and 128k rows). The basis is the layer's: every
  * request on it gets the new one (snapshots name it by id, kvt_layer_stats.recall_basis_id).
  * Errors: those of kvt_ctx_set_recall_basis but KVT_ERR_BAD_STATE, nothing changed; then
  * KVT_ERR_BAD_STATE (nothing changed) while a request is in a step (reserved, not committed),
@@ -812,6 +813,19 @@ KVT_API kvt_status kvt_ctx_set_recall_head_basis(kvt_ctx *ctx, uint32_t layer, u
  * be NULL. KVT_ERR_INVALID_ARGUMENT (NULL ctx), KVT_ERR_OUT_OF_RANGE (layer or kv_head). */
 KVT_API kvt_status kvt_ctx_recall_head_basis(const kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
                                              uint32_t *rank, uint32_t *id);
+/* kvt_ctx_refit_recall_basis for KV head `kv_head`'s key basis of an evict layer whose archive
+ * recalls (docs/recall.md §9, §5.1): before any request reserved rows it is
+ * kvt_ctx_set_recall_head_basis; between steps, V (rank x D as for that call, the head's basis's
+ * rank) replaces the head's basis in place, every live request's archived rows of that head are
+ * sketched again with it, and each request recalling on the layer starts its calibration again
+ * unless KVT_REFIT_KEEP_Z (one z per request and layer). A fit on the request's own keys — the
+ * top eigenvectors of the uncentred second moment of the head's post-RoPE keys, what
+ * kvtier-inspect calibrate fits from traces — is what a basis fitted on other text lacks
+ * (docs/needle.md). Errors as kvt_ctx_refit_recall_basis's, and KVT_ERR_OUT_OF_RANGE for a KV
+ * head out of range; KVT_ERR_POLICY_MISMATCH on a layer without key sketches. */
+KVT_API kvt_status kvt_ctx_refit_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
+                                                   const float *V, uint32_t rank, uint32_t flags,
+                                                   void *stream);
 
 /* Make the rows of V ([rank][n] doubles, row k at V + k * n) orthonormal in place, by modified
  * Gram-Schmidt in double: row k, in order, has its projection on each earlier row subtracted,

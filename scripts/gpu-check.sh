@@ -26,6 +26,10 @@
 #     close's 8-bit planes and the 8-bit scan on the device), 96 decode steps whose planes equal
 #     the guarded backend's byte for byte and whose sets equal its, slot for slot (test_cuda's
 #     sketch, scan and step cases run at 8 bits too).
+#   - test_recall_step's refit case with KVT_REQUIRE_GPU=1: a layer basis replaced while
+#     requests live (kvt_ctx_refit_recall_basis) re-sketches every closed row on the device
+#     (sketch_rows, 16 and 8 bits, a shared set) and the request then decides as one created with
+#     the new basis, slot for slot (the CPU and guarded legs alongside).
 #   - test_graph with KVT_REQUIRE_GPU=1: one CUDA graph captured over the runs of a planned
 #     step (kvt_batch_plan_device) replayed over the later planned steps of 170 gives the eager
 #     twin's sets on every layer, without recall and with the planned recall step (conformal
@@ -85,7 +89,8 @@ echo "golden on CUDA: $([ $status = 0 ] && echo passed || echo FAILED)" | tee -a
 echo "CUDA ops vs CPU twins: see cuda_ops.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 300 ./tests/test_recall_step \
   --filter 'recall_step/@(conformal_decode_matches_the_oracle|scan_bits_8_emits_a_superset_and_snapshots)' \
-  --verbose) \
+  --verbose && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_recall_step \
+  --filter 'recall_refit/refitted_request_decides_as_a_fresh_basis' --verbose) \
   > "$OUT/recall_step_cuda.txt" 2>&1 || status=1
 echo "recall decode on CUDA vs CPU: see recall_step_cuda.txt" | tee -a "$OUT/summary.txt"
 (cd build-gpu && KVT_REQUIRE_GPU=1 timeout 120 ./tests/test_fp8 \

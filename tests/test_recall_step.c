@@ -20,6 +20,7 @@
 #include "recall/kernels/sketch.h"
 #include "fuzz/fuzz.h" /* fuzz_fix_crcs */
 #include "kvtier.h"
+#include "support/tu_cuda.h"
 #include "lib/base/alloc.h"
 #include "lib/handles.h"
 #include "recall/conformal.h"
@@ -373,29 +374,12 @@ static kvt_layer_stats stats(const rig *r) {
  * calibrate (every row attended, the dense flag set) and fix z from exactly the oracle's samples;
  * every later step attends the oracle's set; queries aimed at an archived row get it back by
  * fetch; the two backends emit the same slots. */
-/* Can the CUDA backend open here? No: a note (a failure with KVT_REQUIRE_GPU=1). */
-static bool cuda_usable(void) {
-    kvt__alloc a;
-    cr_assert_eq(kvt__alloc_init(&a, KVT_ALLOC_LIBC), KVT_OK);
-    kvt__backend be = {.alloc = &a};
-    char why[256] = "";
-    const bool ok = kvt__backend_cuda_open(&be, why, sizeof why) == KVT_OK;
-    if (ok)
-        kvt__backend_cuda_close(&be);
-    kvt__alloc_fini(&a);
-    if (!ok && getenv("KVT_REQUIRE_GPU"))
-        cr_assert_fail("KVT_REQUIRE_GPU set but the CUDA backend did not open: %s", why);
-    if (!ok)
-        cr_log_info("the CUDA leg is skipped: %s", why);
-    return ok;
-}
-
 Test(recall_step, conformal_decode_matches_the_oracle, .timeout = 240) {
     static step_out o;
     static int32_t first_sets[3][120][NMAX];
     uint32_t first_len[3][120];
     const kvt_backend_kind kinds[3] = {KVT_BACKEND_CPU, KVT_BACKEND_GUARDED, KVT_BACKEND_CUDA};
-    int n_bk = cuda_usable() ? 3 : 2;
+    int n_bk = tu_cuda_backend_usable() ? 3 : 2;
     for (int bk = 0; bk < n_bk; bk++) {
         rig r;
         rig_open(&r, kinds[bk], KVT_RECALL_CONFORMAL, 4096, 1.0f, 9001);
@@ -1643,7 +1627,7 @@ Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
     static step_out a, b, cu;
     static uint8_t pl8[NMAX * 2 * 256], plc[NMAX * 2 * 256];
     uint64_t steps = 0, equal = 0, extra = 0, cuda_steps = 0;
-    const bool with_cuda = cuda_usable();
+    const bool with_cuda = tu_cuda_backend_usable();
     for (int m = 0; m < 2; m++) {
         const kvt_recall_mode mode = m ? KVT_RECALL_SOUND : KVT_RECALL_CONFORMAL;
         rig r16, r8, rc;
@@ -1932,7 +1916,7 @@ static void refit_case(kvt_backend_kind be, uint32_t bits, kvt_recall_mode mode)
 
 Test(recall_refit, refitted_request_decides_as_a_fresh_basis, .timeout = 300) {
     const kvt_backend_kind kinds[3] = {KVT_BACKEND_CPU, KVT_BACKEND_GUARDED, KVT_BACKEND_CUDA};
-    const bool with_cuda = cuda_usable();
+    const bool with_cuda = tu_cuda_backend_usable();
     for (int k = 0; k < (with_cuda ? 3 : 2); k++)
         for (uint32_t bits = 16; bits >= 8; bits -= 8)
             for (int m = 0; m < 2; m++)

@@ -2916,3 +2916,71 @@ Test(rope_graph, bound_holds_the_group_planes) {
     cr_assert(!kvt__recall_rope_plan_fits(&b, &big), "larger blocks than the bound's");
     rr_fini(&x);
 }
+
+/* ---- A key basis replaced while requests live (kvt_ctx_refit_recall_head_basis) ------------ */
+
+/* One head's basis refitted mid-life: every archived row of that head is sketched again with the
+ * new basis — the archive's sketches equal the host oracle's for the new basis, bit for bit,
+ * every head (the others' unchanged) — and the rounds after it sketch with it too; the id
+ * changes, the rank is kept; refusals change nothing. CPU, guarded (device and host archive) and
+ * the CUDA backend where it opens. */
+static void refit_head_run(kvt_backend_kind backend, bool host, uint64_t seed) {
+    const uint32_t rank[3] = {32, 0, 8};
+    g_archive_host = host;
+    rr x;
+    rr_init(&x, 3, 128, rr_cfg(32, 8, 16), 32, rank, backend, seed);
+    g_archive_host = false;
+    cr_assert_eq(kvt_seq_set_prompt_rows(x.seq, 5), KVT_OK);
+    rr_step(&x, 5, false);
+    for (int i = 0; i < 80; i++)
+        rr_step(&x, 1 + (uint32_t)(i % 3 == 0), i % 2 == 0);
+    cr_assert_gt(rr_check_sketches(&x), 20u);
+    uint32_t id0, id1, r;
+    cr_assert_eq(kvt_ctx_recall_head_basis(x.ctx, 0, 0, NULL, &id0), KVT_OK);
+    tu_rng g2 = {.s = seed + 1};
+    float *V2 = malloc(sizeof(float) * 32 * 128);
+    cr_assert(V2 && tu_orthonormal_rows(&g2, 32, 128, V2));
+    /* refused, nothing changed: another rank, a head without a basis, a head out of range,
+     * the NoPE call on an evict layer, a step in flight */
+    cr_assert_eq(kvt_ctx_refit_recall_head_basis(x.ctx, 0, 0, V2, 16, 0, NULL),
+                 KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_ctx_refit_recall_head_basis(x.ctx, 0, 1, V2, 32, 0, NULL),
+                 KVT_ERR_OUT_OF_RANGE);
+    cr_assert(strstr(kvt_last_error(), "no basis"), "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_refit_recall_head_basis(x.ctx, 0, 3, V2, 32, 0, NULL),
+                 KVT_ERR_OUT_OF_RANGE);
+    cr_assert_eq(kvt_ctx_refit_recall_basis(x.ctx, 0, V2, 32, 0, NULL), KVT_ERR_POLICY_MISMATCH);
+    cr_assert_eq(tu_reserve(x.seq, 1), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_ctx_refit_recall_head_basis(x.ctx, 0, 0, V2, 32, 0, NULL),
+                 KVT_ERR_BAD_STATE);
+    rr_write(&x, 1);
+    cr_assert_eq(tu_commit(x.seq, 1), KVT_OK, "%s", kvt_last_error());
+    x.n_tok += 1;
+    cr_assert_eq(kvt_ctx_recall_head_basis(x.ctx, 0, 0, &r, &id1), KVT_OK);
+    cr_assert_eq(id1, id0, "a refused refit changed the basis");
+    cr_assert_eq(rr_check_sketches(&x), kvt__seq_state(x.seq, 0)->ev.ar_n);
+    /* the refit: head 0's sketches follow V2, the others stay */
+    cr_assert_eq(kvt_ctx_refit_recall_head_basis(x.ctx, 0, 0, V2, 32, 0, NULL), KVT_OK, "%s",
+                 kvt_last_error());
+    memcpy(x.V[0], V2, sizeof(float) * 32 * 128);
+    cr_assert_eq(kvt_ctx_recall_head_basis(x.ctx, 0, 0, &r, &id1), KVT_OK);
+    cr_assert_eq(r, 32u);
+    cr_assert_neq(id1, id0);
+    const uint64_t archived = rr_check_sketches(&x);
+    cr_assert_gt(archived, 20u);
+    for (int i = 0; i < 60; i++) /* rounds after the refit archive and sketch with V2 */
+        rr_step(&x, 1 + (uint32_t)(i % 3 == 0), i % 2 == 0);
+    cr_assert_gt(rr_check_sketches(&x), archived, "rounds archived rows after the refit");
+    kvt_layer_stats st = rr_stats(&x);
+    cr_assert_eq(st.sketched_rows, st.archived_rows);
+    free(V2);
+    rr_fini(&x);
+}
+
+Test(rope_refit, refitted_head_sketches_equal_the_oracle, .timeout = 120) {
+    refit_head_run(KVT_BACKEND_CPU, false, 3301);
+    refit_head_run(KVT_BACKEND_GUARDED, false, 3302);
+    refit_head_run(KVT_BACKEND_GUARDED, true, 3303);
+    if (tu_cuda_backend_usable())
+        refit_head_run(KVT_BACKEND_CUDA, false, 3304);
+}

@@ -403,6 +403,33 @@ static kvt__sketch_args archive_sketch_args(const kvt__env *env, const kvt__stor
 /* Sketch blocks per backend call (a stack array). */
 #define KVT__EV_SKETCH_CHUNK 16u
 
+/* The policy's resketch: head h's archived rows [0, sk_n) sketched again with the head's basis
+ * (just replaced), KVT__EV_SKETCH_ROWS rows a block. The branches (a host archive's device copy)
+ * do not depend on the basis. */
+static kvt_status ev_resketch(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
+                              uint32_t h, uint64_t epoch) {
+    (void)epoch; /* nothing is shared between requests */
+    kvt__ev *e = &s->ev;
+    if (!e->archive || e->sk_stride == 0 || e->sk_n == 0 || h >= e->n_heads)
+        return KVT_OK;
+    const kvt__backend *be = env->backend;
+    kvt__sketch_args args[KVT__EV_SKETCH_CHUNK];
+    uint32_t k = 0;
+    kvt_status rc = KVT_OK;
+    for (uint64_t r = 0; r < e->sk_n && rc == KVT_OK; r += KVT__EV_SKETCH_ROWS) {
+        uint64_t n = e->sk_n - r < KVT__EV_SKETCH_ROWS ? e->sk_n - r : KVT__EV_SKETCH_ROWS;
+        args[k++] = archive_sketch_args(env, l->st, e, h, r, (uint32_t)n);
+        if (k == KVT__EV_SKETCH_CHUNK || r + n >= e->sk_n) {
+            rc = be->ops->sketch_rows(be, args, k, env->stream);
+            k = 0;
+        }
+    }
+    return rc == KVT_OK ? KVT_OK
+                        : kvt__fail(env->err, env->err_len, rc,
+                                    "evict: sketching KV head %u's archived rows of layer %u again",
+                                    h, l->st->layer);
+}
+
 kvt_status kvt__ev_sketch_pending(const kvt__env *env, const kvt__store *st, kvt__ev *e) {
     if (!e->archive || e->sk_stride == 0 || e->sk_n >= e->ar_n)
         return KVT_OK;
@@ -1200,6 +1227,7 @@ const kvt__policy_ops kvt__policy_evict = {
     .held_rows = ev_held_rows,
     .attended = kvt__none_attended,
     .recall_rope_view = ev_recall_rope_view,
+    .resketch = ev_resketch,
     .row_state = ev_row_state,
     .read_archived = ev_read_archived,
     .positions = ev_positions,

@@ -349,15 +349,17 @@ struct kvt__policy_ops {
      * kept set (kvt__nope_view); the query side is the recall tier's. false when the layer has
      * nothing to recall from (no sketch planes). Without it the layer never recalls. */
     bool (*recall_view)(const kvt__tier_layer *l, kvt__nope_view *v);
-    /* (optional) Sketch the layer's closed rows again with its store's recall basis, which was
-     * just replaced (kvt_ctx_refit_recall_basis, between steps): the state's own rows and the
-     * rows it reads of a set shared with other requests — those once per `epoch` (a number the
-     * caller makes new for each replacement): a set whose rows up to this state's were sketched
-     * in this epoch already is not sketched again. The table's mirror must be current. Through
-     * env->backend on env->stream; KVT_OK, or the backend's status with a message in env->err
-     * (the planes are then partly of the new basis). Without it the layer keeps no sketches. */
+    /* (optional) Sketch the layer's rows again with a recall basis of its store that was just
+     * replaced (kvt_ctx_refit_recall_basis / _head_basis, between steps): salience, the closed
+     * rows (`head` ignored: the basis is the layer's), its own and those it reads of a set shared
+     * with other requests — those once per `epoch` (a number the caller makes new for each
+     * replacement: a set whose rows up to this state's were sketched in this epoch already is not
+     * sketched again); evict, KV head `head`'s archived rows. The table's mirror must be current.
+     * Through env->backend on env->stream; KVT_OK, or the backend's status with a message in
+     * env->err (the planes are then partly of the new basis). Without it the layer keeps no
+     * sketches. */
     kvt_status (*resketch)(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
-                           uint64_t epoch);
+                           uint32_t head, uint64_t epoch);
     /* (optional) The archive of a GQA/MHA-RoPE layer as the RoPE recall trigger reads it, for
      * the view l: the attended rows (the table's mirror, l->pt->n_rows rows), every KV head's
      * archive, its sketches, bases and ranks (kvt__rope_view); the query side is the recall

@@ -1027,7 +1027,8 @@ static kvt_status resketch_rows(const kvt__env *env, const kvt__tier_layer *l, c
 }
 
 static kvt_status sal_resketch(kvt__tier_state *st, const kvt__env *env, const kvt__tier_layer *l,
-                               uint64_t epoch) {
+                               uint32_t head, uint64_t epoch) {
+    (void)head;
     kvt__sal *s = &st->sal;
     if (s->sk_stride == 0 || s->closed_rows == 0)
         return KVT_OK;

@@ -43,6 +43,9 @@
  * what it reads then: the row's 8-bit plane (24 B of scales and error norms, branch and sketch
  * one byte a value) and ρ.
  *
+ * With recall, after the closing step: one kvt_ctx_refit_recall_basis to the same basis (z kept),
+ * timed alone: what re-sketching every closed row costs, in ms and in dense steps ("refit:").
+ *
  * The case (sizes, data, context, measurement, line) is ../bench_decode_case.h's, shared with
  * bench_step's decode mode (the same case on a device).
  *
@@ -142,6 +145,18 @@ static void one_case(uint32_t N, int structured, int recall, int bits, int R, in
            res.acc[1] * 1e3, res.acc[2] * 1e3, res.close_s * 1e3,
            (unsigned long long)res.rsteps, (unsigned long long)res.over,
            (unsigned long long)res.fetched);
+    if (recall) { /* a refit (kvt_ctx_refit_recall_basis) to the same basis, z kept: its cost */
+        const double t0 = cpu_s();
+        s = kvt_ctx_refit_recall_basis(r.c.ctx, 0, g.basis, DEC_RANK, KVT_REFIT_KEEP_Z, NULL);
+        const double t_refit = cpu_s() - t0;
+        if (s)
+            die(s, "kvt_ctx_refit_recall_basis");
+        kvt_layer_stats ls = {.struct_size = sizeof ls};
+        kvt_seq_layer_stats(r.c.seq, 0, &ls);
+        printf("  refit: %.1f ms for %llu closed rows (%.2f us a row) = %.1f dense steps\n",
+               t_refit * 1e3, (unsigned long long)ls.closed_rows,
+               t_refit * 1e6 / (double)ls.closed_rows, t_refit / res.dense_med);
+    }
     fflush(stdout);
     dec_close(&r.c);
     dec_data_free(&g);

@@ -856,6 +856,22 @@ class Context(_Closable):
                                              1 if keep_z else 0, None),
               "kvt_ctx_refit_recall_basis")
 
+    def refit_recall_head_basis(self, layer: int, kv_head: int, basis,
+                                keep_z: bool = False) -> None:
+        """kvt_ctx_refit_recall_head_basis: replace KV head ``kv_head``'s key basis of an evict
+        layer between steps while requests live (float32 [rank, D], the head basis's rank): its
+        archived rows are sketched again, and each recalling request calibrates again unless
+        ``keep_z``; on the backend's default stream."""
+        v = as_array(basis, "basis")
+        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
+            raise TypeError("basis: expected a C-contiguous float32 array [rank, D]")
+        check(lib.kvt_ctx_refit_recall_head_basis(self._ptr, u32(layer, "layer"),
+                                                  u32(kv_head, "kv_head"),
+                                                  ptr(v, ctypes.c_float),
+                                                  u32(v.shape[0], "rank"),
+                                                  1 if keep_z else 0, None),
+              "kvt_ctx_refit_recall_head_basis")
+
     def set_recall_head_basis(self, layer: int, kv_head: int, basis) -> None:
         """kvt_ctx_set_recall_head_basis: the key basis of KV head ``kv_head`` of an evict
         (GQA/MHA-RoPE or MLA-RoPE) layer, float32 [rank, D] with orthonormal rows (D = head_dim;

@@ -382,6 +382,8 @@ _SIGNATURES = {
     "kvt_ctx_estimate": (c_status, [P(CtxParamsC), P(CtxEstimateOutC), c_cp, c_size]),
     "kvt_ctx_set_recall_basis": (c_status, [c_vp, c_u32, P(ctypes.c_float), c_u32]),
     "kvt_ctx_refit_recall_basis": (c_status, [c_vp, c_u32, P(ctypes.c_float), c_u32, c_u32, c_vp]),
+    "kvt_ctx_refit_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, P(ctypes.c_float), c_u32,
+                                                   c_u32, c_vp]),
     "kvt_ctx_set_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, P(ctypes.c_float), c_u32]),
     "kvt_ctx_load_recall_basis": (c_status, [c_vp, c_u32, ctypes.c_char_p]),
     "kvt_ctx_load_recall_head_basis": (c_status, [c_vp, c_u32, c_u32, ctypes.c_char_p]),

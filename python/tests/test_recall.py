@@ -400,3 +400,57 @@ def test_recall_scan_bits():
     assert stats[8].recall_z == stats[16].recall_z
     assert stats[8].recall_steps == stats[16].recall_steps == 12
     assert stats[8].recall_fetched_rows >= stats[16].recall_fetched_rows
+
+
+def test_refit_recall_basis_recalibrates_or_keeps_z():
+    """Context.refit_recall_basis between steps: the basis id changes, the next steps calibrate
+    again (or keep z with keep_z); refused mid-step and at another rank, nothing changed."""
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="conformal")
+    with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=256,
+                                      recall_sketch_rank=16) as ctx:
+        rng = np.random.default_rng(11)
+        bases = [np.ascontiguousarray(np.linalg.qr(rng.standard_normal((512, 16)))[0].T,
+                                      dtype=np.float32) for _ in range(2)]
+        ctx.set_recall_basis(0, bases[0])
+        with ctx.sequence(request_id=1) as seq, ctx.batch(1) as b:
+            b.reserve([seq], [300])
+            seq.write(0, 0, 0, _bf16(rng.standard_normal((300, 576))))
+            b.plan()
+            b.commit()
+
+            def step():
+                b.reserve([seq], [1])
+                seq.write(0, 0, 0, _bf16(rng.standard_normal((1, 576))))
+                b.plan()
+                em = b.run(0, query=rng.standard_normal((1, 4, 576)).astype(np.float32),
+                           want_dense=True)
+                b.commit()
+                seq.check()
+                return int(em.dense[0])
+
+            for _ in range(9):
+                step()
+            st0 = seq.layer_stats(0)
+            assert st0.recall_phase == 1
+            ctx.refit_recall_basis(0, bases[1], keep_z=True)
+            st1 = seq.layer_stats(0)
+            assert st1.recall_basis_id != st0.recall_basis_id
+            assert st1.recall_phase == 1 and st1.recall_z == st0.recall_z
+            ctx.refit_recall_basis(0, bases[0])
+            assert seq.layer_stats(0).recall_basis_id == st0.recall_basis_id
+            with pytest.raises(kvtier.PolicyMismatchError):  # key bases: evict layers only
+                ctx.refit_recall_head_basis(0, 0, bases[1])
+            assert seq.layer_stats(0).recall_phase == 0
+            assert sum(step() for _ in range(8)) == 8  # every calibration step is dense
+            assert seq.layer_stats(0).recall_phase == 1
+            with pytest.raises(kvtier.OutOfRangeError):
+                ctx.refit_recall_basis(0, bases[1][:8].copy())
+            b.reserve([seq], [1])
+            with pytest.raises(kvtier.BadStateError):
+                ctx.refit_recall_basis(0, bases[1])
+            seq.write(0, 0, 0, _bf16(rng.standard_normal((1, 576))))
+            b.plan()
+            b.commit()
+            assert seq.layer_stats(0).recall_basis_id == st0.recall_basis_id
+            with pytest.raises(kvtier.PolicyMismatchError):  # key bases: evict layers only
+                ctx.refit_recall_head_basis(0, 0, bases[1])
