@@ -245,3 +245,62 @@ endif()
             -DTRACE=${PROJECT_SOURCE_DIR}/tests/data/gemma3-270m-fact-1k.kvtt
             -P ${KVT_NEEDLE_RBASIS})
 endif()
+
+# --recall-adapt (the basis refitted to the request's own decode queries between steps,
+# kvt_ctx_refit_recall_basis) composes with the rest of the replay: the guarded backend, a
+# preemption drill before the first refit (replay step 12: 8 prefill steps of 1,024 rows, then
+# decode step 4) and one after the third (step 44: decode step 36), and a batch of two give the
+# plain run's CSV (the batch: request 1's rows, and request 2's with its id changed); the summary
+# line counts the refits (3: a 40-step decode phase reaches 8, 16 and 32 queries).
+if(TARGET kvtier-needle AND KVT_HAVE_LAPACKE)
+  set(KVT_NEEDLE_ADAPT ${CMAKE_CURRENT_BINARY_DIR}/needle_adapt_same.cmake)
+  file(WRITE ${KVT_NEEDLE_ADAPT} [=[
+set(common --synthetic --context 8192 --block 1024 --needles 2 --salience none
+    --depth 0.1,0.5,0.9 --mode recall --ratio 32 --seed 7 --recall-adapt --no-progress)
+file(REMOVE_RECURSE ${DIR}/needle_adapt_snap)
+file(MAKE_DIRECTORY ${DIR}/needle_adapt_snap)
+execute_process(COMMAND ${BIN} ${common} --csv ${DIR}/needle_adapt_plain.csv RESULT_VARIABLE a
+                OUTPUT_VARIABLE o ERROR_VARIABLE e)
+if(NOT a EQUAL 0 OR NOT o MATCHES "\nrecall conformal 8k 32x \\(1 haystack\\): pass [0-9]+/6 [^\n]*; refits 3\n")
+  message(FATAL_ERROR "plain: exit status ${a}: ${o}${e}")
+endif()
+file(READ ${DIR}/needle_adapt_plain.csv x)
+foreach(v "guarded;--backend;guarded" "snap12;--snapshot-at;12" "snap44;--snapshot-at;44")
+  list(POP_FRONT v name)
+  execute_process(COMMAND ${BIN} ${common} ${v} --snapshot-dir ${DIR}/needle_adapt_snap
+                  --csv ${DIR}/needle_adapt_${name}.csv RESULT_VARIABLE a OUTPUT_QUIET
+                  ERROR_VARIABLE e)
+  file(READ ${DIR}/needle_adapt_${name}.csv y)
+  if(NOT a EQUAL 0 OR NOT x STREQUAL y OR NOT x MATCHES "pass_by")
+    message(FATAL_ERROR "${name}: exit status ${a}, or its CSV differs from the plain run's: ${e}")
+  endif()
+  if(name MATCHES "^snap" AND NOT EXISTS ${DIR}/needle_adapt_snap/r1.kvts)
+    message(FATAL_ERROR "${name}: no snapshot was written (the drill did not run)")
+  endif()
+  file(REMOVE ${DIR}/needle_adapt_snap/r1.kvts)
+endforeach()
+execute_process(COMMAND ${BIN} ${common} --batch 2 --csv ${DIR}/needle_adapt_batch.csv
+                RESULT_VARIABLE a OUTPUT_QUIET ERROR_VARIABLE e)
+file(STRINGS ${DIR}/needle_adapt_batch.csv rows)
+file(STRINGS ${DIR}/needle_adapt_plain.csv plain)
+list(POP_FRONT rows head)
+set(r1 "")
+set(r2 "")
+foreach(r ${rows})
+  if(r MATCHES "^[0-9]+,[0-9]+,1,")
+    list(APPEND r1 "${r}")
+  else()
+    string(REGEX REPLACE "^([0-9]+,[0-9]+,)2," "\\11," r "${r}")
+    list(APPEND r2 "${r}")
+  endif()
+endforeach()
+list(POP_FRONT plain phead)
+if(NOT a EQUAL 0 OR NOT head STREQUAL phead OR NOT r1 STREQUAL plain OR NOT r2 STREQUAL plain)
+  message(FATAL_ERROR "batch of 2: exit status ${a}, or a request's rows differ from the plain "
+                      "run's: ${e}")
+endif()
+]=])
+  add_test(NAME needle_adapt_same_csv
+    COMMAND ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle> -DDIR=${CMAKE_CURRENT_BINARY_DIR}
+            -P ${KVT_NEEDLE_ADAPT})
+endif()
