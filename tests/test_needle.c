@@ -1500,9 +1500,9 @@ Test(floors, rope_recall_once_stated_facts_32k, .timeout = 900) {
  * The same haystacks without recall_adapt are reported for contrast, not asserted
  * (docs/needle.md "Held-out bases": 0/54 there). All three seeds run under the sanitizers too:
  * 41 s natively, 71 s under clang ASan + UBSan (2-core machine, measured). */
-static void adapt_gen(uint64_t seed, nd_gen_params *gp) {
+static void adapt_gen(uint64_t context, uint64_t seed, nd_gen_params *gp) {
     static const nd_salience lv[] = {ND_SAL_NONE};
-    *gp = gen(32768, seed);
+    *gp = gen(context, seed);
     gp->levels = lv;
     gp->n_levels = 1;
     gp->needles_per_depth = 2;
@@ -1520,7 +1520,7 @@ Test(floors, recall_adapt_32k, .timeout = 600) {
     cr_assert_eq(eig_acc_init(&acc, 512, true), EIG_OK);
     for (uint64_t seed = 101; seed <= 103; seed++) {
         nd_gen_params gp;
-        adapt_gen(seed, &gp);
+        adapt_gen(32768, seed, &gp);
         nd_case c;
         cr_assert_eq(nd_generate(&gp, &c, NULL, NULL, err, sizeof err), ND_OK, "%s", err);
         cr_assert_eq(c.n_decode, 88);
@@ -1548,7 +1548,7 @@ Test(floors, recall_adapt_32k, .timeout = 600) {
     recall_tally ad = {0}, fx = {0};
     for (uint64_t seed = 1; seed <= n_seeds; seed++) {
         nd_gen_params gp;
-        adapt_gen(seed, &gp);
+        adapt_gen(32768, seed, &gp);
         hay h;
         hay_make(&h, gp);
         nd_result *res = calloc(h.c.n_targets, sizeof *res);
@@ -1605,19 +1605,14 @@ Test(floors, recall_adapt_32k, .timeout = 600) {
                   (unsigned long long)ad.st.needle_steps);
 }
 
-/* recall_adapt's refusals: a RoPE layer, recall without a basis (nothing replayed). */
+/* recall_adapt's refusals: a RoPE layer, recall without a basis (nothing replayed; 4k haystacks of
+ * the floor's shape, B = 1024). */
 Test(recall, adapt_refusals) {
-    static const nd_salience lv[] = {ND_SAL_NONE};
-    static const double dep[] = {0.5};
     char err[512];
     for (int rope = 0; rope < 2; rope++) {
-        nd_gen_params gp = gen(4096, 9);
-        gp.depths = dep;
-        gp.n_depths = 1;
-        gp.levels = lv;
-        gp.n_levels = 1;
+        nd_gen_params gp;
+        adapt_gen(4096, 9, &gp);
         gp.block_rows = 1024;
-        gp.decode_calib = 16;
         gp.rope = rope;
         gp.prompt_rows = rope ? 256 : 0;
         hay h;
