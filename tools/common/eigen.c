@@ -76,8 +76,9 @@ int eig_top(const eig_acc *a, uint32_t rank, float *V, double *w_top, double *to
     }
 #if !KVT_HAVE_LAPACKE
     (void)w_top, (void)total;
-    snprintf(err, err_len, "built without LAPACKE: the eigenvectors need it (install Debian's "
-                           "liblapacke-dev, scripts/deps.sh, and reconfigure)");
+    snprintf(err, err_len,
+             "built without LAPACKE: the eigenvectors need it (install Debian's "
+             "liblapacke-dev, scripts/deps.sh, and reconfigure)");
     return EIG_ENOLAPACKE;
 #else
     const uint32_t n = a->dim;

@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 #define EIG_OK 0
-#define EIG_EARG 1       /* bad dimension or rank, or too few samples */
+#define EIG_EARG 1 /* bad dimension or rank, or too few samples */
 #define EIG_ENOMEM 2
 #define EIG_ENOLAPACKE 3 /* built without LAPACKE */
 #define EIG_EFAIL 4      /* the eigensolver or the orthonormalisation failed */
