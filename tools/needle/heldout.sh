@@ -95,14 +95,17 @@ for ctx in $CONTEXTS; do
 done
 
 # Other data: the independent writer's 2,072-row trace (tests/scripts/indep_trace.py: another
-# haystack model, no generator subspace), conformal recall without a basis and with the rank-8
-# axes basis the script writes.
+# haystack model, no generator subspace), conformal recall without a basis, with the rank-8
+# axes basis the script writes, and with that basis as the start of --recall-adapt (its 24
+# decode steps reach two refits, after 8 and 16).
 python3 tests/scripts/indep_trace.py "$O/indep.kvtt" --basis "$O/indep_axes.basis"
-for b in none axes; do
+for b in none axes axes_adapt; do
     f=none
-    [ $b = axes ] && f="$O/indep_axes.basis"
+    a=
+    [ $b != none ] && f="$O/indep_axes.basis"
+    [ $b = axes_adapt ] && a=--recall-adapt
     log "$N" --trace "$O/indep.kvtt" --mode recall --recall-basis "$f" --block 512 --kappa 8 \
-        --ratio 32 --no-progress | grep -E '^recall (conformal|sound|margin) ' |
+        --ratio 32 --no-progress $a | grep -E '^recall (conformal|sound|margin) ' |
         sed "s/^/indep conformal $b | /" | tee -a "$O/summary.txt"
 done
 
