@@ -1606,7 +1606,7 @@ Test(floors, recall_adapt_32k, .timeout = 600) {
 }
 
 /* recall_adapt's refusals: a RoPE layer, recall without a basis (nothing replayed; 4k haystacks of
- * the floor's shape, B = 1024). */
+ * the floor's shape, B = 1024), and a decode query holding a NaN (ND_EIO at that step). */
 Test(recall, adapt_refusals) {
     char err[512];
     for (int rope = 0; rope < 2; rope++) {
@@ -1627,6 +1627,16 @@ Test(recall, adapt_refusals) {
                      "rope %d: %s", rope, err);
         cr_assert(strstr(err, rope ? "MLA-NoPE layer's recall only" : "basis to start from"),
                   "%s", err);
+        if (!rope && eig_have_lapacke()) {
+            /* a non-finite latent (a trace's query) stops the replay with a message */
+            rp.recall_basis = true;
+            h.c.decode_q[(size_t)3 * h.c.n_q_heads * h.c.q_dim + h.c.q_dim + 5] = NAN;
+            nd_result *r = calloc(h.c.n_targets, sizeof *r);
+            cr_assert_eq(nd_run(&h.c, &h.refs, &rp, r, NULL, NULL, err, sizeof err), ND_EIO,
+                         "%s", err);
+            cr_assert(strstr(err, "decode step 3's query of head 1 holds a NaN"), "%s", err);
+            free(r);
+        }
         hay_free(&h);
     }
 }

@@ -516,6 +516,14 @@ typedef struct nd_adapt {
 static int adapt_step(nd_adapt *a, kvt_ctx *ctx, const nd_case *c, uint64_t k,
                       nd_recall_stats *st, char *err, size_t err_len) {
     const size_t qn = (size_t)c->n_q_heads * c->q_dim;
+    /* a non-finite latent would make the covariance NaN (and LAPACK's behaviour undefined) */
+    for (uint32_t h = 0; h < c->n_q_heads; h++)
+        for (uint32_t d = 0; d < a->acc.dim; d++)
+            if (!isfinite(c->decode_q[k * qn + (size_t)h * c->q_dim + d]))
+                return nd_fail(err, err_len, ND_EIO,
+                               "recall_adapt: decode step %llu's query of head %u holds a NaN "
+                               "or Inf in its latent; no basis can be fitted to it",
+                               (unsigned long long)k, h);
     for (uint32_t h = 0; h < c->n_q_heads; h++)
         eig_acc_add(&a->acc, c->decode_q + k * qn + (size_t)h * c->q_dim);
     bool due = false;
