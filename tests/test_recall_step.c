@@ -1971,6 +1971,21 @@ Test(recall_refit, recalibration_keep_z_and_refusals, .timeout = 120) {
     make_queries(&r, q, -1);
     decode(&r, q, &o);
     cr_assert_eq(stats(&r).recall_calib_steps, s0.recall_calib_steps);
+    { /* a snapshot names V2: a context with the old basis refuses it, one with V2 takes it */
+        size_t need;
+        uint8_t *snap = snapshot_as(r.seq, 77, &need); /* beside the new rig's request 7 */
+        rig o2;
+        rig_open(&o2, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 5150); /* basis r.V */
+        kvt_seq *back = NULL;
+        kvt_status rs0 = kvt_seq_restore(o2.ctx, snap, need, &back);
+        cr_assert_eq(rs0, KVT_ERR_MISMATCH, "%s %s", kvt_status_name(rs0), kvt_last_error());
+        cr_assert_eq(kvt_ctx_set_recall_basis(o2.ctx, 0, V2, RB), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_restore(o2.ctx, snap, need, &back), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_check(back), KVT_OK, "%s", kvt_last_error());
+        kvt_seq_destroy(back);
+        free(snap);
+        rig_close(&o2);
+    }
     /* flags 0: calibration again, 8 dense steps, then z fixed */
     cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, r.V, RB, 0, NULL), KVT_OK, "%s",
                  kvt_last_error());
