@@ -1818,9 +1818,10 @@ static void expect_same_step_out(const step_out *a, const step_out *b, const cha
  * samples). A's and its child's planes (shared rows and own: fp16 sketches, ρ, 8-bit planes)
  * equal B's byte for byte, and for 70 more steps A emits B's sets slot for slot, fetches and
  * visits as many rows; the pruned scan's groups are to be built anew (white-box). Sound mode
- * with 64-row blocks (a close after the refit), and conformal with 256-row blocks. CPU and guarded backends at 16 and 8 bits, and the CUDA backend
+ * with 64-row blocks (a close after the refit), and conformal with 256-row blocks; planned steps
+ * (kvt_batch_plan_device with the lagged query) on both sides once. CPU and guarded backends at 16 and 8 bits, and the CUDA backend
  * where it opens (the emulation, a device). */
-static void refit_case(kvt_backend_kind be, uint32_t bits, kvt_recall_mode mode) {
+static void refit_case(kvt_backend_kind be, uint32_t bits, kvt_recall_mode mode, bool planned) {
     static step_out oa, ob;
     static uint8_t before[NMAX * 2 * 256], after[NMAX * 2 * 256];
     static float rho_before[NMAX], rho_after[NMAX];
@@ -1828,9 +1829,12 @@ static void refit_case(kvt_backend_kind be, uint32_t bits, kvt_recall_mode mode)
     g_block = sound ? 64 : 256;
     g_clustered = true;
     g_scan_bits = bits;
+    g_lagged = g_planned = planned;
+    const uint32_t planned0 = g_planned_steps;
     rig a, b;
     rig_open(&a, be, mode, 4096, 1.0f, 9090);
     rig_open(&b, be, mode, 4096, 1.0f, 9090);
+    g_lagged = g_planned = false;
     g_scan_bits = 0;
     g_clustered = false;
     /* V2: V1 turned a little (its rows plus noise, orthonormalised), so that the clustered rows
@@ -1903,10 +1907,13 @@ static void refit_case(kvt_backend_kind be, uint32_t bits, kvt_recall_mode mode)
                  "the scans visited alike");
     cr_assert_eq(sa.recall_z, sb.recall_z);
     cr_assert_gt(fetched, 0u, "fetches after the refit");
-    cr_log_info("refit (%s, %s, %u bits): after it %llu rows fetched, %llu of %llu visited",
+    if (planned)
+        cr_assert_gt(g_planned_steps, planned0 + 100u, "the steps after the refit were planned");
+    cr_log_info("refit (%s, %s, %u bits%s): after it %llu rows fetched, %llu of %llu visited",
                 be == KVT_BACKEND_CPU ? "cpu" : be == KVT_BACKEND_GUARDED ? "guarded" : "cuda",
-                sound ? "sound" : "conformal", bits, (unsigned long long)fetched,
-                (unsigned long long)visited, (unsigned long long)archived);
+                sound ? "sound" : "conformal", bits, planned ? ", planned, lagged" : "",
+                (unsigned long long)fetched, (unsigned long long)visited,
+                (unsigned long long)archived);
     kvt_seq_destroy(ca);
     kvt_seq_destroy(cb);
     rig_close(&a);
@@ -1920,7 +1927,10 @@ Test(recall_refit, refitted_request_decides_as_a_fresh_basis, .timeout = 300) {
     for (int k = 0; k < (with_cuda ? 3 : 2); k++)
         for (uint32_t bits = 16; bits >= 8; bits -= 8)
             for (int m = 0; m < 2; m++)
-                refit_case(kinds[k], bits, m ? KVT_RECALL_CONFORMAL : KVT_RECALL_SOUND);
+                refit_case(kinds[k], bits, m ? KVT_RECALL_CONFORMAL : KVT_RECALL_SOUND, false);
+    /* planned steps (kvt_batch_plan_device, the lagged query) before and after the refit */
+    refit_case(KVT_BACKEND_CPU, 16, KVT_RECALL_CONFORMAL, true);
+    refit_case(KVT_BACKEND_GUARDED, 8, KVT_RECALL_CONFORMAL, true);
 }
 
 /* Conformal: a refit starts the calibration again (phase open, z = Z_MAX, the next 8 steps with
@@ -1961,6 +1971,21 @@ Test(recall_refit, recalibration_keep_z_and_refusals, .timeout = 120) {
     make_queries(&r, q, -1);
     decode(&r, q, &o);
     cr_assert_eq(stats(&r).recall_calib_steps, s0.recall_calib_steps);
+    { /* a snapshot names V2: a context with the old basis refuses it, one with V2 takes it */
+        size_t need;
+        uint8_t *snap = snapshot_as(r.seq, 77, &need); /* beside the new rig's request 7 */
+        rig o2;
+        rig_open(&o2, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 5150); /* basis r.V */
+        kvt_seq *back = NULL;
+        kvt_status rs0 = kvt_seq_restore(o2.ctx, snap, need, &back);
+        cr_assert_eq(rs0, KVT_ERR_MISMATCH, "%s %s", kvt_status_name(rs0), kvt_last_error());
+        cr_assert_eq(kvt_ctx_set_recall_basis(o2.ctx, 0, V2, RB), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_restore(o2.ctx, snap, need, &back), KVT_OK, "%s", kvt_last_error());
+        cr_assert_eq(kvt_seq_check(back), KVT_OK, "%s", kvt_last_error());
+        kvt_seq_destroy(back);
+        free(snap);
+        rig_close(&o2);
+    }
     /* flags 0: calibration again, 8 dense steps, then z fixed */
     cr_assert_eq(kvt_ctx_refit_recall_basis(r.ctx, 0, r.V, RB, 0, NULL), KVT_OK, "%s",
                  kvt_last_error());
