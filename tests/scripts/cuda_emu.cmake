@@ -7,7 +7,8 @@
 #   block changes a result), test_golden (every golden case on the CUDA backend too), test_fp8's
 #   and test_rope_recall's CUDA cases, test_recall_step's CUDA decodes (16-bit against the oracle,
 #   8-bit against the guarded backend's planes and sets), and the needle cell of
-#   scripts/gpu-check.sh, whose CSV must be the CPU backend's byte for byte.
+#   scripts/gpu-check.sh, whose CSV must be the CPU backend's byte for byte (and, registered by
+#   tests/scripts/needle.cmake, cuda_emu_needle_adapt: the same with --recall-adapt's refits).
 # Under KVT_SANITIZE a subset of test_cuda is also labelled cuda_emu_asan; under KVT_TSAN
 # (Criterion cannot start there) test_cuda is built with the plain runner of tests/support/plain
 # instead (test_cuda_tsan) and runs the same subset (label cuda_emu).

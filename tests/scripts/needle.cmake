@@ -245,3 +245,80 @@ endif()
             -DTRACE=${PROJECT_SOURCE_DIR}/tests/data/gemma3-270m-fact-1k.kvtt
             -P ${KVT_NEEDLE_RBASIS})
 endif()
+
+# --recall-adapt (the basis refitted to the request's own decode queries between steps,
+# kvt_ctx_refit_recall_basis) composes with the rest of the replay: the guarded backend, a
+# preemption drill before the first refit (replay step 12: 8 prefill steps of 1,024 rows, then
+# decode step 4) and one after the third (step 44: decode step 36), and a batch of two give the
+# plain run's CSV (the batch: request 1's rows, and request 2's with its id changed); the summary
+# line counts the refits (3: a 40-step decode phase reaches 8, 16 and 32 queries). In the CUDA
+# emulation's build (KVT_CUDA_EMU) the same script with -DCUDA=1 checks the CUDA backend's CSV
+# too, as ctest cuda_emu_needle_adapt (label cuda_emu, KVT_REQUIRE_GPU=1).
+if(TARGET kvtier-needle AND KVT_HAVE_LAPACKE)
+  set(KVT_NEEDLE_ADAPT ${CMAKE_CURRENT_BINARY_DIR}/needle_adapt_same.cmake)
+  file(WRITE ${KVT_NEEDLE_ADAPT} [=[
+set(common --synthetic --context 8192 --block 1024 --needles 2 --salience none
+    --depth 0.1,0.5,0.9 --mode recall --ratio 32 --seed 7 --recall-adapt --no-progress)
+# its own folder (the CUDA run another), so that ctest -j can run both at once
+set(W ${DIR}/needle_adapt)
+if(CUDA)
+  set(W ${DIR}/needle_adapt_cuda_emu)
+endif()
+file(REMOVE_RECURSE ${W})
+file(MAKE_DIRECTORY ${W}/snap)
+execute_process(COMMAND ${BIN} ${common} --csv ${W}/plain.csv RESULT_VARIABLE a
+                OUTPUT_VARIABLE o ERROR_VARIABLE e)
+if(NOT a EQUAL 0 OR NOT o MATCHES "\nrecall conformal 8k 32x \\(1 haystack\\): pass [0-9]+/6 [^\n]*; refits 3\n")
+  message(FATAL_ERROR "plain: exit status ${a}: ${o}${e}")
+endif()
+file(READ ${W}/plain.csv x)
+# name:flag:value (a list of lists would flatten)
+set(variants guarded:--backend:guarded snap12:--snapshot-at:12 snap44:--snapshot-at:44)
+if(CUDA)
+  list(APPEND variants cuda:--backend:cuda)
+endif()
+foreach(v ${variants})
+  string(REPLACE ":" ";" v "${v}")
+  list(POP_FRONT v name)
+  execute_process(COMMAND ${BIN} ${common} ${v} --snapshot-dir ${W}/snap
+                  --csv ${W}/${name}.csv RESULT_VARIABLE a OUTPUT_QUIET
+                  ERROR_VARIABLE e)
+  file(READ ${W}/${name}.csv y)
+  if(NOT a EQUAL 0 OR NOT x STREQUAL y OR NOT x MATCHES "pass_by")
+    message(FATAL_ERROR "${name}: exit status ${a}, or its CSV differs from the plain run's: ${e}")
+  endif()
+  if(name MATCHES "^snap" AND NOT EXISTS ${W}/snap/r1.kvts)
+    message(FATAL_ERROR "${name}: no snapshot was written (the drill did not run)")
+  endif()
+  file(REMOVE ${W}/snap/r1.kvts)
+endforeach()
+execute_process(COMMAND ${BIN} ${common} --batch 2 --csv ${W}/batch.csv
+                RESULT_VARIABLE a OUTPUT_QUIET ERROR_VARIABLE e)
+file(STRINGS ${W}/batch.csv rows)
+file(STRINGS ${W}/plain.csv plain)
+list(POP_FRONT rows head)
+set(r1 "")
+set(r2 "")
+foreach(r ${rows})
+  if(r MATCHES "^[0-9]+,[0-9]+,1,")
+    list(APPEND r1 "${r}")
+  else()
+    string(REGEX REPLACE "^([0-9]+,[0-9]+,)2," "\\11," r "${r}")
+    list(APPEND r2 "${r}")
+  endif()
+endforeach()
+list(POP_FRONT plain phead)
+if(NOT a EQUAL 0 OR NOT head STREQUAL phead OR NOT r1 STREQUAL plain OR NOT r2 STREQUAL plain)
+  message(FATAL_ERROR "batch of 2: exit status ${a}, or a request's rows differ from the plain "
+                      "run's: ${e}")
+endif()
+]=])
+  add_test(NAME needle_adapt_same_csv
+    COMMAND ${CMAKE_COMMAND} -DBIN=$<TARGET_FILE:kvtier-needle> -DDIR=${CMAKE_CURRENT_BINARY_DIR}
+            -P ${KVT_NEEDLE_ADAPT})
+  if(KVT_CUDA_EMU) # kvt_cuda_emu_test: tests/scripts/cuda_emu.cmake, read before this file
+    kvt_cuda_emu_test(cuda_emu_needle_adapt cuda_emu ${CMAKE_COMMAND}
+      -DBIN=$<TARGET_FILE:kvtier-needle> -DDIR=${CMAKE_CURRENT_BINARY_DIR} -DCUDA=1
+      -P ${KVT_NEEDLE_ADAPT})
+  endif()
+endif()

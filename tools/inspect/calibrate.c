@@ -19,7 +19,8 @@
  * this matrix — what tools/gemma/probe.py calibrate_bases takes by SVD). One basis file per KV
  * head, PREFIX.h<H> for -o PREFIX, for kvt_ctx_load_recall_head_basis.
  *
- * Either way LAPACKE_dsyevr gives the top-R eigenpairs; V's row k is the eigenvector of the k-th
+ * Either way LAPACKE_dsyevr gives the top-R eigenpairs (tools/common/eigen.c, which kvtier-needle's
+ * --recall-adapt fits with too); V's row k is the eigenvector of the k-th
  * largest eigenvalue, its sign fixed so that its largest component is positive (the file is a
  * pure function of the samples), then the rows are re-orthonormalised in double (modified
  * Gram-Schmidt, twice: kvt_orthonormalise_rows) before the fp32 rounding, and ‖V Vᵀ − I‖_F of
@@ -32,6 +33,8 @@
  */
 #include "inspect.h"
 
+#include "../common/eigen.h" /* the accumulator and the eigenvectors, shared with kvtier-needle */
+
 #include <kvtier.h>
 #include <kvtier_ref.h> /* kvt_ref_load: the library's one bf16/fp16/fp32 -> fp32 element load */
 #include <kvtier_trace.h>
@@ -41,10 +44,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if KVT_HAVE_LAPACKE
-#include <lapacke.h>
-#endif
 
 #define CMD "calibrate"
 #define MAX_TRACES 256
@@ -122,54 +121,20 @@ static int parse_args(int argc, char **argv, cal_opts *o) {
     return 0;
 }
 
-#if KVT_HAVE_LAPACKE
-#define MAX_DIM 4096u
 #define CHUNK_ROWS 256u
-
-/* The running sums of one head's samples: Σ(x − x0) and the upper triangle of Σ(x − x0)(x − x0)ᵀ,
- * row-major [dim][dim], where x0 is the first sample when centred (a shift that keeps a large
- * mean from cancelling digits) and 0 otherwise (the uncentred second moment). */
-typedef struct cal_acc {
-    bool centred;
-    uint32_t dim;
-    uint64_t n;
-    double *x0, *s1, *s2;
-} cal_acc;
 
 /* What the traces gave for the layer: one accumulator per KV head (keys) or one (queries). */
 typedef struct cal_state {
     bool keys; /* fitted to the rows' keys (RoPE layers), else to query latents (MLA-NoPE) */
     kvt_layer_kind kind;
     uint32_t dim, n_heads;
-    cal_acc *acc;
+    eig_acc *acc;
     uint64_t units; /* query steps or rows read */
 } cal_state;
 
-static void acc_add(cal_acc *c, const float *x) {
-    const uint32_t n = c->dim;
-    if (c->n == 0 && c->centred)
-        for (uint32_t i = 0; i < n; i++)
-            c->x0[i] = x[i];
-    double y[MAX_DIM];
-    for (uint32_t i = 0; i < n; i++) {
-        y[i] = (double)x[i] - c->x0[i];
-        c->s1[i] += y[i];
-    }
-    for (uint32_t i = 0; i < n; i++) {
-        double *row = c->s2 + (size_t)i * n;
-        const double yi = y[i];
-        for (uint32_t j = i; j < n; j++)
-            row[j] += yi * y[j];
-    }
-    c->n++;
-}
-
 static void state_free(cal_state *c) {
-    for (uint32_t h = 0; c->acc && h < c->n_heads; h++) {
-        free(c->acc[h].x0);
-        free(c->acc[h].s1);
-        free(c->acc[h].s2);
-    }
+    for (uint32_t h = 0; c->acc && h < c->n_heads; h++)
+        eig_acc_free(&c->acc[h]);
     free(c->acc);
     c->acc = NULL;
 }
@@ -230,7 +195,7 @@ static int add_queries(kvt_trace *t, const char *path, const kvt_trace_layer *li
                                    (unsigned long long)s, h);
                 break;
             }
-            acc_add(&c->acc[0], x);
+            eig_acc_add(&c->acc[0], x);
         }
         c->units++;
     }
@@ -266,7 +231,7 @@ static int add_rows(kvt_trace *t, const char *path, const kvt_trace_layer *li, c
                                        (unsigned long long)(first + r), h);
                     break;
                 }
-                acc_add(&c->acc[h], x);
+                eig_acc_add(&c->acc[h], x);
             }
         c->units += n;
     }
@@ -293,9 +258,9 @@ static int layer_state(const char *path, const kvt_trace_layer *li, cal_state *c
                              kvt_dtype_name(sp->dtype));
     const uint32_t dim = keys && sp->kind != KVT_LAYER_MLA_ROPE ? sp->head_dim : sp->value_dim;
     const uint32_t heads = keys ? sp->n_kv_heads : 1;
-    if (dim > MAX_DIM)
+    if (dim > EIG_MAX_DIM)
         return inspect_error(INSPECT_EXIT_FAIL, CMD, "%s: layer %u: dim %u above %u", path,
-                             li->layer, dim, MAX_DIM);
+                             li->layer, dim, EIG_MAX_DIM);
     if (c->acc) {
         if (c->kind != sp->kind || c->dim != dim || c->n_heads != heads)
             return inspect_error(INSPECT_EXIT_FAIL, CMD,
@@ -312,15 +277,9 @@ static int layer_state(const char *path, const kvt_trace_layer *li, cal_state *c
     c->n_heads = heads;
     if (!(c->acc = calloc(heads, sizeof *c->acc)))
         return inspect_error(INSPECT_EXIT_FAIL, CMD, "out of memory");
-    for (uint32_t h = 0; h < heads; h++) {
-        cal_acc *a = &c->acc[h];
-        *a = (cal_acc){.centred = !keys, .dim = dim};
-        a->x0 = calloc(dim, sizeof(double));
-        a->s1 = calloc(dim, sizeof(double));
-        a->s2 = calloc((size_t)dim * dim, sizeof(double));
-        if (!a->x0 || !a->s1 || !a->s2)
+    for (uint32_t h = 0; h < heads; h++)
+        if (eig_acc_init(&c->acc[h], dim, !keys) != EIG_OK)
             return inspect_error(INSPECT_EXIT_FAIL, CMD, "out of memory");
-    }
     return INSPECT_EXIT_OK;
 }
 
@@ -359,69 +318,9 @@ static double omega_of(const float *V, uint32_t rank, uint32_t n) {
     return sqrt(frob);
 }
 
-/* The top-R eigenpairs of one head's matrix — the centred covariance
- * (Σyyᵀ − (Σy)(Σy)ᵀ / N) / (N − 1), the shift x0 cancelling, or the uncentred second moment
- * Σxxᵀ / N: V [rank][dim] fp32, descending eigenvalues into w_top, the matrix's trace into
- * *total. */
-static int top_eigen(const cal_acc *c, uint32_t rank, float *V, double *w_top, double *total) {
-    const uint32_t n = c->dim;
-    const double N = (double)c->n;
-    double *A = malloc(sizeof(double) * n * n);
-    double *w = malloc(sizeof(double) * n);
-    double *Z = malloc(sizeof(double) * n * rank);
-    double *Vd = malloc(sizeof(double) * n * rank);
-    lapack_int *supp = malloc(sizeof(lapack_int) * 2 * rank);
-    if (!A || !w || !Z || !Vd || !supp) {
-        free(A), free(w), free(Z), free(Vd), free(supp);
-        return inspect_error(INSPECT_EXIT_FAIL, CMD, "out of memory");
-    }
-    *total = 0;
-    for (uint32_t i = 0; i < n; i++) /* upper triangle only */
-        for (uint32_t j = i; j < n; j++) {
-            const double s2 = c->s2[(size_t)i * n + j];
-            double v = c->centred ? (s2 - c->s1[i] * c->s1[j] / N) / (N - 1.0) : s2 / N;
-            A[(size_t)i * n + j] = v;
-            if (i == j)
-                *total += v;
-        }
-    lapack_int m = 0;
-    lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', (lapack_int)n, A,
-                                     (lapack_int)n, 0.0, 0.0, (lapack_int)(n - rank + 1),
-                                     (lapack_int)n, 0.0, &m, w, Z, (lapack_int)rank, supp);
-    int rc = INSPECT_EXIT_OK;
-    if (info != 0 || m != (lapack_int)rank)
-        rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
-                           "LAPACKE_dsyevr failed (info %d, %d of %u eigenpairs)", (int)info,
-                           (int)m, rank);
-    /* dsyevr returns ascending eigenvalues; column j of Z (row-major [n][rank]) is eigenvector
-     * j. */
-    for (uint32_t k = 0; rc == INSPECT_EXIT_OK && k < rank; k++) {
-        uint32_t j = rank - 1 - k;
-        w_top[k] = w[j];
-        uint32_t arg = 0;
-        for (uint32_t d = 1; d < n; d++)
-            if (fabs(Z[(size_t)d * rank + j]) > fabs(Z[(size_t)arg * rank + j]))
-                arg = d;
-        double sign = Z[(size_t)arg * rank + j] < 0 ? -1.0 : 1.0;
-        for (uint32_t d = 0; d < n; d++)
-            Vd[(size_t)k * n + d] = sign * Z[(size_t)d * rank + j];
-    }
-    /* Modified Gram-Schmidt in double, twice over the whole basis ("twice is enough": two sweeps
-     * of one pass each, every row normalised in each), directions and signs kept: rows
-     * orthonormal to double precision before the fp32 rounding. */
-    if (rc == INSPECT_EXIT_OK && (kvt_orthonormalise_rows(Vd, rank, n, 1) != KVT_OK ||
-                                  kvt_orthonormalise_rows(Vd, rank, n, 1) != KVT_OK))
-        rc = inspect_error(INSPECT_EXIT_FAIL, CMD, "%s", kvt_last_error());
-    if (rc == INSPECT_EXIT_OK)
-        for (size_t i = 0; i < (size_t)rank * n; i++)
-            V[i] = (float)Vd[i];
-    free(A), free(w), free(Z), free(Vd), free(supp);
-    return rc;
-}
-
 /* Fit, write and report the basis of one accumulator (head `head`, or the NoPE layer's one). */
 static int fit_one(const cal_opts *o, const cal_state *c, uint32_t head, const char *path) {
-    const cal_acc *a = &c->acc[head];
+    const eig_acc *a = &c->acc[head];
     char who[64] = "";
     if (c->keys)
         snprintf(who, sizeof who, " KV head %u", head);
@@ -434,8 +333,11 @@ static int fit_one(const cal_opts *o, const cal_state *c, uint32_t head, const c
     float *V = malloc(sizeof(float) * o->rank * c->dim);
     double *w = malloc(sizeof(double) * o->rank);
     double total = 0;
-    int rc = V && w ? top_eigen(a, o->rank, V, w, &total)
-                    : inspect_error(INSPECT_EXIT_FAIL, CMD, "out of memory");
+    char err[512];
+    int rc = !V || !w ? inspect_error(INSPECT_EXIT_FAIL, CMD, "out of memory")
+             : eig_top(a, o->rank, V, w, &total, err, sizeof err) != EIG_OK
+                 ? inspect_error(INSPECT_EXIT_FAIL, CMD, "%s", err)
+                 : INSPECT_EXIT_OK;
     const double omega = rc == INSPECT_EXIT_OK ? omega_of(V, o->rank, c->dim) : 0;
     if (rc == INSPECT_EXIT_OK && !(omega <= 0x1p-20))
         rc = inspect_error(INSPECT_EXIT_FAIL, CMD,
@@ -469,18 +371,16 @@ static int fit_one(const cal_opts *o, const cal_state *c, uint32_t head, const c
     free(w);
     return rc;
 }
-#endif
 
 int inspect_calibrate(int argc, char **argv) {
     cal_opts o;
     int rc = parse_args(argc, argv, &o);
     if (rc != 0)
         return rc < 0 ? INSPECT_EXIT_OK : rc;
-#if !KVT_HAVE_LAPACKE
-    return inspect_error(INSPECT_EXIT_FAIL, CMD,
-                         "this kvtier-inspect was built without LAPACKE (install Debian's "
-                         "liblapacke-dev, scripts/deps.sh, and reconfigure)");
-#else
+    if (!eig_have_lapacke())
+        return inspect_error(INSPECT_EXIT_FAIL, CMD,
+                             "this kvtier-inspect was built without LAPACKE (install Debian's "
+                             "liblapacke-dev, scripts/deps.sh, and reconfigure)");
     cal_state c;
     memset(&c, 0, sizeof c);
     for (int i = 0; rc == INSPECT_EXIT_OK && i < o.n_traces; i++)
@@ -494,5 +394,4 @@ int inspect_calibrate(int argc, char **argv) {
     }
     state_free(&c);
     return rc;
-#endif
 }

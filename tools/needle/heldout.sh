@@ -13,7 +13,8 @@
 # a cell: 9 depths x 2 needles x 3 seeds) with
 #   NoPE, 32x and 128x: conformal with the generator's own subspace (the documented case), with
 #     the held-out basis, with no basis, and with --query-rank 128 (the subspace's first 64 rows:
-#     half of each direction);
+#     half of each direction); and the held-out basis as the start of --recall-adapt (refitted to
+#     the request's own decode queries after steps 8, 16, 32, 64: issue 34 item 0);
 #   RoPE, 8x: margin and conformal, each with the subspace and with the held-out key basis.
 # Then the independent writer's trace (tests/scripts/indep_trace.py), conformal without a basis
 # and with its axes basis. It also writes each evaluation seed's subspace (--write-basis) and prints the share of it the
@@ -81,6 +82,8 @@ for ctx in $CONTEXTS; do
     evaluate "nope conformal subspace" --context "$ctx" --ratio 32,128
     evaluate "nope conformal heldout" --context "$ctx" --ratio 32,128 \
         --recall-basis "$O/nope_$ctx.basis"
+    evaluate "nope conformal heldout_adapt" --context "$ctx" --ratio 32,128 \
+        --recall-basis "$O/nope_$ctx.basis" --recall-adapt
     evaluate "nope conformal none" --context "$ctx" --ratio 32,128 --recall-basis none
     evaluate "nope conformal qrank128" --context "$ctx" --ratio 32,128 --query-rank 128
     evaluate "rope margin subspace" --rope --context "$ctx" --ratio 8 --recall margin
@@ -92,14 +95,17 @@ for ctx in $CONTEXTS; do
 done
 
 # Other data: the independent writer's 2,072-row trace (tests/scripts/indep_trace.py: another
-# haystack model, no generator subspace), conformal recall without a basis and with the rank-8
-# axes basis the script writes.
+# haystack model, no generator subspace), conformal recall without a basis, with the rank-8
+# axes basis the script writes, and with that basis as the start of --recall-adapt (its 24
+# decode steps reach two refits, after 8 and 16).
 python3 tests/scripts/indep_trace.py "$O/indep.kvtt" --basis "$O/indep_axes.basis"
-for b in none axes; do
+for b in none axes axes_adapt; do
     f=none
-    [ $b = axes ] && f="$O/indep_axes.basis"
+    a=
+    [ $b != none ] && f="$O/indep_axes.basis"
+    [ $b = axes_adapt ] && a=--recall-adapt
     log "$N" --trace "$O/indep.kvtt" --mode recall --recall-basis "$f" --block 512 --kappa 8 \
-        --ratio 32 --no-progress | grep -E '^recall (conformal|sound|margin) ' |
+        --ratio 32 --no-progress $a | grep -E '^recall (conformal|sound|margin) ' |
         sed "s/^/indep conformal $b | /" | tee -a "$O/summary.txt"
 done
 
@@ -111,10 +117,10 @@ pat = re.compile(
     r"\(by fetch (\d+), by overflow/dense (\d+), kept by salience (\d+)\); needle steps (\d+): "
     r"overflow (\d+), dense (\d+); other steps (\d+) \(after (\d+) calibration\): overflow (\d+), "
     r"dense (\d+); fetched on other non-dense steps ([0-9.]+)% of the archive; visited "
-    r"([0-9.]+)%; z (\S+)\.\.(\S+)$")
+    r"([0-9.]+)%; z (\S+?)\.\.(\S+?)(?:; refits (\d+))?$")
 print("layer,trigger,basis,context_k,ratio,haystacks,pass,counted,by_fetch,by_overflow_dense,"
       "kept,needle_steps,needle_overflow,needle_dense,other_steps,calib_steps,other_overflow,"
-      "other_dense,fetched_other_pct,visited_pct,z_min,z_max")
+      "other_dense,fetched_other_pct,visited_pct,z_min,z_max,refits")
 for line in open(sys.argv[1]):
     m = pat.match(line.strip())
     if not m:
@@ -122,6 +128,6 @@ for line in open(sys.argv[1]):
     g = list(m.groups())
     assert g[1] == g[3], line  # the label's trigger is the run's
     del g[3]
-    print(",".join(g))
+    print(",".join("" if x is None else x for x in g))
 EOF
 echo "wrote $O/summary.txt, $O/heldout.csv, $O/share.txt" >&2

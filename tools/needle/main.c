@@ -9,8 +9,10 @@
  * CSV / SVG on request, and ends with one line "pass N/M".
  *
  * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
- * library error, an attended set that disagrees with the library), 2 on a bad command line (a
- * bad or empty list item, a flag of the synthetic haystack given with --trace), 3 for a mode
+ * library error, an attended set that disagrees with the library, --recall-adapt in a build
+ * without LAPACKE), 2 on a bad command line (a bad or empty list item, a flag of the synthetic
+ * haystack given with --trace, --recall-adapt without --mode recall, with --rope or without a
+ * basis), 3 for a mode
  * that is not implemented yet (promote: nothing is measured) or that a case cannot run (recall
  * on a trace without a decode phase: said on stderr, every other mode still measured and
  * reported). A trace's decode phase is what its sections say: two or more query steps of the
@@ -18,6 +20,7 @@
  * whose full-cache reference is non-finite (NaN / Inf rows in a trace) is reported as
  * "invalid", not an error.
  */
+#include "../common/eigen.h"
 #include "needle.h"
 #include "report.h"
 
@@ -85,6 +88,11 @@ static void usage(FILE *f) {
 "  --recall M             conformal (default) | sound | margin\n"
 "  --recall-basis B       subspace (default: the generator's query subspace) | none | FILE\n"
 "                         (a basis file, kvtier-inspect calibrate's format)\n"
+"  --recall-adapt         a basis that follows the request's own decode queries (MLA-NoPE;\n"
+"                         needs a basis to start from and LAPACKE): after decode steps 8, 16,\n"
+"                         32 and 64 the top eigenvectors of the centred covariance of every\n"
+"                         query latent so far replace it (kvt_ctx_refit_recall_basis; z is\n"
+"                         calibrated again after the first refit, kept after the others)\n"
 "  --write-basis FILE     write the generator's query subspace as a basis file\n"
 "  --recall-cap W         rows a recall step may fetch (default: the library's, 4096)\n"
 "  --recall-scan-bits N   16 (default) | 8: the recall scan's precision\n"
@@ -463,6 +471,8 @@ static int parse_args(int argc, char **argv, opts *o) {
             NEED_VALUE();
             o->run.recall_basis = strcmp(v, "none") != 0;
             o->run.recall_basis_file = strcmp(v, "subspace") && strcmp(v, "none") ? v : NULL;
+        } else if (!strcmp(a, "--recall-adapt")) {
+            o->run.recall_adapt = true;
         } else if (!strcmp(a, "--write-basis")) {
             NEED_VALUE();
             o->write_basis = v;
@@ -669,6 +679,15 @@ static int parse_args(int argc, char **argv, opts *o) {
         want_recall |= o->modes[k] == ND_MODE_RECALL;
     if (want_recall && !o->gen.decode_calib)
         o->gen.decode_calib = 16;
+    if (o->run.recall_adapt && !want_recall)
+        return usage_err("%s", "--recall-adapt needs --mode recall (it refits the recall basis "
+                               "to the decode phase's queries)");
+    if (o->run.recall_adapt && o->gen.rope)
+        return usage_err("%s", "--recall-adapt applies to MLA-NoPE recall only (--rope: a RoPE "
+                               "layer's basis is fitted to keys, per KV head)");
+    if (o->run.recall_adapt && !o->run.recall_basis)
+        return usage_err("%s", "--recall-adapt needs a basis to start from (--recall-basis "
+                               "subspace or FILE, not none)");
     if (o->gen.decoys > 0 && !o->gen.decode_calib)
         return usage_err("%s", "--decoys needs the decode phase (--mode recall or "
                                "--decode-calib)");
@@ -776,6 +795,7 @@ typedef struct recall_sum {
     uint32_t counted, pass, by_fetch, by_dense, by_kept;
     float z_min, z_max;
     uint64_t context; /* the haystack's rows (decode_start) */
+    uint32_t refits;  /* --recall-adapt: basis refits, summed over the haystacks */
 } recall_sum;
 
 static void recall_add(recall_sum *a, const nd_recall_stats *s, const nd_result *res, size_t n) {
@@ -791,6 +811,7 @@ static void recall_add(recall_sum *a, const nd_recall_stats *s, const nd_result 
     a->st.other_archived += s->other_archived;
     a->st.visited += s->visited;
     a->st.archived += s->archived;
+    a->refits += s->refits;
     if (!a->runs || s->z < a->z_min)
         a->z_min = s->z;
     if (!a->runs || s->z > a->z_max)
@@ -809,15 +830,17 @@ static void recall_add(recall_sum *a, const nd_recall_stats *s, const nd_result 
     }
 }
 
+/* One line per (context, ratio); with --recall-adapt it ends "; refits N" (N summed over the
+ * haystacks). */
 static void recall_print(const recall_sum *a, uint64_t context, uint32_t ratio,
-                         kvt_recall_mode mode, uint32_t seeds) {
+                         kvt_recall_mode mode, bool adapt, uint32_t seeds) {
     if (!a->runs)
         return;
     const nd_recall_stats *s = &a->st;
     printf("recall %s %lluk %ux (%u haystack%s): pass %u/%u (by fetch %u, by overflow/dense %u, "
            "kept by salience %u); needle steps %llu: overflow %llu, dense %llu; other steps %llu "
            "(after %llu calibration): overflow %llu, dense %llu; fetched on other non-dense "
-           "steps %.4f%% of the archive; visited %.1f%%; z %.3g..%.3g\n",
+           "steps %.4f%% of the archive; visited %.1f%%; z %.3g..%.3g",
            kvt_recall_mode_name(mode),
            (unsigned long long)(context / 1024), ratio, seeds, seeds == 1 ? "" : "s", a->pass,
            a->counted, a->by_fetch, a->by_dense, a->by_kept,
@@ -828,6 +851,9 @@ static void recall_print(const recall_sum *a, uint64_t context, uint32_t ratio,
            s->other_archived ? 100.0 * (double)s->other_fetched / (double)s->other_archived : 0.0,
            s->archived ? 100.0 * (double)s->visited / (double)s->archived : 0.0,
            (double)a->z_min, (double)a->z_max);
+    if (adapt)
+        printf("; refits %u", a->refits);
+    printf("\n");
 }
 
 int main(int argc, char **argv) {
@@ -841,6 +867,12 @@ int main(int argc, char **argv) {
                     "measured\n", nd_mode_name(o.modes[k]));
             return EXIT_NOTIMPL;
         }
+    if (o.run.recall_adapt && !eig_have_lapacke()) {
+        fprintf(stderr, "kvtier-needle: --recall-adapt: this kvtier-needle was built without "
+                "LAPACKE, which the eigenvectors need (install Debian's liblapacke-dev, "
+                "scripts/deps.sh, and reconfigure); nothing was measured\n");
+        return EXIT_ERR;
+    }
     static recall_sum rsum[MAX_LIST][MAX_LIST];
     memset(rsum, 0, sizeof rsum);
     progress pg;
@@ -1078,7 +1110,7 @@ int main(int argc, char **argv) {
     for (uint32_t ci = 0; ci < (o.trace ? 1 : o.n_contexts); ci++)
         for (uint32_t ri = 0; ri < o.n_ratios; ri++)
             recall_print(&rsum[ci][ri], rsum[ci][ri].context, (uint32_t)o.ratios[ri],
-                         o.run.recall, o.trace ? 1 : (uint32_t)o.seeds);
+                         o.run.recall, o.run.recall_adapt, o.trace ? 1 : (uint32_t)o.seeds);
     printf("time: generate %.1f s, full-cache references %.1f s, replay %.1f s, total %.1f s\n",
            t_gen, t_ref, t_run, now_s() - pg.t0);
     if (tails)

@@ -267,7 +267,23 @@ typedef struct nd_run_params {
                                     * kvt_ctx_load_recall_head_basis of head 0 */
     /* Output (may be NULL): the decode steps' recall statistics, summed over requests. */
     struct nd_recall_stats *recall_stats;
+    /* A basis that follows the request's own queries (ND_MODE_RECALL on an MLA-NoPE layer, with
+     * a basis to start from; issue 34 item 0, docs/needle.md "Adaptive basis"): the centred
+     * covariance (double) of every decode query's latent (the first value_dim values of each
+     * head's absorbed query) is accumulated as the steps run, and after the commit of the decode
+     * step that makes ND_ADAPT_AT[i] queries seen (8, 16, 32, 64) its top eigenvectors, as many
+     * as the layer's basis rank (tools/common/eigen.c, rounded to fp32), replace the layer's
+     * basis through kvt_ctx_refit_recall_basis: flags 0 at the first refit (the requests
+     * calibrate z again), KVT_REFIT_KEEP_Z after. With a batch, the requests share the queries
+     * and the layer's basis: each step's latents are counted once. ND_EARG on a RoPE layer or
+     * without a basis; ND_ENOTIMPL when built without LAPACKE. */
+    bool recall_adapt;
 } nd_run_params;
+
+/* The decode steps after whose commit recall_adapt refits the basis: when this many decode
+ * queries have been seen. */
+#define ND_ADAPT_N 4
+extern const uint32_t ND_ADAPT_AT[ND_ADAPT_N];
 
 /* Recall statistics of a replay's decode steps (ND_MODE_RECALL), summed over requests. A step is
  * "dense" when it attended every row (calibration or overflow); "overflow" when more than W rows
@@ -281,6 +297,8 @@ typedef struct nd_recall_stats {
     uint64_t visited, archived;                /* over every non-calibration step */
     float z;                                   /* the last step's recall_z */
     int32_t phase;                             /* the last step's recall_phase */
+    uint32_t refits;                           /* recall_adapt: the layer's basis refits that
+                                                  ran (one per refit, whatever the batch) */
 } nd_recall_stats;
 
 nd_run_params nd_run_default_params(void);

@@ -17,9 +17,13 @@
  * argument), so the trigger calibrates on the filler steps and meets the needle queries later;
  * each step's recall statistics are summed (recall_account), and the needle steps' emissions,
  * which hold exactly recall_last_fetched archived rows, are checked and measured as above.
+ * With recall_adapt the decode queries' latents are accumulated after each decode step's commit
+ * and, at the steps of ND_ADAPT_AT, the layer's basis is refitted to them between steps
+ * (adapt_step).
  */
 #include "nd_internal.h"
 
+#include "../../common/eigen.h"
 #include "kvtier_ref.h"
 
 #include <stdio.h>
@@ -495,6 +499,54 @@ static int recall_account(kvt_ctx *ctx, kvt_seq *const *seqs, uint32_t n, bool n
     return ND_OK;
 }
 
+const uint32_t ND_ADAPT_AT[ND_ADAPT_N] = {8, 16, 32, 64};
+
+/* recall_adapt's state: the decode latents' sums, the fitted basis, the refits so far. */
+typedef struct nd_adapt {
+    eig_acc acc;
+    float *V;      /* [rank][value_dim] */
+    uint32_t rank; /* the layer's basis rank */
+    uint32_t refits;
+} nd_adapt;
+
+/* After decode step k's commit: its latents (every query head, once whatever the batch) into the
+ * sums; when k + 1 queries seen is a step of ND_ADAPT_AT, the top-rank eigenvectors of their
+ * centred covariance become the layer's basis (the first refit restarts z's calibration, the
+ * later ones keep z: cert_study.py's candidate cs, bench/RESULTS.md "branch certify"). */
+static int adapt_step(nd_adapt *a, kvt_ctx *ctx, const nd_case *c, uint64_t k,
+                      nd_recall_stats *st, char *err, size_t err_len) {
+    const size_t qn = (size_t)c->n_q_heads * c->q_dim;
+    /* a non-finite latent would make the covariance NaN (and LAPACK's behaviour undefined) */
+    for (uint32_t h = 0; h < c->n_q_heads; h++)
+        for (uint32_t d = 0; d < a->acc.dim; d++)
+            if (!isfinite(c->decode_q[k * qn + (size_t)h * c->q_dim + d]))
+                return nd_fail(err, err_len, ND_EIO,
+                               "recall_adapt: decode step %llu's query of head %u holds a NaN "
+                               "or Inf in its latent; no basis can be fitted to it",
+                               (unsigned long long)k, h);
+    for (uint32_t h = 0; h < c->n_q_heads; h++)
+        eig_acc_add(&a->acc, c->decode_q + k * qn + (size_t)h * c->q_dim);
+    bool due = false;
+    for (int i = 0; i < ND_ADAPT_N; i++)
+        due |= k + 1 == ND_ADAPT_AT[i];
+    if (!due)
+        return ND_OK;
+    char e2[512];
+    int e = eig_top(&a->acc, a->rank, a->V, NULL, NULL, e2, sizeof e2);
+    if (e != EIG_OK)
+        return nd_fail(err, err_len, e == EIG_ENOMEM ? ND_ENOMEM : ND_ELIB,
+                       "recall_adapt: the fit after decode step %llu: %s",
+                       (unsigned long long)(k + 1), e2);
+    kvt_status s = kvt_ctx_refit_recall_basis(ctx, 0, a->V, a->rank,
+                                              a->refits ? KVT_REFIT_KEEP_Z : 0u, NULL);
+    if (s != KVT_OK)
+        return lib_fail(err, err_len, ctx, s, "kvt_ctx_refit_recall_basis");
+    a->refits++;
+    if (st)
+        st->refits = a->refits;
+    return ND_OK;
+}
+
 /* nd_run_params.snapshot_at: every request to a file, destroyed, restored from it. */
 static int snapshot_drill(kvt_ctx *ctx, const nd_run_params *p, kvt_seq **seqs, uint32_t n,
                           char *err, size_t err_len) {
@@ -533,6 +585,20 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                    p->recall_rank > KVT_RECALL_MAX_RANK))
         return nd_fail(err, err_len, ND_EARG, "recall: mode %d, sketch rank %u", (int)p->recall,
                        p->recall_rank);
+    const bool adapt = recall && p->recall_adapt;
+    if (adapt && c->spec.kind != KVT_LAYER_MLA_NOPE)
+        return nd_fail(err, err_len, ND_EARG,
+                       "recall_adapt: an MLA-NoPE layer's recall only (this case's layer is %s; "
+                       "a RoPE layer's basis is fitted to keys, per KV head)",
+                       kvt_layer_kind_name(c->spec.kind));
+    if (adapt && !p->recall_basis)
+        return nd_fail(err, err_len, ND_EARG, "recall_adapt needs a basis to start from (the "
+                       "case's query subspace or a basis file), not recall without a basis");
+    if (adapt && !eig_have_lapacke())
+        return nd_fail(err, err_len, ND_ENOTIMPL,
+                       "recall_adapt: built without LAPACKE, which the eigenvectors need "
+                       "(install Debian's liblapacke-dev, scripts/deps.sh, and reconfigure); "
+                       "recall was not measured");
     if (p->recall_stats)
         memset(p->recall_stats, 0, sizeof *p->recall_stats);
     if ((unsigned)p->mode >= ND_MODE_COUNT)
@@ -577,6 +643,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     uint8_t dense_of[ND_MAX_BATCH] = {0};
     uint8_t *archived = NULL;
     nd_rowmap rmap = {0}; /* recall on RoPE: fetched rows identified by content */
+    nd_adapt ad = {0};    /* recall_adapt */
     const size_t qn = (size_t)c->n_q_heads * c->q_dim;
     int rc = ND_OK;
     kvt_status s = kvt_model_create(sp, 1, "kvtier-needle", &model, e2, sizeof e2);
@@ -652,6 +719,17 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                   : kvt_ctx_set_recall_basis(ctx, 0, c->qbasis, qrank)) != KVT_OK) {
         rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_set_recall_basis");
         goto done;
+    }
+    if (adapt) {
+        if ((s = kvt_ctx_recall_basis(ctx, 0, &ad.rank, NULL)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_recall_basis");
+            goto done;
+        }
+        if (eig_acc_init(&ad.acc, sp->value_dim, true) != EIG_OK ||
+            !(ad.V = malloc(sizeof(float) * ad.rank * sp->value_dim))) {
+            rc = nd_fail(err, err_len, ND_ENOMEM, "recall_adapt scratch");
+            goto done;
+        }
     }
     for (uint32_t r = 0; r < NB; r++) {
         kvt_seq_params sprm = kvt_seq_default_params();
@@ -829,6 +907,9 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
             if (dec && p->recall_stats &&
                 (rc = recall_account(ctx, seqs, NB, c->decode_target[k_dec] >= 0,
                                      p->recall_stats, err, err_len)) != ND_OK)
+                goto done;
+            if (dec && adapt &&
+                (rc = adapt_step(&ad, ctx, c, k_dec, p->recall_stats, err, err_len)) != ND_OK)
                 goto done;
             if (++steps == p->snapshot_at && (rc = snapshot_drill(ctx, p, seqs, NB, err,
                                                                     err_len)) != 0)
@@ -1034,6 +1115,8 @@ done:
     free(slots), free(mark), free(scratch), free(q), free(o), free(pos_of_slot), free(seen);
     free(pool_copy), free(vpool_copy), free(qhost), free(archived);
     rowmap_free(&rmap);
+    eig_acc_free(&ad.acc);
+    free(ad.V);
     for (uint32_t r = 0; r < ND_MAX_BATCH; r++)
         kvt_seq_destroy(seqs[r]);
     kvt_ctx_destroy(ctx);
