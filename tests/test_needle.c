@@ -1605,8 +1605,9 @@ Test(floors, recall_adapt_32k, .timeout = 600) {
                   (unsigned long long)ad.st.needle_steps);
 }
 
-/* recall_adapt's refusals: a RoPE layer, recall without a basis (nothing replayed; 4k haystacks of
- * the floor's shape, B = 1024), and a decode query holding a NaN (ND_EIO at that step). */
+/* recall_adapt's refusals: recall without a basis (nothing replayed; 4k haystacks of the floor's
+ * shape, B = 1024), and a decode query holding a NaN (ND_EIO at that step); on a RoPE layer with
+ * a basis it runs: each KV head's key basis is refitted once, to the prompt's keys. */
 Test(recall, adapt_refusals) {
     char err[512];
     for (int rope = 0; rope < 2; rope++) {
@@ -1621,22 +1622,31 @@ Test(recall, adapt_refusals) {
         rp.mode = ND_MODE_RECALL;
         rp.block_rows = 1024;
         rp.recall_adapt = true;
-        rp.recall_basis = rope; /* NoPE: no basis to start from; RoPE: refused with one */
-        nd_result res[1];
-        cr_assert_eq(nd_run(&h.c, &h.refs, &rp, res, NULL, NULL, err, sizeof err), ND_EARG,
+        rp.recall_basis = false; /* no basis to start from */
+        nd_result *r = calloc(h.c.n_targets, sizeof *r);
+        cr_assert_eq(nd_run(&h.c, &h.refs, &rp, r, NULL, NULL, err, sizeof err), ND_EARG,
                      "rope %d: %s", rope, err);
-        cr_assert(strstr(err, rope ? "MLA-NoPE layer's recall only" : "basis to start from"),
-                  "%s", err);
+        cr_assert(strstr(err, "basis to start from"), "%s", err);
+        rp.recall_basis = true;
         if (!rope && eig_have_lapacke()) {
             /* a non-finite latent (a trace's query) stops the replay with a message */
-            rp.recall_basis = true;
             h.c.decode_q[(size_t)3 * h.c.n_q_heads * h.c.q_dim + h.c.q_dim + 5] = NAN;
-            nd_result *r = calloc(h.c.n_targets, sizeof *r);
             cr_assert_eq(nd_run(&h.c, &h.refs, &rp, r, NULL, NULL, err, sizeof err), ND_EIO,
                          "%s", err);
             cr_assert(strstr(err, "decode step 3's query of head 1 holds a NaN"), "%s", err);
-            free(r);
         }
+        if (rope && eig_have_lapacke()) {
+            rp.recall = KVT_RECALL_CONFORMAL;
+            rp.ratio = 8;
+            nd_recall_stats st;
+            rp.recall_stats = &st;
+            cr_assert_eq(nd_run(&h.c, &h.refs, &rp, r, NULL, NULL, err, sizeof err), ND_OK, "%s",
+                         err);
+            cr_assert_eq(st.refits, h.c.spec.n_kv_heads, "one key refit per KV head");
+            cr_log_info("rope adapt 4k: %u refits, needle steps %llu", st.refits,
+                        (unsigned long long)st.needle_steps);
+        }
+        free(r);
         hay_free(&h);
     }
 }
@@ -1673,12 +1683,9 @@ Test(cli, exit_codes_and_last_line) {
                          "--no-progress", out, sizeof out), 0, "%s", out);
     cr_assert(strstr(out, "recall conformal 4k 32x (1 haystack): pass ") != NULL, "%s", out);
     cr_assert_eq(run_cli("--mode recall --recall bogus", out, sizeof out), 2, "%s", out);
-    /* --recall-adapt: recall mode, NoPE and a starting basis, else a usage error */
+    /* --recall-adapt: recall mode and a starting basis, else a usage error */
     cr_assert_eq(run_cli("--context 4k --recall-adapt", out, sizeof out), 2, "%s", out);
     cr_assert(strstr(out, "--recall-adapt needs --mode recall") != NULL, "%s", out);
-    cr_assert_eq(run_cli("--context 4k --mode recall --rope --recall-adapt", out, sizeof out), 2,
-                 "%s", out);
-    cr_assert(strstr(out, "MLA-NoPE recall only") != NULL, "%s", out);
     cr_assert_eq(run_cli("--context 4k --mode recall --recall-basis none --recall-adapt", out,
                          sizeof out),
                  2, "%s", out);

@@ -15,7 +15,8 @@
 #     the held-out basis, with no basis, and with --query-rank 128 (the subspace's first 64 rows:
 #     half of each direction); and the held-out basis as the start of --recall-adapt (refitted to
 #     the request's own decode queries after steps 8, 16, 32, 64: issue 34 item 0);
-#   RoPE, 8x: margin and conformal, each with the subspace and with the held-out key basis.
+#   RoPE, 8x: margin and conformal, each with the subspace and with the held-out key basis, and
+#   margin with the held-out key basis refitted to each haystack's own keys (--recall-adapt).
 # Then the independent writer's trace (tests/scripts/indep_trace.py), conformal without a basis
 # and with its axes basis. It also writes each evaluation seed's subspace (--write-basis) and prints the share of it the
 # held-out bases hold (mean over the subspace's directions of |V u|^2).
@@ -90,6 +91,8 @@ for ctx in $CONTEXTS; do
     evaluate "rope margin heldout" --rope --context "$ctx" --ratio 8 --recall margin \
         --recall-basis "$O/rope_$ctx.basis.h0"
     evaluate "rope conformal subspace" --rope --context "$ctx" --ratio 8
+    evaluate "rope margin heldout_adapt" --rope --context "$ctx" --ratio 8 --recall margin \
+        --recall-basis "$O/rope_$ctx.basis.h0" --recall-adapt
     evaluate "rope conformal heldout" --rope --context "$ctx" --ratio 8 \
         --recall-basis "$O/rope_$ctx.basis.h0"
 done

@@ -11,8 +11,8 @@
  * Exit status: 0 whatever the pass rate; 1 on an error (unreadable, corrupt or unsupported trace,
  * library error, an attended set that disagrees with the library, --recall-adapt in a build
  * without LAPACKE), 2 on a bad command line (a bad or empty list item, a flag of the synthetic
- * haystack given with --trace, --recall-adapt without --mode recall, with --rope or without a
- * basis), 3 for a mode
+ * haystack given with --trace, --recall-adapt without --mode recall or without a basis), 3 for
+ * a mode
  * that is not implemented yet (promote: nothing is measured) or that a case cannot run (recall
  * on a trace without a decode phase: said on stderr, every other mode still measured and
  * reported). A trace's decode phase is what its sections say: two or more query steps of the
@@ -92,7 +92,9 @@ static void usage(FILE *f) {
 "                         needs a basis to start from and LAPACKE): after decode steps 8, 16,\n"
 "                         32 and 64 the top eigenvectors of the centred covariance of every\n"
 "                         query latent so far replace it (kvt_ctx_refit_recall_basis; z is\n"
-"                         calibrated again after the first refit, kept after the others)\n"
+"                         calibrated again after the first refit, kept after the others);\n"
+"                         with --rope each KV head's key basis is fitted once to the prompt's\n"
+"                         own keys before the first decode step (kvt_ctx_refit_recall_head_basis)\n"
 "  --write-basis FILE     write the generator's query subspace as a basis file\n"
 "  --recall-cap W         rows a recall step may fetch (default: the library's, 4096)\n"
 "  --recall-scan-bits N   16 (default) | 8: the recall scan's precision\n"
@@ -682,9 +684,6 @@ static int parse_args(int argc, char **argv, opts *o) {
     if (o->run.recall_adapt && !want_recall)
         return usage_err("%s", "--recall-adapt needs --mode recall (it refits the recall basis "
                                "to the decode phase's queries)");
-    if (o->run.recall_adapt && o->gen.rope)
-        return usage_err("%s", "--recall-adapt applies to MLA-NoPE recall only (--rope: a RoPE "
-                               "layer's basis is fitted to keys, per KV head)");
     if (o->run.recall_adapt && !o->run.recall_basis)
         return usage_err("%s", "--recall-adapt needs a basis to start from (--recall-basis "
                                "subspace or FILE, not none)");

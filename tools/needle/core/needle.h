@@ -275,8 +275,11 @@ typedef struct nd_run_params {
      * as the layer's basis rank (tools/common/eigen.c, rounded to fp32), replace the layer's
      * basis through kvt_ctx_refit_recall_basis: flags 0 at the first refit (the requests
      * calibrate z again), KVT_REFIT_KEEP_Z after. With a batch, the requests share the queries
-     * and the layer's basis: each step's latents are counted once. ND_EARG on a RoPE layer or
-     * without a basis; ND_ENOTIMPL when built without LAPACKE. */
+     * and the layer's basis: each step's latents are counted once. On a RoPE layer (GQA/MHA or
+     * MLA-RoPE) each KV head's key basis is fitted instead, once, to the request's own keys over
+     * the prompt (the uncentred second moment of at most 65,536 of them, evenly spaced), between
+     * the prompt's last step and the first decode step (kvt_ctx_refit_recall_head_basis, flags
+     * 0). ND_EARG without a basis; ND_ENOTIMPL when built without LAPACKE. */
     bool recall_adapt;
 } nd_run_params;
 

@@ -19,7 +19,8 @@
  * which hold exactly recall_last_fetched archived rows, are checked and measured as above.
  * With recall_adapt the decode queries' latents are accumulated after each decode step's commit
  * and, at the steps of ND_ADAPT_AT, the layer's basis is refitted to them between steps
- * (adapt_step).
+ * (adapt_step); on a RoPE layer each KV head's key basis is refitted once, to the prompt's own
+ * keys, before the first decode step (adapt_keys).
  */
 #include "nd_internal.h"
 
@@ -547,6 +548,67 @@ static int adapt_step(nd_adapt *a, kvt_ctx *ctx, const nd_case *c, uint64_t k,
     return ND_OK;
 }
 
+/* recall_adapt on a RoPE layer (GQA/MHA-RoPE, MLA-RoPE), once, between the prompt's last step and
+ * the first decode step: each KV head with a key basis gets the top-rank eigenvectors of the
+ * uncentred second moment of its own keys over the prompt (positions [0, decode_start), at most
+ * ND_ADAPT_KEY_ROWS (65,536) of them evenly spaced; a row holding a NaN or Inf skipped) — what
+ * kvtier-inspect calibrate fits from other traces, fitted on the request itself — through
+ * kvt_ctx_refit_recall_head_basis (flags 0: the trigger has not calibrated yet). */
+#define ND_ADAPT_KEY_ROWS 65536u
+
+static int adapt_keys(kvt_ctx *ctx, const nd_case *c, nd_adapt *a, nd_recall_stats *st,
+                      char *err, size_t err_len) {
+    const kvt_layer_spec *sp = &c->spec;
+    const uint32_t D = sp->kind == KVT_LAYER_MLA_ROPE ? sp->value_dim : sp->head_dim;
+    const size_t tb = nd_token_bytes(sp);
+    const uint64_t N = c->decode_start;
+    const uint64_t step = N > ND_ADAPT_KEY_ROWS ? (N + ND_ADAPT_KEY_ROWS - 1) / ND_ADAPT_KEY_ROWS
+                                                : 1;
+    float *x = malloc(sizeof(float) * D), *V = malloc(sizeof(float) * KVT_RECALL_MAX_RANK * D);
+    eig_acc acc = {0};
+    int rc = x && V ? ND_OK : nd_fail(err, err_len, ND_ENOMEM, "recall_adapt: key fit scratch");
+    for (uint32_t h = 0; rc == ND_OK && h < sp->n_kv_heads; h++) {
+        uint32_t rank = 0;
+        kvt_status s = kvt_ctx_recall_head_basis(ctx, 0, h, &rank, NULL);
+        if (s != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_recall_head_basis");
+            break;
+        }
+        if (rank == 0)
+            continue;
+        if (eig_acc_init(&acc, D, false) != EIG_OK) {
+            rc = nd_fail(err, err_len, ND_ENOMEM, "recall_adapt: key sums");
+            break;
+        }
+        for (uint64_t p = 0; p < N; p += step) {
+            const uint8_t *row = c->rows + p * tb + (size_t)h * sp->row_bytes;
+            bool finite = true;
+            for (uint32_t d = 0; d < D; d++)
+                finite &= isfinite(x[d] = kvt_ref_load(row, sp->dtype, d)) != 0;
+            if (finite)
+                eig_acc_add(&acc, x);
+        }
+        char e2[512];
+        int e = eig_top(&acc, rank, V, NULL, NULL, e2, sizeof e2);
+        eig_acc_free(&acc);
+        if (e != EIG_OK) {
+            rc = nd_fail(err, err_len, e == EIG_ENOMEM ? ND_ENOMEM : ND_ELIB,
+                         "recall_adapt: KV head %u's key fit: %s", h, e2);
+            break;
+        }
+        if ((s = kvt_ctx_refit_recall_head_basis(ctx, 0, h, V, rank, 0, NULL)) != KVT_OK) {
+            rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_refit_recall_head_basis");
+            break;
+        }
+        a->refits++;
+    }
+    if (st)
+        st->refits = a->refits;
+    free(x);
+    free(V);
+    return rc;
+}
+
 /* nd_run_params.snapshot_at: every request to a file, destroyed, restored from it. */
 static int snapshot_drill(kvt_ctx *ctx, const nd_run_params *p, kvt_seq **seqs, uint32_t n,
                           char *err, size_t err_len) {
@@ -586,11 +648,6 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         return nd_fail(err, err_len, ND_EARG, "recall: mode %d, sketch rank %u", (int)p->recall,
                        p->recall_rank);
     const bool adapt = recall && p->recall_adapt;
-    if (adapt && c->spec.kind != KVT_LAYER_MLA_NOPE)
-        return nd_fail(err, err_len, ND_EARG,
-                       "recall_adapt: an MLA-NoPE layer's recall only (this case's layer is %s; "
-                       "a RoPE layer's basis is fitted to keys, per KV head)",
-                       kvt_layer_kind_name(c->spec.kind));
     if (adapt && !p->recall_basis)
         return nd_fail(err, err_len, ND_EARG, "recall_adapt needs a basis to start from (the "
                        "case's query subspace or a basis file), not recall without a basis");
@@ -644,6 +701,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
     uint8_t *archived = NULL;
     nd_rowmap rmap = {0}; /* recall on RoPE: fetched rows identified by content */
     nd_adapt ad = {0};    /* recall_adapt */
+    bool keys_fitted = false; /* recall_adapt on a RoPE layer: adapt_keys ran */
     const size_t qn = (size_t)c->n_q_heads * c->q_dim;
     int rc = ND_OK;
     kvt_status s = kvt_model_create(sp, 1, "kvtier-needle", &model, e2, sizeof e2);
@@ -720,7 +778,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_set_recall_basis");
         goto done;
     }
-    if (adapt) {
+    if (adapt && !rope) { /* (a RoPE layer's key bases: adapt_keys, at the decode phase) */
         if ((s = kvt_ctx_recall_basis(ctx, 0, &ad.rank, NULL)) != KVT_OK) {
             rc = lib_fail(err, err_len, ctx, s, "kvt_ctx_recall_basis");
             goto done;
@@ -825,6 +883,11 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
         bool emitted = false;
         uint32_t topk = 0;
         while (!emitted) {
+            if (adapt && rope && !keys_fitted && committed == c->decode_start) {
+                if ((rc = adapt_keys(ctx, c, &ad, p->recall_stats, err, err_len)) != ND_OK)
+                    goto done;
+                keys_fitted = true;
+            }
             uint64_t n64 = P - committed;
             /* Recall: the prompt (rows before the decode phase) in chunks, then one row per
              * decode step, each run with its step's queries. */
@@ -908,7 +971,7 @@ int nd_run(const nd_case *c, const nd_refs *refs, const nd_run_params *p, nd_res
                 (rc = recall_account(ctx, seqs, NB, c->decode_target[k_dec] >= 0,
                                      p->recall_stats, err, err_len)) != ND_OK)
                 goto done;
-            if (dec && adapt &&
+            if (dec && adapt && !rope &&
                 (rc = adapt_step(&ad, ctx, c, k_dec, p->recall_stats, err, err_len)) != ND_OK)
                 goto done;
             if (++steps == p->snapshot_at && (rc = snapshot_drill(ctx, p, seqs, NB, err,
