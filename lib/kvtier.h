@@ -53,8 +53,9 @@
  *               kvt_seq_read_row, kvt_seq_positions, kvt_seq_last_slot_map,
  *               kvt_seq_block_table, kvt_seq_first_row, kvt_seq_pages_needed, kvt_seq_scores),
  *               the snapshot calls (kvt_seq_snapshot*, kvt_seq_restore*), and
- *               kvt_ctx_set_recall_basis / kvt_ctx_load_recall_basis (before any reserve) and
- *               kvt_ctx_recall_basis. They own the row
+ *               kvt_ctx_set_recall_basis / kvt_ctx_load_recall_basis (before any reserve),
+ *               kvt_ctx_refit_recall_basis / kvt_ctx_refit_recall_head_basis (between steps)
+ *               and kvt_ctx_recall_basis. They own the row
  *               pool's page allocators (reserve takes pages; commit, kvt_seq_destroy and an
  *               abandoned step return them), the context's lists of requests and batches, and
  *               every request between steps. At most one thread at a time in scheduler calls of
@@ -778,8 +779,9 @@ KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint
  * layer starts its conformal calibration again (its next steps with archived rows attend every
  * row, as its first did, until z is fixed) unless flags has KVT_REFIT_KEEP_Z. The basis stays in
  * the same backend buffer, so a recorded planned step (kvt_batch_plan_device) stays valid.
- * stream: where the sketches run (a cudaStream_t on the CUDA backend; NULL: the default one);
- * the call returns once they are done. Cost: the close's sketch of every closed row (CPU, one
+ * stream: where the sketches run (a cudaStream_t on the CUDA backend, stream-ordered after the
+ * previous step's device work — the stream of its runs and commit — or NULL, the default one,
+ * which waits for all of it); the call returns once they are done. Cost: the close's sketch of every closed row (CPU, one
  * thread, rank 64, 512 latent values: 0.9–1.1 µs a row at 16 bits, 1.35–1.5 µs at 8; 1.0–1.6
  * dense decode steps of bench_decode_step at 32k and 128k rows). The basis is the layer's: every
  * request on it gets the new one (snapshots name it by id, kvt_layer_stats.recall_basis_id).
@@ -788,7 +790,9 @@ KVT_API kvt_status kvt_ctx_recall_basis(const kvt_ctx *ctx, uint32_t layer, uint
  * KVT_ERR_OUT_OF_RANGE (nothing changed) for a rank other than the layer's basis's, or when the
  * layer has no basis yet and a request reserved rows, KVT_ERR_INVALID_ARGUMENT for flags other
  * than 0 and KVT_REFIT_KEEP_Z; a backend failure while sketching is KVT_ERR_CORRUPT naming the
- * request (its sketches on the layer are mixed: destroy it; every stored row is intact). */
+ * first request it hit and how many (every other request is still sketched again; theirs mix
+ * two bases: call again with the same V, which sketches every request again, or destroy them;
+ * every stored row is intact). */
 KVT_API kvt_status kvt_ctx_refit_recall_basis(kvt_ctx *ctx, uint32_t layer, const float *V,
                                               uint32_t rank, uint32_t flags, void *stream);
 /* Give KV head `kv_head` of an evict (GQA/MHA-RoPE or MLA-RoPE) layer its key basis
@@ -822,7 +826,8 @@ KVT_API kvt_status kvt_ctx_recall_head_basis(const kvt_ctx *ctx, uint32_t layer,
  * top eigenvectors of the uncentred second moment of the head's post-RoPE keys, what
  * kvtier-inspect calibrate fits from traces — is what a basis fitted on other text lacks
  * (docs/needle.md). Errors as kvt_ctx_refit_recall_basis's, and KVT_ERR_OUT_OF_RANGE for a KV
- * head out of range; KVT_ERR_POLICY_MISMATCH on a layer without key sketches. */
+ * head out of range or one without a basis; KVT_ERR_POLICY_MISMATCH on a layer that is not an
+ * evict layer, KVT_ERR_UNSUPPORTED on one whose archive keeps no key sketches. */
 KVT_API kvt_status kvt_ctx_refit_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_t kv_head,
                                                    const float *V, uint32_t rank, uint32_t flags,
                                                    void *stream);

@@ -33,8 +33,14 @@ static kvt_status refit(kvt_ctx *ctx, const char *fn, uint32_t layer, uint32_t h
         return kvt__ctx_fail(ctx, s, "%s: writing V", fn);
     *id_out = kvt__basis_id(V, n);
     *omega_out = omega;
-    /* From here on the basis is V: every live request's sketches follow it. */
+    /* From here on the basis is V: every live request's sketches follow it. A request that
+     * fails does not stop the others (each is sketched again whatever happened before it); the
+     * first failure is named with the count. */
     const uint64_t epoch = ++ctx->refits;
+    uint32_t failed = 0;
+    uint64_t first_id = 0;
+    kvt_status first = KVT_OK;
+    char why[160] = "";
     for (kvt_seq *q = ctx->seqs; q; q = q->next) {
         kvt__env env = kvt__ctx_env(ctx, q, stream);
         kvt__tier_layer l = kvt__seq_tier_layer(q, layer);
@@ -44,21 +50,27 @@ static kvt_status refit(kvt_ctx *ctx, const char *fn, uint32_t layer, uint32_t h
         kvt__recall_layer *r = s == KVT_OK ? kvt__seq_recall_base(q, layer) : NULL;
         if (r)
             s = kvt__recall_layer_rebase(r, be, !(flags & KVT_REFIT_KEEP_Z));
-        if (s != KVT_OK) {
-            char why[160];
+        if (s != KVT_OK && failed++ == 0) {
+            first = s;
+            first_id = q->request_id;
             snprintf(why, sizeof why, "%s", kvt__tls_error());
-            return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT,
-                                 "%s: request %llu, layer %u: sketching its rows with the new "
-                                 "basis failed (%s: %s); its sketches mix two bases: destroy it "
-                                 "(its stored rows are intact)",
-                                 fn, (unsigned long long)q->request_id, layer,
-                                 kvt_status_name(s), why);
         }
     }
     float probe; /* the sketches ran on stream: one read after them waits for them */
-    if ((s = be->ops->read(be, &probe, dst, sizeof probe, stream)) != KVT_OK)
-        return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT, "%s: waiting for the sketches of layer %u",
-                             fn, layer);
+    s = be->ops->read(be, &probe, dst, sizeof probe, stream);
+    if (failed)
+        return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT,
+                             "%s: layer %u: sketching the rows of %u request(s) with the new basis "
+                             "failed, the first request %llu (%s: %s); their sketches mix two "
+                             "bases: call again with the same V (every request is sketched "
+                             "again) or destroy them (their stored rows are intact)",
+                             fn, layer, failed, (unsigned long long)first_id,
+                             kvt_status_name(first), why);
+    if (s != KVT_OK)
+        return kvt__ctx_fail(ctx, KVT_ERR_CORRUPT,
+                             "%s: layer %u: waiting for the sketches failed (%s): the requests' "
+                             "sketches may mix two bases; call again with the same V",
+                             fn, layer, kvt_status_name(s));
     return KVT_OK;
 }
 
@@ -141,6 +153,13 @@ kvt_status kvt_ctx_refit_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_
     if (s != KVT_OK)
         return s;
     kvt__store *st = &ctx->stores[layer];
+    const kvt__policy_ops *t = kvt__layer_policy(ctx, layer);
+    if (ctx->sketch_rank == 0 || t->archive_sketch_stride(&st->spec, ctx->sketch_rank) == 0)
+        return kvt__ctx_fail(ctx, KVT_ERR_UNSUPPORTED,
+                             "%s: layer %u keeps no archive key sketches (params."
+                             "recall_sketch_rank %u; sketched: GQA/MHA and MLA-RoPE layers of "
+                             "bf16, fp16 or fp32 rows)",
+                             fn, layer, ctx->sketch_rank);
     if (kv_head >= st->spec.n_kv_heads)
         return kvt__ctx_fail(ctx, KVT_ERR_OUT_OF_RANGE, "%s: KV head %u of %u", fn, kv_head,
                              st->spec.n_kv_heads);
@@ -153,7 +172,7 @@ kvt_status kvt_ctx_refit_recall_head_basis(kvt_ctx *ctx, uint32_t layer, uint32_
                                     "kvt_ctx_set_recall_head_basis before any request reserves "
                                     "rows",
                              fn, rank, kv_head, have);
-    const uint32_t D = kvt__layer_policy(ctx, layer)->archive_key_dim(&st->spec);
+    const uint32_t D = t->archive_key_dim(&st->spec);
     float omega = 0.0f;
     s = refit_checks(ctx, fn, layer, V, rank, D, flags, &omega);
     if (s != KVT_OK)

@@ -2030,3 +2030,67 @@ Test(recall_refit, recalibration_keep_z_and_refusals, .timeout = 120) {
     cr_assert_eq(kvt_seq_check(r.seq), KVT_OK, "%s", kvt_last_error());
     rig_close(&r);
 }
+
+/* A backend table whose sketch_rows fails on its first call (then works): a refit's failure. */
+static kvt__backend_ops g_failing_ops;
+static const kvt__backend_ops *g_real_ops;
+static int g_sketch_calls;
+static kvt_status failing_sketch_rows(const kvt__backend *be, const kvt__sketch_args *a,
+                                      uint32_t n, void *stream) {
+    if (g_sketch_calls++ == 0)
+        return KVT_ERR_OUT_OF_MEMORY;
+    return g_real_ops->sketch_rows(be, a, n, stream);
+}
+
+/* A request whose re-sketch fails does not stop the others: the refit returns KVT_ERR_CORRUPT
+ * naming the first failure and the count, every other request follows the new basis, and the
+ * same call again sketches every request again (both then equal a context that had the new
+ * basis from the start, and calibrate again). */
+Test(recall_refit, a_failed_request_does_not_stop_the_others) {
+    static float V2[RB * D];
+    tu_rng g2 = {.s = 2024};
+    cr_assert(tu_orthonormal_rows(&g2, RB, D, V2));
+    rig a, b;
+    rig_open(&a, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 6060);
+    rig_open(&b, KVT_BACKEND_CPU, KVT_RECALL_CONFORMAL, 4096, 1.0f, 6060);
+    cr_assert_eq(kvt_ctx_set_recall_basis(b.ctx, 0, V2, RB), KVT_OK, "%s", kvt_last_error());
+    static step_out oa, ob;
+    prefill(&a, 64 * 5 + 7);
+    prefill(&b, 64 * 5 + 7);
+    float q[H * QD];
+    for (uint32_t step = 0; step < 10; step++) {
+        make_queries(&a, q, -1);
+        make_queries(&b, q, -1);
+        decode(&a, q, &oa);
+        decode(&b, q, &ob);
+    }
+    kvt_seq *ca, *cb;
+    cr_assert_eq(kvt_seq_fork(a.seq, 31, &ca), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_fork(b.seq, 31, &cb), KVT_OK, "%s", kvt_last_error());
+    g_real_ops = a.ctx->backend.ops;
+    g_failing_ops = *g_real_ops;
+    g_failing_ops.sketch_rows = failing_sketch_rows;
+    g_sketch_calls = 0;
+    a.ctx->backend.ops = &g_failing_ops;
+    cr_assert_eq(kvt_ctx_refit_recall_basis(a.ctx, 0, V2, RB, 0, NULL), KVT_ERR_CORRUPT);
+    a.ctx->backend.ops = g_real_ops;
+    cr_assert(strstr(kvt_last_error(), "of 1 request(s)") && strstr(kvt_last_error(), "call again"),
+              "%s", kvt_last_error());
+    cr_assert_gt(g_sketch_calls, 1, "the requests after the failing one were sketched");
+    /* the one that did not fail follows V2 already: the shared set (sketched by whichever
+     * holder came second) and its own rows */
+    expect_same_planes(&a, a.seq, &b, b.seq, "the parent after the failed refit");
+    cr_assert_eq(kvt_ctx_refit_recall_basis(a.ctx, 0, V2, RB, 0, NULL), KVT_OK, "%s",
+                 kvt_last_error());
+    expect_same_planes(&a, a.seq, &b, b.seq, "the parent after the second call");
+    expect_same_planes(&a, ca, &b, cb, "the child after the second call");
+    kvt_layer_stats sa = {.struct_size = sizeof sa}, sc = sa;
+    cr_assert_eq(kvt_seq_layer_stats(a.seq, 0, &sa), KVT_OK);
+    cr_assert_eq(kvt_seq_layer_stats(ca, 0, &sc), KVT_OK);
+    cr_assert_eq(sa.recall_phase, 0);
+    cr_assert_eq(sc.recall_phase, 0);
+    kvt_seq_destroy(ca);
+    kvt_seq_destroy(cb);
+    rig_close(&a);
+    rig_close(&b);
+}

@@ -2983,4 +2983,16 @@ Test(rope_refit, refitted_head_sketches_equal_the_oracle, .timeout = 120) {
     refit_head_run(KVT_BACKEND_GUARDED, true, 3303);
     if (tu_cuda_backend_usable())
         refit_head_run(KVT_BACKEND_CUDA, false, 3304);
+    /* an archive without key sketches (params.recall_sketch_rank 0): unsupported, named */
+    rr x;
+    rr_init(&x, 2, 64, rr_cfg(32, 8, 16), 0, NULL, KVT_BACKEND_CPU, 3305);
+    rr_step(&x, 40, false);
+    float *V = malloc(sizeof(float) * 8 * 64);
+    tu_rng g = {.s = 9};
+    cr_assert(V && tu_orthonormal_rows(&g, 8, 64, V));
+    cr_assert_eq(kvt_ctx_refit_recall_head_basis(x.ctx, 0, 0, V, 8, 0, NULL),
+                 KVT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvt_last_error(), "no archive key sketches"), "%s", kvt_last_error());
+    free(V);
+    rr_fini(&x);
 }
