@@ -89,6 +89,12 @@ struct kvt_seq {
     uint32_t n_cow;
 };
 
+/* Is the request in a step: rows reserved and not committed, held by a batch, or planned? The
+ * calls that want it between steps (snapshots, basis refits) refuse it then. */
+static inline bool kvt__seq_in_step(const kvt_seq *seq) {
+    return seq->n_pending || seq->batch || seq->in_step;
+}
+
 /* The policy state of layer `layer` of a request (opaque: only the layer's table reads it). */
 static inline kvt__tier_state *kvt__seq_state(const kvt_seq *seq, uint32_t layer) {
     return kvt__tier_state_at(seq->layers, layer);

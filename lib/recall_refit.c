@@ -12,7 +12,7 @@
 /* No request of ctx in a step (reserved, not committed): KVT_OK, else KVT_ERR_BAD_STATE named. */
 static kvt_status between_steps(const kvt_ctx *ctx, const char *fn) {
     for (const kvt_seq *q = ctx->seqs; q; q = q->next)
-        if (q->n_pending || q->in_step || q->batch)
+        if (kvt__seq_in_step(q))
             return kvt__ctx_fail(ctx, KVT_ERR_BAD_STATE,
                                  "%s: request %llu is in a step (reserved, not committed): the "
                                  "basis is replaced between steps",

@@ -360,7 +360,7 @@ static kvt__tier_layer tier_layer(const kvt_seq *seq, uint32_t i) {
 /* Snapshot                                                                                     */
 /* ------------------------------------------------------------------------------------------- */
 static kvt_status between_steps(const kvt_seq *seq) {
-    if (seq->n_pending || seq->batch || seq->in_step)
+    if (kvt__seq_in_step(seq))
         return kvt__ctx_fail(seq->ctx, KVT_ERR_BAD_STATE,
                              "request %llu has a reservation open (%u tokens reserved, not "
                              "committed): snapshots are taken between steps",

@@ -1606,14 +1606,22 @@ Test(recall_step, a_host_query_on_the_guarded_backend_is_the_callers_error) {
     rig_close(&r);
 }
 
-/* A rig's sketch planes (fp16 sketches and, at 8 bits, the 8-bit planes) of its closed rows,
- * read from its backend into out (NMAX rows of 2 · sk_stride bytes at most); their bytes. */
-static size_t sketch_planes(rig *r, uint8_t *out) {
-    const kvt__sal *s = &kvt__seq_state(r->seq, 0)->sal;
+/* A request's sketch planes of its closed rows, the shared set's rows first (fp16 sketches and,
+ * at 8 bits, the 8-bit planes), then its ρ: into csk / rho, their bytes in *n_csk. */
+static void planes_of(const rig *r, const kvt_seq *seq, uint8_t *csk, float *rho, size_t *n_csk) {
+    const kvt__sal *s = &kvt__seq_state(seq, 0)->sal;
     const kvt__backend *be = &r->ctx->backend;
-    const size_t bytes = sizeof(uint16_t) * s->sk_stride * s->closed_rows;
-    cr_assert_eq(be->ops->read(be, out, s->csk, bytes, NULL), KVT_OK);
-    return bytes;
+    const size_t row = sizeof(uint16_t) * s->sk_stride;
+    if (s->n_head) {
+        cr_assert_eq(be->ops->read(be, csk, s->head->csk, row * s->n_head, NULL), KVT_OK);
+        cr_assert_eq(be->ops->read(be, rho, s->head->rho, sizeof *rho * s->n_head, NULL), KVT_OK);
+    }
+    const uint64_t own = s->closed_rows - s->n_head;
+    if (own) {
+        cr_assert_eq(be->ops->read(be, csk + row * s->n_head, s->csk, row * own, NULL), KVT_OK);
+        cr_assert_eq(be->ops->read(be, rho + s->n_head, s->rho, sizeof *rho * own, NULL), KVT_OK);
+    }
+    *n_csk = row * s->closed_rows;
 }
 
 /* The 8-bit scan (params.recall_scan_bits 8) inside the step: two rigs over the same rows and
@@ -1665,8 +1673,11 @@ Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
                 make_queries(&rc, qc, target);
                 cr_assert_eq(memcmp(q, qc, sizeof q), 0);
                 decode(&rc, qc, &cu);
-                const size_t nb = sketch_planes(&r8, pl8);
-                cr_assert_eq(sketch_planes(&rc, plc), nb);
+                static float rho8[NMAX], rhoc[NMAX];
+                size_t nb, nc;
+                planes_of(&r8, r8.seq, pl8, rho8, &nb);
+                planes_of(&rc, rc.seq, plc, rhoc, &nc);
+                cr_assert_eq(nc, nb);
                 cr_assert_eq(memcmp(pl8, plc, nb), 0, "mode %d step %u: CUDA's 8-bit planes "
                              "differ from the guarded backend's", (int)mode, step);
                 cr_assert_eq(cu.dense, b.dense, "mode %d step %u: dense", (int)mode, step);
@@ -1770,24 +1781,6 @@ Test(recall_step, scan_bits_8_emits_a_superset_and_snapshots, .timeout = 240) {
     kvt_model_destroy(mdl);
 }
 
-/* A request's sketch planes of its closed rows, the shared set's rows first (fp16 sketches and,
- * at 8 bits, the 8-bit planes), then its ρ: into csk / rho, their bytes in *n_csk. */
-static void planes_of(const rig *r, const kvt_seq *seq, uint8_t *csk, float *rho, size_t *n_csk) {
-    const kvt__sal *s = &kvt__seq_state(seq, 0)->sal;
-    const kvt__backend *be = &r->ctx->backend;
-    const size_t row = sizeof(uint16_t) * s->sk_stride;
-    if (s->n_head) {
-        cr_assert_eq(be->ops->read(be, csk, s->head->csk, row * s->n_head, NULL), KVT_OK);
-        cr_assert_eq(be->ops->read(be, rho, s->head->rho, sizeof *rho * s->n_head, NULL), KVT_OK);
-    }
-    const uint64_t own = s->closed_rows - s->n_head;
-    if (own) {
-        cr_assert_eq(be->ops->read(be, csk + row * s->n_head, s->csk, row * own, NULL), KVT_OK);
-        cr_assert_eq(be->ops->read(be, rho + s->n_head, s->rho, sizeof *rho * own, NULL), KVT_OK);
-    }
-    *n_csk = row * s->closed_rows;
-}
-
 static void expect_same_planes(const rig *a, const kvt_seq *sa, const rig *b, const kvt_seq *sb,
                                const char *what) {
     static uint8_t ca[NMAX * 2 * 256], cb[NMAX * 2 * 256];
@@ -1819,8 +1812,8 @@ static void expect_same_step_out(const step_out *a, const step_out *b, const cha
  * equal B's byte for byte, and for 70 more steps A emits B's sets slot for slot, fetches and
  * visits as many rows; the pruned scan's groups are to be built anew (white-box). Sound mode
  * with 64-row blocks (a close after the refit), and conformal with 256-row blocks; planned steps
- * (kvt_batch_plan_device with the lagged query) on both sides once. CPU and guarded backends at 16 and 8 bits, and the CUDA backend
- * where it opens (the emulation, a device). */
+ * (kvt_batch_plan_device with the lagged query) on both sides once. CPU and guarded backends at
+ * 16 and 8 bits, and the CUDA backend where it opens (the emulation, a device). */
 static void refit_case(kvt_backend_kind be, uint32_t bits, kvt_recall_mode mode, bool planned) {
     static step_out oa, ob;
     static uint8_t before[NMAX * 2 * 256], after[NMAX * 2 * 256];

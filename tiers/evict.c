@@ -403,27 +403,37 @@ static kvt__sketch_args archive_sketch_args(const kvt__env *env, const kvt__stor
 /* Sketch blocks per backend call (a stack array). */
 #define KVT__EV_SKETCH_CHUNK 16u
 
+/* Sketch archive rows [r0, r1) of heads [h0, h1) (the heads' bases from the store),
+ * KVT__EV_SKETCH_ROWS rows a block, KVT__EV_SKETCH_CHUNK blocks a backend call. */
+static kvt_status archive_sketch(const kvt__env *env, const kvt__store *st, const kvt__ev *e,
+                                 uint32_t h0, uint32_t h1, uint64_t r0, uint64_t r1) {
+    const kvt__backend *be = env->backend;
+    kvt__sketch_args args[KVT__EV_SKETCH_CHUNK];
+    uint32_t k = 0;
+    kvt_status s = KVT_OK;
+    for (uint32_t h = h0; h < h1 && s == KVT_OK; h++)
+        for (uint64_t r = r0; r < r1 && s == KVT_OK; r += KVT__EV_SKETCH_ROWS) {
+            uint64_t n = r1 - r < KVT__EV_SKETCH_ROWS ? r1 - r : KVT__EV_SKETCH_ROWS;
+            args[k++] = archive_sketch_args(env, st, e, h, r, (uint32_t)n);
+            if (k == KVT__EV_SKETCH_CHUNK) {
+                s = be->ops->sketch_rows(be, args, k, env->stream);
+                k = 0;
+            }
+        }
+    if (s == KVT_OK && k)
+        s = be->ops->sketch_rows(be, args, k, env->stream);
+    return s;
+}
+
 /* The policy's resketch: head h's archived rows [0, sk_n) sketched again with the head's basis
- * (just replaced), KVT__EV_SKETCH_ROWS rows a block. The branches (a host archive's device copy)
- * do not depend on the basis. */
+ * (just replaced). The branches (a host archive's device copy) do not depend on the basis. */
 static kvt_status ev_resketch(kvt__tier_state *s, const kvt__env *env, const kvt__tier_layer *l,
                               uint32_t h, uint64_t epoch) {
     (void)epoch; /* nothing is shared between requests */
     kvt__ev *e = &s->ev;
     if (!e->archive || e->sk_stride == 0 || e->sk_n == 0 || h >= e->n_heads)
         return KVT_OK;
-    const kvt__backend *be = env->backend;
-    kvt__sketch_args args[KVT__EV_SKETCH_CHUNK];
-    uint32_t k = 0;
-    kvt_status rc = KVT_OK;
-    for (uint64_t r = 0; r < e->sk_n && rc == KVT_OK; r += KVT__EV_SKETCH_ROWS) {
-        uint64_t n = e->sk_n - r < KVT__EV_SKETCH_ROWS ? e->sk_n - r : KVT__EV_SKETCH_ROWS;
-        args[k++] = archive_sketch_args(env, l->st, e, h, r, (uint32_t)n);
-        if (k == KVT__EV_SKETCH_CHUNK || r + n >= e->sk_n) {
-            rc = be->ops->sketch_rows(be, args, k, env->stream);
-            k = 0;
-        }
-    }
+    kvt_status rc = archive_sketch(env, l->st, e, h, h + 1, 0, e->sk_n);
     return rc == KVT_OK ? KVT_OK
                         : kvt__fail(env->err, env->err_len, rc,
                                     "evict: sketching KV head %u's archived rows of layer %u again",
@@ -435,20 +445,7 @@ kvt_status kvt__ev_sketch_pending(const kvt__env *env, const kvt__store *st, kvt
         return KVT_OK;
     KVT_ASSERT(e->page_rows == env->page_rows && st->spec.n_kv_heads == e->n_heads);
     const kvt__backend *be = env->backend;
-    kvt__sketch_args args[KVT__EV_SKETCH_CHUNK];
-    uint32_t k = 0;
-    kvt_status s = KVT_OK;
-    for (uint32_t h = 0; h < e->n_heads && s == KVT_OK; h++)
-        for (uint64_t r = e->sk_n; r < e->ar_n && s == KVT_OK; r += KVT__EV_SKETCH_ROWS) {
-            uint64_t n = e->ar_n - r < KVT__EV_SKETCH_ROWS ? e->ar_n - r : KVT__EV_SKETCH_ROWS;
-            args[k++] = archive_sketch_args(env, st, e, h, r, (uint32_t)n);
-            if (k == KVT__EV_SKETCH_CHUNK) {
-                s = be->ops->sketch_rows(be, args, k, env->stream);
-                k = 0;
-            }
-        }
-    if (s == KVT_OK && k)
-        s = be->ops->sketch_rows(be, args, k, env->stream);
+    kvt_status s = archive_sketch(env, st, e, 0, e->n_heads, e->sk_n, e->ar_n);
     /* a host archive's rotated branches into their device plane (what the scan reads) */
     for (uint32_t h = 0; h < e->n_heads && s == KVT_OK && e->br_bytes; h++)
         s = be->ops->copy_rows(be, e->ar_branch + ((size_t)h * e->ar_cap + e->sk_n) * e->br_bytes,
