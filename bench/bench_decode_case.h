@@ -8,7 +8,13 @@
  * params.recall_scan_bits 16 or 8) or off. The data (dec_data, dec_row, dec_query):
  *   structured  latents with 90% of their energy in a rank-64 subspace, 4 sink rows along a
  *               direction every query shares, an isotropic branch; the recall basis that subspace;
- *   random      isotropic rows and queries, no sinks; a random rank-64 basis.
+ *   random      isotropic rows and queries, no sinks; a random rank-64 basis;
+ *   needle      a kvtier-needle trace (dec_data_init_trace; bench/needle_data.sh writes it): its
+ *               rows and its decode phase's queries (filler and no-salience needle queries, in
+ *               the trace's order), the basis file beside it (the generator's query subspace).
+ *               The trace's decode phase starts at N − B/2 rows, where the timed steps of the
+ *               other data start; rows past the trace's (the closing step's fill) repeat its
+ *               rows from the sinks on, and steps past its decode phase its queries.
  * The measurement (dec_measure, over a bench's own step): calibration steps (recall: untimed,
  * until the layer's recall_calib_steps stops growing), R windows of T timed steps, then the
  * request filled to one row short of its open block's end and one step that closes the block;
@@ -29,6 +35,7 @@
 
 #include "bench_data.h"
 #include "kvtier.h"
+#include "kvtier_trace.h"
 
 enum { DEC_H = 32, DEC_KD = 576, DEC_D = 512, DEC_BD = 64, DEC_RANK = 64, DEC_BLK = 4096,
        DEC_SINKS = 4, DEC_RATIO = 32, DEC_ROW = DEC_KD * 2, DEC_MAXW = 16, DEC_MAXT = 64 };
@@ -36,15 +43,28 @@ enum { DEC_H = 32, DEC_KD = 576, DEC_D = 512, DEC_BD = 64, DEC_RANK = 64, DEC_BL
 #define DEC_Q_SHARED 10.0f
 #define DEC_SINK_LEN 16.6f
 
+enum { DEC_RANDOM = 0, DEC_STRUCTURED = 1, DEC_NEEDLE = 2 };
+
 typedef struct dec_data {
-    int structured;
+    int kind;        /* DEC_RANDOM, DEC_STRUCTURED or DEC_NEEDLE */
     float *basis;    /* [DEC_RANK][DEC_D] orthonormal */
     float u[DEC_KD]; /* the sinks' and the queries' shared direction (structured) */
+    /* needle: the trace's rows [t_n][DEC_ROW], its decode queries [t_steps][DEC_H][DEC_KD]
+     * (unscaled), the rows before its decode phase (decode step k appends row t_start + k) */
+    uint8_t *t_rows;
+    float *t_q;
+    uint64_t t_n, t_start;
+    uint32_t t_steps;
 } dec_data;
+
+static inline const char *dec_kind_name(int kind) {
+    return kind == DEC_NEEDLE ? "needle" : kind == DEC_STRUCTURED ? "structured" : "random";
+}
 
 /* The case's data: its basis, then the sinks' direction (both drawn, whatever the data). */
 static inline void dec_data_init(dec_data *g, int structured) {
-    g->structured = structured;
+    memset(g, 0, sizeof *g);
+    g->kind = structured ? DEC_STRUCTURED : DEC_RANDOM;
     g->basis = malloc(sizeof(float) * DEC_RANK * DEC_D);
     if (!g->basis) {
         fprintf(stderr, "decode case: out of memory\n");
@@ -60,14 +80,81 @@ static inline void dec_data_init(dec_data *g, int structured) {
         g->u[i] /= (float)sqrt(un);
 }
 
+/* The needle data at N rows: the trace at `trace` (its first layer: MLA-NoPE, DEC_H heads of
+ * DEC_KD queries, rows of DEC_ROW bytes, a decode phase that starts at N − B/2 rows) and the
+ * basis file at `basis` (rank DEC_RANK, dim DEC_D), both read whole. Exits with a message on a
+ * file that does not fit. */
+static inline void dec_data_init_trace(dec_data *g, const char *trace, const char *basis,
+                                       uint32_t N) {
+    memset(g, 0, sizeof *g);
+    g->kind = DEC_NEEDLE;
+    char err[256] = "";
+    kvt_trace *t = NULL;
+    kvt_trace_layer li;
+    kvt_recall_basis_info bi;
+    uint64_t pos = 0;
+    kvt_status s = kvt_trace_open(trace, &t, err, sizeof err);
+    if (s || (s = kvt_trace_layer_info(t, 0, &li))) {
+        fprintf(stderr, "decode case: %s: %s (%s)\n", trace, kvt_status_name(s),
+                t ? kvt_trace_last_error(t) : err);
+        exit(1);
+    }
+    const uint64_t start = li.n_tokens > li.n_steps ? li.n_tokens - li.n_steps : 0;
+    if (li.spec.kind != KVT_LAYER_MLA_NOPE || li.n_q_heads != DEC_H || li.q_dim != DEC_KD ||
+        li.spec.n_kv_heads != 1 || li.spec.row_bytes != DEC_ROW || li.n_steps < 2 ||
+        li.n_steps > 4096 || kvt_trace_query_position(t, 0, 0, &pos) || pos != start + 1 ||
+        start != (uint64_t)N - DEC_BLK / 2) {
+        fprintf(stderr,
+                "decode case: %s: not this case's trace (want an MLA-NoPE layer of %d heads and "
+                "%d B rows whose decode phase starts at %u rows; bench/needle_data.sh writes one)\n",
+                trace, DEC_H, DEC_ROW, N - DEC_BLK / 2);
+        exit(1);
+    }
+    g->t_n = li.n_tokens;
+    g->t_start = start;
+    g->t_steps = (uint32_t)li.n_steps;
+    g->t_rows = malloc((size_t)DEC_ROW * g->t_n);
+    g->t_q = malloc(sizeof(float) * DEC_H * DEC_KD * g->t_steps);
+    g->basis = malloc(sizeof(float) * DEC_RANK * DEC_D);
+    if (!g->t_rows || !g->t_q || !g->basis) {
+        fprintf(stderr, "decode case: out of memory\n");
+        exit(1);
+    }
+    s = kvt_trace_read_rows(t, 0, 0, 0, g->t_n, g->t_rows, (size_t)DEC_ROW * g->t_n);
+    for (uint32_t k = 0; !s && k < g->t_steps; k++)
+        s = kvt_trace_read_query(t, 0, k, KVT_DTYPE_FP32, g->t_q + (size_t)k * DEC_H * DEC_KD,
+                                 sizeof(float) * DEC_H * DEC_KD, NULL);
+    if (s) {
+        fprintf(stderr, "decode case: %s: %s (%s)\n", trace, kvt_status_name(s),
+                kvt_trace_last_error(t));
+        exit(1);
+    }
+    kvt_trace_close(t);
+    if ((s = kvt_recall_basis_read(basis, &bi, g->basis, (size_t)DEC_RANK * DEC_D)) ||
+        bi.rank != DEC_RANK || bi.dim != DEC_D) {
+        fprintf(stderr, "decode case: %s: %s (want rank %d, dim %d)\n", basis,
+                s ? kvt_status_name(s) : "another shape", DEC_RANK, DEC_D);
+        exit(1);
+    }
+}
+
 static inline void dec_data_free(dec_data *g) {
     free(g->basis);
+    free(g->t_rows);
+    free(g->t_q);
     g->basis = NULL;
+    g->t_rows = NULL;
+    g->t_q = NULL;
 }
 
 /* Row r of the request, bf16 (r < DEC_SINKS: a sink on structured data). */
 static inline void dec_row(const dec_data *g, uint32_t r, uint8_t *row) {
-    if (!g->structured) {
+    if (g->kind == DEC_NEEDLE) { /* past the trace: its rows again from the sinks on */
+        const uint64_t i = r < g->t_n ? r : DEC_SINKS + (r - g->t_n) % (g->t_start - DEC_SINKS);
+        memcpy(row, g->t_rows + i * DEC_ROW, DEC_ROW);
+        return;
+    }
+    if (g->kind == DEC_RANDOM) {
         for (uint32_t i = 0; i < DEC_KD; i++)
             store_bf16(row, i, gauss());
         return;
@@ -75,10 +162,18 @@ static inline void dec_row(const dec_data *g, uint32_t r, uint8_t *row) {
     structured_row(row, r, DEC_SINKS, g->u, DEC_SINK_LEN, g->basis, DEC_RANK, DEC_D, DEC_BD);
 }
 
-/* The step's queries: q (unscaled, for the attention) and qs = DEC_SCALE·q (the library's). */
-static inline void dec_query(const dec_data *g, float *q, float *qs) {
+/* The queries of the step at n_rows rows before it: q (unscaled, for the attention) and qs =
+ * DEC_SCALE·q (the library's). */
+static inline void dec_query(const dec_data *g, uint64_t n_rows, float *q, float *qs) {
+    if (g->kind == DEC_NEEDLE) { /* decode step n_rows − t_start, its queries again past them */
+        const uint64_t k = (n_rows >= g->t_start ? n_rows - g->t_start : 0) % g->t_steps;
+        memcpy(q, g->t_q + k * DEC_H * DEC_KD, sizeof(float) * DEC_H * DEC_KD);
+        for (uint32_t i = 0; i < DEC_H * DEC_KD; i++)
+            qs[i] = (float)DEC_SCALE * q[i];
+        return;
+    }
     for (uint32_t i = 0; i < DEC_H * DEC_KD; i++) {
-        q[i] = gauss() + (g->structured ? DEC_Q_SHARED * g->u[i % DEC_KD] : 0.0f);
+        q[i] = gauss() + (g->kind == DEC_STRUCTURED ? DEC_Q_SHARED * g->u[i % DEC_KD] : 0.0f);
         qs[i] = (float)DEC_SCALE * q[i];
     }
 }
@@ -206,7 +301,7 @@ static inline kvt_status dec_step_begin(const dec_case *c, const dec_data *g, ui
     const uint32_t one = 1;
     kvt_seq *seq = c->seq;
     dec_row(g, (uint32_t)n_rows, row);
-    dec_query(g, q, qs);
+    dec_query(g, n_rows, q, qs);
     kvt_status s = kvt_batch_reserve(c->b, &seq, &one, 1);
     return s ? s : kvt_seq_write(seq, 0, 0, 0, 1, row, DEC_ROW);
 }
@@ -272,6 +367,7 @@ static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int b
      * the row's 8-bit plane (six fp32 values, the branch and sketch bytes padded to 4) and ρ */
     const double scan_row = bits == 8 ? 24.0 + (double)((DEC_BD + DEC_RANK + 3) / 4 * 4) + 4.0
                                       : 2.0 * DEC_RANK + 2.0 * DEC_BD + 4.0;
+    const double dec_group_row = 4.0 + (4.0 * (DEC_BD + DEC_RANK) + 4.0 + 20.0) / 32.0;
     for (int w = 0; w < R; w++) {
         double kt[DEC_MAXT], dt[DEC_MAXT];
         for (int t = 0; t < T; t++) {
@@ -283,8 +379,13 @@ static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int b
             const double fet = (double)(ls.recall_fetched_rows - b4.recall_fetched_rows);
             /* attended without recall = emitted − fetched (a dense step fetched every archived) */
             const double att = (double)em - fet;
+            /* a step that visited fewer rows than it archived ran the pruned scan: it read the
+             * group planes of every grouped row as allocated (20.75 B a row at rank 64: perm 4 B,
+             * a group slot's end, centre and statistics per 32 rows) */
+            const double archs = recall ? (double)ls.recall_last_archived : 0.0;
+            const double grp = vis < archs ? archs * dec_group_row : 0.0;
             bytes += ((double)em * DEC_ROW + (recall ? att * DEC_ROW : 0.0) + vis * scan_row +
-                      4.0 * em) /
+                      grp + 4.0 * em) /
                      (double)(n);
             arch += recall ? (double)ls.recall_last_archived : 0.0;
         }
@@ -334,11 +435,11 @@ static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int b
 
 /* The case's line; ratio_name: dense_over_kvtier, or dense_floor_over_kvtier where both sides
  * are read floors. */
-static inline void dec_print_line(uint32_t N, int structured, int recall, int bits,
+static inline void dec_print_line(uint32_t N, int kind, int recall, int bits,
                                   const char *ratio_name, const dec_result *r) {
     printf("decode_step context=%u data=%s recall=%s%s %s=%.1f bytes_per_token=%.0f "
            "close_over_median=%.1f visited=%.2f\n",
-           N, structured ? "structured" : "random", recall ? "conformal" : "off",
+           N, dec_kind_name(kind), recall ? "conformal" : "off",
            recall && bits == 8 ? " scan=int8" : "", ratio_name, r->ratio, r->bytes_per_token,
            r->close_over_median, r->visited);
 }

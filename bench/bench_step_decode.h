@@ -140,7 +140,7 @@ static void dcase(kvt_backend_kind kind, void *stream, uint32_t N, const dec_dat
 #if KVT_HAVE_CUBLAS
     real = r.attn != NULL;
 #endif
-    dec_print_line(N, g->structured, recall, bits,
+    dec_print_line(N, g->kind, recall, bits,
                    real ? "dense_over_kvtier" : "dense_floor_over_kvtier", &res);
     printf("  detail (%s backend): %s %.2f–%.2f over %d windows of %d steps; kvtier %.3f ms, "
            "dense %.3f ms (median window; %s); mean step: plan + run %.3f ms, attention %.3f ms, "

@@ -466,6 +466,7 @@ kvt_status kvt_seq_snapshot(const kvt_seq *seq, void *buf, size_t capacity, size
             kvt__put_u32(q + 4, r->n_heads);
             kvt__put_u32(q + 8, r->cap);
             kvt__put_u32(q + 12, margin);
+            rs.n_grouped = 0; /* derived planes, not carried: a restore rebuilds them */
             memcpy(q + RECALL_HEAD, &rs, sizeof rs); /* little-endian host (snapshot.h) */
             if (rs.n_samples > r->sample_cap)
                 return kvt__ctx_fail(ctx, KVT_ERR_INVARIANT, "layer %u: %u recall samples", i,

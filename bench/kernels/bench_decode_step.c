@@ -22,6 +22,11 @@
  *                    with kvt_ctx_set_recall_basis, as an engine gives a calibrated basis);
  *   data=random      isotropic latents and queries, no sinks; the basis a random rank-64 one
  *                    (the worst case for the certificate and for pruning);
+ *   data=needle      (with a needle data directory, bench/needle_data.sh) kvtier-needle's
+ *                    haystack and decode phase, read from its trace: rows whose latents follow a
+ *                    few slowly drifting topics (clustered: where the pruned scan pays), filler
+ *                    and no-salience needle queries in the trace's order; the basis the
+ *                    generator's query subspace (../bench_decode_case.h);
  *   recall=conformal (kvt_config.recall, rank-64 sketches) or recall=off.
  * Steps: with recall, calibration steps first (untimed, until the layer's recall_calib_steps stops
  * growing); then R windows of T steps (the median step of a window: kvtier and dense, interleaved
@@ -35,8 +40,10 @@
  * a detail line; bytes_per_token: the bench's own count of what the step reads, per context row —
  * the attention's rows (attended + fetched, 1152 B each), the recall step's exact scores of the
  * attended rows (1152 B each again), the visited archived rows' sketch (2·rank B), branch (128 B)
- * and ρ (4 B), 4 B per emitted slot; visited: archived rows the scans evaluated / archived rows
- * over the timed steps; a dense recall step — calibration or overflow — counts every row.)
+ * and ρ (4 B), 4 B per emitted slot, and on a step that ran the pruned scan (it visited fewer
+ * rows than it archived) the group planes of every archived row as allocated (20.75 B a row);
+ * visited: archived rows the scans evaluated / archived rows over the timed steps; a dense recall
+ * step — calibration or overflow — counts every row.)
  *
  * With params.recall_scan_bits 8 (the 8-bit scan, each recall case run at 16 bits, then at 8
  * bits, in the same binary) the line carries "scan=int8" after recall= and the scan's bytes are
@@ -50,7 +57,7 @@
  * bench_step's decode mode (the same case on a device).
  *
  * Usage: bench_decode_step [R windows (3)] [largest context in k rows (128)] [T steps (5)]
- *        [scan bits: 16, 8 or both (both)]
+ *        [scan bits: 16, 8 or both (both)] [needle data directory (none)]
  */
 #define _DEFAULT_SOURCE /* setenv, execv (bench_cpu.h) */
 #include "kernels/attn.h"
@@ -112,10 +119,19 @@ static void step(void *rv, uint64_t n_rows, double *t_kvt, double *t_dense, uint
     *emitted = (uint32_t)r->len;
 }
 
-static void one_case(uint32_t N, int structured, int recall, int bits, int R, int T,
-                     double g_sgemm) {
+/* One case at N rows: data `kind` (DEC_NEEDLE: the trace and basis under needle_dir), recall
+ * conformal at `bits` or off. */
+static void one_case(uint32_t N, int kind, const char *needle_dir, int recall, int bits, int R,
+                     int T, double g_sgemm) {
     dec_data g;
-    dec_data_init(&g, structured);
+    if (kind == DEC_NEEDLE) {
+        char tp[4096], bp[4096];
+        snprintf(tp, sizeof tp, "%s/needle-%uk.kvtt", needle_dir, N / 1024u);
+        snprintf(bp, sizeof bp, "%s/needle-%uk.basis", needle_dir, N / 1024u);
+        dec_data_init_trace(&g, tp, bp, N);
+    } else {
+        dec_data_init(&g, kind == DEC_STRUCTURED);
+    }
     char err[256];
     const char *what;
     rig r = {.g = &g};
@@ -135,7 +151,7 @@ static void one_case(uint32_t N, int structured, int recall, int bits, int R, in
     dec_result res;
     dec_measure(&b, N, recall, bits, R, T, &res);
     const double fl = 2.0 * DEC_H * (DEC_KD + DEC_D) * (double)N;
-    dec_print_line(N, structured, recall, bits, "dense_over_kvtier", &res);
+    dec_print_line(N, kind, recall, bits, "dense_over_kvtier", &res);
     printf("  detail: dense_over_kvtier %.2f–%.2f over %d windows of %d steps; kvtier %.2f ms, "
            "dense %.2f ms (median window; dense attention %.1f GFLOP/s = %.2f of sgemm); "
            "mean step: plan + run %.2f ms, sparse attention %.2f ms, commit %.3f ms; "
@@ -174,6 +190,9 @@ int main(int argc, char **argv) {
     int T = argc > 3 ? atoi(argv[3]) : 5;
     /* the recall scan's precision: 16, 8, or both (each recall case at 16 bits, then at 8) */
     const char *scan = argc > 4 ? argv[4] : "both";
+    /* the needle data's directory (bench/needle_data.sh writes it): its cases run after the
+     * others when given */
+    const char *needle_dir = argc > 5 ? argv[5] : NULL;
     const int s16 = strcmp(scan, "8") != 0, s8 = strcmp(scan, "16") != 0;
     R = R < 1 ? 1 : R > DEC_MAXW ? DEC_MAXW : R;
     T = T < 1 ? 1 : T > DEC_MAXT ? DEC_MAXT : T;
@@ -188,13 +207,16 @@ int main(int argc, char **argv) {
     for (size_t c = 0; c < 2; c++) {
         if (ctxs[c] > max_k * 1024u)
             break;
-        for (int structured = 1; structured >= 0; structured--) {
+        static const int kinds[] = {DEC_STRUCTURED, DEC_RANDOM, DEC_NEEDLE};
+        for (int k = 0; k < 3; k++) {
+            if (kinds[k] == DEC_NEEDLE && !needle_dir)
+                break;
             if (s16)
-                one_case(ctxs[c], structured, 1, 16, R, T, g);
+                one_case(ctxs[c], kinds[k], needle_dir, 1, 16, R, T, g);
             if (s8)
-                one_case(ctxs[c], structured, 1, 8, R, T, g);
-            if (structured)
-                one_case(ctxs[c], structured, 0, 16, R, T, g);
+                one_case(ctxs[c], kinds[k], needle_dir, 1, 8, R, T, g);
+            if (kinds[k] != DEC_RANDOM)
+                one_case(ctxs[c], kinds[k], needle_dir, 0, 16, R, T, g);
         }
     }
     return 0;

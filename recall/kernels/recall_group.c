@@ -393,10 +393,20 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
                     w.yc[h0 + t] = acc[t];
             }
             uint32_t nl = 0;
-            for (uint32_t h = 0; h < H; h++)
-                if (kvt__recall_group_live(&p.heads[h], w.Y[h], w.yc[h], st, a->mode, a->scale,
-                                           a->z, a->best[h], D, bd, rank))
+            for (uint32_t h = 0; h < H; h++) {
+                int live;
+                if (a->q8_off) {
+                    const kvt__recall_q8h q8 = kvt__recall_scan_q8h(&p, h);
+                    live = kvt__recall_group_live_q8(&p.heads[h], &q8, w.Y[h], w.yc[h], st,
+                                                     a->mode, a->scale, a->z, a->best[h], D, bd,
+                                                     rank, a->q8_off);
+                } else {
+                    live = kvt__recall_group_live(&p.heads[h], w.Y[h], w.yc[h], st, a->mode,
+                                                  a->scale, a->z, a->best[h], D, bd, rank);
+                }
+                if (live)
                     w.hmap[nl++] = h;
+            }
             if (!nl)
                 continue;
             s.groups_visited++;
@@ -405,7 +415,7 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
             const size_t LP = kvt__recall_scan_heads_padded(nl);
             const float *qL = p.qT;
             size_t QP = HP;
-            if (nl < H) {
+            if (nl < H && !a->q8_off) { /* (the 8-bit evaluation reads hmap, not columns) */
                 for (uint32_t j = 0; j < n; j++)
                     for (size_t t = 0; t < LP; t++)
                         w.qL[j * LP + t] = t < nl ? p.qT[j * HP + w.hmap[t]] : 0.0f;

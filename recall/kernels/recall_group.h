@@ -71,6 +71,10 @@
  * archived: they are never evaluated and never fire (the bound over all members bounds the
  * archived ones).
  *
+ * At 8 bits (args.q8_off: the 8-bit scan, recall_scan.h) the bound is widened by a bound on
+ * every member's rounding width, from the same statistics (kvt__recall_group_upper), and the
+ * members are evaluated by the 8-bit scan's own functions: the output is the full 8-bit scan's.
+ *
  * Output: fired rows are collected in a bitmap over the closed rows, then written ascending —
  * the first min(W, fired) rows and overflow = fired > W, as the full scan (which stops at the
  * W+1-th fired row in row order: the pruned scan must know every fired row to know the first W).
@@ -250,10 +254,38 @@ KVT_HD void kvt__recall_group_acc_stat(const kvt__recall_group_acc *g, float nc2
     st[KVT__RG_NCSK_MAX] = g->nck == g->nck ? g->nck : INFINITY;
 }
 
-/* May a member of the group fire for this head? (the header comment's bound; 1 = evaluate) */
-KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, double Y, float yc, const float *st,
-                                  int mode, float s, float z, float best, uint32_t D,
-                                  uint32_t branch_dim, uint32_t rank) {
+/* An upper bound, in double, of every member's fp32 trigger left-hand side for this head (the
+ * header comment's U), +Inf where the bound's no-overflow argument does not hold (the group is
+ * then evaluated). q8: NULL for the 16-bit scan; the head's 8-bit values for the 8-bit scan
+ * (sk_width its plane's sketch width, args.q8_off), whose trigger the bound then covers:
+ *
+ * The 8-bit widening. A member's plane holds e_r, n_r (branch) and e_c, n_c (sketch), and its
+ * 8-bit trigger is the 16-bit one's with idx8 (|idx16 − idx8| <= B, kvt__recall_q8_bound) and
+ * the width B added (recall_scan.h). None of the member's plane values is read here: each is
+ * bounded from the group's statistics. Every member's embedding has real norm ‖x‖ <= X = Nc + R,
+ * so ‖r‖ <= X and ‖csk‖ <= Xc = min(X, ‖csk‖ max·(1 + 2^-14) + 2^-100). A part of n values with
+ * norm at most X is quantised with t = max|x|/127 <= X/127·(1 + u), each value's error at most
+ * t/2 plus its product's and scale's roundings (<= 4u·|x_i|), so its stored error norm (rounded,
+ * ×(1 + 2^-8)) is at most E = X·(√n/254 + 2^-20)·(1 + 2^-7) + 2^-100 (the absolute term: a
+ * subnormal max, whose error is x itself, is below 2^-120), and its stored quantised norm at
+ * most N = (X + E)·(1 + 2^-7). B is nondecreasing in e_r, n_r, e_c, n_c (nonnegative
+ * coefficients, monotone roundings), so Bm = kvt__recall_q8_bound's formula at (E_r, N_r, E_c,
+ * N_c) in double ×(1 + 2^-20) (its fp32 evaluation's roundings) bounds every member's B. Then
+ *   conformal  fl(fl(idx8 + B') + z·cert) <= idx16 + z·cert + 2·Bm + 2^-20·(|idx16| + 2·Bm +
+ *              |z·cert|) (B' = B + 2^-22·(...) and the two additions' roundings): T8 = T + 2·Bm
+ *              + 2^-19·(MAG + 2·Bm + |z|·cert(ρ max) + |T|);
+ *   sound      idx8 + (margin(|idx8| + B, P', ‖csk‖', ρ) + B)·(1 + 2^-8), with |idx8| + B <=
+ *              Imax + 2·Bm, P' = Qb·(n_r + e_r) + Qs·(n_c + e_c) <= Qb·(N_r + E_r) + Qs·(N_c +
+ *              E_c), ‖csk‖' = n_c + e_c <= N_c + E_c (the margin is nondecreasing in each, their
+ *              fp32 values rounded up by ×(1 + 2^-20)): T8 = Bm + (margin(...) + Bm)·(1 + 2^-8)·
+ *              (1 + 2^-20);
+ *   margin     never bounded: +Inf (the step does not prune in the margin mode).
+ * and U = s·(yc + Y·R) + T8 + ε·(MAG + |T| + |T8|) + 2^-100 as in the 16-bit case. A query
+ * value out of range (a NaN scale, an error norm above 2^40) gives +Inf. */
+KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__recall_q8h *q8,
+                                      double Y, float yc, const float *st, int mode, float s,
+                                      float z, uint32_t D, uint32_t branch_dim, uint32_t rank,
+                                      uint32_t sk_width) {
     const double lim = 1099511627776.0, slim = 1048576.0; /* 2^40, 2^20 */
     const double R = st[KVT__RG_RADIUS], Nc = st[KVT__RG_NCENTRE];
     const float rmax = st[KVT__RG_RHO_MAX], rmin = st[KVT__RG_RHO_MIN];
@@ -261,24 +293,78 @@ KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, double Y, float yc,
     if (!(s <= slim && z <= slim && z >= -slim && Y <= lim && h->nres <= lim &&
           h->Qres <= lim && h->Qsk <= lim && h->nlat <= lim && h->eta <= lim && R <= lim &&
           Nc <= lim && rmax <= lim && rmin >= 0.0f && nck <= lim))
-        return 1;
+        return INFINITY;
+    if (q8 && (mode == KVT__RECALL_MARGIN ||
+               !(q8->Qb <= lim && q8->Qs <= lim && q8->Eb <= lim && q8->Es <= lim &&
+                 q8->Nb <= lim && q8->Ns <= lim)))
+        return INFINITY;
     const double eps = 2.0 * (double)kvt__recall_gamma(branch_dim + rank + 8u) +
                        1.52587890625e-05; /* 2^-16 */
     const double mag = (double)s * Y * (Nc + R);
-    double T;
+    const double tiny = 7.888609052210118e-31; /* 2^-100 */
+    /* fp32 values >= the members' |idx| and P: ×(1 + 2^-20) before rounding to nearest,
+     * + 2^-120 for the subnormal range */
+    const double up = (1.0 + eps) * (1.0 + 9.5367431640625e-07);
+    double Bm = 0.0, Pq = 0.0, Ncq = 0.0;
+    if (q8) {
+        const double X = Nc + R, u7 = 1.0078125, u20 = 1.0 + 9.5367431640625e-07;
+        const double xc = (double)nck * (1.0 + 6.103515625e-05) + tiny; /* 2^-14 */
+        const double Xc = xc < X ? xc : X;
+        const double Er = X * (sqrt((double)branch_dim) / 254.0 + 9.5367431640625e-07) * u7 + tiny;
+        const double Ec = Xc * (sqrt((double)sk_width) / 254.0 + 9.5367431640625e-07) * u7 + tiny;
+        const double Nr = (X + Er) * u7, Ncs = (Xc + Ec) * u7;
+        const double mn = q8->Qb * Er + q8->Eb * Nr + q8->Qs * Ec + q8->Es * Ncs;
+        const double rn = q8->Qb * (Nr + Er) + q8->Qs * (Ncs + Ec) + q8->Nb * Nr + q8->Ns * Ncs;
+        Bm = (double)s * (mn + 3.0517578125e-05 * rn) * (1.0 + 0.00390625) * u20; /* 2^-15 */
+        Pq = q8->Qb * (Nr + Er) + q8->Qs * (Ncs + Ec);
+        Ncq = Ncs + Ec;
+    }
+    double T, T8;
     if (mode == KVT__RECALL_SOUND) {
-        /* fp32 values >= the members' |idx| and P: ×(1 + 2^-20) before rounding to nearest,
-         * + 2^-120 for the subnormal range */
-        const double up = (1.0 + eps) * (1.0 + 9.5367431640625e-07);
         float imax = (float)(mag * up + 7.52316384526264e-37);
         float pmax = (float)(Y * (Nc + R) * up + 7.52316384526264e-37);
         T = kvt__recall_sound_margin(h, imax, pmax, nck, rmax, s, z, D, branch_dim, rank);
+        T8 = T;
+        if (q8) {
+            const double u20 = 1.0 + 9.5367431640625e-07;
+            const double P = Pq > (double)pmax ? Pq : (double)pmax;
+            const double nc = Ncq > (double)nck ? Ncq : (double)nck;
+            const float i8 = (float)(((double)imax + 2.0 * Bm) * u20 + 7.52316384526264e-37);
+            const float p8 = (float)(P * u20 + 7.52316384526264e-37);
+            const float n8 = (float)(nc * u20 + 7.52316384526264e-37);
+            const double m8 =
+                kvt__recall_sound_margin(h, i8, p8, n8, rmax, s, z, D, branch_dim, rank);
+            T8 = Bm + (m8 + Bm) * (1.0 + 0.00390625) * u20;
+        }
     } else {
         T = (double)(z * kvt__recall_cert(h, z >= 0.0f ? rmax : rmin, s, D));
+        T8 = T;
+        if (q8) {
+            const double za = fabs((double)z * kvt__recall_cert(h, rmax, s, D));
+            T8 = T + 2.0 * Bm + 1.9073486328125e-06 * (mag + 2.0 * Bm + za + fabs(T)); /* 2^-19 */
+        }
     }
-    double U = (double)s * ((double)yc + Y * R) + T + eps * (mag + fabs(T)) +
-               7.888609052210118e-31; /* 2^-100 */
-    return !(U < (double)best);
+    if (!q8) /* the 16-bit bound, as it always was */
+        return (double)s * ((double)yc + Y * R) + T + eps * (mag + fabs(T)) + tiny;
+    return (double)s * ((double)yc + Y * R) + T8 + eps * (mag + fabs(T) + fabs(T8)) + tiny;
+}
+
+/* May a member of the group fire for this head in the 16-bit scan? (the header comment's bound;
+ * 1 = evaluate; kvt__recall_group_upper without the 8-bit widening) */
+KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, double Y, float yc, const float *st,
+                                  int mode, float s, float z, float best, uint32_t D,
+                                  uint32_t branch_dim, uint32_t rank) {
+    return !(kvt__recall_group_upper(h, NULL, Y, yc, st, mode, s, z, D, branch_dim, rank, 0) <
+             (double)best);
+}
+
+/* The same for the 8-bit scan (q8: the head's kvt__recall_q8h; sk_width: args.q8_off). */
+KVT_HD int kvt__recall_group_live_q8(const kvt__recall_head *h, const kvt__recall_q8h *q8,
+                                     double Y, float yc, const float *st, int mode, float s,
+                                     float z, float best, uint32_t D, uint32_t branch_dim,
+                                     uint32_t rank, uint32_t sk_width) {
+    return !(kvt__recall_group_upper(h, q8, Y, yc, st, mode, s, z, D, branch_dim, rank,
+                                     sk_width) < (double)best);
 }
 
 /* ---------------------------------------------------------------------------------------------

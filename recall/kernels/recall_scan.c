@@ -385,6 +385,10 @@ static inline kvt__recall_q8h q8_head(const kvt__recall_scan_prep *p, size_t h) 
     return q;
 }
 
+kvt__recall_q8h kvt__recall_scan_q8h(const kvt__recall_scan_prep *p, size_t h) {
+    return q8_head(p, h);
+}
+
 /* A closed row's 8-bit plane. */
 static inline const uint8_t *q8_plane(const kvt__recall_scan_args *a, uint64_t row) {
     return (const uint8_t *)(kvt__scan_csk(a, row) + a->q8_off);
@@ -1373,6 +1377,9 @@ TILED_FN static int q8_conformal_avx2(const kvt__recall_scan_args *a,
  * (fewer where the rows end or the planes change piece at n_head), dots its 16-row blocks on AMX
  * straight from the strided planes (kept rows inside included, their dots unread; at[i]: the
  * row's place in the window) and the rest with q8_tile. */
+TILED_FN static void q8_chunk_dots(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                                   int lv, const uint8_t **x, size_t n);
+
 TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, int lv,
                                 uint64_t *row_io, uint64_t *jk_io, uint64_t *rows,
                                 const uint8_t **x, uint8_t *at) {
@@ -1430,8 +1437,22 @@ TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan
         return n;
     }
 #else
-    (void)xa; /* level 3 is not built here */
+    (void)xa; /* level 3 is not built here, nor are its values used */
+    (void)HQ, (void)bd4, (void)n4, (void)corr, (void)ib, (void)is, (void)live;
 #endif
+    q8_chunk_dots(a, p, lv, x, n);
+    return n;
+}
+
+/* The dots of the n (<= CHUNK_ROWS) rows whose vectors are x[0 .. n) against every head, at
+ * level lv (2 VNNI, 1 AVX2) into p->tacc / p->tpa ([i][HP] int32: the branch's, the sketch's);
+ * x must have room for CHUNK_ROWS (padding rows repeat x[0], their dots unread). */
+TILED_FN static void q8_chunk_dots(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                                   int lv, const uint8_t **x, size_t n) {
+    const size_t HP = p->HP, HQ = Q8_HQ(HP);
+    const uint32_t len = p->q8len, bd = a->branch_dim, bd4 = bd / 4u, n4 = len / 4u;
+    const int32_t *corr = (const int32_t *)(p->q8f + 8u * HP); /* [2][HP] */
+    int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
     const size_t nr = (n + 5u) / 6u * 6u;
     for (size_t i = n; i < nr; i++) /* padding rows: row 0's vector again, results unread */
         x[i] = x[0];
@@ -1454,7 +1475,34 @@ TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan
             for (size_t h0 = 0; h0 < HP; h0 += 8u)
                 q8_tile_avx2(x16, len, p->q8p, corr, HQ, HP, bd / 2u, len / 2u, t0, h0, ib, is);
     }
-    return n;
+}
+
+/* kvt__recall_rows_fire_cpu at 8 bits, level lv (2 VNNI, 1 AVX2; AMX's windows need
+ * consecutive rows: level 2 for it): the listed rows CHUNK_ROWS at a time through q8_chunk_dots,
+ * then each row's trigger over every head as scan_q8 runs it (no screen: it only skips work), so
+ * fire[i] is the full scan's decision for the row. */
+TILED_FN static void rows_fire_q8(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
+                                  int lv, const uint64_t *rows, uint32_t n, uint8_t *fire) {
+    const size_t HP = p->HP;
+    const uint32_t H = a->n_heads;
+    const int conformal = a->mode == KVT__RECALL_CONFORMAL;
+    const int32_t *ib = (const int32_t *)p->tacc, *is = (const int32_t *)p->tpa;
+    const uint8_t *x[CHUNK_ROWS];
+    column_tables(a, p, NULL, H, HP);
+    for (uint32_t c0 = 0; c0 < n; c0 += CHUNK_ROWS) {
+        const uint32_t c = n - c0 < CHUNK_ROWS ? n - c0 : CHUNK_ROWS;
+        for (uint32_t i = 0; i < c; i++)
+            x[i] = q8_plane(a, rows[c0 + i]) + 4u * KVT__Q8_FLOATS;
+        q8_chunk_dots(a, p, lv, x, c);
+        for (uint32_t i = 0; i < c; i++) {
+            const int32_t *bi = ib + i * HP, *si = is + i * HP;
+            const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
+            const float rho = *kvt__scan_rho(a, rows[c0 + i]);
+            fire[c0 + i] = (uint8_t)(!conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
+                                     : lv >= 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
+                                                : q8_conformal_avx2(a, p, pl, bi, si, rho, H));
+        }
+    }
 }
 
 /* The full 8-bit scan at SIMD level lv (3 AMX, 2 VNNI, 1 AVX2): q8_chunk after q8_chunk over the
@@ -1583,6 +1631,31 @@ int kvt__recall_chains_tiled(const float *X, size_t J, const float *qT, size_t H
 void kvt__recall_rows_fire_cpu(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
                                const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
                                const uint64_t *rows, uint32_t n, uint8_t *fire) {
+#ifdef SCAN_TILED
+    const int lv = a->q8_off && a->branch_dim % 4u == 0 ? kvt__recall_scan_q8_level(-1) : 0;
+    if (lv) { /* the 8-bit scan's tiles (every head: a head the caller left out cannot fire) */
+        rows_fire_q8(a, p, lv > 2 ? 2 : lv, rows, n, fire);
+        return;
+    }
+#endif
+    if (a->q8_off) { /* the 8-bit scan: the per-element functions, the listed heads in order */
+        int32_t ib, is;
+        for (uint32_t i = 0; i < n; i++) {
+            const uint8_t *pl = q8_plane(a, rows[i]);
+            const float rho = *kvt__scan_rho(a, rows[i]);
+            fire[i] = 0;
+            for (uint32_t t = 0; t < nc && !fire[i]; t++) {
+                const uint32_t h = hmap ? hmap[t] : t;
+                const kvt__recall_q8h q = q8_head(p, h);
+                kvt__recall_q8_dots(pl + 4u * KVT__Q8_FLOATS, p->q8v + (size_t)h * p->q8len,
+                                    a->branch_dim, p->q8len, &ib, &is);
+                fire[i] = (uint8_t)kvt__recall_q8_fires(&p->heads[h], &q, pl, ib, is, rho,
+                                                        a->scale, a->z, a->best[h], a->mode,
+                                                        a->latent_dim, a->branch_dim, a->rank);
+            }
+        }
+        return;
+    }
 #ifdef SCAN_TILED
     if (kvt__recall_scan_tiled(-1)) {
         rows_fire_tiled(a, p, qT, QP, hmap, nc, rows, n, fire);

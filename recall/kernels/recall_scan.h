@@ -565,6 +565,9 @@ typedef struct kvt__recall_scan_prep {
     int q8pf_on;             /* whether the screen runs (its inputs are in range) */
 } kvt__recall_scan_prep;
 
+/* Head h's 8-bit values as the per-element functions take them (a prepared 8-bit scan). */
+kvt__recall_q8h kvt__recall_scan_q8h(const kvt__recall_scan_prep *p, size_t h);
+
 /* Heads rounded up to whole tiles of the twin (the columns of a transposed query block). */
 size_t kvt__recall_scan_heads_padded(uint32_t n_heads);
 
@@ -583,7 +586,9 @@ int kvt__recall_row_fires_cpu(const struct kvt__recall_scan_args *a,
 /* Does each of rows[0 .. n) fire? fire[i] = kvt__recall_row_fires_cpu(a, p, qT, QP, hmap, nc,
  * rows[i]) bit for bit (QP a multiple of 8, at most p->HP; nc <= QP), through the tiled
  * evaluation where kvt__recall_scan_cpu runs it (the listed rows a chunk at a time against every
- * column), else row by row. Writes p's chunk and column scratch. */
+ * column), else row by row. Writes p's chunk and column scratch. The 8-bit scan (a->q8_off):
+ * heads hmap[0 .. nc) (NULL: 0 .. nc) through kvt__recall_q8_dots and kvt__recall_q8_fires row by
+ * row, the full scan's bits (qT and QP unread). */
 void kvt__recall_rows_fire_cpu(const struct kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
                                const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
                                const uint64_t *rows, uint32_t n, uint8_t *fire);

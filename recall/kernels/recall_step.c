@@ -324,8 +324,9 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         visited = archived;
         /* The pruned scan where it pays (kvt__recall_prune_pays) */
         const bool prune_pays = kvt__recall_prune_pays(st, st->steps);
-        /* (the 8-bit scan runs in full: the groups bound the 16-bit idx) */
-        if (Bg && x->mode != KVT__RECALL_MARGIN && prune_pays && !a.q8_off) {
+        /* (at 8 bits the groups' bound is widened by the planes' rounding: the same fired
+         * rows as the full 8-bit scan; recall_group.h, kvt__recall_group_upper) */
+        if (Bg && x->mode != KVT__RECALL_MARGIN && prune_pays) {
             build_groups(x, &a, st, scan_scratch);
             kvt__recall_groups g = {.block_rows = Bg,
                                     .n_blocks = st->n_grouped,

@@ -673,11 +673,11 @@ __device__ inline GroupWs group_ws(const ScanWs &w, uint32_t item) {
     return g;
 }
 
-/* Does this step run the pruned scan (the twin's choice: planes, not the margin mode, not the
- * 8-bit scan — the groups bound the 16-bit idx —, a scanning step the state says pays; launch 4
- * counts the step, so this one is steps + 1)? */
+/* Does this step run the pruned scan (the twin's choice: planes, not the margin mode, a
+ * scanning step the state says pays; launch 4 counts the step, so this one is steps + 1)? At
+ * 8 bits the groups' bound is the widened one (kvt__recall_group_live_q8). */
 __device__ inline bool step_prunes(const kvt__recall_step_args &x, const StepPlan &pl) {
-    return x.g_perm && x.mode != KVT__RECALL_MARGIN && pl.scan && !x.scan.q8_off &&
+    return x.g_perm && x.mode != KVT__RECALL_MARGIN && pl.scan &&
            kvt__recall_prune_pays(x.st, x.st->steps + 1u);
 }
 
@@ -946,9 +946,16 @@ __device__ inline void groups_live(const kvt__recall_scan_args &a, const ScanIte
             for (uint32_t h = 0; h < a.n_heads && !on; h++) {
                 const float *qb = a.q + (size_t)h * (D + bd) + D, *qs = it.q_sk + (size_t)h * rank;
                 const kvt__recall_head hd = it.heads[h];
-                on = kvt__recall_group_live(&hd, kvt__recall_group_ynorm(qb, qs, bd, rank),
-                                            kvt__recall_group_ydot(qb, qs, c, bd, rank), stt,
-                                            a.mode, a.scale, a.z, a.best[h], D, bd, rank);
+                const double Y = kvt__recall_group_ynorm(qb, qs, bd, rank);
+                const float yc = kvt__recall_group_ydot(qb, qs, c, bd, rank);
+                if (a.q8_off) {
+                    const kvt__recall_q8h q8 = it.q8h[h];
+                    on = kvt__recall_group_live_q8(&hd, &q8, Y, yc, stt, a.mode, a.scale, a.z,
+                                                   a.best[h], D, bd, rank, a.q8_off);
+                } else {
+                    on = kvt__recall_group_live(&hd, Y, yc, stt, a.mode, a.scale, a.z, a.best[h],
+                                                D, bd, rank);
+                }
             }
         }
         live[t] = (uint8_t)on;
