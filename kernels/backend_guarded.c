@@ -751,6 +751,20 @@ static const kvt__backend_ops guarded_ops_table = {
     .holds = g_holds,
 };
 
+/* Without a protection key: the largest arena from GUARD_ARENA_MAX down to GUARD_ARENA_MIN that
+ * maps (PROT_NONE, reserved address space only). A failed size is absorbed by the next smaller
+ * one; g->arena stays NULL when none maps. Its own function so that its mappings are a seam site
+ * of their own (tests/test_seams.c lists them as absorbed where the CPU has no keys). */
+static void guard_arena_map(guard_impl *g) {
+    for (size_t len = GUARD_ARENA_MAX; len >= GUARD_ARENA_MIN && !g->arena; len /= 2) {
+        void *a = kvt__mem_map(len, PROT_NONE, MAP_NORESERVE);
+        if (a) {
+            g->arena = a;
+            g->arena_len = len;
+        }
+    }
+}
+
 kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len) {
     guard_impl *g = kvt__calloc(be->alloc, sizeof *g);
     if (!g)
@@ -759,13 +773,7 @@ kvt_status kvt__backend_guarded_open(kvt__backend *be, char *err, size_t err_len
      * denied. Sixteen keys exist per process: without one, fall back to mprotect. */
     g->pkey = pkey_alloc(0, PKEY_DISABLE_ACCESS);
     if (g->pkey < 0) {
-        for (size_t len = GUARD_ARENA_MAX; len >= GUARD_ARENA_MIN && !g->arena; len /= 2) {
-            void *a = kvt__mem_map(len, PROT_NONE, MAP_NORESERVE);
-            if (a) {
-                g->arena = a;
-                g->arena_len = len;
-            }
-        }
+        guard_arena_map(g);
         if (!g->arena) {
             kvt__free(be->alloc, g, sizeof *g);
             return kvt__fail(err, err_len, KVT_ERR_OUT_OF_MEMORY,

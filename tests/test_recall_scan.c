@@ -694,7 +694,7 @@ static bool same_bits(float a, float b) {
 Test(recall_scan, heads_prep_bit_equal_at_every_level) {
     const int top = kvt__recall_prep_level(-1);
     if (top < 2)
-        cr_log_warn("heads' preparation: this CPU runs level %d at most (2 AVX-512, 1 AVX2 + "
+        cr_log_info("heads' preparation: this CPU runs level %d at most (2 AVX-512, 1 AVX2 + "
                     "FMA): the levels above it are not compared",
                     top);
     static const uint32_t Ds[] = {65, 96, 100, 128, 511, 512, 1024};
@@ -805,7 +805,7 @@ static float rand_special(tu_rng *g) {
 Test(recall_scan, tiled_scan_bit_equal_to_rowwise_and_per_element) {
     const int tiled = kvt__recall_scan_tiled(-1);
     if (!tiled)
-        cr_log_warn("the tiled scan does not run on this CPU (no AVX2/FMA): the row-wise scan "
+        cr_log_info("the tiled scan does not run on this CPU (no AVX2/FMA): the row-wise scan "
                     "is compared with the per-element functions only");
     uint32_t shapes = 0, chains = 0, fired_total = 0, overflowed = 0;
     for (uint64_t seed = 1; seed <= 160; seed++) {
@@ -1283,7 +1283,7 @@ Test(recall_scan, q8_bit_equal_superset_and_bound) {
         scen_free(&s);
     }
     if (level < 3)
-        cr_log_warn("recall_scan q8: level 3 (AMX) is not available here (the CPU's best is %d): "
+        cr_log_info("recall_scan q8: level 3 (AMX) is not available here (the CPU's best is %d): "
                     "its runs ran level %d",
                     level, level);
     const uint64_t screened = kvt__recall_scan_q8_screened();
@@ -1393,7 +1393,7 @@ Test(recall_scan, q8_dots_every_level) {
         free(kept), free(ib), free(is), free(scratch), free(qsk);
     }
     if (cpu < 3)
-        cr_log_warn("q8 dots: level 3 (AMX) is not available here (the CPU's best is %d): not run",
+        cr_log_info("q8 dots: level 3 (AMX) is not available here (the CPU's best is %d): not run",
                     cpu);
     cr_log_info("q8 dots: %llu (row, head) dots equal to kvt__recall_q8_dots' (scans by level: "
                 "AMX %llu, VNNI %llu, AVX2 %llu)",
@@ -1530,7 +1530,7 @@ Test(recall_scan, q8_scans_in_threads) {
             free(jobs[t].fired);
         }
         if (jobs[0].level < 3)
-            cr_log_warn("q8 threads: level 3 (AMX) is not available here: the threads ran level %d",
+            cr_log_info("q8 threads: level 3 (AMX) is not available here: the threads ran level %d",
                         jobs[0].level);
     }
     free(q);
