@@ -57,7 +57,8 @@
  * bench_step's decode mode (the same case on a device).
  *
  * Usage: bench_decode_step [R windows (3)] [largest context in k rows (128)] [T steps (5)]
- *        [scan bits: 16, 8 or both (both)] [needle data directory (none)]
+ *        [scan bits: 16, 8 or both (both)] [needle data directory, - for none (none)]
+ *        [data: all, structured, random or needle (all)]
  */
 #define _DEFAULT_SOURCE /* setenv, execv (bench_cpu.h) */
 #include "kernels/attn.h"
@@ -192,7 +193,9 @@ int main(int argc, char **argv) {
     const char *scan = argc > 4 ? argv[4] : "both";
     /* the needle data's directory (bench/needle_data.sh writes it): its cases run after the
      * others when given */
-    const char *needle_dir = argc > 5 ? argv[5] : NULL;
+    const char *needle_dir = argc > 5 && strcmp(argv[5], "-") ? argv[5] : NULL;
+    /* the data to run: all (default), structured, random or needle */
+    const char *only = argc > 6 ? argv[6] : "all";
     const int s16 = strcmp(scan, "8") != 0, s8 = strcmp(scan, "16") != 0;
     R = R < 1 ? 1 : R > DEC_MAXW ? DEC_MAXW : R;
     T = T < 1 ? 1 : T > DEC_MAXT ? DEC_MAXT : T;
@@ -211,6 +214,8 @@ int main(int argc, char **argv) {
         for (int k = 0; k < 3; k++) {
             if (kinds[k] == DEC_NEEDLE && !needle_dir)
                 break;
+            if (strcmp(only, "all") && strcmp(only, dec_kind_name(kinds[k])))
+                continue;
             if (s16)
                 one_case(ctxs[c], kinds[k], needle_dir, 1, 16, R, T, g);
             if (s8)

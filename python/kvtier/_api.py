@@ -833,12 +833,26 @@ class Context(_Closable):
         check(lib.kvt_ctx_memory_stats(self._ptr, ctypes.byref(out)), "kvt_ctx_memory_stats")
         return {n: int(getattr(out, n)) for n, _ in _lib.CtxMemoryC._fields_ if n != "struct_size"}
 
+    def _basis(self, basis, layer, kv_head: bool):
+        """basis as a C-contiguous float32 [rank, D] array whose D is what the C call reads a
+        row as (value_dim; a head's key basis: head_dim, or value_dim on an MLA-RoPE layer):
+        the C library reads rank x D floats, so a narrower array would be read past its end."""
+        v = as_array(basis, "basis")
+        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
+            raise TypeError("basis: expected a C-contiguous float32 array [rank, "
+                            f"{'D' if kv_head else 'value_dim'}]")
+        if isinstance(layer, int) and 0 <= layer < len(self._specs):
+            sp = self._specs[layer]
+            d = int(sp.head_dim if kv_head and sp.n_planes == 2 else sp.value_dim)
+            if v.shape[1] != d:
+                raise ValueError(f"basis: {v.shape[1]} columns; layer {layer}'s "
+                                 f"{'key' if kv_head else 'value'} rows have {d}")
+        return v
+
     def set_recall_basis(self, layer: int, basis) -> None:
         """kvt_ctx_set_recall_basis: the layer's recall basis, float32 [rank, value_dim] with
         orthonormal rows, before any reserve (a context made with recall_sketch_rank > 0)."""
-        v = as_array(basis, "basis")
-        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
-            raise TypeError("basis: expected a C-contiguous float32 array [rank, value_dim]")
+        v = self._basis(basis, layer, False)
         check(lib.kvt_ctx_set_recall_basis(self._ptr, u32(layer, "layer"),
                                            ptr(v, ctypes.c_float), u32(v.shape[0], "rank")),
               "kvt_ctx_set_recall_basis")
@@ -848,9 +862,7 @@ class Context(_Closable):
         requests live (float32 [rank, value_dim], orthonormal rows, the basis's rank): every
         closed row is sketched again, and each recalling request calibrates z again unless
         ``keep_z`` (KVT_REFIT_KEEP_Z); on the backend's default stream."""
-        v = as_array(basis, "basis")
-        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
-            raise TypeError("basis: expected a C-contiguous float32 array [rank, value_dim]")
+        v = self._basis(basis, layer, False)
         check(lib.kvt_ctx_refit_recall_basis(self._ptr, u32(layer, "layer"),
                                              ptr(v, ctypes.c_float), u32(v.shape[0], "rank"),
                                              1 if keep_z else 0, None),
@@ -862,9 +874,7 @@ class Context(_Closable):
         layer between steps while requests live (float32 [rank, D], the head basis's rank): its
         archived rows are sketched again, and each recalling request calibrates again unless
         ``keep_z``; on the backend's default stream."""
-        v = as_array(basis, "basis")
-        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
-            raise TypeError("basis: expected a C-contiguous float32 array [rank, D]")
+        v = self._basis(basis, layer, True)
         check(lib.kvt_ctx_refit_recall_head_basis(self._ptr, u32(layer, "layer"),
                                                   u32(kv_head, "kv_head"),
                                                   ptr(v, ctypes.c_float),
@@ -877,9 +887,7 @@ class Context(_Closable):
         (GQA/MHA-RoPE or MLA-RoPE) layer, float32 [rank, D] with orthonormal rows (D = head_dim;
         MLA-RoPE: kv_lora_rank), before any reserve (a context made with recall_sketch_rank > 0;
         its archived keys are sketched on it for the RoPE recall trigger)."""
-        v = as_array(basis, "basis")
-        if v.dtype != np.float32 or v.ndim != 2 or not v.flags.c_contiguous:
-            raise TypeError("basis: expected a C-contiguous float32 array [rank, D]")
+        v = self._basis(basis, layer, True)
         check(lib.kvt_ctx_set_recall_head_basis(self._ptr, u32(layer, "layer"),
                                                 u32(kv_head, "kv_head"), ptr(v, ctypes.c_float),
                                                 u32(v.shape[0], "rank")),

@@ -454,3 +454,22 @@ def test_refit_recall_basis_recalibrates_or_keeps_z():
             assert seq.layer_stats(0).recall_basis_id == st0.recall_basis_id
             with pytest.raises(kvtier.PolicyMismatchError):  # key bases: evict layers only
                 ctx.refit_recall_head_basis(0, 0, bases[1])
+
+
+def test_basis_of_the_wrong_width_is_refused_before_the_call():
+    """A basis whose rows are not the layer's width is a ValueError naming both widths, for
+    set and refit alike (the C library would read rank x value_dim floats: past the end of a
+    narrower array); nothing is set."""
+    cfg = kvtier.Config(block_rows=64, kappa=4, ratio=8, recall="conformal")
+    with _model() as m, kvtier.Context(m, cfg, page_rows=16, n_pages=64,
+                                      recall_sketch_rank=16) as ctx:
+        rng = np.random.default_rng(5)
+        for width in (16, 511, 513):
+            bad = np.ascontiguousarray(rng.standard_normal((16, width)), dtype=np.float32)
+            with pytest.raises(ValueError, match=f"{width} columns; layer 0's value rows have 512"):
+                ctx.set_recall_basis(0, bad)
+            with pytest.raises(ValueError, match="layer 0's value rows have 512"):
+                ctx.refit_recall_basis(0, bad)
+        good = np.ascontiguousarray(np.linalg.qr(rng.standard_normal((512, 16)))[0].T,
+                                    dtype=np.float32)
+        ctx.set_recall_basis(0, good)
