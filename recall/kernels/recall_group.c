@@ -310,6 +310,7 @@ int kvt__recall_groups_ok(const kvt__recall_scan_args *a, const kvt__recall_grou
 typedef struct prune_ws {
     float *qL, *yc;
     double *Y;
+    kvt__recall_q8h *h8; /* the heads' 8-bit values (an 8-bit scan) */
     uint32_t *hmap;
     uint64_t *kept, *fired;
 } prune_ws;
@@ -328,6 +329,9 @@ static size_t prune_layout(uint32_t H, uint32_t rank, uint32_t D, uint64_t n_clo
     if (w)
         w->Y = (double *)(b + off);
     off += sizeof(double) * H;
+    if (w)
+        w->h8 = (kvt__recall_q8h *)(b + off);
+    off = align8(off + sizeof(kvt__recall_q8h) * H);
     if (w)
         w->hmap = (uint32_t *)(b + off);
     off = align8(off + sizeof(uint32_t) * H);
@@ -359,8 +363,11 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
     prune_layout(H, rank, D, a->n_closed, scratch, &w);
     const size_t words = (a->n_closed + 63u) / 64u, HP = p.HP;
     memset(w.kept, 0, sizeof(uint64_t) * 2 * words);
-    for (uint32_t h = 0; h < H; h++)
+    for (uint32_t h = 0; h < H; h++) {
         w.Y[h] = kvt__recall_group_ynorm(a->q + h * qdim + D, p.q_sk + (size_t)h * rank, bd, rank);
+        if (a->q8_off)
+            w.h8[h] = kvt__recall_scan_q8h(&p, h);
+    }
     kvt__recall_prune_stats s = {0};
     s.archived = a->n_closed > a->sinks ? a->n_closed - a->sinks : 0;
     for (uint32_t i = 0; i < a->m; i++)
@@ -393,20 +400,11 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
                     w.yc[h0 + t] = acc[t];
             }
             uint32_t nl = 0;
-            for (uint32_t h = 0; h < H; h++) {
-                int live;
-                if (a->q8_off) {
-                    const kvt__recall_q8h q8 = kvt__recall_scan_q8h(&p, h);
-                    live = kvt__recall_group_live_q8(&p.heads[h], &q8, w.Y[h], w.yc[h], st,
-                                                     a->mode, a->scale, a->z, a->best[h], D, bd,
-                                                     rank, a->q8_off);
-                } else {
-                    live = kvt__recall_group_live(&p.heads[h], w.Y[h], w.yc[h], st, a->mode,
-                                                  a->scale, a->z, a->best[h], D, bd, rank);
-                }
-                if (live)
+            for (uint32_t h = 0; h < H; h++)
+                if (kvt__recall_group_live(&p.heads[h], a->q8_off ? &w.h8[h] : NULL, w.Y[h],
+                                           w.yc[h], st, a->mode, a->scale, a->z, a->best[h], D,
+                                           bd, rank, a->q8_off))
                     w.hmap[nl++] = h;
-            }
             if (!nl)
                 continue;
             s.groups_visited++;

@@ -304,10 +304,10 @@ KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__reca
     const double tiny = 7.888609052210118e-31; /* 2^-100 */
     /* fp32 values >= the members' |idx| and P: ×(1 + 2^-20) before rounding to nearest,
      * + 2^-120 for the subnormal range */
-    const double up = (1.0 + eps) * (1.0 + 9.5367431640625e-07);
+    const double u20 = 1.0 + 9.5367431640625e-07, up = (1.0 + eps) * u20; /* 1 + 2^-20 */
     double Bm = 0.0, Pq = 0.0, Ncq = 0.0;
     if (q8) {
-        const double X = Nc + R, u7 = 1.0078125, u20 = 1.0 + 9.5367431640625e-07;
+        const double X = Nc + R, u7 = 1.0078125;
         const double xc = (double)nck * (1.0 + 6.103515625e-05) + tiny; /* 2^-14 */
         const double Xc = xc < X ? xc : X;
         const double Er = X * (sqrt((double)branch_dim) / 254.0 + 9.5367431640625e-07) * u7 + tiny;
@@ -326,7 +326,6 @@ KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__reca
         T = kvt__recall_sound_margin(h, imax, pmax, nck, rmax, s, z, D, branch_dim, rank);
         T8 = T;
         if (q8) {
-            const double u20 = 1.0 + 9.5367431640625e-07;
             const double P = Pq > (double)pmax ? Pq : (double)pmax;
             const double nc = Ncq > (double)nck ? Ncq : (double)nck;
             const float i8 = (float)(((double)imax + 2.0 * Bm) * u20 + 7.52316384526264e-37);
@@ -349,20 +348,12 @@ KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__reca
     return (double)s * ((double)yc + Y * R) + T8 + eps * (mag + fabs(T) + fabs(T8)) + tiny;
 }
 
-/* May a member of the group fire for this head in the 16-bit scan? (the header comment's bound;
- * 1 = evaluate; kvt__recall_group_upper without the 8-bit widening) */
-KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, double Y, float yc, const float *st,
-                                  int mode, float s, float z, float best, uint32_t D,
-                                  uint32_t branch_dim, uint32_t rank) {
-    return !(kvt__recall_group_upper(h, NULL, Y, yc, st, mode, s, z, D, branch_dim, rank, 0) <
-             (double)best);
-}
-
-/* The same for the 8-bit scan (q8: the head's kvt__recall_q8h; sk_width: args.q8_off). */
-KVT_HD int kvt__recall_group_live_q8(const kvt__recall_head *h, const kvt__recall_q8h *q8,
-                                     double Y, float yc, const float *st, int mode, float s,
-                                     float z, float best, uint32_t D, uint32_t branch_dim,
-                                     uint32_t rank, uint32_t sk_width) {
+/* May a member of the group fire for this head? (the header comment's bound, U < best
+ * excludes; 1 = evaluate) q8, sk_width: as kvt__recall_group_upper's (NULL: the 16-bit scan). */
+KVT_HD int kvt__recall_group_live(const kvt__recall_head *h, const kvt__recall_q8h *q8, double Y,
+                                  float yc, const float *st, int mode, float s, float z,
+                                  float best, uint32_t D, uint32_t branch_dim, uint32_t rank,
+                                  uint32_t sk_width) {
     return !(kvt__recall_group_upper(h, q8, Y, yc, st, mode, s, z, D, branch_dim, rank,
                                      sk_width) < (double)best);
 }

@@ -1383,10 +1383,7 @@ TILED_FN static void q8_chunk_dots(const kvt__recall_scan_args *a, kvt__recall_s
 TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p, int lv,
                                 uint64_t *row_io, uint64_t *jk_io, uint64_t *rows,
                                 const uint8_t **x, uint8_t *at) {
-    const size_t HP = p->HP, HQ = Q8_HQ(HP);
-    const uint32_t len = p->q8len, bd = a->branch_dim, bd4 = bd / 4u, n4 = len / 4u;
-    const int32_t *corr = (const int32_t *)(p->q8f + 8u * HP); /* [2][HP] */
-    int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
+    const uint32_t len = p->q8len;
     uint64_t row = *row_io, jk = *jk_io, end = a->n_closed, live = 0;
     const uint64_t r0 = row;
     const uint8_t *xa[CHUNK_ROWS]; /* level 3: the window's vectors, kept rows too */
@@ -1420,6 +1417,10 @@ TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan
     *jk_io = jk;
 #ifdef Q8_AMX
     if (lv == 3) {
+        const size_t HP = p->HP, HQ = Q8_HQ(HP);
+        const uint32_t bd = a->branch_dim, bd4 = bd / 4u, n4 = len / 4u;
+        const int32_t *corr = (const int32_t *)(p->q8f + 8u * HP); /* [2][HP] */
+        int32_t *ib = (int32_t *)p->tacc, *is = (int32_t *)p->tpa;
         const size_t w = (size_t)(row - r0);
         size_t o = 0;
         for (; o + 16u <= w; o += 16u)
@@ -1437,8 +1438,7 @@ TILED_FN static size_t q8_chunk(const kvt__recall_scan_args *a, kvt__recall_scan
         return n;
     }
 #else
-    (void)xa; /* level 3 is not built here, nor are its values used */
-    (void)HQ, (void)bd4, (void)n4, (void)corr, (void)ib, (void)is, (void)live;
+    (void)xa, (void)live; /* level 3 is not built here */
 #endif
     q8_chunk_dots(a, p, lv, x, n);
     return n;
@@ -1477,6 +1477,18 @@ TILED_FN static void q8_chunk_dots(const kvt__recall_scan_args *a, kvt__recall_s
     }
 }
 
+/* A row's 8-bit trigger over every head from its dots bi, si [HP] at level lv, as the scan runs
+ * it: the vectorised conformal trigger (VNNI and AMX levels: q8_conformal_vec; AVX2:
+ * q8_conformal_avx2), the per-element functions in the other modes. */
+TILED_FN static int q8_fire(const kvt__recall_scan_args *a, const kvt__recall_scan_prep *p,
+                            int lv, const uint8_t *pl, const int32_t *bi, const int32_t *si,
+                            float rho) {
+    if (a->mode != KVT__RECALL_CONFORMAL)
+        return q8_row_trigger(a, p, pl, bi, si, rho);
+    return lv >= 2 ? q8_conformal_vec(a, p, pl, bi, si, rho, a->n_heads)
+                   : q8_conformal_avx2(a, p, pl, bi, si, rho, a->n_heads);
+}
+
 /* kvt__recall_rows_fire_cpu at 8 bits, level lv (2 VNNI, 1 AVX2; AMX's windows need
  * consecutive rows: level 2 for it): the listed rows CHUNK_ROWS at a time through q8_chunk_dots,
  * then each row's trigger over every head as scan_q8 runs it (no screen: it only skips work), so
@@ -1484,11 +1496,9 @@ TILED_FN static void q8_chunk_dots(const kvt__recall_scan_args *a, kvt__recall_s
 TILED_FN static void rows_fire_q8(const kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
                                   int lv, const uint64_t *rows, uint32_t n, uint8_t *fire) {
     const size_t HP = p->HP;
-    const uint32_t H = a->n_heads;
-    const int conformal = a->mode == KVT__RECALL_CONFORMAL;
     const int32_t *ib = (const int32_t *)p->tacc, *is = (const int32_t *)p->tpa;
     const uint8_t *x[CHUNK_ROWS];
-    column_tables(a, p, NULL, H, HP);
+    column_tables(a, p, NULL, a->n_heads, HP);
     for (uint32_t c0 = 0; c0 < n; c0 += CHUNK_ROWS) {
         const uint32_t c = n - c0 < CHUNK_ROWS ? n - c0 : CHUNK_ROWS;
         for (uint32_t i = 0; i < c; i++)
@@ -1496,11 +1506,8 @@ TILED_FN static void rows_fire_q8(const kvt__recall_scan_args *a, kvt__recall_sc
         q8_chunk_dots(a, p, lv, x, c);
         for (uint32_t i = 0; i < c; i++) {
             const int32_t *bi = ib + i * HP, *si = is + i * HP;
-            const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
-            const float rho = *kvt__scan_rho(a, rows[c0 + i]);
-            fire[c0 + i] = (uint8_t)(!conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
-                                     : lv >= 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
-                                                : q8_conformal_avx2(a, p, pl, bi, si, rho, H));
+            fire[c0 + i] = (uint8_t)q8_fire(a, p, lv, x[i] - 4u * KVT__Q8_FLOATS, bi, si,
+                                            *kvt__scan_rho(a, rows[c0 + i]));
         }
     }
 }
@@ -1542,9 +1549,7 @@ TILED_FN static void scan_q8(const kvt__recall_scan_args *a, kvt__recall_scan_pr
             const int32_t *bi = ib + at[i] * HP, *si = is + at[i] * HP;
             const uint8_t *pl = x[i] - 4u * KVT__Q8_FLOATS;
             const float rho = rho_c[i];
-            const int f = !conformal ? q8_row_trigger(a, p, pl, bi, si, rho)
-                          : lv >= 2  ? q8_conformal_vec(a, p, pl, bi, si, rho, H)
-                                     : q8_conformal_avx2(a, p, pl, bi, si, rho, H);
+            const int f = q8_fire(a, p, lv, pl, bi, si, rho);
             if (!f)
                 continue;
             if (count == a->cap) {
@@ -1638,22 +1643,9 @@ void kvt__recall_rows_fire_cpu(const kvt__recall_scan_args *a, kvt__recall_scan_
         return;
     }
 #endif
-    if (a->q8_off) { /* the 8-bit scan: the per-element functions, the listed heads in order */
-        int32_t ib, is;
-        for (uint32_t i = 0; i < n; i++) {
-            const uint8_t *pl = q8_plane(a, rows[i]);
-            const float rho = *kvt__scan_rho(a, rows[i]);
-            fire[i] = 0;
-            for (uint32_t t = 0; t < nc && !fire[i]; t++) {
-                const uint32_t h = hmap ? hmap[t] : t;
-                const kvt__recall_q8h q = q8_head(p, h);
-                kvt__recall_q8_dots(pl + 4u * KVT__Q8_FLOATS, p->q8v + (size_t)h * p->q8len,
-                                    a->branch_dim, p->q8len, &ib, &is);
-                fire[i] = (uint8_t)kvt__recall_q8_fires(&p->heads[h], &q, pl, ib, is, rho,
-                                                        a->scale, a->z, a->best[h], a->mode,
-                                                        a->latent_dim, a->branch_dim, a->rank);
-            }
-        }
+    if (a->q8_off) { /* the 8-bit scan: the per-element functions, every head (q8_row_fires) */
+        for (uint32_t i = 0; i < n; i++)
+            fire[i] = (uint8_t)q8_row_fires(a, p, rows[i]);
         return;
     }
 #ifdef SCAN_TILED

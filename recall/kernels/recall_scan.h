@@ -587,8 +587,9 @@ int kvt__recall_row_fires_cpu(const struct kvt__recall_scan_args *a,
  * rows[i]) bit for bit (QP a multiple of 8, at most p->HP; nc <= QP), through the tiled
  * evaluation where kvt__recall_scan_cpu runs it (the listed rows a chunk at a time against every
  * column), else row by row. Writes p's chunk and column scratch. The 8-bit scan (a->q8_off):
- * heads hmap[0 .. nc) (NULL: 0 .. nc) through kvt__recall_q8_dots and kvt__recall_q8_fires row by
- * row, the full scan's bits (qT and QP unread). */
+ * every head, not only the listed ones (the caller lists every head that can fire: a row's
+ * decision is the full scan's either way), on the full scan's tiles where it runs them, else
+ * through kvt__recall_q8_dots and kvt__recall_q8_fires row by row (qT, QP and hmap unread). */
 void kvt__recall_rows_fire_cpu(const struct kvt__recall_scan_args *a, kvt__recall_scan_prep *p,
                                const float *qT, size_t QP, const uint32_t *hmap, uint32_t nc,
                                const uint64_t *rows, uint32_t n, uint8_t *fire);

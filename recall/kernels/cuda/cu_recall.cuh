@@ -675,7 +675,8 @@ __device__ inline GroupWs group_ws(const ScanWs &w, uint32_t item) {
 
 /* Does this step run the pruned scan (the twin's choice: planes, not the margin mode, a
  * scanning step the state says pays; launch 4 counts the step, so this one is steps + 1)? At
- * 8 bits the groups' bound is the widened one (kvt__recall_group_live_q8). */
+ * 8 bits the groups' bound is the widened one (kvt__recall_group_live with the heads' 8-bit
+ * values). */
 __device__ inline bool step_prunes(const kvt__recall_step_args &x, const StepPlan &pl) {
     return x.g_perm && x.mode != KVT__RECALL_MARGIN && pl.scan &&
            kvt__recall_prune_pays(x.st, x.st->steps + 1u);
@@ -948,14 +949,8 @@ __device__ inline void groups_live(const kvt__recall_scan_args &a, const ScanIte
                 const kvt__recall_head hd = it.heads[h];
                 const double Y = kvt__recall_group_ynorm(qb, qs, bd, rank);
                 const float yc = kvt__recall_group_ydot(qb, qs, c, bd, rank);
-                if (a.q8_off) {
-                    const kvt__recall_q8h q8 = it.q8h[h];
-                    on = kvt__recall_group_live_q8(&hd, &q8, Y, yc, stt, a.mode, a.scale, a.z,
-                                                   a.best[h], D, bd, rank, a.q8_off);
-                } else {
-                    on = kvt__recall_group_live(&hd, Y, yc, stt, a.mode, a.scale, a.z, a.best[h],
-                                                D, bd, rank);
-                }
+                on = kvt__recall_group_live(&hd, a.q8_off ? &it.q8h[h] : NULL, Y, yc, stt, a.mode,
+                                            a.scale, a.z, a.best[h], D, bd, rank, a.q8_off);
             }
         }
         live[t] = (uint8_t)on;
