@@ -330,11 +330,14 @@ static inline void dec_fill_or_die(const dec_bench *b, uint32_t n, const uint8_t
 }
 
 enum { DEC_MAXACC = 8 };
+/* Steps after a close that build its group blocks (KVT__RECALL_GROUP_LAG at most), and more. */
+enum { DEC_AFTER = 12 };
 
 typedef struct dec_result {
     double ratio, lo, hi;   /* dense ÷ kvtier: median window, range over the windows */
     double kvt_med, dense_med; /* the median window's median steps (s) */
     double bytes_per_token, visited, close_s, close_over_median;
+    double after_close_max_s; /* the slowest of the DEC_AFTER steps after the closing one */
     double acc[DEC_MAXACC]; /* the step's sums over the timed steps, per step */
     uint64_t rsteps, over, fetched; /* recall steps, overflow steps, fetched rows (timed) */
 } dec_result;
@@ -358,6 +361,11 @@ static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int b
         if (ls.recall_calib_steps == before && i > 0)
             break;
     }
+    /* DEC_AFTER steps more (untimed): the prefill's last close left its newest group blocks to
+     * the pruning steps that follow, one a step (kvt__recall_groups_want); the windows time the
+     * steady state, and the steps right after a close are timed below */
+    for (int i = 0; recall && i < DEC_AFTER; i++)
+        b->step(b->rig, n++, &tk, &td, &em);
     kvt_seq_layer_stats(seq, 0, &ls);
     memset(b->acc, 0, sizeof(double) * (size_t)b->n_acc);
     const uint64_t v0 = ls.recall_visited_rows, f0 = ls.recall_fetched_rows,
@@ -431,6 +439,12 @@ static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int b
         exit(1);
     }
     out->close_over_median = out->close_s / out->kvt_med;
+    /* the steps right after it (the new block's groups are built there, one block a step) */
+    for (int i = 0; i < DEC_AFTER; i++) {
+        double t;
+        b->step(b->rig, n++, &t, &tcd, &em);
+        out->after_close_max_s = t > out->after_close_max_s ? t : out->after_close_max_s;
+    }
 }
 
 /* The case's line; ratio_name: dense_over_kvtier, or dense_floor_over_kvtier where both sides

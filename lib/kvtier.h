@@ -558,12 +558,13 @@ typedef struct kvt_ctx_params {
      * allocator on the scheduler's path). */
     uint32_t max_seqs;
     /* Recall sketches (docs/recall.md): fp16 coefficients per closed row of every salience layer
-     * (0, the default: none, and closes compute nothing more than σ). With r > 0 each block close
-     * also writes, per row, csk = the row's latent (its first value_dim values) projected on the
+     * (0, the default: none, and closes compute nothing more than σ). With r > 0 every row of
+     * such a layer gets, by the close of its block (each commit sketches its committed rows of
+     * the open block ahead, whole tiles of 32; the close the rest), csk = the row's latent (its first value_dim values) projected on the
      * layer's basis (kvt_ctx_set_recall_basis; r coefficients, fp16, entries past the basis's
      * rank 0) and ρ = the norm of what that fp16 sketch misses (fp32): 2r + 4 bytes a row, 132 B
-     * at the design's r = 64, in the backend's memory, sized with the score plane (at
-     * kvt_seq_create when max_rows_per_seq is stated). A layer without a basis gets empty
+     * at the design's r = 64, in the backend's memory, sized with the score plane and the open
+     * block (at kvt_seq_create when max_rows_per_seq is stated). A layer without a basis gets empty
      * sketches and ρ = the latent's norm. The recall trigger (kvt_config.recall) reads them.
      * 1..KVT_RECALL_MAX_RANK and at most every salience layer's value_dim
      * (KVT_ERR_INVALID_ARGUMENT). fp8 rows are read in FlashMLA's 656-B ds_mla layout only (512
@@ -1003,8 +1004,9 @@ KVT_API kvt_status kvt_seq_write(kvt_seq *seq, uint32_t layer, uint32_t plane, u
  * lets it go. The shared σ and sketch planes stay shared for as long as their holders live:
  * each holder writes the blocks it closes later into planes of its own and reads the shared
  * rows where they are (no copy). The request whose planes became the shared set takes new own
- * planes at the kvt_batch_reserve of its next closing step (KVT_ERR_OUT_OF_MEMORY there, nothing
- * reserved, when it cannot; so it may allocate at that reserve even with max_rows_per_seq);
+ * planes at its next kvt_batch_reserve (recall sketch planes, for its open block's rows) and at
+ * that of its next closing step (KVT_ERR_OUT_OF_MEMORY there, nothing reserved, when it cannot;
+ * so it may allocate at those reserves even with max_rows_per_seq);
  * forking a request that already shares planes and closed blocks since copies its closed rows'
  * planes once into one new shared set (at the fork). Later random
  * draws are keyed by the child's own request id, which must not be live in the context (as for

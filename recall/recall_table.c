@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "lib/base/base.h"
+#include "recall/kernels/recall_group.h"
 
 /* A placeholder query: a plan item's op reads the run's query base + q_off instead. */
 static const float no_query;
@@ -29,10 +30,12 @@ static void nope_fini(void *r, const kvt__backend *be) {
     kvt__recall_layer_fini((kvt__recall_layer *)r, be);
 }
 
-/* Closed blocks of block_rows rows; centres of the branch and the sketch. */
+/* Closed blocks of min(block_rows, KVT__RECALL_GROUP_BLOCK_MAX) rows; centres of the branch and
+ * the sketch. */
 static kvt_status nope_groups_reserve(void *r, const kvt__backend *be,
                                       const kvt__recall_shape *sh) {
-    const uint32_t B = sh->block_rows;
+    const uint32_t B = sh->block_rows > KVT__RECALL_GROUP_BLOCK_MAX ? KVT__RECALL_GROUP_BLOCK_MAX
+                                                                   : sh->block_rows;
     return kvt__recall_layer_groups_reserve((kvt__recall_layer *)r, be, sh->rows / B, B,
                                             sh->branch_dim + sh->sketch_rank);
 }

@@ -519,6 +519,97 @@ Test(sketch_planes, closes_write_the_twins_bits_on_every_backend) {
     kvt_model_destroy(m);
 }
 
+/* The twin's sketches of rows [lo, hi) of rows (a request's positions) against a request's
+ * planes at the same rows (own planes: the open block's rows sketched ahead included). */
+static void planes_are_the_twins(const kvt_seq *seq, const uint8_t *rows, uint64_t lo, uint64_t hi,
+                                 const float *V, uint32_t rank, const char *what) {
+    const kvt__sal *s = &kvt__seq_state(seq, 0)->sal;
+    const kvt__backend *be = &seq->ctx->backend;
+    const uint64_t n = hi - lo;
+    cr_assert(lo >= s->n_head && n > 0 && n <= 256);
+    uint16_t got_c[256 * R], want_c[256 * R];
+    float got_r[256], want_r[256];
+    cr_assert_eq(be->ops->read(be, got_c, s->csk + (lo - s->n_head) * R,
+                               sizeof(uint16_t) * n * R, NULL), KVT_OK);
+    cr_assert_eq(be->ops->read(be, got_r, s->rho + (lo - s->n_head), sizeof(float) * n, NULL),
+                 KVT_OK);
+    sketch_host((const float *)(rows + lo * 1152), (uint32_t)n, KVT__DT_BF16, 1152, V, rank, R,
+                want_c, want_r);
+    cr_assert_eq(memcmp(got_c, want_c, sizeof(uint16_t) * n * R), 0, "%s: csk", what);
+    cr_assert_eq(memcmp(got_r, want_r, sizeof(float) * n), 0, "%s: rho", what);
+}
+
+/* A commit sketches its final rows ahead of their close, 32 at a time: after every decode step
+ * the rows sketched ahead are whole tiles of the open block, their planes are the twin's, and a
+ * close then writes the same bits as a close that sketches its whole block. A fork, a refit
+ * (another basis) and a restore forget the rows sketched ahead, and the next close is right. */
+Test(sketch_planes, decode_sketches_ahead_the_same_bits) {
+    fixture f;
+    const uint32_t N = 64 * 5 + 40;
+    setup(&f, KVT_BACKEND_CPU, 0, 7171, N, true);
+    uint64_t ahead_steps = 0;
+    for (uint32_t t = 0; t < 64 * 2 + 40; t++) {
+        feed(f.seq, f.rows + (size_t)t * 1152, 1, 1);
+        const kvt__sal *s = &kvt__seq_state(f.seq, 0)->sal;
+        const uint64_t n = t + 1, open = n - s->closed_rows;
+        cr_assert_eq(s->n_rows, n);
+        /* whole tiles of the open block's committed rows, no more */
+        const uint64_t want = s->closed_rows + open / 32 * 32;
+        cr_assert_eq(s->sk_rows > s->closed_rows ? s->sk_rows : s->closed_rows, want,
+                     "row %llu: sketched to %llu, closed %llu", (unsigned long long)n,
+                     (unsigned long long)s->sk_rows, (unsigned long long)s->closed_rows);
+        ahead_steps += s->sk_rows > s->closed_rows;
+        if (want > s->closed_rows && (n % 32 == 0))
+            planes_are_the_twins(f.seq, f.rows, s->closed_rows, want, f.V, R, "ahead");
+        cr_assert_eq(kvt_seq_check(f.seq), KVT_OK, "%s", kvt_last_error());
+    }
+    cr_assert_gt(ahead_steps, 64);
+    planes_are_the_twins(f.seq, f.rows, 0, 64 * 2, f.V, R, "closed");
+    /* A fork: both requests go on (the parent's planes moved into the shared set) and close. */
+    kvt_seq *kid;
+    cr_assert_eq(kvt_seq_fork(f.seq, 2, &kid), KVT_OK, "%s", kvt_last_error());
+    cr_assert_leq(kvt__seq_state(f.seq, 0)->sal.sk_rows, 64 * 2);
+    cr_assert_leq(kvt__seq_state(kid, 0)->sal.sk_rows, 64 * 2);
+    for (uint32_t t = 64 * 2 + 40; t < 64 * 3 + 8; t++) {
+        feed(f.seq, f.rows + (size_t)t * 1152, 1, 1);
+        feed(kid, f.rows + (size_t)t * 1152, 1, 1);
+    }
+    planes_are_the_twins(f.seq, f.rows, 64 * 2, 64 * 3, f.V, R, "parent after the fork");
+    planes_are_the_twins(kid, f.rows, 64 * 2, 64 * 3, f.V, R, "fork");
+    /* A refit to another basis: the rows sketched ahead with the old one are sketched again. */
+    for (uint32_t t = 64 * 3 + 8; t < 64 * 3 + 48; t++)
+        feed(f.seq, f.rows + (size_t)t * 1152, 1, 1);
+    cr_assert_gt(kvt__seq_state(f.seq, 0)->sal.sk_rows, 64 * 3);
+    float *V2 = malloc(sizeof(float) * R * D);
+    cr_assert(V2);
+    orthonormal_rows(7272, R, D, V2);
+    cr_assert_eq(kvt_ctx_refit_recall_basis(f.ctx, 0, V2, R, KVT_REFIT_KEEP_Z, NULL), KVT_OK,
+                 "%s", kvt_last_error());
+    for (uint32_t t = 64 * 3 + 48; t < 64 * 4 + 8; t++)
+        feed(f.seq, f.rows + (size_t)t * 1152, 1, 1);
+    planes_are_the_twins(f.seq, f.rows, 64 * 3, 64 * 4, V2, R, "after the refit");
+    /* A snapshot and a restore: the restored request sketches its open block at its close. */
+    size_t bytes;
+    cr_assert_eq(kvt_seq_snapshot_size(f.seq, &bytes), KVT_OK, "%s", kvt_last_error());
+    uint8_t *snap = malloc(bytes);
+    cr_assert(snap);
+    cr_assert_eq(kvt_seq_snapshot(f.seq, snap, bytes, NULL), KVT_OK, "%s", kvt_last_error());
+    kvt_ctx *c2 = make_ctx(f.m, &f.c, KVT_BACKEND_GUARDED, R, 0);
+    cr_assert_eq(kvt_ctx_set_recall_basis(c2, 0, V2, R), KVT_OK);
+    kvt_seq *r;
+    cr_assert_eq(kvt_seq_restore(c2, snap, bytes, &r), KVT_OK, "%s", kvt_last_error());
+    cr_assert_leq(kvt__seq_state(r, 0)->sal.sk_rows, 64 * 4);
+    for (uint32_t t = 64 * 4 + 8; t < 64 * 5 + 8; t++)
+        feed(r, f.rows + (size_t)t * 1152, 1, 1);
+    planes_are_the_twins(r, f.rows, 64 * 4, 64 * 5, V2, R, "restored");
+    cr_assert_eq(kvt_seq_check(r), KVT_OK, "%s", kvt_last_error());
+    cr_assert_eq(kvt_seq_check(kid), KVT_OK, "%s", kvt_last_error());
+    free(snap);
+    free(V2);
+    kvt_ctx_destroy(c2);
+    teardown(&f);
+}
+
 /* The guarded backend refuses a sketch whose planes are host memory (a GPU could not write
  * them). */
 Test(sketch_planes, guarded_op_refuses_host_planes) {

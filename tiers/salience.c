@@ -110,6 +110,7 @@ static void head_drop(kvt__sal *s, const kvt__alloc *a) {
     kvt__sal_head *h = s->head;
     s->head = NULL;
     s->n_head = 0;
+    kvt__sal_tail_forget(s);
     if (!h || --h->holders > 0)
         return;
     planes_free(s->be, head_planes_of(h, s));
@@ -140,6 +141,7 @@ static kvt_status head_make(kvt__sal *s, const kvt__alloc *a) {
         }
         s->head = h;
         s->n_head = s->closed_rows;
+        kvt__sal_tail_forget(s); /* (its rows moved with the planes) */
         return KVT_OK;
     }
     /* copy: the old set's rows [0, n_head), then the own rows */
@@ -168,6 +170,7 @@ static kvt_status head_make(kvt__sal *s, const kvt__alloc *a) {
     head_drop(s, a);
     s->head = h;
     s->n_head = h->rows;
+    kvt__sal_tail_forget(s);
     return KVT_OK;
 }
 
@@ -187,6 +190,7 @@ kvt_status kvt__sal_share(kvt__sal *dst, kvt__sal *src, uint64_t rows, const kvt
     head_drop(dst, a); /* (a fresh state reads none) */
     dst->head = h;
     dst->n_head = rows;
+    kvt__sal_tail_forget(dst);
     return KVT_OK;
 }
 
@@ -253,8 +257,11 @@ static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, ui
 
 /* The close of new_closed rows: the own closed-row planes (rows n_head on; sized at least for
  * the rows kvt__sal_prepare asked for, so that a state whose planes moved into a shared set
- * takes them back in one allocation) and the kept plane. Capacity only. */
-static kvt_status sal_reserve(kvt__sal *s, uint64_t new_closed, uint64_t m, void *stream) {
+ * takes them back in one allocation) and the kept plane. Capacity only. Sketch planes that grow
+ * take `ahead` rows more (kvt__sal_prepare: the rows past the last closed block, which the
+ * commits sketch ahead; sketch_ahead). */
+static kvt_status sal_reserve(kvt__sal *s, uint64_t new_closed, uint64_t m, uint64_t ahead,
+                              void *stream) {
     KVT_ASSERT(new_closed >= s->n_head);
     uint64_t own = new_closed - s->n_head;
     if (own > s->score_cap && s->prep_rows > new_closed)
@@ -270,13 +277,14 @@ static kvt_status sal_reserve(kvt__sal *s, uint64_t new_closed, uint64_t m, void
     if (st != KVT_OK || s->sk_stride == 0)
         return st;
     /* The recall sketches of the closed rows, grown with σ. */
+    const uint64_t sk_own = own > s->csk_cap || own > s->rho_cap ? own + ahead : own;
     p = s->csk;
-    st = plane_grow(s->be, &p, &s->csk_cap, own, sizeof *s->csk * s->sk_stride, stream);
+    st = plane_grow(s->be, &p, &s->csk_cap, sk_own, sizeof *s->csk * s->sk_stride, stream);
     s->csk = p;
     if (st != KVT_OK)
         return st;
     p = s->rho;
-    st = plane_grow(s->be, &p, &s->rho_cap, own, sizeof *s->rho, stream);
+    st = plane_grow(s->be, &p, &s->rho_cap, sk_own, sizeof *s->rho, stream);
     s->rho = p;
     return st;
 }
@@ -287,7 +295,8 @@ kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *
     uint64_t closed = rows / cfg->block_rows * cfg->block_rows;
     if (closed > s->prep_rows)
         s->prep_rows = closed;
-    return sal_reserve(s, closed < s->n_head ? s->n_head : closed, kvt__sal_m(closed, cfg), NULL);
+    return sal_reserve(s, closed < s->n_head ? s->n_head : closed, kvt__sal_m(closed, cfg),
+                       rows - closed, NULL);
 }
 
 /* The top-m size before promotion's reserve (kvt__sal_m without it). */
@@ -409,13 +418,23 @@ static kvt__sketch_args sketch_args_at(const kvt__env *env, const kvt__store *st
     return a;
 }
 
-/* The sketching of the block starting at position `first` of a job's layer into its own rows of
- * the sketch planes. */
-static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first) {
+/* The sketching of rows [first, first + n) of a job's layer into its own rows of the sketch
+ * planes. */
+static kvt__sketch_args sketch_args(const kvt__env *env, const kvt__sal_job *j, uint64_t first,
+                                    uint32_t n) {
     const kvt__sal *s = j->s;
-    return sketch_args_at(env, j->st, j->pt, s, j->sh->block_rows, first,
+    return sketch_args_at(env, j->st, j->pt, s, n, first,
                           s->csk + (first - s->n_head) * s->sk_stride, s->rho + (first - s->n_head));
 }
+
+/* Rows from closed_rows on that hold their sketches already (kvt__sal.sk_rows). */
+static uint64_t sketched_to(const kvt__sal *s) {
+    return s->sk_rows > s->closed_rows ? s->sk_rows : s->closed_rows;
+}
+
+/* Rows a commit sketches ahead at a time: the CPU's widest sketch tile (recall/kernels/sketch.c),
+ * so that sketching a block a tile at a time costs what sketching it whole does. */
+#define KVT__SAL_AHEAD_ROWS 32u
 
 /* Arguments of one batched call: σ of blocks, or their sketches. */
 typedef union block_args {
@@ -443,11 +462,16 @@ static void block_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n, bool
         if (sketch && j->s->sk_stride == 0)
             continue;
         for (uint64_t b = 0; j->status == KVT_OK && b < j->n_close; b++) {
-            uint64_t first = j->s->closed_rows + b * j->sh->block_rows;
+            const uint32_t B = j->sh->block_rows;
+            uint64_t first = j->s->closed_rows + b * B;
+            /* the rows a commit sketched ahead are not sketched again */
+            const uint64_t from = sketch && sketched_to(j->s) > first ? sketched_to(j->s) : first;
+            if (from >= first + B)
+                continue;
             if (k == 0)
                 first_job = i;
             if (sketch)
-                args.sketch[k++] = sketch_args(env, j, first);
+                args.sketch[k++] = sketch_args(env, j, from, (uint32_t)(first + B - from));
             else
                 args.score[k++] = score_args(env, j, first, j->s->score + (first - j->s->n_head));
             if (k == KVT__SAL_CHUNK) {
@@ -458,6 +482,41 @@ static void block_jobs(const kvt__env *env, kvt__sal_job *jobs, uint32_t n, bool
     }
     if (k)
         block_call(env, jobs, first_job, n, &args, k, sketch);
+}
+
+/* The sketches of committed rows of the open blocks, ahead of their close (4. of
+ * kvt__sal_commit_many): for every job whose rows are final, whole tiles of KVT__SAL_AHEAD_ROWS
+ * rows past what it sketched already, into its own planes where they have room (a close then
+ * sketches only the rows after them: the same bits, each row's sketch being its own). Spreads a
+ * close's sketching over the block's commits. Allocates nothing and changes no decision: a job
+ * whose planes lack the room, or whose call fails, sketches those rows at its close. */
+static void sketch_ahead(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
+    kvt__sketch_args a[KVT__SAL_CHUNK];
+    kvt__sal *who[KVT__SAL_CHUNK];
+    uint64_t to[KVT__SAL_CHUNK];
+    uint32_t k = 0;
+    for (uint32_t i = 0; i <= n; i++) {
+        if (i < n) {
+            kvt__sal_job *j = &jobs[i];
+            kvt__sal *s = j->s;
+            const uint64_t from = sketched_to(s);
+            const uint64_t rows = j->new_n_rows > from ? j->new_n_rows - from : 0;
+            const uint64_t t = from + rows / KVT__SAL_AHEAD_ROWS * KVT__SAL_AHEAD_ROWS;
+            if (j->final && j->status == KVT_OK && s->sk_stride && t > from &&
+                s->closed_rows >= s->n_head && t - s->n_head <= s->csk_cap &&
+                t - s->n_head <= s->rho_cap) {
+                a[k] = sketch_args(env, j, from, (uint32_t)(t - from));
+                who[k] = s;
+                to[k++] = t;
+            }
+        }
+        if (k == KVT__SAL_CHUNK || (i == n && k)) {
+            if (env->backend->ops->sketch_rows(env->backend, a, k, env->stream) == KVT_OK)
+                for (uint32_t x = 0; x < k; x++)
+                    who[x]->sk_rows = to[x];
+            k = 0;
+        }
+    }
 }
 
 kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_t n) {
@@ -474,7 +533,7 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
         j->new_closed = s->closed_rows + j->n_close * B;
         j->m = kvt__sal_m(j->new_closed, j->cfg);
         /* growth on the run's stream: ordered with its earlier closes */
-        kvt_status st = sal_reserve(s, j->new_closed, j->m, env->stream);
+        kvt_status st = sal_reserve(s, j->new_closed, j->m, 0, env->stream);
         if (st == KVT_OK && j->new_closed > UINT32_MAX)
             st = kvt__fail(env->err, env->err_len, KVT_ERR_UNSUPPORTED,
                            "salience: more than 2^32 closed rows");
@@ -528,13 +587,16 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
                 s->score_bytes_read +=
                     j->n_close * j->sh->block_rows * score_bytes_per_row(j->cfg, &j->st->spec);
                 s->closed_rows = j->new_closed;
+                kvt__sal_tail_forget(s); /* (every row it had sketched ahead is closed now) */
             }
             k = 0;
         }
     }
     /* On failure the blocks stay unclosed: their rows remain attended as part of the tail
      * (never lost from the attended set) and the next commit closes them. Scores written for
-     * them are rewritten by that close. */
+     * them are rewritten by that close.
+     * 4. The committed rows of the open blocks sketched ahead of their close. */
+    sketch_ahead(env, jobs, n);
     kvt_status first = KVT_OK;
     for (uint32_t i = 0; i < n; i++) {
         jobs[i].s->n_rows = jobs[i].new_n_rows;
@@ -547,7 +609,7 @@ kvt_status kvt__sal_commit_many(const kvt__env *env, kvt__sal_job *jobs, uint32_
 kvt_status kvt__sal_commit(kvt__sal *s, const kvt__env *env, const kvt__sal_shared *sh,
                            const kvt__store *st, const kvt__ptable *pt, uint64_t new_n_rows) {
     kvt__sal_job j = {.s = s, .sh = sh, .st = st, .pt = pt, .cfg = env->cfg,
-                      .philox_key = env->philox_key, .new_n_rows = new_n_rows};
+                      .philox_key = env->philox_key, .new_n_rows = new_n_rows, .final = true};
     return kvt__sal_commit_many(env, &j, 1);
 }
 
@@ -798,6 +860,7 @@ static kvt_status sal_layer_reset(kvt__tier_state *s, const kvt__env *env,
     kvt__sal *sa = &s->sal;
     kvt__sal_unshare(sa, env->alloc); /* parked slots have given theirs up already */
     sa->n_rows = sa->closed_rows = sa->n_kept = sa->kept_in_sinks = 0;
+    kvt__sal_tail_forget(sa);
     sa->closes = sa->nonfinite = sa->score_bytes_read = 0;
     /* The new request's ratio may keep more rows: grow only then. */
     if (env->max_rows == 0)
@@ -892,6 +955,7 @@ static kvt_status sal_layer_fork(kvt__tier_state *dst_s, kvt__tier_state *src_s,
                          st->layer);
     d->n_rows = s->n_rows;
     d->closed_rows = s->closed_rows;
+    kvt__sal_tail_forget(d);
     d->n_kept = s->n_kept;
     d->kept_in_sinks = s->kept_in_sinks;
     d->closes = s->closes;
@@ -930,6 +994,7 @@ static kvt_status sal_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_
                          st->layer);
     d->n_rows = rows;
     d->closed_rows = closed;
+    kvt__sal_tail_forget(d);
     d->n_kept = closed ? m : 0;
     d->kept_in_sinks = closed ? sel.kept_in_sinks : 0;
     d->closes = closed / cfg->block_rows;
@@ -940,14 +1005,30 @@ static kvt_status sal_layer_attach(kvt__tier_state *dst_s, kvt__tier_state *src_
 
 /* A step that closes a block writes its rows into the state's own planes: a state whose planes
  * moved into a shared set (kvt__sal_share) takes new ones here, at the step's reserve, so that
- * the step's run allocates nothing. */
+ * the step's run allocates nothing. The sketch planes take room for every row the reserve
+ * counts, so that the commits can sketch the open block's rows ahead (sketch_ahead). */
 static kvt_status sal_reserve_shared(kvt__tier_state *s, const kvt__env *env,
                                      const kvt__store *st, uint64_t rows) {
     kvt__sal *sa = &s->sal;
     const uint64_t closed = rows / env->cfg->block_rows * env->cfg->block_rows;
     kvt_status rc = sa->head && closed > sa->closed_rows
-                        ? sal_reserve(sa, closed, kvt__sal_m(closed, env->cfg), NULL)
+                        ? sal_reserve(sa, closed, kvt__sal_m(closed, env->cfg), 0, NULL)
                         : KVT_OK;
+    if (rc == KVT_OK && sa->sk_stride && rows > sa->n_head) {
+        /* planes that must grow take room to the end of the block the last row is in: one
+         * growth a block at most */
+        const uint64_t B = env->cfg->block_rows;
+        uint64_t need = rows - sa->n_head;
+        if (need > sa->csk_cap || need > sa->rho_cap)
+            need = (rows + B - 1) / B * B - sa->n_head;
+        void *p = sa->csk;
+        rc = plane_grow(sa->be, &p, &sa->csk_cap, need, sizeof *sa->csk * sa->sk_stride, NULL);
+        sa->csk = p;
+        p = sa->rho;
+        if (rc == KVT_OK)
+            rc = plane_grow(sa->be, &p, &sa->rho_cap, need, sizeof *sa->rho, NULL);
+        sa->rho = p;
+    }
     return rc == KVT_OK ? KVT_OK
                         : kvt__fail(env->err, env->err_len, rc,
                                     "the salience planes of layer %u for its rows past the shared "
@@ -1030,6 +1111,7 @@ static kvt_status sal_resketch(kvt__tier_state *st, const kvt__env *env, const k
                                uint32_t head, uint64_t epoch) {
     (void)head;
     kvt__sal *s = &st->sal;
+    kvt__sal_tail_forget(s); /* (sketched ahead with the old basis) */
     if (s->sk_stride == 0 || s->closed_rows == 0)
         return KVT_OK;
     kvt__sal_head *h = s->head;
@@ -1268,7 +1350,7 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
     if (rc == KVT_OK && sa->head) /* a restore fills a fresh request, which shares nothing */
         rc = kvt__fail(env->err, env->err_len, KVT_ERR_INVARIANT,
                        "salience state: restoring into a request that shares planes");
-    if (rc == KVT_OK && (rc = sal_reserve(sa, t.closed_rows, t.n_kept, NULL)) != KVT_OK)
+    if (rc == KVT_OK && (rc = sal_reserve(sa, t.closed_rows, t.n_kept, 0, NULL)) != KVT_OK)
         kvt__fail(env->err, env->err_len, rc, "salience state: side planes");
     if (rc == KVT_OK && t.closed_rows &&
         (rc = sa->be->ops->write(sa->be, sa->score, score, sizeof *score * t.closed_rows,
@@ -1288,6 +1370,7 @@ static kvt_status sal_snap_load(kvt__tier_state *s, const kvt__env *env, const k
     if (rc == KVT_OK) {
         sa->n_rows = t.n_rows;
         sa->closed_rows = t.closed_rows;
+        kvt__sal_tail_forget(sa);
         sa->n_kept = t.n_kept;
         sa->kept_in_sinks = t.kept_in_sinks;
         sa->closes = t.closes;

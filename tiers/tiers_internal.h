@@ -61,7 +61,18 @@ typedef struct kvt__sal {
     kvt__sal_head *head; /* the shared piece, or NULL */
     uint64_t n_head;     /* rows read from it: a multiple of block_rows, <= head->rows */
     uint64_t prep_rows;  /* closed rows kvt__sal_prepare sized the planes for */
+    /* Rows of the open block sketched ahead, at the commits that made them final: rows
+     * [closed_rows, sk_rows) hold their sketches (and 8-bit planes) in the own planes already, so
+     * that a close sketches only the rest. 0 (or any value <= closed_rows): none. Every change
+     * of n_head, closed_rows or the basis sets it to 0 (kvt__sal_tail_forget). */
+    uint64_t sk_rows;
 } kvt__sal;
+
+/* Forget the rows sketched ahead (their planes moved, the basis changed, the state was rebuilt):
+ * the next close sketches its whole block. */
+static inline void kvt__sal_tail_forget(kvt__sal *s) {
+    s->sk_rows = 0;
+}
 
 /* Basis tables shared by all salience layers of a context: [n_basis][block_rows], in the
  * backend's memory (σ reads them there). */
@@ -114,6 +125,10 @@ typedef struct kvt__sal_job {
     const kvt_config *cfg;
     uint64_t philox_key;
     uint64_t new_n_rows;
+    /* the rows up to new_n_rows are committed (a commit, not a step in flight, whose rows an
+     * engine may still write again): whole tiles of them past the closed rows are sketched ahead
+     * (kvt__sal.sk_rows) */
+    bool final;
     /* filled by kvt__sal_commit_many */
     uint64_t n_close, new_closed, m;
     kvt_status status;

@@ -4,7 +4,8 @@
  * (kvt__sigma_block_cpu, κ = 16: 31 basis columns; its AVX-512 and AVX2 twins and its scalar
  * loops), the rank-64 sketch (kvt__sketch_rows_cpu, its AVX-512 path and its narrow path where the
  * CPU has AVX-512F) and the pruned scan's group build (kvt__recall_group_block_cpu, its AVX-512
- * chains and its narrow ones) and the 8-bit planes (kvt__recall_q8_rows_cpu at
+ * chains and its narrow ones, on the whole block and in the 512-row group blocks a NoPE layer
+ * builds) and the 8-bit planes (kvt__recall_q8_rows_cpu at
  * params.recall_scan_bits 8: per row, kvt__recall_q8_row, then its AVX2 and AVX-512 paths where the
  * CPU has them, each compared byte for byte). Latents: 90% of their energy in a rank-64 subspace
  * (the basis), as bench_decode_step's structured data. Per twin: thread CPU time per row, min–max
@@ -25,7 +26,7 @@
 #include "bench_cpu.h"
 
 enum { B = 4096, D = 512, BD = 64, RANK = 64, KD = D + BD, ROW = 2 * KD, KAPPA = 16,
-       NBASIS = 2 * KAPPA - 1, DIM = BD + RANK };
+       NBASIS = 2 * KAPPA - 1, DIM = BD + RANK, GB = KVT__RECALL_GROUP_BLOCK_MAX };
 
 typedef struct range {
     double lo, hi;
@@ -51,6 +52,7 @@ int main(int argc, char **argv) {
     void *gs = malloc(kvt__recall_group_scratch_bytes(B, BD, RANK));
     const uint32_t G = kvt__recall_group_slots(B);
     uint32_t *perm = malloc(sizeof(uint32_t) * B), *end = malloc(sizeof(uint32_t) * G), ng = 0;
+    uint32_t ngs[B / GB];
     float *centre = malloc(sizeof(float) * G * DIM), *stat = malloc(sizeof(float) * G * KVT__RG_STATS);
     if (!pool || !slots || !V || !rho || !sig || !basis || !csk || !csk2 || !rho2 || !sk || !ss ||
         !gs || !perm || !end || !centre || !stat || kvt__sigma_basis(0, B, KAPPA, basis) != 0) {
@@ -100,6 +102,7 @@ int main(int argc, char **argv) {
     if (!perm2)
         return 1;
     range rs = {1e30, 0}, rk = {1e30, 0}, rn = {1e30, 0}, rg = {1e30, 0}, rgn = {1e30, 0};
+    range rgs = {1e30, 0};
     range rq[3] = {{1e30, 0}, {1e30, 0}, {1e30, 0}}, rsn[2] = {{1e30, 0}, {1e30, 0}};
     const int swide = kvt__sigma_simd(-1);
     float *sig2 = malloc(sizeof(float) * B);
@@ -159,6 +162,21 @@ int main(int argc, char **argv) {
         kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK, rho,
                                     RANK, DIM, gs, &out);
         take(&rg, cpu_s() - t);
+        /* as the library builds a NoPE layer's groups: blocks of KVT__RECALL_GROUP_BLOCK_MAX rows
+         * (8 at B = 4096), each apart; their planes side by side in the same arrays */
+        t = cpu_s();
+        for (uint32_t u0 = 0; u0 < B; u0 += GB) {
+            const uint32_t k = u0 / GB, g = kvt__recall_group_slots(GB);
+            kvt__recall_group_block sub = {.perm = perm + u0, .n_groups = &ngs[k],
+                                           .end = end + k * g, .centre = centre + k * g * DIM,
+                                           .stat = stat + k * g * KVT__RG_STATS};
+            kvt__recall_group_block_cpu(pool, slots + u0, GB, ROW, 2 * D, KVT__DT_BF16, BD,
+                                        csk + (size_t)u0 * RANK, RANK, rho + u0, RANK, DIM, gs,
+                                        &sub);
+        }
+        take(&rgs, cpu_s() - t);
+        kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK, rho,
+                                    RANK, DIM, gs, &out); /* (perm as the 4096-row build left it) */
         if (gwide)
             same &= ng == ng2 && !memcmp(perm, perm2, sizeof(uint32_t) * B);
         for (int lv = 0; lv <= qlevel; lv++) { /* per row first: the reference */
@@ -195,6 +213,9 @@ int main(int argc, char **argv) {
            rg.lo * ns, rg.hi * ns);
     if (gwide)
         printf("  group build (narrow)     %6.0f - %6.0f ns\n", rgn.lo * ns, rgn.hi * ns);
+    printf("  group build in %u-row blocks, as the library builds them (%u of them) %6.0f - %6.0f "
+           "ns\n",
+           (unsigned)GB, (unsigned)(B / GB), rgs.lo * ns, rgs.hi * ns);
     static const char *const qname[3] = {"per row", "AVX2", "AVX-512"};
     for (int lv = 0; lv <= qlevel; lv++)
         printf("  8-bit planes (%-7s)   %6.0f - %6.0f ns%s\n", qname[lv], rq[lv].lo * ns,

@@ -85,6 +85,7 @@ typedef struct rig {
     float *q, *qs, *out, *scr;
     uint8_t *row;
     double part[3]; /* seconds in plan + run, the sparse attention, commit (summed) */
+    double last_close[3]; /* the same, of the last step that closed a block */
 } rig;
 
 /* One decode step at n_rows rows before it: kvtier's part and the dense attention, each timed
@@ -98,6 +99,9 @@ static void step(void *rv, uint64_t n_rows, double *t_kvt, double *t_dense, uint
                             .key_dim = DEC_KD, .value_dim = DEC_D, .q = r->q, .n_heads = DEC_H,
                             .q_stride = DEC_KD, .scale = DEC_SCALE, .out = r->out,
                             .scratch = r->scr};
+    kvt_layer_stats ls = {.struct_size = sizeof ls};
+    kvt_seq_layer_stats(r->c.seq, 0, &ls);
+    const uint64_t closes = ls.closes;
     double t0 = cpu_s();
     if ((s = kvt_batch_plan(r->c.b)) || (s = kvt_batch_run(r->c.b, 0, r->qs, NULL, &r->e)))
         die(s, "run");
@@ -112,6 +116,12 @@ static void step(void *rv, uint64_t n_rows, double *t_kvt, double *t_dense, uint
     r->part[0] += tr - t0;
     r->part[1] += ta - tr;
     r->part[2] += t1 - ta;
+    kvt_seq_layer_stats(r->c.seq, 0, &ls);
+    if (ls.closes != closes) {
+        r->last_close[0] = tr - t0;
+        r->last_close[1] = ta - tr;
+        r->last_close[2] = t1 - ta;
+    }
     a.slots = NULL;
     a.n_rows = (uint32_t)(n_rows + 1); /* the rows the step attends densely: all, its own too */
     kvt__attn_f32_cpu(&a);
@@ -156,10 +166,13 @@ static void one_case(uint32_t N, int kind, const char *needle_dir, int recall, i
     printf("  detail: dense_over_kvtier %.2f–%.2f over %d windows of %d steps; kvtier %.2f ms, "
            "dense %.2f ms (median window; dense attention %.1f GFLOP/s = %.2f of sgemm); "
            "mean step: plan + run %.2f ms, sparse attention %.2f ms, commit %.3f ms; "
-           "closing step %.2f ms; recall steps %llu, overflow %llu, fetched rows %llu\n",
+           "closing step %.2f ms (plan + run %.2f, attention %.2f, commit %.2f), the slowest of "
+           "the %d after it %.2f ms (%.2f of the median); recall steps %llu, overflow %llu, fetched rows %llu\n",
            res.lo, res.hi, R, T, res.kvt_med * 1e3, res.dense_med * 1e3,
            fl / res.dense_med * 1e-9, fl / res.dense_med * 1e-9 / g_sgemm, res.acc[0] * 1e3,
-           res.acc[1] * 1e3, res.acc[2] * 1e3, res.close_s * 1e3,
+           res.acc[1] * 1e3, res.acc[2] * 1e3, res.close_s * 1e3, r.last_close[0] * 1e3,
+           r.last_close[1] * 1e3, r.last_close[2] * 1e3, DEC_AFTER, res.after_close_max_s * 1e3,
+           res.after_close_max_s / res.kvt_med,
            (unsigned long long)res.rsteps, (unsigned long long)res.over,
            (unsigned long long)res.fetched);
     if (recall) { /* a refit (kvt_ctx_refit_recall_basis) to the same basis, z kept: its cost */

@@ -21,17 +21,26 @@ static size_t align8(size_t b) {
     return (b + 7u) & ~(size_t)7u;
 }
 
+/* XT's row stride for B rows: B + 16 floats, so that its rows do not share cache sets (B is a
+ * power of two: a stride of B floats would put every row of a column in one set). */
+static size_t xt_stride(uint32_t B) {
+    return (size_t)B + 16u;
+}
+
 size_t kvt__recall_group_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank) {
     const size_t n = (size_t)branch_dim + rank;
-    /* embeddings [B][n], projections by row and sorted [2][B], sort keys [B] (u64), a mean [n],
-     * a direction [n] */
-    return align8(sizeof(float) * ((size_t)B * n + 2 * (size_t)B)) + sizeof(uint64_t) * B +
-           sizeof(float) * 2 * n;
+    /* embeddings [B][n], projections by row and sorted [2][B], sort keys and the sort's [2][B]
+     * (u64), a mean [n],
+     * a direction [n]; then the wide path's: the embeddings transposed in the build's order
+     * [n][B], a segment's positions before its sort, where each position's row was, and a
+     * row of XT reordered [3][B] */
+    return align8(sizeof(float) * ((size_t)B * n + 2 * (size_t)B)) + sizeof(uint64_t) * 2 * B +
+           sizeof(float) * 2 * n + sizeof(float) * (xt_stride(B) * n + 3 * (size_t)B);
 }
 
 /* fp32 mean of the embeddings of perm[lo .. hi) (sum in that order from +0, then / count). */
-static void seg_mean(const float *X, size_t n, const uint32_t *perm, uint32_t lo, uint32_t hi,
-                     float *m) {
+static void seg_mean(const float *restrict X, size_t n, const uint32_t *perm, uint32_t lo,
+                     uint32_t hi, float *restrict m) {
     for (size_t j = 0; j < n; j++)
         m[j] = 0.0f;
     for (uint32_t i = lo; i < hi; i++) {
@@ -48,7 +57,8 @@ static void seg_mean(const float *X, size_t n, const uint32_t *perm, uint32_t lo
 #define ROW_TILE 8u
 
 /* The AVX-512 chains (x86-64): 32 rows at a time, one per lane of two 512-bit accumulators,
- * element j of the 16 rows of a register gathered (the rows are scattered by perm). Each lane
+ * element j of the 16 rows of a register loaded side by side from the build's transposed copy,
+ * or gathered (the rows are scattered by perm). Each lane
  * runs its row's chain in its order from +0 with the same operations (d = x − c, then
  * fmaf(d, d, acc); or fmaf(c, x, acc)): the bits of the loop below. The narrow loop kept its
  * accumulators in memory (a store and a load on every step of every chain). */
@@ -56,37 +66,135 @@ static void seg_mean(const float *X, size_t n, const uint32_t *perm, uint32_t lo
 #include <immintrin.h>
 #define GROUP_WIDE 1
 
+/* With XT (the embeddings transposed in perm's order, row stride S: XT[j·S + i] =
+ * X[perm[i]·n + j]) the lanes load positions [lo, hi) of it; without, element j of each lane's
+ * row is gathered from X through perm. */
 __attribute__((target("avx512f"))) static void seg_chains_wide(const float *X, uint32_t n,
-                                                               const uint32_t *perm, uint32_t lo,
-                                                               uint32_t hi, const float *c,
-                                                               int dot, float *out) {
+                                                               const uint32_t *perm,
+                                                               const float *XT, size_t S,
+                                                               uint32_t lo, uint32_t hi,
+                                                               const float *c, int dot,
+                                                               float *out) {
     for (uint32_t i0 = lo; i0 < hi; i0 += 32u) {
         const uint32_t nt = hi - i0 < 32u ? hi - i0 : 32u;
+        const __mmask16 k0 = nt >= 16u ? (__mmask16)0xffffu : (__mmask16)((1u << nt) - 1u);
+        const __mmask16 k1 = nt >= 32u   ? (__mmask16)0xffffu
+                             : nt > 16u ? (__mmask16)((1u << (nt - 16u)) - 1u)
+                                        : (__mmask16)0;
         int32_t idx[32];
-        for (uint32_t t = 0; t < 32u; t++)
+        for (uint32_t t = 0; !XT && t < 32u; t++)
             idx[t] = (int32_t)(perm[t < nt ? i0 + t : i0] * n);
-        const __m512i v0 = _mm512_loadu_si512(idx), v1 = _mm512_loadu_si512(idx + 16);
+        const __m512i v0 = XT ? _mm512_setzero_si512() : _mm512_loadu_si512(idx);
+        const __m512i v1 = XT ? _mm512_setzero_si512() : _mm512_loadu_si512(idx + 16);
+        const float *x = XT ? XT + i0 : NULL;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-        if (dot)
-            for (uint32_t j = 0; j < n; j++) {
-                const __m512 cj = _mm512_set1_ps(c[j]);
-                a0 = _mm512_fmadd_ps(cj, _mm512_i32gather_ps(v0, X + j, 4), a0);
-                a1 = _mm512_fmadd_ps(cj, _mm512_i32gather_ps(v1, X + j, 4), a1);
+        for (uint32_t j = 0; j < n; j++) {
+            const __m512 cj = _mm512_set1_ps(c[j]);
+            __m512 x0, x1;
+            if (XT) {
+                x0 = _mm512_maskz_loadu_ps(k0, x + (size_t)j * S);
+                x1 = _mm512_maskz_loadu_ps(k1, x + (size_t)j * S + 16);
+            } else {
+                x0 = _mm512_i32gather_ps(v0, X + j, 4);
+                x1 = _mm512_i32gather_ps(v1, X + j, 4);
             }
-        else
-            for (uint32_t j = 0; j < n; j++) {
-                const __m512 cj = _mm512_set1_ps(c[j]);
-                const __m512 d0 = _mm512_sub_ps(_mm512_i32gather_ps(v0, X + j, 4), cj);
-                const __m512 d1 = _mm512_sub_ps(_mm512_i32gather_ps(v1, X + j, 4), cj);
+            if (dot) {
+                a0 = _mm512_fmadd_ps(cj, x0, a0);
+                a1 = _mm512_fmadd_ps(cj, x1, a1);
+            } else {
+                const __m512 d0 = _mm512_sub_ps(x0, cj), d1 = _mm512_sub_ps(x1, cj);
                 a0 = _mm512_fmadd_ps(d0, d0, a0);
                 a1 = _mm512_fmadd_ps(d1, d1, a1);
             }
+        }
         float acc[32];
         _mm512_storeu_ps(acc, a0);
         _mm512_storeu_ps(acc + 16, a1);
         for (uint32_t t = 0; t < nt; t++)
             out[i0 - lo + t] = acc[t];
     }
+}
+
+/* Row u's embedding into X[u·n ..] (kvt__recall_embed's values: a bf16 branch by the shift, fp16
+ * sketch values by the conversion instruction, exact for every finite value; a run of 16 holding
+ * an Inf or NaN, and any other dtype, value by value). */
+__attribute__((target("avx512f"))) static void embed_wide(const uint8_t *row,
+                                                          uint32_t branch_offset,
+                                                          int branch_dtype, uint32_t branch_dim,
+                                                          const uint16_t *csk, uint32_t rank,
+                                                          float *x) {
+    uint32_t j = 0;
+    if (branch_dtype == KVT__DT_BF16)
+        for (; j + 16u <= branch_dim; j += 16u) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(row + branch_offset + 2u * j));
+            _mm512_storeu_si512(x + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+    for (; j < branch_dim; j++)
+        x[j] = kvt__recall_embed(row, branch_offset, branch_dtype, branch_dim, csk, j);
+    uint32_t k = 0;
+    for (; k + 16u <= rank; k += 16u) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(csk + k));
+        const __m256i e = _mm256_and_si256(h, _mm256_set1_epi16(0x7c00));
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7c00))))
+            break;
+        _mm512_storeu_ps(x + branch_dim + k, _mm512_cvtph_ps(h));
+    }
+    for (; k < rank; k++)
+        x[branch_dim + k] = kvt__f16_to_f32(csk[k]);
+}
+
+/* XT[j·xt_stride(B) + u] = X[u·n + j] for rows [0, B) (16 × 16 tiles; B a multiple of 16). */
+static void transpose_x(const float *restrict X, uint32_t B, uint32_t n, float *restrict XT) {
+    const size_t S = xt_stride(B);
+    for (uint32_t u0 = 0; u0 < B; u0 += 16u)
+        for (uint32_t j0 = 0; j0 < n; j0 += 16u) {
+            const uint32_t jn = n - j0 < 16u ? n - j0 : 16u;
+            for (uint32_t u = u0; u < u0 + 16u; u++)
+                for (uint32_t j = j0; j < j0 + jn; j++)
+                    XT[(size_t)j * S + u] = X[(size_t)u * n + j];
+        }
+}
+
+/* xr[lo + i] = xr[src[lo + i]] for i < cnt, through tmp (cnt floats). */
+__attribute__((target("avx512f"))) static void permute_row(float *xr, const uint32_t *src,
+                                                           uint32_t lo, uint32_t cnt,
+                                                           float *tmp) {
+    uint32_t i = 0;
+    for (; i + 16u <= cnt; i += 16u)
+        _mm512_storeu_ps(tmp + i, _mm512_i32gather_ps(_mm512_loadu_si512(src + lo + i), xr, 4));
+    for (; i < cnt; i++)
+        tmp[i] = xr[src[lo + i]];
+    memcpy(xr + lo, tmp, sizeof(float) * cnt);
+}
+
+/* seg_mean on the wide path: each value's sum over the rows in perm's order (16 values to a
+ * register, up to 8 registers at a time), so the bits are seg_mean's. */
+__attribute__((target("avx512f"))) static void seg_mean_wide(const float *X, uint32_t n,
+                                                             const uint32_t *perm, uint32_t lo,
+                                                             uint32_t hi, float *m) {
+    uint32_t j0 = 0;
+    for (; j0 + 128u <= n; j0 += 128u) {
+        __m512 a[8];
+        for (int t = 0; t < 8; t++)
+            a[t] = _mm512_setzero_ps();
+        for (uint32_t i = lo; i < hi; i++) {
+            const float *x = X + (size_t)perm[i] * n + j0;
+            for (int t = 0; t < 8; t++)
+                a[t] = _mm512_add_ps(a[t], _mm512_loadu_ps(x + 16 * t));
+        }
+        for (int t = 0; t < 8; t++)
+            _mm512_storeu_ps(m + j0 + 16 * t, a[t]);
+    }
+    for (; j0 < n; j0 += 16u) {
+        const __mmask16 k = n - j0 >= 16u ? (__mmask16)0xffffu : (__mmask16)((1u << (n - j0)) - 1u);
+        __m512 a = _mm512_setzero_ps();
+        for (uint32_t i = lo; i < hi; i++)
+            a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(k, X + (size_t)perm[i] * n + j0));
+        _mm512_mask_storeu_ps(m + j0, k, a);
+    }
+    const float cnt = (float)(hi - lo);
+    for (uint32_t j = 0; j < n; j++)
+        m[j] /= cnt;
 }
 
 static int group_wide_enabled = 1;
@@ -111,7 +219,7 @@ static void seg_chains(const float *X, uint32_t n, const uint32_t *perm, uint32_
                        const float *c, int dot, int wide, float *out) {
 #if defined(GROUP_WIDE)
     if (wide) {
-        seg_chains_wide(X, n, perm, lo, hi, c, dot, out);
+        seg_chains_wide(X, n, perm, NULL, 0, lo, hi, c, dot, out);
         return;
     }
 #endif
@@ -144,11 +252,28 @@ void kvt__recall_group_chains(const float *X, uint32_t n, const uint32_t *perm, 
     seg_chains(X, n, perm, lo, hi, c, dot, wide && kvt__recall_group_wide(-1), out);
 }
 
+/* out[i − lo] for positions [lo, hi) as seg_chains gives them, from XT (the embeddings
+ * transposed in perm's order, [n][B]) where the build keeps it (the wide path): the same bits. */
+static void build_chains(const float *X, const float *XT, uint32_t B, uint32_t n,
+                         const uint32_t *perm, uint32_t lo, uint32_t hi, const float *c, int dot,
+                         int wide, float *out) {
+#if defined(GROUP_WIDE)
+    if (XT) {
+        seg_chains_wide(X, n, perm, XT, xt_stride(B), lo, hi, c, dot, out);
+        return;
+    }
+#endif
+    (void)XT;
+    (void)B;
+    seg_chains(X, n, perm, lo, hi, c, dot, wide, out);
+}
+
 /* The member of perm[lo .. hi) farthest from c (the first on a tie; a NaN distance never wins).
  * d: hi − lo floats of scratch. */
-static uint32_t seg_farthest(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo,
-                             uint32_t hi, const float *c, int wide, float *d) {
-    seg_chains(X, n, perm, lo, hi, c, 0, wide, d);
+static uint32_t seg_farthest(const float *X, const float *XT, uint32_t B, uint32_t n,
+                             const uint32_t *perm, uint32_t lo, uint32_t hi, const float *c,
+                             int wide, float *d) {
+    build_chains(X, XT, B, n, perm, lo, hi, c, 0, wide, d);
     uint32_t best = perm[lo];
     float bd = -1.0f;
     for (uint32_t i = lo; i < hi; i++)
@@ -159,9 +284,30 @@ static uint32_t seg_farthest(const float *X, uint32_t n, const uint32_t *perm, u
     return best;
 }
 
-static int cmp_u64(const void *x, const void *y) {
-    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
-    return (a > b) - (a < b);
+/* k[0 .. cnt) ascending, through tmp (cnt keys): a least-significant-byte-first radix sort,
+ * each pass stable, a pass whose byte every key shares skipped. The keys are distinct, so the
+ * order is the unique ascending one (what any sort gives). */
+static void sort_keys(uint64_t *k, uint64_t *tmp, uint32_t cnt) {
+    uint64_t *a = k, *b = tmp;
+    for (uint32_t sh = 0; sh < 64u; sh += 8u) {
+        uint32_t h[256] = {0};
+        for (uint32_t i = 0; i < cnt; i++)
+            h[a[i] >> sh & 0xffu]++;
+        if (h[a[0] >> sh & 0xffu] == cnt)
+            continue;
+        for (uint32_t d = 0, at = 0; d < 256u; d++) {
+            const uint32_t c = h[d];
+            h[d] = at;
+            at += c;
+        }
+        for (uint32_t i = 0; i < cnt; i++)
+            b[h[a[i] >> sh & 0xffu]++] = a[i];
+        uint64_t *t = a;
+        a = b;
+        b = t;
+    }
+    if (a != k)
+        memcpy(k, a, sizeof *k * cnt);
 }
 
 KVT__FMA_CLONES
@@ -174,17 +320,32 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
     float *X = scratch, *tv = X + (size_t)B * n, *ts = tv + B;
     uint64_t *key =
         (uint64_t *)((uint8_t *)scratch + align8(sizeof(float) * ((size_t)B * n + 2 * B)));
-    float *m = (float *)(key + B), *v = m + n;
+    uint64_t *ktmp = key + B;
+    float *m = (float *)(ktmp + B), *v = m + n;
     uint32_t *perm = out->perm;
     /* the wide chains gather X at int32 offsets */
     const int wide = kvt__recall_group_wide(-1) && (uint64_t)B * n < ((uint64_t)1 << 31);
+    /* the wide path's splits read XT (X transposed, kept in perm's order: its rows side by side) */
+    float *XT = wide ? v + n : NULL;
+    uint32_t *pos = wide ? (uint32_t *)(XT + xt_stride(B) * n) : NULL, *src = pos ? pos + B : NULL;
+    float *tmp = src ? (float *)(src + B) : NULL;
     for (uint32_t u = 0; u < B; u++) {
         const uint8_t *row = base + (size_t)slots[u] * slot_stride;
-        for (uint32_t j = 0; j < n; j++)
-            X[(size_t)u * n + j] = kvt__recall_embed(row, branch_offset, branch_dtype,
-                                                     branch_dim, csk + (size_t)u * csk_stride, j);
+#if defined(GROUP_WIDE)
+        if (wide)
+            embed_wide(row, branch_offset, branch_dtype, branch_dim, csk + (size_t)u * csk_stride,
+                       rank, X + (size_t)u * n);
+        else
+#endif
+            for (uint32_t j = 0; j < n; j++)
+                X[(size_t)u * n + j] = kvt__recall_embed(
+                    row, branch_offset, branch_dtype, branch_dim, csk + (size_t)u * csk_stride, j);
         perm[u] = u;
     }
+#if defined(GROUP_WIDE)
+    if (XT)
+        transpose_x(X, B, n, XT);
+#endif
     /* Depth-first, left first: each split leaves at most 3/4 of its segment on a side, so the
      * stack holds at most log_{4/3}(B / 32) + 1 segments (47 at B = 2^20). */
     uint32_t stack[2 * 64], sp = 0, ng = 0;
@@ -196,21 +357,34 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
             out->end[ng++] = hi;
             continue;
         }
-        seg_mean(X, n, perm, lo, hi, m);
-        const uint32_t p1 = seg_farthest(X, n, perm, lo, hi, m, wide, ts);
-        const uint32_t p2 = seg_farthest(X, n, perm, lo, hi, X + (size_t)p1 * n, wide, ts);
+#if defined(GROUP_WIDE)
+        if (wide)
+            seg_mean_wide(X, n, perm, lo, hi, m);
+        else
+#endif
+            seg_mean(X, n, perm, lo, hi, m);
+        const uint32_t p1 = seg_farthest(X, XT, B, n, perm, lo, hi, m, wide, ts);
+        const uint32_t p2 = seg_farthest(X, XT, B, n, perm, lo, hi, X + (size_t)p1 * n, wide, ts);
         for (uint32_t j = 0; j < n; j++)
             v[j] = X[(size_t)p2 * n + j] - X[(size_t)p1 * n + j];
-        seg_chains(X, n, perm, lo, hi, v, 1, wide, ts); /* t_a = v·x_a */
+        build_chains(X, XT, B, n, perm, lo, hi, v, 1, wide, ts); /* t_a = v·x_a */
         for (uint32_t i = lo; i < hi; i++) {
             tv[perm[i]] = ts[i - lo];
             key[i] = (uint64_t)kvt__recall_order_key(ts[i - lo]) << 32 | perm[i];
+            if (pos)
+                pos[perm[i]] = i;
         }
-        qsort(key + lo, cnt, sizeof *key, cmp_u64); /* keys are distinct: the order is unique */
+        sort_keys(key + lo, ktmp, cnt); /* keys are distinct: the order is unique */
         for (uint32_t i = lo; i < hi; i++) {
             perm[i] = (uint32_t)key[i];
             ts[i] = tv[perm[i]];
+            if (src)
+                src[i] = pos[perm[i]];
         }
+#if defined(GROUP_WIDE)
+        for (uint32_t j = 0; XT && j < n; j++) /* XT follows perm */
+            permute_row(XT + (size_t)j * xt_stride(B), src, lo, cnt, tmp);
+#endif
         const uint32_t k = kvt__recall_group_cut(ts + lo, cnt);
         stack[sp++] = lo + k;
         stack[sp++] = hi;

@@ -92,6 +92,12 @@
 
 #define KVT__RECALL_GROUP_MIN 32u
 #define KVT__RECALL_GROUP_MAX 64u
+/* A NoPE layer's group planes cover blocks of min(config.block_rows, this) closed rows: a close
+ * of a 4096-row block gives 8 of them, each built apart (a group's members come from its own
+ * 512 rows). */
+#define KVT__RECALL_GROUP_BLOCK_MAX 512u
+/* The newest closed blocks a pruning step builds one at a time (kvt__recall_groups_want). */
+#define KVT__RECALL_GROUP_LAG 8u
 /* stat fields of a group */
 #define KVT__RG_RADIUS 0
 #define KVT__RG_NCENTRE 1
@@ -99,6 +105,23 @@
 #define KVT__RG_RHO_MIN 3
 #define KVT__RG_NCSK_MAX 4
 #define KVT__RG_STATS 5u
+
+/* The grouped blocks after a pruning step's build, from n_grouped before it: every closed block
+ * of B rows (at most cap) but the newest KVT__RECALL_GROUP_LAG at once, and of those one a step
+ * (a block closes on some step; its groups are built on the pruning steps that follow, one block
+ * each, so that no step builds a whole close's groups). Until its groups are built a block's rows
+ * are scanned in full: the same fired rows either way. Both twins build by this rule, so their
+ * grouped blocks and visited counts stay equal. */
+KVT_HD uint64_t kvt__recall_groups_want(uint64_t n_closed, uint32_t B, uint64_t cap,
+                                        uint64_t n_grouped) {
+    uint64_t all = n_closed / B;
+    if (all > cap)
+        all = cap;
+    uint64_t w = all > KVT__RECALL_GROUP_LAG ? all - KVT__RECALL_GROUP_LAG : 0;
+    if (w < n_grouped + 1u)
+        w = n_grouped + 1u;
+    return w < all ? w : all;
+}
 
 /* Group slots of a block of B rows. */
 KVT_HD uint32_t kvt__recall_group_slots(uint32_t B) {
@@ -372,9 +395,10 @@ typedef struct kvt__recall_group_block {
     float *stat;        /* [B/32][KVT__RG_STATS] */
 } kvt__recall_group_block;
 
-/* Bytes of scratch kvt__recall_group_block_cpu takes: 4·B·(branch_dim + rank + 4) + 8·(branch_dim
- * + rank) — the block's embeddings as fp32 (2.1 MB at B = 4096, rank 64; 528 MiB at the largest
- * block_rows, 2^20). */
+/* Bytes of scratch kvt__recall_group_block_cpu takes: 8·(B + 9)·(branch_dim + rank) + 36·B and
+ * 8-byte alignment — the block's embeddings as fp32 twice (by row, and transposed in the
+ * build's order for the AVX-512 chains): 0.55 MB at B = 512 (a NoPE layer's group block),
+ * rank 64. */
 size_t kvt__recall_group_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank);
 
 /* Build the groups of one closed block of B rows (a power of two >= 64): row u (block offset) at

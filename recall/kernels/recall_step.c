@@ -49,12 +49,11 @@ size_t kvt__recall_step_scratch_floats(const kvt__recall_step_args *x) {
            own_floats(s->n_heads, s->latent_dim, s->branch_dim) + kvt__promo_scratch_u32(x);
 }
 
-/* Build the groups of closed blocks [st->n_grouped, n_closed / B) into the planes. */
+/* Build the groups of closed blocks [st->n_grouped, kvt__recall_groups_want) into the planes. */
 static void build_groups(const kvt__recall_step_args *x, const kvt__recall_scan_args *a,
                          kvt__recall_state *st, void *scratch) {
-    uint64_t want = a->n_closed / x->block_rows;
-    if (want > x->g_blocks_cap)
-        want = x->g_blocks_cap;
+    const uint64_t want =
+        kvt__recall_groups_want(a->n_closed, x->block_rows, x->g_blocks_cap, st->n_grouped);
     const kvt__recall_group_block planes = {.perm = x->g_perm, .n_groups = x->g_n,
                                             .end = x->g_end, .centre = x->g_centre,
                                             .stat = x->g_stat};

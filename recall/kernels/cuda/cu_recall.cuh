@@ -352,8 +352,9 @@ inline dim3 rows_grid(size_t rows, uint32_t k) {
  * Which kind of step it is, the device decides from the state (its phase as launch 2 and 3 find
  * it: launch 4 alone writes the state). With group planes (conformal and sound modes, on the
  * steps kvt__recall_prune_pays picks) two launches come before launch 3, as the twin's pruned
- * scan (recall_group.h): the groups of the blocks closed since the state's n_grouped
- * built (one block of threads per closed block, k_step_groups), then each group's liveness over
+ * scan (recall_group.h): the groups of the blocks kvt__recall_groups_want names past the
+ * state's n_grouped built (one block of threads per group block, k_step_groups), then each
+ * group's liveness over
  * the heads (kvt__recall_group_live, a thread per group, k_step_live); launch 3 then evaluates
  * the archived members of live groups (and the rows past the grouped blocks) and counts them, so
  * the state's visited and n_grouped, and the planes, are the twin's too.
@@ -685,8 +686,7 @@ __device__ inline bool step_prunes(const kvt__recall_step_args &x, const StepPla
 /* The closed blocks whose groups the step wants built (the twin's min(n_closed / B, cap)), and
  * the grouped blocks after its build: max(n_grouped, that), within the closed rows. */
 __device__ inline uint64_t groups_want(const kvt__recall_step_args &x) {
-    const uint64_t w = x.scan.n_closed / x.block_rows;
-    return w < x.g_blocks_cap ? w : x.g_blocks_cap;
+    return kvt__recall_groups_want(x.scan.n_closed, x.block_rows, x.g_blocks_cap, x.st->n_grouped);
 }
 
 __device__ inline uint64_t groups_after(const kvt__recall_step_args &x) {
