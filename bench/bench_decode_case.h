@@ -338,6 +338,7 @@ typedef struct dec_result {
     double kvt_med, dense_med; /* the median window's median steps (s) */
     double bytes_per_token, visited, close_s, close_over_median;
     double after_close_max_s; /* the slowest of the DEC_AFTER steps after the closing one */
+    double window_max_s;      /* the slowest timed step of the windows */
     double acc[DEC_MAXACC]; /* the step's sums over the timed steps, per step */
     uint64_t rsteps, over, fetched; /* recall steps, overflow steps, fetched rows (timed) */
 } dec_result;
@@ -397,6 +398,8 @@ static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int b
                      (double)(n);
             arch += recall ? (double)ls.recall_last_archived : 0.0;
         }
+        for (int t = 0; t < T; t++)
+            out->window_max_s = kt[t] > out->window_max_s ? kt[t] : out->window_max_s;
         kvt_w[w] = dec_median(kt, T);
         dense_w[w] = dec_median(dt, T);
         ratio_w[w] = dense_w[w] / kvt_w[w];

@@ -167,12 +167,13 @@ static void one_case(uint32_t N, int kind, const char *needle_dir, int recall, i
            "dense %.2f ms (median window; dense attention %.1f GFLOP/s = %.2f of sgemm); "
            "mean step: plan + run %.2f ms, sparse attention %.2f ms, commit %.3f ms; "
            "closing step %.2f ms (plan + run %.2f, attention %.2f, commit %.2f), the slowest of "
-           "the %d after it %.2f ms (%.2f of the median); recall steps %llu, overflow %llu, fetched rows %llu\n",
+           "the %d after it %.2f ms (%.2f of the median; the slowest windowed step %.2f); "
+           "recall steps %llu, overflow %llu, fetched rows %llu\n",
            res.lo, res.hi, R, T, res.kvt_med * 1e3, res.dense_med * 1e3,
            fl / res.dense_med * 1e-9, fl / res.dense_med * 1e-9 / g_sgemm, res.acc[0] * 1e3,
            res.acc[1] * 1e3, res.acc[2] * 1e3, res.close_s * 1e3, r.last_close[0] * 1e3,
            r.last_close[1] * 1e3, r.last_close[2] * 1e3, DEC_AFTER, res.after_close_max_s * 1e3,
-           res.after_close_max_s / res.kvt_med,
+           res.after_close_max_s / res.kvt_med, res.window_max_s / res.kvt_med,
            (unsigned long long)res.rsteps, (unsigned long long)res.over,
            (unsigned long long)res.fetched);
     if (recall) { /* a refit (kvt_ctx_refit_recall_basis) to the same basis, z kept: its cost */

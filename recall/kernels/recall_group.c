@@ -486,6 +486,7 @@ typedef struct prune_ws {
     double *Y;
     kvt__recall_q8h *h8; /* the heads' 8-bit values (an 8-bit scan) */
     uint32_t *hmap;
+    uint8_t *hok; /* each head's kvt__recall_upper_head_ok */
     uint64_t *kept, *fired;
 } prune_ws;
 
@@ -509,6 +510,9 @@ static size_t prune_layout(uint32_t H, uint32_t rank, uint32_t D, uint64_t n_clo
     if (w)
         w->hmap = (uint32_t *)(b + off);
     off = align8(off + sizeof(uint32_t) * H);
+    if (w)
+        w->hok = b + off;
+    off = align8(off + H);
     if (w) {
         w->kept = (uint64_t *)(b + off);
         w->fired = w->kept + words;
@@ -537,10 +541,14 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
     prune_layout(H, rank, D, a->n_closed, scratch, &w);
     const size_t words = (a->n_closed + 63u) / 64u, HP = p.HP;
     memset(w.kept, 0, sizeof(uint64_t) * 2 * words);
+    /* the bound's parts of the layer and of each head, once (kvt__recall_group_upper_at) */
+    const kvt__recall_upper_k uk = kvt__recall_upper_consts(D, bd, rank, a->q8_off);
     for (uint32_t h = 0; h < H; h++) {
         w.Y[h] = kvt__recall_group_ynorm(a->q + h * qdim + D, p.q_sk + (size_t)h * rank, bd, rank);
         if (a->q8_off)
             w.h8[h] = kvt__recall_scan_q8h(&p, h);
+        w.hok[h] = (uint8_t)kvt__recall_upper_head_ok(&p.heads[h], a->q8_off ? &w.h8[h] : NULL,
+                                                      w.Y[h], a->mode, a->scale, a->z);
     }
     kvt__recall_prune_stats s = {0};
     s.archived = a->n_closed > a->sinks ? a->n_closed - a->sinks : 0;
@@ -573,11 +581,13 @@ void kvt__recall_scan_pruned_cpu(const kvt__recall_scan_args *a, const kvt__reca
                 for (uint32_t t = 0; t < YC_TILE; t++)
                     w.yc[h0 + t] = acc[t];
             }
+            /* kvt__recall_group_live per head, the group's part of the bound taken once */
+            const kvt__recall_upper_g ug = kvt__recall_upper_group(st, &uk, a->q8_off != 0);
             uint32_t nl = 0;
             for (uint32_t h = 0; h < H; h++)
-                if (kvt__recall_group_live(&p.heads[h], a->q8_off ? &w.h8[h] : NULL, w.Y[h],
-                                           w.yc[h], st, a->mode, a->scale, a->z, a->best[h], D,
-                                           bd, rank, a->q8_off))
+                if (!(kvt__recall_group_upper_at(&p.heads[h], a->q8_off ? &w.h8[h] : NULL, w.Y[h],
+                                                 w.yc[h], &ug, &uk, w.hok[h], a->mode, a->scale,
+                                                 a->z, D, bd, rank) < (double)a->best[h]))
                     w.hmap[nl++] = h;
             if (!nl)
                 continue;

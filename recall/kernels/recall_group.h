@@ -305,24 +305,80 @@ KVT_HD void kvt__recall_group_acc_stat(const kvt__recall_group_acc *g, float nc2
  *   margin     never bounded: +Inf (the step does not prune in the margin mode).
  * and U = s·(yc + Y·R) + T8 + ε·(MAG + |T| + |T8|) + 2^-100 as in the 16-bit case. A query
  * value out of range (a NaN scale, an error norm above 2^40) gives +Inf. */
-KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__recall_q8h *q8,
-                                      double Y, float yc, const float *st, int mode, float s,
-                                      float z, uint32_t D, uint32_t branch_dim, uint32_t rank,
-                                      uint32_t sk_width) {
+/* The parts of the bound that depend on the layer alone (kvt__recall_group_upper_at; a scan
+ * takes them once): the values the bound's expressions compute, so the bits are the same. */
+typedef struct kvt__recall_upper_k {
+    double eps;    /* 2·γ(branch_dim + rank + 8) + 2^-16 */
+    double ar, ac; /* √branch_dim / 254 + 2^-20, √sk_width / 254 + 2^-20 (8 bits) */
+    float sq;      /* √(D − 64), the certificate's divisor (kvt__recall_cert) */
+} kvt__recall_upper_k;
+
+KVT_HD kvt__recall_upper_k kvt__recall_upper_consts(uint32_t D, uint32_t branch_dim, uint32_t rank,
+                                                    uint32_t sk_width) {
+    kvt__recall_upper_k k;
+    k.eps = 2.0 * (double)kvt__recall_gamma(branch_dim + rank + 8u) + 1.52587890625e-05; /* 2^-16 */
+    k.ar = sqrt((double)branch_dim) / 254.0 + 9.5367431640625e-07;
+    k.ac = sqrt((double)sk_width) / 254.0 + 9.5367431640625e-07;
+    k.sq = sqrtf((float)(D - 64u));
+    return k;
+}
+
+/* The parts that depend on a group alone (its statistics st; at 8 bits its members' rounding
+ * bounds). ok = 0: a statistic out of the bound's range (the bound is then +Inf). */
+typedef struct kvt__recall_upper_g {
+    int ok;
+    double R, Nc;
+    float rmax, rmin, nck;
+    double Er, Ec, Nr, Ncs; /* 8 bits: E_r, E_c, N_r, N_c of the header comment */
+} kvt__recall_upper_g;
+
+KVT_HD kvt__recall_upper_g kvt__recall_upper_group(const float *st, const kvt__recall_upper_k *k,
+                                                   int q8) {
+    const double lim = 1099511627776.0; /* 2^40 */
+    kvt__recall_upper_g g;
+    g.R = st[KVT__RG_RADIUS];
+    g.Nc = st[KVT__RG_NCENTRE];
+    g.rmax = st[KVT__RG_RHO_MAX];
+    g.rmin = st[KVT__RG_RHO_MIN];
+    g.nck = st[KVT__RG_NCSK_MAX];
+    g.ok = g.R <= lim && g.Nc <= lim && g.rmax <= lim && g.rmin >= 0.0f && g.nck <= lim;
+    g.Er = g.Ec = g.Nr = g.Ncs = 0.0;
+    if (q8) {
+        const double tiny = 7.888609052210118e-31; /* 2^-100 */
+        const double X = g.Nc + g.R, u7 = 1.0078125;
+        const double xc = (double)g.nck * (1.0 + 6.103515625e-05) + tiny; /* 2^-14 */
+        const double Xc = xc < X ? xc : X;
+        g.Er = X * k->ar * u7 + tiny;
+        g.Ec = Xc * k->ac * u7 + tiny;
+        g.Nr = (X + g.Er) * u7;
+        g.Ncs = (Xc + g.Ec) * u7;
+    }
+    return g;
+}
+
+/* The parts that depend on a head alone (and the scan's s, z, mode): whether its values are
+ * within the bound's range (0: the bound is +Inf). */
+KVT_HD int kvt__recall_upper_head_ok(const kvt__recall_head *h, const kvt__recall_q8h *q8,
+                                     double Y, int mode, float s, float z) {
     const double lim = 1099511627776.0, slim = 1048576.0; /* 2^40, 2^20 */
-    const double R = st[KVT__RG_RADIUS], Nc = st[KVT__RG_NCENTRE];
-    const float rmax = st[KVT__RG_RHO_MAX], rmin = st[KVT__RG_RHO_MIN];
-    const float nck = st[KVT__RG_NCSK_MAX];
     if (!(s <= slim && z <= slim && z >= -slim && Y <= lim && h->nres <= lim &&
-          h->Qres <= lim && h->Qsk <= lim && h->nlat <= lim && h->eta <= lim && R <= lim &&
-          Nc <= lim && rmax <= lim && rmin >= 0.0f && nck <= lim))
+          h->Qres <= lim && h->Qsk <= lim && h->nlat <= lim && h->eta <= lim))
+        return 0;
+    return !q8 || (mode != KVT__RECALL_MARGIN && q8->Qb <= lim && q8->Qs <= lim &&
+                   q8->Eb <= lim && q8->Es <= lim && q8->Nb <= lim && q8->Ns <= lim);
+}
+
+/* kvt__recall_group_upper from its parts (the same bits): k the layer's, g the group's, head_ok
+ * the head's (kvt__recall_upper_head_ok). */
+KVT_HD double kvt__recall_group_upper_at(const kvt__recall_head *h, const kvt__recall_q8h *q8,
+                                         double Y, float yc, const kvt__recall_upper_g *g,
+                                         const kvt__recall_upper_k *k, int head_ok, int mode,
+                                         float s, float z, uint32_t D, uint32_t branch_dim,
+                                         uint32_t rank) {
+    if (!(head_ok && g->ok))
         return INFINITY;
-    if (q8 && (mode == KVT__RECALL_MARGIN ||
-               !(q8->Qb <= lim && q8->Qs <= lim && q8->Eb <= lim && q8->Es <= lim &&
-                 q8->Nb <= lim && q8->Ns <= lim)))
-        return INFINITY;
-    const double eps = 2.0 * (double)kvt__recall_gamma(branch_dim + rank + 8u) +
-                       1.52587890625e-05; /* 2^-16 */
+    const double eps = k->eps, R = g->R, Nc = g->Nc;
+    const float rmax = g->rmax, rmin = g->rmin, nck = g->nck;
     const double mag = (double)s * Y * (Nc + R);
     const double tiny = 7.888609052210118e-31; /* 2^-100 */
     /* fp32 values >= the members' |idx| and P: ×(1 + 2^-20) before rounding to nearest,
@@ -330,12 +386,7 @@ KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__reca
     const double u20 = 1.0 + 9.5367431640625e-07, up = (1.0 + eps) * u20; /* 1 + 2^-20 */
     double Bm = 0.0, Pq = 0.0, Ncq = 0.0;
     if (q8) {
-        const double X = Nc + R, u7 = 1.0078125;
-        const double xc = (double)nck * (1.0 + 6.103515625e-05) + tiny; /* 2^-14 */
-        const double Xc = xc < X ? xc : X;
-        const double Er = X * (sqrt((double)branch_dim) / 254.0 + 9.5367431640625e-07) * u7 + tiny;
-        const double Ec = Xc * (sqrt((double)sk_width) / 254.0 + 9.5367431640625e-07) * u7 + tiny;
-        const double Nr = (X + Er) * u7, Ncs = (Xc + Ec) * u7;
+        const double Er = g->Er, Ec = g->Ec, Nr = g->Nr, Ncs = g->Ncs;
         const double mn = q8->Qb * Er + q8->Eb * Nr + q8->Qs * Ec + q8->Es * Ncs;
         const double rn = q8->Qb * (Nr + Er) + q8->Qs * (Ncs + Ec) + q8->Nb * Nr + q8->Ns * Ncs;
         Bm = (double)s * (mn + 3.0517578125e-05 * rn) * (1.0 + 0.00390625) * u20; /* 2^-15 */
@@ -359,16 +410,27 @@ KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__reca
             T8 = Bm + (m8 + Bm) * (1.0 + 0.00390625) * u20;
         }
     } else {
-        T = (double)(z * kvt__recall_cert(h, z >= 0.0f ? rmax : rmin, s, D));
+        T = (double)(z * kvt__recall_cert_by(h, z >= 0.0f ? rmax : rmin, s, k->sq));
         T8 = T;
         if (q8) {
-            const double za = fabs((double)z * kvt__recall_cert(h, rmax, s, D));
+            const double za = fabs((double)z * kvt__recall_cert_by(h, rmax, s, k->sq));
             T8 = T + 2.0 * Bm + 1.9073486328125e-06 * (mag + 2.0 * Bm + za + fabs(T)); /* 2^-19 */
         }
     }
     if (!q8) /* the 16-bit bound, as it always was */
         return (double)s * ((double)yc + Y * R) + T + eps * (mag + fabs(T)) + tiny;
     return (double)s * ((double)yc + Y * R) + T8 + eps * (mag + fabs(T) + fabs(T8)) + tiny;
+}
+
+KVT_HD double kvt__recall_group_upper(const kvt__recall_head *h, const kvt__recall_q8h *q8,
+                                      double Y, float yc, const float *st, int mode, float s,
+                                      float z, uint32_t D, uint32_t branch_dim, uint32_t rank,
+                                      uint32_t sk_width) {
+    const kvt__recall_upper_k k = kvt__recall_upper_consts(D, branch_dim, rank, sk_width);
+    const kvt__recall_upper_g g = kvt__recall_upper_group(st, &k, q8 != NULL);
+    return kvt__recall_group_upper_at(h, q8, Y, yc, &g, &k,
+                                      kvt__recall_upper_head_ok(h, q8, Y, mode, s, z), mode, s, z,
+                                      D, branch_dim, rank);
 }
 
 /* May a member of the group fire for this head? (the header comment's bound, U < best

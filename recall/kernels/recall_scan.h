@@ -173,10 +173,15 @@ KVT_HD float kvt__recall_idx(const float *q, const float *q_sk, const uint8_t *r
     return s * acc;
 }
 
+/* kvt__recall_cert with sq = sqrtf((float)(D − 64)) given (a loop over rows takes it once). */
+KVT_HD float kvt__recall_cert_by(const kvt__recall_head *h, float rho, float s, float sq) {
+    return s * h->nres * rho / sq;
+}
+
 /* The conformal certificate unit s·‖q̃_res‖·ρ/√(D − 64) (D > 64; 0·Inf is NaN: the trigger
  * fires on it). */
 KVT_HD float kvt__recall_cert(const kvt__recall_head *h, float rho, float s, uint32_t D) {
-    return s * h->nres * rho / sqrtf((float)(D - 64u));
+    return kvt__recall_cert_by(h, rho, s, sqrtf((float)(D - 64u)));
 }
 
 /* The sound margin of a row: z·(the Qres·E term in cert units) + s·(the other terms), the
