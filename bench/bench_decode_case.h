@@ -362,9 +362,9 @@ static inline void dec_measure(const dec_bench *b, uint32_t N, int recall, int b
         if (ls.recall_calib_steps == before && i > 0)
             break;
     }
-    /* DEC_AFTER steps more (untimed): the prefill's last close left its newest group blocks to
-     * the pruning steps that follow, one a step (kvt__recall_groups_want); the windows time the
-     * steady state, and the steps right after a close are timed below */
+    /* DEC_AFTER steps more (untimed), so that the windows time the steady state well after the
+     * first scan step (which builds every closed block's groups, kvt__recall_groups_want); the
+     * steps right after a close, which build its group blocks one a step, are timed below */
     for (int i = 0; recall && i < DEC_AFTER; i++)
         b->step(b->rig, n++, &tk, &td, &em);
     kvt_seq_layer_stats(seq, 0, &ls);

@@ -183,7 +183,8 @@ typedef struct kvt__recall_step_args {
     uint8_t *dense;          /* [1] out, or NULL: 1 when the step attends every row */
     /* The pruned scan's group planes (recall/kernels/recall_group.h), for g_blocks_cap closed
      * blocks of block_rows rows, centres of g_dim floats; g_perm NULL: the full scan. The op builds
-     * the groups of the blocks closed since the state's n_grouped, then scans pruned (the same
+     * the groups of the blocks kvt__recall_groups_want names past the state's n_grouped (all but
+     * the newest KVT__RECALL_GROUP_LAG at once, those one a step), then scans pruned (the same
      * fired rows as the full scan); the margin mode always scans in full. */
     uint32_t *g_perm, *g_n, *g_end;
     float *g_centre, *g_stat;

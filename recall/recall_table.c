@@ -30,12 +30,15 @@ static void nope_fini(void *r, const kvt__backend *be) {
     kvt__recall_layer_fini((kvt__recall_layer *)r, be);
 }
 
-/* Closed blocks of min(block_rows, KVT__RECALL_GROUP_BLOCK_MAX) rows; centres of the branch and
- * the sketch. */
+/* A NoPE layer's group block: min(block_rows, KVT__RECALL_GROUP_BLOCK_MAX) closed rows. */
+static uint32_t nope_group_block(uint32_t block_rows) {
+    return block_rows > KVT__RECALL_GROUP_BLOCK_MAX ? KVT__RECALL_GROUP_BLOCK_MAX : block_rows;
+}
+
+/* Closed group blocks (nope_group_block); centres of the branch and the sketch. */
 static kvt_status nope_groups_reserve(void *r, const kvt__backend *be,
                                       const kvt__recall_shape *sh) {
-    const uint32_t B = sh->block_rows > KVT__RECALL_GROUP_BLOCK_MAX ? KVT__RECALL_GROUP_BLOCK_MAX
-                                                                   : sh->block_rows;
+    const uint32_t B = nope_group_block(sh->block_rows);
     return kvt__recall_layer_groups_reserve((kvt__recall_layer *)r, be, sh->rows / B, B,
                                             sh->branch_dim + sh->sketch_rank);
 }
@@ -51,7 +54,7 @@ static uint64_t nope_query_floats(const kvt_layer_spec *sp) {
     return (uint64_t)sp->n_q_heads * (sp->value_dim + sp->branch_dim);
 }
 
-/* The context's shapes and block_rows (every request's group planes are over the context's
+/* The context's shapes and group block (every request's group planes are over the context's
  * blocks); a planned step's rows are max_rows_per_seq, its prom_cap the context's. */
 static bool nope_bound(const kvt__recall_site *s, uint64_t rows, uint32_t prom_cap, bool planned,
                        kvt__recall_bound *out) {
@@ -60,7 +63,7 @@ static bool nope_bound(const kvt__recall_site *s, uint64_t rows, uint32_t prom_c
         return false;
     const kvt_layer_spec *sp = s->sp;
     kvt__recall_plan_bound(sp->n_q_heads, s->sketch_rank, sp->value_dim, sp->branch_dim, rows,
-                           prom_cap, s->block_rows, &out->nope);
+                           prom_cap, nope_group_block(s->block_rows), &out->nope);
     return true;
 }
 
@@ -72,7 +75,8 @@ static size_t nope_scratch_floats(const kvt__recall_site *s, uint32_t prom_cap) 
     for (uint32_t g = 0; g < 2; g++) {
         const size_t f = kvt__recall_step_scratch_max(sp->n_q_heads, s->sketch_rank,
                                                       sp->value_dim, sp->branch_dim, s->max_rows,
-                                                      g ? s->block_rows : 0, prom_cap);
+                                                      g ? nope_group_block(s->block_rows) : 0,
+                                                      prom_cap);
         m = f > m ? f : m;
     }
     return m;

@@ -106,17 +106,20 @@
 #define KVT__RG_NCSK_MAX 4
 #define KVT__RG_STATS 5u
 
-/* The grouped blocks after a pruning step's build, from n_grouped before it: every closed block
- * of B rows (at most cap) but the newest KVT__RECALL_GROUP_LAG at once, and of those one a step
- * (a block closes on some step; its groups are built on the pruning steps that follow, one block
- * each, so that no step builds a whole close's groups). Until its groups are built a block's rows
- * are scanned in full: the same fired rows either way. Both twins build by this rule, so their
+/* The grouped blocks after a scan step's build, from n_grouped before it: every closed block of
+ * B rows (at most cap) at the first build (a prefill's, a restored request's); later, every
+ * closed block but the newest KVT__RECALL_GROUP_LAG at once, and of those one a step (a block
+ * closes on some step; its groups are built on the scan steps that follow, one block each, so
+ * that no step builds a whole close's groups). Until its groups are built a block's rows are
+ * scanned in full: the same fired rows either way. Both twins build by this rule, so their
  * grouped blocks and visited counts stay equal. */
 KVT_HD uint64_t kvt__recall_groups_want(uint64_t n_closed, uint32_t B, uint64_t cap,
                                         uint64_t n_grouped) {
     uint64_t all = n_closed / B;
     if (all > cap)
         all = cap;
+    if (n_grouped == 0)
+        return all;
     uint64_t w = all > KVT__RECALL_GROUP_LAG ? all - KVT__RECALL_GROUP_LAG : 0;
     if (w < n_grouped + 1u)
         w = n_grouped + 1u;

@@ -321,12 +321,16 @@ void kvt__recall_step_cpu(const kvt__recall_step_args *x, float *scratch) {
         a.mode = x->mode;
         a.sinks = S;
         visited = archived;
-        /* The pruned scan where it pays (kvt__recall_prune_pays) */
+        /* The groups due (kvt__recall_groups_want) are built on every scan step, so that a
+         * step that does not prune still brings the newest blocks' groups in; the pruned scan
+         * runs where it pays (kvt__recall_prune_pays) */
+        const bool groups = Bg && x->mode != KVT__RECALL_MARGIN;
         const bool prune_pays = kvt__recall_prune_pays(st, st->steps);
+        if (groups)
+            build_groups(x, &a, st, scan_scratch);
         /* (at 8 bits the groups' bound is widened by the planes' rounding: the same fired
          * rows as the full 8-bit scan; recall_group.h, kvt__recall_group_upper) */
-        if (Bg && x->mode != KVT__RECALL_MARGIN && prune_pays) {
-            build_groups(x, &a, st, scan_scratch);
+        if (groups && prune_pays) {
             kvt__recall_groups g = {.block_rows = Bg,
                                     .n_blocks = st->n_grouped,
                                     .dim = x->g_dim,

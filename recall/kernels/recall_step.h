@@ -15,8 +15,8 @@
  *      z is fixed (kvt__conformal_close).
  *   4. Otherwise the scan with z = the state's (conformal), √(D − 64) (sound) or the margin δ
  *      (margin); its overflow makes the step dense. With group planes (conformal and sound) the
- *      groups of closed blocks are built first (kvt__recall_group_block_cpu; the newest
- *      KVT__RECALL_GROUP_LAG blocks one a step, kvt__recall_groups_want)
+ *      groups of closed blocks are built first, on every scan step (kvt__recall_group_block_cpu;
+ *      the newest KVT__RECALL_GROUP_LAG blocks one a step, kvt__recall_groups_want)
  *      and the scan is the pruned one (kvt__recall_scan_pruned_cpu: the full scan's output, bit
  *      for bit, visiting fewer rows); the margin mode and a step without planes scan in full.
  *

@@ -683,8 +683,15 @@ __device__ inline bool step_prunes(const kvt__recall_step_args &x, const StepPla
            kvt__recall_prune_pays(x.st, x.st->steps + 1u);
 }
 
-/* The closed blocks whose groups the step wants built (the twin's min(n_closed / B, cap)), and
- * the grouped blocks after its build: max(n_grouped, that), within the closed rows. */
+/* Does the step build the groups due (every scan step with group planes, pruning or not: the
+ * twin's build_groups)? */
+__device__ inline bool step_builds(const kvt__recall_step_args &x, const StepPlan &pl) {
+    return x.g_perm && x.mode != KVT__RECALL_MARGIN && pl.scan;
+}
+
+/* The closed blocks whose groups the step wants built (the twin's kvt__recall_groups_want: all
+ * but the newest KVT__RECALL_GROUP_LAG at once, those one a step), and the grouped blocks after
+ * its build: max(n_grouped, that), within the closed rows. */
 __device__ inline uint64_t groups_want(const kvt__recall_step_args &x) {
     return kvt__recall_groups_want(x.scan.n_closed, x.block_rows, x.g_blocks_cap, x.st->n_grouped);
 }
@@ -957,12 +964,12 @@ __device__ inline void groups_live(const kvt__recall_scan_args &a, const ScanIte
     }
 }
 
-/* Launch 2b, pruning steps: the groups of closed blocks [n_grouped, want), the item's
- * kGroupBlocks blocks of threads taking them in strides. */
+/* Launch 2b, scan steps with group planes: the groups of closed blocks [n_grouped, want), the
+ * item's kGroupBlocks blocks of threads taking them in strides. */
 template <class Items>
 __device__ inline void step_groups_item(const Items &p, const ScanWs &w, uint32_t item) {
     STEP_ARGS(p, item);
-    if (!step_prunes(x, step_plan(step_view(x, w, item), x.st->phase)))
+    if (!step_builds(x, step_plan(step_view(x, w, item), x.st->phase)))
         return;
     groups_build(x.scan, step_groups(x), x.st->n_grouped, groups_want(x), group_ws(w, item));
 }
@@ -1079,7 +1086,7 @@ __device__ inline void step_finish_item(const Items &p, const ScanWs &w, uint32_
         return;
     x.scan.pdiv = &x_div;
     kvt__recall_state *st = x.st;
-    __shared__ uint32_t s_phase, s_n, s_prune;
+    __shared__ uint32_t s_phase, s_n, s_prune, s_build;
     __shared__ float s_z;
     const kvt__recall_step_args v = step_view(x, w, item);
     if (threadIdx.x == 0) {
@@ -1087,6 +1094,7 @@ __device__ inline void step_finish_item(const Items &p, const ScanWs &w, uint32_
         s_z = st->z;
         s_n = st->n_samples;
         s_prune = step_prunes(x, step_plan(v, s_phase));
+        s_build = step_builds(x, step_plan(v, s_phase));
     }
     __syncthreads();
     const StepPlan pl = step_plan(v, s_phase);
@@ -1129,7 +1137,7 @@ __device__ inline void step_finish_item(const Items &p, const ScanWs &w, uint32_
         kvt__promo_after(&x, &pv, x.scan.fired, x.scan.n_fired, *x.scan.n_fired, dense != 0,
                          pw.tmp);
     }
-    const uint64_t want = s_prune ? groups_want(x) : 0; /* the twin's build_groups */
+    const uint64_t want = s_build ? groups_want(x) : 0; /* the twin's build_groups */
     if (want > st->n_grouped)
         st->n_grouped = (uint32_t)want;
     st->steps++;
