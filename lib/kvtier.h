@@ -587,7 +587,7 @@ typedef struct kvt_ctx_params {
     kvt_space archive_space;
     /* Precision of the recall scan on salience layers (docs/recall.md §3.3): 16 (the default;
      * 0 is read as 16) scans each archived row's fp16 sketch and its branch from the pool; 8 also
-     * writes, at each close, an 8-bit plane per row (the branch and the fp16 sketch quantised
+     * writes, with each row's sketch, an 8-bit plane per row (the branch and the fp16 sketch quantised
      * with per-row scales, their rounding-error norms: 24 + branch_dim + r bytes, rounded up to
      * 4) after the fp16 sketch, and the scan reads only that plane and ρ, on integer dot products
      * (AVX-512 VNNI where the CPU has it), widening each trigger by a proven bound on the
