@@ -520,23 +520,18 @@ Test(sketch_planes, closes_write_the_twins_bits_on_every_backend) {
 }
 
 /* The twin's sketches of rows [lo, hi) of rows (a request's positions) against a request's
- * planes at the same rows (own planes: the open block's rows sketched ahead included). */
+ * planes at the same rows (read_planes: the open block's rows sketched ahead included). */
 static void planes_are_the_twins(const kvt_seq *seq, const uint8_t *rows, uint64_t lo, uint64_t hi,
                                  const float *V, uint32_t rank, const char *what) {
-    const kvt__sal *s = &kvt__seq_state(seq, 0)->sal;
-    const kvt__backend *be = &seq->ctx->backend;
     const uint64_t n = hi - lo;
-    cr_assert(lo >= s->n_head && n > 0 && n <= 256);
-    uint16_t got_c[256 * R], want_c[256 * R];
-    float got_r[256], want_r[256];
-    cr_assert_eq(be->ops->read(be, got_c, s->csk + (lo - s->n_head) * R,
-                               sizeof(uint16_t) * n * R, NULL), KVT_OK);
-    cr_assert_eq(be->ops->read(be, got_r, s->rho + (lo - s->n_head), sizeof(float) * n, NULL),
-                 KVT_OK);
+    cr_assert(n > 0 && hi <= 512);
+    uint16_t got_c[512 * R], want_c[512 * R];
+    float got_r[512], want_r[512];
+    read_planes(seq, hi, got_c, got_r);
     sketch_host((const float *)(rows + lo * 1152), (uint32_t)n, KVT__DT_BF16, 1152, V, rank, R,
                 want_c, want_r);
-    cr_assert_eq(memcmp(got_c, want_c, sizeof(uint16_t) * n * R), 0, "%s: csk", what);
-    cr_assert_eq(memcmp(got_r, want_r, sizeof(float) * n), 0, "%s: rho", what);
+    cr_assert_eq(memcmp(got_c + lo * R, want_c, sizeof(uint16_t) * n * R), 0, "%s: csk", what);
+    cr_assert_eq(memcmp(got_r + lo, want_r, sizeof(float) * n), 0, "%s: rho", what);
 }
 
 /* A commit sketches its final rows ahead of their close, 32 at a time: after every decode step

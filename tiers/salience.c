@@ -255,6 +255,21 @@ static kvt_status plane_grow(const kvt__backend *be, void **p, uint64_t *cap, ui
     return KVT_OK;
 }
 
+/* The sketch planes (csk, ρ) to `need` own rows at least; to `grown` (>= need) when they must
+ * grow, so that one growth leaves room for what comes next. */
+static kvt_status sketch_planes_grow(kvt__sal *s, uint64_t need, uint64_t grown, void *stream) {
+    const uint64_t n = need > s->csk_cap || need > s->rho_cap ? grown : need;
+    void *p = s->csk;
+    kvt_status st = plane_grow(s->be, &p, &s->csk_cap, n, sizeof *s->csk * s->sk_stride, stream);
+    s->csk = p;
+    if (st != KVT_OK)
+        return st;
+    p = s->rho;
+    st = plane_grow(s->be, &p, &s->rho_cap, n, sizeof *s->rho, stream);
+    s->rho = p;
+    return st;
+}
+
 /* The close of new_closed rows: the own closed-row planes (rows n_head on; sized at least for
  * the rows kvt__sal_prepare asked for, so that a state whose planes moved into a shared set
  * takes them back in one allocation) and the kept plane. Capacity only. Sketch planes that grow
@@ -277,16 +292,7 @@ static kvt_status sal_reserve(kvt__sal *s, uint64_t new_closed, uint64_t m, uint
     if (st != KVT_OK || s->sk_stride == 0)
         return st;
     /* The recall sketches of the closed rows, grown with σ. */
-    const uint64_t sk_own = own > s->csk_cap || own > s->rho_cap ? own + ahead : own;
-    p = s->csk;
-    st = plane_grow(s->be, &p, &s->csk_cap, sk_own, sizeof *s->csk * s->sk_stride, stream);
-    s->csk = p;
-    if (st != KVT_OK)
-        return st;
-    p = s->rho;
-    st = plane_grow(s->be, &p, &s->rho_cap, sk_own, sizeof *s->rho, stream);
-    s->rho = p;
-    return st;
+    return sketch_planes_grow(s, own, own + ahead, stream);
 }
 
 kvt_status kvt__sal_prepare(kvt__sal *s, const kvt__alloc *a, const kvt_config *cfg,
@@ -1014,25 +1020,15 @@ static kvt_status sal_reserve_shared(kvt__tier_state *s, const kvt__env *env,
     kvt_status rc = sa->head && closed > sa->closed_rows
                         ? sal_reserve(sa, closed, kvt__sal_m(closed, env->cfg), 0, NULL)
                         : KVT_OK;
-    if (rc == KVT_OK && sa->sk_stride && rows > sa->n_head) {
-        /* planes that must grow take room to the end of the block the last row is in: one
-         * growth a block at most */
-        const uint64_t B = env->cfg->block_rows;
-        uint64_t need = rows - sa->n_head;
-        if (need > sa->csk_cap || need > sa->rho_cap)
-            need = (rows + B - 1) / B * B - sa->n_head;
-        void *p = sa->csk;
-        rc = plane_grow(sa->be, &p, &sa->csk_cap, need, sizeof *sa->csk * sa->sk_stride, NULL);
-        sa->csk = p;
-        p = sa->rho;
-        if (rc == KVT_OK)
-            rc = plane_grow(sa->be, &p, &sa->rho_cap, need, sizeof *sa->rho, NULL);
-        sa->rho = p;
-    }
+    /* planes that must grow take room to the end of the block the last row is in: one growth
+     * a block at most */
+    const uint64_t B = env->cfg->block_rows;
+    if (rc == KVT_OK && sa->sk_stride && rows > sa->n_head)
+        rc = sketch_planes_grow(sa, rows - sa->n_head, (rows + B - 1) / B * B - sa->n_head, NULL);
     return rc == KVT_OK ? KVT_OK
                         : kvt__fail(env->err, env->err_len, rc,
                                     "the salience planes of layer %u for its rows past the shared "
-                                    "ones",
+                                    "ones and its open block's sketches",
                                     st->layer);
 }
 

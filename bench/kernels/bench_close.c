@@ -162,6 +162,8 @@ int main(int argc, char **argv) {
         kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK, rho,
                                     RANK, DIM, gs, &out);
         take(&rg, cpu_s() - t);
+        if (gwide)
+            same &= ng == ng2 && !memcmp(perm, perm2, sizeof(uint32_t) * B);
         /* as the library builds a NoPE layer's groups: blocks of KVT__RECALL_GROUP_BLOCK_MAX rows
          * (8 at B = 4096), each apart; their planes side by side in the same arrays */
         t = cpu_s();
@@ -175,10 +177,6 @@ int main(int argc, char **argv) {
                                         &sub);
         }
         take(&rgs, cpu_s() - t);
-        kvt__recall_group_block_cpu(pool, slots, B, ROW, 2 * D, KVT__DT_BF16, BD, csk, RANK, rho,
-                                    RANK, DIM, gs, &out); /* (perm as the 4096-row build left it) */
-        if (gwide)
-            same &= ng == ng2 && !memcmp(perm, perm2, sizeof(uint32_t) * B);
         for (int lv = 0; lv <= qlevel; lv++) { /* per row first: the reference */
             uint16_t *dst = lv ? q8 : q8ref;
             for (uint32_t u = 0; u < B; u++)

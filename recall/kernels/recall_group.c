@@ -30,8 +30,7 @@ static size_t xt_stride(uint32_t B) {
 size_t kvt__recall_group_scratch_bytes(uint32_t B, uint32_t branch_dim, uint32_t rank) {
     const size_t n = (size_t)branch_dim + rank;
     /* embeddings [B][n], projections by row and sorted [2][B], sort keys and the sort's [2][B]
-     * (u64), a mean [n],
-     * a direction [n]; then the wide path's: the embeddings transposed in the build's order
+     * (u64), a mean [n], a direction [n]; then the wide path's: the embeddings transposed in the build's order
      * [n][B], a segment's positions before its sort, where each position's row was, and a
      * row of XT reordered [3][B] */
     return align8(sizeof(float) * ((size_t)B * n + 2 * (size_t)B)) + sizeof(uint64_t) * 2 * B +
@@ -268,6 +267,19 @@ static void build_chains(const float *X, const float *XT, uint32_t B, uint32_t n
     seg_chains(X, n, perm, lo, hi, c, dot, wide, out);
 }
 
+/* seg_mean's values, on the wide path where it runs (the same bits). */
+static void build_mean(const float *X, uint32_t n, const uint32_t *perm, uint32_t lo, uint32_t hi,
+                       int wide, float *m) {
+#if defined(GROUP_WIDE)
+    if (wide) {
+        seg_mean_wide(X, n, perm, lo, hi, m);
+        return;
+    }
+#endif
+    (void)wide;
+    seg_mean(X, n, perm, lo, hi, m);
+}
+
 /* The member of perm[lo .. hi) farthest from c (the first on a tie; a NaN distance never wins).
  * d: hi − lo floats of scratch. */
 static uint32_t seg_farthest(const float *X, const float *XT, uint32_t B, uint32_t n,
@@ -357,12 +369,7 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
             out->end[ng++] = hi;
             continue;
         }
-#if defined(GROUP_WIDE)
-        if (wide)
-            seg_mean_wide(X, n, perm, lo, hi, m);
-        else
-#endif
-            seg_mean(X, n, perm, lo, hi, m);
+        build_mean(X, n, perm, lo, hi, wide, m);
         const uint32_t p1 = seg_farthest(X, XT, B, n, perm, lo, hi, m, wide, ts);
         const uint32_t p2 = seg_farthest(X, XT, B, n, perm, lo, hi, X + (size_t)p1 * n, wide, ts);
         for (uint32_t j = 0; j < n; j++)
@@ -409,7 +416,7 @@ void kvt__recall_group_block_cpu(const uint8_t *base, const int32_t *slots, uint
             continue;
         }
         const uint32_t e = out->end[g];
-        seg_mean(X, n, perm, start, e, c);
+        build_mean(X, n, perm, start, e, wide, c);
         for (uint32_t j = n; j < dim; j++)
             c[j] = 0.0f;
         /* the members' kvt__recall_dist2 to the centre, their chains side by side */
